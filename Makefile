@@ -1,0 +1,27 @@
+# Quick start: `make demo` trains the built-in tiny model, `make test` runs the suite.
+# Both create .venv on first use. TORCH picks the PyTorch build: the default is the
+# 2.13.0 release (CPU wheel here; on Linux with a GPU, PyPI's torch==2.13.0 is the CUDA build).
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.scaletrain-installed
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/scaletrain train --config configs/tiny.toml
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,463 @@
+"""The config tree: one typed dataclass per section, loaded from TOML and `--section.key=value`.
+
+Every option has one name, the same in TOML (`[train] steps = 100`), on the command line
+(`--train.steps=100`) and in Python (`cfg.train.steps`). Loading checks every key and value and
+reports all problems at once, one line each, as a `ConfigError`.
+
+Precedence, lowest first: built-in defaults < `model.preset` < TOML file < command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from scaletrain.errors import ConfigError
+
+# --------------------------------------------------------------------------------------------
+# Declaring options
+
+
+def option(default: Any, help: str, *, choices: Sequence[str] | None = None,
+           min: float | None = None, max: float | None = None, open_max: bool = False) -> Any:
+    """A config field: its default, a one-line reason, and what values are valid."""
+    meta = {"help": help, "choices": tuple(choices) if choices else None,
+            "min": min, "max": max, "open_max": open_max}
+    return field(default=default, metadata=meta)
+
+
+PRECISIONS = ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true")
+OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
+
+
+@dataclass
+class ModelConfig:
+    preset: str = option("", "a built-in shape (see `scaletrain.model.presets`); keys set here override it")
+    vocab_size: int = option(256, "tokens in the vocabulary; 256 for the byte-level tokenizer", min=2)
+    dim: int = option(256, "width of the residual stream", min=1)
+    n_layers: int = option(4, "number of transformer blocks", min=1)
+    n_heads: int = option(4, "attention heads; must divide dim", min=1)
+    n_kv_heads: int = option(0, "key/value heads for grouped-query attention; 0 = n_heads", min=0)
+    ffn_dim: int = option(0, "hidden width of the MLP; 0 = 4*dim (gelu) or 8/3*dim rounded up to 64 (swiglu)", min=0)
+    norm: str = option("layernorm", "normalisation layer", choices=("layernorm", "rmsnorm"))
+    norm_eps: float = option(1e-5, "epsilon of the normalisation layers", min=0.0)
+    activation: str = option("gelu", "MLP type: GELU (GPT-2) or SwiGLU (Llama)", choices=("gelu", "swiglu"))
+    position: str = option("learned", "position encoding: learned table (GPT-2) or rotary (Llama)",
+                           choices=("learned", "rope"))
+    rope_theta: float = option(10000.0, "rotary base frequency", min=1.0)
+    max_seq_len: int = option(256, "longest sequence the position encoding covers", min=1)
+    tie_embeddings: bool = option(True, "share the input embedding with the output head")
+    bias: bool = option(False, "add biases to linear layers and LayerNorm")
+    dropout: float = option(0.0, "dropout on attention weights and residual branches", min=0.0, max=1.0, open_max=True)
+    init_std: float = option(0.02, "std of the normal init; residual projections get std/sqrt(2*n_layers)", min=0.0)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
+        if self.activation == "swiglu":
+            return 64 * math.ceil(8 * self.dim / 3 / 64)
+        return 4 * self.dim
+
+
+@dataclass
+class DataConfig:
+    path: str = option("", "folder written by `scaletrain prepare`; empty = the text shipped with CPython, byte-level")
+    seq_len: int = option(128, "tokens per training window; at most model.max_seq_len", min=1)
+    num_workers: int = option(0, "loader worker processes (0 = load in the training process)", min=0)
+    prefetch_factor: int = option(2, "batches each worker prepares ahead (with num_workers > 0)", min=1)
+    pin_memory: bool = option(True, "page-lock batches for faster host-to-GPU copies (CUDA runs only)")
+    verify_checksums: bool = option(True, "check every shard's sha256 against the metadata when opening")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = option(250, "optimizer steps to train", min=1)
+    global_batch: int = option(0, "sequences per optimizer step over all ranks; 0 = derive", min=0)
+    micro_batch: int = option(0, "sequences per forward pass on one rank; 0 = derive (32 if nothing is given)", min=0)
+    grad_accum: int = option(0, "micro-batches accumulated per step; 0 = derive", min=0)
+    seed: int = option(1234, "seeds weights (by parameter name) and data order (by step)", min=0)
+    device: str = option("auto", "where to train: auto = cuda if available, else cpu", choices=("auto", "cpu", "cuda"))
+    compile: bool = option(False, "torch.compile each transformer block")
+    grad_clip: float = option(1.0, "clip gradients to this global L2 norm; 0 = off", min=0.0)
+    sample_tokens: int = option(200, "after training, generate this many tokens and print them", min=0)
+    sample_prompt: str = option("The ", "prompt for the sample printed after training")
+
+
+@dataclass
+class OptimConfig:
+    name: str = option("adamw", "optimizer", choices=OPTIMIZERS)
+    lr: float = option(3e-3, "peak learning rate (at optim.reference_batch if scale_lr_with_batch)", min=0.0)
+    weight_decay: float = option(0.1, "decoupled weight decay on matrices (not on norms, biases)", min=0.0)
+    beta1: float = option(0.9, "first-moment decay (adamw, adamw8bit; adafactor ignores it)", min=0.0, max=1.0, open_max=True)
+    beta2: float = option(0.95, "second-moment decay (adamw, adamw8bit)", min=0.0, max=1.0, open_max=True)
+    eps: float = option(1e-8, "denominator epsilon (adamw, adamw8bit)", min=0.0)
+    momentum: float = option(0.9, "momentum (sgd)", min=0.0, max=1.0, open_max=True)
+    implementation: str = option("auto", "kernel for adamw/sgd: auto = fused where the device has it, else foreach",
+                                 choices=("auto", "fused", "foreach", "loop"))
+    schedule: str = option("cosine", "decay after warm-up", choices=("cosine", "linear", "constant"))
+    warmup_steps: int = option(25, "linear warm-up from 0 to the peak learning rate", min=0)
+    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of the peak (cosine, linear)", min=0.0, max=1.0)
+    scale_lr_with_batch: bool = option(False, "linear scaling rule: lr *= global_batch / reference_batch")
+    reference_batch: int = option(256, "global batch (sequences) at which optim.lr was tuned", min=1)
+
+
+@dataclass
+class PrecisionConfig:
+    mode: str = option("32-true", "numerics, with Lightning's names", choices=PRECISIONS)
+    init_scale: float = option(2.0**16, "16-mixed: first loss scale", min=1.0)
+    growth_factor: float = option(2.0, "16-mixed: scale multiplier after growth_interval clean steps", min=1.0)
+    backoff_factor: float = option(0.5, "16-mixed: scale multiplier after an overflow", min=0.0, max=1.0, open_max=True)
+    growth_interval: int = option(2000, "16-mixed: clean steps before the scale grows", min=1)
+    min_scale: float = option(1.0, "16-mixed: the scale never drops below this", min=0.0)
+
+
+@dataclass
+class MemoryConfig:
+    activation_checkpointing: str = option(
+        "none", "recompute activations in backward: none, full (whole blocks) or selective "
+        "(keep matmul and attention outputs, recompute element-wise ops)",
+        choices=("none", "full", "selective"))
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = option(1, "data-parallel replicas (DDP, or the outer axis of HSDP)", min=1)
+    dp_shard: int = option(-1, "data-parallel shards (ZeRO/FSDP); -1 = all remaining ranks", min=-1)
+    tp: int = option(1, "tensor-parallel ranks", min=1)
+    pp: int = option(1, "pipeline stages", min=1)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = option("", "where checkpoints go; empty = <log.run_dir>/checkpoints")
+    every: int = option(0, "save every N steps; 0 = only at the end and on SIGINT/SIGTERM", min=0)
+    keep: int = option(3, "keep the newest K complete checkpoints", min=1)
+    resume: str = option("none", "none, auto (the newest complete checkpoint, if any) or a checkpoint folder")
+    save_final: bool = option(True, "save a checkpoint when training ends")
+
+
+@dataclass
+class LogConfig:
+    run_dir: str = option("", "folder for metrics, TensorBoard and checkpoints; empty = runs/<date-time>")
+    every: int = option(10, "log metrics every N steps (and on the last step)", min=1)
+    tensorboard: bool = option(True, "write TensorBoard event files to <run_dir>/tensorboard")
+    progress: str = option("auto", "progress bar: auto = when stderr is a terminal", choices=("auto", "on", "off"))
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "optim": OptimConfig,
+    "precision": PrecisionConfig,
+    "memory": MemoryConfig,
+    "parallel": ParallelConfig,
+    "checkpoint": CheckpointConfig,
+    "log": LogConfig,
+}
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def replace(self, **dotted: Any) -> "JobConfig":
+        """A validated copy with some options changed: `cfg.replace(**{"train.steps": 10})`."""
+        return from_dict(self.to_dict(), overrides=dotted)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path | None = None,
+                overrides: Mapping[str, Any] | Sequence[str] = ()) -> JobConfig:
+    """Load a TOML file (or nothing: the built-in default) and apply overrides.
+
+    `overrides` is either a mapping {"section.key": value} (Python values, or strings that are
+    parsed like the command line) or a list of `--section.key=value` arguments.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = read_toml(path)
+    return from_dict(raw, overrides=overrides, source=str(path) if path else "defaults")
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} not found; give a TOML file such as configs/tiny.toml")
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML ({e}); fix the syntax at that line") from None
+
+
+def parse_override_args(args: Iterable[str]) -> tuple[dict[str, str], list[str]]:
+    """`--section.key=value` or `--section.key value` pairs; returns (overrides, errors)."""
+    out: dict[str, str] = {}
+    errors: list[str] = []
+    items = list(args)
+    i = 0
+    while i < len(items):
+        arg = items[i]
+        i += 1
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            errors.append(f"unexpected argument {arg!r}; options look like --section.key=value "
+                          f"(sections: {', '.join(SECTIONS)})")
+            continue
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        elif i < len(items) and not items[i].startswith("--"):
+            key, value = arg[2:], items[i]
+            i += 1
+        else:
+            errors.append(f"--{arg[2:]} needs a value: --{arg[2:]}=VALUE")
+            continue
+        out[key] = value
+    return out, errors
+
+
+def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[str] = (),
+              source: str = "config") -> JobConfig:
+    """Build and validate a JobConfig from a nested dict plus dotted overrides."""
+    errors: list[str] = []
+    if isinstance(overrides, Mapping):
+        dotted = dict(overrides)
+    else:
+        dotted, errors = parse_override_args(overrides)
+
+    merged: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    from_cli: set[tuple[str, str]] = set()  # values that arrive as text and need parsing
+
+    for section, body in raw.items():
+        if section not in SECTIONS:
+            errors.append(f"{source}: unknown section [{section}]{_did_you_mean(section, SECTIONS)}; "
+                          f"sections are {', '.join(SECTIONS)}")
+            continue
+        if not isinstance(body, Mapping):
+            errors.append(f"{source}: [{section}] must be a table of key = value lines, got {body!r}")
+            continue
+        merged[section].update(body)
+
+    for key, value in dotted.items():
+        section, _, name = key.partition(".")
+        if section not in SECTIONS or not name:
+            errors.append(f"unknown option --{key}{_did_you_mean(section, SECTIONS, suffix='.' + name)}; "
+                          f"options look like --section.key=value (sections: {', '.join(SECTIONS)})")
+            continue
+        merged[section][name] = value
+        if isinstance(value, str):
+            from_cli.add((section, name))
+
+    # The preset supplies the base of the model section; explicit keys win.
+    preset = merged["model"].get("preset", "")
+    if preset:
+        from scaletrain.model.presets import PRESETS  # local: presets import this module
+
+        if preset not in PRESETS:
+            errors.append(f"model.preset: unknown preset {preset!r}{_did_you_mean(preset, PRESETS)}; "
+                          f"choose one of {', '.join(PRESETS)}")
+        else:
+            merged["model"] = {**PRESETS[preset], **merged["model"]}
+
+    sections: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        sections[name] = _build_section(name, cls, merged[name], from_cli, errors)
+
+    cfg = JobConfig(**sections)
+    if not errors:
+        errors.extend(check_combinations(cfg))
+    if errors:
+        raise ConfigError(*errors)
+    return cfg
+
+
+def _build_section(section: str, cls: type, values: Mapping[str, Any],
+                   from_cli: set[tuple[str, str]], errors: list[str]) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        f = fields.get(key)
+        if f is None:
+            errors.append(f"{section}.{key}: unknown key{_did_you_mean(key, fields, prefix=section + '.')}; "
+                          f"keys of [{section}] are {', '.join(fields)}")
+            continue
+        try:
+            kwargs[key] = _coerce(f, value, (section, key) in from_cli)
+        except ValueError as e:
+            errors.append(f"{section}.{key}: {e}")
+    return cls(**kwargs)
+
+
+def _coerce(f: dataclasses.Field, value: Any, is_text: bool) -> Any:
+    typ = f.type if isinstance(f.type, type) else {"int": int, "float": float, "bool": bool, "str": str}[f.type]
+    meta = f.metadata
+    if typ is bool:
+        if is_text:
+            low = value.strip().lower()
+            if low in ("true", "1", "yes", "on"):
+                value = True
+            elif low in ("false", "0", "no", "off"):
+                value = False
+            else:
+                raise ValueError(f"expected true or false, got {value!r}")
+        elif not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+    elif typ is int:
+        if is_text:
+            try:
+                value = int(value.strip().replace("_", ""))
+            except ValueError:
+                raise ValueError(f"expected an integer, got {value!r}") from None
+        elif isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"expected an integer, got {value!r}")
+    elif typ is float:
+        if is_text:
+            try:
+                value = float(value.strip())
+            except ValueError:
+                raise ValueError(f"expected a number, got {value!r}") from None
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"expected a number, got {value!r}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"expected a finite number, got {value!r}")
+    elif typ is str:
+        if not isinstance(value, str):
+            raise ValueError(f"expected a string, got {value!r}")
+    choices = meta.get("choices")
+    if choices and value not in choices:
+        raise ValueError(f"{value!r} is not one of {', '.join(choices)}{_did_you_mean(str(value), choices)}")
+    lo, hi = meta.get("min"), meta.get("max")
+    if lo is not None and value < lo:
+        raise ValueError(f"{value!r} is below the minimum {lo}")
+    if hi is not None and (value > hi or (meta.get("open_max") and value >= hi)):
+        raise ValueError(f"{value!r} must be {'below' if meta.get('open_max') else 'at most'} {hi}")
+    return value
+
+
+def _did_you_mean(word: str, choices: Iterable[str], prefix: str = "", suffix: str = "") -> str:
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {prefix}{match[0]}{suffix}?)" if match else ""
+
+
+# --------------------------------------------------------------------------------------------
+# Checks across keys
+
+
+def check_combinations(cfg: JobConfig) -> list[str]:
+    """Problems that involve more than one key. World-size checks come later, in resolve_batch."""
+    m, errors = cfg.model, []
+    if m.dim % m.n_heads:
+        errors.append(f"model.n_heads={m.n_heads} must divide model.dim={m.dim}; "
+                      f"try n_heads in {_divisors(m.dim, limit=64)}")
+    if m.n_kv_heads and m.n_heads % m.n_kv_heads:
+        errors.append(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}; "
+                      f"try one of {_divisors(m.n_heads)}")
+    if m.position == "rope" and m.dim % m.n_heads == 0 and m.head_dim % 2:
+        errors.append(f"model.position=rope needs an even head dimension, but dim/n_heads = {m.head_dim}")
+    if cfg.data.seq_len > m.max_seq_len:
+        errors.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
+                      f"lower data.seq_len or raise model.max_seq_len")
+    if m.vocab_size > 2**32:
+        errors.append(f"model.vocab_size={m.vocab_size} is larger than uint32 token ids allow")
+    res = cfg.checkpoint.resume
+    if res not in ("none", "auto") and not Path(res).exists():
+        errors.append(f"checkpoint.resume: folder {res} does not exist; use none, auto, or an existing checkpoint folder")
+    if cfg.precision.mode == "16-mixed" and cfg.precision.min_scale > cfg.precision.init_scale:
+        errors.append(f"precision.min_scale={cfg.precision.min_scale} is above precision.init_scale="
+                      f"{cfg.precision.init_scale}")
+    if cfg.optim.name == "adamw8bit" and cfg.optim.implementation not in ("auto",):
+        errors.append("optim.implementation applies to adamw and sgd; leave it at auto for adamw8bit")
+    return errors
+
+
+def _divisors(n: int, limit: int | None = None) -> list[int]:
+    ds = [d for d in range(1, n + 1) if n % d == 0]
+    return ds[:limit] if limit else ds
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The batch triad after derivation: global = micro * accum * dp (all in sequences)."""
+
+    global_batch: int
+    micro_batch: int
+    grad_accum: int
+    dp: int
+
+
+DEFAULT_MICRO_BATCH = 32
+
+
+def resolve_batch(train: TrainConfig, dp: int) -> BatchPlan:
+    """Derive the missing members of the batch triad, or check the three given ones."""
+    g, m, a = train.global_batch, train.micro_batch, train.grad_accum
+    if not g and not m:
+        m = DEFAULT_MICRO_BATCH
+    if m and a:
+        if g and g != m * a * dp:
+            raise ConfigError(
+                f"train.global_batch={g} but micro_batch × grad_accum × data-parallel size = "
+                f"{m} × {a} × {dp} = {m * a * dp}; change one of them or set one to 0 to derive it")
+        g = m * a * dp
+    elif g and m:
+        if g % (m * dp):
+            raise ConfigError(
+                f"train.global_batch={g} is not divisible by micro_batch × data-parallel size = "
+                f"{m} × {dp}; choose a global batch that is a multiple of {m * dp}")
+        a = g // (m * dp)
+    elif g:
+        a = a or 1
+        if g % (a * dp):
+            raise ConfigError(
+                f"train.global_batch={g} is not divisible by grad_accum × data-parallel size = "
+                f"{a} × {dp}; choose a global batch that is a multiple of {a * dp}")
+        m = g // (a * dp)
+    else:
+        a = a or 1
+        g = m * a * dp
+    return BatchPlan(global_batch=g, micro_batch=m, grad_accum=a, dp=dp)
+
+
+def describe_options() -> str:
+    """Every option with its default and reason, for `scaletrain train --help-config`."""
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(cls):
+            choices = f.metadata.get("choices")
+            extra = f" ({' | '.join(choices)})" if choices else ""
+            lines.append(f"  {f.name} = {f.default!r}{extra}  # {f.metadata['help']}")
+    return "\n".join(lines)

@@ -1,0 +1,75 @@
+"""Which windows each rank reads at each step, and the loader that reads them.
+
+The order depends only on (seed, step): the windows of an epoch are permuted by a generator
+seeded with (seed, epoch), and step s takes the next `global_batch` of them. A step's global
+batch is split as [grad_accum][dp_size][micro_batch]: on micro-step k, data-parallel rank r
+reads slice (k * dp_size + r). The union over ranks and micro-steps is exactly the global batch
+of a single-process run, whatever the layout, and resuming at step s needs nothing but s.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from scaletrain.data.dataset import WindowDataset
+from scaletrain.errors import DataError
+
+
+class StepSampler(torch.utils.data.Sampler):
+    """Yields this rank's micro-batches (lists of window indices), step after step, forever."""
+
+    def __init__(self, num_windows: int, global_batch: int, micro_batch: int, grad_accum: int,
+                 dp_rank: int, dp_size: int, seed: int, start_step: int = 0):
+        if global_batch != micro_batch * grad_accum * dp_size:
+            raise ValueError("global_batch must equal micro_batch * grad_accum * dp_size")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} outside [0, {dp_size})")
+        if num_windows < global_batch:
+            raise DataError(f"the data has {num_windows} windows, fewer than one global batch of "
+                            f"{global_batch}; lower train.global_batch or data.seq_len, or add data")
+        self.num_windows = num_windows
+        self.global_batch = global_batch
+        self.micro_batch = micro_batch
+        self.grad_accum = grad_accum
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.start_step = start_step
+        self.steps_per_epoch = num_windows // global_batch  # the remainder of an epoch is skipped
+        self._epoch, self._perm = -1, None
+
+    def global_batch_indices(self, step: int) -> np.ndarray:
+        """The window indices of step `step` over all ranks, in [accum][dp][micro] order."""
+        epoch, within = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+        return self._perm[within * self.global_batch:(within + 1) * self.global_batch]
+
+    def rank_micro_batches(self, step: int) -> list[list[int]]:
+        g = self.global_batch_indices(step)
+        b = self.micro_batch
+        return [g[(k * self.dp_size + self.dp_rank) * b:(k * self.dp_size + self.dp_rank + 1) * b].tolist()
+                for k in range(self.grad_accum)]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.start_step
+        while True:
+            yield from self.rank_micro_batches(step)
+            step += 1
+
+    def __len__(self) -> int:  # infinite; DataLoader only asks for it when printing
+        raise TypeError("StepSampler is infinite")
+
+
+def build_loader(dataset: WindowDataset, sampler: StepSampler, *, num_workers: int, pin_memory: bool,
+                 prefetch_factor: int) -> torch.utils.data.DataLoader:
+    """A DataLoader over whole micro-batches (the dataset gathers a batch at once)."""
+    kwargs = {}
+    if num_workers > 0:
+        kwargs = {"prefetch_factor": prefetch_factor, "persistent_workers": True}
+    return torch.utils.data.DataLoader(
+        dataset, sampler=sampler, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, **kwargs)

@@ -1,0 +1,171 @@
+"""`scaletrain prepare`: text, jsonl and parquet files -> token shards + metadata.
+
+Output folder:
+    meta.json          format version, dtype, tokenizer, token counts, per-shard sha256
+    shard_00000.bin    raw little-endian token ids (uint16 when the vocabulary fits, else uint32)
+    tokenizer.json     for BPE and file tokenizers
+
+The folder is written under a temporary name and renamed when complete, and an existing
+prepared folder is never overwritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from scaletrain.data.tokenizer import ByteTokenizer, HFTokenizer
+from scaletrain.errors import DataError
+
+META_FILE = "meta.json"
+FORMAT = "scaletrain.tokens"
+FORMAT_VERSION = 1
+SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+def find_inputs(inputs: Sequence[str | Path]) -> list[Path]:
+    files: list[Path] = []
+    for item in inputs:
+        p = Path(item)
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in SUFFIXES)
+            if not found:
+                raise DataError(f"{p}: no .txt, .jsonl or .parquet files in this folder")
+            files.extend(found)
+        elif p.is_file():
+            if p.suffix not in SUFFIXES:
+                raise DataError(f"{p}: unsupported file type {p.suffix!r}; give .txt, .jsonl or .parquet files")
+            files.append(p)
+        else:
+            raise DataError(f"{p}: no such file or folder")
+    return files
+
+
+def iter_documents(files: Sequence[Path], text_key: str = "text") -> Iterator[str]:
+    """Each .txt file is one document; each jsonl line and parquet row is one."""
+    for f in files:
+        if f.suffix == ".txt":
+            yield f.read_text(encoding="utf-8", errors="replace")
+        elif f.suffix == ".jsonl":
+            with f.open(encoding="utf-8") as fh:
+                for lineno, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise DataError(f"{f}:{lineno}: not valid JSON ({e.msg})") from None
+                    if not isinstance(row, dict) or not isinstance(row.get(text_key), str):
+                        raise DataError(f"{f}:{lineno}: expected an object with a string field "
+                                        f"{text_key!r}; set --text-key to the field that holds the text")
+                    yield row[text_key]
+        elif f.suffix == ".parquet":
+            yield from _parquet_texts(f, text_key)
+
+
+def _parquet_texts(f: Path, text_key: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{f}: reading parquet needs pyarrow: pip install pyarrow "
+                        "(or pip install 'scaletrain[parquet]')") from None
+    try:
+        pf = pq.ParquetFile(f)
+    except Exception as e:  # pyarrow raises its own exception types for bad files
+        raise DataError(f"{f}: not a readable parquet file ({e})") from None
+    if text_key not in pf.schema_arrow.names:
+        raise DataError(f"{f}: no column {text_key!r} (columns: {', '.join(pf.schema_arrow.names)}); "
+                        "set --text-key to the column that holds the text")
+    for batch in pf.iter_batches(columns=[text_key]):
+        for value in batch.column(0).to_pylist():
+            if value is not None:
+                yield value
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "byte",
+            vocab_size: int = 8192, tokenizer_file: str | Path | None = None,
+            text_key: str = "text", shard_tokens: int = 100_000_000) -> dict:
+    """Tokenize `inputs` into `out`; returns the metadata written to meta.json."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise DataError(f"{out} already exists and is not empty; choose another --out (nothing was changed)")
+    if shard_tokens < 1:
+        raise DataError(f"--shard-tokens must be at least 1, got {shard_tokens}")
+    files = find_inputs(inputs)
+
+    if tokenizer == "byte":
+        tok = ByteTokenizer()
+    elif tokenizer == "bpe":
+        if vocab_size < 257:
+            raise DataError(f"--vocab-size {vocab_size} is too small for BPE; it needs more than the 256 bytes")
+        tok = HFTokenizer.train_bpe(iter_documents(files, text_key), vocab_size)
+    elif tokenizer == "file":
+        if tokenizer_file is None:
+            raise DataError("--tokenizer file needs --tokenizer-file PATH (a tokenizer.json)")
+        tok = HFTokenizer.from_file(tokenizer_file)
+    else:
+        raise DataError(f"unknown tokenizer {tokenizer!r}; choose byte, bpe or file")
+
+    dtype = token_dtype(tok.vocab_size)
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        shards, n_docs = _write_shards(tmp, iter_documents(files, text_key), tok, dtype, shard_tokens)
+        if not shards:
+            raise DataError(f"no text found in {', '.join(map(str, inputs))}")
+        tok.save(tmp)
+        meta = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "dtype": dtype.name,
+            "tokenizer": tok.describe(),
+            "num_tokens": sum(s["num_tokens"] for s in shards),
+            "num_documents": n_docs,
+            "shards": shards,
+            "sources": [str(f) for f in files],
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+def _write_shards(folder: Path, docs: Iterator[str], tok, dtype: np.dtype, shard_tokens: int):
+    shards: list[dict] = []
+    buf: list[int] = []
+    n_docs = 0
+
+    def flush(ids: list[int]) -> None:
+        arr = np.asarray(ids, dtype=dtype)
+        name = f"shard_{len(shards):05d}.bin"
+        data = arr.tobytes()
+        (folder / name).write_bytes(data)
+        shards.append({"file": name, "num_tokens": int(arr.size), "sha256": hashlib.sha256(data).hexdigest()})
+
+    for doc in docs:
+        n_docs += 1
+        buf.extend(tok.encode(doc))
+        buf.extend(tok.separator)
+        while len(buf) >= shard_tokens:
+            flush(buf[:shard_tokens])
+            buf = buf[shard_tokens:]
+    if buf:
+        flush(buf)
+    return shards, n_docs

@@ -1,0 +1,34 @@
+"""User-facing errors.
+
+Anything the user can fix (a config value, a data file, a checkpoint folder) raises a
+subclass of `UserError`. The CLI prints each of its lines as one line and exits with code 2;
+no traceback. `assert` stays for our own invariants.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """An error in the user's input. `lines` holds one message per problem found."""
+
+    def __init__(self, *lines: str):
+        if not lines:
+            raise TypeError("UserError needs at least one message")
+        self.lines = list(lines)
+        super().__init__("\n".join(self.lines))
+
+
+class ConfigError(UserError):
+    """A bad config key, value or combination of values."""
+
+
+class DataError(UserError):
+    """A missing, truncated or inconsistent data file."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint folder that cannot be used."""
+
+
+class LaunchError(UserError):
+    """A launch request that cannot be run as asked (ranks, devices, backend)."""

@@ -1,0 +1,26 @@
+"""Model FLOPs per token, the numerator of MFU.
+
+Training a decoder costs about 6 FLOPs per matmul parameter per token (2 forward, 4 backward;
+Kaplan et al. 2020, section 2.1) plus the attention scores and their weighted sum, which grow
+with the sequence: 12 * n_layers * dim * seq_len per token (PaLM, Chowdhery et al. 2022,
+appendix B). Like PaLM we do not halve the attention term for the causal mask, and we count
+recomputation nowhere: MFU measures useful work, so activation checkpointing lowers it.
+"""
+
+from __future__ import annotations
+
+from scaletrain.config import ModelConfig
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that multiply activations: the linear layers and the output head.
+    The input embedding is a lookup (no FLOPs); norms and biases are negligible and left out."""
+    d, kv = cfg.dim, cfg.kv_heads * cfg.head_dim
+    attn = d * d + 2 * d * kv + d * d  # wq, wk, wv, wo
+    mlp = (3 if cfg.activation == "swiglu" else 2) * d * cfg.hidden_dim
+    return cfg.n_layers * (attn + mlp) + d * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward + backward FLOPs per trained token."""
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * cfg.dim * seq_len

@@ -1,0 +1,37 @@
+"""Built-in model shapes. `model.preset = "NAME"` starts from one; keys set beside it win.
+
+The shapes follow the published configs of each family; the sources are named beside them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The default: a 3.2M-parameter byte-level GPT that learns CPython's docs on a laptop CPU.
+    "tiny": dict(vocab_size=256, dim=256, n_layers=4, n_heads=4, max_seq_len=256,
+                 norm="layernorm", activation="gelu", position="learned", tie_embeddings=True,
+                 bias=False),
+    # GPT-2 small (Radford et al. 2019; Hugging Face `gpt2` config.json); the vocabulary is
+    # padded from 50257 to a multiple of 64 as nanoGPT does, for faster matmuls.
+    "gpt2-124m": dict(vocab_size=50304, dim=768, n_layers=12, n_heads=12, max_seq_len=1024,
+                      norm="layernorm", norm_eps=1e-5, activation="gelu", position="learned",
+                      tie_embeddings=True, bias=True),
+    # Llama 3.2 1B (meta-llama/Llama-3.2-1B config.json): GQA with 8 KV heads, tied embeddings.
+    "llama-1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                     ffn_dim=8192, max_seq_len=8192, norm="rmsnorm", norm_eps=1e-5,
+                     activation="swiglu", position="rope", rope_theta=500000.0,
+                     tie_embeddings=True, bias=False),
+    # Llama 3 8B (meta-llama/Meta-Llama-3-8B config.json).
+    "llama-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                     ffn_dim=14336, max_seq_len=8192, norm="rmsnorm", norm_eps=1e-5,
+                     activation="swiglu", position="rope", rope_theta=500000.0,
+                     tie_embeddings=False, bias=False),
+}
+
+
+def preset_config(name: str, **overrides: Any):
+    """The ModelConfig of a preset, validated like a config file's model section."""
+    from scaletrain.config import from_dict
+
+    return from_dict({"model": {"preset": name, **overrides}}).model

@@ -1,0 +1,202 @@
+"""A decoder-only transformer covering the GPT-2 and Llama families, in plain PyTorch.
+
+It runs on one device and knows nothing of parallelism; `scaletrain.parallel` transforms it.
+Two choices make that possible:
+
+* Blocks live in a `ModuleDict` keyed by their global index ("0", "1", ...), so a pipeline stage
+  can delete the blocks it does not own and keep the names (and so the checkpoint keys) of the
+  rest. The embedding, final norm and head may likewise be set to None on middle stages.
+* Attention infers its local head count from the tensor shapes (`view(B, T, -1, head_dim)`),
+  so the same code runs when tensor parallelism shards the projections by heads.
+
+Initial values are a function of the parameter's name alone (see `init_rule` and
+`scaletrain.parallel.init`), so every layout starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32 even under autocast: the mean of squares loses bits in bf16
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.dim, cfg.norm_eps)
+    if cfg.norm == "layernorm":
+        return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
+    raise ValueError(f"unknown norm {cfg.norm!r}")
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each (max_seq_len, head_dim // 2), in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x: (B, T, H, head_dim) by the angle of their position."""
+    T = x.shape[1]
+    cos, sin = cos[:T, None, :], sin[:T, None, :]  # (T, 1, head_dim/2), broadcast over heads
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds only its share of the heads
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(y.transpose(1, 2).flatten(2))  # (B, T, dim)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=cfg.bias)
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=cfg.bias) if self.swiglu else None
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), rope))
+        x = x + self.drop(self.mlp(self.mlp_norm(x)))
+        return x
+
+
+@dataclass(frozen=True)
+class InitRule:
+    """How a parameter starts: normal(0, std), or a constant."""
+
+    kind: str  # "normal" | "zeros" | "ones"
+    std: float = 0.0
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_emb: nn.Embedding | None = (
+            nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.position == "learned" else None)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm: nn.Module | None = make_norm(cfg)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_emb.weight
+        if cfg.position == "rope":
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """After `to_empty` from the meta device: re-tie the head to the embedding (`to_empty`
+        gives each module its own new tensor) and recompute non-persistent buffers."""
+        if self.cfg.tie_embeddings and self.output is not None and self.tok_emb is not None:
+            self.output.weight = self.tok_emb.weight
+        if self.cfg.position == "rope":
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
+                                   device=device or self.rope_cos.device)
+            self.rope_cos, self.rope_sin = cos, sin
+
+    def init_rule(self, name: str) -> InitRule:
+        """The initial distribution of parameter `name` (a canonical name, no wrapper prefixes)."""
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in name.rsplit(".", 2)[-2]:
+            return InitRule("ones") if leaf == "weight" else InitRule("zeros")
+        if leaf == "bias":
+            return InitRule("zeros")
+        if name.endswith(("attn.wo.weight", "mlp.w2.weight")):
+            # GPT-2: scale the projections into the residual stream by 1/sqrt(2 * n_layers)
+            return InitRule("normal", self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers))
+        return InitRule("normal", self.cfg.init_std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, vocab). A pipeline stage without the embedding
+        takes hidden states (B, T, dim) instead, and one without the head returns them."""
+        h = self.tok_emb(tokens) if self.tok_emb is not None else tokens  # (B, T, dim)
+        if self.pos_emb is not None and self.tok_emb is not None:
+            h = h + self.pos_emb(torch.arange(h.shape[1], device=h.device))
+        if self.tok_emb is not None:
+            h = self.drop(h)
+        rope = (self.rope_cos, self.rope_sin) if self.cfg.position == "rope" else None
+        for block in self.layers.values():
+            h = block(h, rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)  # (B, T, vocab)
+        return h
+
+    @torch.no_grad()
+    def generate(self, tokens: torch.Tensor, new_tokens: int, temperature: float = 0.8,
+                 top_k: int = 50, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample `new_tokens` continuations of tokens (B, T); the window slides at max_seq_len."""
+        for _ in range(new_tokens):
+            window = tokens[:, -self.cfg.max_seq_len:]
+            logits = self(window)[:, -1, :].float() / max(temperature, 1e-5)
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+            tokens = torch.cat([tokens, nxt], dim=1)
+        return tokens
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Parameters of the model described by cfg, counted on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return sum(p.numel() for p in model.parameters())

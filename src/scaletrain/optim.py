@@ -1,0 +1,150 @@
+"""Optimizers and learning-rate schedules.
+
+Optimizer state per parameter (fp32 parameters):
+
+| optimizer  | state                                  | bytes/param | note                              |
+|------------|----------------------------------------|-------------|-----------------------------------|
+| adamw      | m, v in fp32                           | 8           | fused kernel where the device has it |
+| sgd        | momentum buffer in fp32                | 4           | needs more tuning than AdamW      |
+| adamw8bit  | m, v block-quantized to 8 bits         | ~2          | torchao; small tensors stay fp32  |
+| adafactor  | row and column second moments, no m    | << 1        | Shazeer & Stern 2018; torch.optim |
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from scaletrain.config import OptimConfig
+from scaletrain.errors import ConfigError
+
+
+def param_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
+    """Decay matrices (linear weights, embeddings); leave norms and biases alone."""
+    decay, no_decay = [], []
+    for _, p in named_params:
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(cfg: OptimConfig, named_params: list[tuple[str, torch.nn.Parameter]],
+                    lr: float, device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer of cfg over `named_params` (in that order: checkpoints rely on it)."""
+    groups = param_groups(named_params, cfg.weight_decay)
+    impl = _kernel_flags(cfg.implementation, device, named_params)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, **impl)
+    if cfg.name == "adafactor":
+        return torch.optim.Adafactor(groups, lr=lr, foreach=True)
+    if cfg.name == "adamw8bit":
+        return _adamw8bit(groups, lr, cfg)
+    raise ValueError(f"unknown optimizer {cfg.name!r}")
+
+
+def _kernel_flags(implementation: str, device: torch.device, named_params) -> dict:
+    if implementation == "fused":
+        return {"fused": True}
+    if implementation == "foreach":
+        return {"foreach": True}
+    if implementation == "loop":
+        return {"foreach": False}
+    # auto: the fused kernel runs on CUDA and CPU for plain tensors; DTensor (sharded)
+    # parameters on CPU take the foreach path, which every backend supports.
+    sharded = any(isinstance(p, DTensor) for _, p in named_params)
+    if device.type == "cuda" or (device.type == "cpu" and not sharded):
+        return {"fused": True}
+    return {"foreach": True}
+
+
+def _adamw8bit(groups: list[dict], lr: float, cfg: OptimConfig) -> torch.optim.Optimizer:
+    # importing torchao logs failures to load GPU-only kernels on a CPU machine and a
+    # deprecation notice from torch; neither is the user's business
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.ERROR)
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError:
+        raise ConfigError("optim.name=adamw8bit needs torchao: pip install 'torchao>=0.18' "
+                          "(or pip install 'scaletrain[lowmem]')") from None
+    finally:
+        for log, level in zip(quiet[1:], levels[1:]):
+            log.setLevel(level)
+    return AdamW8bit(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def peak_lr(cfg: OptimConfig, global_batch: int) -> float:
+    """The peak learning rate, after the linear scaling rule if asked (Goyal et al. 2017)."""
+    if cfg.scale_lr_with_batch:
+        return cfg.lr * global_batch / cfg.reference_batch
+    return cfg.lr
+
+
+class LRSchedule:
+    """Multiplier of the peak learning rate at a step: linear warm-up, then decay to min_lr_ratio."""
+
+    def __init__(self, cfg: OptimConfig, total_steps: int):
+        self.kind = cfg.schedule
+        self.warmup = cfg.warmup_steps
+        self.total = total_steps
+        self.floor = cfg.min_lr_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        if self.kind == "cosine":
+            return self.floor + (1.0 - self.floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        if self.kind == "linear":
+            return 1.0 - (1.0 - self.floor) * progress
+        raise ValueError(f"unknown schedule {self.kind!r}")
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):  # torchao keeps lr as a tensor (compiled step)
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+def get_lr(optimizer: torch.optim.Optimizer) -> float:
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold a (possibly subclassed or sharded) tensor's data."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        names, _ = t.__tensor_flatten__()
+        return [x for n in names for x in _inner_tensors(getattr(t, n))]
+    return [t]
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages behind `tensors` on this rank, each storage counted once."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        for inner in _inner_tensors(t):
+            st = inner.untyped_storage()
+            seen[st.data_ptr() or id(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state on this rank, measured from the live tensors."""
+    return tensor_bytes(v for state in optimizer.state.values() for v in state.values()
+                        if isinstance(v, torch.Tensor))

@@ -1,0 +1,184 @@
+"""Accelerator facts: memory, dense peak FLOP/s per dtype, memory and link bandwidths.
+
+Figures are the vendors' datasheet numbers for dense (not 2:4-sparse) math; link bandwidths
+are per GPU and per direction. `inter_node_GBps` is the typical NIC of machines built around
+that GPU (one NIC per GPU); a cluster TOML can override any field.
+
+For a CPU there is no datasheet we can trust, so its peak is measured once with a matmul
+probe and cached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from scaletrain.errors import ConfigError
+
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    memory_GB: float  # usable device memory, in 10^9 bytes as on datasheets
+    peak_tflops: dict[str, float] = field(default_factory=dict)  # by dtype: fp32, tf32, bf16, fp16, fp8
+    memory_GBps: float = 0.0  # device memory bandwidth
+    intra_node_GBps: float = 0.0  # per GPU, one direction (NVLink, or PCIe without it)
+    inter_node_GBps: float = 0.0  # per GPU, one direction (its NIC)
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_GB * 1e9)
+
+    def peak_flops(self, dtype: str) -> float:
+        if dtype not in self.peak_tflops:
+            raise ConfigError(f"hardware {self.name} has no {dtype} peak in the catalog "
+                              f"(it has {', '.join(self.peak_tflops)}); pick another precision")
+        return self.peak_tflops[dtype] * TFLOPS
+
+
+def _gpu(name, memory_GB, fp32, tf32, bf16, fp16, fp8, hbm, intra, inter) -> Hardware:
+    peaks = {k: v for k, v in dict(fp32=fp32, tf32=tf32, bf16=bf16, fp16=fp16, fp8=fp8).items() if v}
+    return Hardware(name, memory_GB, peaks, hbm, intra, inter)
+
+
+# name                 mem    fp32  tf32   bf16    fp16    fp8     HBM GB/s  NVLink/PCIe  NIC
+CATALOG: dict[str, Hardware] = {h.name: h for h in [
+    _gpu("V100-32GB",       32,  15.7, None,  None,   125.0,  None,    900,  150,  12.5),
+    _gpu("A100-40GB",       40,  19.5, 156.0, 312.0,  312.0,  None,   1555,  300,  25.0),
+    _gpu("A100-80GB",       80,  19.5, 156.0, 312.0,  312.0,  None,   2039,  300,  25.0),
+    _gpu("H100-SXM",        80,  67.0, 494.5, 989.4,  989.4,  1978.9, 3350,  450,  50.0),
+    _gpu("H100-PCIe",       80,  51.2, 378.0, 756.0,  756.0,  1513.0, 2000,   64,  50.0),
+    _gpu("H200",           141,  67.0, 494.5, 989.4,  989.4,  1978.9, 4800,  450,  50.0),
+    _gpu("B200",           180,  75.0, 1125., 2250.0, 2250.0, 4500.0, 8000,  900,  50.0),
+    _gpu("RTX-3090",        24,  35.6, 35.6,  71.0,   71.0,   None,    936,   32,  12.5),
+    _gpu("RTX-4090",        24,  82.6, 82.6,  165.2,  165.2,  None,   1008,   32,  12.5),
+]}
+
+# substrings of torch.cuda.get_device_name() -> catalog entry
+_CUDA_NAMES = [("H200", "H200"), ("H100 PCIe", "H100-PCIe"), ("H100", "H100-SXM"), ("B200", "B200"),
+               ("A100-SXM4-40GB", "A100-40GB"), ("A100-PCIE-40GB", "A100-40GB"), ("A100", "A100-80GB"),
+               ("V100", "V100-32GB"), ("3090", "RTX-3090"), ("4090", "RTX-4090")]
+
+
+def lookup(name: str, extra_file: str | Path | None = None) -> Hardware:
+    """A catalog entry by name (case-insensitive), or from a user TOML of [[hardware]] tables."""
+    catalog = dict(CATALOG)
+    if extra_file:
+        catalog.update(load_catalog_file(extra_file))
+    for key, hw in catalog.items():
+        if key.lower() == name.lower():
+            return hw
+    raise ConfigError(f"unknown hardware {name!r}; known: {', '.join(catalog)} "
+                      "(add your own with a TOML file of [[hardware]] tables)")
+
+
+def load_catalog_file(path: str | Path) -> dict[str, Hardware]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"hardware file {p} not found")
+    try:
+        raw = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML ({e})") from None
+    known = {f.name for f in fields(Hardware)}
+    out = {}
+    for i, entry in enumerate(raw.get("hardware", [])):
+        unknown = set(entry) - known
+        if unknown or "name" not in entry or "memory_GB" not in entry:
+            raise ConfigError(f"{p}: [[hardware]] entry {i} needs name and memory_GB and may have "
+                              f"{', '.join(sorted(known))}; unknown keys: {', '.join(sorted(unknown)) or 'none'}")
+        out[entry["name"]] = Hardware(**entry)
+    return out
+
+
+def cuda_hardware(index: int = 0) -> Hardware | None:
+    name = torch.cuda.get_device_name(index)
+    for needle, key in _CUDA_NAMES:
+        if needle in name:
+            return CATALOG[key]
+    return None
+
+
+def dtype_key(dtype: torch.dtype, tf32: bool = False) -> str:
+    if dtype == torch.bfloat16:
+        return "bf16"
+    if dtype == torch.float16:
+        return "fp16"
+    return "tf32" if tf32 else "fp32"
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype, tf32: bool = False) -> tuple[float, str]:
+    """Dense peak FLOP/s of `device` for matmuls in `dtype`, and where the figure came from."""
+    key = dtype_key(dtype, tf32)
+    if device.type == "cuda":
+        hw = cuda_hardware(device.index or 0)
+        if hw is not None and key in hw.peak_tflops:
+            return hw.peak_tflops[key] * TFLOPS, f"catalog:{hw.name}"
+        return measure_matmul_peak(device, dtype), "measured"
+    return cpu_peak_flops(dtype), "measured (cached)"
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 1024, seconds: float = 0.3) -> float:
+    """Best observed FLOP/s of an n x n matmul on `device`."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0))
+    return best
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "scaletrain"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_peak_flops(dtype: torch.dtype) -> float:
+    """The CPU's matmul FLOP/s at the current thread count, probed once and cached on disk."""
+    key = f"{_cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}"
+    path = _cache_dir() / "cpu_peak.json"
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        cache = {}
+    if key in cache:
+        return float(cache[key])
+    flops = measure_matmul_peak(torch.device("cpu"), dtype)
+    cache[key] = flops
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(cache, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs a re-probe next time
+    return flops

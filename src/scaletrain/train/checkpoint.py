@@ -1,0 +1,311 @@
+"""Checkpoints: `torch.distributed.checkpoint` for tensors, JSON for everything else.
+
+A checkpoint is a folder `step_00000040/` holding
+    .metadata, *.distcp   model weights and optimizer state (DCP; sharded runs write shards)
+    trainer.json          step, config, schedule, loss scaler, data position, optimizer settings
+    rng_rank{r}.json      each rank's random-number-generator state
+
+Atomic: everything is written into `.step_00000040.partial/` and renamed when every rank is
+done, so a folder named `step_*` is always complete, and `resume = "auto"` never picks a partial
+one. Only the newest `keep` are kept.
+
+Safe: loading unpickles nothing but DCP's own metadata classes (a restricted unpickler refuses
+every other global), tensors are read with `weights_only=True`, and non-tensor state is JSON.
+
+Tensors are keyed by canonical parameter names (no wrapper prefixes), and DCP reshards them to
+whatever layout loads them.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from scaletrain.errors import CheckpointError
+from scaletrain.optim import get_lr, set_lr
+
+STEP_RE = re.compile(r"^step_(\d{8})$")
+TRAINER_FILE = "trainer.json"
+FORMAT_VERSION = 1
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+# --------------------------------------------------------------------------------------------
+# Safe reading
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata and refuses any other global (os.system, eval, ...)."""
+
+    _modules = {
+        "torch.distributed.checkpoint.metadata": None,  # None: any name in the module
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+        "collections": {"OrderedDict"},
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        allowed = self._modules.get(module, set())
+        if allowed is None or name in allowed:
+            return super().find_class(module, name)
+        raise CheckpointError(f"refusing to load: the checkpoint metadata asks to unpickle {module}.{name}, "
+                              "which a checkpoint never needs; the folder may have been tampered with")
+
+
+class SafeReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        raise CheckpointError(f"refusing to load: the checkpoint stores a pickled object at "
+                              f"{read_item.dest_index.fqn}; scaletrain checkpoints hold tensors only")
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizer state keyed by parameter name
+
+
+def _flatten_subclass(t: torch.Tensor) -> dict[str, torch.Tensor] | torch.Tensor:
+    """Quantized optimizer states (tensor subclasses) are stored as their plain inner tensors."""
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__") and not hasattr(t, "device_mesh"):
+        names, _ = t.__tensor_flatten__()
+        return {n: getattr(t, n) for n in names}
+    return t
+
+
+def optimizer_to_named(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> tuple[dict, dict]:
+    """(tensors, skeleton): the tensors of the optimizer state keyed by parameter name, and
+    everything else (hyper-parameters, non-tensor state) as JSON-ready data."""
+    tensors: dict[str, Any] = {}
+    skeleton: dict[str, Any] = {"state": {}, "param_groups": []}
+    for group in optimizer.param_groups:
+        hp = {k: _jsonable(v) for k, v in group.items() if k != "params"}
+        skeleton["param_groups"].append({**hp, "params": [names[id(p)] for p in group["params"]]})
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            name = names[id(p)]
+            tensors[name] = {k: _flatten_subclass(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
+            skeleton["state"][name] = {k: _jsonable(v) for k, v in state.items() if not isinstance(v, torch.Tensor)}
+    return tensors, skeleton
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.item()
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    raise TypeError(f"cannot store optimizer setting {v!r} in a checkpoint")
+
+
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state tensors (so that a checkpoint can be loaded into them) by
+    taking one step with zero gradients and a zero learning rate; the weights do not move."""
+    if all(p in optimizer.state and optimizer.state[p] for g in optimizer.param_groups for p in g["params"]):
+        return
+    saved_lr = get_lr(optimizer)
+    set_lr(optimizer, 0.0)
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+    set_lr(optimizer, saved_lr)
+    optimizer.zero_grad(set_to_none=True)
+
+
+def restore_optimizer_extras(optimizer: torch.optim.Optimizer, names: dict[int, str], skeleton: dict) -> None:
+    """After the state tensors were loaded in place: check that the parameter groups match and
+    restore non-tensor state. Hyper-parameters (lr, betas, decay) come from the current config."""
+    saved = [g["params"] for g in skeleton["param_groups"]]
+    now = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    if saved != now:
+        raise CheckpointError("the checkpoint's optimizer covers other parameters or groups than this "
+                              "model's; resume with the model and optimizer it was saved with")
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.state[p].update(skeleton["state"].get(names[id(p)], {}))
+
+
+# --------------------------------------------------------------------------------------------
+# Saving and finding checkpoints
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    with path.open("w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def rng_state() -> dict:
+    state = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cpu"])), dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8))
+
+
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """Complete checkpoints in `folder`, oldest first."""
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and STEP_RE.match(p.name) and (p / TRAINER_FILE).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    found = complete_checkpoints(folder)
+    return found[-1] if found else None
+
+
+def save_checkpoint(folder: Path, step: int, tensors: dict[str, Any], trainer_state: dict, keep: int) -> Path:
+    """Write a checkpoint of `step` (every rank calls this); returns its folder."""
+    folder = Path(folder)
+    final = folder / f"step_{step:08d}"
+    partial = folder / f".step_{step:08d}.partial"
+    rank = _rank()
+    try:
+        if rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)  # left by a save that died
+            partial.mkdir()
+        _barrier()
+        dcp.save(tensors, storage_writer=FileSystemWriter(str(partial)), no_dist=not dist.is_initialized())
+        _write_json(partial / f"rng_rank{rank}.json", rng_state())
+        if rank == 0:
+            _write_json(partial / TRAINER_FILE, {"format_version": FORMAT_VERSION, **trainer_state})
+        _barrier()
+        if rank == 0:
+            _fsync_dir(partial)
+            if final.exists():  # saving the same step again (e.g. stopped right after a save)
+                old = folder / f".step_{step:08d}.old"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                os.replace(partial, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(partial, final)
+            _fsync_dir(folder)
+            for stale in complete_checkpoints(folder)[:-keep]:
+                shutil.rmtree(stale, ignore_errors=True)
+        _barrier()
+    except (OSError, CheckpointException) as e:
+        os_errors = [c for c in _causes(e) if isinstance(c, OSError)]
+        if not os_errors:
+            raise
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        last = latest_checkpoint(folder)
+        kept = f"the last complete checkpoint {last} is intact" if last else "no earlier checkpoint exists"
+        err = os_errors[0]
+        reason = "the disk is full" if err.errno == errno.ENOSPC else f"{err.strerror or err}"
+        raise CheckpointError(f"saving checkpoint step {step} to {folder} failed: {reason}; {kept}") from None
+    return final
+
+
+def read_trainer_state(path: Path) -> dict:
+    path = Path(path)
+    f = path / TRAINER_FILE
+    if not path.is_dir() or not f.is_file() or not (path / ".metadata").is_file():
+        raise CheckpointError(f"{path} is not a complete scaletrain checkpoint (it needs {TRAINER_FILE} and "
+                              ".metadata); pick a step_* folder written by scaletrain")
+    try:
+        state = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f}: not valid JSON ({e.msg}); the checkpoint is damaged") from None
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{f}: checkpoint format {state.get('format_version')!r} is not {FORMAT_VERSION}")
+    return state
+
+
+def _causes(e: BaseException) -> list[BaseException]:
+    """The per-rank exceptions inside DCP's CheckpointException (or e itself)."""
+    if isinstance(e, CheckpointException):
+        return [exc for exc, _ in e.failures.values()]
+    return [e]
+
+
+def load_tensors(path: Path, tensors: dict[str, Any]) -> None:
+    """Fill `tensors` (nested dict of tensors, DTensors included) in place from checkpoint `path`."""
+    try:
+        dcp.load(tensors, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(),
+                 no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as e:
+        for cause in _causes(e):
+            text = str(cause)
+            if isinstance(cause, CheckpointError):
+                raise cause from None
+            if "refusing to load" in text:  # our refusal, wrapped by DCP on the way out
+                raise CheckpointError(text[text.index("refusing to load"):].split("; rank local")[0]) from None
+            if isinstance(cause, pickle.UnpicklingError) or "Weights only load failed" in text:
+                raise CheckpointError(f"refusing to load {path}: a tensor file holds objects that are not "
+                                      "plain tensors; the folder may have been tampered with") from None
+            if isinstance(cause, (KeyError, RuntimeError, AssertionError, ValueError)):
+                raise CheckpointError(f"{path} does not match this model and optimizer "
+                                      f"({text.splitlines()[0][:200] if text else type(cause).__name__}); "
+                                      "resume with the config it was saved with") from None
+        raise
+
+
+def load_rng(path: Path, rank: int, world_size: int, saved_world_size: int) -> bool:
+    """Restore this rank's RNG state if the checkpoint had the same number of ranks."""
+    f = Path(path) / f"rng_rank{rank}.json"
+    if saved_world_size != world_size or not f.is_file():
+        return False
+    set_rng_state(json.loads(f.read_text()))
+    return True

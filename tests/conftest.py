@@ -1,0 +1,51 @@
+"""Shared helpers: a micro config that trains in milliseconds per step on a CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# keep the tests on few threads: the suite runs beside other work on 2 cores
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+from scaletrain.config import load_config  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+MICRO = {
+    "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.max_seq_len": 32,
+    "data.seq_len": 32, "train.global_batch": 8, "train.steps": 10, "train.device": "cpu",
+    "log.every": 1, "log.tensorboard": False, "log.progress": "off", "checkpoint.save_final": False,
+    "optim.warmup_steps": 2, "train.sample_tokens": 0,
+}
+
+
+def micro_cfg(tmp_path: Path, **overrides):
+    """A tiny, fast config writing into tmp_path; overrides use dotted names."""
+    values = {**MICRO, "log.run_dir": str(tmp_path / "run"), **overrides}
+    return load_config(None, values)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_cli(*args: str, timeout: float = 300, env: dict | None = None, cwd: Path | None = None):
+    """Run `python -m scaletrain ARGS` in a fresh process; returns CompletedProcess."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "scaletrain", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=cwd or REPO)
+
+
+@pytest.fixture
+def micro(tmp_path):
+    return lambda **kw: micro_cfg(tmp_path, **kw)

@@ -1,0 +1,199 @@
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from scaletrain.data import StepSampler, TokenData, WindowDataset, build_loader, builtin_data, prepare
+from scaletrain.data.tokenizer import ByteTokenizer
+from scaletrain.errors import DataError
+
+from conftest import micro_cfg, run_cli
+
+TEXT = "The quick brown fox jumps over the lazy dog. " * 50
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text(TEXT)
+    (src / "b.jsonl").write_text("\n".join(json.dumps({"text": f"line {i}: {TEXT[:80]}"}) for i in range(20)))
+    return src
+
+
+def test_prepare_byte_level_txt_and_jsonl(corpus, tmp_path):
+    meta = prepare([corpus], tmp_path / "out", tokenizer="byte", shard_tokens=1000)
+    assert meta["dtype"] == "uint16" and meta["tokenizer"] == {"kind": "byte", "vocab_size": 256}
+    assert meta["num_documents"] == 21
+    assert len(meta["shards"]) == -(-meta["num_tokens"] // 1000)
+    for shard in meta["shards"]:
+        assert set(shard) == {"file", "num_tokens", "sha256"}
+    data = TokenData.open(tmp_path / "out")
+    assert data.num_tokens == meta["num_tokens"]
+    # the tokens round-trip to the text, across shard boundaries
+    first = data.read(0, len(TEXT.encode()))
+    assert ByteTokenizer().decode(first) == TEXT
+    assert data.read(995, 10).tolist() == np.fromfile(tmp_path / "out" / "shard_00000.bin", np.uint16)[995:].tolist() + \
+        np.fromfile(tmp_path / "out" / "shard_00001.bin", np.uint16)[:5].tolist()
+
+
+def test_prepare_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["hello parquet", "second row"]}), tmp_path / "d.parquet")
+    meta = prepare([tmp_path / "d.parquet"], tmp_path / "out", text_key="body")
+    assert meta["num_documents"] == 2
+    with pytest.raises(DataError, match="no column 'text'"):
+        prepare([tmp_path / "d.parquet"], tmp_path / "out2")
+
+
+def test_prepare_bpe_and_tokenizer_file(corpus, tmp_path):
+    meta = prepare([corpus], tmp_path / "bpe", tokenizer="bpe", vocab_size=300)
+    assert meta["tokenizer"]["kind"] == "bpe" and meta["tokenizer"]["vocab_size"] <= 300
+    assert (tmp_path / "bpe" / "tokenizer.json").is_file()
+    bpe = TokenData.open(tmp_path / "bpe")
+    assert bpe.num_tokens < len(TEXT.encode()) + 20 * 90  # BPE compresses
+    assert bpe.tokenizer.decode(bpe.tokenizer.encode("quick brown fox")) == "quick brown fox"
+    # a local tokenizer.json gives the same tokens as the tokenizer that made it
+    meta2 = prepare([corpus], tmp_path / "file", tokenizer="file", tokenizer_file=tmp_path / "bpe" / "tokenizer.json")
+    assert meta2["num_tokens"] == meta["num_tokens"]
+    assert [s["sha256"] for s in meta2["shards"]] == [s["sha256"] for s in meta["shards"]]
+
+
+def test_prepare_never_overwrites(corpus, tmp_path):
+    prepare([corpus], tmp_path / "out")
+    before = (tmp_path / "out" / "meta.json").read_text()
+    with pytest.raises(DataError, match="already exists"):
+        prepare([corpus], tmp_path / "out")
+    assert (tmp_path / "out" / "meta.json").read_text() == before
+
+
+def test_prepare_rejects_bad_inputs(tmp_path):
+    (tmp_path / "x.csv").write_text("a,b")
+    with pytest.raises(DataError, match="unsupported file type"):
+        prepare([tmp_path / "x.csv"], tmp_path / "o")
+    with pytest.raises(DataError, match="no such file"):
+        prepare([tmp_path / "missing.txt"], tmp_path / "o")
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
+    with pytest.raises(DataError, match="bad.jsonl:2: not valid JSON"):
+        prepare([tmp_path / "bad.jsonl"], tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+
+
+def _prepared(corpus, tmp_path):
+    prepare([corpus], tmp_path / "out")
+    return tmp_path / "out"
+
+
+def test_truncated_shard(corpus, tmp_path):
+    out = _prepared(corpus, tmp_path)
+    shard = out / "shard_00000.bin"
+    shard.write_bytes(shard.read_bytes()[:-6])
+    with pytest.raises(DataError, match="truncated"):
+        TokenData.open(out)
+
+
+def test_corrupt_shard(corpus, tmp_path):
+    out = _prepared(corpus, tmp_path)
+    shard = out / "shard_00000.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[10] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match="corrupt"):
+        TokenData.open(out)
+    TokenData.open(out, verify_checksums=False)  # the check can be switched off
+
+
+def test_wrong_dtype(corpus, tmp_path):
+    out = _prepared(corpus, tmp_path)
+    meta = json.loads((out / "meta.json").read_text())
+    meta["dtype"] = "uint32"  # the shard holds uint16: sizes no longer match
+    (out / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match="truncated or has the wrong dtype"):
+        TokenData.open(out)
+    meta["dtype"] = "float32"
+    (out / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match="token dtype 'float32' is not supported"):
+        TokenData.open(out)
+
+
+def test_missing_meta(tmp_path):
+    with pytest.raises(DataError, match="scaletrain prepare"):
+        TokenData.open(tmp_path)
+
+
+def test_vocabulary_larger_than_model(corpus, tmp_path):
+    from scaletrain.train.trainer import Trainer
+
+    prepare([corpus], tmp_path / "bpe", tokenizer="bpe", vocab_size=300)
+    cfg = micro_cfg(tmp_path, **{"data.path": str(tmp_path / "bpe")})
+    with pytest.raises(DataError, match="set model.vocab_size to at least"):
+        Trainer(cfg)
+
+
+def test_windows_longer_than_data(tmp_path):
+    (tmp_path / "s.txt").write_text("short")
+    prepare([tmp_path / "s.txt"], tmp_path / "out")
+    data = TokenData.open(tmp_path / "out")
+    with pytest.raises(DataError, match="too few for one window"):
+        WindowDataset(data, seq_len=64)
+    with pytest.raises(DataError, match="fewer than one global batch"):
+        StepSampler(num_windows=3, global_batch=4, micro_batch=4, grad_accum=1, dp_rank=0, dp_size=1, seed=0)
+
+
+def test_windows_are_shifted_targets():
+    data = TokenData.from_array(np.arange(100, dtype=np.uint16), ByteTokenizer(), "test")
+    ds = WindowDataset(data, seq_len=10)
+    assert len(ds) == 9
+    x, y = ds[[0, 3]]
+    assert x[1].tolist() == list(range(30, 40)) and y[1].tolist() == list(range(31, 41))
+
+
+def test_builtin_text_needs_no_download():
+    data = builtin_data()
+    assert data.num_tokens > 400_000 and data.vocab_size == 256
+
+
+@pytest.mark.parametrize("dp,accum", [(2, 1), (4, 2), (3, 1)])
+def test_ranks_read_distinct_samples_whose_union_is_the_global_batch(dp, accum):
+    micro = 4
+    G = micro * accum * dp
+    single = StepSampler(1000, G, micro * accum * dp, 1, 0, 1, seed=5)
+    ranks = [StepSampler(1000, G, micro, accum, r, dp, seed=5) for r in range(dp)]
+    for step in (0, 1, 7, 300):  # 300 crosses into a later epoch
+        per_rank = [sum(s.rank_micro_batches(step), []) for s in ranks]
+        flat = sum(per_rank, [])
+        assert len(set(flat)) == len(flat) == G  # distinct
+        assert sorted(flat) == sorted(single.rank_micro_batches(step)[0])  # union = global batch
+
+
+def test_order_depends_on_seed_and_step_only():
+    a = StepSampler(500, 8, 4, 2, 0, 1, seed=1)
+    b = StepSampler(500, 8, 4, 2, 0, 1, seed=1, start_step=5)
+    it_b = iter(b)
+    assert [next(it_b) for _ in range(4)] == a.rank_micro_batches(5) + a.rank_micro_batches(6)
+    assert StepSampler(500, 8, 4, 2, 0, 1, seed=2).rank_micro_batches(0) != a.rank_micro_batches(0)
+
+
+def test_loader_with_workers_yields_the_same_batches():
+    data = builtin_data()
+    ds = WindowDataset(data, seq_len=64)
+    sampler = lambda: StepSampler(len(ds), 8, 4, 2, 0, 1, seed=3)  # noqa: E731
+    plain = iter(build_loader(ds, sampler(), num_workers=0, pin_memory=False, prefetch_factor=2))
+    workers = iter(build_loader(ds, sampler(), num_workers=2, pin_memory=False, prefetch_factor=2))
+    for _ in range(6):
+        (x0, y0), (x1, y1) = next(plain), next(workers)
+        assert torch.equal(x0, x1) and torch.equal(y0, y1)
+        assert x0.shape == (4, 64) and x0.dtype == torch.int64
+
+
+def test_cli_prepare(corpus, tmp_path):
+    r = run_cli("prepare", str(corpus), "--out", str(tmp_path / "cli"))
+    assert r.returncode == 0, r.stderr
+    assert "tokens" in r.stdout and (tmp_path / "cli" / "meta.json").is_file()
+    r = run_cli("prepare", str(corpus), "--out", str(tmp_path / "cli"))
+    assert r.returncode == 2 and "already exists" in r.stderr and "Traceback" not in r.stderr
