@@ -75,7 +75,7 @@ def test_cross_key_checks():
         load_config(None, {"model.dim": 100, "model.n_heads": 3, "data.seq_len": 512})
     text = "\n".join(e.value.lines)
     assert "model.n_heads=3 must divide model.dim=100" in text
-    assert "data.seq_len=512 exceeds model.max_seq_len=256" in text
+    assert "data.seq_len=512 exceeds model.max_seq_len=128" in text
 
 
 @pytest.mark.parametrize("given,dp,expected", [

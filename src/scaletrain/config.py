@@ -51,7 +51,7 @@ class ModelConfig:
     position: str = option("learned", "position encoding: learned table (GPT-2) or rotary (Llama)",
                            choices=("learned", "rope"))
     rope_theta: float = option(10000.0, "rotary base frequency", min=1.0)
-    max_seq_len: int = option(256, "longest sequence the position encoding covers", min=1)
+    max_seq_len: int = option(128, "longest sequence the position encoding covers", min=1)
     tie_embeddings: bool = option(True, "share the input embedding with the output head")
     bias: bool = option(False, "add biases to linear layers and LayerNorm")
     dropout: float = option(0.0, "dropout on attention weights and residual branches", min=0.0, max=1.0, open_max=True)
@@ -154,7 +154,7 @@ class CheckpointConfig:
 @dataclass
 class LogConfig:
     run_dir: str = option("", "folder for metrics, TensorBoard and checkpoints; empty = runs/<date-time>")
-    every: int = option(10, "log metrics every N steps (and on the last step)", min=1)
+    every: int = option(10, "log metrics every N steps (and on the first and last step)", min=1)
     tensorboard: bool = option(True, "write TensorBoard event files to <run_dir>/tensorboard")
     progress: str = option("auto", "progress bar: auto = when stderr is a terminal", choices=("auto", "on", "off"))
 

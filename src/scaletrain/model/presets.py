@@ -9,7 +9,7 @@ from typing import Any
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The default: a 3.2M-parameter byte-level GPT that learns CPython's docs on a laptop CPU.
-    "tiny": dict(vocab_size=256, dim=256, n_layers=4, n_heads=4, max_seq_len=256,
+    "tiny": dict(vocab_size=256, dim=256, n_layers=4, n_heads=4, max_seq_len=128,
                  norm="layernorm", activation="gelu", position="learned", tie_embeddings=True,
                  bias=False),
     # GPT-2 small (Radford et al. 2019; Hugging Face `gpt2` config.json); the vocabulary is

@@ -249,7 +249,7 @@ class Trainer:
                 self.step += 1
                 window_wait += wait
                 window_steps += 1
-                if self.step % cfg.log.every == 0 or self.step == cfg.train.steps:
+                if self.step % cfg.log.every == 0 or self.step in (1, cfg.train.steps):
                     elapsed = time.perf_counter() - window_t0
                     row = self._metrics_row(loss, grad_norm, elapsed, window_wait, window_steps)
                     losses.append(row["loss"])
@@ -335,6 +335,6 @@ class Trainer:
         gen = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
         self.model.eval()
         with self.precision.autocast():
-            out = self.model.generate(x, new_tokens, generator=gen)
+            out = self.model.generate(x, new_tokens, window=self.cfg.data.seq_len, generator=gen)
         self.model.train()
         return tok.decode(out[0].tolist())

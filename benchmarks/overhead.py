@@ -1,0 +1,99 @@
+"""How much does scaletrain's training step cost over a minimal hand-written PyTorch loop?
+
+Both run in this one process on the same model shape, batch and precision, interleaved
+(a few steps of one, then of the other, repeated), so machine noise hits both alike. The
+hand-written loop is what a user would write: index a token tensor, forward, cross-entropy,
+backward, clip, AdamW step, zero grads. Prints the median step time of each and their ratio.
+
+    python benchmarks/overhead.py [--config configs/tiny.toml] [--rounds 15] [--steps 3] [--section.key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+from scaletrain.config import load_config
+from scaletrain.model.transformer import Transformer
+from scaletrain.parallel.init import init_weights
+from scaletrain.train.trainer import Trainer
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/tiny.toml")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=3, help="steps of each loop per round")
+    args, overrides = ap.parse_known_args(argv)
+    run_dir = tempfile.mkdtemp(prefix="overhead-")
+    cfg = load_config(args.config, [*overrides, f"--log.run_dir={run_dir}", "--log.tensorboard=false",
+                                    "--log.progress=off", "--checkpoint.save_final=false"])
+    if cfg.train.grad_accum not in (0, 1):
+        sys.exit("this benchmark compares single micro-batch steps; leave train.grad_accum unset")
+
+    # scaletrain: the real Trainer and its step (loader, precision, clipping, schedule, optimizer)
+    trainer = Trainer(cfg)
+    batches = iter(trainer._loader())
+
+    # hand-written: the same model shape and optimizer, nanoGPT-style batches
+    device = trainer.device
+    model = Transformer(cfg.model).to(device)
+    init_weights(model, cfg.train.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                            weight_decay=cfg.optim.weight_decay, fused=True)
+    data = torch.from_numpy(trainer.data.read(0, trainer.data.num_tokens))
+    B, T = trainer.batch.micro_batch, cfg.data.seq_len
+    autocast = trainer.precision.autocast
+
+    def hand_step() -> None:
+        ix = torch.randint(len(data) - T - 1, (B,))
+        x = torch.stack([data[i:i + T] for i in ix]).to(device)
+        y = torch.stack([data[i + 1:i + 1 + T] for i in ix]).to(device)
+        with autocast():
+            logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def ours_step() -> None:
+        trainer.train_step(batches)
+
+    def timed(fn) -> list[float]:
+        out = []
+        for _ in range(args.steps):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    for fn in (ours_step, hand_step):  # warm-up (allocator, kernels, compile if on)
+        timed(fn)
+    ours, hand = [], []
+    for r in range(args.rounds):
+        first, second = (ours_step, hand_step) if r % 2 == 0 else (hand_step, ours_step)
+        a, b = timed(first), timed(second)
+        (ours if first is ours_step else hand).extend(a)
+        (hand if first is ours_step else ours).extend(b)
+    m_ours, m_hand = statistics.median(ours), statistics.median(hand)
+    print(f"config {args.config}, device {device}, precision {cfg.precision.mode}, "
+          f"batch {B}x{T}, {trainer.num_params / 1e6:.2f}M params, {len(ours)} steps each, interleaved")
+    print(f"{'loop':<14}{'median step':>14}{'min':>10}{'max':>10}")
+    for name, xs in (("scaletrain", ours), ("hand-written", hand)):
+        print(f"{name:<14}{statistics.median(xs) * 1e3:>12.1f}ms{min(xs) * 1e3:>8.1f}ms{max(xs) * 1e3:>8.1f}ms")
+    print(f"ratio scaletrain / hand-written (median): {m_ours / m_hand:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import json
+
+from conftest import REPO, read_metrics, run_cli
+
+
+def test_default_run_trains_and_samples(tmp_path):
+    # the built-in default (what `make demo` runs), cut to a few steps
+    r = run_cli("train", "--config", "configs/tiny.toml", "--train.steps=3", f"--log.run_dir={tmp_path / 'run'}",
+                "--train.sample_tokens=16", "--log.tensorboard=false")
+    assert r.returncode == 0, r.stderr
+    assert "sample: The " in r.stderr
+    rows = read_metrics(tmp_path / "run")
+    assert [row["step"] for row in rows] == [1, 3]
+    assert abs(rows[0]["loss"] - 5.55) < 0.2  # ln 256 at the start
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["preset"] == "tiny"
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000003"
+    assert ckpt.is_dir()
+    r = run_cli("export", str(ckpt), "--out", str(tmp_path / "m.safetensors"))
+    assert r.returncode == 0 and (tmp_path / "m.safetensors").stat().st_size > 3_000_000 * 4
+
+
+def test_help_and_print_config():
+    r = run_cli("train", "--help-config")
+    assert r.returncode == 0
+    for section in ("model", "data", "train", "optim", "precision", "memory", "parallel", "checkpoint", "log"):
+        assert f"[{section}]" in r.stdout
+    r = run_cli("train", "--print-config", "--optim.name=sgd")
+    assert r.returncode == 0 and json.loads(r.stdout)["optim"]["name"] == "sgd"
+
+
+def test_user_errors_exit_2_without_traceback(tmp_path):
+    cases = [
+        ("train", "--config", str(tmp_path / "missing.toml")),
+        ("train", f"--data.path={tmp_path}"),
+        ("train", "--checkpoint.resume=/no/such/checkpoint"),
+        ("export", str(tmp_path), "--out", str(tmp_path / "x.safetensors")),
+        ("prepare", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")),
+        ("train", "--model.n_heads=3"),
+    ]
+    for args in cases:
+        r = run_cli(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.startswith("scaletrain: error: "), r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_quick_start_is_two_make_commands():
+    readme = (REPO / "README.md").read_text()
+    quick = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line.split("#")[0].strip() for line in quick.strip().splitlines()]
+    assert commands == ["make demo", "make test"]
+    assert "make test" in (REPO / ".ci" / "run").read_text()
+    makefile = (REPO / "Makefile").read_text()
+    assert "torch==2.13.0" in makefile and "pytest" in makefile
