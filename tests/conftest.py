@@ -49,3 +49,21 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None, cwd: Path
 @pytest.fixture
 def micro(tmp_path):
     return lambda **kw: micro_cfg(tmp_path, **kw)
+
+
+def run_group(nproc: int, jobs: list[dict], tmp_path: Path, timeout: float = 600) -> tuple[int, list | None, str]:
+    """Run `jobs` (dicts with "overrides", optional "fault") in one group of `nproc` real
+    processes started by scaletrain's launcher; returns (exit code, rank 0's results, stderr)."""
+    spec = tmp_path / f"spec-{len(list(tmp_path.glob('spec-*')))}.json"
+    out = spec.with_suffix(".out.json")
+    spec.write_text(json.dumps({"jobs": jobs, "out": str(out)}))
+    code = ("import sys; from scaletrain.parallel.launch import launch; "
+            f"sys.exit(launch([{str(spec)!r}], nproc={nproc}, program=({str(REPO / 'tests' / 'dist_worker.py')!r},)))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    results = json.loads(out.read_text()) if out.exists() else None
+    return r.returncode, results, r.stderr
+
+
+def micro_overrides(run_dir: Path, **overrides) -> dict:
+    return {**MICRO, "log.run_dir": str(run_dir), **overrides}

@@ -21,6 +21,9 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
+LAUNCH_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts")
+
+
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     from scaletrain.config import describe_options, load_config
 
@@ -31,12 +34,68 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.print_config:
         print(cfg.to_json())
         return 0
+    from scaletrain.parallel import launch
+
+    if launch.is_worker():  # started by our launcher or by torchrun
+        return _train_worker(cfg)
+    if args.nproc is None:
+        from scaletrain.train.trainer import Trainer
+
+        return _exit_code(Trainer(cfg).fit())
+    return _launch(args, cfg)
+
+
+def _launch(args: argparse.Namespace, cfg) -> int:
+    """Check the whole request here, once, then start the workers."""
+    from scaletrain.config import check_layout, resolve_batch
+    from scaletrain.parallel import launch
+    from scaletrain.parallel.dims import ParallelDims
+    from scaletrain.train.trainer import default_run_dir
+
+    world = args.nproc * args.nnodes
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    check_layout(cfg, dims)
+    resolve_batch(cfg.train, dims.dp)
+    launch.pick_device(cfg.train.device, 0, args.nproc)
+    worker_args = _strip_launch_flags(args.argv[1:])
+    if not cfg.log.run_dir:  # every rank (and node) must write to the same folder
+        worker_args.append(f"--log.run_dir={default_run_dir()}")
+    return launch.launch(worker_args, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                         rdzv_endpoint=args.rdzv_endpoint or "", max_restarts=args.max_restarts)
+
+
+def _strip_launch_flags(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in LAUNCH_FLAGS:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def _train_worker(cfg) -> int:
+    from scaletrain.errors import UserError
+    from scaletrain.parallel import launch
     from scaletrain.train.trainer import Trainer
 
-    result = Trainer(cfg).fit()
-    if result["stopped_by"] is not None:
-        return 128 + int(result["stopped_by"])
-    return 0
+    rank = int(__import__("os").environ.get("RANK", "0"))
+    try:
+        rt = launch.init_worker(cfg)
+        return _exit_code(Trainer(cfg, rt).fit())
+    except BaseException as e:  # noqa: BLE001 - every failure is reported in a few lines
+        launch.record_worker_error(e, rank)
+        return EXIT_USER_ERROR if isinstance(e, UserError) else 1
+    finally:
+        launch.shutdown()
+
+
+def _exit_code(result: dict) -> int:
+    return 0 if result["stopped_by"] is None else 128 + int(result["stopped_by"])
 
 
 def _prepare(args: argparse.Namespace, extra: list[str]) -> int:
@@ -74,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="TOML config file (default: the built-in tiny CPU run)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     p.add_argument("--help-config", action="store_true", help="list every config option and exit")
+    g = p.add_argument_group("launch (several processes through PyTorch's elastic launcher)")
+    g.add_argument("--nproc", type=int, help="processes (ranks) on this node; one per GPU")
+    g.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    g.add_argument("--node-rank", type=int, help="this node's rank, for a fixed rendezvous at --rdzv-endpoint")
+    g.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, reachable from every node")
+    g.add_argument("--max-restarts", type=int, default=0, help="restart the group this often after a failure")
     p.set_defaults(func=_train, takes_overrides=True)
 
     p = sub.add_parser("prepare", help="tokenize text/jsonl/parquet files into token shards")
@@ -99,6 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
+        args.argv = argv
         return args.func(args, extra)
     except UserError as e:
         for line in e.lines:

@@ -132,14 +132,21 @@ class MemoryConfig:
         "none", "recompute activations in backward: none, full (whole blocks) or selective "
         "(keep matmul and attention outputs, recompute element-wise ops)",
         choices=("none", "full", "selective"))
+    offload_optimizer: bool = option(False, "keep parameters, gradients and optimizer state in pinned host memory "
+                                            "and step there (FSDP2 CPU offload); needs parallel.zero=3 on CUDA")
 
 
 @dataclass
 class ParallelConfig:
-    dp_replicate: int = option(1, "data-parallel replicas (DDP, or the outer axis of HSDP)", min=1)
-    dp_shard: int = option(-1, "data-parallel shards (ZeRO/FSDP); -1 = all remaining ranks", min=-1)
-    tp: int = option(1, "tensor-parallel ranks", min=1)
-    pp: int = option(1, "pipeline stages", min=1)
+    dp_replicate: int = option(1, "data-parallel replica groups (the outer axis of HSDP)", min=1)
+    dp_shard: int = option(-1, "data-parallel ranks that shard model states (zero >= 1); -1 = all remaining ranks",
+                           min=-1)
+    tp: int = option(1, "tensor-parallel ranks (must stay 1 until tensor parallelism lands)", min=1, max=1)
+    pp: int = option(1, "pipeline stages (must stay 1 until pipeline parallelism lands)", min=1, max=1)
+    zero: int = option(0, "ZeRO stage: 0 = DDP, 1 = shard optimizer state, 2 = + gradients, "
+                          "3 = + parameters (FSDP)", min=0, max=3)
+    bucket_mb: float = option(25.0, "gradient bucket size for the overlapped reductions (zero 0-2)", min=0.001)
+    timeout_s: int = option(600, "a collective that waits longer than this fails the job", min=1)
 
 
 @dataclass
@@ -377,7 +384,7 @@ def _did_you_mean(word: str, choices: Iterable[str], prefix: str = "", suffix: s
 
 
 def check_combinations(cfg: JobConfig) -> list[str]:
-    """Problems that involve more than one key. World-size checks come later, in resolve_batch."""
+    """Problems that involve more than one key. World-size checks come later (check_layout)."""
     m, errors = cfg.model, []
     if m.dim % m.n_heads:
         errors.append(f"model.n_heads={m.n_heads} must divide model.dim={m.dim}; "
@@ -398,9 +405,22 @@ def check_combinations(cfg: JobConfig) -> list[str]:
     if cfg.precision.mode == "16-mixed" and cfg.precision.min_scale > cfg.precision.init_scale:
         errors.append(f"precision.min_scale={cfg.precision.min_scale} is above precision.init_scale="
                       f"{cfg.precision.init_scale}")
+    if cfg.memory.offload_optimizer and cfg.parallel.zero != 3:
+        errors.append("memory.offload_optimizer offloads the sharded model states of parallel.zero=3; "
+                      f"it does nothing at zero={cfg.parallel.zero}; set parallel.zero=3 or drop the offload")
     if cfg.optim.name == "adamw8bit" and cfg.optim.implementation not in ("auto",):
         errors.append("optim.implementation applies to adamw and sgd; leave it at auto for adamw8bit")
     return errors
+
+
+def check_layout(cfg: JobConfig, dims) -> None:
+    """Problems that appear once the number of ranks is known."""
+    errors = []
+    if cfg.parallel.zero >= 1 and dims.dp_shard == 1:
+        errors.append(f"parallel.zero={cfg.parallel.zero} shards model states over the dp_shard ranks, but "
+                      f"there is only 1 ({dims.describe()}); use parallel.zero=0, or more data-parallel ranks")
+    if errors:
+        raise ConfigError(*errors)
 
 
 def _divisors(n: int, limit: int | None = None) -> list[int]:

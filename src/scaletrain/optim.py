@@ -38,7 +38,7 @@ def build_optimizer(cfg: OptimConfig, named_params: list[tuple[str, torch.nn.Par
                     lr: float, device: torch.device) -> torch.optim.Optimizer:
     """The optimizer of cfg over `named_params` (in that order: checkpoints rely on it)."""
     groups = param_groups(named_params, cfg.weight_decay)
-    impl = _kernel_flags(cfg.implementation, device, named_params)
+    impl = _kernel_flags(cfg.implementation, named_params)
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
     if cfg.name == "sgd":
@@ -50,17 +50,18 @@ def build_optimizer(cfg: OptimConfig, named_params: list[tuple[str, torch.nn.Par
     raise ValueError(f"unknown optimizer {cfg.name!r}")
 
 
-def _kernel_flags(implementation: str, device: torch.device, named_params) -> dict:
+def _kernel_flags(implementation: str, named_params) -> dict:
     if implementation == "fused":
         return {"fused": True}
     if implementation == "foreach":
         return {"foreach": True}
     if implementation == "loop":
         return {"foreach": False}
-    # auto: the fused kernel runs on CUDA and CPU for plain tensors; DTensor (sharded)
+    # auto: the fused kernel runs on CUDA and on CPU for plain tensors; sharded (DTensor)
     # parameters on CPU take the foreach path, which every backend supports.
+    devices = {(p.to_local() if isinstance(p, DTensor) else p).device.type for _, p in named_params}
     sharded = any(isinstance(p, DTensor) for _, p in named_params)
-    if device.type == "cuda" or (device.type == "cpu" and not sharded):
+    if devices == {"cuda"} or (devices == {"cpu"} and not sharded):
         return {"fused": True}
     return {"foreach": True}
 

@@ -18,27 +18,22 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from scaletrain.config import JobConfig, resolve_batch
+import torch.distributed as dist
+
+from scaletrain.config import JobConfig, check_layout, resolve_batch
 from scaletrain.data.dataset import WindowDataset, open_data
 from scaletrain.data.loader import StepSampler, build_loader
-from scaletrain.errors import CheckpointError, ConfigError, DataError, LaunchError
+from scaletrain.errors import CheckpointError, ConfigError, DataError
 from scaletrain.model.flops import flops_per_token
 from scaletrain.model.transformer import Transformer
 from scaletrain.optim import LRSchedule, build_optimizer, get_lr, peak_lr, set_lr
-from scaletrain.parallel.init import canonical_name, init_weights
+from scaletrain.parallel.data_parallel import DataParallel, clip_gradients, model_state_bytes
+from scaletrain.parallel.launch import Runtime, single_process
 from scaletrain.parallel.parallelize import parallelize
 from scaletrain.plan.hardware import device_peak_flops
 from scaletrain.precision import MasterWeights, Precision
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.metrics import MetricsLogger, peak_memory_bytes
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise LaunchError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
 
 
 def default_run_dir() -> str:
@@ -51,18 +46,20 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, *, stream=None):
+    def __init__(self, cfg: JobConfig, runtime: Runtime | None = None, *, stream=None):
         self.cfg = cfg
-        self.rank, self.world_size = 0, 1
-        self.device = pick_device(cfg.train.device)
+        self.rt = rt = runtime or single_process(cfg)
+        check_layout(cfg, rt.dims)
+        self.rank, self.world_size, self.device = rt.rank, rt.world_size, rt.device
         self.precision = Precision(cfg.precision, self.device)
         self.precision.configure_backends()
-        self.run_dir = Path(cfg.log.run_dir or default_run_dir())
+        self.run_dir = Path(cfg.log.run_dir or self._shared(default_run_dir()))
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         resume_from = self._find_resume()  # before anything is written to the run folder
 
         # data: order from (seed, step) alone; each data-parallel rank reads its slice
-        self.batch = resolve_batch(cfg.train, dp=self.world_size)
+        self.batch = resolve_batch(cfg.train, dp=rt.dims.dp)
+        self.dp_rank = rt.axis("dp").get_local_rank() if rt.distributed else 0
         self.data = open_data(cfg.data.path, cfg.data.verify_checksums)
         if self.data.vocab_size > cfg.model.vocab_size:
             raise DataError(f"{self.data.source}: the tokenizer has {self.data.vocab_size} tokens but "
@@ -71,27 +68,26 @@ class Trainer:
         self.dataset = WindowDataset(self.data, cfg.data.seq_len)
         self.tokens_per_step = self.batch.global_batch * cfg.data.seq_len
 
-        # model: built on the meta device (no memory), transformed, then materialized
-        torch.manual_seed(cfg.train.seed)
+        # model: built on the meta device (no memory), then parallelized and materialized
+        torch.manual_seed(cfg.train.seed + self.rank)  # dropout differs per rank; weights do not
         with torch.device("meta"):
             model = Transformer(cfg.model)
-        self.model = parallelize(model, cfg)
-        self.model.to_empty(device=self.device)
-        self.model.init_buffers(self.device)
-        init_weights(self.model, cfg.train.seed)
-        self.model.to(self.precision.param_dtype)
-        self.model.train()
-        self.named_params = [(canonical_name(n), p) for n, p in self.model.named_parameters()]
-        self.num_params = sum(p.numel() for _, p in self.named_params)
+        self.dp: DataParallel = parallelize(model, cfg, rt, self.precision)
+        self.model = self.dp.model  # forward goes through the data-parallel wrapper
+        self.named_params = self.dp.named_params
+        self.num_params = sum(p.numel() for _, p in self.named_params)  # a DTensor's numel is global
 
-        # optimizer: over fp32 master copies in bf16-true, else over the model's parameters
-        self.master = MasterWeights(self.named_params) if self.precision.master_weights else None
-        self.optim_params = self.master.named_master if self.master else self.named_params
+        # optimizer: over what holds the fp32 truth: the parameters, their ZeRO shards, or
+        # (bf16-true without sharding) fp32 master copies
+        use_master = self.precision.master_weights and self.dp.zero in (None, 0)
+        self.master = MasterWeights(self.named_params) if use_master else None
+        self.optim_params = self.master.named_master if self.master else self.dp.named_optim_params
         self.param_names = {id(p): n for n, p in self.optim_params}
         self.lr = peak_lr(cfg.optim, self.batch.global_batch)
         self.optimizer = build_optimizer(cfg.optim, self.optim_params, self.lr, self.device)
         self.schedule = LRSchedule(cfg.optim, cfg.train.steps)
         self.scaler = self.precision.scaler
+        self.state_bytes: dict[str, int] | None = None  # measured during the first step
 
         self.step = 0
         self.metrics = MetricsLogger(self.run_dir if self.rank == 0 else None, cfg.train.steps,
@@ -103,6 +99,14 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops, self.peak_source = device_peak_flops(
             self.device, self.precision.compute_dtype, tf32=cfg.precision.mode == "tf32")
+
+    def _shared(self, value):
+        """Rank 0's value of something every rank must agree on (e.g. a time-stamped folder)."""
+        if not self.rt.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     # ---------------------------------------------------------------------------------------
     # set-up helpers
@@ -119,10 +123,10 @@ class Trainer:
         return None
 
     def checkpoint_tensors(self) -> dict:
-        # bf16-true: the fp32 master weights are the model's true state
-        model = {n: p for n, p in (self.master.named_master if self.master else self.named_params)}
+        # the weights the optimizer steps are the model's true state: fp32 masters in bf16-true,
+        # the shards under ZeRO-1/2 (DCP writes each rank's shard and reshards on load)
         optim, _ = ckpt.optimizer_to_named(self.optimizer, self.param_names)
-        return {"model": model, "optim": optim}
+        return {"model": dict(self.optim_params), "optim": optim}
 
     def _resume(self, path: Path) -> None:
         state = ckpt.read_trainer_state(path)
@@ -140,8 +144,7 @@ class Trainer:
         ckpt.init_optimizer_state(self.optimizer)
         ckpt.load_tensors(path, self.checkpoint_tensors())
         ckpt.restore_optimizer_extras(self.optimizer, self.param_names, state["optimizer"])
-        if self.master:
-            self.master.master_to_model()
+        self._weights_from_state()
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
@@ -149,6 +152,12 @@ class Trainer:
         if self.rank == 0:
             self._truncate_metrics(self.step)
         self.metrics.info(f"resumed from {path} at step {self.step}")
+
+    def _weights_from_state(self) -> None:
+        """Refresh what the model computes with from what the optimizer steps."""
+        if self.master:
+            self.master.master_to_model()
+        self.dp.after_optimizer_step()  # ZeRO-1/2: gather the updated shards into every replica
 
     def _truncate_metrics(self, step: int) -> None:
         """Drop metrics rows past the checkpoint: those steps are trained again."""
@@ -178,7 +187,7 @@ class Trainer:
     def _loader(self):
         b = self.batch
         sampler = StepSampler(len(self.dataset), b.global_batch, b.micro_batch, b.grad_accum,
-                              dp_rank=0, dp_size=b.dp, seed=self.cfg.train.seed, start_step=self.step)
+                              dp_rank=self.dp_rank, dp_size=b.dp, seed=self.cfg.train.seed, start_step=self.step)
         return build_loader(self.dataset, sampler, num_workers=self.cfg.data.num_workers,
                             pin_memory=self.cfg.data.pin_memory and self.device.type == "cuda",
                             prefetch_factor=self.cfg.data.prefetch_factor)
@@ -196,19 +205,24 @@ class Trainer:
         """Accumulate this step's gradients over its micro-batches; returns (loss, data wait)."""
         wait = 0.0
         loss_sum = torch.zeros((), device=self.device)
-        for _ in range(self.batch.grad_accum):
+        last = self.batch.grad_accum - 1
+        for k in range(self.batch.grad_accum):
             t0 = time.perf_counter()
             inputs, targets = next(batches)
             wait += time.perf_counter() - t0
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
-            with self.precision.autocast():
-                logits = self.model(inputs)  # (B, T, vocab)
-            # normalise by the tokens of the whole global batch: gradients add up over
-            # micro-batches (and ranks), and we want the gradient of the mean token loss
-            loss = cross_entropy_sum(logits, targets) / self.tokens_per_step
-            (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
+            with self.dp.micro_step(last=k == last):  # data parallel: sync gradients on the last
+                with self.precision.autocast():
+                    logits = self.model(inputs)  # (B, T, vocab)
+                # normalise by the tokens of the whole global batch: gradients add up over
+                # micro-batches and ranks, and we want the gradient of the mean token loss.
+                # The data-parallel reductions average over ranks, hence the factor dp.
+                loss = cross_entropy_sum(logits, targets) / self.tokens_per_step
+                scaled = loss * self.batch.dp if self.batch.dp > 1 else loss
+                (self.scaler.scale_loss(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach()
+        self.dp.finish_gradients()
         return loss_sum, wait
 
     def update(self) -> tuple[torch.Tensor, bool]:
@@ -217,16 +231,29 @@ class Trainer:
             self.master.grads_to_master()
         params = [p for _, p in self.optim_params]
         overflow = self.scaler.unscale_(params) if self.scaler else False
-        max_norm = self.cfg.train.grad_clip or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        grad_norm = clip_gradients(params, self.cfg.train.grad_clip)
+        measure = self.state_bytes is None
+        if measure:
+            self.state_bytes = model_state_bytes(self.dp, params, None)
         if not overflow:
             self.optimizer.step()
+        if measure:
+            self.state_bytes["optimizer"] = model_state_bytes(self.dp, [], self.optimizer)["optimizer"]
+            self._report_state_bytes()
         if self.scaler:
             self.scaler.update(overflow)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.master and not overflow:
-            self.master.master_to_model()
+        self.dp.zero_grad(self.optimizer)
+        if not overflow:
+            self._weights_from_state()
         return grad_norm, overflow
+
+    def _report_state_bytes(self) -> None:
+        b = self.state_bytes
+        total = b["params"] + b["grads"] + b["optimizer"]
+        self.metrics.info(
+            f"model states on rank {self.rank} (measured): parameters {b['params'] / 2**20:.2f} MiB, gradients "
+            f"{b['grads'] / 2**20:.2f} MiB, optimizer {b['optimizer'] / 2**20:.2f} MiB, total {total / 2**20:.2f} MiB "
+            f"= {total / self.num_params:.2f} bytes/param")
 
     # ---------------------------------------------------------------------------------------
     # the loop
@@ -257,7 +284,7 @@ class Trainer:
                     window_t0, window_wait, window_steps = time.perf_counter(), 0.0, 0
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                     last_saved = self.save()
-                if self._stop_signal is not None:
+                if self._should_stop():
                     break
         finally:
             self._restore_signal_handlers()
@@ -273,14 +300,32 @@ class Trainer:
         if self.scaler:
             extra["steps skipped (fp16 overflow)"] = self.scaler.skipped_steps
         self.metrics.summary(extra)
-        if stopped is None and cfg.train.sample_tokens and self.rank == 0:
+        # under FSDP every rank takes part in each forward; otherwise rank 0 samples alone
+        if stopped is None and cfg.train.sample_tokens and (self.rank == 0 or self.dp.zero == 3):
             self.metrics.info("sample: " + self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens))
         self.metrics.close()
         return {"losses": losses, "history": self.metrics.history, "step": self.step,
                 "stopped_by": stopped, "checkpoint": str(last_saved) if last_saved else None,
                 "run_dir": str(self.run_dir)}
 
+    def _should_stop(self) -> bool:
+        """A signal reached some rank: every rank stops after the same step."""
+        flag = self._stop_signal or 0
+        if self.rt.distributed:
+            t = torch.tensor([flag], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = int(t.item())
+            self._stop_signal = flag or None
+        return bool(flag)
+
     def _metrics_row(self, loss, grad_norm, elapsed, wait, steps) -> dict:
+        peak = peak_memory_bytes(self.device)
+        if self.rt.distributed:  # the loss of the global batch; the largest peak of any rank
+            loss = loss.clone()
+            dist.all_reduce(loss, group=self.rt.group("dp"))
+            t = torch.tensor([peak], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            peak = int(t.item())
         tokens_per_s = self.tokens_per_step * steps / elapsed
         row = {
             "step": self.step,
@@ -288,8 +333,9 @@ class Trainer:
             "lr": get_lr(self.optimizer),
             "grad_norm": float(grad_norm),
             "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": tokens_per_s / self.world_size,
             "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size),
-            "peak_mem_bytes": peak_memory_bytes(self.device),
+            "peak_mem_bytes": peak,
             "data_wait_frac": wait / elapsed,
             "step_time_s": elapsed / steps,
         }
@@ -304,6 +350,11 @@ class Trainer:
             f"scaletrain: {self.num_params / 1e6:.2f}M parameters, device {self.device}, precision "
             f"{cfg.precision.mode}, optimizer {cfg.optim.name}, activation checkpointing "
             f"{cfg.memory.activation_checkpointing}{', compiled' if cfg.train.compile else ''}")
+        if self.rt.distributed:
+            zero = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 (FSDP)"}[self.dp.zero]
+            hsdp = ", HSDP" if self.rt.dims.dp_replicate > 1 and self.dp.zero else ""
+            self.metrics.info(f"layout: {self.rt.dims.describe()}; data parallel {zero}{hsdp}, "
+                              f"backend {dist.get_backend()}")
         self.metrics.info(
             f"data: {self.data.source}, {self.data.num_tokens:,} tokens, {len(self.dataset):,} windows of "
             f"{cfg.data.seq_len}; batch {b.global_batch} = micro {b.micro_batch} x accum {b.grad_accum} "
@@ -333,8 +384,14 @@ class Trainer:
         ids = tok.encode(prompt) or [0]
         x = torch.tensor([ids], device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
-        self.model.eval()
+        module = self.dp.module
+        module.eval()
         with self.precision.autocast():
-            out = self.model.generate(x, new_tokens, window=self.cfg.data.seq_len, generator=gen)
-        self.model.train()
+            out = module.generate(x, new_tokens, window=self.cfg.data.seq_len, generator=gen)
+        module.train()
+        if self.dp.zero == 3:  # free the gathered parameters and let every rank finish together
+            for m in module.modules():
+                if hasattr(m, "reshard"):
+                    m.reshard()
+            dist.barrier()
         return tok.decode(out[0].tolist())

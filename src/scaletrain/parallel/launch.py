@@ -1,0 +1,184 @@
+"""Starting ranks, and what each rank knows about the others.
+
+`scaletrain train --nproc N` starts N local worker processes through PyTorch's elastic launcher
+(the engine behind torchrun); `torchrun -m scaletrain train ...` starts the same workers. Each
+worker reads torchrun's environment contract (RANK, WORLD_SIZE, LOCAL_RANK, ...) exactly once,
+here, and passes a `Runtime` object down: nothing below reads the environment.
+
+Backend: NCCL when the ranks train on CUDA, gloo on CPU. A request that cannot run as asked
+(a CUDA run with fewer GPUs than local ranks, a layout that needs another world size) is
+refused with one line; it is never quietly downgraded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from scaletrain.config import JobConfig
+from scaletrain.errors import LaunchError, UserError
+from scaletrain.parallel.dims import ParallelDims
+
+
+@dataclass
+class Runtime:
+    """This process's place among the ranks, passed explicitly to whoever needs it."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    dims: ParallelDims
+    mesh: object | None = None  # the 4-D DeviceMesh when distributed
+    dp_mesh: object | None = None  # its data-parallel axes flattened into one
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None
+
+    def axis(self, name: str):
+        """The 1-D mesh of one axis: `dp` (flattened), `dp_replicate`, `dp_shard`, `tp`, `pp`."""
+        return self.dp_mesh if name == "dp" else self.mesh[name]
+
+    def group(self, name: str):
+        """The process group of one axis, or None in a single process."""
+        return self.axis(name).get_group() if self.mesh is not None else None
+
+
+def pick_device(name: str, local_rank: int = 0, local_world_size: int = 1) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise LaunchError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+        if local_world_size > count:
+            raise LaunchError(f"{local_world_size} ranks on this node need {local_world_size} GPUs, but only {count} "
+                              f"are visible; launch at most {count} processes per node or train on cpu")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def single_process(cfg: JobConfig) -> Runtime:
+    dims = ParallelDims.from_config(cfg.parallel, 1)
+    return Runtime(0, 0, 1, 1, pick_device(cfg.train.device), dims)
+
+
+def is_worker() -> bool:
+    """True in a process started by our launcher or by torchrun."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def init_worker(cfg: JobConfig) -> Runtime:
+    """Join the process group described by torchrun's environment and build the mesh."""
+    env = os.environ
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    local_rank = int(env["LOCAL_RANK"])
+    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    device = pick_device(cfg.train.device, local_rank, local_world)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    timeout = timedelta(seconds=cfg.parallel.timeout_s)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    mesh, dp_mesh = dims.build_mesh(device.type)
+    return Runtime(rank, local_rank, world, local_world, device, dims, mesh, dp_mesh)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# The parent: starting workers
+
+
+def record_worker_error(e: BaseException, rank: int) -> None:
+    """Print the error in a few lines and leave it where the launcher looks for it."""
+    if isinstance(e, UserError):
+        text = "; ".join(e.lines)
+    else:
+        frames = traceback.extract_tb(e.__traceback__)[-3:]
+        where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        text = f"{type(e).__name__}: {first} (at {where})"
+    print(f"scaletrain: error: rank {rank}: {text}", file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": text, "timestamp": int(time.time()), "scaletrain_time": time.time(),
+                       "user_error": isinstance(e, UserError)}, f)
+
+
+def launch(worker_args: list[str], *, nproc: int, nnodes: int = 1, node_rank: int | None = None,
+           rdzv_endpoint: str = "", max_restarts: int = 0, monitor_interval: float = 0.1,
+           program: tuple[str, ...] = ("-m", "scaletrain", "train")) -> int:
+    """Start `python PROGRAM WORKER_ARGS` (by default `scaletrain train`) on `nproc` local ranks;
+    return the exit code."""
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nproc < 1:
+        raise LaunchError(f"--nproc must be at least 1, got {nproc}")
+    if nnodes < 1:
+        raise LaunchError(f"--nnodes must be at least 1, got {nnodes}")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise LaunchError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT, reachable from every node")
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # we report failures ourselves, briefly
+
+    if node_rank is not None:  # fixed node ranks: like torchrun --master-addr/--master-port
+        backend, endpoint, rdzv_configs = "static", rdzv_endpoint, {"rank": node_rank}
+    elif rdzv_endpoint:  # nodes join in any order
+        backend, endpoint, rdzv_configs = "c10d", rdzv_endpoint, {}
+    else:  # one node: a rendezvous on a free local port, like torchrun --standalone
+        backend, endpoint, rdzv_configs = "c10d", "localhost:0", {}
+    config = LaunchConfig(
+        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=f"scaletrain-{os.getpid()}",
+        rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=max_restarts,
+        monitor_interval=monitor_interval, logs_specs=DefaultLogsSpecs(), start_method="spawn")
+    threads_before = os.environ.get("OMP_NUM_THREADS")
+    if threads_before is None:  # share the cores among the local ranks instead of oversubscribing
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    try:
+        elastic_launch(config, entrypoint=sys.executable)(*program, *worker_args)
+    except ChildFailedError as e:
+        rank, failure = _first_failure(e)
+        code = failure.exitcode if failure.exitcode > 0 else 1
+        message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
+        if failure.exitcode < 0:
+            message = f"killed by signal {-failure.exitcode}"
+        print(f"scaletrain: error: rank {rank} failed first (exit code {failure.exitcode}): {message}",
+              file=sys.stderr, flush=True)
+        return code
+    finally:
+        if threads_before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+    return 0
+
+
+def _first_failure(e):
+    """The failure that caused the others: a user error if any, else the earliest recorded one."""
+    def key(item):
+        rank, f = item
+        data = f.error_file_data if isinstance(f.error_file_data, dict) else {}
+        return (not data.get("user_error", False), "scaletrain_time" not in data,
+                data.get("scaletrain_time", f.timestamp), rank)
+
+    return min(e.failures.items(), key=key)

@@ -1,0 +1,195 @@
+"""ZeRO stages 1 and 2 (Rajbhandari et al. 2020) for replicated parameters.
+
+Every data-parallel rank keeps the whole model (4 bytes/param in fp32) but owns only a 1/N
+shard of each parameter's rows: the optimizer steps that shard (its Adam moments, 8 bytes/param,
+exist for the shard only), and the updated shards are all-gathered back into every replica.
+
+* Stage 1 (optimizer state sharded): full gradients are kept (4 B/param) and reduce-scattered,
+  so each rank receives the summed gradient of its shard.        8Ψ + 8Ψ/N per rank
+* Stage 2 (gradients sharded too): each bucket of full gradients is freed as soon as it has been
+  reduce-scattered during backward, leaving only the shard.       4Ψ + 12Ψ/N per rank
+
+Communication per step is that of DDP, 2Ψ(N-1)/N per rank, split into a reduce-scatter of
+gradients (during backward, bucketed, overlapped) and an all-gather of parameters (after the step).
+
+Shards are DTensors placed `Shard(0)` over the `dp_shard` axis (and `Replicate()` over
+`dp_replicate` for HSDP), exactly as FSDP2 places ZeRO-3's, so optimizer checkpoints reshard
+between every stage. In fp32 a shard is a view into its replica's rows (no copy); with
+`bf16-true` (fp32 master shards for bf16 replicas) it is its own fp32 tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+@dataclass
+class _Slot:
+    """One parameter's place in a bucket."""
+
+    name: str
+    param: nn.Parameter  # the full replica
+    shard: nn.Parameter  # the DTensor this rank's optimizer steps
+    rows: int  # the parameter's rows (dim 0)
+    chunk_rows: int  # rows per rank, padded (ceil(rows / N))
+    row_numel: int
+    is_view: bool  # the shard is a view into the replica's rows (no master copy)
+    offset: int = 0  # in the bucket's per-rank segment
+
+    @property
+    def chunk_numel(self) -> int:
+        return self.chunk_rows * self.row_numel
+
+
+@dataclass
+class _Bucket:
+    slots: list[_Slot] = field(default_factory=list)
+    shard_numel: int = 0  # per-rank segment size
+    ready: int = 0
+    work: dist.Work | None = None
+    out: torch.Tensor | None = None
+
+
+class ZeroDataParallel:
+    """Shards optimizer state (stage 1) and gradients (stage 2) of a replicated model."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], mesh: DeviceMesh, *, stage: int,
+                 dp_replicate: int, bucket_bytes: int, master_dtype: torch.dtype | None = None):
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroDataParallel handles stages 1 and 2, not {stage}")
+        self.stage = stage
+        self.shard_group = mesh["dp_shard"].get_group()
+        self.n = mesh["dp_shard"].size()
+        self.rank = mesh["dp_shard"].get_local_rank()
+        self.rep_group = mesh["dp_replicate"].get_group() if dp_replicate > 1 else None
+        self.dp = self.n * dp_replicate
+        if dp_replicate > 1:
+            self.shard_mesh = mesh["dp_replicate", "dp_shard"]
+            placements = (Replicate(), Shard(0))
+        else:
+            self.shard_mesh = mesh["dp_shard"]
+            placements = (Shard(0),)
+        self.sync = True  # reduce gradients in this backward (False on non-final micro-steps)
+
+        slots = []
+        for name, p in named_params:
+            rows = p.shape[0] if p.ndim else 1
+            chunk_rows = math.ceil(rows / self.n)
+            start, stop = min(rows, self.rank * chunk_rows), min(rows, (self.rank + 1) * chunk_rows)
+            local = p.detach().view(rows, -1)[start:stop].view(stop - start, *p.shape[1:])
+            dtype = master_dtype or p.dtype
+            is_view = dtype == p.dtype
+            if not is_view:
+                local = local.to(dtype=dtype, copy=True)  # its own fp32 master copy
+            shard = nn.Parameter(DTensor.from_local(local, self.shard_mesh, placements, run_check=False,
+                                                    shape=p.shape, stride=p.stride()))
+            slots.append(_Slot(name, p, shard, rows, chunk_rows, p[0].numel() if p.ndim else 1, is_view))
+        self.slots = slots
+        # buckets in reverse order: gradients of the last layers are ready first
+        self.buckets: list[_Bucket] = []
+        bucket = _Bucket()
+        for slot in reversed(slots):
+            elem = slot.param.element_size()
+            if bucket.slots and (bucket.shard_numel + slot.chunk_numel) * self.n * elem > bucket_bytes:
+                self.buckets.append(bucket)
+                bucket = _Bucket()
+            slot.offset = bucket.shard_numel
+            bucket.slots.append(slot)
+            bucket.shard_numel += slot.chunk_numel
+        if bucket.slots:
+            self.buckets.append(bucket)
+        self._bucket_of = {id(s.param): b for b in self.buckets for s in b.slots}
+        self._next = 0  # buckets are launched in order, the same on every rank
+        self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_ready) for s in slots]
+
+    @property
+    def named_shards(self) -> list[tuple[str, nn.Parameter]]:
+        return [(s.name, s.shard) for s in self.slots]
+
+    # ---- backward: bucketed reduce-scatter, overlapped with the rest of backward
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        if not self.sync:
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.ready += 1
+        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].slots):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        slot0 = bucket.slots[0]
+        dtype = torch.float32 if slot0.shard.dtype == torch.float32 else slot0.param.dtype
+        flat = torch.zeros(self.n, bucket.shard_numel, dtype=dtype, device=slot0.param.device)
+        for s in bucket.slots:
+            if s.param.grad is None:
+                continue  # unused parameter: contributes zeros
+            g = s.param.grad.detach().view(s.rows, -1)
+            padded = torch.zeros(self.n * s.chunk_rows, s.row_numel, dtype=dtype, device=g.device)
+            padded[:s.rows] = g
+            flat[:, s.offset:s.offset + s.chunk_numel] = padded.view(self.n, -1)
+            if self.stage == 2:
+                s.param.grad = None  # stage 2: the full gradient is not kept
+        bucket.out = torch.empty(bucket.shard_numel, dtype=dtype, device=flat.device)
+        bucket.work = dist.reduce_scatter_single(bucket.out, flat.view(-1), group=self.shard_group, async_op=True)
+
+    def finish_gradients(self) -> None:
+        """Wait for every bucket's reduction and hand each shard its averaged gradient."""
+        while self._next < len(self.buckets):  # buckets with unused parameters
+            self._launch(self.buckets[self._next])
+            self._next += 1
+        for bucket in self.buckets:
+            bucket.work.wait()
+            if self.rep_group is not None:  # HSDP: sum the shards over the replicas too
+                dist.all_reduce(bucket.out, group=self.rep_group)
+            bucket.out.div_(self.dp)  # every rank's loss carries a factor dp (see the trainer)
+            for s in bucket.slots:
+                local_rows = s.shard.to_local().shape[0]
+                reduced = bucket.out[s.offset:s.offset + s.chunk_numel].view(s.chunk_rows, *s.param.shape[1:])
+                reduced = reduced[:local_rows]
+                if self.stage == 1 and s.is_view and s.param.grad is not None:
+                    # stage 1 keeps the full gradient: the reduced shard goes into its own rows,
+                    # and the shard's gradient is a view of them (no extra memory)
+                    view = _row_slice(s.param.grad, self.rank * s.chunk_rows, local_rows)
+                    view.copy_(reduced)
+                    reduced = view
+                grad = reduced.to(dtype=s.shard.dtype)
+                s.shard.grad = DTensor.from_local(grad, self.shard_mesh, s.shard.placements, run_check=False,
+                                                  shape=s.shard.shape, stride=s.shard.stride())
+            bucket.work, bucket.out, bucket.ready = None, None, 0
+        self._next = 0
+
+    # ---- after the optimizer step: every replica gets the updated rows
+
+    @torch.no_grad()
+    def gather_parameters(self) -> None:
+        for bucket in self.buckets:
+            slot0 = bucket.slots[0]
+            dtype, device = slot0.param.dtype, slot0.param.device
+            mine = torch.zeros(bucket.shard_numel, dtype=dtype, device=device)
+            for s in bucket.slots:
+                local = s.shard.to_local()
+                mine[s.offset:s.offset + local.numel()] = local.reshape(-1)
+            everyone = torch.empty(self.n, bucket.shard_numel, dtype=dtype, device=device)
+            dist.all_gather_single(everyone.view(-1), mine, group=self.shard_group)
+            for s in bucket.slots:
+                rows = everyone[:, s.offset:s.offset + s.chunk_numel].reshape(self.n * s.chunk_rows, s.row_numel)
+                s.param.view(s.rows, -1).copy_(rows[:s.rows])
+
+    def zero_grad(self) -> None:
+        for s in self.slots:
+            s.param.grad = None
+            s.shard.grad = None
+
+
+def _row_slice(t: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+    total = t.shape[0] if t.ndim else 1
+    start = min(start, total)
+    return t.view(total, -1)[start:start + rows].view(rows, *t.shape[1:])

@@ -1,0 +1,98 @@
+"""Run several training configs inside one group of real processes (tests only).
+
+    python -m scaletrain.parallel.launch is not used: tests call `run_group(nproc, jobs)`,
+    which starts `python tests/dist_worker.py SPEC` on nproc ranks through scaletrain's launcher.
+
+SPEC is a JSON file: {"jobs": [{"overrides": {...}, "expect_fail": false, "fault": null}, ...],
+"out": "results.json"}. Rank 0 writes, per job, the logged losses, the measured model-state
+bytes and the window indices each rank read at step 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from scaletrain.config import load_config  # noqa: E402
+from scaletrain.parallel.launch import init_worker  # noqa: E402
+from scaletrain.train import checkpoint as ckpt  # noqa: E402
+from scaletrain.train.trainer import Trainer  # noqa: E402
+
+
+def inject(fault: dict | None, rank: int) -> None:
+    """Faults for the tests: kill or fail a rank at a chosen moment."""
+    if not fault or fault.get("rank") != rank:
+        return
+    if fault["kind"] == "kill_during_save":
+        real = ckpt._write_json
+        count = {"n": 0}
+
+        def dying_write(path, data):
+            if path.name.startswith("rng_rank"):
+                count["n"] += 1
+                if count["n"] == fault["save"]:
+                    os.kill(os.getpid(), signal.SIGKILL)  # mid-save: shards written, not renamed
+            real(path, data)
+
+        ckpt._write_json = dying_write
+    elif fault["kind"] == "raise_at_start":
+        raise RuntimeError(fault.get("message", "injected failure"))
+
+
+def inject_into_trainer(trainer, fault: dict | None, rank: int) -> None:
+    """Faults that need the trainer: poison one local gradient on one rank at one step."""
+    if not fault or fault.get("rank") != rank or fault["kind"] != "inf_grad":
+        return
+    real = trainer.update
+
+    def poisoned_update():
+        if trainer.step + 1 == fault["step"]:
+            grad = trainer.optim_params[0][1].grad
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            local.view(-1)[0] = float("inf")
+        return real()
+
+    trainer.update = poisoned_update
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    results = []
+    rank = int(os.environ["RANK"])
+    for job in spec["jobs"]:
+        cfg = load_config(None, job["overrides"])
+        rt = init_worker(cfg)
+        inject(job.get("fault"), rank)
+        trainer = Trainer(cfg, rt, stream=open(os.devnull, "w"))
+        inject_into_trainer(trainer, job.get("fault"), rank)
+        indices = trainer._loader().sampler.rank_micro_batches(trainer.step)
+        result = trainer.fit()
+        gathered = [None] * rt.world_size
+        dist.all_gather_object(gathered, {"rank": rank, "dp_rank": trainer.dp_rank, "indices": indices,
+                                          "state_bytes": trainer.state_bytes})
+        results.append({"losses": [(r["step"], r["loss"]) for r in result["history"]],
+                        "history": result["history"], "ranks": gathered, "num_params": trainer.num_params,
+                        "start_step": result["history"][0]["step"] if result["history"] else None})
+        dist.barrier()
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    from scaletrain.parallel.launch import record_worker_error
+
+    torch.set_num_threads(1)
+    try:
+        main(sys.argv[1])
+    except BaseException as e:  # report like `scaletrain train` does
+        record_worker_error(e, int(os.environ["RANK"]))
+        sys.exit(1)

@@ -1,0 +1,71 @@
+"""The launcher: `scaletrain train --nproc N`, `torchrun -m scaletrain train`, failures, refusals."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, micro_overrides, read_metrics, run_cli, run_group
+
+pytestmark = pytest.mark.multiproc
+
+ARGS = ["--model.dim=64", "--model.n_layers=2", "--data.seq_len=32", "--train.global_batch=8",
+        "--train.steps=3", "--log.every=1", "--log.tensorboard=false", "--train.sample_tokens=8"]
+
+
+def test_nproc_launches_ranks_and_only_rank0_prints(tmp_path):
+    r = run_cli("train", "--nproc", "2", "--parallel.zero=2", *ARGS, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("step 3/3") == 1  # one progress line per step: rank 0 alone prints
+    assert "layout: 2 rank(s)" in r.stderr and "ZeRO-2" in r.stderr and "backend gloo" in r.stderr
+    assert r.stderr.count("sample: ") == 1
+    runs = list((tmp_path / "runs").iterdir())  # the default run folder, shared by both ranks
+    assert len(runs) == 1
+    assert [row["step"] for row in read_metrics(runs[0])] == [1, 2, 3]
+    assert "Traceback" not in r.stderr
+
+
+def test_torchrun_runs_the_same_workers(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "scaletrain", "train", *ARGS, "--parallel.zero=3", f"--log.run_dir={tmp_path / 'run'}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert [row["step"] for row in read_metrics(tmp_path / "run")] == [1, 2, 3]
+
+
+def test_failing_rank_is_reported_first_in_a_few_lines(tmp_path):
+    job = {"overrides": micro_overrides(tmp_path / "run", **{"train.steps": 3}),
+           "fault": {"kind": "raise_at_start", "rank": 1, "message": "disk on fire"}}
+    code, _, err = run_group(2, [job], tmp_path)
+    assert code == 1
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[0].startswith("scaletrain: error: rank 1: RuntimeError: disk on fire"), err
+    assert "rank 1 failed first (exit code 1): RuntimeError: disk on fire" in err
+    assert "Traceback" not in err and len(lines) <= 4, err
+
+
+def test_user_error_in_workers_exits_2(tmp_path):
+    not_a_checkpoint = tmp_path / "empty"
+    not_a_checkpoint.mkdir()
+    r = run_cli("train", "--nproc", "2", *ARGS, f"--checkpoint.resume={not_a_checkpoint}",
+                f"--log.run_dir={tmp_path / 'run'}")
+    assert r.returncode == 2, r.stderr
+    assert "failed first (exit code 2)" in r.stderr and "not a complete scaletrain checkpoint" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 4, r.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--nproc", "3", "--parallel.dp_replicate=2"], "needs a multiple of dp_replicate × tp × pp = 2"),
+    (["--nproc", "2", "--parallel.dp_shard=4"], "but the world has 2"),
+    (["--nproc", "2", "--parallel.zero=3", "--parallel.dp_replicate=2"], "parallel.zero=3 shards model states"),
+    (["--nproc", "2", "--train.device=cuda"], "no CUDA device is visible"),
+    (["--parallel.zero=1"], "there is only 1"),
+    (["--nproc", "2", "--train.global_batch=7"], "not divisible"),
+    (["--nnodes", "2", "--nproc", "2"], "needs --rdzv-endpoint"),
+])
+def test_impossible_requests_are_refused(args, message):
+    r = run_cli("train", *args, "--train.steps=1")
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
