@@ -150,6 +150,29 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, param_dtype: torch.dtype | None, of
     for prev, nxt in zip(blocks, blocks[1:]):
         prev.set_modules_to_forward_prefetch([nxt])
         nxt.set_modules_to_backward_prefetch([prev])
+    if dist.get_backend(dp_mesh.get_group(dp_mesh.ndim - 1)) == "gloo":
+        for module in [*blocks, model]:
+            module.set_custom_reduce_scatter(AllToAllReduceScatter())
+
+
+class AllToAllReduceScatter:
+    """Reduce-scatter as all-to-all plus a local sum: on gloo, whose own reduce-scatter sends the
+    whole buffer from every rank, this sends the (N-1)/N of it that a reduce-scatter should.
+    (Implements FSDP2's `ReduceScatter` comm interface.)"""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        n = group.size()
+        received = torch.empty_like(input_tensor)
+        dist.all_to_all_single(received, input_tensor, group=group)
+        torch.sum(received.view(n, -1), dim=0, out=output_tensor)
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(n)
+        elif op != dist.ReduceOp.SUM:
+            raise ValueError(f"AllToAllReduceScatter supports SUM and AVG, not {op}")
+        return None
 
 
 # --------------------------------------------------------------------------------------------

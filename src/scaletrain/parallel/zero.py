@@ -55,6 +55,7 @@ class _Bucket:
     ready: int = 0
     work: dist.Work | None = None
     out: torch.Tensor | None = None
+    recv: torch.Tensor | None = None  # gloo: every rank's contribution to this rank's segment
 
 
 class ZeroDataParallel:
@@ -77,6 +78,9 @@ class ZeroDataParallel:
             self.shard_mesh = mesh["dp_shard"]
             placements = (Shard(0),)
         self.sync = True  # reduce gradients in this backward (False on non-final micro-steps)
+        # gloo's reduce-scatter sends the whole buffer from every rank; an all-to-all followed by
+        # a local sum sends the (N-1)/N a reduce-scatter should (NCCL's is already optimal)
+        self.all_to_all = dist.get_backend(self.shard_group) == "gloo"
 
         slots = []
         for name, p in named_params:
@@ -137,8 +141,14 @@ class ZeroDataParallel:
             flat[:, s.offset:s.offset + s.chunk_numel] = padded.view(self.n, -1)
             if self.stage == 2:
                 s.param.grad = None  # stage 2: the full gradient is not kept
-        bucket.out = torch.empty(bucket.shard_numel, dtype=dtype, device=flat.device)
-        bucket.work = dist.reduce_scatter_single(bucket.out, flat.view(-1), group=self.shard_group, async_op=True)
+        if self.all_to_all:
+            bucket.recv = torch.empty_like(flat)
+            bucket.work = dist.all_to_all_single(bucket.recv.view(-1), flat.view(-1), group=self.shard_group,
+                                                 async_op=True)
+        else:
+            bucket.out = torch.empty(bucket.shard_numel, dtype=dtype, device=flat.device)
+            bucket.work = dist.reduce_scatter_single(bucket.out, flat.view(-1), group=self.shard_group,
+                                                     async_op=True)
 
     def finish_gradients(self) -> None:
         """Wait for every bucket's reduction and hand each shard its averaged gradient."""
@@ -147,6 +157,8 @@ class ZeroDataParallel:
             self._next += 1
         for bucket in self.buckets:
             bucket.work.wait()
+            if bucket.recv is not None:
+                bucket.out, bucket.recv = bucket.recv.sum(0), None
             if self.rep_group is not None:  # HSDP: sum the shards over the replicas too
                 dist.all_reduce(bucket.out, group=self.rep_group)
             bucket.out.div_(self.dp)  # every rank's loss carries a factor dp (see the trainer)
