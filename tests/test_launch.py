@@ -69,3 +69,15 @@ def test_impossible_requests_are_refused(args, message):
     r = run_cli("train", *args, "--train.steps=1")
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_fixed_node_rank_rendezvous(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = run_cli("train", "--nproc", "2", "--nnodes", "1", "--node-rank", "0", "--rdzv-endpoint",
+                f"127.0.0.1:{port}", *ARGS, f"--log.run_dir={tmp_path / 'run'}")
+    assert r.returncode == 0, r.stderr
+    assert [row["step"] for row in read_metrics(tmp_path / "run")] == [1, 2, 3]
