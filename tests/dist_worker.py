@@ -84,15 +84,18 @@ def main(spec_path: str) -> None:
         dist.barrier()
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    dist.barrier()
 
 
 if __name__ == "__main__":
     from scaletrain.parallel.launch import record_worker_error
+
+    from scaletrain.parallel.launch import exit_worker
 
     torch.set_num_threads(1)
     try:
         main(sys.argv[1])
     except BaseException as e:  # report like `scaletrain train` does
         record_worker_error(e, int(os.environ["RANK"]))
-        sys.exit(1)
+        exit_worker(1)
+    exit_worker(0)

@@ -7,6 +7,7 @@ and exits with code 2; there is no traceback for those.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from typing import Sequence
@@ -83,15 +84,14 @@ def _train_worker(cfg) -> int:
     from scaletrain.parallel import launch
     from scaletrain.train.trainer import Trainer
 
-    rank = int(__import__("os").environ.get("RANK", "0"))
+    rank = int(os.environ.get("RANK", "0"))
     try:
         rt = launch.init_worker(cfg)
-        return _exit_code(Trainer(cfg, rt).fit())
+        code = _exit_code(Trainer(cfg, rt).fit())
     except BaseException as e:  # noqa: BLE001 - every failure is reported in a few lines
         launch.record_worker_error(e, rank)
-        return EXIT_USER_ERROR if isinstance(e, UserError) else 1
-    finally:
-        launch.shutdown()
+        code = EXIT_USER_ERROR if isinstance(e, UserError) else 1
+    launch.exit_worker(code)
 
 
 def _exit_code(result: dict) -> int:

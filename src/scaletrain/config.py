@@ -141,8 +141,14 @@ class ParallelConfig:
     dp_replicate: int = option(1, "data-parallel replica groups (the outer axis of HSDP)", min=1)
     dp_shard: int = option(-1, "data-parallel ranks that shard model states (zero >= 1); -1 = all remaining ranks",
                            min=-1)
-    tp: int = option(1, "tensor-parallel ranks (must stay 1 until tensor parallelism lands)", min=1, max=1)
-    pp: int = option(1, "pipeline stages (must stay 1 until pipeline parallelism lands)", min=1, max=1)
+    tp: int = option(1, "tensor-parallel ranks: attention split by heads, MLP and vocabulary split", min=1)
+    sp: bool = option(False, "sequence parallel: norms and residuals on sequence shards between the tp regions")
+    pp: int = option(1, "pipeline-parallel ranks (stages of layers)", min=1)
+    pp_schedule: str = option("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"))
+    pp_microbatches: int = option(0, "micro-batches per step in the pipeline; 0 = train.grad_accum (they are "
+                                     "the same count under pipelining)", min=0)
+    pp_virtual_stages: int = option(1, "stages per pp rank (interleaved-1f1b: 2 or more; zero-bubble: 2)", min=1)
+    pp_split: str = option("", "layers per stage by hand, e.g. \"3,4,4,3\"; empty = balanced by compute")
     zero: int = option(0, "ZeRO stage: 0 = DDP, 1 = shard optimizer state, 2 = + gradients, "
                           "3 = + parameters (FSDP)", min=0, max=3)
     bucket_mb: float = option(25.0, "gradient bucket size for the overlapped reductions (zero 0-2)", min=0.001)
@@ -415,12 +421,31 @@ def check_combinations(cfg: JobConfig) -> list[str]:
 
 def check_layout(cfg: JobConfig, dims) -> None:
     """Problems that appear once the number of ranks is known."""
-    errors = []
-    if cfg.parallel.zero >= 1 and dims.dp_shard == 1:
-        errors.append(f"parallel.zero={cfg.parallel.zero} shards model states over the dp_shard ranks, but "
+    from scaletrain.parallel.pipeline import check_schedule
+    from scaletrain.parallel.tensor_parallel import check_tp
+
+    par, errors = cfg.parallel, []
+    if par.zero >= 1 and dims.dp_shard == 1:
+        errors.append(f"parallel.zero={par.zero} shards model states over the dp_shard ranks, but "
                       f"there is only 1 ({dims.describe()}); use parallel.zero=0, or more data-parallel ranks")
+    if par.zero in (1, 2) and dims.tp > 1 and dims.dp > 1:
+        errors.append(f"parallel.zero={par.zero} with parallel.tp > 1 is not supported yet; use zero=3 (FSDP "
+                      "shards tensor-parallel weights too) or zero=0")
+    if par.sp and dims.tp == 1:
+        errors.append("parallel.sp=true splits the sequence over the tensor-parallel ranks; it needs parallel.tp > 1")
+    if dims.pp > 1 and cfg.model.tie_embeddings:
+        errors.append("model.tie_embeddings=true shares one weight between the first and the last pipeline "
+                      "stage; set model.tie_embeddings=false to train with parallel.pp > 1")
     if errors:
         raise ConfigError(*errors)
+    if dims.tp > 1:
+        check_tp(cfg.model, dims.tp)
+    if dims.pp > 1:
+        accum = resolve_batch(cfg.train, dims.dp, par.pp_microbatches).grad_accum
+        check_schedule(par.pp_schedule, dims.pp, par.pp_virtual_stages, accum, cfg.model.n_layers, par.pp_split)
+    elif par.pp_virtual_stages != 1 or par.pp_split or par.pp_microbatches:
+        raise ConfigError("parallel.pp_virtual_stages, pp_split and pp_microbatches describe pipeline stages; "
+                          "they need parallel.pp > 1")
 
 
 def _divisors(n: int, limit: int | None = None) -> list[int]:
@@ -441,9 +466,17 @@ class BatchPlan:
 DEFAULT_MICRO_BATCH = 32
 
 
-def resolve_batch(train: TrainConfig, dp: int) -> BatchPlan:
-    """Derive the missing members of the batch triad, or check the three given ones."""
+def resolve_batch(train: TrainConfig, dp: int, pp_microbatches: int = 0) -> BatchPlan:
+    """Derive the missing members of the batch triad, or check the three given ones.
+
+    Under pipelining the accumulated micro-batches are the pipeline's micro-batches, so
+    `parallel.pp_microbatches`, when given, is the accumulation count."""
     g, m, a = train.global_batch, train.micro_batch, train.grad_accum
+    if pp_microbatches:
+        if a and a != pp_microbatches:
+            raise ConfigError(f"train.grad_accum={a} and parallel.pp_microbatches={pp_microbatches} name the same "
+                              "count under pipelining (micro-batches per step); give one of them")
+        a = pp_microbatches
     if not g and not m:
         m = DEFAULT_MICRO_BATCH
     if m and a:

@@ -24,14 +24,13 @@ from scaletrain.errors import ConfigError
 
 
 def param_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
-    """Decay matrices (linear weights, embeddings); leave norms and biases alone."""
-    decay, no_decay = [], []
+    """Decay matrices (linear weights, embeddings); leave norms and biases alone. Sharded
+    (DTensor) and plain parameters go into separate groups: a multi-tensor kernel takes one kind."""
+    groups: dict[tuple[bool, bool], list] = {}
     for _, p in named_params:
-        (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
+        groups.setdefault((p.ndim >= 2, isinstance(p, DTensor)), []).append(p)
+    return [{"params": ps, "weight_decay": weight_decay if decay else 0.0}
+            for (decay, _), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
 
 
 def build_optimizer(cfg: OptimConfig, named_params: list[tuple[str, torch.nn.Parameter]],

@@ -180,21 +180,6 @@ class Transformer(nn.Module):
             h = self.output(h)  # (B, T, vocab)
         return h
 
-    @torch.no_grad()
-    def generate(self, tokens: torch.Tensor, new_tokens: int, temperature: float = 0.8, top_k: int = 50,
-                 window: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample `new_tokens` continuations of tokens (B, T). The context slides at `window`
-        tokens (default max_seq_len; pass the training length: later positions were never trained)."""
-        window = min(window or self.cfg.max_seq_len, self.cfg.max_seq_len)
-        for _ in range(new_tokens):
-            logits = self(tokens[:, -window:])[:, -1, :].float() / max(temperature, 1e-5)
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
-            tokens = torch.cat([tokens, nxt], dim=1)
-        return tokens
-
 
 def count_params(cfg: ModelConfig) -> int:
     """Parameters of the model described by cfg, counted on the meta device (no memory)."""

@@ -26,23 +26,32 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from scaletrain.parallel.init import canonical_name
 
 
 class DataParallel:
-    """One data-parallel rank: nothing to synchronise."""
+    """One data-parallel rank: nothing to synchronise. Holds this rank's model chunks (one, or
+    several pipeline stages) and what forward goes through for each."""
 
     zero = None
 
-    def __init__(self, model: nn.Module):
-        self.model = model  # what to call for forward (a wrapper, or the model itself)
-        self.module = model  # the plain root module
+    def __init__(self, chunks: list[nn.Module]):
+        self.modules = list(chunks)  # the plain chunk roots
+        self.models = list(chunks)  # what forward calls: a wrapper, or the chunk itself
+
+    @property
+    def model(self) -> nn.Module:
+        return self.models[0]
+
+    @property
+    def module(self) -> nn.Module:
+        return self.modules[0]
 
     @property
     def named_params(self) -> list[tuple[str, nn.Parameter]]:
-        return [(canonical_name(n), p) for n, p in self.module.named_parameters()]
+        return [(canonical_name(n), p) for m in self.modules for n, p in m.named_parameters()]
 
     @property
     def named_optim_params(self) -> list[tuple[str, nn.Parameter]]:
@@ -64,24 +73,30 @@ class DataParallel:
 
 
 class DDPDataParallel(DataParallel):
-    """ZeRO-0: PyTorch DDP over the flattened data-parallel axis."""
+    """ZeRO-0: PyTorch DDP over the flattened data-parallel axis, one DDP per chunk."""
 
     zero = 0
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup, bucket_mb: float, reduce_in_fp32: bool):
+    def __init__(self, chunks: list[nn.Module], group: dist.ProcessGroup, bucket_mb: float, reduce_in_fp32: bool):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        # no broadcasts: weights are already equal (seeded by name) and the only buffers (rotary
-        # tables) are computed the same on every rank
-        ddp = DDP(model, process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
-                  init_sync=False, forward_sync_buffers=False)
-        if reduce_in_fp32:  # bf16-true: sum bf16 gradients in fp32
-            ddp.register_comm_hook(group, _fp32_allreduce_hook)
-        super().__init__(ddp)
-        self.module = model
+        super().__init__(chunks)
+        self.models = []
+        for chunk in chunks:
+            # no broadcasts: weights are already equal (seeded by name) and the only buffers
+            # (rotary tables) are computed the same on every rank
+            ddp = DDP(chunk, process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
+                      init_sync=False, forward_sync_buffers=False)
+            if reduce_in_fp32:  # bf16-true: sum bf16 gradients in fp32
+                ddp.register_comm_hook(group, _fp32_allreduce_hook)
+            self.models.append(ddp)
 
     def micro_step(self, last: bool):
-        return contextlib.nullcontext() if last else self.model.no_sync()
+        stack = contextlib.ExitStack()
+        if not last:
+            for ddp in self.models:
+                stack.enter_context(ddp.no_sync())
+        return stack
 
 
 def _fp32_allreduce_hook(group, bucket):  # no annotations: DDP checks them at run time
@@ -99,11 +114,11 @@ def _fp32_allreduce_hook(group, bucket):  # no annotations: DDP checks them at r
 class ZeroDataParallelStrategy(DataParallel):
     """ZeRO-1/2: replicated parameters, sharded optimizer state (and gradients)."""
 
-    def __init__(self, model: nn.Module, mesh, *, stage: int, dp_replicate: int, bucket_mb: float,
+    def __init__(self, chunks: list[nn.Module], mesh, *, stage: int, dp_replicate: int, bucket_mb: float,
                  master_dtype: torch.dtype | None):
         from scaletrain.parallel.zero import ZeroDataParallel
 
-        super().__init__(model)
+        super().__init__(chunks)
         self.zero = stage
         self.engine = ZeroDataParallel(self.named_params, mesh, stage=stage, dp_replicate=dp_replicate,
                                        bucket_bytes=int(bucket_mb * 2**20), master_dtype=master_dtype)
@@ -128,9 +143,36 @@ class ZeroDataParallelStrategy(DataParallel):
 
 
 class FSDPDataParallel(DataParallel):
-    """ZeRO-3: FSDP2, already applied to the model before materialization."""
+    """ZeRO-3: FSDP2, already applied to the chunks before materialization. Gradients are
+    reduce-scattered after every micro-batch (accumulating into the shards: no full-size
+    gradient is kept between micro-batches)."""
 
     zero = 3
+
+
+class ReplicateDataParallel(DataParallel):
+    """ZeRO-0 for tensor-parallel (DTensor) parameters, which DDP cannot take: PyTorch's
+    FSDP2-based `replicate`, all-reducing each block's gradients as soon as they are ready."""
+
+    zero = 0
+
+    def micro_step(self, last: bool):
+        for module in self.modules:
+            for m in module.modules():
+                if hasattr(m, "set_requires_gradient_sync"):
+                    m.set_requires_gradient_sync(last, recurse=False)
+        return contextlib.nullcontext()
+
+
+def apply_replicate(chunk: nn.Module, dp_mesh, *, param_dtype: torch.dtype | None) -> None:
+    """Replicate each block and the chunk root over `dp_mesh` (gradient all-reduce, fp32)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in chunk.layers.values():
+        replicate(block, mesh=dp_mesh, mp_policy=mp)
+    replicate(chunk, mesh=dp_mesh, mp_policy=mp)
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, *, param_dtype: torch.dtype | None, offload: bool) -> None:
@@ -199,18 +241,47 @@ def model_state_bytes(strategy: DataParallel, optim_params: list[nn.Parameter],
     }
 
 
-def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of all gradients, over every shard on every rank."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if isinstance(norm, DTensor):  # sharded gradients: the norm is partial until reduced
-        norm = norm.full_tensor()
-    return norm
+def global_grad_norm(params: list[torch.Tensor], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The L2 norm of all gradients of the model, over every shard, stage and rank.
+
+    Plain gradients and DTensor gradients (sharded by FSDP, ZeRO or tensor parallelism) are
+    mixed freely: each contributes its local sum of squares, summed over the mesh axes it is
+    sharded on (not those it is replicated on); pipeline stages then add theirs."""
+    sums: dict[tuple, torch.Tensor] = {}
+    device = None
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        groups: tuple = ()
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):  # sum the partial values first
+                g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+            # sharded on an axis: anything but Replicate (FSDP + TP use _StridedShard, which is
+            # not `is_shard()`)
+            groups = tuple(g.device_mesh.get_group(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
+            g = g.to_local()
+        device = g.device
+        sq = g.detach().float().pow(2).sum()
+        sums[groups] = sums[groups] + sq if groups in sums else sq
+    total = torch.zeros((), device=device or "cpu")
+    for groups, sq in sums.items():
+        for group in groups:
+            dist.all_reduce(sq, group=group)
+        total = total + sq
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
 
 
-def clip_gradients(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    norm = global_grad_norm(params)
-    if max_norm and max_norm < float("inf"):
-        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, norm,
-                                             foreach=True)
+@torch.no_grad()
+def clip_gradients(params: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None
+                   ) -> torch.Tensor:
+    """Scale all gradients so that their global norm is at most `max_norm` (0: only measure)."""
+    norm = global_grad_norm(params, pp_group)
+    if max_norm:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            if p.grad is not None:  # scaling each local piece scales the whole (also partial sums)
+                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
     return norm

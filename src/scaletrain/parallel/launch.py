@@ -15,11 +15,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -104,6 +107,18 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def exit_worker(code: int) -> None:
+    """Leave a worker process now: flush, drop the process group, and skip the interpreter's
+    teardown, where C++ threads of the communication libraries sometimes abort the process
+    ("terminate called without an active exception") after all the work succeeded."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        shutdown()
+    finally:
+        os._exit(code)
+
+
 # --------------------------------------------------------------------------------------------
 # The parent: starting workers
 
@@ -122,7 +137,7 @@ def record_worker_error(e: BaseException, rank: int) -> None:
     if path:
         with open(path, "w") as f:
             json.dump({"message": text, "timestamp": int(time.time()), "scaletrain_time": time.time(),
-                       "user_error": isinstance(e, UserError)}, f)
+                       "user_error": isinstance(e, UserError), "rank": rank}, f)
 
 
 def launch(worker_args: list[str], *, nproc: int, nnodes: int = 1, node_rank: int | None = None,
@@ -149,36 +164,51 @@ def launch(worker_args: list[str], *, nproc: int, nnodes: int = 1, node_rank: in
         backend, endpoint, rdzv_configs = "c10d", rdzv_endpoint, {}
     else:  # one node: a rendezvous on a free local port, like torchrun --standalone
         backend, endpoint, rdzv_configs = "c10d", "localhost:0", {}
+    log_dir = tempfile.mkdtemp(prefix="scaletrain-launch-")  # where workers leave their error files
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=f"scaletrain-{os.getpid()}",
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=max_restarts,
-        monitor_interval=monitor_interval, logs_specs=DefaultLogsSpecs(), start_method="spawn")
+        monitor_interval=monitor_interval, logs_specs=DefaultLogsSpecs(log_dir=log_dir), start_method="spawn")
     threads_before = os.environ.get("OMP_NUM_THREADS")
     if threads_before is None:  # share the cores among the local ranks instead of oversubscribing
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     try:
         elastic_launch(config, entrypoint=sys.executable)(*program, *worker_args)
     except ChildFailedError as e:
-        rank, failure = _first_failure(e)
-        code = failure.exitcode if failure.exitcode > 0 else 1
-        message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
-        if failure.exitcode < 0:
-            message = f"killed by signal {-failure.exitcode}"
-        print(f"scaletrain: error: rank {rank} failed first (exit code {failure.exitcode}): {message}",
-              file=sys.stderr, flush=True)
-        return code
+        print(f"scaletrain: error: {_first_failure(e, log_dir)}", file=sys.stderr, flush=True)
+        return 2 if _user_error_reported(log_dir) else 1
     finally:
         if threads_before is None:
             os.environ.pop("OMP_NUM_THREADS", None)
+        shutil.rmtree(log_dir, ignore_errors=True)
     return 0
 
 
-def _first_failure(e):
-    """The failure that caused the others: a user error if any, else the earliest recorded one."""
-    def key(item):
-        rank, f = item
-        data = f.error_file_data if isinstance(f.error_file_data, dict) else {}
-        return (not data.get("user_error", False), "scaletrain_time" not in data,
-                data.get("scaletrain_time", f.timestamp), rank)
+def _reports(log_dir: str) -> list[dict]:
+    """Every error a worker recorded (ranks stopped by the launcher after the first failure
+    record none)."""
+    found = []
+    for path in Path(log_dir).rglob("error.json"):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(data, dict) and "scaletrain_time" in data:
+            found.append(data)
+    return found
 
-    return min(e.failures.items(), key=key)
+
+def _user_error_reported(log_dir: str) -> bool:
+    return any(r.get("user_error") for r in _reports(log_dir))
+
+
+def _first_failure(e, log_dir: str) -> str:
+    """One line about the failure that caused the others: a user error if any, else the
+    earliest error a worker recorded, else what the launcher saw."""
+    reports = sorted(_reports(log_dir), key=lambda r: (not r.get("user_error"), r["scaletrain_time"]))
+    if reports:
+        r = reports[0]
+        return f"rank {r['rank']} failed first: {r['message']}"
+    rank, failure = min(e.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    how = f"killed by signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+    return f"rank {rank} failed first ({how}) without recording an error; see its output above"

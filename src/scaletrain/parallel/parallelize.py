@@ -3,11 +3,14 @@
     pipeline split -> tensor/sequence parallel -> activation checkpointing -> compile
         -> data parallel -> materialize weights
 
-The model arrives plain, on the meta device; it leaves materialized, initialized from
-(seed, parameter name), and wrapped for its data-parallel strategy.
+The model arrives plain, on the meta device; it leaves as this rank's chunks (one, or its
+pipeline stages), materialized and initialized from (seed, parameter name), wrapped for their
+data-parallel strategy.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -15,45 +18,102 @@ from torch import nn
 from scaletrain.config import JobConfig
 from scaletrain.errors import LaunchError
 from scaletrain.memory import apply_activation_checkpointing
+from scaletrain.parallel import pipeline
 from scaletrain.parallel.data_parallel import (DataParallel, DDPDataParallel, FSDPDataParallel,
-                                               ZeroDataParallelStrategy, apply_fsdp)
+                                               ReplicateDataParallel, ZeroDataParallelStrategy, apply_fsdp,
+                                               apply_replicate)
 from scaletrain.parallel.init import init_weights
 from scaletrain.parallel.launch import Runtime
+from scaletrain.parallel.tensor_parallel import apply_tensor_parallel
 from scaletrain.precision import Precision
 
 
-def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precision) -> DataParallel:
-    dims, zero = rt.dims, cfg.parallel.zero
+@dataclass
+class ParallelModel:
+    dp: DataParallel  # this rank's chunks and their data-parallel strategy
+    stages: list = field(default_factory=list)  # PipelineStage per chunk when pp > 1
+    stage_ids: list[int] = field(default_factory=lambda: [0])
+    num_stages: int = 1
+    keeps_fp32_weights: bool = False  # the sharding engine keeps fp32 (master) weights itself
 
-    apply_activation_checkpointing(model.layers, cfg.memory.activation_checkpointing)
-    if cfg.train.compile:
-        for block in model.layers.values():
-            block.compile()  # in place: parameter names (and checkpoint keys) stay the same
+    @property
+    def first(self) -> bool:  # holds the embedding: feeds inputs
+        return 0 in self.stage_ids
 
+    @property
+    def last(self) -> bool:  # holds the head: computes the loss
+        return self.num_stages - 1 in self.stage_ids
+
+
+def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precision) -> ParallelModel:
+    dims, par, zero = rt.dims, cfg.parallel, cfg.parallel.zero
+    compute_bf16 = precision.compute_dtype if precision.compute_dtype == torch.bfloat16 else None
+
+    # 1. pipeline: this rank's stages, each a copy of the model with the other layers deleted
+    if dims.pp > 1:
+        virtual = pipeline.chunks_per_rank(par.pp_schedule, par.pp_virtual_stages)
+        num_stages = dims.pp * virtual
+        ranges = pipeline.layer_ranges(cfg.model, num_stages, par.pp_split)
+        stage_ids = pipeline.stage_indices(par.pp_schedule, rt.axis("pp").get_local_rank(), dims.pp, virtual)
+        chunks = pipeline.split_model(model, stage_ids, ranges)
+    else:
+        num_stages, stage_ids, chunks = 1, [0], [model]
+
+    for chunk in chunks:
+        # 2. tensor (and sequence) parallel over the innermost axis
+        if dims.tp > 1:
+            apply_tensor_parallel(chunk, rt.axis("tp"), sequence_parallel=par.sp,
+                                  first_block="0" if "0" in chunk.layers else None)
+        # 3. activation checkpointing, 4. compile, block by block
+        apply_activation_checkpointing(chunk.layers, cfg.memory.activation_checkpointing)
+        if cfg.train.compile:
+            for block in chunk.layers.values():
+                block.compile()  # in place: parameter names (and checkpoint keys) stay the same
+
+    # 5. data parallel engines that shard or replicate DTensors, applied on the meta device
+    data_parallel = rt.distributed and dims.dp > 1
     if cfg.memory.offload_optimizer and rt.device.type != "cuda":
         raise LaunchError("memory.offload_optimizer moves model states from GPU memory to pinned host memory; "
                           "this run is on the CPU already, so drop the option")
-    if zero == 3:  # FSDP2 shards the parameters while they are still on the meta device
-        dp_mesh = rt.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else rt.mesh["dp_shard"]
-        compute = precision.compute_dtype if precision.compute_dtype == torch.bfloat16 else None
-        apply_fsdp(model, dp_mesh, param_dtype=compute, offload=cfg.memory.offload_optimizer)
+    fsdp = data_parallel and zero == 3
+    replicate = data_parallel and zero == 0 and dims.tp > 1  # DDP cannot take DTensor parameters
+    if fsdp:
+        shard_mesh = rt.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else rt.mesh["dp_shard"]
+        for chunk in chunks:
+            apply_fsdp(chunk, shard_mesh, param_dtype=compute_bf16, offload=cfg.memory.offload_optimizer)
+    elif replicate:
+        for chunk in chunks:
+            apply_replicate(chunk, rt.axis("dp"), param_dtype=compute_bf16)
 
-    # materialize: every parameter from (seed, name), on every rank the same numbers
-    model.to_empty(device="cpu" if (zero == 3 and cfg.memory.offload_optimizer) else rt.device)
-    model.init_buffers(rt.device)
-    init_weights(model, cfg.train.seed)
-    if zero != 3:  # under FSDP the fp32 shards are the master weights; compute dtype is its policy's
-        model.to(precision.param_dtype)
-    model.train()
+    # 6. materialize: every parameter from (seed, name), the same numbers on every layout
+    keeps_fp32 = fsdp or replicate or (data_parallel and zero in (1, 2))
+    for chunk in chunks:
+        chunk.to_empty(device="cpu" if (fsdp and cfg.memory.offload_optimizer) else rt.device)
+        chunk.init_buffers(rt.device)
+        init_weights(chunk, cfg.train.seed)
+        if not (fsdp or replicate):  # those keep fp32 storage and cast for compute themselves
+            chunk.to(precision.param_dtype)
+        chunk.train()
 
-    if not rt.distributed or dims.dp == 1:
-        return DataParallel(model)
-    if zero == 0:
-        return DDPDataParallel(model, rt.group("dp"), cfg.parallel.bucket_mb,
-                               reduce_in_fp32=precision.param_dtype != torch.float32)
-    if zero in (1, 2):
-        return ZeroDataParallelStrategy(
-            model, rt.mesh, stage=zero, dp_replicate=dims.dp_replicate, bucket_mb=cfg.parallel.bucket_mb,
-            master_dtype=torch.float32 if precision.master_weights else None)
-    strategy = FSDPDataParallel(model)
-    return strategy
+    # 7. data parallel engines that wrap materialized weights
+    if not data_parallel:
+        dp = DataParallel(chunks)
+    elif fsdp:
+        dp = FSDPDataParallel(chunks)
+    elif replicate:
+        dp = ReplicateDataParallel(chunks)
+    elif zero == 0:
+        dp = DDPDataParallel(chunks, rt.group("dp"), par.bucket_mb,
+                             reduce_in_fp32=precision.param_dtype != torch.float32)
+    else:
+        dp = ZeroDataParallelStrategy(chunks, rt.mesh, stage=zero, dp_replicate=dims.dp_replicate,
+                                      bucket_mb=par.bucket_mb,
+                                      master_dtype=torch.float32 if precision.master_weights else None)
+
+    result = ParallelModel(dp, stage_ids=stage_ids, num_stages=num_stages, keeps_fp32_weights=keeps_fp32)
+    if dims.pp > 1:
+        from torch.distributed.pipelining import PipelineStage
+
+        result.stages = [PipelineStage(m, sid, num_stages, rt.device, group=rt.group("pp"))
+                         for m, sid in zip(dp.models, stage_ids)]
+    return result

@@ -147,13 +147,9 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def restore_optimizer_extras(optimizer: torch.optim.Optimizer, names: dict[int, str], skeleton: dict) -> None:
-    """After the state tensors were loaded in place: check that the parameter groups match and
-    restore non-tensor state. Hyper-parameters (lr, betas, decay) come from the current config."""
-    saved = [g["params"] for g in skeleton["param_groups"]]
-    now = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-    if saved != now:
-        raise CheckpointError("the checkpoint's optimizer covers other parameters or groups than this "
-                              "model's; resume with the model and optimizer it was saved with")
+    """After the state tensors were loaded in place, restore the non-tensor state (if any) of
+    each parameter. Hyper-parameters (lr, betas, decay) come from the current config, and the
+    grouping of parameters may differ between layouts."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             optimizer.state[p].update(skeleton["state"].get(names[id(p)], {}))

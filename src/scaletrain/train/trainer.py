@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import time
@@ -19,15 +20,18 @@ import torch
 import torch.nn.functional as F
 
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from scaletrain.config import JobConfig, check_layout, resolve_batch
 from scaletrain.data.dataset import WindowDataset, open_data
 from scaletrain.data.loader import StepSampler, build_loader
 from scaletrain.errors import CheckpointError, ConfigError, DataError
 from scaletrain.model.flops import flops_per_token
-from scaletrain.model.transformer import Transformer
+from scaletrain.model.generate import generate
+from scaletrain.model.transformer import Transformer, count_params
 from scaletrain.optim import LRSchedule, build_optimizer, get_lr, peak_lr, set_lr
 from scaletrain.parallel.data_parallel import DataParallel, clip_gradients, model_state_bytes
+from scaletrain.parallel.pipeline import build_schedule
 from scaletrain.parallel.launch import Runtime, single_process
 from scaletrain.parallel.parallelize import parallelize
 from scaletrain.plan.hardware import device_peak_flops
@@ -38,6 +42,11 @@ from scaletrain.train.metrics import MetricsLogger, peak_memory_bytes
 
 def default_run_dir() -> str:
     return str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (the loss under tensor parallelism) as the tensor it holds."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -58,7 +67,7 @@ class Trainer:
         resume_from = self._find_resume()  # before anything is written to the run folder
 
         # data: order from (seed, step) alone; each data-parallel rank reads its slice
-        self.batch = resolve_batch(cfg.train, dp=rt.dims.dp)
+        self.batch = resolve_batch(cfg.train, dp=rt.dims.dp, pp_microbatches=cfg.parallel.pp_microbatches)
         self.dp_rank = rt.axis("dp").get_local_rank() if rt.distributed else 0
         self.data = open_data(cfg.data.path, cfg.data.verify_checksums)
         if self.data.vocab_size > cfg.model.vocab_size:
@@ -72,14 +81,17 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + self.rank)  # dropout differs per rank; weights do not
         with torch.device("meta"):
             model = Transformer(cfg.model)
-        self.dp: DataParallel = parallelize(model, cfg, rt, self.precision)
+        self.pm = parallelize(model, cfg, rt, self.precision)
+        self.dp: DataParallel = self.pm.dp
         self.model = self.dp.model  # forward goes through the data-parallel wrapper
-        self.named_params = self.dp.named_params
-        self.num_params = sum(p.numel() for _, p in self.named_params)  # a DTensor's numel is global
+        self.named_params = self.dp.named_params  # this rank's (pipeline stages') parameters
+        self.num_params = count_params(cfg.model)  # the whole model's
+        self.pipeline = self._build_schedule() if self.pm.stages else None
+        self.tp = rt.dims.tp
 
         # optimizer: over what holds the fp32 truth: the parameters, their ZeRO shards, or
-        # (bf16-true without sharding) fp32 master copies
-        use_master = self.precision.master_weights and self.dp.zero in (None, 0)
+        # (bf16-true without a sharding engine) fp32 master copies
+        use_master = self.precision.master_weights and not self.pm.keeps_fp32_weights
         self.master = MasterWeights(self.named_params) if use_master else None
         self.optim_params = self.master.named_master if self.master else self.dp.named_optim_params
         self.param_names = {id(p): n for n, p in self.optim_params}
@@ -201,8 +213,26 @@ class Trainer:
         grad_norm, skipped = self.update()
         return loss, grad_norm, skipped, wait
 
+    def _loss_context(self):
+        """With tensor parallelism the logits stay split by vocabulary: compute the loss (and its
+        backward) on the shards, never gathering the full logits."""
+        if self.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def _loss_factor(self) -> float:
+        # normalise by the tokens of the whole global batch: gradients add up over micro-batches
+        # and ranks, and we want the gradient of the mean token loss. The data-parallel
+        # reductions average over ranks, hence the factor dp; fp16 also scales the loss.
+        factor = 1.0 / self.tokens_per_step * self.batch.dp
+        return factor * self.scaler.scale if self.scaler else factor
+
     def forward_backward(self, batches) -> tuple[torch.Tensor, float]:
         """Accumulate this step's gradients over its micro-batches; returns (loss, data wait)."""
+        if self.pipeline is not None:
+            return self._pipeline_forward_backward(batches)
         wait = 0.0
         loss_sum = torch.zeros((), device=self.device)
         last = self.batch.grad_accum - 1
@@ -212,18 +242,39 @@ class Trainer:
             wait += time.perf_counter() - t0
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
-            with self.dp.micro_step(last=k == last):  # data parallel: sync gradients on the last
+            with self.dp.micro_step(last=k == last), self._loss_context():  # sync gradients on the last
                 with self.precision.autocast():
                     logits = self.model(inputs)  # (B, T, vocab)
-                # normalise by the tokens of the whole global batch: gradients add up over
-                # micro-batches and ranks, and we want the gradient of the mean token loss.
-                # The data-parallel reductions average over ranks, hence the factor dp.
-                loss = cross_entropy_sum(logits, targets) / self.tokens_per_step
-                scaled = loss * self.batch.dp if self.batch.dp > 1 else loss
-                (self.scaler.scale_loss(scaled) if self.scaler else scaled).backward()
-            loss_sum += loss.detach()
+                loss = cross_entropy_sum(logits, targets) * self._loss_factor()
+                loss.backward()
+            loss_sum += _plain(loss.detach())
         self.dp.finish_gradients()
-        return loss_sum, wait
+        return loss_sum / self._loss_factor() / self.tokens_per_step, wait
+
+    def _build_schedule(self):
+        def loss_fn(logits, targets):
+            return cross_entropy_sum(logits, targets) * self._loss_factor()
+
+        return build_schedule(self.pm.stages, self.cfg.parallel.pp_schedule, self.batch.grad_accum, loss_fn)
+
+    def _pipeline_forward_backward(self, batches) -> tuple[torch.Tensor, float]:
+        """All of the step's micro-batches go through the schedule at once; the last stage
+        computes the losses, the others report zero (the metrics sum over stages)."""
+        t0 = time.perf_counter()
+        parts = [next(batches) for _ in range(self.batch.grad_accum)]
+        wait = time.perf_counter() - t0
+        inputs = torch.cat([x for x, _ in parts]).to(self.device, non_blocking=True)
+        targets = torch.cat([y for _, y in parts]).to(self.device, non_blocking=True)
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.pm.first else ()
+        kwargs = {"target": targets, "losses": losses} if self.pm.last else {}
+        # the schedule decides when each stage's gradients are final; sharding engines reduce after it
+        with self.dp.micro_step(last=False), self._loss_context(), self.precision.autocast():
+            self.pipeline.step(*args, return_outputs=False, **kwargs)
+        self.dp.finish_gradients()
+        loss_sum = torch.stack([_plain(x.detach()).float() for x in losses]).sum() if losses else \
+            torch.zeros((), device=self.device)
+        return loss_sum / self._loss_factor() / self.tokens_per_step, wait
 
     def update(self) -> tuple[torch.Tensor, bool]:
         """Unscale, clip, step, zero: returns (gradient norm before clipping, skipped)."""
@@ -231,7 +282,8 @@ class Trainer:
             self.master.grads_to_master()
         params = [p for _, p in self.optim_params]
         overflow = self.scaler.unscale_(params) if self.scaler else False
-        grad_norm = clip_gradients(params, self.cfg.train.grad_clip)
+        grad_norm = clip_gradients(params, self.cfg.train.grad_clip,
+                                   self.rt.group("pp") if self.rt.dims.pp > 1 else None)
         measure = self.state_bytes is None
         if measure:
             self.state_bytes = model_state_bytes(self.dp, params, None)
@@ -300,9 +352,12 @@ class Trainer:
         if self.scaler:
             extra["steps skipped (fp16 overflow)"] = self.scaler.skipped_steps
         self.metrics.summary(extra)
-        # under FSDP every rank takes part in each forward; otherwise rank 0 samples alone
-        if stopped is None and cfg.train.sample_tokens and (self.rank == 0 or self.dp.zero == 3):
-            self.metrics.info("sample: " + self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens))
+        if stopped is None and cfg.train.sample_tokens:
+            if self.pipeline is not None:
+                self.metrics.info("sample: skipped, the model is split into pipeline stages "
+                                  "(export the checkpoint and sample it whole)")
+            elif self.rank == 0 or self._sample_on_all_ranks():
+                self.metrics.info("sample: " + self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens))
         self.metrics.close()
         return {"losses": losses, "history": self.metrics.history, "step": self.step,
                 "stopped_by": stopped, "checkpoint": str(last_saved) if last_saved else None,
@@ -322,6 +377,8 @@ class Trainer:
         peak = peak_memory_bytes(self.device)
         if self.rt.distributed:  # the loss of the global batch; the largest peak of any rank
             loss = loss.clone()
+            if self.rt.dims.pp > 1:  # only the last stage computed it
+                dist.all_reduce(loss, group=self.rt.group("pp"))
             dist.all_reduce(loss, group=self.rt.group("dp"))
             t = torch.tensor([peak], device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -351,10 +408,17 @@ class Trainer:
             f"{cfg.precision.mode}, optimizer {cfg.optim.name}, activation checkpointing "
             f"{cfg.memory.activation_checkpointing}{', compiled' if cfg.train.compile else ''}")
         if self.rt.distributed:
-            zero = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 (FSDP)"}[self.dp.zero]
-            hsdp = ", HSDP" if self.rt.dims.dp_replicate > 1 and self.dp.zero else ""
-            self.metrics.info(f"layout: {self.rt.dims.describe()}; data parallel {zero}{hsdp}, "
-                              f"backend {dist.get_backend()}")
+            dims, par = self.rt.dims, cfg.parallel
+            parts = []
+            if dims.dp > 1:
+                zero = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 (FSDP)"}[self.dp.zero]
+                parts.append(f"data parallel {zero}{', HSDP' if dims.dp_replicate > 1 and self.dp.zero else ''}")
+            if dims.tp > 1:
+                parts.append(f"tensor parallel{' + sequence parallel' if par.sp else ''}")
+            if dims.pp > 1:
+                parts.append(f"pipeline {par.pp_schedule}, {self.pm.num_stages} stages, this rank holds "
+                             f"{self.pm.stage_ids}")
+            self.metrics.info(f"layout: {dims.describe()}; {'; '.join(parts)}; backend {dist.get_backend()}")
         self.metrics.info(
             f"data: {self.data.source}, {self.data.num_tokens:,} tokens, {len(self.dataset):,} windows of "
             f"{cfg.data.seq_len}; batch {b.global_batch} = micro {b.micro_batch} x accum {b.grad_accum} "
@@ -380,18 +444,28 @@ class Trainer:
 
     @torch.no_grad()
     def sample(self, prompt: str, new_tokens: int) -> str:
+        """Generate from the trained model. Every rank of a sharded model (FSDP, tensor parallel)
+        takes part in each forward; all draw the same tokens from the same generator."""
         tok = self.data.tokenizer
-        ids = tok.encode(prompt) or [0]
-        x = torch.tensor([ids], device=self.device)
+        x = torch.tensor([tok.encode(prompt) or [0]], device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
         module = self.dp.module
+
+        def logits_of(tokens):
+            with self.precision.autocast():
+                logits = module(tokens)
+            return logits.full_tensor() if isinstance(logits, DTensor) else logits  # vocabulary shards
+
         module.eval()
-        with self.precision.autocast():
-            out = module.generate(x, new_tokens, window=self.cfg.data.seq_len, generator=gen)
+        out = generate(logits_of, x, new_tokens, window=min(self.cfg.data.seq_len, self.cfg.model.max_seq_len),
+                       generator=gen)
         module.train()
-        if self.dp.zero == 3:  # free the gathered parameters and let every rank finish together
-            for m in module.modules():
+        if self.rt.distributed and self._sample_on_all_ranks():
+            for m in module.modules():  # free what FSDP gathered for the forwards
                 if hasattr(m, "reshard"):
                     m.reshard()
-            dist.barrier()
+            dist.barrier()  # and let every rank finish together
         return tok.decode(out[0].tolist())
+
+    def _sample_on_all_ranks(self) -> bool:
+        return self.dp.zero == 3 or self.tp > 1

@@ -1,0 +1,93 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism
+(Korthikanti et al. 2022), with DTensor's `parallelize_module`.
+
+Each block's matmuls are split over the `tp` ranks so that a block needs one collective in
+forward and one in backward per sub-layer:
+
+    attention   wq, wk, wv column-parallel (each rank owns n_heads/tp query heads and
+                n_kv_heads/tp key/value heads) -> local attention -> wo row-parallel
+    MLP         w1 (and w3) column-parallel -> activation -> w2 row-parallel
+    embedding   rows (vocabulary) split; output head columns (vocabulary) split, and the loss is
+                computed on the vocabulary shards (`loss_parallel`): the full logits never exist
+
+Saves: parameters, gradients and optimizer state of the blocks by tp; activations inside the
+blocks by tp. Costs: an all-reduce of B×T×dim per sub-layer in forward and another in backward,
+on the fastest links (tp is the innermost mesh axis).
+
+Sequence parallelism (`parallel.sp`) also splits the sequence between the tensor-parallel
+regions: norms, dropout and residual adds run on T/tp tokens, and each all-reduce becomes a
+reduce-scatter (into sequence shards) plus an all-gather (before the next matmuls) — the same
+bytes, and the activations outside the matmuls shrink by tp as well.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+from scaletrain.config import ModelConfig
+from scaletrain.errors import ConfigError
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    errors = []
+    if cfg.n_heads % tp:
+        errors.append(f"parallel.tp={tp} must divide model.n_heads={cfg.n_heads}: each rank owns whole heads")
+    if cfg.kv_heads % tp:
+        errors.append(f"parallel.tp={tp} must divide the key/value heads ({cfg.kv_heads}): each rank owns "
+                      f"whole heads; use tp in {[d for d in range(1, cfg.kv_heads + 1) if cfg.kv_heads % d == 0]}")
+    if cfg.vocab_size % tp:
+        errors.append(f"parallel.tp={tp} must divide model.vocab_size={cfg.vocab_size} (the vocabulary is split); "
+                      "pad the vocabulary to a multiple of tp")
+    if errors:
+        raise ConfigError(*errors)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool, first_block: str | None) -> None:
+    """Shard `model` (a whole model or one pipeline chunk) over `tp_mesh` in place.
+
+    Between blocks the residual stream is Replicate, or Shard(1) (sequence) with sequence
+    parallelism. `first_block` is the name of the model's very first block, which turns the
+    replicated embedding output into sequence shards (None if this chunk does not hold it).
+    """
+    between = Shard(1) if sequence_parallel else Replicate()
+    if model.tok_emb is not None:
+        # vocabulary-parallel embedding: each rank looks up its rows, the partial sums are
+        # all-reduced; its output stays replicated because learned positions are added next
+        parallelize_module(model, tp_mesh, {"tok_emb": RowwiseParallel(input_layouts=Replicate(),
+                                                                       output_layouts=Replicate())})
+    if model.output is not None:
+        head = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
+        plan = {"output": head}
+        if model.norm is not None and sequence_parallel:
+            plan["norm"] = SequenceParallel()
+        parallelize_module(model, tp_mesh, plan)
+        if model.cfg.tie_embeddings and model.tok_emb is not None:
+            model.output.weight = model.tok_emb.weight  # both are vocabulary rows: Shard(0)
+
+    for name, block in model.layers.items():
+        plan = {
+            "attn.wq": ColwiseParallel(),
+            "attn.wk": ColwiseParallel(),
+            "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=between),
+            "mlp.w1": ColwiseParallel(),
+            "mlp.w2": RowwiseParallel(output_layouts=between),
+        }
+        if block.mlp.w3 is not None:
+            plan["mlp.w3"] = ColwiseParallel()
+        if sequence_parallel:
+            plan.update({
+                "attn_norm": SequenceParallel(),
+                "mlp_norm": SequenceParallel(),
+                # gather the sequence before the column-parallel matmuls (rope tables pass as is)
+                "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            })
+        parallelize_module(block, tp_mesh, plan)
+        if sequence_parallel and name == first_block:
+            # the residual stream enters the first block replicated and leaves it in sequence shards
+            parallelize_module(block, tp_mesh, PrepareModuleInput(
+                input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None), use_local_output=True))
