@@ -428,9 +428,6 @@ def check_layout(cfg: JobConfig, dims) -> None:
     if par.zero >= 1 and dims.dp_shard == 1:
         errors.append(f"parallel.zero={par.zero} shards model states over the dp_shard ranks, but "
                       f"there is only 1 ({dims.describe()}); use parallel.zero=0, or more data-parallel ranks")
-    if par.zero in (1, 2) and dims.tp > 1 and dims.dp > 1:
-        errors.append(f"parallel.zero={par.zero} with parallel.tp > 1 is not supported yet; use zero=3 (FSDP "
-                      "shards tensor-parallel weights too) or zero=0")
     if par.sp and dims.tp == 1:
         errors.append("parallel.sp=true splits the sequence over the tensor-parallel ranks; it needs parallel.tp > 1")
     if dims.pp > 1 and cfg.model.tie_embeddings:

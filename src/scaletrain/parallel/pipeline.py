@@ -44,6 +44,10 @@ def check_schedule(schedule: str, pp: int, virtual: int, microbatches: int, n_la
         errors.append("parallel.pp_schedule=interleaved-1f1b needs parallel.pp_virtual_stages >= 2")
     if schedule == "zero-bubble" and virtual != 2:
         errors.append("parallel.pp_schedule=zero-bubble (V shape) needs parallel.pp_virtual_stages=2")
+    if schedule != "gpipe" and microbatches < pp:
+        errors.append(f"{schedule} needs at least parallel.pp={pp} micro-batches per step, got {microbatches}; "
+                      "raise train.grad_accum (or parallel.pp_microbatches), or use pp_schedule=gpipe, which "
+                      "also runs one micro-batch (plain model parallelism, the other stages idle)")
     if schedule in ("interleaved-1f1b", "zero-bubble") and microbatches % pp:
         errors.append(f"{schedule} needs the micro-batches per step ({microbatches}) to be a multiple of "
                       f"parallel.pp={pp}")

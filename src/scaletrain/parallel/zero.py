@@ -35,7 +35,8 @@ class _Slot:
     """One parameter's place in a bucket."""
 
     name: str
-    param: nn.Parameter  # the full replica
+    param: nn.Parameter  # the replica (a DTensor under tensor parallelism)
+    data: torch.Tensor  # its local values: the whole parameter, or this rank's tensor-parallel part
     shard: nn.Parameter  # the DTensor this rank's optimizer steps
     rows: int  # the parameter's rows (dim 0)
     chunk_rows: int  # rows per rank, padded (ceil(rows / N))
@@ -84,23 +85,26 @@ class ZeroDataParallel:
 
         slots = []
         for name, p in named_params:
-            rows = p.shape[0] if p.ndim else 1
+            data = _local(p.detach())
+            rows = data.shape[0] if data.ndim else 1
             chunk_rows = math.ceil(rows / self.n)
             start, stop = min(rows, self.rank * chunk_rows), min(rows, (self.rank + 1) * chunk_rows)
-            local = p.detach().view(rows, -1)[start:stop].view(stop - start, *p.shape[1:])
+            local = data.view(rows, -1)[start:stop].view(stop - start, *data.shape[1:])
             dtype = master_dtype or p.dtype
             is_view = dtype == p.dtype
             if not is_view:
                 local = local.to(dtype=dtype, copy=True)  # its own fp32 master copy
-            shard = nn.Parameter(DTensor.from_local(local, self.shard_mesh, placements, run_check=False,
+            mesh_of, where = self._placement(p, mesh, dp_replicate, placements)
+            shard = nn.Parameter(DTensor.from_local(local, mesh_of, where, run_check=False,
                                                     shape=p.shape, stride=p.stride()))
-            slots.append(_Slot(name, p, shard, rows, chunk_rows, p[0].numel() if p.ndim else 1, is_view))
+            slots.append(_Slot(name, p, data, shard, rows, chunk_rows, data[0].numel() if data.ndim else 1,
+                               is_view))
         self.slots = slots
         # buckets in reverse order: gradients of the last layers are ready first
         self.buckets: list[_Bucket] = []
         bucket = _Bucket()
         for slot in reversed(slots):
-            elem = slot.param.element_size()
+            elem = slot.data.element_size()
             if bucket.slots and (bucket.shard_numel + slot.chunk_numel) * self.n * elem > bucket_bytes:
                 self.buckets.append(bucket)
                 bucket = _Bucket()
@@ -112,6 +116,22 @@ class ZeroDataParallel:
         self._bucket_of = {id(s.param): b for b in self.buckets for s in b.slots}
         self._next = 0  # buckets are launched in order, the same on every rank
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_ready) for s in slots]
+
+    def _placement(self, p, mesh, dp_replicate, dp_placements):
+        """Where a shard lives. A tensor-parallel parameter's shard is sharded on both axes:
+        our rows of its tensor-parallel part. When tensor parallelism also split the rows,
+        those are strided rows of the whole (as FSDP2 places them)."""
+        if not isinstance(p, DTensor):
+            return self.shard_mesh, dp_placements
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        (tp_placement,) = p.placements
+        tp = p.device_mesh.size()
+        row_split = tp_placement.is_shard() and tp_placement.dim == 0
+        dp_placement = _StridedShard(0, split_factor=tp) if row_split else Shard(0)
+        if dp_replicate > 1:
+            return mesh["dp_replicate", "dp_shard", "tp"], (Replicate(), dp_placement, tp_placement)
+        return mesh["dp_shard", "tp"], (dp_placement, tp_placement)
 
     @property
     def named_shards(self) -> list[tuple[str, nn.Parameter]]:
@@ -130,12 +150,12 @@ class ZeroDataParallel:
 
     def _launch(self, bucket: _Bucket) -> None:
         slot0 = bucket.slots[0]
-        dtype = torch.float32 if slot0.shard.dtype == torch.float32 else slot0.param.dtype
-        flat = torch.zeros(self.n, bucket.shard_numel, dtype=dtype, device=slot0.param.device)
+        dtype = torch.float32 if slot0.shard.dtype == torch.float32 else slot0.data.dtype
+        flat = torch.zeros(self.n, bucket.shard_numel, dtype=dtype, device=slot0.data.device)
         for s in bucket.slots:
             if s.param.grad is None:
                 continue  # unused parameter: contributes zeros
-            g = s.param.grad.detach().view(s.rows, -1)
+            g = _local_grad(s.param).reshape(s.rows, -1)
             padded = torch.zeros(self.n * s.chunk_rows, s.row_numel, dtype=dtype, device=g.device)
             padded[:s.rows] = g
             flat[:, s.offset:s.offset + s.chunk_numel] = padded.view(self.n, -1)
@@ -164,16 +184,16 @@ class ZeroDataParallel:
             bucket.out.div_(self.dp)  # every rank's loss carries a factor dp (see the trainer)
             for s in bucket.slots:
                 local_rows = s.shard.to_local().shape[0]
-                reduced = bucket.out[s.offset:s.offset + s.chunk_numel].view(s.chunk_rows, *s.param.shape[1:])
+                reduced = bucket.out[s.offset:s.offset + s.chunk_numel].view(s.chunk_rows, *s.data.shape[1:])
                 reduced = reduced[:local_rows]
                 if self.stage == 1 and s.is_view and s.param.grad is not None:
                     # stage 1 keeps the full gradient: the reduced shard goes into its own rows,
                     # and the shard's gradient is a view of them (no extra memory)
-                    view = _row_slice(s.param.grad, self.rank * s.chunk_rows, local_rows)
+                    view = _row_slice(_local(s.param.grad), self.rank * s.chunk_rows, local_rows)
                     view.copy_(reduced)
                     reduced = view
                 grad = reduced.to(dtype=s.shard.dtype)
-                s.shard.grad = DTensor.from_local(grad, self.shard_mesh, s.shard.placements, run_check=False,
+                s.shard.grad = DTensor.from_local(grad, s.shard.device_mesh, s.shard.placements, run_check=False,
                                                   shape=s.shard.shape, stride=s.shard.stride())
             bucket.work, bucket.out, bucket.ready = None, None, 0
         self._next = 0
@@ -184,7 +204,7 @@ class ZeroDataParallel:
     def gather_parameters(self) -> None:
         for bucket in self.buckets:
             slot0 = bucket.slots[0]
-            dtype, device = slot0.param.dtype, slot0.param.device
+            dtype, device = slot0.data.dtype, slot0.data.device
             mine = torch.zeros(bucket.shard_numel, dtype=dtype, device=device)
             for s in bucket.slots:
                 local = s.shard.to_local()
@@ -193,12 +213,28 @@ class ZeroDataParallel:
             dist.all_gather_single(everyone.view(-1), mine, group=self.shard_group)
             for s in bucket.slots:
                 rows = everyone[:, s.offset:s.offset + s.chunk_numel].reshape(self.n * s.chunk_rows, s.row_numel)
-                s.param.view(s.rows, -1).copy_(rows[:s.rows])
+                s.data.view(s.rows, -1).copy_(rows[:s.rows])
 
     def zero_grad(self) -> None:
         for s in self.slots:
             s.param.grad = None
             s.shard.grad = None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _local_grad(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter's gradient, laid out like the parameter. Under tensor
+    parallelism a gradient can arrive partial (summed over tp ranks only when redistributed) or
+    replicated where the parameter is sharded (the vocabulary-parallel embedding)."""
+    g = param.grad
+    if isinstance(g, DTensor):
+        if g.placements != param.placements:
+            g = g.redistribute(placements=param.placements)
+        g = g.to_local()
+    return g.detach()
 
 
 def _row_slice(t: torch.Tensor, start: int, rows: int) -> torch.Tensor:
