@@ -42,14 +42,14 @@ def test_model_parallel_checks():
     with pytest.raises(ConfigError, match="needs parallel.pp_virtual_stages=2"):
         check(2, **{"parallel.pp": 2, "parallel.pp_schedule": "zero-bubble"})
     with pytest.raises(ConfigError, match="must list 2 positive layer counts summing to model.n_layers=4"):
-        check(2, **{"parallel.pp": 2, "parallel.pp_split": "1,2"})
+        check(2, **{"parallel.pp": 2, "parallel.pp_split": "1,2", "train.grad_accum": 2})
     with pytest.raises(ConfigError, match="needs parallel.tp > 1"):
         check(2, **{"parallel.sp": True})
     with pytest.raises(ConfigError, match="model.tie_embeddings=true shares one weight"):
         check_layout(load_config(None, {"parallel.pp": 2}), ParallelDims(1, 1, 1, 2, 2))
     with pytest.raises(ConfigError, match="name the same count under pipelining"):
         check(2, **{"parallel.pp": 2, "parallel.pp_microbatches": 4, "train.grad_accum": 2})
-    check(2, **{"parallel.pp": 2, "parallel.pp_split": "3,1"})  # a hand split that adds up
+    check(2, **{"parallel.pp": 2, "parallel.pp_split": "3,1", "train.grad_accum": 2})  # a hand split that adds up
 
 
 def test_balanced_split_accounts_for_the_head():

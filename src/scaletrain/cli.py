@@ -118,6 +118,19 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _schedule(args: argparse.Namespace, extra: list[str]) -> int:
+    _no_extra(extra)
+    from scaletrain.parallel import timeline
+
+    timeline.check(args.schedule, args.pp, args.microbatches, args.virtual)
+    placed = timeline.simulate(args.schedule, args.pp, args.microbatches, args.virtual)
+    print(timeline.render_text(args.schedule, args.pp, args.microbatches, args.virtual, placed))
+    if args.png:
+        timeline.render_png(args.schedule, args.pp, args.microbatches, args.virtual, placed, args.png)
+        print(f"wrote {args.png}")
+    return 0
+
+
 def _no_extra(extra: list[str]) -> None:
     if extra:
         raise UserError(f"unexpected arguments: {' '.join(extra)}")
@@ -151,6 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-key", default="text", help="jsonl field / parquet column with the text")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file")
     p.set_defaults(func=_prepare, takes_overrides=False)
+
+    p = sub.add_parser("schedule", help="draw a pipeline schedule's timeline and its bubble")
+    p.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
+    p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
+    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved-1f1b or zero-bubble")
+    p.add_argument("--virtual", type=int, default=1, help="chunks per rank (interleaved-1f1b, zero-bubble)")
+    p.add_argument("--png", help="also draw it to this PNG file")
+    p.set_defaults(func=_schedule, takes_overrides=False)
 
     p = sub.add_parser("export", help="write a checkpoint's model weights to safetensors")
     p.add_argument("checkpoint", help="a checkpoint folder (runs/.../checkpoints/step_*)")

@@ -103,3 +103,36 @@ def saved_activation_bytes(model: nn.Module, forward: Callable[[], torch.Tensor]
     held = tracker.live_bytes(exclude)
     loss.backward()  # frees the graph; also proves that what was kept suffices
     return held
+
+
+def peak_allocated_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """The most memory `fn()` held at once above what was allocated when it started.
+
+    On CUDA: the caching allocator's peak. On CPU, where no allocator keeps statistics: the
+    profiler's record of every allocation and free ("Total Allocated" of its memory events)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+    totals = [e["args"]["Total Allocated"] for e in events
+              if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0]
+    return max([0, *totals])

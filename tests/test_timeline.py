@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import pytest
+
+from scaletrain.errors import ConfigError
+from scaletrain.parallel import timeline
+
+from conftest import run_cli
+
+
+@pytest.mark.parametrize("schedule,p,m,v", [
+    ("gpipe", 2, 1, 1), ("gpipe", 4, 8, 1), ("1f1b", 4, 4, 1), ("1f1b", 3, 12, 1),
+    ("interleaved-1f1b", 2, 4, 2), ("interleaved-1f1b", 4, 8, 2), ("interleaved-1f1b", 4, 8, 4),
+])
+def test_bubble_matches_theory(schedule, p, m, v):
+    placed = timeline.simulate(schedule, p, m, v)
+    assert timeline.bubble_fraction(placed) == pytest.approx(timeline.theory(schedule, p, m, v))
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 2)])
+def test_every_operation_runs_once_and_in_dependency_order(schedule, v):
+    p, m = 4, 8
+    placed = timeline.simulate(schedule, p, m, v)
+    ops = [(x.op.kind.replace("I", "B"), x.stage, x.op.mb, x.start, x.end) for row in placed for x in row]
+    stages = p * v if v > 1 else p
+    fwd = {(s, mb): (st, en) for k, s, mb, st, en in ops if k == "F"}
+    bwd = {(s, mb): (st, en) for k, s, mb, st, en in ops if k == "B"}
+    assert len(fwd) == len(bwd) == stages * m
+    for (s, mb), (start, _) in fwd.items():
+        if s > 0:
+            assert start >= fwd[(s - 1, mb)][1]
+    for (s, mb), (start, _) in bwd.items():
+        assert start >= fwd[(s, mb)][1]
+        if s < stages - 1:
+            assert start >= bwd[(s + 1, mb)][1]
+    for row in placed:  # a rank does one thing at a time
+        for a, b in zip(row, row[1:]):
+            assert b.start >= a.end
+
+
+def test_zero_bubble_beats_1f1b():
+    zb = timeline.bubble_fraction(timeline.simulate("zero-bubble", 4, 8, 2))
+    assert zb < timeline.bubble_fraction(timeline.simulate("interleaved-1f1b", 4, 8, 2)) / 2
+
+
+def test_bad_requests():
+    with pytest.raises(ConfigError, match="needs at least --pp=4 micro-batches"):
+        timeline.check("1f1b", 4, 2, 1)
+    with pytest.raises(ConfigError, match="exactly 2 stages per rank"):
+        timeline.check("zero-bubble", 4, 8, 3)
+
+
+def test_cli_prints_timeline_and_writes_png(tmp_path):
+    r = run_cli("schedule", "--pp", "4", "--microbatches", "8", "--schedule", "interleaved-1f1b", "--virtual", "2",
+                "--png", str(tmp_path / "s.png"))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert sum(1 for line in lines if line.strip().startswith(("0 |", "1 |", "2 |", "3 |"))) == 4
+    assert "bubble (idle / busy per rank): 0.188; theory 0.188 ((p-1)/(v·m))" in r.stdout
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+    r = run_cli("schedule", "--pp", "4", "--microbatches", "2")
+    assert r.returncode == 2 and "gpipe also runs fewer" in r.stderr
