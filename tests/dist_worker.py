@@ -73,6 +73,14 @@ def main(spec_path: str) -> None:
         inject(job.get("fault"), rank)
         trainer = Trainer(cfg, rt, stream=open(os.devnull, "w"))
         inject_into_trainer(trainer, job.get("fault"), rank)
+        if job.get("measure"):  # the planner's accuracy test: measured memory, not training
+            from scaletrain.plan.measure import measure
+
+            measured = [None] * rt.world_size
+            dist.all_gather_object(measured, measure(trainer, steps=1))
+            results.append({"measured": measured})
+            dist.barrier()
+            continue
         indices = trainer._loader().sampler.rank_micro_batches(trainer.step)
         result = trainer.fit()
         gathered = [None] * rt.world_size

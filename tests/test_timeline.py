@@ -11,6 +11,7 @@ from conftest import run_cli
 @pytest.mark.parametrize("schedule,p,m,v", [
     ("gpipe", 2, 1, 1), ("gpipe", 4, 8, 1), ("1f1b", 4, 4, 1), ("1f1b", 3, 12, 1),
     ("interleaved-1f1b", 2, 4, 2), ("interleaved-1f1b", 4, 8, 2), ("interleaved-1f1b", 4, 8, 4),
+    ("zero-bubble", 2, 4, 2), ("zero-bubble", 4, 8, 2), ("zero-bubble", 8, 32, 2),
 ])
 def test_bubble_matches_theory(schedule, p, m, v):
     placed = timeline.simulate(schedule, p, m, v)

@@ -42,8 +42,20 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.nproc is None:
         from scaletrain.train.trainer import Trainer
 
+        if cfg.parallel.layout == "auto":
+            cfg = _auto(cfg, 1)
         return _exit_code(Trainer(cfg).fit())
     return _launch(args, cfg)
+
+
+def _auto(cfg, world: int):
+    from scaletrain.parallel.launch import pick_device
+    from scaletrain.plan.auto import auto_layout
+
+    cfg, best = auto_layout(cfg, world, pick_device(cfg.train.device, 0, world))
+    print(f"scaletrain: parallel.layout=auto chose {best.layout.describe()} (planner: "
+          f"{best.time.tokens_per_s:,.0f} tokens/s, {best.memory.total / 2**30:.2f} GiB per rank)", file=sys.stderr)
+    return cfg
 
 
 def _launch(args: argparse.Namespace, cfg) -> int:
@@ -54,11 +66,15 @@ def _launch(args: argparse.Namespace, cfg) -> int:
     from scaletrain.train.trainer import default_run_dir
 
     world = args.nproc * args.nnodes
-    dims = ParallelDims.from_config(cfg.parallel, world)
-    check_layout(cfg, dims)
-    resolve_batch(cfg.train, dims.dp)
     launch.pick_device(cfg.train.device, 0, args.nproc)
     worker_args = _strip_launch_flags(args.argv[1:])
+    if cfg.parallel.layout == "auto":  # choose once, here, and hand every rank the same layout
+        cfg = _auto(cfg, world)
+        worker_args += [f"--{section}.{key}={value}" for section, body in cfg.to_dict().items()
+                        for key, value in body.items() if section in ("parallel", "train", "memory")]
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    check_layout(cfg, dims)
+    resolve_batch(cfg.train, dims.dp, cfg.parallel.pp_microbatches)
     if not cfg.log.run_dir:  # every rank (and node) must write to the same folder
         worker_args.append(f"--log.run_dir={default_run_dir()}")
     return launch.launch(worker_args, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
@@ -86,7 +102,7 @@ def _train_worker(cfg) -> int:
 
     rank = int(os.environ.get("RANK", "0"))
     try:
-        rt = launch.init_worker(cfg)
+        cfg, rt = launch.prepare_worker(cfg)
         code = _exit_code(Trainer(cfg, rt).fit())
     except BaseException as e:  # noqa: BLE001 - every failure is reported in a few lines
         launch.record_worker_error(e, rank)
@@ -131,6 +147,63 @@ def _schedule(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+LAYOUT_FLAGS = ("zero", "tp", "pp", "dp_replicate", "dp_shard", "micro_batch", "ac", "sp", "schedule", "virtual",
+                "offload")
+
+
+def _plan(args: argparse.Namespace, extra: list[str]) -> int:
+    from scaletrain.plan import plan, report
+
+    settings = {}
+    model = args.model
+    if args.config:
+        from scaletrain.config import load_config, resolve_batch
+
+        cfg = load_config(args.config, extra)
+        extra = []
+        model = model or cfg.model
+        settings = {"seq_len": cfg.data.seq_len, "precision": cfg.precision.mode, "optimizer": cfg.optim.name,
+                    "global_batch": resolve_batch(cfg.train, 1).global_batch}
+    _no_extra(extra)
+    if model is None:
+        raise UserError("plan needs a model: a preset name, a TOML or a config.json path (or --config FILE)")
+    for key in ("seq_len", "global_batch", "precision", "optimizer"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
+    settings.setdefault("seq_len", 2048)
+    settings.setdefault("global_batch", 256)
+    fixed = {k: getattr(args, k) for k in LAYOUT_FLAGS if getattr(args, k) is not None}
+    hardware, nodes, per_node = args.hardware, args.nodes, args.gpus_per_node
+    if args.measure:  # plan for the devices at hand, where the step will run
+        from scaletrain.parallel.launch import pick_device
+        from scaletrain.plan.hardware import local_hardware
+
+        hardware, nodes, per_node = local_hardware(pick_device(cfg.train.device if args.config else "auto")), 1, \
+            args.nproc or 1
+    result = plan(model, hardware=hardware, hardware_file=args.hardware_file, nodes=nodes,
+                  gpus_per_node=per_node, attention=args.attention, layout=fixed or None,
+                  top_k=args.top, activations=args.activations, **settings)
+    if args.json:
+        print(report.to_json(result))
+    else:
+        print(report.table(result))
+        print()
+        print(report.breakdown(result["layouts"][0]))
+        print()
+        print("\n".join(result["explanation"]))
+    if args.chart:
+        report.chart(result, args.chart)
+        if not args.json:
+            print(f"wrote {args.chart}")
+    if args.measure:
+        from scaletrain.plan.measure import measure_and_print
+
+        if not args.config:
+            raise UserError("--measure runs a real step and needs a training config: --config FILE")
+        return measure_and_print(args.config, result["layouts"][0].layout, nproc=args.nproc or 1)
+    return 0 if result["layouts"][0].fits else 1
+
+
 def _no_extra(extra: list[str]) -> None:
     if extra:
         raise UserError(f"unexpected arguments: {' '.join(extra)}")
@@ -164,6 +237,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-key", default="text", help="jsonl field / parquet column with the text")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file")
     p.set_defaults(func=_prepare, takes_overrides=False)
+
+    p = sub.add_parser("plan", help="will it fit, and which layout is fastest",
+                       description="Search the layouts of a model on a cluster (or evaluate one fixed with "
+                                   "--zero/--tp/--pp/...), with every byte and second broken down.")
+    p.add_argument("model", nargs="?", help="preset name, TOML with a [model] section, or a Hugging Face config.json")
+    p.add_argument("--config", help="a training config: its model, sequence length, batch, precision, optimizer")
+    p.add_argument("--hardware", default="H100-SXM", help="catalog entry (V100-32GB, A100-40GB, A100-80GB, H100-SXM, "
+                   "H100-PCIe, H200, B200, RTX-3090, RTX-4090) or one from --hardware-file")
+    p.add_argument("--hardware-file", help="TOML with [[hardware]] tables of your own")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--seq-len", dest="seq_len", type=int)
+    p.add_argument("--global-batch", dest="global_batch", type=int, help="sequences per optimizer step")
+    p.add_argument("--precision", choices=("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true"))
+    p.add_argument("--optimizer", choices=("adamw", "sgd", "adafactor", "adamw8bit"))
+    p.add_argument("--attention", default="flash", choices=("flash", "eager"),
+                   help="memory-efficient attention kernels, or materialized scores")
+    p.add_argument("--activations", default="formula", choices=("formula", "traced"),
+                   help="closed form, or counted on the actual model under fake tensors (slower)")
+    g = p.add_argument_group("a fixed layout (anything left out is derived)")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
+    g.add_argument("--tp", type=int)
+    g.add_argument("--pp", type=int)
+    g.add_argument("--dp-replicate", dest="dp_replicate", type=int)
+    g.add_argument("--dp-shard", dest="dp_shard", type=int)
+    g.add_argument("--micro-batch", dest="micro_batch", type=int)
+    g.add_argument("--ac", choices=("none", "selective", "full"))
+    g.add_argument("--sp", type=lambda v: v.lower() in ("1", "true", "yes"), metavar="true|false")
+    g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"))
+    g.add_argument("--virtual", type=int)
+    g.add_argument("--offload", action="store_const", const=True)
+    p.add_argument("--top", type=int, default=10, help="layouts to show")
+    p.add_argument("--json", action="store_true", help="print JSON (schema in docs/planner.md)")
+    p.add_argument("--chart", help="stacked memory bars of the top layouts, to this PNG")
+    p.add_argument("--measure", action="store_true",
+                   help="run one real step of the best (or fixed) layout here and print predicted vs measured")
+    p.add_argument("--nproc", type=int, help="ranks for --measure (default 1)")
+    p.set_defaults(func=_plan, takes_overrides=True)
 
     p = sub.add_parser("schedule", help="draw a pipeline schedule's timeline and its bubble")
     p.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")

@@ -57,6 +57,9 @@ class ModelConfig:
     dropout: float = option(0.0, "dropout on attention weights and residual branches", min=0.0, max=1.0, open_max=True)
     init_std: float = option(0.02, "std of the normal init; residual projections get std/sqrt(2*n_layers)", min=0.0)
 
+    def __hash__(self) -> int:  # configs are not changed after loading: usable as cache keys
+        return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
@@ -138,6 +141,8 @@ class MemoryConfig:
 
 @dataclass
 class ParallelConfig:
+    layout: str = option("manual", "auto: the planner chooses the layout below (and the micro-batch and "
+                                   "checkpointing) for the devices at hand", choices=("manual", "auto"))
     dp_replicate: int = option(1, "data-parallel replica groups (the outer axis of HSDP)", min=1)
     dp_shard: int = option(-1, "data-parallel ranks that shard model states (zero >= 1); -1 = all remaining ranks",
                            min=-1)

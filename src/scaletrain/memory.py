@@ -16,12 +16,14 @@ Checkpointing wraps each block with PyTorch's `checkpoint_wrapper` (non-reentran
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -76,6 +78,8 @@ class _StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
+            if isinstance(t, DTensor):  # its memory is the local shard, not the global shape
+                t = t._local_tensor
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 st = t.untyped_storage()
                 ref = StorageWeakRef(st)
@@ -83,25 +87,31 @@ class _StorageTracker(TorchDispatchMode):
         return out
 
     def live_bytes(self, exclude: set[int]) -> int:
-        return sum(n for key, (ref, n) in self.storages.items() if not ref.expired() and key not in exclude)
+        # a storage can outlive its bytes: FSDP frees gathered parameters by resizing them to 0
+        return sum(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+                   for key, (ref, _) in self.storages.items() if not ref.expired() and key not in exclude)
 
 
-def saved_activation_bytes(model: nn.Module, forward: Callable[[], torch.Tensor]) -> int:
+def saved_activation_bytes(model: nn.Module, forward: Callable[[], torch.Tensor], backward: bool = True) -> int:
     """Bytes that autograd keeps alive for backward after `forward()` returns its loss.
 
     Measured, not estimated: every storage produced during the forward pass is tracked weakly,
     and those still alive once forward has returned (held by the graph, the checkpoint caches,
     or the returned loss) are counted. Parameters and buffers are left out.
     """
-    exclude = {StorageWeakRef(t.untyped_storage()).cdata
+    exclude = {StorageWeakRef((t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()).cdata
                for t in [*model.parameters(), *model.buffers()]}
     gc.collect()
     tracker = _StorageTracker()
     with tracker:
         loss = forward()
     gc.collect()
+    # parameters may have been swapped for gathered copies during forward (FSDP): leave them out too
+    exclude |= {StorageWeakRef((t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()).cdata
+                for t in [*model.parameters(), *model.buffers()]}
     held = tracker.live_bytes(exclude)
-    loss.backward()  # frees the graph; also proves that what was kept suffices
+    if backward:
+        loss.backward()  # frees the graph; also proves that what was kept suffices
     return held
 
 
@@ -123,7 +133,7 @@ def peak_allocated_bytes(fn: Callable[[], object], device: torch.device) -> int:
 
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
@@ -136,3 +146,20 @@ def peak_allocated_bytes(fn: Callable[[], object], device: torch.device) -> int:
     totals = [e["args"]["Total Allocated"] for e in events
               if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0]
     return max([0, *totals])
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """The profiler's C++ side prints start/stop notes straight to file descriptor 2."""
+    import os
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

@@ -22,6 +22,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                      ffn_dim=8192, max_seq_len=8192, norm="rmsnorm", norm_eps=1e-5,
                      activation="swiglu", position="rope", rope_theta=500000.0,
                      tie_embeddings=True, bias=False),
+    # Llama 3 70B (meta-llama/Meta-Llama-3-70B config.json).
+    "llama-70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                      ffn_dim=28672, max_seq_len=8192, norm="rmsnorm", norm_eps=1e-5,
+                      activation="swiglu", position="rope", rope_theta=500000.0,
+                      tie_embeddings=False, bias=False),
     # Llama 3 8B (meta-llama/Meta-Llama-3-8B config.json).
     "llama-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                      ffn_dim=14336, max_seq_len=8192, norm="rmsnorm", norm_eps=1e-5,

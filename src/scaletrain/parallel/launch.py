@@ -73,6 +73,8 @@ def pick_device(name: str, local_rank: int = 0, local_world_size: int = 1) -> to
 
 
 def single_process(cfg: JobConfig) -> Runtime:
+    if cfg.parallel.layout == "auto":
+        raise ValueError("parallel.layout=auto: resolve the layout first (scaletrain.plan.auto.auto_layout)")
     dims = ParallelDims.from_config(cfg.parallel, 1)
     return Runtime(0, 0, 1, 1, pick_device(cfg.train.device), dims)
 
@@ -84,11 +86,18 @@ def is_worker() -> bool:
 
 def init_worker(cfg: JobConfig) -> Runtime:
     """Join the process group described by torchrun's environment and build the mesh."""
+    if cfg.parallel.layout == "auto":
+        raise ValueError("parallel.layout=auto: use prepare_worker, which resolves the layout first")
+    return prepare_worker(cfg)[1]
+
+
+def prepare_worker(cfg: JobConfig) -> tuple[JobConfig, Runtime]:
+    """Join the process group, let rank 0 choose the layout if it is `auto` (every rank gets
+    the same), and build the mesh. Returns the config as it will run."""
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     local_rank = int(env["LOCAL_RANK"])
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-    dims = ParallelDims.from_config(cfg.parallel, world)
     device = pick_device(cfg.train.device, local_rank, local_world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -98,8 +107,24 @@ def init_worker(cfg: JobConfig) -> Runtime:
     timeout = timedelta(seconds=cfg.parallel.timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    if cfg.parallel.layout == "auto":
+        box = [None]
+        if rank == 0:
+            from scaletrain.plan.auto import auto_layout
+
+            try:
+                box = [auto_layout(cfg, world, device, gpus_per_node=local_world)[0].to_dict()]
+            except UserError as e:
+                box = [e]
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], UserError):
+            raise box[0]
+        from scaletrain.config import from_dict
+
+        cfg = from_dict(box[0])
+    dims = ParallelDims.from_config(cfg.parallel, world)
     mesh, dp_mesh = dims.build_mesh(device.type)
-    return Runtime(rank, local_rank, world, local_world, device, dims, mesh, dp_mesh)
+    return cfg, Runtime(rank, local_rank, world, local_world, device, dims, mesh, dp_mesh)
 
 
 def shutdown() -> None:

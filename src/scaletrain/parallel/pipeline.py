@@ -22,6 +22,7 @@ parameter names, and the checkpoint keys, are those of the whole model.
 from __future__ import annotations
 
 import copy
+from functools import lru_cache
 
 from torch import nn
 
@@ -99,6 +100,7 @@ def layer_ranges(cfg: ModelConfig, chunks: int, split: str) -> list[range]:
     return ranges
 
 
+@lru_cache(maxsize=4096)
 def stage_indices(schedule: str, pp_rank: int, pp: int, virtual: int) -> list[int]:
     """Which of the pp × v chunks this rank runs: loop order, or a V for zero-bubble."""
     if schedule == "zero-bubble":

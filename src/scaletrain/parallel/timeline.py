@@ -8,13 +8,13 @@ micro-batch; a backward needs the next stage's backward). Forward takes 1 unit, 
 (input and weight gradients 1 each), a chunk of an interleaved stage 1/v of that.
 
 The bubble is each rank's idle time over its busy time; the textbook values are (p-1)/m for
-GPipe and 1F1B and (p-1)/(v·m) for interleaved 1F1B (Narayanan et al. 2021).
+GPipe and 1F1B and (p-1)/(v·m) for interleaved 1F1B (Narayanan et al. 2021); ZB-V idles
+(p-1)/2 forward-times in all, whatever m, which is (p-1)/(6m) of its work.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fractions import Fraction
 
 from scaletrain.errors import ConfigError
 from scaletrain.parallel.pipeline import SCHEDULES
@@ -31,8 +31,8 @@ class Op:
 class Placed:
     op: Op
     stage: int
-    start: Fraction
-    end: Fraction
+    start: float
+    end: float
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,11 +138,11 @@ def rank_orders(schedule: str, p: int, m: int, v: int) -> tuple[list[list[Op]], 
 def simulate(schedule: str, p: int, m: int, v: int = 1) -> list[list[Placed]]:
     orders, stage_of = rank_orders(schedule, p, m, v)
     stages = p * v if schedule in ("interleaved-1f1b", "zero-bubble") else p
-    unit = Fraction(1, v) if schedule in ("interleaved-1f1b", "zero-bubble") else Fraction(1)
+    unit = 1.0 / v if schedule in ("interleaved-1f1b", "zero-bubble") else 1.0
     length = {"F": unit, "B": 2 * unit, "I": unit, "W": unit}
-    done: dict[tuple[str, int, int], Fraction] = {}  # (kind, stage, mb) -> end time
+    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time
     placed: list[list[Placed]] = [[] for _ in range(p)]
-    free = [Fraction(0)] * p
+    free = [0.0] * p
     cursor = [0] * p
     remaining = sum(len(o) for o in orders)
     while remaining:
@@ -187,16 +187,24 @@ def bubble_fraction(placed: list[list[Placed]]) -> float:
     fractions = []
     for row in placed:
         busy = sum(x.end - x.start for x in row)
-        fractions.append(float((span - busy) / busy))
+        fractions.append((span - busy) / busy)
     return sum(fractions) / len(fractions)
 
 
-def theory(schedule: str, p: int, m: int, v: int) -> float | None:
+def theory(schedule: str, p: int, m: int, v: int) -> float:
+    """The bubble in closed form. For ZB-V with equal F, I and W times the idle time does not
+    grow with m: (p-1)/2 forward-times of warm-up and cool-down against 3m of work."""
     if schedule in ("gpipe", "1f1b"):
         return (p - 1) / m
     if schedule == "interleaved-1f1b":
         return (p - 1) / (v * m)
-    return None  # zero-bubble: ~0 when F, I and W take equal time
+    if schedule == "zero-bubble":
+        return (p - 1) / (6 * m)
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+THEORY_TEXT = {"gpipe": "(p-1)/m", "1f1b": "(p-1)/m", "interleaved-1f1b": "(p-1)/(v·m)",
+               "zero-bubble": "(p-1)/(6m), F = I = W"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,10 +231,11 @@ def render_text(schedule: str, p: int, m: int, v: int, placed: list[list[Placed]
     shown in lower case (f, b, i, w)."""
     unit = min(x.end - x.start for row in placed for x in row)
     span = max(x.end for row in placed for x in row)
-    slots = int(span / unit)
+    slots = round(span / unit)
     width = max(2, len(str(m - 1)) + 1) + 1
+    unit_text = "1" if unit == 1 else f"1/{round(1 / unit)}"
     lines = [f"{schedule}: {p} stages × {m} micro-batches" + (f", {v} chunks per rank" if v > 1 else "")
-             + f"; one column = {unit} of a forward"]
+             + f"; one column = {unit_text} of a forward"]
     header = "rank |" + "".join(f"{t:<{width}}"[:width] if t % 5 == 0 else " " * width for t in range(slots))
     lines.append(header.rstrip())
     for r, row in enumerate(placed):
@@ -234,14 +243,12 @@ def render_text(schedule: str, p: int, m: int, v: int, placed: list[list[Placed]
         for x in row:
             label = x.op.kind if x.op.chunk == 0 else x.op.kind.lower()
             text = f"{label}{x.op.mb}"
-            for t in range(int(x.start / unit), int(x.end / unit)):
+            for t in range(round(x.start / unit), round(x.end / unit)):
                 cells[t] = f"{text:<{width - 1}} "
         lines.append(f"{r:>4} |" + "".join(cells).rstrip())
     measured = bubble_fraction(placed)
-    th = theory(schedule, p, m, v)
-    expected = f"theory {th:.3f} ({'(p-1)/m' if v == 1 else '(p-1)/(v·m)'})" if th is not None else \
-        "theory ~0 when F, I and W take equal time"
-    lines.append(f"bubble (idle / busy per rank): {measured:.3f}; {expected}")
+    lines.append(f"bubble (idle / busy per rank): {measured:.3f}; theory {theory(schedule, p, m, v):.3f} "
+                 f"({THEORY_TEXT[schedule]})")
     return "\n".join(lines)
 
 
@@ -265,9 +272,8 @@ def render_png(schedule: str, p: int, m: int, v: int, placed: list[list[Placed]]
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.invert_yaxis()
     ax.set_xlabel("time (forward = 1)")
-    th = theory(schedule, p, m, v)
     ax.set_title(f"{schedule}, p={p}, m={m}" + (f", v={v}" if v > 1 else "")
-                 + f": bubble {bubble_fraction(placed):.3f}" + (f" (theory {th:.3f})" if th is not None else ""))
+                 + f": bubble {bubble_fraction(placed):.3f} (theory {theory(schedule, p, m, v):.3f})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -57,6 +57,7 @@ class _Bucket:
     work: dist.Work | None = None
     out: torch.Tensor | None = None
     recv: torch.Tensor | None = None  # gloo: every rank's contribution to this rank's segment
+    flat: torch.Tensor | None = None  # what this rank sends, alive until the reduction is done
 
 
 class ZeroDataParallel:
@@ -115,6 +116,7 @@ class ZeroDataParallel:
             self.buckets.append(bucket)
         self._bucket_of = {id(s.param): b for b in self.buckets for s in b.slots}
         self._next = 0  # buckets are launched in order, the same on every rank
+        self._in_flight: list[_Bucket] = []
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_ready) for s in slots]
 
     def _placement(self, p, mesh, dp_replicate, dp_placements):
@@ -147,6 +149,9 @@ class ZeroDataParallel:
         while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].slots):
             self._launch(self.buckets[self._next])
             self._next += 1
+        # like DDP, keep at most two buckets' buffers in flight: finish the older ones now
+        while len(self._in_flight) > 2:
+            self._complete(self._in_flight.pop(0))
 
     def _launch(self, bucket: _Bucket) -> None:
         slot0 = bucket.slots[0]
@@ -161,6 +166,8 @@ class ZeroDataParallel:
             flat[:, s.offset:s.offset + s.chunk_numel] = padded.view(self.n, -1)
             if self.stage == 2:
                 s.param.grad = None  # stage 2: the full gradient is not kept
+        bucket.flat = flat
+        self._in_flight.append(bucket)
         if self.all_to_all:
             bucket.recv = torch.empty_like(flat)
             bucket.work = dist.all_to_all_single(bucket.recv.view(-1), flat.view(-1), group=self.shard_group,
@@ -175,28 +182,32 @@ class ZeroDataParallel:
         while self._next < len(self.buckets):  # buckets with unused parameters
             self._launch(self.buckets[self._next])
             self._next += 1
-        for bucket in self.buckets:
-            bucket.work.wait()
-            if bucket.recv is not None:
-                bucket.out, bucket.recv = bucket.recv.sum(0), None
-            if self.rep_group is not None:  # HSDP: sum the shards over the replicas too
-                dist.all_reduce(bucket.out, group=self.rep_group)
-            bucket.out.div_(self.dp)  # every rank's loss carries a factor dp (see the trainer)
-            for s in bucket.slots:
-                local_rows = s.shard.to_local().shape[0]
-                reduced = bucket.out[s.offset:s.offset + s.chunk_numel].view(s.chunk_rows, *s.data.shape[1:])
-                reduced = reduced[:local_rows]
-                if self.stage == 1 and s.is_view and s.param.grad is not None:
-                    # stage 1 keeps the full gradient: the reduced shard goes into its own rows,
-                    # and the shard's gradient is a view of them (no extra memory)
-                    view = _row_slice(_local(s.param.grad), self.rank * s.chunk_rows, local_rows)
-                    view.copy_(reduced)
-                    reduced = view
-                grad = reduced.to(dtype=s.shard.dtype)
-                s.shard.grad = DTensor.from_local(grad, s.shard.device_mesh, s.shard.placements, run_check=False,
-                                                  shape=s.shard.shape, stride=s.shard.stride())
-            bucket.work, bucket.out, bucket.ready = None, None, 0
+        while self._in_flight:
+            self._complete(self._in_flight.pop(0))
         self._next = 0
+
+    def _complete(self, bucket: _Bucket) -> None:
+        """Wait for one bucket's reduction and hand each of its shards the averaged gradient."""
+        bucket.work.wait()
+        if bucket.recv is not None:
+            bucket.out, bucket.recv = bucket.recv.sum(0), None
+        if self.rep_group is not None:  # HSDP: sum the shards over the replicas too
+            dist.all_reduce(bucket.out, group=self.rep_group)
+        bucket.out.div_(self.dp)  # every rank's loss carries a factor dp (see the trainer)
+        for s in bucket.slots:
+            local_rows = s.shard.to_local().shape[0]
+            reduced = bucket.out[s.offset:s.offset + s.chunk_numel].view(s.chunk_rows, *s.data.shape[1:])
+            reduced = reduced[:local_rows]
+            if self.stage == 1 and s.is_view and s.param.grad is not None:
+                # stage 1 keeps the full gradient: the reduced shard goes into its own rows,
+                # and the shard's gradient is a view of them (no extra memory)
+                view = _row_slice(_local(s.param.grad), self.rank * s.chunk_rows, local_rows)
+                view.copy_(reduced)
+                reduced = view
+            grad = reduced.to(dtype=s.shard.dtype)
+            s.shard.grad = DTensor.from_local(grad, s.shard.device_mesh, s.shard.placements, run_check=False,
+                                              shape=s.shard.shape, stride=s.shard.stride())
+        bucket.work, bucket.out, bucket.flat, bucket.ready = None, None, None, 0
 
     # ---- after the optimizer step: every replica gets the updated rows
 

@@ -1,0 +1,158 @@
+"""The planner: will it fit, and which layout is fastest — before anyone spends GPU hours.
+
+    from scaletrain.plan import plan
+    result = plan("llama-8b", hardware="H100-SXM", nodes=1, gpus_per_node=8, seq_len=8192, global_batch=64)
+    result["layouts"][0].layout, result["explanation"]
+
+See docs/planner.md for the model behind the figures and their calibration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from scaletrain.errors import ConfigError
+from scaletrain.plan.hardware import Hardware, lookup
+from scaletrain.plan.memory_model import GiB, MemoryBreakdown, ParamCounts, optimizer_bytes
+from scaletrain.plan.search import Evaluated, enumerate_layouts, evaluate, explain, layout_errors, search
+from scaletrain.plan.spec import Cluster, Layout, ModelSource, Workload, load_model
+
+__all__ = ["Cluster", "Evaluated", "Layout", "Workload", "plan", "resolve_layout"]
+
+
+def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, gpus_per_node: int = 8,
+         seq_len: int = 2048, global_batch: int = 256, precision: str = "bf16-mixed", optimizer: str = "adamw",
+         attention: str = "flash", layout: Layout | dict | None = None, top_k: int = 10,
+         activations: str = "formula", hardware_file: str | None = None, gpu: bool | None = None) -> dict:
+    """Search the layouts (or evaluate `layout`) for `model` on the cluster. Returns a dict with
+    "layouts" (Evaluated, best first), "explanation" (lines), "stats", and the inputs."""
+    src = load_model(model)
+    hw = hardware if isinstance(hardware, Hardware) else lookup(hardware, hardware_file)
+    cluster = Cluster(hw, nodes, gpus_per_node)
+    if nodes < 1 or gpus_per_node < 1:
+        raise ConfigError("--nodes and --gpus-per-node must be at least 1")
+    wl = Workload(seq_len=seq_len, global_batch=global_batch, precision=precision, optimizer=optimizer,
+                  attention=attention)
+    gpu = hw.name != "CPU" if gpu is None else gpu
+    result = {"model_name": src.name, "cfg": src.cfg, "workload": wl, "cluster": cluster, "stats": None}
+    if src.cfg is None:
+        return _plan_module(src, wl, cluster, layout, top_k, result, gpu)
+    if src.cfg.max_seq_len < seq_len:
+        src.cfg = replace(src.cfg, max_seq_len=seq_len)  # planning a longer context than the preset's
+    from scaletrain.model.transformer import count_params
+
+    result["num_params"] = count_params(src.cfg)
+    if layout is not None:
+        fixed = resolve_layout(layout, cluster, wl)
+        errors = layout_errors(src.cfg, wl, cluster, fixed)
+        if errors:
+            raise ConfigError(*(f"layout {fixed.describe()}: {e}" for e in errors))
+        ev = evaluate(src.cfg, wl, cluster, fixed, gpu=gpu, activations=activations)
+        result["layouts"] = [ev]
+        result["explanation"] = [f"{fixed.describe()}: " + ("fits" if ev.fits else ev.why_not[0])]
+        return result
+    ranked, stats = search(src.cfg, wl, cluster, top_k=top_k, gpu=gpu, activations=activations)
+    result["stats"] = stats
+    result["layouts"] = ranked[:top_k]
+    result["explanation"] = explain(ranked[0], ranked, src.cfg, wl, cluster, gpu)
+    return result
+
+
+def resolve_layout(given: Layout | dict, cluster: Cluster, wl: Workload) -> Layout:
+    """A layout from the options given; what is left out is derived (dp from the cluster, the
+    micro-batch from the global batch)."""
+    if isinstance(given, Layout):
+        return given
+    known = set(Layout.__dataclass_fields__)
+    unknown = set(given) - known
+    if unknown:
+        raise ConfigError(f"unknown layout option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
+    tp, pp = given.get("tp", 1), given.get("pp", 1)
+    if cluster.world % (tp * pp):
+        raise ConfigError(f"tp {tp} × pp {pp} does not divide the cluster's {cluster.world} GPUs")
+    dp = cluster.world // (tp * pp)
+    rep = given.get("dp_replicate", 1)
+    if dp % rep:
+        raise ConfigError(f"dp_replicate {rep} does not divide the {dp} data-parallel ranks")
+    shard = given.get("dp_shard", dp // rep)
+    if wl.global_batch % (rep * shard):
+        raise ConfigError(f"the global batch {wl.global_batch} does not divide into {rep * shard} data-parallel ranks")
+    per_rank = wl.global_batch // (rep * shard)
+    mb = given.get("micro_batch", per_rank)
+    if per_rank % mb:
+        raise ConfigError(f"micro-batch {mb} does not divide the {per_rank} sequences per data-parallel rank")
+    fields = {**given, "dp_replicate": rep, "dp_shard": shard, "micro_batch": mb, "grad_accum": per_rank // mb}
+    if tp > 1 and "sp" not in given:
+        fields["sp"] = True
+    return Layout(**fields)
+
+
+def _plan_module(src: ModelSource, wl: Workload, cluster: Cluster, layout, top_k: int, result: dict, gpu: bool):
+    """An arbitrary nn.Module: counted parameters, activations traced whole, FLOPs ≈ 6N per token;
+    data parallelism and ZeRO only (its structure is unknown to tensor and pipeline parallelism)."""
+    import torch
+
+    from scaletrain.plan.memory_model import RESERVE_FRACTION, RUNTIME_BYTES_GPU, Dtypes
+    from scaletrain.plan.time_model import DEFAULT_EFFICIENCY, EFFICIENCY, LINK_EFFICIENCY, TimeBreakdown
+    from scaletrain.plan.trace import traced_module_bytes
+
+    module = src.module
+    params = [p for p in module.parameters()]
+    n = sum(p.numel() for p in params)
+    result["num_params"] = n
+    mats = tuple((p.shape[0], p[0].numel()) for p in params if p.ndim >= 2)
+    counts = ParamCounts(sharded=0, replicated=n, matmul=n, matrices=mats)
+    vocab = next((m.num_embeddings for m in module.modules() if isinstance(m, torch.nn.Embedding)), None)
+    if vocab is None:
+        raise ConfigError(f"{src.name}: the planner feeds token ids to a module; this one has no nn.Embedding")
+    d = Dtypes.of(wl.precision)
+    hw = cluster.hardware
+    peak = hw.peak_flops({"32-true": "fp32", "tf32": "tf32", "16-mixed": "fp16"}.get(wl.precision, "bf16"))
+    candidates = [resolve_layout(layout, cluster, wl)] if layout is not None else \
+        [lay for lay in _module_layouts(cluster, wl)]
+    evaluated = []
+    act_cache: dict[int, float] = {}
+    for lay in candidates:
+        if lay.tp > 1 or lay.pp > 1 or lay.ac != "none":
+            raise ConfigError("for an nn.Module the planner covers data parallelism and ZeRO only (tp=1, pp=1, ac none)")
+        if lay.micro_batch not in act_cache:
+            act_cache[lay.micro_batch] = traced_module_bytes(module, wl, lay.micro_batch, vocab)
+        z, shards = (lay.zero, lay.dp_shard) if lay.dp > 1 else (0, 1)
+        m = MemoryBreakdown()
+        m.params = n * d.param / (shards if z == 3 else 1)
+        m.grads = n * d.grad / (shards if z >= 2 else 1)
+        m.master = n * d.master / (shards if z >= 1 else 1)
+        m.optimizer = optimizer_bytes(wl.optimizer, counts) / (shards if z >= 1 else 1)
+        m.activations = act_cache[lay.micro_batch]
+        m.reserve = RESERVE_FRACTION * (m.model_states + m.activations) + (RUNTIME_BYTES_GPU if gpu else 0)
+        flops = 6.0 * n * wl.tokens
+        eta = EFFICIENCY.get(hw.name, DEFAULT_EFFICIENCY)
+        compute = flops / lay.world / (peak * eta)
+        bw = (hw.intra_node_GBps if lay.dp <= cluster.gpus_per_node else hw.inter_node_GBps) * LINK_EFFICIENCY * 1e9
+        comm = 0.0 if lay.dp == 1 else (3 if z == 3 else 2) * (lay.dp - 1) / lay.dp * n * 4 / bw
+        exposed = max(0.0, comm - 0.8 * compute * (1 if z == 3 else 2 / 3 / lay.grad_accum))
+        step = compute + exposed
+        t = TimeBreakdown(compute, 0.0, 0.0, comm, exposed, 0.0, 0.0, step, wl.tokens / step,
+                          flops / (step * peak * lay.world), flops, flops, 0.0)
+        ev = Evaluated(lay, m, t, hw.memory_bytes)
+        if not ev.fits:
+            ev.why_not.append(f"needs {m.total / GiB:.1f} GiB per GPU of {hw.memory_bytes / GiB:.1f}")
+        evaluated.append(ev)
+    evaluated.sort(key=lambda e: (not e.fits, -e.time.tokens_per_s, e.memory.total))
+    result["layouts"] = evaluated[:top_k]
+    best = evaluated[0]
+    result["explanation"] = [f"Best: {best.layout.describe()} — {best.time.tokens_per_s:,.0f} tokens/s "
+                             f"({'fits' if best.fits else best.why_not[0]}); FLOPs counted as 6N per token, "
+                             "activations traced on fake tensors."]
+    return result
+
+
+def _module_layouts(cluster: Cluster, wl: Workload):
+    dp = cluster.world
+    if wl.global_batch % dp:
+        raise ConfigError(f"the global batch {wl.global_batch} does not divide into {dp} GPUs")
+    per_rank = wl.global_batch // dp
+    for zero in ((0,) if dp == 1 else (0, 1, 2, 3)):
+        for mb in [m for m in range(1, min(per_rank, 16) + 1) if per_rank % m == 0]:
+            yield Layout(dp_shard=dp, zero=zero, micro_batch=mb, grad_accum=per_rank // mb)

@@ -182,3 +182,23 @@ def cpu_peak_flops(dtype: torch.dtype) -> float:
     except OSError:
         pass  # a read-only home only costs a re-probe next time
     return flops
+
+
+def local_hardware(device: torch.device) -> Hardware:
+    """The device at hand as a catalog entry: a known GPU from the catalog (its memory as the
+    driver reports it), an unknown GPU or the CPU measured here. For a CPU the link and memory
+    bandwidths are rough stated figures (loopback TCP between local ranks)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        known = cuda_hardware(device.index or 0)
+        if known is not None:
+            return Hardware(known.name, props.total_memory / 1e9, known.peak_tflops, known.memory_GBps,
+                            known.intra_node_GBps, known.inter_node_GBps)
+        peaks = {k: measure_matmul_peak(device, dt) / TFLOPS
+                 for k, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))}
+        return Hardware(torch.cuda.get_device_name(device), props.total_memory / 1e9, peaks, 500.0, 25.0, 12.5)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    peaks = {"fp32": cpu_peak_flops(torch.float32) / TFLOPS, "bf16": cpu_peak_flops(torch.bfloat16) / TFLOPS}
+    peaks["tf32"] = peaks["fp32"]
+    peaks["fp16"] = peaks["bf16"]
+    return Hardware("CPU", ram, peaks, memory_GBps=20.0, intra_node_GBps=5.0, inter_node_GBps=1.0)

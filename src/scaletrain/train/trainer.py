@@ -251,6 +251,29 @@ class Trainer:
         self.dp.finish_gradients()
         return loss_sum / self._loss_factor() / self.tokens_per_step, wait
 
+    def measure_activation_bytes(self, batches) -> int | None:
+        """Bytes one micro-batch's forward keeps for backward on this rank (measured from live
+        tensors); None under pipelining, where a micro-batch's forward spans the schedule."""
+        from scaletrain.memory import saved_activation_bytes
+
+        if self.pipeline is not None:
+            return None
+        inputs, targets = (t.to(self.device) for t in next(batches))
+
+        def forward():
+            with self.precision.autocast():
+                logits = self.model(inputs)
+            return cross_entropy_sum(logits, targets) * self._loss_factor()
+
+        with self.dp.micro_step(last=True), self._loss_context():
+            held = saved_activation_bytes(self.dp.module, forward)
+        self.dp.finish_gradients()
+        self.dp.zero_grad(self.optimizer)
+        if self.master:
+            self.master.grads_to_master()
+            self.optimizer.zero_grad(set_to_none=True)
+        return held
+
     def _build_schedule(self):
         def loss_fn(logits, targets):
             return cross_entropy_sum(logits, targets) * self._loss_factor()

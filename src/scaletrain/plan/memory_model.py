@@ -1,0 +1,422 @@
+"""Memory per rank, component by component, in closed form.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020, section 5): with Ψ parameters on
+a rank, p/g/m/o bytes per parameter for parameters, gradients, fp32 master weights and optimizer
+state, and N ranks sharding them, stage 1 divides o and m by N, stage 2 also g, stage 3 also p.
+
+Activations per transformer layer come from two sources:
+
+* `korthikanti_layer_bytes`: the textbook GPT layer of Korthikanti et al. 2022 ("Reducing
+  Activation Recomputation in Large Transformer Models", section 4 and Table 2):
+  sbh(34 + 5as/h) bytes in 16-bit, sbh(10 + 24/t + 5as/(ht)) with tensor parallelism,
+  sbh/t(34 + 5as/h) with sequence parallelism as well, 34sbh/t (or sbh(10 + 24/t) without
+  sequence parallelism) with selective recomputation, 2sbh with full recomputation.
+* `layer_activation_bytes`: the same accounting for scaletrain's own layer, tensor by tensor:
+  what each of its operations saves for backward (memory-efficient attention keeps q, k, v, its
+  output and a log-sum-exp instead of the s×s scores; no dropout masks; DTensor keeps the
+  all-gathered input of a column-parallel matmul under sequence parallelism; autocast keeps the
+  low-precision copy of each weight). `scaletrain.plan.trace` checks it by counting the saved
+  tensors of the real layer under fake tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from scaletrain.config import ModelConfig
+from scaletrain.plan.spec import Cluster, Layout, Workload
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    param: int  # bytes of a stored parameter
+    grad: int
+    master: int  # fp32 master copy (bf16-true)
+    compute: int  # matmul inputs and outputs
+    residual: int  # the residual stream and norm inputs
+    autocast: bool  # fp32 weights cast to the compute dtype for every forward
+
+    @classmethod
+    def of(cls, precision: str) -> "Dtypes":
+        if precision in ("32-true", "tf32"):
+            return cls(4, 4, 0, 4, 4, False)
+        if precision in ("16-mixed", "bf16-mixed"):
+            return cls(4, 4, 0, 2, 4, True)
+        if precision == "bf16-true":
+            return cls(2, 2, 4, 2, 2, False)
+        raise ValueError(f"unknown precision {precision!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters of one rank: split by tensor parallelism (`sharded`, already divided by tp)
+    or replicated over it, and the matrices (rows, cols) for factored optimizers."""
+
+    sharded: int
+    replicated: int
+    matmul: int  # of which feed matmuls (for autocast copies and FLOPs)
+    matrices: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def total(self) -> int:
+        return self.sharded + self.replicated
+
+
+def _layer_params(cfg: ModelConfig, tp: int) -> tuple[int, int, int, list]:
+    h, kv, f = cfg.dim, cfg.kv_heads * cfg.head_dim, cfg.hidden_dim
+    n_ffn = 3 if cfg.activation == "swiglu" else 2
+    matmul = 2 * h * h + 2 * h * kv + n_ffn * h * f
+    sharded = matmul // tp
+    replicated = (4 if cfg.norm == "layernorm" and cfg.bias else 2) * h
+    if cfg.bias:
+        sharded += (h + 2 * kv + (n_ffn - 1) * f) // tp  # column-parallel biases
+        replicated += 2 * h  # row-parallel biases (wo, w2)
+    mats = [(h // tp, h), (kv // tp, h), (kv // tp, h), (h, h // tp)] + \
+           [(f // tp, h)] * (n_ffn - 1) + [(h, f // tp)]
+    return sharded, replicated, matmul // tp, mats
+
+
+def stage_layers(cfg: ModelConfig, layout: Layout) -> list[list[int]]:
+    """Layer counts of each pp rank's chunks (balanced as the trainer splits them)."""
+    from scaletrain.parallel.pipeline import head_cost_in_blocks
+
+    if layout.pp == 1:
+        return [[cfg.n_layers]]
+    return _stage_layers(cfg.n_layers, layout.pp, layout.virtual, layout.schedule, head_cost_in_blocks(cfg))
+
+
+@lru_cache(maxsize=4096)
+def _stage_layers(n_layers: int, pp: int, virtual: int, schedule: str, head_cost: float) -> list[list[int]]:
+    from scaletrain.parallel.pipeline import balanced_split_counts, stage_indices
+
+    counts = balanced_split_counts(n_layers, pp * virtual, head_cost)
+    return [[counts[s] for s in stage_indices(schedule, r, pp, virtual)] for r in range(pp)]
+
+
+def rank_params(cfg: ModelConfig, layout: Layout, pp_rank: int) -> ParamCounts:
+    return _rank_params(cfg, layout.tp, layout.pp, layout.virtual, layout.schedule, pp_rank)
+
+
+@lru_cache(maxsize=16384)
+def _rank_params(cfg: ModelConfig, tp: int, pp: int, virtual: int, schedule: str, pp_rank: int) -> ParamCounts:
+    from scaletrain.parallel.pipeline import stage_indices
+
+    layout = Layout(tp=tp, pp=pp, virtual=virtual, schedule=schedule)
+    layers = sum(stage_layers(cfg, layout)[pp_rank])
+    s, r, mm, mats = _layer_params(cfg, tp)
+    sharded, replicated, matmul = s * layers, r * layers, mm * layers
+    matrices = mats * layers
+    stages = stage_indices(layout.schedule, pp_rank, layout.pp, layout.virtual) if layout.pp > 1 else [0]
+    last = layout.pp * (layout.virtual if layout.pp > 1 else 1) - 1
+    h, V = cfg.dim, cfg.vocab_size
+    if 0 in stages:
+        sharded += V * h // tp
+        matrices.append((V // tp, h))
+        if cfg.position == "learned":
+            replicated += cfg.max_seq_len * h
+            matrices.append((cfg.max_seq_len, h))
+    if last in stages:
+        replicated += h * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
+        matmul += V * h // tp
+        if not (cfg.tie_embeddings and layout.pp == 1):
+            sharded += V * h // tp
+            matrices.append((V // tp, h))
+    return ParamCounts(sharded, replicated, matmul, tuple(matrices))
+
+
+def optimizer_bytes(optimizer: str, counts: ParamCounts) -> float:
+    """Optimizer state of these parameters (fp32 states)."""
+    if optimizer == "adamw":
+        return 8.0 * counts.total
+    if optimizer == "sgd":
+        return 4.0 * counts.total
+    if optimizer == "adamw8bit":
+        # torchao: 8-bit moments in blocks of 256 with an fp32 scale each, for tensors of at least
+        # 4096 elements; smaller ones keep fp32 moments
+        big = sum(r * c for r, c in counts.matrices if r * c >= 4096)
+        return big * (2 + 8 / 256) + (counts.total - big) * 8.0
+    if optimizer == "adafactor":
+        # factored second moment of each matrix (a row and a column vector), full for vectors
+        in_matrices = sum(r * c for r, c in counts.matrices)
+        return 4.0 * sum(r + c for r, c in counts.matrices) + 4.0 * max(0, counts.total - in_matrices)
+    raise ValueError(f"unknown optimizer {optimizer!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Activations
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                            recompute: str = "none") -> float:
+    """Activation bytes of one GPT layer in 16-bit precision (Korthikanti et al. 2022, Table 2)."""
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    if recompute == "selective":
+        return 34 * s * b * h / t if sp else s * b * h * (10 + 24 / t)
+    if sp:
+        return s * b * h / t * (34 + 5 * a * s / h)
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def layer_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str) -> float:
+    """Bytes scaletrain's layer keeps for backward, per micro-batch of b sequences, on one rank."""
+    d = Dtypes.of(wl.precision)
+    s, h, a = wl.seq_len, cfg.dim, cfg.n_heads
+    kv, f = cfg.kv_heads * cfg.head_dim, cfg.hidden_dim
+    s_loc = s / tp if sp else s  # the residual stream's tokens on this rank
+    x = b * s_loc * h * d.residual  # the layer's input (the previous layer's output)
+    if ac == "full":
+        return x
+    qkv = b * s * (h + 2 * kv) / tp * d.compute
+    attn_out = b * s * h / tp * d.compute
+    lse = b * a / tp * s * 4
+    if wl.attention == "eager":  # materialized scores: softmax output (and the exp/mask kernels)
+        lse = b * a / tp * s * s * d.compute
+    n_ffn = 3 if cfg.activation == "swiglu" else 2
+    if ac == "selective":  # matmul and attention outputs; element-wise ops are recomputed
+        mm_out = 2 * b * s * h * d.compute  # wo and w2 outputs (before their reduction)
+        ffn = (n_ffn - 1) * b * s * f / tp * d.compute
+        return x + qkv + attn_out + lse + mm_out + ffn
+    if ac != "none":
+        raise ValueError(f"unknown activation checkpointing {ac!r}")
+    # the residual stream is kept by the norms that read it — except our RMSNorm on a
+    # low-precision stream, which keeps only the fp32 copy it makes (counted in norm_extra)
+    if not _norm_keeps_input(cfg, d):
+        x = 0.0
+    x2 = x  # the residual between attention and MLP
+    # normalized inputs of the column-parallel matmuls; autocast casts the input once per
+    # matmul (it caches only the casts of weights), so q, k and v each keep a copy
+    copies = (3 + n_ffn - 1) if d.autocast else 2
+    linear_in = copies * b * s * h * d.compute
+    norm_extra = 2 * _norm_extra(cfg, d, b, s_loc)
+    ffn = (2 if cfg.activation == "gelu" else 4) * b * s * f / tp * d.compute
+    return x + x2 + linear_in + norm_extra + qkv + attn_out + lse + ffn
+
+
+def head_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool) -> float:
+    """Final norm, output head and loss of the last stage, per micro-batch."""
+    d = Dtypes.of(wl.precision)
+    s, h = wl.seq_len, cfg.dim
+    s_loc = s / tp if sp else s
+    last_out = b * s_loc * h * d.residual if _norm_keeps_input(cfg, d) else 0.0
+    head_in = b * s * h * d.compute
+    log_probs = b * s * cfg.vocab_size / tp * 4  # fp32 log-softmax (on vocabulary shards)
+    return last_out + _norm_extra(cfg, d, b, s_loc) + head_in + log_probs
+
+
+def _norm_keeps_input(cfg: ModelConfig, d: Dtypes) -> bool:
+    return cfg.norm == "layernorm" or d.residual == 4
+
+
+def _norm_extra(cfg: ModelConfig, d: Dtypes, b: int, s_loc: float) -> float:
+    """What a norm keeps besides its input: LayerNorm its mean and 1/std; our RMSNorm its
+    1/rms, its normalized input (before the weight) and, when the residual stream is not
+    fp32, the fp32 copy of its input it normalizes."""
+    if cfg.norm == "layernorm":
+        return 2 * b * s_loc * 4
+    upcast = b * s_loc * cfg.dim * 4 if d.residual != 4 else 0.0
+    return b * s_loc * (cfg.dim * d.residual + 4) + upcast
+
+
+def first_layer_extra_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str) -> float:
+    """With sequence parallelism and checkpointing, the first layer keeps its input as it
+    arrives — replicated, before it is split into sequence shards."""
+    if not sp or ac == "none" or tp == 1:
+        return 0.0
+    return b * wl.seq_len * cfg.dim * Dtypes.of(wl.precision).residual * (1 - 1 / tp)
+
+
+def weight_copy_bytes(wl: Workload, matmul_params: int, ac: str, keeps_fp32: bool) -> float:
+    """Autocast casts each fp32 weight to the compute dtype in forward and keeps the copy for
+    backward (unless checkpointing recomputes the forward; FSDP casts into its own buffers)."""
+    d = Dtypes.of(wl.precision)
+    if not d.autocast or ac != "none" or keeps_fp32:
+        return 0.0
+    return matmul_params * d.compute
+
+
+def formula_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str,
+                             keeps_fp32: bool = False) -> tuple[float, float]:
+    """(per layer, head + loss) from the closed form, autocast weight copies included; the
+    same split as `scaletrain.plan.trace.traced_activation_bytes`."""
+    per_layer = layer_activation_bytes(cfg, wl, b, tp, sp, ac) + \
+        weight_copy_bytes(wl, _layer_params(cfg, tp)[2], ac, keeps_fp32)
+    # the head is never checkpointed: its weight copy stays whatever the layers do
+    head = head_activation_bytes(cfg, wl, b, tp, sp) + \
+        weight_copy_bytes(wl, cfg.vocab_size * cfg.dim // tp, "none", keeps_fp32)
+    return per_layer, head
+
+
+@lru_cache(maxsize=4096)
+def in_flight(schedule: str, pp: int, micro_batches: int, virtual: int) -> tuple[float, ...]:
+    """Per pp rank: the most micro-batches (in units of the rank's whole share of layers) whose
+    forward ran and whose activations are still needed. Closed forms of what the schedules'
+    orders give (`in_flight_from_orders`, checked equal in the tests)."""
+    m, p, v = micro_batches, pp, virtual
+    if pp == 1:
+        return (1.0,)
+    if schedule == "gpipe":
+        return tuple(float(m) for _ in range(p))
+    if schedule == "1f1b":
+        return tuple(float(min(p - r, m)) for r in range(p))
+    if schedule == "interleaved-1f1b":  # the warm-up forwards, plus the one in flight
+        return tuple(min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) / v for r in range(p))
+    if schedule == "zero-bubble":
+        if m >= 2 * p - 1:  # ZB-V's steady state holds 2p chunk-forwards: p micro-batches
+            return tuple(float(p) for _ in range(p))
+        return in_flight_from_orders(schedule, pp, micro_batches, virtual)  # few micro-batches: count
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def in_flight_from_orders(schedule: str, pp: int, micro_batches: int, virtual: int) -> tuple[float, ...]:
+    """The same count from the operation orders `scaletrain schedule` draws."""
+    from scaletrain.parallel.timeline import rank_orders
+
+    if pp == 1:
+        return (1.0,)
+    orders, _ = rank_orders(schedule, pp, micro_batches, virtual)
+    chunks = virtual if schedule in ("interleaved-1f1b", "zero-bubble") else 1
+    release = "W" if schedule == "zero-bubble" else "B"  # the last use of a chunk's activations
+    out = []
+    for order in orders:
+        live = peak = 0
+        for op in order:
+            live += 1 if op.kind == "F" else -1 if op.kind == release else 0
+            peak = max(peak, live)
+        out.append(peak / chunks)
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------------------------
+# The whole rank
+
+
+def model_state_bytes(params: float, d: Dtypes, optimizer_bytes_per_param: float, zero: int,
+                      n: int) -> tuple[float, float, float, float]:
+    """(parameters, gradients, master weights, optimizer state) per rank for `params` parameters
+    sharded over n ranks at ZeRO stage `zero` (Rajbhandari et al. 2020, section 5.1)."""
+    return (params * d.param / (n if zero >= 3 else 1),
+            params * d.grad / (n if zero >= 2 else 1),
+            params * d.master / (n if zero >= 1 else 1),
+            params * optimizer_bytes_per_param / (n if zero >= 1 else 1))
+
+
+@dataclass
+class MemoryBreakdown:
+    params: float = 0.0
+    grads: float = 0.0
+    master: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    logits_loss: float = 0.0
+    comm_buffers: float = 0.0
+    reserve: float = 0.0
+    host: float = 0.0  # offloaded to host memory (not counted against the device)
+    stage: int = 0  # the pipeline rank this breakdown is for (the worst)
+    notes: list[str] = field(default_factory=list)
+
+    COMPONENTS = ("params", "grads", "master", "optimizer", "activations", "logits_loss", "comm_buffers", "reserve")
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.master + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, c) for c in self.COMPONENTS)
+
+    def as_dict(self) -> dict[str, int]:
+        return {c: int(getattr(self, c)) for c in self.COMPONENTS} | {"total": int(self.total), "host": int(self.host)}
+
+
+RESERVE_FRACTION = 0.05  # caching-allocator fragmentation, stated in the report
+RUNTIME_BYTES_GPU = 1.0 * GiB  # CUDA context, NCCL and cuBLAS workspaces
+
+
+def estimate_memory(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Cluster | None = None, *,
+                    bucket_mb: float = 25.0, gpu: bool = True, activations: str = "formula") -> MemoryBreakdown:
+    """Per-rank memory of `layout`, for its worst pipeline rank: the first (most micro-batches
+    in flight, the embedding), the last (the head and loss) or the one with the most layers."""
+    worst = None
+    layers = [sum(c) for c in stage_layers(cfg, layout)]
+    for pp_rank in sorted({0, layout.pp - 1, layers.index(max(layers))}):
+        m = _rank_memory(cfg, wl, layout, pp_rank, bucket_mb, gpu, activations)
+        if worst is None or m.total > worst.total:
+            worst = m
+    return worst
+
+
+def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: bool, activations: str):
+    d = Dtypes.of(wl.precision)
+    counts = rank_params(cfg, layout, pp_rank)
+    n = layout.dp_shard if layout.dp > 1 else 1
+    zero = layout.zero if layout.dp > 1 else 0
+    # FSDP (zero 3) and FSDP-based replication (zero 0 with tp) keep fp32 weights (the masters)
+    # and cast into compute-dtype buffers of their own
+    fsdp_like = layout.dp > 1 and (zero == 3 or (zero == 0 and layout.tp > 1))
+    out = MemoryBreakdown(stage=pp_rank)
+    P = counts.total
+    # FSDP-like engines store fp32 parameters (the masters) and gradients
+    dtypes = Dtypes(4, 4, 0, d.compute, d.residual, False) if fsdp_like else d
+    out.params, out.grads, out.master, out.optimizer = model_state_bytes(
+        P, dtypes, optimizer_bytes(wl.optimizer, counts) / P if P else 0.0, zero, n)
+    if d.master and not fsdp_like:
+        # bf16-true keeps fp32 gradients for its fp32 masters: at step time the bf16 gradients
+        # have been moved into them (one process, DDP), reduce-scattered into fp32 shards
+        # (ZeRO-2), or sit beside the fp32 shards (ZeRO-1)
+        out.grads = {0: P * 4, 1: P * d.grad + P * 4 / n, 2: P * 4 / n}[zero]
+    if layout.offload and zero == 3:
+        out.host = out.params + out.grads + out.optimizer
+        out.params = out.grads = out.optimizer = 0.0
+        out.notes.append("parameters, gradients and optimizer state live in host memory (offload)")
+
+    # activations: per micro-batch on this rank's layers, times the micro-batches in flight
+    layers = sum(stage_layers(cfg, layout)[pp_rank])
+    from scaletrain.parallel.pipeline import stage_indices
+
+    stages = stage_indices(layout.schedule, pp_rank, layout.pp, layout.virtual) if layout.pp > 1 else [0]
+    last = layout.pp * (layout.virtual if layout.pp > 1 else 1) - 1
+    flight = in_flight(layout.schedule, layout.pp, layout.grad_accum, layout.virtual)[pp_rank]
+    if activations == "traced":
+        from scaletrain.plan.trace import traced_activation_bytes
+
+        per_layer, head = traced_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp, layout.ac)
+    elif activations == "formula":
+        per_layer, head = formula_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp, layout.ac,
+                                                   fsdp_like)
+    else:
+        raise ValueError(f"unknown activation source {activations!r}")
+    out.activations = per_layer * layers * flight
+    if 0 in stages and activations == "formula":
+        out.activations += first_layer_extra_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp,
+                                                   layout.ac) * flight
+    if last in stages:
+        # the head's activations live from the last forward of a micro-batch to its backward:
+        # one micro-batch at a time on the last stage
+        out.logits_loss = head
+
+    # communication buffers
+    block = _layer_params(cfg, layout.tp)
+    block_params = block[0] + block[1]
+    if layout.dp > 1 and zero in (1, 2):
+        # ZeRO-1/2 engine: at most two gradient buckets in flight, each with its flat send
+        # buffer and (gloo) receive buffer, in the reduction dtype
+        out.comm_buffers = 2 * 2 * min(bucket_mb * 2**20, P * 4)
+    elif fsdp_like:
+        c = d.compute if d.compute < 4 else 4
+        root = (cfg.vocab_size * cfg.dim // layout.tp) * (1 if cfg.tie_embeddings else 2)
+        # two blocks gathered (current + prefetched), the root kept gathered, one block's
+        # unsharded fp32 gradients waiting for their reduce-scatter
+        out.comm_buffers = (2 * block_params + root) * c + block_params * 4
+    out.reserve = RESERVE_FRACTION * (out.model_states + out.activations + out.logits_loss + out.comm_buffers)
+    if gpu:
+        out.reserve += RUNTIME_BYTES_GPU
+    return out

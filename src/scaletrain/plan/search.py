@@ -1,0 +1,234 @@
+"""Enumerate the layouts a cluster allows, keep those that fit, rank them by throughput.
+
+A layout is valid when its ranks fill the cluster (dp_replicate × dp_shard × tp × pp = world),
+tensor parallelism stays inside a node and divides the heads, key/value heads and vocabulary,
+pipelining leaves every stage at least one layer (and the embedding untied from the head), the
+global batch divides into the data-parallel ranks and micro-batches, and the schedule can run
+the micro-batches it gets (1F1B needs at least pp of them, the interleaved ones a multiple).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Iterator
+
+from scaletrain.config import ModelConfig
+from scaletrain.errors import ConfigError
+from scaletrain.plan.memory_model import GiB, MemoryBreakdown, estimate_memory
+from scaletrain.plan.spec import Cluster, Layout, Workload
+from scaletrain.plan.time_model import TimeBreakdown, estimate_time
+
+
+@dataclass
+class Evaluated:
+    layout: Layout
+    memory: MemoryBreakdown
+    time: TimeBreakdown
+    capacity: int
+    why_not: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.capacity
+
+    def to_dict(self) -> dict:
+        return {"layout": self.layout.to_dict(), "describe": self.layout.describe(),
+                "memory": self.memory.as_dict(), "fits": self.fits, "capacity": self.capacity,
+                "step_time_s": self.time.step_time_s, "tokens_per_s": self.time.tokens_per_s, "mfu": self.time.mfu,
+                "time": self.time.as_dict(), "why_not": self.why_not}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_errors(cfg: ModelConfig, wl: Workload, cluster: Cluster, layout: Layout) -> list[str]:
+    """Why a layout cannot run at all (empty when it can)."""
+    e = []
+    if layout.world != cluster.world:
+        e.append(f"it uses {layout.world} ranks but the cluster has {cluster.world} GPUs")
+    if layout.tp > cluster.gpus_per_node:
+        e.append(f"tp {layout.tp} would cross nodes ({cluster.gpus_per_node} GPUs per node)")
+    for name, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads), ("vocab_size", cfg.vocab_size)):
+        if n % layout.tp:
+            e.append(f"tp {layout.tp} does not divide {name}={n}")
+    if layout.pp > 1:
+        chunks = layout.pp * (layout.virtual if layout.schedule in ("interleaved-1f1b", "zero-bubble") else 1)
+        if chunks > cfg.n_layers:
+            e.append(f"{chunks} pipeline stages need at least as many layers (model has {cfg.n_layers})")
+        if cfg.tie_embeddings:
+            e.append("pipelining needs untied embeddings (the head and the embedding sit on different stages)")
+        if layout.schedule != "gpipe" and layout.grad_accum < layout.pp:
+            e.append(f"{layout.schedule} needs at least pp={layout.pp} micro-batches, the layout has "
+                     f"{layout.grad_accum}")
+        if layout.schedule in ("interleaved-1f1b", "zero-bubble") and layout.grad_accum % layout.pp:
+            e.append(f"{layout.schedule} needs micro-batches in multiples of pp={layout.pp}")
+    if layout.zero >= 1 and layout.dp_shard == 1:
+        e.append(f"zero {layout.zero} has nothing to shard over (dp_shard = 1)")
+    if layout.offload and layout.zero != 3:
+        e.append("offload comes with zero 3")
+    if layout.sp and layout.tp == 1:
+        e.append("sequence parallel needs tp > 1")
+    if layout.micro_batch * layout.grad_accum * layout.dp != wl.global_batch:
+        e.append(f"micro-batch {layout.micro_batch} × accumulation {layout.grad_accum} × dp {layout.dp} "
+                 f"≠ global batch {wl.global_batch}")
+    return e
+
+
+def enumerate_layouts(cfg: ModelConfig, wl: Workload, cluster: Cluster, *, max_micro_batch: int = 16,
+                      offload: bool = True) -> Iterator[Layout]:
+    world = cluster.world
+    for tp in _divisors(world):
+        if tp > cluster.gpus_per_node or cfg.n_heads % tp or cfg.kv_heads % tp or cfg.vocab_size % tp:
+            continue
+        for pp in _divisors(world // tp):
+            if pp > cfg.n_layers or (pp > 1 and cfg.tie_embeddings):
+                continue
+            dp = world // (tp * pp)
+            if wl.global_batch % dp:
+                continue
+            per_rank = wl.global_batch // dp
+            for dp_replicate in _divisors(dp):
+                dp_shard = dp // dp_replicate
+                for zero in (0, 1, 2, 3):
+                    if dp == 1 and zero:
+                        continue
+                    if zero == 0 and dp_replicate > 1:
+                        continue  # zero 0 replicates everything: one flat data-parallel group
+                    if zero >= 1 and dp_shard == 1:
+                        continue
+                    for mb in _divisors(per_rank):
+                        if mb > max_micro_batch:
+                            break
+                        accum = per_rank // mb
+                        for schedule, virtual in _schedules(pp, accum, cfg.n_layers):
+                            for ac in ("none", "selective", "full"):
+                                for off in ((False, True) if (offload and zero == 3) else (False,)):
+                                    yield Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp,
+                                                 zero=zero, sp=tp > 1, schedule=schedule, virtual=virtual,
+                                                 micro_batch=mb, grad_accum=accum, ac=ac, offload=off)
+
+
+def _schedules(pp: int, m: int, n_layers: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("gpipe", 1)]
+    if m >= pp:
+        out.append(("1f1b", 1))
+        if m % pp == 0 and 2 * pp <= n_layers:
+            out += [("interleaved-1f1b", 2), ("zero-bubble", 2)]
+    return out
+
+
+def evaluate(cfg: ModelConfig, wl: Workload, cluster: Cluster, layout: Layout, *, gpu: bool = True,
+             activations: str = "formula", reserve_fraction: float | None = None) -> Evaluated:
+    memory = estimate_memory(cfg, wl, layout, cluster, gpu=gpu, activations=activations)
+    t = estimate_time(cfg, wl, layout, cluster)
+    capacity = cluster.hardware.memory_bytes
+    ev = Evaluated(layout, memory, t, capacity)
+    if not ev.fits:
+        ev.why_not.append(_why_it_does_not_fit(memory, capacity))
+    return ev
+
+
+def _why_it_does_not_fit(m: MemoryBreakdown, capacity: int) -> str:
+    parts = sorted(((getattr(m, c), c) for c in MemoryBreakdown.COMPONENTS), reverse=True)
+    top = ", ".join(f"{c.replace('_', ' ')} {v / GiB:.1f}" for v, c in parts[:3] if v > 0)
+    stage = f" on pipeline rank {m.stage}" if m.stage else ""
+    return (f"needs {m.total / GiB:.1f} GiB per rank{stage} but the device has {capacity / GiB:.1f} GiB "
+            f"(largest: {top} GiB)")
+
+
+def search(cfg: ModelConfig, wl: Workload, cluster: Cluster, *, top_k: int = 10, gpu: bool = True,
+           activations: str = "formula") -> tuple[list[Evaluated], dict]:
+    """All valid layouts ranked: those that fit first, by tokens/s; returns (ranked, stats)."""
+    t0 = time.perf_counter()
+    results = [evaluate(cfg, wl, cluster, layout, gpu=gpu) for layout in enumerate_layouts(cfg, wl, cluster,
+                                                                                              offload=gpu)]
+    if not results:
+        raise ConfigError(f"no layout of {cluster.world} GPUs divides the global batch of {wl.global_batch} "
+                          f"and the model's heads/layers; change the global batch or the cluster")
+    results.sort(key=lambda e: (not e.fits, -e.time.tokens_per_s, e.memory.total))
+    stats = {"layouts": len(results), "fit": sum(e.fits for e in results), "seconds": time.perf_counter() - t0}
+    if activations == "traced":  # re-check the leaders with activations counted on the actual model
+        leaders = [evaluate(cfg, wl, cluster, e.layout, gpu=gpu, activations="traced") for e in results[:top_k]]
+        leaders.sort(key=lambda e: (not e.fits, -e.time.tokens_per_s, e.memory.total))
+        results = leaders + results[top_k:]
+    return results, stats
+
+
+def explain(best: Evaluated, ranked: list[Evaluated], cfg: ModelConfig, wl: Workload, cluster: Cluster,
+            gpu: bool = True) -> list[str]:
+    """The winner's choices in plain words."""
+    if not best.fits:
+        return [f"No layout fits: the leanest ({best.layout.describe()}) {best.why_not[0]}. "
+                "Use more GPUs, a shorter sequence, or a smaller global batch."]
+    lay, hw = best.layout, cluster.hardware
+    lines = [f"Best: {lay.describe()} — {best.time.tokens_per_s:,.0f} tokens/s, MFU {100 * best.time.mfu:.1f}%, "
+             f"{best.memory.total / GiB:.1f} of {hw.memory_bytes / GiB:.1f} GiB per GPU."]
+    # why this zero stage
+    if lay.dp > 1:
+        others = {}
+        for z in (0, 1, 2, 3):
+            if z == lay.zero:
+                continue
+            alt = replace(lay, zero=z, dp_replicate=1 if z == 0 else lay.dp_replicate,
+                          dp_shard=lay.dp if z == 0 else lay.dp_shard, offload=False)
+            if not layout_errors(cfg, wl, cluster, alt):
+                others[z] = evaluate(cfg, wl, cluster, alt, gpu=gpu)
+        lower = [z for z in others if z < lay.zero]
+        if lower and all(not others[z].fits for z in lower):
+            z = max(lower)
+            lines.append(f"ZeRO-{lay.zero} because ZeRO-{z} would need {others[z].memory.total / GiB:.1f} GiB per GPU "
+                         f"(model states alone {others[z].memory.model_states / GiB:.1f} GiB); sharding brings the "
+                         f"model states to {best.memory.model_states / GiB:.1f} GiB.")
+        elif lower:
+            z = max(z for z in lower if others[z].fits)
+            o = others[z]
+            if o.time.tokens_per_s >= best.time.tokens_per_s * 0.999:
+                lines.append(f"ZeRO-{lay.zero}: ZeRO-{z} fits too and is as fast (its communication hides behind "
+                             f"compute as well); ZeRO-{lay.zero} is chosen for its lower memory "
+                             f"({best.memory.total / GiB:.1f} vs {o.memory.total / GiB:.1f} GiB).")
+            else:
+                lines.append(f"ZeRO-{lay.zero}: ZeRO-{z} would also fit ({o.memory.total / GiB:.1f} GiB) but reaches "
+                             f"{o.time.tokens_per_s:,.0f} tokens/s "
+                             f"({100 * (o.time.tokens_per_s / best.time.tokens_per_s - 1):+.1f}%).")
+        higher = [z for z in others if z > lay.zero and others[z].fits]
+        if higher:
+            z = min(higher)
+            extra = others[z].time.dp_exposed_s - best.time.dp_exposed_s
+            lines.append(f"ZeRO-{z} would save memory ({others[z].memory.total / GiB:.1f} GiB) but its extra "
+                         f"communication costs {1e3 * max(extra, 0):.0f} ms of exposed time per step.")
+    if lay.tp > 1:
+        lines.append(f"Tensor parallel {lay.tp} stays inside a node: its 4 collectives per layer run over "
+                     f"NVLink/PCIe at {hw.intra_node_GBps:.0f} GB/s rather than the {hw.inter_node_GBps:.0f} GB/s "
+                     f"network, costing {1e3 * best.time.tp_comm_s:.0f} ms per step"
+                     + (" (sequence parallel splits the norms' activations too)." if lay.sp else "."))
+    if lay.pp > 1:
+        lines.append(f"Pipeline {lay.pp} ({lay.schedule}) with {lay.grad_accum} micro-batches idles "
+                     f"{100 * best.time.bubble_fraction:.1f}% of the busy time: {1e3 * best.time.bubble_s:.0f} ms "
+                     f"per step.")
+    if lay.ac != "none":
+        lines.append(f"Activation checkpointing {lay.ac}: without it the activations would not fit "
+                     "or the micro-batch would have to shrink." if not _fits_without_ac(best, cfg, wl, cluster, gpu)
+                     else f"Activation checkpointing {lay.ac} lets a larger micro-batch fit.")
+    runner = next((e for e in ranked if e.fits and e.layout != lay), None)
+    if runner is not None:
+        diff = _differences(lay, runner.layout)
+        lines.append(f"Runner-up: {runner.layout.describe()} at {runner.time.tokens_per_s:,.0f} tokens/s "
+                     f"({100 * (runner.time.tokens_per_s / best.time.tokens_per_s - 1):+.1f}%); it changes "
+                     f"{diff}.")
+    return lines
+
+
+def _fits_without_ac(best: Evaluated, cfg, wl, cluster, gpu) -> bool:
+    return evaluate(cfg, wl, cluster, replace(best.layout, ac="none"), gpu=gpu).fits
+
+
+def _differences(a: Layout, b: Layout) -> str:
+    names = {"dp_replicate": "dp replicate", "dp_shard": "dp shard", "tp": "tp", "pp": "pp", "zero": "zero stage",
+             "sp": "sequence parallel", "schedule": "schedule", "virtual": "virtual stages",
+             "micro_batch": "micro-batch", "grad_accum": "accumulation", "ac": "checkpointing", "offload": "offload"}
+    out = [f"{names[k]} {getattr(a, k)} → {getattr(b, k)}" for k in names if getattr(a, k) != getattr(b, k)]
+    return ", ".join(out) or "nothing"

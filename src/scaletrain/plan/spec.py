@@ -1,0 +1,191 @@
+"""What the planner is asked about: a model, a workload, a cluster, a layout.
+
+A model arrives as a built-in preset name, a TOML file with a [model] section, a Hugging Face
+`config.json`, a `ModelConfig`, or (from Python) a live `nn.Module`. Everything but the last
+becomes a `ModelConfig`, for which the planner has closed forms; a module it cannot describe
+is counted on the meta device and traced.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scaletrain.config import ModelConfig, from_dict, read_toml
+from scaletrain.errors import ConfigError
+from scaletrain.plan.hardware import Hardware
+
+PRECISIONS = ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true")
+OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
+ATTENTION = ("flash", "eager")  # memory-efficient kernels (SDPA flash / efficient) or materialized scores
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_len: int
+    global_batch: int  # sequences per optimizer step
+    precision: str = "bf16-mixed"
+    optimizer: str = "adamw"
+    attention: str = "flash"
+
+    def __post_init__(self):
+        errors = []
+        if self.precision not in PRECISIONS:
+            errors.append(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.optimizer not in OPTIMIZERS:
+            errors.append(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        if self.attention not in ATTENTION:
+            errors.append(f"attention {self.attention!r} is not one of {', '.join(ATTENTION)}")
+        if self.seq_len < 1 or self.global_batch < 1:
+            errors.append("sequence length and global batch must be at least 1")
+        if errors:
+            raise ConfigError(*errors)
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.global_batch
+
+
+@dataclass(frozen=True)
+class Cluster:
+    hardware: Hardware
+    nodes: int = 1
+    gpus_per_node: int = 8
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to place the work on the cluster (the same knobs as `[parallel]`/`[memory]`)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    sp: bool = False
+    schedule: str = "1f1b"
+    virtual: int = 1
+    micro_batch: int = 1
+    grad_accum: int = 1
+    ac: str = "none"
+    offload: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def describe(self) -> str:
+        parts = []
+        if self.dp > 1:
+            dp = f"dp {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"dp {self.dp}"
+            parts.append(f"{dp} zero{self.zero}")
+        if self.tp > 1:
+            parts.append(f"tp {self.tp}{'+sp' if self.sp else ''}")
+        if self.pp > 1:
+            parts.append(f"pp {self.pp} {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else ""))
+        parts.append(f"mb {self.micro_batch}x{self.grad_accum}")
+        if self.ac != "none":
+            parts.append(f"ac {self.ac}")
+        if self.offload:
+            parts.append("offload")
+        return ", ".join(parts) if parts else "1 device"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def config_overrides(self) -> dict[str, Any]:
+        """The same layout as `--section.key=value` options of `scaletrain train`."""
+        out = {"parallel.dp_replicate": self.dp_replicate, "parallel.dp_shard": self.dp_shard,
+               "parallel.tp": self.tp, "parallel.pp": self.pp, "parallel.zero": self.zero, "parallel.sp": self.sp,
+               "train.micro_batch": self.micro_batch, "train.grad_accum": self.grad_accum,
+               "memory.activation_checkpointing": self.ac, "memory.offload_optimizer": self.offload}
+        if self.pp > 1:
+            out.update({"parallel.pp_schedule": self.schedule, "parallel.pp_virtual_stages": self.virtual})
+        return out
+
+
+@dataclass
+class ModelSource:
+    """A model for the planner: a shape it knows (`cfg`) and/or a module to count and trace."""
+
+    name: str
+    cfg: ModelConfig | None = None
+    module: Any = None  # an nn.Module (for modules the planner cannot describe as a ModelConfig)
+    extra: dict = field(default_factory=dict)
+
+
+def load_model(source: Any) -> ModelSource:
+    """Interpret a preset name, a TOML path, a Hugging Face config.json path, a ModelConfig or
+    an nn.Module."""
+    from torch import nn
+
+    from scaletrain.model.presets import PRESETS
+
+    if isinstance(source, ModelConfig):
+        return ModelSource("model", cfg=source)
+    if isinstance(source, nn.Module):
+        cfg = getattr(source, "cfg", None)
+        return ModelSource(type(source).__name__, cfg=cfg if isinstance(cfg, ModelConfig) else None, module=source)
+    if not isinstance(source, (str, Path)):
+        raise ConfigError(f"cannot plan for a {type(source).__name__}; give a preset name, a TOML or config.json "
+                          "path, a ModelConfig or an nn.Module")
+    text = str(source)
+    if text in PRESETS:
+        return ModelSource(text, cfg=from_dict({"model": {"preset": text}, "data": {"seq_len": 1}}).model)
+    path = Path(text)
+    if path.suffix == ".toml":
+        raw = read_toml(path)
+        section = raw.get("model", raw)
+        return ModelSource(path.stem, cfg=_model_only(section, str(path)))
+    if path.suffix == ".json":
+        if not path.is_file():
+            raise ConfigError(f"{path} not found; give a Hugging Face config.json")
+        try:
+            return ModelSource(path.parent.name or path.stem, cfg=hf_config_to_model(json.loads(path.read_text()),
+                                                                                   str(path)))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e.msg})") from None
+    raise ConfigError(f"unknown model {text!r}: not a preset ({', '.join(PRESETS)}), a .toml or a config.json")
+
+
+def _model_only(section: dict, where: str) -> ModelConfig:
+    # the data section's default seq_len must not trip the model's max_seq_len check here
+    return from_dict({"model": section, "data": {"seq_len": 1}}, source=where).model
+
+
+def hf_config_to_model(hf: dict, where: str = "config.json") -> ModelConfig:
+    """A Hugging Face decoder config (Llama, Mistral, Qwen2, GPT-2, ...) as a ModelConfig."""
+    kind = hf.get("model_type", "")
+    if kind in ("gpt2",) or "n_embd" in hf:
+        section = dict(vocab_size=hf["vocab_size"], dim=hf["n_embd"], n_layers=hf["n_layer"], n_heads=hf["n_head"],
+                       max_seq_len=hf.get("n_positions", 1024), norm="layernorm",
+                       norm_eps=hf.get("layer_norm_epsilon", 1e-5), activation="gelu", position="learned",
+                       tie_embeddings=hf.get("tie_word_embeddings", True), bias=True,
+                       ffn_dim=hf.get("n_inner") or 4 * hf["n_embd"])
+    else:
+        try:
+            act = hf.get("hidden_act", "silu")
+            section = dict(
+                vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+                n_heads=hf["num_attention_heads"],
+                n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                ffn_dim=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 4096),
+                norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-5),
+                activation="swiglu" if act in ("silu", "swish") else "gelu",
+                position="rope", rope_theta=float(hf.get("rope_theta", 10000.0)),
+                tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                bias=bool(hf.get("attention_bias", False)))
+        except KeyError as e:
+            raise ConfigError(f"{where}: no {e.args[0]!r}; expected a decoder config with hidden_size, "
+                              "num_hidden_layers, num_attention_heads, intermediate_size, vocab_size") from None
+    return _model_only(section, where)
