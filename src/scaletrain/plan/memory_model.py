@@ -368,6 +368,10 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
     dtypes = Dtypes(4, 4, 0, d.compute, d.residual, False) if fsdp_like else d
     out.params, out.grads, out.master, out.optimizer = model_state_bytes(
         P, dtypes, optimizer_bytes(wl.optimizer, counts) / P if P else 0.0, zero, n)
+    if layout.tp > 1 and not fsdp_like and zero < 2 and pp_rank == 0:
+        # the vocabulary-parallel embedding's gradient arrives replicated (DTensor's embedding
+        # backward), full size on every tensor-parallel rank
+        out.grads += cfg.vocab_size * cfg.dim * (1 - 1 / layout.tp) * dtypes.grad
     if d.master and not fsdp_like:
         # bf16-true keeps fp32 gradients for its fp32 masters: at step time the bf16 gradients
         # have been moved into them (one process, DDP), reduce-scattered into fp32 shards
