@@ -81,3 +81,20 @@ def test_fixed_node_rank_rendezvous(tmp_path):
                 f"127.0.0.1:{port}", *ARGS, f"--log.run_dir={tmp_path / 'run'}")
     assert r.returncode == 0, r.stderr
     assert [row["step"] for row in read_metrics(tmp_path / "run")] == [1, 2, 3]
+
+
+def test_auto_layout(tmp_path):
+    r = run_cli("train", "--parallel.layout=auto", *ARGS, f"--log.run_dir={tmp_path / 'one'}")
+    assert r.returncode == 0, r.stderr
+    assert "parallel.layout=auto chose" in r.stderr
+    r = run_cli("train", "--nproc", "2", "--parallel.layout=auto", *ARGS, f"--log.run_dir={tmp_path / 'two'}")
+    assert r.returncode == 0, r.stderr
+    assert "parallel.layout=auto chose" in r.stderr and "layout: 2 rank(s)" in r.stderr
+    # under torchrun rank 0 chooses and every rank follows
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "scaletrain", "train", *ARGS, "--parallel.layout=auto", f"--log.run_dir={tmp_path / 'tr'}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert [row["step"] for row in read_metrics(tmp_path / "tr")] == [1, 2, 3]
+    r = run_cli("train", "--parallel.layout=auto", "--parallel.tp=2", "--train.steps=1")
+    assert r.returncode == 2 and "leave parallel.tp at their defaults" in r.stderr
