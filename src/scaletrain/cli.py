@@ -14,9 +14,6 @@ from typing import Sequence
 
 from scaletrain.errors import UserError
 
-EXIT_USER_ERROR = 2
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2, like our other user errors
         raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
@@ -101,12 +98,15 @@ def _train_worker(cfg) -> int:
     from scaletrain.train.trainer import Trainer
 
     rank = int(os.environ.get("RANK", "0"))
+    if launch.restart_count() > 0 and cfg.checkpoint.resume == "none":
+        # the launcher restarted the group after a failure: continue from the newest checkpoint
+        cfg = cfg.replace(**{"checkpoint.resume": "auto"})
     try:
         cfg, rt = launch.prepare_worker(cfg)
         code = _exit_code(Trainer(cfg, rt).fit())
     except BaseException as e:  # noqa: BLE001 - every failure is reported in a few lines
         launch.record_worker_error(e, rank)
-        code = EXIT_USER_ERROR if isinstance(e, UserError) else 1
+        code = e.exit_code if isinstance(e, UserError) else 1
     launch.exit_worker(code)
 
 
@@ -301,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         for line in e.lines:
             print(f"scaletrain: error: {line}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return e.exit_code
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
 

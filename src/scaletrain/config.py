@@ -97,6 +97,8 @@ class TrainConfig:
     device: str = option("auto", "where to train: auto = cuda if available, else cpu", choices=("auto", "cpu", "cuda"))
     compile: bool = option(False, "torch.compile each transformer block")
     grad_clip: float = option(1.0, "clip gradients to this global L2 norm; 0 = off", min=0.0)
+    max_skipped_steps: int = option(5, "steps in a row with non-finite gradients (or fp16 overflow at the "
+                                       "minimum loss scale) after which the run stops", min=1)
     sample_tokens: int = option(200, "after training, generate this many tokens and print them", min=0)
     sample_prompt: str = option("The ", "prompt for the sample printed after training")
 
@@ -175,6 +177,7 @@ class LogConfig:
     every: int = option(10, "log metrics every N steps (and on the first and last step)", min=1)
     tensorboard: bool = option(True, "write TensorBoard event files to <run_dir>/tensorboard")
     progress: str = option("auto", "progress bar: auto = when stderr is a terminal", choices=("auto", "on", "off"))
+    spike_factor: float = option(3.0, "log a loss above this multiple of its running mean; 0 = off", min=0.0)
 
 
 SECTIONS: dict[str, type] = {

@@ -11,6 +11,8 @@ from __future__ import annotations
 class UserError(Exception):
     """An error in the user's input. `lines` holds one message per problem found."""
 
+    exit_code = 2
+
     def __init__(self, *lines: str):
         if not lines:
             raise TypeError("UserError needs at least one message")
@@ -32,3 +34,10 @@ class CheckpointError(UserError):
 
 class LaunchError(UserError):
     """A launch request that cannot be run as asked (ranks, devices, backend)."""
+
+
+class TrainingStopped(UserError):
+    """Training cannot go on: the numbers diverged, or a rank stopped answering. Reported like
+    a user error (one line, no traceback) with its own exit code."""
+
+    exit_code = 3

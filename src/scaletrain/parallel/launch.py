@@ -12,6 +12,7 @@ refused with one line; it is never quietly downgraded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -44,6 +45,7 @@ class Runtime:
     dims: ParallelDims
     mesh: object | None = None  # the 4-D DeviceMesh when distributed
     dp_mesh: object | None = None  # its data-parallel axes flattened into one
+    store: object | None = None  # the process group's key-value store (heartbeats)
 
     @property
     def distributed(self) -> bool:
@@ -77,6 +79,11 @@ def single_process(cfg: JobConfig) -> Runtime:
         raise ValueError("parallel.layout=auto: resolve the layout first (scaletrain.plan.auto.auto_layout)")
     dims = ParallelDims.from_config(cfg.parallel, 1)
     return Runtime(0, 0, 1, 1, pick_device(cfg.train.device), dims)
+
+
+def restart_count() -> int:
+    """How often the elastic launcher has restarted this worker's group (0 the first time)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def is_worker() -> bool:
@@ -124,7 +131,11 @@ def prepare_worker(cfg: JobConfig) -> tuple[JobConfig, Runtime]:
         cfg = from_dict(box[0])
     dims = ParallelDims.from_config(cfg.parallel, world)
     mesh, dp_mesh = dims.build_mesh(device.type)
-    return cfg, Runtime(rank, local_rank, world, local_world, device, dims, mesh, dp_mesh)
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError):  # a PyTorch without it: no heartbeats, nothing else lost
+        store = None
+    return cfg, Runtime(rank, local_rank, world, local_world, device, dims, mesh, dp_mesh, store)
 
 
 def shutdown() -> None:
@@ -162,7 +173,8 @@ def record_worker_error(e: BaseException, rank: int) -> None:
     if path:
         with open(path, "w") as f:
             json.dump({"message": text, "timestamp": int(time.time()), "scaletrain_time": time.time(),
-                       "user_error": isinstance(e, UserError), "rank": rank}, f)
+                       "user_error": isinstance(e, UserError), "rank": rank,
+                       "exit_code": e.exit_code if isinstance(e, UserError) else 1}, f)
 
 
 def launch(worker_args: list[str], *, nproc: int, nnodes: int = 1, node_rank: int | None = None,
@@ -183,30 +195,81 @@ def launch(worker_args: list[str], *, nproc: int, nnodes: int = 1, node_rank: in
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # we report failures ourselves, briefly
 
+    local_addr = None
     if node_rank is not None:  # fixed node ranks: like torchrun --master-addr/--master-port
         backend, endpoint, rdzv_configs = "static", rdzv_endpoint, {"rank": node_rank}
     elif rdzv_endpoint:  # nodes join in any order
         backend, endpoint, rdzv_configs = "c10d", rdzv_endpoint, {}
-    else:  # one node: a rendezvous on a free local port, like torchrun --standalone
-        backend, endpoint, rdzv_configs = "c10d", "localhost:0", {}
+    else:  # one node: a rendezvous on a free loopback port, like torchrun --standalone
+        backend, endpoint, rdzv_configs, local_addr = "c10d", "127.0.0.1:0", {}, "127.0.0.1"
     log_dir = tempfile.mkdtemp(prefix="scaletrain-launch-")  # where workers leave their error files
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=f"scaletrain-{os.getpid()}",
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=max_restarts,
-        monitor_interval=monitor_interval, logs_specs=DefaultLogsSpecs(log_dir=log_dir), start_method="spawn")
-    threads_before = os.environ.get("OMP_NUM_THREADS")
-    if threads_before is None:  # share the cores among the local ranks instead of oversubscribing
+        monitor_interval=monitor_interval, logs_specs=DefaultLogsSpecs(log_dir=log_dir), start_method="spawn",
+        local_addr=local_addr)
+    env_before = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME")}
+    if env_before["OMP_NUM_THREADS"] is None:  # share the cores among the local ranks, don't oversubscribe
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    if local_addr and env_before["GLOO_SOCKET_IFNAME"] is None:  # one node: ranks talk over loopback only
+        os.environ["GLOO_SOCKET_IFNAME"] = _loopback_interface()
     try:
-        elastic_launch(config, entrypoint=sys.executable)(*program, *worker_args)
+        with _stores_bound_to_their_host():
+            elastic_launch(config, entrypoint=sys.executable)(*program, *worker_args)
     except ChildFailedError as e:
         print(f"scaletrain: error: {_first_failure(e, log_dir)}", file=sys.stderr, flush=True)
-        return 2 if _user_error_reported(log_dir) else 1
+        return _reported_exit_code(log_dir)
     finally:
-        if threads_before is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
+        for key, value in env_before.items():
+            if value is None:
+                os.environ.pop(key, None)
         shutil.rmtree(log_dir, ignore_errors=True)
     return 0
+
+
+def _loopback_interface() -> str:
+    try:
+        for name in os.listdir("/sys/class/net"):
+            if (Path("/sys/class/net") / name / "flags").read_text().strip() and name.startswith("lo"):
+                return name
+    except OSError:
+        pass
+    return "lo"
+
+
+@contextlib.contextmanager
+def _stores_bound_to_their_host():
+    """PyTorch's rendezvous and agent stores listen on every interface of the machine; bind each
+    to the address it was given (loopback for one node, the --rdzv-endpoint host otherwise)."""
+    import socket
+
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+
+    original = dist.TCPStore
+
+    def arguments(host_name, port, world_size=None, is_master=False, timeout=timedelta(seconds=300),
+                  wait_for_workers=True, multi_tenant=False, master_listen_fd=None, use_libuv=True):
+        return dict(locals())  # TCPStore's documented signature, to see what a caller passed
+
+    def bound_store(*args, **kwargs):
+        given = arguments(*args, **kwargs)
+        if not given.get("is_master") or given.get("master_listen_fd") is not None:
+            return original(**given)
+        family, kind, proto, _, address = socket.getaddrinfo(given["host_name"], given["port"],
+                                                             type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(4096)
+        given["port"] = sock.getsockname()[1]
+        given["master_listen_fd"] = sock.detach()
+        return original(**given)
+
+    dist.TCPStore, c10d_rendezvous_backend.TCPStore = bound_store, bound_store
+    try:
+        yield
+    finally:
+        dist.TCPStore, c10d_rendezvous_backend.TCPStore = original, original
 
 
 def _reports(log_dir: str) -> list[dict]:
@@ -223,8 +286,10 @@ def _reports(log_dir: str) -> list[dict]:
     return found
 
 
-def _user_error_reported(log_dir: str) -> bool:
-    return any(r.get("user_error") for r in _reports(log_dir))
+def _reported_exit_code(log_dir: str) -> int:
+    """2 for a user error, 3 for a stopped training, 1 for anything else."""
+    codes = [r.get("exit_code", 1) for r in _reports(log_dir)]
+    return min((c for c in codes if c in (2, 3)), default=1)
 
 
 def _first_failure(e, log_dir: str) -> str:

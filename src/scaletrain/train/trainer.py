@@ -13,7 +13,7 @@ import contextlib
 import math
 import signal
 import time
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from scaletrain.config import JobConfig, check_layout, resolve_batch
 from scaletrain.data.dataset import WindowDataset, open_data
 from scaletrain.data.loader import StepSampler, build_loader
-from scaletrain.errors import CheckpointError, ConfigError, DataError
+from scaletrain.errors import CheckpointError, ConfigError, DataError, TrainingStopped
 from scaletrain.model.flops import flops_per_token
 from scaletrain.model.generate import generate
 from scaletrain.model.transformer import Transformer, count_params
@@ -38,6 +38,11 @@ from scaletrain.plan.hardware import device_peak_flops
 from scaletrain.precision import MasterWeights, Precision
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.metrics import MetricsLogger, peak_memory_bytes
+
+
+# words of gloo's and NCCL's messages when a peer is gone or late
+_COMM_FAILURES = ("Timed out", "timed out", "Timeout", "Connection closed", "Connection reset", "Broken pipe",
+                  "NCCL communicator was aborted", "Socket Timeout")
 
 
 def default_run_dir() -> str:
@@ -100,6 +105,9 @@ class Trainer:
         self.schedule = LRSchedule(cfg.optim, cfg.train.steps)
         self.scaler = self.precision.scaler
         self.state_bytes: dict[str, int] | None = None  # measured during the first step
+        self.consecutive_skips = self.skipped_steps = self.spikes = 0
+        self._loss_mean: float | None = None
+        self._phase = "start-up"
 
         self.step = 0
         self.metrics = MetricsLogger(self.run_dir if self.rank == 0 else None, cfg.train.steps,
@@ -231,6 +239,8 @@ class Trainer:
 
     def forward_backward(self, batches) -> tuple[torch.Tensor, float]:
         """Accumulate this step's gradients over its micro-batches; returns (loss, data wait)."""
+        self._phase = "forward/backward (the data-parallel gradient reduction, FSDP gathers, " \
+                      "tensor- and pipeline-parallel exchanges)"
         if self.pipeline is not None:
             return self._pipeline_forward_backward(batches)
         wait = 0.0
@@ -300,27 +310,70 @@ class Trainer:
         return loss_sum / self._loss_factor() / self.tokens_per_step, wait
 
     def update(self) -> tuple[torch.Tensor, bool]:
-        """Unscale, clip, step, zero: returns (gradient norm before clipping, skipped)."""
+        """Unscale, clip, step, zero: returns (gradient norm before clipping, skipped).
+
+        A step whose gradients are not finite anywhere (an fp16 overflow, or inf/NaN in any
+        mode) is skipped without touching the weights or the optimizer state."""
+        self._phase = "the optimizer step (gradient norm, parameter all-gather)"
         if self.master:
             self.master.grads_to_master()
         params = [p for _, p in self.optim_params]
         overflow = self.scaler.unscale_(params) if self.scaler else False
         grad_norm = clip_gradients(params, self.cfg.train.grad_clip,
                                    self.rt.group("pp") if self.rt.dims.pp > 1 else None)
+        # the norm is global (reduced over every shard and stage): every rank decides alike
+        skip = overflow or not math.isfinite(float(grad_norm))
         measure = self.state_bytes is None
         if measure:
             self.state_bytes = model_state_bytes(self.dp, params, None)
-        if not overflow:
+        if not skip:
             self.optimizer.step()
         if measure:
             self.state_bytes["optimizer"] = model_state_bytes(self.dp, [], self.optimizer)["optimizer"]
             self._report_state_bytes()
         if self.scaler:
             self.scaler.update(overflow)
+        if skip:
+            self._skipped(params, overflow)
+        else:
+            self.consecutive_skips = 0
         self.dp.zero_grad(self.optimizer)
-        if not overflow:
+        if not skip:
             self._weights_from_state()
-        return grad_norm, overflow
+        return grad_norm, skip
+
+    def _skipped(self, params, overflow: bool) -> None:
+        """Count a skipped step; stop after train.max_skipped_steps in a row."""
+        step, limit = self.step + 1, self.cfg.train.max_skipped_steps
+        self.consecutive_skips += 1
+        self.skipped_steps += 1
+        if overflow and self.scaler is not None:
+            if self.scaler.scale > self.scaler.min_scale or self.consecutive_skips < limit:
+                return  # fp16 overflow: the scaler has backed off; the next step tries again
+            raise TrainingStopped(
+                f"step {step}: the fp16 loss scale collapsed to its minimum (precision.min_scale="
+                f"{self.scaler.min_scale:g}) and gradients still overflow, {self.consecutive_skips} steps in a row; "
+                "fp16's range is too small for this run: train with precision.mode=bf16-mixed")
+        name = self._first_nonfinite_gradient(params)
+        self.metrics.info(f"step {step}: non-finite gradient (first in {name}); step skipped, weights untouched")
+        if self.consecutive_skips >= limit:
+            raise TrainingStopped(
+                f"step {step}: {self.consecutive_skips} steps in a row had non-finite gradients (the first in "
+                f"{name}); stopping (train.max_skipped_steps={limit}). Lower optim.lr, check the data near this "
+                "step, or resume from an earlier checkpoint")
+
+    def _first_nonfinite_gradient(self, params) -> str:
+        local = None
+        for p in params:
+            g = p.grad
+            if g is not None and not bool(torch.isfinite(g.to_local() if isinstance(g, DTensor) else g).all()):
+                local = self.param_names[id(p)]
+                break
+        if self.rt.distributed:
+            every = [None] * self.world_size
+            dist.all_gather_object(every, local)
+            local = next((n for n in every if n is not None), None)
+        return local or "(none: the loss itself was not finite)"
 
     def _report_state_bytes(self) -> None:
         b = self.state_bytes
@@ -346,20 +399,24 @@ class Trainer:
         last_saved = None
         try:
             while self.step < cfg.train.steps:
+                self._heartbeat()
                 set_lr(self.optimizer, self.lr * self.schedule(self.step))
-                loss, grad_norm, skipped, wait = self.train_step(batches)
+                local_loss, grad_norm, skipped, wait = self._guarded(self.train_step, batches)
                 self.step += 1
+                loss, stop = self._guarded(self._end_of_step, local_loss)
+                self._watch_loss(loss, skipped)
                 window_wait += wait
                 window_steps += 1
                 if self.step % cfg.log.every == 0 or self.step in (1, cfg.train.steps):
                     elapsed = time.perf_counter() - window_t0
-                    row = self._metrics_row(loss, grad_norm, elapsed, window_wait, window_steps)
+                    row = self._guarded(self._metrics_row, loss, grad_norm, elapsed, window_wait, window_steps)
                     losses.append(row["loss"])
                     self.metrics.log(row)
                     window_t0, window_wait, window_steps = time.perf_counter(), 0.0, 0
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                    last_saved = self.save()
-                if self._should_stop():
+                    self._phase = "checkpoint save"
+                    last_saved = self._guarded(self.save)
+                if stop:
                     break
         finally:
             self._restore_signal_handlers()
@@ -371,9 +428,10 @@ class Trainer:
         if stopped is not None:
             self.metrics.info(f"stopped by {signal.Signals(stopped).name} after step {self.step}; "
                               f"checkpoint saved to {last_saved}")
-        extra = {"checkpoint": str(last_saved) if last_saved else "none"}
-        if self.scaler:
-            extra["steps skipped (fp16 overflow)"] = self.scaler.skipped_steps
+        extra = {"checkpoint": str(last_saved) if last_saved else "none",
+                 "steps skipped (non-finite gradients)": self.skipped_steps}
+        if self.spikes:
+            extra["loss spikes logged"] = self.spikes
         self.metrics.summary(extra)
         if stopped is None and cfg.train.sample_tokens:
             if self.pipeline is not None:
@@ -386,23 +444,76 @@ class Trainer:
                 "stopped_by": stopped, "checkpoint": str(last_saved) if last_saved else None,
                 "run_dir": str(self.run_dir)}
 
-    def _should_stop(self) -> bool:
-        """A signal reached some rank: every rank stops after the same step."""
-        flag = self._stop_signal or 0
-        if self.rt.distributed:
-            t = torch.tensor([flag], device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = int(t.item())
-            self._stop_signal = flag or None
-        return bool(flag)
+    def _heartbeat(self) -> None:
+        """Each rank notes the step it starts in the process group's store: when a collective
+        times out, the ranks that stopped participating are the ones whose note lags."""
+        if self.rt.store is not None:
+            self.rt.store.set(f"scaletrain/started/{self.rank}", str(self.step + 1))
 
-    def _metrics_row(self, loss, grad_norm, elapsed, wait, steps) -> dict:
+    def _guarded(self, fn, *args):
+        """Run one phase of a step; turn a communication failure into one line that names the
+        ranks that stopped participating and the collective it happened in."""
+        try:
+            return fn(*args)
+        except (RuntimeError, dist.DistError) as e:
+            text = str(e)
+            if not self.rt.distributed or not any(k in text for k in _COMM_FAILURES):
+                raise
+            raise TrainingStopped(self._describe_comm_failure(text)) from None
+
+    def _describe_comm_failure(self, text: str) -> str:
+        step = self.step + 1
+        timed_out = any(k in text for k in ("Timed out", "timed out", "Timeout", "timeout"))
+        what = (f"a collective did not complete within parallel.timeout_s={self.cfg.parallel.timeout_s} s"
+                if timed_out else "a peer closed its connection")
+        lagging = self._lagging_ranks()
+        who = (f"rank(s) {', '.join(str(r) for r in lagging)} stopped participating (they never started step "
+               f"{step}, or died in it)") if lagging else "another rank failed (see its own error)"
+        return f"step {step}: {what} during {self._phase}; {who}"
+
+    def _lagging_ranks(self) -> list[int]:
+        store = self.rt.store
+        if store is None:
+            return []
+        seen = {}
+        try:
+            store.set_timeout(timedelta(seconds=5))
+            for r in range(self.world_size):
+                key = f"scaletrain/started/{r}"
+                seen[r] = int(store.get(key)) if store.check([key]) else 0
+        except Exception:  # the store itself may be gone with the failed ranks
+            return []
+        latest = max(seen.values(), default=0)
+        return [r for r, s in seen.items() if s < latest]
+
+    def _end_of_step(self, local_loss: torch.Tensor) -> tuple[float, bool]:
+        """The global batch's loss, and whether a signal reached any rank (then every rank stops
+        after this same step): one small all-reduce for both."""
+        flag = float(self._stop_signal or 0)
+        if not self.rt.distributed:
+            return float(local_loss), bool(flag)
+        self._phase = "the end-of-step all-reduce (loss and stop flag)"
+        t = torch.stack([torch.tensor(flag, device=self.device), local_loss.float().reshape(())])
+        dist.all_reduce(t)  # every rank's share of the loss; tensor-parallel ranks hold copies
+        if t[0] > 0:
+            self._stop_signal = self._stop_signal or signal.SIGTERM
+        return float(t[1]) / self.rt.dims.tp, bool(t[0] > 0)
+
+    def _watch_loss(self, loss: float, skipped: bool) -> None:
+        """Log a loss above log.spike_factor × its running mean (rank 0)."""
+        if skipped or not math.isfinite(loss):
+            return
+        factor = self.cfg.log.spike_factor
+        if factor and self._loss_mean is not None and self.step > 10 and loss > factor * self._loss_mean:
+            self.spikes += 1
+            self.metrics.info(f"loss spike at step {self.step}: {loss:.4f} is {loss / self._loss_mean:.1f}x the "
+                              f"running mean {self._loss_mean:.4f} (log.spike_factor={factor:g})")
+        self._loss_mean = loss if self._loss_mean is None else 0.98 * self._loss_mean + 0.02 * loss
+
+    def _metrics_row(self, loss: float, grad_norm, elapsed, wait, steps) -> dict:
         peak = peak_memory_bytes(self.device)
-        if self.rt.distributed:  # the loss of the global batch; the largest peak of any rank
-            loss = loss.clone()
-            if self.rt.dims.pp > 1:  # only the last stage computed it
-                dist.all_reduce(loss, group=self.rt.group("pp"))
-            dist.all_reduce(loss, group=self.rt.group("dp"))
+        if self.rt.distributed:  # the largest peak of any rank
+            self._phase = "the metrics all-reduce"
             t = torch.tensor([peak], device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             peak = int(t.item())
