@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -48,19 +49,31 @@ def inject(fault: dict | None, rank: int) -> None:
 
 
 def inject_into_trainer(trainer, fault: dict | None, rank: int) -> None:
-    """Faults that need the trainer: poison one local gradient on one rank at one step."""
-    if not fault or fault.get("rank") != rank or fault["kind"] != "inf_grad":
+    """Faults that need the trainer, on one rank at one step: poison a local gradient
+    ("inf_grad"), or stop participating for a while inside the step ("sleep_in_step")."""
+    if not fault or fault.get("rank") != rank:
         return
-    real = trainer.update
+    if fault["kind"] == "inf_grad":
+        real = trainer.update
 
-    def poisoned_update():
-        if trainer.step + 1 == fault["step"]:
-            grad = trainer.optim_params[0][1].grad
-            local = grad.to_local() if hasattr(grad, "to_local") else grad
-            local.view(-1)[0] = float("inf")
-        return real()
+        def poisoned_update():
+            if trainer.step + 1 == fault["step"]:
+                grad = trainer.optim_params[0][1].grad
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                local.view(-1)[0] = float("inf")
+            return real()
 
-    trainer.update = poisoned_update
+        trainer.update = poisoned_update
+    elif fault["kind"] == "sleep_in_step":
+        real_fb = trainer.forward_backward
+
+        def sleepy_forward_backward(batches):
+            out = real_fb(batches)  # this rank's collectives of the step are issued...
+            if trainer.step + 1 == fault["step"]:
+                time.sleep(fault["seconds"])  # ...but it never reaches the optimizer's
+            return out
+
+        trainer.forward_backward = sleepy_forward_backward
 
 
 def main(spec_path: str) -> None:

@@ -98,9 +98,13 @@ def _train_worker(cfg) -> int:
     from scaletrain.train.trainer import Trainer
 
     rank = int(os.environ.get("RANK", "0"))
-    if launch.restart_count() > 0 and cfg.checkpoint.resume == "none":
+    restarts = launch.restart_count()
+    if restarts > 0 and cfg.checkpoint.resume == "none":
         # the launcher restarted the group after a failure: continue from the newest checkpoint
         cfg = cfg.replace(**{"checkpoint.resume": "auto"})
+    if restarts > 0 and rank == 0:
+        print(f"scaletrain: restart {restarts} of at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}: "
+              "a rank failed; the group resumes from its newest complete checkpoint", file=sys.stderr, flush=True)
     try:
         cfg, rt = launch.prepare_worker(cfg)
         code = _exit_code(Trainer(cfg, rt).fit())

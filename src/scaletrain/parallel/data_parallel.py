@@ -277,10 +277,11 @@ def global_grad_norm(params: list[torch.Tensor], pp_group: dist.ProcessGroup | N
 @torch.no_grad()
 def clip_gradients(params: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None
                    ) -> torch.Tensor:
-    """Scale all gradients so that their global norm is at most `max_norm` (0: only measure)."""
+    """Scale all gradients so that their global norm is at most `max_norm` (0: only measure).
+    A non-finite norm leaves the gradients as they are, so the caller can find the culprit."""
     norm = global_grad_norm(params, pp_group)
     if max_norm:
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        coef = torch.where(torch.isfinite(norm), (max_norm / (norm + 1e-6)).clamp(max=1.0), 1.0)
         for p in params:
             if p.grad is not None:  # scaling each local piece scales the whole (also partial sums)
                 (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)

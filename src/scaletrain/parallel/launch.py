@@ -45,7 +45,7 @@ class Runtime:
     dims: ParallelDims
     mesh: object | None = None  # the 4-D DeviceMesh when distributed
     dp_mesh: object | None = None  # its data-parallel axes flattened into one
-    store: object | None = None  # the process group's key-value store (heartbeats)
+    progress: object | None = None  # this rank's published progress (parallel.watchdog.Progress)
 
     @property
     def distributed(self) -> bool:
@@ -113,7 +113,8 @@ def prepare_worker(cfg: JobConfig) -> tuple[JobConfig, Runtime]:
         backend = "gloo"
     timeout = timedelta(seconds=cfg.parallel.timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
+                                **_attempt_store(rank, world, timeout))
     if cfg.parallel.layout == "auto":
         box = [None]
         if rank == 0:
@@ -131,14 +132,48 @@ def prepare_worker(cfg: JobConfig) -> tuple[JobConfig, Runtime]:
         cfg = from_dict(box[0])
     dims = ParallelDims.from_config(cfg.parallel, world)
     mesh, dp_mesh = dims.build_mesh(device.type)
+    return cfg, Runtime(rank, local_rank, world, local_world, device, dims, mesh, dp_mesh, _start_progress(rank))
+
+
+_progress = None
+
+
+def _start_progress(rank: int):
+    """Publish this rank's progress for the timeout messages (see parallel.watchdog)."""
+    global _progress
+    from scaletrain.parallel.watchdog import Progress
+
     try:
         store = dist.distributed_c10d._get_default_store()
-    except (AttributeError, RuntimeError):  # a PyTorch without it: no heartbeats, nothing else lost
-        store = None
-    return cfg, Runtime(rank, local_rank, world, local_world, device, dims, mesh, dp_mesh, store)
+    except (AttributeError, RuntimeError, ValueError):  # a PyTorch without it: timeouts name no rank
+        return None
+    if _progress is not None:
+        _progress.stop()
+    _progress = Progress(store, rank).start()
+    return _progress
+
+
+def _attempt_store(rank: int, world: int, timeout: timedelta) -> dict:
+    """The process group's store, private to this attempt of the job.
+
+    Under an elastic launcher the workers share the agent's store, and it outlives a restart;
+    PyTorch keys it by nothing that changes between attempts (pytorch/pytorch#135712), so a
+    restarted group can read its predecessor's addresses and hang while connecting. Each rank
+    counts its own joins in the store: every attempt of a fixed-size job re-joins every rank
+    once, so the counts agree and name the attempt, whatever each node's restart counter says."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}  # env:// makes a fresh store for each attempt
+    agent = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False, timeout=timeout)
+    attempt = agent.add(f"scaletrain/joins/rank{rank}", 1)
+    return {"store": dist.PrefixStore(f"scaletrain/attempt{attempt}", agent), "rank": rank, "world_size": world}
 
 
 def shutdown() -> None:
+    global _progress
+    if _progress is not None:
+        _progress.stop()
+        _progress = None
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -169,6 +204,8 @@ def record_worker_error(e: BaseException, rank: int) -> None:
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         text = f"{type(e).__name__}: {first} (at {where})"
     print(f"scaletrain: error: rank {rank}: {text}", file=sys.stderr, flush=True)
+    if _progress is not None:  # the other ranks leave now rather than at their collective timeout
+        _progress.abort()
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         with open(path, "w") as f:

@@ -218,7 +218,8 @@ def save_checkpoint(folder: Path, step: int, tensors: dict[str, Any], trainer_st
     try:
         if rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)  # left by a save that died
+            for dead in folder.glob(".step_*"):  # left by saves or deletions that were killed
+                shutil.rmtree(dead, ignore_errors=True)
             partial.mkdir()
         _barrier()
         dcp.save(tensors, storage_writer=FileSystemWriter(str(partial)), no_dist=not dist.is_initialized())
@@ -238,20 +239,42 @@ def save_checkpoint(folder: Path, step: int, tensors: dict[str, Any], trainer_st
                 os.replace(partial, final)
             _fsync_dir(folder)
             for stale in complete_checkpoints(folder)[:-keep]:
-                shutil.rmtree(stale, ignore_errors=True)
+                trash = folder / f".{stale.name}.deleting"  # out of sight first: never half a checkpoint
+                os.replace(stale, trash)
+                shutil.rmtree(trash, ignore_errors=True)
         _barrier()
-    except (OSError, CheckpointException) as e:
+    except (OSError, RuntimeError, CheckpointException) as e:
+        full = _disk_full(folder, _causes(e), _local_bytes(tensors))
         os_errors = [c for c in _causes(e) if isinstance(c, OSError)]
-        if not os_errors:
+        if not full and not os_errors:
             raise
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         last = latest_checkpoint(folder)
         kept = f"the last complete checkpoint {last} is intact" if last else "no earlier checkpoint exists"
-        err = os_errors[0]
-        reason = "the disk is full" if err.errno == errno.ENOSPC else f"{err.strerror or err}"
+        reason = "the disk is full" if full else f"{os_errors[0].strerror or os_errors[0]}"
         raise CheckpointError(f"saving checkpoint step {step} to {folder} failed: {reason}; {kept}") from None
     return final
+
+
+def _local_bytes(tensors: Any) -> int:
+    if isinstance(tensors, dict):
+        return sum(_local_bytes(v) for v in tensors.values())
+    if isinstance(tensors, torch.Tensor):
+        t = tensors.to_local() if hasattr(tensors, "to_local") else tensors
+        return t.numel() * t.element_size()
+    return 0
+
+
+def _disk_full(folder: Path, causes: list[BaseException], needed: int) -> bool:
+    """Whether a failed save ran out of space: an ENOSPC/EDQUOT anywhere, or (torch.save reports a
+    short write as a RuntimeError) less room left on the file system than this rank's share."""
+    if any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in causes):
+        return True
+    try:
+        return shutil.disk_usage(folder).free < needed
+    except OSError:
+        return False
 
 
 def read_trainer_state(path: Path) -> dict:

@@ -13,7 +13,7 @@ import contextlib
 import math
 import signal
 import time
-from datetime import datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -31,8 +31,9 @@ from scaletrain.model.generate import generate
 from scaletrain.model.transformer import Transformer, count_params
 from scaletrain.optim import LRSchedule, build_optimizer, get_lr, peak_lr, set_lr
 from scaletrain.parallel.data_parallel import DataParallel, clip_gradients, model_state_bytes
-from scaletrain.parallel.pipeline import build_schedule
+from scaletrain.parallel import watchdog
 from scaletrain.parallel.launch import Runtime, single_process
+from scaletrain.parallel.pipeline import build_schedule
 from scaletrain.parallel.parallelize import parallelize
 from scaletrain.plan.hardware import device_peak_flops
 from scaletrain.precision import MasterWeights, Precision
@@ -107,7 +108,8 @@ class Trainer:
         self.state_bytes: dict[str, int] | None = None  # measured during the first step
         self.consecutive_skips = self.skipped_steps = self.spikes = 0
         self._loss_mean: float | None = None
-        self._phase = "start-up"
+        self._phase = "start-up"  # what the step is doing, named when a collective times out
+        self.current_step = 0
 
         self.step = 0
         self.metrics = MetricsLogger(self.run_dir if self.rank == 0 else None, cfg.train.steps,
@@ -115,6 +117,8 @@ class Trainer:
                                      progress=cfg.log.progress, stream=stream)
         if resume_from is not None:
             self._resume(resume_from)
+        elif cfg.checkpoint.resume == "auto" and self.rank == 0:
+            self._truncate_metrics(0)  # a run restarted before its first checkpoint begins again
         self._stop_signal: int | None = None
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops, self.peak_source = device_peak_flops(
@@ -168,6 +172,7 @@ class Trainer:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
         ckpt.load_rng(path, self.rank, self.world_size, state["world_size"])
         if self.rank == 0:
             self._truncate_metrics(self.step)
@@ -200,6 +205,7 @@ class Trainer:
             "data": {"step": self.step, "seed": self.cfg.train.seed, "global_batch": self.batch.global_batch,
                      "seq_len": self.cfg.data.seq_len, "source": self.data.source},
             "optimizer": skeleton,
+            "skipped_steps": self.skipped_steps,
         }
         return ckpt.save_checkpoint(self.ckpt_dir, self.step, self.checkpoint_tensors(), state,
                                     keep=self.cfg.checkpoint.keep)
@@ -239,8 +245,7 @@ class Trainer:
 
     def forward_backward(self, batches) -> tuple[torch.Tensor, float]:
         """Accumulate this step's gradients over its micro-batches; returns (loss, data wait)."""
-        self._phase = "forward/backward (the data-parallel gradient reduction, FSDP gathers, " \
-                      "tensor- and pipeline-parallel exchanges)"
+        self._enter("forward/backward")
         if self.pipeline is not None:
             return self._pipeline_forward_backward(batches)
         wait = 0.0
@@ -314,7 +319,7 @@ class Trainer:
 
         A step whose gradients are not finite anywhere (an fp16 overflow, or inf/NaN in any
         mode) is skipped without touching the weights or the optimizer state."""
-        self._phase = "the optimizer step (gradient norm, parameter all-gather)"
+        self._enter("the gradient-norm all-reduce (and fp16 overflow check)")
         if self.master:
             self.master.grads_to_master()
         params = [p for _, p in self.optim_params]
@@ -326,15 +331,17 @@ class Trainer:
         measure = self.state_bytes is None
         if measure:
             self.state_bytes = model_state_bytes(self.dp, params, None)
+        self._enter("the optimizer step (with the ZeRO parameter all-gather)")
         if not skip:
             self.optimizer.step()
         if measure:
             self.state_bytes["optimizer"] = model_state_bytes(self.dp, [], self.optimizer)["optimizer"]
             self._report_state_bytes()
+        at_minimum = self.scaler is not None and self.scaler.scale <= self.scaler.min_scale
         if self.scaler:
             self.scaler.update(overflow)
         if skip:
-            self._skipped(params, overflow)
+            self._skipped(params, overflow, at_minimum)
         else:
             self.consecutive_skips = 0
         self.dp.zero_grad(self.optimizer)
@@ -342,18 +349,20 @@ class Trainer:
             self._weights_from_state()
         return grad_norm, skip
 
-    def _skipped(self, params, overflow: bool) -> None:
-        """Count a skipped step; stop after train.max_skipped_steps in a row."""
+    def _skipped(self, params, overflow: bool, at_minimum: bool) -> None:
+        """Count a skipped step; stop after train.max_skipped_steps in a row (for fp16, in a row
+        at the minimum loss scale: above it, the scaler backs off and tries again)."""
         step, limit = self.step + 1, self.cfg.train.max_skipped_steps
-        self.consecutive_skips += 1
         self.skipped_steps += 1
         if overflow and self.scaler is not None:
-            if self.scaler.scale > self.scaler.min_scale or self.consecutive_skips < limit:
-                return  # fp16 overflow: the scaler has backed off; the next step tries again
+            self.consecutive_skips = self.consecutive_skips + 1 if at_minimum else 0
+            if self.consecutive_skips < limit:
+                return
             raise TrainingStopped(
                 f"step {step}: the fp16 loss scale collapsed to its minimum (precision.min_scale="
                 f"{self.scaler.min_scale:g}) and gradients still overflow, {self.consecutive_skips} steps in a row; "
                 "fp16's range is too small for this run: train with precision.mode=bf16-mixed")
+        self.consecutive_skips += 1
         name = self._first_nonfinite_gradient(params)
         self.metrics.info(f"step {step}: non-finite gradient (first in {name}); step skipped, weights untouched")
         if self.consecutive_skips >= limit:
@@ -399,7 +408,9 @@ class Trainer:
         last_saved = None
         try:
             while self.step < cfg.train.steps:
-                self._heartbeat()
+                self.current_step = self.step + 1
+                if self.rt.progress is not None:
+                    self.rt.progress.step = self.current_step
                 set_lr(self.optimizer, self.lr * self.schedule(self.step))
                 local_loss, grad_norm, skipped, wait = self._guarded(self.train_step, batches)
                 self.step += 1
@@ -414,7 +425,7 @@ class Trainer:
                     self.metrics.log(row)
                     window_t0, window_wait, window_steps = time.perf_counter(), 0.0, 0
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                    self._phase = "checkpoint save"
+                    self._enter("checkpoint save")
                     last_saved = self._guarded(self.save)
                 if stop:
                     break
@@ -444,11 +455,10 @@ class Trainer:
                 "stopped_by": stopped, "checkpoint": str(last_saved) if last_saved else None,
                 "run_dir": str(self.run_dir)}
 
-    def _heartbeat(self) -> None:
-        """Each rank notes the step it starts in the process group's store: when a collective
-        times out, the ranks that stopped participating are the ones whose note lags."""
-        if self.rt.store is not None:
-            self.rt.store.set(f"scaletrain/started/{self.rank}", str(self.step + 1))
+    def _enter(self, phase: str) -> None:
+        self._phase = phase
+        if self.rt.progress is not None:
+            self.rt.progress.phase = phase
 
     def _guarded(self, fn, *args):
         """Run one phase of a step; turn a communication failure into one line that names the
@@ -462,29 +472,16 @@ class Trainer:
             raise TrainingStopped(self._describe_comm_failure(text)) from None
 
     def _describe_comm_failure(self, text: str) -> str:
-        step = self.step + 1
+        step = self.current_step
         timed_out = any(k in text for k in ("Timed out", "timed out", "Timeout", "timeout"))
         what = (f"a collective did not complete within parallel.timeout_s={self.cfg.parallel.timeout_s} s"
                 if timed_out else "a peer closed its connection")
-        lagging = self._lagging_ranks()
-        who = (f"rank(s) {', '.join(str(r) for r in lagging)} stopped participating (they never started step "
-               f"{step}, or died in it)") if lagging else "another rank failed (see its own error)"
-        return f"step {step}: {what} during {self._phase}; {who}"
-
-    def _lagging_ranks(self) -> list[int]:
-        store = self.rt.store
-        if store is None:
-            return []
-        seen = {}
-        try:
-            store.set_timeout(timedelta(seconds=5))
-            for r in range(self.world_size):
-                key = f"scaletrain/started/{r}"
-                seen[r] = int(store.get(key)) if store.check([key]) else 0
-        except Exception:  # the store itself may be gone with the failed ranks
-            return []
-        latest = max(seen.values(), default=0)
-        return [r for r, s in seen.items() if s < latest]
+        lagging = watchdog.lagging(self.rt.progress.store, self.world_size) if self.rt.progress else []
+        if not lagging:
+            return f"step {step}: {what} during {self._phase}; no rank is behind: another rank failed (see its error)"
+        names = ", ".join(str(r.rank) for r in lagging)
+        return (f"step {step}: rank {names} stopped participating: {what} (rank {self.rank} waited in "
+                f"{self._phase}); " + "; ".join(str(r) for r in lagging))
 
     def _end_of_step(self, local_loss: torch.Tensor) -> tuple[float, bool]:
         """The global batch's loss, and whether a signal reached any rank (then every rank stops
@@ -492,7 +489,7 @@ class Trainer:
         flag = float(self._stop_signal or 0)
         if not self.rt.distributed:
             return float(local_loss), bool(flag)
-        self._phase = "the end-of-step all-reduce (loss and stop flag)"
+        self._enter("the end-of-step all-reduce of loss and stop flag")
         t = torch.stack([torch.tensor(flag, device=self.device), local_loss.float().reshape(())])
         dist.all_reduce(t)  # every rank's share of the loss; tensor-parallel ranks hold copies
         if t[0] > 0:
@@ -513,7 +510,7 @@ class Trainer:
     def _metrics_row(self, loss: float, grad_norm, elapsed, wait, steps) -> dict:
         peak = peak_memory_bytes(self.device)
         if self.rt.distributed:  # the largest peak of any rank
-            self._phase = "the metrics all-reduce"
+            self._enter("the metrics all-reduce")
             t = torch.tensor([peak], device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             peak = int(t.item())
@@ -529,10 +526,10 @@ class Trainer:
             "peak_mem_bytes": peak,
             "data_wait_frac": wait / elapsed,
             "step_time_s": elapsed / steps,
+            "skipped_steps": self.skipped_steps,
         }
         if self.scaler:
             row["loss_scale"] = self.scaler.scale
-            row["skipped_steps"] = self.scaler.skipped_steps
         return row
 
     def _announce(self) -> None:

@@ -1,0 +1,254 @@
+"""Crashes and hangs: elastic restart, checkpoints that survive kills and full disks, ranks
+that stop participating, the rendezvous's addresses."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from scaletrain.errors import CheckpointError
+from scaletrain.train import checkpoint as ckpt
+from scaletrain.train.trainer import Trainer
+
+from conftest import REPO, micro_cfg, micro_overrides, read_metrics, run_group
+
+TRAIN = ["--model.dim=64", "--model.n_layers=2", "--data.seq_len=32", "--train.global_batch=8", "--log.every=1",
+         "--log.progress=off", "--log.tensorboard=false", "--train.sample_tokens=0"]
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    found = [e for e in env if e.startswith(b"RANK=")]
+    return int(found[0][5:]) if found else None
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _rows(run: Path) -> int:
+    f = run / "metrics.jsonl"
+    return len(f.read_text().splitlines()) if f.exists() else 0
+
+
+@pytest.mark.multiproc
+def test_sigkilled_worker_restarts_the_group_which_resumes_exactly(tmp_path):
+    steps = ["--train.steps=300", "--checkpoint.every=50"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "scaletrain", "train", "--nproc", "2", *TRAIN, *steps]
+    launcher = subprocess.Popen([*cmd, "--max-restarts", "1", f"--log.run_dir={tmp_path / 'killed'}"],
+                                stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    deadline = time.time() + 120
+    while _rows(tmp_path / "killed") < 70 and time.time() < deadline and launcher.poll() is None:
+        time.sleep(0.02)
+    killed_at = _rows(tmp_path / "killed")
+    victim = [p for p in _children(launcher.pid) if _rank_of(p) == 1]
+    assert victim and killed_at < 300, "the run ended before the kill"
+    os.kill(victim[0], signal.SIGKILL)
+    err = launcher.communicate(timeout=180)[1]
+    assert launcher.returncode == 0, err
+    assert "restart 1 of at most 1: a rank failed" in err and "resumed from" in err, err
+    resumed_at = int(err.split("resumed from ")[1].split(" at step ")[1].split()[0])
+    assert resumed_at < killed_at + 2  # a checkpoint from before the kill
+
+    clean = subprocess.run([*cmd, f"--log.run_dir={tmp_path / 'clean'}"], capture_output=True, text=True, cwd=REPO,
+                           env=env, timeout=180)
+    assert clean.returncode == 0, clean.stderr
+    killed, reference = read_metrics(tmp_path / "killed"), read_metrics(tmp_path / "clean")
+    assert [r["step"] for r in killed] == list(range(1, 301))  # the re-done steps replaced, not duplicated
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in killed] == \
+        [(r["step"], r["loss"], r["grad_norm"]) for r in reference]  # every step, every bit
+
+
+@pytest.mark.multiproc
+def test_a_rank_that_stops_participating_fails_the_job_within_the_timeout(tmp_path):
+    # rank 1 issues step 3's gradient reduction, then sleeps instead of reaching the next collective
+    job = {"overrides": micro_overrides(tmp_path / "run", **{"train.steps": 6, "parallel.zero": 3,
+                                                             "parallel.timeout_s": 4}),
+           "fault": {"kind": "sleep_in_step", "rank": 1, "step": 3, "seconds": 300}}
+    t0 = time.time()
+    code, _, err = run_group(2, [job], tmp_path)
+    took = time.time() - t0
+    assert code == 3, err
+    first = err.strip().splitlines()[0]
+    assert first.startswith("scaletrain: error: rank 0: step 3: rank 1 stopped participating: a collective did "
+                            "not complete within parallel.timeout_s=4 s (rank 0 waited in the gradient-norm all-reduce"), err
+    assert "rank 1 last reported step 3, forward/backward (it issued" in first
+    assert "Traceback" not in err
+    assert took < 60, took  # not the 300 s the rank sleeps: the timeout, the diagnosis, start-up
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def _save_forever(trainer: Trainer, first_step: int) -> None:
+    """In a forked child: save checkpoints of successive steps, weights marked with the step."""
+    step = first_step
+    while True:
+        with torch.no_grad():
+            for _, p in trainer.optim_params:
+                p.fill_(step)
+        trainer.step = step
+        trainer.save()
+        step += 1
+
+
+def test_twenty_five_random_kills_during_saves_never_lose_the_last_checkpoint(tmp_path):
+    cfg = micro_cfg(tmp_path, **{"checkpoint.keep": 2, "train.steps": 1})
+    trainer = Trainer(cfg)
+    trainer.fit()  # one real step, so the optimizer has state to save
+    trainer.save()
+    folder = trainer.ckpt_dir
+    rng = random.Random(0)
+    last = 1
+    for kill in range(25):
+        pid = os.fork()
+        if pid == 0:  # the child: dies by SIGKILL somewhere inside a save
+            try:
+                _save_forever(trainer, last + 1)
+            finally:
+                os._exit(1)
+        time.sleep(rng.uniform(0.05, 0.6))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        latest = ckpt.latest_checkpoint(folder)
+        assert latest is not None, kill
+        step = ckpt.read_trainer_state(latest)["step"]
+        assert step >= last and latest.name == f"step_{step:08d}"
+        tensors = trainer.checkpoint_tensors()
+        ckpt.load_tensors(latest, tensors)  # the whole checkpoint reads back, with the step's values
+        assert all(torch.all(p == step) for p in tensors["model"].values()), (kill, step)
+        last = step
+    assert last >= 26  # the saves made progress between kills
+    leftovers = [p.name for p in folder.iterdir() if p.name.startswith(".")]
+    assert len(leftovers) <= 2  # the killed save's partial folder at most (the next save clears it)
+    resumed = Trainer(micro_cfg(tmp_path, **{"checkpoint.resume": "auto", "train.steps": last + 2}))
+    assert resumed.step == last  # the newest complete checkpoint, never one of the partial saves left aside
+    print(f"kills survived: 25, last complete step {last}, partial folders left aside: {leftovers}")
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_full_disk_during_save_is_one_clear_error_and_keeps_the_last_checkpoint(tmp_path):
+    disk = tmp_path / "small-disk"
+    if not _mount_tmpfs(disk, "3m"):
+        pytest.skip("cannot mount a small tmpfs here (needs root and mount rights)")
+    try:
+        cfg = micro_cfg(tmp_path, **{"checkpoint.dir": str(disk), "checkpoint.keep": 5, "checkpoint.every": 1,
+                                     "train.steps": 10})
+        trainer = Trainer(cfg)
+        with pytest.raises(CheckpointError) as e:
+            trainer.fit()
+        saved = ckpt.complete_checkpoints(disk)
+        assert saved, "not even one checkpoint fitted"
+        msg = str(e.value)
+        assert f"saving checkpoint step {len(saved) + 1} to {disk} failed: the disk is full; the last complete " \
+               f"checkpoint {saved[-1]} is intact" == msg
+        assert not [p for p in disk.iterdir() if p.name.startswith(".")]  # the partial save was removed
+        resumed = Trainer(micro_cfg(tmp_path, **{"checkpoint.dir": str(disk), "checkpoint.resume": "auto",
+                                                 "train.steps": 10}))
+        assert resumed.step == len(saved)
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_full_disk_reported_where_tmpfs_is_unavailable(tmp_path, monkeypatch):
+    import errno
+
+    cfg = micro_cfg(tmp_path, **{"checkpoint.every": 2, "train.steps": 6})
+    trainer = Trainer(cfg)
+    real = ckpt._write_json
+    calls = {"n": 0}
+
+    def full(path, data):
+        calls["n"] += 1
+        if calls["n"] > 2:  # the first save (rng + trainer.json) fits, the second does not
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, data)
+
+    monkeypatch.setattr(ckpt, "_write_json", full)
+    with pytest.raises(CheckpointError, match=r"step 4 .* failed: the disk is full; the last complete checkpoint "
+                                              r".*step_00000002 is intact"):
+        trainer.fit()
+    assert [p.name for p in trainer.ckpt_dir.iterdir()] == ["step_00000002"]
+
+
+# --------------------------------------------------------------------------------------------
+# the rendezvous listens where it is told
+
+
+def _listening(pids: list[int]) -> set[str]:
+    """host:port of every listening TCP socket that one of `pids` holds."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    found = set()
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # LISTEN
+                found.add(_address(f[1], v6))
+    return found
+
+
+def _address(hex_addr: str, v6: bool) -> str:
+    import ipaddress
+    import struct
+
+    host, port = hex_addr.split(":")
+    raw = bytes.fromhex(host)
+    if v6:
+        raw = b"".join(struct.pack("<I", struct.unpack(">I", raw[i:i + 4])[0]) for i in range(0, 16, 4))
+        ip = ipaddress.IPv6Address(raw)
+        ip = ip.ipv4_mapped or ip
+    else:
+        ip = ipaddress.IPv4Address(struct.pack("<I", struct.unpack(">I", raw)[0]))
+    return f"{ip}:{int(port, 16)}"
+
+
+@pytest.mark.multiproc
+def test_single_node_rendezvous_and_workers_listen_on_loopback_only(tmp_path):
+    launcher = subprocess.Popen([sys.executable, "-m", "scaletrain", "train", "--nproc", "2", *TRAIN,
+                                 "--train.steps=400", f"--log.run_dir={tmp_path / 'run'}"],
+                                stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 120
+        while _rows(tmp_path / "run") < 5 and time.time() < deadline and launcher.poll() is None:
+            time.sleep(0.05)
+        pids = [launcher.pid, *_children(launcher.pid)]
+        listening = _listening(pids)
+    finally:
+        launcher.communicate(timeout=120)
+    assert launcher.returncode == 0
+    assert len(pids) == 3 and listening, (pids, listening)
+    assert all(a.startswith("127.0.0.1:") for a in listening), listening
