@@ -252,3 +252,84 @@ def test_single_node_rendezvous_and_workers_listen_on_loopback_only(tmp_path):
     assert launcher.returncode == 0
     assert len(pids) == 3 and listening, (pids, listening)
     assert all(a.startswith("127.0.0.1:") for a in listening), listening
+
+
+# --------------------------------------------------------------------------------------------
+# several hosts: two network namespaces joined by a veth pair
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces, 10.77.0.1 and 10.77.0.2, joined by a veth pair."""
+    tag = f"st{os.getpid() % 100000}"
+    names = [f"{tag}n0", f"{tag}n1"]
+    script = [
+        f"ip netns add {names[0]}", f"ip netns add {names[1]}",
+        f"ip link add {tag}a type veth peer name {tag}b",
+        f"ip link set {tag}a netns {names[0]}", f"ip link set {tag}b netns {names[1]}",
+        f"ip -n {names[0]} addr add 10.77.0.1/24 dev {tag}a", f"ip -n {names[1]} addr add 10.77.0.2/24 dev {tag}b",
+        f"ip -n {names[0]} link set {tag}a up", f"ip -n {names[1]} link set {tag}b up",
+        f"ip -n {names[0]} link set lo up", f"ip -n {names[1]} link set lo up",
+    ]
+    try:
+        for line in script:
+            r = subprocess.run(line.split(), capture_output=True, text=True)
+            if r.returncode != 0:
+                pytest.skip(f"cannot make network namespaces here ({line!r}: {r.stderr.strip() or r.returncode})")
+        yield names
+    except FileNotFoundError:
+        pytest.skip("cannot make network namespaces here: the `ip` tool is missing")
+    finally:
+        for name in names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def _listening_in_netns(pids: list[int]) -> set[str]:
+    """Like _listening, but reading the sockets tables of the processes' own namespace."""
+    inodes, tables = set(), []
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+            tables += [(Path(f"/proc/{pid}/net/tcp").read_text(), False),
+                       (Path(f"/proc/{pid}/net/tcp6").read_text(), True)]
+        except OSError:
+            continue
+    found = set()
+    for text, v6 in tables:
+        for line in text.splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:
+                found.add(_address(f[1], v6))
+    return found
+
+
+@pytest.mark.multiproc
+def test_two_hosts_with_two_ranks_each_train_like_one_process(tmp_path, two_hosts):
+    layout = ["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.zero=3"]  # HSDP across the hosts
+    args = [f"--{k}={v}" for k, v in micro_overrides(tmp_path / "run", **{"train.steps": 20}).items()] + layout
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("GLOO_SOCKET_IFNAME", None)  # the launcher finds the interface that reaches the rendezvous
+    nodes = [subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "scaletrain", "train", "--nproc", "2",
+                               "--nnodes", "2", "--node-rank", str(i), "--rdzv-endpoint", "10.77.0.1:29577", *args],
+                              stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+             for i, ns in enumerate(two_hosts)]
+    deadline = time.time() + 120
+    while _rows(tmp_path / "run") < 3 and time.time() < deadline and nodes[0].poll() is None:
+        time.sleep(0.05)
+    # node 0's launcher (rendezvous store) and workers: every listener on the address it was told
+    host0 = [nodes[0].pid, *_children(nodes[0].pid)]
+    host0 += [c for p in host0[1:] for c in _children(p)]
+    listening = _listening_in_netns(host0)
+    errs = [n.communicate(timeout=180)[1] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], errs
+    assert "layout: 4 rank(s) = pp 1 × dp_replicate 2 × dp_shard 2 × tp 1" in errs[0], errs[0]
+    assert listening and all(a.startswith("10.77.0.1:") for a in listening), listening
+
+    one = Trainer(micro_cfg(tmp_path / "one", **{"train.steps": 20})).fit()["history"]
+    four = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in four] == [r["step"] for r in one]
+    rel = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(four, one)]  # reduction order differs: fp32 noise
+    assert max(rel) < 1e-5, " ".join("%d:%.1e" % (i + 1, r) for i, r in enumerate(rel))

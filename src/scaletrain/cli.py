@@ -19,7 +19,7 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
-LAUNCH_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts")
+LAUNCH_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--max-restarts")
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
@@ -75,7 +75,7 @@ def _launch(args: argparse.Namespace, cfg) -> int:
     if not cfg.log.run_dir:  # every rank (and node) must write to the same folder
         worker_args.append(f"--log.run_dir={default_run_dir()}")
     return launch.launch(worker_args, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-                         rdzv_endpoint=args.rdzv_endpoint or "", max_restarts=args.max_restarts)
+                         rdzv_endpoint=args.rdzv_endpoint or "", rdzv_id=args.rdzv_id, max_restarts=args.max_restarts)
 
 
 def _strip_launch_flags(argv: list[str]) -> list[str]:
@@ -228,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
     g.add_argument("--node-rank", type=int, help="this node's rank, for a fixed rendezvous at --rdzv-endpoint")
     g.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, reachable from every node")
+    g.add_argument("--rdzv-id", default="scaletrain",
+                   help="job name shared by the nodes of one job (default scaletrain); jobs sharing an endpoint need distinct ones")
     g.add_argument("--max-restarts", type=int, default=0, help="restart the group this often after a failure")
     p.set_defaults(func=_train, takes_overrides=True)
 

@@ -215,7 +215,8 @@ def record_worker_error(e: BaseException, rank: int) -> None:
 
 
 def launch(worker_args: list[str], *, nproc: int, nnodes: int = 1, node_rank: int | None = None,
-           rdzv_endpoint: str = "", max_restarts: int = 0, monitor_interval: float = 0.1,
+           rdzv_endpoint: str = "", rdzv_id: str = "scaletrain", max_restarts: int = 0,
+           monitor_interval: float = 0.1,
            program: tuple[str, ...] = ("-m", "scaletrain", "train")) -> int:
     """Start `python PROGRAM WORKER_ARGS` (by default `scaletrain train`) on `nproc` local ranks;
     return the exit code."""
@@ -241,15 +242,18 @@ def launch(worker_args: list[str], *, nproc: int, nnodes: int = 1, node_rank: in
         backend, endpoint, rdzv_configs, local_addr = "c10d", "127.0.0.1:0", {}, "127.0.0.1"
     log_dir = tempfile.mkdtemp(prefix="scaletrain-launch-")  # where workers leave their error files
     config = LaunchConfig(
-        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=f"scaletrain-{os.getpid()}",
+        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc,
+        run_id=rdzv_id if rdzv_endpoint else f"scaletrain-{os.getpid()}",  # the nodes of one job share it
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=max_restarts,
         monitor_interval=monitor_interval, logs_specs=DefaultLogsSpecs(log_dir=log_dir), start_method="spawn",
         local_addr=local_addr)
     env_before = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME")}
     if env_before["OMP_NUM_THREADS"] is None:  # share the cores among the local ranks, don't oversubscribe
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    if local_addr and env_before["GLOO_SOCKET_IFNAME"] is None:  # one node: ranks talk over loopback only
-        os.environ["GLOO_SOCKET_IFNAME"] = _loopback_interface()
+    if env_before["GLOO_SOCKET_IFNAME"] is None:  # gloo talks over the interface that reaches the others
+        interface = _loopback_interface() if local_addr else _interface_towards(endpoint.rsplit(":", 1)[0])
+        if interface:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
     try:
         with _stores_bound_to_their_host():
             elastic_launch(config, entrypoint=sys.executable)(*program, *worker_args)
@@ -272,6 +276,32 @@ def _loopback_interface() -> str:
     except OSError:
         pass
     return "lo"
+
+
+def _interface_towards(host: str) -> str | None:
+    """The name of the network interface this machine uses to reach `host` (IPv4), or None.
+    Without it gloo picks the address of the machine's host name, which on many clusters (and
+    in containers) is not on the network the nodes share."""
+    import fcntl
+    import socket
+    import struct
+
+    try:
+        target = socket.getaddrinfo(host.strip("[]"), None, socket.AF_INET)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))  # no packet is sent: this only asks the routing table
+            local = s.getsockname()[0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _, name in socket.if_nameindex():
+                try:
+                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+                except OSError:
+                    continue
+                if socket.inet_ntoa(packed[20:24]) == local:
+                    return name
+    except OSError:
+        pass
+    return None
 
 
 @contextlib.contextmanager
