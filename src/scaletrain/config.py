@@ -235,6 +235,8 @@ def load_config(path: str | Path | None = None,
 
 def read_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config {p} is a folder; give a TOML file such as configs/tiny.toml")
     if not p.is_file():
         raise ConfigError(f"config file {p} not found; give a TOML file such as configs/tiny.toml")
     try:
@@ -242,6 +244,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: not valid TOML ({e}); fix the syntax at that line") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not valid TOML (not UTF-8 text); give a TOML file such as configs/tiny.toml") from None
 
 
 def parse_override_args(args: Iterable[str]) -> tuple[dict[str, str], list[str]]:
@@ -303,7 +307,7 @@ def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[st
 
     # The preset supplies the base of the model section; explicit keys win.
     preset = merged["model"].get("preset", "")
-    if preset:
+    if preset and isinstance(preset, str):  # a preset of another type is reported with the other keys
         from scaletrain.model.presets import PRESETS  # local: presets import this module
 
         if preset not in PRESETS:
@@ -371,12 +375,17 @@ def _coerce(f: dataclasses.Field, value: Any, is_text: bool) -> Any:
                 raise ValueError(f"expected a number, got {value!r}") from None
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"expected a number, got {value!r}")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer too large for a float
+            raise ValueError(f"expected a finite number, got {value!r}") from None
         if not math.isfinite(value):
             raise ValueError(f"expected a finite number, got {value!r}")
     elif typ is str:
         if not isinstance(value, str):
             raise ValueError(f"expected a string, got {value!r}")
+        if "\x00" in value:  # no path or prompt holds one; the OS would refuse it later, less clearly
+            raise ValueError(f"{value!r} contains a NUL character")
     choices = meta.get("choices")
     if choices and value not in choices:
         raise ValueError(f"{value!r} is not one of {', '.join(choices)}{_did_you_mean(str(value), choices)}")
@@ -414,7 +423,7 @@ def check_combinations(cfg: JobConfig) -> list[str]:
     if m.vocab_size > 2**32:
         errors.append(f"model.vocab_size={m.vocab_size} is larger than uint32 token ids allow")
     res = cfg.checkpoint.resume
-    if res not in ("none", "auto") and not Path(res).exists():
+    if res not in ("none", "auto") and not _exists(res):
         errors.append(f"checkpoint.resume: folder {res} does not exist; use none, auto, or an existing checkpoint folder")
     if cfg.precision.mode == "16-mixed" and cfg.precision.min_scale > cfg.precision.init_scale:
         errors.append(f"precision.min_scale={cfg.precision.min_scale} is above precision.init_scale="
@@ -451,6 +460,13 @@ def check_layout(cfg: JobConfig, dims) -> None:
     elif par.pp_virtual_stages != 1 or par.pp_split or par.pp_microbatches:
         raise ConfigError("parallel.pp_virtual_stages, pp_split and pp_microbatches describe pipeline stages; "
                           "they need parallel.pp > 1")
+
+
+def _exists(path: str) -> bool:
+    try:
+        return Path(path).exists()
+    except (OSError, ValueError):  # a name too long for the file system, or with a NUL byte
+        return False
 
 
 def _divisors(n: int, limit: int | None = None) -> list[int]:

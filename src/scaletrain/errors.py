@@ -16,7 +16,8 @@ class UserError(Exception):
     def __init__(self, *lines: str):
         if not lines:
             raise TypeError("UserError needs at least one message")
-        self.lines = list(lines)
+        # one problem, one line, even when it quotes user text holding line breaks
+        self.lines = [line.replace("\r", "\\r").replace("\n", "\\n") for line in lines]
         super().__init__("\n".join(self.lines))
 
 

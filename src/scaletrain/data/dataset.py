@@ -50,8 +50,9 @@ class TokenData:
             meta = json.loads(meta_path.read_text())
         except json.JSONDecodeError as e:
             raise DataError(f"{meta_path}: not valid JSON ({e.msg}); re-run scaletrain prepare") from None
-        if meta.get("format") != FORMAT:
-            raise DataError(f"{meta_path}: not a scaletrain token folder (format {meta.get('format')!r})")
+        fmt = meta.get("format") if isinstance(meta, dict) else None
+        if fmt != FORMAT:
+            raise DataError(f"{meta_path}: not a scaletrain token folder (format {fmt!r}); re-run scaletrain prepare")
         dtype_name = meta.get("dtype")
         if dtype_name not in VALID_DTYPES:
             raise DataError(f"{meta_path}: token dtype {dtype_name!r} is not supported; "
@@ -62,9 +63,16 @@ class TokenData:
             raise DataError(f"{meta_path}: dtype {dtype_name} cannot hold the ids of a "
                             f"{tokenizer.vocab_size}-token vocabulary; re-run scaletrain prepare")
         paths, lengths = [], []
-        for shard in meta.get("shards", []):
-            path = folder / shard["file"]
-            n = int(shard["num_tokens"])
+        shards = meta.get("shards")
+        for shard in shards if isinstance(shards, list) else []:
+            try:
+                path, n = folder / shard["file"], int(shard["num_tokens"])
+            except (TypeError, KeyError, ValueError):
+                raise DataError(f"{meta_path}: shard entry {shard!r} needs a file name and a token count; "
+                                "re-run scaletrain prepare") from None
+            if Path(shard["file"]).name != shard["file"]:  # shards live in this folder, nowhere else
+                raise DataError(f"{meta_path}: shard file {shard['file']!r} is not a plain file name in this "
+                                "folder; re-run scaletrain prepare")
             if not path.is_file():
                 raise DataError(f"{path}: shard listed in {META_FILE} is missing")
             size = path.stat().st_size

@@ -98,6 +98,8 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
             text_key: str = "text", shard_tokens: int = 100_000_000) -> dict:
     """Tokenize `inputs` into `out`; returns the metadata written to meta.json."""
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"{out} is a file; --out must be a new or empty folder (nothing was changed)")
     if out.exists() and any(out.iterdir()):
         raise DataError(f"{out} already exists and is not empty; choose another --out (nothing was changed)")
     if shard_tokens < 1:

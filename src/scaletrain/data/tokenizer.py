@@ -92,9 +92,13 @@ def _tokenizers():
 
 def load_tokenizer(meta_tokenizer: dict, folder: Path):
     """The tokenizer recorded in a prepared folder's metadata."""
-    kind = meta_tokenizer.get("kind")
+    kind = meta_tokenizer.get("kind") if isinstance(meta_tokenizer, dict) else None
     if kind == "byte":
         return ByteTokenizer()
     if kind in ("bpe", "file"):
-        return HFTokenizer.from_file(folder / meta_tokenizer.get("file", TOKENIZER_FILE))
+        name = meta_tokenizer.get("file", TOKENIZER_FILE)
+        if not isinstance(name, str) or Path(name).name != name:  # it lives in this folder, nowhere else
+            raise DataError(f"{folder}: tokenizer file {name!r} in the metadata is not a plain file name in this "
+                            "folder; re-run scaletrain prepare")
+        return HFTokenizer.from_file(folder / name)
     raise DataError(f"{folder}: unknown tokenizer kind {kind!r} in the metadata; re-run scaletrain prepare")

@@ -216,6 +216,9 @@ def check(schedule: str, p: int, m: int, v: int) -> None:
         raise ConfigError(f"--schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
     if p < 2 or m < 1:
         raise ConfigError("--pp must be at least 2 and --microbatches at least 1")
+    if p * max(v, 1) * m > 65_536:  # the drawing grows with it (memory, then minutes), not the insight
+        raise ConfigError(f"--pp × --virtual × --microbatches = {p * max(v, 1) * m:,} is too many to draw "
+                          "(at most 65,536); a few micro-batches per stage show the same bubble")
     if schedule in ("gpipe", "1f1b") and v != 1:
         raise ConfigError(f"--virtual {v} needs an interleaved schedule (interleaved-1f1b or zero-bubble)")
     if schedule == "interleaved-1f1b" and (v < 2 or m % p):

@@ -165,15 +165,17 @@ def _model_only(section: dict, where: str) -> ModelConfig:
 
 def hf_config_to_model(hf: dict, where: str = "config.json") -> ModelConfig:
     """A Hugging Face decoder config (Llama, Mistral, Qwen2, GPT-2, ...) as a ModelConfig."""
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{where}: expected a JSON object (a Hugging Face config.json), got {type(hf).__name__}")
     kind = hf.get("model_type", "")
-    if kind in ("gpt2",) or "n_embd" in hf:
-        section = dict(vocab_size=hf["vocab_size"], dim=hf["n_embd"], n_layers=hf["n_layer"], n_heads=hf["n_head"],
-                       max_seq_len=hf.get("n_positions", 1024), norm="layernorm",
-                       norm_eps=hf.get("layer_norm_epsilon", 1e-5), activation="gelu", position="learned",
-                       tie_embeddings=hf.get("tie_word_embeddings", True), bias=True,
-                       ffn_dim=hf.get("n_inner") or 4 * hf["n_embd"])
-    else:
-        try:
+    try:
+        if kind in ("gpt2",) or "n_embd" in hf:
+            section = dict(vocab_size=hf["vocab_size"], dim=hf["n_embd"], n_layers=hf["n_layer"], n_heads=hf["n_head"],
+                           max_seq_len=hf.get("n_positions", 1024), norm="layernorm",
+                           norm_eps=hf.get("layer_norm_epsilon", 1e-5), activation="gelu", position="learned",
+                           tie_embeddings=hf.get("tie_word_embeddings", True), bias=True,
+                           ffn_dim=hf.get("n_inner") or 4 * hf["n_embd"])
+        else:
             act = hf.get("hidden_act", "silu")
             section = dict(
                 vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
@@ -185,7 +187,9 @@ def hf_config_to_model(hf: dict, where: str = "config.json") -> ModelConfig:
                 position="rope", rope_theta=float(hf.get("rope_theta", 10000.0)),
                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 bias=bool(hf.get("attention_bias", False)))
-        except KeyError as e:
-            raise ConfigError(f"{where}: no {e.args[0]!r}; expected a decoder config with hidden_size, "
-                              "num_hidden_layers, num_attention_heads, intermediate_size, vocab_size") from None
+    except KeyError as e:
+        raise ConfigError(f"{where}: no {e.args[0]!r}; expected a decoder config with hidden_size, "
+                          "num_hidden_layers, num_attention_heads, intermediate_size, vocab_size") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: a value has the wrong type ({e})") from None
     return _model_only(section, where)

@@ -287,8 +287,18 @@ def read_trainer_state(path: Path) -> dict:
         state = json.loads(f.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{f}: not valid JSON ({e.msg}); the checkpoint is damaged") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{f}: expected a JSON object; the checkpoint is damaged")
     if state.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{f}: checkpoint format {state.get('format_version')!r} is not {FORMAT_VERSION}")
+    bad = [key for key, kind in (("step", int), ("world_size", int), ("config", dict), ("data", dict),
+                                 ("optimizer", dict)) if not isinstance(state.get(key), kind)]
+    if not bad and not isinstance(state["config"].get("model"), dict):
+        bad.append("config.model")
+    if not bad and not {"global_batch", "seed"} <= set(state["data"]):
+        bad.append("data")
+    if bad:
+        raise CheckpointError(f"{f}: missing or malformed {', '.join(bad)}; the checkpoint is damaged")
     return state
 
 
@@ -301,6 +311,13 @@ def _causes(e: BaseException) -> list[BaseException]:
 
 def load_tensors(path: Path, tensors: dict[str, Any]) -> None:
     """Fill `tensors` (nested dict of tensors, DTensors included) in place from checkpoint `path`."""
+    try:  # read the metadata once first: DCP logs a traceback when it cannot, then fails vaguely
+        SafeReader(str(path)).read_metadata()
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a damaged pickle raises many kinds
+        raise CheckpointError(f"{path}/.metadata cannot be read ({type(e).__name__}: {e}); the checkpoint is "
+                              "damaged; use another checkpoint") from None
     try:
         dcp.load(tensors, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(),
                  no_dist=not dist.is_initialized())
@@ -314,6 +331,9 @@ def load_tensors(path: Path, tensors: dict[str, Any]) -> None:
             if isinstance(cause, pickle.UnpicklingError) or "Weights only load failed" in text:
                 raise CheckpointError(f"refusing to load {path}: a tensor file holds objects that are not "
                                       "plain tensors; the folder may have been tampered with") from None
+            if isinstance(cause, OSError) or "PytorchStreamReader" in text:
+                raise CheckpointError(f"{path} is damaged or incomplete ({text.splitlines()[0][:200]}); "
+                                      "use another checkpoint") from None
             if isinstance(cause, (KeyError, RuntimeError, AssertionError, ValueError)):
                 raise CheckpointError(f"{path} does not match this model and optimizer "
                                       f"({text.splitlines()[0][:200] if text else type(cause).__name__}); "
