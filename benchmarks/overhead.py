@@ -17,11 +17,9 @@ import tempfile
 import time
 
 import torch
-import torch.nn.functional as F
 
+from scaletrain.bench.plain import PlainLoop
 from scaletrain.config import load_config
-from scaletrain.model.transformer import Transformer
-from scaletrain.parallel.init import init_weights
 from scaletrain.train.trainer import Trainer
 
 
@@ -41,27 +39,12 @@ def main(argv=None) -> None:
     trainer = Trainer(cfg)
     batches = iter(trainer._loader())
 
-    # hand-written: the same model shape and optimizer, nanoGPT-style batches
+    # hand-written: the same model shape and optimizer, nanoGPT-style batches (scaletrain.bench.plain;
+    # `scaletrain bench step --vs-plain-loop` runs the same comparison)
     device = trainer.device
-    model = Transformer(cfg.model).to(device)
-    init_weights(model, cfg.train.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                            weight_decay=cfg.optim.weight_decay, fused=True)
     data = torch.from_numpy(trainer.data.read(0, trainer.data.num_tokens))
     B, T = trainer.batch.micro_batch, cfg.data.seq_len
-    autocast = trainer.precision.autocast
-
-    def hand_step() -> None:
-        ix = torch.randint(len(data) - T - 1, (B,))
-        x = torch.stack([data[i:i + T] for i in ix]).to(device)
-        y = torch.stack([data[i + 1:i + 1 + T] for i in ix]).to(device)
-        with autocast():
-            logits = model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or float("inf"))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    hand_step = PlainLoop(cfg, data, device, B).step
 
     def ours_step() -> None:
         trainer.train_step(batches)

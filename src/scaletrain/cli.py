@@ -7,6 +7,7 @@ and exits with code 2; there is no traceback for those.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import sys
@@ -62,6 +63,11 @@ def _launch(args: argparse.Namespace, cfg) -> int:
     from scaletrain.parallel.dims import ParallelDims
     from scaletrain.train.trainer import default_run_dir
 
+    from scaletrain.errors import LaunchError
+
+    for flag, value in (("--nproc", args.nproc), ("--nnodes", args.nnodes)):
+        if value < 1:  # before any arithmetic on the world size
+            raise LaunchError(f"{flag} must be at least 1, got {value}")
     world = args.nproc * args.nnodes
     launch.pick_device(cfg.train.device, 0, args.nproc)
     worker_args = _strip_launch_flags(args.argv[1:])
@@ -143,6 +149,7 @@ def _schedule(args: argparse.Namespace, extra: list[str]) -> int:
     from scaletrain.parallel import timeline
 
     timeline.check(args.schedule, args.pp, args.microbatches, args.virtual)
+    _check_png("--png", args.png)
     placed = timeline.simulate(args.schedule, args.pp, args.microbatches, args.virtual)
     print(timeline.render_text(args.schedule, args.pp, args.microbatches, args.virtual, placed))
     if args.png:
@@ -158,6 +165,7 @@ LAYOUT_FLAGS = ("zero", "tp", "pp", "dp_replicate", "dp_shard", "micro_batch", "
 def _plan(args: argparse.Namespace, extra: list[str]) -> int:
     from scaletrain.plan import plan, report
 
+    _check_png("--chart", args.chart)
     settings = {}
     model = args.model
     if args.config:
@@ -184,6 +192,16 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
 
         hardware, nodes, per_node = local_hardware(pick_device(cfg.train.device if args.config else "auto")), 1, \
             args.nproc or 1
+    comms_note = None
+    if args.comms:  # the bus bandwidth measured by `scaletrain bench comms --json`, inside a node
+        from dataclasses import replace
+
+        from scaletrain.bench.comms import read_bus_bandwidth
+        from scaletrain.plan.hardware import Hardware, lookup
+
+        bus, comms_note = read_bus_bandwidth(args.comms)
+        hw = hardware if isinstance(hardware, Hardware) else lookup(hardware, args.hardware_file)
+        hardware = replace(hw, bus_GBps=bus)
     result = plan(model, hardware=hardware, hardware_file=args.hardware_file, nodes=nodes,
                   gpus_per_node=per_node, attention=args.attention, layout=fixed or None,
                   top_k=args.top, activations=args.activations, **settings)
@@ -195,6 +213,8 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
         print(report.breakdown(result["layouts"][0]))
         print()
         print("\n".join(result["explanation"]))
+        if comms_note:
+            print(f"Collectives inside a node: {comms_note}.")
     if args.chart:
         report.chart(result, args.chart)
         if not args.json:
@@ -208,9 +228,69 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
     return 0 if result["layouts"][0].fits else 1
 
 
+def _verify(args: argparse.Namespace, extra: list[str]) -> int:
+    from scaletrain.verify import verify
+
+    return verify(args.config, extra, steps=args.steps, nproc=args.nproc, device_memory_gib=args.device_memory)
+
+
+def _bench_comms(args: argparse.Namespace, extra: list[str]) -> int:
+    import json
+
+    _no_extra(extra)
+    from scaletrain.bench import comms
+
+    result = comms.run(nproc=args.nproc, sizes=args.sizes, iters=args.iters, warmup=args.warmup, device=args.device)
+    print(json.dumps(result, indent=1) if args.json else comms.table(result))
+    return 0
+
+
+def _bench_step(args: argparse.Namespace, extra: list[str]) -> int:
+    import json
+
+    from scaletrain.bench import step
+
+    result = step.bench_step(args.config, extra, args.vs, steps=args.steps, warmup=args.warmup,
+                             plain_loop=args.vs_plain_loop, progress=_bench_progress())
+    print(json.dumps(result, indent=1) if args.json else step.report(result))
+    return 0
+
+
+def _bench_techniques(args: argparse.Namespace, extra: list[str]) -> int:
+    import json
+
+    from scaletrain.bench import techniques
+
+    result = techniques.bench_techniques(args.config, extra, nproc=args.nproc, steps=args.steps, warmup=args.warmup,
+                                         skip=args.skip, max_slowdown=args.max_slowdown or None,
+                                         progress=_bench_progress())
+    print(json.dumps(result, indent=1) if args.json else techniques.report(result))
+    if args.png != "":
+        line = techniques.chart(result, args.png or techniques.default_png())
+        print(line, file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _bench_progress():
+    from scaletrain.bench.step import progress_line
+
+    return progress_line if sys.stderr.isatty() else None
+
+
 def _no_extra(extra: list[str]) -> None:
     if extra:
         raise UserError(f"unexpected arguments: {' '.join(extra)}")
+
+
+def _check_png(flag: str, path: str | None) -> None:
+    """Refuse an image path that cannot be written before any work is done."""
+    if not path:
+        return
+    folder = os.path.dirname(path) or "."
+    if not path.lower().endswith(".png"):
+        raise UserError(f"{flag} {path}: give a file name ending in .png")
+    if not os.path.isdir(folder):
+        raise UserError(f"{flag} {path}: the folder {folder} does not exist; create it or choose another path")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -280,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure", action="store_true",
                    help="run one real step of the best (or fixed) layout here and print predicted vs measured")
     p.add_argument("--nproc", type=int, help="ranks for --measure (default 1)")
+    p.add_argument("--comms", metavar="FILE", help="`scaletrain bench comms --json` output: use its measured "
+                   "all-reduce bus bandwidth for the collectives inside a node")
     p.set_defaults(func=_plan, takes_overrides=True)
 
     p = sub.add_parser("schedule", help="draw a pipeline schedule's timeline and its bubble")
@@ -294,6 +376,66 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a checkpoint folder (runs/.../checkpoints/step_*)")
     p.add_argument("--out", required=True, help="output .safetensors file")
     p.set_defaults(func=_export, takes_overrides=False)
+
+    p = sub.add_parser("verify", help="check a layout against one process, step by step",
+                       description="Run the config's first --steps steps under its layout and under a reference "
+                                   "(one process, or the fewest ZeRO-3 ranks that fit), compare every step's loss "
+                                   "and gradient norm, and print PASS (exit 0) or FAIL (exit 1) against a tolerance "
+                                   "for the precision. Config options as --section.key=value.")
+    p.add_argument("--config", help="TOML config file (default: the built-in tiny CPU run)")
+    p.add_argument("--steps", type=int, default=10, help="steps to run and compare (default 10)")
+    p.add_argument("--nproc", type=int, help="ranks of the layout (default: pp × dp_replicate × dp_shard × tp)")
+    p.add_argument("--device-memory", dest="device_memory", type=float, metavar="GIB",
+                   help="memory of one device for the reference's fit check (default: the device's own)")
+    p.set_defaults(func=_verify, takes_overrides=True)
+
+    p = sub.add_parser("bench", help="measure this machine: collectives, a step, each technique",
+                       description="Benchmarks run here, for real: collectives over N ranks; a config's step with "
+                                   "variants beside it; what each technique buys in speed and memory.")
+    bench = p.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    b = bench.add_parser("comms", help="all-reduce, all-gather, reduce-scatter, broadcast, reduce, all-to-all",
+                         description="Median time, algorithm and bus bandwidth (nccl-tests factors) of each "
+                                     "collective over a range of message sizes; NCCL on GPUs, gloo on CPU.")
+    b.add_argument("--nproc", type=int, help="ranks (default: the GPUs here, or 2 on CPU)")
+    b.add_argument("--sizes", nargs="+", metavar="SIZE",
+                   help="message sizes in bytes (64K, 16M, 1G) or a range MIN:MAX[:FACTOR] (default: 1K 32K 1M 16M "
+                        "on CPU, 1M 16M 256M 1G on GPU)")
+    b.add_argument("--iters", type=int, default=20, help="timed calls per collective and size (default 20)")
+    b.add_argument("--warmup", type=int, default=5, help="untimed calls before them (default 5)")
+    b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if available")
+    b.add_argument("--json", action="store_true", help="print JSON (for `scaletrain plan --comms FILE`)")
+    b.set_defaults(func=_bench_comms, takes_overrides=False)
+    b = bench.add_parser("step", help="a config's step: time, tokens/s, MFU, peak memory; --vs variants as ratios",
+                         description="Warm up, then time the config's training step interleaved with each --vs "
+                                     "variant (and --vs-plain-loop): median step time, tokens/s, MFU, peak memory, "
+                                     "and each variant's speed and memory as ratios to the baseline. Config "
+                                     "options as --section.key=value.")
+    b.add_argument("--config", help="TOML config file (default: the built-in tiny CPU run)")
+    b.add_argument("--vs", action="append", default=[], metavar="KEY=VALUE",
+                   help="a variant: section.key=value, several joined by commas; repeat for more variants")
+    b.add_argument("--vs-plain-loop", action="store_true",
+                   help="also time a minimal hand-written PyTorch loop of the same model (AdamW, autocast)")
+    b.add_argument("--steps", type=int, default=10, help="timed steps of each, one per round (default 10)")
+    b.add_argument("--warmup", type=int, default=3, help="untimed steps of each first (default 3)")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b.set_defaults(func=_bench_step, takes_overrides=True)
+    b = bench.add_parser("techniques", help="which technique buys speed, which buys memory, measured here",
+                         description="Gradient accumulation, activation checkpointing, each precision mode, a "
+                                     "larger batch, each optimizer, loader workers, each ZeRO stage and compile, "
+                                     "each interleaved with the baseline config: speed and peak-memory ratios, "
+                                     "as a table and a PNG chart. Config options as --section.key=value.")
+    b.add_argument("--config", help="TOML config file (default: the built-in tiny CPU run)")
+    b.add_argument("--nproc", type=int, help="ranks (default 1); the ZeRO stages need 2 or more")
+    b.add_argument("--steps", type=int, default=5, help="timed steps of each, one per round (default 5)")
+    b.add_argument("--warmup", type=int, default=2, help="untimed steps of each first (default 2)")
+    b.add_argument("--skip", nargs="+", default=[], metavar="NAME",
+                   help="leave techniques out by name (accum, ac-full, ac-selective, precision-MODE, batch, "
+                        "optim-NAME, workers, zero1, zero2, zero3, compile)")
+    b.add_argument("--max-slowdown", type=float, default=10.0, metavar="X",
+                   help="stop timing a technique whose step takes over X times the baseline's (default 10; 0: never)")
+    b.add_argument("--png", help="chart file (default runs/bench-techniques-DATE-TIME.png; '' for none)")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b.set_defaults(func=_bench_techniques, takes_overrides=True)
     return parser
 
 
@@ -308,6 +450,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in e.lines:
             print(f"scaletrain: error: {line}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:
+        if e.errno != errno.ENAMETOOLONG:  # a path from the user that the file system refuses outright
+            raise
+        name = str(e.filename or "")
+        print(f"scaletrain: error: path {name[:60]}{'...' if len(name) > 60 else ''} is too long for the "
+              "file system; use a shorter one", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
 

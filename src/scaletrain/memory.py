@@ -120,13 +120,19 @@ def peak_allocated_bytes(fn: Callable[[], object], device: torch.device) -> int:
 
     On CUDA: the caching allocator's peak. On CPU, where no allocator keeps statistics: the
     profiler's record of every allocation and free ("Total Allocated" of its memory events)."""
+    return allocated_bytes(fn, device)[0]
+
+
+def allocated_bytes(fn: Callable[[], object], device: torch.device) -> tuple[int, int]:
+    """(peak, retained): the most memory `fn()` held at once above what was allocated when it
+    started, and what it still holds when it returns (as `peak_allocated_bytes` measures)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         fn()
         torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
+        return torch.cuda.max_memory_allocated(device) - base, torch.cuda.memory_allocated(device) - base
     import json
     import os
     import tempfile
@@ -143,9 +149,14 @@ def peak_allocated_bytes(fn: Callable[[], object], device: torch.device) -> int:
             events = json.load(f)["traceEvents"]
     finally:
         os.unlink(path)
-    totals = [e["args"]["Total Allocated"] for e in events
+    memory = [e["args"] for e in sorted(events, key=lambda e: e.get("ts", 0))
               if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0]
-    return max([0, *totals])
+    if not memory:
+        return 0, 0
+    # "Total Allocated" runs on from the process's earlier profiling sessions: count from this one's start
+    start = memory[0]["Total Allocated"] - memory[0]["Bytes"]
+    totals = [m["Total Allocated"] - start for m in memory]
+    return max([0, *totals]), totals[-1]
 
 
 @contextlib.contextmanager

@@ -93,8 +93,10 @@ class DynamicLossScaler:
         return loss * self.scale
 
     @torch.no_grad()
-    def unscale_(self, params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> bool:
-        """Divide gradients by the scale in place; True if any gradient anywhere is not finite."""
+    def unscale_(self, params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None,
+                 times: float = 1.0) -> bool:
+        """Divide gradients by the scale (and multiply by `times`) in place; True if any gradient
+        anywhere is not finite."""
         grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for p in params:
             if p.grad is not None:
@@ -104,7 +106,7 @@ class DynamicLossScaler:
         for (device, _), gs in grads.items():
             found_dev = torch.zeros(1, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(
-                gs, found_dev, torch.full((1,), 1.0 / self.scale, device=device))
+                gs, found_dev, torch.full((1,), times / self.scale, device=device))
             found += found_dev.cpu()
         if dist.is_available() and dist.is_initialized():
             backend_device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"

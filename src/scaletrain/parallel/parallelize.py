@@ -93,6 +93,11 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
         init_weights(chunk, cfg.train.seed)
         if not (fsdp or replicate):  # those keep fp32 storage and cast for compute themselves
             chunk.to(precision.param_dtype)
+        elif precision.param_dtype != torch.float32:  # ...but start from the rounded weights the others keep
+            with torch.no_grad():
+                for p in chunk.parameters():
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    local.copy_(local.to(precision.param_dtype))
         chunk.train()
 
     # 7. data parallel engines that wrap materialized weights

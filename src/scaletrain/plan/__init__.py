@@ -32,6 +32,8 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
     cluster = Cluster(hw, nodes, gpus_per_node)
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError("--nodes and --gpus-per-node must be at least 1")
+    if top_k < 1:
+        raise ConfigError(f"--top must be at least 1, got {top_k}")
     wl = Workload(seq_len=seq_len, global_batch=global_batch, precision=precision, optimizer=optimizer,
                   attention=attention)
     gpu = hw.name != "CPU" if gpu is None else gpu
@@ -68,6 +70,10 @@ def resolve_layout(given: Layout | dict, cluster: Cluster, wl: Workload) -> Layo
     unknown = set(given) - known
     if unknown:
         raise ConfigError(f"unknown layout option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
+    sizes = ("tp", "pp", "dp_replicate", "dp_shard", "micro_batch", "grad_accum", "virtual")
+    too_small = [f"{name}={given[name]}" for name in sizes if name in given and given[name] < 1]
+    if too_small:
+        raise ConfigError(f"layout sizes must be at least 1, got {', '.join(too_small)}")
     tp, pp = given.get("tp", 1), given.get("pp", 1)
     if cluster.world % (tp * pp):
         raise ConfigError(f"tp {tp} × pp {pp} does not divide the cluster's {cluster.world} GPUs")
@@ -94,7 +100,8 @@ def _plan_module(src: ModelSource, wl: Workload, cluster: Cluster, layout, top_k
     import torch
 
     from scaletrain.plan.memory_model import RESERVE_FRACTION, RUNTIME_BYTES_GPU, Dtypes
-    from scaletrain.plan.time_model import DEFAULT_EFFICIENCY, EFFICIENCY, LINK_EFFICIENCY, TimeBreakdown
+    from scaletrain.plan.time_model import (DEFAULT_EFFICIENCY, EFFICIENCY, LINK_EFFICIENCY, TimeBreakdown,
+                                            intra_node_bus_GBps)
     from scaletrain.plan.trace import traced_module_bytes
 
     module = src.module
@@ -129,7 +136,8 @@ def _plan_module(src: ModelSource, wl: Workload, cluster: Cluster, layout, top_k
         flops = 6.0 * n * wl.tokens
         eta = EFFICIENCY.get(hw.name, DEFAULT_EFFICIENCY)
         compute = flops / lay.world / (peak * eta)
-        bw = (hw.intra_node_GBps if lay.dp <= cluster.gpus_per_node else hw.inter_node_GBps) * LINK_EFFICIENCY * 1e9
+        bw = (intra_node_bus_GBps(hw) if lay.dp <= cluster.gpus_per_node
+              else hw.inter_node_GBps * LINK_EFFICIENCY) * 1e9
         comm = 0.0 if lay.dp == 1 else (3 if z == 3 else 2) * (lay.dp - 1) / lay.dp * n * 4 / bw
         exposed = max(0.0, comm - 0.8 * compute * (1 if z == 3 else 2 / 3 / lay.grad_accum))
         step = compute + exposed

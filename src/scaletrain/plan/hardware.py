@@ -33,6 +33,7 @@ class Hardware:
     memory_GBps: float = 0.0  # device memory bandwidth
     intra_node_GBps: float = 0.0  # per GPU, one direction (NVLink, or PCIe without it)
     inter_node_GBps: float = 0.0  # per GPU, one direction (its NIC)
+    bus_GBps: float = 0.0  # measured bus bandwidth inside a node (scaletrain bench comms); 0 = from intra_node_GBps
 
     @property
     def memory_bytes(self) -> int:

@@ -11,6 +11,8 @@
 * Collectives move ring volumes (all-reduce 2(n-1)/n of the buffer, all-gather and
   reduce-scatter (n-1)/n) at `LINK_EFFICIENCY` of the links the group crosses: NVLink (or
   PCIe) inside a node; across nodes the NICs of the group's members in a node, one ring each.
+  Inside a node a measured bus bandwidth replaces that figure where one is given
+  (`Hardware.bus_GBps`, from `scaletrain bench comms --json` through `plan --comms FILE`).
 * Data-parallel communication overlaps with backward (DDP, ZeRO-1/2: only the last
   micro-batch's backward, when gradients are reduced) or with all of forward and backward
   (ZeRO-3 prefetch), up to `OVERLAP` of that compute; the rest is exposed.
@@ -86,6 +88,12 @@ def schedule_bubble(schedule: str, pp: int, micro_batches: int, virtual: int) ->
     return theory(schedule, pp, micro_batches, virtual)
 
 
+def intra_node_bus_GBps(hw) -> float:
+    """The bus bandwidth collectives reach inside a node: measured (`scaletrain bench comms`,
+    `plan --comms FILE`) where given, else LINK_EFFICIENCY of the link's nominal figure."""
+    return hw.bus_GBps or hw.intra_node_GBps * LINK_EFFICIENCY
+
+
 def _group_link_GBps(cluster: Cluster, stride: int, size: int) -> float:
     """Bus bandwidth per GPU of a collective over `size` ranks `stride` apart (ranks fill nodes
     in order). Inside a node: NVLink (or PCIe). Across nodes NCCL runs one ring per NIC, so the
@@ -94,9 +102,9 @@ def _group_link_GBps(cluster: Cluster, stride: int, size: int) -> float:
     if size <= 1:
         return float("inf")
     if stride * size <= cluster.gpus_per_node:
-        return hw.intra_node_GBps * LINK_EFFICIENCY
+        return intra_node_bus_GBps(hw)
     per_node = max(1, min(size, cluster.gpus_per_node // stride))
-    return min(hw.intra_node_GBps, per_node * hw.inter_node_GBps) * LINK_EFFICIENCY
+    return min(intra_node_bus_GBps(hw), per_node * hw.inter_node_GBps * LINK_EFFICIENCY)
 
 
 def efficiency(cluster: Cluster, layout: Layout, cfg: ModelConfig, seq_len: int) -> float:

@@ -87,7 +87,14 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + self.rank)  # dropout differs per rank; weights do not
         with torch.device("meta"):
             model = Transformer(cfg.model)
-        self.pm = parallelize(model, cfg, rt, self.precision)
+        try:
+            self.pm = parallelize(model, cfg, rt, self.precision)
+        except RuntimeError as e:  # torch.OutOfMemoryError included
+            if "out of memory" not in str(e) and "can't allocate memory" not in str(e):
+                raise
+            raise ConfigError(f"the model's weights ({count_params(cfg.model) / 1e6:,.1f}M parameters) do not fit "
+                              f"in {self.device} memory on rank {self.rank}; shrink the model, or shard it "
+                              "(parallel.zero=3, tp, pp): `scaletrain plan --config FILE` finds a layout") from None
         self.dp: DataParallel = self.pm.dp
         self.model = self.dp.model  # forward goes through the data-parallel wrapper
         self.named_params = self.dp.named_params  # this rank's (pipeline stages') parameters
@@ -137,10 +144,16 @@ class Trainer:
 
     def _find_resume(self) -> Path | None:
         res = self.cfg.checkpoint.resume
+        for name, folder in (("log.run_dir", self.run_dir), ("checkpoint.dir", self.ckpt_dir)):
+            if folder.exists() and not folder.is_dir():
+                raise ConfigError(f"{name} {folder} is a file, not a folder; choose another {name}")
         if res == "auto":
             return ckpt.latest_checkpoint(self.ckpt_dir)
         if res != "none":
             return Path(res)
+        if self.cfg.checkpoint.dir and ckpt.complete_checkpoints(self.ckpt_dir):
+            raise ConfigError(f"checkpoint.dir {self.ckpt_dir} already holds checkpoints; set checkpoint.resume=auto "
+                              "to continue from them, or choose another checkpoint.dir (nothing was changed)")
         if ckpt.complete_checkpoints(self.ckpt_dir) or (self.run_dir / "metrics.jsonl").exists():
             raise ConfigError(f"log.run_dir {self.run_dir} already holds a run; set checkpoint.resume=auto "
                               "to continue it, or choose another log.run_dir (nothing was changed)")
@@ -239,9 +252,12 @@ class Trainer:
     def _loss_factor(self) -> float:
         # normalise by the tokens of the whole global batch: gradients add up over micro-batches
         # and ranks, and we want the gradient of the mean token loss. The data-parallel
-        # reductions average over ranks, hence the factor dp; fp16 also scales the loss.
-        factor = 1.0 / self.tokens_per_step * self.batch.dp
-        return factor * self.scaler.scale if self.scaler else factor
+        # reductions average over ranks, hence the factor dp. Under fp16 that factor is applied
+        # when unscaling instead: backward then sees the loss scale times each token's share,
+        # exactly as one process does, so it overflows on the same steps on every layout.
+        if self.scaler:
+            return self.scaler.scale / self.tokens_per_step
+        return self.batch.dp / self.tokens_per_step
 
     def forward_backward(self, batches) -> tuple[torch.Tensor, float]:
         """Accumulate this step's gradients over its micro-batches; returns (loss, data wait)."""
@@ -323,7 +339,7 @@ class Trainer:
         if self.master:
             self.master.grads_to_master()
         params = [p for _, p in self.optim_params]
-        overflow = self.scaler.unscale_(params) if self.scaler else False
+        overflow = self.scaler.unscale_(params, times=self.batch.dp) if self.scaler else False
         grad_norm = clip_gradients(params, self.cfg.train.grad_clip,
                                    self.rt.group("pp") if self.rt.dims.pp > 1 else None)
         # the norm is global (reduced over every shard and stage): every rank decides alike

@@ -1,0 +1,419 @@
+"""`scaletrain verify`: does this layout compute what one process computes?
+
+It runs the first N steps of a config twice, with the same seed, data order and learning-rate
+schedule: under the config's layout (its ranks started through our launcher) and under a
+reference, which is one process, or, when the planner says the model does not fit one device,
+the fewest ZeRO-3 ranks that fit (the output says so). Weights come from (seed, parameter
+name) and data from (seed, step), so the two runs may differ only by the order in which
+floating-point sums are taken. Every step's loss and gradient norm (before clipping) are
+compared; the largest relative difference is held against a tolerance that depends on the
+precision, and the verdict is PASS (exit 0) or FAIL (exit 1).
+
+Why the gradient norm as well as the loss: AdamW is nearly blind to a uniformly scaled
+gradient, and clipping hides a scale too, so a wrong normalisation can leave the losses
+almost unchanged; the norm before clipping shows it at the first step.
+
+What it costs: two short runs, one after the other, in a temporary folder that is removed
+afterwards. No checkpoint is written and the config's run folder is never touched. Dropout is
+switched off for both runs (its masks depend on the rank by design). One node only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Sequence
+
+from scaletrain.config import JobConfig, ParallelConfig, check_layout, from_dict, load_config, resolve_batch
+from scaletrain.errors import ConfigError, UserError
+
+# Largest relative difference allowed, (loss, gradient norm), over the first CALIBRATED_STEPS
+# steps of an honest layout against the reference. Measured on the CPU with gloo, 10 steps:
+# 18 layouts of a 4-block micro model (DDP, ZeRO-1/2/3, HSDP, tp, tp+sp, pp gpipe / 1f1b /
+# interleaved / zero-bubble, and their 4- and 8-rank compositions), and 2-rank layouts of the
+# tiny preset (3.3M parameters). The largest differences seen:
+#   32-true     loss 2.2e-7  grad norm 1.6e-6
+#   tf32        loss 7.6e-6  grad norm 1.2e-5   (emulated on the micro model: nn.Linear operands
+#                                                rounded to TF32's 10-bit mantissa; a CPU runs
+#                                                tf32 as 32-true)
+#   16-mixed    loss 3.0e-5  grad norm 5.0e-4   (steps both runs took; see `notes` for overflows)
+#   bf16-mixed  loss 2.5e-4  grad norm 8.3e-3
+#   bf16-true   loss 1.3e-3  grad norm 2.0e-2   (ZeRO-3; the other layouts 1.2e-4 and 9.8e-4)
+# The gradient norm differs most at a step where it spikes. The tolerances keep a margin of
+# 2.5x to 60x over these figures; what a precision cannot resolve, verify cannot see: one rank's
+# gradient x 1.01 before the reduction (2 ranks) moves the norm by ~5e-3: caught at 32-true and
+# tf32, not at 16 bits. Check a layout's logic at --precision.mode=32-true.
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "32-true": (1e-5, 1e-4),
+    "tf32": (1e-4, 1e-3),
+    "16-mixed": (5e-4, 5e-3),
+    "bf16-mixed": (5e-3, 5e-2),
+    "bf16-true": (5e-3, 5e-2),
+}
+
+DEFAULT_STEPS = 10
+CALIBRATED_STEPS = 10  # the run length the tolerances were measured over
+
+# For scaletrain's own tests only: plants a known bug in the layout run (never in the
+# reference) so that a test can watch verify fail. See `plant_test_fault`.
+FAULT_ENV = "SCALETRAIN_VERIFY_FAULT"
+
+
+@dataclass
+class Reference:
+    cfg: JobConfig
+    nproc: int
+    why: str  # one line for the output
+
+
+@dataclass
+class StepDiff:
+    step: int
+    loss: tuple[float, float]  # (layout, reference)
+    grad_norm: tuple[float, float]
+
+    @property
+    def loss_rel(self) -> float:
+        return rel_diff(*self.loss)
+
+    @property
+    def grad_norm_rel(self) -> float:
+        return rel_diff(*self.grad_norm)
+
+
+def rel_diff(value: float, reference: float) -> float:
+    """|value - reference| / |reference|; 0 for the same non-finite value (a step both runs
+    skipped for an fp16 overflow), infinite when only one is finite or either is NaN."""
+    if value == reference:
+        return 0.0
+    if not (math.isfinite(value) and math.isfinite(reference)) or reference == 0:
+        return math.inf
+    return abs(value - reference) / abs(reference)
+
+
+# --------------------------------------------------------------------------------------------
+# Setting up the two runs
+
+
+def layout_world(par: ParallelConfig, nproc: int | None) -> int:
+    """Ranks of the layout: --nproc, or the product of the config's axes."""
+    if nproc is not None:
+        if nproc < 1:
+            raise ConfigError(f"--nproc must be at least 1, got {nproc}")
+        return nproc
+    if par.dp_shard == -1 and par.zero >= 1:
+        raise ConfigError(f"parallel.zero={par.zero} shards over the dp_shard ranks, and parallel.dp_shard=-1 means "
+                          "'all remaining ranks': say how many with --nproc N or parallel.dp_shard=N")
+    return par.pp * par.dp_replicate * par.tp * max(par.dp_shard, 1)
+
+
+def isolated(cfg: JobConfig, run_dir: Path, steps: int) -> JobConfig:
+    """The config as verify runs it: N steps into a private folder, logging every step,
+    no checkpoints, no resuming, no dropout, no sample."""
+    return cfg.replace(**{
+        "train.steps": steps, "train.sample_tokens": 0, "model.dropout": 0.0,
+        "log.run_dir": str(run_dir), "log.every": 1, "log.tensorboard": False, "log.progress": "off",
+        "checkpoint.dir": str(run_dir / "checkpoints"), "checkpoint.every": 0, "checkpoint.save_final": False,
+        "checkpoint.resume": "none"})
+
+
+def reference_config(cfg: JobConfig, global_batch: int, micro_batch: int, shards: int = 1,
+                     ac: str | None = None) -> JobConfig:
+    """The same run with the layout replaced by one process (or ZeRO-3 over `shards` ranks)."""
+    raw = cfg.to_dict()
+    raw["parallel"] = {**dataclasses.asdict(ParallelConfig()), "timeout_s": cfg.parallel.timeout_s}
+    if shards > 1:
+        raw["parallel"].update(dp_shard=shards, zero=3)
+    # the same global batch in micro-batches of the same size: accumulation makes up for the ranks
+    raw["train"].update(global_batch=global_batch, micro_batch=micro_batch, grad_accum=0)
+    raw["memory"].update(offload_optimizer=False)
+    if ac is not None:
+        raw["memory"]["activation_checkpointing"] = ac
+    return from_dict(raw)
+
+
+def choose_reference(cfg: JobConfig, world: int, device, device_memory_gib: float | None) -> Reference:
+    """One process if the planner says it fits one device; else the fewest ranks (at most the
+    layout's) that fit with ZeRO-3, with full activation checkpointing if need be."""
+    from scaletrain.plan.hardware import local_hardware
+    from scaletrain.plan.memory_model import GiB
+    from scaletrain.plan.search import evaluate
+    from scaletrain.plan.spec import Cluster, Layout, Workload
+
+    # the caller has resolved the layout's batch into cfg.train
+    g, m, ac = cfg.train.global_batch, cfg.train.micro_batch, cfg.memory.activation_checkpointing
+    hw = local_hardware(device)
+    if device_memory_gib is not None:
+        if device_memory_gib <= 0:
+            raise ConfigError(f"--device-memory must be positive (GiB), got {device_memory_gib:g}")
+        hw = dataclasses.replace(hw, memory_GB=device_memory_gib * GiB / 1e9)
+    wl = Workload(seq_len=cfg.data.seq_len, global_batch=g, precision=cfg.precision.mode, optimizer=cfg.optim.name)
+    gpu = device.type == "cuda"
+    one = evaluate(cfg.model, wl, Cluster(hw, 1, 1), Layout(micro_batch=m, grad_accum=g // m, ac=ac), gpu=gpu)
+    cap, need = _size(hw.memory_bytes), _size(one.memory.total)
+    if one.fits:
+        return Reference(reference_config(cfg, g, m), 1, f"1 process (the planner puts it at {need} of the "
+                                                         f"device's {cap})")
+    for n in range(2, world + 1):
+        if g % n:
+            continue
+        mb = max(d for d in range(1, min(m, g // n) + 1) if (g // n) % d == 0)
+        for ac_n in dict.fromkeys((ac, "full")):
+            lay = Layout(dp_shard=n, zero=3, micro_batch=mb, grad_accum=g // n // mb, ac=ac_n)
+            ev = evaluate(cfg.model, wl, Cluster(hw, 1, n), lay, gpu=gpu)
+            if ev.fits:
+                return Reference(reference_config(cfg, g, mb, n, ac_n), n,
+                                 f"ZeRO-3 over {n} ranks ({lay.describe()}, {_size(ev.memory.total)} per rank), "
+                                 f"the simplest layout that fits: one process does not (the planner puts it at "
+                                 f"{need}, the device has {cap})")
+    raise ConfigError(f"no reference fits: one process needs {need} (the device has {cap}) "
+                      f"and ZeRO-3 over up to {world} ranks does not fit either; verify a smaller model of the same "
+                      "shape (fewer layers), or give --device-memory if the planner's figure is wrong")
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def same_layout(a: JobConfig, b: JobConfig, world: int, b_world: int) -> bool:
+    keys = ("dp_replicate", "tp", "pp", "zero")
+    return world == b_world and all(getattr(a.parallel, k) == getattr(b.parallel, k) for k in keys)
+
+
+def describe(cfg: JobConfig, world: int) -> str:
+    """The layout in one line: ranks per axis and what runs on them."""
+    from scaletrain.parallel.dims import ParallelDims
+
+    dims, par = ParallelDims.from_config(cfg.parallel, world), cfg.parallel
+    batch = resolve_batch(cfg.train, dims.dp, par.pp_microbatches)
+    parts = [dims.describe()]
+    if dims.dp > 1:
+        zero = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 (FSDP)"}[par.zero]
+        parts.append(f"data parallel {zero}{', HSDP' if dims.dp_replicate > 1 and par.zero else ''}")
+    if dims.tp > 1:
+        parts.append(f"tensor parallel{' + sequence parallel' if par.sp else ''}")
+    if dims.pp > 1:
+        virtual = f" × {par.pp_virtual_stages} virtual" if par.pp_virtual_stages > 1 else ""
+        parts.append(f"pipeline {par.pp_schedule}{virtual}")
+    if cfg.memory.activation_checkpointing != "none":
+        parts.append(f"activation checkpointing {cfg.memory.activation_checkpointing}")
+    parts.append(f"batch {batch.global_batch} = micro {batch.micro_batch} × accum {batch.grad_accum} × dp {batch.dp}")
+    return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Running
+
+
+def _trainer(cfg: JobConfig, runtime, total_steps: int):
+    """A quiet trainer that follows the learning-rate schedule of the whole run, not of N steps."""
+    from scaletrain.optim import LRSchedule
+    from scaletrain.train.trainer import Trainer
+
+    trainer = Trainer(cfg, runtime, stream=open(os.devnull, "w"))
+    trainer.schedule = LRSchedule(cfg.optim, total_steps)
+    return trainer
+
+
+def run(cfg: JobConfig, nproc: int, total_steps: int, role: str) -> tuple[int, list[dict]]:
+    """Train `cfg` on `nproc` ranks (one: in this process); returns (exit code, metrics rows)."""
+    if nproc == 1:
+        trainer = _trainer(cfg, None, total_steps)
+        result = trainer.fit()
+        return (0 if result["stopped_by"] is None else 128 + int(result["stopped_by"])), result["history"]
+    from scaletrain.parallel.launch import launch
+
+    run_dir = Path(cfg.log.run_dir)
+    spec = run_dir.parent / f"{role}.json"
+    spec.write_text(json.dumps({"config": cfg.to_dict(), "total_steps": total_steps, "role": role}))
+    code = launch([str(spec)], nproc=nproc, program=("-m", "scaletrain.verify"))
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+    return code, rows
+
+
+def compare(layout_rows: list[dict], reference_rows: list[dict]) -> list[StepDiff]:
+    ref = {r["step"]: r for r in reference_rows}
+    return [StepDiff(r["step"], (r["loss"], ref[r["step"]]["loss"]), (r["grad_norm"], ref[r["step"]]["grad_norm"]))
+            for r in layout_rows if r["step"] in ref]
+
+
+def table(diffs: list[StepDiff]) -> str:
+    head = (f"{'step':>5}  {'loss (layout)':>14}  {'loss (reference)':>16}  {'rel diff':>8}  "
+            f"{'grad norm (layout)':>18}  {'grad norm (reference)':>21}  {'rel diff':>8}")
+    lines = [head, "-" * len(head)]
+    for d in diffs:
+        lines.append(f"{d.step:>5}  {d.loss[0]:>14.7f}  {d.loss[1]:>16.7f}  {d.loss_rel:>8.1e}  "
+                     f"{d.grad_norm[0]:>18.7f}  {d.grad_norm[1]:>21.7f}  {d.grad_norm_rel:>8.1e}")
+    return "\n".join(lines)
+
+
+def verdict(diffs: list[StepDiff], steps: int, precision: str) -> tuple[bool, str]:
+    tol_loss, tol_norm = TOLERANCES[precision]
+    tolerance = f"tolerance loss {tol_loss:.0e}, grad norm {tol_norm:.0e} (precision {precision})"
+    if [d.step for d in diffs] != list(range(1, steps + 1)):
+        return False, (f"the two runs have steps {[d.step for d in diffs]} in common, not 1 to {steps}; "
+                       f"{tolerance}: FAIL")
+    worst_loss = max(diffs, key=lambda d: d.loss_rel)
+    worst_norm = max(diffs, key=lambda d: d.grad_norm_rel)
+    ok = worst_loss.loss_rel <= tol_loss and worst_norm.grad_norm_rel <= tol_norm
+    return ok, (f"largest relative difference: loss {worst_loss.loss_rel:.1e} at step {worst_loss.step}, grad norm "
+                f"{worst_norm.grad_norm_rel:.1e} at step {worst_norm.step}; {tolerance}: {'PASS' if ok else 'FAIL'}")
+
+
+def notes(diffs: list[StepDiff], steps: int) -> list[str]:
+    """What a reader needs to judge the verdict: a step skipped by one run only (from there on
+    the two train different weights), and a run longer than the tolerances were measured on."""
+    out = []
+    for d in diffs:
+        skipped = [not math.isfinite(v) for v in d.grad_norm]
+        if skipped[0] != skipped[1]:
+            which, other = ("layout", "reference") if skipped[0] else ("reference", "layout")
+            out.append(f"note: step {d.step}: the {which} skipped the step (non-finite gradients, e.g. an fp16 "
+                       f"overflow of the loss scale) and the {other} did not; from there on they train different "
+                       "weights")
+            break
+    if steps > CALIBRATED_STEPS:
+        out.append(f"note: the tolerances were measured over {CALIBRATED_STEPS} steps; rounding differences grow "
+                   "over longer runs (fast during a loss spike), so a difference that appears only late is weak "
+                   "evidence of a fault")
+    return out
+
+
+def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT_STEPS, nproc: int | None = None,
+           device_memory_gib: float | None = None, out: IO[str] | None = None) -> int:
+    """Run the layout and the reference, print the comparison; 0 on PASS, 1 on FAIL."""
+    from scaletrain.parallel.dims import ParallelDims
+    from scaletrain.parallel.launch import pick_device
+
+    out = out or sys.stdout
+    if steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {steps}")
+    cfg = load_config(config, overrides)
+    total_steps = max(cfg.train.steps, steps)
+    world = layout_world(cfg.parallel, nproc)
+    device = pick_device(cfg.train.device, 0, world)  # refuses a CUDA layout with too few GPUs
+    if cfg.parallel.layout == "auto":
+        from scaletrain.plan.auto import auto_layout
+
+        cfg, _ = auto_layout(cfg, world, device)
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    check_layout(cfg, dims)
+    batch = resolve_batch(cfg.train, dims.dp, cfg.parallel.pp_microbatches)
+    if world == 1:
+        raise ConfigError("the layout is one process, which is what verify compares against; give a parallel "
+                          "layout (--parallel.tp=2, --parallel.pp=2, ...) or --nproc N for data parallelism")
+    # resolve the batch once for both runs: the layout's micro-batch, the same global batch
+    cfg = cfg.replace(**{"train.global_batch": batch.global_batch, "train.micro_batch": batch.micro_batch,
+                         "train.grad_accum": batch.grad_accum, "parallel.pp_microbatches": 0})
+    ref = choose_reference(cfg, world, device, device_memory_gib)
+    if same_layout(cfg, ref.cfg, world, ref.nproc):
+        raise ConfigError(f"the layout ({dims.describe()}) is itself the simplest layout that fits, so there is no "
+                          "simpler reference to compare it with; give --device-memory if the planner is wrong")
+
+    tmp = Path(tempfile.mkdtemp(prefix="scaletrain-verify-"))
+    try:
+        layout_cfg = isolated(cfg, tmp / "layout", steps)
+        ref_cfg = isolated(ref.cfg, tmp / "reference", steps)
+        dropout = f" (model.dropout={cfg.model.dropout:g} in the config)" if cfg.model.dropout else ""
+        print(f"scaletrain verify: {config or 'the built-in config'}, {steps} step(s) of {cfg.train.steps}, "
+              f"precision {cfg.precision.mode}, device {device.type}, dropout off{dropout}", file=out)
+        print(f"layout:    {describe(layout_cfg, world)}", file=out)
+        print(f"reference: {ref.why}", file=out, flush=True)
+        t0 = time.perf_counter()
+        code, layout_rows = run(layout_cfg, world, total_steps, "layout")
+        t1 = time.perf_counter()
+        if code == 2:  # a user error, reported by the launcher in one line
+            return 2
+        if code:
+            print(f"the layout run stopped with exit code {code} after {len(layout_rows)} step(s) (its error is "
+                  "above): FAIL", file=out)
+            return 1
+        code, ref_rows = run(ref_cfg, ref.nproc, total_steps, "reference")
+        t2 = time.perf_counter()
+        if code == 2:
+            return 2
+        if code:
+            print(f"the reference run stopped with exit code {code} after {len(ref_rows)} step(s) (its error is "
+                  "above); nothing to compare with", file=out)
+            return 1
+        diffs = compare(layout_rows, ref_rows)
+        print(f"(layout run {t1 - t0:.1f} s, reference run {t2 - t1:.1f} s)\n", file=out)
+        print(table(diffs), file=out)
+        ok, summary = verdict(diffs, steps, cfg.precision.mode)
+        for line in notes(diffs, steps):
+            print(line, file=out)
+        print(summary, file=out, flush=True)
+        return 0 if ok else 1
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The planted faults (tests only) and the worker
+
+
+def plant_test_fault(trainer, spec: str, rank: int) -> None:
+    """FOR SCALETRAIN'S OWN TESTS ONLY: plant a known bug in the layout run so that a test can
+    watch verify FAIL. Read from the environment variable SCALETRAIN_VERIFY_FAULT by the
+    layout run's workers (never by the reference); an empty value plants nothing.
+
+      perturb_grad:rank=R[,scale=S]  rank R's gradients are multiplied by S (default 1.01)
+                                     before any reduction: the gradient flowing into the
+                                     outputs of its model chunks is scaled, the values not
+      local_loss_norm                every rank divides its loss by its own token count instead
+                                     of the global batch's, while the data-parallel average
+                                     still divides by dp: gradients dp times too large
+    """
+    if not spec:
+        return
+    kind, _, args = spec.partition(":")
+    params = dict(item.split("=", 1) for item in args.split(",") if item)
+    if kind == "perturb_grad":
+        if rank != int(params["rank"]):
+            return
+        scale = float(params.get("scale", 1.01))
+
+        def scale_gradient(module, inputs, output):
+            # the same values; the gradient that flows back through them is scaled
+            return output.detach() + (output - output.detach()) * scale
+
+        for chunk in trainer.dp.modules:
+            chunk.register_forward_hook(scale_gradient)
+    elif kind == "local_loss_norm":
+        real = trainer._loss_factor
+        trainer._loss_factor = lambda: real() * trainer.batch.dp  # 1 / (tokens / dp) instead of 1 / tokens
+    else:
+        raise ValueError(f"unknown {FAULT_ENV} fault {kind!r}; known: perturb_grad, local_loss_norm")
+
+
+def _worker(spec_path: str) -> None:
+    """One rank of a run started by `run`: `python -m scaletrain.verify SPEC.json`."""
+    from scaletrain.parallel import launch
+
+    rank = int(os.environ.get("RANK", "0"))
+    fault = os.environ.get(FAULT_ENV, "")  # tests only; see plant_test_fault
+    try:
+        spec = json.loads(Path(spec_path).read_text())
+        cfg, rt = launch.prepare_worker(from_dict(spec["config"]))
+        trainer = _trainer(cfg, rt, spec["total_steps"])
+        if spec["role"] == "layout":
+            plant_test_fault(trainer, fault, rank)
+        result = trainer.fit()
+        code = 0 if result["stopped_by"] is None else 128 + int(result["stopped_by"])
+    except BaseException as e:  # noqa: BLE001 - every failure is reported in a few lines
+        launch.record_worker_error(e, rank)
+        code = e.exit_code if isinstance(e, UserError) else 1
+    launch.exit_worker(code)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])

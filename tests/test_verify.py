@@ -1,0 +1,144 @@
+"""`scaletrain verify` for real: layouts of 2 ranks (gloo on CPU) against one process, the
+faults it must catch, the reference it falls back to, and the user errors it refuses."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from scaletrain import cli
+from scaletrain.verify import FAULT_ENV, TOLERANCES, StepDiff, notes, rel_diff, table, verdict
+
+from conftest import MICRO
+
+pytestmark = pytest.mark.multiproc
+
+STEPS = 4
+# the micro model with 4 untied blocks (pipelining splits them), micro-batches of 2 sequences
+MODEL = {**MICRO, "model.n_layers": 4, "model.tie_embeddings": False, "train.micro_batch": 2}
+
+
+def write_config(tmp_path, **extra) -> str:
+    """A TOML config whose run folder is tmp_path/userrun (which verify must never create)."""
+    sections: dict[str, dict] = {}
+    for key, value in {**MODEL, "log.run_dir": str(tmp_path / "userrun"), **extra}.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    lines = []
+    for section, body in sections.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml(v)}" for k, v in body.items()]
+    path = tmp_path / "verify.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def _toml(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f'"{v}"'
+    return repr(v)
+
+
+@pytest.fixture
+def verify(monkeypatch, capfd):
+    """`scaletrain verify --config CONFIG --steps STEPS ARGS` through the CLI's main in this
+    process (the ranks are real processes started by the launcher); returns (exit code, stdout)."""
+
+    def run(config: str, *args: str, fault: str = "") -> tuple[int, str]:
+        monkeypatch.setenv(FAULT_ENV, fault)  # the layout's workers inherit it
+        code = cli.main(["verify", "--config", config, f"--steps={STEPS}", *args])
+        out, err = capfd.readouterr()
+        return code, out + err
+
+    return run
+
+
+def summary(stdout: str) -> str:
+    return next(line for line in stdout.splitlines() if line.startswith("largest relative difference"))
+
+
+def test_an_honest_layout_passes_and_leaves_the_run_folder_alone(tmp_path, verify):
+    config = write_config(tmp_path)
+    code, out = verify(config, "--parallel.tp=2", "--parallel.sp=true")
+    assert code == 0, out
+    assert "layout:    2 rank(s) = pp 1 × dp_replicate 1 × dp_shard 1 × tp 2; tensor parallel + sequence parallel" \
+        in out
+    assert "reference: 1 process" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(row[0]) for row in rows] == list(range(1, STEPS + 1))  # every step in the table
+    line = summary(out)
+    assert line.endswith("tolerance loss 1e-05, grad norm 1e-04 (precision 32-true): PASS"), line
+    assert not (tmp_path / "userrun").exists()
+
+
+def test_one_ranks_perturbed_gradient_fails(tmp_path, verify):
+    """Rank 1's gradients × 1.01 before the data-parallel reduction: the reduced gradient
+    leans towards rank 1's half of the batch; the norm shows it at the first step."""
+    code, out = verify(write_config(tmp_path), "--nproc=2", "--parallel.zero=2", fault="perturb_grad:rank=1")
+    assert code == 1, out
+    assert summary(out).endswith("FAIL")
+    first = next(line.split() for line in out.splitlines() if line.strip().startswith("1 "))
+    assert float(first[-1]) > 1e-3  # grad norm, step 1
+
+
+def test_a_wrong_loss_normalisation_fails_on_the_gradient_norm(tmp_path, verify):
+    """Each rank normalises by its own tokens but the average over ranks still divides by dp:
+    gradients twice too large. Clipping and AdamW hide it from the losses, not from the norm."""
+    code, out = verify(write_config(tmp_path), "--nproc=2", "--parallel.zero=1", fault="local_loss_norm")
+    assert code == 1, out
+    line = summary(out)
+    assert line.endswith("FAIL") and "grad norm 1.0e+00 at step 1" in line, line
+
+
+def test_a_model_too_big_for_one_process_is_checked_against_zero3(tmp_path, verify):
+    """With a device of 4 MiB the planner puts one process over it (4.9 MiB) and ZeRO-3 over
+    2 ranks under it (3.7 MiB): the reference says so and runs on 2 ranks."""
+    code, out = verify(write_config(tmp_path), "--parallel.pp=2", "--parallel.pp_schedule=gpipe", "--device-memory=0.004")
+    assert code == 0, out
+    assert "reference: ZeRO-3 over 2 ranks (dp 2 zero3, mb 2x2, 3.7 MiB per rank), the simplest layout that fits: " \
+           "one process does not (the planner puts it at 4.9 MiB" in out, out
+    assert summary(out).endswith("PASS")
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--config", "/no/such/config.toml"], "config file /no/such/config.toml not found"),
+    (["--parallel.tp=3"], "parallel.tp"),
+    (["--steps=0"], "--steps must be at least 1"),
+    (["--nproc=1"], "the layout is one process"),
+    (["--parallel.zero=3"], "--nproc N or parallel.dp_shard=N"),
+    (["--nproc=2", "--parallel.zero=3", "--device-memory=0.002"], "no reference fits"),
+    (["--nproc=2", "--parallel.zero=3", "--device-memory=0.004"], "no simpler reference"),
+])
+def test_bad_input_is_one_line_per_problem_and_exit_2(tmp_path, capsys, args, words):
+    argv = ["verify", *args] if args[0] == "--config" else ["verify", "--config", write_config(tmp_path), *args]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    # one line per problem (tp 3 divides neither the heads nor the vocabulary: two lines)
+    assert all(line.startswith("scaletrain: error: ") for line in err.strip().splitlines()), err
+    assert len(err.strip().splitlines()) == (2 if "tp=3" in args[0] else 1), err
+    assert words in err, err
+
+
+def test_comparison_and_verdict():
+    assert rel_diff(2.0, 2.0) == 0.0 and rel_diff(math.inf, math.inf) == 0.0  # a step both skipped
+    assert rel_diff(1.01, 1.0) == pytest.approx(0.01)
+    assert rel_diff(math.inf, 1.0) == math.inf and rel_diff(math.nan, math.nan) == math.inf
+    tol_loss, tol_norm = TOLERANCES["bf16-mixed"]
+    good = [StepDiff(1, (5.0, 5.0), (2.0, 2.0)), StepDiff(2, (4.0, 4.0 * (1 + tol_loss / 2)), (2.0, 2.0))]
+    ok, line = verdict(good, 2, "bf16-mixed")
+    assert ok and line.endswith("(precision bf16-mixed): PASS") and "at step 2" in line
+    bad = good[:1] + [StepDiff(2, (4.0, 4.0), (2.0, 2.0 * (1 + 2 * tol_norm)))]
+    assert verdict(bad, 2, "bf16-mixed")[0] is False
+    assert verdict(good[:1], 2, "bf16-mixed")[0] is False  # a step missing from a run fails
+    skipped = [StepDiff(1, (5.0, 5.0), (math.inf, 2.0))]  # an fp16 overflow in the layout only
+    assert verdict(skipped, 1, "16-mixed")[0] is False
+    assert notes(skipped, 1) == ["note: step 1: the layout skipped the step (non-finite gradients, e.g. an fp16 "
+                                 "overflow of the loss scale) and the reference did not; from there on they train "
+                                 "different weights"]
+    assert "measured over 10 steps" in notes(good, 20)[0] and notes(good, 10) == []
+    assert table(good).splitlines()[0].split() == ["step", "loss", "(layout)", "loss", "(reference)", "rel", "diff",
+                                                   "grad", "norm", "(layout)", "grad", "norm", "(reference)", "rel",
+                                                   "diff"]
