@@ -197,30 +197,6 @@ def test_full_disk_reported_where_tmpfs_is_unavailable(tmp_path, monkeypatch):
 # the rendezvous listens where it is told
 
 
-def _listening(pids: list[int]) -> set[str]:
-    """host:port of every listening TCP socket that one of `pids` holds."""
-    inodes = set()
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:["):
-                    inodes.add(link[8:-1])
-        except OSError:
-            continue
-    found = set()
-    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            f = line.split()
-            if f[3] == "0A" and f[9] in inodes:  # LISTEN
-                found.add(_address(f[1], v6))
-    return found
-
-
 def _address(hex_addr: str, v6: bool) -> str:
     import ipaddress
     import struct
@@ -284,8 +260,9 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-def _listening_in_netns(pids: list[int]) -> set[str]:
-    """Like _listening, but reading the sockets tables of the processes' own namespace."""
+def _listening(pids: list[int]) -> set[str]:
+    """host:port of every listening TCP socket that one of `pids` holds (read from the sockets
+    tables of the processes' own network namespace)."""
     inodes, tables = set(), []
     for pid in pids:
         try:
@@ -322,7 +299,7 @@ def test_two_hosts_with_two_ranks_each_train_like_one_process(tmp_path, two_host
     # node 0's launcher (rendezvous store) and workers: every listener on the address it was told
     host0 = [nodes[0].pid, *_children(nodes[0].pid)]
     host0 += [c for p in host0[1:] for c in _children(p)]
-    listening = _listening_in_netns(host0)
+    listening = _listening(host0)
     errs = [n.communicate(timeout=180)[1] for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], errs
     assert "layout: 4 rank(s) = pp 1 × dp_replicate 2 × dp_shard 2 × tp 1" in errs[0], errs[0]
