@@ -251,7 +251,7 @@ def launch(worker_args: list[str], *, nproc: int, nnodes: int = 1, node_rank: in
     if env_before["OMP_NUM_THREADS"] is None:  # share the cores among the local ranks, don't oversubscribe
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     if env_before["GLOO_SOCKET_IFNAME"] is None:  # gloo talks over the interface that reaches the others
-        interface = _loopback_interface() if local_addr else _interface_towards(endpoint.rsplit(":", 1)[0])
+        interface = _interface_towards(local_addr or endpoint.rsplit(":", 1)[0])
         if interface:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
     try:
@@ -266,16 +266,6 @@ def launch(worker_args: list[str], *, nproc: int, nnodes: int = 1, node_rank: in
                 os.environ.pop(key, None)
         shutil.rmtree(log_dir, ignore_errors=True)
     return 0
-
-
-def _loopback_interface() -> str:
-    try:
-        for name in os.listdir("/sys/class/net"):
-            if (Path("/sys/class/net") / name / "flags").read_text().strip() and name.startswith("lo"):
-                return name
-    except OSError:
-        pass
-    return "lo"
 
 
 def _interface_towards(host: str) -> str | None:
