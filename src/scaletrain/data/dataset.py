@@ -21,9 +21,13 @@ VALID_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
 class TokenData:
-    """All tokens of a prepared folder as one logical array (shards concatenated)."""
+    """All tokens of a prepared folder as one logical array (shards concatenated).
 
-    def __init__(self, arrays_or_paths: list, dtype: np.dtype, lengths: list[int], tokenizer, source: str):
+    `fingerprint` names the data: equal fingerprints mean the same tokens (a checkpoint keeps
+    it, so a run does not resume on other data)."""
+
+    def __init__(self, arrays_or_paths: list, dtype: np.dtype, lengths: list[int], tokenizer, source: str,
+                 description: dict | None = None):
         self._sources = arrays_or_paths  # np.ndarray (in memory) or Path (memory-mapped lazily)
         self._arrays: list[np.ndarray] | None = None
         self.dtype = np.dtype(dtype)
@@ -33,10 +37,41 @@ class TokenData:
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.vocab_size
         self.source = source
+        self._description = description  # what meta.json says of the shards; None in memory
+        self._fingerprint: str | None = None
 
     @classmethod
     def from_array(cls, tokens: np.ndarray, tokenizer, source: str) -> "TokenData":
+        top = int(tokens.max()) if tokens.size else 0
+        if top >= tokenizer.vocab_size:
+            raise DataError(f"{source}: holds token id {top}, outside the tokenizer's {tokenizer.vocab_size}-token "
+                            "vocabulary")
         return cls([tokens], tokens.dtype, [int(tokens.size)], tokenizer, source)
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex digits naming the tokens, stable across opens, copies and moves of the folder.
+
+        For a prepared folder: a sha256 of its dtype, tokenizer and, per shard, file name, token
+        count and recorded sha256, plus the first and last 4 KiB of each shard; it reads no
+        more than that (a shard edited in its middle is caught by data.verify_checksums).
+        In memory: a sha256 of all the tokens."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            if self._description is not None:
+                h.update(json.dumps(self._description, sort_keys=True).encode())
+                for path in self._sources:
+                    with path.open("rb") as f:
+                        h.update(f.read(_SAMPLE_BYTES))
+                        f.seek(max(0, path.stat().st_size - _SAMPLE_BYTES))
+                        h.update(f.read(_SAMPLE_BYTES))
+            else:
+                h.update(json.dumps({"dtype": self.dtype.name, "tokenizer": self.tokenizer.describe()},
+                                    sort_keys=True).encode())
+                for arr in self._sources:
+                    h.update(np.ascontiguousarray(arr).data)
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
 
     @classmethod
     def open(cls, folder: str | Path, verify_checksums: bool = True) -> "TokenData":
@@ -62,7 +97,7 @@ class TokenData:
         if tokenizer.vocab_size > np.iinfo(dtype).max + 1:
             raise DataError(f"{meta_path}: dtype {dtype_name} cannot hold the ids of a "
                             f"{tokenizer.vocab_size}-token vocabulary; re-run scaletrain prepare")
-        paths, lengths = [], []
+        paths, lengths, described = [], [], []
         shards = meta.get("shards")
         for shard in shards if isinstance(shards, list) else []:
             try:
@@ -73,20 +108,29 @@ class TokenData:
             if Path(shard["file"]).name != shard["file"]:  # shards live in this folder, nowhere else
                 raise DataError(f"{meta_path}: shard file {shard['file']!r} is not a plain file name in this "
                                 "folder; re-run scaletrain prepare")
+            if n < 1:
+                raise DataError(f"{meta_path}: shard {shard['file']!r} has {n} tokens; prepare never writes an "
+                                "empty shard, so re-run scaletrain prepare")
             if not path.is_file():
                 raise DataError(f"{path}: shard listed in {META_FILE} is missing")
-            size = path.stat().st_size
-            if size != n * dtype.itemsize:
-                raise DataError(f"{path}: shard is truncated or has the wrong dtype: {size} bytes, "
-                                f"but {META_FILE} says {n} tokens of {dtype_name} ({n * dtype.itemsize} bytes); "
+            size, expected = path.stat().st_size, n * dtype.itemsize
+            if size < expected:
+                raise DataError(f"{path}: shard is truncated or has the wrong dtype: it is shorter than {META_FILE} "
+                                f"records, {size} bytes against {n} tokens of {dtype_name} ({expected} bytes); "
                                 "re-run scaletrain prepare")
-            if verify_checksums:
-                _verify_shard(path, shard.get("sha256"), dtype, tokenizer.vocab_size)
+            if size > expected:
+                raise DataError(f"{path}: shard is longer than {META_FILE} records, {size} bytes against {n} tokens "
+                                f"of {dtype_name} ({expected} bytes): something was appended to it, or the dtype "
+                                "is wrong; re-run scaletrain prepare")
+            # the vocabulary check always runs; the checksum only when asked (it costs the same read)
+            _check_shard(path, shard.get("sha256") if verify_checksums else None, dtype, tokenizer.vocab_size)
             paths.append(path)
             lengths.append(n)
+            described.append([shard["file"], n, shard.get("sha256")])
         if not paths:
             raise DataError(f"{meta_path}: lists no shards; re-run scaletrain prepare")
-        return cls(paths, dtype, lengths, tokenizer, str(folder))
+        description = {"dtype": dtype_name, "tokenizer": tokenizer.describe(), "shards": described}
+        return cls(paths, dtype, lengths, tokenizer, str(folder), description)
 
     def _open_arrays(self) -> list[np.ndarray]:
         if self._arrays is None:
@@ -116,19 +160,32 @@ class TokenData:
         return out
 
 
-def _verify_shard(path: Path, expected: str | None, dtype: np.dtype, vocab_size: int) -> None:
-    digest = hashlib.sha256()
-    top = 0
+_SAMPLE_BYTES = 4096  # read from each end of a shard for its fingerprint
+_CHUNK_BYTES = 1 << 24  # shards are scanned 16 MiB at a time: memory stays bounded
+
+
+def _check_shard(path: Path, sha256: str | None, dtype: np.dtype, vocab_size: int) -> None:
+    """Every token id of the shard must be below `vocab_size`; with `sha256`, the shard's digest
+    must match it too. One sequential read, vectorised per chunk."""
+    digest = hashlib.sha256() if sha256 is not None else None
+    bad: tuple[int, int] | None = None  # (position, id) of the first id outside the vocabulary
+    pos = 0
     with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-            if chunk:
-                top = max(top, int(np.frombuffer(chunk, dtype=dtype).max()))
-    if expected is not None and digest.hexdigest() != expected:
+        while chunk := f.read(_CHUNK_BYTES):
+            if digest is not None:
+                digest.update(chunk)
+            ids = np.frombuffer(chunk, dtype=dtype)
+            if bad is None and int(ids.max()) >= vocab_size:
+                i = int(np.argmax(ids >= vocab_size))
+                bad = (pos + i, int(ids[i]))
+                if digest is None:
+                    break  # nothing more to learn from the rest
+            pos += ids.size
+    if digest is not None and digest.hexdigest() != sha256:
         raise DataError(f"{path}: shard is corrupt (its sha256 differs from {META_FILE}); re-run scaletrain prepare")
-    if top >= vocab_size:
-        raise DataError(f"{path}: holds token id {top}, outside the tokenizer's {vocab_size}-token "
-                        "vocabulary; the shard is corrupt or from another tokenizer")
+    if bad is not None:
+        raise DataError(f"{path}: holds token id {bad[1]} (token {bad[0]}), outside the tokenizer's {vocab_size}-token "
+                        "vocabulary; the shard is corrupt or from another tokenizer: re-run scaletrain prepare")
 
 
 def builtin_text() -> str:
@@ -156,8 +213,9 @@ class WindowDataset(torch.utils.data.Dataset):
         self.seq_len = seq_len
         self.num_windows = (data.num_tokens - 1) // seq_len
         if self.num_windows < 1:
-            raise DataError(f"{data.source}: {data.num_tokens} tokens are too few for one window of "
-                            f"data.seq_len={seq_len} (+1 target); lower data.seq_len or add data")
+            fix = f"lower data.seq_len to at most {data.num_tokens - 1} or add data" if data.num_tokens > 1 else "add data"
+            raise DataError(f"{data.source}: {data.num_tokens} tokens are too few for one window of data.seq_len="
+                            f"{seq_len}, which needs {seq_len + 1} (the inputs and the target shifted by one); {fix}")
 
     def __len__(self) -> int:
         return self.num_windows

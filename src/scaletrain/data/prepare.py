@@ -49,25 +49,53 @@ def find_inputs(inputs: Sequence[str | Path]) -> list[Path]:
 
 
 def iter_documents(files: Sequence[Path], text_key: str = "text") -> Iterator[str]:
-    """Each .txt file is one document; each jsonl line and parquet row is one."""
+    """Each .txt file is one document; each jsonl line and parquet row is one. Text must be
+    valid UTF-8: a bad byte is reported with its place, never replaced."""
     for f in files:
         if f.suffix == ".txt":
-            yield f.read_text(encoding="utf-8", errors="replace")
+            yield _read_txt(f)
         elif f.suffix == ".jsonl":
-            with f.open(encoding="utf-8") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{f}:{lineno}: not valid JSON ({e.msg})") from None
-                    if not isinstance(row, dict) or not isinstance(row.get(text_key), str):
-                        raise DataError(f"{f}:{lineno}: expected an object with a string field "
-                                        f"{text_key!r}; set --text-key to the field that holds the text")
-                    yield row[text_key]
+            yield from _jsonl_texts(f, text_key)
         elif f.suffix == ".parquet":
             yield from _parquet_texts(f, text_key)
+
+
+REENCODE = "re-encode the file as UTF-8 (e.g. iconv -f LATIN1 -t UTF-8) or remove it from the inputs"
+
+
+def _read_txt(f: Path) -> str:
+    raw = f.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{f}: invalid UTF-8 at byte {e.start} (line {line}): "
+                        f"{raw[e.start:e.end]!r} ({e.reason}); {REENCODE}") from None
+    # universal newlines, as text-mode reading gives: \r\n and \r become \n
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _jsonl_texts(f: Path, text_key: str) -> Iterator[str]:
+    offset = 0  # of the current line in the file
+    with f.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{f}:{lineno}: invalid UTF-8 at byte {offset + e.start} of the file "
+                                f"(column {e.start + 1}): {raw[e.start:e.end]!r} ({e.reason}); {REENCODE}") from None
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{f}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); "
+                                "each line must hold one JSON object") from None
+            if not isinstance(row, dict) or not isinstance(row.get(text_key), str):
+                raise DataError(f"{f}:{lineno}: expected an object with a string field "
+                                f"{text_key!r}; set --text-key to the field that holds the text")
+            yield row[text_key]
 
 
 def _parquet_texts(f: Path, text_key: str) -> Iterator[str]:
@@ -83,10 +111,15 @@ def _parquet_texts(f: Path, text_key: str) -> Iterator[str]:
     if text_key not in pf.schema_arrow.names:
         raise DataError(f"{f}: no column {text_key!r} (columns: {', '.join(pf.schema_arrow.names)}); "
                         "set --text-key to the column that holds the text")
+    row = 0
     for batch in pf.iter_batches(columns=[text_key]):
         for value in batch.column(0).to_pylist():
+            if value is not None and not isinstance(value, str):
+                raise DataError(f"{f}: row {row} of column {text_key!r} holds {type(value).__name__}, not text; "
+                                "set --text-key to a string column")
             if value is not None:
                 yield value
+            row += 1
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -124,9 +157,12 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        shards, n_docs = _write_shards(tmp, iter_documents(files, text_key), tok, dtype, shard_tokens)
-        if not shards:
-            raise DataError(f"no text found in {', '.join(map(str, inputs))}")
+        shards, n_docs, n_text_docs = _write_shards(tmp, iter_documents(files, text_key), tok, dtype, shard_tokens)
+        if n_text_docs == 0:  # separators alone are no training data
+            found = f"{n_docs} document(s), all empty or whitespace" if n_docs else "no documents"
+            field = f" in field {text_key!r}" if any(f.suffix != ".txt" for f in files) else ""
+            raise DataError(f"no text to tokenize in {', '.join(map(str, inputs))}: {found}{field}; "
+                            "give files that hold text (nothing was written)")
         tok.save(tmp)
         meta = {
             "format": FORMAT,
@@ -152,7 +188,7 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
 def _write_shards(folder: Path, docs: Iterator[str], tok, dtype: np.dtype, shard_tokens: int):
     shards: list[dict] = []
     buf: list[int] = []
-    n_docs = 0
+    n_docs = n_text_docs = 0  # all documents, and those with more than whitespace
 
     def flush(ids: list[int]) -> None:
         arr = np.asarray(ids, dtype=dtype)
@@ -163,11 +199,14 @@ def _write_shards(folder: Path, docs: Iterator[str], tok, dtype: np.dtype, shard
 
     for doc in docs:
         n_docs += 1
-        buf.extend(tok.encode(doc))
+        ids = tok.encode(doc)
+        if ids and not doc.isspace():
+            n_text_docs += 1
+        buf.extend(ids)
         buf.extend(tok.separator)
         while len(buf) >= shard_tokens:
             flush(buf[:shard_tokens])
             buf = buf[shard_tokens:]
     if buf:
         flush(buf)
-    return shards, n_docs
+    return shards, n_docs, n_text_docs

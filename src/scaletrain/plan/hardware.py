@@ -5,11 +5,13 @@ are per GPU and per direction. `inter_node_GBps` is the typical NIC of machines 
 that GPU (one NIC per GPU); a cluster TOML can override any field.
 
 For a CPU there is no datasheet we can trust, so its peak is measured once with a matmul
-probe and cached.
+probe (the best of several sizes and runs) and cached; when training then runs faster than
+the cached figure, the trainer raises it (`raise_cpu_peak`), so a logged MFU never tops 100%.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -21,6 +23,11 @@ from pathlib import Path
 import torch
 
 from scaletrain.errors import ConfigError
+
+try:
+    import fcntl  # file locks, for the CPU peak cache that ranks on one host share
+except ImportError:  # Windows
+    fcntl = None
 
 TFLOPS = 1e12
 
@@ -128,24 +135,39 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype, tf32: bool = Fal
     return cpu_peak_flops(dtype), "measured (cached)"
 
 
-def measure_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 1024, seconds: float = 0.3) -> float:
-    """Best observed FLOP/s of an n x n matmul on `device`."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    best = 0.0
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] | None = None,
+                        runs: int = 3, seconds: float = 1.2) -> float:
+    """Best observed FLOP/s of square matmuls on `device`: `runs` timed runs at each size, the
+    sizes in increasing order, within about `seconds` (a size whose runs would not fit is left
+    out, but the smallest is always measured)."""
+    sizes = sizes or ((256, 512, 1024) if device.type == "cpu" else (1024, 2048, 4096))
     deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0))
+    best, last_run_s, last_n = 0.0, 0.0, 0
+    for n in sizes:
+        # a matmul's time grows as n^3: skip this size if its warm-up and runs cannot end in time
+        if last_n and time.perf_counter() + last_run_s * (n / last_n) ** 3 * (runs + 1) > deadline:
+            break
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        _matmul_flops(a, b)  # warm-up: the first call pays for allocation and kernel choice
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            best = max(best, _matmul_flops(a, b))
+            last_run_s = time.perf_counter() - t0
+        last_n = n
     return best
+
+
+def _matmul_flops(a: torch.Tensor, b: torch.Tensor) -> float:
+    """FLOP/s of one timed `a @ b` (square matrices)."""
+    cuda = a.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(a.device)
+    t0 = time.perf_counter()
+    a @ b
+    if cuda:  # the matmul was only queued: wait for it
+        torch.cuda.synchronize(a.device)
+    return 2 * a.shape[0] ** 3 / (time.perf_counter() - t0)
 
 
 def _cache_dir() -> Path:
@@ -163,26 +185,63 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def cpu_peak_flops(dtype: torch.dtype) -> float:
-    """The CPU's matmul FLOP/s at the current thread count, probed once and cached on disk."""
-    key = f"{_cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}"
+def _cpu_key(dtype: torch.dtype) -> str:
+    return f"{_cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}"
+
+
+@contextlib.contextmanager
+def _peak_cache():
+    """The CPU peak cache as a dict, under a file lock (ranks on one host share the file);
+    what the block leaves in the dict is written back atomically (temporary file + rename)."""
     path = _cache_dir() / "cpu_peak.json"
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        cache = {}
-    if key in cache:
-        return float(cache[key])
-    flops = measure_matmul_peak(torch.device("cpu"), dtype)
-    cache[key] = flops
+    lock = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(cache, indent=1))
-        os.replace(tmp, path)
+        lock = open(path.with_suffix(".lock"), "a")
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
     except OSError:
-        pass  # a read-only home only costs a re-probe next time
-    return flops
+        pass  # no lock (read-only home): the worst case is one lost update
+    try:
+        try:
+            cache = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            cache = {}
+        if not isinstance(cache, dict):
+            cache = {}
+        before = dict(cache)
+        yield cache
+        if cache != before:
+            try:
+                tmp = path.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(json.dumps(cache, indent=1))
+                os.replace(tmp, path)
+            except OSError:
+                pass  # a read-only home only costs a re-probe next time
+    finally:
+        if lock is not None:
+            lock.close()  # releases the lock
+
+
+def cpu_peak_flops(dtype: torch.dtype) -> float:
+    """The CPU's matmul FLOP/s at the current thread count, probed once and cached on disk."""
+    key = _cpu_key(dtype)
+    with _peak_cache() as cache:
+        if isinstance(cache.get(key), (int, float)) and cache[key] > 0:
+            return float(cache[key])
+        cache[key] = measure_matmul_peak(torch.device("cpu"), dtype)
+        return cache[key]
+
+
+def raise_cpu_peak(dtype: torch.dtype, achieved_flops: float) -> float:
+    """Record that this CPU reached `achieved_flops` in `dtype` (e.g. in a training step that
+    beat the probe); returns the peak now cached, max(cached, achieved). Never lowers it."""
+    key = _cpu_key(dtype)
+    with _peak_cache() as cache:
+        old = cache.get(key)
+        peak = max(float(old) if isinstance(old, (int, float)) else 0.0, float(achieved_flops))
+        cache[key] = peak
+        return peak
 
 
 def local_hardware(device: torch.device) -> Hardware:
