@@ -111,7 +111,8 @@ def test_fp16_overflows_that_recover_do_not_stop_the_run(tmp_path):
 
 def test_loss_spikes_are_logged(tmp_path):
     log = io.StringIO()
-    trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 30, "log.spike_factor": 2.0}), stream=log)
+    trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 30, "log.spike_factor": 2.0,
+                                             "train.divergence_factor": 0}), stream=log)
     real = trainer._end_of_step
 
     def spiking(local_loss):
@@ -127,7 +128,8 @@ def test_loss_spikes_are_logged(tmp_path):
 
 def test_spike_logging_can_be_turned_off(tmp_path):
     log = io.StringIO()
-    trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 20, "log.spike_factor": 0}), stream=log)
+    trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 20, "log.spike_factor": 0,
+                                             "train.divergence_factor": 0}), stream=log)
     real = trainer._end_of_step
     trainer._end_of_step = lambda t: (lambda out: (out[0] * (100 if trainer.step == 15 else 1), out[1]))(real(t))
     trainer.fit()

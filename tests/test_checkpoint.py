@@ -15,7 +15,7 @@ from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.export import export_safetensors, load_model_from_checkpoint
 from scaletrain.train.trainer import Trainer
 
-from conftest import REPO, micro_cfg, read_metrics
+from conftest import REPO, forge_checksums, micro_cfg, read_metrics
 
 
 def run_until(cfg, stop_after: int) -> dict:
@@ -109,6 +109,7 @@ class _Boom:
 def test_malicious_metadata_pickle_is_refused(tmp_path, monkeypatch):
     path = _saved_checkpoint(tmp_path)
     (path / ".metadata").write_bytes(pickle.dumps(_Boom()))
+    forge_checksums(path)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(CheckpointError, match="refusing to load.*os.*system"):
         Trainer(micro_cfg(tmp_path, **{"checkpoint.resume": str(path)}))
@@ -119,6 +120,7 @@ def test_malicious_tensor_file_is_refused(tmp_path, monkeypatch):
     path = _saved_checkpoint(tmp_path)
     for f in path.glob("*.distcp"):
         f.write_bytes(pickle.dumps(_Boom()))
+    forge_checksums(path)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(CheckpointError, match="refusing to load"):
         load_model_from_checkpoint(path)

@@ -99,6 +99,10 @@ class TrainConfig:
     grad_clip: float = option(1.0, "clip gradients to this global L2 norm; 0 = off", min=0.0)
     max_skipped_steps: int = option(5, "steps in a row with non-finite gradients (or fp16 overflow at the "
                                        "minimum loss scale) after which the run stops", min=1)
+    divergence_factor: float = option(4.0, "stop (exit 3) when the loss exceeds this multiple of its early value; "
+                                      "0 = never stop on the loss", min=0.0)
+    divergence_margin: float = option(1.0, "after warm-up, stop (exit 3) when the loss exceeds ln(vocab_size) + this "
+                                      "(worse than guessing uniformly)", min=0.0)
     sample_tokens: int = option(200, "after training, generate this many tokens and print them", min=0)
     sample_prompt: str = option("The ", "prompt for the sample printed after training")
 
@@ -169,6 +173,8 @@ class CheckpointConfig:
     keep: int = option(3, "keep the newest K complete checkpoints", min=1)
     resume: str = option("none", "none, auto (the newest complete checkpoint, if any) or a checkpoint folder")
     save_final: bool = option(True, "save a checkpoint when training ends")
+    allow_data_change: bool = option(False, "resume on data other than the checkpoint was trained on (its "
+                                     "fingerprint differs); without it such a resume is refused")
 
 
 @dataclass

@@ -7,10 +7,22 @@ A checkpoint is a folder `step_00000040/` holding
 
 Atomic: everything is written into `.step_00000040.partial/` and renamed when every rank is
 done, so a folder named `step_*` is always complete, and `resume = "auto"` never picks a partial
-one. Only the newest `keep` are kept.
+one.
 
-Safe: loading unpickles nothing but DCP's own metadata classes (a restricted unpickler refuses
-every other global), tensors are read with `weights_only=True`, and non-tensor state is JSON.
+Checked: trainer.json records the sha256 and size of every other file of the checkpoint; they
+are verified before a checkpoint is loaded, and `resume = "auto"` falls back to the newest
+checkpoint that verifies, naming the damaged one.
+
+Lineage: trainer.json records the run's id and its lineage, the list of (branch, first step)
+segments that led to it: resuming from a checkpoint starts a new branch. HEAD.json in the folder
+names the position training continues from. Rotation keeps the newest `keep` checkpoints of
+the current lineage and never touches another branch's; `resume = "auto"` only picks
+checkpoints on HEAD's lineage, so rewinding to an older checkpoint never resumes the abandoned
+branch later.
+
+Safe: loading unpickles nothing but an explicit list of DCP's metadata classes (a restricted
+unpickler refuses every other global, and any dotted name), tensors are read with
+`weights_only=True`, and non-tensor state is JSON.
 
 Tensors are keyed by canonical parameter names (no wrapper prefixes), and DCP reshards them to
 whatever layout loads them.
@@ -20,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import hashlib
 import io
 import json
 import os
@@ -42,7 +55,9 @@ from scaletrain.optim import get_lr, set_lr
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
 TRAINER_FILE = "trainer.json"
-FORMAT_VERSION = 1
+HEAD_FILE = "HEAD.json"
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)  # 1: before checksums and lineage
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
@@ -52,21 +67,25 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's metadata and refuses any other global (os.system, eval, ...)."""
+    """Unpickles DCP's metadata and refuses any other global (os.system, eval, ...).
 
-    _modules = {
-        "torch.distributed.checkpoint.metadata": None,  # None: any name in the module
+    Only the classes listed here, by exact name: a dotted name ("os.system" looked up through a
+    module that happens to import os) or any other attribute of an allowed module is refused."""
+
+    _allowed = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata", "MetadataIndex", "TensorProperties", "ChunkStorageMetadata", "TensorStorageMetadata",
+            "BytesStorageMetadata", "StorageMeta", "_MEM_FORMAT_ENCODING"},
         "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
         "torch.serialization": {"_get_layout"},
+        "torch": {"Size"},
         "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
         "collections": {"OrderedDict"},
     }
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            return getattr(torch, name)
-        allowed = self._modules.get(module, set())
-        if allowed is None or name in allowed:
+        is_dtype = module == "torch" and "." not in name and isinstance(getattr(torch, name, None), torch.dtype)
+        if "." not in name and (name in self._allowed.get(module, ()) or is_dtype):
             return super().find_class(module, name)
         raise CheckpointError(f"refusing to load: the checkpoint metadata asks to unpickle {module}.{name}, "
                               "which a checkpoint never needs; the folder may have been tampered with")
@@ -209,8 +228,137 @@ def latest_checkpoint(folder: Path) -> Path | None:
     return found[-1] if found else None
 
 
+# --------------------------------------------------------------------------------------------
+# Lineage: which checkpoints lie on the path that led to a given position of training
+
+Lineage = list  # [[branch id, first step of the branch], ...], oldest first
+
+
+def is_ancestor(lineage: Lineage, step: int, of_lineage: Lineage, of_step: int) -> bool:
+    """Whether position (lineage, step) lies on the path that led to (of_lineage, of_step),
+    itself included. A branch covers the steps from its first step to the first step of the
+    branch that followed it (the checkpoint it was resumed from), or to the position itself."""
+    if not lineage or not of_lineage:
+        return not lineage and not of_lineage and step <= of_step  # checkpoints from before lineage
+    i = len(lineage) - 1
+    if len(of_lineage) <= i or [list(x) for x in of_lineage[:i + 1]] != [list(x) for x in lineage]:
+        return False
+    end = of_lineage[i + 1][1] if i + 1 < len(of_lineage) else of_step
+    return step <= end
+
+
+def _position(state: dict) -> tuple[Lineage, int]:
+    return state.get("lineage") or [], int(state["step"])
+
+
+def write_head(folder: Path, lineage: Lineage, step: int) -> None:
+    """Record the position training continues from (after each save, and on a rewind)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{HEAD_FILE}.tmp"
+    _write_json(tmp, {"lineage": lineage, "step": step})
+    os.replace(tmp, folder / HEAD_FILE)
+    _fsync_dir(folder)
+
+
+def read_head(folder: Path) -> tuple[Lineage, int] | None:
+    try:
+        head = json.loads((Path(folder) / HEAD_FILE).read_text())
+        return head["lineage"], int(head["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _states(folder: Path) -> list[tuple[Path, dict | None]]:
+    """Every complete checkpoint with its trainer state (None where it cannot be read)."""
+    out = []
+    for path in complete_checkpoints(folder):
+        try:
+            out.append((path, read_trainer_state(path)))
+        except CheckpointError:
+            out.append((path, None))
+    return out
+
+
+def off_lineage(folder: Path) -> list[Path]:
+    """Checkpoints of `folder` that are neither ancestors nor descendants of HEAD: an abandoned
+    branch, kept on disk, never resumed or rotated."""
+    head = read_head(folder)
+    if head is None:
+        return []
+    return [path for path, state in _states(folder) if state is not None
+            and not is_ancestor(*_position(state), *head) and not is_ancestor(*head, *_position(state))]
+
+
+# --------------------------------------------------------------------------------------------
+# Checksums
+
+
+def _digest(path: Path) -> dict:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return {"sha256": h.hexdigest(), "bytes": path.stat().st_size}
+
+
+def _own_files(folder: Path, rank: int) -> list[Path]:
+    """The files this rank wrote into a checkpoint folder (DCP names its files by rank)."""
+    own = sorted(folder.glob(f"__{rank}_*.distcp")) + [folder / f"rng_rank{rank}.json"]
+    return own + ([folder / ".metadata"] if rank == 0 else [])
+
+
+def verify_checkpoint(path: Path, state: dict | None = None) -> str | None:
+    """Check every file of checkpoint `path` against the checksums in its trainer.json. Every rank
+    calls this together (each hashes a share of the files). Returns the first problem found,
+    or None. Checkpoints from before checksums (format 1) pass unchecked."""
+    path = Path(path)
+    state = state if state is not None else read_trainer_state(path)
+    files = sorted((state.get("files") or {}).items())
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    problem = None
+    for name, want in files[rank::world]:
+        f = path / name
+        try:
+            got = _digest(f) if f.stat().st_size == want["bytes"] else {"bytes": f.stat().st_size}
+        except OSError:
+            problem = f"{name} is missing or unreadable"
+            break
+        if got["bytes"] != want["bytes"]:
+            problem = f"{name} has {got['bytes']} bytes, {want['bytes']} were written"
+            break
+        if got["sha256"] != want["sha256"]:
+            problem = f"{name} does not match the checksum written with it"
+            break
+    if dist.is_initialized():
+        every = [None] * world
+        dist.all_gather_object(every, problem)
+        problem = next((p for p in every if p), None)
+    return problem
+
+
+def find_resumable(folder: Path, report=print) -> Path | None:
+    """The newest checkpoint of `folder` on HEAD's lineage that reads and verifies; each damaged
+    one on the way is named in one line through `report`. Every rank calls this together."""
+    folder = Path(folder)
+    head = read_head(folder)
+    for path, state in reversed(_states(folder)):
+        if state is not None and head is not None and not (
+                is_ancestor(*_position(state), *head) or is_ancestor(*head, *_position(state))):
+            continue  # another branch: kept, never resumed
+        problem = "its trainer.json cannot be read" if state is None else verify_checkpoint(path, state)
+        if problem is None:
+            return path
+        report(f"checkpoint {path} is damaged ({problem}); falling back to an older one")
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Saving
+
+
 def save_checkpoint(folder: Path, step: int, tensors: dict[str, Any], trainer_state: dict, keep: int) -> Path:
-    """Write a checkpoint of `step` (every rank calls this); returns its folder."""
+    """Write a checkpoint of `step` (every rank calls this); returns its folder. `trainer_state`
+    holds "lineage": rotation keeps the newest `keep` checkpoints of that lineage."""
     folder = Path(folder)
     final = folder / f"step_{step:08d}"
     partial = folder / f".step_{step:08d}.partial"
@@ -224,11 +372,18 @@ def save_checkpoint(folder: Path, step: int, tensors: dict[str, Any], trainer_st
         _barrier()
         dcp.save(tensors, storage_writer=FileSystemWriter(str(partial)), no_dist=not dist.is_initialized())
         _write_json(partial / f"rng_rank{rank}.json", rng_state())
+        _barrier()  # rank 0's .metadata is written once every rank's data is
+        files = {f.name: _digest(f) for f in _own_files(partial, rank)}
+        if dist.is_initialized():
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, files)
+            files = {k: v for part in every for k, v in part.items()}
         if rank == 0:
-            _write_json(partial / TRAINER_FILE, {"format_version": FORMAT_VERSION, **trainer_state})
-        _barrier()
-        if rank == 0:
+            _write_json(partial / TRAINER_FILE, {"format_version": FORMAT_VERSION, **trainer_state, "files": files})
             _fsync_dir(partial)
+            lineage = trainer_state.get("lineage") or []
+            if final.exists() and not _same_line(final, lineage, step):
+                _set_aside(folder, final)  # another branch's checkpoint of this step: kept, out of the way
             if final.exists():  # saving the same step again (e.g. stopped right after a save)
                 old = folder / f".step_{step:08d}.old"
                 shutil.rmtree(old, ignore_errors=True)
@@ -238,10 +393,11 @@ def save_checkpoint(folder: Path, step: int, tensors: dict[str, Any], trainer_st
             else:
                 os.replace(partial, final)
             _fsync_dir(folder)
-            for stale in complete_checkpoints(folder)[:-keep]:
-                trash = folder / f".{stale.name}.deleting"  # out of sight first: never half a checkpoint
-                os.replace(stale, trash)
-                shutil.rmtree(trash, ignore_errors=True)
+            try:  # the checkpoint is complete; a HEAD left behind still leads to it (its descendant)
+                write_head(folder, lineage, step)
+            except OSError:
+                (folder / f".{HEAD_FILE}.tmp").unlink(missing_ok=True)
+            _rotate(folder, lineage, step, keep)
         _barrier()
     except (OSError, RuntimeError, CheckpointException) as e:
         full = _disk_full(folder, _causes(e), _local_bytes(tensors))
@@ -255,6 +411,39 @@ def save_checkpoint(folder: Path, step: int, tensors: dict[str, Any], trainer_st
         reason = "the disk is full" if full else f"{os_errors[0].strerror or os_errors[0]}"
         raise CheckpointError(f"saving checkpoint step {step} to {folder} failed: {reason}; {kept}") from None
     return final
+
+
+def _same_line(path: Path, lineage: Lineage, step: int) -> bool:
+    try:
+        return is_ancestor(*_position(read_trainer_state(path)), lineage, step)
+    except CheckpointError:
+        return False
+
+
+def _set_aside(folder: Path, path: Path) -> Path:
+    """Move a checkpoint of an abandoned branch (or an unreadable one) to abandoned/, where it is
+    never resumed, rotated or overwritten."""
+    try:
+        branch = _position(read_trainer_state(path))[0][-1][0]
+    except (CheckpointError, IndexError):
+        branch = "unknown"
+    aside = folder / "abandoned" / f"{path.name}.{branch}"
+    aside.parent.mkdir(exist_ok=True)
+    n = 1
+    while aside.exists():
+        aside, n = aside.with_name(f"{path.name}.{branch}.{n}"), n + 1
+    os.replace(path, aside)
+    return aside
+
+
+def _rotate(folder: Path, lineage: Lineage, step: int, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints on this lineage; other branches stay."""
+    mine = [path for path, state in _states(folder)
+            if state is not None and is_ancestor(*_position(state), lineage, step)]
+    for stale in mine[:-keep]:
+        trash = folder / f".{stale.name}.deleting"  # out of sight first: never half a checkpoint
+        os.replace(stale, trash)
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def _local_bytes(tensors: Any) -> int:
@@ -289,8 +478,9 @@ def read_trainer_state(path: Path) -> dict:
         raise CheckpointError(f"{f}: not valid JSON ({e.msg}); the checkpoint is damaged") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{f}: expected a JSON object; the checkpoint is damaged")
-    if state.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{f}: checkpoint format {state.get('format_version')!r} is not {FORMAT_VERSION}")
+    if state.get("format_version") not in READABLE_FORMATS:
+        raise CheckpointError(f"{f}: checkpoint format {state.get('format_version')!r} is not one this version "
+                              f"reads ({', '.join(map(str, READABLE_FORMATS))}); use the scaletrain that wrote it")
     bad = [key for key, kind in (("step", int), ("world_size", int), ("config", dict), ("data", dict),
                                  ("optimizer", dict)) if not isinstance(state.get(key), kind)]
     if not bad and not isinstance(state["config"].get("model"), dict):
@@ -309,8 +499,11 @@ def _causes(e: BaseException) -> list[BaseException]:
     return [e]
 
 
-def load_tensors(path: Path, tensors: dict[str, Any]) -> None:
-    """Fill `tensors` (nested dict of tensors, DTensors included) in place from checkpoint `path`."""
+def load_tensors(path: Path, tensors: dict[str, Any], verify: bool = True) -> None:
+    """Fill `tensors` (nested dict of tensors, DTensors included) in place from checkpoint `path`,
+    after checking its files against their checksums (unless the caller just did)."""
+    if verify and (problem := verify_checkpoint(path)):
+        raise CheckpointError(f"{path} is damaged ({problem}); use another checkpoint")
     try:  # read the metadata once first: DCP logs a traceback when it cannot, then fails vaguely
         SafeReader(str(path)).read_metadata()
     except CheckpointError:

@@ -10,9 +10,14 @@
 from __future__ import annotations
 
 import contextlib
+import sys
+import errno
+import json
 import math
+import os
 import signal
 import time
+import uuid
 from datetime import datetime
 from pathlib import Path
 
@@ -25,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from scaletrain.config import JobConfig, check_layout, resolve_batch
 from scaletrain.data.dataset import WindowDataset, open_data
 from scaletrain.data.loader import StepSampler, build_loader
-from scaletrain.errors import CheckpointError, ConfigError, DataError, TrainingStopped
+from scaletrain.errors import CheckpointError, ConfigError, DataError, TrainingStopped, UserError
 from scaletrain.model.flops import flops_per_token
 from scaletrain.model.generate import generate
 from scaletrain.model.transformer import Transformer, count_params
@@ -38,6 +43,7 @@ from scaletrain.parallel.parallelize import parallelize
 from scaletrain.plan.hardware import device_peak_flops
 from scaletrain.precision import MasterWeights, Precision
 from scaletrain.train import checkpoint as ckpt
+from scaletrain.train import run_folder
 from scaletrain.train.metrics import MetricsLogger, peak_memory_bytes
 
 
@@ -61,16 +67,30 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, runtime: Runtime | None = None, *, stream=None):
+    def __init__(self, cfg: JobConfig, runtime: Runtime | None = None, *, stream=None, restart: bool = False):
+        """`restart`: this process was restarted by the launcher after a failure of the group
+        (the run continues from its newest checkpoint, or begins again if it has none)."""
         self.cfg = cfg
         self.rt = rt = runtime or single_process(cfg)
         check_layout(cfg, rt.dims)
         self.rank, self.world_size, self.device = rt.rank, rt.world_size, rt.device
-        self.precision = Precision(cfg.precision, self.device)
-        self.precision.configure_backends()
         self.run_dir = Path(cfg.log.run_dir or self._shared(default_run_dir()))
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
-        resume_from = self._find_resume()  # before anything is written to the run folder
+        self.restart = restart
+        self._locks: list[run_folder.FolderLock] = []
+        self._notes: list[str] = []  # said once the logger exists
+        try:
+            self._lock_folders()  # those that exist already; fit() locks the ones it creates
+            self._build(stream)
+        except BaseException:
+            self._release_locks()
+            raise
+
+    def _build(self, stream) -> None:
+        cfg, rt = self.cfg, self.rt
+        self.precision = Precision(cfg.precision, self.device)
+        self.precision.configure_backends()
+        resume_from = self._find_resume()  # reads only: nothing is written before fit()
 
         # data: order from (seed, step) alone; each data-parallel rank reads its slice
         self.batch = resolve_batch(cfg.train, dp=rt.dims.dp, pp_microbatches=cfg.parallel.pp_microbatches)
@@ -113,8 +133,14 @@ class Trainer:
         self.schedule = LRSchedule(cfg.optim, cfg.train.steps)
         self.scaler = self.precision.scaler
         self.state_bytes: dict[str, int] | None = None  # measured during the first step
-        self.consecutive_skips = self.skipped_steps = self.spikes = 0
+        self.consecutive_skips = self.skipped_steps = self.spikes = self.applied_steps = 0
         self._loss_mean: float | None = None
+        self._early_losses: list[float] = []  # the first steps' losses: the divergence check's yardstick
+        self.early_loss: float | None = None
+        self._fault: str | None = None  # an I/O failure that stops the run after an emergency save
+        self._saving = False
+        self.run_id, self.lineage = self._shared((uuid.uuid4().hex[:12], [[uuid.uuid4().hex[:8], 0]]))
+        self.resumed_from: Path | None = None
         self._phase = "start-up"  # what the step is doing, named when a collective times out
         self.current_step = 0
 
@@ -124,8 +150,6 @@ class Trainer:
                                      progress=cfg.log.progress, stream=stream)
         if resume_from is not None:
             self._resume(resume_from)
-        elif cfg.checkpoint.resume == "auto" and self.rank == 0:
-            self._truncate_metrics(0)  # a run restarted before its first checkpoint begins again
         self._stop_signal: int | None = None
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops, self.peak_source = device_peak_flops(
@@ -142,19 +166,58 @@ class Trainer:
     # ---------------------------------------------------------------------------------------
     # set-up helpers
 
+    def _lock_folders(self) -> None:
+        """Rank 0 locks the run folder (and a separate checkpoint folder) if they exist; every
+        rank learns whether another run holds one."""
+        busy = None
+        if self.rank == 0:
+            for key, folder in (("log.run_dir", self.run_dir), ("checkpoint.dir", self.ckpt_dir)):
+                if not folder.is_dir() or any(lock.folder == folder for lock in self._locks):
+                    continue
+                if key == "checkpoint.dir" and not self.cfg.checkpoint.dir:
+                    continue  # inside the run folder, whose lock covers it
+                try:
+                    self._locks.append(run_folder.FolderLock(folder))
+                except run_folder.FolderBusy:
+                    busy = (f"{key} {folder} is in use by another scaletrain run (it holds the folder's lock); "
+                            f"wait for that run to end, or choose another {key} (nothing was changed)")
+                    break
+        if busy := self._shared(busy):
+            raise ConfigError(busy)
+
+    def _release_locks(self) -> None:
+        for lock in self._locks:
+            lock.release()
+        self._locks = []
+
     def _find_resume(self) -> Path | None:
         res = self.cfg.checkpoint.resume
         for name, folder in (("log.run_dir", self.run_dir), ("checkpoint.dir", self.ckpt_dir)):
             if folder.exists() and not folder.is_dir():
                 raise ConfigError(f"{name} {folder} is a file, not a folder; choose another {name}")
+        held = run_folder.holds_run(self.run_dir, self.ckpt_dir)
         if res == "auto":
-            return ckpt.latest_checkpoint(self.ckpt_dir)
+            found = ckpt.find_resumable(self.ckpt_dir, report=self._notes.append)
+            if found is None and held and not self.restart:
+                raise ConfigError(f"log.run_dir {self.run_dir} holds a run ({', '.join(held)}) but no complete "
+                                  "checkpoint to resume; choose another log.run_dir, or move that folder away to "
+                                  "start over (nothing was changed)")
+            return found
         if res != "none":
-            return Path(res)
+            path = Path(res)
+            state = ckpt.read_trainer_state(path)
+            own = path.resolve().parent == self.ckpt_dir.resolve()
+            owner = run_folder.run_id_of(self.run_dir)
+            if held and not own and (owner is None or owner != state.get("run_id")):
+                raise ConfigError(
+                    f"log.run_dir {self.run_dir} holds another run ({', '.join(held)}); resuming {path} there "
+                    "would mix two runs' metrics and checkpoints; set log.run_dir to a new folder, or resume one "
+                    f"of {self.ckpt_dir}'s own checkpoints (nothing was changed)")
+            return path
         if self.cfg.checkpoint.dir and ckpt.complete_checkpoints(self.ckpt_dir):
             raise ConfigError(f"checkpoint.dir {self.ckpt_dir} already holds checkpoints; set checkpoint.resume=auto "
                               "to continue from them, or choose another checkpoint.dir (nothing was changed)")
-        if ckpt.complete_checkpoints(self.ckpt_dir) or (self.run_dir / "metrics.jsonl").exists():
+        if held:
             raise ConfigError(f"log.run_dir {self.run_dir} already holds a run; set checkpoint.resume=auto "
                               "to continue it, or choose another log.run_dir (nothing was changed)")
         return None
@@ -173,23 +236,43 @@ class Trainer:
                     if saved_model.get(k) != v]
             raise CheckpointError(f"{path} was saved for another model shape: {', '.join(diff)}; "
                                   "resume with the model config it was saved with")
-        if state["data"]["global_batch"] != self.batch.global_batch or state["data"]["seed"] != self.cfg.train.seed:
+        data = state["data"]
+        if data["global_batch"] != self.batch.global_batch or data["seed"] != self.cfg.train.seed:
             raise CheckpointError(
-                f"{path} was trained with global batch {state['data']['global_batch']} and seed "
-                f"{state['data']['seed']}; resuming with {self.batch.global_batch} and {self.cfg.train.seed} "
+                f"{path} was trained with global batch {data['global_batch']} and seed "
+                f"{data['seed']}; resuming with {self.batch.global_batch} and {self.cfg.train.seed} "
                 "would change the data order; keep train.global_batch and train.seed")
+        if data.get("seq_len", self.cfg.data.seq_len) != self.cfg.data.seq_len:
+            raise CheckpointError(f"{path} was trained with data.seq_len={data['seq_len']}; resuming with "
+                                  f"data.seq_len={self.cfg.data.seq_len} would cut the data into other windows and "
+                                  "change its order; keep data.seq_len, or start a new run")
+        fingerprint = getattr(self.data, "fingerprint", None)
+        if data.get("fingerprint") and fingerprint and data["fingerprint"] != fingerprint:
+            if not self.cfg.checkpoint.allow_data_change:
+                raise CheckpointError(
+                    f"{path} was trained on other data ({data.get('source')}, fingerprint {data['fingerprint']}; "
+                    f"now {self.data.source}, {fingerprint}); resuming would silently continue on different "
+                    "tokens; set checkpoint.allow_data_change=true if that is what you want")
+            self._notes.append(f"the data changed since {path} (checkpoint.allow_data_change=true): continuing on "
+                               f"{self.data.source}")
+        if int(state["step"]) > self.cfg.train.steps:
+            raise CheckpointError(f"{path} is at step {state['step']}, past train.steps={self.cfg.train.steps}; set "
+                                  f"train.steps above {state['step']} to train on, or resume an earlier checkpoint")
         ckpt.init_optimizer_state(self.optimizer)
-        ckpt.load_tensors(path, self.checkpoint_tensors())
+        # resume=auto verified the files while choosing this checkpoint; a given path is verified here
+        ckpt.load_tensors(path, self.checkpoint_tensors(), verify=self.cfg.checkpoint.resume != "auto")
         ckpt.restore_optimizer_extras(self.optimizer, self.param_names, state["optimizer"])
         self._weights_from_state()
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.early_loss = state.get("early_loss")
+        # the run goes on under its own id, on a new branch that starts at this checkpoint
+        self.run_id = state.get("run_id") or self.run_id
+        self.lineage = (state.get("lineage") or []) + [[self.lineage[-1][0], self.step]]
+        self.resumed_from = path
         ckpt.load_rng(path, self.rank, self.world_size, state["world_size"])
-        if self.rank == 0:
-            self._truncate_metrics(self.step)
-        self.metrics.info(f"resumed from {path} at step {self.step}")
 
     def _weights_from_state(self) -> None:
         """Refresh what the model computes with from what the optimizer steps."""
@@ -198,14 +281,30 @@ class Trainer:
         self.dp.after_optimizer_step()  # ZeRO-1/2: gather the updated shards into every replica
 
     def _truncate_metrics(self, step: int) -> None:
-        """Drop metrics rows past the checkpoint: those steps are trained again."""
+        """Drop metrics rows past the checkpoint: those steps are trained again. A torn last row
+        (a crash mid-write) is dropped; rows of an abandoned branch are kept aside in a file."""
         f = self.run_dir / "metrics.jsonl"
-        if f.exists():
-            import json
-
-            rows = [line for line in f.read_text().splitlines() if line.strip()]
-            kept = [line for line in rows if json.loads(line)["step"] <= step]
-            f.write_text("".join(line + "\n" for line in kept))
+        if not f.exists():
+            return
+        kept, dropped, torn = [], [], 0
+        for line in f.read_text(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+                (kept if row["step"] <= step else dropped).append(line)
+            except (ValueError, TypeError, KeyError):
+                torn += line.strip() != ""
+        if torn:
+            self._notes.append(f"{f}: dropped {torn} unreadable row(s) (a write cut short by a crash)")
+        if not dropped and not torn:
+            return
+        head = ckpt.read_head(self.ckpt_dir)
+        if dropped and head is not None and head[1] > step:  # a rewind: those rows are another history
+            aside = self.run_dir / f"metrics.abandoned-after-step{step}.jsonl"
+            aside.write_text("".join(line + "\n" for line in dropped))
+            self._notes.append(f"rewinding to step {step}: the metrics of steps {step + 1}-{head[1]} are kept in {aside}")
+        tmp = f.with_name(".metrics.jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, f)
 
     def save(self) -> Path:
         _, skeleton = ckpt.optimizer_to_named(self.optimizer, self.param_names)
@@ -216,12 +315,20 @@ class Trainer:
             "schedule": {"kind": self.cfg.optim.schedule, "step": self.step, "peak_lr": self.lr},
             "scaler": self.scaler.state_dict() if self.scaler else None,
             "data": {"step": self.step, "seed": self.cfg.train.seed, "global_batch": self.batch.global_batch,
-                     "seq_len": self.cfg.data.seq_len, "source": self.data.source},
+                     "seq_len": self.cfg.data.seq_len, "source": self.data.source,
+                     "fingerprint": getattr(self.data, "fingerprint", None)},
             "optimizer": skeleton,
             "skipped_steps": self.skipped_steps,
+            "early_loss": self.early_loss,
+            "run_id": self.run_id,
+            "lineage": self.lineage,
         }
-        return ckpt.save_checkpoint(self.ckpt_dir, self.step, self.checkpoint_tensors(), state,
-                                    keep=self.cfg.checkpoint.keep)
+        self._saving = True
+        try:
+            return ckpt.save_checkpoint(self.ckpt_dir, self.step, self.checkpoint_tensors(), state,
+                                        keep=self.cfg.checkpoint.keep)
+        finally:
+            self._saving = False
 
     def _loader(self):
         b = self.batch
@@ -360,6 +467,7 @@ class Trainer:
             self._skipped(params, overflow, at_minimum)
         else:
             self.consecutive_skips = 0
+            self.applied_steps += 1
         self.dp.zero_grad(self.optimizer)
         if not skip:
             self._weights_from_state()
@@ -413,45 +521,95 @@ class Trainer:
 
     def fit(self) -> dict:
         cfg = self.cfg
+        self._install_signal_handlers()  # from here on a signal stops the run at a step's end, saved
+        try:
+            self._take_ownership()
+            self._announce()
+            result = self._loop()
+        finally:
+            self._restore_signal_handlers()
+            self._release_locks()
+        if result["stopped_by"] is None and cfg.train.sample_tokens:
+            if self.pipeline is not None:
+                self.metrics.info("sample: skipped, the model is split into pipeline stages "
+                                  "(export the checkpoint and sample it whole)")
+            elif self.rank == 0 or self._sample_on_all_ranks():
+                self.metrics.info("sample: " + self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens))
+        self.metrics.close()
+        return result
+
+    def _take_ownership(self) -> None:
+        """Make the run folder this run's: lock it, record the run's id and config, drop the
+        metrics rows that will be trained again, and move HEAD to where training continues."""
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.json").write_text(cfg.to_json())
-        self._announce()
-        self._install_signal_handlers()
+        self._lock_folders()
+        if self.rank != 0:
+            return
+        run_folder.write_identity(self.run_dir, self.run_id)
+        tmp = self.run_dir / ".config.json.tmp"
+        tmp.write_text(self.cfg.to_json())
+        os.replace(tmp, self.run_dir / "config.json")
+        if self.resumed_from is not None or self.restart:
+            self._truncate_metrics(self.step)  # a restart without a checkpoint begins again at step 0
+        if self.resumed_from is not None:
+            ckpt.write_head(self.ckpt_dir, self.lineage, self.step)
+            others = ckpt.off_lineage(self.ckpt_dir)
+            if others:
+                self._notes.append(f"kept but never resumed or rotated (another branch): "
+                                   f"{', '.join(p.name for p in others)}")
+            self.metrics.info(f"resumed from {self.resumed_from} at step {self.step}")
+        for note in self._notes:
+            self.metrics.info(note)
+        self._notes = []
+
+    def _loop(self) -> dict:
+        cfg = self.cfg
         losses: list[float] = []
         batches = iter(self._loader())
         window_t0, window_wait, window_steps = time.perf_counter(), 0.0, 0
-        last_saved = None
-        try:
-            while self.step < cfg.train.steps:
-                self.current_step = self.step + 1
-                if self.rt.progress is not None:
-                    self.rt.progress.step = self.current_step
-                set_lr(self.optimizer, self.lr * self.schedule(self.step))
-                local_loss, grad_norm, skipped, wait = self._guarded(self.train_step, batches)
-                self.step += 1
-                loss, stop = self._guarded(self._end_of_step, local_loss)
-                self._watch_loss(loss, skipped)
-                window_wait += wait
-                window_steps += 1
-                if self.step % cfg.log.every == 0 or self.step in (1, cfg.train.steps):
-                    elapsed = time.perf_counter() - window_t0
-                    row = self._guarded(self._metrics_row, loss, grad_norm, elapsed, window_wait, window_steps)
-                    losses.append(row["loss"])
-                    self.metrics.log(row)
-                    window_t0, window_wait, window_steps = time.perf_counter(), 0.0, 0
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                    self._enter("checkpoint save")
-                    last_saved = self._guarded(self.save)
-                if stop:
-                    break
-        finally:
-            self._restore_signal_handlers()
+        last_saved = self.resumed_from if self.resumed_from is not None and self.step >= cfg.train.steps else None
+        first_step = self.step
+        while self.step < cfg.train.steps:
+            self.current_step = self.step + 1
+            if self.rt.progress is not None:
+                self.rt.progress.step = self.current_step
+            set_lr(self.optimizer, self.lr * self.schedule(self.step))
+            local_loss, grad_norm, skipped, wait = self._guarded(self.train_step, batches)
+            self.step += 1
+            loss, stop = self._guarded(self._end_of_step, local_loss)
+            self._watch_loss(loss, skipped)
+            window_wait += wait
+            window_steps += 1
+            if self.step % cfg.log.every == 0 or self.step in (1, cfg.train.steps):
+                elapsed = time.perf_counter() - window_t0
+                row = self._guarded(self._metrics_row, loss, grad_norm, elapsed, window_wait, window_steps)
+                losses.append(row["loss"])
+                self._log(row)
+                window_t0, window_wait, window_steps = time.perf_counter(), 0.0, 0
+            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                self._enter("checkpoint save")
+                last_saved = self._guarded(self.save)
+            if stop:
+                break
+        if self.step > first_step and self.applied_steps == 0:
+            raise TrainingStopped(
+                f"every one of the {self.step - first_step} steps of this run was skipped (non-finite gradients"
+                f"{' or fp16 overflow' if self.scaler else ''}): the weights never changed; "
+                + ("lower precision.init_scale or train with precision.mode=bf16-mixed" if self.scaler else
+                   "lower optim.lr, or check the data and the model's initialisation"))
 
         stopped = self._stop_signal
-        want_final = stopped is not None or cfg.checkpoint.save_final
-        if want_final and (last_saved is None or last_saved.name != f"step_{self.step:08d}"):
-            last_saved = self.save()
+        if (self._fault or stopped is not None or cfg.checkpoint.save_final) and \
+                (last_saved is None or last_saved.name != f"step_{self.step:08d}"):
+            try:
+                last_saved = self.save()
+            except CheckpointError as e:
+                if self._fault:
+                    raise UserError(f"{self._fault}; the emergency checkpoint failed too: {e.lines[0]}") from None
+                raise
+        if self._fault:
+            raise UserError(f"{self._fault}; checkpoint {last_saved} was saved first, resume from it once there is room")
         if stopped is not None:
             self.metrics.info(f"stopped by {signal.Signals(stopped).name} after step {self.step}; "
                               f"checkpoint saved to {last_saved}")
@@ -460,16 +618,21 @@ class Trainer:
         if self.spikes:
             extra["loss spikes logged"] = self.spikes
         self.metrics.summary(extra)
-        if stopped is None and cfg.train.sample_tokens:
-            if self.pipeline is not None:
-                self.metrics.info("sample: skipped, the model is split into pipeline stages "
-                                  "(export the checkpoint and sample it whole)")
-            elif self.rank == 0 or self._sample_on_all_ranks():
-                self.metrics.info("sample: " + self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens))
-        self.metrics.close()
         return {"losses": losses, "history": self.metrics.history, "step": self.step,
                 "stopped_by": stopped, "checkpoint": str(last_saved) if last_saved else None,
                 "run_dir": str(self.run_dir)}
+
+    def _log(self, row: dict) -> None:
+        """Write a metrics row; if the file system refuses it (a full disk), the run stops after
+        this step with an emergency checkpoint, which every rank takes part in."""
+        if self._fault:
+            return
+        try:
+            self.metrics.log(row)
+        except OSError as e:
+            what = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+            self._fault = f"step {self.step}: writing metrics to {self.run_dir / 'metrics.jsonl'} failed: {what}"
+            self.metrics.enabled = False
 
     def _enter(self, phase: str) -> None:
         self._phase = phase
@@ -483,9 +646,23 @@ class Trainer:
             return fn(*args)
         except (RuntimeError, dist.DistError) as e:
             text = str(e)
+            if isinstance(e, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text:
+                raise ConfigError(self._describe_oom()) from None
             if not self.rt.distributed or not any(k in text for k in _COMM_FAILURES):
                 raise
             raise TrainingStopped(self._describe_comm_failure(text)) from None
+
+    def _describe_oom(self) -> str:
+        b = self.batch
+        where = f"step {self.current_step}: out of {self.device.type} memory on rank {self.rank} during {self._phase}"
+        if self._phase.startswith("forward"):
+            ac = self.cfg.memory.activation_checkpointing
+            fix = f"lower train.micro_batch (now {b.micro_batch}; gradient accumulation keeps the global batch)"
+            if ac != "full":
+                fix += f", or set memory.activation_checkpointing={'full' if ac == 'selective' else 'selective or full'}"
+            return f"{where} (activations of micro-batch {b.micro_batch} x data.seq_len {self.cfg.data.seq_len}); {fix}"
+        return (f"{where}; the model states do not fit: shard them (parallel.zero=2 or 3, tp, pp) or use a smaller "
+                "optimizer (optim.name=adafactor or adamw8bit); `scaletrain plan --config FILE` finds a layout")
 
     def _describe_comm_failure(self, text: str) -> str:
         step = self.current_step
@@ -502,20 +679,41 @@ class Trainer:
     def _end_of_step(self, local_loss: torch.Tensor) -> tuple[float, bool]:
         """The global batch's loss, and whether a signal reached any rank (then every rank stops
         after this same step): one small all-reduce for both."""
-        flag = float(self._stop_signal or 0)
+        flag = float(self._stop_signal or (1 if self._fault else 0))
         if not self.rt.distributed:
             return float(local_loss), bool(flag)
         self._enter("the end-of-step all-reduce of loss and stop flag")
         t = torch.stack([torch.tensor(flag, device=self.device), local_loss.float().reshape(())])
         dist.all_reduce(t)  # every rank's share of the loss; tensor-parallel ranks hold copies
-        if t[0] > 0:
+        if t[0] > 0 and not self._fault:
             self._stop_signal = self._stop_signal or signal.SIGTERM
         return float(t[1]) / self.rt.dims.tp, bool(t[0] > 0)
 
     def _watch_loss(self, loss: float, skipped: bool) -> None:
-        """Log a loss above log.spike_factor × its running mean (rank 0)."""
+        """Log a loss above log.spike_factor × its running mean; stop a run whose loss diverged:
+        above train.divergence_factor × its early value (the mean of the first 5 steps), or,
+        after warm-up, above ln(vocab_size) + train.divergence_margin, which is worse than a
+        model that guesses every token uniformly. Every rank sees the same global loss."""
         if skipped or not math.isfinite(loss):
             return
+        train = self.cfg.train
+        if train.divergence_factor:
+            if self.early_loss is None:
+                self._early_losses.append(loss)
+                if len(self._early_losses) == 5:
+                    self.early_loss = sum(self._early_losses) / 5
+            elif loss > train.divergence_factor * self.early_loss:
+                raise TrainingStopped(
+                    f"step {self.step}: the loss {loss:.4f} is {loss / self.early_loss:.1f}x its early value "
+                    f"{self.early_loss:.4f} (train.divergence_factor={train.divergence_factor:g}): the run diverged; "
+                    "lower optim.lr, raise optim.warmup_steps, or resume from an earlier checkpoint")
+            uniform = math.log(self.cfg.model.vocab_size)
+            if self.step > self.cfg.optim.warmup_steps and loss > uniform + train.divergence_margin:
+                raise TrainingStopped(
+                    f"step {self.step}: after warm-up the loss {loss:.4f} is above ln(vocab_size) + "
+                    f"train.divergence_margin = {uniform:.4f} + {train.divergence_margin:g}, worse than guessing "
+                    f"each of {self.cfg.model.vocab_size} tokens uniformly: the run diverged; lower optim.lr, "
+                    "raise optim.warmup_steps, or resume from an earlier checkpoint")
         factor = self.cfg.log.spike_factor
         if factor and self._loss_mean is not None and self.step > 10 and loss > factor * self._loss_mean:
             self.spikes += 1
@@ -531,6 +729,11 @@ class Trainer:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             peak = int(t.item())
         tokens_per_s = self.tokens_per_step * steps / elapsed
+        achieved = self.flops_per_token * tokens_per_s / self.world_size  # model FLOP/s per device
+        if self.device.type == "cpu" and achieved > self.peak_flops:  # the probe missed the true peak: raise it
+            from scaletrain.plan.hardware import raise_cpu_peak
+
+            self.peak_flops = raise_cpu_peak(self.precision.compute_dtype, achieved)
         row = {
             "step": self.step,
             "loss": float(loss),
@@ -538,7 +741,7 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": tokens_per_s / self.world_size,
-            "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size),
+            "mfu": achieved / self.peak_flops,
             "peak_mem_bytes": peak,
             "data_wait_frac": wait / elapsed,
             "step_time_s": elapsed / steps,
@@ -575,9 +778,15 @@ class Trainer:
 
     def _install_signal_handlers(self) -> None:
         self._old_handlers = {}
+        self._signals_received = 0
 
         def handler(signum, frame):
-            self._stop_signal = signum
+            self._signals_received += 1
+            if self._stop_signal is not None:
+                if self.rank == 0:
+                    print(f"scaletrain: {signal.Signals(signum).name} again: already stopping; the checkpoint "
+                          "save finishes first (SIGKILL would lose it)", file=sys.stderr, flush=True)
+            self._stop_signal = self._stop_signal or signum
 
         try:
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -587,7 +796,9 @@ class Trainer:
 
     def _restore_signal_handlers(self) -> None:
         for sig, old in self._old_handlers.items():
-            signal.signal(sig, old)
+            # a process stopped by a real signal is on its way out: ignore the next ones (SIG_IGN,
+            # which, unlike a Python handler, outlives the interpreter's own shutdown)
+            signal.signal(sig, signal.SIG_IGN if self._signals_received else old)
 
     @torch.no_grad()
     def sample(self, prompt: str, new_tokens: int) -> str:
