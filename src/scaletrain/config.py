@@ -42,8 +42,9 @@ class ModelConfig:
     vocab_size: int = option(256, "tokens in the vocabulary; 256 for the byte-level tokenizer", min=2)
     dim: int = option(256, "width of the residual stream", min=1)
     n_layers: int = option(4, "number of transformer blocks", min=1)
-    n_heads: int = option(4, "attention heads; must divide dim", min=1)
+    n_heads: int = option(4, "attention heads; must divide dim unless head_dim is set", min=1)
     n_kv_heads: int = option(0, "key/value heads for grouped-query attention; 0 = n_heads", min=0)
+    head_dim: int = option(0, "width of each attention head; 0 = dim / n_heads (Qwen3 sets it apart)", min=0)
     ffn_dim: int = option(0, "hidden width of the MLP; 0 = 4*dim (gelu) or 8/3*dim rounded up to 64 (swiglu)", min=0)
     norm: str = option("layernorm", "normalisation layer", choices=("layernorm", "rmsnorm"))
     norm_eps: float = option(1e-5, "epsilon of the normalisation layers", min=0.0)
@@ -51,9 +52,24 @@ class ModelConfig:
     position: str = option("learned", "position encoding: learned table (GPT-2) or rotary (Llama)",
                            choices=("learned", "rope"))
     rope_theta: float = option(10000.0, "rotary base frequency", min=1.0)
+    rope_scaling: str = option("none", "stretch the rotary frequencies for long contexts: linear (all divided by "
+                                       "rope_factor) or llama3 (Llama 3.1: low frequencies only)",
+                               choices=("none", "linear", "llama3"))
+    rope_factor: float = option(1.0, "rope_scaling: how much longer the context gets", min=1.0)
+    rope_low_freq_factor: float = option(1.0, "rope_scaling=llama3: wavelengths above original/this are divided "
+                                              "by rope_factor", min=0.0)
+    rope_high_freq_factor: float = option(4.0, "rope_scaling=llama3: wavelengths below original/this are kept",
+                                          min=0.0)
+    rope_original_max_seq_len: int = option(8192, "rope_scaling=llama3: the context length trained before scaling",
+                                            min=1)
     max_seq_len: int = option(128, "longest sequence the position encoding covers", min=1)
+    sliding_window: int = option(0, "the window of a model trained with sliding-window attention (Mistral); "
+                                    "scaletrain attends to the whole sequence, so data.seq_len may not exceed it; "
+                                    "0 = none", min=0)
     tie_embeddings: bool = option(True, "share the input embedding with the output head")
     bias: bool = option(False, "add biases to linear layers and LayerNorm")
+    qkv_bias: bool = option(False, "add biases to the query, key and value projections only (Qwen2)")
+    qk_norm: bool = option(False, "RMSNorm over each head of the queries and keys before the rotation (Qwen3)")
     dropout: float = option(0.0, "dropout on attention weights and residual branches", min=0.0, max=1.0, open_max=True)
     init_std: float = option(0.02, "std of the normal init; residual projections get std/sqrt(2*n_layers)", min=0.0)
 
@@ -65,8 +81,9 @@ class ModelConfig:
         return self.n_kv_heads or self.n_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def head_size(self) -> int:
+        """The width of each attention head in use: head_dim, or dim / n_heads."""
+        return self.head_dim or self.dim // self.n_heads
 
     @property
     def hidden_dim(self) -> int:
@@ -415,14 +432,31 @@ def _did_you_mean(word: str, choices: Iterable[str], prefix: str = "", suffix: s
 def check_combinations(cfg: JobConfig) -> list[str]:
     """Problems that involve more than one key. World-size checks come later (check_layout)."""
     m, errors = cfg.model, []
-    if m.dim % m.n_heads:
-        errors.append(f"model.n_heads={m.n_heads} must divide model.dim={m.dim}; "
+    if m.dim % m.n_heads and not m.head_dim:
+        errors.append(f"model.n_heads={m.n_heads} must divide model.dim={m.dim} (or set model.head_dim); "
                       f"try n_heads in {_divisors(m.dim, limit=64)}")
     if m.n_kv_heads and m.n_heads % m.n_kv_heads:
         errors.append(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}; "
                       f"try one of {_divisors(m.n_heads)}")
-    if m.position == "rope" and m.dim % m.n_heads == 0 and m.head_dim % 2:
-        errors.append(f"model.position=rope needs an even head dimension, but dim/n_heads = {m.head_dim}")
+    if m.position == "rope" and (m.head_dim or m.dim % m.n_heads == 0) and m.head_size % 2:
+        errors.append(f"model.position=rope needs an even head dimension, but "
+                      f"{'head_dim' if m.head_dim else 'dim/n_heads'} = {m.head_size}")
+    if m.rope_scaling != "none" and m.position != "rope":
+        errors.append(f"model.rope_scaling={m.rope_scaling} scales rotary positions; it needs model.position=rope")
+    if m.rope_scaling == "none" and m.rope_factor != 1.0:
+        errors.append(f"model.rope_factor={m.rope_factor} does nothing without model.rope_scaling; "
+                      "set rope_scaling to linear or llama3, or drop rope_factor")
+    llama3_only = [f"model.{k}" for k in ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
+                   if getattr(m, k) != getattr(ModelConfig, k)]
+    if m.rope_scaling != "llama3" and llama3_only:
+        errors.append(f"{', '.join(llama3_only)} apply to model.rope_scaling=llama3 only; set it, or drop them")
+    if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+        errors.append(f"model.rope_scaling=llama3 needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
+                      f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor}")
+    if m.sliding_window and cfg.data.seq_len > m.sliding_window:
+        errors.append(f"data.seq_len={cfg.data.seq_len} exceeds model.sliding_window={m.sliding_window}: scaletrain "
+                      f"attends to the whole sequence, which matches the model only up to its window; "
+                      f"lower data.seq_len to at most {m.sliding_window}")
     if cfg.data.seq_len > m.max_seq_len:
         errors.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
                       f"lower data.seq_len or raise model.max_seq_len")

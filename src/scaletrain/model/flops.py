@@ -15,12 +15,13 @@ from scaletrain.config import ModelConfig
 def matmul_params(cfg: ModelConfig) -> int:
     """Parameters that multiply activations: the linear layers and the output head.
     The input embedding is a lookup (no FLOPs); norms and biases are negligible and left out."""
-    d, kv = cfg.dim, cfg.kv_heads * cfg.head_dim
-    attn = d * d + 2 * d * kv + d * d  # wq, wk, wv, wo
+    d, kv, q = cfg.dim, cfg.kv_heads * cfg.head_size, cfg.n_heads * cfg.head_size
+    attn = d * q + 2 * d * kv + q * d  # wq, wk, wv, wo
     mlp = (3 if cfg.activation == "swiglu" else 2) * d * cfg.hidden_dim
     return cfg.n_layers * (attn + mlp) + d * cfg.vocab_size
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Forward + backward FLOPs per trained token."""
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * cfg.dim * seq_len
+    # the scores and their weighted sum run at the heads' width, n_heads * head_size (= dim unless set apart)
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_size * seq_len

@@ -46,10 +46,29 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     raise ValueError(f"unknown norm {cfg.norm!r}")
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, each (max_seq_len, head_dim // 2), in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """The rotation speed of each pair of a head, (head_size // 2,) in fp32: theta^(-2i/d),
+    stretched by `rope_scaling` for contexts longer than the model was first trained on."""
+    d = cfg.head_size
+    freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    if cfg.rope_scaling == "linear":  # positions / factor, the same as frequencies / factor
+        return freq / cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        # Llama 3.1: pairs that turn fast (wavelength < original / high) keep their speed, slow
+        # ones (wavelength > original / low) slow down by `factor`, those between blend the two
+        original, low, high = cfg.rope_original_max_seq_len, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        wavelength = 2 * math.pi / freq
+        blend = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 1 = keep, 0 = divide
+        scaled = (1 - blend) * freq / cfg.rope_factor + blend * freq
+        scaled = torch.where(wavelength < original / high, freq, scaled)
+        return torch.where(wavelength > original / low, freq / cfg.rope_factor, scaled)
+    return freq
+
+
+def rope_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each (max_seq_len, head_size // 2), in fp32."""
+    angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32),
+                         rope_frequencies(cfg, device))
     return angles.cos(), angles.sin()
 
 
@@ -65,12 +84,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.head_dim = cfg.head_dim
+        self.head_dim = cfg.head_size
         self.dropout = cfg.dropout
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
-        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
-        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.bias)
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
+        # Qwen3: one RMSNorm weight of head_dim shared by all heads, so it is the same on every
+        # tensor-parallel rank whatever heads the rank holds
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -78,6 +102,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
@@ -138,7 +164,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_emb.weight
         if cfg.position == "rope":
-            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            cos, sin = rope_tables(cfg)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -148,8 +174,7 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings and self.output is not None and self.tok_emb is not None:
             self.output.weight = self.tok_emb.weight
         if self.cfg.position == "rope":
-            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
-                                   device=device or self.rope_cos.device)
+            cos, sin = rope_tables(self.cfg, device=device or self.rope_cos.device)
             self.rope_cos, self.rope_sin = cos, sin
 
     def init_rule(self, name: str) -> InitRule:
@@ -167,6 +192,10 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab). A pipeline stage without the embedding
         takes hidden states (B, T, dim) instead, and one without the head returns them."""
+        if self.cfg.sliding_window and tokens.shape[1] > self.cfg.sliding_window:
+            # (config loading refuses data.seq_len past the window; this guards other callers)
+            raise ValueError(f"{tokens.shape[1]} tokens exceed the model's sliding window of "
+                             f"{self.cfg.sliding_window}, and this model attends to the whole sequence")
         h = self.tok_emb(tokens) if self.tok_emb is not None else tokens  # (B, T, dim)
         if self.pos_emb is not None and self.tok_emb is not None:
             h = h + self.pos_emb(torch.arange(h.shape[1], device=h.device))

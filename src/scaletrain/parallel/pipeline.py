@@ -85,8 +85,8 @@ def balanced_split_counts(n_layers: int, chunks: int, head_cost: float = 0.0) ->
 
 def head_cost_in_blocks(cfg: ModelConfig) -> float:
     """The output head's matmul FLOPs in units of one block's matmul FLOPs."""
-    d, kv = cfg.dim, cfg.kv_heads * cfg.head_dim
-    block = 2 * d * d + 2 * d * kv + (3 if cfg.activation == "swiglu" else 2) * d * cfg.hidden_dim
+    d, kv, q = cfg.dim, cfg.kv_heads * cfg.head_size, cfg.n_heads * cfg.head_size
+    block = 2 * d * q + 2 * d * kv + (3 if cfg.activation == "swiglu" else 2) * d * cfg.hidden_dim
     return cfg.vocab_size * d / block
 
 

@@ -5,7 +5,8 @@ Each block's matmuls are split over the `tp` ranks so that a block needs one col
 forward and one in backward per sub-layer:
 
     attention   wq, wk, wv column-parallel (each rank owns n_heads/tp query heads and
-                n_kv_heads/tp key/value heads) -> local attention -> wo row-parallel
+                n_kv_heads/tp key/value heads; their biases split alike; q/k norms, one
+                weight per head width, replicated) -> local attention -> wo row-parallel
     MLP         w1 (and w3) column-parallel -> activation -> w2 row-parallel
     embedding   rows (vocabulary) split; output head columns (vocabulary) split, and the loss is
                 computed on the vocabulary shards (`loss_parallel`): the full logits never exist
@@ -79,6 +80,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool,
         }
         if block.mlp.w3 is not None:
             plan["mlp.w3"] = ColwiseParallel()
+        if block.attn.q_norm is not None:
+            # q/k norms (Qwen3) act on each head: the rank's own heads are shards of dim 2, and
+            # their replicated weight gets its gradient summed over the ranks' heads
+            plan["attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if sequence_parallel:
             plan.update({
                 "attn_norm": SequenceParallel(),

@@ -71,15 +71,20 @@ class ParamCounts:
 
 
 def _layer_params(cfg: ModelConfig, tp: int) -> tuple[int, int, int, list]:
-    h, kv, f = cfg.dim, cfg.kv_heads * cfg.head_dim, cfg.hidden_dim
+    h, kv, f = cfg.dim, cfg.kv_heads * cfg.head_size, cfg.hidden_dim
+    q = cfg.n_heads * cfg.head_size  # = h unless head_dim is set apart
     n_ffn = 3 if cfg.activation == "swiglu" else 2
-    matmul = 2 * h * h + 2 * h * kv + n_ffn * h * f
+    matmul = 2 * h * q + 2 * h * kv + n_ffn * h * f
     sharded = matmul // tp
     replicated = (4 if cfg.norm == "layernorm" and cfg.bias else 2) * h
     if cfg.bias:
-        sharded += (h + 2 * kv + (n_ffn - 1) * f) // tp  # column-parallel biases
+        sharded += (q + 2 * kv + (n_ffn - 1) * f) // tp  # column-parallel biases
         replicated += 2 * h  # row-parallel biases (wo, w2)
-    mats = [(h // tp, h), (kv // tp, h), (kv // tp, h), (h, h // tp)] + \
+    elif cfg.qkv_bias:
+        sharded += (q + 2 * kv) // tp
+    if cfg.qk_norm:
+        replicated += 2 * cfg.head_size
+    mats = [(q // tp, h), (kv // tp, h), (kv // tp, h), (h, q // tp)] + \
            [(f // tp, h)] * (n_ffn - 1) + [(h, f // tp)]
     return sharded, replicated, matmul // tp, mats
 
@@ -170,13 +175,13 @@ def layer_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: 
     """Bytes scaletrain's layer keeps for backward, per micro-batch of b sequences, on one rank."""
     d = Dtypes.of(wl.precision)
     s, h, a = wl.seq_len, cfg.dim, cfg.n_heads
-    kv, f = cfg.kv_heads * cfg.head_dim, cfg.hidden_dim
+    kv, f, q = cfg.kv_heads * cfg.head_size, cfg.hidden_dim, cfg.n_heads * cfg.head_size
     s_loc = s / tp if sp else s  # the residual stream's tokens on this rank
     x = b * s_loc * h * d.residual  # the layer's input (the previous layer's output)
     if ac == "full":
         return x
-    qkv = b * s * (h + 2 * kv) / tp * d.compute
-    attn_out = b * s * h / tp * d.compute
+    qkv = b * s * (q + 2 * kv) / tp * d.compute
+    attn_out = b * s * q / tp * d.compute
     lse = b * a / tp * s * 4
     if wl.attention == "eager":  # materialized scores: softmax output (and the exp/mask kernels)
         lse = b * a / tp * s * s * d.compute
