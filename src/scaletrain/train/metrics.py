@@ -129,7 +129,11 @@ class MetricsLogger:
         self.info("-" * (width + 16))
 
     def close(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
+        """Close the files (idempotent); a flush the disk refuses (it is full) loses only that row."""
+        for f in (self._jsonl, self._tb):
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+        self._jsonl = self._tb = None

@@ -526,6 +526,9 @@ class Trainer:
             self._take_ownership()
             self._announce()
             result = self._loop()
+        except BaseException:
+            self.metrics.close()  # no file left open (a disk that cannot be unmounted, a torn row)
+            raise
         finally:
             self._restore_signal_handlers()
             self._release_locks()
