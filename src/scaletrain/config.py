@@ -39,6 +39,8 @@ OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
 @dataclass
 class ModelConfig:
     preset: str = option("", "a built-in shape (see `scaletrain.model.presets`); keys set here override it")
+    from_hf: str = option("", "a Hugging Face model folder (or its config.json) whose shape to take; keys set "
+                              "here override it")
     vocab_size: int = option(256, "tokens in the vocabulary; 256 for the byte-level tokenizer", min=2)
     dim: int = option(256, "width of the residual stream", min=1)
     n_layers: int = option(4, "number of transformer blocks", min=1)
@@ -92,6 +94,11 @@ class ModelConfig:
         if self.activation == "swiglu":
             return 64 * math.ceil(8 * self.dim / 3 / 64)
         return 4 * self.dim
+
+
+# the model keys that model.from_hf may fill (a saved config gives them all: then it is not read)
+_MODEL_SHAPE = tuple(f for f in dataclasses.fields(ModelConfig)
+                     if f.name not in ("preset", "from_hf", "dropout", "init_std"))
 
 
 @dataclass
@@ -338,6 +345,18 @@ def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[st
                           f"choose one of {', '.join(PRESETS)}")
         else:
             merged["model"] = {**PRESETS[preset], **merged["model"]}
+    # model.from_hf, likewise: the Hugging Face config fills the keys not given
+    from_hf = merged["model"].get("from_hf", "")
+    if from_hf and isinstance(from_hf, str):
+        if preset:
+            errors.append("model.preset and model.from_hf both give the model's shape; keep one of them")
+        elif any(f.name not in merged["model"] for f in _MODEL_SHAPE):  # a saved config gives them all
+            from scaletrain.model.hf import model_config_from_hf  # local: model imports this module
+
+            try:
+                merged["model"] = {**model_config_from_hf(from_hf), **merged["model"]}
+            except ConfigError as e:
+                errors.extend(f"model.from_hf: {line}" for line in e.lines)
 
     sections: dict[str, Any] = {}
     for name, cls in SECTIONS.items():

@@ -265,8 +265,11 @@ def verdict(diffs: list[StepDiff], steps: int, precision: str) -> tuple[bool, st
     worst_loss = max(diffs, key=lambda d: d.loss_rel)
     worst_norm = max(diffs, key=lambda d: d.grad_norm_rel)
     ok = worst_loss.loss_rel <= tol_loss and worst_norm.grad_norm_rel <= tol_norm
+    # where it starts going wrong (the largest difference may come later, or tie between steps)
+    first = next((d.step for d in diffs if d.loss_rel > tol_loss or d.grad_norm_rel > tol_norm), None)
     return ok, (f"largest relative difference: loss {worst_loss.loss_rel:.1e} at step {worst_loss.step}, grad norm "
-                f"{worst_norm.grad_norm_rel:.1e} at step {worst_norm.step}; {tolerance}: {'PASS' if ok else 'FAIL'}")
+                f"{worst_norm.grad_norm_rel:.1e} at step {worst_norm.step}; {tolerance}"
+                f"{f'; first step over it: {first}' if first else ''}: {'PASS' if ok else 'FAIL'}")
 
 
 def notes(diffs: list[StepDiff], steps: int) -> list[str]:

@@ -125,8 +125,8 @@ class ModelSource:
 
 
 def load_model(source: Any) -> ModelSource:
-    """Interpret a preset name, a TOML path, a Hugging Face config.json path, a ModelConfig or
-    an nn.Module."""
+    """Interpret a preset name, a TOML path, a Hugging Face config.json path (or model folder), a
+    ModelConfig or an nn.Module."""
     from torch import nn
 
     from scaletrain.model.presets import PRESETS
@@ -143,6 +143,8 @@ def load_model(source: Any) -> ModelSource:
     if text in PRESETS:
         return ModelSource(text, cfg=from_dict({"model": {"preset": text}, "data": {"seq_len": 1}}).model)
     path = Path(text)
+    if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face model folder
+        path = path / "config.json"
     if path.suffix == ".toml":
         raw = read_toml(path)
         section = raw.get("model", raw)
@@ -164,32 +166,11 @@ def _model_only(section: dict, where: str) -> ModelConfig:
 
 
 def hf_config_to_model(hf: dict, where: str = "config.json") -> ModelConfig:
-    """A Hugging Face decoder config (Llama, Mistral, Qwen2, GPT-2, ...) as a ModelConfig."""
+    """A Hugging Face decoder config (GPT-2, Llama, Mistral, Qwen2, Qwen3, and others read like
+    Llama) as a ModelConfig: the import's own mapping (head_dim, biases, q/k norms), without its
+    refusals of what changes the math but not the size."""
+    from scaletrain.model.hf import model_config_from_hf
+
     if not isinstance(hf, dict):
         raise ConfigError(f"{where}: expected a JSON object (a Hugging Face config.json), got {type(hf).__name__}")
-    kind = hf.get("model_type", "")
-    try:
-        if kind in ("gpt2",) or "n_embd" in hf:
-            section = dict(vocab_size=hf["vocab_size"], dim=hf["n_embd"], n_layers=hf["n_layer"], n_heads=hf["n_head"],
-                           max_seq_len=hf.get("n_positions", 1024), norm="layernorm",
-                           norm_eps=hf.get("layer_norm_epsilon", 1e-5), activation="gelu", position="learned",
-                           tie_embeddings=hf.get("tie_word_embeddings", True), bias=True,
-                           ffn_dim=hf.get("n_inner") or 4 * hf["n_embd"])
-        else:
-            act = hf.get("hidden_act", "silu")
-            section = dict(
-                vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-                n_heads=hf["num_attention_heads"],
-                n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-                ffn_dim=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 4096),
-                norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-5),
-                activation="swiglu" if act in ("silu", "swish") else "gelu",
-                position="rope", rope_theta=float(hf.get("rope_theta", 10000.0)),
-                tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                bias=bool(hf.get("attention_bias", False)))
-    except KeyError as e:
-        raise ConfigError(f"{where}: no {e.args[0]!r}; expected a decoder config with hidden_size, "
-                          "num_hidden_layers, num_attention_heads, intermediate_size, vocab_size") from None
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: a value has the wrong type ({e})") from None
-    return _model_only(section, where)
+    return _model_only(model_config_from_hf(hf, strict=False, where=where), where)
