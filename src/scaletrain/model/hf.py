@@ -498,56 +498,137 @@ def hf_state_dict(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
 
 
 def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: str = "the weights",
-                       dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+                       dtype: torch.dtype = torch.float32) -> Mapping[str, torch.Tensor]:
     """Hugging Face tensors (GPT-2 or Llama-like names, with or without the `transformer.` /
     `model.` prefix) as our parameters for `cfg`, each checked for its shape. A tensor the model
     has no place for is refused unless it is all zeros (a bias the model leaves out)."""
     gpt2 = any(k.split(".")[-2] in ("wte", "c_attn") for k in hf)
     prefix = "transformer." if gpt2 else "model."
-    left = {k if k.startswith((prefix, "lm_head.")) else prefix + k: t  # a base model saved without its prefix
-            for k, t in hf.items() if not _BUFFERS.search(k)}
+    left = {k if k.startswith((prefix, "lm_head.")) else prefix + k: k  # a base model saved without its prefix
+            for k in hf if not _BUFFERS.search(k)}
     used: set[str] = set()
 
-    def take(key: str, name: str) -> torch.Tensor:
+    def take(key: str, name: str) -> str:
         if key not in left:
             raise CheckpointError(f"{where}: no tensor {key} (for {name}); does the model's config describe this "
                                   "checkpoint? (take it with model.from_hf)")
         used.add(key)
         return left[key]
 
-    out: dict[str, torch.Tensor] = {}
-    for name, shape in _expected(cfg).items():
+    def convert(name: str, key: str, fused: int | None, transpose: bool) -> torch.Tensor:
+        t = hf[key]  # read here, when this parameter is loaded
+        if fused is not None:
+            if t.shape[-1] != 3 * cfg.dim:
+                raise CheckpointError(f"{where}: {key} has shape {tuple(t.shape)}, the model expects "
+                                      f"{3 * cfg.dim} q/k/v columns")
+            t = (t.t() if transpose else t).chunk(3, dim=0)[fused]
+        elif transpose:
+            t = t.t()  # Conv1D keeps (in, out)
+        heads = _rope_heads(name, cfg)
+        return (rows_hf_to_ours(t, heads) if heads else t).to(dtype).contiguous()
+
+    recipes: dict[str, tuple] = {}
+    for name in _expected(cfg):
         m = _NAME.match(name)
         block, leaf = (m.group(2), m.group(3)) if m else (None, None)
         if gpt2 and block in ("attn.wq", "attn.wk", "attn.wv"):
-            fused = take(f"transformer.h.{m.group(1)}.attn.c_attn.{leaf}", name)
-            if fused.shape[-1] != 3 * cfg.dim:
-                raise CheckpointError(f"{where}: transformer.h.{m.group(1)}.attn.c_attn.{leaf} has shape "
-                                      f"{tuple(fused.shape)}, the model expects {3 * cfg.dim} q/k/v columns")
-            t = fused.t() if leaf == "weight" else fused
-            t = t.chunk(3, dim=0)[("attn.wq", "attn.wk", "attn.wv").index(block)]
+            key = take(f"transformer.h.{m.group(1)}.attn.c_attn.{leaf}", name)
+            recipes[name] = (key, ("attn.wq", "attn.wk", "attn.wv").index(block), leaf == "weight")
         elif name == "output.weight" and _hf_name(name, gpt2) not in left:
-            t = take(_hf_name("tok_emb.weight", gpt2), name)  # the source ties its head: ours starts equal
+            recipes[name] = (take(_hf_name("tok_emb.weight", gpt2), name), None, False)  # the source ties its head
         else:
-            t = take(_hf_name(name, gpt2), name)
-            if gpt2 and leaf == "weight" and "norm" not in block:
-                t = t.t()  # Conv1D keeps (in, out)
-        if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"{where}: the tensor for {name} has shape {tuple(t.shape)}, the model expects "
-                                  f"{tuple(shape)}; take the model's shape from the checkpoint (model.from_hf)")
-        heads = _rope_heads(name, cfg)
-        out[name] = (rows_hf_to_ours(t, heads) if heads else t).to(dtype).contiguous()
+            recipes[name] = (take(_hf_name(name, gpt2), name), None, bool(gpt2 and leaf == "weight" and "norm" not in block))
+    shapes = _expected(cfg)
+    for name, (key, fused, transpose) in recipes.items():  # from the headers: no tensor is read yet
+        shape = _shape_of(hf, key)
+        if fused is not None:
+            if shape[-1] != 3 * cfg.dim:
+                raise CheckpointError(f"{where}: {key} has shape {shape}, the model expects {3 * cfg.dim} q/k/v columns")
+            shape = (shape[1] // 3, shape[0]) if transpose else (shape[0] // 3, *shape[1:])
+        elif transpose:
+            shape = shape[::-1]
+        if tuple(shape) != tuple(shapes[name]):
+            raise CheckpointError(f"{where}: the tensor for {name} has shape {tuple(shape)}, the model expects "
+                                  f"{tuple(shapes[name])}; take the model's shape from the checkpoint (model.from_hf)")
+    out = _Converted(shapes, {n: (lambda n=n, r=r: convert(n, *r)) for n, r in recipes.items()}, where)
     if cfg.tie_embeddings and "lm_head.weight" in left:
-        head, emb = left["lm_head.weight"], left[_hf_name("tok_emb.weight", gpt2)]
+        head, emb = hf[left["lm_head.weight"]], hf[left[_hf_name("tok_emb.weight", gpt2)]]
         if head.shape != emb.shape or not torch.equal(head, emb):
             raise CheckpointError(f"{where}: lm_head.weight differs from the embedding, but model.tie_embeddings=true "
                                   "shares one; set model.tie_embeddings=false")
         used.add("lm_head.weight")
     for key in sorted(set(left) - used):
-        if torch.count_nonzero(left[key]):
+        if torch.count_nonzero(hf[left[key]]):
             raise CheckpointError(f"{where}: tensor {key} has no place in the model; do model.bias, qkv_bias, "
                                   "qk_norm and n_layers match the checkpoint? (take them with model.from_hf)")
     return out
+
+
+def _shape_of(tensors: Mapping[str, torch.Tensor], key: str) -> tuple[int, ...]:
+    return tensors.shape(key) if isinstance(tensors, _SafetensorsFiles) else tuple(tensors[key].shape)
+
+
+class _Converted(Mapping):
+    """Our parameters by name, each converted from the source when it is asked for (and checked
+    against the model's shape then): loading a model holds one tensor at a time, and a rank that
+    holds some pipeline stages reads only theirs."""
+
+    def __init__(self, shapes: Mapping[str, torch.Size], makers: Mapping[str, Any], where: str):
+        self._shapes, self._makers, self._where = shapes, makers, where
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._makers[name]()
+        if tuple(t.shape) != tuple(self._shapes[name]):
+            raise CheckpointError(f"{self._where}: the tensor for {name} has shape {tuple(t.shape)}, the model "
+                                  f"expects {tuple(self._shapes[name])}; take the model's shape from the checkpoint "
+                                  "(model.from_hf)")
+        return t
+
+    def __iter__(self):
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+
+class _SafetensorsFiles(Mapping):
+    """The tensors of some safetensors files by name; only the headers are read up front, each
+    tensor when it is asked for (through the files' memory maps)."""
+
+    def __init__(self, files: list[Path]):
+        from safetensors import SafetensorError, safe_open
+
+        self._file: dict[str, Path] = {}
+        self.metadata: dict[str, str] = {}
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt") as sf:
+                    self.metadata.update(sf.metadata() or {})
+                    self._file.update(dict.fromkeys(sf.keys(), f))
+            except (OSError, SafetensorError) as e:
+                raise CheckpointError(f"{f}: cannot be read as safetensors ({e})") from None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        from safetensors import safe_open
+
+        with safe_open(str(self._file[key]), framework="pt") as sf:
+            return tuple(sf.get_slice(key).get_shape())
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        from safetensors import SafetensorError, safe_open
+
+        f = self._file[key]
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                return sf.get_tensor(key)
+        except (OSError, SafetensorError) as e:
+            raise CheckpointError(f"{f}: tensor {key} cannot be read ({e})") from None
+
+    def __iter__(self):
+        return iter(self._file)
+
+    def __len__(self) -> int:
+        return len(self._file)
 
 
 # --------------------------------------------------------------------------------------------
@@ -560,7 +641,7 @@ _SAME_MATH = ("norm", "norm_eps", "activation", "position", "rope_theta", "qk_no
 
 
 def load_hf_weights(source: str | Path, model_cfg: ModelConfig,
-                    dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+                    dtype: torch.dtype = torch.float32) -> Mapping[str, torch.Tensor]:
     """The full tensors of `source` under our parameter names, for a model of `model_cfg`.
 
     `source` is a Hugging Face model folder (model.safetensors, or shards listed in
@@ -569,21 +650,13 @@ def load_hf_weights(source: str | Path, model_cfg: ModelConfig,
     source carries its config (config.json beside it, or a scaletrain export's metadata), fields
     that change the math must agree with model_cfg: ConfigError names the first that does not."""
     try:
-        from safetensors import SafetensorError, safe_open
+        import safetensors  # noqa: F401
     except ImportError:
         raise CheckpointError("reading weights needs the safetensors package: pip install safetensors") from None
     path = Path(source)
     files, where = _weight_files(path)
-    tensors: dict[str, torch.Tensor] = {}
-    meta: dict[str, str] = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as sf:
-                meta.update(sf.metadata() or {})
-                for k in sf.keys():
-                    tensors[k] = sf.get_tensor(k)
-        except (OSError, SafetensorError) as e:
-            raise CheckpointError(f"{f}: cannot be read as safetensors ({e})") from None
+    tensors = _SafetensorsFiles(files)
+    meta = tensors.metadata
     if "scaletrain.model" in meta or "tok_emb.weight" in tensors:  # our own names
         if "scaletrain.model" in meta:
             try:
@@ -648,16 +721,16 @@ def _option(value: Any) -> str:
     return json.dumps(value) if isinstance(value, bool) else str(value)
 
 
-def _ours_checked(tensors: dict[str, torch.Tensor], cfg: ModelConfig, where: str,
-                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, shape in _expected(cfg).items():
+def _ours_checked(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, where: str,
+                  dtype: torch.dtype) -> Mapping[str, torch.Tensor]:
+    shapes = _expected(cfg)
+    for name in shapes:
         if name not in tensors:
             raise CheckpointError(f"{where}: no tensor {name}; does model.* describe this export?")
-        if tuple(tensors[name].shape) != tuple(shape):
-            raise CheckpointError(f"{where}: tensor {name} has shape {tuple(tensors[name].shape)}, the model "
-                                  f"expects {tuple(shape)}")
-        out[name] = tensors[name].to(dtype).contiguous()
+        if tuple(_shape_of(tensors, name)) != tuple(shapes[name]):
+            raise CheckpointError(f"{where}: tensor {name} has shape {tuple(_shape_of(tensors, name))}, the model "
+                                  f"expects {tuple(shapes[name])}")
+    out = _Converted(shapes, {n: (lambda n=n: tensors[n].to(dtype).contiguous()) for n in shapes}, where)
     extra = sorted(set(tensors) - set(out) - ({"output.weight"} if cfg.tie_embeddings else set()))
     if extra:
         raise CheckpointError(f"{where}: tensor {extra[0]} has no place in the model; does model.* describe "

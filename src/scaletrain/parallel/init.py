@@ -58,3 +58,24 @@ def init_weights(model: nn.Module, seed: int, rule_of=None) -> None:
             param.to_local().copy_(shard.to_local())
         else:
             param.copy_(full)
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, full_of, where: str) -> None:
+    """Fill every parameter of `model` from `full_of(canonical name)`, the whole tensor in fp32
+    on the CPU (read when asked, one at a time: a rank holding some pipeline stages reads only
+    their tensors, and host memory holds one tensor at a time). A sharded parameter keeps its
+    own shard of it, as `init_weights` does: every layout starts from the same numbers."""
+    for name, param in model.named_parameters():
+        cname = canonical_name(name)
+        full = full_of(cname)
+        if tuple(full.shape) != tuple(param.shape):
+            from scaletrain.errors import ConfigError
+
+            raise ConfigError(f"{where}: {cname} has shape {tuple(full.shape)} but the model's is "
+                              f"{tuple(param.shape)}; model.init_from must hold weights of this model's shape")
+        if isinstance(param, DTensor):
+            shard = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(shard.to_local())
+        else:
+            param.copy_(full)
