@@ -7,13 +7,13 @@ and exits with code 2; there is no traceback for those.
 from __future__ import annotations
 
 import argparse
-import errno
+import contextlib
 import os
 import signal
 import sys
 from typing import Sequence
 
-from scaletrain.errors import UserError
+from scaletrain.errors import UserError, user_error_from_os
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2, like our other user errors
@@ -37,13 +37,46 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
 
     if launch.is_worker():  # started by our launcher or by torchrun
         return _train_worker(cfg)
-    if args.nproc is None:
-        from scaletrain.train.trainer import Trainer
+    with _os_errors_name(_paths_of(cfg)):
+        if args.nproc is None:
+            from scaletrain.train.trainer import Trainer
 
-        if cfg.parallel.layout == "auto":
-            cfg = _auto(cfg, 1)
-        return _exit_code(Trainer(cfg).fit())
-    return _launch(args, cfg)
+            if cfg.parallel.layout == "auto":
+                cfg = _auto(cfg, 1)
+            if cfg.train.compile:
+                _check_compiler(cfg.train.device, 1)
+            return _exit_code(Trainer(cfg).fit())
+        return _launch(args, cfg)
+
+
+def _check_compiler(device_name: str, ranks: int) -> None:
+    """torch.compile's C++ compiler, checked before anything is built or written."""
+    from scaletrain.parallel.launch import pick_device
+    from scaletrain.parallel.parallelize import check_compiler
+
+    check_compiler(pick_device(device_name, 0, ranks))
+
+
+def _paths_of(cfg) -> dict[str, str]:
+    """The config's paths by option, to name the option in an OS error on one of them."""
+    resume = cfg.checkpoint.resume if cfg.checkpoint.resume not in ("none", "auto") else ""
+    return {"log.run_dir": cfg.log.run_dir, "checkpoint.dir": cfg.checkpoint.dir, "data.path": cfg.data.path,
+            "checkpoint.resume": resume}
+
+
+OUTPUT_OPTIONS = ("log.run_dir", "checkpoint.dir", "--out")  # what a write without a file name went to
+
+
+@contextlib.contextmanager
+def _os_errors_name(paths: dict):
+    """Turn an OS error on a user's path into one line that names the option it came from."""
+    try:
+        yield
+    except OSError as e:
+        error = user_error_from_os(e, paths, outputs=OUTPUT_OPTIONS)
+        if error is None:
+            raise
+        raise error from None
 
 
 def _auto(cfg, world: int):
@@ -70,6 +103,8 @@ def _launch(args: argparse.Namespace, cfg) -> int:
             raise LaunchError(f"{flag} must be at least 1, got {value}")
     world = args.nproc * args.nnodes
     launch.pick_device(cfg.train.device, 0, args.nproc)
+    if cfg.train.compile:  # every rank would fail the same way: say it once, here
+        _check_compiler(cfg.train.device, args.nproc)
     worker_args = _strip_launch_flags(args.argv[1:])
     if cfg.parallel.layout == "auto":  # choose once, here, and hand every rank the same layout
         cfg = _auto(cfg, world)
@@ -78,10 +113,35 @@ def _launch(args: argparse.Namespace, cfg) -> int:
     dims = ParallelDims.from_config(cfg.parallel, world)
     check_layout(cfg, dims)
     resolve_batch(cfg.train, dims.dp, cfg.parallel.pp_microbatches)
-    if not cfg.log.run_dir:  # every rank (and node) must write to the same folder
-        worker_args.append(f"--log.run_dir={default_run_dir()}")
+    run_dir = cfg.log.run_dir
+    if not run_dir:  # every rank (and node) must write to the same folder
+        run_dir = default_run_dir()
+        worker_args.append(f"--log.run_dir={run_dir}")
+    _check_writable({"log.run_dir": run_dir, "checkpoint.dir": cfg.checkpoint.dir})
     return launch.launch(worker_args, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-                         rdzv_endpoint=args.rdzv_endpoint or "", rdzv_id=args.rdzv_id, max_restarts=args.max_restarts)
+                         rdzv_endpoint=args.rdzv_endpoint or "", rdzv_id=args.rdzv_id, max_restarts=args.max_restarts,
+                         checkpoint_dir=cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+
+
+def _check_writable(paths: dict[str, str]) -> None:
+    """Refuse a folder on a read-only or full disk, or one we may not write to, before any rank
+    starts: on this node they would all fail on it, in a line each."""
+    import errno
+
+    for option, path in paths.items():
+        if not path:
+            continue
+        folder = os.path.abspath(path)
+        while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+            folder = os.path.dirname(folder)  # the folder it will be created in
+        if not os.path.isdir(folder):
+            continue  # the trainer names a file in the way
+        disk = os.statvfs(folder)
+        code = (errno.EROFS if disk.f_flag & os.ST_RDONLY else errno.EACCES if not os.access(folder, os.W_OK)
+                else errno.ENOSPC if disk.f_blocks and (disk.f_bfree if os.geteuid() == 0 else disk.f_bavail) == 0
+                else None)
+        if code is not None:
+            raise user_error_from_os(OSError(code, os.strerror(code), folder), {option: path})
 
 
 def _strip_launch_flags(argv: list[str]) -> list[str]:
@@ -99,8 +159,9 @@ def _strip_launch_flags(argv: list[str]) -> list[str]:
 
 
 def _train_worker(cfg) -> int:
-    from scaletrain.errors import UserError
     from scaletrain.parallel import launch
+
+    launch.die_with_launcher()  # first: a launcher killed from here on takes this rank with it
     from scaletrain.train.trainer import Trainer
 
     rank = int(os.environ.get("RANK", "0"))
@@ -112,11 +173,11 @@ def _train_worker(cfg) -> int:
         print(f"scaletrain: restart {restarts} of at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}: "
               "a rank failed; the group resumes from its newest complete checkpoint", file=sys.stderr, flush=True)
     try:
-        cfg, rt = launch.prepare_worker(cfg)
-        code = _exit_code(Trainer(cfg, rt).fit())
+        with _os_errors_name(_paths_of(cfg)):
+            cfg, rt = launch.prepare_worker(cfg)
+            code = _exit_code(Trainer(cfg, rt).fit())
     except BaseException as e:  # noqa: BLE001 - every failure is reported in a few lines
-        launch.record_worker_error(e, rank)
-        code = e.exit_code if isinstance(e, UserError) else 1
+        code = launch.record_worker_error(e, rank)
     launch.exit_worker(code)
 
 
@@ -128,8 +189,9 @@ def _prepare(args: argparse.Namespace, extra: list[str]) -> int:
     _no_extra(extra)
     from scaletrain.data.prepare import prepare
 
-    meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                   tokenizer_file=args.tokenizer_file, text_key=args.text_key, shard_tokens=args.shard_tokens)
+    with _os_errors_name({"--out": args.out}):
+        meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                       tokenizer_file=args.tokenizer_file, text_key=args.text_key, shard_tokens=args.shard_tokens)
     print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}, {len(meta['shards'])} shard(s), "
           f"{meta['num_documents']:,} documents, vocabulary {meta['tokenizer']['vocab_size']}) to {args.out}")
     return 0
@@ -138,8 +200,11 @@ def _prepare(args: argparse.Namespace, extra: list[str]) -> int:
 def _export(args: argparse.Namespace, extra: list[str]) -> int:
     _no_extra(extra)
     from scaletrain.train.export import export_safetensors
+    from scaletrain.train.export_hf import export_hf
 
-    out = export_safetensors(args.checkpoint, args.out)
+    with _os_errors_name({"--out": args.out, "checkpoint": args.checkpoint}):
+        out = export_hf(args.checkpoint, args.out) if args.format == "hf" else \
+            export_safetensors(args.checkpoint, args.out)
     print(f"wrote {out}")
     return 0
 
@@ -309,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--node-rank", type=int, help="this node's rank, for a fixed rendezvous at --rdzv-endpoint")
     g.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, reachable from every node")
     g.add_argument("--rdzv-id", default="scaletrain",
-                   help="job name shared by the nodes of one job (default scaletrain); jobs sharing an endpoint need distinct ones")
+                   help="job name shared by the nodes of one job (default scaletrain); each job needs its own "
+                        "--rdzv-endpoint port")
     g.add_argument("--max-restarts", type=int, default=0, help="restart the group this often after a failure")
     p.set_defaults(func=_train, takes_overrides=True)
 
@@ -374,7 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a checkpoint's model weights to safetensors")
     p.add_argument("checkpoint", help="a checkpoint folder (runs/.../checkpoints/step_*)")
-    p.add_argument("--out", required=True, help="output .safetensors file")
+    p.add_argument("--out", required=True, help="output .safetensors file, or folder with --format hf")
+    p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                   help="safetensors: one file, scaletrain names; hf: a Hugging Face model folder (config.json, "
+                        "safetensors, generation_config, the data's tokenizer) that transformers loads with no code")
     p.set_defaults(func=_export, takes_overrides=False)
 
     p = sub.add_parser("verify", help="check a layout against one process, step by step",
@@ -450,14 +519,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in e.lines:
             print(f"scaletrain: error: {line}", file=sys.stderr)
         return e.exit_code
-    except OSError as e:
-        if e.errno != errno.ENAMETOOLONG:  # a path from the user that the file system refuses outright
+    except OSError as e:  # a read-only, full or missing path the user gave: one line; anything else is ours
+        error = user_error_from_os(e)
+        if error is None:
             raise
-        name = str(e.filename or "")
-        print(f"scaletrain: error: path {name[:60]}{'...' if len(name) > 60 else ''} is too long for the "
-              "file system; use a shorter one", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
+        print(f"scaletrain: error: {error.lines[0]}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:  # before or after the trainer, which handles SIGINT itself
+        print("scaletrain: stopped by SIGINT", file=sys.stderr)
         return 128 + signal.SIGINT
 
 

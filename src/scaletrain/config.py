@@ -117,7 +117,7 @@ class TrainConfig:
     global_batch: int = option(0, "sequences per optimizer step over all ranks; 0 = derive", min=0)
     micro_batch: int = option(0, "sequences per forward pass on one rank; 0 = derive (32 if nothing is given)", min=0)
     grad_accum: int = option(0, "micro-batches accumulated per step; 0 = derive", min=0)
-    seed: int = option(1234, "seeds weights (by parameter name) and data order (by step)", min=0)
+    seed: int = option(1234, "seeds weights (by parameter name) and data order (by step)", min=0, max=2**63 - 1)
     device: str = option("auto", "where to train: auto = cuda if available, else cpu", choices=("auto", "cpu", "cuda"))
     compile: bool = option(False, "torch.compile each transformer block")
     grad_clip: float = option(1.0, "clip gradients to this global L2 norm; 0 = off", min=0.0)
@@ -187,7 +187,7 @@ class ParallelConfig:
     zero: int = option(0, "ZeRO stage: 0 = DDP, 1 = shard optimizer state, 2 = + gradients, "
                           "3 = + parameters (FSDP)", min=0, max=3)
     bucket_mb: float = option(25.0, "gradient bucket size for the overlapped reductions (zero 0-2)", min=0.001)
-    timeout_s: int = option(600, "a collective that waits longer than this fails the job", min=1)
+    timeout_s: int = option(600, "a collective that waits longer than this fails the job", min=1, max=7 * 24 * 3600)
 
 
 @dataclass

@@ -17,8 +17,10 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -29,8 +31,11 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config import JobConfig
-from scaletrain.errors import LaunchError, UserError
+from scaletrain.errors import LaunchError, TrainingStopped, UserError, user_error_from_os
 from scaletrain.parallel.dims import ParallelDims
+
+LAUNCHER_PID_ENV = "SCALETRAIN_LAUNCHER_PID"  # lets a worker see that its launcher died before it could ask to follow
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # a rank stopped by one saved a checkpoint and exits 128 + it
 
 
 @dataclass
@@ -98,9 +103,28 @@ def init_worker(cfg: JobConfig) -> Runtime:
     return prepare_worker(cfg)[1]
 
 
+def die_with_launcher() -> None:
+    """Have Linux send this worker SIGTERM when the process that started it (the launcher, whose
+    elastic agent is the workers' parent) dies, even by SIGKILL: no rank outlives its launcher.
+    SIGTERM, not SIGKILL: a training rank finishes its step and saves a checkpoint first."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher and os.getppid() != int(launcher):  # it died before the call above: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def prepare_worker(cfg: JobConfig) -> tuple[JobConfig, Runtime]:
     """Join the process group, let rank 0 choose the layout if it is `auto` (every rank gets
     the same), and build the mesh. Returns the config as it will run."""
+    die_with_launcher()
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     local_rank = int(env["LOCAL_RANK"])
@@ -194,8 +218,11 @@ def exit_worker(code: int) -> None:
 # The parent: starting workers
 
 
-def record_worker_error(e: BaseException, rank: int) -> None:
-    """Print the error in a few lines and leave it where the launcher looks for it."""
+def record_worker_error(e: BaseException, rank: int) -> int:
+    """Print the error in a few lines and leave it where the launcher looks for it; returns the
+    exit code for the worker (2 for a user error, an OS error on a user's path included)."""
+    if isinstance(e, OSError) and (mapped := user_error_from_os(e)) is not None:
+        e = mapped
     if isinstance(e, UserError):
         text = "; ".join(e.lines)
     else:
@@ -203,6 +230,7 @@ def record_worker_error(e: BaseException, rank: int) -> None:
         where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         text = f"{type(e).__name__}: {first} (at {where})"
+    code = e.exit_code if isinstance(e, UserError) else 1
     print(f"scaletrain: error: rank {rank}: {text}", file=sys.stderr, flush=True)
     if _progress is not None:  # the other ranks leave now rather than at their collective timeout
         _progress.abort()
@@ -210,17 +238,33 @@ def record_worker_error(e: BaseException, rank: int) -> None:
     if path:
         with open(path, "w") as f:
             json.dump({"message": text, "timestamp": int(time.time()), "scaletrain_time": time.time(),
-                       "user_error": isinstance(e, UserError), "rank": rank,
-                       "exit_code": e.exit_code if isinstance(e, UserError) else 1}, f)
+                       "user_error": isinstance(e, UserError), "rank": rank, "exit_code": code,
+                       "final": _restart_would_repeat(e)}, f)
+    return code
+
+
+def _restart_would_repeat(e: BaseException) -> bool:
+    """A user error (bad input) or a diverged training fails the same way after a restart; a
+    rank that stopped participating (its TrainingStopped comes from a communication error) is
+    what --max-restarts is for."""
+    if not isinstance(e, UserError):
+        return False
+    return not (isinstance(e, TrainingStopped) and isinstance(e.__context__, RuntimeError))
 
 
 def launch(worker_args: list[str], *, nproc: int, nnodes: int = 1, node_rank: int | None = None,
            rdzv_endpoint: str = "", rdzv_id: str = "scaletrain", max_restarts: int = 0,
-           monitor_interval: float = 0.1,
+           monitor_interval: float = 0.1, checkpoint_dir: str | Path | None = None,
            program: tuple[str, ...] = ("-m", "scaletrain", "train")) -> int:
     """Start `python PROGRAM WORKER_ARGS` (by default `scaletrain train`) on `nproc` local ranks;
-    return the exit code."""
-    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+    return the exit code.
+
+    SIGINT or SIGTERM to this process reaches every rank, which finishes its step and saves a
+    checkpoint (the elastic agent waits 30 s for them); the exit code is then 128 + the signal
+    and one line names `checkpoint_dir`'s newest checkpoint. A failure that a restart would only
+    repeat (a user error, a diverged training, a stop by signal) ends the job whatever
+    `max_restarts` says."""
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -230,8 +274,9 @@ def launch(worker_args: list[str], *, nproc: int, nnodes: int = 1, node_rank: in
         raise LaunchError(f"--nnodes must be at least 1, got {nnodes}")
     if nnodes > 1 and not rdzv_endpoint:
         raise LaunchError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT, reachable from every node")
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)  # we report failures ourselves, briefly
+    for name in ["torch.distributed.elastic", "torch.distributed.launcher", *logging.Logger.manager.loggerDict]:
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)  # we report failures ourselves, briefly
 
     local_addr = None
     if node_rank is not None:  # fixed node ranks: like torchrun --master-addr/--master-port
@@ -247,25 +292,101 @@ def launch(worker_args: list[str], *, nproc: int, nnodes: int = 1, node_rank: in
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=max_restarts,
         monitor_interval=monitor_interval, logs_specs=DefaultLogsSpecs(log_dir=log_dir), start_method="spawn",
         local_addr=local_addr)
-    env_before = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME")}
+    env_before = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", LAUNCHER_PID_ENV)}
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     if env_before["OMP_NUM_THREADS"] is None:  # share the cores among the local ranks, don't oversubscribe
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     if env_before["GLOO_SOCKET_IFNAME"] is None:  # gloo talks over the interface that reaches the others
         interface = _interface_towards(local_addr or endpoint.rsplit(":", 1)[0])
         if interface:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
+    started = time.time()
+    handlers = _signal_handlers()  # the elastic agent replaces them with its own
     try:
-        with _stores_bound_to_their_host():
+        with _stores_bound_to_their_host(endpoint), _no_restart_after_final_failures():
             elastic_launch(config, entrypoint=sys.executable)(*program, *worker_args)
+    except SignalException as e:  # the agent has passed the signal on and waited for the ranks
+        print(_stop_line(signal.Signals(e.sigval), checkpoint_dir, started), file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
+        stopped = {f.exitcode for f in e.failures.values()}
+        if len(stopped) == 1 and (code := stopped.pop()) - 128 in STOP_SIGNALS:  # the ranks were signalled
+            print(_stop_line(signal.Signals(code - 128), checkpoint_dir, started), file=sys.stderr, flush=True)
+            return code
         print(f"scaletrain: error: {_first_failure(e, log_dir)}", file=sys.stderr, flush=True)
         return _reported_exit_code(log_dir)
     finally:
+        _restore_signal_handlers(handlers)
         for key, value in env_before.items():
             if value is None:
                 os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         shutil.rmtree(log_dir, ignore_errors=True)
     return 0
+
+
+def _stop_line(sig: signal.Signals, checkpoint_dir, since: float) -> str:
+    """One line after a stop by signal: which checkpoint the ranks left."""
+    from scaletrain.train import checkpoint as ckpt
+
+    try:
+        latest = ckpt.latest_checkpoint(Path(checkpoint_dir)) if checkpoint_dir else None
+    except (UserError, OSError):  # unreadable: say what is known, in one line still
+        latest = None
+    if latest is not None and latest.stat().st_mtime >= since:
+        return (f"scaletrain: stopped by {sig.name}: the ranks finished their step and saved {latest}; continue "
+                "with the same log.run_dir and --checkpoint.resume=auto")
+    if checkpoint_dir is None:
+        return f"scaletrain: stopped by {sig.name}: the ranks were told to finish their step and save a checkpoint"
+    return f"scaletrain: stopped by {sig.name} before the ranks saved a checkpoint in {checkpoint_dir}"
+
+
+def _signal_handlers() -> dict:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
+
+
+def _restore_signal_handlers(handlers: dict) -> None:
+    for sig, handler in handlers.items():
+        if handler is not None:
+            signal.signal(sig, handler)
+
+
+def _final_failure(failure) -> bool:
+    """Whether a rank failed in a way that a restart would only repeat (see record_worker_error):
+    its report says so, or it exited with code 2 (a user error) or 128 + SIGINT/SIGTERM (it was
+    stopped by a signal and saved a checkpoint)."""
+    if failure.exitcode == 2 or failure.exitcode - 128 in STOP_SIGNALS:
+        return True
+    try:
+        with open(failure.error_file) as f:
+            return json.load(f).get("final") is True
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
+
+
+@contextlib.contextmanager
+def _no_restart_after_final_failures():
+    """The elastic agent restarts the group after any failure while restarts are left; after a
+    final one (a user error, a diverged run, a stop by signal) leave none, so the job ends with
+    that failure's exit code. Torch disables restarts the same way for a rank stuck in D-state."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    original = LocalElasticAgent._monitor_workers
+
+    def monitor(agent, worker_group):
+        result = original(agent, worker_group)
+        if result.is_failed() and any(_final_failure(f) for f in result.failures.values()):
+            agent._remaining_restarts = 0
+        return result
+
+    LocalElasticAgent._monitor_workers = monitor
+    try:
+        yield
+    finally:
+        LocalElasticAgent._monitor_workers = original
 
 
 def _interface_towards(host: str) -> str | None:
@@ -295,9 +416,11 @@ def _interface_towards(host: str) -> str | None:
 
 
 @contextlib.contextmanager
-def _stores_bound_to_their_host():
+def _stores_bound_to_their_host(endpoint: str):
     """PyTorch's rendezvous and agent stores listen on every interface of the machine; bind each
-    to the address it was given (loopback for one node, the --rdzv-endpoint host otherwise)."""
+    to the address it was given (loopback for one node, the --rdzv-endpoint host otherwise).
+    A port that cannot be bound (in use, privileged) is refused in one line: each job needs its
+    own rendezvous port on the host that listens on it."""
     import socket
 
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
@@ -316,8 +439,12 @@ def _stores_bound_to_their_host():
                                                              type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(4096)
+        try:
+            sock.bind(address)
+            sock.listen(4096)
+        except OSError as e:
+            sock.close()
+            raise _port_error(e, given["host_name"], given["port"], endpoint) from None
         given["port"] = sock.getsockname()[1]
         given["master_listen_fd"] = sock.detach()
         return original(**given)
@@ -327,6 +454,21 @@ def _stores_bound_to_their_host():
         yield
     finally:
         dist.TCPStore, c10d_rendezvous_backend.TCPStore = original, original
+
+
+def _port_error(e: OSError, host: str, port: int, endpoint: str) -> LaunchError:
+    import errno
+
+    what = f"--rdzv-endpoint {endpoint}" if endpoint.endswith(f":{port}") else f"rendezvous address {host}:{port}"
+    if e.errno == errno.EADDRINUSE:
+        return LaunchError(f"{what}: port {port} is already in use on this machine (another job or program "
+                           "listens there); give this job a free port: jobs cannot share a rendezvous port, even "
+                           "with distinct --rdzv-id")
+    if e.errno == errno.EACCES:
+        return LaunchError(f"{what}: permission denied to listen on port {port} (ports below 1024 need root); "
+                           "choose a port above 1023")
+    return LaunchError(f"{what}: cannot listen on {host}:{port} ({e.strerror or e}); give an address of this "
+                       "machine and a free port")
 
 
 def _reports(log_dir: str) -> list[dict]:

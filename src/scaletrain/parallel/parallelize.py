@@ -10,13 +10,14 @@ data-parallel strategy.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from scaletrain.config import JobConfig
-from scaletrain.errors import LaunchError
+from scaletrain.errors import ConfigError, LaunchError
 from scaletrain.memory import apply_activation_checkpointing
 from scaletrain.parallel import pipeline
 from scaletrain.parallel.data_parallel import (DataParallel, DDPDataParallel, FSDPDataParallel,
@@ -45,8 +46,29 @@ class ParallelModel:
         return self.num_stages - 1 in self.stage_ids
 
 
+def check_compiler(device: torch.device) -> None:
+    """torch.compile on the CPU builds its kernels with a C++ compiler; without one the first
+    step fails deep inside inductor. Look for it the way inductor does (env CXX, else g++ on
+    PATH) and refuse up front."""
+    if device.type != "cpu":
+        return
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:  # a PyTorch that finds its compiler some other way: let it
+        return
+    try:
+        get_cpp_compiler()  # cached: inductor gets the same answer later
+    except Exception:  # noqa: BLE001 - InvalidCxxCompiler, or a CXX that cannot even be started
+        cxx = os.environ.get("CXX")
+        looked = f"CXX={cxx!r}" if cxx is not None else "g++ on PATH (or env CXX)"
+        raise ConfigError(f"train.compile=true on the CPU needs a C++ compiler and none works here (looked for "
+                          f"{looked}); set train.compile=false, or install g++ / point CXX at a compiler") from None
+
+
 def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precision) -> ParallelModel:
     dims, par, zero = rt.dims, cfg.parallel, cfg.parallel.zero
+    if cfg.train.compile:
+        check_compiler(rt.device)
     compute_bf16 = precision.compute_dtype if precision.compute_dtype == torch.bfloat16 else None
 
     # 1. pipeline: this rank's stages, each a copy of the model with the other layers deleted

@@ -6,14 +6,16 @@ the model config travels in the file's metadata under "scaletrain.model".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
 
 from scaletrain.config import from_dict
-from scaletrain.errors import CheckpointError
+from scaletrain.errors import CheckpointError, UserError, user_error_from_os
 from scaletrain.model.transformer import Transformer
 from scaletrain.train import checkpoint as ckpt
 
@@ -32,20 +34,57 @@ def load_model_from_checkpoint(path: str | Path) -> Transformer:
 
 
 def export_safetensors(path: str | Path, out: str | Path) -> Path:
+    """Write checkpoint `path`'s weights to the file `out`, whole or not at all: they go to a
+    hidden file beside it, renamed when complete and removed on any failure."""
     try:
         from safetensors.torch import save_file
     except ImportError:
         raise CheckpointError("export needs the safetensors package: pip install safetensors") from None
     out = Path(out)
-    if out.exists():
-        raise CheckpointError(f"{out} already exists; choose another --out (nothing was overwritten)")
+    _check_target(out)  # before the checkpoint is read
     model = load_model_from_checkpoint(path)
     # named_parameters lists a tied weight once, under its first name (tok_emb.weight)
     weights = {name: p.detach().contiguous() for name, p in model.named_parameters()}
     meta = {"scaletrain.model": json.dumps(from_dict(ckpt.read_trainer_state(path)["config"]).to_dict()["model"]),
             "format": "pt"}
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    save_file(weights, str(tmp), metadata=meta)
-    os.replace(tmp, out)
+    try:
+        save_file(weights, str(tmp), metadata=meta)
+        os.replace(tmp, out)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        code = e.errno if isinstance(e, OSError) else _os_error_code(e)
+        if code is not None and (error := user_error_from_os(OSError(code, os.strerror(code), str(out)),
+                                                             {"--out": out})) is not None:
+            raise error from None
+        raise
     return out
+
+
+def _os_error_code(e: BaseException) -> int | None:
+    """The errno inside safetensors' own error type ("I/O error: ... (os error 28)")."""
+    found = re.search(r"\(os error (\d+)\)", str(e)) if type(e).__name__ == "SafetensorError" else None
+    return int(found.group(1)) if found else None
+
+
+def _check_target(out: Path) -> None:
+    if out.is_dir():
+        raise UserError(f"--out {out} is a folder; give a file name, e.g. {out / 'model.safetensors'}")
+    if out.exists() or out.is_symlink():
+        raise UserError(f"--out {out} already exists; choose another --out (nothing was overwritten)")
+    folder = out.parent
+    if not folder.exists():
+        raise UserError(f"--out {out}: the folder {folder} does not exist; create it or choose another --out")
+    if not folder.is_dir():
+        raise UserError(f"--out {out}: {folder} is a file, not a folder; choose another --out")
+    if not os.access(folder, os.W_OK):  # read-only disk or no permission (root passes the latter)
+        reason = "is on a read-only file system" if _read_only(folder) else "is not writable (permission denied)"
+        raise UserError(f"--out {out}: the folder {folder} {reason}; choose another --out")
+
+
+def _read_only(folder: Path) -> bool:
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
