@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from scaletrain.errors import CheckpointError, ConfigError
+from scaletrain.errors import CheckpointError, ConfigError, UserError
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.export import export_safetensors, load_model_from_checkpoint
 from scaletrain.train.trainer import Trainer
@@ -137,7 +137,7 @@ def test_export_safetensors(tmp_path):
     assert set(weights) == {n for n, _ in model.named_parameters()}
     for n, p in model.named_parameters():
         assert torch.equal(weights[n], p)
-    with pytest.raises(CheckpointError, match="already exists"):
+    with pytest.raises(UserError, match="already exists"):
         export_safetensors(path, out)
 
 

@@ -411,3 +411,27 @@ def test_out_of_memory_in_activations_is_one_line_with_the_fix(tmp_path):
         "step 1: out of cpu memory on rank 0 during forward/backward (activations of micro-batch 256 x data.seq_len "
         "1024); lower train.micro_batch (now 256; gradient accumulation keeps the global batch), or set "
         "memory.activation_checkpointing=selective or full")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_before_training_starts_says_no_checkpoint_was_written(tmp_path, monkeypatch, capsys, sig):
+    """A real signal, delivered while the trainer is still being built (opening the data):
+    nothing was trained or saved, so the exit code is 3, not 128+N, and the line says so."""
+    from scaletrain import cli
+    from scaletrain.train import trainer as trainer_module
+
+    real_open = trainer_module.open_data
+
+    def open_then_signal(*args, **kwargs):
+        os.kill(os.getpid(), sig)
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "open_data", open_then_signal)
+    run = tmp_path / "run"
+    code = cli.main(["train", *CLI_MICRO, "--train.steps=3", f"--log.run_dir={run}"])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert err.strip().splitlines() == [f"scaletrain: error: stopped by {sig.name} before training started: no "
+                                        "checkpoint was written"]
+    assert not run.exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # main put its handler back

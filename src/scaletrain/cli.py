@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 from typing import Sequence
 
 from scaletrain.errors import UserError, user_error_from_os
@@ -175,14 +176,21 @@ def _train_worker(cfg) -> int:
     try:
         with _os_errors_name(_paths_of(cfg)):
             cfg, rt = launch.prepare_worker(cfg)
-            code = _exit_code(Trainer(cfg, rt).fit())
+            code = _exit_code(Trainer(cfg, rt, restart=restarts > 0).fit())
     except BaseException as e:  # noqa: BLE001 - every failure is reported in a few lines
         code = launch.record_worker_error(e, rank)
     launch.exit_worker(code)
 
 
 def _exit_code(result: dict) -> int:
-    return 0 if result["stopped_by"] is None else 128 + int(result["stopped_by"])
+    if result["stopped_by"] is None:
+        return 0
+    # stopped by a signal and saved: this process is on its way out; later signals (a second
+    # Ctrl-C) must not turn exit 128+N into a death by signal. SIG_IGN, unlike a Python handler,
+    # outlives the interpreter's own shutdown.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    return 128 + int(result["stopped_by"])
 
 
 def _prepare(args: argparse.Namespace, extra: list[str]) -> int:
@@ -508,12 +516,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Terminated(BaseException):
+    """SIGTERM outside the trainer's own handling (before training started), like SIGINT's
+    KeyboardInterrupt."""
+
+
+def _stopped(signum: int, verb: str | None) -> int:
+    """A signal that reached the command line: the trainer was not there to save anything."""
+    name = signal.Signals(signum).name
+    if verb == "train":
+        print(f"scaletrain: error: stopped by {name} before training started: no checkpoint was written",
+              file=sys.stderr)
+        return 3
+    print(f"scaletrain: stopped by {name}", file=sys.stderr)
+    return 128 + signum
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from scaletrain.parallel.launch import is_worker
+
+    old_term, verb = None, None
+    if not is_worker() and threading.current_thread() is threading.main_thread():
+        def on_term(signum, frame):
+            raise _Terminated()
+
+        old_term = signal.signal(signal.SIGTERM, on_term)
     try:
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
-        args.argv = argv
+        args.argv, verb = argv, args.verb
         return args.func(args, extra)
     except UserError as e:
         for line in e.lines:
@@ -525,9 +557,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"scaletrain: error: {error.lines[0]}", file=sys.stderr)
         return error.exit_code
-    except KeyboardInterrupt:  # before or after the trainer, which handles SIGINT itself
-        print("scaletrain: stopped by SIGINT", file=sys.stderr)
-        return 128 + signal.SIGINT
+    except KeyboardInterrupt:  # not inside the trainer's fit, which handles SIGINT itself
+        return _stopped(signal.SIGINT, verb)
+    except _Terminated:
+        return _stopped(signal.SIGTERM, verb)
+    finally:
+        if old_term is not None and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+            signal.signal(signal.SIGTERM, old_term)
 
 
 if __name__ == "__main__":

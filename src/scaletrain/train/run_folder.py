@@ -72,5 +72,9 @@ def write_identity(run_dir: Path, run_id: str) -> None:
     if run_id_of(run_dir) == run_id:
         return
     tmp = run_dir / f".{RUN_FILE}.tmp"
-    tmp.write_text(json.dumps({"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
-    os.replace(tmp, run_dir / RUN_FILE)
+    try:
+        tmp.write_text(json.dumps({"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+        os.replace(tmp, run_dir / RUN_FILE)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk leaves nothing half-written behind
+        raise

@@ -52,6 +52,10 @@ _COMM_FAILURES = ("Timed out", "timed out", "Timeout", "Connection closed", "Con
                   "NCCL communicator was aborted", "Socket Timeout")
 
 
+class _Interrupted(Exception):
+    """A signal during the sample printed after training."""
+
+
 def default_run_dir() -> str:
     return str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
 
@@ -67,10 +71,21 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, runtime: Runtime | None = None, *, stream=None, restart: bool = False):
+    def __init__(self, cfg: JobConfig, runtime: Runtime | None = None, *, stream=None, restart: bool = False,
+                 model: torch.nn.Module | None = None, loss_fn=None):
         """`restart`: this process was restarted by the launcher after a failure of the group
-        (the run continues from its newest checkpoint, or begins again if it has none)."""
+        (the run continues from its newest checkpoint, or begins again if it has none).
+
+        `model`: train this nn.Module (with its own weights) instead of building the config's
+        transformer. The protocol: `model(inputs)` takes token ids (B, T) and returns what
+        `loss_fn(outputs, targets)` turns into the *sum* of the token losses of the micro-batch
+        (default: cross-entropy of (B, T, vocab) logits); its repeated blocks are an
+        nn.ModuleList/ModuleDict named `layers` (or `h`, `blocks`: see parallel.parallelize.
+        find_blocks), the unit of ZeRO-3 sharding, activation checkpointing and compile. Data
+        parallelism (DDP, ZeRO 0-3), precision, activation checkpointing and compile apply;
+        tensor and pipeline parallelism are refused."""
         self.cfg = cfg
+        self._user_model, self.loss_fn = model, loss_fn or cross_entropy_sum
         self.rt = rt = runtime or single_process(cfg)
         check_layout(cfg, rt.dims)
         self.rank, self.world_size, self.device = rt.rank, rt.world_size, rt.device
@@ -96,7 +111,7 @@ class Trainer:
         self.batch = resolve_batch(cfg.train, dp=rt.dims.dp, pp_microbatches=cfg.parallel.pp_microbatches)
         self.dp_rank = rt.axis("dp").get_local_rank() if rt.distributed else 0
         self.data = open_data(cfg.data.path, cfg.data.verify_checksums)
-        if self.data.vocab_size > cfg.model.vocab_size:
+        if self._user_model is None and self.data.vocab_size > cfg.model.vocab_size:
             raise DataError(f"{self.data.source}: the tokenizer has {self.data.vocab_size} tokens but "
                             f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size to at least "
                             f"{self.data.vocab_size}")
@@ -105,10 +120,20 @@ class Trainer:
 
         # model: built on the meta device (no memory), then parallelized and materialized
         torch.manual_seed(cfg.train.seed + self.rank)  # dropout differs per rank; weights do not
-        with torch.device("meta"):
-            model = Transformer(cfg.model)
         try:
-            self.pm = parallelize(model, cfg, rt, self.precision)
+            if self._user_model is not None:
+                from scaletrain.parallel.parallelize import parallelize_module
+
+                self.pm = parallelize_module(self._user_model, cfg, rt, self.precision)
+            else:
+                with torch.device("meta"):
+                    model = Transformer(cfg.model)
+                weights = None  # a new run from existing weights (a resumed one takes the checkpoint's)
+                if cfg.model.init_from and resume_from is None:
+                    from scaletrain.model.hf import load_hf_weights
+
+                    weights = load_hf_weights(cfg.model.init_from, cfg.model)  # names, shapes checked; read on use
+                self.pm = parallelize(model, cfg, rt, self.precision, weights=weights)
         except RuntimeError as e:  # torch.OutOfMemoryError included
             if "out of memory" not in str(e) and "can't allocate memory" not in str(e):
                 raise
@@ -118,7 +143,8 @@ class Trainer:
         self.dp: DataParallel = self.pm.dp
         self.model = self.dp.model  # forward goes through the data-parallel wrapper
         self.named_params = self.dp.named_params  # this rank's (pipeline stages') parameters
-        self.num_params = count_params(cfg.model)  # the whole model's
+        self.num_params = count_params(cfg.model) if self._user_model is None else \
+            sum(p.numel() for p in self._user_model.parameters())  # the whole model's (ZeRO-3: before sharding)
         self.pipeline = self._build_schedule() if self.pm.stages else None
         self.tp = rt.dims.tp
 
@@ -151,7 +177,9 @@ class Trainer:
         if resume_from is not None:
             self._resume(resume_from)
         self._stop_signal: int | None = None
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        # a custom module's FLOPs are not known in detail: 6 per parameter per token (matmuls, no attention)
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len) if self._user_model is None else \
+            6 * self.num_params
         self.peak_flops, self.peak_source = device_peak_flops(
             self.device, self.precision.compute_dtype, tf32=cfg.precision.mode == "tf32")
 
@@ -230,9 +258,12 @@ class Trainer:
 
     def _resume(self, path: Path) -> None:
         state = ckpt.read_trainer_state(path)
-        saved_model = state["config"]["model"]
-        if saved_model != self.cfg.to_dict()["model"]:
-            diff = [f"{k}={saved_model.get(k)!r} (now {v!r})" for k, v in self.cfg.to_dict()["model"].items()
+        # where the shape and the first weights came from does not matter once the run has a checkpoint
+        origin = ("from_hf", "init_from")
+        saved_model = {k: v for k, v in state["config"]["model"].items() if k not in origin}
+        model_now = {k: v for k, v in self.cfg.to_dict()["model"].items() if k not in origin}
+        if saved_model != model_now:
+            diff = [f"{k}={saved_model.get(k)!r} (now {v!r})" for k, v in model_now.items()
                     if saved_model.get(k) != v]
             raise CheckpointError(f"{path} was saved for another model shape: {', '.join(diff)}; "
                                   "resume with the model config it was saved with")
@@ -383,7 +414,7 @@ class Trainer:
             with self.dp.micro_step(last=k == last), self._loss_context():  # sync gradients on the last
                 with self.precision.autocast():
                     logits = self.model(inputs)  # (B, T, vocab)
-                loss = cross_entropy_sum(logits, targets) * self._loss_factor()
+                loss = self.loss_fn(logits, targets) * self._loss_factor()
                 loss.backward()
             loss_sum += _plain(loss.detach())
         self.dp.finish_gradients()
@@ -401,7 +432,7 @@ class Trainer:
         def forward():
             with self.precision.autocast():
                 logits = self.model(inputs)
-            return cross_entropy_sum(logits, targets) * self._loss_factor()
+            return self.loss_fn(logits, targets) * self._loss_factor()
 
         with self.dp.micro_step(last=True), self._loss_context():
             held = saved_activation_bytes(self.dp.module, forward)
@@ -414,7 +445,7 @@ class Trainer:
 
     def _build_schedule(self):
         def loss_fn(logits, targets):
-            return cross_entropy_sum(logits, targets) * self._loss_factor()
+            return self.loss_fn(logits, targets) * self._loss_factor()
 
         return build_schedule(self.pm.stages, self.cfg.parallel.pp_schedule, self.batch.grad_accum, loss_fn)
 
@@ -526,20 +557,28 @@ class Trainer:
             self._take_ownership()
             self._announce()
             result = self._loop()
+            if result["stopped_by"] is None and cfg.train.sample_tokens:  # a signal now cuts the sample short
+                self._print_sample()
         except BaseException:
             self.metrics.close()  # no file left open (a disk that cannot be unmounted, a torn row)
             raise
         finally:
             self._restore_signal_handlers()
             self._release_locks()
-        if result["stopped_by"] is None and cfg.train.sample_tokens:
-            if self.pipeline is not None:
-                self.metrics.info("sample: skipped, the model is split into pipeline stages "
-                                  "(export the checkpoint and sample it whole)")
-            elif self.rank == 0 or self._sample_on_all_ranks():
-                self.metrics.info("sample: " + self.sample(cfg.train.sample_prompt, cfg.train.sample_tokens))
         self.metrics.close()
         return result
+
+    def _print_sample(self) -> None:
+        if self.pipeline is not None:
+            self.metrics.info("sample: skipped, the model is split into pipeline stages "
+                              "(export the checkpoint and sample it whole)")
+        elif self._user_model is not None:
+            self.metrics.info("sample: skipped, the model is a custom module (its outputs need not be logits)")
+        elif self.rank == 0 or self._sample_on_all_ranks():
+            try:
+                self.metrics.info("sample: " + self.sample(self.cfg.train.sample_prompt, self.cfg.train.sample_tokens))
+            except _Interrupted:
+                self.metrics.info("sample: interrupted by a signal (training finished and was saved)")
 
     def _take_ownership(self) -> None:
         """Make the run folder this run's: lock it, record the run's id and config, drop the
@@ -551,8 +590,12 @@ class Trainer:
             return
         run_folder.write_identity(self.run_dir, self.run_id)
         tmp = self.run_dir / ".config.json.tmp"
-        tmp.write_text(self.cfg.to_json())
-        os.replace(tmp, self.run_dir / "config.json")
+        try:
+            tmp.write_text(self.cfg.to_json())
+            os.replace(tmp, self.run_dir / "config.json")
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
         if self.resumed_from is not None or self.restart:
             self._truncate_metrics(self.step)  # a restart without a checkpoint begins again at step 0
         if self.resumed_from is not None:
@@ -711,7 +754,8 @@ class Trainer:
                     f"{self.early_loss:.4f} (train.divergence_factor={train.divergence_factor:g}): the run diverged; "
                     "lower optim.lr, raise optim.warmup_steps, or resume from an earlier checkpoint")
             uniform = math.log(self.cfg.model.vocab_size)
-            if self.step > self.cfg.optim.warmup_steps and loss > uniform + train.divergence_margin:
+            if self._user_model is None and self.step > self.cfg.optim.warmup_steps and \
+                    loss > uniform + train.divergence_margin:  # a custom loss need not be a cross-entropy
                 raise TrainingStopped(
                     f"step {self.step}: after warm-up the loss {loss:.4f} is above ln(vocab_size) + "
                     f"train.divergence_margin = {uniform:.4f} + {train.divergence_margin:g}, worse than guessing "
@@ -759,7 +803,8 @@ class Trainer:
         self.metrics.info(
             f"scaletrain: {self.num_params / 1e6:.2f}M parameters, device {self.device}, precision "
             f"{cfg.precision.mode}, optimizer {cfg.optim.name}, activation checkpointing "
-            f"{cfg.memory.activation_checkpointing}{', compiled' if cfg.train.compile else ''}")
+            f"{cfg.memory.activation_checkpointing}{', compiled' if cfg.train.compile else ''}"
+            f"{f'; weights from {cfg.model.init_from}' if cfg.model.init_from and self.resumed_from is None else ''}")
         if self.rt.distributed:
             dims, par = self.rt.dims, cfg.parallel
             parts = []
@@ -781,10 +826,8 @@ class Trainer:
 
     def _install_signal_handlers(self) -> None:
         self._old_handlers = {}
-        self._signals_received = 0
 
         def handler(signum, frame):
-            self._signals_received += 1
             if self._stop_signal is not None:
                 if self.rank == 0:
                     print(f"scaletrain: {signal.Signals(signum).name} again: already stopping; the checkpoint "
@@ -799,9 +842,7 @@ class Trainer:
 
     def _restore_signal_handlers(self) -> None:
         for sig, old in self._old_handlers.items():
-            # a process stopped by a real signal is on its way out: ignore the next ones (SIG_IGN,
-            # which, unlike a Python handler, outlives the interpreter's own shutdown)
-            signal.signal(sig, signal.SIG_IGN if self._signals_received else old)
+            signal.signal(sig, old)  # the caller's own (the CLI ignores later signals after a stop)
 
     @torch.no_grad()
     def sample(self, prompt: str, new_tokens: int) -> str:
@@ -813,6 +854,8 @@ class Trainer:
         module = self.dp.module
 
         def logits_of(tokens):
+            if self._stop_signal is not None and not self.rt.distributed:  # sharded ranks must all go on
+                raise _Interrupted()
             with self.precision.autocast():
                 logits = module(tokens)
             return logits.full_tensor() if isinstance(logits, DTensor) else logits  # vocabulary shards
