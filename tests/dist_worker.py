@@ -84,7 +84,13 @@ def main(spec_path: str) -> None:
         cfg = load_config(None, job["overrides"])
         rt = init_worker(cfg)
         inject(job.get("fault"), rank)
-        trainer = Trainer(cfg, rt, stream=open(os.devnull, "w"))
+        module = None
+        if job.get("module"):  # "file_stem:factory": a custom nn.Module built by a test module
+            import importlib
+
+            name, factory = job["module"].split(":")
+            module = getattr(importlib.import_module(name), factory)()
+        trainer = Trainer(cfg, rt, stream=open(os.devnull, "w"), model=module)
         inject_into_trainer(trainer, job.get("fault"), rank)
         if job.get("measure"):  # the planner's accuracy test: measured memory, not training
             from scaletrain.plan.measure import measure

@@ -41,6 +41,8 @@ class ModelConfig:
     preset: str = option("", "a built-in shape (see `scaletrain.model.presets`); keys set here override it")
     from_hf: str = option("", "a Hugging Face model folder (or its config.json) whose shape to take; keys set "
                               "here override it")
+    init_from: str = option("", "start a new run from these weights: a Hugging Face model folder, a .safetensors "
+                                "file or a scaletrain export; empty = initialise from (train.seed, parameter name)")
     vocab_size: int = option(256, "tokens in the vocabulary; 256 for the byte-level tokenizer", min=2)
     dim: int = option(256, "width of the residual stream", min=1)
     n_layers: int = option(4, "number of transformer blocks", min=1)
@@ -98,7 +100,7 @@ class ModelConfig:
 
 # the model keys that model.from_hf may fill (a saved config gives them all: then it is not read)
 _MODEL_SHAPE = tuple(f for f in dataclasses.fields(ModelConfig)
-                     if f.name not in ("preset", "from_hf", "dropout", "init_std"))
+                     if f.name not in ("preset", "from_hf", "init_from", "dropout", "init_std"))
 
 
 @dataclass

@@ -54,7 +54,13 @@ def _selective_context():
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
-def apply_activation_checkpointing(blocks: nn.ModuleDict, mode: str) -> None:
+def block_items(blocks: nn.ModuleDict | nn.ModuleList) -> list[tuple]:
+    """(key, block) pairs of a ModuleDict (ours, keyed by global index) or a ModuleList (most
+    other models'): the key puts a wrapped block back in its place, under the same name."""
+    return list(blocks.items()) if isinstance(blocks, nn.ModuleDict) else list(enumerate(blocks))
+
+
+def apply_activation_checkpointing(blocks: nn.ModuleDict | nn.ModuleList, mode: str) -> None:
     """Wrap every block of `blocks` in place for `mode` (none | full | selective)."""
     if mode == "none":
         return
@@ -64,8 +70,8 @@ def apply_activation_checkpointing(blocks: nn.ModuleDict, mode: str) -> None:
         wrap = functools.partial(checkpoint_wrapper, preserve_rng_state=True, context_fn=_selective_context)
     else:
         raise ValueError(f"unknown activation checkpointing mode {mode!r}; expected one of {AC_MODES}")
-    for name in list(blocks.keys()):
-        blocks[name] = wrap(blocks[name])
+    for key, block in block_items(blocks):
+        blocks[key] = wrap(block)
 
 
 class _StorageTracker(TorchDispatchMode):

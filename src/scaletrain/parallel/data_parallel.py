@@ -164,18 +164,18 @@ class ReplicateDataParallel(DataParallel):
         return contextlib.nullcontext()
 
 
-def apply_replicate(chunk: nn.Module, dp_mesh, *, param_dtype: torch.dtype | None) -> None:
+def apply_replicate(chunk: nn.Module, dp_mesh, *, param_dtype: torch.dtype | None, blocks=None) -> None:
     """Replicate each block and the chunk root over `dp_mesh` (gradient all-reduce, fp32)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for block in chunk.layers.values():
+    for block in chunk.layers.values() if blocks is None else blocks:
         replicate(block, mesh=dp_mesh, mp_policy=mp)
     replicate(chunk, mesh=dp_mesh, mp_policy=mp)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, *, param_dtype: torch.dtype | None, offload: bool) -> None:
+def apply_fsdp(model: nn.Module, dp_mesh, *, param_dtype: torch.dtype | None, offload: bool, blocks=None) -> None:
     """Shard each transformer block, then the root (embedding, final norm, head), over `dp_mesh`
     (1-D: FSDP; 2-D replicate × shard: HSDP). Gradients are reduced in fp32. Each block's
     parameters are all-gathered one block ahead of use, forward and backward."""
@@ -183,7 +183,7 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, param_dtype: torch.dtype | None, of
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload_policy = CPUOffloadPolicy() if offload else OffloadPolicy()
-    blocks = list(model.layers.values())
+    blocks = list(model.layers.values() if blocks is None else blocks)  # each wrapped on its own
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload_policy, reshard_after_forward=True)
     # the root's parameters are used first in forward and last in backward: keep them

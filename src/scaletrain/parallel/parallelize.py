@@ -4,8 +4,8 @@
         -> data parallel -> materialize weights
 
 The model arrives plain, on the meta device; it leaves as this rank's chunks (one, or its
-pipeline stages), materialized and initialized from (seed, parameter name), wrapped for their
-data-parallel strategy.
+pipeline stages), materialized and initialized from (seed, parameter name) or loaded from given
+weights (each rank keeping its shard), wrapped for their data-parallel strategy.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from torch import nn
 
 from scaletrain.config import JobConfig
 from scaletrain.errors import ConfigError, LaunchError
-from scaletrain.memory import apply_activation_checkpointing
+from scaletrain.memory import apply_activation_checkpointing, block_items
 from scaletrain.parallel import pipeline
 from scaletrain.parallel.data_parallel import (DataParallel, DDPDataParallel, FSDPDataParallel,
                                                ReplicateDataParallel, ZeroDataParallelStrategy, apply_fsdp,
                                                apply_replicate)
-from scaletrain.parallel.init import init_weights
+from scaletrain.parallel.init import init_weights, load_weights
 from scaletrain.parallel.launch import Runtime
 from scaletrain.parallel.tensor_parallel import apply_tensor_parallel
 from scaletrain.precision import Precision
@@ -65,7 +65,10 @@ def check_compiler(device: torch.device) -> None:
                           f"{looked}); set train.compile=false, or install g++ / point CXX at a compiler") from None
 
 
-def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precision) -> ParallelModel:
+def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precision,
+                weights=None) -> ParallelModel:
+    """`weights`: full tensors by canonical parameter name (e.g. `model.init_from`, read lazily),
+    loaded instead of the (seed, name) initialisation."""
     dims, par, zero = rt.dims, cfg.parallel, cfg.parallel.zero
     if cfg.train.compile:
         check_compiler(rt.device)
@@ -89,7 +92,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
         # 3. activation checkpointing, 4. compile, block by block
         apply_activation_checkpointing(chunk.layers, cfg.memory.activation_checkpointing)
         if cfg.train.compile:
-            for block in chunk.layers.values():
+            for _, block in block_items(chunk.layers):
                 block.compile()  # in place: parameter names (and checkpoint keys) stay the same
 
     # 5. data parallel engines that shard or replicate DTensors, applied on the meta device
@@ -112,7 +115,10 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
     for chunk in chunks:
         chunk.to_empty(device="cpu" if (fsdp and cfg.memory.offload_optimizer) else rt.device)
         chunk.init_buffers(rt.device)
-        init_weights(chunk, cfg.train.seed)
+        if weights is not None:
+            load_weights(chunk, weights.__getitem__, cfg.model.init_from or "the weights")
+        else:
+            init_weights(chunk, cfg.train.seed)
         if not (fsdp or replicate):  # those keep fp32 storage and cast for compute themselves
             chunk.to(precision.param_dtype)
         elif precision.param_dtype != torch.float32:  # ...but start from the rounded weights the others keep
@@ -123,6 +129,21 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
         chunk.train()
 
     # 7. data parallel engines that wrap materialized weights
+    dp = _engine(chunks, cfg, rt, precision, fsdp=fsdp, replicate=replicate)
+    result = ParallelModel(dp, stage_ids=stage_ids, num_stages=num_stages, keeps_fp32_weights=keeps_fp32)
+    if dims.pp > 1:
+        from torch.distributed.pipelining import PipelineStage
+
+        result.stages = [PipelineStage(m, sid, num_stages, rt.device, group=rt.group("pp"))
+                         for m, sid in zip(dp.models, stage_ids)]
+    return result
+
+
+def _engine(chunks: list[nn.Module], cfg: JobConfig, rt: Runtime, precision: Precision, *, fsdp: bool,
+            replicate: bool) -> DataParallel:
+    """The data-parallel strategy over this rank's materialized (and, for FSDP, sharded) chunks."""
+    dims, par, zero = rt.dims, cfg.parallel, cfg.parallel.zero
+    data_parallel = rt.distributed and dims.dp > 1
     if not data_parallel:
         dp = DataParallel(chunks)
     elif fsdp:
@@ -136,11 +157,67 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
         dp = ZeroDataParallelStrategy(chunks, rt.mesh, stage=zero, dp_replicate=dims.dp_replicate,
                                       bucket_mb=par.bucket_mb,
                                       master_dtype=torch.float32 if precision.master_weights else None)
+    return dp
 
-    result = ParallelModel(dp, stage_ids=stage_ids, num_stages=num_stages, keeps_fp32_weights=keeps_fp32)
-    if dims.pp > 1:
-        from torch.distributed.pipelining import PipelineStage
 
-        result.stages = [PipelineStage(m, sid, num_stages, rt.device, group=rt.group("pp"))
-                         for m, sid in zip(dp.models, stage_ids)]
-    return result
+# --------------------------------------------------------------------------------------------
+# Any nn.Module
+
+
+def find_blocks(module: nn.Module) -> nn.ModuleList | nn.ModuleDict | None:
+    """The module's repeated blocks, the unit of FSDP sharding, activation checkpointing and
+    compile: `module.layers` if it is a ModuleList/ModuleDict, else the first such container named
+    `layers`, `h` or `blocks` anywhere inside (Hugging Face's model.layers, GPT-2's transformer.h,
+    nanoGPT's transformer.h)."""
+    if isinstance(getattr(module, "layers", None), (nn.ModuleList, nn.ModuleDict)):
+        return module.layers
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.ModuleList, nn.ModuleDict)) and name.rsplit(".", 1)[-1] in ("layers", "h", "blocks") \
+                and len(sub):
+            return sub
+    return None
+
+
+def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precision) -> ParallelModel:
+    """A model scaletrain did not build, with its own weights: data parallel (DDP, ZeRO-1/2/3,
+    HSDP), every precision, activation checkpointing and compile, block by block. Tensor and
+    pipeline parallelism need to know how to split the model: they are refused."""
+    dims, zero = rt.dims, cfg.parallel.zero
+    if dims.tp > 1 or dims.pp > 1:
+        raise ConfigError(f"parallel.tp={dims.tp}, parallel.pp={dims.pp}: tensor and pipeline parallelism split "
+                          "models scaletrain knows (its own transformer, or one taken with model.from_hf and "
+                          "model.init_from); a custom nn.Module trains with data parallelism (DDP, ZeRO 0-3), any "
+                          "precision, activation checkpointing and compile: set parallel.tp=1 and parallel.pp=1")
+    if cfg.model.init_from:
+        raise ConfigError("model.init_from loads weights into scaletrain's own model; a custom nn.Module brings "
+                          "its own weights: load them into the module before handing it to the Trainer")
+    blocks = find_blocks(module)
+    if blocks is None and (cfg.memory.activation_checkpointing != "none" or (rt.distributed and zero == 3)):
+        raise ConfigError(f"{type(module).__name__} has no repeated blocks scaletrain can find (an nn.ModuleList or "
+                          "ModuleDict named layers, h or blocks) for activation checkpointing and ZeRO-3; name "
+                          "its block list `layers`")
+    if rt.distributed:  # every rank starts from rank 0's weights, whatever each built
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t.data, src=0)
+    if blocks is not None:
+        apply_activation_checkpointing(blocks, cfg.memory.activation_checkpointing)
+    if cfg.train.compile:
+        check_compiler(rt.device)
+        for _, block in (block_items(blocks) if blocks is not None else [(None, module)]):
+            block.compile()
+    module.to(rt.device)
+    data_parallel = rt.distributed and dims.dp > 1
+    fsdp, replicate = data_parallel and zero == 3, False
+    if fsdp:
+        shard_mesh = rt.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else rt.mesh["dp_shard"]
+        compute_bf16 = precision.compute_dtype if precision.compute_dtype == torch.bfloat16 else None
+        apply_fsdp(module, shard_mesh, param_dtype=compute_bf16, offload=cfg.memory.offload_optimizer,
+                   blocks=[b for _, b in block_items(blocks)])
+    else:
+        module.to(precision.param_dtype)
+    module.train()
+    dp = _engine([module], cfg, rt, precision, fsdp=fsdp, replicate=replicate)
+    return ParallelModel(dp, keeps_fp32_weights=fsdp or (data_parallel and zero in (1, 2)))

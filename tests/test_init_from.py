@@ -1,0 +1,132 @@
+"""`model.init_from`: a new run that starts from a Hugging Face model's weights (or a
+safetensors file, or a scaletrain export), under any layout; and the round trip HF -> train ->
+export -> transformers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from scaletrain.config import load_config  # noqa: E402
+from scaletrain.errors import CheckpointError, ConfigError  # noqa: E402
+from scaletrain.train.export import load_model_from_checkpoint  # noqa: E402
+from scaletrain.train.export_hf import export_hf  # noqa: E402
+from scaletrain.train.trainer import Trainer  # noqa: E402
+
+from conftest import MICRO, REPO, micro_cfg, read_metrics  # noqa: E402
+
+# byte-level vocabulary (the built-in data), so the HF model and the data agree
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)),
+    "gpt2": ("GPT2Config", dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64)),
+    "qwen3": ("Qwen3Config", dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                  max_position_embeddings=64)),
+}
+
+
+def make_hf(family: str, folder):
+    cls, kw = FAMILIES[family]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kw),
+                                                          attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or "norm" in n or ".ln_" in n:
+                p.add_(0.2 * torch.randn_like(p))
+    model.eval().save_pretrained(folder)
+    return model
+
+
+def hf_overrides(folder, **more) -> dict:
+    return {"model.from_hf": str(folder), "model.init_from": str(folder), "data.seq_len": 16,
+            "model.max_seq_len": 64, **more}
+
+
+TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_new_run_starts_from_the_hf_weights(tmp_path, family):
+    hf = make_hf(family, tmp_path / "hf")
+    trainer = Trainer(micro_cfg(tmp_path, **hf_overrides(tmp_path / "hf", **{"train.steps": 2})))
+    module = trainer.dp.module.eval()
+    with torch.no_grad():
+        ours, theirs = module(TOKENS), hf(TOKENS).logits
+    assert (ours - theirs).abs().max() <= 1e-5
+    module.train()
+    result = trainer.fit()
+    assert result["step"] == 2 and math_finite(result["losses"])
+
+
+def math_finite(values) -> bool:
+    return all(v == v and abs(v) != float("inf") for v in values)
+
+
+def test_hf_in_train_export_transformers_loads_and_matches(tmp_path):
+    """HF -> 5 steps of fine-tuning -> export --format hf -> transformers, no scaletrain code."""
+    hf = make_hf("llama", tmp_path / "hf")
+    Trainer(micro_cfg(tmp_path, **hf_overrides(tmp_path / "hf", **{"train.steps": 5,
+                                                                   "checkpoint.save_final": True}))).fit()
+    ckpt = max((tmp_path / "run" / "checkpoints").glob("step_*"))
+    ours = load_model_from_checkpoint(ckpt).eval()
+    out = subprocess.run([sys.executable, "-m", "scaletrain", "export", str(ckpt), "--format", "hf",
+                          "--out", str(tmp_path / "export")], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    with torch.no_grad():
+        trained, exported, start = ours(TOKENS), back(TOKENS).logits, hf(TOKENS).logits
+    assert (trained - exported).abs().max() <= 1e-5
+    assert (trained - start).abs().max() > 1e-3  # the 5 steps did move the weights
+
+
+def test_resuming_a_run_started_from_hf_takes_the_checkpoint(tmp_path):
+    make_hf("gpt2", tmp_path / "hf")
+    overrides = hf_overrides(tmp_path / "hf", **{"train.steps": 4, "checkpoint.every": 2})
+    straight = Trainer(micro_cfg(tmp_path, **{**overrides, "log.run_dir": str(tmp_path / "a")})).fit()
+    Trainer(micro_cfg(tmp_path, **{**overrides, "train.steps": 2, "log.run_dir": str(tmp_path / "b")})).fit()
+    resumed = Trainer(micro_cfg(tmp_path, **{**overrides, "log.run_dir": str(tmp_path / "b"),
+                                             "checkpoint.resume": "auto"}))
+    assert resumed.step == 2
+    resumed.fit()
+    assert [r["loss"] for r in read_metrics(tmp_path / "b")] == straight["losses"]
+
+
+def test_init_from_weights_of_another_shape_is_refused(tmp_path):
+    make_hf("llama", tmp_path / "hf")
+    with pytest.raises(ConfigError, match=r"model.rope_theta=500.0 differs from .*config.json \(10000.0\)"):
+        Trainer(micro_cfg(tmp_path, **hf_overrides(tmp_path / "hf", **{"model.rope_theta": 500.0})))
+    with pytest.raises(CheckpointError, match=r"the tensor for tok_emb.weight has shape \(256, 64\), the model "
+                                              r"expects \(512, 64\)"):
+        Trainer(micro_cfg(tmp_path, **hf_overrides(tmp_path / "hf", **{"model.vocab_size": 512})))
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        Trainer(micro_cfg(tmp_path, **hf_overrides(tmp_path / "hf", **{"model.init_from": str(tmp_path)})))
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", [
+    ["--nproc=2", "--parallel.zero=3"],
+    ["--parallel.tp=2"],
+    ["--parallel.pp=2", "--parallel.pp_schedule=gpipe"],
+], ids=["dp2-zero3", "tp2", "pp2"])
+def test_fine_tuning_from_hf_passes_verify(tmp_path, layout):
+    make_hf("qwen3", tmp_path / "hf")
+    args = [f"--{k}={v}" for k, v in {**MICRO, **hf_overrides(tmp_path / "hf")}.items()
+            if not k.startswith(("log.", "checkpoint."))]
+    r = subprocess.run([sys.executable, "-m", "scaletrain", "verify", "--steps=4", *args, *layout],
+                       capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().splitlines()[-1].endswith("PASS") or "PASS" in r.stdout, r.stdout
+
+
+def test_config_loading_reads_only_the_shape(tmp_path):
+    make_hf("qwen3", tmp_path / "hf")
+    cfg = load_config(None, hf_overrides(tmp_path / "hf"))
+    assert (cfg.model.head_dim, cfg.model.qk_norm, cfg.model.n_kv_heads) == (24, True, 2)
+    assert cfg.model.init_from == str(tmp_path / "hf")
