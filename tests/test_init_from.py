@@ -4,6 +4,7 @@ export -> transformers."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -130,3 +131,48 @@ def test_config_loading_reads_only_the_shape(tmp_path):
     cfg = load_config(None, hf_overrides(tmp_path / "hf"))
     assert (cfg.model.head_dim, cfg.model.qk_norm, cfg.model.n_kv_heads) == (24, True, 2)
     assert cfg.model.init_from == str(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_shard_reads_only_its_part_and_equals_the_full_tensor(tmp_path, family):
+    """What a sharded rank reads (rows of whole heads through the rotary permutation, Conv1D's
+    transposed columns, an offset into GPT-2's fused q/k/v) equals the slice of the full tensor."""
+    from scaletrain.model.hf import load_hf_weights
+
+    make_hf(family, tmp_path / "hf")
+    cfg = load_config(None, hf_overrides(tmp_path / "hf")).model
+    weights = load_hf_weights(tmp_path / "hf", cfg)
+    gen = torch.Generator().manual_seed(0)
+    for name in weights:
+        full = weights[name]
+        for _ in range(3):
+            index = []
+            for size in full.shape:
+                a = int(torch.randint(0, size, (), generator=gen))
+                b = int(torch.randint(a + 1, size + 1, (), generator=gen))
+                index.append(slice(a, b))
+            before = weights.bytes_read
+            part = weights.read(name, tuple(index))
+            assert torch.equal(part, full[tuple(index)]), (name, index)
+            assert weights.bytes_read - before <= full.numel() * full.element_size()  # a part, at most whole heads
+        empty = weights.read(name, (slice(0, 0), *[slice(0, n) for n in full.shape[1:]]))
+        assert empty.shape[0] == 0
+
+
+@pytest.mark.multiproc
+def test_zero3_ranks_each_read_about_half_of_the_weights(tmp_path):
+    make_hf("llama", tmp_path / "hf")
+    args = [f"--{k}={v}" for k, v in {**MICRO, **hf_overrides(tmp_path / "hf"), "train.steps": 1}.items()
+            if not k.startswith("log.run_dir")]
+
+    def read_share(*extra):
+        r = subprocess.run([sys.executable, "-m", "scaletrain", "train", *args, *extra], capture_output=True,
+                           text=True, cwd=REPO, timeout=300)
+        assert r.returncode == 0, r.stderr
+        read, total = re.search(r"^weights from .*: rank 0 read ([\d.]+) MiB of ([\d.]+) MiB", r.stderr, re.M).groups()
+        return float(read) / float(total)
+
+    one = read_share(f"--log.run_dir={tmp_path / 'one'}")
+    two = read_share("--nproc", "2", "--parallel.zero=3", f"--log.run_dir={tmp_path / 'two'}")
+    assert one > 0.95  # one process reads everything once
+    assert 0.4 < two < 0.6  # rank 0 of 2 reads its half

@@ -550,7 +550,29 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
         if tuple(shape) != tuple(shapes[name]):
             raise CheckpointError(f"{where}: the tensor for {name} has shape {tuple(shape)}, the model expects "
                                   f"{tuple(shapes[name])}; take the model's shape from the checkpoint (model.from_hf)")
-    out = _Converted(shapes, {n: (lambda n=n, r=r: convert(n, *r)) for n, r in recipes.items()}, where)
+    def convert_part(name: str, key: str, fused: int | None, transpose: bool, index: tuple) -> torch.Tensor:
+        """convert(...)[index], reading only the source elements it needs: rows of whole heads
+        where the rotary permutation moves rows within a head, columns and rows swapped for
+        Conv1D, an offset into the fused q/k/v columns."""
+        rows, rest = index[0], index[1:]
+        if rows.stop <= rows.start or any(r.stop <= r.start for r in rest):  # an empty shard (uneven sharding)
+            return torch.empty([r.stop - r.start for r in index], dtype=dtype)
+        heads = _rope_heads(name, cfg)
+        d = shapes[name][0] // heads if heads else 1
+        lo, hi = (rows.start // d) * d, -(-rows.stop // d) * d  # whole heads (d = 1: the rows themselves)
+        if fused is not None:
+            lo_f, hi_f = fused * cfg.dim + lo, fused * cfg.dim + hi
+            t = _read(hf, key, (rest[0], slice(lo_f, hi_f))).t() if transpose else _read(hf, key, (slice(lo_f, hi_f),))
+        elif transpose:
+            t = _read(hf, key, (rest[0], slice(lo, hi))).t()
+        else:
+            t = _read(hf, key, (slice(lo, hi), *rest))
+        if heads:
+            t = rows_hf_to_ours(t, (hi - lo) // d)
+        return t[rows.start - lo:rows.stop - lo].to(dtype).contiguous()
+
+    out = _Converted(shapes, {n: (lambda n=n, r=r: convert(n, *r)) for n, r in recipes.items()}, where,
+                     {n: (lambda index, n=n, r=r: convert_part(n, *r, index)) for n, r in recipes.items()}, hf)
     if cfg.tie_embeddings and "lm_head.weight" in left:
         head, emb = hf[left["lm_head.weight"]], hf[left[_hf_name("tok_emb.weight", gpt2)]]
         if head.shape != emb.shape or not torch.equal(head, emb):
@@ -564,6 +586,11 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
     return out
 
 
+def _read(tensors: Mapping[str, torch.Tensor], key: str, index: tuple) -> torch.Tensor:
+    """tensors[key][index], reading only that part where the source is a file."""
+    return tensors.read(key, index) if isinstance(tensors, _SafetensorsFiles) else tensors[key][index]
+
+
 def _shape_of(tensors: Mapping[str, torch.Tensor], key: str) -> tuple[int, ...]:
     return tensors.shape(key) if isinstance(tensors, _SafetensorsFiles) else tuple(tensors[key].shape)
 
@@ -573,8 +600,25 @@ class _Converted(Mapping):
     against the model's shape then): loading a model holds one tensor at a time, and a rank that
     holds some pipeline stages reads only theirs."""
 
-    def __init__(self, shapes: Mapping[str, torch.Size], makers: Mapping[str, Any], where: str):
+    def __init__(self, shapes: Mapping[str, torch.Size], makers: Mapping[str, Any], where: str,
+                 part_makers: Mapping[str, Any] | None = None, source: Mapping | None = None):
         self._shapes, self._makers, self._where = shapes, makers, where
+        self._part_makers, self._source = part_makers or {}, source
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the files so far (0 for tensors already in memory)."""
+        return getattr(self._source, "bytes_read", 0)
+
+    @property
+    def total_bytes(self) -> int:
+        return getattr(self._source, "total_bytes", 0)
+
+    def read(self, name: str, index: tuple) -> torch.Tensor:
+        """self[name][index] (index: one slice per dimension), reading only what it needs."""
+        if name not in self._part_makers:
+            return self[name][index]
+        return self._part_makers[name](tuple(index))
 
     def __getitem__(self, name: str) -> torch.Tensor:
         t = self._makers[name]()
@@ -600,6 +644,7 @@ class _SafetensorsFiles(Mapping):
 
         self._file: dict[str, Path] = {}
         self.metadata: dict[str, str] = {}
+        self.bytes_read = 0
         for f in files:
             try:
                 with safe_open(str(f), framework="pt") as sf:
@@ -607,6 +652,23 @@ class _SafetensorsFiles(Mapping):
                     self._file.update(dict.fromkeys(sf.keys(), f))
             except (OSError, SafetensorError) as e:
                 raise CheckpointError(f"{f}: cannot be read as safetensors ({e})") from None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.stat().st_size for f in set(self._file.values()))
+
+    def read(self, key: str, index: tuple) -> torch.Tensor:
+        """tensors[key][index] for slices with step 1: only those elements are read."""
+        from safetensors import SafetensorError, safe_open
+
+        f = self._file[key]
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                t = sf.get_slice(key)[tuple(index)]
+        except (OSError, SafetensorError) as e:
+            raise CheckpointError(f"{f}: tensor {key} cannot be read ({e})") from None
+        self.bytes_read += t.numel() * t.element_size()
+        return t
 
     def shape(self, key: str) -> tuple[int, ...]:
         from safetensors import safe_open
@@ -620,9 +682,11 @@ class _SafetensorsFiles(Mapping):
         f = self._file[key]
         try:
             with safe_open(str(f), framework="pt") as sf:
-                return sf.get_tensor(key)
+                t = sf.get_tensor(key)
         except (OSError, SafetensorError) as e:
             raise CheckpointError(f"{f}: tensor {key} cannot be read ({e})") from None
+        self.bytes_read += t.numel() * t.element_size()
+        return t
 
     def __iter__(self):
         return iter(self._file)
@@ -730,7 +794,8 @@ def _ours_checked(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
         if tuple(_shape_of(tensors, name)) != tuple(shapes[name]):
             raise CheckpointError(f"{where}: tensor {name} has shape {tuple(_shape_of(tensors, name))}, the model "
                                   f"expects {tuple(shapes[name])}")
-    out = _Converted(shapes, {n: (lambda n=n: tensors[n].to(dtype).contiguous()) for n in shapes}, where)
+    out = _Converted(shapes, {n: (lambda n=n: tensors[n].to(dtype).contiguous()) for n in shapes}, where,
+                     {n: (lambda index, n=n: _read(tensors, n, index).to(dtype).contiguous()) for n in shapes}, tensors)
     extra = sorted(set(tensors) - set(out) - ({"output.weight"} if cfg.tie_embeddings else set()))
     if extra:
         raise CheckpointError(f"{where}: tensor {extra[0]} has no place in the model; does model.* describe "

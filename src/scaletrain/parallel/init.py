@@ -61,17 +61,21 @@ def init_weights(model: nn.Module, seed: int, rule_of=None) -> None:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, full_of, where: str) -> None:
-    """Fill every parameter of `model` from `full_of(canonical name)`, the whole tensor in fp32
-    on the CPU (read when asked, one at a time: a rank holding some pipeline stages reads only
-    their tensors, and host memory holds one tensor at a time). A sharded parameter keeps its
-    own shard of it, as `init_weights` does: every layout starts from the same numbers."""
+def load_weights(model: nn.Module, weights, where: str) -> None:
+    """Fill every parameter of `model` from `weights[canonical name]`, a full fp32 CPU tensor, as
+    `init_weights` does: every layout starts from the same numbers. Weights are read when asked,
+    one at a time (a rank holding some pipeline stages reads only theirs); where `weights` can
+    read a part (`weights.read(name, index)`) a sharded parameter reads only its own shard."""
+    from scaletrain.errors import ConfigError
+
     for name, param in model.named_parameters():
         cname = canonical_name(name)
-        full = full_of(cname)
+        index = _local_index(param) if hasattr(weights, "read") else None
+        if index is not None:
+            param.to_local().copy_(weights.read(cname, index))
+            continue
+        full = weights[cname]
         if tuple(full.shape) != tuple(param.shape):
-            from scaletrain.errors import ConfigError
-
             raise ConfigError(f"{where}: {cname} has shape {tuple(full.shape)} but the model's is "
                               f"{tuple(param.shape)}; model.init_from must hold weights of this model's shape")
         if isinstance(param, DTensor):
@@ -79,3 +83,20 @@ def load_weights(model: nn.Module, full_of, where: str) -> None:
             param.to_local().copy_(shard.to_local())
         else:
             param.copy_(full)
+
+
+def _local_index(param) -> tuple[slice, ...] | None:
+    """The slices of the global tensor that this rank's shard of a DTensor holds, when they are
+    one contiguous block (plain Shard/Replicate placements); None otherwise (read it whole)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(param, DTensor) or any(type(p) not in (Shard, Replicate) for p in param.placements):
+        return None
+    sharded = [p.dim for p in param.placements if isinstance(p, Shard)]
+    if len(sharded) != len(set(sharded)):  # two mesh axes splitting one dimension: not one block
+        return None
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if tuple(shape) != tuple(param.to_local().shape):
+        return None
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))

@@ -116,7 +116,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
         chunk.to_empty(device="cpu" if (fsdp and cfg.memory.offload_optimizer) else rt.device)
         chunk.init_buffers(rt.device)
         if weights is not None:
-            load_weights(chunk, weights.__getitem__, cfg.model.init_from or "the weights")
+            load_weights(chunk, weights, cfg.model.init_from or "the weights")
         else:
             init_weights(chunk, cfg.train.seed)
         if not (fsdp or replicate):  # those keep fp32 storage and cast for compute themselves

@@ -134,6 +134,10 @@ class Trainer:
 
                     weights = load_hf_weights(cfg.model.init_from, cfg.model)  # names, shapes checked; read on use
                 self.pm = parallelize(model, cfg, rt, self.precision, weights=weights)
+                if weights is not None:
+                    self._notes.append(f"weights from {cfg.model.init_from}: rank {self.rank} read "
+                                       f"{weights.bytes_read / 2**20:.2f} MiB of {weights.total_bytes / 2**20:.2f} MiB "
+                                       "(its own shards of its own stages' tensors)")
         except RuntimeError as e:  # torch.OutOfMemoryError included
             if "out of memory" not in str(e) and "can't allocate memory" not in str(e):
                 raise
