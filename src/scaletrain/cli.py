@@ -200,8 +200,10 @@ def _prepare(args: argparse.Namespace, extra: list[str]) -> int:
     with _os_errors_name({"--out": args.out}):
         meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                        tokenizer_file=args.tokenizer_file, text_key=args.text_key, shard_tokens=args.shard_tokens)
+    model_vocab = meta["tokenizer"].get("model_vocab_size")
+    padded = f", {model_vocab} in the model" if model_vocab else ""
     print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}, {len(meta['shards'])} shard(s), "
-          f"{meta['num_documents']:,} documents, vocabulary {meta['tokenizer']['vocab_size']}) to {args.out}")
+          f"{meta['num_documents']:,} documents, vocabulary {meta['tokenizer']['vocab_size']}{padded}) to {args.out}")
     return 0
 
 
@@ -390,8 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare", help="tokenize text/jsonl/parquet files into token shards")
     p.add_argument("inputs", nargs="+", help="files or folders of .txt, .jsonl, .parquet")
     p.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
-    p.add_argument("--tokenizer", choices=("byte", "bpe", "file"), default="byte",
-                   help="byte-level (256 tokens), a BPE trained here, or --tokenizer-file")
+    p.add_argument("--tokenizer", default="byte", metavar="byte|bpe|file|HF_FOLDER",
+                   help="byte-level (256 tokens), a BPE trained here, --tokenizer-file, or a Hugging Face model "
+                        "folder whose tokenizer.json (and tokenizer_config.json) to use and copy")
     p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size (default 8192)")
     p.add_argument("--tokenizer-file", help="a Hugging Face tokenizer.json (with --tokenizer file)")
     p.add_argument("--text-key", default="text", help="jsonl field / parquet column with the text")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, DataError
 
 # --------------------------------------------------------------------------------------------
 # Declaring options
@@ -43,7 +43,8 @@ class ModelConfig:
                               "here override it")
     init_from: str = option("", "start a new run from these weights: a Hugging Face model folder, a .safetensors "
                                 "file or a scaletrain export; empty = initialise from (train.seed, parameter name)")
-    vocab_size: int = option(256, "tokens in the vocabulary; 256 for the byte-level tokenizer", min=2)
+    vocab_size: int = option(256, "tokens in the vocabulary; 256 for the byte-level tokenizer; 0 = the one data.path "
+                                  "was prepared with (a Hugging Face model's own, padding included)", min=2)
     dim: int = option(256, "width of the residual stream", min=1)
     n_layers: int = option(4, "number of transformer blocks", min=1)
     n_heads: int = option(4, "attention heads; must divide dim unless head_dim is set", min=1)
@@ -359,6 +360,20 @@ def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[st
                 merged["model"] = {**model_config_from_hf(from_hf), **merged["model"]}
             except ConfigError as e:
                 errors.extend(f"model.from_hf: {line}" for line in e.lines)
+    # model.vocab_size = 0: the vocabulary the data was prepared with (only its meta.json is read)
+    vocab = merged["model"].get("vocab_size")
+    if isinstance(vocab, (int, str)) and not isinstance(vocab, bool) and str(vocab).strip() == "0":
+        from scaletrain.data.prepare import recorded_vocab_size  # local: keeps plain config loads light
+
+        del merged["model"]["vocab_size"]  # if it cannot be resolved, report that alone
+        from_cli.discard(("model", "vocab_size"))
+        path = merged["data"].get("path", "")
+        if isinstance(path, str):  # another type is reported with the data keys
+            try:
+                merged["model"]["vocab_size"] = recorded_vocab_size(path)
+            except DataError as e:
+                errors.append(f"model.vocab_size=0 takes the vocabulary from data.path, but {e}; "
+                              "set model.vocab_size, or data.path to a folder written by scaletrain prepare")
 
     sections: dict[str, Any] = {}
     for name, cls in SECTIONS.items():

@@ -3,7 +3,9 @@
 Output folder:
     meta.json          format version, dtype, tokenizer, token counts, per-shard sha256
     shard_00000.bin    raw little-endian token ids (uint16 when the vocabulary fits, else uint32)
-    tokenizer.json     for BPE and file tokenizers
+    tokenizer.json     for BPE, file and Hugging Face tokenizers
+    tokenizer_config.json, special_tokens_map.json
+                       copied from a Hugging Face model folder, where it has them
 
 The folder is written under a temporary name and renamed when complete, and an existing
 prepared folder is never overwritten.
@@ -122,14 +124,36 @@ def _parquet_texts(f: Path, text_key: str) -> Iterator[str]:
             row += 1
 
 
+def recorded_vocab_size(path: str | Path) -> int:
+    """The model vocabulary a prepared folder records, read from its meta.json alone: a Hugging
+    Face model's own vocab_size where it is larger than its tokenizer's, else the tokenizer's.
+    An empty path is the built-in byte-level data: 256."""
+    if not str(path):
+        return ByteTokenizer.vocab_size
+    meta_path = Path(path) / META_FILE
+    try:
+        described = json.loads(meta_path.read_text())["tokenizer"]
+        vocab = described.get("model_vocab_size") or described["vocab_size"]
+    except FileNotFoundError:
+        raise DataError(f"{meta_path} does not exist") from None
+    except OSError as e:
+        raise DataError(f"{meta_path} cannot be read ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+        raise DataError(f"{meta_path} records no tokenizer vocabulary") from None
+    if isinstance(vocab, bool) or not isinstance(vocab, int):
+        raise DataError(f"{meta_path} records no tokenizer vocabulary")
+    return vocab
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "byte",
+def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | Path = "byte",
             vocab_size: int = 8192, tokenizer_file: str | Path | None = None,
             text_key: str = "text", shard_tokens: int = 100_000_000) -> dict:
-    """Tokenize `inputs` into `out`; returns the metadata written to meta.json."""
+    """Tokenize `inputs` into `out`; returns the metadata written to meta.json. `tokenizer` is
+    byte, bpe, file (with `tokenizer_file`) or the path of a Hugging Face model folder."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DataError(f"{out} is a file; --out must be a new or empty folder (nothing was changed)")
@@ -149,8 +173,14 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
         if tokenizer_file is None:
             raise DataError("--tokenizer file needs --tokenizer-file PATH (a tokenizer.json)")
         tok = HFTokenizer.from_file(tokenizer_file)
+    elif Path(tokenizer).is_file():
+        raise DataError(f"--tokenizer {tokenizer} is a file; give its Hugging Face model folder, or "
+                        f"--tokenizer file --tokenizer-file {tokenizer} for a lone tokenizer.json")
+    elif Path(tokenizer).is_dir():
+        tok = HFTokenizer.from_hf_folder(tokenizer)
     else:
-        raise DataError(f"unknown tokenizer {tokenizer!r}; choose byte, bpe or file")
+        raise DataError(f"--tokenizer {tokenizer}: neither byte, bpe nor file, and no such folder; "
+                        "give one of those or a Hugging Face model folder holding tokenizer.json")
 
     dtype = token_dtype(tok.vocab_size)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")

@@ -1,12 +1,15 @@
-"""Tokenizers: built-in byte-level, a BPE trained locally, or a local `tokenizer.json`.
+"""Tokenizers: built-in byte-level, a BPE trained locally, a local `tokenizer.json`, or the fast
+tokenizer of a Hugging Face model folder.
 
-All three share one small interface (`encode`, `decode`, `vocab_size`, `describe`), and a
+All four share one small interface (`encode`, `decode`, `vocab_size`, `describe`), and a
 prepared data folder records which one made it, so training can decode samples and check the
 vocabulary against the model.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -14,6 +17,12 @@ from scaletrain.errors import DataError
 
 TOKENIZER_FILE = "tokenizer.json"
 EOT = "<|endoftext|>"
+# what transformers' AutoTokenizer reads from a model folder for a fast tokenizer
+HF_CONFIG_FILE = "tokenizer_config.json"
+HF_SPECIAL_FILE = "special_tokens_map.json"
+HF_FILES = (TOKENIZER_FILE, HF_CONFIG_FILE, HF_SPECIAL_FILE)
+# the named special tokens, in the order transformers adds those missing from the vocabulary
+HF_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class ByteTokenizer:
@@ -45,6 +54,10 @@ class HFTokenizer:
         self.vocab_size = tok.get_vocab_size()
         eot = tok.token_to_id(EOT)
         self.separator = [eot] if eot is not None else []
+        self.source: Path | None = None  # the Hugging Face folder (kind "hf") whose files save() copies
+        self.model_vocab_size: int | None = None  # its config.json's vocab_size, when larger (padding rows)
+        self.bos_id: int | None = None
+        self.eos_id: int | None = None
 
     @classmethod
     def from_file(cls, path: str | Path) -> "HFTokenizer":
@@ -56,6 +69,58 @@ class HFTokenizer:
             return cls(Tokenizer.from_file(str(p)), "file")
         except Exception as e:  # the library raises plain Exceptions for bad files
             raise DataError(f"tokenizer file {p} could not be read ({e}); is it a Hugging Face tokenizer.json?") from None
+
+    @classmethod
+    def from_hf_folder(cls, path: str | Path, *, read_model_config: bool = True) -> "HFTokenizer":
+        """The fast tokenizer of a Hugging Face model folder, encoding as transformers'
+        `AutoTokenizer.from_pretrained(folder)(text)["input_ids"]` does by default: tokenizer.json
+        (its post-processor adds BOS/EOS where the model wants them), plus the special tokens that
+        tokenizer_config.json names and the vocabulary lacks. Documents are separated by the EOS
+        token, unless encoding already ends each one with it."""
+        folder = Path(path)
+        if not folder.is_dir():
+            raise DataError(f"--tokenizer {folder}: no such folder; give byte, bpe, file or a Hugging Face model "
+                            "folder holding tokenizer.json")
+        if not (folder / TOKENIZER_FILE).is_file():
+            found = ", ".join(sorted(p.name for p in folder.iterdir() if "token" in p.name)) or "no tokenizer files"
+            raise DataError(f"{folder}: no {TOKENIZER_FILE} (found {found}); scaletrain reads fast tokenizers only: "
+                            "convert it once with transformers, AutoTokenizer.from_pretrained(FOLDER)"
+                            ".save_pretrained(FOLDER)")
+        self = cls.from_file(folder / TOKENIZER_FILE)
+        self.kind, self.source = "hf", folder
+        tk = _tokenizers()
+        # special_tokens_map.json is the older place for them; tokenizer_config.json wins
+        config = {**_read_json(folder / HF_SPECIAL_FILE), **_read_json(folder / HF_CONFIG_FILE)}
+        special = {k: _token_text(config.get(k)) for k in HF_SPECIAL}
+        missing = [t for t in special.values() if t is not None and self.tok.token_to_id(t) is None]
+        if missing:
+            self.tok.add_special_tokens([tk.AddedToken(t, special=True) for t in dict.fromkeys(missing)])
+        # tokenizer.json's post-processor says which special tokens encoding adds: transformers (v5)
+        # drops tokenizer_config.json's add_bos_token/add_eos_token when a tokenizer.json exists
+        bos, eos = special["bos_token"], special["eos_token"]
+        self.bos_id = self.tok.token_to_id(bos) if bos is not None else None
+        self.eos_id = self.tok.token_to_id(eos) if eos is not None else None
+        ends_with_eos = self.eos_id is not None and self.tok.encode("x").ids[-1:] == [self.eos_id]
+        self.separator = [] if self.eos_id is None or ends_with_eos else [self.eos_id]
+        # ids, not their count: added tokens may leave gaps
+        self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values()) + 1
+        if read_model_config and (folder / "config.json").is_file():
+            model_vocab = _read_json(folder / "config.json").get("vocab_size")
+            if model_vocab is not None and (isinstance(model_vocab, bool) or not isinstance(model_vocab, int)):
+                raise DataError(f"{folder / 'config.json'}: vocab_size {model_vocab!r} is not an integer")
+            if model_vocab is not None and model_vocab > self.vocab_size:
+                self.model_vocab_size = model_vocab
+        return self
+
+    def hf_files(self, max_len: int) -> dict[str, str]:
+        """The copied Hugging Face files (kind "hf") for an exported model folder, with
+        model_max_length set to the model's, and the BOS/EOS ids for its config.json."""
+        assert self.source is not None, "hf_files needs a tokenizer read from a Hugging Face folder"
+        files = {name: (self.source / name).read_text() for name in HF_FILES if (self.source / name).is_file()}
+        config = {**_read_json(self.source / HF_CONFIG_FILE), "model_max_length": max_len}
+        files[HF_CONFIG_FILE] = json.dumps(config, indent=2) + "\n"
+        ids = {k: v for k, v in (("bos_token_id", self.bos_id), ("eos_token_id", self.eos_id)) if v is not None}
+        return {**files, "special_ids.json": json.dumps(ids)}
 
     @classmethod
     def train_bpe(cls, texts: Iterator[str], vocab_size: int) -> "HFTokenizer":
@@ -76,10 +141,20 @@ class HFTokenizer:
         return self.tok.decode([int(i) for i in ids])
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "vocab_size": self.vocab_size, "file": TOKENIZER_FILE}
+        d = {"kind": self.kind, "vocab_size": self.vocab_size, "file": TOKENIZER_FILE}
+        if self.kind == "hf":
+            d["files"] = [name for name in HF_FILES if (self.source / name).is_file()]
+            if self.model_vocab_size is not None:  # the embedding rows the model has (padding past the tokenizer)
+                d["model_vocab_size"] = self.model_vocab_size
+        return d
 
     def save(self, folder: Path) -> None:
-        self.tok.save(str(folder / TOKENIZER_FILE))
+        if self.kind == "hf":  # the folder's own files, unchanged: transformers reads them as they were
+            for name in HF_FILES:
+                if (self.source / name).is_file():
+                    shutil.copyfile(self.source / name, folder / name)
+        else:
+            self.tok.save(str(folder / TOKENIZER_FILE))
 
 
 def _tokenizers():
@@ -88,6 +163,26 @@ def _tokenizers():
     except ImportError:
         raise DataError("BPE tokenizers need the `tokenizers` package: pip install tokenizers") from None
     return tokenizers
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from a Hugging Face folder; {} when the file is absent."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: not valid JSON ({e}); restore it from the model's files") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: expected a JSON object, got {type(data).__name__}; restore it from the model's files")
+    return data
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json gives it: a string, or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
 
 
 def load_tokenizer(meta_tokenizer: dict, folder: Path):
@@ -101,4 +196,15 @@ def load_tokenizer(meta_tokenizer: dict, folder: Path):
             raise DataError(f"{folder}: tokenizer file {name!r} in the metadata is not a plain file name in this "
                             "folder; re-run scaletrain prepare")
         return HFTokenizer.from_file(folder / name)
+    if kind == "hf":
+        names = meta_tokenizer.get("files", [TOKENIZER_FILE])
+        if not isinstance(names, list) or TOKENIZER_FILE not in names or any(
+                not isinstance(n, str) or n not in HF_FILES for n in names):
+            raise DataError(f"{folder}: tokenizer files {names!r} in the metadata are not those of a Hugging Face "
+                            f"tokenizer ({', '.join(HF_FILES)}); re-run scaletrain prepare")
+        for name in names:  # a lost tokenizer_config.json would change the encoding without a word
+            if not (folder / name).is_file():
+                raise DataError(f"{folder / name}: the tokenizer file named in the metadata is missing; "
+                                "re-run scaletrain prepare")
+        return HFTokenizer.from_hf_folder(folder, read_model_config=False)
     raise DataError(f"{folder}: unknown tokenizer kind {kind!r} in the metadata; re-run scaletrain prepare")

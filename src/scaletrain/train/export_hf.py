@@ -138,6 +138,10 @@ def tokenizer_files(data_path: str, max_len: int) -> dict[str, str]:
     kind = described.get("kind") if isinstance(described, dict) else None
     if kind == "byte":
         return _files(byte_tokenizer_json(), max_len)
+    if kind == "hf":  # a Hugging Face model's tokenizer: its own files, as prepare copied them
+        from scaletrain.data.tokenizer import load_tokenizer
+
+        return load_tokenizer(described, folder).hf_files(max_len)
     name = described.get("file") if isinstance(described, dict) else None
     if not isinstance(name, str) or Path(name).name != name:
         raise DataError(f"{folder}: tokenizer kind {kind!r} names no tokenizer file in this folder; "
