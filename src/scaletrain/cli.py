@@ -199,11 +199,31 @@ def _prepare(args: argparse.Namespace, extra: list[str]) -> int:
 
     with _os_errors_name({"--out": args.out}):
         meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                       tokenizer_file=args.tokenizer_file, text_key=args.text_key, shard_tokens=args.shard_tokens)
+                       tokenizer_file=args.tokenizer_file, text_key=args.text_key, shard_tokens=args.shard_tokens,
+                       val_fraction=args.val_fraction)
     model_vocab = meta["tokenizer"].get("model_vocab_size")
     padded = f", {model_vocab} in the model" if model_vocab else ""
     print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}, {len(meta['shards'])} shard(s), "
           f"{meta['num_documents']:,} documents, vocabulary {meta['tokenizer']['vocab_size']}{padded}) to {args.out}")
+    if "val_shards" in meta:
+        print(f"validation split: {meta['num_val_tokens']:,} tokens, {meta['num_val_documents']:,} documents "
+              f"({len(meta['val_shards'])} shard(s), --val-fraction {meta['val_fraction']:g} by document)")
+    return 0
+
+
+def _eval(args: argparse.Namespace, extra: list[str]) -> int:
+    _no_extra(extra)
+    import json
+
+    from scaletrain.train.evaluate import evaluate_checkpoint
+
+    with _os_errors_name({"checkpoint": args.checkpoint, "--data": args.data or ""}):
+        r = evaluate_checkpoint(args.checkpoint, args.data, args.batches, args.device)
+    if args.json:
+        print(json.dumps(r, indent=1))
+    else:
+        print(f"val_loss {r['val_loss']:.4f}  val_ppl {r['val_ppl']:.2f}  ({r['data']}, {r['split']}: "
+              f"{r['batches']} batch(es) = {r['windows']:,} windows, {r['tokens']:,} tokens; step {r['step']})")
     return 0
 
 
@@ -399,7 +419,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-file", help="a Hugging Face tokenizer.json (with --tokenizer file)")
     p.add_argument("--text-key", default="text", help="jsonl field / parquet column with the text")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file")
+    p.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
+                   help="hold out this share of the documents (chosen by a hash of each document's text) as a "
+                        "validation split for train.eval_every and scaletrain eval (default 0: none)")
     p.set_defaults(func=_prepare, takes_overrides=False)
+
+    p = sub.add_parser("eval", help="a checkpoint's validation loss and perplexity (one process)")
+    p.add_argument("checkpoint", help="a checkpoint folder (runs/.../checkpoints/step_*)")
+    p.add_argument("--data", help="a prepared folder: its validation split, or all of it if it has none "
+                                  "(default: the data the checkpoint was trained on)")
+    p.add_argument("--batches", type=int, help="validation batches of the run's global batch (default: its "
+                                               "train.eval_batches; 0 = every whole batch)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where to run the model (default auto: cuda if available)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=_eval, takes_overrides=False)
 
     p = sub.add_parser("plan", help="will it fit, and which layout is fastest",
                        description="Search the layouts of a model on a cluster (or evaluate one fixed with "

@@ -132,6 +132,10 @@ class TrainConfig:
                                       "(worse than guessing uniformly)", min=0.0)
     sample_tokens: int = option(200, "after training, generate this many tokens and print them", min=0)
     sample_prompt: str = option("The ", "prompt for the sample printed after training")
+    eval_every: int = option(0, "every this many steps and at the end, log val_loss and val_ppl on the validation "
+                                "split (prepare --val-fraction; built-in data: Python's docstrings); 0 = never", min=0)
+    eval_batches: int = option(8, "validation batches of train.global_batch sequences per evaluation, the same "
+                                  "windows each time; 0 = every whole batch the split holds", min=0)
 
 
 @dataclass

@@ -74,8 +74,11 @@ class TokenData:
         return self._fingerprint
 
     @classmethod
-    def open(cls, folder: str | Path, verify_checksums: bool = True) -> "TokenData":
-        """Open a folder written by `scaletrain prepare`, checking it against its metadata."""
+    def open(cls, folder: str | Path, verify_checksums: bool = True, split: str = "train") -> "TokenData":
+        """Open a folder written by `scaletrain prepare`, checking it against its metadata.
+        `split`: train (its `shards`) or val (its `val_shards`, written by --val-fraction)."""
+        if split not in ("train", "val"):
+            raise ValueError(f"unknown split {split!r}; expected train or val")
         folder = Path(folder)
         meta_path = folder / META_FILE
         if not meta_path.is_file():
@@ -98,7 +101,10 @@ class TokenData:
             raise DataError(f"{meta_path}: dtype {dtype_name} cannot hold the ids of a "
                             f"{tokenizer.vocab_size}-token vocabulary; re-run scaletrain prepare")
         paths, lengths, described = [], [], []
-        shards = meta.get("shards")
+        key = "shards" if split == "train" else "val_shards"
+        if key not in meta and split == "val":
+            raise DataError(f"{meta_path}: no validation split; prepare the data with --val-fraction F")
+        shards = meta.get(key)
         for shard in shards if isinstance(shards, list) else []:
             try:
                 path, n = folder / shard["file"], int(shard["num_tokens"])
@@ -128,9 +134,13 @@ class TokenData:
             lengths.append(n)
             described.append([shard["file"], n, shard.get("sha256")])
         if not paths:
-            raise DataError(f"{meta_path}: lists no shards; re-run scaletrain prepare")
+            raise DataError(f"{meta_path}: lists no {'' if split == 'train' else 'validation '}shards; "
+                            "re-run scaletrain prepare")
         description = {"dtype": dtype_name, "tokenizer": tokenizer.describe(), "shards": described}
-        return cls(paths, dtype, lengths, tokenizer, str(folder), description)
+        if split == "val":  # the training split's description (and fingerprint) stays as it always was
+            description["split"] = "val"
+        source = str(folder) if split == "train" else f"{folder} (validation split)"
+        return cls(paths, dtype, lengths, tokenizer, source, description)
 
     def _open_arrays(self) -> list[np.ndarray]:
         if self._arrays is None:
@@ -203,6 +213,48 @@ def builtin_data() -> TokenData:
 
 def open_data(path: str, verify_checksums: bool = True) -> TokenData:
     return builtin_data() if not path else TokenData.open(path, verify_checksums)
+
+
+def builtin_validation_text() -> str:
+    """Held-out text for the built-in data: the docstrings of Python's built-in functions and
+    types and of their public methods (about 65 KB), none of which is in pydoc_data.topics. The
+    training text stays exactly what it was; this is a separate, similar source."""
+    import builtins
+    import types
+
+    docs = []
+    for name in sorted(dir(builtins)):
+        obj = getattr(builtins, name)
+        if name.startswith("_") or not isinstance(obj, (type, types.BuiltinFunctionType)):
+            continue  # site's help, exit, copyright... differ between installations
+        parts = [obj.__doc__ or ""]
+        if isinstance(obj, type):  # dunder methods' docstrings ("Return self+value.") are boilerplate
+            parts += [getattr(v, "__doc__", None) or "" for k, v in sorted(vars(obj).items()) if not k.startswith("_")]
+        docs.append("\n\n".join(p for p in parts if isinstance(p, str) and p))
+    return "\n\n".join(docs)
+
+
+def builtin_validation_data() -> TokenData:
+    arr = np.frombuffer(builtin_validation_text().encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+    return TokenData.from_array(arr, ByteTokenizer(), "builtin:docstrings of Python's built-ins (validation)")
+
+
+def has_validation_split(path: str) -> bool:
+    """Whether `path` (a prepared folder; empty = the built-in data) has a validation split."""
+    if not path:
+        return True
+    try:
+        meta = json.loads((Path(path) / META_FILE).read_text())
+    except (OSError, ValueError):
+        return False  # opening the folder reports what is wrong with it
+    return isinstance(meta, dict) and "val_shards" in meta
+
+
+def open_validation(path: str, verify_checksums: bool = True) -> TokenData | None:
+    """The validation split of `path` (empty: the built-in data's), or None if it has none."""
+    if not has_validation_split(path):
+        return None
+    return builtin_validation_data() if not path else TokenData.open(path, verify_checksums, split="val")
 
 
 class WindowDataset(torch.utils.data.Dataset):

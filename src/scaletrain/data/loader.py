@@ -5,6 +5,9 @@ seeded with (seed, epoch), and step s takes the next `global_batch` of them. A s
 batch is split as [grad_accum][dp_size][micro_batch]: on micro-step k, data-parallel rank r
 reads slice (k * dp_size + r). The union over ranks and micro-steps is exactly the global batch
 of a single-process run, whatever the layout, and resuming at step s needs nothing but s.
+
+Validation windows are fixed for the run: a permutation seeded by (seed, "validation") picks
+`batches` global batches of them once, split over ranks exactly like a training step's.
 """
 
 from __future__ import annotations
@@ -50,10 +53,8 @@ class StepSampler(torch.utils.data.Sampler):
         return self._perm[within * self.global_batch:(within + 1) * self.global_batch]
 
     def rank_micro_batches(self, step: int) -> list[list[int]]:
-        g = self.global_batch_indices(step)
-        b = self.micro_batch
-        return [g[(k * self.dp_size + self.dp_rank) * b:(k * self.dp_size + self.dp_rank + 1) * b].tolist()
-                for k in range(self.grad_accum)]
+        return rank_slices(self.global_batch_indices(step), self.micro_batch, self.grad_accum, self.dp_rank,
+                           self.dp_size)
 
     def __iter__(self) -> Iterator[list[int]]:
         step = self.start_step
@@ -63,6 +64,33 @@ class StepSampler(torch.utils.data.Sampler):
 
     def __len__(self) -> int:  # infinite; DataLoader only asks for it when printing
         raise TypeError("StepSampler is infinite")
+
+
+def rank_slices(global_batch: np.ndarray, micro_batch: int, grad_accum: int, dp_rank: int,
+                dp_size: int) -> list[list[int]]:
+    """This rank's micro-batches of a global batch laid out as [grad_accum][dp_size][micro_batch]."""
+    b = micro_batch
+    return [global_batch[(k * dp_size + dp_rank) * b:(k * dp_size + dp_rank + 1) * b].tolist()
+            for k in range(grad_accum)]
+
+
+_VALIDATION = int.from_bytes(b"validation", "big") % 2**63  # keeps its stream apart from the epochs'
+
+
+def validation_batches(num_windows: int, global_batch: int, batches: int, seed: int, what: str) -> np.ndarray:
+    """(batches, global_batch) window indices, the same on every rank and layout; `batches` = 0
+    takes every whole batch. `what` names the data and the option in the error."""
+    available = num_windows // global_batch
+    if available < 1:
+        raise DataError(f"{what}: {num_windows} windows are fewer than one validation batch of {global_batch}; "
+                        "lower train.global_batch or data.seq_len, or hold out more data (--val-fraction)")
+    if batches > available:
+        raise DataError(f"{what}: {num_windows} windows hold {available} whole validation batch(es) of "
+                        f"{global_batch}, fewer than train.eval_batches={batches}; lower it to at most "
+                        f"{available} (0 = all)")
+    n = batches or available
+    order = np.random.default_rng([seed, _VALIDATION]).permutation(num_windows)
+    return order[:n * global_batch].reshape(n, global_batch)
 
 
 def build_loader(dataset: WindowDataset, sampler: StepSampler, *, num_workers: int, pin_memory: bool,

@@ -3,6 +3,11 @@
 Output folder:
     meta.json          format version, dtype, tokenizer, token counts, per-shard sha256
     shard_00000.bin    raw little-endian token ids (uint16 when the vocabulary fits, else uint32)
+    val_00000.bin      with --val-fraction F: the validation split, the same format; a document
+                       goes to it when the first 8 bytes of its text's sha256, read as a fraction
+                       of 2**64, fall below F, so the split depends on the document alone (never
+                       on the run, the order of the inputs or the other documents), a document
+                       never straddles the two, and duplicates land on the same side
     tokenizer.json     for BPE, file and Hugging Face tokenizers
     tokenizer_config.json, special_tokens_map.json
                        copied from a Hugging Face model folder, where it has them
@@ -145,15 +150,24 @@ def recorded_vocab_size(path: str | Path) -> int:
     return vocab
 
 
+def is_validation(doc: str, fraction: float) -> bool:
+    """Whether `doc` belongs to the validation split of a `fraction`: decided by its text alone."""
+    if fraction <= 0:
+        return False
+    digest = hashlib.sha256(doc.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2**64
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
 def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | Path = "byte",
             vocab_size: int = 8192, tokenizer_file: str | Path | None = None,
-            text_key: str = "text", shard_tokens: int = 100_000_000) -> dict:
+            text_key: str = "text", shard_tokens: int = 100_000_000, val_fraction: float = 0.0) -> dict:
     """Tokenize `inputs` into `out`; returns the metadata written to meta.json. `tokenizer` is
-    byte, bpe, file (with `tokenizer_file`) or the path of a Hugging Face model folder."""
+    byte, bpe, file (with `tokenizer_file`) or the path of a Hugging Face model folder.
+    `val_fraction` of the documents (by their text's hash) go to a validation split instead."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DataError(f"{out} is a file; --out must be a new or empty folder (nothing was changed)")
@@ -161,6 +175,9 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
         raise DataError(f"{out} already exists and is not empty; choose another --out (nothing was changed)")
     if shard_tokens < 1:
         raise DataError(f"--shard-tokens must be at least 1, got {shard_tokens}")
+    if not 0 <= val_fraction < 1:  # also refuses NaN
+        raise DataError(f"--val-fraction {val_fraction} is outside [0, 1): give the share of documents to hold out "
+                        "for validation, e.g. 0.05 (nothing was written)")
     files = find_inputs(inputs)
 
     if tokenizer == "byte":
@@ -168,7 +185,9 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
     elif tokenizer == "bpe":
         if vocab_size < 257:
             raise DataError(f"--vocab-size {vocab_size} is too small for BPE; it needs more than the 256 bytes")
-        tok = HFTokenizer.train_bpe(iter_documents(files, text_key), vocab_size)
+        # learnt from the training documents only: the validation text stays unseen
+        tok = HFTokenizer.train_bpe((d for d in iter_documents(files, text_key) if not is_validation(d, val_fraction)),
+                                    vocab_size)
     elif tokenizer == "file":
         if tokenizer_file is None:
             raise DataError("--tokenizer file needs --tokenizer-file PATH (a tokenizer.json)")
@@ -187,12 +206,25 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        shards, n_docs, n_text_docs = _write_shards(tmp, iter_documents(files, text_key), tok, dtype, shard_tokens)
-        if n_text_docs == 0:  # separators alone are no training data
+        train = _ShardWriter(tmp, "shard", tok, dtype, shard_tokens)
+        val = _ShardWriter(tmp, "val", tok, dtype, shard_tokens)
+        for doc in iter_documents(files, text_key):
+            (val if is_validation(doc, val_fraction) else train).add(doc)
+        train.close()
+        val.close()
+        n_docs = train.n_docs + val.n_docs
+        if train.n_text_docs + val.n_text_docs == 0:  # separators alone are no training data
             found = f"{n_docs} document(s), all empty or whitespace" if n_docs else "no documents"
             field = f" in field {text_key!r}" if any(f.suffix != ".txt" for f in files) else ""
             raise DataError(f"no text to tokenize in {', '.join(map(str, inputs))}: {found}{field}; "
                             "give files that hold text (nothing was written)")
+        if val_fraction and not (train.n_text_docs and val.n_text_docs):
+            side = "validation" if train.n_text_docs else "training"
+            raise DataError(f"--val-fraction {val_fraction} left the {side} split without text: of {n_docs} "
+                            f"document(s), {val.n_docs} went to validation; "
+                            f"{'raise' if side == 'validation' else 'lower'} --val-fraction or give more documents "
+                            "(nothing was written)")
+        shards = train.shards
         tok.save(tmp)
         meta = {
             "format": FORMAT,
@@ -200,11 +232,14 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
             "dtype": dtype.name,
             "tokenizer": tok.describe(),
             "num_tokens": sum(s["num_tokens"] for s in shards),
-            "num_documents": n_docs,
+            "num_documents": train.n_docs,
             "shards": shards,
             "sources": [str(f) for f in files],
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
+        if val_fraction:  # absent otherwise: a folder without a split is written as it always was
+            meta.update({"val_fraction": val_fraction, "num_val_tokens": sum(s["num_tokens"] for s in val.shards),
+                         "num_val_documents": val.n_docs, "val_shards": val.shards})
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
         if out.exists():
             out.rmdir()  # empty, checked above
@@ -215,28 +250,35 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
     return meta
 
 
-def _write_shards(folder: Path, docs: Iterator[str], tok, dtype: np.dtype, shard_tokens: int):
-    shards: list[dict] = []
-    buf: list[int] = []
-    n_docs = n_text_docs = 0  # all documents, and those with more than whitespace
+class _ShardWriter:
+    """Documents -> `PREFIX_00000.bin`, ... of `shard_tokens` tokens each, every document
+    followed by the tokenizer's separator; `shards` describes the files for meta.json."""
 
-    def flush(ids: list[int]) -> None:
-        arr = np.asarray(ids, dtype=dtype)
-        name = f"shard_{len(shards):05d}.bin"
-        data = arr.tobytes()
-        (folder / name).write_bytes(data)
-        shards.append({"file": name, "num_tokens": int(arr.size), "sha256": hashlib.sha256(data).hexdigest()})
+    def __init__(self, folder: Path, prefix: str, tok, dtype: np.dtype, shard_tokens: int):
+        self.folder, self.prefix, self.tok, self.dtype, self.shard_tokens = folder, prefix, tok, dtype, shard_tokens
+        self.shards: list[dict] = []
+        self.buf: list[int] = []
+        self.n_docs = self.n_text_docs = 0  # all documents, and those with more than whitespace
 
-    for doc in docs:
-        n_docs += 1
-        ids = tok.encode(doc)
+    def add(self, doc: str) -> None:
+        self.n_docs += 1
+        ids = self.tok.encode(doc)
         if ids and not doc.isspace():
-            n_text_docs += 1
-        buf.extend(ids)
-        buf.extend(tok.separator)
-        while len(buf) >= shard_tokens:
-            flush(buf[:shard_tokens])
-            buf = buf[shard_tokens:]
-    if buf:
-        flush(buf)
-    return shards, n_docs, n_text_docs
+            self.n_text_docs += 1
+        self.buf.extend(ids)
+        self.buf.extend(self.tok.separator)
+        while len(self.buf) >= self.shard_tokens:
+            self._flush(self.buf[:self.shard_tokens])
+            self.buf = self.buf[self.shard_tokens:]
+
+    def close(self) -> None:
+        if self.buf:
+            self._flush(self.buf)
+            self.buf = []
+
+    def _flush(self, ids: list[int]) -> None:
+        arr = np.asarray(ids, dtype=self.dtype)
+        name = f"{self.prefix}_{len(self.shards):05d}.bin"
+        data = arr.tobytes()
+        (self.folder / name).write_bytes(data)
+        self.shards.append({"file": name, "num_tokens": int(arr.size), "sha256": hashlib.sha256(data).hexdigest()})

@@ -1,5 +1,8 @@
 """Metrics: one JSON object per logged step in metrics.jsonl, TensorBoard, a progress line.
 
+Steps that evaluate (train.eval_every) add val_loss and val_ppl, shown in TensorBoard as
+val/loss and val/ppl beside train/*.
+
 Only rank 0 writes or prints; other ranks get a `MetricsLogger(enabled=False)` whose methods
 do nothing.
 """
@@ -24,6 +27,11 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def perplexity(loss: float) -> float:
+    """exp(mean token loss): the number of tokens the model is as unsure between as a uniform guess."""
+    return math.exp(loss) if loss < 709 else math.inf  # exp overflows a double past ~709.78
 
 
 def _fmt_num(x: float) -> str:
@@ -80,7 +88,8 @@ class MetricsLogger:
         if self._tb is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(f"train/{key}", value, row["step"])
+                    tag = f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"
+                    self._tb.add_scalar(tag, value, row["step"])
         self._show(row)
 
     def _show(self, row: dict) -> None:
@@ -93,6 +102,8 @@ class MetricsLogger:
                 f"wait {100 * row['data_wait_frac']:.0f}%")
         if "loss_scale" in row:
             text += f"  scale {row['loss_scale']:g}"
+        if "val_loss" in row:
+            text += f"  val_loss {row['val_loss']:.4f}  val_ppl {row['val_ppl']:.2f}"
         if self._bar:
             width = 24
             filled = int(width * step / self.total_steps)
@@ -115,6 +126,12 @@ class MetricsLogger:
             ("steps", f"{rows[-1]['step']}"),
             ("final loss", f"{rows[-1]['loss']:.4f}"),
             ("first logged loss", f"{rows[0]['loss']:.4f}"),
+        ]
+        evaluated = [r for r in rows if "val_loss" in r]
+        if evaluated:
+            last = evaluated[-1]
+            table.append(("validation loss", f"{last['val_loss']:.4f} (ppl {last['val_ppl']:.2f}, step {last['step']})"))
+        table += [
             ("wall time", _fmt_time(elapsed)),
             ("tokens/s (mean)", _fmt_num(sum(r["tokens_per_s"] for r in steady) / len(steady))),
             ("MFU (mean)", f"{100 * sum(r['mfu'] for r in steady) / len(steady):.1f}%"),

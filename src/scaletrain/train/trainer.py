@@ -3,6 +3,7 @@
     setup:  data -> model (meta) -> parallelize -> materialize -> optimizer -> resume
     step:   for each micro-batch: forward, loss / tokens of the global batch, backward
             -> unscale (fp16) -> clip by global norm -> optimizer step (unless overflow) -> lr
+    eval:   every train.eval_every steps and at the end, forward only over fixed validation windows
     around: metrics every log.every steps, checkpoints every checkpoint.every steps and at the
             end, and a checkpoint before stopping on SIGINT/SIGTERM.
 """
@@ -21,6 +22,7 @@ import uuid
 from datetime import datetime
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -28,8 +30,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from scaletrain.config import JobConfig, check_layout, resolve_batch
-from scaletrain.data.dataset import WindowDataset, open_data
-from scaletrain.data.loader import StepSampler, build_loader
+from scaletrain.data.dataset import WindowDataset, open_data, open_validation
+from scaletrain.data.loader import StepSampler, build_loader, rank_slices, validation_batches
 from scaletrain.errors import CheckpointError, ConfigError, DataError, TrainingStopped, UserError
 from scaletrain.model.flops import flops_per_token
 from scaletrain.model.generate import generate
@@ -44,7 +46,7 @@ from scaletrain.plan.hardware import device_peak_flops
 from scaletrain.precision import MasterWeights, Precision
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import run_folder
-from scaletrain.train.metrics import MetricsLogger, peak_memory_bytes
+from scaletrain.train.metrics import MetricsLogger, peak_memory_bytes, perplexity
 
 
 # words of gloo's and NCCL's messages when a peer is gone or late
@@ -117,6 +119,7 @@ class Trainer:
                             f"{self.data.vocab_size}")
         self.dataset = WindowDataset(self.data, cfg.data.seq_len)
         self.tokens_per_step = self.batch.global_batch * cfg.data.seq_len
+        self.val_dataset, self.val_batches = self._validation_set()
 
         # model: built on the meta device (no memory), then parallelized and materialized
         torch.manual_seed(cfg.train.seed + self.rank)  # dropout differs per rank; weights do not
@@ -186,6 +189,20 @@ class Trainer:
             6 * self.num_params
         self.peak_flops, self.peak_source = device_peak_flops(
             self.device, self.precision.compute_dtype, tf32=cfg.precision.mode == "tf32")
+
+    def _validation_set(self) -> tuple[WindowDataset | None, np.ndarray | None]:
+        """The validation windows that train.eval_every evaluates, fixed for the run: (dataset,
+        (batches, global_batch) window indices); (None, None) when evaluation is off."""
+        train, path = self.cfg.train, self.cfg.data.path
+        if not train.eval_every:
+            return None, None
+        data = open_validation(path, self.cfg.data.verify_checksums)
+        if data is None:
+            raise ConfigError(f"train.eval_every={train.eval_every} needs a validation split, and data.path {path} has "
+                              "none; prepare the data again with --val-fraction (e.g. 0.05), or set train.eval_every=0")
+        dataset = WindowDataset(data, self.cfg.data.seq_len)
+        return dataset, validation_batches(len(dataset), self.batch.global_batch, train.eval_batches, train.seed,
+                                           data.source)
 
     def _shared(self, value):
         """Rank 0's value of something every rank must agree on (e.g. a time-stamped folder)."""
@@ -472,6 +489,61 @@ class Trainer:
             torch.zeros((), device=self.device)
         return loss_sum / self._loss_factor() / self.tokens_per_step, wait
 
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """The mean token loss over the run's fixed validation windows, in eval mode and without
+        gradients. Each validation batch is split over ranks and micro-batches exactly like a
+        training step's global batch; pipeline stages run the schedule's forward-only pass; the
+        summed token losses are all-reduced like the training loss (tensor-parallel ranks hold
+        copies). Gradients, optimizer state and random streams are left as they were."""
+        self._enter("evaluation")
+        b, modules = self.batch, self.dp.modules
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        was_training = [m.training for m in modules]
+        for m in modules:
+            m.eval()  # no dropout
+        try:
+            for global_batch in self.val_batches:
+                micro = rank_slices(global_batch, b.micro_batch, b.grad_accum, self.dp_rank, b.dp)
+                if self.pipeline is not None:
+                    total += self._pipeline_eval_sum(micro)
+                    continue
+                for indices in micro:
+                    inputs, targets = (t.to(self.device) for t in self.val_dataset[indices])
+                    with self._loss_context():
+                        with self.precision.autocast():
+                            logits = self.dp.module(inputs)  # the chunk itself: no DDP bookkeeping
+                        total += _plain(self.loss_fn(logits, targets)).double()
+        finally:
+            for m, training in zip(modules, was_training):
+                m.train(training)
+            if self.dp.zero == 3:
+                for module in modules:  # free what FSDP gathered for the forwards
+                    for m in module.modules():
+                        if hasattr(m, "reshard"):
+                            m.reshard()
+        if self.rt.distributed:
+            self._enter("the evaluation all-reduce")
+            dist.all_reduce(total)
+            total /= self.rt.dims.tp
+        return float(total) / (len(self.val_batches) * self.tokens_per_step)
+
+    def _pipeline_eval_sum(self, micro: list[list[int]]) -> torch.Tensor:
+        """One validation batch through the pipeline schedule's forward-only pass: the sum of its
+        token losses on the last stage, zero elsewhere."""
+        parts = [self.val_dataset[indices] for indices in micro]
+        inputs = torch.cat([x for x, _ in parts]).to(self.device)
+        targets = torch.cat([y for _, y in parts]).to(self.device)
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.pm.first else ()
+        kwargs = {"target": targets, "losses": losses} if self.pm.last else {}
+        with self._loss_context(), self.precision.autocast():
+            self.pipeline.eval(*args, return_outputs=False, **kwargs)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for loss in losses:  # the schedule's loss function carries the training scale: take it off
+            total += _plain(loss).double() / self._loss_factor()
+        return total
+
     def update(self) -> tuple[torch.Tensor, bool]:
         """Unscale, clip, step, zero: returns (gradient norm before clipping, skipped).
 
@@ -631,9 +703,17 @@ class Trainer:
             self._watch_loss(loss, skipped)
             window_wait += wait
             window_steps += 1
-            if self.step % cfg.log.every == 0 or self.step in (1, cfg.train.steps):
+            val_loss = None
+            if self.val_batches is not None and not stop and \
+                    (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps):
+                t_eval = time.perf_counter()
+                val_loss = self._guarded(self.evaluate)
+                window_t0 += time.perf_counter() - t_eval  # evaluating is not training: tokens/s leaves it out
+            if self.step % cfg.log.every == 0 or self.step in (1, cfg.train.steps) or val_loss is not None:
                 elapsed = time.perf_counter() - window_t0
                 row = self._guarded(self._metrics_row, loss, grad_norm, elapsed, window_wait, window_steps)
+                if val_loss is not None:
+                    row.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
                 losses.append(row["loss"])
                 self._log(row)
                 window_t0, window_wait, window_steps = time.perf_counter(), 0.0, 0
@@ -825,6 +905,10 @@ class Trainer:
             f"data: {self.data.source}, {self.data.num_tokens:,} tokens, {len(self.dataset):,} windows of "
             f"{cfg.data.seq_len}; batch {b.global_batch} = micro {b.micro_batch} x accum {b.grad_accum} "
             f"x dp {b.dp}; run folder {self.run_dir}")
+        if self.val_batches is not None:
+            n, data = len(self.val_batches), self.val_dataset.data
+            self.metrics.info(f"validation: {data.source}, {data.num_tokens:,} tokens; {n} batch(es) = "
+                              f"{n * b.global_batch:,} windows every {cfg.train.eval_every} steps and at the end")
         if note := self.precision.note():
             self.metrics.info(note)
 
