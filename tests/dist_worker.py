@@ -92,6 +92,12 @@ def main(spec_path: str) -> None:
             module = getattr(importlib.import_module(name), factory)()
         trainer = Trainer(cfg, rt, stream=open(os.devnull, "w"), model=module)
         inject_into_trainer(trainer, job.get("fault"), rank)
+        probe = None
+        if job.get("probe"):  # "file_stem:function": a test's instrument on the trainer, returns a reporter
+            import importlib
+
+            name, function = job["probe"].split(":")
+            probe = getattr(importlib.import_module(name), function)(trainer)
         if job.get("measure"):  # the planner's accuracy test: measured memory, not training
             from scaletrain.plan.measure import measure
 
@@ -104,7 +110,7 @@ def main(spec_path: str) -> None:
         result = trainer.fit()
         gathered = [None] * rt.world_size
         dist.all_gather_object(gathered, {"rank": rank, "dp_rank": trainer.dp_rank, "indices": indices,
-                                          "state_bytes": trainer.state_bytes})
+                                          "state_bytes": trainer.state_bytes, "probe": probe() if probe else None})
         results.append({"losses": [(r["step"], r["loss"]) for r in result["history"]],
                         "history": result["history"], "ranks": gathered, "num_params": trainer.num_params,
                         "start_step": result["history"][0]["step"] if result["history"] else None})

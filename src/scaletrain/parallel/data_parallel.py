@@ -122,6 +122,11 @@ class ZeroDataParallelStrategy(DataParallel):
         self.zero = stage
         self.engine = ZeroDataParallel(self.named_params, mesh, stage=stage, dp_replicate=dp_replicate,
                                        bucket_bytes=int(bucket_mb * 2**20), master_dtype=master_dtype)
+        # stage 2 keeps no full gradient between micro-steps: each micro-step's backward
+        # reduce-scatters into the shards. A pipeline schedule runs all its micro-batches'
+        # backwards inside one micro_step(last=False), so there it reduces once, after them.
+        pipelined = "pp" in (mesh.mesh_dim_names or ()) and mesh["pp"].size() > 1
+        self.reduce_every_micro_step = stage == 2 and not pipelined
 
     @property
     def named_optim_params(self):
@@ -129,11 +134,14 @@ class ZeroDataParallelStrategy(DataParallel):
 
     @contextlib.contextmanager
     def micro_step(self, last: bool):
-        self.engine.sync = last
+        self.engine.sync = last or self.reduce_every_micro_step
         yield
+        if self.reduce_every_micro_step:
+            self.engine.finish_gradients()  # this micro-batch's gradients are in the shards now
 
     def finish_gradients(self) -> None:
-        self.engine.finish_gradients()
+        if not self.reduce_every_micro_step:
+            self.engine.finish_gradients()
 
     def after_optimizer_step(self) -> None:
         self.engine.gather_parameters()

@@ -4,13 +4,21 @@ Every data-parallel rank keeps the whole model (4 bytes/param in fp32) but owns 
 shard of each parameter's rows: the optimizer steps that shard (its Adam moments, 8 bytes/param,
 exist for the shard only), and the updated shards are all-gathered back into every replica.
 
-* Stage 1 (optimizer state sharded): full gradients are kept (4 B/param) and reduce-scattered,
-  so each rank receives the summed gradient of its shard.        8Ψ + 8Ψ/N per rank
-* Stage 2 (gradients sharded too): each bucket of full gradients is freed as soon as it has been
-  reduce-scattered during backward, leaving only the shard.       4Ψ + 12Ψ/N per rank
+* Stage 1 (optimizer state sharded): full gradients are kept (4 B/param), accumulated over the
+  micro-steps of a step and reduce-scattered once, after the last one.   8Ψ + 8Ψ/N per rank
+* Stage 2 (gradients sharded too): every micro-step reduce-scatters each bucket as soon as backward
+  has filled it, adds the reduced rows into the shard's gradient (which accumulates over the
+  micro-steps) and frees the bucket's full gradients at once. Only the shard's gradient outlives a
+  bucket, so at any moment a rank holds the shard gradients plus the gradients of the bucket
+  being filled and at most two buckets' send buffers.                    4Ψ + 12Ψ/N per rank
 
-Communication per step is that of DDP, 2Ψ(N-1)/N per rank, split into a reduce-scatter of
-gradients (during backward, bucketed, overlapped) and an all-gather of parameters (after the step).
+Communication per step without accumulation is that of DDP, 2Ψ(N-1)/N per rank, split into a
+reduce-scatter of gradients (during backward, bucketed, overlapped) and an all-gather of
+parameters (after the step). With K micro-steps per step, stage 1 still reduce-scatters once
+(it trades memory for communication) while stage 2 reduce-scatters K times: Ψ(N-1)/N · (K + 1)
+per rank per step (under HSDP, K all-reduces of the shard over replicas too). Under pipeline
+parallelism the schedule runs every micro-batch's backward in one go, so both stages reduce once
+after it (stage 2 then holds full gradients during the schedule, as stage 1 does).
 
 Shards are DTensors placed `Shard(0)` over the `dp_shard` axis (and `Replicate()` over
 `dp_replicate` for HSDP), exactly as FSDP2 places ZeRO-3's, so optimizer checkpoints reshard
@@ -149,21 +157,25 @@ class ZeroDataParallel:
         while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].slots):
             self._launch(self.buckets[self._next])
             self._next += 1
-        # like DDP, keep at most two buckets' buffers in flight: finish the older ones now
-        while len(self._in_flight) > 2:
-            self._complete(self._in_flight.pop(0))
 
     def _launch(self, bucket: _Bucket) -> None:
+        # like DDP, at most two buckets' buffers in flight: finish the oldest before sending another
+        while len(self._in_flight) >= 2:
+            self._complete(self._in_flight.pop(0))
         slot0 = bucket.slots[0]
         dtype = torch.float32 if slot0.shard.dtype == torch.float32 else slot0.data.dtype
+        # (N, shard_numel): row r is what rank r receives; each parameter's rows split into N
+        # chunks of chunk_rows, the last ones zero-padded
         flat = torch.zeros(self.n, bucket.shard_numel, dtype=dtype, device=slot0.data.device)
         for s in bucket.slots:
             if s.param.grad is None:
                 continue  # unused parameter: contributes zeros
             g = _local_grad(s.param).reshape(s.rows, -1)
-            padded = torch.zeros(self.n * s.chunk_rows, s.row_numel, dtype=dtype, device=g.device)
-            padded[:s.rows] = g
-            flat[:, s.offset:s.offset + s.chunk_numel] = padded.view(self.n, -1)
+            chunks = flat[:, s.offset:s.offset + s.chunk_numel].view(self.n, s.chunk_rows, s.row_numel)
+            whole, rest = divmod(s.rows, s.chunk_rows)
+            chunks[:whole] = g[:whole * s.chunk_rows].view(whole, s.chunk_rows, s.row_numel)
+            if rest:
+                chunks[whole, :rest] = g[whole * s.chunk_rows:]
             if self.stage == 2:
                 s.param.grad = None  # stage 2: the full gradient is not kept
         bucket.flat = flat
@@ -178,7 +190,8 @@ class ZeroDataParallel:
                                                      async_op=True)
 
     def finish_gradients(self) -> None:
-        """Wait for every bucket's reduction and hand each shard its averaged gradient."""
+        """Reduce what the last backward(s) left and wait for every bucket: once per step (stage 1,
+        and stage 2 under pipelining) or once per micro-step (stage 2)."""
         while self._next < len(self.buckets):  # buckets with unused parameters
             self._launch(self.buckets[self._next])
             self._next += 1
@@ -193,7 +206,9 @@ class ZeroDataParallel:
             bucket.out, bucket.recv = bucket.recv.sum(0), None
         if self.rep_group is not None:  # HSDP: sum the shards over the replicas too
             dist.all_reduce(bucket.out, group=self.rep_group)
-        bucket.out.div_(self.dp)  # every rank's loss carries a factor dp (see the trainer)
+        # every rank's loss carries a factor dp (see the trainer): each reduction, of one
+        # micro-step or of the whole step, is divided once, so the accumulated sum is the mean
+        bucket.out.div_(self.dp)
         for s in bucket.slots:
             local_rows = s.shard.to_local().shape[0]
             reduced = bucket.out[s.offset:s.offset + s.chunk_numel].view(s.chunk_rows, *s.data.shape[1:])
@@ -204,6 +219,9 @@ class ZeroDataParallel:
                 view = _row_slice(_local(s.param.grad), self.rank * s.chunk_rows, local_rows)
                 view.copy_(reduced)
                 reduced = view
+            if self.stage == 2 and s.shard.grad is not None:  # an earlier micro-step's: accumulate
+                s.shard.grad.to_local().add_(reduced)
+                continue
             grad = reduced.to(dtype=s.shard.dtype)
             s.shard.grad = DTensor.from_local(grad, s.shard.device_mesh, s.shard.placements, run_check=False,
                                               shape=s.shard.shape, stride=s.shard.stride())
