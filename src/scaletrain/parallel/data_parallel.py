@@ -11,7 +11,8 @@ bytes per parameter Ψ) and N data-parallel ranks, model states per rank are:
 | 3    | + parameters sharded (FSDP, per block, with prefetch)    | 16Ψ/N         | FSDP2 `fully_shard`    |
 
 Stages 0-2 send 2Ψ(N-1)/N values per rank per step; stage 3 sends 3Ψ(N-1)/N (parameters are
-all-gathered again for backward). With `parallel.dp_replicate > 1`, stages 1-3 shard within a
+all-gathered again for backward). With K micro-steps of gradient accumulation, stage 2 keeps its
+memory promise by reduce-scattering every micro-step: Ψ(N-1)/N·(K+1) per rank per step. With `parallel.dp_replicate > 1`, stages 1-3 shard within a
 group of `dp_shard` ranks and replicate across groups: HSDP.
 
 Every strategy reduces the *average* gradient over data-parallel ranks, so the trainer scales
