@@ -11,38 +11,18 @@ import torch
 from scaletrain.config import from_dict
 from scaletrain.errors import ConfigError
 from scaletrain.plan import Layout, plan
-from scaletrain.plan.hardware import Hardware, lookup
-from scaletrain.plan.memory_model import (Dtypes, first_layer_extra_bytes, formula_activation_bytes, in_flight,
-                                          in_flight_from_orders, korthikanti_layer_bytes, model_state_bytes)
+from scaletrain.plan.hardware import lookup
+from scaletrain.plan.memory_model import first_layer_extra_bytes, formula_activation_bytes, in_flight, in_flight_from_orders
 from scaletrain.plan.search import enumerate_layouts, evaluate
 from scaletrain.plan.spec import Cluster, Workload, hf_config_to_model, load_model
-from scaletrain.plan.time_model import CALIBRATION
 
 from conftest import run_cli
 
 
 # --- 7(a): published figures ------------------------------------------------------------------
 
-@pytest.mark.parametrize("zero,expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
-def test_zero_paper_figure_1(zero, expected_gb):
-    """Rajbhandari et al. 2020, Figure 1: a 7.5B model on 64 GPUs with mixed-precision Adam
-    (2 + 2 + 12 bytes per parameter; here bf16 parameters and gradients, fp32 masters and moments)."""
-    states = model_state_bytes(7.5e9, Dtypes.of("bf16-true"), 8.0, zero, 64)
-    assert round(sum(states) / 1e9, 1) == expected_gb
-
-
-def test_korthikanti_table_2():
-    """Korthikanti et al. 2022, Table 2, and their headline: for the 530B model (h 20480, 128
-    heads, s 2048, t 8) sequence parallelism with selective recomputation cuts activation memory
-    about 5x against tensor parallelism alone."""
-    s, b, h, a, t = 2048, 1, 20480, 128, 8
-    assert korthikanti_layer_bytes(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
-    assert korthikanti_layer_bytes(s, b, h, a, t) == s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-    assert korthikanti_layer_bytes(s, b, h, a, t, sp=True) == s * b * h / t * (34 + 5 * a * s / h)
-    assert korthikanti_layer_bytes(s, b, h, a, t, sp=True, recompute="selective") == 34 * s * b * h / t
-    assert korthikanti_layer_bytes(s, b, h, a, recompute="full") == 2 * s * b * h
-    ratio = korthikanti_layer_bytes(s, b, h, a, t) / korthikanti_layer_bytes(s, b, h, a, t, True, "selective")
-    assert 4.5 < ratio < 5.5
+# Published figures (the ZeRO paper, Korthikanti et al., Megatron, Llama 3, torchtitan,
+# llm-foundry) are checked through the CLI in tests/test_planner_published.py.
 
 
 # --- the closed form against the actual model -------------------------------------------------
@@ -125,10 +105,13 @@ def test_fixed_layout_that_does_not_fit_says_why():
 
 
 def test_memory_falls_with_each_technique():
-    kw = dict(hardware="H100-SXM", nodes=1, gpus_per_node=8, seq_len=4096, global_batch=16)
+    kw = dict(hardware="H100-SXM", nodes=1, gpus_per_node=8, seq_len=4096, global_batch=8)
     total = lambda **lay: plan("llama-8b", layout=lay, **kw)["layouts"][0].memory  # noqa: E731
     z = [total(zero=k, micro_batch=1) for k in range(4)]
     assert z[0].model_states > z[1].model_states > z[2].model_states > z[3].model_states
+    # under accumulation the ZeRO-2 engine keeps full gradients until the last micro-batch
+    accum = lambda zero: plan("llama-8b", layout={"zero": zero, "micro_batch": 1}, **{**kw, "global_batch": 16})  # noqa: E731
+    assert accum(2)["layouts"][0].memory.grads == accum(1)["layouts"][0].memory.grads
     acts = [total(zero=3, micro_batch=1, ac=ac).activations for ac in ("none", "selective", "full")]
     assert acts[0] > acts[1] > acts[2]
     tp = total(tp=2, zero=3, micro_batch=1)
@@ -191,26 +174,6 @@ def test_user_hardware_file(tmp_path):
     assert r["cluster"].hardware.memory_GB == 48
     with pytest.raises(ConfigError, match="unknown hardware 'Nope'"):
         lookup("Nope")
-
-
-# --- calibration ----------------------------------------------------------------------------
-
-@pytest.mark.parametrize("point", CALIBRATION, ids=lambda c: c["model"] + "-" + c["hardware"])
-def test_calibration_points(point):
-    hw = lookup(point["hardware"])
-    if "H100" in point["hardware"]:  # that run used 96 GB H100s capped at 500 W
-        hw = Hardware(hw.name, 96, hw.peak_tflops, 2400, hw.intra_node_GBps, hw.inter_node_GBps)
-    world = point["nodes"] * point["gpus_per_node"]
-    r = plan(point["model"], hardware=hw, nodes=point["nodes"], gpus_per_node=point["gpus_per_node"],
-             seq_len=point["seq_len"], global_batch=point["micro_batch"] * world, precision=point["precision"],
-             layout={"zero": point["zero"], "ac": point["ac"], "micro_batch": point["micro_batch"]})
-    e = r["layouts"][0]
-    assert e.fits
-    predicted = e.time.tokens_per_s / world
-    assert predicted == pytest.approx(point["measured_tokens_per_s_per_gpu"], rel=0.2)
-    if point.get("measured_memory_gib"):  # what the allocator held, against our total before the reserve
-        held = (e.memory.total - e.memory.reserve) / 2**30
-        assert held == pytest.approx(point["measured_memory_gib"], rel=0.1)
 
 
 # --- output ---------------------------------------------------------------------------------

@@ -24,10 +24,15 @@ __all__ = ["Cluster", "Evaluated", "Layout", "Workload", "plan", "resolve_layout
 def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, gpus_per_node: int = 8,
          seq_len: int = 2048, global_batch: int = 256, precision: str = "bf16-mixed", optimizer: str = "adamw",
          attention: str = "flash", layout: Layout | dict | None = None, top_k: int = 10,
-         activations: str = "formula", hardware_file: str | None = None, gpu: bool | None = None) -> dict:
+         activations: str = "formula", hardware_file: str | None = None, gpu: bool | None = None,
+         engine: str | None = None, compile: bool | None = None, fp8: bool | None = None) -> dict:
     """Search the layouts (or evaluate `layout`) for `model` on the cluster. Returns a dict with
-    "layouts" (Evaluated, best first), "explanation" (lines), "stats", and the inputs."""
+    "layouts" (Evaluated, best first), "explanation" (lines), "stats", and the inputs. `engine`,
+    `compile` and `fp8` default to a model TOML's [plan] table, else scaletrain, off, off."""
     src = load_model(model)
+    engine = engine if engine is not None else src.extra.get("engine", "scaletrain")
+    compile = compile if compile is not None else bool(src.extra.get("compile", False))
+    fp8 = fp8 if fp8 is not None else bool(src.extra.get("fp8", False))
     hw = hardware if isinstance(hardware, Hardware) else lookup(hardware, hardware_file)
     cluster = Cluster(hw, nodes, gpus_per_node)
     if nodes < 1 or gpus_per_node < 1:
@@ -35,7 +40,7 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
     if top_k < 1:
         raise ConfigError(f"--top must be at least 1, got {top_k}")
     wl = Workload(seq_len=seq_len, global_batch=global_batch, precision=precision, optimizer=optimizer,
-                  attention=attention)
+                  attention=attention, engine=engine, compile=compile, fp8=fp8)
     gpu = hw.name != "CPU" if gpu is None else gpu
     result = {"model_name": src.name, "cfg": src.cfg, "workload": wl, "cluster": cluster, "stats": None}
     if src.cfg is None:
@@ -70,14 +75,15 @@ def resolve_layout(given: Layout | dict, cluster: Cluster, wl: Workload) -> Layo
     unknown = set(given) - known
     if unknown:
         raise ConfigError(f"unknown layout option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
-    sizes = ("tp", "pp", "dp_replicate", "dp_shard", "micro_batch", "grad_accum", "virtual")
+    sizes = ("tp", "pp", "cp", "dp_replicate", "dp_shard", "micro_batch", "grad_accum", "virtual")
     too_small = [f"{name}={given[name]}" for name in sizes if name in given and given[name] < 1]
     if too_small:
         raise ConfigError(f"layout sizes must be at least 1, got {', '.join(too_small)}")
-    tp, pp = given.get("tp", 1), given.get("pp", 1)
-    if cluster.world % (tp * pp):
-        raise ConfigError(f"tp {tp} × pp {pp} does not divide the cluster's {cluster.world} GPUs")
-    dp = cluster.world // (tp * pp)
+    tp, pp, cp = given.get("tp", 1), given.get("pp", 1), given.get("cp", 1)
+    if cluster.world % (tp * pp * cp):
+        sizes_text = f"tp {tp} × pp {pp}" + (f" × cp {cp}" if cp > 1 else "")
+        raise ConfigError(f"{sizes_text} does not divide the cluster's {cluster.world} GPUs")
+    dp = cluster.world // (tp * pp * cp)
     rep = given.get("dp_replicate", 1)
     if dp % rep:
         raise ConfigError(f"dp_replicate {rep} does not divide the {dp} data-parallel ranks")
@@ -100,10 +106,11 @@ def _plan_module(src: ModelSource, wl: Workload, cluster: Cluster, layout, top_k
     import torch
 
     from scaletrain.plan.memory_model import RESERVE_FRACTION, RUNTIME_BYTES_GPU, Dtypes
-    from scaletrain.plan.time_model import (DEFAULT_EFFICIENCY, EFFICIENCY, LINK_EFFICIENCY, TimeBreakdown,
-                                            intra_node_bus_GBps)
+    from scaletrain.plan.time_model import LINK_EFFICIENCY, TimeBreakdown, hardware_efficiency, intra_node_bus_GBps
     from scaletrain.plan.trace import traced_module_bytes
 
+    if wl.engine != "scaletrain" or wl.fp8:
+        raise ConfigError("an nn.Module is planned for scaletrain's trainer only (engine scaletrain, no fp8)")
     module = src.module
     params = [p for p in module.parameters()]
     n = sum(p.numel() for p in params)
@@ -134,7 +141,7 @@ def _plan_module(src: ModelSource, wl: Workload, cluster: Cluster, layout, top_k
         m.activations = act_cache[lay.micro_batch]
         m.reserve = RESERVE_FRACTION * (m.model_states + m.activations) + (RUNTIME_BYTES_GPU if gpu else 0)
         flops = 6.0 * n * wl.tokens
-        eta = EFFICIENCY.get(hw.name, DEFAULT_EFFICIENCY)
+        eta = hardware_efficiency(hw)
         compute = flops / lay.world / (peak * eta)
         bw = (intra_node_bus_GBps(hw) if lay.dp <= cluster.gpus_per_node
               else hw.inter_node_GBps * LINK_EFFICIENCY) * 1e9

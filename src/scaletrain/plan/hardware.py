@@ -41,6 +41,7 @@ class Hardware:
     intra_node_GBps: float = 0.0  # per GPU, one direction (NVLink, or PCIe without it)
     inter_node_GBps: float = 0.0  # per GPU, one direction (its NIC)
     bus_GBps: float = 0.0  # measured bus bandwidth inside a node (scaletrain bench comms); 0 = from intra_node_GBps
+    efficiency: float = 0.0  # fraction of dense peak large matmuls reach in training; 0 = 0.6
 
     @property
     def memory_bytes(self) -> int:
@@ -53,22 +54,25 @@ class Hardware:
         return self.peak_tflops[dtype] * TFLOPS
 
 
-def _gpu(name, memory_GB, fp32, tf32, bf16, fp16, fp8, hbm, intra, inter) -> Hardware:
+def _gpu(name, memory_GB, fp32, tf32, bf16, fp16, fp8, hbm, intra, inter, eff) -> Hardware:
     peaks = {k: v for k, v in dict(fp32=fp32, tf32=tf32, bf16=bf16, fp16=fp16, fp8=fp8).items() if v}
-    return Hardware(name, memory_GB, peaks, hbm, intra, inter)
+    return Hardware(name, memory_GB, peaks, hbm, intra, inter, efficiency=eff)
 
 
-# name                 mem    fp32  tf32   bf16    fp16    fp8     HBM GB/s  NVLink/PCIe  NIC
+# `eff`: the fraction of dense peak a large training matmul reaches. A100: fitted on torchtitan's
+# Llama 3 8B run on 64 A100s; H100: fitted on llm-foundry's MPT-7B run on 8 H100-SXM at full
+# power (700 W); the others are stated guesses, not fits (docs/planner.md, "Calibration").
+# name                 mem    fp32  tf32   bf16    fp16    fp8     HBM GB/s  NVLink/PCIe  NIC   eff
 CATALOG: dict[str, Hardware] = {h.name: h for h in [
-    _gpu("V100-32GB",       32,  15.7, None,  None,   125.0,  None,    900,  150,  12.5),
-    _gpu("A100-40GB",       40,  19.5, 156.0, 312.0,  312.0,  None,   1555,  300,  25.0),
-    _gpu("A100-80GB",       80,  19.5, 156.0, 312.0,  312.0,  None,   2039,  300,  25.0),
-    _gpu("H100-SXM",        80,  67.0, 494.5, 989.4,  989.4,  1978.9, 3350,  450,  50.0),
-    _gpu("H100-PCIe",       80,  51.2, 378.0, 756.0,  756.0,  1513.0, 2000,   64,  50.0),
-    _gpu("H200",           141,  67.0, 494.5, 989.4,  989.4,  1978.9, 4800,  450,  50.0),
-    _gpu("B200",           180,  75.0, 1125., 2250.0, 2250.0, 4500.0, 8000,  900,  50.0),
-    _gpu("RTX-3090",        24,  35.6, 35.6,  71.0,   71.0,   None,    936,   32,  12.5),
-    _gpu("RTX-4090",        24,  82.6, 82.6,  165.2,  165.2,  None,   1008,   32,  12.5),
+    _gpu("V100-32GB",       32,  15.7, None,  None,   125.0,  None,    900,  150,  12.5, 0.55),
+    _gpu("A100-40GB",       40,  19.5, 156.0, 312.0,  312.0,  None,   1555,  300,  25.0, 0.70),
+    _gpu("A100-80GB",       80,  19.5, 156.0, 312.0,  312.0,  None,   2039,  300,  25.0, 0.70),
+    _gpu("H100-SXM",        80,  67.0, 494.5, 989.4,  989.4,  1978.9, 3350,  450,  50.0, 0.535),
+    _gpu("H100-PCIe",       80,  51.2, 378.0, 756.0,  756.0,  1513.0, 2000,   64,  50.0, 0.535),
+    _gpu("H200",           141,  67.0, 494.5, 989.4,  989.4,  1978.9, 4800,  450,  50.0, 0.535),
+    _gpu("B200",           180,  75.0, 1125., 2250.0, 2250.0, 4500.0, 8000,  900,  50.0, 0.535),
+    _gpu("RTX-3090",        24,  35.6, 35.6,  71.0,   71.0,   None,    936,   32,  12.5, 0.65),
+    _gpu("RTX-4090",        24,  82.6, 82.6,  165.2,  165.2,  None,   1008,   32,  12.5, 0.65),
 ]}
 
 # substrings of torch.cuda.get_device_name() -> catalog entry
@@ -253,7 +257,7 @@ def local_hardware(device: torch.device) -> Hardware:
         known = cuda_hardware(device.index or 0)
         if known is not None:
             return Hardware(known.name, props.total_memory / 1e9, known.peak_tflops, known.memory_GBps,
-                            known.intra_node_GBps, known.inter_node_GBps)
+                            known.intra_node_GBps, known.inter_node_GBps, efficiency=known.efficiency)
         peaks = {k: measure_matmul_peak(device, dt) / TFLOPS
                  for k, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))}
         return Hardware(torch.cuda.get_device_name(device), props.total_memory / 1e9, peaks, 500.0, 25.0, 12.5)
@@ -261,4 +265,5 @@ def local_hardware(device: torch.device) -> Hardware:
     peaks = {"fp32": cpu_peak_flops(torch.float32) / TFLOPS, "bf16": cpu_peak_flops(torch.bfloat16) / TFLOPS}
     peaks["tf32"] = peaks["fp32"]
     peaks["fp16"] = peaks["bf16"]
-    return Hardware("CPU", ram, peaks, memory_GBps=20.0, intra_node_GBps=5.0, inter_node_GBps=1.0)
+    # a CPU's peak is itself measured by a matmul probe, so most of it is reachable
+    return Hardware("CPU", ram, peaks, memory_GBps=20.0, intra_node_GBps=5.0, inter_node_GBps=1.0, efficiency=0.8)

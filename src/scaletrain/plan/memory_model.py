@@ -51,6 +51,47 @@ class Dtypes:
         raise ValueError(f"unknown precision {precision!r}")
 
 
+@dataclass(frozen=True)
+class Engine:
+    """What a training engine keeps, where engines differ (the planner predicts for scaletrain
+    by default; the others are how published runs were trained, to hold the planner against
+    them). With 16-bit precision the engines below store 16-bit parameters beside fp32 masters."""
+
+    name: str
+    grad_bytes: int  # gradients of 16-bit parameters: 4 = fp32 main-grad buffer, 2 = 16-bit
+    sp_saves_sharded: bool  # sequence parallel: the norm output a column-parallel matmul saves
+    #                         stays in sequence shards (gathered again in backward)
+    single_rail_zero3: bool  # ZeRO-3 collectives reach one NIC per GPU (no multi-rail channels)
+
+
+ENGINES = {
+    # our trainer: autocast over fp32 weights (bf16-mixed), DTensor keeps the gathered input
+    "scaletrain": Engine("scaletrain", 4, False, False),
+    # Megatron-LM (Narayanan et al. 2021, Korthikanti et al. 2022): fp16/bf16 weights, fp32
+    # main gradients, fp32 masters and Adam; sequence parallel saves sharded inputs
+    "megatron": Engine("megatron", 4, True, False),
+    # DeepSpeed ZeRO (Rajbhandari et al. 2020): 2 + 2 + 12 bytes per parameter. Its ZeRO-3 of
+    # 2021 gathered parameter by parameter: across nodes it reached one NIC per GPU (fitted on
+    # Narayanan et al. 2021's ZeRO-3 comparison, see docs/planner.md)
+    "deepspeed": Engine("deepspeed", 2, True, True),
+}
+
+
+def engine_of(name: str) -> Engine:
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine {name!r}")
+    return ENGINES[name]
+
+
+def dtypes_for(wl: Workload) -> Dtypes:
+    """The bytes each state takes under the workload's precision and engine."""
+    d = Dtypes.of(wl.precision)
+    e = engine_of(wl.engine)
+    if e.name == "scaletrain" or d.compute == 4:
+        return d
+    return Dtypes(2, e.grad_bytes, 4, 2, 2, False)  # 16-bit weights and stream, fp32 masters
+
+
 # --------------------------------------------------------------------------------------------
 # Parameters
 
@@ -171,10 +212,53 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
     return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
 
 
-def layer_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str) -> float:
-    """Bytes scaletrain's layer keeps for backward, per micro-batch of b sequences, on one rank."""
+def layer_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str,
+                           cp: int = 1) -> float:
+    """Bytes one layer keeps for backward, per micro-batch of b sequences, on one rank: for
+    scaletrain's layer (`_scaletrain_layer_bytes`) or, for another engine, Megatron's accounting
+    (`_megatron_layer_bytes`). Context parallelism splits every sequence over cp ranks."""
+    if wl.engine != "scaletrain":
+        return _megatron_layer_bytes(cfg, wl, b, tp, sp, ac, cp)
+    return _scaletrain_layer_bytes(cfg, wl, b, tp, sp, ac, cp)
+
+
+def _megatron_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str, cp: int) -> float:
+    """Korthikanti et al. 2022, section 4.1, generalised to grouped-query attention and SwiGLU.
+    In 16-bit, per token: the two norms' inputs (2h each), the QKV and first MLP matmuls' inputs
+    (2h each), q and k (2(q + kv)), v (2kv), the output projection's input (2q), the MLP's
+    inner activations (2f per matrix of width f, twice for GELU's input and output, three times
+    for SwiGLU's two inputs and product), one dropout mask byte per hidden element for each
+    residual dropout, and for eager attention the softmax output and its dropout mask
+    (2 + 1 bytes × heads × s). For GPT (h = q = kv, f = 4h, dropout) this is their
+    sbh(34 + 5as/h). Tensor parallelism divides what is split by heads or by f; sequence
+    parallelism divides the rest too. Selective recomputation drops the s × s terms; full
+    recomputation keeps the layer's input."""
+    d = dtypes_for(wl)
+    s, h, a = wl.seq_len / cp, cfg.dim, cfg.n_heads
+    kv, f, q = cfg.kv_heads * cfg.head_size, cfg.hidden_dim, cfg.n_heads * cfg.head_size
+    c = d.compute
+    rest = 1 / tp if sp else 1.0  # the norms, dropouts and matmul inputs outside the tp split
+    if ac == "full":
+        return b * s * h * d.residual * rest
+    masks = 2 * h if cfg.dropout > 0 else 0
+    outside = (2 * h * d.residual + 2 * h * c + masks) * rest
+    n_ffn = 3 if cfg.activation == "swiglu" else 2
+    inside = (2 * q + 2 * kv) * c + n_ffn * f * c  # q, k, v, wo's input; the MLP's inner tensors
+    inside /= tp
+    scores = 0.0
+    if wl.attention == "eager" and ac != "selective":
+        # softmax output, and with dropout its mask and dropped output (keys span the sequence)
+        scores = a / tp * wl.seq_len * ((2 * c + 1) if cfg.dropout > 0 else c)
+    elif wl.attention == "flash":
+        scores = a / tp * 4  # log-sum-exp
+    return b * s * (outside + inside + scores)
+
+
+def _scaletrain_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str, cp: int) -> float:
+    """What each operation of scaletrain's layer saves for backward (checked against a count of
+    the real layer's saved tensors, `scaletrain.plan.trace`)."""
     d = Dtypes.of(wl.precision)
-    s, h, a = wl.seq_len, cfg.dim, cfg.n_heads
+    s, h, a = wl.seq_len / cp, cfg.dim, cfg.n_heads
     kv, f, q = cfg.kv_heads * cfg.head_size, cfg.hidden_dim, cfg.n_heads * cfg.head_size
     s_loc = s / tp if sp else s  # the residual stream's tokens on this rank
     x = b * s_loc * h * d.residual  # the layer's input (the previous layer's output)
@@ -183,8 +267,9 @@ def layer_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: 
     qkv = b * s * (q + 2 * kv) / tp * d.compute
     attn_out = b * s * q / tp * d.compute
     lse = b * a / tp * s * 4
-    if wl.attention == "eager":  # materialized scores: softmax output (and the exp/mask kernels)
-        lse = b * a / tp * s * s * d.compute
+    if wl.attention == "eager" and ac != "selective":
+        # materialized scores: the softmax output (selective recomputation recomputes them)
+        lse = b * a / tp * s * wl.seq_len * d.compute
     n_ffn = 3 if cfg.activation == "swiglu" else 2
     if ac == "selective":  # matmul and attention outputs; element-wise ops are recomputed
         mm_out = 2 * b * s * h * d.compute  # wo and w2 outputs (before their reduction)
@@ -203,13 +288,15 @@ def layer_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: 
     linear_in = copies * b * s * h * d.compute
     norm_extra = 2 * _norm_extra(cfg, d, b, s_loc)
     ffn = (2 if cfg.activation == "gelu" else 4) * b * s * f / tp * d.compute
-    return x + x2 + linear_in + norm_extra + qkv + attn_out + lse + ffn
+    # nn.Dropout keeps a bool mask of each residual branch's output
+    masks = 2 * b * s_loc * h if cfg.dropout > 0 else 0.0
+    return x + x2 + linear_in + norm_extra + qkv + attn_out + lse + ffn + masks
 
 
-def head_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool) -> float:
+def head_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp: int = 1) -> float:
     """Final norm, output head and loss of the last stage, per micro-batch."""
-    d = Dtypes.of(wl.precision)
-    s, h = wl.seq_len, cfg.dim
+    d = dtypes_for(wl)
+    s, h = wl.seq_len / cp, cfg.dim
     s_loc = s / tp if sp else s
     last_out = b * s_loc * h * d.residual if _norm_keeps_input(cfg, d) else 0.0
     head_in = b * s * h * d.compute
@@ -231,31 +318,32 @@ def _norm_extra(cfg: ModelConfig, d: Dtypes, b: int, s_loc: float) -> float:
     return b * s_loc * (cfg.dim * d.residual + 4) + upcast
 
 
-def first_layer_extra_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str) -> float:
-    """With sequence parallelism and checkpointing, the first layer keeps its input as it
-    arrives — replicated, before it is split into sequence shards."""
-    if not sp or ac == "none" or tp == 1:
+def first_layer_extra_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str,
+                            cp: int = 1) -> float:
+    """With sequence parallelism and checkpointing, scaletrain's first layer keeps its input as
+    it arrives — replicated, before it is split into sequence shards."""
+    if not sp or ac == "none" or tp == 1 or wl.engine != "scaletrain":
         return 0.0
-    return b * wl.seq_len * cfg.dim * Dtypes.of(wl.precision).residual * (1 - 1 / tp)
+    return b * wl.seq_len / cp * cfg.dim * Dtypes.of(wl.precision).residual * (1 - 1 / tp)
 
 
 def weight_copy_bytes(wl: Workload, matmul_params: int, ac: str, keeps_fp32: bool) -> float:
     """Autocast casts each fp32 weight to the compute dtype in forward and keeps the copy for
     backward (unless checkpointing recomputes the forward; FSDP casts into its own buffers)."""
-    d = Dtypes.of(wl.precision)
+    d = dtypes_for(wl)
     if not d.autocast or ac != "none" or keeps_fp32:
         return 0.0
     return matmul_params * d.compute
 
 
 def formula_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str,
-                             keeps_fp32: bool = False) -> tuple[float, float]:
+                             keeps_fp32: bool = False, cp: int = 1) -> tuple[float, float]:
     """(per layer, head + loss) from the closed form, autocast weight copies included; the
     same split as `scaletrain.plan.trace.traced_activation_bytes`."""
-    per_layer = layer_activation_bytes(cfg, wl, b, tp, sp, ac) + \
+    per_layer = layer_activation_bytes(cfg, wl, b, tp, sp, ac, cp) + \
         weight_copy_bytes(wl, _layer_params(cfg, tp)[2], ac, keeps_fp32)
     # the head is never checkpointed: its weight copy stays whatever the layers do
-    head = head_activation_bytes(cfg, wl, b, tp, sp) + \
+    head = head_activation_bytes(cfg, wl, b, tp, sp, cp) + \
         weight_copy_bytes(wl, cfg.vocab_size * cfg.dim // tp, "none", keeps_fp32)
     return per_layer, head
 
@@ -360,28 +448,35 @@ def estimate_memory(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clu
 
 
 def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: bool, activations: str):
-    d = Dtypes.of(wl.precision)
+    d = dtypes_for(wl)
+    ours = wl.engine == "scaletrain"
     counts = rank_params(cfg, layout, pp_rank)
-    n = layout.dp_shard if layout.dp > 1 else 1
-    zero = layout.zero if layout.dp > 1 else 0
-    # FSDP (zero 3) and FSDP-based replication (zero 0 with tp) keep fp32 weights (the masters)
-    # and cast into compute-dtype buffers of their own
-    fsdp_like = layout.dp > 1 and (zero == 3 or (zero == 0 and layout.tp > 1))
+    # ZeRO shards over the data-parallel shard ranks and the context-parallel ranks, which hold
+    # the same weights (Megatron's distributed optimizer, torchtitan's FSDP over dp × cp)
+    n = (layout.dp_shard if layout.dp > 1 else 1) * layout.cp
+    zero = layout.zero if n > 1 else 0
+    # scaletrain's FSDP (zero 3) and FSDP-based replication (zero 0 with tp) keep fp32 weights
+    # (the masters) and cast into compute-dtype buffers of their own
+    fsdp_like = ours and layout.dp > 1 and (zero == 3 or (zero == 0 and layout.tp > 1))
     out = MemoryBreakdown(stage=pp_rank)
     P = counts.total
     # FSDP-like engines store fp32 parameters (the masters) and gradients
     dtypes = Dtypes(4, 4, 0, d.compute, d.residual, False) if fsdp_like else d
-    out.params, out.grads, out.master, out.optimizer = model_state_bytes(
+    # under gradient accumulation the ZeRO-2 engine keeps full gradients until the last
+    # micro-batch's backward reduce-scatters them: its peak is ZeRO-1's
+    grad_zero = 1 if zero == 2 and layout.grad_accum > 1 else zero
+    out.params, _, out.master, out.optimizer = model_state_bytes(
         P, dtypes, optimizer_bytes(wl.optimizer, counts) / P if P else 0.0, zero, n)
-    if layout.tp > 1 and not fsdp_like and zero < 2 and pp_rank == 0:
-        # the vocabulary-parallel embedding's gradient arrives replicated (DTensor's embedding
-        # backward), full size on every tensor-parallel rank
-        out.grads += cfg.vocab_size * cfg.dim * (1 - 1 / layout.tp) * dtypes.grad
-    if d.master and not fsdp_like:
+    out.grads = model_state_bytes(P, dtypes, 0.0, grad_zero, n)[1]
+    if ours and d.master and not fsdp_like:
         # bf16-true keeps fp32 gradients for its fp32 masters: at step time the bf16 gradients
         # have been moved into them (one process, DDP), reduce-scattered into fp32 shards
-        # (ZeRO-2), or sit beside the fp32 shards (ZeRO-1)
-        out.grads = {0: P * 4, 1: P * d.grad + P * 4 / n, 2: P * 4 / n}[zero]
+        # (ZeRO-2), or sit beside the fp32 shards (ZeRO-1, and ZeRO-2 while accumulating)
+        out.grads = {0: P * 4, 1: P * d.grad + P * 4 / n, 2: P * 4 / n}[grad_zero]
+    if ours and layout.tp > 1 and not fsdp_like and grad_zero < 2 and pp_rank == 0:
+        # the vocabulary-parallel embedding's gradient arrives replicated (DTensor's embedding
+        # backward), full size on every tensor-parallel rank, in the parameters' dtype
+        out.grads += cfg.vocab_size * cfg.dim * (1 - 1 / layout.tp) * d.grad
     if layout.offload and zero == 3:
         out.host = out.params + out.grads + out.optimizer
         out.params = out.grads = out.optimizer = 0.0
@@ -395,18 +490,20 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
     last = layout.pp * (layout.virtual if layout.pp > 1 else 1) - 1
     flight = in_flight(layout.schedule, layout.pp, layout.grad_accum, layout.virtual)[pp_rank]
     if activations == "traced":
+        if not ours or layout.cp > 1:
+            raise ValueError("traced activations count scaletrain's own layer (engine scaletrain, cp 1)")
         from scaletrain.plan.trace import traced_activation_bytes
 
         per_layer, head = traced_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp, layout.ac)
     elif activations == "formula":
         per_layer, head = formula_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp, layout.ac,
-                                                   fsdp_like)
+                                                   fsdp_like, layout.cp)
     else:
         raise ValueError(f"unknown activation source {activations!r}")
     out.activations = per_layer * layers * flight
     if 0 in stages and activations == "formula":
         out.activations += first_layer_extra_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp,
-                                                   layout.ac) * flight
+                                                   layout.ac, layout.cp) * flight
     if last in stages:
         # the head's activations live from the last forward of a micro-batch to its backward:
         # one micro-batch at a time on the last stage
@@ -415,7 +512,7 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
     # communication buffers
     block = _layer_params(cfg, layout.tp)
     block_params = block[0] + block[1]
-    if layout.dp > 1 and zero in (1, 2):
+    if n > 1 and zero in (1, 2):
         # ZeRO-1/2 engine: at most two gradient buckets in flight, each with its flat send
         # buffer and (gloo) receive buffer, in the reduction dtype
         out.comm_buffers = 2 * 2 * min(bucket_mb * 2**20, P * 4)
@@ -425,6 +522,8 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
         # two blocks gathered (current + prefetched), the root kept gathered, one block's
         # unsharded fp32 gradients waiting for their reduce-scatter
         out.comm_buffers = (2 * block_params + root) * c + block_params * 4
+    elif zero == 3:  # another engine's ZeRO-3: two blocks gathered, one block's gradients
+        out.comm_buffers = 2 * block_params * d.compute + block_params * d.grad
     out.reserve = RESERVE_FRACTION * (out.model_states + out.activations + out.logits_loss + out.comm_buffers)
     if gpu:
         out.reserve += RUNTIME_BYTES_GPU

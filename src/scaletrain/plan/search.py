@@ -64,8 +64,14 @@ def layout_errors(cfg: ModelConfig, wl: Workload, cluster: Cluster, layout: Layo
                      f"{layout.grad_accum}")
         if layout.schedule in ("interleaved-1f1b", "zero-bubble") and layout.grad_accum % layout.pp:
             e.append(f"{layout.schedule} needs micro-batches in multiples of pp={layout.pp}")
-    if layout.zero >= 1 and layout.dp_shard == 1:
+    if layout.zero >= 1 and layout.dp_shard * layout.cp == 1:
         e.append(f"zero {layout.zero} has nothing to shard over (dp_shard = 1)")
+    if layout.cp > 1:
+        if wl.engine == "scaletrain":
+            e.append("context parallelism is planned for other engines (--engine megatron); scaletrain's "
+                     "trainer has none")
+        if wl.seq_len % (2 * layout.cp):
+            e.append(f"cp {layout.cp} needs the sequence length in multiples of 2·cp (load-balanced chunks)")
     if layout.offload and layout.zero != 3:
         e.append("offload comes with zero 3")
     if layout.sp and layout.tp == 1:
@@ -78,7 +84,15 @@ def layout_errors(cfg: ModelConfig, wl: Workload, cluster: Cluster, layout: Layo
 
 def enumerate_layouts(cfg: ModelConfig, wl: Workload, cluster: Cluster, *, max_micro_batch: int = 16,
                       offload: bool = True) -> Iterator[Layout]:
-    world = cluster.world
+    # context parallelism (for engines that have it) when sequences are long enough to need it
+    cps = [c for c in _divisors(cluster.world) if c == 1 or (wl.engine != "scaletrain" and wl.seq_len >= 16384
+                                                            and wl.seq_len % (2 * c) == 0)]
+    for cp in cps:
+        yield from _layouts(cfg, wl, cluster, cp, max_micro_batch, offload)
+
+
+def _layouts(cfg, wl, cluster, cp, max_micro_batch, offload):
+    world = cluster.world // cp
     for tp in _divisors(world):
         if tp > cluster.gpus_per_node or cfg.n_heads % tp or cfg.kv_heads % tp or cfg.vocab_size % tp:
             continue
@@ -92,11 +106,11 @@ def enumerate_layouts(cfg: ModelConfig, wl: Workload, cluster: Cluster, *, max_m
             for dp_replicate in _divisors(dp):
                 dp_shard = dp // dp_replicate
                 for zero in (0, 1, 2, 3):
-                    if dp == 1 and zero:
+                    if dp * cp == 1 and zero:
                         continue
                     if zero == 0 and dp_replicate > 1:
                         continue  # zero 0 replicates everything: one flat data-parallel group
-                    if zero >= 1 and dp_shard == 1:
+                    if zero >= 1 and dp_shard * cp == 1:
                         continue
                     for mb in _divisors(per_rank):
                         if mb > max_micro_batch:
@@ -105,7 +119,7 @@ def enumerate_layouts(cfg: ModelConfig, wl: Workload, cluster: Cluster, *, max_m
                         for schedule, virtual in _schedules(pp, accum, cfg.n_layers):
                             for ac in ("none", "selective", "full"):
                                 for off in ((False, True) if (offload and zero == 3) else (False,)):
-                                    yield Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp,
+                                    yield Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp,
                                                  zero=zero, sp=tp > 1, schedule=schedule, virtual=virtual,
                                                  micro_batch=mb, grad_accum=accum, ac=ac, offload=off)
 

@@ -20,6 +20,7 @@ from scaletrain.plan.hardware import Hardware
 PRECISIONS = ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true")
 OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
 ATTENTION = ("flash", "eager")  # memory-efficient kernels (SDPA flash / efficient) or materialized scores
+ENGINES = ("scaletrain", "megatron", "deepspeed")  # whose memory habits (see memory_model.ENGINES)
 
 
 @dataclass(frozen=True)
@@ -29,9 +30,14 @@ class Workload:
     precision: str = "bf16-mixed"
     optimizer: str = "adamw"
     attention: str = "flash"
+    engine: str = "scaletrain"  # the engine that trains it: what it keeps, how it communicates
+    compile: bool = False  # torch.compile: element-wise work fused (less memory traffic)
+    fp8: bool = False  # the linear layers' matmuls in float8 (torchao / Transformer Engine)
 
     def __post_init__(self):
         errors = []
+        if self.engine not in ENGINES:
+            errors.append(f"engine {self.engine!r} is not one of {', '.join(ENGINES)}")
         if self.precision not in PRECISIONS:
             errors.append(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.optimizer not in OPTIMIZERS:
@@ -67,6 +73,7 @@ class Layout:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallel: each rank holds 1/cp of every sequence (ring attention)
     zero: int = 0
     sp: bool = False
     schedule: str = "1f1b"
@@ -82,7 +89,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     def describe(self) -> str:
         parts = []
@@ -91,6 +98,8 @@ class Layout:
             parts.append(f"{dp} zero{self.zero}")
         if self.tp > 1:
             parts.append(f"tp {self.tp}{'+sp' if self.sp else ''}")
+        if self.cp > 1:
+            parts.append(f"cp {self.cp}")
         if self.pp > 1:
             parts.append(f"pp {self.pp} {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else ""))
         parts.append(f"mb {self.micro_batch}x{self.grad_accum}")
@@ -105,6 +114,8 @@ class Layout:
 
     def config_overrides(self) -> dict[str, Any]:
         """The same layout as `--section.key=value` options of `scaletrain train`."""
+        if self.cp > 1:
+            raise ValueError("scaletrain's trainer has no context parallelism; this layout is for other engines")
         out = {"parallel.dp_replicate": self.dp_replicate, "parallel.dp_shard": self.dp_shard,
                "parallel.tp": self.tp, "parallel.pp": self.pp, "parallel.zero": self.zero, "parallel.sp": self.sp,
                "train.micro_batch": self.micro_batch, "train.grad_accum": self.grad_accum,
@@ -142,13 +153,22 @@ def load_model(source: Any) -> ModelSource:
     text = str(source)
     if text in PRESETS:
         return ModelSource(text, cfg=from_dict({"model": {"preset": text}, "data": {"seq_len": 1}}).model)
+    from scaletrain.plan.published import MODELS
+
+    if text in MODELS:  # the shapes of public runs the planner is checked against
+        return ModelSource(text, cfg=_model_only(MODELS[text], text))
     path = Path(text)
     if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face model folder
         path = path / "config.json"
     if path.suffix == ".toml":
         raw = read_toml(path)
         section = raw.get("model", raw)
-        return ModelSource(path.stem, cfg=_model_only(section, str(path)))
+        # an optional [plan] table names how the run is trained, beside the model's shape
+        run = raw.get("plan", {}) if "model" in raw else {}
+        unknown = set(run) - {"engine", "compile", "fp8"}
+        if unknown:
+            raise ConfigError(f"{path}: [plan] takes engine, compile and fp8; unknown: {', '.join(sorted(unknown))}")
+        return ModelSource(path.stem, cfg=_model_only(section, str(path)), extra=dict(run))
     if path.suffix == ".json":
         if not path.is_file():
             raise ConfigError(f"{path} not found; give a Hugging Face config.json")
@@ -157,7 +177,8 @@ def load_model(source: Any) -> ModelSource:
                                                                                    str(path)))
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e.msg})") from None
-    raise ConfigError(f"unknown model {text!r}: not a preset ({', '.join(PRESETS)}), a .toml or a config.json")
+    raise ConfigError(f"unknown model {text!r}: not a preset ({', '.join(PRESETS)}), a published run's shape "
+                      f"({', '.join(MODELS)}), a .toml or a config.json")
 
 
 def _model_only(section: dict, where: str) -> ModelConfig:

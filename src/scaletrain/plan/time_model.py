@@ -3,16 +3,17 @@
     step = (compute + tensor-parallel collectives + exposed pipeline sends) × (1 + bubble)
            + exposed data-parallel communication + optimizer step
 
-* Compute: the step's hardware FLOPs (model FLOPs, plus the recomputed forward under full
-  activation checkpointing) split evenly over the ranks, at an achievable fraction of the
-  device's dense peak. That fraction is `EFFICIENCY[device]` (calibrated on published runs, see
-  `CALIBRATION` and docs/planner.md), lowered for small matmuls: × bs/(bs + 256) for b·s tokens
-  per micro-batch and × (h/t)/(h/t + 128) for the hidden width each tensor-parallel rank sees.
+* Compute, per pipeline rank (the busiest sets the pace): the layers' matmuls at the hardware's
+  efficiency (`Hardware.efficiency`, calibrated, see docs/planner.md) lowered for small shapes
+  (× x/(x + 128) for the b·s/cp rows and the h/t columns), in fp8 at the fp8 peak; attention at
+  the kernel's efficiency; element-wise work as memory traffic at HBM speed (fused by
+  torch.compile or the engine's kernels); plus what checkpointing recomputes.
 * Collectives move ring volumes (all-reduce 2(n-1)/n of the buffer, all-gather and
   reduce-scatter (n-1)/n) at `LINK_EFFICIENCY` of the links the group crosses: NVLink (or
   PCIe) inside a node; across nodes the NICs of the group's members in a node, one ring each.
   Inside a node a measured bus bandwidth replaces that figure where one is given
   (`Hardware.bus_GBps`, from `scaletrain bench comms --json` through `plan --comms FILE`).
+* ZeRO-3 gathers layer by layer: a ring latency per collective besides the bandwidth term.
 * Data-parallel communication overlaps with backward (DDP, ZeRO-1/2: only the last
   micro-batch's backward, when gradients are reduced) or with all of forward and backward
   (ZeRO-3 prefetch), up to `OVERLAP` of that compute; the rest is exposed.
@@ -28,35 +29,33 @@ from functools import lru_cache
 
 from scaletrain.config import ModelConfig
 from scaletrain.model.flops import flops_per_token
-from scaletrain.plan.memory_model import Dtypes, rank_params
+from scaletrain.plan.memory_model import dtypes_for, engine_of, rank_params
 from scaletrain.plan.spec import Cluster, Layout, Workload
 
-# Achievable fraction of dense peak for a large transformer step (calibrated, see CALIBRATION)
-EFFICIENCY = {"V100-32GB": 0.45, "A100-40GB": 0.62, "A100-80GB": 0.62, "H100-SXM": 0.40, "H100-PCIe": 0.40,
-              "H200": 0.40, "B200": 0.40, "RTX-3090": 0.55, "RTX-4090": 0.55,
-              # a CPU's peak is itself measured by a matmul probe, so most of it is reachable
-              "CPU": 0.8}
-DEFAULT_EFFICIENCY = 0.5
+DEFAULT_EFFICIENCY = 0.6  # for hardware whose catalog entry gives none (Hardware.efficiency)
+MATMUL_HALF = 128  # a matmul dimension of this size halves the rate (small-GEMM tiles, wave quantization)
+# attention FLOPs are counted PaLM's way, without halving for the causal mask; memory-efficient
+# kernels skip the masked half at about 70% of the matmul rate, so they reach 1.4x the matmul
+# efficiency on counted FLOPs; materialized scores (eager) run at half of it
+ATTENTION_EFFICIENCY = {"flash": 1.4, "eager": 0.5}
+HBM_EFFICIENCY = 0.8  # memory-bound kernels reach this share of the HBM bandwidth
+# eager PyTorch runs our RMSNorm as a chain of kernels, each reading and writing
+# the tensor (RMSNorm: upcast, square, mean, rsqrt, two multiplies, downcast): about 4x the
+# traffic of one fused kernel. torch.compile, and engines with fused kernels (Megatron's
+# fused LayerNorm, bias-GELU and softmax; DeepSpeed's), pay the fused traffic
+UNFUSED_TRAFFIC = 4.0
+FP8_EFFICIENCY = 0.6  # float8 matmuls reach this share of the bf16 matmul efficiency (scaling, casts)
 LINK_EFFICIENCY = 0.75  # bus bandwidth a collective reaches, over the link's nominal figure
+HOP_LATENCY_S = {"intra": 3e-6, "inter": 6e-6}  # one ring step of a collective
 OVERLAP = 0.8  # the share of the overlappable compute that communication can hide behind
 PIPELINE_SEND_EXPOSED = 0.2  # point-to-point activation sends are mostly hidden by compute
 SELECTIVE_RECOMPUTE = 0.03  # selective checkpointing recomputes element-wise ops: a few % of compute
 OFFLOAD_PCIE_GBPS = 25.0  # host <-> device copies per GPU with optimizer offload
 OFFLOAD_HOST_GBPS = 50.0  # host memory bandwidth for the optimizer step, per GPU
 
-# Published measurements the efficiencies were fitted to (and checked against)
-CALIBRATION = [
-    dict(source="torchtitan docs/performance.md, Llama 3 8B, FSDP, 64 × A100-80GB",
-         model="llama-8b", hardware="A100-80GB", nodes=8, gpus_per_node=8, seq_len=8192, micro_batch=1,
-         zero=3, ac="selective", precision="bf16-mixed", measured_tokens_per_s_per_gpu=2973, measured_mfu=0.582),
-    dict(source="torchtitan docs/performance.md, Llama 3 70B, FSDP, 64 × A100-80GB",
-         model="llama-70b", hardware="A100-80GB", nodes=8, gpus_per_node=8, seq_len=8192, micro_batch=1,
-         zero=3, ac="full", precision="bf16-mixed", measured_tokens_per_s_per_gpu=331, measured_mfu=0.517),
-    dict(source="torchtitan docs/performance.md, Llama 3.1 8B, FSDP, 8 × H100 (500 W), no compile",
-         model="llama-8b", hardware="H100-SXM", nodes=1, gpus_per_node=8, seq_len=8192, micro_batch=2,
-         zero=3, ac="selective", precision="bf16-mixed", measured_tokens_per_s_per_gpu=5762, measured_mfu=None,
-         measured_memory_gib=82.4),
-]
+
+def hardware_efficiency(hw) -> float:
+    return hw.efficiency or DEFAULT_EFFICIENCY
 
 
 @dataclass
@@ -74,6 +73,7 @@ class TimeBreakdown:
     model_flops: float
     hardware_flops: float
     bubble_fraction: float
+    cp_comm_s: float = 0.0  # exposed context-parallel (ring attention) exchange
 
     def as_dict(self) -> dict[str, float]:
         return dict(vars(self))
@@ -94,34 +94,101 @@ def intra_node_bus_GBps(hw) -> float:
     return hw.bus_GBps or hw.intra_node_GBps * LINK_EFFICIENCY
 
 
-def _group_link_GBps(cluster: Cluster, stride: int, size: int) -> float:
+def _group_link_GBps(cluster: Cluster, stride: int, size: int, single_rail: bool = False) -> float:
     """Bus bandwidth per GPU of a collective over `size` ranks `stride` apart (ranks fill nodes
     in order). Inside a node: NVLink (or PCIe). Across nodes NCCL runs one ring per NIC, so the
-    group's members in a node share their NICs: min(NVLink, members per node × NIC)."""
+    group's members in a node share their NICs: min(NVLink, members per node × NIC) — or one
+    NIC per GPU for an engine whose collectives use one rail (`single_rail`)."""
     hw = cluster.hardware
     if size <= 1:
         return float("inf")
     if stride * size <= cluster.gpus_per_node:
         return intra_node_bus_GBps(hw)
-    per_node = max(1, min(size, cluster.gpus_per_node // stride))
+    per_node = 1 if single_rail else max(1, min(size, cluster.gpus_per_node // stride))
     return min(intra_node_bus_GBps(hw), per_node * hw.inter_node_GBps * LINK_EFFICIENCY)
 
 
+def _ring_latency(cluster: Cluster, stride: int, size: int) -> float:
+    """Seconds of latency in one ring collective: a hop per member."""
+    if size <= 1:
+        return 0.0
+    hop = HOP_LATENCY_S["intra" if stride * size <= cluster.gpus_per_node else "inter"]
+    return (size - 1) * hop
+
+
+def _shape_factor(x: float) -> float:
+    return x / (x + MATMUL_HALF)
+
+
 def efficiency(cluster: Cluster, layout: Layout, cfg: ModelConfig, seq_len: int) -> float:
-    base = EFFICIENCY.get(cluster.hardware.name, DEFAULT_EFFICIENCY)
-    tokens = layout.micro_batch * seq_len
-    width = cfg.dim / layout.tp
-    return base * tokens / (tokens + 256) * width / (width + 128)
+    """The fraction of dense peak this layout's layer matmuls reach: the hardware's, lowered
+    for short token counts (b·s/cp rows) and narrow tensor-parallel shards (h/t columns)."""
+    tokens = layout.micro_batch * seq_len / layout.cp
+    return hardware_efficiency(cluster.hardware) * _shape_factor(tokens) * _shape_factor(cfg.dim / layout.tp)
+
+
+def _elementwise_bytes_per_token(cfg: ModelConfig, d: Dtypes, tp: int, sp: bool) -> float:
+    """Memory traffic of one layer's element-wise work per token, forward and backward (3x the
+    forward's reads and writes): norms, residual adds, the MLP's activation, rotary, dropout."""
+    r, c, h = d.residual, d.compute, cfg.dim
+    q, kv, f = cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size, cfg.hidden_dim
+    outside = 1 / tp if sp else 1.0
+    n_ffn = 3 if cfg.activation == "swiglu" else 2
+    fwd = 2 * h * (r + c) * outside + 2 * 3 * h * r * outside + n_ffn * f * c / tp
+    if cfg.position == "rope":
+        fwd += 2 * 2 * (q + kv) * c / tp
+    if cfg.dropout > 0:
+        fwd += 2 * h * (2 * c + 1) * outside
+    return 3 * fwd
+
+
+def compute_seconds(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Cluster, layers: int,
+                    head: bool) -> float:
+    """Seconds of compute of one rank for one step: its layers' (and head's) matmuls at the
+    shape-dependent efficiency, attention at the kernel's, element-wise work at HBM speed."""
+    from scaletrain.plan.memory_model import _layer_params
+
+    hw = cluster.hardware
+    d = dtypes_for(wl)
+    peak = hw.peak_flops(_dtype_key(wl.precision))
+    tokens = layout.micro_batch * wl.seq_len / layout.cp * layout.grad_accum  # this rank's, per step
+    eta = efficiency(cluster, layout, cfg, wl.seq_len)
+    linear = 6.0 * _layer_params(cfg, 1)[2] * layers * tokens / layout.tp
+    attn = 12.0 * cfg.n_heads * cfg.head_size * wl.seq_len * layers * tokens / layout.tp
+    head_flops = 6.0 * cfg.dim * cfg.vocab_size * tokens / layout.tp if head else 0.0
+    if wl.fp8:
+        if "fp8" not in hw.peak_tflops:
+            from scaletrain.errors import ConfigError
+
+            raise ConfigError(f"hardware {hw.name} has no fp8 peak in the catalog; plan without fp8")
+        linear_s = linear / (hw.peak_flops("fp8") * eta * FP8_EFFICIENCY)
+    else:
+        linear_s = linear / (peak * eta)
+    attn_s = attn / (peak * hardware_efficiency(hw) * ATTENTION_EFFICIENCY[wl.attention])
+    head_s = head_flops / (peak * hardware_efficiency(hw) * _shape_factor(tokens / layout.grad_accum))
+    traffic = _elementwise_bytes_per_token(cfg, d, layout.tp, layout.sp) * layers * tokens
+    if head:  # the loss: fp32 logits written, softmax read and written, forward and backward
+        traffic += 4 * 4 * cfg.vocab_size / layout.tp * tokens
+    if not wl.compile and wl.engine == "scaletrain" and cfg.norm == "rmsnorm":  # LayerNorm is one kernel
+        traffic *= UNFUSED_TRAFFIC
+    memory_s = traffic / (hw.memory_GBps * 1e9 * HBM_EFFICIENCY)
+    layer_s = linear_s + attn_s
+    recompute = {"none": 0.0, "full": layer_s / 3.0 + memory_s / 3.0,
+                 "selective": SELECTIVE_RECOMPUTE * (layer_s + memory_s)}[layout.ac]
+    return layer_s + head_s + memory_s + recompute
+
+
+def _dtype_key(precision: str) -> str:
+    return {"32-true": "fp32", "tf32": "tf32", "16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}[precision]
 
 
 def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Cluster) -> TimeBreakdown:
+    from scaletrain.parallel.pipeline import stage_indices
     from scaletrain.plan.memory_model import stage_layers
 
     hw = cluster.hardware
-    d = Dtypes.of(wl.precision)
-    dtype_key = {"32-true": "fp32", "tf32": "tf32", "16-mixed": "fp16", "bf16-mixed": "bf16",
-                 "bf16-true": "bf16"}[wl.precision]
-    peak = hw.peak_flops(dtype_key)
+    d = dtypes_for(wl)
+    peak = hw.peak_flops(_dtype_key(wl.precision))
     tokens = wl.tokens
     model_flops = flops_per_token(cfg, wl.seq_len) * tokens
     layer_share = 1.0 - 6.0 * cfg.dim * cfg.vocab_size / (flops_per_token(cfg, wl.seq_len))  # not the head
@@ -129,16 +196,16 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
     hardware_flops = model_flops * (1.0 + recompute)
     world = layout.world
 
-    # the busiest pipeline rank sets the pace: scale by its share of the layers
+    # the busiest pipeline rank sets the pace
     counts = [sum(c) for c in stage_layers(cfg, layout)]
-    imbalance = max(counts) * layout.pp / cfg.n_layers if layout.pp > 1 else 1.0
-    eta = efficiency(cluster, layout, cfg, wl.seq_len)
-    compute = hardware_flops / world / (peak * eta) * imbalance
-    if layout.ac == "selective":
-        compute *= 1.0 + SELECTIVE_RECOMPUTE
+    last = layout.pp * (layout.virtual if layout.pp > 1 else 1) - 1
+    compute = max(compute_seconds(cfg, wl, layout, cluster, counts[r],
+                                  last in (stage_indices(layout.schedule, r, layout.pp, layout.virtual)
+                                           if layout.pp > 1 else [0]))
+                  for r in range(layout.pp))
 
     m = layout.grad_accum  # micro-batches per step on each data-parallel rank
-    act = layout.micro_batch * wl.seq_len * cfg.dim * d.compute  # one micro-batch's hidden states
+    act = layout.micro_batch * wl.seq_len / layout.cp * cfg.dim * d.compute  # one micro-batch's hidden states
     # tensor parallel: an all-reduce (or all-gather + reduce-scatter) of the activations after
     # attention and after the MLP, forward and backward, in every layer of this rank
     tp_bw = _group_link_GBps(cluster, 1, layout.tp) * 1e9
@@ -148,35 +215,47 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
         per_collective = 2 * (layout.tp - 1) / layout.tp * act / tp_bw
         tp_comm = 4 * layers_here * m * per_collective + 2 * m * per_collective  # + embedding/head
 
+    # context parallel (ring attention): each layer passes every rank's keys and values around
+    # the cp ring in forward, and them with their gradients in backward; mostly hidden behind
+    # the attention blocks it feeds
+    cp_comm = 0.0
+    if layout.cp > 1:
+        kv_bytes = layout.micro_batch * wl.seq_len / layout.cp * 2 * cfg.kv_heads * cfg.head_size / layout.tp * d.compute
+        cp_bw = _group_link_GBps(cluster, layout.tp, layout.cp) * 1e9
+        cp_comm = 3 * (layout.cp - 1) * kv_bytes / cp_bw * layers_here * m * PIPELINE_SEND_EXPOSED
+
     # pipeline: activations sent forward and gradients back, per micro-batch and chunk boundary
     pp_comm = 0.0
     bubble = 0.0
     if layout.pp > 1:
-        pp_bw = _group_link_GBps(cluster, layout.tp * layout.dp, layout.pp) * 1e9
+        pp_bw = _group_link_GBps(cluster, layout.tp * layout.cp * layout.dp, layout.pp) * 1e9
         chunks = layout.virtual if layout.schedule in ("interleaved-1f1b", "zero-bubble") else 1
         sent = act / (layout.tp if layout.sp else 1)
         pp_comm = 2 * m * chunks * sent / pp_bw * PIPELINE_SEND_EXPOSED
         bubble = schedule_bubble(layout.schedule, layout.pp, m, layout.virtual)
 
-    # data parallel
+    # data parallel (ZeRO shards over the dp_shard × cp ranks, which hold the same weights)
     dp_comm = dp_exposed = 0.0
-    if layout.dp > 1:
+    engine = engine_of(wl.engine)
+    n_shard = layout.dp_shard * layout.cp
+    if layout.dp * layout.cp > 1:
         params = max(rank_params(cfg, layout, r).total for r in range(layout.pp))
-        n_shard = layout.dp_shard
-        shard_bw = _group_link_GBps(cluster, layout.tp, n_shard) * 1e9
+        single = engine.single_rail_zero3 and layout.zero == 3
+        shard_bw = _group_link_GBps(cluster, layout.tp, n_shard, single) * 1e9
         rep_bw = _group_link_GBps(cluster, layout.tp * n_shard, layout.dp_replicate) * 1e9
+        latency = _ring_latency(cluster, layout.tp, n_shard)
         ring = (n_shard - 1) / max(n_shard, 1)
-        grad_b = 4  # gradients are reduced in fp32
+        grad_b = 4 if engine.name == "scaletrain" else d.grad  # the dtype gradients are reduced in
         gather_b = d.compute if layout.zero == 3 else d.param
         if layout.zero == 0:
-            n = layout.dp
+            n = n_shard * layout.dp_replicate
             dp_comm = 2 * (n - 1) / n * params * grad_b / _group_link_GBps(cluster, layout.tp, n) / 1e9
             hidden_by = compute / m * 2 / 3  # the last micro-batch's backward
         elif layout.zero in (1, 2):
             dp_comm = ring * params * (grad_b + gather_b) / shard_bw
             hidden_by = compute / m * 2 / 3
-        else:  # FSDP: gather for forward and backward, reduce-scatter, every micro-batch
-            dp_comm = m * ring * params * (2 * gather_b + grad_b) / shard_bw
+        else:  # FSDP: gather for forward and backward, reduce-scatter, every micro-batch, layer by layer
+            dp_comm = m * (ring * params * (2 * gather_b + grad_b) / shard_bw + 3 * max(counts) * latency)
             hidden_by = compute
         if layout.dp_replicate > 1 and layout.zero >= 1:
             shard_params = params / n_shard
@@ -186,8 +265,8 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
 
     # optimizer step: read params, grads, states; write params, states
     opt_params = max(rank_params(cfg, layout, r).total for r in range(layout.pp))
-    if layout.dp > 1 and layout.zero >= 1:
-        opt_params /= layout.dp_shard
+    if layout.zero >= 1 and n_shard > 1:
+        opt_params /= n_shard
     state_b = {"adamw": 8, "sgd": 4, "adafactor": 0.1, "adamw8bit": 2}[wl.optimizer]
     touched = opt_params * (2 * max(d.param, 4) + 4 + 2 * state_b + (8 if d.master else 0))
     if layout.offload:
@@ -195,10 +274,10 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
     else:
         optimizer = touched / (hw.memory_GBps * 0.8 * 1e9)
 
-    busy = compute + tp_comm + pp_comm
+    busy = compute + tp_comm + cp_comm + pp_comm
     step = busy * (1.0 + bubble) + dp_exposed + optimizer
     return TimeBreakdown(
-        compute_s=compute, tp_comm_s=tp_comm, pp_comm_s=pp_comm, dp_comm_s=dp_comm, dp_exposed_s=dp_exposed,
+        compute_s=compute, tp_comm_s=tp_comm, cp_comm_s=cp_comm, pp_comm_s=pp_comm, dp_comm_s=dp_comm, dp_exposed_s=dp_exposed,
         bubble_s=busy * bubble, optimizer_s=optimizer, step_time_s=step, tokens_per_s=tokens / step,
         mfu=model_flops / (step * peak * world), model_flops=model_flops, hardware_flops=hardware_flops,
         bubble_fraction=bubble)
