@@ -253,8 +253,8 @@ def _schedule(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-LAYOUT_FLAGS = ("zero", "tp", "pp", "dp_replicate", "dp_shard", "micro_batch", "ac", "sp", "schedule", "virtual",
-                "offload")
+LAYOUT_FLAGS = ("zero", "tp", "pp", "cp", "dp_replicate", "dp_shard", "micro_batch", "ac", "sp", "schedule",
+                "virtual", "offload")
 
 
 def _plan(args: argparse.Namespace, extra: list[str]) -> int:
@@ -287,6 +287,8 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
 
         hardware, nodes, per_node = local_hardware(pick_device(cfg.train.device if args.config else "auto")), 1, \
             args.nproc or 1
+    if args.measure and (args.engine or "scaletrain") != "scaletrain":
+        raise UserError(f"--measure runs scaletrain's trainer; it cannot measure a plan for --engine {args.engine}")
     comms_note = None
     if args.comms:  # the bus bandwidth measured by `scaletrain bench comms --json`, inside a node
         from dataclasses import replace
@@ -299,7 +301,8 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
         hardware = replace(hw, bus_GBps=bus)
     result = plan(model, hardware=hardware, hardware_file=args.hardware_file, nodes=nodes,
                   gpus_per_node=per_node, attention=args.attention, layout=fixed or None,
-                  top_k=args.top, activations=args.activations, **settings)
+                  top_k=args.top, activations=args.activations, engine=args.engine, compile=args.compile,
+                  fp8=args.fp8, **settings)
     if args.json:
         print(report.to_json(result))
     else:
@@ -453,10 +456,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory-efficient attention kernels, or materialized scores")
     p.add_argument("--activations", default="formula", choices=("formula", "traced"),
                    help="closed form, or counted on the actual model under fake tensors (slower)")
+    p.add_argument("--engine", choices=("scaletrain", "megatron", "deepspeed"),
+                   help="the engine that trains it: what it keeps in memory and how it communicates "
+                        "(default: the model TOML's [plan] engine, else scaletrain)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                   help="torch.compile fuses the element-wise work (default: the [plan] table's, else off)")
+    p.add_argument("--fp8", action=argparse.BooleanOptionalAction,
+                   help="the linear layers' matmuls in float8 at the fp8 peak (default: the [plan] table's, else off)")
     g = p.add_argument_group("a fixed layout (anything left out is derived)")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
     g.add_argument("--tp", type=int)
     g.add_argument("--pp", type=int)
+    g.add_argument("--cp", type=int, help="context parallel: ranks that split every sequence (ring attention; "
+                                          "scaletrain's trainer has none: plan it with --engine megatron)")
     g.add_argument("--dp-replicate", dest="dp_replicate", type=int)
     g.add_argument("--dp-shard", dest="dp_shard", type=int)
     g.add_argument("--micro-batch", dest="micro_batch", type=int)

@@ -42,6 +42,12 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
     wl = Workload(seq_len=seq_len, global_batch=global_batch, precision=precision, optimizer=optimizer,
                   attention=attention, engine=engine, compile=compile, fp8=fp8)
     gpu = hw.name != "CPU" if gpu is None else gpu
+    cp = (layout.cp if isinstance(layout, Layout) else layout.get("cp", 1)) if layout is not None else 1
+    if cp > 1 and engine == "scaletrain":  # one clear line, before any other check of the layout
+        raise ConfigError(f"cp {cp}: scaletrain's trainer has no context parallelism; plan a cp layout "
+                          "for an engine that has it (--engine megatron)")
+    if fp8 and "fp8" not in hw.peak_tflops:
+        raise ConfigError(f"--fp8: hardware {hw.name} has no fp8 peak in the catalog; plan without fp8")
     result = {"model_name": src.name, "cfg": src.cfg, "workload": wl, "cluster": cluster, "stats": None}
     if src.cfg is None:
         return _plan_module(src, wl, cluster, layout, top_k, result, gpu)

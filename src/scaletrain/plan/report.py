@@ -5,18 +5,19 @@ JSON schema (`scaletrain plan --json`), version 1:
     {
       "schema": "scaletrain.plan/1",
       "model": {"name": str, "num_params": int, "config": {ModelConfig fields} | null},
-      "workload": {"seq_len", "global_batch", "precision", "optimizer", "attention"},
+      "workload": {"seq_len", "global_batch", "precision", "optimizer", "attention",
+                   "engine", "compile", "fp8"},
       "cluster": {"hardware": str, "nodes": int, "gpus_per_node": int, "memory_bytes": int},
       "search": {"layouts": int, "fit": int, "seconds": float},      # absent for a fixed layout
       "layouts": [                                                   # best first
-        {"layout": {dp_replicate, dp_shard, tp, pp, zero, sp, schedule, virtual, micro_batch,
-                    grad_accum, ac, offload},
+        {"layout": {dp_replicate, dp_shard, tp, pp, cp, zero, sp, schedule, virtual, micro_batch,
+                    grad_accum, ac, offload},                        # cp: context-parallel ranks
          "describe": str,
          "memory": {"params", "grads", "master", "optimizer", "activations", "logits_loss",
                     "comm_buffers", "reserve", "total", "host"},          # bytes per rank
          "fits": bool, "capacity": int,
          "step_time_s": float, "tokens_per_s": float, "mfu": float,
-         "time": {compute_s, tp_comm_s, pp_comm_s, dp_comm_s, dp_exposed_s, bubble_s,
+         "time": {compute_s, tp_comm_s, cp_comm_s, pp_comm_s, dp_comm_s, dp_exposed_s, bubble_s,
                   optimizer_s, step_time_s, tokens_per_s, mfu, model_flops, hardware_flops,
                   bubble_fraction},
          "why_not": [str]}                                            # why it does not fit
@@ -54,11 +55,19 @@ def to_json(result: dict) -> str:
     return json.dumps(payload, indent=2)
 
 
+def _how_trained(wl) -> str:
+    """The engine and knobs, when they are not scaletrain's defaults."""
+    parts = ([f"engine {wl.engine}"] if wl.engine != "scaletrain" else []) + \
+        (["torch.compile"] if wl.compile else []) + (["fp8 matmuls"] if wl.fp8 else [])
+    return "; " + ", ".join(parts) if parts else ""
+
+
 def table(result: dict) -> str:
     cl, wl = result["cluster"], result["workload"]
     lines = [f"model {result['model_name']}: {result['num_params'] / 1e9:.2f}B parameters; "
              f"{cl.nodes} × {cl.gpus_per_node} × {cl.hardware.name} ({cl.hardware.memory_bytes / GiB:.1f} GiB each); "
-             f"sequence {wl.seq_len}, global batch {wl.global_batch}, {wl.precision}, {wl.optimizer}"]
+             f"sequence {wl.seq_len}, global batch {wl.global_batch}, {wl.precision}, {wl.optimizer}"
+             + _how_trained(wl)]
     if result.get("stats"):
         s = result["stats"]
         lines.append(f"searched {s['layouts']:,} layouts in {s['seconds']:.2f} s; {s['fit']:,} fit")
@@ -87,6 +96,7 @@ def breakdown(e: Evaluated) -> str:
         lines.append(f"  {'in host memory (offload)':<26}{m.host / GiB:>9.2f} GiB")
     lines.append("time per step:")
     for label, v in (("compute", t.compute_s), ("tensor-parallel comm", t.tp_comm_s),
+                     *((("context-parallel (exposed)", t.cp_comm_s),) if e.layout.cp > 1 else ()),
                      ("pipeline sends (exposed)", t.pp_comm_s), ("pipeline bubble", t.bubble_s),
                      ("data-parallel comm", t.dp_comm_s), ("  of which exposed", t.dp_exposed_s),
                      ("optimizer step", t.optimizer_s)):
