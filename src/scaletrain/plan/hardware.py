@@ -59,9 +59,15 @@ def _gpu(name, memory_GB, fp32, tf32, bf16, fp16, fp8, hbm, intra, inter, eff) -
     return Hardware(name, memory_GB, peaks, hbm, intra, inter, efficiency=eff)
 
 
-# `eff`: the fraction of dense peak a large training matmul reaches. A100: fitted on torchtitan's
-# Llama 3 8B run on 64 A100s; H100: fitted on llm-foundry's MPT-7B run on 8 H100-SXM at full
-# power (700 W); the others are stated guesses, not fits (docs/planner.md, "Calibration").
+# `eff`: the fraction of dense peak a large training matmul reaches. Fitted, not evidence:
+#   A100: torchtitan docs/performance.md, Llama 3 8B, FSDP on 64 A100-80GB, 1 × 8192, selective
+#         AC: 2,973 tokens/s/GPU.
+#   H100: llm-foundry scripts/train/benchmarking/README.md, "H100 80GB BF16" table, MPT-7B on
+#         8 H100-SXM at full power (700 W), FULL_SHARD, seq 2048, micro-batch 6, no AC:
+#         10,643 tokens/s/GPU (46.4% MFU). torchtitan's H100 rows ran at 500 W on 96 GB HBM2e
+#         parts, so they are held out, not fitted (plan/published.py).
+# H200 and B200 take the H100's figure, the others are stated guesses, not fits (docs/planner.md,
+# "Calibration").
 # name                 mem    fp32  tf32   bf16    fp16    fp8     HBM GB/s  NVLink/PCIe  NIC   eff
 CATALOG: dict[str, Hardware] = {h.name: h for h in [
     _gpu("V100-32GB",       32,  15.7, None,  None,   125.0,  None,    900,  150,  12.5, 0.55),

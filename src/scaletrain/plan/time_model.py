@@ -238,8 +238,8 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
     dp_comm = dp_exposed = 0.0
     engine = engine_of(wl.engine)
     n_shard = layout.dp_shard * layout.cp
+    params = max(rank_params(cfg, layout, r).total for r in range(layout.pp))  # the fullest rank's
     if layout.dp * layout.cp > 1:
-        params = max(rank_params(cfg, layout, r).total for r in range(layout.pp))
         single = engine.single_rail_zero3 and layout.zero == 3
         shard_bw = _group_link_GBps(cluster, layout.tp, n_shard, single) * 1e9
         rep_bw = _group_link_GBps(cluster, layout.tp * n_shard, layout.dp_replicate) * 1e9
@@ -264,7 +264,7 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
         dp_exposed = max(0.0, dp_comm - OVERLAP * hidden_by)
 
     # optimizer step: read params, grads, states; write params, states
-    opt_params = max(rank_params(cfg, layout, r).total for r in range(layout.pp))
+    opt_params = params
     if layout.zero >= 1 and n_shard > 1:
         opt_params /= n_shard
     state_b = {"adamw": 8, "sgd": 4, "adafactor": 0.1, "adamw8bit": 2}[wl.optimizer]
