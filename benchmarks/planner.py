@@ -58,7 +58,8 @@ def search_speed() -> None:
 
 
 def accuracy() -> None:
-    from scaletrain.config import load_config, resolve_batch
+    from scaletrain.config import load_config
+    from scaletrain.layout import Layout
     from scaletrain.plan.measure import measure, predicted_components
     from scaletrain.train.trainer import Trainer
 
@@ -72,7 +73,7 @@ def accuracy() -> None:
         else:
             rows = _measure_group(overrides, ranks)
         par = cfg.parallel
-        batch = resolve_batch(cfg.train, ranks // (par.tp * par.pp))
+        batch = Layout.from_config(cfg, ranks)
         lay = {"zero": par.zero, "tp": par.tp, "pp": par.pp, "sp": par.sp, "micro_batch": batch.micro_batch,
                "ac": cfg.memory.activation_checkpointing}
         r = plan(cfg.model, hardware=CPU, nodes=1, gpus_per_node=ranks, seq_len=cfg.data.seq_len,

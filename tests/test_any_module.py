@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.errors import ConfigError
-from scaletrain.parallel.dims import ParallelDims
+from scaletrain.layout import Layout
 from scaletrain.parallel.launch import Runtime
 from scaletrain.parallel.parallelize import find_blocks, parallelize_module
 from scaletrain.precision import Precision
@@ -89,8 +89,7 @@ def test_a_hugging_face_model_trains_as_a_module_with_its_own_loss(tmp_path):
 def test_tensor_and_pipeline_parallel_are_refused_for_a_custom_module(tmp_path):
     cfg = micro_cfg(tmp_path)
     for tp, pp in ((2, 1), (1, 2)):
-        dims = ParallelDims(pp=pp, dp_replicate=1, dp_shard=1, tp=tp, world_size=2)
-        rt = Runtime(0, 0, 2, 2, torch.device("cpu"), dims)
+        rt = Runtime(0, 0, 2, 2, torch.device("cpu"), Layout(pp=pp, tp=tp))
         with pytest.raises(ConfigError, match=rf"^parallel.tp={tp}, parallel.pp={pp}: tensor and pipeline "
                                               "parallelism split models scaletrain knows"):
             parallelize_module(tiny_lm(), cfg, rt, Precision(cfg.precision, torch.device("cpu")))

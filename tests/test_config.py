@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config import (SECTIONS, JobConfig, from_dict, load_config, parse_override_args,
-                               resolve_batch)
+from scaletrain.config import SECTIONS, JobConfig, from_dict, load_config, parse_override_args
 from scaletrain.errors import ConfigError
+from scaletrain.layout import Layout
 from scaletrain.model.presets import PRESETS
 
 from conftest import REPO, run_cli
@@ -89,7 +89,7 @@ def test_cross_key_checks():
 ])
 def test_batch_triad_derived(given, dp, expected):
     cfg = load_config(None, {f"train.{k}": v for k, v in given.items()})
-    plan = resolve_batch(cfg.train, dp)
+    plan = Layout.from_config(cfg, dp)
     assert (plan.global_batch, plan.micro_batch, plan.grad_accum) == expected
     assert plan.global_batch == plan.micro_batch * plan.grad_accum * dp
 
@@ -102,7 +102,7 @@ def test_batch_triad_derived(given, dp, expected):
 def test_batch_triad_checked(given, dp, msg):
     cfg = load_config(None, {f"train.{k}": v for k, v in given.items()})
     with pytest.raises(ConfigError, match=msg):
-        resolve_batch(cfg.train, dp)
+        Layout.from_config(cfg, dp)
 
 
 def test_presets_fill_model_section_and_keys_override():

@@ -100,7 +100,7 @@ def test_fixed_layout_that_does_not_fit_says_why():
     assert not e.fits
     assert e.why_not[0].startswith("needs ") and "but the device has 37.3 GiB" in e.why_not[0]
     assert "optimizer" in e.why_not[0]
-    with pytest.raises(ConfigError, match="does not divide n_heads=32"):
+    with pytest.raises(ConfigError, match="parallel.tp=3 must divide model.n_heads=32"):
         plan("llama-8b", nodes=1, gpus_per_node=6, seq_len=2048, global_batch=60, layout={"tp": 3})
 
 
@@ -200,8 +200,8 @@ def test_cli_table_json_and_chart(tmp_path):
 
 
 def test_layout_overrides_round_trip():
-    lay = Layout(dp_shard=2, tp=2, pp=2, zero=1, sp=True, schedule="interleaved-1f1b", virtual=2,
-                 micro_batch=2, grad_accum=4, ac="selective")
+    lay = Layout(dp_shard=2, tp=2, pp=2, zero=1, sp=True, pp_schedule="interleaved-1f1b", pp_virtual_stages=2,
+                 micro_batch=2, grad_accum=4, activation_checkpointing="selective")
     over = lay.config_overrides()
     assert over["parallel.tp"] == 2 and over["parallel.pp_schedule"] == "interleaved-1f1b"
     assert over["memory.activation_checkpointing"] == "selective"

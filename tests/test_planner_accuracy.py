@@ -43,10 +43,10 @@ CPU = Hardware("CPU", 24, {"fp32": 0.2, "tf32": 0.2, "bf16": 0.2, "fp16": 0.2}, 
 
 
 def prediction(cfg, ranks: int) -> dict:
-    from scaletrain.config import resolve_batch
+    from scaletrain.layout import Layout
 
     par = cfg.parallel
-    batch = resolve_batch(cfg.train, ranks // (par.tp * par.pp))
+    batch = Layout.from_config(cfg, ranks)
     layout = {"zero": par.zero, "tp": par.tp, "pp": par.pp, "sp": par.sp, "micro_batch": batch.micro_batch,
               "ac": cfg.memory.activation_checkpointing}
     if par.pp > 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -92,9 +93,8 @@ def _auto(cfg, world: int):
 
 def _launch(args: argparse.Namespace, cfg) -> int:
     """Check the whole request here, once, then start the workers."""
-    from scaletrain.config import check_layout, resolve_batch
+    from scaletrain.layout import Layout
     from scaletrain.parallel import launch
-    from scaletrain.parallel.dims import ParallelDims
     from scaletrain.train.trainer import default_run_dir
 
     from scaletrain.errors import LaunchError
@@ -111,9 +111,7 @@ def _launch(args: argparse.Namespace, cfg) -> int:
         cfg = _auto(cfg, world)
         worker_args += [f"--{section}.{key}={value}" for section, body in cfg.to_dict().items()
                         for key, value in body.items() if section in ("parallel", "train", "memory")]
-    dims = ParallelDims.from_config(cfg.parallel, world)
-    check_layout(cfg, dims)
-    resolve_batch(cfg.train, dims.dp, cfg.parallel.pp_microbatches)
+    Layout.from_config(cfg, world).check(cfg.model)
     run_dir = cfg.log.run_dir
     if not run_dir:  # every rank (and node) must write to the same folder
         run_dir = default_run_dir()
@@ -264,13 +262,15 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
     settings = {}
     model = args.model
     if args.config:
-        from scaletrain.config import load_config, resolve_batch
+        from scaletrain.config import load_config
+        from scaletrain.layout import resolve_batch
 
         cfg = load_config(args.config, extra)
         extra = []
         model = model or cfg.model
         settings = {"seq_len": cfg.data.seq_len, "precision": cfg.precision.mode, "optimizer": cfg.optim.name,
-                    "global_batch": resolve_batch(cfg.train, 1).global_batch}
+                    "global_batch": math.prod(resolve_batch(cfg.train.global_batch, cfg.train.micro_batch,
+                                                                cfg.train.grad_accum, 1))}
     _no_extra(extra)
     if model is None:
         raise UserError("plan needs a model: a preset name, a TOML or a config.json path (or --config FILE)")

@@ -470,7 +470,7 @@ def _did_you_mean(word: str, choices: Iterable[str], prefix: str = "", suffix: s
 
 
 def check_combinations(cfg: JobConfig) -> list[str]:
-    """Problems that involve more than one key. World-size checks come later (check_layout)."""
+    """Problems that involve more than one key. Checks of the layout, which needs the world size, are scaletrain.layout.Layout.check."""
     m, errors = cfg.model, []
     if m.dim % m.n_heads and not m.head_dim:
         errors.append(f"model.n_heads={m.n_heads} must divide model.dim={m.dim} (or set model.head_dim); "
@@ -508,38 +508,9 @@ def check_combinations(cfg: JobConfig) -> list[str]:
     if cfg.precision.mode == "16-mixed" and cfg.precision.min_scale > cfg.precision.init_scale:
         errors.append(f"precision.min_scale={cfg.precision.min_scale} is above precision.init_scale="
                       f"{cfg.precision.init_scale}")
-    if cfg.memory.offload_optimizer and cfg.parallel.zero != 3:
-        errors.append("memory.offload_optimizer offloads the sharded model states of parallel.zero=3; "
-                      f"it does nothing at zero={cfg.parallel.zero}; set parallel.zero=3 or drop the offload")
     if cfg.optim.name == "adamw8bit" and cfg.optim.implementation not in ("auto",):
         errors.append("optim.implementation applies to adamw and sgd; leave it at auto for adamw8bit")
     return errors
-
-
-def check_layout(cfg: JobConfig, dims) -> None:
-    """Problems that appear once the number of ranks is known."""
-    from scaletrain.parallel.pipeline import check_schedule
-    from scaletrain.parallel.tensor_parallel import check_tp
-
-    par, errors = cfg.parallel, []
-    if par.zero >= 1 and dims.dp_shard == 1:
-        errors.append(f"parallel.zero={par.zero} shards model states over the dp_shard ranks, but "
-                      f"there is only 1 ({dims.describe()}); use parallel.zero=0, or more data-parallel ranks")
-    if par.sp and dims.tp == 1:
-        errors.append("parallel.sp=true splits the sequence over the tensor-parallel ranks; it needs parallel.tp > 1")
-    if dims.pp > 1 and cfg.model.tie_embeddings:
-        errors.append("model.tie_embeddings=true shares one weight between the first and the last pipeline "
-                      "stage; set model.tie_embeddings=false to train with parallel.pp > 1")
-    if errors:
-        raise ConfigError(*errors)
-    if dims.tp > 1:
-        check_tp(cfg.model, dims.tp)
-    if dims.pp > 1:
-        accum = resolve_batch(cfg.train, dims.dp, par.pp_microbatches).grad_accum
-        check_schedule(par.pp_schedule, dims.pp, par.pp_virtual_stages, accum, cfg.model.n_layers, par.pp_split)
-    elif par.pp_virtual_stages != 1 or par.pp_split or par.pp_microbatches:
-        raise ConfigError("parallel.pp_virtual_stages, pp_split and pp_microbatches describe pipeline stages; "
-                          "they need parallel.pp > 1")
 
 
 def _exists(path: str) -> bool:
@@ -552,57 +523,6 @@ def _exists(path: str) -> bool:
 def _divisors(n: int, limit: int | None = None) -> list[int]:
     ds = [d for d in range(1, n + 1) if n % d == 0]
     return ds[:limit] if limit else ds
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """The batch triad after derivation: global = micro * accum * dp (all in sequences)."""
-
-    global_batch: int
-    micro_batch: int
-    grad_accum: int
-    dp: int
-
-
-DEFAULT_MICRO_BATCH = 32
-
-
-def resolve_batch(train: TrainConfig, dp: int, pp_microbatches: int = 0) -> BatchPlan:
-    """Derive the missing members of the batch triad, or check the three given ones.
-
-    Under pipelining the accumulated micro-batches are the pipeline's micro-batches, so
-    `parallel.pp_microbatches`, when given, is the accumulation count."""
-    g, m, a = train.global_batch, train.micro_batch, train.grad_accum
-    if pp_microbatches:
-        if a and a != pp_microbatches:
-            raise ConfigError(f"train.grad_accum={a} and parallel.pp_microbatches={pp_microbatches} name the same "
-                              "count under pipelining (micro-batches per step); give one of them")
-        a = pp_microbatches
-    if not g and not m:
-        m = DEFAULT_MICRO_BATCH
-    if m and a:
-        if g and g != m * a * dp:
-            raise ConfigError(
-                f"train.global_batch={g} but micro_batch × grad_accum × data-parallel size = "
-                f"{m} × {a} × {dp} = {m * a * dp}; change one of them or set one to 0 to derive it")
-        g = m * a * dp
-    elif g and m:
-        if g % (m * dp):
-            raise ConfigError(
-                f"train.global_batch={g} is not divisible by micro_batch × data-parallel size = "
-                f"{m} × {dp}; choose a global batch that is a multiple of {m * dp}")
-        a = g // (m * dp)
-    elif g:
-        a = a or 1
-        if g % (a * dp):
-            raise ConfigError(
-                f"train.global_batch={g} is not divisible by grad_accum × data-parallel size = "
-                f"{a} × {dp}; choose a global batch that is a multiple of {a * dp}")
-        m = g // (a * dp)
-    else:
-        a = a or 1
-        g = m * a * dp
-    return BatchPlan(global_batch=g, micro_batch=m, grad_accum=a, dp=dp)
 
 
 def describe_options() -> str:

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Sequence
 
-from scaletrain.config import JobConfig, ParallelConfig, check_layout, from_dict, load_config, resolve_batch
+from scaletrain.config import JobConfig, ParallelConfig, from_dict, load_config
 from scaletrain.errors import ConfigError, UserError
+from scaletrain.layout import Layout
 
 # Largest relative difference allowed, (loss, gradient norm), over the first CALIBRATED_STEPS
 # steps of an honest layout against the reference. Measured on the CPU with gloo, 10 steps:
@@ -146,7 +147,7 @@ def choose_reference(cfg: JobConfig, world: int, device, device_memory_gib: floa
     from scaletrain.plan.hardware import local_hardware
     from scaletrain.plan.memory_model import GiB
     from scaletrain.plan.search import evaluate
-    from scaletrain.plan.spec import Cluster, Layout, Workload
+    from scaletrain.plan.spec import Cluster, Workload
 
     # the caller has resolved the layout's batch into cfg.train
     g, m, ac = cfg.train.global_batch, cfg.train.micro_batch, cfg.memory.activation_checkpointing
@@ -157,7 +158,7 @@ def choose_reference(cfg: JobConfig, world: int, device, device_memory_gib: floa
         hw = dataclasses.replace(hw, memory_GB=device_memory_gib * GiB / 1e9)
     wl = Workload(seq_len=cfg.data.seq_len, global_batch=g, precision=cfg.precision.mode, optimizer=cfg.optim.name)
     gpu = device.type == "cuda"
-    one = evaluate(cfg.model, wl, Cluster(hw, 1, 1), Layout(micro_batch=m, grad_accum=g // m, ac=ac), gpu=gpu)
+    one = evaluate(cfg.model, wl, Cluster(hw, 1, 1), Layout(micro_batch=m, grad_accum=g // m, activation_checkpointing=ac), gpu=gpu)
     cap, need = _size(hw.memory_bytes), _size(one.memory.total)
     if one.fits:
         return Reference(reference_config(cfg, g, m), 1, f"1 process (the planner puts it at {need} of the "
@@ -167,7 +168,7 @@ def choose_reference(cfg: JobConfig, world: int, device, device_memory_gib: floa
             continue
         mb = max(d for d in range(1, min(m, g // n) + 1) if (g // n) % d == 0)
         for ac_n in dict.fromkeys((ac, "full")):
-            lay = Layout(dp_shard=n, zero=3, micro_batch=mb, grad_accum=g // n // mb, ac=ac_n)
+            lay = Layout(dp_shard=n, zero=3, micro_batch=mb, grad_accum=g // n // mb, activation_checkpointing=ac_n)
             ev = evaluate(cfg.model, wl, Cluster(hw, 1, n), lay, gpu=gpu)
             if ev.fits:
                 return Reference(reference_config(cfg, g, mb, n, ac_n), n,
@@ -190,23 +191,7 @@ def same_layout(a: JobConfig, b: JobConfig, world: int, b_world: int) -> bool:
 
 def describe(cfg: JobConfig, world: int) -> str:
     """The layout in one line: ranks per axis and what runs on them."""
-    from scaletrain.parallel.dims import ParallelDims
-
-    dims, par = ParallelDims.from_config(cfg.parallel, world), cfg.parallel
-    batch = resolve_batch(cfg.train, dims.dp, par.pp_microbatches)
-    parts = [dims.describe()]
-    if dims.dp > 1:
-        zero = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 (FSDP)"}[par.zero]
-        parts.append(f"data parallel {zero}{', HSDP' if dims.dp_replicate > 1 and par.zero else ''}")
-    if dims.tp > 1:
-        parts.append(f"tensor parallel{' + sequence parallel' if par.sp else ''}")
-    if dims.pp > 1:
-        virtual = f" × {par.pp_virtual_stages} virtual" if par.pp_virtual_stages > 1 else ""
-        parts.append(f"pipeline {par.pp_schedule}{virtual}")
-    if cfg.memory.activation_checkpointing != "none":
-        parts.append(f"activation checkpointing {cfg.memory.activation_checkpointing}")
-    parts.append(f"batch {batch.global_batch} = micro {batch.micro_batch} × accum {batch.grad_accum} × dp {batch.dp}")
-    return "; ".join(parts)
+    return Layout.from_config(cfg, world).explain()
 
 
 # --------------------------------------------------------------------------------------------
@@ -294,7 +279,6 @@ def notes(diffs: list[StepDiff], steps: int) -> list[str]:
 def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT_STEPS, nproc: int | None = None,
            device_memory_gib: float | None = None, out: IO[str] | None = None) -> int:
     """Run the layout and the reference, print the comparison; 0 on PASS, 1 on FAIL."""
-    from scaletrain.parallel.dims import ParallelDims
     from scaletrain.parallel.launch import pick_device
 
     out = out or sys.stdout
@@ -308,18 +292,16 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
         from scaletrain.plan.auto import auto_layout
 
         cfg, _ = auto_layout(cfg, world, device)
-    dims = ParallelDims.from_config(cfg.parallel, world)
-    check_layout(cfg, dims)
-    batch = resolve_batch(cfg.train, dims.dp, cfg.parallel.pp_microbatches)
+    layout = Layout.from_config(cfg, world).check(cfg.model)
     if world == 1:
         raise ConfigError("the layout is one process, which is what verify compares against; give a parallel "
                           "layout (--parallel.tp=2, --parallel.pp=2, ...) or --nproc N for data parallelism")
     # resolve the batch once for both runs: the layout's micro-batch, the same global batch
-    cfg = cfg.replace(**{"train.global_batch": batch.global_batch, "train.micro_batch": batch.micro_batch,
-                         "train.grad_accum": batch.grad_accum, "parallel.pp_microbatches": 0})
+    cfg = cfg.replace(**{"train.global_batch": layout.global_batch, "train.micro_batch": layout.micro_batch,
+                         "train.grad_accum": layout.grad_accum, "parallel.pp_microbatches": 0})
     ref = choose_reference(cfg, world, device, device_memory_gib)
     if same_layout(cfg, ref.cfg, world, ref.nproc):
-        raise ConfigError(f"the layout ({dims.describe()}) is itself the simplest layout that fits, so there is no "
+        raise ConfigError(f"the layout ({layout.describe_ranks()}) is itself the simplest layout that fits, so there is no "
                           "simpler reference to compare it with; give --device-memory if the planner is wrong")
 
     tmp = Path(tempfile.mkdtemp(prefix="scaletrain-verify-"))
@@ -393,7 +375,7 @@ def plant_test_fault(trainer, spec: str, rank: int) -> None:
             chunk.register_forward_hook(scale_gradient)
     elif kind == "local_loss_norm":
         real = trainer._loss_factor
-        trainer._loss_factor = lambda: real() * trainer.batch.dp  # 1 / (tokens / dp) instead of 1 / tokens
+        trainer._loss_factor = lambda: real() * trainer.layout.dp  # 1 / (tokens / dp) instead of 1 / tokens
     else:
         raise ValueError(f"unknown {FAULT_ENV} fault {kind!r}; known: perturb_grad, local_loss_norm")
 

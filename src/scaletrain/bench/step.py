@@ -84,9 +84,9 @@ def plain_entry(cfg) -> Entry:
     """The hand-written loop on the baseline's model, batch and precision."""
     from scaletrain.bench.plain import PLAIN_MODES
 
-    from scaletrain.config import resolve_batch
+    from scaletrain.layout import Layout
 
-    batch = resolve_batch(cfg.train, 1)
+    batch = Layout.from_config(cfg, 1)
     if batch.grad_accum != 1:
         raise UserError(f"--vs-plain-loop compares single micro-batch steps; the config accumulates {batch.grad_accum} "
                         "micro-batches (set train.micro_batch equal to train.global_batch)")
@@ -119,7 +119,7 @@ def plain_entry(cfg) -> Entry:
 def bench_step(config: str | None, overrides: list[str], vs: list[str], *, steps: int = 10, warmup: int = 3,
                plain_loop: bool = False, progress=None) -> dict:
     """Measure the config and its variants, interleaved; returns the header facts and the rows."""
-    from scaletrain.config import resolve_batch
+    from scaletrain.layout import Layout
     from scaletrain.model.transformer import count_params
     from scaletrain.parallel.launch import pick_device
 
@@ -141,7 +141,7 @@ def bench_step(config: str | None, overrides: list[str], vs: list[str], *, steps
             entries.append(plain_entry(base))
         device = pick_device(base.train.device)
         rows = run(entries, steps=steps, warmup=warmup, device=device, progress=progress)
-    batch = resolve_batch(base.train, 1)
+    batch = Layout.from_config(base, 1)
     return {"config": config or "(built-in default)", "device": str(device), "precision": base.precision.mode,
             "compile": base.train.compile, "global_batch": batch.global_batch, "micro_batch": batch.micro_batch,
             "grad_accum": batch.grad_accum, "seq_len": base.data.seq_len, "params": count_params(base.model),

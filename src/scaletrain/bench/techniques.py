@@ -43,9 +43,9 @@ OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
 
 def techniques(cfg, world: int, device_type: str) -> list[tuple[str, str, dict | None, str]]:
     """(key, row name, overrides or None, skip reason or note) for each technique, in table order."""
-    from scaletrain.config import resolve_batch
+    from scaletrain.layout import Layout
 
-    b = resolve_batch(cfg.train, world)
+    b = Layout.from_config(cfg, world)
     out = []
     k = 4 if b.micro_batch % 4 == 0 else 2 if b.micro_batch % 2 == 0 else 0
     if k:
@@ -94,7 +94,7 @@ def _check_skip(base, skip: list[str], device_type: str) -> None:
 
 def _measure(config, overrides, *, steps, warmup, skip, max_slowdown, runtime=None, progress=None) -> dict:
     """Every rank calls this (or the one process); returns the result dict."""
-    from scaletrain.config import resolve_batch
+    from scaletrain.layout import Layout
     from scaletrain.model.transformer import count_params
     from scaletrain.parallel.launch import pick_device
 
@@ -120,7 +120,7 @@ def _measure(config, overrides, *, steps, warmup, skip, max_slowdown, runtime=No
                 entries.append(trainer_entry(name, cfg, sink, runtime, note=text))
         rows = run(entries, steps=steps, warmup=warmup, device=device, tolerate_failures=True,
                    max_slowdown=max_slowdown, progress=progress)
-    batch = resolve_batch(base.train, world)
+    batch = Layout.from_config(base, world)
     return {"config": config or "(built-in default)", "device": str(device), "world_size": world,
             "precision": base.precision.mode, "compile": base.train.compile, "global_batch": batch.global_batch,
             "micro_batch": batch.micro_batch, "grad_accum": batch.grad_accum, "seq_len": base.data.seq_len,

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from scaletrain.config import JobConfig
 from scaletrain.errors import LaunchError, TrainingStopped, UserError, user_error_from_os
-from scaletrain.parallel.dims import ParallelDims
+from scaletrain.layout import Layout
 
 LAUNCHER_PID_ENV = "SCALETRAIN_LAUNCHER_PID"  # lets a worker see that its launcher died before it could ask to follow
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # a rank stopped by one saved a checkpoint and exits 128 + it
@@ -47,7 +47,7 @@ class Runtime:
     world_size: int
     local_world_size: int
     device: torch.device
-    dims: ParallelDims
+    layout: Layout  # resolved for this world: every part of the run reads it from here
     mesh: object | None = None  # the 4-D DeviceMesh when distributed
     dp_mesh: object | None = None  # its data-parallel axes flattened into one
     progress: object | None = None  # this rank's published progress (parallel.watchdog.Progress)
@@ -82,8 +82,7 @@ def pick_device(name: str, local_rank: int = 0, local_world_size: int = 1) -> to
 def single_process(cfg: JobConfig) -> Runtime:
     if cfg.parallel.layout == "auto":
         raise ValueError("parallel.layout=auto: resolve the layout first (scaletrain.plan.auto.auto_layout)")
-    dims = ParallelDims.from_config(cfg.parallel, 1)
-    return Runtime(0, 0, 1, 1, pick_device(cfg.train.device), dims)
+    return Runtime(0, 0, 1, 1, pick_device(cfg.train.device), Layout.from_config(cfg, 1))
 
 
 def restart_count() -> int:
@@ -154,9 +153,9 @@ def prepare_worker(cfg: JobConfig) -> tuple[JobConfig, Runtime]:
         from scaletrain.config import from_dict
 
         cfg = from_dict(box[0])
-    dims = ParallelDims.from_config(cfg.parallel, world)
-    mesh, dp_mesh = dims.build_mesh(device.type)
-    return cfg, Runtime(rank, local_rank, world, local_world, device, dims, mesh, dp_mesh, _start_progress(rank))
+    layout = Layout.from_config(cfg, world)
+    mesh, dp_mesh = layout.build_mesh(device.type)
+    return cfg, Runtime(rank, local_rank, world, local_world, device, layout, mesh, dp_mesh, _start_progress(rank))
 
 
 _progress = None

@@ -69,51 +69,47 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
                 weights=None) -> ParallelModel:
     """`weights`: full tensors by canonical parameter name (e.g. `model.init_from`, read lazily),
     loaded instead of the (seed, name) initialisation."""
-    dims, par, zero = rt.dims, cfg.parallel, cfg.parallel.zero
+    lay = rt.layout
     if cfg.train.compile:
         check_compiler(rt.device)
     compute_bf16 = precision.compute_dtype if precision.compute_dtype == torch.bfloat16 else None
 
     # 1. pipeline: this rank's stages, each a copy of the model with the other layers deleted
-    if dims.pp > 1:
-        virtual = pipeline.chunks_per_rank(par.pp_schedule, par.pp_virtual_stages)
-        num_stages = dims.pp * virtual
-        ranges = pipeline.layer_ranges(cfg.model, num_stages, par.pp_split)
-        stage_ids = pipeline.stage_indices(par.pp_schedule, rt.axis("pp").get_local_rank(), dims.pp, virtual)
+    if lay.pp > 1:
+        num_stages = lay.num_stages
+        ranges = pipeline.layer_ranges(cfg.model, num_stages, lay.pp_split)
+        stage_ids = pipeline.stage_indices(lay.pp_schedule, rt.axis("pp").get_local_rank(), lay.pp,
+                                           lay.chunks_per_rank)
         chunks = pipeline.split_model(model, stage_ids, ranges)
     else:
         num_stages, stage_ids, chunks = 1, [0], [model]
 
     for chunk in chunks:
         # 2. tensor (and sequence) parallel over the innermost axis
-        if dims.tp > 1:
-            apply_tensor_parallel(chunk, rt.axis("tp"), sequence_parallel=par.sp,
+        if lay.tp > 1:
+            apply_tensor_parallel(chunk, rt.axis("tp"), sequence_parallel=lay.sp,
                                   first_block="0" if "0" in chunk.layers else None)
         # 3. activation checkpointing, 4. compile, block by block
-        apply_activation_checkpointing(chunk.layers, cfg.memory.activation_checkpointing)
+        apply_activation_checkpointing(chunk.layers, lay.activation_checkpointing)
         if cfg.train.compile:
             for _, block in block_items(chunk.layers):
                 block.compile()  # in place: parameter names (and checkpoint keys) stay the same
 
     # 5. data parallel engines that shard or replicate DTensors, applied on the meta device
-    data_parallel = rt.distributed and dims.dp > 1
-    if cfg.memory.offload_optimizer and rt.device.type != "cuda":
+    if lay.offload_optimizer and rt.device.type != "cuda":
         raise LaunchError("memory.offload_optimizer moves model states from GPU memory to pinned host memory; "
                           "this run is on the CPU already, so drop the option")
-    fsdp = data_parallel and zero == 3
-    replicate = data_parallel and zero == 0 and dims.tp > 1  # DDP cannot take DTensor parameters
+    fsdp, replicate = lay.dp_engine == "fsdp", lay.dp_engine == "replicate"  # DDP cannot take DTensor parameters
     if fsdp:
-        shard_mesh = rt.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else rt.mesh["dp_shard"]
         for chunk in chunks:
-            apply_fsdp(chunk, shard_mesh, param_dtype=compute_bf16, offload=cfg.memory.offload_optimizer)
+            apply_fsdp(chunk, _shard_mesh(rt), param_dtype=compute_bf16, offload=lay.offload_optimizer)
     elif replicate:
         for chunk in chunks:
             apply_replicate(chunk, rt.axis("dp"), param_dtype=compute_bf16)
 
     # 6. materialize: every parameter from (seed, name), the same numbers on every layout
-    keeps_fp32 = fsdp or replicate or (data_parallel and zero in (1, 2))
     for chunk in chunks:
-        chunk.to_empty(device="cpu" if (fsdp and cfg.memory.offload_optimizer) else rt.device)
+        chunk.to_empty(device="cpu" if (fsdp and lay.offload_optimizer) else rt.device)
         chunk.init_buffers(rt.device)
         if weights is not None:
             load_weights(chunk, weights, cfg.model.init_from or "the weights")
@@ -129,9 +125,9 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
         chunk.train()
 
     # 7. data parallel engines that wrap materialized weights
-    dp = _engine(chunks, cfg, rt, precision, fsdp=fsdp, replicate=replicate)
-    result = ParallelModel(dp, stage_ids=stage_ids, num_stages=num_stages, keeps_fp32_weights=keeps_fp32)
-    if dims.pp > 1:
+    dp = _engine(chunks, cfg, rt, precision)
+    result = ParallelModel(dp, stage_ids=stage_ids, num_stages=num_stages, keeps_fp32_weights=lay.keeps_fp32_weights)
+    if lay.pp > 1:
         from torch.distributed.pipelining import PipelineStage
 
         result.stages = [PipelineStage(m, sid, num_stages, rt.device, group=rt.group("pp"))
@@ -139,25 +135,26 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
     return result
 
 
-def _engine(chunks: list[nn.Module], cfg: JobConfig, rt: Runtime, precision: Precision, *, fsdp: bool,
-            replicate: bool) -> DataParallel:
-    """The data-parallel strategy over this rank's materialized (and, for FSDP, sharded) chunks."""
-    dims, par, zero = rt.dims, cfg.parallel, cfg.parallel.zero
-    data_parallel = rt.distributed and dims.dp > 1
-    if not data_parallel:
-        dp = DataParallel(chunks)
-    elif fsdp:
-        dp = FSDPDataParallel(chunks)
-    elif replicate:
-        dp = ReplicateDataParallel(chunks)
-    elif zero == 0:
-        dp = DDPDataParallel(chunks, rt.group("dp"), par.bucket_mb,
-                             reduce_in_fp32=precision.param_dtype != torch.float32)
-    else:
-        dp = ZeroDataParallelStrategy(chunks, rt.mesh, stage=zero, dp_replicate=dims.dp_replicate,
-                                      bucket_mb=par.bucket_mb,
-                                      master_dtype=torch.float32 if precision.master_weights else None)
-    return dp
+def _shard_mesh(rt: Runtime):
+    """FSDP's mesh: dp_shard, or (HSDP) dp_replicate × dp_shard."""
+    return rt.mesh["dp_replicate", "dp_shard"] if rt.layout.dp_replicate > 1 else rt.mesh["dp_shard"]
+
+
+def _engine(chunks: list[nn.Module], cfg: JobConfig, rt: Runtime, precision: Precision) -> DataParallel:
+    """The layout's data-parallel engine over this rank's materialized (and, for FSDP, sharded)
+    chunks."""
+    lay, bucket_mb = rt.layout, cfg.parallel.bucket_mb
+    engine = lay.dp_engine
+    if engine == "none":
+        return DataParallel(chunks)
+    if engine == "fsdp":
+        return FSDPDataParallel(chunks)
+    if engine == "replicate":
+        return ReplicateDataParallel(chunks)
+    if engine == "ddp":
+        return DDPDataParallel(chunks, rt.group("dp"), bucket_mb, reduce_in_fp32=precision.param_dtype != torch.float32)
+    return ZeroDataParallelStrategy(chunks, rt.mesh, stage=lay.zero, dp_replicate=lay.dp_replicate, bucket_mb=bucket_mb,
+                                    master_dtype=torch.float32 if precision.master_weights else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,9 +179,9 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
     """A model scaletrain did not build, with its own weights: data parallel (DDP, ZeRO-1/2/3,
     HSDP), every precision, activation checkpointing and compile, block by block. Tensor and
     pipeline parallelism need to know how to split the model: they are refused."""
-    dims, zero = rt.dims, cfg.parallel.zero
-    if dims.tp > 1 or dims.pp > 1:
-        raise ConfigError(f"parallel.tp={dims.tp}, parallel.pp={dims.pp}: tensor and pipeline parallelism split "
+    lay = rt.layout
+    if lay.tp > 1 or lay.pp > 1:
+        raise ConfigError(f"parallel.tp={lay.tp}, parallel.pp={lay.pp}: tensor and pipeline parallelism split "
                           "models scaletrain knows (its own transformer, or one taken with model.from_hf and "
                           "model.init_from); a custom nn.Module trains with data parallelism (DDP, ZeRO 0-3), any "
                           "precision, activation checkpointing and compile: set parallel.tp=1 and parallel.pp=1")
@@ -192,7 +189,7 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
         raise ConfigError("model.init_from loads weights into scaletrain's own model; a custom nn.Module brings "
                           "its own weights: load them into the module before handing it to the Trainer")
     blocks = find_blocks(module)
-    if blocks is None and (cfg.memory.activation_checkpointing != "none" or (rt.distributed and zero == 3)):
+    if blocks is None and (lay.activation_checkpointing != "none" or lay.dp_engine == "fsdp"):
         raise ConfigError(f"{type(module).__name__} has no repeated blocks scaletrain can find (an nn.ModuleList or "
                           "ModuleDict named layers, h or blocks) for activation checkpointing and ZeRO-3; name "
                           "its block list `layers`")
@@ -203,21 +200,17 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
             for t in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(t.data, src=0)
     if blocks is not None:
-        apply_activation_checkpointing(blocks, cfg.memory.activation_checkpointing)
+        apply_activation_checkpointing(blocks, lay.activation_checkpointing)
     if cfg.train.compile:
         check_compiler(rt.device)
         for _, block in (block_items(blocks) if blocks is not None else [(None, module)]):
             block.compile()
     module.to(rt.device)
-    data_parallel = rt.distributed and dims.dp > 1
-    fsdp, replicate = data_parallel and zero == 3, False
-    if fsdp:
-        shard_mesh = rt.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else rt.mesh["dp_shard"]
+    if lay.dp_engine == "fsdp":
         compute_bf16 = precision.compute_dtype if precision.compute_dtype == torch.bfloat16 else None
-        apply_fsdp(module, shard_mesh, param_dtype=compute_bf16, offload=cfg.memory.offload_optimizer,
+        apply_fsdp(module, _shard_mesh(rt), param_dtype=compute_bf16, offload=lay.offload_optimizer,
                    blocks=[b for _, b in block_items(blocks)])
     else:
         module.to(precision.param_dtype)
     module.train()
-    dp = _engine([module], cfg, rt, precision, fsdp=fsdp, replicate=replicate)
-    return ParallelModel(dp, keeps_fp32_weights=fsdp or (data_parallel and zero in (1, 2)))
+    return ParallelModel(_engine([module], cfg, rt, precision), keeps_fp32_weights=lay.keeps_fp32_weights)

@@ -29,58 +29,7 @@ from torch import nn
 from scaletrain.config import ModelConfig
 from scaletrain.errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-
-
-def chunks_per_rank(schedule: str, virtual: int) -> int:
-    return virtual if schedule in ("interleaved-1f1b", "zero-bubble") else 1
-
-
-def check_schedule(schedule: str, pp: int, virtual: int, microbatches: int, n_layers: int, split: str) -> None:
-    errors = []
-    if schedule in ("gpipe", "1f1b") and virtual != 1:
-        errors.append(f"parallel.pp_virtual_stages={virtual} needs an interleaved schedule "
-                      f"(interleaved-1f1b or zero-bubble), not {schedule}")
-    if schedule == "interleaved-1f1b" and virtual < 2:
-        errors.append("parallel.pp_schedule=interleaved-1f1b needs parallel.pp_virtual_stages >= 2")
-    if schedule == "zero-bubble" and virtual != 2:
-        errors.append("parallel.pp_schedule=zero-bubble (V shape) needs parallel.pp_virtual_stages=2")
-    if schedule != "gpipe" and microbatches < pp:
-        errors.append(f"{schedule} needs at least parallel.pp={pp} micro-batches per step, got {microbatches}; "
-                      "raise train.grad_accum (or parallel.pp_microbatches), or use pp_schedule=gpipe, which "
-                      "also runs one micro-batch (plain model parallelism, the other stages idle)")
-    if schedule in ("interleaved-1f1b", "zero-bubble") and microbatches % pp:
-        errors.append(f"{schedule} needs the micro-batches per step ({microbatches}) to be a multiple of "
-                      f"parallel.pp={pp}")
-    chunks = pp * chunks_per_rank(schedule, virtual)
-    if chunks > n_layers:
-        errors.append(f"{chunks} pipeline stages (pp {pp} × {chunks // pp} per rank) need at least {chunks} "
-                      f"layers, but model.n_layers={n_layers}; lower parallel.pp or pp_virtual_stages")
-    if split:
-        try:
-            counts = [int(x) for x in split.split(",")]
-        except ValueError:
-            counts = []
-        if len(counts) != chunks or sum(counts) != n_layers or min(counts, default=0) < 1:
-            errors.append(f"parallel.pp_split={split!r} must list {chunks} positive layer counts summing to "
-                          f"model.n_layers={n_layers}, e.g. {','.join(map(str, balanced_split_counts(n_layers, chunks)))}")
-    if errors:
-        raise ConfigError(*errors)
-
-
-def balanced_split_counts(n_layers: int, chunks: int, head_cost: float = 0.0) -> list[int]:
-    """Layers per chunk that minimise the largest chunk's cost, where a block costs 1 and the
-    last chunk also pays for the output head (`head_cost`, in blocks). The embedding lookup of
-    the first chunk costs next to nothing."""
-    if chunks == 1:
-        return [n_layers]
-    best = None
-    for last in range(n_layers - chunks + 1, 0, -1):  # ties: the most layers on the last chunk
-        base, extra = divmod(n_layers - last, chunks - 1)
-        cost = max(base + (1 if extra else 0), last + head_cost)
-        if best is None or cost < best[0] - 1e-9:
-            best = (cost, [base + (1 if i < extra else 0) for i in range(chunks - 1)] + [last])
-    return best[1]
+from scaletrain.layout import SCHEDULES, balanced_split_counts, chunks_per_rank  # noqa: F401 - re-exported
 
 
 def head_cost_in_blocks(cfg: ModelConfig) -> float:

@@ -32,21 +32,6 @@ from scaletrain.config import ModelConfig
 from scaletrain.errors import ConfigError
 
 
-def check_tp(cfg: ModelConfig, tp: int) -> None:
-    errors = []
-    if cfg.n_heads % tp:
-        errors.append(f"parallel.tp={tp} must divide model.n_heads={cfg.n_heads}: each rank owns whole heads; "
-                      f"use tp in {[d for d in range(1, cfg.n_heads + 1) if cfg.n_heads % d == 0]}")
-    elif cfg.kv_heads % tp:  # (kv_heads divides n_heads: when tp misses n_heads it misses kv_heads too)
-        errors.append(f"parallel.tp={tp} must divide the key/value heads ({cfg.kv_heads}): each rank owns "
-                      f"whole heads; use tp in {[d for d in range(1, cfg.kv_heads + 1) if cfg.kv_heads % d == 0]}")
-    if cfg.vocab_size % tp:
-        errors.append(f"parallel.tp={tp} must divide model.vocab_size={cfg.vocab_size} (the vocabulary is split); "
-                      "pad the vocabulary to a multiple of tp")
-    if errors:
-        raise ConfigError(*errors)
-
-
 def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool, first_block: str | None) -> None:
     """Shard `model` (a whole model or one pipeline chunk) over `tp_mesh` in place.
 

@@ -72,16 +72,22 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
     return result
 
 
+LAYOUT_SYNONYMS = {"schedule": "pp_schedule", "virtual": "pp_virtual_stages", "ac": "activation_checkpointing",
+                   "offload": "offload_optimizer"}
+
+
 def resolve_layout(given: Layout | dict, cluster: Cluster, wl: Workload) -> Layout:
     """A layout from the options given; what is left out is derived (dp from the cluster, the
     micro-batch from the global batch)."""
     if isinstance(given, Layout):
         return given
-    known = set(Layout.__dataclass_fields__)
+    # the plan command's short flags name the same fields (--schedule, --virtual, --ac, --offload)
+    given = {LAYOUT_SYNONYMS.get(k, k): v for k, v in given.items()}
+    known = set(Layout.__dataclass_fields__) | set(LAYOUT_SYNONYMS)
     unknown = set(given) - known
     if unknown:
         raise ConfigError(f"unknown layout option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
-    sizes = ("tp", "pp", "cp", "dp_replicate", "dp_shard", "micro_batch", "grad_accum", "virtual")
+    sizes = ("tp", "pp", "cp", "dp_replicate", "dp_shard", "micro_batch", "grad_accum", "pp_virtual_stages")
     too_small = [f"{name}={given[name]}" for name in sizes if name in given and given[name] < 1]
     if too_small:
         raise ConfigError(f"layout sizes must be at least 1, got {', '.join(too_small)}")

@@ -7,12 +7,11 @@ fills in `[parallel]`, the micro-batch and accumulation, and `[memory]`.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from scaletrain.config import JobConfig, ParallelConfig, from_dict, resolve_batch
+from scaletrain.config import JobConfig, ParallelConfig
 from scaletrain.errors import ConfigError
+from scaletrain.layout import Layout
 
 CHOSEN = ("dp_replicate", "dp_shard", "tp", "pp", "zero", "sp", "pp_schedule", "pp_virtual_stages")
 
@@ -27,7 +26,7 @@ def auto_layout(cfg: JobConfig, world: int, device: torch.device, gpus_per_node:
     if set_by_hand:
         raise ConfigError(f"parallel.layout=auto chooses the layout itself; leave parallel."
                           f"{', parallel.'.join(set_by_hand)} at their defaults, or set parallel.layout=manual")
-    global_batch = cfg.train.global_batch or resolve_batch(cfg.train, world).global_batch
+    global_batch = cfg.train.global_batch or Layout.from_config(cfg, world).global_batch
     per_node = gpus_per_node or (min(world, torch.cuda.device_count()) if device.type == "cuda" else world)
     nodes = max(1, world // per_node)
     result = plan(cfg.model, hardware=local_hardware(device), nodes=nodes, gpus_per_node=world // nodes,
@@ -37,12 +36,6 @@ def auto_layout(cfg: JobConfig, world: int, device: torch.device, gpus_per_node:
     if not best.fits:
         raise ConfigError(f"parallel.layout=auto: no layout of {world} rank(s) fits — the leanest "
                           f"({best.layout.describe()}) {best.why_not[0]}")
-    lay = best.layout
-    raw = cfg.to_dict()
-    raw["parallel"].update(layout="manual", dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, tp=lay.tp,
-                           pp=lay.pp, zero=lay.zero, sp=lay.sp,
-                           pp_schedule=lay.schedule if lay.pp > 1 else defaults.pp_schedule,
-                           pp_virtual_stages=lay.virtual if lay.pp > 1 else 1, pp_microbatches=0)
-    raw["train"].update(global_batch=global_batch, micro_batch=lay.micro_batch, grad_accum=lay.grad_accum)
-    raw["memory"].update(activation_checkpointing=lay.ac, offload_optimizer=lay.offload)
-    return from_dict(raw), best
+    chosen = {"parallel.layout": "manual", "parallel.pp_microbatches": 0, "train.global_batch": global_batch,
+              **best.layout.config_overrides()}
+    return cfg.replace(**chosen), best

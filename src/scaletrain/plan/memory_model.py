@@ -155,7 +155,7 @@ def rank_params(cfg: ModelConfig, layout: Layout, pp_rank: int) -> ParamCounts:
 def _rank_params(cfg: ModelConfig, tp: int, pp: int, virtual: int, schedule: str, pp_rank: int) -> ParamCounts:
     from scaletrain.parallel.pipeline import stage_indices
 
-    layout = Layout(tp=tp, pp=pp, virtual=virtual, schedule=schedule)
+    layout = Layout(tp=tp, pp=pp, pp_virtual_stages=virtual, pp_schedule=schedule)
     layers = sum(stage_layers(cfg, layout)[pp_rank])
     s, r, mm, mats = _layer_params(cfg, tp)
     sharded, replicated, matmul = s * layers, r * layers, mm * layers

@@ -50,32 +50,9 @@ def layout_errors(cfg: ModelConfig, wl: Workload, cluster: Cluster, layout: Layo
         e.append(f"it uses {layout.world} ranks but the cluster has {cluster.world} GPUs")
     if layout.tp > cluster.gpus_per_node:
         e.append(f"tp {layout.tp} would cross nodes ({cluster.gpus_per_node} GPUs per node)")
-    for name, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads), ("vocab_size", cfg.vocab_size)):
-        if n % layout.tp:
-            e.append(f"tp {layout.tp} does not divide {name}={n}")
-    if layout.pp > 1:
-        chunks = layout.pp * (layout.virtual if layout.schedule in ("interleaved-1f1b", "zero-bubble") else 1)
-        if chunks > cfg.n_layers:
-            e.append(f"{chunks} pipeline stages need at least as many layers (model has {cfg.n_layers})")
-        if cfg.tie_embeddings:
-            e.append("pipelining needs untied embeddings (the head and the embedding sit on different stages)")
-        if layout.schedule != "gpipe" and layout.grad_accum < layout.pp:
-            e.append(f"{layout.schedule} needs at least pp={layout.pp} micro-batches, the layout has "
-                     f"{layout.grad_accum}")
-        if layout.schedule in ("interleaved-1f1b", "zero-bubble") and layout.grad_accum % layout.pp:
-            e.append(f"{layout.schedule} needs micro-batches in multiples of pp={layout.pp}")
-    if layout.zero >= 1 and layout.dp_shard * layout.cp == 1:
-        e.append(f"zero {layout.zero} has nothing to shard over (dp_shard = 1)")
-    if layout.cp > 1:
-        if wl.engine == "scaletrain":
-            e.append("context parallelism is planned for other engines (--engine megatron); scaletrain's "
-                     "trainer has none")
-        if wl.seq_len % (2 * layout.cp):
-            e.append(f"cp {layout.cp} needs the sequence length in multiples of 2·cp (load-balanced chunks)")
-    if layout.offload and layout.zero != 3:
-        e.append("offload comes with zero 3")
-    if layout.sp and layout.tp == 1:
-        e.append("sequence parallel needs tp > 1")
+    if layout.cp > 1 and wl.seq_len % (2 * layout.cp):
+        e.append(f"cp {layout.cp} needs the sequence length in multiples of 2·cp (load-balanced chunks)")
+    e += layout.errors(cfg, engine=wl.engine)  # the rules the trainer applies (scaletrain.layout)
     if layout.micro_batch * layout.grad_accum * layout.dp != wl.global_batch:
         e.append(f"micro-batch {layout.micro_batch} × accumulation {layout.grad_accum} × dp {layout.dp} "
                  f"≠ global batch {wl.global_batch}")
@@ -120,8 +97,9 @@ def _layouts(cfg, wl, cluster, cp, max_micro_batch, offload):
                             for ac in ("none", "selective", "full"):
                                 for off in ((False, True) if (offload and zero == 3) else (False,)):
                                     yield Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp,
-                                                 zero=zero, sp=tp > 1, schedule=schedule, virtual=virtual,
-                                                 micro_batch=mb, grad_accum=accum, ac=ac, offload=off)
+                                                 zero=zero, sp=tp > 1, pp_schedule=schedule,
+                                                 pp_virtual_stages=virtual, micro_batch=mb, grad_accum=accum,
+                                                 activation_checkpointing=ac, offload_optimizer=off)
 
 
 def _schedules(pp: int, m: int, n_layers: int) -> list[tuple[str, int]]:
@@ -188,7 +166,7 @@ def explain(best: Evaluated, ranked: list[Evaluated], cfg: ModelConfig, wl: Work
             if z == lay.zero:
                 continue
             alt = replace(lay, zero=z, dp_replicate=1 if z == 0 else lay.dp_replicate,
-                          dp_shard=lay.dp if z == 0 else lay.dp_shard, offload=False)
+                          dp_shard=lay.dp if z == 0 else lay.dp_shard, offload_optimizer=False)
             if not layout_errors(cfg, wl, cluster, alt):
                 others[z] = evaluate(cfg, wl, cluster, alt, gpu=gpu)
         lower = [z for z in others if z < lay.zero]
@@ -237,7 +215,7 @@ def explain(best: Evaluated, ranked: list[Evaluated], cfg: ModelConfig, wl: Work
 
 
 def _fits_without_ac(best: Evaluated, cfg, wl, cluster, gpu) -> bool:
-    return evaluate(cfg, wl, cluster, replace(best.layout, ac="none"), gpu=gpu).fits
+    return evaluate(cfg, wl, cluster, replace(best.layout, activation_checkpointing="none"), gpu=gpu).fits
 
 
 def _differences(a: Layout, b: Layout) -> str:

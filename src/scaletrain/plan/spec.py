@@ -9,12 +9,13 @@ is counted on the meta device and traced.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from scaletrain.config import ModelConfig, from_dict, read_toml
 from scaletrain.errors import ConfigError
+from scaletrain.layout import Layout  # noqa: F401 - the one Layout, re-exported for the planner
 from scaletrain.plan.hardware import Hardware
 
 PRECISIONS = ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true")
@@ -63,66 +64,6 @@ class Cluster:
     @property
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One way to place the work on the cluster (the same knobs as `[parallel]`/`[memory]`)."""
-
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1  # context parallel: each rank holds 1/cp of every sequence (ring attention)
-    zero: int = 0
-    sp: bool = False
-    schedule: str = "1f1b"
-    virtual: int = 1
-    micro_batch: int = 1
-    grad_accum: int = 1
-    ac: str = "none"
-    offload: bool = False
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    def describe(self) -> str:
-        parts = []
-        if self.dp > 1:
-            dp = f"dp {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"dp {self.dp}"
-            parts.append(f"{dp} zero{self.zero}")
-        if self.tp > 1:
-            parts.append(f"tp {self.tp}{'+sp' if self.sp else ''}")
-        if self.cp > 1:
-            parts.append(f"cp {self.cp}")
-        if self.pp > 1:
-            parts.append(f"pp {self.pp} {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else ""))
-        parts.append(f"mb {self.micro_batch}x{self.grad_accum}")
-        if self.ac != "none":
-            parts.append(f"ac {self.ac}")
-        if self.offload:
-            parts.append("offload")
-        return ", ".join(parts) if parts else "1 device"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def config_overrides(self) -> dict[str, Any]:
-        """The same layout as `--section.key=value` options of `scaletrain train`."""
-        if self.cp > 1:
-            raise ValueError("scaletrain's trainer has no context parallelism; this layout is for other engines")
-        out = {"parallel.dp_replicate": self.dp_replicate, "parallel.dp_shard": self.dp_shard,
-               "parallel.tp": self.tp, "parallel.pp": self.pp, "parallel.zero": self.zero, "parallel.sp": self.sp,
-               "train.micro_batch": self.micro_batch, "train.grad_accum": self.grad_accum,
-               "memory.activation_checkpointing": self.ac, "memory.offload_optimizer": self.offload}
-        if self.pp > 1:
-            out.update({"parallel.pp_schedule": self.schedule, "parallel.pp_virtual_stages": self.virtual})
-        return out
 
 
 @dataclass

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from scaletrain.config import JobConfig, check_layout, resolve_batch
+from scaletrain.config import JobConfig
 from scaletrain.data.dataset import WindowDataset, open_data, open_validation
 from scaletrain.data.loader import StepSampler, build_loader, rank_slices, validation_batches
 from scaletrain.errors import CheckpointError, ConfigError, DataError, TrainingStopped, UserError
@@ -89,7 +89,7 @@ class Trainer:
         self.cfg = cfg
         self._user_model, self.loss_fn = model, loss_fn or cross_entropy_sum
         self.rt = rt = runtime or single_process(cfg)
-        check_layout(cfg, rt.dims)
+        rt.layout.check(cfg.model if model is None else None)  # a custom module: tp/pp refused later
         self.rank, self.world_size, self.device = rt.rank, rt.world_size, rt.device
         self.run_dir = Path(cfg.log.run_dir or self._shared(default_run_dir()))
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
@@ -110,7 +110,7 @@ class Trainer:
         resume_from = self._find_resume()  # reads only: nothing is written before fit()
 
         # data: order from (seed, step) alone; each data-parallel rank reads its slice
-        self.batch = resolve_batch(cfg.train, dp=rt.dims.dp, pp_microbatches=cfg.parallel.pp_microbatches)
+        self.layout = rt.layout  # ranks, batch triad (global = micro × accum × dp), engines
         self.dp_rank = rt.axis("dp").get_local_rank() if rt.distributed else 0
         self.data = open_data(cfg.data.path, cfg.data.verify_checksums)
         if self._user_model is None and self.data.vocab_size > cfg.model.vocab_size:
@@ -118,7 +118,7 @@ class Trainer:
                             f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size to at least "
                             f"{self.data.vocab_size}")
         self.dataset = WindowDataset(self.data, cfg.data.seq_len)
-        self.tokens_per_step = self.batch.global_batch * cfg.data.seq_len
+        self.tokens_per_step = self.layout.global_batch * cfg.data.seq_len
         self.val_dataset, self.val_batches = self._validation_set()
 
         # model: built on the meta device (no memory), then parallelized and materialized
@@ -153,7 +153,7 @@ class Trainer:
         self.num_params = count_params(cfg.model) if self._user_model is None else \
             sum(p.numel() for p in self._user_model.parameters())  # the whole model's (ZeRO-3: before sharding)
         self.pipeline = self._build_schedule() if self.pm.stages else None
-        self.tp = rt.dims.tp
+        self.tp = rt.layout.tp
 
         # optimizer: over what holds the fp32 truth: the parameters, their ZeRO shards, or
         # (bf16-true without a sharding engine) fp32 master copies
@@ -161,7 +161,7 @@ class Trainer:
         self.master = MasterWeights(self.named_params) if use_master else None
         self.optim_params = self.master.named_master if self.master else self.dp.named_optim_params
         self.param_names = {id(p): n for n, p in self.optim_params}
-        self.lr = peak_lr(cfg.optim, self.batch.global_batch)
+        self.lr = peak_lr(cfg.optim, self.layout.global_batch)
         self.optimizer = build_optimizer(cfg.optim, self.optim_params, self.lr, self.device)
         self.schedule = LRSchedule(cfg.optim, cfg.train.steps)
         self.scaler = self.precision.scaler
@@ -201,7 +201,7 @@ class Trainer:
             raise ConfigError(f"train.eval_every={train.eval_every} needs a validation split, and data.path {path} has "
                               "none; prepare the data again with --val-fraction (e.g. 0.05), or set train.eval_every=0")
         dataset = WindowDataset(data, self.cfg.data.seq_len)
-        return dataset, validation_batches(len(dataset), self.batch.global_batch, train.eval_batches, train.seed,
+        return dataset, validation_batches(len(dataset), self.layout.global_batch, train.eval_batches, train.seed,
                                            data.source)
 
     def _shared(self, value):
@@ -289,10 +289,10 @@ class Trainer:
             raise CheckpointError(f"{path} was saved for another model shape: {', '.join(diff)}; "
                                   "resume with the model config it was saved with")
         data = state["data"]
-        if data["global_batch"] != self.batch.global_batch or data["seed"] != self.cfg.train.seed:
+        if data["global_batch"] != self.layout.global_batch or data["seed"] != self.cfg.train.seed:
             raise CheckpointError(
                 f"{path} was trained with global batch {data['global_batch']} and seed "
-                f"{data['seed']}; resuming with {self.batch.global_batch} and {self.cfg.train.seed} "
+                f"{data['seed']}; resuming with {self.layout.global_batch} and {self.cfg.train.seed} "
                 "would change the data order; keep train.global_batch and train.seed")
         if data.get("seq_len", self.cfg.data.seq_len) != self.cfg.data.seq_len:
             raise CheckpointError(f"{path} was trained with data.seq_len={data['seq_len']}; resuming with "
@@ -366,7 +366,7 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "schedule": {"kind": self.cfg.optim.schedule, "step": self.step, "peak_lr": self.lr},
             "scaler": self.scaler.state_dict() if self.scaler else None,
-            "data": {"step": self.step, "seed": self.cfg.train.seed, "global_batch": self.batch.global_batch,
+            "data": {"step": self.step, "seed": self.cfg.train.seed, "global_batch": self.layout.global_batch,
                      "seq_len": self.cfg.data.seq_len, "source": self.data.source,
                      "fingerprint": getattr(self.data, "fingerprint", None)},
             "optimizer": skeleton,
@@ -383,7 +383,7 @@ class Trainer:
             self._saving = False
 
     def _loader(self):
-        b = self.batch
+        b = self.layout
         sampler = StepSampler(len(self.dataset), b.global_batch, b.micro_batch, b.grad_accum,
                               dp_rank=self.dp_rank, dp_size=b.dp, seed=self.cfg.train.seed, start_step=self.step)
         return build_loader(self.dataset, sampler, num_workers=self.cfg.data.num_workers,
@@ -416,7 +416,7 @@ class Trainer:
         # exactly as one process does, so it overflows on the same steps on every layout.
         if self.scaler:
             return self.scaler.scale / self.tokens_per_step
-        return self.batch.dp / self.tokens_per_step
+        return self.layout.dp / self.tokens_per_step
 
     def forward_backward(self, batches) -> tuple[torch.Tensor, float]:
         """Accumulate this step's gradients over its micro-batches; returns (loss, data wait)."""
@@ -425,8 +425,8 @@ class Trainer:
             return self._pipeline_forward_backward(batches)
         wait = 0.0
         loss_sum = torch.zeros((), device=self.device)
-        last = self.batch.grad_accum - 1
-        for k in range(self.batch.grad_accum):
+        last = self.layout.grad_accum - 1
+        for k in range(self.layout.grad_accum):
             t0 = time.perf_counter()
             inputs, targets = next(batches)
             wait += time.perf_counter() - t0
@@ -468,13 +468,13 @@ class Trainer:
         def loss_fn(logits, targets):
             return self.loss_fn(logits, targets) * self._loss_factor()
 
-        return build_schedule(self.pm.stages, self.cfg.parallel.pp_schedule, self.batch.grad_accum, loss_fn)
+        return build_schedule(self.pm.stages, self.layout.pp_schedule, self.layout.grad_accum, loss_fn)
 
     def _pipeline_forward_backward(self, batches) -> tuple[torch.Tensor, float]:
         """All of the step's micro-batches go through the schedule at once; the last stage
         computes the losses, the others report zero (the metrics sum over stages)."""
         t0 = time.perf_counter()
-        parts = [next(batches) for _ in range(self.batch.grad_accum)]
+        parts = [next(batches) for _ in range(self.layout.grad_accum)]
         wait = time.perf_counter() - t0
         inputs = torch.cat([x for x, _ in parts]).to(self.device, non_blocking=True)
         targets = torch.cat([y for _, y in parts]).to(self.device, non_blocking=True)
@@ -497,7 +497,7 @@ class Trainer:
         summed token losses are all-reduced like the training loss (tensor-parallel ranks hold
         copies). Gradients, optimizer state and random streams are left as they were."""
         self._enter("evaluation")
-        b, modules = self.batch, self.dp.modules
+        b, modules = self.layout, self.dp.modules
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         was_training = [m.training for m in modules]
         for m in modules:
@@ -525,7 +525,7 @@ class Trainer:
         if self.rt.distributed:
             self._enter("the evaluation all-reduce")
             dist.all_reduce(total)
-            total /= self.rt.dims.tp
+            total /= self.layout.tp
         return float(total) / (len(self.val_batches) * self.tokens_per_step)
 
     def _pipeline_eval_sum(self, micro: list[list[int]]) -> torch.Tensor:
@@ -553,9 +553,9 @@ class Trainer:
         if self.master:
             self.master.grads_to_master()
         params = [p for _, p in self.optim_params]
-        overflow = self.scaler.unscale_(params, times=self.batch.dp) if self.scaler else False
+        overflow = self.scaler.unscale_(params, times=self.layout.dp) if self.scaler else False
         grad_norm = clip_gradients(params, self.cfg.train.grad_clip,
-                                   self.rt.group("pp") if self.rt.dims.pp > 1 else None)
+                                   self.rt.group("pp") if self.layout.pp > 1 else None)
         # the norm is global (reduced over every shard and stage): every rank decides alike
         skip = overflow or not math.isfinite(float(grad_norm))
         measure = self.state_bytes is None
@@ -783,7 +783,7 @@ class Trainer:
             raise TrainingStopped(self._describe_comm_failure(text)) from None
 
     def _describe_oom(self) -> str:
-        b = self.batch
+        b = self.layout
         where = f"step {self.current_step}: out of {self.device.type} memory on rank {self.rank} during {self._phase}"
         if self._phase.startswith("forward"):
             ac = self.cfg.memory.activation_checkpointing
@@ -817,7 +817,7 @@ class Trainer:
         dist.all_reduce(t)  # every rank's share of the loss; tensor-parallel ranks hold copies
         if t[0] > 0 and not self._fault:
             self._stop_signal = self._stop_signal or signal.SIGTERM
-        return float(t[1]) / self.rt.dims.tp, bool(t[0] > 0)
+        return float(t[1]) / self.layout.tp, bool(t[0] > 0)
 
     def _watch_loss(self, loss: float, skipped: bool) -> None:
         """Log a loss above log.spike_factor × its running mean; stop a run whose loss diverged:
@@ -883,24 +883,15 @@ class Trainer:
         return row
 
     def _announce(self) -> None:
-        b, cfg = self.batch, self.cfg
+        b, cfg = self.layout, self.cfg
         self.metrics.info(
             f"scaletrain: {self.num_params / 1e6:.2f}M parameters, device {self.device}, precision "
             f"{cfg.precision.mode}, optimizer {cfg.optim.name}, activation checkpointing "
             f"{cfg.memory.activation_checkpointing}{', compiled' if cfg.train.compile else ''}"
             f"{f'; weights from {cfg.model.init_from}' if cfg.model.init_from and self.resumed_from is None else ''}")
         if self.rt.distributed:
-            dims, par = self.rt.dims, cfg.parallel
-            parts = []
-            if dims.dp > 1:
-                zero = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 (FSDP)"}[self.dp.zero]
-                parts.append(f"data parallel {zero}{', HSDP' if dims.dp_replicate > 1 and self.dp.zero else ''}")
-            if dims.tp > 1:
-                parts.append(f"tensor parallel{' + sequence parallel' if par.sp else ''}")
-            if dims.pp > 1:
-                parts.append(f"pipeline {par.pp_schedule}, {self.pm.num_stages} stages, this rank holds "
-                             f"{self.pm.stage_ids}")
-            self.metrics.info(f"layout: {dims.describe()}; {'; '.join(parts)}; backend {dist.get_backend()}")
+            stages = f"; rank 0 holds stages {self.pm.stage_ids} of {self.pm.num_stages}" if self.layout.pp > 1 else ""
+            self.metrics.info(f"layout: {self.layout.explain()}{stages}; backend {dist.get_backend()}")
         self.metrics.info(
             f"data: {self.data.source}, {self.data.num_tokens:,} tokens, {len(self.dataset):,} windows of "
             f"{cfg.data.seq_len}; batch {b.global_batch} = micro {b.micro_batch} x accum {b.grad_accum} "

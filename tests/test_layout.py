@@ -4,17 +4,17 @@ import pytest
 
 from scaletrain.config import load_config
 from scaletrain.errors import ConfigError
-from scaletrain.parallel.dims import ParallelDims
+from scaletrain.layout import MESH_AXES, Layout
 
 
 def dims(world, **kw):
-    return ParallelDims.from_config(load_config(None, {f"parallel.{k}": v for k, v in kw.items()}).parallel, world)
+    return Layout.from_config(load_config(None, {f"parallel.{k}": v for k, v in kw.items()}), world)
 
 
 def test_dp_shard_minus_one_takes_the_remaining_ranks():
     d = dims(8, dp_replicate=2)
     assert (d.pp, d.dp_replicate, d.dp_shard, d.tp) == (1, 2, 4, 1)
-    assert d.dp == 8 and d.shape == (1, 2, 4, 1) and d.names == ("pp", "dp_replicate", "dp_shard", "tp")
+    assert d.dp == 8 and d.mesh_shape == (1, 2, 4, 1) and MESH_AXES == ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def test_layout_must_use_the_world():
@@ -26,11 +26,9 @@ def test_layout_must_use_the_world():
 
 
 def test_model_parallel_checks():
-    from scaletrain.config import check_layout
-
     def check(world, **kw):
         cfg = load_config(None, {"model.tie_embeddings": False, **kw})
-        check_layout(cfg, ParallelDims.from_config(cfg.parallel, world))
+        Layout.from_config(cfg, world).check(cfg.model)
 
     with pytest.raises(ConfigError, match="parallel.tp=3 must divide model.n_heads=4"):
         check(3, **{"parallel.tp": 3, "model.n_heads": 4})
@@ -46,7 +44,7 @@ def test_model_parallel_checks():
     with pytest.raises(ConfigError, match="needs parallel.tp > 1"):
         check(2, **{"parallel.sp": True})
     with pytest.raises(ConfigError, match="model.tie_embeddings=true shares one weight"):
-        check_layout(load_config(None, {"parallel.pp": 2}), ParallelDims(1, 1, 1, 2, 2))
+        Layout(pp=2, grad_accum=2).check(load_config(None, {"parallel.pp": 2}).model)
     with pytest.raises(ConfigError, match="name the same count under pipelining"):
         check(2, **{"parallel.pp": 2, "parallel.pp_microbatches": 4, "train.grad_accum": 2})
     check(2, **{"parallel.pp": 2, "parallel.pp_split": "3,1", "train.grad_accum": 2})  # a hand split that adds up
@@ -60,3 +58,38 @@ def test_balanced_split_accounts_for_the_head():
     assert [list(r) for r in layer_ranges(load_config(None, {"model.n_layers": 4}).model, 2, "3,1")] == [[0, 1, 2], [3]]
     assert stage_indices("interleaved-1f1b", 1, 2, 2) == [1, 3]
     assert stage_indices("zero-bubble", 0, 2, 2) == [0, 3]
+
+
+def test_the_rules_derived_from_a_layout():
+    """Chunks per rank, the data-parallel engine and who keeps fp32 weights, read by the
+    trainer, parallelize and the planner alike."""
+    assert Layout(pp=2, pp_schedule="interleaved-1f1b", pp_virtual_stages=3).chunks_per_rank == 3
+    assert Layout(pp=2, pp_schedule="1f1b").num_stages == 2
+    engines = {(dp, zero, tp): Layout(dp_shard=dp, zero=zero, tp=tp).dp_engine
+               for dp, zero, tp in ((1, 0, 1), (2, 0, 1), (2, 0, 2), (2, 1, 1), (2, 2, 1), (2, 3, 1))}
+    assert engines == {(1, 0, 1): "none", (2, 0, 1): "ddp", (2, 0, 2): "replicate", (2, 1, 1): "zero1",
+                       (2, 2, 1): "zero2", (2, 3, 1): "fsdp"}
+    assert [Layout(dp_shard=2, zero=z).keeps_fp32_weights for z in range(4)] == [False, True, True, True]
+    assert not Layout().keeps_fp32_weights
+    lay = Layout.from_config(load_config(None, {"train.global_batch": 32, "train.micro_batch": 4}), 4)
+    assert (lay.dp, lay.micro_batch, lay.grad_accum, lay.global_batch) == (4, 4, 2, 32)
+
+
+def test_a_layout_round_trips_through_the_config_keys():
+    cfg = load_config(None, {"model.tie_embeddings": False, "parallel.pp": 2, "parallel.tp": 2, "parallel.sp": True,
+                             "parallel.zero": 1, "parallel.pp_schedule": "interleaved-1f1b",
+                             "parallel.pp_virtual_stages": 2, "train.global_batch": 16, "train.grad_accum": 4,
+                             "memory.activation_checkpointing": "selective"})
+    lay = Layout.from_config(cfg, 8).check(cfg.model)
+    again = Layout.from_config(cfg.replace(**lay.config_overrides()), 8)
+    assert again == lay
+    assert lay.describe() == "dp 2 zero1, tp 2+sp, pp 2 interleaved-1f1b v2, mb 2x4, ac selective"
+
+
+def test_check_lists_every_problem_at_once():
+    with pytest.raises(ConfigError) as e:
+        Layout(sp=True, zero=1, offload_optimizer=True).check()
+    text = "\n".join(e.value.lines)
+    assert len(e.value.lines) == 3
+    assert "needs parallel.tp > 1" in text and "offloads the sharded" in text
+    assert "shards model states over the dp_shard ranks" in text

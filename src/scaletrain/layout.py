@@ -1,0 +1,376 @@
+"""The layout of a run, resolved once: how many ranks take part in each kind of parallelism,
+how each step's batch is cut, and the rules that follow from those numbers.
+
+    world = pp × dp_replicate × dp_shard × tp            (× cp, for the planner's other engines)
+    global_batch = micro_batch × grad_accum × dp          (dp = dp_replicate × dp_shard)
+
+A `Layout`'s fields are the config keys of the same names ([parallel], train.micro_batch and
+train.grad_accum, memory.activation_checkpointing and memory.offload_optimizer) after
+derivation: `parallel.dp_shard = -1` becomes the remaining ranks, the batch triad is completed
+(`parallel.pp_microbatches` is the accumulation count under pipelining). The trainer,
+`parallelize`, `verify`, `bench` and the planner's search all read the layout from here, and
+`check()` is the one place that says whether it can train a model.
+
+Derived here, nowhere else:
+  chunks_per_rank  pipeline chunks each pp rank runs (interleaved schedules: pp_virtual_stages)
+  dp_engine        which data-parallel engine runs: none, ddp, zero1, zero2, fsdp (ZeRO-3, HSDP
+                   with dp_replicate > 1) or replicate (zero 0 under tp: DDP cannot take DTensors)
+  keeps_fp32_weights  the engine keeps fp32 weights itself (FSDP, replicate, ZeRO-1/2 shards), so
+                   the precision policy adds no master copy of its own
+
+Mesh axes, outermost first: pp, dp_replicate, dp_shard, tp. Tensor parallelism is innermost
+so its ranks are neighbours (one node, the fastest links); pipeline stages are outermost
+because they exchange the least.
+
+This module imports no torch at load time: the planner enumerates thousands of layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from scaletrain.errors import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+AC_MODES = ("none", "selective", "full")
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+PIPELINE_ONLY = ("parallel.pp_virtual_stages, pp_split and pp_microbatches describe pipeline stages; "
+                 "they need parallel.pp > 1")
+
+
+def chunks_per_rank(schedule: str, virtual: int) -> int:
+    return virtual if schedule in ("interleaved-1f1b", "zero-bubble") else 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1  # context parallel (each rank 1/cp of every sequence): planned for other engines only
+    zero: int = 0
+    sp: bool = False
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    pp_split: str = ""
+    micro_batch: int = 1
+    grad_accum: int = 1
+    activation_checkpointing: str = "none"
+    offload_optimizer: bool = False
+
+    # ---- from a config ------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, cfg, world_size: int) -> "Layout":
+        """The layout of `cfg` (a JobConfig) on `world_size` ranks: dp_shard = -1 resolved, the
+        batch triad derived or checked. Raises ConfigError when the numbers do not add up; the
+        model-dependent checks are `check()`."""
+        par, train = cfg.parallel, cfg.train
+        fixed = par.dp_replicate * par.tp * par.pp
+        if par.dp_shard == 0:
+            raise ConfigError("parallel.dp_shard=0 is not a size; use -1 for all remaining ranks or a positive number")
+        if par.dp_shard == -1:
+            if world_size % fixed:
+                raise ConfigError(
+                    f"the layout needs a multiple of dp_replicate × tp × pp = {par.dp_replicate} × {par.tp} × "
+                    f"{par.pp} = {fixed} ranks, but the world has {world_size}; change the layout or the "
+                    f"number of processes (--nproc)")
+            dp_shard = world_size // fixed
+        else:
+            dp_shard = par.dp_shard
+            if fixed * dp_shard != world_size:
+                raise ConfigError(
+                    f"the layout pp × dp_replicate × dp_shard × tp = {par.pp} × {par.dp_replicate} × {dp_shard} × "
+                    f"{par.tp} = {fixed * dp_shard} ranks, but the world has {world_size}; set parallel.dp_shard=-1 "
+                    f"to use the remaining ranks, or launch {fixed * dp_shard} processes")
+        if par.pp == 1 and par.pp_microbatches:
+            raise ConfigError(PIPELINE_ONLY)
+        micro, accum = resolve_batch(train.global_batch, train.micro_batch, train.grad_accum,
+                                     par.dp_replicate * dp_shard, par.pp_microbatches)
+        return cls(dp_replicate=par.dp_replicate, dp_shard=dp_shard, tp=par.tp, pp=par.pp, zero=par.zero, sp=par.sp,
+                   pp_schedule=par.pp_schedule, pp_virtual_stages=par.pp_virtual_stages, pp_split=par.pp_split,
+                   micro_batch=micro, grad_accum=accum,
+                   activation_checkpointing=cfg.memory.activation_checkpointing,
+                   offload_optimizer=cfg.memory.offload_optimizer)
+
+    # ---- sizes --------------------------------------------------------------------------------
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: ranks that see different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    world_size = world
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.dp
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return chunks_per_rank(self.pp_schedule, self.pp_virtual_stages) if self.pp > 1 else 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.chunks_per_rank
+
+    # ---- the engines it implies ---------------------------------------------------------------
+
+    @property
+    def dp_engine(self) -> str:
+        if self.dp == 1:
+            return "none"
+        if self.zero == 3:
+            return "fsdp"
+        if self.zero == 0:
+            return "replicate" if self.tp > 1 else "ddp"
+        return f"zero{self.zero}"
+
+    @property
+    def keeps_fp32_weights(self) -> bool:
+        return self.dp_engine in ("fsdp", "replicate", "zero1", "zero2")
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks each model-state shard is split over: ZeRO's N (context-parallel ranks hold the
+        same weights, so engines that have cp shard over them too)."""
+        return (self.dp_shard if self.dp > 1 else 1) * self.cp
+
+    # ---- the planner's short names ------------------------------------------------------------
+
+    @property
+    def schedule(self) -> str:
+        return self.pp_schedule
+
+    @property
+    def virtual(self) -> int:
+        return self.pp_virtual_stages
+
+    @property
+    def ac(self) -> str:
+        return self.activation_checkpointing
+
+    @property
+    def offload(self) -> bool:
+        return self.offload_optimizer
+
+    # ---- checks -------------------------------------------------------------------------------
+
+    def errors(self, model=None, *, engine: str = "scaletrain") -> list[str]:
+        """Everything wrong with training `model` (a ModelConfig, or None for the layout alone)
+        in this layout, one sentence each; [] when it can train."""
+        e = []
+        if self.zero >= 1 and self.shard_ranks == 1:
+            e.append(f"parallel.zero={self.zero} shards model states over the dp_shard ranks, but there is only 1 "
+                     f"({self.describe_ranks()}); use parallel.zero=0, or more data-parallel ranks")
+        if self.sp and self.tp == 1:
+            e.append("parallel.sp=true splits the sequence over the tensor-parallel ranks; it needs parallel.tp > 1")
+        if self.offload_optimizer and self.zero != 3:
+            e.append("memory.offload_optimizer offloads the sharded model states of parallel.zero=3; it does nothing "
+                     f"at zero={self.zero}; set parallel.zero=3 or drop the offload")
+        if self.cp > 1 and engine == "scaletrain":
+            e.append(f"context parallelism (cp {self.cp}) is planned for other engines (--engine megatron); "
+                     "scaletrain's trainer has none")
+        if self.pp > 1:
+            e += self._schedule_errors(model.n_layers if model is not None else None)
+        elif self.pp_virtual_stages != 1 or self.pp_split:
+            e.append(PIPELINE_ONLY)
+        if model is not None:
+            if self.pp > 1 and model.tie_embeddings:
+                e.append("model.tie_embeddings=true shares one weight between the first and the last pipeline "
+                         "stage; set model.tie_embeddings=false to train with parallel.pp > 1")
+            if self.tp > 1:
+                e += tp_errors(model, self.tp)
+        return e
+
+    def check(self, model=None, *, engine: str = "scaletrain") -> "Layout":
+        """Raise one ConfigError listing every problem of `errors()`; returns self."""
+        problems = self.errors(model, engine=engine)
+        if problems:
+            raise ConfigError(*problems)
+        return self
+
+    def _schedule_errors(self, n_layers: int | None) -> list[str]:
+        e, schedule, virtual, pp, m = [], self.pp_schedule, self.pp_virtual_stages, self.pp, self.grad_accum
+        if schedule in ("gpipe", "1f1b") and virtual != 1:
+            e.append(f"parallel.pp_virtual_stages={virtual} needs an interleaved schedule "
+                     f"(interleaved-1f1b or zero-bubble), not {schedule}")
+        if schedule == "interleaved-1f1b" and virtual < 2:
+            e.append("parallel.pp_schedule=interleaved-1f1b needs parallel.pp_virtual_stages >= 2")
+        if schedule == "zero-bubble" and virtual != 2:
+            e.append("parallel.pp_schedule=zero-bubble (V shape) needs parallel.pp_virtual_stages=2")
+        if schedule != "gpipe" and m < pp:
+            e.append(f"{schedule} needs at least parallel.pp={pp} micro-batches per step, got {m}; "
+                     "raise train.grad_accum (or parallel.pp_microbatches), or use pp_schedule=gpipe, which "
+                     "also runs one micro-batch (plain model parallelism, the other stages idle)")
+        if schedule in ("interleaved-1f1b", "zero-bubble") and m % pp:
+            e.append(f"{schedule} needs the micro-batches per step ({m}) to be a multiple of parallel.pp={pp}")
+        if n_layers is None:
+            return e
+        chunks = self.num_stages
+        if chunks > n_layers:
+            e.append(f"{chunks} pipeline stages (pp {pp} × {chunks // pp} per rank) need at least {chunks} "
+                     f"layers, but model.n_layers={n_layers}; lower parallel.pp or pp_virtual_stages")
+        if self.pp_split:
+            try:
+                counts = [int(x) for x in self.pp_split.split(",")]
+            except ValueError:
+                counts = []
+            if len(counts) != chunks or sum(counts) != n_layers or min(counts, default=0) < 1:
+                example = ",".join(map(str, balanced_split_counts(n_layers, chunks)))
+                e.append(f"parallel.pp_split={self.pp_split!r} must list {chunks} positive layer counts summing to "
+                         f"model.n_layers={n_layers}, e.g. {example}")
+        return e
+
+    # ---- words and config ---------------------------------------------------------------------
+
+    def describe_ranks(self) -> str:
+        cp = f" × cp {self.cp}" if self.cp > 1 else ""
+        return (f"{self.world} rank(s) = pp {self.pp} × dp_replicate {self.dp_replicate} × "
+                f"dp_shard {self.dp_shard} × tp {self.tp}{cp}")
+
+    def explain(self) -> str:
+        """The layout in one line of words: ranks per axis, what runs on them, the batch."""
+        parts = [self.describe_ranks()]
+        if self.dp > 1:
+            zero = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 (FSDP)"}[self.zero]
+            parts.append(f"data parallel {zero}{', HSDP' if self.dp_replicate > 1 and self.zero else ''}")
+        if self.tp > 1:
+            parts.append(f"tensor parallel{' + sequence parallel' if self.sp else ''}")
+        if self.pp > 1:
+            virtual = f" × {self.pp_virtual_stages} virtual" if self.pp_virtual_stages > 1 else ""
+            parts.append(f"pipeline {self.pp_schedule}{virtual}")
+        if self.activation_checkpointing != "none":
+            parts.append(f"activation checkpointing {self.activation_checkpointing}")
+        parts.append(f"batch {self.global_batch} = micro {self.micro_batch} × accum {self.grad_accum} × dp {self.dp}")
+        return "; ".join(parts)
+
+    def describe(self) -> str:
+        """Short, for tables: 'dp 4 zero3, tp 2+sp, pp 2 1f1b, mb 1x8, ac selective'."""
+        parts = []
+        if self.dp > 1:
+            dp = f"dp {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"dp {self.dp}"
+            parts.append(f"{dp} zero{self.zero}")
+        if self.tp > 1:
+            parts.append(f"tp {self.tp}{'+sp' if self.sp else ''}")
+        if self.cp > 1:
+            parts.append(f"cp {self.cp}")
+        if self.pp > 1:
+            v = f" v{self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else ""
+            parts.append(f"pp {self.pp} {self.pp_schedule}{v}")
+        parts.append(f"mb {self.micro_batch}x{self.grad_accum}")
+        if self.activation_checkpointing != "none":
+            parts.append(f"ac {self.activation_checkpointing}")
+        if self.offload_optimizer:
+            parts.append("offload")
+        return ", ".join(parts)
+
+    def config_overrides(self) -> dict[str, Any]:
+        """The same layout as `--section.key=value` options of `scaletrain train`."""
+        if self.cp > 1:
+            raise ValueError("scaletrain's trainer has no context parallelism; this layout is for other engines")
+        out = {"parallel.dp_replicate": self.dp_replicate, "parallel.dp_shard": self.dp_shard,
+               "parallel.tp": self.tp, "parallel.pp": self.pp, "parallel.zero": self.zero, "parallel.sp": self.sp,
+               "train.micro_batch": self.micro_batch, "train.grad_accum": self.grad_accum,
+               "memory.activation_checkpointing": self.activation_checkpointing,
+               "memory.offload_optimizer": self.offload_optimizer}
+        if self.pp > 1:
+            out.update({"parallel.pp_schedule": self.pp_schedule, "parallel.pp_virtual_stages": self.pp_virtual_stages})
+            if self.pp_split:
+                out["parallel.pp_split"] = self.pp_split
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def replace(self, **changes) -> "Layout":
+        return replace(self, **changes)
+
+    # ---- the device mesh ----------------------------------------------------------------------
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+    def build_mesh(self, device_type: str):
+        """The 4-D device mesh (every axis present, size 1 or more) and the flattened `dp` mesh."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_AXES)
+        return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+
+def resolve_batch(global_batch: int, micro_batch: int, grad_accum: int, dp: int,
+                  pp_microbatches: int = 0) -> tuple[int, int]:
+    """(micro_batch, grad_accum) from the batch triad's given members (0 = derive it).
+
+    Under pipelining the accumulated micro-batches are the pipeline's micro-batches, so
+    `parallel.pp_microbatches`, when given, is the accumulation count."""
+    g, m, a = global_batch, micro_batch, grad_accum
+    if pp_microbatches:
+        if a and a != pp_microbatches:
+            raise ConfigError(f"train.grad_accum={a} and parallel.pp_microbatches={pp_microbatches} name the same "
+                              "count under pipelining (micro-batches per step); give one of them")
+        a = pp_microbatches
+    if not g and not m:
+        m = DEFAULT_MICRO_BATCH
+    if m and a:
+        if g and g != m * a * dp:
+            raise ConfigError(
+                f"train.global_batch={g} but micro_batch × grad_accum × data-parallel size = "
+                f"{m} × {a} × {dp} = {m * a * dp}; change one of them or set one to 0 to derive it")
+    elif g and m:
+        if g % (m * dp):
+            raise ConfigError(
+                f"train.global_batch={g} is not divisible by micro_batch × data-parallel size = "
+                f"{m} × {dp}; choose a global batch that is a multiple of {m * dp}")
+        a = g // (m * dp)
+    elif g:
+        a = a or 1
+        if g % (a * dp):
+            raise ConfigError(
+                f"train.global_batch={g} is not divisible by grad_accum × data-parallel size = "
+                f"{a} × {dp}; choose a global batch that is a multiple of {a * dp}")
+        m = g // (a * dp)
+    else:
+        a = a or 1
+    return m, a
+
+
+DEFAULT_MICRO_BATCH = 32
+
+
+def tp_errors(model, tp: int) -> list[str]:
+    """Why `model` cannot be split over `tp` tensor-parallel ranks ([] if it can)."""
+    e = []
+    if model.n_heads % tp:
+        e.append(f"parallel.tp={tp} must divide model.n_heads={model.n_heads}: each rank owns whole heads; "
+                 f"use tp in {[d for d in range(1, model.n_heads + 1) if model.n_heads % d == 0]}")
+    elif model.kv_heads % tp:  # (kv_heads divides n_heads: when tp misses n_heads it misses kv_heads too)
+        e.append(f"parallel.tp={tp} must divide the key/value heads ({model.kv_heads}): each rank owns "
+                 f"whole heads; use tp in {[d for d in range(1, model.kv_heads + 1) if model.kv_heads % d == 0]}")
+    if model.vocab_size % tp:
+        e.append(f"parallel.tp={tp} must divide model.vocab_size={model.vocab_size} (the vocabulary is split); "
+                 "pad the vocabulary to a multiple of tp")
+    return e
+
+
+def balanced_split_counts(n_layers: int, chunks: int, head_cost: float = 0.0) -> list[int]:
+    """Layers per chunk that minimise the largest chunk's cost, where a block costs 1 and the
+    last chunk also pays for the output head (`head_cost`, in blocks). The embedding lookup of
+    the first chunk costs next to nothing."""
+    if chunks == 1:
+        return [n_layers]
+    best = None
+    for last in range(n_layers - chunks + 1, 0, -1):  # ties: the most layers on the last chunk
+        base, extra = divmod(n_layers - last, chunks - 1)
+        cost = max(base + (1 if extra else 0), last + head_cost)
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, [base + (1 if i < extra else 0) for i in range(chunks - 1)] + [last])
+    return best[1]
