@@ -1,9 +1,12 @@
-"""Predicted against measured: one real step of a layout on the devices at hand.
+"""Predicted against measured: real steps of a layout on the devices at hand.
 
-Measured from live tensors on each rank: model states (parameters with any master copies or
-ZeRO shards, gradients, optimizer state) during the first step, the activations one
-micro-batch's forward keeps for backward, and the step's peak allocation (the CUDA allocator,
-or on CPU the profiler's record); the figures are the largest over ranks.
+Measured on each rank: model states (parameters with any master copies or ZeRO shards,
+gradients, optimizer state) from live tensors during the first step; the activations one
+micro-batch's forward keeps for backward; and the peak — the most memory the rank held at once
+during a whole training step (forward, backward, gradient reductions, optimizer step). On CUDA
+the peak is the caching allocator's; on CPU, where no allocator keeps statistics, `LiveMemory`
+counts every tensor storage from the trainer's construction on. The figures are the largest
+over ranks.
 """
 
 from __future__ import annotations
@@ -14,80 +17,210 @@ import statistics
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from scaletrain.plan.memory_model import GiB
 
 
-def measure(trainer, steps: int = 2) -> dict:
-    """Run a few real steps and measure (every rank calls this); `steps` are timed."""
-    from scaletrain.memory import peak_allocated_bytes
+class LiveMemory(TorchDispatchMode):
+    """The bytes of all tensor storages alive in this process, and the most alive at once.
 
+    Every storage an operation returns (a factory, a computation, a collective's output, a
+    DTensor's local shard) is counted from that operation until the storage is freed — a
+    finalizer on the storage takes it off. A storage resized in place (FSDP frees the gathered
+    parameters that way, and gathers them back into the same storage) is counted at its new
+    size. The live sum is read after every operation, when its outputs and inputs are both alive,
+    so `peak` is the true maximum of the storages counted.
+
+    Not counted: storages made before the tracker started or outside operations (`from_numpy`),
+    scratch memory inside one operation (a kernel's workspace, what a DTensor operation or a
+    collective allocates and frees before returning), the Python heap, and what an allocator
+    caches beyond the bytes in use.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: dict[int, int] = {}  # storage id -> bytes as last seen
+        self.live = 0
+        self.peak = 0
+        self._resize = None
+
+    def count(self, t) -> None:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):  # its memory is the local shard
+            t = t._local_tensor
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        self._note(t.untyped_storage())
+
+    def _note(self, storage) -> None:
+        key, n = storage._cdata, storage.nbytes()
+        old = self.sizes.get(key)
+        if old is None:
+            weakref.finalize(storage, self._freed, key)
+        self.sizes[key] = n
+        self.live += n - (old or 0)
+        self.peak = max(self.peak, self.live)
+
+    def _freed(self, key: int) -> None:
+        self.live -= self.sizes.pop(key, 0)
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            self.count(t)
+        return out
+
+    def __enter__(self):
+        resize, tracker = torch.UntypedStorage.resize_, self
+
+        def counted_resize(storage, n):
+            out = resize(storage, n)
+            if storage._cdata in tracker.sizes:
+                tracker._note(storage)
+            return out
+
+        self._resize = resize
+        torch.UntypedStorage.resize_ = counted_resize
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+
+def measure_run(cfg, runtime=None, steps: int = 1) -> dict:
+    """Build a trainer for `cfg` and measure it (every rank calls this); on CPU the peak counts
+    every storage from the trainer's construction on (`LiveMemory`)."""
+    from scaletrain.train.trainer import Trainer
+
+    from scaletrain.parallel.launch import pick_device
+
+    live = LiveMemory() if pick_device(cfg.train.device).type != "cuda" else None
+    with live if live is not None else _nothing():
+        trainer = Trainer(cfg, runtime, stream=open(os.devnull, "w"))
+    return measure(trainer, steps, live)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def measure(trainer, steps: int = 2, live: LiveMemory | None = None) -> dict:
+    """Run a few real steps and measure (every rank calls this); `steps` are timed. On CPU the
+    peak needs a `LiveMemory` that saw the trainer built (`measure_run`); without one it is None."""
     batches = iter(trainer._loader())
-    trainer.train_step(batches)  # also measures the model states
-    trainer.train_step(batches)  # DDP rebuilds its buckets in the second forward: not activations
-    activations = trainer.measure_activation_bytes(batches)
-    times = []
+    cuda = trainer.device.type == "cuda"
+    with live if live is not None else _nothing():
+        trainer.train_step(batches)  # also measures the model states
+        trainer.train_step(batches)  # DDP rebuilds its buckets in the second forward: not activations
+        activations = trainer.measure_activation_bytes(batches)
+        if cuda:
+            torch.cuda.synchronize(trainer.device)
+            torch.cuda.reset_peak_memory_stats(trainer.device)
+        elif live is not None:
+            live.reset_peak()
+        trainer.train_step(batches)  # a steady step: every state exists, nothing is created once
+        if cuda:
+            torch.cuda.synchronize(trainer.device)
+            peak = torch.cuda.max_memory_allocated(trainer.device)
+        else:
+            peak = live.peak if live is not None else None
+    times = []  # timed outside the tracker (it costs a Python call per operation)
     for _ in range(steps):
         t0 = time.perf_counter()
         trainer.train_step(batches)
         times.append(time.perf_counter() - t0)
-    peak = peak_allocated_bytes(lambda: trainer.train_step(batches), trainer.device)
-    if trainer.device.type != "cuda":  # the profiler counts from the step's start: add what lives across steps
-        from scaletrain.optim import optimizer_state_bytes, tensor_bytes
-
-        params = [p for _, p in trainer.named_params] + [p for _, p in trainer.optim_params]
-        peak += tensor_bytes(params) + optimizer_state_bytes(trainer.optimizer)
     return {**trainer.state_bytes, "activations": activations, "peak": peak, "step_time_s": statistics.median(times)}
 
 
-def predicted_components(ev, cfg, wl, layout) -> dict:
-    """The planner's figures in the measured components' terms: per-micro-batch activations."""
-    from scaletrain.plan.memory_model import in_flight
+def predicted_components(ev, cfg, wl, layout, gpu: bool = False) -> dict:
+    """The planner's figures in the measured components' terms: per-micro-batch activations,
+    and as the peak the total that decides "fits" (on a GPU less the runtime's workspaces,
+    which live outside the caching allocator)."""
+    from scaletrain.plan.memory_model import RUNTIME_BYTES_GPU, in_flight
 
     m = ev.memory
     flight = max(in_flight(layout.schedule, layout.pp, layout.grad_accum, layout.virtual)) if layout.pp > 1 else 1
     return {"params": m.params + m.master, "grads": m.grads, "optimizer": m.optimizer,
-            "activations": m.activations / flight + m.logits_loss, "peak": m.total - m.reserve,
-            "step_time_s": ev.time.step_time_s}
+            "activations": m.activations / flight + m.logits_loss,
+            "peak": m.total - (RUNTIME_BYTES_GPU if gpu else 0), "step_time_s": ev.time.step_time_s}
 
 
-def _worker(config: str, overrides: list[str], out: str) -> None:
+def planned(cfg, ranks: int, hardware, gpu: bool = False):
+    """The planner's evaluation of the layout `cfg` (a JobConfig giving train.micro_batch and
+    train.global_batch) runs on `ranks` local processes."""
+    from scaletrain.plan import plan
+
+    par = cfg.parallel
+    layout = {"zero": par.zero, "tp": par.tp, "pp": par.pp, "sp": par.sp, "micro_batch": cfg.train.micro_batch,
+              "ac": cfg.memory.activation_checkpointing}
+    if par.pp > 1:
+        layout.update(schedule=par.pp_schedule, virtual=par.pp_virtual_stages)
+    r = plan(cfg.model, hardware=hardware, nodes=1, gpus_per_node=ranks, seq_len=cfg.data.seq_len,
+             global_batch=cfg.train.global_batch, precision=cfg.precision.mode, optimizer=cfg.optim.name,
+             layout=layout, gpu=gpu)
+    return r["layouts"][0]
+
+
+def measure_layouts(overrides: list[dict], nproc: int, steps: int = 1, config: str | None = None) -> list[list[dict]]:
+    """Measure each set of overrides ({"section.key": value} on `config`, or on the defaults)
+    on `nproc` local ranks, all in one group of processes; per set, one row per rank."""
+    if nproc == 1:
+        from scaletrain.config import load_config
+
+        return [[measure_run(load_config(config, o), steps=steps)] for o in overrides]
+    from scaletrain.parallel.launch import launch
+
+    folder = Path(tempfile.mkdtemp(prefix="plan-measure-"))
+    spec, out = folder / "jobs.json", folder / "rows.json"
+    spec.write_text(json.dumps({"config": config, "jobs": overrides, "steps": steps}))
+    code = launch([spec.as_posix(), out.as_posix()], nproc=nproc, program=("-m", "scaletrain.plan.measure"))
+    if code:
+        raise SystemExit(code)
+    return json.loads(out.read_text())
+
+
+def _worker(spec: str, out: str) -> None:
     import torch.distributed as dist
 
     from scaletrain.config import load_config
     from scaletrain.parallel.launch import exit_worker, init_worker
-    from scaletrain.train.trainer import Trainer
 
-    cfg = load_config(config, overrides)
-    rt = init_worker(cfg)
-    row = measure(Trainer(cfg, rt, stream=open(os.devnull, "w")))
-    rows = [None] * rt.world_size
-    dist.all_gather_object(rows, row)
-    if rt.rank == 0:
-        Path(out).write_text(json.dumps(rows))
+    job = json.loads(Path(spec).read_text())
+    results = []
+    for overrides in job["jobs"]:
+        cfg = load_config(job["config"], overrides)
+        rt = init_worker(cfg)
+        rows = [None] * rt.world_size
+        dist.all_gather_object(rows, measure_run(cfg, rt, steps=job["steps"]))
+        results.append(rows)
+        dist.barrier()
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(results))
     exit_worker(0)
 
 
 def run_layout(config: str, layout, nproc: int) -> list[dict]:
     """Measure `layout` with the model and data of `config` on `nproc` local ranks."""
-    overrides = [f"--{k}={v}" for k, v in layout.config_overrides().items()]
-    run_dir = tempfile.mkdtemp(prefix="plan-measure-")
-    overrides += [f"--log.run_dir={run_dir}", "--log.tensorboard=false", "--log.progress=off",
-                  "--checkpoint.save_final=false", "--train.sample_tokens=0",
-                  f"--train.global_batch={layout.micro_batch * layout.grad_accum * layout.dp}"]
-    if nproc == 1:
-        from scaletrain.config import load_config
-        from scaletrain.train.trainer import Trainer
-
-        return [measure(Trainer(load_config(config, overrides), stream=open(os.devnull, "w")))]
-    from scaletrain.parallel.launch import launch
-
-    out = Path(tempfile.mkdtemp(prefix="plan-measure-out-")) / "rows.json"
-    code = launch([config, out.as_posix(), *overrides], nproc=nproc, program=("-m", "scaletrain.plan.measure"))
-    if code:
-        raise SystemExit(code)
-    return json.loads(out.read_text())
+    overrides = layout.config_overrides()
+    overrides.update({"log.run_dir": tempfile.mkdtemp(prefix="plan-measure-"), "log.tensorboard": False,
+                      "log.progress": "off", "checkpoint.save_final": False, "train.sample_tokens": 0,
+                      "train.global_batch": layout.micro_batch * layout.grad_accum * layout.dp})
+    return measure_layouts([overrides], nproc, steps=2, config=config)[0]
 
 
 def measure_and_print(config: str, layout, nproc: int) -> int:
@@ -103,7 +236,7 @@ def measure_and_print(config: str, layout, nproc: int) -> int:
                   global_batch=layout.micro_batch * layout.grad_accum * layout.dp, precision=cfg.precision.mode,
                   optimizer=cfg.optim.name, layout=layout, gpu=device.type == "cuda")
     ev = result["layouts"][0]
-    predicted = predicted_components(ev, result["cfg"], result["workload"], layout)
+    predicted = predicted_components(ev, result["cfg"], result["workload"], layout, gpu=device.type == "cuda")
     rows = run_layout(config, layout, nproc)
     print(f"\nmeasured on {nproc} × {hw.name} ({layout.describe()}), largest over ranks:")
     print(f"{'component':<22}{'predicted':>14}{'measured':>14}{'ratio':>8}")
@@ -122,5 +255,5 @@ def _fmt(key: str, v: float) -> str:
     return f"{v * 1e3:.0f} ms" if key == "step_time_s" else f"{v / 2**20:.1f} MiB" if v < GiB else f"{v / GiB:.2f} GiB"
 
 
-if __name__ == "__main__":  # a worker of run_layout
-    _worker(sys.argv[1], sys.argv[3:], sys.argv[2])
+if __name__ == "__main__":  # a rank of measure_layouts
+    _worker(sys.argv[1], sys.argv[2])
