@@ -415,6 +415,9 @@ class MemoryBreakdown:
     host: float = 0.0  # offloaded to host memory (not counted against the device)
     stage: int = 0  # the pipeline rank this breakdown is for (the worst)
     notes: list[str] = field(default_factory=list)
+    # the most alive at once, reserve aside, where not every component is alive at the same
+    # time (scaletrain's engine, `_peak`); None: the components' sum
+    peak: float | None = None
 
     COMPONENTS = ("params", "grads", "master", "optimizer", "activations", "logits_loss", "comm_buffers", "reserve")
 
@@ -424,6 +427,8 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> float:
+        if self.peak is not None:
+            return self.peak + self.reserve
         return sum(getattr(self, c) for c in self.COMPONENTS)
 
     def as_dict(self) -> dict[str, int]:
@@ -512,10 +517,12 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
     # communication buffers
     block = _layer_params(cfg, layout.tp)
     block_params = block[0] + block[1]
+    bucket = min(bucket_mb * 2**20, P * 4)
     if n > 1 and zero in (1, 2):
-        # ZeRO-1/2 engine: at most two gradient buckets in flight, each with its flat send
-        # buffer and (gloo) receive buffer, in the reduction dtype
-        out.comm_buffers = 2 * 2 * min(bucket_mb * 2**20, P * 4)
+        # ZeRO-1/2 engine: at most two gradient buckets in flight (never more than the
+        # gradients themselves), each with its flat send buffer and (gloo) receive buffer, in
+        # the reduction dtype
+        out.comm_buffers = 2 * min(2 * bucket, P * 4)
     elif fsdp_like:
         c = d.compute if d.compute < 4 else 4
         root = (cfg.vocab_size * cfg.dim // layout.tp) * (1 if cfg.tie_embeddings else 2)
@@ -524,7 +531,49 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
         out.comm_buffers = (2 * block_params + root) * c + block_params * 4
     elif zero == 3:  # another engine's ZeRO-3: two blocks gathered, one block's gradients
         out.comm_buffers = 2 * block_params * d.compute + block_params * d.grad
-    out.reserve = RESERVE_FRACTION * (out.model_states + out.activations + out.logits_loss + out.comm_buffers)
+    if ours:
+        grads_in_backward = out.grads
+        if d.master and not fsdp_like:  # bf16-true: fp32 gradients exist at step time only
+            grads_in_backward = P * d.grad / (n if grad_zero >= 2 else 1) + (out.grads - min(out.grads, P * 4))
+        recompute = 0.0
+        if layout.ac != "none":  # backward rebuilds one layer's activations at a time
+            full = formula_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp, "none", fsdp_like)[0]
+            recompute = full - formula_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp,
+                                                        layout.ac, fsdp_like)[0]
+        out.peak = _peak(out, layout, zero, n, fsdp_like, grads_in_backward, recompute, bucket, P * 4)
+    out.reserve = RESERVE_FRACTION * (out.peak if out.peak is not None else
+                                      out.model_states + out.activations + out.logits_loss + out.comm_buffers)
     if gpu:
         out.reserve += RUNTIME_BYTES_GPU
     return out
+
+
+def _peak(m: MemoryBreakdown, layout: Layout, zero: int, n: int, fsdp_like: bool, grads_in_backward: float,
+          recompute: float, bucket: float, grad_bytes: float) -> float:
+    """The most scaletrain's engine holds at once: parameters, masters and optimizer state
+    always, plus the larger of two moments.
+
+    * Backward: every activation in flight, with the head's (whose backward runs first) or,
+      after it, the layer being recomputed; the gradients as backward keeps them (bf16-true:
+      in bf16). FSDP's gathered blocks
+      are in use then; its persistent gradients, like ZeRO-2's without accumulation, are 1/n
+      shards that the reduce-scatters create as backward frees the activations, so they are
+      not there yet.
+    * The end of backward and the optimizer step: the gradients at their largest.
+
+    ZeRO-1/2 buckets are sent once their gradients are complete, by when backward has freed
+    the activations of the layers they hold: with k of the G gradient bytes' buckets of size B
+    sent, (1 - kB/G) of the activations remain beside at most two buckets' send and receive
+    buffers."""
+    states = m.params + m.master + m.optimizer
+    acts = m.activations + max(m.logits_loss, recompute)
+    sharded_by_reduction = fsdp_like or (zero == 2 and layout.grad_accum == 1)
+    grads = 0.0 if sharded_by_reduction else grads_in_backward
+    backward = grads + acts + (m.comm_buffers if fsdp_like else 0.0)
+    if n > 1 and zero in (1, 2):
+        for k in (1, 2):
+            if k * bucket <= grad_bytes:
+                backward = max(backward, grads + m.activations * (1 - k * bucket / grad_bytes) +
+                               2 * min(k, 2) * bucket)
+    step = m.grads + (m.comm_buffers if fsdp_like else 0.0)
+    return states + max(backward, step)
