@@ -1,9 +1,11 @@
 """The planner's own figures: how fast it searches, and how close it comes to real runs.
 
 1. Search speed: layouts enumerated and evaluated per second for a few clusters.
-2. Accuracy: real scaletrain steps on this machine's CPU in many layouts, the planner's per-rank
-   prediction of each memory component beside the bytes measured from live tensors (largest
-   over ranks; activations are one micro-batch's; pipelines report model states only).
+2. Accuracy: real scaletrain steps on this machine's CPU in many layouts. Per rank (largest over
+   ranks): the planner's total — what decides "fits" — beside the peak of live tensor storages
+   during a whole training step (`scaletrain.plan.measure.LiveMemory`), and each memory
+   component's prediction beside the bytes measured from live tensors (activations are one
+   micro-batch's; pipelines report model states only).
 
     python benchmarks/planner.py [--skip-accuracy]
 """
@@ -11,12 +13,8 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 from scaletrain.plan import plan
 from scaletrain.plan.hardware import Hardware
@@ -57,70 +55,45 @@ def search_speed() -> None:
               f"{s['seconds']:.2f} s ({s['layouts'] / s['seconds']:,.0f}/s); whole call {time.perf_counter() - t0:.2f} s")
 
 
-def accuracy() -> None:
+def accuracy() -> list[dict]:
+    """Each layout's measured rows beside the planner's figures; prints the table."""
     from scaletrain.config import load_config
-    from scaletrain.layout import Layout
-    from scaletrain.plan.measure import measure, predicted_components
-    from scaletrain.train.trainer import Trainer
+    from scaletrain.plan.measure import measure_layouts, planned, predicted_components
 
-    print("\naccuracy: predicted / measured per rank (model states, and one micro-batch's activations)")
-    print(f"{'layout':<24}{'params':>22}{'grads':>22}{'optimizer':>22}{'activations':>22}")
-    for name, ranks, extra in LAYOUTS:
-        overrides = {**BASE, **extra, "log.run_dir": tempfile.mkdtemp(prefix="plan-acc-")}
-        cfg = load_config(None, overrides)
-        if ranks == 1:
-            rows = [measure(Trainer(cfg, stream=open(os.devnull, "w")), steps=1)]
-        else:
-            rows = _measure_group(overrides, ranks)
-        par = cfg.parallel
-        batch = Layout.from_config(cfg, ranks)
-        lay = {"zero": par.zero, "tp": par.tp, "pp": par.pp, "sp": par.sp, "micro_batch": batch.micro_batch,
-               "ac": cfg.memory.activation_checkpointing}
-        r = plan(cfg.model, hardware=CPU, nodes=1, gpus_per_node=ranks, seq_len=cfg.data.seq_len,
-                 global_batch=batch.global_batch, precision=cfg.precision.mode, optimizer=cfg.optim.name, layout=lay,
-                 gpu=False)
-        p = predicted_components(r["layouts"][0], r["cfg"], r["workload"], r["layouts"][0].layout)
-        cells = []
+    jobs = [(name, ranks, {**BASE, **extra, "log.run_dir": tempfile.mkdtemp(prefix="plan-acc-")})
+            for name, ranks, extra in LAYOUTS]
+    measured = {}
+    for ranks in sorted({r for _, r, _ in jobs}):  # one group of processes per rank count
+        mine = [j for j in jobs if j[1] == ranks]
+        for (name, _, _), rows in zip(mine, measure_layouts([o for _, _, o in mine], ranks)):
+            measured[name] = rows
+    print("\naccuracy, per rank (largest over ranks): the planner's total (what decides fits, its 5% reserve\n"
+          "included) against the peak of live tensor storages during a real step; then model states\n"
+          "and one micro-batch's saved activations, predicted/measured (pipelines: model states only)")
+    print(f"{'layout':<24}{'ranks':>6}{'total':>11}{'peak':>11}{'ratio':>7}  "
+          f"{'params':>7}{'grads':>7}{'optim':>7}{'acts':>7}")
+    table = []
+    for name, ranks, overrides in jobs:
+        rows = measured[name]
+        ev = planned(load_config(None, overrides), ranks, CPU)
+        p = predicted_components(ev, None, None, ev.layout)
+        peak = max(r["peak"] for r in rows)
+        ratios = []
         for key in ("params", "grads", "optimizer", "activations"):
-            got = [row[key] for row in rows if row.get(key) is not None]
-            cells.append(f"{p[key] / 2**20:.2f}/{max(got) / 2**20:.2f} MiB ({p[key] / max(got):.2f})" if got else "n/a")
-        print(f"{name:<24}" + "".join(f"{c:>22}" for c in cells), flush=True)
-
-
-def _measure_group(overrides: dict, ranks: int) -> list[dict]:
-    from scaletrain.parallel.launch import launch
-
-    out = Path(tempfile.mkdtemp(prefix="plan-acc-out-")) / "rows.json"
-    code = launch([json.dumps(overrides), out.as_posix()], nproc=ranks, program=(str(Path(__file__).resolve()),))
-    if code:
-        sys.exit(code)
-    return json.loads(out.read_text())
-
-
-def _worker(overrides: str, out: str) -> None:
-    import torch.distributed as dist
-
-    from scaletrain.config import load_config
-    from scaletrain.parallel.launch import exit_worker, init_worker
-    from scaletrain.plan.measure import measure
-    from scaletrain.train.trainer import Trainer
-
-    cfg = load_config(None, json.loads(overrides))
-    rt = init_worker(cfg)
-    rows = [None] * rt.world_size
-    dist.all_gather_object(rows, measure(Trainer(cfg, rt, stream=open(os.devnull, "w")), steps=1))
-    if rt.rank == 0:
-        Path(out).write_text(json.dumps(rows))
-    exit_worker(0)
+            got = [r[key] for r in rows if r.get(key) is not None]
+            ratios.append(f"{p[key] / max(got):.2f}" if got else "n/a")
+        table.append({"layout": name, "ranks": ranks, "total": ev.memory.total, "peak": peak})
+        print(f"{name:<24}{ranks:>6}{ev.memory.total / 2**20:>7.2f} MiB{peak / 2**20:>7.2f} MiB"
+              f"{ev.memory.total / peak:>7.3f}  " + "".join(f"{c:>7}" for c in ratios), flush=True)
+    worst = max(table, key=lambda r: abs(r["total"] / r["peak"] - 1))
+    print(f"largest gap: {worst['layout']}, total/peak {worst['total'] / worst['peak']:.3f}")
+    return table
 
 
 if __name__ == "__main__":
-    if "RANK" in os.environ:
-        _worker(sys.argv[1], sys.argv[2])
-    else:
-        ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-        ap.add_argument("--skip-accuracy", action="store_true")
-        args = ap.parse_args()
-        search_speed()
-        if not args.skip_accuracy:
-            accuracy()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--skip-accuracy", action="store_true")
+    args = ap.parse_args()
+    search_speed()
+    if not args.skip_accuracy:
+        accuracy()
