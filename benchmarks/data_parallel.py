@@ -61,13 +61,15 @@ def _config(args, extra: list[str], run_dir: str, zero: int | None):
     return load_config(args.config, overrides)
 
 
-def worker(args, extra: list[str]) -> None:
-    """One rank: every zero stage in turn; rank 0 writes the figures."""
+def rank_main(*argv: str) -> int:
+    """One rank: every zero stage in turn; rank 0 writes the figures (the `data_parallel:rank_main`
+    task of scaletrain.worker)."""
     import torch.distributed as dist
 
     from scaletrain.parallel.launch import init_worker
     from scaletrain.train.trainer import Trainer
 
+    args, extra = _parser().parse_known_args(argv)
     rows = []
     for zero in STAGES:
         cfg = _config(args, extra, tempfile.mkdtemp(prefix=f"dp-z{zero}-"), zero)
@@ -83,19 +85,20 @@ def worker(args, extra: list[str]) -> None:
         del trainer
     if rt.rank == 0:
         Path(args.out).write_text(json.dumps(rows))
-    dist.destroy_process_group()
+    return 0
 
 
-def main(argv=None) -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/tiny.toml")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per layout")
     ap.add_argument("--out", help=argparse.SUPPRESS)
-    args, extra = ap.parse_known_args(argv)
-    if "RANK" in os.environ:
-        worker(args, extra)
-        return
+    return ap
+
+
+def main(argv=None) -> None:
+    args, extra = _parser().parse_known_args(argv)
 
     from scaletrain.parallel.launch import launch
     from scaletrain.train.trainer import Trainer
@@ -107,13 +110,13 @@ def main(argv=None) -> None:
 
     out = Path(tempfile.mkdtemp(prefix="dp-bench-")) / "rows.json"
     forwarded = [f"--config={args.config}", f"--steps={args.steps}", f"--nproc={args.nproc}", f"--out={out}", *extra]
-    code = launch(forwarded, nproc=args.nproc,
-                  program=(str(Path(__file__).resolve()),))
+    code = launch("data_parallel:rank_main", forwarded, nproc=args.nproc,
+                  pythonpath=(str(Path(__file__).resolve().parent),))
     if code:
         sys.exit(code)
     rows = json.loads(out.read_text())
     n, psi = args.nproc, rows[0]["num_params"]
-    b = single.batch
+    b = single.layout
     print(f"config {args.config}: {psi / 1e6:.2f}M params, global batch {b.global_batch} x {cfg.data.seq_len}, "
           f"fp32, {args.steps} timed steps, N = {n} ranks ({single.device.type})")
     print(f"{'layout':<14}{'step (median)':>15}{'vs 1 proc':>10}{'sent/rank/step':>16}{'theory':>11}{'ratio':>7}"

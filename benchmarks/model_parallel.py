@@ -71,12 +71,14 @@ def _measure(trainer, steps: int, sync=None) -> dict:
     return {"step_s": statistics.median(times), "states": sum(trainer.state_bytes.values()), "peak": peak}
 
 
-def worker(args, extra) -> None:
+def rank_main(*argv: str) -> int:
+    """One rank of a layout (the `model_parallel:rank_main` task of scaletrain.worker)."""
     import torch.distributed as dist
 
-    from scaletrain.parallel.launch import exit_worker, init_worker
+    from scaletrain.parallel.launch import init_worker
     from scaletrain.train.trainer import Trainer
 
+    args, extra = _parser().parse_known_args(argv)
     name, _, overrides = LAYOUTS[args.layout]
     cfg = _config(args, extra, overrides, tempfile.mkdtemp(prefix="mp-"))
     rt = init_worker(cfg)
@@ -85,19 +87,20 @@ def worker(args, extra) -> None:
     dist.all_gather_object(rows, row)
     if rt.rank == 0:
         Path(args.out).write_text(json.dumps({"name": name, "ranks": rows}))
-    exit_worker(0)
+    return 0
 
 
-def main(argv=None) -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/tiny.toml")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per layout")
     ap.add_argument("--layout", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
-    args, extra = ap.parse_known_args(argv)
-    if "RANK" in os.environ:
-        worker(args, extra)
-        return
+    return ap
+
+
+def main(argv=None) -> None:
+    args, extra = _parser().parse_known_args(argv)
 
     from scaletrain.parallel.launch import launch
     from scaletrain.train.trainer import Trainer
@@ -105,7 +108,7 @@ def main(argv=None) -> None:
     cfg = _config(args, extra, {}, tempfile.mkdtemp(prefix="mp-single-"))
     trainer = Trainer(cfg, stream=open(os.devnull, "w"))
     single = _measure(trainer, args.steps)
-    b = trainer.batch
+    b = trainer.layout
     print(f"config {args.config} with {', '.join(f'{k}={v}' for k, v in COMMON.items())}: {trainer.num_params / 1e6:.2f}M "
           f"params, global batch {b.global_batch} x {cfg.data.seq_len} in {b.grad_accum} micro-batches, fp32, "
           f"{args.steps} timed steps, {trainer.device.type}")
@@ -114,8 +117,9 @@ def main(argv=None) -> None:
           f"{single['states'] / 2**20:>11.1f}MiB{single['peak'] / 2**20:>9.1f}MiB")
     for i, (name, ranks, _) in enumerate(LAYOUTS):
         out = Path(tempfile.mkdtemp(prefix="mp-out-")) / "row.json"
-        code = launch([f"--config={args.config}", f"--steps={args.steps}", f"--layout={i}", f"--out={out}", *extra],
-                      nproc=ranks, program=(str(Path(__file__).resolve()),))
+        code = launch("model_parallel:rank_main",
+                      [f"--config={args.config}", f"--steps={args.steps}", f"--layout={i}", f"--out={out}", *extra],
+                      nproc=ranks, pythonpath=(str(Path(__file__).resolve().parent),))
         if code:
             sys.exit(code)
         rows = json.loads(out.read_text())["ranks"]

@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     # `scaletrain bench step --vs-plain-loop` runs the same comparison)
     device = trainer.device
     data = torch.from_numpy(trainer.data.read(0, trainer.data.num_tokens))
-    B, T = trainer.batch.micro_batch, cfg.data.seq_len
+    B, T = trainer.layout.micro_batch, cfg.data.seq_len
     hand_step = PlainLoop(cfg, data, device, B).step
 
     def ours_step() -> None:

@@ -3,7 +3,7 @@
 1. Search speed: layouts enumerated and evaluated per second for a few clusters.
 2. Accuracy: real scaletrain steps on this machine's CPU in many layouts. Per rank (largest over
    ranks): the planner's total — what decides "fits" — beside the peak of live tensor storages
-   during a whole training step (`scaletrain.plan.measure.LiveMemory`), and each memory
+   during a whole training step (`scaletrain.measure.LiveMemory`), and each memory
    component's prediction beside the bytes measured from live tensors (activations are one
    micro-batch's; pipelines report model states only).
 
@@ -17,7 +17,7 @@ import tempfile
 import time
 
 from scaletrain.plan import plan
-from scaletrain.plan.hardware import Hardware
+from scaletrain.hardware import Hardware
 
 BASE = {"model.n_layers": 4, "model.tie_embeddings": False, "model.dim": 128, "data.seq_len": 64,
         "model.max_seq_len": 64, "train.global_batch": 8, "train.micro_batch": 4, "train.steps": 3,
@@ -58,7 +58,7 @@ def search_speed() -> None:
 def accuracy() -> list[dict]:
     """Each layout's measured rows beside the planner's figures; prints the table."""
     from scaletrain.config import load_config
-    from scaletrain.plan.measure import measure_layouts, planned, predicted_components
+    from scaletrain.measure import measure_layouts, planned, predicted_components
 
     jobs = [(name, ranks, {**BASE, **extra, "log.run_dir": tempfile.mkdtemp(prefix="plan-acc-")})
             for name, ranks, extra in LAYOUTS]

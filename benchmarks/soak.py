@@ -42,9 +42,10 @@ TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--data.seq
         "--train.sample_tokens=0", "--parallel.zero=3"]
 
 
-def _worker(argv: list[str]) -> int:
+def rank_main(*argv: str) -> int:
     """One rank of the faulted run: the normal `scaletrain train` worker with a NaN planted in
-    one local gradient at one step, once (a marker file keeps a restarted group from repeating it)."""
+    one local gradient at one step, once (a marker file keeps a restarted group from repeating it).
+    The `soak:rank_main` task of scaletrain.worker."""
     from scaletrain import cli
     from scaletrain.train.trainer import Trainer
 
@@ -60,7 +61,7 @@ def _worker(argv: list[str]) -> int:
         return real_update(self)
 
     Trainer.update = update
-    return cli.main(["train", *argv])
+    return cli.train_rank(*argv)
 
 
 def _rows(run: Path) -> list[dict]:
@@ -101,8 +102,8 @@ def _run(args, extra: list[str], run_dir: Path, faults: bool) -> tuple[float, li
     if faults:
         env.update(SOAK_NAN_AT=str(args.nan_at), SOAK_NAN_MARKER=str(run_dir.parent / "nan-planted"))
         code = ("import sys; from scaletrain.parallel.launch import launch; "
-                f"sys.exit(launch({common!r}, nproc={args.nproc}, max_restarts={args.max_restarts}, "
-                f"program=({str(HERE)!r}, '--worker')))")
+                f"sys.exit(launch('soak:rank_main', {common!r}, nproc={args.nproc}, "
+                f"max_restarts={args.max_restarts}, pythonpath=({str(HERE.parent)!r},)))")
         cmd = [sys.executable, "-c", code]
     else:
         cmd = [sys.executable, "-m", "scaletrain", "train", "--nproc", str(args.nproc), *common]
@@ -133,8 +134,6 @@ def _run(args, extra: list[str], run_dir: Path, faults: bool) -> tuple[float, li
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        sys.exit(_worker(argv[1:]))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--every", type=int, default=100, help="checkpoint every this many steps")

@@ -58,7 +58,8 @@ def run_group(nproc: int, jobs: list[dict], tmp_path: Path, timeout: float = 600
     out = spec.with_suffix(".out.json")
     spec.write_text(json.dumps({"jobs": jobs, "out": str(out)}))
     code = ("import sys; from scaletrain.parallel.launch import launch; "
-            f"sys.exit(launch([{str(spec)!r}], nproc={nproc}, program=({str(REPO / 'tests' / 'dist_worker.py')!r},)))")
+            f"sys.exit(launch('dist_worker:main', [{str(spec)!r}], nproc={nproc}, "
+            f"pythonpath=({str(REPO / 'tests')!r},)))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=REPO,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     results = json.loads(out.read_text()) if out.exists() else None

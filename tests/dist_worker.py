@@ -1,7 +1,7 @@
 """Run several training configs inside one group of real processes (tests only).
 
-    python -m scaletrain.parallel.launch is not used: tests call `run_group(nproc, jobs)`,
-    which starts `python tests/dist_worker.py SPEC` on nproc ranks through scaletrain's launcher.
+    Tests call `run_group(nproc, jobs)`, which starts `python -m scaletrain.worker
+    dist_worker:main SPEC` on nproc ranks through scaletrain's launcher (tests/ on PYTHONPATH).
 
 SPEC is a JSON file: {"jobs": [{"overrides": {...}, "expect_fail": false, "fault": null}, ...],
 "out": "results.json"}. Rank 0 writes, per job, the logged losses, the measured model-state
@@ -13,19 +13,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from scaletrain.config import load_config  # noqa: E402
-from scaletrain.parallel.launch import init_worker  # noqa: E402
-from scaletrain.train import checkpoint as ckpt  # noqa: E402
-from scaletrain.train.trainer import Trainer  # noqa: E402
+from scaletrain.config import load_config
+from scaletrain.parallel.launch import init_worker
+from scaletrain.train import checkpoint as ckpt
+from scaletrain.train.trainer import Trainer
 
 
 def inject(fault: dict | None, rank: int) -> None:
@@ -77,6 +74,8 @@ def inject_into_trainer(trainer, fault: dict | None, rank: int) -> None:
 
 
 def main(spec_path: str) -> None:
+    """A rank of the group (the `dist_worker:main` task of scaletrain.worker, which reports failures)."""
+    torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
     results = []
     rank = int(os.environ["RANK"])
@@ -98,14 +97,6 @@ def main(spec_path: str) -> None:
 
             name, function = job["probe"].split(":")
             probe = getattr(importlib.import_module(name), function)(trainer)
-        if job.get("measure"):  # the planner's accuracy test: measured memory, not training
-            from scaletrain.plan.measure import measure
-
-            measured = [None] * rt.world_size
-            dist.all_gather_object(measured, measure(trainer, steps=1))
-            results.append({"measured": measured})
-            dist.barrier()
-            continue
         indices = trainer._loader().sampler.rank_micro_batches(trainer.step)
         result = trainer.fit()
         gathered = [None] * rt.world_size
@@ -119,16 +110,3 @@ def main(spec_path: str) -> None:
         Path(spec["out"]).write_text(json.dumps(results))
     dist.barrier()
 
-
-if __name__ == "__main__":
-    from scaletrain.parallel.launch import record_worker_error
-
-    from scaletrain.parallel.launch import exit_worker
-
-    torch.set_num_threads(1)
-    try:
-        main(sys.argv[1])
-    except BaseException as e:  # report like `scaletrain train` does
-        record_worker_error(e, int(os.environ["RANK"]))
-        exit_worker(1)
-    exit_worker(0)

@@ -215,7 +215,7 @@ def test_planner_uses_measured_bus_bandwidth(comms_file, tmp_path, capsys):
     from dataclasses import replace
 
     from scaletrain.plan import plan
-    from scaletrain.plan.hardware import lookup
+    from scaletrain.hardware import lookup
 
     def dp_comm(bus: float) -> float:
         hw = replace(lookup("H100-SXM"), bus_GBps=bus)

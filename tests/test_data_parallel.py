@@ -200,8 +200,11 @@ def test_offload_is_refused_on_cpu(tmp_path):
 
     from scaletrain.errors import ConfigError
 
+    from scaletrain.layout import Layout
+
+    cfg = micro_cfg(tmp_path, **{"memory.offload_optimizer": True, "parallel.zero": 1})
     with _pytest.raises(ConfigError, match="offloads the sharded model states of parallel.zero=3"):
-        micro_cfg(tmp_path, **{"memory.offload_optimizer": True, "parallel.zero": 1})
+        Layout.from_config(cfg, 2).check(cfg.model)
     job = {"overrides": micro_overrides(tmp_path / "off", **{"parallel.zero": 3, "memory.offload_optimizer": True})}
     code, _, err = run_group(2, [job], tmp_path)
     assert code != 0 and "this run is on the CPU already" in err

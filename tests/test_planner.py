@@ -11,7 +11,7 @@ import torch
 from scaletrain.config import from_dict
 from scaletrain.errors import ConfigError
 from scaletrain.plan import Layout, plan
-from scaletrain.plan.hardware import lookup
+from scaletrain.hardware import lookup
 from scaletrain.plan.memory_model import first_layer_extra_bytes, formula_activation_bytes, in_flight, in_flight_from_orders
 from scaletrain.plan.search import enumerate_layouts, evaluate
 from scaletrain.plan.spec import Cluster, Workload, hf_config_to_model, load_model

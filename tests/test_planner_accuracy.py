@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from scaletrain.config import load_config
-from scaletrain.plan.measure import LiveMemory, measure_layouts, planned, predicted_components
+from scaletrain.measure import LiveMemory, measure_layouts, planned, predicted_components
 
 pytestmark = pytest.mark.multiproc
 

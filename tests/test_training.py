@@ -8,7 +8,8 @@ import torch
 from scaletrain.memory import saved_activation_bytes
 from scaletrain.optim import LRSchedule, optimizer_state_bytes, peak_lr
 from scaletrain.train.metrics import REQUIRED_KEYS
-from scaletrain.train.trainer import Trainer, cross_entropy_sum
+from scaletrain.model.loss import cross_entropy_sum
+from scaletrain.train.trainer import Trainer
 
 from conftest import micro_cfg, read_metrics
 

@@ -3,12 +3,14 @@ faults it must catch, the reference it falls back to, and the user errors it ref
 
 from __future__ import annotations
 
+import functools
 import math
+from pathlib import Path
 
 import pytest
 
 from scaletrain import cli
-from scaletrain.verify import FAULT_ENV, TOLERANCES, StepDiff, notes, rel_diff, table, verdict
+from scaletrain.verify import TOLERANCES, StepDiff, notes, rel_diff, table, verdict
 
 from conftest import MICRO
 
@@ -48,7 +50,12 @@ def verify(monkeypatch, capfd):
     process (the ranks are real processes started by the launcher); returns (exit code, stdout)."""
 
     def run(config: str, *args: str, fault: str = "") -> tuple[int, str]:
-        monkeypatch.setenv(FAULT_ENV, fault)  # the layout's workers inherit it
+        if fault:  # a bug planted in the layout run by tests/verify_faults.py (verify's layout_hook)
+            import scaletrain.verify
+
+            planted = functools.partial(scaletrain.verify.verify, layout_hook=f"verify_faults:{fault}",
+                                        hook_path=[str(Path(__file__).parent)])
+            monkeypatch.setattr(scaletrain.verify, "verify", planted)
         code = cli.main(["verify", "--config", config, f"--steps={STEPS}", *args])
         out, err = capfd.readouterr()
         return code, out + err
@@ -77,7 +84,7 @@ def test_an_honest_layout_passes_and_leaves_the_run_folder_alone(tmp_path, verif
 def test_one_ranks_perturbed_gradient_fails(tmp_path, verify):
     """Rank 1's gradients × 1.01 before the data-parallel reduction: the reduced gradient
     leans towards rank 1's half of the batch; the norm shows it at the first step."""
-    code, out = verify(write_config(tmp_path), "--nproc=2", "--parallel.zero=2", fault="perturb_grad:rank=1")
+    code, out = verify(write_config(tmp_path), "--nproc=2", "--parallel.zero=2", fault="perturb_grad_rank1")
     assert code == 1, out
     assert summary(out).endswith("FAIL")
     first = next(line.split() for line in out.splitlines() if line.strip().startswith("1 "))
@@ -96,10 +103,10 @@ def test_a_wrong_loss_normalisation_fails_on_the_gradient_norm(tmp_path, verify)
 
 def test_a_model_too_big_for_one_process_is_checked_against_zero3(tmp_path, verify):
     """With a device of 4 MiB the planner puts one process over it (4.9 MiB) and ZeRO-3 over
-    2 ranks under it (3.7 MiB): the reference says so and runs on 2 ranks."""
+    2 ranks under it (3.3 MiB): the reference says so and runs on 2 ranks."""
     code, out = verify(write_config(tmp_path), "--parallel.pp=2", "--parallel.pp_schedule=gpipe", "--device-memory=0.004")
     assert code == 0, out
-    assert "reference: ZeRO-3 over 2 ranks (dp 2 zero3, mb 2x2, 3.7 MiB per rank), the simplest layout that fits: " \
+    assert "reference: ZeRO-3 over 2 ranks (dp 2 zero3, mb 2x2, 3.3 MiB per rank), the simplest layout that fits: " \
            "one process does not (the planner puts it at 4.9 MiB" in out, out
     assert summary(out).endswith("PASS")
 

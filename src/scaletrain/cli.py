@@ -37,8 +37,10 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         return 0
     from scaletrain.parallel import launch
 
-    if launch.is_worker():  # started by our launcher or by torchrun
-        return _train_worker(cfg)
+    if launch.is_worker():  # started by torchrun (our launcher starts scaletrain.worker itself)
+        from scaletrain import worker
+
+        worker.main(args.argv)  # does not return
     with _os_errors_name(_paths_of(cfg)):
         if args.nproc is None:
             from scaletrain.train.trainer import Trainer
@@ -117,7 +119,7 @@ def _launch(args: argparse.Namespace, cfg) -> int:
         run_dir = default_run_dir()
         worker_args.append(f"--log.run_dir={run_dir}")
     _check_writable({"log.run_dir": run_dir, "checkpoint.dir": cfg.checkpoint.dir})
-    return launch.launch(worker_args, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+    return launch.launch("train", worker_args, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                          rdzv_endpoint=args.rdzv_endpoint or "", rdzv_id=args.rdzv_id, max_restarts=args.max_restarts,
                          checkpoint_dir=cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
 
@@ -157,12 +159,15 @@ def _strip_launch_flags(argv: list[str]) -> list[str]:
     return out
 
 
-def _train_worker(cfg) -> int:
+def train_rank(*argv: str) -> int:
+    """One rank of `scaletrain train` (the `train` task of scaletrain.worker, which reports its
+    failures): ARGV is the command line after `train`, launch flags removed."""
+    from scaletrain.config import load_config
     from scaletrain.parallel import launch
-
-    launch.die_with_launcher()  # first: a launcher killed from here on takes this rank with it
     from scaletrain.train.trainer import Trainer
 
+    args, extra = build_parser().parse_known_args(["train", *argv])
+    cfg = load_config(args.config, extra)
     rank = int(os.environ.get("RANK", "0"))
     restarts = launch.restart_count()
     if restarts > 0 and cfg.checkpoint.resume == "none":
@@ -171,13 +176,9 @@ def _train_worker(cfg) -> int:
     if restarts > 0 and rank == 0:
         print(f"scaletrain: restart {restarts} of at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}: "
               "a rank failed; the group resumes from its newest complete checkpoint", file=sys.stderr, flush=True)
-    try:
-        with _os_errors_name(_paths_of(cfg)):
-            cfg, rt = launch.prepare_worker(cfg)
-            code = _exit_code(Trainer(cfg, rt, restart=restarts > 0).fit())
-    except BaseException as e:  # noqa: BLE001 - every failure is reported in a few lines
-        code = launch.record_worker_error(e, rank)
-    launch.exit_worker(code)
+    with _os_errors_name(_paths_of(cfg)):
+        cfg, rt = launch.prepare_worker(cfg)
+        return _exit_code(Trainer(cfg, rt, restart=restarts > 0).fit())
 
 
 def _exit_code(result: dict) -> int:
@@ -283,7 +284,7 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
     hardware, nodes, per_node = args.hardware, args.nodes, args.gpus_per_node
     if args.measure:  # plan for the devices at hand, where the step will run
         from scaletrain.parallel.launch import pick_device
-        from scaletrain.plan.hardware import local_hardware
+        from scaletrain.hardware import local_hardware
 
         hardware, nodes, per_node = local_hardware(pick_device(cfg.train.device if args.config else "auto")), 1, \
             args.nproc or 1
@@ -294,7 +295,7 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
         from dataclasses import replace
 
         from scaletrain.bench.comms import read_bus_bandwidth
-        from scaletrain.plan.hardware import Hardware, lookup
+        from scaletrain.hardware import Hardware, lookup
 
         bus, comms_note = read_bus_bandwidth(args.comms)
         hw = hardware if isinstance(hardware, Hardware) else lookup(hardware, args.hardware_file)
@@ -318,7 +319,7 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
         if not args.json:
             print(f"wrote {args.chart}")
     if args.measure:
-        from scaletrain.plan.measure import measure_and_print
+        from scaletrain.measure import measure_and_print
 
         if not args.config:
             raise UserError("--measure runs a real step and needs a training config: --config FILE")

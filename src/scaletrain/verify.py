@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import IO, Sequence
 
 from scaletrain.config import JobConfig, ParallelConfig, from_dict, load_config
-from scaletrain.errors import ConfigError, UserError
+from scaletrain.errors import ConfigError
 from scaletrain.layout import Layout
 
 # Largest relative difference allowed, (loss, gradient norm), over the first CALIBRATED_STEPS
@@ -63,9 +63,6 @@ TOLERANCES: dict[str, tuple[float, float]] = {
 DEFAULT_STEPS = 10
 CALIBRATED_STEPS = 10  # the run length the tolerances were measured over
 
-# For scaletrain's own tests only: plants a known bug in the layout run (never in the
-# reference) so that a test can watch verify fail. See `plant_test_fault`.
-FAULT_ENV = "SCALETRAIN_VERIFY_FAULT"
 
 
 @dataclass
@@ -144,7 +141,7 @@ def reference_config(cfg: JobConfig, global_batch: int, micro_batch: int, shards
 def choose_reference(cfg: JobConfig, world: int, device, device_memory_gib: float | None) -> Reference:
     """One process if the planner says it fits one device; else the fewest ranks (at most the
     layout's) that fit with ZeRO-3, with full activation checkpointing if need be."""
-    from scaletrain.plan.hardware import local_hardware
+    from scaletrain.hardware import local_hardware
     from scaletrain.plan.memory_model import GiB
     from scaletrain.plan.search import evaluate
     from scaletrain.plan.spec import Cluster, Workload
@@ -208,18 +205,22 @@ def _trainer(cfg: JobConfig, runtime, total_steps: int):
     return trainer
 
 
-def run(cfg: JobConfig, nproc: int, total_steps: int, role: str) -> tuple[int, list[dict]]:
-    """Train `cfg` on `nproc` ranks (one: in this process); returns (exit code, metrics rows)."""
+def run(cfg: JobConfig, nproc: int, total_steps: int, role: str, hook: str | None = None,
+        pythonpath: Sequence[str] = ()) -> tuple[int, list[dict]]:
+    """Train `cfg` on `nproc` ranks (one: in this process); returns (exit code, metrics rows).
+    `hook`: see `verify`'s layout_hook."""
     if nproc == 1:
         trainer = _trainer(cfg, None, total_steps)
+        if hook:
+            _call_hook(hook, trainer)
         result = trainer.fit()
         return (0 if result["stopped_by"] is None else 128 + int(result["stopped_by"])), result["history"]
     from scaletrain.parallel.launch import launch
 
     run_dir = Path(cfg.log.run_dir)
     spec = run_dir.parent / f"{role}.json"
-    spec.write_text(json.dumps({"config": cfg.to_dict(), "total_steps": total_steps, "role": role}))
-    code = launch([str(spec)], nproc=nproc, program=("-m", "scaletrain.verify"))
+    spec.write_text(json.dumps({"config": cfg.to_dict(), "total_steps": total_steps, "role": role, "hook": hook}))
+    code = launch("verify", [str(spec)], nproc=nproc, pythonpath=tuple(pythonpath))
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
     return code, rows
@@ -277,8 +278,13 @@ def notes(diffs: list[StepDiff], steps: int) -> list[str]:
 
 
 def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT_STEPS, nproc: int | None = None,
-           device_memory_gib: float | None = None, out: IO[str] | None = None) -> int:
-    """Run the layout and the reference, print the comparison; 0 on PASS, 1 on FAIL."""
+           device_memory_gib: float | None = None, out: IO[str] | None = None, layout_hook: str | None = None,
+           hook_path: Sequence[str] = ()) -> int:
+    """Run the layout and the reference, print the comparison; 0 on PASS, 1 on FAIL.
+
+    `layout_hook`: "module:function" (importable, from `hook_path` too), called on every rank of
+    the layout run (never the reference's) with its Trainer before it trains — to instrument
+    the run, or, as scaletrain's tests do, to plant a known bug and watch verify FAIL."""
     from scaletrain.parallel.launch import pick_device
 
     out = out or sys.stdout
@@ -314,7 +320,7 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
         print(f"layout:    {describe(layout_cfg, world)}", file=out)
         print(f"reference: {ref.why}", file=out, flush=True)
         t0 = time.perf_counter()
-        code, layout_rows = run(layout_cfg, world, total_steps, "layout")
+        code, layout_rows = run(layout_cfg, world, total_steps, "layout", layout_hook, hook_path)
         t1 = time.perf_counter()
         if code == 2:  # a user error, reported by the launcher in one line
             return 2
@@ -343,62 +349,25 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
 
 
 # --------------------------------------------------------------------------------------------
-# The planted faults (tests only) and the worker
+# A rank of a run
 
 
-def plant_test_fault(trainer, spec: str, rank: int) -> None:
-    """FOR SCALETRAIN'S OWN TESTS ONLY: plant a known bug in the layout run so that a test can
-    watch verify FAIL. Read from the environment variable SCALETRAIN_VERIFY_FAULT by the
-    layout run's workers (never by the reference); an empty value plants nothing.
-
-      perturb_grad:rank=R[,scale=S]  rank R's gradients are multiplied by S (default 1.01)
-                                     before any reduction: the gradient flowing into the
-                                     outputs of its model chunks is scaled, the values not
-      local_loss_norm                every rank divides its loss by its own token count instead
-                                     of the global batch's, while the data-parallel average
-                                     still divides by dp: gradients dp times too large
-    """
-    if not spec:
-        return
-    kind, _, args = spec.partition(":")
-    params = dict(item.split("=", 1) for item in args.split(",") if item)
-    if kind == "perturb_grad":
-        if rank != int(params["rank"]):
-            return
-        scale = float(params.get("scale", 1.01))
-
-        def scale_gradient(module, inputs, output):
-            # the same values; the gradient that flows back through them is scaled
-            return output.detach() + (output - output.detach()) * scale
-
-        for chunk in trainer.dp.modules:
-            chunk.register_forward_hook(scale_gradient)
-    elif kind == "local_loss_norm":
-        real = trainer._loss_factor
-        trainer._loss_factor = lambda: real() * trainer.layout.dp  # 1 / (tokens / dp) instead of 1 / tokens
-    else:
-        raise ValueError(f"unknown {FAULT_ENV} fault {kind!r}; known: perturb_grad, local_loss_norm")
-
-
-def _worker(spec_path: str) -> None:
-    """One rank of a run started by `run`: `python -m scaletrain.verify SPEC.json`."""
+def run_rank(spec_path: str) -> int:
+    """One rank of a run started by `run` (the `verify` task of scaletrain.worker)."""
     from scaletrain.parallel import launch
 
-    rank = int(os.environ.get("RANK", "0"))
-    fault = os.environ.get(FAULT_ENV, "")  # tests only; see plant_test_fault
-    try:
-        spec = json.loads(Path(spec_path).read_text())
-        cfg, rt = launch.prepare_worker(from_dict(spec["config"]))
-        trainer = _trainer(cfg, rt, spec["total_steps"])
-        if spec["role"] == "layout":
-            plant_test_fault(trainer, fault, rank)
-        result = trainer.fit()
-        code = 0 if result["stopped_by"] is None else 128 + int(result["stopped_by"])
-    except BaseException as e:  # noqa: BLE001 - every failure is reported in a few lines
-        launch.record_worker_error(e, rank)
-        code = e.exit_code if isinstance(e, UserError) else 1
-    launch.exit_worker(code)
+    spec = json.loads(Path(spec_path).read_text())
+    cfg, rt = launch.prepare_worker(from_dict(spec["config"]))
+    trainer = _trainer(cfg, rt, spec["total_steps"])
+    if spec.get("hook"):
+        _call_hook(spec["hook"], trainer)
+    result = trainer.fit()
+    return 0 if result["stopped_by"] is None else 128 + int(result["stopped_by"])
 
 
-if __name__ == "__main__":
-    _worker(sys.argv[1])
+def _call_hook(hook: str, trainer) -> None:
+    """`module:function`, called with a layout rank's Trainer before it trains."""
+    import importlib
+
+    module, _, name = hook.partition(":")
+    getattr(importlib.import_module(module), name)(trainer)

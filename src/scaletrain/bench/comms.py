@@ -27,7 +27,6 @@ import json
 import os
 import re
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -157,30 +156,25 @@ def measure(sizes: list[int], iters: int, warmup: int, device) -> list[dict]:
     return rows
 
 
-def _worker(spec_json: str) -> None:
+def bench_rank(spec_json: str) -> int:
+    """One rank of `run` (the `bench-comms` task of scaletrain.worker)."""
     import torch
     import torch.distributed as dist
 
-    from scaletrain.parallel.launch import exit_worker, pick_device, record_worker_error
+    from scaletrain.parallel.launch import pick_device
 
     spec = json.loads(spec_json)
-    rank = int(os.environ["RANK"])
-    try:
-        local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        device = pick_device(spec["device"], local_rank, local_world)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)
-        rows = measure(spec["sizes"], spec["iters"], spec["warmup"], device)
-        if rank == 0:
-            Path(spec["out"]).write_text(json.dumps({"backend": dist.get_backend(), "device": device.type,
-                                                     "rows": rows}))
-        code = 0
-    except BaseException as e:  # noqa: BLE001 - one line per failure, through the launcher
-        record_worker_error(e, rank)
-        code = e.exit_code if isinstance(e, UserError) else 1
-    exit_worker(code)
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    device = pick_device(spec["device"], local_rank, local_world)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            device_id=device if device.type == "cuda" else None)
+    rows = measure(spec["sizes"], spec["iters"], spec["warmup"], device)
+    if int(os.environ["RANK"]) == 0:
+        Path(spec["out"]).write_text(json.dumps({"backend": dist.get_backend(), "device": device.type,
+                                                 "rows": rows}))
+    return 0
 
 
 # ------------------------------------------------------------------------------------------
@@ -206,7 +200,7 @@ def run(nproc: int | None = None, sizes: list[str] | None = None, iters: int = 2
     with tempfile.TemporaryDirectory(prefix="scaletrain-comms-") as tmp:
         out = Path(tmp) / "comms.json"
         spec = {"device": kind, "sizes": nbytes, "iters": iters, "warmup": warmup, "out": str(out)}
-        code = launch([json.dumps(spec)], nproc=nproc, program=("-m", "scaletrain.bench.comms"))
+        code = launch("bench-comms", [json.dumps(spec)], nproc=nproc)
         if code:
             raise SystemExit(code)
         got = json.loads(out.read_text())
@@ -258,6 +252,3 @@ def read_bus_bandwidth(path: str | Path) -> tuple[float, str]:
     return bus, (f"measured all-reduce bus bandwidth {bus:.3g} GB/s ({fmt_size(best['bytes'])}, "
                  f"{data.get('world_size', '?')} ranks, {data.get('backend', '?')}) from {p}")
 
-
-if __name__ == "__main__":  # a rank started by run()
-    _worker(sys.argv[1])

@@ -102,7 +102,7 @@ def plain_entry(cfg) -> Entry:
         from scaletrain.data.dataset import open_data
         from scaletrain.model.flops import flops_per_token
         from scaletrain.parallel.launch import pick_device
-        from scaletrain.plan.hardware import device_peak_flops
+        from scaletrain.hardware import device_peak_flops
         from scaletrain.precision import COMPUTE_DTYPES
 
         device = pick_device(cfg.train.device)

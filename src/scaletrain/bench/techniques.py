@@ -28,7 +28,6 @@ then DDP) through scaletrain's launcher.
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from datetime import datetime
 from pathlib import Path
@@ -147,31 +146,24 @@ def bench_techniques(config: str | None, overrides: list[str], *, nproc: int | N
         out = Path(tmp) / "result.json"
         spec = {"config": config, "overrides": list(overrides), "steps": steps, "warmup": warmup,
                 "skip": list(skip), "max_slowdown": max_slowdown, "out": str(out)}
-        code = launch([json.dumps(spec)], nproc=nproc, program=("-m", "scaletrain.bench.techniques"))
+        code = launch("bench-techniques", [json.dumps(spec)], nproc=nproc)
         if code:
             raise SystemExit(code)
         return json.loads(out.read_text())
 
 
-def _worker(spec_json: str) -> None:
-    import os
-
-    from scaletrain.parallel.launch import exit_worker, prepare_worker, record_worker_error
+def bench_rank(spec_json: str) -> int:
+    """One rank of bench_techniques (the `bench-techniques` task of scaletrain.worker)."""
+    from scaletrain.parallel.launch import prepare_worker
 
     spec = json.loads(spec_json)
-    rank = int(os.environ["RANK"])
-    try:
-        with scratch_dir() as (tmp, _):
-            cfg, runtime = prepare_worker(bench_config(spec["config"], spec["overrides"], {}, tmp, 1))
-        result = _measure(spec["config"], spec["overrides"], steps=spec["steps"], warmup=spec["warmup"],
-                          skip=spec["skip"], max_slowdown=spec["max_slowdown"], runtime=runtime)
-        if rank == 0:
-            Path(spec["out"]).write_text(json.dumps(result))
-        code = 0
-    except BaseException as e:  # noqa: BLE001 - one line per failure, through the launcher
-        record_worker_error(e, rank)
-        code = e.exit_code if isinstance(e, UserError) else 1
-    exit_worker(code)
+    with scratch_dir() as (tmp, _):
+        cfg, runtime = prepare_worker(bench_config(spec["config"], spec["overrides"], {}, tmp, 1))
+    result = _measure(spec["config"], spec["overrides"], steps=spec["steps"], warmup=spec["warmup"],
+                      skip=spec["skip"], max_slowdown=spec["max_slowdown"], runtime=runtime)
+    if runtime.rank == 0:
+        Path(spec["out"]).write_text(json.dumps(result))
+    return 0
 
 
 def report(result: dict) -> str:
@@ -228,6 +220,3 @@ def chart(result: dict, path: str) -> str:
     plt.close(fig)
     return f"wrote {path}"
 
-
-if __name__ == "__main__":  # a rank started by bench_techniques
-    _worker(sys.argv[1])

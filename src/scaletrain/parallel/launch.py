@@ -251,11 +251,12 @@ def _restart_would_repeat(e: BaseException) -> bool:
     return not (isinstance(e, TrainingStopped) and isinstance(e.__context__, RuntimeError))
 
 
-def launch(worker_args: list[str], *, nproc: int, nnodes: int = 1, node_rank: int | None = None,
+def launch(task: str, worker_args: list[str], *, nproc: int, nnodes: int = 1, node_rank: int | None = None,
            rdzv_endpoint: str = "", rdzv_id: str = "scaletrain", max_restarts: int = 0,
            monitor_interval: float = 0.1, checkpoint_dir: str | Path | None = None,
-           program: tuple[str, ...] = ("-m", "scaletrain", "train")) -> int:
-    """Start `python PROGRAM WORKER_ARGS` (by default `scaletrain train`) on `nproc` local ranks;
+           pythonpath: tuple[str, ...] = ()) -> int:
+    """Start `python -m scaletrain.worker TASK WORKER_ARGS` (see scaletrain.worker: `train`,
+    `verify`, ... or MODULE:FUNCTION, importable from `pythonpath` too) on `nproc` local ranks;
     return the exit code.
 
     SIGINT or SIGTERM to this process reaches every rank, which finishes its step and saves a
@@ -291,8 +292,11 @@ def launch(worker_args: list[str], *, nproc: int, nnodes: int = 1, node_rank: in
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=max_restarts,
         monitor_interval=monitor_interval, logs_specs=DefaultLogsSpecs(log_dir=log_dir), start_method="spawn",
         local_addr=local_addr)
-    env_before = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", LAUNCHER_PID_ENV)}
+    env_before = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", LAUNCHER_PID_ENV,
+                                                 "PYTHONPATH")}
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    if pythonpath:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*pythonpath, *filter(None, [env_before["PYTHONPATH"]])])
     if env_before["OMP_NUM_THREADS"] is None:  # share the cores among the local ranks, don't oversubscribe
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     if env_before["GLOO_SOCKET_IFNAME"] is None:  # gloo talks over the interface that reaches the others
@@ -303,7 +307,7 @@ def launch(worker_args: list[str], *, nproc: int, nnodes: int = 1, node_rank: in
     handlers = _signal_handlers()  # the elastic agent replaces them with its own
     try:
         with _stores_bound_to_their_host(endpoint), _no_restart_after_final_failures():
-            elastic_launch(config, entrypoint=sys.executable)(*program, *worker_args)
+            elastic_launch(config, entrypoint=sys.executable)("-m", "scaletrain.worker", task, *worker_args)
     except SignalException as e:  # the agent has passed the signal on and waited for the ranks
         print(_stop_line(signal.Signals(e.sigval), checkpoint_dir, started), file=sys.stderr, flush=True)
         return 128 + int(e.sigval)

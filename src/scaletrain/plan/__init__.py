@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from scaletrain.errors import ConfigError
-from scaletrain.plan.hardware import Hardware, lookup
+from scaletrain.hardware import Hardware, lookup
 from scaletrain.plan.memory_model import GiB, MemoryBreakdown, ParamCounts, optimizer_bytes
 from scaletrain.plan.search import Evaluated, enumerate_layouts, evaluate, explain, layout_errors, search
 from scaletrain.plan.spec import Cluster, Layout, ModelSource, Workload, load_model

@@ -19,7 +19,7 @@ CHOSEN = ("dp_replicate", "dp_shard", "tp", "pp", "zero", "sp", "pp_schedule", "
 def auto_layout(cfg: JobConfig, world: int, device: torch.device, gpus_per_node: int | None = None):
     """(the config with the planner's layout, the planner's evaluation of it)."""
     from scaletrain.plan import plan
-    from scaletrain.plan.hardware import local_hardware
+    from scaletrain.hardware import local_hardware
 
     defaults = ParallelConfig()
     set_by_hand = [k for k in CHOSEN if getattr(cfg.parallel, k) != getattr(defaults, k)]

@@ -16,7 +16,7 @@ from typing import Any
 from scaletrain.config import ModelConfig, from_dict, read_toml
 from scaletrain.errors import ConfigError
 from scaletrain.layout import Layout  # noqa: F401 - the one Layout, re-exported for the planner
-from scaletrain.plan.hardware import Hardware
+from scaletrain.hardware import Hardware
 
 PRECISIONS = ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true")
 OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")

@@ -75,7 +75,7 @@ def _trace_model(cfg: ModelConfig, seq_len: int, precision: str, b: int, tp: int
 
     from scaletrain.memory import apply_activation_checkpointing, saved_activation_bytes
     from scaletrain.model.transformer import Transformer
-    from scaletrain.train.trainer import cross_entropy_sum
+    from scaletrain.model.loss import cross_entropy_sum
 
     mesh_ctx = _fake_world(tp) if tp > 1 else contextlib.nullcontext()
     default_dtype = torch.get_default_dtype()

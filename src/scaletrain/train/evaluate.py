@@ -49,7 +49,7 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, batches: int 
 
     dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
     model = load_model_from_checkpoint(path).to(dev).eval()
-    from scaletrain.train.trainer import cross_entropy_sum  # the training loss, summed over tokens
+    from scaletrain.model.loss import cross_entropy_sum  # the training loss, summed over tokens
 
     total = torch.zeros((), dtype=torch.float64, device=dev)
     for window_batch in order:

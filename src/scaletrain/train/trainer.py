@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -35,6 +34,7 @@ from scaletrain.data.loader import StepSampler, build_loader, rank_slices, valid
 from scaletrain.errors import CheckpointError, ConfigError, DataError, TrainingStopped, UserError
 from scaletrain.model.flops import flops_per_token
 from scaletrain.model.generate import generate
+from scaletrain.model.loss import cross_entropy_sum
 from scaletrain.model.transformer import Transformer, count_params
 from scaletrain.optim import LRSchedule, build_optimizer, get_lr, peak_lr, set_lr
 from scaletrain.parallel.data_parallel import DataParallel, clip_gradients, model_state_bytes
@@ -42,7 +42,7 @@ from scaletrain.parallel import watchdog
 from scaletrain.parallel.launch import Runtime, single_process
 from scaletrain.parallel.pipeline import build_schedule
 from scaletrain.parallel.parallelize import parallelize
-from scaletrain.plan.hardware import device_peak_flops
+from scaletrain.hardware import device_peak_flops
 from scaletrain.precision import MasterWeights, Precision
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import run_folder
@@ -65,11 +65,6 @@ def default_run_dir() -> str:
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor (the loss under tensor parallelism) as the tensor it holds."""
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed token losses; the caller divides by the tokens of the whole global batch."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), reduction="sum")
 
 
 class Trainer:
@@ -862,7 +857,7 @@ class Trainer:
         tokens_per_s = self.tokens_per_step * steps / elapsed
         achieved = self.flops_per_token * tokens_per_s / self.world_size  # model FLOP/s per device
         if self.device.type == "cpu" and achieved > self.peak_flops:  # the probe missed the true peak: raise it
-            from scaletrain.plan.hardware import raise_cpu_peak
+            from scaletrain.hardware import raise_cpu_peak
 
             self.peak_flops = raise_cpu_peak(self.precision.compute_dtype, achieved)
         row = {

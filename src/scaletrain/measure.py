@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 import weakref
@@ -188,17 +187,18 @@ def measure_layouts(overrides: list[dict], nproc: int, steps: int = 1, config: s
     folder = Path(tempfile.mkdtemp(prefix="plan-measure-"))
     spec, out = folder / "jobs.json", folder / "rows.json"
     spec.write_text(json.dumps({"config": config, "jobs": overrides, "steps": steps}))
-    code = launch([spec.as_posix(), out.as_posix()], nproc=nproc, program=("-m", "scaletrain.plan.measure"))
+    code = launch("measure", [spec.as_posix(), out.as_posix()], nproc=nproc)
     if code:
         raise SystemExit(code)
     return json.loads(out.read_text())
 
 
-def _worker(spec: str, out: str) -> None:
+def measure_rank(spec: str, out: str) -> int:
+    """One rank of measure_layouts (the `measure` task of scaletrain.worker)."""
     import torch.distributed as dist
 
     from scaletrain.config import load_config
-    from scaletrain.parallel.launch import exit_worker, init_worker
+    from scaletrain.parallel.launch import init_worker
 
     job = json.loads(Path(spec).read_text())
     results = []
@@ -211,7 +211,7 @@ def _worker(spec: str, out: str) -> None:
         dist.barrier()
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
-    exit_worker(0)
+    return 0
 
 
 def run_layout(config: str, layout, nproc: int) -> list[dict]:
@@ -226,7 +226,7 @@ def run_layout(config: str, layout, nproc: int) -> list[dict]:
 def measure_and_print(config: str, layout, nproc: int) -> int:
     from scaletrain.config import load_config
     from scaletrain.plan import plan
-    from scaletrain.plan.hardware import local_hardware
+    from scaletrain.hardware import local_hardware
     from scaletrain.parallel.launch import pick_device
 
     cfg = load_config(config)
@@ -254,6 +254,3 @@ def measure_and_print(config: str, layout, nproc: int) -> int:
 def _fmt(key: str, v: float) -> str:
     return f"{v * 1e3:.0f} ms" if key == "step_time_s" else f"{v / 2**20:.1f} MiB" if v < GiB else f"{v / GiB:.2f} GiB"
 
-
-if __name__ == "__main__":  # a rank of measure_layouts
-    _worker(sys.argv[1], sys.argv[2])

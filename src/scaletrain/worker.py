@@ -1,0 +1,67 @@
+"""The one program every rank runs.
+
+    python -m scaletrain.worker TASK [ARG ...]
+
+scaletrain's launcher (`scaletrain.parallel.launch.launch`) starts it on each rank, and
+`torchrun -m scaletrain train ...` reaches it through the CLI. TASK says what the rank does:
+
+    train ARGS...            a rank of `scaletrain train` (ARGS: its command line after `train`)
+    verify SPEC              a rank of `scaletrain verify`'s layout or reference run
+    measure CONFIG OUT ...   a rank of the planner's measured run (`plan --measure`)
+    bench-techniques SPEC    a rank of `scaletrain bench techniques`
+    bench-comms SPEC         a rank of `scaletrain bench comms`
+    MODULE:FUNCTION ARGS...  any importable function (the test suite's groups of jobs)
+
+The task returns the rank's exit code. Whatever it is, the rank:
+  * dies with its launcher (Linux's parent-death signal): no rank outlives the job;
+  * reports a failure in one line, where the launcher looks for it (TORCHELASTIC_ERROR_FILE),
+    with exit code 2 for a user's error (bad input, a read-only or full folder), which
+    `--max-restarts` never retries, and 1 for anything else;
+  * leaves without the interpreter's teardown, where the communication libraries' threads can
+    abort a process whose work succeeded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import NoReturn
+
+TASKS = {
+    "train": "scaletrain.cli:train_rank",
+    "verify": "scaletrain.verify:run_rank",
+    "measure": "scaletrain.measure:measure_rank",
+    "bench-techniques": "scaletrain.bench.techniques:bench_rank",
+    "bench-comms": "scaletrain.bench.comms:bench_rank",
+}
+
+
+def program(task: str, *args: str) -> tuple[str, ...]:
+    """The launcher's `program` for TASK: `python -m scaletrain.worker TASK ARGS...`."""
+    return ("-m", "scaletrain.worker", task, *args)
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    from scaletrain.errors import UserError
+    from scaletrain.parallel import launch
+
+    launch.die_with_launcher()  # first: a launcher killed from here on takes this rank with it
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        if not argv:
+            raise UserError(f"python -m scaletrain.worker TASK: no task; known: {', '.join(TASKS)} or MODULE:FUNCTION")
+        task, *args = argv
+        target = TASKS.get(task, task)
+        module, _, name = target.partition(":")
+        if not name:
+            raise UserError(f"unknown worker task {task!r}; known: {', '.join(TASKS)} or MODULE:FUNCTION")
+        code = getattr(importlib.import_module(module), name)(*args)
+    except BaseException as e:  # noqa: BLE001 - every failure is reported in a few lines
+        code = launch.record_worker_error(e, rank)
+    launch.exit_worker(int(code or 0))
+
+
+if __name__ == "__main__":
+    main()
