@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from scaletrain.plan import hardware
+from scaletrain import hardware
 from scaletrain.train.metrics import MetricsLogger
 
 

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from scaletrain.plan import hardware
+from scaletrain import hardware
 from scaletrain.train.trainer import Trainer
 
 from conftest import micro_cfg, read_metrics

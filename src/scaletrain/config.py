@@ -79,7 +79,7 @@ class ModelConfig:
     init_std: float = option(0.02, "std of the normal init; residual projections get std/sqrt(2*n_layers)", min=0.0)
 
     def __hash__(self) -> int:  # configs are not changed after loading: usable as cache keys
-        return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+        return hash(tuple(self.__dict__.values()))  # the fields (the planner hashes it in its inner loop)
 
     @property
     def kv_heads(self) -> int:
