@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import REPO, read_metrics, run_cli
+from conftest import REPO, read_metrics, run_cli, run_here
 
 
 def test_default_run_trains_and_samples(tmp_path):
@@ -40,7 +40,7 @@ def test_user_errors_exit_2_without_traceback(tmp_path):
         ("train", "--model.n_heads=3"),
     ]
     for args in cases:
-        r = run_cli(*args)
+        r = run_here(*args)
         assert r.returncode == 2, (args, r.stderr)
         assert "Traceback" not in r.stderr, r.stderr
         assert r.stderr.startswith("scaletrain: error: "), r.stderr

@@ -10,7 +10,7 @@ from scaletrain.data import StepSampler, TokenData, WindowDataset, build_loader,
 from scaletrain.data.tokenizer import ByteTokenizer
 from scaletrain.errors import DataError
 
-from conftest import micro_cfg, run_cli
+from conftest import micro_cfg, run_here
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 50
 
@@ -192,8 +192,8 @@ def test_loader_with_workers_yields_the_same_batches():
 
 
 def test_cli_prepare(corpus, tmp_path):
-    r = run_cli("prepare", str(corpus), "--out", str(tmp_path / "cli"))
+    r = run_here("prepare", str(corpus), "--out", str(tmp_path / "cli"))
     assert r.returncode == 0, r.stderr
     assert "tokens" in r.stdout and (tmp_path / "cli" / "meta.json").is_file()
-    r = run_cli("prepare", str(corpus), "--out", str(tmp_path / "cli"))
+    r = run_here("prepare", str(corpus), "--out", str(tmp_path / "cli"))
     assert r.returncode == 2 and "already exists" in r.stderr and "Traceback" not in r.stderr

@@ -17,7 +17,7 @@ from scaletrain.errors import ConfigError, DataError
 from scaletrain.train.metrics import MetricsLogger
 from scaletrain.train.trainer import Trainer
 
-from conftest import micro_cfg, micro_overrides, read_metrics, run_cli, run_group
+from conftest import micro_cfg, micro_overrides, read_metrics, run_cli, run_here, run_group
 
 TOL = 1e-5
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly box jackals".split()
@@ -94,7 +94,7 @@ def test_without_the_flag_the_folder_is_written_as_before(corpus, tmp_path):
 @pytest.mark.parametrize("value", ["1.5", "1", "-0.1", "nan"])
 def test_bad_val_fraction_is_one_line_and_writes_nothing(corpus, tmp_path, value):
     src, _ = corpus
-    r = run_cli("prepare", str(src), "--out", str(tmp_path / "out"), "--val-fraction", value)
+    r = run_here("prepare", str(src), "--out", str(tmp_path / "out"), "--val-fraction", value)
     assert r.returncode == 2 and "--val-fraction" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
@@ -230,22 +230,22 @@ def test_eval_cli_prints_the_val_loss_the_run_logged(corpus, tmp_path):
                                  "train.eval_batches": 2, "checkpoint.save_final": True})
     result = Trainer(cfg).fit()
     logged = result["history"][-1]["val_loss"]
-    r = run_cli("eval", result["checkpoint"], "--data", str(tmp_path / "data"), "--json")
+    r = run_here("eval", result["checkpoint"], "--data", str(tmp_path / "data"), "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["split"] == "validation" and out["step"] == 10 and out["windows"] == 16
     assert abs(out["val_loss"] - logged) / logged < TOL
     # without --data: the data it was trained on; the text form
-    r = run_cli("eval", result["checkpoint"])
+    r = run_here("eval", result["checkpoint"])
     assert r.returncode == 0 and r.stdout.startswith(f"val_loss {logged:.4f}  val_ppl "), r.stdout + r.stderr
     # a folder with no validation split: all of it, and said so
     prepare([src], tmp_path / "whole")
-    r = run_cli("eval", result["checkpoint"], "--data", str(tmp_path / "whole"), "--batches", "1")
+    r = run_here("eval", result["checkpoint"], "--data", str(tmp_path / "whole"), "--batches", "1")
     assert r.returncode == 0 and "all (the folder has no validation split)" in r.stdout, r.stdout + r.stderr
     # bad input: one line, exit 2
     for args in (["--batches", "-1"], ["--data", str(tmp_path / "missing")]):
-        r = run_cli("eval", result["checkpoint"], *args)
+        r = run_here("eval", result["checkpoint"], *args)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, \
             r.stderr
-    r = run_cli("eval", str(tmp_path / "no-checkpoint"))
+    r = run_here("eval", str(tmp_path / "no-checkpoint"))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr

@@ -16,7 +16,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 tk = pytest.importorskip("tokenizers")
 
-from conftest import micro_cfg, run_cli  # noqa: E402
+from conftest import micro_cfg, run_here  # noqa: E402
 
 from scaletrain.config import from_dict  # noqa: E402
 from scaletrain.data import open_data, prepare  # noqa: E402
@@ -147,7 +147,7 @@ def test_vocab_size_zero_resolution(tmp_path):
 
 def test_cli_prepare_with_model_folder(tmp_path):
     hf = make_hf_folder(tmp_path / "hf")
-    r = run_cli("prepare", str(write_docs(tmp_path / "docs.jsonl")), "--out", str(tmp_path / "data"),
+    r = run_here("prepare", str(write_docs(tmp_path / "docs.jsonl")), "--out", str(tmp_path / "data"),
                 "--tokenizer", str(hf))
     assert r.returncode == 0, r.stderr
     meta = json.loads((tmp_path / "data" / "meta.json").read_text())
@@ -161,7 +161,7 @@ def test_cli_folder_without_tokenizer_json_is_one_line(tmp_path):
     (tmp_path / "slow" / "tokenizer.model").write_bytes(b"\x00sentencepiece")
     (tmp_path / "slow" / "tokenizer_config.json").write_text("{}")
     (tmp_path / "t.txt").write_text("hello")
-    r = run_cli("prepare", str(tmp_path / "t.txt"), "--out", str(tmp_path / "data"), "--tokenizer",
+    r = run_here("prepare", str(tmp_path / "t.txt"), "--out", str(tmp_path / "data"), "--tokenizer",
                 str(tmp_path / "slow"))
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()

@@ -12,7 +12,7 @@ from conftest import micro_cfg, micro_overrides, run_group
 
 pytestmark = pytest.mark.multiproc
 
-STEPS = 10
+STEPS = 7  # a checkpoint at step 5, resumed for steps 6 and 7
 TOL = 1e-5
 # 4 blocks (for 2 stages × 2 virtual stages), untied embeddings (pipelining puts the embedding
 # and the head on different ranks), micro-batches of 2 sequences out of a global batch of 8

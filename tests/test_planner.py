@@ -16,7 +16,7 @@ from scaletrain.plan.memory_model import first_layer_extra_bytes, formula_activa
 from scaletrain.plan.search import enumerate_layouts, evaluate
 from scaletrain.plan.spec import Cluster, Workload, hf_config_to_model, load_model
 
-from conftest import run_cli
+from conftest import run_here
 
 
 # --- 7(a): published figures ------------------------------------------------------------------
@@ -179,23 +179,23 @@ def test_user_hardware_file(tmp_path):
 # --- output ---------------------------------------------------------------------------------
 
 def test_cli_table_json_and_chart(tmp_path):
-    r = run_cli("plan", "llama-8b", "--hardware", "H100-SXM", "--nodes", "1", "--gpus-per-node", "8",
+    r = run_here("plan", "llama-8b", "--hardware", "H100-SXM", "--nodes", "1", "--gpus-per-node", "8",
                 "--seq-len", "8192", "--global-batch", "64", "--top", "3", "--chart", str(tmp_path / "c.png"))
     assert r.returncode == 0, r.stderr
     assert "searched" in r.stdout and "tokens/s" in r.stdout and "memory per GPU" in r.stdout
     assert "Best: " in r.stdout
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
-    r = run_cli("plan", "llama-8b", "--seq-len", "4096", "--global-batch", "32", "--json", "--top", "2")
+    r = run_here("plan", "llama-8b", "--seq-len", "4096", "--global-batch", "32", "--json", "--top", "2")
     data = json.loads(r.stdout)
     assert data["schema"] == "scaletrain.plan/1" and data["model"]["num_params"] == 8_030_261_248
     lay = data["layouts"][0]
     for key in ("layout", "memory", "fits", "step_time_s", "tokens_per_s", "mfu"):
         assert key in lay
     assert set(lay["memory"]) >= {"params", "grads", "optimizer", "activations", "total"}
-    r = run_cli("plan", "llama-8b", "--hardware", "A100-40GB", "--seq-len", "8192", "--global-batch", "8",
+    r = run_here("plan", "llama-8b", "--hardware", "A100-40GB", "--seq-len", "8192", "--global-batch", "8",
                 "--zero", "0", "--micro-batch", "1")
     assert r.returncode == 1 and "DOES NOT FIT" in r.stdout
-    r = run_cli("plan", "llama-8b", "--hardware", "TPUv9")
+    r = run_here("plan", "llama-8b", "--hardware", "TPUv9")
     assert r.returncode == 2 and "unknown hardware" in r.stderr and "Traceback" not in r.stderr
 
 

@@ -5,7 +5,7 @@ import pytest
 from scaletrain.errors import ConfigError
 from scaletrain.parallel import timeline
 
-from conftest import run_cli
+from conftest import run_here
 
 
 @pytest.mark.parametrize("schedule,p,m,v", [
@@ -52,12 +52,12 @@ def test_bad_requests():
 
 
 def test_cli_prints_timeline_and_writes_png(tmp_path):
-    r = run_cli("schedule", "--pp", "4", "--microbatches", "8", "--schedule", "interleaved-1f1b", "--virtual", "2",
+    r = run_here("schedule", "--pp", "4", "--microbatches", "8", "--schedule", "interleaved-1f1b", "--virtual", "2",
                 "--png", str(tmp_path / "s.png"))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert sum(1 for line in lines if line.strip().startswith(("0 |", "1 |", "2 |", "3 |"))) == 4
     assert "bubble (idle / busy per rank): 0.188; theory 0.188 ((p-1)/(v·m))" in r.stdout
     assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
-    r = run_cli("schedule", "--pp", "4", "--microbatches", "2")
+    r = run_here("schedule", "--pp", "4", "--microbatches", "2")
     assert r.returncode == 2 and "gpipe also runs fewer" in r.stderr
