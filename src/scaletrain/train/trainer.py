@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import errno
 import json
@@ -32,6 +33,7 @@ from scaletrain.config import JobConfig
 from scaletrain.data.dataset import WindowDataset, open_data, open_validation
 from scaletrain.data.loader import StepSampler, build_loader, rank_slices, validation_batches
 from scaletrain.errors import CheckpointError, ConfigError, DataError, TrainingStopped, UserError
+from scaletrain.layout import Layout
 from scaletrain.model.flops import flops_per_token
 from scaletrain.model.generate import generate
 from scaletrain.model.loss import cross_entropy_sum
@@ -67,6 +69,16 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _with_layout_of(cfg: JobConfig, rt: Runtime) -> Runtime:
+    """The runtime with `cfg`'s own layout: one group of processes (one mesh) can run configs
+    that differ in engine, stage or batch (bench, verify, the tests), never in the mesh."""
+    layout = Layout.from_config(cfg, rt.world_size)
+    if layout.mesh_shape != rt.layout.mesh_shape:
+        raise ConfigError(f"this group's mesh is {rt.layout.describe_ranks()}, but the config asks for "
+                          f"{layout.describe_ranks()}; start a group for that layout")
+    return dataclasses.replace(rt, layout=layout)
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig, runtime: Runtime | None = None, *, stream=None, restart: bool = False,
                  model: torch.nn.Module | None = None, loss_fn=None):
@@ -83,7 +95,7 @@ class Trainer:
         tensor and pipeline parallelism are refused."""
         self.cfg = cfg
         self._user_model, self.loss_fn = model, loss_fn or cross_entropy_sum
-        self.rt = rt = runtime or single_process(cfg)
+        self.rt = rt = _with_layout_of(cfg, runtime or single_process(cfg))
         rt.layout.check(cfg.model if model is None else None)  # a custom module: tp/pp refused later
         self.rank, self.world_size, self.device = rt.rank, rt.world_size, rt.device
         self.run_dir = Path(cfg.log.run_dir or self._shared(default_run_dir()))
