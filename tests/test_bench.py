@@ -92,6 +92,7 @@ def _check_rows(rows: list[dict]) -> None:
         assert 0 < r["mfu"]
 
 
+@pytest.mark.slow
 def test_step_with_a_variant_and_the_hand_written_loop():
     r = run_cli("bench", "step", *MICRO_ARGS, "--steps", "3", "--warmup", "1", "--vs", "optim.name=sgd",
                 "--vs-plain-loop", "--json")
@@ -111,6 +112,7 @@ def test_step_with_a_variant_and_the_hand_written_loop():
     assert f"{rows[1]['speed']:.3f}" in text and f"{rows[1]['memory']:.3f}" in text
 
 
+@pytest.mark.slow
 def test_techniques_table_and_chart(tmp_path):
     png = tmp_path / "chart.png"
     # --max-slowdown 0: one noisy step must not drop a row here (tested on a fake clock below)

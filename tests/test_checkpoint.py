@@ -141,6 +141,7 @@ def test_export_safetensors(tmp_path):
         export_safetensors(path, out)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_then_stops(tmp_path):
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "scaletrain", "train", "--train.steps=100000", "--log.every=1",

@@ -2,9 +2,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import REPO, read_metrics, run_cli, run_here
 
 
+@pytest.mark.slow
 def test_default_run_trains_and_samples(tmp_path):
     # the built-in default (what `make demo` runs), cut to a few steps
     r = run_cli("train", "--config", "configs/tiny.toml", "--train.steps=3", f"--log.run_dir={tmp_path / 'run'}",
@@ -21,6 +24,7 @@ def test_default_run_trains_and_samples(tmp_path):
     assert r.returncode == 0 and (tmp_path / "m.safetensors").stat().st_size > 3_000_000 * 4
 
 
+@pytest.mark.slow
 def test_help_and_print_config():
     r = run_cli("train", "--help-config")
     assert r.returncode == 0

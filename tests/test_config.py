@@ -128,6 +128,7 @@ def test_override_parsing_errors():
     assert len(errors) == 2
 
 
+@pytest.mark.slow
 def test_cli_reports_errors_one_line_each_exit_2():
     r = run_cli("train", "--train.stpes=5", "--optim.lr=abc")
     assert r.returncode == 2

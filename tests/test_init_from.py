@@ -70,6 +70,7 @@ def math_finite(values) -> bool:
     return all(v == v and abs(v) != float("inf") for v in values)
 
 
+@pytest.mark.slow
 def test_hf_in_train_export_transformers_loads_and_matches(tmp_path):
     """HF -> 5 steps of fine-tuning -> export --format hf -> transformers, no scaletrain code."""
     hf = make_hf("llama", tmp_path / "hf")

@@ -21,6 +21,8 @@ from scaletrain.errors import user_error_from_os
 
 from conftest import MICRO, REPO, run_cli
 
+pytestmark = pytest.mark.slow  # real processes, signals and mounts (left out of make test-fast)
+
 MICRO_ARGS = [f"--{key}={value}" for key, value in MICRO.items()]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

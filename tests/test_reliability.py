@@ -21,6 +21,8 @@ from scaletrain.train.trainer import Trainer
 
 from conftest import REPO, micro_cfg, micro_overrides, read_metrics, run_group
 
+pytestmark = pytest.mark.slow  # real processes, signals and mounts (left out of make test-fast)
+
 TRAIN = ["--model.dim=64", "--model.n_layers=2", "--data.seq_len=32", "--train.global_batch=8", "--log.every=1",
          "--log.progress=off", "--log.tensorboard=false", "--train.sample_tokens=0"]
 

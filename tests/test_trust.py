@@ -101,6 +101,7 @@ def test_only_listed_metadata_classes_are_accepted():
 # Run folders are owned
 
 
+@pytest.mark.slow
 def test_second_run_in_the_same_folder_exits_2_and_the_first_finishes(tmp_path):
     run = tmp_path / "run"
     first = _popen("--train.steps=100000", f"--log.run_dir={run}", "--checkpoint.resume=auto")
@@ -218,6 +219,7 @@ def test_a_signal_during_the_stop_save_does_not_interrupt_it(tmp_path):
     assert ckpt.verify_checkpoint(Path(result["checkpoint"])) is None
 
 
+@pytest.mark.slow
 def test_repeated_sigterm_to_a_real_run_still_saves_then_exits_143(tmp_path):
     run = tmp_path / "run"
     proc = _popen("--train.steps=100000", f"--log.run_dir={run}")
