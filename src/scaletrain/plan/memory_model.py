@@ -42,13 +42,19 @@ class Dtypes:
 
     @classmethod
     def of(cls, precision: str) -> "Dtypes":
-        if precision in ("32-true", "tf32"):
-            return cls(4, 4, 0, 4, 4, False)
-        if precision in ("16-mixed", "bf16-mixed"):
-            return cls(4, 4, 0, 2, 4, True)
-        if precision == "bf16-true":
-            return cls(2, 2, 4, 2, 2, False)
-        raise ValueError(f"unknown precision {precision!r}")
+        return _dtypes_of(cls, precision)
+
+
+@lru_cache(maxsize=None)
+def _dtypes_of(cls, precision: str) -> Dtypes:
+    """Dtypes.of, cached: the search asks for every layout it evaluates."""
+    if precision in ("32-true", "tf32"):
+        return cls(4, 4, 0, 4, 4, False)
+    if precision in ("16-mixed", "bf16-mixed"):
+        return cls(4, 4, 0, 2, 4, True)
+    if precision == "bf16-true":
+        return cls(2, 2, 4, 2, 2, False)
+    raise ValueError(f"unknown precision {precision!r}")
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,7 @@ def engine_of(name: str) -> Engine:
     return ENGINES[name]
 
 
+@lru_cache(maxsize=256)
 def dtypes_for(wl: Workload) -> Dtypes:
     """The bytes each state takes under the workload's precision and engine."""
     d = Dtypes.of(wl.precision)
@@ -111,7 +118,8 @@ class ParamCounts:
         return self.sharded + self.replicated
 
 
-def _layer_params(cfg: ModelConfig, tp: int) -> tuple[int, int, int, list]:
+@lru_cache(maxsize=1024)
+def _layer_params(cfg: ModelConfig, tp: int) -> tuple[int, int, int, tuple]:
     h, kv, f = cfg.dim, cfg.kv_heads * cfg.head_size, cfg.hidden_dim
     q = cfg.n_heads * cfg.head_size  # = h unless head_dim is set apart
     n_ffn = 3 if cfg.activation == "swiglu" else 2
@@ -125,8 +133,8 @@ def _layer_params(cfg: ModelConfig, tp: int) -> tuple[int, int, int, list]:
         sharded += (q + 2 * kv) // tp
     if cfg.qk_norm:
         replicated += 2 * cfg.head_size
-    mats = [(q // tp, h), (kv // tp, h), (kv // tp, h), (h, q // tp)] + \
-           [(f // tp, h)] * (n_ffn - 1) + [(h, f // tp)]
+    mats = ((q // tp, h), (kv // tp, h), (kv // tp, h), (h, q // tp)) + \
+           ((f // tp, h),) * (n_ffn - 1) + ((h, f // tp),)
     return sharded, replicated, matmul // tp, mats
 
 
@@ -159,7 +167,7 @@ def _rank_params(cfg: ModelConfig, tp: int, pp: int, virtual: int, schedule: str
     layers = sum(stage_layers(cfg, layout)[pp_rank])
     s, r, mm, mats = _layer_params(cfg, tp)
     sharded, replicated, matmul = s * layers, r * layers, mm * layers
-    matrices = mats * layers
+    matrices = list(mats) * layers
     stages = stage_indices(layout.schedule, pp_rank, layout.pp, layout.virtual) if layout.pp > 1 else [0]
     last = layout.pp * (layout.virtual if layout.pp > 1 else 1) - 1
     h, V = cfg.dim, cfg.vocab_size

@@ -199,10 +199,9 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
     # the busiest pipeline rank sets the pace
     counts = [sum(c) for c in stage_layers(cfg, layout)]
     last = layout.pp * (layout.virtual if layout.pp > 1 else 1) - 1
-    compute = max(compute_seconds(cfg, wl, layout, cluster, counts[r],
-                                  last in (stage_indices(layout.schedule, r, layout.pp, layout.virtual)
-                                           if layout.pp > 1 else [0]))
-                  for r in range(layout.pp))
+    ranks = {(counts[r], last in (stage_indices(layout.schedule, r, layout.pp, layout.virtual)
+                                  if layout.pp > 1 else [0])) for r in range(layout.pp)}  # distinct ranks only
+    compute = max(compute_seconds(cfg, wl, layout, cluster, layers, head) for layers, head in ranks)
 
     m = layout.grad_accum  # micro-batches per step on each data-parallel rank
     act = layout.micro_batch * wl.seq_len / layout.cp * cfg.dim * d.compute  # one micro-batch's hidden states
