@@ -11,7 +11,7 @@ from conftest import REPO, read_metrics, run_cli, run_here
 def test_default_run_trains_and_samples(tmp_path):
     # the built-in default (what `make demo` runs), cut to a few steps
     r = run_cli("train", "--config", "configs/tiny.toml", "--train.steps=3", f"--log.run_dir={tmp_path / 'run'}",
-                "--train.sample_tokens=16", "--log.tensorboard=false")
+                "--train.sample_tokens=16", "--log.tensorboard=false", "--train.eval_batches=1")
     assert r.returncode == 0, r.stderr
     assert "sample: The " in r.stderr
     rows = read_metrics(tmp_path / "run")

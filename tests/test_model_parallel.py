@@ -36,10 +36,10 @@ FOUR = [
     ("dp2xtp2-zero2-sp", {"parallel.tp": 2, "parallel.zero": 2, "parallel.sp": True}),
     ("dp2xtp2-zero3", {"parallel.tp": 2, "parallel.zero": 3}),
     ("dp2xpp2-ddp", {"parallel.pp": 2, "parallel.zero": 0}),
+    ("dp2xtp2-zero0-sp", {"parallel.tp": 2, "parallel.zero": 0, "parallel.sp": True}),  # FSDP-style replicate
 ]
 EIGHT = [
     ("dp2xtp2xpp2-zero3", {"parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 3}),
-    ("dp2xtp2xpp2-zero0-sp", {"parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 0, "parallel.sp": True}),
 ]
 LLAMA = {"model.norm": "rmsnorm", "model.activation": "swiglu", "model.position": "rope", "model.n_kv_heads": 2}
 
@@ -83,7 +83,7 @@ def runs(tmp_path_factory):
     code, results, err = run_group(2, [{"overrides": micro_overrides(tmp / n, **{**BASE, **e})} for n, e in two], tmp)
     assert code == 0, err
     out.update({n: r for (n, _), r in zip(two, results)})
-    eight = EIGHT + [("resume-3d-zero2", {"parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 2,
+    eight = EIGHT + [("resume-3d-zero2", {"parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 2, "parallel.sp": True,
                                          "checkpoint.resume": step5, **LLAMA})]
     code, results, err = run_group(8, [{"overrides": micro_overrides(tmp / n, **{**BASE, **e})} for n, e in eight], tmp)
     assert code == 0, err

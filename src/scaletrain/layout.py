@@ -27,7 +27,7 @@ This module imports no torch at load time: the planner enumerates thousands of l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 from scaletrain.errors import ConfigError
@@ -105,8 +105,6 @@ class Layout:
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
-
-    world_size = world
 
     @property
     def global_batch(self) -> int:
@@ -288,9 +286,6 @@ class Layout:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    def replace(self, **changes) -> "Layout":
-        return replace(self, **changes)
 
     # ---- the device mesh ----------------------------------------------------------------------
 

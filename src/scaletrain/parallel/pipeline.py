@@ -27,8 +27,6 @@ from functools import lru_cache
 from torch import nn
 
 from scaletrain.config import ModelConfig
-from scaletrain.errors import ConfigError
-
 from scaletrain.layout import SCHEDULES, balanced_split_counts, chunks_per_rank  # noqa: F401 - re-exported
 
 

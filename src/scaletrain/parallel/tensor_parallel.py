@@ -28,9 +28,6 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from scaletrain.config import ModelConfig
-from scaletrain.errors import ConfigError
-
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool, first_block: str | None) -> None:
     """Shard `model` (a whole model or one pipeline chunk) over `tp_mesh` in place.
