@@ -111,6 +111,22 @@ def launch_here(task: str, args: list[str], nproc: int, timeout: float = 600) ->
         return code, captured.read()
 
 
+def mount_tmpfs(path: Path, options: str) -> bool:
+    """Mount a tmpfs with mount OPTIONS (e.g. "size=64k", "ro,size=1m") at `path`, for tests
+    of real full or read-only disks; False where this user cannot mount (not root)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def unmount(path: Path) -> None:
+    """Undo mount_tmpfs; a file still open there (a lock, a log) detaches it instead."""
+    if subprocess.run(["umount", str(path)], capture_output=True).returncode:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
 def micro_overrides(run_dir: Path, **overrides) -> dict:
     return {**MICRO, "log.run_dir": str(run_dir), **overrides}
 

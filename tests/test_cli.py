@@ -14,6 +14,7 @@ def test_default_run_trains_and_samples(tmp_path):
                 "--train.sample_tokens=16", "--log.tensorboard=false", "--train.eval_batches=1")
     assert r.returncode == 0, r.stderr
     assert "sample: The " in r.stderr
+    assert "validation loss" in r.stderr  # the demo's config evaluates on held-out text at the end
     rows = read_metrics(tmp_path / "run")
     assert [row["step"] for row in rows] == [1, 3]
     assert abs(rows[0]["loss"] - 5.55) < 0.2  # ln 256 at the start

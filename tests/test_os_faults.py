@@ -19,7 +19,7 @@ import pytest
 from scaletrain.cli import main
 from scaletrain.errors import user_error_from_os
 
-from conftest import MICRO, REPO, run_cli
+from conftest import MICRO, REPO, mount_tmpfs, run_cli, unmount
 
 pytestmark = pytest.mark.slow  # real processes, signals and mounts (left out of make test-fast)
 
@@ -51,14 +51,6 @@ def run_main(argv: list[str], capsys) -> tuple[int, str]:
 # Real faulty folders: read-only, full
 
 
-def _mount_tmpfs(path: Path, options: str) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
-
-
 def _refuses_writes(folder: Path) -> bool:
     try:
         (folder / "probe").mkdir()
@@ -73,7 +65,7 @@ def read_only_dir(tmp_path):
     """A folder nothing can be written to: a read-only tmpfs as root (who ignores permissions),
     a chmod 0o555 folder otherwise."""
     folder = tmp_path / "read-only"
-    mounted = _mount_tmpfs(folder, "ro,size=1m")
+    mounted = mount_tmpfs(folder, "ro,size=1m")
     if not mounted:
         folder.mkdir(exist_ok=True)
         folder.chmod(0o555)
@@ -83,8 +75,7 @@ def read_only_dir(tmp_path):
         yield folder
     finally:
         if mounted:
-            if subprocess.run(["umount", str(folder)], capture_output=True).returncode:
-                subprocess.run(["umount", "-l", str(folder)], capture_output=True)  # a file still open: detach it
+            unmount(folder)
         else:
             folder.chmod(0o755)
 
@@ -93,7 +84,7 @@ def read_only_dir(tmp_path):
 def full_dir(tmp_path):
     """A real tmpfs with no space left."""
     folder = tmp_path / "full"
-    if not _mount_tmpfs(folder, "size=64k"):
+    if not mount_tmpfs(folder, "size=64k"):
         pytest.skip("cannot mount a small tmpfs here (needs root and mount rights)")
     try:
         fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT)
@@ -106,8 +97,7 @@ def full_dir(tmp_path):
         assert e.value.errno == errno.ENOSPC
         yield folder
     finally:
-        if subprocess.run(["umount", str(folder)], capture_output=True).returncode:
-            subprocess.run(["umount", "-l", str(folder)], capture_output=True)  # a file still open: detach it
+        unmount(folder)
 
 
 READ_ONLY_REASONS = ("the file system is read-only", "permission denied")

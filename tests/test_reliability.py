@@ -19,7 +19,7 @@ from scaletrain.errors import CheckpointError
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.trainer import Trainer
 
-from conftest import REPO, micro_cfg, micro_overrides, read_metrics, run_group
+from conftest import REPO, micro_cfg, micro_overrides, mount_tmpfs, read_metrics, run_group, unmount
 
 pytestmark = pytest.mark.slow  # real processes, signals and mounts (left out of make test-fast)
 
@@ -143,17 +143,9 @@ def test_twenty_five_random_kills_during_saves_never_lose_the_last_checkpoint(tm
     print(f"kills survived: 25, last complete step {last}, partial folders left aside: {leftovers}")
 
 
-def _mount_tmpfs(path: Path, size: str) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
-
-
 def test_full_disk_during_save_is_one_clear_error_and_keeps_the_last_checkpoint(tmp_path):
     disk = tmp_path / "small-disk"
-    if not _mount_tmpfs(disk, "3m"):
+    if not mount_tmpfs(disk, "size=3m"):
         pytest.skip("cannot mount a small tmpfs here (needs root and mount rights)")
     try:
         cfg = micro_cfg(tmp_path, **{"checkpoint.dir": str(disk), "checkpoint.keep": 5, "checkpoint.every": 1,
@@ -171,8 +163,7 @@ def test_full_disk_during_save_is_one_clear_error_and_keeps_the_last_checkpoint(
                                                  "train.steps": 10}))
         assert resumed.step == len(saved)
     finally:
-        if subprocess.run(["umount", str(disk)], capture_output=True).returncode:
-            subprocess.run(["umount", "-l", str(disk)], capture_output=True)  # a file still open: detach it
+        unmount(disk)
 
 
 def test_full_disk_reported_where_tmpfs_is_unavailable(tmp_path, monkeypatch):

@@ -23,7 +23,7 @@ from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.export import export_safetensors
 from scaletrain.train.trainer import Trainer
 
-from conftest import REPO, forge_checksums, micro_cfg, read_metrics
+from conftest import REPO, forge_checksums, micro_cfg, mount_tmpfs, read_metrics, unmount
 
 CLI_MICRO = ["--model.dim=64", "--model.n_layers=2", "--model.max_seq_len=32", "--data.seq_len=32",
              "--train.global_batch=4", "--log.every=1", "--log.progress=off", "--log.tensorboard=false",
@@ -362,17 +362,9 @@ def test_every_step_skipped_under_fp16_stops(tmp_path):
 # OS faults during training
 
 
-def _mount_tmpfs(path: Path, size: str) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
-
-
 def test_full_disk_for_metrics_saves_an_emergency_checkpoint_first(tmp_path):
     disk = tmp_path / "small-disk"
-    if not _mount_tmpfs(disk, "64k"):
+    if not mount_tmpfs(disk, "size=64k"):
         pytest.skip("cannot mount a small tmpfs here (needs root and mount rights)")
     try:
         run = disk / "run"
@@ -389,8 +381,7 @@ def test_full_disk_for_metrics_saves_an_emergency_checkpoint_first(tmp_path):
         assert str(e.value) == (f"step {step - 1}: writing metrics to {run / 'metrics.jsonl'} failed: the disk is "
                                 f"full; checkpoint {saved} was saved first, resume from it once there is room")
     finally:
-        if subprocess.run(["umount", str(disk)], capture_output=True).returncode:
-            subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+        unmount(disk)
 
 
 def test_out_of_memory_in_activations_is_one_line_with_the_fix(tmp_path):

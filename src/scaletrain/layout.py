@@ -140,24 +140,6 @@ class Layout:
         same weights, so engines that have cp shard over them too)."""
         return (self.dp_shard if self.dp > 1 else 1) * self.cp
 
-    # ---- the planner's short names ------------------------------------------------------------
-
-    @property
-    def schedule(self) -> str:
-        return self.pp_schedule
-
-    @property
-    def virtual(self) -> int:
-        return self.pp_virtual_stages
-
-    @property
-    def ac(self) -> str:
-        return self.activation_checkpointing
-
-    @property
-    def offload(self) -> bool:
-        return self.offload_optimizer
-
     # ---- checks -------------------------------------------------------------------------------
 
     def errors(self, model=None, *, engine: str = "scaletrain") -> list[str]:

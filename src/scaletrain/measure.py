@@ -153,7 +153,7 @@ def predicted_components(ev, cfg, wl, layout, gpu: bool = False) -> dict:
     from scaletrain.plan.memory_model import RUNTIME_BYTES_GPU, in_flight
 
     m = ev.memory
-    flight = max(in_flight(layout.schedule, layout.pp, layout.grad_accum, layout.virtual)) if layout.pp > 1 else 1
+    flight = max(in_flight(layout.pp_schedule, layout.pp, layout.grad_accum, layout.pp_virtual_stages)) if layout.pp > 1 else 1
     return {"params": m.params + m.master, "grads": m.grads, "optimizer": m.optimizer,
             "activations": m.activations / flight + m.logits_loss,
             "peak": m.total - (RUNTIME_BYTES_GPU if gpu else 0), "step_time_s": ev.time.step_time_s}

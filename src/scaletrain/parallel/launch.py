@@ -154,15 +154,11 @@ def prepare_worker(cfg: JobConfig) -> tuple[JobConfig, Runtime]:
 
         cfg = from_dict(box[0])
     layout = Layout.from_config(cfg, world)
-    key = (device.type, layout.mesh_shape)
-    if key not in _meshes:  # one set of process groups per mesh shape for the life of the process
-        _meshes[key] = layout.build_mesh(device.type)
-    mesh, dp_mesh = _meshes[key]
+    mesh, dp_mesh = layout.build_mesh(device.type)
     return cfg, Runtime(rank, local_rank, world, local_world, device, layout, mesh, dp_mesh, _start_progress(rank))
 
 
 _progress = None
-_meshes: dict = {}  # (device type, mesh shape) -> (mesh, dp mesh): several runs in one group share them
 
 
 def _start_progress(rank: int):
@@ -198,7 +194,6 @@ def _attempt_store(rank: int, world: int, timeout: timedelta) -> dict:
 
 def shutdown() -> None:
     global _progress
-    _meshes.clear()
     if _progress is not None:
         _progress.stop()
         _progress = None

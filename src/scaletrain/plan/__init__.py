@@ -140,7 +140,7 @@ def _plan_module(src: ModelSource, wl: Workload, cluster: Cluster, layout, top_k
     evaluated = []
     act_cache: dict[int, float] = {}
     for lay in candidates:
-        if lay.tp > 1 or lay.pp > 1 or lay.ac != "none":
+        if lay.tp > 1 or lay.pp > 1 or lay.activation_checkpointing != "none":
             raise ConfigError("for an nn.Module the planner covers data parallelism and ZeRO only (tp=1, pp=1, ac none)")
         if lay.micro_batch not in act_cache:
             act_cache[lay.micro_batch] = traced_module_bytes(module, wl, lay.micro_batch, vocab)

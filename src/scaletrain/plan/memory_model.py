@@ -144,7 +144,7 @@ def stage_layers(cfg: ModelConfig, layout: Layout) -> list[list[int]]:
 
     if layout.pp == 1:
         return [[cfg.n_layers]]
-    return _stage_layers(cfg.n_layers, layout.pp, layout.virtual, layout.schedule, head_cost_in_blocks(cfg))
+    return _stage_layers(cfg.n_layers, layout.pp, layout.pp_virtual_stages, layout.pp_schedule, head_cost_in_blocks(cfg))
 
 
 @lru_cache(maxsize=4096)
@@ -156,7 +156,7 @@ def _stage_layers(n_layers: int, pp: int, virtual: int, schedule: str, head_cost
 
 
 def rank_params(cfg: ModelConfig, layout: Layout, pp_rank: int) -> ParamCounts:
-    return _rank_params(cfg, layout.tp, layout.pp, layout.virtual, layout.schedule, pp_rank)
+    return _rank_params(cfg, layout.tp, layout.pp, layout.pp_virtual_stages, layout.pp_schedule, pp_rank)
 
 
 @lru_cache(maxsize=16384)
@@ -168,8 +168,8 @@ def _rank_params(cfg: ModelConfig, tp: int, pp: int, virtual: int, schedule: str
     s, r, mm, mats = _layer_params(cfg, tp)
     sharded, replicated, matmul = s * layers, r * layers, mm * layers
     matrices = list(mats) * layers
-    stages = stage_indices(layout.schedule, pp_rank, layout.pp, layout.virtual) if layout.pp > 1 else [0]
-    last = layout.pp * (layout.virtual if layout.pp > 1 else 1) - 1
+    stages = stage_indices(layout.pp_schedule, pp_rank, layout.pp, layout.pp_virtual_stages) if layout.pp > 1 else [0]
+    last = layout.num_stages - 1
     h, V = cfg.dim, cfg.vocab_size
     if 0 in stages:
         sharded += V * h // tp
@@ -490,7 +490,7 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
         # the vocabulary-parallel embedding's gradient arrives replicated (DTensor's embedding
         # backward), full size on every tensor-parallel rank, in the parameters' dtype
         out.grads += cfg.vocab_size * cfg.dim * (1 - 1 / layout.tp) * d.grad
-    if layout.offload and zero == 3:
+    if layout.offload_optimizer and zero == 3:
         out.host = out.params + out.grads + out.optimizer
         out.params = out.grads = out.optimizer = 0.0
         out.notes.append("parameters, gradients and optimizer state live in host memory (offload)")
@@ -499,24 +499,24 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
     layers = sum(stage_layers(cfg, layout)[pp_rank])
     from scaletrain.parallel.pipeline import stage_indices
 
-    stages = stage_indices(layout.schedule, pp_rank, layout.pp, layout.virtual) if layout.pp > 1 else [0]
-    last = layout.pp * (layout.virtual if layout.pp > 1 else 1) - 1
-    flight = in_flight(layout.schedule, layout.pp, layout.grad_accum, layout.virtual)[pp_rank]
+    stages = stage_indices(layout.pp_schedule, pp_rank, layout.pp, layout.pp_virtual_stages) if layout.pp > 1 else [0]
+    last = layout.num_stages - 1
+    flight = in_flight(layout.pp_schedule, layout.pp, layout.grad_accum, layout.pp_virtual_stages)[pp_rank]
     if activations == "traced":
         if not ours or layout.cp > 1:
             raise ValueError("traced activations count scaletrain's own layer (engine scaletrain, cp 1)")
         from scaletrain.plan.trace import traced_activation_bytes
 
-        per_layer, head = traced_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp, layout.ac)
+        per_layer, head = traced_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp, layout.activation_checkpointing)
     elif activations == "formula":
-        per_layer, head = formula_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp, layout.ac,
+        per_layer, head = formula_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp, layout.activation_checkpointing,
                                                    fsdp_like, layout.cp)
     else:
         raise ValueError(f"unknown activation source {activations!r}")
     out.activations = per_layer * layers * flight
     if 0 in stages and activations == "formula":
         out.activations += first_layer_extra_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp,
-                                                   layout.ac, layout.cp) * flight
+                                                   layout.activation_checkpointing, layout.cp) * flight
     if last in stages:
         # the head's activations live from the last forward of a micro-batch to its backward:
         # one micro-batch at a time on the last stage
@@ -544,10 +544,10 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
         if d.master and not fsdp_like:  # bf16-true: fp32 gradients exist at step time only
             grads_in_backward = P * d.grad / (n if grad_zero >= 2 else 1) + (out.grads - min(out.grads, P * 4))
         recompute = 0.0
-        if layout.ac != "none":  # backward rebuilds one layer's activations at a time
+        if layout.activation_checkpointing != "none":  # backward rebuilds one layer's activations at a time
             full = formula_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp, "none", fsdp_like)[0]
             recompute = full - formula_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp,
-                                                        layout.ac, fsdp_like)[0]
+                                                        layout.activation_checkpointing, fsdp_like)[0]
         out.peak = _peak(out, layout, zero, n, fsdp_like, grads_in_backward, recompute, bucket, P * 4)
     out.reserve = RESERVE_FRACTION * (out.peak if out.peak is not None else
                                       out.model_states + out.activations + out.logits_loss + out.comm_buffers)

@@ -198,13 +198,13 @@ def explain(best: Evaluated, ranked: list[Evaluated], cfg: ModelConfig, wl: Work
                      f"network, costing {1e3 * best.time.tp_comm_s:.0f} ms per step"
                      + (" (sequence parallel splits the norms' activations too)." if lay.sp else "."))
     if lay.pp > 1:
-        lines.append(f"Pipeline {lay.pp} ({lay.schedule}) with {lay.grad_accum} micro-batches idles "
+        lines.append(f"Pipeline {lay.pp} ({lay.pp_schedule}) with {lay.grad_accum} micro-batches idles "
                      f"{100 * best.time.bubble_fraction:.1f}% of the busy time: {1e3 * best.time.bubble_s:.0f} ms "
                      f"per step.")
-    if lay.ac != "none":
-        lines.append(f"Activation checkpointing {lay.ac}: without it the activations would not fit "
+    if lay.activation_checkpointing != "none":
+        lines.append(f"Activation checkpointing {lay.activation_checkpointing}: without it the activations would not fit "
                      "or the micro-batch would have to shrink." if not _fits_without_ac(best, cfg, wl, cluster, gpu)
-                     else f"Activation checkpointing {lay.ac} lets a larger micro-batch fit.")
+                     else f"Activation checkpointing {lay.activation_checkpointing} lets a larger micro-batch fit.")
     runner = next((e for e in ranked if e.fits and e.layout != lay), None)
     if runner is not None:
         diff = _differences(lay, runner.layout)
@@ -220,7 +220,8 @@ def _fits_without_ac(best: Evaluated, cfg, wl, cluster, gpu) -> bool:
 
 def _differences(a: Layout, b: Layout) -> str:
     names = {"dp_replicate": "dp replicate", "dp_shard": "dp shard", "tp": "tp", "pp": "pp", "zero": "zero stage",
-             "sp": "sequence parallel", "schedule": "schedule", "virtual": "virtual stages",
-             "micro_batch": "micro-batch", "grad_accum": "accumulation", "ac": "checkpointing", "offload": "offload"}
+             "cp": "cp", "sp": "sequence parallel", "pp_schedule": "schedule", "pp_virtual_stages": "virtual stages",
+             "micro_batch": "micro-batch", "grad_accum": "accumulation", "activation_checkpointing": "checkpointing",
+             "offload_optimizer": "offload"}
     out = [f"{names[k]} {getattr(a, k)} → {getattr(b, k)}" for k in names if getattr(a, k) != getattr(b, k)]
     return ", ".join(out) or "nothing"

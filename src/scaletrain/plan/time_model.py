@@ -174,7 +174,7 @@ def compute_seconds(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clu
     memory_s = traffic / (hw.memory_GBps * 1e9 * HBM_EFFICIENCY)
     layer_s = linear_s + attn_s
     recompute = {"none": 0.0, "full": layer_s / 3.0 + memory_s / 3.0,
-                 "selective": SELECTIVE_RECOMPUTE * (layer_s + memory_s)}[layout.ac]
+                 "selective": SELECTIVE_RECOMPUTE * (layer_s + memory_s)}[layout.activation_checkpointing]
     return layer_s + head_s + memory_s + recompute
 
 
@@ -192,14 +192,14 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
     tokens = wl.tokens
     model_flops = flops_per_token(cfg, wl.seq_len) * tokens
     layer_share = 1.0 - 6.0 * cfg.dim * cfg.vocab_size / (flops_per_token(cfg, wl.seq_len))  # not the head
-    recompute = {"none": 0.0, "full": layer_share / 3.0, "selective": 0.0}[layout.ac]
+    recompute = {"none": 0.0, "full": layer_share / 3.0, "selective": 0.0}[layout.activation_checkpointing]
     hardware_flops = model_flops * (1.0 + recompute)
     world = layout.world
 
     # the busiest pipeline rank sets the pace
     counts = [sum(c) for c in stage_layers(cfg, layout)]
-    last = layout.pp * (layout.virtual if layout.pp > 1 else 1) - 1
-    ranks = {(counts[r], last in (stage_indices(layout.schedule, r, layout.pp, layout.virtual)
+    last = layout.num_stages - 1
+    ranks = {(counts[r], last in (stage_indices(layout.pp_schedule, r, layout.pp, layout.pp_virtual_stages)
                                   if layout.pp > 1 else [0])) for r in range(layout.pp)}  # distinct ranks only
     compute = max(compute_seconds(cfg, wl, layout, cluster, layers, head) for layers, head in ranks)
 
@@ -228,10 +228,10 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
     bubble = 0.0
     if layout.pp > 1:
         pp_bw = _group_link_GBps(cluster, layout.tp * layout.cp * layout.dp, layout.pp) * 1e9
-        chunks = layout.virtual if layout.schedule in ("interleaved-1f1b", "zero-bubble") else 1
+        chunks = layout.chunks_per_rank
         sent = act / (layout.tp if layout.sp else 1)
         pp_comm = 2 * m * chunks * sent / pp_bw * PIPELINE_SEND_EXPOSED
-        bubble = schedule_bubble(layout.schedule, layout.pp, m, layout.virtual)
+        bubble = schedule_bubble(layout.pp_schedule, layout.pp, m, layout.pp_virtual_stages)
 
     # data parallel (ZeRO shards over the dp_shard × cp ranks, which hold the same weights)
     dp_comm = dp_exposed = 0.0
@@ -268,7 +268,7 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
         opt_params /= n_shard
     state_b = {"adamw": 8, "sgd": 4, "adafactor": 0.1, "adamw8bit": 2}[wl.optimizer]
     touched = opt_params * (2 * max(d.param, 4) + 4 + 2 * state_b + (8 if d.master else 0))
-    if layout.offload:
+    if layout.offload_optimizer:
         optimizer = touched / (OFFLOAD_HOST_GBPS * 1e9) + opt_params * 8 / (OFFLOAD_PCIE_GBPS * 1e9)
     else:
         optimizer = touched / (hw.memory_GBps * 0.8 * 1e9)
