@@ -75,7 +75,7 @@ def rank_main(*argv: str) -> int:
     """One rank of a layout (the `model_parallel:rank_main` task of scaletrain.worker)."""
     import torch.distributed as dist
 
-    from scaletrain.parallel.launch import init_worker
+    from scaletrain.runtime import init_worker
     from scaletrain.train.trainer import Trainer
 
     args, extra = _parser().parse_known_args(argv)
@@ -102,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args, extra = _parser().parse_known_args(argv)
 
-    from scaletrain.parallel.launch import launch
+    from scaletrain.launcher import launch
     from scaletrain.train.trainer import Trainer
 
     cfg = _config(args, extra, {}, tempfile.mkdtemp(prefix="mp-single-"))

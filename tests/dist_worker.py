@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config import load_config
-from scaletrain.parallel.launch import init_worker
+from scaletrain.runtime import init_worker
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.trainer import Trainer
 

@@ -36,7 +36,7 @@ def offenders(files, forbidden: tuple[str, ...]) -> list[str]:
 
 @pytest.mark.parametrize("files,forbidden", [
     ([PACKAGE / "config.py"], ("scaletrain.parallel", "scaletrain.plan", "scaletrain.train")),
-    (sorted((PACKAGE / "plan").glob("*.py")), ("scaletrain.train", "scaletrain.parallel.launch")),
+    (sorted((PACKAGE / "plan").glob("*.py")), ("scaletrain.train", "scaletrain.launcher")),
     (sorted((PACKAGE / "train").glob("*.py")), ("scaletrain.plan",)),
     ([PACKAGE / "layout.py"], ("scaletrain.parallel", "scaletrain.plan", "scaletrain.train", "torch")),
 ], ids=["config", "plan", "train", "layout"])
@@ -64,3 +64,178 @@ def test_an_unknown_worker_task_is_one_line_and_exit_2():
     assert r.returncode == 2
     assert r.stderr.strip() == ("scaletrain: error: rank 0: unknown worker task 'nope'; known: train, verify, "
                                 "measure, bench-techniques, bench-comms or MODULE:FUNCTION")
+
+
+# ------------------------------------------------------------------------------------------
+# The house's shape (issue 18): no import loop, parallel/ holds techniques only, model/ stands
+# alone, no mutable module state, each vocabulary defined once
+
+
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (at the top or inside a function): `from
+    scaletrain.x import y` is an edge to scaletrain.x.y where that is a module, else to scaletrain.x."""
+    files = {module_name(f, package): f for f in package.rglob("*.py")}
+    graph = {}
+    for name, f in files.items():
+        found = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
+                             for a in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+        graph[name] = {m for m in found if m in files} - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_anywhere_in_the_package():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_finds_a_loop_through_a_local_import(tmp_path):
+    pkg = tmp_path / "scaletrain"
+    (pkg / "model").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "model" / "__init__.py").write_text("")
+    (pkg / "config.py").write_text("def f():\n    from scaletrain.model.hf import g\n")
+    (pkg / "model" / "hf.py").write_text("from scaletrain.config import f\n")
+    assert cycles(import_graph(pkg)) == [["scaletrain.config", "scaletrain.model.hf"]]
+
+
+@pytest.mark.parametrize("folder,forbidden", [
+    ("parallel", ("scaletrain.plan", "scaletrain.train", "scaletrain.cli", "scaletrain.launcher",
+                  "scaletrain.worker")),
+    ("model", ("scaletrain.config", "scaletrain.parallel", "scaletrain.train", "scaletrain.plan")),
+])
+def test_folder_boundaries(folder, forbidden):
+    files = sorted((PACKAGE / folder).glob("*.py"))
+    assert files and not offenders(files, forbidden)
+
+
+def test_the_worker_does_not_import_the_cli():
+    assert not offenders([PACKAGE / "worker.py"], ("scaletrain.cli",))
+
+
+def test_parallel_holds_techniques_only():
+    """The launcher, the runtime, the watchdog and the schedule simulator live outside parallel/."""
+    names = {f.stem for f in (PACKAGE / "parallel").glob("*.py")}
+    assert not names & {"launch", "launcher", "runtime", "watchdog", "timeline"}
+
+
+_MUTABLE_CALLS = ("list", "dict", "set", "defaultdict", "OrderedDict", "deque", "Counter")
+
+
+def mutable_module_state(path: Path) -> list[str]:
+    """`global` statements, and module-level names bound to a mutable container that are not
+    constants (UPPER_CASE)."""
+    tree = ast.parse(path.read_text())
+    found = [f"{path.name}:{n.lineno} global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)]
+
+    def mutable(value) -> bool:
+        if isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)):
+            return True
+        return isinstance(value, ast.Call) and getattr(value.func, "id", getattr(value.func, "attr", "")) in \
+            _MUTABLE_CALLS
+
+    def top_level(body):
+        for node in body:
+            if isinstance(node, (ast.If, ast.Try)):
+                yield from top_level(node.body + node.orelse + getattr(node, "finalbody", []) +
+                                     [s for h in getattr(node, "handlers", []) for s in h.body])
+            else:
+                yield node
+
+    for node in top_level(tree.body):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        for t in targets:
+            name = getattr(t, "id", None)
+            if name and not name.isupper() and name != "__all__" and node.value is not None and mutable(node.value):
+                found.append(f"{path.name}:{node.lineno} {name}")
+    return found
+
+
+def test_no_mutable_module_state():
+    found = [x for f in sorted(PACKAGE.rglob("*.py")) for x in mutable_module_state(f)]
+    assert found == []
+
+
+def test_the_state_check_sees_a_global_and_a_module_cache(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("LIMITS = {'a': 1}\n_cache = {}\n_seen = set()\n_progress = None\n"
+                 "def g():\n    global _progress\n    _progress = 1\n")
+    assert mutable_module_state(f) == ["m.py:6 global _progress", "m.py:2 _cache", "m.py:3 _seen"]
+
+
+def test_each_vocabulary_is_defined_once_and_the_tables_keyed_by_it_cover_it():
+    """The names live in scaletrain.vocab; tables that say what each name means cover exactly them."""
+    from scaletrain import vocab
+    from scaletrain.config import SECTIONS
+    from scaletrain.precision import COMPUTE_DTYPES
+
+    fields = {(s, f.name): f.metadata.get("choices") for s, cls in SECTIONS.items()
+              for f in __import__("dataclasses").fields(cls)}
+    assert fields[("precision", "mode")] == vocab.PRECISIONS
+    assert fields[("optim", "name")] == vocab.OPTIMIZERS
+    assert fields[("memory", "activation_checkpointing")] == vocab.AC_MODES
+    assert fields[("parallel", "pp_schedule")] == vocab.PP_SCHEDULES
+    assert set(COMPUTE_DTYPES) == set(vocab.PRECISIONS) == set(vocab.PEAK_KIND)
+    # no module types a vocabulary's names as a tuple of its own
+    spelled = {"PRECISIONS": '"32-true", "tf32", "16-mixed"', "OPTIMIZERS": '"adamw", "sgd", "adafactor"',
+               "PP_SCHEDULES": '"gpipe", "1f1b", "interleaved-1f1b"'}
+    for f in PACKAGE.rglob("*.py"):
+        if f.name != "vocab.py":
+            for name, text in spelled.items():
+                assert text not in f.read_text(), f"{f.relative_to(PACKAGE)} types the {name} again"
+
+
+def test_an_unknown_data_parallel_engine_is_an_error_not_zero():
+    import torch
+
+    from scaletrain.config import load_config
+    from scaletrain.layout import Layout
+    from scaletrain.parallel.parallelize import _engine
+    from scaletrain.precision import Precision
+    from scaletrain.runtime import Runtime
+
+    cfg = load_config(None, {"parallel.zero": 3})
+    layout = Layout(dp_shard=2, zero=5)  # a stage that does not exist
+    rt = Runtime(0, 0, 2, 2, torch.device("cpu"), layout)
+    with pytest.raises(ValueError, match="unknown data-parallel engine 'zero5'"):
+        _engine([], cfg, rt, Precision(cfg.precision, torch.device("cpu")))

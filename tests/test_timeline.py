@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from scaletrain.errors import ConfigError
-from scaletrain.parallel import timeline
+from scaletrain.plan import timeline
 
 from conftest import run_here
 

@@ -7,22 +7,17 @@ and exits with code 2; there is no traceback for those.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
 import os
 import signal
 import sys
 import threading
 from typing import Sequence
 
-from scaletrain.errors import UserError, user_error_from_os
+from scaletrain.errors import UserError, config_paths, os_errors_named, user_error_from_os
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2, like our other user errors
         raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
-
-
-LAUNCH_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--max-restarts")
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
@@ -35,68 +30,47 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.print_config:
         print(cfg.to_json())
         return 0
-    from scaletrain.parallel import launch
+    from scaletrain.runtime import is_worker
 
-    if launch.is_worker():  # started by torchrun (our launcher starts scaletrain.worker itself)
+    if is_worker():  # started by torchrun (our launcher starts scaletrain.worker itself)
         from scaletrain import worker
+        from scaletrain.train import job
 
-        worker.main(args.argv)  # does not return
-    with _os_errors_name(_paths_of(cfg)):
+        worker.run(job.train, cfg)  # does not return
+    with os_errors_named(config_paths(cfg)):
         if args.nproc is None:
+            from scaletrain.plan.auto import resolve
+            from scaletrain.runtime import pick_device, single_process
+            from scaletrain.train.job import exit_code
             from scaletrain.train.trainer import Trainer
 
-            if cfg.parallel.layout == "auto":
-                cfg = _auto(cfg, 1)
+            cfg, layout = resolve(cfg, 1, pick_device(cfg.train.device), note=_note)
             if cfg.train.compile:
                 _check_compiler(cfg.train.device, 1)
-            return _exit_code(Trainer(cfg).fit())
+            return exit_code(Trainer(cfg, single_process(cfg, layout)).fit())
         return _launch(args, cfg)
 
 
 def _check_compiler(device_name: str, ranks: int) -> None:
     """torch.compile's C++ compiler, checked before anything is built or written."""
-    from scaletrain.parallel.launch import pick_device
+    from scaletrain.runtime import pick_device
     from scaletrain.parallel.parallelize import check_compiler
 
     check_compiler(pick_device(device_name, 0, ranks))
 
 
-def _paths_of(cfg) -> dict[str, str]:
-    """The config's paths by option, to name the option in an OS error on one of them."""
-    resume = cfg.checkpoint.resume if cfg.checkpoint.resume not in ("none", "auto") else ""
-    return {"log.run_dir": cfg.log.run_dir, "checkpoint.dir": cfg.checkpoint.dir, "data.path": cfg.data.path,
-            "checkpoint.resume": resume}
-
-
-OUTPUT_OPTIONS = ("log.run_dir", "checkpoint.dir", "--out")  # what a write without a file name went to
-
-
-@contextlib.contextmanager
-def _os_errors_name(paths: dict):
-    """Turn an OS error on a user's path into one line that names the option it came from."""
-    try:
-        yield
-    except OSError as e:
-        error = user_error_from_os(e, paths, outputs=OUTPUT_OPTIONS)
-        if error is None:
-            raise
-        raise error from None
-
-
-def _auto(cfg, world: int):
-    from scaletrain.parallel.launch import pick_device
-    from scaletrain.plan.auto import auto_layout
-
-    cfg, best = auto_layout(cfg, world, pick_device(cfg.train.device, 0, world))
-    print(f"scaletrain: parallel.layout=auto chose {best.layout.describe()} (planner: "
-          f"{best.time.tokens_per_s:,.0f} tokens/s, {best.memory.total / 2**30:.2f} GiB per rank)", file=sys.stderr)
-    return cfg
+def _note(line: str) -> None:
+    """A line about a choice made for the user (parallel.layout=auto's), on stderr."""
+    print(f"scaletrain: {line}", file=sys.stderr)
 
 
 def _launch(args: argparse.Namespace, cfg) -> int:
-    """Check the whole request here, once, then start the workers."""
-    from scaletrain.layout import Layout
-    from scaletrain.parallel import launch
+    """Check the whole request here, once, settle the config and its layout (`auto` chosen),
+    and start the workers, each handed both (scaletrain.train.job)."""
+    from scaletrain import launcher
+    from scaletrain.plan.auto import resolve
+    from scaletrain.runtime import pick_device
+    from scaletrain.train import job
     from scaletrain.train.trainer import default_run_dir
 
     from scaletrain.errors import LaunchError
@@ -105,23 +79,20 @@ def _launch(args: argparse.Namespace, cfg) -> int:
         if value < 1:  # before any arithmetic on the world size
             raise LaunchError(f"{flag} must be at least 1, got {value}")
     world = args.nproc * args.nnodes
-    launch.pick_device(cfg.train.device, 0, args.nproc)
+    device = pick_device(cfg.train.device, 0, args.nproc)
     if cfg.train.compile:  # every rank would fail the same way: say it once, here
         _check_compiler(cfg.train.device, args.nproc)
-    worker_args = _strip_launch_flags(args.argv[1:])
-    if cfg.parallel.layout == "auto":  # choose once, here, and hand every rank the same layout
-        cfg = _auto(cfg, world)
-        worker_args += [f"--{section}.{key}={value}" for section, body in cfg.to_dict().items()
-                        for key, value in body.items() if section in ("parallel", "train", "memory")]
-    Layout.from_config(cfg, world).check(cfg.model)
+    cfg, layout = resolve(cfg, world, device, gpus_per_node=args.nproc, note=_note)
+    layout.check(cfg.model)
+    if not cfg.log.run_dir:  # every rank (and node) must write to the same folder
+        cfg = cfg.replace(**{"log.run_dir": default_run_dir()})
     run_dir = cfg.log.run_dir
-    if not run_dir:  # every rank (and node) must write to the same folder
-        run_dir = default_run_dir()
-        worker_args.append(f"--log.run_dir={run_dir}")
     _check_writable({"log.run_dir": run_dir, "checkpoint.dir": cfg.checkpoint.dir})
-    return launch.launch("train", worker_args, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-                         rdzv_endpoint=args.rdzv_endpoint or "", rdzv_id=args.rdzv_id, max_restarts=args.max_restarts,
-                         checkpoint_dir=cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+    with launcher.spec_file(job.spec(cfg, layout), prefix="scaletrain-train-") as spec:
+        return launcher.launch("train", [spec], nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                               rdzv_endpoint=args.rdzv_endpoint or "", rdzv_id=args.rdzv_id,
+                               max_restarts=args.max_restarts,
+                               checkpoint_dir=cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
 
 
 def _check_writable(paths: dict[str, str]) -> None:
@@ -145,58 +116,11 @@ def _check_writable(paths: dict[str, str]) -> None:
             raise user_error_from_os(OSError(code, os.strerror(code), folder), {option: path})
 
 
-def _strip_launch_flags(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        name = arg.split("=", 1)[0]
-        if name in LAUNCH_FLAGS:
-            skip = "=" not in arg
-            continue
-        out.append(arg)
-    return out
-
-
-def train_rank(*argv: str) -> int:
-    """One rank of `scaletrain train` (the `train` task of scaletrain.worker, which reports its
-    failures): ARGV is the command line after `train`, launch flags removed."""
-    from scaletrain.config import load_config
-    from scaletrain.parallel import launch
-    from scaletrain.train.trainer import Trainer
-
-    args, extra = build_parser().parse_known_args(["train", *argv])
-    cfg = load_config(args.config, extra)
-    rank = int(os.environ.get("RANK", "0"))
-    restarts = launch.restart_count()
-    if restarts > 0 and cfg.checkpoint.resume == "none":
-        # the launcher restarted the group after a failure: continue from the newest checkpoint
-        cfg = cfg.replace(**{"checkpoint.resume": "auto"})
-    if restarts > 0 and rank == 0:
-        print(f"scaletrain: restart {restarts} of at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}: "
-              "a rank failed; the group resumes from its newest complete checkpoint", file=sys.stderr, flush=True)
-    with _os_errors_name(_paths_of(cfg)):
-        cfg, rt = launch.prepare_worker(cfg)
-        return _exit_code(Trainer(cfg, rt, restart=restarts > 0).fit())
-
-
-def _exit_code(result: dict) -> int:
-    if result["stopped_by"] is None:
-        return 0
-    # stopped by a signal and saved: this process is on its way out; later signals (a second
-    # Ctrl-C) must not turn exit 128+N into a death by signal. SIG_IGN, unlike a Python handler,
-    # outlives the interpreter's own shutdown.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
-    return 128 + int(result["stopped_by"])
-
-
 def _prepare(args: argparse.Namespace, extra: list[str]) -> int:
     _no_extra(extra)
     from scaletrain.data.prepare import prepare
 
-    with _os_errors_name({"--out": args.out}):
+    with os_errors_named({"--out": args.out}):
         meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                        tokenizer_file=args.tokenizer_file, text_key=args.text_key, shard_tokens=args.shard_tokens,
                        val_fraction=args.val_fraction)
@@ -216,7 +140,7 @@ def _eval(args: argparse.Namespace, extra: list[str]) -> int:
 
     from scaletrain.train.evaluate import evaluate_checkpoint
 
-    with _os_errors_name({"checkpoint": args.checkpoint, "--data": args.data or ""}):
+    with os_errors_named({"checkpoint": args.checkpoint, "--data": args.data or ""}):
         r = evaluate_checkpoint(args.checkpoint, args.data, args.batches, args.device)
     if args.json:
         print(json.dumps(r, indent=1))
@@ -231,7 +155,7 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
     from scaletrain.train.export import export_safetensors
     from scaletrain.train.export_hf import export_hf
 
-    with _os_errors_name({"--out": args.out, "checkpoint": args.checkpoint}):
+    with os_errors_named({"--out": args.out, "checkpoint": args.checkpoint}):
         out = export_hf(args.checkpoint, args.out) if args.format == "hf" else \
             export_safetensors(args.checkpoint, args.out)
     print(f"wrote {out}")
@@ -240,7 +164,7 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _schedule(args: argparse.Namespace, extra: list[str]) -> int:
     _no_extra(extra)
-    from scaletrain.parallel import timeline
+    from scaletrain.plan import timeline
 
     timeline.check(args.schedule, args.pp, args.microbatches, args.virtual)
     _check_png("--png", args.png)
@@ -252,42 +176,41 @@ def _schedule(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-LAYOUT_FLAGS = ("zero", "tp", "pp", "cp", "dp_replicate", "dp_shard", "micro_batch", "ac", "sp", "schedule",
-                "virtual", "offload")
+def _at_least_1(name: str):
+    """argparse type of a count given by one of plan's short flags: an integer of at least 1
+    (the config's own names keep its meanings: train.micro_batch=0 derives, parallel.dp_shard=-1
+    takes the remaining ranks)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"layout sizes must be at least 1, got {name}={value}" if " " not in name
+                                             else f"{name} must be at least 1, got {value}")
+        return value
+    return parse
+
+
+def _alias_dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
 
 
 def _plan(args: argparse.Namespace, extra: list[str]) -> int:
     from scaletrain.plan import plan, report
+    from scaletrain.plan.options import ALIASES, read_request
 
     _check_png("--chart", args.chart)
-    settings = {}
-    model = args.model
-    if args.config:
-        from scaletrain.config import load_config
-        from scaletrain.layout import resolve_batch
-
-        cfg = load_config(args.config, extra)
-        extra = []
-        model = model or cfg.model
-        settings = {"seq_len": cfg.data.seq_len, "precision": cfg.precision.mode, "optimizer": cfg.optim.name,
-                    "global_batch": math.prod(resolve_batch(cfg.train.global_batch, cfg.train.micro_batch,
-                                                                cfg.train.grad_accum, 1))}
-    _no_extra(extra)
-    if model is None:
-        raise UserError("plan needs a model: a preset name, a TOML or a config.json path (or --config FILE)")
-    for key in ("seq_len", "global_batch", "precision", "optimizer"):
-        if getattr(args, key) is not None:
-            settings[key] = getattr(args, key)
-    settings.setdefault("seq_len", 2048)
-    settings.setdefault("global_batch", 256)
-    fixed = {k: getattr(args, k) for k in LAYOUT_FLAGS if getattr(args, k) is not None}
     hardware, nodes, per_node = args.hardware, args.nodes, args.gpus_per_node
     if args.measure:  # plan for the devices at hand, where the step will run
-        from scaletrain.parallel.launch import pick_device
+        nodes, per_node = 1, args.nproc or 1
+    aliases = {flag: getattr(args, _alias_dest(flag)) for flag in ALIASES}
+    req = read_request(args.model, args.config, aliases, extra, cp=args.cp, world=nodes * per_node)
+    if args.measure:
+        from scaletrain.runtime import pick_device
         from scaletrain.hardware import local_hardware
 
-        hardware, nodes, per_node = local_hardware(pick_device(cfg.train.device if args.config else "auto")), 1, \
-            args.nproc or 1
+        hardware = local_hardware(pick_device(req.cfg.train.device))
     if args.measure and (args.engine or "scaletrain") != "scaletrain":
         raise UserError(f"--measure runs scaletrain's trainer; it cannot measure a plan for --engine {args.engine}")
     comms_note = None
@@ -300,10 +223,10 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
         bus, comms_note = read_bus_bandwidth(args.comms)
         hw = hardware if isinstance(hardware, Hardware) else lookup(hardware, args.hardware_file)
         hardware = replace(hw, bus_GBps=bus)
-    result = plan(model, hardware=hardware, hardware_file=args.hardware_file, nodes=nodes,
-                  gpus_per_node=per_node, attention=args.attention, layout=fixed or None,
+    result = plan(req.model, hardware=hardware, hardware_file=args.hardware_file, nodes=nodes,
+                  gpus_per_node=per_node, attention=args.attention, layout=req.layout,
                   top_k=args.top, activations=args.activations, engine=args.engine, compile=args.compile,
-                  fp8=args.fp8, **settings)
+                  fp8=args.fp8, **req.workload)
     if args.json:
         print(report.to_json(result))
     else:
@@ -323,7 +246,8 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
 
         if not args.config:
             raise UserError("--measure runs a real step and needs a training config: --config FILE")
-        return measure_and_print(args.config, result["layouts"][0].layout, nproc=args.nproc or 1)
+        return measure_and_print(args.config, result["layouts"][0].layout, nproc=args.nproc or 1,
+                                 overrides=req.overrides)
     return 0 if result["layouts"][0].fits else 1
 
 
@@ -439,45 +363,63 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_eval, takes_overrides=False)
 
+    from scaletrain.plan.options import ALIASES
+    from scaletrain.plan.spec import ATTENTION
+    from scaletrain.vocab import AC_MODES, OPTIMIZERS, PLAN_ENGINES, PP_SCHEDULES, PRECISIONS, ZERO_STAGES
+
     p = sub.add_parser("plan", help="will it fit, and which layout is fastest",
-                       description="Search the layouts of a model on a cluster (or evaluate one fixed with "
-                                   "--zero/--tp/--pp/...), with every byte and second broken down.")
-    p.add_argument("model", nargs="?", help="preset name, TOML with a [model] section, or a Hugging Face config.json")
-    p.add_argument("--config", help="a training config: its model, sequence length, batch, precision, optimizer")
+                       description="Search the layouts of a model on a cluster, or evaluate the one the options fix, "
+                                   "with every byte and second broken down. Takes the options of `scaletrain train`: "
+                                   "--config FILE and --section.key=value (write the '='); the short flags below are "
+                                   "aliases of config keys. The layout keys given fix the layout (anything left out "
+                                   "is derived); with none given, it searches.")
+    p.add_argument("model", nargs="?", help="preset name, TOML with a [model] section, or a Hugging Face config.json "
+                                            "(default: the config's model)")
+    p.add_argument("--config", help="a training config: its model, sequence length, batch, precision, optimizer, "
+                                    "and the layout keys it gives")
     p.add_argument("--hardware", default="H100-SXM", help="catalog entry (V100-32GB, A100-40GB, A100-80GB, H100-SXM, "
                    "H100-PCIe, H200, B200, RTX-3090, RTX-4090) or one from --hardware-file")
     p.add_argument("--hardware-file", help="TOML with [[hardware]] tables of your own")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--seq-len", dest="seq_len", type=int)
-    p.add_argument("--global-batch", dest="global_batch", type=int, help="sequences per optimizer step")
-    p.add_argument("--precision", choices=("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true"))
-    p.add_argument("--optimizer", choices=("adamw", "sgd", "adafactor", "adamw8bit"))
-    p.add_argument("--attention", default="flash", choices=("flash", "eager"),
+    p.add_argument("--attention", default="flash", choices=ATTENTION,
                    help="memory-efficient attention kernels, or materialized scores")
     p.add_argument("--activations", default="formula", choices=("formula", "traced"),
                    help="closed form, or counted on the actual model under fake tensors (slower)")
-    p.add_argument("--engine", choices=("scaletrain", "megatron", "deepspeed"),
+    p.add_argument("--engine", choices=PLAN_ENGINES,
                    help="the engine that trains it: what it keeps in memory and how it communicates "
                         "(default: the model TOML's [plan] engine, else scaletrain)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction,
                    help="torch.compile fuses the element-wise work (default: the [plan] table's, else off)")
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction,
                    help="the linear layers' matmuls in float8 at the fp8 peak (default: the [plan] table's, else off)")
-    g = p.add_argument_group("a fixed layout (anything left out is derived)")
-    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3))
-    g.add_argument("--tp", type=int)
-    g.add_argument("--pp", type=int)
-    g.add_argument("--cp", type=int, help="context parallel: ranks that split every sequence (ring attention; "
-                                          "scaletrain's trainer has none: plan it with --engine megatron)")
-    g.add_argument("--dp-replicate", dest="dp_replicate", type=int)
-    g.add_argument("--dp-shard", dest="dp_shard", type=int)
-    g.add_argument("--micro-batch", dest="micro_batch", type=int)
-    g.add_argument("--ac", choices=("none", "selective", "full"))
-    g.add_argument("--sp", type=lambda v: v.lower() in ("1", "true", "yes"), metavar="true|false")
-    g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"))
-    g.add_argument("--virtual", type=int)
-    g.add_argument("--offload", action="store_const", const=True)
+    g = p.add_argument_group("aliases of config keys (each the same as its --section.key=value)")
+
+    def alias(flag: str, help: str = "", **kw):
+        g.add_argument(flag, dest=_alias_dest(flag), help=f"alias of --{ALIASES[flag]}" + (f"; {help}" if help else ""),
+                       **kw)
+
+    alias("--seq-len", type=int, metavar="N", help="default 2048 (without --config)")
+    alias("--global-batch", type=_at_least_1("global batch"), metavar="N",
+          help="sequences per optimizer step, default 256 (without --config); --train.global_batch=0 derives it "
+               "from the micro-batch and accumulation")
+    alias("--precision", choices=PRECISIONS, help="default bf16-mixed (without --config)")
+    alias("--optimizer", choices=OPTIMIZERS)
+    alias("--zero", type=int, choices=ZERO_STAGES)
+    alias("--tp", type=_at_least_1("tp"), metavar="N")
+    alias("--pp", type=_at_least_1("pp"), metavar="N")
+    alias("--dp-replicate", type=_at_least_1("dp_replicate"), metavar="N")
+    alias("--dp-shard", type=_at_least_1("dp_shard"), metavar="N")
+    alias("--micro-batch", type=_at_least_1("micro_batch"), metavar="N")
+    alias("--ac", choices=AC_MODES)
+    alias("--sp", metavar="true|false", help="default: on under tensor parallelism")
+    alias("--schedule", choices=PP_SCHEDULES)
+    alias("--virtual", type=_at_least_1("pp_virtual_stages"), metavar="N")
+    alias("--offload", action="store_const", const=True, help="sets it to true")
+    p.add_argument("--cp", type=_at_least_1("cp"), metavar="N",
+                   help="context parallel: ranks that split every sequence (ring attention). The planner's own flag, "
+                        "with no config key: scaletrain's trainer has no context parallelism; plan it with "
+                        "--engine megatron")
     p.add_argument("--top", type=int, default=10, help="layouts to show")
     p.add_argument("--json", action="store_true", help="print JSON (schema in docs/planner.md)")
     p.add_argument("--chart", help="stacked memory bars of the top layouts, to this PNG")
@@ -584,7 +526,7 @@ def _stopped(signum: int, verb: str | None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from scaletrain.parallel.launch import is_worker
+    from scaletrain.runtime import is_worker
 
     old_term, verb = None, None
     if not is_worker() and threading.current_thread() is threading.main_thread():

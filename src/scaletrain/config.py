@@ -10,98 +10,19 @@ Precedence, lowest first: built-in defaults < `model.preset` < TOML file < comma
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
-import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from scaletrain.errors import ConfigError, DataError
+from scaletrain.model.config import MODEL_SHAPE, ModelConfig, check_model
+from scaletrain.options import build_section, option
+from scaletrain.vocab import AC_MODES, OPTIMIZERS, PP_SCHEDULES, PRECISIONS, did_you_mean
 
 # --------------------------------------------------------------------------------------------
 # Declaring options
-
-
-def option(default: Any, help: str, *, choices: Sequence[str] | None = None,
-           min: float | None = None, max: float | None = None, open_max: bool = False) -> Any:
-    """A config field: its default, a one-line reason, and what values are valid."""
-    meta = {"help": help, "choices": tuple(choices) if choices else None,
-            "min": min, "max": max, "open_max": open_max}
-    return field(default=default, metadata=meta)
-
-
-PRECISIONS = ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true")
-OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
-
-
-@dataclass
-class ModelConfig:
-    preset: str = option("", "a built-in shape (see `scaletrain.model.presets`); keys set here override it")
-    from_hf: str = option("", "a Hugging Face model folder (or its config.json) whose shape to take; keys set "
-                              "here override it")
-    init_from: str = option("", "start a new run from these weights: a Hugging Face model folder, a .safetensors "
-                                "file or a scaletrain export; empty = initialise from (train.seed, parameter name)")
-    vocab_size: int = option(256, "tokens in the vocabulary; 256 for the byte-level tokenizer; 0 = the one data.path "
-                                  "was prepared with (a Hugging Face model's own, padding included)", min=2)
-    dim: int = option(256, "width of the residual stream", min=1)
-    n_layers: int = option(4, "number of transformer blocks", min=1)
-    n_heads: int = option(4, "attention heads; must divide dim unless head_dim is set", min=1)
-    n_kv_heads: int = option(0, "key/value heads for grouped-query attention; 0 = n_heads", min=0)
-    head_dim: int = option(0, "width of each attention head; 0 = dim / n_heads (Qwen3 sets it apart)", min=0)
-    ffn_dim: int = option(0, "hidden width of the MLP; 0 = 4*dim (gelu) or 8/3*dim rounded up to 64 (swiglu)", min=0)
-    norm: str = option("layernorm", "normalisation layer", choices=("layernorm", "rmsnorm"))
-    norm_eps: float = option(1e-5, "epsilon of the normalisation layers", min=0.0)
-    activation: str = option("gelu", "MLP type: GELU (GPT-2) or SwiGLU (Llama)", choices=("gelu", "swiglu"))
-    position: str = option("learned", "position encoding: learned table (GPT-2) or rotary (Llama)",
-                           choices=("learned", "rope"))
-    rope_theta: float = option(10000.0, "rotary base frequency", min=1.0)
-    rope_scaling: str = option("none", "stretch the rotary frequencies for long contexts: linear (all divided by "
-                                       "rope_factor) or llama3 (Llama 3.1: low frequencies only)",
-                               choices=("none", "linear", "llama3"))
-    rope_factor: float = option(1.0, "rope_scaling: how much longer the context gets", min=1.0)
-    rope_low_freq_factor: float = option(1.0, "rope_scaling=llama3: wavelengths above original/this are divided "
-                                              "by rope_factor", min=0.0)
-    rope_high_freq_factor: float = option(4.0, "rope_scaling=llama3: wavelengths below original/this are kept",
-                                          min=0.0)
-    rope_original_max_seq_len: int = option(8192, "rope_scaling=llama3: the context length trained before scaling",
-                                            min=1)
-    max_seq_len: int = option(128, "longest sequence the position encoding covers", min=1)
-    sliding_window: int = option(0, "the window of a model trained with sliding-window attention (Mistral); "
-                                    "scaletrain attends to the whole sequence, so data.seq_len may not exceed it; "
-                                    "0 = none", min=0)
-    tie_embeddings: bool = option(True, "share the input embedding with the output head")
-    bias: bool = option(False, "add biases to linear layers and LayerNorm")
-    qkv_bias: bool = option(False, "add biases to the query, key and value projections only (Qwen2)")
-    qk_norm: bool = option(False, "RMSNorm over each head of the queries and keys before the rotation (Qwen3)")
-    dropout: float = option(0.0, "dropout on attention weights and residual branches", min=0.0, max=1.0, open_max=True)
-    init_std: float = option(0.02, "std of the normal init; residual projections get std/sqrt(2*n_layers)", min=0.0)
-
-    def __hash__(self) -> int:  # configs are not changed after loading: usable as cache keys
-        return hash(tuple(self.__dict__.values()))  # the fields (the planner hashes it in its inner loop)
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_size(self) -> int:
-        """The width of each attention head in use: head_dim, or dim / n_heads."""
-        return self.head_dim or self.dim // self.n_heads
-
-    @property
-    def hidden_dim(self) -> int:
-        if self.ffn_dim:
-            return self.ffn_dim
-        if self.activation == "swiglu":
-            return 64 * math.ceil(8 * self.dim / 3 / 64)
-        return 4 * self.dim
-
-
-# the model keys that model.from_hf may fill (a saved config gives them all: then it is not read)
-_MODEL_SHAPE = tuple(f for f in dataclasses.fields(ModelConfig)
-                     if f.name not in ("preset", "from_hf", "init_from", "dropout", "init_std"))
 
 
 @dataclass
@@ -171,7 +92,7 @@ class MemoryConfig:
     activation_checkpointing: str = option(
         "none", "recompute activations in backward: none, full (whole blocks) or selective "
         "(keep matmul and attention outputs, recompute element-wise ops)",
-        choices=("none", "full", "selective"))
+        choices=AC_MODES)
     offload_optimizer: bool = option(False, "keep parameters, gradients and optimizer state in pinned host memory "
                                             "and step there (FSDP2 CPU offload); needs parallel.zero=3 on CUDA")
 
@@ -186,7 +107,7 @@ class ParallelConfig:
     tp: int = option(1, "tensor-parallel ranks: attention split by heads, MLP and vocabulary split", min=1)
     sp: bool = option(False, "sequence parallel: norms and residuals on sequence shards between the tp regions")
     pp: int = option(1, "pipeline-parallel ranks (stages of layers)", min=1)
-    pp_schedule: str = option("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"))
+    pp_schedule: str = option("1f1b", "pipeline schedule", choices=PP_SCHEDULES)
     pp_microbatches: int = option(0, "micro-batches per step in the pipeline; 0 = train.grad_accum (they are "
                                      "the same count under pipelining)", min=0)
     pp_virtual_stages: int = option(1, "stages per pp rank (interleaved-1f1b: 2 or more; zero-bubble: 2)", min=1)
@@ -324,7 +245,7 @@ def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[st
 
     for section, body in raw.items():
         if section not in SECTIONS:
-            errors.append(f"{source}: unknown section [{section}]{_did_you_mean(section, SECTIONS)}; "
+            errors.append(f"{source}: unknown section [{section}]{did_you_mean(section, SECTIONS)}; "
                           f"sections are {', '.join(SECTIONS)}")
             continue
         if not isinstance(body, Mapping):
@@ -335,7 +256,7 @@ def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[st
     for key, value in dotted.items():
         section, _, name = key.partition(".")
         if section not in SECTIONS or not name:
-            errors.append(f"unknown option --{key}{_did_you_mean(section, SECTIONS, suffix='.' + name)}; "
+            errors.append(f"unknown option --{key}{did_you_mean(section, SECTIONS, suffix='.' + name)}; "
                           f"options look like --section.key=value (sections: {', '.join(SECTIONS)})")
             continue
         merged[section][name] = value
@@ -345,10 +266,10 @@ def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[st
     # The preset supplies the base of the model section; explicit keys win.
     preset = merged["model"].get("preset", "")
     if preset and isinstance(preset, str):  # a preset of another type is reported with the other keys
-        from scaletrain.model.presets import PRESETS  # local: presets import this module
+        from scaletrain.model.presets import PRESETS
 
         if preset not in PRESETS:
-            errors.append(f"model.preset: unknown preset {preset!r}{_did_you_mean(preset, PRESETS)}; "
+            errors.append(f"model.preset: unknown preset {preset!r}{did_you_mean(preset, PRESETS)}; "
                           f"choose one of {', '.join(PRESETS)}")
         else:
             merged["model"] = {**PRESETS[preset], **merged["model"]}
@@ -357,8 +278,8 @@ def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[st
     if from_hf and isinstance(from_hf, str):
         if preset:
             errors.append("model.preset and model.from_hf both give the model's shape; keep one of them")
-        elif any(f.name not in merged["model"] for f in _MODEL_SHAPE):  # a saved config gives them all
-            from scaletrain.model.hf import model_config_from_hf  # local: model imports this module
+        elif any(f.name not in merged["model"] for f in MODEL_SHAPE):  # a saved config gives them all
+            from scaletrain.model.hf import model_config_from_hf  # local: keeps plain config loads light
 
             try:
                 merged["model"] = {**model_config_from_hf(from_hf), **merged["model"]}
@@ -381,7 +302,7 @@ def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[st
 
     sections: dict[str, Any] = {}
     for name, cls in SECTIONS.items():
-        sections[name] = _build_section(name, cls, merged[name], from_cli, errors)
+        sections[name] = build_section(name, cls, merged[name], from_cli, errors)
 
     cfg = JobConfig(**sections)
     if not errors:
@@ -391,108 +312,13 @@ def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[st
     return cfg
 
 
-def _build_section(section: str, cls: type, values: Mapping[str, Any],
-                   from_cli: set[tuple[str, str]], errors: list[str]) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in values.items():
-        f = fields.get(key)
-        if f is None:
-            errors.append(f"{section}.{key}: unknown key{_did_you_mean(key, fields, prefix=section + '.')}; "
-                          f"keys of [{section}] are {', '.join(fields)}")
-            continue
-        try:
-            kwargs[key] = _coerce(f, value, (section, key) in from_cli)
-        except ValueError as e:
-            errors.append(f"{section}.{key}: {e}")
-    return cls(**kwargs)
-
-
-def _coerce(f: dataclasses.Field, value: Any, is_text: bool) -> Any:
-    typ = f.type if isinstance(f.type, type) else {"int": int, "float": float, "bool": bool, "str": str}[f.type]
-    meta = f.metadata
-    if typ is bool:
-        if is_text:
-            low = value.strip().lower()
-            if low in ("true", "1", "yes", "on"):
-                value = True
-            elif low in ("false", "0", "no", "off"):
-                value = False
-            else:
-                raise ValueError(f"expected true or false, got {value!r}")
-        elif not isinstance(value, bool):
-            raise ValueError(f"expected true or false, got {value!r}")
-    elif typ is int:
-        if is_text:
-            try:
-                value = int(value.strip().replace("_", ""))
-            except ValueError:
-                raise ValueError(f"expected an integer, got {value!r}") from None
-        elif isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"expected an integer, got {value!r}")
-    elif typ is float:
-        if is_text:
-            try:
-                value = float(value.strip())
-            except ValueError:
-                raise ValueError(f"expected a number, got {value!r}") from None
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"expected a number, got {value!r}")
-        try:
-            value = float(value)
-        except OverflowError:  # an integer too large for a float
-            raise ValueError(f"expected a finite number, got {value!r}") from None
-        if not math.isfinite(value):
-            raise ValueError(f"expected a finite number, got {value!r}")
-    elif typ is str:
-        if not isinstance(value, str):
-            raise ValueError(f"expected a string, got {value!r}")
-        if "\x00" in value:  # no path or prompt holds one; the OS would refuse it later, less clearly
-            raise ValueError(f"{value!r} contains a NUL character")
-    choices = meta.get("choices")
-    if choices and value not in choices:
-        raise ValueError(f"{value!r} is not one of {', '.join(choices)}{_did_you_mean(str(value), choices)}")
-    lo, hi = meta.get("min"), meta.get("max")
-    if lo is not None and value < lo:
-        raise ValueError(f"{value!r} is below the minimum {lo}")
-    if hi is not None and (value > hi or (meta.get("open_max") and value >= hi)):
-        raise ValueError(f"{value!r} must be {'below' if meta.get('open_max') else 'at most'} {hi}")
-    return value
-
-
-def _did_you_mean(word: str, choices: Iterable[str], prefix: str = "", suffix: str = "") -> str:
-    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {prefix}{match[0]}{suffix}?)" if match else ""
-
-
 # --------------------------------------------------------------------------------------------
 # Checks across keys
 
 
 def check_combinations(cfg: JobConfig) -> list[str]:
     """Problems that involve more than one key. Checks of the layout, which needs the world size, are scaletrain.layout.Layout.check."""
-    m, errors = cfg.model, []
-    if m.dim % m.n_heads and not m.head_dim:
-        errors.append(f"model.n_heads={m.n_heads} must divide model.dim={m.dim} (or set model.head_dim); "
-                      f"try n_heads in {_divisors(m.dim, limit=64)}")
-    if m.n_kv_heads and m.n_heads % m.n_kv_heads:
-        errors.append(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}; "
-                      f"try one of {_divisors(m.n_heads)}")
-    if m.position == "rope" and (m.head_dim or m.dim % m.n_heads == 0) and m.head_size % 2:
-        errors.append(f"model.position=rope needs an even head dimension, but "
-                      f"{'head_dim' if m.head_dim else 'dim/n_heads'} = {m.head_size}")
-    if m.rope_scaling != "none" and m.position != "rope":
-        errors.append(f"model.rope_scaling={m.rope_scaling} scales rotary positions; it needs model.position=rope")
-    if m.rope_scaling == "none" and m.rope_factor != 1.0:
-        errors.append(f"model.rope_factor={m.rope_factor} does nothing without model.rope_scaling; "
-                      "set rope_scaling to linear or llama3, or drop rope_factor")
-    llama3_only = [f"model.{k}" for k in ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
-                   if getattr(m, k) != getattr(ModelConfig, k)]
-    if m.rope_scaling != "llama3" and llama3_only:
-        errors.append(f"{', '.join(llama3_only)} apply to model.rope_scaling=llama3 only; set it, or drop them")
-    if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
-        errors.append(f"model.rope_scaling=llama3 needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
-                      f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor}")
+    m, errors = cfg.model, check_model(cfg.model)
     if m.sliding_window and cfg.data.seq_len > m.sliding_window:
         errors.append(f"data.seq_len={cfg.data.seq_len} exceeds model.sliding_window={m.sliding_window}: scaletrain "
                       f"attends to the whole sequence, which matches the model only up to its window; "
@@ -500,8 +326,6 @@ def check_combinations(cfg: JobConfig) -> list[str]:
     if cfg.data.seq_len > m.max_seq_len:
         errors.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
                       f"lower data.seq_len or raise model.max_seq_len")
-    if m.vocab_size > 2**32:
-        errors.append(f"model.vocab_size={m.vocab_size} is larger than uint32 token ids allow")
     res = cfg.checkpoint.resume
     if res not in ("none", "auto") and not _exists(res):
         errors.append(f"checkpoint.resume: folder {res} does not exist; use none, auto, or an existing checkpoint folder")
@@ -518,11 +342,6 @@ def _exists(path: str) -> bool:
         return Path(path).exists()
     except (OSError, ValueError):  # a name too long for the file system, or with a NUL byte
         return False
-
-
-def _divisors(n: int, limit: int | None = None) -> list[int]:
-    ds = [d for d in range(1, n + 1) if n % d == 0]
-    return ds[:limit] if limit else ds
 
 
 def describe_options() -> str:

@@ -8,6 +8,7 @@ no traceback. `assert` stays for our own invariants. An `OSError` on a path the 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
@@ -69,6 +70,29 @@ _OS_REASONS = {  # errno -> (reason, fix); {another} becomes "another log.run_di
 }
 # about the disk rather than one file: still the user's to fix when no file name came with it
 _STORAGE = (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG)
+
+
+OUTPUT_OPTIONS = ("log.run_dir", "checkpoint.dir", "--out")  # what a write without a file name went to
+
+
+@contextlib.contextmanager
+def os_errors_named(paths: dict[str, object]):
+    """Turn an OS error on a user's path into one line that names the option it came from
+    (`paths`: option -> path; see `config_paths` for a config's)."""
+    try:
+        yield
+    except OSError as e:
+        error = user_error_from_os(e, paths, outputs=OUTPUT_OPTIONS)
+        if error is None:
+            raise
+        raise error from None
+
+
+def config_paths(cfg) -> dict[str, str]:
+    """A JobConfig's paths by option, to name the option in an OS error on one of them."""
+    resume = cfg.checkpoint.resume if cfg.checkpoint.resume not in ("none", "auto") else ""
+    return {"log.run_dir": cfg.log.run_dir, "checkpoint.dir": cfg.checkpoint.dir, "data.path": cfg.data.path,
+            "checkpoint.resume": resume}
 
 
 def user_error_from_os(e: OSError, paths: dict[str, object] | None = None,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from scaletrain import atomic
 from scaletrain.errors import ConfigError
 
 try:
@@ -223,9 +224,7 @@ def _peak_cache():
         yield cache
         if cache != before:
             try:
-                tmp = path.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_text(json.dumps(cache, indent=1))
-                os.replace(tmp, path)
+                atomic.write_json(path, cache)
             except OSError:
                 pass  # a read-only home only costs a re-probe next time
     finally:

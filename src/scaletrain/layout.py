@@ -31,16 +31,14 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from scaletrain.errors import ConfigError
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-AC_MODES = ("none", "selective", "full")
+from scaletrain.vocab import is_multi_chunk
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 PIPELINE_ONLY = ("parallel.pp_virtual_stages, pp_split and pp_microbatches describe pipeline stages; "
                  "they need parallel.pp > 1")
 
 
 def chunks_per_rank(schedule: str, virtual: int) -> int:
-    return virtual if schedule in ("interleaved-1f1b", "zero-bubble") else 1
+    return virtual if is_multi_chunk(schedule) else 1
 
 
 @dataclass(frozen=True)
@@ -178,7 +176,7 @@ class Layout:
 
     def _schedule_errors(self, n_layers: int | None) -> list[str]:
         e, schedule, virtual, pp, m = [], self.pp_schedule, self.pp_virtual_stages, self.pp, self.grad_accum
-        if schedule in ("gpipe", "1f1b") and virtual != 1:
+        if not is_multi_chunk(schedule) and virtual != 1:
             e.append(f"parallel.pp_virtual_stages={virtual} needs an interleaved schedule "
                      f"(interleaved-1f1b or zero-bubble), not {schedule}")
         if schedule == "interleaved-1f1b" and virtual < 2:

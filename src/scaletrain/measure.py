@@ -102,7 +102,7 @@ def measure_run(cfg, runtime=None, steps: int = 1) -> dict:
     every storage from the trainer's construction on (`LiveMemory`)."""
     from scaletrain.train.trainer import Trainer
 
-    from scaletrain.parallel.launch import pick_device
+    from scaletrain.runtime import pick_device
 
     live = LiveMemory() if pick_device(cfg.train.device).type != "cuda" else None
     with live if live is not None else _nothing():
@@ -126,7 +126,7 @@ def measure(trainer, steps: int = 2, live: LiveMemory | None = None) -> dict:
     with live if live is not None else _nothing():
         trainer.train_step(batches)  # also measures the model states
         trainer.train_step(batches)  # DDP rebuilds its buckets in the second forward: not activations
-        activations = trainer.measure_activation_bytes(batches)
+        activations = activation_bytes(trainer, batches)
         if cuda:
             torch.cuda.synchronize(trainer.device)
             torch.cuda.reset_peak_memory_stats(trainer.device)
@@ -182,7 +182,7 @@ def measure_layouts(overrides: list[dict], nproc: int, steps: int = 1, config: s
         from scaletrain.config import load_config
 
         return [[measure_run(load_config(config, o), steps=steps)] for o in overrides]
-    from scaletrain.parallel.launch import launch
+    from scaletrain.launcher import launch
 
     folder = Path(tempfile.mkdtemp(prefix="plan-measure-"))
     spec, out = folder / "jobs.json", folder / "rows.json"
@@ -198,7 +198,7 @@ def measure_rank(spec: str, out: str) -> int:
     import torch.distributed as dist
 
     from scaletrain.config import load_config
-    from scaletrain.parallel.launch import init_worker
+    from scaletrain.runtime import init_worker
 
     job = json.loads(Path(spec).read_text())
     results = []
@@ -214,22 +214,23 @@ def measure_rank(spec: str, out: str) -> int:
     return 0
 
 
-def run_layout(config: str, layout, nproc: int) -> list[dict]:
-    """Measure `layout` with the model and data of `config` on `nproc` local ranks."""
-    overrides = layout.config_overrides()
+def run_layout(config: str, layout, nproc: int, overrides: dict | None = None) -> list[dict]:
+    """Measure `layout` with the model and data of `config` (and `overrides`, {"section.key": value})
+    on `nproc` local ranks."""
+    overrides = {**(overrides or {}), **layout.config_overrides()}
     overrides.update({"log.run_dir": tempfile.mkdtemp(prefix="plan-measure-"), "log.tensorboard": False,
                       "log.progress": "off", "checkpoint.save_final": False, "train.sample_tokens": 0,
                       "train.global_batch": layout.micro_batch * layout.grad_accum * layout.dp})
     return measure_layouts([overrides], nproc, steps=2, config=config)[0]
 
 
-def measure_and_print(config: str, layout, nproc: int) -> int:
+def measure_and_print(config: str, layout, nproc: int, overrides: dict | None = None) -> int:
     from scaletrain.config import load_config
     from scaletrain.plan import plan
     from scaletrain.hardware import local_hardware
-    from scaletrain.parallel.launch import pick_device
+    from scaletrain.runtime import pick_device
 
-    cfg = load_config(config)
+    cfg = load_config(config, overrides or {})
     device = pick_device(cfg.train.device)
     hw = local_hardware(device)
     result = plan(cfg.model, hardware=hw, nodes=1, gpus_per_node=nproc, seq_len=cfg.data.seq_len,
@@ -237,7 +238,7 @@ def measure_and_print(config: str, layout, nproc: int) -> int:
                   optimizer=cfg.optim.name, layout=layout, gpu=device.type == "cuda")
     ev = result["layouts"][0]
     predicted = predicted_components(ev, result["cfg"], result["workload"], layout, gpu=device.type == "cuda")
-    rows = run_layout(config, layout, nproc)
+    rows = run_layout(config, layout, nproc, overrides)
     print(f"\nmeasured on {nproc} × {hw.name} ({layout.describe()}), largest over ranks:")
     print(f"{'component':<22}{'predicted':>14}{'measured':>14}{'ratio':>8}")
     for key in ("params", "grads", "optimizer", "activations", "peak", "step_time_s"):
@@ -254,3 +255,26 @@ def measure_and_print(config: str, layout, nproc: int) -> int:
 def _fmt(key: str, v: float) -> str:
     return f"{v * 1e3:.0f} ms" if key == "step_time_s" else f"{v / 2**20:.1f} MiB" if v < GiB else f"{v / GiB:.2f} GiB"
 
+
+def activation_bytes(trainer, batches) -> int | None:
+    """Bytes one micro-batch's forward keeps for backward on this rank (measured from live
+    tensors); None under pipelining, where a micro-batch's forward spans the schedule."""
+    from scaletrain.memory import saved_activation_bytes
+
+    if trainer.pipeline is not None:
+        return None
+    inputs, targets = (x.to(trainer.device) for x in next(batches))
+
+    def forward():
+        with trainer.precision.autocast():
+            logits = trainer.model(inputs)
+        return trainer.loss_fn(logits, targets) * trainer._loss_factor()
+
+    with trainer.dp.micro_step(last=True), trainer._loss_context():
+        held = saved_activation_bytes(trainer.dp.module, forward)
+    trainer.dp.finish_gradients()
+    trainer.dp.zero_grad(trainer.optimizer)
+    if trainer.master:
+        trainer.master.grads_to_master()
+        trainer.optimizer.zero_grad(set_to_none=True)
+    return held

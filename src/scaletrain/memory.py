@@ -30,7 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-AC_MODES = ("none", "full", "selective")
+from scaletrain.vocab import AC_MODES, unknown
+
 
 _aten = torch.ops.aten
 # Ops whose outputs selective checkpointing keeps: the expensive ones to recompute.
@@ -69,7 +70,7 @@ def apply_activation_checkpointing(blocks: nn.ModuleDict | nn.ModuleList, mode: 
     elif mode == "selective":
         wrap = functools.partial(checkpoint_wrapper, preserve_rng_state=True, context_fn=_selective_context)
     else:
-        raise ValueError(f"unknown activation checkpointing mode {mode!r}; expected one of {AC_MODES}")
+        raise unknown("activation checkpointing mode", mode, AC_MODES)
     for key, block in block_items(blocks):
         blocks[key] = wrap(block)
 

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from scaletrain.config import OptimConfig
 from scaletrain.errors import ConfigError
+from scaletrain.vocab import OPTIMIZERS, unknown
 
 
 def param_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
@@ -46,7 +47,7 @@ def build_optimizer(cfg: OptimConfig, named_params: list[tuple[str, torch.nn.Par
         return torch.optim.Adafactor(groups, lr=lr, foreach=True)
     if cfg.name == "adamw8bit":
         return _adamw8bit(groups, lr, cfg)
-    raise ValueError(f"unknown optimizer {cfg.name!r}")
+    raise unknown("optimizer", cfg.name, OPTIMIZERS)
 
 
 def _kernel_flags(implementation: str, named_params) -> dict:

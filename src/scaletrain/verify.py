@@ -68,8 +68,12 @@ CALIBRATED_STEPS = 10  # the run length the tolerances were measured over
 @dataclass
 class Reference:
     cfg: JobConfig
-    nproc: int
+    layout: Layout  # cfg's, on its ranks (layout.world)
     why: str  # one line for the output
+
+    @property
+    def nproc(self) -> int:
+        return self.layout.world
 
 
 @dataclass
@@ -123,19 +127,12 @@ def isolated(cfg: JobConfig, run_dir: Path, steps: int) -> JobConfig:
         "checkpoint.resume": "none"})
 
 
-def reference_config(cfg: JobConfig, global_batch: int, micro_batch: int, shards: int = 1,
-                     ac: str | None = None) -> JobConfig:
-    """The same run with the layout replaced by one process (or ZeRO-3 over `shards` ranks)."""
-    raw = cfg.to_dict()
-    raw["parallel"] = {**dataclasses.asdict(ParallelConfig()), "timeout_s": cfg.parallel.timeout_s}
-    if shards > 1:
-        raw["parallel"].update(dp_shard=shards, zero=3)
-    # the same global batch in micro-batches of the same size: accumulation makes up for the ranks
-    raw["train"].update(global_batch=global_batch, micro_batch=micro_batch, grad_accum=0)
-    raw["memory"].update(offload_optimizer=False)
-    if ac is not None:
-        raw["memory"]["activation_checkpointing"] = ac
-    return from_dict(raw)
+def reference(cfg: JobConfig, layout: Layout, why: str) -> Reference:
+    """The same run under `layout` (one process, or ZeRO-3 over its ranks), every other parallel
+    setting at its default: the config is built from the layout's values, so the two agree."""
+    defaults = {f"parallel.{k}": v for k, v in dataclasses.asdict(ParallelConfig()).items() if k != "timeout_s"}
+    values = {**defaults, **layout.config_overrides(), "train.global_batch": layout.global_batch}
+    return Reference(cfg.replace(**values), layout, why)
 
 
 def choose_reference(cfg: JobConfig, world: int, device, device_memory_gib: float | None) -> Reference:
@@ -155,11 +152,12 @@ def choose_reference(cfg: JobConfig, world: int, device, device_memory_gib: floa
         hw = dataclasses.replace(hw, memory_GB=device_memory_gib * GiB / 1e9)
     wl = Workload(seq_len=cfg.data.seq_len, global_batch=g, precision=cfg.precision.mode, optimizer=cfg.optim.name)
     gpu = device.type == "cuda"
-    one = evaluate(cfg.model, wl, Cluster(hw, 1, 1), Layout(micro_batch=m, grad_accum=g // m, activation_checkpointing=ac), gpu=gpu)
+    # the same global batch in micro-batches of the same size: accumulation makes up for the ranks
+    one_process = Layout(micro_batch=m, grad_accum=g // m, activation_checkpointing=ac)
+    one = evaluate(cfg.model, wl, Cluster(hw, 1, 1), one_process, gpu=gpu)
     cap, need = _size(hw.memory_bytes), _size(one.memory.total)
     if one.fits:
-        return Reference(reference_config(cfg, g, m), 1, f"1 process (the planner puts it at {need} of the "
-                                                         f"device's {cap})")
+        return reference(cfg, one_process, f"1 process (the planner puts it at {need} of the device's {cap})")
     for n in range(2, world + 1):
         if g % n:
             continue
@@ -168,10 +166,9 @@ def choose_reference(cfg: JobConfig, world: int, device, device_memory_gib: floa
             lay = Layout(dp_shard=n, zero=3, micro_batch=mb, grad_accum=g // n // mb, activation_checkpointing=ac_n)
             ev = evaluate(cfg.model, wl, Cluster(hw, 1, n), lay, gpu=gpu)
             if ev.fits:
-                return Reference(reference_config(cfg, g, mb, n, ac_n), n,
-                                 f"ZeRO-3 over {n} ranks ({lay.describe()}, {_size(ev.memory.total)} per rank), "
-                                 f"the simplest layout that fits: one process does not (the planner puts it at "
-                                 f"{need}, the device has {cap})")
+                return reference(cfg, lay, f"ZeRO-3 over {n} ranks ({lay.describe()}, {_size(ev.memory.total)} per "
+                                           f"rank), the simplest layout that fits: one process does not (the planner "
+                                           f"puts it at {need}, the device has {cap})")
     raise ConfigError(f"no reference fits: one process needs {need} (the device has {cap}) "
                       f"and ZeRO-3 over up to {world} ranks does not fit either; verify a smaller model of the same "
                       "shape (fewer layers), or give --device-memory if the planner's figure is wrong")
@@ -181,14 +178,9 @@ def _size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def same_layout(a: JobConfig, b: JobConfig, world: int, b_world: int) -> bool:
+def same_layout(a: Layout, b: Layout) -> bool:
     keys = ("dp_replicate", "tp", "pp", "zero")
-    return world == b_world and all(getattr(a.parallel, k) == getattr(b.parallel, k) for k in keys)
-
-
-def describe(cfg: JobConfig, world: int) -> str:
-    """The layout in one line: ranks per axis and what runs on them."""
-    return Layout.from_config(cfg, world).explain()
+    return a.world == b.world and all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,21 +197,25 @@ def _trainer(cfg: JobConfig, runtime, total_steps: int):
     return trainer
 
 
-def run(cfg: JobConfig, nproc: int, total_steps: int, role: str, hook: str | None = None,
+def run(cfg: JobConfig, layout: Layout, total_steps: int, role: str, hook: str | None = None,
         pythonpath: Sequence[str] = ()) -> tuple[int, list[dict]]:
-    """Train `cfg` on `nproc` ranks (one: in this process); returns (exit code, metrics rows).
-    `hook`: see `verify`'s layout_hook."""
+    """Train `cfg` in `layout` (cfg's) on its ranks (one: in this process); returns (exit code,
+    metrics rows). `hook`: see `verify`'s layout_hook."""
+    from scaletrain.runtime import single_process
+
+    nproc = layout.world
     if nproc == 1:
-        trainer = _trainer(cfg, None, total_steps)
+        trainer = _trainer(cfg, single_process(cfg, layout), total_steps)
         if hook:
             _call_hook(hook, trainer)
         result = trainer.fit()
         return (0 if result["stopped_by"] is None else 128 + int(result["stopped_by"])), result["history"]
-    from scaletrain.parallel.launch import launch
+    from scaletrain.launcher import launch
 
     run_dir = Path(cfg.log.run_dir)
     spec = run_dir.parent / f"{role}.json"
-    spec.write_text(json.dumps({"config": cfg.to_dict(), "total_steps": total_steps, "role": role, "hook": hook}))
+    spec.write_text(json.dumps({"config": cfg.to_dict(), "layout": layout.to_dict(), "total_steps": total_steps,
+                                "role": role, "hook": hook}))
     code = launch("verify", [str(spec)], nproc=nproc, pythonpath=tuple(pythonpath))
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
@@ -285,7 +281,8 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
     `layout_hook`: "module:function" (importable, from `hook_path` too), called on every rank of
     the layout run (never the reference's) with its Trainer before it trains — to instrument
     the run, or, as scaletrain's tests do, to plant a known bug and watch verify FAIL."""
-    from scaletrain.parallel.launch import pick_device
+    from scaletrain.plan.auto import resolve
+    from scaletrain.runtime import pick_device
 
     out = out or sys.stdout
     if steps < 1:
@@ -294,19 +291,17 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
     total_steps = max(cfg.train.steps, steps)
     world = layout_world(cfg.parallel, nproc)
     device = pick_device(cfg.train.device, 0, world)  # refuses a CUDA layout with too few GPUs
-    if cfg.parallel.layout == "auto":
-        from scaletrain.plan.auto import auto_layout
-
-        cfg, _ = auto_layout(cfg, world, device)
-    layout = Layout.from_config(cfg, world).check(cfg.model)
+    cfg, layout = resolve(cfg, world, device)
+    layout.check(cfg.model)
     if world == 1:
         raise ConfigError("the layout is one process, which is what verify compares against; give a parallel "
                           "layout (--parallel.tp=2, --parallel.pp=2, ...) or --nproc N for data parallelism")
-    # resolve the batch once for both runs: the layout's micro-batch, the same global batch
+    # resolve the batch once for both runs: the layout's micro-batch, the same global batch (the
+    # layout stays the config's: these are the values it was derived to)
     cfg = cfg.replace(**{"train.global_batch": layout.global_batch, "train.micro_batch": layout.micro_batch,
                          "train.grad_accum": layout.grad_accum, "parallel.pp_microbatches": 0})
     ref = choose_reference(cfg, world, device, device_memory_gib)
-    if same_layout(cfg, ref.cfg, world, ref.nproc):
+    if same_layout(layout, ref.layout):
         raise ConfigError(f"the layout ({layout.describe_ranks()}) is itself the simplest layout that fits, so there is no "
                           "simpler reference to compare it with; give --device-memory if the planner is wrong")
 
@@ -317,10 +312,10 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
         dropout = f" (model.dropout={cfg.model.dropout:g} in the config)" if cfg.model.dropout else ""
         print(f"scaletrain verify: {config or 'the built-in config'}, {steps} step(s) of {cfg.train.steps}, "
               f"precision {cfg.precision.mode}, device {device.type}, dropout off{dropout}", file=out)
-        print(f"layout:    {describe(layout_cfg, world)}", file=out)
+        print(f"layout:    {layout.explain()}", file=out)
         print(f"reference: {ref.why}", file=out, flush=True)
         t0 = time.perf_counter()
-        code, layout_rows = run(layout_cfg, world, total_steps, "layout", layout_hook, hook_path)
+        code, layout_rows = run(layout_cfg, layout, total_steps, "layout", layout_hook, hook_path)
         t1 = time.perf_counter()
         if code == 2:  # a user error, reported by the launcher in one line
             return 2
@@ -328,7 +323,7 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
             print(f"the layout run stopped with exit code {code} after {len(layout_rows)} step(s) (its error is "
                   "above): FAIL", file=out)
             return 1
-        code, ref_rows = run(ref_cfg, ref.nproc, total_steps, "reference")
+        code, ref_rows = run(ref_cfg, ref.layout, total_steps, "reference")
         t2 = time.perf_counter()
         if code == 2:
             return 2
@@ -354,10 +349,10 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
 
 def run_rank(spec_path: str) -> int:
     """One rank of a run started by `run` (the `verify` task of scaletrain.worker)."""
-    from scaletrain.parallel import launch
+    from scaletrain import runtime
 
     spec = json.loads(Path(spec_path).read_text())
-    cfg, rt = launch.prepare_worker(from_dict(spec["config"]))
+    cfg, rt = runtime.prepare_worker(from_dict(spec["config"]), Layout(**spec["layout"]))
     trainer = _trainer(cfg, rt, spec["total_steps"])
     if spec.get("hook"):
         _call_hook(spec["hook"], trainer)

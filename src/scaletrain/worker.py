@@ -2,10 +2,12 @@
 
     python -m scaletrain.worker TASK [ARG ...]
 
-scaletrain's launcher (`scaletrain.parallel.launch.launch`) starts it on each rank, and
-`torchrun -m scaletrain train ...` reaches it through the CLI. TASK says what the rank does:
+scaletrain's launcher (`scaletrain.launcher.launch`) starts it on each rank, and
+`torchrun -m scaletrain train ...` reaches it through the CLI (`run`, with the config each rank
+loaded). TASK says what the rank does:
 
-    train ARGS...            a rank of `scaletrain train` (ARGS: its command line after `train`)
+    train SPEC               a rank of `scaletrain train --nproc N` (SPEC: a JSON file of the
+                             resolved config and its layout, see scaletrain.train.job)
     verify SPEC              a rank of `scaletrain verify`'s layout or reference run
     measure CONFIG OUT ...   a rank of the planner's measured run (`plan --measure`)
     bench-techniques SPEC    a rank of `scaletrain bench techniques`
@@ -26,10 +28,10 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 TASKS = {
-    "train": "scaletrain.cli:train_rank",
+    "train": "scaletrain.train.job:train_rank",
     "verify": "scaletrain.verify:run_rank",
     "measure": "scaletrain.measure:measure_rank",
     "bench-techniques": "scaletrain.bench.techniques:bench_rank",
@@ -43,24 +45,35 @@ def program(task: str, *args: str) -> tuple[str, ...]:
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
-    from scaletrain.errors import UserError
-    from scaletrain.parallel import launch
-
-    launch.die_with_launcher()  # first: a launcher killed from here on takes this rank with it
+    """`python -m scaletrain.worker TASK ARGS...`: the rank runs TASK's function with ARGS."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    run(_task, *argv)
+
+
+def _task(*argv: str) -> int:
+    from scaletrain.errors import UserError
+
+    if not argv:
+        raise UserError(f"python -m scaletrain.worker TASK: no task; known: {', '.join(TASKS)} or MODULE:FUNCTION")
+    task, *args = argv
+    target = TASKS.get(task, task)
+    module, _, name = target.partition(":")
+    if not name:
+        raise UserError(f"unknown worker task {task!r}; known: {', '.join(TASKS)} or MODULE:FUNCTION")
+    return getattr(importlib.import_module(module), name)(*args)
+
+
+def run(task: Callable[..., int | None], *args) -> NoReturn:
+    """Run `task(*args)` as this rank's work, and leave as every rank leaves (see above)."""
+    from scaletrain import launcher, runtime
+
+    runtime.die_with_launcher()  # first: a launcher killed from here on takes this rank with it
     rank = int(os.environ.get("RANK", "0"))
     try:
-        if not argv:
-            raise UserError(f"python -m scaletrain.worker TASK: no task; known: {', '.join(TASKS)} or MODULE:FUNCTION")
-        task, *args = argv
-        target = TASKS.get(task, task)
-        module, _, name = target.partition(":")
-        if not name:
-            raise UserError(f"unknown worker task {task!r}; known: {', '.join(TASKS)} or MODULE:FUNCTION")
-        code = getattr(importlib.import_module(module), name)(*args)
+        code = task(*args)
     except BaseException as e:  # noqa: BLE001 - every failure is reported in a few lines
-        code = launch.record_worker_error(e, rank)
-    launch.exit_worker(int(code or 0))
+        code = launcher.record_worker_error(e, rank)
+    runtime.exit_worker(int(code or 0))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from scaletrain.errors import ConfigError, LaunchError, UserError
+from scaletrain import fmt
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all")
 ELEMENT_BYTES = 4  # float32
@@ -161,7 +162,7 @@ def bench_rank(spec_json: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from scaletrain.parallel.launch import pick_device
+    from scaletrain.runtime import pick_device
 
     spec = json.loads(spec_json)
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -186,7 +187,8 @@ def run(nproc: int | None = None, sizes: list[str] | None = None, iters: int = 2
     """Start the ranks, measure, and return the result (what `--json` prints)."""
     import torch
 
-    from scaletrain.parallel.launch import launch, pick_device
+    from scaletrain.launcher import launch
+    from scaletrain.runtime import pick_device
 
     kind = "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
     if nproc is None:
@@ -210,15 +212,8 @@ def run(nproc: int | None = None, sizes: list[str] | None = None, iters: int = 2
             "rows": got["rows"], "busbw_at_largest_GBps": largest}
 
 
-def fmt_size(n: int) -> str:
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= div and n % (div // 16) == 0:
-            return f"{n / div:g} {unit}"
-    return f"{n} B"
-
-
 def table(result: dict) -> str:
-    from scaletrain.bench.interleave import fmt_time, text_table
+    from scaletrain.bench.interleave import text_table
 
     n = result["world_size"]
     lines = [f"bench comms: {n} ranks, {result['backend']} on {result['device']}, {result['dtype']}; median of "
@@ -226,7 +221,7 @@ def table(result: dict) -> str:
              f"bus factors for n={n}: " + ", ".join(f"{op} {bus_factor(op, n):g}" for op in OPS)]
     body, last = [], None
     for r in result["rows"]:
-        body.append(["" if r["op"] == last else r["op"], fmt_size(r["bytes"]), fmt_time(r["time_s"]),
+        body.append(["" if r["op"] == last else r["op"], fmt.size(r["bytes"], exact=True), fmt.seconds(r["time_s"]),
                      f"{r['algbw_GBps']:#.3g}", f"{r['busbw_GBps']:#.3g}"])
         last = r["op"]
     lines.append(text_table(["collective", "size", "median time", "algbw GB/s", "busbw GB/s"], body))
@@ -249,6 +244,6 @@ def read_bus_bandwidth(path: str | Path) -> tuple[float, str]:
                           "(it needs rows with op all_reduce, bytes and busbw_GBps)") from None
     if not bus > 0:
         raise ConfigError(f"--comms {p}: the all-reduce bus bandwidth is {bus}, not a positive figure")
-    return bus, (f"measured all-reduce bus bandwidth {bus:.3g} GB/s ({fmt_size(best['bytes'])}, "
+    return bus, (f"measured all-reduce bus bandwidth {bus:.3g} GB/s ({fmt.size(best['bytes'], exact=True)}, "
                  f"{data.get('world_size', '?')} ranks, {data.get('backend', '?')}) from {p}")
 

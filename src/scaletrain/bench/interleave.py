@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.errors import UserError
+from scaletrain import fmt
 
 
 @dataclass
@@ -196,8 +197,8 @@ def run(entries: list[Entry], *, steps: int, warmup: int, device: torch.device,
             if t > max_slowdown * reference:
                 del runners[i]
                 rows[i].status = "skipped"
-                rows[i].reason = (f"too slow here: a step took {fmt_time(t)}, {t / reference:.0f}x the baseline's "
-                                  f"{fmt_time(reference)}; not timed further (limit {max_slowdown:g}x)")
+                rows[i].reason = (f"too slow here: a step took {fmt.seconds(t)}, {t / reference:.0f}x the baseline's "
+                                  f"{fmt.seconds(reference)}; not timed further (limit {max_slowdown:g}x)")
 
     say(f"timing {steps} rounds")
     _rounds(runners, steps, device, lambda i, t: rows[i].times_s.append(t))
@@ -229,28 +230,6 @@ def run(entries: list[Entry], *, steps: int, warmup: int, device: torch.device,
 # plain-text tables
 
 
-def fmt_bytes(n: float) -> str:
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= div:
-            return f"{n / div:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-def fmt_time(s: float) -> str:
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.1f} ms"
-    return f"{s * 1e6:.1f} us"
-
-
-def fmt_count(x: float) -> str:
-    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(x) >= div:
-            return f"{x / div:.1f}{unit}"
-    return f"{x:.0f}"
-
-
 def text_table(header: list[str], body: list[list[str]], left: int = 1) -> str:
     """Columns aligned with two spaces between; the first `left` columns flush left, the rest
     right. A row shorter than the header ends in a note that spans the remaining columns."""
@@ -279,8 +258,8 @@ def rows_table(rows: list[Row]) -> str:
             body.append([row.name, f"{row.status}: {row.reason}"])
             continue
         memory = "n/a" if row.memory is None else f"{row.memory:.3f}"
-        body.append([row.name, fmt_time(row.median_s), fmt_count(row.tokens_per_s), f"{100 * row.mfu:.1f}%",
-                     fmt_bytes(row.peak_bytes), f"{row.speed:.3f}", memory])
+        body.append([row.name, fmt.seconds(row.median_s), fmt.count(row.tokens_per_s), f"{100 * row.mfu:.1f}%",
+                     fmt.size(row.peak_bytes), f"{row.speed:.3f}", memory])
         if row.note:
             notes.append(f"  {row.name}: {row.note}")
     return "\n".join([text_table(header, body), *(["notes:", *notes] if notes else [])])

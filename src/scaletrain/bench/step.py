@@ -80,13 +80,10 @@ def trainer_entry(name: str, cfg, sink, runtime=None, note: str = "") -> Entry:
     return Entry(name, make, note=note)
 
 
-def plain_entry(cfg) -> Entry:
-    """The hand-written loop on the baseline's model, batch and precision."""
+def plain_entry(cfg, batch) -> Entry:
+    """The hand-written loop on the baseline's model, batch (`batch`: its Layout) and precision."""
     from scaletrain.bench.plain import PLAIN_MODES
 
-    from scaletrain.layout import Layout
-
-    batch = Layout.from_config(cfg, 1)
     if batch.grad_accum != 1:
         raise UserError(f"--vs-plain-loop compares single micro-batch steps; the config accumulates {batch.grad_accum} "
                         "micro-batches (set train.micro_batch equal to train.global_batch)")
@@ -101,7 +98,7 @@ def plain_entry(cfg) -> Entry:
         from scaletrain.bench.plain import PlainLoop
         from scaletrain.data.dataset import open_data
         from scaletrain.model.flops import flops_per_token
-        from scaletrain.parallel.launch import pick_device
+        from scaletrain.runtime import pick_device
         from scaletrain.hardware import device_peak_flops
         from scaletrain.precision import COMPUTE_DTYPES
 
@@ -118,10 +115,10 @@ def plain_entry(cfg) -> Entry:
 
 def bench_step(config: str | None, overrides: list[str], vs: list[str], *, steps: int = 10, warmup: int = 3,
                plain_loop: bool = False, progress=None) -> dict:
-    """Measure the config and its variants, interleaved; returns the header facts and the rows."""
-    from scaletrain.layout import Layout
+    """Measure the config and its variants, interleaved; returns the header facts and the rows.
+    Each config's layout is derived once: the baseline's here, a variant's by its trainer."""
     from scaletrain.model.transformer import count_params
-    from scaletrain.parallel.launch import pick_device
+    from scaletrain.runtime import single_process
 
     variants = [(text, parse_variant(text)) for text in vs]
     with scratch_dir() as (tmp, sink):
@@ -130,18 +127,19 @@ def bench_step(config: str | None, overrides: list[str], vs: list[str], *, steps
         cfgs, errors = [], []
         for i, (text, v) in enumerate(variants):  # every bad key or value, before anything runs
             try:
+                # from the file again: a --vs of model.preset or model.from_hf must fill the model
                 cfgs.append(bench_config(config, overrides, v, str(Path(tmp) / str(i + 1)), need))
             except ConfigError as e:
                 errors += [f"--vs {text}: {line}" for line in e.lines]
         if errors:
             raise ConfigError(*errors)
-        entries = [trainer_entry("baseline", base, sink)]
+        rt = single_process(base)
+        batch, device = rt.layout, rt.device
+        entries = [trainer_entry("baseline", base, sink, rt)]
         entries += [trainer_entry(text, cfg, sink) for (text, _), cfg in zip(variants, cfgs)]
         if plain_loop:
-            entries.append(plain_entry(base))
-        device = pick_device(base.train.device)
+            entries.append(plain_entry(base, batch))
         rows = run(entries, steps=steps, warmup=warmup, device=device, progress=progress)
-    batch = Layout.from_config(base, 1)
     return {"config": config or "(built-in default)", "device": str(device), "precision": base.precision.mode,
             "compile": base.train.compile, "global_batch": batch.global_batch, "micro_batch": batch.micro_batch,
             "grad_accum": batch.grad_accum, "seq_len": base.data.seq_len, "params": count_params(base.model),

@@ -29,98 +29,113 @@ from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
 from scaletrain.bench.interleave import Entry, Row, rows_table, run
-from scaletrain.bench.step import bench_config, header, scratch_dir, trainer_entry
+from scaletrain.bench.step import BENCH_SETTINGS, bench_config, header, scratch_dir, trainer_entry
 from scaletrain.errors import LaunchError, UserError
+from scaletrain.layout import Layout
+from scaletrain.vocab import AC_MODES, OPTIMIZERS, PRECISIONS, ZERO_STAGES
 
-PRECISIONS = ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true")
-OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
 
-
-def techniques(cfg, world: int, device_type: str) -> list[tuple[str, str, dict | None, str]]:
-    """(key, row name, overrides or None, skip reason or note) for each technique, in table order."""
-    from scaletrain.layout import Layout
-
-    b = Layout.from_config(cfg, world)
+def techniques(cfg, b: Layout, device_type: str) -> list[tuple[str, str, dict | None, Layout | None, str]]:
+    """(key, row name, config values or None, its layout, skip reason or note) for each technique,
+    in table order. `b` is the baseline's layout; a technique's layout is `b` with its change,
+    and its config values are the same change (`{"parallel.zero": 3}`), so the two agree."""
+    world = b.world
     out = []
     k = 4 if b.micro_batch % 4 == 0 else 2 if b.micro_batch % 2 == 0 else 0
-    if k:
+    if k:  # the accumulation count is train.grad_accum's alone (not parallel.pp_microbatches)
         out.append(("accum", f"grad accumulation x{k * b.grad_accum} (micro-batch {b.micro_batch // k})",
                     {"train.global_batch": b.global_batch, "train.micro_batch": b.micro_batch // k,
-                     "train.grad_accum": b.grad_accum * k}, ""))
+                     "train.grad_accum": b.grad_accum * k, "parallel.pp_microbatches": 0},
+                    replace(b, micro_batch=b.micro_batch // k, grad_accum=b.grad_accum * k), ""))
     else:
-        out.append(("accum", "grad accumulation", None, f"the micro-batch of {b.micro_batch} cannot be split"))
-    for ac in ("none", "full", "selective"):
+        out.append(("accum", "grad accumulation", None, None, f"the micro-batch of {b.micro_batch} cannot be split"))
+    for ac in AC_MODES:
         if ac != cfg.memory.activation_checkpointing:
-            out.append((f"ac-{ac}", f"activation checkpointing {ac}", {"memory.activation_checkpointing": ac}, ""))
+            out.append((f"ac-{ac}", f"activation checkpointing {ac}", {"memory.activation_checkpointing": ac},
+                        replace(b, activation_checkpointing=ac), ""))
     for mode in PRECISIONS:
         if mode != cfg.precision.mode:
             note = "TF32 is a CUDA matmul mode: on CPU the matmuls stay fp32" \
                 if mode == "tf32" and device_type != "cuda" else ""
-            out.append((f"precision-{mode}", f"precision {mode}", {"precision.mode": mode}, note))
+            out.append((f"precision-{mode}", f"precision {mode}", {"precision.mode": mode}, b, note))
     out.append(("batch", f"larger batch x2 (micro-batch {2 * b.micro_batch})",
                 {"train.global_batch": 2 * b.global_batch, "train.micro_batch": 2 * b.micro_batch,
-                 "train.grad_accum": b.grad_accum}, ""))
+                 "train.grad_accum": b.grad_accum, "parallel.pp_microbatches": 0},
+                replace(b, micro_batch=2 * b.micro_batch), ""))
     for name in OPTIMIZERS:
         if name != cfg.optim.name:
             extra = {"optim.implementation": "auto"} if name == "adamw8bit" else {}
-            out.append((f"optim-{name}", f"optimizer {name}", {"optim.name": name, **extra}, ""))
+            out.append((f"optim-{name}", f"optimizer {name}", {"optim.name": name, **extra}, b, ""))
     workers = 2 if cfg.data.num_workers == 0 else 0
-    out.append(("workers", f"loader workers {workers}", {"data.num_workers": workers},
+    out.append(("workers", f"loader workers {workers}", {"data.num_workers": workers}, b,
                 "memory of worker processes not counted" if workers else ""))
-    for z in (0, 1, 2, 3):
+    for z in ZERO_STAGES:
         if z == cfg.parallel.zero:
             continue
         if world < 2:
-            out.append((f"zero{z}", f"ZeRO stage {z}", None, "needs --nproc >= 2 (it shards over data-parallel ranks)"))
+            out.append((f"zero{z}", f"ZeRO stage {z}", None, None,
+                        "needs --nproc >= 2 (it shards over data-parallel ranks)"))
         else:
-            out.append((f"zero{z}", f"ZeRO stage {z}" if z else "DDP (ZeRO stage 0)", {"parallel.zero": z}, ""))
+            out.append((f"zero{z}", f"ZeRO stage {z}" if z else "DDP (ZeRO stage 0)", {"parallel.zero": z},
+                        replace(b, zero=z), ""))
     compiled = cfg.train.compile
-    out.append(("compile", "no compile" if compiled else "compile", {"train.compile": not compiled},
+    out.append(("compile", "no compile" if compiled else "compile", {"train.compile": not compiled}, b,
                 "" if compiled else "torch.compile per block; the compile itself is in the warm-up"))
     return out
 
 
+def variant_config(base, values: dict, run_dir: str, steps_needed: int):
+    """A technique's config: the baseline's (a bench_config) with `values` ({"section.key":
+    value}, Python values), ours again on top. (Not for a change of model.preset or
+    model.from_hf, which fill the model only where a file leaves it: see bench_config.)"""
+    cfg = base.replace(**{**values, **BENCH_SETTINGS, "log.run_dir": run_dir})
+    if cfg.train.steps < steps_needed:  # the loader serves train.steps steps
+        cfg = cfg.replace(**{"train.steps": steps_needed})
+    return cfg
+
+
 def _check_skip(base, skip: list[str], device_type: str) -> None:
-    known = [t[0] for t in techniques(base, 2, device_type)]
+    known = [t[0] for t in techniques(base, Layout(dp_shard=2), device_type)]  # the names: the same in any layout
     unknown = [s for s in skip if s not in known]
     if unknown:
         raise UserError(f"--skip {' '.join(unknown)}: unknown technique(s); known here: {', '.join(known)}")
 
 
-def _measure(config, overrides, *, steps, warmup, skip, max_slowdown, runtime=None, progress=None) -> dict:
-    """Every rank calls this (or the one process); returns the result dict."""
-    from scaletrain.layout import Layout
+def _measure(config_name: str | None, base, *, steps, warmup, skip, max_slowdown, runtime=None,
+             progress=None) -> dict:
+    """Every rank calls this (or the one process) with the baseline's config (a bench_config) and
+    the runtime of its layout (None: one process); returns the result dict."""
     from scaletrain.model.transformer import count_params
-    from scaletrain.parallel.launch import pick_device
+    from scaletrain.runtime import single_process
 
-    world = runtime.world_size if runtime else 1
     with scratch_dir() as (tmp, sink):
         need = warmup + steps + 2
-        base = bench_config(config, overrides, {}, str(Path(tmp) / "base"), need)
-        device = runtime.device if runtime else pick_device(base.train.device)
+        base = variant_config(base, {}, str(Path(tmp) / "base"), need)
+        rt = runtime or single_process(base)  # the baseline's layout, derived once
+        device, world, batch = rt.device, rt.world_size, rt.layout
         _check_skip(base, skip, device.type)
         entries = [trainer_entry("baseline" if world == 1 or base.parallel.zero else "baseline (DDP)", base, sink,
-                                 runtime)]
-        for key, name, overrides_v, text in techniques(base, world, device.type):
+                                 rt)]
+        for key, name, values, layout, text in techniques(base, batch, device.type):
             if key in skip:
                 entries.append(Entry(name, None, "left out (--skip)"))
-            elif overrides_v is None:
+            elif values is None:
                 entries.append(Entry(name, None, text))
             else:
                 try:
-                    cfg = bench_config(config, overrides, overrides_v, str(Path(tmp) / key), need)
+                    cfg = variant_config(base, values, str(Path(tmp) / key), need)
                 except UserError as e:
                     entries.append(Entry(name, None, "; ".join(e.lines)))
                     continue
-                entries.append(trainer_entry(name, cfg, sink, runtime, note=text))
+                entries.append(trainer_entry(name, cfg, sink, rt.with_layout(layout), note=text))
         rows = run(entries, steps=steps, warmup=warmup, device=device, tolerate_failures=True,
                    max_slowdown=max_slowdown, progress=progress)
-    batch = Layout.from_config(base, world)
-    return {"config": config or "(built-in default)", "device": str(device), "world_size": world,
+    return {"config": config_name or "(built-in default)", "device": str(device), "world_size": world,
             "precision": base.precision.mode, "compile": base.train.compile, "global_batch": batch.global_batch,
             "micro_batch": batch.micro_batch, "grad_accum": batch.grad_accum, "seq_len": base.data.seq_len,
             "params": count_params(base.model), "steps": steps, "warmup": warmup,
@@ -134,32 +149,35 @@ def bench_techniques(config: str | None, overrides: list[str], *, nproc: int | N
     nproc = nproc or 1
     if nproc < 1:
         raise LaunchError(f"--nproc must be at least 1, got {nproc}")
-    if nproc == 1:
-        return _measure(config, overrides, steps=steps, warmup=warmup, skip=list(skip), max_slowdown=max_slowdown,
-                        progress=progress)
-    from scaletrain.parallel.launch import launch, pick_device
-
-    with scratch_dir() as (tmp, _):  # check the request here, once, before starting the ranks
+    with scratch_dir() as (tmp, _):  # the baseline, read once, here (run folders are the ranks' own)
         base = bench_config(config, overrides, {}, tmp, 1)
-        _check_skip(base, list(skip), pick_device(base.train.device, 0, nproc).type)
+    if nproc == 1:
+        return _measure(config, base, steps=steps, warmup=warmup, skip=list(skip), max_slowdown=max_slowdown,
+                        progress=progress)
+    from scaletrain.launcher import launch, spec_file
+    from scaletrain.runtime import pick_device
+
+    _check_skip(base, list(skip), pick_device(base.train.device, 0, nproc).type)  # before starting the ranks
     with tempfile.TemporaryDirectory(prefix="scaletrain-techniques-") as tmp:
         out = Path(tmp) / "result.json"
-        spec = {"config": config, "overrides": list(overrides), "steps": steps, "warmup": warmup,
+        spec = {"config_name": config, "config": base.to_dict(), "steps": steps, "warmup": warmup,
                 "skip": list(skip), "max_slowdown": max_slowdown, "out": str(out)}
-        code = launch("bench-techniques", [json.dumps(spec)], nproc=nproc)
+        with spec_file(spec, prefix="scaletrain-techniques-") as path:
+            code = launch("bench-techniques", [path], nproc=nproc)
         if code:
             raise SystemExit(code)
         return json.loads(out.read_text())
 
 
-def bench_rank(spec_json: str) -> int:
-    """One rank of bench_techniques (the `bench-techniques` task of scaletrain.worker)."""
-    from scaletrain.parallel.launch import prepare_worker
+def bench_rank(spec_path: str) -> int:
+    """One rank of bench_techniques (the `bench-techniques` task of scaletrain.worker): SPEC_PATH
+    is a JSON file of the baseline's config (read once, where the job started) and the settings."""
+    from scaletrain.config import from_dict
+    from scaletrain.runtime import prepare_worker
 
-    spec = json.loads(spec_json)
-    with scratch_dir() as (tmp, _):
-        cfg, runtime = prepare_worker(bench_config(spec["config"], spec["overrides"], {}, tmp, 1))
-    result = _measure(spec["config"], spec["overrides"], steps=spec["steps"], warmup=spec["warmup"],
+    spec = json.loads(Path(spec_path).read_text())
+    base, runtime = prepare_worker(from_dict(spec["config"]))  # the group's mesh: the baseline's layout
+    result = _measure(spec["config_name"], base, steps=spec["steps"], warmup=spec["warmup"],
                       skip=spec["skip"], max_slowdown=spec["max_slowdown"], runtime=runtime)
     if runtime.rank == 0:
         Path(spec["out"]).write_text(json.dumps(result))

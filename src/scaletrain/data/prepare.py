@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 
+from scaletrain.atomic import replacing
 from scaletrain.data.tokenizer import ByteTokenizer, HFTokenizer
 from scaletrain.errors import DataError
 
@@ -202,10 +201,8 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
                         "give one of those or a Hugging Face model folder holding tokenizer.json")
 
     dtype = token_dtype(tok.vocab_size)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with replacing(out) as tmp:
+        tmp.mkdir(parents=True)
         train = _ShardWriter(tmp, "shard", tok, dtype, shard_tokens)
         val = _ShardWriter(tmp, "val", tok, dtype, shard_tokens)
         for doc in iter_documents(files, text_key):
@@ -242,11 +239,7 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
                          "num_val_documents": val.n_docs, "val_shards": val.shards})
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
         if out.exists():
-            out.rmdir()  # empty, checked above
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            out.rmdir()  # empty, checked above: the rename needs its place
     return meta
 
 

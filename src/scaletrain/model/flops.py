@@ -9,16 +9,25 @@ recomputation nowhere: MFU measures useful work, so activation checkpointing low
 
 from __future__ import annotations
 
-from scaletrain.config import ModelConfig
+from scaletrain.model.config import ModelConfig
 
 
-def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that multiply activations: the linear layers and the output head.
-    The input embedding is a lookup (no FLOPs); norms and biases are negligible and left out."""
+def block_matmul_params(cfg: ModelConfig, tp: int = 1) -> int:
+    """Parameters of one transformer block that multiply activations — wq, wk, wv, wo and the
+    MLP's two (GELU) or three (SwiGLU) matrices — on one of `tp` tensor-parallel ranks (each
+    matrix is split over them). Norms and biases are negligible and left out. The one count of
+    a block's matmul work: FLOPs per token, the pipeline's balanced split by compute and the
+    planner's memory and time all read it."""
     d, kv, q = cfg.dim, cfg.kv_heads * cfg.head_size, cfg.n_heads * cfg.head_size
     attn = d * q + 2 * d * kv + q * d  # wq, wk, wv, wo
     mlp = (3 if cfg.activation == "swiglu" else 2) * d * cfg.hidden_dim
-    return cfg.n_layers * (attn + mlp) + d * cfg.vocab_size
+    return (attn + mlp) // tp
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that multiply activations: the blocks' linear layers and the output head.
+    The input embedding is a lookup (no FLOPs)."""
+    return cfg.n_layers * block_matmul_params(cfg) + cfg.dim * cfg.vocab_size
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

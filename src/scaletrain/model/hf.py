@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 import torch
 
-from scaletrain.config import ModelConfig
+from scaletrain.model.config import ModelConfig
 from scaletrain.errors import CheckpointError, ConfigError
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")

@@ -37,6 +37,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def preset_config(name: str, **overrides: Any):
     """The ModelConfig of a preset, validated like a config file's model section."""
-    from scaletrain.config import from_dict
+    from scaletrain.errors import ConfigError
+    from scaletrain.model.config import model_config
+    from scaletrain.vocab import did_you_mean
 
-    return from_dict({"model": {"preset": name, **overrides}}).model
+    if name not in PRESETS:
+        raise ConfigError(f"model.preset: unknown preset {name!r}{did_you_mean(name, PRESETS)}; "
+                          f"choose one of {', '.join(PRESETS)}")
+    return model_config({**PRESETS[name], "preset": name, **overrides})

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.config import ModelConfig
+from scaletrain.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

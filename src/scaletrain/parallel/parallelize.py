@@ -24,9 +24,10 @@ from scaletrain.parallel.data_parallel import (DataParallel, DDPDataParallel, FS
                                                ReplicateDataParallel, ZeroDataParallelStrategy, apply_fsdp,
                                                apply_replicate)
 from scaletrain.parallel.init import init_weights, load_weights
-from scaletrain.parallel.launch import Runtime
+from scaletrain.runtime import Runtime
 from scaletrain.parallel.tensor_parallel import apply_tensor_parallel
 from scaletrain.precision import Precision
+from scaletrain.vocab import DP_ENGINES, unknown
 
 
 @dataclass
@@ -153,6 +154,8 @@ def _engine(chunks: list[nn.Module], cfg: JobConfig, rt: Runtime, precision: Pre
         return ReplicateDataParallel(chunks)
     if engine == "ddp":
         return DDPDataParallel(chunks, rt.group("dp"), bucket_mb, reduce_in_fp32=precision.param_dtype != torch.float32)
+    if engine not in ("zero1", "zero2"):  # never take a name we do not know for ZeRO
+        raise unknown("data-parallel engine", engine, DP_ENGINES)
     return ZeroDataParallelStrategy(chunks, rt.mesh, stage=lay.zero, dp_replicate=lay.dp_replicate, bucket_mb=bucket_mb,
                                     master_dtype=torch.float32 if precision.master_weights else None)
 

@@ -17,24 +17,32 @@ The model is split by layer ranges: the first stage also holds the embedding, th
 norm and the output head; the split balances an estimate of each stage's compute (or follows
 `parallel.pp_split`). Each chunk is a copy of the model with the other layers deleted, so its
 parameter names, and the checkpoint keys, are those of the whole model.
+
+One training step (`forward_backward`) or one validation batch (`eval_loss_sum`) feeds all of its
+micro-batches to the schedule at once; the last stage computes the losses, the others none.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from functools import lru_cache
+from typing import Callable, ContextManager
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from scaletrain.config import ModelConfig
-from scaletrain.layout import SCHEDULES, balanced_split_counts, chunks_per_rank  # noqa: F401 - re-exported
+from scaletrain.model.config import ModelConfig
+from scaletrain.layout import balanced_split_counts, chunks_per_rank  # noqa: F401 - re-exported
+from scaletrain.vocab import PP_SCHEDULES, unknown
 
 
 def head_cost_in_blocks(cfg: ModelConfig) -> float:
     """The output head's matmul FLOPs in units of one block's matmul FLOPs."""
-    d, kv, q = cfg.dim, cfg.kv_heads * cfg.head_size, cfg.n_heads * cfg.head_size
-    block = 2 * d * q + 2 * d * kv + (3 if cfg.activation == "swiglu" else 2) * d * cfg.hidden_dim
-    return cfg.vocab_size * d / block
+    from scaletrain.model.flops import block_matmul_params
+
+    return cfg.vocab_size * cfg.dim / block_matmul_params(cfg)
 
 
 def layer_ranges(cfg: ModelConfig, chunks: int, split: str) -> list[range]:
@@ -76,6 +84,8 @@ def split_model(model: nn.Module, stages: list[int], ranges: list[range]) -> lis
 
 
 def build_schedule(stages, schedule: str, n_microbatches: int, loss_fn):
+    """The schedule that runs this rank's `stages`; `loss_fn(logits, targets)` is a micro-batch's
+    loss as backward should see it."""
     from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                               ScheduleZBVZeroBubble)
 
@@ -88,4 +98,52 @@ def build_schedule(stages, schedule: str, n_microbatches: int, loss_fn):
         return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
     if schedule == "zero-bubble":
         return ScheduleZBVZeroBubble(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
+    raise unknown("pipeline schedule", schedule, PP_SCHEDULES)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (the loss under tensor parallelism) as the tensor it holds."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _feed(pm, parts, device, non_blocking: bool) -> tuple[tuple, dict, list[torch.Tensor]]:
+    """The schedule's arguments for these (inputs, targets) micro-batches on this rank's stages:
+    the first stage takes the inputs, the last the targets and a list that collects the losses."""
+    inputs = torch.cat([x for x, _ in parts]).to(device, non_blocking=non_blocking)
+    targets = torch.cat([y for _, y in parts]).to(device, non_blocking=non_blocking)
+    losses: list[torch.Tensor] = []
+    args = (inputs,) if pm.first else ()
+    kwargs = {"target": targets, "losses": losses} if pm.last else {}
+    return args, kwargs, losses
+
+
+def forward_backward(pm, schedule, batches, n_microbatches: int, *, device: torch.device,
+                     autocast: Callable[[], ContextManager], loss_context: Callable[[], ContextManager],
+                     ) -> tuple[torch.Tensor, float]:
+    """One training step's micro-batches (drawn from `batches`) through the schedule at once.
+    Returns the sum of the losses as the schedule's loss function computed them (zero on all
+    but the last stage) and the seconds spent waiting for data."""
+    t0 = time.perf_counter()
+    parts = [next(batches) for _ in range(n_microbatches)]
+    wait = time.perf_counter() - t0
+    args, kwargs, losses = _feed(pm, parts, device, non_blocking=True)
+    # the schedule decides when each stage's gradients are final; sharding engines reduce after it
+    with pm.dp.micro_step(last=False), loss_context(), autocast():
+        schedule.step(*args, return_outputs=False, **kwargs)
+    pm.dp.finish_gradients()
+    loss_sum = torch.stack([_plain(x.detach()).float() for x in losses]).sum() if losses else \
+        torch.zeros((), device=device)
+    return loss_sum, wait
+
+
+def eval_loss_sum(pm, schedule, parts, *, device: torch.device, loss_factor: float,
+                  autocast: Callable[[], ContextManager], loss_context: Callable[[], ContextManager]) -> torch.Tensor:
+    """One validation batch's (inputs, targets) micro-batches through the schedule's forward-only
+    pass: the sum of its token losses (float64) on the last stage, zero elsewhere."""
+    args, kwargs, losses = _feed(pm, parts, device, non_blocking=False)
+    with loss_context(), autocast():
+        schedule.eval(*args, return_outputs=False, **kwargs)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for loss in losses:  # the schedule's loss function carries the training scale: take it off
+        total += _plain(loss).double() / loss_factor
+    return total

@@ -14,9 +14,12 @@ from typing import Any
 
 from scaletrain.errors import ConfigError
 from scaletrain.hardware import Hardware, lookup
-from scaletrain.plan.memory_model import GiB, MemoryBreakdown, ParamCounts, optimizer_bytes
-from scaletrain.plan.search import Evaluated, enumerate_layouts, evaluate, explain, layout_errors, search
+from scaletrain.plan.memory_model import GiB, ParamCounts, module_memory
+from scaletrain.plan.options import derive_layout
+from scaletrain.plan.search import Evaluated, evaluate, explain, layout_errors, search
 from scaletrain.plan.spec import Cluster, Layout, ModelSource, Workload, load_model
+from scaletrain.plan.time_model import estimate_module_time
+from scaletrain.vocab import ZERO_STAGES
 
 __all__ = ["Cluster", "Evaluated", "Layout", "Workload", "plan", "resolve_layout"]
 
@@ -72,53 +75,21 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
     return result
 
 
-LAYOUT_SYNONYMS = {"schedule": "pp_schedule", "virtual": "pp_virtual_stages", "ac": "activation_checkpointing",
-                   "offload": "offload_optimizer"}
-
-
 def resolve_layout(given: Layout | dict, cluster: Cluster, wl: Workload) -> Layout:
-    """A layout from the options given; what is left out is derived (dp from the cluster, the
-    micro-batch from the global batch)."""
+    """A layout from the options given — config keys ("parallel.zero"), Layout's field names or
+    the plan command's short names ("ac", "schedule", "virtual", "offload"), and "cp" — with what
+    is left out derived as the config derives it (`scaletrain.plan.options.derive_layout`)."""
     if isinstance(given, Layout):
         return given
-    # the plan command's short flags name the same fields (--schedule, --virtual, --ac, --offload)
-    given = {LAYOUT_SYNONYMS.get(k, k): v for k, v in given.items()}
-    known = set(Layout.__dataclass_fields__) | set(LAYOUT_SYNONYMS)
-    unknown = set(given) - known
-    if unknown:
-        raise ConfigError(f"unknown layout option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
-    sizes = ("tp", "pp", "cp", "dp_replicate", "dp_shard", "micro_batch", "grad_accum", "pp_virtual_stages")
-    too_small = [f"{name}={given[name]}" for name in sizes if name in given and given[name] < 1]
-    if too_small:
-        raise ConfigError(f"layout sizes must be at least 1, got {', '.join(too_small)}")
-    tp, pp, cp = given.get("tp", 1), given.get("pp", 1), given.get("cp", 1)
-    if cluster.world % (tp * pp * cp):
-        sizes_text = f"tp {tp} × pp {pp}" + (f" × cp {cp}" if cp > 1 else "")
-        raise ConfigError(f"{sizes_text} does not divide the cluster's {cluster.world} GPUs")
-    dp = cluster.world // (tp * pp * cp)
-    rep = given.get("dp_replicate", 1)
-    if dp % rep:
-        raise ConfigError(f"dp_replicate {rep} does not divide the {dp} data-parallel ranks")
-    shard = given.get("dp_shard", dp // rep)
-    if wl.global_batch % (rep * shard):
-        raise ConfigError(f"the global batch {wl.global_batch} does not divide into {rep * shard} data-parallel ranks")
-    per_rank = wl.global_batch // (rep * shard)
-    mb = given.get("micro_batch", per_rank)
-    if per_rank % mb:
-        raise ConfigError(f"micro-batch {mb} does not divide the {per_rank} sequences per data-parallel rank")
-    fields = {**given, "dp_replicate": rep, "dp_shard": shard, "micro_batch": mb, "grad_accum": per_rank // mb}
-    if tp > 1 and "sp" not in given:
-        fields["sp"] = True
-    return Layout(**fields)
+    return derive_layout(given, cluster.world, wl.global_batch)
 
 
 def _plan_module(src: ModelSource, wl: Workload, cluster: Cluster, layout, top_k: int, result: dict, gpu: bool):
     """An arbitrary nn.Module: counted parameters, activations traced whole, FLOPs ≈ 6N per token;
-    data parallelism and ZeRO only (its structure is unknown to tensor and pipeline parallelism)."""
+    data parallelism and ZeRO only (its structure is unknown to tensor and pipeline parallelism).
+    Memory and time come from the planner's models (`module_memory`, `estimate_module_time`)."""
     import torch
 
-    from scaletrain.plan.memory_model import RESERVE_FRACTION, RUNTIME_BYTES_GPU, Dtypes
-    from scaletrain.plan.time_model import LINK_EFFICIENCY, TimeBreakdown, hardware_efficiency, intra_node_bus_GBps
     from scaletrain.plan.trace import traced_module_bytes
 
     if wl.engine != "scaletrain" or wl.fp8:
@@ -132,9 +103,7 @@ def _plan_module(src: ModelSource, wl: Workload, cluster: Cluster, layout, top_k
     vocab = next((m.num_embeddings for m in module.modules() if isinstance(m, torch.nn.Embedding)), None)
     if vocab is None:
         raise ConfigError(f"{src.name}: the planner feeds token ids to a module; this one has no nn.Embedding")
-    d = Dtypes.of(wl.precision)
     hw = cluster.hardware
-    peak = hw.peak_flops({"32-true": "fp32", "tf32": "tf32", "16-mixed": "fp16"}.get(wl.precision, "bf16"))
     candidates = [resolve_layout(layout, cluster, wl)] if layout is not None else \
         [lay for lay in _module_layouts(cluster, wl)]
     evaluated = []
@@ -144,25 +113,8 @@ def _plan_module(src: ModelSource, wl: Workload, cluster: Cluster, layout, top_k
             raise ConfigError("for an nn.Module the planner covers data parallelism and ZeRO only (tp=1, pp=1, ac none)")
         if lay.micro_batch not in act_cache:
             act_cache[lay.micro_batch] = traced_module_bytes(module, wl, lay.micro_batch, vocab)
-        z, shards = (lay.zero, lay.dp_shard) if lay.dp > 1 else (0, 1)
-        m = MemoryBreakdown()
-        m.params = n * d.param / (shards if z == 3 else 1)
-        m.grads = n * d.grad / (shards if z >= 2 else 1)
-        m.master = n * d.master / (shards if z >= 1 else 1)
-        m.optimizer = optimizer_bytes(wl.optimizer, counts) / (shards if z >= 1 else 1)
-        m.activations = act_cache[lay.micro_batch]
-        m.reserve = RESERVE_FRACTION * (m.model_states + m.activations) + (RUNTIME_BYTES_GPU if gpu else 0)
-        flops = 6.0 * n * wl.tokens
-        eta = hardware_efficiency(hw)
-        compute = flops / lay.world / (peak * eta)
-        bw = (intra_node_bus_GBps(hw) if lay.dp <= cluster.gpus_per_node
-              else hw.inter_node_GBps * LINK_EFFICIENCY) * 1e9
-        comm = 0.0 if lay.dp == 1 else (3 if z == 3 else 2) * (lay.dp - 1) / lay.dp * n * 4 / bw
-        exposed = max(0.0, comm - 0.8 * compute * (1 if z == 3 else 2 / 3 / lay.grad_accum))
-        step = compute + exposed
-        t = TimeBreakdown(compute, 0.0, 0.0, comm, exposed, 0.0, 0.0, step, wl.tokens / step,
-                          flops / (step * peak * lay.world), flops, flops, 0.0)
-        ev = Evaluated(lay, m, t, hw.memory_bytes)
+        m = module_memory(counts, wl, lay, act_cache[lay.micro_batch], gpu=gpu)
+        ev = Evaluated(lay, m, estimate_module_time(n, wl, lay, cluster), hw.memory_bytes)
         if not ev.fits:
             ev.why_not.append(f"needs {m.total / GiB:.1f} GiB per GPU of {hw.memory_bytes / GiB:.1f}")
         evaluated.append(ev)
@@ -180,6 +132,6 @@ def _module_layouts(cluster: Cluster, wl: Workload):
     if wl.global_batch % dp:
         raise ConfigError(f"the global batch {wl.global_batch} does not divide into {dp} GPUs")
     per_rank = wl.global_batch // dp
-    for zero in ((0,) if dp == 1 else (0, 1, 2, 3)):
+    for zero in ((0,) if dp == 1 else ZERO_STAGES):
         for mb in [m for m in range(1, min(per_rank, 16) + 1) if per_rank % m == 0]:
             yield Layout(dp_shard=dp, zero=zero, micro_batch=mb, grad_accum=per_rank // mb)

@@ -3,6 +3,11 @@
 It searches the layouts of `world` ranks of this machine's device (a known GPU from the
 catalog, or the CPU measured here), keeps the global batch and precision of the config, and
 fills in `[parallel]`, the micro-batch and accumulation, and `[memory]`.
+
+`resolve` is where a job's layout is settled, once, where the job starts (the CLI's `train`
+for one process or for `--nproc N`, `verify`; under torchrun rank 0 in
+`runtime.prepare_worker`): the config as it will run and its `Layout`, which every rank is
+then given.
 """
 
 from __future__ import annotations
@@ -39,3 +44,17 @@ def auto_layout(cfg: JobConfig, world: int, device: torch.device, gpus_per_node:
     chosen = {"parallel.layout": "manual", "parallel.pp_microbatches": 0, "train.global_batch": global_batch,
               **best.layout.config_overrides()}
     return cfg.replace(**chosen), best
+
+
+def resolve(cfg: JobConfig, world: int, device: torch.device, *, gpus_per_node: int | None = None,
+            note=None) -> tuple[JobConfig, Layout]:
+    """(the config as the job runs it, its layout on `world` ranks), derived once, where the job
+    starts: for `parallel.layout = "auto"` the planner's choice for `device` (said in one line to
+    `note`, a function of a str, if given), else the config's own layout. Not checked against
+    the model: that is `layout.check(cfg.model)`."""
+    if cfg.parallel.layout == "auto":
+        cfg, best = auto_layout(cfg, world, device, gpus_per_node)
+        if note is not None:
+            note(f"parallel.layout=auto chose {best.layout.describe()} (planner: {best.time.tokens_per_s:,.0f} "
+                 f"tokens/s, {best.memory.total / 2**30:.2f} GiB per rank)")
+    return cfg, Layout.from_config(cfg, world)

@@ -21,12 +21,13 @@ Activations per transformer layer come from two sources:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from scaletrain.config import ModelConfig
+from scaletrain.model.config import ModelConfig
+from scaletrain.model.flops import block_matmul_params
 from scaletrain.plan.spec import Cluster, Layout, Workload
+from scaletrain.vocab import AC_MODES, OPTIMIZERS, PLAN_ENGINES, PP_SCHEDULES, PRECISIONS, is_multi_chunk, unknown
 
 GiB = 2**30
 
@@ -54,7 +55,7 @@ def _dtypes_of(cls, precision: str) -> Dtypes:
         return cls(4, 4, 0, 2, 4, True)
     if precision == "bf16-true":
         return cls(2, 2, 4, 2, 2, False)
-    raise ValueError(f"unknown precision {precision!r}")
+    raise unknown("precision", precision, PRECISIONS)
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ ENGINES = {
 
 def engine_of(name: str) -> Engine:
     if name not in ENGINES:
-        raise ValueError(f"unknown engine {name!r}")
+        raise unknown("engine", name, PLAN_ENGINES)
     return ENGINES[name]
 
 
@@ -123,8 +124,7 @@ def _layer_params(cfg: ModelConfig, tp: int) -> tuple[int, int, int, tuple]:
     h, kv, f = cfg.dim, cfg.kv_heads * cfg.head_size, cfg.hidden_dim
     q = cfg.n_heads * cfg.head_size  # = h unless head_dim is set apart
     n_ffn = 3 if cfg.activation == "swiglu" else 2
-    matmul = 2 * h * q + 2 * h * kv + n_ffn * h * f
-    sharded = matmul // tp
+    sharded = block_matmul_params(cfg, tp)
     replicated = (4 if cfg.norm == "layernorm" and cfg.bias else 2) * h
     if cfg.bias:
         sharded += (q + 2 * kv + (n_ffn - 1) * f) // tp  # column-parallel biases
@@ -135,7 +135,7 @@ def _layer_params(cfg: ModelConfig, tp: int) -> tuple[int, int, int, tuple]:
         replicated += 2 * cfg.head_size
     mats = ((q // tp, h), (kv // tp, h), (kv // tp, h), (h, q // tp)) + \
            ((f // tp, h),) * (n_ffn - 1) + ((h, f // tp),)
-    return sharded, replicated, matmul // tp, mats
+    return sharded, replicated, block_matmul_params(cfg, tp), mats
 
 
 def stage_layers(cfg: ModelConfig, layout: Layout) -> list[list[int]]:
@@ -201,7 +201,7 @@ def optimizer_bytes(optimizer: str, counts: ParamCounts) -> float:
         # factored second moment of each matrix (a row and a column vector), full for vectors
         in_matrices = sum(r * c for r, c in counts.matrices)
         return 4.0 * sum(r + c for r, c in counts.matrices) + 4.0 * max(0, counts.total - in_matrices)
-    raise ValueError(f"unknown optimizer {optimizer!r}")
+    raise unknown("optimizer", optimizer, OPTIMIZERS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -284,7 +284,7 @@ def _scaletrain_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp:
         ffn = (n_ffn - 1) * b * s * f / tp * d.compute
         return x + qkv + attn_out + lse + mm_out + ffn
     if ac != "none":
-        raise ValueError(f"unknown activation checkpointing {ac!r}")
+        raise unknown("activation checkpointing", ac, AC_MODES)
     # the residual stream is kept by the norms that read it — except our RMSNorm on a
     # low-precision stream, which keeps only the fp32 copy it makes (counted in norm_extra)
     if not _norm_keeps_input(cfg, d):
@@ -374,17 +374,17 @@ def in_flight(schedule: str, pp: int, micro_batches: int, virtual: int) -> tuple
         if m >= 2 * p - 1:  # ZB-V's steady state holds 2p chunk-forwards: p micro-batches
             return tuple(float(p) for _ in range(p))
         return in_flight_from_orders(schedule, pp, micro_batches, virtual)  # few micro-batches: count
-    raise ValueError(f"unknown schedule {schedule!r}")
+    raise unknown("pipeline schedule", schedule, PP_SCHEDULES)
 
 
 def in_flight_from_orders(schedule: str, pp: int, micro_batches: int, virtual: int) -> tuple[float, ...]:
     """The same count from the operation orders `scaletrain schedule` draws."""
-    from scaletrain.parallel.timeline import rank_orders
+    from scaletrain.plan.timeline import rank_orders
 
     if pp == 1:
         return (1.0,)
     orders, _ = rank_orders(schedule, pp, micro_batches, virtual)
-    chunks = virtual if schedule in ("interleaved-1f1b", "zero-bubble") else 1
+    chunks = virtual if is_multi_chunk(schedule) else 1
     release = "W" if schedule == "zero-bubble" else "B"  # the last use of a chunk's activations
     out = []
     for order in orders:
@@ -464,36 +464,14 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
     d = dtypes_for(wl)
     ours = wl.engine == "scaletrain"
     counts = rank_params(cfg, layout, pp_rank)
-    # ZeRO shards over the data-parallel shard ranks and the context-parallel ranks, which hold
-    # the same weights (Megatron's distributed optimizer, torchtitan's FSDP over dp × cp)
-    n = (layout.dp_shard if layout.dp > 1 else 1) * layout.cp
-    zero = layout.zero if n > 1 else 0
-    # scaletrain's FSDP (zero 3) and FSDP-based replication (zero 0 with tp) keep fp32 weights
-    # (the masters) and cast into compute-dtype buffers of their own
-    fsdp_like = ours and layout.dp > 1 and (zero == 3 or (zero == 0 and layout.tp > 1))
-    out = MemoryBreakdown(stage=pp_rank)
-    P = counts.total
-    # FSDP-like engines store fp32 parameters (the masters) and gradients
-    dtypes = Dtypes(4, 4, 0, d.compute, d.residual, False) if fsdp_like else d
-    # under gradient accumulation the ZeRO-2 engine keeps full gradients until the last
-    # micro-batch's backward reduce-scatters them: its peak is ZeRO-1's
-    grad_zero = 1 if zero == 2 and layout.grad_accum > 1 else zero
-    out.params, _, out.master, out.optimizer = model_state_bytes(
-        P, dtypes, optimizer_bytes(wl.optimizer, counts) / P if P else 0.0, zero, n)
-    out.grads = model_state_bytes(P, dtypes, 0.0, grad_zero, n)[1]
-    if ours and d.master and not fsdp_like:
-        # bf16-true keeps fp32 gradients for its fp32 masters: at step time the bf16 gradients
-        # have been moved into them (one process, DDP), reduce-scattered into fp32 shards
-        # (ZeRO-2), or sit beside the fp32 shards (ZeRO-1, and ZeRO-2 while accumulating)
-        out.grads = {0: P * 4, 1: P * d.grad + P * 4 / n, 2: P * 4 / n}[grad_zero]
-    if ours and layout.tp > 1 and not fsdp_like and grad_zero < 2 and pp_rank == 0:
+    sh = sharding(wl, layout)
+    extra_grads = 0.0
+    if ours and layout.tp > 1 and not sh.fsdp_like and sh.grad_zero < 2 and pp_rank == 0:
         # the vocabulary-parallel embedding's gradient arrives replicated (DTensor's embedding
         # backward), full size on every tensor-parallel rank, in the parameters' dtype
-        out.grads += cfg.vocab_size * cfg.dim * (1 - 1 / layout.tp) * d.grad
-    if layout.offload_optimizer and zero == 3:
-        out.host = out.params + out.grads + out.optimizer
-        out.params = out.grads = out.optimizer = 0.0
-        out.notes.append("parameters, gradients and optimizer state live in host memory (offload)")
+        extra_grads = cfg.vocab_size * cfg.dim * (1 - 1 / layout.tp) * d.grad
+    out = model_state_memory(counts, wl, layout, extra_grads=extra_grads, sh=sh)
+    out.stage = pp_rank
 
     # activations: per micro-batch on this rank's layers, times the micro-batches in flight
     layers = sum(stage_layers(cfg, layout)[pp_rank])
@@ -510,7 +488,7 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
         per_layer, head = traced_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp, layout.activation_checkpointing)
     elif activations == "formula":
         per_layer, head = formula_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp, layout.activation_checkpointing,
-                                                   fsdp_like, layout.cp)
+                                                   sh.fsdp_like, layout.cp)
     else:
         raise ValueError(f"unknown activation source {activations!r}")
     out.activations = per_layer * layers * flight
@@ -522,9 +500,81 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
         # one micro-batch at a time on the last stage
         out.logits_loss = head
 
-    # communication buffers
     block = _layer_params(cfg, layout.tp)
-    block_params = block[0] + block[1]
+    recompute = 0.0
+    if ours and layout.activation_checkpointing != "none":  # backward rebuilds one layer's activations at a time
+        full = formula_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp, "none", sh.fsdp_like)[0]
+        recompute = full - formula_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp,
+                                                    layout.activation_checkpointing, sh.fsdp_like)[0]
+    # FSDP gathers block by block; the root (embedding and head) stays gathered
+    root = (cfg.vocab_size * cfg.dim // layout.tp) * (1 if cfg.tie_embeddings else 2)
+    return buffers_and_peak(out, counts, wl, layout, block_params=block[0] + block[1], root_params=root,
+                            recompute=recompute, bucket_mb=bucket_mb, gpu=gpu, sh=sh)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a layout's data-parallel engine holds the model states of a rank."""
+
+    n: int  # ranks each state is sharded over: the dp_shard ranks and the cp ranks (or 1)
+    zero: int  # the ZeRO stage in effect (0 with nothing to shard over)
+    grad_zero: int  # the stage the gradients' peak follows (ZeRO-2 under accumulation holds them whole: 1)
+    fsdp_like: bool  # scaletrain's FSDP (zero 3) or FSDP-based replication (zero 0 under tp)
+
+
+def sharding(wl: Workload, layout: Layout) -> Sharding:
+    # ZeRO shards over the data-parallel shard ranks and the context-parallel ranks, which hold
+    # the same weights (Megatron's distributed optimizer, torchtitan's FSDP over dp × cp)
+    n = (layout.dp_shard if layout.dp > 1 else 1) * layout.cp
+    zero = layout.zero if n > 1 else 0
+    # scaletrain's FSDP (zero 3) and FSDP-based replication (zero 0 with tp) keep fp32 weights
+    # (the masters) and cast into compute-dtype buffers of their own
+    fsdp_like = wl.engine == "scaletrain" and layout.dp > 1 and (zero == 3 or (zero == 0 and layout.tp > 1))
+    # under gradient accumulation the ZeRO-2 engine keeps full gradients until the last
+    # micro-batch's backward reduce-scatters them: its peak is ZeRO-1's
+    grad_zero = 1 if zero == 2 and layout.grad_accum > 1 else zero
+    return Sharding(n, zero, grad_zero, fsdp_like)
+
+
+def model_state_memory(counts: ParamCounts, wl: Workload, layout: Layout, *, extra_grads: float = 0.0,
+                       sh: Sharding | None = None) -> MemoryBreakdown:
+    """Parameters, gradients, master weights and optimizer state of a rank holding `counts`
+    (`extra_grads`: gradient bytes beside them), as the layout's engine shards them
+    (`sh`: `sharding(wl, layout)`, if at hand), and what offloading moves to the host."""
+    d = dtypes_for(wl)
+    sh = sh or sharding(wl, layout)
+    n, zero, grad_zero = sh.n, sh.zero, sh.grad_zero
+    out = MemoryBreakdown()
+    P = counts.total
+    # FSDP-like engines store fp32 parameters (the masters) and gradients
+    dtypes = Dtypes(4, 4, 0, d.compute, d.residual, False) if sh.fsdp_like else d
+    out.params, _, out.master, out.optimizer = model_state_bytes(
+        P, dtypes, optimizer_bytes(wl.optimizer, counts) / P if P else 0.0, zero, n)
+    out.grads = model_state_bytes(P, dtypes, 0.0, grad_zero, n)[1]
+    if wl.engine == "scaletrain" and d.master and not sh.fsdp_like:
+        # bf16-true keeps fp32 gradients for its fp32 masters: at step time the bf16 gradients
+        # have been moved into them (one process, DDP), reduce-scattered into fp32 shards
+        # (ZeRO-2), or sit beside the fp32 shards (ZeRO-1, and ZeRO-2 while accumulating)
+        out.grads = {0: P * 4, 1: P * d.grad + P * 4 / n, 2: P * 4 / n}[grad_zero]
+    out.grads += extra_grads
+    if layout.offload_optimizer and zero == 3:
+        out.host = out.params + out.grads + out.optimizer
+        out.params = out.grads = out.optimizer = 0.0
+        out.notes.append("parameters, gradients and optimizer state live in host memory (offload)")
+    return out
+
+
+def buffers_and_peak(out: MemoryBreakdown, counts: ParamCounts, wl: Workload, layout: Layout, *, block_params: float,
+                     root_params: float, recompute: float = 0.0, bucket_mb: float = 25.0,
+                     gpu: bool = True, sh: Sharding | None = None) -> MemoryBreakdown:
+    """Complete `out` (model states and activations filled in) with the communication buffers,
+    scaletrain's peak and the reserve. FSDP gathers units of `block_params` parameters, the
+    root's `root_params` stay gathered; `recompute`: the bytes checkpointing rebuilds at once."""
+    d = dtypes_for(wl)
+    ours = wl.engine == "scaletrain"
+    sh = sh or sharding(wl, layout)
+    n, zero, grad_zero, fsdp_like = sh.n, sh.zero, sh.grad_zero, sh.fsdp_like
+    P = counts.total
     bucket = min(bucket_mb * 2**20, P * 4)
     if n > 1 and zero in (1, 2):
         # ZeRO-1/2 engine: at most two gradient buckets in flight (never more than the
@@ -533,21 +583,15 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
         out.comm_buffers = 2 * min(2 * bucket, P * 4)
     elif fsdp_like:
         c = d.compute if d.compute < 4 else 4
-        root = (cfg.vocab_size * cfg.dim // layout.tp) * (1 if cfg.tie_embeddings else 2)
         # two blocks gathered (current + prefetched), the root kept gathered, one block's
         # unsharded fp32 gradients waiting for their reduce-scatter
-        out.comm_buffers = (2 * block_params + root) * c + block_params * 4
+        out.comm_buffers = (2 * block_params + root_params) * c + block_params * 4
     elif zero == 3:  # another engine's ZeRO-3: two blocks gathered, one block's gradients
         out.comm_buffers = 2 * block_params * d.compute + block_params * d.grad
     if ours:
         grads_in_backward = out.grads
         if d.master and not fsdp_like:  # bf16-true: fp32 gradients exist at step time only
             grads_in_backward = P * d.grad / (n if grad_zero >= 2 else 1) + (out.grads - min(out.grads, P * 4))
-        recompute = 0.0
-        if layout.activation_checkpointing != "none":  # backward rebuilds one layer's activations at a time
-            full = formula_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp, "none", fsdp_like)[0]
-            recompute = full - formula_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp,
-                                                        layout.activation_checkpointing, fsdp_like)[0]
         out.peak = _peak(out, layout, zero, n, fsdp_like, grads_in_backward, recompute, bucket, P * 4)
     out.reserve = RESERVE_FRACTION * (out.peak if out.peak is not None else
                                       out.model_states + out.activations + out.logits_loss + out.comm_buffers)
@@ -585,3 +629,15 @@ def _peak(m: MemoryBreakdown, layout: Layout, zero: int, n: int, fsdp_like: bool
                                2 * min(k, 2) * bucket)
     step = m.grads + (m.comm_buffers if fsdp_like else 0.0)
     return states + max(backward, step)
+
+
+def module_memory(counts: ParamCounts, wl: Workload, layout: Layout, activations: float, *, gpu: bool = True,
+                  bucket_mb: float = 25.0) -> MemoryBreakdown:
+    """Per-rank memory of a model known only by its parameters and the activations traced on
+    it (an arbitrary nn.Module, data parallel only): model states, buffers, peak and reserve
+    as for any model under the layout's engine. FSDP's unit is the whole module (its blocks
+    are unknown here): it is gathered whole."""
+    out = model_state_memory(counts, wl, layout)
+    out.activations = activations
+    return buffers_and_peak(out, counts, wl, layout, block_params=0, root_params=counts.total, bucket_mb=bucket_mb,
+                            gpu=gpu)

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Iterator
 
-from scaletrain.config import ModelConfig
+from scaletrain.model.config import ModelConfig
 from scaletrain.errors import ConfigError
 from scaletrain.plan.memory_model import GiB, MemoryBreakdown, estimate_memory
 from scaletrain.plan.spec import Cluster, Layout, Workload
 from scaletrain.plan.time_model import TimeBreakdown, estimate_time
+from scaletrain.vocab import AC_MODES, PP_SCHEDULES, ZERO_STAGES, is_multi_chunk
 
 
 @dataclass
@@ -82,7 +84,7 @@ def _layouts(cfg, wl, cluster, cp, max_micro_batch, offload):
             per_rank = wl.global_batch // dp
             for dp_replicate in _divisors(dp):
                 dp_shard = dp // dp_replicate
-                for zero in (0, 1, 2, 3):
+                for zero in ZERO_STAGES:
                     if dp * cp == 1 and zero:
                         continue
                     if zero == 0 and dp_replicate > 1:
@@ -93,8 +95,8 @@ def _layouts(cfg, wl, cluster, cp, max_micro_batch, offload):
                         if mb > max_micro_batch:
                             break
                         accum = per_rank // mb
-                        for schedule, virtual in _schedules(pp, accum, cfg.n_layers):
-                            for ac in ("none", "selective", "full"):
+                        for schedule, virtual in _schedules(cfg, pp, accum):
+                            for ac in AC_MODES:
                                 for off in ((False, True) if (offload and zero == 3) else (False,)):
                                     yield Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp,
                                                  zero=zero, sp=tp > 1, pp_schedule=schedule,
@@ -102,14 +104,17 @@ def _layouts(cfg, wl, cluster, cp, max_micro_batch, offload):
                                                  activation_checkpointing=ac, offload_optimizer=off)
 
 
-def _schedules(pp: int, m: int, n_layers: int) -> list[tuple[str, int]]:
+@lru_cache(maxsize=4096)
+def _schedules(cfg: ModelConfig, pp: int, m: int) -> list[tuple[str, int]]:
+    """The pipeline schedules that can run m micro-batches per step on pp stages of the model
+    (the trainer's rules, Layout.errors), the interleaved ones with 2 chunks per rank."""
     if pp == 1:
-        return [("1f1b", 1)]
-    out = [("gpipe", 1)]
-    if m >= pp:
-        out.append(("1f1b", 1))
-        if m % pp == 0 and 2 * pp <= n_layers:
-            out += [("interleaved-1f1b", 2), ("zero-bubble", 2)]
+        return [(Layout.pp_schedule, 1)]
+    out = []
+    for schedule in PP_SCHEDULES:
+        virtual = 2 if is_multi_chunk(schedule) else 1
+        if not Layout(pp=pp, pp_schedule=schedule, pp_virtual_stages=virtual, grad_accum=m).errors(cfg):
+            out.append((schedule, virtual))
     return out
 
 
@@ -162,7 +167,7 @@ def explain(best: Evaluated, ranked: list[Evaluated], cfg: ModelConfig, wl: Work
     # why this zero stage
     if lay.dp > 1:
         others = {}
-        for z in (0, 1, 2, 3):
+        for z in ZERO_STAGES:
             if z == lay.zero:
                 continue
             alt = replace(lay, zero=z, dp_replicate=1 if z == 0 else lay.dp_replicate,

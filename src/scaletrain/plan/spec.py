@@ -13,15 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config import ModelConfig, from_dict, read_toml
+from scaletrain.config import from_dict, read_toml
+from scaletrain.model.config import ModelConfig
 from scaletrain.errors import ConfigError
 from scaletrain.layout import Layout  # noqa: F401 - the one Layout, re-exported for the planner
 from scaletrain.hardware import Hardware
+from scaletrain.vocab import OPTIMIZERS, PLAN_ENGINES, PRECISIONS
 
-PRECISIONS = ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true")
-OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
 ATTENTION = ("flash", "eager")  # memory-efficient kernels (SDPA flash / efficient) or materialized scores
-ENGINES = ("scaletrain", "megatron", "deepspeed")  # whose memory habits (see memory_model.ENGINES)
+
+__all__ = ["ATTENTION", "Cluster", "Layout", "ModelSource", "Workload", "hf_config_to_model", "load_model"]
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,8 @@ class Workload:
 
     def __post_init__(self):
         errors = []
-        if self.engine not in ENGINES:
-            errors.append(f"engine {self.engine!r} is not one of {', '.join(ENGINES)}")
+        if self.engine not in PLAN_ENGINES:
+            errors.append(f"engine {self.engine!r} is not one of {', '.join(PLAN_ENGINES)}")
         if self.precision not in PRECISIONS:
             errors.append(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.optimizer not in OPTIMIZERS:

@@ -27,10 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from scaletrain.config import ModelConfig
-from scaletrain.model.flops import flops_per_token
-from scaletrain.plan.memory_model import dtypes_for, engine_of, rank_params
+from scaletrain.model.config import ModelConfig
+from scaletrain.model.flops import block_matmul_params, flops_per_token
+from scaletrain.plan.memory_model import Dtypes, dtypes_for, engine_of, rank_params
 from scaletrain.plan.spec import Cluster, Layout, Workload
+from scaletrain.vocab import PEAK_KIND
 
 DEFAULT_EFFICIENCY = 0.6  # for hardware whose catalog entry gives none (Hardware.efficiency)
 MATMUL_HALF = 128  # a matmul dimension of this size halves the rate (small-GEMM tiles, wave quantization)
@@ -83,7 +84,7 @@ class TimeBreakdown:
 def schedule_bubble(schedule: str, pp: int, micro_batches: int, virtual: int) -> float:
     """Idle over busy time per rank, in closed form (the simulated timelines reproduce them
     exactly: tests/test_timeline.py)."""
-    from scaletrain.parallel.timeline import theory
+    from scaletrain.plan.timeline import theory
 
     return theory(schedule, pp, micro_batches, virtual)
 
@@ -146,14 +147,12 @@ def compute_seconds(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clu
                     head: bool) -> float:
     """Seconds of compute of one rank for one step: its layers' (and head's) matmuls at the
     shape-dependent efficiency, attention at the kernel's, element-wise work at HBM speed."""
-    from scaletrain.plan.memory_model import _layer_params
-
     hw = cluster.hardware
     d = dtypes_for(wl)
-    peak = hw.peak_flops(_dtype_key(wl.precision))
+    peak = hw.peak_flops(PEAK_KIND[wl.precision])
     tokens = layout.micro_batch * wl.seq_len / layout.cp * layout.grad_accum  # this rank's, per step
     eta = efficiency(cluster, layout, cfg, wl.seq_len)
-    linear = 6.0 * _layer_params(cfg, 1)[2] * layers * tokens / layout.tp
+    linear = 6.0 * block_matmul_params(cfg) * layers * tokens / layout.tp
     attn = 12.0 * cfg.n_heads * cfg.head_size * wl.seq_len * layers * tokens / layout.tp
     head_flops = 6.0 * cfg.dim * cfg.vocab_size * tokens / layout.tp if head else 0.0
     if wl.fp8:
@@ -178,17 +177,13 @@ def compute_seconds(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clu
     return layer_s + head_s + memory_s + recompute
 
 
-def _dtype_key(precision: str) -> str:
-    return {"32-true": "fp32", "tf32": "tf32", "16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}[precision]
-
-
 def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Cluster) -> TimeBreakdown:
     from scaletrain.parallel.pipeline import stage_indices
     from scaletrain.plan.memory_model import stage_layers
 
     hw = cluster.hardware
     d = dtypes_for(wl)
-    peak = hw.peak_flops(_dtype_key(wl.precision))
+    peak = hw.peak_flops(PEAK_KIND[wl.precision])
     tokens = wl.tokens
     model_flops = flops_per_token(cfg, wl.seq_len) * tokens
     layer_share = 1.0 - 6.0 * cfg.dim * cfg.vocab_size / (flops_per_token(cfg, wl.seq_len))  # not the head
@@ -233,45 +228,9 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
         pp_comm = 2 * m * chunks * sent / pp_bw * PIPELINE_SEND_EXPOSED
         bubble = schedule_bubble(layout.pp_schedule, layout.pp, m, layout.pp_virtual_stages)
 
-    # data parallel (ZeRO shards over the dp_shard × cp ranks, which hold the same weights)
-    dp_comm = dp_exposed = 0.0
-    engine = engine_of(wl.engine)
-    n_shard = layout.dp_shard * layout.cp
     params = max(rank_params(cfg, layout, r).total for r in range(layout.pp))  # the fullest rank's
-    if layout.dp * layout.cp > 1:
-        single = engine.single_rail_zero3 and layout.zero == 3
-        shard_bw = _group_link_GBps(cluster, layout.tp, n_shard, single) * 1e9
-        rep_bw = _group_link_GBps(cluster, layout.tp * n_shard, layout.dp_replicate) * 1e9
-        latency = _ring_latency(cluster, layout.tp, n_shard)
-        ring = (n_shard - 1) / max(n_shard, 1)
-        grad_b = 4 if engine.name == "scaletrain" else d.grad  # the dtype gradients are reduced in
-        gather_b = d.compute if layout.zero == 3 else d.param
-        if layout.zero == 0:
-            n = n_shard * layout.dp_replicate
-            dp_comm = 2 * (n - 1) / n * params * grad_b / _group_link_GBps(cluster, layout.tp, n) / 1e9
-            hidden_by = compute / m * 2 / 3  # the last micro-batch's backward
-        elif layout.zero in (1, 2):
-            dp_comm = ring * params * (grad_b + gather_b) / shard_bw
-            hidden_by = compute / m * 2 / 3
-        else:  # FSDP: gather for forward and backward, reduce-scatter, every micro-batch, layer by layer
-            dp_comm = m * (ring * params * (2 * gather_b + grad_b) / shard_bw + 3 * max(counts) * latency)
-            hidden_by = compute
-        if layout.dp_replicate > 1 and layout.zero >= 1:
-            shard_params = params / n_shard
-            r = layout.dp_replicate
-            dp_comm += 2 * (r - 1) / r * shard_params * grad_b / rep_bw * (m if layout.zero == 3 else 1)
-        dp_exposed = max(0.0, dp_comm - OVERLAP * hidden_by)
-
-    # optimizer step: read params, grads, states; write params, states
-    opt_params = params
-    if layout.zero >= 1 and n_shard > 1:
-        opt_params /= n_shard
-    state_b = {"adamw": 8, "sgd": 4, "adafactor": 0.1, "adamw8bit": 2}[wl.optimizer]
-    touched = opt_params * (2 * max(d.param, 4) + 4 + 2 * state_b + (8 if d.master else 0))
-    if layout.offload_optimizer:
-        optimizer = touched / (OFFLOAD_HOST_GBPS * 1e9) + opt_params * 8 / (OFFLOAD_PCIE_GBPS * 1e9)
-    else:
-        optimizer = touched / (hw.memory_GBps * 0.8 * 1e9)
+    dp_comm, dp_exposed = data_parallel_seconds(wl, layout, cluster, params, compute, max(counts))
+    optimizer = optimizer_seconds(wl, layout, hw, params)
 
     busy = compute + tp_comm + cp_comm + pp_comm
     step = busy * (1.0 + bubble) + dp_exposed + optimizer
@@ -281,3 +240,71 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
         mfu=model_flops / (step * peak * world), model_flops=model_flops, hardware_flops=hardware_flops,
         bubble_fraction=bubble)
 
+
+def data_parallel_seconds(wl: Workload, layout: Layout, cluster: Cluster, params: float, compute: float,
+                          units: int) -> tuple[float, float]:
+    """(data-parallel communication, the part of it not hidden) per step of a rank holding
+    `params` parameters whose compute takes `compute` seconds; ZeRO-3 gathers `units` blocks
+    one by one (a ring latency each). ZeRO shards over the dp_shard × cp ranks, which hold the
+    same weights."""
+    d = dtypes_for(wl)
+    engine = engine_of(wl.engine)
+    m = layout.grad_accum
+    n_shard = layout.dp_shard * layout.cp
+    if layout.dp * layout.cp == 1:
+        return 0.0, 0.0
+    single = engine.single_rail_zero3 and layout.zero == 3
+    shard_bw = _group_link_GBps(cluster, layout.tp, n_shard, single) * 1e9
+    rep_bw = _group_link_GBps(cluster, layout.tp * n_shard, layout.dp_replicate) * 1e9
+    latency = _ring_latency(cluster, layout.tp, n_shard)
+    ring = (n_shard - 1) / max(n_shard, 1)
+    grad_b = 4 if engine.name == "scaletrain" else d.grad  # the dtype gradients are reduced in
+    gather_b = d.compute if layout.zero == 3 else d.param
+    if layout.zero == 0:
+        n = n_shard * layout.dp_replicate
+        dp_comm = 2 * (n - 1) / n * params * grad_b / _group_link_GBps(cluster, layout.tp, n) / 1e9
+        hidden_by = compute / m * 2 / 3  # the last micro-batch's backward
+    elif layout.zero in (1, 2):
+        dp_comm = ring * params * (grad_b + gather_b) / shard_bw
+        hidden_by = compute / m * 2 / 3
+    else:  # FSDP: gather for forward and backward, reduce-scatter, every micro-batch, layer by layer
+        dp_comm = m * (ring * params * (2 * gather_b + grad_b) / shard_bw + 3 * units * latency)
+        hidden_by = compute
+    if layout.dp_replicate > 1 and layout.zero >= 1:
+        shard_params = params / n_shard
+        r = layout.dp_replicate
+        dp_comm += 2 * (r - 1) / r * shard_params * grad_b / rep_bw * (m if layout.zero == 3 else 1)
+    return dp_comm, max(0.0, dp_comm - OVERLAP * hidden_by)
+
+
+def optimizer_seconds(wl: Workload, layout: Layout, hw, params: float) -> float:
+    """The optimizer step: read parameters, gradients and states, write parameters and states
+    (on the host with offload, after copying the gradients there)."""
+    d = dtypes_for(wl)
+    opt_params = params
+    n_shard = layout.dp_shard * layout.cp
+    if layout.zero >= 1 and n_shard > 1:
+        opt_params /= n_shard
+    state_b = {"adamw": 8, "sgd": 4, "adafactor": 0.1, "adamw8bit": 2}[wl.optimizer]
+    touched = opt_params * (2 * max(d.param, 4) + 4 + 2 * state_b + (8 if d.master else 0))
+    if layout.offload_optimizer:
+        return touched / (OFFLOAD_HOST_GBPS * 1e9) + opt_params * 8 / (OFFLOAD_PCIE_GBPS * 1e9)
+    return touched / (hw.memory_GBps * 0.8 * 1e9)
+
+
+def estimate_module_time(n_params: int, wl: Workload, layout: Layout, cluster: Cluster) -> TimeBreakdown:
+    """The step of a model known only by its parameter count (an arbitrary nn.Module, data
+    parallel only): its FLOPs taken as 6N per token at the hardware's efficiency, the
+    data-parallel communication and the optimizer step as for any layout (FSDP gathers the
+    whole module as one unit: its blocks are unknown here)."""
+    hw = cluster.hardware
+    peak = hw.peak_flops(PEAK_KIND[wl.precision])
+    flops = 6.0 * n_params * wl.tokens
+    compute = flops / layout.world / (peak * hardware_efficiency(hw))
+    dp_comm, dp_exposed = data_parallel_seconds(wl, layout, cluster, n_params, compute, 1)
+    optimizer = optimizer_seconds(wl, layout, hw, n_params)
+    step = compute + dp_exposed + optimizer
+    return TimeBreakdown(
+        compute_s=compute, tp_comm_s=0.0, pp_comm_s=0.0, dp_comm_s=dp_comm, dp_exposed_s=dp_exposed, bubble_s=0.0,
+        optimizer_s=optimizer, step_time_s=step, tokens_per_s=wl.tokens / step,
+        mfu=flops / (step * peak * layout.world), model_flops=flops, hardware_flops=flops, bubble_fraction=0.0)

@@ -19,7 +19,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from scaletrain.config import ModelConfig
+from scaletrain.model.config import ModelConfig
 from scaletrain.errors import ConfigError
 from scaletrain.plan.spec import Workload
 

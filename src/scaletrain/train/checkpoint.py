@@ -50,6 +50,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from scaletrain import atomic
 from scaletrain.errors import CheckpointError
 from scaletrain.optim import get_lr, set_lr
 
@@ -187,14 +188,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, data: Any) -> None:
     with path.open("w") as f:
         json.dump(data, f, indent=1)
@@ -254,10 +247,8 @@ def _position(state: dict) -> tuple[Lineage, int]:
 def write_head(folder: Path, lineage: Lineage, step: int) -> None:
     """Record the position training continues from (after each save, and on a rewind)."""
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{HEAD_FILE}.tmp"
-    _write_json(tmp, {"lineage": lineage, "step": step})
-    os.replace(tmp, folder / HEAD_FILE)
-    _fsync_dir(folder)
+    with atomic.replacing(folder / HEAD_FILE, durable=True) as tmp:
+        _write_json(tmp, {"lineage": lineage, "step": step})
 
 
 def read_head(folder: Path) -> tuple[Lineage, int] | None:
@@ -380,7 +371,7 @@ def save_checkpoint(folder: Path, step: int, tensors: dict[str, Any], trainer_st
             files = {k: v for part in every for k, v in part.items()}
         if rank == 0:
             _write_json(partial / TRAINER_FILE, {"format_version": FORMAT_VERSION, **trainer_state, "files": files})
-            _fsync_dir(partial)
+            atomic.fsync_dir(partial)
             lineage = trainer_state.get("lineage") or []
             if final.exists() and not _same_line(final, lineage, step):
                 _set_aside(folder, final)  # another branch's checkpoint of this step: kept, out of the way
@@ -392,7 +383,7 @@ def save_checkpoint(folder: Path, step: int, tensors: dict[str, Any], trainer_st
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(partial, final)
-            _fsync_dir(folder)
+            atomic.fsync_dir(folder)
             try:  # the checkpoint is complete; a HEAD left behind still leads to it (its descendant)
                 write_head(folder, lineage, step)
             except OSError:
@@ -541,3 +532,52 @@ def load_rng(path: Path, rank: int, world_size: int, saved_world_size: int) -> b
         return False
     set_rng_state(json.loads(f.read_text()))
     return True
+
+
+# --------------------------------------------------------------------------------------------
+# A Trainer's state in and out
+
+
+def save_trainer(t) -> Path:
+    """Save Trainer `t`: its tensors (weights the optimizer steps, optimizer state) and what
+    resuming needs to continue bitwise (step, data position, scaler, lineage)."""
+    _, skeleton = optimizer_to_named(t.optimizer, t.param_names)
+    state = {
+        "step": t.step,
+        "world_size": t.world_size,
+        "config": t.cfg.to_dict(),
+        "schedule": {"kind": t.cfg.optim.schedule, "step": t.step, "peak_lr": t.lr},
+        "scaler": t.scaler.state_dict() if t.scaler else None,
+        "data": {"step": t.step, "seed": t.cfg.train.seed, "global_batch": t.layout.global_batch,
+                 "seq_len": t.cfg.data.seq_len, "source": t.data.source,
+                 "fingerprint": getattr(t.data, "fingerprint", None)},
+        "optimizer": skeleton,
+        "skipped_steps": t.skipped_steps,
+        "early_loss": t.early_loss,
+        "run_id": t.run_id,
+        "lineage": t.lineage,
+    }
+    return save_checkpoint(t.ckpt_dir, t.step, t.checkpoint_tensors(), state,
+                                keep=t.cfg.checkpoint.keep)
+
+
+def resume_trainer(t, path: Path) -> dict:
+    """Load checkpoint `path` into Trainer `t`, after checking it was saved for this model, data
+    and batch; returns the checkpoint's trainer state."""
+    state = read_trainer_state(path)
+    t.folder.check_resumable(path, state, global_batch=t.layout.global_batch, data=t.data)
+    init_optimizer_state(t.optimizer)
+    # resume=auto verified the files while choosing this checkpoint; a given path is verified here
+    load_tensors(path, t.checkpoint_tensors(), verify=t.cfg.checkpoint.resume != "auto")
+    restore_optimizer_extras(t.optimizer, t.param_names, state["optimizer"])
+    t._weights_from_state()
+    if t.scaler is not None and state.get("scaler"):
+        t.scaler.load_state_dict(state["scaler"])
+    t.step = int(state["step"])
+    t.skipped_steps = int(state.get("skipped_steps", 0))
+    t.early_loss = state.get("early_loss")
+    # the run goes on under its own id (the caller starts its new branch at this checkpoint)
+    t.run_id = state.get("run_id") or t.run_id
+    t.resumed_from = path
+    load_rng(path, t.rank, t.world_size, state["world_size"])
+    return state

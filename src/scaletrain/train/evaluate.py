@@ -1,6 +1,12 @@
-"""`scaletrain eval CKPT`: a checkpoint's loss and perplexity on held-out data, in one process.
+"""Evaluation on held-out data: during training, and of a saved checkpoint.
 
-The windows are those the training run evaluated (train.eval_every): the same data split, the
+During training (train.eval_every), `validation_set` fixes the run's validation windows and
+`validation_loss` is their mean token loss under the run's own layout: each validation batch is
+split over data-parallel ranks and micro-batches like a training batch, pipeline stages run the
+schedule's forward-only pass, and the sums are all-reduced like the training loss.
+
+`scaletrain eval CKPT` (`evaluate_checkpoint`): a checkpoint's loss and perplexity, in one
+process. The windows are those the training run evaluated: the same data split, the
 checkpoint's data.seq_len, global batch and seed, and train.eval_batches batches of them (or
 --batches), so the number matches the val_loss the run logged at the checkpoint's step. The
 model runs whole, in fp32; a folder without a validation split is evaluated on all its windows.
@@ -10,15 +16,82 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from scaletrain.config import from_dict
+from scaletrain.config import JobConfig, from_dict
 from scaletrain.data.dataset import WindowDataset, open_data, open_validation
-from scaletrain.data.loader import validation_batches
+from scaletrain.data.loader import rank_slices, validation_batches
 from scaletrain.errors import ConfigError, DataError
+from scaletrain.parallel import pipeline
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.export import load_model_from_checkpoint
 from scaletrain.train.metrics import perplexity
+
+
+def validation_set(cfg: JobConfig, global_batch: int) -> tuple[WindowDataset | None, np.ndarray | None]:
+    """The validation windows that train.eval_every evaluates, fixed for the run: (dataset,
+    (batches, global_batch) window indices); (None, None) when evaluation is off."""
+    train, path = cfg.train, cfg.data.path
+    if not train.eval_every:
+        return None, None
+    data = open_validation(path, cfg.data.verify_checksums)
+    if data is None:
+        raise ConfigError(f"train.eval_every={train.eval_every} needs a validation split, and data.path {path} has "
+                          "none; prepare the data again with --val-fraction (e.g. 0.05), or set train.eval_every=0")
+    dataset = WindowDataset(data, cfg.data.seq_len)
+    return dataset, validation_batches(len(dataset), global_batch, train.eval_batches, train.seed, data.source)
+
+
+@torch.no_grad()
+def validation_loss(t) -> float:
+    """The mean token loss of Trainer `t` over its fixed validation windows, in eval mode and
+    without gradients. Each validation batch is split over ranks and micro-batches exactly like a
+    training step's global batch; pipeline stages run the schedule's forward-only pass; the
+    summed token losses are all-reduced like the training loss (tensor-parallel ranks hold
+    copies). Gradients, optimizer state and random streams are left as they were."""
+    t.health.enter("evaluation")
+    b, modules = t.layout, t.dp.modules
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    was_training = [m.training for m in modules]
+    for m in modules:
+        m.eval()  # no dropout
+    try:
+        for global_batch in t.val_batches:
+            micro = rank_slices(global_batch, b.micro_batch, b.grad_accum, t.dp_rank, b.dp)
+            if t.pipeline is not None:
+                total += pipeline.eval_loss_sum(
+                    t.pm, t.pipeline, [t.val_dataset[indices] for indices in micro], device=t.device,
+                    loss_factor=t._loss_factor(), autocast=t.precision.autocast, loss_context=t._loss_context)
+                continue
+            for indices in micro:
+                inputs, targets = (x.to(t.device) for x in t.val_dataset[indices])
+                with t._loss_context():
+                    with t.precision.autocast():
+                        logits = t.dp.module(inputs)  # the chunk itself: no DDP bookkeeping
+                    loss = t.loss_fn(logits, targets)
+                    total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).double()
+    finally:
+        _restore_modes(modules, was_training, reshard=t.dp.zero == 3)
+    if t.rt.distributed:
+        t.health.enter("the evaluation all-reduce")
+        dist.all_reduce(total)
+        total /= b.tp
+    return float(total) / (len(t.val_batches) * t.tokens_per_step)
+
+
+def _restore_modes(modules, was_training: list[bool], *, reshard: bool) -> None:
+    """Put each module back in the mode it was in; under ZeRO-3 free what FSDP gathered for
+    the forwards."""
+    for m, training in zip(modules, was_training):
+        m.train(training)
+    if reshard:
+        for module in modules:
+            for m in module.modules():
+                if hasattr(m, "reshard"):
+                    m.reshard()
 
 
 @torch.no_grad()

@@ -6,7 +6,6 @@ the model config travels in the file's metadata under "scaletrain.model".
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from scaletrain import atomic
 from scaletrain.config import from_dict
 from scaletrain.errors import CheckpointError, UserError, user_error_from_os
 from scaletrain.model.transformer import Transformer
@@ -47,13 +47,10 @@ def export_safetensors(path: str | Path, out: str | Path) -> Path:
     weights = {name: p.detach().contiguous() for name, p in model.named_parameters()}
     meta = {"scaletrain.model": json.dumps(from_dict(ckpt.read_trainer_state(path)["config"]).to_dict()["model"]),
             "format": "pt"}
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
-        save_file(weights, str(tmp), metadata=meta)
-        os.replace(tmp, out)
+        with atomic.replacing(out) as tmp:
+            save_file(weights, str(tmp), metadata=meta)
     except BaseException as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
         code = e.errno if isinstance(e, OSError) else _os_error_code(e)
         if code is not None and (error := user_error_from_os(OSError(code, os.strerror(code), str(out)),
                                                              {"--out": out})) is not None:

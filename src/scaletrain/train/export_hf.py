@@ -14,12 +14,11 @@ never overwritten, and a folder at the destination is always whole.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 
+from scaletrain import atomic
 from scaletrain.config import from_dict
 from scaletrain.errors import CheckpointError, ConfigError, DataError
 from scaletrain.model.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, hf_config_from_model, hf_state_dict
@@ -70,10 +69,8 @@ def save_hf(model: Transformer, out_dir: str | Path, *, tokenizer: dict[str, str
     config = hf_config_from_model(model.cfg, **ids)
     weights = hf_state_dict({n: p.detach().float().cpu() for n, p in model.named_parameters()}, model.cfg)
 
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic.replacing(out) as tmp:
+        tmp.mkdir(parents=True)
         shards = _split(weights, max_shard_bytes)
         if len(shards) == 1:
             save_file(shards[0], str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -90,10 +87,6 @@ def save_hf(model: Transformer, out_dir: str | Path, *, tokenizer: dict[str, str
         for name, text in tokenizer.items():
             if name != "special_ids.json":
                 (tmp / name).write_text(text)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -112,7 +105,7 @@ def _split(weights: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, t
     return shards
 
 
-def _write_json(path: Path, data) -> None:
+def _write_json(path: Path, data) -> None:  # inside the folder that is renamed whole
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 

@@ -4,20 +4,27 @@ Steps that evaluate (train.eval_every) add val_loss and val_ppl, shown in Tensor
 val/loss and val/ppl beside train/*.
 
 Only rank 0 writes or prints; other ranks get a `MetricsLogger(enabled=False)` whose methods
-do nothing.
+do nothing. `StepMeter` makes a row from the steps since the last one (tokens/s, MFU, the
+largest peak memory of any rank, data wait); `announce` writes the lines that open a run's log,
+`report_state_bytes` the measured size of the model states.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import resource
 import sys
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable
 
 import torch
+import torch.distributed as dist
+
+from scaletrain import fmt
+from scaletrain.hardware import device_peak_flops
 
 REQUIRED_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_bytes", "data_wait_frac")
 
@@ -32,18 +39,6 @@ def peak_memory_bytes(device: torch.device) -> int:
 def perplexity(loss: float) -> float:
     """exp(mean token loss): the number of tokens the model is as unsure between as a uniform guess."""
     return math.exp(loss) if loss < 709 else math.inf  # exp overflows a double past ~709.78
-
-
-def _fmt_num(x: float) -> str:
-    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(x) >= div:
-            return f"{x / div:.1f}{unit}"
-    return f"{x:.0f}"
-
-
-def _fmt_time(s: float) -> str:
-    s = int(max(0, s))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
 class MetricsLogger:
@@ -97,8 +92,8 @@ class MetricsLogger:
         elapsed = time.perf_counter() - self._t0
         eta = elapsed / max(step, 1) * (self.total_steps - step)
         text = (f"step {step}/{self.total_steps}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
-                f"gnorm {row['grad_norm']:.3f}  {_fmt_num(row['tokens_per_s'])} tok/s  "
-                f"mfu {100 * row['mfu']:.1f}%  mem {_fmt_num(row['peak_mem_bytes'])}B  "
+                f"gnorm {row['grad_norm']:.3f}  {fmt.count(row['tokens_per_s'])} tok/s  "
+                f"mfu {100 * row['mfu']:.1f}%  mem {fmt.count(row['peak_mem_bytes'])}B  "
                 f"wait {100 * row['data_wait_frac']:.0f}%")
         if "loss_scale" in row:
             text += f"  scale {row['loss_scale']:g}"
@@ -108,7 +103,7 @@ class MetricsLogger:
             width = 24
             filled = int(width * step / self.total_steps)
             bar = "#" * filled + "." * (width - filled)
-            self.stream.write(f"\r\033[K[{bar}] {text}  eta {_fmt_time(eta)}")
+            self.stream.write(f"\r\033[K[{bar}] {text}  eta {fmt.clock(eta)}")
             if step == self.total_steps:
                 self.stream.write("\n")
         else:
@@ -132,10 +127,10 @@ class MetricsLogger:
             last = evaluated[-1]
             table.append(("validation loss", f"{last['val_loss']:.4f} (ppl {last['val_ppl']:.2f}, step {last['step']})"))
         table += [
-            ("wall time", _fmt_time(elapsed)),
-            ("tokens/s (mean)", _fmt_num(sum(r["tokens_per_s"] for r in steady) / len(steady))),
+            ("wall time", fmt.clock(elapsed)),
+            ("tokens/s (mean)", fmt.count(sum(r["tokens_per_s"] for r in steady) / len(steady))),
             ("MFU (mean)", f"{100 * sum(r['mfu'] for r in steady) / len(steady):.1f}%"),
-            ("peak memory", f"{_fmt_num(max(r['peak_mem_bytes'] for r in rows))}B"),
+            ("peak memory", f"{fmt.count(max(r['peak_mem_bytes'] for r in rows))}B"),
             ("data wait (mean)", f"{100 * sum(r['data_wait_frac'] for r in steady) / len(steady):.1f}%"),
         ]
         table += [(k, str(v)) for k, v in (extra or {}).items()]
@@ -154,3 +149,95 @@ class MetricsLogger:
                 except OSError:
                     pass
         self._jsonl = self._tb = None
+
+
+class StepMeter:
+    """The measured figures of a metrics row, over the steps since the last row (its window):
+    tokens/s, model FLOP/s against the device's peak (MFU; on CPU a probed peak that training
+    beats is raised), the largest peak memory of any rank (one all-reduce, its phase named with
+    `enter`), the share of time spent waiting for data."""
+
+    def __init__(self, rt, *, tokens_per_step: int, flops_per_token: float, compute_dtype: torch.dtype,
+                 tf32: bool, enter: Callable[[str], None]):
+        self.device, self.world_size, self.distributed = rt.device, rt.world_size, rt.distributed
+        self.tokens_per_step, self.flops_per_token, self.compute_dtype = tokens_per_step, flops_per_token, compute_dtype
+        self.peak_flops, self.peak_source = device_peak_flops(self.device, compute_dtype, tf32=tf32)
+        self.enter = enter
+        self.new_window()
+
+    def new_window(self) -> None:
+        self.t0, self.wait, self.steps = time.perf_counter(), 0.0, 0
+
+    def stepped(self, wait: float) -> None:
+        """One more step in the window, `wait` seconds of it spent waiting for data."""
+        self.wait += wait
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time that is not training (evaluation): tokens/s leaves it out."""
+        t = time.perf_counter()
+        yield
+        self.t0 += time.perf_counter() - t
+
+    def row(self, step: int, loss: float, grad_norm, lr: float, skipped_steps: int,
+            loss_scale: float | None = None) -> dict:
+        elapsed = time.perf_counter() - self.t0
+        peak = peak_memory_bytes(self.device)
+        if self.distributed:  # the largest peak of any rank
+            self.enter("the metrics all-reduce")
+            t = torch.tensor([peak], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            peak = int(t.item())
+        tokens_per_s = self.tokens_per_step * self.steps / elapsed
+        achieved = self.flops_per_token * tokens_per_s / self.world_size  # model FLOP/s per device
+        if self.device.type == "cpu" and achieved > self.peak_flops:  # the probe missed the true peak: raise it
+            from scaletrain.hardware import raise_cpu_peak
+
+            self.peak_flops = raise_cpu_peak(self.compute_dtype, achieved)
+        row = {
+            "step": step,
+            "loss": float(loss),
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": tokens_per_s / self.world_size,
+            "mfu": achieved / self.peak_flops,
+            "peak_mem_bytes": peak,
+            "data_wait_frac": self.wait / elapsed,
+            "step_time_s": elapsed / self.steps,
+            "skipped_steps": skipped_steps,
+        }
+        if loss_scale is not None:
+            row["loss_scale"] = loss_scale
+        return row
+
+
+def report_state_bytes(say: Callable[[str], None], rank: int, b: dict[str, int], num_params: int) -> None:
+    """The model states this rank holds, as measured in the first step."""
+    total = b["params"] + b["grads"] + b["optimizer"]
+    say(f"model states on rank {rank} (measured): parameters {b['params'] / 2**20:.2f} MiB, gradients "
+        f"{b['grads'] / 2**20:.2f} MiB, optimizer {b['optimizer'] / 2**20:.2f} MiB, total {total / 2**20:.2f} MiB "
+        f"= {total / num_params:.2f} bytes/param")
+
+
+def announce(t) -> None:
+    """The lines that open a run's log: the model and how it trains, the layout, the data, the
+    validation windows, the precision's note. `t`: the Trainer (read only)."""
+    b, cfg, say = t.layout, t.cfg, t.metrics.info
+    say(f"scaletrain: {t.num_params / 1e6:.2f}M parameters, device {t.device}, precision "
+        f"{cfg.precision.mode}, optimizer {cfg.optim.name}, activation checkpointing "
+        f"{cfg.memory.activation_checkpointing}{', compiled' if cfg.train.compile else ''}"
+        f"{f'; weights from {cfg.model.init_from}' if cfg.model.init_from and t.resumed_from is None else ''}")
+    if t.rt.distributed:
+        stages = f"; rank 0 holds stages {t.pm.stage_ids} of {t.pm.num_stages}" if b.pp > 1 else ""
+        say(f"layout: {b.explain()}{stages}; backend {dist.get_backend()}")
+    say(f"data: {t.data.source}, {t.data.num_tokens:,} tokens, {len(t.dataset):,} windows of "
+        f"{cfg.data.seq_len}; batch {b.global_batch} = micro {b.micro_batch} x accum {b.grad_accum} "
+        f"x dp {b.dp}; run folder {t.run_dir}")
+    if t.val_batches is not None:
+        n, data = len(t.val_batches), t.val_dataset.data
+        say(f"validation: {data.source}, {data.num_tokens:,} tokens; {n} batch(es) = "
+            f"{n * b.global_batch:,} windows every {cfg.train.eval_every} steps and at the end")
+    if note := t.precision.note():
+        say(note)

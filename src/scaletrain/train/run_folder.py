@@ -6,8 +6,12 @@
   drops the lock when the process ends, however it ends, so a crash never leaves a stale lock.
 * An identity: `run.json` holds the run's id, which every checkpoint also records; a
   checkpoint of another run is never resumed into this folder.
+* A lineage: the branches of the run's history, each (branch id, step it starts at); a resume
+  starts a new branch at its checkpoint's step, and HEAD in the checkpoint folder points at it.
 
-Locking costs one open file descriptor; nothing is written to take it.
+Locking costs one open file descriptor; nothing is written to take it. `RunFolder` is how a
+trainer holds its folders: it locks them, finds the checkpoint to resume (reading only), and,
+once training starts, makes them the run's own.
 """
 
 from __future__ import annotations
@@ -17,9 +21,21 @@ import fcntl
 import json
 import os
 import time
+import uuid
+from datetime import datetime
 from pathlib import Path
+from typing import Callable
+
+from scaletrain import atomic
+from scaletrain.config import JobConfig
+from scaletrain.errors import CheckpointError, ConfigError
+from scaletrain.train import checkpoint as ckpt
 
 RUN_FILE = "run.json"
+
+
+def default_run_dir() -> str:
+    return str(Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
 class FolderLock:
@@ -71,10 +87,173 @@ def write_identity(run_dir: Path, run_id: str) -> None:
     """Record the run's id (once: a folder never changes hands)."""
     if run_id_of(run_dir) == run_id:
         return
-    tmp = run_dir / f".{RUN_FILE}.tmp"
-    try:
-        tmp.write_text(json.dumps({"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
-        os.replace(tmp, run_dir / RUN_FILE)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # a full disk leaves nothing half-written behind
-        raise
+    # a full disk leaves nothing half-written behind
+    atomic.write_json(run_dir / RUN_FILE, {"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S")},
+                     indent=None)
+
+
+def new_identity() -> tuple[str, list[list]]:
+    """A new run's id, and its lineage: one branch, which starts at step 0."""
+    return uuid.uuid4().hex[:12], [[uuid.uuid4().hex[:8], 0]]
+
+
+def continued_lineage(saved: list | None, branch: str, step: int) -> list[list]:
+    """A resumed run's lineage: the checkpoint's, and a new branch that starts at its step."""
+    return (saved or []) + [[branch, step]]
+
+
+class RunFolder:
+    """The run folder (`log.run_dir`) and the checkpoint folder as one run holds them.
+    `shared(value)`: rank 0's value, on every rank; `restart`: the launcher restarted this
+    process after a failure of the group (the run continues, or begins again)."""
+
+    def __init__(self, run_dir: Path, ckpt_dir: Path, cfg: JobConfig, rank: int, *,
+                 shared: Callable, restart: bool = False):
+        self.run_dir, self.ckpt_dir, self.cfg, self.rank = run_dir, ckpt_dir, cfg, rank
+        self.shared, self.restart = shared, restart
+        self.locks: list[FolderLock] = []
+        self.notes: list[str] = []  # said once the logger exists
+
+    def lock(self) -> None:
+        """Rank 0 locks the run folder (and a separate checkpoint folder) if they exist; every
+        rank learns whether another run holds one."""
+        busy = None
+        if self.rank == 0:
+            for key, folder in (("log.run_dir", self.run_dir), ("checkpoint.dir", self.ckpt_dir)):
+                if not folder.is_dir() or any(lock.folder == folder for lock in self.locks):
+                    continue
+                if key == "checkpoint.dir" and not self.cfg.checkpoint.dir:
+                    continue  # inside the run folder, whose lock covers it
+                try:
+                    self.locks.append(FolderLock(folder))
+                except FolderBusy:
+                    busy = (f"{key} {folder} is in use by another scaletrain run (it holds the folder's lock); "
+                            f"wait for that run to end, or choose another {key} (nothing was changed)")
+                    break
+        if busy := self.shared(busy):
+            raise ConfigError(busy)
+
+    def release(self) -> None:
+        for lock in self.locks:
+            lock.release()
+        self.locks = []
+
+    def find_resume(self) -> Path | None:
+        """The checkpoint this run continues from (checkpoint.resume), or None for a new run;
+        refuses a folder that holds another run. Reads only: nothing is written."""
+        res = self.cfg.checkpoint.resume
+        for name, folder in (("log.run_dir", self.run_dir), ("checkpoint.dir", self.ckpt_dir)):
+            if folder.exists() and not folder.is_dir():
+                raise ConfigError(f"{name} {folder} is a file, not a folder; choose another {name}")
+        held = holds_run(self.run_dir, self.ckpt_dir)
+        if res == "auto":
+            found = ckpt.find_resumable(self.ckpt_dir, report=self.notes.append)
+            if found is None and held and not self.restart:
+                raise ConfigError(f"log.run_dir {self.run_dir} holds a run ({', '.join(held)}) but no complete "
+                                  "checkpoint to resume; choose another log.run_dir, or move that folder away to "
+                                  "start over (nothing was changed)")
+            return found
+        if res != "none":
+            path = Path(res)
+            state = ckpt.read_trainer_state(path)
+            own = path.resolve().parent == self.ckpt_dir.resolve()
+            owner = run_id_of(self.run_dir)
+            if held and not own and (owner is None or owner != state.get("run_id")):
+                raise ConfigError(
+                    f"log.run_dir {self.run_dir} holds another run ({', '.join(held)}); resuming {path} there "
+                    "would mix two runs' metrics and checkpoints; set log.run_dir to a new folder, or resume one "
+                    f"of {self.ckpt_dir}'s own checkpoints (nothing was changed)")
+            return path
+        if self.cfg.checkpoint.dir and ckpt.complete_checkpoints(self.ckpt_dir):
+            raise ConfigError(f"checkpoint.dir {self.ckpt_dir} already holds checkpoints; set checkpoint.resume=auto "
+                              "to continue from them, or choose another checkpoint.dir (nothing was changed)")
+        if held:
+            raise ConfigError(f"log.run_dir {self.run_dir} already holds a run; set checkpoint.resume=auto "
+                              "to continue it, or choose another log.run_dir (nothing was changed)")
+        return None
+
+    def check_resumable(self, path: Path, state: dict, *, global_batch: int, data) -> None:
+        """Refuse checkpoint `path` (its trainer `state`) if it was saved for another model shape,
+        batch, seed, window length, data (unless checkpoint.allow_data_change) or is past
+        train.steps: resuming it would not continue the same run."""
+        cfg = self.cfg
+        # where the shape and the first weights came from does not matter once the run has a checkpoint
+        origin = ("from_hf", "init_from")
+        saved_model = {k: v for k, v in state["config"]["model"].items() if k not in origin}
+        model_now = {k: v for k, v in cfg.to_dict()["model"].items() if k not in origin}
+        if saved_model != model_now:
+            diff = [f"{k}={saved_model.get(k)!r} (now {v!r})" for k, v in model_now.items()
+                    if saved_model.get(k) != v]
+            raise CheckpointError(f"{path} was saved for another model shape: {', '.join(diff)}; "
+                                  "resume with the model config it was saved with")
+        saved = state["data"]
+        if saved["global_batch"] != global_batch or saved["seed"] != cfg.train.seed:
+            raise CheckpointError(
+                f"{path} was trained with global batch {saved['global_batch']} and seed "
+                f"{saved['seed']}; resuming with {global_batch} and {cfg.train.seed} "
+                "would change the data order; keep train.global_batch and train.seed")
+        if saved.get("seq_len", cfg.data.seq_len) != cfg.data.seq_len:
+            raise CheckpointError(f"{path} was trained with data.seq_len={saved['seq_len']}; resuming with "
+                                  f"data.seq_len={cfg.data.seq_len} would cut the data into other windows and "
+                                  "change its order; keep data.seq_len, or start a new run")
+        fingerprint = getattr(data, "fingerprint", None)
+        if saved.get("fingerprint") and fingerprint and saved["fingerprint"] != fingerprint:
+            if not cfg.checkpoint.allow_data_change:
+                raise CheckpointError(
+                    f"{path} was trained on other data ({saved.get('source')}, fingerprint {saved['fingerprint']}; "
+                    f"now {data.source}, {fingerprint}); resuming would silently continue on different "
+                    "tokens; set checkpoint.allow_data_change=true if that is what you want")
+            self.notes.append(f"the data changed since {path} (checkpoint.allow_data_change=true): continuing on "
+                              f"{data.source}")
+        if int(state["step"]) > cfg.train.steps:
+            raise CheckpointError(f"{path} is at step {state['step']}, past train.steps={cfg.train.steps}; set "
+                                  f"train.steps above {state['step']} to train on, or resume an earlier checkpoint")
+
+    def take_ownership(self, run_id: str, lineage: list, step: int, resumed_from: Path | None,
+                       say: Callable[[str], None]) -> None:
+        """Make the run folder this run's: lock it, record the run's id and config, drop the
+        metrics rows that will be trained again, and move HEAD to where training continues;
+        then `say` the notes gathered so far (rank 0)."""
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.lock()
+        if self.rank != 0:
+            return
+        write_identity(self.run_dir, run_id)
+        atomic.write_text(self.run_dir / "config.json", self.cfg.to_json())
+        if resumed_from is not None or self.restart:
+            self.truncate_metrics(step)  # a restart without a checkpoint begins again at step 0
+        if resumed_from is not None:
+            ckpt.write_head(self.ckpt_dir, lineage, step)
+            others = ckpt.off_lineage(self.ckpt_dir)
+            if others:
+                self.notes.append(f"kept but never resumed or rotated (another branch): "
+                                  f"{', '.join(p.name for p in others)}")
+            say(f"resumed from {resumed_from} at step {step}")
+        for note in self.notes:
+            say(note)
+        self.notes = []
+
+    def truncate_metrics(self, step: int) -> None:
+        """Drop metrics rows past the checkpoint: those steps are trained again. A torn last row
+        (a crash mid-write) is dropped; rows of an abandoned branch are kept aside in a file."""
+        f = self.run_dir / "metrics.jsonl"
+        if not f.exists():
+            return
+        kept, dropped, torn = [], [], 0
+        for line in f.read_text(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+                (kept if row["step"] <= step else dropped).append(line)
+            except (ValueError, TypeError, KeyError):
+                torn += line.strip() != ""
+        if torn:
+            self.notes.append(f"{f}: dropped {torn} unreadable row(s) (a write cut short by a crash)")
+        if not dropped and not torn:
+            return
+        head = ckpt.read_head(self.ckpt_dir)
+        if dropped and head is not None and head[1] > step:  # a rewind: those rows are another history
+            aside = self.run_dir / f"metrics.abandoned-after-step{step}.jsonl"
+            aside.write_text("".join(line + "\n" for line in dropped))
+            self.notes.append(f"rewinding to step {step}: the metrics of steps {step + 1}-{head[1]} are kept in {aside}")
+        atomic.write_text(f, "".join(line + "\n" for line in kept))

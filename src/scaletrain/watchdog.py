@@ -29,7 +29,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 # keys in the process group's store, which is private to one attempt of the job (see
-# parallel.launch): a restarted group never reads its predecessor's records
+# scaletrain.runtime): a restarted group never reads its predecessor's records
 PROGRESS, ABORT = "scaletrain/progress/{rank}", "scaletrain/abort"
 ABORTED_EXIT_CODE = 1  # a rank ended because another failed; the launcher reports the other's error
 
@@ -88,7 +88,7 @@ class Progress:
 
     def start(self) -> Progress:
         self.publish()
-        self._thread = threading.Thread(target=self._run, name="scaletrain-progress", daemon=True)
+        self._thread = _ProgressThread(self)
         self._thread.start()
         return self
 
@@ -98,6 +98,23 @@ class Progress:
             self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+class _ProgressThread(threading.Thread):
+    """The publishing thread; it carries its Progress, so a process finds its running one among
+    its threads (`running_progress`) instead of in a module-level variable."""
+
+    def __init__(self, progress: Progress):
+        super().__init__(target=progress._run, name="scaletrain-progress", daemon=True)
+        self.progress = progress
+
+
+def running_progress() -> Progress | None:
+    """This process's publishing Progress, if one runs (one per process: a new join stops the old)."""
+    for thread in threading.enumerate():
+        if isinstance(thread, _ProgressThread) and thread.is_alive():
+            return thread.progress
+    return None
 
 
 @dataclass

@@ -1,13 +1,7 @@
-"""Starting ranks, and what each rank knows about the others.
-
-`scaletrain train --nproc N` starts N local worker processes through PyTorch's elastic launcher
-(the engine behind torchrun); `torchrun -m scaletrain train ...` starts the same workers. Each
-worker reads torchrun's environment contract (RANK, WORLD_SIZE, LOCAL_RANK, ...) exactly once,
-here, and passes a `Runtime` object down: nothing below reads the environment.
-
-Backend: NCCL when the ranks train on CUDA, gloo on CPU. A request that cannot run as asked
-(a CUDA run with fewer GPUs than local ranks, a layout that needs another world size) is
-refused with one line; it is never quietly downgraded.
+"""Starting ranks: `scaletrain train --nproc N` starts N local worker processes (`python -m
+scaletrain.worker TASK`) through PyTorch's elastic launcher, the engine behind torchrun; the
+rendezvous, the restarts after a failure, signals passed on to the ranks, and one line about
+the failure that caused the others.
 """
 
 from __future__ import annotations
@@ -23,198 +17,15 @@ import tempfile
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from scaletrain.config import JobConfig
 from scaletrain.errors import LaunchError, TrainingStopped, UserError, user_error_from_os
-from scaletrain.layout import Layout
+from scaletrain.runtime import LAUNCHER_PID_ENV
 
-LAUNCHER_PID_ENV = "SCALETRAIN_LAUNCHER_PID"  # lets a worker see that its launcher died before it could ask to follow
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # a rank stopped by one saved a checkpoint and exits 128 + it
-
-
-@dataclass
-class Runtime:
-    """This process's place among the ranks, passed explicitly to whoever needs it."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    device: torch.device
-    layout: Layout  # resolved for this world: every part of the run reads it from here
-    mesh: object | None = None  # the 4-D DeviceMesh when distributed
-    dp_mesh: object | None = None  # its data-parallel axes flattened into one
-    progress: object | None = None  # this rank's published progress (parallel.watchdog.Progress)
-
-    @property
-    def distributed(self) -> bool:
-        return self.mesh is not None
-
-    def axis(self, name: str):
-        """The 1-D mesh of one axis: `dp` (flattened), `dp_replicate`, `dp_shard`, `tp`, `pp`."""
-        return self.dp_mesh if name == "dp" else self.mesh[name]
-
-    def group(self, name: str):
-        """The process group of one axis, or None in a single process."""
-        return self.axis(name).get_group() if self.mesh is not None else None
-
-
-def pick_device(name: str, local_rank: int = 0, local_world_size: int = 1) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise LaunchError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
-        if local_world_size > count:
-            raise LaunchError(f"{local_world_size} ranks on this node need {local_world_size} GPUs, but only {count} "
-                              f"are visible; launch at most {count} processes per node or train on cpu")
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def single_process(cfg: JobConfig) -> Runtime:
-    if cfg.parallel.layout == "auto":
-        raise ValueError("parallel.layout=auto: resolve the layout first (scaletrain.plan.auto.auto_layout)")
-    return Runtime(0, 0, 1, 1, pick_device(cfg.train.device), Layout.from_config(cfg, 1))
-
-
-def restart_count() -> int:
-    """How often the elastic launcher has restarted this worker's group (0 the first time)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def is_worker() -> bool:
-    """True in a process started by our launcher or by torchrun."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
-
-
-def init_worker(cfg: JobConfig) -> Runtime:
-    """Join the process group described by torchrun's environment and build the mesh."""
-    if cfg.parallel.layout == "auto":
-        raise ValueError("parallel.layout=auto: use prepare_worker, which resolves the layout first")
-    return prepare_worker(cfg)[1]
-
-
-def die_with_launcher() -> None:
-    """Have Linux send this worker SIGTERM when the process that started it (the launcher, whose
-    elastic agent is the workers' parent) dies, even by SIGKILL: no rank outlives its launcher.
-    SIGTERM, not SIGKILL: a training rank finishes its step and saves a checkpoint first."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if launcher and os.getppid() != int(launcher):  # it died before the call above: no signal will come
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-def prepare_worker(cfg: JobConfig) -> tuple[JobConfig, Runtime]:
-    """Join the process group, let rank 0 choose the layout if it is `auto` (every rank gets
-    the same), and build the mesh. Returns the config as it will run."""
-    die_with_launcher()
-    env = os.environ
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    local_rank = int(env["LOCAL_RANK"])
-    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-    device = pick_device(cfg.train.device, local_rank, local_world)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        backend = "gloo"
-    timeout = timedelta(seconds=cfg.parallel.timeout_s)
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
-                                **_attempt_store(rank, world, timeout))
-    if cfg.parallel.layout == "auto":
-        box = [None]
-        if rank == 0:
-            from scaletrain.plan.auto import auto_layout
-
-            try:
-                box = [auto_layout(cfg, world, device, gpus_per_node=local_world)[0].to_dict()]
-            except UserError as e:
-                box = [e]
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], UserError):
-            raise box[0]
-        from scaletrain.config import from_dict
-
-        cfg = from_dict(box[0])
-    layout = Layout.from_config(cfg, world)
-    mesh, dp_mesh = layout.build_mesh(device.type)
-    return cfg, Runtime(rank, local_rank, world, local_world, device, layout, mesh, dp_mesh, _start_progress(rank))
-
-
-_progress = None
-
-
-def _start_progress(rank: int):
-    """Publish this rank's progress for the timeout messages (see parallel.watchdog)."""
-    global _progress
-    from scaletrain.parallel.watchdog import Progress
-
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except (AttributeError, RuntimeError, ValueError):  # a PyTorch without it: timeouts name no rank
-        return None
-    if _progress is not None:
-        _progress.stop()
-    _progress = Progress(store, rank).start()
-    return _progress
-
-
-def _attempt_store(rank: int, world: int, timeout: timedelta) -> dict:
-    """The process group's store, private to this attempt of the job.
-
-    Under an elastic launcher the workers share the agent's store, and it outlives a restart;
-    PyTorch keys it by nothing that changes between attempts (pytorch/pytorch#135712), so a
-    restarted group can read its predecessor's addresses and hang while connecting. Each rank
-    counts its own joins in the store: every attempt of a fixed-size job re-joins every rank
-    once, so the counts agree and name the attempt, whatever each node's restart counter says."""
-    env = os.environ
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}  # env:// makes a fresh store for each attempt
-    agent = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False, timeout=timeout)
-    attempt = agent.add(f"scaletrain/joins/rank{rank}", 1)
-    return {"store": dist.PrefixStore(f"scaletrain/attempt{attempt}", agent), "rank": rank, "world_size": world}
-
-
-def shutdown() -> None:
-    global _progress
-    if _progress is not None:
-        _progress.stop()
-        _progress = None
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def exit_worker(code: int) -> None:
-    """Leave a worker process now: flush, drop the process group, and skip the interpreter's
-    teardown, where C++ threads of the communication libraries sometimes abort the process
-    ("terminate called without an active exception") after all the work succeeded."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        shutdown()
-    finally:
-        os._exit(code)
-
-
-# --------------------------------------------------------------------------------------------
-# The parent: starting workers
 
 
 def record_worker_error(e: BaseException, rank: int) -> int:
@@ -231,14 +42,17 @@ def record_worker_error(e: BaseException, rank: int) -> int:
         text = f"{type(e).__name__}: {first} (at {where})"
     code = e.exit_code if isinstance(e, UserError) else 1
     print(f"scaletrain: error: rank {rank}: {text}", file=sys.stderr, flush=True)
-    if _progress is not None:  # the other ranks leave now rather than at their collective timeout
-        _progress.abort()
+    from scaletrain.watchdog import running_progress
+
+    if (progress := running_progress()) is not None:  # the other ranks leave now, not at their timeout
+        progress.abort()
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        with open(path, "w") as f:
-            json.dump({"message": text, "timestamp": int(time.time()), "scaletrain_time": time.time(),
-                       "user_error": isinstance(e, UserError), "rank": rank, "exit_code": code,
-                       "final": _restart_would_repeat(e)}, f)
+    if path:  # whole or not at all: the elastic agent parses it, and a rank stopped mid-write left it empty
+        from scaletrain.atomic import write_json
+
+        write_json(path, {"message": text, "timestamp": int(time.time()), "scaletrain_time": time.time(),
+                          "user_error": isinstance(e, UserError), "rank": rank, "exit_code": code,
+                          "final": _restart_would_repeat(e)}, indent=None)
     return code
 
 
@@ -327,6 +141,20 @@ def launch(task: str, worker_args: list[str], *, nproc: int, nnodes: int = 1, no
                 os.environ[key] = value
         shutil.rmtree(log_dir, ignore_errors=True)
     return 0
+
+
+@contextlib.contextmanager
+def spec_file(spec: dict, prefix: str = "scaletrain-job-"):
+    """A JSON file of `spec` for this node's ranks (its path is a worker task's argument: what
+    the job settled where it started), removed when the job is over, restarts included."""
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(spec, f)
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _stop_line(sig: signal.Signals, checkpoint_dir, since: float) -> str:

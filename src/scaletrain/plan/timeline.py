@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scaletrain.errors import ConfigError
-from scaletrain.parallel.pipeline import SCHEDULES
+from scaletrain.vocab import PP_SCHEDULES as SCHEDULES
+from scaletrain.vocab import is_multi_chunk, unknown
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def rank_orders(schedule: str, p: int, m: int, v: int) -> tuple[list[list[Op]], 
         return [interleaved_order(p, m, r, v) for r in range(p)], lambda r, c: r + c * p
     if schedule == "zero-bubble":
         return [zero_bubble_v_order(p, m, r) for r in range(p)], lambda r, c: r if c == 0 else 2 * p - 1 - r
-    raise ValueError(f"unknown schedule {schedule!r}")
+    raise unknown("pipeline schedule", schedule, SCHEDULES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,8 +138,9 @@ def rank_orders(schedule: str, p: int, m: int, v: int) -> tuple[list[list[Op]], 
 
 def simulate(schedule: str, p: int, m: int, v: int = 1) -> list[list[Placed]]:
     orders, stage_of = rank_orders(schedule, p, m, v)
-    stages = p * v if schedule in ("interleaved-1f1b", "zero-bubble") else p
-    unit = 1.0 / v if schedule in ("interleaved-1f1b", "zero-bubble") else 1.0
+    chunks = v if is_multi_chunk(schedule) else 1
+    stages = p * chunks
+    unit = 1.0 / chunks
     length = {"F": unit, "B": 2 * unit, "I": unit, "W": unit}
     done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time
     placed: list[list[Placed]] = [[] for _ in range(p)]
@@ -194,13 +196,13 @@ def bubble_fraction(placed: list[list[Placed]]) -> float:
 def theory(schedule: str, p: int, m: int, v: int) -> float:
     """The bubble in closed form. For ZB-V with equal F, I and W times the idle time does not
     grow with m: (p-1)/2 forward-times of warm-up and cool-down against 3m of work."""
-    if schedule in ("gpipe", "1f1b"):
+    if not is_multi_chunk(schedule):
         return (p - 1) / m
     if schedule == "interleaved-1f1b":
         return (p - 1) / (v * m)
     if schedule == "zero-bubble":
         return (p - 1) / (6 * m)
-    raise ValueError(f"unknown schedule {schedule!r}")
+    raise unknown("pipeline schedule", schedule, SCHEDULES)
 
 
 THEORY_TEXT = {"gpipe": "(p-1)/m", "1f1b": "(p-1)/m", "interleaved-1f1b": "(p-1)/(v·m)",
@@ -219,7 +221,7 @@ def check(schedule: str, p: int, m: int, v: int) -> None:
     if p * max(v, 1) * m > 65_536:  # the drawing grows with it (memory, then minutes), not the insight
         raise ConfigError(f"--pp × --virtual × --microbatches = {p * max(v, 1) * m:,} is too many to draw "
                           "(at most 65,536); a few micro-batches per stage show the same bubble")
-    if schedule in ("gpipe", "1f1b") and v != 1:
+    if not is_multi_chunk(schedule) and v != 1:
         raise ConfigError(f"--virtual {v} needs an interleaved schedule (interleaved-1f1b or zero-bubble)")
     if schedule == "interleaved-1f1b" and (v < 2 or m % p):
         raise ConfigError("interleaved-1f1b needs --virtual 2 or more and --microbatches a multiple of --pp")

@@ -1,0 +1,121 @@
+"""The model's config: the shape of a decoder-only transformer (GPT-2 and Llama families), with
+the checks that concern the model alone. scaletrain.config imports it into the job's config
+tree; nothing under model/ imports scaletrain.config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from scaletrain.errors import ConfigError
+from scaletrain.options import build_section, divisors, option
+
+
+@dataclass
+class ModelConfig:
+    preset: str = option("", "a built-in shape (see `scaletrain.model.presets`); keys set here override it")
+    from_hf: str = option("", "a Hugging Face model folder (or its config.json) whose shape to take; keys set "
+                              "here override it")
+    init_from: str = option("", "start a new run from these weights: a Hugging Face model folder, a .safetensors "
+                                "file or a scaletrain export; empty = initialise from (train.seed, parameter name)")
+    vocab_size: int = option(256, "tokens in the vocabulary; 256 for the byte-level tokenizer; 0 = the one data.path "
+                                  "was prepared with (a Hugging Face model's own, padding included)", min=2)
+    dim: int = option(256, "width of the residual stream", min=1)
+    n_layers: int = option(4, "number of transformer blocks", min=1)
+    n_heads: int = option(4, "attention heads; must divide dim unless head_dim is set", min=1)
+    n_kv_heads: int = option(0, "key/value heads for grouped-query attention; 0 = n_heads", min=0)
+    head_dim: int = option(0, "width of each attention head; 0 = dim / n_heads (Qwen3 sets it apart)", min=0)
+    ffn_dim: int = option(0, "hidden width of the MLP; 0 = 4*dim (gelu) or 8/3*dim rounded up to 64 (swiglu)", min=0)
+    norm: str = option("layernorm", "normalisation layer", choices=("layernorm", "rmsnorm"))
+    norm_eps: float = option(1e-5, "epsilon of the normalisation layers", min=0.0)
+    activation: str = option("gelu", "MLP type: GELU (GPT-2) or SwiGLU (Llama)", choices=("gelu", "swiglu"))
+    position: str = option("learned", "position encoding: learned table (GPT-2) or rotary (Llama)",
+                           choices=("learned", "rope"))
+    rope_theta: float = option(10000.0, "rotary base frequency", min=1.0)
+    rope_scaling: str = option("none", "stretch the rotary frequencies for long contexts: linear (all divided by "
+                                       "rope_factor) or llama3 (Llama 3.1: low frequencies only)",
+                               choices=("none", "linear", "llama3"))
+    rope_factor: float = option(1.0, "rope_scaling: how much longer the context gets", min=1.0)
+    rope_low_freq_factor: float = option(1.0, "rope_scaling=llama3: wavelengths above original/this are divided "
+                                              "by rope_factor", min=0.0)
+    rope_high_freq_factor: float = option(4.0, "rope_scaling=llama3: wavelengths below original/this are kept",
+                                          min=0.0)
+    rope_original_max_seq_len: int = option(8192, "rope_scaling=llama3: the context length trained before scaling",
+                                            min=1)
+    max_seq_len: int = option(128, "longest sequence the position encoding covers", min=1)
+    sliding_window: int = option(0, "the window of a model trained with sliding-window attention (Mistral); "
+                                    "scaletrain attends to the whole sequence, so data.seq_len may not exceed it; "
+                                    "0 = none", min=0)
+    tie_embeddings: bool = option(True, "share the input embedding with the output head")
+    bias: bool = option(False, "add biases to linear layers and LayerNorm")
+    qkv_bias: bool = option(False, "add biases to the query, key and value projections only (Qwen2)")
+    qk_norm: bool = option(False, "RMSNorm over each head of the queries and keys before the rotation (Qwen3)")
+    dropout: float = option(0.0, "dropout on attention weights and residual branches", min=0.0, max=1.0, open_max=True)
+    init_std: float = option(0.02, "std of the normal init; residual projections get std/sqrt(2*n_layers)", min=0.0)
+
+    def __hash__(self) -> int:  # configs are not changed after loading: usable as cache keys
+        return hash(tuple(self.__dict__.values()))  # the fields (the planner hashes it in its inner loop)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        """The width of each attention head in use: head_dim, or dim / n_heads."""
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
+        if self.activation == "swiglu":
+            return 64 * math.ceil(8 * self.dim / 3 / 64)
+        return 4 * self.dim
+
+
+# the model keys that model.from_hf may fill (a saved config gives them all: then it is not read)
+MODEL_SHAPE = tuple(f for f in dataclasses.fields(ModelConfig)
+                     if f.name not in ("preset", "from_hf", "init_from", "dropout", "init_std"))
+
+
+def check_model(m: ModelConfig) -> list[str]:
+    """Problems among the model's own keys, one line each."""
+    errors = []
+    if m.dim % m.n_heads and not m.head_dim:
+        errors.append(f"model.n_heads={m.n_heads} must divide model.dim={m.dim} (or set model.head_dim); "
+                      f"try n_heads in {divisors(m.dim, limit=64)}")
+    if m.n_kv_heads and m.n_heads % m.n_kv_heads:
+        errors.append(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}; "
+                      f"try one of {divisors(m.n_heads)}")
+    if m.position == "rope" and (m.head_dim or m.dim % m.n_heads == 0) and m.head_size % 2:
+        errors.append(f"model.position=rope needs an even head dimension, but "
+                      f"{'head_dim' if m.head_dim else 'dim/n_heads'} = {m.head_size}")
+    if m.rope_scaling != "none" and m.position != "rope":
+        errors.append(f"model.rope_scaling={m.rope_scaling} scales rotary positions; it needs model.position=rope")
+    if m.rope_scaling == "none" and m.rope_factor != 1.0:
+        errors.append(f"model.rope_factor={m.rope_factor} does nothing without model.rope_scaling; "
+                      "set rope_scaling to linear or llama3, or drop rope_factor")
+    llama3_only = [f"model.{k}" for k in ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
+                   if getattr(m, k) != getattr(ModelConfig, k)]
+    if m.rope_scaling != "llama3" and llama3_only:
+        errors.append(f"{', '.join(llama3_only)} apply to model.rope_scaling=llama3 only; set it, or drop them")
+    if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+        errors.append(f"model.rope_scaling=llama3 needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
+                      f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor}")
+    if m.vocab_size > 2**32:
+        errors.append(f"model.vocab_size={m.vocab_size} is larger than uint32 token ids allow")
+    return errors
+
+
+def model_config(values: Mapping[str, Any], source: str = "model") -> ModelConfig:
+    """A validated ModelConfig from a mapping of its keys (Python values): every problem at once."""
+    errors: list[str] = []
+    m = build_section("model", ModelConfig, values, set(), errors)
+    errors += [] if errors else check_model(m)
+    if errors:
+        raise ConfigError(*errors)
+    return m

@@ -1,0 +1,236 @@
+"""The plan command's options, in the config's language.
+
+`scaletrain plan` takes what `scaletrain train` takes — a TOML (`--config FILE`) and
+`--section.key=value` options — and, for short, the flags of `ALIASES`, each another name of
+one config key. Every value is checked by the config's own validation. The layout keys given
+(in the TOML, as `--section.key=value` or through an alias) fix the layout, and what is left
+out is derived as the config derives it (`scaletrain.layout.Layout.from_config`: dp_shard the
+remaining ranks, the batch triad from the global batch); with none given the planner searches.
+Context parallelism has no config key (the trainer has none): `cp` is the planner's own.
+
+From Python, `plan(layout={...})` takes the same config keys, Layout's field names, or the
+aliases' short names ("ac", "schedule", "virtual", "offload").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from scaletrain.config import SECTIONS, JobConfig, from_dict, parse_override_args, read_toml
+from scaletrain.errors import ConfigError
+from scaletrain.layout import Layout
+from scaletrain.options import coerce
+
+# The plan command's short flags: each is an alias of one config key. The only table of them:
+# the CLI's flags and their help, and the short names plan(layout={...}) takes, come from it.
+ALIASES = {
+    "--seq-len": "data.seq_len",
+    "--global-batch": "train.global_batch",
+    "--precision": "precision.mode",
+    "--optimizer": "optim.name",
+    "--zero": "parallel.zero",
+    "--tp": "parallel.tp",
+    "--pp": "parallel.pp",
+    "--dp-replicate": "parallel.dp_replicate",
+    "--dp-shard": "parallel.dp_shard",
+    "--micro-batch": "train.micro_batch",
+    "--ac": "memory.activation_checkpointing",
+    "--sp": "parallel.sp",
+    "--schedule": "parallel.pp_schedule",
+    "--virtual": "parallel.pp_virtual_stages",
+    "--offload": "memory.offload_optimizer",
+}
+
+# The config keys that describe a layout (a Layout's fields are these keys after derivation;
+# parallel.pp_microbatches is train.grad_accum under pipelining)
+LAYOUT_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.sp", "parallel.pp",
+               "parallel.pp_schedule", "parallel.pp_virtual_stages", "parallel.pp_split", "parallel.pp_microbatches",
+               "parallel.zero", "train.micro_batch", "train.grad_accum", "memory.activation_checkpointing",
+               "memory.offload_optimizer")
+
+# The workload's fields and their config keys, and what the planner assumes for those not given
+# (without --config; a training config gives all of them, its defaults included)
+WORKLOAD_KEYS = {"seq_len": "data.seq_len", "global_batch": "train.global_batch", "precision": "precision.mode",
+                 "optimizer": "optim.name"}
+PLAN_DEFAULTS = {"data.seq_len": 2048, "train.global_batch": 256, "precision.mode": "bf16-mixed",
+                 "optim.name": "adamw"}
+
+# plan(layout={...}) names: Layout's field names and the aliases' short names, to config keys
+LAYOUT_NAMES = {**{key.partition(".")[2]: key for key in LAYOUT_KEYS},
+                **{flag[2:].replace("-", "_"): key for flag, key in ALIASES.items() if key in LAYOUT_KEYS}}
+# sizes that plan(layout={...}) takes by name must be at least 1 (the config's names keep the
+# config's meanings: dp_shard = -1 all remaining ranks, micro_batch = 0 derive)
+SIZES = ("tp", "pp", "dp_replicate", "dp_shard", "micro_batch", "grad_accum", "pp_virtual_stages")
+
+
+def alias_of(key: str) -> str | None:
+    return next((flag for flag, k in ALIASES.items() if k == key), None)
+
+
+# --------------------------------------------------------------------------------------------
+# One layout from the keys given
+
+
+def derive_layout(given: Mapping[str, Any], world: int, global_batch: int) -> Layout:
+    """The layout that `given` (config keys, Layout's field names or the aliases' short names,
+    and "cp") fixes on `world` ranks for `global_batch` sequences per step (0: derived from the
+    batch triad, as the config does); what is left out is derived by
+    `Layout.from_config`. Sequence parallelism is on under tensor parallelism unless given."""
+    keys: dict[str, Any] = {}
+    unknown, too_small, twice = [], [], []
+    cp = 1
+    for name, value in given.items():
+        if name == "cp":
+            cp = value
+            if cp < 1:
+                too_small.append(f"cp={cp}")
+            continue
+        key = name if name in LAYOUT_KEYS else LAYOUT_NAMES.get(name)
+        if key is None:
+            unknown.append(name)
+            continue
+        field = key.partition(".")[2]
+        if name != key and field in SIZES and value < 1:
+            too_small.append(f"{field}={value}")
+        if key in keys:
+            twice.append(key)
+        keys[key] = value
+    if unknown:
+        known = sorted(set(LAYOUT_NAMES) | {"cp"})
+        raise ConfigError(f"unknown layout option(s) {', '.join(sorted(unknown))}; known: {', '.join(known)} "
+                          "(or their config keys)")
+    if twice:
+        raise ConfigError(f"{', '.join(twice)} given twice (by two of its names); give it once")
+    if too_small:
+        raise ConfigError(f"layout sizes must be at least 1, got {', '.join(too_small)}")
+    if world < 1:
+        raise ConfigError("--nodes and --gpus-per-node must be at least 1")
+    sections: dict[str, dict] = {"data": {"seq_len": 1}, "train": {"global_batch": global_batch}}
+    for key, value in keys.items():
+        section, _, name = key.partition(".")
+        sections.setdefault(section, {})[name] = value
+    cfg = from_dict(sections, source="layout")  # the config's checks of every value
+    par = cfg.parallel
+    if "parallel.sp" not in keys and par.tp > 1:  # the planner's default: sequence parallel with tp
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(par, sp=True))
+    # the cluster's terms, before Layout.from_config's (which speak of processes to launch)
+    tp, pp = par.tp, par.pp
+    if world % (tp * pp * cp):
+        sizes_text = f"tp {tp} × pp {pp}" + (f" × cp {cp}" if cp > 1 else "")
+        raise ConfigError(f"{sizes_text} does not divide the cluster's {world} GPUs")
+    dp = world // (tp * pp * cp)
+    if dp % par.dp_replicate:
+        raise ConfigError(f"dp_replicate {par.dp_replicate} does not divide the {dp} data-parallel ranks")
+    if par.dp_shard > 0 and par.dp_replicate * par.dp_shard != dp:
+        raise ConfigError(f"dp_replicate {par.dp_replicate} × dp_shard {par.dp_shard} ≠ the {dp} data-parallel ranks "
+                          f"the cluster's {world} GPUs leave beside tp {tp} × pp {pp}" + (f" × cp {cp}" if cp > 1 else "")
+                          + "; leave dp_shard out (or -1) for the remaining ranks")
+    layout = Layout.from_config(cfg, world // cp)
+    return dataclasses.replace(layout, cp=cp) if cp != 1 else layout
+
+
+# --------------------------------------------------------------------------------------------
+# The plan command's request
+
+
+@dataclass
+class Request:
+    """What `scaletrain plan`'s options ask: plan(model, layout=layout, **workload)."""
+
+    model: Any  # the MODEL argument, or the config's ModelConfig
+    cfg: JobConfig  # the config the options make (the planned model's section aside, with MODEL)
+    workload: dict  # seq_len, global_batch, precision, optimizer
+    layout: dict | None  # the layout keys given (and cp), or None: search
+    overrides: dict  # the command line's config options ({"section.key": value}), aliases included
+
+
+def read_request(model: Any, config: str | None, aliases: Mapping[str, Any], extra: list[str], *,
+                 cp: int | None, world: int) -> Request:
+    """Read the plan command's options: MODEL (or None), --config FILE, the aliases given
+    ({"--zero": 2}; None = not given), the `--section.key=value` options and --cp, for a
+    cluster of `world` GPUs."""
+    dotted, errors = parse_override_args(extra)
+    if errors:
+        raise ConfigError(*errors)
+    by_alias = {ALIASES[flag]: value for flag, value in aliases.items() if value is not None}
+    for key, value in by_alias.items():  # an alias and its key: one value
+        if key in dotted:
+            try:
+                same = _coerce(key, value) == _coerce(key, dotted[key])
+            except ValueError as e:
+                errors.append(f"{key}: {e}")
+                continue
+            if not same:
+                errors.append(f"{alias_of(key)} {value} and --{key}={dotted[key]} set the same option ({alias_of(key)} "
+                              f"is {key}) to different values; give one of them")
+    if errors:
+        raise ConfigError(*errors)
+    raw = read_toml(config) if config else {}
+    given = {f"{s}.{k}" for s, body in raw.items() if isinstance(body, Mapping) for k in body}
+    given |= set(dotted) | set(by_alias)
+    overrides = {**dotted, **by_alias}
+    if model is None and not config and not any(k.startswith("model.") for k in given):
+        raise ConfigError("plan needs a model: a preset name, a TOML or a config.json path (or --config FILE)")
+    cfg = _validated(raw, overrides, config, model_given=model is not None)
+    if model is None:
+        model = cfg.model
+
+    workload = {}
+    derive_batch = not config and "train.global_batch" not in given and \
+        bool({"train.grad_accum", "parallel.pp_microbatches"} & given)  # the triad gives the batch
+    for name, key in WORKLOAD_KEYS.items():
+        given_here = config or key in given or (key == "train.global_batch" and derive_batch)
+        workload[name] = _value(cfg, key) if given_here else PLAN_DEFAULTS[key]
+    layout = {key: _value(cfg, key) for key in LAYOUT_KEYS if key in given}
+    if cp is not None:
+        layout["cp"] = cp
+    if not workload["global_batch"]:  # 0: micro_batch × grad_accum × dp, as the config derives it here
+        workload["global_batch"] = derive_layout(layout, world, 0).global_batch
+    return Request(model, cfg, workload, layout or None, overrides)
+
+
+def _validated(raw: dict, overrides: dict, config: str | None, *, model_given: bool) -> JobConfig:
+    """The config of the options, checked by the config's validation. With MODEL given, the
+    config's [model] is not what is planned: it is left out, and the planned sequence length is
+    checked on its own (the planner stretches the model's max_seq_len to it)."""
+    source = config or "options"
+    if not model_given:
+        return from_dict(raw, overrides, source=source)
+    if any(k.startswith("model.") for k in overrides):
+        first = next(k for k in overrides if k.startswith("model."))
+        raise ConfigError(f"--{first}: the model planned is the MODEL argument; give its shape in a TOML [model] "
+                          "section (plan FILE.toml) or plan --config FILE without MODEL")
+    raw = {s: dict(body) if isinstance(body, Mapping) else body for s, body in raw.items() if s != "model"}
+    overrides = dict(overrides)
+    data = raw.get("data")
+    seq_len = data.pop("seq_len", None) if isinstance(data, dict) else None
+    seq_len = overrides.pop("data.seq_len", seq_len)  # the command line wins
+    errors = []
+    try:
+        cfg = from_dict(raw, overrides, source=source)
+    except ConfigError as e:
+        errors += e.lines
+    if seq_len is not None:
+        try:
+            seq_len = _coerce("data.seq_len", seq_len)
+        except ValueError as e:
+            errors.append(f"data.seq_len: {e}")
+    if errors:
+        raise ConfigError(*errors)
+    if seq_len is not None:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=seq_len))
+    return cfg
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """`value` for config key `key` as the config reads it (text as from the command line)."""
+    section, _, name = key.partition(".")
+    field = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
+    return coerce(field, value, isinstance(value, str))
+
+
+def _value(cfg: JobConfig, key: str) -> Any:
+    section, _, name = key.partition(".")
+    return getattr(getattr(cfg, section), name)

@@ -1,0 +1,241 @@
+"""What each rank knows about the others: the `Runtime` (rank, device, layout, mesh).
+
+A worker started by our launcher (scaletrain.launcher) or by torchrun reads torchrun's
+environment contract (RANK, WORLD_SIZE, LOCAL_RANK, ...) exactly once, here, in
+`prepare_worker`, and passes a `Runtime` object down: nothing below reads the environment.
+Under plain `python` (no launcher) `prepare_worker` gives a one-process runtime.
+
+Backend: NCCL when the ranks train on CUDA, gloo on CPU. A request that cannot run as asked
+(a CUDA run with fewer GPUs than local ranks, a layout that needs another world size) is
+refused with one line; it is never quietly downgraded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from scaletrain.config import JobConfig
+from scaletrain.errors import ConfigError, LaunchError, UserError
+from scaletrain.layout import Layout
+
+LAUNCHER_PID_ENV = "SCALETRAIN_LAUNCHER_PID"  # lets a worker see that its launcher died before it could ask to follow
+
+
+@dataclass
+class Runtime:
+    """This process's place among the ranks, passed explicitly to whoever needs it."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    layout: Layout  # resolved for this world: every part of the run reads it from here
+    mesh: object | None = None  # the 4-D DeviceMesh when distributed
+    dp_mesh: object | None = None  # its data-parallel axes flattened into one
+    progress: object | None = None  # this rank's published progress (scaletrain.watchdog.Progress)
+    # the config values `layout` was derived from (`layout_key`); None: the layout was given as it is
+    layout_of: tuple | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None
+
+    def with_layout(self, layout: Layout) -> "Runtime":
+        """This group of processes running another layout on its mesh: one group (one mesh) can run
+        configs that differ in engine, stage or batch (bench, verify, the tests), never in the mesh.
+        The caller derived `layout` for the config it trains; a Trainer takes it as it is."""
+        if layout.mesh_shape != self.layout.mesh_shape:
+            raise ConfigError(f"this group's mesh is {self.layout.describe_ranks()}, but the config asks for "
+                              f"{layout.describe_ranks()}; start a group for that layout")
+        return dataclasses.replace(self, layout=layout, layout_of=None)
+
+    def for_config(self, cfg: JobConfig) -> "Runtime":
+        """The runtime a trainer of `cfg` runs with: this one, when its layout is cfg's (derived from
+        the same config values, or given with `with_layout`); else, for a config that differs in its
+        layout (another ZeRO stage or batch on the same group), cfg's own layout on this mesh."""
+        if self.layout_of is None or self.layout_of == layout_key(cfg):
+            return self
+        return self.with_layout(Layout.from_config(cfg, self.world_size))
+
+    def axis(self, name: str):
+        """The 1-D mesh of one axis: `dp` (flattened), `dp_replicate`, `dp_shard`, `tp`, `pp`."""
+        return self.dp_mesh if name == "dp" else self.mesh[name]
+
+    def group(self, name: str):
+        """The process group of one axis, or None in a single process."""
+        return self.axis(name).get_group() if self.mesh is not None else None
+
+
+def pick_device(name: str, local_rank: int = 0, local_world_size: int = 1) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise LaunchError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+        if local_world_size > count:
+            raise LaunchError(f"{local_world_size} ranks on this node need {local_world_size} GPUs, but only {count} "
+                              f"are visible; launch at most {count} processes per node or train on cpu")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def layout_key(cfg: JobConfig) -> tuple:
+    """The config values a layout is derived from (the derivation reads no others; the whole
+    [parallel] and [memory] sections, to be safe): configs with the same key have the same layout
+    on the same number of ranks."""
+    train = cfg.train
+    return (dataclasses.astuple(cfg.parallel), dataclasses.astuple(cfg.memory), train.global_batch,
+            train.micro_batch, train.grad_accum)
+
+
+def single_process(cfg: JobConfig, layout: Layout | None = None) -> Runtime:
+    """One process: `layout` (cfg's, derived where the job started), or cfg's derived here."""
+    if cfg.parallel.layout == "auto":
+        raise ValueError("parallel.layout=auto: resolve the layout first (scaletrain.plan.auto.resolve)")
+    if layout is None:
+        layout = Layout.from_config(cfg, 1)
+    elif layout.world != 1:
+        raise LaunchError(f"the layout has {layout.describe_ranks()}, but this is one process")
+    return Runtime(0, 0, 1, 1, pick_device(cfg.train.device), layout, layout_of=layout_key(cfg))
+
+
+def restart_count() -> int:
+    """How often the elastic launcher has restarted this worker's group (0 the first time)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def is_worker() -> bool:
+    """True in a process started by our launcher or by torchrun."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def init_worker(cfg: JobConfig) -> Runtime:
+    """Join the process group described by torchrun's environment and build the mesh."""
+    if cfg.parallel.layout == "auto":
+        raise ValueError("parallel.layout=auto: use prepare_worker, which resolves the layout first")
+    return prepare_worker(cfg)[1]
+
+
+def die_with_launcher() -> None:
+    """Have Linux send this worker SIGTERM when the process that started it (the launcher, whose
+    elastic agent is the workers' parent) dies, even by SIGKILL: no rank outlives its launcher.
+    SIGTERM, not SIGKILL: a training rank finishes its step and saves a checkpoint first."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher and os.getppid() != int(launcher):  # it died before the call above: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def prepare_worker(cfg: JobConfig, layout: Layout | None = None) -> tuple[JobConfig, Runtime]:
+    """Join the process group and build the mesh of `layout`: cfg's, derived where the job started
+    (scaletrain's launcher hands every rank both), or, when it is not given, cfg's derived here;
+    under torchrun, where each rank starts on its own, rank 0 resolves `parallel.layout = auto`
+    and every rank gets its config and layout. Returns the config as it will run."""
+    die_with_launcher()
+    env = os.environ
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    local_rank = int(env["LOCAL_RANK"])
+    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    device = pick_device(cfg.train.device, local_rank, local_world)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    timeout = timedelta(seconds=cfg.parallel.timeout_s)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
+                                **_attempt_store(rank, world, timeout))
+    if layout is not None:
+        if layout.world != world:
+            raise LaunchError(f"the job's layout has {layout.describe_ranks()}, but {world} were started")
+    elif cfg.parallel.layout == "auto":  # torchrun: no job start before the ranks; rank 0 chooses for all
+        box = [None]
+        if rank == 0:
+            from scaletrain.plan.auto import resolve
+
+            try:
+                chosen, chosen_layout = resolve(cfg, world, device, gpus_per_node=local_world)
+                box = [(chosen.to_dict(), chosen_layout.to_dict())]
+            except UserError as e:
+                box = [e]
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], UserError):
+            raise box[0]
+        from scaletrain.config import from_dict
+
+        cfg, layout = from_dict(box[0][0]), Layout(**box[0][1])
+    else:
+        layout = Layout.from_config(cfg, world)
+    mesh, dp_mesh = layout.build_mesh(device.type)
+    return cfg, Runtime(rank, local_rank, world, local_world, device, layout, mesh, dp_mesh, _start_progress(rank),
+                        layout_key(cfg))
+
+
+def _start_progress(rank: int):
+    """Publish this rank's progress for the timeout messages (see scaletrain.watchdog); a
+    process that joins again (the test suite's groups host many runs) replaces its old record."""
+    from scaletrain.watchdog import Progress, running_progress
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):  # a PyTorch without it: timeouts name no rank
+        return None
+    if (old := running_progress()) is not None:
+        old.stop()
+    return Progress(store, rank).start()
+
+
+def _attempt_store(rank: int, world: int, timeout: timedelta) -> dict:
+    """The process group's store, private to this attempt of the job.
+
+    Under an elastic launcher the workers share the agent's store, and it outlives a restart;
+    PyTorch keys it by nothing that changes between attempts (pytorch/pytorch#135712), so a
+    restarted group can read its predecessor's addresses and hang while connecting. Each rank
+    counts its own joins in the store: every attempt of a fixed-size job re-joins every rank
+    once, so the counts agree and name the attempt, whatever each node's restart counter says."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}  # env:// makes a fresh store for each attempt
+    agent = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False, timeout=timeout)
+    attempt = agent.add(f"scaletrain/joins/rank{rank}", 1)
+    return {"store": dist.PrefixStore(f"scaletrain/attempt{attempt}", agent), "rank": rank, "world_size": world}
+
+
+def shutdown() -> None:
+    from scaletrain.watchdog import running_progress
+
+    if (progress := running_progress()) is not None:
+        progress.stop()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def exit_worker(code: int) -> None:
+    """Leave a worker process now: flush, drop the process group, and skip the interpreter's
+    teardown, where C++ threads of the communication libraries sometimes abort the process
+    ("terminate called without an active exception") after all the work succeeded."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        shutdown()
+    finally:
+        os._exit(code)

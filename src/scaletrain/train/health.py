@@ -1,0 +1,246 @@
+"""What stops a run, and the one line that says why.
+
+A step runs in named phases (`enter`); `guarded` turns running out of memory, or a collective
+that failed (a peer gone, a timeout), into one line that names the step, the phase and the ranks
+that fell behind. The loss is watched: spikes are logged, divergence stops the run. Steps whose
+gradients are not finite are skipped and counted; too many in a row stop the run, and so does
+a run none of whose steps changed the weights. Every rank sees the same global loss and gradient
+norm, so every rank decides alike and they stop together. A metrics row the disk refuses (it is
+full) stops the run after an emergency checkpoint (`final_checkpoint`). `StopSignals` catches
+SIGINT and SIGTERM while a run trains: the run stops at the end of its step, with a checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import signal
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from scaletrain import watchdog
+from scaletrain.errors import CheckpointError, ConfigError, TrainingStopped, UserError
+
+# words of gloo's and NCCL's messages when a peer is gone or late
+COMM_FAILURES = ("Timed out", "timed out", "Timeout", "Connection closed", "Connection reset", "Broken pipe",
+                 "NCCL communicator was aborted", "Socket Timeout")
+
+
+class Health:
+    """The run's state of health: the step and phase running, the loss's history, the skipped
+    steps. `custom_loss`: the loss need not be a cross-entropy (no ln(vocab_size) bound)."""
+
+    def __init__(self, cfg, layout, rt, metrics, *, scaler, param_names: dict[int, str], custom_loss: bool):
+        self.cfg, self.layout, self.rt, self.metrics = cfg, layout, rt, metrics
+        self.rank, self.world_size, self.device = rt.rank, rt.world_size, rt.device
+        self.scaler, self.param_names, self.custom_loss = scaler, param_names, custom_loss
+        self.phase = "start-up"  # what the step is doing, named when a collective times out
+        self.current_step = 0
+        self.consecutive_skips = self.skipped_steps = self.spikes = self.applied_steps = 0
+        self.loss_mean: float | None = None
+        self.early_losses: list[float] = []  # the first steps' losses: the divergence check's yardstick
+        self.early_loss: float | None = None
+        self.fault: str | None = None  # an I/O failure that stops the run after an emergency save
+
+    def begin_step(self, step: int) -> None:
+        self.current_step = step
+        if self.rt.progress is not None:
+            self.rt.progress.step = step
+
+    def enter(self, phase: str) -> None:
+        self.phase = phase
+        if self.rt.progress is not None:
+            self.rt.progress.phase = phase
+
+    # ---------------------------------------------------------------------------------------
+    # failures: out of memory, a peer gone, a full disk
+
+    def guarded(self, fn, *args):
+        """Run one phase of a step; turn a communication failure into one line that names the
+        ranks that stopped participating and the collective it happened in."""
+        try:
+            return fn(*args)
+        except (RuntimeError, dist.DistError) as e:
+            text = str(e)
+            if isinstance(e, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text:
+                raise ConfigError(self.describe_oom()) from None
+            if not self.rt.distributed or not any(k in text for k in COMM_FAILURES):
+                raise
+            raise TrainingStopped(self.describe_comm_failure(text)) from None
+
+    def describe_oom(self) -> str:
+        b = self.layout
+        where = f"step {self.current_step}: out of {self.device.type} memory on rank {self.rank} during {self.phase}"
+        if self.phase.startswith("forward"):
+            ac = self.cfg.memory.activation_checkpointing
+            fix = f"lower train.micro_batch (now {b.micro_batch}; gradient accumulation keeps the global batch)"
+            if ac != "full":
+                fix += f", or set memory.activation_checkpointing={'full' if ac == 'selective' else 'selective or full'}"
+            return f"{where} (activations of micro-batch {b.micro_batch} x data.seq_len {self.cfg.data.seq_len}); {fix}"
+        return (f"{where}; the model states do not fit: shard them (parallel.zero=2 or 3, tp, pp) or use a smaller "
+                "optimizer (optim.name=adafactor or adamw8bit); `scaletrain plan --config FILE` finds a layout")
+
+    def describe_comm_failure(self, text: str) -> str:
+        step = self.current_step
+        timed_out = any(k in text for k in ("Timed out", "timed out", "Timeout", "timeout"))
+        what = (f"a collective did not complete within parallel.timeout_s={self.cfg.parallel.timeout_s} s"
+                if timed_out else "a peer closed its connection")
+        lagging = watchdog.lagging(self.rt.progress.store, self.world_size) if self.rt.progress else []
+        if not lagging:
+            return f"step {step}: {what} during {self.phase}; no rank is behind: another rank failed (see its error)"
+        names = ", ".join(str(r.rank) for r in lagging)
+        return (f"step {step}: rank {names} stopped participating: {what} (rank {self.rank} waited in "
+                f"{self.phase}); " + "; ".join(str(r) for r in lagging))
+
+    def final_checkpoint(self, save: Callable[[], Path] | None, last_saved: Path | None) -> Path | None:
+        """The checkpoint the run ends with: `save()`'s, or (`save` None: none is due) `last_saved`.
+        After a failure of the file system (`fault`) this is an emergency save, and the run then
+        stops with one line that names the checkpoint to resume."""
+        if save is not None:
+            try:
+                last_saved = save()
+            except CheckpointError as e:
+                if self.fault:
+                    raise UserError(f"{self.fault}; the emergency checkpoint failed too: {e.lines[0]}") from None
+                raise
+        if self.fault:
+            raise UserError(f"{self.fault}; checkpoint {last_saved} was saved first, resume from it once there is room")
+        return last_saved
+
+    def log_row(self, row: dict, step: int, path: Path) -> None:
+        """Write a metrics row; if the file system refuses it (a full disk), the run stops after
+        this step with an emergency checkpoint, which every rank takes part in."""
+        if self.fault:
+            return
+        try:
+            self.metrics.log(row)
+        except OSError as e:
+            what = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+            self.fault = f"step {step}: writing metrics to {path} failed: {what}"
+            self.metrics.enabled = False
+
+    # ---------------------------------------------------------------------------------------
+    # the loss
+
+    def watch_loss(self, step: int, loss: float, skipped: bool) -> None:
+        """Log a loss above log.spike_factor × its running mean; stop a run whose loss diverged:
+        above train.divergence_factor × its early value (the mean of the first 5 steps), or,
+        after warm-up, above ln(vocab_size) + train.divergence_margin, which is worse than a
+        model that guesses every token uniformly. Every rank sees the same global loss."""
+        if skipped or not math.isfinite(loss):
+            return
+        if self.cfg.train.divergence_factor:
+            self._check_divergence(step, loss)
+        factor = self.cfg.log.spike_factor
+        if factor and self.loss_mean is not None and step > 10 and loss > factor * self.loss_mean:
+            self.spikes += 1
+            self.metrics.info(f"loss spike at step {step}: {loss:.4f} is {loss / self.loss_mean:.1f}x the "
+                              f"running mean {self.loss_mean:.4f} (log.spike_factor={factor:g})")
+        self.loss_mean = loss if self.loss_mean is None else 0.98 * self.loss_mean + 0.02 * loss
+
+    def _check_divergence(self, step: int, loss: float) -> None:
+        train = self.cfg.train
+        if self.early_loss is None:
+            self.early_losses.append(loss)
+            if len(self.early_losses) == 5:
+                self.early_loss = sum(self.early_losses) / 5
+        elif loss > train.divergence_factor * self.early_loss:
+            raise TrainingStopped(
+                f"step {step}: the loss {loss:.4f} is {loss / self.early_loss:.1f}x its early value "
+                f"{self.early_loss:.4f} (train.divergence_factor={train.divergence_factor:g}): the run diverged; "
+                "lower optim.lr, raise optim.warmup_steps, or resume from an earlier checkpoint")
+        uniform = math.log(self.cfg.model.vocab_size)
+        if not self.custom_loss and step > self.cfg.optim.warmup_steps and \
+                loss > uniform + train.divergence_margin:  # a custom loss need not be a cross-entropy
+            raise TrainingStopped(
+                f"step {step}: after warm-up the loss {loss:.4f} is above ln(vocab_size) + "
+                f"train.divergence_margin = {uniform:.4f} + {train.divergence_margin:g}, worse than guessing "
+                f"each of {self.cfg.model.vocab_size} tokens uniformly: the run diverged; lower optim.lr, "
+                "raise optim.warmup_steps, or resume from an earlier checkpoint")
+
+    # ---------------------------------------------------------------------------------------
+    # skipped steps
+
+    def step_applied(self) -> None:
+        self.consecutive_skips = 0
+        self.applied_steps += 1
+
+    def step_skipped(self, step: int, params, overflow: bool, at_minimum: bool) -> None:
+        """Count a skipped step; stop after train.max_skipped_steps in a row (for fp16, in a row
+        at the minimum loss scale: above it, the scaler backs off and tries again)."""
+        limit = self.cfg.train.max_skipped_steps
+        self.skipped_steps += 1
+        if overflow and self.scaler is not None:
+            self.consecutive_skips = self.consecutive_skips + 1 if at_minimum else 0
+            if self.consecutive_skips < limit:
+                return
+            raise TrainingStopped(
+                f"step {step}: the fp16 loss scale collapsed to its minimum (precision.min_scale="
+                f"{self.scaler.min_scale:g}) and gradients still overflow, {self.consecutive_skips} steps in a row; "
+                "fp16's range is too small for this run: train with precision.mode=bf16-mixed")
+        self.consecutive_skips += 1
+        name = self.first_nonfinite_gradient(params)
+        self.metrics.info(f"step {step}: non-finite gradient (first in {name}); step skipped, weights untouched")
+        if self.consecutive_skips >= limit:
+            raise TrainingStopped(
+                f"step {step}: {self.consecutive_skips} steps in a row had non-finite gradients (the first in "
+                f"{name}); stopping (train.max_skipped_steps={limit}). Lower optim.lr, check the data near this "
+                "step, or resume from an earlier checkpoint")
+
+    def first_nonfinite_gradient(self, params) -> str:
+        local = None
+        for p in params:
+            g = p.grad
+            if g is not None and not bool(torch.isfinite(g.to_local() if isinstance(g, DTensor) else g).all()):
+                local = self.param_names[id(p)]
+                break
+        if self.rt.distributed:
+            every = [None] * self.world_size
+            dist.all_gather_object(every, local)
+            local = next((n for n in every if n is not None), None)
+        return local or "(none: the loss itself was not finite)"
+
+    def check_weights_changed(self, steps_run: int) -> None:
+        """Stop a run of which every step was skipped: it trained nothing."""
+        if steps_run > 0 and self.applied_steps == 0:
+            raise TrainingStopped(
+                f"every one of the {steps_run} steps of this run was skipped (non-finite gradients"
+                f"{' or fp16 overflow' if self.scaler else ''}): the weights never changed; "
+                + ("lower precision.init_scale or train with precision.mode=bf16-mixed" if self.scaler else
+                   "lower optim.lr, or check the data and the model's initialisation"))
+
+
+class StopSignals:
+    """SIGINT and SIGTERM while a run trains (between `install` and `restore`): the first is
+    kept in `received`, and the run stops at the end of its step, saved; another says the run is
+    already stopping. `received` may be set by hand (every rank stops alike: see the trainer's
+    end of step)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.received: int | None = None
+        self._old: dict = {}
+
+    def _handler(self, signum, frame) -> None:
+        if self.received is not None:
+            if self.rank == 0:
+                print(f"scaletrain: {signal.Signals(signum).name} again: already stopping; the checkpoint "
+                      "save finishes first (SIGKILL would lose it)", file=sys.stderr, flush=True)
+        self.received = self.received or signum
+
+    def install(self) -> None:
+        self._old = {}
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handler)
+        except ValueError:  # not the main thread: leave the process's handlers alone
+            self._old = {}
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)  # the caller's own (the CLI ignores later signals after a stop)

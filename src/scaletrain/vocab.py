@@ -1,0 +1,54 @@
+"""Every vocabulary of the config, defined once: the names a user may write, and what follows
+from them. config, layout, memory, plan, bench and cli import these; none types them again.
+
+This module imports nothing heavy (no torch): the config and the planner load it.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
+# precision modes, with Lightning's names (scaletrain.precision gives each its dtypes)
+PRECISIONS = ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true")
+# the planner's name for the peak FLOP/s a precision computes at (scaletrain.hardware's catalog keys)
+PEAK_KIND = {"32-true": "fp32", "tf32": "tf32", "16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
+
+OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
+
+# activation checkpointing: keep everything, recompute element-wise work, recompute whole blocks
+AC_MODES = ("none", "full", "selective")
+
+# pipeline schedules; the interleaved ones run several chunks (virtual stages) on each pp rank
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+MULTI_CHUNK_SCHEDULES = ("interleaved-1f1b", "zero-bubble")
+
+ZERO_STAGES = (0, 1, 2, 3)  # 0 = DDP; 1 shards optimizer state, 2 + gradients, 3 + parameters (FSDP)
+
+# the data-parallel engine a layout runs (scaletrain.layout.Layout.dp_engine): none (one dp
+# rank), ddp, zero1, zero2, fsdp (ZeRO-3 and HSDP) or replicate (zero 0 under tp: DDP cannot take
+# DTensor parameters, FSDP2's replicate can)
+DP_ENGINES = ("none", "ddp", "zero1", "zero2", "fsdp", "replicate")
+
+# whose memory habits and collectives the planner models (scaletrain.plan.memory_model.ENGINES)
+PLAN_ENGINES = ("scaletrain", "megatron", "deepspeed")
+
+
+def did_you_mean(word: str, choices: Iterable[str], prefix: str = "", suffix: str = "") -> str:
+    """' (did you mean X?)' for the closest of `choices`, or ''."""
+    match = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {prefix}{match[0]}{suffix}?)" if match else ""
+
+
+def unknown(kind: str, value, choices: Iterable) -> ValueError:
+    """The error for a name outside its vocabulary (raise it: a mode that is not known is never
+    taken for another)."""
+    choices = tuple(choices)
+    return ValueError(f"unknown {kind} {value!r}{did_you_mean(value, choices)}; "
+                      f"known: {', '.join(str(c) for c in choices)}")
+
+
+def is_multi_chunk(schedule: str) -> bool:
+    if schedule not in PP_SCHEDULES:
+        raise unknown("pipeline schedule", schedule, PP_SCHEDULES)
+    return schedule in MULTI_CHUNK_SCHEDULES
