@@ -49,7 +49,7 @@ def test_a_custom_module_trains_and_resumes_exactly(tmp_path):
     assert straight["losses"][-1] < straight["losses"][0]
     first = Trainer(micro_cfg(tmp_path, **{"train.steps": 8, "log.run_dir": str(tmp_path / "b"),
                                            "checkpoint.save_final": True}), model=tiny_lm())
-    first._end_of_step = lambda t, real=first._end_of_step: (real(t)[0], first.step >= 4)  # stopped after 4 steps
+    first._end_of_step = lambda t, g, real=first._end_of_step: (*real(t, g)[:2], first.step >= 4)  # stopped after 4 steps
     assert first.fit()["checkpoint"].endswith("step_00000004")
     resumed = Trainer(micro_cfg(tmp_path, **{"train.steps": 8, "log.run_dir": str(tmp_path / "b"),
                                              "checkpoint.resume": "auto"}), model=tiny_lm())

@@ -115,9 +115,9 @@ def test_loss_spikes_are_logged(tmp_path):
                                              "train.divergence_factor": 0}), stream=log)
     real = trainer._end_of_step
 
-    def spiking(local_loss):
-        loss, stop = real(local_loss)
-        return (loss * 5 if trainer.step == 25 else loss), stop
+    def spiking(local_loss, grad_norm):
+        loss, grad_norm, stop = real(local_loss, grad_norm)
+        return (loss * 5 if trainer.step == 25 else loss), grad_norm, stop
 
     trainer._end_of_step = spiking
     trainer.fit()
@@ -131,6 +131,6 @@ def test_spike_logging_can_be_turned_off(tmp_path):
     trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 20, "log.spike_factor": 0,
                                              "train.divergence_factor": 0}), stream=log)
     real = trainer._end_of_step
-    trainer._end_of_step = lambda t: (lambda out: (out[0] * (100 if trainer.step == 15 else 1), out[1]))(real(t))
+    trainer._end_of_step = lambda t, g: (lambda out: (out[0] * (100 if trainer.step == 15 else 1), *out[1:]))(real(t, g))
     trainer.fit()
     assert "loss spike" not in log.getvalue()

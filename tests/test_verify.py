@@ -101,6 +101,22 @@ def test_a_wrong_loss_normalisation_fails_on_the_gradient_norm(tmp_path, verify)
     assert line.endswith("first step over it: 1: FAIL") and "grad norm 1.0e+00 at step" in line, line
 
 
+def test_workers_that_sync_every_few_steps_are_checked_against_their_simulation(tmp_path, verify):
+    """DiLoCo, streamed and delayed, over 2 workers of tp 2: the reference is the 2 workers
+    simulated in one process; a worker that applies its syncs early FAILs."""
+    config = write_config(tmp_path, **{"parallel.dp_replicate": 2, "parallel.tp": 2, "parallel.dp_sync": "diloco",
+                                       "parallel.sync_every": 3, "parallel.sync_fragments": 2,
+                                       "parallel.sync_delay": 1})
+    code, out = verify(config)
+    assert code == 0, out
+    assert "reference: 2 workers simulated in one process" in out and "(diloco every 3 steps, 2 fragments, delay 1, " \
+        "fp32)" in out
+    assert summary(out).endswith("PASS")
+    code, out = verify(config, fault="skip_delay_on_worker1")
+    assert code == 1, out
+    assert summary(out).endswith("FAIL")
+
+
 def test_a_model_too_big_for_one_process_is_checked_against_zero3(tmp_path, verify):
     """With a device of 4 MiB the planner puts one process over it (4.9 MiB) and ZeRO-3 over
     2 ranks under it (3.3 MiB): the reference says so and runs on 2 ranks."""

@@ -24,3 +24,10 @@ def local_loss_norm(trainer) -> None:
     the data-parallel average still divides by dp: gradients dp times too large."""
     real = trainer._loss_factor
     trainer._loss_factor = lambda: real() * trainer.layout.dp
+
+
+def skip_delay_on_worker1(trainer) -> None:
+    """Worker 1 applies each fragment's average as soon as it arrives, not sync_delay steps later
+    as the others (and the simulation) do: its weights leave the others' at the first sync."""
+    if trainer.outer is not None and trainer.worker == 1:
+        trainer.outer.delay = 0

@@ -84,6 +84,7 @@ def _launch(args: argparse.Namespace, cfg) -> int:
         _check_compiler(cfg.train.device, args.nproc)
     cfg, layout = resolve(cfg, world, device, gpus_per_node=args.nproc, note=_note)
     layout.check(cfg.model)
+    _check_resume_sync(cfg, layout)
     if not cfg.log.run_dir:  # every rank (and node) must write to the same folder
         cfg = cfg.replace(**{"log.run_dir": default_run_dir()})
     run_dir = cfg.log.run_dir
@@ -93,6 +94,33 @@ def _launch(args: argparse.Namespace, cfg) -> int:
                                rdzv_endpoint=args.rdzv_endpoint or "", rdzv_id=args.rdzv_id,
                                max_restarts=args.max_restarts,
                                checkpoint_dir=cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+
+
+def _check_resume_sync(cfg, layout) -> None:
+    """A checkpoint of another parallel.dp_sync, or of another number of workers, is refused here,
+    in one line, before any rank starts (the ranks check it again)."""
+    from pathlib import Path
+
+    from scaletrain.errors import CheckpointError
+    from scaletrain.train import checkpoint as ckpt
+
+    res = cfg.checkpoint.resume
+    if res == "none":
+        return
+    if res == "auto":
+        folder = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.log.run_dir) / "checkpoints"
+        path = ckpt.latest_checkpoint(folder)
+        if path is None:
+            return
+    else:
+        path = Path(res)
+    try:
+        state = ckpt.read_trainer_state(path)
+    except CheckpointError:
+        if res == "auto":
+            return  # the ranks fall back to an older checkpoint, naming this one
+        raise
+    ckpt.check_sync(path, state, layout)
 
 
 def _check_writable(paths: dict[str, str]) -> None:

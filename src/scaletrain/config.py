@@ -19,7 +19,8 @@ from typing import Any, Iterable, Mapping, Sequence
 from scaletrain.errors import ConfigError, DataError
 from scaletrain.model.config import MODEL_SHAPE, ModelConfig, check_model
 from scaletrain.options import build_section, option
-from scaletrain.vocab import AC_MODES, OPTIMIZERS, PP_SCHEDULES, PRECISIONS, did_you_mean
+from scaletrain.vocab import (AC_MODES, DP_SYNC_MODES, OPTIMIZERS, OUTER_OPTIMIZERS, PP_SCHEDULES, PRECISIONS,
+                              SYNC_DTYPES, did_you_mean)
 
 # --------------------------------------------------------------------------------------------
 # Declaring options
@@ -116,6 +117,25 @@ class ParallelConfig:
                           "3 = + parameters (FSDP)", min=0, max=3)
     bucket_mb: float = option(25.0, "gradient bucket size for the overlapped reductions (zero 0-2)", min=0.001)
     timeout_s: int = option(600, "a collective that waits longer than this fails the job", min=1, max=7 * 24 * 3600)
+    dp_sync: str = option("step", "how the data-parallel workers (the dp_replicate groups) synchronise: step = "
+                                  "gradients every step (DDP, ZeRO); local_sgd = weights averaged every sync_every "
+                                  "steps; diloco = an outer optimizer step on the averaged pseudo-gradient every "
+                                  "sync_every steps (inside a worker, gradients sync every step)", choices=DP_SYNC_MODES)
+    sync_every: int = option(50, "local_sgd, diloco: inner steps between two syncs of the workers (H)", min=1)
+    sync_fragments: int = option(1, "local_sgd, diloco: the blocks split into this many fragments, synced one at a "
+                                    "time at staggered steps (streaming: the peak volume of a sync is the model's / F)",
+                                 min=1)
+    sync_delay: int = option(0, "local_sgd, diloco: inner steps a fragment's all-reduce runs in the background before "
+                                "it is applied (tau; below sync_every / sync_fragments)", min=0)
+    sync_dtype: str = option("fp32", "local_sgd, diloco: pseudo-gradients on the wire: fp32, bf16, or int8 with a "
+                                     "scale per chunk; the outer step accumulates in fp32", choices=SYNC_DTYPES)
+    outer_optimizer: str = option("nesterov", "diloco: the outer optimizer, SGD with nesterov or heavy-ball (sgd) "
+                                              "momentum", choices=OUTER_OPTIMIZERS)
+    outer_lr: float = option(0.7, "diloco: the outer learning rate (local_sgd is an outer lr of 1)", min=0.0)
+    outer_momentum: float = option(0.9, "diloco: the outer momentum; 0 = none (local_sgd has none)", min=0.0, max=1.0,
+                                   open_max=True)
+    outer_on_cpu: bool = option(False, "local_sgd, diloco: keep the outer weights and momentum in host memory "
+                                       "(4-8 bytes per parameter off the device)")
 
 
 @dataclass
@@ -332,6 +352,14 @@ def check_combinations(cfg: JobConfig) -> list[str]:
     if cfg.precision.mode == "16-mixed" and cfg.precision.min_scale > cfg.precision.init_scale:
         errors.append(f"precision.min_scale={cfg.precision.min_scale} is above precision.init_scale="
                       f"{cfg.precision.init_scale}")
+    par = cfg.parallel
+    if par.dp_sync != "step" and par.sync_fragments > par.sync_every:
+        errors.append(f"parallel.sync_fragments={par.sync_fragments} must be at most sync_every={par.sync_every}: "
+                      "each fragment syncs at a step of its own in every sync_every steps")
+    elif par.dp_sync != "step" and par.sync_delay and par.sync_delay * par.sync_fragments >= par.sync_every:
+        errors.append(f"parallel.sync_delay={par.sync_delay} must be below sync_every / sync_fragments = "
+                      f"{par.sync_every} / {par.sync_fragments}: a fragment's sync must land before the next "
+                      f"fragment's begins; lower sync_delay or sync_fragments, or raise sync_every")
     if cfg.optim.name == "adamw8bit" and cfg.optim.implementation not in ("auto",):
         errors.append("optim.implementation applies to adamw and sgd; leave it at auto for adamw8bit")
     return errors

@@ -17,6 +17,9 @@ Derived here, nowhere else:
                    with dp_replicate > 1) or replicate (zero 0 under tp: DDP cannot take DTensors)
   keeps_fp32_weights  the engine keeps fp32 weights itself (FSDP, replicate, ZeRO-1/2 shards), so
                    the precision policy adds no master copy of its own
+  step_dp          the ranks whose gradients are reduced every step: all dp ranks, or, when the
+                   workers (dp_replicate groups) sync every sync_every steps (dp_sync = local_sgd,
+                   diloco), the dp_shard ranks of one worker
 
 Mesh axes, outermost first: pp, dp_replicate, dp_shard, tp. Tensor parallelism is innermost
 so its ranks are neighbours (one node, the fastest links); pipeline stages are outermost
@@ -57,6 +60,11 @@ class Layout:
     grad_accum: int = 1
     activation_checkpointing: str = "none"
     offload_optimizer: bool = False
+    dp_sync: str = "step"  # step, local_sgd or diloco (the dp_replicate groups are the workers)
+    sync_every: int = 50
+    sync_fragments: int = 1
+    sync_delay: int = 0
+    sync_dtype: str = "fp32"
 
     # ---- from a config ------------------------------------------------------------------------
 
@@ -91,7 +99,8 @@ class Layout:
                    pp_schedule=par.pp_schedule, pp_virtual_stages=par.pp_virtual_stages, pp_split=par.pp_split,
                    micro_batch=micro, grad_accum=accum,
                    activation_checkpointing=cfg.memory.activation_checkpointing,
-                   offload_optimizer=cfg.memory.offload_optimizer)
+                   offload_optimizer=cfg.memory.offload_optimizer, dp_sync=par.dp_sync, sync_every=par.sync_every,
+                   sync_fragments=par.sync_fragments, sync_delay=par.sync_delay, sync_dtype=par.sync_dtype)
 
     # ---- sizes --------------------------------------------------------------------------------
 
@@ -99,6 +108,16 @@ class Layout:
     def dp(self) -> int:
         """Data-parallel size: ranks that see different data."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def local_sync(self) -> bool:
+        """The workers (dp_replicate groups) sync every sync_every steps, not every step."""
+        return self.dp_sync != "step"
+
+    @property
+    def step_dp(self) -> int:
+        """Ranks whose gradients are reduced every step: every dp rank, or one worker's."""
+        return self.dp_shard if self.local_sync else self.dp
 
     @property
     def world(self) -> int:
@@ -120,7 +139,8 @@ class Layout:
 
     @property
     def dp_engine(self) -> str:
-        if self.dp == 1:
+        """The engine that reduces gradients every step over the step_dp ranks."""
+        if self.step_dp == 1:
             return "none"
         if self.zero == 3:
             return "fsdp"
@@ -136,7 +156,7 @@ class Layout:
     def shard_ranks(self) -> int:
         """Ranks each model-state shard is split over: ZeRO's N (context-parallel ranks hold the
         same weights, so engines that have cp shard over them too)."""
-        return (self.dp_shard if self.dp > 1 else 1) * self.cp
+        return (self.dp_shard if self.step_dp > 1 else 1) * self.cp
 
     # ---- checks -------------------------------------------------------------------------------
 
@@ -152,6 +172,10 @@ class Layout:
         if self.offload_optimizer and self.zero != 3:
             e.append("memory.offload_optimizer offloads the sharded model states of parallel.zero=3; it does nothing "
                      f"at zero={self.zero}; set parallel.zero=3 or drop the offload")
+        if self.local_sync and self.dp_replicate == 1:
+            e.append(f"parallel.dp_sync={self.dp_sync} syncs the workers, which are the dp_replicate groups, every "
+                     f"sync_every steps; with parallel.dp_replicate=1 there is one worker; set parallel.dp_replicate "
+                     f"to the number of workers (2 or more), or dp_sync=step")
         if self.cp > 1 and engine == "scaletrain":
             e.append(f"context parallelism (cp {self.cp}) is planned for other engines (--engine megatron); "
                      "scaletrain's trainer has none")
@@ -165,6 +189,9 @@ class Layout:
                          "stage; set model.tie_embeddings=false to train with parallel.pp > 1")
             if self.tp > 1:
                 e += tp_errors(model, self.tp)
+            if self.local_sync and self.sync_fragments > model.n_layers:
+                e.append(f"parallel.sync_fragments={self.sync_fragments} splits the model's blocks into fragments, "
+                         f"but model.n_layers={model.n_layers}; use at most {model.n_layers} fragments")
         return e
 
     def check(self, model=None, *, engine: str = "scaletrain") -> "Layout":
@@ -216,9 +243,13 @@ class Layout:
     def explain(self) -> str:
         """The layout in one line of words: ranks per axis, what runs on them, the batch."""
         parts = [self.describe_ranks()]
-        if self.dp > 1:
+        if self.local_sync:
+            parts.append(f"{self.dp_replicate} workers ({self.describe_sync()})")
+        if self.step_dp > 1:
             zero = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 (FSDP)"}[self.zero]
-            parts.append(f"data parallel {zero}{', HSDP' if self.dp_replicate > 1 and self.zero else ''}")
+            within = " within each worker" if self.local_sync else ""
+            hsdp = ", HSDP" if self.dp_replicate > 1 and self.zero and not self.local_sync else ""
+            parts.append(f"data parallel {zero}{within}{hsdp}")
         if self.tp > 1:
             parts.append(f"tensor parallel{' + sequence parallel' if self.sp else ''}")
         if self.pp > 1:
@@ -235,6 +266,8 @@ class Layout:
         if self.dp > 1:
             dp = f"dp {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"dp {self.dp}"
             parts.append(f"{dp} zero{self.zero}")
+        if self.local_sync:
+            parts.append(self.describe_sync(short=True))
         if self.tp > 1:
             parts.append(f"tp {self.tp}{'+sp' if self.sp else ''}")
         if self.cp > 1:
@@ -249,6 +282,21 @@ class Layout:
             parts.append("offload")
         return ", ".join(parts)
 
+    def describe_sync(self, short: bool = False) -> str:
+        """'diloco every 50 steps, 4 fragments, delay 2, int8' (short: 'diloco H50 F4 d2 int8')."""
+        if short:
+            extra = (f" F{self.sync_fragments}" if self.sync_fragments > 1 else "") + \
+                (f" d{self.sync_delay}" if self.sync_delay else "") + \
+                (f" {self.sync_dtype}" if self.sync_dtype != "fp32" else "")
+            return f"{self.dp_sync} H{self.sync_every}{extra}"
+        words = [f"{self.dp_sync} every {self.sync_every} steps"]
+        if self.sync_fragments > 1:
+            words.append(f"{self.sync_fragments} fragments")
+        if self.sync_delay:
+            words.append(f"delay {self.sync_delay}")
+        words.append(self.sync_dtype)
+        return ", ".join(words)
+
     def config_overrides(self) -> dict[str, Any]:
         """The same layout as `--section.key=value` options of `scaletrain train`."""
         if self.cp > 1:
@@ -257,7 +305,9 @@ class Layout:
                "parallel.tp": self.tp, "parallel.pp": self.pp, "parallel.zero": self.zero, "parallel.sp": self.sp,
                "train.micro_batch": self.micro_batch, "train.grad_accum": self.grad_accum,
                "memory.activation_checkpointing": self.activation_checkpointing,
-               "memory.offload_optimizer": self.offload_optimizer}
+               "memory.offload_optimizer": self.offload_optimizer, "parallel.dp_sync": self.dp_sync,
+               "parallel.sync_every": self.sync_every, "parallel.sync_fragments": self.sync_fragments,
+               "parallel.sync_delay": self.sync_delay, "parallel.sync_dtype": self.sync_dtype}
         if self.pp > 1:
             out.update({"parallel.pp_schedule": self.pp_schedule, "parallel.pp_virtual_stages": self.pp_virtual_stages})
             if self.pp_split:

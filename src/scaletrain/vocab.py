@@ -30,6 +30,16 @@ ZERO_STAGES = (0, 1, 2, 3)  # 0 = DDP; 1 shards optimizer state, 2 + gradients, 
 # DTensor parameters, FSDP2's replicate can)
 DP_ENGINES = ("none", "ddp", "zero1", "zero2", "fsdp", "replicate")
 
+# how the data-parallel workers (the dp_replicate groups) synchronise: gradients every step (DDP,
+# ZeRO), weights averaged every H steps (local SGD), or an outer optimizer step on the averaged
+# pseudo-gradient every H steps (DiLoCo); scaletrain.parallel.local_sgd runs the last two
+DP_SYNC_MODES = ("step", "local_sgd", "diloco")
+LOCAL_SYNC_MODES = ("local_sgd", "diloco")
+# DiLoCo's outer optimizer: SGD with Nesterov momentum (the paper's), or with heavy-ball momentum
+OUTER_OPTIMIZERS = ("nesterov", "sgd")
+# what a pseudo-gradient is sent as: fp32, bf16, or int8 with one fp32 scale per chunk
+SYNC_DTYPES = ("fp32", "bf16", "int8")
+
 # whose memory habits and collectives the planner models (scaletrain.plan.memory_model.ENGINES)
 PLAN_ENGINES = ("scaletrain", "megatron", "deepspeed")
 

@@ -106,7 +106,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
             apply_fsdp(chunk, _shard_mesh(rt), param_dtype=compute_bf16, offload=lay.offload_optimizer)
     elif replicate:
         for chunk in chunks:
-            apply_replicate(chunk, rt.axis("dp"), param_dtype=compute_bf16)
+            apply_replicate(chunk, rt.axis(_step_dp_axis(rt)), param_dtype=compute_bf16)
 
     # 6. materialize: every parameter from (seed, name), the same numbers on every layout
     for chunk in chunks:
@@ -137,8 +137,16 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
 
 
 def _shard_mesh(rt: Runtime):
-    """FSDP's mesh: dp_shard, or (HSDP) dp_replicate × dp_shard."""
-    return rt.mesh["dp_replicate", "dp_shard"] if rt.layout.dp_replicate > 1 else rt.mesh["dp_shard"]
+    """FSDP's mesh: dp_shard, or (HSDP) dp_replicate × dp_shard. When the workers (dp_replicate
+    groups) sync every sync_every steps (parallel/local_sgd.py), each worker shards on its own."""
+    hsdp = rt.layout.dp_replicate > 1 and not rt.layout.local_sync
+    return rt.mesh["dp_replicate", "dp_shard"] if hsdp else rt.mesh["dp_shard"]
+
+
+def _step_dp_axis(rt: Runtime) -> str:
+    """The mesh axis whose ranks reduce gradients every step: all data-parallel ranks, or, when
+    the workers sync every sync_every steps, the dp_shard ranks of one worker."""
+    return "dp_shard" if rt.layout.local_sync else "dp"
 
 
 def _engine(chunks: list[nn.Module], cfg: JobConfig, rt: Runtime, precision: Precision) -> DataParallel:
@@ -153,10 +161,12 @@ def _engine(chunks: list[nn.Module], cfg: JobConfig, rt: Runtime, precision: Pre
     if engine == "replicate":
         return ReplicateDataParallel(chunks)
     if engine == "ddp":
-        return DDPDataParallel(chunks, rt.group("dp"), bucket_mb, reduce_in_fp32=precision.param_dtype != torch.float32)
+        return DDPDataParallel(chunks, rt.group(_step_dp_axis(rt)), bucket_mb,
+                               reduce_in_fp32=precision.param_dtype != torch.float32)
     if engine not in ("zero1", "zero2"):  # never take a name we do not know for ZeRO
         raise unknown("data-parallel engine", engine, DP_ENGINES)
-    return ZeroDataParallelStrategy(chunks, rt.mesh, stage=lay.zero, dp_replicate=lay.dp_replicate, bucket_mb=bucket_mb,
+    return ZeroDataParallelStrategy(chunks, rt.mesh, stage=lay.zero, bucket_mb=bucket_mb,
+                                    dp_replicate=1 if lay.local_sync else lay.dp_replicate,
                                     master_dtype=torch.float32 if precision.master_weights else None)
 
 

@@ -557,8 +557,29 @@ def save_trainer(t) -> Path:
         "run_id": t.run_id,
         "lineage": t.lineage,
     }
+    if t.outer is not None:  # workers that sync every few steps (parallel/local_sgd.py)
+        state["outer"] = {**t.outer.state(), "dp_sync": t.layout.dp_sync, "workers": t.layout.dp_replicate}
     return save_checkpoint(t.ckpt_dir, t.step, t.checkpoint_tensors(), state,
                                 keep=t.cfg.checkpoint.keep)
+
+
+def check_sync(path: Path, state: dict, layout) -> None:
+    """Refuse a checkpoint saved under another parallel.dp_sync, or (local_sgd, diloco) by
+    another number of workers: each worker's own weights and optimizer state are in it."""
+    saved = (state["config"].get("parallel") or {}).get("dp_sync", "step")
+    if saved != layout.dp_sync:
+        raise CheckpointError(f"{path} was trained with parallel.dp_sync={saved}; resuming it with "
+                              f"dp_sync={layout.dp_sync} would not continue the same run; resume with "
+                              f"parallel.dp_sync={saved}, or start a new run (model.init_from takes its weights)")
+    if layout.local_sync:
+        outer = state.get("outer")
+        if not isinstance(outer, dict) or not isinstance(outer.get("workers"), int):
+            raise CheckpointError(f"{path}: trainer.json has no state of the workers' sync; the checkpoint is damaged")
+        if outer["workers"] != layout.dp_replicate:
+            raise CheckpointError(
+                f"{path} holds the weights and inner optimizer state of {outer['workers']} workers "
+                f"(dp_sync={saved}); resuming needs {outer['workers']} workers, not {layout.dp_replicate}: set "
+                f"parallel.dp_replicate={outer['workers']} (with as many ranks as that takes)")
 
 
 def resume_trainer(t, path: Path) -> dict:
@@ -566,6 +587,9 @@ def resume_trainer(t, path: Path) -> dict:
     and batch; returns the checkpoint's trainer state."""
     state = read_trainer_state(path)
     t.folder.check_resumable(path, state, global_batch=t.layout.global_batch, data=t.data)
+    check_sync(path, state, t.layout)
+    if t.outer is not None:
+        t.outer.prepare_load(state["outer"])
     init_optimizer_state(t.optimizer)
     # resume=auto verified the files while choosing this checkpoint; a given path is verified here
     load_tensors(path, t.checkpoint_tensors(), verify=t.cfg.checkpoint.resume != "auto")
@@ -573,6 +597,8 @@ def resume_trainer(t, path: Path) -> dict:
     t._weights_from_state()
     if t.scaler is not None and state.get("scaler"):
         t.scaler.load_state_dict(state["scaler"])
+    if t.outer is not None:
+        t.outer.load_state(state["outer"])
     t.step = int(state["step"])
     t.skipped_steps = int(state.get("skipped_steps", 0))
     t.early_loss = state.get("early_loss")

@@ -201,6 +201,34 @@ class Trainer:
         self.schedule = LRSchedule(cfg.optim, cfg.train.steps)
         self.scaler = self.precision.scaler
         self.state_bytes: dict[str, int] | None = None  # measured during the first step
+        self.outer = self._outer_sync()
+
+    def _outer_sync(self):
+        """parallel.dp_sync = local_sgd or diloco: the workers' periodic sync (parallel/local_sgd.py)."""
+        lay, par = self.layout, self.cfg.parallel
+        if not lay.local_sync:
+            return None
+        from scaletrain.parallel.local_sgd import OuterSync, ReplicaAverage
+        from scaletrain.parallel.parallelize import find_blocks
+
+        if self._user_model is None:
+            n_blocks = self.cfg.model.n_layers
+        else:
+            blocks = find_blocks(self._user_model)
+            n_blocks = len(blocks) if blocks is not None else 1
+        if lay.sync_fragments > n_blocks:
+            raise ConfigError(f"parallel.sync_fragments={lay.sync_fragments} splits the model's blocks into "
+                              f"fragments, but it has {n_blocks}; use at most {n_blocks} fragments")
+        comm = ReplicaAverage.for_mesh(self.rt.mesh, lay.sync_dtype, background=lay.sync_delay > 0)
+        return OuterSync(self.optim_params, mode=lay.dp_sync, sync_every=lay.sync_every,
+                         fragments=lay.sync_fragments, delay=lay.sync_delay, outer_optimizer=par.outer_optimizer,
+                         outer_lr=par.outer_lr, outer_momentum=par.outer_momentum, on_cpu=par.outer_on_cpu,
+                         n_blocks=n_blocks, comm=comm)
+
+    @property
+    def worker(self) -> int:
+        """This rank's worker (its dp_replicate group) when the workers sync every few steps."""
+        return self.rt.axis("dp_replicate").get_local_rank() if self.rt.distributed else 0
 
     def _shared(self, value):
         """Rank 0's value of something every rank must agree on (e.g. a time-stamped folder)."""
@@ -217,7 +245,13 @@ class Trainer:
         # the weights the optimizer steps are the model's true state: fp32 masters in bf16-true,
         # the shards under ZeRO-1/2 (DCP writes each rank's shard and reshards on load)
         optim, _ = ckpt.optimizer_to_named(self.optimizer, self.param_names)
-        return {"model": dict(self.optim_params), "optim": optim}
+        if self.outer is None:
+            return {"model": dict(self.optim_params), "optim": optim}
+        # workers that sync every few steps: the model is the outer (synchronised) weights; each
+        # worker's own weights and inner optimizer state are kept under its index
+        shared, own = self.outer.tensors()
+        return {"model": self.outer.outer_weights(), "outer": shared,
+                "workers": {str(self.worker): {"model": dict(self.optim_params), "optim": optim, "outer": own}}}
 
     def _resume(self, path: Path) -> None:
         state = ckpt.resume_trainer(self, path)
@@ -248,6 +282,10 @@ class Trainer:
         """One optimizer step. Returns (loss, grad_norm, skipped, seconds spent waiting for data)."""
         loss, wait = self.forward_backward(batches)
         grad_norm, skipped = self.update()
+        if self.outer is not None:
+            self.health.enter("the workers' sync (parallel.dp_sync)")
+            if self.outer.after_step():
+                self._weights_from_state()
         return loss, grad_norm, skipped, wait
 
     def _loss_context(self):
@@ -370,7 +408,7 @@ class Trainer:
             set_lr(self.optimizer, self.lr * self.schedule(self.step))
             local_loss, grad_norm, skipped, wait = guarded(self.train_step, batches)
             self.step += 1
-            loss, stop = guarded(self._end_of_step, local_loss)
+            loss, grad_norm, stop = guarded(self._end_of_step, local_loss, grad_norm)
             self.health.watch_loss(self.step, loss, skipped)
             self.meter.stepped(wait)
             val_loss = None
@@ -416,18 +454,26 @@ class Trainer:
                 "stopped_by": stopped, "checkpoint": str(last_saved) if last_saved else None,
                 "run_dir": str(self.run_dir)}
 
-    def _end_of_step(self, local_loss: torch.Tensor) -> tuple[float, bool]:
-        """The global batch's loss, and whether a signal reached any rank (then every rank stops
-        after this same step): one small all-reduce for both."""
+    def _end_of_step(self, local_loss: torch.Tensor, grad_norm) -> tuple[float, object, bool]:
+        """The global batch's loss, the gradient norm, and whether a signal reached any rank (then
+        every rank stops after this same step): one small all-reduce for all. When the workers
+        sync every few steps, each has its own gradient norm: the one reported is their root mean
+        square."""
         flag = float(self._stop_signal or (1 if self._fault else 0))
         if not self.rt.distributed:
-            return float(local_loss), bool(flag)
+            return float(local_loss), grad_norm, bool(flag)
         self.health.enter("the end-of-step all-reduce of loss and stop flag")
-        t = torch.stack([torch.tensor(flag, device=self.device), local_loss.float().reshape(())])
+        parts = [torch.tensor(flag, device=self.device), local_loss.float().reshape(())]
+        if self.outer is not None:  # every rank of a worker holds its norm: each adds its share
+            ranks_per_worker = self.world_size // self.layout.dp_replicate
+            parts.append(torch.as_tensor(grad_norm, device=self.device).float().reshape(()) ** 2 / ranks_per_worker)
+        t = torch.stack(parts)
         dist.all_reduce(t)  # every rank's share of the loss; tensor-parallel ranks hold copies
         if t[0] > 0 and not self._fault:
             self._stop_signal = self._stop_signal or signal.SIGTERM
-        return float(t[1]) / self.layout.tp, bool(t[0] > 0)
+        if self.outer is not None:
+            grad_norm = (t[2] / self.layout.dp_replicate).sqrt()
+        return float(t[1]) / self.layout.tp, grad_norm, bool(t[0] > 0)
 
     # ---------------------------------------------------------------------------------------
     # the sample printed after training

@@ -1,0 +1,222 @@
+"""Local SGD and DiLoCo (parallel/local_sgd.py): the arithmetic in one process, then real
+workers (gloo on CPU): one sync per step trains exactly as DDP, the workers match their
+one-process simulation (verify's reference) over ZeRO-3 and tensor parallelism, streamed and
+delayed, and a run resumed from a checkpoint continues bitwise."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from scaletrain.errors import CheckpointError
+from scaletrain.layout import Layout
+from scaletrain.parallel.local_sgd import (CHUNK, OuterSync, SimulatedWorkers, fragments_of, reference_average,
+                                           segment_length)
+from scaletrain.train import checkpoint as ckpt
+
+from conftest import micro_cfg, micro_overrides, run_group
+
+# ------------------------------------------------------------------------------------------
+# One process: the average on the wire, the fragments, the outer step
+
+
+def test_the_average_over_workers_in_each_dtype():
+    g = torch.Generator().manual_seed(0)
+    buffers = [torch.randn(5 * CHUNK + 17, generator=g) * (w + 1) for w in range(3)]
+    mean = torch.stack(buffers).mean(0)
+    assert torch.allclose(reference_average(buffers, "fp32"), mean, rtol=0, atol=1e-6)
+    # bf16: each value rounded to 8 significant bits on the way there, the mean on the way back
+    bf16 = reference_average(buffers, "bf16")
+    assert ((bf16 - mean).abs() <= 2 ** -8 * (torch.stack(buffers).abs().mean(0) + mean.abs()) * 1.01).all()
+    # int8: at most half a step of each chunk's scale (max |x| / 127), twice (there and back)
+    int8 = reference_average(buffers, "int8")
+    bound = torch.stack(buffers).abs().max() / 127
+    assert (int8 - mean).abs().max() <= bound
+    assert (int8 - mean).abs().max() > 0  # it is quantized
+    assert reference_average([torch.zeros(10), torch.zeros(10)], "int8").abs().max() == 0
+    assert segment_length(5 * CHUNK + 17, 3) == 2 * CHUNK  # padded to whole chunks per worker
+
+
+def test_fragments_follow_the_blocks_and_sync_one_at_a_time():
+    names = ["tok_emb.weight", *[f"layers.{i}.attn.wq.weight" for i in range(8)], "norm.weight", "head.weight"]
+    assert fragments_of(names, 8, 4) == [0, 0, 0, 1, 1, 2, 2, 3, 3, 3, 3]
+    assert fragments_of(names, 8, 1) == [0] * 11
+    params = [(n, torch.nn.Parameter(torch.zeros(2))) for n in names]
+    sync = OuterSync(params, mode="diloco", sync_every=10, fragments=4, delay=1, n_blocks=8,
+                     comm=SimulatedWorkers(1, "fp32").member(0))
+    steps = {f: [s for s in range(1, 31) if f in sync.due(s)] for f in range(4)}
+    assert steps == {0: [2, 12, 22], 1: [5, 15, 25], 2: [7, 17, 27], 3: [10, 20, 30]}
+
+
+def _two_workers(mode: str, delay: int = 0, **outer):
+    """Two workers with one parameter each, synced every 2 steps through the simulation."""
+    shared = SimulatedWorkers(2, "fp32")
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
+    syncs = [OuterSync([("layers.0.w", p)], mode=mode, sync_every=2, fragments=1, delay=delay, n_blocks=1,
+                       comm=shared.member(w), **outer) for w, p in enumerate(params)]
+    return params, syncs
+
+
+def _step(params, syncs, moves):
+    with torch.no_grad():
+        for p, move in zip(params, moves):
+            p.add_(move)
+    for s in syncs:
+        s.begin()
+    return [s.finish() for s in syncs]
+
+
+def test_local_sgd_averages_the_weights_and_diloco_takes_a_nesterov_step():
+    params, syncs = _two_workers("local_sgd")
+    assert _step(params, syncs, [1.0, 3.0]) == [False, False]
+    assert _step(params, syncs, [1.0, 1.0]) == [True, True]
+    assert params[0].tolist() == params[1].tolist() == [3.0] * 3  # the mean of 2 and 4
+
+    params, syncs = _two_workers("diloco", outer_lr=0.7, outer_momentum=0.9)
+    _step(params, syncs, [0.0, 0.0])
+    _step(params, syncs, [-1.0, -3.0])  # pseudo-gradient: mean(1, 3) = 2
+    # buf = 2; update = 2 + 0.9 * 2 = 3.8; θ = 0 - 0.7 * 3.8
+    assert params[0][0].item() == pytest.approx(-2.66) and params[1][0].item() == pytest.approx(-2.66)
+    _step(params, syncs, [0.0, 0.0])
+    _step(params, syncs, [-1.0, -1.0])  # pseudo-gradient 1: buf = 0.9 * 2 + 1 = 2.8; update = 1 + 0.9 * 2.8
+    assert params[0][0].item() == pytest.approx(-2.66 - 0.7 * (1 + 0.9 * 2.8))
+
+
+def test_a_delayed_sync_keeps_what_the_worker_learnt_meanwhile():
+    params, syncs = _two_workers("local_sgd", delay=1)
+    _step(params, syncs, [1.0, 3.0])
+    assert _step(params, syncs, [0.0, 0.0]) == [False, False]  # started at step 2, applied at 3
+    assert _step(params, syncs, [10.0, 20.0]) == [True, True]
+    # outer = mean(1, 3) = 2, plus each worker's own step taken while the average travelled
+    assert params[0][0].item() == 12.0 and params[1][0].item() == 22.0
+
+
+# ------------------------------------------------------------------------------------------
+# Real workers
+
+STEPS = 10
+LINEAR = {"optim.name": "sgd", "train.grad_clip": 0.0, "optim.lr": 0.1}  # the inner optimizer is linear
+STREAMED = {"parallel.sync_every": 3, "parallel.sync_fragments": 2, "parallel.sync_delay": 1}
+MODEL = {"model.n_layers": 4, "model.tie_embeddings": False, "train.micro_batch": 2, "train.steps": STEPS}
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    """2 ranks, each a worker: DDP and one sync per step with linear inner steps; a streamed,
+    delayed, int8 DiLoCo run that saves at step 4 (a fragment in flight) and 8, and its resume."""
+    tmp = tmp_path_factory.mktemp("lsgd2")
+    one = {"parallel.dp_replicate": 2, "parallel.sync_every": 1}
+    jobs = {
+        "ddp": {**LINEAR},
+        "local_sgd-h1": {**LINEAR, **one, "parallel.dp_sync": "local_sgd"},
+        "diloco-h1": {**LINEAR, **one, "parallel.dp_sync": "diloco", "parallel.outer_optimizer": "sgd",
+                      "parallel.outer_lr": 1.0, "parallel.outer_momentum": 0.0},
+        "save": {"parallel.dp_replicate": 2, "parallel.dp_sync": "diloco", **STREAMED, "parallel.sync_dtype": "int8",
+                 "checkpoint.every": 4},
+    }
+    saved = tmp / "save" / "checkpoints" / "step_00000004"
+    jobs["resume"] = {**jobs["save"], "checkpoint.resume": str(saved), "checkpoint.every": 0}
+    code, results, err = run_group(2, [{"overrides": micro_overrides(tmp / name, **extra)}
+                                       for name, extra in jobs.items()], tmp)
+    assert code == 0, err
+    return {name: r for name, r in zip(jobs, results)}, saved
+
+
+@pytest.mark.multiproc
+def test_one_sync_per_step_trains_exactly_like_ddp(two_workers):
+    runs, _ = two_workers
+    ddp = [loss for _, loss in runs["ddp"]["losses"]]
+    for name in ("local_sgd-h1", "diloco-h1"):
+        losses = [loss for _, loss in runs[name]["losses"]]
+        assert len(losses) == STEPS
+        assert max(abs(a - b) / b for a, b in zip(losses, ddp)) < 1e-6, name
+
+
+@pytest.mark.multiproc
+def test_a_resumed_run_continues_bitwise_with_a_fragment_in_flight(two_workers):
+    runs, saved = two_workers
+    state = json.loads((saved / "trainer.json").read_text())
+    assert state["outer"] == {"steps": 4, "in_flight": [{"fragment": 0, "apply_at": 5}], "dp_sync": "diloco",
+                              "workers": 2}
+    whole = runs["save"]["history"]
+    resumed = runs["resume"]["history"]
+    assert [r["step"] for r in resumed] == list(range(5, STEPS + 1))
+    assert [(r["loss"], r["grad_norm"]) for r in resumed] == [(r["loss"], r["grad_norm"]) for r in whole[4:]]
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_of_workers_is_refused_elsewhere_in_one_line(two_workers, tmp_path):
+    _, saved = two_workers
+    state = ckpt.read_trainer_state(saved)
+    with pytest.raises(CheckpointError, match=r"holds the weights and inner optimizer state of 2 workers "
+                                              r"\(dp_sync=diloco\); resuming needs 2 workers, not 4: set "
+                                              r"parallel.dp_replicate=2"):
+        ckpt.check_sync(saved, state, Layout(dp_replicate=4, dp_sync="diloco"))
+    with pytest.raises(CheckpointError, match="was trained with parallel.dp_sync=diloco; resuming it with "
+                                              "dp_sync=step would not continue the same run"):
+        ckpt.check_sync(saved, state, Layout(dp_shard=2))
+    # one process refuses it before touching anything (the outer weights are the checkpoint's model)
+    from scaletrain.train.trainer import Trainer
+
+    with pytest.raises(CheckpointError, match="dp_sync=diloco"):
+        Trainer(micro_cfg(tmp_path, **{"checkpoint.resume": str(saved)}))
+
+
+@pytest.mark.multiproc
+def test_export_takes_the_outer_weights(two_workers, tmp_path):
+    from scaletrain.train.export import load_model_from_checkpoint
+
+    _, saved = two_workers
+    model = load_model_from_checkpoint(saved)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# the layouts of the issue (2 workers of 2 ranks: ZeRO-3 within each, or tensor parallel 2), with
+# local SGD and DiLoCo, streamed and delayed or not, and ZeRO-1 inside a worker
+FOUR = {
+    "zero3-local_sgd": {"parallel.dp_shard": 2, "parallel.zero": 3, "parallel.dp_sync": "local_sgd",
+                        "parallel.sync_every": 2},
+    "zero3-diloco-streamed": {"parallel.dp_shard": 2, "parallel.zero": 3, "parallel.dp_sync": "diloco", **STREAMED},
+    "zero3-local_sgd-streamed-bf16": {"parallel.dp_shard": 2, "parallel.zero": 3, "parallel.dp_sync": "local_sgd",
+                                      **STREAMED, "parallel.sync_dtype": "bf16"},
+    "zero3-diloco": {"parallel.dp_shard": 2, "parallel.zero": 3, "parallel.dp_sync": "diloco",
+                     "parallel.sync_every": 2},
+    "tp2-local_sgd": {"parallel.tp": 2, "parallel.dp_sync": "local_sgd", "parallel.sync_every": 2},
+    "tp2-diloco-streamed": {"parallel.tp": 2, "parallel.dp_sync": "diloco", **STREAMED},
+    "tp2-local_sgd-streamed": {"parallel.tp": 2, "parallel.dp_sync": "local_sgd", **STREAMED},
+    "tp2-diloco-int8": {"parallel.tp": 2, "parallel.dp_sync": "diloco", "parallel.sync_every": 2,
+                        "parallel.sync_dtype": "int8"},
+    "zero1-diloco-accum": {"parallel.dp_shard": 2, "parallel.zero": 1, "parallel.dp_sync": "diloco",
+                           "parallel.sync_every": 3, "train.micro_batch": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lsgd4")
+    jobs = [{"overrides": micro_overrides(tmp / name, **{**MODEL, "parallel.dp_replicate": 2, **extra})}
+            for name, extra in FOUR.items()]
+    code, results, err = run_group(4, jobs, tmp)
+    assert code == 0, err
+    return dict(zip(FOUR, results)), tmp
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(FOUR))
+def test_workers_match_their_simulation_in_one_process(four_ranks, name, tmp_path):
+    """What `scaletrain verify` compares: every step's loss and gradient norm of the workers
+    against the workers simulated in one process, within verify's tolerance."""
+    from scaletrain.verify import compare, isolated, simulate_workers, verdict
+
+    results, _ = four_ranks
+    cfg = micro_cfg(tmp_path, **{**MODEL, "parallel.dp_replicate": 2, **FOUR[name]})
+    layout = Layout.from_config(cfg, 4)
+    ref = simulate_workers(isolated(cfg, tmp_path / "ref", STEPS), layout, STEPS, tmp_path / "ref")
+    diffs = compare(results[name]["history"], ref)
+    ok, line = verdict(diffs, STEPS, "32-true", layout.sync_dtype)
+    assert ok, line
+    if layout.sync_dtype == "fp32":  # the same arithmetic, in another order at most
+        assert max(d.loss_rel for d in diffs) < 1e-6, line
