@@ -100,6 +100,7 @@ def test_a_delayed_sync_keeps_what_the_worker_learnt_meanwhile():
 STEPS = 10
 LINEAR = {"optim.name": "sgd", "train.grad_clip": 0.0, "optim.lr": 0.1}  # the inner optimizer is linear
 STREAMED = {"parallel.sync_every": 3, "parallel.sync_fragments": 2, "parallel.sync_delay": 1}
+RAMP = {"train.batch_rampup": "2,2,1000", "train.steps": 12}
 MODEL = {"model.n_layers": 4, "model.tie_embeddings": False, "train.micro_batch": 2, "train.steps": STEPS}
 
 
@@ -119,6 +120,8 @@ def two_workers(tmp_path_factory):
     }
     saved = tmp / "save" / "checkpoints" / "step_00000004"
     jobs["resume"] = {**jobs["save"], "checkpoint.resume": str(saved), "checkpoint.every": 0}
+    # a batch-size warm-up over 2 ranks of ZeRO-2 (micro-batches of 1 sequence; tests/test_batch_rampup.py)
+    jobs["ramp-zero2"] = {**RAMP, "parallel.zero": 2, "train.micro_batch": 1}
     code, results, err = run_group(2, [{"overrides": micro_overrides(tmp / name, **extra)}
                                        for name, extra in jobs.items()], tmp)
     assert code == 0, err
@@ -133,6 +136,17 @@ def test_one_sync_per_step_trains_exactly_like_ddp(two_workers):
         losses = [loss for _, loss in runs[name]["losses"]]
         assert len(losses) == STEPS
         assert max(abs(a - b) / b for a, b in zip(losses, ddp)) < 1e-6, name
+
+
+@pytest.mark.multiproc
+def test_a_batch_ramp_on_two_ranks_matches_one_process(two_workers, tmp_path):
+    from scaletrain.train.trainer import Trainer
+
+    runs, _ = two_workers
+    one = Trainer(micro_cfg(tmp_path, **RAMP, **{"train.micro_batch": 2})).fit()["history"]
+    rows = runs["ramp-zero2"]["history"]
+    assert [r["global_batch"] for r in rows] == [r["global_batch"] for r in one] == [2] * 6 + [4] * 3 + [6] * 2 + [8]
+    assert max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(rows, one)) < 1e-5
 
 
 @pytest.mark.multiproc
@@ -189,6 +203,8 @@ FOUR = {
     "tp2-local_sgd-streamed": {"parallel.tp": 2, "parallel.dp_sync": "local_sgd", **STREAMED},
     "tp2-diloco-int8": {"parallel.tp": 2, "parallel.dp_sync": "diloco", "parallel.sync_every": 2,
                         "parallel.sync_dtype": "int8"},
+    "pp2-diloco-checkpointed": {"parallel.pp": 2, "parallel.dp_sync": "diloco", "parallel.sync_every": 2,
+                                "memory.activation_checkpointing": "full", "train.micro_batch": 1},
     "zero1-diloco-accum": {"parallel.dp_shard": 2, "parallel.zero": 1, "parallel.dp_sync": "diloco",
                            "parallel.sync_every": 3, "train.micro_batch": 1},
 }

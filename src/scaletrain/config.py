@@ -42,6 +42,10 @@ class TrainConfig:
     global_batch: int = option(0, "sequences per optimizer step over all ranks; 0 = derive", min=0)
     micro_batch: int = option(0, "sequences per forward pass on one rank; 0 = derive (32 if nothing is given)", min=0)
     grad_accum: int = option(0, "micro-batches accumulated per step; 0 = derive", min=0)
+    batch_rampup: str = option("", "batch-size warm-up: \"START,INCREMENT,TOKENS\" grows the global batch from START "
+                                   "sequences by INCREMENT each time another 1/n of TOKENS tokens is seen, up to "
+                                   "global_batch (by more accumulation micro-batches; the lr schedule follows the "
+                                   "tokens); empty = the full batch from the first step")
     seed: int = option(1234, "seeds weights (by parameter name) and data order (by step)", min=0, max=2**63 - 1)
     device: str = option("auto", "where to train: auto = cuda if available, else cpu", choices=("auto", "cpu", "cuda"))
     compile: bool = option(False, "torch.compile each transformer block")
@@ -352,6 +356,13 @@ def check_combinations(cfg: JobConfig) -> list[str]:
     if cfg.precision.mode == "16-mixed" and cfg.precision.min_scale > cfg.precision.init_scale:
         errors.append(f"precision.min_scale={cfg.precision.min_scale} is above precision.init_scale="
                       f"{cfg.precision.init_scale}")
+    if cfg.train.batch_rampup:
+        from scaletrain.layout import parse_rampup
+
+        try:
+            parse_rampup(cfg.train.batch_rampup)
+        except ValueError as e:
+            errors.append(str(e))
     par = cfg.parallel
     if par.dp_sync != "step" and par.sync_fragments > par.sync_every:
         errors.append(f"parallel.sync_fragments={par.sync_fragments} must be at most sync_every={par.sync_every}: "

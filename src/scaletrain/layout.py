@@ -65,6 +65,7 @@ class Layout:
     sync_fragments: int = 1
     sync_delay: int = 0
     sync_dtype: str = "fp32"
+    batch_rampup: str = ""  # "START,INCREMENT,TOKENS": the global batch grows to global_batch (BatchSchedule)
 
     # ---- from a config ------------------------------------------------------------------------
 
@@ -100,7 +101,8 @@ class Layout:
                    micro_batch=micro, grad_accum=accum,
                    activation_checkpointing=cfg.memory.activation_checkpointing,
                    offload_optimizer=cfg.memory.offload_optimizer, dp_sync=par.dp_sync, sync_every=par.sync_every,
-                   sync_fragments=par.sync_fragments, sync_delay=par.sync_delay, sync_dtype=par.sync_dtype)
+                   sync_fragments=par.sync_fragments, sync_delay=par.sync_delay, sync_dtype=par.sync_dtype,
+                   batch_rampup=train.batch_rampup)
 
     # ---- sizes --------------------------------------------------------------------------------
 
@@ -176,6 +178,8 @@ class Layout:
             e.append(f"parallel.dp_sync={self.dp_sync} syncs the workers, which are the dp_replicate groups, every "
                      f"sync_every steps; with parallel.dp_replicate=1 there is one worker; set parallel.dp_replicate "
                      f"to the number of workers (2 or more), or dp_sync=step")
+        if self.batch_rampup:
+            e += self._rampup_errors()
         if self.cp > 1 and engine == "scaletrain":
             e.append(f"context parallelism (cp {self.cp}) is planned for other engines (--engine megatron); "
                      "scaletrain's trainer has none")
@@ -200,6 +204,34 @@ class Layout:
         if problems:
             raise ConfigError(*problems)
         return self
+
+    def _rampup_errors(self) -> list[str]:
+        try:
+            start, inc, tokens = parse_rampup(self.batch_rampup)
+        except ValueError as e:
+            return [str(e)]
+        e, unit, g = [], self.micro_batch * self.dp, self.global_batch
+        if self.pp > 1:
+            e.append("train.batch_rampup grows the batch by accumulation micro-batches, but a pipeline schedule runs "
+                     "a fixed number of them (parallel.pp > 1); ramp the batch without pipelining")
+        if start >= g:
+            e.append(f"train.batch_rampup starts at {start} sequences, not below train.global_batch={g}; start lower, "
+                     "or drop the ramp")
+        elif start % unit or inc % unit:
+            e.append(f"train.batch_rampup={self.batch_rampup!r}: the start ({start}) and the increment ({inc}) must be "
+                     f"multiples of micro_batch × data-parallel size = {self.micro_batch} × {self.dp} = {unit} (the "
+                     "batch grows by whole micro-batches on every rank)")
+        elif (g - start) % inc:
+            e.append(f"train.batch_rampup={self.batch_rampup!r}: global_batch - start = {g - start} is not a multiple of "
+                     f"the increment {inc}; choose an increment that divides it")
+        return e
+
+    def batch_schedule(self, seq_len: int) -> "BatchSchedule":
+        """The global batch of every step (constant without train.batch_rampup)."""
+        if not self.batch_rampup:
+            return BatchSchedule(self.global_batch, seq_len, self.micro_batch * self.dp)
+        start, inc, tokens = parse_rampup(self.batch_rampup)
+        return BatchSchedule(self.global_batch, seq_len, self.micro_batch * self.dp, start, inc, tokens)
 
     def _schedule_errors(self, n_layers: int | None) -> list[str]:
         e, schedule, virtual, pp, m = [], self.pp_schedule, self.pp_virtual_stages, self.pp, self.grad_accum
@@ -312,6 +344,8 @@ class Layout:
             out.update({"parallel.pp_schedule": self.pp_schedule, "parallel.pp_virtual_stages": self.pp_virtual_stages})
             if self.pp_split:
                 out["parallel.pp_split"] = self.pp_split
+        if self.batch_rampup:
+            out["train.batch_rampup"] = self.batch_rampup
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -329,6 +363,86 @@ class Layout:
 
         mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_AXES)
         return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+
+RAMPUP_FORMAT = "START,INCREMENT,TOKENS (sequences, sequences, tokens), e.g. \"8,8,1000000\""
+
+
+def parse_rampup(text: str) -> tuple[int, int, int]:
+    """train.batch_rampup's (start, increment, tokens); ValueError naming the option otherwise."""
+    parts = [p.strip().replace("_", "") for p in text.split(",")]
+    try:
+        start, inc, tokens = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"train.batch_rampup={text!r} is not {RAMPUP_FORMAT}") from None
+    if start < 1 or inc < 1 or tokens < 1:
+        raise ValueError(f"train.batch_rampup={text!r}: start, increment and tokens must be at least 1; "
+                         f"give {RAMPUP_FORMAT}")
+    return start, inc, tokens
+
+
+class BatchSchedule:
+    """The global batch of each step, growing as GPT-3 and Megatron's rampup-batch-size grow it:
+    from `start` sequences by `increment` each time the tokens seen pass another 1/n of
+    `tokens` (n = (global_batch - start) / increment increments), up to global_batch. A step's
+    batch depends on the tokens seen before it, hence on the step alone. Without a ramp every
+    step has global_batch sequences.
+
+    The batch grows by accumulation micro-batches (`unit` = micro_batch × data-parallel ranks
+    sequences each), never by a larger micro-batch."""
+
+    def __init__(self, global_batch: int, seq_len: int, unit: int, start: int | None = None, increment: int = 0,
+                 tokens: int = 0):
+        self.global_batch, self.seq_len, self.unit = global_batch, seq_len, unit
+        # phases: (first step, batch, sequences seen before that step)
+        self.phases: list[tuple[int, int, int]] = [(0, global_batch, 0)]
+        if start is None or start >= global_batch:
+            return
+        n = (global_batch - start) // increment
+        self.phases, step, seen = [], 0, 0
+        while True:
+            # the increments passed: floor(tokens seen / (tokens / n)), in integers
+            k = min(n, seen * seq_len * n // tokens)
+            batch = start + k * increment
+            self.phases.append((step, batch, seen))
+            if k == n:
+                break
+            need = (k + 1) * tokens - seen * seq_len * n  # > 0: tokens × n still to see before increment k + 1
+            steps = -(-need // (batch * seq_len * n))
+            step, seen = step + steps, seen + steps * batch
+
+    @property
+    def ramps(self) -> bool:
+        return len(self.phases) > 1
+
+    def _phase(self, step: int) -> tuple[int, int, int]:
+        for phase in reversed(self.phases):
+            if phase[0] <= step:
+                return phase
+        raise ValueError(f"step {step} is negative")
+
+    def batch(self, step: int) -> int:
+        """Sequences of step `step` (0-based), over all ranks."""
+        return self._phase(step)[1]
+
+    def accum(self, step: int) -> int:
+        """Micro-batches each rank accumulates at step `step`."""
+        return self.batch(step) // self.unit
+
+    def seen(self, step: int) -> int:
+        """Sequences seen before step `step`."""
+        first, batch, seen = self._phase(step)
+        return seen + (step - first) * batch
+
+    def equivalent_steps(self, step: int) -> float:
+        """Steps of the full batch that see as many tokens as the steps before `step`: where the
+        learning-rate schedule stands (exactly `step` without a ramp)."""
+        return self.seen(step) / self.global_batch if self.ramps else step
+
+    def describe(self) -> str:
+        if not self.ramps:
+            return f"batch {self.global_batch}"
+        return ", ".join(f"{b} from step {s + 1}" for s, b, _ in self.phases)
 
 
 def resolve_batch(global_batch: int, micro_batch: int, grad_accum: int, dp: int,

@@ -256,7 +256,7 @@ def _trainer(cfg: JobConfig, runtime, total_steps: int):
     from scaletrain.train.trainer import Trainer
 
     trainer = Trainer(cfg, runtime, stream=open(os.devnull, "w"))
-    trainer.schedule = LRSchedule(cfg.optim, total_steps)
+    trainer.schedule = LRSchedule(cfg.optim, trainer.batch_schedule.equivalent_steps(total_steps))
     return trainer
 
 

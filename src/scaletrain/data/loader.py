@@ -6,6 +6,11 @@ batch is split as [grad_accum][dp_size][micro_batch]: on micro-step k, data-para
 reads slice (k * dp_size + r). The union over ranks and micro-steps is exactly the global batch
 of a single-process run, whatever the layout, and resuming at step s needs nothing but s.
 
+With a batch-size warm-up (train.batch_rampup, scaletrain.layout.BatchSchedule) step s takes the
+batch(s) windows that follow the seen(s) windows read before it, in the same stream of epochs
+(each epoch's permutation, cut to a whole number of full batches): still a function of
+(seed, step), and without a ramp the same windows as above.
+
 Validation windows are fixed for the run: a permutation seeded by (seed, "validation") picks
 `batches` global batches of them once, split over ranks exactly like a training step's.
 """
@@ -25,7 +30,8 @@ class StepSampler(torch.utils.data.Sampler):
     """Yields this rank's micro-batches (lists of window indices), step after step, forever."""
 
     def __init__(self, num_windows: int, global_batch: int, micro_batch: int, grad_accum: int,
-                 dp_rank: int, dp_size: int, seed: int, start_step: int = 0):
+                 dp_rank: int, dp_size: int, seed: int, start_step: int = 0, schedule=None):
+        """`schedule`: a scaletrain.layout.BatchSchedule when the batch grows (train.batch_rampup)."""
         if global_batch != micro_batch * grad_accum * dp_size:
             raise ValueError("global_batch must equal micro_batch * grad_accum * dp_size")
         if not 0 <= dp_rank < dp_size:
@@ -42,19 +48,36 @@ class StepSampler(torch.utils.data.Sampler):
         self.seed = seed
         self.start_step = start_step
         self.steps_per_epoch = num_windows // global_batch  # the remainder of an epoch is skipped
+        self.schedule = schedule if schedule is not None and schedule.ramps else None
         self._epoch, self._perm = -1, None
 
-    def global_batch_indices(self, step: int) -> np.ndarray:
-        """The window indices of step `step` over all ranks, in [accum][dp][micro] order."""
-        epoch, within = divmod(step, self.steps_per_epoch)
+    def _epoch_perm(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
             self._epoch = epoch
             self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
-        return self._perm[within * self.global_batch:(within + 1) * self.global_batch]
+        return self._perm
+
+    def global_batch_indices(self, step: int) -> np.ndarray:
+        """The window indices of step `step` over all ranks, in [accum][dp][micro] order."""
+        if self.schedule is not None:
+            return self._stream(self.schedule.seen(step), self.schedule.batch(step))
+        epoch, within = divmod(step, self.steps_per_epoch)
+        return self._epoch_perm(epoch)[within * self.global_batch:(within + 1) * self.global_batch]
+
+    def _stream(self, start: int, count: int) -> np.ndarray:
+        """Windows start .. start + count of the stream of epochs (each cut to whole full batches)."""
+        per_epoch = self.steps_per_epoch * self.global_batch
+        out = []
+        while count:
+            epoch, within = divmod(start, per_epoch)
+            take = min(count, per_epoch - within)
+            out.append(self._epoch_perm(epoch)[within:within + take])
+            start, count = start + take, count - take
+        return np.concatenate(out)
 
     def rank_micro_batches(self, step: int) -> list[list[int]]:
-        return rank_slices(self.global_batch_indices(step), self.micro_batch, self.grad_accum, self.dp_rank,
-                           self.dp_size)
+        accum = self.schedule.accum(step) if self.schedule is not None else self.grad_accum
+        return rank_slices(self.global_batch_indices(step), self.micro_batch, accum, self.dp_rank, self.dp_size)
 
     def __iter__(self) -> Iterator[list[int]]:
         step = self.start_step

@@ -165,14 +165,14 @@ class ReplicaAverage:
             if background_group is not None else None
 
     @classmethod
-    def for_mesh(cls, mesh, dtype: str, background: bool) -> "ReplicaAverage":
+    def for_mesh(cls, mesh, dtype: str, background: bool, timeout=None) -> "ReplicaAverage":
         """Over the dp_replicate axis of the 4-D mesh (pp, dp_replicate, dp_shard, tp)."""
         workers = mesh["dp_replicate"].size()
         extra = None
         if background:  # every rank creates every replica group, in the same order
             names = list(mesh.mesh_dim_names)
             ranks = mesh.mesh.movedim(names.index("dp_replicate"), -1).reshape(-1, workers).tolist()
-            extra, _ = dist.new_subgroups_by_enumeration(ranks)
+            extra, _ = dist.new_subgroups_by_enumeration(ranks, timeout=timeout)
         return cls(mesh["dp_replicate"].get_group(), workers, dtype, extra)
 
     def start(self, flat: torch.Tensor) -> Handle:

@@ -166,12 +166,14 @@ class StepMeter:
         self.new_window()
 
     def new_window(self) -> None:
-        self.t0, self.wait, self.steps = time.perf_counter(), 0.0, 0
+        self.t0, self.wait, self.steps, self.tokens = time.perf_counter(), 0.0, 0, 0
 
-    def stepped(self, wait: float) -> None:
-        """One more step in the window, `wait` seconds of it spent waiting for data."""
+    def stepped(self, wait: float, tokens: int | None = None) -> None:
+        """One more step in the window (of `tokens` tokens, or tokens_per_step), `wait` seconds of
+        it spent waiting for data."""
         self.wait += wait
         self.steps += 1
+        self.tokens += self.tokens_per_step if tokens is None else tokens
 
     @contextlib.contextmanager
     def paused(self):
@@ -189,7 +191,7 @@ class StepMeter:
             t = torch.tensor([peak], device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             peak = int(t.item())
-        tokens_per_s = self.tokens_per_step * self.steps / elapsed
+        tokens_per_s = self.tokens / elapsed
         achieved = self.flops_per_token * tokens_per_s / self.world_size  # model FLOP/s per device
         if self.device.type == "cpu" and achieved > self.peak_flops:  # the probe missed the true peak: raise it
             from scaletrain.hardware import raise_cpu_peak
@@ -235,6 +237,17 @@ def announce(t) -> None:
     say(f"data: {t.data.source}, {t.data.num_tokens:,} tokens, {len(t.dataset):,} windows of "
         f"{cfg.data.seq_len}; batch {b.global_batch} = micro {b.micro_batch} x accum {b.grad_accum} "
         f"x dp {b.dp}; run folder {t.run_dir}")
+    if t.batch_schedule.ramps:
+        say(f"batch-size warm-up (train.batch_rampup={cfg.train.batch_rampup}): {t.batch_schedule.describe()}; "
+            "more accumulation micro-batches, the learning rate at the tokens seen")
+    if b.local_sync:
+        par = cfg.parallel
+        outer = (f"outer {par.outer_optimizer} lr {par.outer_lr:g} momentum {par.outer_momentum:g}"
+                 if b.dp_sync == "diloco" else "the workers' weights averaged")
+        say(f"workers: {b.dp_replicate} ({b.describe_sync()}; {outer}), each reading its "
+            f"{b.global_batch // b.dp_replicate} sequences of every step's {b.global_batch}; gradients reduced "
+            f"every step over the {b.dp_shard} rank(s) of a worker; loss and tokens/s are the global batch's, "
+            f"grad norm the root mean square of the workers'")
     if t.val_batches is not None:
         n, data = len(t.val_batches), t.val_dataset.data
         say(f"validation: {data.source}, {data.num_tokens:,} tokens; {n} batch(es) = "

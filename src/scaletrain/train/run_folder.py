@@ -192,6 +192,11 @@ class RunFolder:
                 f"{path} was trained with global batch {saved['global_batch']} and seed "
                 f"{saved['seed']}; resuming with {global_batch} and {cfg.train.seed} "
                 "would change the data order; keep train.global_batch and train.seed")
+        ramp = state["config"].get("train", {}).get("batch_rampup", "")
+        if ramp != cfg.train.batch_rampup:
+            raise CheckpointError(f"{path} was trained with train.batch_rampup={ramp!r}; resuming with "
+                                  f"{cfg.train.batch_rampup!r} would change the batches and the data order; keep "
+                                  "train.batch_rampup")
         if saved.get("seq_len", cfg.data.seq_len) != cfg.data.seq_len:
             raise CheckpointError(f"{path} was trained with data.seq_len={saved['seq_len']}; resuming with "
                                   f"data.seq_len={cfg.data.seq_len} would cut the data into other windows and "

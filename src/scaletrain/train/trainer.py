@@ -20,6 +20,7 @@ import contextlib
 import math
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -143,7 +144,8 @@ class Trainer:
                             f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size to at least "
                             f"{self.data.vocab_size}")
         self.dataset = WindowDataset(self.data, cfg.data.seq_len)
-        self.tokens_per_step = self.layout.global_batch * cfg.data.seq_len
+        self.tokens_per_step = self.layout.global_batch * cfg.data.seq_len  # of the full batch
+        self.batch_schedule = self.layout.batch_schedule(cfg.data.seq_len)  # train.batch_rampup, if any
         self.val_dataset, self.val_batches = validation_set(cfg, self.layout.global_batch)
 
     def _build_model(self, resume_from: Path | None) -> None:
@@ -198,7 +200,8 @@ class Trainer:
         self.param_names = {id(p): n for n, p in self.optim_params}
         self.lr = peak_lr(cfg.optim, self.layout.global_batch)
         self.optimizer = build_optimizer(cfg.optim, self.optim_params, self.lr, self.device)
-        self.schedule = LRSchedule(cfg.optim, cfg.train.steps)
+        # the schedule runs over full-batch steps: a batch-size warm-up moves it by the tokens seen
+        self.schedule = LRSchedule(cfg.optim, self.batch_schedule.equivalent_steps(cfg.train.steps))
         self.scaler = self.precision.scaler
         self.state_bytes: dict[str, int] | None = None  # measured during the first step
         self.outer = self._outer_sync()
@@ -219,7 +222,8 @@ class Trainer:
         if lay.sync_fragments > n_blocks:
             raise ConfigError(f"parallel.sync_fragments={lay.sync_fragments} splits the model's blocks into "
                               f"fragments, but it has {n_blocks}; use at most {n_blocks} fragments")
-        comm = ReplicaAverage.for_mesh(self.rt.mesh, lay.sync_dtype, background=lay.sync_delay > 0)
+        comm = ReplicaAverage.for_mesh(self.rt.mesh, lay.sync_dtype, background=lay.sync_delay > 0,
+                                       timeout=timedelta(seconds=par.timeout_s))
         return OuterSync(self.optim_params, mode=lay.dp_sync, sync_every=lay.sync_every,
                          fragments=lay.sync_fragments, delay=lay.sync_delay, outer_optimizer=par.outer_optimizer,
                          outer_lr=par.outer_lr, outer_momentum=par.outer_momentum, on_cpu=par.outer_on_cpu,
@@ -270,7 +274,8 @@ class Trainer:
     def _loader(self):
         b = self.layout
         sampler = StepSampler(len(self.dataset), b.global_batch, b.micro_batch, b.grad_accum,
-                              dp_rank=self.dp_rank, dp_size=b.dp, seed=self.cfg.train.seed, start_step=self.step)
+                              dp_rank=self.dp_rank, dp_size=b.dp, seed=self.cfg.train.seed, start_step=self.step,
+                              schedule=self.batch_schedule)
         return build_loader(self.dataset, sampler, num_workers=self.cfg.data.num_workers,
                             pin_memory=self.cfg.data.pin_memory and self.device.type == "cuda",
                             prefetch_factor=self.cfg.data.prefetch_factor)
@@ -304,8 +309,20 @@ class Trainer:
         # when unscaling instead: backward then sees the loss scale times each token's share,
         # exactly as one process does, so it overflows on the same steps on every layout.
         if self.scaler:
-            return self.scaler.scale / self.tokens_per_step
-        return self.layout.dp / self.tokens_per_step
+            return self.scaler.scale / self.step_tokens()
+        return self.layout.dp / self.step_tokens()
+
+    def step_tokens(self, step: int | None = None) -> int:
+        """Tokens of a step's global batch (this step's by default): fewer during a batch-size warm-up."""
+        return self.batch_schedule.batch(self.step if step is None else step) * self.cfg.data.seq_len
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step `step` (0-based): the schedule at the full-batch steps seen, the
+        linear scaling rule (optim.scale_lr_with_batch) at the step's batch."""
+        if not self.batch_schedule.ramps:
+            return self.lr * self.schedule(step)
+        peak = peak_lr(self.cfg.optim, self.batch_schedule.batch(step))
+        return peak * self.schedule(self.batch_schedule.equivalent_steps(step))
 
     def forward_backward(self, batches) -> tuple[torch.Tensor, float]:
         """Accumulate this step's gradients over its micro-batches; returns (loss, data wait).
@@ -316,11 +333,12 @@ class Trainer:
             loss_sum, wait = pipeline.forward_backward(
                 self.pm, self.pipeline, batches, self.layout.grad_accum, device=self.device,
                 autocast=self.precision.autocast, loss_context=self._loss_context)
-            return loss_sum / self._loss_factor() / self.tokens_per_step, wait
+            return loss_sum / self._loss_factor() / self.step_tokens(), wait
         wait = 0.0
         loss_sum = torch.zeros((), device=self.device)
-        last = self.layout.grad_accum - 1
-        for k in range(self.layout.grad_accum):
+        accum = self.batch_schedule.accum(self.step)  # grad_accum, or fewer during a batch-size warm-up
+        last = accum - 1
+        for k in range(accum):
             t0 = time.perf_counter()
             inputs, targets = next(batches)
             wait += time.perf_counter() - t0
@@ -333,7 +351,7 @@ class Trainer:
                 loss.backward()
             loss_sum += _plain(loss.detach())
         self.dp.finish_gradients()
-        return loss_sum / self._loss_factor() / self.tokens_per_step, wait
+        return loss_sum / self._loss_factor() / self.step_tokens(), wait
 
     def evaluate(self) -> float:
         """The mean token loss over the run's fixed validation windows (see train.evaluate)."""
@@ -405,12 +423,12 @@ class Trainer:
         first_step = self.step
         while self.step < cfg.train.steps:
             self.health.begin_step(self.step + 1)
-            set_lr(self.optimizer, self.lr * self.schedule(self.step))
+            set_lr(self.optimizer, self.lr_at(self.step))
             local_loss, grad_norm, skipped, wait = guarded(self.train_step, batches)
             self.step += 1
             loss, grad_norm, stop = guarded(self._end_of_step, local_loss, grad_norm)
             self.health.watch_loss(self.step, loss, skipped)
-            self.meter.stepped(wait)
+            self.meter.stepped(wait, self.step_tokens(self.step - 1))
             val_loss = None
             if self.val_batches is not None and not stop and \
                     (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps):
@@ -430,6 +448,7 @@ class Trainer:
         """Log the metrics of the steps since the last row, and start the next; returns the row's loss."""
         row = self.health.guarded(self.meter.row, self.step, loss, grad_norm, get_lr(self.optimizer),
                                   self.skipped_steps, self.scaler.scale if self.scaler else None)
+        row["global_batch"] = self.batch_schedule.batch(self.step - 1)  # of the logged step
         if val_loss is not None:
             row.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
         self.health.log_row(row, self.step, self.run_dir / "metrics.jsonl")

@@ -1,0 +1,102 @@
+"""What syncing every H steps costs in quality: validation loss of DDP, local SGD and DiLoCo.
+
+The demo model (configs/tiny.toml) on N workers of one rank each (`parallel.dp_replicate = N`),
+every run on the same tokens (the same global batch, steps, seed, data order and inner
+optimizer): DDP (gradients every step), local SGD (weights averaged every H steps) and DiLoCo
+(outer Nesterov SGD, lr 0.7, momentum 0.9) at each H, with fp32 and int8 pseudo-gradients,
+whole or streamed (F fragments, each all-reduced in the background for τ steps). The
+validation loss is measured at the end on the demo's held-out text (every worker on its share
+of the validation windows with its own weights: after a sync of every fragment they are the same).
+All runs go through one group of processes; each row is printed as it finishes.
+
+    python benchmarks/local_sgd_quality.py [--nproc 4] [--steps 300] [--sync-every 10 50 100] [--section.key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def rows(sync_every: list[int], fragments: int, delay: int) -> list[tuple[str, dict]]:
+    out = [("DDP", {"parallel.dp_sync": "step"})]
+    for h in sync_every:
+        out.append((f"local_sgd H{h}", {"parallel.dp_sync": "local_sgd", "parallel.sync_every": h}))
+    streamed = {"parallel.sync_fragments": fragments, "parallel.sync_delay": delay}
+    for h in sync_every:
+        for dtype in ("fp32", "int8"):
+            for name, extra in (("", {}), (f" F{fragments} d{delay}", streamed)):
+                out.append((f"diloco H{h} {dtype}{name}", {"parallel.dp_sync": "diloco", "parallel.sync_every": h,
+                                                           "parallel.sync_dtype": dtype, **extra}))
+    return out
+
+
+def rank_main(*argv: str) -> int:
+    """One rank: every row in turn (the `local_sgd_quality:rank_main` task of scaletrain.worker)."""
+    import torch.distributed as dist
+
+    from scaletrain.config import load_config
+    from scaletrain.runtime import init_worker
+    from scaletrain.train.trainer import Trainer
+
+    args, extra = _parser().parse_known_args(argv)
+    out = Path(args.out)
+    for name, overrides in rows(args.sync_every, args.fragments, args.delay):
+        run_dir = Path(args.out).parent / name.replace(" ", "_")
+        cfg = load_config(args.config, [*extra, f"--parallel.dp_replicate={args.nproc}", f"--train.steps={args.steps}",
+                                        f"--train.eval_every={args.steps}", f"--log.run_dir={run_dir}",
+                                        "--log.tensorboard=false", "--log.progress=off", "--train.sample_tokens=0",
+                                        "--checkpoint.save_final=false", *[f"--{k}={v}" for k, v in overrides.items()]])
+        rt = init_worker(cfg)
+        t0 = time.perf_counter()
+        result = Trainer(cfg, rt, stream=open(os.devnull, "w")).fit()
+        if rt.rank == 0:
+            last = result["history"][-1]
+            row = {"name": name, "val_loss": last["val_loss"], "loss": last["loss"], "seconds": time.perf_counter() - t0}
+            with out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        dist.barrier()
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/tiny.toml")
+    ap.add_argument("--nproc", type=int, default=4, help="workers (one rank each)")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--sync-every", type=int, nargs="+", default=[10, 50, 100])
+    ap.add_argument("--fragments", type=int, default=4, help="fragments of the streamed rows")
+    ap.add_argument("--delay", type=int, default=2, help="sync_delay of the streamed rows")
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv=None) -> None:
+    args, extra = _parser().parse_known_args(argv)
+    from scaletrain.launcher import launch
+
+    out = Path(tempfile.mkdtemp(prefix="lsgd-quality-")) / "rows.jsonl"
+    forwarded = [f"--config={args.config}", f"--nproc={args.nproc}", f"--steps={args.steps}",
+                 f"--fragments={args.fragments}", f"--delay={args.delay}", f"--out={out}",
+                 "--sync-every", *map(str, args.sync_every), *extra]
+    code = launch("local_sgd_quality:rank_main", forwarded, nproc=args.nproc,
+                  pythonpath=(str(Path(__file__).resolve().parent),))
+    if code:
+        sys.exit(code)
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    ddp = results[0]["val_loss"]
+    print(f"config {args.config}, {args.nproc} workers of 1 rank, {args.steps} steps, the same tokens in every row")
+    print(f"{'run':<26}{'val loss':>10}{'vs DDP':>9}{'train loss':>12}{'time':>8}")
+    for r in results:
+        print(f"{r['name']:<26}{r['val_loss']:>10.4f}{100 * (r['val_loss'] / ddp - 1):>+8.1f}%{r['loss']:>12.4f}"
+              f"{r['seconds']:>7.0f}s")
+
+
+if __name__ == "__main__":
+    main()
