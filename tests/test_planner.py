@@ -205,3 +205,50 @@ def test_layout_overrides_round_trip():
     over = lay.config_overrides()
     assert over["parallel.tp"] == 2 and over["parallel.pp_schedule"] == "interleaved-1f1b"
     assert over["memory.activation_checkpointing"] == "selective"
+
+
+# --- workers that sync every few steps (local SGD, DiLoCo) over a slow link -------------------
+
+def test_diloco_sends_ddps_bytes_every_h_steps_and_hides_them_behind_tau_steps():
+    from dataclasses import replace
+
+    from scaletrain.plan.time_model import outer_sync_seconds
+
+    cluster = Cluster(lookup("H100-SXM"), 2, 8, workers=2, workers_link_GBps=1.0)
+    lay = Layout(dp_replicate=2, dp_shard=8, zero=3, dp_sync="diloco", sync_every=50)
+    comm, exposed = outer_sync_seconds(lay, cluster, 1e9, step_s=1.0)
+    assert exposed == pytest.approx(comm)  # nothing overlaps it without a delay
+    # a ring of 2 over the link, shared by the 16 ranks' rings: 1 GB/s x 0.75 x 2 / 16 per rank
+    whole = 1e9 / 8 * 4 / (0.75 * 2 / 16 * 1e9)
+    assert comm == pytest.approx(whole / 50, rel=1e-3)
+    int8 = outer_sync_seconds(replace(lay, sync_dtype="int8"), cluster, 1e9, step_s=1.0)[0]
+    assert int8 == pytest.approx(comm / 4, rel=0.01)
+    # 4 fragments of 1.33 s each, overlapped with 1 step of 1 s (with 2: hidden whole)
+    streamed = replace(lay, sync_fragments=4, sync_delay=1)
+    assert whole == pytest.approx(5.333, rel=1e-3)
+    assert outer_sync_seconds(streamed, cluster, 1e9, step_s=1.0)[1] == pytest.approx(4 * (whole / 4 - 1) / 50,
+                                                                                      rel=1e-3)
+    assert outer_sync_seconds(replace(streamed, sync_delay=2), cluster, 1e9, step_s=1.0)[1] == 0
+
+
+def test_plan_takes_diloco_over_a_slow_link_and_says_where_it_overtakes():
+    common = dict(hardware="H100-SXM", nodes=4, gpus_per_node=8, seq_len=4096, global_batch=256, top_k=3)
+    slow = plan("llama-1b", workers=2, workers_link=1.0, **common)
+    best = slow["layouts"][0].layout
+    assert best.dp_sync == "diloco" and best.dp_replicate == 2 and best.sync_every == 50
+    text = "\n".join(slow["explanation"])
+    assert "Workers: 2 sites of 16 GPUs joined by 1 GB/s" in text and "overtakes synchronous training" in text
+    fast = plan("llama-1b", workers=2, workers_link=10000.0, **common)
+    assert not any(e.layout.local_sync for e in fast["layouts"])  # not in the search: the link is not slow
+    one_site = plan("llama-1b", **common)
+    assert not any(e.layout.local_sync for e in one_site["layouts"])
+    # the settings given are the ones tried
+    streamed = plan("llama-1b", workers=2, workers_link=1.0, sync={"sync_every": 100, "sync_dtype": "int8"}, **common)
+    assert streamed["layouts"][0].layout.describe_sync(short=True) == "diloco H100 int8"
+
+
+def test_plan_cli_workers(tmp_path):
+    r = run_here("plan", "llama-1b", "--nodes", "4", "--workers", "2", "--workers-link", "1", "--seq-len", "4096",
+                 "--global-batch", "256", "--parallel.dp_sync=local_sgd", "--parallel.sync_every=20", "--top", "2")
+    assert r.returncode == 0, r.stderr
+    assert "local_sgd H20" in r.stdout and "local_sgd every 20 steps, fp32 overtakes synchronous training" in r.stdout

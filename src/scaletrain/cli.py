@@ -254,7 +254,7 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
     result = plan(req.model, hardware=hardware, hardware_file=args.hardware_file, nodes=nodes,
                   gpus_per_node=per_node, attention=args.attention, layout=req.layout,
                   top_k=args.top, activations=args.activations, engine=args.engine, compile=args.compile,
-                  fp8=args.fp8, **req.workload)
+                  fp8=args.fp8, workers=args.workers, workers_link=args.workers_link, sync=req.sync, **req.workload)
     if args.json:
         print(report.to_json(result))
     else:
@@ -421,6 +421,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile fuses the element-wise work (default: the [plan] table's, else off)")
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction,
                    help="the linear layers' matmuls in float8 at the fp8 peak (default: the [plan] table's, else off)")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="the cluster is N sites (e.g. datacenters) of equal size joined by --workers-link; the "
+                        "data-parallel workers (dp_replicate groups) are the sites. When that link is slow the search "
+                        "tries local SGD / DiLoCo (--parallel.dp_sync, sync_every, sync_fragments, sync_delay, "
+                        "sync_dtype; default diloco every 50 steps) and says where it overtakes synchronous training")
+    p.add_argument("--workers-link", type=float, metavar="GBPS",
+                   help="bandwidth of the link between the sites, GB/s each way, shared by every rank that sends over it")
     g = p.add_argument_group("aliases of config keys (each the same as its --section.key=value)")
 
     def alias(flag: str, help: str = "", **kw):

@@ -16,7 +16,8 @@ from scaletrain.errors import ConfigError
 from scaletrain.hardware import Hardware, lookup
 from scaletrain.plan.memory_model import GiB, ParamCounts, module_memory
 from scaletrain.plan.options import derive_layout
-from scaletrain.plan.search import Evaluated, evaluate, explain, layout_errors, search
+from scaletrain.plan.search import (Evaluated, evaluate, explain, layout_errors, search, slow_link,
+                                    workers_comparison)
 from scaletrain.plan.spec import Cluster, Layout, ModelSource, Workload, load_model
 from scaletrain.plan.time_model import estimate_module_time
 from scaletrain.vocab import ZERO_STAGES
@@ -28,18 +29,28 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
          seq_len: int = 2048, global_batch: int = 256, precision: str = "bf16-mixed", optimizer: str = "adamw",
          attention: str = "flash", layout: Layout | dict | None = None, top_k: int = 10,
          activations: str = "formula", hardware_file: str | None = None, gpu: bool | None = None,
-         engine: str | None = None, compile: bool | None = None, fp8: bool | None = None) -> dict:
+         engine: str | None = None, compile: bool | None = None, fp8: bool | None = None, workers: int = 1,
+         workers_link: float | None = None, sync: dict | None = None) -> dict:
     """Search the layouts (or evaluate `layout`) for `model` on the cluster. Returns a dict with
     "layouts" (Evaluated, best first), "explanation" (lines), "stats", and the inputs. `engine`,
-    `compile` and `fp8` default to a model TOML's [plan] table, else scaletrain, off, off."""
+    `compile` and `fp8` default to a model TOML's [plan] table, else scaletrain, off, off.
+
+    `workers` sites of the cluster joined by `workers_link` GB/s: the search tries local SGD /
+    DiLoCo (`sync`: Layout's dp_sync, sync_every, sync_fragments, sync_delay, sync_dtype;
+    default DiLoCo every 50 steps) beside synchronous training when that link is slow, and the
+    explanation says where it overtakes. `sync` with a local dp_sync also applies to a fixed
+    `layout`."""
     src = load_model(model)
     engine = engine if engine is not None else src.extra.get("engine", "scaletrain")
     compile = compile if compile is not None else bool(src.extra.get("compile", False))
     fp8 = fp8 if fp8 is not None else bool(src.extra.get("fp8", False))
     hw = hardware if isinstance(hardware, Hardware) else lookup(hardware, hardware_file)
-    cluster = Cluster(hw, nodes, gpus_per_node)
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError("--nodes and --gpus-per-node must be at least 1")
+    _check_workers(workers, workers_link, nodes * gpus_per_node)
+    cluster = Cluster(hw, nodes, gpus_per_node, workers, workers_link)
+    sync = {**DEFAULT_SYNC, **(sync or {})}
+    candidates = sync if sync["dp_sync"] != "step" else {**sync, "dp_sync": "diloco"}
     if top_k < 1:
         raise ConfigError(f"--top must be at least 1, got {top_k}")
     wl = Workload(seq_len=seq_len, global_batch=global_batch, precision=precision, optimizer=optimizer,
@@ -61,18 +72,45 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
     result["num_params"] = count_params(src.cfg)
     if layout is not None:
         fixed = resolve_layout(layout, cluster, wl)
+        if sync["dp_sync"] != "step":
+            fixed = replace(fixed, **sync)
         errors = layout_errors(src.cfg, wl, cluster, fixed)
         if errors:
             raise ConfigError(*(f"layout {fixed.describe()}: {e}" for e in errors))
         ev = evaluate(src.cfg, wl, cluster, fixed, gpu=gpu, activations=activations)
         result["layouts"] = [ev]
         result["explanation"] = [f"{fixed.describe()}: " + ("fits" if ev.fits else ev.why_not[0])]
+        if workers > 1:
+            result["explanation"] += workers_comparison(src.cfg, wl, cluster, fixed, candidates, gpu=gpu)
         return result
-    ranked, stats = search(src.cfg, wl, cluster, top_k=top_k, gpu=gpu, activations=activations)
+    ranked, stats = search(src.cfg, wl, cluster, top_k=top_k, gpu=gpu, activations=activations,
+                           sync=candidates if slow_link(cluster) else None)
     result["stats"] = stats
     result["layouts"] = ranked[:top_k]
     result["explanation"] = explain(ranked[0], ranked, src.cfg, wl, cluster, gpu)
+    if workers > 1:
+        if ranked[0].layout.local_sync:
+            result["explanation"].append(f"{ranked[0].layout.dp_sync} is in the search because the link between the "
+                                         "sites is slow (below the network inside a site, per GPU)")
+        result["explanation"] += workers_comparison(src.cfg, wl, cluster, ranked[0].layout, candidates, gpu=gpu)
     return result
+
+
+# local SGD / DiLoCo settings the planner tries when none are given (DiLoCo's paper: H in the
+# hundreds; 50 is scaletrain's default)
+DEFAULT_SYNC = {"dp_sync": "step", "sync_every": 50, "sync_fragments": 1, "sync_delay": 0, "sync_dtype": "fp32"}
+
+
+def _check_workers(workers: int, link: float | None, world: int) -> None:
+    if workers < 1:
+        raise ConfigError(f"--workers must be at least 1, got {workers}")
+    if workers > 1 and link is None:
+        raise ConfigError(f"--workers {workers} splits the cluster into sites; give the link between them: "
+                          "--workers-link GBPS")
+    if link is not None and link <= 0:
+        raise ConfigError(f"--workers-link must be a positive bandwidth in GB/s, got {link:g}")
+    if world % workers:
+        raise ConfigError(f"--workers {workers} does not divide the cluster's {world} GPUs into equal sites")
 
 
 def resolve_layout(given: Layout | dict, cluster: Cluster, wl: Workload) -> Layout:

@@ -525,11 +525,11 @@ class Sharding:
 def sharding(wl: Workload, layout: Layout) -> Sharding:
     # ZeRO shards over the data-parallel shard ranks and the context-parallel ranks, which hold
     # the same weights (Megatron's distributed optimizer, torchtitan's FSDP over dp × cp)
-    n = (layout.dp_shard if layout.dp > 1 else 1) * layout.cp
+    n = (layout.dp_shard if layout.step_dp > 1 else 1) * layout.cp
     zero = layout.zero if n > 1 else 0
     # scaletrain's FSDP (zero 3) and FSDP-based replication (zero 0 with tp) keep fp32 weights
     # (the masters) and cast into compute-dtype buffers of their own
-    fsdp_like = wl.engine == "scaletrain" and layout.dp > 1 and (zero == 3 or (zero == 0 and layout.tp > 1))
+    fsdp_like = wl.engine == "scaletrain" and layout.step_dp > 1 and (zero == 3 or (zero == 0 and layout.tp > 1))
     # under gradient accumulation the ZeRO-2 engine keeps full gradients until the last
     # micro-batch's backward reduce-scatters them: its peak is ZeRO-1's
     grad_zero = 1 if zero == 2 and layout.grad_accum > 1 else zero
@@ -557,6 +557,10 @@ def model_state_memory(counts: ParamCounts, wl: Workload, layout: Layout, *, ext
         # (ZeRO-2), or sit beside the fp32 shards (ZeRO-1, and ZeRO-2 while accumulating)
         out.grads = {0: P * 4, 1: P * d.grad + P * 4 / n, 2: P * 4 / n}[grad_zero]
     out.grads += extra_grads
+    if layout.local_sync:  # the outer weights (fp32) and DiLoCo's outer momentum, of the rank's shard
+        out.optimizer += P / (n if zero >= 1 else 1) * (8 if layout.dp_sync == "diloco" else 4)
+        out.notes.append(f"{layout.dp_sync}: the outer weights{' and momentum' if layout.dp_sync == 'diloco' else ''} "
+                         "count as optimizer state")
     if layout.offload_optimizer and zero == 3:
         out.host = out.params + out.grads + out.optimizer
         out.params = out.grads = out.optimizer = 0.0

@@ -50,6 +50,11 @@ LAYOUT_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "par
                "parallel.zero", "train.micro_batch", "train.grad_accum", "memory.activation_checkpointing",
                "memory.offload_optimizer")
 
+# How the data-parallel workers sync (Layout's fields of these names): not layout keys that fix
+# the layout, but the local SGD / DiLoCo settings the search tries (and a fixed layout runs)
+SYNC_KEYS = ("parallel.dp_sync", "parallel.sync_every", "parallel.sync_fragments", "parallel.sync_delay",
+             "parallel.sync_dtype")
+
 # The workload's fields and their config keys, and what the planner assumes for those not given
 # (without --config; a training config gives all of them, its defaults included)
 WORKLOAD_KEYS = {"seq_len": "data.seq_len", "global_batch": "train.global_batch", "precision": "precision.mode",
@@ -144,6 +149,7 @@ class Request:
     workload: dict  # seq_len, global_batch, precision, optimizer
     layout: dict | None  # the layout keys given (and cp), or None: search
     overrides: dict  # the command line's config options ({"section.key": value}), aliases included
+    sync: dict = dataclasses.field(default_factory=dict)  # Layout's dp_sync settings (SYNC_KEYS)
 
 
 def read_request(model: Any, config: str | None, aliases: Mapping[str, Any], extra: list[str], *,
@@ -188,7 +194,8 @@ def read_request(model: Any, config: str | None, aliases: Mapping[str, Any], ext
         layout["cp"] = cp
     if not workload["global_batch"]:  # 0: micro_batch × grad_accum × dp, as the config derives it here
         workload["global_batch"] = derive_layout(layout, world, 0).global_batch
-    return Request(model, cfg, workload, layout or None, overrides)
+    sync = {key.partition(".")[2]: _value(cfg, key) for key in SYNC_KEYS}
+    return Request(model, cfg, workload, layout or None, overrides, sync)
 
 
 def _validated(raw: dict, overrides: dict, config: str | None, *, model_given: bool) -> JobConfig:

@@ -62,15 +62,17 @@ def layout_errors(cfg: ModelConfig, wl: Workload, cluster: Cluster, layout: Layo
 
 
 def enumerate_layouts(cfg: ModelConfig, wl: Workload, cluster: Cluster, *, max_micro_batch: int = 16,
-                      offload: bool = True) -> Iterator[Layout]:
+                      offload: bool = True, sync: dict | None = None) -> Iterator[Layout]:
+    """`sync`: Layout's dp_sync settings (local SGD or DiLoCo) to try as well wherever there are
+    several dp_replicate groups (the workers)."""
     # context parallelism (for engines that have it) when sequences are long enough to need it
     cps = [c for c in _divisors(cluster.world) if c == 1 or (wl.engine != "scaletrain" and wl.seq_len >= 16384
                                                             and wl.seq_len % (2 * c) == 0)]
     for cp in cps:
-        yield from _layouts(cfg, wl, cluster, cp, max_micro_batch, offload)
+        yield from _layouts(cfg, wl, cluster, cp, max_micro_batch, offload, sync)
 
 
-def _layouts(cfg, wl, cluster, cp, max_micro_batch, offload):
+def _layouts(cfg, wl, cluster, cp, max_micro_batch, offload, sync=None):
     world = cluster.world // cp
     for tp in _divisors(world):
         if tp > cluster.gpus_per_node or cfg.n_heads % tp or cfg.kv_heads % tp or cfg.vocab_size % tp:
@@ -87,10 +89,12 @@ def _layouts(cfg, wl, cluster, cp, max_micro_batch, offload):
                 for zero in ZERO_STAGES:
                     if dp * cp == 1 and zero:
                         continue
-                    if zero == 0 and dp_replicate > 1:
-                        continue  # zero 0 replicates everything: one flat data-parallel group
                     if zero >= 1 and dp_shard * cp == 1:
                         continue
+                    # zero 0 replicates everything: one flat data-parallel group, unless the
+                    # dp_replicate groups are workers that sync every few steps
+                    syncs = ([{}] if zero or dp_replicate == 1 else []) + \
+                        ([sync] if sync is not None and dp_replicate > 1 else [])
                     for mb in _divisors(per_rank):
                         if mb > max_micro_batch:
                             break
@@ -98,10 +102,11 @@ def _layouts(cfg, wl, cluster, cp, max_micro_batch, offload):
                         for schedule, virtual in _schedules(cfg, pp, accum):
                             for ac in AC_MODES:
                                 for off in ((False, True) if (offload and zero == 3) else (False,)):
-                                    yield Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp,
-                                                 zero=zero, sp=tp > 1, pp_schedule=schedule,
-                                                 pp_virtual_stages=virtual, micro_batch=mb, grad_accum=accum,
-                                                 activation_checkpointing=ac, offload_optimizer=off)
+                                    for how in syncs:
+                                        yield Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp,
+                                                     cp=cp, zero=zero, sp=tp > 1, pp_schedule=schedule,
+                                                     pp_virtual_stages=virtual, micro_batch=mb, grad_accum=accum,
+                                                     activation_checkpointing=ac, offload_optimizer=off, **how)
 
 
 @lru_cache(maxsize=4096)
@@ -138,11 +143,12 @@ def _why_it_does_not_fit(m: MemoryBreakdown, capacity: int) -> str:
 
 
 def search(cfg: ModelConfig, wl: Workload, cluster: Cluster, *, top_k: int = 10, gpu: bool = True,
-           activations: str = "formula") -> tuple[list[Evaluated], dict]:
-    """All valid layouts ranked: those that fit first, by tokens/s; returns (ranked, stats)."""
+           activations: str = "formula", sync: dict | None = None) -> tuple[list[Evaluated], dict]:
+    """All valid layouts ranked: those that fit first, by tokens/s; returns (ranked, stats).
+    `sync`: local SGD / DiLoCo settings to try beside synchronous data parallelism."""
     t0 = time.perf_counter()
     results = [evaluate(cfg, wl, cluster, layout, gpu=gpu) for layout in enumerate_layouts(cfg, wl, cluster,
-                                                                                              offload=gpu)]
+                                                                                              offload=gpu, sync=sync)]
     if not results:
         raise ConfigError(f"no layout of {cluster.world} GPUs divides the global batch of {wl.global_batch} "
                           f"and the model's heads/layers; change the global batch or the cluster")
@@ -230,3 +236,72 @@ def _differences(a: Layout, b: Layout) -> str:
              "offload_optimizer": "offload"}
     out = [f"{names[k]} {getattr(a, k)} → {getattr(b, k)}" for k in names if getattr(a, k) != getattr(b, k)]
     return ", ".join(out) or "nothing"
+
+
+# --------------------------------------------------------------------------------------------
+# Workers in sites joined by a slow link: synchronous data parallelism against local SGD / DiLoCo
+
+OVERTAKES = 1.05  # "overtakes": at least 5% more tokens/s
+
+
+def slow_link(cluster: Cluster) -> bool:
+    """The link between the sites gives a rank of the workers' ring less than the network inside
+    a site gives a GPU: where syncing every few steps can pay."""
+    if cluster.workers < 2 or not cluster.workers_link_GBps:
+        return False
+    return cluster.workers_link_GBps * cluster.workers / cluster.world < cluster.hardware.inter_node_GBps
+
+
+def twins(layout: Layout, sync: dict, workers: int) -> tuple[Layout, Layout]:
+    """(synchronous, syncing every few steps) versions of `layout`, the same otherwise; a flat
+    DDP group becomes `workers` workers of DDP, and back."""
+    if layout.local_sync:
+        local = layout
+        step = replace(layout, dp_sync="step")
+        if layout.zero == 0:  # DDP replicates over one flat group
+            step = replace(step, dp_replicate=1, dp_shard=layout.dp)
+        return step, local
+    step = layout
+    base = layout if layout.dp_replicate > 1 or layout.dp % workers else \
+        replace(layout, dp_replicate=workers, dp_shard=layout.dp // workers)
+    return step, replace(base, **sync)
+
+
+def workers_comparison(cfg: ModelConfig, wl: Workload, cluster: Cluster, layout: Layout, sync: dict, *,
+                       gpu: bool = True) -> list[str]:
+    """Synchronous training against its local-SGD/DiLoCo twin on the link between the sites, and
+    the link bandwidth below which the latter overtakes (OVERTAKES more tokens/s)."""
+    step, local = twins(layout, sync, cluster.workers)
+    if local.dp_replicate < 2 or layout_errors(cfg, wl, cluster, local) or layout_errors(cfg, wl, cluster, step):
+        return []
+
+    def speeds(gbps: float) -> tuple[float, float]:
+        c = replace(cluster, workers_link_GBps=gbps)
+        return (estimate_time(cfg, wl, step, c).tokens_per_s, estimate_time(cfg, wl, local, c).tokens_per_s)
+
+    link = cluster.workers_link_GBps
+    s, d = speeds(link)
+    how = local.describe_sync()
+    lines = [f"Workers: {cluster.workers} sites of {cluster.site} GPUs joined by {link:g} GB/s. Synchronous "
+             f"({step.describe()}): {s:,.0f} tokens/s; {how} ({local.describe()}): {d:,.0f} tokens/s "
+             f"({100 * (d / s - 1):+.1f}%)."]
+    lo, hi = 1e-4, 1e5  # GB/s: the ratio falls as the link gets faster
+    if speeds(hi)[1] >= OVERTAKES * speeds(hi)[0]:
+        lines.append(f"{how} stays at least {100 * (OVERTAKES - 1):.0f}% ahead at any link speed.")
+    elif speeds(lo)[1] < OVERTAKES * speeds(lo)[0]:
+        lines.append(f"{how} never gains {100 * (OVERTAKES - 1):.0f}% here: synchronous training's communication "
+                     "hides behind compute.")
+    else:
+        for _ in range(60):
+            mid = (lo * hi) ** 0.5
+            a, b = speeds(mid)
+            lo, hi = (mid, hi) if b >= OVERTAKES * a else (lo, mid)
+        lines.append(f"{how} overtakes synchronous training (at least {100 * (OVERTAKES - 1):.0f}% more tokens/s) "
+                     f"below {lo:.3g} GB/s between the sites; above it the synchronous all-reduce hides behind "
+                     "compute. Per token, syncing every few steps also costs quality (docs/benchmarks.md).")
+    grid = sorted({link, *[10.0 ** e for e in range(-1, 4)]})
+    lines.append("  link GB/s     synchronous tok/s     " + f"{how} tok/s")
+    for gbps in grid:
+        a, b = speeds(gbps)
+        lines.append(f"  {gbps:>9g}  {a:>20,.0f}  {b:>20,.0f}{'  <- this link' if gbps == link else ''}")
+    return lines

@@ -61,10 +61,20 @@ class Cluster:
     hardware: Hardware
     nodes: int = 1
     gpus_per_node: int = 8
+    # the cluster in `workers` sites (e.g. datacenters) of world / workers GPUs each, joined by a
+    # link of `workers_link_GBps` (GB/s each way, shared by every rank that sends over it); the
+    # data-parallel workers (dp_replicate groups) are the sites
+    workers: int = 1
+    workers_link_GBps: float | None = None
 
     @property
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def site(self) -> int:
+        """GPUs per site."""
+        return self.world // self.workers
 
 
 @dataclass

@@ -20,6 +20,13 @@
 * Tensor-parallel collectives sit on the critical path: four per layer per micro-batch.
 * The bubble fraction comes from the schedule's simulated timeline (`scaletrain schedule`).
 * The optimizer step reads and writes every state byte once, at the device's memory bandwidth.
+* Workers in sites joined by a slow link (`Cluster.workers`, `workers_link_GBps`): a ring that
+  crosses it gets link × ring members / world of it (the rings of every other rank cross too).
+  Synchronous data parallelism sends its replicate (or flat DDP) all-reduce over it every step;
+  local SGD and DiLoCo (`Layout.dp_sync`) reduce gradients inside a worker every step and send
+  each rank's pseudo-gradient (2(R-1)/R of its shard, in sync_dtype) once every sync_every = H
+  steps, one fragment of F at a time, each overlapped with sync_delay = τ inner steps: exposed
+  per step F · max(0, t_fragment − τ · step) / H.
 """
 
 from __future__ import annotations
@@ -106,7 +113,10 @@ def _group_link_GBps(cluster: Cluster, stride: int, size: int, single_rail: bool
     if stride * size <= cluster.gpus_per_node:
         return intra_node_bus_GBps(hw)
     per_node = 1 if single_rail else max(1, min(size, cluster.gpus_per_node // stride))
-    return min(intra_node_bus_GBps(hw), per_node * hw.inter_node_GBps * LINK_EFFICIENCY)
+    bw = min(intra_node_bus_GBps(hw), per_node * hw.inter_node_GBps * LINK_EFFICIENCY)
+    if cluster.workers > 1 and cluster.workers_link_GBps and stride * size > cluster.site:  # crosses the sites
+        bw = min(bw, cluster.workers_link_GBps * LINK_EFFICIENCY * size / cluster.world)
+    return bw
 
 
 def _ring_latency(cluster: Cluster, stride: int, size: int) -> float:
@@ -247,6 +257,13 @@ def data_parallel_seconds(wl: Workload, layout: Layout, cluster: Cluster, params
     `params` parameters whose compute takes `compute` seconds; ZeRO-3 gathers `units` blocks
     one by one (a ring latency each). ZeRO shards over the dp_shard × cp ranks, which hold the
     same weights."""
+    if layout.local_sync:  # every step inside a worker; between the workers every H steps
+        from dataclasses import replace
+
+        inner = replace(layout, dp_replicate=1, dp_sync="step")
+        comm, exposed = data_parallel_seconds(wl, inner, cluster, params, compute, units)
+        outer, outer_exposed = outer_sync_seconds(layout, cluster, params, step_s=compute + exposed)
+        return comm + outer, exposed + outer_exposed
     d = dtypes_for(wl)
     engine = engine_of(wl.engine)
     m = layout.grad_accum
@@ -277,6 +294,24 @@ def data_parallel_seconds(wl: Workload, layout: Layout, cluster: Cluster, params
     return dp_comm, max(0.0, dp_comm - OVERLAP * hidden_by)
 
 
+SYNC_BYTES = {"fp32": 4, "bf16": 2, "int8": 1 + 4 / 2048}  # per value on the wire (int8: a scale per chunk)
+
+
+def outer_sync_seconds(layout: Layout, cluster: Cluster, params: float, step_s: float) -> tuple[float, float]:
+    """(the workers' sync per step, the part of it not hidden) for local SGD and DiLoCo: each
+    rank's pseudo-gradient (its shard under ZeRO) reduce-scattered and all-gathered over the
+    dp_replicate ranks once every H steps, in F fragments, each overlapped with τ inner steps of
+    `step_s` seconds."""
+    r = layout.dp_replicate
+    n_shard = layout.dp_shard * layout.cp
+    shard = params / n_shard if layout.zero >= 1 else params
+    bw = _group_link_GBps(cluster, layout.tp * n_shard, r) * 1e9
+    whole = 2 * (r - 1) / r * shard * SYNC_BYTES[layout.sync_dtype] / bw + 2 * _ring_latency(cluster, layout.tp * n_shard, r)
+    fragment = whole / layout.sync_fragments
+    exposed = layout.sync_fragments * max(0.0, fragment - layout.sync_delay * step_s)
+    return whole / layout.sync_every, exposed / layout.sync_every
+
+
 def optimizer_seconds(wl: Workload, layout: Layout, hw, params: float) -> float:
     """The optimizer step: read parameters, gradients and states, write parameters and states
     (on the host with offload, after copying the gradients there)."""
@@ -287,6 +322,8 @@ def optimizer_seconds(wl: Workload, layout: Layout, hw, params: float) -> float:
         opt_params /= n_shard
     state_b = {"adamw": 8, "sgd": 4, "adafactor": 0.1, "adamw8bit": 2}[wl.optimizer]
     touched = opt_params * (2 * max(d.param, 4) + 4 + 2 * state_b + (8 if d.master else 0))
+    if layout.local_sync:  # the outer step every H steps: weights, outer weights and momentum read, two written
+        touched += opt_params * 4 * 6 / layout.sync_every
     if layout.offload_optimizer:
         return touched / (OFFLOAD_HOST_GBPS * 1e9) + opt_params * 8 / (OFFLOAD_PCIE_GBPS * 1e9)
     return touched / (hw.memory_GBps * 0.8 * 1e9)
