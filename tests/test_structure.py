@@ -215,6 +215,9 @@ def test_each_vocabulary_is_defined_once_and_the_tables_keyed_by_it_cover_it():
     assert fields[("optim", "name")] == vocab.OPTIMIZERS
     assert fields[("memory", "activation_checkpointing")] == vocab.AC_MODES
     assert fields[("parallel", "pp_schedule")] == vocab.PP_SCHEDULES
+    assert fields[("parallel", "dp_sync")] == vocab.DP_SYNC_MODES
+    assert fields[("parallel", "outer_optimizer")] == vocab.OUTER_OPTIMIZERS
+    assert fields[("parallel", "sync_dtype")] == vocab.SYNC_DTYPES
     assert set(COMPUTE_DTYPES) == set(vocab.PRECISIONS) == set(vocab.PEAK_KIND)
     # no module types a vocabulary's names as a tuple of its own
     spelled = {"PRECISIONS": '"32-true", "tf32", "16-mixed"', "OPTIMIZERS": '"adamw", "sgd", "adafactor"',

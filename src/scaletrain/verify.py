@@ -367,6 +367,9 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
     # layout stays the config's: these are the values it was derived to)
     cfg = cfg.replace(**{"train.global_batch": layout.global_batch, "train.micro_batch": layout.micro_batch,
                          "train.grad_accum": layout.grad_accum, "parallel.pp_microbatches": 0})
+    if layout.local_sync and layout.batch_rampup:
+        raise ConfigError("verify simulates workers that sync every few steps at a fixed batch; drop "
+                          "train.batch_rampup to verify the layout (the ramp is checked on its own layouts)")
     if layout.local_sync:
         ref = Reference(cfg, layout, f"{layout.dp_replicate} workers simulated in one process, each a one-process "
                                      f"run on its worker's share of every step's batch, synced as the layout syncs "

@@ -371,6 +371,10 @@ class Trainer:
                                    self.rt.group("pp") if self.layout.pp > 1 else None)
         # the norm is global (reduced over every shard and stage): every rank decides alike
         skip = overflow or not math.isfinite(float(grad_norm))
+        if self.outer is not None and self.rt.distributed:  # each worker has its own norm: skip together
+            flag = torch.tensor(float(skip), device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            skip = bool(flag > 0)
         measure = self.state_bytes is None
         if measure:
             self.state_bytes = model_state_bytes(self.dp, params, None)
