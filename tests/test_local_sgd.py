@@ -234,5 +234,5 @@ def test_workers_match_their_simulation_in_one_process(four_ranks, name, tmp_pat
     diffs = compare(results[name]["history"], ref)
     ok, line = verdict(diffs, STEPS, "32-true", layout.sync_dtype)
     assert ok, line
-    if layout.sync_dtype == "fp32":  # the same arithmetic, in another order at most
+    if layout.sync_dtype != "int8":  # the same arithmetic, in another order at most (int8: other chunks)
         assert max(d.loss_rel for d in diffs) < 1e-6, line
