@@ -240,6 +240,8 @@ CASES = [
     Case("diloco-one-worker", train("--nproc", "2", "--parallel.dp_sync=diloco"),
          ("parallel.dp_sync=diloco syncs the workers, which are the dp_replicate groups",
           "set parallel.dp_replicate to the number of workers")),
+    Case("auto-layout-with-diloco", train("--parallel.layout=auto", "--parallel.dp_sync=diloco"),
+         ("parallel.layout=auto chooses the layout itself; leave parallel.dp_sync at their defaults",)),
     Case("outer-optimizer-adam", train("--parallel.outer_optimizer=adam"),
          ("parallel.outer_optimizer: 'adam' is not one of nesterov, sgd",)),
     Case("batch-rampup-two-numbers", train("--train.batch_rampup=2,2"),

@@ -18,7 +18,7 @@ from scaletrain.config import JobConfig, ParallelConfig
 from scaletrain.errors import ConfigError
 from scaletrain.layout import Layout
 
-CHOSEN = ("dp_replicate", "dp_shard", "tp", "pp", "zero", "sp", "pp_schedule", "pp_virtual_stages")
+CHOSEN = ("dp_replicate", "dp_shard", "tp", "pp", "zero", "sp", "pp_schedule", "pp_virtual_stages", "dp_sync")
 
 
 def auto_layout(cfg: JobConfig, world: int, device: torch.device, gpus_per_node: int | None = None):
