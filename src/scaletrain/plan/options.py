@@ -69,6 +69,30 @@ def alias_of(key: str) -> str | None:
     return next((flag for flag, k in ALIASES.items() if k == key), None)
 
 
+# the Layout field a layout key becomes (the others keep their names)
+FIELD_OF = {"parallel.pp_microbatches": "grad_accum"}
+# values of the config's that derive rather than fix (dp_shard: the remaining ranks; 0: from the triad)
+DERIVES = {"parallel.dp_shard": -1, "train.micro_batch": 0, "train.grad_accum": 0, "parallel.pp_microbatches": 0}
+
+
+def config_key(field: str) -> str:
+    """The config key of a Layout field (cp: the planner's own)."""
+    return next((k for k, f in FIELD_OF.items() if f == field), None) or \
+        next((k for k in LAYOUT_KEYS if k.partition(".")[2] == field), field)
+
+
+def fixed_fields(given: Mapping[str, Any]) -> set[str]:
+    """The Layout fields that the layout options `given` (any of derive_layout's names) fix; a
+    value that asks for derivation (dp_shard -1, a batch size 0) fixes nothing."""
+    out = set()
+    for name, value in given.items():
+        key = "cp" if name == "cp" else name if name in LAYOUT_KEYS else LAYOUT_NAMES.get(name)
+        if key is None or (key in DERIVES and value == DERIVES[key]):
+            continue
+        out.add(FIELD_OF.get(key, key.partition(".")[2] or key))
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # One layout from the keys given
 

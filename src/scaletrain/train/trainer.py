@@ -121,7 +121,7 @@ class Trainer:
         self.step = 0
         self.metrics = MetricsLogger(self.run_dir if self.rank == 0 else None, cfg.train.steps,
                                      enabled=self.rank == 0, tensorboard=cfg.log.tensorboard,
-                                     progress=cfg.log.progress, stream=stream)
+                                     progress=cfg.log.progress, stream=stream, device_type=self.device.type)
         self.health = Health(cfg, self.layout, rt, self.metrics, scaler=self.scaler, param_names=self.param_names,
                              custom_loss=self._user_model is not None)
         if resume_from is not None:
@@ -378,7 +378,8 @@ class Trainer:
                     (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps):
                 with self.meter.paused():  # evaluating is not training: tokens/s leaves it out
                     val_loss = guarded(self.evaluate)
-            if self.step % cfg.log.every == 0 or self.step in (1, cfg.train.steps) or val_loss is not None:
+            # a stop (a signal, a fault) logs the step it stopped at: the summary reports that step
+            if self.step % cfg.log.every == 0 or self.step in (1, cfg.train.steps) or val_loss is not None or stop:
                 losses.append(self._log(loss, grad_norm, val_loss))
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                 self.health.enter("checkpoint save")
@@ -440,7 +441,8 @@ class Trainer:
             self.metrics.info("sample: skipped, the model is a custom module (its outputs need not be logits)")
         elif self.rank == 0 or self._sample_on_all_ranks():
             try:
-                self.metrics.info("sample: " + self.sample(self.cfg.train.sample_prompt, self.cfg.train.sample_tokens))
+                self.metrics.result("sample: " + self.sample(self.cfg.train.sample_prompt,
+                                                             self.cfg.train.sample_tokens))
             except Interrupted:
                 self.metrics.info("sample: interrupted by a signal (training finished and was saved)")
 
