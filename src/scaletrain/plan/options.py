@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from scaletrain.config import SECTIONS, JobConfig, from_dict, parse_override_args, read_toml
+from scaletrain.config import SECTIONS, JobConfig, from_dict, parse_override_args, read_config_file
 from scaletrain.errors import ConfigError
 from scaletrain.layout import Layout
 from scaletrain.options import coerce
@@ -191,7 +191,7 @@ def read_request(model: Any, config: str | None, aliases: Mapping[str, Any], ext
                               f"is {key}) to different values; give one of them")
     if errors:
         raise ConfigError(*errors)
-    raw = read_toml(config) if config else {}
+    raw = read_config_file(config) if config else {}
     given = {f"{s}.{k}" for s, body in raw.items() if isinstance(body, Mapping) for k in body}
     given |= set(dotted) | set(by_alias)
     overrides = {**dotted, **by_alias}

@@ -17,6 +17,7 @@ model.generate (the sample).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import signal
 import time
@@ -95,6 +96,8 @@ class Trainer:
         rt.layout.check(cfg.model if model is None else None)  # a custom module: tp/pp refused later
         self.rank, self.world_size, self.device = rt.rank, rt.world_size, rt.device
         self.run_dir = Path(cfg.log.run_dir or self._shared(default_run_dir()))
+        if not cfg.log.run_dir:  # the folder it writes, in the config it saves (resuming reads it there)
+            self.cfg = cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, run_dir=str(self.run_dir)))
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.restart = restart
         self.folder = run_folder.RunFolder(self.run_dir, self.ckpt_dir, cfg, self.rank, shared=self._shared,
@@ -115,6 +118,8 @@ class Trainer:
         self.layout = rt.layout  # ranks, batch triad (global = micro × accum × dp), engines
         self._build_data()
         self._build_model(resume_from)
+        # the validation windows (train.eval_every), once the model is known to fit
+        self.val_dataset, self.val_batches = validation_set(cfg, self.layout.global_batch)
         self._build_optimizer()
         self.run_id, self.lineage = self._shared(run_folder.new_identity())
         self.resumed_from: Path | None = None
@@ -144,7 +149,6 @@ class Trainer:
                             f"{self.data.vocab_size}")
         self.dataset = WindowDataset(self.data, cfg.data.seq_len)
         self.tokens_per_step = self.layout.global_batch * cfg.data.seq_len
-        self.val_dataset, self.val_batches = validation_set(cfg, self.layout.global_batch)
 
     def _build_model(self, resume_from: Path | None) -> None:
         """Model: built on the meta device (no memory), then parallelized and materialized."""
@@ -178,8 +182,10 @@ class Trainer:
             model = Transformer(cfg.model)
         weights = None  # a new run from existing weights (a resumed one takes the checkpoint's)
         if cfg.model.init_from and resume_from is None:
+            from scaletrain.data.tokenizer import check_same_tokenizer
             from scaletrain.model.hf import load_hf_weights
 
+            check_same_tokenizer(cfg.model.init_from, cfg.data.path)  # the ids must mean the same text
             weights = load_hf_weights(cfg.model.init_from, cfg.model)  # names, shapes checked; read on use
         pm = parallelize(model, cfg, self.rt, self.precision, weights=weights)
         if weights is not None:
