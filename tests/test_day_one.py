@@ -269,7 +269,8 @@ def test_fine_tuning_weights_of_another_tokenizer_is_one_line(tmp_path):
     r = run_here("train", *common, f"--data.path={tmp_path / 'bpe'}", "--model.vocab_size=0",
                  f"--log.run_dir={tmp_path / 'run'}")
     assert r.returncode == 0, r.stderr
-    assert run_here("export", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "exp")).returncode == 0
+    step = tmp_path / "run" / "checkpoints" / "step_00000001"
+    assert run_here("export", str(step), "--format", "hf", "--out", str(tmp_path / "exp")).returncode == 0
     tune = ["train", *common, f"--model.from_hf={tmp_path / 'exp'}", f"--model.init_from={tmp_path / 'exp'}"]
     r = run_here(*tune, f"--log.run_dir={tmp_path / 'tuned'}")  # on the built-in byte-level data
     assert r.returncode == 2
@@ -282,7 +283,7 @@ def test_fine_tuning_weights_of_another_tokenizer_is_one_line(tmp_path):
     r = run_here(*tune, f"--data.path={tmp_path / 'same'}", f"--log.run_dir={tmp_path / 'tuned2'}")
     assert r.returncode == 0, r.stderr  # the export's own tokenizer: accepted
     # and a scaletrain safetensors export records its tokenizer, so a single file is checked too
-    assert run_here("export", str(tmp_path / "run"), "--out", str(tmp_path / "m.safetensors")).returncode == 0
+    assert run_here("export", str(step), "--out", str(tmp_path / "m.safetensors")).returncode == 0
     r = run_here("train", *common, f"--model.from_hf={tmp_path / 'exp'}",
                  f"--model.init_from={tmp_path / 'm.safetensors'}", f"--log.run_dir={tmp_path / 'tuned3'}")
     assert r.returncode == 2 and "another tokenizer" in r.stderr
@@ -336,7 +337,8 @@ def test_a_gpt2_export_states_the_datas_special_ids(finished_run, tmp_path):
     outside the 256-token vocabulary), and transformers reads it so."""
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "hf"
-    assert run_here("export", str(finished_run), "--format", "hf", "--out", str(out)).returncode == 0
+    step = finished_run / "checkpoints" / "step_00000004"
+    assert run_here("export", str(step), "--format", "hf", "--out", str(out)).returncode == 0
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "gpt2" and config["vocab_size"] == 256
     assert config["bos_token_id"] is None and config["eos_token_id"] is None
