@@ -33,6 +33,7 @@ LAYOUTS = [  # (name, ranks, overrides)
     ("zero 0", 2, {"parallel.zero": 0}),
     ("zero 1", 2, {"parallel.zero": 1}),
     ("zero 2", 2, {"parallel.zero": 2}),
+    ("zero 2 accum", 2, {"parallel.zero": 2, "train.micro_batch": 2}),  # 2 micro-steps: still sharded gradients
     ("zero 3", 2, {"parallel.zero": 3}),
     ("zero 3 bf16 selective", 2, {"parallel.zero": 3, "precision.mode": "bf16-mixed",
                                   "memory.activation_checkpointing": "selective"}),

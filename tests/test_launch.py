@@ -21,6 +21,7 @@ def test_nproc_launches_ranks_and_only_rank0_prints(tmp_path):
     assert r.stderr.count("step 3/3") == 1  # one progress line per step: rank 0 alone prints
     assert "layout: 2 rank(s)" in r.stderr and "ZeRO-2" in r.stderr and "backend gloo" in r.stderr
     assert r.stderr.count("sample: ") == 1
+    assert "shared by the 2 ranks on it" in r.stderr  # MFU against each rank's share of the CPU (issue 23)
     runs = list((tmp_path / "runs").iterdir())  # the default run folder, shared by both ranks
     assert len(runs) == 1
     assert [row["step"] for row in read_metrics(runs[0])] == [1, 2, 3]

@@ -17,12 +17,23 @@ from typing import Any, Iterator
 def replacing(target: str | Path, *, durable: bool = False) -> Iterator[Path]:
     """A temporary path beside `target` to write (a file or a folder); when the block ends
     without an error it is renamed to `target`, otherwise removed. `durable`: also flush the
-    folder's entry to disk (checkpoints), so the rename survives a power cut."""
+    folder's entry to disk (checkpoints), so the rename survives a power cut. A folder already at
+    `target` (an overwrite the caller allowed) is swapped out whole and removed after the rename."""
     target = Path(target)
     tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
     try:
         yield tmp
-        os.replace(tmp, target)
+        if target.is_dir() and not target.is_symlink() and tmp.is_dir():
+            old = target.with_name(f".{target.name}.replaced-{os.getpid()}")
+            os.replace(target, old)
+            try:
+                os.replace(tmp, target)
+            except BaseException:
+                os.replace(old, target)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             if tmp.is_dir() and not tmp.is_symlink():
@@ -47,6 +58,28 @@ def write_text(target: str | Path, text: str, *, durable: bool = False) -> None:
 def write_json(target: str | Path, data: Any, *, indent: int | None = 1, sort_keys: bool = False,
                durable: bool = False) -> None:
     write_text(target, json.dumps(data, indent=indent, sort_keys=sort_keys) + "\n", durable=durable)
+
+
+def umask() -> int:
+    """This process's umask (read without changing it where Linux tells it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def usual_mode(path: str | Path) -> None:
+    """Give `path` (a file, or every file under a folder) the mode open() would have given it,
+    0666 less the umask: for files a library writes with a mode of its own (safetensors: 0600)."""
+    path = Path(path)
+    mode = 0o666 & ~umask()
+    for f in ([path] if path.is_file() else [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]):
+        os.chmod(f, mode)
 
 
 def fsync_dir(path: str | Path) -> None:

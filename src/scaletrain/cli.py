@@ -14,21 +14,58 @@ import threading
 from typing import Sequence
 
 from scaletrain.errors import UserError, config_paths, os_errors_named, user_error_from_os
+from scaletrain.vocab import did_you_mean
+
+PROG = "scaletrain"
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2, like our other user errors
-        raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
+        where = f"{self.prog}: " if self.prog != PROG else ""  # a verb's parser names its verb
+        raise UserError(f"{where}{message} (see {self.prog} --help)")
+
+    def _check_value(self, action, value):
+        """A value outside an option's choices (or an unknown verb): the closest one named."""
+        if action.choices is None or value in action.choices:
+            return super()._check_value(action, value)
+        choices = [str(c) for c in action.choices]
+        if isinstance(action, argparse._SubParsersAction):
+            raise argparse.ArgumentError(None, f"invalid choice: {value!r} is not a command"
+                                               f"{did_you_mean(value, choices)}; choose from {', '.join(choices)}")
+        raise argparse.ArgumentError(action, f"invalid choice: {value!r}{did_you_mean(str(value), choices)}; "
+                                             f"choose from {', '.join(choices)}")
+
+
+class _Done(Exception):
+    """An option that answered and ends the command (--version), exit 0."""
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, help="print scaletrain's version (and torch's) and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib import metadata
+
+        from scaletrain import __version__
+
+        try:
+            torch_version = metadata.version("torch")  # without importing torch
+        except metadata.PackageNotFoundError:
+            torch_version = "not installed"
+        print(f"scaletrain {__version__} (torch {torch_version}, python {sys.version.split()[0]})")
+        raise _Done()
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
-    from scaletrain.config import describe_options, load_config
+    from scaletrain.config import describe_options
 
     if args.help_config:
         print(describe_options())
         return 0
-    cfg = load_config(args.config, extra)
+    cfg, note = _train_config(args.config, extra)
     if args.print_config:
-        print(cfg.to_json())
+        print(cfg.to_toml() if args.print_config == "toml" else cfg.to_json())
         return 0
     from scaletrain.runtime import is_worker
 
@@ -47,8 +84,34 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
             cfg, layout = resolve(cfg, 1, pick_device(cfg.train.device), note=_note)
             if cfg.train.compile:
                 _check_compiler(cfg.train.device, 1)
-            return exit_code(Trainer(cfg, single_process(cfg, layout)).fit())
-        return _launch(args, cfg)
+            trainer = Trainer(cfg, single_process(cfg, layout))  # checked: the resume included
+            if note:
+                _note(note)
+            return exit_code(trainer.fit())
+        return _launch(args, cfg, note)
+
+
+def _train_config(config: str | None, extra: list[str]):
+    """(the config `train` runs, a line that says where it came from or None). --config FILE
+    (TOML, or a run's config.json); without it, when the options resume a run
+    (checkpoint.resume=auto with its log.run_dir, or a checkpoint folder), that run's own saved
+    config; else the demo (configs/tiny.toml). The command line's options go on top and are
+    checked, by the config and, on resuming, against the checkpoint."""
+    from scaletrain.config import DEMO_CONFIG, from_dict, load_config, parse_override_args
+
+    if config:
+        return load_config(config, extra), None
+    from scaletrain.train.run_folder import saved_config
+
+    saved = saved_config(parse_override_args(extra)[0])
+    if saved is None:
+        return load_config(DEMO_CONFIG, extra), None
+    raw, source = saved
+    cfg = from_dict(raw, overrides=extra, source=source)
+    before = from_dict(raw, source=source).to_dict()
+    changed = [f"{s}.{k}={v}" for s, values in cfg.to_dict().items() for k, v in values.items()
+               if before[s][k] != v]
+    return cfg, f"config: the run's own ({source}){', with ' + ', '.join(changed) if changed else ''}"
 
 
 def _check_compiler(device_name: str, ranks: int) -> None:
@@ -64,7 +127,7 @@ def _note(line: str) -> None:
     print(f"scaletrain: {line}", file=sys.stderr)
 
 
-def _launch(args: argparse.Namespace, cfg) -> int:
+def _launch(args: argparse.Namespace, cfg, note: str | None = None) -> int:
     """Check the whole request here, once, settle the config and its layout (`auto` chosen),
     and start the workers, each handed both (scaletrain.train.job)."""
     from scaletrain import launcher
@@ -80,6 +143,12 @@ def _launch(args: argparse.Namespace, cfg) -> int:
             raise LaunchError(f"{flag} must be at least 1, got {value}")
     world = args.nproc * args.nnodes
     device = pick_device(cfg.train.device, 0, args.nproc)
+    if device.type == "cpu":
+        from scaletrain.hardware import cpu_cores
+
+        if args.nproc > (cores := cpu_cores()):
+            _note(f"{args.nproc} ranks on {cores} CPU core(s): oversubscribed, the ranks take turns on the cores "
+                  f"and each step is slower than with --nproc {cores}")
     if cfg.train.compile:  # every rank would fail the same way: say it once, here
         _check_compiler(cfg.train.device, args.nproc)
     cfg, layout = resolve(cfg, world, device, gpus_per_node=args.nproc, note=_note)
@@ -89,6 +158,8 @@ def _launch(args: argparse.Namespace, cfg) -> int:
         cfg = cfg.replace(**{"log.run_dir": default_run_dir()})
     run_dir = cfg.log.run_dir
     _check_writable({"log.run_dir": run_dir, "checkpoint.dir": cfg.checkpoint.dir})
+    if note:
+        _note(note)
     with launcher.spec_file(job.spec(cfg, layout), prefix="scaletrain-train-") as spec:
         return launcher.launch("train", [spec], nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                                rdzv_endpoint=args.rdzv_endpoint or "", rdzv_id=args.rdzv_id,
@@ -145,7 +216,6 @@ def _check_writable(paths: dict[str, str]) -> None:
 
 
 def _prepare(args: argparse.Namespace, extra: list[str]) -> int:
-    _no_extra(extra)
     from scaletrain.data.prepare import prepare
 
     with os_errors_named({"--out": args.out}):
@@ -162,14 +232,20 @@ def _prepare(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _checkpoint_of(path: str) -> str:
+    """A checkpoint folder, or a run folder's newest complete checkpoint (said on stderr)."""
+    from scaletrain.train.checkpoint import checkpoint_of
+
+    return str(checkpoint_of(path, report=_note))
+
+
 def _eval(args: argparse.Namespace, extra: list[str]) -> int:
-    _no_extra(extra)
     import json
 
     from scaletrain.train.evaluate import evaluate_checkpoint
 
-    with os_errors_named({"checkpoint": args.checkpoint, "--data": args.data or ""}):
-        r = evaluate_checkpoint(args.checkpoint, args.data, args.batches, args.device)
+    with os_errors_named({"checkpoint": args.checkpoint, "data.path": args.data or ""}):
+        r = evaluate_checkpoint(_checkpoint_of(args.checkpoint), args.data, args.batches, args.device)
     if args.json:
         print(json.dumps(r, indent=1))
     else:
@@ -179,19 +255,18 @@ def _eval(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _export(args: argparse.Namespace, extra: list[str]) -> int:
-    _no_extra(extra)
     from scaletrain.train.export import export_safetensors
     from scaletrain.train.export_hf import export_hf
 
     with os_errors_named({"--out": args.out, "checkpoint": args.checkpoint}):
-        out = export_hf(args.checkpoint, args.out) if args.format == "hf" else \
-            export_safetensors(args.checkpoint, args.out)
+        checkpoint = _checkpoint_of(args.checkpoint)
+        out = export_hf(checkpoint, args.out, overwrite=args.overwrite) if args.format == "hf" else \
+            export_safetensors(checkpoint, args.out, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
 
 
 def _schedule(args: argparse.Namespace, extra: list[str]) -> int:
-    _no_extra(extra)
     from scaletrain.plan import timeline
 
     timeline.check(args.schedule, args.pp, args.microbatches, args.virtual)
@@ -274,8 +349,9 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
 
         if not args.config:
             raise UserError("--measure runs a real step and needs a training config: --config FILE")
-        return measure_and_print(args.config, result["layouts"][0].layout, nproc=args.nproc or 1,
+        code = measure_and_print(args.config, result["layouts"][0].layout, nproc=args.nproc or 1,
                                  overrides=req.overrides)
+        return code or (0 if result["layouts"][0].fits else 1)
     return 0 if result["layouts"][0].fits else 1
 
 
@@ -288,7 +364,6 @@ def _verify(args: argparse.Namespace, extra: list[str]) -> int:
 def _bench_comms(args: argparse.Namespace, extra: list[str]) -> int:
     import json
 
-    _no_extra(extra)
     from scaletrain.bench import comms
 
     result = comms.run(nproc=args.nproc, sizes=args.sizes, iters=args.iters, warmup=args.warmup, device=args.device)
@@ -328,9 +403,46 @@ def _bench_progress():
     return progress_line if sys.stderr.isatty() else None
 
 
-def _no_extra(extra: list[str]) -> None:
-    if extra:
-        raise UserError(f"unexpected arguments: {' '.join(extra)}")
+def _leftovers(parser: argparse.ArgumentParser, extra: list[str], takes_overrides: bool) -> list[str]:
+    """What argparse left of the command line: for a command that takes config options, those
+    (`--section.key=value`, checked by the config); anything else is an error, one line each,
+    naming the closest of the command's own options (and of the config's keys)."""
+    from scaletrain.config import SECTIONS
+    from dataclasses import fields
+
+    import difflib
+
+    flags = [s for action in parser._actions for s in action.option_strings if s.startswith("--") and s != "--help"]
+    keys = [f"--{name}.{f.name}" for name, cls in SECTIONS.items() for f in fields(cls)] if takes_overrides else []
+    errors, kept, i = [], [], 0
+    while i < len(extra):
+        arg = extra[i]
+        i += 1
+        name = arg.split("=", 1)[0]
+        if takes_overrides and (not arg.startswith("-") or (name.startswith("--") and "." in name)):
+            kept.append(arg)  # a config option, its value, or a stray word the config reports
+            if "=" not in arg and arg.startswith("--") and i < len(extra) and not extra[i].startswith("--"):
+                kept.append(extra[i])
+                i += 1
+            continue
+        if arg.startswith("-"):
+            if "=" not in arg and i < len(extra) and not extra[i].startswith("-"):
+                i += 1  # the unknown option's value goes with it
+            closest = difflib.get_close_matches(name, flags + keys, n=1, cutoff=0.6)
+            if not takes_overrides:
+                errors.append(f"unexpected arguments: {arg}{did_you_mean(name, flags)}; {parser.prog} takes no such "
+                              f"option (see {parser.prog} --help)")
+            elif closest and closest[0] in flags:
+                errors.append(f"unexpected argument {arg!r}{did_you_mean(name, flags)}; see {parser.prog} --help")
+            else:  # a config key is closest, or none is
+                errors.append(f"unexpected argument {arg!r}{did_you_mean(name, keys)}; options look like "
+                              f"--section.key=value (sections: {', '.join(SECTIONS)}); see {parser.prog} --help")
+        else:
+            errors.append(f"unexpected arguments: {arg}; {parser.prog} takes no such argument "
+                          f"(see {parser.prog} --help)")
+    if errors:
+        raise UserError(*errors)
+    return kept
 
 
 def _check_png(flag: str, path: str | None) -> None:
@@ -345,14 +457,18 @@ def _check_png(flag: str, path: str | None) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="scaletrain", description="Train models too big or too slow for one GPU.")
+    parser = _Parser(prog=PROG, description="Train models too big or too slow for one GPU.")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="verb", required=True, parser_class=_Parser)
 
     p = sub.add_parser("train", help="train a model (options: --section.key=value)",
                        description="Train. Any config option can be given as --section.key=value; "
                                    "see --help-config for the list.")
-    p.add_argument("--config", help="TOML config file (default: the built-in tiny CPU run)")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    p.add_argument("--config", help="TOML config file, or a run's config.json (default: the demo run, "
+                                    "configs/tiny.toml; resuming a run folder: that run's own config)")
+    p.add_argument("--print-config", nargs="?", const="json", choices=("json", "toml"),
+                   help="print the resolved config and exit: JSON (the default), or --print-config=toml, a TOML "
+                        "file for --config")
     p.add_argument("--help-config", action="store_true", help="list every config option and exit")
     g = p.add_argument_group("launch (several processes through PyTorch's elastic launcher)")
     g.add_argument("--nproc", type=int, help="processes (ranks) on this node; one per GPU")
@@ -363,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="job name shared by the nodes of one job (default scaletrain); each job needs its own "
                         "--rdzv-endpoint port")
     g.add_argument("--max-restarts", type=int, default=0, help="restart the group this often after a failure")
-    p.set_defaults(func=_train, takes_overrides=True)
+    p.set_defaults(func=_train, takes_overrides=True, parser=p)
 
     p = sub.add_parser("prepare", help="tokenize text/jsonl/parquet files into token shards")
     p.add_argument("inputs", nargs="+", help="files or folders of .txt, .jsonl, .parquet")
@@ -378,18 +494,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
                    help="hold out this share of the documents (chosen by a hash of each document's text) as a "
                         "validation split for train.eval_every and scaletrain eval (default 0: none)")
-    p.set_defaults(func=_prepare, takes_overrides=False)
+    p.set_defaults(func=_prepare, takes_overrides=False, parser=p)
 
-    p = sub.add_parser("eval", help="a checkpoint's validation loss and perplexity (one process)")
-    p.add_argument("checkpoint", help="a checkpoint folder (runs/.../checkpoints/step_*)")
-    p.add_argument("--data", help="a prepared folder: its validation split, or all of it if it has none "
-                                  "(default: the data the checkpoint was trained on)")
-    p.add_argument("--batches", type=int, help="validation batches of the run's global batch (default: its "
-                                               "train.eval_batches; 0 = every whole batch)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+    p = sub.add_parser("eval", help="a checkpoint's validation loss and perplexity (one process)",
+                       description="Evaluate a checkpoint. Options are the config's names (data.path, "
+                                   "train.eval_batches, train.device), with short aliases.")
+    p.add_argument("checkpoint", help="a checkpoint folder (runs/.../checkpoints/step_*), or a run folder: its "
+                                      "newest complete checkpoint")
+    p.add_argument("--data", "--data.path", dest="data", metavar="FOLDER",
+                   help="a prepared folder: its validation split, or all of it if it has none (default: the data "
+                        "the checkpoint was trained on)")
+    p.add_argument("--batches", "--train.eval_batches", dest="batches", type=int, metavar="N",
+                   help="validation batches of the run's global batch (default: its train.eval_batches; 0 = every "
+                        "whole batch)")
+    p.add_argument("--device", "--train.device", dest="device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="where to run the model (default auto: cuda if available)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(func=_eval, takes_overrides=False)
+    p.set_defaults(func=_eval, takes_overrides=False, parser=p)
 
     from scaletrain.plan.options import ALIASES
     from scaletrain.plan.spec import ATTENTION
@@ -463,23 +584,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, help="ranks for --measure (default 1)")
     p.add_argument("--comms", metavar="FILE", help="`scaletrain bench comms --json` output: use its measured "
                    "all-reduce bus bandwidth for the collectives inside a node")
-    p.set_defaults(func=_plan, takes_overrides=True)
+    p.set_defaults(func=_plan, takes_overrides=True, parser=p)
 
-    p = sub.add_parser("schedule", help="draw a pipeline schedule's timeline and its bubble")
-    p.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
-    p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
-    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved-1f1b or zero-bubble")
-    p.add_argument("--virtual", type=int, default=1, help="chunks per rank (interleaved-1f1b, zero-bubble)")
+    p = sub.add_parser("schedule", help="draw a pipeline schedule's timeline and its bubble",
+                       description="Draw a pipeline schedule. Options are the config's names (parallel.pp, "
+                                   "parallel.pp_microbatches, parallel.pp_schedule, parallel.pp_virtual_stages), "
+                                   "with short aliases.")
+    p.add_argument("--pp", "--parallel.pp", dest="pp", type=int, required=True, metavar="N",
+                   help="pipeline stages (ranks)")
+    p.add_argument("--microbatches", "--parallel.pp_microbatches", dest="microbatches", type=int, required=True,
+                   metavar="M", help="micro-batches per step (train.grad_accum under pipelining)")
+    p.add_argument("--schedule", "--parallel.pp_schedule", dest="schedule", default="1f1b", metavar="NAME",
+                   help="gpipe, 1f1b, interleaved-1f1b or zero-bubble")
+    p.add_argument("--virtual", "--parallel.pp_virtual_stages", dest="virtual", type=int, default=1, metavar="V",
+                   help="chunks per rank (interleaved-1f1b, zero-bubble)")
     p.add_argument("--png", help="also draw it to this PNG file")
-    p.set_defaults(func=_schedule, takes_overrides=False)
+    p.set_defaults(func=_schedule, takes_overrides=False, parser=p)
 
     p = sub.add_parser("export", help="write a checkpoint's model weights to safetensors")
-    p.add_argument("checkpoint", help="a checkpoint folder (runs/.../checkpoints/step_*)")
-    p.add_argument("--out", required=True, help="output .safetensors file, or folder with --format hf")
+    p.add_argument("checkpoint", help="a checkpoint folder (runs/.../checkpoints/step_*), or a run folder: its "
+                                      "newest complete checkpoint")
+    p.add_argument("--out", required=True, help="output .safetensors file, or folder with --format hf (missing "
+                                                "folders are created)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out (the new one is written whole first, then put in its place)")
     p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
                    help="safetensors: one file, scaletrain names; hf: a Hugging Face model folder (config.json, "
                         "safetensors, generation_config, the data's tokenizer) that transformers loads with no code")
-    p.set_defaults(func=_export, takes_overrides=False)
+    p.set_defaults(func=_export, takes_overrides=False, parser=p)
 
     p = sub.add_parser("verify", help="check a layout against one process, step by step",
                        description="Run the config's first --steps steps under its layout and under a reference "
@@ -491,7 +623,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, help="ranks of the layout (default: pp × dp_replicate × dp_shard × tp)")
     p.add_argument("--device-memory", dest="device_memory", type=float, metavar="GIB",
                    help="memory of one device for the reference's fit check (default: the device's own)")
-    p.set_defaults(func=_verify, takes_overrides=True)
+    p.set_defaults(func=_verify, takes_overrides=True, parser=p)
 
     p = sub.add_parser("bench", help="measure this machine: collectives, a step, each technique",
                        description="Benchmarks run here, for real: collectives over N ranks; a config's step with "
@@ -508,7 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=5, help="untimed calls before them (default 5)")
     b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if available")
     b.add_argument("--json", action="store_true", help="print JSON (for `scaletrain plan --comms FILE`)")
-    b.set_defaults(func=_bench_comms, takes_overrides=False)
+    b.set_defaults(func=_bench_comms, takes_overrides=False, parser=b)
     b = bench.add_parser("step", help="a config's step: time, tokens/s, MFU, peak memory; --vs variants as ratios",
                          description="Warm up, then time the config's training step interleaved with each --vs "
                                      "variant (and --vs-plain-loop): median step time, tokens/s, MFU, peak memory, "
@@ -522,7 +654,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=10, help="timed steps of each, one per round (default 10)")
     b.add_argument("--warmup", type=int, default=3, help="untimed steps of each first (default 3)")
     b.add_argument("--json", action="store_true", help="print JSON")
-    b.set_defaults(func=_bench_step, takes_overrides=True)
+    b.set_defaults(func=_bench_step, takes_overrides=True, parser=b)
     b = bench.add_parser("techniques", help="which technique buys speed, which buys memory, measured here",
                          description="Gradient accumulation, activation checkpointing, each precision mode, a "
                                      "larger batch, each optimizer, loader workers, each ZeRO stage and compile, "
@@ -539,7 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop timing a technique whose step takes over X times the baseline's (default 10; 0: never)")
     b.add_argument("--png", help="chart file (default runs/bench-techniques-DATE-TIME.png; '' for none)")
     b.add_argument("--json", action="store_true", help="print JSON")
-    b.set_defaults(func=_bench_techniques, takes_overrides=True)
+    b.set_defaults(func=_bench_techniques, takes_overrides=True, parser=b)
     return parser
 
 
@@ -561,19 +693,22 @@ def _stopped(signum: int, verb: str | None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from scaletrain.runtime import is_worker
-
     old_term, verb = None, None
-    if not is_worker() and threading.current_thread() is threading.main_thread():
-        def on_term(signum, frame):
-            raise _Terminated()
+    try:  # from here on, a Ctrl-C (even in `import torch`) is one line
+        from scaletrain.runtime import is_worker
 
-        old_term = signal.signal(signal.SIGTERM, on_term)
-    try:
+        if not is_worker() and threading.current_thread() is threading.main_thread():
+            def on_term(signum, frame):
+                raise _Terminated()
+
+            old_term = signal.signal(signal.SIGTERM, on_term)
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
         args.argv, verb = argv, args.verb
+        extra = _leftovers(args.parser, extra, args.takes_overrides)
         return args.func(args, extra)
+    except _Done:
+        return 0
     except UserError as e:
         for line in e.lines:
             print(f"scaletrain: error: {line}", file=sys.stderr)

@@ -193,9 +193,36 @@ class JobConfig:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
+    def to_toml(self) -> str:
+        """The config as TOML that `--config` reads back to the same config (every key written)."""
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+            lines.append("")
+        return "\n".join(lines)
+
     def replace(self, **dotted: Any) -> "JobConfig":
         """A validated copy with some options changed: `cfg.replace(**{"train.steps": 10})`."""
         return from_dict(self.to_dict(), overrides=dotted)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value) if value == value and abs(value) != float("inf") else \
+            ("nan" if value != value else "inf" if value > 0 else "-inf")
+    if isinstance(value, str):  # a JSON string is a TOML basic string (the escapes agree)
+        return json.dumps(value, ensure_ascii=False)
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+# the config `scaletrain train` runs without --config: the demo (configs/tiny.toml, shipped inside
+# the package)
+DEMO_CONFIG = Path(__file__).with_name("demo.toml")
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,16 +238,27 @@ def load_config(path: str | Path | None = None,
     """
     raw: dict[str, Any] = {}
     if path is not None:
-        raw = read_toml(path)
+        raw = read_config_file(path)
     return from_dict(raw, overrides=overrides, source=str(path) if path else "defaults")
 
 
-def read_toml(path: str | Path) -> dict[str, Any]:
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A config file's sections: TOML, or (a name ending in .json) the JSON a run saves as its
+    config.json (`--print-config=json`)."""
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"config {p} is a folder; give a TOML file such as configs/tiny.toml")
     if not p.is_file():
         raise ConfigError(f"config file {p} not found; give a TOML file such as configs/tiny.toml")
+    if p.suffix.lower() == ".json":
+        try:
+            raw = json.loads(p.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{p}: not valid JSON ({e}); give a run's config.json or a TOML file") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{p}: expected a JSON object of sections (a run's config.json), "
+                              f"got {type(raw).__name__}")
+        return raw
     try:
         with p.open("rb") as f:
             return tomllib.load(f)
@@ -228,6 +266,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{p}: not valid TOML ({e}); fix the syntax at that line") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{p}: not valid TOML (not UTF-8 text); give a TOML file such as configs/tiny.toml") from None
+
 
 
 def parse_override_args(args: Iterable[str]) -> tuple[dict[str, str], list[str]]:
@@ -287,6 +326,12 @@ def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[st
         if isinstance(value, str):
             from_cli.add((section, name))
 
+    # The model's shape has one source, model.preset or model.from_hf: one given on the command
+    # line replaces the other's from the file below it (a layer replaces a lower layer's choice)
+    for given, other in (("preset", "from_hf"), ("from_hf", "preset")):
+        if dotted.get(f"model.{given}") and f"model.{other}" not in dotted and isinstance(raw.get("model"), Mapping) \
+                and raw["model"].get(other):
+            merged["model"].pop(other, None)
     # The preset supplies the base of the model section; explicit keys win.
     preset = merged["model"].get("preset", "")
     if preset and isinstance(preset, str):  # a preset of another type is reported with the other keys

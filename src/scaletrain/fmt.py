@@ -12,6 +12,14 @@ def count(x: float) -> str:
     return f"{x:.0f}"
 
 
+def flops(x: float) -> str:
+    """FLOP/s with a decimal prefix: 231.0 GFLOP/s, 989.4 TFLOP/s."""
+    for unit, div in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if abs(x) >= div:
+            return f"{x / div:.1f} {unit}FLOP/s"
+    return f"{x:.0f} FLOP/s"
+
+
 def size(n: float, *, exact: bool = False) -> str:
     """Bytes in binary units (KiB, MiB, GiB); `exact`: the shortest exact form (64 KiB, 1.5 MiB,
     for message sizes that are round numbers), falling back to bytes."""

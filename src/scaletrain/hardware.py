@@ -4,9 +4,11 @@ Figures are the vendors' datasheet numbers for dense (not 2:4-sparse) math; link
 are per GPU and per direction. `inter_node_GBps` is the typical NIC of machines built around
 that GPU (one NIC per GPU); a cluster TOML can override any field.
 
-For a CPU there is no datasheet we can trust, so its peak is measured once with a matmul
-probe (the best of several sizes and runs) and cached; when training then runs faster than
-the cached figure, the trainer raises it (`raise_cpu_peak`), so a logged MFU never tops 100%.
+For a CPU there is no datasheet we can trust, so its peak is measured with a matmul probe (the
+best of several sizes and runs) on all the cores this process may run on — the cores the local
+ranks share — once per CPU, core count, torch version and dtype, and cached in the user's cache
+folder. The same probe gives the same kind of figure every time: nothing a run does changes it,
+so an MFU does not depend on past runs (`cpu_peak_flops`, `describe_cpu_peak`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ class Hardware:
     inter_node_GBps: float = 0.0  # per GPU, one direction (its NIC)
     bus_GBps: float = 0.0  # measured bus bandwidth inside a node (scaletrain bench comms); 0 = from intra_node_GBps
     efficiency: float = 0.0  # fraction of dense peak large matmuls reach in training; 0 = 0.6
+    host_memory_GB: float = 0.0  # RAM of one node (what offloading fills), 10^9 bytes; 0 = unknown, not checked
+
+    @property
+    def host_memory_bytes(self) -> int:
+        return int(self.host_memory_GB * 1e9)
 
     @property
     def memory_bytes(self) -> int:
@@ -55,9 +62,9 @@ class Hardware:
         return self.peak_tflops[dtype] * TFLOPS
 
 
-def _gpu(name, memory_GB, fp32, tf32, bf16, fp16, fp8, hbm, intra, inter, eff) -> Hardware:
+def _gpu(name, memory_GB, fp32, tf32, bf16, fp16, fp8, hbm, intra, inter, eff, host) -> Hardware:
     peaks = {k: v for k, v in dict(fp32=fp32, tf32=tf32, bf16=bf16, fp16=fp16, fp8=fp8).items() if v}
-    return Hardware(name, memory_GB, peaks, hbm, intra, inter, efficiency=eff)
+    return Hardware(name, memory_GB, peaks, hbm, intra, inter, efficiency=eff, host_memory_GB=host)
 
 
 # `eff`: the fraction of dense peak a large training matmul reaches. Fitted, not evidence:
@@ -69,17 +76,19 @@ def _gpu(name, memory_GB, fp32, tf32, bf16, fp16, fp8, hbm, intra, inter, eff) -
 #         parts, so they are held out, not fitted (plan/published.py).
 # H200 and B200 take the H100's figure, the others are stated guesses, not fits (docs/planner.md,
 # "Calibration").
-# name                 mem    fp32  tf32   bf16    fp16    fp8     HBM GB/s  NVLink/PCIe  NIC   eff
+# `host`: the RAM of a typical node of 8 (DGX-1 512 GB, DGX A100 1 or 2 TB, DGX H100/H200/B200
+# 2 TB; 256 GB for a server of consumer cards), what offloading can fill: stated, not measured.
+# name                 mem    fp32  tf32   bf16    fp16    fp8     HBM GB/s  NVLink/PCIe  NIC   eff   host GB
 CATALOG: dict[str, Hardware] = {h.name: h for h in [
-    _gpu("V100-32GB",       32,  15.7, None,  None,   125.0,  None,    900,  150,  12.5, 0.55),
-    _gpu("A100-40GB",       40,  19.5, 156.0, 312.0,  312.0,  None,   1555,  300,  25.0, 0.70),
-    _gpu("A100-80GB",       80,  19.5, 156.0, 312.0,  312.0,  None,   2039,  300,  25.0, 0.70),
-    _gpu("H100-SXM",        80,  67.0, 494.5, 989.4,  989.4,  1978.9, 3350,  450,  50.0, 0.535),
-    _gpu("H100-PCIe",       80,  51.2, 378.0, 756.0,  756.0,  1513.0, 2000,   64,  50.0, 0.535),
-    _gpu("H200",           141,  67.0, 494.5, 989.4,  989.4,  1978.9, 4800,  450,  50.0, 0.535),
-    _gpu("B200",           180,  75.0, 1125., 2250.0, 2250.0, 4500.0, 8000,  900,  50.0, 0.535),
-    _gpu("RTX-3090",        24,  35.6, 35.6,  71.0,   71.0,   None,    936,   32,  12.5, 0.65),
-    _gpu("RTX-4090",        24,  82.6, 82.6,  165.2,  165.2,  None,   1008,   32,  12.5, 0.65),
+    _gpu("V100-32GB",       32,  15.7, None,  None,   125.0,  None,    900,  150,  12.5, 0.55,   512),
+    _gpu("A100-40GB",       40,  19.5, 156.0, 312.0,  312.0,  None,   1555,  300,  25.0, 0.70,  1024),
+    _gpu("A100-80GB",       80,  19.5, 156.0, 312.0,  312.0,  None,   2039,  300,  25.0, 0.70,  2048),
+    _gpu("H100-SXM",        80,  67.0, 494.5, 989.4,  989.4,  1978.9, 3350,  450,  50.0, 0.535, 2048),
+    _gpu("H100-PCIe",       80,  51.2, 378.0, 756.0,  756.0,  1513.0, 2000,   64,  50.0, 0.535, 1024),
+    _gpu("H200",           141,  67.0, 494.5, 989.4,  989.4,  1978.9, 4800,  450,  50.0, 0.535, 2048),
+    _gpu("B200",           180,  75.0, 1125., 2250.0, 2250.0, 4500.0, 8000,  900,  50.0, 0.535, 2048),
+    _gpu("RTX-3090",        24,  35.6, 35.6,  71.0,   71.0,   None,    936,   32,  12.5, 0.65,   256),
+    _gpu("RTX-4090",        24,  82.6, 82.6,  165.2,  165.2,  None,   1008,   32,  12.5, 0.65,   256),
 ]}
 
 # substrings of torch.cuda.get_device_name() -> catalog entry
@@ -136,21 +145,38 @@ def dtype_key(dtype: torch.dtype, tf32: bool = False) -> str:
 
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype, tf32: bool = False) -> tuple[float, str]:
-    """Dense peak FLOP/s of `device` for matmuls in `dtype`, and where the figure came from."""
+    """Dense peak FLOP/s of `device` for matmuls in `dtype` (a CPU: the whole CPU, which its local
+    ranks share), and where the figure came from, in words."""
     key = dtype_key(dtype, tf32)
     if device.type == "cuda":
         hw = cuda_hardware(device.index or 0)
         if hw is not None and key in hw.peak_tflops:
-            return hw.peak_tflops[key] * TFLOPS, f"catalog:{hw.name}"
-        return measure_matmul_peak(device, dtype), "measured"
-    return cpu_peak_flops(dtype), "measured (cached)"
+            return hw.peak_tflops[key] * TFLOPS, f"{hw.name}'s dense {key} peak (catalog)"
+        return measure_matmul_peak(device, dtype), f"{torch.cuda.get_device_name(device)}'s {key} matmul peak (measured)"
+    return cpu_peak_flops(dtype), describe_cpu_peak(dtype)
 
 
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] | None = None,
-                        runs: int = 3, seconds: float = 1.2) -> float:
+                        runs: int = 5, seconds: float = 1.2) -> float:
     """Best observed FLOP/s of square matmuls on `device`: `runs` timed runs at each size, the
     sizes in increasing order, within about `seconds` (a size whose runs would not fit is left
-    out, but the smallest is always measured)."""
+    out, but the smallest is always measured). On a CPU with several threads, also on one
+    thread, in half the time each: more threads only add FLOP/s, so a threaded measurement that
+    other processes slowed (one stalled thread stalls the whole matmul) never sets the peak
+    below what one core reaches."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        return _probe(device, dtype, sizes, runs, seconds)
+    best = _probe(device, dtype, sizes, runs, seconds / 2)
+    torch.set_num_threads(1)
+    try:
+        return max(best, _probe(device, dtype, sizes, runs, seconds / 2))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _probe(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] | None, runs: int,
+           seconds: float) -> float:
     sizes = sizes or ((256, 512, 1024) if device.type == "cpu" else (1024, 2048, 4096))
     deadline = time.perf_counter() + seconds
     best, last_run_s, last_n = 0.0, 0.0, 0
@@ -196,15 +222,28 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity; all of them if the OS does not say)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _cpu_key(dtype: torch.dtype) -> str:
-    return f"{_cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype}"
+    # probe=2: the probe on every core (with one core's as its floor); older entries are not read
+    return f"{_cpu_name()}|cores={cpu_cores()}|torch={torch.__version__}|{dtype}|probe=2"
+
+
+def cpu_peak_file() -> Path:
+    return _cache_dir() / "cpu_peak.json"
 
 
 @contextlib.contextmanager
 def _peak_cache():
     """The CPU peak cache as a dict, under a file lock (ranks on one host share the file);
     what the block leaves in the dict is written back atomically (temporary file + rename)."""
-    path = _cache_dir() / "cpu_peak.json"
+    path = cpu_peak_file()
     lock = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -233,40 +272,44 @@ def _peak_cache():
 
 
 def cpu_peak_flops(dtype: torch.dtype) -> float:
-    """The CPU's matmul FLOP/s at the current thread count, probed once and cached on disk."""
+    """The whole CPU's matmul FLOP/s in `dtype`: the probe run on every core this process may use
+    (one thread per core, whatever this process's own thread count), once, then read from the
+    cache. Ranks on one host wait for the first one's probe (the cache's lock) and share its figure."""
     key = _cpu_key(dtype)
     with _peak_cache() as cache:
         if isinstance(cache.get(key), (int, float)) and cache[key] > 0:
             return float(cache[key])
-        cache[key] = measure_matmul_peak(torch.device("cpu"), dtype)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(cpu_cores())
+        try:
+            cache[key] = measure_matmul_peak(torch.device("cpu"), dtype)
+        finally:
+            torch.set_num_threads(threads)
         return cache[key]
 
 
-def raise_cpu_peak(dtype: torch.dtype, achieved_flops: float) -> float:
-    """Record that this CPU reached `achieved_flops` in `dtype` (e.g. in a training step that
-    beat the probe); returns the peak now cached, max(cached, achieved). Never lowers it."""
-    key = _cpu_key(dtype)
-    with _peak_cache() as cache:
-        old = cache.get(key)
-        peak = max(float(old) if isinstance(old, (int, float)) else 0.0, float(achieved_flops))
-        cache[key] = peak
-        return peak
+def describe_cpu_peak(dtype: torch.dtype) -> str:
+    """Where a CPU peak comes from, in words (for the line that says what MFU is measured against)."""
+    return (f"the CPU's {dtype_key(dtype)} matmul peak on its {cpu_cores()} core(s) (a probe, run once and cached "
+            f"in {cpu_peak_file()})")
 
 
 def local_hardware(device: torch.device) -> Hardware:
     """The device at hand as a catalog entry: a known GPU from the catalog (its memory as the
     driver reports it), an unknown GPU or the CPU measured here. For a CPU the link and memory
     bandwidths are rough stated figures (loopback TCP between local ranks)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         known = cuda_hardware(device.index or 0)
         if known is not None:
             return Hardware(known.name, props.total_memory / 1e9, known.peak_tflops, known.memory_GBps,
-                            known.intra_node_GBps, known.inter_node_GBps, efficiency=known.efficiency)
+                            known.intra_node_GBps, known.inter_node_GBps, efficiency=known.efficiency,
+                            host_memory_GB=ram)
         peaks = {k: measure_matmul_peak(device, dt) / TFLOPS
                  for k, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))}
-        return Hardware(torch.cuda.get_device_name(device), props.total_memory / 1e9, peaks, 500.0, 25.0, 12.5)
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+        return Hardware(torch.cuda.get_device_name(device), props.total_memory / 1e9, peaks, 500.0, 25.0, 12.5,
+                        host_memory_GB=ram)
     peaks = {"fp32": cpu_peak_flops(torch.float32) / TFLOPS, "bf16": cpu_peak_flops(torch.bfloat16) / TFLOPS}
     peaks["tf32"] = peaks["fp32"]
     peaks["fp16"] = peaks["bf16"]

@@ -148,7 +148,16 @@ def prepare_worker(cfg: JobConfig, layout: Layout | None = None) -> tuple[JobCon
     """Join the process group and build the mesh of `layout`: cfg's, derived where the job started
     (scaletrain's launcher hands every rank both), or, when it is not given, cfg's derived here;
     under torchrun, where each rank starts on its own, rank 0 resolves `parallel.layout = auto`
-    and every rank gets its config and layout. Returns the config as it will run."""
+    and every rank gets its config and layout. Returns the config as it will run.
+
+    Without a launcher (plain `python script.py`: no RANK in the environment) this process is
+    the whole job: one rank, `parallel.layout = auto` resolved for it."""
+    if not is_worker():
+        from scaletrain.plan.auto import resolve
+
+        if layout is None:
+            cfg, layout = resolve(cfg, 1, pick_device(cfg.train.device))
+        return cfg, single_process(cfg, layout)
     die_with_launcher()
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])

@@ -13,11 +13,27 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from scaletrain.data.prepare import FORMAT, META_FILE
+from scaletrain.data.prepare import FORMAT, META_FILE, SUFFIXES
 from scaletrain.data.tokenizer import ByteTokenizer, load_tokenizer
 from scaletrain.errors import DataError
 
 VALID_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+def how_to_prepare(folder: Path) -> str:
+    """The commands that make `folder`, which holds no prepared data, trainable — ones that work
+    as printed: a folder of raw text is prepared into a new folder beside it (prepare never
+    writes into a folder that holds files); a missing or empty folder can be prepare's output."""
+    raw = folder.is_dir() and any(f.is_file() and f.suffix in SUFFIXES for f in folder.rglob("*"))
+    if not raw:
+        return f"prepare the data first with `scaletrain prepare INPUT... --out {folder}`"
+    base = folder if folder.name else folder.resolve()  # "." has no name to extend
+    out = base.with_name(f"{base.name}-tokens")
+    n = 2
+    while out.exists():
+        out, n = base.with_name(f"{base.name}-tokens-{n}"), n + 1
+    return (f"it holds raw text: prepare it into a new folder with `scaletrain prepare {folder} --out {out}`, "
+            f"then train with --data.path={out}")
 
 
 class TokenData:
@@ -82,8 +98,7 @@ class TokenData:
         folder = Path(folder)
         meta_path = folder / META_FILE
         if not meta_path.is_file():
-            raise DataError(f"{folder}: no {META_FILE}; prepare the data first with "
-                            f"`scaletrain prepare INPUT... --out {folder}`")
+            raise DataError(f"{folder}: no {META_FILE}; {how_to_prepare(folder)}")
         try:
             meta = json.loads(meta_path.read_text())
         except json.JSONDecodeError as e:

@@ -208,3 +208,117 @@ def load_tokenizer(meta_tokenizer: dict, folder: Path):
                                 "re-run scaletrain prepare")
         return HFTokenizer.from_hf_folder(folder, read_model_config=False)
     raise DataError(f"{folder}: unknown tokenizer kind {kind!r} in the metadata; re-run scaletrain prepare")
+
+
+# --------------------------------------------------------------------------------------------
+# Which tokenizer: the identity of a vocabulary (data folders, exports, model.init_from)
+
+
+def byte_chars() -> list[str]:
+    """The printable character that byte-level BPE (`tokenizers`' ByteLevel) shows for each byte:
+    printable Latin-1 bytes stand for themselves, the others take code points from 256 up."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def _identity(vocab: dict[str, int]) -> str:
+    """A vocabulary's identity: how many ids it has and a hash of which text each id stands for."""
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()).hexdigest()[:16]
+    return f"{max(vocab.values(), default=-1) + 1}:{digest}"
+
+
+def byte_identity() -> str:
+    """The identity of scaletrain's byte-level tokenizer (as its exported tokenizer.json shows it)."""
+    return _identity({c: b for b, c in enumerate(byte_chars())})
+
+
+def tokenizer_json_identity(text: str) -> str | None:
+    """The identity of a `tokenizers` tokenizer.json: its model's vocabulary and its added tokens."""
+    try:
+        tok = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    model = tok.get("model") if isinstance(tok, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    if isinstance(vocab, list):  # Unigram: [[piece, score], ...] in id order
+        vocab = {entry[0]: i for i, entry in enumerate(vocab) if isinstance(entry, list) and entry}
+    if not isinstance(vocab, dict):
+        return None
+    vocab = {str(k): int(v) for k, v in vocab.items() if isinstance(v, int)}
+    for added in tok.get("added_tokens") or []:
+        if isinstance(added, dict) and isinstance(added.get("content"), str) and isinstance(added.get("id"), int):
+            vocab[added["content"]] = added["id"]
+    return _identity(vocab)
+
+
+def identity_of_data(data_path: str) -> str | None:
+    """The identity of a prepared data folder's tokenizer (empty path: the built-in byte-level
+    data); None when the folder does not say."""
+    if not data_path:
+        return byte_identity()
+    folder = Path(data_path)
+    try:
+        described = json.loads((folder / "meta.json").read_text())["tokenizer"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    kind = described.get("kind") if isinstance(described, dict) else None
+    if kind == "byte":
+        return byte_identity()
+    name = described.get("file", TOKENIZER_FILE)
+    if not isinstance(name, str) or Path(name).name != name or not (folder / name).is_file():
+        return None
+    return tokenizer_json_identity((folder / name).read_text(encoding="utf-8", errors="replace"))
+
+
+def identity_of_weights(path: str | Path) -> str | None:
+    """The identity of the tokenizer that weights to start from (model.init_from) were trained
+    with: the tokenizer.json of a model folder (an `export --format hf`, a Hugging Face model), or
+    what a `scaletrain export` safetensors file records; None when they do not say."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".safetensors":
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(p), "pt") as f:
+                recorded = (f.metadata() or {}).get("scaletrain.tokenizer")
+        except Exception:  # an unreadable header is reported by the weights' own loading
+            return None
+        if recorded:
+            return recorded
+        p = p.parent
+    folder = p if p.is_dir() else p.parent
+    if (folder / TOKENIZER_FILE).is_file():
+        return tokenizer_json_identity((folder / TOKENIZER_FILE).read_text(encoding="utf-8", errors="replace"))
+    return None
+
+
+def describe_identity(identity: str) -> str:
+    size = identity.split(":", 1)[0]
+    kind = "byte-level" if identity == byte_identity() else "a vocabulary of"
+    return f"{kind} {int(size):,} tokens" if kind != "byte-level" else "byte-level, 256 tokens"
+
+
+def check_same_tokenizer(init_from: str, data_path: str) -> None:
+    """Refuse to start from weights (model.init_from) trained with another tokenizer than the
+    data's: every token id would stand for other text. Weights that do not say which tokenizer
+    they were trained with pass unchecked."""
+    theirs, ours = identity_of_weights(init_from), identity_of_data(data_path)
+    if theirs is None or ours is None or theirs == ours:
+        return
+    data = data_path or "the built-in data"
+    folder = Path(init_from) if Path(init_from).is_dir() else Path(init_from).parent
+    how = (f"scaletrain prepare INPUT... --out NEW_FOLDER --tokenizer {folder}" if (folder / TOKENIZER_FILE).is_file()
+           else "the tokenizer of the run it was exported from")
+    raise DataError(f"model.init_from {init_from} was trained with another tokenizer ({describe_identity(theirs)}) "
+                    f"than data.path {data} ({describe_identity(ours)}): its token ids would stand for other text; "
+                    f"prepare the data with its tokenizer ({how}), or start from weights trained on this data's "
+                    "tokenizer")

@@ -15,9 +15,9 @@ from typing import Any
 from scaletrain.errors import ConfigError
 from scaletrain.hardware import Hardware, lookup
 from scaletrain.plan.memory_model import GiB, ParamCounts, module_memory
-from scaletrain.plan.options import derive_layout
-from scaletrain.plan.search import (Evaluated, evaluate, explain, layout_errors, search, slow_link,
-                                    workers_comparison)
+from scaletrain.plan.options import config_key, derive_layout, fixed_fields
+from scaletrain.plan.search import (Evaluated, enumerate_layouts, evaluate, explain, layout_errors, rank_key, search,
+                                    slow_link, workers_comparison)
 from scaletrain.plan.spec import Cluster, Layout, ModelSource, Workload, load_model
 from scaletrain.plan.time_model import estimate_module_time
 from scaletrain.vocab import ZERO_STAGES
@@ -79,7 +79,9 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
             raise ConfigError(*(f"layout {fixed.describe()}: {e}" for e in errors))
         ev = evaluate(src.cfg, wl, cluster, fixed, gpu=gpu, activations=activations)
         result["layouts"] = [ev]
-        result["explanation"] = [f"{fixed.describe()}: " + ("fits" if ev.fits else ev.why_not[0])]
+        result["explanation"] = [f"{fixed.describe()}: " + ("fits" if ev.fits else "; ".join(ev.why_not))]
+        if not ev.fits and not isinstance(layout, Layout):  # what else the keys given allow
+            result["explanation"].append(_keeping(layout, fixed, src.cfg, wl, cluster, gpu))
         if workers > 1:
             result["explanation"] += workers_comparison(src.cfg, wl, cluster, fixed, candidates, gpu=gpu)
         return result
@@ -111,6 +113,35 @@ def _check_workers(workers: int, link: float | None, world: int) -> None:
         raise ConfigError(f"--workers-link must be a positive bandwidth in GB/s, got {link:g}")
     if world % workers:
         raise ConfigError(f"--workers {workers} does not divide the cluster's {world} GPUs into equal sites")
+
+
+def _keeping(given: dict, fixed: Layout, cfg, wl: Workload, cluster: Cluster, gpu: bool) -> str:
+    """When the layout the keys given derive does not fit: the search over the layouts that keep
+    those keys (the rest free), its fastest that fits or, if none does, its leanest."""
+    kept = fixed_fields(given)
+    candidates = {replace(lay, **{f: getattr(fixed, f) for f in kept}) for lay in
+                  enumerate_layouts(cfg, wl, cluster, offload=gpu)}
+    ranked = sorted((evaluate(cfg, wl, cluster, lay, gpu=gpu) for lay in candidates
+                     if not layout_errors(cfg, wl, cluster, lay)), key=rank_key)
+    keys = ", ".join(f"{config_key(f)}={_text(getattr(fixed, f))}" for f in sorted(kept))
+    if not ranked:
+        return f"No other layout keeps {keys}."
+    best = ranked[0]
+    if best.fits:
+        options = ""
+        if best.layout.cp == 1:  # the options that train it (a cp layout is for other engines)
+            now = fixed.config_overrides() if fixed.cp == 1 else {}
+            options = ": " + " ".join(f"--{k}={_text(v)}" for k, v in best.layout.config_overrides().items()
+                                      if now.get(k) != v)
+        return (f"Keeping {keys}, {best.layout.describe()} fits ({best.memory.total / GiB:.1f} GiB per GPU, "
+                f"{best.time.tokens_per_s:,.0f} tokens/s), the fastest of {len(ranked):,} that keep them{options}")
+    return (f"No layout that keeps {keys} fits: the leanest of {len(ranked):,} ({best.layout.describe()}) "
+            f"{best.why_not[0]}. Use more GPUs, a shorter sequence or a smaller global batch, or leave those keys "
+            "to the planner.")
+
+
+def _text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def resolve_layout(given: Layout | dict, cluster: Cluster, wl: Workload) -> Layout:
@@ -156,7 +187,7 @@ def _plan_module(src: ModelSource, wl: Workload, cluster: Cluster, layout, top_k
         if not ev.fits:
             ev.why_not.append(f"needs {m.total / GiB:.1f} GiB per GPU of {hw.memory_bytes / GiB:.1f}")
         evaluated.append(ev)
-    evaluated.sort(key=lambda e: (not e.fits, -e.time.tokens_per_s, e.memory.total))
+    evaluated.sort(key=rank_key)
     result["layouts"] = evaluated[:top_k]
     best = evaluated[0]
     result["explanation"] = [f"Best: {best.layout.describe()} — {best.time.tokens_per_s:,.0f} tokens/s "

@@ -55,6 +55,9 @@ def resolve(cfg: JobConfig, world: int, device: torch.device, *, gpus_per_node: 
     if cfg.parallel.layout == "auto":
         cfg, best = auto_layout(cfg, world, device, gpus_per_node)
         if note is not None:
-            note(f"parallel.layout=auto chose {best.layout.describe()} (planner: {best.time.tokens_per_s:,.0f} "
-                 f"tokens/s, {best.memory.total / 2**30:.2f} GiB per rank)")
+            # the time model is calibrated on GPUs: on a CPU it ranks layouts but predicts no throughput
+            speed = f"{best.time.tokens_per_s:,.0f} tokens/s, " if device.type == "cuda" else ""
+            note(f"parallel.layout=auto chose {best.layout.describe()} (planner: {speed}"
+                 f"{best.memory.total / 2**30:.2f} GiB per rank"
+                 f"{'; on a CPU it predicts no tokens/s' if device.type != 'cuda' else ''})")
     return cfg, Layout.from_config(cfg, world)

@@ -518,7 +518,7 @@ class Sharding:
 
     n: int  # ranks each state is sharded over: the dp_shard ranks and the cp ranks (or 1)
     zero: int  # the ZeRO stage in effect (0 with nothing to shard over)
-    grad_zero: int  # the stage the gradients' peak follows (ZeRO-2 under accumulation holds them whole: 1)
+    grad_zero: int  # the stage the gradients' peak follows (ZeRO-2 under pipelining holds them whole: 1)
     fsdp_like: bool  # scaletrain's FSDP (zero 3) or FSDP-based replication (zero 0 under tp)
 
 
@@ -530,9 +530,10 @@ def sharding(wl: Workload, layout: Layout) -> Sharding:
     # scaletrain's FSDP (zero 3) and FSDP-based replication (zero 0 with tp) keep fp32 weights
     # (the masters) and cast into compute-dtype buffers of their own
     fsdp_like = wl.engine == "scaletrain" and layout.step_dp > 1 and (zero == 3 or (zero == 0 and layout.tp > 1))
-    # under gradient accumulation the ZeRO-2 engine keeps full gradients until the last
-    # micro-batch's backward reduce-scatters them: its peak is ZeRO-1's
-    grad_zero = 1 if zero == 2 and layout.grad_accum > 1 else zero
+    # the ZeRO-2 engine reduce-scatters every micro-step's gradients into the shards, with or
+    # without accumulation; only under pipelining, where the schedule runs every micro-batch's
+    # backward before the one reduction, does it hold full gradients: its peak is then ZeRO-1's
+    grad_zero = 1 if zero == 2 and layout.grad_accum > 1 and layout.pp > 1 else zero
     return Sharding(n, zero, grad_zero, fsdp_like)
 
 

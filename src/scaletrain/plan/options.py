@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from scaletrain.config import SECTIONS, JobConfig, from_dict, parse_override_args, read_toml
+from scaletrain.config import SECTIONS, JobConfig, from_dict, parse_override_args, read_config_file
 from scaletrain.errors import ConfigError
 from scaletrain.layout import Layout
 from scaletrain.options import coerce
@@ -72,6 +72,30 @@ SIZES = ("tp", "pp", "dp_replicate", "dp_shard", "micro_batch", "grad_accum", "p
 
 def alias_of(key: str) -> str | None:
     return next((flag for flag, k in ALIASES.items() if k == key), None)
+
+
+# the Layout field a layout key becomes (the others keep their names)
+FIELD_OF = {"parallel.pp_microbatches": "grad_accum"}
+# values of the config's that derive rather than fix (dp_shard: the remaining ranks; 0: from the triad)
+DERIVES = {"parallel.dp_shard": -1, "train.micro_batch": 0, "train.grad_accum": 0, "parallel.pp_microbatches": 0}
+
+
+def config_key(field: str) -> str:
+    """The config key of a Layout field (cp: the planner's own)."""
+    return next((k for k, f in FIELD_OF.items() if f == field), None) or \
+        next((k for k in LAYOUT_KEYS if k.partition(".")[2] == field), field)
+
+
+def fixed_fields(given: Mapping[str, Any]) -> set[str]:
+    """The Layout fields that the layout options `given` (any of derive_layout's names) fix; a
+    value that asks for derivation (dp_shard -1, a batch size 0) fixes nothing."""
+    out = set()
+    for name, value in given.items():
+        key = "cp" if name == "cp" else name if name in LAYOUT_KEYS else LAYOUT_NAMES.get(name)
+        if key is None or (key in DERIVES and value == DERIVES[key]):
+            continue
+        out.add(FIELD_OF.get(key, key.partition(".")[2] or key))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,7 +197,7 @@ def read_request(model: Any, config: str | None, aliases: Mapping[str, Any], ext
                               f"is {key}) to different values; give one of them")
     if errors:
         raise ConfigError(*errors)
-    raw = read_toml(config) if config else {}
+    raw = read_config_file(config) if config else {}
     given = {f"{s}.{k}" for s, body in raw.items() if isinstance(body, Mapping) for k in body}
     given |= set(dotted) | set(by_alias)
     overrides = {**dotted, **by_alias}

@@ -15,7 +15,7 @@ JSON schema (`scaletrain plan --json`), version 1:
          "describe": str,
          "memory": {"params", "grads", "master", "optimizer", "activations", "logits_loss",
                     "comm_buffers", "reserve", "total", "host"},          # bytes per rank
-         "fits": bool, "capacity": int,
+         "fits": bool, "capacity": int, "host_capacity": int,   # host: bytes per GPU, 0 = unknown
          "step_time_s": float, "tokens_per_s": float, "mfu": float,
          "time": {compute_s, tp_comm_s, cp_comm_s, pp_comm_s, dp_comm_s, dp_exposed_s, bubble_s,
                   optimizer_s, step_time_s, tokens_per_s, mfu, model_flops, hardware_flops,
@@ -91,9 +91,12 @@ def breakdown(e: Evaluated) -> str:
             label = f"reserve ({int(100 * RESERVE_FRACTION)}% + runtime)"
         lines.append(f"  {label:<26}{v / GiB:>9.2f} GiB")
     lines.append(f"  {'total':<26}{m.total / GiB:>9.2f} GiB of {e.capacity / GiB:.2f}"
-                 + ("" if e.fits else "  — DOES NOT FIT"))
+                 + ("" if m.total <= e.capacity else "  — DOES NOT FIT"))
     if m.host:
-        lines.append(f"  {'in host memory (offload)':<26}{m.host / GiB:>9.2f} GiB")
+        of = f" of {e.host_capacity / GiB:.2f} (the GPU's share of its node's RAM)" if e.host_capacity else \
+            " (the node's RAM is unknown: not checked)"
+        lines.append(f"  {'in host memory (offload)':<26}{m.host / GiB:>9.2f} GiB{of}"
+                     + ("" if e.host_fits else "  — DOES NOT FIT"))
     lines.append("time per step:")
     for label, v in (("compute", t.compute_s), ("tensor-parallel comm", t.tp_comm_s),
                      *((("context-parallel (exposed)", t.cp_comm_s),) if e.layout.cp > 1 else ()),

@@ -29,14 +29,21 @@ class Evaluated:
     time: TimeBreakdown
     capacity: int
     why_not: list[str] = field(default_factory=list)
+    host_capacity: int = 0  # host memory per GPU (its share of the node's RAM) for offloaded states; 0 = unknown
 
     @property
     def fits(self) -> bool:
-        return self.memory.total <= self.capacity
+        return self.memory.total <= self.capacity and self.host_fits
+
+    @property
+    def host_fits(self) -> bool:
+        """What offloading moves to the host fits the GPU's share of its node's RAM (unknown RAM: not checked)."""
+        return not self.memory.host or not self.host_capacity or self.memory.host <= self.host_capacity
 
     def to_dict(self) -> dict:
         return {"layout": self.layout.to_dict(), "describe": self.layout.describe(),
                 "memory": self.memory.as_dict(), "fits": self.fits, "capacity": self.capacity,
+                "host_capacity": self.host_capacity,
                 "step_time_s": self.time.step_time_s, "tokens_per_s": self.time.tokens_per_s, "mfu": self.time.mfu,
                 "time": self.time.as_dict(), "why_not": self.why_not}
 
@@ -127,10 +134,14 @@ def evaluate(cfg: ModelConfig, wl: Workload, cluster: Cluster, layout: Layout, *
              activations: str = "formula", reserve_fraction: float | None = None) -> Evaluated:
     memory = estimate_memory(cfg, wl, layout, cluster, gpu=gpu, activations=activations)
     t = estimate_time(cfg, wl, layout, cluster)
-    capacity = cluster.hardware.memory_bytes
-    ev = Evaluated(layout, memory, t, capacity)
-    if not ev.fits:
-        ev.why_not.append(_why_it_does_not_fit(memory, capacity))
+    hw, n = cluster.hardware, cluster.gpus_per_node
+    ev = Evaluated(layout, memory, t, hw.memory_bytes, host_capacity=hw.host_memory_bytes // n)
+    if memory.total > hw.memory_bytes:
+        ev.why_not.append(_why_it_does_not_fit(memory, hw.memory_bytes))
+    if not ev.host_fits:
+        ev.why_not.append(f"needs {memory.host / GiB:.1f} GiB of host memory per GPU for the offloaded model states "
+                          f"({n * memory.host / GiB:.1f} GiB on a node of {n}) but the node has "
+                          f"{hw.host_memory_bytes / GiB:.1f} GiB of RAM (hardware {hw.name}'s host_memory_GB)")
     return ev
 
 
@@ -152,13 +163,22 @@ def search(cfg: ModelConfig, wl: Workload, cluster: Cluster, *, top_k: int = 10,
     if not results:
         raise ConfigError(f"no layout of {cluster.world} GPUs divides the global batch of {wl.global_batch} "
                           f"and the model's heads/layers; change the global batch or the cluster")
-    results.sort(key=lambda e: (not e.fits, -e.time.tokens_per_s, e.memory.total))
+    results.sort(key=rank_key)
     stats = {"layouts": len(results), "fit": sum(e.fits for e in results), "seconds": time.perf_counter() - t0}
     if activations == "traced":  # re-check the leaders with activations counted on the actual model
         leaders = [evaluate(cfg, wl, cluster, e.layout, gpu=gpu, activations="traced") for e in results[:top_k]]
-        leaders.sort(key=lambda e: (not e.fits, -e.time.tokens_per_s, e.memory.total))
+        leaders.sort(key=rank_key)
         results = leaders + results[top_k:]
     return results, stats
+
+
+def rank_key(e: Evaluated) -> tuple:
+    """The planner's order: the layouts that fit, fastest first; then those that do not, leanest
+    first (device and offloaded host memory together), so that when none fits the one closest
+    to fitting leads."""
+    if e.fits:
+        return (0, -e.time.tokens_per_s, e.memory.total)
+    return (1, e.memory.total + e.memory.host, -e.time.tokens_per_s)
 
 
 def explain(best: Evaluated, ranked: list[Evaluated], cfg: ModelConfig, wl: Workload, cluster: Cluster,
@@ -185,7 +205,9 @@ def explain(best: Evaluated, ranked: list[Evaluated], cfg: ModelConfig, wl: Work
             z = max(lower)
             lines.append(f"ZeRO-{lay.zero} because ZeRO-{z} would need {others[z].memory.total / GiB:.1f} GiB per GPU "
                          f"(model states alone {others[z].memory.model_states / GiB:.1f} GiB); sharding brings the "
-                         f"model states to {best.memory.model_states / GiB:.1f} GiB.")
+                         f"model states to {best.memory.model_states / GiB:.1f} GiB"
+                         + (f" on the GPU, with {best.memory.host / GiB:.1f} GiB per GPU offloaded to host memory."
+                            if best.memory.host else "."))
         elif lower:
             z = max(z for z in lower if others[z].fits)
             o = others[z]

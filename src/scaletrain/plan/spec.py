@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config import from_dict, read_toml
+from scaletrain.config import from_dict, read_config_file
 from scaletrain.model.config import ModelConfig
 from scaletrain.errors import ConfigError
 from scaletrain.layout import Layout  # noqa: F401 - the one Layout, re-exported for the planner
@@ -113,7 +113,7 @@ def load_model(source: Any) -> ModelSource:
     if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face model folder
         path = path / "config.json"
     if path.suffix == ".toml":
-        raw = read_toml(path)
+        raw = read_config_file(path)
         section = raw.get("model", raw)
         # an optional [plan] table names how the run is trained, beside the model's shape
         run = raw.get("plan", {}) if "model" in raw else {}

@@ -462,7 +462,7 @@ def read_trainer_state(path: Path) -> dict:
     f = path / TRAINER_FILE
     if not path.is_dir() or not f.is_file() or not (path / ".metadata").is_file():
         raise CheckpointError(f"{path} is not a complete scaletrain checkpoint (it needs {TRAINER_FILE} and "
-                              ".metadata); pick a step_* folder written by scaletrain")
+                              ".metadata); pick a step_* folder written by scaletrain, or a run folder that holds one")
     try:
         state = json.loads(f.read_text())
     except json.JSONDecodeError as e:
@@ -586,7 +586,7 @@ def resume_trainer(t, path: Path) -> dict:
     """Load checkpoint `path` into Trainer `t`, after checking it was saved for this model, data
     and batch; returns the checkpoint's trainer state."""
     state = read_trainer_state(path)
-    t.folder.check_resumable(path, state, global_batch=t.layout.global_batch, data=t.data)
+    t.folder.check_resumable(path, state, global_batch=t.layout.global_batch, data=t.data, peak_lr=t.lr)
     check_sync(path, state, t.layout)
     if t.outer is not None:
         t.outer.prepare_load(state["outer"])
@@ -607,3 +607,28 @@ def resume_trainer(t, path: Path) -> dict:
     t.resumed_from = path
     load_rng(path, t.rank, t.world_size, state["world_size"])
     return state
+
+
+def checkpoint_of(path: str | Path, report=print) -> Path:
+    """The checkpoint that `eval` and `export` take from `path`: a checkpoint folder itself, or,
+    for a run folder (or its checkpoint folder), its newest complete checkpoint on the lineage
+    training continues from that verifies (said through `report`)."""
+    path = Path(path)
+    if (path / TRAINER_FILE).is_file() or STEP_RE.match(path.name) or not path.is_dir():
+        return path  # read_trainer_state says what is wrong with it, if anything
+    folders = [path / "checkpoints", path]
+    try:  # a run whose checkpoint.dir is elsewhere
+        elsewhere = json.loads((path / "config.json").read_text())["checkpoint"]["dir"]
+        if isinstance(elsewhere, str) and elsewhere:
+            folders.insert(0, Path(elsewhere))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    for folder in folders:
+        if complete_checkpoints(folder):
+            found = find_resumable(folder, report=report)
+            if found is None:
+                raise CheckpointError(f"{path}: no checkpoint in {folder} verifies; give a step_* folder to use one "
+                                      "anyway (each damaged one is named above)")
+            report(f"{path}: its newest complete checkpoint is {found}")
+            return found
+    return path  # neither: read_trainer_state says so

@@ -15,6 +15,7 @@ import torch
 
 from scaletrain import atomic
 from scaletrain.config import from_dict
+from scaletrain.data.tokenizer import identity_of_data
 from scaletrain.errors import CheckpointError, UserError, user_error_from_os
 from scaletrain.model.transformer import Transformer
 from scaletrain.train import checkpoint as ckpt
@@ -33,23 +34,29 @@ def load_model_from_checkpoint(path: str | Path) -> Transformer:
     return model
 
 
-def export_safetensors(path: str | Path, out: str | Path) -> Path:
-    """Write checkpoint `path`'s weights to the file `out`, whole or not at all: they go to a
-    hidden file beside it, renamed when complete and removed on any failure."""
+def export_safetensors(path: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
+    """Write checkpoint `path`'s weights to the file `out` (its folder created if need be), whole
+    or not at all: they go to a hidden file beside it, renamed when complete and removed on any
+    failure; an existing `out` is replaced only with `overwrite`. The file's mode is the umask's."""
     try:
         from safetensors.torch import save_file
     except ImportError:
         raise CheckpointError("export needs the safetensors package: pip install safetensors") from None
     out = Path(out)
-    _check_target(out)  # before the checkpoint is read
+    _check_target(out, overwrite)  # before the checkpoint is read
     model = load_model_from_checkpoint(path)
     # named_parameters lists a tied weight once, under its first name (tok_emb.weight)
     weights = {name: p.detach().contiguous() for name, p in model.named_parameters()}
-    meta = {"scaletrain.model": json.dumps(from_dict(ckpt.read_trainer_state(path)["config"]).to_dict()["model"]),
-            "format": "pt"}
+    cfg = from_dict(ckpt.read_trainer_state(path)["config"])
+    meta = {"scaletrain.model": json.dumps(cfg.to_dict()["model"]), "format": "pt"}
+    tokenizer = identity_of_data(cfg.data.path)
+    if tokenizer is not None:  # which tokenizer the ids mean (model.init_from checks it against its data)
+        meta["scaletrain.tokenizer"] = tokenizer
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         with atomic.replacing(out) as tmp:
             save_file(weights, str(tmp), metadata=meta)
+            atomic.usual_mode(tmp)
     except BaseException as e:
         code = e.errno if isinstance(e, OSError) else _os_error_code(e)
         if code is not None and (error := user_error_from_os(OSError(code, os.strerror(code), str(out)),
@@ -65,14 +72,15 @@ def _os_error_code(e: BaseException) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _check_target(out: Path) -> None:
+def _check_target(out: Path, overwrite: bool = False) -> None:
     if out.is_dir():
         raise UserError(f"--out {out} is a folder; give a file name, e.g. {out / 'model.safetensors'}")
-    if out.exists() or out.is_symlink():
-        raise UserError(f"--out {out} already exists; choose another --out (nothing was overwritten)")
+    if (out.exists() or out.is_symlink()) and not overwrite:
+        raise UserError(f"--out {out} already exists; choose another --out, or add --overwrite to replace it "
+                        "(nothing was overwritten)")
     folder = out.parent
-    if not folder.exists():
-        raise UserError(f"--out {out}: the folder {folder} does not exist; create it or choose another --out")
+    while not folder.exists() and folder.parent != folder:  # created when writing: check where it will be
+        folder = folder.parent
     if not folder.is_dir():
         raise UserError(f"--out {out}: {folder} is a file, not a folder; choose another --out")
     if not os.access(folder, os.W_OK):  # read-only disk or no permission (root passes the latter)

@@ -20,6 +20,7 @@ import torch
 
 from scaletrain import atomic
 from scaletrain.config import from_dict
+from scaletrain.data.tokenizer import byte_chars
 from scaletrain.errors import CheckpointError, ConfigError, DataError
 from scaletrain.model.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, hf_config_from_model, hf_state_dict
 from scaletrain.model.transformer import Transformer
@@ -28,19 +29,22 @@ MAX_SHARD_BYTES = 5 * 2**30  # transformers' own default shard size
 EOT = "<|endoftext|>"
 # our sampling defaults (scaletrain.model.generate), so `generate(do_sample=True)` samples alike
 SAMPLING = {"do_sample": True, "temperature": 0.8, "top_k": 50}
+# the special ids a config.json states: the tokenizer's, or none (null). Never left out: transformers
+# would fill in the family's own (GPT-2's 50256, Llama's 1 and 2), ids of another vocabulary
+SPECIAL_IDS = ("bos_token_id", "eos_token_id")
 
 
 def export_hf(checkpoint_path: str | Path, out_dir: str | Path, *, tokenizer: str | Path | None = None,
-              max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+              max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
     """Write checkpoint `checkpoint_path` as a Hugging Face model folder `out_dir`; returns it.
     The tokenizer is the one of the run's data folder (its `data.path`; the built-in data is
-    byte-level), or that of `tokenizer` (a prepared data folder) when given."""
+    byte-level), or that of `tokenizer` (a prepared data folder) when given. An existing folder
+    is replaced (whole, once the new one is complete) only with `overwrite`."""
     from scaletrain.train import checkpoint as ckpt
     from scaletrain.train.export import load_model_from_checkpoint
 
     path, out = Path(checkpoint_path), Path(out_dir)
-    if out.exists():
-        raise CheckpointError(f"{out} already exists; choose another --out (nothing was overwritten)")
+    _check_out(out, overwrite)
     cfg = from_dict(ckpt.read_trainer_state(path)["config"])
     try:
         hf_config_from_model(cfg.model)
@@ -50,22 +54,29 @@ def export_hf(checkpoint_path: str | Path, out_dir: str | Path, *, tokenizer: st
     data = str(tokenizer) if tokenizer is not None else cfg.data.path
     files = tokenizer_files(data, cfg.model.max_seq_len)  # a missing tokenizer stops us before writing
     model = load_model_from_checkpoint(path)
-    return save_hf(model, out, tokenizer=files, max_shard_bytes=max_shard_bytes)
+    return save_hf(model, out, tokenizer=files, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{out} already exists; choose another --out, or add --overwrite to replace it "
+                              "(nothing was overwritten)")
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"--out {out} is a file; --format hf writes a folder: choose another --out")
 
 
 def save_hf(model: Transformer, out_dir: str | Path, *, tokenizer: dict[str, str] | None = None,
-            max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+            max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
     """Write a plain model as a Hugging Face folder. `tokenizer` maps file names to their text
-    (see `tokenizer_files`); None writes no tokenizer."""
+    (see `tokenizer_files`); None writes no tokenizer (and states no special ids)."""
     try:
         from safetensors.torch import save_file
     except ImportError:
         raise CheckpointError("export needs the safetensors package: pip install safetensors") from None
     out = Path(out_dir)
-    if out.exists():
-        raise CheckpointError(f"{out} already exists; choose another --out (nothing was overwritten)")
+    _check_out(out, overwrite)
     tokenizer = tokenizer or {}
-    ids = json.loads(tokenizer.get("special_ids.json", "{}"))
+    ids = {**dict.fromkeys(SPECIAL_IDS), **json.loads(tokenizer.get("special_ids.json", "{}"))}
     config = hf_config_from_model(model.cfg, **ids)
     weights = hf_state_dict({n: p.detach().float().cpu() for n, p in model.named_parameters()}, model.cfg)
 
@@ -87,6 +98,7 @@ def save_hf(model: Transformer, out_dir: str | Path, *, tokenizer: dict[str, str
         for name, text in tokenizer.items():
             if name != "special_ids.json":
                 (tmp / name).write_text(text)
+        atomic.usual_mode(tmp)  # safetensors writes 0600; the folder's files get the umask's mode
     return out
 
 
@@ -159,20 +171,6 @@ def _files(tokenizer_json: str, max_len: int) -> dict[str, str]:
             "special_ids.json": json.dumps(ids)}
 
 
-def _byte_chars() -> list[str]:
-    """The printable character that byte-level BPE (`tokenizers`' ByteLevel) shows for each byte:
-    printable Latin-1 bytes stand for themselves, the others take code points from 256 up."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = [], 0
-    for b in range(256):
-        if b in keep:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return chars
-
-
 def byte_tokenizer_json() -> str:
     """scaletrain's byte-level tokenizer (token id = UTF-8 byte) as a `tokenizers` tokenizer.json:
     a BPE without merges over the 256 byte characters."""
@@ -180,7 +178,7 @@ def byte_tokenizer_json() -> str:
         import tokenizers as tk
     except ImportError:
         raise DataError("exporting the tokenizer needs the `tokenizers` package: pip install tokenizers") from None
-    vocab = {c: b for b, c in enumerate(_byte_chars())}
+    vocab = {c: b for b, c in enumerate(byte_chars())}
     tok = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = tk.decoders.ByteLevel()

@@ -4,7 +4,9 @@ Steps that evaluate (train.eval_every) add val_loss and val_ppl, shown in Tensor
 val/loss and val/ppl beside train/*.
 
 Only rank 0 writes or prints; other ranks get a `MetricsLogger(enabled=False)` whose methods
-do nothing. `StepMeter` makes a row from the steps since the last one (tokens/s, MFU, the
+do nothing. Everything is written to the log stream (stderr); the run's result — the summary
+table and the sample — also goes to stdout when stdout is not where stderr goes, so
+`scaletrain train ... > result.txt` keeps it. `StepMeter` makes a row from the steps since the last one (tokens/s, MFU, the
 largest peak memory of any rank, data wait); `announce` writes the lines that open a run's log,
 `report_state_bytes` the measured size of the model states.
 """
@@ -12,8 +14,10 @@ largest peak memory of any rank, data wait); `announce` writes the lines that op
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -27,6 +31,11 @@ from scaletrain import fmt
 from scaletrain.hardware import device_peak_flops
 
 REQUIRED_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_bytes", "data_wait_frac")
+
+
+# what peak_mem_bytes counts, by device type, in the words the progress line and summary use
+MEMORY_COUNTED = {"cpu": ("rss", "the process's peak RSS: tensors, the Python and torch runtime, buffers"),
+                  "cuda": ("mem", "the CUDA allocator's peak: tensors on the GPU")}
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -43,10 +52,15 @@ def perplexity(loss: float) -> float:
 
 class MetricsLogger:
     def __init__(self, run_dir: Path | None, total_steps: int, *, enabled: bool = True,
-                 tensorboard: bool = True, progress: str = "auto", stream: IO[str] | None = None):
+                 tensorboard: bool = True, progress: str = "auto", stream: IO[str] | None = None,
+                 result_stream: IO[str] | None = None, device_type: str = "cpu"):
+        """`stream`: the log (stderr); `result_stream`: where the result also goes (stdout), unless
+        it is the log's own destination; `device_type`: what peak memory counts (MEMORY_COUNTED)."""
         self.enabled = enabled
         self.total_steps = total_steps
         self.stream = stream or sys.stderr
+        self.result_stream = result_stream or sys.stdout
+        self.memory_label, self.memory_counted = MEMORY_COUNTED.get(device_type, MEMORY_COUNTED["cuda"])
         self.history: list[dict] = []
         self._jsonl = None
         self._tb = None
@@ -72,6 +86,16 @@ class MetricsLogger:
             self.stream.write(line + "\n")
             self.stream.flush()
 
+    def result(self, line: str) -> None:
+        """A line of the run's result (summary, sample): in the log, and on stdout when that is
+        somewhere else (a file, a pipe)."""
+        if not self.enabled:
+            return
+        self.info(line)
+        if not _same_destination(self.stream, self.result_stream):
+            self.result_stream.write(line + "\n")
+            self.result_stream.flush()
+
     def log(self, row: dict) -> None:
         """Record one step's figures (rank 0 only)."""
         if not self.enabled:
@@ -93,7 +117,7 @@ class MetricsLogger:
         eta = elapsed / max(step, 1) * (self.total_steps - step)
         text = (f"step {step}/{self.total_steps}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
                 f"gnorm {row['grad_norm']:.3f}  {fmt.count(row['tokens_per_s'])} tok/s  "
-                f"mfu {100 * row['mfu']:.1f}%  mem {fmt.count(row['peak_mem_bytes'])}B  "
+                f"mfu {100 * row['mfu']:.1f}%  {self.memory_label} {fmt.size(row['peak_mem_bytes'])}  "
                 f"wait {100 * row['data_wait_frac']:.0f}%")
         if "loss_scale" in row:
             text += f"  scale {row['loss_scale']:g}"
@@ -130,15 +154,15 @@ class MetricsLogger:
             ("wall time", fmt.clock(elapsed)),
             ("tokens/s (mean)", fmt.count(sum(r["tokens_per_s"] for r in steady) / len(steady))),
             ("MFU (mean)", f"{100 * sum(r['mfu'] for r in steady) / len(steady):.1f}%"),
-            ("peak memory", f"{fmt.count(max(r['peak_mem_bytes'] for r in rows))}B"),
+            ("peak memory", f"{fmt.size(max(r['peak_mem_bytes'] for r in rows))} ({self.memory_counted})"),
             ("data wait (mean)", f"{100 * sum(r['data_wait_frac'] for r in steady) / len(steady):.1f}%"),
         ]
         table += [(k, str(v)) for k, v in (extra or {}).items()]
         width = max(len(k) for k, _ in table)
-        self.info("-" * (width + 16))
+        self.result("-" * (width + 16))
         for k, v in table:
-            self.info(f"{k:<{width}}  {v}")
-        self.info("-" * (width + 16))
+            self.result(f"{k:<{width}}  {v}")
+        self.result("-" * (width + 16))
 
     def close(self) -> None:
         """Close the files (idempotent); a flush the disk refuses (it is full) loses only that row."""
@@ -151,17 +175,33 @@ class MetricsLogger:
         self._jsonl = self._tb = None
 
 
+def _same_destination(a: IO[str], b: IO[str]) -> bool:
+    """Whether two streams write to the same file, pipe or terminal."""
+    if a is b:
+        return True
+    try:
+        sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
 class StepMeter:
     """The measured figures of a metrics row, over the steps since the last row (its window):
-    tokens/s, model FLOP/s against the device's peak (MFU; on CPU a probed peak that training
-    beats is raised), the largest peak memory of any rank (one all-reduce, its phase named with
-    `enter`), the share of time spent waiting for data."""
+    tokens/s, model FLOP/s against the device's peak (MFU; a CPU's probed peak is shared by its
+    local ranks: each is measured against its share), the largest peak memory of any rank (one
+    all-reduce, its phase named with `enter`), the share of time spent waiting for data."""
 
     def __init__(self, rt, *, tokens_per_step: int, flops_per_token: float, compute_dtype: torch.dtype,
                  tf32: bool, enter: Callable[[str], None]):
         self.device, self.world_size, self.distributed = rt.device, rt.world_size, rt.distributed
         self.tokens_per_step, self.flops_per_token, self.compute_dtype = tokens_per_step, flops_per_token, compute_dtype
-        self.peak_flops, self.peak_source = device_peak_flops(self.device, compute_dtype, tf32=tf32)
+        peak, source = device_peak_flops(self.device, compute_dtype, tf32=tf32)
+        # the ranks on one CPU share its cores: each rank's peak is its share of the CPU's
+        self.sharing = rt.local_world_size if self.device.type == "cpu" else 1
+        self.peak_flops = peak / self.sharing
+        self.peak_source = (f"MFU is measured against {source}: {fmt.flops(peak)}"
+                            + (f", shared by the {self.sharing} ranks on it" if self.sharing > 1 else ""))
         self.enter = enter
         self.new_window()
 
@@ -192,11 +232,7 @@ class StepMeter:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             peak = int(t.item())
         tokens_per_s = self.tokens / elapsed
-        achieved = self.flops_per_token * tokens_per_s / self.world_size  # model FLOP/s per device
-        if self.device.type == "cpu" and achieved > self.peak_flops:  # the probe missed the true peak: raise it
-            from scaletrain.hardware import raise_cpu_peak
-
-            self.peak_flops = raise_cpu_peak(self.compute_dtype, achieved)
+        achieved = self.flops_per_token * tokens_per_s / self.world_size  # model FLOP/s per rank
         row = {
             "step": step,
             "loss": float(loss),
@@ -252,5 +288,6 @@ def announce(t) -> None:
         n, data = len(t.val_batches), t.val_dataset.data
         say(f"validation: {data.source}, {data.num_tokens:,} tokens; {n} batch(es) = "
             f"{n * b.global_batch:,} windows every {cfg.train.eval_every} steps and at the end")
+    say(t.meter.peak_source)
     if note := t.precision.note():
         say(note)

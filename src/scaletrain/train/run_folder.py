@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import os
 import time
 import uuid
@@ -172,10 +173,11 @@ class RunFolder:
                               "to continue it, or choose another log.run_dir (nothing was changed)")
         return None
 
-    def check_resumable(self, path: Path, state: dict, *, global_batch: int, data) -> None:
+    def check_resumable(self, path: Path, state: dict, *, global_batch: int, data, peak_lr: float | None = None) -> None:
         """Refuse checkpoint `path` (its trainer `state`) if it was saved for another model shape,
         batch, seed, window length, data (unless checkpoint.allow_data_change) or is past
-        train.steps: resuming it would not continue the same run."""
+        train.steps: resuming it would not continue the same run. A learning-rate schedule that
+        differs from the saved one from here on (train.steps raised, say) is said in one line."""
         cfg = self.cfg
         # where the shape and the first weights came from does not matter once the run has a checkpoint
         origin = ("from_hf", "init_from")
@@ -213,6 +215,8 @@ class RunFolder:
         if int(state["step"]) > cfg.train.steps:
             raise CheckpointError(f"{path} is at step {state['step']}, past train.steps={cfg.train.steps}; set "
                                   f"train.steps above {state['step']} to train on, or resume an earlier checkpoint")
+        if peak_lr is not None and (note := schedule_change(state, cfg, peak_lr)):
+            self.notes.append(note)
 
     def take_ownership(self, run_id: str, lineage: list, step: int, resumed_from: Path | None,
                        say: Callable[[str], None]) -> None:
@@ -262,3 +266,56 @@ class RunFolder:
             aside.write_text("".join(line + "\n" for line in dropped))
             self.notes.append(f"rewinding to step {step}: the metrics of steps {step + 1}-{head[1]} are kept in {aside}")
         atomic.write_text(f, "".join(line + "\n" for line in kept))
+
+
+def schedule_change(state: dict, cfg: JobConfig, peak_lr: float) -> str | None:
+    """One line on what the learning-rate schedule becomes when resuming checkpoint `state` under
+    `cfg` (peak `peak_lr`) changes it from the next step on — a longer train.steps stretches the
+    decay, and the learning rate jumps back up — or None when it goes on as saved."""
+    from scaletrain.config import OptimConfig
+    from scaletrain.optim import LRSchedule
+
+    step = int(state["step"])
+    saved_cfg, saved_steps = state["config"].get("optim", {}), state["config"].get("train", {}).get("steps")
+    saved_peak = (state.get("schedule") or {}).get("peak_lr")
+    try:
+        saved_optim = OptimConfig(**{k: v for k, v in saved_cfg.items() if k in OptimConfig.__dataclass_fields__})
+        before = saved_peak * LRSchedule(saved_optim, int(saved_steps))(step)
+    except (TypeError, ValueError):  # a checkpoint from before the schedule was recorded: nothing to compare
+        return None
+    now_schedule = LRSchedule(cfg.optim, cfg.train.steps)
+    after = peak_lr * now_schedule(step)
+    if math.isclose(before, after, rel_tol=1e-9, abs_tol=1e-15):
+        return None
+    changed = [f"{key} {a} -> {b}" for key, a, b in (
+        ("train.steps", saved_steps, cfg.train.steps), ("optim.schedule", saved_optim.schedule, cfg.optim.schedule),
+        ("optim.warmup_steps", saved_optim.warmup_steps, cfg.optim.warmup_steps),
+        ("optim.min_lr_ratio", saved_optim.min_lr_ratio, cfg.optim.min_lr_ratio),
+        ("peak lr", f"{saved_peak:.3g}", f"{peak_lr:.3g}")) if a != b]
+    end = peak_lr * now_schedule(cfg.train.steps - 1)
+    return (f"the learning-rate schedule changed ({', '.join(changed)}): it is now {cfg.optim.schedule} from "
+            f"{peak_lr:.3g} over {cfg.train.steps} steps, so step {step + 1} trains at lr {after:.3g} where the "
+            f"saved schedule gave {before:.3g}, and step {cfg.train.steps} at {end:.3g}; resume with the "
+            "checkpoint's train.steps and optim settings to continue it unchanged")
+
+
+def saved_config(options: dict[str, str]) -> tuple[dict, str] | None:
+    """The config of the run that command-line `options` ({"section.key": text}) resume, as
+    saved, and where it was read: checkpoint.resume=auto in log.run_dir reads the run's
+    config.json; checkpoint.resume=FOLDER reads that checkpoint's own config. None when the
+    options resume nothing that has one (a new run, or a folder without a saved config)."""
+    resume = options.get("checkpoint.resume", "none").strip()
+    if resume == "auto":
+        run_dir = options.get("log.run_dir", "")
+        f = Path(run_dir) / "config.json" if run_dir else None
+        if f is None or not f.is_file():
+            return None
+        try:
+            raw = json.loads(f.read_text())
+        except (OSError, ValueError):
+            raise ConfigError(f"{f}: not a readable config (not valid JSON); restore it, or give the run's config "
+                              "with --config FILE") from None
+        return (raw, str(f)) if isinstance(raw, dict) else None
+    if resume == "none" or not (Path(resume) / ckpt.TRAINER_FILE).is_file():
+        return None  # a missing folder is reported by the config's own check
+    return ckpt.read_trainer_state(Path(resume))["config"], str(Path(resume) / ckpt.TRAINER_FILE)

@@ -17,6 +17,7 @@ model.generate (the sample).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import signal
 import time
@@ -96,6 +97,8 @@ class Trainer:
         rt.layout.check(cfg.model if model is None else None)  # a custom module: tp/pp refused later
         self.rank, self.world_size, self.device = rt.rank, rt.world_size, rt.device
         self.run_dir = Path(cfg.log.run_dir or self._shared(default_run_dir()))
+        if not cfg.log.run_dir:  # the folder it writes, in the config it saves (resuming reads it there)
+            self.cfg = cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, run_dir=str(self.run_dir)))
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.restart = restart
         self.folder = run_folder.RunFolder(self.run_dir, self.ckpt_dir, cfg, self.rank, shared=self._shared,
@@ -116,13 +119,15 @@ class Trainer:
         self.layout = rt.layout  # ranks, batch triad (global = micro × accum × dp), engines
         self._build_data()
         self._build_model(resume_from)
+        # the validation windows (train.eval_every), once the model is known to fit
+        self.val_dataset, self.val_batches = validation_set(cfg, self.layout.global_batch)
         self._build_optimizer()
         self.run_id, self.lineage = self._shared(run_folder.new_identity())
         self.resumed_from: Path | None = None
         self.step = 0
         self.metrics = MetricsLogger(self.run_dir if self.rank == 0 else None, cfg.train.steps,
                                      enabled=self.rank == 0, tensorboard=cfg.log.tensorboard,
-                                     progress=cfg.log.progress, stream=stream)
+                                     progress=cfg.log.progress, stream=stream, device_type=self.device.type)
         self.health = Health(cfg, self.layout, rt, self.metrics, scaler=self.scaler, param_names=self.param_names,
                              custom_loss=self._user_model is not None)
         if resume_from is not None:
@@ -146,7 +151,6 @@ class Trainer:
         self.dataset = WindowDataset(self.data, cfg.data.seq_len)
         self.tokens_per_step = self.layout.global_batch * cfg.data.seq_len  # of the full batch
         self.batch_schedule = self.layout.batch_schedule(cfg.data.seq_len)  # train.batch_rampup, if any
-        self.val_dataset, self.val_batches = validation_set(cfg, self.layout.global_batch)
 
     def _build_model(self, resume_from: Path | None) -> None:
         """Model: built on the meta device (no memory), then parallelized and materialized."""
@@ -180,8 +184,10 @@ class Trainer:
             model = Transformer(cfg.model)
         weights = None  # a new run from existing weights (a resumed one takes the checkpoint's)
         if cfg.model.init_from and resume_from is None:
+            from scaletrain.data.tokenizer import check_same_tokenizer
             from scaletrain.model.hf import load_hf_weights
 
+            check_same_tokenizer(cfg.model.init_from, cfg.data.path)  # the ids must mean the same text
             weights = load_hf_weights(cfg.model.init_from, cfg.model)  # names, shapes checked; read on use
         pm = parallelize(model, cfg, self.rt, self.precision, weights=weights)
         if weights is not None:
@@ -438,7 +444,8 @@ class Trainer:
                     (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps):
                 with self.meter.paused():  # evaluating is not training: tokens/s leaves it out
                     val_loss = guarded(self.evaluate)
-            if self.step % cfg.log.every == 0 or self.step in (1, cfg.train.steps) or val_loss is not None:
+            # a stop (a signal, a fault) logs the step it stopped at: the summary reports that step
+            if self.step % cfg.log.every == 0 or self.step in (1, cfg.train.steps) or val_loss is not None or stop:
                 losses.append(self._log(loss, grad_norm, val_loss))
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                 self.health.enter("checkpoint save")
@@ -509,7 +516,8 @@ class Trainer:
             self.metrics.info("sample: skipped, the model is a custom module (its outputs need not be logits)")
         elif self.rank == 0 or self._sample_on_all_ranks():
             try:
-                self.metrics.info("sample: " + self.sample(self.cfg.train.sample_prompt, self.cfg.train.sample_tokens))
+                self.metrics.result("sample: " + self.sample(self.cfg.train.sample_prompt,
+                                                             self.cfg.train.sample_tokens))
             except Interrupted:
                 self.metrics.info("sample: interrupted by a signal (training finished and was saved)")
 
