@@ -123,7 +123,8 @@ def _prepare(args: argparse.Namespace, extra: list[str]) -> int:
     with os_errors_named({"--out": args.out}):
         meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                        tokenizer_file=args.tokenizer_file, text_key=args.text_key, shard_tokens=args.shard_tokens,
-                       val_fraction=args.val_fraction)
+                       val_fraction=args.val_fraction, workers=args.workers,
+                       progress=None if args.quiet else sys.stderr)
     model_vocab = meta["tokenizer"].get("model_vocab_size")
     padded = f", {model_vocab} in the model" if model_vocab else ""
     print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}, {len(meta['shards'])} shard(s), "
@@ -337,19 +338,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-restarts", type=int, default=0, help="restart the group this often after a failure")
     p.set_defaults(func=_train, takes_overrides=True)
 
-    p = sub.add_parser("prepare", help="tokenize text/jsonl/parquet files into token shards")
-    p.add_argument("inputs", nargs="+", help="files or folders of .txt, .jsonl, .parquet")
+    p = sub.add_parser("prepare", help="tokenize text/jsonl/parquet/Arrow files or a saved dataset into token shards")
+    p.add_argument("inputs", nargs="+", help="files or folders of .txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet, "
+                                             ".arrow, or a folder written by a Hugging Face dataset's save_to_disk")
     p.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
     p.add_argument("--tokenizer", default="byte", metavar="byte|bpe|file|HF_FOLDER",
                    help="byte-level (256 tokens), a BPE trained here, --tokenizer-file, or a Hugging Face model "
                         "folder whose tokenizer.json (and tokenizer_config.json) to use and copy")
     p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size (default 8192)")
     p.add_argument("--tokenizer-file", help="a Hugging Face tokenizer.json (with --tokenizer file)")
-    p.add_argument("--text-key", default="text", help="jsonl field / parquet column with the text")
+    p.add_argument("--text-key", default="text", help="jsonl field / parquet, Arrow or dataset column with the text")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file")
     p.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
                    help="hold out this share of the documents (chosen by a hash of each document's text) as a "
                         "validation split for train.eval_every and scaletrain eval (default 0: none)")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="tokenizer processes (default: every core; inputs under 16 MiB are tokenized in one); the "
+                        "shards are byte-identical whatever N")
+    p.add_argument("--quiet", action="store_true", help="no progress line (MB/s, tokens, ETA) on stderr")
     p.set_defaults(func=_prepare, takes_overrides=False)
 
     p = sub.add_parser("eval", help="a checkpoint's validation loss and perplexity (one process)")
