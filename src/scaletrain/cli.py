@@ -148,6 +148,20 @@ def _eval(args: argparse.Namespace, extra: list[str]) -> int:
     else:
         print(f"val_loss {r['val_loss']:.4f}  val_ppl {r['val_ppl']:.2f}  ({r['data']}, {r['split']}: "
               f"{r['batches']} batch(es) = {r['windows']:,} windows, {r['tokens']:,} tokens; step {r['step']})")
+        for name, loss in r.get("sources", {}).items():
+            print(f"  {name}: val_loss {loss:.4f}")
+    return 0
+
+
+def _generate(args: argparse.Namespace, extra: list[str]) -> int:
+    _no_extra(extra)
+    from scaletrain.train.sample import generate_text
+
+    with os_errors_named({"source": args.source, "--data": args.data or ""}):
+        text = generate_text(args.source, args.prompt, max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, top_k=args.top_k, seed=args.seed, data=args.data,
+                             device=args.device)
+    print(text)
     return 0
 
 
@@ -368,6 +382,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to run the model (default auto: cuda if available)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_eval, takes_overrides=False)
+
+    p = sub.add_parser("generate", help="sample text from a checkpoint or a Hugging Face model folder",
+                       description="Sample text after a prompt, one process, with a key/value cache (each new token "
+                                   "costs one position). The tokenizer is the run's data folder's (or --data's); a "
+                                   "Hugging Face folder's own.")
+    p.add_argument("source", help="a checkpoint folder (runs/.../checkpoints/step_*) or a Hugging Face model folder")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="below 1: more predictable; above: more varied "
+                                                                  "(default 0.8)")
+    p.add_argument("--top-k", type=int, default=50, help="draw among the k likeliest tokens (default 50; 0: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    p.add_argument("--data", help="a prepared folder whose tokenizer to use (default: the run's data)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where to run the model (default auto: cuda if available)")
+    p.set_defaults(func=_generate, takes_overrides=False)
 
     from scaletrain.plan.options import ALIASES
     from scaletrain.plan.spec import ATTENTION

@@ -235,9 +235,14 @@ def announce(t) -> None:
     say(f"data: {t.data.source}, {t.data.num_tokens:,} tokens, {len(t.dataset):,} windows of "
         f"{cfg.data.seq_len}; batch {b.global_batch} = micro {b.micro_batch} x accum {b.grad_accum} "
         f"x dp {b.dp}; run folder {t.run_dir}")
-    if t.val_batches is not None:
-        n, data = len(t.val_batches), t.val_dataset.data
+    for v in t.val_sets:
+        n, data = len(v.batches), v.dataset.data
         say(f"validation: {data.source}, {data.num_tokens:,} tokens; {n} batch(es) = "
-            f"{n * b.global_batch:,} windows every {cfg.train.eval_every} steps and at the end")
+            f"{n * b.global_batch:,} windows every {cfg.train.eval_every} steps and at the end"
+            + (f" (logged as val_loss/{v.name})" if v.name else ""))
+    if t.val_sets and t.val_sets[0].name:
+        missing = [n for n in t.data.names if n not in {v.name for v in t.val_sets}]
+        say(f"validation: val_loss is the mean of the sources' losses weighted as the mix"
+            + (f"; {', '.join(missing)} has no validation split (prepare --val-fraction)" if missing else ""))
     if note := t.precision.note():
         say(note)
