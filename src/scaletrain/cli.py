@@ -165,6 +165,17 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace, extra: list[str]) -> int:
+    _no_extra(extra)
+    from scaletrain.train.plot import plot_runs
+
+    _check_png("--out", args.out)
+    with os_errors_named({"--out": args.out}):
+        summary = plot_runs(args.runs, args.out)
+    print(f"wrote {args.out} ({', '.join(summary['runs'])})")
+    return 0
+
+
 def _export(args: argparse.Namespace, extra: list[str]) -> int:
     _no_extra(extra)
     from scaletrain.train.export import export_safetensors
@@ -382,6 +393,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to run the model (default auto: cuda if available)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_eval, takes_overrides=False)
+
+    p = sub.add_parser("plot", help="loss, validation loss, tokens/s and learning rate of runs, overlaid, to a PNG")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders (log.run_dir), each with its metrics.jsonl")
+    p.add_argument("--out", required=True, help="the PNG to write")
+    p.set_defaults(func=_plot, takes_overrides=False)
 
     p = sub.add_parser("generate", help="sample text from a checkpoint or a Hugging Face model folder",
                        description="Sample text after a prompt, one process, with a key/value cache (each new token "

@@ -54,7 +54,15 @@ class MetricsLogger:
         self._bar = progress == "on" or (progress == "auto" and self.stream.isatty())
         self._run_dir = run_dir
         self._want_tb = tensorboard
+        self.trackers = None  # W&B, MLflow (scaletrain.train.trackers): started with the run, rank 0
         assert run_dir is not None or not enabled
+
+    def start_trackers(self, cfg, run_id: str) -> None:
+        """W&B and MLflow, as log.wandb and log.mlflow ask (rank 0; one line each at start-up)."""
+        if self.enabled and (cfg.log.wandb or cfg.log.mlflow):
+            from scaletrain.train.trackers import Trackers
+
+            self.trackers = Trackers(cfg, self._run_dir, run_id, self.info)
 
     def _open(self) -> None:
         """Files are created at the first logged step, so that building a trainer writes nothing."""
@@ -85,6 +93,8 @@ class MetricsLogger:
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     tag = f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"
                     self._tb.add_scalar(tag, value, row["step"])
+        if self.trackers is not None:
+            self.trackers.log(row)
         self._show(row)
 
     def _show(self, row: dict) -> None:
@@ -141,7 +151,11 @@ class MetricsLogger:
         self.info("-" * (width + 16))
 
     def close(self) -> None:
-        """Close the files (idempotent); a flush the disk refuses (it is full) loses only that row."""
+        """Close the files and the trackers' runs (idempotent); a flush the disk refuses (it is
+        full) loses only that row."""
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
         for f in (self._jsonl, self._tb):
             if f is not None:
                 try:
@@ -197,6 +211,7 @@ class StepMeter:
             self.peak_flops = raise_cpu_peak(self.compute_dtype, achieved)
         row = {
             "step": step,
+            "tokens": step * self.tokens_per_step,  # trained on so far (the x axis of `scaletrain plot`)
             "loss": float(loss),
             "lr": lr,
             "grad_norm": float(grad_norm),

@@ -111,6 +111,10 @@ class Trainer:
     def _build(self, stream) -> None:
         """Data -> model (meta) -> parallelize -> materialize -> optimizer -> metrics -> resume."""
         cfg, rt = self.cfg, self.rt
+        from scaletrain.train.trackers import missing_packages  # before anything is built or written
+
+        if missing := self._shared(missing_packages(cfg.log) if self.rank == 0 else None):
+            raise ConfigError(*missing)  # only rank 0 logs: its packages are the ones that matter
         self.precision = Precision(cfg.precision, self.device)
         self.precision.configure_backends()
         resume_from = self.folder.find_resume()  # reads only: nothing is written before fit()
@@ -361,6 +365,7 @@ class Trainer:
         try:
             self.folder.take_ownership(self.run_id, self.lineage, self.step, self.resumed_from, self.metrics.info)
             announce(self)
+            self.metrics.start_trackers(self.cfg, self.run_id)
             result = self._loop()
             if result["stopped_by"] is None and self.cfg.train.sample_tokens:  # a signal now cuts the sample short
                 self._print_sample()
