@@ -221,7 +221,8 @@ def _prepare(args: argparse.Namespace, extra: list[str]) -> int:
     with os_errors_named({"--out": args.out}):
         meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                        tokenizer_file=args.tokenizer_file, text_key=args.text_key, shard_tokens=args.shard_tokens,
-                       val_fraction=args.val_fraction)
+                       val_fraction=args.val_fraction, workers=args.workers,
+                       progress=None if args.quiet else sys.stderr)
     model_vocab = meta["tokenizer"].get("model_vocab_size")
     padded = f", {model_vocab} in the model" if model_vocab else ""
     print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}, {len(meta['shards'])} shard(s), "
@@ -251,6 +252,29 @@ def _eval(args: argparse.Namespace, extra: list[str]) -> int:
     else:
         print(f"val_loss {r['val_loss']:.4f}  val_ppl {r['val_ppl']:.2f}  ({r['data']}, {r['split']}: "
               f"{r['batches']} batch(es) = {r['windows']:,} windows, {r['tokens']:,} tokens; step {r['step']})")
+        for name, loss in r.get("sources", {}).items():
+            print(f"  {name}: val_loss {loss:.4f}")
+    return 0
+
+
+def _generate(args: argparse.Namespace, extra: list[str]) -> int:
+    from scaletrain.train.sample import generate_text
+
+    with os_errors_named({"source": args.source, "--data": args.data or ""}):
+        text = generate_text(args.source, args.prompt, max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, top_k=args.top_k, seed=args.seed, data=args.data,
+                             device=args.device)
+    print(text)
+    return 0
+
+
+def _plot(args: argparse.Namespace, extra: list[str]) -> int:
+    from scaletrain.train.plot import plot_runs
+
+    _check_png("--out", args.out)
+    with os_errors_named({"--out": args.out}):
+        summary = plot_runs(args.runs, args.out)
+    print(f"wrote {args.out} ({', '.join(summary['runs'])})")
     return 0
 
 
@@ -481,19 +505,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-restarts", type=int, default=0, help="restart the group this often after a failure")
     p.set_defaults(func=_train, takes_overrides=True, parser=p)
 
-    p = sub.add_parser("prepare", help="tokenize text/jsonl/parquet files into token shards")
-    p.add_argument("inputs", nargs="+", help="files or folders of .txt, .jsonl, .parquet")
+    p = sub.add_parser("prepare", help="tokenize text/jsonl/parquet/Arrow files or a saved dataset into token shards")
+    p.add_argument("inputs", nargs="+", help="files or folders of .txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet, "
+                                             ".arrow, or a folder written by a Hugging Face dataset's save_to_disk")
     p.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
     p.add_argument("--tokenizer", default="byte", metavar="byte|bpe|file|HF_FOLDER",
                    help="byte-level (256 tokens), a BPE trained here, --tokenizer-file, or a Hugging Face model "
                         "folder whose tokenizer.json (and tokenizer_config.json) to use and copy")
     p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size (default 8192)")
     p.add_argument("--tokenizer-file", help="a Hugging Face tokenizer.json (with --tokenizer file)")
-    p.add_argument("--text-key", default="text", help="jsonl field / parquet column with the text")
+    p.add_argument("--text-key", default="text", help="jsonl field / parquet, Arrow or dataset column with the text")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file")
     p.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
                    help="hold out this share of the documents (chosen by a hash of each document's text) as a "
                         "validation split for train.eval_every and scaletrain eval (default 0: none)")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="tokenizer processes (default: every core; inputs under 16 MiB are tokenized in one); the "
+                        "shards are byte-identical whatever N")
+    p.add_argument("--quiet", action="store_true", help="no progress line (MB/s, tokens, ETA) on stderr")
     p.set_defaults(func=_prepare, takes_overrides=False, parser=p)
 
     p = sub.add_parser("eval", help="a checkpoint's validation loss and perplexity (one process)",
@@ -511,6 +540,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to run the model (default auto: cuda if available)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_eval, takes_overrides=False, parser=p)
+
+    p = sub.add_parser("plot", help="loss, validation loss, tokens/s and learning rate of runs, overlaid, to a PNG")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders (log.run_dir), each with its metrics.jsonl")
+    p.add_argument("--out", required=True, help="the PNG to write")
+    p.set_defaults(func=_plot, takes_overrides=False, parser=p)
+
+    p = sub.add_parser("generate", help="sample text from a checkpoint or a Hugging Face model folder",
+                       description="Sample text after a prompt, one process, with a key/value cache (each new token "
+                                   "costs one position). The tokenizer is the run's data folder's (or --data's); a "
+                                   "Hugging Face folder's own.")
+    p.add_argument("source", help="a checkpoint folder (runs/.../checkpoints/step_*) or a Hugging Face model folder")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="below 1: more predictable; above: more varied "
+                                                                  "(default 0.8)")
+    p.add_argument("--top-k", type=int, default=50, help="draw among the k likeliest tokens (default 50; 0: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    p.add_argument("--data", help="a prepared folder whose tokenizer to use (default: the run's data)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where to run the model (default auto: cuda if available)")
+    p.set_defaults(func=_generate, takes_overrides=False, parser=p)
 
     from scaletrain.plan.options import ALIASES
     from scaletrain.plan.spec import ATTENTION

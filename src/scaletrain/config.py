@@ -29,6 +29,9 @@ from scaletrain.vocab import (AC_MODES, DP_SYNC_MODES, OPTIMIZERS, OUTER_OPTIMIZ
 @dataclass
 class DataConfig:
     path: str = option("", "folder written by `scaletrain prepare`; empty = the text shipped with CPython, byte-level")
+    mix: str = option("", "several prepared folders drawn in proportion instead of data.path: \"PATH=WEIGHT,...\", "
+                          "e.g. \"data/web=70,data/code=20,data/books=10\" (weights are normalised; every folder "
+                          "must share one tokenizer)")
     seq_len: int = option(128, "tokens per training window; at most model.max_seq_len", min=1)
     num_workers: int = option(0, "loader worker processes (0 = load in the training process)", min=0)
     prefetch_factor: int = option(2, "batches each worker prepares ahead (with num_workers > 0)", min=1)
@@ -160,6 +163,14 @@ class LogConfig:
     tensorboard: bool = option(True, "write TensorBoard event files to <run_dir>/tensorboard")
     progress: str = option("auto", "progress bar: auto = when stderr is a terminal", choices=("auto", "on", "off"))
     spike_factor: float = option(3.0, "log a loss above this multiple of its running mean; 0 = off", min=0.0)
+    wandb: str = option("", "Weights & Biases project to log to as well (pip install 'scaletrain[wandb]'); empty = "
+                            "off; WANDB_MODE=offline writes the run under <run_dir>/wandb")
+    mlflow: str = option("", "MLflow experiment to log to as well (pip install 'scaletrain[mlflow]'); empty = off")
+    mlflow_uri: str = option("", "MLflow tracking URI (http://SERVER, or sqlite:///FILE); empty = MLflow's own "
+                                 "default (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
+    run_name: str = option("", "the run's name in W&B and MLflow; empty = the run folder's name")
+    tags: str = option("", "comma-separated tags of the run in W&B and MLflow, e.g. \"ddp,baseline\"; in MLflow "
+                           "KEY=VALUE is the tag KEY with VALUE, a bare tag has the value true")
 
 
 SECTIONS: dict[str, type] = {
@@ -223,6 +234,36 @@ def _toml_value(value: Any) -> str:
 # the config `scaletrain train` runs without --config: the demo (configs/tiny.toml, shipped inside
 # the package)
 DEMO_CONFIG = Path(__file__).with_name("demo.toml")
+
+
+def parse_mix(text: str) -> list[tuple[str, float]]:
+    """data.mix as (path, weight) pairs, the weights normalised to sum to 1; ValueError (one
+    line) for a malformed entry, a weight that is not above 0, or a folder named twice."""
+    pairs: list[tuple[str, float]] = []
+    for item in (part.strip() for part in text.split(",")):
+        path, eq, weight = item.rpartition("=")
+        if not item or not eq or not path.strip():
+            raise ValueError(f"entry {item!r} is not PATH=WEIGHT; write data.mix as \"data/web=70,data/code=30\"")
+        try:
+            w = float(weight)
+        except ValueError:
+            raise ValueError(f"weight {weight!r} of {path.strip()} is not a number") from None
+        if not w > 0 or w == float("inf"):  # also refuses NaN
+            raise ValueError(f"weight {weight.strip()} of {path.strip()} must be above 0 (and finite); give each "
+                             "source a positive share, or leave it out of the mix")
+        pairs.append((path.strip(), w))
+    paths = [p for p, _ in pairs]
+    if dup := next((p for p in paths if paths.count(p) > 1), None):
+        raise ValueError(f"{dup} is named twice; give each folder once with its whole weight")
+    if len(pairs) < 2:
+        raise ValueError("a mix needs at least two sources; for one folder set data.path instead")
+    total = sum(w for _, w in pairs)
+    return [(p, w / total) for p, w in pairs]
+
+
+def data_paths(cfg_data) -> list[str]:
+    """The prepared folders a run reads: data.mix's, or data.path (empty: the built-in text)."""
+    return [p for p, _ in parse_mix(cfg_data.mix)] if cfg_data.mix else [cfg_data.path]
 
 
 # --------------------------------------------------------------------------------------------
@@ -361,7 +402,12 @@ def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[st
 
         del merged["model"]["vocab_size"]  # if it cannot be resolved, report that alone
         from_cli.discard(("model", "vocab_size"))
-        path = merged["data"].get("path", "")
+        path, mix = merged["data"].get("path", ""), merged["data"].get("mix", "")
+        if isinstance(mix, str) and mix:  # every source shares one tokenizer (checked when the data opens)
+            try:
+                path = parse_mix(mix)[0][0]
+            except ValueError:
+                path = None  # reported with the data keys
         if isinstance(path, str):  # another type is reported with the data keys
             try:
                 merged["model"]["vocab_size"] = recorded_vocab_size(path)
@@ -395,12 +441,22 @@ def check_combinations(cfg: JobConfig) -> list[str]:
     if cfg.data.seq_len > m.max_seq_len:
         errors.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
                       f"lower data.seq_len or raise model.max_seq_len")
+    if cfg.data.mix:
+        try:
+            parse_mix(cfg.data.mix)
+        except ValueError as e:
+            errors.append(f"data.mix: {e}")
+        if cfg.data.path:
+            errors.append("data.path and data.mix both name the data; keep one of them (data.mix for several folders)")
     res = cfg.checkpoint.resume
     if res not in ("none", "auto") and not _exists(res):
         errors.append(f"checkpoint.resume: folder {res} does not exist; use none, auto, or an existing checkpoint folder")
     if cfg.precision.mode == "16-mixed" and cfg.precision.min_scale > cfg.precision.init_scale:
         errors.append(f"precision.min_scale={cfg.precision.min_scale} is above precision.init_scale="
                       f"{cfg.precision.init_scale}")
+    if cfg.train.batch_rampup and cfg.data.mix:
+        errors.append("train.batch_rampup grows the batch of one data.path; with data.mix the batch stays fixed "
+                      "(the mix sampler draws whole global batches): drop one of them")
     if cfg.train.batch_rampup:
         from scaletrain.layout import parse_rampup
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from scaletrain.data.prepare import FORMAT, META_FILE, SUFFIXES
+from scaletrain.data.prepare import FORMAT, META_FILE
+from scaletrain.data.sources import input_kind
 from scaletrain.data.tokenizer import ByteTokenizer, load_tokenizer
 from scaletrain.errors import DataError
 
@@ -24,7 +25,7 @@ def how_to_prepare(folder: Path) -> str:
     """The commands that make `folder`, which holds no prepared data, trainable — ones that work
     as printed: a folder of raw text is prepared into a new folder beside it (prepare never
     writes into a folder that holds files); a missing or empty folder can be prepare's output."""
-    raw = folder.is_dir() and any(f.is_file() and f.suffix in SUFFIXES for f in folder.rglob("*"))
+    raw = folder.is_dir() and any(f.is_file() and input_kind(f) for f in folder.rglob("*"))
     if not raw:
         return f"prepare the data first with `scaletrain prepare INPUT... --out {folder}`"
     base = folder if folder.name else folder.resolve()  # "." has no name to extend

@@ -1,4 +1,5 @@
-"""`scaletrain prepare`: text, jsonl and parquet files -> token shards + metadata.
+"""`scaletrain prepare`: text, jsonl (plain, .gz, .zst), parquet, Arrow files and Hugging Face
+dataset folders -> token shards + metadata.
 
 Output folder:
     meta.json          format version, dtype, tokenizer, token counts, per-shard sha256
@@ -12,120 +13,52 @@ Output folder:
     tokenizer_config.json, special_tokens_map.json
                        copied from a Hugging Face model folder, where it has them
 
-The folder is written under a temporary name and renamed when complete, and an existing
-prepared folder is never overwritten.
+Every core: the main process reads the inputs in chunks (scaletrain.data.sources) and hands them
+to `workers` processes, which parse and tokenize them; the main process writes their tokens in
+the order of the inputs, so the shards are byte-identical whatever the number of workers. At
+most two chunks per worker are in flight and shards are written as the tokens come, so memory
+stays bounded whatever the size of the corpus (a .txt file is one document, read whole).
+
+The folder is written under a temporary name (`.OUT.partial-PID`, locked while prepare runs) and
+renamed when complete, so an interrupted prepare leaves no folder that looks complete; running
+it again removes what an interrupted one left (an unlocked partial folder) and starts over. An
+existing prepared folder is never overwritten.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
+import itertools
+import pickle
+import queue
+import shutil
+import subprocess
+import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import IO, Iterator, Sequence
 
 import numpy as np
 
+from scaletrain import fmt
 from scaletrain.atomic import replacing
+from scaletrain.data.sources import Chunk, chunks, find_inputs, input_bytes, iter_documents, texts_of
 from scaletrain.data.tokenizer import ByteTokenizer, HFTokenizer
 from scaletrain.errors import DataError
+
+__all__ = ["find_inputs", "iter_documents", "prepare", "is_validation", "recorded_vocab_size", "token_dtype"]
 
 META_FILE = "meta.json"
 FORMAT = "scaletrain.tokens"
 FORMAT_VERSION = 1
-SUFFIXES = (".txt", ".jsonl", ".parquet")
-
-
-def find_inputs(inputs: Sequence[str | Path]) -> list[Path]:
-    files: list[Path] = []
-    for item in inputs:
-        p = Path(item)
-        if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in SUFFIXES)
-            if not found:
-                raise DataError(f"{p}: no .txt, .jsonl or .parquet files in this folder")
-            files.extend(found)
-        elif p.is_file():
-            if p.suffix not in SUFFIXES:
-                raise DataError(f"{p}: unsupported file type {p.suffix!r}; give .txt, .jsonl or .parquet files")
-            files.append(p)
-        else:
-            raise DataError(f"{p}: no such file or folder")
-    return files
-
-
-def iter_documents(files: Sequence[Path], text_key: str = "text") -> Iterator[str]:
-    """Each .txt file is one document; each jsonl line and parquet row is one. Text must be
-    valid UTF-8: a bad byte is reported with its place, never replaced."""
-    for f in files:
-        if f.suffix == ".txt":
-            yield _read_txt(f)
-        elif f.suffix == ".jsonl":
-            yield from _jsonl_texts(f, text_key)
-        elif f.suffix == ".parquet":
-            yield from _parquet_texts(f, text_key)
-
-
-REENCODE = "re-encode the file as UTF-8 (e.g. iconv -f LATIN1 -t UTF-8) or remove it from the inputs"
-
-
-def _read_txt(f: Path) -> str:
-    raw = f.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise DataError(f"{f}: invalid UTF-8 at byte {e.start} (line {line}): "
-                        f"{raw[e.start:e.end]!r} ({e.reason}); {REENCODE}") from None
-    # universal newlines, as text-mode reading gives: \r\n and \r become \n
-    return text.replace("\r\n", "\n").replace("\r", "\n")
-
-
-def _jsonl_texts(f: Path, text_key: str) -> Iterator[str]:
-    offset = 0  # of the current line in the file
-    with f.open("rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{f}:{lineno}: invalid UTF-8 at byte {offset + e.start} of the file "
-                                f"(column {e.start + 1}): {raw[e.start:e.end]!r} ({e.reason}); {REENCODE}") from None
-            offset += len(raw)
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{f}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); "
-                                "each line must hold one JSON object") from None
-            if not isinstance(row, dict) or not isinstance(row.get(text_key), str):
-                raise DataError(f"{f}:{lineno}: expected an object with a string field "
-                                f"{text_key!r}; set --text-key to the field that holds the text")
-            yield row[text_key]
-
-
-def _parquet_texts(f: Path, text_key: str) -> Iterator[str]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{f}: reading parquet needs pyarrow: pip install pyarrow "
-                        "(or pip install 'scaletrain[parquet]')") from None
-    try:
-        pf = pq.ParquetFile(f)
-    except Exception as e:  # pyarrow raises its own exception types for bad files
-        raise DataError(f"{f}: not a readable parquet file ({e})") from None
-    if text_key not in pf.schema_arrow.names:
-        raise DataError(f"{f}: no column {text_key!r} (columns: {', '.join(pf.schema_arrow.names)}); "
-                        "set --text-key to the column that holds the text")
-    row = 0
-    for batch in pf.iter_batches(columns=[text_key]):
-        for value in batch.column(0).to_pylist():
-            if value is not None and not isinstance(value, str):
-                raise DataError(f"{f}: row {row} of column {text_key!r} holds {type(value).__name__}, not text; "
-                                "set --text-key to a string column")
-            if value is not None:
-                yield value
-            row += 1
+SMALL_INPUT = 16 << 20  # with the default worker count, inputs smaller than this are tokenized in this process
+IN_FLIGHT = 2  # chunks handed out per worker at a time
 
 
 def recorded_vocab_size(path: str | Path) -> int:
@@ -161,12 +94,22 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
+def default_workers() -> int:
+    """Every core this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | Path = "byte",
             vocab_size: int = 8192, tokenizer_file: str | Path | None = None,
-            text_key: str = "text", shard_tokens: int = 100_000_000, val_fraction: float = 0.0) -> dict:
+            text_key: str = "text", shard_tokens: int = 100_000_000, val_fraction: float = 0.0,
+            workers: int | None = None, progress: IO[str] | None = None,
+            progress_every: float | None = None) -> dict:
     """Tokenize `inputs` into `out`; returns the metadata written to meta.json. `tokenizer` is
     byte, bpe, file (with `tokenizer_file`) or the path of a Hugging Face model folder.
-    `val_fraction` of the documents (by their text's hash) go to a validation split instead."""
+    `val_fraction` of the documents (by their text's hash) go to a validation split instead.
+    `workers`: tokenizer processes (None: every core, or this process alone for inputs under
+    16 MiB; 1: this process). `progress`: a stream for the progress line (MB/s, tokens, ETA),
+    redrawn every `progress_every` seconds (None: 0.5 on a terminal, else a line every 30)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DataError(f"{out} is a file; --out must be a new or empty folder (nothing was changed)")
@@ -177,7 +120,12 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
     if not 0 <= val_fraction < 1:  # also refuses NaN
         raise DataError(f"--val-fraction {val_fraction} is outside [0, 1): give the share of documents to hold out "
                         "for validation, e.g. 0.05 (nothing was written)")
+    if workers is not None and workers < 1:
+        raise DataError(f"--workers must be at least 1, got {workers}")
     files = find_inputs(inputs)
+    total_bytes = input_bytes(files)
+    if workers is None:
+        workers = default_workers() if total_bytes >= SMALL_INPUT else 1
 
     if tokenizer == "byte":
         tok = ByteTokenizer()
@@ -201,18 +149,27 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
                         "give one of those or a Hugging Face model folder holding tokenizer.json")
 
     dtype = token_dtype(tok.vocab_size)
-    with replacing(out) as tmp:
-        tmp.mkdir(parents=True)
-        train = _ShardWriter(tmp, "shard", tok, dtype, shard_tokens)
-        val = _ShardWriter(tmp, "val", tok, dtype, shard_tokens)
-        for doc in iter_documents(files, text_key):
-            (val if is_validation(doc, val_fraction) else train).add(doc)
+    line = ProgressLine(total_bytes, progress, progress_every) if progress is not None else None
+    for stale in _unfinished(out):  # left by an interrupted prepare: nothing in it is complete
+        shutil.rmtree(stale, ignore_errors=True)
+        if line is not None:
+            line.note(f"removed {stale}, left by an interrupted prepare")
+    encoder = Encoder(tok, text_key, val_fraction, dtype)
+    with replacing(out) as tmp, _locked_folder(tmp), _ShardWriter(tmp, "shard", dtype, shard_tokens) as train, \
+            _ShardWriter(tmp, "val", dtype, shard_tokens) as val:
+        for part in encode_chunks(chunks(files, text_key), encoder, workers):
+            train.add(part.train, part.docs, part.text_docs)
+            val.add(part.val, part.val_docs, part.val_text_docs)
+            if line is not None:
+                line.advance(part.nbytes, part.train.size + part.val.size)
         train.close()
         val.close()
+        if line is not None:
+            line.finish()
         n_docs = train.n_docs + val.n_docs
         if train.n_text_docs + val.n_text_docs == 0:  # separators alone are no training data
             found = f"{n_docs} document(s), all empty or whitespace" if n_docs else "no documents"
-            field = f" in field {text_key!r}" if any(f.suffix != ".txt" for f in files) else ""
+            field = f" in field {text_key!r}" if any(not f.name.endswith(".txt") for f in files) else ""
             raise DataError(f"no text to tokenize in {', '.join(map(str, inputs))}: {found}{field}; "
                             "give files that hold text (nothing was written)")
         if val_fraction and not (train.n_text_docs and val.n_text_docs):
@@ -243,35 +200,272 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
     return meta
 
 
+# --------------------------------------------------------------------------------------------
+# Tokenizing chunks, in this process or in workers
+
+
+@dataclass
+class Encoded:
+    """A chunk's tokens: the training and validation documents' ids, each document followed by
+    the separator, and their counts (`text_docs`: documents with more than whitespace)."""
+
+    train: np.ndarray
+    val: np.ndarray
+    docs: int
+    text_docs: int
+    val_docs: int
+    val_text_docs: int
+    nbytes: int
+
+
+class Encoder:
+    """Chunk -> Encoded: parse, split off the validation documents, tokenize. Runs in the
+    workers (it is pickled to them) and, with one worker, in the main process."""
+
+    def __init__(self, tok, text_key: str, val_fraction: float, dtype: np.dtype):
+        self.tok, self.text_key, self.val_fraction, self.dtype = tok, text_key, val_fraction, np.dtype(dtype)
+        self.separator = np.asarray(tok.separator, dtype=self.dtype)
+
+    def __call__(self, chunk: Chunk) -> Encoded:
+        docs = texts_of(chunk, self.text_key)
+        parts: tuple[list, list] = ([], [])
+        counts = [0, 0, 0, 0]  # docs, text docs, val docs, val text docs
+        for doc, ids in zip(docs, self._encode(docs)):
+            side = 1 if is_validation(doc, self.val_fraction) else 0
+            parts[side].extend((ids, self.separator))
+            counts[2 * side] += 1
+            counts[2 * side + 1] += bool(ids.size) and not doc.isspace()
+        train, val = (np.concatenate(p).astype(self.dtype, copy=False) if p else np.empty(0, self.dtype)
+                      for p in parts)
+        return Encoded(train, val, *counts, nbytes=chunk.nbytes)
+
+    def _encode(self, docs: list[str]) -> list[np.ndarray]:
+        if isinstance(self.tok, ByteTokenizer):
+            return [np.frombuffer(d.encode("utf-8"), dtype=np.uint8) for d in docs]
+        return [np.asarray(ids, dtype=self.dtype) for ids in self.tok.encode_batch(docs)]
+
+
+def encode_chunks(parts: Iterator[Chunk], encoder: Encoder, workers: int) -> Iterator[Encoded]:
+    """`encoder` applied to every chunk, in order: here with one worker, else in `workers`
+    processes, chunk i going to worker i % workers, at most IN_FLIGHT chunks each at a time."""
+    if workers == 1:
+        for chunk in parts:
+            yield encoder(chunk)
+        return
+    procs: list[_Worker] = []
+    ok = False
+    try:
+        procs = [_Worker(encoder, i) for i in range(workers)]
+        sent = received = 0
+        for chunk in itertools.islice(parts, IN_FLIGHT * workers):
+            procs[sent % workers].send(chunk)
+            sent += 1
+        while received < sent:
+            kind, value = procs[received % workers].receive()
+            received += 1
+            if kind == "error":
+                raise DataError(*value)
+            if kind == "crash":
+                raise RuntimeError(f"a tokenizer worker failed:\n{value}")
+            chunk = next(parts, None)
+            if chunk is not None:  # to the worker just heard from: sent - received stays IN_FLIGHT * workers
+                procs[sent % workers].send(chunk)
+                sent += 1
+            yield value
+        ok = True
+    finally:
+        for w in procs:
+            w.close(abort=not ok)
+
+
+class _Worker:
+    """One tokenizer process (scaletrain.data.tokenize_worker) and the thread that feeds its
+    stdin (a write that waits for the worker must never hold up reading the results)."""
+
+    def __init__(self, encoder: Encoder, index: int):
+        root = str(Path(__file__).resolve().parents[2])  # so that the worker imports this scaletrain
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+        self.index = index
+        self.proc = subprocess.Popen([sys.executable, "-c", "from scaletrain.data.tokenize_worker import serve; serve()"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env={**os.environ, "PYTHONPATH": path,
+                                          # one thread each: the processes are the parallelism
+                                          "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"})
+        self.inbox: queue.Queue = queue.Queue()
+        self.feeder = threading.Thread(target=self._feed, daemon=True, name=f"prepare-feed-{index}")
+        self.feeder.start()
+        self.inbox.put(encoder)
+
+    def _feed(self) -> None:
+        try:
+            while (item := self.inbox.get()) is not _STOP:
+                pickle.dump(item, self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+                self.proc.stdin.flush()
+        except OSError:
+            pass  # the worker is gone: receive() says so
+
+    def send(self, chunk: Chunk) -> None:
+        self.inbox.put(chunk)
+
+    def receive(self) -> tuple[str, object]:
+        try:
+            return pickle.load(self.proc.stdout)
+        except (EOFError, pickle.UnpicklingError, OSError):
+            code = self.proc.wait()
+            raise DataError(f"tokenizer worker {self.index} ended unexpectedly (exit code {code}: out of memory, or "
+                            "killed?); nothing was written; run prepare again, with fewer --workers if memory is "
+                            "short") from None
+
+    def close(self, abort: bool) -> None:
+        if not abort:
+            self.inbox.put(None)  # the worker's signal to end
+        self.inbox.put(_STOP)
+        try:
+            self.proc.wait(timeout=0.1 if abort else 10)
+        except subprocess.TimeoutExpired:
+            pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                f.close()
+
+
+_STOP = object()  # tells a feeder thread to end
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+
+
 class _ShardWriter:
-    """Documents -> `PREFIX_00000.bin`, ... of `shard_tokens` tokens each, every document
-    followed by the tokenizer's separator; `shards` describes the files for meta.json."""
+    """Tokens -> `PREFIX_00000.bin`, ... of `shard_tokens` tokens each, written as they come
+    (memory holds none of a shard); `shards` describes the files for meta.json."""
 
-    def __init__(self, folder: Path, prefix: str, tok, dtype: np.dtype, shard_tokens: int):
-        self.folder, self.prefix, self.tok, self.dtype, self.shard_tokens = folder, prefix, tok, dtype, shard_tokens
+    def __init__(self, folder: Path, prefix: str, dtype: np.dtype, shard_tokens: int):
+        self.folder, self.prefix, self.dtype, self.shard_tokens = folder, prefix, np.dtype(dtype), shard_tokens
         self.shards: list[dict] = []
-        self.buf: list[int] = []
         self.n_docs = self.n_text_docs = 0  # all documents, and those with more than whitespace
+        self._file: IO[bytes] | None = None
+        self._digest = hashlib.sha256()
+        self._count = 0  # tokens in the open shard
 
-    def add(self, doc: str) -> None:
-        self.n_docs += 1
-        ids = self.tok.encode(doc)
-        if ids and not doc.isspace():
-            self.n_text_docs += 1
-        self.buf.extend(ids)
-        self.buf.extend(self.tok.separator)
-        while len(self.buf) >= self.shard_tokens:
-            self._flush(self.buf[:self.shard_tokens])
-            self.buf = self.buf[self.shard_tokens:]
+    def __enter__(self) -> "_ShardWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._file is not None:  # an error: the folder is removed; the file is closed first
+            self._file.close()
+            self._file = None
+
+    def add(self, ids: np.ndarray, docs: int, text_docs: int) -> None:
+        self.n_docs += docs
+        self.n_text_docs += text_docs
+        pos = 0
+        while pos < ids.size:
+            if self._file is None:
+                self._file = (self.folder / self._name()).open("wb")
+                self._digest, self._count = hashlib.sha256(), 0
+            take = min(ids.size - pos, self.shard_tokens - self._count)
+            data = ids[pos:pos + take].tobytes()
+            self._file.write(data)
+            self._digest.update(data)
+            self._count += take
+            pos += take
+            if self._count == self.shard_tokens:
+                self._close_shard()
 
     def close(self) -> None:
-        if self.buf:
-            self._flush(self.buf)
-            self.buf = []
+        if self._file is not None:
+            self._close_shard()
 
-    def _flush(self, ids: list[int]) -> None:
-        arr = np.asarray(ids, dtype=self.dtype)
-        name = f"{self.prefix}_{len(self.shards):05d}.bin"
-        data = arr.tobytes()
-        (self.folder / name).write_bytes(data)
-        self.shards.append({"file": name, "num_tokens": int(arr.size), "sha256": hashlib.sha256(data).hexdigest()})
+    def _name(self) -> str:
+        return f"{self.prefix}_{len(self.shards):05d}.bin"
+
+    def _close_shard(self) -> None:
+        name = self._name()
+        self._file.close()
+        self._file = None
+        self.shards.append({"file": name, "num_tokens": self._count, "sha256": self._digest.hexdigest()})
+
+
+# --------------------------------------------------------------------------------------------
+# An interrupted prepare, and the progress line
+
+
+def _partial_prefix(out: Path) -> str:
+    return f".{out.name}.partial-"  # scaletrain.atomic.replacing's temporary name, less the pid
+
+
+def _unfinished(out: Path) -> list[Path]:
+    """Temporary folders of earlier prepares into `out` that no running prepare holds."""
+    if not out.parent.is_dir():
+        return []
+    found = []
+    for p in sorted(out.parent.iterdir()):
+        if p.name.startswith(_partial_prefix(out)) and p.is_dir() and not p.is_symlink():
+            try:
+                with _locked_folder(p):
+                    found.append(p)
+            except BlockingIOError:
+                pass  # another prepare is writing it right now
+    return found
+
+
+@contextlib.contextmanager
+def _locked_folder(folder: Path):
+    """Hold an exclusive lock on `folder` (created if missing) for the block; raises
+    BlockingIOError when another process holds it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield folder
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
+class ProgressLine:
+    """How far a prepare is: bytes of input read, MB/s, tokens written, ETA. On a terminal one
+    line redrawn in place; elsewhere (a log file) a new line every `every` seconds."""
+
+    def __init__(self, total_bytes: int, stream: IO[str], every: float | None = None):
+        self.total, self.stream = max(total_bytes, 1), stream
+        self.tty = stream.isatty()
+        self.every = every if every is not None else (0.5 if self.tty else 30.0)
+        self.done = self.tokens = 0
+        self.t0 = self.last = time.perf_counter()
+
+    def advance(self, nbytes: int, tokens: int) -> None:
+        self.done += nbytes
+        self.tokens += tokens
+        now = time.perf_counter()
+        if now - self.last >= self.every:
+            self.last = now
+            self._write(self.text(now))
+
+    def text(self, now: float | None = None) -> str:
+        elapsed = max((now or time.perf_counter()) - self.t0, 1e-9)
+        rate = self.done / elapsed
+        left = max(self.total - self.done, 0)
+        eta = fmt.clock(left / rate) if rate > 0 else "?"
+        return (f"prepare: {fmt.size(self.done)} of {fmt.size(self.total)} ({100 * self.done / self.total:.0f}%), "
+                f"{rate / 1e6:.1f} MB/s, {fmt.count(self.tokens)} tokens, eta {eta}")
+
+    def note(self, line: str) -> None:
+        self._write(f"prepare: {line}")
+        if self.tty:
+            self.stream.write("\n")
+
+    def finish(self) -> None:
+        self.done = self.total
+        elapsed = time.perf_counter() - self.t0
+        self._write(f"{self.text()} -> done in {fmt.clock(elapsed)}")
+        if self.tty:
+            self.stream.write("\n")
+        self.stream.flush()
+
+    def _write(self, text: str) -> None:
+        self.stream.write(f"\r\033[K{text}" if self.tty else text + "\n")
+        self.stream.flush()

@@ -35,6 +35,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8")) for t in texts]
+
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
@@ -136,6 +139,11 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """The ids of each text, as `encode` gives them (without the offsets `encode` also works out)."""
+        fast = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)  # tokenizers >= 0.21 has the fast one
+        return [e.ids for e in fast(texts)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode([int(i) for i in ids])

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.model.config import ModelConfig
+from scaletrain.model.kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
@@ -96,7 +97,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: tuple[KVCache, str] | None = None) -> torch.Tensor:
+        """`cache`: (the KVCache, this block's name): x holds the positions after those cached;
+        rope's tables start at the first of them."""
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of the heads
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
@@ -107,8 +111,16 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
+        mask, causal = None, True
+        if cache is not None:
+            past = cache[0].length
+            k, v = cache[0].append(cache[1], k, v)  # (B, kv_heads, past + T, head_dim)
+            if past:  # query i sees keys up to past + i (a single new token sees them all)
+                causal = False
+                if T > 1:
+                    mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=q.shape[1] != k.shape[1])
         return self.wo(y.transpose(1, 2).flatten(2))  # (B, T, dim)
 
@@ -136,8 +148,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), rope))
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: tuple[KVCache, str] | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), rope, cache))
         x = x + self.drop(self.mlp(self.mlp_norm(x)))
         return x
 
@@ -189,21 +202,27 @@ class Transformer(nn.Module):
             return InitRule("normal", self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers))
         return InitRule("normal", self.cfg.init_std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab). A pipeline stage without the embedding
-        takes hidden states (B, T, dim) instead, and one without the head returns them."""
-        if self.cfg.sliding_window and tokens.shape[1] > self.cfg.sliding_window:
+        takes hidden states (B, T, dim) instead, and one without the head returns them.
+
+        `cache` (generation): tokens are the positions after the `cache.length` already cached;
+        their keys and values are added to it, so each new token costs one position."""
+        past = cache.length if cache is not None else 0
+        if self.cfg.sliding_window and past + tokens.shape[1] > self.cfg.sliding_window:
             # (config loading refuses data.seq_len past the window; this guards other callers)
             raise ValueError(f"{tokens.shape[1]} tokens exceed the model's sliding window of "
                              f"{self.cfg.sliding_window}, and this model attends to the whole sequence")
         h = self.tok_emb(tokens) if self.tok_emb is not None else tokens  # (B, T, dim)
         if self.pos_emb is not None and self.tok_emb is not None:
-            h = h + self.pos_emb(torch.arange(h.shape[1], device=h.device))
+            h = h + self.pos_emb(torch.arange(past, past + h.shape[1], device=h.device))
         if self.tok_emb is not None:
             h = self.drop(h)
-        rope = (self.rope_cos, self.rope_sin) if self.cfg.position == "rope" else None
-        for block in self.layers.values():
-            h = block(h, rope)
+        rope = (self.rope_cos[past:], self.rope_sin[past:]) if self.cfg.position == "rope" else None
+        for name, block in self.layers.items():
+            h = block(h, rope) if cache is None else block(h, rope, (cache, name))
+        if cache is not None:
+            cache.advance(tokens.shape[1])
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

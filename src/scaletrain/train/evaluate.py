@@ -1,7 +1,8 @@
 """Evaluation on held-out data: during training, and of a saved checkpoint.
 
-During training (train.eval_every), `validation_set` fixes the run's validation windows and
-`validation_loss` is their mean token loss under the run's own layout: each validation batch is
+During training (train.eval_every), `validation_sets` fixes the run's validation windows (one
+set per source of a data.mix, each logged as val_loss/NAME, val_loss being their mean weighted as
+the mix) and `validation_loss` is their mean token loss under the run's own layout: each validation batch is
 split over data-parallel ranks and micro-batches like a training batch, pipeline stages run the
 schedule's forward-only pass, and the sums are all-reduced like the training loss.
 
@@ -14,6 +15,7 @@ model runs whole, in fp32; a folder without a validation split is evaluated on a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from scaletrain.config import JobConfig, from_dict
+from scaletrain.config import JobConfig, from_dict, parse_mix
 from scaletrain.data.dataset import WindowDataset, open_data, open_validation
 from scaletrain.data.loader import rank_slices, validation_batches
+from scaletrain.data.mix import source_name
 from scaletrain.errors import ConfigError, DataError
 from scaletrain.parallel import pipeline
 from scaletrain.train import checkpoint as ckpt
@@ -31,55 +34,93 @@ from scaletrain.train.export import load_model_from_checkpoint
 from scaletrain.train.metrics import perplexity
 
 
-def validation_set(cfg: JobConfig, global_batch: int) -> tuple[WindowDataset | None, np.ndarray | None]:
-    """The validation windows that train.eval_every evaluates, fixed for the run: (dataset,
-    (batches, global_batch) window indices); (None, None) when evaluation is off."""
-    train, path = cfg.train, cfg.data.path
+@dataclass
+class ValidationSet:
+    """Fixed validation windows: (batches, global_batch) window indices of `dataset`. `name`:
+    the source of a data.mix (None for a single folder), `weight` its share of the mix."""
+
+    name: str | None
+    weight: float
+    dataset: WindowDataset
+    batches: np.ndarray
+
+
+def validation_sets(cfg: JobConfig, global_batch: int) -> list[ValidationSet]:
+    """The validation windows that train.eval_every evaluates, fixed for the run: one set for
+    data.path, one per source (that has a validation split) for data.mix; [] when evaluation is
+    off."""
+    train = cfg.train
     if not train.eval_every:
-        return None, None
-    data = open_validation(path, cfg.data.verify_checksums)
-    if data is None:
-        raise ConfigError(f"train.eval_every={train.eval_every} needs a validation split, and data.path {path} has "
-                          "none; prepare the data again with --val-fraction (e.g. 0.05), or set train.eval_every=0")
-    dataset = WindowDataset(data, cfg.data.seq_len)
-    return dataset, validation_batches(len(dataset), global_batch, train.eval_batches, train.seed, data.source)
+        return []
+    if cfg.data.mix:
+        sources = [(source_name(p), w, p) for p, w in parse_mix(cfg.data.mix)]
+    else:
+        sources = [(None, 1.0, cfg.data.path)]
+    sets = []
+    for name, weight, path in sources:
+        data = open_validation(path, cfg.data.verify_checksums)
+        if data is None:
+            continue
+        dataset = WindowDataset(data, cfg.data.seq_len)
+        sets.append(ValidationSet(name, weight, dataset,
+                                  validation_batches(len(dataset), global_batch, train.eval_batches, train.seed,
+                                                     data.source)))
+    if not sets:
+        what = f"data.path {cfg.data.path} has none" if not cfg.data.mix else "none of data.mix's folders has one"
+        raise ConfigError(f"train.eval_every={train.eval_every} needs a validation split, and {what}; prepare the "
+                          "data again with --val-fraction (e.g. 0.05), or set train.eval_every=0")
+    return sets
+
+
+def combined(losses: dict[str | None, float], weights: dict[str | None, float]) -> dict[str, float]:
+    """{"val_loss": ...} of one set; of a mix's sources, their mean weighted as the mix (over the
+    sources evaluated) and "val_loss/NAME" for each."""
+    if list(losses) == [None]:
+        return {"val_loss": losses[None]}
+    total = sum(weights[n] for n in losses)
+    out = {"val_loss": sum(weights[n] * loss for n, loss in losses.items()) / total}
+    out.update({f"val_loss/{n}": loss for n, loss in losses.items()})
+    return out
 
 
 @torch.no_grad()
-def validation_loss(t) -> float:
+def validation_loss(t) -> dict[str, float]:
     """The mean token loss of Trainer `t` over its fixed validation windows, in eval mode and
-    without gradients. Each validation batch is split over ranks and micro-batches exactly like a
-    training step's global batch; pipeline stages run the schedule's forward-only pass; the
-    summed token losses are all-reduced like the training loss (tensor-parallel ranks hold
-    copies). Gradients, optimizer state and random streams are left as they were."""
+    without gradients, per validation set (`combined`). Each validation batch is split over ranks
+    and micro-batches exactly like a training step's global batch; pipeline stages run the
+    schedule's forward-only pass; the summed token losses are all-reduced like the training loss
+    (tensor-parallel ranks hold copies). Gradients, optimizer state and random streams are left
+    as they were."""
     t.health.enter("evaluation")
     b, modules = t.layout, t.dp.modules
-    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    totals = torch.zeros(len(t.val_sets), dtype=torch.float64, device=t.device)
     was_training = [m.training for m in modules]
     for m in modules:
         m.eval()  # no dropout
     try:
-        for global_batch in t.val_batches:
-            micro = rank_slices(global_batch, b.micro_batch, b.grad_accum, t.dp_rank, b.dp)
-            if t.pipeline is not None:
-                total += pipeline.eval_loss_sum(
-                    t.pm, t.pipeline, [t.val_dataset[indices] for indices in micro], device=t.device,
-                    loss_factor=t._loss_factor(), autocast=t.precision.autocast, loss_context=t._loss_context)
-                continue
-            for indices in micro:
-                inputs, targets = (x.to(t.device) for x in t.val_dataset[indices])
-                with t._loss_context():
-                    with t.precision.autocast():
-                        logits = t.dp.module(inputs)  # the chunk itself: no DDP bookkeeping
-                    loss = t.loss_fn(logits, targets)
-                    total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).double()
+        for i, v in enumerate(t.val_sets):
+            for global_batch in v.batches:
+                micro = rank_slices(global_batch, b.micro_batch, b.grad_accum, t.dp_rank, b.dp)
+                if t.pipeline is not None:
+                    totals[i] += pipeline.eval_loss_sum(
+                        t.pm, t.pipeline, [v.dataset[indices] for indices in micro], device=t.device,
+                        loss_factor=t._loss_factor(), autocast=t.precision.autocast, loss_context=t._loss_context)
+                    continue
+                for indices in micro:
+                    inputs, targets = (x.to(t.device) for x in v.dataset[indices])
+                    with t._loss_context():
+                        with t.precision.autocast():
+                            logits = t.dp.module(inputs)  # the chunk itself: no DDP bookkeeping
+                        loss = t.loss_fn(logits, targets)
+                        totals[i] += (loss.full_tensor() if isinstance(loss, DTensor) else loss).double()
     finally:
         _restore_modes(modules, was_training, reshard=t.dp.zero == 3)
     if t.rt.distributed:
         t.health.enter("the evaluation all-reduce")
-        dist.all_reduce(total)
-        total /= b.tp
-    return float(total) / (len(t.val_batches) * t.tokens_per_step)
+        dist.all_reduce(totals)
+        totals /= b.tp
+    losses = {v.name: float(totals[i]) / (len(v.batches) * t.tokens_per_step) for i, v in enumerate(t.val_sets)}
+    return combined(losses, {v.name: v.weight for v in t.val_sets})
 
 
 def _restore_modes(modules, was_training: list[bool], *, reshard: bool) -> None:
@@ -109,28 +150,42 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, batches: int 
         raise ConfigError("--device cuda: no CUDA device is available here; use --device cpu")
     state = ckpt.read_trainer_state(Path(path))
     cfg = from_dict(state["config"])
-    data_path = cfg.data.path if data is None else str(data)
-    held_out = open_validation(data_path)
-    tokens = held_out if held_out is not None else open_data(data_path)
-    if tokens.vocab_size > cfg.model.vocab_size:
-        raise DataError(f"{tokens.source}: the tokenizer has {tokens.vocab_size} tokens, more than the model's "
-                        f"vocabulary of {cfg.model.vocab_size}: this data was prepared for another model")
+    if data is None and cfg.data.mix:  # each source of the mix, and their mean weighted as the mix
+        pairs = [(source_name(p), w, p) for p, w in parse_mix(cfg.data.mix)]
+    else:
+        pairs = [(None, 1.0, cfg.data.path if data is None else str(data))]
     seq_len, global_batch, seed = cfg.data.seq_len, int(state["data"]["global_batch"]), cfg.train.seed
-    dataset = WindowDataset(tokens, seq_len)
-    order = validation_batches(len(dataset), global_batch, cfg.train.eval_batches if batches is None else batches,
-                               seed, tokens.source)
-
     dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
     model = load_model_from_checkpoint(path).to(dev).eval()
     from scaletrain.model.loss import cross_entropy_sum  # the training loss, summed over tokens
 
-    total = torch.zeros((), dtype=torch.float64, device=dev)
-    for window_batch in order:
-        for i in range(0, global_batch, chunk):
-            inputs, targets = dataset[window_batch[i:i + chunk]]
-            total += cross_entropy_sum(model(inputs.to(dev)), targets.to(dev)).double()
-    loss = float(total) / (order.size * seq_len)
-    return {"checkpoint": str(path), "step": int(state["step"]), "data": tokens.source,
-            "split": "validation" if held_out is not None else "all (the folder has no validation split)",
-            "batches": len(order), "windows": int(order.size), "tokens": int(order.size * seq_len),
-            "val_loss": loss, "val_ppl": perplexity(loss), "device": str(dev)}
+    losses, weights, parts = {}, {}, []
+    for name, weight, data_path in pairs:
+        held_out = open_validation(data_path)
+        tokens = held_out if held_out is not None else open_data(data_path)
+        if tokens.vocab_size > cfg.model.vocab_size:
+            raise DataError(f"{tokens.source}: the tokenizer has {tokens.vocab_size} tokens, more than the model's "
+                            f"vocabulary of {cfg.model.vocab_size}: this data was prepared for another model")
+        dataset = WindowDataset(tokens, seq_len)
+        order = validation_batches(len(dataset), global_batch,
+                                   cfg.train.eval_batches if batches is None else batches, seed, tokens.source)
+        total = torch.zeros((), dtype=torch.float64, device=dev)
+        for window_batch in order:
+            for i in range(0, global_batch, chunk):
+                inputs, targets = dataset[window_batch[i:i + chunk]]
+                total += cross_entropy_sum(model(inputs.to(dev)), targets.to(dev)).double()
+        losses[name], weights[name] = float(total) / (order.size * seq_len), weight
+        parts.append((tokens, held_out is not None, order))
+    result = combined(losses, weights)
+    loss = result["val_loss"]
+    tokens, held, order = parts[0]
+    out = {"checkpoint": str(path), "step": int(state["step"]),
+           "data": tokens.source if len(parts) == 1 else "data.mix: " + ", ".join(str(n) for n in losses),
+           "split": "validation" if all(h for _, h, _ in parts) else
+           "all (the folder has no validation split)" if len(parts) == 1 else "validation, or all of a folder without one",
+           "batches": sum(len(o) for _, _, o in parts), "windows": sum(int(o.size) for _, _, o in parts),
+           "tokens": sum(int(o.size) * seq_len for _, _, o in parts),
+           "val_loss": loss, "val_ppl": perplexity(loss), "device": str(dev)}
+    if len(parts) > 1:
+        out["sources"] = {n: losses[n] for n in losses}
+    return out

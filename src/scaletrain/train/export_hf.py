@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from scaletrain import atomic
-from scaletrain.config import from_dict
+from scaletrain.config import data_paths, from_dict
 from scaletrain.data.tokenizer import byte_chars
 from scaletrain.errors import CheckpointError, ConfigError, DataError
 from scaletrain.model.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, hf_config_from_model, hf_state_dict
@@ -51,7 +51,7 @@ def export_hf(checkpoint_path: str | Path, out_dir: str | Path, *, tokenizer: st
     except ConfigError as e:  # before loading any weights
         raise CheckpointError(f"{path}: cannot be exported as a Hugging Face model: {e.lines[0]}; "
                               "export it as safetensors instead") from None
-    data = str(tokenizer) if tokenizer is not None else cfg.data.path
+    data = str(tokenizer) if tokenizer is not None else data_paths(cfg.data)[0]  # a mix's sources share one
     files = tokenizer_files(data, cfg.model.max_seq_len)  # a missing tokenizer stops us before writing
     model = load_model_from_checkpoint(path)
     return save_hf(model, out, tokenizer=files, max_shard_bytes=max_shard_bytes, overwrite=overwrite)

@@ -68,7 +68,15 @@ class MetricsLogger:
         self._bar = progress == "on" or (progress == "auto" and self.stream.isatty())
         self._run_dir = run_dir
         self._want_tb = tensorboard
+        self.trackers = None  # W&B, MLflow (scaletrain.train.trackers): started with the run, rank 0
         assert run_dir is not None or not enabled
+
+    def start_trackers(self, cfg, run_id: str) -> None:
+        """W&B and MLflow, as log.wandb and log.mlflow ask (rank 0; one line each at start-up)."""
+        if self.enabled and (cfg.log.wandb or cfg.log.mlflow):
+            from scaletrain.train.trackers import Trackers
+
+            self.trackers = Trackers(cfg, self._run_dir, run_id, self.info)
 
     def _open(self) -> None:
         """Files are created at the first logged step, so that building a trainer writes nothing."""
@@ -109,6 +117,8 @@ class MetricsLogger:
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     tag = f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"
                     self._tb.add_scalar(tag, value, row["step"])
+        if self.trackers is not None:
+            self.trackers.log(row)
         self._show(row)
 
     def _show(self, row: dict) -> None:
@@ -165,7 +175,11 @@ class MetricsLogger:
         self.result("-" * (width + 16))
 
     def close(self) -> None:
-        """Close the files (idempotent); a flush the disk refuses (it is full) loses only that row."""
+        """Close the files and the trackers' runs (idempotent); a flush the disk refuses (it is
+        full) loses only that row."""
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
         for f in (self._jsonl, self._tb):
             if f is not None:
                 try:
@@ -235,6 +249,7 @@ class StepMeter:
         achieved = self.flops_per_token * tokens_per_s / self.world_size  # model FLOP/s per rank
         row = {
             "step": step,
+            "tokens": step * self.tokens_per_step,  # trained on so far (the x axis of `scaletrain plot`)
             "loss": float(loss),
             "lr": lr,
             "grad_norm": float(grad_norm),
@@ -284,10 +299,15 @@ def announce(t) -> None:
             f"{b.global_batch // b.dp_replicate} sequences of every step's {b.global_batch}; gradients reduced "
             f"every step over the {b.dp_shard} rank(s) of a worker; loss and tokens/s are the global batch's, "
             f"grad norm the root mean square of the workers'")
-    if t.val_batches is not None:
-        n, data = len(t.val_batches), t.val_dataset.data
+    for v in t.val_sets:
+        n, data = len(v.batches), v.dataset.data
         say(f"validation: {data.source}, {data.num_tokens:,} tokens; {n} batch(es) = "
-            f"{n * b.global_batch:,} windows every {cfg.train.eval_every} steps and at the end")
+            f"{n * b.global_batch:,} windows every {cfg.train.eval_every} steps and at the end"
+            + (f" (logged as val_loss/{v.name})" if v.name else ""))
+    if t.val_sets and t.val_sets[0].name:
+        missing = [n for n in t.data.names if n not in {v.name for v in t.val_sets}]
+        say("validation: val_loss is the mean of the sources' losses weighted as the mix"
+            + (f"; {', '.join(missing)} has no validation split (prepare --val-fraction)" if missing else ""))
     say(t.meter.peak_source)
     if note := t.precision.note():
         say(note)

@@ -30,7 +30,9 @@ from torch.distributed.tensor import DTensor
 
 from scaletrain.config import JobConfig
 from scaletrain.data.dataset import WindowDataset, open_data
+from scaletrain.config import parse_mix
 from scaletrain.data.loader import StepSampler, build_loader
+from scaletrain.data.mix import MixData, MixDataset, MixSampler
 from scaletrain.errors import ConfigError, DataError
 from scaletrain.model.flops import flops_per_token
 from scaletrain.model.generate import Interrupted, sample_text
@@ -44,7 +46,7 @@ from scaletrain.precision import MasterWeights, Precision
 from scaletrain.runtime import Runtime, single_process
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import run_folder
-from scaletrain.train.evaluate import validation_loss, validation_set
+from scaletrain.train.evaluate import validation_loss, validation_sets
 from scaletrain.train.health import Health, StopSignals
 from scaletrain.train.metrics import MetricsLogger, StepMeter, announce, perplexity, report_state_bytes
 from scaletrain.train.run_folder import default_run_dir
@@ -113,6 +115,10 @@ class Trainer:
     def _build(self, stream) -> None:
         """Data -> model (meta) -> parallelize -> materialize -> optimizer -> metrics -> resume."""
         cfg, rt = self.cfg, self.rt
+        from scaletrain.train.trackers import missing_packages  # before anything is built or written
+
+        if missing := self._shared(missing_packages(cfg.log) if self.rank == 0 else None):
+            raise ConfigError(*missing)  # only rank 0 logs: its packages are the ones that matter
         self.precision = Precision(cfg.precision, self.device)
         self.precision.configure_backends()
         resume_from = self.folder.find_resume()  # reads only: nothing is written before fit()
@@ -120,7 +126,7 @@ class Trainer:
         self._build_data()
         self._build_model(resume_from)
         # the validation windows (train.eval_every), once the model is known to fit
-        self.val_dataset, self.val_batches = validation_set(cfg, self.layout.global_batch)
+        self.val_sets = validation_sets(cfg, self.layout.global_batch)
         self._build_optimizer()
         self.run_id, self.lineage = self._shared(run_folder.new_identity())
         self.resumed_from: Path | None = None
@@ -143,14 +149,20 @@ class Trainer:
         """Data: order from (seed, step) alone; each data-parallel rank reads its slice."""
         cfg = self.cfg
         self.dp_rank = self.rt.axis("dp").get_local_rank() if self.rt.distributed else 0
-        self.data = open_data(cfg.data.path, cfg.data.verify_checksums)
+        if cfg.data.mix:  # several folders in proportion (scaletrain.data.mix)
+            self.data = MixData(parse_mix(cfg.data.mix), cfg.data.verify_checksums)
+        else:
+            self.data = open_data(cfg.data.path, cfg.data.verify_checksums)
         if self._user_model is None and self.data.vocab_size > cfg.model.vocab_size:
             raise DataError(f"{self.data.source}: the tokenizer has {self.data.vocab_size} tokens but "
                             f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size to at least "
                             f"{self.data.vocab_size}")
-        self.dataset = WindowDataset(self.data, cfg.data.seq_len)
+        self.dataset = MixDataset(self.data, cfg.data.seq_len) if cfg.data.mix else \
+            WindowDataset(self.data, cfg.data.seq_len)
         self.tokens_per_step = self.layout.global_batch * cfg.data.seq_len  # of the full batch
         self.batch_schedule = self.layout.batch_schedule(cfg.data.seq_len)  # train.batch_rampup, if any
+        # the windows drawn from each source so far are logged (one sampler, on every rank alike)
+        self.mix_sampler = self._sampler(0) if cfg.data.mix else None
 
     def _build_model(self, resume_from: Path | None) -> None:
         """Model: built on the meta device (no memory), then parallelized and materialized."""
@@ -277,11 +289,17 @@ class Trainer:
     def save(self) -> Path:
         return ckpt.save_trainer(self)
 
-    def _loader(self):
+    def _sampler(self, start_step: int) -> StepSampler:
         b = self.layout
-        sampler = StepSampler(len(self.dataset), b.global_batch, b.micro_batch, b.grad_accum,
-                              dp_rank=self.dp_rank, dp_size=b.dp, seed=self.cfg.train.seed, start_step=self.step,
-                              schedule=self.batch_schedule)
+        if self.cfg.data.mix:
+            return MixSampler(self.dataset, self.data.weights, b.global_batch, b.micro_batch, b.grad_accum,
+                              dp_rank=self.dp_rank, dp_size=b.dp, seed=self.cfg.train.seed, start_step=start_step)
+        return StepSampler(len(self.dataset), b.global_batch, b.micro_batch, b.grad_accum,
+                           dp_rank=self.dp_rank, dp_size=b.dp, seed=self.cfg.train.seed, start_step=start_step,
+                           schedule=self.batch_schedule)
+
+    def _loader(self):
+        sampler = self._sampler(self.step)
         return build_loader(self.dataset, sampler, num_workers=self.cfg.data.num_workers,
                             pin_memory=self.cfg.data.pin_memory and self.device.type == "cuda",
                             prefetch_factor=self.cfg.data.prefetch_factor)
@@ -359,8 +377,9 @@ class Trainer:
         self.dp.finish_gradients()
         return loss_sum / self._loss_factor() / self.step_tokens(), wait
 
-    def evaluate(self) -> float:
-        """The mean token loss over the run's fixed validation windows (see train.evaluate)."""
+    def evaluate(self) -> dict[str, float]:
+        """The mean token loss over the run's fixed validation windows (see train.evaluate):
+        {"val_loss": ...}, and "val_loss/NAME" for each source of a data.mix."""
         return validation_loss(self)
 
     def update(self) -> tuple[torch.Tensor, bool]:
@@ -412,6 +431,7 @@ class Trainer:
         try:
             self.folder.take_ownership(self.run_id, self.lineage, self.step, self.resumed_from, self.metrics.info)
             announce(self)
+            self.metrics.start_trackers(self.cfg, self.run_id)
             result = self._loop()
             if result["stopped_by"] is None and self.cfg.train.sample_tokens:  # a signal now cuts the sample short
                 self._print_sample()
@@ -440,7 +460,7 @@ class Trainer:
             self.health.watch_loss(self.step, loss, skipped)
             self.meter.stepped(wait, self.step_tokens(self.step - 1))
             val_loss = None
-            if self.val_batches is not None and not stop and \
+            if self.val_sets and not stop and \
                     (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps):
                 with self.meter.paused():  # evaluating is not training: tokens/s leaves it out
                     val_loss = guarded(self.evaluate)
@@ -455,13 +475,17 @@ class Trainer:
         self.health.check_weights_changed(self.step - first_step)
         return self._finish(losses, last_saved)
 
-    def _log(self, loss: float, grad_norm, val_loss: float | None) -> float:
+    def _log(self, loss: float, grad_norm, val_loss: dict[str, float] | None) -> float:
         """Log the metrics of the steps since the last row, and start the next; returns the row's loss."""
         row = self.health.guarded(self.meter.row, self.step, loss, grad_norm, get_lr(self.optimizer),
                                   self.skipped_steps, self.scaler.scale if self.scaler else None)
         row["global_batch"] = self.batch_schedule.batch(self.step - 1)  # of the logged step
+        if self.mix_sampler is not None:  # the share of the windows so far drawn from each source
+            drawn = self.mix_sampler.drawn(self.step)
+            row.update({f"mix/{name}": n / sum(drawn) for name, n in zip(self.data.names, drawn)})
         if val_loss is not None:
-            row.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
+            row.update(val_loss=val_loss["val_loss"], val_ppl=perplexity(val_loss["val_loss"]))
+            row.update(val_loss)
         self.health.log_row(row, self.step, self.run_dir / "metrics.jsonl")
         self.meter.new_window()
         return row["loss"]
@@ -528,6 +552,8 @@ class Trainer:
                            window=min(self.cfg.data.seq_len, self.cfg.model.max_seq_len), seed=self.cfg.train.seed,
                            device=self.device, autocast=self.precision.autocast,
                            all_ranks=self.rt.distributed and self._sample_on_all_ranks(),
+                           # a compiled block would recompile for every new length: no cache then
+                           use_cache=not self.cfg.train.compile and self._user_model is None,
                            # sharded ranks must all go on
                            interrupted=lambda: self._stop_signal is not None and not self.rt.distributed)
 

@@ -1,0 +1,91 @@
+"""`scaletrain generate CKPT_OR_HF --prompt TEXT`: text from a checkpoint or a Hugging Face
+model folder, one process, with the key/value cache (scaletrain.model.generate).
+
+The tokenizer is the data folder's: a checkpoint's run data (its data.path, or a data.mix's
+sources, which share one), or --data FOLDER; a Hugging Face folder's own tokenizer.json. The
+context is at most the length the model was trained on (a checkpoint's data.seq_len, a Hugging
+Face model's max_seq_len).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+
+from scaletrain.config import data_paths, from_dict
+from scaletrain.errors import CheckpointError, ConfigError, DataError
+from scaletrain.train import checkpoint as ckpt
+
+
+def data_tokenizer(path: str):
+    """The tokenizer a prepared folder was made with, from its meta.json alone (no shard is
+    read); empty path: the built-in byte-level data's."""
+    from scaletrain.data.prepare import META_FILE
+    from scaletrain.data.tokenizer import ByteTokenizer, load_tokenizer
+
+    if not path:
+        return ByteTokenizer()
+    meta = Path(path) / META_FILE
+    try:
+        described = json.loads(meta.read_text())["tokenizer"]
+    except FileNotFoundError:
+        raise DataError(f"{meta} does not exist; give --data, a folder written by scaletrain prepare") from None
+    except (OSError, ValueError, KeyError, TypeError):
+        raise DataError(f"{meta}: no tokenizer described; re-run scaletrain prepare") from None
+    return load_tokenizer(described, Path(path))
+
+
+def load_for_generation(source: str | Path, data: str | None = None):
+    """(model, tokenizer, window) for `source`: a checkpoint folder (step_*) or a Hugging Face
+    model folder; `data`: a prepared folder whose tokenizer to use instead."""
+    path = Path(source)
+    if (path / ckpt.TRAINER_FILE).is_file():
+        from scaletrain.train.export import load_model_from_checkpoint
+
+        cfg = from_dict(ckpt.read_trainer_state(path)["config"])
+        tokenizer = data_tokenizer(data if data is not None else data_paths(cfg.data)[0])
+        return load_model_from_checkpoint(path), tokenizer, min(cfg.data.seq_len, cfg.model.max_seq_len)
+    if (path / "config.json").is_file():
+        from scaletrain.data.tokenizer import HFTokenizer
+        from scaletrain.model.config import model_config
+        from scaletrain.model.hf import load_hf_weights, model_config_from_hf
+        from scaletrain.model.transformer import Transformer
+
+        model_cfg = model_config(model_config_from_hf(path))
+        model = Transformer(model_cfg)
+        weights = load_hf_weights(path, model_cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(weights[name])
+        model.init_buffers("cpu")
+        tokenizer = data_tokenizer(data) if data is not None else HFTokenizer.from_hf_folder(path)
+        return model, tokenizer, model_cfg.max_seq_len
+    raise CheckpointError(f"{path}: neither a checkpoint folder (no {ckpt.TRAINER_FILE}) nor a Hugging Face model "
+                          "folder (no config.json); give runs/<run>/checkpoints/step_* or a model folder")
+
+
+def generate_text(source: str | Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
+                  top_k: int = 50, seed: int = 0, data: str | None = None, device: str = "auto") -> str:
+    """The prompt and `max_new_tokens` tokens sampled after it, decoded."""
+    from scaletrain.model.generate import sample_text
+
+    if max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens {max_new_tokens} must be 0 or more")
+    if not temperature > 0:
+        raise ConfigError(f"--temperature {temperature} must be above 0 (lower is more predictable)")
+    if top_k < 0:
+        raise ConfigError(f"--top-k {top_k} must be 0 (no limit) or more")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available here; use --device cpu")
+    model, tokenizer, window = load_for_generation(source, data)
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise DataError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
+                        f"{model.cfg.vocab_size}: give --data, the folder the model was trained on")
+    dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
+    model = model.to(dev)
+    return sample_text(model, tokenizer, prompt, max_new_tokens, window=window, seed=seed, device=dev,
+                       autocast=contextlib.nullcontext, all_ranks=False, interrupted=lambda: False, temperature=temperature, top_k=top_k)
+

@@ -1,0 +1,147 @@
+"""data.mix: several prepared folders drawn in proportion, from (seed, step) alone, distinct
+windows on every rank, an exact resume, the proportions drawn logged and held to the weights,
+one tokenizer for all, validation loss per source."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import numpy as np
+import pytest
+
+from scaletrain.config import load_config, parse_mix
+from scaletrain.data.loader import rank_slices
+from scaletrain.data.mix import MixData, MixDataset, MixSampler, floor_sum
+from scaletrain.data.prepare import prepare
+from scaletrain.errors import ConfigError, DataError
+from scaletrain.train.trainer import Trainer
+
+from conftest import micro_cfg, read_metrics, run_here
+
+TEXTS = {
+    "web": "The quick brown fox jumps over the lazy dog. ",
+    "code": "def f(x):\n    return x * 2 + 1\n",
+    "books": "It was the best of times, it was the worst of times. ",
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mix")
+    for i, (name, text) in enumerate(TEXTS.items()):
+        src = root / f"{name}.jsonl"
+        src.write_text("".join(json.dumps({"text": f"{k} {text * (3 + k % 5)}"}) + "\n" for k in range(60 + 30 * i)))
+        prepare([src], root / name, val_fraction=0.2, workers=1)
+    prepare([root / "web.jsonl"], root / "bpe", tokenizer="bpe", vocab_size=300, workers=1)
+    return root
+
+
+def mix_of(folders, weights: dict[str, float]) -> str:
+    return ",".join(f"{folders / name}={w}" for name, w in weights.items())
+
+
+def sampler(folders, weights, *, global_batch=32, micro=4, accum=2, dp_rank=0, dp=4, seed=7, start=0):
+    data = MixData(parse_mix(mix_of(folders, weights)))
+    ds = MixDataset(data, 16)
+    return MixSampler(ds, data.weights, global_batch, micro, accum, dp_rank, dp, seed, start), ds
+
+
+def test_floor_sum_matches_the_sum():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n, m, a, b = int(rng.integers(1, 300)), int(rng.integers(1, 1000)), int(rng.integers(0, 5000)), \
+            int(rng.integers(0, 5000))
+        assert floor_sum(n, m, a, b) == sum((a * i + b) // m for i in range(n))
+
+
+def test_proportions_drawn_follow_the_weights_at_every_step(folders):
+    weights = {"web": 70, "code": 20, "books": 10}
+    s, ds = sampler(folders, weights)
+    ids = np.concatenate([s.global_batch_indices(step) for step in range(300)])
+    which = np.searchsorted(ds.offsets, ids, side="right") - 1
+    for step in (1, 10, 50, 300):
+        seen = np.bincount(which[:step * 32], minlength=3)
+        assert s.drawn(step) == seen.tolist()  # the closed form counts what was drawn
+        # within a few windows of the weights from the very first steps
+        assert np.abs(seen - np.array([0.7, 0.2, 0.1]) * step * 32).max() <= 3, (step, seen)
+    # windows within a source: each epoch of it is a permutation of its windows
+    web = ids[which == 0][:ds.sizes[0]]
+    assert sorted(web.tolist()) == list(range(ds.sizes[0]))
+
+
+def test_order_depends_on_seed_and_step_alone_and_ranks_read_distinct_windows(folders):
+    weights = {"web": 1, "code": 1}
+    fresh, _ = sampler(folders, weights)
+    late, _ = sampler(folders, weights, start=41)
+    assert np.array_equal(late.global_batch_indices(41), fresh.global_batch_indices(41))
+    assert next(iter(late)) == fresh.rank_micro_batches(41)[0]  # the loader starts at the resumed step
+    other_seed, _ = sampler(folders, weights, seed=8)
+    assert not np.array_equal(other_seed.global_batch_indices(3), fresh.global_batch_indices(3))
+    batch = fresh.global_batch_indices(5)
+    per_rank = [sum(rank_slices(batch, 4, 2, r, 4), []) for r in range(4)]
+    flat = sum(per_rank, [])
+    assert sorted(flat) == sorted(batch.tolist()) and len(set(flat)) == len(flat) == 32
+
+
+def test_bad_mixes_are_one_line(folders, tmp_path):
+    for text, fragment in [(f"{folders / 'web'}=0,{folders / 'code'}=1", "weight 0 of"),
+                           (f"{folders / 'web'}=-2,{folders / 'code'}=1", "must be above 0"),
+                           (f"{folders / 'web'}=1", "at least two sources"),
+                           (f"{folders / 'web'}", "is not PATH=WEIGHT")]:
+        r = run_here("train", f"--data.mix={text}", "--train.steps=1", f"--log.run_dir={tmp_path / 'r'}")
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and fragment in r.stderr, r.stderr
+    with pytest.raises(ConfigError, match="data.path and data.mix both name the data"):
+        load_config(None, {"data.path": str(folders / "web"), "data.mix": mix_of(folders, {"web": 1, "code": 1})})
+    # sources prepared with different tokenizers
+    r = run_here("train", f"--data.mix={mix_of(folders, {'web': 1, 'bpe': 1})}", "--train.steps=1",
+                 "--model.vocab_size=300", f"--log.run_dir={tmp_path / 'r'}")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"data.mix: {folders / 'bpe'} was prepared with another tokenizer than {folders / 'web'} " \
+           "(tokenizer.json, vocabulary " in r.stderr and "against byte, vocabulary 256)" in r.stderr
+    assert "every source of a mix must share one: prepare them with the same --tokenizer" in r.stderr
+    with pytest.raises(DataError, match="another tokenizer"):
+        MixData(parse_mix(mix_of(folders, {"web": 1, "bpe": 1})))
+
+
+def run_until(cfg, stop_after: int) -> dict:
+    trainer = Trainer(cfg)
+    step = trainer.train_step
+
+    def step_then_maybe_stop(batches):
+        out = step(batches)
+        if trainer.step + 1 >= stop_after:
+            trainer._stop_signal = signal.SIGTERM
+        return out
+
+    trainer.train_step = step_then_maybe_stop
+    return trainer.fit()
+
+
+def test_training_on_a_mix_logs_proportions_and_validation_per_source_and_resumes_exactly(folders, tmp_path):
+    base = {"data.mix": mix_of(folders, {"web": 70, "code": 20, "books": 10}), "train.steps": 8,
+            "checkpoint.every": 4, "train.eval_every": 4, "train.eval_batches": 1, "data.seq_len": 16}
+    straight = Trainer(micro_cfg(tmp_path / "a", **base)).fit()
+    rows = read_metrics(tmp_path / "a" / "run")
+    last = rows[-1]
+    assert abs(last["mix/web"] - 0.7) < 0.05 and abs(last["mix/code"] - 0.2) < 0.05 and \
+        abs(last["mix/books"] - 0.1) < 0.05
+    assert sum(last[f"mix/{n}"] for n in TEXTS) == pytest.approx(1.0)
+    per_source = {n: last[f"val_loss/{n}"] for n in TEXTS}
+    assert len(set(per_source.values())) == 3  # three sources, three losses
+    assert last["val_loss"] == pytest.approx(0.7 * per_source["web"] + 0.2 * per_source["code"]
+                                             + 0.1 * per_source["books"])
+    # stopped after step 4 and resumed: the same losses, step for step
+    cfg = micro_cfg(tmp_path / "b", **{**base, "checkpoint.resume": "auto"})
+    run_until(cfg, stop_after=4)
+    resumed = Trainer(cfg)
+    assert resumed.step == 4
+    resumed.fit()
+    assert [r["loss"] for r in read_metrics(tmp_path / "b" / "run")] == straight["losses"]
+    # scaletrain eval of the mix's checkpoint: each source, and their weighted mean
+    r = run_here("eval", str(tmp_path / "a" / "run" / "checkpoints" / "step_00000008"), "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["val_loss"] == pytest.approx(last["val_loss"], rel=1e-4)
+    assert result["sources"] == pytest.approx(per_source, rel=1e-4)
