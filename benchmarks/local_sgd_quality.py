@@ -7,9 +7,12 @@ optimizer): DDP (gradients every step), local SGD (weights averaged every H step
 whole or streamed (F fragments, each all-reduced in the background for τ steps). The
 validation loss is measured at the end on the demo's held-out text (every worker on its share
 of the validation windows with its own weights: after a sync of every fragment they are the same).
-All runs go through one group of processes; each row is printed as it finishes.
+All runs go through one group of processes; each row is printed as it finishes and appended to
+OUT/rows.jsonl (`--out-dir OUT`), and a second invocation with the same --out-dir runs only the
+rows not there yet.
 
-    python benchmarks/local_sgd_quality.py [--nproc 4] [--steps 300] [--sync-every 10 50 100] [--section.key=value ...]
+    python benchmarks/local_sgd_quality.py [--nproc 4] [--steps 300] [--sync-every 10 50 100] [--out-dir DIR]
+        [--section.key=value ...]
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -46,15 +50,23 @@ def rank_main(*argv: str) -> int:
 
     args, extra = _parser().parse_known_args(argv)
     out = Path(args.out)
+    done = {json.loads(line)["name"] for line in out.read_text().splitlines()} if out.exists() else set()
     for name, overrides in rows(args.sync_every, args.fragments, args.delay):
+        if name in done:
+            continue
         run_dir = Path(args.out).parent / name.replace(" ", "_")
         cfg = load_config(args.config, [*extra, f"--parallel.dp_replicate={args.nproc}", f"--train.steps={args.steps}",
                                         f"--train.eval_every={args.steps}", f"--log.run_dir={run_dir}",
                                         "--log.tensorboard=false", "--log.progress=off", "--train.sample_tokens=0",
                                         "--checkpoint.save_final=false", *[f"--{k}={v}" for k, v in overrides.items()]])
         rt = init_worker(cfg)
+        if rt.rank == 0 and run_dir.exists():  # a run cut short by an earlier invocation
+            shutil.rmtree(run_dir)
+        dist.barrier()
         t0 = time.perf_counter()
         result = Trainer(cfg, rt, stream=open(os.devnull, "w")).fit()
+        if result["stopped_by"] is not None:
+            raise RuntimeError(f"{name}: stopped by signal {result['stopped_by']} before the end")
         if rt.rank == 0:
             last = result["history"][-1]
             row = {"name": name, "val_loss": last["val_loss"], "loss": last["loss"], "seconds": time.perf_counter() - t0}
@@ -73,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sync-every", type=int, nargs="+", default=[10, 50, 100])
     ap.add_argument("--fragments", type=int, default=4, help="fragments of the streamed rows")
     ap.add_argument("--delay", type=int, default=2, help="sync_delay of the streamed rows")
+    ap.add_argument("--out-dir", help="where the runs and rows.jsonl go (default: a new temporary folder); rows "
+                                       "already in its rows.jsonl are not run again")
     ap.add_argument("--out", help=argparse.SUPPRESS)
     return ap
 
@@ -81,7 +95,9 @@ def main(argv=None) -> None:
     args, extra = _parser().parse_known_args(argv)
     from scaletrain.launcher import launch
 
-    out = Path(tempfile.mkdtemp(prefix="lsgd-quality-")) / "rows.jsonl"
+    folder = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="lsgd-quality-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / "rows.jsonl"
     forwarded = [f"--config={args.config}", f"--nproc={args.nproc}", f"--steps={args.steps}",
                  f"--fragments={args.fragments}", f"--delay={args.delay}", f"--out={out}",
                  "--sync-every", *map(str, args.sync_every), *extra]

@@ -188,9 +188,7 @@ def _check_resume_sync(cfg, layout) -> None:
     try:
         state = ckpt.read_trainer_state(path)
     except CheckpointError:
-        if res == "auto":
-            return  # the ranks fall back to an older checkpoint, naming this one
-        raise
+        return  # the ranks report it (or, with auto, fall back to an older checkpoint, naming this one)
     ckpt.check_sync(path, state, layout)
 
 
