@@ -70,6 +70,24 @@ def micro(tmp_path):
     return lambda **kw: micro_cfg(tmp_path, **kw)
 
 
+def wanted_params(request, argname: str) -> set | None:
+    """The values of parameter `argname` of the tests this session runs that use the calling
+    fixture (a tuple value counts as each of its items), or None when one of them is not
+    parametrized by it (it needs every value). A
+    module-scoped fixture that runs a group of layouts runs only those asked for: one test id
+    (tests/mutations.py, or -k while working) then costs one layout, not its whole group."""
+    users = [item for item in request.session.items
+             if request.fixturename in getattr(item, "fixturenames", ()) and getattr(item, "module", None) is request.module]
+    values = set()
+    for item in users:
+        params = getattr(item, "callspec", None)
+        if params is None or argname not in params.params:
+            return None
+        value = params.params[argname]
+        values.update(value if isinstance(value, tuple) else (value,))
+    return values
+
+
 def run_group(nproc: int, jobs: list[dict], tmp_path: Path, timeout: float = 600) -> tuple[int, list | None, str]:
     """Run `jobs` (dicts with "overrides", optional "fault") in one group of `nproc` real
     processes started by scaletrain's launcher; returns (exit code, rank 0's results, stderr)."""
@@ -176,6 +194,19 @@ def assert_same_run(got: list[dict], ref: list[dict], *, steps: int, first: int 
     _record(what, loss=worst[0], grad_norm=worst[1])
     assert not problems, f"{what}: " + "; ".join(problems)
     return worst[0], worst[1]
+
+
+class Lazy(dict):
+    """A dict whose values are made on first use from `makers` (name -> function): a module's
+    reference runs cost only those its selected tests read."""
+
+    def __init__(self, makers: dict):
+        super().__init__()
+        self.makers = makers
+
+    def __missing__(self, key):
+        self[key] = value = self.makers[key]()
+        return value
 
 
 def fit_reference(cfg, **trainer_kw) -> dict:

@@ -96,11 +96,14 @@ MUTANTS = [
            "seed=self.cfg.train.seed, start_step=self.step + (self.step > 0))",
            (f"{DP}::test_checkpoints_reshard_across_layouts",
             "tests/test_checkpoint.py::test_stop_and_resume_gives_bitwise_identical_losses")),
-    Mutant("sp-all-gather-wrong-dim", "sequence parallelism all-gathers the MLP input along the batch dimension",
+    # (the input_layouts of the blocks' "attn" and "mlp" PrepareModuleInput are not this: their
+    # input is already a DTensor, whose own placement wins, so changing them changes nothing)
+    Mutant("sp-all-gather-wrong-dim", "sequence parallelism shards the residual stream along the batch, so its "
+           "all-gathers (along the sequence) join different sequences end to end",
            "src/scaletrain/parallel/tensor_parallel.py",
-           '"mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),',
-           '"mlp": PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),)),',
-           (f"{MP}::test_parity_with_one_process[dp2xtp2-zero2-sp]",)),
+           "desired_input_layouts=(Shard(1), None), use_local_output=True))",
+           "desired_input_layouts=(Shard(0), None), use_local_output=True))",
+           (f"{MP}::test_parity_with_one_process[tp2-sp]", f"{MP}::test_parity_with_one_process[dp2xtp2-zero2-sp]")),
     # the checks themselves: verify must hold the gradient norm, and what is logged as the
     # gradient norm must be the norm before clipping, or every assertion above is blind
     Mutant("verify-ignores-grad-norm", "scaletrain verify's verdict reads the losses only",

@@ -10,7 +10,8 @@ from scaletrain.config import load_config
 from scaletrain.train.trainer import Trainer
 from scaletrain.verify import TOLERANCES
 
-from conftest import MICRO, assert_same_run, assert_same_weights, fit_reference, micro_cfg, micro_overrides, run_group
+from conftest import (MICRO, Lazy, assert_same_run, assert_same_weights, fit_reference, micro_cfg, micro_overrides, run_group,
+                      wanted_params)
 
 pytestmark = pytest.mark.multiproc
 
@@ -28,9 +29,10 @@ WEIGHTS_TOL = 1e-3
 def reference(tmp_path_factory):
     """Single-process runs, plain and with gradient accumulation, with AdamW and with SGD without
     clipping: their rows and final weights."""
-    return {name: fit_reference(micro_cfg(tmp_path_factory.mktemp(name), **{"train.steps": STEPS, **extra}))
-            for name, extra in {"plain": {}, "accum": {"train.micro_batch": 1}, "sgd": SGD,
-                                "sgd-accum": {**SGD, "train.micro_batch": 1}}.items()}
+    return Lazy({name: lambda name=name, extra=extra: fit_reference(
+        micro_cfg(tmp_path_factory.mktemp(name), **{"train.steps": STEPS, **extra}))
+        for name, extra in {"plain": {}, "accum": {"train.micro_batch": 1}, "sgd": SGD,
+                            "sgd-accum": {**SGD, "train.micro_batch": 1}}.items()})
 
 
 def paper_bytes(zero: int, n: int, psi: int) -> int:
@@ -68,18 +70,21 @@ LAYOUTS = {2: LAYOUTS_2, 4: LAYOUTS_4}
 
 
 @pytest.fixture(scope="module")
-def groups(tmp_path_factory):
-    """group(n): the layouts of n ranks, run in one group of processes when first asked for."""
+def groups(request, tmp_path_factory):
+    """group(n): the layouts of n ranks, run in one group of processes when first asked for (of
+    them, only those the session's tests ask for, when that is known: see wanted_params)."""
     done = {}
+    wanted = wanted_params(request, "name")
 
     def group(n: int) -> dict[str, dict]:
         if n not in done:
             tmp = tmp_path_factory.mktemp(f"dp{n}")
+            layouts = [(name, extra) for name, extra, _ in LAYOUTS[n] if wanted is None or name in wanted]
             jobs = [{"overrides": micro_overrides(tmp / name, **{"train.steps": STEPS, **extra})}
-                    for name, extra, _ in LAYOUTS[n]]
+                    for name, extra in layouts]
             code, results, err = run_group(n, jobs, tmp)
             assert code == 0, err
-            done[n] = {name: result for (name, _, _), result in zip(LAYOUTS[n], results, strict=True)}
+            done[n] = {name: result for (name, _), result in zip(layouts, results, strict=True)}
         return done[n]
 
     return group
@@ -117,7 +122,7 @@ def test_model_state_memory_follows_the_zero_paper(groups, n):
     for name, extra, _ in LAYOUTS[n]:
         if "accum" in name or "hsdp" in name or "sgd" in name:
             continue
-        result = groups(n)[name]
+        result = groups(n)[name]  # (this test asks for every layout: see wanted_params)
         zero = extra["parallel.zero"]
         psi = result["num_params"]
         for r in result["ranks"]:

@@ -11,7 +11,8 @@ from scaletrain.verify import TOLERANCES
 
 from dist_worker import weight_fingerprint
 
-from conftest import assert_same_run, assert_same_weights, micro_cfg, micro_overrides, fit_reference, run_group
+from conftest import (Lazy, assert_same_run, assert_same_weights, fit_reference, micro_cfg, micro_overrides, run_group,
+                      wanted_params)
 
 pytestmark = pytest.mark.multiproc
 
@@ -57,11 +58,10 @@ LLAMA = {"model.norm": "rmsnorm", "model.activation": "swiglu", "model.position"
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    out = {}
-    for name, extra in {"plain": {}, "bias-rope": {"model.bias": True, "model.position": "rope"},
-                        "llama": LLAMA, "sgd": SGD}.items():
-        out[name] = fit_reference(micro_cfg(tmp_path_factory.mktemp(name), **{**BASE, **extra}))
-    return out
+    return Lazy({name: lambda name=name, extra=extra: fit_reference(
+        micro_cfg(tmp_path_factory.mktemp(name), **{**BASE, **extra}))
+        for name, extra in {"plain": {}, "bias-rope": {"model.bias": True, "model.position": "rope"},
+                            "llama": LLAMA, "sgd": SGD}.items()})
 
 
 def ref_name(extra):
@@ -86,18 +86,23 @@ GROUPS = {  # ranks: layouts, run in one group of processes
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request, tmp_path_factory):
     """runs(name): a layout's results. Each group of processes runs when a test first needs one
-    of its layouts; the 4-rank group first, as it saves the checkpoint (tp 2 × pp 2) that the 2-
-    and 8-rank groups and one process resume at other layouts."""
+    of its layouts (of them, only those the session's tests ask for, when that is known: see
+    wanted_params); the 4-rank group first when a resume needs the checkpoint (tp 2 × pp 2) it
+    saves, which the 2- and 8-rank groups and one process resume at other layouts."""
     tmp = tmp_path_factory.mktemp("mp")
     done: dict[str, dict] = {}
+    wanted = wanted_params(request, "name")
+    if wanted is not None and any(name.startswith("resume") for name in wanted):
+        wanted.add("save")
 
     def run(n: int) -> None:
-        if n != 4 and "save" not in done:
+        layouts = [(name, extra) for name, extra in GROUPS[n] if wanted is None or name in wanted]
+        if any("checkpoint.resume" in extra for _, extra in layouts) and "save" not in done:
             run(4)
         jobs = [(name, {**extra, "checkpoint.resume": str(tmp / extra["checkpoint.resume"])}
-                 if "checkpoint.resume" in extra else extra) for name, extra in GROUPS[n]]
+                 if "checkpoint.resume" in extra else extra) for name, extra in layouts]
         code, results, err = run_group(n, [{"overrides": micro_overrides(tmp / name, **{**BASE, **extra})}
                                            for name, extra in jobs], tmp)
         assert code == 0, err
@@ -110,6 +115,7 @@ def runs(tmp_path_factory):
             trainer = Trainer(micro_cfg(tmp / name, **{**BASE, **LLAMA, "checkpoint.resume": str(tmp / STEP5)}))
             done[name] = {"history": trainer.fit()["history"], "weights": weight_fingerprint(trainer.named_params)}
         if name not in done:
+            assert wanted is None or name in wanted, f"{name} is not among the layouts this session's tests ask for"
             run(next(n for n, layouts in GROUPS.items() if name in dict(layouts)))
         return done[name]
 
@@ -131,13 +137,14 @@ def test_checkpoint_resumes_at_another_layout(runs, reference, name):
     assert_same_weights(runs(name)["weights"], ref["weights"], tol=WEIGHTS_TOL, what=name)
 
 
-def test_tensor_parallel_shards_the_blocks(runs):
+@pytest.mark.parametrize("name", [("tp2", "dp2xtp2-zero3")], ids=["tp2-and-dp2xtp2-zero3"])  # the layouts it reads
+def test_tensor_parallel_shards_the_blocks(runs, name):
     """tp 2 holds about half the parameters per rank (embedding and head split too)."""
-    one = runs("dp2xtp2-zero3")["ranks"][0]["state_bytes"]
     two = runs("tp2")["ranks"][0]["state_bytes"]
     psi = runs("tp2")["num_params"]
     # tp 2 alone: params + grads + AdamW = 16 bytes per parameter / 2, give or take the
     # replicated norms and positions
     total = sum(two.values())
     assert 0.5 * 16 * psi <= total < 0.6 * 16 * psi, total / psi
+    one = runs("dp2xtp2-zero3")["ranks"][0]["state_bytes"]
     assert sum(one.values()) < 0.6 * total  # dp 2 with ZeRO-3 halves it again (nearly)
