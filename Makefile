@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.scaletrain-installed
 
-.PHONY: demo test test-fast install clean
+.PHONY: demo test test-fast test-mutations install clean
 
 install: $(STAMP)
 
@@ -26,6 +26,11 @@ test: $(STAMP)
 # the inner loop: everything in one process (no ranks, signals or mounts), under 3 minutes
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not multiproc and not slow"
+
+# plants known bugs one at a time on a copy of the tree and shows which tests catch each, by how
+# much (docs/testing.md); a few minutes, not part of `make test`
+test-mutations: $(STAMP)
+	$(PY) tests/mutations.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

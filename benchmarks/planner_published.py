@@ -43,7 +43,7 @@ def row(run: Run) -> tuple[str, float]:
     ratio = got / run.published
     layout = e["describe"]
     fits = "" if e["fits"] else f" — does not fit ({e['memory']['total'] / 2**30:.0f} GiB)"
-    role = "fitted" if run.fitted else "held out"
+    role = "calibration" if run.calibration else "held out"
     mark = "" if abs(ratio - 1) <= 0.15 else " ✗"
     return (f"| {run.name} | {run.source} | {layout} | {run.metric} | {_fmt(run.metric, run.published)} | "
             f"{_fmt(run.metric, got)}{fits} | {ratio:.2f}{mark} | {role} |"), ratio
@@ -59,7 +59,7 @@ def main_() -> int:
     for run in RUNS:
         line, ratio = row(run)
         print(line, flush=True)
-        if not run.fitted:
+        if not run.calibration:  # the accuracy claim is over held-out rows only
             held_out.append(abs(ratio - 1))
     within = sum(d <= 0.15 for d in held_out)
     print(f"\n{within} of {len(held_out)} held-out rows within 15%; "

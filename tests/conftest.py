@@ -70,6 +70,24 @@ def micro(tmp_path):
     return lambda **kw: micro_cfg(tmp_path, **kw)
 
 
+def wanted_params(request, argname: str) -> set | None:
+    """The values of parameter `argname` of the tests this session runs that use the calling
+    fixture (a tuple value counts as each of its items), or None when one of them is not
+    parametrized by it (it needs every value). A
+    module-scoped fixture that runs a group of layouts runs only those asked for: one test id
+    (tests/mutations.py, or -k while working) then costs one layout, not its whole group."""
+    users = [item for item in request.session.items
+             if request.fixturename in getattr(item, "fixturenames", ()) and getattr(item, "module", None) is request.module]
+    values = set()
+    for item in users:
+        params = getattr(item, "callspec", None)
+        if params is None or argname not in params.params:
+            return None
+        value = params.params[argname]
+        values.update(value if isinstance(value, tuple) else (value,))
+    return values
+
+
 def run_group(nproc: int, jobs: list[dict], tmp_path: Path, timeout: float = 600) -> tuple[int, list | None, str]:
     """Run `jobs` (dicts with "overrides", optional "fault") in one group of `nproc` real
     processes started by scaletrain's launcher; returns (exit code, rank 0's results, stderr)."""
@@ -129,6 +147,108 @@ def unmount(path: Path) -> None:
 
 def micro_overrides(run_dir: Path, **overrides) -> dict:
     return {**MICRO, "log.run_dir": str(run_dir), **overrides}
+
+
+# --------------------------------------------------------------------------------------------
+# Parity: a run against a reference run, whole, on the gradients as well as the losses.
+#
+# Why the gradient norm: on the micro models the norm before clipping is above train.grad_clip
+# (1.0) at every step, so every update reaches AdamW clipped to unit norm, and AdamW is nearly
+# blind to a scale anyway: a bug that multiplies the gradients by k leaves the losses as they
+# were. The norm before clipping shows k at the first step. A failure says how far past the
+# tolerance it is ("N x tolerance"): tests/mutations.py reports that margin.
+
+def _record(what: str, **worst: float) -> None:
+    """With PARITY_LOG=FILE, append each comparison's worst differences to FILE (one JSON line):
+    how the tolerances below were measured."""
+    if os.environ.get("PARITY_LOG"):
+        with open(os.environ["PARITY_LOG"], "a") as f:
+            f.write(json.dumps({"what": what, **worst}) + "\n")
+
+
+def margin_text(rel: float, tol: float) -> str:
+    return f"{rel / tol:.3g}x tolerance {tol:.0e}"
+
+
+def assert_same_run(got: list[dict], ref: list[dict], *, steps: int, first: int = 1,
+                    tol: tuple[float, float] = (1e-5, 1e-4), what: str = "") -> tuple[float, float]:
+    """`got`'s metrics rows against `ref`'s: every step from `first` to `steps` logged (no step
+    dropped, none extra), and at each the loss and the gradient norm before clipping within
+    `tol` = (loss, grad norm) relative. `ref` is a run from step 1 (a resumed `got` is held
+    against its later steps). Returns the worst (loss, grad norm) relative differences."""
+    from scaletrain.verify import rel_diff
+
+    got_steps, ref_steps = [r["step"] for r in got], [r["step"] for r in ref]
+    assert got_steps == list(range(first, steps + 1)), f"{what}: logged steps {got_steps}, not {first} to {steps}"
+    assert ref_steps == list(range(1, steps + 1)), f"{what}: reference steps {ref_steps}, not 1 to {steps}"
+    by_step = {r["step"]: r for r in ref}
+    worst = []
+    problems = []
+    for key, name, t in (("loss", "loss", tol[0]), ("grad_norm", "grad norm", tol[1])):
+        diffs = [(rel_diff(r[key], by_step[r["step"]][key]), r["step"], r[key], by_step[r["step"]][key]) for r in got]
+        rel, step, a, b = max(diffs)
+        worst.append(rel)
+        if not rel <= t:
+            problems.append(f"{name} at step {step}: {a:.7g} vs {b:.7g}, relative difference {rel:.2e} = "
+                            f"{margin_text(rel, t)}")
+    _record(what, loss=worst[0], grad_norm=worst[1])
+    assert not problems, f"{what}: " + "; ".join(problems)
+    return worst[0], worst[1]
+
+
+class Lazy(dict):
+    """A dict whose values are made on first use from `makers` (name -> function): a module's
+    reference runs cost only those its selected tests read."""
+
+    def __init__(self, makers: dict):
+        super().__init__()
+        self.makers = makers
+
+    def __missing__(self, key):
+        self[key] = value = self.makers[key]()
+        return value
+
+
+def fit_reference(cfg, **trainer_kw) -> dict:
+    """Train `cfg` in this process: its metrics rows ("history") and its final weights
+    fingerprinted as tests/dist_worker.py does a group's, with the norm of each parameter's
+    change over the run (what assert_same_weights measures a difference against)."""
+    from dist_worker import weight_fingerprint
+
+    from scaletrain.train.trainer import Trainer
+
+    trainer = Trainer(cfg, **trainer_kw)
+    before = {n: p.detach().double().clone() for n, p in trainer.named_params}
+    history = trainer.fit()["history"]
+    weights = weight_fingerprint(trainer.named_params)
+    for n, p in trainer.named_params:
+        weights[n].append((p.detach().double() - before[n]).norm().item())
+    return {"history": history, "weights": weights}
+
+
+def assert_same_weights(got: dict, ref: dict, *, tol: float, what: str = "") -> float:
+    """Final weights (dist_worker.weight_fingerprint) against a reference's (fit_reference): the
+    same parameters, and for each the difference of the random projections over the norm of
+    the reference's change of that parameter over the run (about |w - w_ref| / |w_ref - w_0|)
+    within `tol`. Returns the worst."""
+    assert sorted(got) == sorted(ref), f"{what}: parameters {sorted(set(got) ^ set(ref))} in one run only"
+    diffs = sorted(((abs(got[n][1] - ref[n][1]) / ref[n][2], n) for n in ref if ref[n][2] > 0), reverse=True)
+    rel, name = diffs[0]
+    _record(what, weights=rel, worst=diffs[:3])
+    assert rel <= tol, f"{what}: final weights of {name} differ by {rel:.2e} of their change = {margin_text(rel, tol)}"
+    return rel
+
+
+def verdict_margin(verdict: str) -> str:
+    """How far over its tolerances a `scaletrain verify` verdict line is ("N x tolerance")."""
+    import re
+
+    m = re.search(r"loss ([\d.e+-]+|inf) at step \d+, grad norm ([\d.e+-]+|inf) at step \d+; "
+                  r"tolerance loss ([\d.e+-]+), grad norm ([\d.e+-]+)", verdict)
+    if not m:
+        return "margin unknown"
+    loss, norm, tol_loss, tol_norm = (float(x) for x in m.groups())
+    return f"{max(loss / tol_loss, norm / tol_norm):.3g}x tolerance"
 
 
 def forge_checksums(checkpoint: Path) -> None:

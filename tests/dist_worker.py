@@ -4,8 +4,10 @@
     dist_worker:main SPEC` on nproc ranks through scaletrain's launcher (tests/ on PYTHONPATH).
 
 SPEC is a JSON file: {"jobs": [{"overrides": {...}, "expect_fail": false, "fault": null}, ...],
-"out": "results.json"}. Rank 0 writes, per job, the logged losses, the measured model-state
-bytes and the window indices each rank read at step 0.
+"out": "results.json"}. Rank 0 writes, per job, the logged history (every logged step's loss
+and gradient norm before clipping), a fingerprint of the final weights of the whole model, the
+wall time of fit() and of each train_step on rank 0, the measured model-state bytes and the
+window indices each rank read at step 0.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import json
 import os
 import signal
 import time
+import zlib
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from scaletrain.config import load_config
 from scaletrain.runtime import init_worker
@@ -73,6 +77,35 @@ def inject_into_trainer(trainer, fault: dict | None, rank: int) -> None:
         trainer.forward_backward = sleepy_forward_backward
 
 
+def weight_fingerprint(named_params) -> dict[str, list[float]]:
+    """Per parameter: [its norm, its projection on a fixed random direction seeded by its name],
+    of the whole tensor (a sharded one is gathered, so every rank of its mesh calls this
+    together). The projections of two runs' weights differ by about the norm of the difference
+    of the weights: a cheap comparison of final weights that misses no parameter."""
+    out = {}
+    for name, p in named_params:
+        full = (p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()).double().cpu()
+        direction = torch.randn(full.shape, dtype=torch.float64,
+                                generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+        out[name] = [full.norm().item(), (full * direction).sum().item()]
+    return out
+
+
+def timed_steps(trainer) -> list[float]:
+    """Wrap trainer.train_step to record how long each step takes (seconds, this rank's clock)."""
+    seconds: list[float] = []
+    real = trainer.train_step
+
+    def timed(batches):
+        t0 = time.perf_counter()
+        out = real(batches)
+        seconds.append(time.perf_counter() - t0)
+        return out
+
+    trainer.train_step = timed
+    return seconds
+
+
 def main(spec_path: str) -> None:
     """A rank of the group (the `dist_worker:main` task of scaletrain.worker, which reports failures)."""
     torch.set_num_threads(1)
@@ -98,13 +131,22 @@ def main(spec_path: str) -> None:
             name, function = job["probe"].split(":")
             probe = getattr(importlib.import_module(name), function)(trainer)
         indices = trainer._loader().sampler.rank_micro_batches(trainer.step)
+        step_s = timed_steps(trainer)
+        t0 = time.perf_counter()
         result = trainer.fit()
+        fit_s = time.perf_counter() - t0
+        weights = weight_fingerprint(trainer.named_params)  # this rank's stages, gathered over their shards
         gathered = [None] * rt.world_size
         dist.all_gather_object(gathered, {"rank": rank, "dp_rank": trainer.dp_rank, "indices": indices,
-                                          "state_bytes": trainer.state_bytes, "probe": probe() if probe else None})
+                                          "state_bytes": trainer.state_bytes, "probe": probe() if probe else None,
+                                          "weights": weights})
+        whole = {}  # every stage's parameters (replicas and tensor-parallel peers hold the same values)
+        for r in gathered:
+            whole.update({n: v for n, v in r.pop("weights").items() if n not in whole})
         results.append({"losses": [(r["step"], r["loss"]) for r in result["history"]],
                         "history": result["history"], "ranks": gathered, "num_params": trainer.num_params,
-                        "start_step": result["history"][0]["step"] if result["history"] else None})
+                        "start_step": result["history"][0]["step"] if result["history"] else None,
+                        "weights": whole, "fit_s": fit_s, "step_s": step_s})
         dist.barrier()
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps(results))

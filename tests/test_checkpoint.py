@@ -41,9 +41,9 @@ def test_stop_and_resume_gives_bitwise_identical_losses(tmp_path):
     assert first["step"] == 20 and first["stopped_by"] == signal.SIGTERM
     assert first["checkpoint"].endswith("step_00000020")
     Trainer(cfg).fit()
-    a = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "a" / "run")]
-    b = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "b" / "run")]
-    assert a == b  # every step, every bit
+    a = [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / "a" / "run")]
+    b = [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / "b" / "run")]
+    assert len(a) == 40 and a == b  # every step, every bit
 
 
 @pytest.mark.parametrize("extra", [
@@ -58,7 +58,8 @@ def test_resume_is_exact_for_optimizers_and_precisions(tmp_path, extra):
     if extra.get("optim.name") == "adamw8bit":
         pytest.importorskip("torchao")
     base = {"train.steps": 6, "checkpoint.every": 3, **extra}
-    straight = Trainer(micro_cfg(tmp_path / "a", **base)).fit()["losses"]
+    straight = Trainer(micro_cfg(tmp_path / "a", **base)).fit()["history"]
+    straight = [(r["step"], r["loss"], r["grad_norm"]) for r in straight]
     cfg = micro_cfg(tmp_path / "b", **{**base, "checkpoint.resume": "auto"})
     run_until(cfg, stop_after=3)
     resumed = Trainer(cfg)
@@ -66,7 +67,8 @@ def test_resume_is_exact_for_optimizers_and_precisions(tmp_path, extra):
     if resumed.scaler:
         assert resumed.scaler.scale == 4.0 * 2  # the loss scale came back with the rest
     resumed.fit()
-    assert [r["loss"] for r in read_metrics(tmp_path / "b" / "run")] == straight
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / "b" / "run")] == straight
+    assert len(straight) == 6
 
 
 def test_keep_last_k_and_partial_folders_are_never_picked(tmp_path):

@@ -17,7 +17,7 @@ from scaletrain.errors import ConfigError, DataError
 from scaletrain.train.metrics import MetricsLogger
 from scaletrain.train.trainer import Trainer
 
-from conftest import micro_cfg, micro_overrides, read_metrics, run_cli, run_here, run_group
+from conftest import assert_same_run, margin_text, micro_cfg, micro_overrides, read_metrics, run_cli, run_here, run_group
 
 TOL = 1e-5
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly box jackals".split()
@@ -174,11 +174,11 @@ def test_val_metrics_go_to_tensorboard_under_val_and_to_the_progress_line(tmp_pa
 
 
 # ---------------------------------------------------------------------------------------------
-# every layout gives one process's val_loss
+# every layout gives one process's val_loss (and trains like it: every step logged and compared)
 
 STEPS = 6
 BASE = {"train.steps": STEPS, "model.n_layers": 4, "model.tie_embeddings": False, "train.micro_batch": 2,
-        "train.eval_every": 3, "train.eval_batches": 2, "log.every": 3}
+        "train.eval_every": 3, "train.eval_batches": 2, "log.every": 1}
 LAYOUTS = [
     ("dp2-ddp", {"parallel.zero": 0}),
     ("dp2-zero3", {"parallel.zero": 3}),
@@ -196,7 +196,7 @@ def layouts(tmp_path_factory):
     code, results, err = run_group(2, [{"overrides": micro_overrides(tmp / n, **{**BASE, **e})} for n, e in jobs],
                                    tmp)
     assert code == 0, err
-    out = {n: r["history"] for (n, _), r in zip(jobs, results)}
+    out = {n: r["history"] for (n, _), r in zip(jobs, results, strict=True)}
     out["one"] = Trainer(micro_cfg(tmp / "one", **BASE)).fit()["history"]
     return out
 
@@ -208,7 +208,10 @@ def test_val_loss_equals_one_process(layouts, name):
     got = {r["step"]: r["val_loss"] for r in layouts[name] if "val_loss" in r}
     assert sorted(got) == sorted(ref) == [3, 6]
     for step, loss in got.items():
-        assert abs(loss - ref[step]) / ref[step] < TOL, (name, step, loss, ref[step])
+        rel = abs(loss - ref[step]) / ref[step]
+        assert rel < TOL, f"{name}: val_loss at step {step}: {loss} vs {ref[step]}, {margin_text(rel, TOL)}"
+    # the training it evaluates: every step's loss and gradient norm (verify's fp32 tolerances)
+    assert_same_run(layouts[name], layouts["one"], steps=STEPS, tol=(TOL, 1e-4), what=name)
 
 
 @pytest.mark.multiproc
@@ -233,7 +236,9 @@ def test_eval_cli_prints_the_val_loss_the_run_logged(corpus, tmp_path):
     r = run_here("eval", result["checkpoint"], "--data", str(tmp_path / "data"), "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["split"] == "validation" and out["step"] == 10 and out["windows"] == 16
+    # the windows of eval_batches global batches of the run (the metric is over exactly those)
+    windows = cfg.train.eval_batches * cfg.train.global_batch
+    assert out["split"] == "validation" and out["step"] == cfg.train.steps and out["windows"] == windows
     assert abs(out["val_loss"] - logged) / logged < TOL
     # without --data: the data it was trained on; the text form
     r = run_here("eval", result["checkpoint"])

@@ -19,7 +19,7 @@ import pytest
 from scaletrain.cli import main
 from scaletrain.errors import user_error_from_os
 
-from conftest import MICRO, REPO, mount_tmpfs, run_cli, unmount
+from conftest import MICRO, REPO, micro_overrides, mount_tmpfs, run_cli, run_group, unmount
 
 pytestmark = pytest.mark.slow  # real processes, signals and mounts (left out of make test-fast)
 
@@ -359,12 +359,14 @@ def test_numbers_too_large_for_torch_are_config_errors(override, message, tmp_pa
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.multiproc
 def test_the_largest_allowed_seed_and_timeout_run(tmp_path, capsys):
     code, err = run_main(["train", *MICRO_ARGS, "--train.steps=1", f"--train.seed={2**63 - 1}",
                           f"--log.run_dir={tmp_path / 'run'}"], capsys)
     assert code == 0, err
-    group_init = ("import torch.distributed as dist; from datetime import timedelta; "
-                  "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1, "
-                  f"timeout=timedelta(seconds={7 * 24 * 3600})); dist.destroy_process_group()")
-    r = subprocess.run([sys.executable, "-c", group_init], capture_output=True, text=True, env=ENV, timeout=120)
-    assert r.returncode == 0, r.stderr
+    # the largest timeout, through the product: the launcher starts 2 ranks, each joins the
+    # process group with parallel.timeout_s (its first job's) and trains a step with the seed
+    largest = {"train.steps": 1, "train.seed": 2**63 - 1, "parallel.timeout_s": 7 * 24 * 3600}
+    code, results, err = run_group(2, [{"overrides": micro_overrides(tmp_path / "two", **largest)}], tmp_path)
+    assert code == 0, err
+    assert [r["step"] for r in results[0]["history"]] == [1]

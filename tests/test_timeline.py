@@ -39,6 +39,39 @@ def test_every_operation_runs_once_and_in_dependency_order(schedule, v):
             assert b.start >= a.end
 
 
+def _torch_orders(schedule: str, p: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
+    """Each rank's compute actions as torch.distributed.pipelining's schedule class computes
+    them when it is built (its `_calculate_single_rank_operations`, called on a stand-in for
+    the schedule: building the real one needs a process group and stages)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+
+    if schedule == "zero-bubble":
+        cls = ScheduleZBVZeroBubble
+        fake = SimpleNamespace(pp_group_size=p, num_stages=2 * p, _n_microbatches=m, n_local_stages=2)
+    else:
+        cls = ScheduleInterleaved1F1B
+        rounds = max(1, m // p)
+        fake = SimpleNamespace(pp_group_size=p, n_local_stages=v, _n_microbatches=m, number_of_rounds=rounds,
+                               microbatches_per_round=m // rounds)
+    return [[(a.computation_type.value, a.stage_index, a.microbatch_index)
+             for a in cls._calculate_single_rank_operations(fake, r) if a is not None] for r in range(p)]
+
+
+@pytest.mark.parametrize("schedule,v", [("zero-bubble", 2), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3)])
+def test_rank_orders_are_those_torch_pipelining_runs(schedule, v):
+    """What `scaletrain schedule` draws and the planner counts (micro-batches in flight) is the
+    order the trainer's schedules run: every rank's F, B (I and W) on every stage and
+    micro-batch, in torch's order. Interleaved 1F1B for the micro-batch counts it accepts (a
+    multiple of pp); ZB-V for any."""
+    for p in (2, 3, 4):
+        for m in range(1, 4 * p + 2) if schedule == "zero-bubble" else (p, 2 * p, 3 * p):
+            orders, stage_of = timeline.rank_orders(schedule, p, m, v)
+            ours = [[(op.kind, stage_of(r, op.chunk), op.mb) for op in order] for r, order in enumerate(orders)]
+            assert ours == _torch_orders(schedule, p, m, v), (schedule, p, m, v)
+
+
 def test_zero_bubble_beats_1f1b():
     zb = timeline.bubble_fraction(timeline.simulate("zero-bubble", 4, 8, 2))
     assert zb < timeline.bubble_fraction(timeline.simulate("interleaved-1f1b", 4, 8, 2)) / 2

@@ -11,7 +11,7 @@ from scaletrain.train.metrics import REQUIRED_KEYS
 from scaletrain.model.loss import cross_entropy_sum
 from scaletrain.train.trainer import Trainer
 
-from conftest import micro_cfg, read_metrics
+from conftest import assert_same_run, micro_cfg, read_metrics
 
 
 def grads_after_one_step(cfg) -> dict[str, torch.Tensor]:
@@ -33,7 +33,7 @@ def test_loss_falls_and_metrics_are_logged(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 31))
     for row in rows:
         assert set(REQUIRED_KEYS) <= set(row)
-        assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1.5 and row["peak_mem_bytes"] > 0
+        assert row["tokens_per_s"] > 0 and 0 < row["mfu"] <= 1 and row["peak_mem_bytes"] > 0
         assert 0 <= row["data_wait_frac"] <= 1
     assert rows[0]["loss"] == pytest.approx(math.log(256), rel=0.05)  # uniform at the start
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
@@ -129,9 +129,10 @@ def test_lr_follows_schedule_in_training(tmp_path):
 
 
 def test_compile_trains_like_eager(tmp_path):
-    eager = Trainer(micro_cfg(tmp_path / "e", **{"train.steps": 5})).fit()["losses"]
-    compiled = Trainer(micro_cfg(tmp_path / "c", **{"train.steps": 5, "train.compile": True})).fit()["losses"]
-    assert compiled == pytest.approx(eager, rel=1e-4)
+    eager = Trainer(micro_cfg(tmp_path / "e", **{"train.steps": 5})).fit()["history"]
+    compiled = Trainer(micro_cfg(tmp_path / "c", **{"train.steps": 5, "train.compile": True})).fit()["history"]
+    # fused kernels sum in another order: verify's tf32 tolerances, losses and gradient norms
+    assert_same_run(compiled, eager, steps=5, tol=(1e-4, 1e-3), what="compiled against eager")
 
 
 def test_gradient_clipping_by_global_norm(tmp_path):

@@ -118,13 +118,34 @@ def test_workers_that_sync_every_few_steps_are_checked_against_their_simulation(
 
 
 def test_a_model_too_big_for_one_process_is_checked_against_zero3(tmp_path, verify):
-    """With a device of 4 MiB the planner puts one process over it (4.9 MiB) and ZeRO-3 over
-    2 ranks under it (3.3 MiB): the reference says so and runs on 2 ranks."""
-    code, out = verify(write_config(tmp_path), "--parallel.pp=2", "--parallel.pp_schedule=gpipe", "--device-memory=0.004")
+    """With a device of 4 MiB the planner puts one process over it and ZeRO-3 over 2 ranks under
+    it: the reference says so, with the planner's figures, and runs on 2 ranks."""
+    import dataclasses
+
+    import torch
+
+    from scaletrain.config import load_config
+    from scaletrain.hardware import local_hardware
+    from scaletrain.layout import Layout
+    from scaletrain.plan.search import evaluate
+    from scaletrain.plan.spec import Cluster, Workload
+
+    device_gib = 0.004
+    hw = dataclasses.replace(local_hardware(torch.device("cpu")), memory_GB=device_gib * 2**30 / 1e9)
+    model = load_config(None, MODEL).model
+    wl = Workload(seq_len=MODEL["data.seq_len"], global_batch=MODEL["train.global_batch"], precision="32-true",
+                  optimizer="adamw")
+    one = evaluate(model, wl, Cluster(hw, 1, 1), Layout(micro_batch=2, grad_accum=4), gpu=False).memory.total
+    two = evaluate(model, wl, Cluster(hw, 1, 2), Layout(dp_shard=2, zero=3, micro_batch=2, grad_accum=2),
+                   gpu=False).memory.total
+    assert two < hw.memory_bytes < one  # the premise: one process does not fit, ZeRO-3 over 2 does
+
+    code, out = verify(write_config(tmp_path), "--parallel.pp=2", "--parallel.pp_schedule=gpipe",
+                       f"--device-memory={device_gib}")
     assert code == 0, out
-    assert "reference: ZeRO-3 over 2 ranks (dp 2 zero3, mb 2x2, 3.3 MiB per rank), the simplest layout that fits: " \
-           "one process does not (the planner puts it at 4.9 MiB" in out, out
-    assert summary(out).endswith("PASS")
+    assert f"reference: ZeRO-3 over 2 ranks (dp 2 zero3, mb 2x2, {two / 2**20:.1f} MiB per rank), the simplest " \
+           f"layout that fits: one process does not (the planner puts it at {one / 2**20:.1f} MiB" in out, out
+    assert summary(out).endswith("(precision 32-true): PASS")
 
 
 @pytest.mark.parametrize("args,words", [

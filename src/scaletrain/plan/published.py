@@ -48,7 +48,7 @@ class Run:
     args: tuple[str, ...]  # after `scaletrain plan`; always a fixed layout
     metric: str  # what was published: a key of METRICS
     published: float
-    fitted: bool = False  # a calibration point: matching it is by construction, not evidence
+    calibration: bool = False  # a constant was fitted on it: matching it is by construction, not evidence
     tolerance: float = 0.15  # the test's bound on |predicted / published - 1|
     ran: bool = True  # the run happened, so its layout must fit in the device's memory
     why: str = ""  # where the prediction misses, and why
@@ -118,7 +118,7 @@ RUNS: list[Run] = [
         why="over by 20%: at micro-batch 4 the model hides the gathers behind compute and the 768- and "
             "1536-GPU points match; what else the 384-GPU run lost is not pinned down"),
     Run("ZeRO-3 175B, 768 GPUs", "Narayanan 2021, Table 2", _a(*_ZERO3, "--nodes", 96, "--micro-batch", 2),
-        "TF/s/GPU", 88, fitted=True),
+        "TF/s/GPU", 88, calibration=True),
     Run("ZeRO-3 175B, 1536 GPUs", "Narayanan 2021, Table 2", _a(*_ZERO3, "--nodes", 192, "--micro-batch", 1),
         "TF/s/GPU", 44),
     # Korthikanti et al. 2022, Table 5: sequence parallel + selective recomputation, MFU
@@ -151,7 +151,7 @@ RUNS: list[Run] = [
     # torchtitan docs/performance.md: FSDP2 (scaletrain's way of sharding), tokens/s per GPU
     Run("torchtitan Llama 3 8B, 64 A100", "torchtitan performance.md (2024), Llama 3",
         _a("llama-8b", "--hardware", "A100-80GB", "--nodes", 8, "--seq-len", 8192, "--global-batch", 64,
-           "--zero", 3, "--micro-batch", 1, "--ac", "selective"), "tokens/s/GPU", 2973, fitted=True),
+           "--zero", 3, "--micro-batch", 1, "--ac", "selective"), "tokens/s/GPU", 2973, calibration=True),
     Run("torchtitan Llama 3 70B, 64 A100", "torchtitan performance.md (2024), Llama 3",
         _a("llama-70b", "--hardware", "A100-80GB", "--nodes", 8, "--seq-len", 8192, "--global-batch", 64,
            "--zero", 3, "--micro-batch", 1, "--ac", "full"), "tokens/s/GPU", 331),
@@ -172,7 +172,7 @@ RUNS: list[Run] = [
         "tokens/s/GPU", 4641),
     Run("MPT-7B, 8 H100", "llm-foundry benchmarking README, H100 80GB",
         _a("mpt-7b", "--hardware", "H100-SXM", *_FOUNDRY, "--global-batch", 48, "--micro-batch", 6),
-        "tokens/s/GPU", 10643, fitted=True),
+        "tokens/s/GPU", 10643, calibration=True),
     Run("MPT-7B, 512 H100", "llm-foundry benchmarking README, H100 80GB large scale",
         _a("mpt-7b", "--hardware", "H100-SXM", "--nodes", 64, *_FOUNDRY, "--global-batch", 3072,
            "--micro-batch", 6), "tokens/s/GPU", 9670),

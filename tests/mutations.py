@@ -1,0 +1,270 @@
+"""Plant known bugs, one at a time, on a copy of the tree, and check that the tests catch each.
+
+    make test-mutations                      # every mutant (a few minutes on 2 cores)
+    python tests/mutations.py NAME ...       # some of them
+    python tests/mutations.py --list         # the mutants and the tests that must catch them
+
+The tree (git's tracked and untracked-but-not-ignored files) is copied once into a temporary
+folder. For each mutant one exact text replacement is made in one file of the copy (it fails
+loudly if the text is not there exactly once, so a mutant cannot rot into a no-op when the code
+around it changes), the named tests run there with PYTHONPATH at the copy, and the file is put
+back. The table says which tests failed and by how much: the parity assertions (tests/conftest.py
+assert_same_run, assert_same_weights) and the verify verdicts report "N x tolerance"; an exact
+check (bit-for-bit equality, an expected error) has no margin to report.
+
+A mutant is caught when at least one of its tests fails; the margin required is 100x the test's
+tolerance, met by a failure that reports at least that, or by an exact check or an error. The
+exit code is 1 if any mutant falls short. `make test` runs none of this (it takes minutes); what
+it shows is that `make test` catches each bug. A new feature adds its mutant here (the bug its
+tests exist for), and the table in docs/testing.md is this script's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+REQUIRED_MARGIN = 100.0
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str  # the bug, in a line
+    file: str  # relative to the repository
+    old: str  # exactly once in the file
+    new: str
+    tests: tuple[str, ...]  # pytest node ids that must catch it
+
+
+DP = "tests/test_data_parallel.py"
+MP = "tests/test_model_parallel.py"
+
+MUTANTS = [
+    Mutant("zero-no-dp-division", "ZeRO-1/2 bucket reduce without the 1/dp division",
+           "src/scaletrain/parallel/zero.py",
+           "        bucket.out.div_(self.dp)\n", "",
+           (f"{DP}::test_parity_with_one_process[2ranks-zero1]", f"{DP}::test_parity_with_one_process[2ranks-zero2]",
+            f"{DP}::test_parity_with_one_process[2ranks-zero2-sgd-noclip-accum]")),
+    Mutant("fp16-scale-kept", "fp16 loss scale never divided out of the gradients",
+           "src/scaletrain/precision.py",
+           "torch.full((1,), times / self.scale, device=device)", "torch.full((1,), times / 1.0, device=device)",
+           ("tests/test_precision.py::test_each_mode_tracks_fp32[16-mixed]",)),
+    Mutant("pp-grads-divided-by-microbatches", "pipeline (1F1B) gradients divided by the micro-batch count",
+           "src/scaletrain/parallel/pipeline.py",
+           "Schedule1F1B(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)",
+           "Schedule1F1B(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=True)",
+           (f"{MP}::test_parity_with_one_process[dp2xpp2-ddp]", f"{MP}::test_parity_with_one_process[tp2xpp2]")),
+    Mutant("tp-norm-over-replicated-axes", "gradient norm summed over the mesh axes a gradient is replicated on",
+           "src/scaletrain/parallel/data_parallel.py",
+           "for i, pl in enumerate(g.placements) if not pl.is_replicate())",
+           "for i, pl in enumerate(g.placements))",
+           (f"{MP}::test_parity_with_one_process[tp2xpp2]", f"{MP}::test_parity_with_one_process[dp2xtp2-zero1]",
+            f"{MP}::test_parity_with_one_process[dp2xtp2-zero3]",
+            f"{MP}::test_parity_with_one_process[dp2xtp2-zero0-sp]")),
+    Mutant("checkpoint-sha256-not-compared", "the sha256 of checkpoint files computed but never compared",
+           "src/scaletrain/train/checkpoint.py",
+           '        if got["sha256"] != want["sha256"]:', "        if False:",
+           ("tests/test_trust.py::test_damaged_checkpoint_is_named_and_auto_resume_falls_back",)),
+    Mutant("hf-rotary-inverted-on-sharded-reads", "HF rotary row permutation inverted when a rank reads a slice",
+           "src/scaletrain/model/hf.py",
+           "            t = rows_hf_to_ours(t, (hi - lo) // d)", "            t = rows_ours_to_hf(t, (hi - lo) // d)",
+           ("tests/test_init_from.py::test_a_shard_reads_only_its_part_and_equals_the_full_tensor",
+            "tests/test_init_from.py::test_fine_tuning_from_hf_passes_verify[dp2-zero3]",
+            "tests/test_init_from.py::test_fine_tuning_from_hf_passes_verify[tp2]")),
+    # DDP without no_sync costs communication, not correctness (its all-reduce is linear and the
+    # accumulated part is already equal on every rank); ZeRO-1's engine reduces into the shard
+    # rows of the full gradient, so reducing on every micro-step there is a wrong gradient
+    Mutant("no-sync-dropped-under-accumulation", "ZeRO-1 reduces on every micro-step of an accumulated step",
+           "src/scaletrain/parallel/data_parallel.py",
+           "self.engine.sync = last or self.reduce_every_micro_step", "self.engine.sync = True",
+           (f"{DP}::test_parity_with_one_process[4ranks-zero1-accum]",
+            f"{DP}::test_parity_with_one_process[4ranks-zero1-sgd-noclip-accum]")),
+    Mutant("resume-data-order-off-by-one", "a resumed run reads the data of the step after the one it is at",
+           "src/scaletrain/train/trainer.py",
+           "seed=self.cfg.train.seed, start_step=self.step)",
+           "seed=self.cfg.train.seed, start_step=self.step + (self.step > 0))",
+           (f"{DP}::test_checkpoints_reshard_across_layouts",
+            "tests/test_checkpoint.py::test_stop_and_resume_gives_bitwise_identical_losses")),
+    # (the input_layouts of the blocks' "attn" and "mlp" PrepareModuleInput are not this: their
+    # input is already a DTensor, whose own placement wins, so changing them changes nothing)
+    Mutant("sp-all-gather-wrong-dim", "sequence parallelism shards the residual stream along the batch, so its "
+           "all-gathers (along the sequence) join different sequences end to end",
+           "src/scaletrain/parallel/tensor_parallel.py",
+           "desired_input_layouts=(Shard(1), None), use_local_output=True))",
+           "desired_input_layouts=(Shard(0), None), use_local_output=True))",
+           (f"{MP}::test_parity_with_one_process[tp2-sp]", f"{MP}::test_parity_with_one_process[dp2xtp2-zero2-sp]")),
+    # the checks themselves: verify must hold the gradient norm, and what is logged as the
+    # gradient norm must be the norm before clipping, or every assertion above is blind
+    Mutant("verify-ignores-grad-norm", "scaletrain verify's verdict reads the losses only",
+           "src/scaletrain/verify.py",
+           "ok = worst_loss.loss_rel <= tol_loss and worst_norm.grad_norm_rel <= tol_norm",
+           "ok = worst_loss.loss_rel <= tol_loss",
+           ("tests/test_verify.py::test_a_wrong_loss_normalisation_fails_on_the_gradient_norm",
+            "tests/test_verify.py::test_comparison_and_verdict")),
+    Mutant("grad-norm-logged-after-clipping", "the logged gradient norm is the norm after clipping",
+           "src/scaletrain/parallel/data_parallel.py",
+           "                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)\n    return norm",
+           "                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)\n"
+           "    return norm.clamp(max=max_norm) if max_norm else norm",
+           ("tests/test_training.py::test_gradient_clipping_by_global_norm",)),
+]
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def copy_tree(dest: Path) -> None:
+    """The files git knows of (tracked, and untracked but not ignored), as they are now."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        src = REPO / name
+        if src.is_file():  # a tracked file deleted in the working tree is left out
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+
+
+def plant(tree: Path, m: Mutant) -> str:
+    """Apply the mutant in `tree`; returns the file's original text."""
+    path = tree / m.file
+    text = path.read_text()
+    found = text.count(m.old)
+    if found != 1:
+        raise SystemExit(f"mutations: mutant {m.name}: the text to replace is in {m.file} {found} times, not once; "
+                         f"update the mutant to the code as it is now:\n{m.old}")
+    path.write_text(text.replace(m.old, m.new))
+    return text
+
+
+@dataclass
+class Outcome:
+    ran: int
+    failed: list[tuple[str, str]]  # (test id, margin: "N x tolerance", "exact check" or "error: Type")
+    seconds: float
+    problem: str = ""  # pytest could not run the tests at all
+
+    @property
+    def numeric(self) -> list[float]:
+        return [float(m.split("x")[0]) for _, m in self.failed if m[0].isdigit()]
+
+    @property
+    def best(self) -> str:
+        if self.numeric:
+            return f"{max(self.numeric):.3g}x"
+        return self.failed[0][1] if self.failed else "-"
+
+    @property
+    def caught(self) -> bool:
+        return bool(self.failed) and not self.problem
+
+    @property
+    def enough(self) -> bool:
+        exact = any(not m[0].isdigit() for _, m in self.failed)
+        return self.caught and (exact or max(self.numeric, default=0.0) >= REQUIRED_MARGIN)
+
+
+_MARGIN = re.compile(r"([0-9.]+(?:e[+-]?\d+)?)x tolerance")
+
+
+def margin_of(failure: ET.Element) -> str:
+    """What a failing test reports: its margin, or that it was an exact check or an error."""
+    message = failure.get("message") or ""
+    found = [float(x) for x in _MARGIN.findall(message + "\n" + (failure.text or ""))]
+    if found:
+        return f"{max(found):.3g}x tolerance"
+    if failure.tag == "error":  # in a fixture: a group of processes that failed, typically
+        return "error in setup"
+    if message.startswith(("AssertionError", "assert ")):
+        return "exact check"
+    return f"error: {message.split(':')[0].splitlines()[0] or 'exception'}"
+
+
+def run_tests(tree: Path, tests: tuple[str, ...], report: Path, timeout: float) -> Outcome:
+    env = {**os.environ, "PYTHONPATH": str(tree / "src"), "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+                            *tests], cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+        output = r.stdout + r.stderr
+    except subprocess.TimeoutExpired:
+        return Outcome(0, [], time.perf_counter() - t0, f"the tests ran past {timeout:.0f} s")
+    seconds = time.perf_counter() - t0
+    if not report.exists():
+        return Outcome(0, [], seconds, "pytest wrote no report: " + output.strip().splitlines()[-1])
+    cases = ET.parse(report).getroot().iter("testcase")
+    ran, failed = 0, []
+    for case in cases:
+        ran += 1
+        bad = case.find("failure")
+        bad = bad if bad is not None else case.find("error")
+        if bad is not None:
+            failed.append((f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}", margin_of(bad)))
+    if ran == 0 or "no tests ran" in output or "ERROR: not found" in output:
+        return Outcome(ran, failed, seconds, "no test ran (a node id is wrong?): " + output.strip().splitlines()[-1])
+    return Outcome(ran, failed, seconds)
+
+
+def table(results: list[tuple[Mutant, Outcome]]) -> str:
+    lines = ["| mutant | bug planted | tests run | failed | best margin | caught |", "|---|---|---|---|---|---|"]
+    for m, o in results:
+        verdict = "yes" if o.enough else ("below 100x" if o.caught else f"**no**{': ' + o.problem if o.problem else ''}")
+        lines.append(f"| {m.name} | {m.what} (`{m.file.removeprefix('src/scaletrain/')}`) | {o.ran} | "
+                     f"{len(o.failed)} | {o.best} | {verdict} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", help="mutants to plant (default: all)")
+    ap.add_argument("--list", action="store_true", help="print the mutants and their tests, plant nothing")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per mutant's tests (default 900)")
+    ap.add_argument("--verbose", action="store_true", help="print each failing test and its margin")
+    args = ap.parse_args(argv)
+    unknown = set(args.names) - {m.name for m in MUTANTS}
+    if unknown:
+        ap.error(f"no mutant named {', '.join(sorted(unknown))}; --list shows them")
+    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.what} ({m.file})")
+            for t in m.tests:
+                print(f"    {t}")
+        return 0
+    results = []
+    with tempfile.TemporaryDirectory(prefix="scaletrain-mutations-") as tmp:
+        tree = Path(tmp) / "tree"
+        copy_tree(tree)
+        for m in chosen:  # every mutant checked against the code before any test runs
+            (tree / m.file).write_text(plant(tree, m))
+        t0 = time.perf_counter()
+        for m in chosen:
+            original = plant(tree, m)
+            try:
+                outcome = run_tests(tree, m.tests, Path(tmp) / f"{m.name}.xml", args.timeout)
+            finally:
+                (tree / m.file).write_text(original)
+            results.append((m, outcome))
+            print(f"{m.name}: {len(outcome.failed)} of {outcome.ran} test(s) failed, best margin {outcome.best} "
+                  f"({outcome.seconds:.0f} s){' — ' + outcome.problem if outcome.problem else ''}", flush=True)
+            if args.verbose:
+                for test, margin in outcome.failed:
+                    print(f"    {test}: {margin}")
+    print(f"\n{table(results)}\n\n{len(results)} mutant(s) in {(time.perf_counter() - t0) / 60:.1f} min; "
+          f"a mutant is caught when a test fails by at least {REQUIRED_MARGIN:.0f}x its tolerance, or an exact "
+          "check or an error stops it")
+    return 0 if all(o.enough for _, o in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
