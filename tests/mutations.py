@@ -118,6 +118,11 @@ MUTANTS = [
            "                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)\n"
            "    return norm.clamp(max=max_norm) if max_norm else norm",
            ("tests/test_training.py::test_gradient_clipping_by_global_norm",)),
+    Mutant("local-sgd-pseudo-gradient-sign", "DiLoCo's pseudo-gradient taken as local - outer (a step away from "
+           "where the workers went)", "src/scaletrain/parallel/local_sgd.py",
+           "mine = torch.cat([(p.outer.to(p.local.device, non_blocking=True) - p.local).reshape(-1)",
+           "mine = torch.cat([(p.local - p.outer.to(p.local.device, non_blocking=True)).reshape(-1)",
+           ("tests/test_local_sgd.py::test_local_sgd_averages_the_weights_and_diloco_takes_a_nesterov_step",)),
 ]
 
 

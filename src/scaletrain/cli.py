@@ -143,12 +143,6 @@ def _launch(args: argparse.Namespace, cfg, note: str | None = None) -> int:
             raise LaunchError(f"{flag} must be at least 1, got {value}")
     world = args.nproc * args.nnodes
     device = pick_device(cfg.train.device, 0, args.nproc)
-    if device.type == "cpu":
-        from scaletrain.hardware import cpu_cores
-
-        if args.nproc > (cores := cpu_cores()):
-            _note(f"{args.nproc} ranks on {cores} CPU core(s): oversubscribed, the ranks take turns on the cores "
-                  f"and each step is slower than with --nproc {cores}")
     if cfg.train.compile:  # every rank would fail the same way: say it once, here
         _check_compiler(cfg.train.device, args.nproc)
     cfg, layout = resolve(cfg, world, device, gpus_per_node=args.nproc, note=_note)
@@ -160,6 +154,12 @@ def _launch(args: argparse.Namespace, cfg, note: str | None = None) -> int:
     _check_writable({"log.run_dir": run_dir, "checkpoint.dir": cfg.checkpoint.dir})
     if note:
         _note(note)
+    if device.type == "cpu":  # said once the request is known to be valid, as the ranks start
+        from scaletrain.hardware import cpu_cores
+
+        if args.nproc > (cores := cpu_cores()):
+            _note(f"{args.nproc} ranks on {cores} CPU core(s): oversubscribed, the ranks take turns on the cores "
+                  f"and each step is slower than with --nproc {cores}")
     with launcher.spec_file(job.spec(cfg, layout), prefix="scaletrain-train-") as spec:
         return launcher.launch("train", [spec], nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                                rdzv_endpoint=args.rdzv_endpoint or "", rdzv_id=args.rdzv_id,

@@ -150,7 +150,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 cache: tuple[KVCache, str] | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), rope, cache))
+        h = self.attn_norm(x)
+        # the cache only in generation: tensor parallelism's input plan knows (x, rope) alone
+        x = x + self.drop(self.attn(h, rope) if cache is None else self.attn(h, rope, cache))
         x = x + self.drop(self.mlp(self.mlp_norm(x)))
         return x
 
