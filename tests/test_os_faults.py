@@ -193,9 +193,10 @@ def test_export_onto_a_folder_or_into_a_missing_one(checkpoint, tmp_path, capsys
     code, err = _export(checkpoint, target, capsys)
     assert_one_line(code, err, 2, f"--out {target} is a folder", "give a file name")
     assert list(target.iterdir()) == []
+    # a missing parent folder is created, as `--format hf` creates its own (issue 23)
     code, err = _export(checkpoint, tmp_path / "missing" / "m.safetensors", capsys)
-    assert_one_line(code, err, 2, f"the folder {tmp_path / 'missing'} does not exist", "create it")
-    assert not (tmp_path / "missing").exists()
+    assert code == 0, err
+    assert [p.name for p in (tmp_path / "missing").iterdir()] == ["m.safetensors"]
 
 
 def test_export_onto_a_full_disk_leaves_no_partial_file(checkpoint, full_dir, capsys):
