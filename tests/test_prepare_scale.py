@@ -4,6 +4,7 @@ parquet folders, Arrow files, Hugging Face datasets saved on disk)."""
 
 from __future__ import annotations
 
+import importlib
 import gzip
 import io
 import json
@@ -116,7 +117,7 @@ def test_progress_line_shows_rate_tokens_and_eta(corpus, tmp_path, monkeypatch):
 
 
 def test_interrupted_prepare_leaves_nothing_that_looks_complete(corpus, tmp_path, monkeypatch):
-    from scaletrain.data import prepare as prep
+    prep = importlib.import_module("scaletrain.data.prepare")  # the module (the package binds the name to the function)
 
     monkeypatch.setattr(sources, "CHUNK_BYTES", 4096)
     calls = []
