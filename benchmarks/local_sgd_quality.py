@@ -58,9 +58,13 @@ def rank_main(*argv: str) -> int:
         cfg = load_config(args.config, [*extra, f"--parallel.dp_replicate={args.nproc}", f"--train.steps={args.steps}",
                                         f"--train.eval_every={args.steps}", f"--log.run_dir={run_dir}",
                                         "--log.tensorboard=false", "--log.progress=off", "--train.sample_tokens=0",
-                                        "--checkpoint.save_final=false", *[f"--{k}={v}" for k, v in overrides.items()]])
+                                        "--checkpoint.save_final=false", "--checkpoint.every=50",
+                                        "--checkpoint.resume=auto", "--checkpoint.keep=1",
+                                        *[f"--{k}={v}" for k, v in overrides.items()]])
         rt = init_worker(cfg)
-        if rt.rank == 0 and run_dir.exists():  # a run cut short by an earlier invocation
+        # a run cut short by an earlier invocation continues from its last checkpoint (bitwise), or
+        # begins again if it had none
+        if rt.rank == 0 and run_dir.exists() and not list((run_dir / "checkpoints").glob("step_*")):
             shutil.rmtree(run_dir)
         dist.barrier()
         t0 = time.perf_counter()
