@@ -221,11 +221,14 @@ def run_tests(tree: Path, tests: tuple[str, ...], report: Path, timeout: float) 
 
 
 def table(results: list[tuple[Mutant, Outcome]]) -> str:
-    lines = ["| mutant | bug planted | tests run | failed | best margin | caught |", "|---|---|---|---|---|---|"]
+    lines = ["| mutant | bug planted | caught by (margin over the test's tolerance) | tests passing | caught |",
+             "|---|---|---|---|---|"]
     for m, o in results:
-        verdict = "yes" if o.enough else ("below 100x" if o.caught else f"**no**{': ' + o.problem if o.problem else ''}")
-        lines.append(f"| {m.name} | {m.what} (`{m.file.removeprefix('src/scaletrain/')}`) | {o.ran} | "
-                     f"{len(o.failed)} | {o.best} | {verdict} |")
+        missed = f"**no**{': ' + o.problem if o.problem else ''}"
+        verdict = "yes" if o.enough else ("below 100x" if o.caught else missed)
+        by = "; ".join(f"`{test}` ({margin.replace(' tolerance', '')})" for test, margin in o.failed) or "-"
+        lines.append(f"| {m.name} | {m.what} (`{m.file.removeprefix('src/scaletrain/')}`) | {by} | "
+                     f"{o.ran - len(o.failed)} of {o.ran} | {verdict} |")
     return "\n".join(lines)
 
 
