@@ -7,11 +7,14 @@ optimizer): DDP (gradients every step), local SGD (weights averaged every H step
 whole or streamed (F fragments, each all-reduced in the background for τ steps). The
 validation loss is measured at the end on the demo's held-out text (every worker on its share
 of the validation windows with its own weights: after a sync of every fragment they are the same).
-All runs go through one group of processes; each row is printed as it finishes and appended to
+As in the DiLoCo paper (whose workers start from a model pretrained synchronously for 24k of
+88k steps), every row starts from the same weights: `--pretrain-steps` P steps of DDP, exported
+once (P = 0: every row from the random initialisation). All runs go through one group of processes; each row is printed as it finishes and appended to
 OUT/rows.jsonl (`--out-dir OUT`), and a second invocation with the same --out-dir runs only the
 rows not there yet.
 
-    python benchmarks/local_sgd_quality.py [--nproc 4] [--steps 300] [--sync-every 10 50 100] [--out-dir DIR]
+    python benchmarks/local_sgd_quality.py [--nproc 4] [--pretrain-steps 100] [--steps 200]
+        [--sync-every 10 50 100] [--out-dir DIR]
         [--section.key=value ...]
 """
 
@@ -21,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,12 +55,22 @@ def rank_main(*argv: str) -> int:
     args, extra = _parser().parse_known_args(argv)
     out = Path(args.out)
     done = {json.loads(line)["name"] for line in out.read_text().splitlines()} if out.exists() else set()
-    for name, overrides in rows(args.sync_every, args.fragments, args.delay):
+    start = out.parent / "pretrained.safetensors"
+    todo = rows(args.sync_every, args.fragments, args.delay)
+    if args.pretrain_steps:
+        if not start.exists():
+            todo.insert(0, ("pretrain", {"parallel.dp_sync": "step", "checkpoint.save_final": "true"}))
+        # the rows read other windows than the pretraining did (the data order follows the seed)
+        extra = [*extra, f"--model.init_from={start}", "--train.seed=4321"]
+    for name, overrides in todo:
         if name in done:
             continue
+        pretrain = name == "pretrain"
+        steps = args.pretrain_steps if pretrain else args.steps
         run_dir = Path(args.out).parent / name.replace(" ", "_")
-        cfg = load_config(args.config, [*extra, f"--parallel.dp_replicate={args.nproc}", f"--train.steps={args.steps}",
-                                        f"--train.eval_every={args.steps}", f"--log.run_dir={run_dir}",
+        cfg = load_config(args.config, [*(e for e in extra if not (pretrain and e.startswith(("--model.init_from", "--train.seed")))),
+                                        f"--parallel.dp_replicate={args.nproc}", f"--train.steps={steps}",
+                                        f"--train.eval_every={steps}", f"--log.run_dir={run_dir}",
                                         "--log.tensorboard=false", "--log.progress=off", "--train.sample_tokens=0",
                                         "--checkpoint.save_final=false", "--checkpoint.every=50",
                                         "--checkpoint.resume=auto", "--checkpoint.keep=1",
@@ -71,6 +85,12 @@ def rank_main(*argv: str) -> int:
         result = Trainer(cfg, rt, stream=open(os.devnull, "w")).fit()
         if result["stopped_by"] is not None:
             raise RuntimeError(f"{name}: stopped by signal {result['stopped_by']} before the end")
+        if pretrain:
+            if rt.rank == 0:
+                # in a process of its own: reading a checkpoint in this one would be a collective
+                subprocess.run([sys.executable, "-m", "scaletrain", "export", str(run_dir), "--out", str(start)],
+                               check=True, stdout=subprocess.DEVNULL)
+            dist.barrier()
         if rt.rank == 0:
             last = result["history"][-1]
             row = {"name": name, "val_loss": last["val_loss"], "loss": last["loss"], "seconds": time.perf_counter() - t0}
@@ -85,7 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/tiny.toml")
     ap.add_argument("--nproc", type=int, default=4, help="workers (one rank each)")
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--pretrain-steps", type=int, default=100, help="DDP steps every row starts from (0: none)")
+    ap.add_argument("--steps", type=int, default=200, help="steps of each row after the pretraining")
     ap.add_argument("--sync-every", type=int, nargs="+", default=[10, 50, 100])
     ap.add_argument("--fragments", type=int, default=4, help="fragments of the streamed rows")
     ap.add_argument("--delay", type=int, default=2, help="sync_delay of the streamed rows")
@@ -103,15 +124,16 @@ def main(argv=None) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / "rows.jsonl"
     forwarded = [f"--config={args.config}", f"--nproc={args.nproc}", f"--steps={args.steps}",
-                 f"--fragments={args.fragments}", f"--delay={args.delay}", f"--out={out}",
+                 f"--pretrain-steps={args.pretrain_steps}", f"--fragments={args.fragments}", f"--delay={args.delay}", f"--out={out}",
                  "--sync-every", *map(str, args.sync_every), *extra]
     code = launch("local_sgd_quality:rank_main", forwarded, nproc=args.nproc,
                   pythonpath=(str(Path(__file__).resolve().parent),))
     if code:
         sys.exit(code)
     results = [json.loads(line) for line in out.read_text().splitlines()]
-    ddp = results[0]["val_loss"]
-    print(f"config {args.config}, {args.nproc} workers of 1 rank, {args.steps} steps, the same tokens in every row")
+    ddp = next(r["val_loss"] for r in results if r["name"] == "DDP")
+    start = (f"from {args.pretrain_steps} steps of DDP, then " if args.pretrain_steps else "")
+    print(f"config {args.config}, {args.nproc} workers of 1 rank, {start}{args.steps} steps, the same tokens in every row")
     print(f"{'run':<26}{'val loss':>10}{'vs DDP':>9}{'train loss':>12}{'time':>8}")
     for r in results:
         print(f"{r['name']:<26}{r['val_loss']:>10.4f}{100 * (r['val_loss'] / ddp - 1):>+8.1f}%{r['loss']:>12.4f}"
