@@ -109,6 +109,14 @@ def _save_forever(trainer: Trainer, first_step: int) -> None:
         step += 1
 
 
+def _saved_step(folder) -> int:
+    """The step of the newest complete checkpoint (-1 if it vanished while read: keep=2 pruning)."""
+    try:
+        return ckpt.read_trainer_state(ckpt.latest_checkpoint(folder))["step"]
+    except (OSError, TypeError):
+        return -1
+
+
 def test_twenty_five_random_kills_during_saves_never_lose_the_last_checkpoint(tmp_path):
     cfg = micro_cfg(tmp_path, **{"checkpoint.keep": 2, "train.steps": 1})
     trainer = Trainer(cfg)
@@ -124,7 +132,12 @@ def test_twenty_five_random_kills_during_saves_never_lose_the_last_checkpoint(tm
                 _save_forever(trainer, last + 1)
             finally:
                 os._exit(1)
-        time.sleep(rng.uniform(0.05, 0.6))
+        # once the child has completed a save (on a busy machine a save may take longer than the
+        # whole random wait), kill it at a random moment of the saves that follow
+        deadline = time.time() + 120
+        while time.time() < deadline and _saved_step(folder) <= last:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.5))
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         latest = ckpt.latest_checkpoint(folder)
