@@ -281,3 +281,27 @@ def test_plan_cli_workers(tmp_path):
                  "--global-batch", "256", "--parallel.dp_sync=local_sgd", "--parallel.sync_every=20", "--top", "2")
     assert r.returncode == 0, r.stderr
     assert "local_sgd H20" in r.stdout and "local_sgd every 20 steps, fp32 overtakes synchronous training" in r.stdout
+
+
+# --- measured against the prediction --------------------------------------------------------
+
+def test_kendall_tau_by_hand():
+    from scaletrain.measure import kendall_tau
+
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
+    # one discordant pair of six: (5 - 1) / 6
+    assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
+
+
+def test_plan_measure_top_runs_the_k_best_and_reranks_them_by_measurement(tmp_path):
+    r = run_here("plan", "--config", "configs/tiny.toml", "--measure", "--top", "3", "--model.dim=64",
+                 "--model.n_layers=2", "--data.seq_len=32", "--train.global_batch=4", "--train.device=cpu")
+    assert r.returncode == 0, r.stderr
+    table = r.stdout.split("fastest measured first:")[1].strip().splitlines()
+    rows = [line.split() for line in table[1:4]]
+    assert [int(row[0]) for row in rows] == [1, 2, 3]
+    assert sorted(int(row[1]) for row in rows) == [1, 2, 3]  # each predicted rank once
+    measured = [float(line.split(" ms")[1].split()[-1]) for line in table[1:4]]
+    assert measured == sorted(measured)  # fastest measured first
+    assert "Kendall's tau between the predicted and the measured order" in table[4]

@@ -350,7 +350,7 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
         hardware = replace(hw, bus_GBps=bus)
     result = plan(req.model, hardware=hardware, hardware_file=args.hardware_file, nodes=nodes,
                   gpus_per_node=per_node, attention=args.attention, layout=req.layout,
-                  top_k=args.top, activations=args.activations, engine=args.engine, compile=args.compile,
+                  top_k=args.top or 10, activations=args.activations, engine=args.engine, compile=args.compile,
                   fp8=args.fp8, workers=args.workers, workers_link=args.workers_link, sync=req.sync, **req.workload)
     if args.json:
         print(report.to_json(result))
@@ -371,6 +371,14 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
 
         if not args.config:
             raise UserError("--measure runs a real step and needs a training config: --config FILE")
+        if args.top is not None and args.top > 1:  # the K best, re-ranked by what they measure
+            from scaletrain.measure import measure_top
+
+            candidates = [ev for ev in result["layouts"] if ev.fits][:args.top]
+            if not candidates:
+                raise UserError("plan --measure --top: no layout fits, so none is measured")
+            measure_top(args.config, candidates, nproc=args.nproc or 1, overrides=req.overrides)
+            return 0
         code = measure_and_print(args.config, result["layouts"][0].layout, nproc=args.nproc or 1,
                                  overrides=req.overrides)
         return code or (0 if result["layouts"][0].fits else 1)
@@ -624,7 +632,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context parallel: ranks that split every sequence (ring attention). The planner's own flag, "
                         "with no config key: scaletrain's trainer has no context parallelism; plan it with "
                         "--engine megatron")
-    p.add_argument("--top", type=int, default=10, help="layouts to show")
+    p.add_argument("--top", type=int, help="layouts to show (default 10); with --measure, the K best predicted "
+                                           "are run and re-ranked by their measured step time")
     p.add_argument("--json", action="store_true", help="print JSON (schema in docs/planner.md)")
     p.add_argument("--chart", help="stacked memory bars of the top layouts, to this PNG")
     p.add_argument("--measure", action="store_true",

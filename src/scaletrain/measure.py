@@ -252,6 +252,58 @@ def measure_and_print(config: str, layout, nproc: int, overrides: dict | None = 
     return 0
 
 
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a between two orders of the same items (1: the same order, -1: reversed)."""
+    n, score = len(a), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            x, y = a[i] - a[j], b[i] - b[j]
+            score += (x * y > 0) - (x * y < 0)
+    return score / (n * (n - 1) / 2) if n > 1 else 1.0
+
+
+def measure_top(config: str, evaluations: list, nproc: int, overrides: dict | None = None,
+                steps: int = 3, out=print) -> list[dict]:
+    """Real steps of each of the planner's best layouts (`evaluations`, in its order) on `nproc`
+    local ranks, in one group of processes; printed re-ranked by the measured step time, the
+    prediction beside it. Returns one row per layout, fastest measured first."""
+    jobs = []
+    for ev in evaluations:
+        layout = ev.layout
+        jobs.append({**(overrides or {}), **layout.config_overrides(),
+                     "log.run_dir": tempfile.mkdtemp(prefix="plan-measure-"), "log.tensorboard": False,
+                     "log.progress": "off", "checkpoint.save_final": False, "train.sample_tokens": 0,
+                     "train.global_batch": layout.micro_batch * layout.grad_accum * layout.dp})
+    t0 = time.perf_counter()
+    measured = measure_layouts(jobs, nproc, steps=steps, config=config)
+    took = time.perf_counter() - t0
+    rows = []
+    for i, (ev, ranks) in enumerate(zip(evaluations, measured)):
+        peaks = [r["peak"] for r in ranks if r.get("peak") is not None]
+        rows.append({"predicted_rank": i + 1, "layout": ev.layout.describe(),
+                     "predicted_s": ev.time.step_time_s, "measured_s": max(r["step_time_s"] for r in ranks),
+                     "predicted_peak": ev.memory.total, "measured_peak": max(peaks) if peaks else None})
+    rows.sort(key=lambda r: r["measured_s"])
+    out(f"\nmeasured: the {len(rows)} best predicted layouts, {steps} timed step(s) each (median; the slowest "
+        f"rank) on {nproc} local rank(s), {took:.0f} s in all; fastest measured first:")
+    out(f"{'#':>3} {'predicted #':>11}  {'layout':<40}{'predicted':>11}{'measured':>11}{'ratio':>7}"
+        f"{'peak pred.':>12}{'measured':>11}")
+    for k, r in enumerate(rows, 1):
+        peak = _fmt("peak", r["measured_peak"]) if r["measured_peak"] is not None else "n/a"
+        out(f"{k:>3} {r['predicted_rank']:>11}  {r['layout']:<40}{_fmt('step_time_s', r['predicted_s']):>11}"
+            f"{_fmt('step_time_s', r['measured_s']):>11}{r['predicted_s'] / r['measured_s']:>7.2f}"
+            f"{_fmt('peak', r['predicted_peak']):>12}{peak:>11}")
+    if len(rows) > 1:
+        tau = kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+        best = rows[0]
+        verdict = ("the predicted best is the measured best" if best["predicted_rank"] == 1 else
+                   f"the measured best was predicted #{best['predicted_rank']}; the predicted best measured "
+                   f"{next(r['measured_s'] for r in rows if r['predicted_rank'] == 1) / best['measured_s']:.2f}x "
+                   "its step time")
+        out(f"Kendall's tau between the predicted and the measured order: {tau:+.2f}; {verdict}.")
+    return rows
+
+
 def _fmt(key: str, v: float) -> str:
     return f"{v * 1e3:.0f} ms" if key == "step_time_s" else f"{v / 2**20:.1f} MiB" if v < GiB else f"{v / GiB:.2f} GiB"
 
