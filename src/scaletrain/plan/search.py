@@ -16,6 +16,7 @@ from typing import Iterator
 
 from scaletrain.model.config import ModelConfig
 from scaletrain.errors import ConfigError
+from scaletrain.fmt import seconds, size
 from scaletrain.plan.memory_model import GiB, MemoryBreakdown, estimate_memory
 from scaletrain.plan.spec import Cluster, Layout, Workload
 from scaletrain.plan.time_model import TimeBreakdown, estimate_time
@@ -203,10 +204,10 @@ def explain(best: Evaluated, ranked: list[Evaluated], cfg: ModelConfig, wl: Work
         lower = [z for z in others if z < lay.zero]
         if lower and all(not others[z].fits for z in lower):
             z = max(lower)
-            lines.append(f"ZeRO-{lay.zero} because ZeRO-{z} would need {others[z].memory.total / GiB:.1f} GiB per GPU "
-                         f"(model states alone {others[z].memory.model_states / GiB:.1f} GiB); sharding brings the "
-                         f"model states to {best.memory.model_states / GiB:.1f} GiB"
-                         + (f" on the GPU, with {best.memory.host / GiB:.1f} GiB per GPU offloaded to host memory."
+            lines.append(f"ZeRO-{lay.zero} because ZeRO-{z} would need {size(others[z].memory.total)} per GPU "
+                         f"(model states alone {size(others[z].memory.model_states)}); sharding brings the "
+                         f"model states to {size(best.memory.model_states)}"
+                         + (f" on the GPU, with {size(best.memory.host)} per GPU offloaded to host memory."
                             if best.memory.host else "."))
         elif lower:
             z = max(z for z in lower if others[z].fits)
@@ -214,17 +215,21 @@ def explain(best: Evaluated, ranked: list[Evaluated], cfg: ModelConfig, wl: Work
             if o.time.tokens_per_s >= best.time.tokens_per_s * 0.999:
                 lines.append(f"ZeRO-{lay.zero}: ZeRO-{z} fits too and is as fast (its communication hides behind "
                              f"compute as well); ZeRO-{lay.zero} is chosen for its lower memory "
-                             f"({best.memory.total / GiB:.1f} vs {o.memory.total / GiB:.1f} GiB).")
+                             f"({size(best.memory.total)} vs {size(o.memory.total)}).")
             else:
-                lines.append(f"ZeRO-{lay.zero}: ZeRO-{z} would also fit ({o.memory.total / GiB:.1f} GiB) but reaches "
+                lines.append(f"ZeRO-{lay.zero}: ZeRO-{z} would also fit ({size(o.memory.total)}) but reaches "
                              f"{o.time.tokens_per_s:,.0f} tokens/s "
                              f"({100 * (o.time.tokens_per_s / best.time.tokens_per_s - 1):+.1f}%).")
         higher = [z for z in others if z > lay.zero and others[z].fits]
         if higher:
             z = min(higher)
             extra = others[z].time.dp_exposed_s - best.time.dp_exposed_s
-            lines.append(f"ZeRO-{z} would save memory ({others[z].memory.total / GiB:.1f} GiB) but its extra "
-                         f"communication costs {1e3 * max(extra, 0):.0f} ms of exposed time per step.")
+            if others[z].memory.total < best.memory.total:
+                lines.append(f"ZeRO-{z} would save memory ({size(others[z].memory.total)}) but its extra "
+                             f"communication costs {seconds(max(extra, 0))} of exposed time per step.")
+            else:  # sharding more saves nothing when its gathered buffers outweigh the shards
+                lines.append(f"ZeRO-{z} would not lower the peak here ({size(others[z].memory.total)} against "
+                             f"{size(best.memory.total)}).")
     if lay.tp > 1:
         lines.append(f"Tensor parallel {lay.tp} stays inside a node: its 4 collectives per layer run over "
                      f"NVLink/PCIe at {hw.intra_node_GBps:.0f} GB/s rather than the {hw.inter_node_GBps:.0f} GB/s "
