@@ -14,7 +14,7 @@ def dims(world, **kw):
 def test_dp_shard_minus_one_takes_the_remaining_ranks():
     d = dims(8, dp_replicate=2)
     assert (d.pp, d.dp_replicate, d.dp_shard, d.tp) == (1, 2, 4, 1)
-    assert d.dp == 8 and d.mesh_shape == (1, 2, 4, 1) and MESH_AXES == ("pp", "dp_replicate", "dp_shard", "tp")
+    assert d.dp == 8 and d.mesh_shape == (1, 2, 4, 1, 1) and MESH_AXES == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def test_layout_must_use_the_world():

@@ -146,7 +146,7 @@ def _launch(args: argparse.Namespace, cfg, note: str | None = None) -> int:
     if cfg.train.compile:  # every rank would fail the same way: say it once, here
         _check_compiler(cfg.train.device, args.nproc)
     cfg, layout = resolve(cfg, world, device, gpus_per_node=args.nproc, note=_note)
-    layout.check(cfg.model)
+    layout.check(cfg.model, seq_len=cfg.data.seq_len)
     _check_resume_sync(cfg, layout)
     if not cfg.log.run_dir:  # every rank (and node) must write to the same folder
         cfg = cfg.replace(**{"log.run_dir": default_run_dir()})

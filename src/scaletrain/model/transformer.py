@@ -119,10 +119,17 @@ class Attention(nn.Module):
                 causal = False
                 if T > 1:
                     mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-        y = F.scaled_dot_product_attention(
+        y = self.attend(q, k, v, mask, causal)  # (B, heads, T, head_dim)
+        return self.wo(y.transpose(1, 2).flatten(2))  # (B, T, dim)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               causal: bool) -> torch.Tensor:
+        """softmax(q kᵀ / √head_dim) v, k and v with as many or fewer (grouped) heads than q. The
+        one step a transformation may replace on an instance (context parallelism brings the keys
+        of other ranks here), so it stays a method of its own."""
+        return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=q.shape[1] != k.shape[1])
-        return self.wo(y.transpose(1, 2).flatten(2))  # (B, T, dim)
 
 
 class MLP(nn.Module):

@@ -1,0 +1,250 @@
+"""Context parallelism: every sequence is cut into 2 × cp chunks and cp rank i holds chunks i and
+2cp-1-i (its true positions: RoPE and learned positions follow them). Under causal attention a
+late chunk attends to many keys and an early one to few; pairing the two balances the work.
+
+Everything outside attention is per token and needs nothing. Attention needs every earlier key,
+and three methods bring them (parallel.cp_method):
+
+  ring       each rank's K/V block travels around the cp ranks (cp - 1 point-to-point shifts per
+             layer); each block's partial attention comes with its log-sum-exp, and the partial
+             results are merged exactly. Memory: two K/V blocks at a time.
+  allgather  the K/V of all cp ranks gathered once per layer (backward: their gradients
+             reduce-scattered back). Memory: the whole sequence's K/V on every rank.
+  ulysses    an all-to-all swaps sequence shards for head shards: each rank attends over the whole
+             sequence for heads/cp of the heads, and a second all-to-all swaps back. Needs the
+             heads (per tensor-parallel rank) divisible by cp; K/V heads fewer than cp are copied.
+
+Saves: activations per rank fall as 1/cp (the sequence dimension of every activation is cut;
+the score matrices as 1/cp² for ring). Costs: the K/V exchange per layer, forward and backward,
+and one all-reduce of the gradients over the cp ranks per step (they hold the same weights and
+see different tokens of the same batch: their gradients are summed; `reduce_gradients`).
+
+The model keeps plain code: Attention's one `attend` step is replaced per block, the rotary
+tables are cut to this rank's positions, and the learned position lookup is redirected to them.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.model.transformer import Attention
+from scaletrain.vocab import CP_METHODS, unknown
+
+
+# --------------------------------------------------------------------------------------------
+# The split of a sequence
+
+
+def chunk_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """The true positions of cp rank `rank`'s tokens: chunks rank and 2cp-1-rank of 2cp."""
+    c = seq_len // (2 * cp)
+    first, second = rank * c, (2 * cp - 1 - rank) * c
+    return torch.cat([torch.arange(first, first + c, device=device), torch.arange(second, second + c, device=device)])
+
+
+def shard_sequence(t: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """This cp rank's tokens of (B, T, ...) `t` (inputs or targets of the same batch)."""
+    return t.index_select(1, chunk_positions(t.shape[1], cp, rank, device=t.device))
+
+
+def all_positions(seq_len: int, cp: int, device=None) -> torch.Tensor:
+    """The true positions of the tokens of all cp ranks, in rank order (how gathers lay them out)."""
+    return torch.cat([chunk_positions(seq_len, cp, r, device) for r in range(cp)])
+
+
+# --------------------------------------------------------------------------------------------
+# Differentiable communication (each backward is the adjoint of its forward)
+
+
+def _shift(x: torch.Tensor, group, to: int, frm: int) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, to, group), dist.P2POp(dist.irecv, out, frm, group)]):
+        req.wait()
+    return out
+
+
+class _RingShift(torch.autograd.Function):
+    """Send x to the next rank of the ring, receive the previous rank's; the gradient goes back."""
+
+    @staticmethod
+    def forward(ctx, x, group, to, frm):
+        ctx.group, ctx.to, ctx.frm = group, to, frm
+        return _shift(x, group, to, frm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _shift(grad, ctx.group, ctx.frm, ctx.to), None, None, None
+
+
+class _AllGather(torch.autograd.Function):
+    """(n, *x.shape): every rank's x; backward: each rank's gradient summed over the ranks
+    (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group, n):
+        ctx.group = group
+        out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # the ranks' tensors one after the other
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out.unflatten(0, (n, x.shape[0]))
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_tensor(out, grad.flatten(0, 1).contiguous(), group=ctx.group)
+        return out, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """x (n, ...): part j goes to rank j, and part j of the result came from rank j. Its own
+    adjoint: the gradient takes the same way back."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = torch.empty_like(x.contiguous())
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = torch.empty_like(grad.contiguous())
+        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+# --------------------------------------------------------------------------------------------
+# Attention of local queries against keys at known positions
+
+
+def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, kv_heads, T, D) -> (B, heads, T, D): grouped-query attention's sharing made explicit."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _masked_attention(q, k, v, allowed: torch.Tensor) -> torch.Tensor:
+    """softmax(q kᵀ/√d) v over the keys `allowed` (Tq, Tk) lets each query see."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _block_attention(q, k, v, allowed) -> tuple[torch.Tensor, torch.Tensor]:
+    """One K/V block's partial attention in fp32: (output normalised within the block, its
+    log-sum-exp (B, H, Tq, 1)). A query that sees no key of the block gets a log-sum-exp near
+    the lowest float: its weight in the merge is exactly zero."""
+    k, v = _repeat_kv(k, q.shape[1]).float(), _repeat_kv(v, q.shape[1]).float()
+    scores = (q.float() @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    lse = scores.logsumexp(-1, keepdim=True)
+    return torch.exp(scores - lse) @ v, lse
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Two partial attentions over disjoint keys as one: each weighted by its share of the
+    softmax denominator, exp(its log-sum-exp - the merged one)."""
+    if out is None:
+        return block_out, block_lse
+    merged = torch.logaddexp(lse, block_lse)
+    return out * torch.exp(lse - merged) + block_out * torch.exp(block_lse - merged), merged
+
+
+def ring_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int]) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence; (B, H, T_local, D) each
+    (k and v may have fewer heads). The K/V block held at step s came from rank (rank - s) mod n."""
+    seq = q.shape[2] * n
+    q_pos = chunk_positions(seq, n, rank, q.device)
+    kv = torch.stack((k, v))  # one message per shift: (2, B, kv_heads, T_local, D)
+    out = lse = None
+    for step in range(n):
+        if step:
+            kv = _RingShift.apply(kv, group, ranks[(rank + 1) % n], ranks[(rank - 1) % n])
+        k_pos = chunk_positions(seq, n, (rank - step) % n, q.device)
+        out, lse = _merge(out, lse, *_block_attention(q, kv[0], kv[1], q_pos[:, None] >= k_pos[None, :]))
+    return out.to(q.dtype)
+
+
+def allgather_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int]) -> torch.Tensor:
+    seq = q.shape[2] * n
+    kv = _AllGather.apply(torch.stack((k, v)), group, n)  # (n, 2, B, kv_heads, T_local, D)
+    kv = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # (2, B, kv_heads, seq, D), the ranks' tokens in rank order
+    allowed = chunk_positions(seq, n, rank, q.device)[:, None] >= all_positions(seq, n, q.device)[None, :]
+    return _masked_attention(q, kv[0], kv[1], allowed)
+
+
+def _to_heads(x: torch.Tensor, group, n: int) -> torch.Tensor:
+    """(B, H, T_local, D) sequence shard -> (B, H/n, n × T_local, D) head shard (ranks' tokens in rank order)."""
+    B, H, T, D = x.shape
+    parts = x.reshape(B, n, H // n, T, D).movedim(1, 0)  # part j: the heads rank j takes
+    got = _AllToAll.apply(parts, group)  # part j: rank j's tokens of this rank's heads
+    return got.movedim(0, 2).reshape(B, H // n, n * T, D)
+
+
+def _to_sequence(x: torch.Tensor, group, n: int) -> torch.Tensor:
+    """The inverse of _to_heads."""
+    B, h, S, D = x.shape
+    parts = x.reshape(B, h, n, S // n, D).movedim(2, 0)  # part j: rank j's tokens
+    got = _AllToAll.apply(parts, group)  # part j: this rank's tokens of rank j's heads
+    return got.movedim(0, 1).reshape(B, n * h, S // n, D)
+
+
+def ulysses_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int]) -> torch.Tensor:
+    seq = q.shape[2] * n
+    if k.shape[1] % n:  # fewer K/V heads than cp ranks (or not a multiple): each query head gets its own copy
+        k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    q, k, v = (_to_heads(t, group, n) for t in (q, k, v))
+    pos = all_positions(seq, n, q.device)
+    y = _masked_attention(q, k, v, pos[:, None] >= pos[None, :])
+    return _to_sequence(y, group, n)
+
+
+METHODS = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
+assert tuple(METHODS) == CP_METHODS
+
+
+def _attend(method, q, k, v, mask, causal, **where):
+    if mask is not None or not causal:  # generation with a cache: the trainer never samples under cp
+        raise RuntimeError("context-parallel attention is causal attention over a whole sequence (no cache)")
+    return method(q, k, v, **where)
+
+
+# --------------------------------------------------------------------------------------------
+# Applying it
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh, method: str, seq_len: int) -> None:
+    """Make `model` (a whole Transformer or a pipeline chunk, materialized) compute on this cp
+    rank's chunks of sequences of `seq_len` tokens, in place."""
+    if method not in METHODS:
+        raise unknown("context-parallel method", method, CP_METHODS)
+    group, n, rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()
+    where = {"group": group, "rank": rank, "n": n, "ranks": [dist.get_global_rank(group, r) for r in range(n)]}
+    for module in model.modules():  # (blocks may be wrapped for activation checkpointing)
+        if isinstance(module, Attention):
+            module.attend = partial(_attend, METHODS[method], **where)
+    device = next(iter(model.buffers()), torch.empty(0)).device
+    positions = chunk_positions(seq_len, n, rank, device)
+    if getattr(model, "rope_cos", None) is not None:
+        # row t of the tables is the angle of the rank's t-th token: its true position
+        model.rope_cos, model.rope_sin = model.rope_cos[positions], model.rope_sin[positions]
+    if getattr(model, "pos_emb", None) is not None:
+        model.pos_emb.register_forward_pre_hook(lambda module, args: (positions.to(args[0].device)[args[0]],))
+
+
+def reduce_gradients(params: list[torch.Tensor], group) -> None:
+    """Sum the gradients over the cp ranks (same weights, different tokens of the same batch), in
+    one all-reduce. A sharded parameter's local shard: cp ranks hold the same shards."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    flat = torch.cat([g.reshape(-1).float() for g in local])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in local:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
