@@ -26,6 +26,8 @@ SGD = {"optim.name": "sgd", "optim.lr": 0.1, "train.grad_clip": 0.0}
 # and the head on different ranks), micro-batches of 2 sequences out of a global batch of 8
 BASE = {"train.steps": STEPS, "model.n_layers": 4, "model.tie_embeddings": False, "train.micro_batch": 2}
 
+LLAMA = {"model.norm": "rmsnorm", "model.activation": "swiglu", "model.position": "rope", "model.n_kv_heads": 2}
+
 TWO = [
     ("tp2", {"parallel.tp": 2}),
     ("tp2-sp", {"parallel.tp": 2, "parallel.sp": True}),
@@ -50,10 +52,25 @@ FOUR = [
     ("dp2xtp2-zero0-sp", {"parallel.tp": 2, "parallel.zero": 0, "parallel.sp": True}),  # FSDP-style replicate
     ("dp2xtp2-zero1-sp-sgd-noclip", {"parallel.tp": 2, "parallel.zero": 1, "parallel.sp": True, **SGD}),
 ]
+# context parallelism: each method at cp 2 and cp 4, and cp composed with ZeRO-3, tp and pp; the
+# Llama shape (rotary positions, 2 K/V heads: fewer than cp 4) and GPT-2's learned positions
+CP = {"parallel.cp": 2}
+CP_TWO = [
+    ("cp2-ring", {**CP, "parallel.cp_method": "ring"}),
+    ("cp2-allgather-llama", {**CP, "parallel.cp_method": "allgather", **LLAMA}),
+    ("cp2-ulysses-llama", {**CP, "parallel.cp_method": "ulysses", **LLAMA}),
+]
+CP_FOUR = [
+    ("cp4-ring-llama", {"parallel.cp": 4, "parallel.cp_method": "ring", **LLAMA}),
+    ("cp4-allgather", {"parallel.cp": 4, "parallel.cp_method": "allgather"}),
+    ("cp4-ulysses-llama", {"parallel.cp": 4, "parallel.cp_method": "ulysses", **LLAMA}),
+    ("dp2xcp2-zero3", {**CP, "parallel.zero": 3}),
+    ("cp2xtp2-ring-llama", {**CP, "parallel.tp": 2, **LLAMA}),
+    ("cp2xpp2-ring", {**CP, "parallel.pp": 2}),
+]
 EIGHT = [
     ("dp2xtp2xpp2-zero3", {"parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 3}),
 ]
-LLAMA = {"model.norm": "rmsnorm", "model.activation": "swiglu", "model.position": "rope", "model.n_kv_heads": 2}
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +94,8 @@ def ref_name(extra):
 SAVE = ("save", {"parallel.tp": 2, "parallel.pp": 2, "checkpoint.every": 5, **LLAMA})
 STEP5 = "save/checkpoints/step_00000005"  # under the module's folder; the resumes below read it
 GROUPS = {  # ranks: layouts, run in one group of processes
-    4: FOUR + [SAVE],
-    2: TWO + [("resume-pp2", {"parallel.pp": 2, "checkpoint.resume": STEP5, **LLAMA}),
+    4: FOUR + CP_FOUR + [SAVE],
+    2: TWO + CP_TWO + [("resume-pp2", {"parallel.pp": 2, "checkpoint.resume": STEP5, **LLAMA}),
               ("resume-tp2-zero0", {"parallel.tp": 2, "checkpoint.resume": STEP5, **LLAMA})],
     8: EIGHT + [("resume-3d-zero2", {"parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 2, "parallel.sp": True,
                                      "checkpoint.resume": STEP5, **LLAMA})],
@@ -122,7 +139,10 @@ def runs(request, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name,extra", TWO + FOUR + EIGHT, ids=[n for n, _ in TWO + FOUR + EIGHT])
+PARITY = TWO + CP_TWO + FOUR + CP_FOUR + EIGHT
+
+
+@pytest.mark.parametrize("name,extra", PARITY, ids=[n for n, _ in PARITY])
 def test_parity_with_one_process(runs, reference, name, extra):
     ref = reference[ref_name(extra)]
     assert_same_run(runs(name)["history"], ref["history"], steps=STEPS, tol=TOL, what=name)
