@@ -43,8 +43,10 @@ def test_model_parallel_checks():
         check(2, **{"parallel.pp": 2, "parallel.pp_split": "1,2", "train.grad_accum": 2})
     with pytest.raises(ConfigError, match="needs parallel.tp > 1"):
         check(2, **{"parallel.sp": True})
-    with pytest.raises(ConfigError, match="model.tie_embeddings=true shares one weight"):
-        Layout(pp=2, grad_accum=2).check(load_config(None, {"parallel.pp": 2}).model)
+    tied = load_config(None, {"parallel.pp": 2}).model  # the first and the last stage each hold the weight...
+    Layout(pp=2, grad_accum=2).check(tied)
+    with pytest.raises(ConfigError, match="which the zero-bubble V puts on one rank"):  # ...not on one rank
+        Layout(pp=2, grad_accum=2, pp_schedule="zero-bubble", pp_virtual_stages=2).check(tied)
     with pytest.raises(ConfigError, match="name the same count under pipelining"):
         check(2, **{"parallel.pp": 2, "parallel.pp_microbatches": 4, "train.grad_accum": 2})
     check(2, **{"parallel.pp": 2, "parallel.pp_split": "3,1", "train.grad_accum": 2})  # a hand split that adds up

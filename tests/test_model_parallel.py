@@ -28,6 +28,9 @@ BASE = {"train.steps": STEPS, "model.n_layers": 4, "model.tie_embeddings": False
 
 LLAMA = {"model.norm": "rmsnorm", "model.activation": "swiglu", "model.position": "rope", "model.n_kv_heads": 2}
 
+# tied embeddings under pipelining: the first and the last stage each hold the shared weight
+TIED = {"model.tie_embeddings": True}
+
 TWO = [
     ("tp2", {"parallel.tp": 2}),
     ("tp2-sp", {"parallel.tp": 2, "parallel.sp": True}),
@@ -40,6 +43,7 @@ TWO = [
     ("tp2-sgd-noclip", {"parallel.tp": 2, **SGD}),
     ("pp2-interleaved-sgd-noclip", {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b",
                                     "parallel.pp_virtual_stages": 2, **SGD}),
+    ("pp2-tied", {"parallel.pp": 2, **TIED}),
 ]
 FOUR = [
     ("tp2xpp2", {"parallel.tp": 2, "parallel.pp": 2}),
@@ -51,6 +55,7 @@ FOUR = [
     ("dp2xpp2-ddp", {"parallel.pp": 2, "parallel.zero": 0}),
     ("dp2xtp2-zero0-sp", {"parallel.tp": 2, "parallel.zero": 0, "parallel.sp": True}),  # FSDP-style replicate
     ("dp2xtp2-zero1-sp-sgd-noclip", {"parallel.tp": 2, "parallel.zero": 1, "parallel.sp": True, **SGD}),
+    ("tp2xpp2-tied", {"parallel.tp": 2, "parallel.pp": 2, **TIED}),
 ]
 # context parallelism: each method at cp 2 and cp 4, and cp composed with ZeRO-3, tp and pp; the
 # Llama shape (rotary positions, 2 K/V heads: fewer than cp 4) and GPT-2's learned positions
@@ -78,10 +83,12 @@ def reference(tmp_path_factory):
     return Lazy({name: lambda name=name, extra=extra: fit_reference(
         micro_cfg(tmp_path_factory.mktemp(name), **{**BASE, **extra}))
         for name, extra in {"plain": {}, "bias-rope": {"model.bias": True, "model.position": "rope"},
-                            "llama": LLAMA, "sgd": SGD}.items()})
+                            "llama": LLAMA, "sgd": SGD, "tied": TIED}.items()})
 
 
 def ref_name(extra):
+    if extra.get("model.tie_embeddings"):
+        return "tied"
     if extra.get("optim.name") == "sgd":
         return "sgd"
     if extra.get("model.bias"):
@@ -147,6 +154,14 @@ def test_parity_with_one_process(runs, reference, name, extra):
     ref = reference[ref_name(extra)]
     assert_same_run(runs(name)["history"], ref["history"], steps=STEPS, tol=TOL, what=name)
     assert_same_weights(runs(name)["weights"], ref["weights"], tol=WEIGHTS_TOL, what=name)
+
+
+@pytest.mark.parametrize("name", ["pp2-tied", "tp2xpp2-tied"])
+def test_tied_embedding_copies_stay_identical(runs, name):
+    """The first and the last stage each hold the tied weight; their gradients are summed every
+    step, so after the run the two copies are the same numbers (bit for bit)."""
+    spread = runs(name)["weights_spread"]["tok_emb.weight"]
+    assert spread == 0.0, f"{name}: the two stages' copies of tok_emb.weight differ (projection by {spread:.3g})"
 
 
 @pytest.mark.parametrize("name", ["save", "resume-pp2", "resume-tp2-zero0", "resume-3d-zero2", "resume-1"])

@@ -195,9 +195,10 @@ class Layout:
         elif self.pp_virtual_stages != 1 or self.pp_split:
             e.append(PIPELINE_ONLY)
         if model is not None:
-            if self.pp > 1 and model.tie_embeddings:
-                e.append("model.tie_embeddings=true shares one weight between the first and the last pipeline "
-                         "stage; set model.tie_embeddings=false to train with parallel.pp > 1")
+            if self.pp > 1 and model.tie_embeddings and self.pp_schedule == "zero-bubble":
+                e.append("model.tie_embeddings=true keeps the shared weight on the first and the last pipeline "
+                         "stage, which the zero-bubble V puts on one rank; use another pp_schedule, or set "
+                         "model.tie_embeddings=false")
             if self.tp > 1:
                 e += tp_errors(model, self.tp)
             if self.local_sync and self.sync_fragments > model.n_layers:

@@ -222,10 +222,13 @@ class Transformer(nn.Module):
             # (config loading refuses data.seq_len past the window; this guards other callers)
             raise ValueError(f"{tokens.shape[1]} tokens exceed the model's sliding window of "
                              f"{self.cfg.sliding_window}, and this model attends to the whole sequence")
-        h = self.tok_emb(tokens) if self.tok_emb is not None else tokens  # (B, T, dim)
-        if self.pos_emb is not None and self.tok_emb is not None:
+        # token ids are embedded; hidden states (a later pipeline stage's input) go on as they are. A
+        # last stage of a tied model holds the embedding too, for its weight (the head's) alone
+        embed = self.tok_emb is not None and not tokens.is_floating_point()
+        h = self.tok_emb(tokens) if embed else tokens  # (B, T, dim)
+        if self.pos_emb is not None and embed:
             h = h + self.pos_emb(torch.arange(past, past + h.shape[1], device=h.device))
-        if self.tok_emb is not None:
+        if embed:
             h = self.drop(h)
         rope = (self.rope_cos[past:], self.rope_sin[past:]) if self.cfg.position == "rope" else None
         for name, block in self.layers.items():

@@ -236,8 +236,14 @@ def apply_context_parallel(model: nn.Module, cp_mesh, method: str, seq_len: int)
 
 
 def reduce_gradients(params: list[torch.Tensor], group) -> None:
-    """Sum the gradients over the cp ranks (same weights, different tokens of the same batch), in
-    one all-reduce. A sharded parameter's local shard: cp ranks hold the same shards."""
+    """Sum the gradients of `params` over `group` in one all-reduce: over the cp ranks (same
+    weights, different tokens of the same batch), or a tied embedding's over its first and last
+    pipeline stage. A sharded parameter's local shard: the ranks of `group` hold the same shards.
+    A DTensor gradient placed otherwise than its parameter (a vocabulary-parallel embedding's
+    comes back replicated) is first placed like it."""
+    for p in params:
+        if p.grad is not None and hasattr(p.grad, "placements") and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return

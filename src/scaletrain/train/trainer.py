@@ -42,6 +42,7 @@ from scaletrain.optim import LRSchedule, build_optimizer, get_lr, peak_lr, set_l
 from scaletrain.parallel import pipeline
 from scaletrain.parallel.context_parallel import reduce_gradients, shard_sequence
 from scaletrain.parallel.data_parallel import DataParallel, clip_gradients, model_state_bytes
+from scaletrain.parallel.init import canonical_name
 from scaletrain.parallel.parallelize import parallelize
 from scaletrain.precision import MasterWeights, Precision
 from scaletrain.runtime import Runtime, single_process
@@ -189,6 +190,16 @@ class Trainer:
             self.pm.stages, self.layout.pp_schedule, self.layout.grad_accum,
             lambda logits, targets: self.loss_fn(logits, targets) * self._loss_factor()) if self.pm.stages else None
         self.tp = self.rt.layout.tp
+        self.tied = self._tied_weight()
+
+    def _tied_weight(self):
+        """A tied embedding under pipelining: (the group of the first and the last stage, whether
+        this rank's copy is the last stage's) or None. The two copies start equal (one name, one
+        initial value), get the sum of both stages' gradients, and so stay equal."""
+        if self.layout.pp == 1 or self._user_model is not None or not self.cfg.model.tie_embeddings:
+            return None
+        group = pipeline.tied_weight_group(self.rt.mesh)
+        return None if group is None else (group, not self.pm.first)  # None: a middle stage
 
     def _parallel_model(self, resume_from: Path | None):
         cfg = self.cfg
@@ -406,9 +417,16 @@ class Trainer:
         if self.layout.cp > 1:  # the cp ranks' shares of the same batch: summed (the loss is over all tokens)
             self.health.enter("the context-parallel gradient all-reduce")
             reduce_gradients(params, self.rt.group("cp"))
+        copies = ()
+        if self.tied is not None:  # the embedding's and the head's gradients, summed on both stages
+            self.health.enter("the tied embedding's gradient all-reduce (first and last pipeline stage)")
+            # (its shards under ZeRO-1/2, its fp32 master under bf16-true: the same on both stages)
+            tied = [p for n, p in self.optim_params if canonical_name(n) == "tok_emb.weight"]
+            reduce_gradients(tied, self.tied[0])
+            copies = tuple(tied) if self.tied[1] else ()
         overflow = self.scaler.unscale_(params, times=self.layout.dp) if self.scaler else False
         grad_norm = clip_gradients(params, self.cfg.train.grad_clip,
-                                   self.rt.group("pp") if self.layout.pp > 1 else None)
+                                   self.rt.group("pp") if self.layout.pp > 1 else None, copies=copies)
         # the norm is global (reduced over every shard and stage): every rank decides alike
         skip = overflow or not math.isfinite(float(grad_norm))
         if self.outer is not None and self.rt.distributed:  # each worker has its own norm: skip together
