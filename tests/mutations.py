@@ -138,6 +138,15 @@ MUTANTS = [
            "tokens' share)", "src/scaletrain/train/trainer.py",
            "            reduce_gradients(params, self.rt.group(\"cp\"))\n", "",
            (f"{MP}::test_parity_with_one_process[cp2-ring]", f"{MP}::test_parity_with_one_process[dp2xcp2-zero3]")),
+    Mutant("tp-replicated-kv-grads-not-summed", "with fewer K/V heads than tp, the replicated wk/wv gradients are "
+           "not summed over the tp ranks", "src/scaletrain/train/trainer.py",
+           "            reduce_gradients([p for n, p in self.optim_params if n.endswith(kv)], self.rt.group(\"tp\"))\n",
+           "            pass\n",
+           (f"{MP}::test_parity_with_one_process[tp4-kv1]", f"{MP}::test_parity_with_one_process[tp4-kv2-sp]")),
+    Mutant("pp-tied-grads-not-summed", "a tied embedding under pipelining: the first and the last stage's gradients "
+           "never summed", "src/scaletrain/train/trainer.py",
+           "            reduce_gradients(tied, self.tied[0])\n", "",
+           (f"{MP}::test_parity_with_one_process[pp2-tied]", f"{MP}::test_tied_embedding_copies_stay_identical[pp2-tied]")),
 ]
 
 

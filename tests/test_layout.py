@@ -32,8 +32,9 @@ def test_model_parallel_checks():
 
     with pytest.raises(ConfigError, match="parallel.tp=3 must divide model.n_heads=4"):
         check(3, **{"parallel.tp": 3, "model.n_heads": 4})
-    with pytest.raises(ConfigError, match="must divide the key/value heads"):
-        check(4, **{"parallel.tp": 4, "model.n_kv_heads": 2})
+    check(4, **{"parallel.tp": 4, "model.n_kv_heads": 2})  # fewer K/V heads than tp: each replicated on 2 ranks
+    with pytest.raises(ConfigError, match=r"must divide the key/value heads \(3\), or be a multiple of them"):
+        check(2, **{"parallel.tp": 2, "model.dim": 96, "model.n_heads": 12, "model.n_kv_heads": 3})
     with pytest.raises(ConfigError, match="at least 8 layers, but model.n_layers=4"):
         check(4, **{"parallel.pp": 4, "parallel.pp_schedule": "interleaved-1f1b", "parallel.pp_virtual_stages": 2,
                     "train.grad_accum": 4})

@@ -56,6 +56,9 @@ FOUR = [
     ("dp2xtp2-zero0-sp", {"parallel.tp": 2, "parallel.zero": 0, "parallel.sp": True}),  # FSDP-style replicate
     ("dp2xtp2-zero1-sp-sgd-noclip", {"parallel.tp": 2, "parallel.zero": 1, "parallel.sp": True, **SGD}),
     ("tp2xpp2-tied", {"parallel.tp": 2, "parallel.pp": 2, **TIED}),
+    # fewer K/V heads than tp: each K/V head replicated on the ranks whose query heads read it
+    ("tp4-kv1", {"parallel.tp": 4, **LLAMA, "model.n_kv_heads": 1}),
+    ("tp4-kv2-sp", {"parallel.tp": 4, "parallel.sp": True, **LLAMA}),
 ]
 # context parallelism: each method at cp 2 and cp 4, and cp composed with ZeRO-3, tp and pp; the
 # Llama shape (rotary positions, 2 K/V heads: fewer than cp 4) and GPT-2's learned positions
@@ -83,7 +86,8 @@ def reference(tmp_path_factory):
     return Lazy({name: lambda name=name, extra=extra: fit_reference(
         micro_cfg(tmp_path_factory.mktemp(name), **{**BASE, **extra}))
         for name, extra in {"plain": {}, "bias-rope": {"model.bias": True, "model.position": "rope"},
-                            "llama": LLAMA, "sgd": SGD, "tied": TIED}.items()})
+                            "llama": LLAMA, "llama-kv1": {**LLAMA, "model.n_kv_heads": 1}, "sgd": SGD,
+                            "tied": TIED}.items()})
 
 
 def ref_name(extra):
@@ -94,7 +98,7 @@ def ref_name(extra):
     if extra.get("model.bias"):
         return "bias-rope"
     if extra.get("model.norm") == "rmsnorm":
-        return "llama"
+        return "llama-kv1" if extra.get("model.n_kv_heads") == 1 else "llama"
     return "plain"
 
 

@@ -526,9 +526,13 @@ def tp_errors(model, tp: int) -> list[str]:
     if model.n_heads % tp:
         e.append(f"parallel.tp={tp} must divide model.n_heads={model.n_heads}: each rank owns whole heads; "
                  f"use tp in {[d for d in range(1, model.n_heads + 1) if model.n_heads % d == 0]}")
-    elif model.kv_heads % tp:  # (kv_heads divides n_heads: when tp misses n_heads it misses kv_heads too)
-        e.append(f"parallel.tp={tp} must divide the key/value heads ({model.kv_heads}): each rank owns "
-                 f"whole heads; use tp in {[d for d in range(1, model.kv_heads + 1) if model.kv_heads % d == 0]}")
+    elif model.kv_heads % tp and tp % model.kv_heads:
+        # (kv_heads divides n_heads: when tp misses n_heads it misses kv_heads too). Fewer K/V heads
+        # than tp: each is replicated on the tp / kv_heads ranks whose query heads read it
+        kv = model.kv_heads
+        fit = [d for d in range(1, model.n_heads + 1) if model.n_heads % d == 0 and (kv % d == 0 or d % kv == 0)]
+        e.append(f"parallel.tp={tp} must divide the key/value heads ({kv}), or be a multiple of them (each K/V "
+                 f"head then replicated on tp / {kv} ranks): use tp in {fit}")
     if model.vocab_size % tp:
         e.append(f"parallel.tp={tp} must divide model.vocab_size={model.vocab_size} (the vocabulary is split); "
                  "pad the vocabulary to a multiple of tp")

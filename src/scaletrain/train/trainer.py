@@ -44,6 +44,7 @@ from scaletrain.parallel.context_parallel import reduce_gradients, shard_sequenc
 from scaletrain.parallel.data_parallel import DataParallel, clip_gradients, model_state_bytes
 from scaletrain.parallel.init import canonical_name
 from scaletrain.parallel.parallelize import parallelize
+from scaletrain.parallel.tensor_parallel import replicated_kv_names
 from scaletrain.precision import MasterWeights, Precision
 from scaletrain.runtime import Runtime, single_process
 from scaletrain.train import checkpoint as ckpt
@@ -417,6 +418,9 @@ class Trainer:
         if self.layout.cp > 1:  # the cp ranks' shares of the same batch: summed (the loss is over all tokens)
             self.health.enter("the context-parallel gradient all-reduce")
             reduce_gradients(params, self.rt.group("cp"))
+        if kv := replicated_kv_names(self.cfg.model, self.tp) if self._user_model is None else ():
+            self.health.enter("the replicated K/V projections' gradient all-reduce (tp)")
+            reduce_gradients([p for n, p in self.optim_params if n.endswith(kv)], self.rt.group("tp"))
         copies = ()
         if self.tied is not None:  # the embedding's and the head's gradients, summed on both stages
             self.health.enter("the tied embedding's gradient all-reduce (first and last pipeline stage)")
