@@ -91,13 +91,13 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx, x, group, n):
         ctx.group = group
         out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # the ranks' tensors one after the other
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        dist.all_gather_single(out, x.contiguous(), group=group)
         return out.unflatten(0, (n, x.shape[0]))
 
     @staticmethod
     def backward(ctx, grad):
         out = grad.new_empty(grad.shape[1:])
-        dist.reduce_scatter_tensor(out, grad.flatten(0, 1).contiguous(), group=ctx.group)
+        dist.reduce_scatter_single(out, grad.flatten(0, 1).contiguous(), group=ctx.group)
         return out, None, None
 
 
@@ -133,15 +133,45 @@ def _masked_attention(q, k, v, allowed: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _scores(q, k, allowed) -> torch.Tensor:
+    """(B, H, Tq, Tk) q kᵀ/√d in fp32, a disallowed key's score the lowest float (not -inf: a
+    query that sees no key of a block gets a finite log-sum-exp, and weight 0 in the merge)."""
+    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    return scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+
+
+class _BlockAttention(torch.autograd.Function):
+    """One K/V block's partial attention, (output normalised within the block, its log-sum-exp
+    (B, H, Tq, 1)), in fp32. It keeps q, k, v, the output and the log-sum-exp for backward and
+    recomputes the scores there (as flash attention does): no Tq × Tk matrix outlives the call.
+
+    With p = softmax(s), o = p v and lse = logsumexp(s), for upstream gradients dO and dLSE:
+        dv = pᵀ dO,  ds = p ⊙ (dO vᵀ - rowsum(dO ⊙ o) + dLSE),  dq = ds k / √d,  dk = dsᵀ q / √d"""
+
+    @staticmethod
+    def forward(ctx, q, k, v, allowed):
+        scores = _scores(q, k, allowed)
+        lse = scores.logsumexp(-1, keepdim=True)
+        out = torch.exp(scores - lse) @ v.float()
+        ctx.save_for_backward(q, k, v, allowed, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, allowed, out, lse = ctx.saved_tensors
+        p = torch.exp(_scores(q, k, allowed) - lse)  # (B, H, Tq, Tk)
+        d_v = p.transpose(-2, -1) @ d_out
+        d_s = p * (d_out @ v.float().transpose(-2, -1) - (d_out * out).sum(-1, keepdim=True) + d_lse)
+        scale = 1 / math.sqrt(q.shape[-1])
+        d_q = (d_s @ k.float()) * scale
+        d_k = (d_s.transpose(-2, -1) @ q.float()) * scale
+        return d_q.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None
+
+
 def _block_attention(q, k, v, allowed) -> tuple[torch.Tensor, torch.Tensor]:
-    """One K/V block's partial attention in fp32: (output normalised within the block, its
-    log-sum-exp (B, H, Tq, 1)). A query that sees no key of the block gets a log-sum-exp near
-    the lowest float: its weight in the merge is exactly zero."""
-    k, v = _repeat_kv(k, q.shape[1]).float(), _repeat_kv(v, q.shape[1]).float()
-    scores = (q.float() @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
-    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    lse = scores.logsumexp(-1, keepdim=True)
-    return torch.exp(scores - lse) @ v, lse
+    """One K/V block's partial attention: (output normalised within the block, its log-sum-exp)."""
+    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    return _BlockAttention.apply(q, k, v, allowed)
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -196,10 +226,11 @@ def ulysses_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int]) ->
     seq = q.shape[2] * n
     if k.shape[1] % n:  # fewer K/V heads than cp ranks (or not a multiple): each query head gets its own copy
         k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
-    q, k, v = (_to_heads(t, group, n) for t in (q, k, v))
-    pos = all_positions(seq, n, q.device)
-    y = _masked_attention(q, k, v, pos[:, None] >= pos[None, :])
-    return _to_sequence(y, group, n)
+    # the whole sequence for heads/cp of the heads, put in true order: plain causal attention
+    order = all_positions(seq, n, q.device).argsort()  # token at true position t: order[t]
+    q, k, v = (_to_heads(t, group, n).index_select(2, order) for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    return _to_sequence(y.index_select(2, order.argsort()), group, n)
 
 
 METHODS = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
