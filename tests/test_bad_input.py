@@ -453,8 +453,6 @@ CASES = [
          with_toml("[train]\nsteps = 0\n")),
     Case("plan-unknown-engine", ["plan", "tiny", "--engine", "colossal"],
          ("argument --engine: invalid choice: 'colossal'", "megatron")),
-    Case("plan-cp-on-scaletrain", ["plan", "tiny", "--cp", "2"],
-         ("cp 2: scaletrain's trainer has no context parallelism", "--engine megatron")),
     Case("plan-cp-zero", ["plan", "tiny", "--engine", "megatron", "--cp", "0"], ("got cp=0",)),
     Case("plan-fp8-without-fp8-peak", ["plan", "tiny", "--hardware", "A100-80GB", "--fp8"],
          ("--fp8: hardware A100-80GB has no fp8 peak",)),

@@ -621,9 +621,8 @@ def build_parser() -> argparse.ArgumentParser:
     alias("--virtual", type=_at_least_1("pp_virtual_stages"), metavar="N")
     alias("--offload", action="store_const", const=True, help="sets it to true")
     p.add_argument("--cp", type=_at_least_1("cp"), metavar="N",
-                   help="context parallel: ranks that split every sequence (ring attention). The planner's own flag, "
-                        "with no config key: scaletrain's trainer has no context parallelism; plan it with "
-                        "--engine megatron")
+                   help="context parallel: ranks that split every sequence (the config's parallel.cp; the "
+                        "planner models the K/V of the whole sequence kept on every rank, as ring and allgather do)")
     p.add_argument("--top", type=int, default=10, help="layouts to show")
     p.add_argument("--json", action="store_true", help="print JSON (schema in docs/planner.md)")
     p.add_argument("--chart", help="stacked memory bars of the top layouts, to this PNG")
