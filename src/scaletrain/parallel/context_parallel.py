@@ -128,11 +128,6 @@ def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
-def _masked_attention(q, k, v, allowed: torch.Tensor) -> torch.Tensor:
-    """softmax(q kᵀ/√d) v over the keys `allowed` (Tq, Tk) lets each query see."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=q.shape[1] != k.shape[1])
-
-
 def _scores(q, k, allowed) -> torch.Tensor:
     """(B, H, Tq, Tk) q kᵀ/√d in fp32, a disallowed key's score the lowest float (not -inf: a
     query that sees no key of a block gets a finite log-sum-exp, and weight 0 in the merge)."""
@@ -140,32 +135,45 @@ def _scores(q, k, allowed) -> torch.Tensor:
     return scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
 
 
+TILE = 512  # query rows whose scores exist at once: the transient memory is TILE × keys per head
+
+
 class _BlockAttention(torch.autograd.Function):
     """One K/V block's partial attention, (output normalised within the block, its log-sum-exp
     (B, H, Tq, 1)), in fp32. It keeps q, k, v, the output and the log-sum-exp for backward and
-    recomputes the scores there (as flash attention does): no Tq × Tk matrix outlives the call.
+    recomputes the scores there (as flash attention does), TILE query rows at a time: no
+    Tq × Tk matrix outlives a tile.
 
     With p = softmax(s), o = p v and lse = logsumexp(s), for upstream gradients dO and dLSE:
         dv = pᵀ dO,  ds = p ⊙ (dO vᵀ - rowsum(dO ⊙ o) + dLSE),  dq = ds k / √d,  dk = dsᵀ q / √d"""
 
     @staticmethod
     def forward(ctx, q, k, v, allowed):
-        scores = _scores(q, k, allowed)
-        lse = scores.logsumexp(-1, keepdim=True)
-        out = torch.exp(scores - lse) @ v.float()
+        outs, lses = [], []
+        for i in range(0, q.shape[2], TILE):
+            scores = _scores(q[:, :, i:i + TILE], k, allowed[i:i + TILE])
+            lse = scores.logsumexp(-1, keepdim=True)
+            outs.append(torch.exp(scores - lse) @ v.float())
+            lses.append(lse)
+        out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
         ctx.save_for_backward(q, k, v, allowed, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
         q, k, v, allowed, out, lse = ctx.saved_tensors
-        p = torch.exp(_scores(q, k, allowed) - lse)  # (B, H, Tq, Tk)
-        d_v = p.transpose(-2, -1) @ d_out
-        d_s = p * (d_out @ v.float().transpose(-2, -1) - (d_out * out).sum(-1, keepdim=True) + d_lse)
         scale = 1 / math.sqrt(q.shape[-1])
-        d_q = (d_s @ k.float()) * scale
-        d_k = (d_s.transpose(-2, -1) @ q.float()) * scale
-        return d_q.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None
+        kf, vf = k.float(), v.float()
+        d_q, d_k, d_v = [], torch.zeros_like(kf), torch.zeros_like(vf)
+        for i in range(0, q.shape[2], TILE):
+            rows = slice(i, i + TILE)
+            p = torch.exp(_scores(q[:, :, rows], k, allowed[rows]) - lse[:, :, rows])  # (B, H, tile, Tk)
+            d_v += p.transpose(-2, -1) @ d_out[:, :, rows]
+            d_s = p * (d_out[:, :, rows] @ vf.transpose(-2, -1)
+                       - (d_out[:, :, rows] * out[:, :, rows]).sum(-1, keepdim=True) + d_lse[:, :, rows])
+            d_q.append((d_s @ kf) * scale)
+            d_k += (d_s.transpose(-2, -1) @ q[:, :, rows].float()) * scale
+        return torch.cat(d_q, 2).to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None
 
 
 def _block_attention(q, k, v, allowed) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,7 +211,8 @@ def allgather_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int]) 
     kv = _AllGather.apply(torch.stack((k, v)), group, n)  # (n, 2, B, kv_heads, T_local, D)
     kv = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # (2, B, kv_heads, seq, D), the ranks' tokens in rank order
     allowed = chunk_positions(seq, n, rank, q.device)[:, None] >= all_positions(seq, n, q.device)[None, :]
-    return _masked_attention(q, kv[0], kv[1], allowed)
+    out, _ = _block_attention(q, kv[0], kv[1], allowed)  # one block: the whole sequence's keys
+    return out.to(q.dtype)
 
 
 def _to_heads(x: torch.Tensor, group, n: int) -> torch.Tensor:
