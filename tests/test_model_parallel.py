@@ -107,7 +107,9 @@ STEP5 = "save/checkpoints/step_00000005"  # under the module's folder; the resum
 GROUPS = {  # ranks: layouts, run in one group of processes
     4: FOUR + CP_FOUR + [SAVE],
     2: TWO + CP_TWO + [("resume-pp2", {"parallel.pp": 2, "checkpoint.resume": STEP5, **LLAMA}),
-              ("resume-tp2-zero0", {"parallel.tp": 2, "checkpoint.resume": STEP5, **LLAMA})],
+              ("resume-tp2-zero0", {"parallel.tp": 2, "checkpoint.resume": STEP5, **LLAMA}),
+              ("resume-cp2-ulysses", {"parallel.cp": 2, "parallel.cp_method": "ulysses", "checkpoint.resume": STEP5,
+                                      **LLAMA})],
     8: EIGHT + [("resume-3d-zero2", {"parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 2, "parallel.sp": True,
                                      "checkpoint.resume": STEP5, **LLAMA})],
 }
@@ -168,7 +170,8 @@ def test_tied_embedding_copies_stay_identical(runs, name):
     assert spread == 0.0, f"{name}: the two stages' copies of tok_emb.weight differ (projection by {spread:.3g})"
 
 
-@pytest.mark.parametrize("name", ["save", "resume-pp2", "resume-tp2-zero0", "resume-3d-zero2", "resume-1"])
+@pytest.mark.parametrize("name", ["save", "resume-pp2", "resume-tp2-zero0", "resume-cp2-ulysses", "resume-3d-zero2",
+                                  "resume-1"])
 def test_checkpoint_resumes_at_another_layout(runs, reference, name):
     first = 1 if name == "save" else 6
     ref = reference["llama"]
