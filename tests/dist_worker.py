@@ -141,12 +141,16 @@ def main(spec_path: str) -> None:
                                           "state_bytes": trainer.state_bytes, "probe": probe() if probe else None,
                                           "weights": weights})
         whole = {}  # every stage's parameters (replicas and tensor-parallel peers hold the same values)
+        copies: dict[str, list] = {}  # each parameter's fingerprint on every rank that holds it
         for r in gathered:
-            whole.update({n: v for n, v in r.pop("weights").items() if n not in whole})
+            for n, v in r.pop("weights").items():
+                whole.setdefault(n, v)
+                copies.setdefault(n, []).append(v)
+        spread = {n: max(abs(v[1] - vs[0][1]) for v in vs) for n, vs in copies.items()}
         results.append({"losses": [(r["step"], r["loss"]) for r in result["history"]],
                         "history": result["history"], "ranks": gathered, "num_params": trainer.num_params,
                         "start_step": result["history"][0]["step"] if result["history"] else None,
-                        "weights": whole, "fit_s": fit_s, "step_s": step_s})
+                        "weights": whole, "weights_spread": spread, "fit_s": fit_s, "step_s": step_s})
         dist.barrier()
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps(results))

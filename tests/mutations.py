@@ -123,6 +123,30 @@ MUTANTS = [
            "mine = torch.cat([(p.outer.to(p.local.device, non_blocking=True) - p.local).reshape(-1)",
            "mine = torch.cat([(p.local - p.outer.to(p.local.device, non_blocking=True)).reshape(-1)",
            ("tests/test_local_sgd.py::test_local_sgd_averages_the_weights_and_diloco_takes_a_nesterov_step",)),
+    Mutant("cp-ring-no-lse-merge", "ring attention adds the K/V blocks' partial outputs without the log-sum-exp "
+           "weights", "src/scaletrain/parallel/context_parallel.py",
+           "    return out * torch.exp(lse - merged) + block_out * torch.exp(block_lse - merged), merged\n",
+           "    return out + block_out, merged\n",
+           (f"{MP}::test_parity_with_one_process[cp2-ring]", f"{MP}::test_parity_with_one_process[cp4-ring-llama]")),
+    Mutant("cp-rope-contiguous-positions", "under cp the rotary tables start at 0 on every rank (positions not "
+           "those of the rank's chunks)", "src/scaletrain/parallel/context_parallel.py",
+           "model.rope_cos[positions], model.rope_sin[positions]",
+           "model.rope_cos[:len(positions)], model.rope_sin[:len(positions)]",
+           (f"{MP}::test_parity_with_one_process[cp2-allgather-llama]",
+            f"{MP}::test_parity_with_one_process[cp4-ulysses-llama]")),
+    Mutant("cp-grads-not-summed", "the context-parallel ranks' gradients never summed (each steps on its own "
+           "tokens' share)", "src/scaletrain/train/trainer.py",
+           "            reduce_gradients(params, self.rt.group(\"cp\"))\n", "",
+           (f"{MP}::test_parity_with_one_process[cp2-ring]", f"{MP}::test_parity_with_one_process[dp2xcp2-zero3]")),
+    Mutant("tp-replicated-kv-grads-not-summed", "with fewer K/V heads than tp, the replicated wk/wv gradients are "
+           "not summed over the tp ranks", "src/scaletrain/train/trainer.py",
+           "            reduce_gradients([p for n, p in self.optim_params if n.endswith(kv)], self.rt.group(\"tp\"))\n",
+           "            pass\n",
+           (f"{MP}::test_parity_with_one_process[tp4-kv1]", f"{MP}::test_parity_with_one_process[tp4-kv2-sp]")),
+    Mutant("pp-tied-grads-not-summed", "a tied embedding under pipelining: the first and the last stage's gradients "
+           "never summed", "src/scaletrain/train/trainer.py",
+           "            reduce_gradients(tied, self.tied[0])\n", "",
+           (f"{MP}::test_parity_with_one_process[pp2-tied]", f"{MP}::test_tied_embedding_copies_stay_identical[pp2-tied]")),
 ]
 
 

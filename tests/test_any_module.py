@@ -96,6 +96,14 @@ def test_tensor_and_pipeline_parallel_are_refused_for_a_custom_module(tmp_path):
             parallelize_module(tiny_lm(), cfg, rt, Precision(cfg.precision, torch.device("cpu")))
 
 
+def test_context_parallelism_is_refused_for_a_custom_module(tmp_path):
+    cfg = micro_cfg(tmp_path)
+    rt = Runtime(0, 0, 2, 2, torch.device("cpu"), Layout(cp=2))
+    with pytest.raises(ConfigError, match=r"^parallel.cp=2: context parallelism splits the attention of models "
+                                          r"scaletrain builds .* set parallel.cp=1$"):
+        parallelize_module(tiny_lm(), cfg, rt, Precision(cfg.precision, torch.device("cpu")))
+
+
 def test_a_module_without_blocks_cannot_be_checkpointed(tmp_path):
     with pytest.raises(ConfigError, match="Linear has no repeated blocks scaletrain can find"):
         Trainer(micro_cfg(tmp_path, **{"memory.activation_checkpointing": "full"}), model=nn.Linear(4, 4))

@@ -186,6 +186,8 @@ LAYOUTS = [
     ("pp2-1f1b", {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}),
     ("pp2-interleaved", {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b",
                          "parallel.pp_virtual_stages": 2}),
+    ("cp2-ring", {"parallel.cp": 2}),  # each rank's val tokens are its chunks of every sequence
+    ("cp2-ulysses", {"parallel.cp": 2, "parallel.cp_method": "ulysses"}),
 ]
 
 

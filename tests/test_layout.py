@@ -14,7 +14,7 @@ def dims(world, **kw):
 def test_dp_shard_minus_one_takes_the_remaining_ranks():
     d = dims(8, dp_replicate=2)
     assert (d.pp, d.dp_replicate, d.dp_shard, d.tp) == (1, 2, 4, 1)
-    assert d.dp == 8 and d.mesh_shape == (1, 2, 4, 1) and MESH_AXES == ("pp", "dp_replicate", "dp_shard", "tp")
+    assert d.dp == 8 and d.mesh_shape == (1, 2, 4, 1, 1) and MESH_AXES == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def test_layout_must_use_the_world():
@@ -32,8 +32,9 @@ def test_model_parallel_checks():
 
     with pytest.raises(ConfigError, match="parallel.tp=3 must divide model.n_heads=4"):
         check(3, **{"parallel.tp": 3, "model.n_heads": 4})
-    with pytest.raises(ConfigError, match="must divide the key/value heads"):
-        check(4, **{"parallel.tp": 4, "model.n_kv_heads": 2})
+    check(4, **{"parallel.tp": 4, "model.n_kv_heads": 2})  # fewer K/V heads than tp: each replicated on 2 ranks
+    with pytest.raises(ConfigError, match=r"must divide the key/value heads \(3\), or be a multiple of them"):
+        check(2, **{"parallel.tp": 2, "model.dim": 96, "model.n_heads": 12, "model.n_kv_heads": 3})
     with pytest.raises(ConfigError, match="at least 8 layers, but model.n_layers=4"):
         check(4, **{"parallel.pp": 4, "parallel.pp_schedule": "interleaved-1f1b", "parallel.pp_virtual_stages": 2,
                     "train.grad_accum": 4})
@@ -43,8 +44,10 @@ def test_model_parallel_checks():
         check(2, **{"parallel.pp": 2, "parallel.pp_split": "1,2", "train.grad_accum": 2})
     with pytest.raises(ConfigError, match="needs parallel.tp > 1"):
         check(2, **{"parallel.sp": True})
-    with pytest.raises(ConfigError, match="model.tie_embeddings=true shares one weight"):
-        Layout(pp=2, grad_accum=2).check(load_config(None, {"parallel.pp": 2}).model)
+    tied = load_config(None, {"parallel.pp": 2}).model  # the first and the last stage each hold the weight...
+    Layout(pp=2, grad_accum=2).check(tied)
+    with pytest.raises(ConfigError, match="which the zero-bubble V puts on one rank"):  # ...not on one rank
+        Layout(pp=2, grad_accum=2, pp_schedule="zero-bubble", pp_virtual_stages=2).check(tied)
     with pytest.raises(ConfigError, match="name the same count under pipelining"):
         check(2, **{"parallel.pp": 2, "parallel.pp_microbatches": 4, "train.grad_accum": 2})
     check(2, **{"parallel.pp": 2, "parallel.pp_split": "3,1", "train.grad_accum": 2})  # a hand split that adds up

@@ -26,6 +26,11 @@ SGD = {"optim.name": "sgd", "optim.lr": 0.1, "train.grad_clip": 0.0}
 # and the head on different ranks), micro-batches of 2 sequences out of a global batch of 8
 BASE = {"train.steps": STEPS, "model.n_layers": 4, "model.tie_embeddings": False, "train.micro_batch": 2}
 
+LLAMA = {"model.norm": "rmsnorm", "model.activation": "swiglu", "model.position": "rope", "model.n_kv_heads": 2}
+
+# tied embeddings under pipelining: the first and the last stage each hold the shared weight
+TIED = {"model.tie_embeddings": True}
+
 TWO = [
     ("tp2", {"parallel.tp": 2}),
     ("tp2-sp", {"parallel.tp": 2, "parallel.sp": True}),
@@ -38,6 +43,7 @@ TWO = [
     ("tp2-sgd-noclip", {"parallel.tp": 2, **SGD}),
     ("pp2-interleaved-sgd-noclip", {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b",
                                     "parallel.pp_virtual_stages": 2, **SGD}),
+    ("pp2-tied", {"parallel.pp": 2, **TIED}),
 ]
 FOUR = [
     ("tp2xpp2", {"parallel.tp": 2, "parallel.pp": 2}),
@@ -49,11 +55,30 @@ FOUR = [
     ("dp2xpp2-ddp", {"parallel.pp": 2, "parallel.zero": 0}),
     ("dp2xtp2-zero0-sp", {"parallel.tp": 2, "parallel.zero": 0, "parallel.sp": True}),  # FSDP-style replicate
     ("dp2xtp2-zero1-sp-sgd-noclip", {"parallel.tp": 2, "parallel.zero": 1, "parallel.sp": True, **SGD}),
+    ("tp2xpp2-tied", {"parallel.tp": 2, "parallel.pp": 2, **TIED}),
+    # fewer K/V heads than tp: each K/V head replicated on the ranks whose query heads read it
+    ("tp4-kv1", {"parallel.tp": 4, **LLAMA, "model.n_kv_heads": 1}),
+    ("tp4-kv2-sp", {"parallel.tp": 4, "parallel.sp": True, **LLAMA}),
+]
+# context parallelism: each method at cp 2 and cp 4, and cp composed with ZeRO-3, tp and pp; the
+# Llama shape (rotary positions, 2 K/V heads: fewer than cp 4) and GPT-2's learned positions
+CP = {"parallel.cp": 2}
+CP_TWO = [
+    ("cp2-ring", {**CP, "parallel.cp_method": "ring"}),
+    ("cp2-allgather-llama", {**CP, "parallel.cp_method": "allgather", **LLAMA}),
+    ("cp2-ulysses-llama", {**CP, "parallel.cp_method": "ulysses", **LLAMA}),
+]
+CP_FOUR = [
+    ("cp4-ring-llama", {"parallel.cp": 4, "parallel.cp_method": "ring", **LLAMA}),
+    ("cp4-allgather", {"parallel.cp": 4, "parallel.cp_method": "allgather"}),
+    ("cp4-ulysses-llama", {"parallel.cp": 4, "parallel.cp_method": "ulysses", **LLAMA}),
+    ("dp2xcp2-zero3", {**CP, "parallel.zero": 3}),
+    ("cp2xtp2-ring-llama", {**CP, "parallel.tp": 2, **LLAMA}),
+    ("cp2xpp2-ring", {**CP, "parallel.pp": 2}),
 ]
 EIGHT = [
     ("dp2xtp2xpp2-zero3", {"parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 3}),
 ]
-LLAMA = {"model.norm": "rmsnorm", "model.activation": "swiglu", "model.position": "rope", "model.n_kv_heads": 2}
 
 
 @pytest.fixture(scope="module")
@@ -61,25 +86,30 @@ def reference(tmp_path_factory):
     return Lazy({name: lambda name=name, extra=extra: fit_reference(
         micro_cfg(tmp_path_factory.mktemp(name), **{**BASE, **extra}))
         for name, extra in {"plain": {}, "bias-rope": {"model.bias": True, "model.position": "rope"},
-                            "llama": LLAMA, "sgd": SGD}.items()})
+                            "llama": LLAMA, "llama-kv1": {**LLAMA, "model.n_kv_heads": 1}, "sgd": SGD,
+                            "tied": TIED}.items()})
 
 
 def ref_name(extra):
+    if extra.get("model.tie_embeddings"):
+        return "tied"
     if extra.get("optim.name") == "sgd":
         return "sgd"
     if extra.get("model.bias"):
         return "bias-rope"
     if extra.get("model.norm") == "rmsnorm":
-        return "llama"
+        return "llama-kv1" if extra.get("model.n_kv_heads") == 1 else "llama"
     return "plain"
 
 
 SAVE = ("save", {"parallel.tp": 2, "parallel.pp": 2, "checkpoint.every": 5, **LLAMA})
 STEP5 = "save/checkpoints/step_00000005"  # under the module's folder; the resumes below read it
 GROUPS = {  # ranks: layouts, run in one group of processes
-    4: FOUR + [SAVE],
-    2: TWO + [("resume-pp2", {"parallel.pp": 2, "checkpoint.resume": STEP5, **LLAMA}),
-              ("resume-tp2-zero0", {"parallel.tp": 2, "checkpoint.resume": STEP5, **LLAMA})],
+    4: FOUR + CP_FOUR + [SAVE],
+    2: TWO + CP_TWO + [("resume-pp2", {"parallel.pp": 2, "checkpoint.resume": STEP5, **LLAMA}),
+              ("resume-tp2-zero0", {"parallel.tp": 2, "checkpoint.resume": STEP5, **LLAMA}),
+              ("resume-cp2-ulysses", {"parallel.cp": 2, "parallel.cp_method": "ulysses", "checkpoint.resume": STEP5,
+                                      **LLAMA})],
     8: EIGHT + [("resume-3d-zero2", {"parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 2, "parallel.sp": True,
                                      "checkpoint.resume": STEP5, **LLAMA})],
 }
@@ -122,14 +152,26 @@ def runs(request, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name,extra", TWO + FOUR + EIGHT, ids=[n for n, _ in TWO + FOUR + EIGHT])
+PARITY = TWO + CP_TWO + FOUR + CP_FOUR + EIGHT
+
+
+@pytest.mark.parametrize("name,extra", PARITY, ids=[n for n, _ in PARITY])
 def test_parity_with_one_process(runs, reference, name, extra):
     ref = reference[ref_name(extra)]
     assert_same_run(runs(name)["history"], ref["history"], steps=STEPS, tol=TOL, what=name)
     assert_same_weights(runs(name)["weights"], ref["weights"], tol=WEIGHTS_TOL, what=name)
 
 
-@pytest.mark.parametrize("name", ["save", "resume-pp2", "resume-tp2-zero0", "resume-3d-zero2", "resume-1"])
+@pytest.mark.parametrize("name", ["pp2-tied", "tp2xpp2-tied"])
+def test_tied_embedding_copies_stay_identical(runs, name):
+    """The first and the last stage each hold the tied weight; their gradients are summed every
+    step, so after the run the two copies are the same numbers (bit for bit)."""
+    spread = runs(name)["weights_spread"]["tok_emb.weight"]
+    assert spread == 0.0, f"{name}: the two stages' copies of tok_emb.weight differ (projection by {spread:.3g})"
+
+
+@pytest.mark.parametrize("name", ["save", "resume-pp2", "resume-tp2-zero0", "resume-cp2-ulysses", "resume-3d-zero2",
+                                  "resume-1"])
 def test_checkpoint_resumes_at_another_layout(runs, reference, name):
     first = 1 if name == "save" else 6
     ref = reference["llama"]

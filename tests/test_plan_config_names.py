@@ -48,7 +48,7 @@ def test_every_alias_names_a_config_key_and_says_so_in_its_help():
     helps = {s: a.help for a in sub._actions for s in a.option_strings}
     for flag, key in ALIASES.items():
         assert f"--{key}" in helps[flag], (flag, helps[flag])
-    assert "no config key" in helps["--cp"]
+    assert "parallel.cp" in helps["--cp"]
     # plan(layout={...}) takes the aliases' short names and Layout's field names for the same keys
     assert LAYOUT_NAMES["ac"] == LAYOUT_NAMES["activation_checkpointing"] == "memory.activation_checkpointing"
     assert LAYOUT_NAMES["schedule"] == "parallel.pp_schedule" and LAYOUT_NAMES["virtual"] == "parallel.pp_virtual_stages"

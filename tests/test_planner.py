@@ -148,6 +148,22 @@ def test_memory_falls_with_each_technique():
     assert total(zero=3, micro_batch=1, offload=True).optimizer == 0
 
 
+
+def test_context_parallel_on_scaletrain_engine_splits_activations_not_states():
+    kw = dict(hardware="H100-SXM", nodes=1, gpus_per_node=8, seq_len=32768, global_batch=8)
+    one = plan("llama-8b", layout={"zero": 3, "micro_batch": 1}, **kw)["layouts"][0]
+    cp = plan("llama-8b", layout={"zero": 3, "micro_batch": 1, "cp": 4}, **kw)["layouts"][0]
+    assert cp.layout.cp == 4 and cp.layout.dp_shard == 2
+    # scaletrain shards the states over dp_shard alone (2 ranks instead of 8): 4x the states...
+    assert cp.memory.params == pytest.approx(4 * one.memory.params, rel=0.01)
+    # ...and a quarter of the tokens' activations, plus the other ranks' keys and values
+    assert 0.25 * one.memory.activations < cp.memory.activations < 0.4 * one.memory.activations
+    # the search tries cp for long sequences
+    wl = Workload(seq_len=32768, global_batch=8)
+    cps = {lay.cp for lay in enumerate_layouts(load_model("llama-8b").cfg, wl, Cluster(lookup("H100-SXM"), 1, 8))}
+    assert cps == {1, 2, 4, 8}
+
+
 # --- inputs ---------------------------------------------------------------------------------
 
 def test_hugging_face_configs(tmp_path):

@@ -146,7 +146,7 @@ def _launch(args: argparse.Namespace, cfg, note: str | None = None) -> int:
     if cfg.train.compile:  # every rank would fail the same way: say it once, here
         _check_compiler(cfg.train.device, args.nproc)
     cfg, layout = resolve(cfg, world, device, gpus_per_node=args.nproc, note=_note)
-    layout.check(cfg.model)
+    layout.check(cfg.model, seq_len=cfg.data.seq_len)
     _check_resume_sync(cfg, layout)
     if not cfg.log.run_dir:  # every rank (and node) must write to the same folder
         cfg = cfg.replace(**{"log.run_dir": default_run_dir()})
@@ -629,9 +629,8 @@ def build_parser() -> argparse.ArgumentParser:
     alias("--virtual", type=_at_least_1("pp_virtual_stages"), metavar="N")
     alias("--offload", action="store_const", const=True, help="sets it to true")
     p.add_argument("--cp", type=_at_least_1("cp"), metavar="N",
-                   help="context parallel: ranks that split every sequence (ring attention). The planner's own flag, "
-                        "with no config key: scaletrain's trainer has no context parallelism; plan it with "
-                        "--engine megatron")
+                   help="context parallel: ranks that split every sequence (the config's parallel.cp; the "
+                        "planner models the K/V of the whole sequence kept on every rank, as ring and allgather do)")
     p.add_argument("--top", type=int, help="layouts to show (default 10); with --measure, the K best predicted "
                                            "are run and re-ranked by their measured step time")
     p.add_argument("--json", action="store_true", help="print JSON (schema in docs/planner.md)")

@@ -19,8 +19,8 @@ from typing import Any, Iterable, Mapping, Sequence
 from scaletrain.errors import ConfigError, DataError
 from scaletrain.model.config import MODEL_SHAPE, ModelConfig, check_model
 from scaletrain.options import build_section, option
-from scaletrain.vocab import (AC_MODES, DP_SYNC_MODES, OPTIMIZERS, OUTER_OPTIMIZERS, PP_SCHEDULES, PRECISIONS,
-                              SYNC_DTYPES, did_you_mean)
+from scaletrain.vocab import (AC_MODES, CP_METHODS, DP_SYNC_MODES, OPTIMIZERS, OUTER_OPTIMIZERS, PP_SCHEDULES,
+                              PRECISIONS, SYNC_DTYPES, did_you_mean)
 
 # --------------------------------------------------------------------------------------------
 # Declaring options
@@ -115,6 +115,10 @@ class ParallelConfig:
     tp: int = option(1, "tensor-parallel ranks: attention split by heads, MLP and vocabulary split", min=1)
     sp: bool = option(False, "sequence parallel: norms and residuals on sequence shards between the tp regions")
     pp: int = option(1, "pipeline-parallel ranks (stages of layers)", min=1)
+    cp: int = option(1, "context-parallel ranks: each holds 1/cp of every sequence (long sequences)", min=1)
+    cp_method: str = option("ring", "context parallel attention: ring (K/V blocks passed around the cp ranks), "
+                                    "allgather (K/V gathered once per layer) or ulysses (sequence shards swapped "
+                                    "for head shards)", choices=CP_METHODS)
     pp_schedule: str = option("1f1b", "pipeline schedule", choices=PP_SCHEDULES)
     pp_microbatches: int = option(0, "micro-batches per step in the pipeline; 0 = train.grad_accum (they are "
                                      "the same count under pipelining)", min=0)

@@ -1,7 +1,7 @@
 """The layout of a run, resolved once: how many ranks take part in each kind of parallelism,
 how each step's batch is cut, and the rules that follow from those numbers.
 
-    world = pp × dp_replicate × dp_shard × tp            (× cp, for the planner's other engines)
+    world = pp × dp_replicate × dp_shard × cp × tp
     global_batch = micro_batch × grad_accum × dp          (dp = dp_replicate × dp_shard)
 
 A `Layout`'s fields are the config keys of the same names ([parallel], train.micro_batch and
@@ -21,9 +21,11 @@ Derived here, nowhere else:
                    workers (dp_replicate groups) sync every sync_every steps (dp_sync = local_sgd,
                    diloco), the dp_shard ranks of one worker
 
-Mesh axes, outermost first: pp, dp_replicate, dp_shard, tp. Tensor parallelism is innermost
-so its ranks are neighbours (one node, the fastest links); pipeline stages are outermost
-because they exchange the least.
+Mesh axes, outermost first: pp, dp_replicate, dp_shard, cp, tp. Tensor parallelism is innermost
+so its ranks are neighbours (one node, the fastest links); context parallelism next (it passes
+keys and values every layer); pipeline stages are outermost because they exchange the least.
+Context-parallel ranks read the same batch (each its own chunks of every sequence) and hold the
+same weights: their gradients are summed, and the data-parallel engines shard over dp_shard only.
 
 This module imports no torch at load time: the planner enumerates thousands of layouts.
 """
@@ -34,8 +36,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from scaletrain.errors import ConfigError
-from scaletrain.vocab import is_multi_chunk
-MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+from scaletrain.vocab import CP_METHODS, is_multi_chunk, unknown
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PIPELINE_ONLY = ("parallel.pp_virtual_stages, pp_split and pp_microbatches describe pipeline stages; "
                  "they need parallel.pp > 1")
 
@@ -50,7 +52,8 @@ class Layout:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
-    cp: int = 1  # context parallel (each rank 1/cp of every sequence): planned for other engines only
+    cp: int = 1  # context parallel: each rank holds 1/cp of every sequence
+    cp_method: str = "ring"  # ring, allgather or ulysses (scaletrain.parallel.context_parallel)
     zero: int = 0
     sp: bool = False
     pp_schedule: str = "1f1b"
@@ -75,28 +78,30 @@ class Layout:
         batch triad derived or checked. Raises ConfigError when the numbers do not add up; the
         model-dependent checks are `check()`."""
         par, train = cfg.parallel, cfg.train
-        fixed = par.dp_replicate * par.tp * par.pp
+        fixed = par.dp_replicate * par.tp * par.pp * par.cp
+        cp_name, cp_size = (" × cp", f" × {par.cp}") if par.cp > 1 else ("", "")
         if par.dp_shard == 0:
             raise ConfigError("parallel.dp_shard=0 is not a size; use -1 for all remaining ranks or a positive number")
         if par.dp_shard == -1:
             if world_size % fixed:
                 raise ConfigError(
-                    f"the layout needs a multiple of dp_replicate × tp × pp = {par.dp_replicate} × {par.tp} × "
-                    f"{par.pp} = {fixed} ranks, but the world has {world_size}; change the layout or the "
-                    f"number of processes (--nproc)")
+                    f"the layout needs a multiple of dp_replicate × tp × pp{cp_name} = {par.dp_replicate} × "
+                    f"{par.tp} × {par.pp}{cp_size} = {fixed} ranks, but the world has {world_size}; change the layout "
+                    f"or the number of processes (--nproc)")
             dp_shard = world_size // fixed
         else:
             dp_shard = par.dp_shard
             if fixed * dp_shard != world_size:
                 raise ConfigError(
-                    f"the layout pp × dp_replicate × dp_shard × tp = {par.pp} × {par.dp_replicate} × {dp_shard} × "
-                    f"{par.tp} = {fixed * dp_shard} ranks, but the world has {world_size}; set parallel.dp_shard=-1 "
-                    f"to use the remaining ranks, or launch {fixed * dp_shard} processes")
+                    f"the layout pp × dp_replicate × dp_shard{cp_name} × tp = {par.pp} × {par.dp_replicate} × "
+                    f"{dp_shard}{cp_size} × {par.tp} = {fixed * dp_shard} ranks, but the world has {world_size}; "
+                    f"set parallel.dp_shard=-1 to use the remaining ranks, or launch {fixed * dp_shard} processes")
         if par.pp == 1 and par.pp_microbatches:
             raise ConfigError(PIPELINE_ONLY)
         micro, accum = resolve_batch(train.global_batch, train.micro_batch, train.grad_accum,
                                      par.dp_replicate * dp_shard, par.pp_microbatches)
-        return cls(dp_replicate=par.dp_replicate, dp_shard=dp_shard, tp=par.tp, pp=par.pp, zero=par.zero, sp=par.sp,
+        return cls(dp_replicate=par.dp_replicate, dp_shard=dp_shard, tp=par.tp, pp=par.pp, cp=par.cp,
+                   cp_method=par.cp_method, zero=par.zero, sp=par.sp,
                    pp_schedule=par.pp_schedule, pp_virtual_stages=par.pp_virtual_stages, pp_split=par.pp_split,
                    micro_batch=micro, grad_accum=accum,
                    activation_checkpointing=cfg.memory.activation_checkpointing,
@@ -162,11 +167,14 @@ class Layout:
 
     # ---- checks -------------------------------------------------------------------------------
 
-    def errors(self, model=None, *, engine: str = "scaletrain") -> list[str]:
+    def errors(self, model=None, *, engine: str = "scaletrain", seq_len: int | None = None) -> list[str]:
         """Everything wrong with training `model` (a ModelConfig, or None for the layout alone)
-        in this layout, one sentence each; [] when it can train."""
+        in this layout on sequences of `seq_len` tokens (None: not known), one sentence each; []
+        when it can train."""
         e = []
-        if self.zero >= 1 and self.shard_ranks == 1:
+        # scaletrain's engines shard over the dp_shard ranks alone (cp ranks hold copies)
+        shard = self.shard_ranks if engine != "scaletrain" else self.dp_shard if self.step_dp > 1 else 1
+        if self.zero >= 1 and shard == 1:
             e.append(f"parallel.zero={self.zero} shards model states over the dp_shard ranks, but there is only 1 "
                      f"({self.describe_ranks()}); use parallel.zero=0, or more data-parallel ranks")
         if self.sp and self.tp == 1:
@@ -181,16 +189,16 @@ class Layout:
         if self.batch_rampup:
             e += self._rampup_errors()
         if self.cp > 1 and engine == "scaletrain":
-            e.append(f"context parallelism (cp {self.cp}) is planned for other engines (--engine megatron); "
-                     "scaletrain's trainer has none")
+            e += self._cp_errors(model, seq_len)
         if self.pp > 1:
             e += self._schedule_errors(model.n_layers if model is not None else None)
         elif self.pp_virtual_stages != 1 or self.pp_split:
             e.append(PIPELINE_ONLY)
         if model is not None:
-            if self.pp > 1 and model.tie_embeddings:
-                e.append("model.tie_embeddings=true shares one weight between the first and the last pipeline "
-                         "stage; set model.tie_embeddings=false to train with parallel.pp > 1")
+            if self.pp > 1 and model.tie_embeddings and self.pp_schedule == "zero-bubble":
+                e.append("model.tie_embeddings=true keeps the shared weight on the first and the last pipeline "
+                         "stage, which the zero-bubble V puts on one rank; use another pp_schedule, or set "
+                         "model.tie_embeddings=false")
             if self.tp > 1:
                 e += tp_errors(model, self.tp)
             if self.local_sync and self.sync_fragments > model.n_layers:
@@ -198,12 +206,37 @@ class Layout:
                          f"but model.n_layers={model.n_layers}; use at most {model.n_layers} fragments")
         return e
 
-    def check(self, model=None, *, engine: str = "scaletrain") -> "Layout":
+    def check(self, model=None, *, engine: str = "scaletrain", seq_len: int | None = None) -> "Layout":
         """Raise one ConfigError listing every problem of `errors()`; returns self."""
-        problems = self.errors(model, engine=engine)
+        problems = self.errors(model, engine=engine, seq_len=seq_len)
         if problems:
             raise ConfigError(*problems)
         return self
+
+    def _cp_errors(self, model, seq_len: int | None) -> list[str]:
+        """Why this layout's context parallelism cannot train `model` on `seq_len` tokens."""
+        e, cp, method = [], self.cp, self.cp_method
+        if method not in CP_METHODS:
+            return [str(unknown("parallel.cp_method", method, CP_METHODS))]
+        if seq_len is not None:
+            # every method uses the load-balanced causal split: rank i holds chunks i and 2cp-1-i
+            if seq_len < 2 * cp:
+                e.append(f"parallel.cp={cp} splits each sequence into 2 × cp = {2 * cp} chunks, but data.seq_len="
+                         f"{seq_len} has fewer tokens; lower parallel.cp to at most {max(seq_len // 2, 1)}")
+            elif seq_len % (2 * cp):
+                e.append(f"parallel.cp={cp} splits each sequence into 2 × cp = {2 * cp} equal chunks (rank i holds "
+                         f"chunks i and {2 * cp - 1}-i, to balance causal attention), but data.seq_len={seq_len} is "
+                         f"not a multiple of {2 * cp}; use a seq_len that is")
+        if model is not None:
+            heads = model.n_heads // self.tp if model.n_heads % self.tp == 0 else None
+            if method == "ulysses" and heads is not None and heads % cp:
+                e.append(f"parallel.cp_method=ulysses swaps sequence shards for head shards: the {heads} attention "
+                         f"heads of each tensor-parallel rank (model.n_heads={model.n_heads} / tp {self.tp}) must "
+                         f"divide by parallel.cp={cp}; use cp_method=ring or allgather, or a cp that divides {heads}")
+            if model.dropout > 0:
+                e.append(f"model.dropout={model.dropout:g}: attention dropout is not supported under context "
+                         "parallelism (parallel.cp > 1); set model.dropout=0")
+        return e
 
     def _rampup_errors(self) -> list[str]:
         try:
@@ -270,7 +303,7 @@ class Layout:
     def describe_ranks(self) -> str:
         cp = f" × cp {self.cp}" if self.cp > 1 else ""
         return (f"{self.world} rank(s) = pp {self.pp} × dp_replicate {self.dp_replicate} × "
-                f"dp_shard {self.dp_shard} × tp {self.tp}{cp}")
+                f"dp_shard {self.dp_shard}{cp} × tp {self.tp}")
 
     def explain(self) -> str:
         """The layout in one line of words: ranks per axis, what runs on them, the batch."""
@@ -284,6 +317,8 @@ class Layout:
             parts.append(f"data parallel {zero}{within}{hsdp}")
         if self.tp > 1:
             parts.append(f"tensor parallel{' + sequence parallel' if self.sp else ''}")
+        if self.cp > 1:
+            parts.append(f"context parallel {self.cp_method}")
         if self.pp > 1:
             virtual = f" × {self.pp_virtual_stages} virtual" if self.pp_virtual_stages > 1 else ""
             parts.append(f"pipeline {self.pp_schedule}{virtual}")
@@ -303,7 +338,7 @@ class Layout:
         if self.tp > 1:
             parts.append(f"tp {self.tp}{'+sp' if self.sp else ''}")
         if self.cp > 1:
-            parts.append(f"cp {self.cp}")
+            parts.append(f"cp {self.cp}" + (f" {self.cp_method}" if self.cp_method != "ring" else ""))
         if self.pp > 1:
             v = f" v{self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else ""
             parts.append(f"pp {self.pp} {self.pp_schedule}{v}")
@@ -331,8 +366,6 @@ class Layout:
 
     def config_overrides(self) -> dict[str, Any]:
         """The same layout as `--section.key=value` options of `scaletrain train`."""
-        if self.cp > 1:
-            raise ValueError("scaletrain's trainer has no context parallelism; this layout is for other engines")
         out = {"parallel.dp_replicate": self.dp_replicate, "parallel.dp_shard": self.dp_shard,
                "parallel.tp": self.tp, "parallel.pp": self.pp, "parallel.zero": self.zero, "parallel.sp": self.sp,
                "train.micro_batch": self.micro_batch, "train.grad_accum": self.grad_accum,
@@ -340,6 +373,8 @@ class Layout:
                "memory.offload_optimizer": self.offload_optimizer, "parallel.dp_sync": self.dp_sync,
                "parallel.sync_every": self.sync_every, "parallel.sync_fragments": self.sync_fragments,
                "parallel.sync_delay": self.sync_delay, "parallel.sync_dtype": self.sync_dtype}
+        if self.cp > 1:
+            out.update({"parallel.cp": self.cp, "parallel.cp_method": self.cp_method})
         if self.pp > 1:
             out.update({"parallel.pp_schedule": self.pp_schedule, "parallel.pp_virtual_stages": self.pp_virtual_stages})
             if self.pp_split:
@@ -355,10 +390,10 @@ class Layout:
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     def build_mesh(self, device_type: str):
-        """The 4-D device mesh (every axis present, size 1 or more) and the flattened `dp` mesh."""
+        """The 5-D device mesh (every axis present, size 1 or more) and the flattened `dp` mesh."""
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_AXES)
@@ -491,9 +526,13 @@ def tp_errors(model, tp: int) -> list[str]:
     if model.n_heads % tp:
         e.append(f"parallel.tp={tp} must divide model.n_heads={model.n_heads}: each rank owns whole heads; "
                  f"use tp in {[d for d in range(1, model.n_heads + 1) if model.n_heads % d == 0]}")
-    elif model.kv_heads % tp:  # (kv_heads divides n_heads: when tp misses n_heads it misses kv_heads too)
-        e.append(f"parallel.tp={tp} must divide the key/value heads ({model.kv_heads}): each rank owns "
-                 f"whole heads; use tp in {[d for d in range(1, model.kv_heads + 1) if model.kv_heads % d == 0]}")
+    elif model.kv_heads % tp and tp % model.kv_heads:
+        # (kv_heads divides n_heads: when tp misses n_heads it misses kv_heads too). Fewer K/V heads
+        # than tp: each is replicated on the tp / kv_heads ranks whose query heads read it
+        kv = model.kv_heads
+        fit = [d for d in range(1, model.n_heads + 1) if model.n_heads % d == 0 and (kv % d == 0 or d % kv == 0)]
+        e.append(f"parallel.tp={tp} must divide the key/value heads ({kv}), or be a multiple of them (each K/V "
+                 f"head then replicated on tp / {kv} ranks): use tp in {fit}")
     if model.vocab_size % tp:
         e.append(f"parallel.tp={tp} must divide model.vocab_size={model.vocab_size} (the vocabulary is split); "
                  "pad the vocabulary to a multiple of tp")

@@ -315,7 +315,7 @@ def activation_bytes(trainer, batches) -> int | None:
 
     if trainer.pipeline is not None:
         return None
-    inputs, targets = (x.to(trainer.device) for x in next(batches))
+    inputs, targets = (x.to(trainer.device) for x in trainer.cp_shard(next(batches)))
 
     def forward():
         with trainer.precision.autocast():

@@ -126,7 +126,7 @@ def layout_world(par: ParallelConfig, nproc: int | None) -> int:
     if par.dp_shard == -1 and par.zero >= 1:
         raise ConfigError(f"parallel.zero={par.zero} shards over the dp_shard ranks, and parallel.dp_shard=-1 means "
                           "'all remaining ranks': say how many with --nproc N or parallel.dp_shard=N")
-    return par.pp * par.dp_replicate * par.tp * max(par.dp_shard, 1)
+    return par.pp * par.dp_replicate * par.tp * par.cp * max(par.dp_shard, 1)
 
 
 def isolated(cfg: JobConfig, run_dir: Path, steps: int) -> JobConfig:
@@ -359,7 +359,7 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
     world = layout_world(cfg.parallel, nproc)
     device = pick_device(cfg.train.device, 0, world)  # refuses a CUDA layout with too few GPUs
     cfg, layout = resolve(cfg, world, device)
-    layout.check(cfg.model)
+    layout.check(cfg.model, seq_len=cfg.data.seq_len)
     if world == 1:
         raise ConfigError("the layout is one process, which is what verify compares against; give a parallel "
                           "layout (--parallel.tp=2, --parallel.pp=2, ...) or --nproc N for data parallelism")

@@ -23,6 +23,10 @@ AC_MODES = ("none", "full", "selective")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 MULTI_CHUNK_SCHEDULES = ("interleaved-1f1b", "zero-bubble")
 
+# context parallelism: how the ranks of one sequence see each other's keys and values: passed
+# around a ring (merged by log-sum-exp), gathered once per layer, or swapped for heads (Ulysses)
+CP_METHODS = ("ring", "allgather", "ulysses")
+
 ZERO_STAGES = (0, 1, 2, 3)  # 0 = DDP; 1 shards optimizer state, 2 + gradients, 3 + parameters (FSDP)
 
 # the data-parallel engine a layout runs (scaletrain.layout.Layout.dp_engine): none (one dp

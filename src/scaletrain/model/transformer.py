@@ -119,10 +119,17 @@ class Attention(nn.Module):
                 causal = False
                 if T > 1:
                     mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-        y = F.scaled_dot_product_attention(
+        y = self.attend(q, k, v, mask, causal)  # (B, heads, T, head_dim)
+        return self.wo(y.transpose(1, 2).flatten(2))  # (B, T, dim)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               causal: bool) -> torch.Tensor:
+        """softmax(q kᵀ / √head_dim) v, k and v with as many or fewer (grouped) heads than q. The
+        one step a transformation may replace on an instance (context parallelism brings the keys
+        of other ranks here), so it stays a method of its own."""
+        return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=q.shape[1] != k.shape[1])
-        return self.wo(y.transpose(1, 2).flatten(2))  # (B, T, dim)
 
 
 class MLP(nn.Module):
@@ -215,10 +222,13 @@ class Transformer(nn.Module):
             # (config loading refuses data.seq_len past the window; this guards other callers)
             raise ValueError(f"{tokens.shape[1]} tokens exceed the model's sliding window of "
                              f"{self.cfg.sliding_window}, and this model attends to the whole sequence")
-        h = self.tok_emb(tokens) if self.tok_emb is not None else tokens  # (B, T, dim)
-        if self.pos_emb is not None and self.tok_emb is not None:
+        # token ids are embedded; hidden states (a later pipeline stage's input) go on as they are. A
+        # last stage of a tied model holds the embedding too, for its weight (the head's) alone
+        embed = self.tok_emb is not None and not tokens.is_floating_point()
+        h = self.tok_emb(tokens) if embed else tokens  # (B, T, dim)
+        if self.pos_emb is not None and embed:
             h = h + self.pos_emb(torch.arange(past, past + h.shape[1], device=h.device))
-        if self.tok_emb is not None:
+        if embed:
             h = self.drop(h)
         rope = (self.rope_cos[past:], self.rope_sin[past:]) if self.cfg.position == "rope" else None
         for name, block in self.layers.items():

@@ -284,11 +284,13 @@ def global_grad_norm(params: list[torch.Tensor], pp_group: dist.ProcessGroup | N
 
 
 @torch.no_grad()
-def clip_gradients(params: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None
-                   ) -> torch.Tensor:
+def clip_gradients(params: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None,
+                   copies: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
     """Scale all gradients so that their global norm is at most `max_norm` (0: only measure).
-    A non-finite norm leaves the gradients as they are, so the caller can find the culprit."""
-    norm = global_grad_norm(params, pp_group)
+    A non-finite norm leaves the gradients as they are, so the caller can find the culprit.
+    `copies`: parameters of `params` that another pipeline stage holds too (a tied embedding on
+    the last stage): scaled, but counted in the norm once, there."""
+    norm = global_grad_norm([p for p in params if not any(p is c for c in copies)], pp_group)
     if max_norm:
         coef = torch.where(torch.isfinite(norm), (max_norm / (norm + 1e-6)).clamp(max=1.0), 1.0)
         for p in params:

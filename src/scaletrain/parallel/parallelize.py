@@ -1,7 +1,8 @@
 """The one place where the techniques that transform the model are composed, in a fixed order:
 
     pipeline split -> tensor/sequence parallel -> activation checkpointing -> compile
-        -> data parallel -> materialize weights
+        -> data parallel -> materialize weights -> context parallel attention (its positions
+        are cut from the materialized rotary tables)
 
 The model arrives plain, on the meta device; it leaves as this rank's chunks (one, or its
 pipeline stages), materialized and initialized from (seed, parameter name) or loaded from given
@@ -20,6 +21,7 @@ from scaletrain.config import JobConfig
 from scaletrain.errors import ConfigError, LaunchError
 from scaletrain.memory import apply_activation_checkpointing, block_items
 from scaletrain.parallel import pipeline
+from scaletrain.parallel.context_parallel import apply_context_parallel
 from scaletrain.parallel.data_parallel import (DataParallel, DDPDataParallel, FSDPDataParallel,
                                                ReplicateDataParallel, ZeroDataParallelStrategy, apply_fsdp,
                                                apply_replicate)
@@ -124,6 +126,10 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
                     local = p.to_local() if hasattr(p, "to_local") else p
                     local.copy_(local.to(precision.param_dtype))
         chunk.train()
+        # context parallel: attention over the cp ranks, positions those of this rank's chunks
+        # (after materializing: it cuts the rotary tables to this rank's rows)
+        if lay.cp > 1:
+            apply_context_parallel(chunk, rt.axis("cp"), lay.cp_method, cfg.data.seq_len)
 
     # 7. data parallel engines that wrap materialized weights
     dp = _engine(chunks, cfg, rt, precision)
@@ -193,6 +199,10 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
     HSDP), every precision, activation checkpointing and compile, block by block. Tensor and
     pipeline parallelism need to know how to split the model: they are refused."""
     lay = rt.layout
+    if lay.cp > 1:
+        raise ConfigError(f"parallel.cp={lay.cp}: context parallelism splits the attention of models scaletrain "
+                          f"builds (its own transformer, or one taken with model.from_hf); a custom nn.Module's "
+                          f"attention is its own: set parallel.cp=1")
     if lay.tp > 1 or lay.pp > 1:
         raise ConfigError(f"parallel.tp={lay.tp}, parallel.pp={lay.pp}: tensor and pipeline parallelism split "
                           "models scaletrain knows (its own transformer, or one taken with model.from_hf and "

@@ -74,7 +74,10 @@ def split_model(model: nn.Module, stages: list[int], ranges: list[range]) -> lis
             if name not in keep:
                 del chunk.layers[name]
         if s != 0:
-            chunk.tok_emb = None
+            # tied embeddings (Megatron's way): the last stage keeps the embedding's weight, its
+            # head; the two copies' gradients are summed every step (`tied_weight_group`)
+            if not (s == last and model.cfg.tie_embeddings):
+                chunk.tok_emb = None
             chunk.pos_emb = None
         if s != last:
             chunk.norm = None
@@ -147,3 +150,22 @@ def eval_loss_sum(pm, schedule, parts, *, device: torch.device, loss_factor: flo
     for loss in losses:  # the schedule's loss function carries the training scale: take it off
         total += _plain(loss).double() / loss_factor
     return total
+
+
+def tied_weight_group(mesh):
+    """The 2-rank group of this rank's first and last pipeline stage (the same tp, cp and dp
+    coordinates), over which a tied embedding's gradients are summed; None on a middle stage.
+    Every rank calls it (group creation is collective)."""
+    import torch.distributed as dist
+
+    pp_mesh = mesh["pp"]
+    if pp_mesh.size() == 2:
+        return pp_mesh.get_group()
+    ranks = mesh.mesh.reshape(pp_mesh.size(), -1)  # (pp, every other coordinate)
+    mine = None
+    for line in range(ranks.shape[1]):
+        ends = [int(ranks[0, line]), int(ranks[-1, line])]
+        group = dist.new_group(ends)
+        if dist.get_rank() in ends:
+            mine = group
+    return mine

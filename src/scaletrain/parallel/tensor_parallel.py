@@ -6,7 +6,10 @@ forward and one in backward per sub-layer:
 
     attention   wq, wk, wv column-parallel (each rank owns n_heads/tp query heads and
                 n_kv_heads/tp key/value heads; their biases split alike; q/k norms, one
-                weight per head width, replicated) -> local attention -> wo row-parallel
+                weight per head width, replicated) -> local attention -> wo row-parallel.
+                Fewer K/V heads than tp ranks (grouped-query attention, Megatron's way): wk
+                and wv are replicated, each rank computes the one K/V head its query heads
+                read, and the copies' gradients are summed over tp (`replicated_kv_names`)
     MLP         w1 (and w3) column-parallel -> activation -> w2 row-parallel
     embedding   rows (vocabulary) split; output head columns (vocabulary) split, and the loss is
                 computed on the vocabulary shards (`loss_parallel`): the full logits never exist
@@ -23,8 +26,10 @@ bytes, and the activations outside the matmuls shrink by tp as well.
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
@@ -51,11 +56,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool,
         if model.cfg.tie_embeddings and model.tok_emb is not None:
             model.output.weight = model.tok_emb.weight  # both are vocabulary rows: Shard(0)
 
+    cfg = model.cfg
+    replicated_kv = cfg.kv_heads < tp_mesh.size()
     for name, block in model.layers.items():
+        kv_plan = {} if replicated_kv else {"attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel()}
         plan = {
             "attn.wq": ColwiseParallel(),
-            "attn.wk": ColwiseParallel(),
-            "attn.wv": ColwiseParallel(),
+            **kv_plan,
             "attn.wo": RowwiseParallel(output_layouts=between),
             "mlp.w1": ColwiseParallel(),
             "mlp.w2": RowwiseParallel(output_layouts=between),
@@ -76,7 +83,55 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool,
                 "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             })
         parallelize_module(block, tp_mesh, plan)
+        if replicated_kv:
+            _select_kv_head(block.attn, tp_mesh, cfg.kv_heads, cfg.head_size)
         if sequence_parallel and name == first_block:
             # the residual stream enters the first block replicated and leaves it in sequence shards
             parallelize_module(block, tp_mesh, PrepareModuleInput(
                 input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None), use_local_output=True))
+
+
+# --------------------------------------------------------------------------------------------
+# Fewer K/V heads than tensor-parallel ranks
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group (each rank's computation
+    from the replicated input contributed only its part)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _select_kv_head(attn: nn.Module, tp_mesh, kv_heads: int, head_dim: int) -> None:
+    """wk and wv stay whole on every rank; each rank keeps the K/V head of its query heads (rank
+    r of tp owns query heads r·H/tp ..., which read K/V head r·kv_heads/tp)."""
+    group, tp = tp_mesh.get_group(), tp_mesh.size()
+    head = tp_mesh.get_local_rank() * kv_heads // tp
+    cols = slice(head * head_dim, (head + 1) * head_dim)
+
+    def replicated_input(module, args):
+        x = args[0]
+        if isinstance(x, DTensor):  # sequence parallel: the gathered input, its gradient a partial sum here
+            return (x.to_local(grad_placements=[Partial()]),) + args[1:]
+        return (_CopyToRegion.apply(x, group),) + args[1:]
+
+    for linear in (attn.wk, attn.wv):
+        linear.register_forward_pre_hook(replicated_input)
+        linear.register_forward_hook(lambda module, args, out: out[..., cols])
+
+
+def replicated_kv_names(model_cfg, tp: int) -> tuple[str, ...]:
+    """Name endings of the parameters every tp rank holds whole and uses in part (wk, wv when
+    K/V heads are fewer than tp): their gradients are summed over tp each step."""
+    if tp == 1 or model_cfg.kv_heads >= tp:
+        return ()
+    return ("attn.wk.weight", "attn.wk.bias", "attn.wv.weight", "attn.wv.bias")

@@ -56,10 +56,6 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
     wl = Workload(seq_len=seq_len, global_batch=global_batch, precision=precision, optimizer=optimizer,
                   attention=attention, engine=engine, compile=compile, fp8=fp8)
     gpu = hw.name != "CPU" if gpu is None else gpu
-    cp = (layout.cp if isinstance(layout, Layout) else layout.get("cp", 1)) if layout is not None else 1
-    if cp > 1 and engine == "scaletrain":  # one clear line, before any other check of the layout
-        raise ConfigError(f"cp {cp}: scaletrain's trainer has no context parallelism; plan a cp layout "
-                          "for an engine that has it (--engine megatron)")
     if fp8 and "fp8" not in hw.peak_tflops:
         raise ConfigError(f"--fp8: hardware {hw.name} has no fp8 peak in the catalog; plan without fp8")
     result = {"model_name": src.name, "cfg": src.cfg, "workload": wl, "cluster": cluster, "stats": None}
@@ -128,11 +124,9 @@ def _keeping(given: dict, fixed: Layout, cfg, wl: Workload, cluster: Cluster, gp
         return f"No other layout keeps {keys}."
     best = ranked[0]
     if best.fits:
-        options = ""
-        if best.layout.cp == 1:  # the options that train it (a cp layout is for other engines)
-            now = fixed.config_overrides() if fixed.cp == 1 else {}
-            options = ": " + " ".join(f"--{k}={_text(v)}" for k, v in best.layout.config_overrides().items()
-                                      if now.get(k) != v)
+        now = fixed.config_overrides()  # the options that train it
+        options = ": " + " ".join(f"--{k}={_text(v)}" for k, v in best.layout.config_overrides().items()
+                                  if now.get(k) != v)
         return (f"Keeping {keys}, {best.layout.describe()} fits ({best.memory.total / GiB:.1f} GiB per GPU, "
                 f"{best.time.tokens_per_s:,.0f} tokens/s), the fastest of {len(ranked):,} that keep them{options}")
     return (f"No layout that keeps {keys} fits: the leanest of {len(ranked):,} ({best.layout.describe()}) "

@@ -298,7 +298,9 @@ def _scaletrain_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp:
     ffn = (2 if cfg.activation == "gelu" else 4) * b * s * f / tp * d.compute
     # nn.Dropout keeps a bool mask of each residual branch's output
     masks = 2 * b * s_loc * h if cfg.dropout > 0 else 0.0
-    return x + x2 + linear_in + norm_extra + qkv + attn_out + lse + ffn + masks
+    # context parallelism: the other cp ranks' keys and values, kept for backward (ring, allgather)
+    others_kv = b * (wl.seq_len - s) * 2 * kv / tp * d.compute if cp > 1 else 0.0
+    return x + x2 + linear_in + norm_extra + qkv + attn_out + lse + ffn + masks + others_kv
 
 
 def head_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp: int = 1) -> float:
@@ -523,9 +525,10 @@ class Sharding:
 
 
 def sharding(wl: Workload, layout: Layout) -> Sharding:
-    # ZeRO shards over the data-parallel shard ranks and the context-parallel ranks, which hold
-    # the same weights (Megatron's distributed optimizer, torchtitan's FSDP over dp × cp)
-    n = (layout.dp_shard if layout.step_dp > 1 else 1) * layout.cp
+    # ZeRO shards over the data-parallel shard ranks and, in the other engines, the context-parallel
+    # ranks, which hold the same weights (Megatron's distributed optimizer, torchtitan's FSDP over
+    # dp × cp); scaletrain's engines shard over dp_shard alone and sum the cp ranks' gradients
+    n = (layout.dp_shard if layout.step_dp > 1 else 1) * (layout.cp if wl.engine != "scaletrain" else 1)
     zero = layout.zero if n > 1 else 0
     # scaletrain's FSDP (zero 3) and FSDP-based replication (zero 0 with tp) keep fp32 weights
     # (the masters) and cast into compute-dtype buffers of their own

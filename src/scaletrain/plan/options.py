@@ -6,7 +6,7 @@ one config key. Every value is checked by the config's own validation. The layou
 (in the TOML, as `--section.key=value` or through an alias) fix the layout, and what is left
 out is derived as the config derives it (`scaletrain.layout.Layout.from_config`: dp_shard the
 remaining ranks, the batch triad from the global batch); with none given the planner searches.
-Context parallelism has no config key (the trainer has none): `cp` is the planner's own.
+`cp` (parallel.cp in the config) is taken by that short name only.
 
 From Python, `plan(layout={...})` takes the same config keys, Layout's field names, or the
 aliases' short names ("ac", "schedule", "virtual", "offload").

@@ -73,9 +73,8 @@ def enumerate_layouts(cfg: ModelConfig, wl: Workload, cluster: Cluster, *, max_m
                       offload: bool = True, sync: dict | None = None) -> Iterator[Layout]:
     """`sync`: Layout's dp_sync settings (local SGD or DiLoCo) to try as well wherever there are
     several dp_replicate groups (the workers)."""
-    # context parallelism (for engines that have it) when sequences are long enough to need it
-    cps = [c for c in _divisors(cluster.world) if c == 1 or (wl.engine != "scaletrain" and wl.seq_len >= 16384
-                                                            and wl.seq_len % (2 * c) == 0)]
+    # context parallelism when sequences are long enough to need it
+    cps = [c for c in _divisors(cluster.world) if c == 1 or (wl.seq_len >= 16384 and wl.seq_len % (2 * c) == 0)]
     for cp in cps:
         yield from _layouts(cfg, wl, cluster, cp, max_micro_batch, offload, sync)
 
@@ -97,7 +96,8 @@ def _layouts(cfg, wl, cluster, cp, max_micro_batch, offload, sync=None):
                 for zero in ZERO_STAGES:
                     if dp * cp == 1 and zero:
                         continue
-                    if zero >= 1 and dp_shard * cp == 1:
+                    # (scaletrain's engines shard over dp_shard alone; the others over dp_shard × cp)
+                    if zero >= 1 and dp_shard * (cp if wl.engine != "scaletrain" else 1) == 1:
                         continue
                     # zero 0 replicates everything: one flat data-parallel group, unless the
                     # dp_replicate groups are workers that sync every few steps

@@ -103,11 +103,11 @@ def validation_loss(t) -> dict[str, float]:
                 micro = rank_slices(global_batch, b.micro_batch, b.grad_accum, t.dp_rank, b.dp)
                 if t.pipeline is not None:
                     totals[i] += pipeline.eval_loss_sum(
-                        t.pm, t.pipeline, [v.dataset[indices] for indices in micro], device=t.device,
+                        t.pm, t.pipeline, [t.cp_shard(v.dataset[indices]) for indices in micro], device=t.device,
                         loss_factor=t._loss_factor(), autocast=t.precision.autocast, loss_context=t._loss_context)
                     continue
                 for indices in micro:
-                    inputs, targets = (x.to(t.device) for x in v.dataset[indices])
+                    inputs, targets = (x.to(t.device) for x in t.cp_shard(v.dataset[indices]))
                     with t._loss_context():
                         with t.precision.autocast():
                             logits = t.dp.module(inputs)  # the chunk itself: no DDP bookkeeping

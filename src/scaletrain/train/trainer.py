@@ -40,8 +40,11 @@ from scaletrain.model.loss import cross_entropy_sum
 from scaletrain.model.transformer import Transformer, count_params
 from scaletrain.optim import LRSchedule, build_optimizer, get_lr, peak_lr, set_lr
 from scaletrain.parallel import pipeline
+from scaletrain.parallel.context_parallel import reduce_gradients, shard_sequence
 from scaletrain.parallel.data_parallel import DataParallel, clip_gradients, model_state_bytes
+from scaletrain.parallel.init import canonical_name
 from scaletrain.parallel.parallelize import parallelize
+from scaletrain.parallel.tensor_parallel import replicated_kv_names
 from scaletrain.precision import MasterWeights, Precision
 from scaletrain.runtime import Runtime, single_process
 from scaletrain.train import checkpoint as ckpt
@@ -96,7 +99,8 @@ class Trainer:
         # the runtime's layout is cfg's (derived once, where the job began); a config that asks for
         # another stage or batch on the same group of ranks gets its own layout on the same mesh
         self.rt = rt = (runtime or single_process(cfg)).for_config(cfg)
-        rt.layout.check(cfg.model if model is None else None)  # a custom module: tp/pp refused later
+        # a custom module: tp, pp and cp refused later
+        rt.layout.check(cfg.model if model is None else None, seq_len=cfg.data.seq_len)
         self.rank, self.world_size, self.device = rt.rank, rt.world_size, rt.device
         self.run_dir = Path(cfg.log.run_dir or self._shared(default_run_dir()))
         if not cfg.log.run_dir:  # the folder it writes, in the config it saves (resuming reads it there)
@@ -149,6 +153,8 @@ class Trainer:
         """Data: order from (seed, step) alone; each data-parallel rank reads its slice."""
         cfg = self.cfg
         self.dp_rank = self.rt.axis("dp").get_local_rank() if self.rt.distributed else 0
+        # context-parallel ranks read the same batch, each its own chunks of every sequence
+        self.cp_rank = self.rt.axis("cp").get_local_rank() if self.layout.cp > 1 else 0
         if cfg.data.mix:  # several folders in proportion (scaletrain.data.mix)
             self.data = MixData(parse_mix(cfg.data.mix), cfg.data.verify_checksums)
         else:
@@ -185,6 +191,16 @@ class Trainer:
             self.pm.stages, self.layout.pp_schedule, self.layout.grad_accum,
             lambda logits, targets: self.loss_fn(logits, targets) * self._loss_factor()) if self.pm.stages else None
         self.tp = self.rt.layout.tp
+        self.tied = self._tied_weight()
+
+    def _tied_weight(self):
+        """A tied embedding under pipelining: (the group of the first and the last stage, whether
+        this rank's copy is the last stage's) or None. The two copies start equal (one name, one
+        initial value), get the sum of both stages' gradients, and so stay equal."""
+        if self.layout.pp == 1 or self._user_model is not None or not self.cfg.model.tie_embeddings:
+            return None
+        group = pipeline.tied_weight_group(self.rt.mesh)
+        return None if group is None else (group, not self.pm.first)  # None: a middle stage
 
     def _parallel_model(self, resume_from: Path | None):
         cfg = self.cfg
@@ -353,6 +369,8 @@ class Trainer:
         Under pipelining all of them go through the schedule at once; the last stage computes
         the losses, the others report zero (the metrics sum over stages)."""
         self.health.enter("forward/backward")
+        if self.layout.cp > 1:
+            batches = map(self.cp_shard, batches)
         if self.pipeline is not None:
             loss_sum, wait = pipeline.forward_backward(
                 self.pm, self.pipeline, batches, self.layout.grad_accum, device=self.device,
@@ -377,6 +395,12 @@ class Trainer:
         self.dp.finish_gradients()
         return loss_sum / self._loss_factor() / self.step_tokens(), wait
 
+    def cp_shard(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This context-parallel rank's tokens of a batch's (inputs, targets)."""
+        if self.layout.cp == 1:
+            return batch
+        return tuple(shard_sequence(t, self.layout.cp, self.cp_rank) for t in batch)
+
     def evaluate(self) -> dict[str, float]:
         """The mean token loss over the run's fixed validation windows (see train.evaluate):
         {"val_loss": ...}, and "val_loss/NAME" for each source of a data.mix."""
@@ -391,9 +415,22 @@ class Trainer:
         if self.master:
             self.master.grads_to_master()
         params = [p for _, p in self.optim_params]
+        if self.layout.cp > 1:  # the cp ranks' shares of the same batch: summed (the loss is over all tokens)
+            self.health.enter("the context-parallel gradient all-reduce")
+            reduce_gradients(params, self.rt.group("cp"))
+        if kv := replicated_kv_names(self.cfg.model, self.tp) if self._user_model is None else ():
+            self.health.enter("the replicated K/V projections' gradient all-reduce (tp)")
+            reduce_gradients([p for n, p in self.optim_params if n.endswith(kv)], self.rt.group("tp"))
+        copies = ()
+        if self.tied is not None:  # the embedding's and the head's gradients, summed on both stages
+            self.health.enter("the tied embedding's gradient all-reduce (first and last pipeline stage)")
+            # (its shards under ZeRO-1/2, its fp32 master under bf16-true: the same on both stages)
+            tied = [p for n, p in self.optim_params if canonical_name(n) == "tok_emb.weight"]
+            reduce_gradients(tied, self.tied[0])
+            copies = tuple(tied) if self.tied[1] else ()
         overflow = self.scaler.unscale_(params, times=self.layout.dp) if self.scaler else False
         grad_norm = clip_gradients(params, self.cfg.train.grad_clip,
-                                   self.rt.group("pp") if self.layout.pp > 1 else None)
+                                   self.rt.group("pp") if self.layout.pp > 1 else None, copies=copies)
         # the norm is global (reduced over every shard and stage): every rank decides alike
         skip = overflow or not math.isfinite(float(grad_norm))
         if self.outer is not None and self.rt.distributed:  # each worker has its own norm: skip together
@@ -535,6 +572,9 @@ class Trainer:
     def _print_sample(self) -> None:
         if self.pipeline is not None:
             self.metrics.info("sample: skipped, the model is split into pipeline stages "
+                              "(export the checkpoint and sample it whole)")
+        elif self.layout.cp > 1:
+            self.metrics.info("sample: skipped, the model's attention is split over the context-parallel ranks "
                               "(export the checkpoint and sample it whole)")
         elif self._user_model is not None:
             self.metrics.info("sample: skipped, the model is a custom module (its outputs need not be logits)")

@@ -1,0 +1,296 @@
+"""Context parallelism: every sequence is cut into 2 × cp chunks and cp rank i holds chunks i and
+2cp-1-i (its true positions: RoPE and learned positions follow them). Under causal attention a
+late chunk attends to many keys and an early one to few; pairing the two balances the work.
+
+Everything outside attention is per token and needs nothing. Attention needs every earlier key,
+and three methods bring them (parallel.cp_method):
+
+  ring       each rank's K/V block travels around the cp ranks (cp - 1 point-to-point shifts per
+             layer); each block's partial attention comes with its log-sum-exp, and the partial
+             results are merged exactly. Memory: two K/V blocks at a time.
+  allgather  the K/V of all cp ranks gathered once per layer (backward: their gradients
+             reduce-scattered back). Memory: the whole sequence's K/V on every rank.
+  ulysses    an all-to-all swaps sequence shards for head shards: each rank attends over the whole
+             sequence for heads/cp of the heads, and a second all-to-all swaps back. Needs the
+             heads (per tensor-parallel rank) divisible by cp; K/V heads fewer than cp are copied.
+
+Saves: activations per rank fall as 1/cp (the sequence dimension of every activation is cut;
+the score matrices as 1/cp² for ring). Costs: the K/V exchange per layer, forward and backward,
+and one all-reduce of the gradients over the cp ranks per step (they hold the same weights and
+see different tokens of the same batch: their gradients are summed; `reduce_gradients`).
+
+The model keeps plain code: Attention's one `attend` step is replaced per block, the rotary
+tables are cut to this rank's positions, and the learned position lookup is redirected to them.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.model.transformer import Attention
+from scaletrain.vocab import CP_METHODS, unknown
+
+
+# --------------------------------------------------------------------------------------------
+# The split of a sequence
+
+
+def chunk_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """The true positions of cp rank `rank`'s tokens: chunks rank and 2cp-1-rank of 2cp."""
+    c = seq_len // (2 * cp)
+    first, second = rank * c, (2 * cp - 1 - rank) * c
+    return torch.cat([torch.arange(first, first + c, device=device), torch.arange(second, second + c, device=device)])
+
+
+def shard_sequence(t: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """This cp rank's tokens of (B, T, ...) `t` (inputs or targets of the same batch)."""
+    return t.index_select(1, chunk_positions(t.shape[1], cp, rank, device=t.device))
+
+
+def all_positions(seq_len: int, cp: int, device=None) -> torch.Tensor:
+    """The true positions of the tokens of all cp ranks, in rank order (how gathers lay them out)."""
+    return torch.cat([chunk_positions(seq_len, cp, r, device) for r in range(cp)])
+
+
+# --------------------------------------------------------------------------------------------
+# Differentiable communication (each backward is the adjoint of its forward)
+
+
+def _shift(x: torch.Tensor, group, to: int, frm: int) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, to, group), dist.P2POp(dist.irecv, out, frm, group)]):
+        req.wait()
+    return out
+
+
+class _RingShift(torch.autograd.Function):
+    """Send x to the next rank of the ring, receive the previous rank's; the gradient goes back."""
+
+    @staticmethod
+    def forward(ctx, x, group, to, frm):
+        ctx.group, ctx.to, ctx.frm = group, to, frm
+        return _shift(x, group, to, frm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _shift(grad, ctx.group, ctx.frm, ctx.to), None, None, None
+
+
+class _AllGather(torch.autograd.Function):
+    """(n, *x.shape): every rank's x; backward: each rank's gradient summed over the ranks
+    (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group, n):
+        ctx.group = group
+        out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # the ranks' tensors one after the other
+        dist.all_gather_single(out, x.contiguous(), group=group)
+        return out.unflatten(0, (n, x.shape[0]))
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_single(out, grad.flatten(0, 1).contiguous(), group=ctx.group)
+        return out, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """x (n, ...): part j goes to rank j, and part j of the result came from rank j. Its own
+    adjoint: the gradient takes the same way back."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = torch.empty_like(x.contiguous())
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = torch.empty_like(grad.contiguous())
+        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+# --------------------------------------------------------------------------------------------
+# Attention of local queries against keys at known positions
+
+
+def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, kv_heads, T, D) -> (B, heads, T, D): grouped-query attention's sharing made explicit."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _scores(q, k, allowed) -> torch.Tensor:
+    """(B, H, Tq, Tk) q kᵀ/√d in fp32, a disallowed key's score the lowest float (not -inf: a
+    query that sees no key of a block gets a finite log-sum-exp, and weight 0 in the merge)."""
+    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    return scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+
+
+TILE = 512  # query rows whose scores exist at once: the transient memory is TILE × keys per head
+
+
+class _BlockAttention(torch.autograd.Function):
+    """One K/V block's partial attention, (output normalised within the block, its log-sum-exp
+    (B, H, Tq, 1)), in fp32. It keeps q, k, v, the output and the log-sum-exp for backward and
+    recomputes the scores there (as flash attention does), TILE query rows at a time: no
+    Tq × Tk matrix outlives a tile.
+
+    With p = softmax(s), o = p v and lse = logsumexp(s), for upstream gradients dO and dLSE:
+        dv = pᵀ dO,  ds = p ⊙ (dO vᵀ - rowsum(dO ⊙ o) + dLSE),  dq = ds k / √d,  dk = dsᵀ q / √d"""
+
+    @staticmethod
+    def forward(ctx, q, k, v, allowed):
+        outs, lses = [], []
+        for i in range(0, q.shape[2], TILE):
+            scores = _scores(q[:, :, i:i + TILE], k, allowed[i:i + TILE])
+            lse = scores.logsumexp(-1, keepdim=True)
+            outs.append(torch.exp(scores - lse) @ v.float())
+            lses.append(lse)
+        out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
+        ctx.save_for_backward(q, k, v, allowed, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, allowed, out, lse = ctx.saved_tensors
+        scale = 1 / math.sqrt(q.shape[-1])
+        kf, vf = k.float(), v.float()
+        d_q, d_k, d_v = [], torch.zeros_like(kf), torch.zeros_like(vf)
+        for i in range(0, q.shape[2], TILE):
+            rows = slice(i, i + TILE)
+            p = torch.exp(_scores(q[:, :, rows], k, allowed[rows]) - lse[:, :, rows])  # (B, H, tile, Tk)
+            d_v += p.transpose(-2, -1) @ d_out[:, :, rows]
+            d_s = p * (d_out[:, :, rows] @ vf.transpose(-2, -1)
+                       - (d_out[:, :, rows] * out[:, :, rows]).sum(-1, keepdim=True) + d_lse[:, :, rows])
+            d_q.append((d_s @ kf) * scale)
+            d_k += (d_s.transpose(-2, -1) @ q[:, :, rows].float()) * scale
+        return torch.cat(d_q, 2).to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None
+
+
+def _block_attention(q, k, v, allowed) -> tuple[torch.Tensor, torch.Tensor]:
+    """One K/V block's partial attention: (output normalised within the block, its log-sum-exp)."""
+    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    return _BlockAttention.apply(q, k, v, allowed)
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Two partial attentions over disjoint keys as one: each weighted by its share of the
+    softmax denominator, exp(its log-sum-exp - the merged one)."""
+    if out is None:
+        return block_out, block_lse
+    merged = torch.logaddexp(lse, block_lse)
+    return out * torch.exp(lse - merged) + block_out * torch.exp(block_lse - merged), merged
+
+
+def ring_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int]) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence; (B, H, T_local, D) each
+    (k and v may have fewer heads). The K/V block held at step s came from rank (rank - s) mod n."""
+    seq = q.shape[2] * n
+    q_pos = chunk_positions(seq, n, rank, q.device)
+    kv = torch.stack((k, v))  # one message per shift: (2, B, kv_heads, T_local, D)
+    out = lse = None
+    for step in range(n):
+        if step:
+            kv = _RingShift.apply(kv, group, ranks[(rank + 1) % n], ranks[(rank - 1) % n])
+        k_pos = chunk_positions(seq, n, (rank - step) % n, q.device)
+        out, lse = _merge(out, lse, *_block_attention(q, kv[0], kv[1], q_pos[:, None] >= k_pos[None, :]))
+    return out.to(q.dtype)
+
+
+def allgather_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int]) -> torch.Tensor:
+    seq = q.shape[2] * n
+    kv = _AllGather.apply(torch.stack((k, v)), group, n)  # (n, 2, B, kv_heads, T_local, D)
+    kv = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # (2, B, kv_heads, seq, D), the ranks' tokens in rank order
+    allowed = chunk_positions(seq, n, rank, q.device)[:, None] >= all_positions(seq, n, q.device)[None, :]
+    out, _ = _block_attention(q, kv[0], kv[1], allowed)  # one block: the whole sequence's keys
+    return out.to(q.dtype)
+
+
+def _to_heads(x: torch.Tensor, group, n: int) -> torch.Tensor:
+    """(B, H, T_local, D) sequence shard -> (B, H/n, n × T_local, D) head shard (ranks' tokens in rank order)."""
+    B, H, T, D = x.shape
+    parts = x.reshape(B, n, H // n, T, D).movedim(1, 0)  # part j: the heads rank j takes
+    got = _AllToAll.apply(parts, group)  # part j: rank j's tokens of this rank's heads
+    return got.movedim(0, 2).reshape(B, H // n, n * T, D)
+
+
+def _to_sequence(x: torch.Tensor, group, n: int) -> torch.Tensor:
+    """The inverse of _to_heads."""
+    B, h, S, D = x.shape
+    parts = x.reshape(B, h, n, S // n, D).movedim(2, 0)  # part j: rank j's tokens
+    got = _AllToAll.apply(parts, group)  # part j: this rank's tokens of rank j's heads
+    return got.movedim(0, 1).reshape(B, n * h, S // n, D)
+
+
+def ulysses_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int]) -> torch.Tensor:
+    seq = q.shape[2] * n
+    if k.shape[1] % n:  # fewer K/V heads than cp ranks (or not a multiple): each query head gets its own copy
+        k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    # the whole sequence for heads/cp of the heads, put in true order: plain causal attention
+    order = all_positions(seq, n, q.device).argsort()  # token at true position t: order[t]
+    q, k, v = (_to_heads(t, group, n).index_select(2, order) for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    return _to_sequence(y.index_select(2, order.argsort()), group, n)
+
+
+METHODS = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
+assert tuple(METHODS) == CP_METHODS
+
+
+def _attend(method, q, k, v, mask, causal, **where):
+    if mask is not None or not causal:  # generation with a cache: the trainer never samples under cp
+        raise RuntimeError("context-parallel attention is causal attention over a whole sequence (no cache)")
+    return method(q, k, v, **where)
+
+
+# --------------------------------------------------------------------------------------------
+# Applying it
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh, method: str, seq_len: int) -> None:
+    """Make `model` (a whole Transformer or a pipeline chunk, materialized) compute on this cp
+    rank's chunks of sequences of `seq_len` tokens, in place."""
+    if method not in METHODS:
+        raise unknown("context-parallel method", method, CP_METHODS)
+    group, n, rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()
+    where = {"group": group, "rank": rank, "n": n, "ranks": [dist.get_global_rank(group, r) for r in range(n)]}
+    for module in model.modules():  # (blocks may be wrapped for activation checkpointing)
+        if isinstance(module, Attention):
+            module.attend = partial(_attend, METHODS[method], **where)
+    device = next(iter(model.buffers()), torch.empty(0)).device
+    positions = chunk_positions(seq_len, n, rank, device)
+    if getattr(model, "rope_cos", None) is not None:
+        # row t of the tables is the angle of the rank's t-th token: its true position
+        model.rope_cos, model.rope_sin = model.rope_cos[positions], model.rope_sin[positions]
+    if getattr(model, "pos_emb", None) is not None:
+        model.pos_emb.register_forward_pre_hook(lambda module, args: (positions.to(args[0].device)[args[0]],))
+
+
+def reduce_gradients(params: list[torch.Tensor], group) -> None:
+    """Sum the gradients of `params` over `group` in one all-reduce: over the cp ranks (same
+    weights, different tokens of the same batch), or a tied embedding's over its first and last
+    pipeline stage. A sharded parameter's local shard: the ranks of `group` hold the same shards.
+    A DTensor gradient placed otherwise than its parameter (a vocabulary-parallel embedding's
+    comes back replicated) is first placed like it."""
+    for p in params:
+        if p.grad is not None and hasattr(p.grad, "placements") and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    flat = torch.cat([g.reshape(-1).float() for g in local])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in local:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
