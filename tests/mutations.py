@@ -123,6 +123,15 @@ MUTANTS = [
            "mine = torch.cat([(p.outer.to(p.local.device, non_blocking=True) - p.local).reshape(-1)",
            "mine = torch.cat([(p.local - p.outer.to(p.local.device, non_blocking=True)).reshape(-1)",
            ("tests/test_local_sgd.py::test_local_sgd_averages_the_weights_and_diloco_takes_a_nesterov_step",)),
+    # quantization: a saved int8 weight rebuilt without its per-row scale (the integers taken as
+    # the weights themselves)
+    Mutant("quantized-scale-not-applied", "a quantized folder's int8 weights loaded without their scales",
+           "src/scaletrain/quant/ptq.py",
+           'return Int8Tensor(parts["qdata"], parts["scale"], [1, cols]',
+           'return Int8Tensor(parts["qdata"], torch.ones_like(parts["scale"]), [1, cols]',
+           ("tests/test_quantize.py::test_the_folder_loads_without_unpickling_and_gives_the_same_logits[int8-weight]",
+            "tests/test_quantize.py::test_ptq_perplexity_is_within_tolerance_of_fp32_and_the_folder_is_smaller"
+            "[int8-dynamic]")),
 ]
 
 

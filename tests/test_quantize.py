@@ -25,9 +25,23 @@ SCHEMES = ("int8-weight", "int8-dynamic", "int8-int4")
 # that its weights are not noise: ~6 s per run on one core
 SHAPE = {"model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "train.steps": 60, "optim.lr": 3e-3,
          "train.eval_every": 60, "train.eval_batches": 4, "checkpoint.save_final": True}
-# validation perplexity of the quantized model / the fp32 model's, at most: int8 rounds each
-# weight to 1/255 of its row's range, int4 to 1/15 of its group's (measured: ~1.000, ~1.001, ~1.02)
-TOLERANCE = {"int8-weight": 1.01, "int8-dynamic": 1.02, "int8-int4": 1.10}
+# how much the validation loss (nats per token) of the quantized model may exceed the fp32
+# model's: perplexity x exp(tolerance), i.e. at most +0.05% for int8 and +0.5% for int4. This
+# small model leans on its (fp32) embeddings, so its blocks' rounding moves the loss little:
+# measured -0.000004 (int8-weight), -0.00002 (int8-dynamic), +0.0004 (int8-int4); the logits below
+# are the sharper check
+TOLERANCE = {"int8-weight": 5e-4, "int8-dynamic": 5e-4, "int8-int4": 5e-3}
+
+# the RMS of (quantized - fp32) logits over the RMS of the fp32 logits' deviation from their mean
+# (measured here: 0.0003, 0.0020, 0.0048)
+LOGIT_TOLERANCE = {"int8-weight": 0.002, "int8-dynamic": 0.01, "int8-int4": 0.03}
+
+
+@torch.no_grad()
+def logit_error(fp32, quantized) -> float:
+    tokens = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    a, b = fp32.eval()(tokens), quantized(tokens)
+    return float((b - a).pow(2).mean().sqrt() / (a - a.mean(-1, keepdim=True)).pow(2).mean().sqrt())
 
 
 def last_checkpoint(run_dir):
@@ -64,9 +78,13 @@ def test_ptq_perplexity_is_within_tolerance_of_fp32_and_the_folder_is_smaller(ru
     quant = evaluate_checkpoint(out)
     assert quant["quantized"] == scheme and quant["windows"] == fp32["windows"]
     assert fp32["val_loss"] == pytest.approx(runs["fp32"]["val_loss"], rel=1e-6)  # the same windows
-    ratio = quant["val_ppl"] / fp32["val_ppl"]
     assert quant["val_loss"] != fp32["val_loss"]  # it did quantize
-    assert ratio <= TOLERANCE[scheme], f"{scheme}: perplexity x{ratio:.4f}"
+    moved = abs(quant["val_loss"] - fp32["val_loss"])  # either way: a broken model may even score better
+    assert moved <= TOLERANCE[scheme], f"{scheme}: loss moved {moved:.2e} ({moved / TOLERANCE[scheme]:.3g}x tolerance)"
+    # and the blocks' outputs, which the loss of so small a model barely sees: the logits' error
+    # relative to their spread
+    err = logit_error(load_model_from_checkpoint(runs["fp32"]["ckpt"]), load_quantized(out)[0])
+    assert err <= LOGIT_TOLERANCE[scheme], f"{scheme}: logits off by {err:.3g} ({err / LOGIT_TOLERANCE[scheme]:.3g}x tolerance)"
     info = json.loads((out / "quantization.json").read_text())
     assert info["layers"]["layers.0.mlp.w1"] == {"converted": True}
     assert info["layers"]["output"]["converted"] is False
@@ -131,7 +149,7 @@ def test_qat_then_quantize_stays_close_to_fp32_and_beats_its_own_fake_quantized_
     quantize(runs["qat"]["ckpt"], "int8-int4", out)
     quant = evaluate_checkpoint(out)
     fp32 = evaluate_checkpoint(runs["fp32"]["ckpt"])
-    assert quant["val_ppl"] / fp32["val_ppl"] <= TOLERANCE["int8-int4"]
+    assert abs(quant["val_loss"] - fp32["val_loss"]) <= TOLERANCE["int8-int4"]
     assert quant["val_loss"] == pytest.approx(runs["qat"]["val_loss"], abs=2e-3)
     # the training really fake-quantized: its weights are not the fp32 run's
     a = load_model_from_checkpoint(runs["qat"]["ckpt"]).layers["0"].mlp.w1.weight
