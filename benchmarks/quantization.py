@@ -1,0 +1,140 @@
+"""What quantization costs and saves: validation perplexity, size on disk and CPU inference speed
+of fp32, post-training quantization (PTQ) and quantization-aware training (QAT) at each scheme.
+
+For each model (the demo, configs/tiny.toml, and with --larger a wider and deeper one), on the
+same data, seed and steps:
+
+* fp32: trained as configured; its checkpoint is quantized by each scheme (PTQ);
+* QAT: trained from scratch with train.qat = each scheme that has one (the same steps and
+  tokens), then quantized by that scheme (`scaletrain quantize`, QAT's convert step).
+
+Perplexity is `scaletrain eval`'s on the demo's held-out text (--eval-batches global batches);
+size is the safetensors export (fp32) or the quantized folder; tokens/s is a forward pass over a
+batch of --batch sequences, one process, the median of --repeats timings, after one warm-up.
+"recovered" is the share of PTQ's perplexity increase that QAT wins back:
+(ppl_PTQ - ppl_QAT) / (ppl_PTQ - ppl_fp32).
+
+    python benchmarks/quantization.py [--larger] [--steps N] [--out-dir DIR] [--section.key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+import torch  # noqa: E402
+
+from scaletrain.config import load_config  # noqa: E402
+from scaletrain.quant.ptq import folder_bytes, load_quantized  # noqa: E402
+from scaletrain.train.evaluate import evaluate_checkpoint  # noqa: E402
+from scaletrain.train.export import export_safetensors, load_model_from_checkpoint  # noqa: E402
+from scaletrain.train.quantize import quantize_source  # noqa: E402
+from scaletrain.train.trainer import Trainer  # noqa: E402
+from scaletrain.vocab import QAT_SCHEMES, QUANT_SCHEMES  # noqa: E402
+
+# a wider, deeper model than the demo that still trains in a few minutes on 2 CPU cores
+LARGER = {"model.dim": 384, "model.n_layers": 4, "model.n_heads": 6}
+QUIET = {"log.progress": "off", "log.tensorboard": False, "train.sample_tokens": 0, "checkpoint.save_final": True,
+         "train.device": "cpu", "train.eval_every": 0}
+
+
+def train(folder: Path, overrides: dict) -> Path:
+    cfg = load_config(REPO / "configs" / "tiny.toml", {**overrides, **QUIET, "log.run_dir": str(folder)})
+    Trainer(cfg).fit()
+    return sorted((folder / "checkpoints").glob("step_*"))[-1]
+
+
+@torch.no_grad()
+def tokens_per_second(model, batch: int, seq_len: int, repeats: int) -> float:
+    tokens = torch.randint(0, 256, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    model(tokens)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model(tokens)
+        times.append(time.perf_counter() - start)
+    return batch * seq_len / statistics.median(times)
+
+
+def measure(name: str, variant: str, path: Path, quantized: bool, args, seq_len: int) -> dict:
+    r = evaluate_checkpoint(path, batches=args.eval_batches, device="cpu")
+    model = load_quantized(path)[0] if quantized else load_model_from_checkpoint(path).eval()
+    if quantized:
+        size = folder_bytes(path)
+    else:
+        export = path.parent.parent / "export.safetensors"
+        if not export.exists():
+            export_safetensors(path, export)
+        size = folder_bytes(export)
+    row = {"model": name, "variant": variant, "val_ppl": r["val_ppl"], "val_loss": r["val_loss"],
+           "size_mib": size / 2**20, "tokens_s": tokens_per_second(model, args.batch, seq_len, args.repeats)}
+    print(f"| {name} | {variant} | {row['val_ppl']:.3f} | {row['size_mib']:.2f} | {row['tokens_s']:,.0f} |",
+          flush=True)
+    return row
+
+
+def run_model(name: str, overrides: dict, args, root: Path) -> list[dict]:
+    seq_len = load_config(REPO / "configs" / "tiny.toml", overrides).data.seq_len
+    rows = []
+    fp32 = train(root / name / "fp32", overrides)
+    rows.append(measure(name, "fp32", fp32, False, args, seq_len))
+    for scheme in QUANT_SCHEMES:
+        out = root / name / f"ptq-{scheme}"
+        quantize_source(fp32, scheme, out, report=lambda line: None)
+        rows.append(measure(name, f"PTQ {scheme}", out, True, args, seq_len))
+    for scheme in QAT_SCHEMES[1:]:
+        ckpt = train(root / name / f"qat-{scheme}", {**overrides, "train.qat": scheme})
+        out = root / name / f"qat-{scheme}-quantized"
+        quantize_source(ckpt, scheme, out, report=lambda line: None)
+        rows.append(measure(name, f"QAT {scheme}", out, True, args, seq_len))
+    return rows
+
+
+def recovered(rows: list[dict]) -> list[str]:
+    lines = []
+    by = {(r["model"], r["variant"]): r for r in rows}
+    for model in dict.fromkeys(r["model"] for r in rows):
+        base = by[(model, "fp32")]["val_ppl"]
+        for scheme in QAT_SCHEMES[1:]:
+            ptq, qat = by[(model, f"PTQ {scheme}")]["val_ppl"], by[(model, f"QAT {scheme}")]["val_ppl"]
+            lost = ptq - base
+            share = f"{(ptq - qat) / lost:.0%}" if lost > 0 else "n/a (PTQ lost nothing)"
+            lines.append(f"| {model} | {scheme} | {base:.3f} | {ptq:.3f} (+{lost:.3f}) | {qat:.3f} | {share} |")
+    return lines
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--larger", action="store_true", help=f"also the larger model ({LARGER})")
+    p.add_argument("--steps", type=int, default=0, help="training steps (default: the config's)")
+    p.add_argument("--eval-batches", type=int, default=16, help="validation global batches (default 16)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per timed forward (default 8)")
+    p.add_argument("--repeats", type=int, default=5, help="timed forwards (default 5)")
+    p.add_argument("--out-dir", help="keep the runs here (default: a temporary folder)")
+    args, extra = p.parse_known_args()
+    overrides = dict(a[2:].split("=", 1) for a in extra if a.startswith("--") and "=" in a)
+    if args.steps:
+        overrides["train.steps"] = args.steps
+    torch.manual_seed(0)
+    root = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="scaletrain-quant-"))
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPU(s), threads {torch.get_num_threads()}; runs in {root}\n")
+    print("| model | variant | val ppl | size (MiB) | CPU tokens/s (forward) |\n|---|---|---|---|---|", flush=True)
+    rows = run_model("demo (tiny)", overrides, args, root)
+    if args.larger:
+        rows += run_model(f"larger (dim {LARGER['model.dim']}, {LARGER['model.n_layers']} layers)",
+                          {**overrides, **LARGER}, args, root)
+    print("\n| model | scheme | fp32 ppl | PTQ ppl | QAT ppl | recovered by QAT |\n|---|---|---|---|---|---|")
+    print("\n".join(recovered(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
