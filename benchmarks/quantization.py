@@ -115,7 +115,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--larger", action="store_true", help=f"also the larger model ({LARGER})")
     p.add_argument("--steps", type=int, default=0, help="training steps (default: the config's)")
-    p.add_argument("--eval-batches", type=int, default=16, help="validation global batches (default 16)")
+    p.add_argument("--eval-batches", type=int, default=0, help="validation global batches (default 0: every whole one)")
     p.add_argument("--batch", type=int, default=8, help="sequences per timed forward (default 8)")
     p.add_argument("--repeats", type=int, default=5, help="timed forwards (default 5)")
     p.add_argument("--out-dir", help="keep the runs here (default: a temporary folder)")

@@ -232,6 +232,10 @@ def test_quantizing_what_is_not_a_model_is_one_line(runs, tmp_path):
     quantize(runs["fp32"]["ckpt"], "int8-weight", done)
     one_line_exit_2(run_here("quantize", str(done), "--scheme", "int8-weight", "--out", str(tmp_path / "d")),
                     "already quantized")
+    # an existing --out, refused before anything is read or printed
+    r = run_here("quantize", str(runs["fp32"]["ckpt"]), "--scheme", "int8-weight", "--out", str(done))
+    one_line_exit_2(r, "already exists", "--overwrite")
+    assert r.stdout == ""
     # a QAT checkpoint with another scheme than it trained for
     one_line_exit_2(run_here("quantize", str(runs["qat"]["ckpt"]), "--scheme", "int8-weight", "--out",
                              str(tmp_path / "e")), "train.qat=int8-int4", "--scheme int8-int4")

@@ -253,7 +253,8 @@ def _eval(args: argparse.Namespace, extra: list[str]) -> int:
     if args.json:
         print(json.dumps(r, indent=1))
     else:
-        print(f"val_loss {r['val_loss']:.4f}  val_ppl {r['val_ppl']:.2f}  ({r['data']}, {r['split']}: "
+        scheme = f"  [quantized: {r['quantized']}]" if r.get("quantized") else ""
+        print(f"val_loss {r['val_loss']:.4f}  val_ppl {r['val_ppl']:.2f}{scheme}  ({r['data']}, {r['split']}: "
               f"{r['batches']} batch(es) = {r['windows']:,} windows, {r['tokens']:,} tokens; step {r['step']})")
         for name, loss in r.get("sources", {}).items():
             print(f"  {name}: val_loss {loss:.4f}")

@@ -28,6 +28,9 @@ def quantize_source(source: str | Path, scheme: str, out: str | Path, *, overwri
     if scheme not in QUANT_SCHEMES:
         raise CheckpointError(f"--scheme: {unknown('quantization scheme', scheme, QUANT_SCHEMES)}")
     source = Path(source)
+    if Path(out).exists() and not overwrite:  # before anything is read (save_quantized checks again)
+        raise CheckpointError(f"--out {out} already exists; choose another --out, or add --overwrite to replace it "
+                              "(nothing was overwritten)")
     model, config, origin = load_source(source)
     qat = config.get("train", {}).get("qat", "none")
     if qat not in ("none", scheme):
