@@ -14,7 +14,7 @@ batch of --batch sequences, one process, the median of --repeats timings, after 
 "recovered" is the share of PTQ's perplexity increase that QAT wins back:
 (ppl_PTQ - ppl_QAT) / (ppl_PTQ - ppl_fp32).
 
-    python benchmarks/quantization.py [--larger] [--steps N] [--out-dir DIR] [--section.key=value ...]
+    python benchmarks/quantization.py [--larger] [--steps N] [--out-dir DIR] [--train-only RUN] [--section.key=value ...]
 """
 
 from __future__ import annotations
@@ -47,9 +47,13 @@ QUIET = {"log.progress": "off", "log.tensorboard": False, "train.sample_tokens":
 
 
 def train(folder: Path, overrides: dict) -> Path:
+    """The run's final checkpoint: trained here, or found from an earlier invocation (or a
+    --train-only one running beside this) with the same --out-dir."""
     cfg = load_config(REPO / "configs" / "tiny.toml", {**overrides, **QUIET, "log.run_dir": str(folder)})
-    Trainer(cfg).fit()
-    return sorted((folder / "checkpoints").glob("step_*"))[-1]
+    final = folder / "checkpoints" / f"step_{cfg.train.steps:08d}"
+    if not final.is_dir():
+        Trainer(cfg).fit()
+    return final
 
 
 @torch.no_grad()
@@ -88,12 +92,12 @@ def run_model(name: str, overrides: dict, args, root: Path) -> list[dict]:
     rows.append(measure(name, "fp32", fp32, False, args, seq_len))
     for scheme in QUANT_SCHEMES:
         out = root / name / f"ptq-{scheme}"
-        quantize_source(fp32, scheme, out, report=lambda line: None)
+        quantize_source(fp32, scheme, out, overwrite=True, report=lambda line: None)
         rows.append(measure(name, f"PTQ {scheme}", out, True, args, seq_len))
     for scheme in QAT_SCHEMES[1:]:
         ckpt = train(root / name / f"qat-{scheme}", {**overrides, "train.qat": scheme})
         out = root / name / f"qat-{scheme}-quantized"
-        quantize_source(ckpt, scheme, out, report=lambda line: None)
+        quantize_source(ckpt, scheme, out, overwrite=True, report=lambda line: None)
         rows.append(measure(name, f"QAT {scheme}", out, True, args, seq_len))
     return rows
 
@@ -119,6 +123,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8, help="sequences per timed forward (default 8)")
     p.add_argument("--repeats", type=int, default=5, help="timed forwards (default 5)")
     p.add_argument("--out-dir", help="keep the runs here (default: a temporary folder)")
+    p.add_argument("--train-only", metavar="RUN", help="only train RUN (fp32, or qat-SCHEME) into --out-dir, e.g. "
+                                                        "beside the main invocation, which then finds it trained")
     args, extra = p.parse_known_args()
     overrides = dict(a[2:].split("=", 1) for a in extra if a.startswith("--") and "=" in a)
     if args.steps:
@@ -127,6 +133,10 @@ def main() -> int:
     root = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="scaletrain-quant-"))
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU(s), threads {torch.get_num_threads()}; runs in {root}\n")
     print("| model | variant | val ppl | size (MiB) | CPU tokens/s (forward) |\n|---|---|---|---|---|", flush=True)
+    if args.train_only:
+        qat = args.train_only.removeprefix("qat-")
+        train(root / "demo (tiny)" / args.train_only, {**overrides, **({"train.qat": qat} if qat != "fp32" else {})})
+        return 0
     rows = run_model("demo (tiny)", overrides, args, root)
     if args.larger:
         rows += run_model(f"larger (dim {LARGER['model.dim']}, {LARGER['model.n_layers']} layers)",
