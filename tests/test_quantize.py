@@ -157,11 +157,14 @@ def test_qat_then_quantize_stays_close_to_fp32_and_beats_its_own_fake_quantized_
     assert not torch.equal(a, b)
 
 
-def test_qat_trains_through_fake_quantized_linears(tmp_path):
-    trainer = Trainer(micro_cfg(tmp_path, **{"train.qat": "int8-dynamic", "train.steps": 2}))
+@pytest.mark.parametrize("scheme", ["int8-dynamic", "int8-int4"])
+def test_qat_trains_through_fake_quantized_linears(tmp_path, scheme):
+    trainer = Trainer(micro_cfg(tmp_path, **{"train.qat": scheme, "train.steps": 2}))
     kinds = {type(m).__name__ for n, m in trainer.dp.module.named_modules() if n.startswith("layers.0.")}
     assert "FakeQuantizedLinear" in kinds
     assert type(trainer.dp.module.output).__name__ == "Linear"  # the head stays high precision
+    losses = trainer.fit()["losses"]
+    assert len(losses) == 2 and all(loss == loss for loss in losses)
 
 
 @pytest.mark.parametrize("extra", [{}, {"train.grad_accum": 2, "memory.activation_checkpointing": "full",

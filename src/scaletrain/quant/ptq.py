@@ -48,8 +48,11 @@ def torchao_config(scheme: str):
 
     if scheme == "int8-weight":
         return Int8WeightOnlyConfig(set_inductor_config=False)
-    if scheme == "int8-dynamic":
-        return Int8DynamicActivationInt8WeightConfig(set_inductor_config=False)
+    if scheme == "int8-dynamic":  # asymmetric activations: QAT's per-token fake quantizer has no symmetric one
+        from torchao.quantization.quant_primitives import MappingType
+
+        return Int8DynamicActivationInt8WeightConfig(act_mapping_type=MappingType.ASYMMETRIC,
+                                                     set_inductor_config=False)
     if scheme == "int8-int4":
         return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(GROUP_SIZE))
     raise unknown("quantization scheme", scheme, QUANT_SCHEMES)
@@ -175,8 +178,6 @@ def load_quantized(path: str | Path) -> tuple[Transformer, dict]:
 def _weight_tensor(scheme: str, parts: dict[str, torch.Tensor | None], shape: tuple[int, int], where: str):
     """torchao's quantized weight of `scheme`, put together from its plain tensors."""
     import_torchao("loading a quantized model")
-    from torchao.quantization import PerRow
-    from torchao.quantization.quant_primitives import MappingType
     from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor, QuantizeTensorToInt8Kwargs
     from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import IntxUnpackedToInt8Tensor
 
@@ -190,8 +191,11 @@ def _weight_tensor(scheme: str, parts: dict[str, torch.Tensor | None], shape: tu
     if scheme == "int8-int4":
         return IntxUnpackedToInt8Tensor(unpack_int4(parts["qdata"], cols), parts["scale"], parts["zero_point"],
                                         torch.int4, (1, GROUP_SIZE), torch.float32, "int8_asym_per_token")
-    act = QuantizeTensorToInt8Kwargs(granularity=PerRow(), mapping_type=MappingType.SYMMETRIC) \
-        if scheme == "int8-dynamic" else None
+    act = None
+    if scheme == "int8-dynamic":  # how the scheme quantizes activations, as its config says
+        config = torchao_config(scheme)
+        act = QuantizeTensorToInt8Kwargs(granularity=Int8Tensor._normalize_granularity(config.granularity)[0],
+                                         mapping_type=config.act_mapping_type)
     return Int8Tensor(parts["qdata"], parts["scale"], [1, cols], torch.float32, zero_point=parts["zero_point"],
                       act_quant_kwargs=act)
 

@@ -5,9 +5,9 @@ applies afterwards.
 Each chosen nn.Linear becomes torchao's FakeQuantizedLinear (`QATConfig(step="prepare")`): in
 the forward, activations and weights are quantized and dequantized again (the values rounded to
 the int8/int4 grid, still in float), and the backward passes gradients straight through the
-rounding. The scheme's rounding is mirrored exactly: int8-dynamic rounds activations per token
-and weights per row to symmetric int8; int8-int4 rounds activations per token to asymmetric
-int8 and weights to symmetric int4 in groups of 32 (torchao derives both from the PTQ config).
+rounding. The scheme's rounding is mirrored: int8-dynamic rounds activations per token to
+asymmetric int8 and weights per row to symmetric int8; int8-int4 rounds activations the same
+way and weights to symmetric int4 in groups of 32 (torchao derives both from the PTQ config).
 
 What it costs: a quantize-dequantize of every activation and weight each step (~10-30% on a CPU
 step here), and no memory: the weights stay fp32 and the module keeps torchao's names (weight,
@@ -34,8 +34,8 @@ def qat_config(scheme: str):
                                                    "torchao.prototype.mx_formats"))
     from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
 
-    if scheme == "int8-dynamic":  # as Int8DynamicActivationInt8WeightConfig quantizes
-        act = IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=True)
+    if scheme == "int8-dynamic":  # as ptq.torchao_config's Int8DynamicActivationInt8WeightConfig quantizes
+        act = IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False)
         weight = IntxFakeQuantizeConfig(torch.int8, "per_channel", is_symmetric=True)
         return QATConfig(activation_config=act, weight_config=weight, step="prepare")
     if scheme == "int8-int4":
