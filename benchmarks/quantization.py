@@ -2,11 +2,13 @@
 of fp32, post-training quantization (PTQ) and quantization-aware training (QAT) at each scheme.
 
 For each model (the demo, configs/tiny.toml, and with --larger a wider and deeper one), on the
-same data, seed and steps:
+same data and seed: an fp32 run as configured, then from its weights (its export as
+model.init_from) --finetune-steps more steps at a constant --finetune-lr, once in fp32 (the
+control) and once with train.qat = each scheme that has one (QAT as a fine-tune, torchao's
+recommended use; the same steps and tokens as the control).
 
-* fp32: trained as configured; its checkpoint is quantized by each scheme (PTQ);
-* QAT: trained from scratch with train.qat = each scheme that has one (the same steps and
-  tokens), then quantized by that scheme (`scaletrain quantize`, QAT's convert step).
+* fp32: the control; PTQ: the control quantized by each scheme;
+* QAT: each QAT fine-tune quantized by its scheme (`scaletrain quantize`, QAT's convert step).
 
 Perplexity is `scaletrain eval`'s on the demo's held-out text (--eval-batches global batches);
 size is the safetensors export (fp32) or the quantized folder; tokens/s is a forward pass over a
@@ -86,33 +88,28 @@ def measure(name: str, variant: str, path: Path, quantized: bool, args, seq_len:
 
 
 def run_model(name: str, overrides: dict, args, root: Path) -> list[dict]:
+    """fp32 trained; then from its weights (model.init_from of its export) --finetune-steps more
+    steps each of fp32 (the control) and QAT per scheme; PTQ of the control against QAT."""
     seq_len = load_config(REPO / "configs" / "tiny.toml", overrides).data.seq_len
+    base = train(root / name / "fp32", overrides)
+    export = root / name / "fp32.safetensors"
+    if not export.exists():
+        export_safetensors(base, export)
+    tune = {**overrides, "model.init_from": str(export), "train.steps": args.finetune_steps,
+            "optim.lr": args.finetune_lr, "optim.warmup_steps": 0}
     rows = []
-    fp32 = train(root / name / "fp32", overrides)
-    rows.append(measure(name, "fp32", fp32, False, args, seq_len))
+    control = train(root / name / "fp32-tuned", tune)
+    rows.append(measure(name, "fp32", control, False, args, seq_len))
     for scheme in QUANT_SCHEMES:
         out = root / name / f"ptq-{scheme}"
-        quantize_source(fp32, scheme, out, overwrite=True, report=lambda line: None)
+        quantize_source(control, scheme, out, overwrite=True, report=lambda line: None)
         rows.append(measure(name, f"PTQ {scheme}", out, True, args, seq_len))
     for scheme in QAT_SCHEMES[1:]:
-        ckpt = train(root / name / f"qat-{scheme}", {**overrides, "train.qat": scheme})
+        ckpt = train(root / name / f"qat-{scheme}", {**tune, "train.qat": scheme})
         out = root / name / f"qat-{scheme}-quantized"
         quantize_source(ckpt, scheme, out, overwrite=True, report=lambda line: None)
         rows.append(measure(name, f"QAT {scheme}", out, True, args, seq_len))
     return rows
-
-
-def recovered(rows: list[dict]) -> list[str]:
-    lines = []
-    by = {(r["model"], r["variant"]): r for r in rows}
-    for model in dict.fromkeys(r["model"] for r in rows):
-        base = by[(model, "fp32")]["val_ppl"]
-        for scheme in QAT_SCHEMES[1:]:
-            ptq, qat = by[(model, f"PTQ {scheme}")]["val_ppl"], by[(model, f"QAT {scheme}")]["val_ppl"]
-            lost = ptq - base
-            share = f"{(ptq - qat) / lost:.0%}" if lost > 0 else "n/a (PTQ lost nothing)"
-            lines.append(f"| {model} | {scheme} | {base:.3f} | {ptq:.3f} (+{lost:.3f}) | {qat:.3f} | {share} |")
-    return lines
 
 
 def main() -> int:
@@ -123,7 +120,10 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8, help="sequences per timed forward (default 8)")
     p.add_argument("--repeats", type=int, default=5, help="timed forwards (default 5)")
     p.add_argument("--out-dir", help="keep the runs here (default: a temporary folder)")
-    p.add_argument("--train-only", metavar="RUN", help="only train RUN (fp32, or qat-SCHEME) into --out-dir, e.g. "
+    p.add_argument("--finetune-steps", type=int, default=20, help="steps of fp32 and QAT from the fp32 weights "
+                                                                   "(default 20)")
+    p.add_argument("--finetune-lr", type=float, default=3e-4, help="their learning rate, constant (default 3e-4)")
+    p.add_argument("--train-only", metavar="RUN", help="only train the fine-tune RUN (fp32-tuned, or qat-SCHEME) into --out-dir, e.g. "
                                                         "beside the main invocation, which then finds it trained")
     args, extra = p.parse_known_args()
     overrides = dict(a[2:].split("=", 1) for a in extra if a.startswith("--") and "=" in a)
@@ -133,9 +133,11 @@ def main() -> int:
     root = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="scaletrain-quant-"))
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU(s), threads {torch.get_num_threads()}; runs in {root}\n")
     print("| model | variant | val ppl | size (MiB) | CPU tokens/s (forward) |\n|---|---|---|---|---|", flush=True)
-    if args.train_only:
-        qat = args.train_only.removeprefix("qat-")
-        train(root / "demo (tiny)" / args.train_only, {**overrides, **({"train.qat": qat} if qat != "fp32" else {})})
+    if args.train_only:  # a fine-tuning run (fp32-tuned or qat-SCHEME), once fp32 is trained
+        folder, qat = root / "demo (tiny)", args.train_only.removeprefix("qat-")
+        tune = {**overrides, "model.init_from": str(folder / "fp32.safetensors"), "train.steps": args.finetune_steps,
+                "optim.lr": args.finetune_lr, "optim.warmup_steps": 0}
+        train(folder / args.train_only, {**tune, **({"train.qat": qat} if qat in QAT_SCHEMES[1:] else {})})
         return 0
     rows = run_model("demo (tiny)", overrides, args, root)
     if args.larger:
