@@ -3,9 +3,9 @@ of fp32, post-training quantization (PTQ) and quantization-aware training (QAT) 
 
 For each model (the demo, configs/tiny.toml, and with --larger a wider and deeper one), on the
 same data and seed: an fp32 run as configured, then from its weights (its export as
-model.init_from) --finetune-steps more steps at a constant --finetune-lr, once in fp32 (the
-control) and once with train.qat = each scheme that has one (QAT as a fine-tune, torchao's
-recommended use; the same steps and tokens as the control).
+model.init_from) --finetune-steps more steps at peak lr --finetune-lr (no warm-up, the
+config's decay), once in fp32 (the control) and once with train.qat = each scheme that has
+one (QAT as a fine-tune, torchao's recommended use; the same steps and tokens as the control).
 
 * fp32: the control; PTQ: the control quantized by each scheme;
 * QAT: each QAT fine-tune quantized by its scheme (`scaletrain quantize`, QAT's convert step).
@@ -122,7 +122,7 @@ def main() -> int:
     p.add_argument("--out-dir", help="keep the runs here (default: a temporary folder)")
     p.add_argument("--finetune-steps", type=int, default=20, help="steps of fp32 and QAT from the fp32 weights "
                                                                    "(default 20)")
-    p.add_argument("--finetune-lr", type=float, default=3e-4, help="their learning rate, constant (default 3e-4)")
+    p.add_argument("--finetune-lr", type=float, default=3e-4, help="their peak learning rate, no warm-up (default 3e-4)")
     p.add_argument("--train-only", metavar="RUN", help="only train the fine-tune RUN (fp32-tuned, or qat-SCHEME) into --out-dir, e.g. "
                                                         "beside the main invocation, which then finds it trained")
     args, extra = p.parse_known_args()
