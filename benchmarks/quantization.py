@@ -53,6 +53,10 @@ def train(folder: Path, overrides: dict) -> Path:
     --train-only one running beside this) with the same --out-dir."""
     cfg = load_config(REPO / "configs" / "tiny.toml", {**overrides, **QUIET, "log.run_dir": str(folder)})
     final = folder / "checkpoints" / f"step_{cfg.train.steps:08d}"
+    if folder.exists() and not final.is_dir():  # a --train-only invocation is training it: wait
+        print(f"waiting for {final} (trained beside this invocation)", file=sys.stderr, flush=True)
+        while not final.is_dir():
+            time.sleep(10)
     if not final.is_dir():
         Trainer(cfg).fit()
     return final
