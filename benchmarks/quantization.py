@@ -16,7 +16,8 @@ batch of --batch sequences, one process, the median of --repeats timings, after 
 "recovered" is the share of PTQ's perplexity increase that QAT wins back:
 (ppl_PTQ - ppl_QAT) / (ppl_PTQ - ppl_fp32).
 
-    python benchmarks/quantization.py [--larger] [--steps N] [--out-dir DIR] [--train-only RUN] [--section.key=value ...]
+    python benchmarks/quantization.py [--larger] [--steps N] [--out-dir DIR] [--train-only RUN] [--speed-only]
+        [--section.key=value ...]
 """
 
 from __future__ import annotations
@@ -116,6 +117,45 @@ def run_model(name: str, overrides: dict, args, root: Path) -> list[dict]:
     return rows
 
 
+def interleaved_speed(root: Path, name: str, args, seq_len: int) -> None:
+    """CPU forward tokens/s of the fp32 control and every quantized folder under `root`, timed
+    round-robin (one forward of each, --repeats rounds) so that load from other work on the
+    machine falls on all of them alike; prints each one's median and its ratio to fp32."""
+    folder = root / name
+    models = {"fp32": load_model_from_checkpoint(sorted((folder / "fp32-tuned" / "checkpoints").glob("step_*"))[-1])
+              .eval()}
+    for q in sorted(folder.glob("*/quantization.json")):
+        models[q.parent.name] = load_quantized(q.parent)[0]
+    tokens = torch.randint(0, 256, (args.batch, seq_len), generator=torch.Generator().manual_seed(0))
+    times: dict[str, list[float]] = {k: [] for k in models}
+    with torch.no_grad():
+        for m in models.values():
+            m(tokens)  # warm-up
+        for _ in range(args.repeats):
+            for k, m in models.items():
+                start = time.perf_counter()
+                m(tokens)
+                times[k].append(time.perf_counter() - start)
+    base = statistics.median(times["fp32"])
+    print(f"| {name}: forward of {args.batch}x{seq_len}, {args.repeats} rounds | tokens/s | x fp32 |\n|---|---|---|")
+    for k, ts in times.items():
+        t = statistics.median(ts)
+        print(f"| {k} | {args.batch * seq_len / t:,.0f} | {base / t:.2f} |")
+
+
+def recovered(rows: list[dict]) -> list[str]:
+    lines = []
+    by = {(r["model"], r["variant"]): r for r in rows}
+    for model in dict.fromkeys(r["model"] for r in rows):
+        base = by[(model, "fp32")]["val_ppl"]
+        for scheme in QAT_SCHEMES[1:]:
+            ptq, qat = by[(model, f"PTQ {scheme}")]["val_ppl"], by[(model, f"QAT {scheme}")]["val_ppl"]
+            lost = ptq - base
+            share = f"{(ptq - qat) / lost:.0%}" if lost > 0 else "n/a (PTQ lost nothing)"
+            lines.append(f"| {model} | {scheme} | {base:.3f} | {ptq:.3f} (+{lost:.3f}) | {qat:.3f} | {share} |")
+    return lines
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--larger", action="store_true", help=f"also the larger model ({LARGER})")
@@ -127,6 +167,8 @@ def main() -> int:
     p.add_argument("--finetune-steps", type=int, default=20, help="steps of fp32 and QAT from the fp32 weights "
                                                                    "(default 20)")
     p.add_argument("--finetune-lr", type=float, default=3e-4, help="their peak learning rate, no warm-up (default 3e-4)")
+    p.add_argument("--speed-only", action="store_true", help="only time the forwards of the runs already in "
+                                                              "--out-dir, round-robin")
     p.add_argument("--train-only", metavar="RUN", help="only train the fine-tune RUN (fp32-tuned, or qat-SCHEME) into --out-dir, e.g. "
                                                         "beside the main invocation, which then finds it trained")
     args, extra = p.parse_known_args()
@@ -137,6 +179,10 @@ def main() -> int:
     root = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="scaletrain-quant-"))
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU(s), threads {torch.get_num_threads()}; runs in {root}\n")
     print("| model | variant | val ppl | size (MiB) | CPU tokens/s (forward) |\n|---|---|---|---|---|", flush=True)
+    if args.speed_only:
+        seq_len = load_config(REPO / "configs" / "tiny.toml", overrides).data.seq_len
+        interleaved_speed(root, "demo (tiny)", args, seq_len)
+        return 0
     if args.train_only:  # a fine-tuning run (fp32-tuned or qat-SCHEME), once fp32 is trained
         folder, qat = root / "demo (tiny)", args.train_only.removeprefix("qat-")
         tune = {**overrides, "model.init_from": str(folder / "fp32.safetensors"), "train.steps": args.finetune_steps,
