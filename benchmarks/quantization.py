@@ -178,7 +178,6 @@ def main() -> int:
     torch.manual_seed(0)
     root = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="scaletrain-quant-"))
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU(s), threads {torch.get_num_threads()}; runs in {root}\n")
-    print("| model | variant | val ppl | size (MiB) | CPU tokens/s (forward) |\n|---|---|---|---|---|", flush=True)
     if args.speed_only:
         seq_len = load_config(REPO / "configs" / "tiny.toml", overrides).data.seq_len
         interleaved_speed(root, "demo (tiny)", args, seq_len)
@@ -189,6 +188,7 @@ def main() -> int:
                 "optim.lr": args.finetune_lr, "optim.warmup_steps": 0}
         train(folder / args.train_only, {**tune, **({"train.qat": qat} if qat in QAT_SCHEMES[1:] else {})})
         return 0
+    print("| model | variant | val ppl | size (MiB) | CPU tokens/s (forward) |\n|---|---|---|---|---|", flush=True)
     rows = run_model("demo (tiny)", overrides, args, root)
     if args.larger:
         rows += run_model(f"larger (dim {LARGER['model.dim']}, {LARGER['model.n_layers']} layers)",
