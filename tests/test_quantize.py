@@ -167,6 +167,12 @@ def test_qat_trains_through_fake_quantized_linears(tmp_path, scheme):
     assert len(losses) == 2 and all(loss == loss for loss in losses)
 
 
+@pytest.mark.parametrize("mode", ["16-mixed", "bf16-true", "tf32"])
+def test_qat_trains_under_the_other_precision_modes(tmp_path, mode):
+    result = Trainer(micro_cfg(tmp_path, **{"train.qat": "int8-int4", "train.steps": 3, "precision.mode": mode})).fit()
+    assert len(result["losses"]) == 3 and all(0 < loss < 6 for loss in result["losses"])
+
+
 @pytest.mark.parametrize("extra", [{}, {"train.grad_accum": 2, "memory.activation_checkpointing": "full",
                                         "precision.mode": "bf16-mixed"}], ids=["plain", "accum-ac-bf16"])
 def test_qat_stop_and_resume_gives_bitwise_identical_losses(tmp_path, extra):
