@@ -142,7 +142,7 @@ def test_int4_packing_round_trips_every_value():
 # QAT
 
 
-def test_qat_then_quantize_stays_close_to_fp32_and_beats_its_own_fake_quantized_eval(runs):
+def test_qat_then_quantize_stays_close_to_fp32_and_matches_its_fake_quantized_eval(runs):
     """The QAT run's int8-int4 model: within tolerance of the fp32 model, and the quantized
     model evaluates to what the fake-quantized training evaluated (the rounding is the same)."""
     out = runs["root"] / "qat-int8-int4"
