@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.scaletrain-installed
 
-.PHONY: demo test test-fast test-mutations install clean
+.PHONY: demo test test-fast test-gpu test-mutations install clean
 
 install: $(STAMP)
 
@@ -26,6 +26,10 @@ test: $(STAMP)
 # the inner loop: everything in one process (no ranks, signals or mounts), under 3 minutes
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not multiproc and not slow"
+
+# the tests that need a CUDA device (marked gpu; on a CPU machine they skip, each with its reason)
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
 
 # plants known bugs one at a time on a copy of the tree and shows which tests catch each, by how
 # much (docs/testing.md); a few minutes, not part of `make test`

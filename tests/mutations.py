@@ -147,6 +147,15 @@ MUTANTS = [
            "never summed", "src/scaletrain/train/trainer.py",
            "            reduce_gradients(tied, self.tied[0])\n", "",
            (f"{MP}::test_parity_with_one_process[pp2-tied]", f"{MP}::test_tied_embedding_copies_stay_identical[pp2-tied]")),
+    # quantization: a saved int8 weight rebuilt without its per-row scale (the integers taken as
+    # the weights themselves)
+    Mutant("quantized-scale-not-applied", "a quantized folder's int8 weights loaded without their scales",
+           "src/scaletrain/quant/ptq.py",
+           'return Int8Tensor(parts["qdata"], parts["scale"], [1, cols]',
+           'return Int8Tensor(parts["qdata"], torch.ones_like(parts["scale"]), [1, cols]',
+           ("tests/test_quantize.py::test_the_folder_loads_without_unpickling_and_gives_the_same_logits[int8-weight]",
+            "tests/test_quantize.py::test_ptq_perplexity_is_within_tolerance_of_fp32_and_the_folder_is_smaller"
+            "[int8-dynamic]")),
 ]
 
 

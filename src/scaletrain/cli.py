@@ -14,7 +14,7 @@ import threading
 from typing import Sequence
 
 from scaletrain.errors import UserError, config_paths, os_errors_named, user_error_from_os
-from scaletrain.vocab import did_you_mean
+from scaletrain.vocab import QUANT_SCHEMES, did_you_mean
 
 PROG = "scaletrain"
 
@@ -232,8 +232,13 @@ def _prepare(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _checkpoint_of(path: str) -> str:
-    """A checkpoint folder, or a run folder's newest complete checkpoint (said on stderr)."""
+    """A checkpoint folder, or a run folder's newest complete checkpoint (said on stderr); a
+    folder written by `scaletrain quantize` as it is."""
+    from scaletrain.quant.ptq import is_quantized_folder
     from scaletrain.train.checkpoint import checkpoint_of
+
+    if is_quantized_folder(path):
+        return path
 
     return str(checkpoint_of(path, report=_note))
 
@@ -248,7 +253,8 @@ def _eval(args: argparse.Namespace, extra: list[str]) -> int:
     if args.json:
         print(json.dumps(r, indent=1))
     else:
-        print(f"val_loss {r['val_loss']:.4f}  val_ppl {r['val_ppl']:.2f}  ({r['data']}, {r['split']}: "
+        scheme = f"  [quantized: {r['quantized']}]" if r.get("quantized") else ""
+        print(f"val_loss {r['val_loss']:.4f}  val_ppl {r['val_ppl']:.2f}{scheme}  ({r['data']}, {r['split']}: "
               f"{r['batches']} batch(es) = {r['windows']:,} windows, {r['tokens']:,} tokens; step {r['step']})")
         for name, loss in r.get("sources", {}).items():
             print(f"  {name}: val_loss {loss:.4f}")
@@ -285,6 +291,18 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
         out = export_hf(checkpoint, args.out, overwrite=args.overwrite) if args.format == "hf" else \
             export_safetensors(checkpoint, args.out, overwrite=args.overwrite)
     print(f"wrote {out}")
+    return 0
+
+
+def _quantize(args: argparse.Namespace, extra: list[str]) -> int:
+    from scaletrain.train.quantize import quantize_source
+
+    with os_errors_named({"--out": args.out, "source": args.source}):
+        source = args.source if os.path.isfile(args.source) else _checkpoint_of(args.source)
+        out = quantize_source(source, args.scheme, args.out, overwrite=args.overwrite, report=print)
+    from scaletrain.quant.ptq import folder_bytes
+
+    print(f"wrote {out} ({folder_bytes(out) / 2**20:.2f} MiB)")
     return 0
 
 
@@ -668,6 +686,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="safetensors: one file, scaletrain names; hf: a Hugging Face model folder (config.json, "
                         "safetensors, generation_config, the data's tokenizer) that transformers loads with no code")
     p.set_defaults(func=_export, takes_overrides=False, parser=p)
+
+    p = sub.add_parser("quantize", help="quantize a checkpoint's linear layers to int8/int4 (torchao), to a folder "
+                                        "eval reads",
+                       description="Post-training quantization with torchao. The transformer blocks' linear layers "
+                                   "convert; the embeddings, the output head and small layers stay high precision "
+                                   "(printed). The folder holds safetensors and JSON only: it loads without "
+                                   "unpickling. A checkpoint trained with train.qat takes its own scheme.")
+    p.add_argument("source", help="a checkpoint folder (runs/.../checkpoints/step_*), a run folder (its newest "
+                                  "complete checkpoint), or a .safetensors file written by scaletrain export")
+    p.add_argument("--scheme", required=True, choices=QUANT_SCHEMES,
+                   help="int8-weight: int8 weights per channel; int8-dynamic: int8 activations per token and int8 "
+                        "weights per channel; int8-int4: int8 activations and int4 weights in groups of 32")
+    p.add_argument("--out", required=True, help="the folder to write (created; an existing one only with --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out (written whole first)")
+    p.set_defaults(func=_quantize, takes_overrides=False, parser=p)
 
     p = sub.add_parser("verify", help="check a layout against one process, step by step",
                        description="Run the config's first --steps steps under its layout and under a reference "

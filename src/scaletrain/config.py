@@ -20,7 +20,7 @@ from scaletrain.errors import ConfigError, DataError
 from scaletrain.model.config import MODEL_SHAPE, ModelConfig, check_model
 from scaletrain.options import build_section, option
 from scaletrain.vocab import (AC_MODES, CP_METHODS, DP_SYNC_MODES, OPTIMIZERS, OUTER_OPTIMIZERS, PP_SCHEDULES,
-                              PRECISIONS, SYNC_DTYPES, did_you_mean)
+                              PRECISIONS, QAT_SCHEMES, SYNC_DTYPES, did_you_mean)
 
 # --------------------------------------------------------------------------------------------
 # Declaring options
@@ -65,6 +65,10 @@ class TrainConfig:
                                 "split (prepare --val-fraction; built-in data: Python's docstrings); 0 = never", min=0)
     eval_batches: int = option(8, "validation batches of train.global_batch sequences per evaluation, the same "
                                   "windows each time; 0 = every whole batch the split holds", min=0)
+    qat: str = option("none", "quantization-aware training: fake-quantize the blocks' linear layers as the "
+                              "scheme will (int8 activations per token; int8 weights per channel, or int4 in "
+                              "groups of 32), so `scaletrain quantize --scheme` of the checkpoint loses less",
+                      choices=QAT_SCHEMES)
 
 
 @dataclass
@@ -476,6 +480,10 @@ def check_combinations(cfg: JobConfig) -> list[str]:
         errors.append(f"parallel.sync_delay={par.sync_delay} must be below sync_every / sync_fragments = "
                       f"{par.sync_every} / {par.sync_fragments}: a fragment's sync must land before the next "
                       f"fragment's begins; lower sync_delay or sync_fragments, or raise sync_every")
+    if cfg.train.qat != "none":
+        from scaletrain.quant.layers import qat_problems  # torch-free
+
+        errors.extend(qat_problems(m, cfg.train.qat))
     if cfg.optim.name == "adamw8bit" and cfg.optim.implementation not in ("auto",):
         errors.append("optim.implementation applies to adamw and sgd; leave it at auto for adamw8bit")
     return errors

@@ -12,7 +12,6 @@ Optimizer state per parameter (fp32 parameters):
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Iterable
 
@@ -20,7 +19,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from scaletrain.config import OptimConfig
-from scaletrain.errors import ConfigError
 from scaletrain.vocab import OPTIMIZERS, unknown
 
 
@@ -67,20 +65,11 @@ def _kernel_flags(implementation: str, named_params) -> dict:
 
 
 def _adamw8bit(groups: list[dict], lr: float, cfg: OptimConfig) -> torch.optim.Optimizer:
-    # importing torchao logs failures to load GPU-only kernels on a CPU machine and a
-    # deprecation notice from torch; neither is the user's business
-    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [log.level for log in quiet]
-    for log in quiet:
-        log.setLevel(logging.ERROR)
-    try:
-        from torchao.optim import AdamW8bit
-    except ImportError:
-        raise ConfigError("optim.name=adamw8bit needs torchao: pip install 'torchao>=0.18' "
-                          "(or pip install 'scaletrain[lowmem]')") from None
-    finally:
-        for log, level in zip(quiet[1:], levels[1:]):
-            log.setLevel(level)
+    from scaletrain.quant import import_torchao  # without the GPU-kernel noise of a CPU machine
+
+    import_torchao("optim.name=adamw8bit", modules=("torchao.optim",))
+    from torchao.optim import AdamW8bit
+
     return AdamW8bit(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 

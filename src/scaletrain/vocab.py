@@ -14,6 +14,13 @@ PRECISIONS = ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true")
 # the planner's name for the peak FLOP/s a precision computes at (scaletrain.hardware's catalog keys)
 PEAK_KIND = {"32-true": "fp32", "tf32": "tf32", "16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
 
+# post-training quantization schemes (`scaletrain quantize --scheme`, scaletrain.quant.ptq): int8
+# weights alone, int8 activations and weights, int8 activations and int4 weights in groups
+QUANT_SCHEMES = ("int8-weight", "int8-dynamic", "int8-int4")
+# quantization-aware training (train.qat): "none", or a scheme whose activations are quantized too,
+# fake-quantized during training (scaletrain.quant.qat)
+QAT_SCHEMES = ("none", "int8-dynamic", "int8-int4")
+
 OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
 
 # activation checkpointing: keep everything, recompute element-wise work, recompute whole blocks

@@ -29,6 +29,7 @@ from scaletrain.parallel.init import init_weights, load_weights
 from scaletrain.runtime import Runtime
 from scaletrain.parallel.tensor_parallel import apply_tensor_parallel
 from scaletrain.precision import Precision
+from scaletrain.quant.qat import prepare_qat
 from scaletrain.vocab import DP_ENGINES, unknown
 
 
@@ -87,6 +88,12 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
     else:
         num_stages, stage_ids, chunks = 1, [0], [model]
 
+    # 1b. quantization-aware training: the chosen linears become fake-quantized ones (same names)
+    if cfg.train.qat != "none":
+        _check_qat(cfg, lay)
+        for chunk in chunks:
+            prepare_qat(chunk, cfg.train.qat)
+
     for chunk in chunks:
         # 2. tensor (and sequence) parallel over the innermost axis
         if lay.tp > 1:
@@ -140,6 +147,18 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
         result.stages = [PipelineStage(m, sid, num_stages, rt.device, group=rt.group("pp"))
                          for m, sid in zip(dp.models, stage_ids)]
     return result
+
+
+def _check_qat(cfg: JobConfig, lay) -> None:
+    """train.qat composes with data parallelism (DDP, ZeRO 0-3), every precision, accumulation,
+    activation checkpointing and compile; tensor and pipeline parallelism are refused."""
+    if lay.tp > 1:
+        raise ConfigError(f"train.qat={cfg.train.qat} with parallel.tp={lay.tp}: torchao's fake-quantized linear "
+                          "quantizes whole weight rows and token rows, which tensor parallelism splits across ranks "
+                          "(per-row scales would differ from the quantized model's); set parallel.tp=1")
+    if lay.pp > 1:
+        raise ConfigError(f"train.qat={cfg.train.qat} with parallel.pp={lay.pp}: not supported yet (the pipeline "
+                          "stages are untested with fake-quantized linears); set parallel.pp=1")
 
 
 def _shard_mesh(rt: Runtime):
@@ -208,6 +227,10 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
                           "models scaletrain knows (its own transformer, or one taken with model.from_hf and "
                           "model.init_from); a custom nn.Module trains with data parallelism (DDP, ZeRO 0-3), any "
                           "precision, activation checkpointing and compile: set parallel.tp=1 and parallel.pp=1")
+    if cfg.train.qat != "none":
+        raise ConfigError(f"train.qat={cfg.train.qat} fake-quantizes scaletrain's own transformer (its layer rule "
+                          "knows which linears convert); for a custom nn.Module apply torchao's QATConfig to it "
+                          "before handing it to the Trainer, and set train.qat=none")
     if cfg.model.init_from:
         raise ConfigError("model.init_from loads weights into scaletrain's own model; a custom nn.Module brings "
                           "its own weights: load them into the module before handing it to the Trainer")

@@ -11,6 +11,8 @@ process. The windows are those the training run evaluated: the same data split, 
 checkpoint's data.seq_len, global batch and seed, and train.eval_batches batches of them (or
 --batches), so the number matches the val_loss the run logged at the checkpoint's step. The
 model runs whole, in fp32; a folder without a validation split is evaluated on all its windows.
+A folder written by `scaletrain quantize` is evaluated the same way, its quantized layers as they
+are (the windows come from the config it records).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from scaletrain.data.loader import rank_slices, validation_batches
 from scaletrain.data.mix import source_name
 from scaletrain.errors import ConfigError, DataError
 from scaletrain.parallel import pipeline
+from scaletrain.quant.ptq import is_quantized_folder, load_quantized, read_info
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.export import load_model_from_checkpoint
 from scaletrain.train.metrics import perplexity
@@ -148,7 +151,13 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, batches: int 
         raise ConfigError(f"--device {device!r}: expected auto, cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available here; use --device cpu")
-    state = ckpt.read_trainer_state(Path(path))
+    quantized = is_quantized_folder(path)
+    if quantized:  # `scaletrain quantize`'s folder: its quantization.json holds the run's config
+        info = read_info(path)
+        state = {"config": info["config"], "step": info.get("step") or 0,
+                 "data": {"global_batch": info.get("global_batch") or 32}}
+    else:
+        state = ckpt.read_trainer_state(Path(path))
     cfg = from_dict(state["config"])
     if data is None and cfg.data.mix:  # each source of the mix, and their mean weighted as the mix
         pairs = [(source_name(p), w, p) for p, w in parse_mix(cfg.data.mix)]
@@ -156,7 +165,7 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, batches: int 
         pairs = [(None, 1.0, cfg.data.path if data is None else str(data))]
     seq_len, global_batch, seed = cfg.data.seq_len, int(state["data"]["global_batch"]), cfg.train.seed
     dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
-    model = load_model_from_checkpoint(path).to(dev).eval()
+    model = load_quantized(path)[0].to(dev) if quantized else load_model_from_checkpoint(path).to(dev).eval()
     from scaletrain.model.loss import cross_entropy_sum  # the training loss, summed over tokens
 
     losses, weights, parts = {}, {}, []
@@ -186,6 +195,8 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, batches: int 
            "batches": sum(len(o) for _, _, o in parts), "windows": sum(int(o.size) for _, _, o in parts),
            "tokens": sum(int(o.size) * seq_len for _, _, o in parts),
            "val_loss": loss, "val_ppl": perplexity(loss), "device": str(dev)}
+    if quantized:
+        out["quantized"] = info["scheme"]
     if len(parts) > 1:
         out["sources"] = {n: losses[n] for n in losses}
     return out

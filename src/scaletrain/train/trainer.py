@@ -46,6 +46,7 @@ from scaletrain.parallel.init import canonical_name
 from scaletrain.parallel.parallelize import parallelize
 from scaletrain.parallel.tensor_parallel import replicated_kv_names
 from scaletrain.precision import MasterWeights, Precision
+from scaletrain.quant.layers import describe, layer_plan
 from scaletrain.runtime import Runtime, single_process
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import run_folder
@@ -217,6 +218,8 @@ class Trainer:
 
             check_same_tokenizer(cfg.model.init_from, cfg.data.path)  # the ids must mean the same text
             weights = load_hf_weights(cfg.model.init_from, cfg.model)  # names, shapes checked; read on use
+        if cfg.train.qat != "none":  # the layer rule, said once (quant/layers.py)
+            self.folder.notes.extend(describe(layer_plan(model, cfg.train.qat), f"train.qat={cfg.train.qat}"))
         pm = parallelize(model, cfg, self.rt, self.precision, weights=weights)
         if weights is not None:
             self.folder.notes.append(f"weights from {cfg.model.init_from}: rank {self.rank} read "
