@@ -368,7 +368,7 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
         hardware = replace(hw, bus_GBps=bus)
     result = plan(req.model, hardware=hardware, hardware_file=args.hardware_file, nodes=nodes,
                   gpus_per_node=per_node, attention=args.attention, layout=req.layout,
-                  top_k=args.top or 10, activations=args.activations, engine=args.engine, compile=args.compile,
+                  top_k=10 if args.top is None else args.top, activations=args.activations, engine=args.engine, compile=args.compile,
                   fp8=args.fp8, workers=args.workers, workers_link=args.workers_link, sync=req.sync, **req.workload)
     if args.json:
         print(report.to_json(result))
