@@ -128,6 +128,15 @@ MUTANTS = [
            "    return out * torch.exp(lse - merged) + block_out * torch.exp(block_lse - merged), merged\n",
            "    return out + block_out, merged\n",
            (f"{MP}::test_parity_with_one_process[cp2-ring]", f"{MP}::test_parity_with_one_process[cp4-ring-llama]")),
+    Mutant("cp-ring-grads-left-on-the-ring", "ring attention's backward leaves each K/V block's gradient with the "
+           "rank that held it last (not sent back to its owner)", "src/scaletrain/parallel/context_parallel.py",
+           "            d_kv = _shift(d_kv, group, nxt, prev)\n", "            pass\n",
+           (f"{MP}::test_parity_with_one_process[cp2-ring]", f"{MP}::test_parity_with_one_process[cp4-ring-llama]")),
+    Mutant("cp-allgather-grads-kept-local", "allgather attention's backward keeps its own queries' share of its "
+           "K/V gradient (the other ranks' shares never reduce-scattered to it)",
+           "src/scaletrain/parallel/context_parallel.py",
+           "        d_kv = _reduce_scatter(d_kv, group)\n", "        d_kv = d_kv[rank]\n",
+           (f"{MP}::test_parity_with_one_process[cp4-allgather]", f"{MP}::test_parity_with_one_process[cp2-allgather-llama]")),
     Mutant("cp-rope-contiguous-positions", "under cp the rotary tables start at 0 on every rank (positions not "
            "those of the rank's chunks)", "src/scaletrain/parallel/context_parallel.py",
            "model.rope_cos[positions], model.rope_sin[positions]",

@@ -7,9 +7,15 @@ and three methods bring them (parallel.cp_method):
 
   ring       each rank's K/V block travels around the cp ranks (cp - 1 point-to-point shifts per
              layer); each block's partial attention comes with its log-sum-exp, and the partial
-             results are merged exactly. Memory: two K/V blocks at a time.
-  allgather  the K/V of all cp ranks gathered once per layer (backward: their gradients
-             reduce-scattered back). Memory: the whole sequence's K/V on every rank.
+             results are merged exactly. Backward passes the blocks round again, each with
+             its dK/dV accumulator. Memory: two K/V blocks at a time.
+  allgather  the K/V of all cp ranks gathered once per layer (backward: gathered again, their
+             gradients reduce-scattered back). Memory: the whole sequence's K/V on every rank,
+             during the layer's forward and backward only.
+
+Ring and allgather are each one autograd.Function that keeps for backward only the rank's own
+q, k, v, the output and its log-sum-exp, and recomputes the scores there (as flash attention
+does), TILE query rows at a time.
   ulysses    an all-to-all swaps sequence shards for head shards: each rank attends over the whole
              sequence for heads/cp of the heads, and a second all-to-all swaps back. Needs the
              heads (per tensor-parallel rank) divisible by cp; K/V heads fewer than cp are copied.
@@ -70,35 +76,18 @@ def _shift(x: torch.Tensor, group, to: int, frm: int) -> torch.Tensor:
     return out
 
 
-class _RingShift(torch.autograd.Function):
-    """Send x to the next rank of the ring, receive the previous rank's; the gradient goes back."""
-
-    @staticmethod
-    def forward(ctx, x, group, to, frm):
-        ctx.group, ctx.to, ctx.frm = group, to, frm
-        return _shift(x, group, to, frm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _shift(grad, ctx.group, ctx.frm, ctx.to), None, None, None
+def _gather(x: torch.Tensor, group, n: int) -> torch.Tensor:
+    """(n, *x.shape): every rank's x, in rank order."""
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # the ranks' tensors one after the other
+    dist.all_gather_single(out, x.contiguous(), group=group)
+    return out.unflatten(0, (n, x.shape[0]))
 
 
-class _AllGather(torch.autograd.Function):
-    """(n, *x.shape): every rank's x; backward: each rank's gradient summed over the ranks
-    (a reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, x, group, n):
-        ctx.group = group
-        out = x.new_empty((n * x.shape[0], *x.shape[1:]))  # the ranks' tensors one after the other
-        dist.all_gather_single(out, x.contiguous(), group=group)
-        return out.unflatten(0, (n, x.shape[0]))
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_empty(grad.shape[1:])
-        dist.reduce_scatter_single(out, grad.flatten(0, 1).contiguous(), group=ctx.group)
-        return out, None, None
+def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """x (n, ...): part j summed over the ranks, arriving at rank j."""
+    out = x.new_empty(x.shape[1:])
+    dist.reduce_scatter_single(out, x.flatten(0, 1).contiguous(), group=group)
+    return out
 
 
 class _AllToAll(torch.autograd.Function):
@@ -138,48 +127,40 @@ def _scores(q, k, allowed) -> torch.Tensor:
 TILE = 512  # query rows whose scores exist at once: the transient memory is TILE × keys per head
 
 
-class _BlockAttention(torch.autograd.Function):
-    """One K/V block's partial attention, (output normalised within the block, its log-sum-exp
-    (B, H, Tq, 1)), in fp32. It keeps q, k, v, the output and the log-sum-exp for backward and
-    recomputes the scores there (as flash attention does), TILE query rows at a time: no
-    Tq × Tk matrix outlives a tile.
-
-    With p = softmax(s), o = p v and lse = logsumexp(s), for upstream gradients dO and dLSE:
-        dv = pᵀ dO,  ds = p ⊙ (dO vᵀ - rowsum(dO ⊙ o) + dLSE),  dq = ds k / √d,  dk = dsᵀ q / √d"""
-
-    @staticmethod
-    def forward(ctx, q, k, v, allowed):
-        outs, lses = [], []
-        for i in range(0, q.shape[2], TILE):
-            scores = _scores(q[:, :, i:i + TILE], k, allowed[i:i + TILE])
-            lse = scores.logsumexp(-1, keepdim=True)
-            outs.append(torch.exp(scores - lse) @ v.float())
-            lses.append(lse)
-        out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
-        ctx.save_for_backward(q, k, v, allowed, out, lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, d_out, d_lse):
-        q, k, v, allowed, out, lse = ctx.saved_tensors
-        scale = 1 / math.sqrt(q.shape[-1])
-        kf, vf = k.float(), v.float()
-        d_q, d_k, d_v = [], torch.zeros_like(kf), torch.zeros_like(vf)
-        for i in range(0, q.shape[2], TILE):
-            rows = slice(i, i + TILE)
-            p = torch.exp(_scores(q[:, :, rows], k, allowed[rows]) - lse[:, :, rows])  # (B, H, tile, Tk)
-            d_v += p.transpose(-2, -1) @ d_out[:, :, rows]
-            d_s = p * (d_out[:, :, rows] @ vf.transpose(-2, -1)
-                       - (d_out[:, :, rows] * out[:, :, rows]).sum(-1, keepdim=True) + d_lse[:, :, rows])
-            d_q.append((d_s @ kf) * scale)
-            d_k += (d_s.transpose(-2, -1) @ q[:, :, rows].float()) * scale
-        return torch.cat(d_q, 2).to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None
+def _fold_kv(d: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The adjoint of _repeat_kv: (B, heads, T, D) gradients summed into (B, kv_heads, T, D)."""
+    return d if d.shape[1] == kv_heads else d.unflatten(1, (kv_heads, -1)).sum(2)
 
 
-def _block_attention(q, k, v, allowed) -> tuple[torch.Tensor, torch.Tensor]:
-    """One K/V block's partial attention: (output normalised within the block, its log-sum-exp)."""
-    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
-    return _BlockAttention.apply(q, k, v, allowed)
+def _block_forward(q, k, v, allowed) -> tuple[torch.Tensor, torch.Tensor]:
+    """One K/V block's partial attention in fp32, TILE query rows at a time: (output normalised
+    within the block (B, H, Tq, D), its log-sum-exp (B, H, Tq, 1)). k, v have q's heads."""
+    outs, lses = [], []
+    for i in range(0, q.shape[2], TILE):
+        scores = _scores(q[:, :, i:i + TILE], k, allowed[i:i + TILE])  # (B, H, tile, Tk)
+        lse = scores.logsumexp(-1, keepdim=True)
+        outs.append(torch.exp(scores - lse) @ v.float())
+        lses.append(lse)
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def _block_backward(q, k, v, allowed, lse, d_out, delta, d_q) -> tuple[torch.Tensor, torch.Tensor]:
+    """One K/V block's share of the gradients of the whole attention, from the scores recomputed
+    TILE query rows at a time. lse is the log-sum-exp over all keys (so p = exp(s - lse) is the
+    block's part of the full softmax) and delta = rowsum(dO ⊙ o) of the full output:
+        dv = pᵀ dO,  ds = p ⊙ (dO vᵀ - delta),  dq = ds k / √d,  dk = dsᵀ q / √d.
+    Adds dq into d_q (fp32, in place); returns (dk, dv) in fp32 with k's heads (those of q)."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    kf, vf = k.float(), v.float()
+    d_k, d_v = torch.zeros_like(kf), torch.zeros_like(vf)
+    for i in range(0, q.shape[2], TILE):
+        rows = slice(i, i + TILE)
+        p = torch.exp(_scores(q[:, :, rows], k, allowed[rows]) - lse[:, :, rows])  # (B, H, tile, Tk)
+        d_v += p.transpose(-2, -1) @ d_out[:, :, rows]
+        d_s = p * (d_out[:, :, rows] @ vf.transpose(-2, -1) - delta[:, :, rows])
+        d_q[:, :, rows] += (d_s @ kf) * scale
+        d_k += (d_s.transpose(-2, -1) @ q[:, :, rows].float()) * scale
+    return d_k, d_v
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -191,28 +172,102 @@ def _merge(out, lse, block_out, block_lse):
     return out * torch.exp(lse - merged) + block_out * torch.exp(block_lse - merged), merged
 
 
+def _allowed(seq: int, n: int, rank: int, block: int, device) -> torch.Tensor:
+    """(T_local, T_local) causal mask of cp rank `rank`'s queries against cp rank `block`'s keys."""
+    return chunk_positions(seq, n, rank, device)[:, None] >= chunk_positions(seq, n, block, device)[None, :]
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the whole sequence, the K/V blocks passed
+    around the ring. Keeps for backward only this rank's q, k, v, the merged output and its
+    log-sum-exp (no other rank's K/V, no per-block output): backward passes the K/V blocks
+    around the ring again, recomputes each block's scores, and the block's dK/dV accumulator
+    travels with it, one more shift bringing each to its owner."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, rank, n, ranks):
+        ctx.group, ctx.rank, ctx.n, ctx.ranks = group, rank, n, ranks
+        seq, heads = q.shape[2] * n, q.shape[1]
+        kv = torch.stack((k, v))  # one message per shift: (2, B, kv_heads, T_local, D)
+        out = lse = None
+        for step in range(n):  # at step s this rank holds the block of rank (rank - s) mod n
+            if step:
+                kv = _shift(kv, group, ranks[(rank + 1) % n], ranks[(rank - 1) % n])
+            allowed = _allowed(seq, n, rank, (rank - step) % n, q.device)
+            out, lse = _merge(out, lse, *_block_forward(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads), allowed))
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, rank, n, ranks = ctx.group, ctx.rank, ctx.n, ctx.ranks
+        nxt, prev = ranks[(rank + 1) % n], ranks[(rank - 1) % n]
+        seq, heads, kv_heads = q.shape[2] * n, q.shape[1], k.shape[1]
+        d_out = d_out.float()
+        delta = (d_out * out).sum(-1, keepdim=True)  # (B, H, T_local, 1)
+        d_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack((k, v))
+        d_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # the gradient of the block held
+        for step in range(n):
+            if step:  # the block and its gradient so far move on together
+                kv, d_kv = _shift(kv, group, nxt, prev), _shift(d_kv, group, nxt, prev)
+            allowed = _allowed(seq, n, rank, (rank - step) % n, q.device)
+            d_k, d_v = _block_backward(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads), allowed, lse, d_out,
+                                       delta, d_q)
+            d_kv[0] += _fold_kv(d_k, kv_heads)
+            d_kv[1] += _fold_kv(d_v, kv_heads)
+        if n > 1:  # this rank holds rank + 1's block; the previous rank holds this rank's
+            d_kv = _shift(d_kv, group, nxt, prev)
+        return d_q.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), None, None, None, None
+
+
 def ring_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int]) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence; (B, H, T_local, D) each
-    (k and v may have fewer heads). The K/V block held at step s came from rank (rank - s) mod n."""
-    seq = q.shape[2] * n
-    q_pos = chunk_positions(seq, n, rank, q.device)
-    kv = torch.stack((k, v))  # one message per shift: (2, B, kv_heads, T_local, D)
-    out = lse = None
-    for step in range(n):
-        if step:
-            kv = _RingShift.apply(kv, group, ranks[(rank + 1) % n], ranks[(rank - 1) % n])
-        k_pos = chunk_positions(seq, n, (rank - step) % n, q.device)
-        out, lse = _merge(out, lse, *_block_attention(q, kv[0], kv[1], q_pos[:, None] >= k_pos[None, :]))
-    return out.to(q.dtype)
+    (k and v may have fewer heads)."""
+    return _RingAttention.apply(q, k, v, group, rank, n, ranks)
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the whole sequence's K/V, gathered from the
+    cp ranks. Keeps for backward only this rank's q, k, v, the output and its log-sum-exp:
+    backward gathers the K/V again, recomputes the scores, and reduce-scatters dK/dV to their
+    owners."""
+
+    @staticmethod
+    def _whole(k, v, group, n):
+        kv = _gather(torch.stack((k, v)), group, n)  # (n, 2, B, kv_heads, T_local, D)
+        return kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # (2, B, kv_heads, seq, D), the ranks' tokens in rank order
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, rank, n):
+        ctx.group, ctx.rank, ctx.n = group, rank, n
+        seq, heads = q.shape[2] * n, q.shape[1]
+        kv = _AllGatherAttention._whole(k, v, group, n)
+        allowed = chunk_positions(seq, n, rank, q.device)[:, None] >= all_positions(seq, n, q.device)[None, :]
+        out, lse = _block_forward(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads), allowed)  # one block: every key
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, rank, n = ctx.group, ctx.rank, ctx.n
+        seq, heads, kv_heads = q.shape[2] * n, q.shape[1], k.shape[1]
+        kv = _AllGatherAttention._whole(k, v, group, n)
+        allowed = chunk_positions(seq, n, rank, q.device)[:, None] >= all_positions(seq, n, q.device)[None, :]
+        d_out = d_out.float()
+        d_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        d_k, d_v = _block_backward(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads), allowed, lse, d_out,
+                                   (d_out * out).sum(-1, keepdim=True), d_q)
+        d_kv = torch.stack((_fold_kv(d_k, kv_heads), _fold_kv(d_v, kv_heads)))  # (2, B, kv_heads, seq, D)
+        d_kv = d_kv.unflatten(3, (n, -1)).permute(3, 0, 1, 2, 4, 5)  # (n, 2, B, kv_heads, T_local, D): part j is rank j's
+        d_kv = _reduce_scatter(d_kv, group)
+        return d_q.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), None, None, None
 
 
 def allgather_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int]) -> torch.Tensor:
-    seq = q.shape[2] * n
-    kv = _AllGather.apply(torch.stack((k, v)), group, n)  # (n, 2, B, kv_heads, T_local, D)
-    kv = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # (2, B, kv_heads, seq, D), the ranks' tokens in rank order
-    allowed = chunk_positions(seq, n, rank, q.device)[:, None] >= all_positions(seq, n, q.device)[None, :]
-    out, _ = _block_attention(q, kv[0], kv[1], allowed)  # one block: the whole sequence's keys
-    return out.to(q.dtype)
+    return _AllGatherAttention.apply(q, k, v, group, rank, n)
 
 
 def _to_heads(x: torch.Tensor, group, n: int) -> torch.Tensor:

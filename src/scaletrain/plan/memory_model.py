@@ -298,9 +298,11 @@ def _scaletrain_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp:
     ffn = (2 if cfg.activation == "gelu" else 4) * b * s * f / tp * d.compute
     # nn.Dropout keeps a bool mask of each residual branch's output
     masks = 2 * b * s_loc * h if cfg.dropout > 0 else 0.0
-    # context parallelism: the other cp ranks' keys and values, kept for backward (ring, allgather)
-    others_kv = b * (wl.seq_len - s) * 2 * kv / tp * d.compute if cp > 1 else 0.0
-    return x + x2 + linear_in + norm_extra + qkv + attn_out + lse + ffn + masks + others_kv
+    # context parallelism keeps only this rank's tokens (ring and allgather keep their own K/V,
+    # not the other ranks': they gather or pass them round again in backward); ring and
+    # allgather keep their output in fp32 beside the compute-dtype copy the output projection keeps
+    cp_out = b * s * q / tp * (4 - d.compute) if cp > 1 else 0.0
+    return x + x2 + linear_in + norm_extra + qkv + attn_out + lse + ffn + masks + cp_out
 
 
 def head_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp: int = 1) -> float:
