@@ -4,7 +4,10 @@ final weights, match one process; checkpoints move between layouts."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from safetensors import safe_open
 
 from scaletrain.train.trainer import Trainer
 from scaletrain.verify import TOLERANCES
@@ -12,7 +15,7 @@ from scaletrain.verify import TOLERANCES
 from dist_worker import weight_fingerprint
 
 from conftest import (Lazy, assert_same_run, assert_same_weights, fit_reference, micro_cfg, micro_overrides, run_group,
-                      wanted_params)
+                      run_here, wanted_params)
 
 pytestmark = pytest.mark.multiproc
 
@@ -43,7 +46,7 @@ TWO = [
     ("tp2-sgd-noclip", {"parallel.tp": 2, **SGD}),
     ("pp2-interleaved-sgd-noclip", {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b",
                                     "parallel.pp_virtual_stages": 2, **SGD}),
-    ("pp2-tied", {"parallel.pp": 2, **TIED}),
+    ("pp2-tied", {"parallel.pp": 2, "checkpoint.save_final": True, **TIED}),  # exported below
 ]
 FOUR = [
     ("tp2xpp2", {"parallel.tp": 2, "parallel.pp": 2}),
@@ -149,6 +152,7 @@ def runs(request, tmp_path_factory):
             run(next(n for n, layouts in GROUPS.items() if name in dict(layouts)))
         return done[name]
 
+    get.folder = tmp  # each layout's run folder is folder / name
     return get
 
 
@@ -168,6 +172,20 @@ def test_tied_embedding_copies_stay_identical(runs, name):
     step, so after the run the two copies are the same numbers (bit for bit)."""
     spread = runs(name)["weights_spread"]["tok_emb.weight"]
     assert spread == 0.0, f"{name}: the two stages' copies of tok_emb.weight differ (projection by {spread:.3g})"
+
+
+@pytest.mark.parametrize("name", ["pp2-tied"])
+def test_a_tied_model_trained_under_pipelining_exports_with_tied_embeddings(runs, name, tmp_path):
+    """The last stage's copy of the tied weight is not a separate head: the Hugging Face export
+    of the pipelined run says tie_word_embeddings and stores the weight once."""
+    runs(name)
+    r = run_here("export", str(runs.folder / name), "--format", "hf", "--out", str(tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert not any(n.startswith("lm_head") for n in names), names
 
 
 @pytest.mark.parametrize("name", ["save", "resume-pp2", "resume-tp2-zero0", "resume-cp2-ulysses", "resume-3d-zero2",
