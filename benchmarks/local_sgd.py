@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from data_parallel import _wchar  # the kernel's count of bytes this process wrote (benchmarks/)
+
 # (name, overrides, measured steps): the same model and batch in every row
 ROWS = [
     ("DDP", {"parallel.dp_sync": "step"}, 10),
@@ -37,13 +39,6 @@ ROWS = [
                                "parallel.sync_delay": 5, "parallel.sync_dtype": "int8"}, 50),
 ]
 BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
-
-
-def _wchar() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("wchar:"):
-            return int(line.split()[1])
-    raise RuntimeError("no wchar in /proc/self/io")
 
 
 def _config(args, extra: list[str], overrides: dict, run_dir: str):

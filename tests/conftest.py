@@ -262,3 +262,22 @@ def forge_checksums(checkpoint: Path) -> None:
         data = (Path(checkpoint) / name).read_bytes()
         state["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     f.write_text(json.dumps(state))
+
+
+def run_until(cfg, stop_after: int) -> dict:
+    """Train with cfg but stop (as SIGTERM would) once `stop_after` steps are done."""
+    import signal
+
+    from scaletrain.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    step = trainer.train_step
+
+    def step_then_maybe_stop(batches):
+        out = step(batches)
+        if trainer.step + 1 >= stop_after:
+            trainer._stop_signal = signal.SIGTERM
+        return out
+
+    trainer.train_step = step_then_maybe_stop
+    return trainer.fit()

@@ -15,22 +15,7 @@ from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.export import export_safetensors, load_model_from_checkpoint
 from scaletrain.train.trainer import Trainer
 
-from conftest import REPO, forge_checksums, micro_cfg, read_metrics
-
-
-def run_until(cfg, stop_after: int) -> dict:
-    """Train with cfg but stop (as SIGTERM would) once `stop_after` steps are done."""
-    trainer = Trainer(cfg)
-    step = trainer.train_step
-
-    def step_then_maybe_stop(batches):
-        out = step(batches)
-        if trainer.step + 1 >= stop_after:
-            trainer._stop_signal = signal.SIGTERM
-        return out
-
-    trainer.train_step = step_then_maybe_stop
-    return trainer.fit()
+from conftest import REPO, forge_checksums, micro_cfg, read_metrics, run_until
 
 
 def test_stop_and_resume_gives_bitwise_identical_losses(tmp_path):
@@ -53,9 +38,13 @@ def test_stop_and_resume_gives_bitwise_identical_losses(tmp_path):
     {"precision.mode": "bf16-true"},
     {"precision.mode": "16-mixed", "precision.growth_interval": 2, "precision.init_scale": 4.0},
     {"memory.activation_checkpointing": "selective", "train.grad_accum": 2},
+    # quantization-aware training: the fake quantizers' state comes back too
+    {"train.qat": "int8-int4"},
+    {"train.qat": "int8-int4", "train.grad_accum": 2, "memory.activation_checkpointing": "full",
+     "precision.mode": "bf16-mixed"},
 ], ids=lambda e: "-".join(str(v) for v in e.values()))
 def test_resume_is_exact_for_optimizers_and_precisions(tmp_path, extra):
-    if extra.get("optim.name") == "adamw8bit":
+    if extra.get("optim.name") == "adamw8bit" or "train.qat" in extra:
         pytest.importorskip("torchao")
     base = {"train.steps": 6, "checkpoint.every": 3, **extra}
     straight = Trainer(micro_cfg(tmp_path / "a", **base)).fit()["history"]

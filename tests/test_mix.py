@@ -5,7 +5,6 @@ one tokenizer for all, validation loss per source."""
 from __future__ import annotations
 
 import json
-import signal
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from scaletrain.data.prepare import prepare
 from scaletrain.errors import ConfigError, DataError
 from scaletrain.train.trainer import Trainer
 
-from conftest import micro_cfg, read_metrics, run_here
+from conftest import micro_cfg, read_metrics, run_here, run_until
 
 TEXTS = {
     "web": "The quick brown fox jumps over the lazy dog. ",
@@ -103,20 +102,6 @@ def test_bad_mixes_are_one_line(folders, tmp_path):
     assert "every source of a mix must share one: prepare them with the same --tokenizer" in r.stderr
     with pytest.raises(DataError, match="another tokenizer"):
         MixData(parse_mix(mix_of(folders, {"web": 1, "bpe": 1})))
-
-
-def run_until(cfg, stop_after: int) -> dict:
-    trainer = Trainer(cfg)
-    step = trainer.train_step
-
-    def step_then_maybe_stop(batches):
-        out = step(batches)
-        if trainer.step + 1 >= stop_after:
-            trainer._stop_signal = signal.SIGTERM
-        return out
-
-    trainer.train_step = step_then_maybe_stop
-    return trainer.fit()
 
 
 def test_training_on_a_mix_logs_proportions_and_validation_per_source_and_resumes_exactly(folders, tmp_path):
