@@ -63,7 +63,7 @@ def test_an_unknown_worker_task_is_one_line_and_exit_2():
                        timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip() == ("scaletrain: error: rank 0: unknown worker task 'nope'; known: train, verify, "
-                                "measure, bench-techniques, bench-comms or MODULE:FUNCTION")
+                                "measure, bench-techniques, bench-comms, calibrate or MODULE:FUNCTION")
 
 
 # ------------------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
             from scaletrain.train.job import exit_code
             from scaletrain.train.trainer import Trainer
 
-            cfg, layout = resolve(cfg, 1, pick_device(cfg.train.device), note=_note)
+            cfg, layout = resolve(cfg, 1, pick_device(cfg.train.device), note=_note, measure=_measure_module())
             if cfg.train.compile:
                 _check_compiler(cfg.train.device, 1)
             trainer = Trainer(cfg, single_process(cfg, layout))  # checked: the resume included
@@ -145,7 +145,8 @@ def _launch(args: argparse.Namespace, cfg, note: str | None = None) -> int:
     device = pick_device(cfg.train.device, 0, args.nproc)
     if cfg.train.compile:  # every rank would fail the same way: say it once, here
         _check_compiler(cfg.train.device, args.nproc)
-    cfg, layout = resolve(cfg, world, device, gpus_per_node=args.nproc, note=_note)
+    cfg, layout = resolve(cfg, world, device, gpus_per_node=args.nproc, note=_note,
+                          measure=_measure_module() if args.nnodes == 1 else None)
     layout.check(cfg.model, seq_len=cfg.data.seq_len)
     _check_resume_sync(cfg, layout)
     if not cfg.log.run_dir:  # every rank (and node) must write to the same folder
@@ -345,11 +346,12 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
 
     _check_png("--chart", args.chart)
     hardware, nodes, per_node = args.hardware, args.nodes, args.gpus_per_node
-    if args.measure:  # plan for the devices at hand, where the step will run
+    here = args.measure or args.calibrate
+    if here:  # plan for the devices at hand, where the step will run
         nodes, per_node = 1, args.nproc or 1
     aliases = {flag: getattr(args, _alias_dest(flag)) for flag in ALIASES}
     req = read_request(args.model, args.config, aliases, extra, cp=args.cp, world=nodes * per_node)
-    if args.measure:
+    if here:
         from scaletrain.runtime import pick_device
         from scaletrain.hardware import local_hardware
 
@@ -369,7 +371,8 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
     result = plan(req.model, hardware=hardware, hardware_file=args.hardware_file, nodes=nodes,
                   gpus_per_node=per_node, attention=args.attention, layout=req.layout,
                   top_k=10 if args.top is None else args.top, activations=args.activations, engine=args.engine, compile=args.compile,
-                  fp8=args.fp8, workers=args.workers, workers_link=args.workers_link, sync=req.sync, **req.workload)
+                  fp8=args.fp8, workers=args.workers, workers_link=args.workers_link, sync=req.sync,
+                  calibrate=_calibration_here() if here else None, **req.workload)
     if args.json:
         print(report.to_json(result))
     else:
@@ -401,6 +404,22 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
                                  overrides=req.overrides)
         return code or (0 if result["layouts"][0].fits else 1)
     return 0 if result["layouts"][0].fits else 1
+
+
+def _measure_module():
+    """What parallel.auto_measure_s measures with, from a process that may start others."""
+    from scaletrain import measure
+
+    return measure
+
+
+def _calibration_here():
+    """The planner's `calibrate`: this machine's calibration, measured where missing (said on stderr)."""
+    import functools
+
+    from scaletrain.measure import calibration
+
+    return functools.partial(calibration, note=lambda line: print(line, file=sys.stderr))
 
 
 def _verify(args: argparse.Namespace, extra: list[str]) -> int:
@@ -655,7 +674,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chart", help="stacked memory bars of the top layouts, to this PNG")
     p.add_argument("--measure", action="store_true",
                    help="run one real step of the best (or fixed) layout here and print predicted vs measured")
-    p.add_argument("--nproc", type=int, help="ranks for --measure (default 1)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="plan for this machine with --nproc local ranks, its step times from a calibration measured "
+                        "here (compute, collectives, overlap; cached); --measure implies it")
+    p.add_argument("--nproc", type=int, help="ranks for --measure or --calibrate (default 1)")
     p.add_argument("--comms", metavar="FILE", help="`scaletrain bench comms --json` output: use its measured "
                    "all-reduce bus bandwidth for the collectives inside a node")
     p.set_defaults(func=_plan, takes_overrides=True, parser=p)

@@ -113,6 +113,10 @@ class MemoryConfig:
 class ParallelConfig:
     layout: str = option("manual", "auto: the planner chooses the layout below (and the micro-batch and "
                                    "checkpointing) for the devices at hand", choices=("manual", "auto"))
+    auto_measure_s: float = option(0.0, "layout=auto: calibrate this machine (cached) and time real steps of the best "
+                                        "predicted layouts for up to about this many seconds, then train the fastest "
+                                        "measured; 0 = predict only. scaletrain's launcher only (not torchrun)",
+                                   min=0.0)
     dp_replicate: int = option(1, "data-parallel replica groups (the outer axis of HSDP)", min=1)
     dp_shard: int = option(-1, "data-parallel ranks that shard model states (zero >= 1); -1 = all remaining ranks",
                            min=-1)

@@ -240,10 +240,9 @@ def cpu_peak_file() -> Path:
 
 
 @contextlib.contextmanager
-def _peak_cache():
-    """The CPU peak cache as a dict, under a file lock (ranks on one host share the file);
+def json_cache(path: Path):
+    """A JSON cache file as a dict, under a file lock (ranks on one host share the file);
     what the block leaves in the dict is written back atomically (temporary file + rename)."""
-    path = cpu_peak_file()
     lock = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -276,7 +275,7 @@ def cpu_peak_flops(dtype: torch.dtype) -> float:
     (one thread per core, whatever this process's own thread count), once, then read from the
     cache. Ranks on one host wait for the first one's probe (the cache's lock) and share its figure."""
     key = _cpu_key(dtype)
-    with _peak_cache() as cache:
+    with json_cache(cpu_peak_file()) as cache:
         if isinstance(cache.get(key), (int, float)) and cache[key] > 0:
             return float(cache[key])
         threads = torch.get_num_threads()

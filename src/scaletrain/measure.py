@@ -97,17 +97,18 @@ class LiveMemory(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-def measure_run(cfg, runtime=None, steps: int = 1) -> dict:
+def measure_run(cfg, runtime=None, steps: int = 1, memory: bool = True) -> dict:
     """Build a trainer for `cfg` and measure it (every rank calls this); on CPU the peak counts
-    every storage from the trainer's construction on (`LiveMemory`)."""
+    every storage from the trainer's construction on (`LiveMemory`). `memory=False` times the
+    steps alone (no memory figures: they are None)."""
     from scaletrain.train.trainer import Trainer
 
     from scaletrain.runtime import pick_device
 
-    live = LiveMemory() if pick_device(cfg.train.device).type != "cuda" else None
+    live = LiveMemory() if memory and pick_device(cfg.train.device).type != "cuda" else None
     with live if live is not None else _nothing():
         trainer = Trainer(cfg, runtime, stream=open(os.devnull, "w"))
-    return measure(trainer, steps, live)
+    return measure(trainer, steps, live, memory=memory)
 
 
 class _nothing:
@@ -118,11 +119,16 @@ class _nothing:
         return False
 
 
-def measure(trainer, steps: int = 2, live: LiveMemory | None = None) -> dict:
+def measure(trainer, steps: int = 2, live: LiveMemory | None = None, memory: bool = True) -> dict:
     """Run a few real steps and measure (every rank calls this); `steps` are timed. On CPU the
-    peak needs a `LiveMemory` that saw the trainer built (`measure_run`); without one it is None."""
+    peak needs a `LiveMemory` that saw the trainer built (`measure_run`); without one it is None.
+    `memory=False`: two warm-up steps, then the timed ones."""
     batches = iter(trainer._loader())
     cuda = trainer.device.type == "cuda"
+    if not memory:
+        trainer.train_step(batches)
+        trainer.train_step(batches)
+        return {"peak": None, "activations": None, "step_time_s": _timed_steps(trainer, batches, steps)}
     with live if live is not None else _nothing():
         trainer.train_step(batches)  # also measures the model states
         trainer.train_step(batches)  # DDP rebuilds its buckets in the second forward: not activations
@@ -138,12 +144,19 @@ def measure(trainer, steps: int = 2, live: LiveMemory | None = None) -> dict:
             peak = torch.cuda.max_memory_allocated(trainer.device)
         else:
             peak = live.peak if live is not None else None
-    times = []  # timed outside the tracker (it costs a Python call per operation)
+    # timed outside the tracker (it costs a Python call per operation)
+    return {**trainer.state_bytes, "activations": activations, "peak": peak,
+            "step_time_s": _timed_steps(trainer, batches, steps)}
+
+
+def _timed_steps(trainer, batches, steps: int) -> float:
+    """The median seconds of `steps` training steps."""
+    times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         trainer.train_step(batches)
         times.append(time.perf_counter() - t0)
-    return {**trainer.state_bytes, "activations": activations, "peak": peak, "step_time_s": statistics.median(times)}
+    return statistics.median(times)
 
 
 def predicted_components(ev, cfg, wl, layout, gpu: bool = False) -> dict:
@@ -175,22 +188,82 @@ def planned(cfg, ranks: int, hardware, gpu: bool = False):
     return r["layouts"][0]
 
 
-def measure_layouts(overrides: list[dict], nproc: int, steps: int = 1, config: str | None = None) -> list[list[dict]]:
+def measure_layouts(overrides: list[dict], nproc: int, steps: int = 1, config: str | None = None,
+                    memory: bool = True) -> list[list[dict]]:
     """Measure each set of overrides ({"section.key": value} on `config`, or on the defaults)
-    on `nproc` local ranks, all in one group of processes; per set, one row per rank."""
+    on `nproc` local ranks, all in one group of processes; per set, one row per rank
+    (`memory=False`: step times alone)."""
     if nproc == 1:
         from scaletrain.config import load_config
 
-        return [[measure_run(load_config(config, o), steps=steps)] for o in overrides]
+        return [[measure_run(load_config(config, o), steps=steps, memory=memory)] for o in overrides]
     from scaletrain.launcher import launch
 
     folder = Path(tempfile.mkdtemp(prefix="plan-measure-"))
     spec, out = folder / "jobs.json", folder / "rows.json"
-    spec.write_text(json.dumps({"config": config, "jobs": overrides, "steps": steps}))
+    spec.write_text(json.dumps({"config": config, "jobs": overrides, "steps": steps, "memory": memory}))
     code = launch("measure", [spec.as_posix(), out.as_posix()], nproc=nproc)
     if code:
         raise SystemExit(code)
     return json.loads(out.read_text())
+
+
+def calibration(model_cfg, probes: list[dict], optimizers: list[tuple[str, str]], ranks: int,
+                device_type: str = "cpu", note=None):
+    """This machine's calibration for `ranks` ranks (`scaletrain.plan.calibrate`), with a compute
+    probe for each of `probes` ({"precision", "seq_len", "micro_batch", "tp", "sp", "ac", "cp"})
+    and a step of each of `optimizers` ((name, precision)): read from the cache, what is missing
+    measured in one group of `ranks` processes (said to `note`, with the seconds it took)."""
+    from dataclasses import asdict
+
+    from scaletrain.launcher import launch
+    from scaletrain.plan import calibrate
+
+    cal = calibrate.load(device_type, ranks)
+    compute, steps = calibrate.missing(cal, model_cfg, probes, optimizers)
+    if cal is not None and not compute and not steps:
+        return cal
+    t0 = time.perf_counter()
+    folder = Path(tempfile.mkdtemp(prefix="scaletrain-calibrate-"))
+    spec, out = folder / "spec.json", folder / "out.json"
+    spec.write_text(json.dumps({"model": asdict(model_cfg), "probes": compute, "optimizers": steps,
+                                "collectives": cal is None, "device": device_type}))
+    code = launch("calibrate", [spec.as_posix(), out.as_posix()], nproc=ranks)
+    if code:
+        raise SystemExit(code)
+    got = json.loads(out.read_text())
+    cal = calibrate.merge(cal, got, device_type, ranks)
+    if note is not None:
+        what = [f"{len(compute)} compute probe(s)"] + (["collectives and overlap"] if got["collectives"] else []) + \
+               ([f"{len(steps)} optimizer step(s)"] if steps else [])
+        note(f"calibrated this machine for {ranks} rank(s): {', '.join(what)} in {time.perf_counter() - t0:.0f} s "
+             f"(cached in {calibrate.cache_file()})")
+    return cal
+
+
+MEASURE_START_S = 4.0  # a measured layout's own cost besides its timed steps: building it, warm-up steps
+
+
+def measured_best(cfg, ranked: list, world: int, budget_s: float, note=None):
+    """Time real steps of the best predicted layouts that fit — as many as about `budget_s`
+    seconds allow, at least two — and return the fastest measured one's evaluation."""
+    fitting = [ev for ev in ranked if ev.fits]
+    each = [MEASURE_START_S + 5 * ev.time.step_time_s for ev in fitting]
+    k = 0
+    while k < len(fitting) and (k < 2 or sum(each[:k + 1]) <= budget_s):
+        k += 1
+    if k < 2:
+        return fitting[0]
+    path = Path(tempfile.mkdtemp(prefix="scaletrain-auto-")) / "config.json"
+    path.write_text(json.dumps(cfg.replace(**{"parallel.layout": "manual", "parallel.auto_measure_s": 0}).to_dict()))
+    rows, took = measure_evaluations(path.as_posix(), fitting[:k], world, {"parallel.pp_microbatches": 0},
+                                     steps=3, memory=False)
+    fastest = min(range(k), key=lambda i: rows[i]["measured_s"])
+    if note is not None:
+        timed = "; ".join(f"{r['layout']} {r['measured_s'] * 1e3:.0f} ms (predicted {r['predicted_s'] * 1e3:.0f})"
+                          for r in rows)
+        note(f"parallel.auto_measure_s={budget_s:g}: timed the {k} best predicted layouts in {took:.0f} s: {timed}")
+    return fitting[fastest]
 
 
 def measure_rank(spec: str, out: str) -> int:
@@ -206,7 +279,7 @@ def measure_rank(spec: str, out: str) -> int:
         cfg = load_config(job["config"], overrides)
         rt = init_worker(cfg)
         rows = [None] * rt.world_size
-        dist.all_gather_object(rows, measure_run(cfg, rt, steps=job["steps"]))
+        dist.all_gather_object(rows, measure_run(cfg, rt, steps=job["steps"], memory=job.get("memory", True)))
         results.append(rows)
         dist.barrier()
     if dist.get_rank() == 0:
@@ -262,11 +335,10 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return score / (n * (n - 1) / 2) if n > 1 else 1.0
 
 
-def measure_top(config: str, evaluations: list, nproc: int, overrides: dict | None = None,
-                steps: int = 3, out=print) -> list[dict]:
-    """Real steps of each of the planner's best layouts (`evaluations`, in its order) on `nproc`
-    local ranks, in one group of processes; printed re-ranked by the measured step time, the
-    prediction beside it. Returns one row per layout, fastest measured first."""
+def measure_evaluations(config: str | None, evaluations: list, nproc: int, overrides: dict | None = None,
+                        steps: int = 3, memory: bool = True) -> tuple[list[dict], float]:
+    """Real steps of each of the planner's layouts (`evaluations`, in its order) on `nproc` local
+    ranks, in one group of processes: (one row per layout, in that order; seconds it all took)."""
     jobs = []
     for ev in evaluations:
         layout = ev.layout
@@ -275,33 +347,55 @@ def measure_top(config: str, evaluations: list, nproc: int, overrides: dict | No
                      "log.progress": "off", "checkpoint.save_final": False, "train.sample_tokens": 0,
                      "train.global_batch": layout.micro_batch * layout.grad_accum * layout.dp})
     t0 = time.perf_counter()
-    measured = measure_layouts(jobs, nproc, steps=steps, config=config)
-    took = time.perf_counter() - t0
+    measured = measure_layouts(jobs, nproc, steps=steps, config=config, memory=memory)
     rows = []
     for i, (ev, ranks) in enumerate(zip(evaluations, measured)):
         peaks = [r["peak"] for r in ranks if r.get("peak") is not None]
         rows.append({"predicted_rank": i + 1, "layout": ev.layout.describe(),
                      "predicted_s": ev.time.step_time_s, "measured_s": max(r["step_time_s"] for r in ranks),
                      "predicted_peak": ev.memory.total, "measured_peak": max(peaks) if peaks else None})
-    rows.sort(key=lambda r: r["measured_s"])
+    return rows, time.perf_counter() - t0
+
+
+def print_ranking(rows: list[dict], out=print) -> dict:
+    """`rows` (measure_evaluations') re-ranked by measured step time, the prediction beside each,
+    then Kendall's tau between the two orders and whether the predicted best is the measured
+    best; returns {"tau", "ratios": (lowest, highest) predicted/measured, "best_gap": the
+    predicted best's measured step over the measured best's}."""
+    rows = sorted(rows, key=lambda r: r["measured_s"])
+    memory = any(r["measured_peak"] is not None for r in rows)
+    out(f"{'#':>3} {'predicted #':>11}  {'layout':<44}{'predicted':>11}{'measured':>11}{'ratio':>7}"
+        + (f"{'peak pred.':>12}{'measured':>11}" if memory else ""))
+    for k, r in enumerate(rows, 1):
+        line = (f"{k:>3} {r['predicted_rank']:>11}  {r['layout']:<44}{_fmt('step_time_s', r['predicted_s']):>11}"
+                f"{_fmt('step_time_s', r['measured_s']):>11}{r['predicted_s'] / r['measured_s']:>7.2f}")
+        if memory:
+            peak = _fmt("peak", r["measured_peak"]) if r["measured_peak"] is not None else "n/a"
+            line += f"{_fmt('peak', r['predicted_peak']):>12}{peak:>11}"
+        out(line)
+    ratios = [r["predicted_s"] / r["measured_s"] for r in rows]
+    tau = kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+    first = min(rows, key=lambda r: r["predicted_s"])
+    gap = first["measured_s"] / rows[0]["measured_s"]
+    if len(rows) > 1:
+        verdict = ("the predicted best is the measured best" if first is rows[0] else
+                   f"the measured best was predicted #{rows[0]['predicted_rank']}; the predicted best measured "
+                   f"{gap:.2f}x its step time")
+        out(f"Kendall's tau between the predicted and the measured order: {tau:+.2f}; predicted/measured "
+            f"{min(ratios):.2f}-{max(ratios):.2f}; {verdict}.")
+    return {"tau": tau, "ratios": (min(ratios), max(ratios)), "best_gap": gap}
+
+
+def measure_top(config: str, evaluations: list, nproc: int, overrides: dict | None = None,
+                steps: int = 3, out=print) -> list[dict]:
+    """Real steps of each of the planner's best layouts (`evaluations`, in its order) on `nproc`
+    local ranks, in one group of processes; printed re-ranked by the measured step time, the
+    prediction beside it. Returns one row per layout, fastest measured first."""
+    rows, took = measure_evaluations(config, evaluations, nproc, overrides, steps)
     out(f"\nmeasured: the {len(rows)} best predicted layouts, {steps} timed step(s) each (median; the slowest "
         f"rank) on {nproc} local rank(s), {took:.0f} s in all; fastest measured first:")
-    out(f"{'#':>3} {'predicted #':>11}  {'layout':<40}{'predicted':>11}{'measured':>11}{'ratio':>7}"
-        f"{'peak pred.':>12}{'measured':>11}")
-    for k, r in enumerate(rows, 1):
-        peak = _fmt("peak", r["measured_peak"]) if r["measured_peak"] is not None else "n/a"
-        out(f"{k:>3} {r['predicted_rank']:>11}  {r['layout']:<40}{_fmt('step_time_s', r['predicted_s']):>11}"
-            f"{_fmt('step_time_s', r['measured_s']):>11}{r['predicted_s'] / r['measured_s']:>7.2f}"
-            f"{_fmt('peak', r['predicted_peak']):>12}{peak:>11}")
-    if len(rows) > 1:
-        tau = kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
-        best = rows[0]
-        verdict = ("the predicted best is the measured best" if best["predicted_rank"] == 1 else
-                   f"the measured best was predicted #{best['predicted_rank']}; the predicted best measured "
-                   f"{next(r['measured_s'] for r in rows if r['predicted_rank'] == 1) / best['measured_s']:.2f}x "
-                   "its step time")
-        out(f"Kendall's tau between the predicted and the measured order: {tau:+.2f}; {verdict}.")
-    return rows
+    print_ranking(rows, out)
+    return sorted(rows, key=lambda r: r["measured_s"])
 
 
 def _fmt(key: str, v: float) -> str:

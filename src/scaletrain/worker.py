@@ -36,6 +36,7 @@ TASKS = {
     "measure": "scaletrain.measure:measure_rank",
     "bench-techniques": "scaletrain.bench.techniques:bench_rank",
     "bench-comms": "scaletrain.bench.comms:bench_rank",
+    "calibrate": "scaletrain.bench.calibrate:calibrate_rank",
 }
 
 

@@ -33,22 +33,12 @@ from pathlib import Path
 
 from scaletrain.errors import ConfigError, LaunchError, UserError
 from scaletrain import fmt
+from scaletrain.plan.calibrate import bus_factor
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all")
 ELEMENT_BYTES = 4  # float32
 DEFAULT_SIZES = {"cpu": ["1K", "32K", "1M", "16M"], "cuda": ["1M", "16M", "256M", "1G"]}
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
-
-
-def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw / algbw for `op` on `n` ranks."""
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    if op in ("broadcast", "reduce"):
-        return 1.0
-    raise ValueError(f"unknown collective {op!r}")
 
 
 def parse_size(text: str) -> int:
@@ -120,11 +110,20 @@ def _collective(op: str, size: int, n: int, device):
     if op == "all_to_all":
         out = torch.empty_like(full)
         return lambda: dist.all_to_all_single(out, full)
+    if op == "send_recv":  # a pipeline's exchange: each rank sends the buffer to the next, receives from the previous
+        rank, got = dist.get_rank(), torch.empty_like(full)
+
+        def exchange():
+            ops = [dist.P2POp(dist.isend, full, (rank + 1) % n), dist.P2POp(dist.irecv, got, (rank - 1) % n)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return exchange
     raise ValueError(f"unknown collective {op!r}")
 
 
-def measure(sizes: list[int], iters: int, warmup: int, device) -> list[dict]:
-    """Every rank calls this; returns the rows (the same on every rank)."""
+def measure(sizes: list[int], iters: int, warmup: int, device, ops: tuple[str, ...] = OPS) -> list[dict]:
+    """Every rank calls this; returns the rows (the same on every rank) for each of `ops`
+    (OPS, or any of them and send_recv: each rank sending its buffer to the next)."""
     import torch
     import torch.distributed as dist
 
@@ -135,7 +134,7 @@ def measure(sizes: list[int], iters: int, warmup: int, device) -> list[dict]:
             torch.cuda.synchronize(device)
 
     rows = []
-    for op in OPS:
+    for op in ops:
         for size in sizes:
             call = _collective(op, size, n, device)
             times = []

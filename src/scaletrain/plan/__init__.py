@@ -16,8 +16,8 @@ from scaletrain.errors import ConfigError
 from scaletrain.hardware import Hardware, lookup
 from scaletrain.plan.memory_model import GiB, ParamCounts, module_memory
 from scaletrain.plan.options import config_key, derive_layout, fixed_fields
-from scaletrain.plan.search import (Evaluated, enumerate_layouts, evaluate, explain, layout_errors, rank_key, search,
-                                    slow_link, workers_comparison)
+from scaletrain.plan.search import (Evaluated, calibration_sources, enumerate_layouts, evaluate, explain, layout_errors,
+                                    rank_key, search, slow_link, workers_comparison)
 from scaletrain.plan.spec import Cluster, Layout, ModelSource, Workload, load_model
 from scaletrain.plan.time_model import estimate_module_time
 from scaletrain.vocab import ZERO_STAGES
@@ -30,7 +30,7 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
          attention: str = "flash", layout: Layout | dict | None = None, top_k: int = 10,
          activations: str = "formula", hardware_file: str | None = None, gpu: bool | None = None,
          engine: str | None = None, compile: bool | None = None, fp8: bool | None = None, workers: int = 1,
-         workers_link: float | None = None, sync: dict | None = None) -> dict:
+         workers_link: float | None = None, sync: dict | None = None, calibrate=None) -> dict:
     """Search the layouts (or evaluate `layout`) for `model` on the cluster. Returns a dict with
     "layouts" (Evaluated, best first), "explanation" (lines), "stats", and the inputs. `engine`,
     `compile` and `fp8` default to a model TOML's [plan] table, else scaletrain, off, off.
@@ -39,7 +39,12 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
     DiLoCo (`sync`: Layout's dp_sync, sync_every, sync_fragments, sync_delay, sync_dtype;
     default DiLoCo every 50 steps) beside synchronous training when that link is slow, and the
     explanation says where it overtakes. `sync` with a local dp_sync also applies to a fixed
-    `layout`."""
+    `layout`.
+
+    `calibrate`: the plan is for this machine (one node of `gpus_per_node` local ranks) and its
+    step times come from the machine's calibration (`scaletrain.plan.calibrate`), which this
+    function gives: `scaletrain.measure.calibration` (what is missing measured first) or any
+    function of (model config, probes, optimizers, ranks, device type) returning a Calibration."""
     src = load_model(model)
     engine = engine if engine is not None else src.extra.get("engine", "scaletrain")
     compile = compile if compile is not None else bool(src.extra.get("compile", False))
@@ -73,14 +78,20 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
         errors = layout_errors(src.cfg, wl, cluster, fixed)
         if errors:
             raise ConfigError(*(f"layout {fixed.describe()}: {e}" for e in errors))
+        if calibrate:
+            cluster = result["cluster"] = calibrated(src.cfg, wl, cluster, [fixed], gpu, calibrate)
         ev = evaluate(src.cfg, wl, cluster, fixed, gpu=gpu, activations=activations)
         result["layouts"] = [ev]
         result["explanation"] = [f"{fixed.describe()}: " + ("fits" if ev.fits else "; ".join(ev.why_not))]
+        if calibrate:
+            result["explanation"].append(calibration_sources(cluster.calibration))
         if not ev.fits and not isinstance(layout, Layout):  # what else the keys given allow
             result["explanation"].append(_keeping(layout, fixed, src.cfg, wl, cluster, gpu))
         if workers > 1:
             result["explanation"] += workers_comparison(src.cfg, wl, cluster, fixed, candidates, gpu=gpu)
         return result
+    if calibrate:
+        cluster = result["cluster"] = calibrated(src.cfg, wl, cluster, None, gpu, calibrate)
     ranked, stats = search(src.cfg, wl, cluster, top_k=top_k, gpu=gpu, activations=activations,
                            sync=candidates if slow_link(cluster) else None)
     result["stats"] = stats
@@ -92,6 +103,21 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
                                          "sites is slow (below the network inside a site, per GPU)")
         result["explanation"] += workers_comparison(src.cfg, wl, cluster, ranked[0].layout, candidates, gpu=gpu)
     return result
+
+
+def calibrated(cfg, wl: Workload, cluster: Cluster, layouts: list[Layout] | None, gpu: bool, measure) -> Cluster:
+    """`cluster` (the machine at hand, one node) with its calibration for `layouts` — by default
+    every layout the search would rank that fits in memory — from `measure` (plan's `calibrate`)."""
+    from scaletrain.plan import calibrate
+
+    if cluster.nodes != 1:
+        raise ConfigError(f"a calibrated plan is for the machine at hand (1 node); this one has {cluster.nodes}")
+    if layouts is None:
+        layouts = [lay for lay in enumerate_layouts(cfg, wl, cluster, offload=gpu)
+                   if evaluate(cfg, wl, cluster, lay, gpu=gpu).fits]
+    cal = measure(cfg, calibrate.probes_for(cfg, wl, layouts), [(wl.optimizer, wl.precision)], cluster.world,
+                  "cuda" if gpu else "cpu")
+    return replace(cluster, calibration=cal)
 
 
 # local SGD / DiLoCo settings the planner tries when none are given (DiLoCo's paper: H in the

@@ -98,7 +98,8 @@ def breakdown(e: Evaluated) -> str:
         lines.append(f"  {'in host memory (offload)':<26}{m.host / GiB:>9.2f} GiB{of}"
                      + ("" if e.host_fits else "  — DOES NOT FIT"))
     lines.append("time per step:")
-    for label, v in (("compute", t.compute_s), ("tensor-parallel comm", t.tp_comm_s),
+    tp_label = "tensor-parallel comm" if not t.calibrated else "tp comm (in compute)"
+    for label, v in (("compute", t.compute_s), (tp_label, t.tp_comm_s),
                      *((("context-parallel (exposed)", t.cp_comm_s),) if e.layout.cp > 1 else ()),
                      ("pipeline sends (exposed)", t.pp_comm_s), ("pipeline bubble", t.bubble_s),
                      ("data-parallel comm", t.dp_comm_s), ("  of which exposed", t.dp_exposed_s),

@@ -19,6 +19,7 @@ from scaletrain.errors import ConfigError
 from scaletrain.fmt import seconds, size
 from scaletrain.plan.memory_model import GiB, MemoryBreakdown, estimate_memory
 from scaletrain.plan.spec import Cluster, Layout, Workload
+from scaletrain.plan import calibrated_time
 from scaletrain.plan.time_model import TimeBreakdown, estimate_time
 from scaletrain.vocab import AC_MODES, PP_SCHEDULES, ZERO_STAGES, is_multi_chunk
 
@@ -131,10 +132,18 @@ def _schedules(cfg: ModelConfig, pp: int, m: int) -> list[tuple[str, int]]:
     return out
 
 
+def step_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Cluster) -> TimeBreakdown:
+    """The time model for `cluster`: its calibration where it has one (the machine at hand,
+    measured), else the catalog's."""
+    if cluster.calibration is not None:
+        return calibrated_time.estimate(cfg, wl, layout, cluster)
+    return estimate_time(cfg, wl, layout, cluster)
+
+
 def evaluate(cfg: ModelConfig, wl: Workload, cluster: Cluster, layout: Layout, *, gpu: bool = True,
              activations: str = "formula", reserve_fraction: float | None = None) -> Evaluated:
     memory = estimate_memory(cfg, wl, layout, cluster, gpu=gpu, activations=activations)
-    t = estimate_time(cfg, wl, layout, cluster)
+    t = step_time(cfg, wl, layout, cluster)
     hw, n = cluster.hardware, cluster.gpus_per_node
     ev = Evaluated(layout, memory, t, hw.memory_bytes, host_capacity=hw.host_memory_bytes // n)
     if memory.total > hw.memory_bytes:
@@ -230,7 +239,11 @@ def explain(best: Evaluated, ranked: list[Evaluated], cfg: ModelConfig, wl: Work
             else:  # sharding more saves nothing when its gathered buffers outweigh the shards
                 lines.append(f"ZeRO-{z} would not lower the peak here ({size(others[z].memory.total)} against "
                              f"{size(best.memory.total)}).")
-    if lay.tp > 1:
+    if lay.tp > 1 and best.time.calibrated:
+        lines.append(f"Tensor parallel {lay.tp}: its collectives and DTensor's dispatch were measured with the "
+                     f"blocks' compute on this machine ({1e3 * best.time.compute_s:.0f} ms per step in all)"
+                     + (" (sequence parallel splits the norms' activations too)." if lay.sp else "."))
+    elif lay.tp > 1:
         lines.append(f"Tensor parallel {lay.tp} stays inside a node: its 4 collectives per layer run over "
                      f"NVLink/PCIe at {hw.intra_node_GBps:.0f} GB/s rather than the {hw.inter_node_GBps:.0f} GB/s "
                      f"network, costing {1e3 * best.time.tp_comm_s:.0f} ms per step"
@@ -249,7 +262,20 @@ def explain(best: Evaluated, ranked: list[Evaluated], cfg: ModelConfig, wl: Work
         lines.append(f"Runner-up: {runner.layout.describe()} at {runner.time.tokens_per_s:,.0f} tokens/s "
                      f"({100 * (runner.time.tokens_per_s / best.time.tokens_per_s - 1):+.1f}%); it changes "
                      f"{diff}.")
+    if cluster.calibration is not None:
+        lines.append(calibration_sources(cluster.calibration))
     return lines
+
+
+def calibration_sources(cal) -> str:
+    """Which figures came from this machine's calibration and which from the catalog, in words."""
+    ar = cal.collectives.get("all_reduce")
+    comms = (f"all-reduce {1e6 * ar[0]:.0f} µs + bus {ar[1] / 1e9:.2f} GB/s" if ar and ar[1] != float("inf")
+             else "none (one rank)")
+    return (f"Step times calibrated on this machine for {cal.ranks} rank(s) ({cal.machine.split('|')[0]}): compute "
+            f"from timed forward/backward of this model's blocks, collectives measured ({comms}; overlap with compute "
+            f"{100 * cal.overlap:.0f}%), optimizer step measured; from the catalog: the device's peak (for MFU) "
+            f"and links across nodes.")
 
 
 def _fits_without_ac(best: Evaluated, cfg, wl, cluster, gpu) -> bool:
@@ -304,7 +330,7 @@ def workers_comparison(cfg: ModelConfig, wl: Workload, cluster: Cluster, layout:
 
     def speeds(gbps: float) -> tuple[float, float]:
         c = replace(cluster, workers_link_GBps=gbps)
-        return (estimate_time(cfg, wl, step, c).tokens_per_s, estimate_time(cfg, wl, local, c).tokens_per_s)
+        return (step_time(cfg, wl, step, c).tokens_per_s, step_time(cfg, wl, local, c).tokens_per_s)
 
     link = cluster.workers_link_GBps
     s, d = speeds(link)

@@ -66,6 +66,9 @@ class Cluster:
     # data-parallel workers (dp_replicate groups) are the sites
     workers: int = 1
     workers_link_GBps: float | None = None
+    # the machine at hand's measured figures (scaletrain.plan.calibrate.Calibration); with them the
+    # time model uses no catalog constant for what was measured
+    calibration: Any = field(default=None, compare=False, repr=False)
 
     @property
     def world(self) -> int:

@@ -82,6 +82,7 @@ class TimeBreakdown:
     hardware_flops: float
     bubble_fraction: float
     cp_comm_s: float = 0.0  # exposed context-parallel (ring attention) exchange
+    calibrated: bool = False  # from this machine's calibration (tp collectives inside compute_s), not the catalog
 
     def as_dict(self) -> dict[str, float]:
         return dict(vars(self))

@@ -1,0 +1,172 @@
+"""Calibration of the machine at hand: what the planner's time model needs, measured here.
+
+The catalog's figures (a datasheet peak, a link's nominal bandwidth, an efficiency taken from
+published runs) describe a GPU cluster; they say little about the machine the user sits at,
+where, on a CPU, two ranks share two cores, a tensor-parallel layer pays DTensor's dispatch on
+every operation and gloo's collectives copy through loopback. So, for a plan of the machine at
+hand, every figure the time model uses is measured by a group of as many ranks as the plan has,
+all running at once (the cores and memory bandwidth they share are part of what is measured):
+
+* **compute** — one forward and backward of this model's own layers, built as the trainer builds
+  them (tensor and sequence parallel over the group's ranks, activation checkpointing, the
+  precision's dtypes), at each micro-batch, tp, sp and checkpointing the layouts use: a model
+  of 1 and of 3 blocks gives a block's seconds (half the difference) and the rest (embedding,
+  head and loss). Its tensor-parallel collectives run inside it, as they do in training.
+* **collectives** — all-reduce, all-gather, reduce-scatter, all-to-all and send/recv at several
+  sizes (`scaletrain bench comms`'s measurement), fitted as latency + bus volume / bandwidth.
+* **overlap** — how much of a collective hides behind compute when both run at once
+  (issued asynchronously beside a matmul loop): on GPUs they use different engines; on a CPU
+  they compete for the same cores.
+* **optimizer** — seconds per parameter of the configured optimizer's step.
+
+Results are cached in the user's cache folder under the machine's key (CPU or GPU name, cores,
+torch version, backend, ranks, probe version): a new machine, core count, PyTorch or probe is
+measured afresh; compute probes are added as new shapes are planned. Links across nodes cannot
+be measured from one node: there the catalog's figures stay, and the explanation says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+PROBE_VERSION = 1
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)  # bytes per collective buffer
+PROBE_REPS = 3  # timed calls per probe (median), after one warm-up
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw / algbw for `op` on `n` ranks (`scaletrain bench comms`): the bytes each
+    rank moves over the link per byte of the buffer, for a ring."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if op in ("broadcast", "reduce", "send_recv"):
+        return 1.0
+    raise ValueError(f"unknown collective {op!r}")
+
+
+
+@dataclass
+class Calibration:
+    """What was measured on this machine for `ranks` ranks (see the module's docstring)."""
+
+    machine: str  # the cache key: what the figures are valid for
+    ranks: int
+    collectives: dict[str, tuple[float, float]] = field(default_factory=dict)  # op -> (latency s, bus B/s)
+    overlap: float = 0.0  # share of a collective hidden behind concurrent compute
+    compute: dict[str, dict[str, float]] = field(default_factory=dict)  # probe key -> {"block", "rest"} seconds
+    optimizer: dict[str, float] = field(default_factory=dict)  # optimizer|precision -> seconds per parameter
+
+    def collective_s(self, op: str, nbytes: float, n: int, calls: int = 1) -> float:
+        """Seconds of `calls` calls of `op` moving `nbytes` in all (the whole buffer, as
+        `scaletrain bench comms` counts it) over `n` of the measured ranks: the fitted latency,
+        a ring's share of it for a smaller group, plus the bus volume at the fitted bandwidth."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        latency, bus = self.collectives[op]
+        hops = (n - 1) / max(self.ranks - 1, 1)
+        factor = 1.0 if op == "send_recv" else bus_factor(op, n)
+        return calls * latency * hops + nbytes * factor / bus
+
+    def block(self, key: str, micro_batch: int) -> tuple[float, float]:
+        """(a block's, the rest's) forward and backward seconds at `micro_batch` for probe key
+        `key`: measured at that micro-batch, else interpolated linearly (in micro-batch size)
+        between the two nearest measured ones, or extended from them."""
+        got = {int(mb): v for mb, v in self.compute[key].items()}
+        if micro_batch in got or len(got) == 1:
+            v = got.get(micro_batch) or next(iter(got.values()))
+            return v["block"], v["rest"]
+        sizes = sorted(got, key=lambda mb: (abs(mb - micro_batch), mb))[:2]
+        lo, hi = sorted(sizes)
+        w = (micro_batch - lo) / (hi - lo)
+        return tuple(max(0.0, got[lo][k] + w * (got[hi][k] - got[lo][k])) for k in ("block", "rest"))
+
+    def has(self, key: str, micro_batch: int) -> bool:
+        return str(micro_batch) in self.compute.get(key, {})
+
+
+def compute_key(cfg, precision: str, seq_len: int, tp: int, sp: bool, ac: str, cp: int = 1) -> str:
+    """A compute probe's cache key: the model's shape and everything the layout changes in it
+    but the micro-batch (each key holds probes at several micro-batch sizes)."""
+    shape = (cfg.dim, cfg.n_heads, cfg.kv_heads, cfg.head_size, cfg.hidden_dim, cfg.vocab_size, cfg.activation,
+             cfg.norm, cfg.position, cfg.tie_embeddings, cfg.dropout > 0)
+    return f"{precision}|{','.join(map(str, shape))}|seq={seq_len // cp}|tp={tp}|sp={sp}|ac={ac}"
+
+
+def layout_key(cfg, wl, layout) -> str:
+    return compute_key(cfg, wl.precision, wl.seq_len, layout.tp, layout.sp, layout.activation_checkpointing,
+                       layout.cp)
+
+
+def probes_for(cfg, wl, layouts) -> list[dict]:
+    """The compute probes that calibrate `layouts`: for each shape (precision, tp, sp,
+    checkpointing, cp) the smallest and the largest micro-batch the layouts use (others are
+    interpolated, `Calibration.block`)."""
+    sizes: dict[tuple, set[int]] = {}
+    for lay in layouts:
+        shape = (wl.precision, wl.seq_len, lay.tp, lay.sp, lay.activation_checkpointing, lay.cp)
+        sizes.setdefault(shape, set()).add(lay.micro_batch)
+    return [dict(precision=p, seq_len=s, tp=tp, sp=sp, ac=ac, cp=cp, micro_batch=mb)
+            for (p, s, tp, sp, ac, cp), mbs in sizes.items() for mb in sorted({min(mbs), max(mbs)})]
+
+
+def probe_key(model_cfg, probe: dict) -> str:
+    return compute_key(model_cfg, **{k: v for k, v in probe.items() if k != "micro_batch"})
+
+
+def machine_key(device_type: str, ranks: int) -> str:
+    from scaletrain.hardware import _cpu_name, cpu_cores
+
+    name = torch.cuda.get_device_name(0) if device_type == "cuda" else _cpu_name()
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    return f"{name}|cores={cpu_cores()}|torch={torch.__version__}|{backend}|ranks={ranks}|probe={PROBE_VERSION}"
+
+
+def cache_file() -> Path:
+    from scaletrain.hardware import _cache_dir
+
+    return _cache_dir() / "calibration.json"
+
+
+def load(device_type: str, ranks: int) -> Calibration | None:
+    """This machine's calibration for `ranks` ranks from the cache, or None if none is there."""
+    from scaletrain.hardware import json_cache
+
+    key = machine_key(device_type, ranks)
+    with json_cache(cache_file()) as cache:
+        entry = cache.get(key)
+    if not isinstance(entry, dict) or "collectives" not in entry:
+        return None
+    return Calibration(key, ranks, {k: tuple(v) for k, v in entry["collectives"].items()}, entry["overlap"],
+                       entry.get("compute", {}), entry.get("optimizer", {}))
+
+
+def _save(cal: Calibration) -> None:
+    from scaletrain.hardware import json_cache
+
+    with json_cache(cache_file()) as cache:
+        cache[cal.machine] = {"collectives": {k: list(v) for k, v in cal.collectives.items()},
+                              "overlap": cal.overlap, "compute": cal.compute, "optimizer": cal.optimizer}
+
+
+def missing(cal: Calibration | None, model_cfg, probes: list[dict], optimizers: list[tuple[str, str]]):
+    """(the compute probes, the optimizer steps) that `cal` lacks of those asked for."""
+    return ([p for p in probes if cal is None or not cal.has(probe_key(model_cfg, p), p["micro_batch"])],
+            [o for o in optimizers if cal is None or "|".join(o) not in cal.optimizer])
+
+
+def merge(cal: Calibration | None, got: dict, device_type: str, ranks: int) -> Calibration:
+    """`cal` with what a calibration group measured (`calibrate_rank`'s output) added, saved."""
+    if cal is None:
+        cal = Calibration(machine_key(device_type, ranks), ranks,
+                          {k: tuple(v) for k, v in got["collectives"].items()}, got["overlap"])
+    for key, by_size in got["compute"].items():
+        cal.compute.setdefault(key, {}).update(by_size)
+    cal.optimizer.update(got["optimizer"])
+    _save(cal)
+    return cal

@@ -1,0 +1,119 @@
+"""Time per step on the machine at hand, from its calibration (`scaletrain.plan.calibrate`).
+
+The same structure as the catalog's time model (`scaletrain.plan.time_model`), with every
+figure measured here instead of taken from a datasheet:
+
+    step = (compute + exposed pipeline sends) × (1 + bubble) + exposed data-parallel communication
+           + optimizer step + the clip's all-reduce
+
+* Compute, per pipeline rank (the busiest sets the pace): its blocks' measured forward and
+  backward seconds at the layout's micro-batch, tp, sp and checkpointing (interpolated between
+  measured micro-batch sizes), plus the rest (embedding, head and loss) on the last stage; every
+  micro-batch. The tensor-parallel collectives were inside that measurement, as in training,
+  so they are not added again.
+* Pipeline: each micro-batch sends its activation forward and its gradient back across every
+  chunk boundary (measured send/recv); the bubble is the schedule's (`scaletrain schedule`).
+* Data parallel, with the measured collectives over the group: DDP all-reduces the fp32
+  gradients bucket by bucket during the last micro-batch's backward; ZeRO 1-2 reduce-scatter
+  them then (stage 2: every micro-batch) and all-gather the parameters after the step; ZeRO-3
+  all-gathers every block for forward and again for backward and reduce-scatters its gradients,
+  every micro-batch. The measured overlap says how much of that hides behind the compute it
+  runs beside (on a CPU the collective and the compute share the cores).
+* The optimizer's measured seconds per parameter, for the parameters this rank steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+from scaletrain.model.flops import flops_per_token
+from scaletrain.plan.calibrate import Calibration, layout_key
+from scaletrain.plan.memory_model import dtypes_for, rank_params, stage_layers
+from scaletrain.plan.spec import Cluster, Layout, Workload
+from scaletrain.plan.time_model import SYNC_BYTES, TimeBreakdown, optimizer_seconds, schedule_bubble
+from scaletrain.vocab import PEAK_KIND
+
+
+def estimate(cfg, wl: Workload, layout: Layout, cluster: Cluster, bucket_mb: float = 25.0) -> TimeBreakdown:
+    from scaletrain.parallel.pipeline import stage_indices
+
+    cal: Calibration = cluster.calibration
+    d = dtypes_for(wl)
+    m = layout.grad_accum
+    block, rest = cal.block(layout_key(cfg, wl, layout), layout.micro_batch)
+    counts = [sum(c) for c in stage_layers(cfg, layout)]  # layers per pipeline rank
+    last = layout.num_stages - 1
+    per_rank = []
+    for r in range(layout.pp):
+        stages = stage_indices(layout.pp_schedule, r, layout.pp, layout.pp_virtual_stages) if layout.pp > 1 else [0]
+        per_rank.append(counts[r] * block + (rest if last in stages else 0.0))
+    compute = m * max(per_rank)
+
+    pp_comm, bubble = 0.0, 0.0
+    act = layout.micro_batch * wl.seq_len / layout.cp * cfg.dim * d.compute
+    if layout.pp > 1:
+        sent = act / (layout.tp if layout.sp else 1)
+        pp_comm = 2 * m * layout.chunks_per_rank * cal.collective_s("send_recv", sent, 2)
+        bubble = schedule_bubble(layout.pp_schedule, layout.pp, m, layout.pp_virtual_stages)
+    cp_comm = 0.0
+    if layout.cp > 1:  # the ring passes each rank's keys and values on, and their gradients back
+        kv = layout.micro_batch * wl.seq_len / layout.cp * 2 * cfg.kv_heads * cfg.head_size / layout.tp * d.compute
+        cp_comm = 3 * (layout.cp - 1) * m * max(counts) * cal.collective_s("send_recv", kv, 2)
+
+    params = max(rank_params(cfg, layout, r).total for r in range(layout.pp))
+    dp_comm, dp_exposed = data_parallel(cal, wl, layout, params, compute, max(counts), bucket_mb)
+    key = f"{wl.optimizer}|{wl.precision}"
+    n_shard = layout.dp_shard * layout.cp
+    stepped = params / n_shard if layout.zero >= 1 and n_shard > 1 else params
+    optimizer = (cal.optimizer[key] * stepped if key in cal.optimizer
+                 else optimizer_seconds(wl, layout, cluster.hardware, params))
+    clip = cal.collective_s("all_reduce", 4, layout.world)  # the global gradient norm
+
+    busy = compute + pp_comm + cp_comm
+    step = busy * (1.0 + bubble) + dp_exposed + optimizer + clip
+    model_flops = flops_per_token(cfg, wl.seq_len) * wl.tokens
+    peak = cluster.hardware.peak_flops(PEAK_KIND[wl.precision])
+    return TimeBreakdown(
+        compute_s=compute, tp_comm_s=0.0, cp_comm_s=cp_comm, pp_comm_s=pp_comm, dp_comm_s=dp_comm,
+        dp_exposed_s=dp_exposed, bubble_s=busy * bubble, optimizer_s=optimizer + clip, step_time_s=step,
+        tokens_per_s=wl.tokens / step, mfu=model_flops / (step * peak * layout.world), model_flops=model_flops,
+        hardware_flops=model_flops, bubble_fraction=bubble, calibrated=True)
+
+
+def data_parallel(cal: Calibration, wl: Workload, layout: Layout, params: float, compute: float, units: int,
+                  bucket_mb: float) -> tuple[float, float]:
+    """(data-parallel communication, the part of it not hidden) per step, with the measured
+    collectives and overlap."""
+    d = dtypes_for(wl)
+    m = layout.grad_accum
+    n_shard = layout.dp_shard * layout.cp
+    r = layout.dp_replicate if not layout.local_sync else 1
+    if n_shard * r == 1 and not layout.local_sync:
+        return 0.0, 0.0
+    grad_bytes = params * 4  # scaletrain reduces gradients in fp32
+    buckets = max(1, math.ceil(grad_bytes / (bucket_mb * 2**20)))
+    backward = compute / m * 2 / 3  # the last micro-batch's backward, where gradients are reduced
+    if layout.zero == 0:
+        comm = cal.collective_s("all_reduce", grad_bytes, n_shard * r, calls=buckets)
+        exposed = comm - min(comm, cal.overlap * backward)
+    elif layout.zero in (1, 2):
+        scatters = m if layout.zero == 2 and layout.pp == 1 else 1
+        reduce = cal.collective_s("reduce_scatter", grad_bytes, n_shard, calls=buckets) * scatters
+        gather = cal.collective_s("all_gather", params * max(d.param, 4), n_shard, calls=buckets)
+        if r > 1:
+            reduce += cal.collective_s("all_reduce", grad_bytes / n_shard, r, calls=buckets) * scatters
+        comm = reduce + gather
+        exposed = reduce - min(reduce, cal.overlap * backward * scatters) + gather  # the gather follows the step
+    else:  # FSDP: every block gathered for forward and for backward, its gradients reduce-scattered
+        gather = 2 * cal.collective_s("all_gather", params * d.compute, n_shard, calls=units + 1)
+        reduce = cal.collective_s("reduce_scatter", grad_bytes, n_shard, calls=units + 1)
+        if r > 1:
+            reduce += cal.collective_s("all_reduce", grad_bytes / n_shard, r, calls=units + 1)
+        comm = m * (gather + reduce)
+        exposed = comm - min(comm, cal.overlap * compute)
+    if layout.local_sync:  # the workers' outer all-reduce, once every sync_every steps
+        shard = params / n_shard if layout.zero >= 1 else params
+        outer = cal.collective_s("all_reduce", shard * SYNC_BYTES[layout.sync_dtype], layout.dp_replicate)
+        comm += outer / layout.sync_every
+        exposed += outer / layout.sync_every
+    return comm, exposed

@@ -1,0 +1,203 @@
+"""The planner's calibration of the machine at hand (scaletrain.plan.calibrate, issue 24): the
+fitted figures, the cache and its key, the calibrated time model, `plan --calibrate`, the
+measured ranking, and `parallel.auto_measure_s`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from scaletrain.config import load_config
+from scaletrain.hardware import Hardware
+from scaletrain.plan import calibrate, plan
+from scaletrain.plan.calibrate import Calibration, probes_for
+
+from conftest import run_here
+
+CPU = Hardware("CPU", 24, {"fp32": 0.1, "tf32": 0.1, "bf16": 0.1, "fp16": 0.1}, 20, 5, 1)
+TINY = {"model.dim": 64, "model.n_layers": 2, "model.n_heads": 2, "data.seq_len": 32, "model.max_seq_len": 32,
+        "train.global_batch": 4, "train.device": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory):
+    """One calibration cache for this file's runs: what one measured, the next reads."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def test_fit_recovers_latency_and_bandwidth_of_exact_points():
+    from scaletrain.bench.calibrate import _fit
+
+    latency, bus = 2e-4, 3e9
+    points = [(v, latency + v / bus) for v in (4e3, 6.4e4, 1e6, 8e6)]
+    got = _fit(points)
+    assert got[0] == pytest.approx(latency, rel=1e-6) and got[1] == pytest.approx(bus, rel=1e-6)
+    # noise that would give a negative latency: latency 0, bandwidth through the origin
+    lat, bw = _fit([(1e3, 1e-7), (1e6, 1e-3 + 1e-7), (2e6, 2.1e-3)])
+    assert lat == 0.0 and 0.9e9 < bw < 1.1e9
+
+
+def fake_calibration(block_s: dict, rest_s: float = 0.01, ranks: int = 2, overlap: float = 0.0,
+                     allreduce=(1e-3, 1e9)) -> Calibration:
+    """A calibration with `block_s[(tp, ac)]` seconds per block at micro-batch 1, linear in it."""
+    cfg = load_config(None, TINY).model
+    cal = Calibration("test|probe=1", ranks, {op: allreduce for op in calibrate.OPS}, overlap,
+                      optimizer={"adamw|32-true": 1e-9})
+    for (tp, ac), s in block_s.items():
+        key = calibrate.compute_key(cfg, "32-true", 32, tp, tp > 1, ac)
+        cal.compute[key] = {"1": {"block": s, "rest": rest_s}, "4": {"block": 4 * s, "rest": 4 * rest_s}}
+    return cal
+
+
+def test_block_seconds_are_interpolated_between_measured_micro_batches():
+    cal = fake_calibration({(1, "none"): 0.01})
+    key = next(iter(cal.compute))
+    assert cal.block(key, 1) == pytest.approx((0.01, 0.01))
+    assert cal.block(key, 2) == pytest.approx((0.02, 0.02))  # between 1 and 4
+    assert cal.block(key, 8) == pytest.approx((0.08, 0.08))  # extended from the two nearest
+    assert cal.has(key, 4) and not cal.has(key, 2)
+
+
+def test_collective_seconds_are_latency_plus_bus_volume():
+    cal = fake_calibration({}, ranks=4, allreduce=(1e-3, 1e9))
+    # all-reduce of 1 GB on 4 ranks: bus volume 2·3/4 GB at 1 GB/s, one latency
+    assert cal.collective_s("all_reduce", 1e9, 4) == pytest.approx(1e-3 + 1.5)
+    # a group of 2 of the 4 measured ranks: a third of the ring's hops
+    assert cal.collective_s("all_reduce", 1e9, 2, calls=3) == pytest.approx(3 * 1e-3 / 3 + 1.0)
+    assert cal.collective_s("all_reduce", 1e9, 1) == 0.0
+
+
+def plan_with(cal: Calibration, **kwargs):
+    cfg = load_config(None, TINY)
+    return plan(cfg.model, hardware=CPU, nodes=1, gpus_per_node=2, seq_len=32, global_batch=4, precision="32-true",
+                gpu=False, calibrate=lambda *args: cal, **kwargs)
+
+
+def test_the_calibrated_ranking_follows_what_was_measured_not_the_catalog():
+    cheap_tp = fake_calibration({(1, "none"): 0.02, (2, "none"): 0.005, (1, "full"): 0.03, (2, "full"): 0.008,
+                                 (1, "selective"): 0.025, (2, "selective"): 0.006})
+    best = plan_with(cheap_tp, top_k=50)["layouts"][0]
+    assert best.layout.tp == 2 and best.time.calibrated
+    slow_tp = fake_calibration({(1, "none"): 0.005, (2, "none"): 0.02, (1, "full"): 0.008, (2, "full"): 0.03,
+                                (1, "selective"): 0.006, (2, "selective"): 0.025})
+    result = plan_with(slow_tp, top_k=50)
+    assert result["layouts"][0].layout.tp == 1
+    # the figure is the measured one: a block of 5 ms per micro-batch, 2 blocks, 2 micro-batches of 1 ...
+    lay = {"zero": 0, "micro_batch": 1}
+    ev = plan_with(slow_tp, layout=lay)["layouts"][0]
+    assert ev.time.compute_s == pytest.approx(2 * (2 * 0.005 + 0.01))
+    # ... whatever the catalog says of the device
+    faster_catalog = replace(CPU, peak_tflops={k: 100.0 for k in CPU.peak_tflops}, memory_GBps=1e4, bus_GBps=1e3)
+    cfg = load_config(None, TINY)
+    again = plan(cfg.model, hardware=faster_catalog, nodes=1, gpus_per_node=2, seq_len=32, global_batch=4,
+                 precision="32-true", gpu=False, calibrate=lambda *args: slow_tp, layout=lay)["layouts"][0]
+    assert again.time.step_time_s == ev.time.step_time_s
+    # and the explanation says which figures were calibrated
+    assert "calibrated on this machine for 2 rank(s)" in " ".join(result["explanation"])
+
+
+def test_data_parallel_communication_is_exposed_as_far_as_the_measured_overlap_does_not_hide_it():
+    blocks = {(1, "none"): 0.01}
+    lay = {"zero": 0, "micro_batch": 2}
+    none = plan_with(fake_calibration(blocks, overlap=0.0, allreduce=(1e-3, 1e8)), layout=lay)["layouts"][0]
+    full = plan_with(fake_calibration(blocks, overlap=1.0, allreduce=(1e-3, 1e8)), layout=lay)["layouts"][0]
+    assert none.time.dp_comm_s == full.time.dp_comm_s > 0
+    assert none.time.dp_exposed_s == pytest.approx(none.time.dp_comm_s)
+    assert full.time.dp_exposed_s < none.time.dp_exposed_s
+
+
+def test_probes_cover_each_shape_at_its_smallest_and_largest_micro_batch():
+    cfg = load_config(None, TINY)
+    result = plan(cfg.model, hardware=CPU, nodes=1, gpus_per_node=2, seq_len=32, global_batch=4,
+                  precision="32-true", gpu=False, top_k=100)
+    layouts = [e.layout for e in result["layouts"]]
+    probes = probes_for(result["cfg"], result["workload"], layouts)
+    shapes = {(p["tp"], p["sp"], p["ac"]) for p in probes}
+    assert shapes == {(lay.tp, lay.sp, lay.activation_checkpointing) for lay in layouts}
+    for tp, sp, ac in shapes:
+        sizes = [lay.micro_batch for lay in layouts if (lay.tp, lay.sp, lay.activation_checkpointing) == (tp, sp, ac)]
+        got = sorted(p["micro_batch"] for p in probes if (p["tp"], p["sp"], p["ac"]) == (tp, sp, ac))
+        assert got == sorted({min(sizes), max(sizes)})
+
+
+def test_the_cache_is_keyed_by_machine_and_versions(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cal = fake_calibration({(1, "none"): 0.01})
+    got = calibrate.merge(None, {"collectives": cal.collectives, "overlap": 0.5, "compute": cal.compute,
+                                 "optimizer": cal.optimizer}, "cpu", 2)
+    assert got.machine == calibrate.machine_key("cpu", 2)
+    loaded = calibrate.load("cpu", 2)
+    assert loaded.compute == cal.compute and loaded.overlap == 0.5
+    assert calibrate.load("cpu", 4) is None  # another rank count is another calibration
+    monkeypatch.setattr(torch, "__version__", "0.0.0-other")
+    assert calibrate.load("cpu", 2) is None  # so is another PyTorch (or CPU, core count, probe version)
+
+
+@pytest.mark.multiproc
+def test_plan_calibrate_measures_this_machine_once_then_reads_the_cache(shared_cache, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(shared_cache))
+    args = ["plan", "--config", "configs/tiny.toml", "--calibrate", "--nproc", "2", "--top", "3",
+            *(f"--{k}={v}" for k, v in TINY.items())]
+    first = run_here(*args)
+    assert first.returncode == 0, first.stderr
+    assert "calibrated this machine for 2 rank(s)" in first.stderr
+    assert "collectives and overlap" in first.stderr
+    cal = calibrate.load("cpu", 2)
+    assert set(cal.collectives) == set(calibrate.OPS)
+    assert all(lat >= 0 and bus > 0 for lat, bus in cal.collectives.values())
+    assert 0.0 <= cal.overlap <= 1.0 and cal.optimizer["adamw|32-true"] > 0
+    assert all(v["block"] > 0 for by_size in cal.compute.values() for v in by_size.values())
+    second = run_here(*args)
+    assert second.returncode == 0 and "calibrated this machine" not in second.stderr  # read from the cache
+    assert second.stdout.split("memory per GPU")[0] == first.stdout.split("memory per GPU")[0]
+    assert "Step times calibrated on this machine for 2 rank(s)" in second.stdout
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_the_calibrated_planner_orders_clearly_different_layouts_as_measured(shared_cache, monkeypatch):
+    """A smaller set than benchmarks/planner_ranking.py, of layouts far apart on this machine."""
+    import functools
+
+    from scaletrain.hardware import local_hardware
+    from scaletrain.measure import calibration, kendall_tau, measure_evaluations
+    from scaletrain.plan import calibrated, evaluate
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(shared_cache))
+    overrides = {"model.dim": 128, "model.n_layers": 4, "model.n_heads": 4, "data.seq_len": 64,
+                 "model.max_seq_len": 64, "train.global_batch": 8, "train.device": "cpu"}
+    cfg = load_config("configs/tiny.toml", overrides)
+    layouts = [{"zero": 0, "micro_batch": 4}, {"zero": 0, "micro_batch": 1, "ac": "full"},
+               {"tp": 2, "sp": True, "micro_batch": 1}, {"pp": 2, "schedule": "gpipe", "micro_batch": 1}]
+    common = dict(hardware=local_hardware(torch.device("cpu")), nodes=1, gpus_per_node=2, seq_len=64,
+                  global_batch=8, precision="32-true", gpu=False)
+    first = plan(cfg.model, layout=layouts[0], **common)
+    fixed = [plan(cfg.model, layout=lay, **common)["layouts"][0].layout for lay in layouts]
+    cluster = calibrated(first["cfg"], first["workload"], first["cluster"], fixed, False,
+                         functools.partial(calibration, note=None))
+    predicted = [evaluate(first["cfg"], first["workload"], cluster, lay, gpu=False) for lay in fixed]
+    rows, _ = measure_evaluations("configs/tiny.toml", predicted, 2, overrides, steps=3, memory=False)
+    p, m = [r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]
+    assert kendall_tau(p, m) >= 0.66, rows  # at most one pair of the four swapped
+    assert all(0.5 < a / b < 2.0 for a, b in zip(p, m)), rows
+    assert math.isfinite(sum(p))
+
+
+@pytest.mark.multiproc
+def test_auto_layout_times_the_best_predicted_layouts_within_its_budget(tmp_path, shared_cache):
+    from conftest import run_cli
+
+    r = run_cli("train", "--config", "configs/tiny.toml", "--nproc", "2", "--parallel.layout=auto",
+                "--parallel.auto_measure_s=20", "--train.steps=2", f"--log.run_dir={tmp_path / 'run'}",
+                *(f"--{k}={v}" for k, v in TINY.items() if k != "train.device"), "--train.device=cpu",
+                env={"XDG_CACHE_HOME": str(shared_cache)})
+    assert r.returncode == 0, r.stderr
+    said = r.stdout + r.stderr
+    timed = next(line for line in said.splitlines() if "parallel.auto_measure_s=20: timed the" in line)
+    k = int(timed.split("timed the ")[1].split()[0])
+    assert 2 <= k <= 5
+    assert timed.count(" ms (predicted ") == k
+    assert "parallel.layout=auto chose" in said
