@@ -19,7 +19,8 @@ from typing import Any, Iterable, Mapping, Sequence
 from scaletrain.errors import ConfigError, DataError
 from scaletrain.model.config import MODEL_SHAPE, ModelConfig, check_model
 from scaletrain.options import build_section, option
-from scaletrain.vocab import (AC_MODES, CP_METHODS, DP_SYNC_MODES, OPTIMIZERS, OUTER_OPTIMIZERS, PP_SCHEDULES,
+from scaletrain.quant.layers import FP8_MIN_DIM
+from scaletrain.vocab import (AC_MODES, CP_METHODS, DP_SYNC_MODES, FP8_RECIPES, OPTIMIZERS, OUTER_OPTIMIZERS, PP_SCHEDULES,
                               PRECISIONS, QAT_SCHEMES, SYNC_DTYPES, did_you_mean)
 
 # --------------------------------------------------------------------------------------------
@@ -97,6 +98,14 @@ class PrecisionConfig:
     backoff_factor: float = option(0.5, "16-mixed: scale multiplier after an overflow", min=0.0, max=1.0, open_max=True)
     growth_interval: int = option(2000, "16-mixed: clean steps before the scale grows", min=1)
     min_scale: float = option(1.0, "16-mixed: the scale never drops below this", min=0.0)
+    fp8_recipe: str = option("tensorwise", "fp8: one scale per tensor (tensorwise: the fastest, and ZeRO-3 "
+                                           "all-gathers the weights in fp8) or per row (rowwise: more accurate, "
+                                           "slower)", choices=FP8_RECIPES)
+    fp8_emulate: bool = option(False, "fp8: emulate the float8 matmuls (torchao's emulate: fp8's numerics, none of "
+                                      "its speed); needed on a CPU or a GPU without fp8 (before sm89)")
+    fp8_min_dim: int = option(FP8_MIN_DIM, "fp8: a block linear converts when its inputs and outputs are both at "
+                                           "least this many (and multiples of 16); smaller ones stay bf16, where "
+                                           "fp8's scaling and casts cost more than its matmul saves", min=16)
 
 
 @dataclass
@@ -484,6 +493,10 @@ def check_combinations(cfg: JobConfig) -> list[str]:
         from scaletrain.quant.layers import qat_problems  # torch-free
 
         errors.extend(qat_problems(m, cfg.train.qat))
+    if cfg.precision.mode == "fp8":
+        from scaletrain.quant.layers import fp8_problems  # torch-free
+
+        errors.extend(fp8_problems(m, cfg.precision.fp8_min_dim, cfg.train.qat))
     if cfg.optim.name == "adamw8bit" and cfg.optim.implementation not in ("auto",):
         errors.append("optim.implementation applies to adamw and sgd; leave it at auto for adamw8bit")
     return errors

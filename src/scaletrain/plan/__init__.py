@@ -44,6 +44,7 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
     engine = engine if engine is not None else src.extra.get("engine", "scaletrain")
     compile = compile if compile is not None else bool(src.extra.get("compile", False))
     fp8 = fp8 if fp8 is not None else bool(src.extra.get("fp8", False))
+    fp8 = fp8 or precision == "fp8"  # the trainer's fp8 mode runs its linears so: plan them so
     hw = hardware if isinstance(hardware, Hardware) else lookup(hardware, hardware_file)
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError("--nodes and --gpus-per-node must be at least 1")
