@@ -261,3 +261,28 @@ def test_real_fp8_on_a_gpu_tracks_bf16_mixed(tmp_path, recipe):
     losses = Trainer(cfg).fit()["losses"]
     rel = [abs(a - b) / b for a, b in zip(losses, bf16)]
     assert max(rel) <= 2e-2, rel  # bf16-mixed's own bound against fp32 (test_precision), with margin
+
+
+# ------------------------------------------------------------------------------------------
+# the benchmark
+
+
+def test_the_benchmarks_variants_parse_and_it_says_in_one_line_that_it_needs_a_gpu():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import fp8 as bench
+    finally:
+        sys.path.pop(0)
+    from scaletrain.bench.step import parse_variant
+
+    # keys with digits in them (fp8_recipe) split at the comma like any other
+    assert [parse_variant(v) for v in bench.variants(compile=False)] == [
+        {"precision.mode": "fp8", "precision.fp8_recipe": "tensorwise"},
+        {"precision.mode": "fp8", "precision.fp8_recipe": "rowwise"}]
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the benchmark would run")
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fp8.py")], capture_output=True, text=True,
+                       cwd=REPO, timeout=120)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.strip().splitlines() == [
+        "benchmarks/fp8.py needs a CUDA GPU with fp8 matmuls (sm89+); here: no CUDA GPU. Nothing measured."]
