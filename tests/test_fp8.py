@@ -231,6 +231,14 @@ def test_missing_torchao_is_one_line(monkeypatch):
         float8_config("tensorwise", emulate=True, fp8_all_gather=False)
 
 
+def test_a_custom_module_is_refused_in_one_line(tmp_path):
+    """Its linears are not scaletrain's to choose: the run would silently train bf16-mixed."""
+    module = nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 256))
+    with pytest.raises(ConfigError, match="precision.mode=fp8 converts scaletrain's own transformer") as e:
+        Trainer(micro_cfg(tmp_path, **FP8), model=module)
+    assert len(e.value.lines) == 1
+
+
 def test_model_parallel_axes_are_refused_in_one_line(tmp_path):
     from scaletrain.layout import Layout
     from scaletrain.parallel.parallelize import _check_fp8
