@@ -353,8 +353,10 @@ def parse_override_args(args: Iterable[str]) -> tuple[dict[str, str], list[str]]
 
 
 def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[str] = (),
-              source: str = "config") -> JobConfig:
-    """Build and validate a JobConfig from a nested dict plus dotted overrides."""
+              source: str = "config", *, own_model: bool = True) -> JobConfig:
+    """Build and validate a JobConfig from a nested dict plus dotted overrides. `own_model=False`:
+    the model these settings go with is given elsewhere (the planner's MODEL argument), so the
+    checks of the settings against the model's shape (train.qat, precision.mode=fp8) are left out."""
     errors: list[str] = []
     if isinstance(overrides, Mapping):
         dotted = dict(overrides)
@@ -438,7 +440,7 @@ def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[st
 
     cfg = JobConfig(**sections)
     if not errors:
-        errors.extend(check_combinations(cfg))
+        errors.extend(check_combinations(cfg, own_model=own_model))
     if errors:
         raise ConfigError(*errors)
     return cfg
@@ -448,7 +450,7 @@ def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[st
 # Checks across keys
 
 
-def check_combinations(cfg: JobConfig) -> list[str]:
+def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
     """Problems that involve more than one key. Checks of the layout, which needs the world size, are scaletrain.layout.Layout.check."""
     m, errors = cfg.model, check_model(cfg.model)
     if m.sliding_window and cfg.data.seq_len > m.sliding_window:
@@ -489,14 +491,14 @@ def check_combinations(cfg: JobConfig) -> list[str]:
         errors.append(f"parallel.sync_delay={par.sync_delay} must be below sync_every / sync_fragments = "
                       f"{par.sync_every} / {par.sync_fragments}: a fragment's sync must land before the next "
                       f"fragment's begins; lower sync_delay or sync_fragments, or raise sync_every")
-    if cfg.train.qat != "none":
+    if cfg.train.qat != "none" and own_model:
         from scaletrain.quant.layers import qat_problems  # torch-free
 
         errors.extend(qat_problems(m, cfg.train.qat))
     if cfg.precision.mode == "fp8":
         from scaletrain.quant.layers import fp8_problems  # torch-free
 
-        errors.extend(fp8_problems(m, cfg.precision.fp8_min_dim, cfg.train.qat))
+        errors.extend(fp8_problems(m if own_model else None, cfg.precision.fp8_min_dim, cfg.train.qat))
     if cfg.optim.name == "adamw8bit" and cfg.optim.implementation not in ("auto",):
         errors.append("optim.implementation applies to adamw and sgd; leave it at auto for adamw8bit")
     return errors

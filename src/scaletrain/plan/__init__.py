@@ -58,7 +58,8 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
                   attention=attention, engine=engine, compile=compile, fp8=fp8)
     gpu = hw.name != "CPU" if gpu is None else gpu
     if fp8 and "fp8" not in hw.peak_tflops:
-        raise ConfigError(f"--fp8: hardware {hw.name} has no fp8 peak in the catalog; plan without fp8")
+        raise ConfigError(f"--fp8{' (or --precision fp8)' if precision == 'fp8' else ''}: hardware {hw.name} has no "
+                          "fp8 peak in the catalog; plan without fp8")
     result = {"model_name": src.name, "cfg": src.cfg, "workload": wl, "cluster": cluster, "stats": None}
     if src.cfg is None:
         return _plan_module(src, wl, cluster, layout, top_k, result, gpu)

@@ -90,11 +90,12 @@ def fp8_share(cfg, fp8_min_dim: int = FP8_MIN_DIM) -> float:
 
 
 def fp8_problems(model, fp8_min_dim: int, qat: str) -> list[str]:
-    """What makes precision.mode=fp8 refuse model config `model`, as config error lines."""
+    """What makes precision.mode=fp8 refuse model config `model` (None: the model is not known
+    yet, only the settings are checked), as config error lines."""
     if qat != "none":
         return [f"precision.mode=fp8 and train.qat={qat} both replace the blocks' linear layers (with float8 and "
                 "fake-quantized ones); keep one of them"]
-    if any(why is None for why in fp8_block_plan(model, fp8_min_dim).values()):
+    if model is None or any(why is None for why in fp8_block_plan(model, fp8_min_dim).values()):
         return []
     widest = max(min(s) for s in block_linears(model).values())
     return [f"precision.mode=fp8: no block linear layer qualifies (the widest is {widest} wide, under "
