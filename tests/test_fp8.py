@@ -2,7 +2,8 @@
 
 Emulation casts and scales exactly as the GPU path does and multiplies the fp8 values in high
 precision, so the numerics are fp8's; the speed is not (benchmarks/fp8.py measures that on a GPU).
-Checkpoint resume under fp8 is two of test_checkpoint's bitwise resume cases.
+Single-process checkpoint resume under fp8 is two of test_checkpoint's bitwise resume cases;
+ZeRO-3's is here.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ pytest.importorskip("torchao")
 from scaletrain.errors import ConfigError  # noqa: E402
 from scaletrain.train.trainer import Trainer  # noqa: E402
 
-from conftest import MICRO, REPO, micro_cfg, run_cli, run_here  # noqa: E402
+from conftest import MICRO, REPO, micro_cfg, read_metrics, run_cli, run_here  # noqa: E402
 
 # the micro model's linears are 64 wide: a threshold of 64 converts all 12 block linears
 FP8 = {"precision.mode": "fp8", "precision.fp8_emulate": True, "precision.fp8_min_dim": 64}
@@ -131,6 +132,25 @@ def test_fp8_under_zero3_with_fp8_all_gather_tracks_one_process(tmp_path):
     m = re.match(r"largest relative difference: loss ([\d.e+-]+) at step \d+", verdict)
     assert m, f"{r.stdout}{r.stderr}"
     assert float(m.group(1)) <= 1e-3, verdict
+
+
+@pytest.mark.multiproc
+def test_a_zero3_fp8_checkpoint_resumes_bitwise(tmp_path):
+    """ZeRO-3 with fp8 all-gather keeps each weight shard inside torchao's fp8-casting tensor
+    subclass; the distributed checkpoint saves and loads through it: resumed at step 2 of 4, steps
+    3 and 4 are bit for bit those of the run that went straight on."""
+    args = [f"--{k}={v}" for k, v in {**MICRO, **FP8}.items() if not k.startswith(("log.", "checkpoint."))]
+    args += ["--train.steps=4", "--nproc=2", "--parallel.zero=3", "--log.every=1", "--log.tensorboard=false"]
+    r = run_cli("train", *args, "--checkpoint.every=2", f"--log.run_dir={tmp_path / 'a'}")
+    assert r.returncode == 0, r.stderr
+    step2 = tmp_path / "a" / "checkpoints" / "step_00000002"
+    r = run_cli("train", *args, f"--checkpoint.resume={step2}", f"--log.run_dir={tmp_path / 'b'}")
+    assert r.returncode == 0, r.stderr
+
+    def rows(run):
+        return [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / run) if "loss" in m]
+
+    assert rows("b") == rows("a")[2:] and len(rows("a")) == 4
 
 
 # ------------------------------------------------------------------------------------------
