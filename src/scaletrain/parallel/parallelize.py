@@ -177,8 +177,9 @@ def _check_qat(cfg: JobConfig, lay) -> None:
 
 
 def _check_fp8(lay, device: torch.device, emulate: bool) -> None:
-    """fp8 composes with data parallelism (DDP, ZeRO 0-3, HSDP), accumulation, activation
-    checkpointing, compile and checkpoints; the model-parallel axes are refused."""
+    """fp8 composes with data parallelism (DDP and ZeRO-3 checked against one process; ZeRO-1/2
+    and HSDP wrap the converted model like any other), accumulation, activation checkpointing,
+    compile and checkpoints; the model-parallel axes are refused."""
     for axis, size, why in (("tp", lay.tp, "its column/row plans would need torchao's Float8ColwiseParallel and "
                              "Float8RowwiseParallel, which scaletrain does not apply yet"),
                             ("pp", lay.pp, "the pipeline stages are untested with float8 linears"),

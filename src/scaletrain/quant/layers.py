@@ -16,8 +16,10 @@ a reader knows what was converted (the planner's `--fp8` counts the same layers)
 * for fp8, a linear whose dimensions are not multiples of FP8_MULTIPLE stays (the fp8 matmul
   kernels need them), and so does one with fewer than precision.fp8_min_dim inputs or outputs:
   casting its operands to fp8 and scaling them costs more than its faster matmul saves.
-  torchao's published H100 tables put the break-even of tensorwise scaling near 1-2k wide
-  layers and rowwise's near 2-4k (torchao/float8/README.md, "performance").
+  torchao's own automatic filter (torchao.float8, from its H100 measurements) skips, for
+  tensorwise, layers with at most 1024 outputs unless they have over 4096 inputs, and for
+  rowwise, layers with at most 2048 outputs or 1024 inputs; one threshold on both sides is
+  simpler to state and to plan with, and its default of 1024 sits at tensorwise's edge.
 """
 
 from __future__ import annotations
