@@ -99,8 +99,8 @@ class PrecisionConfig:
     growth_interval: int = option(2000, "16-mixed: clean steps before the scale grows", min=1)
     min_scale: float = option(1.0, "16-mixed: the scale never drops below this", min=0.0)
     fp8_recipe: str = option("tensorwise", "fp8: one scale per tensor (tensorwise: the fastest, and ZeRO-3 "
-                                           "all-gathers the weights in fp8) or per row (rowwise: more accurate, "
-                                           "slower)", choices=FP8_RECIPES)
+                                           "all-gathers the weights in fp8) or per row (rowwise: an outlier costs "
+                                           "its row's precision, not the tensor's; slower)", choices=FP8_RECIPES)
     fp8_emulate: bool = option(False, "fp8: emulate the float8 matmuls (torchao's emulate: fp8's numerics, none of "
                                       "its speed); needed on a CPU or a GPU without fp8 (before sm89)")
     fp8_min_dim: int = option(FP8_MIN_DIM, "fp8: a block linear converts when its inputs and outputs are both at "

@@ -10,7 +10,7 @@ of the model runs as in bf16-mixed: fp32 weights, bf16 autocast.
 | recipe     | scales                          | where it pays                                         |
 |------------|---------------------------------|-------------------------------------------------------|
 | tensorwise | one per tensor                  | the fastest; ZeRO-3 all-gathers the weights in fp8    |
-| rowwise    | one per row of each operand     | more accurate (an outlier costs one row, not all)     |
+| rowwise    | one per row of each operand     | an outlier costs only its own row's precision         |
 
 What it saves: up to 2x matmul throughput on the converted layers (the fp8 peak is twice the
 bf16 one) and, with tensorwise under ZeRO-3, half the all-gather bytes. What it costs: an
