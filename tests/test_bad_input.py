@@ -456,6 +456,8 @@ CASES = [
     Case("plan-cp-zero", ["plan", "tiny", "--engine", "megatron", "--cp", "0"], ("got cp=0",)),
     Case("plan-fp8-without-fp8-peak", ["plan", "tiny", "--hardware", "A100-80GB", "--fp8"],
          ("--fp8: hardware A100-80GB has no fp8 peak",)),
+    Case("plan-precision-fp8-without-fp8-peak", ["plan", "tiny", "--hardware", "A100-80GB", "--precision", "fp8"],
+         ("--fp8 (or --precision fp8): hardware A100-80GB has no fp8 peak",)),
     Case("plan-measure-other-engine", ["plan", "tiny", "--engine", "megatron", "--measure"],
          ("--measure runs scaletrain's trainer", "--engine megatron")),
     # ---- schedule
@@ -501,6 +503,11 @@ CASES = [
     Case("no-subcommand", [], ("the following arguments are required: verb",)),
     Case("unknown-subcommand", ["fit"], ("invalid choice: 'fit'",)),
     Case("train-unknown-flag", train("--verbose"), ("unexpected argument '--verbose'",)),
+    # ---- fp8 (more in tests/test_fp8.py)
+    Case("fp8-on-cpu-without-emulation", train("--precision.mode=fp8", "--precision.fp8_min_dim=64"),
+         ("precision.mode=fp8 on cpu", "set precision.fp8_emulate=true")),
+    Case("fp8-model-too-narrow", train("--precision.mode=fp8", "--precision.fp8_emulate=true"),
+         ("no block linear layer qualifies", "precision.fp8_min_dim=1024")),
     Case("schedule-unknown-flag", ["schedule", "--pp", "2", "--microbatches", "4", "--verbose"],
          ("unexpected arguments: --verbose",)),
 ]

@@ -123,13 +123,14 @@ def test_techniques_table_and_chart(tmp_path):
     rows = {x["name"]: x for x in result["rows"]}
     expected = ["baseline", "grad accumulation x4 (micro-batch 2)", "activation checkpointing full",
                 "activation checkpointing selective", "precision tf32", "precision 16-mixed", "precision bf16-mixed",
-                "precision bf16-true", "larger batch x2 (micro-batch 16)", "optimizer sgd", "optimizer adafactor",
+                "precision bf16-true", "precision fp8", "larger batch x2 (micro-batch 16)", "optimizer sgd", "optimizer adafactor",
                 "optimizer adamw8bit", "loader workers 2", "ZeRO stage 1", "ZeRO stage 2", "ZeRO stage 3", "compile"]
     assert list(rows) == expected
     _check_rows(result["rows"])
     for z in (1, 2, 3):
         assert rows[f"ZeRO stage {z}"]["status"] == "skipped" and "--nproc >= 2" in rows[f"ZeRO stage {z}"]["reason"]
     assert rows["compile"]["status"] == "skipped" and "--skip" in rows["compile"]["reason"]
+    assert rows["precision fp8"]["status"] == "skipped" and "sm89+" in rows["precision fp8"]["reason"]
     for name in ("grad accumulation x4 (micro-batch 2)", "activation checkpointing full", "larger batch x2 "
                  "(micro-batch 16)", "optimizer sgd", "precision bf16-mixed", "loader workers 2"):
         assert rows[name]["status"] == "measured", rows[name]

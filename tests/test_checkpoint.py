@@ -42,9 +42,13 @@ def test_stop_and_resume_gives_bitwise_identical_losses(tmp_path):
     {"train.qat": "int8-int4"},
     {"train.qat": "int8-int4", "train.grad_accum": 2, "memory.activation_checkpointing": "full",
      "precision.mode": "bf16-mixed"},
+    # fp8 (emulated): the Float8Linears keep nn.Linear's names and hold no state of their own
+    {"precision.mode": "fp8", "precision.fp8_emulate": True, "precision.fp8_min_dim": 64},
+    {"precision.mode": "fp8", "precision.fp8_emulate": True, "precision.fp8_min_dim": 64,
+     "precision.fp8_recipe": "rowwise", "train.grad_accum": 2, "memory.activation_checkpointing": "full"},
 ], ids=lambda e: "-".join(str(v) for v in e.values()))
 def test_resume_is_exact_for_optimizers_and_precisions(tmp_path, extra):
-    if extra.get("optim.name") == "adamw8bit" or "train.qat" in extra:
+    if extra.get("optim.name") == "adamw8bit" or "train.qat" in extra or extra.get("precision.mode") == "fp8":
         pytest.importorskip("torchao")
     base = {"train.steps": 6, "checkpoint.every": 3, **extra}
     straight = Trainer(micro_cfg(tmp_path / "a", **base)).fit()["history"]

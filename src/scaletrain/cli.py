@@ -634,7 +634,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction,
                    help="torch.compile fuses the element-wise work (default: the [plan] table's, else off)")
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction,
-                   help="the linear layers' matmuls in float8 at the fp8 peak (default: the [plan] table's, else off)")
+                   help="the block linears that precision.mode=fp8 converts (its layer rule) at the fp8 peak "
+                        "(default: the [plan] table's, else off)")
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="the cluster is N sites (e.g. datacenters) of equal size joined by --workers-link; the "
                         "data-parallel workers (dp_replicate groups) are the sites. When that link is slow the search "

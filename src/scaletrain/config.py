@@ -19,7 +19,8 @@ from typing import Any, Iterable, Mapping, Sequence
 from scaletrain.errors import ConfigError, DataError
 from scaletrain.model.config import MODEL_SHAPE, ModelConfig, check_model
 from scaletrain.options import build_section, option
-from scaletrain.vocab import (AC_MODES, CP_METHODS, DP_SYNC_MODES, OPTIMIZERS, OUTER_OPTIMIZERS, PP_SCHEDULES,
+from scaletrain.quant.layers import FP8_MIN_DIM
+from scaletrain.vocab import (AC_MODES, CP_METHODS, DP_SYNC_MODES, FP8_RECIPES, OPTIMIZERS, OUTER_OPTIMIZERS, PP_SCHEDULES,
                               PRECISIONS, QAT_SCHEMES, SYNC_DTYPES, did_you_mean)
 
 # --------------------------------------------------------------------------------------------
@@ -97,6 +98,14 @@ class PrecisionConfig:
     backoff_factor: float = option(0.5, "16-mixed: scale multiplier after an overflow", min=0.0, max=1.0, open_max=True)
     growth_interval: int = option(2000, "16-mixed: clean steps before the scale grows", min=1)
     min_scale: float = option(1.0, "16-mixed: the scale never drops below this", min=0.0)
+    fp8_recipe: str = option("tensorwise", "fp8: one scale per tensor (tensorwise: the fastest, and ZeRO-3 "
+                                           "all-gathers the weights in fp8) or per row (rowwise: an outlier costs "
+                                           "its row's precision, not the tensor's; slower)", choices=FP8_RECIPES)
+    fp8_emulate: bool = option(False, "fp8: emulate the float8 matmuls (torchao's emulate: fp8's numerics, none of "
+                                      "its speed); needed on a CPU or a GPU without fp8 (before sm89)")
+    fp8_min_dim: int = option(FP8_MIN_DIM, "fp8: a block linear converts when its inputs and outputs are both at "
+                                           "least this many (and multiples of 16); smaller ones stay bf16, where "
+                                           "fp8's scaling and casts cost more than its matmul saves", min=16)
 
 
 @dataclass
@@ -348,8 +357,10 @@ def parse_override_args(args: Iterable[str]) -> tuple[dict[str, str], list[str]]
 
 
 def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[str] = (),
-              source: str = "config") -> JobConfig:
-    """Build and validate a JobConfig from a nested dict plus dotted overrides."""
+              source: str = "config", *, own_model: bool = True) -> JobConfig:
+    """Build and validate a JobConfig from a nested dict plus dotted overrides. `own_model=False`:
+    the model these settings go with is given elsewhere (the planner's MODEL argument), so the
+    checks of the settings against the model's shape (train.qat, precision.mode=fp8) are left out."""
     errors: list[str] = []
     if isinstance(overrides, Mapping):
         dotted = dict(overrides)
@@ -433,7 +444,7 @@ def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[st
 
     cfg = JobConfig(**sections)
     if not errors:
-        errors.extend(check_combinations(cfg))
+        errors.extend(check_combinations(cfg, own_model=own_model))
     if errors:
         raise ConfigError(*errors)
     return cfg
@@ -443,7 +454,7 @@ def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[st
 # Checks across keys
 
 
-def check_combinations(cfg: JobConfig) -> list[str]:
+def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
     """Problems that involve more than one key. Checks of the layout, which needs the world size, are scaletrain.layout.Layout.check."""
     m, errors = cfg.model, check_model(cfg.model)
     if m.sliding_window and cfg.data.seq_len > m.sliding_window:
@@ -484,10 +495,14 @@ def check_combinations(cfg: JobConfig) -> list[str]:
         errors.append(f"parallel.sync_delay={par.sync_delay} must be below sync_every / sync_fragments = "
                       f"{par.sync_every} / {par.sync_fragments}: a fragment's sync must land before the next "
                       f"fragment's begins; lower sync_delay or sync_fragments, or raise sync_every")
-    if cfg.train.qat != "none":
+    if cfg.train.qat != "none" and own_model:
         from scaletrain.quant.layers import qat_problems  # torch-free
 
         errors.extend(qat_problems(m, cfg.train.qat))
+    if cfg.precision.mode == "fp8":
+        from scaletrain.quant.layers import fp8_problems  # torch-free
+
+        errors.extend(fp8_problems(m if own_model else None, cfg.precision.fp8_min_dim, cfg.train.qat))
     if cfg.optim.name == "adamw8bit" and cfg.optim.implementation not in ("auto",):
         errors.append("optim.implementation applies to adamw and sgd; leave it at auto for adamw8bit")
     return errors

@@ -118,7 +118,8 @@ def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors that hold a (possibly subclassed or sharded) tensor's data."""
     if isinstance(t, DTensor):
         t = t.to_local()
-    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+    # (a parameter may be a subclass too: FSDP's fp8 all-gather keeps torchao's fp8-casting weight)
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
         names, _ = t.__tensor_flatten__()
         return [x for n in names for x in _inner_tensors(getattr(t, n))]
     return [t]

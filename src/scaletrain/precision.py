@@ -7,12 +7,17 @@
 | 16-mixed   | fp32       | fp16 (autocast) | half the activation memory    | loss scaling; overflow skips  |
 | bf16-mixed | fp32       | bf16 (autocast) | half the activation memory    | 8-bit mantissa in matmuls     |
 | bf16-true  | bf16       | bf16            | half of weights + activations | an fp32 master copy (4 B/param)|
+| fp8        | fp32       | fp8 / bf16 [1]  | 2x matmul peak, large layers  | casts, scales; 3-bit mantissa  |
+
+[1] fp8 for the block linears that quant/layers.py's rule converts (sm89+ GPUs), bf16 for the rest.
 
 fp16 has a narrow exponent, so small gradients underflow to zero: `16-mixed` multiplies the loss
 by a large scale before backward and divides the gradients by it after, lowering the scale
 (and skipping the step) when a gradient overflows and raising it after a run of clean steps.
 `bf16-true` keeps an fp32 master copy of the weights for the optimizer, because adding a small
 update to a bf16 weight often rounds back to the same weight.
+`fp8` is bf16-mixed whose large block linears run their three matmuls in float8 through torchao
+(scaletrain.quant.fp8 says how, quant/layers.py which layers).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ COMPUTE_DTYPES = {
     "16-mixed": torch.float16,
     "bf16-mixed": torch.bfloat16,
     "bf16-true": torch.bfloat16,
+    "fp8": torch.bfloat16,  # around the float8 linears (which cast to fp8 themselves)
 }
 
 
@@ -46,7 +52,7 @@ class Precision:
         self.compute_dtype = COMPUTE_DTYPES[cfg.mode]
         # bf16-true stores parameters in bf16; every other mode keeps fp32 parameters
         self.param_dtype = torch.bfloat16 if cfg.mode == "bf16-true" else torch.float32
-        self.uses_autocast = cfg.mode in ("16-mixed", "bf16-mixed")
+        self.uses_autocast = cfg.mode in ("16-mixed", "bf16-mixed", "fp8")
         self.master_weights = cfg.mode == "bf16-true"
         self.scaler = DynamicLossScaler(cfg) if cfg.mode == "16-mixed" else None
 

@@ -64,6 +64,9 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "16-mixed": (5e-4, 5e-3),
     "bf16-mixed": (5e-3, 5e-2),
     "bf16-true": (5e-3, 5e-2),
+    # fp8 (emulated, ZeRO-3 with fp8 all-gather, 4 steps): loss 2.5e-4, grad norm 4.5e-2 (at a step
+    # where the norm spikes: a 1e-7 difference moves a value across an e4m3 rounding boundary)
+    "fp8": (5e-3, 1e-1),
 }
 
 # int8 pseudo-gradients: the layout's ranks quantize their shards, the simulation whole tensors,

@@ -9,10 +9,15 @@ from __future__ import annotations
 import difflib
 from typing import Iterable
 
-# precision modes, with Lightning's names (scaletrain.precision gives each its dtypes)
-PRECISIONS = ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true")
-# the planner's name for the peak FLOP/s a precision computes at (scaletrain.hardware's catalog keys)
-PEAK_KIND = {"32-true": "fp32", "tf32": "tf32", "16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
+# precision modes, with Lightning's names (scaletrain.precision gives each its dtypes), and fp8:
+# bf16-mixed with the large block linears' matmuls in float8 (scaletrain.quant.fp8)
+PRECISIONS = ("32-true", "tf32", "16-mixed", "bf16-mixed", "bf16-true", "fp8")
+# the planner's name for the peak FLOP/s a precision computes at (scaletrain.hardware's catalog keys);
+# fp8's is that of the layers it keeps in bf16 (the converted ones run at the fp8 peak)
+PEAK_KIND = {"32-true": "fp32", "tf32": "tf32", "16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16",
+             "fp8": "bf16"}
+# fp8 scaling recipes (torchao's names): one scale per tensor, or one per row of each operand
+FP8_RECIPES = ("tensorwise", "rowwise")
 
 # post-training quantization schemes (`scaletrain quantize --scheme`, scaletrain.quant.ptq): int8
 # weights alone, int8 activations and weights, int8 activations and int4 weights in groups

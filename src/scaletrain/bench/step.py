@@ -31,7 +31,7 @@ BENCH_SETTINGS = {"log.tensorboard": False, "log.progress": "off", "checkpoint.s
 def parse_variant(text: str) -> dict[str, str]:
     """`section.key=value`, several joined by commas (a comma inside a value stays in it)."""
     out = {}
-    for part in re.split(r",(?=\s*(?:--)?[A-Za-z_]+\.[A-Za-z_]+=)", text):
+    for part in re.split(r",(?=\s*(?:--)?[A-Za-z_]\w*\.[A-Za-z_]\w*=)", text):
         key, eq, value = part.strip().removeprefix("--").partition("=")
         if not eq or "." not in key or not value:
             raise UserError(f"--vs {text!r}: a variant is section.key=value, several joined by commas "

@@ -59,7 +59,9 @@ def techniques(cfg, b: Layout, device_type: str) -> list[tuple[str, str, dict | 
             out.append((f"ac-{ac}", f"activation checkpointing {ac}", {"memory.activation_checkpointing": ac},
                         replace(b, activation_checkpointing=ac), ""))
     for mode in PRECISIONS:
-        if mode != cfg.precision.mode:
+        if mode == "fp8" and device_type != "cuda" and cfg.precision.mode != "fp8":  # emulated fp8 is no speed
+            out.append(("precision-fp8", "precision fp8", None, None, "needs a CUDA GPU with fp8 matmuls (sm89+)"))
+        elif mode != cfg.precision.mode:
             note = "TF32 is a CUDA matmul mode: on CPU the matmuls stay fp32" \
                 if mode == "tf32" and device_type != "cuda" else ""
             out.append((f"precision-{mode}", f"precision {mode}", {"precision.mode": mode}, b, note))

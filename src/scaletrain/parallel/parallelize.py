@@ -29,6 +29,7 @@ from scaletrain.parallel.init import init_weights, load_weights
 from scaletrain.runtime import Runtime
 from scaletrain.parallel.tensor_parallel import apply_tensor_parallel
 from scaletrain.precision import Precision
+from scaletrain.quant.fp8 import check_fp8_device, convert_fp8
 from scaletrain.quant.qat import prepare_qat
 from scaletrain.vocab import DP_ENGINES, unknown
 
@@ -40,6 +41,8 @@ class ParallelModel:
     stage_ids: list[int] = field(default_factory=lambda: [0])
     num_stages: int = 1
     keeps_fp32_weights: bool = False  # the sharding engine keeps fp32 (master) weights itself
+    fp8_scales: bool = False  # FSDP gathers fp8 weights: their scales are computed after each optimizer step
+    fp8_plan: dict = field(default_factory=dict)  # precision.mode=fp8: the layer rule's verdicts (first chunk)
 
     @property
     def first(self) -> bool:  # holds the embedding: feeds inputs
@@ -93,6 +96,17 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
         _check_qat(cfg, lay)
         for chunk in chunks:
             prepare_qat(chunk, cfg.train.qat)
+    # 1c. fp8: the chosen linears become torchao's Float8Linear (same names), before everything
+    # that wraps them; with tensorwise scales FSDP2 will gather them in fp8
+    fp8_plan, fp8_all_gather = {}, False
+    if precision.mode == "fp8":
+        _check_fp8(lay, rt.device, cfg.precision.fp8_emulate)
+        pc = cfg.precision
+        fp8_all_gather = pc.fp8_recipe == "tensorwise" and lay.dp_engine == "fsdp"
+        for chunk in chunks:
+            plan = convert_fp8(chunk, pc.fp8_recipe, emulate=pc.fp8_emulate, fp8_min_dim=pc.fp8_min_dim,
+                               fp8_all_gather=fp8_all_gather)
+            fp8_plan = fp8_plan or plan
 
     for chunk in chunks:
         # 2. tensor (and sequence) parallel over the innermost axis
@@ -140,7 +154,8 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
 
     # 7. data parallel engines that wrap materialized weights
     dp = _engine(chunks, cfg, rt, precision)
-    result = ParallelModel(dp, stage_ids=stage_ids, num_stages=num_stages, keeps_fp32_weights=lay.keeps_fp32_weights)
+    result = ParallelModel(dp, stage_ids=stage_ids, num_stages=num_stages, keeps_fp32_weights=lay.keeps_fp32_weights,
+                           fp8_scales=fp8_all_gather, fp8_plan=fp8_plan)
     if lay.pp > 1:
         from torch.distributed.pipelining import PipelineStage
 
@@ -159,6 +174,20 @@ def _check_qat(cfg: JobConfig, lay) -> None:
     if lay.pp > 1:
         raise ConfigError(f"train.qat={cfg.train.qat} with parallel.pp={lay.pp}: not supported yet (the pipeline "
                           "stages are untested with fake-quantized linears); set parallel.pp=1")
+
+
+def _check_fp8(lay, device: torch.device, emulate: bool) -> None:
+    """fp8 composes with data parallelism (DDP and ZeRO-3 checked against one process; ZeRO-1/2
+    and HSDP wrap the converted model like any other), accumulation, activation checkpointing,
+    compile and checkpoints; the model-parallel axes are refused."""
+    for axis, size, why in (("tp", lay.tp, "its column/row plans would need torchao's Float8ColwiseParallel and "
+                             "Float8RowwiseParallel, which scaletrain does not apply yet"),
+                            ("pp", lay.pp, "the pipeline stages are untested with float8 linears"),
+                            ("cp", lay.cp, "context parallelism is untested with float8 linears")):
+        if size > 1:
+            raise ConfigError(f"precision.mode=fp8 with parallel.{axis}={size}: not supported yet ({why}); set "
+                              f"parallel.{axis}=1 or train with precision.mode=bf16-mixed")
+    check_fp8_device(device, emulate)
 
 
 def _shard_mesh(rt: Runtime):
@@ -231,6 +260,10 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
         raise ConfigError(f"train.qat={cfg.train.qat} fake-quantizes scaletrain's own transformer (its layer rule "
                           "knows which linears convert); for a custom nn.Module apply torchao's QATConfig to it "
                           "before handing it to the Trainer, and set train.qat=none")
+    if precision.mode == "fp8":
+        raise ConfigError("precision.mode=fp8 converts scaletrain's own transformer (its layer rule knows which "
+                          "linears convert); for a custom nn.Module apply torchao's convert_to_float8_training to it "
+                          "before handing it to the Trainer, and set precision.mode=bf16-mixed")
     if cfg.model.init_from:
         raise ConfigError("model.init_from loads weights into scaletrain's own model; a custom nn.Module brings "
                           "its own weights: load them into the module before handing it to the Trainer")

@@ -49,6 +49,7 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
     engine = engine if engine is not None else src.extra.get("engine", "scaletrain")
     compile = compile if compile is not None else bool(src.extra.get("compile", False))
     fp8 = fp8 if fp8 is not None else bool(src.extra.get("fp8", False))
+    fp8 = fp8 or precision == "fp8"  # the trainer's fp8 mode runs its linears so: plan them so
     hw = hardware if isinstance(hardware, Hardware) else lookup(hardware, hardware_file)
     if nodes < 1 or gpus_per_node < 1:
         raise ConfigError("--nodes and --gpus-per-node must be at least 1")
@@ -62,7 +63,8 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
                   attention=attention, engine=engine, compile=compile, fp8=fp8)
     gpu = hw.name != "CPU" if gpu is None else gpu
     if fp8 and "fp8" not in hw.peak_tflops:
-        raise ConfigError(f"--fp8: hardware {hw.name} has no fp8 peak in the catalog; plan without fp8")
+        raise ConfigError(f"--fp8{' (or --precision fp8)' if precision == 'fp8' else ''}: hardware {hw.name} has no "
+                          "fp8 peak in the catalog; plan without fp8")
     result = {"model_name": src.name, "cfg": src.cfg, "workload": wl, "cluster": cluster, "stats": None}
     if src.cfg is None:
         return _plan_module(src, wl, cluster, layout, top_k, result, gpu)

@@ -51,7 +51,7 @@ def _dtypes_of(cls, precision: str) -> Dtypes:
     """Dtypes.of, cached: the search asks for every layout it evaluates."""
     if precision in ("32-true", "tf32"):
         return cls(4, 4, 0, 4, 4, False)
-    if precision in ("16-mixed", "bf16-mixed"):
+    if precision in ("16-mixed", "bf16-mixed", "fp8"):  # fp8: bf16-mixed's weights (its fp8 copies are transient)
         return cls(4, 4, 0, 2, 4, True)
     if precision == "bf16-true":
         return cls(2, 2, 4, 2, 2, False)

@@ -240,7 +240,7 @@ def _validated(raw: dict, overrides: dict, config: str | None, *, model_given: b
     seq_len = overrides.pop("data.seq_len", seq_len)  # the command line wins
     errors = []
     try:
-        cfg = from_dict(raw, overrides, source=source)
+        cfg = from_dict(raw, overrides, source=source, own_model=False)
     except ConfigError as e:
         errors += e.lines
     if seq_len is not None:

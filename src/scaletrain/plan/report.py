@@ -55,10 +55,16 @@ def to_json(result: dict) -> str:
     return json.dumps(payload, indent=2)
 
 
-def _how_trained(wl) -> str:
-    """The engine and knobs, when they are not scaletrain's defaults."""
+def _how_trained(wl, cfg=None) -> str:
+    """The engine and knobs, when they are not scaletrain's defaults (with fp8, the share of the
+    blocks' matmul FLOPs that the layer rule converts, when the model config is known)."""
+    fp8 = "fp8 matmuls"
+    if wl.fp8 and cfg is not None:
+        from scaletrain.quant.layers import fp8_share
+
+        fp8 += f" ({fp8_share(cfg):.0%} of the blocks' linear FLOPs; smaller layers stay bf16)"
     parts = ([f"engine {wl.engine}"] if wl.engine != "scaletrain" else []) + \
-        (["torch.compile"] if wl.compile else []) + (["fp8 matmuls"] if wl.fp8 else [])
+        (["torch.compile"] if wl.compile else []) + ([fp8] if wl.fp8 else [])
     return "; " + ", ".join(parts) if parts else ""
 
 
@@ -67,7 +73,7 @@ def table(result: dict) -> str:
     lines = [f"model {result['model_name']}: {result['num_params'] / 1e9:.2f}B parameters; "
              f"{cl.nodes} × {cl.gpus_per_node} × {cl.hardware.name} ({cl.hardware.memory_bytes / GiB:.1f} GiB each); "
              f"sequence {wl.seq_len}, global batch {wl.global_batch}, {wl.precision}, {wl.optimizer}"
-             + _how_trained(wl)]
+             + _how_trained(wl, result.get("cfg"))]
     if result.get("stats"):
         s = result["stats"]
         lines.append(f"searched {s['layouts']:,} layouts in {s['seconds']:.2f} s; {s['fit']:,} fit")

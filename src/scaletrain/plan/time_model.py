@@ -5,7 +5,8 @@
 
 * Compute, per pipeline rank (the busiest sets the pace): the layers' matmuls at the hardware's
   efficiency (`Hardware.efficiency`, calibrated, see docs/planner.md) lowered for small shapes
-  (× x/(x + 128) for the b·s/cp rows and the h/t columns), in fp8 at the fp8 peak; attention at
+  (× x/(x + 128) for the b·s/cp rows and the h/t columns), with --fp8 those the trainer's layer
+  rule converts (quant/layers.py: precision.fp8_min_dim's default) at the fp8 peak; attention at
   the kernel's efficiency; element-wise work as memory traffic at HBM speed (fused by
   torch.compile or the engine's kernels); plus what checkpointing recomputes.
 * Collectives move ring volumes (all-reduce 2(n-1)/n of the buffer, all-gather and
@@ -38,6 +39,7 @@ from scaletrain.model.config import ModelConfig
 from scaletrain.model.flops import block_matmul_params, flops_per_token
 from scaletrain.plan.memory_model import Dtypes, dtypes_for, engine_of, rank_params
 from scaletrain.plan.spec import Cluster, Layout, Workload
+from scaletrain.quant.layers import fp8_share
 from scaletrain.vocab import PEAK_KIND
 
 DEFAULT_EFFICIENCY = 0.6  # for hardware whose catalog entry gives none (Hardware.efficiency)
@@ -171,7 +173,9 @@ def compute_seconds(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clu
             from scaletrain.errors import ConfigError
 
             raise ConfigError(f"hardware {hw.name} has no fp8 peak in the catalog; plan without fp8")
-        linear_s = linear / (hw.peak_flops("fp8") * eta * FP8_EFFICIENCY)
+        share = fp8_share(cfg)  # the trainer's rule (quant/layers.py): small linears stay bf16
+        linear_s = linear * share / (hw.peak_flops("fp8") * eta * FP8_EFFICIENCY) + \
+            linear * (1 - share) / (peak * eta)
     else:
         linear_s = linear / (peak * eta)
     attn_s = attn / (peak * hardware_efficiency(hw) * ATTENTION_EFFICIENCY[wl.attention])

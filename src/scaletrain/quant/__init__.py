@@ -1,5 +1,5 @@
-"""Quantization with torchao: post-training (ptq.py), quantization-aware training (qat.py), and
-which layers each converts (layers.py).
+"""Quantization with torchao: post-training (ptq.py), quantization-aware training (qat.py), fp8
+training (fp8.py, precision.mode=fp8), and which layers each converts (layers.py).
 
 | scheme       | weights                 | activations             | size vs fp32 | where it pays            |
 |--------------|-------------------------|-------------------------|--------------|--------------------------|

@@ -46,6 +46,7 @@ from scaletrain.parallel.init import canonical_name
 from scaletrain.parallel.parallelize import parallelize
 from scaletrain.parallel.tensor_parallel import replicated_kv_names
 from scaletrain.precision import MasterWeights, Precision
+from scaletrain.quant.fp8 import precompute_fp8_scales
 from scaletrain.quant.layers import describe, layer_plan
 from scaletrain.runtime import Runtime, single_process
 from scaletrain.train import checkpoint as ckpt
@@ -221,6 +222,11 @@ class Trainer:
         if cfg.train.qat != "none":  # the layer rule, said once (quant/layers.py)
             self.folder.notes.extend(describe(layer_plan(model, cfg.train.qat), f"train.qat={cfg.train.qat}"))
         pm = parallelize(model, cfg, self.rt, self.precision, weights=weights)
+        if pm.fp8_plan:  # the same rule, said once (quant/layers.py)
+            pc = cfg.precision
+            self.folder.notes.extend(describe(pm.fp8_plan, f"precision.mode=fp8 ({pc.fp8_recipe} scales"
+                                              f"{', emulated' if pc.fp8_emulate else ''}"
+                                              f"{', fp8 all-gather' if pm.fp8_scales else ''})"))
         if weights is not None:
             self.folder.notes.append(f"weights from {cfg.model.init_from}: rank {self.rank} read "
                                      f"{weights.bytes_read / 2**20:.2f} MiB of {weights.total_bytes / 2**20:.2f} MiB "
@@ -446,6 +452,8 @@ class Trainer:
         self.health.enter("the optimizer step (with the ZeRO parameter all-gather)")
         if not skip:
             self.optimizer.step()
+            if self.pm.fp8_scales:  # the fp8 weights' scales, for the next step's all-gathers
+                precompute_fp8_scales(self.dp.models)
         if measure:
             self.state_bytes["optimizer"] = model_state_bytes(self.dp, [], self.optimizer)["optimizer"]
             report_state_bytes(self.metrics.info, self.rank, self.state_bytes, self.num_params)
