@@ -41,11 +41,12 @@ ALIASES = {
     "--schedule": "parallel.pp_schedule",
     "--virtual": "parallel.pp_virtual_stages",
     "--offload": "memory.offload_optimizer",
+    "--cp-method": "parallel.cp_method",
 }
 
 # The config keys that describe a layout (a Layout's fields are these keys after derivation;
 # parallel.pp_microbatches is train.grad_accum under pipelining)
-LAYOUT_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.sp", "parallel.pp",
+LAYOUT_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.sp", "parallel.pp", "parallel.cp_method",
                "parallel.pp_schedule", "parallel.pp_virtual_stages", "parallel.pp_split", "parallel.pp_microbatches",
                "parallel.zero", "train.micro_batch", "train.grad_accum", "memory.activation_checkpointing",
                "memory.offload_optimizer")
