@@ -192,6 +192,13 @@ def test_context_parallel_methods_hold_different_transients():
     r = run_here("plan", "llama-8b", "--seq-len", "32768", "--global-batch", "8", "--zero", "3", "--micro-batch", "1",
                  "--cp", "4", "--cp-method", "allgather", "--json")
     assert json.loads(r.stdout)["layouts"][0]["layout"]["cp_method"] == "allgather"
+    # so are the config's keys, and --cp is parallel.cp
+    r = run_here("plan", "llama-8b", "--seq-len", "32768", "--global-batch", "8", "--zero", "3", "--micro-batch", "1",
+                 "--parallel.cp=4", "--parallel.cp_method=ulysses", "--json")
+    lay = json.loads(r.stdout)["layouts"][0]["layout"]
+    assert (lay["cp"], lay["cp_method"]) == (4, "ulysses")
+    r = run_here("plan", "llama-8b", "--seq-len", "32768", "--global-batch", "8", "--cp", "2", "--parallel.cp=4")
+    assert r.returncode != 0 and "--cp 2 and parallel.cp=4" in r.stderr
 
 
 # --- inputs ---------------------------------------------------------------------------------
