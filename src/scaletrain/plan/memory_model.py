@@ -28,7 +28,8 @@ from typing import NamedTuple
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.flops import block_matmul_params
 from scaletrain.plan.spec import Cluster, Layout, Workload
-from scaletrain.vocab import AC_MODES, CP_METHODS, OPTIMIZERS, PLAN_ENGINES, PP_SCHEDULES, PRECISIONS, is_multi_chunk, unknown
+from scaletrain.vocab import (AC_MODES, CP_METHODS, OPTIMIZERS, PLAN_ENGINES, PP_SCHEDULES, PRECISIONS, is_multi_chunk,
+                              unknown)
 
 GiB = 2**30
 
@@ -351,7 +352,7 @@ def attention_backward_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, cp
     H, kv_heads = cfg.n_heads / tp, cfg.kv_heads / tp
     q = H * cfg.head_size
     if cp == 1 or cp_method == "ulysses":
-        kv = q if cp > 1 and cfg.kv_heads % cp else kv_heads * cfg.head_size
+        kv = q if cp > 1 and (cfg.kv_heads // tp) % cp else kv_heads * cfg.head_size
         return b * T * (2 * q + 2 * kv) * c
     if cp_method not in ("ring", "allgather"):
         raise unknown("context-parallel method", cp_method, CP_METHODS)

@@ -46,10 +46,10 @@ ALIASES = {
 
 # The config keys that describe a layout (a Layout's fields are these keys after derivation;
 # parallel.pp_microbatches is train.grad_accum under pipelining)
-LAYOUT_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.sp", "parallel.pp", "parallel.cp_method",
+LAYOUT_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.sp", "parallel.pp",
                "parallel.pp_schedule", "parallel.pp_virtual_stages", "parallel.pp_split", "parallel.pp_microbatches",
-               "parallel.zero", "train.micro_batch", "train.grad_accum", "memory.activation_checkpointing",
-               "memory.offload_optimizer")
+               "parallel.zero", "parallel.cp_method", "train.micro_batch", "train.grad_accum",
+               "memory.activation_checkpointing", "memory.offload_optimizer")
 
 # How the data-parallel workers sync (Layout's fields of these names): not layout keys that fix
 # the layout, but the local SGD / DiLoCo settings the search tries (and a fixed layout runs)
