@@ -201,6 +201,42 @@ def test_context_parallel_methods_hold_different_transients():
     assert r.returncode != 0 and "--cp 2 and parallel.cp=4" in r.stderr
 
 
+@pytest.mark.parametrize("seq, kv_heads, precision", [(1024, 4, "32-true"), (512, 4, "32-true"), (1024, 2, "32-true"),
+                                                      (1024, 2, "bf16-true")])
+def test_ring_and_allgather_backward_buffers_counted_exactly(seq, kv_heads, precision):
+    """Every storage ring's and allgather's backward holds at its worst moment, as LiveMemory
+    counts them on one rank (one K/V block: keys = the rank's tokens), is in
+    `attention_backward_bytes`'s sum — with one and with two 512-row tiles, grouped-query
+    attention, 16-bit — byte for byte (the output's gradient, made before, included)."""
+    import torch.distributed as dist
+
+    from scaletrain.measure import LiveMemory
+    from scaletrain.model.config import ModelConfig
+    from scaletrain.parallel.context_parallel import METHODS
+    from scaletrain.plan.memory_model import _tiled_backward_bytes
+    from scaletrain.plan.trace import release_fake_world
+
+    cfg = ModelConfig(dim=64, n_heads=4, n_kv_heads=kv_heads, n_layers=1, vocab_size=256, max_seq_len=seq)
+    wl = Workload(seq_len=seq, global_batch=1, precision=precision)
+    dtype = torch.float32 if precision == "32-true" else torch.bfloat16
+    release_fake_world()  # the traced count's fake group, if a test before this one left it
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for method in ("ring", "allgather"):
+            live = LiveMemory()
+            with live:
+                q = torch.randn(1, 4, seq, 16, dtype=dtype, requires_grad=True)
+                k, v = (torch.randn(1, kv_heads, seq, 16, dtype=dtype, requires_grad=True) for _ in range(2))
+                y = METHODS[method](q, k, v, group=dist.group.WORLD, rank=0, n=1, ranks=[0])
+                dy = torch.randn_like(y)
+                live.reset_peak()
+                before = live.live
+                y.backward(dy)
+            assert live.peak - before + dy.nbytes == _tiled_backward_bytes(cfg, wl, 1, 1, 1, method), method
+    finally:
+        dist.destroy_process_group()
+
+
 # --- inputs ---------------------------------------------------------------------------------
 
 def test_hugging_face_configs(tmp_path):

@@ -345,15 +345,22 @@ def attention_backward_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, cp
       the reduce-scatter of dK/dV, holds the whole sequence's dk, dv, their stack and its
       contiguous copy instead of the tiles.
     """
+    if cp == 1 or cp_method == "ulysses":
+        c, T = Dtypes.of(wl.precision).compute, wl.seq_len / cp
+        q = cfg.n_heads / tp * cfg.head_size
+        kv = q if cp > 1 and (cfg.kv_heads // tp) % cp else cfg.kv_heads / tp * cfg.head_size
+        return b * T * (2 * q + 2 * kv) * c
+    return _tiled_backward_bytes(cfg, wl, b, tp, cp, cp_method)
+
+
+def _tiled_backward_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, cp: int, cp_method: str) -> float:
+    """attention_backward_bytes of ring and allgather (at any cp: one rank is one block)."""
     from scaletrain.parallel.context_parallel import TILE
 
     d = Dtypes.of(wl.precision)
     c, T, S = d.compute, wl.seq_len / cp, wl.seq_len
     H, kv_heads = cfg.n_heads / tp, cfg.kv_heads / tp
     q = H * cfg.head_size
-    if cp == 1 or cp_method == "ulysses":
-        kv = q if cp > 1 and (cfg.kv_heads // tp) % cp else kv_heads * cfg.head_size
-        return b * T * (2 * q + 2 * kv) * c
     if cp_method not in ("ring", "allgather"):
         raise unknown("context-parallel method", cp_method, CP_METHODS)
     kv = kv_heads * cfg.head_size
