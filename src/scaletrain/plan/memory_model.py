@@ -749,9 +749,8 @@ def _peak(m: MemoryBreakdown, layout: Layout, zero: int, n: int, fsdp_like: bool
         if once:
             backward = max(min(grads, moments.grads_at_start) + acts,
                            grads + moments.first_layer + recompute) + gathered
-        if moments.attention > 0:
-            made = min(grads, moments.grads_at_attention) if once else grads
-            backward = max(backward, made + m.activations + recompute + moments.attention + gathered)
+        made = min(grads, moments.grads_at_attention) if once else grads
+        backward = max(backward, made + m.activations + recompute + moments.attention + gathered)
     if n > 1 and zero in (1, 2):
         for k in (1, 2):
             if k * bucket <= grad_bytes:
