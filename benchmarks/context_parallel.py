@@ -5,7 +5,8 @@ allgather, ulysses), one micro-batch of one long sequence: the activations its f
 for backward (measured from live tensors, `scaletrain.memory.saved_activation_bytes`), the
 peak of a whole steady training step (on CPU every tensor storage counted by
 `scaletrain.measure.LiveMemory`; on CUDA the allocator's peak) and the step time; the largest
-over ranks.
+over ranks. Beside the peak, the planner's total for the same layout (`scaletrain.measure.planned`,
+on CPU: no runtime workspaces) and its ratio to the measured peak.
 
     python benchmarks/context_parallel.py [--seq-len 4096] [--cp 1,2,4] [--config configs/tiny.toml] \\
         [--section.key=value ...]
@@ -14,12 +15,20 @@ over ranks.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import tempfile
+from pathlib import Path
 
-from scaletrain.measure import measure_layouts
+from scaletrain.config import load_config
+from scaletrain.measure import measure_layouts, planned
 from scaletrain.vocab import CP_METHODS
 
 MiB = 2**20
+
+# benchmarks/planner.py's CPU: this machine as hardware the planner knows
+_spec = importlib.util.spec_from_file_location("planner_bench", Path(__file__).with_name("planner.py"))
+planner_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(planner_bench)
 
 
 def overrides_for(seq_len: int, cp: int, method: str, extra: dict) -> dict:
@@ -40,19 +49,21 @@ def main(argv=None) -> None:
     methods = args.methods.split(",")
     print(f"{args.config}, one sequence of {args.seq_len} tokens per step, {' '.join(rest) or 'no overrides'}; "
           "largest over ranks")
-    print(f"{'layout':<18}{'activations':>14}{'x of cp 1':>11}{'step peak':>12}{'x of cp 1':>11}{'step time':>11}")
+    print(f"{'layout':<18}{'activations':>14}{'x of cp 1':>11}{'step peak':>12}{'x of cp 1':>11}{'step time':>11}"
+          f"{'planner':>12}{'/ peak':>8}")
     base = None
     for cp in (int(c) for c in args.cp.split(",")):
         names = ["(one process)"] if cp == 1 else [f"cp {cp} {m}" for m in methods]
         jobs = [overrides_for(args.seq_len, cp, "ring" if cp == 1 else m, extra)
                 for m in (["ring"] if cp == 1 else methods)]
-        for name, rows in zip(names, measure_layouts(jobs, cp, steps=1, config=args.config)):
+        for name, job, rows in zip(names, jobs, measure_layouts(jobs, cp, steps=1, config=args.config)):
             act = max(r["activations"] for r in rows)
             peak = max(r["peak"] for r in rows)
             step = max(r["step_time_s"] for r in rows)
+            total = planned(load_config(args.config, job), cp, planner_bench.CPU).memory.total
             base = base or (act, peak)
             print(f"{name:<18}{act / MiB:>11.1f}MiB{act / base[0]:>11.2f}{peak / MiB:>9.1f}MiB"
-                  f"{peak / base[1]:>11.2f}{step:>10.2f}s", flush=True)
+                  f"{peak / base[1]:>11.2f}{step:>10.2f}s{total / MiB:>9.1f}MiB{total / peak:>8.2f}", flush=True)
 
 
 if __name__ == "__main__":

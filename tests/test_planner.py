@@ -12,8 +12,9 @@ from scaletrain.config import from_dict
 from scaletrain.errors import ConfigError
 from scaletrain.plan import Layout, plan
 from scaletrain.hardware import lookup
-from scaletrain.plan.memory_model import first_layer_extra_bytes, formula_activation_bytes, in_flight, in_flight_from_orders
-from scaletrain.plan.search import enumerate_layouts, evaluate
+from scaletrain.plan.memory_model import attention_backward_bytes, first_layer_extra_bytes, formula_activation_bytes, in_flight, in_flight_from_orders
+from scaletrain.plan.search import enumerate_layouts, evaluate, layout_errors
+from scaletrain.vocab import CP_METHODS
 from scaletrain.plan.spec import Cluster, Workload, hf_config_to_model, load_model
 
 from conftest import run_here
@@ -160,8 +161,80 @@ def test_context_parallel_on_scaletrain_engine_splits_activations_not_states():
     assert 0.25 * one.memory.activations < cp.memory.activations < 0.4 * one.memory.activations
     # the search tries cp for long sequences
     wl = Workload(seq_len=32768, global_batch=8)
-    cps = {lay.cp for lay in enumerate_layouts(load_model("llama-8b").cfg, wl, Cluster(lookup("H100-SXM"), 1, 8))}
-    assert cps == {1, 2, 4, 8}
+    cfg = load_model("llama-8b").cfg
+    cluster = Cluster(lookup("H100-SXM"), 1, 8)
+    cps = {(lay.cp, lay.cp_method) for lay in enumerate_layouts(cfg, wl, cluster)}
+    assert {cp for cp, _ in cps} == {1, 2, 4, 8}
+    # with each method (one process: the default); those that cannot run are refused later
+    assert cps == {(1, "ring")} | {(cp, m) for cp in (2, 4, 8) for m in CP_METHODS}
+    runnable = {lay.cp_method for lay in enumerate_layouts(cfg, wl, cluster) if lay.cp == 2 and lay.tp == 4
+                and not layout_errors(cfg, wl, cluster, lay)}
+    assert runnable == set(CP_METHODS)  # 32 heads / tp 4 = 8: cp 2 divides them, ulysses runs
+
+
+def test_context_parallel_methods_hold_different_transients():
+    """The attention backward of each method (`attention_backward_bytes`): allgather's score
+    tiles span the whole sequence's keys, ring's one rank's block, ulysses has none."""
+    kw = dict(hardware="H100-SXM", nodes=1, gpus_per_node=8, seq_len=32768, global_batch=8)
+    mem = {m: plan("llama-8b", layout={"zero": 3, "micro_batch": 1, "cp": 4, "cp_method": m}, **kw)["layouts"][0]
+           for m in CP_METHODS}
+    assert {m: e.layout.cp_method for m, e in mem.items()} == {m: m for m in CP_METHODS}
+    # allgather's tiles (8 GiB) outgrow the last layer's freed MLP half; ring's (2 GiB) do not
+    assert mem["allgather"].memory.total > mem["ring"].memory.total == mem["ulysses"].memory.total
+    # the saved activations are the same bytes: only the moment in backward differs
+    assert len({e.memory.activations for e in mem.values()}) == 1
+    cfg, wl = load_model("llama-8b").cfg, Workload(seq_len=32768, global_batch=8)
+    ring, allgather = (attention_backward_bytes(cfg, wl, 1, 1, 4, m) for m in ("ring", "allgather"))
+    # four fp32 tiles of 512 query rows per head: against 8192 keys (ring) or 32768 (allgather)
+    assert allgather - ring > 4 * 32 * 512 * (32768 - 8192) * 4
+    assert attention_backward_bytes(cfg, wl, 1, 1, 4, "ulysses") < ring / 10
+    # the CLI's flag is the config key
+    r = run_here("plan", "llama-8b", "--seq-len", "32768", "--global-batch", "8", "--zero", "3", "--micro-batch", "1",
+                 "--cp", "4", "--cp-method", "allgather", "--json")
+    assert json.loads(r.stdout)["layouts"][0]["layout"]["cp_method"] == "allgather"
+    # so are the config's keys, and --cp is parallel.cp
+    r = run_here("plan", "llama-8b", "--seq-len", "32768", "--global-batch", "8", "--zero", "3", "--micro-batch", "1",
+                 "--parallel.cp=4", "--parallel.cp_method=ulysses", "--json")
+    lay = json.loads(r.stdout)["layouts"][0]["layout"]
+    assert (lay["cp"], lay["cp_method"]) == (4, "ulysses")
+    r = run_here("plan", "llama-8b", "--seq-len", "32768", "--global-batch", "8", "--cp", "2", "--parallel.cp=4")
+    assert r.returncode != 0 and "--cp 2 and parallel.cp=4" in r.stderr
+
+
+@pytest.mark.parametrize("seq, kv_heads, precision", [(1024, 4, "32-true"), (512, 4, "32-true"), (1024, 2, "32-true"),
+                                                      (1024, 2, "bf16-true")])
+def test_ring_and_allgather_backward_buffers_counted_exactly(seq, kv_heads, precision):
+    """Every storage ring's and allgather's backward holds at its worst moment, as LiveMemory
+    counts them on one rank (one K/V block: keys = the rank's tokens), is in
+    `attention_backward_bytes`'s sum — with one and with two 512-row tiles, grouped-query
+    attention, 16-bit — byte for byte (the output's gradient, made before, included)."""
+    import torch.distributed as dist
+
+    from scaletrain.measure import LiveMemory
+    from scaletrain.model.config import ModelConfig
+    from scaletrain.parallel.context_parallel import METHODS
+    from scaletrain.plan.memory_model import _tiled_backward_bytes
+    from scaletrain.plan.trace import release_fake_world
+
+    cfg = ModelConfig(dim=64, n_heads=4, n_kv_heads=kv_heads, n_layers=1, vocab_size=256, max_seq_len=seq)
+    wl = Workload(seq_len=seq, global_batch=1, precision=precision)
+    dtype = torch.float32 if precision == "32-true" else torch.bfloat16
+    release_fake_world()  # the traced count's fake group, if a test before this one left it
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for method in ("ring", "allgather"):
+            live = LiveMemory()
+            with live:
+                q = torch.randn(1, 4, seq, 16, dtype=dtype, requires_grad=True)
+                k, v = (torch.randn(1, kv_heads, seq, 16, dtype=dtype, requires_grad=True) for _ in range(2))
+                y = METHODS[method](q, k, v, group=dist.group.WORLD, rank=0, n=1, ranks=[0])
+                dy = torch.randn_like(y)
+                live.reset_peak()
+                before = live.live
+                y.backward(dy)
+            assert live.peak - before + dy.nbytes == _tiled_backward_bytes(cfg, wl, 1, 1, 1, method), method
+    finally:
+        dist.destroy_process_group()
 
 
 # --- inputs ---------------------------------------------------------------------------------

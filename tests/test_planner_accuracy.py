@@ -3,7 +3,9 @@ layout of benchmarks/planner.py — each ZeRO stage, tensor and sequence paralle
 each checkpointing mode, three precisions, two optimizers. Per rank, the planner's total (what
 decides "fits") within 10% of the peak of live tensor storages during a whole training step;
 model states within 10% and one micro-batch's activations within 20% of the bytes measured from
-live tensors. The peak measurement itself is checked on sums done by hand."""
+live tensors. Context parallelism's three methods likewise (their attention backward's score
+tiles and K/V buffers, `attention_backward_bytes`). The peak measurement itself is checked on
+sums done by hand."""
 
 from __future__ import annotations
 
@@ -15,12 +17,17 @@ import torch
 
 from scaletrain.config import load_config
 from scaletrain.measure import LiveMemory, measure_layouts, planned, predicted_components
+from scaletrain.vocab import CP_METHODS
 
 pytestmark = pytest.mark.multiproc
 
 _spec = importlib.util.spec_from_file_location("planner_bench", Path(__file__).parents[1] / "benchmarks" / "planner.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
+_spec = importlib.util.spec_from_file_location("cp_bench", Path(__file__).parents[1] / "benchmarks" / "context_parallel.py")
+cp_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cp_bench)
+TINY = str(Path(__file__).parents[1] / "configs" / "tiny.toml")
 
 
 def test_live_memory_on_sums_done_by_hand():
@@ -78,3 +85,21 @@ def test_prediction_matches_measurement(measured, name):
     acts = [r["activations"] for r in rows if r["activations"] is not None]
     if acts:  # one micro-batch's saved activations: within 20%
         assert predicted["activations"] == pytest.approx(max(acts), rel=0.20), (predicted["activations"], max(acts))
+
+
+@pytest.fixture(scope="module")
+def cp_measured():
+    """cp 2 with each method on one group of two processes: the tiny model cut to two layers,
+    one sequence of 2,048 tokens (two 512-row score tiles per K/V block for ring)."""
+    jobs = [cp_bench.overrides_for(2048, 2, method, {"model.n_layers": 2}) for method in CP_METHODS]
+    return {method: (load_config(TINY, job), rows)
+            for method, job, rows in zip(CP_METHODS, jobs, measure_layouts(jobs, 2, config=TINY))}
+
+
+@pytest.mark.parametrize("method", CP_METHODS)
+def test_context_parallel_prediction_matches_measurement(cp_measured, method):
+    cfg, rows = cp_measured[method]
+    ev = planned(cfg, 2, bench.CPU)
+    assert (ev.layout.cp, ev.layout.cp_method) == (2, method)
+    peak = max(r["peak"] for r in rows)
+    assert ev.memory.total == pytest.approx(peak, rel=0.10), (ev.memory.as_dict(), peak)

@@ -607,7 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from scaletrain.plan.options import ALIASES
     from scaletrain.plan.spec import ATTENTION
-    from scaletrain.vocab import AC_MODES, OPTIMIZERS, PLAN_ENGINES, PP_SCHEDULES, PRECISIONS, ZERO_STAGES
+    from scaletrain.vocab import AC_MODES, CP_METHODS, OPTIMIZERS, PLAN_ENGINES, PP_SCHEDULES, PRECISIONS, ZERO_STAGES
 
     p = sub.add_parser("plan", help="will it fit, and which layout is fastest",
                        description="Search the layouts of a model on a cluster, or evaluate the one the options fix, "
@@ -666,9 +666,10 @@ def build_parser() -> argparse.ArgumentParser:
     alias("--schedule", choices=PP_SCHEDULES)
     alias("--virtual", type=_at_least_1("pp_virtual_stages"), metavar="N")
     alias("--offload", action="store_const", const=True, help="sets it to true")
+    alias("--cp-method", choices=CP_METHODS, help="how attention reaches the other cp ranks' keys (with --cp)")
     p.add_argument("--cp", type=_at_least_1("cp"), metavar="N",
-                   help="context parallel: ranks that split every sequence (the config's parallel.cp; the "
-                        "planner models the K/V of the whole sequence kept on every rank, as ring and allgather do)")
+                   help="context parallel: ranks that split every sequence (the config's parallel.cp); each keeps "
+                        "its own tokens' activations, and --cp-method's attention backward buffers")
     p.add_argument("--top", type=int, help="layouts to show (default 10); with --measure, the K best predicted "
                                            "are run and re-ranked by their measured step time")
     p.add_argument("--json", action="store_true", help="print JSON (schema in docs/planner.md)")

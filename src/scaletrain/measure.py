@@ -182,6 +182,8 @@ def planned(cfg, ranks: int, hardware, gpu: bool = False):
               "ac": cfg.memory.activation_checkpointing}
     if par.pp > 1:
         layout.update(schedule=par.pp_schedule, virtual=par.pp_virtual_stages)
+    if par.cp > 1:
+        layout.update(cp=par.cp, cp_method=par.cp_method)
     r = plan(cfg.model, hardware=hardware, nodes=1, gpus_per_node=ranks, seq_len=cfg.data.seq_len,
              global_batch=cfg.train.global_batch, precision=cfg.precision.mode, optimizer=cfg.optim.name,
              layout=layout, gpu=gpu)

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import NamedTuple
 
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.flops import block_matmul_params
 from scaletrain.plan.spec import Cluster, Layout, Workload
-from scaletrain.vocab import AC_MODES, OPTIMIZERS, PLAN_ENGINES, PP_SCHEDULES, PRECISIONS, is_multi_chunk, unknown
+from scaletrain.vocab import (AC_MODES, CP_METHODS, OPTIMIZERS, PLAN_ENGINES, PP_SCHEDULES, PRECISIONS, is_multi_chunk,
+                              unknown)
 
 GiB = 2**30
 
@@ -289,20 +291,93 @@ def _scaletrain_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp:
     # low-precision stream, which keeps only the fp32 copy it makes (counted in norm_extra)
     if not _norm_keeps_input(cfg, d):
         x = 0.0
-    x2 = x  # the residual between attention and MLP
-    # normalized inputs of the column-parallel matmuls; autocast casts the input once per
-    # matmul (it caches only the casts of weights), so q, k and v each keep a copy
-    copies = (3 + n_ffn - 1) if d.autocast else 2
-    linear_in = copies * b * s * h * d.compute
-    norm_extra = 2 * _norm_extra(cfg, d, b, s_loc)
-    ffn = (2 if cfg.activation == "gelu" else 4) * b * s * f / tp * d.compute
-    # nn.Dropout keeps a bool mask of each residual branch's output
-    masks = 2 * b * s_loc * h if cfg.dropout > 0 else 0.0
+    # the attention half: the normalized input of q, k and v (autocast casts the input once per
+    # matmul — it caches only the casts of weights — so q, k and v each keep a copy), the norm's
+    # extra and the residual branch's dropout mask
+    attn_in = (3 if d.autocast else 1) * b * s * h * d.compute
+    norm_extra = _norm_extra(cfg, d, b, s_loc)
+    mask = b * s_loc * h if cfg.dropout > 0 else 0.0  # nn.Dropout's bool mask
     # context parallelism keeps only this rank's tokens (ring and allgather keep their own K/V,
     # not the other ranks': they gather or pass them round again in backward); ring and
     # allgather keep their output in fp32 beside the compute-dtype copy the output projection keeps
     cp_out = b * s * q / tp * (4 - d.compute) if cp > 1 else 0.0
-    return x + x2 + linear_in + norm_extra + qkv + attn_out + lse + ffn + masks + cp_out
+    return x + attn_in + norm_extra + mask + qkv + attn_out + lse + cp_out + _mlp_half_bytes(cfg, wl, b, tp, sp, cp)
+
+
+def _mlp_half_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp: int) -> float:
+    """What scaletrain's layer keeps for its MLP half, without checkpointing: the residual
+    between attention and MLP (kept by the norm that reads it), the norm's extra, the
+    normalized input of the MLP's column-parallel matmuls (one copy per matmul under autocast),
+    the MLP's inner tensors and the branch's dropout mask. Backward frees it before it reaches
+    the layer's attention."""
+    d = Dtypes.of(wl.precision)
+    s, h, f = wl.seq_len / cp, cfg.dim, cfg.hidden_dim
+    s_loc = s / tp if sp else s
+    n_ffn = 3 if cfg.activation == "swiglu" else 2
+    residual = b * s_loc * h * d.residual if _norm_keeps_input(cfg, d) else 0.0
+    mlp_in = ((n_ffn - 1) if d.autocast else 1) * b * s * h * d.compute
+    ffn = (2 if cfg.activation == "gelu" else 4) * b * s * f / tp * d.compute
+    mask = b * s_loc * h if cfg.dropout > 0 else 0.0
+    return residual + _norm_extra(cfg, d, b, s_loc) + mlp_in + ffn + mask
+
+
+def attention_backward_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, cp: int = 1,
+                             cp_method: str = "ring") -> float:
+    """The most one layer's attention holds at once in backward beyond the activations it saved,
+    per micro-batch of b sequences, on one rank (scaletrain's attention; T = seq_len / cp this
+    rank's tokens, H = n_heads / tp heads, q = H × head_size, kv the K/V width):
+
+    * one process, and ulysses (PyTorch's fused kernel on H/cp heads over the whole sequence,
+      the same bytes): the output's gradient arriving and the dq, dk, dv the kernel returns,
+      b·T·(2q + 2kv) in the compute dtype (ulysses copies K/V to every head when cp does not
+      divide the K/V heads);
+    * ring and allgather (`scaletrain.parallel.context_parallel`), whose backward recomputes the
+      scores TILE query rows at a time against a block of keys (ring: one rank's T keys per
+      step; allgather: all seq_len keys at once): fp32 score tiles of b·H·TILE·keys — four with
+      more than one tile per block (the previous tile's probabilities and score gradient, and
+      the new scores with the scaled matmul they are masked from), three with one (probabilities,
+      dO·vᵀ and its difference from rowsum(dO ⊙ O)) — the bool causal mask of the queries
+      against the block's keys, and with more than one tile that tile's negated mask; the K/V
+      held (ring: one block, allgather: the whole sequence's), copied to q's heads under
+      grouped-query attention; fp32 dq, and per block fp32 dk, dv with q's heads (ring: also
+      the block's dK/dV accumulator that travels with it); the output's gradient (and its fp32
+      copy, and fp32 copies of K/V, in 16-bit) and rowsum(dO ⊙ O). Allgather's other moment,
+      the reduce-scatter of dK/dV, holds the whole sequence's dk, dv, their stack and its
+      contiguous copy instead of the tiles.
+    """
+    if cp == 1 or cp_method == "ulysses":
+        c, T = Dtypes.of(wl.precision).compute, wl.seq_len / cp
+        q = cfg.n_heads / tp * cfg.head_size
+        kv = q if cp > 1 and (cfg.kv_heads // tp) % cp else cfg.kv_heads / tp * cfg.head_size
+        return b * T * (2 * q + 2 * kv) * c
+    return _tiled_backward_bytes(cfg, wl, b, tp, cp, cp_method)
+
+
+def _tiled_backward_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, cp: int, cp_method: str) -> float:
+    """attention_backward_bytes of ring and allgather (at any cp: one rank is one block)."""
+    from scaletrain.parallel.context_parallel import TILE
+
+    d = Dtypes.of(wl.precision)
+    c, T, S = d.compute, wl.seq_len / cp, wl.seq_len
+    H, kv_heads = cfg.n_heads / tp, cfg.kv_heads / tp
+    q = H * cfg.head_size
+    if cp_method not in ("ring", "allgather"):
+        raise unknown("context-parallel method", cp_method, CP_METHODS)
+    kv = kv_heads * cfg.head_size
+    keys = T if cp_method == "ring" else S
+    rows = min(TILE, T)
+    several = T > TILE
+    tiles = (4 if several else 3) * b * H * rows * keys * 4
+    masks = T * keys + (rows * keys if several else 0.0)
+    held = 2 * b * keys * kv * c + (2 * b * keys * q * c if kv != q else 0.0)
+    upcast = (2 * b * keys * q + b * T * q) * 4 if c != 4 else 0.0
+    d_out = b * T * q * c + b * H * T * 4  # the output's gradient and rowsum(dO ⊙ O)
+    d_q = b * T * q * 4
+    d_kv = 2 * b * keys * q * 4 + (2 * b * T * kv * 4 if cp_method == "ring" else 0.0)
+    worst = tiles
+    if cp_method == "allgather":  # dK/dV folded to the K/V heads, stacked, made contiguous to reduce-scatter
+        worst = max(tiles, 2 * (2 * b * S * kv * 4) + 2 * b * T * kv * 4)
+    return worst + masks + held + upcast + d_out + d_q + d_kv
 
 
 def head_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp: int = 1) -> float:
@@ -510,10 +585,37 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
         full = formula_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp, "none", sh.fsdp_like)[0]
         recompute = full - formula_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp,
                                                     layout.activation_checkpointing, sh.fsdp_like)[0]
+    moments = None
+    if ours and activations == "formula" and last in stages:
+        moments = backward_moments(cfg, wl, layout, d, per_layer)
     # FSDP gathers block by block; the root (embedding and head) stays gathered
     root = (cfg.vocab_size * cfg.dim // layout.tp) * (1 if cfg.tie_embeddings else 2)
     return buffers_and_peak(out, counts, wl, layout, block_params=block[0] + block[1], root_params=root,
-                            recompute=recompute, bucket_mb=bucket_mb, gpu=gpu, sh=sh)
+                            recompute=recompute, moments=moments, bucket_mb=bucket_mb, gpu=gpu, sh=sh)
+
+
+class BackwardMoments(NamedTuple):
+    """Backward's moments on the last pipeline stage, for scaletrain's engine (`backward_moments`)."""
+
+    attention: float  # the last layer's attention backward: the bytes beyond every activation in flight
+    grads_at_attention: float  # the gradients made by then (without accumulation)
+    grads_at_start: float  # the gradients the head's backward makes
+    first_layer: float  # the activations of one layer (the first, whose backward ends the pass)
+
+
+def backward_moments(cfg: ModelConfig, wl: Workload, layout: Layout, d: Dtypes, per_layer: float) -> BackwardMoments:
+    """In the last layer's attention backward, `attention_backward_bytes` are held while what the
+    layer's MLP half and its output projection's input kept is freed; the gradients made by
+    then are the head's (a tied embedding's share: its gradient's buffer) and the final norm's,
+    and the last layer's MLP matrices and norm. `per_layer`: one layer's activations."""
+    b, tp, sp, cp = layout.micro_batch, layout.tp, layout.sp, layout.cp
+    scratch = attention_backward_bytes(cfg, wl, b, tp, cp, layout.cp_method)
+    wo_in = b * wl.seq_len / cp * cfg.n_heads * cfg.head_size / tp * d.compute
+    freed = _mlp_half_bytes(cfg, wl, b, tp, sp, cp) + wo_in
+    n_ffn = 3 if cfg.activation == "swiglu" else 2
+    head = (cfg.vocab_size * cfg.dim / tp + cfg.dim) * d.grad
+    mlp = (n_ffn * cfg.dim * cfg.hidden_dim / tp + cfg.dim) * d.grad
+    return BackwardMoments(scratch - freed, head + mlp, head, per_layer)
 
 
 @dataclass(frozen=True)
@@ -575,11 +677,12 @@ def model_state_memory(counts: ParamCounts, wl: Workload, layout: Layout, *, ext
 
 
 def buffers_and_peak(out: MemoryBreakdown, counts: ParamCounts, wl: Workload, layout: Layout, *, block_params: float,
-                     root_params: float, recompute: float = 0.0, bucket_mb: float = 25.0,
-                     gpu: bool = True, sh: Sharding | None = None) -> MemoryBreakdown:
+                     root_params: float, recompute: float = 0.0, moments: BackwardMoments | None = None,
+                     bucket_mb: float = 25.0, gpu: bool = True, sh: Sharding | None = None) -> MemoryBreakdown:
     """Complete `out` (model states and activations filled in) with the communication buffers,
     scaletrain's peak and the reserve. FSDP gathers units of `block_params` parameters, the
-    root's `root_params` stay gathered; `recompute`: the bytes checkpointing rebuilds at once."""
+    root's `root_params` stay gathered; `recompute`: the bytes checkpointing rebuilds at once;
+    `moments`: backward's moments on the last stage (`backward_moments`)."""
     d = dtypes_for(wl)
     ours = wl.engine == "scaletrain"
     sh = sh or sharding(wl, layout)
@@ -602,7 +705,7 @@ def buffers_and_peak(out: MemoryBreakdown, counts: ParamCounts, wl: Workload, la
         grads_in_backward = out.grads
         if d.master and not fsdp_like:  # bf16-true: fp32 gradients exist at step time only
             grads_in_backward = P * d.grad / (n if grad_zero >= 2 else 1) + (out.grads - min(out.grads, P * 4))
-        out.peak = _peak(out, layout, zero, n, fsdp_like, grads_in_backward, recompute, bucket, P * 4)
+        out.peak = _peak(out, layout, zero, n, fsdp_like, grads_in_backward, recompute, bucket, P * 4, moments)
     out.reserve = RESERVE_FRACTION * (out.peak if out.peak is not None else
                                       out.model_states + out.activations + out.logits_loss + out.comm_buffers)
     if gpu:
@@ -611,16 +714,24 @@ def buffers_and_peak(out: MemoryBreakdown, counts: ParamCounts, wl: Workload, la
 
 
 def _peak(m: MemoryBreakdown, layout: Layout, zero: int, n: int, fsdp_like: bool, grads_in_backward: float,
-          recompute: float, bucket: float, grad_bytes: float) -> float:
+          recompute: float, bucket: float, grad_bytes: float, moments: BackwardMoments | None = None) -> float:
     """The most scaletrain's engine holds at once: parameters, masters and optimizer state
     always, plus the larger of two moments.
 
     * Backward: every activation in flight, with the head's (whose backward runs first) or,
       after it, the layer being recomputed; the gradients as backward keeps them (bf16-true:
-      in bf16). FSDP's gathered blocks
+      in bf16). Where `moments` are known and each gradient is made once in the step (one
+      micro-batch, no pipelining, no data-parallel engine holding buffers of its own), the
+      activations fall as the gradients grow: the largest is at one end — the start (every
+      activation, the head's gradients) or the end (every gradient, the first layer's
+      activations). FSDP's gathered blocks
       are in use then; its persistent gradients, like ZeRO-2's without accumulation, are 1/n
       shards that the reduce-scatters create as backward frees the activations, so they are
       not there yet.
+    * The last layer's attention in backward (where context parallelism's ring and allgather
+      recompute their score tiles): every activation in flight but the layer's MLP half, with
+      the attention's backward buffers (`moments.attention`: their excess over the MLP half),
+      and the gradients made by then (all of them when earlier micro-batches made them).
     * The end of backward and the optimizer step: the gradients at their largest.
 
     ZeRO-1/2 buckets are sent once their gradients are complete, by when backward has freed
@@ -631,7 +742,15 @@ def _peak(m: MemoryBreakdown, layout: Layout, zero: int, n: int, fsdp_like: bool
     acts = m.activations + max(m.logits_loss, recompute)
     sharded_by_reduction = fsdp_like or (zero == 2 and layout.grad_accum == 1)
     grads = 0.0 if sharded_by_reduction else grads_in_backward
-    backward = grads + acts + (m.comm_buffers if fsdp_like else 0.0)
+    gathered = m.comm_buffers if fsdp_like else 0.0
+    backward = grads + acts + gathered
+    if moments is not None:
+        once = layout.grad_accum == 1 and layout.pp == 1 and layout.dp == 1
+        if once:
+            backward = max(min(grads, moments.grads_at_start) + acts,
+                           grads + moments.first_layer + recompute) + gathered
+        made = min(grads, moments.grads_at_attention) if once else grads
+        backward = max(backward, made + m.activations + recompute + moments.attention + gathered)
     if n > 1 and zero in (1, 2):
         for k in (1, 2):
             if k * bucket <= grad_bytes:

@@ -41,14 +41,15 @@ ALIASES = {
     "--schedule": "parallel.pp_schedule",
     "--virtual": "parallel.pp_virtual_stages",
     "--offload": "memory.offload_optimizer",
+    "--cp-method": "parallel.cp_method",
 }
 
 # The config keys that describe a layout (a Layout's fields are these keys after derivation;
 # parallel.pp_microbatches is train.grad_accum under pipelining)
 LAYOUT_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.sp", "parallel.pp",
                "parallel.pp_schedule", "parallel.pp_virtual_stages", "parallel.pp_split", "parallel.pp_microbatches",
-               "parallel.zero", "train.micro_batch", "train.grad_accum", "memory.activation_checkpointing",
-               "memory.offload_optimizer")
+               "parallel.zero", "parallel.cp_method", "train.micro_batch", "train.grad_accum",
+               "memory.activation_checkpointing", "memory.offload_optimizer")
 
 # How the data-parallel workers sync (Layout's fields of these names): not layout keys that fix
 # the layout, but the local SGD / DiLoCo settings the search tries (and a fixed layout runs)
@@ -179,8 +180,8 @@ class Request:
 def read_request(model: Any, config: str | None, aliases: Mapping[str, Any], extra: list[str], *,
                  cp: int | None, world: int) -> Request:
     """Read the plan command's options: MODEL (or None), --config FILE, the aliases given
-    ({"--zero": 2}; None = not given), the `--section.key=value` options and --cp, for a
-    cluster of `world` GPUs."""
+    ({"--zero": 2}; None = not given), the `--section.key=value` options and --cp (or the
+    config's parallel.cp), for a cluster of `world` GPUs."""
     dotted, errors = parse_override_args(extra)
     if errors:
         raise ConfigError(*errors)
@@ -214,6 +215,11 @@ def read_request(model: Any, config: str | None, aliases: Mapping[str, Any], ext
         given_here = config or key in given or (key == "train.global_batch" and derive_batch)
         workload[name] = _value(cfg, key) if given_here else PLAN_DEFAULTS[key]
     layout = {key: _value(cfg, key) for key in LAYOUT_KEYS if key in given}
+    if "parallel.cp" in given:  # --cp's config key, from the config or the command line
+        if cp is not None and cp != cfg.parallel.cp:
+            raise ConfigError(f"--cp {cp} and parallel.cp={cfg.parallel.cp} set the same option (--cp is "
+                              "parallel.cp) to different values; give one of them")
+        cp = cfg.parallel.cp
     if cp is not None:
         layout["cp"] = cp
     if not workload["global_batch"]:  # 0: micro_batch × grad_accum × dp, as the config derives it here

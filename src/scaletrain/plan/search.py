@@ -21,7 +21,7 @@ from scaletrain.plan.memory_model import GiB, MemoryBreakdown, estimate_memory
 from scaletrain.plan.spec import Cluster, Layout, Workload
 from scaletrain.plan import calibrated_time
 from scaletrain.plan.time_model import TimeBreakdown, estimate_time
-from scaletrain.vocab import AC_MODES, PP_SCHEDULES, ZERO_STAGES, is_multi_chunk
+from scaletrain.vocab import AC_MODES, CP_METHODS, PP_SCHEDULES, ZERO_STAGES, is_multi_chunk
 
 
 @dataclass
@@ -82,6 +82,9 @@ def enumerate_layouts(cfg: ModelConfig, wl: Workload, cluster: Cluster, *, max_m
 
 def _layouts(cfg, wl, cluster, cp, max_micro_batch, offload, sync=None):
     world = cluster.world // cp
+    # each context-parallel method where its memory is modeled (scaletrain's engine; the time
+    # model takes the K/V exchange as a ring for all three), ulysses where the heads divide
+    methods = (Layout.cp_method,) if cp == 1 or wl.engine != "scaletrain" else CP_METHODS
     for tp in _divisors(world):
         if tp > cluster.gpus_per_node or cfg.n_heads % tp or cfg.kv_heads % tp or cfg.vocab_size % tp:
             continue
@@ -112,10 +115,12 @@ def _layouts(cfg, wl, cluster, cp, max_micro_batch, offload, sync=None):
                             for ac in AC_MODES:
                                 for off in ((False, True) if (offload and zero == 3) else (False,)):
                                     for how in syncs:
-                                        yield Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp,
-                                                     cp=cp, zero=zero, sp=tp > 1, pp_schedule=schedule,
-                                                     pp_virtual_stages=virtual, micro_batch=mb, grad_accum=accum,
-                                                     activation_checkpointing=ac, offload_optimizer=off, **how)
+                                        for method in methods:
+                                            yield Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp,
+                                                         cp=cp, cp_method=method, zero=zero, sp=tp > 1,
+                                                         pp_schedule=schedule, pp_virtual_stages=virtual,
+                                                         micro_batch=mb, grad_accum=accum,
+                                                         activation_checkpointing=ac, offload_optimizer=off, **how)
 
 
 @lru_cache(maxsize=4096)
