@@ -5,7 +5,8 @@ accumulation, activation checkpointing, tensor parallel with and without sequenc
 pipeline schedules) are predicted twice — by the catalog's time model for the CPU at hand, and
 by the time model calibrated on this machine (`scaletrain.plan.calibrate`; measured first if
 the cache lacks it) — and then run for real, all in one group of processes per model (median of
-`--steps` timed steps after two warm-up steps, the slowest rank's). Printed per model: the
+`--steps` timed steps after two warm-up steps, the slowest rank's, in `--rounds` rounds of every
+layout in turn, the fastest round kept). Printed per model: the
 layouts re-ranked by measured step time with each prediction beside it, Kendall's tau between
 the predicted and the measured order, the range of predicted/measured, and whether the
 predicted best is the measured best (or how far from it).
@@ -41,7 +42,7 @@ LAYOUTS = [  # the plan command's names; what is left out is derived as the conf
 ]
 
 
-def rank_model(name: str, nproc: int, steps: int, config: str = "configs/tiny.toml") -> dict:
+def rank_model(name: str, nproc: int, steps: int, rounds: int, config: str = "configs/tiny.toml") -> dict:
     import torch
 
     from scaletrain.config import load_config
@@ -62,10 +63,10 @@ def rank_model(name: str, nproc: int, steps: int, config: str = "configs/tiny.to
                          measure=functools.partial(calibration, note=print))
     took = time.perf_counter() - t0
     predicted = [evaluate(first["cfg"], first["workload"], cluster, e.layout, gpu=False) for e in catalog]
-    rows, seconds = measure_evaluations(config, predicted, nproc, overrides, steps=steps, memory=False)
+    rows, seconds = measure_evaluations(config, predicted, nproc, overrides, steps=steps, memory=False, rounds=rounds)
     print(f"\n{name}: {cfg.model.dim} wide, {cfg.model.n_layers} layers, sequence {cfg.data.seq_len}, global batch "
-          f"{cfg.train.global_batch}, {cfg.precision.mode}; {len(rows)} layouts on {nproc} rank(s), {steps} timed "
-          f"steps each ({seconds:.0f} s; calibration {took:.0f} s); fastest measured first, calibrated prediction:")
+          f"{cfg.train.global_batch}, {cfg.precision.mode}; {len(rows)} layouts on {nproc} rank(s), median of {steps} "
+          f"timed steps, fastest of {rounds} round(s) ({seconds:.0f} s; calibration {took:.0f} s); fastest measured first, calibrated prediction:")
     summary = print_ranking(rows)
     measured = [r["measured_s"] for r in rows]
     tau_catalog = kendall_tau([e.time.step_time_s for e in catalog], measured)
@@ -78,8 +79,10 @@ def rank_model(name: str, nproc: int, steps: int, config: str = "configs/tiny.to
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2, help="each layout measured once per round, in turn; the "
+                                                          "fastest round counts")
     ap.add_argument("--models", default=",".join(MODELS))
     args = ap.parse_args()
     for model in args.models.split(","):
-        rank_model(model, args.nproc, args.steps)
+        rank_model(model, args.nproc, args.steps, args.rounds)

@@ -114,13 +114,41 @@ def test_probes_cover_each_shape_at_its_smallest_and_largest_micro_batch():
     result = plan(cfg.model, hardware=CPU, nodes=1, gpus_per_node=2, seq_len=32, global_batch=4,
                   precision="32-true", gpu=False, top_k=100)
     layouts = [e.layout for e in result["layouts"]]
-    probes = probes_for(result["cfg"], result["workload"], layouts)
+    everything = probes_for(result["cfg"], result["workload"], layouts)
+    probes = [p for p in everything if not p.get("engine")]
     shapes = {(p["tp"], p["sp"], p["ac"]) for p in probes}
     assert shapes == {(lay.tp, lay.sp, lay.activation_checkpointing) for lay in layouts}
     for tp, sp, ac in shapes:
         sizes = [lay.micro_batch for lay in layouts if (lay.tp, lay.sp, lay.activation_checkpointing) == (tp, sp, ac)]
         got = sorted(p["micro_batch"] for p in probes if (p["tp"], p["sp"], p["ac"]) == (tp, sp, ac))
         assert got == sorted({min(sizes), max(sizes)})
+    # and each data/tensor-parallel engine once, at its smallest micro-batch, without checkpointing
+    engines = [p for p in everything if p.get("engine")]
+    wanted = {(lay.zero, lay.tp, lay.sp) for lay in layouts if lay.pp == 1}
+    assert sorted((p["engine"]["zero"], p["tp"], p["sp"]) for p in engines) == sorted(wanted)
+    for p in engines:
+        assert p["ac"] == "none" and p["micro_batch"] == min(
+            lay.micro_batch for lay in layouts if (lay.pp, lay.zero, lay.tp, lay.sp) == (1, p["engine"]["zero"],
+                                                                                          p["tp"], p["sp"]))
+
+
+def test_a_measured_engine_replaces_the_modelled_communication_and_optimizer_step():
+    from scaletrain.plan.calibrate import engine_key
+
+    cal = fake_calibration({(1, "none"): 0.01})
+    for zero, extra in ((0, 0.002), (3, 0.005)):
+        lay = {"zero": zero, "micro_batch": 1}
+        r = plan_with(cal, layout=lay)
+        ev = r["layouts"][0]
+        cal.engine[engine_key(r["cfg"], r["workload"], ev.layout)] = {"block": extra, "rest": 0.03}
+        measured = plan_with(cal, layout=lay)["layouts"][0]
+        m = ev.layout.grad_accum  # 2 micro-batches of 1
+        compute = m * (2 * 0.01 + 0.01)
+        # FSDP pays its blocks' cost every micro-batch, DDP once per step
+        engine = (m if zero == 3 else 1) * 2 * extra + 0.03
+        assert measured.time.compute_s == pytest.approx(compute)
+        assert measured.time.step_time_s == pytest.approx(compute + engine)
+        assert measured.time.optimizer_s == 0.0 and measured.time.dp_exposed_s == pytest.approx(engine)
 
 
 def test_the_cache_is_keyed_by_machine_and_versions(tmp_path, monkeypatch):
@@ -150,6 +178,7 @@ def test_plan_calibrate_measures_this_machine_once_then_reads_the_cache(shared_c
     assert all(lat >= 0 and bus > 0 for lat, bus in cal.collectives.values())
     assert 0.0 <= cal.overlap <= 1.0 and cal.optimizer["adamw|32-true"] > 0
     assert all(v["block"] > 0 for by_size in cal.compute.values() for v in by_size.values())
+    assert cal.engine and all(v["block"] >= 0 and v["rest"] >= 0 for v in cal.engine.values())
     second = run_here(*args)
     assert second.returncode == 0 and "calibrated this machine" not in second.stderr  # read from the cache
     assert second.stdout.split("memory per GPU")[0] == first.stdout.split("memory per GPU")[0]

@@ -26,6 +26,11 @@ from torch.utils._pytree import tree_leaves
 from scaletrain.plan.memory_model import GiB
 
 
+# a measured run writes nothing a user would look for: no logs, samples, checkpoints
+QUIET = {"log.tensorboard": False, "log.progress": "off", "checkpoint.save_final": False, "train.sample_tokens": 0,
+         "train.eval_every": 0}
+
+
 class LiveMemory(TorchDispatchMode):
     """The bytes of all tensor storages alive in this process, and the most alive at once.
 
@@ -191,19 +196,23 @@ def planned(cfg, ranks: int, hardware, gpu: bool = False):
 
 
 def measure_layouts(overrides: list[dict], nproc: int, steps: int = 1, config: str | None = None,
-                    memory: bool = True) -> list[list[dict]]:
+                    memory: bool = True, rounds: int = 1) -> list[list[dict]]:
     """Measure each set of overrides ({"section.key": value} on `config`, or on the defaults)
     on `nproc` local ranks, all in one group of processes; per set, one row per rank
-    (`memory=False`: step times alone)."""
+    (`memory=False`: step times alone). With `rounds` > 1 every set is measured once per round,
+    the sets in turn, and each keeps its fastest round's step time: a machine that slows down
+    for a while slows every set alike rather than the one measured then."""
     if nproc == 1:
         from scaletrain.config import load_config
 
-        return [[measure_run(load_config(config, o), steps=steps, memory=memory)] for o in overrides]
+        return _fastest([[[measure_run(load_config(config, o), steps=steps, memory=memory)] for o in overrides]
+                         for _ in range(rounds)])
     from scaletrain.launcher import launch
 
     folder = Path(tempfile.mkdtemp(prefix="plan-measure-"))
     spec, out = folder / "jobs.json", folder / "rows.json"
-    spec.write_text(json.dumps({"config": config, "jobs": overrides, "steps": steps, "memory": memory}))
+    spec.write_text(json.dumps({"config": config, "jobs": overrides, "steps": steps, "memory": memory,
+                                "rounds": rounds}))
     code = launch("measure", [spec.as_posix(), out.as_posix()], nproc=nproc)
     if code:
         raise SystemExit(code)
@@ -236,7 +245,8 @@ def calibration(model_cfg, probes: list[dict], optimizers: list[tuple[str, str]]
     got = json.loads(out.read_text())
     cal = calibrate.merge(cal, got, device_type, ranks)
     if note is not None:
-        what = [f"{len(compute)} compute probe(s)"] + (["collectives and overlap"] if got["collectives"] else []) + \
+        engines = sum(1 for p in compute if p.get("engine"))
+        what = [f"{len(compute) - engines} compute probe(s)", f"{engines} engine probe(s)"] + (["collectives and overlap"] if got["collectives"] else []) + \
                ([f"{len(steps)} optimizer step(s)"] if steps else [])
         note(f"calibrated this machine for {ranks} rank(s): {', '.join(what)} in {time.perf_counter() - t0:.0f} s "
              f"(cached in {calibrate.cache_file()})")
@@ -276,17 +286,27 @@ def measure_rank(spec: str, out: str) -> int:
     from scaletrain.runtime import init_worker
 
     job = json.loads(Path(spec).read_text())
-    results = []
-    for overrides in job["jobs"]:
-        cfg = load_config(job["config"], overrides)
-        rt = init_worker(cfg)
-        rows = [None] * rt.world_size
-        dist.all_gather_object(rows, measure_run(cfg, rt, steps=job["steps"], memory=job.get("memory", True)))
-        results.append(rows)
-        dist.barrier()
+    rounds = []
+    for k in range(job.get("rounds", 1)):
+        results = []
+        for overrides in job["jobs"]:
+            if k and overrides.get("log.run_dir"):  # a run folder of its own: the last round's trainer holds its lock
+                overrides = {**overrides, "log.run_dir": f"{overrides['log.run_dir']}-{k}"}
+            cfg = load_config(job["config"], overrides)
+            rt = init_worker(cfg)
+            rows = [None] * rt.world_size
+            dist.all_gather_object(rows, measure_run(cfg, rt, steps=job["steps"], memory=job.get("memory", True)))
+            results.append(rows)
+            dist.barrier()
+        rounds.append(results)
     if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(results))
+        Path(out).write_text(json.dumps(_fastest(rounds)))
     return 0
+
+
+def _fastest(rounds: list[list[list[dict]]]) -> list[list[dict]]:
+    """Per set and rank, the round whose step was fastest (the slowest rank's time decides)."""
+    return [min(runs, key=lambda rows: max(r["step_time_s"] for r in rows)) for runs in zip(*rounds)]
 
 
 def run_layout(config: str, layout, nproc: int, overrides: dict | None = None) -> list[dict]:
@@ -338,7 +358,7 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 
 def measure_evaluations(config: str | None, evaluations: list, nproc: int, overrides: dict | None = None,
-                        steps: int = 3, memory: bool = True) -> tuple[list[dict], float]:
+                        steps: int = 3, memory: bool = True, rounds: int = 1) -> tuple[list[dict], float]:
     """Real steps of each of the planner's layouts (`evaluations`, in its order) on `nproc` local
     ranks, in one group of processes: (one row per layout, in that order; seconds it all took)."""
     jobs = []
@@ -349,7 +369,7 @@ def measure_evaluations(config: str | None, evaluations: list, nproc: int, overr
                      "log.progress": "off", "checkpoint.save_final": False, "train.sample_tokens": 0,
                      "train.global_batch": layout.micro_batch * layout.grad_accum * layout.dp})
     t0 = time.perf_counter()
-    measured = measure_layouts(jobs, nproc, steps=steps, config=config, memory=memory)
+    measured = measure_layouts(jobs, nproc, steps=steps, config=config, memory=memory, rounds=rounds)
     rows = []
     for i, (ev, ranks) in enumerate(zip(evaluations, measured)):
         peaks = [r["peak"] for r in ranks if r.get("peak") is not None]
@@ -364,7 +384,8 @@ def print_ranking(rows: list[dict], out=print) -> dict:
     then Kendall's tau between the two orders and whether the predicted best is the measured
     best; returns {"tau", "ratios": (lowest, highest) predicted/measured, "best_gap": the
     predicted best's measured step over the measured best's}."""
-    rows = sorted(rows, key=lambda r: r["measured_s"])
+    order = sorted(rows, key=lambda r: r["predicted_s"])
+    rows = [{**r, "predicted_rank": order.index(r) + 1} for r in sorted(rows, key=lambda r: r["measured_s"])]
     memory = any(r["measured_peak"] is not None for r in rows)
     out(f"{'#':>3} {'predicted #':>11}  {'layout':<44}{'predicted':>11}{'measured':>11}{'ratio':>7}"
         + (f"{'peak pred.':>12}{'measured':>11}" if memory else ""))
@@ -377,7 +398,7 @@ def print_ranking(rows: list[dict], out=print) -> dict:
         out(line)
     ratios = [r["predicted_s"] / r["measured_s"] for r in rows]
     tau = kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
-    first = min(rows, key=lambda r: r["predicted_s"])
+    first = next(r for r in rows if r["predicted_rank"] == 1)
     gap = first["measured_s"] / rows[0]["measured_s"]
     if len(rows) > 1:
         verdict = ("the predicted best is the measured best" if first is rows[0] else

@@ -33,10 +33,15 @@ def calibrate_rank(spec_path: str, out_path: str) -> int:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             device_id=device if device.type == "cuda" else None)
     model_cfg = ModelConfig(**job["model"])
-    result = {"compute": {}, "optimizer": {}, "collectives": None, "overlap": None}
-    for p in job["probes"]:
+    result = {"compute": {}, "optimizer": {}, "collectives": None, "overlap": None, "engine": {}}
+    plain = [p for p in job["probes"] if not p.get("engine")]
+    for p in plain:
         result["compute"].setdefault(probe_key(model_cfg, p), {})[str(p["micro_batch"])] = \
-            probe_compute(model_cfg, device, **p)
+            probe_compute(model_cfg, device, **{k: v for k, v in p.items() if k != "engine"})
+    for p in job["probes"]:
+        if p.get("engine"):
+            shape = {k: v for k, v in p.items() if k != "engine"}
+            result["engine"][probe_key(model_cfg, p)] = probe_engine(model_cfg, device, **shape, **p["engine"])
     for name, precision in job["optimizers"]:
         result["optimizer"][f"{name}|{precision}"] = probe_optimizer(model_cfg, device, name, precision)
     if job["collectives"]:
@@ -50,40 +55,53 @@ def calibrate_rank(spec_path: str, out_path: str) -> int:
 
 
 def _timed(fn, device, reps: int = PROBE_REPS) -> float:
-    """Median seconds of `fn` run on every rank at once (after a barrier), each call as long as
-    its slowest rank; one untimed warm-up call first."""
+    """Seconds of `fn` run on every rank at once (after a barrier), each call as long as its
+    slowest rank: the fastest of `reps` calls after one untimed warm-up call (the machine's
+    sustained speed, not its hiccups)."""
+    return _timed_together([fn], device, reps)[0]
+
+
+def _timed_together(fns: list, device, reps: int = PROBE_REPS) -> list[float]:
+    """`_timed` of each of `fns`, called in turn within every repetition: a machine that slows
+    down for a while slows them alike, so their differences stay sound."""
     import torch.distributed as dist
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    times = []
+    times = [[] for _ in fns]
     for i in range(reps + 1):
-        dist.barrier()
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        if i:
-            times.append(time.perf_counter() - t0)
+        for k, fn in enumerate(fns):
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:
+                times[k].append(time.perf_counter() - t0)
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return statistics.median(slowest.tolist())
+    return [min(row) for row in slowest.tolist()]
+
+
+def _split(one: float, three: float) -> tuple[float, float]:
+    """(a block's, the rest's) seconds from a model of 1 and of 3 blocks."""
+    block = max((three - one) / 2, 0.0)
+    return block, max(one - block, 0.0)
 
 
 def probe_compute(model_cfg, device, *, precision: str, seq_len: int, micro_batch: int, tp: int, sp: bool,
                   ac: str, cp: int = 1) -> dict[str, float]:
     """Seconds of one block's forward and backward, and of the rest of the model (embedding,
     head, loss), at this shape on every rank at once."""
-    one = _model_step_s(model_cfg, device, 1, precision, seq_len // cp, micro_batch, tp, sp, ac)
-    three = _model_step_s(model_cfg, device, 3, precision, seq_len // cp, micro_batch, tp, sp, ac)
-    block = max((three - one) / 2, 0.0)
-    return {"block": block, "rest": max(one - block, 0.0)}
+    steps = [_model_step(model_cfg, device, n, precision, seq_len // cp, micro_batch, tp, sp, ac) for n in (1, 3)]
+    block, rest = _split(*_timed_together(steps, device))
+    return {"block": block, "rest": rest}
 
 
-def _model_step_s(model_cfg, device, layers: int, precision: str, seq_len: int, micro_batch: int, tp: int,
-                  sp: bool, ac: str) -> float:
+def _model_step(model_cfg, device, layers: int, precision: str, seq_len: int, micro_batch: int, tp: int,
+                sp: bool, ac: str):
+    """One forward and backward of the model at `layers` blocks, built as the trainer builds it
+    (tensor and sequence parallel, checkpointing, the precision's dtypes), as a function."""
     import contextlib
 
     import torch.distributed as dist
@@ -121,7 +139,48 @@ def _model_step_s(model_cfg, device, layers: int, precision: str, seq_len: int, 
             cross_entropy_sum(logits, tokens).backward()
         model.zero_grad(set_to_none=False)
 
-    return _timed(step, device)
+    return step
+
+
+def probe_engine(model_cfg, device, *, precision: str, seq_len: int, micro_batch: int, tp: int, sp: bool, ac: str,
+                 cp: int, zero: int, dp_replicate: int, dp_shard: int, optimizer: str) -> dict:
+    """What the trainer adds per block and per step around forward and backward in this layout:
+    real training steps at 1 and 3 blocks, timed in turn with the bare forward and backward of
+    the same models, less them."""
+    plain = [_model_step(model_cfg, device, n, precision, seq_len, micro_batch, tp, sp, ac) for n in (1, 3)]
+    trained = [_trainer_step(model_cfg, n, precision, seq_len, micro_batch, tp, sp, zero, dp_replicate, dp_shard,
+                             optimizer) for n in (1, 3)]
+    p1, p3, t1, t3 = _timed_together(plain + trained, device)
+    (pb, pr), (tb, tr) = _split(p1, p3), _split(t1, t3)
+    return {"block": max(tb - pb, 0.0), "rest": max(tr - pr, 0.0)}
+
+
+def _trainer_step(model_cfg, layers: int, precision: str, seq_len: int, micro_batch: int, tp: int, sp: bool,
+                  zero: int, dp_replicate: int, dp_shard: int, optimizer: str):
+    """A training step of the model at `layers` blocks in this layout, by the trainer, as a function."""
+    import tempfile
+    from dataclasses import asdict
+
+    import torch.distributed as dist
+
+    from scaletrain.config import load_config
+    from scaletrain.measure import QUIET
+    from scaletrain.runtime import init_worker
+    from scaletrain.train.trainer import Trainer
+
+    model = {f"model.{k}": v for k, v in asdict(model_cfg).items() if k not in ("preset", "from_hf", "init_from")}
+    dp = dist.get_world_size() // tp
+    cfg = load_config(None, {**model, **QUIET, "model.n_layers": layers, "data.seq_len": seq_len,
+                             "model.max_seq_len": max(model_cfg.max_seq_len, seq_len), "precision.mode": precision,
+                             "optim.name": optimizer, "parallel.zero": zero, "parallel.tp": tp, "parallel.sp": sp,
+                             "parallel.dp_replicate": dp_replicate, "parallel.dp_shard": dp_shard,
+                             "train.micro_batch": micro_batch, "train.global_batch": micro_batch * dp,
+                             "train.device": "cuda" if torch.cuda.is_available() else "cpu",
+                             "log.run_dir": tempfile.mkdtemp(prefix="scaletrain-calibrate-")})
+    trainer = Trainer(cfg, init_worker(cfg), stream=open(os.devnull, "w"))
+    batches = iter(trainer._loader())
+    trainer.train_step(batches)  # DDP builds its buckets in the first steps
+    return lambda: trainer.train_step(batches)
 
 
 def probe_optimizer(model_cfg, device, name: str, precision: str) -> float:

@@ -18,6 +18,12 @@ all running at once (the cores and memory bandwidth they share are part of what 
   (issued asynchronously beside a matmul loop): on GPUs they use different engines; on a CPU
   they compete for the same cores.
 * **optimizer** — seconds per parameter of the configured optimizer's step.
+* **engine** — what the trainer adds around forward and backward for a data- or tensor-parallel
+  layout (DDP's or ZeRO's hooks and reductions, FSDP's gathers, DTensor's optimizer step and
+  clipping, the data loader): real training steps of the model at 1 and 3 blocks in that
+  layout (no accumulation, the smallest micro-batch), less the bare forward and backward of
+  the same models timed in turn with them — per block, and per step. It is not split into collectives and
+  overlap: on a CPU the two share the cores, and the sum is what a step pays.
 
 Results are cached in the user's cache folder under the machine's key (CPU or GPU name, cores,
 torch version, backend, ranks, probe version): a new machine, core count, PyTorch or probe is
@@ -32,10 +38,10 @@ from pathlib import Path
 
 import torch
 
-PROBE_VERSION = 1
+PROBE_VERSION = 4
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)  # bytes per collective buffer
-PROBE_REPS = 3  # timed calls per probe (median), after one warm-up
+PROBE_REPS = 5  # timed calls per probe (the fastest is kept), after one warm-up
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -61,6 +67,7 @@ class Calibration:
     overlap: float = 0.0  # share of a collective hidden behind concurrent compute
     compute: dict[str, dict[str, float]] = field(default_factory=dict)  # probe key -> {"block", "rest"} seconds
     optimizer: dict[str, float] = field(default_factory=dict)  # optimizer|precision -> seconds per parameter
+    engine: dict[str, dict[str, float]] = field(default_factory=dict)  # engine key -> {"block", "rest"} extra seconds
 
     def collective_s(self, op: str, nbytes: float, n: int, calls: int = 1) -> float:
         """Seconds of `calls` calls of `op` moving `nbytes` in all (the whole buffer, as
@@ -98,6 +105,20 @@ def compute_key(cfg, precision: str, seq_len: int, tp: int, sp: bool, ac: str, c
     return f"{precision}|{','.join(map(str, shape))}|seq={seq_len // cp}|tp={tp}|sp={sp}|ac={ac}"
 
 
+def engine_key(cfg, wl, layout) -> str:
+    """An engine probe's cache key: the model's shape, precision and optimizer, and the layout's
+    data- and tensor-parallel settings."""
+    base = compute_key(cfg, wl.precision, wl.seq_len, layout.tp, layout.sp, "none", layout.cp)
+    return (f"{base}|opt={wl.optimizer}|zero={layout.zero}|dp={layout.dp_replicate}x{layout.dp_shard}"
+            f"|sync={layout.dp_sync}")
+
+
+def engine_probed(layout) -> bool:
+    """Layouts whose engine is probed: every rank data or tensor parallel (no pipeline, no
+    context parallel, synchronous data parallelism)."""
+    return layout.pp == 1 and layout.cp == 1 and not layout.local_sync and layout.world > 1
+
+
 def layout_key(cfg, wl, layout) -> str:
     return compute_key(cfg, wl.precision, wl.seq_len, layout.tp, layout.sp, layout.activation_checkpointing,
                        layout.cp)
@@ -111,12 +132,26 @@ def probes_for(cfg, wl, layouts) -> list[dict]:
     for lay in layouts:
         shape = (wl.precision, wl.seq_len, lay.tp, lay.sp, lay.activation_checkpointing, lay.cp)
         sizes.setdefault(shape, set()).add(lay.micro_batch)
-    return [dict(precision=p, seq_len=s, tp=tp, sp=sp, ac=ac, cp=cp, micro_batch=mb)
-            for (p, s, tp, sp, ac, cp), mbs in sizes.items() for mb in sorted({min(mbs), max(mbs)})]
+    probes = [dict(precision=p, seq_len=s, tp=tp, sp=sp, ac=ac, cp=cp, micro_batch=mb)
+              for (p, s, tp, sp, ac, cp), mbs in sizes.items() for mb in sorted({min(mbs), max(mbs)})]
+    engines: dict[str, dict] = {}
+    for lay in layouts:
+        if engine_probed(lay):
+            key = engine_key(cfg, wl, lay)
+            mb = min(lay.micro_batch, engines.get(key, {}).get("micro_batch", lay.micro_batch))
+            engines[key] = dict(precision=wl.precision, seq_len=wl.seq_len, tp=lay.tp, sp=lay.sp, ac="none", cp=1,
+                                micro_batch=mb, engine={"zero": lay.zero, "dp_replicate": lay.dp_replicate,
+                                                        "dp_shard": lay.dp_shard, "optimizer": wl.optimizer})
+    return probes + list(engines.values())
 
 
 def probe_key(model_cfg, probe: dict) -> str:
-    return compute_key(model_cfg, **{k: v for k, v in probe.items() if k != "micro_batch"})
+    """The cache key of a probe (a compute probe, or with "engine" an engine probe)."""
+    base = compute_key(model_cfg, **{k: v for k, v in probe.items() if k not in ("micro_batch", "engine")})
+    e = probe.get("engine")
+    if not e:
+        return base
+    return f"{base}|opt={e['optimizer']}|zero={e['zero']}|dp={e['dp_replicate']}x{e['dp_shard']}|sync=step"
 
 
 def machine_key(device_type: str, ranks: int) -> str:
@@ -143,7 +178,7 @@ def load(device_type: str, ranks: int) -> Calibration | None:
     if not isinstance(entry, dict) or "collectives" not in entry:
         return None
     return Calibration(key, ranks, {k: tuple(v) for k, v in entry["collectives"].items()}, entry["overlap"],
-                       entry.get("compute", {}), entry.get("optimizer", {}))
+                       entry.get("compute", {}), entry.get("optimizer", {}), entry.get("engine", {}))
 
 
 def _save(cal: Calibration) -> None:
@@ -151,12 +186,19 @@ def _save(cal: Calibration) -> None:
 
     with json_cache(cache_file()) as cache:
         cache[cal.machine] = {"collectives": {k: list(v) for k, v in cal.collectives.items()},
-                              "overlap": cal.overlap, "compute": cal.compute, "optimizer": cal.optimizer}
+                              "overlap": cal.overlap, "compute": cal.compute, "optimizer": cal.optimizer,
+                              "engine": cal.engine}
 
 
 def missing(cal: Calibration | None, model_cfg, probes: list[dict], optimizers: list[tuple[str, str]]):
     """(the compute probes, the optimizer steps) that `cal` lacks of those asked for."""
-    return ([p for p in probes if cal is None or not cal.has(probe_key(model_cfg, p), p["micro_batch"])],
+    def have(p):
+        if p.get("engine"):
+            return probe_key(model_cfg, p) in cal.engine
+        return cal.has(probe_key(model_cfg, p), p["micro_batch"])
+
+    unique = list({(probe_key(model_cfg, p), p["micro_batch"]): p for p in probes}.values())
+    return ([p for p in unique if cal is None or not have(p)],
             [o for o in optimizers if cal is None or "|".join(o) not in cal.optimizer])
 
 
@@ -168,5 +210,6 @@ def merge(cal: Calibration | None, got: dict, device_type: str, ranks: int) -> C
     for key, by_size in got["compute"].items():
         cal.compute.setdefault(key, {}).update(by_size)
     cal.optimizer.update(got["optimizer"])
+    cal.engine.update(got.get("engine", {}))
     _save(cal)
     return cal

@@ -20,6 +20,10 @@ figure measured here instead of taken from a datasheet:
   every micro-batch. The measured overlap says how much of that hides behind the compute it
   runs beside (on a CPU the collective and the compute share the cores).
 * The optimizer's measured seconds per parameter, for the parameters this rank steps.
+* For a layout whose every rank is data or tensor parallel (no pipeline), the three items
+  above give way to its engine's measured cost (`Calibration.engine`): per block (every
+  micro-batch under ZeRO-2 and FSDP, once per step otherwise) and per step. It is reported as
+  the exposed data-parallel time, the optimizer step included.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from __future__ import annotations
 import math
 
 from scaletrain.model.flops import flops_per_token
-from scaletrain.plan.calibrate import Calibration, layout_key
+from scaletrain.plan.calibrate import Calibration, engine_key, engine_probed, layout_key
 from scaletrain.plan.memory_model import dtypes_for, rank_params, stage_layers
 from scaletrain.plan.spec import Cluster, Layout, Workload
 from scaletrain.plan.time_model import SYNC_BYTES, TimeBreakdown, optimizer_seconds, schedule_bubble
@@ -61,13 +65,19 @@ def estimate(cfg, wl: Workload, layout: Layout, cluster: Cluster, bucket_mb: flo
         cp_comm = 3 * (layout.cp - 1) * m * max(counts) * cal.collective_s("send_recv", kv, 2)
 
     params = max(rank_params(cfg, layout, r).total for r in range(layout.pp))
-    dp_comm, dp_exposed = data_parallel(cal, wl, layout, params, compute, max(counts), bucket_mb)
-    key = f"{wl.optimizer}|{wl.precision}"
-    n_shard = layout.dp_shard * layout.cp
-    stepped = params / n_shard if layout.zero >= 1 and n_shard > 1 else params
-    optimizer = (cal.optimizer[key] * stepped if key in cal.optimizer
-                 else optimizer_seconds(wl, layout, cluster.hardware, params))
-    clip = cal.collective_s("all_reduce", 4, layout.world)  # the global gradient norm
+    engine = cal.engine.get(engine_key(cfg, wl, layout)) if engine_probed(layout) else None
+    if engine is not None:  # measured with the trainer: reductions, hooks, optimizer step, clipping
+        per_micro = layout.zero in (2, 3)  # ZeRO-2 reduce-scatters, FSDP gathers, every micro-batch
+        dp_comm = dp_exposed = (m if per_micro else 1) * max(counts) * engine["block"] + engine["rest"]
+        optimizer = clip = 0.0
+    else:
+        dp_comm, dp_exposed = data_parallel(cal, wl, layout, params, compute, max(counts), bucket_mb)
+        key = f"{wl.optimizer}|{wl.precision}"
+        n_shard = layout.dp_shard * layout.cp
+        stepped = params / n_shard if layout.zero >= 1 and n_shard > 1 else params
+        optimizer = (cal.optimizer[key] * stepped if key in cal.optimizer
+                     else optimizer_seconds(wl, layout, cluster.hardware, params))
+        clip = cal.collective_s("all_reduce", 4, layout.world)  # the global gradient norm
 
     busy = compute + pp_comm + cp_comm
     step = busy * (1.0 + bubble) + dp_exposed + optimizer + clip

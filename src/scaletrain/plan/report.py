@@ -105,10 +105,12 @@ def breakdown(e: Evaluated) -> str:
                      + ("" if e.host_fits else "  — DOES NOT FIT"))
     lines.append("time per step:")
     tp_label = "tensor-parallel comm" if not t.calibrated else "tp comm (in compute)"
+    engine = t.calibrated and t.optimizer_s == 0 and e.layout.pp == 1  # the trainer's engine, measured whole
     for label, v in (("compute", t.compute_s), (tp_label, t.tp_comm_s),
                      *((("context-parallel (exposed)", t.cp_comm_s),) if e.layout.cp > 1 else ()),
                      ("pipeline sends (exposed)", t.pp_comm_s), ("pipeline bubble", t.bubble_s),
-                     ("data-parallel comm", t.dp_comm_s), ("  of which exposed", t.dp_exposed_s),
+                     ("data-parallel comm" if not engine else "engine (dp, optimizer)", t.dp_comm_s),
+                     ("  of which exposed", t.dp_exposed_s),
                      ("optimizer step", t.optimizer_s)):
         lines.append(f"  {label:<26}{1e3 * v:>9.1f} ms")
     lines.append(f"  {'step':<26}{1e3 * t.step_time_s:>9.1f} ms  → {t.tokens_per_s:,.0f} tokens/s, "
