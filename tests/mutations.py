@@ -165,6 +165,12 @@ MUTANTS = [
            ("tests/test_quantize.py::test_the_folder_loads_without_unpickling_and_gives_the_same_logits[int8-weight]",
             "tests/test_quantize.py::test_ptq_perplexity_is_within_tolerance_of_fp32_and_the_folder_is_smaller"
             "[int8-dynamic]")),
+    # the calibrated planner: FSDP's and ZeRO-2's measured per-block cost paid once per step
+    # instead of every micro-batch (accumulation would look free under them)
+    Mutant("calibrated-engine-once-per-step", "the measured engine cost of ZeRO-2/FSDP not scaled by micro-batches",
+           "src/scaletrain/plan/calibrated_time.py",
+           "        per_micro = layout.zero in (2, 3)", "        per_micro = False",
+           ("tests/test_calibration.py::test_a_measured_engine_replaces_the_modelled_communication_and_optimizer_step",)),
 ]
 
 

@@ -9,9 +9,10 @@ all running at once (the cores and memory bandwidth they share are part of what 
 
 * **compute** — one forward and backward of this model's own layers, built as the trainer builds
   them (tensor and sequence parallel over the group's ranks, activation checkpointing, the
-  precision's dtypes), at each micro-batch, tp, sp and checkpointing the layouts use: a model
-  of 1 and of 3 blocks gives a block's seconds (half the difference) and the rest (embedding,
-  head and loss). Its tensor-parallel collectives run inside it, as they do in training.
+  precision's dtypes), at each tp, sp and checkpointing the layouts use, at their smallest and
+  largest micro-batch: a model of 1 and of 3 blocks, timed in turn, gives a block's seconds
+  (half the difference) and the rest (embedding, head and loss). Its tensor-parallel
+  collectives run inside it, as they do in training.
 * **collectives** — all-reduce, all-gather, reduce-scatter, all-to-all and send/recv at several
   sizes (`scaletrain bench comms`'s measurement), fitted as latency + bus volume / bandwidth.
 * **overlap** — how much of a collective hides behind compute when both run at once
@@ -22,8 +23,8 @@ all running at once (the cores and memory bandwidth they share are part of what 
   layout (DDP's or ZeRO's hooks and reductions, FSDP's gathers, DTensor's optimizer step and
   clipping, the data loader): real training steps of the model at 1 and 3 blocks in that
   layout (no accumulation, the smallest micro-batch), less the bare forward and backward of
-  the same models timed in turn with them — per block, and per step. It is not split into collectives and
-  overlap: on a CPU the two share the cores, and the sum is what a step pays.
+  the same models timed in turn with them — per block, and per step. It is not split into
+  collectives and overlap: on a CPU the two share the cores, and the sum is what a step pays.
 
 Results are cached in the user's cache folder under the machine's key (CPU or GPU name, cores,
 torch version, backend, ranks, probe version): a new machine, core count, PyTorch or probe is
@@ -54,7 +55,6 @@ def bus_factor(op: str, n: int) -> float:
     if op in ("broadcast", "reduce", "send_recv"):
         return 1.0
     raise ValueError(f"unknown collective {op!r}")
-
 
 
 @dataclass
