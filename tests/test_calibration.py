@@ -230,3 +230,13 @@ def test_auto_layout_times_the_best_predicted_layouts_within_its_budget(tmp_path
     assert 2 <= k <= 5
     assert timed.count(" ms (predicted ") == k
     assert "parallel.layout=auto chose" in said
+
+
+def test_a_calibration_taken_on_a_busy_machine_says_so(monkeypatch):
+    from scaletrain import measure
+
+    monkeypatch.setattr(measure.os, "getloadavg", lambda: (12.0, 0.0, 0.0))
+    monkeypatch.setattr("scaletrain.hardware.cpu_cores", lambda: 2)
+    assert measure._busy(2) == "the machine was busy (load average 12.0 on 2 cores, 2 of it the calibration's)"
+    monkeypatch.setattr(measure.os, "getloadavg", lambda: (2.5, 0.0, 0.0))  # the calibration's own ranks
+    assert measure._busy(2) is None

@@ -245,6 +245,10 @@ def calibration(model_cfg, probes: list[dict], optimizers: list[tuple[str, str]]
     got = json.loads(out.read_text())
     cal = calibrate.merge(cal, got, device_type, ranks)
     if note is not None:
+        busy = _busy(ranks)
+        if busy:
+            note(f"{busy} while calibrating: its figures may be slow; delete {calibrate.cache_file()} to measure "
+                 "again when it is quiet")
         engines = sum(1 for p in compute if p.get("engine"))
         what = [f"{len(compute) - engines} compute probe(s)", f"{engines} engine probe(s)"] + (["collectives and overlap"] if got["collectives"] else []) + \
                ([f"{len(steps)} optimizer step(s)"] if steps else [])
@@ -276,6 +280,21 @@ def measured_best(cfg, ranked: list, world: int, budget_s: float, note=None):
                           for r in rows)
         note(f"parallel.auto_measure_s={budget_s:g}: timed the {k} best predicted layouts in {took:.0f} s: {timed}")
     return fitting[fastest]
+
+
+def _busy(ranks: int) -> str | None:
+    """Words saying the machine had more to run than its cores beside the calibration's own
+    `ranks` (the last minute's load average), or None (or where the OS does not say)."""
+    from scaletrain.hardware import cpu_cores
+
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    cores = cpu_cores()
+    if load - ranks <= cores / 2:
+        return None
+    return f"the machine was busy (load average {load:.1f} on {cores} cores, {ranks} of it the calibration's)"
 
 
 def measure_rank(spec: str, out: str) -> int:
