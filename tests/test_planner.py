@@ -172,6 +172,25 @@ def test_context_parallel_on_scaletrain_engine_splits_activations_not_states():
     assert runnable == set(CP_METHODS)  # 32 heads / tp 4 = 8: cp 2 divides them, ulysses runs
 
 
+def test_context_parallel_methods_pay_their_own_exchange():
+    """`cp_traffic`: ring's K/V sends (mostly hidden), allgather's gathers and reduce-scatter,
+    ulysses' all-to-alls of q, k, v and the output — each by its own volume."""
+    from scaletrain.plan.time_model import cp_traffic
+
+    cfg, wl = load_model("llama-8b").cfg, Workload(seq_len=32768, global_batch=8)
+    kv = 8192 * 2 * 8 * 128 * 2  # one rank's K and V: 8192 rows, 8 K/V heads of 128, bf16
+    q = 8192 * 32 * 128 * 2
+    traffic = {m: cp_traffic(cfg, wl, Layout(dp_shard=2, cp=4, cp_method=m, micro_batch=1, zero=3)) for m in CP_METHODS}
+    assert traffic["ring"] == [("send_recv", kv, 9, 0.2)]
+    assert traffic["allgather"] == [("all_gather", 4 * kv, 2, 1.0), ("reduce_scatter", 4 * kv, 1, 1.0)]
+    assert traffic["ulysses"] == [("all_to_all", 2 * q + kv, 2, 1.0)]
+    kw = dict(hardware="H100-SXM", nodes=1, gpus_per_node=8, seq_len=32768, global_batch=8)
+    t = {m: plan("llama-8b", layout={"zero": 3, "micro_batch": 1, "cp": 4, "cp_method": m}, **kw)["layouts"][0].time
+         for m in CP_METHODS}
+    assert len({round(x.cp_comm_s, 9) for x in t.values()}) == 3  # three different exchanges
+    assert t["ulysses"].cp_comm_s > t["ring"].cp_comm_s  # exposed, and q is 4x the K/V here
+
+
 def test_context_parallel_methods_hold_different_transients():
     """The attention backward of each method (`attention_backward_bytes`): allgather's score
     tiles span the whole sequence's keys, ring's one rank's block, ulysses has none."""

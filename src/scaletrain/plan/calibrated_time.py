@@ -34,7 +34,7 @@ from scaletrain.model.flops import flops_per_token
 from scaletrain.plan.calibrate import Calibration, engine_key, engine_probed, layout_key
 from scaletrain.plan.memory_model import dtypes_for, rank_params, stage_layers
 from scaletrain.plan.spec import Cluster, Layout, Workload
-from scaletrain.plan.time_model import SYNC_BYTES, TimeBreakdown, optimizer_seconds, schedule_bubble
+from scaletrain.plan.time_model import SYNC_BYTES, TimeBreakdown, cp_traffic, optimizer_seconds, schedule_bubble
 from scaletrain.vocab import PEAK_KIND
 
 
@@ -60,9 +60,9 @@ def estimate(cfg, wl: Workload, layout: Layout, cluster: Cluster, bucket_mb: flo
         pp_comm = 2 * m * layout.chunks_per_rank * cal.collective_s("send_recv", sent, 2)
         bubble = schedule_bubble(layout.pp_schedule, layout.pp, m, layout.pp_virtual_stages)
     cp_comm = 0.0
-    if layout.cp > 1:  # the ring passes each rank's keys and values on, and their gradients back
-        kv = layout.micro_batch * wl.seq_len / layout.cp * 2 * cfg.kv_heads * cfg.head_size / layout.tp * d.compute
-        cp_comm = 3 * (layout.cp - 1) * m * max(counts) * cal.collective_s("send_recv", kv, 2)
+    if layout.cp > 1:  # each method's exchange, priced by the measured collectives
+        cp_comm = m * max(counts) * sum(cal.collective_s(op, buffer, 2 if op == "send_recv" else layout.cp, calls)
+                                        * exposed for op, buffer, calls, exposed in cp_traffic(cfg, wl, layout))
 
     params = max(rank_params(cfg, layout, r).total for r in range(layout.pp))
     engine = cal.engine.get(engine_key(cfg, wl, layout)) if engine_probed(layout) else None

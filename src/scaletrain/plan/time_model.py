@@ -38,6 +38,7 @@ from functools import lru_cache
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.flops import block_matmul_params, flops_per_token
 from scaletrain.plan.memory_model import Dtypes, dtypes_for, engine_of, rank_params
+from scaletrain.plan.calibrate import bus_factor
 from scaletrain.plan.spec import Cluster, Layout, Workload
 from scaletrain.quant.layers import fp8_share
 from scaletrain.vocab import PEAK_KIND
@@ -83,7 +84,7 @@ class TimeBreakdown:
     model_flops: float
     hardware_flops: float
     bubble_fraction: float
-    cp_comm_s: float = 0.0  # exposed context-parallel (ring attention) exchange
+    cp_comm_s: float = 0.0  # exposed context-parallel exchange (cp_traffic)
     calibrated: bool = False  # from this machine's calibration (tp collectives inside compute_s), not the catalog
 
     def as_dict(self) -> dict[str, float]:
@@ -156,6 +157,31 @@ def _elementwise_bytes_per_token(cfg: ModelConfig, d: Dtypes, tp: int, sp: bool)
     return 3 * fwd
 
 
+def cp_traffic(cfg: ModelConfig, wl: Workload, layout: Layout) -> list[tuple[str, float, int, float]]:
+    """One layer's context-parallel exchange for one micro-batch, forward and backward, as
+    (collective, buffer bytes as `scaletrain bench comms` counts them, calls, the share on the
+    critical path):
+
+    * ring: every rank's K/V block passed round the ring (cp − 1 sends) in forward, and in
+      backward again with its dK/dV accumulator: mostly hidden behind the attention blocks it
+      feeds (PIPELINE_SEND_EXPOSED);
+    * allgather: K/V gathered from every rank before attention, gathered again for backward, and
+      dK/dV reduce-scattered back: collectives on the critical path;
+    * ulysses: all-to-alls of q, k, v (sequence shards to head shards) and of the output back,
+      forward and backward: on the critical path.
+    """
+    d = dtypes_for(wl)
+    rows = layout.micro_batch * wl.seq_len / layout.cp
+    kv = rows * 2 * cfg.kv_heads * cfg.head_size / layout.tp * d.compute  # this rank's K and V
+    q = rows * cfg.n_heads * cfg.head_size / layout.tp * d.compute
+    n = layout.cp
+    if layout.cp_method == "allgather":
+        return [("all_gather", n * kv, 2, 1.0), ("reduce_scatter", n * kv, 1, 1.0)]
+    if layout.cp_method == "ulysses":
+        return [("all_to_all", q + kv + q, 2, 1.0)]
+    return [("send_recv", kv, 3 * (n - 1), PIPELINE_SEND_EXPOSED)]
+
+
 def compute_seconds(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Cluster, layers: int,
                     head: bool) -> float:
     """Seconds of compute of one rank for one step: its layers' (and head's) matmuls at the
@@ -224,14 +250,13 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
         per_collective = 2 * (layout.tp - 1) / layout.tp * act / tp_bw
         tp_comm = 4 * layers_here * m * per_collective + 2 * m * per_collective  # + embedding/head
 
-    # context parallel (ring attention): each layer passes every rank's keys and values around
-    # the cp ring in forward, and them with their gradients in backward; mostly hidden behind
-    # the attention blocks it feeds
+    # context parallel: each layer's exchange of keys and values (or, under ulysses, of every
+    # projection) per micro-batch, forward and backward (`cp_traffic`)
     cp_comm = 0.0
     if layout.cp > 1:
-        kv_bytes = layout.micro_batch * wl.seq_len / layout.cp * 2 * cfg.kv_heads * cfg.head_size / layout.tp * d.compute
         cp_bw = _group_link_GBps(cluster, layout.tp, layout.cp) * 1e9
-        cp_comm = 3 * (layout.cp - 1) * kv_bytes / cp_bw * layers_here * m * PIPELINE_SEND_EXPOSED
+        cp_comm = sum(calls * buffer * bus_factor(op, layout.cp) / cp_bw * exposed
+                      for op, buffer, calls, exposed in cp_traffic(cfg, wl, layout)) * layers_here * m
 
     # pipeline: activations sent forward and gradients back, per micro-batch and chunk boundary
     pp_comm = 0.0
