@@ -59,7 +59,10 @@ def train(folder: Path, overrides: dict) -> Path:
         while not final.is_dir():
             time.sleep(10)
     if not final.is_dir():
-        Trainer(cfg).fit()
+        stopped = Trainer(cfg).fit()["stopped_by"]
+        if stopped is not None:  # its last checkpoint is not the run's: measuring it would mislabel it
+            sys.exit(f"{folder.name}: stopped by signal {int(stopped)} before step {cfg.train.steps}; "
+                     f"delete {folder} and run again")
     return final
 
 
