@@ -179,7 +179,7 @@ def main() -> int:
                                                                    "(default 20)")
     p.add_argument("--finetune-lr", type=float, default=3e-4, help="their peak learning rate, no warm-up (default 3e-4)")
     p.add_argument("--speed-only", action="store_true", help="only time the forwards of the runs already in "
-                                                              "--out-dir, round-robin")
+                                                              "--out-dir, round-robin (the larger model's too with --larger)")
     p.add_argument("--train-only", metavar="RUN", help="only train the fine-tune RUN (fp32-tuned, or qat-SCHEME) into --out-dir, e.g. "
                                                         "beside the main invocation, which then finds it trained")
     args, extra = p.parse_known_args()
@@ -189,9 +189,11 @@ def main() -> int:
     torch.manual_seed(0)
     root = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="scaletrain-quant-"))
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU(s), threads {torch.get_num_threads()}; runs in {root}\n")
+    larger = f"larger (dim {LARGER['model.dim']}, {LARGER['model.n_layers']} layers)"
     if args.speed_only:
         seq_len = load_config(REPO / "configs" / "tiny.toml", overrides).data.seq_len
-        interleaved_speed(root, "demo (tiny)", args, seq_len)
+        for name in ["demo (tiny)"] + ([larger] if args.larger else []):
+            interleaved_speed(root, name, args, seq_len)
         return 0
     if args.train_only:  # a fine-tuning run (fp32-tuned or qat-SCHEME), once fp32 is trained
         folder, qat = root / "demo (tiny)", args.train_only.removeprefix("qat-")
@@ -202,8 +204,7 @@ def main() -> int:
     print("| model | variant | val ppl | size (MiB) | CPU tokens/s (forward) |\n|---|---|---|---|---|", flush=True)
     rows = run_model("demo (tiny)", overrides, args, root)
     if args.larger:
-        rows += run_model(f"larger (dim {LARGER['model.dim']}, {LARGER['model.n_layers']} layers)",
-                          {**overrides, **LARGER}, args, root)
+        rows += run_model(larger, {**overrides, **LARGER}, args, root)
     print("\n| model | scheme | fp32 ppl | PTQ ppl | QAT ppl | recovered by QAT |\n|---|---|---|---|---|---|")
     print("\n".join(recovered(rows)))
     return 0
