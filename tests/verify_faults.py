@@ -1,5 +1,7 @@
 """Known bugs planted in `scaletrain verify`'s layout run (through its layout_hook), so that a
-test can watch verify FAIL. Each is called with a layout rank's Trainer before it trains."""
+test can watch verify FAIL; and, last, checks of the layout run's setup that fail its ranks when
+the setup is not what the test meant to compare. Each is called with a layout rank's Trainer
+before it trains."""
 
 from __future__ import annotations
 
@@ -31,3 +33,18 @@ def skip_delay_on_worker1(trainer) -> None:
     as the others (and the simulation) do: its weights leave the others' at the first sync."""
     if trainer.outer is not None and trainer.worker == 1:
         trainer.outer.delay = 0
+
+
+def every_block_linear_fake_quantized(trainer) -> None:
+    """A check, not a bug: train.qat survived this rank's wrapping (DDP, ZeRO), every linear of
+    the blocks trains through torchao's fake quantization. Without it a layout that dropped QAT
+    would still track a QAT reference within a loose tolerance on a model this small."""
+    from torch import nn
+    from torchao.quantization.qat import FakeQuantizedLinear
+
+    linears = {n: m for chunk in trainer.dp.modules for n, m in chunk.named_modules()
+               if isinstance(m, nn.Linear) and "layers." in n}
+    plain = sorted(n for n, m in linears.items() if not isinstance(m, FakeQuantizedLinear))
+    if not linears or plain:
+        raise AssertionError(f"train.qat={trainer.cfg.train.qat}: {len(linears)} block linear(s), not fake-quantized: "
+                             f"{plain or 'none found'}")
