@@ -58,6 +58,16 @@ def run_here(*args: str):
     return subprocess.CompletedProcess(["scaletrain", *args], code, out.getvalue(), err.getvalue())
 
 
+def one_line_exit_2(r, *fragments):
+    """A refused command: exit code 2 and one line on stderr, "scaletrain: error: ...", holding
+    each of `fragments`."""
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("scaletrain: error:"), r.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None, cwd: Path | None = None):
     """Run `python -m scaletrain ARGS` in a fresh process; returns CompletedProcess."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}

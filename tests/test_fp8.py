@@ -22,7 +22,7 @@ pytest.importorskip("torchao")
 from scaletrain.errors import ConfigError  # noqa: E402
 from scaletrain.train.trainer import Trainer  # noqa: E402
 
-from conftest import MICRO, REPO, micro_cfg, read_metrics, run_cli, run_here  # noqa: E402
+from conftest import MICRO, REPO, micro_cfg, one_line_exit_2, read_metrics, run_cli, run_here  # noqa: E402
 
 # the micro model's linears are 64 wide: a threshold of 64 converts all 12 block linears
 FP8 = {"precision.mode": "fp8", "precision.fp8_emulate": True, "precision.fp8_min_dim": 64}
@@ -199,14 +199,6 @@ def test_the_planner_counts_only_the_layers_the_rule_converts():
 
 # ------------------------------------------------------------------------------------------
 # bad input: one line, exit 2
-
-
-def one_line_exit_2(r, *fragments):
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("scaletrain: error:"), r.stderr
-    for f in fragments:
-        assert f in lines[0], lines[0]
 
 
 def micro_args(tmp_path, **extra) -> list[str]:

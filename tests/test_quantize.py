@@ -18,7 +18,7 @@ from scaletrain.train.evaluate import evaluate_checkpoint  # noqa: E402
 from scaletrain.train.export import load_model_from_checkpoint  # noqa: E402
 from scaletrain.train.trainer import Trainer  # noqa: E402
 
-from conftest import micro_cfg, run_here  # noqa: E402
+from conftest import micro_cfg, one_line_exit_2, run_here  # noqa: E402
 
 SCHEMES = ("int8-weight", "int8-dynamic", "int8-int4")
 # a model wide enough that every block linear converts (64 inputs and up), trained long enough
@@ -218,14 +218,6 @@ def test_fine_tuning_an_hf_model_with_qat(tmp_path):
 
 # ------------------------------------------------------------------------------------------
 # Bad input: one line, exit 2
-
-
-def one_line_exit_2(r, *fragments):
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("scaletrain: error:"), r.stderr
-    for f in fragments:
-        assert f in lines[0], lines[0]
 
 
 def test_an_unknown_scheme_is_one_line(runs, tmp_path):
