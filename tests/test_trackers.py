@@ -5,7 +5,6 @@ resumed run continues the same tracker run; a tracker that fails never stops tra
 from __future__ import annotations
 
 import json
-import signal
 import struct
 
 import pytest
@@ -13,23 +12,9 @@ import pytest
 from scaletrain.train import trackers
 from scaletrain.train.trainer import Trainer
 
-from conftest import micro_cfg, read_metrics, run_here
+from conftest import micro_cfg, read_metrics, run_here, run_until
 
 BASE = {"train.steps": 6, "checkpoint.every": 3, "log.run_name": "tiny-ddp", "log.tags": "ddp,owner=me"}
-
-
-def stopped_after(cfg, steps: int) -> None:
-    trainer = Trainer(cfg)
-    step = trainer.train_step
-
-    def step_then_stop(batches):
-        out = step(batches)
-        if trainer.step + 1 >= steps:
-            trainer._stop_signal = signal.SIGTERM
-        return out
-
-    trainer.train_step = step_then_stop
-    trainer.fit()
 
 
 def numbers(row: dict) -> dict:
@@ -85,7 +70,7 @@ def test_wandb_offline_run_holds_the_metrics_config_and_continues_on_resume(tmp_
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = micro_cfg(tmp_path, **{**BASE, "log.wandb": "scaletrain-test", "checkpoint.resume": "auto"})
-    stopped_after(cfg, 3)
+    run_until(cfg, 3)
     Trainer(cfg).fit()  # resumed at step 3
     run_dir = tmp_path / "run"
     rows = read_metrics(run_dir)
@@ -111,7 +96,7 @@ def test_mlflow_local_run_holds_the_metrics_config_and_continues_on_resume(tmp_p
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = micro_cfg(tmp_path, **{**BASE, "log.mlflow": "scaletrain-test", "log.mlflow_uri": uri,
                                  "checkpoint.resume": "auto", "train.eval_every": 3, "train.eval_batches": 1})
-    stopped_after(cfg, 3)
+    run_until(cfg, 3)
     Trainer(cfg.replace(**{"train.steps": 6})).fit()  # resumed at step 3
     rows = read_metrics(tmp_path / "run")
     client = MlflowClient(tracking_uri=uri)

@@ -97,9 +97,9 @@ def data_parallel(cal: Calibration, wl: Workload, layout: Layout, params: float,
     d = dtypes_for(wl)
     m = layout.grad_accum
     n_shard = layout.dp_shard * layout.cp
-    r = layout.dp_replicate if not layout.local_sync else 1
-    if n_shard * r == 1 and not layout.local_sync:
+    if n_shard * layout.dp_replicate == 1:
         return 0.0, 0.0
+    r = 1 if layout.local_sync else layout.dp_replicate  # local SGD: the replicas sync below, every H steps
     grad_bytes = params * 4  # scaletrain reduces gradients in fp32
     buckets = max(1, math.ceil(grad_bytes / (bucket_mb * 2**20)))
     backward = compute / m * 2 / 3  # the last micro-batch's backward, where gradients are reduced
