@@ -286,7 +286,7 @@ def run_until(cfg, stop_after: int) -> dict:
     def step_then_maybe_stop(batches):
         out = step(batches)
         if trainer.step + 1 >= stop_after:
-            trainer._stop_signal = signal.SIGTERM
+            trainer.signals.received = signal.SIGTERM
         return out
 
     trainer.train_step = step_then_maybe_stop

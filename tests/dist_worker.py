@@ -130,7 +130,7 @@ def main(spec_path: str) -> None:
 
             name, function = job["probe"].split(":")
             probe = getattr(importlib.import_module(name), function)(trainer)
-        indices = trainer._loader().sampler.rank_micro_batches(trainer.step)
+        indices = trainer.sampler(trainer.step).rank_micro_batches(trainer.step)
         step_s = timed_steps(trainer)
         t0 = time.perf_counter()
         result = trainer.fit()

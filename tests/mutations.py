@@ -144,17 +144,17 @@ MUTANTS = [
            (f"{MP}::test_parity_with_one_process[cp2-allgather-llama]",
             f"{MP}::test_parity_with_one_process[cp4-ulysses-llama]")),
     Mutant("cp-grads-not-summed", "the context-parallel ranks' gradients never summed (each steps on its own "
-           "tokens' share)", "src/scaletrain/train/trainer.py",
-           "            reduce_gradients(params, self.rt.group(\"cp\"))\n", "",
+           "tokens' share)", "src/scaletrain/parallel/context_parallel.py",
+           "        sum_gradients([p for _, p in named], self.group)\n", "        pass\n",
            (f"{MP}::test_parity_with_one_process[cp2-ring]", f"{MP}::test_parity_with_one_process[dp2xcp2-zero3]")),
     Mutant("tp-replicated-kv-grads-not-summed", "with fewer K/V heads than tp, the replicated wk/wv gradients are "
-           "not summed over the tp ranks", "src/scaletrain/train/trainer.py",
-           "            reduce_gradients([p for n, p in self.optim_params if n.endswith(kv)], self.rt.group(\"tp\"))\n",
-           "            pass\n",
+           "not summed over the tp ranks", "src/scaletrain/parallel/tensor_parallel.py",
+           "        sum_gradients([p for n, p in named if n.endswith(self.NAMES)], self.group)\n",
+           "        pass\n",
            (f"{MP}::test_parity_with_one_process[tp4-kv1]", f"{MP}::test_parity_with_one_process[tp4-kv2-sp]")),
     Mutant("pp-tied-grads-not-summed", "a tied embedding under pipelining: the first and the last stage's gradients "
-           "never summed", "src/scaletrain/train/trainer.py",
-           "            reduce_gradients(tied, self.tied[0])\n", "",
+           "never summed", "src/scaletrain/parallel/pipeline.py",
+           "        sum_gradients(self.tied, self.group)\n", "",
            (f"{MP}::test_parity_with_one_process[pp2-tied]", f"{MP}::test_tied_embedding_copies_stay_identical[pp2-tied]")),
     # quantization: a saved int8 weight rebuilt without its per-row scale (the integers taken as
     # the weights themselves)

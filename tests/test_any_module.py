@@ -50,7 +50,7 @@ def test_a_custom_module_trains_and_resumes_exactly(tmp_path):
     assert straight["losses"][-1] < straight["losses"][0]
     first = Trainer(micro_cfg(tmp_path, **{"train.steps": 8, "log.run_dir": str(tmp_path / "b"),
                                            "checkpoint.save_final": True}), model=tiny_lm())
-    first._end_of_step = lambda t, g, real=first._end_of_step: (*real(t, g)[:2], first.step >= 4)  # stopped after 4 steps
+    first.end_of_step = lambda t, g, real=first.end_of_step: (*real(t, g)[:2], first.step >= 4)  # stopped after 4 steps
     assert first.fit()["checkpoint"].endswith("step_00000004")
     resumed = Trainer(micro_cfg(tmp_path, **{"train.steps": 8, "log.run_dir": str(tmp_path / "b"),
                                              "checkpoint.resume": "auto"}), model=tiny_lm())
@@ -65,7 +65,7 @@ def test_activation_checkpointing_on_a_custom_module_keeps_the_losses(tmp_path, 
                     model=tiny_lm()).fit()
     ac = Trainer(micro_cfg(tmp_path, **{"train.steps": 3, "log.run_dir": str(tmp_path / "c"),
                                         "memory.activation_checkpointing": mode}), model=tiny_lm())
-    assert all(type(b).__name__ == "CheckpointWrapper" for b in ac._user_model.blocks)
+    assert all(type(b).__name__ == "CheckpointWrapper" for b in ac.custom_model.blocks)
     assert ac.fit()["losses"] == pytest.approx(plain["losses"], rel=1e-6)
 
 

@@ -106,31 +106,31 @@ def test_fp16_overflows_that_recover_do_not_stop_the_run(tmp_path):
                                              "train.steps": 12, "train.max_skipped_steps": 2}))
     poison(trainer, {2, 3, 4, 5, 6}, float("inf"))  # five overflows in a row, but the scale stays above 1
     result = trainer.fit()
-    assert result["step"] == 12 and trainer.skipped_steps == 5 and trainer.scaler.scale == 1024.0 / 32
+    assert result["step"] == 12 and trainer.state.skipped_steps == 5 and trainer.scaler.scale == 1024.0 / 32
 
 
 def test_loss_spikes_are_logged(tmp_path):
     log = io.StringIO()
     trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 30, "log.spike_factor": 2.0,
                                              "train.divergence_factor": 0}), stream=log)
-    real = trainer._end_of_step
+    real = trainer.end_of_step
 
     def spiking(local_loss, grad_norm):
         loss, grad_norm, stop = real(local_loss, grad_norm)
         return (loss * 5 if trainer.step == 25 else loss), grad_norm, stop
 
-    trainer._end_of_step = spiking
+    trainer.end_of_step = spiking
     trainer.fit()
     spikes = [line for line in log.getvalue().splitlines() if line.startswith("loss spike at")]
     assert len(spikes) == 1 and spikes[0].startswith("loss spike at step 25: "), log.getvalue()
-    assert "(log.spike_factor=2)" in spikes[0] and trainer.spikes == 1
+    assert "(log.spike_factor=2)" in spikes[0] and trainer.health.spikes == 1
 
 
 def test_spike_logging_can_be_turned_off(tmp_path):
     log = io.StringIO()
     trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 20, "log.spike_factor": 0,
                                              "train.divergence_factor": 0}), stream=log)
-    real = trainer._end_of_step
-    trainer._end_of_step = lambda t, g: (lambda out: (out[0] * (100 if trainer.step == 15 else 1), *out[1:]))(real(t, g))
+    real = trainer.end_of_step
+    trainer.end_of_step = lambda t, g: (lambda out: (out[0] * (100 if trainer.step == 15 else 1), *out[1:]))(real(t, g))
     trainer.fit()
     assert "loss spike" not in log.getvalue()

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from scaletrain.layout import BatchSchedule, Layout
+from scaletrain.layout import Layout
+from scaletrain.schedule import BatchSchedule
 from scaletrain.train.trainer import Trainer
 
 from conftest import micro_cfg
@@ -106,7 +107,7 @@ def test_resuming_mid_ramp_is_bitwise(tmp_path):
 def test_the_linear_scaling_rule_follows_the_batch(tmp_path):
     t = Trainer(micro_cfg(tmp_path, **RAMP, **{"optim.scale_lr_with_batch": True, "optim.reference_batch": 8,
                                                "optim.warmup_steps": 0, "optim.schedule": "constant"}))
-    assert [t.lr_at(s) for s in (0, 6, 9, 11)] == pytest.approx([t.cfg.optim.lr * b / 8 for b in (2, 4, 6, 8)])
+    assert [t.schedule.lr(s) for s in (0, 6, 9, 11)] == pytest.approx([t.cfg.optim.lr * b / 8 for b in (2, 4, 6, 8)])
 
 
 @pytest.mark.parametrize("value,nproc,words", [

@@ -79,8 +79,8 @@ def test_batches_arrive_in_page_locked_memory(tmp_path):
     """`data.pin_memory` (on by default): the loader page-locks batches on CUDA runs, so the copy
     to the device can overlap; off, they are ordinary host memory."""
     on = Trainer(micro_cfg(tmp_path / "a", **ON_GPU))
-    inputs, _ = next(iter(on._loader()))
+    inputs, _ = next(on.batches())
     assert inputs.is_pinned()
     off = Trainer(micro_cfg(tmp_path / "b", **ON_GPU, **{"data.pin_memory": False}))
-    inputs, _ = next(iter(off._loader()))
+    inputs, _ = next(off.batches())
     assert not inputs.is_pinned()

@@ -13,8 +13,9 @@ import torch
 
 from scaletrain.errors import CheckpointError
 from scaletrain.layout import Layout
-from scaletrain.parallel.local_sgd import (CHUNK, OuterSync, SimulatedWorkers, fragments_of, reference_average,
-                                           segment_length)
+from scaletrain.parallel.local_sgd import OuterSync, fragments_of
+from scaletrain.parallel.replica_average import (CHUNK, SimulatedWorkers, reference_average,
+                                                 segment_length)
 from scaletrain.train import checkpoint as ckpt
 
 from conftest import micro_cfg, micro_overrides, run_group

@@ -90,7 +90,7 @@ def test_tf32_on_gpu_differs_from_fp32_within_its_tolerance(tmp_path, matmul_pre
 
 def test_fp16_overflow_skips_step_and_lowers_scale(tmp_path):
     trainer = Trainer(micro_cfg(tmp_path, **{"precision.mode": "16-mixed", "precision.init_scale": 1024.0}))
-    batches = iter(trainer._loader())
+    batches = trainer.batches()
     before = {n: p.detach().clone() for n, p in trainer.named_params}
     for bad in (float("inf"), float("nan")):
         trainer.forward_backward(batches)
@@ -131,7 +131,7 @@ def test_bf16_true_keeps_fp32_master_weights(tmp_path):
     masters = [m for _, m in trainer.master.named_master]
     assert all(m.dtype == torch.float32 for m in masters)
     assert {id(p) for g in trainer.optimizer.param_groups for p in g["params"]} == {id(m) for m in masters}
-    batches = iter(trainer._loader())
+    batches = trainer.batches()
     start = [m.detach().clone() for m in masters]
     for _ in range(3):
         trainer.forward_backward(batches)

@@ -104,7 +104,7 @@ def _save_forever(trainer: Trainer, first_step: int) -> None:
         with torch.no_grad():
             for _, p in trainer.optim_params:
                 p.fill_(step)
-        trainer.step = step
+        trainer.state.step = step
         trainer.save()
         step += 1
 

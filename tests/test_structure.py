@@ -242,3 +242,98 @@ def test_an_unknown_data_parallel_engine_is_an_error_not_zero():
     rt = Runtime(0, 0, 2, 2, torch.device("cpu"), layout)
     with pytest.raises(ValueError, match="unknown data-parallel engine 'zero5'"):
         _engine([], cfg, rt, Precision(cfg.precision, torch.device("cpu")))
+
+
+# ------------------------------------------------------------------------------------------
+# The house, round 2 (issue 30): the techniques own their step work, the Trainer stays small and
+# private, no source file grows past what one can read
+
+TRAINER = PACKAGE / "train" / "trainer.py"
+STEP_METHODS = ("train_step", "forward_backward", "update")
+# what names a technique in a condition of the step: an axis, an engine, a mode
+TECHNIQUE_WORDS = {"cp", "tp", "pp", "sp", "ep", "outer", "tied", "fp8", "fp8_scales", "master", "local_sync",
+                   "dp_sync", "zero", "dp_engine", "pipeline", "stages", "moe", "experts", "adapter", "lora",
+                   "qat", "fault_tolerance", "quorum", "custom_model", "kv"}
+
+
+def _trainer_class(path: Path) -> ast.ClassDef:
+    return next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+
+
+def technique_branches(path: Path) -> list[str]:
+    """Conditions (if, conditional expressions, boolean operands) in the Trainer's step methods
+    that name a technique."""
+    found = []
+    for fn in _trainer_class(path).body:
+        if not isinstance(fn, ast.FunctionDef) or fn.name not in STEP_METHODS:
+            continue
+        for node in ast.walk(fn):
+            tests = [node.test] if isinstance(node, (ast.If, ast.IfExp, ast.While)) else \
+                node.values if isinstance(node, ast.BoolOp) else []
+            for test in tests:
+                words = {n.attr for n in ast.walk(test) if isinstance(n, ast.Attribute)} | \
+                        {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
+                if hit := sorted(words & TECHNIQUE_WORDS):
+                    found.append(f"{fn.name}:{test.lineno} {', '.join(hit)}")
+    return found
+
+
+def test_the_trainer_step_names_no_technique():
+    assert technique_branches(TRAINER) == []
+
+
+def test_the_branch_check_sees_a_planted_technique_branch(tmp_path):
+    text = TRAINER.read_text()
+    anchor = "        self.hooks.reduce_gradients(named)\n"
+    assert anchor in text
+    planted = tmp_path / "trainer.py"
+    planted.write_text(text.replace(anchor, anchor + "        if self.layout.cp > 1:\n            pass\n"))
+    assert [b.split(" ", 1)[1] for b in technique_branches(planted)] == ["cp"]
+    planted.write_text(text.replace(anchor, anchor + "        x = 1 if self.outer is not None else 0\n"))
+    assert [b.split(" ", 1)[1] for b in technique_branches(planted)] == ["outer"]
+
+
+def _method_lines(path: Path, name: str) -> int:
+    fn = next(n for n in _trainer_class(path).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    return fn.end_lineno - fn.lineno + 1
+
+
+def test_the_trainer_is_small():
+    assert len(TRAINER.read_text().splitlines()) <= 450
+    assert _method_lines(TRAINER, "update") <= 30
+
+
+def test_no_source_file_is_over_700_lines():
+    long = {str(f.relative_to(PACKAGE)): n for f in PACKAGE.rglob("*.py") if (n := len(f.read_text().splitlines())) > 700}
+    assert long == {}
+
+
+def trainer_private_names(path: Path = TRAINER) -> set[str]:
+    """The Trainer's private members: its _methods and the self._attributes it sets."""
+    cls = _trainer_class(path)
+    names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_")}
+    names |= {t.attr for n in ast.walk(cls) if isinstance(n, (ast.Assign, ast.AnnAssign))
+              for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+              for t in ast.walk(t) if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+              and t.value.id == "self" and t.attr.startswith("_")}
+    return {n for n in names if not n.startswith("__")}
+
+
+def private_trainer_access(files, private: set[str]) -> list[str]:
+    return [f"{f.name}:{n.lineno} .{n.attr}" for f in files for n in ast.walk(ast.parse(f.read_text()))
+            if isinstance(n, ast.Attribute) and n.attr in private
+            and not (isinstance(n.value, ast.Name) and n.value.id == "self")]
+
+
+def test_no_module_outside_the_trainer_touches_its_private_members():
+    private = trainer_private_names()
+    assert {"_build", "_resume", "_accumulate"} <= private  # the check sees them
+    files = [f for f in sorted(PACKAGE.rglob("*.py")) if f != TRAINER]
+    files += sorted((PACKAGE.parents[1] / "benchmarks").glob("*.py")) + sorted(Path(__file__).parent.glob("*.py"))
+    assert private_trainer_access(files, private) == []
+
+
+def test_the_private_access_check_sees_a_reach_into_the_trainer(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def g(trainer):\n    return iter(trainer._micro_batches)\n")
+    assert private_trainer_access([f], trainer_private_names()) == ["m.py:2 ._micro_batches"]

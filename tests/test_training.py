@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from scaletrain.memory import saved_activation_bytes
-from scaletrain.optim import LRSchedule, optimizer_state_bytes, peak_lr
+from scaletrain.optim import optimizer_state_bytes
+from scaletrain.schedule import LRSchedule, peak_lr
 from scaletrain.train.metrics import REQUIRED_KEYS
 from scaletrain.model.loss import cross_entropy_sum
 from scaletrain.train.trainer import Trainer
@@ -16,7 +17,7 @@ from conftest import assert_same_run, micro_cfg, read_metrics
 
 def grads_after_one_step(cfg) -> dict[str, torch.Tensor]:
     trainer = Trainer(cfg)
-    trainer.forward_backward(iter(trainer._loader()))
+    trainer.forward_backward(trainer.batches())
     return {n: p.grad.detach().clone() for n, p in trainer.named_params}
 
 
@@ -43,8 +44,8 @@ def test_loss_falls_and_metrics_are_logged(tmp_path):
 
 def test_loss_is_the_mean_token_loss_of_the_global_batch(tmp_path):
     trainer = Trainer(micro_cfg(tmp_path))
-    batches = list(trainer._loader().sampler.rank_micro_batches(0))
-    loss, _ = trainer.forward_backward(iter(trainer._loader()))
+    batches = list(trainer.sampler(0).rank_micro_batches(0))
+    loss, _ = trainer.forward_backward(trainer.batches())
     x, y = trainer.dataset[batches[0]]
     with torch.no_grad():
         expected = cross_entropy_sum(trainer.model(x), y) / y.numel()
@@ -70,7 +71,7 @@ def test_saved_activation_bytes_by_checkpointing_mode(tmp_path):
     for mode in ("none", "selective", "full"):
         trainer = Trainer(micro_cfg(tmp_path, **{"memory.activation_checkpointing": mode,
                                                  "model.n_layers": 4, "train.micro_batch": 8}))
-        x, y = next(iter(trainer._loader()))
+        x, y = next(trainer.batches())
         measured[mode] = saved_activation_bytes(
             trainer.model, lambda: cross_entropy_sum(trainer.model(x), y))
     # full keeps block inputs only; selective also keeps matmul/attention outputs
@@ -137,7 +138,7 @@ def test_compile_trains_like_eager(tmp_path):
 
 def test_gradient_clipping_by_global_norm(tmp_path):
     trainer = Trainer(micro_cfg(tmp_path, **{"train.grad_clip": 1e-3}))
-    trainer.forward_backward(iter(trainer._loader()))
+    trainer.forward_backward(trainer.batches())
     params = [p for _, p in trainer.optim_params]
     norm_before = torch.nn.utils.get_total_norm([p.grad for p in params]).item()
     seen = []

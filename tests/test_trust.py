@@ -197,7 +197,7 @@ def test_fewer_steps_than_the_checkpoint_is_a_clear_error(tmp_path):
 
 def test_a_signal_during_the_stop_save_does_not_interrupt_it(tmp_path):
     trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 50, "checkpoint.save_final": True}))
-    trainer._end_of_step = lambda t, g, real=trainer._end_of_step: (*real(t, g)[:2], trainer.step >= 3) \
+    trainer.end_of_step = lambda t, g, real=trainer.end_of_step: (*real(t, g)[:2], trainer.step >= 3) \
         if trainer._stop_signal is None else real(t, g)
     real_save = ckpt.save_checkpoint
     seen = []
@@ -318,8 +318,8 @@ def test_resume_on_other_data_needs_an_explicit_flag(tmp_path):
 
 def _override_loss(trainer: Trainer, loss_at) -> None:
     """The global loss each step reports becomes loss_at(step, real loss)."""
-    real = trainer._end_of_step
-    trainer._end_of_step = lambda t, g: (lambda out: (loss_at(trainer.step, out[0]), *out[1:]))(real(t, g))
+    real = trainer.end_of_step
+    trainer.end_of_step = lambda t, g: (lambda out: (loss_at(trainer.step, out[0]), *out[1:]))(real(t, g))
 
 
 def test_a_loss_far_above_its_early_value_stops_with_exit_3(tmp_path):

@@ -24,15 +24,18 @@ def perturb_grad_rank1(trainer, scale: float = 1.01) -> None:
 def local_loss_norm(trainer) -> None:
     """Every rank divides its loss by its own token count instead of the global batch's, while
     the data-parallel average still divides by dp: gradients dp times too large."""
-    real = trainer._loss_factor
-    trainer._loss_factor = lambda: real() * trainer.layout.dp
+    real = trainer.loss_factor
+    trainer.loss_factor = lambda: real() * trainer.layout.dp
 
 
 def skip_delay_on_worker1(trainer) -> None:
     """Worker 1 applies each fragment's average as soon as it arrives, not sync_delay steps later
     as the others (and the simulation) do: its weights leave the others' at the first sync."""
-    if trainer.outer is not None and trainer.worker == 1:
-        trainer.outer.delay = 0
+    from scaletrain.parallel.local_sgd import LocalSGD
+
+    for hook in trainer.hooks.hooks:
+        if isinstance(hook, LocalSGD) and hook.worker == 1:
+            hook.outer.delay = 0
 
 
 def every_block_linear_fake_quantized(trainer) -> None:

@@ -481,7 +481,7 @@ def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
         errors.append("train.batch_rampup grows the batch of one data.path; with data.mix the batch stays fixed "
                       "(the mix sampler draws whole global batches): drop one of them")
     if cfg.train.batch_rampup:
-        from scaletrain.layout import parse_rampup
+        from scaletrain.schedule import parse_rampup
 
         try:
             parse_rampup(cfg.train.batch_rampup)

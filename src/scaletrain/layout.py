@@ -36,6 +36,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from scaletrain.errors import ConfigError
+from scaletrain.schedule import BatchSchedule, parse_rampup
 from scaletrain.vocab import CP_METHODS, is_multi_chunk, unknown
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PIPELINE_ONLY = ("parallel.pp_virtual_stages, pp_split and pp_microbatches describe pipeline stages; "
@@ -398,86 +399,6 @@ class Layout:
 
         mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_AXES)
         return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
-
-
-RAMPUP_FORMAT = "START,INCREMENT,TOKENS (sequences, sequences, tokens), e.g. \"8,8,1000000\""
-
-
-def parse_rampup(text: str) -> tuple[int, int, int]:
-    """train.batch_rampup's (start, increment, tokens); ValueError naming the option otherwise."""
-    parts = [p.strip().replace("_", "") for p in text.split(",")]
-    try:
-        start, inc, tokens = (int(p) for p in parts)
-    except ValueError:
-        raise ValueError(f"train.batch_rampup={text!r} is not {RAMPUP_FORMAT}") from None
-    if start < 1 or inc < 1 or tokens < 1:
-        raise ValueError(f"train.batch_rampup={text!r}: start, increment and tokens must be at least 1; "
-                         f"give {RAMPUP_FORMAT}")
-    return start, inc, tokens
-
-
-class BatchSchedule:
-    """The global batch of each step, growing as GPT-3 and Megatron's rampup-batch-size grow it:
-    from `start` sequences by `increment` each time the tokens seen pass another 1/n of
-    `tokens` (n = (global_batch - start) / increment increments), up to global_batch. A step's
-    batch depends on the tokens seen before it, hence on the step alone. Without a ramp every
-    step has global_batch sequences.
-
-    The batch grows by accumulation micro-batches (`unit` = micro_batch × data-parallel ranks
-    sequences each), never by a larger micro-batch."""
-
-    def __init__(self, global_batch: int, seq_len: int, unit: int, start: int | None = None, increment: int = 0,
-                 tokens: int = 0):
-        self.global_batch, self.seq_len, self.unit = global_batch, seq_len, unit
-        # phases: (first step, batch, sequences seen before that step)
-        self.phases: list[tuple[int, int, int]] = [(0, global_batch, 0)]
-        if start is None or start >= global_batch:
-            return
-        n = (global_batch - start) // increment
-        self.phases, step, seen = [], 0, 0
-        while True:
-            # the increments passed: floor(tokens seen / (tokens / n)), in integers
-            k = min(n, seen * seq_len * n // tokens)
-            batch = start + k * increment
-            self.phases.append((step, batch, seen))
-            if k == n:
-                break
-            need = (k + 1) * tokens - seen * seq_len * n  # > 0: tokens × n still to see before increment k + 1
-            steps = -(-need // (batch * seq_len * n))
-            step, seen = step + steps, seen + steps * batch
-
-    @property
-    def ramps(self) -> bool:
-        return len(self.phases) > 1
-
-    def _phase(self, step: int) -> tuple[int, int, int]:
-        for phase in reversed(self.phases):
-            if phase[0] <= step:
-                return phase
-        raise ValueError(f"step {step} is negative")
-
-    def batch(self, step: int) -> int:
-        """Sequences of step `step` (0-based), over all ranks."""
-        return self._phase(step)[1]
-
-    def accum(self, step: int) -> int:
-        """Micro-batches each rank accumulates at step `step`."""
-        return self.batch(step) // self.unit
-
-    def seen(self, step: int) -> int:
-        """Sequences seen before step `step`."""
-        first, batch, seen = self._phase(step)
-        return seen + (step - first) * batch
-
-    def equivalent_steps(self, step: int) -> float:
-        """Steps of the full batch that see as many tokens as the steps before `step`: where the
-        learning-rate schedule stands (exactly `step` without a ramp)."""
-        return self.seen(step) / self.global_batch if self.ramps else step
-
-    def describe(self) -> str:
-        if not self.ramps:
-            return f"batch {self.global_batch}"
-        return ", ".join(f"{b} from step {s + 1}" for s, b, _ in self.phases)
 
 
 def resolve_batch(global_batch: int, micro_batch: int, grad_accum: int, dp: int,

@@ -1,4 +1,4 @@
-"""Optimizers and learning-rate schedules.
+"""Optimizers (the learning-rate schedule is scaletrain.schedule).
 
 Optimizer state per parameter (fp32 parameters):
 
@@ -12,7 +12,6 @@ Optimizer state per parameter (fp32 parameters):
 
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 import torch
@@ -71,35 +70,6 @@ def _adamw8bit(groups: list[dict], lr: float, cfg: OptimConfig) -> torch.optim.O
     from torchao.optim import AdamW8bit
 
     return AdamW8bit(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-
-
-def peak_lr(cfg: OptimConfig, global_batch: int) -> float:
-    """The peak learning rate, after the linear scaling rule if asked (Goyal et al. 2017)."""
-    if cfg.scale_lr_with_batch:
-        return cfg.lr * global_batch / cfg.reference_batch
-    return cfg.lr
-
-
-class LRSchedule:
-    """Multiplier of the peak learning rate at a step: linear warm-up, then decay to min_lr_ratio."""
-
-    def __init__(self, cfg: OptimConfig, total_steps: int):
-        self.kind = cfg.schedule
-        self.warmup = cfg.warmup_steps
-        self.total = total_steps
-        self.floor = cfg.min_lr_ratio
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / self.warmup
-        if self.kind == "constant":
-            return 1.0
-        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
-        if self.kind == "cosine":
-            return self.floor + (1.0 - self.floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-        if self.kind == "linear":
-            return 1.0 - (1.0 - self.floor) * progress
-        raise ValueError(f"unknown schedule {self.kind!r}")
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

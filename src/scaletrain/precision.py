@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from scaletrain.config import PrecisionConfig
+from scaletrain.parallel.hooks import StepHook
 
 COMPUTE_DTYPES = {
     "32-true": torch.float32,
@@ -120,7 +121,10 @@ class DynamicLossScaler:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return bool(found.item() > 0)
 
-    def update(self, found_inf: bool) -> None:
+    def update(self, found_inf: bool) -> bool:
+        """Back off after an overflow, grow after growth_interval clean steps; returns whether the
+        scale was already at its minimum (an overflow there cannot be cured by backing off)."""
+        at_minimum = self.scale <= self.min_scale
         if found_inf:
             self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             self.clean_steps = 0
@@ -130,6 +134,7 @@ class DynamicLossScaler:
             if self.clean_steps == self.growth_interval:
                 self.scale *= self.growth_factor
                 self.clean_steps = 0
+        return at_minimum
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
@@ -140,12 +145,15 @@ class DynamicLossScaler:
         self.skipped_steps = int(state["skipped_steps"])
 
 
-class MasterWeights:
+class MasterWeights(StepHook):
     """fp32 master copies of bf16 parameters for `bf16-true`.
 
     The optimizer steps the fp32 copies; after each step they are rounded into the bf16 model.
     Costs 4 bytes per parameter (the copy) plus an fp32 gradient per parameter at step time.
+    As a step hook it comes first: the other hooks reduce the masters' gradients.
     """
+
+    phase = "the gradients to the fp32 master weights"
 
     def __init__(self, params: list[tuple[str, torch.nn.Parameter]]):
         self.model_params = [p for _, p in params]
@@ -162,6 +170,12 @@ class MasterWeights:
     def master_to_model(self) -> None:
         for p, m in zip(self.model_params, self.master):
             p.copy_(m)
+
+    def reduce_gradients(self, named) -> None:
+        self.grads_to_master()
+
+    def refresh_weights(self) -> None:
+        self.master_to_model()
 
 
 def _local_clone_fp32(p: torch.Tensor) -> torch.Tensor:

@@ -206,42 +206,44 @@ def simulate_workers(cfg: JobConfig, layout: Layout, total_steps: int, run_dir: 
     (the same encoding and sums). Returns one row per step: the mean loss over the workers and the
     root mean square of their gradient norms, as the layout's run reports them."""
     from scaletrain.data.loader import StepSampler, build_loader
-    from scaletrain.optim import LRSchedule, peak_lr, set_lr
-    from scaletrain.parallel.local_sgd import OuterSync, SimulatedWorkers
+    from scaletrain.optim import set_lr
+    from scaletrain.parallel.local_sgd import LocalSGD
+    from scaletrain.parallel.replica_average import SimulatedWorkers
     from scaletrain.runtime import single_process
+    from scaletrain.schedule import BatchSchedule, TrainSchedule
     from scaletrain.train.trainer import Trainer
 
     workers, g = layout.dp_replicate, layout.global_batch
     one = Layout(micro_batch=layout.dp_shard * layout.micro_batch, grad_accum=layout.grad_accum,
                  activation_checkpointing=layout.activation_checkpointing)
     shared = SimulatedWorkers(workers, layout.sync_dtype)
-    par, steps = cfg.parallel, cfg.train.steps
+    steps = cfg.train.steps
+    # each worker's learning rate is the whole run's, at the global batch (as every rank of the layout's)
+    schedule = TrainSchedule(cfg.optim, BatchSchedule(g, cfg.data.seq_len, g), total_steps)
     runs = []
     for w in range(workers):
         wcfg = isolated(reference(cfg, one, "").cfg, run_dir / f"worker{w}", steps)
-        trainer = Trainer(wcfg, single_process(wcfg, one), stream=open(os.devnull, "w"))
-        trainer.schedule, trainer.lr = LRSchedule(cfg.optim, total_steps), peak_lr(cfg.optim, g)
+        trainer = Trainer(wcfg, single_process(wcfg, one), stream=open(os.devnull, "w"), schedule=schedule)
         sampler = StepSampler(len(trainer.dataset), g, one.micro_batch, one.grad_accum, dp_rank=w, dp_size=workers,
                               seed=cfg.train.seed)
         batches = iter(build_loader(trainer.dataset, sampler, num_workers=0, pin_memory=False, prefetch_factor=2))
-        outer = OuterSync(trainer.optim_params, mode=layout.dp_sync, sync_every=layout.sync_every,
-                          fragments=layout.sync_fragments, delay=layout.sync_delay, outer_optimizer=par.outer_optimizer,
-                          outer_lr=par.outer_lr, outer_momentum=par.outer_momentum, on_cpu=par.outer_on_cpu,
-                          n_blocks=cfg.model.n_layers, comm=shared.member(w))
-        runs.append((trainer, batches, outer))
+        # the same hook as a layout rank's, averaging through the simulated workers
+        sync = LocalSGD.for_run(trainer.optim_params, layout, cfg.parallel, n_blocks=cfg.model.n_layers,
+                                comm=shared.member(w))
+        runs.append((trainer, batches, sync.outer))
     rows = []
     for step in range(steps):
         losses, norms = [], []
         for trainer, batches, _ in runs:
-            set_lr(trainer.optimizer, trainer.lr * trainer.schedule(step))
+            set_lr(trainer.optimizer, trainer.schedule.lr(step))
             loss, grad_norm, _, _ = trainer.train_step(batches)
             losses.append(float(loss))
             norms.append(float(grad_norm))
-        for _, _, outer in runs:
+        for _, _, outer in runs:  # every worker starts its sync before any waits for the average
             outer.begin()
         for trainer, _, outer in runs:
             if outer.finish():
-                trainer._weights_from_state()
+                trainer.refresh_weights()
         rows.append({"step": step + 1, "loss": sum(losses) / workers,
                      "grad_norm": math.sqrt(sum(n * n for n in norms) / workers)})
     for trainer, _, _ in runs:
@@ -255,12 +257,11 @@ def simulate_workers(cfg: JobConfig, layout: Layout, total_steps: int, run_dir: 
 
 def _trainer(cfg: JobConfig, runtime, total_steps: int):
     """A quiet trainer that follows the learning-rate schedule of the whole run, not of N steps."""
-    from scaletrain.optim import LRSchedule
+    from scaletrain.schedule import TrainSchedule
     from scaletrain.train.trainer import Trainer
 
-    trainer = Trainer(cfg, runtime, stream=open(os.devnull, "w"))
-    trainer.schedule = LRSchedule(cfg.optim, trainer.batch_schedule.equivalent_steps(total_steps))
-    return trainer
+    schedule = TrainSchedule(cfg.optim, runtime.for_config(cfg).layout.batch_schedule(cfg.data.seq_len), total_steps)
+    return Trainer(cfg, runtime, stream=open(os.devnull, "w"), schedule=schedule)
 
 
 def run(cfg: JobConfig, layout: Layout, total_steps: int, role: str, hook: str | None = None,

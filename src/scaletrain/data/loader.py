@@ -6,7 +6,7 @@ batch is split as [grad_accum][dp_size][micro_batch]: on micro-step k, data-para
 reads slice (k * dp_size + r). The union over ranks and micro-steps is exactly the global batch
 of a single-process run, whatever the layout, and resuming at step s needs nothing but s.
 
-With a batch-size warm-up (train.batch_rampup, scaletrain.layout.BatchSchedule) step s takes the
+With a batch-size warm-up (train.batch_rampup, scaletrain.schedule.BatchSchedule) step s takes the
 batch(s) windows that follow the seen(s) windows read before it, in the same stream of epochs
 (each epoch's permutation, cut to a whole number of full batches): still a function of
 (seed, step), and without a ramp the same windows as above.
@@ -31,7 +31,7 @@ class StepSampler(torch.utils.data.Sampler):
 
     def __init__(self, num_windows: int, global_batch: int, micro_batch: int, grad_accum: int,
                  dp_rank: int, dp_size: int, seed: int, start_step: int = 0, schedule=None):
-        """`schedule`: a scaletrain.layout.BatchSchedule when the batch grows (train.batch_rampup)."""
+        """`schedule`: a scaletrain.schedule.BatchSchedule when the batch grows (train.batch_rampup)."""
         if global_batch != micro_batch * grad_accum * dp_size:
             raise ValueError("global_batch must equal micro_batch * grad_accum * dp_size")
         if not 0 <= dp_rank < dp_size:
@@ -116,11 +116,28 @@ def validation_batches(num_windows: int, global_batch: int, batches: int, seed: 
     return order[:n * global_batch].reshape(n, global_batch)
 
 
+class _Shared(torch.utils.data.Dataset):
+    """A dataset whose batches are cut to this rank's share by `share` (picklable: the loader's
+    worker processes call it)."""
+
+    def __init__(self, dataset, share):
+        self.dataset, self.share = dataset, share
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, indices):
+        return self.share(self.dataset[indices])
+
+
 def build_loader(dataset: WindowDataset, sampler: StepSampler, *, num_workers: int, pin_memory: bool,
-                 prefetch_factor: int) -> torch.utils.data.DataLoader:
-    """A DataLoader over whole micro-batches (the dataset gathers a batch at once)."""
+                 prefetch_factor: int, share=None) -> torch.utils.data.DataLoader:
+    """A DataLoader over whole micro-batches (the dataset gathers a batch at once). `share`: a
+    function that cuts this rank's part of each batch's (inputs, targets) (context parallelism's
+    chunks of every sequence), as the sampler cuts each data-parallel rank's windows."""
     kwargs = {}
     if num_workers > 0:
         kwargs = {"prefetch_factor": prefetch_factor, "persistent_workers": True}
     return torch.utils.data.DataLoader(
-        dataset, sampler=sampler, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, **kwargs)
+        _Shared(dataset, share) if share is not None else dataset, sampler=sampler, batch_size=None,
+        num_workers=num_workers, pin_memory=pin_memory, **kwargs)

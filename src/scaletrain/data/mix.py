@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from scaletrain.data.dataset import TokenData, WindowDataset
+from scaletrain.data.dataset import TokenData, WindowDataset, open_data
 from scaletrain.data.loader import StepSampler
 from scaletrain.data.tokenizer import TOKENIZER_FILE
 from scaletrain.errors import DataError
@@ -177,3 +177,14 @@ class MixSampler(StepSampler):
             sel = epochs == epoch
             out[sel] = cached[1][k[sel] % size]
         return out
+
+
+def open_training_data(data_cfg, mix: list[tuple[str, float]] | None, vocab_size: int | None):
+    """(data, dataset) of a run: data.path's folder, or data.mix's sources (`mix`, parsed) in
+    proportion; refuses a tokenizer larger than the model's vocabulary (`vocab_size`; None: a
+    custom module's, unknown)."""
+    data = MixData(mix, data_cfg.verify_checksums) if mix else open_data(data_cfg.path, data_cfg.verify_checksums)
+    if vocab_size is not None and data.vocab_size > vocab_size:
+        raise DataError(f"{data.source}: the tokenizer has {data.vocab_size} tokens but model.vocab_size={vocab_size}; "
+                        f"set model.vocab_size to at least {data.vocab_size}")
+    return data, (MixDataset(data, data_cfg.seq_len) if mix else WindowDataset(data, data_cfg.seq_len))

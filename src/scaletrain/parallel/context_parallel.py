@@ -23,7 +23,8 @@ does), TILE query rows at a time.
 Saves: activations per rank fall as 1/cp (the sequence dimension of every activation is cut;
 the score matrices as 1/cp² for ring). Costs: the K/V exchange per layer, forward and backward,
 and one all-reduce of the gradients over the cp ranks per step (they hold the same weights and
-see different tokens of the same batch: their gradients are summed; `reduce_gradients`).
+see different tokens of the same batch: their gradients are summed by the step hook
+`ContextParallelStep`, which also cuts each rank's tokens in the data loader).
 
 The model keeps plain code: Attention's one `attend` step is replaced per block, the rotary
 tables are cut to this rank's positions, and the learned position lookup is redirected to them.
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.model.transformer import Attention
+from scaletrain.parallel.hooks import StepHook, sum_gradients
 from scaletrain.vocab import CP_METHODS, unknown
 
 
@@ -330,22 +332,21 @@ def apply_context_parallel(model: nn.Module, cp_mesh, method: str, seq_len: int)
         model.pos_emb.register_forward_pre_hook(lambda module, args: (positions.to(args[0].device)[args[0]],))
 
 
-def reduce_gradients(params: list[torch.Tensor], group) -> None:
-    """Sum the gradients of `params` over `group` in one all-reduce: over the cp ranks (same
-    weights, different tokens of the same batch), or a tied embedding's over its first and last
-    pipeline stage. A sharded parameter's local shard: the ranks of `group` hold the same shards.
-    A DTensor gradient placed otherwise than its parameter (a vocabulary-parallel embedding's
-    comes back replicated) is first placed like it."""
-    for p in params:
-        if p.grad is not None and hasattr(p.grad, "placements") and p.grad.placements != p.placements:
-            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    flat = torch.cat([g.reshape(-1).float() for g in local])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in local:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+def shard_batch(batch: tuple[torch.Tensor, torch.Tensor], cp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This cp rank's tokens of a batch's (inputs, targets): cut in the data loader, as the
+    sampler cuts each data-parallel rank's sequences."""
+    return tuple(shard_sequence(t, cp, rank) for t in batch)
+
+
+class ContextParallelStep(StepHook):
+    """The cp ranks' shares of the same batch: each rank reads its chunks of every sequence, and
+    their gradients are summed (the loss is over all tokens of the batch)."""
+
+    phase = "the context-parallel gradient all-reduce"
+
+    def __init__(self, cp_mesh):
+        self.group = cp_mesh.get_group()
+        self.batch_share = partial(shard_batch, cp=cp_mesh.size(), rank=cp_mesh.get_local_rank())
+
+    def reduce_gradients(self, named) -> None:
+        sum_gradients([p for _, p in named], self.group)

@@ -1,18 +1,25 @@
 """The one place where the techniques that transform the model are composed, in a fixed order:
 
-    pipeline split -> tensor/sequence parallel -> activation checkpointing -> compile
-        -> data parallel -> materialize weights -> context parallel attention (its positions
-        are cut from the materialized rotary tables)
+    pipeline split -> (qat | fp8 linears) -> tensor/sequence parallel -> activation checkpointing
+        -> compile -> data parallel (sharding engines) -> materialize weights -> context parallel
+        attention (its positions are cut from the materialized rotary tables) -> data parallel
+        (wrapping engines) -> step hooks
+
+Before tensor parallelism, the linears that train.qat or precision.mode=fp8 choose become
+fake-quantized or float8 ones (same names), so everything after wraps them.
 
 The model arrives plain, on the meta device; it leaves as this rank's chunks (one, or its
 pipeline stages), materialized and initialized from (seed, parameter name) or loaded from given
-weights (each rank keeping its shard), wrapped for their data-parallel strategy.
+weights (each rank keeping its shard), wrapped for their data-parallel strategy, with the step
+hooks of the techniques applied (parallel/hooks.py: the per-step work the Trainer calls).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,17 +28,21 @@ from scaletrain.config import JobConfig
 from scaletrain.errors import ConfigError, LaunchError
 from scaletrain.memory import apply_activation_checkpointing, block_items
 from scaletrain.parallel import pipeline
-from scaletrain.parallel.context_parallel import apply_context_parallel
+from scaletrain.parallel.context_parallel import ContextParallelStep, apply_context_parallel
 from scaletrain.parallel.data_parallel import (DataParallel, DDPDataParallel, FSDPDataParallel,
                                                ReplicateDataParallel, ZeroDataParallelStrategy, apply_fsdp,
                                                apply_replicate)
+from scaletrain.parallel.hooks import StepHook
 from scaletrain.parallel.init import init_weights, load_weights
-from scaletrain.runtime import Runtime
-from scaletrain.parallel.tensor_parallel import apply_tensor_parallel
+from scaletrain.parallel.tensor_parallel import ReplicatedKVStep, apply_tensor_parallel
 from scaletrain.precision import Precision
-from scaletrain.quant.fp8 import check_fp8_device, convert_fp8
+from scaletrain.quant.fp8 import Fp8ScaleStep, check_fp8_device, convert_fp8
+from scaletrain.quant.layers import describe, layer_plan
 from scaletrain.quant.qat import prepare_qat
 from scaletrain.vocab import DP_ENGINES, unknown
+
+if TYPE_CHECKING:  # passed in, never imported: the runtime is the caller's
+    from scaletrain.runtime import Runtime
 
 
 @dataclass
@@ -41,8 +52,24 @@ class ParallelModel:
     stage_ids: list[int] = field(default_factory=lambda: [0])
     num_stages: int = 1
     keeps_fp32_weights: bool = False  # the sharding engine keeps fp32 (master) weights itself
-    fp8_scales: bool = False  # FSDP gathers fp8 weights: their scales are computed after each optimizer step
-    fp8_plan: dict = field(default_factory=dict)  # precision.mode=fp8: the layer rule's verdicts (first chunk)
+    hooks: list[StepHook] = field(default_factory=list)  # the applied techniques' per-step work, in order
+    notes: list[str] = field(default_factory=list)  # what the run's log says of the conversions (qat, fp8)
+    vocab_parallel: bool = False  # tensor parallel: the logits stay split by vocabulary
+    n_blocks: int = 1  # the whole model's repeated blocks (local SGD's fragments split them)
+
+    def loss_context(self):
+        """Where the loss (and its backward) is computed: under tensor parallelism on the logits'
+        vocabulary shards, never gathering the full logits."""
+        if self.vocab_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    @property
+    def sharded_forward(self) -> bool:
+        """Every rank takes part in each forward (ZeRO-3 gathers, tensor-parallel collectives)."""
+        return self.dp.zero == 3 or self.vocab_parallel
 
     @property
     def first(self) -> bool:  # holds the embedding: feeds inputs
@@ -91,22 +118,24 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
     else:
         num_stages, stage_ids, chunks = 1, [0], [model]
 
-    # 1b. quantization-aware training: the chosen linears become fake-quantized ones (same names)
+    # quantization-aware training: the chosen linears become fake-quantized ones (same names)
+    notes = []
     if cfg.train.qat != "none":
         _check_qat(cfg, lay)
+        notes += describe(layer_plan(model, cfg.train.qat), f"train.qat={cfg.train.qat}")  # the rule, said once
         for chunk in chunks:
             prepare_qat(chunk, cfg.train.qat)
-    # 1c. fp8: the chosen linears become torchao's Float8Linear (same names), before everything
+    # fp8: the chosen linears become torchao's Float8Linear (same names), before everything
     # that wraps them; with tensorwise scales FSDP2 will gather them in fp8
-    fp8_plan, fp8_all_gather = {}, False
+    fp8_all_gather = False
     if precision.mode == "fp8":
         _check_fp8(lay, rt.device, cfg.precision.fp8_emulate)
         pc = cfg.precision
         fp8_all_gather = pc.fp8_recipe == "tensorwise" and lay.dp_engine == "fsdp"
-        for chunk in chunks:
-            plan = convert_fp8(chunk, pc.fp8_recipe, emulate=pc.fp8_emulate, fp8_min_dim=pc.fp8_min_dim,
-                               fp8_all_gather=fp8_all_gather)
-            fp8_plan = fp8_plan or plan
+        plans = [convert_fp8(chunk, pc.fp8_recipe, emulate=pc.fp8_emulate, fp8_min_dim=pc.fp8_min_dim,
+                             fp8_all_gather=fp8_all_gather) for chunk in chunks]
+        notes += describe(plans[0], f"precision.mode=fp8 ({pc.fp8_recipe} scales{', emulated' if pc.fp8_emulate else ''}"
+                                    f"{', fp8 all-gather' if fp8_all_gather else ''})")
 
     for chunk in chunks:
         # 2. tensor (and sequence) parallel over the innermost axis
@@ -155,12 +184,22 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
     # 7. data parallel engines that wrap materialized weights
     dp = _engine(chunks, cfg, rt, precision)
     result = ParallelModel(dp, stage_ids=stage_ids, num_stages=num_stages, keeps_fp32_weights=lay.keeps_fp32_weights,
-                           fp8_scales=fp8_all_gather, fp8_plan=fp8_plan)
+                           notes=notes, vocab_parallel=lay.tp > 1, n_blocks=cfg.model.n_layers)
     if lay.pp > 1:
         from torch.distributed.pipelining import PipelineStage
 
         result.stages = [PipelineStage(m, sid, num_stages, rt.device, group=rt.group("pp"))
                          for m, sid in zip(dp.models, stage_ids)]
+
+    # 8. the per-step work of what was applied, in the order the step runs it
+    if lay.cp > 1:
+        result.hooks.append(ContextParallelStep(rt.axis("cp")))
+    if lay.tp > 1 and (kv := ReplicatedKVStep.needed(cfg.model, rt.axis("tp"))):
+        result.hooks.append(kv)
+    if lay.pp > 1 and (tied := pipeline.TiedEmbeddingStep.needed(cfg.model, rt.mesh, result)):
+        result.hooks.append(tied)
+    if fp8_all_gather:
+        result.hooks.append(Fp8ScaleStep(dp.models))
     return result
 
 
@@ -245,7 +284,12 @@ def find_blocks(module: nn.Module) -> nn.ModuleList | nn.ModuleDict | None:
 def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precision) -> ParallelModel:
     """A model scaletrain did not build, with its own weights: data parallel (DDP, ZeRO-1/2/3,
     HSDP), every precision, activation checkpointing and compile, block by block. Tensor and
-    pipeline parallelism need to know how to split the model: they are refused."""
+    pipeline parallelism need to know how to split the model: they are refused.
+
+    The protocol: `module(inputs)` takes token ids (B, T) and returns what the trainer's loss
+    function turns into the sum of the micro-batch's token losses; its repeated blocks are an
+    nn.ModuleList/ModuleDict named `layers` (or `h`, `blocks`: `find_blocks`), the unit of ZeRO-3
+    sharding, activation checkpointing and compile."""
     lay = rt.layout
     if lay.cp > 1:
         raise ConfigError(f"parallel.cp={lay.cp}: context parallelism splits the attention of models scaletrain "
@@ -292,4 +336,5 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
     else:
         module.to(precision.param_dtype)
     module.train()
-    return ParallelModel(_engine([module], cfg, rt, precision), keeps_fp32_weights=lay.keeps_fp32_weights)
+    return ParallelModel(_engine([module], cfg, rt, precision), keeps_fp32_weights=lay.keeps_fp32_weights,
+                         n_blocks=len(blocks) if blocks is not None else 1)

@@ -34,6 +34,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from scaletrain.model.config import ModelConfig
+from scaletrain.parallel.hooks import StepHook, sum_gradients
+from scaletrain.parallel.init import canonical_name
 from scaletrain.layout import balanced_split_counts, chunks_per_rank  # noqa: F401 - re-exported
 from scaletrain.vocab import PP_SCHEDULES, unknown
 
@@ -169,3 +171,31 @@ def tied_weight_group(mesh):
         if dist.get_rank() in ends:
             mine = group
     return mine
+
+
+class TiedEmbeddingStep(StepHook):
+    """A tied embedding under pipelining: the first stage's embedding and the last stage's head
+    are two copies of one weight. They start equal (one name, one initial value), get the sum of
+    both stages' gradients every step (its shards under ZeRO-1/2, its fp32 master under bf16-true:
+    the same on both stages), and so stay equal; the norm counts the last stage's copy once."""
+
+    phase = "the tied embedding's gradient all-reduce (first and last pipeline stage)"
+
+    def __init__(self, group, last_copy: bool):
+        self.group, self.last_copy = group, last_copy
+        self.tied: list[torch.Tensor] = []
+
+    @classmethod
+    def needed(cls, model_cfg, mesh, pm) -> "TiedEmbeddingStep | None":
+        """Every rank calls it (the groups are created collectively); None on a middle stage."""
+        if mesh["pp"].size() == 1 or not model_cfg.tie_embeddings:
+            return None
+        group = tied_weight_group(mesh)
+        return None if group is None else cls(group, last_copy=not pm.first)
+
+    def reduce_gradients(self, named) -> None:
+        self.tied = [p for n, p in named if canonical_name(n) == "tok_emb.weight"]
+        sum_gradients(self.tied, self.group)
+
+    def norm_copies(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.tied) if self.last_copy else ()

@@ -9,7 +9,7 @@ forward and one in backward per sub-layer:
                 weight per head width, replicated) -> local attention -> wo row-parallel.
                 Fewer K/V heads than tp ranks (grouped-query attention, Megatron's way): wk
                 and wv are replicated, each rank computes the one K/V head its query heads
-                read, and the copies' gradients are summed over tp (`replicated_kv_names`)
+                read, and the copies' gradients are summed over tp (`ReplicatedKVStep`)
     MLP         w1 (and w3) column-parallel -> activation -> w2 row-parallel
     embedding   rows (vocabulary) split; output head columns (vocabulary) split, and the loss is
                 computed on the vocabulary shards (`loss_parallel`): the full logits never exist
@@ -32,6 +32,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
+
+from scaletrain.parallel.hooks import StepHook, sum_gradients
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool, first_block: str | None) -> None:
@@ -129,9 +131,19 @@ def _select_kv_head(attn: nn.Module, tp_mesh, kv_heads: int, head_dim: int) -> N
         linear.register_forward_hook(lambda module, args, out: out[..., cols])
 
 
-def replicated_kv_names(model_cfg, tp: int) -> tuple[str, ...]:
-    """Name endings of the parameters every tp rank holds whole and uses in part (wk, wv when
-    K/V heads are fewer than tp): their gradients are summed over tp each step."""
-    if tp == 1 or model_cfg.kv_heads >= tp:
-        return ()
-    return ("attn.wk.weight", "attn.wk.bias", "attn.wv.weight", "attn.wv.bias")
+class ReplicatedKVStep(StepHook):
+    """K/V heads fewer than tp: every tp rank holds wk and wv whole and uses in part (its head's
+    rows); the copies' gradients are summed over tp each step, so they stay equal."""
+
+    phase = "the replicated K/V projections' gradient all-reduce (tp)"
+    NAMES = ("attn.wk.weight", "attn.wk.bias", "attn.wv.weight", "attn.wv.bias")
+
+    def __init__(self, tp_mesh):
+        self.group = tp_mesh.get_group()
+
+    @classmethod
+    def needed(cls, model_cfg, tp_mesh) -> "ReplicatedKVStep | None":
+        return cls(tp_mesh) if tp_mesh.size() > 1 and model_cfg.kv_heads < tp_mesh.size() else None
+
+    def reduce_gradients(self, named) -> None:
+        sum_gradients([p for n, p in named if n.endswith(self.NAMES)], self.group)

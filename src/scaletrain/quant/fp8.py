@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from scaletrain.errors import ConfigError
+from scaletrain.parallel.hooks import StepHook
 from scaletrain.quant import import_torchao
 from scaletrain.quant.layers import layer_plan
 
@@ -81,3 +82,18 @@ def precompute_fp8_scales(modules: list[nn.Module]) -> None:
 
     for m in modules:
         precompute_float8_dynamic_scale_for_fsdp(m)
+
+
+class Fp8ScaleStep(StepHook):
+    """ZeRO-3 gathering fp8 weights (tensorwise scales): after each applied optimizer step, the
+    scales of the next step's all-gathers, for every sharded weight at once."""
+
+    phase = "the fp8 weights' scales (one all-reduce)"
+
+    def __init__(self, modules: list[nn.Module]):
+        self.modules = modules
+
+    def after_optimizer_step(self, applied: bool) -> bool:
+        if applied:
+            precompute_fp8_scales(self.modules)
+        return False

@@ -534,35 +534,6 @@ def load_rng(path: Path, rank: int, world_size: int, saved_world_size: int) -> b
     return True
 
 
-# --------------------------------------------------------------------------------------------
-# A Trainer's state in and out
-
-
-def save_trainer(t) -> Path:
-    """Save Trainer `t`: its tensors (weights the optimizer steps, optimizer state) and what
-    resuming needs to continue bitwise (step, data position, scaler, lineage)."""
-    _, skeleton = optimizer_to_named(t.optimizer, t.param_names)
-    state = {
-        "step": t.step,
-        "world_size": t.world_size,
-        "config": t.cfg.to_dict(),
-        "schedule": {"kind": t.cfg.optim.schedule, "step": t.step, "peak_lr": t.lr},
-        "scaler": t.scaler.state_dict() if t.scaler else None,
-        "data": {"step": t.step, "seed": t.cfg.train.seed, "global_batch": t.layout.global_batch,
-                 "seq_len": t.cfg.data.seq_len, "source": t.data.source,
-                 "fingerprint": getattr(t.data, "fingerprint", None)},
-        "optimizer": skeleton,
-        "skipped_steps": t.skipped_steps,
-        "early_loss": t.early_loss,
-        "run_id": t.run_id,
-        "lineage": t.lineage,
-    }
-    if t.outer is not None:  # workers that sync every few steps (parallel/local_sgd.py)
-        state["outer"] = {**t.outer.state(), "dp_sync": t.layout.dp_sync, "workers": t.layout.dp_replicate}
-    return save_checkpoint(t.ckpt_dir, t.step, t.checkpoint_tensors(), state,
-                                keep=t.cfg.checkpoint.keep)
-
-
 def check_sync(path: Path, state: dict, layout) -> None:
     """Refuse a checkpoint saved under another parallel.dp_sync, or (local_sgd, diloco) by
     another number of workers: each worker's own weights and optimizer state are in it."""
@@ -580,33 +551,6 @@ def check_sync(path: Path, state: dict, layout) -> None:
                 f"{path} holds the weights and inner optimizer state of {outer['workers']} workers "
                 f"(dp_sync={saved}); resuming needs {outer['workers']} workers, not {layout.dp_replicate}: set "
                 f"parallel.dp_replicate={outer['workers']} (with as many ranks as that takes)")
-
-
-def resume_trainer(t, path: Path) -> dict:
-    """Load checkpoint `path` into Trainer `t`, after checking it was saved for this model, data
-    and batch; returns the checkpoint's trainer state."""
-    state = read_trainer_state(path)
-    t.folder.check_resumable(path, state, global_batch=t.layout.global_batch, data=t.data, peak_lr=t.lr)
-    check_sync(path, state, t.layout)
-    if t.outer is not None:
-        t.outer.prepare_load(state["outer"])
-    init_optimizer_state(t.optimizer)
-    # resume=auto verified the files while choosing this checkpoint; a given path is verified here
-    load_tensors(path, t.checkpoint_tensors(), verify=t.cfg.checkpoint.resume != "auto")
-    restore_optimizer_extras(t.optimizer, t.param_names, state["optimizer"])
-    t._weights_from_state()
-    if t.scaler is not None and state.get("scaler"):
-        t.scaler.load_state_dict(state["scaler"])
-    if t.outer is not None:
-        t.outer.load_state(state["outer"])
-    t.step = int(state["step"])
-    t.skipped_steps = int(state.get("skipped_steps", 0))
-    t.early_loss = state.get("early_loss")
-    # the run goes on under its own id (the caller starts its new branch at this checkpoint)
-    t.run_id = state.get("run_id") or t.run_id
-    t.resumed_from = path
-    load_rng(path, t.rank, t.world_size, state["world_size"])
-    return state
 
 
 def checkpoint_of(path: str | Path, report=print) -> Path:

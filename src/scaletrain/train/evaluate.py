@@ -96,6 +96,7 @@ def validation_loss(t) -> dict[str, float]:
     as they were."""
     t.health.enter("evaluation")
     b, modules = t.layout, t.dp.modules
+    share = t.hooks.batch_share or (lambda batch: batch)  # this rank's tokens (context parallelism)
     totals = torch.zeros(len(t.val_sets), dtype=torch.float64, device=t.device)
     was_training = [m.training for m in modules]
     for m in modules:
@@ -106,12 +107,12 @@ def validation_loss(t) -> dict[str, float]:
                 micro = rank_slices(global_batch, b.micro_batch, b.grad_accum, t.dp_rank, b.dp)
                 if t.pipeline is not None:
                     totals[i] += pipeline.eval_loss_sum(
-                        t.pm, t.pipeline, [t.cp_shard(v.dataset[indices]) for indices in micro], device=t.device,
-                        loss_factor=t._loss_factor(), autocast=t.precision.autocast, loss_context=t._loss_context)
+                        t.pm, t.pipeline, [share(v.dataset[indices]) for indices in micro], device=t.device,
+                        loss_factor=t.loss_factor(), autocast=t.precision.autocast, loss_context=t.loss_context)
                     continue
                 for indices in micro:
-                    inputs, targets = (x.to(t.device) for x in t.cp_shard(v.dataset[indices]))
-                    with t._loss_context():
+                    inputs, targets = (x.to(t.device) for x in share(v.dataset[indices]))
+                    with t.loss_context():
                         with t.precision.autocast():
                             logits = t.dp.module(inputs)  # the chunk itself: no DDP bookkeeping
                         loss = t.loss_fn(logits, targets)

@@ -33,18 +33,18 @@ COMM_FAILURES = ("Timed out", "timed out", "Timeout", "Connection closed", "Conn
 
 class Health:
     """The run's state of health: the step and phase running, the loss's history, the skipped
-    steps. `custom_loss`: the loss need not be a cross-entropy (no ln(vocab_size) bound)."""
+    steps (counted in the run's TrainState `state`, which checkpoints keep, as its early loss).
+    `custom_loss`: the loss need not be a cross-entropy (no ln(vocab_size) bound)."""
 
-    def __init__(self, cfg, layout, rt, metrics, *, scaler, param_names: dict[int, str], custom_loss: bool):
-        self.cfg, self.layout, self.rt, self.metrics = cfg, layout, rt, metrics
+    def __init__(self, cfg, layout, rt, metrics, state, *, scaler, param_names: dict[int, str], custom_loss: bool):
+        self.cfg, self.layout, self.rt, self.metrics, self.state = cfg, layout, rt, metrics, state
         self.rank, self.world_size, self.device = rt.rank, rt.world_size, rt.device
         self.scaler, self.param_names, self.custom_loss = scaler, param_names, custom_loss
         self.phase = "start-up"  # what the step is doing, named when a collective times out
         self.current_step = 0
-        self.consecutive_skips = self.skipped_steps = self.spikes = self.applied_steps = 0
+        self.consecutive_skips = self.spikes = self.applied_steps = 0
         self.loss_mean: float | None = None
         self.early_losses: list[float] = []  # the first steps' losses: the divergence check's yardstick
-        self.early_loss: float | None = None
         self.fault: str | None = None  # an I/O failure that stops the run after an emergency save
 
     def begin_step(self, step: int) -> None:
@@ -144,15 +144,15 @@ class Health:
         self.loss_mean = loss if self.loss_mean is None else 0.98 * self.loss_mean + 0.02 * loss
 
     def _check_divergence(self, step: int, loss: float) -> None:
-        train = self.cfg.train
-        if self.early_loss is None:
+        train, state = self.cfg.train, self.state
+        if state.early_loss is None:
             self.early_losses.append(loss)
             if len(self.early_losses) == 5:
-                self.early_loss = sum(self.early_losses) / 5
-        elif loss > train.divergence_factor * self.early_loss:
+                state.early_loss = sum(self.early_losses) / 5
+        elif loss > train.divergence_factor * state.early_loss:
             raise TrainingStopped(
-                f"step {step}: the loss {loss:.4f} is {loss / self.early_loss:.1f}x its early value "
-                f"{self.early_loss:.4f} (train.divergence_factor={train.divergence_factor:g}): the run diverged; "
+                f"step {step}: the loss {loss:.4f} is {loss / state.early_loss:.1f}x its early value "
+                f"{state.early_loss:.4f} (train.divergence_factor={train.divergence_factor:g}): the run diverged; "
                 "lower optim.lr, raise optim.warmup_steps, or resume from an earlier checkpoint")
         uniform = math.log(self.cfg.model.vocab_size)
         if not self.custom_loss and step > self.cfg.optim.warmup_steps and \
@@ -166,15 +166,19 @@ class Health:
     # ---------------------------------------------------------------------------------------
     # skipped steps
 
-    def step_applied(self) -> None:
-        self.consecutive_skips = 0
-        self.applied_steps += 1
+    def step_done(self, step: int, skipped: bool, params, overflow: bool, at_minimum: bool) -> None:
+        """Count an applied or a skipped optimizer step."""
+        if skipped:
+            self.step_skipped(step, params, overflow, at_minimum)
+        else:
+            self.consecutive_skips = 0
+            self.applied_steps += 1
 
     def step_skipped(self, step: int, params, overflow: bool, at_minimum: bool) -> None:
         """Count a skipped step; stop after train.max_skipped_steps in a row (for fp16, in a row
         at the minimum loss scale: above it, the scaler backs off and tries again)."""
         limit = self.cfg.train.max_skipped_steps
-        self.skipped_steps += 1
+        self.state.skipped_steps += 1
         if overflow and self.scaler is not None:
             self.consecutive_skips = self.consecutive_skips + 1 if at_minimum else 0
             if self.consecutive_skips < limit:

@@ -281,7 +281,7 @@ def announce(t) -> None:
     say(f"scaletrain: {t.num_params / 1e6:.2f}M parameters, device {t.device}, precision "
         f"{cfg.precision.mode}, optimizer {cfg.optim.name}, activation checkpointing "
         f"{cfg.memory.activation_checkpointing}{', compiled' if cfg.train.compile else ''}"
-        f"{f'; weights from {cfg.model.init_from}' if cfg.model.init_from and t.resumed_from is None else ''}")
+        f"{f'; weights from {cfg.model.init_from}' if cfg.model.init_from and t.state.resumed_from is None else ''}")
     if t.rt.distributed:
         stages = f"; rank 0 holds stages {t.pm.stage_ids} of {t.pm.num_stages}" if b.pp > 1 else ""
         say(f"layout: {b.explain()}{stages}; backend {dist.get_backend()}")
@@ -311,3 +311,23 @@ def announce(t) -> None:
     say(t.meter.peak_source)
     if note := t.precision.note():
         say(note)
+
+
+def print_sample(t) -> None:
+    """The sample that closes a run's log (train.sample_tokens), or why there is none. `t`: the
+    Trainer."""
+    say = t.metrics.info
+    if t.pipeline is not None:
+        say("sample: skipped, the model is split into pipeline stages (export the checkpoint and sample it whole)")
+    elif t.layout.cp > 1:
+        say("sample: skipped, the model's attention is split over the context-parallel ranks (export the "
+            "checkpoint and sample it whole)")
+    elif t.custom_model is not None:
+        say("sample: skipped, the model is a custom module (its outputs need not be logits)")
+    elif t.rank == 0 or t.pm.sharded_forward:
+        from scaletrain.model.generate import Interrupted
+
+        try:
+            t.metrics.result("sample: " + t.sample(t.cfg.train.sample_prompt, t.cfg.train.sample_tokens))
+        except Interrupted:
+            say("sample: interrupted by a signal (training finished and was saved)")

@@ -273,7 +273,7 @@ def schedule_change(state: dict, cfg: JobConfig, peak_lr: float) -> str | None:
     `cfg` (peak `peak_lr`) changes it from the next step on — a longer train.steps stretches the
     decay, and the learning rate jumps back up — or None when it goes on as saved."""
     from scaletrain.config import OptimConfig
-    from scaletrain.optim import LRSchedule
+    from scaletrain.schedule import LRSchedule
 
     step = int(state["step"])
     saved_cfg, saved_steps = state["config"].get("optim", {}), state["config"].get("train", {}).get("steps")

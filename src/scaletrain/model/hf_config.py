@@ -1,0 +1,379 @@
+"""Hugging Face configs in and out: config.json <-> ModelConfig for GPT-2, Llama, Mistral, Qwen2 and Qwen3.
+
+A field that changes what the model computes and that scaletrain does not implement (another
+RoPE scaling, a bias on the output projection alone, partial rotary, ...) is refused with one
+line naming it, never dropped: a model that loads and silently computes something else is the
+failure this module exists to prevent. So is a field we do not know. The weights' names and
+layouts: scaletrain.model.hf.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+
+from scaletrain.model.config import ModelConfig
+from scaletrain.errors import ConfigError
+
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+CONFIG_FILE = "config.json"
+
+# --------------------------------------------------------------------------------------------
+# config.json -> ModelConfig
+
+# Keys that never change the logits of a causal language model: metadata, token ids, generation
+# settings of old configs, initialisation and dropout (dropout is a training choice: model.dropout).
+_HARMLESS = frozenset("""
+    _name_or_path architectures model_type transformers_version torch_dtype dtype use_cache
+    bos_token_id eos_token_id pad_token_id sep_token_id decoder_start_token_id initializer_range
+    output_attentions output_hidden_states return_dict torchscript use_bfloat16 tf_legacy_loss
+    task_specific_params id2label label2id num_labels problem_type finetuning_task tokenizer_class
+    prefix chunk_size_feed_forward tie_encoder_decoder cross_attention_hidden_size max_length
+    min_length do_sample early_stopping num_beams num_beam_groups diversity_penalty temperature
+    top_k top_p typical_p repetition_penalty length_penalty no_repeat_ngram_size
+    encoder_no_repeat_ngram_size bad_words_ids num_return_sequences output_scores
+    return_dict_in_generate forced_bos_token_id forced_eos_token_id remove_invalid_values
+    exponential_decay_length_penalty suppress_tokens begin_suppress_tokens attn_implementation
+    _attn_implementation _attn_implementation_autoset gradient_checkpointing _commit_hash is_decoder
+    attention_dropout attn_pdrop resid_pdrop embd_pdrop
+""".split())
+# Keys each family's modeling code reads, beyond _HARMLESS (anything else is refused as unknown).
+_ROTARY = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+           "head_dim", "intermediate_size", "max_position_embeddings", "hidden_act", "rms_norm_eps", "rope_theta",
+           "rope_scaling", "rope_parameters", "partial_rotary_factor", "tie_word_embeddings",
+           "is_encoder_decoder", "pruned_heads"}
+_WINDOWED = {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types", "use_mrope"}
+_KNOWN = {
+    "gpt2": {"vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "n_ctx", "n_inner", "activation_function",
+             "layer_norm_epsilon", "tie_word_embeddings", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
+             "reorder_and_upcast_attn", "add_cross_attention", "summary_type", "summary_use_proj",
+             "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
+             "is_encoder_decoder", "pruned_heads"},
+    "llama": _ROTARY | {"attention_bias", "mlp_bias", "pretraining_tp"},
+    "mistral": _ROTARY | {"sliding_window"},
+    "qwen2": _ROTARY | _WINDOWED,
+    "qwen3": _ROTARY | _WINDOWED | {"attention_bias"},
+}
+# What a key left out of config.json means: the defaults of transformers' config classes.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gpt2": dict(n_positions=1024, n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5,
+                 tie_word_embeddings=True, scale_attn_weights=True),
+    "llama": dict(num_key_value_heads=None, head_dim=None, hidden_act="silu", max_position_embeddings=2048,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "mistral": dict(num_key_value_heads=8, head_dim=None, hidden_act="silu", max_position_embeddings=131072,
+                    rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=4096),
+    "qwen2": dict(num_key_value_heads=32, head_dim=None, hidden_act="silu", max_position_embeddings=32768,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=4096, max_window_layers=28),
+    "qwen3": dict(num_key_value_heads=32, head_dim=128, hidden_act="silu", max_position_embeddings=32768,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=4096, max_window_layers=28),
+}
+_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # both are tanh-approximated GELU, as ours
+_SILU = ("silu", "swish")
+_ROPE_KEYS = {"default": {"rope_type", "type", "rope_theta"},
+              "linear": {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings"},
+              "llama3": {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings"}}
+
+
+def read_hf_config(source: str | Path) -> tuple[dict, str]:
+    """The parsed config.json of a Hugging Face model folder (or the file itself), and its path."""
+    path = Path(source)
+    try:
+        if path.is_dir():
+            path = path / CONFIG_FILE
+        found = path.is_file()
+    except (OSError, ValueError):  # a name too long for the file system, or with a NUL byte
+        found = False
+    if not found:
+        raise ConfigError(f"{str(path)!r}: not found; give a Hugging Face model folder (holding {CONFIG_FILE}) "
+                          f"or a {CONFIG_FILE}")
+    try:
+        hf = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({getattr(e, 'msg', e)}); "
+                          f"give a Hugging Face {CONFIG_FILE}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path}: expected a JSON object (a Hugging Face config.json), got {type(hf).__name__}")
+    return hf, str(path)
+
+
+def model_config_from_hf(source: str | Path | Mapping[str, Any], *, strict: bool = True,
+                         where: str | None = None) -> dict[str, Any]:
+    """The ModelConfig fields (a dict) of a Hugging Face config: a model folder, a config.json
+    path, or the parsed dict. Raises ConfigError, one line per problem, for a field scaletrain
+    does not implement or does not know (`strict`); the planner passes strict=False to read the
+    shape of any decoder and ignore what does not change its size."""
+    if isinstance(source, Mapping):
+        hf, where = dict(source), where or CONFIG_FILE
+    else:
+        hf, path = read_hf_config(source)
+        where = where or path
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{where}: expected a JSON object (a Hugging Face config.json), got {type(hf).__name__}")
+    kind = hf.get("model_type", "")
+    family = kind if kind in FAMILIES else ("gpt2" if "n_embd" in hf else "llama")
+    errors: list[str] = []
+    if strict and kind not in FAMILIES:
+        raise ConfigError(f"{where}: model_type={kind!r} is not one scaletrain imports; "
+                          f"supported: {', '.join(FAMILIES)}")
+    if strict:
+        for key in sorted(set(hf) - _HARMLESS - _KNOWN[family]):
+            errors.append(f"{where}: field {key}={_short(hf[key])} is unknown to scaletrain's {family} import and "
+                          f"may change the model; remove it from {CONFIG_FILE} if it does not")
+    get = _Reader(hf, _DEFAULTS[family], where)
+
+    def refuse(key: str, why: str) -> None:
+        if strict:
+            errors.append(f"{where}: {key}={_short(hf.get(key, _DEFAULTS[family].get(key)))} {why}")
+
+    try:
+        if family == "gpt2":
+            out = _gpt2_fields(get, refuse)
+        else:
+            out = _rotary_fields(get, refuse, family, strict)
+    except KeyError as e:
+        raise ConfigError(f"{where}: no {e.args[0]!r}; expected a decoder config with hidden_size, "
+                          "num_hidden_layers, num_attention_heads, intermediate_size, vocab_size") from None
+    if hf.get("is_encoder_decoder"):
+        refuse("is_encoder_decoder", "is not a decoder-only language model, which is what scaletrain imports")
+    if hf.get("pruned_heads"):
+        refuse("pruned_heads", "removes heads from some layers; scaletrain's layers all have n_heads")
+    if errors:
+        raise ConfigError(*errors)
+    return out
+
+
+def _gpt2_fields(get: "_Reader", refuse) -> dict[str, Any]:
+    vocab, dim = get.int("vocab_size"), get.int("n_embd")
+    if get.raw("activation_function") not in _GELU_TANH:
+        refuse("activation_function", f"is not supported; scaletrain's GELU is the tanh one ({', '.join(_GELU_TANH)})")
+    if get.raw("scale_attn_weights") is False:
+        refuse("scale_attn_weights", "leaves the scores unscaled; scaletrain divides them by sqrt(head_dim)")
+    if get.raw("scale_attn_by_inverse_layer_idx"):
+        refuse("scale_attn_by_inverse_layer_idx", "scales each layer's scores differently; scaletrain does not")
+    if get.raw("add_cross_attention"):
+        refuse("add_cross_attention", "adds cross-attention; scaletrain imports decoder-only language models")
+    return _complete(dict(
+        vocab_size=vocab, dim=dim, n_layers=get.int("n_layer"), n_heads=get.int("n_head"),
+        n_kv_heads=0, head_dim=0, ffn_dim=get.int("n_inner", optional=True) or 4 * dim, norm="layernorm",
+        norm_eps=get.float("layer_norm_epsilon"), activation="gelu", position="learned",
+        max_seq_len=get.int("n_positions"), tie_embeddings=get.bool("tie_word_embeddings"), bias=True))
+
+
+def _rotary_fields(get: "_Reader", refuse, family: str, strict: bool) -> dict[str, Any]:
+    vocab, dim, n_heads = get.int("vocab_size"), get.int("hidden_size"), get.int("num_attention_heads")
+    head_dim = get.int("head_dim", optional=True) or 0
+    max_len = get.int("max_position_embeddings")
+    if get.raw("hidden_act") not in _SILU:
+        refuse("hidden_act", "is not supported; scaletrain's gated MLP uses silu (SwiGLU)")
+    out = dict(
+        vocab_size=vocab, dim=dim, n_layers=get.int("num_hidden_layers"), n_heads=n_heads,
+        n_kv_heads=get.int("num_key_value_heads", optional=True) or 0,
+        head_dim=0 if head_dim * n_heads == dim else head_dim,  # 0: the usual dim / n_heads
+        ffn_dim=get.int("intermediate_size"), norm="rmsnorm", norm_eps=get.float("rms_norm_eps"),
+        activation="swiglu", position="rope", max_seq_len=max_len, tie_embeddings=get.bool("tie_word_embeddings"),
+        bias=False, qkv_bias=family == "qwen2", qk_norm=family == "qwen3")
+    if out["n_kv_heads"] == n_heads:
+        out["n_kv_heads"] = 0
+    out.update(_rope_fields(get, refuse, max_len))
+
+    attention_bias, mlp_bias = bool(get.raw("attention_bias")), bool(get.raw("mlp_bias"))
+    if family == "llama" and attention_bias and mlp_bias:
+        out["bias"] = True  # every linear layer has one, as model.bias gives (RMSNorm has none)
+    elif family == "llama" and attention_bias:
+        refuse("attention_bias", "puts a bias on the output projection too, without mlp_bias; scaletrain has "
+                                 "biases on q/k/v only (qkv_bias) or on every linear layer (bias)")
+    elif family == "llama" and mlp_bias:
+        refuse("mlp_bias", "puts biases on the MLP alone; scaletrain has them on every linear layer or none")
+    elif family == "qwen3" and attention_bias:
+        refuse("attention_bias", "puts a bias on the output projection too; scaletrain's Qwen3 has none there")
+    if not strict and attention_bias and not out["bias"]:
+        out["qkv_bias"] = True  # (planning: close enough for counting)
+
+    window = _sliding_window(get, family, out["n_layers"])
+    if window and window < max_len:
+        out["sliding_window"] = window  # config loading then keeps data.seq_len within it
+    if get.raw("use_mrope"):
+        refuse("use_mrope", "is multimodal rotary positions; scaletrain has text positions only")
+    return _complete(out)
+
+
+def _rope_fields(get: "_Reader", refuse, max_len: int) -> dict[str, Any]:
+    """rope_theta and the scaling, from transformers 5's `rope_parameters` or 4's
+    `rope_theta` + `rope_scaling` (which 5 also reads, and lets win)."""
+    params = get.raw("rope_scaling") or get.raw("rope_parameters") or {}
+    key = "rope_scaling" if get.raw("rope_scaling") else "rope_parameters"
+    if not isinstance(params, dict):
+        refuse(key, "is not a JSON object of rotary parameters")
+        params = {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", get.raw("rope_theta") or 10000.0)
+    out: dict[str, Any] = dict(rope_theta=float(theta) if isinstance(theta, (int, float)) else theta)
+    partial = params.get("partial_rotary_factor", get.raw("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        refuse("partial_rotary_factor", "rotates part of each head; scaletrain rotates all of it")
+    if not isinstance(kind, str) or kind not in _ROPE_KEYS:
+        refuse(key, f"has rope_type {kind!r}; scaletrain implements default, linear and llama3")
+        return out
+    extra = sorted(set(params) - _ROPE_KEYS[kind] - {"partial_rotary_factor"})
+    if extra:
+        refuse(key, f"has {', '.join(extra)}, unknown to rope_type {kind}; scaletrain may not compute it alike")
+    numbers = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+    for k in numbers[kind]:
+        if isinstance(params.get(k), bool) or not isinstance(params.get(k), (int, float)):
+            refuse(key, f"needs a number {k} for rope_type {kind}")
+            return out
+    if kind != "default":
+        out.update(rope_scaling=kind, rope_factor=float(params["factor"]))
+    if kind == "llama3":
+        out.update(rope_low_freq_factor=float(params["low_freq_factor"]),
+                   rope_high_freq_factor=float(params["high_freq_factor"]),
+                   rope_original_max_seq_len=params.get("original_max_position_embeddings", max_len))
+    return out
+
+
+def _sliding_window(get: "_Reader", family: str, n_layers: int) -> int:
+    """The window that some layer attends within, or 0. Mistral slides on every layer when
+    sliding_window is set; Qwen2/3 only with use_sliding_window, on the layers layer_types (or
+    max_window_layers) marks."""
+    window = get.raw("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return 0  # null: no window (a value of another type is left to the planner's guess)
+    if family == "mistral":
+        return window
+    if family not in ("qwen2", "qwen3") or not get.raw("use_sliding_window"):
+        return 0
+    types, first = get.raw("layer_types"), get.raw("max_window_layers")
+    if isinstance(types, list):
+        return window if "sliding_attention" in types else 0
+    return window if not isinstance(first, int) or first < n_layers else 0
+
+
+def _complete(out: dict[str, Any]) -> dict[str, Any]:
+    """Every field model.from_hf may set, so nothing of a preset or the defaults leaks in."""
+    base = dict(n_kv_heads=0, head_dim=0, rope_theta=10000.0, rope_scaling="none", rope_factor=1.0,
+                rope_low_freq_factor=ModelConfig.rope_low_freq_factor,
+                rope_high_freq_factor=ModelConfig.rope_high_freq_factor,
+                rope_original_max_seq_len=ModelConfig.rope_original_max_seq_len,
+                sliding_window=0, bias=False, qkv_bias=False, qk_norm=False)
+    return {**base, **out}
+
+
+class _Reader:
+    """Reads config.json values with their family's defaults and checks their types."""
+
+    def __init__(self, hf: dict, defaults: dict, where: str):
+        self.hf, self.defaults, self.where = hf, defaults, where
+
+    def raw(self, key: str) -> Any:
+        return self.hf[key] if key in self.hf else self.defaults.get(key)
+
+    def _get(self, key: str, optional: bool) -> Any:
+        if key not in self.hf and key not in self.defaults:
+            if optional:
+                return None
+            raise KeyError(key)
+        return self.raw(key)
+
+    def int(self, key: str, optional: bool = False) -> int | None:
+        v = self._get(key, optional)
+        if v is None and optional:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"{self.where}: {key} should be an integer, got {_short(v)}")
+        return v
+
+    def float(self, key: str) -> float:
+        v = self._get(key, False)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"{self.where}: {key} should be a number, got {_short(v)}")
+        return float(v)
+
+    def bool(self, key: str) -> bool:
+        v = self._get(key, False)
+        if not isinstance(v, bool):
+            raise ConfigError(f"{self.where}: {key} should be true or false, got {_short(v)}")
+        return v
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# --------------------------------------------------------------------------------------------
+# ModelConfig -> config.json
+
+
+def hf_family(cfg: ModelConfig) -> str:
+    """The Hugging Face model_type that computes what `cfg` computes, or ConfigError."""
+    def no(why: str) -> ConfigError:
+        return ConfigError(f"this model has no Hugging Face family: {why}")
+
+    if cfg.position == "learned" and cfg.norm == "layernorm" and cfg.activation == "gelu":
+        if cfg.kv_heads != cfg.n_heads or cfg.head_size * cfg.n_heads != cfg.dim:
+            raise no("GPT-2 has neither grouped-query attention nor a head_dim apart from dim / n_heads")
+        if cfg.qk_norm:
+            raise no("GPT-2 has no q/k norms (model.qk_norm)")
+        if cfg.sliding_window:
+            raise no("GPT-2 has no sliding window (model.sliding_window)")
+        return "gpt2"
+    if not (cfg.position == "rope" and cfg.norm == "rmsnorm" and cfg.activation == "swiglu"):
+        raise no(f"position={cfg.position}, norm={cfg.norm}, activation={cfg.activation}; GPT-2 is learned, "
+                 "layernorm, gelu and Llama-likes are rope, rmsnorm, swiglu")
+    if cfg.qk_norm:
+        if cfg.bias or cfg.qkv_bias:
+            raise no("Qwen3 (q/k norms) has no q/k/v-only nor MLP biases (model.qkv_bias, model.bias)")
+        return "qwen3"
+    if cfg.qkv_bias and not cfg.bias:
+        return "qwen2"
+    if cfg.bias:
+        if cfg.sliding_window:
+            raise no("Llama (biases everywhere) has no sliding window (model.sliding_window)")
+        return "llama"
+    return "mistral" if cfg.sliding_window else "llama"
+
+
+def hf_config_from_model(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
+    """The config.json of `cfg` (`extra` adds keys such as bos_token_id / eos_token_id)."""
+    family = hf_family(cfg)
+    arch = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+    out: dict[str, Any] = {"architectures": [arch], "model_type": family, "vocab_size": cfg.vocab_size,
+                           "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32"}
+    if family == "gpt2":
+        out.update(n_embd=cfg.dim, n_layer=cfg.n_layers, n_head=cfg.n_heads, n_positions=cfg.max_seq_len,
+                   n_inner=cfg.hidden_dim, activation_function="gelu_new", layer_norm_epsilon=cfg.norm_eps,
+                   attn_pdrop=cfg.dropout, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
+                   scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
+                   add_cross_attention=False)
+        return {**out, **extra}
+    out.update(hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+               num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_size, intermediate_size=cfg.hidden_dim,
+               max_position_embeddings=cfg.max_seq_len, hidden_act="silu", rms_norm_eps=cfg.norm_eps,
+               attention_dropout=cfg.dropout)
+    rope: dict[str, Any] = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling,
+                            "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling != "none":
+        rope["factor"] = cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_original_max_seq_len)
+    # transformers 5 reads rope_parameters; 4 reads rope_theta and rope_scaling (and 5 lets those win)
+    legacy = {k: v for k, v in rope.items() if k != "rope_theta"} if cfg.rope_scaling != "none" else None
+    out.update(rope_parameters=rope, rope_theta=cfg.rope_theta, rope_scaling=legacy)
+    if family == "llama":
+        out.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
+    elif family == "mistral":
+        out.update(sliding_window=cfg.sliding_window)
+    else:  # qwen2, qwen3: the window, if any, on every layer
+        slide = bool(cfg.sliding_window)
+        out.update(use_sliding_window=slide, sliding_window=cfg.sliding_window or None, max_window_layers=0,
+                   layer_types=["sliding_attention" if slide else "full_attention"] * cfg.n_layers)
+        if family == "qwen3":
+            out.update(attention_bias=False)
+    return {**out, **extra}

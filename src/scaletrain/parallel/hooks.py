@@ -1,0 +1,169 @@
+"""The techniques' per-step work, as the Trainer sees it: a list of hooks it calls in order.
+
+A technique that must do something every step (sum gradients over its axis, refresh fp8 scales,
+average the workers every H steps, agree on a skipped step, keep state in checkpoints) gives the
+Trainer a `StepHook`; `parallelize()` returns those of the techniques it applied, the run adds
+those built from it (master weights, local SGD). The Trainer calls `StepHooks` at fixed points of
+the step and never asks which technique is behind a hook:
+
+    forward/backward of every micro-batch (each hook's `batch_share` cuts this rank's tokens)
+    -> reduce_gradients -> unscale -> clip (norm_copies counted once) -> agree_to_skip
+    -> optimizer step -> after_optimizer_step -> reported_norm
+
+Every method of `StepHook` does nothing by default: a hook overrides what it needs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+Named = list[tuple[str, torch.Tensor]]
+
+
+class StepHook:
+    """One technique's work in each optimizer step; `phase` names it in a hang's report."""
+
+    phase = "a technique's step work"
+    # this rank's share of a batch's (inputs, targets), cut in the data loader (None: all of it);
+    # a picklable function, as the loader's worker processes call it
+    batch_share: Callable | None = None
+
+    def reduce_gradients(self, named: Named) -> None:
+        """After the micro-batches' backward, before the norm: gradients of the optimizer's
+        parameters (`named`, masters or shards included) summed where the technique needs it."""
+
+    def norm_copies(self) -> tuple[torch.Tensor, ...]:
+        """Parameters whose gradients are a copy of another rank's: the global norm counts them once."""
+        return ()
+
+    def agree_to_skip(self, skip: bool) -> bool:
+        """Whether every rank skips this step, given this rank's verdict (a collective where ranks
+        can disagree: workers with norms of their own)."""
+        return skip
+
+    def after_optimizer_step(self, applied: bool) -> bool:
+        """After the optimizer step (`applied`: not skipped). True when the weights the optimizer
+        steps changed besides (the Trainer then refreshes what the model computes with)."""
+        return False
+
+    def refresh_weights(self) -> None:
+        """What the model computes with, from what the optimizer steps (after a step or a load)."""
+
+    def reported_norm(self, grad_norm):
+        """The gradient norm the metrics show (a worker's own norm becomes the workers' RMS)."""
+        return grad_norm
+
+    # ---- checkpoints: what the technique keeps beside the weights and the optimizer state ----
+
+    def checkpoint_tensors(self, tensors: dict) -> dict:
+        """The tensors DCP saves and loads (weights under "model", optimizer state under "optim"),
+        rearranged or extended by the technique."""
+        return tensors
+
+    def state_dict(self) -> dict | None:
+        """JSON state saved in the checkpoint's trainer.json under the hook's `key` (None: nothing)."""
+        return None
+
+    def check_resume(self, path, saved: dict) -> None:
+        """Refuse (CheckpointError) a checkpoint this technique cannot continue; `saved`: its whole
+        trainer.json (the config it was saved with, each hook's state under its key)."""
+
+    def prepare_load(self, state: dict | None) -> None:
+        """Before the tensors are loaded: allocate what `checkpoint_tensors` will load into."""
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """After the tensors are loaded."""
+
+    key = ""  # the trainer.json entry of state_dict(); empty: the hook keeps no state
+
+
+class StepHooks:
+    """The hooks of a run, called in order. `enter(phase)` tells the run's health what is running
+    (a hang in a collective is reported with it)."""
+
+    def __init__(self, hooks: Iterable[StepHook] = (), enter: Callable[[str], None] = lambda phase: None):
+        self.hooks = list(hooks)
+        self.enter = enter
+
+    def add(self, *hooks: StepHook | None) -> "StepHooks":
+        self.hooks.extend(h for h in hooks if h is not None)
+        return self
+
+    def reduce_gradients(self, named: Named) -> None:
+        for h in self.hooks:
+            self.enter(h.phase)
+            h.reduce_gradients(named)
+
+    def norm_copies(self) -> tuple[torch.Tensor, ...]:
+        return tuple(p for h in self.hooks for p in h.norm_copies())
+
+    @property
+    def batch_share(self) -> Callable | None:
+        shares = [h.batch_share for h in self.hooks if h.batch_share is not None]
+        assert len(shares) <= 1, "two techniques cut the batch"
+        return shares[0] if shares else None
+
+    def agree_to_skip(self, skip: bool) -> bool:
+        for h in self.hooks:
+            skip = h.agree_to_skip(skip)
+        return skip
+
+    def after_optimizer_step(self, applied: bool) -> bool:
+        changed = False
+        for h in self.hooks:
+            self.enter(h.phase)
+            changed |= bool(h.after_optimizer_step(applied))
+        return changed
+
+    def refresh_weights(self) -> None:
+        for h in self.hooks:
+            h.refresh_weights()
+
+    def reported_norm(self, grad_norm):
+        for h in self.hooks:
+            grad_norm = h.reported_norm(grad_norm)
+        return grad_norm
+
+    def checkpoint_tensors(self, tensors: dict) -> dict:
+        for h in self.hooks:
+            tensors = h.checkpoint_tensors(tensors)
+        return tensors
+
+    def state_dict(self) -> dict:
+        return {h.key: s for h in self.hooks if h.key and (s := h.state_dict()) is not None}
+
+    def check_resume(self, path, saved: dict) -> None:
+        for h in self.hooks:
+            h.check_resume(path, saved)
+
+    def prepare_load(self, state: dict) -> None:
+        for h in self.hooks:
+            h.prepare_load(state.get(h.key) if h.key else None)
+
+    def load_state_dict(self, state: dict) -> None:
+        for h in self.hooks:
+            h.load_state_dict(state.get(h.key) if h.key else None)
+
+
+def sum_gradients(params: list[torch.Tensor], group) -> None:
+    """Sum the gradients of `params` over `group` in one all-reduce: over the cp ranks (same
+    weights, different tokens of the same batch), a tied embedding's over its first and last
+    pipeline stage, replicated K/V heads' over the tp ranks. A sharded parameter's local shard:
+    the ranks of `group` hold the same shards. A DTensor gradient placed otherwise than its
+    parameter (a vocabulary-parallel embedding's comes back replicated) is first placed like it."""
+    for p in params:
+        if p.grad is not None and hasattr(p.grad, "placements") and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    flat = torch.cat([g.reshape(-1).float() for g in local])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in local:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
