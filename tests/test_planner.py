@@ -121,6 +121,55 @@ def test_tp_stays_inside_a_node_and_divides_the_heads():
         assert layout.pp == 1 or not cfg.tie_embeddings
 
 
+def test_the_search_proposes_what_the_trainer_runs():
+    """The search's candidates are those `Layout.errors` accepts, so it proposes what the
+    trainer runs: a tied embedding under pipelining (any schedule but zero-bubble's V) and
+    tensor parallelism above the key/value heads (each K/V head replicated)."""
+    wl, cluster = Workload(seq_len=2048, global_batch=64), Cluster(lookup("H100-SXM"), 1, 8)
+    tied = from_dict({"model": {"dim": 256, "n_layers": 8, "n_heads": 8, "tie_embeddings": True, "max_seq_len": 2048},
+                      "data": {"seq_len": 2048}}).model
+    layouts = list(enumerate_layouts(tied, wl, cluster))
+    assert {lay.pp for lay in layouts} == {1, 2, 4, 8}
+    assert {lay.pp_schedule for lay in layouts if lay.pp > 1} == {"gpipe", "1f1b", "interleaved-1f1b"}
+    assert not [lay for lay in layouts if lay.errors(tied, seq_len=wl.seq_len)]
+    gqa = from_dict({"model": {"dim": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 2, "tie_embeddings": False,
+                                "max_seq_len": 2048},
+                     "data": {"seq_len": 2048}}).model
+    layouts = list(enumerate_layouts(gqa, wl, cluster))
+    assert {lay.tp for lay in layouts} == {1, 2, 4, 8}  # 4 and 8 above the 2 K/V heads
+    assert not [lay for lay in layouts if lay.errors(gqa, seq_len=wl.seq_len)]
+    # and a plan fixes them as the trainer takes them
+    assert plan(gqa, nodes=1, gpus_per_node=8, seq_len=2048, global_batch=64, layout={"tp": 8})["layouts"][0]
+    assert plan(tied, nodes=1, gpus_per_node=8, seq_len=2048, global_batch=64, layout={"pp": 2, "micro_batch": 4})["layouts"][0]
+
+
+def test_the_models_shard_what_the_engine_shards():
+    """`Layout.shard_ranks`: scaletrain's ZeRO shards over the dp_shard ranks alone (its cp ranks
+    hold copies and sum their gradients), the other engines also over the cp ranks. The memory
+    and time models follow it: the optimizer step is not spread over scaletrain's cp ranks."""
+    from dataclasses import replace
+
+    from scaletrain.plan.memory_model import estimate_memory, sharding
+    from scaletrain.plan.time_model import estimate_time, optimizer_seconds
+
+    cfg, hw = load_model("llama-8b").cfg, lookup("H100-SXM")
+    cluster = Cluster(hw, 1, 8)
+    ours = Workload(seq_len=32768, global_batch=8)
+    theirs = replace(ours, engine="megatron")
+    flat = Layout(dp_shard=2, zero=1, micro_batch=1, grad_accum=4)
+    split = replace(flat, cp=4)
+    assert (split.shard_ranks(), split.shard_ranks("megatron"), flat.shard_ranks("megatron")) == (2, 8, 2)
+    assert sharding(ours, split).n == 2 and sharding(theirs, split).n == 8
+    params = 8e9
+    assert optimizer_seconds(ours, split, hw, params) == optimizer_seconds(ours, flat, hw, params)
+    assert optimizer_seconds(theirs, split, hw, params) == pytest.approx(optimizer_seconds(theirs, flat, hw, params) / 4)
+    assert estimate_time(cfg, ours, split, cluster).optimizer_s == estimate_time(cfg, ours, flat, cluster).optimizer_s
+    assert estimate_memory(cfg, ours, split).optimizer == estimate_memory(cfg, ours, flat).optimizer
+    # the cp ranks' gradient sum after backward is paid, on the critical path, without any dp rank
+    alone = estimate_time(cfg, ours, Layout(cp=8, micro_batch=1, grad_accum=8), cluster)
+    assert alone.dp_comm_s == alone.dp_exposed_s > 0
+
+
 def test_fixed_layout_that_does_not_fit_says_why():
     r = plan("llama-8b", hardware="A100-40GB", nodes=1, gpus_per_node=8, seq_len=8192, global_batch=8,
              layout={"zero": 0, "micro_batch": 1})
