@@ -138,6 +138,12 @@ def test_the_search_proposes_what_the_trainer_runs():
     layouts = list(enumerate_layouts(gqa, wl, cluster))
     assert {lay.tp for lay in layouts} == {1, 2, 4, 8}  # 4 and 8 above the 2 K/V heads
     assert not [lay for lay in layouts if lay.errors(gqa, seq_len=wl.seq_len)]
+    # the memory model holds the K/V projections as the engine does: one head per rank, replicated
+    from scaletrain.plan.memory_model import rank_params
+
+    one_head = ((gqa.head_size, gqa.dim),) * 2
+    assert rank_params(gqa, Layout(tp=8), 0).matrices[1:3] == rank_params(gqa, Layout(tp=4), 0).matrices[1:3] == one_head
+    assert rank_params(gqa, Layout(tp=2), 0).matrices[1:3] == one_head  # 2 heads / tp 2: one each, not replicated
     # and a plan fixes them as the trainer takes them
     assert plan(gqa, nodes=1, gpus_per_node=8, seq_len=2048, global_batch=64, layout={"tp": 8})["layouts"][0]
     assert plan(tied, nodes=1, gpus_per_node=8, seq_len=2048, global_batch=64, layout={"pp": 2, "micro_batch": 4})["layouts"][0]
@@ -214,7 +220,7 @@ def test_context_parallel_on_scaletrain_engine_splits_activations_not_states():
     cluster = Cluster(lookup("H100-SXM"), 1, 8)
     cps = {(lay.cp, lay.cp_method) for lay in enumerate_layouts(cfg, wl, cluster)}
     assert {cp for cp, _ in cps} == {1, 2, 4, 8}
-    # with each method (one process: the default); those that cannot run are refused later
+    # with each method (one process: the default) where Layout.errors lets it run
     assert cps == {(1, "ring")} | {(cp, m) for cp in (2, 4, 8) for m in CP_METHODS}
     runnable = {lay.cp_method for lay in enumerate_layouts(cfg, wl, cluster) if lay.cp == 2 and lay.tp == 4
                 and not layout_errors(cfg, wl, cluster, lay)}

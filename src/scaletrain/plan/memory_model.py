@@ -127,18 +127,23 @@ def _layer_params(cfg: ModelConfig, tp: int) -> tuple[int, int, int, tuple]:
     h, kv, f = cfg.dim, cfg.kv_heads * cfg.head_size, cfg.hidden_dim
     q = cfg.n_heads * cfg.head_size  # = h unless head_dim is set apart
     n_ffn = 3 if cfg.activation == "swiglu" else 2
-    sharded = block_matmul_params(cfg, tp)
+    # the K/V width on a rank: kv / tp, or, with fewer K/V heads than tp, the one head its
+    # query heads read (replicated on tp / kv_heads ranks, as the engine holds it)
+    kv_rank = kv // tp if cfg.kv_heads >= tp else cfg.head_size
+    replicated_kv = 2 * h * kv_rank - 2 * h * kv // tp  # wk and wv beyond their 1/tp share
+    matmul = block_matmul_params(cfg, tp) + replicated_kv
+    sharded = matmul
     replicated = (4 if cfg.norm == "layernorm" and cfg.bias else 2) * h
     if cfg.bias:
-        sharded += (q + 2 * kv + (n_ffn - 1) * f) // tp  # column-parallel biases
+        sharded += (q + (n_ffn - 1) * f) // tp + 2 * kv_rank  # column-parallel biases
         replicated += 2 * h  # row-parallel biases (wo, w2)
     elif cfg.qkv_bias:
-        sharded += (q + 2 * kv) // tp
+        sharded += q // tp + 2 * kv_rank
     if cfg.qk_norm:
         replicated += 2 * cfg.head_size
-    mats = ((q // tp, h), (kv // tp, h), (kv // tp, h), (h, q // tp)) + \
+    mats = ((q // tp, h), (kv_rank, h), (kv_rank, h), (h, q // tp)) + \
            ((f // tp, h),) * (n_ffn - 1) + ((h, f // tp),)
-    return sharded, replicated, block_matmul_params(cfg, tp), mats
+    return sharded, replicated, matmul, mats
 
 
 def stage_layers(cfg: ModelConfig, layout: Layout) -> list[list[int]]:
