@@ -110,7 +110,8 @@ def test_the_layouts_defaults_are_the_configs():
     derived = {"dp_shard", "micro_batch", "grad_accum"}
     assert {f.name: f.default for f in fields(Layout) if f.name not in derived} == \
         {f.name: config[f.name] for f in fields(Layout) if f.name not in derived}
-    assert DEFAULT_SYNC == {k: config[k] for k in ("dp_sync", "sync_every", "sync_fragments", "sync_delay", "sync_dtype")}
+    sync = ("dp_sync", "sync_every", "sync_fragments", "sync_delay", "sync_dtype")
+    assert DEFAULT_SYNC == {k: config[k] for k in sync}
 
 
 def test_world_of_a_config_and_the_rules_of_sizes_live_in_layout():

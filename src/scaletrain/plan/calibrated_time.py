@@ -39,7 +39,8 @@ from scaletrain.plan.time_model import SYNC_BYTES, TimeBreakdown, cp_traffic, op
 from scaletrain.vocab import PEAK_KIND
 
 
-def estimate(cfg, wl: Workload, layout: Layout, cluster: Cluster, bucket_mb: float = ParallelConfig.bucket_mb) -> TimeBreakdown:
+def estimate(cfg, wl: Workload, layout: Layout, cluster: Cluster,
+             bucket_mb: float = ParallelConfig.bucket_mb) -> TimeBreakdown:
     from scaletrain.parallel.pipeline import stage_indices
 
     cal: Calibration = cluster.calibration

@@ -533,7 +533,8 @@ RUNTIME_BYTES_GPU = 1.0 * GiB  # CUDA context, NCCL and cuBLAS workspaces
 
 
 def estimate_memory(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Cluster | None = None, *,
-                    bucket_mb: float = ParallelConfig.bucket_mb, gpu: bool = True, activations: str = "formula") -> MemoryBreakdown:
+                    bucket_mb: float = ParallelConfig.bucket_mb, gpu: bool = True,
+                    activations: str = "formula") -> MemoryBreakdown:
     """Per-rank memory of `layout`, for its worst pipeline rank: the first (most micro-batches
     in flight, the embedding), the last (the head and loss) or the one with the most layers."""
     worst = None
@@ -681,7 +682,8 @@ def model_state_memory(counts: ParamCounts, wl: Workload, layout: Layout, *, ext
 
 def buffers_and_peak(out: MemoryBreakdown, counts: ParamCounts, wl: Workload, layout: Layout, *, block_params: float,
                      root_params: float, recompute: float = 0.0, moments: BackwardMoments | None = None,
-                     bucket_mb: float = ParallelConfig.bucket_mb, gpu: bool = True, sh: Sharding | None = None) -> MemoryBreakdown:
+                     bucket_mb: float = ParallelConfig.bucket_mb, gpu: bool = True,
+                     sh: Sharding | None = None) -> MemoryBreakdown:
     """Complete `out` (model states and activations filled in) with the communication buffers,
     scaletrain's peak and the reserve. FSDP gathers units of `block_params` parameters, the
     root's `root_params` stay gathered; `recompute`: the bytes checkpointing rebuilds at once;

@@ -155,8 +155,8 @@ def _misfit(par, world: int) -> str:
     dp = world // besides
     if dp % par.dp_replicate:
         return f"dp_replicate {par.dp_replicate} does not divide the {dp} data-parallel ranks"
-    return (f"dp_replicate {par.dp_replicate} × dp_shard {par.dp_shard} ≠ the {dp} data-parallel ranks the cluster's "
-            f"{world} GPUs leave beside {sizes_text}; leave dp_shard out (or -1) for the remaining ranks")
+    return (f"dp_replicate {par.dp_replicate} × dp_shard {par.dp_shard} ≠ the {dp} data-parallel ranks the "
+            f"cluster's {world} GPUs leave beside {sizes_text}; leave dp_shard out (or -1) for the remaining ranks")
 
 
 # --------------------------------------------------------------------------------------------
