@@ -109,6 +109,32 @@ def test_data_parallel_communication_is_exposed_as_far_as_the_measured_overlap_d
     assert full.time.dp_exposed_s < none.time.dp_exposed_s
 
 
+def test_the_calibrated_optimizer_step_is_not_spread_over_the_cp_ranks():
+    """scaletrain's ZeRO shards over dp_shard alone (`Layout.shard_ranks`): cp 4 beside dp_shard 2
+    steps the same half of the parameters as dp_shard 2 alone, and sums the cp ranks' gradient
+    shards once per step."""
+    from scaletrain.plan import calibrated_time
+    from scaletrain.plan.calibrate import layout_key
+    from scaletrain.plan.memory_model import rank_params
+    from scaletrain.plan.spec import Cluster, Layout, Workload
+
+    cfg = load_config(None, TINY).model
+    wl = Workload(seq_len=32, global_batch=4, precision="32-true")
+    cal = fake_calibration({}, ranks=8)
+    flat = Layout(dp_shard=2, zero=1, micro_batch=1, grad_accum=2)
+    split = replace(flat, cp=4)
+    for lay in (flat, split):
+        cal.compute[layout_key(cfg, wl, lay)] = {"1": {"block": 0.01, "rest": 0.01}, "4": {"block": 0.04, "rest": 0.04}}
+    cluster = Cluster(CPU, 1, 8, calibration=cal)
+    params = rank_params(cfg, flat, 0).total
+    for lay in (flat, split):
+        t = calibrated_time.estimate(cfg, wl, lay, cluster)
+        clip = cal.collective_s("all_reduce", 4, lay.world)
+        assert t.optimizer_s == pytest.approx(1e-9 * params / 2 + clip)
+    cp_sum = cal.collective_s("all_reduce", params * 4 / 2, 4)
+    assert calibrated_time.estimate(cfg, wl, split, cluster).dp_exposed_s >= cp_sum > 0
+
+
 def test_probes_cover_each_shape_at_its_smallest_and_largest_micro_batch():
     cfg = load_config(None, TINY)
     result = plan(cfg.model, hardware=CPU, nodes=1, gpus_per_node=2, seq_len=32, global_batch=4,

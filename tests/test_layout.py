@@ -96,3 +96,45 @@ def test_check_lists_every_problem_at_once():
     assert len(e.value.lines) == 3
     assert "needs parallel.tp > 1" in text and "offloads the sharded" in text
     assert "shards model states over the dp_shard ranks" in text
+
+
+def test_the_layouts_defaults_are_the_configs():
+    """Defined once: a Layout field's default is its config key's (sizes and the batch triad
+    aside: the config's -1 and 0 ask for derivation); so are the planner's sync defaults."""
+    from dataclasses import fields
+
+    from scaletrain.config import MemoryConfig, ParallelConfig, TrainConfig
+    from scaletrain.plan import DEFAULT_SYNC
+
+    config = {**vars(ParallelConfig()), **vars(MemoryConfig()), "batch_rampup": TrainConfig().batch_rampup}
+    derived = {"dp_shard", "micro_batch", "grad_accum"}
+    assert {f.name: f.default for f in fields(Layout) if f.name not in derived} == \
+        {f.name: config[f.name] for f in fields(Layout) if f.name not in derived}
+    sync = ("dp_sync", "sync_every", "sync_fragments", "sync_delay", "sync_dtype")
+    assert DEFAULT_SYNC == {k: config[k] for k in sync}
+
+
+def test_world_of_a_config_and_the_rules_of_sizes_live_in_layout():
+    from scaletrain.config import ParallelConfig
+    from scaletrain.verify import layout_world
+
+    par = ParallelConfig(dp_replicate=2, tp=2, pp=2, cp=2)
+    assert Layout.fixed_ranks(par) == Layout.config_world(par) == layout_world(par, None) == 16  # dp_shard -1
+    par = ParallelConfig(dp_replicate=2, tp=2, pp=2, cp=2, dp_shard=3)
+    assert Layout.config_world(par) == layout_world(par, None) == 48
+    lay = dims(48, dp_replicate=2, tp=2, pp=2, cp=2, dp_shard=3)
+    assert lay.world == 48 and lay.global_batch == lay.micro_batch * lay.grad_accum * 6
+    # the cp chunks of a sequence: every engine's rule, the same sentence
+    for engine in ("scaletrain", "megatron"):
+        assert any("2 × cp = 8 equal chunks" in e for e in Layout(cp=4).errors(engine=engine, seq_len=100))
+        assert not Layout(cp=4).errors(engine=engine, seq_len=128)
+
+
+def test_local_sgd_fragments_are_checked_by_one_rule():
+    lay = Layout(dp_replicate=2, dp_sync="diloco", sync_every=10, sync_fragments=3)
+    text = "parallel.sync_fragments=3 splits the model's blocks into fragments, but model.n_layers=2"
+    assert lay.fragment_errors(2) == [f"{text}; use at most 2 fragments"]
+    assert lay.fragment_errors(2, of_config=False)[0].endswith("but it has 2; use at most 2 fragments")
+    assert lay.fragment_errors(3) == [] and Layout(sync_fragments=3).fragment_errors(1) == []  # without local sync
+    model = load_config(None, {"model.n_layers": 2}).model
+    assert any(e.startswith(text) for e in lay.errors(model))

@@ -72,6 +72,10 @@ SAME = [
       "--optim.name=sgd")),
     # mixed: some by alias, some by key
     (("--zero", "1", "--micro-batch", "4"), ("--zero", "1", "--train.micro_batch=4")),
+    # parallel.cp is a layout key like the others (--cp its alias in the one table)
+    (("--cp", "4", "--cp-method", "allgather", "--zero", "3", "--seq-len", "32768", "--global-batch", "8"),
+     ("--parallel.cp=4", "--parallel.cp_method=allgather", "--parallel.zero=3", "--data.seq_len=32768",
+      "--train.global_batch=8")),
 ]
 
 
@@ -80,6 +84,14 @@ def test_config_names_give_what_the_aliases_give(capsys, aliases, keys):
     by_alias, by_key = _result(capsys, *MODEL, *aliases), _result(capsys, *MODEL, *keys)
     assert by_key == by_alias
     assert len(by_key["layouts"]) == 1  # a layout key fixes the layout
+
+
+def test_cp_is_an_ordinary_layout_key():
+    assert ALIASES["--cp"] == "parallel.cp" and "parallel.cp" in LAYOUT_KEYS and LAYOUT_NAMES["cp"] == "parallel.cp"
+    kw = dict(hardware="H100-SXM", nodes=1, gpus_per_node=8, seq_len=32768, global_batch=8)
+    by_name = plan("llama-8b", layout={"cp": 4, "zero": 3}, **kw)["layouts"][0].layout
+    assert by_name == plan("llama-8b", layout={"parallel.cp": 4, "parallel.zero": 3}, **kw)["layouts"][0].layout
+    assert (by_name.cp, by_name.dp_shard) == (4, 2)
 
 
 def test_workload_keys_alone_search(capsys):

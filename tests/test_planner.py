@@ -121,6 +121,64 @@ def test_tp_stays_inside_a_node_and_divides_the_heads():
         assert layout.pp == 1 or not cfg.tie_embeddings
 
 
+def test_the_search_proposes_what_the_trainer_runs():
+    """The search's candidates are those `Layout.errors` accepts, so it proposes what the
+    trainer runs: a tied embedding under pipelining (any schedule but zero-bubble's V) and
+    tensor parallelism above the key/value heads (each K/V head replicated)."""
+    wl, cluster = Workload(seq_len=2048, global_batch=64), Cluster(lookup("H100-SXM"), 1, 8)
+    tied = from_dict({"model": {"dim": 256, "n_layers": 8, "n_heads": 8, "tie_embeddings": True, "max_seq_len": 2048},
+                      "data": {"seq_len": 2048}}).model
+    layouts = list(enumerate_layouts(tied, wl, cluster))
+    assert {lay.pp for lay in layouts} == {1, 2, 4, 8}
+    assert {lay.pp_schedule for lay in layouts if lay.pp > 1} == {"gpipe", "1f1b", "interleaved-1f1b"}
+    assert not [lay for lay in layouts if lay.errors(tied, seq_len=wl.seq_len)]
+    gqa = from_dict({"model": {"dim": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 2, "tie_embeddings": False,
+                                "max_seq_len": 2048},
+                     "data": {"seq_len": 2048}}).model
+    layouts = list(enumerate_layouts(gqa, wl, cluster))
+    assert {lay.tp for lay in layouts} == {1, 2, 4, 8}  # 4 and 8 above the 2 K/V heads
+    assert not [lay for lay in layouts if lay.errors(gqa, seq_len=wl.seq_len)]
+    # the memory model holds the K/V projections as the engine does: one head per rank, replicated
+    from scaletrain.plan.memory_model import rank_params
+
+    one_head = ((gqa.head_size, gqa.dim),) * 2
+    kv_matrices = {tp: rank_params(gqa, Layout(tp=tp), 0).matrices[1:3] for tp in (2, 4, 8)}
+    assert kv_matrices[8] == kv_matrices[4] == one_head
+    assert kv_matrices[2] == one_head  # 2 heads / tp 2: one each, not replicated
+    # and a plan fixes them as the trainer takes them
+    kw = dict(nodes=1, gpus_per_node=8, seq_len=2048, global_batch=64)
+    assert plan(gqa, layout={"tp": 8}, **kw)["layouts"][0].layout.tp == 8
+    assert plan(tied, layout={"pp": 2, "micro_batch": 4}, **kw)["layouts"][0].layout.pp == 2
+
+
+def test_the_models_shard_what_the_engine_shards():
+    """`Layout.shard_ranks`: scaletrain's ZeRO shards over the dp_shard ranks alone (its cp ranks
+    hold copies and sum their gradients), the other engines also over the cp ranks. The memory
+    and time models follow it: the optimizer step is not spread over scaletrain's cp ranks."""
+    from dataclasses import replace
+
+    from scaletrain.plan.memory_model import estimate_memory, sharding
+    from scaletrain.plan.time_model import estimate_time, optimizer_seconds
+
+    cfg, hw = load_model("llama-8b").cfg, lookup("H100-SXM")
+    cluster = Cluster(hw, 1, 8)
+    ours = Workload(seq_len=32768, global_batch=8)
+    theirs = replace(ours, engine="megatron")
+    flat = Layout(dp_shard=2, zero=1, micro_batch=1, grad_accum=4)
+    split = replace(flat, cp=4)
+    assert (split.shard_ranks(), split.shard_ranks("megatron"), flat.shard_ranks("megatron")) == (2, 8, 2)
+    assert sharding(ours, split).n == 2 and sharding(theirs, split).n == 8
+    params = 8e9
+    assert optimizer_seconds(ours, split, hw, params) == optimizer_seconds(ours, flat, hw, params)
+    spread = optimizer_seconds(theirs, flat, hw, params) / 4
+    assert optimizer_seconds(theirs, split, hw, params) == pytest.approx(spread)
+    assert estimate_time(cfg, ours, split, cluster).optimizer_s == estimate_time(cfg, ours, flat, cluster).optimizer_s
+    assert estimate_memory(cfg, ours, split).optimizer == estimate_memory(cfg, ours, flat).optimizer
+    # the cp ranks' gradient sum after backward is paid, on the critical path, without any dp rank
+    alone = estimate_time(cfg, ours, Layout(cp=8, micro_batch=1, grad_accum=8), cluster)
+    assert alone.dp_comm_s == alone.dp_exposed_s > 0
+
+
 def test_fixed_layout_that_does_not_fit_says_why():
     r = plan("llama-8b", hardware="A100-40GB", nodes=1, gpus_per_node=8, seq_len=8192, global_batch=8,
              layout={"zero": 0, "micro_batch": 1})
@@ -165,7 +223,7 @@ def test_context_parallel_on_scaletrain_engine_splits_activations_not_states():
     cluster = Cluster(lookup("H100-SXM"), 1, 8)
     cps = {(lay.cp, lay.cp_method) for lay in enumerate_layouts(cfg, wl, cluster)}
     assert {cp for cp, _ in cps} == {1, 2, 4, 8}
-    # with each method (one process: the default); those that cannot run are refused later
+    # with each method (one process: the default) where Layout.errors lets it run
     assert cps == {(1, "ring")} | {(cp, m) for cp in (2, 4, 8) for m in CP_METHODS}
     runnable = {lay.cp_method for lay in enumerate_layouts(cfg, wl, cluster) if lay.cp == 2 and lay.tp == 4
                 and not layout_errors(cfg, wl, cluster, lay)}

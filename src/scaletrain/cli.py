@@ -350,7 +350,7 @@ def _plan(args: argparse.Namespace, extra: list[str]) -> int:
     if here:  # plan for the devices at hand, where the step will run
         nodes, per_node = 1, args.nproc or 1
     aliases = {flag: getattr(args, _alias_dest(flag)) for flag in ALIASES}
-    req = read_request(args.model, args.config, aliases, extra, cp=args.cp, world=nodes * per_node)
+    req = read_request(args.model, args.config, aliases, extra, world=nodes * per_node)
     if here:
         from scaletrain.runtime import pick_device
         from scaletrain.hardware import local_hardware
@@ -666,10 +666,10 @@ def build_parser() -> argparse.ArgumentParser:
     alias("--schedule", choices=PP_SCHEDULES)
     alias("--virtual", type=_at_least_1("pp_virtual_stages"), metavar="N")
     alias("--offload", action="store_const", const=True, help="sets it to true")
+    alias("--cp", type=_at_least_1("cp"), metavar="N",
+          help="context parallel: ranks that split every sequence; each keeps its own tokens' activations, and "
+               "--cp-method's attention backward buffers")
     alias("--cp-method", choices=CP_METHODS, help="how attention reaches the other cp ranks' keys (with --cp)")
-    p.add_argument("--cp", type=_at_least_1("cp"), metavar="N",
-                   help="context parallel: ranks that split every sequence (the config's parallel.cp); each keeps "
-                        "its own tokens' activations, and --cp-method's attention backward buffers")
     p.add_argument("--top", type=int, help="layouts to show (default 10); with --measure, the K best predicted "
                                            "are run and re-ranked by their measured step time")
     p.add_argument("--json", action="store_true", help="print JSON (schema in docs/planner.md)")

@@ -6,12 +6,17 @@ how each step's batch is cut, and the rules that follow from those numbers.
 
 A `Layout`'s fields are the config keys of the same names ([parallel], train.micro_batch and
 train.grad_accum, memory.activation_checkpointing and memory.offload_optimizer) after
-derivation: `parallel.dp_shard = -1` becomes the remaining ranks, the batch triad is completed
-(`parallel.pp_microbatches` is the accumulation count under pipelining). The trainer,
-`parallelize`, `verify`, `bench` and the planner's search all read the layout from here, and
-`check()` is the one place that says whether it can train a model.
+derivation, their defaults the config's: `parallel.dp_shard = -1` becomes the remaining ranks,
+the batch triad is completed (`parallel.pp_microbatches` is the accumulation count under
+pipelining). The trainer, `parallelize`, `verify`, `bench` and the planner (its search, memory
+and time models) read the layout from here, and `errors()` / `check()` is the one place that
+says whether it can train a model on a sequence length: the tp, pp and cp sizes a model allows
+(`tp_errors`, the pipeline's stages and schedules, the cp chunks of a sequence), ZeRO's ranks
+and local SGD's fragments (`fragment_errors`).
 
-Derived here, nowhere else:
+Facts about the ranks, each answered by one member:
+  world            pp × dp_replicate × dp_shard × cp × tp (`config_world`: a config's own axes)
+  global_batch     micro_batch × grad_accum × dp
   chunks_per_rank  pipeline chunks each pp rank runs (interleaved schedules: pp_virtual_stages)
   dp_engine        which data-parallel engine runs: none, ddp, zero1, zero2, fsdp (ZeRO-3, HSDP
                    with dp_replicate > 1) or replicate (zero 0 under tp: DDP cannot take DTensors)
@@ -20,6 +25,8 @@ Derived here, nowhere else:
   step_dp          the ranks whose gradients are reduced every step: all dp ranks, or, when the
                    workers (dp_replicate groups) sync every sync_every steps (dp_sync = local_sgd,
                    diloco), the dp_shard ranks of one worker
+  shard_ranks      the ranks each model-state shard is split over (ZeRO's N), for scaletrain's
+                   engines and for the engines the planner compares against
 
 Mesh axes, outermost first: pp, dp_replicate, dp_shard, cp, tp. Tensor parallelism is innermost
 so its ranks are neighbours (one node, the fastest links); context parallelism next (it passes
@@ -35,9 +42,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from scaletrain.config import MemoryConfig, ParallelConfig, TrainConfig
 from scaletrain.errors import ConfigError
 from scaletrain.schedule import BatchSchedule, parse_rampup
 from scaletrain.vocab import CP_METHODS, is_multi_chunk, unknown
+
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PIPELINE_ONLY = ("parallel.pp_virtual_stages, pp_split and pp_microbatches describe pipeline stages; "
                  "they need parallel.pp > 1")
@@ -49,27 +58,30 @@ def chunks_per_rank(schedule: str, virtual: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    dp_replicate: int = 1
+    # the defaults are the config's (its dataclasses are their one home); sizes and the batch
+    # triad default to 1, where the config's -1 and 0 ask for derivation
+    dp_replicate: int = ParallelConfig.dp_replicate
     dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1  # context parallel: each rank holds 1/cp of every sequence
-    cp_method: str = "ring"  # ring, allgather or ulysses (scaletrain.parallel.context_parallel)
-    zero: int = 0
-    sp: bool = False
-    pp_schedule: str = "1f1b"
-    pp_virtual_stages: int = 1
-    pp_split: str = ""
+    tp: int = ParallelConfig.tp
+    pp: int = ParallelConfig.pp
+    cp: int = ParallelConfig.cp  # context parallel: each rank holds 1/cp of every sequence
+    cp_method: str = ParallelConfig.cp_method  # ring, allgather or ulysses (scaletrain.parallel.context_parallel)
+    zero: int = ParallelConfig.zero
+    sp: bool = ParallelConfig.sp
+    pp_schedule: str = ParallelConfig.pp_schedule
+    pp_virtual_stages: int = ParallelConfig.pp_virtual_stages
+    pp_split: str = ParallelConfig.pp_split
     micro_batch: int = 1
     grad_accum: int = 1
-    activation_checkpointing: str = "none"
-    offload_optimizer: bool = False
-    dp_sync: str = "step"  # step, local_sgd or diloco (the dp_replicate groups are the workers)
-    sync_every: int = 50
-    sync_fragments: int = 1
-    sync_delay: int = 0
-    sync_dtype: str = "fp32"
-    batch_rampup: str = ""  # "START,INCREMENT,TOKENS": the global batch grows to global_batch (BatchSchedule)
+    activation_checkpointing: str = MemoryConfig.activation_checkpointing
+    offload_optimizer: bool = MemoryConfig.offload_optimizer
+    dp_sync: str = ParallelConfig.dp_sync  # step, local_sgd or diloco (the dp_replicate groups are the workers)
+    sync_every: int = ParallelConfig.sync_every
+    sync_fragments: int = ParallelConfig.sync_fragments
+    sync_delay: int = ParallelConfig.sync_delay
+    sync_dtype: str = ParallelConfig.sync_dtype
+    # "START,INCREMENT,TOKENS": the global batch grows to global_batch (BatchSchedule)
+    batch_rampup: str = TrainConfig.batch_rampup
 
     # ---- from a config ------------------------------------------------------------------------
 
@@ -79,7 +91,7 @@ class Layout:
         batch triad derived or checked. Raises ConfigError when the numbers do not add up; the
         model-dependent checks are `check()`."""
         par, train = cfg.parallel, cfg.train
-        fixed = par.dp_replicate * par.tp * par.pp * par.cp
+        fixed = cls.fixed_ranks(par)
         cp_name, cp_size = (" × cp", f" × {par.cp}") if par.cp > 1 else ("", "")
         if par.dp_shard == 0:
             raise ConfigError("parallel.dp_shard=0 is not a size; use -1 for all remaining ranks or a positive number")
@@ -111,6 +123,18 @@ class Layout:
                    batch_rampup=train.batch_rampup)
 
     # ---- sizes --------------------------------------------------------------------------------
+
+    @staticmethod
+    def fixed_ranks(par) -> int:
+        """Ranks of every axis but dp_shard that a config's [parallel] (a ParallelConfig) names:
+        dp_replicate × tp × pp × cp. parallel.dp_shard = -1 takes the world's remaining ranks."""
+        return par.dp_replicate * par.tp * par.pp * par.cp
+
+    @classmethod
+    def config_world(cls, par) -> int:
+        """The world a config's [parallel] names by itself: its axes' product, dp_shard = -1
+        (all remaining ranks) counted as 1."""
+        return cls.fixed_ranks(par) * max(par.dp_shard, 1)
 
     @property
     def dp(self) -> int:
@@ -160,11 +184,13 @@ class Layout:
     def keeps_fp32_weights(self) -> bool:
         return self.dp_engine in ("fsdp", "replicate", "zero1", "zero2")
 
-    @property
-    def shard_ranks(self) -> int:
-        """Ranks each model-state shard is split over: ZeRO's N (context-parallel ranks hold the
-        same weights, so engines that have cp shard over them too)."""
-        return (self.dp_shard if self.step_dp > 1 else 1) * self.cp
+    def shard_ranks(self, engine: str = "scaletrain") -> int:
+        """Ranks each model-state shard (parameters, gradients, optimizer state under ZeRO) is
+        split over: ZeRO's N. scaletrain's engines shard over the dp_shard ranks of the step
+        alone — its context-parallel ranks hold whole copies of the shards and sum their
+        gradients; the engines the planner compares against (Megatron's distributed optimizer,
+        torchtitan's FSDP over dp × cp) also shard over the cp ranks, which hold the same weights."""
+        return (self.dp_shard if self.step_dp > 1 else 1) * (self.cp if engine != "scaletrain" else 1)
 
     # ---- checks -------------------------------------------------------------------------------
 
@@ -173,9 +199,7 @@ class Layout:
         in this layout on sequences of `seq_len` tokens (None: not known), one sentence each; []
         when it can train."""
         e = []
-        # scaletrain's engines shard over the dp_shard ranks alone (cp ranks hold copies)
-        shard = self.shard_ranks if engine != "scaletrain" else self.dp_shard if self.step_dp > 1 else 1
-        if self.zero >= 1 and shard == 1:
+        if self.zero >= 1 and self.shard_ranks(engine) == 1:
             e.append(f"parallel.zero={self.zero} shards model states over the dp_shard ranks, but there is only 1 "
                      f"({self.describe_ranks()}); use parallel.zero=0, or more data-parallel ranks")
         if self.sp and self.tp == 1:
@@ -189,8 +213,10 @@ class Layout:
                      f"to the number of workers (2 or more), or dp_sync=step")
         if self.batch_rampup:
             e += self._rampup_errors()
-        if self.cp > 1 and engine == "scaletrain":
-            e += self._cp_errors(model, seq_len)
+        if self.cp > 1:
+            # every engine cuts the sequence into 2 × cp load-balanced chunks; the methods and
+            # their model rules are scaletrain's
+            e += self._seq_errors(seq_len) if engine != "scaletrain" else self._cp_errors(model, seq_len)
         if self.pp > 1:
             e += self._schedule_errors(model.n_layers if model is not None else None)
         elif self.pp_virtual_stages != 1 or self.pp_split:
@@ -202,10 +228,18 @@ class Layout:
                          "model.tie_embeddings=false")
             if self.tp > 1:
                 e += tp_errors(model, self.tp)
-            if self.local_sync and self.sync_fragments > model.n_layers:
-                e.append(f"parallel.sync_fragments={self.sync_fragments} splits the model's blocks into fragments, "
-                         f"but model.n_layers={model.n_layers}; use at most {model.n_layers} fragments")
+            e += self.fragment_errors(model.n_layers)
         return e
+
+    def fragment_errors(self, n_blocks: int, *, of_config: bool = True) -> list[str]:
+        """Why local SGD / DiLoCo cannot split a model of `n_blocks` blocks into this layout's
+        sync_fragments ([] if it can, or without local sync). `of_config`: the blocks are the
+        config's model.n_layers (else a module's own blocks, counted)."""
+        if not self.local_sync or self.sync_fragments <= n_blocks:
+            return []
+        has = f"model.n_layers={n_blocks}" if of_config else f"it has {n_blocks}"
+        return [f"parallel.sync_fragments={self.sync_fragments} splits the model's blocks into fragments, but {has}; "
+                f"use at most {n_blocks} fragments"]
 
     def check(self, model=None, *, engine: str = "scaletrain", seq_len: int | None = None) -> "Layout":
         """Raise one ConfigError listing every problem of `errors()`; returns self."""
@@ -216,18 +250,10 @@ class Layout:
 
     def _cp_errors(self, model, seq_len: int | None) -> list[str]:
         """Why this layout's context parallelism cannot train `model` on `seq_len` tokens."""
-        e, cp, method = [], self.cp, self.cp_method
+        cp, method = self.cp, self.cp_method
         if method not in CP_METHODS:
             return [str(unknown("parallel.cp_method", method, CP_METHODS))]
-        if seq_len is not None:
-            # every method uses the load-balanced causal split: rank i holds chunks i and 2cp-1-i
-            if seq_len < 2 * cp:
-                e.append(f"parallel.cp={cp} splits each sequence into 2 × cp = {2 * cp} chunks, but data.seq_len="
-                         f"{seq_len} has fewer tokens; lower parallel.cp to at most {max(seq_len // 2, 1)}")
-            elif seq_len % (2 * cp):
-                e.append(f"parallel.cp={cp} splits each sequence into 2 × cp = {2 * cp} equal chunks (rank i holds "
-                         f"chunks i and {2 * cp - 1}-i, to balance causal attention), but data.seq_len={seq_len} is "
-                         f"not a multiple of {2 * cp}; use a seq_len that is")
+        e = self._seq_errors(seq_len)
         if model is not None:
             heads = model.n_heads // self.tp if model.n_heads % self.tp == 0 else None
             if method == "ulysses" and heads is not None and heads % cp:
@@ -238,6 +264,21 @@ class Layout:
                 e.append(f"model.dropout={model.dropout:g}: attention dropout is not supported under context "
                          "parallelism (parallel.cp > 1); set model.dropout=0")
         return e
+
+    def _seq_errors(self, seq_len: int | None) -> list[str]:
+        """Why context parallelism cannot cut sequences of `seq_len` tokens (None: not known)."""
+        cp = self.cp
+        if seq_len is None or cp == 1:
+            return []
+        # every method uses the load-balanced causal split: rank i holds chunks i and 2cp-1-i
+        if seq_len < 2 * cp:
+            return [f"parallel.cp={cp} splits each sequence into 2 × cp = {2 * cp} chunks, but data.seq_len="
+                    f"{seq_len} has fewer tokens; lower parallel.cp to at most {max(seq_len // 2, 1)}"]
+        if seq_len % (2 * cp):
+            return [f"parallel.cp={cp} splits each sequence into 2 × cp = {2 * cp} equal chunks (rank i holds "
+                    f"chunks i and {2 * cp - 1}-i, to balance causal attention), but data.seq_len={seq_len} is "
+                    f"not a multiple of {2 * cp}; use a seq_len that is"]
+        return []
 
     def _rampup_errors(self) -> list[str]:
         try:

@@ -129,7 +129,7 @@ def layout_world(par: ParallelConfig, nproc: int | None) -> int:
     if par.dp_shard == -1 and par.zero >= 1:
         raise ConfigError(f"parallel.zero={par.zero} shards over the dp_shard ranks, and parallel.dp_shard=-1 means "
                           "'all remaining ranks': say how many with --nproc N or parallel.dp_shard=N")
-    return par.pp * par.dp_replicate * par.tp * par.cp * max(par.dp_shard, 1)
+    return Layout.config_world(par)
 
 
 def isolated(cfg: JobConfig, run_dir: Path, steps: int) -> JobConfig:

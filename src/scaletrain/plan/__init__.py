@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from scaletrain.config import ParallelConfig
 from scaletrain.errors import ConfigError
 from scaletrain.hardware import Hardware, lookup
 from scaletrain.plan.memory_model import GiB, ParamCounts, module_memory
@@ -122,9 +123,10 @@ def calibrated(cfg, wl: Workload, cluster: Cluster, layouts: list[Layout] | None
     return replace(cluster, calibration=cal)
 
 
-# local SGD / DiLoCo settings the planner tries when none are given (DiLoCo's paper: H in the
-# hundreds; 50 is scaletrain's default)
-DEFAULT_SYNC = {"dp_sync": "step", "sync_every": 50, "sync_fragments": 1, "sync_delay": 0, "sync_dtype": "fp32"}
+# local SGD / DiLoCo settings the planner tries when none are given: the config's defaults
+# (DiLoCo's paper: H in the hundreds; scaletrain's parallel.sync_every is 50)
+DEFAULT_SYNC = {name: getattr(ParallelConfig, name) for name in
+                ("dp_sync", "sync_every", "sync_fragments", "sync_delay", "sync_dtype")}
 
 
 def _check_workers(workers: int, link: float | None, world: int) -> None:
@@ -168,7 +170,7 @@ def _text(value) -> str:
 
 def resolve_layout(given: Layout | dict, cluster: Cluster, wl: Workload) -> Layout:
     """A layout from the options given — config keys ("parallel.zero"), Layout's field names or
-    the plan command's short names ("ac", "schedule", "virtual", "offload"), and "cp" — with what
+    the plan command's short names ("ac", "schedule", "virtual", "offload", "cp") — with what
     is left out derived as the config derives it (`scaletrain.plan.options.derive_layout`)."""
     if isinstance(given, Layout):
         return given

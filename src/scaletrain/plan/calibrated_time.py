@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 
+from scaletrain.config import ParallelConfig
 from scaletrain.model.flops import flops_per_token
 from scaletrain.plan.calibrate import Calibration, engine_key, engine_probed, layout_key
 from scaletrain.plan.memory_model import dtypes_for, rank_params, stage_layers
@@ -38,7 +39,8 @@ from scaletrain.plan.time_model import SYNC_BYTES, TimeBreakdown, cp_traffic, op
 from scaletrain.vocab import PEAK_KIND
 
 
-def estimate(cfg, wl: Workload, layout: Layout, cluster: Cluster, bucket_mb: float = 25.0) -> TimeBreakdown:
+def estimate(cfg, wl: Workload, layout: Layout, cluster: Cluster,
+             bucket_mb: float = ParallelConfig.bucket_mb) -> TimeBreakdown:
     from scaletrain.parallel.pipeline import stage_indices
 
     cal: Calibration = cluster.calibration
@@ -73,7 +75,7 @@ def estimate(cfg, wl: Workload, layout: Layout, cluster: Cluster, bucket_mb: flo
     else:
         dp_comm, dp_exposed = data_parallel(cal, wl, layout, params, compute, max(counts), bucket_mb)
         key = f"{wl.optimizer}|{wl.precision}"
-        n_shard = layout.dp_shard * layout.cp
+        n_shard = layout.shard_ranks(wl.engine)
         stepped = params / n_shard if layout.zero >= 1 and n_shard > 1 else params
         optimizer = (cal.optimizer[key] * stepped if key in cal.optimizer
                      else optimizer_seconds(wl, layout, cluster.hardware, params))
@@ -93,12 +95,16 @@ def estimate(cfg, wl: Workload, layout: Layout, cluster: Cluster, bucket_mb: flo
 def data_parallel(cal: Calibration, wl: Workload, layout: Layout, params: float, compute: float, units: int,
                   bucket_mb: float) -> tuple[float, float]:
     """(data-parallel communication, the part of it not hidden) per step, with the measured
-    collectives and overlap."""
+    collectives and overlap. The dp groups shard over `Layout.shard_ranks` (scaletrain's: the
+    dp_shard ranks); the cp ranks then sum their gradients (their shards), exposed."""
     d = dtypes_for(wl)
     m = layout.grad_accum
-    n_shard = layout.dp_shard * layout.cp
-    if n_shard * layout.dp_replicate == 1:
-        return 0.0, 0.0
+    n_shard = layout.shard_ranks(wl.engine)
+    cp_sum = 0.0
+    if layout.cp > 1:  # the Trainer's sum over the cp ranks after backward
+        cp_sum = cal.collective_s("all_reduce", params * 4 / (n_shard if layout.zero >= 1 else 1), layout.cp)
+    if layout.dp == 1:
+        return cp_sum, cp_sum
     r = 1 if layout.local_sync else layout.dp_replicate  # local SGD: the replicas sync below, every H steps
     grad_bytes = params * 4  # scaletrain reduces gradients in fp32
     buckets = max(1, math.ceil(grad_bytes / (bucket_mb * 2**20)))
@@ -126,4 +132,4 @@ def data_parallel(cal: Calibration, wl: Workload, layout: Layout, params: float,
         outer = cal.collective_s("all_reduce", shard * SYNC_BYTES[layout.sync_dtype], layout.dp_replicate)
         comm += outer / layout.sync_every
         exposed += outer / layout.sync_every
-    return comm, exposed
+    return comm + cp_sum, exposed + cp_sum

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
 
+from scaletrain.config import ParallelConfig
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.flops import block_matmul_params
 from scaletrain.plan.spec import Cluster, Layout, Workload
@@ -126,18 +127,23 @@ def _layer_params(cfg: ModelConfig, tp: int) -> tuple[int, int, int, tuple]:
     h, kv, f = cfg.dim, cfg.kv_heads * cfg.head_size, cfg.hidden_dim
     q = cfg.n_heads * cfg.head_size  # = h unless head_dim is set apart
     n_ffn = 3 if cfg.activation == "swiglu" else 2
-    sharded = block_matmul_params(cfg, tp)
+    # the K/V width on a rank: kv / tp, or, with fewer K/V heads than tp, the one head its
+    # query heads read (replicated on tp / kv_heads ranks, as the engine holds it)
+    kv_rank = kv // tp if cfg.kv_heads >= tp else cfg.head_size
+    replicated_kv = 2 * h * kv_rank - 2 * h * kv // tp  # wk and wv beyond their 1/tp share
+    matmul = block_matmul_params(cfg, tp) + replicated_kv
+    sharded = matmul
     replicated = (4 if cfg.norm == "layernorm" and cfg.bias else 2) * h
     if cfg.bias:
-        sharded += (q + 2 * kv + (n_ffn - 1) * f) // tp  # column-parallel biases
+        sharded += (q + (n_ffn - 1) * f) // tp + 2 * kv_rank  # column-parallel biases
         replicated += 2 * h  # row-parallel biases (wo, w2)
     elif cfg.qkv_bias:
-        sharded += (q + 2 * kv) // tp
+        sharded += q // tp + 2 * kv_rank
     if cfg.qk_norm:
         replicated += 2 * cfg.head_size
-    mats = ((q // tp, h), (kv // tp, h), (kv // tp, h), (h, q // tp)) + \
+    mats = ((q // tp, h), (kv_rank, h), (kv_rank, h), (h, q // tp)) + \
            ((f // tp, h),) * (n_ffn - 1) + ((h, f // tp),)
-    return sharded, replicated, block_matmul_params(cfg, tp), mats
+    return sharded, replicated, matmul, mats
 
 
 def stage_layers(cfg: ModelConfig, layout: Layout) -> list[list[int]]:
@@ -322,7 +328,7 @@ def _mlp_half_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, c
 
 
 def attention_backward_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, cp: int = 1,
-                             cp_method: str = "ring") -> float:
+                             cp_method: str = Layout.cp_method) -> float:
     """The most one layer's attention holds at once in backward beyond the activations it saved,
     per micro-batch of b sequences, on one rank (scaletrain's attention; T = seq_len / cp this
     rank's tokens, H = n_heads / tp heads, q = H × head_size, kv the K/V width):
@@ -527,7 +533,8 @@ RUNTIME_BYTES_GPU = 1.0 * GiB  # CUDA context, NCCL and cuBLAS workspaces
 
 
 def estimate_memory(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Cluster | None = None, *,
-                    bucket_mb: float = 25.0, gpu: bool = True, activations: str = "formula") -> MemoryBreakdown:
+                    bucket_mb: float = ParallelConfig.bucket_mb, gpu: bool = True,
+                    activations: str = "formula") -> MemoryBreakdown:
     """Per-rank memory of `layout`, for its worst pipeline rank: the first (most micro-batches
     in flight, the embedding), the last (the head and loss) or the one with the most layers."""
     worst = None
@@ -622,17 +629,14 @@ def backward_moments(cfg: ModelConfig, wl: Workload, layout: Layout, d: Dtypes, 
 class Sharding:
     """How a layout's data-parallel engine holds the model states of a rank."""
 
-    n: int  # ranks each state is sharded over: the dp_shard ranks and the cp ranks (or 1)
+    n: int  # ranks each state is sharded over: Layout.shard_ranks of the engine
     zero: int  # the ZeRO stage in effect (0 with nothing to shard over)
     grad_zero: int  # the stage the gradients' peak follows (ZeRO-2 under pipelining holds them whole: 1)
     fsdp_like: bool  # scaletrain's FSDP (zero 3) or FSDP-based replication (zero 0 under tp)
 
 
 def sharding(wl: Workload, layout: Layout) -> Sharding:
-    # ZeRO shards over the data-parallel shard ranks and, in the other engines, the context-parallel
-    # ranks, which hold the same weights (Megatron's distributed optimizer, torchtitan's FSDP over
-    # dp × cp); scaletrain's engines shard over dp_shard alone and sum the cp ranks' gradients
-    n = (layout.dp_shard if layout.step_dp > 1 else 1) * (layout.cp if wl.engine != "scaletrain" else 1)
+    n = layout.shard_ranks(wl.engine)  # the engine's ZeRO group (cp ranks: in the others', not scaletrain's)
     zero = layout.zero if n > 1 else 0
     # scaletrain's FSDP (zero 3) and FSDP-based replication (zero 0 with tp) keep fp32 weights
     # (the masters) and cast into compute-dtype buffers of their own
@@ -678,7 +682,8 @@ def model_state_memory(counts: ParamCounts, wl: Workload, layout: Layout, *, ext
 
 def buffers_and_peak(out: MemoryBreakdown, counts: ParamCounts, wl: Workload, layout: Layout, *, block_params: float,
                      root_params: float, recompute: float = 0.0, moments: BackwardMoments | None = None,
-                     bucket_mb: float = 25.0, gpu: bool = True, sh: Sharding | None = None) -> MemoryBreakdown:
+                     bucket_mb: float = ParallelConfig.bucket_mb, gpu: bool = True,
+                     sh: Sharding | None = None) -> MemoryBreakdown:
     """Complete `out` (model states and activations filled in) with the communication buffers,
     scaletrain's peak and the reserve. FSDP gathers units of `block_params` parameters, the
     root's `root_params` stay gathered; `recompute`: the bytes checkpointing rebuilds at once;
@@ -761,7 +766,7 @@ def _peak(m: MemoryBreakdown, layout: Layout, zero: int, n: int, fsdp_like: bool
 
 
 def module_memory(counts: ParamCounts, wl: Workload, layout: Layout, activations: float, *, gpu: bool = True,
-                  bucket_mb: float = 25.0) -> MemoryBreakdown:
+                  bucket_mb: float = ParallelConfig.bucket_mb) -> MemoryBreakdown:
     """Per-rank memory of a model known only by its parameters and the activations traced on
     it (an arbitrary nn.Module, data parallel only): model states, buffers, peak and reserve
     as for any model under the layout's engine. FSDP's unit is the whole module (its blocks

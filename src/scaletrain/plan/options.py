@@ -6,10 +6,9 @@ one config key. Every value is checked by the config's own validation. The layou
 (in the TOML, as `--section.key=value` or through an alias) fix the layout, and what is left
 out is derived as the config derives it (`scaletrain.layout.Layout.from_config`: dp_shard the
 remaining ranks, the batch triad from the global batch); with none given the planner searches.
-`cp` (parallel.cp in the config) is taken by that short name only.
 
 From Python, `plan(layout={...})` takes the same config keys, Layout's field names, or the
-aliases' short names ("ac", "schedule", "virtual", "offload").
+aliases' short names ("ac", "schedule", "virtual", "offload", "cp").
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ ALIASES = {
     "--schedule": "parallel.pp_schedule",
     "--virtual": "parallel.pp_virtual_stages",
     "--offload": "memory.offload_optimizer",
+    "--cp": "parallel.cp",
     "--cp-method": "parallel.cp_method",
 }
 
@@ -48,7 +48,7 @@ ALIASES = {
 # parallel.pp_microbatches is train.grad_accum under pipelining)
 LAYOUT_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.sp", "parallel.pp",
                "parallel.pp_schedule", "parallel.pp_virtual_stages", "parallel.pp_split", "parallel.pp_microbatches",
-               "parallel.zero", "parallel.cp_method", "train.micro_batch", "train.grad_accum",
+               "parallel.zero", "parallel.cp", "parallel.cp_method", "train.micro_batch", "train.grad_accum",
                "memory.activation_checkpointing", "memory.offload_optimizer")
 
 # How the data-parallel workers sync (Layout's fields of these names): not layout keys that fix
@@ -68,7 +68,7 @@ LAYOUT_NAMES = {**{key.partition(".")[2]: key for key in LAYOUT_KEYS},
                 **{flag[2:].replace("-", "_"): key for flag, key in ALIASES.items() if key in LAYOUT_KEYS}}
 # sizes that plan(layout={...}) takes by name must be at least 1 (the config's names keep the
 # config's meanings: dp_shard = -1 all remaining ranks, micro_batch = 0 derive)
-SIZES = ("tp", "pp", "dp_replicate", "dp_shard", "micro_batch", "grad_accum", "pp_virtual_stages")
+SIZES = ("tp", "pp", "cp", "dp_replicate", "dp_shard", "micro_batch", "grad_accum", "pp_virtual_stages")
 
 
 def alias_of(key: str) -> str | None:
@@ -82,7 +82,7 @@ DERIVES = {"parallel.dp_shard": -1, "train.micro_batch": 0, "train.grad_accum": 
 
 
 def config_key(field: str) -> str:
-    """The config key of a Layout field (cp: the planner's own)."""
+    """The config key of a Layout field."""
     return next((k for k, f in FIELD_OF.items() if f == field), None) or \
         next((k for k in LAYOUT_KEYS if k.partition(".")[2] == field), field)
 
@@ -92,7 +92,7 @@ def fixed_fields(given: Mapping[str, Any]) -> set[str]:
     value that asks for derivation (dp_shard -1, a batch size 0) fixes nothing."""
     out = set()
     for name, value in given.items():
-        key = "cp" if name == "cp" else name if name in LAYOUT_KEYS else LAYOUT_NAMES.get(name)
+        key = name if name in LAYOUT_KEYS else LAYOUT_NAMES.get(name)
         if key is None or (key in DERIVES and value == DERIVES[key]):
             continue
         out.add(FIELD_OF.get(key, key.partition(".")[2] or key))
@@ -104,19 +104,13 @@ def fixed_fields(given: Mapping[str, Any]) -> set[str]:
 
 
 def derive_layout(given: Mapping[str, Any], world: int, global_batch: int) -> Layout:
-    """The layout that `given` (config keys, Layout's field names or the aliases' short names,
-    and "cp") fixes on `world` ranks for `global_batch` sequences per step (0: derived from the
+    """The layout that `given` (config keys, Layout's field names or the aliases' short names)
+    fixes on `world` ranks for `global_batch` sequences per step (0: derived from the
     batch triad, as the config does); what is left out is derived by
     `Layout.from_config`. Sequence parallelism is on under tensor parallelism unless given."""
     keys: dict[str, Any] = {}
     unknown, too_small, twice = [], [], []
-    cp = 1
     for name, value in given.items():
-        if name == "cp":
-            cp = value
-            if cp < 1:
-                too_small.append(f"cp={cp}")
-            continue
         key = name if name in LAYOUT_KEYS else LAYOUT_NAMES.get(name)
         if key is None:
             unknown.append(name)
@@ -128,7 +122,7 @@ def derive_layout(given: Mapping[str, Any], world: int, global_batch: int) -> La
             twice.append(key)
         keys[key] = value
     if unknown:
-        known = sorted(set(LAYOUT_NAMES) | {"cp"})
+        known = sorted(LAYOUT_NAMES)
         raise ConfigError(f"unknown layout option(s) {', '.join(sorted(unknown))}; known: {', '.join(known)} "
                           "(or their config keys)")
     if twice:
@@ -145,20 +139,24 @@ def derive_layout(given: Mapping[str, Any], world: int, global_batch: int) -> La
     par = cfg.parallel
     if "parallel.sp" not in keys and par.tp > 1:  # the planner's default: sequence parallel with tp
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(par, sp=True))
-    # the cluster's terms, before Layout.from_config's (which speak of processes to launch)
-    tp, pp = par.tp, par.pp
-    if world % (tp * pp * cp):
-        sizes_text = f"tp {tp} × pp {pp}" + (f" × cp {cp}" if cp > 1 else "")
-        raise ConfigError(f"{sizes_text} does not divide the cluster's {world} GPUs")
-    dp = world // (tp * pp * cp)
+    # where the cluster does not take the layout, its words before Layout.from_config's (which
+    # speak of processes to launch)
+    if world % Layout.fixed_ranks(par) or (par.dp_shard > 0 and Layout.config_world(par) != world):
+        raise ConfigError(_misfit(par, world))
+    return Layout.from_config(cfg, world)
+
+
+def _misfit(par, world: int) -> str:
+    """Why the cluster's `world` GPUs do not take the sizes of `par` (a ParallelConfig)."""
+    besides = par.tp * par.pp * par.cp
+    sizes_text = f"tp {par.tp} × pp {par.pp}" + (f" × cp {par.cp}" if par.cp > 1 else "")
+    if world % besides:
+        return f"{sizes_text} does not divide the cluster's {world} GPUs"
+    dp = world // besides
     if dp % par.dp_replicate:
-        raise ConfigError(f"dp_replicate {par.dp_replicate} does not divide the {dp} data-parallel ranks")
-    if par.dp_shard > 0 and par.dp_replicate * par.dp_shard != dp:
-        raise ConfigError(f"dp_replicate {par.dp_replicate} × dp_shard {par.dp_shard} ≠ the {dp} data-parallel ranks "
-                          f"the cluster's {world} GPUs leave beside tp {tp} × pp {pp}" + (f" × cp {cp}" if cp > 1 else "")
-                          + "; leave dp_shard out (or -1) for the remaining ranks")
-    layout = Layout.from_config(cfg, world // cp)
-    return dataclasses.replace(layout, cp=cp) if cp != 1 else layout
+        return f"dp_replicate {par.dp_replicate} does not divide the {dp} data-parallel ranks"
+    return (f"dp_replicate {par.dp_replicate} × dp_shard {par.dp_shard} ≠ the {dp} data-parallel ranks the "
+            f"cluster's {world} GPUs leave beside {sizes_text}; leave dp_shard out (or -1) for the remaining ranks")
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,16 +170,16 @@ class Request:
     model: Any  # the MODEL argument, or the config's ModelConfig
     cfg: JobConfig  # the config the options make (the planned model's section aside, with MODEL)
     workload: dict  # seq_len, global_batch, precision, optimizer
-    layout: dict | None  # the layout keys given (and cp), or None: search
+    layout: dict | None  # the layout keys given, or None: search
     overrides: dict  # the command line's config options ({"section.key": value}), aliases included
     sync: dict = dataclasses.field(default_factory=dict)  # Layout's dp_sync settings (SYNC_KEYS)
 
 
 def read_request(model: Any, config: str | None, aliases: Mapping[str, Any], extra: list[str], *,
-                 cp: int | None, world: int) -> Request:
+                 world: int) -> Request:
     """Read the plan command's options: MODEL (or None), --config FILE, the aliases given
-    ({"--zero": 2}; None = not given), the `--section.key=value` options and --cp (or the
-    config's parallel.cp), for a cluster of `world` GPUs."""
+    ({"--zero": 2}; None = not given) and the `--section.key=value` options, for a cluster of
+    `world` GPUs."""
     dotted, errors = parse_override_args(extra)
     if errors:
         raise ConfigError(*errors)
@@ -194,7 +192,7 @@ def read_request(model: Any, config: str | None, aliases: Mapping[str, Any], ext
                 errors.append(f"{key}: {e}")
                 continue
             if not same:
-                errors.append(f"{alias_of(key)} {value} and --{key}={dotted[key]} set the same option ({alias_of(key)} "
+                errors.append(f"{alias_of(key)} {value} and {key}={dotted[key]} set the same option ({alias_of(key)} "
                               f"is {key}) to different values; give one of them")
     if errors:
         raise ConfigError(*errors)
@@ -215,13 +213,6 @@ def read_request(model: Any, config: str | None, aliases: Mapping[str, Any], ext
         given_here = config or key in given or (key == "train.global_batch" and derive_batch)
         workload[name] = _value(cfg, key) if given_here else PLAN_DEFAULTS[key]
     layout = {key: _value(cfg, key) for key in LAYOUT_KEYS if key in given}
-    if "parallel.cp" in given:  # --cp's config key, from the config or the command line
-        if cp is not None and cp != cfg.parallel.cp:
-            raise ConfigError(f"--cp {cp} and parallel.cp={cfg.parallel.cp} set the same option (--cp is "
-                              "parallel.cp) to different values; give one of them")
-        cp = cfg.parallel.cp
-    if cp is not None:
-        layout["cp"] = cp
     if not workload["global_batch"]:  # 0: micro_batch × grad_accum × dp, as the config derives it here
         workload["global_batch"] = derive_layout(layout, world, 0).global_batch
     sync = {key.partition(".")[2]: _value(cfg, key) for key in SYNC_KEYS}

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scaletrain.layout import Layout
+
 _GPT = dict(norm="layernorm", activation="gelu", position="learned", bias=True, vocab_size=51200,
             max_seq_len=2048, tie_embeddings=False)
 
@@ -55,8 +57,7 @@ class Run:
 
 
 def _world(e: dict) -> int:
-    lay = e["layout"]
-    return lay["dp_replicate"] * lay["dp_shard"] * lay["tp"] * lay["pp"] * lay["cp"]
+    return Layout(**e["layout"]).world
 
 
 # each reads one layout of `scaletrain plan --json`

@@ -1,10 +1,12 @@
 """Enumerate the layouts a cluster allows, keep those that fit, rank them by throughput.
 
-A layout is valid when its ranks fill the cluster (dp_replicate × dp_shard × tp × pp = world),
-tensor parallelism stays inside a node and divides the heads, key/value heads and vocabulary,
-pipelining leaves every stage at least one layer (and the embedding untied from the head), the
-global batch divides into the data-parallel ranks and micro-batches, and the schedule can run
-the micro-batches it gets (1F1B needs at least pp of them, the interleaved ones a multiple).
+A layout is a candidate when its ranks fill the cluster, tensor parallelism stays inside a
+node (the cluster's rules, here), its global batch is the workload's, and the trainer can run
+it: `Layout.errors` on the model and the sequence length — the one home of which tp, pp and cp
+sizes a model allows (tp divides the heads and the vocabulary, and divides or is a multiple of
+the key/value heads; every pipeline stage gets a layer, and the schedule can run the
+micro-batches it gets; a tied embedding under any schedule but zero-bubble; cp cuts the
+sequence into 2·cp chunks), and the ZeRO stages its ranks allow.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Iterator
 
 from scaletrain.model.config import ModelConfig
 from scaletrain.errors import ConfigError
+from scaletrain.layout import tp_errors
 from scaletrain.fmt import seconds, size
 from scaletrain.plan.memory_model import GiB, MemoryBreakdown, estimate_memory
 from scaletrain.plan.spec import Cluster, Layout, Workload
@@ -61,10 +64,8 @@ def layout_errors(cfg: ModelConfig, wl: Workload, cluster: Cluster, layout: Layo
         e.append(f"it uses {layout.world} ranks but the cluster has {cluster.world} GPUs")
     if layout.tp > cluster.gpus_per_node:
         e.append(f"tp {layout.tp} would cross nodes ({cluster.gpus_per_node} GPUs per node)")
-    if layout.cp > 1 and wl.seq_len % (2 * layout.cp):
-        e.append(f"cp {layout.cp} needs the sequence length in multiples of 2·cp (load-balanced chunks)")
-    e += layout.errors(cfg, engine=wl.engine)  # the rules the trainer applies (scaletrain.layout)
-    if layout.micro_batch * layout.grad_accum * layout.dp != wl.global_batch:
+    e += layout.errors(cfg, engine=wl.engine, seq_len=wl.seq_len)  # the rules the trainer applies
+    if layout.global_batch != wl.global_batch:
         e.append(f"micro-batch {layout.micro_batch} × accumulation {layout.grad_accum} × dp {layout.dp} "
                  f"≠ global batch {wl.global_batch}")
     return e
@@ -72,12 +73,22 @@ def layout_errors(cfg: ModelConfig, wl: Workload, cluster: Cluster, layout: Layo
 
 def enumerate_layouts(cfg: ModelConfig, wl: Workload, cluster: Cluster, *, max_micro_batch: int = 16,
                       offload: bool = True, sync: dict | None = None) -> Iterator[Layout]:
-    """`sync`: Layout's dp_sync settings (local SGD or DiLoCo) to try as well wherever there are
+    """The layouts of `cluster` that `Layout.errors` lets train `cfg` on the workload's
+    sequences (and the cluster's rules of `layout_errors`), in the order they are built.
+    `sync`: Layout's dp_sync settings (local SGD or DiLoCo) to try as well wherever there are
     several dp_replicate groups (the workers)."""
+    for layout in _candidates(cfg, wl, cluster, max_micro_batch, offload, sync):
+        if not layout_errors(cfg, wl, cluster, layout):
+            yield layout
+
+
+def _candidates(cfg, wl, cluster, max_micro_batch, offload, sync):
+    """Every combination of the sizes that fill the cluster, its batch split every way; a size
+    that `Layout.errors` refuses for the model alone (tp, pp, cp) prunes its subtree early."""
     # context parallelism when sequences are long enough to need it
-    cps = [c for c in _divisors(cluster.world) if c == 1 or (wl.seq_len >= 16384 and wl.seq_len % (2 * c) == 0)]
-    for cp in cps:
-        yield from _layouts(cfg, wl, cluster, cp, max_micro_batch, offload, sync)
+    for cp in _divisors(cluster.world):
+        if cp == 1 or (wl.seq_len >= 16384 and not Layout(cp=cp).errors(engine=wl.engine, seq_len=wl.seq_len)):
+            yield from _layouts(cfg, wl, cluster, cp, max_micro_batch, offload, sync)
 
 
 def _layouts(cfg, wl, cluster, cp, max_micro_batch, offload, sync=None):
@@ -86,11 +97,9 @@ def _layouts(cfg, wl, cluster, cp, max_micro_batch, offload, sync=None):
     # model takes the K/V exchange as a ring for all three), ulysses where the heads divide
     methods = (Layout.cp_method,) if cp == 1 or wl.engine != "scaletrain" else CP_METHODS
     for tp in _divisors(world):
-        if tp > cluster.gpus_per_node or cfg.n_heads % tp or cfg.kv_heads % tp or cfg.vocab_size % tp:
+        if tp > cluster.gpus_per_node or tp_errors(cfg, tp):
             continue
         for pp in _divisors(world // tp):
-            if pp > cfg.n_layers or (pp > 1 and cfg.tie_embeddings):
-                continue
             dp = world // (tp * pp)
             if wl.global_batch % dp:
                 continue
@@ -98,11 +107,6 @@ def _layouts(cfg, wl, cluster, cp, max_micro_batch, offload, sync=None):
             for dp_replicate in _divisors(dp):
                 dp_shard = dp // dp_replicate
                 for zero in ZERO_STAGES:
-                    if dp * cp == 1 and zero:
-                        continue
-                    # (scaletrain's engines shard over dp_shard alone; the others over dp_shard × cp)
-                    if zero >= 1 and dp_shard * (cp if wl.engine != "scaletrain" else 1) == 1:
-                        continue
                     # zero 0 replicates everything: one flat data-parallel group, unless the
                     # dp_replicate groups are workers that sync every few steps
                     syncs = ([{}] if zero or dp_replicate == 1 else []) + \

@@ -285,31 +285,44 @@ def data_parallel_seconds(wl: Workload, layout: Layout, cluster: Cluster, params
                           units: int) -> tuple[float, float]:
     """(data-parallel communication, the part of it not hidden) per step of a rank holding
     `params` parameters whose compute takes `compute` seconds; ZeRO-3 gathers `units` blocks
-    one by one (a ring latency each). ZeRO shards over the dp_shard × cp ranks, which hold the
-    same weights."""
+    one by one (a ring latency each). ZeRO shards over `Layout.shard_ranks` of the engine:
+    scaletrain's over the dp_shard ranks, whose context-parallel copies then sum their
+    gradients (their shards) after backward, on the critical path; the other engines over the
+    dp_shard × cp ranks, which hold the same weights."""
     if layout.local_sync:  # every step inside a worker; between the workers every H steps
         from dataclasses import replace
 
         inner = replace(layout, dp_replicate=1, dp_sync="step")
         comm, exposed = data_parallel_seconds(wl, inner, cluster, params, compute, units)
-        outer, outer_exposed = outer_sync_seconds(layout, cluster, params, step_s=compute + exposed)
+        outer, outer_exposed = outer_sync_seconds(layout, cluster, params, step_s=compute + exposed,
+                                                  engine=wl.engine)
         return comm + outer, exposed + outer_exposed
     d = dtypes_for(wl)
     engine = engine_of(wl.engine)
     m = layout.grad_accum
-    n_shard = layout.dp_shard * layout.cp
-    if layout.dp * layout.cp == 1:
-        return 0.0, 0.0
+    n_shard = layout.shard_ranks(wl.engine)
+    ours = engine.name == "scaletrain"
+    grad_b = 4 if ours else d.grad  # the dtype gradients are reduced in
+    cp_sum = 0.0
+    if ours and layout.cp > 1:  # the Trainer's sum over the cp ranks, once per step
+        summed = params / n_shard if layout.zero >= 1 else params
+        cp_sum = 2 * (layout.cp - 1) / layout.cp * summed * grad_b / (_group_link_GBps(cluster, layout.tp, layout.cp)
+                                                                      * 1e9)
+    if layout.dp * (1 if ours else layout.cp) == 1:
+        return cp_sum, cp_sum
+    # the reducing group's members sit tp apart, or tp × cp apart in scaletrain's mesh (its dp
+    # groups leave the cp axis out); the dp_replicate groups tp × cp × dp_shard apart
+    stride = layout.tp * (layout.cp if ours else 1)
+    across = layout.tp * layout.cp * layout.dp_shard
     single = engine.single_rail_zero3 and layout.zero == 3
-    shard_bw = _group_link_GBps(cluster, layout.tp, n_shard, single) * 1e9
-    rep_bw = _group_link_GBps(cluster, layout.tp * n_shard, layout.dp_replicate) * 1e9
-    latency = _ring_latency(cluster, layout.tp, n_shard)
+    shard_bw = _group_link_GBps(cluster, stride, n_shard, single) * 1e9
+    rep_bw = _group_link_GBps(cluster, across, layout.dp_replicate) * 1e9
+    latency = _ring_latency(cluster, stride, n_shard)
     ring = (n_shard - 1) / max(n_shard, 1)
-    grad_b = 4 if engine.name == "scaletrain" else d.grad  # the dtype gradients are reduced in
     gather_b = d.compute if layout.zero == 3 else d.param
     if layout.zero == 0:
         n = n_shard * layout.dp_replicate
-        dp_comm = 2 * (n - 1) / n * params * grad_b / _group_link_GBps(cluster, layout.tp, n) / 1e9
+        dp_comm = 2 * (n - 1) / n * params * grad_b / _group_link_GBps(cluster, stride, n) / 1e9
         hidden_by = compute / m * 2 / 3  # the last micro-batch's backward
     elif layout.zero in (1, 2):
         dp_comm = ring * params * (grad_b + gather_b) / shard_bw
@@ -321,22 +334,24 @@ def data_parallel_seconds(wl: Workload, layout: Layout, cluster: Cluster, params
         shard_params = params / n_shard
         r = layout.dp_replicate
         dp_comm += 2 * (r - 1) / r * shard_params * grad_b / rep_bw * (m if layout.zero == 3 else 1)
-    return dp_comm, max(0.0, dp_comm - OVERLAP * hidden_by)
+    return dp_comm + cp_sum, max(0.0, dp_comm - OVERLAP * hidden_by) + cp_sum
 
 
 SYNC_BYTES = {"fp32": 4, "bf16": 2, "int8": 1 + 4 / 2048}  # per value on the wire (int8: a scale per chunk)
 
 
-def outer_sync_seconds(layout: Layout, cluster: Cluster, params: float, step_s: float) -> tuple[float, float]:
+def outer_sync_seconds(layout: Layout, cluster: Cluster, params: float, step_s: float,
+                       engine: str = "scaletrain") -> tuple[float, float]:
     """(the workers' sync per step, the part of it not hidden) for local SGD and DiLoCo: each
-    rank's pseudo-gradient (its shard under ZeRO) reduce-scattered and all-gathered over the
-    dp_replicate ranks once every H steps, in F fragments, each overlapped with τ inner steps of
-    `step_s` seconds."""
+    rank's pseudo-gradient (its shard under ZeRO, `Layout.shard_ranks` of `engine`)
+    reduce-scattered and all-gathered over the dp_replicate ranks once every H steps, in F
+    fragments, each overlapped with τ inner steps of `step_s` seconds."""
     r = layout.dp_replicate
-    n_shard = layout.dp_shard * layout.cp
+    n_shard = layout.shard_ranks(engine)
     shard = params / n_shard if layout.zero >= 1 else params
-    bw = _group_link_GBps(cluster, layout.tp * n_shard, r) * 1e9
-    whole = 2 * (r - 1) / r * shard * SYNC_BYTES[layout.sync_dtype] / bw + 2 * _ring_latency(cluster, layout.tp * n_shard, r)
+    across = layout.tp * layout.cp * layout.dp_shard  # the dp_replicate ranks' distance in the mesh
+    bw = _group_link_GBps(cluster, across, r) * 1e9
+    whole = 2 * (r - 1) / r * shard * SYNC_BYTES[layout.sync_dtype] / bw + 2 * _ring_latency(cluster, across, r)
     fragment = whole / layout.sync_fragments
     exposed = layout.sync_fragments * max(0.0, fragment - layout.sync_delay * step_s)
     return whole / layout.sync_every, exposed / layout.sync_every
@@ -347,7 +362,7 @@ def optimizer_seconds(wl: Workload, layout: Layout, hw, params: float) -> float:
     (on the host with offload, after copying the gradients there)."""
     d = dtypes_for(wl)
     opt_params = params
-    n_shard = layout.dp_shard * layout.cp
+    n_shard = layout.shard_ranks(wl.engine)  # what the engine shards: never the cp ranks in scaletrain's
     if layout.zero >= 1 and n_shard > 1:
         opt_params /= n_shard
     state_b = {"adamw": 8, "sgd": 4, "adafactor": 0.1, "adamw8bit": 2}[wl.optimizer]
