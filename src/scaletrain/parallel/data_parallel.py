@@ -112,45 +112,6 @@ def _fp32_allreduce_hook(group, bucket):  # no annotations: DDP checks them at r
     return fut.then(narrow)
 
 
-class ZeroDataParallelStrategy(DataParallel):
-    """ZeRO-1/2: replicated parameters, sharded optimizer state (and gradients)."""
-
-    def __init__(self, chunks: list[nn.Module], mesh, *, stage: int, dp_replicate: int, bucket_mb: float,
-                 master_dtype: torch.dtype | None):
-        from scaletrain.parallel.zero import ZeroDataParallel
-
-        super().__init__(chunks)
-        self.zero = stage
-        self.engine = ZeroDataParallel(self.named_params, mesh, stage=stage, dp_replicate=dp_replicate,
-                                       bucket_bytes=int(bucket_mb * 2**20), master_dtype=master_dtype)
-        # stage 2 keeps no full gradient between micro-steps: each micro-step's backward
-        # reduce-scatters into the shards. A pipeline schedule runs all its micro-batches'
-        # backwards inside one micro_step(last=False), so there it reduces once, after them.
-        pipelined = "pp" in (mesh.mesh_dim_names or ()) and mesh["pp"].size() > 1
-        self.reduce_every_micro_step = stage == 2 and not pipelined
-
-    @property
-    def named_optim_params(self):
-        return self.engine.named_shards
-
-    @contextlib.contextmanager
-    def micro_step(self, last: bool):
-        self.engine.sync = last or self.reduce_every_micro_step
-        yield
-        if self.reduce_every_micro_step:
-            self.engine.finish_gradients()  # this micro-batch's gradients are in the shards now
-
-    def finish_gradients(self) -> None:
-        if not self.reduce_every_micro_step:
-            self.engine.finish_gradients()
-
-    def after_optimizer_step(self) -> None:
-        self.engine.gather_parameters()
-
-    def zero_grad(self, optimizer) -> None:
-        self.engine.zero_grad()
-
-
 class FSDPDataParallel(DataParallel):
     """ZeRO-3: FSDP2, already applied to the chunks before materialization. Gradients are
     reduce-scattered after every micro-batch (accumulating into the shards: no full-size

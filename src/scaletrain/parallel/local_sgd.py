@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from scaletrain.config import ParallelConfig
 from scaletrain.errors import ConfigError
 from scaletrain.parallel.hooks import StepHook
 from scaletrain.parallel.replica_average import Averager, Handle, ReplicaAverage
@@ -106,12 +107,12 @@ class OuterSync:
     """The workers' periodic synchronisation, as one rank sees it (see the module's docstring)."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], *, mode: str, sync_every: int,
-                 fragments: int, delay: int, outer_optimizer: str = "nesterov", outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, on_cpu: bool = False, n_blocks: int, comm: "Averager"):
+                 fragments: int, delay: int, n_blocks: int, comm: "Averager",
+                 outer_optimizer: str = ParallelConfig.outer_optimizer, outer_lr: float = ParallelConfig.outer_lr,
+                 outer_momentum: float = ParallelConfig.outer_momentum, on_cpu: bool = ParallelConfig.outer_on_cpu):
         if mode not in LOCAL_SYNC_MODES:
             raise unknown("local sync mode", mode, LOCAL_SYNC_MODES)
-        if fragments > n_blocks:
-            raise ValueError(f"parallel.sync_fragments={fragments} but the model has {n_blocks} blocks")
+        assert fragments <= n_blocks, "LocalSGD.for_run and Layout.fragment_errors refuse more fragments than blocks"
         self.mode, self.every, self.fragments, self.delay = mode, sync_every, fragments, delay
         diloco = mode == "diloco"
         self.lr = outer_lr if diloco else 1.0  # local SGD: θ_outer − mean Δ is the mean of the weights
@@ -264,9 +265,9 @@ class LocalSGD(StepHook):
         dp_replicate axis, or through `comm` (verify's simulated workers)."""
         if not layout.local_sync:
             return None
-        if layout.sync_fragments > n_blocks:
-            raise ConfigError(f"parallel.sync_fragments={layout.sync_fragments} splits the model's blocks into "
-                              f"fragments, but it has {n_blocks}; use at most {n_blocks} fragments")
+        # (the config's model was checked with its layout; a custom module's blocks are counted here)
+        if problems := layout.fragment_errors(n_blocks, of_config=False):
+            raise ConfigError(*problems)
         if comm is None:
             comm = ReplicaAverage.for_mesh(mesh, layout.sync_dtype, background=layout.sync_delay > 0,
                                            timeout=timedelta(seconds=par.timeout_s))

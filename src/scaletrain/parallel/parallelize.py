@@ -30,11 +30,12 @@ from scaletrain.memory import apply_activation_checkpointing, block_items
 from scaletrain.parallel import pipeline
 from scaletrain.parallel.context_parallel import ContextParallelStep, apply_context_parallel
 from scaletrain.parallel.data_parallel import (DataParallel, DDPDataParallel, FSDPDataParallel,
-                                               ReplicateDataParallel, ZeroDataParallelStrategy, apply_fsdp,
+                                               ReplicateDataParallel, apply_fsdp,
                                                apply_replicate)
 from scaletrain.parallel.hooks import StepHook
 from scaletrain.parallel.init import init_weights, load_weights
 from scaletrain.parallel.tensor_parallel import ReplicatedKVStep, apply_tensor_parallel
+from scaletrain.parallel.zero import ZeroDataParallel
 from scaletrain.precision import Precision
 from scaletrain.quant.fp8 import Fp8ScaleStep, check_fp8_device, convert_fp8
 from scaletrain.quant.layers import describe, layer_plan
@@ -258,9 +259,9 @@ def _engine(chunks: list[nn.Module], cfg: JobConfig, rt: Runtime, precision: Pre
                                reduce_in_fp32=precision.param_dtype != torch.float32)
     if engine not in ("zero1", "zero2"):  # never take a name we do not know for ZeRO
         raise unknown("data-parallel engine", engine, DP_ENGINES)
-    return ZeroDataParallelStrategy(chunks, rt.mesh, stage=lay.zero, bucket_mb=bucket_mb,
-                                    dp_replicate=1 if lay.local_sync else lay.dp_replicate,
-                                    master_dtype=torch.float32 if precision.master_weights else None)
+    return ZeroDataParallel(chunks, rt.mesh, stage=lay.zero, bucket_mb=bucket_mb,
+                            dp_replicate=1 if lay.local_sync else lay.dp_replicate,
+                            master_dtype=torch.float32 if precision.master_weights else None)
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ between every stage. In fp32 a shard is a view into its replica's rows (no copy)
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -36,6 +37,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from scaletrain.parallel.data_parallel import DataParallel
 
 
 @dataclass
@@ -68,14 +71,17 @@ class _Bucket:
     flat: torch.Tensor | None = None  # what this rank sends, alive until the reduction is done
 
 
-class ZeroDataParallel:
-    """Shards optimizer state (stage 1) and gradients (stage 2) of a replicated model."""
+class ZeroDataParallel(DataParallel):
+    """ZeRO-1/2: replicated parameters (this rank's chunks), sharded optimizer state (stage 1)
+    and gradients (stage 2)."""
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], mesh: DeviceMesh, *, stage: int,
-                 dp_replicate: int, bucket_bytes: int, master_dtype: torch.dtype | None = None):
+    def __init__(self, chunks: list[nn.Module], mesh: DeviceMesh, *, stage: int, dp_replicate: int,
+                 bucket_mb: float, master_dtype: torch.dtype | None = None):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel handles stages 1 and 2, not {stage}")
-        self.stage = stage
+        super().__init__(chunks)
+        named_params, bucket_bytes = self.named_params, int(bucket_mb * 2**20)
+        self.zero = self.stage = stage
         self.shard_group = mesh["dp_shard"].get_group()
         self.n = mesh["dp_shard"].size()
         self.rank = mesh["dp_shard"].get_local_rank()
@@ -126,6 +132,11 @@ class ZeroDataParallel:
         self._next = 0  # buckets are launched in order, the same on every rank
         self._in_flight: list[_Bucket] = []
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._grad_ready) for s in slots]
+        # stage 2 keeps no full gradient between micro-steps: each micro-step's backward
+        # reduce-scatters into the shards. A pipeline schedule runs all its micro-batches'
+        # backwards inside one micro_step(last=False), so there it reduces once, after them.
+        pipelined = "pp" in (mesh.mesh_dim_names or ()) and mesh["pp"].size() > 1
+        self.reduce_every_micro_step = stage == 2 and not pipelined
 
     def _placement(self, p, mesh, dp_replicate, dp_placements):
         """Where a shard lives. A tensor-parallel parameter's shard is sharded on both axes:
@@ -144,8 +155,23 @@ class ZeroDataParallel:
         return mesh["dp_shard", "tp"], (dp_placement, tp_placement)
 
     @property
-    def named_shards(self) -> list[tuple[str, nn.Parameter]]:
+    def named_optim_params(self) -> list[tuple[str, nn.Parameter]]:
+        """The shards: what the optimizer steps."""
         return [(s.name, s.shard) for s in self.slots]
+
+    @contextlib.contextmanager
+    def micro_step(self, last: bool):
+        self.sync = last or self.reduce_every_micro_step
+        yield
+        if self.reduce_every_micro_step:
+            self._reduce()  # this micro-batch's gradients are in the shards now
+
+    def finish_gradients(self) -> None:
+        if not self.reduce_every_micro_step:
+            self._reduce()
+
+    def after_optimizer_step(self) -> None:
+        self._gather_parameters()
 
     # ---- backward: bucketed reduce-scatter, overlapped with the rest of backward
 
@@ -189,7 +215,7 @@ class ZeroDataParallel:
             bucket.work = dist.reduce_scatter_single(bucket.out, flat.view(-1), group=self.shard_group,
                                                      async_op=True)
 
-    def finish_gradients(self) -> None:
+    def _reduce(self) -> None:
         """Reduce what the last backward(s) left and wait for every bucket: once per step (stage 1,
         and stage 2 under pipelining) or once per micro-step (stage 2)."""
         while self._next < len(self.buckets):  # buckets with unused parameters
@@ -230,7 +256,7 @@ class ZeroDataParallel:
     # ---- after the optimizer step: every replica gets the updated rows
 
     @torch.no_grad()
-    def gather_parameters(self) -> None:
+    def _gather_parameters(self) -> None:
         for bucket in self.buckets:
             slot0 = bucket.slots[0]
             dtype, device = slot0.data.dtype, slot0.data.device
@@ -244,7 +270,7 @@ class ZeroDataParallel:
                 rows = everyone[:, s.offset:s.offset + s.chunk_numel].reshape(self.n * s.chunk_rows, s.row_numel)
                 s.data.view(s.rows, -1).copy_(rows[:s.rows])
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, optimizer) -> None:
         for s in self.slots:
             s.param.grad = None
             s.shard.grad = None
