@@ -47,7 +47,7 @@ def rank_main(*argv: str) -> int:
     one local gradient at one step, once (a marker file keeps a restarted group from repeating it).
     The `soak:rank_main` task of scaletrain.worker."""
     from scaletrain.config import load_config
-    from scaletrain.train import job
+    from scaletrain import job
     from scaletrain.train.trainer import Trainer
 
     nan_at, marker = int(os.environ["SOAK_NAN_AT"]), Path(os.environ["SOAK_NAN_MARKER"])

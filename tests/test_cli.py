@@ -60,3 +60,39 @@ def test_quick_start_is_two_make_commands():
     assert "make test" in (REPO / ".ci" / "run").read_text()
     makefile = (REPO / "Makefile").read_text()
     assert "torch==2.13.0" in makefile and "pytest" in makefile
+
+
+def test_a_job_is_settled_once_its_run_folder_named_and_oversubscription_said(tmp_path, monkeypatch):
+    """scaletrain.job.settle: the one place every way of starting a job (one process, --nproc,
+    torchrun) completes the request; it names the run folder, so every rank gets the same one."""
+    import torch
+
+    from conftest import micro_cfg
+    from scaletrain import hardware
+    from scaletrain.job import settle
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hardware, "cpu_cores", lambda: 1)
+    cpu, notes = torch.device("cpu"), []
+    cfg, layout = settle(micro_cfg(tmp_path, **{"log.run_dir": ""}), 2, cpu, note=notes.append)
+    assert cfg.log.run_dir.startswith("runs") and layout.world == 2
+    assert notes == ["2 ranks on 1 CPU core(s): oversubscribed, the ranks take turns on the cores and each step "
+                     "is slower than with --nproc 1"]
+    given = micro_cfg(tmp_path)
+    assert settle(given, 1, cpu, note=notes.append)[0].log.run_dir == given.log.run_dir and len(notes) == 1
+    assert not (tmp_path / "runs").exists()  # named, not made: nothing is written before the ranks start
+
+
+def test_auto_is_settled_by_the_job_not_by_the_runtime(tmp_path, monkeypatch):
+    from conftest import micro_cfg
+    from scaletrain.errors import ConfigError
+    from scaletrain.job import start
+    from scaletrain.runtime import prepare_worker
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = micro_cfg(tmp_path, **{"parallel.layout": "auto"})
+    with pytest.raises(ConfigError, match=r"scaletrain\.job\.start"):
+        prepare_worker(cfg)
+    settled, rt = start(cfg)
+    assert settled.parallel.layout == "manual" and rt.world_size == 1 and rt.layout.world == 1

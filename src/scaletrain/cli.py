@@ -1,7 +1,9 @@
 """`scaletrain VERB ...`: one thin sub-command per verb, each a call into the library.
 
-A user error (bad config, data, checkpoint or launch request) prints one line per problem
-and exits with code 2; there is no traceback for those.
+Each verb has one parser function; the planner's verbs (plan, schedule) keep theirs in
+scaletrain.plan_cli, the benchmarks' in scaletrain.bench_cli. `train` settles its job in
+scaletrain.job. A user error (bad config, data, checkpoint or launch request) prints one line
+per problem and exits with code 2; there is no traceback for those.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 import threading
 from typing import Sequence
 
-from scaletrain.errors import UserError, config_paths, os_errors_named, user_error_from_os
+from scaletrain.errors import LaunchError, UserError, config_paths, os_errors_named, user_error_from_os
 from scaletrain.vocab import QUANT_SCHEMES, did_you_mean
 
 PROG = "scaletrain"
@@ -58,160 +60,48 @@ class _Version(argparse.Action):
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
+    """The config chosen and shown, or the job settled (scaletrain.job) and run: here, on
+    --nproc ranks, or as this rank of torchrun's."""
+    from scaletrain import job
     from scaletrain.config import describe_options
 
     if args.help_config:
         print(describe_options())
         return 0
-    cfg, note = _train_config(args.config, extra)
+    cfg, source = job.train_config(args.config, extra)
     if args.print_config:
         print(cfg.to_toml() if args.print_config == "toml" else cfg.to_json())
         return 0
-    from scaletrain.runtime import is_worker
+    from scaletrain.runtime import is_worker, pick_device
 
     if is_worker():  # started by torchrun (our launcher starts scaletrain.worker itself)
         from scaletrain import worker
-        from scaletrain.train import job
 
-        worker.run(job.train, cfg)  # does not return
+        worker.run(job.train, cfg, None, _note)  # rank 0 settles the job for all; does not return
     with os_errors_named(config_paths(cfg)):
-        if args.nproc is None:
-            from scaletrain.plan.auto import resolve
-            from scaletrain.runtime import pick_device, single_process
-            from scaletrain.train.job import exit_code
+        if args.nproc is None:  # this process is the whole job
             from scaletrain.train.trainer import Trainer
 
-            cfg, layout = resolve(cfg, 1, pick_device(cfg.train.device), note=_note, measure=_measure_module())
-            if cfg.train.compile:
-                _check_compiler(cfg.train.device, 1)
-            trainer = Trainer(cfg, single_process(cfg, layout))  # checked: the resume included
-            if note:
-                _note(note)
-            return exit_code(trainer.fit())
-        return _launch(args, cfg, note)
-
-
-def _train_config(config: str | None, extra: list[str]):
-    """(the config `train` runs, a line that says where it came from or None). --config FILE
-    (TOML, or a run's config.json); without it, when the options resume a run
-    (checkpoint.resume=auto with its log.run_dir, or a checkpoint folder), that run's own saved
-    config; else the demo (configs/tiny.toml). The command line's options go on top and are
-    checked, by the config and, on resuming, against the checkpoint."""
-    from scaletrain.config import DEMO_CONFIG, from_dict, load_config, parse_override_args
-
-    if config:
-        return load_config(config, extra), None
-    from scaletrain.train.run_folder import saved_config
-
-    saved = saved_config(parse_override_args(extra)[0])
-    if saved is None:
-        return load_config(DEMO_CONFIG, extra), None
-    raw, source = saved
-    cfg = from_dict(raw, overrides=extra, source=source)
-    before = from_dict(raw, source=source).to_dict()
-    changed = [f"{s}.{k}={v}" for s, values in cfg.to_dict().items() for k, v in values.items()
-               if before[s][k] != v]
-    return cfg, f"config: the run's own ({source}){', with ' + ', '.join(changed) if changed else ''}"
-
-
-def _check_compiler(device_name: str, ranks: int) -> None:
-    """torch.compile's C++ compiler, checked before anything is built or written."""
-    from scaletrain.runtime import pick_device
-    from scaletrain.parallel.parallelize import check_compiler
-
-    check_compiler(pick_device(device_name, 0, ranks))
+            cfg, rt = job.start(cfg, note=_note, can_measure=True)
+            trainer = Trainer(cfg, rt)  # checked: the resume included
+            if source:
+                _note(source)
+            return job.exit_code(trainer.fit())
+        for flag, value in (("--nproc", args.nproc), ("--nnodes", args.nnodes)):
+            if value < 1:  # before any arithmetic on the world size
+                raise LaunchError(f"{flag} must be at least 1, got {value}")
+        cfg, layout = job.settle(cfg, args.nproc * args.nnodes, pick_device(cfg.train.device, 0, args.nproc),
+                                 per_node=args.nproc, note=_note, can_measure=args.nnodes == 1)
+        if source:
+            _note(source)
+        return job.launch(cfg, layout, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                          rdzv_endpoint=args.rdzv_endpoint or "", rdzv_id=args.rdzv_id,
+                          max_restarts=args.max_restarts)
 
 
 def _note(line: str) -> None:
     """A line about a choice made for the user (parallel.layout=auto's), on stderr."""
     print(f"scaletrain: {line}", file=sys.stderr)
-
-
-def _launch(args: argparse.Namespace, cfg, note: str | None = None) -> int:
-    """Check the whole request here, once, settle the config and its layout (`auto` chosen),
-    and start the workers, each handed both (scaletrain.train.job)."""
-    from scaletrain import launcher
-    from scaletrain.plan.auto import resolve
-    from scaletrain.runtime import pick_device
-    from scaletrain.train import job
-    from scaletrain.train.trainer import default_run_dir
-
-    from scaletrain.errors import LaunchError
-
-    for flag, value in (("--nproc", args.nproc), ("--nnodes", args.nnodes)):
-        if value < 1:  # before any arithmetic on the world size
-            raise LaunchError(f"{flag} must be at least 1, got {value}")
-    world = args.nproc * args.nnodes
-    device = pick_device(cfg.train.device, 0, args.nproc)
-    if cfg.train.compile:  # every rank would fail the same way: say it once, here
-        _check_compiler(cfg.train.device, args.nproc)
-    cfg, layout = resolve(cfg, world, device, gpus_per_node=args.nproc, note=_note,
-                          measure=_measure_module() if args.nnodes == 1 else None)
-    layout.check(cfg.model, seq_len=cfg.data.seq_len)
-    _check_resume_sync(cfg, layout)
-    if not cfg.log.run_dir:  # every rank (and node) must write to the same folder
-        cfg = cfg.replace(**{"log.run_dir": default_run_dir()})
-    run_dir = cfg.log.run_dir
-    _check_writable({"log.run_dir": run_dir, "checkpoint.dir": cfg.checkpoint.dir})
-    if note:
-        _note(note)
-    if device.type == "cpu":  # said once the request is known to be valid, as the ranks start
-        from scaletrain.hardware import cpu_cores
-
-        if args.nproc > (cores := cpu_cores()):
-            _note(f"{args.nproc} ranks on {cores} CPU core(s): oversubscribed, the ranks take turns on the cores "
-                  f"and each step is slower than with --nproc {cores}")
-    with launcher.spec_file(job.spec(cfg, layout), prefix="scaletrain-train-") as spec:
-        return launcher.launch("train", [spec], nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-                               rdzv_endpoint=args.rdzv_endpoint or "", rdzv_id=args.rdzv_id,
-                               max_restarts=args.max_restarts,
-                               checkpoint_dir=cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
-
-
-def _check_resume_sync(cfg, layout) -> None:
-    """A checkpoint of another parallel.dp_sync, or of another number of workers, is refused here,
-    in one line, before any rank starts (the ranks check it again)."""
-    from pathlib import Path
-
-    from scaletrain.errors import CheckpointError
-    from scaletrain.train import checkpoint as ckpt
-
-    res = cfg.checkpoint.resume
-    if res == "none":
-        return
-    if res == "auto":
-        folder = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.log.run_dir) / "checkpoints"
-        path = ckpt.latest_checkpoint(folder)
-        if path is None:
-            return
-    else:
-        path = Path(res)
-    try:
-        state = ckpt.read_trainer_state(path)
-    except CheckpointError:
-        return  # the ranks report it (or, with auto, fall back to an older checkpoint, naming this one)
-    ckpt.check_sync(path, state, layout)
-
-
-def _check_writable(paths: dict[str, str]) -> None:
-    """Refuse a folder on a read-only or full disk, or one we may not write to, before any rank
-    starts: on this node they would all fail on it, in a line each."""
-    import errno
-
-    for option, path in paths.items():
-        if not path:
-            continue
-        folder = os.path.abspath(path)
-        while not os.path.exists(folder) and os.path.dirname(folder) != folder:
-            folder = os.path.dirname(folder)  # the folder it will be created in
-        if not os.path.isdir(folder):
-            continue  # the trainer names a file in the way
-        disk = os.statvfs(folder)
-        code = (errno.EROFS if disk.f_flag & os.ST_RDONLY else errno.EACCES if not os.access(folder, os.W_OK)
-                else errno.ENOSPC if disk.f_blocks and (disk.f_bfree if os.geteuid() == 0 else disk.f_bavail) == 0
-                else None)
-        if code is not None:
-            raise user_error_from_os(OSError(code, os.strerror(code), folder), {option: path})
 
 
 def _prepare(args: argparse.Namespace, extra: list[str]) -> int:
@@ -274,9 +164,10 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _plot(args: argparse.Namespace, extra: list[str]) -> int:
+    from scaletrain.plan_cli import check_png
     from scaletrain.train.plot import plot_runs
 
-    _check_png("--out", args.out)
+    check_png("--out", args.out)
     with os_errors_named({"--out": args.out}):
         summary = plot_runs(args.runs, args.out)
     print(f"wrote {args.out} ({', '.join(summary['runs'])})")
@@ -307,167 +198,10 @@ def _quantize(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def _schedule(args: argparse.Namespace, extra: list[str]) -> int:
-    from scaletrain.plan import timeline
-
-    timeline.check(args.schedule, args.pp, args.microbatches, args.virtual)
-    _check_png("--png", args.png)
-    placed = timeline.simulate(args.schedule, args.pp, args.microbatches, args.virtual)
-    print(timeline.render_text(args.schedule, args.pp, args.microbatches, args.virtual, placed))
-    if args.png:
-        timeline.render_png(args.schedule, args.pp, args.microbatches, args.virtual, placed, args.png)
-        print(f"wrote {args.png}")
-    return 0
-
-
-def _at_least_1(name: str):
-    """argparse type of a count given by one of plan's short flags: an integer of at least 1
-    (the config's own names keep its meanings: train.micro_batch=0 derives, parallel.dp_shard=-1
-    takes the remaining ranks)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"layout sizes must be at least 1, got {name}={value}" if " " not in name
-                                             else f"{name} must be at least 1, got {value}")
-        return value
-    return parse
-
-
-def _alias_dest(flag: str) -> str:
-    return flag[2:].replace("-", "_")
-
-
-def _plan(args: argparse.Namespace, extra: list[str]) -> int:
-    from scaletrain.plan import plan, report
-    from scaletrain.plan.options import ALIASES, read_request
-
-    _check_png("--chart", args.chart)
-    hardware, nodes, per_node = args.hardware, args.nodes, args.gpus_per_node
-    here = args.measure or args.calibrate
-    if here:  # plan for the devices at hand, where the step will run
-        nodes, per_node = 1, args.nproc or 1
-    aliases = {flag: getattr(args, _alias_dest(flag)) for flag in ALIASES}
-    req = read_request(args.model, args.config, aliases, extra, world=nodes * per_node)
-    if here:
-        from scaletrain.runtime import pick_device
-        from scaletrain.hardware import local_hardware
-
-        hardware = local_hardware(pick_device(req.cfg.train.device))
-    if args.measure and (args.engine or "scaletrain") != "scaletrain":
-        raise UserError(f"--measure runs scaletrain's trainer; it cannot measure a plan for --engine {args.engine}")
-    comms_note = None
-    if args.comms:  # the bus bandwidth measured by `scaletrain bench comms --json`, inside a node
-        from dataclasses import replace
-
-        from scaletrain.bench.comms import read_bus_bandwidth
-        from scaletrain.hardware import Hardware, lookup
-
-        bus, comms_note = read_bus_bandwidth(args.comms)
-        hw = hardware if isinstance(hardware, Hardware) else lookup(hardware, args.hardware_file)
-        hardware = replace(hw, bus_GBps=bus)
-    result = plan(req.model, hardware=hardware, hardware_file=args.hardware_file, nodes=nodes,
-                  gpus_per_node=per_node, attention=args.attention, layout=req.layout,
-                  top_k=10 if args.top is None else args.top, activations=args.activations, engine=args.engine, compile=args.compile,
-                  fp8=args.fp8, workers=args.workers, workers_link=args.workers_link, sync=req.sync,
-                  calibrate=_calibration_here() if here else None, **req.workload)
-    if args.json:
-        print(report.to_json(result))
-    else:
-        print(report.table(result))
-        print()
-        print(report.breakdown(result["layouts"][0]))
-        print()
-        print("\n".join(result["explanation"]))
-        if comms_note:
-            print(f"Collectives inside a node: {comms_note}.")
-    if args.chart:
-        report.chart(result, args.chart)
-        if not args.json:
-            print(f"wrote {args.chart}")
-    if args.measure:
-        from scaletrain.measure import measure_and_print
-
-        if not args.config:
-            raise UserError("--measure runs a real step and needs a training config: --config FILE")
-        if args.top is not None and args.top > 1:  # the K best, re-ranked by what they measure
-            from scaletrain.measure import measure_top
-
-            candidates = [ev for ev in result["layouts"] if ev.fits][:args.top]
-            if not candidates:
-                raise UserError("plan --measure --top: no layout fits, so none is measured")
-            measure_top(args.config, candidates, nproc=args.nproc or 1, overrides=req.overrides)
-            return 0
-        code = measure_and_print(args.config, result["layouts"][0].layout, nproc=args.nproc or 1,
-                                 overrides=req.overrides)
-        return code or (0 if result["layouts"][0].fits else 1)
-    return 0 if result["layouts"][0].fits else 1
-
-
-def _measure_module():
-    """What parallel.auto_measure_s measures with, from a process that may start others."""
-    from scaletrain import measure
-
-    return measure
-
-
-def _calibration_here():
-    """The planner's `calibrate`: this machine's calibration, measured where missing (said on stderr)."""
-    import functools
-
-    from scaletrain.measure import calibration
-
-    return functools.partial(calibration, note=lambda line: print(line, file=sys.stderr))
-
-
 def _verify(args: argparse.Namespace, extra: list[str]) -> int:
     from scaletrain.verify import verify
 
     return verify(args.config, extra, steps=args.steps, nproc=args.nproc, device_memory_gib=args.device_memory)
-
-
-def _bench_comms(args: argparse.Namespace, extra: list[str]) -> int:
-    import json
-
-    from scaletrain.bench import comms
-
-    result = comms.run(nproc=args.nproc, sizes=args.sizes, iters=args.iters, warmup=args.warmup, device=args.device)
-    print(json.dumps(result, indent=1) if args.json else comms.table(result))
-    return 0
-
-
-def _bench_step(args: argparse.Namespace, extra: list[str]) -> int:
-    import json
-
-    from scaletrain.bench import step
-
-    result = step.bench_step(args.config, extra, args.vs, steps=args.steps, warmup=args.warmup,
-                             plain_loop=args.vs_plain_loop, progress=_bench_progress())
-    print(json.dumps(result, indent=1) if args.json else step.report(result))
-    return 0
-
-
-def _bench_techniques(args: argparse.Namespace, extra: list[str]) -> int:
-    import json
-
-    from scaletrain.bench import techniques
-
-    result = techniques.bench_techniques(args.config, extra, nproc=args.nproc, steps=args.steps, warmup=args.warmup,
-                                         skip=args.skip, max_slowdown=args.max_slowdown or None,
-                                         progress=_bench_progress())
-    print(json.dumps(result, indent=1) if args.json else techniques.report(result))
-    if args.png != "":
-        line = techniques.chart(result, args.png or techniques.default_png())
-        print(line, file=sys.stderr if args.json else sys.stdout)
-    return 0
-
-
-def _bench_progress():
-    from scaletrain.bench.step import progress_line
-
-    return progress_line if sys.stderr.isatty() else None
 
 
 def _leftovers(parser: argparse.ArgumentParser, extra: list[str], takes_overrides: bool) -> list[str]:
@@ -512,22 +246,7 @@ def _leftovers(parser: argparse.ArgumentParser, extra: list[str], takes_override
     return kept
 
 
-def _check_png(flag: str, path: str | None) -> None:
-    """Refuse an image path that cannot be written before any work is done."""
-    if not path:
-        return
-    folder = os.path.dirname(path) or "."
-    if not path.lower().endswith(".png"):
-        raise UserError(f"{flag} {path}: give a file name ending in .png")
-    if not os.path.isdir(folder):
-        raise UserError(f"{flag} {path}: the folder {folder} does not exist; create it or choose another path")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Train models too big or too slow for one GPU.")
-    parser.add_argument("--version", action=_Version)
-    sub = parser.add_subparsers(dest="verb", required=True, parser_class=_Parser)
-
+def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model (options: --section.key=value)",
                        description="Train. Any config option can be given as --section.key=value; "
                                    "see --help-config for the list.")
@@ -548,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-restarts", type=int, default=0, help="restart the group this often after a failure")
     p.set_defaults(func=_train, takes_overrides=True, parser=p)
 
+
+def _prepare_parser(sub) -> None:
     p = sub.add_parser("prepare", help="tokenize text/jsonl/parquet/Arrow files or a saved dataset into token shards")
     p.add_argument("inputs", nargs="+", help="files or folders of .txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet, "
                                              ".arrow, or a folder written by a Hugging Face dataset's save_to_disk")
@@ -568,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress line (MB/s, tokens, ETA) on stderr")
     p.set_defaults(func=_prepare, takes_overrides=False, parser=p)
 
+
+def _eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="a checkpoint's validation loss and perplexity (one process)",
                        description="Evaluate a checkpoint. Options are the config's names (data.path, "
                                    "train.eval_batches, train.device), with short aliases.")
@@ -584,11 +307,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_eval, takes_overrides=False, parser=p)
 
+
+def _plot_parser(sub) -> None:
     p = sub.add_parser("plot", help="loss, validation loss, tokens/s and learning rate of runs, overlaid, to a PNG")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run folders (log.run_dir), each with its metrics.jsonl")
     p.add_argument("--out", required=True, help="the PNG to write")
     p.set_defaults(func=_plot, takes_overrides=False, parser=p)
 
+
+def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="sample text from a checkpoint or a Hugging Face model folder",
                        description="Sample text after a prompt, one process, with a key/value cache (each new token "
                                    "costs one position). The tokenizer is the run's data folder's (or --data's); a "
@@ -605,100 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to run the model (default auto: cuda if available)")
     p.set_defaults(func=_generate, takes_overrides=False, parser=p)
 
-    from scaletrain.plan.options import ALIASES
-    from scaletrain.plan.spec import ATTENTION
-    from scaletrain.vocab import AC_MODES, CP_METHODS, OPTIMIZERS, PLAN_ENGINES, PP_SCHEDULES, PRECISIONS, ZERO_STAGES
 
-    p = sub.add_parser("plan", help="will it fit, and which layout is fastest",
-                       description="Search the layouts of a model on a cluster, or evaluate the one the options fix, "
-                                   "with every byte and second broken down. Takes the options of `scaletrain train`: "
-                                   "--config FILE and --section.key=value (write the '='); the short flags below are "
-                                   "aliases of config keys. The layout keys given fix the layout (anything left out "
-                                   "is derived); with none given, it searches.")
-    p.add_argument("model", nargs="?", help="preset name, TOML with a [model] section, or a Hugging Face config.json "
-                                            "(default: the config's model)")
-    p.add_argument("--config", help="a training config: its model, sequence length, batch, precision, optimizer, "
-                                    "and the layout keys it gives")
-    p.add_argument("--hardware", default="H100-SXM", help="catalog entry (V100-32GB, A100-40GB, A100-80GB, H100-SXM, "
-                   "H100-PCIe, H200, B200, RTX-3090, RTX-4090) or one from --hardware-file")
-    p.add_argument("--hardware-file", help="TOML with [[hardware]] tables of your own")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--attention", default="flash", choices=ATTENTION,
-                   help="memory-efficient attention kernels, or materialized scores")
-    p.add_argument("--activations", default="formula", choices=("formula", "traced"),
-                   help="closed form, or counted on the actual model under fake tensors (slower)")
-    p.add_argument("--engine", choices=PLAN_ENGINES,
-                   help="the engine that trains it: what it keeps in memory and how it communicates "
-                        "(default: the model TOML's [plan] engine, else scaletrain)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction,
-                   help="torch.compile fuses the element-wise work (default: the [plan] table's, else off)")
-    p.add_argument("--fp8", action=argparse.BooleanOptionalAction,
-                   help="the block linears that precision.mode=fp8 converts (its layer rule) at the fp8 peak "
-                        "(default: the [plan] table's, else off)")
-    p.add_argument("--workers", type=int, default=1, metavar="N",
-                   help="the cluster is N sites (e.g. datacenters) of equal size joined by --workers-link; the "
-                        "data-parallel workers (dp_replicate groups) are the sites. When that link is slow the search "
-                        "tries local SGD / DiLoCo (--parallel.dp_sync, sync_every, sync_fragments, sync_delay, "
-                        "sync_dtype; default diloco every 50 steps) and says where it overtakes synchronous training")
-    p.add_argument("--workers-link", type=float, metavar="GBPS",
-                   help="bandwidth of the link between the sites, GB/s each way, shared by every rank that sends over it")
-    g = p.add_argument_group("aliases of config keys (each the same as its --section.key=value)")
-
-    def alias(flag: str, help: str = "", **kw):
-        g.add_argument(flag, dest=_alias_dest(flag), help=f"alias of --{ALIASES[flag]}" + (f"; {help}" if help else ""),
-                       **kw)
-
-    alias("--seq-len", type=int, metavar="N", help="default 2048 (without --config)")
-    alias("--global-batch", type=_at_least_1("global batch"), metavar="N",
-          help="sequences per optimizer step, default 256 (without --config); --train.global_batch=0 derives it "
-               "from the micro-batch and accumulation")
-    alias("--precision", choices=PRECISIONS, help="default bf16-mixed (without --config)")
-    alias("--optimizer", choices=OPTIMIZERS)
-    alias("--zero", type=int, choices=ZERO_STAGES)
-    alias("--tp", type=_at_least_1("tp"), metavar="N")
-    alias("--pp", type=_at_least_1("pp"), metavar="N")
-    alias("--dp-replicate", type=_at_least_1("dp_replicate"), metavar="N")
-    alias("--dp-shard", type=_at_least_1("dp_shard"), metavar="N")
-    alias("--micro-batch", type=_at_least_1("micro_batch"), metavar="N")
-    alias("--ac", choices=AC_MODES)
-    alias("--sp", metavar="true|false", help="default: on under tensor parallelism")
-    alias("--schedule", choices=PP_SCHEDULES)
-    alias("--virtual", type=_at_least_1("pp_virtual_stages"), metavar="N")
-    alias("--offload", action="store_const", const=True, help="sets it to true")
-    alias("--cp", type=_at_least_1("cp"), metavar="N",
-          help="context parallel: ranks that split every sequence; each keeps its own tokens' activations, and "
-               "--cp-method's attention backward buffers")
-    alias("--cp-method", choices=CP_METHODS, help="how attention reaches the other cp ranks' keys (with --cp)")
-    p.add_argument("--top", type=int, help="layouts to show (default 10); with --measure, the K best predicted "
-                                           "are run and re-ranked by their measured step time")
-    p.add_argument("--json", action="store_true", help="print JSON (schema in docs/planner.md)")
-    p.add_argument("--chart", help="stacked memory bars of the top layouts, to this PNG")
-    p.add_argument("--measure", action="store_true",
-                   help="run one real step of the best (or fixed) layout here and print predicted vs measured")
-    p.add_argument("--calibrate", action="store_true",
-                   help="plan for this machine with --nproc local ranks, its step times from a calibration measured "
-                        "here (compute, collectives, overlap; cached); --measure implies it")
-    p.add_argument("--nproc", type=int, help="ranks for --measure or --calibrate (default 1)")
-    p.add_argument("--comms", metavar="FILE", help="`scaletrain bench comms --json` output: use its measured "
-                   "all-reduce bus bandwidth for the collectives inside a node")
-    p.set_defaults(func=_plan, takes_overrides=True, parser=p)
-
-    p = sub.add_parser("schedule", help="draw a pipeline schedule's timeline and its bubble",
-                       description="Draw a pipeline schedule. Options are the config's names (parallel.pp, "
-                                   "parallel.pp_microbatches, parallel.pp_schedule, parallel.pp_virtual_stages), "
-                                   "with short aliases.")
-    p.add_argument("--pp", "--parallel.pp", dest="pp", type=int, required=True, metavar="N",
-                   help="pipeline stages (ranks)")
-    p.add_argument("--microbatches", "--parallel.pp_microbatches", dest="microbatches", type=int, required=True,
-                   metavar="M", help="micro-batches per step (train.grad_accum under pipelining)")
-    p.add_argument("--schedule", "--parallel.pp_schedule", dest="schedule", default="1f1b", metavar="NAME",
-                   help="gpipe, 1f1b, interleaved-1f1b or zero-bubble")
-    p.add_argument("--virtual", "--parallel.pp_virtual_stages", dest="virtual", type=int, default=1, metavar="V",
-                   help="chunks per rank (interleaved-1f1b, zero-bubble)")
-    p.add_argument("--png", help="also draw it to this PNG file")
-    p.set_defaults(func=_schedule, takes_overrides=False, parser=p)
-
+def _export_parser(sub) -> None:
     p = sub.add_parser("export", help="write a checkpoint's model weights to safetensors")
     p.add_argument("checkpoint", help="a checkpoint folder (runs/.../checkpoints/step_*), or a run folder: its "
                                       "newest complete checkpoint")
@@ -711,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "safetensors, generation_config, the data's tokenizer) that transformers loads with no code")
     p.set_defaults(func=_export, takes_overrides=False, parser=p)
 
+
+def _quantize_parser(sub) -> None:
     p = sub.add_parser("quantize", help="quantize a checkpoint's linear layers to int8/int4 (torchao), to a folder "
                                         "eval reads",
                        description="Post-training quantization with torchao. The transformer blocks' linear layers "
@@ -726,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out (written whole first)")
     p.set_defaults(func=_quantize, takes_overrides=False, parser=p)
 
+
+def _verify_parser(sub) -> None:
     p = sub.add_parser("verify", help="check a layout against one process, step by step",
                        description="Run the config's first --steps steps under its layout and under a reference "
                                    "(one process, or the fewest ZeRO-3 ranks that fit), compare every step's loss "
@@ -738,53 +377,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory of one device for the reference's fit check (default: the device's own)")
     p.set_defaults(func=_verify, takes_overrides=True, parser=p)
 
-    p = sub.add_parser("bench", help="measure this machine: collectives, a step, each technique",
-                       description="Benchmarks run here, for real: collectives over N ranks; a config's step with "
-                                   "variants beside it; what each technique buys in speed and memory.")
-    bench = p.add_subparsers(dest="bench", required=True, parser_class=_Parser)
-    b = bench.add_parser("comms", help="all-reduce, all-gather, reduce-scatter, broadcast, reduce, all-to-all",
-                         description="Median time, algorithm and bus bandwidth (nccl-tests factors) of each "
-                                     "collective over a range of message sizes; NCCL on GPUs, gloo on CPU.")
-    b.add_argument("--nproc", type=int, help="ranks (default: the GPUs here, or 2 on CPU)")
-    b.add_argument("--sizes", nargs="+", metavar="SIZE",
-                   help="message sizes in bytes (64K, 16M, 1G) or a range MIN:MAX[:FACTOR] (default: 1K 32K 1M 16M "
-                        "on CPU, 1M 16M 256M 1G on GPU)")
-    b.add_argument("--iters", type=int, default=20, help="timed calls per collective and size (default 20)")
-    b.add_argument("--warmup", type=int, default=5, help="untimed calls before them (default 5)")
-    b.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if available")
-    b.add_argument("--json", action="store_true", help="print JSON (for `scaletrain plan --comms FILE`)")
-    b.set_defaults(func=_bench_comms, takes_overrides=False, parser=b)
-    b = bench.add_parser("step", help="a config's step: time, tokens/s, MFU, peak memory; --vs variants as ratios",
-                         description="Warm up, then time the config's training step interleaved with each --vs "
-                                     "variant (and --vs-plain-loop): median step time, tokens/s, MFU, peak memory, "
-                                     "and each variant's speed and memory as ratios to the baseline. Config "
-                                     "options as --section.key=value.")
-    b.add_argument("--config", help="TOML config file (default: the built-in tiny CPU run)")
-    b.add_argument("--vs", action="append", default=[], metavar="KEY=VALUE",
-                   help="a variant: section.key=value, several joined by commas; repeat for more variants")
-    b.add_argument("--vs-plain-loop", action="store_true",
-                   help="also time a minimal hand-written PyTorch loop of the same model (AdamW, autocast)")
-    b.add_argument("--steps", type=int, default=10, help="timed steps of each, one per round (default 10)")
-    b.add_argument("--warmup", type=int, default=3, help="untimed steps of each first (default 3)")
-    b.add_argument("--json", action="store_true", help="print JSON")
-    b.set_defaults(func=_bench_step, takes_overrides=True, parser=b)
-    b = bench.add_parser("techniques", help="which technique buys speed, which buys memory, measured here",
-                         description="Gradient accumulation, activation checkpointing, each precision mode, a "
-                                     "larger batch, each optimizer, loader workers, each ZeRO stage and compile, "
-                                     "each interleaved with the baseline config: speed and peak-memory ratios, "
-                                     "as a table and a PNG chart. Config options as --section.key=value.")
-    b.add_argument("--config", help="TOML config file (default: the built-in tiny CPU run)")
-    b.add_argument("--nproc", type=int, help="ranks (default 1); the ZeRO stages need 2 or more")
-    b.add_argument("--steps", type=int, default=5, help="timed steps of each, one per round (default 5)")
-    b.add_argument("--warmup", type=int, default=2, help="untimed steps of each first (default 2)")
-    b.add_argument("--skip", nargs="+", default=[], metavar="NAME",
-                   help="leave techniques out by name (accum, ac-full, ac-selective, precision-MODE, batch, "
-                        "optim-NAME, workers, zero1, zero2, zero3, compile)")
-    b.add_argument("--max-slowdown", type=float, default=10.0, metavar="X",
-                   help="stop timing a technique whose step takes over X times the baseline's (default 10; 0: never)")
-    b.add_argument("--png", help="chart file (default runs/bench-techniques-DATE-TIME.png; '' for none)")
-    b.add_argument("--json", action="store_true", help="print JSON")
-    b.set_defaults(func=_bench_techniques, takes_overrides=True, parser=b)
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Train models too big or too slow for one GPU.")
+    parser.add_argument("--version", action=_Version)
+    sub = parser.add_subparsers(dest="verb", required=True, parser_class=_Parser)
+    from scaletrain import bench_cli, plan_cli
+
+    for verb_parser in (_train_parser, _prepare_parser, _eval_parser, _plot_parser, _generate_parser,
+                        plan_cli.plan_parser, plan_cli.schedule_parser, _export_parser, _quantize_parser,
+                        _verify_parser, bench_cli.bench_parser):
+        verb_parser(sub)
     return parser
 
 

@@ -1,9 +1,10 @@
 """What each rank knows about the others: the `Runtime` (rank, device, layout, mesh).
 
 A worker started by our launcher (scaletrain.launcher) or by torchrun reads torchrun's
-environment contract (RANK, WORLD_SIZE, LOCAL_RANK, ...) exactly once, here, in
-`prepare_worker`, and passes a `Runtime` object down: nothing below reads the environment.
-Under plain `python` (no launcher) `prepare_worker` gives a one-process runtime.
+environment contract (RANK, WORLD_SIZE, LOCAL_RANK, ...) exactly once, here, in `join`, and
+passes a `Runtime` object down: nothing below reads the environment. Under plain `python` (no
+launcher) the job is one process. The layout comes settled from where the job started
+(scaletrain.job); this module builds its mesh and never chooses one.
 
 Backend: NCCL when the ranks train on CUDA, gloo on CPU. A request that cannot run as asked
 (a CUDA run with fewer GPUs than local ranks, a layout that needs another world size) is
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config import JobConfig
-from scaletrain.errors import ConfigError, LaunchError, UserError
+from scaletrain.errors import ConfigError, LaunchError
 from scaletrain.layout import Layout
 
 LAUNCHER_PID_ENV = "SCALETRAIN_LAUNCHER_PID"  # lets a worker see that its launcher died before it could ask to follow
@@ -39,7 +40,7 @@ class Runtime:
     local_world_size: int
     device: torch.device
     layout: Layout  # resolved for this world: every part of the run reads it from here
-    mesh: object | None = None  # the 4-D DeviceMesh when distributed
+    mesh: object | None = None  # the 5-D DeviceMesh when distributed
     dp_mesh: object | None = None  # its data-parallel axes flattened into one
     progress: object | None = None  # this rank's published progress (scaletrain.watchdog.Progress)
     # the config values `layout` was derived from (`layout_key`); None: the layout was given as it is
@@ -67,7 +68,7 @@ class Runtime:
         return self.with_layout(Layout.from_config(cfg, self.world_size))
 
     def axis(self, name: str):
-        """The 1-D mesh of one axis: `dp` (flattened), `dp_replicate`, `dp_shard`, `tp`, `pp`."""
+        """The 1-D mesh of one axis: `dp` (flattened), `dp_replicate`, `dp_shard`, `cp`, `tp`, `pp`."""
         return self.dp_mesh if name == "dp" else self.mesh[name]
 
     def group(self, name: str):
@@ -101,7 +102,7 @@ def layout_key(cfg: JobConfig) -> tuple:
 def single_process(cfg: JobConfig, layout: Layout | None = None) -> Runtime:
     """One process: `layout` (cfg's, derived where the job started), or cfg's derived here."""
     if cfg.parallel.layout == "auto":
-        raise ValueError("parallel.layout=auto: resolve the layout first (scaletrain.plan.auto.resolve)")
+        raise ValueError("parallel.layout=auto: settle the job first (scaletrain.job.settle)")
     if layout is None:
         layout = Layout.from_config(cfg, 1)
     elif layout.world != 1:
@@ -120,9 +121,8 @@ def is_worker() -> bool:
 
 
 def init_worker(cfg: JobConfig) -> Runtime:
-    """Join the process group described by torchrun's environment and build the mesh."""
-    if cfg.parallel.layout == "auto":
-        raise ValueError("parallel.layout=auto: use prepare_worker, which resolves the layout first")
+    """Join the process group described by torchrun's environment and build the mesh of cfg's
+    (manual) layout."""
     return prepare_worker(cfg)[1]
 
 
@@ -144,20 +144,24 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def prepare_worker(cfg: JobConfig, layout: Layout | None = None) -> tuple[JobConfig, Runtime]:
-    """Join the process group and build the mesh of `layout`: cfg's, derived where the job started
-    (scaletrain's launcher hands every rank both), or, when it is not given, cfg's derived here;
-    under torchrun, where each rank starts on its own, rank 0 resolves `parallel.layout = auto`
-    and every rank gets its config and layout. Returns the config as it will run.
+@dataclass(frozen=True)
+class Place:
+    """This process among the ranks before its layout is known: the process group is joined
+    (`join`), the mesh not yet built."""
 
-    Without a launcher (plain `python script.py`: no RANK in the environment) this process is
-    the whole job: one rank, `parallel.layout = auto` resolved for it."""
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    distributed: bool  # started by a launcher (or torchrun): a member of a process group
+
+
+def join(cfg: JobConfig) -> Place:
+    """Join the process group torchrun's environment describes (read here, once), on this rank's
+    device; without a launcher (plain `python`, no RANK) this process is the whole job, one rank."""
     if not is_worker():
-        from scaletrain.plan.auto import resolve
-
-        if layout is None:
-            cfg, layout = resolve(cfg, 1, pick_device(cfg.train.device))
-        return cfg, single_process(cfg, layout)
+        return Place(0, 0, 1, 1, pick_device(cfg.train.device), distributed=False)
     die_with_launcher()
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -166,37 +170,39 @@ def prepare_worker(cfg: JobConfig, layout: Layout | None = None) -> tuple[JobCon
     device = pick_device(cfg.train.device, local_rank, local_world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        backend = "gloo"
     timeout = timedelta(seconds=cfg.parallel.timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
+                                device_id=device if device.type == "cuda" else None,
                                 **_attempt_store(rank, world, timeout))
-    if layout is not None:
-        if layout.world != world:
-            raise LaunchError(f"the job's layout has {layout.describe_ranks()}, but {world} were started")
-    elif cfg.parallel.layout == "auto":  # torchrun: no job start before the ranks; rank 0 chooses for all
-        box = [None]
-        if rank == 0:
-            from scaletrain.plan.auto import resolve
+    return Place(rank, local_rank, world, local_world, device, distributed=True)
 
-            try:
-                chosen, chosen_layout = resolve(cfg, world, device, gpus_per_node=local_world)
-                box = [(chosen.to_dict(), chosen_layout.to_dict())]
-            except UserError as e:
-                box = [e]
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], UserError):
-            raise box[0]
-        from scaletrain.config import from_dict
 
-        cfg, layout = from_dict(box[0][0]), Layout(**box[0][1])
-    else:
-        layout = Layout.from_config(cfg, world)
-    mesh, dp_mesh = layout.build_mesh(device.type)
-    return cfg, Runtime(rank, local_rank, world, local_world, device, layout, mesh, dp_mesh, _start_progress(rank),
-                        layout_key(cfg))
+def runtime_of(cfg: JobConfig, layout: Layout, place: Place) -> Runtime:
+    """The Runtime of `place` running `layout` (cfg's, settled where the job started): its mesh
+    built, this rank's progress published."""
+    if not place.distributed:
+        return single_process(cfg, layout)
+    if layout.world != place.world_size:
+        raise LaunchError(f"the job's layout has {layout.describe_ranks()}, but {place.world_size} were started")
+    mesh, dp_mesh = layout.build_mesh(place.device.type)
+    return Runtime(place.rank, place.local_rank, place.world_size, place.local_world_size, place.device, layout,
+                   mesh, dp_mesh, _start_progress(place.rank), layout_key(cfg))
+
+
+def prepare_worker(cfg: JobConfig, layout: Layout | None = None) -> tuple[JobConfig, Runtime]:
+    """Join the process group and build the mesh of `layout`: cfg's, settled where the job
+    started (scaletrain's launcher hands every rank both), or, when it is not given, cfg's derived
+    here (a manual layout: `parallel.layout = auto` is chosen where a job starts, by
+    `scaletrain.job.start`). Returns the config and this rank's Runtime.
+
+    Without a launcher (plain `python script.py`: no RANK in the environment) this process is
+    the whole job: one rank."""
+    if layout is None and cfg.parallel.layout == "auto":
+        raise ConfigError("parallel.layout=auto is chosen where the job starts: call scaletrain.job.start(cfg) "
+                          "instead of prepare_worker, or set parallel.layout=manual")
+    place = join(cfg)
+    return cfg, runtime_of(cfg, layout or Layout.from_config(cfg, place.world_size), place)
 
 
 def _start_progress(rank: int):

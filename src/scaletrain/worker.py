@@ -7,7 +7,7 @@ scaletrain's launcher (`scaletrain.launcher.launch`) starts it on each rank, and
 loaded). TASK says what the rank does:
 
     train SPEC               a rank of `scaletrain train --nproc N` (SPEC: a JSON file of the
-                             resolved config and its layout, see scaletrain.train.job)
+                             settled config and its layout, see scaletrain.job)
     verify SPEC              a rank of `scaletrain verify`'s layout or reference run
     measure CONFIG OUT ...   a rank of the planner's measured run (`plan --measure`)
     bench-techniques SPEC    a rank of `scaletrain bench techniques`
@@ -31,7 +31,7 @@ import sys
 from typing import Callable, NoReturn
 
 TASKS = {
-    "train": "scaletrain.train.job:train_rank",
+    "train": "scaletrain.job:train_rank",
     "verify": "scaletrain.verify:run_rank",
     "measure": "scaletrain.measure:measure_rank",
     "bench-techniques": "scaletrain.bench.techniques:bench_rank",

@@ -9,10 +9,9 @@ from this machine's calibration (`scaletrain.plan.calibrate`, measured once and 
 then times real steps of its best layouts, as many as fit in about S seconds (at least two),
 in one group of processes; the fastest measured is trained, and what was measured is said.
 
-`resolve` is where a job's layout is settled, once, where the job starts (the CLI's `train`
-for one process or for `--nproc N`, `verify`; under torchrun rank 0 in
-`runtime.prepare_worker`): the config as it will run and its `Layout`, which every rank is
-then given.
+`resolve` is the layout's part of settling a job, once, where the job starts
+(`scaletrain.job.settle`: one process, `--nproc N`, or rank 0 under torchrun; and `verify`):
+the config as it will run and its `Layout`, which every rank is then given.
 """
 
 from __future__ import annotations
@@ -72,8 +71,8 @@ def resolve(cfg: JobConfig, world: int, device: torch.device, *, gpus_per_node: 
     """(the config as the job runs it, its layout on `world` ranks), derived once, where the job
     starts: for `parallel.layout = "auto"` the planner's choice for `device` (said in one line to
     `note`, a function of a str, if given), else the config's own layout. `measure`
-    (`scaletrain.measure`, from a caller that may start processes) lets parallel.auto_measure_s time layouts. Not checked against
-    the model: that is `layout.check(cfg.model)`."""
+    (`scaletrain.measure`, from a caller that may start processes) lets parallel.auto_measure_s
+    time layouts. Not checked against the model: that is `layout.check(cfg.model)`."""
     if cfg.parallel.layout == "auto":
         cfg, best = auto_layout(cfg, world, device, gpus_per_node, note=note, measure=measure)
         if note is not None:

@@ -143,11 +143,13 @@ def load_quantized(path: str | Path) -> tuple[Transformer, dict]:
     Reads JSON and safetensors only."""
     from safetensors.torch import load_file
 
-    from scaletrain.config import from_dict
+    from scaletrain.model.config import model_config
 
     path = Path(path)
     info = read_info(path)
-    scheme, cfg = info["scheme"], from_dict(info["config"], source=str(path / INFO_FILE)).model
+    # the saved config's model section is whole (every key, as the run resolved it): no preset or
+    # Hugging Face config is read again, the keys are only checked
+    scheme, cfg = info["scheme"], model_config(info["config"]["model"], source=str(path / INFO_FILE))
     try:
         tensors = load_file(str(path / WEIGHTS_FILE))
     except FileNotFoundError:

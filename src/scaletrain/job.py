@@ -1,0 +1,220 @@
+"""A training job: settled once, where it starts, then run by every rank.
+
+`settle(cfg, world, device)` is the one place a job's request is checked and completed before
+anything is built or written: torch.compile's C++ compiler, `parallel.layout = "auto"` chosen by
+the planner, the layout derived and checked against the model, the run folder named (so every
+rank, on every node, writes to the same one), a checkpoint of another parallel.dp_sync or
+number of workers refused, the output folders checked writable, and more ranks than cores
+said. It returns the config as the job runs it and its Layout; every rank is given both. The
+three ways a job starts all settle it here:
+
+    one process   `scaletrain train`, or a script under plain python: `start` settles it;
+    --nproc N     `launch` starts ranks with the settled config and layout in a JSON file
+                  (`spec`); each rank runs `train_rank` and settles nothing again;
+    torchrun      each rank loads the config itself; in `start` rank 0 settles it and the others
+                  receive what it settled (or its error), so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from scaletrain.config import JobConfig, from_dict
+from scaletrain.errors import CheckpointError, UserError, config_paths, os_errors_named, user_error_from_os
+from scaletrain.layout import Layout
+
+if TYPE_CHECKING:  # torch is imported by what runs the job, not by reading its config
+    import torch
+
+
+def settle(cfg: JobConfig, world: int, device: torch.device, *, per_node: int | None = None, note=None,
+           can_measure: bool = False) -> tuple[JobConfig, Layout]:
+    """(the config as the job runs it, its layout on `world` ranks of `device`), `per_node` of
+    them on this node (default: all). `note`, a function of a str, is told the choices made for
+    the user; `can_measure`: the caller may start groups of processes on this node, which
+    parallel.auto_measure_s needs to time layouts."""
+    from scaletrain.hardware import cpu_cores
+    from scaletrain.plan.auto import resolve
+    from scaletrain.train.run_folder import default_run_dir
+
+    here = per_node or world
+    if cfg.train.compile:  # every rank would fail the same way: said once, before anything is built
+        from scaletrain.parallel.parallelize import check_compiler
+
+        check_compiler(device)
+    measure = None
+    if can_measure:
+        from scaletrain import measure
+    cfg, layout = resolve(cfg, world, device, gpus_per_node=per_node, note=note, measure=measure)
+    layout.check(cfg.model, seq_len=cfg.data.seq_len)
+    if not cfg.log.run_dir:  # named here, once: every rank (and node) must write to the same folder
+        cfg = cfg.replace(**{"log.run_dir": default_run_dir()})
+    _check_resume(cfg, layout)
+    _check_writable({"log.run_dir": cfg.log.run_dir, "checkpoint.dir": cfg.checkpoint.dir})
+    if note is not None and device.type == "cpu" and here > (cores := cpu_cores()):
+        note(f"{here} ranks on {cores} CPU core(s): oversubscribed, the ranks take turns on the cores "
+             f"and each step is slower than with --nproc {cores}")
+    return cfg, layout
+
+
+def _check_resume(cfg: JobConfig, layout: Layout) -> None:
+    """A checkpoint of another parallel.dp_sync, or of another number of workers, is refused here,
+    in one line, before any rank starts (the trainer checks it again)."""
+    from scaletrain.train import checkpoint as ckpt
+
+    res = cfg.checkpoint.resume
+    if res == "none":
+        return
+    if res == "auto":
+        folder = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.log.run_dir) / "checkpoints"
+        path = ckpt.latest_checkpoint(folder)
+        if path is None:
+            return
+    else:
+        path = Path(res)
+    try:
+        state = ckpt.read_trainer_state(path)
+    except CheckpointError:
+        return  # the trainer reports it (or, with auto, falls back to an older checkpoint, naming this one)
+    ckpt.check_sync(path, state, layout)
+
+
+def _check_writable(paths: dict[str, str]) -> None:
+    """Refuse a folder on a read-only or full disk, or one we may not write to, before any rank
+    starts: on this node they would all fail on it, in a line each."""
+    for option, path in paths.items():
+        if not path:
+            continue
+        folder = os.path.abspath(path)
+        while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+            folder = os.path.dirname(folder)  # the folder it will be created in
+        if not os.path.isdir(folder):
+            continue  # the trainer names a file in the way
+        disk = os.statvfs(folder)
+        code = (errno.EROFS if disk.f_flag & os.ST_RDONLY else errno.EACCES if not os.access(folder, os.W_OK)
+                else errno.ENOSPC if disk.f_blocks and (disk.f_bfree if os.geteuid() == 0 else disk.f_bavail) == 0
+                else None)
+        if code is not None:
+            raise user_error_from_os(OSError(code, os.strerror(code), folder), {option: path})
+
+
+def start(cfg: JobConfig, layout: Layout | None = None, *, note=None, can_measure: bool = False):
+    """(the config as it runs, this process's Runtime): join the group of ranks (a process
+    started by a launcher or torchrun; else this process is the whole job) and build the mesh of
+    `layout`, the job's, settled where it started; when it is not given, the job is settled
+    here: by this process alone, or under torchrun by rank 0 for every rank. `note` and
+    `can_measure` as for `settle` (rank 0 alone notes)."""
+    from scaletrain import runtime
+
+    place = runtime.join(cfg)
+    if layout is None:
+        cfg, layout = _settled_on_rank0(cfg, place, note, can_measure)
+    return cfg, runtime.runtime_of(cfg, layout, place)
+
+
+def _settled_on_rank0(cfg: JobConfig, place, note, can_measure: bool) -> tuple[JobConfig, Layout]:
+    """`settle` on rank 0 alone; every other rank receives its result, or its error."""
+    def settle_here():
+        return settle(cfg, place.world_size, place.device, per_node=place.local_world_size, note=note,
+                      can_measure=can_measure)
+
+    if not place.distributed:
+        return settle_here()
+    import torch.distributed as dist
+
+    box: list = [None]
+    if place.rank == 0:
+        try:
+            with os_errors_named(config_paths(cfg)):
+                chosen, chosen_layout = settle_here()
+            box = [(chosen.to_dict(), chosen_layout.to_dict())]
+        except UserError as e:
+            box = [e]
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], UserError):
+        raise box[0]
+    return from_dict(box[0][0]), Layout(**box[0][1])
+
+
+def launch(cfg: JobConfig, layout: Layout, *, nproc: int, nnodes: int = 1, node_rank: int | None = None,
+           rdzv_endpoint: str = "", rdzv_id: str = "scaletrain", max_restarts: int = 0) -> int:
+    """Start the `train` task on `nproc` local ranks (of `nnodes` nodes) for the settled `cfg`
+    and `layout`, each rank handed both (`spec`); returns the job's exit code."""
+    from scaletrain import launcher
+
+    with launcher.spec_file(spec(cfg, layout), prefix="scaletrain-train-") as path:
+        return launcher.launch("train", [path], nproc=nproc, nnodes=nnodes, node_rank=node_rank,
+                               rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
+                               checkpoint_dir=cfg.checkpoint.dir or os.path.join(cfg.log.run_dir, "checkpoints"))
+
+
+def spec(cfg: JobConfig, layout: Layout) -> dict:
+    """What every rank of a job is given: the config as it will run and its layout."""
+    return {"config": cfg.to_dict(), "layout": layout.to_dict()}
+
+
+def train_rank(spec_path: str) -> int:
+    """One rank of `scaletrain train --nproc N` (the `train` task of scaletrain.worker, which
+    reports its failures): SPEC_PATH is the JSON file of `spec`."""
+    job = json.loads(Path(spec_path).read_text())
+    return train(from_dict(job["config"]), Layout(**job["layout"]))
+
+
+def train(cfg: JobConfig, layout: Layout | None = None, note=None) -> int:
+    """Train `cfg` as one rank of a group (`layout`: cfg's, settled where the job started; None
+    under torchrun, where rank 0 settles it for all, telling `note`). Returns the rank's exit
+    code. A rank the launcher restarted after a failure resumes from the newest checkpoint."""
+    from scaletrain import runtime
+    from scaletrain.train.trainer import Trainer
+
+    rank = int(os.environ.get("RANK", "0"))
+    restarts = runtime.restart_count()
+    if restarts > 0 and cfg.checkpoint.resume == "none":
+        # the launcher restarted the group after a failure: continue from the newest checkpoint
+        cfg = cfg.replace(**{"checkpoint.resume": "auto"})
+    if restarts > 0 and rank == 0:
+        print(f"scaletrain: restart {restarts} of at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}: "
+              "a rank failed; the group resumes from its newest complete checkpoint", file=sys.stderr, flush=True)
+    with os_errors_named(config_paths(cfg)):
+        cfg, rt = start(cfg, layout, note=note)
+        return exit_code(Trainer(cfg, rt, restart=restarts > 0).fit())
+
+
+def exit_code(result: dict) -> int:
+    """The exit code of a finished `Trainer.fit()`: 0, or 128 + the signal that stopped it."""
+    if result["stopped_by"] is None:
+        return 0
+    # stopped by a signal and saved: this process is on its way out; later signals (a second
+    # Ctrl-C) must not turn exit 128+N into a death by signal. SIG_IGN, unlike a Python handler,
+    # outlives the interpreter's own shutdown.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    return 128 + int(result["stopped_by"])
+
+
+def train_config(config: str | None, extra: list[str]) -> tuple[JobConfig, str | None]:
+    """(the config `scaletrain train` runs, a line that says where it came from or None).
+    `config`, a TOML file or a run's config.json; without it, when the options resume a run
+    (checkpoint.resume=auto with its log.run_dir, or a checkpoint folder), that run's own saved
+    config; else the demo (configs/tiny.toml). The options `extra` go on top and are checked, by
+    the config and, on resuming, against the checkpoint."""
+    from scaletrain.config import DEMO_CONFIG, load_config, parse_override_args
+    from scaletrain.train.run_folder import saved_config
+
+    if config:
+        return load_config(config, extra), None
+    saved = saved_config(parse_override_args(extra)[0])
+    if saved is None:
+        return load_config(DEMO_CONFIG, extra), None
+    raw, source = saved
+    cfg = from_dict(raw, overrides=extra, source=source)
+    before = from_dict(raw, source=source).to_dict()
+    changed = [f"{s}.{k}={v}" for s, values in cfg.to_dict().items() for k, v in values.items()
+               if before[s][k] != v]
+    return cfg, f"config: the run's own ({source}){', with ' + ', '.join(changed) if changed else ''}"
