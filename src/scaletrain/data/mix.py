@@ -188,3 +188,15 @@ def open_training_data(data_cfg, mix: list[tuple[str, float]] | None, vocab_size
         raise DataError(f"{data.source}: the tokenizer has {data.vocab_size} tokens but model.vocab_size={vocab_size}; "
                         f"set model.vocab_size to at least {data.vocab_size}")
     return data, (MixDataset(data, data_cfg.seq_len) if mix else WindowDataset(data, data_cfg.seq_len))
+
+
+def step_sampler(dataset, layout, *, dp_rank: int, seed: int, start_step: int, schedule) -> StepSampler:
+    """Which windows data-parallel rank `dp_rank` reads at each step from `start_step` on, by
+    `layout`'s batch triad: a mixture's sampler (each source in its proportion) or one folder's
+    (`schedule`: the batch-size warm-up, a BatchSchedule)."""
+    b = layout
+    if isinstance(dataset, MixDataset):
+        return MixSampler(dataset, dataset.data.weights, b.global_batch, b.micro_batch, b.grad_accum,
+                          dp_rank=dp_rank, dp_size=b.dp, seed=seed, start_step=start_step)
+    return StepSampler(len(dataset), b.global_batch, b.micro_batch, b.grad_accum, dp_rank=dp_rank, dp_size=b.dp,
+                       seed=seed, start_step=start_step, schedule=schedule)

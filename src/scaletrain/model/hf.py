@@ -257,6 +257,11 @@ class _Converted(Mapping):
     def total_bytes(self) -> int:
         return getattr(self._source, "total_bytes", 0)
 
+    def describe(self, source: str, rank: int) -> str:
+        """The run log's line of what this rank read."""
+        return (f"weights from {source}: rank {rank} read {self.bytes_read / 2**20:.2f} MiB of "
+                f"{self.total_bytes / 2**20:.2f} MiB (its own shards of its own stages' tensors)")
+
     def read(self, name: str, index: tuple) -> torch.Tensor:
         """self[name][index] (index: one slice per dimension), reading only what it needs."""
         if name not in self._part_makers:

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from scaletrain.config import JobConfig, parse_mix
 from scaletrain.data.loader import StepSampler, build_loader
-from scaletrain.data.mix import MixSampler, open_training_data
+from scaletrain.data.mix import open_training_data, step_sampler
 from scaletrain.errors import ConfigError
 from scaletrain.model.flops import flops_per_token
 from scaletrain.model.generate import sample_text
@@ -187,9 +187,7 @@ class Trainer:
         pm = parallelize(model, cfg, self.rt, self.precision, weights=weights)
         self.folder.notes.extend(pm.notes)  # what the quantization layer rule converted (qat, fp8)
         if weights is not None:
-            self.folder.notes.append(f"weights from {cfg.model.init_from}: rank {self.rank} read "
-                                     f"{weights.bytes_read / 2**20:.2f} MiB of {weights.total_bytes / 2**20:.2f} MiB "
-                                     "(its own shards of its own stages' tensors)")
+            self.folder.notes.append(weights.describe(cfg.model.init_from, self.rank))
         return pm
 
     def _build_optimizer(self) -> None:
@@ -276,13 +274,8 @@ class Trainer:
 
     def sampler(self, start_step: int) -> StepSampler:
         """Which windows this rank reads at each step from `start_step` on (the data-parallel cut)."""
-        b = self.layout
-        if self.cfg.data.mix:
-            return MixSampler(self.dataset, self.data.weights, b.global_batch, b.micro_batch, b.grad_accum,
-                              dp_rank=self.dp_rank, dp_size=b.dp, seed=self.cfg.train.seed, start_step=start_step)
-        return StepSampler(len(self.dataset), b.global_batch, b.micro_batch, b.grad_accum,
-                           dp_rank=self.dp_rank, dp_size=b.dp, seed=self.cfg.train.seed, start_step=start_step,
-                           schedule=self.batch_schedule)
+        return step_sampler(self.dataset, self.layout, dp_rank=self.dp_rank, seed=self.cfg.train.seed,
+                            start_step=start_step, schedule=self.batch_schedule)
 
     def batches(self):
         """This rank's micro-batches (inputs, targets) from the current step on: the sampler cuts
