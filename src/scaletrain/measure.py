@@ -364,7 +364,8 @@ def measure_evaluations(config: str | None, evaluations: list, nproc: int, overr
     for ev in evaluations:
         layout = ev.layout
         jobs.append({**(overrides or {}), **layout.config_overrides(),
-                     **quiet(tempfile.mkdtemp(prefix="plan-measure-")), "train.global_batch": layout.micro_batch * layout.grad_accum * layout.dp})
+                     **quiet(tempfile.mkdtemp(prefix="plan-measure-")),
+                     "train.global_batch": layout.micro_batch * layout.grad_accum * layout.dp})
     t0 = time.perf_counter()
     measured = measure_layouts(jobs, nproc, steps=steps, config=config, memory=memory, rounds=rounds)
     rows = []
