@@ -21,6 +21,7 @@ from pathlib import Path
 
 from scaletrain.config import load_config
 from scaletrain.measure import measure_layouts, planned
+from scaletrain.ranks import quiet
 from scaletrain.vocab import CP_METHODS
 
 MiB = 2**20
@@ -33,9 +34,8 @@ _spec.loader.exec_module(planner_bench)
 
 def overrides_for(seq_len: int, cp: int, method: str, extra: dict) -> dict:
     return {"data.seq_len": seq_len, "model.max_seq_len": seq_len, "train.micro_batch": 1, "train.global_batch": 1,
-            "train.grad_accum": 1, "parallel.cp": cp, "parallel.cp_method": method, "train.sample_tokens": 0,
-            "train.eval_every": 0, "log.run_dir": tempfile.mkdtemp(prefix="cp-bench-"), "log.tensorboard": False,
-            "log.progress": "off", "checkpoint.save_final": False, **extra}
+            "train.grad_accum": 1, "parallel.cp": cp, "parallel.cp_method": method,
+            **quiet(tempfile.mkdtemp(prefix="cp-bench-")), **extra}
 
 
 def main(argv=None) -> None:

@@ -16,10 +16,8 @@ from the live tensors during the first step; the largest over ranks) beside the 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -54,22 +52,24 @@ def _timed_steps(trainer, steps: int, warmup: int = 2, sync=None) -> tuple[list[
 def _config(args, extra: list[str], run_dir: str, zero: int | None):
     from scaletrain.config import load_config
 
-    overrides = [*extra, f"--log.run_dir={run_dir}", "--log.tensorboard=false", "--log.progress=off",
-                 "--checkpoint.save_final=false", "--train.sample_tokens=0"]
+    from scaletrain.ranks import flags, quiet
+
+    overrides = [*extra, *flags(quiet(run_dir))]
     if zero is not None:
         overrides.append(f"--parallel.zero={zero}")
     return load_config(args.config, overrides)
 
 
-def rank_main(*argv: str) -> int:
+def rank_main(spec_path: str, out_path: str) -> int:
     """One rank: every zero stage in turn; rank 0 writes the figures (the `data_parallel:rank_main`
-    task of scaletrain.worker)."""
+    task of scaletrain.worker; the spec holds this script's command line)."""
     import torch.distributed as dist
 
+    from scaletrain.ranks import read_spec, write_result
     from scaletrain.runtime import init_worker
     from scaletrain.train.trainer import Trainer
 
-    args, extra = _parser().parse_known_args(argv)
+    args, extra = _parser().parse_known_args(read_spec(spec_path)["argv"])
     rows = []
     for zero in STAGES:
         cfg = _config(args, extra, tempfile.mkdtemp(prefix=f"dp-z{zero}-"), zero)
@@ -84,7 +84,7 @@ def rank_main(*argv: str) -> int:
                      "num_params": trainer.num_params})
         del trainer
     if rt.rank == 0:
-        Path(args.out).write_text(json.dumps(rows))
+        write_result(out_path, rows)
     return 0
 
 
@@ -93,14 +93,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", default="configs/tiny.toml")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per layout")
-    ap.add_argument("--out", help=argparse.SUPPRESS)
     return ap
 
 
 def main(argv=None) -> None:
     args, extra = _parser().parse_known_args(argv)
 
-    from scaletrain.launcher import launch
+    from scaletrain.ranks import run_on_ranks
     from scaletrain.train.trainer import Trainer
 
     cfg = _config(args, extra, tempfile.mkdtemp(prefix="dp-single-"), None)
@@ -108,13 +107,9 @@ def main(argv=None) -> None:
     times, _ = _timed_steps(single, args.steps)
     single_s = statistics.median(times)
 
-    out = Path(tempfile.mkdtemp(prefix="dp-bench-")) / "rows.json"
-    forwarded = [f"--config={args.config}", f"--steps={args.steps}", f"--nproc={args.nproc}", f"--out={out}", *extra]
-    code = launch("data_parallel:rank_main", forwarded, nproc=args.nproc,
-                  pythonpath=(str(Path(__file__).resolve().parent),))
-    if code:
-        sys.exit(code)
-    rows = json.loads(out.read_text())
+    forwarded = [f"--config={args.config}", f"--steps={args.steps}", f"--nproc={args.nproc}", *extra]
+    rows = run_on_ranks("data_parallel:rank_main", {"argv": forwarded}, args.nproc,
+                        pythonpath=(str(Path(__file__).resolve().parent),))
     n, psi = args.nproc, rows[0]["num_params"]
     b = single.layout
     print(f"config {args.config}: {psi / 1e6:.2f}M params, global batch {b.global_batch} x {cfg.data.seq_len}, "

@@ -15,10 +15,8 @@ one sync, DDP's or a fragment's) against the whole model's sync (÷ F with F fra
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
@@ -43,21 +41,22 @@ BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
 
 def _config(args, extra: list[str], overrides: dict, run_dir: str):
     from scaletrain.config import load_config
+    from scaletrain.ranks import flags, quiet
 
-    base = [*extra, f"--parallel.dp_replicate={args.nproc}", f"--log.run_dir={run_dir}", "--log.tensorboard=false",
-            "--log.progress=off", "--checkpoint.save_final=false", "--train.sample_tokens=0"]
-    return load_config(args.config, base + [f"--{k}={v}" for k, v in overrides.items()])
+    base = [*extra, f"--parallel.dp_replicate={args.nproc}", *flags(quiet(run_dir))]
+    return load_config(args.config, base + flags(overrides))
 
 
-def rank_main(*argv: str) -> int:
+def rank_main(spec_path: str, out_path: str) -> int:
     """One rank: every row in turn; rank 0 writes the figures (the `local_sgd:rank_main` task of
-    scaletrain.worker)."""
+    scaletrain.worker; the spec holds this script's command line)."""
     import torch.distributed as dist
 
+    from scaletrain.ranks import read_spec, write_result
     from scaletrain.runtime import init_worker
     from scaletrain.train.trainer import Trainer
 
-    args, extra = _parser().parse_known_args(argv)
+    args, extra = _parser().parse_known_args(read_spec(spec_path)["argv"])
     out = []
     for name, overrides, steps in ROWS:
         cfg = _config(args, extra, overrides, tempfile.mkdtemp(prefix="lsgd-bench-"))
@@ -78,7 +77,7 @@ def rank_main(*argv: str) -> int:
         out.append({"name": name, "overrides": overrides, "per_step": every, "num_params": trainer.num_params})
         del trainer, batches
     if rt.rank == 0:
-        Path(args.out).write_text(json.dumps(out))
+        write_result(out_path, out)
     return 0
 
 
@@ -86,21 +85,16 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/tiny.toml")
     ap.add_argument("--nproc", type=int, default=2, help="workers (one rank each)")
-    ap.add_argument("--out", help=argparse.SUPPRESS)
     return ap
 
 
 def main(argv=None) -> None:
     args, extra = _parser().parse_known_args(argv)
-    from scaletrain.launcher import launch
+    from scaletrain.ranks import run_on_ranks
 
-    out = Path(tempfile.mkdtemp(prefix="lsgd-bench-")) / "rows.json"
-    forwarded = [f"--config={args.config}", f"--nproc={args.nproc}", f"--out={out}", *extra]
-    code = launch("local_sgd:rank_main", forwarded, nproc=args.nproc,
-                  pythonpath=(str(Path(__file__).resolve().parent),))
-    if code:
-        sys.exit(code)
-    rows = json.loads(out.read_text())
+    forwarded = [f"--config={args.config}", f"--nproc={args.nproc}", *extra]
+    rows = run_on_ranks("local_sgd:rank_main", {"argv": forwarded}, args.nproc,
+                        pythonpath=(str(Path(__file__).resolve().parent),))
     n, psi = args.nproc, rows[0]["num_params"]
     ddp = statistics.mean(statistics.mean(r) for r in rows[0]["per_step"])
     whole = 2 * (n - 1) / n * psi * 4  # one all-reduce of every fp32 value (a ring's volume)

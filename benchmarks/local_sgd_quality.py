@@ -44,15 +44,18 @@ def rows(sync_every: list[int], fragments: int, delay: int) -> list[tuple[str, d
     return out
 
 
-def rank_main(*argv: str) -> int:
-    """One rank: every row in turn (the `local_sgd_quality:rank_main` task of scaletrain.worker)."""
+def rank_main(spec_path: str, out_path: str) -> int:
+    """One rank: every row in turn (the `local_sgd_quality:rank_main` task of scaletrain.worker;
+    the spec holds this script's command line). The rows go to --out as they finish, not to
+    `out_path`: a later invocation continues from them."""
     import torch.distributed as dist
 
     from scaletrain.config import load_config
+    from scaletrain.ranks import flags, quiet, read_spec
     from scaletrain.runtime import init_worker
     from scaletrain.train.trainer import Trainer
 
-    args, extra = _parser().parse_known_args(argv)
+    args, extra = _parser().parse_known_args(read_spec(spec_path)["argv"])
     out = Path(args.out)
     done = {json.loads(line)["name"] for line in out.read_text().splitlines()} if out.exists() else set()
     start = out.parent / "pretrained.safetensors"
@@ -68,13 +71,13 @@ def rank_main(*argv: str) -> int:
         pretrain = name == "pretrain"
         steps = args.pretrain_steps if pretrain else args.steps
         run_dir = Path(args.out).parent / name.replace(" ", "_")
-        cfg = load_config(args.config, [*(e for e in extra if not (pretrain and e.startswith(("--model.init_from", "--train.seed")))),
-                                        f"--parallel.dp_replicate={args.nproc}", f"--train.steps={steps}",
-                                        f"--train.eval_every={steps}", f"--log.run_dir={run_dir}",
-                                        "--log.tensorboard=false", "--log.progress=off", "--train.sample_tokens=0",
-                                        "--checkpoint.save_final=false", "--checkpoint.every=50",
-                                        "--checkpoint.resume=auto", "--checkpoint.keep=1",
-                                        *[f"--{k}={v}" for k, v in overrides.items()]])
+        # quiet, but evaluated at the end and resumable: a checkpoint every 50 steps, the newest kept
+        ours = {**quiet(run_dir), "parallel.dp_replicate": args.nproc, "train.steps": steps,
+                "train.eval_every": steps, "checkpoint.every": 50, "checkpoint.resume": "auto",
+                "checkpoint.keep": 1, **overrides}
+        cfg = load_config(args.config, [*(e for e in extra
+                                          if not (pretrain and e.startswith(("--model.init_from", "--train.seed")))),
+                                        *flags(ours)])
         rt = init_worker(cfg)
         # a run cut short by an earlier invocation continues from its last checkpoint (bitwise), or
         # begins again if it had none
@@ -118,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args, extra = _parser().parse_known_args(argv)
-    from scaletrain.launcher import launch
+    from scaletrain.ranks import run_on_ranks
 
     folder = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="lsgd-quality-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -126,10 +129,8 @@ def main(argv=None) -> None:
     forwarded = [f"--config={args.config}", f"--nproc={args.nproc}", f"--steps={args.steps}",
                  f"--pretrain-steps={args.pretrain_steps}", f"--fragments={args.fragments}", f"--delay={args.delay}", f"--out={out}",
                  "--sync-every", *map(str, args.sync_every), *extra]
-    code = launch("local_sgd_quality:rank_main", forwarded, nproc=args.nproc,
-                  pythonpath=(str(Path(__file__).resolve().parent),))
-    if code:
-        sys.exit(code)
+    run_on_ranks("local_sgd_quality:rank_main", {"argv": forwarded}, args.nproc,
+                 pythonpath=(str(Path(__file__).resolve().parent),))
     results = [json.loads(line) for line in out.read_text().splitlines()]
     ddp = next(r["val_loss"] for r in results if r["name"] == "DDP")
     start = (f"from {args.pretrain_steps} steps of DDP, then " if args.pretrain_steps else "")

@@ -17,14 +17,14 @@ import time
 from scaletrain.config import load_config
 from scaletrain.memory import saved_activation_bytes
 from scaletrain.optim import optimizer_state_bytes
+from scaletrain.ranks import flags, quiet
 from scaletrain.train.trainer import Trainer, cross_entropy_sum
 
 
 def trainer_for(config: str, overrides: list[str], **dotted) -> Trainer:
     run_dir = tempfile.mkdtemp(prefix="memory-")
     extra = [f"--{k}={v}" for k, v in dotted.items()]
-    cfg = load_config(config, [*overrides, *extra, f"--log.run_dir={run_dir}", "--log.tensorboard=false",
-                               "--log.progress=off", "--checkpoint.save_final=false"])
+    cfg = load_config(config, [*overrides, *extra, *flags(quiet(run_dir))])
     return Trainer(cfg)
 
 

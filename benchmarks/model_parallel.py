@@ -17,10 +17,8 @@ gradients, communication buffers), the largest over ranks.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -47,10 +45,9 @@ COMMON = {"model.tie_embeddings": False, "model.n_layers": 8, "train.grad_accum"
 
 def _config(args, extra, overrides: dict, run_dir: str):
     from scaletrain.config import load_config
+    from scaletrain.ranks import flags, quiet
 
-    items = {**COMMON, **overrides, "log.run_dir": run_dir, "log.tensorboard": False, "log.progress": "off",
-             "checkpoint.save_final": False, "train.sample_tokens": 0}
-    return load_config(args.config, [*extra, *(f"--{k}={v}" for k, v in items.items())])
+    return load_config(args.config, [*extra, *flags({**COMMON, **overrides, **quiet(run_dir)})])
 
 
 def _measure(trainer, steps: int, sync=None) -> dict:
@@ -71,14 +68,16 @@ def _measure(trainer, steps: int, sync=None) -> dict:
     return {"step_s": statistics.median(times), "states": sum(trainer.state_bytes.values()), "peak": peak}
 
 
-def rank_main(*argv: str) -> int:
-    """One rank of a layout (the `model_parallel:rank_main` task of scaletrain.worker)."""
+def rank_main(spec_path: str, out_path: str) -> int:
+    """One rank of a layout (the `model_parallel:rank_main` task of scaletrain.worker; the spec
+    holds this script's command line)."""
     import torch.distributed as dist
 
+    from scaletrain.ranks import read_spec, write_result
     from scaletrain.runtime import init_worker
     from scaletrain.train.trainer import Trainer
 
-    args, extra = _parser().parse_known_args(argv)
+    args, extra = _parser().parse_known_args(read_spec(spec_path)["argv"])
     name, _, overrides = LAYOUTS[args.layout]
     cfg = _config(args, extra, overrides, tempfile.mkdtemp(prefix="mp-"))
     rt = init_worker(cfg)
@@ -86,7 +85,7 @@ def rank_main(*argv: str) -> int:
     rows = [None] * rt.world_size
     dist.all_gather_object(rows, row)
     if rt.rank == 0:
-        Path(args.out).write_text(json.dumps({"name": name, "ranks": rows}))
+        write_result(out_path, {"name": name, "ranks": rows})
     return 0
 
 
@@ -95,14 +94,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", default="configs/tiny.toml")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per layout")
     ap.add_argument("--layout", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
     return ap
 
 
 def main(argv=None) -> None:
     args, extra = _parser().parse_known_args(argv)
 
-    from scaletrain.launcher import launch
+    from scaletrain.ranks import run_on_ranks
     from scaletrain.train.trainer import Trainer
 
     cfg = _config(args, extra, {}, tempfile.mkdtemp(prefix="mp-single-"))
@@ -116,13 +114,9 @@ def main(argv=None) -> None:
     print(f"{'1 process':<18}{1:>6}{single['step_s'] * 1e3:>13.0f}ms{1.0:>11.2f}"
           f"{single['states'] / 2**20:>11.1f}MiB{single['peak'] / 2**20:>9.1f}MiB")
     for i, (name, ranks, _) in enumerate(LAYOUTS):
-        out = Path(tempfile.mkdtemp(prefix="mp-out-")) / "row.json"
-        code = launch("model_parallel:rank_main",
-                      [f"--config={args.config}", f"--steps={args.steps}", f"--layout={i}", f"--out={out}", *extra],
-                      nproc=ranks, pythonpath=(str(Path(__file__).resolve().parent),))
-        if code:
-            sys.exit(code)
-        rows = json.loads(out.read_text())["ranks"]
+        forwarded = [f"--config={args.config}", f"--steps={args.steps}", f"--layout={i}", *extra]
+        rows = run_on_ranks("model_parallel:rank_main", {"argv": forwarded}, ranks,
+                            pythonpath=(str(Path(__file__).resolve().parent),))["ranks"]
         step = max(r["step_s"] for r in rows)
         print(f"{name:<18}{ranks:>6}{step * 1e3:>13.0f}ms{step / single['step_s']:>11.2f}"
               f"{max(r['states'] for r in rows) / 2**20:>11.1f}MiB{max(r['peak'] for r in rows) / 2**20:>9.1f}MiB",

@@ -27,6 +27,7 @@ import torch
 
 from scaletrain.bench.plain import PlainLoop
 from scaletrain.config import load_config
+from scaletrain.ranks import flags, quiet
 from scaletrain.train.trainer import Trainer
 
 
@@ -37,8 +38,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=3, help="steps of each loop per round")
     args, overrides = ap.parse_known_args(argv)
     run_dir = tempfile.mkdtemp(prefix="overhead-")
-    cfg = load_config(args.config, [*overrides, f"--log.run_dir={run_dir}", "--log.tensorboard=false",
-                                    "--log.progress=off", "--checkpoint.save_final=false"])
+    cfg = load_config(args.config, [*overrides, *flags(quiet(run_dir))])
     if cfg.train.grad_accum not in (0, 1):
         sys.exit("this benchmark compares single micro-batch steps; leave train.grad_accum unset")
 

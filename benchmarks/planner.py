@@ -18,11 +18,11 @@ import time
 
 from scaletrain.plan import plan
 from scaletrain.hardware import Hardware
+from scaletrain.ranks import QUIET
 
 BASE = {"model.n_layers": 4, "model.tie_embeddings": False, "model.dim": 128, "data.seq_len": 64,
         "model.max_seq_len": 64, "train.global_batch": 8, "train.micro_batch": 4, "train.steps": 3,
-        "model.n_heads": 4, "log.tensorboard": False, "log.progress": "off", "checkpoint.save_final": False,
-        "train.sample_tokens": 0, "train.device": "cpu"}
+        "model.n_heads": 4, "train.device": "cpu", **QUIET}  # each layout adds a log.run_dir of its own
 LAYOUTS = [  # (name, ranks, overrides)
     ("fp32 adamw", 1, {}),
     ("ac selective", 1, {"memory.activation_checkpointing": "selective"}),
@@ -60,8 +60,9 @@ def accuracy() -> list[dict]:
     """Each layout's measured rows beside the planner's figures; prints the table."""
     from scaletrain.config import load_config
     from scaletrain.measure import measure_layouts, planned, predicted_components
+    from scaletrain.ranks import quiet
 
-    jobs = [(name, ranks, {**BASE, **extra, "log.run_dir": tempfile.mkdtemp(prefix="plan-acc-")})
+    jobs = [(name, ranks, {**BASE, **extra, **quiet(tempfile.mkdtemp(prefix="plan-acc-"))})
             for name, ranks, extra in LAYOUTS]
     measured = {}
     for ranks in sorted({r for _, r, _ in jobs}):  # one group of processes per rank count

@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 from scaletrain.config import load_config  # noqa: E402
 from scaletrain.quant.ptq import folder_bytes, load_quantized  # noqa: E402
+from scaletrain.ranks import quiet  # noqa: E402
 from scaletrain.train.evaluate import evaluate_checkpoint  # noqa: E402
 from scaletrain.train.export import export_safetensors, load_model_from_checkpoint  # noqa: E402
 from scaletrain.train.quantize import quantize_source  # noqa: E402
@@ -50,14 +51,14 @@ LARGER = {"model.dim": 384, "model.n_layers": 4, "model.n_heads": 6}
 # PTQ lost nothing their perplexities differed by up to ~0.02% (0.003 of 13.8), so a share of
 # a smaller loss is that noise divided by a near-zero number
 RESOLUTION = 1e-3
-QUIET = {"log.progress": "off", "log.tensorboard": False, "train.sample_tokens": 0, "checkpoint.save_final": True,
-         "train.device": "cpu", "train.eval_every": 0}
+# a quiet run that keeps its final checkpoint (what is measured) and prints a line every 10 steps
+RUN = {"checkpoint.save_final": True, "log.every": 10, "train.device": "cpu"}
 
 
 def train(folder: Path, overrides: dict) -> Path:
     """The run's final checkpoint: trained here, or found from an earlier invocation (or a
     --train-only one running beside this) with the same --out-dir."""
-    cfg = load_config(REPO / "configs" / "tiny.toml", {**overrides, **QUIET, "log.run_dir": str(folder)})
+    cfg = load_config(REPO / "configs" / "tiny.toml", {**overrides, **quiet(folder), **RUN})
     final = folder / "checkpoints" / f"step_{cfg.train.steps:08d}"
     if folder.exists() and not final.is_dir():  # a --train-only invocation is training it: wait
         print(f"waiting for {final} (trained beside this invocation)", file=sys.stderr, flush=True)

@@ -258,3 +258,34 @@ def test_gpt2_step_beside_a_hand_written_loop_on_gpu():
     assert [x["name"] for x in rows] == ["baseline", "hand-written loop"]
     assert all(x["status"] == "measured" for x in rows)
     _check_rows(rows)
+
+
+def answering_rank(spec_path: str, out_path: str) -> int:
+    """A worker task for run_on_ranks' test: rank 0 echoes the spec and says the world size, or
+    every rank fails as a user's error would."""
+    import os
+
+    from scaletrain.errors import UserError
+    from scaletrain.ranks import read_spec, write_result
+
+    spec = read_spec(spec_path)
+    if spec["fail"]:
+        raise UserError("planted failure")
+    if os.environ["RANK"] == "0":
+        write_result(out_path, {"echo": spec["echo"], "world": int(os.environ["WORLD_SIZE"])})
+    return 0
+
+
+@pytest.mark.multiproc
+def test_run_on_ranks_returns_rank_0s_result_or_raises_the_ranks_exit_code(capfd):
+    from pathlib import Path
+
+    from scaletrain.ranks import RanksFailed, run_on_ranks
+
+    here = (str(Path(__file__).parent),)
+    got = run_on_ranks("test_bench:answering_rank", {"echo": [1, "a"], "fail": False}, 2, pythonpath=here)
+    assert got == {"echo": [1, "a"], "world": 2}
+    with pytest.raises(RanksFailed) as failed:
+        run_on_ranks("test_bench:answering_rank", {"echo": None, "fail": True}, 2, pythonpath=here)
+    assert failed.value.code == 2 and isinstance(failed.value, SystemExit)  # a user's error, as the CLI exits
+    assert "planted failure" in capfd.readouterr().err

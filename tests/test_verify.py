@@ -187,3 +187,17 @@ def test_comparison_and_verdict():
     assert table(good).splitlines()[0].split() == ["step", "loss", "(layout)", "loss", "(reference)", "rel", "diff",
                                                    "grad", "norm", "(layout)", "grad", "norm", "(reference)", "rel",
                                                    "diff"]
+
+
+def test_verify_runs_a_quiet_run_of_n_steps_without_dropout(tmp_path):
+    """Whatever the config says about logging, evaluation and checkpoints, verify's runs are quiet."""
+    from scaletrain.config import load_config
+    from scaletrain.ranks import QUIET
+    from scaletrain.verify import isolated
+
+    cfg = load_config(None, {"checkpoint.resume": "auto", "checkpoint.every": 5, "train.eval_every": 5,
+                             "log.tensorboard": True, "log.every": 10, "model.dropout": 0.1})
+    got = isolated(cfg, tmp_path / "layout", 3).to_dict()
+    flat = {f"{section}.{key}": value for section, values in got.items() for key, value in values.items()}
+    assert {k: flat[k] for k in QUIET} == QUIET
+    assert (flat["log.run_dir"], flat["train.steps"], flat["model.dropout"]) == (str(tmp_path / "layout"), 3, 0.0)

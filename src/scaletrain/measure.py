@@ -24,11 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from scaletrain.plan.memory_model import GiB
-
-
-# a measured run writes nothing a user would look for: no logs, samples, checkpoints
-QUIET = {"log.tensorboard": False, "log.progress": "off", "checkpoint.save_final": False, "train.sample_tokens": 0,
-         "train.eval_every": 0}
+from scaletrain.ranks import quiet, read_spec, run_on_ranks, write_result
 
 
 class LiveMemory(TorchDispatchMode):
@@ -207,16 +203,8 @@ def measure_layouts(overrides: list[dict], nproc: int, steps: int = 1, config: s
 
         return _fastest([[[measure_run(load_config(config, o), steps=steps, memory=memory)] for o in overrides]
                          for _ in range(rounds)])
-    from scaletrain.launcher import launch
-
-    folder = Path(tempfile.mkdtemp(prefix="plan-measure-"))
-    spec, out = folder / "jobs.json", folder / "rows.json"
-    spec.write_text(json.dumps({"config": config, "jobs": overrides, "steps": steps, "memory": memory,
-                                "rounds": rounds}))
-    code = launch("measure", [spec.as_posix(), out.as_posix()], nproc=nproc)
-    if code:
-        raise SystemExit(code)
-    return json.loads(out.read_text())
+    return run_on_ranks("measure", {"config": config, "jobs": overrides, "steps": steps, "memory": memory,
+                                    "rounds": rounds}, nproc)
 
 
 def calibration(model_cfg, probes: list[dict], optimizers: list[tuple[str, str]], ranks: int,
@@ -227,7 +215,6 @@ def calibration(model_cfg, probes: list[dict], optimizers: list[tuple[str, str]]
     measured in one group of `ranks` processes (said to `note`, with the seconds it took)."""
     from dataclasses import asdict
 
-    from scaletrain.launcher import launch
     from scaletrain.plan import calibrate
 
     cal = calibrate.load(device_type, ranks)
@@ -235,14 +222,8 @@ def calibration(model_cfg, probes: list[dict], optimizers: list[tuple[str, str]]
     if cal is not None and not compute and not steps:
         return cal
     t0 = time.perf_counter()
-    folder = Path(tempfile.mkdtemp(prefix="scaletrain-calibrate-"))
-    spec, out = folder / "spec.json", folder / "out.json"
-    spec.write_text(json.dumps({"model": asdict(model_cfg), "probes": compute, "optimizers": steps,
-                                "collectives": cal is None, "device": device_type}))
-    code = launch("calibrate", [spec.as_posix(), out.as_posix()], nproc=ranks)
-    if code:
-        raise SystemExit(code)
-    got = json.loads(out.read_text())
+    got = run_on_ranks("calibrate", {"model": asdict(model_cfg), "probes": compute, "optimizers": steps,
+                                     "collectives": cal is None, "device": device_type}, ranks)
     cal = calibrate.merge(cal, got, device_type, ranks)
     if note is not None:
         busy = _busy(ranks)
@@ -304,7 +285,7 @@ def measure_rank(spec: str, out: str) -> int:
     from scaletrain.config import load_config
     from scaletrain.runtime import init_worker
 
-    job = json.loads(Path(spec).read_text())
+    job = read_spec(spec)
     rounds = []
     for k in range(job.get("rounds", 1)):
         results = []
@@ -319,7 +300,7 @@ def measure_rank(spec: str, out: str) -> int:
             dist.barrier()
         rounds.append(results)
     if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(_fastest(rounds)))
+        write_result(out, _fastest(rounds))
     return 0
 
 
@@ -332,8 +313,7 @@ def run_layout(config: str, layout, nproc: int, overrides: dict | None = None) -
     """Measure `layout` with the model and data of `config` (and `overrides`, {"section.key": value})
     on `nproc` local ranks."""
     overrides = {**(overrides or {}), **layout.config_overrides()}
-    overrides.update({"log.run_dir": tempfile.mkdtemp(prefix="plan-measure-"), "log.tensorboard": False,
-                      "log.progress": "off", "checkpoint.save_final": False, "train.sample_tokens": 0,
+    overrides.update({**quiet(tempfile.mkdtemp(prefix="plan-measure-")),
                       "train.global_batch": layout.micro_batch * layout.grad_accum * layout.dp})
     return measure_layouts([overrides], nproc, steps=2, config=config)[0]
 
@@ -384,8 +364,7 @@ def measure_evaluations(config: str | None, evaluations: list, nproc: int, overr
     for ev in evaluations:
         layout = ev.layout
         jobs.append({**(overrides or {}), **layout.config_overrides(),
-                     "log.run_dir": tempfile.mkdtemp(prefix="plan-measure-"), "log.tensorboard": False,
-                     "log.progress": "off", "checkpoint.save_final": False, "train.sample_tokens": 0,
+                     **quiet(tempfile.mkdtemp(prefix="plan-measure-")),
                      "train.global_batch": layout.micro_batch * layout.grad_accum * layout.dp})
     t0 = time.perf_counter()
     measured = measure_layouts(jobs, nproc, steps=steps, config=config, memory=memory, rounds=rounds)

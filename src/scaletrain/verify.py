@@ -41,6 +41,7 @@ from typing import IO, Sequence
 from scaletrain.config import JobConfig, ParallelConfig, from_dict, load_config
 from scaletrain.errors import ConfigError
 from scaletrain.layout import Layout
+from scaletrain.ranks import quiet, read_spec
 
 # Largest relative difference allowed, (loss, gradient norm), over the first CALIBRATED_STEPS
 # steps of an honest layout against the reference. Measured on the CPU with gloo, 10 steps:
@@ -133,13 +134,9 @@ def layout_world(par: ParallelConfig, nproc: int | None) -> int:
 
 
 def isolated(cfg: JobConfig, run_dir: Path, steps: int) -> JobConfig:
-    """The config as verify runs it: N steps into a private folder, logging every step,
-    no checkpoints, no resuming, no dropout, no sample."""
-    return cfg.replace(**{
-        "train.steps": steps, "train.sample_tokens": 0, "model.dropout": 0.0,
-        "log.run_dir": str(run_dir), "log.every": 1, "log.tensorboard": False, "log.progress": "off",
-        "checkpoint.dir": str(run_dir / "checkpoints"), "checkpoint.every": 0, "checkpoint.save_final": False,
-        "checkpoint.resume": "none"})
+    """The config as verify runs it: N steps of a quiet run (`scaletrain.ranks.quiet`: a private
+    folder, logging every step, no checkpoints, no resuming, no sample), without dropout."""
+    return cfg.replace(**{**quiet(run_dir), "train.steps": steps, "model.dropout": 0.0})
 
 
 def reference(cfg: JobConfig, layout: Layout, why: str) -> Reference:
@@ -429,11 +426,12 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
 # A rank of a run
 
 
-def run_rank(spec_path: str) -> int:
-    """One rank of a run started by `run` (the `verify` task of scaletrain.worker)."""
+def run_rank(spec_path: str, out_path: str | None = None) -> int:
+    """One rank of a run started by `run` (the `verify` task of scaletrain.worker). It writes no
+    result (`out_path`): its metrics are in the run folder, as far as it got."""
     from scaletrain import runtime
 
-    spec = json.loads(Path(spec_path).read_text())
+    spec = read_spec(spec_path)
     cfg, rt = runtime.prepare_worker(from_dict(spec["config"]), Layout(**spec["layout"]))
     trainer = _trainer(cfg, rt, spec["total_steps"])
     if spec.get("hook"):

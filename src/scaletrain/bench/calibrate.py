@@ -4,17 +4,16 @@ how is described in `scaletrain.plan.calibrate`, which holds the figures and the
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 from scaletrain.plan.calibrate import OPS, PROBE_REPS, SIZES, probe_key
+from scaletrain.ranks import quiet, read_spec, write_result
 
 
 
@@ -25,7 +24,7 @@ def calibrate_rank(spec_path: str, out_path: str) -> int:
     from scaletrain.model.config import ModelConfig
     from scaletrain.runtime import pick_device
 
-    job = json.loads(Path(spec_path).read_text())
+    job = read_spec(spec_path)
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     device = pick_device(job["device"], local_rank, local_world)
     if device.type == "cuda":
@@ -49,7 +48,7 @@ def calibrate_rank(spec_path: str, out_path: str) -> int:
             {op: (0.0, math.inf) for op in OPS}
         result["overlap"] = probe_overlap(device, result["collectives"]) if dist.get_world_size() > 1 else 0.0
     if dist.get_rank() == 0:
-        Path(out_path).write_text(json.dumps(result))
+        write_result(out_path, result)
     dist.barrier()
     return 0
 
@@ -164,19 +163,18 @@ def _trainer_step(model_cfg, layers: int, precision: str, seq_len: int, micro_ba
     import torch.distributed as dist
 
     from scaletrain.config import load_config
-    from scaletrain.measure import QUIET
     from scaletrain.runtime import init_worker
     from scaletrain.train.trainer import Trainer
 
     model = {f"model.{k}": v for k, v in asdict(model_cfg).items() if k not in ("preset", "from_hf", "init_from")}
     dp = dist.get_world_size() // tp
-    cfg = load_config(None, {**model, **QUIET, "model.n_layers": layers, "data.seq_len": seq_len,
+    cfg = load_config(None, {**model, **quiet(tempfile.mkdtemp(prefix="scaletrain-calibrate-")),
+                             "model.n_layers": layers, "data.seq_len": seq_len,
                              "model.max_seq_len": max(model_cfg.max_seq_len, seq_len), "precision.mode": precision,
                              "optim.name": optimizer, "parallel.zero": zero, "parallel.tp": tp, "parallel.sp": sp,
                              "parallel.dp_replicate": dp_replicate, "parallel.dp_shard": dp_shard,
                              "train.micro_batch": micro_batch, "train.global_batch": micro_batch * dp,
-                             "train.device": "cuda" if torch.cuda.is_available() else "cpu",
-                             "log.run_dir": tempfile.mkdtemp(prefix="scaletrain-calibrate-")})
+                             "train.device": "cuda" if torch.cuda.is_available() else "cpu"})
     trainer = Trainer(cfg, init_worker(cfg), stream=open(os.devnull, "w"))
     batches = iter(trainer._loader())
     trainer.train_step(batches)  # DDP builds its buckets in the first steps

@@ -27,13 +27,13 @@ import json
 import os
 import re
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 from scaletrain.errors import ConfigError, LaunchError, UserError
 from scaletrain import fmt
 from scaletrain.plan.calibrate import bus_factor
+from scaletrain.ranks import read_spec, run_on_ranks, write_result
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all")
 ELEMENT_BYTES = 4  # float32
@@ -156,14 +156,14 @@ def measure(sizes: list[int], iters: int, warmup: int, device, ops: tuple[str, .
     return rows
 
 
-def bench_rank(spec_json: str) -> int:
+def bench_rank(spec_path: str, out_path: str) -> int:
     """One rank of `run` (the `bench-comms` task of scaletrain.worker)."""
     import torch
     import torch.distributed as dist
 
     from scaletrain.runtime import pick_device
 
-    spec = json.loads(spec_json)
+    spec = read_spec(spec_path)
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     device = pick_device(spec["device"], local_rank, local_world)
     if device.type == "cuda":
@@ -172,8 +172,7 @@ def bench_rank(spec_json: str) -> int:
                             device_id=device if device.type == "cuda" else None)
     rows = measure(spec["sizes"], spec["iters"], spec["warmup"], device)
     if int(os.environ["RANK"]) == 0:
-        Path(spec["out"]).write_text(json.dumps({"backend": dist.get_backend(), "device": device.type,
-                                                 "rows": rows}))
+        write_result(out_path, {"backend": dist.get_backend(), "device": device.type, "rows": rows})
     return 0
 
 
@@ -186,7 +185,6 @@ def run(nproc: int | None = None, sizes: list[str] | None = None, iters: int = 2
     """Start the ranks, measure, and return the result (what `--json` prints)."""
     import torch
 
-    from scaletrain.launcher import launch
     from scaletrain.runtime import pick_device
 
     kind = "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
@@ -198,13 +196,7 @@ def run(nproc: int | None = None, sizes: list[str] | None = None, iters: int = 2
         raise UserError(f"--iters must be at least 1 and --warmup at least 0, got {iters} and {warmup}")
     pick_device(kind, 0, nproc)  # enough GPUs for the ranks, or one line saying not
     nbytes = message_sizes(parse_sizes(sizes or DEFAULT_SIZES[kind]), nproc)
-    with tempfile.TemporaryDirectory(prefix="scaletrain-comms-") as tmp:
-        out = Path(tmp) / "comms.json"
-        spec = {"device": kind, "sizes": nbytes, "iters": iters, "warmup": warmup, "out": str(out)}
-        code = launch("bench-comms", [json.dumps(spec)], nproc=nproc)
-        if code:
-            raise SystemExit(code)
-        got = json.loads(out.read_text())
+    got = run_on_ranks("bench-comms", {"device": kind, "sizes": nbytes, "iters": iters, "warmup": warmup}, nproc)
     largest = {r["op"]: r["busbw_GBps"] for r in got["rows"] if r["bytes"] == max(nbytes)}
     return {"what": "scaletrain bench comms", "backend": got["backend"], "device": got["device"],
             "world_size": nproc, "dtype": "float32", "iters": iters, "warmup": warmup, "sizes": nbytes,

@@ -22,10 +22,7 @@ from pathlib import Path
 
 from scaletrain.bench.interleave import Entry, Row, rows_table, run, trainer_runner
 from scaletrain.errors import ConfigError, UserError
-
-# what every benchmarked config gets: no logging to disk, no checkpoints, no sample
-BENCH_SETTINGS = {"log.tensorboard": False, "log.progress": "off", "checkpoint.save_final": False,
-                  "checkpoint.resume": "none", "checkpoint.dir": "", "checkpoint.every": 0, "train.sample_tokens": 0}
+from scaletrain.ranks import quiet
 
 
 def parse_variant(text: str) -> dict[str, str]:
@@ -50,7 +47,7 @@ def bench_config(config: str | None, overrides: list[str] | dict, variant: dict,
         base, errors = parse_override_args(overrides)
         if errors:
             raise ConfigError(*errors)
-    cfg = load_config(config, {**base, **variant, **BENCH_SETTINGS, "log.run_dir": run_dir})
+    cfg = load_config(config, {**base, **variant, **quiet(run_dir)})
     if cfg.parallel.layout == "auto":
         raise ConfigError("parallel.layout=auto: a benchmark measures one fixed layout; set parallel.layout=manual "
                           "and the layout `scaletrain plan` chose")

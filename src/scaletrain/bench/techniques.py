@@ -27,16 +27,15 @@ then DDP) through scaletrain's launcher.
 
 from __future__ import annotations
 
-import json
-import tempfile
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
 from scaletrain.bench.interleave import Entry, Row, rows_table, run
-from scaletrain.bench.step import BENCH_SETTINGS, bench_config, header, scratch_dir, trainer_entry
+from scaletrain.bench.step import bench_config, header, scratch_dir, trainer_entry
 from scaletrain.errors import LaunchError, UserError
 from scaletrain.layout import Layout
+from scaletrain.ranks import quiet, read_spec, run_on_ranks, write_result
 from scaletrain.vocab import AC_MODES, OPTIMIZERS, PRECISIONS, ZERO_STAGES
 
 
@@ -95,7 +94,7 @@ def variant_config(base, values: dict, run_dir: str, steps_needed: int):
     """A technique's config: the baseline's (a bench_config) with `values` ({"section.key":
     value}, Python values), ours again on top. (Not for a change of model.preset or
     model.from_hf, which fill the model only where a file leaves it: see bench_config.)"""
-    cfg = base.replace(**{**values, **BENCH_SETTINGS, "log.run_dir": run_dir})
+    cfg = base.replace(**{**values, **quiet(run_dir)})
     if cfg.train.steps < steps_needed:  # the loader serves train.steps steps
         cfg = cfg.replace(**{"train.steps": steps_needed})
     return cfg
@@ -156,33 +155,26 @@ def bench_techniques(config: str | None, overrides: list[str], *, nproc: int | N
     if nproc == 1:
         return _measure(config, base, steps=steps, warmup=warmup, skip=list(skip), max_slowdown=max_slowdown,
                         progress=progress)
-    from scaletrain.launcher import launch, spec_file
     from scaletrain.runtime import pick_device
 
     _check_skip(base, list(skip), pick_device(base.train.device, 0, nproc).type)  # before starting the ranks
-    with tempfile.TemporaryDirectory(prefix="scaletrain-techniques-") as tmp:
-        out = Path(tmp) / "result.json"
-        spec = {"config_name": config, "config": base.to_dict(), "steps": steps, "warmup": warmup,
-                "skip": list(skip), "max_slowdown": max_slowdown, "out": str(out)}
-        with spec_file(spec, prefix="scaletrain-techniques-") as path:
-            code = launch("bench-techniques", [path], nproc=nproc)
-        if code:
-            raise SystemExit(code)
-        return json.loads(out.read_text())
+    return run_on_ranks("bench-techniques", {"config_name": config, "config": base.to_dict(), "steps": steps,
+                                             "warmup": warmup, "skip": list(skip), "max_slowdown": max_slowdown},
+                        nproc)
 
 
-def bench_rank(spec_path: str) -> int:
+def bench_rank(spec_path: str, out_path: str) -> int:
     """One rank of bench_techniques (the `bench-techniques` task of scaletrain.worker): SPEC_PATH
     is a JSON file of the baseline's config (read once, where the job started) and the settings."""
     from scaletrain.config import from_dict
     from scaletrain.runtime import prepare_worker
 
-    spec = json.loads(Path(spec_path).read_text())
+    spec = read_spec(spec_path)
     base, runtime = prepare_worker(from_dict(spec["config"]))  # the group's mesh: the baseline's layout
     result = _measure(spec["config_name"], base, steps=spec["steps"], warmup=spec["warmup"],
                       skip=spec["skip"], max_slowdown=spec["max_slowdown"], runtime=runtime)
     if runtime.rank == 0:
-        Path(spec["out"]).write_text(json.dumps(result))
+        write_result(out_path, result)
     return 0
 
 
