@@ -33,7 +33,7 @@ def _wchar() -> int:
 
 
 def _timed_steps(trainer, steps: int, warmup: int = 2, sync=None) -> tuple[list[float], int]:
-    batches = iter(trainer._loader())
+    batches = trainer.batches()
     for _ in range(warmup):
         trainer.train_step(batches)
     times = []

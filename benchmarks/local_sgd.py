@@ -54,6 +54,7 @@ def rank_main(spec_path: str, out_path: str) -> int:
 
     from scaletrain.ranks import read_spec, write_result
     from scaletrain.runtime import init_worker
+    from scaletrain.parallel.local_sgd import LocalSGD
     from scaletrain.train.trainer import Trainer
 
     args, extra = _parser().parse_known_args(read_spec(spec_path)["argv"])
@@ -62,14 +63,15 @@ def rank_main(spec_path: str, out_path: str) -> int:
         cfg = _config(args, extra, overrides, tempfile.mkdtemp(prefix="lsgd-bench-"))
         rt = init_worker(cfg)
         trainer = Trainer(cfg, rt, stream=open(os.devnull, "w"))
-        batches = iter(trainer._loader())
+        batches = trainer.batches()
+        local_sgd = trainer.hooks.find(LocalSGD)  # None for the DDP row
         per_step = []
         dist.barrier()
         for _ in range(steps):
             before = _wchar()
             trainer.train_step(batches)
-            if trainer.outer is not None and _ == steps - 1:
-                for sync in trainer.outer.in_flight:  # a delayed sync started in the window
+            if local_sgd is not None and _ == steps - 1:
+                for sync in local_sgd.outer.in_flight:  # a delayed sync started in the window
                     sync.result()
             per_step.append(_wchar() - before)
         every = [None] * rt.world_size

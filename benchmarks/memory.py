@@ -39,7 +39,7 @@ def main(argv=None) -> None:
     base = None
     for mode in ("none", "selective", "full"):
         trainer = trainer_for(args.config, overrides, **{"memory.activation_checkpointing": mode})
-        batches = iter(trainer._loader())
+        batches = trainer.batches()
         x, y = next(batches)
         held = saved_activation_bytes(trainer.model, lambda: cross_entropy_sum(trainer.model(x), y))
         trainer.optimizer.zero_grad(set_to_none=True)
@@ -60,7 +60,7 @@ def main(argv=None) -> None:
         except Exception as e:  # torchao missing: say so and go on with the others
             print(f"{name:<12}{'unavailable':>14}  ({e})")
             continue
-        trainer.train_step(iter(trainer._loader()))
+        trainer.train_step(trainer.batches())
         state = optimizer_state_bytes(trainer.optimizer)
         print(f"{name:<12}{state / 2**20:>11.2f}MiB{state / trainer.num_params:>14.3f}")
 

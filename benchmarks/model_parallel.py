@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+
 
 # (name, ranks, overrides)
 LAYOUTS = [
@@ -53,7 +53,7 @@ def _config(args, extra, overrides: dict, run_dir: str):
 def _measure(trainer, steps: int, sync=None) -> dict:
     from scaletrain.memory import peak_allocated_bytes
 
-    batches = iter(trainer._loader())
+    batches = trainer.batches()
     trainer.train_step(batches)  # warm-up (and the model-state measurement)
     peak = peak_allocated_bytes(lambda: trainer.train_step(batches), trainer.device)
     if sync:

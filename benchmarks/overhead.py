@@ -44,7 +44,7 @@ def main(argv=None) -> None:
 
     # scaletrain: the real Trainer and its step (loader, precision, clipping, schedule, optimizer)
     trainer = Trainer(cfg)
-    batches = iter(trainer._loader())
+    batches = trainer.batches()
 
     # hand-written: the same model shape and optimizer, nanoGPT-style batches (scaletrain.bench.plain;
     # `scaletrain bench step --vs-plain-loop` runs the same comparison)
@@ -86,8 +86,8 @@ def main(argv=None) -> None:
     # MFU of each loop: the same model FLOPs per token over the device's peak at this precision
     tokens = B * T
     for name, m in (("scaletrain", m_ours), ("hand-written", m_hand)):
-        print(f"MFU {name}: {trainer.flops_per_token * tokens / m / trainer.peak_flops:.1%} "
-              f"({tokens / m:,.0f} tokens/s; peak {trainer.peak_flops / 1e12:.3g} TFLOP/s)")
+        print(f"MFU {name}: {trainer.meter.flops_per_token * tokens / m / trainer.meter.peak_flops:.1%} "
+              f"({tokens / m:,.0f} tokens/s; peak {trainer.meter.peak_flops / 1e12:.3g} TFLOP/s)")
 
 
 if __name__ == "__main__":

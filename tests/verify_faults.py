@@ -33,9 +33,9 @@ def skip_delay_on_worker1(trainer) -> None:
     as the others (and the simulation) do: its weights leave the others' at the first sync."""
     from scaletrain.parallel.local_sgd import LocalSGD
 
-    for hook in trainer.hooks.hooks:
-        if isinstance(hook, LocalSGD) and hook.worker == 1:
-            hook.outer.delay = 0
+    sync = trainer.hooks.find(LocalSGD)
+    if sync is not None and sync.worker == 1:
+        sync.outer.delay = 0
 
 
 def every_block_linear_fake_quantized(trainer) -> None:

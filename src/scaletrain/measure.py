@@ -124,7 +124,7 @@ def measure(trainer, steps: int = 2, live: LiveMemory | None = None, memory: boo
     """Run a few real steps and measure (every rank calls this); `steps` are timed. On CPU the
     peak needs a `LiveMemory` that saw the trainer built (`measure_run`); without one it is None.
     `memory=False`: two warm-up steps, then the timed ones."""
-    batches = iter(trainer._loader())
+    batches = trainer.batches()
     cuda = trainer.device.type == "cuda"
     if not memory:
         trainer.train_step(batches)
@@ -435,9 +435,9 @@ def activation_bytes(trainer, batches) -> int | None:
     def forward():
         with trainer.precision.autocast():
             logits = trainer.model(inputs)
-        return trainer.loss_fn(logits, targets) * trainer._loss_factor()
+        return trainer.loss_fn(logits, targets) * trainer.loss_factor()
 
-    with trainer.dp.micro_step(last=True), trainer._loss_context():
+    with trainer.dp.micro_step(last=True), trainer.loss_context():
         held = saved_activation_bytes(trainer.dp.module, forward)
     trainer.dp.finish_gradients()
     trainer.dp.zero_grad(trainer.optimizer)

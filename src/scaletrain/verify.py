@@ -274,14 +274,15 @@ def run(cfg: JobConfig, layout: Layout, total_steps: int, role: str, hook: str |
             _call_hook(hook, trainer)
         result = trainer.fit()
         return (0 if result["stopped_by"] is None else 128 + int(result["stopped_by"])), result["history"]
-    from scaletrain.launcher import launch
+    from scaletrain.ranks import RanksFailed, run_on_ranks
 
-    run_dir = Path(cfg.log.run_dir)
-    spec = run_dir.parent / f"{role}.json"
-    spec.write_text(json.dumps({"config": cfg.to_dict(), "layout": layout.to_dict(), "total_steps": total_steps,
-                                "role": role, "hook": hook}))
-    code = launch("verify", [str(spec)], nproc=nproc, pythonpath=tuple(pythonpath))
-    metrics = run_dir / "metrics.jsonl"
+    try:
+        run_on_ranks("verify", {"config": cfg.to_dict(), "layout": layout.to_dict(), "total_steps": total_steps,
+                                "role": role, "hook": hook}, nproc, pythonpath=pythonpath)
+        code = 0
+    except RanksFailed as e:
+        code = e.code
+    metrics = Path(cfg.log.run_dir) / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
     return code, rows
 

@@ -8,11 +8,15 @@ loaded). TASK says what the rank does:
 
     train SPEC               a rank of `scaletrain train --nproc N` (SPEC: a JSON file of the
                              settled config and its layout, see scaletrain.job)
-    verify SPEC              a rank of `scaletrain verify`'s layout or reference run
-    measure CONFIG OUT ...   a rank of the planner's measured run (`plan --measure`)
-    bench-techniques SPEC    a rank of `scaletrain bench techniques`
-    bench-comms SPEC         a rank of `scaletrain bench comms`
-    MODULE:FUNCTION ARGS...  any importable function (the test suite's groups of jobs)
+    verify SPEC [OUT]        a rank of `scaletrain verify`'s layout or reference run
+    measure SPEC OUT         a rank of the planner's measured run (`plan --measure`)
+    calibrate SPEC OUT       a rank of the planner's calibration of this machine
+    bench-techniques SPEC OUT  a rank of `scaletrain bench techniques`
+    bench-comms SPEC OUT     a rank of `scaletrain bench comms`
+    MODULE:FUNCTION ARGS...  any importable function (the test suite's groups of jobs, the benchmarks)
+
+The tasks with SPEC and OUT are started by scaletrain.ranks.run_on_ranks: SPEC a JSON file of
+what to do, OUT where rank 0 writes its result.
 
 The task returns the rank's exit code. Whatever it is, the rank:
   * dies with its launcher (Linux's parent-death signal): no rank outlives the job;

@@ -176,7 +176,7 @@ def _trainer_step(model_cfg, layers: int, precision: str, seq_len: int, micro_ba
                              "train.micro_batch": micro_batch, "train.global_batch": micro_batch * dp,
                              "train.device": "cuda" if torch.cuda.is_available() else "cpu"})
     trainer = Trainer(cfg, init_worker(cfg), stream=open(os.devnull, "w"))
-    batches = iter(trainer._loader())
+    batches = trainer.batches()
     trainer.train_step(batches)  # DDP builds its buckets in the first steps
     return lambda: trainer.train_step(batches)
 

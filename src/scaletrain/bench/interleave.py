@@ -83,14 +83,14 @@ def trainer_runner(trainer) -> Runner:
     """A scaletrain Trainer's real step (loader, precision, clipping, schedule, optimizer)."""
     from scaletrain.optim import set_lr
 
-    batches = iter(trainer._loader())
+    batches = trainer.batches()
 
     def step() -> None:
-        set_lr(trainer.optimizer, trainer.lr * trainer.schedule(trainer.step))  # as fit() does
+        set_lr(trainer.optimizer, trainer.schedule.lr(trainer.step))  # as fit() does
         trainer.train_step(batches)
         trainer.step += 1
 
-    return Runner(step, trainer.tokens_per_step, trainer.flops_per_token, trainer.peak_flops, trainer.world_size,
+    return Runner(step, trainer.tokens_per_step, trainer.meter.flops_per_token, trainer.meter.peak_flops, trainer.world_size,
                   trainer.precision.configure_backends)
 
 

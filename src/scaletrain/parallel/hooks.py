@@ -92,6 +92,10 @@ class StepHooks:
         self.hooks.extend(h for h in hooks if h is not None)
         return self
 
+    def find(self, kind: type) -> StepHook | None:
+        """The run's hook of one technique (a benchmark or a test looks into it), or None."""
+        return next((h for h in self.hooks if isinstance(h, kind)), None)
+
     def reduce_gradients(self, named: Named) -> None:
         for h in self.hooks:
             self.enter(h.phase)
