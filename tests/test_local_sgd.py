@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from scaletrain.parallel.local_sgd import (CHUNK, OuterSync, SimulatedWorkers, f
                                            segment_length)
 from scaletrain.train import checkpoint as ckpt
 
-from conftest import micro_cfg, micro_overrides, run_group
+from conftest import CKPT, Case, assert_one_clear_line, micro_cfg, micro_overrides, run_group, train_args
 
 # ------------------------------------------------------------------------------------------
 # One process: the average on the wire, the fragments, the outer step
@@ -236,3 +237,39 @@ def test_workers_match_their_simulation_in_one_process(four_ranks, name, tmp_pat
     assert ok, line
     if layout.sync_dtype != "int8":  # the same arithmetic, in another order at most (int8: other chunks)
         assert max(d.loss_rel for d in diffs) < 1e-6, line
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+
+
+BAD_INPUT = [
+    Case("sync-every-zero", train_args("--parallel.dp_sync=diloco", "--parallel.sync_every=0"),
+         ("parallel.sync_every: 0 is below the minimum 1",)),
+    Case("sync-fragments-above-blocks", train_args("--nproc", "2", "--parallel.dp_replicate=2",
+                                                   "--parallel.dp_sync=diloco",
+                                                   "--parallel.sync_every=10", "--parallel.sync_fragments=3"),
+         ("parallel.sync_fragments=3 splits the model's blocks into fragments, but model.n_layers=2",
+          "at most 2 fragments")),
+    Case("sync-delay-too-long", train_args("--parallel.dp_sync=local_sgd", "--parallel.sync_every=10",
+                                           "--parallel.sync_fragments=2", "--parallel.sync_delay=5"),
+         ("parallel.sync_delay=5 must be below sync_every / sync_fragments = 10 / 2",)),
+    Case("sync-fragments-above-sync-every", train_args("--parallel.dp_sync=diloco", "--parallel.sync_every=2",
+                                                       "--parallel.sync_fragments=3"),
+         ("parallel.sync_fragments=3 must be at most sync_every=2",)),
+    Case("diloco-one-worker", train_args("--nproc", "2", "--parallel.dp_sync=diloco"),
+         ("parallel.dp_sync=diloco syncs the workers, which are the dp_replicate groups",
+          "set parallel.dp_replicate to the number of workers")),
+    Case("auto-layout-with-diloco", train_args("--parallel.layout=auto", "--parallel.dp_sync=diloco"),
+         ("parallel.layout=auto chooses the layout itself; leave parallel.dp_sync at their defaults",)),
+    Case("outer-optimizer-adam", train_args("--parallel.outer_optimizer=adam"),
+         ("parallel.outer_optimizer: 'adam' is not one of nesterov, sgd",)),
+    Case("resume-other-dp-sync", train_args(f"--checkpoint.resume={CKPT}", "--nproc", "2", "--parallel.dp_replicate=2",
+                                            "--parallel.dp_sync=diloco"),
+         ("was trained with parallel.dp_sync=step; resuming it with dp_sync=diloco", "parallel.dp_sync=step")),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUT, ids=[c.id for c in BAD_INPUT])
+def test_bad_input_gives_one_clear_line(case: Case, workdir: Path, capsys):
+    assert_one_clear_line(case, workdir, capsys)
