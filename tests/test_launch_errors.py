@@ -32,7 +32,7 @@ def test_bad_input_gives_one_clear_line(case: Case, workdir: Path, capsys):
 
 def test_layout_error_from_the_real_command_starts_no_rank(tmp_path):
     """`python -m scaletrain` exits 2 on a world-size mismatch, before the launcher runs."""
-    r = subprocess.run([sys.executable, "-m", "scaletrain", "train_args", *MICRO_ARGS, "--nproc", "2",
+    r = subprocess.run([sys.executable, "-m", "scaletrain", "train", *MICRO_ARGS, "--nproc", "2",
                         "--parallel.dp_shard=4", f"--log.run_dir={tmp_path / 'run'}"],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -24,7 +24,7 @@ def _limit_address_space():
 
 def test_model_too_large_for_memory_is_one_line(assets, tmp_path):
     """A single weight larger than memory: a clear line, not an allocator traceback."""
-    r = subprocess.run([sys.executable, "-m", "scaletrain", "train_args", *MICRO_ARGS, "--model.dim=1048576",
+    r = subprocess.run([sys.executable, "-m", "scaletrain", "train", *MICRO_ARGS, "--model.dim=1048576",
                         f"--data.path={assets / 'data'}", f"--log.run_dir={tmp_path / 'run'}"],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path, preexec_fn=_limit_address_space,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})  # no driver mappings
