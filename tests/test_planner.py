@@ -144,11 +144,15 @@ def test_ten_thousand_layouts():
             if (other := variant(layout, activation_checkpointing=less)) is not None:
                 compared["checkpointing"] += 1
                 assert other.memory.activations <= m.activations and other.time.compute_s >= t.compute_s, less
-        # a higher ZeRO stage: no more model states on the device
+        # a higher ZeRO stage: less model state on the device (ZeRO-2 over ZeRO-1 no more, as under
+        # pipelining, where the gradients stay whole)
         for zero in range(layout.zero + 1, 4):
             if (other := variant(layout, zero=zero)) is not None:
                 compared["zero"] += 1
-                assert other.memory.model_states <= m.model_states, (layout, zero)
+                if (layout.zero, zero) == (1, 2):
+                    assert other.memory.model_states <= m.model_states, (layout, zero)
+                else:
+                    assert other.memory.model_states < m.model_states, (layout, zero)
         # the optimizer offloaded: less on the device, the rest in host memory
         if not layout.offload_optimizer and (other := variant(layout, offload_optimizer=True)) is not None:
             compared["offload"] += 1
