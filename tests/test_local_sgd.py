@@ -95,6 +95,92 @@ def test_a_delayed_sync_keeps_what_the_worker_learnt_meanwhile():
     assert params[0][0].item() == 12.0 and params[1][0].item() == 22.0
 
 
+# the reference: H inner AdamW steps per worker and the outer step written out with plain torch
+WORKERS, H, ROUNDS, INNER_LR = 3, 3, 3, 0.01
+SHAPES = {"tok_emb.weight": (6, 4), "layers.0.w": (4, 4), "layers.1.w": (4, 5), "head.weight": (5, 6)}
+
+
+def _inner_grads(worker: int, step: int, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The gradient of worker w's loss at inner step s: 0.5 |W - T_ws|^2 per tensor, its own
+    targets T_ws (the workers' data differ, so they drift apart)."""
+    g = torch.Generator().manual_seed(1000 * worker + step)
+    return {n: w.detach() - torch.randn(w.shape, generator=g) for n, w in weights.items()}
+
+
+def _reference_rounds(mode: str, outer_optimizer: str, outer_lr: float, momentum: float, mean_scale: float = 1.0):
+    """The outer weights after each of ROUNDS syncs, computed without scaletrain: each worker's
+    AdamW on its own copies, Δ_w = θ_outer − θ_w, and the outer step on their mean by hand.
+    `mean_scale` multiplies the mean (1: correct; a wrong scale on the receiving side otherwise)."""
+    g = torch.Generator().manual_seed(7)
+    outer = {n: torch.randn(shape, generator=g, dtype=torch.float64) for n, shape in SHAPES.items()}
+    copies = [{n: torch.nn.Parameter(w.float().clone()) for n, w in outer.items()} for _ in range(WORKERS)]
+    optims = [torch.optim.AdamW(list(c.values()), lr=INNER_LR) for c in copies]
+    buf = {n: torch.zeros_like(w) for n, w in outer.items()}
+    rounds, step = [], 0
+    for _ in range(ROUNDS):
+        for _ in range(H):
+            step += 1
+            for w, (c, opt) in enumerate(zip(copies, optims)):
+                for n, grad in _inner_grads(w, step, c).items():
+                    c[n].grad = grad
+                opt.step()
+        for n in outer:
+            mean_delta = sum(outer[n] - c[n].detach().double() for c in copies) / WORKERS * mean_scale
+            if mode == "local_sgd":  # the mean of the workers' weights
+                outer[n] = outer[n] - mean_delta
+            else:  # SGD with momentum on the mean pseudo-gradient, Nesterov or heavy-ball
+                buf[n] = momentum * buf[n] + mean_delta
+                update = mean_delta + momentum * buf[n] if outer_optimizer == "nesterov" else buf[n]
+                outer[n] = outer[n] - outer_lr * update
+        for c in copies:  # every worker continues from the new outer weights
+            with torch.no_grad():
+                for n, w in c.items():
+                    w.copy_(outer[n])
+        rounds.append({n: w.clone() for n, w in outer.items()})
+    return rounds
+
+
+@pytest.mark.parametrize("mode,outer_optimizer", [("diloco", "nesterov"), ("diloco", "sgd"), ("local_sgd", "nesterov")])
+def test_outer_sync_matches_a_hand_written_reference(mode, outer_optimizer):
+    """3 workers simulated, 3 inner AdamW steps each between syncs, 3 syncs: OuterSync's weights
+    after every sync equal the reference's within 1e-6 (fp32 against fp64). The tolerance tells
+    the bugs it exists for apart by far: a mean off by the number of workers, or another outer
+    learning rate, moves the reference by more than 1000 times it (checked here)."""
+    outer_lr, momentum, tol = 0.7, 0.9, 1e-6
+    expected = _reference_rounds(mode, outer_optimizer, outer_lr, momentum)
+    comm = SimulatedWorkers(WORKERS, "fp32")
+    g = torch.Generator().manual_seed(7)
+    start = {n: torch.randn(shape, generator=g, dtype=torch.float64).float() for n, shape in SHAPES.items()}
+    workers = [[(n, torch.nn.Parameter(w.clone())) for n, w in start.items()] for _ in range(WORKERS)]
+    optims = [torch.optim.AdamW([p for _, p in params], lr=INNER_LR) for params in workers]
+    syncs = [OuterSync(params, mode=mode, sync_every=H, fragments=1, delay=0, outer_optimizer=outer_optimizer,
+                       outer_lr=outer_lr, outer_momentum=momentum, n_blocks=2, comm=comm.member(w))
+             for w, params in enumerate(workers)]
+    step, worst = 0, 0.0
+    for want in expected:
+        for _ in range(H):
+            step += 1
+            for w, (params, opt) in enumerate(zip(workers, optims)):
+                for (_, p), grad in zip(params, _inner_grads(w, step, dict(params)).values()):
+                    p.grad = grad
+                opt.step()
+            for sync in syncs:
+                sync.begin()
+            changed = [sync.finish() for sync in syncs]
+            assert changed == [step % H == 0] * WORKERS
+        for params in workers:  # every worker holds the new outer weights
+            for n, p in params:
+                worst = max(worst, (p.detach().double() - want[n]).abs().max().item())
+    assert worst <= tol, f"{mode}/{outer_optimizer}: {worst:.2e} from the reference (tolerance {tol:.0e})"
+    # the margin: the bugs this test exists for move the reference by far more than the tolerance
+    for bug in ({"mean_scale": WORKERS}, {"mean_scale": 1 / WORKERS}, {"outer_lr": 1.0}, {"momentum": 0.0}):
+        if mode == "local_sgd" and ("outer_lr" in bug or "momentum" in bug):
+            continue  # local SGD has no outer learning rate or momentum
+        wrong = _reference_rounds(mode, outer_optimizer, **{"outer_lr": outer_lr, "momentum": momentum, **bug})
+        moved = max((w[n] - e[n]).abs().max().item() for w, e in zip(wrong, expected) for n in e)
+        assert moved > 1000 * tol, (bug, moved)
+
+
 # ------------------------------------------------------------------------------------------
 # Real workers
 
