@@ -266,13 +266,40 @@ def test_a_checkpoint_of_workers_is_refused_elsewhere_in_one_line(two_workers, t
         Trainer(micro_cfg(tmp_path, **{"checkpoint.resume": str(saved)}))
 
 
+def _entries(state: dict, prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors under `prefix` of a DCP checkpoint read whole (nested, or flattened with dots)."""
+    node = state
+    for part in prefix.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
+        node = node[part]
+    return node
+
+
 @pytest.mark.multiproc
 def test_export_takes_the_outer_weights(two_workers, tmp_path):
+    """The exported model is the checkpoint's outer weights, read back here by torch's own DCP
+    converter, every parameter bit for bit; and it is neither worker's own weights (at step 4 of
+    this streamed, delayed run each worker holds the outer weights plus what it learnt since)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     from scaletrain.train.export import load_model_from_checkpoint
 
     _, saved = two_workers
     model = load_model_from_checkpoint(saved)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    dcp_to_torch_save(str(saved), str(tmp_path / "whole.pt"))
+    whole = torch.load(tmp_path / "whole.pt", weights_only=False)
+    outer = _entries(whole, "model")
+    exported = dict(model.named_parameters())
+    assert exported and set(exported) <= set(outer), sorted(set(exported) - set(outer))
+    for name, p in exported.items():
+        assert torch.equal(p.detach(), outer[name].float()), name
+    for worker in ("0", "1"):  # (parameter by parameter: a save may take each tensor from another rank)
+        own = _entries(whole, f"workers.{worker}.model")
+        assert set(exported) <= set(own), sorted(set(exported) - set(own))
+        same = [name for name, p in exported.items() if torch.equal(p.detach(), own[name].float())]
+        assert not same, f"exported {same} are worker {worker}'s own weights, not the outer ones"
 
 
 # the layouts of the issue (2 workers of 2 ranks: ZeRO-3 within each, or tensor parallel 2), with
