@@ -6,7 +6,9 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -291,3 +293,188 @@ def run_until(cfg, stop_after: int) -> dict:
 
     trainer.train_step = step_then_maybe_stop
     return trainer.fit()
+
+
+MICRO_ARGS = [f"--{key}={value}" for key, value in MICRO.items()]  # MICRO as `scaletrain train` options
+
+# a small CLI config (no train.device): what `popen_train` starts
+CLI_MICRO = ["--model.dim=64", "--model.n_layers=2", "--model.max_seq_len=32", "--data.seq_len=32",
+             "--train.global_batch=4", "--log.every=1", "--log.progress=off", "--log.tensorboard=false",
+             "--train.sample_tokens=0"]
+
+
+def train_micro(tmp_path: Path, **overrides) -> dict:
+    """Train micro_cfg(tmp_path, **overrides) in this process; fit()'s result."""
+    from scaletrain.train.trainer import Trainer
+
+    return Trainer(micro_cfg(tmp_path, **overrides)).fit()
+
+
+def popen_train(*args: str) -> subprocess.Popen:
+    """`python -m scaletrain train` on CLI_MICRO plus ARGS, started in the background."""
+    return subprocess.Popen([sys.executable, "-m", "scaletrain", "train", *CLI_MICRO, *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def wait_for_rows(run_dir: Path, rows: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until `proc`'s run has logged `rows` metrics rows (an AssertionError if it ends first)."""
+    import time
+
+    deadline = time.time() + timeout
+    f = run_dir / "metrics.jsonl"
+    while time.time() < deadline and proc.poll() is None:
+        if f.exists() and len(f.read_text().splitlines()) >= rows:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not log {rows} rows: {proc.poll()=}")
+
+
+# --------------------------------------------------------------------------------------------
+# One finished run, shared by the tests that resume, evaluate or export it (read-only: a test
+# that changes it works on a copy_run)
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory) -> Path:
+    """A run of the micro model that ended at step 4 with a checkpoint (and its validation loss)."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    r = run_here("train", *MICRO_ARGS, "--train.steps=4", "--checkpoint.save_final=true", f"--log.run_dir={run}")
+    assert r.returncode == 0, r.stderr
+    return run
+
+
+def copy_run(run: Path, to: Path) -> Path:
+    import shutil
+
+    shutil.copytree(run, to)
+    config = json.loads((to / "config.json").read_text())
+    config["log"]["run_dir"] = str(to)  # the copy is its own run folder
+    (to / "config.json").write_text(json.dumps(config))
+    return to
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: each case gives one `scaletrain: error:` line that names the problem (and the fix,
+# where there is one), exits with code 2, prints no traceback, and leaves every file where it
+# was. Each subject's test file lists its cases (BAD_INPUT) and runs them with
+# assert_one_clear_line; `scaletrain.cli.main` runs in this process (the CLI validates
+# everything before it launches ranks), inside `workdir`: a private copy of a prepared data
+# folder and a small real checkpoint, made once per session.
+
+CKPT = "run/checkpoints/step_00000002"  # the assets' checkpoint, relative to a case's folder
+CORPUS = "the quick brown fox jumps over the lazy dog while the model trains one step at a time\n" * 200
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory) -> Path:
+    """One prepared data folder ("data"), one too small ("tiny") and one real run with a
+    checkpoint ("run"), made once: cases work on copies (`workdir`)."""
+    from scaletrain.data.prepare import prepare
+    from scaletrain.train.trainer import Trainer
+
+    root = tmp_path_factory.mktemp("assets")
+    (root / "corpus.txt").write_text(CORPUS)
+    prepare([root / "corpus.txt"], root / "data")
+    (root / "hello.txt").write_text("hello")
+    prepare([root / "hello.txt"], root / "tiny")  # 7 tokens: too few for one window of 32
+    cfg = load_config(None, {**MICRO, "train.steps": 2, "checkpoint.save_final": True,
+                             "data.path": str(root / "data"), "log.run_dir": str(root / "run")})
+    Trainer(cfg).fit()
+    assert (root / CKPT / "trainer.json").is_file()
+    for name in ("corpus.txt", "hello.txt"):
+        (root / name).unlink()
+    return root
+
+
+@pytest.fixture
+def workdir(assets, tmp_path, monkeypatch) -> Path:
+    """A private copy of the shared inputs, as the current folder."""
+    import shutil
+
+    for name in ("data", "tiny", "run"):
+        shutil.copytree(assets / name, tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def folder_snapshot(root: Path) -> dict[str, tuple]:
+    """Every file and folder under root with its size, mtime and content hash."""
+    import hashlib
+
+    out = {}
+    for p in sorted(root.rglob("*")):
+        info = p.lstat()
+        digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+        out[str(p.relative_to(root))] = (p.is_dir(), info.st_size if p.is_file() else 0, info.st_mtime_ns, digest)
+    return out
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
+    """`scaletrain ARGV` in this process: (exit code, stdout, stderr)."""
+    from scaletrain.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own exits (--help), should a parser bypass our error()
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def train_args(*extra: str, data: str = "data", run_dir: str = "newrun") -> list[str]:
+    """`train` on the micro model with the prepared data, into a fresh run folder."""
+    return ["train", *MICRO_ARGS, f"--data.path={data}", f"--log.run_dir={run_dir}", *extra]
+
+
+def with_toml(text: str, name: str = "c.toml") -> Callable[[Path], None]:
+    return lambda d: (d / name).write_text(text)
+
+
+def write(rel: str, content: str | bytes) -> Callable[[Path], None]:
+    def prep(d: Path) -> None:
+        p = d / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(content) if isinstance(content, bytes) else p.write_text(content)
+    return prep
+
+
+def edit_json(rel: str, change: Callable[[dict], None]) -> Callable[[Path], None]:
+    def prep(d: Path) -> None:
+        data = json.loads((d / rel).read_text())
+        change(data)
+        (d / rel).write_text(json.dumps(data))
+    return prep
+
+
+def truncate(rel: str, keep: int) -> Callable[[Path], None]:
+    def prep(d: Path) -> None:
+        p = d / rel
+        p.write_bytes(p.read_bytes()[:keep])
+    return prep
+
+
+@dataclass
+class Case:
+    id: str
+    argv: list[str]
+    expect: tuple[str, ...]  # fragments of the error line(s), naming the problem and the fix
+    prep: Callable[[Path], None] | None = None
+    lines: int = 1  # problems reported; each gets its own line
+
+
+def assert_one_clear_line(case: Case, workdir: Path, capsys) -> None:
+    """The bad-input contract above, for one case."""
+    if case.prep:
+        case.prep(workdir)
+    before = folder_snapshot(workdir)
+    code, out, err = run_main(case.argv, capsys)
+    assert "Traceback" not in out + err, err
+    assert code == 2, (code, err)
+    assert out.strip() == "", out  # nothing half-done printed before the error
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == case.lines, err
+    assert all(line.startswith("scaletrain: error: ") for line in lines), err
+    for fragment in case.expect:
+        assert fragment in err, (fragment, err)
+    assert folder_snapshot(workdir) == before  # nothing written, nothing overwritten

@@ -75,7 +75,7 @@ MUTANTS = [
     Mutant("checkpoint-sha256-not-compared", "the sha256 of checkpoint files computed but never compared",
            "src/scaletrain/train/checkpoint.py",
            '        if got["sha256"] != want["sha256"]:', "        if False:",
-           ("tests/test_trust.py::test_damaged_checkpoint_is_named_and_auto_resume_falls_back",)),
+           ("tests/test_checkpoint.py::test_damaged_checkpoint_is_named_and_auto_resume_falls_back",)),
     Mutant("hf-rotary-inverted-on-sharded-reads", "HF rotary row permutation inverted when a rank reads a slice",
            "src/scaletrain/model/hf.py",
            "            t = rows_hf_to_ours(t, (hi - lo) // d)", "            t = rows_ours_to_hf(t, (hi - lo) // d)",

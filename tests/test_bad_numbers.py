@@ -4,6 +4,7 @@ the step and the parameter, fp16 that cannot recover suggests bf16, loss spikes 
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 import torch
@@ -134,3 +135,49 @@ def test_spike_logging_can_be_turned_off(tmp_path):
     trainer.end_of_step = lambda t, g: (lambda out: (out[0] * (100 if trainer.step == 15 else 1), *out[1:]))(real(t, g))
     trainer.fit()
     assert "loss spike" not in log.getvalue()
+
+
+# --------------------------------------------------------------------------------------------
+# Divergence and skipped steps stop the run
+
+
+def _override_loss(trainer: Trainer, loss_at) -> None:
+    """The global loss each step reports becomes loss_at(step, real loss)."""
+    real = trainer.end_of_step
+    trainer.end_of_step = lambda t, g: (lambda out: (loss_at(trainer.step, out[0]), *out[1:]))(real(t, g))
+
+
+def test_a_loss_far_above_its_early_value_stops_with_exit_3(tmp_path):
+    trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 20, "train.divergence_factor": 3.0,
+                                             "train.divergence_margin": 100.0}))
+    _override_loss(trainer, lambda step, loss: 5.0 if step <= 5 else 15.5 if step == 12 else loss)
+    with pytest.raises(TrainingStopped, match=r"^step 12: the loss 15.5000 is 3.1x its early value 5.0000 "
+                                              r"\(train.divergence_factor=3\): the run diverged"):
+        trainer.fit()
+    assert TrainingStopped.exit_code == 3
+
+
+def test_a_loss_worse_than_uniform_after_warm_up_stops(tmp_path):
+    trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 20, "optim.warmup_steps": 5}))
+    uniform = math.log(256)
+    _override_loss(trainer, lambda step, loss: uniform + 1.5 if step >= 4 else loss)  # from step 4, in warm-up
+    with pytest.raises(TrainingStopped, match=r"^step 6: after warm-up the loss 7.0452 is above ln\(vocab_size\) \+ "
+                                              r"train.divergence_margin = 5.5452 \+ 1, worse than guessing"):
+        trainer.fit()
+
+
+def test_divergence_checks_can_be_turned_off(tmp_path):
+    trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 12, "train.divergence_factor": 0}))
+    _override_loss(trainer, lambda step, loss: 100.0 if step > 8 else loss)
+    assert trainer.fit()["step"] == 12
+
+
+def test_every_step_skipped_under_fp16_stops(tmp_path):
+    # the scale starts so high that every step of this short run overflows and backs off
+    trainer = Trainer(micro_cfg(tmp_path, **{"precision.mode": "16-mixed", "precision.init_scale": 2.0**100,
+                                             "train.steps": 6, "train.max_skipped_steps": 5}))
+    with pytest.raises(TrainingStopped, match=r"^every one of the 6 steps of this run was skipped \(non-finite "
+                                              r"gradients or fp16 overflow\): the weights never changed; lower "
+                                              r"precision.init_scale or train with precision.mode=bf16-mixed$"):
+        trainer.fit()
+    assert trainer.health.applied_steps == 0 and trainer.state.skipped_steps == 6

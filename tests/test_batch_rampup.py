@@ -4,6 +4,7 @@ process doing the same ramp by hand, resuming mid-ramp, the bad inputs."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from scaletrain.layout import Layout
 from scaletrain.schedule import BatchSchedule
 from scaletrain.train.trainer import Trainer
 
-from conftest import micro_cfg
+from conftest import CKPT, Case, assert_one_clear_line, micro_cfg, train_args
 
 SEQ = 32
 # from 2 sequences by 2 up to 8 over 1,000 tokens: increments at 333.3, 666.7 and 1,000 tokens
@@ -130,3 +131,23 @@ def test_a_ramp_under_pipelining_is_refused(tmp_path):
     cfg = micro_cfg(tmp_path, **{**RAMP, "model.tie_embeddings": False, "parallel.pp": 2,
                                  "parallel.pp_schedule": "gpipe"})
     assert any("a pipeline schedule runs a fixed number" in e for e in Layout.from_config(cfg, 2).errors(cfg.model))
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+
+
+BAD_INPUT = [
+    Case("batch-rampup-two-numbers", train_args("--train.batch_rampup=2,2"),
+         ("train.batch_rampup='2,2' is not START,INCREMENT,TOKENS",)),
+    Case("batch-rampup-from-the-full-batch", train_args("--train.batch_rampup=8,8,1000"),
+         ("train.batch_rampup starts at 8 sequences, not below train.global_batch=8",)),
+    Case("resume-other-batch-rampup", train_args(f"--checkpoint.resume={CKPT}", "--train.batch_rampup=4,4,1000",
+                                                 "--train.micro_batch=4"),
+         ("was trained with train.batch_rampup=''", "keep train.batch_rampup")),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUT, ids=[c.id for c in BAD_INPUT])
+def test_bad_input_gives_one_clear_line(case: Case, workdir: Path, capsys):
+    assert_one_clear_line(case, workdir, capsys)

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +17,9 @@ from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.export import export_safetensors, load_model_from_checkpoint
 from scaletrain.train.trainer import Trainer
 
-from conftest import REPO, forge_checksums, micro_cfg, read_metrics, run_until
+from conftest import (CKPT, CLI_MICRO, REPO, Case, assert_one_clear_line, edit_json, forge_checksums, micro_cfg,
+                      mount_tmpfs, popen_train, read_metrics, run_until, train_args, train_micro, truncate, unmount,
+                      wait_for_rows, write)
 
 
 def test_stop_and_resume_gives_bitwise_identical_losses(tmp_path):
@@ -155,3 +159,259 @@ def test_sigterm_saves_a_checkpoint_then_stops(tmp_path):
     last = ckpt.latest_checkpoint(run_dir / "checkpoints")
     steps = [r["step"] for r in read_metrics(run_dir)]
     assert last is not None and last.name == f"step_{steps[-1]:08d}"
+
+
+# --------------------------------------------------------------------------------------------
+# Loading never executes code
+
+
+def _dotted_exploit(command: str) -> bytes:
+    """A protocol-4 pickle whose global is `os.system` looked up *through* DCP's metadata module
+    (which imports os): STACK_GLOBAL accepts dotted names."""
+    def s(text: str) -> bytes:
+        b = text.encode()
+        return b"\x8c" + bytes([len(b)]) + b  # SHORT_BINUNICODE
+    return b"\x80\x04" + s("torch.distributed.checkpoint.metadata") + s("os.system") + b"\x93" + s(command) \
+        + b"\x85R."  # TUPLE1, REDUCE, STOP
+
+
+def test_dotted_global_through_dcp_metadata_module_is_refused(tmp_path, monkeypatch):
+    train_micro(tmp_path, **{"train.steps": 2, "checkpoint.save_final": True})
+    path = ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints")
+    monkeypatch.chdir(tmp_path)
+    exploit = _dotted_exploit("touch PWNED-premise")
+    import pickle
+
+    pickle.loads(exploit)  # the premise: a plain unpickler runs it
+    assert (tmp_path / "PWNED-premise").exists()
+    (path / ".metadata").write_bytes(_dotted_exploit("touch PWNED"))
+    forge_checksums(path)
+    with pytest.raises(CheckpointError,
+                       match=r"refusing to load: .*torch\.distributed\.checkpoint\.metadata\.os\.system"):
+        Trainer(micro_cfg(tmp_path, **{"checkpoint.resume": str(path), "log.run_dir": str(tmp_path / "r2")}))
+    with pytest.raises(CheckpointError, match="refusing to load"):
+        export_safetensors(path, tmp_path / "out.safetensors")
+    assert not (tmp_path / "PWNED").exists() and not (tmp_path / "out.safetensors").exists()
+
+
+def test_only_listed_metadata_classes_are_accepted():
+    unpickler = ckpt._MetadataUnpickler(io.BytesIO(b""))
+    assert unpickler.find_class("torch.distributed.checkpoint.metadata", "Metadata").__name__ == "Metadata"
+    assert unpickler.find_class("torch", "float32") is torch.float32
+    for module, name in (("torch.distributed.checkpoint.metadata", "os"), ("torch.distributed.checkpoint.metadata",
+                         "torch.load"), ("torch", "load"), ("torch", "float32.__class__"), ("builtins", "eval")):
+        with pytest.raises(CheckpointError, match="refusing to load"):
+            unpickler.find_class(module, name)
+
+
+# --------------------------------------------------------------------------------------------
+# Saves survive signals
+
+
+def test_a_signal_during_the_stop_save_does_not_interrupt_it(tmp_path):
+    trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 50, "checkpoint.save_final": True}))
+    trainer.end_of_step = lambda t, g, real=trainer.end_of_step: (*real(t, g)[:2], trainer.step >= 3) \
+        if trainer.signals.received is None else real(t, g)
+    real_save = ckpt.save_checkpoint
+    seen = []
+
+    def save_with_signals(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C pressed twice while the checkpoint is written
+        os.kill(os.getpid(), signal.SIGTERM)
+        seen.append(trainer.signals.received)
+        return real_save(*args, **kwargs)
+
+    trainer.signals.received = signal.SIGINT
+    ckpt_save, ckpt.save_checkpoint = ckpt.save_checkpoint, save_with_signals
+    try:
+        result = trainer.fit()
+    finally:
+        ckpt.save_checkpoint = ckpt_save
+    assert seen == [signal.SIGINT] and result["stopped_by"] == signal.SIGINT
+    assert result["checkpoint"].endswith("step_00000001")
+    assert ckpt.verify_checkpoint(Path(result["checkpoint"])) is None
+
+
+@pytest.mark.slow
+def test_repeated_sigterm_to_a_real_run_still_saves_then_exits_143(tmp_path):
+    run = tmp_path / "run"
+    proc = popen_train("--train.steps=100000", f"--log.run_dir={run}")
+    wait_for_rows(run, 3, proc)
+    for _ in range(20):  # the first stops it; the others land during the stop-save
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.01)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and "already stopping" in err
+    last = ckpt.latest_checkpoint(run / "checkpoints")
+    assert last is not None and ckpt.verify_checkpoint(last) is None
+    assert f"checkpoint saved to {last}" in err
+
+
+def test_full_disk_for_metrics_saves_an_emergency_checkpoint_first(tmp_path):
+    disk = tmp_path / "small-disk"
+    if not mount_tmpfs(disk, "size=64k"):
+        pytest.skip("cannot mount a small tmpfs here (needs root and mount rights)")
+    try:
+        run = disk / "run"
+        ckdir = tmp_path / "checkpoints"  # on the big disk: the emergency save has room
+        trainer = Trainer(micro_cfg(tmp_path, **{"log.run_dir": str(run), "checkpoint.dir": str(ckdir),
+                                                 "train.steps": 100000}))
+        (disk / "filler").write_bytes(b"\0" * (64 * 1024 - 4096 * 3))  # leave a few pages
+        with pytest.raises(UserError) as e:
+            trainer.fit()
+        saved = ckpt.latest_checkpoint(ckdir)
+        assert saved is not None and ckpt.verify_checkpoint(saved) is None
+        step = int(saved.name.split("_")[1])
+        assert e.value.exit_code == 2
+        assert str(e.value) == (f"step {step - 1}: writing metrics to {run / 'metrics.jsonl'} failed: the disk is "
+                                f"full; checkpoint {saved} was saved first, resume from it once there is room")
+    finally:
+        unmount(disk)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_before_training_starts_says_no_checkpoint_was_written(tmp_path, monkeypatch, capsys, sig):
+    """A real signal, delivered while the trainer is still being built (opening the data):
+    nothing was trained or saved, so the exit code is 3, not 128+N, and the line says so."""
+    from scaletrain import cli
+    from scaletrain.train import trainer as trainer_module
+
+    real_open = trainer_module.open_data
+
+    def open_then_signal(*args, **kwargs):
+        os.kill(os.getpid(), sig)
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "open_data", open_then_signal)
+    run = tmp_path / "run"
+    code = cli.main(["train", *CLI_MICRO, "--train.steps=3", f"--log.run_dir={run}"])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert err.strip().splitlines() == [f"scaletrain: error: stopped by {sig.name} before training started: no "
+                                        "checkpoint was written"]
+    assert not run.exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # main put its handler back
+
+
+# --------------------------------------------------------------------------------------------
+# Integrity
+
+
+def _flip_a_byte(path: Path) -> None:
+    f = sorted(path.glob("*.distcp"))[0]
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+def test_damaged_checkpoint_is_named_and_auto_resume_falls_back(tmp_path):
+    train_micro(tmp_path, **{"train.steps": 6, "checkpoint.every": 2})
+    folder = tmp_path / "run" / "checkpoints"
+    newest = folder / "step_00000006"
+    _flip_a_byte(newest)
+    log = io.StringIO()
+    trainer = Trainer(micro_cfg(tmp_path, **{"checkpoint.resume": "auto", "train.steps": 8}), stream=log)
+    assert trainer.step == 4
+    trainer.fit()
+    lines = [line for line in log.getvalue().splitlines() if " is damaged " in line]
+    assert lines == [f"checkpoint {newest} is damaged (__0_0.distcp does not match the checksum written with it); "
+                     "falling back to an older one"]
+    with pytest.raises(CheckpointError, match=rf"{newest} is damaged \(__0_0.distcp does not match the checksum"):
+        export_safetensors(newest, tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_truncated_tensor_file_is_refused_on_explicit_resume(tmp_path):
+    train_micro(tmp_path, **{"train.steps": 2, "checkpoint.save_final": True})
+    path = ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints")
+    f = sorted(path.glob("*.distcp"))[0]
+    f.write_bytes(f.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"is damaged \(__0_0.distcp has 100 bytes, \d+ were written\)"):
+        Trainer(micro_cfg(tmp_path, **{"checkpoint.resume": str(path), "log.run_dir": str(tmp_path / "r2")}))
+
+
+# --------------------------------------------------------------------------------------------
+# Resuming with other settings is refused
+
+
+def test_fewer_steps_than_the_checkpoint_is_a_clear_error(tmp_path):
+    train_micro(tmp_path, **{"train.steps": 6, "checkpoint.save_final": True})
+    with pytest.raises(CheckpointError, match=r"step_00000006 is at step 6, past train.steps=4; set train.steps "
+                                              r"above 6 to train on, or resume an earlier checkpoint$"):
+        Trainer(micro_cfg(tmp_path, **{"checkpoint.resume": "auto", "train.steps": 4}))
+
+
+def test_resume_with_another_seq_len_is_refused(tmp_path):
+    train_micro(tmp_path, **{"train.steps": 2, "checkpoint.save_final": True})
+    with pytest.raises(CheckpointError, match=r"trained with data.seq_len=32; resuming with data.seq_len=16"):
+        Trainer(micro_cfg(tmp_path, **{"checkpoint.resume": "auto", "train.steps": 4, "data.seq_len": 16}))
+
+
+def _prepare(tmp_path: Path, name: str, text: str) -> Path:
+    src = tmp_path / f"{name}.txt"
+    src.write_text(text)
+    out = tmp_path / name
+    from scaletrain.data.prepare import prepare
+
+    prepare([str(src)], str(out))
+    return out
+
+
+def test_resume_on_other_data_needs_an_explicit_flag(tmp_path):
+    a = _prepare(tmp_path, "data-a", "the quick brown fox jumps over the lazy dog. " * 400)
+    b = _prepare(tmp_path, "data-b", "pack my box with five dozen liquor jugs now. " * 400)
+    train_micro(tmp_path, **{"train.steps": 2, "checkpoint.save_final": True, "data.path": str(a)})
+    with pytest.raises(CheckpointError, match=r"was trained on other data .* set checkpoint.allow_data_change=true"):
+        Trainer(micro_cfg(tmp_path, **{"checkpoint.resume": "auto", "train.steps": 4, "data.path": str(b)}))
+    log = io.StringIO()
+    trainer = Trainer(micro_cfg(tmp_path, **{"checkpoint.resume": "auto", "train.steps": 4, "data.path": str(b),
+                                             "checkpoint.allow_data_change": True}), stream=log)
+    trainer.fit()
+    assert trainer.step == 4 and "the data changed since" in log.getvalue()
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+
+
+BAD_INPUT = [
+    Case("resume-other-dim", train_args(f"--checkpoint.resume={CKPT}", "--model.dim=96"),
+         ("saved for another model shape: dim=64 (now 96)", "the model config it was saved with")),
+    Case("resume-other-depth", train_args(f"--checkpoint.resume={CKPT}", "--model.n_layers=3"),
+         ("another model shape: n_layers=2 (now 3)",)),
+    Case("resume-other-batch", train_args(f"--checkpoint.resume={CKPT}", "--train.global_batch=16"),
+         ("trained with global batch 8", "keep train.global_batch")),
+    Case("resume-auto-other-shape", train_args("--checkpoint.resume=auto", "--model.dim=96", run_dir="run"),
+         ("another model shape: dim=64 (now 96)",)),
+    Case("resume-not-a-checkpoint", train_args("--checkpoint.resume=data"),
+         ("data is not a complete scaletrain checkpoint", "pick a step_* folder")),
+    Case("resume-missing", train_args("--checkpoint.resume=nope"), ("checkpoint.resume: folder nope does not exist",)),
+    Case("resume-trainer-json-corrupt", train_args(f"--checkpoint.resume={CKPT}"), ("trainer.json: not valid JSON",),
+         write(f"{CKPT}/trainer.json", "{")),
+    Case("resume-trainer-json-not-an-object", train_args(f"--checkpoint.resume={CKPT}"),
+         ("trainer.json: expected a JSON object",),
+         write(f"{CKPT}/trainer.json", "[]")),
+    Case("resume-trainer-json-without-config", train_args(f"--checkpoint.resume={CKPT}"),
+         ("missing or malformed config", "the checkpoint is damaged"),
+         edit_json(f"{CKPT}/trainer.json", lambda s: s.pop("config"))),
+    Case("resume-trainer-json-without-model", train_args(f"--checkpoint.resume={CKPT}"),
+         ("missing or malformed config.model",), edit_json(f"{CKPT}/trainer.json", lambda s: s["config"].pop("model"))),
+    Case("resume-trainer-json-without-batch", train_args(f"--checkpoint.resume={CKPT}"), ("missing or malformed data",),
+         edit_json(f"{CKPT}/trainer.json", lambda s: s["data"].pop("global_batch"))),
+    Case("resume-format-version", train_args(f"--checkpoint.resume={CKPT}"),
+         ("checkpoint format 99 is not one this version reads (1, 2)",),
+         edit_json(f"{CKPT}/trainer.json", lambda s: s.update(format_version=99))),
+    Case("resume-tensor-file-missing", train_args(f"--checkpoint.resume={CKPT}"),
+         ("is damaged (__0_0.distcp is missing or unreadable)", "use another checkpoint"),
+         lambda d: (d / CKPT / "__0_0.distcp").unlink()),
+    Case("resume-tensor-file-truncated", train_args(f"--checkpoint.resume={CKPT}"),
+         ("is damaged (__0_0.distcp has 100 bytes", "use another checkpoint"), truncate(f"{CKPT}/__0_0.distcp", 100)),
+    Case("resume-metadata-garbage", train_args(f"--checkpoint.resume={CKPT}"),
+         ("is damaged (.metadata has 7 bytes", "use another checkpoint"), write(f"{CKPT}/.metadata", b"garbage")),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUT, ids=[c.id for c in BAD_INPUT])
+def test_bad_input_gives_one_clear_line(case: Case, workdir: Path, capsys):
+    assert_one_clear_line(case, workdir, capsys)

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +13,8 @@ from scaletrain.data import StepSampler, TokenData, WindowDataset, build_loader,
 from scaletrain.data.tokenizer import ByteTokenizer
 from scaletrain.errors import DataError
 
-from conftest import micro_cfg, run_here
+from conftest import (MICRO_ARGS, Case, assert_one_clear_line, edit_json, micro_cfg, run_here, train_args, truncate,
+                      write)
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 50
 
@@ -197,3 +201,111 @@ def test_cli_prepare(corpus, tmp_path):
     assert "tokens" in r.stdout and (tmp_path / "cli" / "meta.json").is_file()
     r = run_here("prepare", str(corpus), "--out", str(tmp_path / "cli"))
     assert r.returncode == 2 and "already exists" in r.stderr and "Traceback" not in r.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# A folder of raw text
+
+
+def test_raw_text_folder_gets_a_prepare_command_that_works(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(20):
+        (corpus / f"{i}.txt").write_text(f"document {i}: " + "some plain text to train on. " * 40)
+    (tmp_path / "corpus-tokens").mkdir()  # a name already taken: the suggestion avoids it
+    r = run_here("train", *MICRO_ARGS, f"--data.path={corpus}", "--train.eval_every=0")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    command = re.search(r"`scaletrain (prepare [^`]+)`", r.stderr).group(1).split()
+    data = re.search(r"then train with --data.path=(\S+)", r.stderr).group(1)
+    assert command == ["prepare", str(corpus), "--out", str(tmp_path / "corpus-tokens-2")]
+    assert data == str(tmp_path / "corpus-tokens-2")
+    assert run_here(*command).returncode == 0  # the command as printed
+    r = run_here("train", *MICRO_ARGS, f"--data.path={data}", "--train.eval_every=0", "--train.steps=1",
+                 f"--log.run_dir={tmp_path / 'run'}")
+    assert r.returncode == 0, r.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+
+
+def flip_byte(d: Path) -> None:
+    p = d / "data" / "shard_00000.bin"
+    raw = bytearray(p.read_bytes())
+    raw[100] ^= 1
+    p.write_bytes(bytes(raw))
+
+
+def token_outside_vocab(d: Path) -> None:
+    """A shard with token id 300 (byte vocabulary: 256) and a matching checksum."""
+    p = d / "data" / "shard_00000.bin"
+    tokens = np.fromfile(p, dtype=np.uint16)
+    tokens[5] = 300
+    p.write_bytes(tokens.tobytes())
+    edit_json("data/meta.json", lambda m: m["shards"][0].update(sha256=hashlib.sha256(tokens.tobytes()).hexdigest()))(d)
+
+
+BAD_INPUT = [
+    # ---- data folders
+    Case("data-missing", train_args(data="nodata"), ("nodata: no meta.json", "scaletrain prepare")),
+    Case("data-empty-folder", train_args(data="empty"), ("empty: no meta.json",), lambda d: (d / "empty").mkdir()),
+    Case("data-shard-truncated", train_args(),
+         ("shard is truncated or has the wrong dtype", "re-run scaletrain prepare"),
+         truncate("data/shard_00000.bin", 30)),
+    Case("data-shard-missing", train_args(), ("shard_00000.bin: shard listed in meta.json is missing",),
+         lambda d: (d / "data" / "shard_00000.bin").unlink()),
+    Case("data-meta-corrupt", train_args(), ("meta.json: not valid JSON", "re-run scaletrain prepare"),
+         write("data/meta.json", "{not json")),
+    Case("data-meta-not-an-object", train_args(),
+         ("not a scaletrain token folder",), write("data/meta.json", "[1, 2]")),
+    Case("data-checksum-mismatch", train_args(), ("shard is corrupt (its sha256 differs",), flip_byte),
+    Case("data-dtype-float32", train_args(), ("token dtype 'float32' is not supported", "uint16, uint32"),
+         edit_json("data/meta.json", lambda m: m.update(dtype="float32"))),
+    Case("data-dtype-uint32", train_args(), ("wrong dtype", "tokens of uint32"),
+         edit_json("data/meta.json", lambda m: m.update(dtype="uint32"))),
+    Case("data-foreign-format", train_args(), ("not a scaletrain token folder (format 'other')",),
+         edit_json("data/meta.json", lambda m: m.update(format="other"))),
+    Case("data-no-shards", train_args(),
+         ("lists no shards",), edit_json("data/meta.json", lambda m: m.update(shards=[]))),
+    Case("data-shard-entry-broken", train_args(), ("needs a file name and a token count",),
+         edit_json("data/meta.json", lambda m: m["shards"][0].pop("file"))),
+    Case("data-shard-outside-folder", train_args(), ("shard file '../data/shard_00000.bin' is not a plain file name",),
+         edit_json("data/meta.json", lambda m: m["shards"][0].update(file="../data/shard_00000.bin"))),
+    Case("data-tokenizer-outside-folder", train_args(),
+         ("tokenizer file '/etc/passwd' in the metadata is not a plain",),
+         edit_json("data/meta.json", lambda m: m.update(tokenizer={"kind": "file", "file": "/etc/passwd"}))),
+    Case("data-token-outside-vocab", train_args(), ("holds token id 300", "256-token vocabulary"), token_outside_vocab),
+    Case("data-tokenizer-unknown", train_args(), ("unknown tokenizer kind 'sentencepiece'",),
+         edit_json("data/meta.json", lambda m: m.update(tokenizer={"kind": "sentencepiece"}))),
+    Case("vocab-larger-than-model", train_args("--model.vocab_size=100"),
+         ("the tokenizer has 256 tokens but model.vocab_size=100", "at least 256")),
+    Case("seq-len-longer-than-data", train_args(data="tiny"),
+         ("too few for one window of data.seq_len=32", "lower data.seq_len")),
+    # ---- prepare
+    Case("prepare-missing-input", ["prepare", "nope.txt", "--out", "o"], ("nope.txt: no such file or folder",)),
+    Case("prepare-unsupported-extension", ["prepare", "x.csv", "--out", "o"], ("unsupported file type '.csv'",),
+         write("x.csv", "a,b")),
+    Case("prepare-folder-without-text", ["prepare", "empty", "--out", "o"], ("no .txt, .jsonl or .parquet files",),
+         lambda d: (d / "empty").mkdir()),
+    Case("prepare-over-existing-data", ["prepare", "t.txt", "--out", "data"],
+         ("data already exists and is not empty", "nothing was changed"), write("t.txt", "hello")),
+    Case("prepare-out-is-a-file", ["prepare", "t.txt", "--out", "t.txt"],
+         ("t.txt is a file",), write("t.txt", "hello")),
+    Case("prepare-jsonl-corrupt", ["prepare", "t.jsonl", "--out", "o"], ("t.jsonl:1: not valid JSON",),
+         write("t.jsonl", "{bad\n")),
+    Case("prepare-jsonl-without-text", ["prepare", "t.jsonl", "--out", "o"], ("set --text-key",),
+         write("t.jsonl", '{"body": "x"}\n')),
+    Case("prepare-bpe-vocab-too-small", ["prepare", "t.txt", "--out", "o", "--tokenizer", "bpe", "--vocab-size", "100"],
+         ("--vocab-size 100 is too small for BPE",), write("t.txt", "hello")),
+    Case("prepare-tokenizer-file-missing", ["prepare", "t.txt", "--out", "o", "--tokenizer", "file"],
+         ("--tokenizer file needs --tokenizer-file",), write("t.txt", "hello")),
+    Case("prepare-shard-tokens-zero", ["prepare", "t.txt", "--out", "o", "--shard-tokens", "0"],
+         ("--shard-tokens must be at least 1",), write("t.txt", "hello")),
+    Case("prepare-parquet-garbage", ["prepare", "t.parquet", "--out", "o"],
+         ("t.parquet:",), write("t.parquet", "hello")),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUT, ids=[c.id for c in BAD_INPUT])
+def test_bad_input_gives_one_clear_line(case: Case, workdir: Path, capsys):
+    assert_one_clear_line(case, workdir, capsys)

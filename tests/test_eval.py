@@ -256,3 +256,22 @@ def test_eval_cli_prints_the_val_loss_the_run_logged(corpus, tmp_path):
             r.stderr
     r = run_here("eval", str(tmp_path / "no-checkpoint"))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# `scaletrain eval RUN_FOLDER`
+
+
+def test_eval_and_export_take_a_run_folder_and_config_names(finished_run, tmp_path):
+    newest = finished_run / "checkpoints" / "step_00000004"
+    r = run_here("eval", str(finished_run))
+    assert r.returncode == 0, r.stderr
+    assert f"its newest complete checkpoint is {newest}" in r.stderr
+    logged = read_metrics(finished_run)[-1]["val_loss"]
+    assert r.stdout.startswith(f"val_loss {logged:.4f}")
+    by_name = run_here("eval", str(finished_run), "--data.path=", "--train.eval_batches=1", "--train.device=cpu")
+    by_alias = run_here("eval", str(finished_run), "--data", "", "--batches", "1", "--device", "cpu")
+    assert by_name.returncode == 0 and by_name.stdout == by_alias.stdout
+    typo = run_here("eval", str(finished_run), "--data.paths=x")
+    assert typo.returncode == 2 and "(did you mean --data.path?)" in typo.stderr
+    assert len(typo.stderr.strip().splitlines()) == 1

@@ -12,6 +12,7 @@ import copy
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +23,8 @@ pytest.importorskip("torchao")
 from scaletrain.errors import ConfigError  # noqa: E402
 from scaletrain.train.trainer import Trainer  # noqa: E402
 
-from conftest import MICRO, REPO, micro_cfg, one_line_exit_2, read_metrics, run_cli, run_here  # noqa: E402
+from conftest import (MICRO, REPO, Case, assert_one_clear_line, micro_cfg, one_line_exit_2, read_metrics,  # noqa: E402
+                      run_cli, run_here, train_args)
 
 # the micro model's linears are 64 wide: a threshold of 64 converts all 12 block linears
 FP8 = {"precision.mode": "fp8", "precision.fp8_emulate": True, "precision.fp8_min_dim": 64}
@@ -307,3 +309,20 @@ def test_the_benchmarks_variants_parse_and_it_says_in_one_line_that_it_needs_a_g
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert r.stdout.strip().splitlines() == [
         "benchmarks/fp8.py needs a CUDA GPU with fp8 matmuls (sm89+); here: no CUDA GPU. Nothing measured."]
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+
+
+BAD_INPUT = [
+    Case("fp8-on-cpu-without-emulation", train_args("--precision.mode=fp8", "--precision.fp8_min_dim=64"),
+         ("precision.mode=fp8 on cpu", "set precision.fp8_emulate=true")),
+    Case("fp8-model-too-narrow", train_args("--precision.mode=fp8", "--precision.fp8_emulate=true"),
+         ("no block linear layer qualifies", "precision.fp8_min_dim=1024")),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUT, ids=[c.id for c in BAD_INPUT])
+def test_bad_input_gives_one_clear_line(case: Case, workdir: Path, capsys):
+    assert_one_clear_line(case, workdir, capsys)

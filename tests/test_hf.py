@@ -19,7 +19,7 @@ from scaletrain.model.transformer import Transformer, apply_rope, rope_frequenci
 from scaletrain.plan.spec import hf_config_to_model  # noqa: E402
 from scaletrain.train.export_hf import byte_tokenizer_json, export_hf, save_hf  # noqa: E402
 
-from conftest import assert_same_run, micro_cfg, micro_overrides, run_group  # noqa: E402
+from conftest import assert_same_run, micro_cfg, micro_overrides, run_group, run_here  # noqa: E402
 
 TOL = 1e-5
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -338,3 +338,23 @@ def test_tensor_parallel_shards_the_new_parameters(tmp_path):
         tp = final(name)
         worst = {n: (tp[n] - one[n]).abs().max().item() for n in one}
         assert max(worst.values()) < 1e-6, (name, sorted(worst.items(), key=lambda kv: -kv[1])[:3])
+
+
+# --------------------------------------------------------------------------------------------
+# The special ids of an export
+
+
+def test_a_gpt2_export_states_the_datas_special_ids(finished_run, tmp_path):
+    """Byte-level data has no end-of-text token: the config says none (not GPT-2's 50256, an id
+    outside the 256-token vocabulary), and transformers reads it so."""
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    step = finished_run / "checkpoints" / "step_00000004"
+    assert run_here("export", str(step), "--format", "hf", "--out", str(out)).returncode == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "gpt2" and config["vocab_size"] == 256
+    assert config["bos_token_id"] is None and config["eos_token_id"] is None
+    loaded = transformers.AutoConfig.from_pretrained(out)
+    assert loaded.bos_token_id is None and loaded.eos_token_id is None
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] is None

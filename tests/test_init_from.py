@@ -19,7 +19,7 @@ from scaletrain.train.export import load_model_from_checkpoint  # noqa: E402
 from scaletrain.train.export_hf import export_hf  # noqa: E402
 from scaletrain.train.trainer import Trainer  # noqa: E402
 
-from conftest import MICRO, REPO, micro_cfg, read_metrics, verdict_margin  # noqa: E402
+from conftest import MICRO, MICRO_ARGS, REPO, micro_cfg, read_metrics, run_here, verdict_margin  # noqa: E402
 
 # byte-level vocabulary (the built-in data), so the HF model and the data agree
 FAMILIES = {
@@ -179,3 +179,40 @@ def test_zero3_ranks_each_read_about_half_of_the_weights(tmp_path):
     two = read_share("--nproc", "2", "--parallel.zero=3", f"--log.run_dir={tmp_path / 'two'}")
     assert one > 0.95  # one process reads everything once
     assert 0.4 < two < 0.6  # rank 0 of 2 reads its half
+
+
+# --------------------------------------------------------------------------------------------
+# A checkpoint of another tokenizer
+
+
+@pytest.mark.slow
+def test_fine_tuning_weights_of_another_tokenizer_is_one_line(tmp_path):
+    """A BPE export fine-tuned on byte-level data: refused before training, in one line."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
+    (tmp_path / "corpus").mkdir()
+    for i in range(40):
+        (tmp_path / "corpus" / f"{i}.txt").write_text(" ".join(words[(i + j) % len(words)] for j in range(400)))
+    assert run_here("prepare", str(tmp_path / "corpus"), "--out", str(tmp_path / "bpe"), "--tokenizer", "bpe",
+                    "--vocab-size", "300").returncode == 0
+    common = [*MICRO_ARGS, "--train.eval_every=0", "--train.steps=1", "--checkpoint.save_final=true"]
+    r = run_here("train", *common, f"--data.path={tmp_path / 'bpe'}", "--model.vocab_size=0",
+                 f"--log.run_dir={tmp_path / 'run'}")
+    assert r.returncode == 0, r.stderr
+    step = tmp_path / "run" / "checkpoints" / "step_00000001"
+    assert run_here("export", str(step), "--format", "hf", "--out", str(tmp_path / "exp")).returncode == 0
+    tune = ["train", *common, f"--model.from_hf={tmp_path / 'exp'}", f"--model.init_from={tmp_path / 'exp'}"]
+    r = run_here(*tune, f"--log.run_dir={tmp_path / 'tuned'}")  # on the built-in byte-level data
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "was trained with another tokenizer (a vocabulary of 300 tokens) than data.path the built-in data " \
+           "(byte-level, 256 tokens)" in r.stderr
+    fix = re.search(r"\(scaletrain prepare INPUT\.\.\. --out NEW_FOLDER --tokenizer (\S+)\)", r.stderr).group(1)
+    assert run_here("prepare", str(tmp_path / "corpus"), "--out", str(tmp_path / "same"), "--tokenizer",
+                    fix).returncode == 0
+    r = run_here(*tune, f"--data.path={tmp_path / 'same'}", f"--log.run_dir={tmp_path / 'tuned2'}")
+    assert r.returncode == 0, r.stderr  # the export's own tokenizer: accepted
+    # and a scaletrain safetensors export records its tokenizer, so a single file is checked too
+    assert run_here("export", str(step), "--out", str(tmp_path / "m.safetensors")).returncode == 0
+    r = run_here("train", *common, f"--model.from_hf={tmp_path / 'exp'}",
+                 f"--model.init_from={tmp_path / 'm.safetensors'}", f"--log.run_dir={tmp_path / 'tuned3'}")
+    assert r.returncode == 2 and "another tokenizer" in r.stderr

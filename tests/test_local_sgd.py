@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from scaletrain.parallel.replica_average import (CHUNK, SimulatedWorkers, refere
                                                  segment_length)
 from scaletrain.train import checkpoint as ckpt
 
-from conftest import micro_cfg, micro_overrides, run_group
+from conftest import CKPT, Case, assert_one_clear_line, micro_cfg, micro_overrides, run_group, train_args
 
 # ------------------------------------------------------------------------------------------
 # One process: the average on the wire, the fragments, the outer step
@@ -93,6 +94,92 @@ def test_a_delayed_sync_keeps_what_the_worker_learnt_meanwhile():
     assert _step(params, syncs, [10.0, 20.0]) == [True, True]
     # outer = mean(1, 3) = 2, plus each worker's own step taken while the average travelled
     assert params[0][0].item() == 12.0 and params[1][0].item() == 22.0
+
+
+# the reference: H inner AdamW steps per worker and the outer step written out with plain torch
+WORKERS, H, ROUNDS, INNER_LR = 3, 3, 3, 0.01
+SHAPES = {"tok_emb.weight": (6, 4), "layers.0.w": (4, 4), "layers.1.w": (4, 5), "head.weight": (5, 6)}
+
+
+def _inner_grads(worker: int, step: int, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The gradient of worker w's loss at inner step s: 0.5 |W - T_ws|^2 per tensor, its own
+    targets T_ws (the workers' data differ, so they drift apart)."""
+    g = torch.Generator().manual_seed(1000 * worker + step)
+    return {n: w.detach() - torch.randn(w.shape, generator=g) for n, w in weights.items()}
+
+
+def _reference_rounds(mode: str, outer_optimizer: str, outer_lr: float, momentum: float, mean_scale: float = 1.0):
+    """The outer weights after each of ROUNDS syncs, computed without scaletrain: each worker's
+    AdamW on its own copies, Δ_w = θ_outer − θ_w, and the outer step on their mean by hand.
+    `mean_scale` multiplies the mean (1: correct; a wrong scale on the receiving side otherwise)."""
+    g = torch.Generator().manual_seed(7)
+    outer = {n: torch.randn(shape, generator=g, dtype=torch.float64) for n, shape in SHAPES.items()}
+    copies = [{n: torch.nn.Parameter(w.float().clone()) for n, w in outer.items()} for _ in range(WORKERS)]
+    optims = [torch.optim.AdamW(list(c.values()), lr=INNER_LR) for c in copies]
+    buf = {n: torch.zeros_like(w) for n, w in outer.items()}
+    rounds, step = [], 0
+    for _ in range(ROUNDS):
+        for _ in range(H):
+            step += 1
+            for w, (c, opt) in enumerate(zip(copies, optims)):
+                for n, grad in _inner_grads(w, step, c).items():
+                    c[n].grad = grad
+                opt.step()
+        for n in outer:
+            mean_delta = sum(outer[n] - c[n].detach().double() for c in copies) / WORKERS * mean_scale
+            if mode == "local_sgd":  # the mean of the workers' weights
+                outer[n] = outer[n] - mean_delta
+            else:  # SGD with momentum on the mean pseudo-gradient, Nesterov or heavy-ball
+                buf[n] = momentum * buf[n] + mean_delta
+                update = mean_delta + momentum * buf[n] if outer_optimizer == "nesterov" else buf[n]
+                outer[n] = outer[n] - outer_lr * update
+        for c in copies:  # every worker continues from the new outer weights
+            with torch.no_grad():
+                for n, w in c.items():
+                    w.copy_(outer[n])
+        rounds.append({n: w.clone() for n, w in outer.items()})
+    return rounds
+
+
+@pytest.mark.parametrize("mode,outer_optimizer", [("diloco", "nesterov"), ("diloco", "sgd"), ("local_sgd", "nesterov")])
+def test_outer_sync_matches_a_hand_written_reference(mode, outer_optimizer):
+    """3 workers simulated, 3 inner AdamW steps each between syncs, 3 syncs: OuterSync's weights
+    after every sync equal the reference's within 1e-6 (fp32 against fp64). The tolerance tells
+    the bugs it exists for apart by far: a mean off by the number of workers, or another outer
+    learning rate, moves the reference by more than 1000 times it (checked here)."""
+    outer_lr, momentum, tol = 0.7, 0.9, 1e-6
+    expected = _reference_rounds(mode, outer_optimizer, outer_lr, momentum)
+    comm = SimulatedWorkers(WORKERS, "fp32")
+    g = torch.Generator().manual_seed(7)
+    start = {n: torch.randn(shape, generator=g, dtype=torch.float64).float() for n, shape in SHAPES.items()}
+    workers = [[(n, torch.nn.Parameter(w.clone())) for n, w in start.items()] for _ in range(WORKERS)]
+    optims = [torch.optim.AdamW([p for _, p in params], lr=INNER_LR) for params in workers]
+    syncs = [OuterSync(params, mode=mode, sync_every=H, fragments=1, delay=0, outer_optimizer=outer_optimizer,
+                       outer_lr=outer_lr, outer_momentum=momentum, n_blocks=2, comm=comm.member(w))
+             for w, params in enumerate(workers)]
+    step, worst = 0, 0.0
+    for want in expected:
+        for _ in range(H):
+            step += 1
+            for w, (params, opt) in enumerate(zip(workers, optims)):
+                for (_, p), grad in zip(params, _inner_grads(w, step, dict(params)).values()):
+                    p.grad = grad
+                opt.step()
+            for sync in syncs:
+                sync.begin()
+            changed = [sync.finish() for sync in syncs]
+            assert changed == [step % H == 0] * WORKERS
+        for params in workers:  # every worker holds the new outer weights
+            for n, p in params:
+                worst = max(worst, (p.detach().double() - want[n]).abs().max().item())
+    assert worst <= tol, f"{mode}/{outer_optimizer}: {worst:.2e} from the reference (tolerance {tol:.0e})"
+    # the margin: the bugs this test exists for move the reference by far more than the tolerance
+    for bug in ({"mean_scale": WORKERS}, {"mean_scale": 1 / WORKERS}, {"outer_lr": 1.0}, {"momentum": 0.0}):
+        if mode == "local_sgd" and ("outer_lr" in bug or "momentum" in bug):
+            continue  # local SGD has no outer learning rate or momentum
+        wrong = _reference_rounds(mode, outer_optimizer, **{"outer_lr": outer_lr, "momentum": momentum, **bug})
+        moved = max((w[n] - e[n]).abs().max().item() for w, e in zip(wrong, expected) for n in e)
+        assert moved > 1000 * tol, (bug, moved)
 
 
 # ------------------------------------------------------------------------------------------
@@ -180,13 +267,40 @@ def test_a_checkpoint_of_workers_is_refused_elsewhere_in_one_line(two_workers, t
         Trainer(micro_cfg(tmp_path, **{"checkpoint.resume": str(saved)}))
 
 
+def _entries(state: dict, prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors under `prefix` of a DCP checkpoint read whole (nested, or flattened with dots)."""
+    node = state
+    for part in prefix.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
+        node = node[part]
+    return node
+
+
 @pytest.mark.multiproc
 def test_export_takes_the_outer_weights(two_workers, tmp_path):
+    """The exported model is the checkpoint's outer weights, read back here by torch's own DCP
+    converter, every parameter bit for bit; and it is neither worker's own weights (at step 4 of
+    this streamed, delayed run each worker holds the outer weights plus what it learnt since)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     from scaletrain.train.export import load_model_from_checkpoint
 
     _, saved = two_workers
     model = load_model_from_checkpoint(saved)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    dcp_to_torch_save(str(saved), str(tmp_path / "whole.pt"))
+    whole = torch.load(tmp_path / "whole.pt", weights_only=False)
+    outer = _entries(whole, "model")
+    exported = dict(model.named_parameters())
+    assert exported and set(exported) <= set(outer), sorted(set(exported) - set(outer))
+    for name, p in exported.items():
+        assert torch.equal(p.detach(), outer[name].float()), name
+    for worker in ("0", "1"):  # (parameter by parameter: a save may take each tensor from another rank)
+        own = _entries(whole, f"workers.{worker}.model")
+        assert set(exported) <= set(own), sorted(set(exported) - set(own))
+        same = [name for name, p in exported.items() if torch.equal(p.detach(), own[name].float())]
+        assert not same, f"exported {same} are worker {worker}'s own weights, not the outer ones"
 
 
 # the layouts of the issue (2 workers of 2 ranks: ZeRO-3 within each, or tensor parallel 2), with
@@ -237,3 +351,39 @@ def test_workers_match_their_simulation_in_one_process(four_ranks, name, tmp_pat
     assert ok, line
     if layout.sync_dtype != "int8":  # the same arithmetic, in another order at most (int8: other chunks)
         assert max(d.loss_rel for d in diffs) < 1e-6, line
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+
+
+BAD_INPUT = [
+    Case("sync-every-zero", train_args("--parallel.dp_sync=diloco", "--parallel.sync_every=0"),
+         ("parallel.sync_every: 0 is below the minimum 1",)),
+    Case("sync-fragments-above-blocks", train_args("--nproc", "2", "--parallel.dp_replicate=2",
+                                                   "--parallel.dp_sync=diloco",
+                                                   "--parallel.sync_every=10", "--parallel.sync_fragments=3"),
+         ("parallel.sync_fragments=3 splits the model's blocks into fragments, but model.n_layers=2",
+          "at most 2 fragments")),
+    Case("sync-delay-too-long", train_args("--parallel.dp_sync=local_sgd", "--parallel.sync_every=10",
+                                           "--parallel.sync_fragments=2", "--parallel.sync_delay=5"),
+         ("parallel.sync_delay=5 must be below sync_every / sync_fragments = 10 / 2",)),
+    Case("sync-fragments-above-sync-every", train_args("--parallel.dp_sync=diloco", "--parallel.sync_every=2",
+                                                       "--parallel.sync_fragments=3"),
+         ("parallel.sync_fragments=3 must be at most sync_every=2",)),
+    Case("diloco-one-worker", train_args("--nproc", "2", "--parallel.dp_sync=diloco"),
+         ("parallel.dp_sync=diloco syncs the workers, which are the dp_replicate groups",
+          "set parallel.dp_replicate to the number of workers")),
+    Case("auto-layout-with-diloco", train_args("--parallel.layout=auto", "--parallel.dp_sync=diloco"),
+         ("parallel.layout=auto chooses the layout itself; leave parallel.dp_sync at their defaults",)),
+    Case("outer-optimizer-adam", train_args("--parallel.outer_optimizer=adam"),
+         ("parallel.outer_optimizer: 'adam' is not one of nesterov, sgd",)),
+    Case("resume-other-dp-sync", train_args(f"--checkpoint.resume={CKPT}", "--nproc", "2", "--parallel.dp_replicate=2",
+                                            "--parallel.dp_sync=diloco"),
+         ("was trained with parallel.dp_sync=step; resuming it with dp_sync=diloco", "parallel.dp_sync=step")),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUT, ids=[c.id for c in BAD_INPUT])
+def test_bad_input_gives_one_clear_line(case: Case, workdir: Path, capsys):
+    assert_one_clear_line(case, workdir, capsys)

@@ -2,11 +2,21 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 
+import pytest
 import torch
 
 from scaletrain import hardware
 from scaletrain.train.metrics import MetricsLogger
+from scaletrain.train.trainer import Trainer
+
+from conftest import MICRO_ARGS, REPO, micro_cfg, read_metrics, run_here, train_micro
 
 
 def row(step, loss=2.0):
@@ -53,3 +63,59 @@ def test_gpu_catalog_names():
     for name in ("V100-32GB", "A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "B200",
                  "RTX-3090", "RTX-4090"):
         assert hardware.lookup(name).peak_tflops
+
+
+# --------------------------------------------------------------------------------------------
+# The progress line and the summary
+
+
+def test_progress_line_and_summary_say_what_memory_counts_in_mib(tmp_path):
+    r = run_here("train", *MICRO_ARGS, "--train.steps=2", f"--log.run_dir={tmp_path / 'run'}")
+    assert r.returncode == 0, r.stderr
+    step = next(line for line in r.stderr.splitlines() if line.startswith("step 2/2"))
+    peak = read_metrics(tmp_path / "run")[-1]["peak_mem_bytes"]
+    assert f"rss {peak / 2**20:.1f} MiB" in step, step
+    assert "MB" not in step
+    summary = next(line for line in r.stderr.splitlines() if line.startswith("peak memory"))
+    assert summary.endswith(f"{peak / 2**20:.1f} MiB (the process's peak RSS: tensors, the Python and torch "
+                            "runtime, buffers)")
+
+
+@pytest.mark.slow
+def test_summary_after_a_signal_reports_the_step_it_stopped_at_on_stdout_too(tmp_path):
+    """Ctrl-C between logged rows: the summary says the step the run stopped (and saved) at, not
+    the last logged row; `train ... > out.txt` keeps the summary (stderr stays the whole log)."""
+    run_dir = tmp_path / "run"
+    out_file = tmp_path / "out.txt"
+    args = [sys.executable, "-m", "scaletrain", "train", *MICRO_ARGS, "--train.steps=100000", "--log.every=1000",
+            f"--log.run_dir={run_dir}"]
+    with out_file.open("w") as out:
+        proc = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        deadline = time.time() + 120
+        while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():  # step 1 logged
+            time.sleep(0.1)
+        time.sleep(1.0)  # some steps past it, none logged
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    stopped = int(re.search(r"stopped by SIGINT after step (\d+)", err).group(1))
+    assert stopped > 1
+    rows = read_metrics(run_dir)
+    assert rows[-1]["step"] == stopped  # the step it stopped at is logged
+    summary = out_file.read_text()
+    assert re.search(rf"^steps\s+{stopped}$", summary, re.M), summary
+    assert re.search(rf"^final loss\s+{rows[-1]['loss']:.4f}$", summary, re.M), summary
+    assert f"step_{stopped:08d}" in summary
+    assert "step 1/" not in summary and "steps" in err  # progress stays on stderr, the summary is in both
+
+
+def test_a_torn_last_metrics_row_is_tolerated_on_resume(tmp_path):
+    train_micro(tmp_path, **{"train.steps": 4, "checkpoint.every": 2, "checkpoint.save_final": False})
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    with metrics.open("a") as f:
+        f.write('{"step": 5, "loss": 3.1')  # the crash cut this write short
+    log = io.StringIO()
+    Trainer(micro_cfg(tmp_path, **{"checkpoint.resume": "auto", "train.steps": 6}), stream=log).fit()
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
+    assert "dropped 1 unreadable row(s)" in log.getvalue()

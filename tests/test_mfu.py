@@ -1,18 +1,20 @@
 """Honest CPU MFU: the probe keeps its best measurement and is cached; what a run achieves never
-changes it (issue 23: tests/test_day_one.py holds the shared-cores peak and its line)."""
+changes it (on the cores the ranks share, said in one line)."""
 
 from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from scaletrain import hardware
+from scaletrain.train.metrics import StepMeter
 from scaletrain.train.trainer import Trainer
 
-from conftest import micro_cfg, read_metrics
+from conftest import MICRO_ARGS, micro_cfg, read_metrics, run_here
 
 
 @pytest.fixture
@@ -66,3 +68,37 @@ def test_cpu_peak_flops_caches_the_probe(cache, monkeypatch):
     assert hardware.cpu_peak_flops(torch.float32) == 2e10
     assert calls == [torch.float32]
     assert list(json.loads(cache.read_text()).values()) == [2e10]
+
+
+# --------------------------------------------------------------------------------------------
+# The shared cores' peak
+
+
+def test_cpu_peak_is_probed_on_the_shared_cores_and_no_run_changes_it(cache, monkeypatch, tmp_path):
+    threads = []
+
+    def probe(device, dtype):
+        threads.append(torch.get_num_threads())
+        return 1e6  # 1 MFLOP/s: every training step beats it
+
+    monkeypatch.setattr(hardware, "measure_matmul_peak", probe)
+    before = torch.get_num_threads()
+    r = run_here("train", *MICRO_ARGS, "--train.steps=3", f"--log.run_dir={tmp_path / 'run'}")
+    assert r.returncode == 0, r.stderr
+    assert threads == [hardware.cpu_cores()] and torch.get_num_threads() == before
+    assert list(json.loads(cache.read_text()).values()) == [1e6]  # not raised by the run
+    assert "MFU is measured against the CPU's fp32 matmul peak on its" in r.stderr
+    assert "1.0 MFLOP/s" in r.stderr
+    rows = read_metrics(tmp_path / "run")
+    assert all(row["mfu"] > 1 for row in rows)  # honest against that peak: the same figure every run
+    r2 = run_here("train", *MICRO_ARGS, "--train.steps=3", f"--log.run_dir={tmp_path / 'run2'}")
+    assert r2.returncode == 0 and threads == [hardware.cpu_cores()]  # cached: probed once
+
+
+def test_ranks_on_one_cpu_share_its_peak(cache, monkeypatch):
+    monkeypatch.setattr(hardware, "measure_matmul_peak", lambda device, dtype: 2e11)
+    rt = SimpleNamespace(device=torch.device("cpu"), world_size=2, local_world_size=2, distributed=False)
+    meter = StepMeter(rt, tokens_per_step=1000, flops_per_token=1e6, compute_dtype=torch.float32, tf32=False,
+                      enter=lambda phase: None)
+    assert meter.peak_flops == 1e11  # each rank's share of the CPU, not 2 × a one-thread peak
+    assert "200.0 GFLOP/s, shared by the 2 ranks on it" in meter.peak_source

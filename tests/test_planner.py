@@ -105,13 +105,60 @@ def test_search_ranks_fitting_layouts_by_throughput():
 
 
 def test_ten_thousand_layouts():
+    """Every 50th of the search's layouts is legal, and its evaluation sane: memory positive, at
+    least the states it always holds, and no larger where more is recomputed, sharded or offloaded;
+    times positive, tokens/s the global batch over the step time, a bubble under pipelining only."""
+    import dataclasses
+
     cfg = load_model("llama-70b").cfg
     wl = Workload(seq_len=8192, global_batch=512)
     cluster = Cluster(lookup("H100-SXM"), 8, 8)
     layouts = list(enumerate_layouts(cfg, wl, cluster))
     assert len(layouts) > 9000
+
+    def variant(layout, **change):
+        """`layout` with `change`, evaluated, where that is a legal layout too (else None)."""
+        other = dataclasses.replace(layout, **change)
+        return evaluate(cfg, wl, cluster, other) if not layout_errors(cfg, wl, cluster, other) else None
+
+    compared = {"checkpointing": 0, "zero": 0, "offload": 0}
     for layout in layouts[::50]:
-        evaluate(cfg, wl, cluster, layout)
+        assert layout_errors(cfg, wl, cluster, layout) == [] and layout.errors(cfg, seq_len=wl.seq_len) == []
+        assert layout.world == cluster.world and layout.micro_batch * layout.grad_accum * layout.dp == 512
+        e = evaluate(cfg, wl, cluster, layout)
+        m, t = e.memory, e.time
+        assert all(getattr(m, c) >= 0 for c in m.COMPONENTS) and m.host >= 0, m
+        assert m.activations > 0 and m.params + m.host > 0 and m.optimizer + m.host > 0, m  # host: offloaded
+        assert m.total >= m.params + m.master + m.optimizer + m.reserve, m  # the states are held throughout
+        assert (m.host > 0) == layout.offload_optimizer, m
+        times = ("compute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s", "dp_exposed_s", "bubble_s", "optimizer_s",
+                 "cp_comm_s")
+        assert t.compute_s > 0 and all(getattr(t, name) >= 0 for name in times), t
+        assert t.dp_exposed_s <= t.dp_comm_s * (1 + 1e-12) and t.step_time_s >= t.compute_s, t
+        assert t.tokens_per_s == pytest.approx(wl.global_batch * wl.seq_len / t.step_time_s, rel=1e-9), t
+        assert 0 < t.mfu < 1, t
+        assert (t.bubble_fraction > 0) == (t.bubble_s > 0) == (layout.pp > 1), t  # idle over busy time
+        # more recomputation: no more activation memory, no less compute
+        order = ["none", "selective", "full"]
+        for less in order[order.index(layout.activation_checkpointing) + 1:]:
+            if (other := variant(layout, activation_checkpointing=less)) is not None:
+                compared["checkpointing"] += 1
+                assert other.memory.activations <= m.activations and other.time.compute_s >= t.compute_s, less
+        # a higher ZeRO stage: less model state on the device (ZeRO-2 over ZeRO-1 no more, as under
+        # pipelining, where the gradients stay whole)
+        for zero in range(layout.zero + 1, 4):
+            if (other := variant(layout, zero=zero)) is not None:
+                compared["zero"] += 1
+                if (layout.zero, zero) == (1, 2):
+                    assert other.memory.model_states <= m.model_states, (layout, zero)
+                else:
+                    assert other.memory.model_states < m.model_states, (layout, zero)
+        # the optimizer offloaded: less on the device, the rest in host memory
+        if not layout.offload_optimizer and (other := variant(layout, offload_optimizer=True)) is not None:
+            compared["offload"] += 1
+            assert other.memory.optimizer < m.optimizer and other.memory.host > 0
+            assert other.memory.total < m.total, layout
+    assert all(n >= 20 for n in compared.values()), compared  # each property held on many layouts
 
 
 def test_tp_stays_inside_a_node_and_divides_the_heads():
