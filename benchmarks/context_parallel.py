@@ -21,7 +21,7 @@ from pathlib import Path
 
 from scaletrain.config import load_config
 from scaletrain.measure import measure_layouts, planned
-from scaletrain.ranks import quiet
+from scaletrain.launch.ranks import quiet
 from scaletrain.vocab import CP_METHODS
 
 MiB = 2**20

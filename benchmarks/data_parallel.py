@@ -52,7 +52,7 @@ def _timed_steps(trainer, steps: int, warmup: int = 2, sync=None) -> tuple[list[
 def _config(args, extra: list[str], run_dir: str, zero: int | None):
     from scaletrain.config import load_config
 
-    from scaletrain.ranks import flags, quiet
+    from scaletrain.launch.ranks import flags, quiet
 
     overrides = [*extra, *flags(quiet(run_dir))]
     if zero is not None:
@@ -62,11 +62,11 @@ def _config(args, extra: list[str], run_dir: str, zero: int | None):
 
 def rank_main(spec_path: str, out_path: str) -> int:
     """One rank: every zero stage in turn; rank 0 writes the figures (the `data_parallel:rank_main`
-    task of scaletrain.worker; the spec holds this script's command line)."""
+    task of scaletrain.launch.worker; the spec holds this script's command line)."""
     import torch.distributed as dist
 
-    from scaletrain.ranks import read_spec, write_result
-    from scaletrain.runtime import init_worker
+    from scaletrain.launch.ranks import read_spec, write_result
+    from scaletrain.launch.runtime import init_worker
     from scaletrain.train.trainer import Trainer
 
     args, extra = _parser().parse_known_args(read_spec(spec_path)["argv"])
@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args, extra = _parser().parse_known_args(argv)
 
-    from scaletrain.ranks import run_on_ranks
+    from scaletrain.launch.ranks import run_on_ranks
     from scaletrain.train.trainer import Trainer
 
     cfg = _config(args, extra, tempfile.mkdtemp(prefix="dp-single-"), None)

@@ -41,7 +41,7 @@ BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
 
 def _config(args, extra: list[str], overrides: dict, run_dir: str):
     from scaletrain.config import load_config
-    from scaletrain.ranks import flags, quiet
+    from scaletrain.launch.ranks import flags, quiet
 
     base = [*extra, f"--parallel.dp_replicate={args.nproc}", *flags(quiet(run_dir))]
     return load_config(args.config, base + flags(overrides))
@@ -49,11 +49,11 @@ def _config(args, extra: list[str], overrides: dict, run_dir: str):
 
 def rank_main(spec_path: str, out_path: str) -> int:
     """One rank: every row in turn; rank 0 writes the figures (the `local_sgd:rank_main` task of
-    scaletrain.worker; the spec holds this script's command line)."""
+    scaletrain.launch.worker; the spec holds this script's command line)."""
     import torch.distributed as dist
 
-    from scaletrain.ranks import read_spec, write_result
-    from scaletrain.runtime import init_worker
+    from scaletrain.launch.ranks import read_spec, write_result
+    from scaletrain.launch.runtime import init_worker
     from scaletrain.parallel.local_sgd import LocalSGD
     from scaletrain.train.trainer import Trainer
 
@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args, extra = _parser().parse_known_args(argv)
-    from scaletrain.ranks import run_on_ranks
+    from scaletrain.launch.ranks import run_on_ranks
 
     forwarded = [f"--config={args.config}", f"--nproc={args.nproc}", *extra]
     rows = run_on_ranks("local_sgd:rank_main", {"argv": forwarded}, args.nproc,

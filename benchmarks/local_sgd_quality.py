@@ -45,14 +45,14 @@ def rows(sync_every: list[int], fragments: int, delay: int) -> list[tuple[str, d
 
 
 def rank_main(spec_path: str, out_path: str) -> int:
-    """One rank: every row in turn (the `local_sgd_quality:rank_main` task of scaletrain.worker;
+    """One rank: every row in turn (the `local_sgd_quality:rank_main` task of scaletrain.launch.worker;
     the spec holds this script's command line). The rows go to --out as they finish, not to
     `out_path`: a later invocation continues from them."""
     import torch.distributed as dist
 
     from scaletrain.config import load_config
-    from scaletrain.ranks import flags, quiet, read_spec
-    from scaletrain.runtime import init_worker
+    from scaletrain.launch.ranks import flags, quiet, read_spec
+    from scaletrain.launch.runtime import init_worker
     from scaletrain.train.trainer import Trainer
 
     args, extra = _parser().parse_known_args(read_spec(spec_path)["argv"])
@@ -121,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args, extra = _parser().parse_known_args(argv)
-    from scaletrain.ranks import run_on_ranks
+    from scaletrain.launch.ranks import run_on_ranks
 
     folder = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="lsgd-quality-"))
     folder.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ import time
 from scaletrain.config import load_config
 from scaletrain.memory import saved_activation_bytes
 from scaletrain.optim import optimizer_state_bytes
-from scaletrain.ranks import flags, quiet
+from scaletrain.launch.ranks import flags, quiet
 from scaletrain.train.trainer import Trainer, cross_entropy_sum
 
 

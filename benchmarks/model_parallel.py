@@ -45,7 +45,7 @@ COMMON = {"model.tie_embeddings": False, "model.n_layers": 8, "train.grad_accum"
 
 def _config(args, extra, overrides: dict, run_dir: str):
     from scaletrain.config import load_config
-    from scaletrain.ranks import flags, quiet
+    from scaletrain.launch.ranks import flags, quiet
 
     return load_config(args.config, [*extra, *flags({**COMMON, **overrides, **quiet(run_dir)})])
 
@@ -69,12 +69,12 @@ def _measure(trainer, steps: int, sync=None) -> dict:
 
 
 def rank_main(spec_path: str, out_path: str) -> int:
-    """One rank of a layout (the `model_parallel:rank_main` task of scaletrain.worker; the spec
+    """One rank of a layout (the `model_parallel:rank_main` task of scaletrain.launch.worker; the spec
     holds this script's command line)."""
     import torch.distributed as dist
 
-    from scaletrain.ranks import read_spec, write_result
-    from scaletrain.runtime import init_worker
+    from scaletrain.launch.ranks import read_spec, write_result
+    from scaletrain.launch.runtime import init_worker
     from scaletrain.train.trainer import Trainer
 
     args, extra = _parser().parse_known_args(read_spec(spec_path)["argv"])
@@ -100,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args, extra = _parser().parse_known_args(argv)
 
-    from scaletrain.ranks import run_on_ranks
+    from scaletrain.launch.ranks import run_on_ranks
     from scaletrain.train.trainer import Trainer
 
     cfg = _config(args, extra, {}, tempfile.mkdtemp(prefix="mp-single-"))

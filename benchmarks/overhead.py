@@ -27,7 +27,7 @@ import torch
 
 from scaletrain.bench.plain import PlainLoop
 from scaletrain.config import load_config
-from scaletrain.ranks import flags, quiet
+from scaletrain.launch.ranks import flags, quiet
 from scaletrain.train.trainer import Trainer
 
 

@@ -18,7 +18,7 @@ import time
 
 from scaletrain.plan import plan
 from scaletrain.hardware import Hardware
-from scaletrain.ranks import QUIET
+from scaletrain.launch.ranks import QUIET
 
 BASE = {"model.n_layers": 4, "model.tie_embeddings": False, "model.dim": 128, "data.seq_len": 64,
         "model.max_seq_len": 64, "train.global_batch": 8, "train.micro_batch": 4, "train.steps": 3,
@@ -60,7 +60,7 @@ def accuracy() -> list[dict]:
     """Each layout's measured rows beside the planner's figures; prints the table."""
     from scaletrain.config import load_config
     from scaletrain.measure import measure_layouts, planned, predicted_components
-    from scaletrain.ranks import quiet
+    from scaletrain.launch.ranks import quiet
 
     jobs = [(name, ranks, {**BASE, **extra, **quiet(tempfile.mkdtemp(prefix="plan-acc-"))})
             for name, ranks, extra in LAYOUTS]

@@ -45,9 +45,9 @@ TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--data.seq
 def rank_main(*argv: str) -> int:
     """One rank of the faulted run: the normal `scaletrain train` worker with a NaN planted in
     one local gradient at one step, once (a marker file keeps a restarted group from repeating it).
-    The `soak:rank_main` task of scaletrain.worker."""
+    The `soak:rank_main` task of scaletrain.launch.worker."""
     from scaletrain.config import load_config
-    from scaletrain import job
+    from scaletrain.launch import job
     from scaletrain.train.trainer import Trainer
 
     nan_at, marker = int(os.environ["SOAK_NAN_AT"]), Path(os.environ["SOAK_NAN_MARKER"])
@@ -102,7 +102,7 @@ def _run(args, extra: list[str], run_dir: Path, faults: bool) -> tuple[float, li
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if faults:
         env.update(SOAK_NAN_AT=str(args.nan_at), SOAK_NAN_MARKER=str(run_dir.parent / "nan-planted"))
-        code = ("import sys; from scaletrain.launcher import launch; "
+        code = ("import sys; from scaletrain.launch.launcher import launch; "
                 f"sys.exit(launch('soak:rank_main', {common!r}, nproc={args.nproc}, "
                 f"max_restarts={args.max_restarts}, pythonpath=({str(HERE.parent)!r},)))")
         cmd = [sys.executable, "-c", code]

@@ -120,7 +120,7 @@ def launch_here(task: str, args: list[str], nproc: int, timeout: float = 600) ->
     import tempfile
     import threading
 
-    from scaletrain.launcher import launch
+    from scaletrain.launch.launcher import launch
 
     with tempfile.TemporaryFile(mode="w+") as captured:
         sys.stderr.flush()

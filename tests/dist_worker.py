@@ -1,6 +1,6 @@
 """Run several training configs inside one group of real processes (tests only).
 
-    Tests call `run_group(nproc, jobs)`, which starts `python -m scaletrain.worker
+    Tests call `run_group(nproc, jobs)`, which starts `python -m scaletrain.launch.worker
     dist_worker:main SPEC` on nproc ranks through scaletrain's launcher (tests/ on PYTHONPATH).
 
 SPEC is a JSON file: {"jobs": [{"overrides": {...}, "expect_fail": false, "fault": null}, ...],
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from scaletrain.config import load_config
-from scaletrain.runtime import init_worker
+from scaletrain.launch.runtime import init_worker
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.trainer import Trainer
 
@@ -107,7 +107,7 @@ def timed_steps(trainer) -> list[float]:
 
 
 def main(spec_path: str) -> None:
-    """A rank of the group (the `dist_worker:main` task of scaletrain.worker, which reports failures)."""
+    """A rank of the group (the `dist_worker:main` task of scaletrain.launch.worker, which reports failures)."""
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
     results = []

@@ -11,7 +11,7 @@ from torch import nn
 
 from scaletrain.errors import ConfigError
 from scaletrain.layout import Layout
-from scaletrain.runtime import Runtime
+from scaletrain.launch.runtime import Runtime
 from scaletrain.parallel.parallelize import find_blocks, parallelize_module
 from scaletrain.precision import Precision
 from scaletrain.train.trainer import Trainer

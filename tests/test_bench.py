@@ -266,7 +266,7 @@ def answering_rank(spec_path: str, out_path: str) -> int:
     import os
 
     from scaletrain.errors import UserError
-    from scaletrain.ranks import read_spec, write_result
+    from scaletrain.launch.ranks import read_spec, write_result
 
     spec = read_spec(spec_path)
     if spec["fail"]:
@@ -280,7 +280,7 @@ def answering_rank(spec_path: str, out_path: str) -> int:
 def test_run_on_ranks_returns_rank_0s_result_or_raises_the_ranks_exit_code(capfd):
     from pathlib import Path
 
-    from scaletrain.ranks import RanksFailed, run_on_ranks
+    from scaletrain.launch.ranks import RanksFailed, run_on_ranks
 
     here = (str(Path(__file__).parent),)
     got = run_on_ranks("test_bench:answering_rank", {"echo": [1, "a"], "fail": False}, 2, pythonpath=here)

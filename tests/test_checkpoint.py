@@ -14,7 +14,7 @@ import torch
 
 from scaletrain.errors import CheckpointError, ConfigError, UserError
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.export import export_safetensors, load_model_from_checkpoint
+from scaletrain.trained.export import export_safetensors, load_model_from_checkpoint
 from scaletrain.train.trainer import Trainer
 
 from conftest import (CKPT, CLI_MICRO, REPO, Case, assert_one_clear_line, edit_json, forge_checksums, micro_cfg,

@@ -63,13 +63,13 @@ def test_quick_start_is_two_make_commands():
 
 
 def test_a_job_is_settled_once_its_run_folder_named_and_oversubscription_said(tmp_path, monkeypatch):
-    """scaletrain.job.settle: the one place every way of starting a job (one process, --nproc,
+    """scaletrain.launch.job.settle: the one place every way of starting a job (one process, --nproc,
     torchrun) completes the request; it names the run folder, so every rank gets the same one."""
     import torch
 
     from conftest import micro_cfg
     from scaletrain import hardware
-    from scaletrain.job import settle
+    from scaletrain.launch.job import settle
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(hardware, "cpu_cores", lambda: 1)
@@ -86,8 +86,8 @@ def test_a_job_is_settled_once_its_run_folder_named_and_oversubscription_said(tm
 def test_auto_is_settled_by_the_job_not_by_the_runtime(tmp_path, monkeypatch):
     from conftest import micro_cfg
     from scaletrain.errors import ConfigError
-    from scaletrain.job import start
-    from scaletrain.runtime import prepare_worker
+    from scaletrain.launch.job import start
+    from scaletrain.launch.runtime import prepare_worker
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)

@@ -17,7 +17,7 @@ from scaletrain.model.hf import (hf_config_from_model, load_hf_weights, model_co
                                  rows_hf_to_ours, rows_ours_to_hf)
 from scaletrain.model.transformer import Transformer, apply_rope, rope_frequencies  # noqa: E402
 from scaletrain.plan.spec import hf_config_to_model  # noqa: E402
-from scaletrain.train.export_hf import byte_tokenizer_json, export_hf, save_hf  # noqa: E402
+from scaletrain.trained.export_hf import byte_tokenizer_json, export_hf, save_hf  # noqa: E402
 
 from conftest import assert_same_run, micro_cfg, micro_overrides, run_group, run_here  # noqa: E402
 
@@ -279,7 +279,7 @@ def test_byte_tokenizer_exports_as_bytes(tmp_path):
 def test_train_export_transformers_round_trip(tmp_path, tokens):
     """HF shape -> scaletrain trains -> export --format hf -> transformers (model and tokenizer)
     computes the logits of the checkpoint, with no scaletrain code."""
-    from scaletrain.train.export import load_model_from_checkpoint
+    from scaletrain.trained.export import load_model_from_checkpoint
     from scaletrain.train.trainer import Trainer
 
     make_hf("qwen3-head-dim-qk-norm", tmp_path / "hf")
@@ -299,7 +299,7 @@ def test_train_export_transformers_round_trip(tmp_path, tokens):
     with pytest.raises(CheckpointError, match="already exists"):
         export_hf(ckpt, out)
     # scaletrain's own safetensors export reads back too (our names, its config in the metadata)
-    from scaletrain.train.export import export_safetensors
+    from scaletrain.trained.export import export_safetensors
 
     mine = export_safetensors(ckpt, tmp_path / "mine.safetensors")
     weights = load_hf_weights(mine, ours.cfg)
@@ -315,7 +315,7 @@ def test_tensor_parallel_shards_the_new_parameters(tmp_path):
     """q/k norms (replicated, their gradients summed over the heads of the ranks), q/k/v biases
     and a head_dim apart from dim / n_heads train under tp 2 (and with sequence parallelism)
     as in one process: the same losses and the same final weights."""
-    from scaletrain.train.export import load_model_from_checkpoint
+    from scaletrain.trained.export import load_model_from_checkpoint
     from scaletrain.train.trainer import Trainer
 
     # SGD: each update follows its gradient (AdamW's first updates nearly follow its sign only,

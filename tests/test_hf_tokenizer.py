@@ -107,7 +107,7 @@ def test_large_vocabulary_uses_uint32(tmp_path):
 
 
 def test_vocab_size_zero_trains_with_the_models_vocabulary_and_exports_its_tokenizer(tmp_path):
-    from scaletrain.train.export_hf import export_hf
+    from scaletrain.trained.export_hf import export_hf
     from scaletrain.train.trainer import Trainer
 
     hf = make_hf_folder(tmp_path / "hf")

@@ -284,7 +284,7 @@ def test_export_takes_the_outer_weights(two_workers, tmp_path):
     this streamed, delayed run each worker holds the outer weights plus what it learnt since)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from scaletrain.train.export import load_model_from_checkpoint
+    from scaletrain.trained.export import load_model_from_checkpoint
 
     _, saved = two_workers
     model = load_model_from_checkpoint(saved)

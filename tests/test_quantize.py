@@ -15,7 +15,7 @@ pytest.importorskip("torchao")
 from scaletrain.errors import CheckpointError, ConfigError  # noqa: E402
 from scaletrain.quant.ptq import load_quantized, pack_int4, unpack_int4  # noqa: E402
 from scaletrain.train.evaluate import evaluate_checkpoint  # noqa: E402
-from scaletrain.train.export import load_model_from_checkpoint  # noqa: E402
+from scaletrain.trained.export import load_model_from_checkpoint  # noqa: E402
 from scaletrain.train.trainer import Trainer  # noqa: E402
 
 from conftest import micro_cfg, one_line_exit_2, run_here  # noqa: E402
@@ -106,7 +106,7 @@ def test_eval_cli_reads_a_quantized_folder(runs):
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_the_folder_loads_without_unpickling_and_gives_the_same_logits(runs, scheme, monkeypatch):
-    from scaletrain.train.quantize import load_source
+    from scaletrain.trained.quantize import load_source
     from scaletrain.quant.ptq import quantize_model
 
     out = runs["root"] / f"nopickle-{scheme}"

@@ -36,7 +36,7 @@ def offenders(files, forbidden: tuple[str, ...]) -> list[str]:
 
 @pytest.mark.parametrize("files,forbidden", [
     ([PACKAGE / "config.py"], ("scaletrain.parallel", "scaletrain.plan", "scaletrain.train")),
-    (sorted((PACKAGE / "plan").glob("*.py")), ("scaletrain.train", "scaletrain.launcher")),
+    (sorted((PACKAGE / "plan").glob("*.py")), ("scaletrain.train", "scaletrain.launch.launcher")),
     (sorted((PACKAGE / "train").glob("*.py")), ("scaletrain.plan",)),
     ([PACKAGE / "layout.py"], ("scaletrain.parallel", "scaletrain.plan", "scaletrain.train", "torch")),
 ], ids=["config", "plan", "train", "layout"])
@@ -52,14 +52,14 @@ def test_the_boundary_check_sees_a_local_import(tmp_path):
 
 def test_every_rank_starts_through_the_one_worker_program():
     """No module of the package is a worker program of its own any more: `python -m` of it
-    would do nothing, and the launcher can only start scaletrain.worker."""
+    would do nothing, and the launcher can only start scaletrain.launch.worker."""
     mains = [str(f.relative_to(PACKAGE)) for f in PACKAGE.rglob("*.py")
              if 'if __name__ == "__main__"' in f.read_text()]
-    assert sorted(mains) == ["cli.py", "worker.py"]  # (__main__.py runs the CLI unguarded)
+    assert sorted(mains) == ["cli.py", "launch/worker.py"]  # (__main__.py runs the CLI unguarded)
 
 
 def test_an_unknown_worker_task_is_one_line_and_exit_2():
-    r = subprocess.run([sys.executable, "-m", "scaletrain.worker", "nope"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "scaletrain.launch.worker", "nope"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip() == ("scaletrain: error: rank 0: unknown worker task 'nope'; known: train, verify, "
@@ -139,8 +139,8 @@ def test_the_cycle_check_finds_a_loop_through_a_local_import(tmp_path):
 
 
 @pytest.mark.parametrize("folder,forbidden", [
-    ("parallel", ("scaletrain.plan", "scaletrain.train", "scaletrain.cli", "scaletrain.launcher",
-                  "scaletrain.worker")),
+    ("parallel", ("scaletrain.plan", "scaletrain.train", "scaletrain.cli", "scaletrain.launch.launcher",
+                  "scaletrain.launch.worker", "scaletrain.launch.job")),
     ("model", ("scaletrain.config", "scaletrain.parallel", "scaletrain.train", "scaletrain.plan")),
 ])
 def test_folder_boundaries(folder, forbidden):
@@ -149,7 +149,7 @@ def test_folder_boundaries(folder, forbidden):
 
 
 def test_the_worker_does_not_import_the_cli():
-    assert not offenders([PACKAGE / "worker.py"], ("scaletrain.cli",))
+    assert not offenders([PACKAGE / "launch" / "worker.py"], ("scaletrain.cli",))
 
 
 def test_parallel_holds_techniques_only():
@@ -235,7 +235,7 @@ def test_an_unknown_data_parallel_engine_is_an_error_not_zero():
     from scaletrain.layout import Layout
     from scaletrain.parallel.parallelize import _engine
     from scaletrain.precision import Precision
-    from scaletrain.runtime import Runtime
+    from scaletrain.launch.runtime import Runtime
 
     cfg = load_config(None, {"parallel.zero": 3})
     layout = Layout(dp_shard=2, zero=5)  # a stage that does not exist
@@ -337,3 +337,23 @@ def test_the_private_access_check_sees_a_reach_into_the_trainer(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def g(trainer):\n    return iter(trainer._micro_batches)\n")
     assert private_trainer_access([f], trainer_private_names()) == ["m.py:2 ._micro_batches"]
+
+
+def test_the_process_side_and_the_techniques_do_not_reach_up():
+    """The runtime joins a group with a settled layout (the planner resolves `auto` where the job
+    is settled, scaletrain.launch.job); quantization takes model configs, not the job's; the CLI
+    parses and prints."""
+    assert not offenders([PACKAGE / "launch" / "runtime.py"], ("scaletrain.plan", "scaletrain.launch.job"))
+    assert not offenders(sorted((PACKAGE / "quant").glob("*.py")), ("scaletrain.config",))
+    assert len((PACKAGE / "cli.py").read_text().splitlines()) < 500
+
+
+def test_tasks_on_ranks_start_in_one_place():
+    """`launch(` of the elastic launcher is called by the launcher itself, run_on_ranks (every
+    task that returns a result) and the train job (its ranks return exit codes)."""
+    import re
+
+    files = [*PACKAGE.rglob("*.py"), *(PACKAGE.parents[1] / "benchmarks").glob("*.py")]
+    callers = {str(p.relative_to(p.parents[1])) for p in files if re.search(r"\blauncher\.launch\(|^\s*launch\(|= launch\(",
+                                                                         p.read_text(), re.M)}
+    assert callers <= {"launch/launcher.py", "launch/ranks.py", "launch/job.py"}

@@ -192,7 +192,7 @@ def test_comparison_and_verdict():
 def test_verify_runs_a_quiet_run_of_n_steps_without_dropout(tmp_path):
     """Whatever the config says about logging, evaluation and checkpoints, verify's runs are quiet."""
     from scaletrain.config import load_config
-    from scaletrain.ranks import QUIET
+    from scaletrain.launch.ranks import QUIET
     from scaletrain.verify import isolated
 
     cfg = load_config(None, {"checkpoint.resume": "auto", "checkpoint.every": 5, "train.eval_every": 5,

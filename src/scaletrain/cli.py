@@ -2,7 +2,7 @@
 
 Each verb has one parser function; the planner's verbs (plan, schedule) keep theirs in
 scaletrain.plan_cli, the benchmarks' in scaletrain.bench_cli. `train` settles its job in
-scaletrain.job. A user error (bad config, data, checkpoint or launch request) prints one line
+scaletrain.launch.job. A user error (bad config, data, checkpoint or launch request) prints one line
 per problem and exits with code 2; there is no traceback for those.
 """
 
@@ -60,9 +60,9 @@ class _Version(argparse.Action):
 
 
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
-    """The config chosen and shown, or the job settled (scaletrain.job) and run: here, on
+    """The config chosen and shown, or the job settled (scaletrain.launch.job) and run: here, on
     --nproc ranks, or as this rank of torchrun's."""
-    from scaletrain import job
+    from scaletrain.launch import job
     from scaletrain.config import describe_options
 
     if args.help_config:
@@ -72,10 +72,10 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.print_config:
         print(cfg.to_toml() if args.print_config == "toml" else cfg.to_json())
         return 0
-    from scaletrain.runtime import is_worker, pick_device
+    from scaletrain.launch.runtime import is_worker, pick_device
 
-    if is_worker():  # started by torchrun (our launcher starts scaletrain.worker itself)
-        from scaletrain import worker
+    if is_worker():  # started by torchrun (our launcher starts scaletrain.launch.worker itself)
+        from scaletrain.launch import worker
 
         worker.run(job.train, cfg, None, _note)  # rank 0 settles the job for all; does not return
     with os_errors_named(config_paths(cfg)):
@@ -153,7 +153,7 @@ def _eval(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _generate(args: argparse.Namespace, extra: list[str]) -> int:
-    from scaletrain.train.sample import generate_text
+    from scaletrain.trained.generate import generate_text
 
     with os_errors_named({"source": args.source, "--data": args.data or ""}):
         text = generate_text(args.source, args.prompt, max_new_tokens=args.max_new_tokens,
@@ -165,7 +165,7 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _plot(args: argparse.Namespace, extra: list[str]) -> int:
     from scaletrain.plan_cli import check_png
-    from scaletrain.train.plot import plot_runs
+    from scaletrain.trained.plot import plot_runs
 
     check_png("--out", args.out)
     with os_errors_named({"--out": args.out}):
@@ -175,8 +175,8 @@ def _plot(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _export(args: argparse.Namespace, extra: list[str]) -> int:
-    from scaletrain.train.export import export_safetensors
-    from scaletrain.train.export_hf import export_hf
+    from scaletrain.trained.export import export_safetensors
+    from scaletrain.trained.export_hf import export_hf
 
     with os_errors_named({"--out": args.out, "checkpoint": args.checkpoint}):
         checkpoint = _checkpoint_of(args.checkpoint)
@@ -187,7 +187,7 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _quantize(args: argparse.Namespace, extra: list[str]) -> int:
-    from scaletrain.train.quantize import quantize_source
+    from scaletrain.trained.quantize import quantize_source
 
     with os_errors_named({"--out": args.out, "source": args.source}):
         source = args.source if os.path.isfile(args.source) else _checkpoint_of(args.source)
@@ -411,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     old_term, verb = None, None
     try:  # from here on, a Ctrl-C (even in `import torch`) is one line
-        from scaletrain.runtime import is_worker
+        from scaletrain.launch.runtime import is_worker
 
         if not is_worker() and threading.current_thread() is threading.main_thread():
             def on_term(signum, frame):

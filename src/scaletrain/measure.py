@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from scaletrain.plan.memory_model import GiB
-from scaletrain.ranks import quiet, read_spec, run_on_ranks, write_result
+from scaletrain.launch.ranks import quiet, read_spec, run_on_ranks, write_result
 
 
 class LiveMemory(TorchDispatchMode):
@@ -104,7 +104,7 @@ def measure_run(cfg, runtime=None, steps: int = 1, memory: bool = True) -> dict:
     steps alone (no memory figures: they are None)."""
     from scaletrain.train.trainer import Trainer
 
-    from scaletrain.runtime import pick_device
+    from scaletrain.launch.runtime import pick_device
 
     live = LiveMemory() if memory and pick_device(cfg.train.device).type != "cuda" else None
     with live if live is not None else _nothing():
@@ -279,11 +279,11 @@ def _busy(ranks: int) -> str | None:
 
 
 def measure_rank(spec: str, out: str) -> int:
-    """One rank of measure_layouts (the `measure` task of scaletrain.worker)."""
+    """One rank of measure_layouts (the `measure` task of scaletrain.launch.worker)."""
     import torch.distributed as dist
 
     from scaletrain.config import load_config
-    from scaletrain.runtime import init_worker
+    from scaletrain.launch.runtime import init_worker
 
     job = read_spec(spec)
     rounds = []
@@ -322,7 +322,7 @@ def measure_and_print(config: str, layout, nproc: int, overrides: dict | None = 
     from scaletrain.config import load_config
     from scaletrain.plan import plan
     from scaletrain.hardware import local_hardware
-    from scaletrain.runtime import pick_device
+    from scaletrain.launch.runtime import pick_device
 
     cfg = load_config(config, overrides or {})
     device = pick_device(cfg.train.device)

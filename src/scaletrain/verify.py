@@ -41,7 +41,7 @@ from typing import IO, Sequence
 from scaletrain.config import JobConfig, ParallelConfig, from_dict, load_config
 from scaletrain.errors import ConfigError
 from scaletrain.layout import Layout
-from scaletrain.ranks import quiet, read_spec
+from scaletrain.launch.ranks import quiet, read_spec
 
 # Largest relative difference allowed, (loss, gradient norm), over the first CALIBRATED_STEPS
 # steps of an honest layout against the reference. Measured on the CPU with gloo, 10 steps:
@@ -134,7 +134,7 @@ def layout_world(par: ParallelConfig, nproc: int | None) -> int:
 
 
 def isolated(cfg: JobConfig, run_dir: Path, steps: int) -> JobConfig:
-    """The config as verify runs it: N steps of a quiet run (`scaletrain.ranks.quiet`: a private
+    """The config as verify runs it: N steps of a quiet run (`scaletrain.launch.ranks.quiet`: a private
     folder, logging every step, no checkpoints, no resuming, no sample), without dropout."""
     return cfg.replace(**{**quiet(run_dir), "train.steps": steps, "model.dropout": 0.0})
 
@@ -206,7 +206,7 @@ def simulate_workers(cfg: JobConfig, layout: Layout, total_steps: int, run_dir: 
     from scaletrain.optim import set_lr
     from scaletrain.parallel.local_sgd import LocalSGD
     from scaletrain.parallel.replica_average import SimulatedWorkers
-    from scaletrain.runtime import single_process
+    from scaletrain.launch.runtime import single_process
     from scaletrain.schedule import BatchSchedule, TrainSchedule
     from scaletrain.train.trainer import Trainer
 
@@ -265,7 +265,7 @@ def run(cfg: JobConfig, layout: Layout, total_steps: int, role: str, hook: str |
         pythonpath: Sequence[str] = ()) -> tuple[int, list[dict]]:
     """Train `cfg` in `layout` (cfg's) on its ranks (one: in this process); returns (exit code,
     metrics rows). `hook`: see `verify`'s layout_hook."""
-    from scaletrain.runtime import single_process
+    from scaletrain.launch.runtime import single_process
 
     nproc = layout.world
     if nproc == 1:
@@ -274,7 +274,7 @@ def run(cfg: JobConfig, layout: Layout, total_steps: int, role: str, hook: str |
             _call_hook(hook, trainer)
         result = trainer.fit()
         return (0 if result["stopped_by"] is None else 128 + int(result["stopped_by"])), result["history"]
-    from scaletrain.ranks import RanksFailed, run_on_ranks
+    from scaletrain.launch.ranks import RanksFailed, run_on_ranks
 
     try:
         run_on_ranks("verify", {"config": cfg.to_dict(), "layout": layout.to_dict(), "total_steps": total_steps,
@@ -351,7 +351,7 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
     the layout run (never the reference's) with its Trainer before it trains — to instrument
     the run, or, as scaletrain's tests do, to plant a known bug and watch verify FAIL."""
     from scaletrain.plan.auto import resolve
-    from scaletrain.runtime import pick_device
+    from scaletrain.launch.runtime import pick_device
 
     out = out or sys.stdout
     if steps < 1:
@@ -428,9 +428,9 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
 
 
 def run_rank(spec_path: str, out_path: str | None = None) -> int:
-    """One rank of a run started by `run` (the `verify` task of scaletrain.worker). It writes no
+    """One rank of a run started by `run` (the `verify` task of scaletrain.launch.worker). It writes no
     result (`out_path`): its metrics are in the run folder, as far as it got."""
-    from scaletrain import runtime
+    from scaletrain.launch import runtime
 
     spec = read_spec(spec_path)
     cfg, rt = runtime.prepare_worker(from_dict(spec["config"]), Layout(**spec["layout"]))

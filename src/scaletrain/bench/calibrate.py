@@ -1,5 +1,5 @@
 """The calibration probes, run on every rank of a group of processes at once (the `calibrate`
-task of scaletrain.worker, started by `scaletrain.measure.calibration`): what each measures and
+task of scaletrain.launch.worker, started by `scaletrain.measure.calibration`): what each measures and
 how is described in `scaletrain.plan.calibrate`, which holds the figures and the cache."""
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from dataclasses import replace
 import torch
 
 from scaletrain.plan.calibrate import OPS, PROBE_REPS, SIZES, probe_key
-from scaletrain.ranks import quiet, read_spec, write_result
+from scaletrain.launch.ranks import quiet, read_spec, write_result
 
 
 
 def calibrate_rank(spec_path: str, out_path: str) -> int:
-    """One rank of `scaletrain.measure.calibration` (the `calibrate` task of scaletrain.worker)."""
+    """One rank of `scaletrain.measure.calibration` (the `calibrate` task of scaletrain.launch.worker)."""
     import torch.distributed as dist
 
     from scaletrain.model.config import ModelConfig
-    from scaletrain.runtime import pick_device
+    from scaletrain.launch.runtime import pick_device
 
     job = read_spec(spec_path)
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -163,7 +163,7 @@ def _trainer_step(model_cfg, layers: int, precision: str, seq_len: int, micro_ba
     import torch.distributed as dist
 
     from scaletrain.config import load_config
-    from scaletrain.runtime import init_worker
+    from scaletrain.launch.runtime import init_worker
     from scaletrain.train.trainer import Trainer
 
     model = {f"model.{k}": v for k, v in asdict(model_cfg).items() if k not in ("preset", "from_hf", "init_from")}

@@ -33,7 +33,7 @@ from pathlib import Path
 from scaletrain.errors import ConfigError, LaunchError, UserError
 from scaletrain import fmt
 from scaletrain.plan.calibrate import bus_factor
-from scaletrain.ranks import read_spec, run_on_ranks, write_result
+from scaletrain.launch.ranks import read_spec, run_on_ranks, write_result
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all")
 ELEMENT_BYTES = 4  # float32
@@ -157,11 +157,11 @@ def measure(sizes: list[int], iters: int, warmup: int, device, ops: tuple[str, .
 
 
 def bench_rank(spec_path: str, out_path: str) -> int:
-    """One rank of `run` (the `bench-comms` task of scaletrain.worker)."""
+    """One rank of `run` (the `bench-comms` task of scaletrain.launch.worker)."""
     import torch
     import torch.distributed as dist
 
-    from scaletrain.runtime import pick_device
+    from scaletrain.launch.runtime import pick_device
 
     spec = read_spec(spec_path)
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -185,7 +185,7 @@ def run(nproc: int | None = None, sizes: list[str] | None = None, iters: int = 2
     """Start the ranks, measure, and return the result (what `--json` prints)."""
     import torch
 
-    from scaletrain.runtime import pick_device
+    from scaletrain.launch.runtime import pick_device
 
     kind = "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
     if nproc is None:

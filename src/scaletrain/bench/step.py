@@ -22,7 +22,7 @@ from pathlib import Path
 
 from scaletrain.bench.interleave import Entry, Row, rows_table, run, trainer_runner
 from scaletrain.errors import ConfigError, UserError
-from scaletrain.ranks import quiet
+from scaletrain.launch.ranks import quiet
 
 
 def parse_variant(text: str) -> dict[str, str]:
@@ -95,7 +95,7 @@ def plain_entry(cfg, batch) -> Entry:
         from scaletrain.bench.plain import PlainLoop
         from scaletrain.data.dataset import open_data
         from scaletrain.model.flops import flops_per_token
-        from scaletrain.runtime import pick_device
+        from scaletrain.launch.runtime import pick_device
         from scaletrain.hardware import device_peak_flops
         from scaletrain.precision import COMPUTE_DTYPES
 
@@ -115,7 +115,7 @@ def bench_step(config: str | None, overrides: list[str], vs: list[str], *, steps
     """Measure the config and its variants, interleaved; returns the header facts and the rows.
     Each config's layout is derived once: the baseline's here, a variant's by its trainer."""
     from scaletrain.model.transformer import count_params
-    from scaletrain.runtime import single_process
+    from scaletrain.launch.runtime import single_process
 
     variants = [(text, parse_variant(text)) for text in vs]
     with scratch_dir() as (tmp, sink):

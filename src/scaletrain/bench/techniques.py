@@ -35,7 +35,7 @@ from scaletrain.bench.interleave import Entry, Row, rows_table, run
 from scaletrain.bench.step import bench_config, header, scratch_dir, trainer_entry
 from scaletrain.errors import LaunchError, UserError
 from scaletrain.layout import Layout
-from scaletrain.ranks import quiet, read_spec, run_on_ranks, write_result
+from scaletrain.launch.ranks import quiet, read_spec, run_on_ranks, write_result
 from scaletrain.vocab import AC_MODES, OPTIMIZERS, PRECISIONS, ZERO_STAGES
 
 
@@ -112,7 +112,7 @@ def _measure(config_name: str | None, base, *, steps, warmup, skip, max_slowdown
     """Every rank calls this (or the one process) with the baseline's config (a bench_config) and
     the runtime of its layout (None: one process); returns the result dict."""
     from scaletrain.model.transformer import count_params
-    from scaletrain.runtime import single_process
+    from scaletrain.launch.runtime import single_process
 
     with scratch_dir() as (tmp, sink):
         need = warmup + steps + 2
@@ -155,7 +155,7 @@ def bench_techniques(config: str | None, overrides: list[str], *, nproc: int | N
     if nproc == 1:
         return _measure(config, base, steps=steps, warmup=warmup, skip=list(skip), max_slowdown=max_slowdown,
                         progress=progress)
-    from scaletrain.runtime import pick_device
+    from scaletrain.launch.runtime import pick_device
 
     _check_skip(base, list(skip), pick_device(base.train.device, 0, nproc).type)  # before starting the ranks
     return run_on_ranks("bench-techniques", {"config_name": config, "config": base.to_dict(), "steps": steps,
@@ -164,10 +164,10 @@ def bench_techniques(config: str | None, overrides: list[str], *, nproc: int | N
 
 
 def bench_rank(spec_path: str, out_path: str) -> int:
-    """One rank of bench_techniques (the `bench-techniques` task of scaletrain.worker): SPEC_PATH
+    """One rank of bench_techniques (the `bench-techniques` task of scaletrain.launch.worker): SPEC_PATH
     is a JSON file of the baseline's config (read once, where the job started) and the settings."""
     from scaletrain.config import from_dict
-    from scaletrain.runtime import prepare_worker
+    from scaletrain.launch.runtime import prepare_worker
 
     spec = read_spec(spec_path)
     base, runtime = prepare_worker(from_dict(spec["config"]))  # the group's mesh: the baseline's layout

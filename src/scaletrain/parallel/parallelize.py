@@ -43,7 +43,7 @@ from scaletrain.quant.qat import prepare_qat
 from scaletrain.vocab import DP_ENGINES, unknown
 
 if TYPE_CHECKING:  # passed in, never imported: the runtime is the caller's
-    from scaletrain.runtime import Runtime
+    from scaletrain.launch.runtime import Runtime
 
 
 @dataclass

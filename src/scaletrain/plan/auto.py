@@ -10,7 +10,7 @@ then times real steps of its best layouts, as many as fit in about S seconds (at
 in one group of processes; the fastest measured is trained, and what was measured is said.
 
 `resolve` is the layout's part of settling a job, once, where the job starts
-(`scaletrain.job.settle`: one process, `--nproc N`, or rank 0 under torchrun; and `verify`):
+(`scaletrain.launch.job.settle`: one process, `--nproc N`, or rank 0 under torchrun; and `verify`):
 the config as it will run and its `Layout`, which every rank is then given.
 """
 

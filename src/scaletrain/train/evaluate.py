@@ -33,7 +33,7 @@ from scaletrain.errors import ConfigError, DataError
 from scaletrain.parallel import pipeline
 from scaletrain.quant.ptq import is_quantized_folder, load_quantized, read_info
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.train.export import load_model_from_checkpoint
+from scaletrain.trained.export import load_model_from_checkpoint
 from scaletrain.train.metrics import perplexity
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from scaletrain import watchdog
+from scaletrain.launch import watchdog
 from scaletrain.errors import CheckpointError, ConfigError, TrainingStopped, UserError
 
 # words of gloo's and NCCL's messages when a peer is gone or late

@@ -45,7 +45,7 @@ from scaletrain.parallel.hooks import StepHooks
 from scaletrain.parallel.local_sgd import LocalSGD
 from scaletrain.parallel.parallelize import parallelize, parallelize_module
 from scaletrain.precision import MasterWeights, Precision
-from scaletrain.runtime import Runtime, single_process
+from scaletrain.launch.runtime import Runtime, single_process
 from scaletrain.schedule import TrainSchedule
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import run_folder

@@ -110,7 +110,7 @@ def start(cfg: JobConfig, layout: Layout | None = None, *, note=None, can_measur
     `layout`, the job's, settled where it started; when it is not given, the job is settled
     here: by this process alone, or under torchrun by rank 0 for every rank. `note` and
     `can_measure` as for `settle` (rank 0 alone notes)."""
-    from scaletrain import runtime
+    from scaletrain.launch import runtime
 
     place = runtime.join(cfg)
     if layout is None:
@@ -146,7 +146,7 @@ def launch(cfg: JobConfig, layout: Layout, *, nproc: int, nnodes: int = 1, node_
            rdzv_endpoint: str = "", rdzv_id: str = "scaletrain", max_restarts: int = 0) -> int:
     """Start the `train` task on `nproc` local ranks (of `nnodes` nodes) for the settled `cfg`
     and `layout`, each rank handed both (`spec`); returns the job's exit code."""
-    from scaletrain import launcher
+    from scaletrain.launch import launcher
 
     with launcher.spec_file(spec(cfg, layout), prefix="scaletrain-train-") as path:
         return launcher.launch("train", [path], nproc=nproc, nnodes=nnodes, node_rank=node_rank,
@@ -160,7 +160,7 @@ def spec(cfg: JobConfig, layout: Layout) -> dict:
 
 
 def train_rank(spec_path: str) -> int:
-    """One rank of `scaletrain train --nproc N` (the `train` task of scaletrain.worker, which
+    """One rank of `scaletrain train --nproc N` (the `train` task of scaletrain.launch.worker, which
     reports its failures): SPEC_PATH is the JSON file of `spec`."""
     job = json.loads(Path(spec_path).read_text())
     return train(from_dict(job["config"]), Layout(**job["layout"]))
@@ -170,7 +170,7 @@ def train(cfg: JobConfig, layout: Layout | None = None, note=None) -> int:
     """Train `cfg` as one rank of a group (`layout`: cfg's, settled where the job started; None
     under torchrun, where rank 0 settles it for all, telling `note`). Returns the rank's exit
     code. A rank the launcher restarted after a failure resumes from the newest checkpoint."""
-    from scaletrain import runtime
+    from scaletrain.launch import runtime
     from scaletrain.train.trainer import Trainer
 
     rank = int(os.environ.get("RANK", "0"))

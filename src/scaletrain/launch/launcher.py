@@ -1,5 +1,5 @@
 """Starting ranks: `scaletrain train --nproc N` starts N local worker processes (`python -m
-scaletrain.worker TASK`) through PyTorch's elastic launcher, the engine behind torchrun; the
+scaletrain.launch.worker TASK`) through PyTorch's elastic launcher, the engine behind torchrun; the
 rendezvous, the restarts after a failure, signals passed on to the ranks, and one line about
 the failure that caused the others.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from scaletrain.errors import LaunchError, TrainingStopped, UserError, user_error_from_os
-from scaletrain.runtime import LAUNCHER_PID_ENV
+from scaletrain.launch.runtime import LAUNCHER_PID_ENV
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # a rank stopped by one saved a checkpoint and exits 128 + it
 
@@ -42,7 +42,7 @@ def record_worker_error(e: BaseException, rank: int) -> int:
         text = f"{type(e).__name__}: {first} (at {where})"
     code = e.exit_code if isinstance(e, UserError) else 1
     print(f"scaletrain: error: rank {rank}: {text}", file=sys.stderr, flush=True)
-    from scaletrain.watchdog import running_progress
+    from scaletrain.launch.watchdog import running_progress
 
     if (progress := running_progress()) is not None:  # the other ranks leave now, not at their timeout
         progress.abort()
@@ -69,7 +69,7 @@ def launch(task: str, worker_args: list[str], *, nproc: int, nnodes: int = 1, no
            rdzv_endpoint: str = "", rdzv_id: str = "scaletrain", max_restarts: int = 0,
            monitor_interval: float = 0.1, checkpoint_dir: str | Path | None = None,
            pythonpath: tuple[str, ...] = ()) -> int:
-    """Start `python -m scaletrain.worker TASK WORKER_ARGS` (see scaletrain.worker: `train`,
+    """Start `python -m scaletrain.launch.worker TASK WORKER_ARGS` (see scaletrain.launch.worker: `train`,
     `verify`, ... or MODULE:FUNCTION, importable from `pythonpath` too) on `nproc` local ranks;
     return the exit code.
 
@@ -121,7 +121,7 @@ def launch(task: str, worker_args: list[str], *, nproc: int, nnodes: int = 1, no
     handlers = _signal_handlers()  # the elastic agent replaces them with its own
     try:
         with _stores_bound_to_their_host(endpoint), _no_restart_after_final_failures():
-            elastic_launch(config, entrypoint=sys.executable)("-m", "scaletrain.worker", task, *worker_args)
+            elastic_launch(config, entrypoint=sys.executable)("-m", "scaletrain.launch.worker", task, *worker_args)
     except SignalException as e:  # the agent has passed the signal on and waited for the ranks
         print(_stop_line(signal.Signals(e.sigval), checkpoint_dir, started), file=sys.stderr, flush=True)
         return 128 + int(e.sigval)

@@ -41,7 +41,7 @@ def export_hf(checkpoint_path: str | Path, out_dir: str | Path, *, tokenizer: st
     byte-level), or that of `tokenizer` (a prepared data folder) when given. An existing folder
     is replaced (whole, once the new one is complete) only with `overwrite`."""
     from scaletrain.train import checkpoint as ckpt
-    from scaletrain.train.export import load_model_from_checkpoint
+    from scaletrain.trained.export import load_model_from_checkpoint
 
     path, out = Path(checkpoint_path), Path(out_dir)
     _check_out(out, overwrite)

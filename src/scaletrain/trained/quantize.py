@@ -50,7 +50,7 @@ def load_source(source: Path) -> tuple[Transformer, dict, dict]:
     if source.is_file():
         return _from_export(source)
     from scaletrain.train import checkpoint as ckpt
-    from scaletrain.train.export import load_model_from_checkpoint
+    from scaletrain.trained.export import load_model_from_checkpoint
 
     state = ckpt.read_trainer_state(source)  # one line if it is not a checkpoint
     model = load_model_from_checkpoint(source)

@@ -1,10 +1,10 @@
 """What each rank knows about the others: the `Runtime` (rank, device, layout, mesh).
 
-A worker started by our launcher (scaletrain.launcher) or by torchrun reads torchrun's
+A worker started by our launcher (scaletrain.launch.launcher) or by torchrun reads torchrun's
 environment contract (RANK, WORLD_SIZE, LOCAL_RANK, ...) exactly once, here, in `join`, and
 passes a `Runtime` object down: nothing below reads the environment. Under plain `python` (no
 launcher) the job is one process. The layout comes settled from where the job started
-(scaletrain.job); this module builds its mesh and never chooses one.
+(scaletrain.launch.job); this module builds its mesh and never chooses one.
 
 Backend: NCCL when the ranks train on CUDA, gloo on CPU. A request that cannot run as asked
 (a CUDA run with fewer GPUs than local ranks, a layout that needs another world size) is
@@ -42,7 +42,7 @@ class Runtime:
     layout: Layout  # resolved for this world: every part of the run reads it from here
     mesh: object | None = None  # the 5-D DeviceMesh when distributed
     dp_mesh: object | None = None  # its data-parallel axes flattened into one
-    progress: object | None = None  # this rank's published progress (scaletrain.watchdog.Progress)
+    progress: object | None = None  # this rank's published progress (scaletrain.launch.watchdog.Progress)
     # the config values `layout` was derived from (`layout_key`); None: the layout was given as it is
     layout_of: tuple | None = None
 
@@ -102,7 +102,7 @@ def layout_key(cfg: JobConfig) -> tuple:
 def single_process(cfg: JobConfig, layout: Layout | None = None) -> Runtime:
     """One process: `layout` (cfg's, derived where the job started), or cfg's derived here."""
     if cfg.parallel.layout == "auto":
-        raise ValueError("parallel.layout=auto: settle the job first (scaletrain.job.settle)")
+        raise ValueError("parallel.layout=auto: settle the job first (scaletrain.launch.job.settle)")
     if layout is None:
         layout = Layout.from_config(cfg, 1)
     elif layout.world != 1:
@@ -194,21 +194,21 @@ def prepare_worker(cfg: JobConfig, layout: Layout | None = None) -> tuple[JobCon
     """Join the process group and build the mesh of `layout`: cfg's, settled where the job
     started (scaletrain's launcher hands every rank both), or, when it is not given, cfg's derived
     here (a manual layout: `parallel.layout = auto` is chosen where a job starts, by
-    `scaletrain.job.start`). Returns the config and this rank's Runtime.
+    `scaletrain.launch.job.start`). Returns the config and this rank's Runtime.
 
     Without a launcher (plain `python script.py`: no RANK in the environment) this process is
     the whole job: one rank."""
     if layout is None and cfg.parallel.layout == "auto":
-        raise ConfigError("parallel.layout=auto is chosen where the job starts: call scaletrain.job.start(cfg) "
+        raise ConfigError("parallel.layout=auto is chosen where the job starts: call scaletrain.launch.job.start(cfg) "
                           "instead of prepare_worker, or set parallel.layout=manual")
     place = join(cfg)
     return cfg, runtime_of(cfg, layout or Layout.from_config(cfg, place.world_size), place)
 
 
 def _start_progress(rank: int):
-    """Publish this rank's progress for the timeout messages (see scaletrain.watchdog); a
+    """Publish this rank's progress for the timeout messages (see scaletrain.launch.watchdog); a
     process that joins again (the test suite's groups host many runs) replaces its old record."""
-    from scaletrain.watchdog import Progress, running_progress
+    from scaletrain.launch.watchdog import Progress, running_progress
 
     try:
         store = dist.distributed_c10d._get_default_store()
@@ -236,7 +236,7 @@ def _attempt_store(rank: int, world: int, timeout: timedelta) -> dict:
 
 
 def shutdown() -> None:
-    from scaletrain.watchdog import running_progress
+    from scaletrain.launch.watchdog import running_progress
 
     if (progress := running_progress()) is not None:
         progress.stop()

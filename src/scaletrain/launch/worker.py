@@ -1,13 +1,13 @@
 """The one program every rank runs.
 
-    python -m scaletrain.worker TASK [ARG ...]
+    python -m scaletrain.launch.worker TASK [ARG ...]
 
-scaletrain's launcher (`scaletrain.launcher.launch`) starts it on each rank, and
+scaletrain's launcher (`scaletrain.launch.launcher.launch`) starts it on each rank, and
 `torchrun -m scaletrain train ...` reaches it through the CLI (`run`, with the config each rank
 loaded). TASK says what the rank does:
 
     train SPEC               a rank of `scaletrain train --nproc N` (SPEC: a JSON file of the
-                             settled config and its layout, see scaletrain.job)
+                             settled config and its layout, see scaletrain.launch.job)
     verify SPEC [OUT]        a rank of `scaletrain verify`'s layout or reference run
     measure SPEC OUT         a rank of the planner's measured run (`plan --measure`)
     calibrate SPEC OUT       a rank of the planner's calibration of this machine
@@ -15,7 +15,7 @@ loaded). TASK says what the rank does:
     bench-comms SPEC OUT     a rank of `scaletrain bench comms`
     MODULE:FUNCTION ARGS...  any importable function (the test suite's groups of jobs, the benchmarks)
 
-The tasks with SPEC and OUT are started by scaletrain.ranks.run_on_ranks: SPEC a JSON file of
+The tasks with SPEC and OUT are started by scaletrain.launch.ranks.run_on_ranks: SPEC a JSON file of
 what to do, OUT where rank 0 writes its result.
 
 The task returns the rank's exit code. Whatever it is, the rank:
@@ -35,7 +35,7 @@ import sys
 from typing import Callable, NoReturn
 
 TASKS = {
-    "train": "scaletrain.job:train_rank",
+    "train": "scaletrain.launch.job:train_rank",
     "verify": "scaletrain.verify:run_rank",
     "measure": "scaletrain.measure:measure_rank",
     "bench-techniques": "scaletrain.bench.techniques:bench_rank",
@@ -45,12 +45,12 @@ TASKS = {
 
 
 def program(task: str, *args: str) -> tuple[str, ...]:
-    """The launcher's `program` for TASK: `python -m scaletrain.worker TASK ARGS...`."""
-    return ("-m", "scaletrain.worker", task, *args)
+    """The launcher's `program` for TASK: `python -m scaletrain.launch.worker TASK ARGS...`."""
+    return ("-m", "scaletrain.launch.worker", task, *args)
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
-    """`python -m scaletrain.worker TASK ARGS...`: the rank runs TASK's function with ARGS."""
+    """`python -m scaletrain.launch.worker TASK ARGS...`: the rank runs TASK's function with ARGS."""
     argv = list(sys.argv[1:] if argv is None else argv)
     run(_task, *argv)
 
@@ -59,7 +59,7 @@ def _task(*argv: str) -> int:
     from scaletrain.errors import UserError
 
     if not argv:
-        raise UserError(f"python -m scaletrain.worker TASK: no task; known: {', '.join(TASKS)} or MODULE:FUNCTION")
+        raise UserError(f"python -m scaletrain.launch.worker TASK: no task; known: {', '.join(TASKS)} or MODULE:FUNCTION")
     task, *args = argv
     target = TASKS.get(task, task)
     module, _, name = target.partition(":")
@@ -70,7 +70,7 @@ def _task(*argv: str) -> int:
 
 def run(task: Callable[..., int | None], *args) -> NoReturn:
     """Run `task(*args)` as this rank's work, and leave as every rank leaves (see above)."""
-    from scaletrain import launcher, runtime
+    from scaletrain.launch import launcher, runtime
 
     runtime.die_with_launcher()  # first: a launcher killed from here on takes this rank with it
     rank = int(os.environ.get("RANK", "0"))

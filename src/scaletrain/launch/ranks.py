@@ -5,9 +5,9 @@ benchmarking, calibrating the planner.
   look for (no TensorBoard, no checkpoint, no sample, no progress bar), never resumes from one,
   keeps its files in a folder of its own, and logs every step (for a caller that reads its
   metrics). A caller that needs another value overrides that one key.
-* `run_on_ranks(task, spec, nproc)`: run a worker task (scaletrain.worker) on `nproc` local
+* `run_on_ranks(task, spec, nproc)`: run a worker task (scaletrain.launch.worker) on `nproc` local
   ranks and read its result. The user's process writes SPEC, a JSON file of the task's
-  settings, starts `python -m scaletrain.worker TASK SPEC OUT` on every rank, and reads OUT,
+  settings, starts `python -m scaletrain.launch.worker TASK SPEC OUT` on every rank, and reads OUT,
   the JSON file the task's rank 0 wrote. `read_spec` and `write_result` are the ranks' half.
 """
 
@@ -42,13 +42,13 @@ class RanksFailed(SystemExit):
 
 def run_on_ranks(task: str, spec: dict, nproc: int, *, folder: str | Path | None = None,
                  pythonpath: Sequence[str] = ()) -> Any:
-    """Run `task` of scaletrain.worker on `nproc` local ranks with `spec` and return what its
+    """Run `task` of scaletrain.launch.worker on `nproc` local ranks with `spec` and return what its
     rank 0 wrote with `write_result` (None if it wrote nothing). Raises RanksFailed with the
     ranks' exit code if they fail.
 
     SPEC and OUT go to `folder` (then left there), or to a temporary folder removed afterwards;
     `pythonpath`: folders the ranks import from too (a task MODULE:FUNCTION outside scaletrain)."""
-    from scaletrain.launcher import launch
+    from scaletrain.launch.launcher import launch
 
     own = folder is None
     where = Path(tempfile.mkdtemp(prefix=f"scaletrain-{task.replace(':', '-')}-")) if own else Path(folder)

@@ -43,7 +43,7 @@ def load_for_generation(source: str | Path, data: str | None = None):
     model folder; `data`: a prepared folder whose tokenizer to use instead."""
     path = Path(source)
     if (path / ckpt.TRAINER_FILE).is_file():
-        from scaletrain.train.export import load_model_from_checkpoint
+        from scaletrain.trained.export import load_model_from_checkpoint
 
         cfg = from_dict(ckpt.read_trainer_state(path)["config"])
         tokenizer = data_tokenizer(data if data is not None else data_paths(cfg.data)[0])
