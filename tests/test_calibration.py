@@ -115,7 +115,7 @@ def test_the_calibrated_optimizer_step_is_not_spread_over_the_cp_ranks():
     shards once per step."""
     from scaletrain.plan import calibrated_time
     from scaletrain.plan.calibrate import layout_key
-    from scaletrain.plan.memory_model import rank_params
+    from scaletrain.plan.params import rank_params
     from scaletrain.plan.spec import Cluster, Layout, Workload
 
     cfg = load_config(None, TINY).model

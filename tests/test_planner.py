@@ -12,7 +12,7 @@ from scaletrain.config import from_dict
 from scaletrain.errors import ConfigError
 from scaletrain.plan import Layout, plan
 from scaletrain.hardware import lookup
-from scaletrain.plan.memory_model import attention_backward_bytes, first_layer_extra_bytes, formula_activation_bytes, in_flight, in_flight_from_orders
+from scaletrain.plan.activations import attention_backward_bytes, first_layer_extra_bytes, formula_activation_bytes, in_flight, in_flight_from_orders
 from scaletrain.plan.search import enumerate_layouts, evaluate, layout_errors
 from scaletrain.vocab import CP_METHODS
 from scaletrain.plan.spec import Cluster, Workload, hf_config_to_model, load_model
@@ -186,7 +186,7 @@ def test_the_search_proposes_what_the_trainer_runs():
     assert {lay.tp for lay in layouts} == {1, 2, 4, 8}  # 4 and 8 above the 2 K/V heads
     assert not [lay for lay in layouts if lay.errors(gqa, seq_len=wl.seq_len)]
     # the memory model holds the K/V projections as the engine does: one head per rank, replicated
-    from scaletrain.plan.memory_model import rank_params
+    from scaletrain.plan.params import rank_params
 
     one_head = ((gqa.head_size, gqa.dim),) * 2
     kv_matrices = {tp: rank_params(gqa, Layout(tp=tp), 0).matrices[1:3] for tp in (2, 4, 8)}
@@ -337,7 +337,7 @@ def test_ring_and_allgather_backward_buffers_counted_exactly(seq, kv_heads, prec
     from scaletrain.measure import LiveMemory
     from scaletrain.model.config import ModelConfig
     from scaletrain.parallel.context_parallel import METHODS
-    from scaletrain.plan.memory_model import _tiled_backward_bytes
+    from scaletrain.plan.activations import _tiled_backward_bytes
     from scaletrain.plan.trace import release_fake_world
 
     cfg = ModelConfig(dim=64, n_heads=4, n_kv_heads=kv_heads, n_layers=1, vocab_size=256, max_seq_len=seq)

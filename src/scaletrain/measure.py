@@ -164,7 +164,8 @@ def predicted_components(ev, cfg, wl, layout, gpu: bool = False) -> dict:
     """The planner's figures in the measured components' terms: per-micro-batch activations,
     and as the peak the total that decides "fits" (on a GPU less the runtime's workspaces,
     which live outside the caching allocator)."""
-    from scaletrain.plan.memory_model import RUNTIME_BYTES_GPU, in_flight
+    from scaletrain.plan.memory_model import RUNTIME_BYTES_GPU
+    from scaletrain.plan.activations import in_flight
 
     m = ev.memory
     flight = max(in_flight(layout.pp_schedule, layout.pp, layout.grad_accum, layout.pp_virtual_stages)) if layout.pp > 1 else 1
@@ -430,7 +431,7 @@ def activation_bytes(trainer, batches) -> int | None:
 
     if trainer.pipeline is not None:
         return None
-    inputs, targets = (x.to(trainer.device) for x in trainer.cp_shard(next(batches)))
+    inputs, targets = (x.to(trainer.device) for x in next(batches))  # this rank's share, cut by the loader
 
     def forward():
         with trainer.precision.autocast():

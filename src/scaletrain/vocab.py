@@ -56,7 +56,7 @@ OUTER_OPTIMIZERS = ("nesterov", "sgd")
 # what a pseudo-gradient is sent as: fp32, bf16, or int8 with one fp32 scale per chunk
 SYNC_DTYPES = ("fp32", "bf16", "int8")
 
-# whose memory habits and collectives the planner models (scaletrain.plan.memory_model.ENGINES)
+# whose memory habits and collectives the planner models (scaletrain.plan.params.ENGINES)
 PLAN_ENGINES = ("scaletrain", "megatron", "deepspeed")
 
 

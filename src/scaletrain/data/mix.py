@@ -154,6 +154,11 @@ class MixSampler(StepSampler):
         below = [self._below(n, b) for b in self.bounds]
         return [below[d + 1] - below[d] for d in range(len(self.sizes))]
 
+    def shares(self, step: int, names: list[str]) -> dict[str, float]:
+        """{"mix/NAME": the share of the windows drawn before `step` from each source}."""
+        drawn = self.drawn(step)
+        return {f"mix/{name}": n / sum(drawn) for name, n in zip(names, drawn)}
+
     def global_batch_indices(self, step: int) -> np.ndarray:
         first = step * self.global_batch
         src = self.sources(first, self.global_batch)

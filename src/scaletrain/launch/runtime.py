@@ -75,6 +75,17 @@ class Runtime:
         """The process group of one axis, or None in a single process."""
         return self.axis(name).get_group() if self.mesh is not None else None
 
+    def shared(self, value):
+        """Rank 0's value of something every rank must agree on (a time-stamped folder, a new
+        run's id); every rank calls it."""
+        if self.mesh is None:
+            return value
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
 
 def pick_device(name: str, local_rank: int = 0, local_world_size: int = 1) -> torch.device:
     if name == "auto":

@@ -27,6 +27,7 @@ from torch import nn
 from scaletrain.config import JobConfig
 from scaletrain.errors import ConfigError, LaunchError
 from scaletrain.memory import apply_activation_checkpointing, block_items
+from scaletrain.model.transformer import count_params
 from scaletrain.parallel import pipeline
 from scaletrain.parallel.context_parallel import ContextParallelStep, apply_context_parallel
 from scaletrain.parallel.data_parallel import (DataParallel, DDPDataParallel, FSDPDataParallel,
@@ -57,6 +58,7 @@ class ParallelModel:
     notes: list[str] = field(default_factory=list)  # what the run's log says of the conversions (qat, fp8)
     vocab_parallel: bool = False  # tensor parallel: the logits stay split by vocabulary
     n_blocks: int = 1  # the whole model's repeated blocks (local SGD's fragments split them)
+    num_params: int = 0  # the whole model's parameters (before pipeline split and sharding)
 
     def loss_context(self):
         """Where the loss (and its backward) is computed: under tensor parallelism on the logits'
@@ -162,30 +164,32 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
             apply_replicate(chunk, rt.axis(_step_dp_axis(rt)), param_dtype=compute_bf16)
 
     # 6. materialize: every parameter from (seed, name), the same numbers on every layout
-    for chunk in chunks:
-        chunk.to_empty(device="cpu" if (fsdp and lay.offload_optimizer) else rt.device)
-        chunk.init_buffers(rt.device)
-        if weights is not None:
-            load_weights(chunk, weights, cfg.model.init_from or "the weights")
-        else:
-            init_weights(chunk, cfg.train.seed)
-        if not (fsdp or replicate):  # those keep fp32 storage and cast for compute themselves
-            chunk.to(precision.param_dtype)
-        elif precision.param_dtype != torch.float32:  # ...but start from the rounded weights the others keep
-            with torch.no_grad():
-                for p in chunk.parameters():
-                    local = p.to_local() if hasattr(p, "to_local") else p
-                    local.copy_(local.to(precision.param_dtype))
-        chunk.train()
-        # context parallel: attention over the cp ranks, positions those of this rank's chunks
-        # (after materializing: it cuts the rotary tables to this rank's rows)
-        if lay.cp > 1:
-            apply_context_parallel(chunk, rt.axis("cp"), lay.cp_method, cfg.data.seq_len)
+    with _weights_fit(count_params(cfg.model), rt):
+        for chunk in chunks:
+            chunk.to_empty(device="cpu" if (fsdp and lay.offload_optimizer) else rt.device)
+            chunk.init_buffers(rt.device)
+            if weights is not None:
+                load_weights(chunk, weights, cfg.model.init_from or "the weights")
+            else:
+                init_weights(chunk, cfg.train.seed)
+            if not (fsdp or replicate):  # those keep fp32 storage and cast for compute themselves
+                chunk.to(precision.param_dtype)
+            elif precision.param_dtype != torch.float32:  # ...but start from the rounded weights the others keep
+                with torch.no_grad():
+                    for p in chunk.parameters():
+                        local = p.to_local() if hasattr(p, "to_local") else p
+                        local.copy_(local.to(precision.param_dtype))
+            chunk.train()
+            # context parallel: attention over the cp ranks, positions those of this rank's chunks
+            # (after materializing: it cuts the rotary tables to this rank's rows)
+            if lay.cp > 1:
+                apply_context_parallel(chunk, rt.axis("cp"), lay.cp_method, cfg.data.seq_len)
 
     # 7. data parallel engines that wrap materialized weights
     dp = _engine(chunks, cfg, rt, precision)
     result = ParallelModel(dp, stage_ids=stage_ids, num_stages=num_stages, keeps_fp32_weights=lay.keeps_fp32_weights,
-                           notes=notes, vocab_parallel=lay.tp > 1, n_blocks=cfg.model.n_layers)
+                           notes=notes, vocab_parallel=lay.tp > 1, n_blocks=cfg.model.n_layers,
+                           num_params=count_params(cfg.model))
     if lay.pp > 1:
         from torch.distributed.pipelining import PipelineStage
 
@@ -202,6 +206,19 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
     if fp8_all_gather:
         result.hooks.append(Fp8ScaleStep(dp.models))
     return result
+
+
+@contextlib.contextmanager
+def _weights_fit(num_params: int, rt: "Runtime"):
+    """Allocating the weights: running out of memory there is one line that says what to do."""
+    try:
+        yield
+    except RuntimeError as e:  # torch.OutOfMemoryError included
+        if "out of memory" not in str(e) and "can't allocate memory" not in str(e):
+            raise
+        raise ConfigError(f"the model's weights ({num_params / 1e6:,.1f}M parameters) do not fit in {rt.device} "
+                          f"memory on rank {rt.rank}; shrink the model, or shard it (parallel.zero=3, tp, pp): "
+                          "`scaletrain plan --config FILE` finds a layout") from None
 
 
 def _check_qat(cfg: JobConfig, lay) -> None:
@@ -329,7 +346,8 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
         check_compiler(rt.device)
         for _, block in (block_items(blocks) if blocks is not None else [(None, module)]):
             block.compile()
-    module.to(rt.device)
+    with _weights_fit(sum(p.numel() for p in module.parameters()), rt):
+        module.to(rt.device)
     if lay.dp_engine == "fsdp":
         compute_bf16 = precision.compute_dtype if precision.compute_dtype == torch.bfloat16 else None
         apply_fsdp(module, _shard_mesh(rt), param_dtype=compute_bf16, offload=lay.offload_optimizer,
@@ -338,4 +356,5 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
         module.to(precision.param_dtype)
     module.train()
     return ParallelModel(_engine([module], cfg, rt, precision), keeps_fp32_weights=lay.keeps_fp32_weights,
-                         n_blocks=len(blocks) if blocks is not None else 1)
+                         n_blocks=len(blocks) if blocks is not None else 1,
+                         num_params=sum(p.numel() for p in module.parameters()))

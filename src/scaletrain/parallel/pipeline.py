@@ -31,11 +31,11 @@ from typing import Callable, ContextManager
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from scaletrain.model.config import ModelConfig
 from scaletrain.parallel.hooks import StepHook, sum_gradients
 from scaletrain.parallel.init import canonical_name
+from scaletrain.parallel.tensor_parallel import whole
 from scaletrain.layout import balanced_split_counts, chunks_per_rank  # noqa: F401 - re-exported
 from scaletrain.vocab import PP_SCHEDULES, unknown
 
@@ -106,11 +106,6 @@ def build_schedule(stages, schedule: str, n_microbatches: int, loss_fn):
     raise unknown("pipeline schedule", schedule, PP_SCHEDULES)
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor (the loss under tensor parallelism) as the tensor it holds."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _feed(pm, parts, device, non_blocking: bool) -> tuple[tuple, dict, list[torch.Tensor]]:
     """The schedule's arguments for these (inputs, targets) micro-batches on this rank's stages:
     the first stage takes the inputs, the last the targets and a list that collects the losses."""
@@ -136,7 +131,7 @@ def forward_backward(pm, schedule, batches, n_microbatches: int, *, device: torc
     with pm.dp.micro_step(last=False), loss_context(), autocast():
         schedule.step(*args, return_outputs=False, **kwargs)
     pm.dp.finish_gradients()
-    loss_sum = torch.stack([_plain(x.detach()).float() for x in losses]).sum() if losses else \
+    loss_sum = torch.stack([whole(x.detach()).float() for x in losses]).sum() if losses else \
         torch.zeros((), device=device)
     return loss_sum, wait
 
@@ -150,7 +145,7 @@ def eval_loss_sum(pm, schedule, parts, *, device: torch.device, loss_factor: flo
         schedule.eval(*args, return_outputs=False, **kwargs)
     total = torch.zeros((), dtype=torch.float64, device=device)
     for loss in losses:  # the schedule's loss function carries the training scale: take it off
-        total += _plain(loss).double() / loss_factor
+        total += whole(loss).double() / loss_factor
     return total
 
 

@@ -131,6 +131,11 @@ def _select_kv_head(attn: nn.Module, tp_mesh, kv_heads: int, head_dim: int) -> N
         linear.register_forward_hook(lambda module, args, out: out[..., cols])
 
 
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (the loss under tensor parallelism) as the tensor it holds; others as they are."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 class ReplicatedKVStep(StepHook):
     """K/V heads fewer than tp: every tp rank holds wk and wv whole and uses in part (its head's
     rows); the copies' gradients are summed over tp each step, so they stay equal."""

@@ -15,7 +15,8 @@ from typing import Any
 from scaletrain.config import ParallelConfig
 from scaletrain.errors import ConfigError
 from scaletrain.hardware import Hardware, lookup
-from scaletrain.plan.memory_model import GiB, ParamCounts, module_memory
+from scaletrain.plan.memory_model import GiB, module_memory
+from scaletrain.plan.params import ParamCounts
 from scaletrain.plan.options import config_key, derive_layout, fixed_fields
 from scaletrain.plan.search import (Evaluated, calibration_sources, enumerate_layouts, evaluate, explain, layout_errors,
                                     rank_key, search, slow_link, workers_comparison)

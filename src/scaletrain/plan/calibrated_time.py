@@ -33,7 +33,7 @@ import math
 from scaletrain.config import ParallelConfig
 from scaletrain.model.flops import flops_per_token
 from scaletrain.plan.calibrate import Calibration, engine_key, engine_probed, layout_key
-from scaletrain.plan.memory_model import dtypes_for, rank_params, stage_layers
+from scaletrain.plan.params import dtypes_for, rank_params, stage_layers
 from scaletrain.plan.spec import Cluster, Layout, Workload
 from scaletrain.plan.time_model import SYNC_BYTES, TimeBreakdown, cp_traffic, optimizer_seconds, schedule_bubble
 from scaletrain.vocab import PEAK_KIND

@@ -37,7 +37,7 @@ from functools import lru_cache
 
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.flops import block_matmul_params, flops_per_token
-from scaletrain.plan.memory_model import Dtypes, dtypes_for, engine_of, rank_params
+from scaletrain.plan.params import Dtypes, dtypes_for, engine_of, rank_params
 from scaletrain.plan.calibrate import bus_factor
 from scaletrain.plan.spec import Cluster, Layout, Workload
 from scaletrain.quant.layers import fp8_share
@@ -220,7 +220,7 @@ def compute_seconds(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clu
 
 def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Cluster) -> TimeBreakdown:
     from scaletrain.parallel.pipeline import stage_indices
-    from scaletrain.plan.memory_model import stage_layers
+    from scaletrain.plan.params import stage_layers
 
     hw = cluster.hardware
     d = dtypes_for(wl)

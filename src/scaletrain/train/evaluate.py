@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from scaletrain.config import JobConfig, from_dict, parse_mix
 from scaletrain.data.dataset import WindowDataset, open_data, open_validation
@@ -31,6 +30,7 @@ from scaletrain.data.loader import rank_slices, validation_batches
 from scaletrain.data.mix import source_name
 from scaletrain.errors import ConfigError, DataError
 from scaletrain.parallel import pipeline
+from scaletrain.parallel.tensor_parallel import whole
 from scaletrain.quant.ptq import is_quantized_folder, load_quantized, read_info
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.trained.export import load_model_from_checkpoint
@@ -116,7 +116,7 @@ def validation_loss(t) -> dict[str, float]:
                         with t.precision.autocast():
                             logits = t.dp.module(inputs)  # the chunk itself: no DDP bookkeeping
                         loss = t.loss_fn(logits, targets)
-                        totals[i] += (loss.full_tensor() if isinstance(loss, DTensor) else loss).double()
+                        totals[i] += whole(loss).double()
     finally:
         _restore_modes(modules, was_training, reshard=t.dp.zero == 3)
     if t.rt.distributed:

@@ -1,21 +1,16 @@
 """The training loop: one explicit function per phase, no callbacks.
 
     setup:  data -> model (meta) -> parallelize -> materialize -> optimizer -> step hooks -> resume
-    step:   lr of the step -> for each micro-batch (or through the pipeline schedule): forward,
-            loss / tokens of the global batch, backward -> the hooks' gradient reductions
-            -> unscale (fp16) -> clip by global norm -> optimizer step (unless skipped)
-            -> the hooks' after-step work -> refresh the weights the model computes with
-    eval:   every train.eval_every steps and at the end, forward only over fixed validation windows
-    around: metrics every log.every steps, checkpoints every checkpoint.every steps and at the
-            end, and a checkpoint before stopping on SIGINT/SIGTERM.
+    step:   lr -> micro-batches (accumulated, or through the pipeline schedule): forward, loss /
+            tokens of the global batch, backward -> hooks' gradient reductions -> unscale (fp16)
+            -> clip by global norm -> optimizer step (unless skipped) -> hooks' after-step work
+    around: validation every train.eval_every steps, metrics every log.every, checkpoints every
+            checkpoint.every, at the end, and before stopping on SIGINT/SIGTERM.
 
-The step never names a technique: what one must do every step (a gradient sum over its axis, fp8
-scales, the workers' sync) reaches it as a hook (parallel/hooks.py) from parallelize() or built
-from the run. Each concern around the loop lives in a module named after it: train.state (the
-step, the run's identity and lineage), train.run_folder (locks, resume look-up), train.health
-(what stops a run, and its one-line reason; the signals that stop it), train.metrics (a metrics
-row, the lines that open the log), train.evaluate (the validation loss), scaletrain.schedule (the
-batch and learning rate of each step), model.generate (the sample).
+The step never names a technique: what one does every step reaches it as a hook (parallel/hooks.py)
+from parallelize() or built from the run. Each concern around the loop has its module: train.state,
+train.run_folder, train.health (what stops a run, and why, in one line), train.metrics,
+train.evaluate, scaletrain.schedule (each step's batch and learning rate).
 """
 
 from __future__ import annotations
@@ -28,7 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from scaletrain.config import JobConfig, parse_mix
 from scaletrain.data.loader import StepSampler, build_loader
@@ -37,13 +31,14 @@ from scaletrain.errors import ConfigError
 from scaletrain.model.flops import flops_per_token
 from scaletrain.model.generate import sample_text
 from scaletrain.model.loss import cross_entropy_sum
-from scaletrain.model.transformer import Transformer, count_params
+from scaletrain.model.transformer import Transformer
 from scaletrain.optim import build_optimizer, get_lr, set_lr
 from scaletrain.parallel import pipeline
 from scaletrain.parallel.data_parallel import DataParallel, clip_gradients, model_state_bytes
 from scaletrain.parallel.hooks import StepHooks
 from scaletrain.parallel.local_sgd import LocalSGD
 from scaletrain.parallel.parallelize import parallelize, parallelize_module
+from scaletrain.parallel.tensor_parallel import whole
 from scaletrain.precision import MasterWeights, Precision
 from scaletrain.launch.runtime import Runtime, single_process
 from scaletrain.schedule import TrainSchedule
@@ -57,26 +52,16 @@ from scaletrain.train.run_folder import default_run_dir
 from scaletrain.train.state import TrainState
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor (the loss under tensor parallelism) as the tensor it holds."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 class Trainer:
     """One run: `fit()` trains it; `train_step`, `evaluate`, `save` and `sample` are its parts."""
 
     def __init__(self, cfg: JobConfig, runtime: Runtime | None = None, *, stream=None, restart: bool = False,
                  model: torch.nn.Module | None = None, loss_fn=None, schedule: TrainSchedule | None = None):
-        """`restart`: this process was restarted by the launcher after a failure of the group
-        (the run continues from its newest checkpoint, or begins again if it has none).
-
-        `schedule`: the learning rate of each step (default: cfg's over train.steps; verify passes
-        the whole run's to a check of its first steps).
-
-        `model`: train this nn.Module (with its own weights) instead of building the config's
-        transformer; `loss_fn(outputs, targets)` turns its outputs into the *sum* of the token
-        losses (default: cross-entropy of logits). The protocol and what applies to it:
-        parallel.parallelize.parallelize_module."""
+        """`restart`: the launcher restarted this process after a failure of the group (it goes on from
+        the newest checkpoint). `schedule`: each step's learning rate (default: cfg's over train.steps;
+        verify passes the whole run's). `model`: train this nn.Module (with its own weights), whose
+        outputs `loss_fn` turns into the sum of the token losses (default: cross-entropy of logits);
+        the protocol: parallel.parallelize.parallelize_module."""
         self.cfg = cfg
         self.custom_model, self.loss_fn, self._schedule = model, loss_fn or cross_entropy_sum, schedule  # model: None for ours
         # the runtime's layout is cfg's (derived once, where the job began); a config that asks for
@@ -85,12 +70,11 @@ class Trainer:
         # a custom module: tp, pp and cp refused later
         rt.layout.check(cfg.model if model is None else None, seq_len=cfg.data.seq_len)
         self.rank, self.world_size, self.device = rt.rank, rt.world_size, rt.device
-        self.run_dir = Path(cfg.log.run_dir or self._shared(default_run_dir()))
+        self.run_dir = Path(cfg.log.run_dir or self.rt.shared(default_run_dir()))
         if not cfg.log.run_dir:  # the folder it writes, in the config it saves (resuming reads it there)
             self.cfg = cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, run_dir=str(self.run_dir)))
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
-        self.restart = restart
-        self.folder = run_folder.RunFolder(self.run_dir, self.ckpt_dir, cfg, self.rank, shared=self._shared,
+        self.folder = run_folder.RunFolder(self.run_dir, self.ckpt_dir, cfg, self.rank, shared=self.rt.shared,
                                            restart=restart)
         try:
             self.folder.lock()  # those that exist already; fit() locks the ones it creates
@@ -104,7 +88,7 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         from scaletrain.train.trackers import missing_packages  # before anything is built or written
 
-        if missing := self._shared(missing_packages(cfg.log) if self.rank == 0 else None):
+        if missing := self.rt.shared(missing_packages(cfg.log) if self.rank == 0 else None):
             raise ConfigError(*missing)  # only rank 0 logs: its packages are the ones that matter
         self.precision = Precision(cfg.precision, self.device)
         self.precision.configure_backends()
@@ -116,7 +100,7 @@ class Trainer:
         self.val_sets = validation_sets(cfg, self.layout.global_batch)
         self._build_optimizer()
         self.state = TrainState()
-        self.state.run_id, self.state.lineage = self._shared(run_folder.new_identity())
+        self.state.run_id, self.state.lineage = self.rt.shared(run_folder.new_identity())
         self.metrics = MetricsLogger(self.run_dir if self.rank == 0 else None, cfg.train.steps,
                                      enabled=self.rank == 0, tensorboard=cfg.log.tensorboard,
                                      progress=cfg.log.progress, stream=stream, device_type=self.device.type)
@@ -149,19 +133,11 @@ class Trainer:
         """Model: built on the meta device (no memory), then parallelized and materialized."""
         cfg = self.cfg
         torch.manual_seed(cfg.train.seed + self.rank)  # dropout differs per rank; weights do not
-        try:
-            self.pm = self._parallel_model(resume_from)
-        except RuntimeError as e:  # torch.OutOfMemoryError included
-            if "out of memory" not in str(e) and "can't allocate memory" not in str(e):
-                raise
-            raise ConfigError(f"the model's weights ({count_params(cfg.model) / 1e6:,.1f}M parameters) do not fit "
-                              f"in {self.device} memory on rank {self.rank}; shrink the model, or shard it "
-                              "(parallel.zero=3, tp, pp): `scaletrain plan --config FILE` finds a layout") from None
+        self.pm = self._parallel_model(resume_from)  # weights that do not fit: one line (parallelize)
         self.dp: DataParallel = self.pm.dp
         self.model = self.dp.model  # forward goes through the data-parallel wrapper
         self.named_params = self.dp.named_params  # this rank's (pipeline stages') parameters
-        self.num_params = count_params(cfg.model) if self.custom_model is None else \
-            sum(p.numel() for p in self.custom_model.parameters())  # the whole model's (ZeRO-3: before sharding)
+        self.num_params = self.pm.num_params  # the whole model's (ZeRO-3: before sharding)
         self.pipeline = pipeline.build_schedule(
             self.pm.stages, self.layout.pp_schedule, self.layout.grad_accum,
             lambda logits, targets: self.loss_fn(logits, targets) * self.loss_factor()) if self.pm.stages else None
@@ -208,17 +184,8 @@ class Trainer:
                                                       n_blocks=self.pm.n_blocks, mesh=self.rt.mesh))
 
     @property
-    def step(self) -> int:
-        """Optimizer steps done (the run's TrainState holds it)."""
+    def step(self) -> int:  # optimizer steps done (the run's TrainState holds it)
         return self.state.step
-
-    def _shared(self, value):
-        """Rank 0's value of something every rank must agree on (e.g. a time-stamped folder)."""
-        if not self.rt.distributed:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
 
     # ---------------------------------------------------------------------------------------
     # checkpoints
@@ -295,11 +262,9 @@ class Trainer:
         return loss, grad_norm, skipped, wait
 
     def loss_factor(self) -> float:
-        # normalise by the tokens of the whole global batch: gradients add up over micro-batches
-        # and ranks, and we want the gradient of the mean token loss. The data-parallel
-        # reductions average over ranks, hence the factor dp. Under fp16 that factor is applied
-        # when unscaling instead: backward then sees the loss scale times each token's share,
-        # exactly as one process does, so it overflows on the same steps on every layout.
+        # by the tokens of the whole global batch: gradients add up over micro-batches and ranks to
+        # the mean token loss's; the dp reductions average over ranks, hence the factor dp. Under fp16
+        # unscaling applies dp: backward sees the scale times each token's share, as one process does.
         if self.scaler:
             return self.scaler.scale / self.step_tokens()
         return self.layout.dp / self.step_tokens()
@@ -315,8 +280,7 @@ class Trainer:
         return loss_sum / self.loss_factor() / self.step_tokens(), wait
 
     def _through_pipeline(self, batches) -> tuple[torch.Tensor, float]:
-        """All micro-batches through the pipeline schedule at once; the last stage computes the
-        losses, the others report zero (the metrics sum over stages)."""
+        """All micro-batches through the schedule at once; the last stage's losses (the others: 0)."""
         return pipeline.forward_backward(self.pm, self.pipeline, batches, self.layout.grad_accum, device=self.device,
                                          autocast=self.precision.autocast, loss_context=self.loss_context)
 
@@ -330,20 +294,18 @@ class Trainer:
             t0 = time.perf_counter()
             inputs, targets = next(batches)
             wait += time.perf_counter() - t0
-            inputs = inputs.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
+            inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
             with self.dp.micro_step(last=k == last), self.loss_context():  # sync gradients on the last
                 with self.precision.autocast():
                     logits = self.model(inputs)  # (B, T, vocab)
                 loss = self.loss_fn(logits, targets) * self.loss_factor()
                 loss.backward()
-            loss_sum += _plain(loss.detach())
+            loss_sum += whole(loss.detach())
         self.dp.finish_gradients()
         return loss_sum, wait
 
     def evaluate(self) -> dict[str, float]:
-        """The mean token loss over the run's fixed validation windows (see train.evaluate):
-        {"val_loss": ...}, and "val_loss/NAME" for each source of a data.mix."""
+        """{"val_loss": ...} over the run's fixed validation windows, "val_loss/NAME" per data.mix source."""
         return validation_loss(self)
 
     def update(self) -> tuple[torch.Tensor, bool]:
@@ -434,8 +396,7 @@ class Trainer:
                                   self.state.skipped_steps, self.scaler.scale if self.scaler else None)
         row["global_batch"] = self.batch_schedule.batch(self.step - 1)  # of the logged step
         if self.mix_sampler is not None:  # the share of the windows so far drawn from each source
-            drawn = self.mix_sampler.drawn(self.step)
-            row.update({f"mix/{name}": n / sum(drawn) for name, n in zip(self.data.names, drawn)})
+            row.update(self.mix_sampler.shares(self.step, self.data.names))
         if val_loss is not None:
             row.update(val_loss=val_loss["val_loss"], val_ppl=perplexity(val_loss["val_loss"]))
             row.update(val_loss)
@@ -452,11 +413,9 @@ class Trainer:
         if stopped is not None:
             self.metrics.info(f"stopped by {signal.Signals(stopped).name} after step {self.step}; "
                               f"checkpoint saved to {last_saved}")
-        extra = {"checkpoint": str(last_saved) if last_saved else "none",
-                 "steps skipped (non-finite gradients)": self.state.skipped_steps}
-        if self.health.spikes:
-            extra["loss spikes logged"] = self.health.spikes
-        self.metrics.summary(extra)
+        spikes = {"loss spikes logged": self.health.spikes} if self.health.spikes else {}
+        self.metrics.summary({"checkpoint": str(last_saved) if last_saved else "none",
+                              "steps skipped (non-finite gradients)": self.state.skipped_steps, **spikes})
         return {"losses": losses, "history": self.metrics.history, "step": self.step,
                 "stopped_by": stopped, "checkpoint": str(last_saved) if last_saved else None,
                 "run_dir": str(self.run_dir)}
@@ -482,8 +441,6 @@ class Trainer:
         return sample_text(self.dp.module, self.data.tokenizer, prompt, new_tokens,
                            window=min(self.cfg.data.seq_len, self.cfg.model.max_seq_len), seed=self.cfg.train.seed,
                            device=self.device, autocast=self.precision.autocast,
-                           all_ranks=self.rt.distributed and self.pm.sharded_forward,
-                           # a compiled block would recompile for every new length: no cache then
-                           use_cache=not self.cfg.train.compile and self.custom_model is None,
-                           # sharded ranks must all go on
+                           all_ranks=self.rt.distributed and self.pm.sharded_forward,  # sharded: all go on
+                           use_cache=not self.cfg.train.compile and self.custom_model is None,  # compiled: recompiles
                            interrupted=lambda: self.signals.received is not None and not self.rt.distributed)

@@ -1,0 +1,280 @@
+"""Activation memory per transformer layer, in closed form (see scaletrain.plan.memory_model for
+the two accountings, Korthikanti et al.'s and scaletrain's own layer's), and how many
+micro-batches' activations a pipeline schedule keeps in flight.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from scaletrain.model.config import ModelConfig
+from scaletrain.plan.spec import Layout, Workload
+from scaletrain.vocab import (AC_MODES, CP_METHODS, PP_SCHEDULES, is_multi_chunk,
+                              unknown)
+
+from scaletrain.plan.params import Dtypes, layer_params, dtypes_for
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                            recompute: str = "none") -> float:
+    """Activation bytes of one GPT layer in 16-bit precision (Korthikanti et al. 2022, Table 2)."""
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    if recompute == "selective":
+        return 34 * s * b * h / t if sp else s * b * h * (10 + 24 / t)
+    if sp:
+        return s * b * h / t * (34 + 5 * a * s / h)
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def layer_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str,
+                           cp: int = 1) -> float:
+    """Bytes one layer keeps for backward, per micro-batch of b sequences, on one rank: for
+    scaletrain's layer (`_scaletrain_layer_bytes`) or, for another engine, Megatron's accounting
+    (`_megatron_layer_bytes`). Context parallelism splits every sequence over cp ranks."""
+    if wl.engine != "scaletrain":
+        return _megatron_layer_bytes(cfg, wl, b, tp, sp, ac, cp)
+    return _scaletrain_layer_bytes(cfg, wl, b, tp, sp, ac, cp)
+
+
+def _megatron_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str, cp: int) -> float:
+    """Korthikanti et al. 2022, section 4.1, generalised to grouped-query attention and SwiGLU.
+    In 16-bit, per token: the two norms' inputs (2h each), the QKV and first MLP matmuls' inputs
+    (2h each), q and k (2(q + kv)), v (2kv), the output projection's input (2q), the MLP's
+    inner activations (2f per matrix of width f, twice for GELU's input and output, three times
+    for SwiGLU's two inputs and product), one dropout mask byte per hidden element for each
+    residual dropout, and for eager attention the softmax output and its dropout mask
+    (2 + 1 bytes × heads × s). For GPT (h = q = kv, f = 4h, dropout) this is their
+    sbh(34 + 5as/h). Tensor parallelism divides what is split by heads or by f; sequence
+    parallelism divides the rest too. Selective recomputation drops the s × s terms; full
+    recomputation keeps the layer's input."""
+    d = dtypes_for(wl)
+    s, h, a = wl.seq_len / cp, cfg.dim, cfg.n_heads
+    kv, f, q = cfg.kv_heads * cfg.head_size, cfg.hidden_dim, cfg.n_heads * cfg.head_size
+    c = d.compute
+    rest = 1 / tp if sp else 1.0  # the norms, dropouts and matmul inputs outside the tp split
+    if ac == "full":
+        return b * s * h * d.residual * rest
+    masks = 2 * h if cfg.dropout > 0 else 0
+    outside = (2 * h * d.residual + 2 * h * c + masks) * rest
+    n_ffn = 3 if cfg.activation == "swiglu" else 2
+    inside = (2 * q + 2 * kv) * c + n_ffn * f * c  # q, k, v, wo's input; the MLP's inner tensors
+    inside /= tp
+    scores = 0.0
+    if wl.attention == "eager" and ac != "selective":
+        # softmax output, and with dropout its mask and dropped output (keys span the sequence)
+        scores = a / tp * wl.seq_len * ((2 * c + 1) if cfg.dropout > 0 else c)
+    elif wl.attention == "flash":
+        scores = a / tp * 4  # log-sum-exp
+    return b * s * (outside + inside + scores)
+
+
+def _scaletrain_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str, cp: int) -> float:
+    """What each operation of scaletrain's layer saves for backward (checked against a count of
+    the real layer's saved tensors, `scaletrain.plan.trace`)."""
+    d = Dtypes.of(wl.precision)
+    s, h, a = wl.seq_len / cp, cfg.dim, cfg.n_heads
+    kv, f, q = cfg.kv_heads * cfg.head_size, cfg.hidden_dim, cfg.n_heads * cfg.head_size
+    s_loc = s / tp if sp else s  # the residual stream's tokens on this rank
+    x = b * s_loc * h * d.residual  # the layer's input (the previous layer's output)
+    if ac == "full":
+        return x
+    qkv = b * s * (q + 2 * kv) / tp * d.compute
+    attn_out = b * s * q / tp * d.compute
+    lse = b * a / tp * s * 4
+    if wl.attention == "eager" and ac != "selective":
+        # materialized scores: the softmax output (selective recomputation recomputes them)
+        lse = b * a / tp * s * wl.seq_len * d.compute
+    n_ffn = 3 if cfg.activation == "swiglu" else 2
+    if ac == "selective":  # matmul and attention outputs; element-wise ops are recomputed
+        mm_out = 2 * b * s * h * d.compute  # wo and w2 outputs (before their reduction)
+        ffn = (n_ffn - 1) * b * s * f / tp * d.compute
+        return x + qkv + attn_out + lse + mm_out + ffn
+    if ac != "none":
+        raise unknown("activation checkpointing", ac, AC_MODES)
+    # the residual stream is kept by the norms that read it — except our RMSNorm on a
+    # low-precision stream, which keeps only the fp32 copy it makes (counted in norm_extra)
+    if not _norm_keeps_input(cfg, d):
+        x = 0.0
+    # the attention half: the normalized input of q, k and v (autocast casts the input once per
+    # matmul — it caches only the casts of weights — so q, k and v each keep a copy), the norm's
+    # extra and the residual branch's dropout mask
+    attn_in = (3 if d.autocast else 1) * b * s * h * d.compute
+    norm_extra = _norm_extra(cfg, d, b, s_loc)
+    mask = b * s_loc * h if cfg.dropout > 0 else 0.0  # nn.Dropout's bool mask
+    # context parallelism keeps only this rank's tokens (ring and allgather keep their own K/V,
+    # not the other ranks': they gather or pass them round again in backward); ring and
+    # allgather keep their output in fp32 beside the compute-dtype copy the output projection keeps
+    cp_out = b * s * q / tp * (4 - d.compute) if cp > 1 else 0.0
+    return x + attn_in + norm_extra + mask + qkv + attn_out + lse + cp_out + mlp_half_bytes(cfg, wl, b, tp, sp, cp)
+
+
+def mlp_half_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp: int) -> float:
+    """What scaletrain's layer keeps for its MLP half, without checkpointing: the residual
+    between attention and MLP (kept by the norm that reads it), the norm's extra, the
+    normalized input of the MLP's column-parallel matmuls (one copy per matmul under autocast),
+    the MLP's inner tensors and the branch's dropout mask. Backward frees it before it reaches
+    the layer's attention."""
+    d = Dtypes.of(wl.precision)
+    s, h, f = wl.seq_len / cp, cfg.dim, cfg.hidden_dim
+    s_loc = s / tp if sp else s
+    n_ffn = 3 if cfg.activation == "swiglu" else 2
+    residual = b * s_loc * h * d.residual if _norm_keeps_input(cfg, d) else 0.0
+    mlp_in = ((n_ffn - 1) if d.autocast else 1) * b * s * h * d.compute
+    ffn = (2 if cfg.activation == "gelu" else 4) * b * s * f / tp * d.compute
+    mask = b * s_loc * h if cfg.dropout > 0 else 0.0
+    return residual + _norm_extra(cfg, d, b, s_loc) + mlp_in + ffn + mask
+
+
+def attention_backward_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, cp: int = 1,
+                             cp_method: str = Layout.cp_method) -> float:
+    """The most one layer's attention holds at once in backward beyond the activations it saved,
+    per micro-batch of b sequences, on one rank (scaletrain's attention; T = seq_len / cp this
+    rank's tokens, H = n_heads / tp heads, q = H × head_size, kv the K/V width):
+
+    * one process, and ulysses (PyTorch's fused kernel on H/cp heads over the whole sequence,
+      the same bytes): the output's gradient arriving and the dq, dk, dv the kernel returns,
+      b·T·(2q + 2kv) in the compute dtype (ulysses copies K/V to every head when cp does not
+      divide the K/V heads);
+    * ring and allgather (`scaletrain.parallel.context_parallel`), whose backward recomputes the
+      scores TILE query rows at a time against a block of keys (ring: one rank's T keys per
+      step; allgather: all seq_len keys at once): fp32 score tiles of b·H·TILE·keys — four with
+      more than one tile per block (the previous tile's probabilities and score gradient, and
+      the new scores with the scaled matmul they are masked from), three with one (probabilities,
+      dO·vᵀ and its difference from rowsum(dO ⊙ O)) — the bool causal mask of the queries
+      against the block's keys, and with more than one tile that tile's negated mask; the K/V
+      held (ring: one block, allgather: the whole sequence's), copied to q's heads under
+      grouped-query attention; fp32 dq, and per block fp32 dk, dv with q's heads (ring: also
+      the block's dK/dV accumulator that travels with it); the output's gradient (and its fp32
+      copy, and fp32 copies of K/V, in 16-bit) and rowsum(dO ⊙ O). Allgather's other moment,
+      the reduce-scatter of dK/dV, holds the whole sequence's dk, dv, their stack and its
+      contiguous copy instead of the tiles.
+    """
+    if cp == 1 or cp_method == "ulysses":
+        c, T = Dtypes.of(wl.precision).compute, wl.seq_len / cp
+        q = cfg.n_heads / tp * cfg.head_size
+        kv = q if cp > 1 and (cfg.kv_heads // tp) % cp else cfg.kv_heads / tp * cfg.head_size
+        return b * T * (2 * q + 2 * kv) * c
+    return _tiled_backward_bytes(cfg, wl, b, tp, cp, cp_method)
+
+
+def _tiled_backward_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, cp: int, cp_method: str) -> float:
+    """attention_backward_bytes of ring and allgather (at any cp: one rank is one block)."""
+    from scaletrain.parallel.context_parallel import TILE
+
+    d = Dtypes.of(wl.precision)
+    c, T, S = d.compute, wl.seq_len / cp, wl.seq_len
+    H, kv_heads = cfg.n_heads / tp, cfg.kv_heads / tp
+    q = H * cfg.head_size
+    if cp_method not in ("ring", "allgather"):
+        raise unknown("context-parallel method", cp_method, CP_METHODS)
+    kv = kv_heads * cfg.head_size
+    keys = T if cp_method == "ring" else S
+    rows = min(TILE, T)
+    several = T > TILE
+    tiles = (4 if several else 3) * b * H * rows * keys * 4
+    masks = T * keys + (rows * keys if several else 0.0)
+    held = 2 * b * keys * kv * c + (2 * b * keys * q * c if kv != q else 0.0)
+    upcast = (2 * b * keys * q + b * T * q) * 4 if c != 4 else 0.0
+    d_out = b * T * q * c + b * H * T * 4  # the output's gradient and rowsum(dO ⊙ O)
+    d_q = b * T * q * 4
+    d_kv = 2 * b * keys * q * 4 + (2 * b * T * kv * 4 if cp_method == "ring" else 0.0)
+    worst = tiles
+    if cp_method == "allgather":  # dK/dV folded to the K/V heads, stacked, made contiguous to reduce-scatter
+        worst = max(tiles, 2 * (2 * b * S * kv * 4) + 2 * b * T * kv * 4)
+    return worst + masks + held + upcast + d_out + d_q + d_kv
+
+
+def head_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp: int = 1) -> float:
+    """Final norm, output head and loss of the last stage, per micro-batch."""
+    d = dtypes_for(wl)
+    s, h = wl.seq_len / cp, cfg.dim
+    s_loc = s / tp if sp else s
+    last_out = b * s_loc * h * d.residual if _norm_keeps_input(cfg, d) else 0.0
+    head_in = b * s * h * d.compute
+    log_probs = b * s * cfg.vocab_size / tp * 4  # fp32 log-softmax (on vocabulary shards)
+    return last_out + _norm_extra(cfg, d, b, s_loc) + head_in + log_probs
+
+
+def _norm_keeps_input(cfg: ModelConfig, d: Dtypes) -> bool:
+    return cfg.norm == "layernorm" or d.residual == 4
+
+
+def _norm_extra(cfg: ModelConfig, d: Dtypes, b: int, s_loc: float) -> float:
+    """What a norm keeps besides its input: LayerNorm its mean and 1/std; our RMSNorm its
+    1/rms, its normalized input (before the weight) and, when the residual stream is not
+    fp32, the fp32 copy of its input it normalizes."""
+    if cfg.norm == "layernorm":
+        return 2 * b * s_loc * 4
+    upcast = b * s_loc * cfg.dim * 4 if d.residual != 4 else 0.0
+    return b * s_loc * (cfg.dim * d.residual + 4) + upcast
+
+
+def first_layer_extra_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str,
+                            cp: int = 1) -> float:
+    """With sequence parallelism and checkpointing, scaletrain's first layer keeps its input as
+    it arrives — replicated, before it is split into sequence shards."""
+    if not sp or ac == "none" or tp == 1 or wl.engine != "scaletrain":
+        return 0.0
+    return b * wl.seq_len / cp * cfg.dim * Dtypes.of(wl.precision).residual * (1 - 1 / tp)
+
+
+def weight_copy_bytes(wl: Workload, matmul_params: int, ac: str, keeps_fp32: bool) -> float:
+    """Autocast casts each fp32 weight to the compute dtype in forward and keeps the copy for
+    backward (unless checkpointing recomputes the forward; FSDP casts into its own buffers)."""
+    d = dtypes_for(wl)
+    if not d.autocast or ac != "none" or keeps_fp32:
+        return 0.0
+    return matmul_params * d.compute
+
+
+def formula_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str,
+                             keeps_fp32: bool = False, cp: int = 1) -> tuple[float, float]:
+    """(per layer, head + loss) from the closed form, autocast weight copies included; the
+    same split as `scaletrain.plan.trace.traced_activation_bytes`."""
+    per_layer = layer_activation_bytes(cfg, wl, b, tp, sp, ac, cp) + \
+        weight_copy_bytes(wl, layer_params(cfg, tp)[2], ac, keeps_fp32)
+    # the head is never checkpointed: its weight copy stays whatever the layers do
+    head = head_activation_bytes(cfg, wl, b, tp, sp, cp) + \
+        weight_copy_bytes(wl, cfg.vocab_size * cfg.dim // tp, "none", keeps_fp32)
+    return per_layer, head
+
+
+@lru_cache(maxsize=4096)
+def in_flight(schedule: str, pp: int, micro_batches: int, virtual: int) -> tuple[float, ...]:
+    """Per pp rank: the most micro-batches (in units of the rank's whole share of layers) whose
+    forward ran and whose activations are still needed. Closed forms of what the schedules'
+    orders give (`in_flight_from_orders`, checked equal in the tests)."""
+    m, p, v = micro_batches, pp, virtual
+    if pp == 1:
+        return (1.0,)
+    if schedule == "gpipe":
+        return tuple(float(m) for _ in range(p))
+    if schedule == "1f1b":
+        return tuple(float(min(p - r, m)) for r in range(p))
+    if schedule == "interleaved-1f1b":  # the warm-up forwards, plus the one in flight
+        return tuple(min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) / v for r in range(p))
+    if schedule == "zero-bubble":
+        if m >= 2 * p - 1:  # ZB-V's steady state holds 2p chunk-forwards: p micro-batches
+            return tuple(float(p) for _ in range(p))
+        return in_flight_from_orders(schedule, pp, micro_batches, virtual)  # few micro-batches: count
+    raise unknown("pipeline schedule", schedule, PP_SCHEDULES)
+
+
+def in_flight_from_orders(schedule: str, pp: int, micro_batches: int, virtual: int) -> tuple[float, ...]:
+    """The same count from the operation orders `scaletrain schedule` draws."""
+    from scaletrain.plan.timeline import rank_orders
+
+    if pp == 1:
+        return (1.0,)
+    orders, _ = rank_orders(schedule, pp, micro_batches, virtual)
+    chunks = virtual if is_multi_chunk(schedule) else 1
+    release = "W" if schedule == "zero-bubble" else "B"  # the last use of a chunk's activations
+    out = []
+    for order in orders:
+        live = peak = 0
+        for op in order:
+            live += 1 if op.kind == "F" else -1 if op.kind == release else 0
+            peak = max(peak, live)
+        out.append(peak / chunks)
+    return tuple(out)
