@@ -86,14 +86,14 @@ MUTANTS = [
     # accumulated part is already equal on every rank); ZeRO-1's engine reduces into the shard
     # rows of the full gradient, so reducing on every micro-step there is a wrong gradient
     Mutant("no-sync-dropped-under-accumulation", "ZeRO-1 reduces on every micro-step of an accumulated step",
-           "src/scaletrain/parallel/data_parallel.py",
-           "self.engine.sync = last or self.reduce_every_micro_step", "self.engine.sync = True",
+           "src/scaletrain/parallel/zero.py",
+           "self.sync = last or self.reduce_every_micro_step", "self.sync = True",
            (f"{DP}::test_parity_with_one_process[4ranks-zero1-accum]",
             f"{DP}::test_parity_with_one_process[4ranks-zero1-sgd-noclip-accum]")),
     Mutant("resume-data-order-off-by-one", "a resumed run reads the data of the step after the one it is at",
            "src/scaletrain/train/trainer.py",
-           "seed=self.cfg.train.seed, start_step=self.step)",
-           "seed=self.cfg.train.seed, start_step=self.step + (self.step > 0))",
+           "build_loader(self.dataset, self.sampler(self.step),",
+           "build_loader(self.dataset, self.sampler(self.step + (self.step > 0)),",
            (f"{DP}::test_checkpoints_reshard_across_layouts",
             "tests/test_checkpoint.py::test_stop_and_resume_gives_bitwise_identical_losses")),
     # (the input_layouts of the blocks' "attn" and "mlp" PrepareModuleInput are not this: their

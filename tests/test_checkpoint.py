@@ -277,13 +277,13 @@ def test_a_signal_before_training_starts_says_no_checkpoint_was_written(tmp_path
     from scaletrain import cli
     from scaletrain.train import trainer as trainer_module
 
-    real_open = trainer_module.open_data
+    real_open = trainer_module.open_training_data
 
     def open_then_signal(*args, **kwargs):
         os.kill(os.getpid(), sig)
         return real_open(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "open_data", open_then_signal)
+    monkeypatch.setattr(trainer_module, "open_training_data", open_then_signal)
     run = tmp_path / "run"
     code = cli.main(["train", *CLI_MICRO, "--train.steps=3", f"--log.run_dir={run}"])
     err = capsys.readouterr().err

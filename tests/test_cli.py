@@ -92,7 +92,7 @@ def test_auto_is_settled_by_the_job_not_by_the_runtime(tmp_path, monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     cfg = micro_cfg(tmp_path, **{"parallel.layout": "auto"})
-    with pytest.raises(ConfigError, match=r"scaletrain\.job\.start"):
+    with pytest.raises(ConfigError, match=r"scaletrain\.launch\.job\.start"):
         prepare_worker(cfg)
     settled, rt = start(cfg)
     assert settled.parallel.layout == "manual" and rt.world_size == 1 and rt.layout.world == 1

@@ -13,8 +13,8 @@ transformers = pytest.importorskip("transformers")
 
 from scaletrain.config import ModelConfig, load_config  # noqa: E402
 from scaletrain.errors import CheckpointError, ConfigError  # noqa: E402
-from scaletrain.model.hf import (hf_config_from_model, load_hf_weights, model_config_from_hf,  # noqa: E402
-                                 rows_hf_to_ours, rows_ours_to_hf)
+from scaletrain.model.hf import load_hf_weights, rows_hf_to_ours, rows_ours_to_hf  # noqa: E402
+from scaletrain.model.hf_config import hf_config_from_model, model_config_from_hf  # noqa: E402
 from scaletrain.model.transformer import Transformer, apply_rope, rope_frequencies  # noqa: E402
 from scaletrain.plan.spec import hf_config_to_model  # noqa: E402
 from scaletrain.trained.export_hf import byte_tokenizer_json, export_hf, save_hf  # noqa: E402

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from scaletrain.errors import ConfigError, DataError
-from scaletrain.model.config import MODEL_SHAPE, ModelConfig, check_model
+from scaletrain.model.config import ModelConfig, check_model
+from scaletrain.model.presets import fill_shape
 from scaletrain.options import build_section, option
 from scaletrain.quant.layers import FP8_MIN_DIM
 from scaletrain.vocab import (AC_MODES, CP_METHODS, DP_SYNC_MODES, FP8_RECIPES, OPTIMIZERS, OUTER_OPTIMIZERS, PP_SCHEDULES,
@@ -396,28 +397,7 @@ def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[st
         if dotted.get(f"model.{given}") and f"model.{other}" not in dotted and isinstance(raw.get("model"), Mapping) \
                 and raw["model"].get(other):
             merged["model"].pop(other, None)
-    # The preset supplies the base of the model section; explicit keys win.
-    preset = merged["model"].get("preset", "")
-    if preset and isinstance(preset, str):  # a preset of another type is reported with the other keys
-        from scaletrain.model.presets import PRESETS
-
-        if preset not in PRESETS:
-            errors.append(f"model.preset: unknown preset {preset!r}{did_you_mean(preset, PRESETS)}; "
-                          f"choose one of {', '.join(PRESETS)}")
-        else:
-            merged["model"] = {**PRESETS[preset], **merged["model"]}
-    # model.from_hf, likewise: the Hugging Face config fills the keys not given
-    from_hf = merged["model"].get("from_hf", "")
-    if from_hf and isinstance(from_hf, str):
-        if preset:
-            errors.append("model.preset and model.from_hf both give the model's shape; keep one of them")
-        elif any(f.name not in merged["model"] for f in MODEL_SHAPE):  # a saved config gives them all
-            from scaletrain.model.hf import model_config_from_hf  # local: keeps plain config loads light
-
-            try:
-                merged["model"] = {**model_config_from_hf(from_hf), **merged["model"]}
-            except ConfigError as e:
-                errors.extend(f"model.from_hf: {line}" for line in e.lines)
+    merged["model"] = fill_shape(merged["model"], errors)  # from model.preset or model.from_hf
     # model.vocab_size = 0: the vocabulary the data was prepared with (only its meta.json is read)
     vocab = merged["model"].get("vocab_size")
     if isinstance(vocab, (int, str)) and not isinstance(vocab, bool) and str(vocab).strip() == "0":

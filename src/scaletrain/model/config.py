@@ -119,3 +119,4 @@ def model_config(values: Mapping[str, Any], source: str = "model") -> ModelConfi
     if errors:
         raise ConfigError(*errors)
     return m
+

@@ -1,4 +1,5 @@
-"""Built-in model shapes. `model.preset = "NAME"` starts from one; keys set beside it win.
+"""Built-in model shapes. `model.preset = "NAME"` starts from one; keys set beside it win
+(`fill_shape`, which also takes a shape from model.from_hf).
 
 The shapes follow the published configs of each family; the sources are named beside them.
 """
@@ -6,6 +7,10 @@ The shapes follow the published configs of each family; the sources are named be
 from __future__ import annotations
 
 from typing import Any
+
+from scaletrain.errors import ConfigError
+from scaletrain.model.config import MODEL_SHAPE
+from scaletrain.vocab import did_you_mean
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The default: a 3.2M-parameter byte-level GPT that learns CPython's docs on a laptop CPU.
@@ -45,3 +50,28 @@ def preset_config(name: str, **overrides: Any):
         raise ConfigError(f"model.preset: unknown preset {name!r}{did_you_mean(name, PRESETS)}; "
                           f"choose one of {', '.join(PRESETS)}")
     return model_config({**PRESETS[name], "preset": name, **overrides})
+
+
+def fill_shape(values: dict[str, Any], errors: list[str]) -> dict[str, Any]:
+    """The model section's values with the shape its source gives filled in: `preset` (a built-in
+    shape) or `from_hf` (a Hugging Face config.json); the keys given explicitly win. What is wrong
+    goes to `errors`."""
+    preset = values.get("preset", "")
+    if preset and isinstance(preset, str):  # a preset of another type is reported with the other keys
+        if preset not in PRESETS:
+            errors.append(f"model.preset: unknown preset {preset!r}{did_you_mean(preset, PRESETS)}; "
+                          f"choose one of {', '.join(PRESETS)}")
+        else:
+            values = {**PRESETS[preset], **values}
+    from_hf = values.get("from_hf", "")
+    if from_hf and isinstance(from_hf, str):
+        if preset:
+            errors.append("model.preset and model.from_hf both give the model's shape; keep one of them")
+        elif any(f.name not in values for f in MODEL_SHAPE):  # a saved config gives them all
+            from scaletrain.model.hf_config import model_config_from_hf  # local: keeps plain config loads light
+
+            try:
+                values = {**model_config_from_hf(from_hf), **values}
+            except ConfigError as e:
+                errors.extend(f"model.from_hf: {line}" for line in e.lines)
+    return values

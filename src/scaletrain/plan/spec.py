@@ -145,7 +145,7 @@ def hf_config_to_model(hf: dict, where: str = "config.json") -> ModelConfig:
     """A Hugging Face decoder config (GPT-2, Llama, Mistral, Qwen2, Qwen3, and others read like
     Llama) as a ModelConfig: the import's own mapping (head_dim, biases, q/k norms), without its
     refusals of what changes the math but not the size."""
-    from scaletrain.model.hf import model_config_from_hf
+    from scaletrain.model.hf_config import model_config_from_hf
 
     if not isinstance(hf, dict):
         raise ConfigError(f"{where}: expected a JSON object (a Hugging Face config.json), got {type(hf).__name__}")

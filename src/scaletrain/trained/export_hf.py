@@ -22,7 +22,8 @@ from scaletrain import atomic
 from scaletrain.config import data_paths, from_dict
 from scaletrain.data.tokenizer import byte_chars
 from scaletrain.errors import CheckpointError, ConfigError, DataError
-from scaletrain.model.hf import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, hf_config_from_model, hf_state_dict
+from scaletrain.model.hf import INDEX_FILE, WEIGHTS_FILE, hf_state_dict
+from scaletrain.model.hf_config import CONFIG_FILE, hf_config_from_model
 from scaletrain.model.transformer import Transformer
 
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' own default shard size

@@ -51,7 +51,8 @@ def load_for_generation(source: str | Path, data: str | None = None):
     if (path / "config.json").is_file():
         from scaletrain.data.tokenizer import HFTokenizer
         from scaletrain.model.config import model_config
-        from scaletrain.model.hf import load_hf_weights, model_config_from_hf
+        from scaletrain.model.hf import load_hf_weights
+        from scaletrain.model.hf_config import model_config_from_hf
         from scaletrain.model.transformer import Transformer
 
         model_cfg = model_config(model_config_from_hf(path))
