@@ -13,8 +13,13 @@ transformers = pytest.importorskip("transformers")
 
 from scaletrain.config import ModelConfig, load_config  # noqa: E402
 from scaletrain.errors import CheckpointError, ConfigError  # noqa: E402
-from scaletrain.model.hf import (hf_config_from_model, load_hf_weights, model_config_from_hf,  # noqa: E402
-                                 rows_hf_to_ours, rows_ours_to_hf)
+from scaletrain.model.hf import (  # noqa: E402
+    hf_config_from_model,
+    load_hf_weights,
+    model_config_from_hf,
+    rows_hf_to_ours,
+    rows_ours_to_hf,
+)
 from scaletrain.model.transformer import Transformer, apply_rope, rope_frequencies  # noqa: E402
 from scaletrain.plan.spec import hf_config_to_model  # noqa: E402
 from scaletrain.trained.export_hf import byte_tokenizer_json, export_hf, save_hf  # noqa: E402
@@ -279,8 +284,8 @@ def test_byte_tokenizer_exports_as_bytes(tmp_path):
 def test_train_export_transformers_round_trip(tmp_path, tokens):
     """HF shape -> scaletrain trains -> export --format hf -> transformers (model and tokenizer)
     computes the logits of the checkpoint, with no scaletrain code."""
-    from scaletrain.trained.export import load_model_from_checkpoint
     from scaletrain.train.trainer import Trainer
+    from scaletrain.trained.export import load_model_from_checkpoint
 
     make_hf("qwen3-head-dim-qk-norm", tmp_path / "hf")
     cfg = micro_cfg(tmp_path, **{"model.from_hf": str(tmp_path / "hf"), "model.vocab_size": 256,
@@ -315,8 +320,8 @@ def test_tensor_parallel_shards_the_new_parameters(tmp_path):
     """q/k norms (replicated, their gradients summed over the heads of the ranks), q/k/v biases
     and a head_dim apart from dim / n_heads train under tp 2 (and with sequence parallelism)
     as in one process: the same losses and the same final weights."""
-    from scaletrain.trained.export import load_model_from_checkpoint
     from scaletrain.train.trainer import Trainer
+    from scaletrain.trained.export import load_model_from_checkpoint
 
     # SGD: each update follows its gradient (AdamW's first updates nearly follow its sign only,
     # which would hide a gradient summed over half the heads)
