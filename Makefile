@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.scaletrain-installed
 
-.PHONY: demo test test-fast test-gpu test-mutations install clean
+.PHONY: demo lint test test-fast test-gpu test-mutations install clean
 
 install: $(STAMP)
 
@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/scaletrain train --config configs/tiny.toml
+
+# ruff, pinned in the dev extra and configured in pyproject.toml; .ci/run runs it before the tests
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
 
 test: $(STAMP)
 	$(PY) -m pytest -q

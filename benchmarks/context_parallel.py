@@ -20,8 +20,8 @@ import tempfile
 from pathlib import Path
 
 from scaletrain.config import load_config
-from scaletrain.measure import measure_layouts, planned
 from scaletrain.launch.ranks import quiet
+from scaletrain.measure import measure_layouts, planned
 from scaletrain.vocab import CP_METHODS
 
 MiB = 2**20

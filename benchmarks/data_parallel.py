@@ -51,7 +51,6 @@ def _timed_steps(trainer, steps: int, warmup: int = 2, sync=None) -> tuple[list[
 
 def _config(args, extra: list[str], run_dir: str, zero: int | None):
     from scaletrain.config import load_config
-
     from scaletrain.launch.ranks import flags, quiet
 
     overrides = [*extra, *flags(quiet(run_dir))]
@@ -116,7 +115,8 @@ def main(argv=None) -> None:
           f"fp32, {args.steps} timed steps, N = {n} ranks ({single.device.type})")
     print(f"{'layout':<14}{'step (median)':>15}{'vs 1 proc':>10}{'sent/rank/step':>16}{'theory':>11}{'ratio':>7}"
           f"{'states/rank':>13}{'paper':>10}{'ratio':>7}")
-    print(f"{'1 process':<14}{single_s * 1e3:>13.0f}ms{1.0:>10.2f}{'-':>16}{'-':>11}{'-':>7}{'-':>13}{'16Ψ':>10}{'-':>7}")
+    print(f"{'1 process':<14}{single_s * 1e3:>13.0f}ms{1.0:>10.2f}{'-':>16}{'-':>11}{'-':>7}"
+          f"{'-':>13}{'16Ψ':>10}{'-':>7}")
     for row in rows:
         z = row["zero"]
         theory = (3 if z == 3 else 2) * psi * 4 * (n - 1) / n

@@ -9,9 +9,9 @@ validation loss is measured at the end on the demo's held-out text (every worker
 of the validation windows with its own weights: after a sync of every fragment they are the same).
 As in the DiLoCo paper (whose workers start from a model pretrained synchronously for 24k of
 88k steps), every row starts from the same weights: `--pretrain-steps` P steps of DDP, exported
-once (P = 0: every row from the random initialisation). All runs go through one group of processes; each row is printed as it finishes and appended to
-OUT/rows.jsonl (`--out-dir OUT`), and a second invocation with the same --out-dir runs only the
-rows not there yet.
+once (P = 0: every row from the random initialisation). All runs go through one group of processes;
+each row is printed as it finishes and appended to OUT/rows.jsonl (`--out-dir OUT`), and a second
+invocation with the same --out-dir runs only the rows not there yet.
 
     python benchmarks/local_sgd_quality.py [--nproc 4] [--pretrain-steps 100] [--steps 200]
         [--sync-every 10 50 100] [--out-dir DIR]
@@ -96,7 +96,8 @@ def rank_main(spec_path: str, out_path: str) -> int:
             dist.barrier()
         if rt.rank == 0:
             last = result["history"][-1]
-            row = {"name": name, "val_loss": last["val_loss"], "loss": last["loss"], "seconds": time.perf_counter() - t0}
+            row = {"name": name, "val_loss": last["val_loss"], "loss": last["loss"],
+                   "seconds": time.perf_counter() - t0}
             with out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(json.dumps(row), file=sys.stderr, flush=True)
@@ -127,14 +128,16 @@ def main(argv=None) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / "rows.jsonl"
     forwarded = [f"--config={args.config}", f"--nproc={args.nproc}", f"--steps={args.steps}",
-                 f"--pretrain-steps={args.pretrain_steps}", f"--fragments={args.fragments}", f"--delay={args.delay}", f"--out={out}",
+                 f"--pretrain-steps={args.pretrain_steps}", f"--fragments={args.fragments}", f"--delay={args.delay}",
+                 f"--out={out}",
                  "--sync-every", *map(str, args.sync_every), *extra]
     run_on_ranks("local_sgd_quality:rank_main", {"argv": forwarded}, args.nproc,
                  pythonpath=(str(Path(__file__).resolve().parent),))
     results = [json.loads(line) for line in out.read_text().splitlines()]
     ddp = next(r["val_loss"] for r in results if r["name"] == "DDP")
     start = (f"from {args.pretrain_steps} steps of DDP, then " if args.pretrain_steps else "")
-    print(f"config {args.config}, {args.nproc} workers of 1 rank, {start}{args.steps} steps, the same tokens in every row")
+    print(f"config {args.config}, {args.nproc} workers of 1 rank, {start}{args.steps} steps, "
+          "the same tokens in every row")
     print(f"{'run':<26}{'val loss':>10}{'vs DDP':>9}{'train loss':>12}{'time':>8}")
     for r in results:
         print(f"{r['name']:<26}{r['val_loss']:>10.4f}{100 * (r['val_loss'] / ddp - 1):>+8.1f}%{r['loss']:>12.4f}"

@@ -23,8 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
-
 # (name, ranks, overrides)
 LAYOUTS = [
     ("tp 2", 2, {"parallel.tp": 2}),
@@ -107,7 +105,8 @@ def main(argv=None) -> None:
     trainer = Trainer(cfg, stream=open(os.devnull, "w"))
     single = _measure(trainer, args.steps)
     b = trainer.layout
-    print(f"config {args.config} with {', '.join(f'{k}={v}' for k, v in COMMON.items())}: {trainer.num_params / 1e6:.2f}M "
+    common = ", ".join(f"{k}={v}" for k, v in COMMON.items())
+    print(f"config {args.config} with {common}: {trainer.num_params / 1e6:.2f}M "
           f"params, global batch {b.global_batch} x {cfg.data.seq_len} in {b.grad_accum} micro-batches, fp32, "
           f"{args.steps} timed steps, {trainer.device.type}")
     print(f"{'layout':<18}{'ranks':>6}{'step (median)':>15}{'vs 1 proc':>11}{'states/rank':>14}{'peak/rank':>12}")

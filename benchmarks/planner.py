@@ -16,9 +16,9 @@ import argparse
 import tempfile
 import time
 
-from scaletrain.plan import plan
 from scaletrain.hardware import Hardware
 from scaletrain.launch.ranks import QUIET
+from scaletrain.plan import plan
 
 BASE = {"model.n_layers": 4, "model.tie_embeddings": False, "model.dim": 128, "data.seq_len": 64,
         "model.max_seq_len": 64, "train.global_batch": 8, "train.micro_batch": 4, "train.steps": 3,
@@ -53,14 +53,15 @@ def search_speed() -> None:
         r = plan(model, hardware=hw, nodes=nodes, gpus_per_node=8, seq_len=seq, global_batch=gb, top_k=1)
         s = r["stats"]
         print(f"  {model} on {nodes}x8 {hw}: {s['layouts']:,} layouts ({s['fit']:,} fit) searched in "
-              f"{s['seconds']:.2f} s ({s['layouts'] / s['seconds']:,.0f}/s); whole call {time.perf_counter() - t0:.2f} s")
+              f"{s['seconds']:.2f} s ({s['layouts'] / s['seconds']:,.0f}/s); "
+              f"whole call {time.perf_counter() - t0:.2f} s")
 
 
 def accuracy() -> list[dict]:
     """Each layout's measured rows beside the planner's figures; prints the table."""
     from scaletrain.config import load_config
-    from scaletrain.measure import measure_layouts, planned, predicted_components
     from scaletrain.launch.ranks import quiet
+    from scaletrain.measure import measure_layouts, planned, predicted_components
 
     jobs = [(name, ranks, {**BASE, **extra, **quiet(tempfile.mkdtemp(prefix="plan-acc-"))})
             for name, ranks, extra in LAYOUTS]

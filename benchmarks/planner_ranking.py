@@ -66,7 +66,8 @@ def rank_model(name: str, nproc: int, steps: int, rounds: int, config: str = "co
     rows, seconds = measure_evaluations(config, predicted, nproc, overrides, steps=steps, memory=False, rounds=rounds)
     print(f"\n{name}: {cfg.model.dim} wide, {cfg.model.n_layers} layers, sequence {cfg.data.seq_len}, global batch "
           f"{cfg.train.global_batch}, {cfg.precision.mode}; {len(rows)} layouts on {nproc} rank(s), median of {steps} "
-          f"timed steps, fastest of {rounds} round(s) ({seconds:.0f} s; calibration {took:.0f} s); fastest measured first, calibrated prediction:")
+          f"timed steps, fastest of {rounds} round(s) ({seconds:.0f} s; calibration {took:.0f} s); "
+          "fastest measured first, calibrated prediction:")
     summary = print_ranking(rows)
     measured = [r["measured_s"] for r in rows]
     tau_catalog = kendall_tau([e.time.step_time_s for e in catalog], measured)

@@ -81,11 +81,12 @@ def main(argv=None) -> None:
             times["prepare"].append(time.perf_counter() - t0)
             tokens["prepare"] = meta["num_tokens"] - len(docs) * len(tok.separator)
             shutil.rmtree(out)
-            print(f"round {r + 1}: encode_batch {times['encode_batch'][-1]:.2f} s, prepare {times['prepare'][-1]:.2f} s")
+            print(f"round {r + 1}: encode_batch {times['encode_batch'][-1]:.2f} s, "
+                  f"prepare {times['prepare'][-1]:.2f} s")
         assert tokens["prepare"] == tokens["encode_batch"], tokens  # the same tokens, separators aside
         med = {k: statistics.median(v) for k, v in times.items()}
-        print(f"encode_batch  {mb / med['encode_batch']:7.2f} MB/s  ({tokens['encode_batch'] / med['encode_batch'] / 1e6:.2f}M tokens/s)")
-        print(f"prepare       {mb / med['prepare']:7.2f} MB/s  ({tokens['prepare'] / med['prepare'] / 1e6:.2f}M tokens/s)")
+        for what in ("encode_batch", "prepare"):
+            print(f"{what:<14}{mb / med[what]:7.2f} MB/s  ({tokens[what] / med[what] / 1e6:.2f}M tokens/s)")
         print(f"prepare / encode_batch: {med['encode_batch'] / med['prepare']:.2f}")
     finally:
         shutil.rmtree(root, ignore_errors=True)

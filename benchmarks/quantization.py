@@ -36,12 +36,12 @@ sys.path.insert(0, str(REPO / "src"))
 import torch  # noqa: E402
 
 from scaletrain.config import load_config  # noqa: E402
-from scaletrain.quant.ptq import folder_bytes, load_quantized  # noqa: E402
 from scaletrain.launch.ranks import quiet  # noqa: E402
+from scaletrain.quant.ptq import folder_bytes, load_quantized  # noqa: E402
 from scaletrain.train.evaluate import evaluate_checkpoint  # noqa: E402
+from scaletrain.train.trainer import Trainer  # noqa: E402
 from scaletrain.trained.export import export_safetensors, load_model_from_checkpoint  # noqa: E402
 from scaletrain.trained.quantize import quantize_source  # noqa: E402
-from scaletrain.train.trainer import Trainer  # noqa: E402
 from scaletrain.vocab import QAT_SCHEMES, QUANT_SCHEMES  # noqa: E402
 
 # a wider, deeper model than the demo that still trains in a few minutes on 2 CPU cores
@@ -178,11 +178,14 @@ def main() -> int:
     p.add_argument("--out-dir", help="keep the runs here (default: a temporary folder)")
     p.add_argument("--finetune-steps", type=int, default=20, help="steps of fp32 and QAT from the fp32 weights "
                                                                    "(default 20)")
-    p.add_argument("--finetune-lr", type=float, default=3e-4, help="their peak learning rate, no warm-up (default 3e-4)")
-    p.add_argument("--speed-only", action="store_true", help="only time the forwards of the runs already in "
-                                                              "--out-dir, round-robin (the larger model's too with --larger)")
-    p.add_argument("--train-only", metavar="RUN", help="only train the fine-tune RUN (fp32-tuned, or qat-SCHEME) into --out-dir, e.g. "
-                                                        "beside the main invocation, which then finds it trained")
+    p.add_argument("--finetune-lr", type=float, default=3e-4,
+                   help="their peak learning rate, no warm-up (default 3e-4)")
+    p.add_argument("--speed-only", action="store_true",
+                   help="only time the forwards of the runs already in "
+                        "--out-dir, round-robin (the larger model's too with --larger)")
+    p.add_argument("--train-only", metavar="RUN",
+                   help="only train the fine-tune RUN (fp32-tuned, or qat-SCHEME) into --out-dir, e.g. "
+                        "beside the main invocation, which then finds it trained")
     args, extra = p.parse_known_args()
     overrides = dict(a[2:].split("=", 1) for a in extra if a.startswith("--") and "=" in a)
     if args.steps:

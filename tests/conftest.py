@@ -6,9 +6,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -89,7 +89,8 @@ def wanted_params(request, argname: str) -> set | None:
     module-scoped fixture that runs a group of layouts runs only those asked for: one test id
     (tests/mutations.py, or -k while working) then costs one layout, not its whole group."""
     users = [item for item in request.session.items
-             if request.fixturename in getattr(item, "fixturenames", ()) and getattr(item, "module", None) is request.module]
+             if request.fixturename in getattr(item, "fixturenames", ())
+             and getattr(item, "module", None) is request.module]
     values = set()
     for item in users:
         params = getattr(item, "callspec", None)
@@ -225,9 +226,9 @@ def fit_reference(cfg, **trainer_kw) -> dict:
     """Train `cfg` in this process: its metrics rows ("history") and its final weights
     fingerprinted as tests/dist_worker.py does a group's, with the norm of each parameter's
     change over the run (what assert_same_weights measures a difference against)."""
-    from dist_worker import weight_fingerprint
-
     from scaletrain.train.trainer import Trainer
+
+    from dist_worker import weight_fingerprint
 
     trainer = Trainer(cfg, **trainer_kw)
     before = {n: p.detach().double().clone() for n, p in trainer.named_params}

@@ -136,7 +136,8 @@ MUTANTS = [
            "K/V gradient (the other ranks' shares never reduce-scattered to it)",
            "src/scaletrain/parallel/context_parallel.py",
            "        d_kv = _reduce_scatter(d_kv, group)\n", "        d_kv = d_kv[rank]\n",
-           (f"{MP}::test_parity_with_one_process[cp4-allgather]", f"{MP}::test_parity_with_one_process[cp2-allgather-llama]")),
+           (f"{MP}::test_parity_with_one_process[cp4-allgather]",
+            f"{MP}::test_parity_with_one_process[cp2-allgather-llama]")),
     Mutant("cp-rope-contiguous-positions", "under cp the rotary tables start at 0 on every rank (positions not "
            "those of the rank's chunks)", "src/scaletrain/parallel/context_parallel.py",
            "model.rope_cos[positions], model.rope_sin[positions]",
@@ -155,7 +156,8 @@ MUTANTS = [
     Mutant("pp-tied-grads-not-summed", "a tied embedding under pipelining: the first and the last stage's gradients "
            "never summed", "src/scaletrain/parallel/pipeline.py",
            "        sum_gradients(self.tied, self.group)\n", "",
-           (f"{MP}::test_parity_with_one_process[pp2-tied]", f"{MP}::test_tied_embedding_copies_stay_identical[pp2-tied]")),
+           (f"{MP}::test_parity_with_one_process[pp2-tied]",
+            f"{MP}::test_tied_embedding_copies_stay_identical[pp2-tied]")),
     # quantization: a saved int8 weight rebuilt without its per-row scale (the integers taken as
     # the weights themselves)
     Mutant("quantized-scale-not-applied", "a quantized folder's int8 weights loaded without their scales",

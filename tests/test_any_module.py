@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.errors import ConfigError
-from scaletrain.layout import Layout
 from scaletrain.launch.runtime import Runtime
+from scaletrain.layout import Layout
 from scaletrain.parallel.parallelize import find_blocks, parallelize_module
 from scaletrain.precision import Precision
 from scaletrain.train.trainer import Trainer

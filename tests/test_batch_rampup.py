@@ -59,7 +59,7 @@ def hand_ramp(cfg, steps: int) -> list[float]:
                              for e in range(2)])
     total = None
     seen_at = [0]  # sequences seen before each step
-    for step in range(steps):
+    for _ in range(steps):
         seen_at.append(seen_at[-1] + min(g, start + inc * math.floor(seen_at[-1] * SEQ / (tokens / n_inc))))
     total = seen_at[steps] / g  # the run's length in full-batch steps
     losses = []

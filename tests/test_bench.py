@@ -10,10 +10,11 @@ import statistics
 import pytest
 import torch
 
-from conftest import MICRO, run_cli
 from scaletrain import cli
 from scaletrain.bench import comms, step, techniques
 from scaletrain.bench.interleave import Row, rows_table
+
+from conftest import MICRO, run_cli
 
 FACTORS_N2 = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "all_to_all": 0.5,
               "broadcast": 1.0, "reduce": 1.0}  # 2(n-1)/n, (n-1)/n, 1 at n = 2
@@ -123,8 +124,9 @@ def test_techniques_table_and_chart(tmp_path):
     rows = {x["name"]: x for x in result["rows"]}
     expected = ["baseline", "grad accumulation x4 (micro-batch 2)", "activation checkpointing full",
                 "activation checkpointing selective", "precision tf32", "precision 16-mixed", "precision bf16-mixed",
-                "precision bf16-true", "precision fp8", "larger batch x2 (micro-batch 16)", "optimizer sgd", "optimizer adafactor",
-                "optimizer adamw8bit", "loader workers 2", "ZeRO stage 1", "ZeRO stage 2", "ZeRO stage 3", "compile"]
+                "precision bf16-true", "precision fp8", "larger batch x2 (micro-batch 16)", "optimizer sgd",
+                "optimizer adafactor", "optimizer adamw8bit", "loader workers 2", "ZeRO stage 1", "ZeRO stage 2",
+                "ZeRO stage 3", "compile"]
     assert list(rows) == expected
     _check_rows(result["rows"])
     for z in (1, 2, 3):
@@ -217,8 +219,8 @@ def test_interleaving_failures_and_slow_runners(monkeypatch):
 def test_planner_uses_measured_bus_bandwidth(comms_file, tmp_path, capsys):
     from dataclasses import replace
 
-    from scaletrain.plan import plan
     from scaletrain.hardware import lookup
+    from scaletrain.plan import plan
 
     def dp_comm(bus: float) -> float:
         hw = replace(lookup("H100-SXM"), bus_GBps=bus)

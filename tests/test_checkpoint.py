@@ -14,12 +14,29 @@ import torch
 
 from scaletrain.errors import CheckpointError, ConfigError, UserError
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.trained.export import export_safetensors, load_model_from_checkpoint
 from scaletrain.train.trainer import Trainer
+from scaletrain.trained.export import export_safetensors, load_model_from_checkpoint
 
-from conftest import (CKPT, CLI_MICRO, REPO, Case, assert_one_clear_line, edit_json, forge_checksums, micro_cfg,
-                      mount_tmpfs, popen_train, read_metrics, run_until, train_args, train_micro, truncate, unmount,
-                      wait_for_rows, write)
+from conftest import (
+    CKPT,
+    CLI_MICRO,
+    REPO,
+    Case,
+    assert_one_clear_line,
+    edit_json,
+    forge_checksums,
+    micro_cfg,
+    mount_tmpfs,
+    popen_train,
+    read_metrics,
+    run_until,
+    train_args,
+    train_micro,
+    truncate,
+    unmount,
+    wait_for_rows,
+    write,
+)
 
 
 def test_stop_and_resume_gives_bitwise_identical_losses(tmp_path):

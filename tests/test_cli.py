@@ -67,9 +67,10 @@ def test_a_job_is_settled_once_its_run_folder_named_and_oversubscription_said(tm
     torchrun) completes the request; it names the run folder, so every rank gets the same one."""
     import torch
 
-    from conftest import micro_cfg
     from scaletrain import hardware
     from scaletrain.launch.job import settle
+
+    from conftest import micro_cfg
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(hardware, "cpu_cores", lambda: 1)
@@ -84,10 +85,11 @@ def test_a_job_is_settled_once_its_run_folder_named_and_oversubscription_said(tm
 
 
 def test_auto_is_settled_by_the_job_not_by_the_runtime(tmp_path, monkeypatch):
-    from conftest import micro_cfg
     from scaletrain.errors import ConfigError
     from scaletrain.launch.job import start
     from scaletrain.launch.runtime import prepare_worker
+
+    from conftest import micro_cfg
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import tomllib
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,8 +18,18 @@ from hypothesis import strategies as st
 from scaletrain.config import SECTIONS, JobConfig, from_dict, load_config
 from scaletrain.errors import ConfigError
 
-from conftest import (MICRO_ARGS, REPO, Case, assert_one_clear_line, folder_snapshot, run_here, run_main, train_args,
-                      with_toml, write)
+from conftest import (
+    MICRO_ARGS,
+    REPO,
+    Case,
+    assert_one_clear_line,
+    folder_snapshot,
+    run_here,
+    run_main,
+    train_args,
+    with_toml,
+    write,
+)
 
 LONG = "x" * 5000
 

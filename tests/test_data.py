@@ -13,8 +13,17 @@ from scaletrain.data import StepSampler, TokenData, WindowDataset, build_loader,
 from scaletrain.data.tokenizer import ByteTokenizer
 from scaletrain.errors import DataError
 
-from conftest import (MICRO_ARGS, Case, assert_one_clear_line, edit_json, micro_cfg, run_here, train_args, truncate,
-                      write)
+from conftest import (
+    MICRO_ARGS,
+    Case,
+    assert_one_clear_line,
+    edit_json,
+    micro_cfg,
+    run_here,
+    train_args,
+    truncate,
+    write,
+)
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 50
 
@@ -40,8 +49,8 @@ def test_prepare_byte_level_txt_and_jsonl(corpus, tmp_path):
     # the tokens round-trip to the text, across shard boundaries
     first = data.read(0, len(TEXT.encode()))
     assert ByteTokenizer().decode(first) == TEXT
-    assert data.read(995, 10).tolist() == np.fromfile(tmp_path / "out" / "shard_00000.bin", np.uint16)[995:].tolist() + \
-        np.fromfile(tmp_path / "out" / "shard_00001.bin", np.uint16)[:5].tolist()
+    shards = [np.fromfile(tmp_path / "out" / f"shard_{i:05d}.bin", np.uint16) for i in (0, 1)]
+    assert data.read(995, 10).tolist() == shards[0][995:].tolist() + shards[1][:5].tolist()
 
 
 def test_prepare_parquet(tmp_path):

@@ -159,7 +159,8 @@ def test_checksums_off_still_checks_vocabulary_but_not_digest(prepared):
         TokenData.open(prepared)
     TokenData.open(prepared, verify_checksums=False)  # no digest check: opens
     poke(shard, 7, 256)
-    with pytest.raises(DataError, match=r"holds token id 256 \(token 7\), outside the tokenizer's 256-token vocabulary"):
+    with pytest.raises(DataError,
+                       match=r"holds token id 256 \(token 7\), outside the tokenizer's 256-token vocabulary"):
         TokenData.open(prepared, verify_checksums=False)
 
 

@@ -10,8 +10,17 @@ from scaletrain.config import load_config
 from scaletrain.train.trainer import Trainer
 from scaletrain.verify import TOLERANCES
 
-from conftest import (MICRO, Lazy, assert_same_run, assert_same_weights, fit_reference, micro_cfg, micro_overrides, run_group,
-                      wanted_params)
+from conftest import (
+    MICRO,
+    Lazy,
+    assert_same_run,
+    assert_same_weights,
+    fit_reference,
+    micro_cfg,
+    micro_overrides,
+    run_group,
+    wanted_params,
+)
 
 pytestmark = pytest.mark.multiproc
 
@@ -248,7 +257,6 @@ def test_offload_is_refused_on_cpu(tmp_path):
     import pytest as _pytest
 
     from scaletrain.errors import ConfigError
-
     from scaletrain.layout import Layout
 
     cfg = micro_cfg(tmp_path, **{"memory.offload_optimizer": True, "parallel.zero": 1})

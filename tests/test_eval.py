@@ -17,7 +17,16 @@ from scaletrain.errors import ConfigError, DataError
 from scaletrain.train.metrics import MetricsLogger
 from scaletrain.train.trainer import Trainer
 
-from conftest import assert_same_run, margin_text, micro_cfg, micro_overrides, read_metrics, run_cli, run_here, run_group
+from conftest import (
+    assert_same_run,
+    margin_text,
+    micro_cfg,
+    micro_overrides,
+    read_metrics,
+    run_cli,
+    run_group,
+    run_here,
+)
 
 TOL = 1e-5
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly box jackals".split()

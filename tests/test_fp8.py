@@ -23,8 +23,18 @@ pytest.importorskip("torchao")
 from scaletrain.errors import ConfigError  # noqa: E402
 from scaletrain.train.trainer import Trainer  # noqa: E402
 
-from conftest import (MICRO, REPO, Case, assert_one_clear_line, micro_cfg, one_line_exit_2, read_metrics,  # noqa: E402
-                      run_cli, run_here, train_args)
+from conftest import (  # noqa: E402
+    MICRO,
+    REPO,
+    Case,
+    assert_one_clear_line,
+    micro_cfg,
+    one_line_exit_2,
+    read_metrics,
+    run_cli,
+    run_here,
+    train_args,
+)
 
 # the micro model's linears are 64 wide: a threshold of 64 converts all 12 block linears
 FP8 = {"precision.mode": "fp8", "precision.fp8_emulate": True, "precision.fp8_min_dim": 64}

@@ -279,8 +279,8 @@ def test_byte_tokenizer_exports_as_bytes(tmp_path):
 def test_train_export_transformers_round_trip(tmp_path, tokens):
     """HF shape -> scaletrain trains -> export --format hf -> transformers (model and tokenizer)
     computes the logits of the checkpoint, with no scaletrain code."""
-    from scaletrain.trained.export import load_model_from_checkpoint
     from scaletrain.train.trainer import Trainer
+    from scaletrain.trained.export import load_model_from_checkpoint
 
     make_hf("qwen3-head-dim-qk-norm", tmp_path / "hf")
     cfg = micro_cfg(tmp_path, **{"model.from_hf": str(tmp_path / "hf"), "model.vocab_size": 256,
@@ -315,8 +315,8 @@ def test_tensor_parallel_shards_the_new_parameters(tmp_path):
     """q/k norms (replicated, their gradients summed over the heads of the ranks), q/k/v biases
     and a head_dim apart from dim / n_heads train under tp 2 (and with sequence parallelism)
     as in one process: the same losses and the same final weights."""
-    from scaletrain.trained.export import load_model_from_checkpoint
     from scaletrain.train.trainer import Trainer
+    from scaletrain.trained.export import load_model_from_checkpoint
 
     # SGD: each update follows its gradient (AdamW's first updates nearly follow its sign only,
     # which would hide a gradient summed over half the heads)

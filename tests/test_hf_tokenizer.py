@@ -16,11 +16,11 @@ import pytest
 transformers = pytest.importorskip("transformers")
 tk = pytest.importorskip("tokenizers")
 
-from conftest import micro_cfg, run_here  # noqa: E402
-
 from scaletrain.config import from_dict  # noqa: E402
 from scaletrain.data import open_data, prepare  # noqa: E402
 from scaletrain.errors import ConfigError, DataError  # noqa: E402
+
+from conftest import micro_cfg, run_here  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex ü café".split()
 DOCS = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(5 + i % 9)) for i in range(120)]
@@ -107,8 +107,8 @@ def test_large_vocabulary_uses_uint32(tmp_path):
 
 
 def test_vocab_size_zero_trains_with_the_models_vocabulary_and_exports_its_tokenizer(tmp_path):
-    from scaletrain.trained.export_hf import export_hf
     from scaletrain.train.trainer import Trainer
+    from scaletrain.trained.export_hf import export_hf
 
     hf = make_hf_folder(tmp_path / "hf")
     auto = transformers.AutoTokenizer.from_pretrained(hf)

@@ -15,9 +15,8 @@ transformers = pytest.importorskip("transformers")
 
 from scaletrain.config import load_config  # noqa: E402
 from scaletrain.errors import CheckpointError, ConfigError  # noqa: E402
-from scaletrain.trained.export import load_model_from_checkpoint  # noqa: E402
-from scaletrain.trained.export_hf import export_hf  # noqa: E402
 from scaletrain.train.trainer import Trainer  # noqa: E402
+from scaletrain.trained.export import load_model_from_checkpoint  # noqa: E402
 
 from conftest import MICRO, MICRO_ARGS, REPO, micro_cfg, read_metrics, run_here, verdict_margin  # noqa: E402
 

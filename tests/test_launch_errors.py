@@ -14,7 +14,6 @@ import pytest
 
 from conftest import MICRO_ARGS, REPO, Case, assert_one_clear_line, train_args
 
-
 BAD_INPUT = [
     Case("nproc-zero", train_args("--nproc", "0"), ("--nproc must be at least 1, got 0",)),
     Case("nproc-negative", train_args("--nproc", "-1"), ("--nproc must be at least 1, got -1",)),

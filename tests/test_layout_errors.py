@@ -9,7 +9,6 @@ import pytest
 
 from conftest import Case, assert_one_clear_line, train_args
 
-
 BAD_INPUT = [
     Case("tp-not-dividing-heads", train_args("--nproc", "2", "--parallel.tp=2", "--model.dim=96", "--model.n_heads=3"),
          ("parallel.tp=2 must divide model.n_heads=3", "use tp in [1, 3]")),

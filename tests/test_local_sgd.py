@@ -6,7 +6,6 @@ delayed, and a run resumed from a checkpoint continues bitwise."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,7 @@ import torch
 from scaletrain.errors import CheckpointError
 from scaletrain.layout import Layout
 from scaletrain.parallel.local_sgd import OuterSync, fragments_of
-from scaletrain.parallel.replica_average import (CHUNK, SimulatedWorkers, reference_average,
-                                                 segment_length)
+from scaletrain.parallel.replica_average import CHUNK, SimulatedWorkers, reference_average, segment_length
 from scaletrain.train import checkpoint as ckpt
 
 from conftest import CKPT, Case, assert_one_clear_line, micro_cfg, micro_overrides, run_group, train_args

@@ -12,9 +12,8 @@ import torch
 
 from scaletrain import hardware
 from scaletrain.train.metrics import StepMeter
-from scaletrain.train.trainer import Trainer
 
-from conftest import MICRO_ARGS, micro_cfg, read_metrics, run_here
+from conftest import MICRO_ARGS, read_metrics, run_here
 
 
 @pytest.fixture

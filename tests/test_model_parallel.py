@@ -12,10 +12,18 @@ from safetensors import safe_open
 from scaletrain.train.trainer import Trainer
 from scaletrain.verify import TOLERANCES
 
+from conftest import (
+    Lazy,
+    assert_same_run,
+    assert_same_weights,
+    fit_reference,
+    micro_cfg,
+    micro_overrides,
+    run_group,
+    run_here,
+    wanted_params,
+)
 from dist_worker import weight_fingerprint
-
-from conftest import (Lazy, assert_same_run, assert_same_weights, fit_reference, micro_cfg, micro_overrides, run_group,
-                      run_here, wanted_params)
 
 pytestmark = pytest.mark.multiproc
 
@@ -39,7 +47,8 @@ TWO = [
     ("tp2-sp", {"parallel.tp": 2, "parallel.sp": True}),
     ("pp2-gpipe", {"parallel.pp": 2, "parallel.pp_schedule": "gpipe"}),
     ("pp2-1f1b", {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}),
-    ("pp2-interleaved", {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b", "parallel.pp_virtual_stages": 2}),
+    ("pp2-interleaved", {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b",
+                         "parallel.pp_virtual_stages": 2}),
     ("pp2-zero-bubble", {"parallel.pp": 2, "parallel.pp_schedule": "zero-bubble", "parallel.pp_virtual_stages": 2}),
     ("pp2-one-microbatch", {"parallel.pp": 2, "parallel.pp_schedule": "gpipe", "train.micro_batch": 8}),
     ("pp2-bias-gelu", {"parallel.pp": 2, "model.bias": True, "model.position": "rope"}),

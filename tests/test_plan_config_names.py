@@ -51,7 +51,8 @@ def test_every_alias_names_a_config_key_and_says_so_in_its_help():
     assert "parallel.cp" in helps["--cp"]
     # plan(layout={...}) takes the aliases' short names and Layout's field names for the same keys
     assert LAYOUT_NAMES["ac"] == LAYOUT_NAMES["activation_checkpointing"] == "memory.activation_checkpointing"
-    assert LAYOUT_NAMES["schedule"] == "parallel.pp_schedule" and LAYOUT_NAMES["virtual"] == "parallel.pp_virtual_stages"
+    assert LAYOUT_NAMES["schedule"] == "parallel.pp_schedule"
+    assert LAYOUT_NAMES["virtual"] == "parallel.pp_virtual_stages"
 
 
 # --- the config names give what the aliases give -------------------------------------------------

@@ -8,7 +8,6 @@ import pytest
 
 from conftest import Case, assert_one_clear_line, with_toml, write
 
-
 BAD_INPUT = [
     Case("plan-unknown-gpu", ["plan", "tiny", "--hardware", "H900"], ("unknown hardware 'H900'", "H100-SXM")),
     Case("plan-zero-gpus", ["plan", "tiny", "--gpus-per-node", "0"], ("--gpus-per-node must be at least 1",)),

@@ -10,15 +10,20 @@ import torch
 
 from scaletrain.config import from_dict
 from scaletrain.errors import ConfigError
-from scaletrain.plan import Layout, plan
 from scaletrain.hardware import lookup
-from scaletrain.plan.activations import attention_backward_bytes, first_layer_extra_bytes, formula_activation_bytes, in_flight, in_flight_from_orders
+from scaletrain.plan import Layout, plan
+from scaletrain.plan.activations import (
+    attention_backward_bytes,
+    first_layer_extra_bytes,
+    formula_activation_bytes,
+    in_flight,
+    in_flight_from_orders,
+)
 from scaletrain.plan.search import enumerate_layouts, evaluate, layout_errors
-from scaletrain.vocab import CP_METHODS
 from scaletrain.plan.spec import Cluster, Workload, hf_config_to_model, load_model
+from scaletrain.vocab import CP_METHODS
 
 from conftest import run_here
-
 
 # --- 7(a): published figures ------------------------------------------------------------------
 

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.multiproc
 _spec = importlib.util.spec_from_file_location("planner_bench", Path(__file__).parents[1] / "benchmarks" / "planner.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
-_spec = importlib.util.spec_from_file_location("cp_bench", Path(__file__).parents[1] / "benchmarks" / "context_parallel.py")
+_spec = importlib.util.spec_from_file_location("cp_bench",
+                                               Path(__file__).parents[1] / "benchmarks" / "context_parallel.py")
 cp_bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cp_bench)
 TINY = str(Path(__file__).parents[1] / "configs" / "tiny.toml")

@@ -57,7 +57,8 @@ def test_calibration_run_still_fits_its_constant(capsys, run):
 
 
 def test_the_calibration_rows_are_the_three_fits():
-    assert [r.name for r in CALIBRATION] == ["ZeRO-3 175B, 768 GPUs", "torchtitan Llama 3 8B, 64 A100", "MPT-7B, 8 H100"]
+    assert [r.name for r in CALIBRATION] == ["ZeRO-3 175B, 768 GPUs", "torchtitan Llama 3 8B, 64 A100",
+                                             "MPT-7B, 8 H100"]
     assert len(HELD_OUT) == len(RUNS) - 3
 
 

@@ -4,8 +4,8 @@ parquet folders, Arrow files, Hugging Face datasets saved on disk)."""
 
 from __future__ import annotations
 
-import importlib
 import gzip
+import importlib
 import io
 import json
 import os

@@ -15,8 +15,8 @@ pytest.importorskip("torchao")
 from scaletrain.errors import CheckpointError, ConfigError  # noqa: E402
 from scaletrain.quant.ptq import load_quantized, pack_int4, unpack_int4  # noqa: E402
 from scaletrain.train.evaluate import evaluate_checkpoint  # noqa: E402
-from scaletrain.trained.export import load_model_from_checkpoint  # noqa: E402
 from scaletrain.train.trainer import Trainer  # noqa: E402
+from scaletrain.trained.export import load_model_from_checkpoint  # noqa: E402
 
 from conftest import micro_cfg, one_line_exit_2, run_here  # noqa: E402
 
@@ -84,7 +84,8 @@ def test_ptq_perplexity_is_within_tolerance_of_fp32_and_the_folder_is_smaller(ru
     # and the blocks' outputs, which the loss of so small a model barely sees: the logits' error
     # relative to their spread
     err = logit_error(load_model_from_checkpoint(runs["fp32"]["ckpt"]), load_quantized(out)[0])
-    assert err <= LOGIT_TOLERANCE[scheme], f"{scheme}: logits off by {err:.3g} ({err / LOGIT_TOLERANCE[scheme]:.3g}x tolerance)"
+    tolerance = LOGIT_TOLERANCE[scheme]
+    assert err <= tolerance, f"{scheme}: logits off by {err:.3g} ({err / tolerance:.3g}x tolerance)"
     info = json.loads((out / "quantization.json").read_text())
     assert info["layers"]["layers.0.mlp.w1"] == {"converted": True}
     assert info["layers"]["output"]["converted"] is False
@@ -106,8 +107,8 @@ def test_eval_cli_reads_a_quantized_folder(runs):
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_the_folder_loads_without_unpickling_and_gives_the_same_logits(runs, scheme, monkeypatch):
-    from scaletrain.trained.quantize import load_source
     from scaletrain.quant.ptq import quantize_model
+    from scaletrain.trained.quantize import load_source
 
     out = runs["root"] / f"nopickle-{scheme}"
     quantize(runs["fp32"]["ckpt"], scheme, out)
@@ -354,9 +355,9 @@ def test_qat_under_data_parallelism_tracks_one_process(zero, bound):
     import re
     from pathlib import Path
 
-    from conftest import MICRO
-
     from scaletrain.verify import verify
+
+    from conftest import MICRO
 
     args = [f"--{k}={v}" for k, v in MICRO.items() if not k.startswith(("log.", "checkpoint."))]
     out = io.StringIO()

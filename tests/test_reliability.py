@@ -3,7 +3,6 @@ that stop participating, the rendezvous's addresses."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -87,7 +86,8 @@ def test_a_rank_that_stops_participating_fails_the_job_within_the_timeout(tmp_pa
     assert code == 3, err
     first = err.strip().splitlines()[0]
     assert first.startswith("scaletrain: error: rank 0: step 3: rank 1 stopped participating: a collective did "
-                            "not complete within parallel.timeout_s=4 s (rank 0 waited in the gradient-norm all-reduce"), err
+                            "not complete within parallel.timeout_s=4 s "
+                            "(rank 0 waited in the gradient-norm all-reduce"), err
     assert "rank 1 last reported step 3, forward/backward (it issued" in first
     assert "Traceback" not in err
     assert took < 60, took  # not the 300 s the rank sleeps: the timeout, the diagnosis, start-up
@@ -315,4 +315,5 @@ def test_two_hosts_with_two_ranks_each_train_like_one_process(tmp_path, two_host
     one = Trainer(micro_cfg(tmp_path / "one", **{"train.steps": 20})).fit()["history"]
     four = read_metrics(tmp_path / "run")
     # reduction order differs: fp32 noise; every step's loss and gradient norm
-    assert_same_run(four, one, steps=20, tol=(1e-5, 1e-3), what="2 nodes x 2 ranks, HSDP")  # 20 steps; two hosts reduce in another order (seen 1.3e-4)
+    # 20 steps; two hosts reduce in another order (seen 1.3e-4)
+    assert_same_run(four, one, steps=20, tol=(1e-5, 1e-3), what="2 nodes x 2 ranks, HSDP")

@@ -17,9 +17,18 @@ from scaletrain.errors import ConfigError
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.trainer import Trainer
 
-from conftest import (Case, assert_one_clear_line, copy_run, micro_cfg, popen_train, read_metrics, run_here,
-                      train_args, train_micro, wait_for_rows)
-
+from conftest import (
+    Case,
+    assert_one_clear_line,
+    copy_run,
+    micro_cfg,
+    popen_train,
+    read_metrics,
+    run_here,
+    train_args,
+    train_micro,
+    wait_for_rows,
+)
 
 # --------------------------------------------------------------------------------------------
 # Resuming from a run folder or a checkpoint folder alone

@@ -232,10 +232,10 @@ def test_an_unknown_data_parallel_engine_is_an_error_not_zero():
     import torch
 
     from scaletrain.config import load_config
+    from scaletrain.launch.runtime import Runtime
     from scaletrain.layout import Layout
     from scaletrain.parallel.parallelize import _engine
     from scaletrain.precision import Precision
-    from scaletrain.launch.runtime import Runtime
 
     cfg = load_config(None, {"parallel.zero": 3})
     layout = Layout(dp_shard=2, zero=5)  # a stage that does not exist
@@ -304,7 +304,8 @@ def test_the_trainer_is_small():
 
 
 def test_no_source_file_is_over_700_lines():
-    long = {str(f.relative_to(PACKAGE)): n for f in PACKAGE.rglob("*.py") if (n := len(f.read_text().splitlines())) > 700}
+    long = {str(f.relative_to(PACKAGE)): n for f in PACKAGE.rglob("*.py")
+            if (n := len(f.read_text().splitlines())) > 700}
     assert long == {}
 
 
@@ -354,6 +355,6 @@ def test_tasks_on_ranks_start_in_one_place():
     import re
 
     files = [*PACKAGE.rglob("*.py"), *(PACKAGE.parents[1] / "benchmarks").glob("*.py")]
-    callers = {str(p.relative_to(p.parents[1])) for p in files if re.search(r"\blauncher\.launch\(|^\s*launch\(|= launch\(",
-                                                                         p.read_text(), re.M)}
+    calls = r"\blauncher\.launch\(|^\s*launch\(|= launch\("
+    callers = {str(p.relative_to(p.parents[1])) for p in files if re.search(calls, p.read_text(), re.M)}
     assert callers <= {"launch/launcher.py", "launch/ranks.py", "launch/job.py"}

@@ -9,8 +9,9 @@ import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 from scaletrain.errors import LaunchError, UserError, config_paths, os_errors_named, user_error_from_os
 from scaletrain.vocab import QUANT_SCHEMES, did_you_mean
@@ -62,8 +62,8 @@ class _Version(argparse.Action):
 def _train(args: argparse.Namespace, extra: list[str]) -> int:
     """The config chosen and shown, or the job settled (scaletrain.launch.job) and run: here, on
     --nproc ranks, or as this rank of torchrun's."""
-    from scaletrain.launch import job
     from scaletrain.config import describe_options
+    from scaletrain.launch import job
 
     if args.help_config:
         print(describe_options())
@@ -208,10 +208,10 @@ def _leftovers(parser: argparse.ArgumentParser, extra: list[str], takes_override
     """What argparse left of the command line: for a command that takes config options, those
     (`--section.key=value`, checked by the config); anything else is an error, one line each,
     naming the closest of the command's own options (and of the config's keys)."""
-    from scaletrain.config import SECTIONS
+    import difflib
     from dataclasses import fields
 
-    import difflib
+    from scaletrain.config import SECTIONS
 
     flags = [s for action in parser._actions for s in action.option_strings if s.startswith("--") and s != "--help"]
     keys = [f"--{name}.{f.name}" for name, cls in SECTIONS.items() for f in fields(cls)] if takes_overrides else []

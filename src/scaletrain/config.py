@@ -12,17 +12,29 @@ from __future__ import annotations
 import dataclasses
 import json
 import tomllib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from scaletrain.errors import ConfigError, DataError
 from scaletrain.model.config import ModelConfig, check_model
 from scaletrain.model.presets import fill_shape
 from scaletrain.options import build_section, option
 from scaletrain.quant.layers import FP8_MIN_DIM
-from scaletrain.vocab import (AC_MODES, CP_METHODS, DP_SYNC_MODES, FP8_RECIPES, OPTIMIZERS, OUTER_OPTIMIZERS, PP_SCHEDULES,
-                              PRECISIONS, QAT_SCHEMES, SYNC_DTYPES, did_you_mean)
+from scaletrain.vocab import (
+    AC_MODES,
+    CP_METHODS,
+    DP_SYNC_MODES,
+    FP8_RECIPES,
+    OPTIMIZERS,
+    OUTER_OPTIMIZERS,
+    PP_SCHEDULES,
+    PRECISIONS,
+    QAT_SCHEMES,
+    SYNC_DTYPES,
+    did_you_mean,
+)
 
 # --------------------------------------------------------------------------------------------
 # Declaring options
@@ -78,7 +90,8 @@ class OptimConfig:
     name: str = option("adamw", "optimizer", choices=OPTIMIZERS)
     lr: float = option(3e-3, "peak learning rate (at optim.reference_batch if scale_lr_with_batch)", min=0.0)
     weight_decay: float = option(0.1, "decoupled weight decay on matrices (not on norms, biases)", min=0.0)
-    beta1: float = option(0.9, "first-moment decay (adamw, adamw8bit; adafactor ignores it)", min=0.0, max=1.0, open_max=True)
+    beta1: float = option(0.9, "first-moment decay (adamw, adamw8bit; adafactor ignores it)", min=0.0, max=1.0,
+                          open_max=True)
     beta2: float = option(0.95, "second-moment decay (adamw, adamw8bit)", min=0.0, max=1.0, open_max=True)
     eps: float = option(1e-8, "denominator epsilon (adamw, adamw8bit)", min=0.0)
     momentum: float = option(0.9, "momentum (sgd)", min=0.0, max=1.0, open_max=True)
@@ -86,7 +99,8 @@ class OptimConfig:
                                  choices=("auto", "fused", "foreach", "loop"))
     schedule: str = option("cosine", "decay after warm-up", choices=("cosine", "linear", "constant"))
     warmup_steps: int = option(25, "linear warm-up from 0 to the peak learning rate", min=0)
-    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of the peak (cosine, linear)", min=0.0, max=1.0)
+    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of the peak (cosine, linear)",
+                                 min=0.0, max=1.0)
     scale_lr_with_batch: bool = option(False, "linear scaling rule: lr *= global_batch / reference_batch")
     reference_batch: int = option(256, "global batch (sequences) at which optim.lr was tuned", min=1)
 
@@ -149,7 +163,8 @@ class ParallelConfig:
     dp_sync: str = option("step", "how the data-parallel workers (the dp_replicate groups) synchronise: step = "
                                   "gradients every step (DDP, ZeRO); local_sgd = weights averaged every sync_every "
                                   "steps; diloco = an outer optimizer step on the averaged pseudo-gradient every "
-                                  "sync_every steps (inside a worker, gradients sync every step)", choices=DP_SYNC_MODES)
+                                  "sync_every steps (inside a worker, gradients sync every step)",
+                     choices=DP_SYNC_MODES)
     sync_every: int = option(50, "local_sgd, diloco: inner steps between two syncs of the workers (H)", min=1)
     sync_fragments: int = option(1, "local_sgd, diloco: the blocks split into this many fragments, synced one at a "
                                     "time at staggered steps (streaming: the peak volume of a sync is the model's / F)",
@@ -235,7 +250,7 @@ class JobConfig:
             lines.append("")
         return "\n".join(lines)
 
-    def replace(self, **dotted: Any) -> "JobConfig":
+    def replace(self, **dotted: Any) -> JobConfig:
         """A validated copy with some options changed: `cfg.replace(**{"train.steps": 10})`."""
         return from_dict(self.to_dict(), overrides=dotted)
 
@@ -435,7 +450,8 @@ def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[st
 
 
 def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
-    """Problems that involve more than one key. Checks of the layout, which needs the world size, are scaletrain.layout.Layout.check."""
+    """Problems that involve more than one key. Checks of the layout, which needs the world size, are
+    scaletrain.layout.Layout.check."""
     m, errors = cfg.model, check_model(cfg.model)
     if m.sliding_window and cfg.data.seq_len > m.sliding_window:
         errors.append(f"data.seq_len={cfg.data.seq_len} exceeds model.sliding_window={m.sliding_window}: scaletrain "
@@ -453,7 +469,8 @@ def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
             errors.append("data.path and data.mix both name the data; keep one of them (data.mix for several folders)")
     res = cfg.checkpoint.resume
     if res not in ("none", "auto") and not _exists(res):
-        errors.append(f"checkpoint.resume: folder {res} does not exist; use none, auto, or an existing checkpoint folder")
+        errors.append(f"checkpoint.resume: folder {res} does not exist; "
+                      "use none, auto, or an existing checkpoint folder")
     if cfg.precision.mode == "16-mixed" and cfg.precision.min_scale > cfg.precision.init_scale:
         errors.append(f"precision.min_scale={cfg.precision.min_scale} is above precision.init_scale="
                       f"{cfg.precision.init_scale}")

@@ -152,7 +152,8 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype, tf32: bool = Fal
         hw = cuda_hardware(device.index or 0)
         if hw is not None and key in hw.peak_tflops:
             return hw.peak_tflops[key] * TFLOPS, f"{hw.name}'s dense {key} peak (catalog)"
-        return measure_matmul_peak(device, dtype), f"{torch.cuda.get_device_name(device)}'s {key} matmul peak (measured)"
+        return (measure_matmul_peak(device, dtype),
+                f"{torch.cuda.get_device_name(device)}'s {key} matmul peak (measured)")
     return cpu_peak_flops(dtype), describe_cpu_peak(dtype)
 
 

@@ -86,7 +86,7 @@ class Layout:
     # ---- from a config ------------------------------------------------------------------------
 
     @classmethod
-    def from_config(cls, cfg, world_size: int) -> "Layout":
+    def from_config(cls, cfg, world_size: int) -> Layout:
         """The layout of `cfg` (a JobConfig) on `world_size` ranks: dp_shard = -1 resolved, the
         batch triad derived or checked. Raises ConfigError when the numbers do not add up; the
         model-dependent checks are `check()`."""
@@ -241,7 +241,7 @@ class Layout:
         return [f"parallel.sync_fragments={self.sync_fragments} splits the model's blocks into fragments, but {has}; "
                 f"use at most {n_blocks} fragments"]
 
-    def check(self, model=None, *, engine: str = "scaletrain", seq_len: int | None = None) -> "Layout":
+    def check(self, model=None, *, engine: str = "scaletrain", seq_len: int | None = None) -> Layout:
         """Raise one ConfigError listing every problem of `errors()`; returns self."""
         problems = self.errors(model, engine=engine, seq_len=seq_len)
         if problems:
@@ -297,11 +297,11 @@ class Layout:
                      f"multiples of micro_batch × data-parallel size = {self.micro_batch} × {self.dp} = {unit} (the "
                      "batch grows by whole micro-batches on every rank)")
         elif (g - start) % inc:
-            e.append(f"train.batch_rampup={self.batch_rampup!r}: global_batch - start = {g - start} is not a multiple of "
-                     f"the increment {inc}; choose an increment that divides it")
+            e.append(f"train.batch_rampup={self.batch_rampup!r}: global_batch - start = {g - start} "
+                     f"is not a multiple of the increment {inc}; choose an increment that divides it")
         return e
 
-    def batch_schedule(self, seq_len: int) -> "BatchSchedule":
+    def batch_schedule(self, seq_len: int) -> BatchSchedule:
         """The global batch of every step (constant without train.batch_rampup)."""
         if not self.batch_rampup:
             return BatchSchedule(self.global_batch, seq_len, self.micro_batch * self.dp)

@@ -23,8 +23,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from scaletrain.plan.memory_model import GiB
 from scaletrain.launch.ranks import quiet, read_spec, run_on_ranks, write_result
+from scaletrain.plan.memory_model import GiB
 
 
 class LiveMemory(TorchDispatchMode):
@@ -102,9 +102,8 @@ def measure_run(cfg, runtime=None, steps: int = 1, memory: bool = True) -> dict:
     """Build a trainer for `cfg` and measure it (every rank calls this); on CPU the peak counts
     every storage from the trainer's construction on (`LiveMemory`). `memory=False` times the
     steps alone (no memory figures: they are None)."""
-    from scaletrain.train.trainer import Trainer
-
     from scaletrain.launch.runtime import pick_device
+    from scaletrain.train.trainer import Trainer
 
     live = LiveMemory() if memory and pick_device(cfg.train.device).type != "cuda" else None
     with live if live is not None else _nothing():
@@ -164,11 +163,12 @@ def predicted_components(ev, cfg, wl, layout, gpu: bool = False) -> dict:
     """The planner's figures in the measured components' terms: per-micro-batch activations,
     and as the peak the total that decides "fits" (on a GPU less the runtime's workspaces,
     which live outside the caching allocator)."""
-    from scaletrain.plan.memory_model import RUNTIME_BYTES_GPU
     from scaletrain.plan.activations import in_flight
+    from scaletrain.plan.memory_model import RUNTIME_BYTES_GPU
 
     m = ev.memory
-    flight = max(in_flight(layout.pp_schedule, layout.pp, layout.grad_accum, layout.pp_virtual_stages)) if layout.pp > 1 else 1
+    flight = (max(in_flight(layout.pp_schedule, layout.pp, layout.grad_accum, layout.pp_virtual_stages))
+              if layout.pp > 1 else 1)
     return {"params": m.params + m.master, "grads": m.grads, "optimizer": m.optimizer,
             "activations": m.activations / flight + m.logits_loss,
             "peak": m.total - (RUNTIME_BYTES_GPU if gpu else 0), "step_time_s": ev.time.step_time_s}
@@ -232,8 +232,9 @@ def calibration(model_cfg, probes: list[dict], optimizers: list[tuple[str, str]]
             note(f"{busy} while calibrating: its figures may be slow; delete {calibrate.cache_file()} to measure "
                  "again when it is quiet")
         engines = sum(1 for p in compute if p.get("engine"))
-        what = [f"{len(compute) - engines} compute probe(s)", f"{engines} engine probe(s)"] + (["collectives and overlap"] if got["collectives"] else []) + \
-               ([f"{len(steps)} optimizer step(s)"] if steps else [])
+        what = [f"{len(compute) - engines} compute probe(s)", f"{engines} engine probe(s)"]
+        what += ["collectives and overlap"] if got["collectives"] else []
+        what += [f"{len(steps)} optimizer step(s)"] if steps else []
         note(f"calibrated this machine for {ranks} rank(s): {', '.join(what)} in {time.perf_counter() - t0:.0f} s "
              f"(cached in {calibrate.cache_file()})")
     return cal
@@ -321,9 +322,9 @@ def run_layout(config: str, layout, nproc: int, overrides: dict | None = None) -
 
 def measure_and_print(config: str, layout, nproc: int, overrides: dict | None = None) -> int:
     from scaletrain.config import load_config
-    from scaletrain.plan import plan
     from scaletrain.hardware import local_hardware
     from scaletrain.launch.runtime import pick_device
+    from scaletrain.plan import plan
 
     cfg = load_config(config, overrides or {})
     device = pick_device(cfg.train.device)

@@ -19,19 +19,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from scaletrain.vocab import AC_MODES, unknown
-
 
 _aten = torch.ops.aten
 # Ops whose outputs selective checkpointing keeps: the expensive ones to recompute.

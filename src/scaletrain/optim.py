@@ -12,7 +12,7 @@ Optimizer state per parameter (fp32 parameters):
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from scaletrain.vocab import did_you_mean
 

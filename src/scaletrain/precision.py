@@ -23,7 +23,7 @@ update to a bf16 weight often rounds back to the same weight.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist

@@ -34,14 +34,15 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO
 
 from scaletrain.config import JobConfig, ParallelConfig, from_dict, load_config
 from scaletrain.errors import ConfigError
-from scaletrain.layout import Layout
 from scaletrain.launch.ranks import quiet, read_spec
+from scaletrain.layout import Layout
 
 # Largest relative difference allowed, (loss, gradient norm), over the first CALIBRATED_STEPS
 # steps of an honest layout against the reference. Measured on the CPU with gloo, 10 steps:
@@ -203,10 +204,10 @@ def simulate_workers(cfg: JobConfig, layout: Layout, total_steps: int, run_dir: 
     (the same encoding and sums). Returns one row per step: the mean loss over the workers and the
     root mean square of their gradient norms, as the layout's run reports them."""
     from scaletrain.data.loader import StepSampler, build_loader
+    from scaletrain.launch.runtime import single_process
     from scaletrain.optim import set_lr
     from scaletrain.parallel.local_sgd import LocalSGD
     from scaletrain.parallel.replica_average import SimulatedWorkers
-    from scaletrain.launch.runtime import single_process
     from scaletrain.schedule import BatchSchedule, TrainSchedule
     from scaletrain.train.trainer import Trainer
 
@@ -350,8 +351,8 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
     `layout_hook`: "module:function" (importable, from `hook_path` too), called on every rank of
     the layout run (never the reference's) with its Trainer before it trains — to instrument
     the run, or, as scaletrain's tests do, to plant a known bug and watch verify FAIL."""
-    from scaletrain.plan.auto import resolve
     from scaletrain.launch.runtime import pick_device
+    from scaletrain.plan.auto import resolve
 
     out = out or sys.stdout
     if steps < 1:
@@ -379,8 +380,9 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
     else:
         ref = choose_reference(cfg, world, device, device_memory_gib)
     if not layout.local_sync and same_layout(layout, ref.layout):
-        raise ConfigError(f"the layout ({layout.describe_ranks()}) is itself the simplest layout that fits, so there is no "
-                          "simpler reference to compare it with; give --device-memory if the planner is wrong")
+        raise ConfigError(f"the layout ({layout.describe_ranks()}) is itself the simplest layout that fits, "
+                          "so there is no simpler reference to compare it with; "
+                          "give --device-memory if the planner is wrong")
 
     tmp = Path(tempfile.mkdtemp(prefix="scaletrain-verify-"))
     try:

@@ -7,7 +7,7 @@ This module imports nothing heavy (no torch): the config and the planner load it
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from collections.abc import Iterable
 
 # precision modes, with Lightning's names (scaletrain.precision gives each its dtypes), and fp8:
 # bf16-mixed with the large block linears' matmuls in float8 (scaletrain.quant.fp8)

@@ -12,17 +12,16 @@ from dataclasses import replace
 
 import torch
 
-from scaletrain.plan.calibrate import OPS, PROBE_REPS, SIZES, probe_key
 from scaletrain.launch.ranks import quiet, read_spec, write_result
-
+from scaletrain.plan.calibrate import OPS, PROBE_REPS, SIZES, probe_key
 
 
 def calibrate_rank(spec_path: str, out_path: str) -> int:
     """One rank of `scaletrain.measure.calibration` (the `calibrate` task of scaletrain.launch.worker)."""
     import torch.distributed as dist
 
-    from scaletrain.model.config import ModelConfig
     from scaletrain.launch.runtime import pick_device
+    from scaletrain.model.config import ModelConfig
 
     job = read_spec(spec_path)
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))

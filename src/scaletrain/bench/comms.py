@@ -30,10 +30,10 @@ import statistics
 import time
 from pathlib import Path
 
-from scaletrain.errors import ConfigError, LaunchError, UserError
 from scaletrain import fmt
-from scaletrain.plan.calibrate import bus_factor
+from scaletrain.errors import ConfigError, LaunchError, UserError
 from scaletrain.launch.ranks import read_spec, run_on_ranks, write_result
+from scaletrain.plan.calibrate import bus_factor
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all")
 ELEMENT_BYTES = 4  # float32

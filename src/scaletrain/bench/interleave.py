@@ -29,14 +29,14 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from scaletrain.errors import UserError
 from scaletrain import fmt
+from scaletrain.errors import UserError
 
 
 @dataclass
@@ -90,8 +90,8 @@ def trainer_runner(trainer) -> Runner:
         trainer.train_step(batches)
         trainer.step += 1
 
-    return Runner(step, trainer.tokens_per_step, trainer.meter.flops_per_token, trainer.meter.peak_flops, trainer.world_size,
-                  trainer.precision.configure_backends)
+    return Runner(step, trainer.tokens_per_step, trainer.meter.flops_per_token, trainer.meter.peak_flops,
+                  trainer.world_size, trainer.precision.configure_backends)
 
 
 def _sync(device: torch.device) -> None:

@@ -34,8 +34,8 @@ from pathlib import Path
 from scaletrain.bench.interleave import Entry, Row, rows_table, run
 from scaletrain.bench.step import bench_config, header, scratch_dir, trainer_entry
 from scaletrain.errors import LaunchError, UserError
-from scaletrain.layout import Layout
 from scaletrain.launch.ranks import quiet, read_spec, run_on_ranks, write_result
+from scaletrain.layout import Layout
 from scaletrain.vocab import AC_MODES, OPTIMIZERS, PRECISIONS, ZERO_STAGES
 
 
@@ -111,8 +111,8 @@ def _measure(config_name: str | None, base, *, steps, warmup, skip, max_slowdown
              progress=None) -> dict:
     """Every rank calls this (or the one process) with the baseline's config (a bench_config) and
     the runtime of its layout (None: one process); returns the result dict."""
-    from scaletrain.model.transformer import count_params
     from scaletrain.launch.runtime import single_process
+    from scaletrain.model.transformer import count_params
 
     with scratch_dir() as (tmp, sink):
         need = warmup + steps + 2

@@ -2,7 +2,7 @@
 cuts it into windows by (seed, step). The readers (torch) are imported on first use: a
 `prepare` worker process needs no torch."""
 
-from scaletrain.data.prepare import prepare  # light (numpy); binds the name over the submodule's
+from scaletrain.data.prepare import prepare  # noqa: F401 - re-exported (light: numpy); binds the name over the submodule's
 
 _NAMES = {"TokenData": "dataset", "WindowDataset": "dataset", "builtin_data": "dataset", "open_data": "dataset",
           "StepSampler": "loader", "build_loader": "loader"}

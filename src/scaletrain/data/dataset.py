@@ -58,7 +58,7 @@ class TokenData:
         self._fingerprint: str | None = None
 
     @classmethod
-    def from_array(cls, tokens: np.ndarray, tokenizer, source: str) -> "TokenData":
+    def from_array(cls, tokens: np.ndarray, tokenizer, source: str) -> TokenData:
         top = int(tokens.max()) if tokens.size else 0
         if top >= tokenizer.vocab_size:
             raise DataError(f"{source}: holds token id {top}, outside the tokenizer's {tokenizer.vocab_size}-token "
@@ -91,7 +91,7 @@ class TokenData:
         return self._fingerprint
 
     @classmethod
-    def open(cls, folder: str | Path, verify_checksums: bool = True, split: str = "train") -> "TokenData":
+    def open(cls, folder: str | Path, verify_checksums: bool = True, split: str = "train") -> TokenData:
         """Open a folder written by `scaletrain prepare`, checking it against its metadata.
         `split`: train (its `shards`) or val (its `val_shards`, written by --val-fraction)."""
         if split not in ("train", "val"):
@@ -281,7 +281,8 @@ class WindowDataset(torch.utils.data.Dataset):
         self.seq_len = seq_len
         self.num_windows = (data.num_tokens - 1) // seq_len
         if self.num_windows < 1:
-            fix = f"lower data.seq_len to at most {data.num_tokens - 1} or add data" if data.num_tokens > 1 else "add data"
+            fix = (f"lower data.seq_len to at most {data.num_tokens - 1} or add data" if data.num_tokens > 1
+                   else "add data")
             raise DataError(f"{data.source}: {data.num_tokens} tokens are too few for one window of data.seq_len="
                             f"{seq_len}, which needs {seq_len + 1} (the inputs and the target shifted by one); {fix}")
 

@@ -17,7 +17,7 @@ Validation windows are fixed for the run: a permutation seeded by (seed, "valida
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch

@@ -30,9 +30,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import itertools
 import json
 import os
-import itertools
 import pickle
 import queue
 import shutil
@@ -40,9 +40,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterator, Sequence
+from typing import IO
 
 import numpy as np
 
@@ -286,7 +287,8 @@ class _Worker:
         root = str(Path(__file__).resolve().parents[2])  # so that the worker imports this scaletrain
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
         self.index = index
-        self.proc = subprocess.Popen([sys.executable, "-c", "from scaletrain.data.tokenize_worker import serve; serve()"],
+        entry = "from scaletrain.data.tokenize_worker import serve; serve()"
+        self.proc = subprocess.Popen([sys.executable, "-c", entry],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env={**os.environ, "PYTHONPATH": path,
                                           # one thread each: the processes are the parallelism
@@ -351,7 +353,7 @@ class _ShardWriter:
         self._digest = hashlib.sha256()
         self._count = 0  # tokens in the open shard
 
-    def __enter__(self) -> "_ShardWriter":
+    def __enter__(self) -> _ShardWriter:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -23,9 +23,9 @@ import gzip
 import io
 import json
 import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from scaletrain.errors import DataError
 

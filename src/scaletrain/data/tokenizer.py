@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from scaletrain.errors import DataError
 
@@ -63,7 +63,7 @@ class HFTokenizer:
         self.eos_id: int | None = None
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "HFTokenizer":
+    def from_file(cls, path: str | Path) -> HFTokenizer:
         Tokenizer = _tokenizers().Tokenizer
         p = Path(path)
         if not p.is_file():
@@ -71,10 +71,11 @@ class HFTokenizer:
         try:
             return cls(Tokenizer.from_file(str(p)), "file")
         except Exception as e:  # the library raises plain Exceptions for bad files
-            raise DataError(f"tokenizer file {p} could not be read ({e}); is it a Hugging Face tokenizer.json?") from None
+            raise DataError(f"tokenizer file {p} could not be read ({e}); "
+                            "is it a Hugging Face tokenizer.json?") from None
 
     @classmethod
-    def from_hf_folder(cls, path: str | Path, *, read_model_config: bool = True) -> "HFTokenizer":
+    def from_hf_folder(cls, path: str | Path, *, read_model_config: bool = True) -> HFTokenizer:
         """The fast tokenizer of a Hugging Face model folder, encoding as transformers'
         `AutoTokenizer.from_pretrained(folder)(text)["input_ids"]` does by default: tokenizer.json
         (its post-processor adds BOS/EOS where the model wants them), plus the special tokens that
@@ -126,7 +127,7 @@ class HFTokenizer:
         return {**files, "special_ids.json": json.dumps(ids)}
 
     @classmethod
-    def train_bpe(cls, texts: Iterator[str], vocab_size: int) -> "HFTokenizer":
+    def train_bpe(cls, texts: Iterator[str], vocab_size: int) -> HFTokenizer:
         tk = _tokenizers()
         tok = tk.Tokenizer(tk.models.BPE())
         tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 # a run nobody reads: no files a user would look for, no resuming, every step in its metrics
 QUIET = {"log.every": 1, "log.tensorboard": False, "log.progress": "off", "train.sample_tokens": 0,

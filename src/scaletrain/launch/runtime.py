@@ -50,7 +50,7 @@ class Runtime:
     def distributed(self) -> bool:
         return self.mesh is not None
 
-    def with_layout(self, layout: Layout) -> "Runtime":
+    def with_layout(self, layout: Layout) -> Runtime:
         """This group of processes running another layout on its mesh: one group (one mesh) can run
         configs that differ in engine, stage or batch (bench, verify, the tests), never in the mesh.
         The caller derived `layout` for the config it trains; a Trainer takes it as it is."""
@@ -59,7 +59,7 @@ class Runtime:
                               f"{layout.describe_ranks()}; start a group for that layout")
         return dataclasses.replace(self, layout=layout, layout_of=None)
 
-    def for_config(self, cfg: JobConfig) -> "Runtime":
+    def for_config(self, cfg: JobConfig) -> Runtime:
         """The runtime a trainer of `cfg` runs with: this one, when its layout is cfg's (derived from
         the same config values, or given with `with_layout`); else, for a config that differs in its
         layout (another ZeRO stage or batch on the same group), cfg's own layout on this mesh."""

@@ -32,7 +32,8 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from typing import Callable, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
 TASKS = {
     "train": "scaletrain.launch.job:train_rank",
@@ -59,7 +60,8 @@ def _task(*argv: str) -> int:
     from scaletrain.errors import UserError
 
     if not argv:
-        raise UserError(f"python -m scaletrain.launch.worker TASK: no task; known: {', '.join(TASKS)} or MODULE:FUNCTION")
+        raise UserError(f"python -m scaletrain.launch.worker TASK: no task; "
+                        f"known: {', '.join(TASKS)} or MODULE:FUNCTION")
     task, *args = argv
     target = TASKS.get(task, task)
     module, _, name = target.partition(":")

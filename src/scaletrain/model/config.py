@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from scaletrain.errors import ConfigError
 from scaletrain.options import build_section, divisors, option

@@ -13,7 +13,8 @@ tensor parallel) takes part in each forward and draws the same tokens from the s
 
 from __future__ import annotations
 
-from typing import Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,7 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.
 
 @torch.no_grad()
 def sample_text(module: torch.nn.Module, tokenizer, prompt: str, new_tokens: int, *, window: int, seed: int,
-                device: torch.device, autocast: Callable[[], ContextManager], all_ranks: bool,
+                device: torch.device, autocast: Callable[[], AbstractContextManager], all_ranks: bool,
                 interrupted: Callable[[], bool], use_cache: bool = True, temperature: float = 0.8,
                 top_k: int = 50) -> str:
     """`prompt` and `new_tokens` sampled tokens, decoded. `all_ranks`: every rank of a group runs

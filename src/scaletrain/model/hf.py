@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from scaletrain.model.config import ModelConfig
 from scaletrain.errors import CheckpointError, ConfigError
-
+from scaletrain.model.config import ModelConfig
 from scaletrain.model.hf_config import CONFIG_FILE, hf_family, model_config_from_hf
 
 WEIGHTS_FILE = "model.safetensors"
@@ -180,13 +180,15 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
         elif name == "output.weight" and _hf_name(name, gpt2) not in left:
             recipes[name] = (take(_hf_name("tok_emb.weight", gpt2), name), None, False)  # the source ties its head
         else:
-            recipes[name] = (take(_hf_name(name, gpt2), name), None, bool(gpt2 and leaf == "weight" and "norm" not in block))
+            recipes[name] = (take(_hf_name(name, gpt2), name), None,
+                             bool(gpt2 and leaf == "weight" and "norm" not in block))
     shapes = _expected(cfg)
     for name, (key, fused, transpose) in recipes.items():  # from the headers: no tensor is read yet
         shape = _shape_of(hf, key)
         if fused is not None:
             if shape[-1] != 3 * cfg.dim:
-                raise CheckpointError(f"{where}: {key} has shape {shape}, the model expects {3 * cfg.dim} q/k/v columns")
+                raise CheckpointError(f"{where}: {key} has shape {shape}, "
+                                      f"the model expects {3 * cfg.dim} q/k/v columns")
             shape = (shape[1] // 3, shape[0]) if transpose else (shape[0] // 3, *shape[1:])
         elif transpose:
             shape = shape[::-1]

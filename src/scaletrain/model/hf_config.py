@@ -10,12 +10,12 @@ layouts: scaletrain.model.hf.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-
-from scaletrain.model.config import ModelConfig
 from scaletrain.errors import ConfigError
+from scaletrain.model.config import ModelConfig
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
 CONFIG_FILE = "config.json"
@@ -147,7 +147,7 @@ def model_config_from_hf(source: str | Path | Mapping[str, Any], *, strict: bool
     return out
 
 
-def _gpt2_fields(get: "_Reader", refuse) -> dict[str, Any]:
+def _gpt2_fields(get: _Reader, refuse) -> dict[str, Any]:
     vocab, dim = get.int("vocab_size"), get.int("n_embd")
     if get.raw("activation_function") not in _GELU_TANH:
         refuse("activation_function", f"is not supported; scaletrain's GELU is the tanh one ({', '.join(_GELU_TANH)})")
@@ -164,7 +164,7 @@ def _gpt2_fields(get: "_Reader", refuse) -> dict[str, Any]:
         max_seq_len=get.int("n_positions"), tie_embeddings=get.bool("tie_word_embeddings"), bias=True))
 
 
-def _rotary_fields(get: "_Reader", refuse, family: str, strict: bool) -> dict[str, Any]:
+def _rotary_fields(get: _Reader, refuse, family: str, strict: bool) -> dict[str, Any]:
     vocab, dim, n_heads = get.int("vocab_size"), get.int("hidden_size"), get.int("num_attention_heads")
     head_dim = get.int("head_dim", optional=True) or 0
     max_len = get.int("max_position_embeddings")
@@ -202,7 +202,7 @@ def _rotary_fields(get: "_Reader", refuse, family: str, strict: bool) -> dict[st
     return _complete(out)
 
 
-def _rope_fields(get: "_Reader", refuse, max_len: int) -> dict[str, Any]:
+def _rope_fields(get: _Reader, refuse, max_len: int) -> dict[str, Any]:
     """rope_theta and the scaling, from transformers 5's `rope_parameters` or 4's
     `rope_theta` + `rope_scaling` (which 5 also reads, and lets win)."""
     params = get.raw("rope_scaling") or get.raw("rope_parameters") or {}
@@ -236,7 +236,7 @@ def _rope_fields(get: "_Reader", refuse, max_len: int) -> dict[str, Any]:
     return out
 
 
-def _sliding_window(get: "_Reader", family: str, n_layers: int) -> int:
+def _sliding_window(get: _Reader, family: str, n_layers: int) -> int:
     """The window that some layer attends within, or 0. Mistral slides on every layer when
     sliding_window is set; Qwen2/3 only with use_sliding_window, on the layers layer_types (or
     max_window_layers) marks."""

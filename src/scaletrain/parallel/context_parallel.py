@@ -44,7 +44,6 @@ from scaletrain.model.transformer import Attention
 from scaletrain.parallel.hooks import StepHook, sum_gradients
 from scaletrain.vocab import CP_METHODS, unknown
 
-
 # --------------------------------------------------------------------------------------------
 # The split of a sequence
 
@@ -247,7 +246,8 @@ class _AllGatherAttention(torch.autograd.Function):
         seq, heads = q.shape[2] * n, q.shape[1]
         kv = _AllGatherAttention._whole(k, v, group, n)
         allowed = chunk_positions(seq, n, rank, q.device)[:, None] >= all_positions(seq, n, q.device)[None, :]
-        out, lse = _block_forward(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads), allowed)  # one block: every key
+        # one block: every key
+        out, lse = _block_forward(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads), allowed)
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
 
@@ -263,7 +263,8 @@ class _AllGatherAttention(torch.autograd.Function):
         d_k, d_v = _block_backward(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads), allowed, lse, d_out,
                                    (d_out * out).sum(-1, keepdim=True), d_q)
         d_kv = torch.stack((_fold_kv(d_k, kv_heads), _fold_kv(d_v, kv_heads)))  # (2, B, kv_heads, seq, D)
-        d_kv = d_kv.unflatten(3, (n, -1)).permute(3, 0, 1, 2, 4, 5)  # (n, 2, B, kv_heads, T_local, D): part j is rank j's
+        # (n, 2, B, kv_heads, T_local, D): part j is rank j's
+        d_kv = d_kv.unflatten(3, (n, -1)).permute(3, 0, 1, 2, 4, 5)
         d_kv = _reduce_scatter(d_kv, group)
         return d_q.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), None, None, None
 

@@ -12,8 +12,9 @@ bytes per parameter Ψ) and N data-parallel ranks, model states per rank are:
 
 Stages 0-2 send 2Ψ(N-1)/N values per rank per step; stage 3 sends 3Ψ(N-1)/N (parameters are
 all-gathered again for backward). With K micro-steps of gradient accumulation, stage 2 keeps its
-memory promise by reduce-scattering every micro-step: Ψ(N-1)/N·(K+1) per rank per step. With `parallel.dp_replicate > 1`, stages 1-3 shard within a
-group of `dp_shard` ranks and replicate across groups: HSDP.
+memory promise by reduce-scattering every micro-step: Ψ(N-1)/N·(K+1) per rank per step. With
+`parallel.dp_replicate > 1`, stages 1-3 shard within a group of `dp_shard` ranks and replicate
+across groups: HSDP.
 
 Every strategy reduces the *average* gradient over data-parallel ranks, so the trainer scales
 each rank's loss by the data-parallel size (the loss is already divided by the tokens of the

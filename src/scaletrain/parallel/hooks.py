@@ -15,7 +15,7 @@ Every method of `StepHook` does nothing by default: a hook overrides what it nee
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -88,7 +88,7 @@ class StepHooks:
         self.hooks = list(hooks)
         self.enter = enter
 
-    def add(self, *hooks: StepHook | None) -> "StepHooks":
+    def add(self, *hooks: StepHook | None) -> StepHooks:
         self.hooks.extend(h for h in hooks if h is not None)
         return self
 

@@ -107,7 +107,7 @@ class OuterSync:
     """The workers' periodic synchronisation, as one rank sees it (see the module's docstring)."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], *, mode: str, sync_every: int,
-                 fragments: int, delay: int, n_blocks: int, comm: "Averager",
+                 fragments: int, delay: int, n_blocks: int, comm: Averager,
                  outer_optimizer: str = ParallelConfig.outer_optimizer, outer_lr: float = ParallelConfig.outer_lr,
                  outer_momentum: float = ParallelConfig.outer_momentum, on_cpu: bool = ParallelConfig.outer_on_cpu):
         if mode not in LOCAL_SYNC_MODES:
@@ -259,7 +259,7 @@ class LocalSGD(StepHook):
 
     @classmethod
     def for_run(cls, named_params, layout, par, *, n_blocks: int, mesh=None, comm: Averager | None = None,
-                ) -> "LocalSGD | None":
+                ) -> LocalSGD | None:
         """The hook of a run whose layout syncs the workers every few steps (None otherwise), over
         `named_params` (what the inner optimizer steps). The workers average over `mesh`'s
         dp_replicate axis, or through `comm` (verify's simulated workers)."""

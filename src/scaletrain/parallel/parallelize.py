@@ -30,9 +30,14 @@ from scaletrain.memory import apply_activation_checkpointing, block_items
 from scaletrain.model.transformer import count_params
 from scaletrain.parallel import pipeline
 from scaletrain.parallel.context_parallel import ContextParallelStep, apply_context_parallel
-from scaletrain.parallel.data_parallel import (DataParallel, DDPDataParallel, FSDPDataParallel,
-                                               ReplicateDataParallel, apply_fsdp,
-                                               apply_replicate)
+from scaletrain.parallel.data_parallel import (
+    DataParallel,
+    DDPDataParallel,
+    FSDPDataParallel,
+    ReplicateDataParallel,
+    apply_fsdp,
+    apply_replicate,
+)
 from scaletrain.parallel.hooks import StepHook
 from scaletrain.parallel.init import init_weights, load_weights
 from scaletrain.parallel.tensor_parallel import ReplicatedKVStep, apply_tensor_parallel
@@ -137,7 +142,8 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
         fp8_all_gather = pc.fp8_recipe == "tensorwise" and lay.dp_engine == "fsdp"
         plans = [convert_fp8(chunk, pc.fp8_recipe, emulate=pc.fp8_emulate, fp8_min_dim=pc.fp8_min_dim,
                              fp8_all_gather=fp8_all_gather) for chunk in chunks]
-        notes += describe(plans[0], f"precision.mode=fp8 ({pc.fp8_recipe} scales{', emulated' if pc.fp8_emulate else ''}"
+        notes += describe(plans[0], f"precision.mode=fp8 ({pc.fp8_recipe} scales"
+                                    f"{', emulated' if pc.fp8_emulate else ''}"
                                     f"{', fp8 all-gather' if fp8_all_gather else ''})")
 
     for chunk in chunks:
@@ -209,7 +215,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
 
 
 @contextlib.contextmanager
-def _weights_fit(num_params: int, rt: "Runtime"):
+def _weights_fit(num_params: int, rt: Runtime):
     """Allocating the weights: running out of memory there is one line that says what to do."""
     try:
         yield

@@ -26,17 +26,18 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from functools import lru_cache
-from typing import Callable, ContextManager
 
 import torch
 from torch import nn
 
+from scaletrain.layout import balanced_split_counts, chunks_per_rank  # noqa: F401 - re-exported
 from scaletrain.model.config import ModelConfig
 from scaletrain.parallel.hooks import StepHook, sum_gradients
 from scaletrain.parallel.init import canonical_name
 from scaletrain.parallel.tensor_parallel import whole
-from scaletrain.layout import balanced_split_counts, chunks_per_rank  # noqa: F401 - re-exported
 from scaletrain.vocab import PP_SCHEDULES, unknown
 
 
@@ -91,8 +92,7 @@ def split_model(model: nn.Module, stages: list[int], ranges: list[range]) -> lis
 def build_schedule(stages, schedule: str, n_microbatches: int, loss_fn):
     """The schedule that runs this rank's `stages`; `loss_fn(logits, targets)` is a micro-batch's
     loss as backward should see it."""
-    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleZBVZeroBubble)
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 
     # our loss is already divided by the tokens of the global batch: no extra scaling
     if schedule == "gpipe":
@@ -118,7 +118,7 @@ def _feed(pm, parts, device, non_blocking: bool) -> tuple[tuple, dict, list[torc
 
 
 def forward_backward(pm, schedule, batches, n_microbatches: int, *, device: torch.device,
-                     autocast: Callable[[], ContextManager], loss_context: Callable[[], ContextManager],
+                     autocast: Callable[[], AbstractContextManager], loss_context: Callable[[], AbstractContextManager],
                      ) -> tuple[torch.Tensor, float]:
     """One training step's micro-batches (drawn from `batches`) through the schedule at once.
     Returns the sum of the losses as the schedule's loss function computed them (zero on all
@@ -137,7 +137,8 @@ def forward_backward(pm, schedule, batches, n_microbatches: int, *, device: torc
 
 
 def eval_loss_sum(pm, schedule, parts, *, device: torch.device, loss_factor: float,
-                  autocast: Callable[[], ContextManager], loss_context: Callable[[], ContextManager]) -> torch.Tensor:
+                  autocast: Callable[[], AbstractContextManager],
+                  loss_context: Callable[[], AbstractContextManager]) -> torch.Tensor:
     """One validation batch's (inputs, targets) micro-batches through the schedule's forward-only
     pass: the sum of its token losses (float64) on the last stage, zero elsewhere."""
     args, kwargs, losses = _feed(pm, parts, device, non_blocking=False)
@@ -181,7 +182,7 @@ class TiedEmbeddingStep(StepHook):
         self.tied: list[torch.Tensor] = []
 
     @classmethod
-    def needed(cls, model_cfg, mesh, pm) -> "TiedEmbeddingStep | None":
+    def needed(cls, model_cfg, mesh, pm) -> TiedEmbeddingStep | None:
         """Every rank calls it (the groups are created collectively); None on a middle stage."""
         if mesh["pp"].size() == 1 or not model_cfg.tie_embeddings:
             return None

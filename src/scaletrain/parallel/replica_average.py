@@ -131,7 +131,7 @@ class ReplicaAverage:
             if background_group is not None else None
 
     @classmethod
-    def for_mesh(cls, mesh, dtype: str, background: bool, timeout=None) -> "ReplicaAverage":
+    def for_mesh(cls, mesh, dtype: str, background: bool, timeout=None) -> ReplicaAverage:
         """Over the dp_replicate axis of the 4-D mesh (pp, dp_replicate, dp_shard, tp)."""
         workers = mesh["dp_replicate"].size()
         extra = None
@@ -192,7 +192,7 @@ class SimulatedWorkers:
         self._started: dict[int, dict[int, torch.Tensor]] = {}
         self._done: dict[int, torch.Tensor] = {}
 
-    def member(self, worker: int) -> "_SimulatedMember":
+    def member(self, worker: int) -> _SimulatedMember:
         return _SimulatedMember(self, worker)
 
     def _result(self, k: int) -> torch.Tensor:

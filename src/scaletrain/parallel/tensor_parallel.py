@@ -30,8 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from scaletrain.parallel.hooks import StepHook, sum_gradients
 
@@ -147,7 +152,7 @@ class ReplicatedKVStep(StepHook):
         self.group = tp_mesh.get_group()
 
     @classmethod
-    def needed(cls, model_cfg, tp_mesh) -> "ReplicatedKVStep | None":
+    def needed(cls, model_cfg, tp_mesh) -> ReplicatedKVStep | None:
         return cls(tp_mesh) if tp_mesh.size() > 1 and model_cfg.kv_heads < tp_mesh.size() else None
 
     def reduce_gradients(self, named) -> None:

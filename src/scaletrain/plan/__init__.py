@@ -16,10 +16,20 @@ from scaletrain.config import ParallelConfig
 from scaletrain.errors import ConfigError
 from scaletrain.hardware import Hardware, lookup
 from scaletrain.plan.memory_model import GiB, module_memory
-from scaletrain.plan.params import ParamCounts
 from scaletrain.plan.options import config_key, derive_layout, fixed_fields
-from scaletrain.plan.search import (Evaluated, calibration_sources, enumerate_layouts, evaluate, explain, layout_errors,
-                                    rank_key, search, slow_link, workers_comparison)
+from scaletrain.plan.params import ParamCounts
+from scaletrain.plan.search import (
+    Evaluated,
+    calibration_sources,
+    enumerate_layouts,
+    evaluate,
+    explain,
+    layout_errors,
+    rank_key,
+    search,
+    slow_link,
+    workers_comparison,
+)
 from scaletrain.plan.spec import Cluster, Layout, ModelSource, Workload, load_model
 from scaletrain.plan.time_model import estimate_module_time
 from scaletrain.vocab import ZERO_STAGES
@@ -204,7 +214,8 @@ def _plan_module(src: ModelSource, wl: Workload, cluster: Cluster, layout, top_k
     act_cache: dict[int, float] = {}
     for lay in candidates:
         if lay.tp > 1 or lay.pp > 1 or lay.activation_checkpointing != "none":
-            raise ConfigError("for an nn.Module the planner covers data parallelism and ZeRO only (tp=1, pp=1, ac none)")
+            raise ConfigError("for an nn.Module the planner covers data parallelism and ZeRO only "
+                              "(tp=1, pp=1, ac none)")
         if lay.micro_batch not in act_cache:
             act_cache[lay.micro_batch] = traced_module_bytes(module, wl, lay.micro_batch, vocab)
         m = module_memory(counts, wl, lay, act_cache[lay.micro_batch], gpu=gpu)

@@ -8,11 +8,9 @@ from __future__ import annotations
 from functools import lru_cache
 
 from scaletrain.model.config import ModelConfig
+from scaletrain.plan.params import Dtypes, dtypes_for, layer_params
 from scaletrain.plan.spec import Layout, Workload
-from scaletrain.vocab import (AC_MODES, CP_METHODS, PP_SCHEDULES, is_multi_chunk,
-                              unknown)
-
-from scaletrain.plan.params import Dtypes, layer_params, dtypes_for
+from scaletrain.vocab import AC_MODES, CP_METHODS, PP_SCHEDULES, is_multi_chunk, unknown
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,

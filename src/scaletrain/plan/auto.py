@@ -35,8 +35,8 @@ def auto_layout(cfg: JobConfig, world: int, device: torch.device, gpus_per_node:
     """(the config with the planner's layout, the planner's evaluation of it). `measure`:
     `scaletrain.measure`, given by a caller that may start groups of processes (scaletrain's
     launcher), as auto_measure_s needs."""
-    from scaletrain.plan import plan
     from scaletrain.hardware import local_hardware
+    from scaletrain.plan import plan
 
     defaults = ParallelConfig()
     set_by_hand = [k for k in CHOSEN if getattr(cfg.parallel, k) != getattr(defaults, k)]

@@ -26,11 +26,23 @@ from typing import NamedTuple
 
 from scaletrain.config import ParallelConfig
 from scaletrain.model.config import ModelConfig
+from scaletrain.plan.activations import (
+    attention_backward_bytes,
+    first_layer_extra_bytes,
+    formula_activation_bytes,
+    in_flight,
+    mlp_half_bytes,
+)
+from scaletrain.plan.params import (
+    Dtypes,
+    ParamCounts,
+    dtypes_for,
+    layer_params,
+    optimizer_bytes,
+    rank_params,
+    stage_layers,
+)
 from scaletrain.plan.spec import Cluster, Layout, Workload
-
-from scaletrain.plan.activations import (mlp_half_bytes, attention_backward_bytes, first_layer_extra_bytes, formula_activation_bytes,
-    in_flight)
-from scaletrain.plan.params import Dtypes, ParamCounts, layer_params, dtypes_for, optimizer_bytes, rank_params, stage_layers
 
 GiB = 2**30
 
@@ -125,10 +137,11 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
             raise ValueError("traced activations count scaletrain's own layer (engine scaletrain, cp 1)")
         from scaletrain.plan.trace import traced_activation_bytes
 
-        per_layer, head = traced_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp, layout.activation_checkpointing)
+        per_layer, head = traced_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp,
+                                                  layout.activation_checkpointing)
     elif activations == "formula":
-        per_layer, head = formula_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp, layout.activation_checkpointing,
-                                                   sh.fsdp_like, layout.cp)
+        per_layer, head = formula_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp,
+                                                   layout.activation_checkpointing, sh.fsdp_like, layout.cp)
     else:
         raise ValueError(f"unknown activation source {activations!r}")
     out.activations = per_layer * layers * flight

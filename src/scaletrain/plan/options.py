@@ -14,8 +14,9 @@ aliases' short names ("ac", "schedule", "virtual", "offload", "cp").
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from scaletrain.config import SECTIONS, JobConfig, from_dict, parse_override_args, read_config_file
 from scaletrain.errors import ConfigError

@@ -6,12 +6,13 @@ planner models and their habits are defined here (`ENGINES`). Read by the memory
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.flops import block_matmul_params
 from scaletrain.plan.spec import Layout, Workload
-from scaletrain.vocab import (OPTIMIZERS, PLAN_ENGINES, PRECISIONS, unknown)
+from scaletrain.vocab import OPTIMIZERS, PLAN_ENGINES, PRECISIONS, unknown
+
 
 @dataclass(frozen=True)
 class Dtypes:
@@ -23,11 +24,11 @@ class Dtypes:
     autocast: bool  # fp32 weights cast to the compute dtype for every forward
 
     @classmethod
-    def of(cls, precision: str) -> "Dtypes":
+    def of(cls, precision: str) -> Dtypes:
         return _dtypes_of(cls, precision)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _dtypes_of(cls, precision: str) -> Dtypes:
     """Dtypes.of, cached: the search asks for every layout it evaluates."""
     if precision in ("32-true", "tf32"):
@@ -130,7 +131,8 @@ def stage_layers(cfg: ModelConfig, layout: Layout) -> list[list[int]]:
 
     if layout.pp == 1:
         return [[cfg.n_layers]]
-    return _stage_layers(cfg.n_layers, layout.pp, layout.pp_virtual_stages, layout.pp_schedule, head_cost_in_blocks(cfg))
+    return _stage_layers(cfg.n_layers, layout.pp, layout.pp_virtual_stages, layout.pp_schedule,
+                         head_cost_in_blocks(cfg))
 
 
 @lru_cache(maxsize=4096)

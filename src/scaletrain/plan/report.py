@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from scaletrain.plan.memory_model import GiB, MemoryBreakdown, RESERVE_FRACTION
+from scaletrain.plan.memory_model import RESERVE_FRACTION, GiB, MemoryBreakdown
 from scaletrain.plan.search import Evaluated
 
 SCHEMA = "scaletrain.plan/1"
@@ -79,7 +79,8 @@ def table(result: dict) -> str:
         lines.append(f"searched {s['layouts']:,} layouts in {s['seconds']:.2f} s; {s['fit']:,} fit")
     lines.append("")
     width = max([len(e.layout.describe()) for e in result["layouts"]] + [6])
-    lines.append(f"{'#':>3}  {'layout':<{width}}  {'GiB/GPU':>8}  {'fits':>4}  {'step s':>8}  {'tokens/s':>11}  {'MFU':>6}")
+    lines.append(f"{'#':>3}  {'layout':<{width}}  {'GiB/GPU':>8}  {'fits':>4}  {'step s':>8}  "
+                 f"{'tokens/s':>11}  {'MFU':>6}")
     for i, e in enumerate(result["layouts"], 1):
         lines.append(f"{i:>3}  {e.layout.describe():<{width}}  {e.memory.total / GiB:>8.1f}  "
                      f"{'yes' if e.fits else 'NO':>4}  {e.time.step_time_s:>8.3f}  {e.time.tokens_per_s:>11,.0f}  "

@@ -12,17 +12,17 @@ sequence into 2·cp chunks), and the ZeRO stages its ranks allow.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Iterator
 
-from scaletrain.model.config import ModelConfig
 from scaletrain.errors import ConfigError
-from scaletrain.layout import tp_errors
 from scaletrain.fmt import seconds, size
+from scaletrain.layout import tp_errors
+from scaletrain.model.config import ModelConfig
+from scaletrain.plan import calibrated_time
 from scaletrain.plan.memory_model import GiB, MemoryBreakdown, estimate_memory
 from scaletrain.plan.spec import Cluster, Layout, Workload
-from scaletrain.plan import calibrated_time
 from scaletrain.plan.time_model import TimeBreakdown, estimate_time
 from scaletrain.vocab import AC_MODES, CP_METHODS, PP_SCHEDULES, ZERO_STAGES, is_multi_chunk
 
@@ -262,8 +262,9 @@ def explain(best: Evaluated, ranked: list[Evaluated], cfg: ModelConfig, wl: Work
                      f"{100 * best.time.bubble_fraction:.1f}% of the busy time: {1e3 * best.time.bubble_s:.0f} ms "
                      f"per step.")
     if lay.activation_checkpointing != "none":
-        lines.append(f"Activation checkpointing {lay.activation_checkpointing}: without it the activations would not fit "
-                     "or the micro-batch would have to shrink." if not _fits_without_ac(best, cfg, wl, cluster, gpu)
+        lines.append(f"Activation checkpointing {lay.activation_checkpointing}: without it the activations "
+                     "would not fit or the micro-batch would have to shrink."
+                     if not _fits_without_ac(best, cfg, wl, cluster, gpu)
                      else f"Activation checkpointing {lay.activation_checkpointing} lets a larger micro-batch fit.")
     runner = next((e for e in ranked if e.fits and e.layout != lay), None)
     if runner is not None:

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.config import from_dict, read_config_file
-from scaletrain.model.config import ModelConfig
 from scaletrain.errors import ConfigError
-from scaletrain.layout import Layout  # noqa: F401 - the one Layout, re-exported for the planner
 from scaletrain.hardware import Hardware
+from scaletrain.layout import Layout  # noqa: F401 - the one Layout, re-exported for the planner
+from scaletrain.model.config import ModelConfig
 from scaletrain.vocab import OPTIMIZERS, PLAN_ENGINES, PRECISIONS
 
 ATTENTION = ("flash", "eager")  # memory-efficient kernels (SDPA flash / efficient) or materialized scores

@@ -37,8 +37,8 @@ from functools import lru_cache
 
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.flops import block_matmul_params, flops_per_token
-from scaletrain.plan.params import Dtypes, dtypes_for, engine_of, rank_params
 from scaletrain.plan.calibrate import bus_factor
+from scaletrain.plan.params import Dtypes, dtypes_for, engine_of, rank_params
 from scaletrain.plan.spec import Cluster, Layout, Workload
 from scaletrain.quant.layers import fp8_share
 from scaletrain.vocab import PEAK_KIND
@@ -275,10 +275,10 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
     busy = compute + tp_comm + cp_comm + pp_comm
     step = busy * (1.0 + bubble) + dp_exposed + optimizer
     return TimeBreakdown(
-        compute_s=compute, tp_comm_s=tp_comm, cp_comm_s=cp_comm, pp_comm_s=pp_comm, dp_comm_s=dp_comm, dp_exposed_s=dp_exposed,
-        bubble_s=busy * bubble, optimizer_s=optimizer, step_time_s=step, tokens_per_s=tokens / step,
-        mfu=model_flops / (step * peak * world), model_flops=model_flops, hardware_flops=hardware_flops,
-        bubble_fraction=bubble)
+        compute_s=compute, tp_comm_s=tp_comm, cp_comm_s=cp_comm, pp_comm_s=pp_comm, dp_comm_s=dp_comm,
+        dp_exposed_s=dp_exposed, bubble_s=busy * bubble, optimizer_s=optimizer, step_time_s=step,
+        tokens_per_s=tokens / step, mfu=model_flops / (step * peak * world), model_flops=model_flops,
+        hardware_flops=hardware_flops, bubble_fraction=bubble)
 
 
 def data_parallel_seconds(wl: Workload, layout: Layout, cluster: Cluster, params: float, compute: float,

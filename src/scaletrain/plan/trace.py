@@ -19,8 +19,8 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from scaletrain.model.config import ModelConfig
 from scaletrain.errors import ConfigError
+from scaletrain.model.config import ModelConfig
 from scaletrain.plan.spec import Workload
 
 _FAKE_WORLD = {"size": None}
@@ -74,8 +74,8 @@ def _trace_model(cfg: ModelConfig, seq_len: int, precision: str, b: int, tp: int
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from scaletrain.memory import apply_activation_checkpointing, saved_activation_bytes
-    from scaletrain.model.transformer import Transformer
     from scaletrain.model.loss import cross_entropy_sum
+    from scaletrain.model.transformer import Transformer
 
     mesh_ctx = _fake_world(tp) if tp > 1 else contextlib.nullcontext()
     default_dtype = torch.get_default_dtype()

@@ -24,6 +24,11 @@ a reader knows what was converted (the planner's `--fp8` counts the same layers)
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported on first use: the config checks load this module without it
+    from torch import nn
+
 MIN_FEATURES = 64  # a linear with fewer inputs or outputs stays high precision
 GROUP_SIZE = 32  # int4 weights: one scale per this many inputs of a row
 FP8_MULTIPLE = 16  # fp8 matmuls (torch._scaled_mm) need both dimensions multiples of this

@@ -43,8 +43,12 @@ WEIGHTS_FILE = "model.safetensors"
 def torchao_config(scheme: str):
     """The torchao config that quantizes a linear layer by `scheme`."""
     import_torchao("scaletrain quantize")
-    from torchao.quantization import (Int8DynamicActivationInt8WeightConfig, Int8DynamicActivationIntxWeightConfig,
-                                      Int8WeightOnlyConfig, PerGroup)
+    from torchao.quantization import (
+        Int8DynamicActivationInt8WeightConfig,
+        Int8DynamicActivationIntxWeightConfig,
+        Int8WeightOnlyConfig,
+        PerGroup,
+    )
 
     if scheme == "int8-weight":
         return Int8WeightOnlyConfig(set_inductor_config=False)

@@ -33,8 +33,8 @@ from scaletrain.parallel import pipeline
 from scaletrain.parallel.tensor_parallel import whole
 from scaletrain.quant.ptq import is_quantized_folder, load_quantized, read_info
 from scaletrain.train import checkpoint as ckpt
-from scaletrain.trained.export import load_model_from_checkpoint
 from scaletrain.train.metrics import perplexity
+from scaletrain.trained.export import load_model_from_checkpoint
 
 
 @dataclass
@@ -192,7 +192,8 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, batches: int 
     out = {"checkpoint": str(path), "step": int(state["step"]),
            "data": tokens.source if len(parts) == 1 else "data.mix: " + ", ".join(str(n) for n in losses),
            "split": "validation" if all(h for _, h, _ in parts) else
-           "all (the folder has no validation split)" if len(parts) == 1 else "validation, or all of a folder without one",
+           "all (the folder has no validation split)" if len(parts) == 1 else
+           "validation, or all of a folder without one",
            "batches": sum(len(o) for _, _, o in parts), "windows": sum(int(o.size) for _, _, o in parts),
            "tokens": sum(int(o.size) * seq_len for _, _, o in parts),
            "val_loss": loss, "val_ppl": perplexity(loss), "device": str(dev)}

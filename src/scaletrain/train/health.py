@@ -16,15 +16,15 @@ import errno
 import math
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from scaletrain.launch import watchdog
 from scaletrain.errors import CheckpointError, ConfigError, TrainingStopped, UserError
+from scaletrain.launch import watchdog
 
 # words of gloo's and NCCL's messages when a peer is gone or late
 COMM_FAILURES = ("Timed out", "timed out", "Timeout", "Connection closed", "Connection reset", "Broken pipe",
@@ -80,7 +80,8 @@ class Health:
             ac = self.cfg.memory.activation_checkpointing
             fix = f"lower train.micro_batch (now {b.micro_batch}; gradient accumulation keeps the global batch)"
             if ac != "full":
-                fix += f", or set memory.activation_checkpointing={'full' if ac == 'selective' else 'selective or full'}"
+                more = "full" if ac == "selective" else "selective or full"
+                fix += f", or set memory.activation_checkpointing={more}"
             return f"{where} (activations of micro-batch {b.micro_batch} x data.seq_len {self.cfg.data.seq_len}); {fix}"
         return (f"{where}; the model states do not fit: shard them (parallel.zero=2 or 3, tp, pp) or use a smaller "
                 "optimizer (optim.name=adafactor or adamw8bit); `scaletrain plan --config FILE` finds a layout")

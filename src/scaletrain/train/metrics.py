@@ -6,9 +6,9 @@ val/loss and val/ppl beside train/*.
 Only rank 0 writes or prints; other ranks get a `MetricsLogger(enabled=False)` whose methods
 do nothing. Everything is written to the log stream (stderr); the run's result — the summary
 table and the sample — also goes to stdout when stdout is not where stderr goes, so
-`scaletrain train ... > result.txt` keeps it. `StepMeter` makes a row from the steps since the last one (tokens/s, MFU, the
-largest peak memory of any rank, data wait); `announce` writes the lines that open a run's log,
-`report_state_bytes` the measured size of the model states.
+`scaletrain train ... > result.txt` keeps it. `StepMeter` makes a row from the steps since the
+last one (tokens/s, MFU, the largest peak memory of any rank, data wait); `announce` writes the
+lines that open a run's log, `report_state_bytes` the measured size of the model states.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO
 
 import torch
 import torch.distributed as dist
@@ -159,7 +160,8 @@ class MetricsLogger:
         evaluated = [r for r in rows if "val_loss" in r]
         if evaluated:
             last = evaluated[-1]
-            table.append(("validation loss", f"{last['val_loss']:.4f} (ppl {last['val_ppl']:.2f}, step {last['step']})"))
+            table.append(("validation loss",
+                          f"{last['val_loss']:.4f} (ppl {last['val_ppl']:.2f}, step {last['step']})"))
         table += [
             ("wall time", fmt.clock(elapsed)),
             ("tokens/s (mean)", fmt.count(sum(r["tokens_per_s"] for r in steady) / len(steady))),

@@ -23,9 +23,9 @@ import math
 import os
 import time
 import uuid
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Callable
 
 from scaletrain import atomic
 from scaletrain.config import JobConfig
@@ -173,7 +173,8 @@ class RunFolder:
                               "to continue it, or choose another log.run_dir (nothing was changed)")
         return None
 
-    def check_resumable(self, path: Path, state: dict, *, global_batch: int, data, peak_lr: float | None = None) -> None:
+    def check_resumable(self, path: Path, state: dict, *, global_batch: int, data,
+                        peak_lr: float | None = None) -> None:
         """Refuse checkpoint `path` (its trainer `state`) if it was saved for another model shape,
         batch, seed, window length, data (unless checkpoint.allow_data_change) or is past
         train.steps: resuming it would not continue the same run. A learning-rate schedule that
@@ -264,7 +265,8 @@ class RunFolder:
         if dropped and head is not None and head[1] > step:  # a rewind: those rows are another history
             aside = self.run_dir / f"metrics.abandoned-after-step{step}.jsonl"
             aside.write_text("".join(line + "\n" for line in dropped))
-            self.notes.append(f"rewinding to step {step}: the metrics of steps {step + 1}-{head[1]} are kept in {aside}")
+            self.notes.append(f"rewinding to step {step}: "
+                              f"the metrics of steps {step + 1}-{head[1]} are kept in {aside}")
         atomic.write_text(f, "".join(line + "\n" for line in kept))
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 PACKAGES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}  # option -> (module, extra)
 

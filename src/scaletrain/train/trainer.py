@@ -28,6 +28,7 @@ from scaletrain.config import JobConfig, parse_mix
 from scaletrain.data.loader import StepSampler, build_loader
 from scaletrain.data.mix import open_training_data, step_sampler
 from scaletrain.errors import ConfigError
+from scaletrain.launch.runtime import Runtime, single_process
 from scaletrain.model.flops import flops_per_token
 from scaletrain.model.generate import sample_text
 from scaletrain.model.loss import cross_entropy_sum
@@ -40,14 +41,12 @@ from scaletrain.parallel.local_sgd import LocalSGD
 from scaletrain.parallel.parallelize import parallelize, parallelize_module
 from scaletrain.parallel.tensor_parallel import whole
 from scaletrain.precision import MasterWeights, Precision
-from scaletrain.launch.runtime import Runtime, single_process
 from scaletrain.schedule import TrainSchedule
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import run_folder
 from scaletrain.train.evaluate import validation_loss, validation_sets
 from scaletrain.train.health import Health, StopSignals
-from scaletrain.train.metrics import (MetricsLogger, StepMeter, announce, perplexity, print_sample,
-                                     report_state_bytes)
+from scaletrain.train.metrics import MetricsLogger, StepMeter, announce, perplexity, print_sample, report_state_bytes
 from scaletrain.train.run_folder import default_run_dir
 from scaletrain.train.state import TrainState
 
@@ -63,7 +62,8 @@ class Trainer:
         outputs `loss_fn` turns into the sum of the token losses (default: cross-entropy of logits);
         the protocol: parallel.parallelize.parallelize_module."""
         self.cfg = cfg
-        self.custom_model, self.loss_fn, self._schedule = model, loss_fn or cross_entropy_sum, schedule  # model: None for ours
+        # custom_model: the user's nn.Module, or None for scaletrain's transformer
+        self.custom_model, self.loss_fn, self._schedule = model, loss_fn or cross_entropy_sum, schedule
         # the runtime's layout is cfg's (derived once, where the job began); a config that asks for
         # another stage or batch on the same group of ranks gets its own layout on the same mesh
         self.rt = rt = (runtime or single_process(cfg)).for_config(cfg)
@@ -209,7 +209,8 @@ class Trainer:
                           "seq_len": cfg.data.seq_len, "source": self.data.source,
                           "fingerprint": getattr(self.data, "fingerprint", None)},
                  "optimizer": skeleton, **self.hooks.state_dict()}
-        return ckpt.save_checkpoint(self.ckpt_dir, self.step, self.checkpoint_tensors(), state, keep=cfg.checkpoint.keep)
+        return ckpt.save_checkpoint(self.ckpt_dir, self.step, self.checkpoint_tensors(), state,
+                                    keep=cfg.checkpoint.keep)
 
     def _resume(self, path: Path) -> None:
         """Continue from checkpoint `path`, after checking it was saved for this model, data,

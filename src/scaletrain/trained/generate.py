@@ -88,5 +88,6 @@ def generate_text(source: str | Path, prompt: str, *, max_new_tokens: int = 200,
     dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
     model = model.to(dev)
     return sample_text(model, tokenizer, prompt, max_new_tokens, window=window, seed=seed, device=dev,
-                       autocast=contextlib.nullcontext, all_ranks=False, interrupted=lambda: False, temperature=temperature, top_k=top_k)
+                       autocast=contextlib.nullcontext, all_ranks=False, interrupted=lambda: False,
+                       temperature=temperature, top_k=top_k)
 
