@@ -130,7 +130,9 @@ def plan_parser(sub) -> None:
 
 
 def schedule_parser(sub) -> None:
-    """`scaletrain schedule`'s options: the config's pipeline keys, with short aliases."""
+    """`scaletrain schedule`'s options: the config's pipeline keys, with short aliases (and its defaults)."""
+    from scaletrain.config import ParallelConfig
+
     p = sub.add_parser("schedule", help="draw a pipeline schedule's timeline and its bubble",
                        description="Draw a pipeline schedule. Options are the config's names (parallel.pp, "
                                    "parallel.pp_microbatches, parallel.pp_schedule, parallel.pp_virtual_stages), "
@@ -139,9 +141,11 @@ def schedule_parser(sub) -> None:
                    help="pipeline stages (ranks)")
     p.add_argument("--microbatches", "--parallel.pp_microbatches", dest="microbatches", type=int, required=True,
                    metavar="M", help="micro-batches per step (train.grad_accum under pipelining)")
-    p.add_argument("--schedule", "--parallel.pp_schedule", dest="schedule", default="1f1b", metavar="NAME",
+    p.add_argument("--schedule", "--parallel.pp_schedule", dest="schedule", default=ParallelConfig.pp_schedule,
+                   metavar="NAME",
                    help="gpipe, 1f1b, interleaved-1f1b or zero-bubble")
-    p.add_argument("--virtual", "--parallel.pp_virtual_stages", dest="virtual", type=int, default=1, metavar="V",
+    p.add_argument("--virtual", "--parallel.pp_virtual_stages", dest="virtual", type=int,
+                   default=ParallelConfig.pp_virtual_stages, metavar="V",
                    help="chunks per rank (interleaved-1f1b, zero-bubble)")
     p.add_argument("--png", help="also draw it to this PNG file")
     p.set_defaults(func=schedule, takes_overrides=False, parser=p)

@@ -88,7 +88,7 @@ def trainer_runner(trainer) -> Runner:
     def step() -> None:
         set_lr(trainer.optimizer, trainer.schedule.lr(trainer.step))  # as fit() does
         trainer.train_step(batches)
-        trainer.step += 1
+        trainer.state.step += 1
 
     return Runner(step, trainer.tokens_per_step, trainer.meter.flops_per_token, trainer.meter.peak_flops,
                   trainer.world_size, trainer.precision.configure_backends)

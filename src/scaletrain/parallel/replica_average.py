@@ -132,7 +132,7 @@ class ReplicaAverage:
 
     @classmethod
     def for_mesh(cls, mesh, dtype: str, background: bool, timeout=None) -> ReplicaAverage:
-        """Over the dp_replicate axis of the 4-D mesh (pp, dp_replicate, dp_shard, tp)."""
+        """Over the dp_replicate axis of the mesh (pp, dp_replicate, dp_shard, cp, tp)."""
         workers = mesh["dp_replicate"].size()
         extra = None
         if background:  # every rank creates every replica group, in the same order
