@@ -96,6 +96,11 @@ def test_keep_last_k_and_partial_folders_are_never_picked(tmp_path):
     assert ckpt.latest_checkpoint(folder).name == "step_00000010"
     resumed = Trainer(micro_cfg(tmp_path, **{"train.steps": 12, "checkpoint.resume": "auto"}))
     assert resumed.step == 10
+    # a save killed while it wrote HEAD.json left its partial file: the next save clears it with
+    # the partial folders (25 random kills left two of them once, beside the folder)
+    (folder / f".{ckpt.HEAD_FILE}.partial-99999").write_text("{")
+    resumed.save()
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []
 
 
 def test_existing_run_is_not_overwritten(tmp_path):

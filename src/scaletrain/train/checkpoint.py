@@ -31,6 +31,7 @@ whatever layout loads them.
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import hashlib
 import io
@@ -357,8 +358,12 @@ def save_checkpoint(folder: Path, step: int, tensors: dict[str, Any], trainer_st
     try:
         if rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
-            for dead in folder.glob(".step_*"):  # left by saves or deletions that were killed
+            # left by saves or deletions that were killed: partial folders, and HEAD files half-written
+            # by another process (this run owns the folder: no other process writes here now)
+            for dead in folder.glob(".step_*"):
                 shutil.rmtree(dead, ignore_errors=True)
+            for dead in folder.glob(f".{HEAD_FILE}.partial-*"):
+                dead.unlink(missing_ok=True)
             partial.mkdir()
         _barrier()
         dcp.save(tensors, storage_writer=FileSystemWriter(str(partial)), no_dist=not dist.is_initialized())
@@ -384,10 +389,9 @@ def save_checkpoint(folder: Path, step: int, tensors: dict[str, Any], trainer_st
             else:
                 os.replace(partial, final)
             atomic.fsync_dir(folder)
-            try:  # the checkpoint is complete; a HEAD left behind still leads to it (its descendant)
+            # the checkpoint is complete; a HEAD left behind still leads to it (its descendant)
+            with contextlib.suppress(OSError):  # (a failed write removes its own partial file)
                 write_head(folder, lineage, step)
-            except OSError:
-                (folder / f".{HEAD_FILE}.tmp").unlink(missing_ok=True)
             _rotate(folder, lineage, step, keep)
         _barrier()
     except (OSError, RuntimeError, CheckpointException) as e:
