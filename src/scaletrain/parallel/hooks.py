@@ -27,6 +27,7 @@ class StepHook:
     """One technique's work in each optimizer step; `phase` names it in a hang's report."""
 
     phase = "a technique's step work"
+    key = ""  # the checkpoint's trainer.json entry of state_dict(); empty: the hook keeps no state
     # this rank's share of a batch's (inputs, targets), cut in the data loader (None: all of it);
     # a picklable function, as the loader's worker processes call it
     batch_share: Callable | None = None
@@ -76,8 +77,6 @@ class StepHook:
 
     def load_state_dict(self, state: dict | None) -> None:
         """After the tensors are loaded."""
-
-    key = ""  # the trainer.json entry of state_dict(); empty: the hook keeps no state
 
 
 class StepHooks:
