@@ -68,10 +68,6 @@ class StepHook:
         """JSON state saved in the checkpoint's trainer.json under the hook's `key` (None: nothing)."""
         return None
 
-    def check_resume(self, path, saved: dict) -> None:
-        """Refuse (CheckpointError) a checkpoint this technique cannot continue; `saved`: its whole
-        trainer.json (the config it was saved with, each hook's state under its key)."""
-
     def prepare_load(self, state: dict | None) -> None:
         """Before the tensors are loaded: allocate what `checkpoint_tensors` will load into."""
 
@@ -137,10 +133,6 @@ class StepHooks:
 
     def state_dict(self) -> dict:
         return {h.key: s for h in self.hooks if h.key and (s := h.state_dict()) is not None}
-
-    def check_resume(self, path, saved: dict) -> None:
-        for h in self.hooks:
-            h.check_resume(path, saved)
 
     def prepare_load(self, state: dict) -> None:
         for h in self.hooks:

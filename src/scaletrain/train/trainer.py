@@ -219,7 +219,6 @@ class Trainer:
         self.folder.check_resumable(path, state, global_batch=self.layout.global_batch, data=self.data,
                                     peak_lr=self.schedule.peak)
         ckpt.check_sync(path, state, self.layout)
-        self.hooks.check_resume(path, state)
         self.hooks.prepare_load(state)
         ckpt.init_optimizer_state(self.optimizer)
         # resume=auto verified the files while choosing this checkpoint; a given path is verified here
