@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from scaletrain import hardware
+from scaletrain import fmt, hardware
 from scaletrain.train.metrics import MetricsLogger
 from scaletrain.train.trainer import Trainer
 
@@ -69,15 +69,16 @@ def test_gpu_catalog_names():
 # The progress line and the summary
 
 
-def test_progress_line_and_summary_say_what_memory_counts_in_mib(tmp_path):
+def test_progress_line_and_summary_say_what_memory_counts_in_binary_units(tmp_path):
+    """The peak RSS in MiB or, past 1 GiB (the CI machine's run crossed it), GiB -- never MB."""
     r = run_here("train", *MICRO_ARGS, "--train.steps=2", f"--log.run_dir={tmp_path / 'run'}")
     assert r.returncode == 0, r.stderr
     step = next(line for line in r.stderr.splitlines() if line.startswith("step 2/2"))
     peak = read_metrics(tmp_path / "run")[-1]["peak_mem_bytes"]
-    assert f"rss {peak / 2**20:.1f} MiB" in step, step
-    assert "MB" not in step
+    assert f"rss {fmt.size(peak)}" in step, step
+    assert fmt.size(peak).endswith(("MiB", "GiB")) and "MB" not in step
     summary = next(line for line in r.stderr.splitlines() if line.startswith("peak memory"))
-    assert summary.endswith(f"{peak / 2**20:.1f} MiB (the process's peak RSS: tensors, the Python and torch "
+    assert summary.endswith(f"{fmt.size(peak)} (the process's peak RSS: tensors, the Python and torch "
                             "runtime, buffers)")
 
 
