@@ -54,6 +54,27 @@ class ModelConfig:
     bias: bool = option(False, "add biases to linear layers and LayerNorm")
     qkv_bias: bool = option(False, "add biases to the query, key and value projections only (Qwen2)")
     qk_norm: bool = option(False, "RMSNorm over each head of the queries and keys before the rotation (Qwen3)")
+    moe_experts: int = option(0, "routed experts of each mixture-of-experts block; 0 = dense MLPs everywhere", min=0)
+    moe_top_k: int = option(2, "experts each token is sent to", min=1)
+    moe_shared_experts: int = option(0, "experts every token passes through besides its routed ones (DeepSeek, "
+                                        "Qwen2-MoE): one MLP of moe_shared_experts * moe_hidden", min=0)
+    moe_hidden: int = option(0, "hidden width of each expert; 0 = the dense MLP's (ffn_dim)", min=0)
+    moe_every: int = option(1, "every n-th block (counted after moe_first_dense) is a mixture of experts", min=1)
+    moe_first_dense: int = option(0, "the first blocks that keep a dense MLP (DeepSeek-V3: 3)", min=0)
+    moe_score: str = option("softmax", "router score of each expert: softmax over experts (Mixtral, Qwen3-MoE) or "
+                                       "an independent sigmoid (DeepSeek-V3)", choices=("softmax", "sigmoid"))
+    moe_renorm: bool = option(False, "rescale the chosen experts' scores to sum to 1 (Mixtral, Qwen3-MoE)")
+    moe_route_scale: float = option(1.0, "factor on the routed experts' weighted sum (DeepSeek-V3's "
+                                         "routed_scaling_factor)", min=0.0)
+    moe_capacity_factor: float = option(0.0, "tokens an expert takes per micro-batch, as a multiple of an even "
+                                             "share (tokens * top_k / experts); the rest are dropped and counted; "
+                                             "0 = dropless", min=0.0)
+    moe_bias_rate: float = option(1e-3, "load balancing without a loss (DeepSeek-V3): each optimizer step moves "
+                                        "every expert's routing bias by this much towards an even load; 0 = off",
+                                  min=0.0)
+    moe_aux_loss: float = option(0.0, "coefficient of the Switch load-balancing loss (0.01 is usual); 0 = off",
+                                 min=0.0)
+    moe_z_loss: float = option(0.0, "coefficient of the router z-loss (ST-MoE; 0.001 is usual); 0 = off", min=0.0)
     dropout: float = option(0.0, "dropout on attention weights and residual branches", min=0.0, max=1.0, open_max=True)
     init_std: float = option(0.02, "std of the normal init; residual projections get std/sqrt(2*n_layers)", min=0.0)
 
@@ -68,6 +89,19 @@ class ModelConfig:
     def head_size(self) -> int:
         """The width of each attention head in use: head_dim, or dim / n_heads."""
         return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.moe_hidden or self.hidden_dim
+
+    def is_moe_block(self, index: int) -> bool:
+        """Whether block `index` holds a mixture of experts rather than a dense MLP."""
+        return bool(self.moe_experts) and index >= self.moe_first_dense and \
+            (index - self.moe_first_dense) % self.moe_every == 0
+
+    @property
+    def moe_blocks(self) -> int:
+        return sum(self.is_moe_block(i) for i in range(self.n_layers))
 
     @property
     def hidden_dim(self) -> int:
@@ -107,6 +141,18 @@ def check_model(m: ModelConfig) -> list[str]:
     if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
         errors.append(f"model.rope_scaling=llama3 needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
                       f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor}")
+    if m.moe_experts and m.moe_top_k > m.moe_experts:
+        errors.append(f"model.moe_top_k={m.moe_top_k} chooses more experts than model.moe_experts={m.moe_experts}; "
+                      f"set moe_top_k to at most {m.moe_experts}")
+    moe_only = [f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
+                if f.name.startswith("moe_") and f.name != "moe_experts" and getattr(m, f.name) != f.default
+                and f.name != "moe_bias_rate"]
+    if not m.moe_experts and moe_only:
+        errors.append(f"{', '.join(moe_only)} configure mixtures of experts, but model.moe_experts=0 (a dense "
+                      "model); set model.moe_experts, or drop them")
+    if m.moe_experts and not m.moe_blocks:
+        errors.append(f"model.moe_first_dense={m.moe_first_dense} leaves no block of the {m.n_layers} a mixture of "
+                      f"experts; lower it below {m.n_layers}")
     if m.vocab_size > 2**32:
         errors.append(f"model.vocab_size={m.vocab_size} is larger than uint32 token ids allow")
     return errors

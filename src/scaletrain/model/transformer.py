@@ -1,4 +1,5 @@
-"""A decoder-only transformer covering the GPT-2 and Llama families, in plain PyTorch.
+"""A decoder-only transformer covering the GPT-2 and Llama families, in plain PyTorch; any of its
+blocks may hold a mixture of experts (model/moe.py) instead of a dense MLP.
 
 It runs on one device and knows nothing of parallelism; `scaletrain.parallel` transforms it.
 Two choices make that possible:
@@ -24,6 +25,8 @@ from torch import nn
 
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.kv_cache import KVCache
+from scaletrain.model.mlp import MLP
+from scaletrain.model.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -132,35 +135,30 @@ class Attention(nn.Module):
             enable_gqa=q.shape[1] != k.shape[1])
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.swiglu = cfg.activation == "swiglu"
-        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=cfg.bias)
-        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=cfg.bias) if self.swiglu else None
-        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=cfg.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
-
-
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
+        """`index`: the block's place in the model (which blocks are mixtures of experts)."""
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        # a mixture of experts is `moe`, a dense MLP `mlp`: their weights differ in name and shape
+        if cfg.is_moe_block(index):
+            self.moe = MoE(cfg)
+        else:
+            self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.moe if hasattr(self, "moe") else self.mlp
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 cache: tuple[KVCache, str] | None = None) -> torch.Tensor:
         h = self.attn_norm(x)
         # the cache only in generation: tensor parallelism's input plan knows (x, rope) alone
         x = x + self.drop(self.attn(h, rope) if cache is None else self.attn(h, rope, cache))
-        x = x + self.drop(self.mlp(self.mlp_norm(x)))
+        x = x + self.drop(self.ffn(self.mlp_norm(x)))
         return x
 
 
@@ -180,7 +178,7 @@ class Transformer(nn.Module):
         self.pos_emb: nn.Embedding | None = (
             nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.position == "learned" else None)
         self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = make_norm(cfg)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -198,6 +196,9 @@ class Transformer(nn.Module):
         if self.cfg.position == "rope":
             cos, sin = rope_tables(self.cfg, device=device or self.rope_cos.device)
             self.rope_cos, self.rope_sin = cos, sin
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.reset_state()
 
     def init_rule(self, name: str) -> InitRule:
         """The initial distribution of parameter `name` (a canonical name, no wrapper prefixes)."""
@@ -206,7 +207,7 @@ class Transformer(nn.Module):
             return InitRule("ones") if leaf == "weight" else InitRule("zeros")
         if leaf == "bias":
             return InitRule("zeros")
-        if name.endswith(("attn.wo.weight", "mlp.w2.weight")):
+        if name.endswith(("attn.wo.weight", "mlp.w2.weight", "moe.w2", "shared.w2.weight")):
             # GPT-2: scale the projections into the residual stream by 1/sqrt(2 * n_layers)
             return InitRule("normal", self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers))
         return InitRule("normal", self.cfg.init_std)

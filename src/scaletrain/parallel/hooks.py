@@ -6,9 +6,9 @@ Trainer a `StepHook`; `parallelize()` returns those of the techniques it applied
 those built from it (master weights, local SGD). The Trainer calls `StepHooks` at fixed points of
 the step and never asks which technique is behind a hook:
 
-    forward/backward of every micro-batch (each hook's `batch_share` cuts this rank's tokens)
+    begin_step -> forward/backward of every micro-batch (each hook's `batch_share` cuts this rank's tokens)
     -> reduce_gradients -> unscale -> clip (norm_copies counted once) -> agree_to_skip
-    -> optimizer step -> after_optimizer_step -> reported_norm
+    -> optimizer step -> after_optimizer_step -> reported_norm (-> metrics, on a logged step)
 
 Every method of `StepHook` does nothing by default: a hook overrides what it needs.
 """
@@ -31,6 +31,10 @@ class StepHook:
     # this rank's share of a batch's (inputs, targets), cut in the data loader (None: all of it);
     # a picklable function, as the loader's worker processes call it
     batch_share: Callable | None = None
+
+    def begin_step(self, loss_factor: float) -> None:
+        """Before the step's first forward. `loss_factor`: d (what backward starts from) / d (the sum
+        of this rank's token losses), for a loss a technique adds inside the model."""
 
     def reduce_gradients(self, named: Named) -> None:
         """After the micro-batches' backward, before the norm: gradients of the optimizer's
@@ -56,6 +60,10 @@ class StepHook:
     def reported_norm(self, grad_norm):
         """The gradient norm the metrics show (a worker's own norm becomes the workers' RMS)."""
         return grad_norm
+
+    def metrics(self) -> dict[str, float]:
+        """What the technique measured in the last step, for the metrics row."""
+        return {}
 
     # ---- checkpoints: what the technique keeps beside the weights and the optimizer state ----
 
@@ -91,6 +99,10 @@ class StepHooks:
         """The run's hook of one technique (a benchmark or a test looks into it), or None."""
         return next((h for h in self.hooks if isinstance(h, kind)), None)
 
+    def begin_step(self, loss_factor: float) -> None:
+        for h in self.hooks:
+            h.begin_step(loss_factor)
+
     def reduce_gradients(self, named: Named) -> None:
         for h in self.hooks:
             self.enter(h.phase)
@@ -125,6 +137,9 @@ class StepHooks:
         for h in self.hooks:
             grad_norm = h.reported_norm(grad_norm)
         return grad_norm
+
+    def metrics(self) -> dict[str, float]:
+        return {k: v for h in self.hooks for k, v in h.metrics().items()}
 
     def checkpoint_tensors(self, tensors: dict) -> dict:
         for h in self.hooks:

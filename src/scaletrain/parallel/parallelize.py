@@ -40,6 +40,7 @@ from scaletrain.parallel.data_parallel import (
 )
 from scaletrain.parallel.hooks import StepHook
 from scaletrain.parallel.init import init_weights, load_weights
+from scaletrain.parallel.moe_balance import MoEBalance
 from scaletrain.parallel.tensor_parallel import ReplicatedKVStep, apply_tensor_parallel
 from scaletrain.parallel.zero import ZeroDataParallel
 from scaletrain.precision import Precision
@@ -211,6 +212,10 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
         result.hooks.append(tied)
     if fp8_all_gather:
         result.hooks.append(Fp8ScaleStep(dp.models))
+    if cfg.model.moe_experts:  # the load over the ranks that saw different tokens: dp and cp
+        groups = [rt.group(axis) for axis, size in (("dp", lay.dp), ("cp", lay.cp)) if size > 1]
+        if balance := MoEBalance.for_model(dp.models, groups, cfg.model.moe_bias_rate, cfg.model.moe_top_k):
+            result.hooks.append(balance)
     return result
 
 

@@ -257,6 +257,7 @@ class Trainer:
 
     def train_step(self, batches) -> tuple[torch.Tensor, torch.Tensor, bool, float]:
         """One optimizer step. Returns (loss, grad_norm, skipped, seconds spent waiting for data)."""
+        self.hooks.begin_step(self.loss_factor())
         loss, wait = self.forward_backward(batches)
         grad_norm, skipped = self.update()
         return loss, grad_norm, skipped, wait
@@ -395,6 +396,7 @@ class Trainer:
         row = self.health.guarded(self.meter.row, self.step, loss, grad_norm, get_lr(self.optimizer),
                                   self.state.skipped_steps, self.scaler.scale if self.scaler else None)
         row["global_batch"] = self.batch_schedule.batch(self.step - 1)  # of the logged step
+        row.update(self.hooks.metrics())  # what the techniques measured in it (a mixture's balance)
         if self.mix_sampler is not None:  # the share of the windows so far drawn from each source
             row.update(self.mix_sampler.shares(self.step, self.data.names))
         if val_loss is not None:

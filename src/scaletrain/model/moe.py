@@ -1,0 +1,186 @@
+"""A mixture-of-experts feed-forward layer, in plain PyTorch (no parallelism inside).
+
+Each token's router scores pick `top_k` of `experts` MLPs; the token's output is the sum of
+their outputs weighted by the scores (plus shared experts every token passes through). The
+layer is dropless by default: tokens are grouped by expert, and one grouped matmul
+(`torch._grouped_mm`) runs every expert over its group, whatever its size.
+
+Load balancing, each optional:
+
+* the auxiliary-loss-free expert bias (DeepSeek-V3): a per-expert bias added to the scores when
+  choosing the experts (never when weighting them). After each optimizer step the bias moves by
+  `bias_rate` towards an even load, from the token counts of the whole step: every micro-batch,
+  every data-parallel rank (the step's hook reduces them), so any layout moves it alike.
+* the Switch load-balancing loss (Fedus et al. 2021) and the router z-loss (Zoph et al. 2022).
+  Both are kept as sums over tokens (the balance loss per sequence), so they add up over
+  micro-batches and ranks like the token loss; their gradients join backward through
+  `_AddLossGradient` with the loss's own factor (`loss_factor`, set by the step's hook).
+
+What a layout changes is `run_experts`, the step from tokens grouped by expert to the experts'
+outputs in the same order: expert parallelism replaces it on the instance with one that sends
+each group to the rank holding its expert and brings the outputs back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.model.config import ModelConfig
+from scaletrain.model.mlp import MLP
+
+# counters each layer keeps over an optimizer step (sums over micro-batches; the step's hook
+# reduces them over ranks and clears them): tokens per expert, then the scalars below
+STAT_NAMES = ("tokens", "dropped", "aux_loss", "z_loss")
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` takes `t`: row strides of a multiple of 16 bytes."""
+    return t.shape[-1] * t.element_size() % 16 == 0
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
+    """x (tokens, in) grouped by expert, w (experts, out, in) -> (tokens, out): each group times
+    its expert's matrix. One grouped matmul where it takes the shapes; a loop over experts otherwise."""
+    wt = w.transpose(-2, -1)
+    if counts is None and _aligned(x) and _aligned(wt.contiguous()[0]):
+        y = torch._grouped_mm(x, wt, offs=offsets)
+        if y.requires_grad:  # its backward refuses a broadcast (stride-0) gradient
+            y.register_hook(lambda g: g.contiguous())
+        return y
+    counts = counts if counts is not None else torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
+    return torch.cat([part @ wt[e] for e, part in enumerate(x.split(counts))]) if len(x) else x.new_zeros(0, w.shape[1])
+
+
+def expert_mlp(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None,
+               loop: bool = False) -> torch.Tensor:
+    """The experts' MLPs over tokens grouped by expert: x (tokens, dim), counts (experts,) the
+    size of each group; w1, w3 (experts, hidden, dim), w2 (experts, dim, hidden). SwiGLU when w3
+    is given, GELU otherwise. `loop`: a per-expert loop instead of the grouped matmul (the
+    reference the benchmark compares against)."""
+    offsets = counts.cumsum(0).to(torch.int32)
+    split = counts.tolist() if loop else None
+    if torch.is_autocast_enabled(x.device.type):  # a grouped matmul is not on autocast's lists
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w1, w2, w3 = (t.to(dtype) if t is not None else None for t in (x, w1, w2, w3))
+    h = _grouped(x, w1, offsets, split)
+    h = F.silu(h) * _grouped(x, w3, offsets, split) if w3 is not None else F.gelu(h, approximate="tanh")
+    return _grouped(h, w2, offsets, split)
+
+
+class _AddLossGradient(torch.autograd.Function):
+    """Returns `out` unchanged; in backward, gives `loss` the gradient `factor` (d total / d loss),
+    so a loss computed inside a layer joins backward without travelling to the loss function
+    (through pipeline stages, activation checkpointing, compile)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        return grad_out, torch.full((), ctx.factor, device=grad_out.device), None
+
+
+class MoE(nn.Module):
+    """Router, routed experts (w1, w2, w3 stacked over experts) and optional shared experts."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
+        self.score, self.renorm, self.route_scale = cfg.moe_score, cfg.moe_renorm, cfg.moe_route_scale
+        self.capacity_factor = cfg.moe_capacity_factor
+        self.aux_coef, self.z_coef = cfg.moe_aux_loss, cfg.moe_z_loss
+        E, d, h = cfg.moe_experts, cfg.dim, cfg.expert_hidden
+        self.router = nn.Linear(d, E, bias=False)
+        self.w1 = nn.Parameter(torch.empty(E, h, d))
+        self.w2 = nn.Parameter(torch.empty(E, d, h))
+        self.w3 = nn.Parameter(torch.empty(E, h, d)) if cfg.activation == "swiglu" else None
+        self.shared = MLP(cfg, hidden=cfg.moe_shared_experts * h) if cfg.moe_shared_experts else None
+        # the routing bias is state (saved, resumed); the step's counters are not
+        self.register_buffer("expert_bias", torch.zeros(E), persistent=True)
+        self.register_buffer("stats", torch.zeros(E + len(STAT_NAMES) - 1), persistent=False)
+        self.loss_factor = 1.0  # d total loss / d (sum of token losses): the step's hook sets it
+
+    def reset_state(self) -> None:
+        """Zero the routing bias and the counters (after `to_empty` from the meta device)."""
+        with torch.no_grad():
+            self.expert_bias.zero_()
+            self.stats.zero_()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (tokens, dim) -> (router logits (tokens, experts) fp32, chosen experts (tokens, top_k),
+        their weights (tokens, top_k) fp32). The router runs in fp32 whatever the precision: a
+        bf16 score tie decides an expert."""
+        logits = F.linear(x.float(), self.router.weight.float())
+        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        # the bias steers the choice only; the weights are the scores themselves
+        chosen = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if self.renorm:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, chosen, weights * self.route_scale
+
+    def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Tokens grouped by expert (counts: the size of each expert's group) -> their outputs in the
+        same order. Expert parallelism replaces this method on the instance."""
+        return expert_mlp(x, counts, self.w1, self.w2, self.w3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        flat = x.reshape(-1, D)
+        logits, chosen, weights = self.route(flat)
+        slots = chosen.flatten()  # token i's k-th choice at i * top_k + k
+        order = slots.argsort(stable=True)  # slots grouped by expert, tokens in order within each
+        counts = torch.bincount(slots, minlength=self.num_experts)
+        routed = counts
+        if self.capacity_factor:  # each expert keeps its first `capacity` tokens, drops the rest
+            capacity = math.ceil(self.capacity_factor * len(slots) / self.num_experts)
+            starts = counts.cumsum(0) - counts
+            rank_in_expert = torch.arange(len(slots), device=x.device) - starts.repeat_interleave(counts)
+            order = order[rank_in_expert < capacity]
+            counts = counts.clamp(max=capacity)
+        token = order // self.top_k
+        y = self.run_experts(flat[token], counts)
+        y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
+        out = torch.zeros(flat.shape, dtype=y.dtype, device=x.device).index_add_(0, token, y)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        if self.training and torch.is_grad_enabled():
+            out = self._balance(out, logits, chosen.view(B, -1), routed, routed.sum() - counts.sum())
+        return out.view(B, T, D).to(x.dtype)
+
+    def _balance(self, out: torch.Tensor, logits: torch.Tensor, chosen: torch.Tensor, routed: torch.Tensor,
+                 dropped: torch.Tensor) -> torch.Tensor:
+        """Count the step's load and add the auxiliary losses' gradients (training forward only).
+        A forward recomputed in backward (activation checkpointing) counts nothing twice: its
+        losses' gradients are those of the forward it repeats. `chosen`: (sequences, T * top_k)."""
+        B, E = chosen.shape[0], self.num_experts
+        T = logits.shape[0] // B
+        recomputed = torch._C._current_graph_task_id() != -1
+        loss = logits.new_zeros(())
+        z = aux = None
+        if self.z_coef:  # sum over tokens of logsumexp(logits)^2
+            z = logits.logsumexp(-1).square().sum()
+            loss = loss + self.z_coef * z
+        if self.aux_coef:  # per sequence: E * sum_e (share of its tokens routed to e) * (mean score of e), times T
+            probs = logits.softmax(-1).view(B, T, E)
+            share = torch.zeros(B, E, device=logits.device).scatter_add_(
+                1, chosen, torch.ones(chosen.shape, device=logits.device)) / chosen.shape[1]
+            aux = (E * (share * probs.mean(1)).sum(-1)).sum() * T
+            loss = loss + self.aux_coef * aux
+        if not recomputed:
+            with torch.no_grad():
+                self.stats[:E] += routed
+                self.stats[E] += dropped
+                if aux is not None:
+                    self.stats[E + 1] += aux.detach()
+                if z is not None:
+                    self.stats[E + 2] += z.detach()
+        if z is None and aux is None:
+            return out
+        return _AddLossGradient.apply(out, loss, self.loss_factor)
