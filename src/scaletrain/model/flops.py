@@ -12,25 +12,37 @@ from __future__ import annotations
 from scaletrain.model.config import ModelConfig
 
 
-def block_matmul_params(cfg: ModelConfig, tp: int = 1) -> int:
-    """Parameters of one transformer block that multiply activations — wq, wk, wv, wo and the
-    MLP's two (GELU) or three (SwiGLU) matrices — on one of `tp` tensor-parallel ranks (each
-    matrix is split over them). Norms and biases are negligible and left out. The one count of
-    a block's matmul work: FLOPs per token, the pipeline's balanced split by compute and the
-    planner's memory and time all read it."""
+def block_matmul_params(cfg: ModelConfig, tp: int = 1, index: int | None = None) -> int:
+    """Parameters of one transformer block that multiply each token's activations — wq, wk, wv,
+    wo and the MLP's two (GELU) or three (SwiGLU) matrices — on one of `tp` tensor-parallel ranks
+    (each matrix is split over them). Norms and biases are negligible and left out. The one count
+    of a block's matmul work: FLOPs per token, the pipeline's balanced split by compute and the
+    planner's memory and time all read it.
+
+    A mixture-of-experts block (`index`: which block; None = the average block) counts its
+    *active* parameters: the router, the top_k experts each token visits and the shared experts,
+    never all experts. The experts are not split by tp."""
     d, kv, q = cfg.dim, cfg.kv_heads * cfg.head_size, cfg.n_heads * cfg.head_size
     attn = d * q + 2 * d * kv + q * d  # wq, wk, wv, wo
-    mlp = (3 if cfg.activation == "swiglu" else 2) * d * cfg.hidden_dim
-    return (attn + mlp) // tp
+    per_mlp = 3 if cfg.activation == "swiglu" else 2
+    dense = per_mlp * d * cfg.hidden_dim
+    if not cfg.moe_experts:
+        return (attn + dense) // tp
+    moe = d * cfg.moe_experts + per_mlp * d * cfg.expert_hidden * (cfg.moe_top_k + cfg.moe_shared_experts)
+    if index is not None:
+        return (attn + dense) // tp if not cfg.is_moe_block(index) else attn // tp + moe
+    blocks = cfg.moe_blocks
+    return round(attn / tp + (blocks * moe + (cfg.n_layers - blocks) * dense / tp) / cfg.n_layers)
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that multiply activations: the blocks' linear layers and the output head.
-    The input embedding is a lookup (no FLOPs)."""
-    return cfg.n_layers * block_matmul_params(cfg) + cfg.dim * cfg.vocab_size
+    """Parameters that multiply each token's activations: the blocks' linear layers (a mixture's
+    active ones) and the output head. The input embedding is a lookup (no FLOPs)."""
+    return sum(block_matmul_params(cfg, index=i) for i in range(cfg.n_layers)) + cfg.dim * cfg.vocab_size
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Forward + backward FLOPs per trained token."""
+    """Forward + backward FLOPs per trained token: 6 per active matmul parameter plus attention
+    (MFU of a mixture of experts counts the experts a token visits, never all of them)."""
     # the scores and their weighted sum run at the heads' width, n_heads * head_size (= dim unless set apart)
     return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_size * seq_len
