@@ -54,6 +54,9 @@ class ModelConfig:
     bias: bool = option(False, "add biases to linear layers and LayerNorm")
     qkv_bias: bool = option(False, "add biases to the query, key and value projections only (Qwen2)")
     qk_norm: bool = option(False, "RMSNorm over each head of the queries and keys before the rotation (Qwen3)")
+    qk_norm_scope: str = option("head", "what model.qk_norm normalises: each head apart, with one weight of head_dim "
+                                        "(Qwen3), or the whole query and key projections, each with its own weight "
+                                        "(OLMoE, OLMo 2)", choices=("head", "projection"))
     moe_experts: int = option(0, "routed experts of each mixture-of-experts block; 0 = dense MLPs everywhere", min=0)
     moe_top_k: int = option(2, "experts each token is sent to", min=1)
     moe_shared_experts: int = option(0, "experts every token passes through besides its routed ones (DeepSeek, "
@@ -141,6 +144,9 @@ def check_model(m: ModelConfig) -> list[str]:
     if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
         errors.append(f"model.rope_scaling=llama3 needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
                       f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor}")
+    if m.qk_norm_scope != "head" and not m.qk_norm:
+        errors.append(f"model.qk_norm_scope={m.qk_norm_scope} says what the q/k norms cover, but model.qk_norm=false; "
+                      "set model.qk_norm=true, or drop qk_norm_scope")
     if m.moe_experts and m.moe_top_k > m.moe_experts:
         errors.append(f"model.moe_top_k={m.moe_top_k} chooses more experts than model.moe_experts={m.moe_experts}; "
                       f"set moe_top_k to at most {m.moe_experts}")

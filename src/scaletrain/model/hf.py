@@ -1,5 +1,5 @@
-"""Hugging Face in and out: the weights of GPT-2, Llama, Mistral, Qwen2 and Qwen3 (their configs:
-scaletrain.model.hf_config).
+"""Hugging Face in and out: the weights of GPT-2, Llama, Mistral, Qwen2, Qwen3 and the mixtures of
+experts Mixtral, Qwen3-MoE and OLMoE (their configs: scaletrain.model.hf_config).
 
 Three things differ between a Hugging Face checkpoint and ours; each is converted here, both ways:
 
@@ -17,6 +17,12 @@ Three things differ between a Hugging Face checkpoint and ours; each is converte
   their biases and of the Qwen3 q/k norm weights) maps one onto the other; the scores q.k do not
   change because q and k are reordered alike, and v and wo are untouched. Without it a model
   loads without complaint and computes nonsense.
+* experts. Ours are stacked, one (experts, out, in) tensor per matrix (`layers.1.moe.w1`); the
+  files hold one matrix per expert: Mixtral's `block_sparse_moe.experts.3.w1.weight`, Qwen3-MoE's
+  and OLMoE's `mlp.experts.3.gate_proj.weight`, as transformers 5 still saves them. Its modules
+  keep them fused in memory (`mlp.experts.gate_up_proj` (experts, 2 * hidden, dim), gate rows
+  first, and `down_proj` (experts, dim, hidden)); a file of those names is read too. The router is
+  the family's `gate`. Each expert is an nn.Linear (out, in) on both sides: nothing is transposed.
 
 Weights come back as fp32 tensors under our canonical names (a tied head appears once, as
 `tok_emb.weight`, as `named_parameters` lists it), ready to be distributed like initial values.
@@ -54,6 +60,10 @@ _GPT2_BLOCK = {"attn_norm": "ln_1", "attn.wo": "attn.c_proj", "mlp_norm": "ln_2"
 _GPT2_TOP = {"tok_emb": "transformer.wte", "pos_emb": "transformer.wpe", "norm": "transformer.ln_f",
              "output": "lm_head"}
 _NAME = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
+_EXPERTS = re.compile(r"^layers\.(\d+)\.moe\.(w1|w2|w3)$")  # our stacked expert matrices
+# each expert's matrix in a file: ours -> Mixtral's, ours -> Qwen3-MoE's and OLMoE's
+_EXPERT_LEAF = {"mixtral": {"w1": "w1", "w2": "w2", "w3": "w3"},
+                "mlp": {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}}
 # buffers some checkpoints carry that are no weights: GPT-2's causal mask, old Llamas' frequencies
 _BUFFERS = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
 
@@ -79,12 +89,31 @@ def _rope_heads(name: str, cfg: ModelConfig) -> int:
         return cfg.n_heads
     if ".attn.wk." in name:
         return cfg.kv_heads
-    if ".attn.q_norm." in name or ".attn.k_norm." in name:
-        return 1
+    if ".attn.q_norm." in name or ".attn.k_norm." in name:  # OLMoE's span every head's rows
+        return 1 if cfg.qk_norm_scope == "head" else (cfg.n_heads if ".q_norm." in name else cfg.kv_heads)
     return 0
 
 
-def _hf_name(name: str, gpt2: bool) -> str:
+def _moe_style(keys) -> str:
+    """How a checkpoint names its experts: "mixtral" (block_sparse_moe.experts.E.w1), "mlp"
+    (mlp.experts.E.gate_proj) or "fused" (mlp.experts.gate_up_proj, transformers 5's modules)."""
+    if any(".block_sparse_moe." in k for k in keys):
+        return "mixtral"
+    return "fused" if any(k.endswith(".experts.gate_up_proj") for k in keys) else "mlp"
+
+
+def _expert_keys(i: str, matrix: str, experts: int, style: str) -> list[str]:
+    """The file's tensor names for our `layers.{i}.moe.{matrix}`: one per expert, or the fused one."""
+    if style == "fused":
+        return [f"model.layers.{i}.mlp.experts.{'down_proj' if matrix == 'w2' else 'gate_up_proj'}"]
+    block = "block_sparse_moe" if style == "mixtral" else "mlp"
+    return [f"model.layers.{i}.{block}.experts.{e}.{_EXPERT_LEAF[style][matrix]}.weight" for e in range(experts)]
+
+
+def _hf_name(name: str, gpt2: bool, style: str = "mlp") -> str:
+    if name.endswith(".moe.router.weight"):  # the family's gate
+        i = name.split(".")[1]
+        return f"model.layers.{i}.{'block_sparse_moe' if style == 'mixtral' else 'mlp'}.gate.weight"
     m = _NAME.match(name)
     if m is None:
         module, leaf = name.rsplit(".", 1)
@@ -108,13 +137,19 @@ def hf_state_dict(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
     """Our parameters (named as named_parameters or state_dict names them) as the tensors of
     `hf_family(cfg)`, named as transformers saves them. GPT-2 gets zero biases where ours has
     none (the same function); a tied head is left out (transformers ties it back)."""
-    gpt2 = hf_family(cfg) == "gpt2"
+    family = hf_family(cfg)
+    gpt2, style = family == "gpt2", "mixtral" if family == "mixtral" else "mlp"
     out: dict[str, torch.Tensor] = {}
     for name in _expected(cfg):
         if name not in weights:
             raise CheckpointError(f"no tensor {name} among the weights to export")
         t = weights[name].detach()
         if cfg.tie_embeddings and name == "output.weight":
+            continue
+        experts = _EXPERTS.match(name)
+        if experts:  # one matrix per expert, as transformers saves them
+            keys = _expert_keys(experts.group(1), experts.group(2), cfg.moe_experts, style)
+            out.update({key: part.contiguous() for key, part in zip(keys, t.unbind(0), strict=True)})
             continue
         heads = _rope_heads(name, cfg)
         if heads:
@@ -124,7 +159,7 @@ def hf_state_dict(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
             continue  # fused below
         if gpt2 and m and m.group(3) == "weight" and "norm" not in m.group(2):
             t = t.t()  # Conv1D keeps (in, out)
-        out[_hf_name(name, gpt2)] = t.contiguous()
+        out[_hf_name(name, gpt2, style)] = t.contiguous()
     if gpt2:
         for i in range(cfg.n_layers):
             p = f"layers.{i}."
@@ -146,6 +181,7 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
     `model.` prefix) as our parameters for `cfg`, each checked for its shape. A tensor the model
     has no place for is refused unless it is all zeros (a bias the model leaves out)."""
     gpt2 = any(k.split(".")[-2] in ("wte", "c_attn") for k in hf)
+    style = _moe_style(hf) if cfg.moe_experts else "mlp"
     prefix = "transformer." if gpt2 else "model."
     left = {k if k.startswith((prefix, "lm_head.")) else prefix + k: k  # a base model saved without its prefix
             for k in hf if not _BUFFERS.search(k)}
@@ -171,18 +207,30 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
         return (rows_hf_to_ours(t, heads) if heads else t).to(dtype).contiguous()
 
     recipes: dict[str, tuple] = {}
+    experts: dict[str, _Experts] = {}
     for name in _expected(cfg):
         m = _NAME.match(name)
         block, leaf = (m.group(2), m.group(3)) if m else (None, None)
+        if _EXPERTS.match(name):
+            i, matrix = _EXPERTS.match(name).groups()
+            keys = [take(k, name) for k in _expert_keys(i, matrix, cfg.moe_experts, style)]
+            experts[name] = _Experts(hf, keys, cfg.expert_hidden if matrix == "w3" and style == "fused" else 0,
+                                     cfg.expert_hidden if matrix != "w2" and style == "fused" else 0, dtype)
+            continue
         if gpt2 and block in ("attn.wq", "attn.wk", "attn.wv"):
             key = take(f"transformer.h.{m.group(1)}.attn.c_attn.{leaf}", name)
             recipes[name] = (key, ("attn.wq", "attn.wk", "attn.wv").index(block), leaf == "weight")
         elif name == "output.weight" and _hf_name(name, gpt2) not in left:
             recipes[name] = (take(_hf_name("tok_emb.weight", gpt2), name), None, False)  # the source ties its head
         else:
-            recipes[name] = (take(_hf_name(name, gpt2), name), None,
+            recipes[name] = (take(_hf_name(name, gpt2, style), name), None,
                              bool(gpt2 and leaf == "weight" and "norm" not in block))
     shapes = _expected(cfg)
+    for name, source in experts.items():  # from the headers: no tensor is read yet
+        if source.shape() != tuple(shapes[name]):
+            raise CheckpointError(f"{where}: the experts' tensors for {name} ({source.keys[0]}, ...) have shape "
+                                  f"{source.shape()}, the model expects {tuple(shapes[name])}; take the model's shape "
+                                  "from the checkpoint (model.from_hf)")
     for name, (key, fused, transpose) in recipes.items():  # from the headers: no tensor is read yet
         shape = _shape_of(hf, key)
         if fused is not None:
@@ -216,8 +264,11 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
             t = rows_hf_to_ours(t, (hi - lo) // d)
         return t[rows.start - lo:rows.stop - lo].to(dtype).contiguous()
 
-    out = _Converted(shapes, {n: (lambda n=n, r=r: convert(n, *r)) for n, r in recipes.items()}, where,
-                     {n: (lambda index, n=n, r=r: convert_part(n, *r, index)) for n, r in recipes.items()}, hf)
+    makers = {n: (lambda n=n, r=r: convert(n, *r)) for n, r in recipes.items()}
+    part_makers = {n: (lambda index, n=n, r=r: convert_part(n, *r, index)) for n, r in recipes.items()}
+    for n, source in experts.items():
+        makers[n], part_makers[n] = source.full, source.part
+    out = _Converted({n: shapes[n] for n in makers}, makers, where, part_makers, hf)
     if cfg.tie_embeddings and "lm_head.weight" in left:
         head, emb = hf[left["lm_head.weight"]], hf[left[_hf_name("tok_emb.weight", gpt2)]]
         if head.shape != emb.shape or not torch.equal(head, emb):
@@ -229,6 +280,36 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
             raise CheckpointError(f"{where}: tensor {key} has no place in the model; do model.bias, qkv_bias, "
                                   "qk_norm and n_layers match the checkpoint? (take them with model.from_hf)")
     return out
+
+
+class _Experts:
+    """One of our stacked expert matrices (experts, rows, cols), from a file's tensors: one per
+    expert, or transformers' fused tensor, whose rows [offset, offset + rows) it is (rows 0: all)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], keys: list[str], offset: int, rows: int,
+                 dtype: torch.dtype):
+        self.tensors, self.keys, self.offset, self.rows, self.dtype = tensors, keys, offset, rows, dtype
+
+    def shape(self) -> tuple[int, ...]:
+        shapes = {_shape_of(self.tensors, k) for k in self.keys}
+        if len(self.keys) > 1:  # one 2-D tensor per expert, all alike
+            return (len(self.keys), *shapes.pop()) if len(shapes) == 1 else (len(self.keys), -1)
+        shape = shapes.pop()
+        return (shape[0], self.rows or shape[1], *shape[2:]) if len(shape) == 3 else shape
+
+    def part(self, index: tuple) -> torch.Tensor:
+        """self.full()[index] (a slice per dimension), reading only those elements."""
+        experts, rows, cols = index
+        if len(self.keys) > 1:
+            parts = [_read(self.tensors, self.keys[e], (rows, cols)) for e in range(*experts.indices(len(self.keys)))]
+            t = torch.stack(parts) if parts else torch.empty(0, rows.stop - rows.start, cols.stop - cols.start)
+        else:
+            span = slice(self.offset + rows.start, self.offset + rows.stop)
+            t = _read(self.tensors, self.keys[0], (experts, span, cols))
+        return t.to(self.dtype).contiguous()
+
+    def full(self) -> torch.Tensor:
+        return self.part(tuple(slice(0, n) for n in self.shape()))
 
 
 def _read(tensors: Mapping[str, torch.Tensor], key: str, index: tuple) -> torch.Tensor:
@@ -351,7 +432,8 @@ class _SafetensorsFiles(Mapping):
 # config fields whose difference changes the math of weights loaded unchanged; the shape is
 # checked tensor by tensor, and rope_scaling / sliding_window / max_seq_len may change on purpose
 # (context extension)
-_SAME_MATH = ("norm", "norm_eps", "activation", "position", "rope_theta", "qk_norm", "head_dim")
+_SAME_MATH = ("norm", "norm_eps", "activation", "position", "rope_theta", "qk_norm", "qk_norm_scope", "head_dim",
+              "moe_top_k", "moe_score", "moe_renorm", "moe_route_scale")
 
 
 def load_hf_weights(source: str | Path, model_cfg: ModelConfig,

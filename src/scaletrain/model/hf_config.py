@@ -1,14 +1,28 @@
-"""Hugging Face configs in and out: config.json <-> ModelConfig for GPT-2, Llama, Mistral, Qwen2 and Qwen3.
+"""Hugging Face configs in and out: config.json <-> ModelConfig for GPT-2, Llama, Mistral, Qwen2 and
+Qwen3, and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE.
 
 A field that changes what the model computes and that scaletrain does not implement (another
 RoPE scaling, a bias on the output projection alone, partial rotary, ...) is refused with one
 line naming it, never dropped: a model that loads and silently computes something else is the
 failure this module exists to prevent. So is a field we do not know. The weights' names and
 layouts: scaletrain.model.hf.
+
+Mixtures of experts: all three families route by a softmax over experts, keep the top k and run
+every token (dropless), as ours does with moe_score=softmax and no capacity. Mixtral always
+rescales the chosen weights to sum to one, Qwen3-MoE and OLMoE when norm_topk_prob says so
+(model.moe_renorm). Qwen3-MoE's q/k norms act on each head as Qwen3's do; OLMoE's act on the whole
+query and key projections (model.qk_norm_scope=projection). None of them has a routing bias, so
+the import turns ours off (model.moe_bias_rate=0: a bias learned in fine-tuning could not be
+exported). `router_aux_loss_coef` is not carried over: transformers' load-balancing loss pools
+the whole batch and all layers into one product, ours (model.moe_aux_loss) is the Switch loss of
+each layer and each sequence, so the same coefficient would weigh another quantity; set
+moe_aux_loss (or keep the bias) for fine-tuning. DeepSeek-V3 (and V2) attend by multi-head latent
+attention, which scaletrain's attention does not compute: refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,7 +31,10 @@ from typing import Any
 from scaletrain.errors import ConfigError
 from scaletrain.model.config import ModelConfig
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
+# mixtures of experts whose attention scaletrain lacks: refused with what to do instead
+_MLA = ("deepseek_v3", "deepseek_v2")
 CONFIG_FILE = "config.json"
 
 # --------------------------------------------------------------------------------------------
@@ -37,7 +54,7 @@ _HARMLESS = frozenset("""
     return_dict_in_generate forced_bos_token_id forced_eos_token_id remove_invalid_values
     exponential_decay_length_penalty suppress_tokens begin_suppress_tokens attn_implementation
     _attn_implementation _attn_implementation_autoset gradient_checkpointing _commit_hash is_decoder
-    attention_dropout attn_pdrop resid_pdrop embd_pdrop
+    attention_dropout attn_pdrop resid_pdrop embd_pdrop output_router_logits router_aux_loss_coef
 """.split())
 # Keys each family's modeling code reads, beyond _HARMLESS (anything else is refused as unknown).
 _ROTARY = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -55,6 +72,13 @@ _KNOWN = {
     "mistral": _ROTARY | {"sliding_window"},
     "qwen2": _ROTARY | _WINDOWED,
     "qwen3": _ROTARY | _WINDOWED | {"attention_bias"},
+    "mixtral": _ROTARY | {"sliding_window", "num_local_experts", "num_experts", "num_experts_per_tok",
+                          "router_jitter_noise"},
+    "qwen3_moe": _ROTARY | _WINDOWED | {"attention_bias", "num_experts", "num_local_experts", "num_experts_per_tok",
+                                        "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+                                        "mlp_only_layers"},
+    "olmoe": _ROTARY | {"attention_bias", "clip_qkv", "num_experts", "num_local_experts", "num_experts_per_tok",
+                        "norm_topk_prob"},
 }
 # What a key left out of config.json means: the defaults of transformers' config classes.
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -68,6 +92,16 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                   rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=4096, max_window_layers=28),
     "qwen3": dict(num_key_value_heads=32, head_dim=128, hidden_act="silu", max_position_embeddings=32768,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=4096, max_window_layers=28),
+    "mixtral": dict(num_key_value_heads=8, head_dim=None, hidden_act="silu", max_position_embeddings=131072,
+                    rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None, rope_theta=1e6,
+                    num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.0),
+    "qwen3_moe": dict(num_key_value_heads=4, head_dim=None, hidden_act="silu", max_position_embeddings=32768,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False, sliding_window=4096,
+                      num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
+                      decoder_sparse_step=1, mlp_only_layers=None),
+    "olmoe": dict(num_key_value_heads=None, head_dim=None, hidden_act="silu", max_position_embeddings=4096,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, num_experts=64, num_experts_per_tok=8,
+                  norm_topk_prob=False, clip_qkv=None),
 }
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # both are tanh-approximated GELU, as ours
 _SILU = ("silu", "swish")
@@ -117,6 +151,11 @@ def model_config_from_hf(source: str | Path | Mapping[str, Any], *, strict: bool
     kind = hf.get("model_type", "")
     family = kind if kind in FAMILIES else ("gpt2" if "n_embd" in hf else "llama")
     errors: list[str] = []
+    if strict and kind in _MLA:
+        raise ConfigError(f"{where}: model_type={kind!r} attends by multi-head latent attention (compressed keys and "
+                          "values), which scaletrain's attention does not compute; import a Mixtral, Qwen3-MoE or "
+                          "OLMoE model, or train a DeepSeek-style mixture from scratch (model.moe_score=sigmoid, "
+                          "moe_shared_experts, moe_first_dense)")
     if strict and kind not in FAMILIES:
         raise ConfigError(f"{where}: model_type={kind!r} is not one scaletrain imports; "
                           f"supported: {', '.join(FAMILIES)}")
@@ -176,7 +215,8 @@ def _rotary_fields(get: _Reader, refuse, family: str, strict: bool) -> dict[str,
         head_dim=0 if head_dim * n_heads == dim else head_dim,  # 0: the usual dim / n_heads
         ffn_dim=get.int("intermediate_size"), norm="rmsnorm", norm_eps=get.float("rms_norm_eps"),
         activation="swiglu", position="rope", max_seq_len=max_len, tie_embeddings=get.bool("tie_word_embeddings"),
-        bias=False, qkv_bias=family == "qwen2", qk_norm=family == "qwen3")
+        bias=False, qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe", "olmoe"),
+        qk_norm_scope="projection" if family == "olmoe" else "head")
     if out["n_kv_heads"] == n_heads:
         out["n_kv_heads"] = 0
     out.update(_rope_fields(get, refuse, max_len))
@@ -189,8 +229,14 @@ def _rotary_fields(get: _Reader, refuse, family: str, strict: bool) -> dict[str,
                                  "biases on q/k/v only (qkv_bias) or on every linear layer (bias)")
     elif family == "llama" and mlp_bias:
         refuse("mlp_bias", "puts biases on the MLP alone; scaletrain has them on every linear layer or none")
-    elif family == "qwen3" and attention_bias:
-        refuse("attention_bias", "puts a bias on the output projection too; scaletrain's Qwen3 has none there")
+    elif family in ("qwen3", "qwen3_moe", "olmoe") and attention_bias:
+        refuse("attention_bias", f"puts a bias on the output projection too; scaletrain's {family} has none there")
+    if family == "olmoe" and out["head_dim"]:
+        refuse("head_dim", "differs from hidden_size / num_attention_heads, which OLMoE's q/k norms assume")
+    if family == "olmoe" and get.raw("clip_qkv") is not None:
+        refuse("clip_qkv", "clamps the queries, keys and values; scaletrain does not")
+    if family in MOE_FAMILIES:
+        out.update(_moe_fields(get, refuse, family, out["n_layers"]))
     if not strict and attention_bias and not out["bias"]:
         out["qkv_bias"] = True  # (planning: close enough for counting)
 
@@ -243,14 +289,53 @@ def _sliding_window(get: _Reader, family: str, n_layers: int) -> int:
     window = get.raw("sliding_window")
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return 0  # null: no window (a value of another type is left to the planner's guess)
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         return window
-    if family not in ("qwen2", "qwen3") or not get.raw("use_sliding_window"):
+    if family not in ("qwen2", "qwen3", "qwen3_moe") or not get.raw("use_sliding_window"):
         return 0
+    if family == "qwen3_moe":  # every layer, whatever max_window_layers says
+        return window
     types, first = get.raw("layer_types"), get.raw("max_window_layers")
     if isinstance(types, list):
         return window if "sliding_attention" in types else 0
     return window if not isinstance(first, int) or first < n_layers else 0
+
+
+def _moe_fields(get: _Reader, refuse, family: str, n_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of Mixtral, Qwen3-MoE or OLMoE: experts, top k, renormalisation,
+    expert width and which blocks hold experts."""
+    names = ("num_local_experts", "num_experts") if family != "olmoe" else ("num_experts", "num_local_experts")
+    given = [k for k in names if k in get.hf]
+    if len(given) == 2 and get.hf[names[0]] != get.hf[names[1]]:
+        refuse(names[1], f"differs from {names[0]}={_short(get.hf[names[0]])}; they name the same count of experts")
+    experts = get.int(given[0] if given else next(k for k in names if k in get.defaults))
+    out: dict[str, Any] = dict(moe_experts=experts, moe_top_k=get.int("num_experts_per_tok"),
+                               moe_renorm=True if family == "mixtral" else get.bool("norm_topk_prob"),
+                               moe_score="softmax", moe_bias_rate=0.0)
+    if family == "mixtral" and get.float("router_jitter_noise"):
+        refuse("router_jitter_noise", "scales the router's input by random noise in training; scaletrain's router "
+                                      "has no jitter: set it to 0")
+    if family != "qwen3_moe":
+        return out if experts else {}
+    out["moe_hidden"] = get.int("moe_intermediate_size")
+    step, dense = get.raw("decoder_sparse_step"), get.raw("mlp_only_layers") or []
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ConfigError(f"{get.where}: decoder_sparse_step should be a positive integer, got {_short(step)}")
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        raise ConfigError(f"{get.where}: mlp_only_layers should be a list of layer indices, got {_short(dense)}")
+    # transformers: block i is a mixture of experts when (i + 1) % step == 0 and i is not in mlp_only_layers
+    moe = [i for i in range(n_layers) if (i + 1) % step == 0 and i not in dense]
+    if not experts or not moe:
+        return {}  # a dense model
+    first = moe[0]
+    every = moe[1] - moe[0] if len(moe) > 1 else n_layers
+    out.update(moe_first_dense=first, moe_every=every)
+    ours = [i for i in range(n_layers) if i >= first and (i - first) % every == 0]
+    if ours != moe:
+        refuse("mlp_only_layers", f"with decoder_sparse_step={step} makes blocks {moe} mixtures of experts, which "
+                                  "model.moe_first_dense and moe_every (every n-th block after the first dense ones) "
+                                  "cannot express")
+    return out
 
 
 def _complete(out: dict[str, Any]) -> dict[str, Any]:
@@ -259,7 +344,8 @@ def _complete(out: dict[str, Any]) -> dict[str, Any]:
                 rope_low_freq_factor=ModelConfig.rope_low_freq_factor,
                 rope_high_freq_factor=ModelConfig.rope_high_freq_factor,
                 rope_original_max_seq_len=ModelConfig.rope_original_max_seq_len,
-                sliding_window=0, bias=False, qkv_bias=False, qk_norm=False)
+                sliding_window=0, bias=False, qkv_bias=False, qk_norm=False, qk_norm_scope="head",
+                **{f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name.startswith("moe_")})
     return {**base, **out}
 
 
@@ -325,6 +411,11 @@ def hf_family(cfg: ModelConfig) -> str:
     if not (cfg.position == "rope" and cfg.norm == "rmsnorm" and cfg.activation == "swiglu"):
         raise no(f"position={cfg.position}, norm={cfg.norm}, activation={cfg.activation}; GPT-2 is learned, "
                  "layernorm, gelu and Llama-likes are rope, rmsnorm, swiglu")
+    if cfg.moe_experts:
+        return _moe_family(cfg, no)
+    if cfg.qk_norm and cfg.qk_norm_scope != "head":
+        raise no("q/k norms over the whole projections (model.qk_norm_scope=projection) are exported for OLMoE, "
+                 "a mixture of experts, only")
     if cfg.qk_norm:
         if cfg.bias or cfg.qkv_bias:
             raise no("Qwen3 (q/k norms) has no q/k/v-only nor MLP biases (model.qkv_bias, model.bias)")
@@ -338,11 +429,36 @@ def hf_family(cfg: ModelConfig) -> str:
     return "mistral" if cfg.sliding_window else "llama"
 
 
+def _moe_family(cfg: ModelConfig, no) -> str:
+    """Mixtral, Qwen3-MoE or OLMoE, whichever computes what the mixture of experts `cfg` computes."""
+    unlike = [why for why, differs in (
+        ("shared experts (model.moe_shared_experts)", cfg.moe_shared_experts),
+        ("sigmoid scores (model.moe_score)", cfg.moe_score != "softmax"),
+        ("a routed scale (model.moe_route_scale)", cfg.moe_route_scale != 1.0),
+        ("an expert capacity (model.moe_capacity_factor): they are dropless", cfg.moe_capacity_factor),
+        ("biases (model.bias, model.qkv_bias)", cfg.bias or cfg.qkv_bias)) if differs]
+    if unlike:
+        raise no(f"Mixtral, Qwen3-MoE and OLMoE have no {unlike[0]}")
+    every_block = cfg.moe_blocks == cfg.n_layers
+    if cfg.qk_norm and cfg.qk_norm_scope == "head":
+        return "qwen3_moe"
+    if cfg.qk_norm:
+        if not every_block or cfg.sliding_window or cfg.head_size * cfg.n_heads != cfg.dim:
+            raise no("OLMoE (q/k norms over the whole projections) has experts in every block, no sliding window "
+                     "and head_dim = dim / n_heads")
+        return "olmoe"
+    if not every_block or not cfg.moe_renorm:
+        raise no("Mixtral (no q/k norms) has experts in every block and rescales the chosen experts' weights to "
+                 "sum to 1 (model.moe_renorm=true)")
+    return "mixtral"
+
+
 def hf_config_from_model(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
     """The config.json of `cfg` (`extra` adds keys such as bos_token_id / eos_token_id)."""
     family = hf_family(cfg)
     arch = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}[family]
     out: dict[str, Any] = {"architectures": [arch], "model_type": family, "vocab_size": cfg.vocab_size,
                            "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32"}
     if family == "gpt2":
@@ -366,11 +482,25 @@ def hf_config_from_model(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
     # transformers 5 reads rope_parameters; 4 reads rope_theta and rope_scaling (and 5 lets those win)
     legacy = {k: v for k, v in rope.items() if k != "rope_theta"} if cfg.rope_scaling != "none" else None
     out.update(rope_parameters=rope, rope_theta=cfg.rope_theta, rope_scaling=legacy)
+    if family in MOE_FAMILIES:
+        # router_aux_loss_coef is left to transformers' default: its loss is not ours (see above)
+        out.update(num_experts_per_tok=cfg.moe_top_k, output_router_logits=False)
+    if family in ("mixtral", "olmoe"):  # every block a mixture: intermediate_size is the experts' width
+        out.update(intermediate_size=cfg.expert_hidden)
     if family == "llama":
         out.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
-    elif family == "mistral":
-        out.update(sliding_window=cfg.sliding_window)
-    else:  # qwen2, qwen3: the window, if any, on every layer
+    elif family in ("mistral", "mixtral"):
+        out.update(sliding_window=cfg.sliding_window or None)
+    if family == "mixtral":
+        out.update(num_local_experts=cfg.moe_experts, router_jitter_noise=0.0)
+    elif family == "olmoe":
+        out.update(num_experts=cfg.moe_experts, norm_topk_prob=cfg.moe_renorm, clip_qkv=None, attention_bias=False)
+    elif family == "qwen3_moe":  # which blocks hold experts: every one but those listed dense
+        out.update(num_experts=cfg.moe_experts, norm_topk_prob=cfg.moe_renorm, moe_intermediate_size=cfg.expert_hidden,
+                   decoder_sparse_step=1, mlp_only_layers=[i for i in range(cfg.n_layers) if not cfg.is_moe_block(i)],
+                   use_sliding_window=bool(cfg.sliding_window), sliding_window=cfg.sliding_window or None,
+                   attention_bias=False)
+    elif family in ("qwen2", "qwen3"):  # the window, if any, on every layer
         slide = bool(cfg.sliding_window)
         out.update(use_sliding_window=slide, sliding_window=cfg.sliding_window or None, max_window_layers=0,
                    layer_types=["sliding_attention" if slide else "full_attention"] * cfg.n_layers)

@@ -96,9 +96,13 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
         # Qwen3: one RMSNorm weight of head_dim shared by all heads, so it is the same on every
-        # tensor-parallel rank whatever heads the rank holds
-        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        # tensor-parallel rank whatever heads the rank holds. OLMoE: one norm over the whole
+        # projection (every head's rows at once), a weight per row
+        self.norm_heads = cfg.qk_norm_scope == "head"
+        q_width, k_width = (self.head_dim,) * 2 if self.norm_heads else (cfg.n_heads * self.head_dim,
+                                                                         cfg.kv_heads * self.head_dim)
+        self.q_norm = RMSNorm(q_width, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: tuple[KVCache, str] | None = None) -> torch.Tensor:
@@ -106,10 +110,13 @@ class Attention(nn.Module):
         rope's tables start at the first of them."""
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of the heads
-        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
-        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
+        q, k = self.wq(x), self.wk(x)
+        if self.q_norm is not None and not self.norm_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
+        k = k.view(B, T, -1, self.head_dim)  # (B, T, n_kv_heads, head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.norm_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)

@@ -6,6 +6,8 @@ the run trained with (tokenizer.json + tokenizer_config.json), so that
 `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load it with
 no scaletrain code. Names, GPT-2's fused and transposed layouts and the RoPE row order are
 converted by `scaletrain.model.hf`; the weights are fp32 (bf16-true runs export their master copy).
+A mixture of experts whose routing bias has moved (model.moe_bias_rate in training) is refused:
+Mixtral, Qwen3-MoE and OLMoE route without one, so its experts would be chosen otherwise.
 
 The folder is written beside its destination and renamed when complete: an existing folder is
 never overwritten, and a folder at the destination is always whole.
@@ -24,6 +26,7 @@ from scaletrain.data.tokenizer import byte_chars
 from scaletrain.errors import CheckpointError, ConfigError, DataError
 from scaletrain.model.hf import INDEX_FILE, WEIGHTS_FILE, hf_state_dict
 from scaletrain.model.hf_config import CONFIG_FILE, hf_config_from_model
+from scaletrain.model.moe import MoE
 from scaletrain.model.transformer import Transformer
 
 MAX_SHARD_BYTES = 5 * 2**30  # transformers' own default shard size
@@ -55,6 +58,10 @@ def export_hf(checkpoint_path: str | Path, out_dir: str | Path, *, tokenizer: st
     data = str(tokenizer) if tokenizer is not None else data_paths(cfg.data)[0]  # a mix's sources share one
     files = tokenizer_files(data, cfg.model.max_seq_len)  # a missing tokenizer stops us before writing
     model = load_model_from_checkpoint(path)
+    if cfg.model.moe_experts:  # the routing biases are buffers, saved beside the weights
+        biases = {f"{name}.expert_bias": m.expert_bias for name, m in model.named_modules() if isinstance(m, MoE)}
+        with torch.no_grad():
+            ckpt.load_tensors(path, {"model": biases}, verify=False)
     return save_hf(model, out, tokenizer=files, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
 
 
@@ -76,6 +83,12 @@ def save_hf(model: Transformer, out_dir: str | Path, *, tokenizer: dict[str, str
         raise CheckpointError("export needs the safetensors package: pip install safetensors") from None
     out = Path(out_dir)
     _check_out(out, overwrite)
+    for name, m in model.named_modules():
+        if isinstance(m, MoE) and torch.count_nonzero(m.expert_bias):
+            raise CheckpointError(f"{name}.expert_bias is not zero (model.moe_bias_rate moved it in training), and "
+                                  f"{hf_config_from_model(model.cfg)['model_type']} routes without a bias, so its "
+                                  "experts would be chosen otherwise; export as safetensors, or fine-tune with "
+                                  "model.moe_bias_rate=0")
     tokenizer = tokenizer or {}
     ids = {**dict.fromkeys(SPECIAL_IDS), **json.loads(tokenizer.get("special_ids.json", "{}"))}
     config = hf_config_from_model(model.cfg, **ids)
