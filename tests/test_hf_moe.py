@@ -129,6 +129,47 @@ def test_the_options_land_where_the_family_puts_them(tmp_path):
     assert hf_config_from_model(step)["mlp_only_layers"] == [0, 2]
 
 
+# the config.json of published models (Mixtral-8x7B-v0.1, Qwen3-30B-A3B, OLMoE-1B-7B-0924), as
+# written by the transformers 4 of their release
+COMMON = {"attention_dropout": 0.0, "hidden_act": "silu", "initializer_range": 0.02, "output_router_logits": False,
+          "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True}
+PUBLISHED = {
+    "mixtral": dict(COMMON, architectures=["MixtralForCausalLM"], bos_token_id=1, eos_token_id=2, hidden_size=4096,
+                    intermediate_size=14336, max_position_embeddings=32768, model_type="mixtral",
+                    num_attention_heads=32, num_experts_per_tok=2, num_hidden_layers=32, num_key_value_heads=8,
+                    num_local_experts=8, rms_norm_eps=1e-5, rope_theta=1e6, router_aux_loss_coef=0.02,
+                    sliding_window=None, transformers_version="4.36.0.dev0", vocab_size=32000),
+    "qwen3_moe": dict(COMMON, architectures=["Qwen3MoeForCausalLM"], attention_bias=False, bos_token_id=151643,
+                      decoder_sparse_step=1, eos_token_id=151645, head_dim=128, hidden_size=2048,
+                      intermediate_size=6144, max_position_embeddings=40960, max_window_layers=48, mlp_only_layers=[],
+                      model_type="qwen3_moe", moe_intermediate_size=768, norm_topk_prob=True, num_attention_heads=32,
+                      num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_key_value_heads=4,
+                      rms_norm_eps=1e-6, rope_scaling=None, rope_theta=1e6, router_aux_loss_coef=0.001,
+                      sliding_window=None, transformers_version="4.51.0", use_sliding_window=False, vocab_size=151936),
+    "olmoe": dict(COMMON, architectures=["OlmoeForCausalLM"], attention_bias=False, clip_qkv=None, eos_token_id=50279,
+                  hidden_size=2048, intermediate_size=1024, max_position_embeddings=4096, model_type="olmoe",
+                  norm_topk_prob=False, num_attention_heads=16, num_experts=64, num_experts_per_tok=8,
+                  num_hidden_layers=16, num_key_value_heads=16, pad_token_id=1, rms_norm_eps=1e-5, rope_scaling=None,
+                  rope_theta=10000.0, router_aux_loss_coef=0.01, transformers_version="4.43.0.dev0", vocab_size=50304),
+}
+
+
+def test_published_configs_import_whole():
+    m = {k: ModelConfig(**model_config_from_hf(v)) for k, v in PUBLISHED.items()}
+    assert (m["mixtral"].moe_experts, m["mixtral"].moe_top_k, m["mixtral"].expert_hidden) == (8, 2, 14336)
+    assert (m["mixtral"].moe_blocks, m["mixtral"].sliding_window, m["mixtral"].rope_theta) == (32, 0, 1e6)
+    q = m["qwen3_moe"]
+    assert (q.moe_experts, q.moe_top_k, q.moe_hidden, q.moe_blocks, q.moe_renorm, q.head_size) == \
+        (128, 8, 768, 48, True, 128)
+    o = m["olmoe"]
+    assert (o.moe_experts, o.moe_top_k, o.expert_hidden, o.moe_renorm, o.qk_norm_scope) == (64, 8, 1024, False,
+                                                                                            "projection")
+    # and each exports back to its own family with the same fields
+    for name, cfg in m.items():
+        back = hf_config_from_model(cfg)
+        assert back["model_type"] == name and ModelConfig(**model_config_from_hf(back)) == cfg
+
+
 def test_fused_expert_tensors_load_alike(tmp_path):
     """transformers 5 keeps each layer's experts fused in memory (gate_up_proj, down_proj); a
     state dict of those names gives the same parameters as the per-expert files."""
