@@ -198,8 +198,8 @@ RUNS: list[Run] = [
            "--ep", 8, "--zero", 1, "--fp8"), "tokens/s/GPU", 10494, ran=False,
         why="its router force-balanced (the docs' note; planned balanced, the default the plan states, where "
             "a learned router's load costs its busiest expert rank more). The 25.11 container's row for the "
-            "same layout reads 5,275, half, without a word on why. fp8 is planned for the linears the trainer's layer rule "
-            "converts, the routed experts' grouped matmuls at bf16. Memory: the Megatron accounting keeps "
+            "same layout reads 5,275, half, without a word on why. fp8 is planned for the linears the "
+            "trainer's layer rule converts, the routed experts' grouped matmuls at bf16. Memory: the Megatron accounting keeps "
             "every routed copy's expert activations (8 per token) of 24 layers for the micro-batches in flight, "
             "96 GiB; the run trained in 80 GB with what the table does not list (fp8 activations, fused "
             "permutation), so fitting is not asserted"),
