@@ -196,13 +196,12 @@ RUNS: list[Run] = [
         _a("qwen3-30b-a3b", "--engine", "megatron", "--hardware", "H100-SXM", "--nodes", 2, "--seq-len", 4096,
            "--global-batch", 512, "--micro-batch", 2, "--pp", 2, "--schedule", "interleaved-1f1b", "--virtual", 24,
            "--ep", 8, "--zero", 1, "--fp8"), "tokens/s/GPU", 10494, ran=False,
-        why="its router force-balanced (the docs' note; planned balanced, the default the plan states, where "
-            "a learned router's load costs its busiest expert rank more). The 25.11 container's row for the "
-            "same layout reads 5,275, half, without a word on why. fp8 is planned for the linears the "
-            "trainer's layer rule converts, the routed experts' grouped matmuls at bf16. Memory: the Megatron accounting keeps "
-            "every routed copy's expert activations (8 per token) of 24 layers for the micro-batches in flight, "
-            "96 GiB; the run trained in 80 GB with what the table does not list (fp8 activations, fused "
-            "permutation), so fitting is not asserted"),
+        why="its router force-balanced (the docs' note; planned balanced, the default the plan states, where a learned "
+            "router's load costs its busiest expert rank more). The 25.11 container's row for the same layout reads "
+            "5,275, half, without a word on why. fp8 is planned for the linears the trainer's layer rule converts, the "
+            "routed experts' grouped matmuls at bf16. Memory: the Megatron accounting keeps every routed copy's expert "
+            "activations (8 per token) of 24 layers for the micro-batches in flight, 96 GiB; the run trained in 80 GB "
+            "with what the table does not list (fp8 activations, fused permutation), so fitting is not asserted"),
     # Rajbhandari et al. 2020, Figure 1: 7.5B parameters on 64 GPUs, model states per GPU
     *(Run(f"ZeRO paper 7.5B, stage {z}", "Rajbhandari 2020, Figure 1", _ZERO_PAPER + _a("--zero", z),
           "model states GB", gb, ran=False) for z, gb in ((0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9))),
