@@ -8,6 +8,9 @@ import pytest
 
 from conftest import Case, assert_one_clear_line, with_toml, write
 
+# a small mixture of experts: 6 experts, 2 per token
+MOE = "[model]\ndim = 64\nn_layers = 2\nn_heads = 4\nvocab_size = 256\nmoe_experts = 6\nmoe_top_k = 2\n"
+
 BAD_INPUT = [
     Case("plan-unknown-gpu", ["plan", "tiny", "--hardware", "H900"], ("unknown hardware 'H900'", "H100-SXM")),
     Case("plan-zero-gpus", ["plan", "tiny", "--gpus-per-node", "0"], ("--gpus-per-node must be at least 1",)),
@@ -41,6 +44,22 @@ BAD_INPUT = [
          ("--fp8 (or --precision fp8): hardware A100-80GB has no fp8 peak",)),
     Case("plan-measure-other-engine", ["plan", "tiny", "--engine", "megatron", "--measure"],
          ("--measure runs scaletrain's trainer", "--engine megatron")),
+    # a mixture of experts' options
+    Case("plan-ep-on-a-dense-model", ["plan", "tiny", "--ep", "2"],
+         ("parallel.ep=2 splits a mixture's experts", "model.moe_experts=0", "leave parallel.ep at 1")),
+    Case("plan-ep-not-dividing-experts", ["plan", "moe.toml", "--ep", "4"],
+         ("parallel.ep=4 does not divide model.moe_experts=6", "use a divisor of 6"), with_toml(MOE, "moe.toml")),
+    Case("plan-ep-not-dividing-ranks", ["plan", "moe.toml", "--gpus-per-node", "4", "--ep", "6"],
+         ("parallel.ep=6 borrows its ranks from dp_shard × cp × tp = 4 × 1 × 1 = 4", "use a divisor of 4"),
+         with_toml(MOE, "moe.toml")),
+    Case("plan-ep-zero", ["plan", "moe.toml", "--ep", "0"], ("layout sizes must be at least 1, got ep=0",),
+         with_toml(MOE, "moe.toml")),
+    Case("plan-moe-imbalance-below-1", ["plan", "moe.toml", "--moe-imbalance", "0.5"],
+         ("argument --moe-imbalance", "at least 1 (1 = balanced), got 0.5"), with_toml(MOE, "moe.toml")),
+    Case("plan-moe-imbalance-not-a-number", ["plan", "moe.toml", "--moe-imbalance", "lots"],
+         ("argument --moe-imbalance", "expected a number", "'lots'"), with_toml(MOE, "moe.toml")),
+    Case("plan-moe-imbalance-on-a-dense-model", ["plan", "tiny", "--moe-imbalance", "1.5"],
+         ("--moe-imbalance 1.5 is a mixture of experts' load", "tiny is dense", "drop it")),
 ]
 
 

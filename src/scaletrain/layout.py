@@ -65,6 +65,7 @@ class Layout:
     tp: int = ParallelConfig.tp
     pp: int = ParallelConfig.pp
     cp: int = ParallelConfig.cp  # context parallel: each rank holds 1/cp of every sequence
+    ep: int = ParallelConfig.ep  # expert parallel: each rank holds 1/ep of a mixture's experts
     cp_method: str = ParallelConfig.cp_method  # ring, allgather or ulysses (scaletrain.parallel.context_parallel)
     zero: int = ParallelConfig.zero
     sp: bool = ParallelConfig.sp
@@ -113,7 +114,7 @@ class Layout:
             raise ConfigError(PIPELINE_ONLY)
         micro, accum = resolve_batch(train.global_batch, train.micro_batch, train.grad_accum,
                                      par.dp_replicate * dp_shard, par.pp_microbatches)
-        return cls(dp_replicate=par.dp_replicate, dp_shard=dp_shard, tp=par.tp, pp=par.pp, cp=par.cp,
+        return cls(dp_replicate=par.dp_replicate, dp_shard=dp_shard, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep,
                    cp_method=par.cp_method, zero=par.zero, sp=par.sp,
                    pp_schedule=par.pp_schedule, pp_virtual_stages=par.pp_virtual_stages, pp_split=par.pp_split,
                    micro_batch=micro, grad_accum=accum,
@@ -381,6 +382,8 @@ class Layout:
             parts.append(f"tp {self.tp}{'+sp' if self.sp else ''}")
         if self.cp > 1:
             parts.append(f"cp {self.cp}" + (f" {self.cp_method}" if self.cp_method != "ring" else ""))
+        if self.ep > 1:
+            parts.append(f"ep {self.ep}")
         if self.pp > 1:
             v = f" v{self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else ""
             parts.append(f"pp {self.pp} {self.pp_schedule}{v}")
@@ -417,6 +420,8 @@ class Layout:
                "parallel.sync_delay": self.sync_delay, "parallel.sync_dtype": self.sync_dtype}
         if self.cp > 1:
             out.update({"parallel.cp": self.cp, "parallel.cp_method": self.cp_method})
+        if self.ep > 1:
+            out["parallel.ep"] = self.ep
         if self.pp > 1:
             out.update({"parallel.pp_schedule": self.pp_schedule, "parallel.pp_virtual_stages": self.pp_virtual_stages})
             if self.pp_split:

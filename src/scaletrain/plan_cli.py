@@ -29,6 +29,17 @@ def at_least_1(name: str):
     return parse
 
 
+def load_factor(text: str) -> float:
+    """argparse type of --moe-imbalance: max / mean tokens per expert, a number of at least 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number (max / mean tokens per expert), got {text!r}") from None
+    if not value >= 1.0:  # NaN too
+        raise argparse.ArgumentTypeError(f"max / mean tokens per expert is at least 1 (1 = balanced), got {text}")
+    return value
+
+
 def alias_dest(flag: str) -> str:
     """The argparse destination of a short flag: --seq-len -> seq_len."""
     return flag[2:].replace("-", "_")
@@ -79,6 +90,10 @@ def plan_parser(sub) -> None:
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction,
                    help="the block linears that precision.mode=fp8 converts (its layer rule) at the fp8 peak "
                         "(default: the [plan] table's, else off)")
+    p.add_argument("--moe-imbalance", type=load_factor, metavar="X",
+                   help="a mixture of experts' load: max / mean tokens per expert (the moe_imbalance a run logs); "
+                        "the busiest expert-parallel rank computes and receives X times the mean. Default: measured "
+                        "with --calibrate, else 1 (balanced, as published figures force the router)")
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="the cluster is N sites (e.g. datacenters) of equal size joined by --workers-link; the "
                         "data-parallel workers (dp_replicate groups) are the sites. When that link is slow the search "
@@ -114,6 +129,9 @@ def plan_parser(sub) -> None:
           help="context parallel: ranks that split every sequence; each keeps its own tokens' activations, and "
                "--cp-method's attention backward buffers")
     alias("--cp-method", choices=CP_METHODS, help="how attention reaches the other cp ranks' keys (with --cp)")
+    alias("--ep", type=at_least_1("ep"), metavar="N",
+          help="expert parallel: a mixture's experts split over N ranks borrowed from dp_shard × cp × tp (N divides "
+               "the experts and those ranks); the tokens travel by all-to-all")
     p.add_argument("--top", type=int, help="layouts to show (default 10); with --measure, the K best predicted "
                                            "are run and re-ranked by their measured step time")
     p.add_argument("--json", action="store_true", help="print JSON (schema in docs/planner.md)")
@@ -185,7 +203,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
                   gpus_per_node=per_node, attention=args.attention, layout=req.layout,
                   top_k=10 if args.top is None else args.top, activations=args.activations, engine=args.engine,
                   compile=args.compile, fp8=args.fp8, workers=args.workers, workers_link=args.workers_link,
-                  sync=req.sync, calibrate=_calibration_here() if here else None, **req.workload)
+                  sync=req.sync, calibrate=_calibration_here() if here else None, moe_imbalance=args.moe_imbalance,
+                  **req.workload)
     if args.json:
         print(report.to_json(result))
     else:

@@ -90,10 +90,26 @@ def _split(one: float, three: float) -> tuple[float, float]:
 def probe_compute(model_cfg, device, *, precision: str, seq_len: int, micro_batch: int, tp: int, sp: bool,
                   ac: str, cp: int = 1) -> dict[str, float]:
     """Seconds of one block's forward and backward, and of the rest of the model (embedding,
-    head, loss), at this shape on every rank at once."""
+    head, loss), at this shape on every rank at once; for a mixture of experts also its load
+    ("imbalance": max / mean tokens per expert in the worst layer, over the timed steps)."""
     steps = [_model_step(model_cfg, device, n, precision, seq_len // cp, micro_batch, tp, sp, ac) for n in (1, 3)]
     block, rest = _split(*_timed_together(steps, device))
-    return {"block": block, "rest": rest}
+    out = {"block": block, "rest": rest}
+    if model_cfg.moe_experts:
+        out["imbalance"] = _expert_load(steps[1].model, model_cfg.moe_experts)
+    return out
+
+
+def _expert_load(model, experts: int) -> float:
+    """max / mean tokens per expert of the worst MoE layer of `model`, from the counters its
+    layers keep (`scaletrain.model.moe.MoE.stats`), summed over every rank."""
+    import torch.distributed as dist
+
+    from scaletrain.model.moe import MoE
+
+    loads = torch.stack([m.stats[:experts].detach().float() for m in model.modules() if isinstance(m, MoE)])
+    dist.all_reduce(loads)  # on the device: NCCL reduces no host tensor
+    return float((loads.max(1).values / loads.mean(1).clamp(min=1e-9)).max())
 
 
 def _model_step(model_cfg, device, layers: int, precision: str, seq_len: int, micro_batch: int, tp: int,
@@ -137,6 +153,7 @@ def _model_step(model_cfg, device, layers: int, precision: str, seq_len: int, mi
             cross_entropy_sum(logits, tokens).backward()
         model.zero_grad(set_to_none=False)
 
+    step.model = model  # a mixture's probe reads its layers' load counters
     return step
 
 

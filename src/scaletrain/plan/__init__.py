@@ -17,7 +17,7 @@ from scaletrain.errors import ConfigError
 from scaletrain.hardware import Hardware, lookup
 from scaletrain.plan.memory_model import GiB, module_memory
 from scaletrain.plan.options import config_key, derive_layout, fixed_fields
-from scaletrain.plan.params import ParamCounts
+from scaletrain.plan.params import ParamCounts, total_and_active
 from scaletrain.plan.search import (
     Evaluated,
     calibration_sources,
@@ -42,7 +42,8 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
          attention: str = "flash", layout: Layout | dict | None = None, top_k: int = 10,
          activations: str = "formula", hardware_file: str | None = None, gpu: bool | None = None,
          engine: str | None = None, compile: bool | None = None, fp8: bool | None = None, workers: int = 1,
-         workers_link: float | None = None, sync: dict | None = None, calibrate=None) -> dict:
+         workers_link: float | None = None, sync: dict | None = None, calibrate=None,
+         moe_imbalance: float | None = None) -> dict:
     """Search the layouts (or evaluate `layout`) for `model` on the cluster. Returns a dict with
     "layouts" (Evaluated, best first), "explanation" (lines), "stats", and the inputs. `engine`,
     `compile` and `fp8` default to a model TOML's [plan] table, else scaletrain, off, off.
@@ -56,7 +57,12 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
     `calibrate`: the plan is for this machine (one node of `gpus_per_node` local ranks) and its
     step times come from the machine's calibration (`scaletrain.plan.calibrate`), which this
     function gives: `scaletrain.measure.calibration` (what is missing measured first) or any
-    function of (model config, probes, optimizers, ranks, device type) returning a Calibration."""
+    function of (model config, probes, optimizers, ranks, device type) returning a Calibration.
+
+    `moe_imbalance`: a mixture of experts' load, max / mean tokens per expert (at least 1): the
+    busiest expert-parallel rank computes and receives that much more than the mean. Not given:
+    the calibration's measured load where the plan is calibrated, else 1 (balanced, as
+    published figures force the router)."""
     src = load_model(model)
     engine = engine if engine is not None else src.extra.get("engine", "scaletrain")
     compile = compile if compile is not None else bool(src.extra.get("compile", False))
@@ -72,7 +78,8 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
     if top_k < 1:
         raise ConfigError(f"--top must be at least 1, got {top_k}")
     wl = Workload(seq_len=seq_len, global_batch=global_batch, precision=precision, optimizer=optimizer,
-                  attention=attention, engine=engine, compile=compile, fp8=fp8)
+                  attention=attention, engine=engine, compile=compile, fp8=fp8,
+                  moe_imbalance=1.0 if moe_imbalance is None else moe_imbalance)
     gpu = hw.name != "CPU" if gpu is None else gpu
     if fp8 and "fp8" not in hw.peak_tflops:
         raise ConfigError(f"--fp8{' (or --precision fp8)' if precision == 'fp8' else ''}: hardware {hw.name} has no "
@@ -82,9 +89,11 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
         return _plan_module(src, wl, cluster, layout, top_k, result, gpu)
     if src.cfg.max_seq_len < seq_len:
         src.cfg = replace(src.cfg, max_seq_len=seq_len)  # planning a longer context than the preset's
-    from scaletrain.model.transformer import count_params
-
-    result["num_params"] = count_params(src.cfg)
+    if moe_imbalance is not None and not src.cfg.moe_experts:
+        raise ConfigError(f"--moe-imbalance {moe_imbalance:g} is a mixture of experts' load, but {src.name} is dense "
+                          "(model.moe_experts=0); drop it")
+    result["num_params"], result["active_params"] = total_and_active(src.cfg)
+    result["moe_imbalance"] = ("given" if moe_imbalance is not None else "balanced") if src.cfg.moe_experts else None
     if layout is not None:
         fixed = resolve_layout(layout, cluster, wl)
         if sync["dp_sync"] != "step":
@@ -94,6 +103,7 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
             raise ConfigError(*(f"layout {fixed.describe()}: {e}" for e in errors))
         if calibrate:
             cluster = result["cluster"] = calibrated(src.cfg, wl, cluster, [fixed], gpu, calibrate)
+            wl = result["workload"] = _measured_load(src.cfg, wl, cluster, [fixed], result, moe_imbalance)
         ev = evaluate(src.cfg, wl, cluster, fixed, gpu=gpu, activations=activations)
         result["layouts"] = [ev]
         result["explanation"] = [f"{fixed.describe()}: " + ("fits" if ev.fits else "; ".join(ev.why_not))]
@@ -103,9 +113,11 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
             result["explanation"].append(_keeping(layout, fixed, src.cfg, wl, cluster, gpu))
         if workers > 1:
             result["explanation"] += workers_comparison(src.cfg, wl, cluster, fixed, candidates, gpu=gpu)
+        result["explanation"] += moe_lines(src.cfg, wl, cluster, ev, result)
         return result
     if calibrate:
         cluster = result["cluster"] = calibrated(src.cfg, wl, cluster, None, gpu, calibrate)
+        wl = result["workload"] = _measured_load(src.cfg, wl, cluster, None, result, moe_imbalance)
     ranked, stats = search(src.cfg, wl, cluster, top_k=top_k, gpu=gpu, activations=activations,
                            sync=candidates if slow_link(cluster) else None)
     result["stats"] = stats
@@ -116,7 +128,58 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
             result["explanation"].append(f"{ranked[0].layout.dp_sync} is in the search because the link between the "
                                          "sites is slow (below the network inside a site, per GPU)")
         result["explanation"] += workers_comparison(src.cfg, wl, cluster, ranked[0].layout, candidates, gpu=gpu)
+    result["explanation"] += moe_lines(src.cfg, wl, cluster, ranked[0], result, ranked)
     return result
+
+
+def _measured_load(cfg, wl: Workload, cluster: Cluster, layouts: list[Layout] | None, result: dict,
+                   given: float | None) -> Workload:
+    """The workload with the expert load the calibration measured (unless one was given)."""
+    from scaletrain.plan.calibrate import layout_key
+
+    if given is not None or not cfg.moe_experts:
+        return wl
+    cal = cluster.calibration
+    keys = sorted({layout_key(cfg, wl, lay) for lay in layouts} if layouts else set(cal.compute))
+    load = cal.imbalance(keys)
+    if load is None:
+        return wl
+    result["moe_imbalance"] = "calibration"
+    return replace(wl, moe_imbalance=max(1.0, load))
+
+
+def moe_lines(cfg, wl: Workload, cluster: Cluster, best: Evaluated, result: dict,
+              ranked: list[Evaluated] | None = None) -> list[str]:
+    """What a mixture of experts' plan assumes and what expert parallelism does here, in words."""
+    if not cfg.moe_experts:
+        return []
+    lay, t = best.layout, best.time
+    source = {"given": "given (--moe-imbalance)",
+              "calibration": "measured by this machine's calibration (the router at initialisation on random "
+                             "tokens; a trained router's, from a run's moe_imbalance metric, is usually larger)",
+              "balanced": "assumed balanced: published figures force-balance the router; give a run's measured "
+                          "moe_imbalance with --moe-imbalance"}[result["moe_imbalance"]]
+    lines = [f"Mixture of experts: {result['num_params'] / 1e9:.2f}B parameters in all, "
+             f"{result['active_params'] / 1e9:.2f}B active per token ({cfg.moe_top_k} of {cfg.moe_experts} experts"
+             f"{f' + {cfg.moe_shared_experts} shared' if cfg.moe_shared_experts else ''} in {cfg.moe_blocks} of "
+             f"{cfg.n_layers} blocks); MFU counts the active ones. Expert load (max / mean tokens per expert) "
+             f"{wl.moe_imbalance:g}, {source}."]
+    if lay.ep > 1:
+        from scaletrain.plan.params import expert_shard_ranks
+        from scaletrain.plan.time_model import ep_traffic
+
+        buffer, calls = ep_traffic(cfg, wl, lay)
+        lines.append(f"Expert parallel {lay.ep}: each rank holds {cfg.moe_experts // lay.ep} of {cfg.moe_experts} "
+                     f"experts (ZeRO shards them over {expert_shard_ranks(lay, wl.engine)} ranks); {calls} "
+                     f"all-to-alls per MoE block and micro-batch of {buffer * (lay.ep - 1) / lay.ep / 2**20:.1f} MiB "
+                     f"each leaving a rank cost {1e3 * t.ep_comm_s:.0f} ms per step on the critical path.")
+    elif ranked:
+        with_ep = next((e for e in ranked if e.fits and e.layout.ep > 1), None)
+        if with_ep is not None:
+            lines.append(f"Without expert parallelism: the best with it ({with_ep.layout.describe()}) reaches "
+                         f"{with_ep.time.tokens_per_s:,.0f} tokens/s, its all-to-alls "
+                         f"{1e3 * with_ep.time.ep_comm_s:.0f} ms per step.")
+    return lines
 
 
 def calibrated(cfg, wl: Workload, cluster: Cluster, layouts: list[Layout] | None, gpu: bool, measure) -> Cluster:
@@ -213,9 +276,9 @@ def _plan_module(src: ModelSource, wl: Workload, cluster: Cluster, layout, top_k
     evaluated = []
     act_cache: dict[int, float] = {}
     for lay in candidates:
-        if lay.tp > 1 or lay.pp > 1 or lay.activation_checkpointing != "none":
+        if lay.tp > 1 or lay.pp > 1 or lay.ep > 1 or lay.activation_checkpointing != "none":
             raise ConfigError("for an nn.Module the planner covers data parallelism and ZeRO only "
-                              "(tp=1, pp=1, ac none)")
+                              "(tp=1, pp=1, ep=1, ac none)")
         if lay.micro_batch not in act_cache:
             act_cache[lay.micro_batch] = traced_module_bytes(module, wl, lay.micro_batch, vocab)
         m = module_memory(counts, wl, lay, act_cache[lay.micro_batch], gpu=gpu)

@@ -26,16 +26,25 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 
 
 def layer_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str,
-                           cp: int = 1) -> float:
+                           cp: int = 1, moe: bool = False, ep: int = 1) -> float:
     """Bytes one layer keeps for backward, per micro-batch of b sequences, on one rank: for
     scaletrain's layer (`_scaletrain_layer_bytes`) or, for another engine, Megatron's accounting
-    (`_megatron_layer_bytes`). Context parallelism splits every sequence over cp ranks."""
+    (`_megatron_layer_bytes`). Context parallelism splits every sequence over cp ranks. `moe`:
+    a mixture-of-experts block (its experts split over `ep` ranks) instead of a dense one."""
     if wl.engine != "scaletrain":
-        return _megatron_layer_bytes(cfg, wl, b, tp, sp, ac, cp)
-    return _scaletrain_layer_bytes(cfg, wl, b, tp, sp, ac, cp)
+        return _megatron_layer_bytes(cfg, wl, b, tp, sp, ac, cp, moe, ep)
+    return _scaletrain_layer_bytes(cfg, wl, b, tp, sp, ac, cp, moe, ep)
 
 
-def _megatron_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str, cp: int) -> float:
+def expert_load(wl: Workload, ep: int) -> float:
+    """The busiest rank's routed tokens over the mean: the workload's imbalance (max / mean
+    tokens per expert) under expert parallelism; 1 in one rank's experts, which take every
+    routed token of the rank whatever their split."""
+    return wl.moe_imbalance if ep > 1 else 1.0
+
+
+def _megatron_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str, cp: int,
+                          moe: bool = False, ep: int = 1) -> float:
     """Korthikanti et al. 2022, section 4.1, generalised to grouped-query attention and SwiGLU.
     In 16-bit, per token: the two norms' inputs (2h each), the QKV and first MLP matmuls' inputs
     (2h each), q and k (2(q + kv)), v (2kv), the output projection's input (2q), the MLP's
@@ -45,7 +54,10 @@ def _megatron_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: b
     (2 + 1 bytes × heads × s). For GPT (h = q = kv, f = 4h, dropout) this is their
     sbh(34 + 5as/h). Tensor parallelism divides what is split by heads or by f; sequence
     parallelism divides the rest too. Selective recomputation drops the s × s terms; full
-    recomputation keeps the layer's input."""
+    recomputation keeps the layer's input. A mixture of experts (Megatron-Core's, experts not
+    split by tp: each rank routes its own tokens, sequence shards under sp) keeps per token the
+    router's fp32 scores, and per routed token (top_k of them, × the busiest rank's load under
+    ep) the dispatched input and output and the experts' inner activations."""
     d = dtypes_for(wl)
     s, h, a = wl.seq_len / cp, cfg.dim, cfg.n_heads
     kv, f, q = cfg.kv_heads * cfg.head_size, cfg.hidden_dim, cfg.n_heads * cfg.head_size
@@ -58,6 +70,10 @@ def _megatron_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: b
     n_ffn = 3 if cfg.activation == "swiglu" else 2
     inside = (2 * q + 2 * kv) * c + n_ffn * f * c  # q, k, v, wo's input; the MLP's inner tensors
     inside /= tp
+    if moe:
+        routed = cfg.moe_top_k * expert_load(wl, ep) * (n_ffn * cfg.expert_hidden + 2 * h) * c
+        shared = n_ffn * cfg.moe_shared_experts * cfg.expert_hidden * c
+        inside += (routed + shared + cfg.moe_experts * 4) * (1 / tp if sp else 1.0) - n_ffn * f * c / tp
     scores = 0.0
     if wl.attention == "eager" and ac != "selective":
         # softmax output, and with dropout its mask and dropped output (keys span the sequence)
@@ -67,9 +83,11 @@ def _megatron_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: b
     return b * s * (outside + inside + scores)
 
 
-def _scaletrain_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str, cp: int) -> float:
+def _scaletrain_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str, cp: int,
+                           moe: bool = False, ep: int = 1) -> float:
     """What each operation of scaletrain's layer saves for backward (checked against a count of
-    the real layer's saved tensors, `scaletrain.plan.trace`)."""
+    the real layer's saved tensors, `scaletrain.plan.trace`; a mixture of experts' against the
+    real layer's in tests/test_planner_moe.py)."""
     d = Dtypes.of(wl.precision)
     s, h, a = wl.seq_len / cp, cfg.dim, cfg.n_heads
     kv, f, q = cfg.kv_heads * cfg.head_size, cfg.hidden_dim, cfg.n_heads * cfg.head_size
@@ -87,6 +105,10 @@ def _scaletrain_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp:
     if ac == "selective":  # matmul and attention outputs; element-wise ops are recomputed
         mm_out = 2 * b * s * h * d.compute  # wo and w2 outputs (before their reduction)
         ffn = (n_ffn - 1) * b * s * f / tp * d.compute
+        if moe:  # the grouped matmuls are recomputed; the router's and the shared experts' matmuls kept
+            n, shared = b * s_loc, cfg.moe_shared_experts * cfg.expert_hidden
+            mm_out = b * s * h * d.compute + n * cfg.moe_experts * d.compute
+            ffn = n * ((n_ffn - 1) * shared + h) * d.compute if shared else 0.0
         return x + qkv + attn_out + lse + mm_out + ffn
     if ac != "none":
         raise unknown("activation checkpointing", ac, AC_MODES)
@@ -104,7 +126,8 @@ def _scaletrain_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp:
     # not the other ranks': they gather or pass them round again in backward); ring and
     # allgather keep their output in fp32 beside the compute-dtype copy the output projection keeps
     cp_out = b * s * q / tp * (4 - d.compute) if cp > 1 else 0.0
-    return x + attn_in + norm_extra + mask + qkv + attn_out + lse + cp_out + mlp_half_bytes(cfg, wl, b, tp, sp, cp)
+    half = moe_half_bytes(cfg, wl, b, tp, sp, cp, ep) if moe else mlp_half_bytes(cfg, wl, b, tp, sp, cp)
+    return x + attn_in + norm_extra + mask + qkv + attn_out + lse + cp_out + half
 
 
 def mlp_half_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp: int) -> float:
@@ -122,6 +145,42 @@ def mlp_half_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp
     ffn = (2 if cfg.activation == "gelu" else 4) * b * s * f / tp * d.compute
     mask = b * s_loc * h if cfg.dropout > 0 else 0.0
     return residual + _norm_extra(cfg, d, b, s_loc) + mlp_in + ffn + mask
+
+
+def moe_half_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp: int, ep: int = 1) -> float:
+    """`mlp_half_bytes` of a mixture-of-experts block (`scaletrain.model.moe.MoE`), for the n
+    tokens a rank routes (its sequence shard under sp) and the n·k routed copies of them (top_k
+    each; under expert parallelism the busiest rank's experts take `expert_load` times the mean):
+
+    * per token: the router's input (a compute-dtype copy under autocast, which also makes one
+      per shared-expert matrix), its fp32 scores (softmax or sigmoid output), the logits and
+      log-sum-exp for the z-loss, another softmax for the Switch loss;
+    * per routed token: the chosen experts, the grouping order and the token index (int64), the
+      routing weight in the compute dtype (and before renormalisation in fp32); the grouped
+      input — on the expert's rank under ep, with the index that sorts arrivals by local
+      expert — the experts' inner tensors (SwiGLU: both matmul outputs, the SiLU and the
+      product; GELU: its input and output), their output (kept by the weighting) and the
+      weighted output (kept by the index_add that sums it back per token);
+    * the shared experts' MLP's inner tensors, the residual, the norm's extra and the dropout mask.
+    """
+    d = Dtypes.of(wl.precision)
+    s, h, c = wl.seq_len / cp, cfg.dim, d.compute
+    s_loc = s / tp if sp else s
+    n = b * s_loc
+    E, k, he = cfg.moe_experts, cfg.moe_top_k, cfg.expert_hidden
+    n_ffn = 3 if cfg.activation == "swiglu" else 2
+    shared = cfg.moe_shared_experts * he
+    residual = n * h * d.residual if _norm_keeps_input(cfg, d) else 0.0
+    copies = 1 + (n_ffn - 1 if shared else 0) if d.autocast else 1
+    router = n * E * 4 + (n * E * 4 + n * 4 if cfg.moe_z_loss else 0.0) + (n * E * 4 if cfg.moe_aux_loss else 0.0)
+    routing = n * k * (3 * 8 + c + (4 if cfg.moe_renorm else 0)) + (n * 4 if cfg.moe_renorm else 0.0)
+    arrived = n * k * expert_load(wl, ep)
+    inner = (2 if cfg.activation == "gelu" else 4) * he * c
+    experts = arrived * (h * c + inner + (8 if ep > 1 else 0)) + 2 * n * k * h * c
+    shared_ffn = (2 if cfg.activation == "gelu" else 4) * n * shared * c
+    mask = n * h if cfg.dropout > 0 else 0.0
+    inputs = residual + _norm_extra(cfg, d, b, s_loc) + copies * n * h * c
+    return inputs + router + routing + experts + shared_ffn + mask
 
 
 def attention_backward_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, cp: int = 1,
@@ -227,11 +286,14 @@ def weight_copy_bytes(wl: Workload, matmul_params: int, ac: str, keeps_fp32: boo
 
 
 def formula_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str,
-                             keeps_fp32: bool = False, cp: int = 1) -> tuple[float, float]:
-    """(per layer, head + loss) from the closed form, autocast weight copies included; the
-    same split as `scaletrain.plan.trace.traced_activation_bytes`."""
-    per_layer = layer_activation_bytes(cfg, wl, b, tp, sp, ac, cp) + \
-        weight_copy_bytes(wl, layer_params(cfg, tp)[2], ac, keeps_fp32)
+                             keeps_fp32: bool = False, cp: int = 1, moe: bool = False,
+                             ep: int = 1) -> tuple[float, float]:
+    """(per layer, head + loss) from the closed form, autocast weight copies included (a
+    mixture's: its router, shared experts and the routed experts on this rank, which the
+    grouped matmul casts); the same split as `scaletrain.plan.trace.traced_activation_bytes`.
+    `moe`: the layer is a mixture-of-experts block."""
+    per_layer = layer_activation_bytes(cfg, wl, b, tp, sp, ac, cp, moe, ep) + \
+        weight_copy_bytes(wl, layer_params(cfg, tp, moe, ep).matmul, ac, keeps_fp32)
     # the head is never checkpointed: its weight copy stays whatever the layers do
     head = head_activation_bytes(cfg, wl, b, tp, sp, cp) + \
         weight_copy_bytes(wl, cfg.vocab_size * cfg.dim // tp, "none", keeps_fp32)

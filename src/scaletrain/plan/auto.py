@@ -24,7 +24,7 @@ from scaletrain.config import JobConfig, ParallelConfig
 from scaletrain.errors import ConfigError
 from scaletrain.layout import Layout
 
-CHOSEN = ("dp_replicate", "dp_shard", "tp", "pp", "zero", "sp", "pp_schedule", "pp_virtual_stages", "dp_sync")
+CHOSEN = ("dp_replicate", "dp_shard", "tp", "pp", "ep", "zero", "sp", "pp_schedule", "pp_virtual_stages", "dp_sync")
 
 
 MEASURE_MAX = 5  # layouts timed at most under auto_measure_s

@@ -13,6 +13,10 @@ all running at once (the cores and memory bandwidth they share are part of what 
   largest micro-batch: a model of 1 and of 3 blocks, timed in turn, gives a block's seconds
   (half the difference) and the rest (embedding, head and loss). Its tensor-parallel
   collectives run inside it, as they do in training.
+* **expert load** — for a mixture of experts, the same probe counts the tokens its router sends
+  to each expert: max / mean in the worst layer (the trainer's `moe_imbalance`), the router at
+  initialisation on the probe's random tokens. The plan takes it as `Workload.moe_imbalance`
+  unless one is given (a trained router's, from a run's metrics, is usually larger).
 * **collectives** — all-reduce, all-gather, reduce-scatter, all-to-all and send/recv at several
   sizes (`scaletrain bench comms`'s measurement), fitted as latency + bus volume / bandwidth.
 * **overlap** — how much of a collective hides behind compute when both run at once
@@ -93,15 +97,25 @@ class Calibration:
         w = (micro_batch - lo) / (hi - lo)
         return tuple(max(0.0, got[lo][k] + w * (got[hi][k] - got[lo][k])) for k in ("block", "rest"))
 
+    def imbalance(self, keys: list[str]) -> float | None:
+        """A mixture of experts' load measured by the compute probes of `keys` (max / mean tokens
+        per expert in the worst layer, the mean over the probes), or None where none measured it."""
+        got = [v["imbalance"] for k in keys for v in self.compute.get(k, {}).values() if "imbalance" in v]
+        return sum(got) / len(got) if got else None
+
     def has(self, key: str, micro_batch: int) -> bool:
         return str(micro_batch) in self.compute.get(key, {})
 
 
 def compute_key(cfg, precision: str, seq_len: int, tp: int, sp: bool, ac: str, cp: int = 1) -> str:
     """A compute probe's cache key: the model's shape and everything the layout changes in it
-    but the micro-batch (each key holds probes at several micro-batch sizes)."""
+    but the micro-batch (each key holds probes at several micro-batch sizes); a mixture of
+    experts' shape and routing besides."""
     shape = (cfg.dim, cfg.n_heads, cfg.kv_heads, cfg.head_size, cfg.hidden_dim, cfg.vocab_size, cfg.activation,
              cfg.norm, cfg.position, cfg.tie_embeddings, cfg.dropout > 0)
+    if cfg.moe_experts:
+        shape += ("moe", cfg.moe_experts, cfg.moe_top_k, cfg.moe_shared_experts, cfg.expert_hidden, cfg.moe_every,
+                  cfg.moe_first_dense, cfg.moe_score, cfg.moe_capacity_factor)
     return f"{precision}|{','.join(map(str, shape))}|seq={seq_len // cp}|tp={tp}|sp={sp}|ac={ac}"
 
 
@@ -115,8 +129,8 @@ def engine_key(cfg, wl, layout) -> str:
 
 def engine_probed(layout) -> bool:
     """Layouts whose engine is probed: every rank data or tensor parallel (no pipeline, no
-    context parallel, synchronous data parallelism)."""
-    return layout.pp == 1 and layout.cp == 1 and not layout.local_sync and layout.world > 1
+    context or expert parallel, synchronous data parallelism)."""
+    return layout.pp == 1 and layout.cp == 1 and layout.ep == 1 and not layout.local_sync and layout.world > 1
 
 
 def layout_key(cfg, wl, layout) -> str:

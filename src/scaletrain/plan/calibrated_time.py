@@ -20,6 +20,10 @@ figure measured here instead of taken from a datasheet:
   every micro-batch. The measured overlap says how much of that hides behind the compute it
   runs beside (on a CPU the collective and the compute share the cores).
 * The optimizer's measured seconds per parameter, for the parameters this rank steps.
+* A mixture of experts under expert parallelism (which the probes do not run): each MoE block's
+  four all-to-alls per micro-batch (`time_model.ep_traffic`) with the measured all-to-all, and
+  the routed experts' share of a block's measured seconds scaled by the busiest rank's load
+  (`Workload.moe_imbalance`); the experts' gradients reduced over their own group.
 * For a layout whose every rank is data or tensor parallel (no pipeline), the three items
   above give way to its engine's measured cost (`Calibration.engine`): per block (every
   micro-batch under ZeRO-2 and FSDP, once per step otherwise) and per step. It is reported as
@@ -33,9 +37,18 @@ import math
 from scaletrain.config import ParallelConfig
 from scaletrain.model.flops import flops_per_token
 from scaletrain.plan.calibrate import Calibration, engine_key, engine_probed, layout_key
-from scaletrain.plan.params import dtypes_for, rank_params, stage_layers
+from scaletrain.plan.params import dtypes_for, moe_block_split, rank_blocks, rank_params, stage_layers
 from scaletrain.plan.spec import Cluster, Layout, Workload
-from scaletrain.plan.time_model import SYNC_BYTES, TimeBreakdown, cp_traffic, optimizer_seconds, schedule_bubble
+from scaletrain.plan.time_model import (
+    SYNC_BYTES,
+    TimeBreakdown,
+    cp_traffic,
+    ep_traffic,
+    expert_load,
+    optimizer_seconds,
+    schedule_bubble,
+    state_groups,
+)
 from scaletrain.vocab import PEAK_KIND
 
 
@@ -48,6 +61,11 @@ def estimate(cfg, wl: Workload, layout: Layout, cluster: Cluster,
     m = layout.grad_accum
     block, rest = cal.block(layout_key(cfg, wl, layout), layout.micro_batch)
     counts = [sum(c) for c in stage_layers(cfg, layout)]  # layers per pipeline rank
+    moe_counts = [rank_blocks(cfg, layout, r)[1] for r in range(layout.pp)]
+    load = expert_load(wl, layout)
+    if load > 1 and cfg.moe_experts:  # the busiest ep rank's routed experts run `load` times the mean
+        attention, whole, routed = moe_block_split(cfg)
+        block *= 1 + (load - 1) * routed / (attention + whole + routed) * cfg.moe_blocks / cfg.n_layers
     last = layout.num_stages - 1
     per_rank = []
     for r in range(layout.pp):
@@ -66,27 +84,39 @@ def estimate(cfg, wl: Workload, layout: Layout, cluster: Cluster,
         cp_comm = m * max(counts) * sum(cal.collective_s(op, buffer, 2 if op == "send_recv" else layout.cp, calls)
                                         * exposed for op, buffer, calls, exposed in cp_traffic(cfg, wl, layout))
 
-    params = max(rank_params(cfg, layout, r).total for r in range(layout.pp))
+    ep_comm = 0.0
+    if layout.ep > 1 and max(moe_counts):
+        buffer, calls = ep_traffic(cfg, wl, layout)
+        ep_comm = m * max(moe_counts) * cal.collective_s("all_to_all", buffer * load, layout.ep, calls)
+
+    held = max((rank_params(cfg, layout, r) for r in range(layout.pp)), key=lambda c: c.total)
     engine = cal.engine.get(engine_key(cfg, wl, layout)) if engine_probed(layout) else None
     if engine is not None:  # measured with the trainer: reductions, hooks, optimizer step, clipping
         per_micro = layout.zero in (2, 3)  # ZeRO-2 reduce-scatters, FSDP gathers, every micro-batch
         dp_comm = dp_exposed = (m if per_micro else 1) * max(counts) * engine["block"] + engine["rest"]
         optimizer = clip = 0.0
     else:
-        dp_comm, dp_exposed = data_parallel(cal, wl, layout, params, compute, max(counts), bucket_mb)
+        dp_comm = dp_exposed = 0.0
+        left = compute  # the compute the groups' reductions may still hide behind
         key = f"{wl.optimizer}|{wl.precision}"
-        n_shard = layout.shard_ranks(wl.engine)
-        stepped = params / n_shard if layout.zero >= 1 and n_shard > 1 else params
-        optimizer = (cal.optimizer[key] * stepped if key in cal.optimizer
-                     else optimizer_seconds(wl, layout, cluster.hardware, params))
+        optimizer = 0.0
+        for group, part in state_groups(layout, held):  # a mixture's routed experts: over their own group
+            c, e = data_parallel(cal, wl, group, part.total, left, max(counts), bucket_mb)
+            hides = cal.overlap * (1.0 if layout.zero == 3 else 2 / 3 / m)  # of the compute, as data_parallel's
+            left = max(0.0, left - (c - e) / hides) if hides > 0 else left
+            dp_comm, dp_exposed = dp_comm + c, dp_exposed + e
+            n_shard = group.shard_ranks(wl.engine)
+            stepped = part.total / n_shard if group.zero >= 1 and n_shard > 1 else part.total
+            optimizer += (cal.optimizer[key] * stepped if key in cal.optimizer
+                          else optimizer_seconds(wl, group, cluster.hardware, part.total))
         clip = cal.collective_s("all_reduce", 4, layout.world)  # the global gradient norm
 
-    busy = compute + pp_comm + cp_comm
+    busy = compute + pp_comm + cp_comm + ep_comm
     step = busy * (1.0 + bubble) + dp_exposed + optimizer + clip
     model_flops = flops_per_token(cfg, wl.seq_len) * wl.tokens
     peak = cluster.hardware.peak_flops(PEAK_KIND[wl.precision])
     return TimeBreakdown(
-        compute_s=compute, tp_comm_s=0.0, cp_comm_s=cp_comm, pp_comm_s=pp_comm, dp_comm_s=dp_comm,
+        compute_s=compute, tp_comm_s=0.0, cp_comm_s=cp_comm, ep_comm_s=ep_comm, pp_comm_s=pp_comm, dp_comm_s=dp_comm,
         dp_exposed_s=dp_exposed, bubble_s=busy * bubble, optimizer_s=optimizer + clip, step_time_s=step,
         tokens_per_s=wl.tokens / step, mfu=model_flops / (step * peak * layout.world), model_flops=model_flops,
         hardware_flops=model_flops, bubble_fraction=bubble, calibrated=True)

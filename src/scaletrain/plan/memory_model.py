@@ -32,13 +32,16 @@ from scaletrain.plan.activations import (
     formula_activation_bytes,
     in_flight,
     mlp_half_bytes,
+    moe_half_bytes,
 )
 from scaletrain.plan.params import (
     Dtypes,
     ParamCounts,
     dtypes_for,
+    expert_shard_ranks,
     layer_params,
     optimizer_bytes,
+    rank_blocks,
     rank_params,
     stage_layers,
 )
@@ -125,26 +128,35 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
     out = model_state_memory(counts, wl, layout, extra_grads=extra_grads, sh=sh)
     out.stage = pp_rank
 
-    # activations: per micro-batch on this rank's layers, times the micro-batches in flight
-    layers = sum(stage_layers(cfg, layout)[pp_rank])
+    # activations: per micro-batch on this rank's layers (dense and mixture-of-experts blocks),
+    # times the micro-batches in flight
+    kinds = [(n, moe) for n, moe in zip(rank_blocks(cfg, layout, pp_rank), (False, True)) if n]
     from scaletrain.parallel.pipeline import stage_indices
 
     stages = stage_indices(layout.pp_schedule, pp_rank, layout.pp, layout.pp_virtual_stages) if layout.pp > 1 else [0]
     last = layout.num_stages - 1
     flight = in_flight(layout.pp_schedule, layout.pp, layout.grad_accum, layout.pp_virtual_stages)[pp_rank]
+    b, tp, sp, ac, cp, ep = (layout.micro_batch, layout.tp, layout.sp, layout.activation_checkpointing, layout.cp,
+                             layout.ep)
     if activations == "traced":
         if not ours or layout.cp > 1:
             raise ValueError("traced activations count scaletrain's own layer (engine scaletrain, cp 1)")
+        if cfg.moe_experts:
+            from scaletrain.errors import ConfigError
+
+            raise ConfigError("--activations traced: fake tensors cannot route tokens (a mixture of experts' groups "
+                              "depend on the data); use --activations formula")
         from scaletrain.plan.trace import traced_activation_bytes
 
-        per_layer, head = traced_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp,
-                                                  layout.activation_checkpointing)
+        per_layer, head = traced_activation_bytes(cfg, wl, b, tp, sp, ac)
+        per_kind = {False: per_layer}
     elif activations == "formula":
-        per_layer, head = formula_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp,
-                                                   layout.activation_checkpointing, sh.fsdp_like, layout.cp)
+        per_kind = {moe: formula_activation_bytes(cfg, wl, b, tp, sp, ac, sh.fsdp_like, cp, moe, ep)[0]
+                    for _, moe in kinds}
+        head = formula_activation_bytes(cfg, wl, b, tp, sp, ac, sh.fsdp_like, cp)[1]
     else:
         raise ValueError(f"unknown activation source {activations!r}")
-    out.activations = per_layer * layers * flight
+    out.activations = sum(n * per_kind[moe] for n, moe in kinds) * flight
     if 0 in stages and activations == "formula":
         out.activations += first_layer_extra_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp,
                                                    layout.activation_checkpointing, layout.cp) * flight
@@ -153,18 +165,21 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
         # one micro-batch at a time on the last stage
         out.logits_loss = head
 
-    block = layer_params(cfg, layout.tp)
     recompute = 0.0
-    if ours and layout.activation_checkpointing != "none":  # backward rebuilds one layer's activations at a time
-        full = formula_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp, "none", sh.fsdp_like)[0]
-        recompute = full - formula_activation_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp,
-                                                    layout.activation_checkpointing, sh.fsdp_like)[0]
+    if ours and ac != "none":  # backward rebuilds one layer's activations at a time
+        recompute = max(formula_activation_bytes(cfg, wl, b, tp, sp, "none", sh.fsdp_like, 1, moe, ep)[0]
+                        - formula_activation_bytes(cfg, wl, b, tp, sp, ac, sh.fsdp_like, 1, moe, ep)[0]
+                        for _, moe in kinds)
     moments = None
     if ours and activations == "formula" and last in stages:
-        moments = backward_moments(cfg, wl, layout, d, per_layer)
-    # FSDP gathers block by block; the root (embedding and head) stays gathered
+        moe_last = cfg.is_moe_block(cfg.n_layers - 1)
+        moments = backward_moments(cfg, wl, layout, d, per_kind.get(moe_last, max(per_kind.values())))
+    # FSDP gathers block by block (a mixture's block with its experts); the root (embedding
+    # and head) stays gathered
+    block = max(layer_params(cfg, tp, moe, ep).sharded + layer_params(cfg, tp, moe, ep).replicated
+                + layer_params(cfg, tp, moe, ep).expert for _, moe in kinds)
     root = (cfg.vocab_size * cfg.dim // layout.tp) * (1 if cfg.tie_embeddings else 2)
-    return buffers_and_peak(out, counts, wl, layout, block_params=block[0] + block[1], root_params=root,
+    return buffers_and_peak(out, counts, wl, layout, block_params=block, root_params=root,
                             recompute=recompute, moments=moments, bucket_mb=bucket_mb, gpu=gpu, sh=sh)
 
 
@@ -185,10 +200,15 @@ def backward_moments(cfg: ModelConfig, wl: Workload, layout: Layout, d: Dtypes, 
     b, tp, sp, cp = layout.micro_batch, layout.tp, layout.sp, layout.cp
     scratch = attention_backward_bytes(cfg, wl, b, tp, cp, layout.cp_method)
     wo_in = b * wl.seq_len / cp * cfg.n_heads * cfg.head_size / tp * d.compute
-    freed = mlp_half_bytes(cfg, wl, b, tp, sp, cp) + wo_in
     n_ffn = 3 if cfg.activation == "swiglu" else 2
     head = (cfg.vocab_size * cfg.dim / tp + cfg.dim) * d.grad
-    mlp = (n_ffn * cfg.dim * cfg.hidden_dim / tp + cfg.dim) * d.grad
+    if cfg.is_moe_block(cfg.n_layers - 1):  # a mixture: its router's, shared and routed experts' gradients
+        freed = moe_half_bytes(cfg, wl, b, tp, sp, cp, layout.ep) + wo_in
+        shared = n_ffn * cfg.dim * cfg.moe_shared_experts * cfg.expert_hidden
+        mlp = (cfg.moe_experts * cfg.dim + shared + layer_params(cfg, tp, True, layout.ep).expert + cfg.dim) * d.grad
+    else:
+        freed = mlp_half_bytes(cfg, wl, b, tp, sp, cp) + wo_in
+        mlp = (n_ffn * cfg.dim * cfg.hidden_dim / tp + cfg.dim) * d.grad
     return BackwardMoments(scratch - freed, head + mlp, head, per_layer)
 
 
@@ -215,29 +235,49 @@ def sharding(wl: Workload, layout: Layout) -> Sharding:
     return Sharding(n, zero, grad_zero, fsdp_like)
 
 
+def expert_sharding(wl: Workload, layout: Layout, sh: Sharding) -> Sharding:
+    """How the engine holds the routed experts' model states: like the other parameters, but
+    ZeRO shards them over `expert_shard_ranks` (under ep the ranks that hold the same experts)."""
+    n = expert_shard_ranks(layout, wl.engine)
+    if n == sh.n:
+        return sh
+    zero = layout.zero if n > 1 else 0
+    grad_zero = 1 if zero == 2 and layout.grad_accum > 1 and layout.pp > 1 else zero
+    return Sharding(n, zero, grad_zero, sh.fsdp_like)
+
+
 def model_state_memory(counts: ParamCounts, wl: Workload, layout: Layout, *, extra_grads: float = 0.0,
                        sh: Sharding | None = None) -> MemoryBreakdown:
     """Parameters, gradients, master weights and optimizer state of a rank holding `counts`
     (`extra_grads`: gradient bytes beside them), as the layout's engine shards them
-    (`sh`: `sharding(wl, layout)`, if at hand), and what offloading moves to the host."""
+    (`sh`: `sharding(wl, layout)`, if at hand; a mixture's routed experts by `expert_sharding`),
+    and what offloading moves to the host."""
     d = dtypes_for(wl)
     sh = sh or sharding(wl, layout)
-    n, zero, grad_zero = sh.n, sh.zero, sh.grad_zero
     out = MemoryBreakdown()
-    P = counts.total
     # FSDP-like engines store fp32 parameters (the masters) and gradients
     dtypes = Dtypes(4, 4, 0, d.compute, d.residual, False) if sh.fsdp_like else d
-    out.params, _, out.master, out.optimizer = model_state_bytes(
-        P, dtypes, optimizer_bytes(wl.optimizer, counts) / P if P else 0.0, zero, n)
-    out.grads = model_state_bytes(P, dtypes, 0.0, grad_zero, n)[1]
-    if wl.engine == "scaletrain" and d.master and not sh.fsdp_like:
-        # bf16-true keeps fp32 gradients for its fp32 masters: at step time the bf16 gradients
-        # have been moved into them (one process, DDP), reduce-scattered into fp32 shards
-        # (ZeRO-2), or sit beside the fp32 shards (ZeRO-1, and ZeRO-2 while accumulating)
-        out.grads = {0: P * 4, 1: P * d.grad + P * 4 / n, 2: P * 4 / n}[grad_zero]
+    dense, experts = counts.parts()
+    for part, how in ((dense, sh), (experts, expert_sharding(wl, layout, sh))):
+        P, n, zero, grad_zero = part.total, how.n, how.zero, how.grad_zero
+        if not P:
+            continue
+        params, _, master, optimizer = model_state_bytes(P, dtypes, optimizer_bytes(wl.optimizer, part) / P, zero, n)
+        grads = model_state_bytes(P, dtypes, 0.0, grad_zero, n)[1]
+        if wl.engine == "scaletrain" and d.master and not sh.fsdp_like:
+            # bf16-true keeps fp32 gradients for its fp32 masters: at step time the bf16 gradients
+            # have been moved into them (one process, DDP), reduce-scattered into fp32 shards
+            # (ZeRO-2), or sit beside the fp32 shards (ZeRO-1, and ZeRO-2 while accumulating)
+            grads = {0: P * 4, 1: P * d.grad + P * 4 / n, 2: P * 4 / n}[grad_zero]
+        if layout.local_sync:  # the outer weights (fp32) and DiLoCo's outer momentum, of the rank's shard
+            optimizer += P / (n if zero >= 1 else 1) * (8 if layout.dp_sync == "diloco" else 4)
+        out.params += params
+        out.master += master
+        out.optimizer += optimizer
+        out.grads += grads
+    zero = sh.zero
     out.grads += extra_grads
-    if layout.local_sync:  # the outer weights (fp32) and DiLoCo's outer momentum, of the rank's shard
-        out.optimizer += P / (n if zero >= 1 else 1) * (8 if layout.dp_sync == "diloco" else 4)
+    if layout.local_sync:
         out.notes.append(f"{layout.dp_sync}: the outer weights{' and momentum' if layout.dp_sync == 'diloco' else ''} "
                          "count as optimizer state")
     if layout.offload_optimizer and zero == 3:

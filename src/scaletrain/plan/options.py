@@ -8,7 +8,7 @@ out is derived as the config derives it (`scaletrain.layout.Layout.from_config`:
 remaining ranks, the batch triad from the global batch); with none given the planner searches.
 
 From Python, `plan(layout={...})` takes the same config keys, Layout's field names, or the
-aliases' short names ("ac", "schedule", "virtual", "offload", "cp").
+aliases' short names ("ac", "schedule", "virtual", "offload", "cp", "ep").
 """
 
 from __future__ import annotations
@@ -43,14 +43,15 @@ ALIASES = {
     "--offload": "memory.offload_optimizer",
     "--cp": "parallel.cp",
     "--cp-method": "parallel.cp_method",
+    "--ep": "parallel.ep",
 }
 
 # The config keys that describe a layout (a Layout's fields are these keys after derivation;
 # parallel.pp_microbatches is train.grad_accum under pipelining)
 LAYOUT_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.sp", "parallel.pp",
                "parallel.pp_schedule", "parallel.pp_virtual_stages", "parallel.pp_split", "parallel.pp_microbatches",
-               "parallel.zero", "parallel.cp", "parallel.cp_method", "train.micro_batch", "train.grad_accum",
-               "memory.activation_checkpointing", "memory.offload_optimizer")
+               "parallel.zero", "parallel.cp", "parallel.cp_method", "parallel.ep", "train.micro_batch",
+               "train.grad_accum", "memory.activation_checkpointing", "memory.offload_optimizer")
 
 # How the data-parallel workers sync (Layout's fields of these names): not layout keys that fix
 # the layout, but the local SGD / DiLoCo settings the search tries (and a fixed layout runs)
@@ -69,7 +70,7 @@ LAYOUT_NAMES = {**{key.partition(".")[2]: key for key in LAYOUT_KEYS},
                 **{flag[2:].replace("-", "_"): key for flag, key in ALIASES.items() if key in LAYOUT_KEYS}}
 # sizes that plan(layout={...}) takes by name must be at least 1 (the config's names keep the
 # config's meanings: dp_shard = -1 all remaining ranks, micro_batch = 0 derive)
-SIZES = ("tp", "pp", "cp", "dp_replicate", "dp_shard", "micro_batch", "grad_accum", "pp_virtual_stages")
+SIZES = ("tp", "pp", "cp", "ep", "dp_replicate", "dp_shard", "micro_batch", "grad_accum", "pp_virtual_stages")
 
 
 def alias_of(key: str) -> str | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache, lru_cache
+from typing import NamedTuple
 
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.flops import block_matmul_params
@@ -89,20 +90,86 @@ def dtypes_for(wl: Workload) -> Dtypes:
 @dataclass(frozen=True)
 class ParamCounts:
     """Parameters of one rank: split by tensor parallelism (`sharded`, already divided by tp)
-    or replicated over it, and the matrices (rows, cols) for factored optimizers."""
+    or replicated over it, the mixtures' routed experts it holds (`expert`, already divided by
+    ep: ZeRO shards them over their own group, `expert_shard_ranks`), and the matrices
+    (rows, cols) for factored optimizers (the experts' in `expert_matrices`)."""
 
     sharded: int
     replicated: int
     matmul: int  # of which feed matmuls (for autocast copies and FLOPs)
     matrices: tuple[tuple[int, int], ...] = ()
+    expert: int = 0
+    expert_matrices: tuple[tuple[int, int], ...] = ()
 
     @property
     def total(self) -> int:
-        return self.sharded + self.replicated
+        return self.sharded + self.replicated + self.expert
+
+    def parts(self) -> tuple[ParamCounts, ParamCounts]:
+        """(everything but the routed experts, the routed experts): sharded by ZeRO over
+        different groups under expert parallelism."""
+        return (ParamCounts(self.sharded, self.replicated, self.matmul, self.matrices),
+                ParamCounts(0, 0, 0, self.expert_matrices, self.expert))
+
+
+def expert_shard_ranks(layout: Layout, engine: str = "scaletrain") -> int:
+    """Ranks each routed expert's model states are sharded over by ZeRO. Without expert
+    parallelism the experts are parameters like the others (`Layout.shard_ranks`; replicated
+    over tp: experts are not split by it). With ep they are split over ep ranks borrowed from
+    the dp_shard × cp × tp ranks (torchtitan's dp2ep), each holding E/ep experts, which the
+    remaining dp_shard × cp × tp / ep ranks hold alike and shard."""
+    if layout.ep == 1:
+        return layout.shard_ranks(engine)
+    return max(1, layout.dp_shard * layout.cp * layout.tp // layout.ep)
+
+
+def expert_params(cfg: ModelConfig) -> int:
+    """Parameters of one routed expert: its MLP's two (GELU) or three (SwiGLU) matrices, no bias."""
+    return (3 if cfg.activation == "swiglu" else 2) * cfg.dim * cfg.expert_hidden
+
+
+def moe_block_split(cfg: ModelConfig) -> tuple[int, int, int]:
+    """A mixture-of-experts block's active matmul parameters (`block_matmul_params`, no tp) as
+    (attention, router + shared experts, the top_k routed experts a token visits): tp splits
+    the first, ep the last."""
+    active = block_matmul_params(cfg, 1, block_of_kind(cfg, True))
+    n_ffn = 3 if cfg.activation == "swiglu" else 2
+    whole = cfg.moe_experts * cfg.dim + n_ffn * cfg.dim * cfg.moe_shared_experts * cfg.expert_hidden
+    routed = cfg.moe_top_k * expert_params(cfg)
+    return active - whole - routed, whole, routed
+
+
+def total_and_active(cfg: ModelConfig) -> tuple[int, int]:
+    """(every parameter, those a token's forward multiplies by) of the model: the active count
+    is `model.flops.matmul_params` (a mixture's router, top_k and shared experts) — the MFU's
+    numerator — the total counts every expert and the embedding too."""
+    from scaletrain.model.flops import matmul_params
+    from scaletrain.model.transformer import count_params
+
+    return count_params(cfg), matmul_params(cfg)
+
+
+class BlockParams(NamedTuple):
+    """One block's parameters on a rank (`layer_params`)."""
+
+    sharded: int  # split by tp (already divided)
+    replicated: int  # whole on every tp rank
+    matmul: int  # of which multiply activations: autocast casts them (a mixture: all its experts here)
+    matrices: tuple  # (rows, cols) of the matrices but the routed experts'
+    expert: int = 0  # the routed experts this rank holds (E / ep of them)
+    expert_matrices: tuple = ()
+
+
+def block_of_kind(cfg: ModelConfig, moe: bool) -> int | None:
+    """A block of the kind asked (a mixture of experts or not), for `block_matmul_params`."""
+    return next((i for i in range(cfg.n_layers) if cfg.is_moe_block(i) == moe), None)
 
 
 @lru_cache(maxsize=1024)
-def layer_params(cfg: ModelConfig, tp: int) -> tuple[int, int, int, tuple]:
+def layer_params(cfg: ModelConfig, tp: int, moe: bool = False, ep: int = 1) -> BlockParams:
+    """A block's parameters on one of `tp` tensor-parallel ranks: a dense block, or with `moe`
+    a mixture of experts (its router and shared experts whole on every tp rank, its routed
+    experts split over `ep` ranks)."""
     h, kv, f = cfg.dim, cfg.kv_heads * cfg.head_size, cfg.hidden_dim
     q = cfg.n_heads * cfg.head_size  # = h unless head_dim is set apart
     n_ffn = 3 if cfg.activation == "swiglu" else 2
@@ -110,19 +177,39 @@ def layer_params(cfg: ModelConfig, tp: int) -> tuple[int, int, int, tuple]:
     # query heads read (replicated on tp / kv_heads ranks, as the engine holds it)
     kv_rank = kv // tp if cfg.kv_heads >= tp else cfg.head_size
     replicated_kv = 2 * h * kv_rank - 2 * h * kv // tp  # wk and wv beyond their 1/tp share
-    matmul = block_matmul_params(cfg, tp) + replicated_kv
-    sharded = matmul
+    index = block_of_kind(cfg, moe) if cfg.moe_experts else None
+    active = block_matmul_params(cfg, tp, index)  # the one count of a block's matmul work (model/flops.py)
+    attn_mats = ((q // tp, h), (kv_rank, h), (kv_rank, h), (h, q // tp))
     replicated = (4 if cfg.norm == "layernorm" and cfg.bias else 2) * h
+    if cfg.qk_norm:
+        replicated += 2 * cfg.head_size
+    if moe:
+        E, he = cfg.moe_experts, cfg.expert_hidden
+        shared = cfg.moe_shared_experts * he
+        # the active count is attention's share (split by tp), the router and the shared
+        # experts (whole on every tp rank) and top_k routed experts; a rank holds E / ep of these
+        whole = E * h + n_ffn * h * shared
+        attention = active - whole - cfg.moe_top_k * expert_params(cfg) + replicated_kv
+        sharded = attention
+        if cfg.bias:
+            sharded += q // tp + 2 * kv_rank  # column-parallel biases
+            replicated += h + ((n_ffn - 1) * shared + h if shared else 0)  # wo's, the shared MLP's
+        elif cfg.qkv_bias:
+            sharded += q // tp + 2 * kv_rank
+        local = E // ep
+        experts = local * expert_params(cfg)
+        mats = attn_mats + ((E, h),) + (((shared, h),) * (n_ffn - 1) + ((h, shared),) if shared else ())
+        expert_mats = (((he, h),) * (n_ffn - 1) + ((h, he),)) * local
+        return BlockParams(sharded, replicated + whole, attention + whole + experts, mats, experts, expert_mats)
+    matmul = active + replicated_kv
+    sharded = matmul
     if cfg.bias:
         sharded += (q + (n_ffn - 1) * f) // tp + 2 * kv_rank  # column-parallel biases
         replicated += 2 * h  # row-parallel biases (wo, w2)
     elif cfg.qkv_bias:
         sharded += q // tp + 2 * kv_rank
-    if cfg.qk_norm:
-        replicated += 2 * cfg.head_size
-    mats = ((q // tp, h), (kv_rank, h), (kv_rank, h), (h, q // tp)) + \
-           ((f // tp, h),) * (n_ffn - 1) + ((h, f // tp),)
-    return sharded, replicated, matmul, mats
+    mats = attn_mats + ((f // tp, h),) * (n_ffn - 1) + ((h, f // tp),)
+    return BlockParams(sharded, replicated, matmul, mats)
 
 
 def stage_layers(cfg: ModelConfig, layout: Layout) -> list[list[int]]:
@@ -143,19 +230,47 @@ def _stage_layers(n_layers: int, pp: int, virtual: int, schedule: str, head_cost
     return [[counts[s] for s in stage_indices(schedule, r, pp, virtual)] for r in range(pp)]
 
 
+def rank_blocks(cfg: ModelConfig, layout: Layout, pp_rank: int) -> tuple[int, int]:
+    """(dense blocks, mixture-of-experts blocks) that pipeline rank `pp_rank` holds."""
+    return _rank_blocks(cfg, layout.pp, layout.pp_virtual_stages, layout.pp_schedule, pp_rank)
+
+
+@lru_cache(maxsize=4096)
+def _rank_blocks(cfg: ModelConfig, pp: int, virtual: int, schedule: str, pp_rank: int) -> tuple[int, int]:
+    from scaletrain.parallel.pipeline import head_cost_in_blocks, stage_indices
+
+    if not cfg.moe_experts:
+        return sum(stage_layers(cfg, Layout(pp=pp, pp_virtual_stages=virtual, pp_schedule=schedule))[pp_rank]), 0
+    if pp == 1:
+        return cfg.n_layers - cfg.moe_blocks, cfg.moe_blocks
+    from scaletrain.parallel.pipeline import balanced_split_counts
+
+    counts = balanced_split_counts(cfg.n_layers, pp * virtual, head_cost_in_blocks(cfg))
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    blocks = [i for s in stage_indices(schedule, pp_rank, pp, virtual) for i in range(starts[s], starts[s] + counts[s])]
+    moe = sum(cfg.is_moe_block(i) for i in blocks)
+    return len(blocks) - moe, moe
+
+
 def rank_params(cfg: ModelConfig, layout: Layout, pp_rank: int) -> ParamCounts:
-    return _rank_params(cfg, layout.tp, layout.pp, layout.pp_virtual_stages, layout.pp_schedule, pp_rank)
+    return _rank_params(cfg, layout.tp, layout.pp, layout.pp_virtual_stages, layout.pp_schedule, pp_rank, layout.ep)
 
 
 @lru_cache(maxsize=16384)
-def _rank_params(cfg: ModelConfig, tp: int, pp: int, virtual: int, schedule: str, pp_rank: int) -> ParamCounts:
+def _rank_params(cfg: ModelConfig, tp: int, pp: int, virtual: int, schedule: str, pp_rank: int,
+                 ep: int = 1) -> ParamCounts:
     from scaletrain.parallel.pipeline import stage_indices
 
     layout = Layout(tp=tp, pp=pp, pp_virtual_stages=virtual, pp_schedule=schedule)
-    layers = sum(stage_layers(cfg, layout)[pp_rank])
-    s, r, mm, mats = layer_params(cfg, tp)
-    sharded, replicated, matmul = s * layers, r * layers, mm * layers
-    matrices = list(mats) * layers
+    sharded = replicated = matmul = expert = 0
+    matrices, expert_matrices = [], []
+    for n, moe in zip(_rank_blocks(cfg, pp, virtual, schedule, pp_rank), (False, True)):
+        if n:
+            b = layer_params(cfg, tp, moe, ep)
+            sharded, replicated, matmul = sharded + n * b.sharded, replicated + n * b.replicated, matmul + n * b.matmul
+            expert += n * b.expert
+            matrices += list(b.matrices) * n
+            expert_matrices += list(b.expert_matrices) * n
     stages = stage_indices(layout.pp_schedule, pp_rank, layout.pp, layout.pp_virtual_stages) if layout.pp > 1 else [0]
     last = layout.num_stages - 1
     h, V = cfg.dim, cfg.vocab_size
@@ -171,7 +286,7 @@ def _rank_params(cfg: ModelConfig, tp: int, pp: int, virtual: int, schedule: str
         if not (cfg.tie_embeddings and layout.pp == 1):
             sharded += V * h // tp
             matrices.append((V // tp, h))
-    return ParamCounts(sharded, replicated, matmul, tuple(matrices))
+    return ParamCounts(sharded, replicated, matmul, tuple(matrices), expert, tuple(expert_matrices))
 
 
 def optimizer_bytes(optimizer: str, counts: ParamCounts) -> float:

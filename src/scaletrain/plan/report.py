@@ -4,20 +4,23 @@ JSON schema (`scaletrain plan --json`), version 1:
 
     {
       "schema": "scaletrain.plan/1",
-      "model": {"name": str, "num_params": int, "config": {ModelConfig fields} | null},
+      "model": {"name": str, "num_params": int,                     # every parameter (all experts)
+                "active_params": int,              # those a token multiplies by (MFU's count: flops.py)
+                "moe_imbalance": float | null,     # a mixture's expert load planned (max / mean)
+                "config": {ModelConfig fields} | null},
       "workload": {"seq_len", "global_batch", "precision", "optimizer", "attention",
                    "engine", "compile", "fp8"},
       "cluster": {"hardware": str, "nodes": int, "gpus_per_node": int, "memory_bytes": int},
       "search": {"layouts": int, "fit": int, "seconds": float},      # absent for a fixed layout
       "layouts": [                                                   # best first
-        {"layout": {dp_replicate, dp_shard, tp, pp, cp, zero, sp, schedule, virtual, micro_batch,
-                    grad_accum, ac, offload},                        # cp: context-parallel ranks
+        {"layout": {dp_replicate, dp_shard, tp, pp, cp, ep, zero, sp, schedule, virtual, micro_batch,
+                    grad_accum, ac, offload},               # cp, ep: context-, expert-parallel ranks
          "describe": str,
          "memory": {"params", "grads", "master", "optimizer", "activations", "logits_loss",
                     "comm_buffers", "reserve", "total", "host"},          # bytes per rank
          "fits": bool, "capacity": int, "host_capacity": int,   # host: bytes per GPU, 0 = unknown
          "step_time_s": float, "tokens_per_s": float, "mfu": float,
-         "time": {compute_s, tp_comm_s, cp_comm_s, pp_comm_s, dp_comm_s, dp_exposed_s, bubble_s,
+         "time": {compute_s, tp_comm_s, cp_comm_s, ep_comm_s, pp_comm_s, dp_comm_s, dp_exposed_s, bubble_s,
                   optimizer_s, step_time_s, tokens_per_s, mfu, model_flops, hardware_flops,
                   bubble_fraction},
          "why_not": [str]}                                            # why it does not fit
@@ -42,6 +45,8 @@ def to_json(result: dict) -> str:
     payload = {
         "schema": SCHEMA,
         "model": {"name": result["model_name"], "num_params": result["num_params"],
+                  "active_params": result.get("active_params", result["num_params"]),
+                  "moe_imbalance": result["workload"].moe_imbalance if result.get("moe_imbalance") else None,
                   "config": dataclasses.asdict(result["cfg"]) if result["cfg"] is not None else None},
         "workload": dataclasses.asdict(result["workload"]),
         "cluster": {"hardware": result["cluster"].hardware.name, "nodes": result["cluster"].nodes,
@@ -70,7 +75,10 @@ def _how_trained(wl, cfg=None) -> str:
 
 def table(result: dict) -> str:
     cl, wl = result["cluster"], result["workload"]
-    lines = [f"model {result['model_name']}: {result['num_params'] / 1e9:.2f}B parameters; "
+    active = result.get("active_params")
+    params = f"{result['num_params'] / 1e9:.2f}B parameters" + \
+        (f" ({active / 1e9:.2f}B active)" if result["cfg"] is not None and result["cfg"].moe_experts else "")
+    lines = [f"model {result['model_name']}: {params}; "
              f"{cl.nodes} × {cl.gpus_per_node} × {cl.hardware.name} ({cl.hardware.memory_bytes / GiB:.1f} GiB each); "
              f"sequence {wl.seq_len}, global batch {wl.global_batch}, {wl.precision}, {wl.optimizer}"
              + _how_trained(wl, result.get("cfg"))]
@@ -109,6 +117,7 @@ def breakdown(e: Evaluated) -> str:
     engine = t.calibrated and t.optimizer_s == 0 and e.layout.pp == 1  # the trainer's engine, measured whole
     for label, v in (("compute", t.compute_s), (tp_label, t.tp_comm_s),
                      *((("context-parallel (exposed)", t.cp_comm_s),) if e.layout.cp > 1 else ()),
+                     *((("expert all-to-all", t.ep_comm_s),) if e.layout.ep > 1 else ()),
                      ("pipeline sends (exposed)", t.pp_comm_s), ("pipeline bubble", t.bubble_s),
                      ("data-parallel comm" if not engine else "engine (dp, optimizer)", t.dp_comm_s),
                      ("  of which exposed", t.dp_exposed_s),

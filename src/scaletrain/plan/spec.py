@@ -35,6 +35,9 @@ class Workload:
     engine: str = "scaletrain"  # the engine that trains it: what it keeps, how it communicates
     compile: bool = False  # torch.compile: element-wise work fused (less memory traffic)
     fp8: bool = False  # the linear layers' matmuls in float8 (torchao / Transformer Engine)
+    # a mixture of experts' load: max / mean tokens per expert (1 = balanced, as published
+    # figures force it); the busiest expert-parallel rank computes and receives this much more
+    moe_imbalance: float = 1.0
 
     def __post_init__(self):
         errors = []
@@ -46,6 +49,8 @@ class Workload:
             errors.append(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if self.attention not in ATTENTION:
             errors.append(f"attention {self.attention!r} is not one of {', '.join(ATTENTION)}")
+        if not self.moe_imbalance >= 1.0:
+            errors.append(f"--moe-imbalance is max / mean tokens per expert, at least 1; got {self.moe_imbalance:g}")
         if self.seq_len < 1 or self.global_batch < 1:
             errors.append("sequence length and global batch must be at least 1")
         if errors:

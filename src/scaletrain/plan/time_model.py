@@ -19,6 +19,14 @@
   micro-batch's backward, when gradients are reduced) or with all of forward and backward
   (ZeRO-3 prefetch), up to `OVERLAP` of that compute; the rest is exposed.
 * Tensor-parallel collectives sit on the critical path: four per layer per micro-batch.
+* A mixture of experts: the routed experts' matmuls (top_k per token) at the efficiency of
+  their groups' rows (tokens × top_k / experts, over the ep ranks' tokens); under expert
+  parallelism four all-to-alls per MoE block and micro-batch (dispatch and combine, forward and
+  backward; two more when full checkpointing recomputes the forward), each moving
+  tokens × top_k × dim in the compute dtype × (ep-1)/ep over the ep group, on the critical
+  path. The busiest ep rank computes and receives `Workload.moe_imbalance` (max / mean load)
+  times the mean; the routed experts' gradients are reduced and stepped over their own group
+  (`expert_shard_ranks`).
 * The bubble fraction comes from the schedule's simulated timeline (`scaletrain schedule`).
 * The optimizer step reads and writes every state byte once, at the device's memory bandwidth.
 * Workers in sites joined by a slow link (`Cluster.workers`, `workers_link_GBps`): a ring that
@@ -32,13 +40,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.flops import block_matmul_params, flops_per_token
 from scaletrain.plan.calibrate import bus_factor
-from scaletrain.plan.params import Dtypes, dtypes_for, engine_of, rank_params
+from scaletrain.plan.params import (
+    Dtypes,
+    ParamCounts,
+    block_of_kind,
+    dtypes_for,
+    engine_of,
+    expert_shard_ranks,
+    moe_block_split,
+    rank_blocks,
+    rank_params,
+)
 from scaletrain.plan.spec import Cluster, Layout, Workload
 from scaletrain.quant.layers import fp8_share
 from scaletrain.vocab import PEAK_KIND
@@ -85,6 +103,7 @@ class TimeBreakdown:
     hardware_flops: float
     bubble_fraction: float
     cp_comm_s: float = 0.0  # exposed context-parallel exchange (cp_traffic)
+    ep_comm_s: float = 0.0  # expert parallelism's all-to-alls (ep_traffic), on the critical path
     calibrated: bool = False  # from this machine's calibration (tp collectives inside compute_s), not the catalog
 
     def as_dict(self) -> dict[str, float]:
@@ -182,16 +201,45 @@ def cp_traffic(cfg: ModelConfig, wl: Workload, layout: Layout) -> list[tuple[str
     return [("send_recv", kv, 3 * (n - 1), PIPELINE_SEND_EXPOSED)]
 
 
+def ep_traffic(cfg: ModelConfig, wl: Workload, layout: Layout) -> tuple[float, int]:
+    """One MoE block's expert-parallel exchange for one micro-batch: (the bytes one all-to-all
+    carries from a rank, as `scaletrain bench comms` counts its buffer: the rank's routed
+    tokens × top_k × dim in the compute dtype; the calls: dispatch and combine, forward and
+    backward, and again in the forward that full checkpointing recomputes)."""
+    tokens = layout.micro_batch * wl.seq_len / layout.cp / (layout.tp if layout.sp else 1)
+    buffer = tokens * cfg.moe_top_k * cfg.dim * dtypes_for(wl).compute
+    return buffer, 4 + (2 if layout.activation_checkpointing == "full" else 0)
+
+
+def expert_load(wl: Workload, layout: Layout) -> float:
+    """The busiest rank's routed work over the mean: the imbalance under ep (1 without: a rank
+    runs every routed token of its own whatever the experts' split)."""
+    return wl.moe_imbalance if layout.ep > 1 else 1.0
+
+
 def compute_seconds(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Cluster, layers: int,
-                    head: bool) -> float:
+                    head: bool, moe_layers: int | None = None) -> float:
     """Seconds of compute of one rank for one step: its layers' (and head's) matmuls at the
-    shape-dependent efficiency, attention at the kernel's, element-wise work at HBM speed."""
+    shape-dependent efficiency, attention at the kernel's, element-wise work at HBM speed.
+    `moe_layers`: how many of the layers are mixtures of experts (None: the model's share)."""
     hw = cluster.hardware
     d = dtypes_for(wl)
     peak = hw.peak_flops(PEAK_KIND[wl.precision])
     tokens = layout.micro_batch * wl.seq_len / layout.cp * layout.grad_accum  # this rank's, per step
     eta = efficiency(cluster, layout, cfg, wl.seq_len)
-    linear = 6.0 * block_matmul_params(cfg) * layers * tokens / layout.tp
+    if moe_layers is None:
+        moe_layers = round(layers * cfg.moe_blocks / cfg.n_layers)
+    dense_layers = layers - moe_layers
+    linear = 6.0 * block_matmul_params(cfg, 1, block_of_kind(cfg, False) if cfg.moe_experts else None) * \
+        dense_layers * tokens / layout.tp
+    routed_s = 0.0
+    if moe_layers:  # attention split by tp; router, shared and routed experts on the rank's tokens
+        attention, whole, routed = moe_block_split(cfg)
+        moe_tokens = tokens / (layout.tp if layout.sp else 1)
+        linear += 6.0 * moe_layers * (attention * tokens / layout.tp + whole * moe_tokens)
+        rows = moe_tokens / layout.grad_accum * layout.ep * cfg.moe_top_k / cfg.moe_experts  # an expert's group
+        eta_e = hardware_efficiency(hw) * _shape_factor(rows) * _shape_factor(min(cfg.dim, cfg.expert_hidden))
+        routed_s = 6.0 * moe_layers * routed * moe_tokens * expert_load(wl, layout) / (peak * eta_e)
     attn = 12.0 * cfg.n_heads * cfg.head_size * wl.seq_len * layers * tokens / layout.tp
     head_flops = 6.0 * cfg.dim * cfg.vocab_size * tokens / layout.tp if head else 0.0
     if wl.fp8:
@@ -207,12 +255,16 @@ def compute_seconds(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clu
     attn_s = attn / (peak * hardware_efficiency(hw) * ATTENTION_EFFICIENCY[wl.attention])
     head_s = head_flops / (peak * hardware_efficiency(hw) * _shape_factor(tokens / layout.grad_accum))
     traffic = _elementwise_bytes_per_token(cfg, d, layout.tp, layout.sp) * layers * tokens
+    if moe_layers:  # a mixture's routed copies (gathered, weighted, added back) and its experts' activation
+        n_ffn = 3 if cfg.activation == "swiglu" else 2
+        routed_fwd = cfg.moe_top_k * expert_load(wl, layout) * (n_ffn * cfg.expert_hidden + 4 * cfg.dim) * d.compute
+        traffic += 3 * moe_layers * tokens * (routed_fwd - n_ffn * cfg.hidden_dim * d.compute / layout.tp)
     if head:  # the loss: fp32 logits written, softmax read and written, forward and backward
         traffic += 4 * 4 * cfg.vocab_size / layout.tp * tokens
     if not wl.compile and wl.engine == "scaletrain" and cfg.norm == "rmsnorm":  # LayerNorm is one kernel
         traffic *= UNFUSED_TRAFFIC
     memory_s = traffic / (hw.memory_GBps * 1e9 * HBM_EFFICIENCY)
-    layer_s = linear_s + attn_s
+    layer_s = linear_s + attn_s + routed_s
     recompute = {"none": 0.0, "full": layer_s / 3.0 + memory_s / 3.0,
                  "selective": SELECTIVE_RECOMPUTE * (layer_s + memory_s)}[layout.activation_checkpointing]
     return layer_s + head_s + memory_s + recompute
@@ -234,10 +286,11 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
 
     # the busiest pipeline rank sets the pace
     counts = [sum(c) for c in stage_layers(cfg, layout)]
+    moe_counts = [rank_blocks(cfg, layout, r)[1] for r in range(layout.pp)]
     last = layout.num_stages - 1
     ranks = {(counts[r], last in (stage_indices(layout.pp_schedule, r, layout.pp, layout.pp_virtual_stages)
-                                  if layout.pp > 1 else [0])) for r in range(layout.pp)}  # distinct ranks only
-    compute = max(compute_seconds(cfg, wl, layout, cluster, layers, head) for layers, head in ranks)
+                                  if layout.pp > 1 else [0]), moe_counts[r]) for r in range(layout.pp)}  # distinct
+    compute = max(compute_seconds(cfg, wl, layout, cluster, layers, head, moe) for layers, head, moe in ranks)
 
     m = layout.grad_accum  # micro-batches per step on each data-parallel rank
     act = layout.micro_batch * wl.seq_len / layout.cp * cfg.dim * d.compute  # one micro-batch's hidden states
@@ -268,17 +321,54 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
         pp_comm = 2 * m * chunks * sent / pp_bw * PIPELINE_SEND_EXPOSED
         bubble = schedule_bubble(layout.pp_schedule, layout.pp, m, layout.pp_virtual_stages)
 
-    params = max(rank_params(cfg, layout, r).total for r in range(layout.pp))  # the fullest rank's
-    dp_comm, dp_exposed = data_parallel_seconds(wl, layout, cluster, params, compute, max(counts))
-    optimizer = optimizer_seconds(wl, layout, hw, params)
+    # expert parallel: each MoE block's all-to-alls per micro-batch (`ep_traffic`), the busiest
+    # rank receiving `expert_load` times the mean
+    ep_comm = 0.0
+    if layout.ep > 1 and max(moe_counts):
+        ep_bw = _group_link_GBps(cluster, 1, layout.ep) * 1e9
+        buffer, calls = ep_traffic(cfg, wl, layout)
+        one = buffer * bus_factor("all_to_all", layout.ep) * expert_load(wl, layout) / ep_bw + \
+            _ring_latency(cluster, 1, layout.ep)
+        ep_comm = m * max(moe_counts) * calls * one
 
-    busy = compute + tp_comm + cp_comm + pp_comm
+    # the fullest rank's parameters; a mixture's routed experts reduce and step over their own group
+    held = max((rank_params(cfg, layout, r) for r in range(layout.pp)), key=lambda c: c.total)
+    dp_comm, dp_exposed = model_states_seconds(wl, layout, cluster, held, compute, max(counts))
+    optimizer = sum(optimizer_seconds(wl, lay, hw, part.total) for lay, part in state_groups(layout, held))
+
+    busy = compute + tp_comm + cp_comm + pp_comm + ep_comm
     step = busy * (1.0 + bubble) + dp_exposed + optimizer
     return TimeBreakdown(
-        compute_s=compute, tp_comm_s=tp_comm, cp_comm_s=cp_comm, pp_comm_s=pp_comm, dp_comm_s=dp_comm,
-        dp_exposed_s=dp_exposed, bubble_s=busy * bubble, optimizer_s=optimizer, step_time_s=step,
+        compute_s=compute, tp_comm_s=tp_comm, cp_comm_s=cp_comm, ep_comm_s=ep_comm, pp_comm_s=pp_comm,
+        dp_comm_s=dp_comm, dp_exposed_s=dp_exposed, bubble_s=busy * bubble, optimizer_s=optimizer, step_time_s=step,
         tokens_per_s=tokens / step, mfu=model_flops / (step * peak * world), model_flops=model_flops,
         hardware_flops=hardware_flops, bubble_fraction=bubble)
+
+
+def state_groups(layout: Layout, counts: ParamCounts) -> list[tuple[Layout, ParamCounts]]:
+    """The rank's parameters by the data-parallel group that reduces and steps them, each with a
+    layout whose data-parallel axes are that group's: all of them under `layout`, or under expert
+    parallelism the routed experts apart, over the ranks that hold the same experts
+    (`expert_shard_ranks` of them, ep apart in the mesh; the data-parallel replicas beside)."""
+    dense, experts = counts.parts()
+    if layout.ep == 1 or not experts.total:
+        return [(layout, counts)]
+    group = replace(layout, dp_shard=expert_shard_ranks(layout), tp=layout.ep, cp=1, ep=1, sp=False)
+    return [(layout, dense), (group, experts)]
+
+
+def model_states_seconds(wl: Workload, layout: Layout, cluster: Cluster, counts: ParamCounts, compute: float,
+                         units: int) -> tuple[float, float]:
+    """`data_parallel_seconds` of each of the rank's `state_groups`: the second hides behind
+    what the first left of the compute it overlaps with."""
+    comm = exposed = 0.0
+    for group, part in state_groups(layout, counts):
+        c, e = data_parallel_seconds(wl, group, cluster, part.total, compute, units)
+        window = OVERLAP * compute * (1.0 if layout.zero == 3 else 2 / 3 / layout.grad_accum)
+        if window > 0:  # the overlap the first used is gone for the next
+            compute *= max(0.0, 1.0 - (c - e) / window)
+        comm, exposed = comm + c, exposed + e
+    return comm, exposed
 
 
 def data_parallel_seconds(wl: Workload, layout: Layout, cluster: Cluster, params: float, compute: float,
@@ -290,8 +380,6 @@ def data_parallel_seconds(wl: Workload, layout: Layout, cluster: Cluster, params
     gradients (their shards) after backward, on the critical path; the other engines over the
     dp_shard × cp ranks, which hold the same weights."""
     if layout.local_sync:  # every step inside a worker; between the workers every H steps
-        from dataclasses import replace
-
         inner = replace(layout, dp_replicate=1, dp_sync="step")
         comm, exposed = data_parallel_seconds(wl, inner, cluster, params, compute, units)
         outer, outer_exposed = outer_sync_seconds(layout, cluster, params, step_s=compute + exposed,
