@@ -48,6 +48,7 @@ from scaletrain.schedule import BatchSchedule, parse_rampup
 from scaletrain.vocab import CP_METHODS, is_multi_chunk, unknown
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_MESH_AXES = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")  # dp_shard here: dp_shard / ep
 PIPELINE_ONLY = ("parallel.pp_virtual_stages, pp_split and pp_microbatches describe pipeline stages; "
                  "they need parallel.pp > 1")
 
@@ -65,6 +66,7 @@ class Layout:
     tp: int = ParallelConfig.tp
     pp: int = ParallelConfig.pp
     cp: int = ParallelConfig.cp  # context parallel: each rank holds 1/cp of every sequence
+    ep: int = ParallelConfig.ep  # expert parallel: ranks borrowed from dp_shard, each holding 1/ep of the experts
     cp_method: str = ParallelConfig.cp_method  # ring, allgather or ulysses (scaletrain.parallel.context_parallel)
     zero: int = ParallelConfig.zero
     sp: bool = ParallelConfig.sp
@@ -113,7 +115,7 @@ class Layout:
             raise ConfigError(PIPELINE_ONLY)
         micro, accum = resolve_batch(train.global_batch, train.micro_batch, train.grad_accum,
                                      par.dp_replicate * dp_shard, par.pp_microbatches)
-        return cls(dp_replicate=par.dp_replicate, dp_shard=dp_shard, tp=par.tp, pp=par.pp, cp=par.cp,
+        return cls(dp_replicate=par.dp_replicate, dp_shard=dp_shard, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep,
                    cp_method=par.cp_method, zero=par.zero, sp=par.sp,
                    pp_schedule=par.pp_schedule, pp_virtual_stages=par.pp_virtual_stages, pp_split=par.pp_split,
                    micro_batch=micro, grad_accum=accum,
@@ -150,6 +152,12 @@ class Layout:
     def step_dp(self) -> int:
         """Ranks whose gradients are reduced every step: every dp rank, or one worker's."""
         return self.dp_shard if self.local_sync else self.dp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks that hold the same experts under expert parallelism (dp / ep): their expert
+        gradients are averaged, their expert states sharded by ZeRO over the dp_shard / ep of them."""
+        return self.dp // self.ep
 
     @property
     def world(self) -> int:
@@ -213,6 +221,8 @@ class Layout:
                      f"to the number of workers (2 or more), or dp_sync=step")
         if self.batch_rampup:
             e += self._rampup_errors()
+        if self.ep > 1:
+            e += self._ep_errors(model)
         if self.cp > 1:
             # every engine cuts the sequence into 2 × cp load-balanced chunks; the methods and
             # their model rules are scaletrain's
@@ -247,6 +257,30 @@ class Layout:
         if problems:
             raise ConfigError(*problems)
         return self
+
+    def _ep_errors(self, model) -> list[str]:
+        """Why this layout's expert parallelism cannot train `model` (None: the layout alone)."""
+        ep, e = self.ep, []
+        if self.dp_shard % ep:
+            e.append(f"parallel.ep={ep} borrows its ranks from the dp_shard ranks, so it must divide "
+                     f"dp_shard={self.dp_shard}; use an ep that divides {self.dp_shard}, or more dp_shard ranks")
+        for axis, size in (("tp", self.tp), ("cp", self.cp), ("pp", self.pp)):
+            if size > 1:
+                e.append(f"parallel.ep={ep} with parallel.{axis}={size}: expert parallelism borrows data-parallel "
+                         f"ranks only (not yet {axis} ranks, nor composed with {axis}); set parallel.{axis}=1 or "
+                         "parallel.ep=1")
+        if self.local_sync:
+            e.append(f"parallel.ep={ep} with parallel.dp_sync={self.dp_sync}: the workers' experts are not synced "
+                     "by local SGD / DiLoCo yet; set parallel.dp_sync=step or parallel.ep=1")
+        if model is not None:
+            experts = getattr(model, "moe_experts", 0)
+            if not experts:
+                e.append(f"parallel.ep={ep} splits the experts of a mixture of experts, but the model is dense "
+                         "(model.moe_experts=0); set model.moe_experts or parallel.ep=1")
+            elif experts % ep:
+                e.append(f"parallel.ep={ep} must divide model.moe_experts={experts} (each rank holds the same number "
+                         f"of experts); use ep in {[d for d in range(1, experts + 1) if experts % d == 0]}")
+        return e
 
     def _cp_errors(self, model, seq_len: int | None) -> list[str]:
         """Why this layout's context parallelism cannot train `model` on `seq_len` tokens."""
@@ -344,8 +378,9 @@ class Layout:
 
     def describe_ranks(self) -> str:
         cp = f" × cp {self.cp}" if self.cp > 1 else ""
+        ep = f" (ep {self.ep} of them)" if self.ep > 1 else ""
         return (f"{self.world} rank(s) = pp {self.pp} × dp_replicate {self.dp_replicate} × "
-                f"dp_shard {self.dp_shard}{cp} × tp {self.tp}")
+                f"dp_shard {self.dp_shard}{ep}{cp} × tp {self.tp}")
 
     def explain(self) -> str:
         """The layout in one line of words: ranks per axis, what runs on them, the batch."""
@@ -359,6 +394,9 @@ class Layout:
             parts.append(f"data parallel {zero}{within}{hsdp}")
         if self.tp > 1:
             parts.append(f"tensor parallel{' + sequence parallel' if self.sp else ''}")
+        if self.ep > 1:
+            parts.append(f"expert parallel {self.ep} (experts ZeRO-{min(self.zero, 2)} over {self.expert_dp} ranks)"
+                         if self.zero and self.expert_dp > 1 else f"expert parallel {self.ep}")
         if self.cp > 1:
             parts.append(f"context parallel {self.cp_method}")
         if self.pp > 1:
@@ -379,6 +417,8 @@ class Layout:
             parts.append(self.describe_sync(short=True))
         if self.tp > 1:
             parts.append(f"tp {self.tp}{'+sp' if self.sp else ''}")
+        if self.ep > 1:
+            parts.append(f"ep {self.ep}")
         if self.cp > 1:
             parts.append(f"cp {self.cp}" + (f" {self.cp_method}" if self.cp_method != "ring" else ""))
         if self.pp > 1:
@@ -417,6 +457,8 @@ class Layout:
                "parallel.sync_delay": self.sync_delay, "parallel.sync_dtype": self.sync_dtype}
         if self.cp > 1:
             out.update({"parallel.cp": self.cp, "parallel.cp_method": self.cp_method})
+        if self.ep > 1:
+            out["parallel.ep"] = self.ep
         if self.pp > 1:
             out.update({"parallel.pp_schedule": self.pp_schedule, "parallel.pp_virtual_stages": self.pp_virtual_stages})
             if self.pp_split:
@@ -440,6 +482,17 @@ class Layout:
 
         mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_AXES)
         return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+    def build_expert_mesh(self, device_type: str):
+        """Expert parallelism's mesh over the same ranks: dp_shard cut into (dp_shard / ep, ep),
+        ep innermost (neighbouring ranks exchange tokens), named EXPERT_MESH_AXES: its `dp_shard`
+        axis is the ranks that hold the same experts within a replica group."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_AXES)
+        mesh["dp_replicate", "dp_shard"]._flatten("expert_dp")  # the ranks holding the same experts
+        return mesh
 
 
 def resolve_batch(global_batch: int, micro_batch: int, grad_accum: int, dp: int,

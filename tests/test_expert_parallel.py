@@ -1,0 +1,120 @@
+"""Expert parallelism on real processes (gloo on CPU): the experts split over ep ranks borrowed
+from the data-parallel ones, with DDP, ZeRO-1/2 and ZeRO-3 (and HSDP) for the rest. Every step's
+loss and gradient norm before clipping, the final weights (the experts gathered whole) and the
+routing bias after the run match one process, with the Switch and z losses on; checkpoints
+reshard across ep sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scaletrain.layout import Layout
+from scaletrain.model.moe import MoE
+from scaletrain.train.trainer import Trainer
+from scaletrain.verify import TOLERANCES
+
+from conftest import Lazy, assert_same_run, assert_same_weights, micro_cfg, micro_overrides, run_group
+from dist_worker import weight_fingerprint
+
+pytestmark = pytest.mark.multiproc
+
+STEPS = 5
+TOL = TOLERANCES["32-true"]
+WEIGHTS_TOL = 1e-3  # as tests/test_data_parallel.py
+BIAS_TOL = 1e-6  # the bias moves by exact multiples of the rate: equal, or a whole step apart
+# 8 experts, top 2 (4 experts per rank at ep 2, 2 at ep 4: the regrouping by local expert matters),
+# SwiGLU experts, the balance losses on and a bias rate that changes the routing within the run
+MOE = {"model.moe_experts": 8, "model.moe_top_k": 2, "model.moe_aux_loss": 0.01, "model.moe_z_loss": 0.001,
+       "model.moe_bias_rate": 0.01, "model.activation": "swiglu", "model.norm": "rmsnorm", "train.steps": STEPS}
+SGD = {"optim.name": "sgd", "optim.lr": 0.1, "train.grad_clip": 0.0}
+
+LAYOUTS_4 = [  # (name, overrides, reference) on 4 ranks
+    ("ep2-ddp", {"parallel.ep": 2, "parallel.zero": 0}, "plain"),
+    ("ep2-ddp-sgd-noclip", {"parallel.ep": 2, "parallel.zero": 0, **SGD}, "sgd"),
+    ("ep4-zero3", {"parallel.ep": 4, "parallel.zero": 3}, "plain"),
+    ("ep2-zero3", {"parallel.ep": 2, "parallel.zero": 3}, "plain"),
+    ("ep2-zero1-accum", {"parallel.ep": 2, "parallel.zero": 1, "train.micro_batch": 1}, "plain"),
+    ("ep2-zero2-sgd-noclip", {"parallel.ep": 2, "parallel.zero": 2, **SGD}, "sgd"),
+    ("ep2-hsdp-zero3", {"parallel.ep": 2, "parallel.zero": 3, "parallel.dp_replicate": 2}, "plain"),
+]
+
+
+def biases(trainer):
+    """A probe (tests/dist_worker.py): the routing biases after the run."""
+    layers = [m for m in trainer.dp.module.modules() if isinstance(m, MoE)]
+    return lambda: [m.expert_bias.tolist() for m in layers]
+
+
+def fit_one(cfg) -> dict:
+    trainer = Trainer(cfg)
+    before = {n: p.detach().double().clone() for n, p in trainer.named_params}
+    probe = biases(trainer)
+    history = trainer.fit()["history"]
+    weights = weight_fingerprint(trainer.named_params)
+    for n, p in trainer.named_params:
+        weights[n].append((p.detach().double() - before[n]).norm().item())
+    return {"history": history, "weights": weights, "biases": probe()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return Lazy({name: lambda name=name, extra=extra: fit_one(micro_cfg(tmp_path_factory.mktemp(name),
+                                                                        **{**MOE, **extra}))
+                 for name, extra in {"plain": {}, "sgd": SGD, "long": {"train.steps": 7}}.items()})
+
+
+@pytest.fixture(scope="module")
+def group4(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ep4")
+    jobs = [{"overrides": micro_overrides(tmp / name, **{**MOE, **extra}), "probe": "test_expert_parallel:biases"}
+            for name, extra, _ in LAYOUTS_4]
+    code, results, err = run_group(4, jobs, tmp)
+    assert code == 0, err
+    return {name: result for (name, _, _), result in zip(LAYOUTS_4, results, strict=True)}
+
+
+@pytest.mark.parametrize("name,ref", [(name, ref) for name, _, ref in LAYOUTS_4], ids=[n for n, _, _ in LAYOUTS_4])
+def test_parity_with_one_process(group4, reference, name, ref):
+    result, want = group4[name], reference[ref]
+    assert_same_run(result["history"], want["history"], steps=STEPS, tol=TOL, what=name)
+    assert_same_weights(result["weights"], want["weights"], tol=WEIGHTS_TOL, what=name)
+    for r in result["ranks"]:  # every rank's bias, after STEPS updates from the whole step's load
+        got, expect = torch.tensor(r["probe"]), torch.tensor(want["biases"])
+        assert expect.abs().max() > 0, "the bias never moved: the test shows nothing"
+        worst = (got - expect).abs().max().item()
+        assert worst <= BIAS_TOL, f"{name}: rank {r['rank']}'s expert bias differs by {worst:.2e} from one process's"
+
+
+def test_checkpoints_reshard_across_ep_sizes(tmp_path, reference):
+    """Saved at ep 2 (ZeRO-1), resumed at ep 4 (ZeRO-3), saved again and resumed at ep 1 (DDP):
+    the same losses and gradient norms as one process's uninterrupted run."""
+    long = {**MOE, "train.steps": 7}
+    a, b, c = tmp_path / "ep2", tmp_path / "ep4", tmp_path / "ep1"
+    jobs = [
+        {"overrides": micro_overrides(a, **{**long, "parallel.ep": 2, "parallel.zero": 1, "checkpoint.every": 3})},
+        {"overrides": micro_overrides(b, **{**long, "parallel.ep": 4, "parallel.zero": 3, "checkpoint.every": 5,
+                                            "checkpoint.resume": str(a / "checkpoints" / "step_00000003")})},
+        {"overrides": micro_overrides(c, **{**long, "parallel.ep": 1, "parallel.zero": 0,
+                                            "checkpoint.resume": str(b / "checkpoints" / "step_00000005")})},
+    ]
+    code, results, err = run_group(4, jobs, tmp_path)
+    assert code == 0, err
+    ref = reference["long"]["history"]
+    assert_same_run(results[0]["history"], ref, steps=7, tol=TOL, what="ep 2")
+    assert_same_run(results[1]["history"], ref, steps=7, first=4, tol=TOL, what="ep 2 -> ep 4")
+    assert_same_run(results[2]["history"], ref, steps=7, first=6, tol=TOL, what="ep 2 -> ep 4 -> ep 1")
+    assert_same_weights(results[2]["weights"], reference["long"]["weights"], tol=WEIGHTS_TOL, what="ep 1 at the end")
+
+
+@pytest.mark.parametrize("overrides,world,fragment", [
+    ({**MOE, "parallel.ep": 3}, 4,
+     "parallel.ep=3 borrows its ranks from the dp_shard ranks, so it must divide dp_shard=4"),
+    ({**MOE, "parallel.ep": 4, "model.moe_experts": 6}, 4, "parallel.ep=4 must divide model.moe_experts=6"),
+    ({"parallel.ep": 2}, 2, "the model is dense (model.moe_experts=0)"),
+    ({**MOE, "parallel.ep": 2, "parallel.tp": 2}, 4, "parallel.ep=2 with parallel.tp=2"),
+], ids=["ep-not-dividing-dp-shard", "ep-not-dividing-experts", "ep-on-a-dense-model", "ep-with-tp"])
+def test_layout_errors(tmp_path, overrides, world, fragment):
+    cfg = micro_cfg(tmp_path, **overrides)
+    problems = Layout.from_config(cfg, world).errors(cfg.model, seq_len=cfg.data.seq_len)
+    assert sum(fragment in p for p in problems) == 1, problems
