@@ -14,7 +14,15 @@ from scaletrain.model.moe import MoE
 from scaletrain.train.trainer import Trainer
 from scaletrain.verify import TOLERANCES
 
-from conftest import Lazy, assert_same_run, assert_same_weights, micro_cfg, micro_overrides, run_group
+from conftest import (
+    Lazy,
+    assert_same_run,
+    assert_same_weights,
+    margin_text,
+    micro_cfg,
+    micro_overrides,
+    run_group,
+)
 from dist_worker import weight_fingerprint
 
 pytestmark = pytest.mark.multiproc
@@ -22,6 +30,7 @@ pytestmark = pytest.mark.multiproc
 STEPS = 5
 TOL = TOLERANCES["32-true"]
 WEIGHTS_TOL = 1e-3  # as tests/test_data_parallel.py
+GRAD_TOL = 1e-4  # the first step's gradients, relative to their norm (seen: below 1e-6)
 BIAS_TOL = 1e-6  # the bias moves by exact multiples of the rate: equal, or a whole step apart
 # 8 experts, top 2 (4 experts per rank at ep 2, 2 at ep 4: the regrouping by local expert matters),
 # SwiGLU experts, the balance losses on and a bias rate that changes the routing within the run
@@ -33,78 +42,106 @@ LAYOUTS_4 = [  # (name, overrides, reference) on 4 ranks
     ("ep2-ddp", {"parallel.ep": 2, "parallel.zero": 0}, "plain"),
     ("ep2-ddp-sgd-noclip", {"parallel.ep": 2, "parallel.zero": 0, **SGD}, "sgd"),
     ("ep4-zero3", {"parallel.ep": 4, "parallel.zero": 3}, "plain"),
-    ("ep2-zero3", {"parallel.ep": 2, "parallel.zero": 3}, "plain"),
+    ("ep2-zero3-ac", {"parallel.ep": 2, "parallel.zero": 3, "memory.activation_checkpointing": "full"}, "plain"),
     ("ep2-zero1-accum", {"parallel.ep": 2, "parallel.zero": 1, "train.micro_batch": 1}, "plain"),
     ("ep2-zero2-sgd-noclip", {"parallel.ep": 2, "parallel.zero": 2, **SGD}, "sgd"),
     ("ep2-hsdp-zero3", {"parallel.ep": 2, "parallel.zero": 3, "parallel.dp_replicate": 2}, "plain"),
 ]
 
 
-def biases(trainer):
-    """A probe (tests/dist_worker.py): the routing biases after the run."""
+def probe(trainer):
+    """A probe (tests/dist_worker.py): every parameter's gradient of the first step before clipping
+    (fingerprinted whole: dist_worker.weight_fingerprint), and the routing biases after the run."""
     layers = [m for m in trainer.dp.module.modules() if isinstance(m, MoE)]
-    return lambda: [m.expert_bias.tolist() for m in layers]
+    first = {}
+    real = trainer.update
+
+    def update():
+        if not first:
+            first.update(weight_fingerprint([(n, p.grad) for n, p in trainer.optim_params]))
+        return real()
+
+    trainer.update = update
+    return lambda: {"grads": first, "biases": [m.expert_bias.tolist() for m in layers]}
 
 
 def fit_one(cfg) -> dict:
     trainer = Trainer(cfg)
     before = {n: p.detach().double().clone() for n, p in trainer.named_params}
-    probe = biases(trainer)
+    report = probe(trainer)
     history = trainer.fit()["history"]
     weights = weight_fingerprint(trainer.named_params)
     for n, p in trainer.named_params:
         weights[n].append((p.detach().double() - before[n]).norm().item())
-    return {"history": history, "weights": weights, "biases": probe()}
+    return {"history": history, "weights": weights, **report()}
+
+
+def assert_same_gradients(got: dict, ref: dict, what: str) -> None:
+    """The first step's gradients of every parameter (fingerprints) within GRAD_TOL of their norm."""
+    assert sorted(got) == sorted(ref), f"{what}: gradients of {sorted(set(got) ^ set(ref))} in one run only"
+    rel, name = max((max(abs(got[n][0] - ref[n][0]), abs(got[n][1] - ref[n][1])) / ref[n][0], n) for n in ref)
+    assert rel <= GRAD_TOL, f"{what}: the gradient of {name} differs by {rel:.2e} of its norm = " \
+                            f"{margin_text(rel, GRAD_TOL)}"
+
+
+def assert_same_biases(ranks: list[dict], ref: list, what: str) -> None:
+    expect = torch.tensor(ref)
+    assert expect.abs().max() > 0, "the bias never moved: the test shows nothing"
+    for r in ranks:  # every rank's bias, moved every step by the whole step's load
+        worst = (torch.tensor(r["probe"]["biases"]) - expect).abs().max().item()
+        assert worst <= BIAS_TOL, f"{what}: rank {r['rank']}'s expert bias differs by {worst:.2e} from one process's"
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return Lazy({name: lambda name=name, extra=extra: fit_one(micro_cfg(tmp_path_factory.mktemp(name),
                                                                         **{**MOE, **extra}))
-                 for name, extra in {"plain": {}, "sgd": SGD, "long": {"train.steps": 7}}.items()})
+                 for name, extra in {"plain": {}, "sgd": SGD}.items()})
+
+
+def resharding_jobs(tmp) -> list[tuple[str, dict]]:
+    """Saved at ep 2 (ZeRO-1) at step 2, resumed at ep 4 (ZeRO-3) and saved at step 4, resumed
+    at ep 1 (DDP) for step 5: one job after the other in the same group."""
+    a, b = tmp / "save-ep2", tmp / "ep2-to-ep4"
+    return [("save-ep2", {"parallel.ep": 2, "parallel.zero": 1, "checkpoint.every": 2}),
+            ("ep2-to-ep4", {"parallel.ep": 4, "parallel.zero": 3, "checkpoint.every": 4,
+                            "checkpoint.resume": str(a / "checkpoints" / "step_00000002")}),
+            ("ep4-to-ep1", {"parallel.ep": 1, "parallel.zero": 0,
+                            "checkpoint.resume": str(b / "checkpoints" / "step_00000004")})]
 
 
 @pytest.fixture(scope="module")
 def group4(tmp_path_factory):
+    """Every layout and the resharding chain, in one group of 4 ranks."""
     tmp = tmp_path_factory.mktemp("ep4")
-    jobs = [{"overrides": micro_overrides(tmp / name, **{**MOE, **extra}), "probe": "test_expert_parallel:biases"}
-            for name, extra, _ in LAYOUTS_4]
+    cases = [(name, extra) for name, extra, _ in LAYOUTS_4] + resharding_jobs(tmp)
+    jobs = [{"overrides": micro_overrides(tmp / name, **{**MOE, **extra}), "probe": "test_expert_parallel:probe"}
+            for name, extra in cases]
     code, results, err = run_group(4, jobs, tmp)
     assert code == 0, err
-    return {name: result for (name, _, _), result in zip(LAYOUTS_4, results, strict=True)}
+    return {name: result for (name, _), result in zip(cases, results, strict=True)}
 
 
 @pytest.mark.parametrize("name,ref", [(name, ref) for name, _, ref in LAYOUTS_4], ids=[n for n, _, _ in LAYOUTS_4])
 def test_parity_with_one_process(group4, reference, name, ref):
     result, want = group4[name], reference[ref]
+    assert_same_gradients(result["ranks"][0]["probe"]["grads"], want["grads"], name)
+    assert_same_biases(result["ranks"], want["biases"], name)
     assert_same_run(result["history"], want["history"], steps=STEPS, tol=TOL, what=name)
     assert_same_weights(result["weights"], want["weights"], tol=WEIGHTS_TOL, what=name)
-    for r in result["ranks"]:  # every rank's bias, after STEPS updates from the whole step's load
-        got, expect = torch.tensor(r["probe"]), torch.tensor(want["biases"])
-        assert expect.abs().max() > 0, "the bias never moved: the test shows nothing"
-        worst = (got - expect).abs().max().item()
-        assert worst <= BIAS_TOL, f"{name}: rank {r['rank']}'s expert bias differs by {worst:.2e} from one process's"
 
 
-def test_checkpoints_reshard_across_ep_sizes(tmp_path, reference):
-    """Saved at ep 2 (ZeRO-1), resumed at ep 4 (ZeRO-3), saved again and resumed at ep 1 (DDP):
-    the same losses and gradient norms as one process's uninterrupted run."""
-    long = {**MOE, "train.steps": 7}
-    a, b, c = tmp_path / "ep2", tmp_path / "ep4", tmp_path / "ep1"
-    jobs = [
-        {"overrides": micro_overrides(a, **{**long, "parallel.ep": 2, "parallel.zero": 1, "checkpoint.every": 3})},
-        {"overrides": micro_overrides(b, **{**long, "parallel.ep": 4, "parallel.zero": 3, "checkpoint.every": 5,
-                                            "checkpoint.resume": str(a / "checkpoints" / "step_00000003")})},
-        {"overrides": micro_overrides(c, **{**long, "parallel.ep": 1, "parallel.zero": 0,
-                                            "checkpoint.resume": str(b / "checkpoints" / "step_00000005")})},
-    ]
-    code, results, err = run_group(4, jobs, tmp_path)
-    assert code == 0, err
-    ref = reference["long"]["history"]
-    assert_same_run(results[0]["history"], ref, steps=7, tol=TOL, what="ep 2")
-    assert_same_run(results[1]["history"], ref, steps=7, first=4, tol=TOL, what="ep 2 -> ep 4")
-    assert_same_run(results[2]["history"], ref, steps=7, first=6, tol=TOL, what="ep 2 -> ep 4 -> ep 1")
-    assert_same_weights(results[2]["weights"], reference["long"]["weights"], tol=WEIGHTS_TOL, what="ep 1 at the end")
+def test_checkpoints_reshard_across_ep_sizes(group4, reference):
+    """Saved at ep 2, resumed at ep 4, saved again and resumed at ep 1: the same losses and
+    gradient norms as one process's uninterrupted run, the same final weights and bias."""
+    ref = reference["plain"]
+    assert_same_run(group4["save-ep2"]["history"], ref["history"], steps=STEPS, tol=TOL, what="ep 2")
+    assert_same_run(group4["ep2-to-ep4"]["history"], ref["history"], steps=STEPS, first=3, tol=TOL,
+                    what="ep 2 -> ep 4")
+    last = group4["ep4-to-ep1"]
+    assert_same_run(last["history"], ref["history"], steps=STEPS, first=5, tol=TOL, what="ep 2 -> ep 4 -> ep 1")
+    assert_same_weights(last["weights"], ref["weights"], tol=WEIGHTS_TOL, what="ep 2 -> ep 4 -> ep 1")
+    assert_same_biases(last["ranks"], ref["biases"], "ep 2 -> ep 4 -> ep 1")
 
 
 @pytest.mark.parametrize("overrides,world,fragment", [

@@ -34,6 +34,11 @@ keys and values every layer); pipeline stages are outermost because they exchang
 Context-parallel ranks read the same batch (each its own chunks of every sequence) and hold the
 same weights: their gradients are summed, and the data-parallel engines shard over dp_shard only.
 
+Expert parallelism (`ep`) adds no ranks: it borrows the dp_shard ranks, cut into dp_shard / ep
+groups of ep neighbours, each group splitting every MoE layer's experts (parallel/expert_parallel.py,
+on the mesh of `build_expert_mesh`). The experts' gradients are averaged over the `expert_dp`
+= dp / ep ranks that hold the same experts, their ZeRO shards split over the dp_shard / ep of them.
+
 This module imports no torch at load time: the planner enumerates thousands of layouts.
 """
 
