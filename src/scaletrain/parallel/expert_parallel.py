@@ -33,8 +33,8 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard
 
 from scaletrain.model.moe import MoE, expert_mlp
@@ -98,8 +98,8 @@ def dispatch(m: MoE, group, ep: int, x: torch.Tensor, counts: torch.Tensor) -> t
     recv = torch.empty_like(send)  # [source rank, my expert]: rows that arrive
     dist.all_to_all_single(recv, send.contiguous(), group=group)
     send_sizes, recv_sizes = send.sum(1).tolist(), recv.sum(1).tolist()
-    arrived = dist_fn.all_to_all_single(x.new_empty(sum(recv_sizes), x.shape[1]), x.contiguous(),
-                                        recv_sizes, send_sizes, group=group)
+    # (the functional all-to-all: differentiable, its backward the reverse exchange)
+    arrived = all_to_all_single_autograd(x.contiguous(), recv_sizes, send_sizes, group)
     order = _by_expert(recv)
     # each rank's expert gradient holds the tokens of all ep ranks; the ranks holding the same
     # experts average theirs: 1/ep makes the sum over the dp ranks' tokens one mean (module docstring)
@@ -107,8 +107,7 @@ def dispatch(m: MoE, group, ep: int, x: torch.Tensor, counts: torch.Tensor) -> t
                for w in (m.w1, m.w2, m.w3)]
     y = expert_mlp(arrived[order], recv.sum(0), *weights)
     back = y[torch.argsort(order)]  # arrival order again: blocks (source, expert)
-    return dist_fn.all_to_all_single(y.new_empty(x.shape[0], y.shape[1]), back, send_sizes, recv_sizes,
-                                     group=group)
+    return all_to_all_single_autograd(back.contiguous(), send_sizes, recv_sizes, group)
 
 
 # --------------------------------------------------------------------------------------------
