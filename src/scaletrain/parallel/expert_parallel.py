@@ -21,6 +21,10 @@ gradients and optimizer state sharded over the others). The non-expert parameter
 engine (DDP, ZeRO, FSDP), which leaves the experts alone. The gradient norm counts each expert
 once: its gradient is a DTensor sharded over ep (and the ZeRO shards), summed over those axes only.
 
+Each ep group lies within one context-parallel rank and one pipeline stage (the expert mesh keeps
+those axes), so cp (its gradient sum covers the experts too) and pp compose; tp and compile do
+not yet (refused where the layout is checked, and in parallelize).
+
 What it saves: the experts' weights, gradients and optimizer state per rank divided by ep. What
 it costs: per MoE layer and micro-batch, two all-to-alls of top_k × tokens × dim activations
 forward (and two backward), plus one of the counts; every ep rank waits for the slowest.

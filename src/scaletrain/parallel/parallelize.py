@@ -1,9 +1,12 @@
 """The one place where the techniques that transform the model are composed, in a fixed order:
 
-    pipeline split -> (qat | fp8 linears) -> tensor/sequence parallel -> activation checkpointing
+    pipeline split -> (qat | fp8 linears) -> tensor/sequence parallel -> expert parallel -> activation checkpointing
         -> compile -> data parallel (sharding engines) -> materialize weights -> context parallel
         attention (its positions are cut from the materialized rotary tables) -> data parallel
         (wrapping engines) -> step hooks
+
+Expert parallelism's experts (DTensors on the ep axis) are left alone by the data-parallel
+engine of the rest; an engine of their own joins it (parallel/expert_parallel.py).
 
 Before tensor parallelism, the linears that train.qat or precision.mode=fp8 choose become
 fake-quantized or float8 ones (same names), so everything after wraps them.
