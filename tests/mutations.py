@@ -49,6 +49,7 @@ class Mutant:
 
 DP = "tests/test_data_parallel.py"
 MP = "tests/test_model_parallel.py"
+EP = "tests/test_expert_parallel.py"
 
 MUTANTS = [
     Mutant("zero-no-dp-division", "ZeRO-1/2 bucket reduce without the 1/dp division",
@@ -104,6 +105,22 @@ MUTANTS = [
            "desired_input_layouts=(Shard(1), None), use_local_output=True))",
            "desired_input_layouts=(Shard(0), None), use_local_output=True))",
            (f"{MP}::test_parity_with_one_process[tp2-sp]", f"{MP}::test_parity_with_one_process[dp2xtp2-zero2-sp]")),
+    Mutant("ep-outputs-in-expert-order", "expert parallelism returns the experts' outputs grouped by local expert, "
+           "not in the order the tokens arrived (the all-to-all's return permutation left out)",
+           "src/scaletrain/parallel/expert_parallel.py",
+           "    back = y[torch.argsort(order)]", "    back = y",
+           (f"{EP}::test_parity_with_one_process[ep2-ddp]", f"{EP}::test_parity_with_one_process[ep4-zero3]")),
+    Mutant("ep-expert-grads-not-scaled", "under expert parallelism the experts' gradients miss the 1/ep (each "
+           "already sums the tokens of the whole ep group)",
+           "src/scaletrain/parallel/expert_parallel.py",
+           "_ScaleGrad.apply(w.to_local(), 1.0 / ep)", "_ScaleGrad.apply(w.to_local(), 1.0)",
+           (f"{EP}::test_parity_with_one_process[ep2-ddp]",
+            f"{EP}::test_parity_with_one_process[ep2-zero2-sgd-noclip]",
+            f"{EP}::test_parity_with_one_process[ep4-zero3]")),
+    Mutant("moe-bias-from-one-micro-batch", "the expert bias moves from the last micro-batch's load, not the step's",
+           "src/scaletrain/model/moe.py",
+           "                self.stats[:E] += routed", "                self.stats[:E] = routed",
+           (f"{EP}::test_parity_with_one_process[ep2-zero1-accum]",)),
     # the checks themselves: verify must hold the gradient norm, and what is logged as the
     # gradient norm must be the norm before clipping, or every assertion above is blind
     Mutant("verify-ignores-grad-norm", "scaletrain verify's verdict reads the losses only",

@@ -63,6 +63,12 @@ BAD_INPUT = [
     Case("replicas-not-dividing-world", train_args("--nproc", "2", "--parallel.dp_replicate=3"),
          ("= 3 ranks, but the world has 2",)),
     Case("dp-shard-zero", train_args("--parallel.dp_shard=0"), ("parallel.dp_shard=0 is not a size", "use -1")),
+    Case("ep-not-dividing-experts", train_args("--nproc", "4", "--parallel.ep=4", "--model.moe_experts=6"),
+         ("parallel.ep=4 must divide model.moe_experts=6", "use ep in [1, 2, 3, 6]")),
+    Case("ep-not-dividing-dp-shard", train_args("--nproc", "4", "--parallel.ep=3", "--model.moe_experts=6"),
+         ("parallel.ep=3 borrows its ranks from the dp_shard ranks, so it must divide dp_shard=4",)),
+    Case("ep-on-a-dense-model", train_args("--nproc", "2", "--parallel.ep=2"),
+         ("parallel.ep=2 splits the experts of a mixture of experts, but the model is dense",)),
     Case("auto-layout-with-fixed-zero", train_args("--parallel.layout=auto", "--parallel.zero=3"),
          ("parallel.layout=auto chooses the layout itself", "parallel.layout=manual")),
 ]

@@ -148,8 +148,8 @@ class ParallelConfig:
     sp: bool = option(False, "sequence parallel: norms and residuals on sequence shards between the tp regions")
     pp: int = option(1, "pipeline-parallel ranks (stages of layers)", min=1)
     cp: int = option(1, "context-parallel ranks: each holds 1/cp of every sequence (long sequences)", min=1)
-    ep: int = option(1, "expert-parallel ranks: a mixture's experts split over ranks borrowed from dp_shard × cp × tp",
-                     min=1)
+    ep: int = option(1, "expert-parallel ranks: each holds 1/ep of every mixture-of-experts layer's experts, tokens "
+                        "sent to them by all-to-all; borrowed from the dp_shard ranks (ep must divide them)", min=1)
     cp_method: str = option("ring", "context parallel attention: ring (K/V blocks passed around the cp ranks), "
                                     "allgather (K/V gathered once per layer) or ulysses (sequence shards swapped "
                                     "for head shards)", choices=CP_METHODS)

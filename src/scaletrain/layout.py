@@ -34,6 +34,11 @@ keys and values every layer); pipeline stages are outermost because they exchang
 Context-parallel ranks read the same batch (each its own chunks of every sequence) and hold the
 same weights: their gradients are summed, and the data-parallel engines shard over dp_shard only.
 
+Expert parallelism (`ep`) adds no ranks: it borrows the dp_shard ranks, cut into dp_shard / ep
+groups of ep neighbours, each group splitting every MoE layer's experts (parallel/expert_parallel.py,
+on the mesh of `build_expert_mesh`). The experts' gradients are averaged over the `expert_dp`
+= dp / ep ranks that hold the same experts, their ZeRO shards split over the dp_shard / ep of them.
+
 This module imports no torch at load time: the planner enumerates thousands of layouts.
 """
 
@@ -48,6 +53,7 @@ from scaletrain.schedule import BatchSchedule, parse_rampup
 from scaletrain.vocab import CP_METHODS, is_multi_chunk, unknown
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_MESH_AXES = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")  # dp_shard here: dp_shard / ep
 PIPELINE_ONLY = ("parallel.pp_virtual_stages, pp_split and pp_microbatches describe pipeline stages; "
                  "they need parallel.pp > 1")
 
@@ -65,7 +71,7 @@ class Layout:
     tp: int = ParallelConfig.tp
     pp: int = ParallelConfig.pp
     cp: int = ParallelConfig.cp  # context parallel: each rank holds 1/cp of every sequence
-    ep: int = ParallelConfig.ep  # expert parallel: each rank holds 1/ep of a mixture's experts
+    ep: int = ParallelConfig.ep  # expert parallel: ranks borrowed from dp_shard, each holding 1/ep of the experts
     cp_method: str = ParallelConfig.cp_method  # ring, allgather or ulysses (scaletrain.parallel.context_parallel)
     zero: int = ParallelConfig.zero
     sp: bool = ParallelConfig.sp
@@ -153,6 +159,12 @@ class Layout:
         return self.dp_shard if self.local_sync else self.dp
 
     @property
+    def expert_dp(self) -> int:
+        """Ranks that hold the same experts under expert parallelism (dp / ep): their expert
+        gradients are averaged, their expert states sharded by ZeRO over the dp_shard / ep of them."""
+        return self.dp // self.ep
+
+    @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
@@ -214,6 +226,8 @@ class Layout:
                      f"to the number of workers (2 or more), or dp_sync=step")
         if self.batch_rampup:
             e += self._rampup_errors()
+        if self.ep > 1:
+            e += self._ep_errors(model)
         if self.cp > 1:
             # every engine cuts the sequence into 2 × cp load-balanced chunks; the methods and
             # their model rules are scaletrain's
@@ -248,6 +262,28 @@ class Layout:
         if problems:
             raise ConfigError(*problems)
         return self
+
+    def _ep_errors(self, model) -> list[str]:
+        """Why this layout's expert parallelism cannot train `model` (None: the layout alone)."""
+        ep, e = self.ep, []
+        if self.dp_shard % ep:
+            e.append(f"parallel.ep={ep} borrows its ranks from the dp_shard ranks, so it must divide "
+                     f"dp_shard={self.dp_shard}; use an ep that divides {self.dp_shard}, or more dp_shard ranks")
+        if self.tp > 1:  # (cp and pp compose: the ep groups lie within one cp rank and one pipeline stage)
+            e.append(f"parallel.ep={ep} with parallel.tp={self.tp}: expert parallelism borrows data-parallel ranks "
+                     "only and does not compose with tensor parallelism yet; set parallel.tp=1 or parallel.ep=1")
+        if self.local_sync:
+            e.append(f"parallel.ep={ep} with parallel.dp_sync={self.dp_sync}: the workers' experts are not synced "
+                     "by local SGD / DiLoCo yet; set parallel.dp_sync=step or parallel.ep=1")
+        if model is not None:
+            experts = getattr(model, "moe_experts", 0)
+            if not experts:
+                e.append(f"parallel.ep={ep} splits the experts of a mixture of experts, but the model is dense "
+                         "(model.moe_experts=0); set model.moe_experts or parallel.ep=1")
+            elif experts % ep:
+                e.append(f"parallel.ep={ep} must divide model.moe_experts={experts} (each rank holds the same number "
+                         f"of experts); use ep in {[d for d in range(1, experts + 1) if experts % d == 0]}")
+        return e
 
     def _cp_errors(self, model, seq_len: int | None) -> list[str]:
         """Why this layout's context parallelism cannot train `model` on `seq_len` tokens."""
@@ -345,8 +381,9 @@ class Layout:
 
     def describe_ranks(self) -> str:
         cp = f" × cp {self.cp}" if self.cp > 1 else ""
+        ep = f" (ep {self.ep} of them)" if self.ep > 1 else ""
         return (f"{self.world} rank(s) = pp {self.pp} × dp_replicate {self.dp_replicate} × "
-                f"dp_shard {self.dp_shard}{cp} × tp {self.tp}")
+                f"dp_shard {self.dp_shard}{ep}{cp} × tp {self.tp}")
 
     def explain(self) -> str:
         """The layout in one line of words: ranks per axis, what runs on them, the batch."""
@@ -360,6 +397,9 @@ class Layout:
             parts.append(f"data parallel {zero}{within}{hsdp}")
         if self.tp > 1:
             parts.append(f"tensor parallel{' + sequence parallel' if self.sp else ''}")
+        if self.ep > 1:
+            parts.append(f"expert parallel {self.ep} (experts ZeRO-{min(self.zero, 2)} over {self.expert_dp} ranks)"
+                         if self.zero and self.expert_dp > 1 else f"expert parallel {self.ep}")
         if self.cp > 1:
             parts.append(f"context parallel {self.cp_method}")
         if self.pp > 1:
@@ -380,10 +420,10 @@ class Layout:
             parts.append(self.describe_sync(short=True))
         if self.tp > 1:
             parts.append(f"tp {self.tp}{'+sp' if self.sp else ''}")
-        if self.cp > 1:
-            parts.append(f"cp {self.cp}" + (f" {self.cp_method}" if self.cp_method != "ring" else ""))
         if self.ep > 1:
             parts.append(f"ep {self.ep}")
+        if self.cp > 1:
+            parts.append(f"cp {self.cp}" + (f" {self.cp_method}" if self.cp_method != "ring" else ""))
         if self.pp > 1:
             v = f" v{self.pp_virtual_stages}" if self.pp_virtual_stages > 1 else ""
             parts.append(f"pp {self.pp} {self.pp_schedule}{v}")
@@ -445,6 +485,17 @@ class Layout:
 
         mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_AXES)
         return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+    def build_expert_mesh(self, device_type: str):
+        """Expert parallelism's mesh over the same ranks: dp_shard cut into (dp_shard / ep, ep),
+        ep innermost (neighbouring ranks exchange tokens), named EXPERT_MESH_AXES: its `dp_shard`
+        axis is the ranks that hold the same experts within a replica group."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_AXES)
+        mesh["dp_replicate", "dp_shard"]._flatten("expert_dp")  # the ranks holding the same experts
+        return mesh
 
 
 def resolve_batch(global_batch: int, micro_batch: int, grad_accum: int, dp: int,

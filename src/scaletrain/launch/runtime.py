@@ -17,7 +17,7 @@ import dataclasses
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -45,6 +45,9 @@ class Runtime:
     progress: object | None = None  # this rank's published progress (scaletrain.launch.watchdog.Progress)
     # the config values `layout` was derived from (`layout_key`); None: the layout was given as it is
     layout_of: tuple | None = None
+    # expert parallelism's meshes by ep size, built on first use (shared by the runtimes `with_layout`
+    # makes: one group of processes keeps one set of process groups per ep)
+    expert_meshes: dict = field(default_factory=dict)
 
     @property
     def distributed(self) -> bool:
@@ -70,6 +73,13 @@ class Runtime:
     def axis(self, name: str):
         """The 1-D mesh of one axis: `dp` (flattened), `dp_replicate`, `dp_shard`, `cp`, `tp`, `pp`."""
         return self.dp_mesh if name == "dp" else self.mesh[name]
+
+    def expert_mesh(self):
+        """Expert parallelism's mesh for this layout's ep (Layout.build_expert_mesh), built once."""
+        ep = self.layout.ep
+        if ep not in self.expert_meshes:
+            self.expert_meshes[ep] = self.layout.build_expert_mesh(self.device.type)
+        return self.expert_meshes[ep]
 
     def group(self, name: str):
         """The process group of one axis, or None in a single process."""

@@ -146,20 +146,24 @@ def apply_replicate(chunk: nn.Module, dp_mesh, *, param_dtype: torch.dtype | Non
     replicate(chunk, mesh=dp_mesh, mp_policy=mp)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, *, param_dtype: torch.dtype | None, offload: bool, blocks=None) -> None:
+def apply_fsdp(model: nn.Module, dp_mesh, *, param_dtype: torch.dtype | None, offload: bool, blocks=None,
+               ignored_params: set | None = None) -> None:
     """Shard each transformer block, then the root (embedding, final norm, head), over `dp_mesh`
     (1-D: FSDP; 2-D replicate × shard: HSDP). Gradients are reduced in fp32. Each block's
-    parameters are all-gathered one block ahead of use, forward and backward."""
+    parameters are all-gathered one block ahead of use, forward and backward. `ignored_params`:
+    left alone (expert parallelism's experts, which have an engine of their own)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload_policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     blocks = list(model.layers.values() if blocks is None else blocks)  # each wrapped on its own
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload_policy, reshard_after_forward=True)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload_policy, reshard_after_forward=True,
+                    ignored_params=ignored_params)
     # the root's parameters are used first in forward and last in backward: keep them
     # gathered across the step instead of gathering them twice
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload_policy, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload_policy, reshard_after_forward=False,
+                ignored_params=ignored_params)
     for prev, nxt in zip(blocks, blocks[1:]):
         prev.set_modules_to_forward_prefetch([nxt])
         nxt.set_modules_to_backward_prefetch([prev])

@@ -1,9 +1,12 @@
 """The one place where the techniques that transform the model are composed, in a fixed order:
 
-    pipeline split -> (qat | fp8 linears) -> tensor/sequence parallel -> activation checkpointing
+    pipeline split -> (qat | fp8 linears) -> tensor/sequence parallel -> expert parallel -> activation checkpointing
         -> compile -> data parallel (sharding engines) -> materialize weights -> context parallel
         attention (its positions are cut from the materialized rotary tables) -> data parallel
         (wrapping engines) -> step hooks
+
+Expert parallelism's experts (DTensors on the ep axis) are left alone by the data-parallel
+engine of the rest; an engine of their own joins it (parallel/expert_parallel.py).
 
 Before tensor parallelism, the linears that train.qat or precision.mode=fp8 choose become
 fake-quantized or float8 ones (same names), so everything after wraps them.
@@ -38,6 +41,7 @@ from scaletrain.parallel.data_parallel import (
     apply_fsdp,
     apply_replicate,
 )
+from scaletrain.parallel.expert_parallel import expert_engine, hide_from_ddp, shard_experts
 from scaletrain.parallel.hooks import StepHook
 from scaletrain.parallel.init import init_weights, load_weights
 from scaletrain.parallel.moe_balance import MoEBalance
@@ -65,6 +69,7 @@ class ParallelModel:
     vocab_parallel: bool = False  # tensor parallel: the logits stay split by vocabulary
     n_blocks: int = 1  # the whole model's repeated blocks (local SGD's fragments split them)
     num_params: int = 0  # the whole model's parameters (before pipeline split and sharding)
+    expert_parallel: bool = False  # the experts' tokens travel by all-to-all: every rank runs each forward
 
     def loss_context(self):
         """Where the loss (and its backward) is computed: under tensor parallelism on the logits'
@@ -78,7 +83,7 @@ class ParallelModel:
     @property
     def sharded_forward(self) -> bool:
         """Every rank takes part in each forward (ZeRO-3 gathers, tensor-parallel collectives)."""
-        return self.dp.zero == 3 or self.vocab_parallel
+        return self.dp.zero == 3 or self.vocab_parallel or self.expert_parallel
 
     @property
     def first(self) -> bool:  # holds the embedding: feeds inputs
@@ -115,6 +120,9 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
     lay = rt.layout
     if cfg.train.compile:
         check_compiler(rt.device)
+        if lay.ep > 1:  # dynamo fails on the grouped matmul's fake-tensor checks (fp32 on CPU)
+            raise ConfigError(f"train.compile=true with parallel.ep={lay.ep}: compiling the expert-parallel "
+                              "dispatch is not supported yet; set train.compile=false or parallel.ep=1")
     compute_bf16 = precision.compute_dtype if precision.compute_dtype == torch.bfloat16 else None
 
     # 1. pipeline: this rank's stages, each a copy of the model with the other layers deleted
@@ -147,11 +155,15 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
                                     f"{', emulated' if pc.fp8_emulate else ''}"
                                     f"{', fp8 all-gather' if fp8_all_gather else ''})")
 
+    experts = []  # expert parallelism's sharded expert weights (their own data-parallel engine)
     for chunk in chunks:
         # 2. tensor (and sequence) parallel over the innermost axis
         if lay.tp > 1:
             apply_tensor_parallel(chunk, rt.axis("tp"), sequence_parallel=lay.sp,
                                   first_block="0" if "0" in chunk.layers else None)
+        # expert parallel: each rank holds 1/ep of the experts, tokens travel by all-to-all
+        if lay.ep > 1:
+            experts += shard_experts(chunk, rt.expert_mesh()["ep"])
         # 3. activation checkpointing, 4. compile, block by block
         apply_activation_checkpointing(chunk.layers, lay.activation_checkpointing)
         if cfg.train.compile:
@@ -165,7 +177,8 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
     fsdp, replicate = lay.dp_engine == "fsdp", lay.dp_engine == "replicate"  # DDP cannot take DTensor parameters
     if fsdp:
         for chunk in chunks:
-            apply_fsdp(chunk, _shard_mesh(rt), param_dtype=compute_bf16, offload=lay.offload_optimizer)
+            apply_fsdp(chunk, _shard_mesh(rt), param_dtype=compute_bf16, offload=lay.offload_optimizer,
+                       ignored_params=set(experts))
     elif replicate:
         for chunk in chunks:
             apply_replicate(chunk, rt.axis(_step_dp_axis(rt)), param_dtype=compute_bf16)
@@ -192,11 +205,17 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
             if lay.cp > 1:
                 apply_context_parallel(chunk, rt.axis("cp"), lay.cp_method, cfg.data.seq_len)
 
-    # 7. data parallel engines that wrap materialized weights
-    dp = _engine(chunks, cfg, rt, precision)
+    # 7. data parallel engines that wrap materialized weights (the experts: an engine of their own)
+    if experts and lay.dp_engine == "ddp":
+        for chunk in chunks:
+            hide_from_ddp(chunk, experts)
+    dp = _engine(chunks, cfg, rt, precision, experts={id(p) for p in experts})
+    if experts:
+        dp = expert_engine(dp, chunks, experts, rt, bucket_mb=cfg.parallel.bucket_mb,
+                           master_dtype=torch.float32 if precision.master_weights else None)
     result = ParallelModel(dp, stage_ids=stage_ids, num_stages=num_stages, keeps_fp32_weights=lay.keeps_fp32_weights,
                            notes=notes, vocab_parallel=lay.tp > 1, n_blocks=cfg.model.n_layers,
-                           num_params=count_params(cfg.model))
+                           num_params=count_params(cfg.model), expert_parallel=bool(experts))
     if lay.pp > 1:
         from torch.distributed.pipelining import PipelineStage
 
@@ -271,9 +290,10 @@ def _step_dp_axis(rt: Runtime) -> str:
     return "dp_shard" if rt.layout.local_sync else "dp"
 
 
-def _engine(chunks: list[nn.Module], cfg: JobConfig, rt: Runtime, precision: Precision) -> DataParallel:
+def _engine(chunks: list[nn.Module], cfg: JobConfig, rt: Runtime, precision: Precision,
+            experts: set[int] = frozenset()) -> DataParallel:
     """The layout's data-parallel engine over this rank's materialized (and, for FSDP, sharded)
-    chunks."""
+    chunks; ZeRO-1/2 leaves the parameters in `experts` (ids) to expert parallelism's engine."""
     lay, bucket_mb = rt.layout, cfg.parallel.bucket_mb
     engine = lay.dp_engine
     if engine == "none":
@@ -287,9 +307,10 @@ def _engine(chunks: list[nn.Module], cfg: JobConfig, rt: Runtime, precision: Pre
                                reduce_in_fp32=precision.param_dtype != torch.float32)
     if engine not in ("zero1", "zero2"):  # never take a name we do not know for ZeRO
         raise unknown("data-parallel engine", engine, DP_ENGINES)
+    params = [(n, p) for n, p in DataParallel(chunks).named_params if id(p) not in experts]
     return ZeroDataParallel(chunks, rt.mesh, stage=lay.zero, bucket_mb=bucket_mb,
                             dp_replicate=1 if lay.local_sync else lay.dp_replicate,
-                            master_dtype=torch.float32 if precision.master_weights else None)
+                            master_dtype=torch.float32 if precision.master_weights else None, params=params)
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,6 +341,9 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
     nn.ModuleList/ModuleDict named `layers` (or `h`, `blocks`: `find_blocks`), the unit of ZeRO-3
     sharding, activation checkpointing and compile."""
     lay = rt.layout
+    if lay.ep > 1:
+        raise ConfigError(f"parallel.ep={lay.ep}: expert parallelism splits the experts of scaletrain's own "
+                          "mixture-of-experts layers; a custom nn.Module's are its own: set parallel.ep=1")
     if lay.cp > 1:
         raise ConfigError(f"parallel.cp={lay.cp}: context parallelism splits the attention of models scaletrain "
                           f"builds (its own transformer, or one taken with model.from_hf); a custom nn.Module's "

@@ -76,11 +76,14 @@ class ZeroDataParallel(DataParallel):
     and gradients (stage 2)."""
 
     def __init__(self, chunks: list[nn.Module], mesh: DeviceMesh, *, stage: int, dp_replicate: int,
-                 bucket_mb: float, master_dtype: torch.dtype | None = None):
+                 bucket_mb: float, master_dtype: torch.dtype | None = None,
+                 params: list[tuple[str, nn.Parameter]] | None = None):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel handles stages 1 and 2, not {stage}")
         super().__init__(chunks)
-        named_params, bucket_bytes = self.named_params, int(bucket_mb * 2**20)
+        # `params`: the ones this engine reduces and shards (default: all of the chunks'; expert
+        # parallelism gives the experts to an engine of their own, on its mesh)
+        named_params, bucket_bytes = params if params is not None else self.named_params, int(bucket_mb * 2**20)
         self.zero = self.stage = stage
         self.shard_group = mesh["dp_shard"].get_group()
         self.n = mesh["dp_shard"].size()
@@ -139,20 +142,20 @@ class ZeroDataParallel(DataParallel):
         self.reduce_every_micro_step = stage == 2 and not pipelined
 
     def _placement(self, p, mesh, dp_replicate, dp_placements):
-        """Where a shard lives. A tensor-parallel parameter's shard is sharded on both axes:
-        our rows of its tensor-parallel part. When tensor parallelism also split the rows,
-        those are strided rows of the whole (as FSDP2 places them)."""
+        """Where a shard lives. A tensor-parallel (or expert-parallel) parameter's shard is sharded
+        on both axes: our rows of its part on its axis (`tp`, or `ep`). When that axis also split
+        the rows, those are strided rows of the whole (as FSDP2 places them)."""
         if not isinstance(p, DTensor):
             return self.shard_mesh, dp_placements
         from torch.distributed.tensor.placement_types import _StridedShard
 
         (tp_placement,) = p.placements
-        tp = p.device_mesh.size()
+        tp, axis = p.device_mesh.size(), p.device_mesh.mesh_dim_names[0]
         row_split = tp_placement.is_shard() and tp_placement.dim == 0
         dp_placement = _StridedShard(0, split_factor=tp) if row_split else Shard(0)
         if dp_replicate > 1:
-            return mesh["dp_replicate", "dp_shard", "tp"], (Replicate(), dp_placement, tp_placement)
-        return mesh["dp_shard", "tp"], (dp_placement, tp_placement)
+            return mesh["dp_replicate", "dp_shard", axis], (Replicate(), dp_placement, tp_placement)
+        return mesh["dp_shard", axis], (dp_placement, tp_placement)
 
     @property
     def named_optim_params(self) -> list[tuple[str, nn.Parameter]]:

@@ -1,0 +1,204 @@
+"""Expert parallelism: the experts of each mixture-of-experts layer split over `ep` ranks, tokens
+sent to the rank that holds their expert and back by all-to-all.
+
+The ep ranks are borrowed from the data-parallel dp_shard ranks (as torchtitan's dp2ep, without
+expert-tensor parallelism): ranks that read different data also hold different experts. Rank i
+of an ep group holds experts [i·E/ep, (i+1)·E/ep): `w1`, `w2`, `w3` become DTensors `Shard(0)` on
+the `ep` axis of the expert mesh (Layout.build_expert_mesh), drawn whole from (seed, name) and cut
+like any sharded parameter (parallel/init.py), and saved by DCP as one tensor (checkpoints
+reshard across ep sizes). Each MoE layer's `run_experts` (model/moe.py) becomes `dispatch`:
+
+    counts per (destination rank, local expert) exchanged -> tokens by all-to-all -> regrouped by
+    local expert -> the local experts' grouped matmul -> back to arrival order -> reverse all-to-all
+
+Gradients. Every rank's loss carries the factor dp (the data-parallel engines average), and an
+expert's gradient on a rank already sums the tokens of the whole ep group; the ranks holding the
+same experts (dp / ep of them: the rest of dp_shard, times dp_replicate) average theirs. So the
+expert weights' gradient is scaled by 1/ep on its way back (`_ScaleGrad`), and then every engine
+averages over the ranks holding the same experts: an all-reduce (zero 0), or ZeRO-1/2's engine
+on the expert mesh (zero 1, 2; under zero 3 the experts are ZeRO-2: whole on their ep ranks,
+gradients and optimizer state sharded over the others). The non-expert parameters keep their
+engine (DDP, ZeRO, FSDP), which leaves the experts alone. The gradient norm counts each expert
+once: its gradient is a DTensor sharded over ep (and the ZeRO shards), summed over those axes only.
+
+Each ep group lies within one context-parallel rank and one pipeline stage (the expert mesh keeps
+those axes), so cp (its gradient sum covers the experts too) and pp compose; tp and compile do
+not yet (refused where the layout is checked, and in parallelize).
+
+What it saves: the experts' weights, gradients and optimizer state per rank divided by ep. What
+it costs: per MoE layer and micro-batch, two all-to-alls of top_k × tokens × dim activations
+forward (and two backward), plus one of the counts; every ep rank waits for the slowest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.tensor import DTensor, Shard
+
+from scaletrain.model.moe import MoE, expert_mlp
+from scaletrain.parallel.data_parallel import DataParallel
+from scaletrain.parallel.init import canonical_name
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+def shard_experts(chunk: nn.Module, ep_mesh) -> list[nn.Parameter]:
+    """Split every MoE layer's experts of `chunk` (on the meta device) over `ep_mesh` and route its
+    tokens through `dispatch`. Returns the expert parameters (DTensors `Shard(0)`)."""
+    ep, group = ep_mesh.size(), ep_mesh.get_group()
+    params = []
+    for m in chunk.modules():
+        if not isinstance(m, MoE):
+            continue
+        for name in EXPERT_WEIGHTS:
+            w = getattr(m, name)
+            if w is None:
+                continue
+            local = torch.empty(w.shape[0] // ep, *w.shape[1:], dtype=w.dtype, device=w.device)
+            sharded = nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False,
+                                                      shape=w.shape, stride=w.stride()))
+            setattr(m, name, sharded)
+            params.append(sharded)
+        m.run_experts = partial(dispatch, m, group, ep)
+    return params
+
+
+def _by_expert(recv: torch.Tensor) -> torch.Tensor:
+    """recv (sources, local experts): the rows that arrived, in blocks (source, expert) source-major
+    -> the permutation that groups them by local expert (sources in order within each)."""
+    sources, experts = recv.shape
+    sizes = recv.flatten()
+    starts = sizes.cumsum(0) - sizes
+    blocks = torch.arange(sources * experts, device=recv.device).view(sources, experts).t().flatten()
+    sizes, starts = sizes[blocks], starts[blocks]
+    within = torch.arange(int(sizes.sum()), device=recv.device) - (sizes.cumsum(0) - sizes).repeat_interleave(sizes)
+    return starts.repeat_interleave(sizes) + within
+
+
+def dispatch(m: MoE, group, ep: int, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`MoE.run_experts` under expert parallelism: x (tokens, dim) grouped by expert, counts (experts,)
+    -> the experts' outputs in the same order, each group computed on the rank holding its expert."""
+    local = m.num_experts // ep
+    send = counts.view(ep, local)  # [rank, its expert]: rows this rank sends
+    recv = torch.empty_like(send)  # [source rank, my expert]: rows that arrive
+    dist.all_to_all_single(recv, send.contiguous(), group=group)
+    send_sizes, recv_sizes = send.sum(1).tolist(), recv.sum(1).tolist()
+    # (the functional all-to-all: differentiable, its backward the reverse exchange)
+    arrived = all_to_all_single_autograd(x.contiguous(), recv_sizes, send_sizes, group)
+    order = _by_expert(recv)
+    # each rank's expert gradient holds the tokens of all ep ranks; the ranks holding the same
+    # experts average theirs: 1/ep makes the sum over the dp ranks' tokens one mean (module docstring)
+    weights = [_ScaleGrad.apply(w.to_local(), 1.0 / ep).to(x.dtype) if w is not None else None
+               for w in (m.w1, m.w2, m.w3)]
+    y = expert_mlp(arrived[order], recv.sum(0), *weights)
+    back = y[torch.argsort(order)]  # arrival order again: blocks (source, expert)
+    return all_to_all_single_autograd(back.contiguous(), send_sizes, recv_sizes, group)
+
+
+# --------------------------------------------------------------------------------------------
+# the expert weights' data parallelism over the ranks holding the same experts
+
+
+class ExpertAverage(DataParallel):
+    """Zero 0 for the experts: their gradients averaged (one all-reduce after the step's last
+    backward) over `group`, the ranks holding the same experts."""
+
+    zero = 0
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], group):
+        super().__init__([])
+        self.named, self.group = named, group
+
+    @property
+    def named_optim_params(self):
+        return self.named
+
+    def finish_gradients(self) -> None:
+        grads = [p.grad.to_local() for _, p in self.named if p.grad is not None]
+        if not grads or self.group is None:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        flat.div_(dist.get_world_size(self.group))
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+class ExpertParallelData(DataParallel):
+    """The run's data parallelism under expert parallelism: `main`, the layout's engine for every
+    parameter but the experts, and `experts`, the experts' engine over the ranks holding them."""
+
+    def __init__(self, main: DataParallel, experts: DataParallel, expert_params: list[nn.Parameter]):
+        super().__init__(main.modules)
+        self.models, self.zero = main.models, main.zero
+        self.main, self.experts = main, experts
+        self._ids = {id(p) for p in expert_params}
+
+    @property
+    def named_optim_params(self):
+        return [(n, p) for n, p in self.main.named_optim_params if id(p) not in self._ids] + \
+            self.experts.named_optim_params
+
+    def micro_step(self, last: bool):
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.main.micro_step(last))
+        stack.enter_context(self.experts.micro_step(last))
+        return stack
+
+    def finish_gradients(self) -> None:
+        self.main.finish_gradients()
+        self.experts.finish_gradients()
+
+    def after_optimizer_step(self) -> None:
+        self.main.after_optimizer_step()
+        self.experts.after_optimizer_step()
+
+    def zero_grad(self, optimizer) -> None:
+        self.main.zero_grad(optimizer)
+        self.experts.zero_grad(optimizer)
+
+
+def expert_engine(main: DataParallel, chunks: list[nn.Module], expert_params: list[nn.Parameter], rt, *,
+                  bucket_mb: float, master_dtype) -> ExpertParallelData:
+    """`main` joined by the experts' engine: none when each rank's experts are its own (ep = dp),
+    an average (zero 0), or ZeRO-1/2 over the expert mesh's dp_shard (and dp_replicate) ranks."""
+    from scaletrain.parallel.zero import ZeroDataParallel
+
+    lay = rt.layout
+    ids = {id(p) for p in expert_params}
+    named = [(canonical_name(n), p) for c in chunks for n, p in c.named_parameters() if id(p) in ids]
+    if lay.expert_dp == 1:
+        experts = ExpertAverage(named, None)
+    elif lay.zero == 0:
+        experts = ExpertAverage(named, rt.expert_mesh()["expert_dp"].get_group())
+    else:
+        experts = ZeroDataParallel(chunks, rt.expert_mesh(), stage=min(lay.zero, 2), bucket_mb=bucket_mb,
+                                   dp_replicate=lay.dp_replicate, master_dtype=master_dtype, params=named)
+    return ExpertParallelData(main, experts, expert_params)
+
+
+def hide_from_ddp(chunk: nn.Module, expert_params: list[nn.Parameter]) -> None:
+    """DDP takes no DTensor and must not average the experts over all dp ranks: it skips them."""
+    ids = {id(p) for p in expert_params}
+    chunk._ddp_params_and_buffers_to_ignore = [n for n, p in chunk.named_parameters() if id(p) in ids]

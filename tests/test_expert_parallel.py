@@ -1,0 +1,171 @@
+"""Expert parallelism on real processes (gloo on CPU): the experts split over ep ranks borrowed
+from the data-parallel ones, with DDP, ZeRO-1/2 and ZeRO-3 (and HSDP) for the rest. Every step's
+loss and gradient norm before clipping, the final weights (the experts gathered whole) and the
+routing bias after the run match one process, with the Switch and z losses on; checkpoints
+reshard across ep sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scaletrain.layout import Layout
+from scaletrain.model.moe import MoE
+from scaletrain.train.trainer import Trainer
+from scaletrain.verify import TOLERANCES
+
+from conftest import (
+    Lazy,
+    assert_same_run,
+    assert_same_weights,
+    margin_text,
+    micro_cfg,
+    micro_overrides,
+    run_group,
+    wanted_params,
+)
+from dist_worker import weight_fingerprint
+
+pytestmark = pytest.mark.multiproc
+
+STEPS = 5
+TOL = TOLERANCES["32-true"]
+WEIGHTS_TOL = 1e-3  # as tests/test_data_parallel.py
+GRAD_TOL = 1e-4  # the first step's gradients, relative to their norm (seen: below 1e-6)
+BIAS_TOL = 1e-6  # the bias moves by exact multiples of the rate: equal, or a whole step apart
+# 8 experts, top 2 (4 experts per rank at ep 2, 2 at ep 4: the regrouping by local expert matters),
+# SwiGLU experts, the balance losses on and a bias rate that changes the routing within the run
+MOE = {"model.moe_experts": 8, "model.moe_top_k": 2, "model.moe_aux_loss": 0.01, "model.moe_z_loss": 0.001,
+       "model.moe_bias_rate": 0.01, "model.activation": "swiglu", "model.norm": "rmsnorm", "train.steps": STEPS}
+SGD = {"optim.name": "sgd", "optim.lr": 0.1, "train.grad_clip": 0.0}
+NO_AUX = {"model.moe_aux_loss": 0.0}
+NO_BIAS = {"model.moe_bias_rate": 0.0, "model.tie_embeddings": False}
+
+LAYOUTS_4 = [  # (name, overrides, reference) on 4 ranks
+    ("ep2-ddp", {"parallel.ep": 2, "parallel.zero": 0}, "plain"),
+    ("ep4-zero3", {"parallel.ep": 4, "parallel.zero": 3}, "plain"),
+    ("ep2-zero3-ac", {"parallel.ep": 2, "parallel.zero": 3, "memory.activation_checkpointing": "full"}, "plain"),
+    ("ep2-zero1-accum", {"parallel.ep": 2, "parallel.zero": 1, "train.micro_batch": 1}, "plain"),
+    ("ep2-zero2-sgd-noclip", {"parallel.ep": 2, "parallel.zero": 2, **SGD}, "sgd"),
+    ("ep2-hsdp-zero3", {"parallel.ep": 2, "parallel.zero": 3, "parallel.dp_replicate": 2}, "plain"),
+    # (the Switch loss under cp and the bias under pp differ from one process's without ep too:
+    # each case leaves out what is not yet right under its axis)
+    ("ep2xcp2-zero3", {"parallel.ep": 2, "parallel.cp": 2, "parallel.zero": 3, **NO_AUX}, "no-aux"),
+    ("ep2xpp2", {"parallel.ep": 2, "parallel.pp": 2, "model.tie_embeddings": False, "train.micro_batch": 2,
+                 **NO_BIAS}, "no-bias"),
+]
+
+
+def probe(trainer):
+    """A probe (tests/dist_worker.py): every parameter's gradient of the first step before clipping
+    (fingerprinted whole: dist_worker.weight_fingerprint), and the routing biases after the run."""
+    layers = [m for m in trainer.dp.module.modules() if isinstance(m, MoE)]
+    first = {}
+    real = trainer.hooks.reduce_gradients
+
+    def reduce(named):  # the gradients the norm and the optimizer see (context parallel: summed)
+        real(named)
+        if not first:
+            first.update(weight_fingerprint([(n, p.grad) for n, p in named]))
+
+    trainer.hooks.reduce_gradients = reduce
+    return lambda: {"grads": first, "biases": [m.expert_bias.tolist() for m in layers]}
+
+
+def fit_one(cfg) -> dict:
+    trainer = Trainer(cfg)
+    before = {n: p.detach().double().clone() for n, p in trainer.named_params}
+    report = probe(trainer)
+    history = trainer.fit()["history"]
+    weights = weight_fingerprint(trainer.named_params)
+    for n, p in trainer.named_params:
+        weights[n].append((p.detach().double() - before[n]).norm().item())
+    return {"history": history, "weights": weights, **report()}
+
+
+def assert_same_gradients(got: dict, ref: dict, what: str) -> None:
+    """The first step's gradients of every parameter (fingerprints) within GRAD_TOL of their norm."""
+    assert sorted(got) == sorted(ref), f"{what}: gradients of {sorted(set(got) ^ set(ref))} in one run only"
+    rel, name = max((max(abs(got[n][0] - ref[n][0]), abs(got[n][1] - ref[n][1])) / ref[n][0], n) for n in ref)
+    assert rel <= GRAD_TOL, f"{what}: the gradient of {name} differs by {rel:.2e} of its norm = " \
+                            f"{margin_text(rel, GRAD_TOL)}"
+
+
+def assert_same_biases(ranks: list[dict], ref: list, what: str) -> None:
+    expect = torch.tensor(ref)
+    for r in ranks:  # every rank's bias, moved every step by the whole step's load
+        worst = (torch.tensor(r["probe"]["biases"]) - expect).abs().max().item()
+        assert worst <= BIAS_TOL, f"{what}: rank {r['rank']}'s expert bias differs by {worst:.2e} from one process's"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return Lazy({name: lambda name=name, extra=extra: fit_one(micro_cfg(tmp_path_factory.mktemp(name),
+                                                                        **{**MOE, **extra}))
+                 for name, extra in {"plain": {}, "sgd": SGD, "no-aux": NO_AUX, "no-bias": NO_BIAS}.items()})
+
+
+def resharding_jobs(tmp) -> list[tuple[str, dict]]:
+    """Saved at ep 2 (ZeRO-1) at step 2, resumed at ep 4 (ZeRO-3) and saved at step 4, resumed
+    at ep 1 (DDP) for step 5: one job after the other in the same group."""
+    a, b = tmp / "save-ep2", tmp / "ep2-to-ep4"
+    return [("save-ep2", {"parallel.ep": 2, "parallel.zero": 1, "checkpoint.every": 2}),
+            ("ep2-to-ep4", {"parallel.ep": 4, "parallel.zero": 3, "checkpoint.every": 4,
+                            "checkpoint.resume": str(a / "checkpoints" / "step_00000002")}),
+            ("ep4-to-ep1", {"parallel.ep": 1, "parallel.zero": 0,
+                            "checkpoint.resume": str(b / "checkpoints" / "step_00000004")})]
+
+
+@pytest.fixture(scope="module")
+def group4(request, tmp_path_factory):
+    """The layouts and the resharding chain, in one group of 4 ranks (those the session's tests
+    ask for: see conftest.wanted_params)."""
+    tmp = tmp_path_factory.mktemp("ep4")
+    wanted = wanted_params(request, "name")
+    cases = [(name, extra) for name, extra, _ in LAYOUTS_4] + resharding_jobs(tmp)
+    cases = [(name, extra) for name, extra in cases if wanted is None or name in wanted]
+    jobs = [{"overrides": micro_overrides(tmp / name, **{**MOE, **extra}), "probe": "test_expert_parallel:probe"}
+            for name, extra in cases]
+    code, results, err = run_group(4, jobs, tmp)
+    assert code == 0, err
+    return {name: result for (name, _), result in zip(cases, results, strict=True)}
+
+
+@pytest.mark.parametrize("name,ref", [(name, ref) for name, _, ref in LAYOUTS_4], ids=[n for n, _, _ in LAYOUTS_4])
+def test_parity_with_one_process(group4, reference, name, ref):
+    result, want = group4[name], reference[ref]
+    grads = {}  # every stage's (pipeline stages hold different parameters; the others, copies)
+    for r in result["ranks"]:
+        grads.update(r["probe"]["grads"])
+    assert_same_gradients(grads, want["grads"], name)
+    assert_same_biases(result["ranks"], want["biases"], name)
+    assert torch.tensor(want["biases"]).abs().max() > 0 or ref == "no-bias", "the bias never moved: the test is blind"
+    assert_same_run(result["history"], want["history"], steps=STEPS, tol=TOL, what=name)
+    assert_same_weights(result["weights"], want["weights"], tol=WEIGHTS_TOL, what=name)
+
+
+@pytest.mark.parametrize("name", [("save-ep2", "ep2-to-ep4", "ep4-to-ep1")], ids=["ep2-ep4-ep1"])
+def test_checkpoints_reshard_across_ep_sizes(group4, reference, name):
+    """Saved at ep 2, resumed at ep 4, saved again and resumed at ep 1: the same losses and
+    gradient norms as one process's uninterrupted run, the same final weights and bias."""
+    ref = reference["plain"]
+    assert_same_run(group4["save-ep2"]["history"], ref["history"], steps=STEPS, tol=TOL, what="ep 2")
+    assert_same_run(group4["ep2-to-ep4"]["history"], ref["history"], steps=STEPS, first=3, tol=TOL,
+                    what="ep 2 -> ep 4")
+    last = group4["ep4-to-ep1"]
+    assert_same_run(last["history"], ref["history"], steps=STEPS, first=5, tol=TOL, what="ep 2 -> ep 4 -> ep 1")
+    assert_same_weights(last["weights"], ref["weights"], tol=WEIGHTS_TOL, what="ep 2 -> ep 4 -> ep 1")
+    assert_same_biases(last["ranks"], ref["biases"], "ep 2 -> ep 4 -> ep 1")
+
+
+@pytest.mark.parametrize("overrides,world,fragment", [
+    ({**MOE, "parallel.ep": 3}, 4,
+     "parallel.ep=3 borrows its ranks from the dp_shard ranks, so it must divide dp_shard=4"),
+    ({**MOE, "parallel.ep": 4, "model.moe_experts": 6}, 4, "parallel.ep=4 must divide model.moe_experts=6"),
+    ({"parallel.ep": 2}, 2, "the model is dense (model.moe_experts=0)"),
+    ({**MOE, "parallel.ep": 2, "parallel.tp": 2}, 4, "parallel.ep=2 with parallel.tp=2: expert parallelism"),
+], ids=["ep-not-dividing-dp-shard", "ep-not-dividing-experts", "ep-on-a-dense-model", "ep-with-tp"])
+def test_layout_errors(tmp_path, overrides, world, fragment):
+    cfg = micro_cfg(tmp_path, **overrides)
+    problems = Layout.from_config(cfg, world).errors(cfg.model, seq_len=cfg.data.seq_len)
+    assert sum(fragment in p for p in problems) == 1, problems
