@@ -65,35 +65,15 @@ def layout_errors(cfg: ModelConfig, wl: Workload, cluster: Cluster, layout: Layo
     if layout.tp > cluster.gpus_per_node:
         e.append(f"tp {layout.tp} would cross nodes ({cluster.gpus_per_node} GPUs per node)")
     e += layout.errors(cfg, engine=wl.engine, seq_len=wl.seq_len)  # the rules the trainer applies
-    e += [x for x in ep_errors(cfg, layout) if x not in e]
     if layout.global_batch != wl.global_batch:
         e.append(f"micro-batch {layout.micro_batch} × accumulation {layout.grad_accum} × dp {layout.dp} "
                  f"≠ global batch {wl.global_batch}")
     return e
 
 
-def ep_errors(cfg: ModelConfig | None, layout: Layout) -> list[str]:
-    """Why `layout`'s expert parallelism cannot split `cfg`'s experts: ep divides the experts and
-    the dp_shard × cp × tp ranks it borrows (torchtitan's dp2ep)."""
-    ep = layout.ep
-    if ep == 1:
-        return []
-    borrowed = layout.dp_shard * layout.cp * layout.tp
-    e = []
-    if cfg is not None and not cfg.moe_experts:
-        e.append(f"parallel.ep={ep} splits a mixture's experts over ranks, but model.moe_experts=0 (a dense model); "
-                 "leave parallel.ep at 1")
-    elif cfg is not None and cfg.moe_experts % ep:
-        e.append(f"parallel.ep={ep} does not divide model.moe_experts={cfg.moe_experts}; use a divisor of "
-                 f"{cfg.moe_experts}")
-    if borrowed % ep:
-        e.append(f"parallel.ep={ep} borrows its ranks from dp_shard × cp × tp = {layout.dp_shard} × {layout.cp} × "
-                 f"{layout.tp} = {borrowed}; use a divisor of {borrowed}")
-    return e
-
-
 def _ep_sizes(cfg: ModelConfig, borrowed: int) -> list[int]:
-    """The expert-parallel sizes the search tries: those dividing the experts and the ranks."""
+    """The expert-parallel sizes the search tries: those dividing the experts and the ranks they
+    borrow (`Layout.errors` says which compose with the rest of the layout)."""
     return [ep for ep in _divisors(borrowed) if cfg.moe_experts % ep == 0] if cfg.moe_experts else [1]
 
 
@@ -146,7 +126,7 @@ def _layouts(cfg, wl, cluster, cp, max_micro_batch, offload, sync=None):
                                 for off in ((False, True) if (offload and zero == 3) else (False,)):
                                     for how in syncs:
                                         for method in methods:
-                                            for ep in _ep_sizes(cfg, dp_shard * cp * tp):
+                                            for ep in _ep_sizes(cfg, dp_shard):
                                                 yield Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
                                                              pp=pp, cp=cp, cp_method=method, ep=ep, zero=zero,
                                                              sp=tp > 1, pp_schedule=schedule,
