@@ -18,7 +18,9 @@ Load balancing, each optional:
 
 What a layout changes is `run_experts`, the step from tokens grouped by expert to the experts'
 outputs in the same order: expert parallelism replaces it on the instance with one that sends
-each group to the rank holding its expert and brings the outputs back.
+each group to the rank holding its expert and brings the outputs back; and `sequence_counts`,
+which context and sequence parallelism replace so that the Switch loss of a rank's part of a
+sequence uses the whole sequence's counts (its sum over the ranks is then one process's).
 """
 
 from __future__ import annotations
@@ -130,6 +132,13 @@ class MoE(nn.Module):
         same order. Expert parallelism replaces this method on the instance."""
         return expert_mlp(x, counts, self.w1, self.w2, self.w3)
 
+    def sequence_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """counts (sequences, experts): this process's tokens' choices of each expert, per
+        sequence -> those of the whole sequences (the Switch loss's share). Context and sequence
+        parallelism, whose ranks hold parts of each sequence, replace this method on the
+        instance with a sum over their ranks."""
+        return counts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         flat = x.reshape(-1, D)
@@ -167,11 +176,17 @@ class MoE(nn.Module):
         if self.z_coef:  # sum over tokens of logsumexp(logits)^2
             z = logits.logsumexp(-1).square().sum()
             loss = loss + self.z_coef * z
-        if self.aux_coef:  # per sequence: E * sum_e (share of its tokens routed to e) * (mean score of e), times T
+        if self.aux_coef:
+            # per sequence: E * sum_e (share of its choices routed to e) * (mean score of e), times its
+            # length T. The share is a constant in backward, so this is E / (T k) * sum_e c_e * sum_t p_te:
+            # linear in the tokens' scores once c_e (the sequence's counts) and T are those of the
+            # whole sequence, which `sequence_counts` gives when a rank holds part of it
+            counts = torch.zeros(B, E, device=logits.device).scatter_add_(
+                1, chosen, torch.ones(chosen.shape, device=logits.device))
+            counts = self.sequence_counts(counts)
+            choices = counts.sum(-1, keepdim=True)  # T * top_k of the whole sequence
             probs = logits.softmax(-1).view(B, T, E)
-            share = torch.zeros(B, E, device=logits.device).scatter_add_(
-                1, chosen, torch.ones(chosen.shape, device=logits.device)) / chosen.shape[1]
-            aux = (E * (share * probs.mean(1)).sum(-1)).sum() * T
+            aux = E * (counts / choices * probs.sum(1)).sum()
             loss = loss + self.aux_coef * aux
         if not recomputed:
             with torch.no_grad():
