@@ -57,6 +57,13 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: li
     return torch.cat([part @ wt[e] for e, part in enumerate(x.split(counts))]) if len(x) else x.new_zeros(0, w.shape[1])
 
 
+@torch.compiler.disable
+def _grouped_eager(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
+    """`_grouped` outside torch.compile's graph: the grouped matmul's shape function (what
+    compile traces with) takes bf16 alone, while eager runs it in fp32 and fp16 too."""
+    return _grouped(x, w, offsets, counts)
+
+
 def expert_mlp(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None,
                loop: bool = False) -> torch.Tensor:
     """The experts' MLPs over tokens grouped by expert: x (tokens, dim), counts (experts,) the
@@ -68,9 +75,10 @@ def expert_mlp(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torc
     if torch.is_autocast_enabled(x.device.type):  # a grouped matmul is not on autocast's lists
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w1, w2, w3 = (t.to(dtype) if t is not None else None for t in (x, w1, w2, w3))
-    h = _grouped(x, w1, offsets, split)
-    h = F.silu(h) * _grouped(x, w3, offsets, split) if w3 is not None else F.gelu(h, approximate="tanh")
-    return _grouped(h, w2, offsets, split)
+    grouped = _grouped_eager if torch.compiler.is_compiling() and x.dtype != torch.bfloat16 else _grouped
+    h = grouped(x, w1, offsets, split)
+    h = F.silu(h) * grouped(x, w3, offsets, split) if w3 is not None else F.gelu(h, approximate="tanh")
+    return grouped(h, w2, offsets, split)
 
 
 class _AddLossGradient(torch.autograd.Function):
