@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from scaletrain.layout import Layout
 from scaletrain.parallel.moe_balance import MoEBalance
 from scaletrain.train.trainer import Trainer
 from scaletrain.verify import TOLERANCES
@@ -34,6 +35,9 @@ LAYOUTS = [
     ("pp2-zero-bubble", {"parallel.pp": 2, "parallel.pp_schedule": "zero-bubble", "parallel.pp_virtual_stages": 2}),
     ("cp2-ring", {"parallel.cp": 2, "parallel.cp_method": "ring"}),
 ]
+# two workers that sync every 2 steps: each moves its own biases from its own tokens, as the
+# simulation of `scaletrain verify` (the workers one after the other in one process) does
+WORKERS = ("local-sgd", {"parallel.dp_replicate": 2, "parallel.dp_sync": "local_sgd", "parallel.sync_every": 2})
 
 
 def expert_biases(trainer):
@@ -59,10 +63,10 @@ def reference(tmp_path_factory):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe-mp")
     jobs = [{"overrides": micro_overrides(tmp / name, **{**MOE, **extra}), "probe": "test_moe_parallel:expert_biases"}
-            for name, extra in LAYOUTS]
+            for name, extra in [*LAYOUTS, WORKERS]]
     code, results, err = run_group(2, jobs, tmp)
     assert code == 0, err
-    return {name: r for (name, _), r in zip(LAYOUTS, results, strict=True)}
+    return {name: r for (name, _), r in zip([*LAYOUTS, WORKERS], results, strict=True)}
 
 
 @pytest.mark.parametrize("name", [n for n, _ in LAYOUTS])
@@ -83,3 +87,13 @@ def test_moe_parity_with_one_process(runs, reference, name):
             assert b == reference["biases"][layer], f"{name}: rank {rank['rank']}'s bias of {layer}"
     # the metrics see every layer (pipeline: summed over the stages) and the whole step's load
     assert got["history"][-1]["moe_imbalance"] == reference["history"][-1]["moe_imbalance"]
+
+
+def test_moe_workers_match_their_simulation(runs, tmp_path):
+    from scaletrain.verify import compare, isolated, simulate_workers, verdict
+
+    cfg = micro_cfg(tmp_path, **{**MOE, **WORKERS[1]})
+    layout = Layout.from_config(cfg, 2)
+    ref = simulate_workers(isolated(cfg, tmp_path / "ref", STEPS), layout, STEPS, tmp_path / "ref")
+    ok, line = verdict(compare(runs[WORKERS[0]]["history"], ref), STEPS, "32-true", layout.sync_dtype)
+    assert ok, line
