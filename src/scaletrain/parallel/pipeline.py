@@ -20,6 +20,11 @@ parameter names, and the checkpoint keys, are those of the whole model.
 
 One training step (`forward_backward`) or one validation batch (`eval_loss_sum`) feeds all of its
 micro-batches to the schedule at once; the last stage computes the losses, the others none.
+
+A mixture of experts' auxiliary losses join backward inside their stage, with the factor the
+schedule's loss function applies to the token loss (the Trainer's loss_factor, given to both), so
+no loss travels between stages. The split by compute counts a MoE block's active parameters
+(model/flops.py), the average block's when dense and MoE blocks are mixed.
 """
 
 from __future__ import annotations
