@@ -43,6 +43,7 @@ _SAVE_OPS = {
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._grouped_mm.default,  # a mixture of experts' expert matmuls
 }
 
 

@@ -18,7 +18,9 @@ Load balancing, each optional:
 
 What a layout changes is `run_experts`, the step from tokens grouped by expert to the experts'
 outputs in the same order: expert parallelism replaces it on the instance with one that sends
-each group to the rank holding its expert and brings the outputs back.
+each group to the rank holding its expert and brings the outputs back; and `sequence_counts`,
+which context and sequence parallelism replace so that the Switch loss of a rank's part of a
+sequence uses the whole sequence's counts (its sum over the ranks is then one process's).
 """
 
 from __future__ import annotations
@@ -55,6 +57,13 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: li
     return torch.cat([part @ wt[e] for e, part in enumerate(x.split(counts))]) if len(x) else x.new_zeros(0, w.shape[1])
 
 
+@torch.compiler.disable
+def _grouped_eager(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
+    """`_grouped` outside torch.compile's graph: the grouped matmul's shape function (what
+    compile traces with) takes bf16 alone, while eager runs it in fp32 and fp16 too."""
+    return _grouped(x, w, offsets, counts)
+
+
 def expert_mlp(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None,
                loop: bool = False) -> torch.Tensor:
     """The experts' MLPs over tokens grouped by expert: x (tokens, dim), counts (experts,) the
@@ -66,9 +75,10 @@ def expert_mlp(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torc
     if torch.is_autocast_enabled(x.device.type):  # a grouped matmul is not on autocast's lists
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w1, w2, w3 = (t.to(dtype) if t is not None else None for t in (x, w1, w2, w3))
-    h = _grouped(x, w1, offsets, split)
-    h = F.silu(h) * _grouped(x, w3, offsets, split) if w3 is not None else F.gelu(h, approximate="tanh")
-    return _grouped(h, w2, offsets, split)
+    grouped = _grouped_eager if torch.compiler.is_compiling() and x.dtype != torch.bfloat16 else _grouped
+    h = grouped(x, w1, offsets, split)
+    h = F.silu(h) * grouped(x, w3, offsets, split) if w3 is not None else F.gelu(h, approximate="tanh")
+    return grouped(h, w2, offsets, split)
 
 
 class _AddLossGradient(torch.autograd.Function):
@@ -130,6 +140,13 @@ class MoE(nn.Module):
         same order. Expert parallelism replaces this method on the instance."""
         return expert_mlp(x, counts, self.w1, self.w2, self.w3)
 
+    def sequence_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """counts (sequences, experts): this process's tokens' choices of each expert, per
+        sequence -> those of the whole sequences (the Switch loss's share). Context and sequence
+        parallelism, whose ranks hold parts of each sequence, replace this method on the
+        instance with a sum over their ranks."""
+        return counts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         flat = x.reshape(-1, D)
@@ -167,11 +184,17 @@ class MoE(nn.Module):
         if self.z_coef:  # sum over tokens of logsumexp(logits)^2
             z = logits.logsumexp(-1).square().sum()
             loss = loss + self.z_coef * z
-        if self.aux_coef:  # per sequence: E * sum_e (share of its tokens routed to e) * (mean score of e), times T
+        if self.aux_coef:
+            # per sequence: E * sum_e (share of its choices routed to e) * (mean score of e), times its
+            # length T. The share is a constant in backward, so this is E / (T k) * sum_e c_e * sum_t p_te:
+            # linear in the tokens' scores once c_e (the sequence's counts) and T are those of the
+            # whole sequence, which `sequence_counts` gives when a rank holds part of it
+            counts = torch.zeros(B, E, device=logits.device).scatter_add_(
+                1, chosen, torch.ones(chosen.shape, device=logits.device))
+            counts = self.sequence_counts(counts)
+            choices = counts.sum(-1, keepdim=True)  # T * top_k of the whole sequence
             probs = logits.softmax(-1).view(B, T, E)
-            share = torch.zeros(B, E, device=logits.device).scatter_add_(
-                1, chosen, torch.ones(chosen.shape, device=logits.device)) / chosen.shape[1]
-            aux = (E * (share * probs.mean(1)).sum(-1)).sum() * T
+            aux = E * (counts / choices * probs.sum(1)).sum()
             loss = loss + self.aux_coef * aux
         if not recomputed:
             with torch.no_grad():

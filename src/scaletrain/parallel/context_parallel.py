@@ -28,6 +28,10 @@ see different tokens of the same batch: their gradients are summed by the step h
 
 The model keeps plain code: Attention's one `attend` step is replaced per block, the rotary
 tables are cut to this rank's positions, and the learned position lookup is redirected to them.
+A mixture of experts routes the rank's own tokens; its per-sequence Switch loss takes the whole
+sequence's expert counts (`MoE.sequence_counts`, summed over cp: B × experts numbers per layer),
+so the ranks' parts add up to one process's loss. Its load counters are summed over cp by the
+step hook (parallel/moe_balance.py).
 """
 
 from __future__ import annotations
@@ -40,8 +44,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.model.moe import MoE
 from scaletrain.model.transformer import Attention
 from scaletrain.parallel.hooks import StepHook, sum_gradients
+from scaletrain.parallel.moe_balance import summed_over
 from scaletrain.vocab import CP_METHODS, unknown
 
 # --------------------------------------------------------------------------------------------
@@ -324,6 +330,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh, method: str, seq_len: int)
     for module in model.modules():  # (blocks may be wrapped for activation checkpointing)
         if isinstance(module, Attention):
             module.attend = partial(_attend, METHODS[method], **where)
+        if isinstance(module, MoE):  # the Switch loss's counts are those of whole sequences
+            module.sequence_counts = partial(summed_over, previous=module.sequence_counts, group=group)
     device = next(iter(model.buffers()), torch.empty(0)).device
     positions = chunk_positions(seq_len, n, rank, device)
     if getattr(model, "rope_cos", None) is not None:

@@ -3,10 +3,16 @@ moved from it, the auxiliary losses' factor, and the balance metrics.
 
 Each MoE layer counts, during the step's forwards, the tokens routed to each expert, the
 tokens dropped and its auxiliary losses (model/moe.py). After the optimizer step this hook sums
-the counters over the ranks that saw different tokens (data parallel and context parallel;
-tensor-parallel ranks hold copies, pipeline stages hold other layers), so the bias moves as it
-would in one process that ran the whole global batch, however the batch was cut into
-micro-batches and ranks.
+the counters over the ranks that saw different tokens: data parallel (one worker's ranks when
+workers sync every few steps: each worker moves its own biases, as verify's simulation does),
+context parallel, and tensor parallel under sequence parallelism (each tp rank routes its
+sequence shard; without it the tp ranks route the same tokens and hold copies). So the bias
+moves as it would in one process that ran the whole global batch, however the batch was cut into
+micro-batches and ranks. Pipeline stages hold other layers: their counters are summed over pp
+as well, for the metrics alone.
+
+The capacity (model.moe_capacity_factor) is counted on the tokens a rank routes: under context
+or sequence parallelism a rank holds part of each sequence, so `check_moe` refuses the pair.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from scaletrain.errors import ConfigError
 from scaletrain.model.moe import STAT_NAMES, MoE
 from scaletrain.parallel.hooks import StepHook
 from scaletrain.parallel.init import canonical_name
@@ -25,48 +32,77 @@ def moe_layers(modules: list[nn.Module]) -> dict[str, MoE]:
     return {canonical_name(name): m for chunk in modules for name, m in chunk.named_modules() if isinstance(m, MoE)}
 
 
+def summed_over(counts: torch.Tensor, previous, group) -> torch.Tensor:
+    """A mixture of experts' `sequence_counts` where the ranks of `group` hold other tokens of
+    the same sequences: the counts summed over them (counts only: nothing flows back)."""
+    counts = previous(counts).detach().clone()
+    dist.all_reduce(counts, group=group)
+    return counts
+
+
 class MoEBalance(StepHook):
     """Sums each layer's counters over `groups` after every optimizer step, moves the routing
     biases by `bias_rate` towards an even load (DeepSeek-V3's sign rule), keeps the step's
-    metrics, and saves the biases in checkpoints."""
+    metrics, and saves the biases in checkpoints.
+
+    `names`: every MoE layer of the model, in order. Under pipelining a rank holds some of them;
+    the counters of the others come as zeros, and the pipeline group (`pp_group`) is summed over
+    too, so that every rank's metrics cover every layer (every pp rank has this hook, even one
+    whose stages hold no MoE layer)."""
 
     phase = "the mixture-of-experts load counts' all-reduce"
 
-    def __init__(self, layers: dict[str, MoE], groups: list, bias_rate: float, top_k: int):
-        self.layers, self.groups, self.bias_rate, self.top_k = layers, [g for g in groups if g is not None], \
-            bias_rate, top_k
+    def __init__(self, layers: dict[str, MoE], names: list[str], groups: list, *, experts: int, bias_rate: float,
+                 top_k: int, pp_group=None, device: torch.device | str = "cpu"):
+        self.layers, self.names, self.experts, self.device = layers, names, experts, device
+        self.groups = [g for g in (*groups, pp_group) if g is not None]
+        self.bias_rate, self.top_k = bias_rate, top_k
         self.last: dict[str, float] = {}
 
     @classmethod
-    def for_model(cls, modules: list[nn.Module], groups: list, bias_rate: float, top_k: int) -> MoEBalance | None:
+    def for_model(cls, modules: list[nn.Module], model_cfg, groups: list, pp_group=None,
+                  device: torch.device | str = "cpu") -> MoEBalance | None:
+        """The hook of a model built from `model_cfg` (this rank's chunks `modules`), or None for a dense one."""
+        names = [f"layers.{i}.moe" for i in range(model_cfg.n_layers) if model_cfg.is_moe_block(i)]
+        if not names:
+            return None
         layers = moe_layers(modules)
-        return cls(layers, groups, bias_rate, top_k) if layers else None
+        assert set(layers) <= set(names), f"MoE layers {sorted(layers)} outside the config's {names}"
+        return cls(layers, names, groups, experts=model_cfg.moe_experts, bias_rate=model_cfg.moe_bias_rate,
+                   top_k=model_cfg.moe_top_k, pp_group=pp_group, device=device)
 
     def begin_step(self, loss_factor: float) -> None:
         for m in self.layers.values():
             m.loss_factor = loss_factor
 
     def after_optimizer_step(self, applied: bool) -> bool:
-        stats = torch.stack([m.stats for m in self.layers.values()])  # (layers, experts + counters)
+        E = self.experts
+        stats = torch.zeros(len(self.names), E + len(STAT_NAMES) - 1, device=self.device)  # (layers, counters)
+        for i, name in enumerate(self.names):
+            if name in self.layers:
+                stats[i] = self.layers[name].stats
         for g in self.groups:
             dist.all_reduce(stats, group=g)
         imbalance = {}
-        for (name, m), s in zip(self.layers.items(), stats):
-            load = s[:m.num_experts]
-            if applied and self.bias_rate:  # underloaded experts up, overloaded ones down
-                m.expert_bias += self.bias_rate * torch.sign(load.mean() - load)
+        for name, s in zip(self.names, stats):
+            load = s[:E]
+            if name in self.layers:
+                m = self.layers[name]
+                if applied and self.bias_rate:  # underloaded experts up, overloaded ones down
+                    m.expert_bias += self.bias_rate * torch.sign(load.mean() - load)
+                m.stats.zero_()
             imbalance[name] = float(load.max() / load.mean()) if load.sum() else 1.0
-            m.stats.zero_()
-        totals = stats[:, -(len(STAT_NAMES) - 1):].sum(0)
-        tokens = float(stats[0, :self.layers[next(iter(self.layers))].num_experts].sum()) / self.top_k
+        totals = stats[:, E:].sum(0)
+        choices = float(stats[0, :E].sum())  # tokens × top_k: each layer routes every token
+        tokens, n = choices / self.top_k, len(self.names)
         self.last = {"moe_imbalance": max(imbalance.values()),
-                     **{f"moe_imbalance/{n}": v for n, v in imbalance.items()}}
+                     **{f"moe_imbalance/{name}": v for name, v in imbalance.items()}}
         if totals[0]:
-            self.last["moe_dropped"] = float(totals[0]) / max(tokens * self.top_k, 1.0) / len(self.layers)
+            self.last["moe_dropped"] = float(totals[0]) / max(choices, 1.0) / n
         if totals[1]:
-            self.last["moe_aux_loss"] = float(totals[1]) / max(tokens, 1.0) / len(self.layers)
+            self.last["moe_aux_loss"] = float(totals[1]) / max(tokens, 1.0) / n
         if totals[2]:
-            self.last["moe_z_loss"] = float(totals[2]) / max(tokens, 1.0) / len(self.layers)
+            self.last["moe_z_loss"] = float(totals[2]) / max(tokens, 1.0) / n
         return False
 
     def metrics(self) -> dict[str, float]:
@@ -76,3 +112,15 @@ class MoEBalance(StepHook):
         # the biases are buffers, not parameters: saved beside the weights, resharding-free (replicated)
         tensors["model"].update({f"{name}.expert_bias": m.expert_bias for name, m in self.layers.items()})
         return tensors
+
+
+def check_moe(model_cfg, layout) -> None:
+    """What a layout cannot do with this mixture of experts, as one ConfigError line."""
+    if not model_cfg.moe_experts or not model_cfg.moe_capacity_factor:
+        return
+    for axis, on in (("cp", layout.cp > 1), ("sp", layout.tp > 1 and layout.sp)):
+        if on:
+            raise ConfigError(f"model.moe_capacity_factor={model_cfg.moe_capacity_factor} with parallel.{axis}: each "
+                              f"rank would keep its experts' first tokens among its own part of every sequence, "
+                              f"not among the micro-batch's (one process drops other tokens); set "
+                              f"model.moe_capacity_factor=0 (dropless), or parallel.{axis} off")

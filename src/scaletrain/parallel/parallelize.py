@@ -44,8 +44,8 @@ from scaletrain.parallel.data_parallel import (
 from scaletrain.parallel.expert_parallel import expert_engine, hide_from_ddp, shard_experts
 from scaletrain.parallel.hooks import StepHook
 from scaletrain.parallel.init import init_weights, load_weights
-from scaletrain.parallel.moe_balance import MoEBalance
-from scaletrain.parallel.tensor_parallel import ReplicatedKVStep, apply_tensor_parallel
+from scaletrain.parallel.moe_balance import MoEBalance, check_moe
+from scaletrain.parallel.tensor_parallel import ReplicatedKVStep, SequenceShardedMoEStep, apply_tensor_parallel
 from scaletrain.parallel.zero import ZeroDataParallel
 from scaletrain.precision import Precision
 from scaletrain.quant.fp8 import Fp8ScaleStep, check_fp8_device, convert_fp8
@@ -118,6 +118,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
     """`weights`: full tensors by canonical parameter name (e.g. `model.init_from`, read lazily),
     loaded instead of the (seed, name) initialisation."""
     lay = rt.layout
+    check_moe(cfg.model, lay)
     if cfg.train.compile:
         check_compiler(rt.device)
         if lay.ep > 1:  # dynamo fails on the grouped matmul's fake-tensor checks (fp32 on CPU)
@@ -217,10 +218,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
                            notes=notes, vocab_parallel=lay.tp > 1, n_blocks=cfg.model.n_layers,
                            num_params=count_params(cfg.model), expert_parallel=bool(experts))
     if lay.pp > 1:
-        from torch.distributed.pipelining import PipelineStage
-
-        result.stages = [PipelineStage(m, sid, num_stages, rt.device, group=rt.group("pp"))
-                         for m, sid in zip(dp.models, stage_ids)]
+        result.stages = pipeline.build_stages(dp.models, stage_ids, num_stages, rt.device, rt.group("pp"))
 
     # 8. the per-step work of what was applied, in the order the step runs it
     if lay.cp > 1:
@@ -231,9 +229,13 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
         result.hooks.append(tied)
     if fp8_all_gather:
         result.hooks.append(Fp8ScaleStep(dp.models))
-    if cfg.model.moe_experts:  # the load over the ranks that saw different tokens: dp and cp
-        groups = [rt.group(axis) for axis, size in (("dp", lay.dp), ("cp", lay.cp)) if size > 1]
-        if balance := MoEBalance.for_model(dp.models, groups, cfg.model.moe_bias_rate, cfg.model.moe_top_k):
+    if lay.tp > 1 and (moe_sp := SequenceShardedMoEStep.needed(cfg.model, rt.axis("tp"), lay.sp)):
+        result.hooks.append(moe_sp)
+    if cfg.model.moe_experts:  # the load over the ranks that saw different tokens: dp, cp, tp with sp
+        groups = [rt.group(axis) for axis, size in ((_step_dp_axis(rt), lay.dp), ("cp", lay.cp),
+                                                     ("tp", lay.tp if lay.sp else 1)) if size > 1]
+        if balance := MoEBalance.for_model(dp.models, cfg.model, groups, rt.group("pp") if lay.pp > 1 else None,
+                                           rt.device):
             result.hooks.append(balance)
     return result
 
@@ -361,6 +363,9 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
         raise ConfigError("precision.mode=fp8 converts scaletrain's own transformer (its layer rule knows which "
                           "linears convert); for a custom nn.Module apply torchao's convert_to_float8_training to it "
                           "before handing it to the Trainer, and set precision.mode=bf16-mixed")
+    if cfg.model.moe_experts:
+        raise ConfigError(f"model.moe_experts={cfg.model.moe_experts} builds mixture-of-experts blocks into "
+                          "scaletrain's own transformer; a custom nn.Module's are its own: set model.moe_experts=0")
     if cfg.model.init_from:
         raise ConfigError("model.init_from loads weights into scaletrain's own model; a custom nn.Module brings "
                           "its own weights: load them into the module before handing it to the Trainer")

@@ -20,6 +20,11 @@ parameter names, and the checkpoint keys, are those of the whole model.
 
 One training step (`forward_backward`) or one validation batch (`eval_loss_sum`) feeds all of its
 micro-batches to the schedule at once; the last stage computes the losses, the others none.
+
+A mixture of experts' auxiliary losses join backward inside their stage, with the factor the
+schedule's loss function applies to the token loss (the Trainer's loss_factor, given to both), so
+no loss travels between stages. The split by compute counts a MoE block's active parameters
+(model/flops.py), the average block's when dense and MoE blocks are mixed.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch import nn
 
 from scaletrain.layout import balanced_split_counts, chunks_per_rank  # noqa: F401 - re-exported
 from scaletrain.model.config import ModelConfig
+from scaletrain.model.moe import MoE
 from scaletrain.parallel.hooks import StepHook, sum_gradients
 from scaletrain.parallel.init import canonical_name
 from scaletrain.parallel.tensor_parallel import whole
@@ -87,6 +93,33 @@ def split_model(model: nn.Module, stages: list[int], ranges: list[range]) -> lis
             chunk.output = None
         chunks.append(chunk)
     return chunks
+
+
+def build_stages(models: list[nn.Module], stage_ids: list[int], num_stages: int, device: torch.device, group) -> list:
+    """A PipelineStage per chunk. The schedule's first step (and the first after an evaluation)
+    runs each stage's forward once more to learn its shapes: a mixture of experts must not count
+    that forward's tokens in the step's load, so its counters are put back as they were."""
+    from torch.distributed.pipelining import PipelineStage
+
+    stages = [PipelineStage(m, sid, num_stages, device, group=group) for m, sid in zip(models, stage_ids)]
+    for stage, model in zip(stages, models):
+        counters = [m.stats for m in model.modules() if isinstance(m, MoE)]
+        if counters:
+            assert hasattr(stage, "_prepare_forward_infra"), "torch.distributed.pipelining renamed its shape inference"
+            stage._prepare_forward_infra = _counters_kept(stage._prepare_forward_infra, counters)
+    return stages
+
+
+def _counters_kept(infer: Callable, counters: list[torch.Tensor]) -> Callable:
+    def run(*args, **kwargs):
+        saved = [c.clone() for c in counters]
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for c, s in zip(counters, saved):
+                    c.copy_(s)
+    return run
 
 
 def build_schedule(stages, schedule: str, n_microbatches: int, loss_fn):

@@ -11,6 +11,10 @@ forward and one in backward per sub-layer:
                 and wv are replicated, each rank computes the one K/V head its query heads
                 read, and the copies' gradients are summed over tp (`ReplicatedKVStep`)
     MLP         w1 (and w3) column-parallel -> activation -> w2 row-parallel
+    MoE         router, experts and shared experts replicated (no expert-tensor parallelism):
+                every rank routes the whole micro-batch, or, with sequence parallelism, its own
+                sequence shard (no gather; the gradients of those weights are then partial sums,
+                added over tp by `SequenceShardedMoEStep`, and the load counts over tp too)
     embedding   rows (vocabulary) split; output head columns (vocabulary) split, and the loss is
                 computed on the vocabulary shards (`loss_parallel`): the full logits never exist
 
@@ -26,6 +30,8 @@ bytes, and the activations outside the matmuls shrink by tp as well.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -38,7 +44,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from scaletrain.model.moe import MoE
 from scaletrain.parallel.hooks import StepHook, sum_gradients
+from scaletrain.parallel.moe_balance import summed_over
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool, first_block: str | None) -> None:
@@ -67,15 +75,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool,
     replicated_kv = cfg.kv_heads < tp_mesh.size()
     for name, block in model.layers.items():
         kv_plan = {} if replicated_kv else {"attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel()}
+        moe = isinstance(block.ffn, MoE)
         plan = {
             "attn.wq": ColwiseParallel(),
             **kv_plan,
             "attn.wo": RowwiseParallel(output_layouts=between),
-            "mlp.w1": ColwiseParallel(),
-            "mlp.w2": RowwiseParallel(output_layouts=between),
         }
-        if block.mlp.w3 is not None:
-            plan["mlp.w3"] = ColwiseParallel()
+        if not moe:
+            plan.update({"mlp.w1": ColwiseParallel(), "mlp.w2": RowwiseParallel(output_layouts=between)})
+            if block.mlp.w3 is not None:
+                plan["mlp.w3"] = ColwiseParallel()
         if block.attn.q_norm is not None:
             # q/k norms (Qwen3) act on each head: the rank's own heads are shards of dim 2, and
             # their replicated weight gets its gradient summed over the ranks' heads
@@ -87,11 +96,17 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool,
                 "mlp_norm": SequenceParallel(),
                 # gather the sequence before the column-parallel matmuls (rope tables pass as is)
                 "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                # a mixture of experts routes the rank's own tokens: its sequence shard, as a plain tensor
+                "moe" if moe else "mlp": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Shard(1) if moe else Replicate(),),
+                    use_local_output=moe),
             })
         parallelize_module(block, tp_mesh, plan)
         if replicated_kv:
             _select_kv_head(block.attn, tp_mesh, cfg.kv_heads, cfg.head_size)
+        if moe and sequence_parallel:  # the Switch loss's counts are those of whole sequences
+            block.moe.sequence_counts = partial(summed_over, previous=block.moe.sequence_counts,
+                                                group=tp_mesh.get_group())
         if sequence_parallel and name == first_block:
             # the residual stream enters the first block replicated and leaves it in sequence shards
             parallelize_module(block, tp_mesh, PrepareModuleInput(
@@ -157,3 +172,21 @@ class ReplicatedKVStep(StepHook):
 
     def reduce_gradients(self, named) -> None:
         sum_gradients([p for n, p in named if n.endswith(self.NAMES)], self.group)
+
+
+class SequenceShardedMoEStep(StepHook):
+    """Sequence parallel with mixtures of experts: the router and the experts are replicated
+    over tp (no expert-tensor parallelism) and each tp rank routes its own sequence shard, so
+    their gradients are partial sums, summed over tp each step (then the copies stay equal)."""
+
+    phase = "the mixture-of-experts gradients' all-reduce (tp, sequence parallel)"
+
+    def __init__(self, tp_mesh):
+        self.group = tp_mesh.get_group()
+
+    @classmethod
+    def needed(cls, model_cfg, tp_mesh, sequence_parallel: bool) -> SequenceShardedMoEStep | None:
+        return cls(tp_mesh) if tp_mesh.size() > 1 and sequence_parallel and model_cfg.moe_experts else None
+
+    def reduce_gradients(self, named) -> None:
+        sum_gradients([p for n, p in named if ".moe." in n], self.group)

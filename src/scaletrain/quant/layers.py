@@ -9,6 +9,9 @@ a reader knows what was converted (the planner's `--fp8` counts the same layers)
   rare tokens live, which a per-row scale treats worst;
 * the output head stays: every logit goes through it and its errors go straight into the loss
   (with tied embeddings it is the embedding);
+* a mixture of experts' router stays (its scores are fp32: a rounding would choose another
+  expert), and so do its routed experts, stacked weights rather than linear layers (its shared
+  experts are a dense MLP and convert like one);
 * a small linear (fewer than MIN_FEATURES inputs or outputs) stays: its int8 copy saves a few
   KiB while its scales cost about as much;
 * for int4 weights (int8-int4) a linear whose inputs are not a multiple of the group size
@@ -55,6 +58,8 @@ def _keeps(name: str, n_in: int, n_out: int, scheme: str, fp8_min_dim: int) -> s
         return "output head (its errors go straight into the loss)"
     if not name.startswith("layers.") and ".layers." not in name:
         return "outside the transformer blocks"
+    if name.endswith(".moe.router"):
+        return "mixture-of-experts router (scores in fp32: a rounding would pick another expert)"
     if scheme == "fp8":
         if n_in % FP8_MULTIPLE or n_out % FP8_MULTIPLE:
             return f"{n_in}x{n_out} is not a multiple of {FP8_MULTIPLE} (the fp8 matmul kernels need it)"
