@@ -5,9 +5,11 @@ sorted by expert) in one grouped matmul per weight; `loop=True` runs the same co
 Python loop over the experts (`x[group] @ w[e].T`), the way a first MoE is usually written.
 Both run forward + backward here on the same inputs, interleaved (a few repetitions of one,
 then of the other, alternating which goes first), and are checked to give the same outputs and
-gradients. Shapes: the quality benchmark's layer (benchmarks/moe_quality.py), wider experts,
-many small experts (fine-grained, DeepSeek-style), and a skewed load (half the tokens on one
-expert, as an unbalanced router gives).
+gradients. Times are the process's CPU time (steady on a shared machine; the same as wall time
+on an idle one with one thread), the wall-clock ratio beside it. Shapes: the quality
+benchmark's layer (benchmarks/moe_quality.py), wider experts, many small experts
+(fine-grained, DeepSeek-style), and a skewed load (half the tokens on one expert, as an
+unbalanced router gives).
 
     python benchmarks/moe_grouped_gemm.py [--rounds 10] [--reps 3] [--dtype fp32|bf16]
 """
@@ -50,9 +52,9 @@ def main(argv=None) -> None:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     gen = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.dtype}, forward + backward, "
-          f"median of {args.rounds} x {args.reps} interleaved")
+          f"median of {args.rounds} x {args.reps} interleaved; CPU time (wall-clock ratio beside it)")
     print(f"{'shape':<24}{'slots':>7}{'dim':>5}{'hidden':>7}{'E':>4}  {'grouped':>9}{'loop':>9}{'loop/grouped':>13}"
-          f"{'GFLOP/s grouped':>16}{'max diff':>10}")
+          f"{'(wall)':>11}{'GFLOP/s':>9}{'max diff':>10}")
     for shape in SHAPES:
         print(measure(shape, dtype, args.rounds, args.reps, gen), flush=True)
 
@@ -75,23 +77,24 @@ def measure(shape: tuple, dtype: torch.dtype, rounds: int, reps: int, gen: torch
         y.backward(grad_out)
         return [y.detach(), *(t.grad for t in leaves)]
 
-    def timed(loop: bool) -> list[float]:
+    def timed(loop: bool) -> list[tuple[float, float]]:
         out = []
         for _ in range(reps):
-            t0 = time.perf_counter()
+            t0, c0 = time.process_time(), time.perf_counter()
             run(loop)
-            out.append(time.perf_counter() - t0)
+            out.append((time.process_time() - t0, time.perf_counter() - c0))
         return out
 
     diff = max(float((a - b).abs().max()) for a, b in zip(run(False), run(True)))  # warm-up, and they agree
-    times: dict[bool, list[float]] = {False: [], True: []}
+    times: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     for r in range(rounds):
         for loop in (False, True) if r % 2 == 0 else (True, False):
             times[loop].extend(timed(loop))
-    g, lo = statistics.median(times[False]), statistics.median(times[True])
+    (g, g_wall), (lo, lo_wall) = ([statistics.median(x[i] for x in times[loop]) for i in (0, 1)]
+                                  for loop in (False, True))
     flops = 3 * 2 * slots * dim * hidden * (3 if swiglu else 2)  # 2 forward + 4 backward per multiply-add
     return (f"{name:<24}{slots:>7}{dim:>5}{hidden:>7}{experts:>4}  {g * 1e3:>7.1f}ms{lo * 1e3:>7.1f}ms"
-            f"{lo / g:>13.2f}{flops / g / 1e9:>16.1f}{diff:>10.1e}")
+            f"{lo / g:>13.2f}{lo_wall / g_wall:>11.2f}{flops / g / 1e9:>9.1f}{diff:>10.1e}")
 
 if __name__ == "__main__":
     main()
