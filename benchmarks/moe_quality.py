@@ -14,7 +14,8 @@ batches, same schedule), shortened for a 2-core CPU; only the feed-forward layer
 Per row: total and active parameters, the final training and validation loss, and the load
 imbalance of the worst MoE layer (max / mean tokens per expert; 1 = even, top_k = 2 of 8 experts
 caps it at 8 / 2 = 4, every token on the same 2 experts: a collapsed router) at the first logged
-step, its mean over the logged steps, its largest, and its mean over the last quarter. A row
+step, its mean over the logged steps, its largest, and its mean over the last quarter; then
+each layer's mean over the last quarter (layers 0, 1, ...). A row
 whose run diverged (scaletrain's divergence check stops it) shows its last logged step and why.
 
     nice python benchmarks/moe_quality.py [--steps 100] [--batch 16] [--rows dense,none,bias] [--section.key=value ...]
@@ -76,7 +77,7 @@ def main(argv=None) -> None:
     print(f"config {args.config}, {args.steps} steps of {args.batch} x seq_len, same tokens in every row "
           f"({' '.join(extra) or 'no overrides'})")
     head = (f"{'row':<28}{'params':>8}{'active':>8}{'train loss':>11}{'val loss':>9}"
-            f"{'imbalance: first':>17}{'mean':>6}{'max':>6}{'last 1/4':>9}{'time':>7}")
+            f"{'imbalance: first':>17}{'mean':>6}{'max':>6}{'last 1/4':>9}{'time':>7}  each layer, last 1/4")
     print(head)
     for name in names:
         label, overrides = ROWS[name]
@@ -85,10 +86,12 @@ def main(argv=None) -> None:
         last = rows[-1]
         imb = [row["moe_imbalance"] for row in rows if "moe_imbalance" in row]
         tail = imb[-max(len(imb) // 4, 1):]
+        layers = sorted({k for row in rows for k in row if k.startswith("moe_imbalance/")})
+        per_layer = " ".join(f"{statistics.mean(row[k] for row in rows[-len(tail):]):.2f}" for k in layers)
         figures = (f"{imb[0]:>17.2f}{statistics.mean(imb):>6.2f}{max(imb):>6.2f}{statistics.mean(tail):>9.2f}"
                    if imb else f"{'-':>17}{'-':>6}{'-':>6}{'-':>9}")
         print(f"{label:<28}{r['params'] / 1e6:>7.2f}M{r['active'] / 1e6:>7.2f}M{last['loss']:>11.4f}"
-              f"{last.get('val_loss', float('nan')):>9.4f}{figures}{r['seconds']:>6.0f}s", flush=True)
+              f"{last.get('val_loss', float('nan')):>9.4f}{figures}{r['seconds']:>6.0f}s  {per_layer}", flush=True)
         if r["stopped"]:
             print(f"  {label} stopped at step {last['step']} (the last logged row above): {r['stopped']}", flush=True)
 
