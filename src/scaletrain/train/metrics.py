@@ -1,7 +1,9 @@
 """Metrics: one JSON object per logged step in metrics.jsonl, TensorBoard, a progress line.
 
 Steps that evaluate (train.eval_every) add val_loss and val_ppl, shown in TensorBoard as
-val/loss and val/ppl beside train/*.
+val/loss and val/ppl beside train/*. A mixture of experts adds its balance figures (moe_*, from
+its step hook): the progress line shows the worst layer's imbalance, the summary names the
+worst layer.
 
 Only rank 0 writes or prints; other ranks get a `MetricsLogger(enabled=False)` whose methods
 do nothing. Everything is written to the log stream (stderr); the run's result — the summary
