@@ -1,7 +1,9 @@
 """Metrics: one JSON object per logged step in metrics.jsonl, TensorBoard, a progress line.
 
 Steps that evaluate (train.eval_every) add val_loss and val_ppl, shown in TensorBoard as
-val/loss and val/ppl beside train/*.
+val/loss and val/ppl beside train/*. A mixture of experts adds its balance figures (moe_*, from
+its step hook): the progress line shows the worst layer's imbalance, the summary names the
+worst layer.
 
 Only rank 0 writes or prints; other ranks get a `MetricsLogger(enabled=False)` whose methods
 do nothing. Everything is written to the log stream (stderr); the run's result — the summary
@@ -132,6 +134,10 @@ class MetricsLogger:
                 f"wait {100 * row['data_wait_frac']:.0f}%")
         if "loss_scale" in row:
             text += f"  scale {row['loss_scale']:g}"
+        if "moe_imbalance" in row:  # the worst MoE layer's max / mean tokens per expert
+            text += f"  imbalance {row['moe_imbalance']:.2f}"
+            if row.get("moe_dropped"):
+                text += f"  dropped {100 * row['moe_dropped']:.1f}%"
         if "val_loss" in row:
             text += f"  val_loss {row['val_loss']:.4f}  val_ppl {row['val_ppl']:.2f}"
         if self._bar:
@@ -169,6 +175,7 @@ class MetricsLogger:
             ("peak memory", f"{fmt.size(max(r['peak_mem_bytes'] for r in rows))} ({self.memory_counted})"),
             ("data wait (mean)", f"{100 * sum(r['data_wait_frac'] for r in steady) / len(steady):.1f}%"),
         ]
+        table += moe_summary(rows)
         table += [(k, str(v)) for k, v in (extra or {}).items()]
         width = max(len(k) for k, _ in table)
         self.result("-" * (width + 16))
@@ -189,6 +196,33 @@ class MetricsLogger:
                 except OSError:
                     pass
         self._jsonl = self._tb = None
+
+
+def moe_summary(rows: list[dict]) -> list[tuple[str, str]]:
+    """The summary's mixture-of-experts lines: the worst layer's load imbalance (max / mean tokens
+    per expert) at the last logged step and the largest over the logged steps, each naming its
+    layer, and the mean share of routed tokens dropped when a capacity drops any. Nothing for a
+    dense run."""
+    logged = [r for r in rows if "moe_imbalance" in r]
+    if not logged:
+        return []
+
+    def worst(row: dict) -> tuple[float, str]:
+        layers = {k.partition("/")[2]: v for k, v in row.items() if k.startswith("moe_imbalance/")}
+        name = max(layers, key=layers.get) if layers else "?"
+        return row["moe_imbalance"], name
+
+    value, layer = worst(logged[-1])
+    top = max(logged, key=lambda r: r["moe_imbalance"])
+    top_value, top_layer = worst(top)
+    out = [("MoE imbalance (max/mean)", f"{value:.2f} in {layer} at the last logged step ({logged[-1]['step']}); "
+                                        f"largest over the logged steps {top_value:.2f} in {top_layer} "
+                                        f"(step {top['step']})")]
+    dropped = [r.get("moe_dropped", 0.0) for r in logged]
+    if any(dropped):
+        out.append(("MoE tokens dropped (mean)",
+                    f"{100 * sum(dropped) / len(dropped):.2f}% of routed tokens over the logged steps"))
+    return out
 
 
 def _same_destination(a: IO[str], b: IO[str]) -> bool:

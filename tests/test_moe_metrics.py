@@ -1,0 +1,176 @@
+"""The mixture of experts' metrics tell the truth: each layer's load imbalance and the dropped
+share in the metrics row equal a recount of the routing the layers actually did; the progress
+line and the summary show the worst layer; the trackers receive every moe_* key; MFU counts the
+active parameters (6 N_active + attention), never the total."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from scaletrain.model.moe import MoE
+from scaletrain.train.metrics import MetricsLogger, moe_summary
+from scaletrain.train.trainer import Trainer
+
+from conftest import micro_cfg, read_metrics
+
+E, K = 4, 2  # experts, top_k of the runs below
+MOE = {"model.moe_experts": E, "model.moe_top_k": K}
+
+
+def row(step: int, **moe) -> dict:
+    return {"step": step, "loss": 2.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0, "mfu": 0.1,
+            "peak_mem_bytes": 2**20, "data_wait_frac": 0.01, **moe}
+
+
+def test_progress_line_and_summary_show_the_worst_layer(tmp_path):
+    out = io.StringIO()
+    log = MetricsLogger(tmp_path, total_steps=3, tensorboard=False, progress="off", stream=out, result_stream=out)
+    log.log(row(1, moe_imbalance=1.5, **{"moe_imbalance/layers.0.moe": 1.5, "moe_imbalance/layers.1.moe": 1.2}))
+    log.log(row(2, moe_imbalance=3.25, moe_dropped=0.137,
+                **{"moe_imbalance/layers.0.moe": 1.1, "moe_imbalance/layers.1.moe": 3.25}))
+    log.log(row(3, moe_imbalance=1.75, **{"moe_imbalance/layers.0.moe": 1.0, "moe_imbalance/layers.1.moe": 1.75}))
+    log.summary()
+    lines = out.getvalue().splitlines()
+    assert lines[0].endswith("wait 1%  imbalance 1.50")  # no dropped tokens: no "dropped"
+    assert lines[1].endswith("imbalance 3.25  dropped 13.7%")
+    summary = {line.split("  ")[0]: line for line in lines[3:]}
+    assert summary["MoE imbalance (max/mean)"].endswith(
+        "1.75 in layers.1.moe at the last logged step (3); largest over the logged steps 3.25 in layers.1.moe "
+        "(step 2)")
+    assert summary["MoE tokens dropped (mean)"].endswith("4.57% of routed tokens over the logged steps")
+    assert moe_summary([row(1), row(2)]) == []  # a dense run: no MoE lines
+
+
+def recount(layers: dict[str, MoE]) -> dict[str, list]:
+    """Record each layer's choice of experts in every training forward (its `route` wrapped on the instance)."""
+    seen: dict[str, list] = {name: [] for name in layers}
+    for name, m in layers.items():
+        def route(x, _route=m.route, _name=name):
+            logits, chosen, weights = _route(x)
+            if torch.is_grad_enabled():
+                seen[_name].append(chosen.detach().clone())
+            return logits, chosen, weights
+        m.route = route
+    return seen
+
+
+@pytest.mark.parametrize("capacity", [0.0, 1.0])
+def test_the_rows_imbalance_and_dropped_share_are_those_of_the_routing(tmp_path, capacity):
+    """Two micro-batches a step: the row's figures are the step's, summed over both."""
+    cfg = micro_cfg(tmp_path, **MOE, **{"model.moe_capacity_factor": capacity, "train.grad_accum": 2,
+                                        "train.steps": 3, "model.moe_bias_rate": 0.01})
+    stream = io.StringIO()
+    t = Trainer(cfg, stream=stream)
+    layers = {name.removeprefix("_orig_mod."): m for name, m in t.model.named_modules() if isinstance(m, MoE)}
+    seen = recount(layers)
+    t.fit()
+    last = read_metrics(tmp_path / "run")[-1]
+    imbalance, dropped, routed = {}, 0, 0
+    for name, forwards in seen.items():
+        assert len(forwards) == 3 * 2  # 3 steps of 2 micro-batches
+        step = forwards[-2:]  # the last step's micro-batches
+        load = sum(torch.bincount(c.flatten(), minlength=E) for c in step).float()
+        imbalance[name] = float(load.max() / load.mean())
+        for c in step:  # an expert keeps ceil(capacity * slots / experts) of each micro-batch's slots
+            counts = torch.bincount(c.flatten(), minlength=E)
+            if capacity:
+                dropped += int((counts - math.ceil(capacity * c.numel() / E)).clamp(min=0).sum())
+            routed += c.numel()
+    assert {k.partition("/")[2]: v for k, v in last.items() if k.startswith("moe_imbalance/")} == \
+        pytest.approx(imbalance)
+    assert last["moe_imbalance"] == pytest.approx(max(imbalance.values()))
+    if capacity:
+        assert dropped > 0 and last["moe_dropped"] == pytest.approx(dropped / routed)
+    else:
+        assert "moe_dropped" not in last
+    text = stream.getvalue()
+    step3 = next(line for line in text.splitlines() if line.startswith("step 3/3"))
+    assert f"imbalance {last['moe_imbalance']:.2f}" in step3
+    assert ("dropped" in step3) == bool(capacity)
+    assert "MoE imbalance (max/mean)" in text
+
+
+def test_the_trackers_receive_every_moe_key(tmp_path, monkeypatch):
+    """TensorBoard, W&B (offline) and MLflow (a local database) each hold every moe_* figure of every row."""
+    pytest.importorskip("tensorboard")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    overrides = {**MOE, "model.moe_capacity_factor": 1.0, "model.moe_aux_loss": 0.01, "model.moe_z_loss": 0.001,
+                 "train.steps": 2, "log.tensorboard": True}
+    wandb = _importable("wandb")
+    mlflow = _importable("mlflow") and _importable("sqlalchemy")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    if wandb:
+        overrides["log.wandb"] = "moe-metrics"
+    if mlflow:
+        overrides.update({"log.mlflow": "moe-metrics", "log.mlflow_uri": uri})
+    Trainer(micro_cfg(tmp_path, **overrides), stream=io.StringIO()).fit()
+    rows = read_metrics(tmp_path / "run")
+    keys = {k for k in rows[-1] if k.startswith("moe_")}
+    assert keys >= {"moe_imbalance", "moe_imbalance/layers.0.moe", "moe_imbalance/layers.1.moe", "moe_dropped",
+                    "moe_aux_loss", "moe_z_loss"}
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    for key in keys:
+        got = [(e.step, e.value) for e in events.Scalars(f"train/{key}")]
+        assert got == [(r["step"], pytest.approx(r[key])) for r in rows], key
+    if mlflow:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        run = client.search_runs([client.get_experiment_by_name("moe-metrics").experiment_id])[0]
+        for key in keys:
+            history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+            assert history == [(r["step"], pytest.approx(r[key])) for r in rows], key
+    if wandb:
+        from test_trackers import wandb_run
+
+        _, _, _, history = wandb_run(next((tmp_path / "run" / "wandb").glob("offline-run-*")))
+        assert [{k: h[k] for k in keys} for h in history] == [{k: pytest.approx(r[k]) for k in keys} for r in rows]
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def active_matmul_params(model: torch.nn.Module, cfg) -> float:
+    """Counted from the model's own parameters: every matrix that multiplies a token's activations,
+    a routed expert's weighted by the share of experts a token visits (top_k / experts); the
+    input embeddings are lookups, the output head is the (tied) embedding matrix."""
+    n = 0.0
+    for name, p in model.named_parameters():
+        if p.ndim < 2 or name.startswith(("tok_emb", "pos_emb")):
+            continue
+        routed = name.rsplit(".", 1)[-1] in ("w1", "w2", "w3") and ".moe." in name and ".shared." not in name
+        n += p.numel() * (cfg.moe_top_k / cfg.moe_experts if routed else 1)
+    return n + cfg.dim * cfg.vocab_size  # the output head (tied with tok_emb here)
+
+
+def test_mfu_of_a_mixture_counts_its_active_parameters_never_the_total(tmp_path):
+    """A dense block, then MoE blocks with a shared expert, SwiGLU: the FLOPs per token behind MFU
+    are 6 x the active matmul parameters + attention's 12 L d T; a run's logged MFU is that times
+    tokens/s over the peak."""
+    cfg = micro_cfg(tmp_path, **MOE, **{"model.n_layers": 3, "model.moe_first_dense": 1,
+                                        "model.moe_shared_experts": 1, "model.activation": "swiglu",
+                                        "train.steps": 2})
+    t = Trainer(cfg, stream=io.StringIO())
+    m = cfg.model
+    assert m.tie_embeddings
+    active = active_matmul_params(t.model, m)
+    total = sum(p.numel() for name, p in t.model.named_parameters()
+                if p.ndim >= 2 and not name.startswith(("tok_emb", "pos_emb"))) + m.dim * m.vocab_size
+    attention = 12 * m.n_layers * m.dim * cfg.data.seq_len
+    assert t.meter.flops_per_token == pytest.approx(6 * active + attention, rel=1e-12)
+    assert 6 * total + attention > 1.3 * t.meter.flops_per_token  # the total would be a different figure
+    t.fit()
+    for r in read_metrics(tmp_path / "run"):
+        assert r["mfu"] == pytest.approx((6 * active + attention) * r["tokens_per_s"] / t.meter.peak_flops)
