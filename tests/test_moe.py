@@ -327,3 +327,19 @@ def test_the_grouped_matmul_leaves_compiles_graph_outside_bf16(monkeypatch):
     w = torch.randn(4, 48, 32)
     expert_mlp(torch.randn(6, 32), counts, w, w.transpose(1, 2).contiguous(), None)
     assert len(seen) == 2
+
+
+def test_the_router_runs_in_fp32_under_autocast():
+    """bf16 autocast casts a linear's operands; the router's scores must still be fp32 products
+    (a bf16 tie decides an expert), equal to the fp32 router's bit for bit."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=32, n_heads=4, moe_experts=8, moe_top_k=2, moe_hidden=16)
+    moe = MoE(cfg)
+    with torch.no_grad():
+        moe.router.weight.normal_(0, 0.5)
+    x = torch.randn(64, 32)
+    want, _, _ = moe.route(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _, _ = moe.route(x)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, want)

@@ -62,7 +62,7 @@ def recount(layers: dict[str, MoE]) -> dict[str, list]:
 def test_the_rows_imbalance_and_dropped_share_are_those_of_the_routing(tmp_path, capacity):
     """Two micro-batches a step: the row's figures are the step's, summed over both."""
     cfg = micro_cfg(tmp_path, **MOE, **{"model.moe_capacity_factor": capacity, "train.grad_accum": 2,
-                                        "train.steps": 3, "model.moe_bias_rate": 0.01})
+                                        "train.steps": 3, "model.moe_bias_rate": 0.01, "log.every": 3})
     stream = io.StringIO()
     t = Trainer(cfg, stream=stream)
     layers = {name.removeprefix("_orig_mod."): m for name, m in t.model.named_modules() if isinstance(m, MoE)}
@@ -70,7 +70,11 @@ def test_the_rows_imbalance_and_dropped_share_are_those_of_the_routing(tmp_path,
     t.fit()
     last = read_metrics(tmp_path / "run")[-1]
     imbalance, dropped, routed = {}, 0, 0
+    worst_of = {1: 0.0, 2: 0.0}  # steps 2 and 3 (the last row's window: rows at steps 1 and 3)
     for name, forwards in seen.items():
+        for k in worst_of:
+            load = sum(torch.bincount(c.flatten(), minlength=E) for c in forwards[2 * k:2 * k + 2]).float()
+            worst_of[k] = max(worst_of[k], float(load.max() / load.mean()))
         assert len(forwards) == 3 * 2  # 3 steps of 2 micro-batches
         step = forwards[-2:]  # the last step's micro-batches
         load = sum(torch.bincount(c.flatten(), minlength=E) for c in step).float()
@@ -83,6 +87,7 @@ def test_the_rows_imbalance_and_dropped_share_are_those_of_the_routing(tmp_path,
     assert {k.partition("/")[2]: v for k, v in last.items() if k.startswith("moe_imbalance/")} == \
         pytest.approx(imbalance)
     assert last["moe_imbalance"] == pytest.approx(max(imbalance.values()))
+    assert last["moe_imbalance_window_max"] == pytest.approx(max(worst_of.values()))
     if capacity:
         assert dropped > 0 and last["moe_dropped"] == pytest.approx(dropped / routed)
     else:

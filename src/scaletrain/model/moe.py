@@ -126,7 +126,8 @@ class MoE(nn.Module):
         """x (tokens, dim) -> (router logits (tokens, experts) fp32, chosen experts (tokens, top_k),
         their weights (tokens, top_k) fp32). The router runs in fp32 whatever the precision: a
         bf16 score tie decides an expert."""
-        logits = F.linear(x.float(), self.router.weight.float())
+        with torch.autocast(x.device.type, enabled=False):  # autocast would run the matmul in bf16
+            logits = F.linear(x.float(), self.router.weight.float())
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         # the bias steers the choice only; the weights are the scores themselves
         chosen = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices

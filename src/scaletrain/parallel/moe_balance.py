@@ -58,6 +58,7 @@ class MoEBalance(StepHook):
         self.groups = [g for g in (*groups, pp_group) if g is not None]
         self.bias_rate, self.top_k = bias_rate, top_k
         self.last: dict[str, float] = {}
+        self.window_worst = 0.0  # the worst imbalance of any step since the last metrics row
 
     @classmethod
     def for_model(cls, modules: list[nn.Module], model_cfg, groups: list, pp_group=None,
@@ -103,10 +104,15 @@ class MoEBalance(StepHook):
             self.last["moe_aux_loss"] = float(totals[1]) / max(tokens, 1.0) / n
         if totals[2]:
             self.last["moe_z_loss"] = float(totals[2]) / max(tokens, 1.0) / n
+        self.window_worst = max(self.window_worst, self.last["moe_imbalance"])
         return False
 
     def metrics(self) -> dict[str, float]:
-        return dict(self.last)
+        """The logged step's figures, and the worst imbalance of the steps since the last row
+        (`log.every` > 1 would otherwise hide the steps between rows)."""
+        row = {**self.last, "moe_imbalance_window_max": self.window_worst}
+        self.window_worst = 0.0
+        return row
 
     def checkpoint_tensors(self, tensors: dict) -> dict:
         # the biases are buffers, not parameters: saved beside the weights, resharding-free (replicated)
