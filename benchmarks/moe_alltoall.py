@@ -12,8 +12,8 @@ This script *counts* what is sent: every call of `torch.distributed.all_to_all_s
 scaletrain builds the model, and adds up the bytes of its input tensor, those destined for the
 rank itself apart. Payload (floating-point tensors, rows of `dim`) is counted apart from the
 small integer exchanges (how many tokens go where). Per step and rank it prints the counted
-payload against the theory with the own share included (dropless routing: equal, whatever the
-routing) and the bytes that left the rank against the (ep - 1) / ep theory (equal in expectation
+payload against the theory with the own share included (summed over the ranks, dropless routing:
+equal whatever the routing; one rank's combine returns what its experts received) and the bytes that left the rank against the (ep - 1) / ep theory (equal in expectation
 over an even routing; the measured share of slots sent away is printed beside it).
 
     python benchmarks/moe_alltoall.py [--nproc 2] [--ep 2] [--steps 3] [--section.key=value ...]
@@ -185,6 +185,7 @@ def main(argv=None) -> None:
           f"of which (ep-1)/ep = {away / 2**20:.3f} MiB leave the rank under an even routing")
     print(f"{'rank':>4}{'calls':>7}{'slots MiB':>11}{'vs theory':>10}{'sent away MiB':>15}{'vs (ep-1)/ep':>13}"
           f"{'share away':>11}{'metadata B':>11}")
+    sums = [0.0, 0.0]
     for rank, steps in enumerate(r["per_step"]):
         sent = statistics.mean(s[0] for s in steps)
         kept = statistics.mean(s[1] for s in steps)
@@ -193,6 +194,12 @@ def main(argv=None) -> None:
         total = sent + kept
         print(f"{rank:>4}{calls:>7.0f}{total / 2**20:>11.3f}{total / whole:>10.4f}{sent / 2**20:>15.3f}"
               f"{sent / away:>13.4f}{sent / total if total else 0:>11.3f}{meta:>11.0f}")
+        sums = [sums[0] + total, sums[1] + sent]
+    # a rank's dispatch sends its own slots (exact), its combine returns what its experts received
+    # (the routing decides): over all ranks the two are equal, so the sum is exact for any routing
+    n = len(r["per_step"])
+    print(f"{'all':>4}{'':>7}{sums[0] / 2**20:>11.3f}{sums[0] / (n * whole):>10.4f}{sums[1] / 2**20:>15.3f}"
+          f"{sums[1] / (n * away):>13.4f}{sums[1] / sums[0] if sums[0] else 0:>11.3f}")
 
 
 if __name__ == "__main__":
