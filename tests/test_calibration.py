@@ -203,7 +203,10 @@ def test_plan_calibrate_measures_this_machine_once_then_reads_the_cache(shared_c
     assert set(cal.collectives) == set(calibrate.OPS)
     assert all(lat >= 0 and bus > 0 for lat, bus in cal.collectives.values())
     assert 0.0 <= cal.overlap <= 1.0 and cal.optimizer["adamw|32-true"] > 0
-    assert all(v["block"] > 0 for by_size in cal.compute.values() for v in by_size.values())
+    # a block's seconds are (3 blocks - 1 block) / 2, clamped at 0: on a busy machine the two
+    # timings of a micro model can come out equal or reversed, so only the whole model's must be > 0
+    compute = [v for by_size in cal.compute.values() for v in by_size.values()]
+    assert compute and all(v["block"] >= 0 and v["rest"] >= 0 and v["block"] + v["rest"] > 0 for v in compute)
     assert cal.engine and all(v["block"] >= 0 and v["rest"] >= 0 for v in cal.engine.values())
     second = run_here(*args)
     assert second.returncode == 0 and "calibrated this machine" not in second.stderr  # read from the cache
