@@ -90,7 +90,9 @@ def test_a_rank_that_stops_participating_fails_the_job_within_the_timeout(tmp_pa
                             "(rank 0 waited in the gradient-norm all-reduce"), err
     assert "rank 1 last reported step 3, forward/backward (it issued" in first
     assert "Traceback" not in err
-    assert took < 60, took  # not the 300 s the rank sleeps: the timeout, the diagnosis, start-up
+    # not the 300 s the rank sleeps: the 4 s timeout, the diagnosis and two ranks' start-up, which
+    # a busy machine stretches to tens of seconds: the bound leaves them room, 100 s short of the sleep
+    assert took < 200, took
 
 
 # --------------------------------------------------------------------------------------------
