@@ -241,7 +241,7 @@ def _start_long_run(run_dir: Path, *extra: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
 
 
-def _wait_for_rows(launcher: subprocess.Popen, run_dir: Path, rows: int, timeout: float = 120) -> None:
+def _wait_for_rows(launcher: subprocess.Popen, run_dir: Path, rows: int, timeout: float = 600) -> None:
     metrics, deadline = run_dir / "metrics.jsonl", time.time() + timeout
     while time.time() < deadline and launcher.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= rows:
