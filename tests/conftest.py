@@ -318,7 +318,7 @@ def popen_train(*args: str) -> subprocess.Popen:
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def wait_for_rows(run_dir: Path, rows: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+def wait_for_rows(run_dir: Path, rows: int, proc: subprocess.Popen, timeout: float = 600) -> None:
     """Until `proc`'s run has logged `rows` metrics rows (an AssertionError if it ends first)."""
     import time
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, micro_overrides, read_metrics, run_cli, run_group
+from conftest import REPO, micro_overrides, read_metrics, run_cli, run_group, run_here
 
 pytestmark = pytest.mark.multiproc
 
@@ -67,7 +67,8 @@ def test_user_error_in_workers_exits_2(tmp_path):
     (["--nnodes", "2", "--nproc", "2"], "needs --rdzv-endpoint"),
 ])
 def test_impossible_requests_are_refused(args, message):
-    r = run_cli("train", *args, "--train.steps=1")
+    # the CLI refuses these before it starts a rank: its main in this process (no interpreter start-up each)
+    r = run_here("train", *args, "--train.steps=1")
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
@@ -85,7 +86,7 @@ def test_fixed_node_rank_rendezvous(tmp_path):
 
 
 def test_auto_layout(tmp_path):
-    r = run_cli("train", "--parallel.layout=auto", *ARGS, f"--log.run_dir={tmp_path / 'one'}")
+    r = run_here("train", "--parallel.layout=auto", *ARGS, f"--log.run_dir={tmp_path / 'one'}")  # one process
     assert r.returncode == 0, r.stderr
     assert "parallel.layout=auto chose" in r.stderr
     r = run_cli("train", "--nproc", "2", "--parallel.layout=auto", *ARGS, f"--log.run_dir={tmp_path / 'two'}")
@@ -97,5 +98,5 @@ def test_auto_layout(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert [row["step"] for row in read_metrics(tmp_path / "tr")] == [1, 2, 3]
-    r = run_cli("train", "--parallel.layout=auto", "--parallel.tp=2", "--train.steps=1")
+    r = run_here("train", "--parallel.layout=auto", "--parallel.tp=2", "--train.steps=1")
     assert r.returncode == 2 and "leave parallel.tp at their defaults" in r.stderr

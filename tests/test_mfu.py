@@ -53,11 +53,13 @@ def test_probe_skips_sizes_that_cannot_end_in_time(monkeypatch):
 
 
 def test_real_cpu_probe_is_bounded_and_positive():
-    t0 = time.perf_counter()
+    # this process's CPU seconds, not the wall clock's: other work on the machine stretches the
+    # wall time of the sizes the probe measures, while its deadline (wall clock) only cuts its work
+    t0 = time.process_time()
     peak = hardware.measure_matmul_peak(torch.device("cpu"), torch.bfloat16)  # slow on most CPUs
-    took = time.perf_counter() - t0
+    took = time.process_time() - t0
     assert peak > 0
-    assert took < 4.0, f"the probe took {took:.1f}s; its budget is ~1.2s"
+    assert took < 4.0, f"the probe used {took:.1f} CPU s; its budget is ~1.2 s"
 
 
 def test_cpu_peak_flops_caches_the_probe(cache, monkeypatch):

@@ -27,7 +27,7 @@ from dist_worker import weight_fingerprint
 
 pytestmark = pytest.mark.multiproc
 
-STEPS = 7  # a checkpoint at step 5, resumed for steps 6 and 7
+STEPS = 4  # a checkpoint at step 2, resumed for steps 3 and 4 (7 steps proved no more, for twice the time)
 TOL = TOLERANCES["32-true"]  # (loss, grad norm) relative, every step: what `scaletrain verify` allows
 WEIGHTS_TOL = 1e-3  # final weights relative to their change over the run (seen: 7.1e-5): see test_data_parallel.py
 # SGD without clipping: each update is the gradient itself, so the final weights show a gradient
@@ -114,16 +114,16 @@ def ref_name(extra):
     return "plain"
 
 
-SAVE = ("save", {"parallel.tp": 2, "parallel.pp": 2, "checkpoint.every": 5, **LLAMA})
-STEP5 = "save/checkpoints/step_00000005"  # under the module's folder; the resumes below read it
+SAVE = ("save", {"parallel.tp": 2, "parallel.pp": 2, "checkpoint.every": 2, **LLAMA})
+SAVED = "save/checkpoints/step_00000002"  # under the module's folder; the resumes below read it
 GROUPS = {  # ranks: layouts, run in one group of processes
     4: FOUR + CP_FOUR + [SAVE],
-    2: TWO + CP_TWO + [("resume-pp2", {"parallel.pp": 2, "checkpoint.resume": STEP5, **LLAMA}),
-              ("resume-tp2-zero0", {"parallel.tp": 2, "checkpoint.resume": STEP5, **LLAMA}),
-              ("resume-cp2-ulysses", {"parallel.cp": 2, "parallel.cp_method": "ulysses", "checkpoint.resume": STEP5,
+    2: TWO + CP_TWO + [("resume-pp2", {"parallel.pp": 2, "checkpoint.resume": SAVED, **LLAMA}),
+              ("resume-tp2-zero0", {"parallel.tp": 2, "checkpoint.resume": SAVED, **LLAMA}),
+              ("resume-cp2-ulysses", {"parallel.cp": 2, "parallel.cp_method": "ulysses", "checkpoint.resume": SAVED,
                                       **LLAMA})],
     8: EIGHT + [("resume-3d-zero2", {"parallel.tp": 2, "parallel.pp": 2, "parallel.zero": 2, "parallel.sp": True,
-                                     "checkpoint.resume": STEP5, **LLAMA})],
+                                     "checkpoint.resume": SAVED, **LLAMA})],
 }
 
 
@@ -154,7 +154,7 @@ def runs(request, tmp_path_factory):
         if name == "resume-1" and name not in done:
             if "save" not in done:
                 run(4)
-            trainer = Trainer(micro_cfg(tmp / name, **{**BASE, **LLAMA, "checkpoint.resume": str(tmp / STEP5)}))
+            trainer = Trainer(micro_cfg(tmp / name, **{**BASE, **LLAMA, "checkpoint.resume": str(tmp / SAVED)}))
             done[name] = {"history": trainer.fit()["history"], "weights": weight_fingerprint(trainer.named_params)}
         if name not in done:
             assert wanted is None or name in wanted, f"{name} is not among the layouts this session's tests ask for"
@@ -200,7 +200,7 @@ def test_a_tied_model_trained_under_pipelining_exports_with_tied_embeddings(runs
 @pytest.mark.parametrize("name", ["save", "resume-pp2", "resume-tp2-zero0", "resume-cp2-ulysses", "resume-3d-zero2",
                                   "resume-1"])
 def test_checkpoint_resumes_at_another_layout(runs, reference, name):
-    first = 1 if name == "save" else 6
+    first = 1 if name == "save" else 3
     ref = reference["llama"]
     assert_same_run(runs(name)["history"], ref["history"], steps=STEPS, first=first, tol=TOL, what=name)
     assert_same_weights(runs(name)["weights"], ref["weights"], tol=WEIGHTS_TOL, what=name)

@@ -222,12 +222,12 @@ def taken_port():
 @pytest.mark.multiproc
 @pytest.mark.parametrize("form", [["--node-rank", "0"], []], ids=["static", "c10d"])
 def test_rendezvous_port_in_use_is_one_line(taken_port, form, tmp_path):
-    t0 = time.time()
+    # refused, not a rendezvous timeout: run_cli's 240 s end before the store's own 300 s (a busy
+    # machine takes tens of seconds to start the CLI: no tighter wall-clock bound holds there)
     r = run_cli("train", "--nproc", "2", *form, "--rdzv-endpoint", f"127.0.0.1:{taken_port}", *MICRO_ARGS,
-                "--train.steps=1", f"--log.run_dir={tmp_path / 'run'}", timeout=120)
+                "--train.steps=1", f"--log.run_dir={tmp_path / 'run'}", timeout=240)
     assert_one_line(r.returncode, r.stderr, 2, f"--rdzv-endpoint 127.0.0.1:{taken_port}",
                     f"port {taken_port} is already in use", "free port", "--rdzv-id")
-    assert time.time() - t0 < 60  # refused, not a rendezvous timeout
     assert not (tmp_path / "run").exists()
 
 
@@ -241,7 +241,7 @@ def _start_long_run(run_dir: Path, *extra: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
 
 
-def _wait_for_rows(launcher: subprocess.Popen, run_dir: Path, rows: int, timeout: float = 120) -> None:
+def _wait_for_rows(launcher: subprocess.Popen, run_dir: Path, rows: int, timeout: float = 600) -> None:
     metrics, deadline = run_dir / "metrics.jsonl", time.time() + timeout
     while time.time() < deadline and launcher.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= rows:
@@ -287,13 +287,13 @@ def test_sigkilled_launcher_leaves_no_worker_running(tmp_path):
     assert len(workers) == 2, workers
     launcher.kill()
     launcher.wait()
-    deadline = time.time() + 15
+    deadline = time.time() + 60  # they go at once (parent-death signal); 60 s is for a busy machine
     while any(_running(p) for p in workers) and time.time() < deadline:
         time.sleep(0.05)
     left = [p for p in workers if _running(p)]
     for pid in left:  # do not leave them behind for the other tests
         os.kill(pid, signal.SIGKILL)
-    assert not left, f"workers {left} outlived their launcher by 15 s"
+    assert not left, f"workers {left} outlived their launcher by 60 s"
     launcher.stderr.close()
 
 

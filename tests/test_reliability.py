@@ -47,17 +47,18 @@ def _rows(run: Path) -> int:
 
 @pytest.mark.multiproc
 def test_sigkilled_worker_restarts_the_group_which_resumes_exactly(tmp_path):
-    steps = ["--train.steps=150", "--checkpoint.every=25"]
+    # killed past step 25 (55 steps before the end), 15 steps after the checkpoint at 20 and before the next
+    steps = ["--train.steps=80", "--checkpoint.every=20"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "scaletrain", "train", "--nproc", "2", *TRAIN, *steps]
     launcher = subprocess.Popen([*cmd, "--max-restarts", "1", f"--log.run_dir={tmp_path / 'killed'}"],
                                 stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
-    deadline = time.time() + 120
-    while _rows(tmp_path / "killed") < 35 and time.time() < deadline and launcher.poll() is None:
+    deadline = time.time() + 600  # an event, not a time: the bound only ends a broken run
+    while _rows(tmp_path / "killed") < 25 and time.time() < deadline and launcher.poll() is None:
         time.sleep(0.02)
     killed_at = _rows(tmp_path / "killed")
     victim = [p for p in _children(launcher.pid) if _rank_of(p) == 1]
-    assert victim and killed_at < 150, "the run ended before the kill"
+    assert victim and killed_at < 80, "the run ended before the kill"
     os.kill(victim[0], signal.SIGKILL)
     err = launcher.communicate(timeout=180)[1]
     assert launcher.returncode == 0, err
@@ -69,7 +70,7 @@ def test_sigkilled_worker_restarts_the_group_which_resumes_exactly(tmp_path):
                            env=env, timeout=180)
     assert clean.returncode == 0, clean.stderr
     killed, reference = read_metrics(tmp_path / "killed"), read_metrics(tmp_path / "clean")
-    assert [r["step"] for r in killed] == list(range(1, 151))  # the re-done steps replaced, not duplicated
+    assert [r["step"] for r in killed] == list(range(1, 81))  # the re-done steps replaced, not duplicated
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in killed] == \
         [(r["step"], r["loss"], r["grad_norm"]) for r in reference]  # every step, every bit
 
@@ -90,7 +91,9 @@ def test_a_rank_that_stops_participating_fails_the_job_within_the_timeout(tmp_pa
                             "(rank 0 waited in the gradient-norm all-reduce"), err
     assert "rank 1 last reported step 3, forward/backward (it issued" in first
     assert "Traceback" not in err
-    assert took < 60, took  # not the 300 s the rank sleeps: the timeout, the diagnosis, start-up
+    # not the 300 s the rank sleeps: the 4 s timeout, the diagnosis and two ranks' start-up, which
+    # a busy machine stretches to tens of seconds: the bound leaves them room, 100 s short of the sleep
+    assert took < 200, took
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,7 +137,7 @@ def test_twenty_five_random_kills_during_saves_never_lose_the_last_checkpoint(tm
                 os._exit(1)
         # once the child has completed a save (on a busy machine a save may take longer than the
         # whole random wait), kill it at a random moment of the saves that follow
-        deadline = time.time() + 120
+        deadline = time.time() + 600  # an event, not a time: the bound only ends a broken run
         while time.time() < deadline and _saved_step(folder) <= last:
             time.sleep(0.01)
         time.sleep(rng.uniform(0.0, 0.5))
@@ -222,10 +225,10 @@ def _address(hex_addr: str, v6: bool) -> str:
 @pytest.mark.multiproc
 def test_single_node_rendezvous_and_workers_listen_on_loopback_only(tmp_path):
     launcher = subprocess.Popen([sys.executable, "-m", "scaletrain", "train", "--nproc", "2", *TRAIN,
-                                 "--train.steps=400", f"--log.run_dir={tmp_path / 'run'}"],
+                                 "--train.steps=100", f"--log.run_dir={tmp_path / 'run'}"],
                                 stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + 600  # an event, not a time: the bound only ends a broken run
         while _rows(tmp_path / "run") < 5 and time.time() < deadline and launcher.poll() is None:
             time.sleep(0.05)
         pids = [launcher.pid, *_children(launcher.pid)]
@@ -300,7 +303,7 @@ def test_two_hosts_with_two_ranks_each_train_like_one_process(tmp_path, two_host
                                "--nnodes", "2", "--node-rank", str(i), "--rdzv-endpoint", "10.77.0.1:29577", *args],
                               stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
              for i, ns in enumerate(two_hosts)]
-    deadline = time.time() + 120
+    deadline = time.time() + 600  # an event, not a time: the bound only ends a broken run
     while _rows(tmp_path / "run") < 3 and time.time() < deadline and nodes[0].poll() is None:
         time.sleep(0.05)
     # node 0's launcher (rendezvous store) and workers: every listener on the address it was told

@@ -49,10 +49,31 @@ def wandb_records(path) -> list:
     return records
 
 
+def finished_records(folder, timeout: float = 120.0) -> list:
+    """The records of one offline run folder once its run's exit record is written. run.finish()
+    returns before W&B's service has flushed the file (seen under load: a resumed run's file still
+    its 7-byte header), so wait for the last record rather than for a time."""
+    import time
+
+    from google.protobuf.message import DecodeError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        files = list(folder.glob("run-*.wandb"))
+        try:  # none yet, its header not yet written, or a record half written: not finished
+            records = wandb_records(files[0]) if files and files[0].stat().st_size >= 7 else []
+        except DecodeError:
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        assert time.monotonic() < deadline, f"{folder}: no exit record {timeout:.0f} s after the run finished"
+        time.sleep(0.1)
+
+
 def wandb_run(folder):
     """(run id, tags, config, history rows) of one offline run folder."""
     run_id, tags, config, history = None, [], {}, []
-    for r in wandb_records(next(folder.glob("run-*.wandb"))):
+    for r in finished_records(folder):
         kind = r.WhichOneof("record_type")
         if kind == "run":
             run_id, tags = r.run.run_id, list(r.run.tags)
