@@ -13,12 +13,11 @@ scaletrain builds the model, and adds up the bytes of its input tensor, those de
 rank itself apart. Payload (floating-point tensors, rows of `dim`) is counted apart from the
 small integer exchanges (how many tokens go where). Per step and rank it prints the counted
 payload against the theory with the own share included (summed over the ranks, dropless routing:
-equal whatever the routing; one rank's combine returns what its experts received) and the bytes that left the rank against the (ep - 1) / ep theory (equal in expectation
-over an even routing; the measured share of slots sent away is printed beside it).
+equal whatever the routing; one rank's combine returns what its experts received) and the bytes
+that left the rank against the (ep - 1) / ep theory (equal in expectation over an even routing;
+the measured share of slots sent away is printed beside it).
 
     python benchmarks/moe_alltoall.py [--nproc 2] [--ep 2] [--steps 3] [--section.key=value ...]
-
-It needs `parallel.ep` (expert parallelism, issue 31); until that exists it says so and exits.
 """
 
 from __future__ import annotations
