@@ -1,8 +1,8 @@
 """Expert parallelism on real processes (gloo on CPU): the experts split over ep ranks borrowed
-from the data-parallel ones, with DDP, ZeRO-1/2 and ZeRO-3 (and HSDP) for the rest. Every step's
-loss and gradient norm before clipping, the final weights (the experts gathered whole) and the
-routing bias after the run match one process, with the Switch and z losses on; checkpoints
-reshard across ep sizes."""
+from the data-parallel ones, with DDP, ZeRO-1/2 and ZeRO-3 (and HSDP) for the rest, and with cp,
+pp and tp (with and without sp). Every step's loss and gradient norm before clipping, the final
+weights (the experts gathered whole) and the routing bias after the run match one process, with
+the Switch and z losses on; checkpoints reshard across ep sizes."""
 
 from __future__ import annotations
 
@@ -51,6 +51,11 @@ LAYOUTS_4 = [  # (name, overrides, reference) on 4 ranks
     # the Switch loss's per-sequence counts summed over cp, the bias counted over every stage
     ("ep2xcp2-zero3", {"parallel.ep": 2, "parallel.cp": 2, "parallel.zero": 3}, "plain"),
     ("ep2xpp2", {"parallel.ep": 2, "parallel.pp": 2, "train.micro_batch": 2, **UNTIED}, "untied"),
+    # the ep groups within one tp rank, the experts left out of the tp engines (replicate, FSDP);
+    # under sp each tp rank routes its own tokens and the expert gradients are summed over tp
+    ("ep2xtp2", {"parallel.ep": 2, "parallel.tp": 2}, "plain"),
+    ("ep2xtp2-sp", {"parallel.ep": 2, "parallel.tp": 2, "parallel.sp": True}, "plain"),
+    ("ep2xtp2-zero3", {"parallel.ep": 2, "parallel.tp": 2, "parallel.zero": 3}, "plain"),
 ]
 
 
@@ -166,8 +171,7 @@ def test_checkpoints_reshard_across_ep_sizes(group4, reference, name):
      "parallel.ep=3 borrows its ranks from the dp_shard ranks, so it must divide dp_shard=4"),
     ({**MOE, "parallel.ep": 4, "model.moe_experts": 6}, 4, "parallel.ep=4 must divide model.moe_experts=6"),
     ({"parallel.ep": 2}, 2, "the model is dense (model.moe_experts=0)"),
-    ({**MOE, "parallel.ep": 2, "parallel.tp": 2}, 4, "parallel.ep=2 with parallel.tp=2: expert parallelism"),
-], ids=["ep-not-dividing-dp-shard", "ep-not-dividing-experts", "ep-on-a-dense-model", "ep-with-tp"])
+], ids=["ep-not-dividing-dp-shard", "ep-not-dividing-experts", "ep-on-a-dense-model"])
 def test_layout_errors(tmp_path, overrides, world, fragment):
     cfg = micro_cfg(tmp_path, **overrides)
     problems = Layout.from_config(cfg, world).errors(cfg.model, seq_len=cfg.data.seq_len)

@@ -269,9 +269,6 @@ class Layout:
         if self.dp_shard % ep:
             e.append(f"parallel.ep={ep} borrows its ranks from the dp_shard ranks, so it must divide "
                      f"dp_shard={self.dp_shard}; use an ep that divides {self.dp_shard}, or more dp_shard ranks")
-        if self.tp > 1:  # (cp and pp compose: the ep groups lie within one cp rank and one pipeline stage)
-            e.append(f"parallel.ep={ep} with parallel.tp={self.tp}: expert parallelism borrows data-parallel ranks "
-                     "only and does not compose with tensor parallelism yet; set parallel.tp=1 or parallel.ep=1")
         if self.local_sync:
             e.append(f"parallel.ep={ep} with parallel.dp_sync={self.dp_sync}: the workers' experts are not synced "
                      "by local SGD / DiLoCo yet; set parallel.dp_sync=step or parallel.ep=1")

@@ -135,15 +135,17 @@ class ReplicateDataParallel(DataParallel):
         return contextlib.nullcontext()
 
 
-def apply_replicate(chunk: nn.Module, dp_mesh, *, param_dtype: torch.dtype | None, blocks=None) -> None:
-    """Replicate each block and the chunk root over `dp_mesh` (gradient all-reduce, fp32)."""
+def apply_replicate(chunk: nn.Module, dp_mesh, *, param_dtype: torch.dtype | None, blocks=None,
+                    ignored_params: set | None = None) -> None:
+    """Replicate each block and the chunk root over `dp_mesh` (gradient all-reduce, fp32).
+    `ignored_params`: left alone (expert parallelism's experts, which have an engine of their own)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in chunk.layers.values() if blocks is None else blocks:
-        replicate(block, mesh=dp_mesh, mp_policy=mp)
-    replicate(chunk, mesh=dp_mesh, mp_policy=mp)
+        replicate(block, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored_params)
+    replicate(chunk, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored_params)
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, *, param_dtype: torch.dtype | None, offload: bool, blocks=None,

@@ -21,9 +21,13 @@ gradients and optimizer state sharded over the others). The non-expert parameter
 engine (DDP, ZeRO, FSDP), which leaves the experts alone. The gradient norm counts each expert
 once: its gradient is a DTensor sharded over ep (and the ZeRO shards), summed over those axes only.
 
-Each ep group lies within one context-parallel rank and one pipeline stage (the expert mesh keeps
-those axes), so cp (its gradient sum covers the experts too) and pp compose; tp and compile do
-not yet (refused where the layout is checked, and in parallelize).
+Each ep group lies within one context-parallel rank, one pipeline stage and one tensor-parallel
+rank (the expert mesh keeps those axes), so cp (its gradient sum covers the experts too), pp and
+tp compose. Under tp the experts stay whole on every tp rank of their ep group (no expert-tensor
+parallelism): the tp engines (replicate, FSDP over DTensors) leave them to their own engine; the
+tp ranks route the same tokens, or with sp each its own shard, the expert gradients then summed
+over tp (tensor_parallel.SequenceShardedMoEStep); the norm sums them over ep only, so the tp
+copies count once. Compile does not compose yet (refused in parallelize).
 
 What it saves: the experts' weights, gradients and optimizer state per rank divided by ep. What
 it costs: per MoE layer and micro-batch, two all-to-alls of top_k × tokens × dim activations

@@ -182,7 +182,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
                        ignored_params=set(experts))
     elif replicate:
         for chunk in chunks:
-            apply_replicate(chunk, rt.axis(_step_dp_axis(rt)), param_dtype=compute_bf16)
+            apply_replicate(chunk, rt.axis(_step_dp_axis(rt)), param_dtype=compute_bf16, ignored_params=set(experts))
 
     # 6. materialize: every parameter from (seed, name), the same numbers on every layout
     with _weights_fit(count_params(cfg.model), rt):

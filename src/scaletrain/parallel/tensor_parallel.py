@@ -14,7 +14,8 @@ forward and one in backward per sub-layer:
     MoE         router, experts and shared experts replicated (no expert-tensor parallelism):
                 every rank routes the whole micro-batch, or, with sequence parallelism, its own
                 sequence shard (no gather; the gradients of those weights are then partial sums,
-                added over tp by `SequenceShardedMoEStep`, and the load counts over tp too)
+                added over tp by `SequenceShardedMoEStep`, and the load counts over tp too).
+                With expert parallelism each tp rank's experts are split over its own ep group
     embedding   rows (vocabulary) split; output head columns (vocabulary) split, and the loss is
                 computed on the vocabulary shards (`loss_parallel`): the full logits never exist
 
