@@ -152,8 +152,8 @@ def moe_half_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp
     tokens a rank routes (its sequence shard under sp) and the n·k routed copies of them (top_k
     each; under expert parallelism the busiest rank's experts take `expert_load` times the mean):
 
-    * per token: the router's input (a compute-dtype copy under autocast, which also makes one
-      per shared-expert matrix), its fp32 scores (softmax or sigmoid output), the logits and
+    * per token: the router's input (fp32 in every mode; autocast makes a compute-dtype copy per
+      shared-expert matrix), its fp32 scores (softmax or sigmoid output), the logits and
       log-sum-exp for the z-loss, another softmax for the Switch loss;
     * per routed token: the chosen experts, the grouping order and the token index (int64), the
       routing weight in the compute dtype (and before renormalisation in fp32); the grouped
@@ -171,7 +171,11 @@ def moe_half_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp
     n_ffn = 3 if cfg.activation == "swiglu" else 2
     shared = cfg.moe_shared_experts * he
     residual = n * h * d.residual if _norm_keeps_input(cfg, d) else 0.0
-    copies = 1 + (n_ffn - 1 if shared else 0) if d.autocast else 1
+    # the router's input is fp32 in every mode (the block's input itself when that is fp32, else an
+    # fp32 copy); under autocast each shared-expert matrix makes its own compute-dtype copy, without
+    # it a compute-dtype input is kept by them as it is
+    fp32_input = d.autocast or c == 4
+    shared_copies = ((n_ffn - 1) if d.autocast else (0 if fp32_input else 1)) if shared else 0
     router = n * E * 4 + (n * E * 4 + n * 4 if cfg.moe_z_loss else 0.0) + (n * E * 4 if cfg.moe_aux_loss else 0.0)
     routing = n * k * (3 * 8 + c + (4 if cfg.moe_renorm else 0)) + (n * 4 if cfg.moe_renorm else 0.0)
     arrived = n * k * expert_load(wl, ep)
@@ -179,7 +183,7 @@ def moe_half_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp
     experts = arrived * (h * c + inner + (8 if ep > 1 else 0)) + 2 * n * k * h * c
     shared_ffn = (2 if cfg.activation == "gelu" else 4) * n * shared * c
     mask = n * h if cfg.dropout > 0 else 0.0
-    inputs = residual + _norm_extra(cfg, d, b, s_loc) + copies * n * h * c
+    inputs = residual + _norm_extra(cfg, d, b, s_loc) + n * h * 4 + shared_copies * n * h * c
     return inputs + router + routing + experts + shared_ffn + mask
 
 
