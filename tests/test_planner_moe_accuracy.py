@@ -87,3 +87,8 @@ def test_moe_prediction_matches_measurement(measured, name):
         assert predicted[component] == pytest.approx(got, rel=0.10), (component, predicted[component], got)
     acts = [r["activations"] for r in rows if r["activations"] is not None]
     assert predicted["activations"] == pytest.approx(max(acts), rel=0.20), (predicted["activations"], max(acts))
+    if ep:  # what the dispatch keeps, to the index: the tracker's count less the wrappers it adds (docstring)
+        m = cfg.model
+        wrappers = m.moe_blocks * cfg.train.micro_batch * cfg.data.seq_len * m.moe_top_k * m.dim * 4  # fp32 rows
+        # (small tensors apart, 0.05% here; one index of 8 bytes per arrival missing would be 0.28%)
+        assert predicted["activations"] + wrappers == pytest.approx(max(acts), rel=0.002)
