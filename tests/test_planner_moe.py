@@ -81,27 +81,32 @@ def test_moe_block_activations_match_the_real_layers_saved_tensors(extra, precis
 
 
 def test_expert_states_split_by_ep_then_sharded_over_the_rest():
-    """Each rank holds E/ep experts, sharded by ZeRO over dp_shard × cp × tp / ep ranks; the
+    """Each rank holds E/ep experts; the dp_shard / ep ranks holding the same ones shard their
+    gradients and optimizer state by the experts' own engine (parallel/expert_parallel.py):
+    ZeRO-1/2, also under zero 3, whose FSDP leaves them out, so their weights stay whole. The
     other parameters as without experts (ZeRO over dp_shard)."""
     cfg = ModelConfig(**MOE)
     wl = Workload(seq_len=64, global_batch=8, precision="32-true")
     experts = 3 * 8 * expert_params(cfg)  # 3 MoE blocks of 8
     dense = count_params(cfg) - experts
 
-    def params(layout):
-        return model_state_memory(rank_params(cfg, layout, 0), wl, layout).params / 4
+    def states(layout):
+        m = model_state_memory(rank_params(cfg, layout, 0), wl, layout)
+        return m.params / 4, m.grads / 4, m.optimizer / 8  # fp32 weights and gradients, Adam's two moments
 
-    assert params(Layout(dp_shard=4, zero=3)) == pytest.approx((dense + experts) / 4)
-    assert params(Layout(dp_shard=4, zero=3, ep=2)) == pytest.approx(dense / 4 + experts / 2 / 2)
-    assert params(Layout(dp_shard=4, zero=3, ep=4)) == pytest.approx(dense / 4 + experts / 4)  # nothing left to shard
-    assert params(Layout(dp_shard=4, zero=0, ep=2)) == pytest.approx(dense + experts / 2)
-    # ep borrows tensor-parallel ranks too: tp 2 × dp 2 = 4 ranks hold a quarter of the experts each
-    with_ep, without = Layout(dp_shard=2, tp=2, zero=1, ep=4), Layout(dp_shard=2, tp=2, zero=1)
-    both = model_state_memory(rank_params(cfg, with_ep, 0), wl, with_ep)
-    one = model_state_memory(rank_params(cfg, without, 0), wl, without)
-    assert one.params - both.params == pytest.approx(4 * experts * 3 / 4)  # fp32 weights: zero 1 keeps them whole
-    # Adam's 8 bytes: sharded over dp 2 without ep; over 2 × 2 / 4 = 1 rank, of a quarter of the experts, with it
-    assert one.optimizer - both.optimizer == pytest.approx(8 * experts * (1 / 2 - 1 / 4))
+    assert states(Layout(dp_shard=4, zero=3)) == pytest.approx(((dense + experts) / 4,) * 3)
+    # zero 3, ep 2: 4 experts a rank, whole; their gradients and moments over the 2 ranks holding them
+    assert states(Layout(dp_shard=4, zero=3, ep=2)) == pytest.approx(
+        (dense / 4 + experts / 2, dense / 4 + experts / 2 / 2, dense / 4 + experts / 2 / 2))
+    assert states(Layout(dp_shard=4, zero=3, ep=4)) == pytest.approx(((dense + experts) / 4,) * 3)  # none left
+    assert states(Layout(dp_shard=4, zero=0, ep=2)) == pytest.approx((dense + experts / 2,) * 3)
+    assert states(Layout(dp_shard=4, zero=2, ep=2)) == pytest.approx(
+        (dense + experts / 2, dense / 4 + experts / 4, dense / 4 + experts / 4))
+    # ZeRO-1: E/ep experts' moments over dp/ep ranks are the dp-th of them, as without ep; the
+    # weights are what ep saves
+    with_ep, without = Layout(dp_shard=8, zero=1, ep=4), Layout(dp_shard=8, zero=1)
+    assert states(without)[0] - states(with_ep)[0] == pytest.approx(experts * 3 / 4)
+    assert states(without)[2] == pytest.approx(states(with_ep)[2])
 
 
 def test_all_to_all_volume_and_time_and_the_expert_load():

@@ -4,7 +4,9 @@ decides "fits") within 10% of the peak of live tensor storages during a training
 model states and one micro-batch's activations beside the bytes measured from live tensors.
 One process (bf16-mixed, a shared expert, SwiGLU), and data parallel 2 under ZeRO-3 and DDP;
 expert parallel 2 under both once `parallel.ep` trains (scaletrain/parallel/expert_parallel.py):
-until then those cases are skipped, saying why."""
+until then those cases are skipped, saying why. Under ep the measured activations exceed the
+memory by the reverse all-to-all's `AsyncCollectiveTensor`, whose storage the CPU tracker counts
+though it holds no data (one n·k·dim buffer per MoE block: 9% here); the plan counts the memory."""
 
 from __future__ import annotations
 
@@ -32,13 +34,17 @@ BASE = {"model.n_layers": 2, "model.dim": 64, "model.n_heads": 4, "data.seq_len"
         "model.vocab_size": 256, "train.global_batch": 4, "train.micro_batch": 2, "train.steps": 3,
         "model.tie_embeddings": False, "train.device": "cpu", "model.moe_experts": 4, "model.moe_top_k": 2,
         "model.moe_hidden": 128, **QUIET}
+# under ep the busiest rank's arrivals depend on where the router sends the tokens, which the
+# plan takes as given (Workload.moe_imbalance, 1 unless told): every token to every expert makes
+# each ep rank receive exactly the mean, the load planned
+EVEN = {"model.moe_top_k": 4}
 LAYOUTS = [  # (name, ranks, overrides, needs parallel.ep)
     ("one process, bf16, shared expert", 1, {"precision.mode": "bf16-mixed", "model.moe_shared_experts": 1,
                                              "model.activation": "swiglu"}, False),
     ("dp 2 zero 3", 2, {"parallel.zero": 3}, False),
     ("dp 2 zero 0", 2, {"parallel.zero": 0}, False),
-    ("ep 2 zero 3", 2, {"parallel.zero": 3, "parallel.ep": 2}, True),
-    ("ep 2 zero 0", 2, {"parallel.zero": 0, "parallel.ep": 2}, True),
+    ("ep 2 zero 3", 2, {"parallel.zero": 3, "parallel.ep": 2, **EVEN}, True),
+    ("ep 2 zero 0", 2, {"parallel.zero": 0, "parallel.ep": 2, **EVEN}, True),
 ]
 
 
@@ -81,3 +87,8 @@ def test_moe_prediction_matches_measurement(measured, name):
         assert predicted[component] == pytest.approx(got, rel=0.10), (component, predicted[component], got)
     acts = [r["activations"] for r in rows if r["activations"] is not None]
     assert predicted["activations"] == pytest.approx(max(acts), rel=0.20), (predicted["activations"], max(acts))
+    if ep:  # what the dispatch keeps, to the index: the tracker's count less the wrappers it adds (docstring)
+        m = cfg.model
+        wrappers = m.moe_blocks * cfg.train.micro_batch * cfg.data.seq_len * m.moe_top_k * m.dim * 4  # fp32 rows
+        # (small tensors apart, 0.05% here; one index of 8 bytes per arrival missing would be 0.28%)
+        assert predicted["activations"] + wrappers == pytest.approx(max(acts), rel=0.002)

@@ -169,8 +169,12 @@ def moe_lines(cfg, wl: Workload, cluster: Cluster, best: Evaluated, result: dict
         from scaletrain.plan.time_model import ep_traffic
 
         buffer, calls = ep_traffic(cfg, wl, lay)
+        n = expert_shard_ranks(lay, wl.engine)
+        zero = min(lay.zero, 2) if wl.engine == "scaletrain" else lay.zero
+        held = (f"ZeRO-{zero} over the {n} ranks holding the same ones" +
+                (", their weights whole" if lay.zero == 3 and zero == 2 else "")) if zero and n > 1 else "unsharded"
         lines.append(f"Expert parallel {lay.ep}: each rank holds {cfg.moe_experts // lay.ep} of {cfg.moe_experts} "
-                     f"experts (ZeRO shards them over {expert_shard_ranks(lay, wl.engine)} ranks); {calls} "
+                     f"experts ({held}); {calls} "
                      f"all-to-alls per MoE block and micro-batch of {buffer * (lay.ep - 1) / lay.ep / 2**20:.1f} MiB "
                      f"each leaving a rank cost {1e3 * t.ep_comm_s:.0f} ms per step on the critical path.")
     elif ranked:

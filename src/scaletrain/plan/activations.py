@@ -157,10 +157,15 @@ def moe_half_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp
       log-sum-exp for the z-loss, another softmax for the Switch loss;
     * per routed token: the chosen experts, the grouping order and the token index (int64), the
       routing weight in the compute dtype (and before renormalisation in fp32); the grouped
-      input — on the expert's rank under ep, with the index that sorts arrivals by local
-      expert — the experts' inner tensors (SwiGLU: both matmul outputs, the SiLU and the
+      input, the experts' inner tensors (SwiGLU: both matmul outputs, the SiLU and the
       product; GELU: its input and output), their output (kept by the weighting) and the
       weighted output (kept by the index_add that sums it back per token);
+    * under ep (`scaletrain.parallel.expert_parallel.dispatch`), the grouped input and inner
+      tensors are those of the tokens arriving on this rank, with two int64 indices each (the
+      order that groups the arrivals by local expert, and its inverse that puts the outputs
+      back in arrival order); the output the weighting keeps is the reverse all-to-all's, of the
+      n·k rows this rank sent (the exchanges save nothing else: their backward is the opposite
+      exchange of the gradient);
     * the shared experts' MLP's inner tensors, the residual, the norm's extra and the dropout mask.
     """
     d = Dtypes.of(wl.precision)
@@ -180,7 +185,7 @@ def moe_half_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp
     routing = n * k * (3 * 8 + c + (4 if cfg.moe_renorm else 0)) + (n * 4 if cfg.moe_renorm else 0.0)
     arrived = n * k * expert_load(wl, ep)
     inner = (2 if cfg.activation == "gelu" else 4) * he * c
-    experts = arrived * (h * c + inner + (8 if ep > 1 else 0)) + 2 * n * k * h * c
+    experts = arrived * (h * c + inner + (2 * 8 if ep > 1 else 0)) + 2 * n * k * h * c
     shared_ffn = (2 if cfg.activation == "gelu" else 4) * n * shared * c
     mask = n * h if cfg.dropout > 0 else 0.0
     inputs = residual + _norm_extra(cfg, d, b, s_loc) + n * h * 4 + shared_copies * n * h * c
@@ -296,8 +301,11 @@ def formula_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp
     mixture's: its router, shared experts and the routed experts on this rank, which the
     grouped matmul casts); the same split as `scaletrain.plan.trace.traced_activation_bytes`.
     `moe`: the layer is a mixture-of-experts block."""
+    params = layer_params(cfg, tp, moe, ep)
     per_layer = layer_activation_bytes(cfg, wl, b, tp, sp, ac, cp, moe, ep) + \
-        weight_copy_bytes(wl, layer_params(cfg, tp, moe, ep).matmul, ac, keeps_fp32)
+        weight_copy_bytes(wl, params.matmul, ac, keeps_fp32)
+    if keeps_fp32 and ep > 1:  # FSDP leaves expert parallelism's experts alone: autocast casts them
+        per_layer += weight_copy_bytes(wl, params.expert, ac, False)
     # the head is never checkpointed: its weight copy stays whatever the layers do
     head = head_activation_bytes(cfg, wl, b, tp, sp, cp) + \
         weight_copy_bytes(wl, cfg.vocab_size * cfg.dim // tp, "none", keeps_fp32)

@@ -100,7 +100,7 @@ def estimate(cfg, wl: Workload, layout: Layout, cluster: Cluster,
         left = compute  # the compute the groups' reductions may still hide behind
         key = f"{wl.optimizer}|{wl.precision}"
         optimizer = 0.0
-        for group, part in state_groups(layout, held):  # a mixture's routed experts: over their own group
+        for group, part in state_groups(layout, held, wl.engine):  # a mixture's routed experts: over their own group
             c, e = data_parallel(cal, wl, group, part.total, left, max(counts), bucket_mb)
             hides = cal.overlap * (1.0 if layout.zero == 3 else 2 / 3 / m)  # of the compute, as data_parallel's
             left = max(0.0, left - (c - e) / hides) if hides > 0 else left

@@ -174,10 +174,11 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
     if ours and activations == "formula" and last in stages:
         moe_last = cfg.is_moe_block(cfg.n_layers - 1)
         moments = backward_moments(cfg, wl, layout, d, per_kind.get(moe_last, max(per_kind.values())))
-    # FSDP gathers block by block (a mixture's block with its experts); the root (embedding
-    # and head) stays gathered
+    # FSDP gathers block by block (a mixture's block with its experts, but not the experts
+    # expert parallelism holds: FSDP leaves those to their own engine); the root (embedding and
+    # head) stays gathered
     block = max(layer_params(cfg, tp, moe, ep).sharded + layer_params(cfg, tp, moe, ep).replicated
-                + layer_params(cfg, tp, moe, ep).expert for _, moe in kinds)
+                + (layer_params(cfg, tp, moe, ep).expert if ep == 1 else 0) for _, moe in kinds)
     root = (cfg.vocab_size * cfg.dim // layout.tp) * (1 if cfg.tie_embeddings else 2)
     return buffers_and_peak(out, counts, wl, layout, block_params=block, root_params=root,
                             recompute=recompute, moments=moments, bucket_mb=bucket_mb, gpu=gpu, sh=sh)
@@ -236,12 +237,19 @@ def sharding(wl: Workload, layout: Layout) -> Sharding:
 
 
 def expert_sharding(wl: Workload, layout: Layout, sh: Sharding) -> Sharding:
-    """How the engine holds the routed experts' model states: like the other parameters, but
-    ZeRO shards them over `expert_shard_ranks` (under ep the ranks that hold the same experts)."""
+    """How the engine holds the routed experts' model states: without ep like the other
+    parameters. Under scaletrain's ep the experts have an engine of their own over the ranks
+    holding the same experts (`scaletrain.parallel.expert_parallel.expert_engine`): none or an
+    average (zero 0, or one such rank), else ZeRO-1/2 over `expert_shard_ranks` — ZeRO-2 under
+    zero 3, whose FSDP leaves the experts out: their weights stay whole (in fp32, as FSDP's
+    are), their gradients and optimizer state sharded. Another engine's ZeRO shards them like
+    the others, over its own expert group."""
     n = expert_shard_ranks(layout, wl.engine)
-    if n == sh.n:
+    if layout.ep == 1 and n == sh.n:
         return sh
     zero = layout.zero if n > 1 else 0
+    if wl.engine == "scaletrain" and layout.ep > 1:
+        zero = min(zero, 2)
     grad_zero = 1 if zero == 2 and layout.grad_accum > 1 and layout.pp > 1 else zero
     return Sharding(n, zero, grad_zero, sh.fsdp_like)
 

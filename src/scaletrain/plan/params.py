@@ -115,11 +115,15 @@ class ParamCounts:
 def expert_shard_ranks(layout: Layout, engine: str = "scaletrain") -> int:
     """Ranks each routed expert's model states are sharded over by ZeRO. Without expert
     parallelism the experts are parameters like the others (`Layout.shard_ranks`; replicated
-    over tp: experts are not split by it). With ep they are split over ep ranks borrowed from
-    the dp_shard × cp × tp ranks (torchtitan's dp2ep), each holding E/ep experts, which the
-    remaining dp_shard × cp × tp / ep ranks hold alike and shard."""
+    over tp: experts are not split by it). With ep, scaletrain splits them over ep ranks
+    borrowed from dp_shard (`Layout.build_expert_mesh`), each holding E/ep experts, which the
+    other dp_shard / ep ranks of the replica group hold alike and shard (the experts' own
+    engine, `scaletrain.parallel.expert_parallel.expert_engine`); the engines the planner
+    compares against borrow them from dp_shard × cp × tp."""
     if layout.ep == 1:
         return layout.shard_ranks(engine)
+    if engine == "scaletrain":
+        return max(1, layout.dp_shard // layout.ep)
     return max(1, layout.dp_shard * layout.cp * layout.tp // layout.ep)
 
 

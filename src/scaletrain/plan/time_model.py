@@ -334,7 +334,8 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
     # the fullest rank's parameters; a mixture's routed experts reduce and step over their own group
     held = max((rank_params(cfg, layout, r) for r in range(layout.pp)), key=lambda c: c.total)
     dp_comm, dp_exposed = model_states_seconds(wl, layout, cluster, held, compute, max(counts))
-    optimizer = sum(optimizer_seconds(wl, lay, hw, part.total) for lay, part in state_groups(layout, held))
+    optimizer = sum(optimizer_seconds(wl, lay, hw, part.total)
+                    for lay, part in state_groups(layout, held, wl.engine))
 
     busy = compute + tp_comm + cp_comm + pp_comm + ep_comm
     step = busy * (1.0 + bubble) + dp_exposed + optimizer
@@ -345,15 +346,19 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
         hardware_flops=hardware_flops, bubble_fraction=bubble)
 
 
-def state_groups(layout: Layout, counts: ParamCounts) -> list[tuple[Layout, ParamCounts]]:
+def state_groups(layout: Layout, counts: ParamCounts, engine: str = "scaletrain") -> list[tuple[Layout, ParamCounts]]:
     """The rank's parameters by the data-parallel group that reduces and steps them, each with a
     layout whose data-parallel axes are that group's: all of them under `layout`, or under expert
     parallelism the routed experts apart, over the ranks that hold the same experts
-    (`expert_shard_ranks` of them, ep apart in the mesh; the data-parallel replicas beside)."""
+    (`expert_shard_ranks` of them, ep apart in the mesh; the data-parallel replicas beside).
+    scaletrain's experts' engine is ZeRO-1/2 at most: under zero 3 it reduce-scatters their
+    gradients and gathers the stepped weights once, never per micro-batch (FSDP leaves them out)."""
     dense, experts = counts.parts()
     if layout.ep == 1 or not experts.total:
         return [(layout, counts)]
-    group = replace(layout, dp_shard=expert_shard_ranks(layout), tp=layout.ep, cp=1, ep=1, sp=False)
+    zero = min(layout.zero, 2) if engine == "scaletrain" else layout.zero
+    group = replace(layout, dp_shard=expert_shard_ranks(layout, engine), tp=layout.ep, cp=1, ep=1, sp=False,
+                    zero=zero)
     return [(layout, dense), (group, experts)]
 
 
@@ -362,7 +367,7 @@ def model_states_seconds(wl: Workload, layout: Layout, cluster: Cluster, counts:
     """`data_parallel_seconds` of each of the rank's `state_groups`: the second hides behind
     what the first left of the compute it overlaps with."""
     comm = exposed = 0.0
-    for group, part in state_groups(layout, counts):
+    for group, part in state_groups(layout, counts, wl.engine):
         c, e = data_parallel_seconds(wl, group, cluster, part.total, compute, units)
         window = OVERLAP * compute * (1.0 if layout.zero == 3 else 2 / 3 / layout.grad_accum)
         if window > 0:  # the overlap the first used is gone for the next
