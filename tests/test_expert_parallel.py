@@ -47,6 +47,7 @@ LAYOUTS_4 = [  # (name, overrides, reference) on 4 ranks
     ("ep2-zero3-ac", {"parallel.ep": 2, "parallel.zero": 3, "memory.activation_checkpointing": "full"}, "plain"),
     ("ep2-zero1-accum", {"parallel.ep": 2, "parallel.zero": 1, "train.micro_batch": 1}, "plain"),
     ("ep2-zero2-sgd-noclip", {"parallel.ep": 2, "parallel.zero": 2, **SGD}, "sgd"),
+    ("ep2-compile", {"parallel.ep": 2, "parallel.zero": 0, "train.compile": True}, "plain"),
     ("ep2-hsdp-zero3", {"parallel.ep": 2, "parallel.zero": 3, "parallel.dp_replicate": 2}, "plain"),
     # the Switch loss's per-sequence counts summed over cp, the bias counted over every stage
     ("ep2xcp2-zero3", {"parallel.ep": 2, "parallel.cp": 2, "parallel.zero": 3}, "plain"),

@@ -121,9 +121,6 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
     check_moe(cfg.model, lay)
     if cfg.train.compile:
         check_compiler(rt.device)
-        if lay.ep > 1:  # dynamo fails on the grouped matmul's fake-tensor checks (fp32 on CPU)
-            raise ConfigError(f"train.compile=true with parallel.ep={lay.ep}: compiling the expert-parallel "
-                              "dispatch is not supported yet; set train.compile=false or parallel.ep=1")
     compute_bf16 = precision.compute_dtype if precision.compute_dtype == torch.bfloat16 else None
 
     # 1. pipeline: this rank's stages, each a copy of the model with the other layers deleted
