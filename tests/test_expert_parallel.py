@@ -2,7 +2,8 @@
 from the data-parallel ones, with DDP, ZeRO-1/2 and ZeRO-3 (and HSDP) for the rest, and with cp,
 pp and tp (with and without sp). Every step's loss and gradient norm before clipping, the final
 weights (the experts gathered whole) and the routing bias after the run match one process, with
-the Switch and z losses on; checkpoints reshard across ep sizes."""
+the Switch and z losses on; checkpoints reshard across ep sizes; DiLoCo workers with ep inside
+each pass verify."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from scaletrain.train.trainer import Trainer
 from scaletrain.verify import TOLERANCES
 
 from conftest import (
+    MICRO,
     Lazy,
     assert_same_run,
     assert_same_weights,
@@ -177,3 +179,22 @@ def test_layout_errors(tmp_path, overrides, world, fragment):
     cfg = micro_cfg(tmp_path, **overrides)
     problems = Layout.from_config(cfg, world).errors(cfg.model, seq_len=cfg.data.seq_len)
     assert sum(fragment in p for p in problems) == 1, problems
+
+
+def test_diloco_workers_with_expert_parallelism_pass_verify(tmp_path):
+    """2 DiLoCo workers of 2 ranks each, experts split over each worker's 2 ranks: every step's
+    loss and gradient norm as verify's simulation of the workers (the experts' gradients are
+    averaged within a worker, never across workers between syncs)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    args = [f"--{k}={v}" for k, v in {**MICRO, **MOE, "parallel.dp_replicate": 2, "parallel.dp_shard": 2,
+                                      "parallel.ep": 2, "parallel.dp_sync": "diloco",
+                                      "parallel.sync_every": 2}.items()
+            if not k.startswith(("log.", "checkpoint.", "train.steps"))]
+    r = subprocess.run([sys.executable, "-m", "scaletrain", "verify", f"--steps={STEPS}", *args, "--nproc=4"],
+                       capture_output=True, text=True, cwd=REPO, timeout=900)
+    verdict = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+    assert r.returncode == 0 and verdict.endswith(" (precision 32-true): PASS"), f"{r.stdout}{r.stderr}"

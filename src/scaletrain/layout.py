@@ -160,9 +160,10 @@ class Layout:
 
     @property
     def expert_dp(self) -> int:
-        """Ranks that hold the same experts under expert parallelism (dp / ep): their expert
-        gradients are averaged, their expert states sharded by ZeRO over the dp_shard / ep of them."""
-        return self.dp // self.ep
+        """Ranks that hold the same experts under expert parallelism and reduce their gradients
+        every step (step_dp / ep: one worker's under local SGD / DiLoCo, whose workers sync every
+        sync_every steps); their expert states are sharded by ZeRO over the dp_shard / ep of them."""
+        return self.step_dp // self.ep
 
     @property
     def world(self) -> int:
@@ -269,9 +270,6 @@ class Layout:
         if self.dp_shard % ep:
             e.append(f"parallel.ep={ep} borrows its ranks from the dp_shard ranks, so it must divide "
                      f"dp_shard={self.dp_shard}; use an ep that divides {self.dp_shard}, or more dp_shard ranks")
-        if self.local_sync:
-            e.append(f"parallel.ep={ep} with parallel.dp_sync={self.dp_sync}: the workers' experts are not synced "
-                     "by local SGD / DiLoCo yet; set parallel.dp_sync=step or parallel.ep=1")
         if model is not None:
             experts = getattr(model, "moe_experts", 0)
             if not experts:
