@@ -51,13 +51,13 @@ class LiveMemory(TorchDispatchMode):
         self._resize = None
 
     def count(self, t) -> None:
-        from torch.distributed.tensor import DTensor
+        from scaletrain.memory import holding_tensors
 
-        if isinstance(t, DTensor):  # its memory is the local shard
-            t = t._local_tensor
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        if not isinstance(t, torch.Tensor):
             return
-        self._note(t.untyped_storage())
+        for held in holding_tensors(t):  # a DTensor's memory is its local shard
+            if held.device.type != "meta":
+                self._note(held.untyped_storage())
 
     def _note(self, storage) -> None:
         key, n = storage._cdata, storage.nbytes()

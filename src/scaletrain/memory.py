@@ -24,9 +24,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -75,6 +74,17 @@ def apply_activation_checkpointing(blocks: nn.ModuleDict | nn.ModuleList, mode: 
         blocks[key] = wrap(block)
 
 
+def holding_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors whose storages hold `t`'s bytes: `t` itself, or the inner tensors of a wrapper
+    subclass, whose own storage reports its size but holds nothing (a DTensor's local shard, the
+    AsyncCollectiveTensor an all-to-all returns)."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        inner = [getattr(t, name) for name in names]
+        return [held for x in inner if isinstance(x, torch.Tensor) for held in holding_tensors(x)]
+    return [t]
+
+
 class _StorageTracker(TorchDispatchMode):
     """Remembers (weakly) every storage created by an op while active."""
 
@@ -84,13 +94,12 @@ class _StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, DTensor):  # its memory is the local shard, not the global shape
-                t = t._local_tensor
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                st = t.untyped_storage()
-                ref = StorageWeakRef(st)
-                self.storages[ref.cdata] = (ref, st.nbytes())
+        for leaf in tree_leaves(out):
+            for t in holding_tensors(leaf) if isinstance(leaf, torch.Tensor) else ():
+                if t.device.type != "meta":
+                    st = t.untyped_storage()
+                    ref = StorageWeakRef(st)
+                    self.storages[ref.cdata] = (ref, st.nbytes())
         return out
 
     def live_bytes(self, exclude: set[int]) -> int:
@@ -106,16 +115,16 @@ def saved_activation_bytes(model: nn.Module, forward: Callable[[], torch.Tensor]
     and those still alive once forward has returned (held by the graph, the checkpoint caches,
     or the returned loss) are counted. Parameters and buffers are left out.
     """
-    exclude = {StorageWeakRef((t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()).cdata
-               for t in [*model.parameters(), *model.buffers()]}
+    exclude = {StorageWeakRef(h.untyped_storage()).cdata
+               for t in [*model.parameters(), *model.buffers()] for h in holding_tensors(t)}
     gc.collect()
     tracker = _StorageTracker()
     with tracker:
         loss = forward()
     gc.collect()
     # parameters may have been swapped for gathered copies during forward (FSDP): leave them out too
-    exclude |= {StorageWeakRef((t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()).cdata
-                for t in [*model.parameters(), *model.buffers()]}
+    exclude |= {StorageWeakRef(h.untyped_storage()).cdata
+                for t in [*model.parameters(), *model.buffers()] for h in holding_tensors(t)}
     held = tracker.live_bytes(exclude)
     if backward:
         loss.backward()  # frees the graph; also proves that what was kept suffices
