@@ -17,8 +17,8 @@ from scaletrain.errors import CheckpointError, ConfigError  # noqa: E402
 from scaletrain.layout import tp_errors  # noqa: E402
 from scaletrain.model.hf import from_hf_state_dict, load_hf_weights  # noqa: E402
 from scaletrain.model.hf_config import hf_config_from_model, model_config_from_hf  # noqa: E402
-from scaletrain.model.transformer import Transformer  # noqa: E402
 from scaletrain.trained.export_hf import export_hf, save_hf  # noqa: E402
+from test_hf import hf_logits, our_logits, ours_from  # noqa: E402
 
 from conftest import micro_cfg, run_here  # noqa: E402
 
@@ -56,26 +56,6 @@ def make_hf(name: str, folder, **change):
                 p.normal_(0.0, 0.1)
     model.eval().save_pretrained(folder)
     return model
-
-
-def hf_logits(model, tokens):
-    with torch.no_grad():
-        return model(tokens).logits
-
-
-def ours_from(folder, seq_len: int = 16) -> Transformer:
-    cfg = load_config(None, {"model.from_hf": str(folder), "data.seq_len": seq_len}).model
-    model = Transformer(cfg)
-    weights = load_hf_weights(folder, cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(weights[n])
-    return model.eval()
-
-
-def our_logits(model, tokens):
-    with torch.no_grad():
-        return model(tokens)
 
 
 @pytest.fixture
