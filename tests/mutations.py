@@ -117,6 +117,12 @@ MUTANTS = [
            (f"{EP}::test_parity_with_one_process[ep2-ddp]",
             f"{EP}::test_parity_with_one_process[ep2-zero2-sgd-noclip]",
             f"{EP}::test_parity_with_one_process[ep4-zero3]")),
+    Mutant("moe-sp-expert-grads-not-summed", "under sequence parallelism the experts' gradients are not summed over "
+           "the tp ranks (each routed only its own sequence shard)",
+           "src/scaletrain/parallel/tensor_parallel.py",
+           '''sum_gradients([p for n, p in named if ".moe." in n], self.group)''',
+           '''sum_gradients([p for n, p in named if ".moe." in n and ".moe.w" not in n], self.group)''',
+           (f"{EP}::test_parity_with_one_process[ep2xtp2-sp]",)),
     Mutant("moe-bias-from-one-micro-batch", "the expert bias moves from the last micro-batch's load, not the step's",
            "src/scaletrain/model/moe.py",
            "                self.stats[:E] += routed", "                self.stats[:E] = routed",
