@@ -75,17 +75,23 @@ def measured(tmp_path_factory):
 @pytest.mark.parametrize("name", [n for n, _, _ in bench.LAYOUTS])
 def test_prediction_matches_measurement(measured, name):
     cfg, ranks, rows = measured[name]
-    ev = planned(cfg, ranks, bench.CPU)
+    assert_memory_matches(planned(cfg, ranks, bench.CPU), rows)
+
+
+def assert_memory_matches(ev, rows: list[dict]) -> dict:
+    """The plan `ev` against the measured `rows` (one per rank): the total that decides "fits"
+    (its reserve included) and each model state within 10% of the largest rank's, one
+    micro-batch's saved activations within 20%. Returns the predicted components."""
     peak = max(r["peak"] for r in rows)
-    # the total that decides "fits", its reserve included
     assert ev.memory.total == pytest.approx(peak, rel=0.10), (ev.memory.as_dict(), peak)
     predicted = predicted_components(ev, None, None, ev.layout)
-    for component in ("params", "grads", "optimizer"):  # model states: within 10%
+    for component in ("params", "grads", "optimizer"):
         got = max(r[component] for r in rows)
         assert predicted[component] == pytest.approx(got, rel=0.10), (component, predicted[component], got)
     acts = [r["activations"] for r in rows if r["activations"] is not None]
-    if acts:  # one micro-batch's saved activations: within 20%
+    if acts:
         assert predicted["activations"] == pytest.approx(max(acts), rel=0.20), (predicted["activations"], max(acts))
+    return predicted
 
 
 @pytest.fixture(scope="module")

@@ -39,16 +39,18 @@ from scaletrain.model.mlp import MLP
 STAT_NAMES = ("tokens", "dropped", "aux_loss", "z_loss")
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` takes `t`: row strides of a multiple of 16 bytes."""
-    return t.shape[-1] * t.element_size() % 16 == 0
+def _aligned(width: int, t: torch.Tensor) -> bool:
+    """Whether rows of `width` elements of `t`'s dtype are a multiple of 16 bytes, as
+    `torch._grouped_mm` requires of its operands' strides."""
+    return width * t.element_size() % 16 == 0
 
 
 def _grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
     """x (tokens, in) grouped by expert, w (experts, out, in) -> (tokens, out): each group times
     its expert's matrix. One grouped matmul where it takes the shapes; a loop over experts otherwise."""
     wt = w.transpose(-2, -1)
-    if counts is None and _aligned(x) and _aligned(wt.contiguous()[0]):
+    # x (tokens, in) and the transposed view of w (strides in and 1) need `in` aligned, the output `out`
+    if counts is None and _aligned(x.shape[-1], x) and _aligned(w.shape[1], w):
         y = torch._grouped_mm(x, wt, offs=offsets)
         if y.requires_grad:  # its backward refuses a broadcast (stride-0) gradient
             y.register_hook(lambda g: g.contiguous())

@@ -84,26 +84,26 @@ class MoEBalance(StepHook):
                 stats[i] = self.layers[name].stats
         for g in self.groups:
             dist.all_reduce(stats, group=g)
-        imbalance = {}
-        for name, s in zip(self.names, stats):
-            load = s[:E]
+        loads = stats[:, :E]
+        for i, name in enumerate(self.names):
             if name in self.layers:
                 m = self.layers[name]
                 if applied and self.bias_rate:  # underloaded experts up, overloaded ones down
-                    m.expert_bias += self.bias_rate * torch.sign(load.mean() - load)
+                    m.expert_bias += self.bias_rate * torch.sign(loads[i].mean() - loads[i])
                 m.stats.zero_()
-            imbalance[name] = float(load.max() / load.mean()) if load.sum() else 1.0
-        totals = stats[:, E:].sum(0)
-        choices = float(stats[0, :E].sum())  # tokens × top_k: each layer routes every token
+        # one copy to the host for the step's figures (a GPU would sync once, not per layer)
+        ratio = torch.where(loads.sum(1) > 0, loads.max(1).values / loads.mean(1), torch.ones_like(loads[:, 0]))
+        *ratios, dropped, aux, z, choices = torch.cat([ratio, stats[:, E:].sum(0), loads[0].sum()[None]]).tolist()
+        imbalance = dict(zip(self.names, ratios))  # choices: tokens × top_k (each layer routes every token)
         tokens, n = choices / self.top_k, len(self.names)
         self.last = {"moe_imbalance": max(imbalance.values()),
                      **{f"moe_imbalance/{name}": v for name, v in imbalance.items()}}
-        if totals[0]:
-            self.last["moe_dropped"] = float(totals[0]) / max(choices, 1.0) / n
-        if totals[1]:
-            self.last["moe_aux_loss"] = float(totals[1]) / max(tokens, 1.0) / n
-        if totals[2]:
-            self.last["moe_z_loss"] = float(totals[2]) / max(tokens, 1.0) / n
+        if dropped:
+            self.last["moe_dropped"] = dropped / max(choices, 1.0) / n
+        if aux:
+            self.last["moe_aux_loss"] = aux / max(tokens, 1.0) / n
+        if z:
+            self.last["moe_z_loss"] = z / max(tokens, 1.0) / n
         self.window_worst = max(self.window_worst, self.last["moe_imbalance"])
         return False
 
