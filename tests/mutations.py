@@ -110,19 +110,31 @@ MUTANTS = [
            "src/scaletrain/parallel/expert_parallel.py",
            "    back = y[torch.argsort(order)]", "    back = y",
            (f"{EP}::test_parity_with_one_process[ep2-ddp]", f"{EP}::test_parity_with_one_process[ep4-zero3]")),
-    Mutant("ep-expert-grads-not-scaled", "under expert parallelism the experts' gradients miss the 1/ep (each "
+    Mutant("ep-expert-grads-not-scaled", "under expert parallelism the experts' gradients miss the cp·tp/ep (each "
            "already sums the tokens of the whole ep group)",
            "src/scaletrain/parallel/expert_parallel.py",
-           "_ScaleGrad.apply(w.to_local(), 1.0 / ep)", "_ScaleGrad.apply(w.to_local(), 1.0)",
+           "_ScaleGrad.apply(w.to_local(), grad_scale)", "_ScaleGrad.apply(w.to_local(), 1.0)",
            (f"{EP}::test_parity_with_one_process[ep2-ddp]",
             f"{EP}::test_parity_with_one_process[ep2-zero2-sgd-noclip]",
             f"{EP}::test_parity_with_one_process[ep4-zero3]")),
-    Mutant("moe-sp-expert-grads-not-summed", "under sequence parallelism the experts' gradients are not summed over "
-           "the tp ranks (each routed only its own sequence shard)",
+    Mutant("moe-tp-expert-grads-not-summed", "under tp the replicated experts' gradients are not summed over the tp "
+           "ranks (each routed only its own sequence shard)",
            "src/scaletrain/parallel/tensor_parallel.py",
-           '''sum_gradients([p for n, p in named if ".moe." in n], self.group)''',
-           '''sum_gradients([p for n, p in named if ".moe." in n and ".moe.w" not in n], self.group)''',
-           (f"{EP}::test_parity_with_one_process[ep2xtp2-sp]",)),
+           '''if ".moe." in n and id(p) not in self.exclude]''',
+           '''if ".moe." in n and ".moe.w" not in n and id(p) not in self.exclude]''',
+           ("tests/test_moe_parallel.py::test_moe_parity_with_one_process[tp2]",
+            "tests/test_moe_parallel.py::test_moe_parity_with_one_process[tp2-sp]")),
+    Mutant("ep-grad-scale-ignores-borrowed-ranks", "the experts' gradient scale is 1/ep even where ep borrows cp or tp "
+           "ranks (whose partial gradients the experts' average then undercounts)",
+           "src/scaletrain/parallel/parallelize.py",
+           "grad_scale=lay.token_ranks / lay.ep)", "grad_scale=1 / lay.ep)",
+           (f"{EP}::test_parity_with_one_process[ep4xcp2]", f"{EP}::test_parity_with_one_process[ep2xtp2]")),
+    Mutant("ep-experts-summed-over-cp", "the context-parallel gradient sum also sums the experts that ep splits "
+           "over the cp ranks",
+           "src/scaletrain/parallel/context_parallel.py",
+           "sum_gradients([p for _, p in named if id(p) not in self.exclude], self.group)",
+           "sum_gradients([p for _, p in named], self.group)",
+           (f"{EP}::test_parity_with_one_process[ep2xcp2-zero3]",)),
     Mutant("moe-bias-from-one-micro-batch", "the expert bias moves from the last micro-batch's load, not the step's",
            "src/scaletrain/model/moe.py",
            "                self.stats[:E] += routed", "                self.stats[:E] = routed",

@@ -1,9 +1,9 @@
 """Expert parallelism on real processes (gloo on CPU): the experts split over ep ranks borrowed
-from the data-parallel ones, with DDP, ZeRO-1/2 and ZeRO-3 (and HSDP) for the rest, and with cp,
-pp and tp (with and without sp). Every step's loss and gradient norm before clipping, the final
-weights (the experts gathered whole) and the routing bias after the run match one process, with
-the Switch and z losses on; checkpoints reshard across ep sizes; DiLoCo workers with ep inside
-each pass verify."""
+from the data-parallel, context-parallel and tensor-parallel ones, with DDP, ZeRO-1/2 and ZeRO-3
+(and HSDP) for the rest, and with cp, pp and tp (with and without sp). Every step's loss and
+gradient norm before clipping, the final weights (the experts gathered whole) and the routing
+bias after the run match one process, with the Switch and z losses on; checkpoints reshard
+across ep sizes; DiLoCo workers with ep inside each pass verify."""
 
 from __future__ import annotations
 
@@ -51,14 +51,18 @@ LAYOUTS_4 = [  # (name, overrides, reference) on 4 ranks
     ("ep2-zero2-sgd-noclip", {"parallel.ep": 2, "parallel.zero": 2, **SGD}, "sgd"),
     ("ep2-compile", {"parallel.ep": 2, "parallel.zero": 0, "train.compile": True}, "plain"),
     ("ep2-hsdp-zero3", {"parallel.ep": 2, "parallel.zero": 3, "parallel.dp_replicate": 2}, "plain"),
-    # the Switch loss's per-sequence counts summed over cp, the bias counted over every stage
+    # ep borrows the cp ranks (ep 2: the two cp ranks of a dp rank; ep 4: the dp and the cp
+    # ranks), the Switch loss's per-sequence counts summed over cp, the experts left out of cp's sum
     ("ep2xcp2-zero3", {"parallel.ep": 2, "parallel.cp": 2, "parallel.zero": 3}, "plain"),
+    ("ep4xcp2", {"parallel.ep": 4, "parallel.cp": 2, "parallel.zero": 0}, "plain"),
     ("ep2xpp2", {"parallel.ep": 2, "parallel.pp": 2, "train.micro_batch": 2, **UNTIED}, "untied"),
-    # the ep groups within one tp rank, the experts left out of the tp engines (replicate, FSDP);
-    # under sp each tp rank routes its own tokens and the expert gradients are summed over tp
+    # ep borrows the tp ranks (each routes its own sequence shard: a slice of the replicated input,
+    # or under sp the shard it holds); the experts left out of the tp engines (replicate, FSDP)
+    # and of the tp sum of the router's and shared experts' gradients
     ("ep2xtp2", {"parallel.ep": 2, "parallel.tp": 2}, "plain"),
     ("ep2xtp2-sp", {"parallel.ep": 2, "parallel.tp": 2, "parallel.sp": True}, "plain"),
     ("ep2xtp2-zero3", {"parallel.ep": 2, "parallel.tp": 2, "parallel.zero": 3}, "plain"),
+    ("ep4xtp2-zero1", {"parallel.ep": 4, "parallel.tp": 2, "parallel.zero": 1}, "plain"),
 ]
 
 
@@ -171,7 +175,8 @@ def test_checkpoints_reshard_across_ep_sizes(group4, reference, name):
 
 @pytest.mark.parametrize("overrides,world,fragment", [
     ({**MOE, "parallel.ep": 3}, 4,
-     "parallel.ep=3 borrows its ranks from the dp_shard ranks, so it must divide dp_shard=4"),
+     "parallel.ep=3 borrows its ranks from the dp_shard × cp × tp ranks, so it must divide "
+     "dp_shard × cp × tp = 4 × 1 × 1 = 4"),
     ({**MOE, "parallel.ep": 4, "model.moe_experts": 6}, 4, "parallel.ep=4 must divide model.moe_experts=6"),
     ({"parallel.ep": 2}, 2, "the model is dense (model.moe_experts=0)"),
 ], ids=["ep-not-dividing-dp-shard", "ep-not-dividing-experts", "ep-on-a-dense-model"])

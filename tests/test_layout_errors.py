@@ -66,7 +66,8 @@ BAD_INPUT = [
     Case("ep-not-dividing-experts", train_args("--nproc", "4", "--parallel.ep=4", "--model.moe_experts=6"),
          ("parallel.ep=4 must divide model.moe_experts=6", "use ep in [1, 2, 3, 6]")),
     Case("ep-not-dividing-dp-shard", train_args("--nproc", "4", "--parallel.ep=3", "--model.moe_experts=6"),
-         ("parallel.ep=3 borrows its ranks from the dp_shard ranks, so it must divide dp_shard=4",)),
+         ("parallel.ep=3 borrows its ranks from the dp_shard × cp × tp ranks, so it must divide "
+          "dp_shard × cp × tp = 4 × 1 × 1 = 4; use an ep in [2, 4]",)),
     Case("ep-on-a-dense-model", train_args("--nproc", "2", "--parallel.ep=2"),
          ("parallel.ep=2 splits the experts of a mixture of experts, but the model is dense",)),
     Case("auto-layout-with-fixed-zero", train_args("--parallel.layout=auto", "--parallel.zero=3"),

@@ -34,10 +34,13 @@ keys and values every layer); pipeline stages are outermost because they exchang
 Context-parallel ranks read the same batch (each its own chunks of every sequence) and hold the
 same weights: their gradients are summed, and the data-parallel engines shard over dp_shard only.
 
-Expert parallelism (`ep`) adds no ranks: it borrows the dp_shard ranks, cut into dp_shard / ep
-groups of ep neighbours, each group splitting every MoE layer's experts (parallel/expert_parallel.py,
-on the mesh of `build_expert_mesh`). The experts' gradients are averaged over the `expert_dp`
-= dp / ep ranks that hold the same experts, their ZeRO shards split over the dp_shard / ep of them.
+Expert parallelism (`ep`) adds no ranks: it borrows them from the ranks that see different tokens
+within a replica group — dp_shard × cp × tp, as torchtitan's dp2ep (the tp ranks route each its own
+sequence shard of a mixture-of-experts block, parallel/tensor_parallel.py). Those ranks, flattened
+in mesh order, are cut into groups of ep neighbours (tp first, then cp, then dp_shard), each group
+splitting every MoE layer's experts (parallel/expert_parallel.py, on the mesh of
+`build_expert_mesh`). The experts' gradients are averaged over the `expert_dp` = dp × cp × tp / ep
+ranks that hold the same experts, their ZeRO shards split over the dp_shard × cp × tp / ep of them.
 
 This module imports no torch at load time: the planner enumerates thousands of layouts.
 """
@@ -53,7 +56,7 @@ from scaletrain.schedule import BatchSchedule, parse_rampup
 from scaletrain.vocab import CP_METHODS, is_multi_chunk, unknown
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-EXPERT_MESH_AXES = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")  # dp_shard here: dp_shard / ep
+EXPERT_MESH_AXES = ("pp", "dp_replicate", "dp_shard", "ep")  # dp_shard here: dp_shard × cp × tp / ep
 PIPELINE_ONLY = ("parallel.pp_virtual_stages, pp_split and pp_microbatches describe pipeline stages; "
                  "they need parallel.pp > 1")
 
@@ -161,9 +164,17 @@ class Layout:
     @property
     def expert_dp(self) -> int:
         """Ranks that hold the same experts under expert parallelism and reduce their gradients
-        every step (step_dp / ep: one worker's under local SGD / DiLoCo, whose workers sync every
-        sync_every steps); their expert states are sharded by ZeRO over the dp_shard / ep of them."""
-        return self.step_dp // self.ep
+        every step (step_dp × cp × tp / ep: one worker's under local SGD / DiLoCo, whose workers
+        sync every sync_every steps); their expert states are sharded by ZeRO over the
+        dp_shard × cp × tp / ep of them."""
+        return self.step_dp * self.token_ranks // self.ep
+
+    @property
+    def token_ranks(self) -> int:
+        """Ranks of one data-parallel rank that route different tokens through a mixture of
+        experts: its cp ranks (their chunks of the sequences) times its tp ranks (each its
+        sequence shard). ep borrows from these and the dp_shard ranks."""
+        return self.cp * self.tp
 
     @property
     def world(self) -> int:
@@ -267,9 +278,11 @@ class Layout:
     def _ep_errors(self, model) -> list[str]:
         """Why this layout's expert parallelism cannot train `model` (None: the layout alone)."""
         ep, e = self.ep, []
-        if self.dp_shard % ep:
-            e.append(f"parallel.ep={ep} borrows its ranks from the dp_shard ranks, so it must divide "
-                     f"dp_shard={self.dp_shard}; use an ep that divides {self.dp_shard}, or more dp_shard ranks")
+        borrows = self.dp_shard * self.token_ranks
+        if borrows % ep:
+            e.append(f"parallel.ep={ep} borrows its ranks from the dp_shard × cp × tp ranks, so it must divide "
+                     f"dp_shard × cp × tp = {self.dp_shard} × {self.cp} × {self.tp} = {borrows}; use an ep in "
+                     f"{[d for d in range(2, borrows + 1) if borrows % d == 0]}, or more of those ranks")
         if model is not None:
             experts = getattr(model, "moe_experts", 0)
             if not experts:
@@ -376,9 +389,9 @@ class Layout:
 
     def describe_ranks(self) -> str:
         cp = f" × cp {self.cp}" if self.cp > 1 else ""
-        ep = f" (ep {self.ep} of them)" if self.ep > 1 else ""
+        ep = f" (ep {self.ep} of dp_shard{' × cp' if cp else ''} × tp)" if self.ep > 1 else ""
         return (f"{self.world} rank(s) = pp {self.pp} × dp_replicate {self.dp_replicate} × "
-                f"dp_shard {self.dp_shard}{ep}{cp} × tp {self.tp}")
+                f"dp_shard {self.dp_shard}{cp} × tp {self.tp}{ep}")
 
     def explain(self) -> str:
         """The layout in one line of words: ranks per axis, what runs on them, the batch."""
@@ -482,12 +495,13 @@ class Layout:
         return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
     def build_expert_mesh(self, device_type: str):
-        """Expert parallelism's mesh over the same ranks: dp_shard cut into (dp_shard / ep, ep),
-        ep innermost (neighbouring ranks exchange tokens), named EXPERT_MESH_AXES: its `dp_shard`
-        axis is the ranks that hold the same experts within a replica group."""
+        """Expert parallelism's mesh over the same ranks: dp_shard × cp × tp (flattened in mesh
+        order) cut into (dp_shard × cp × tp / ep, ep), ep innermost (neighbouring ranks exchange
+        tokens), named EXPERT_MESH_AXES: its `dp_shard` axis is the ranks that hold the same
+        experts within a replica group."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp)
+        shape = (self.pp, self.dp_replicate, self.dp_shard * self.token_ranks // self.ep, self.ep)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_AXES)
         mesh["dp_replicate", "dp_shard"]._flatten("expert_dp")  # the ranks holding the same experts
         return mesh

@@ -349,13 +349,14 @@ def shard_batch(batch: tuple[torch.Tensor, torch.Tensor], cp: int, rank: int) ->
 
 class ContextParallelStep(StepHook):
     """The cp ranks' shares of the same batch: each rank reads its chunks of every sequence, and
-    their gradients are summed (the loss is over all tokens of the batch)."""
+    their gradients are summed (the loss is over all tokens of the batch). Experts split by
+    expert parallelism (`exclude`, ids) are not copies over cp: their own engine averages them."""
 
     phase = "the context-parallel gradient all-reduce"
 
-    def __init__(self, cp_mesh):
-        self.group = cp_mesh.get_group()
+    def __init__(self, cp_mesh, exclude: frozenset[int] = frozenset()):
+        self.group, self.exclude = cp_mesh.get_group(), exclude
         self.batch_share = partial(shard_batch, cp=cp_mesh.size(), rank=cp_mesh.get_local_rank())
 
     def reduce_gradients(self, named) -> None:
-        sum_gradients([p for _, p in named], self.group)
+        sum_gradients([p for _, p in named if id(p) not in self.exclude], self.group)

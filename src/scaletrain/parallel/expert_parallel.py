@@ -1,33 +1,32 @@
 """Expert parallelism: the experts of each mixture-of-experts layer split over `ep` ranks, tokens
 sent to the rank that holds their expert and back by all-to-all.
 
-The ep ranks are borrowed from the data-parallel dp_shard ranks (as torchtitan's dp2ep, without
-expert-tensor parallelism): ranks that read different data also hold different experts. Rank i
-of an ep group holds experts [i·E/ep, (i+1)·E/ep): `w1`, `w2`, `w3` become DTensors `Shard(0)` on
-the `ep` axis of the expert mesh (Layout.build_expert_mesh), drawn whole from (seed, name) and cut
-like any sharded parameter (parallel/init.py), and saved by DCP as one tensor (checkpoints
-reshard across ep sizes). Each MoE layer's `run_experts` (model/moe.py) becomes `dispatch`:
+The ep ranks are borrowed from the ranks that route different tokens — data-parallel dp_shard,
+context-parallel cp and tensor-parallel tp (each tp rank routes its own sequence shard,
+parallel/tensor_parallel.py) — as torchtitan's dp2ep, without expert-tensor parallelism: ranks
+that see different tokens also hold different experts. Rank i of an ep group holds experts
+[i·E/ep, (i+1)·E/ep): `w1`, `w2`, `w3` become DTensors `Shard(0)` on the `ep` axis of the
+expert mesh (Layout.build_expert_mesh), drawn whole from (seed, name) and cut like any sharded
+parameter (parallel/init.py), and saved by DCP as one tensor (checkpoints reshard across ep
+sizes). Each MoE layer's `run_experts` (model/moe.py) becomes `dispatch`:
 
     counts per (destination rank, local expert) exchanged -> tokens by all-to-all -> regrouped by
     local expert -> the local experts' grouped matmul -> back to arrival order -> reverse all-to-all
 
-Gradients. Every rank's loss carries the factor dp (the data-parallel engines average), and an
-expert's gradient on a rank already sums the tokens of the whole ep group; the ranks holding the
-same experts (dp / ep of them: the rest of dp_shard, times dp_replicate) average theirs. So the
-expert weights' gradient is scaled by 1/ep on its way back (`_ScaleGrad`), and then every engine
-averages over the ranks holding the same experts: an all-reduce (zero 0), or ZeRO-1/2's engine
-on the expert mesh (zero 1, 2; under zero 3 the experts are ZeRO-2: whole on their ep ranks,
-gradients and optimizer state sharded over the others). The non-expert parameters keep their
-engine (DDP, ZeRO, FSDP), which leaves the experts alone. The gradient norm counts each expert
-once: its gradient is a DTensor sharded over ep (and the ZeRO shards), summed over those axes only.
+Gradients. The step's gradient is (1/dp) Σ over every rank of its loss's gradient: the
+data-parallel engines average over dp, and the cp ranks' (and, for the MoE's replicated weights,
+the tp ranks') partial gradients are summed. An expert's gradient on its rank already sums the
+tokens of its whole ep group; the ranks holding the same experts (dp × cp × tp / ep of them,
+`Layout.expert_dp`) average theirs. So the expert weights' gradient is scaled by cp × tp / ep
+on its way back (`_ScaleGrad`), and the experts' engine averages over the ranks holding the
+same experts: an all-reduce (zero 0), or ZeRO-1/2's engine on the expert mesh (zero 1, 2; under
+zero 3 the experts are ZeRO-2: whole on their ep ranks, gradients and optimizer state sharded
+over the others). The cp and tp gradient sums leave the experts alone; the non-expert
+parameters keep their engine (DDP, ZeRO, FSDP), which leaves the experts alone too. The
+gradient norm counts each expert once: its gradient is a DTensor sharded over ep (and the ZeRO
+shards), summed over those axes only.
 
-Each ep group lies within one context-parallel rank, one pipeline stage and one tensor-parallel
-rank (the expert mesh keeps those axes), so cp (its gradient sum covers the experts too), pp and
-tp compose. Under tp the experts stay whole on every tp rank of their ep group (no expert-tensor
-parallelism): the tp engines (replicate, FSDP over DTensors) leave them to their own engine; the
-tp ranks route the same tokens, or with sp each its own shard, the expert gradients then summed
-over tp (tensor_parallel.SequenceShardedMoEStep); the norm sums them over ep only, so the tp
-copies count once. Compile does not compose yet (refused in parallelize).
+Each ep group lies within one pipeline stage (the expert mesh keeps that axis), so pp composes.
 
 What it saves: the experts' weights, gradients and optimizer state per rank divided by ep. What
 it costs: per MoE layer and micro-batch, two all-to-alls of top_k × tokens × dim activations
@@ -65,9 +64,10 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-def shard_experts(chunk: nn.Module, ep_mesh) -> list[nn.Parameter]:
+def shard_experts(chunk: nn.Module, ep_mesh, grad_scale: float) -> list[nn.Parameter]:
     """Split every MoE layer's experts of `chunk` (on the meta device) over `ep_mesh` and route its
-    tokens through `dispatch`. Returns the expert parameters (DTensors `Shard(0)`)."""
+    tokens through `dispatch`, the experts' gradients scaled by `grad_scale` (cp × tp / ep, the
+    module docstring). Returns the expert parameters (DTensors `Shard(0)`)."""
     ep, group = ep_mesh.size(), ep_mesh.get_group()
     params = []
     for m in chunk.modules():
@@ -82,7 +82,7 @@ def shard_experts(chunk: nn.Module, ep_mesh) -> list[nn.Parameter]:
                                                       shape=w.shape, stride=w.stride()))
             setattr(m, name, sharded)
             params.append(sharded)
-        m.run_experts = partial(dispatch, m, group, ep)
+        m.run_experts = partial(dispatch, m, group, ep, grad_scale)
     return params
 
 
@@ -98,7 +98,7 @@ def _by_expert(recv: torch.Tensor) -> torch.Tensor:
     return starts.repeat_interleave(sizes) + within
 
 
-def dispatch(m: MoE, group, ep: int, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def dispatch(m: MoE, group, ep: int, grad_scale: float, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """`MoE.run_experts` under expert parallelism: x (tokens, dim) grouped by expert, counts (experts,)
     -> the experts' outputs in the same order, each group computed on the rank holding its expert."""
     local = m.num_experts // ep
@@ -110,8 +110,8 @@ def dispatch(m: MoE, group, ep: int, x: torch.Tensor, counts: torch.Tensor) -> t
     arrived = all_to_all_single_autograd(x.contiguous(), recv_sizes, send_sizes, group)
     order = _by_expert(recv)
     # each rank's expert gradient holds the tokens of all ep ranks; the ranks holding the same
-    # experts average theirs: 1/ep makes the sum over the dp ranks' tokens one mean (module docstring)
-    weights = [_ScaleGrad.apply(w.to_local(), 1.0 / ep).to(x.dtype) if w is not None else None
+    # experts average theirs: cp·tp/ep makes that the step's gradient (module docstring)
+    weights = [_ScaleGrad.apply(w.to_local(), grad_scale).to(x.dtype) if w is not None else None
                for w in (m.w1, m.w2, m.w3)]
     y = expert_mlp(arrived[order], recv.sum(0), *weights)
     back = y[torch.argsort(order)]  # arrival order again: blocks (source, expert)

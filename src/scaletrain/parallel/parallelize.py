@@ -161,7 +161,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
                                   first_block="0" if "0" in chunk.layers else None)
         # expert parallel: each rank holds 1/ep of the experts, tokens travel by all-to-all
         if lay.ep > 1:
-            experts += shard_experts(chunk, rt.expert_mesh()["ep"])
+            experts += shard_experts(chunk, rt.expert_mesh()["ep"], grad_scale=lay.token_ranks / lay.ep)
         # 3. activation checkpointing, 4. compile, block by block
         apply_activation_checkpointing(chunk.layers, lay.activation_checkpointing)
         if cfg.train.compile:
@@ -218,19 +218,21 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
         result.stages = pipeline.build_stages(dp.models, stage_ids, num_stages, rt.device, rt.group("pp"))
 
     # 8. the per-step work of what was applied, in the order the step runs it
+    # the experts as the hooks see them (their engine's: ZeRO's shards, or themselves)
+    expert_ids = frozenset(id(p) for _, p in dp.experts.named_optim_params) if experts else frozenset()
     if lay.cp > 1:
-        result.hooks.append(ContextParallelStep(rt.axis("cp")))
+        result.hooks.append(ContextParallelStep(rt.axis("cp"), exclude=expert_ids))
     if lay.tp > 1 and (kv := ReplicatedKVStep.needed(cfg.model, rt.axis("tp"))):
         result.hooks.append(kv)
     if lay.pp > 1 and (tied := pipeline.TiedEmbeddingStep.needed(cfg.model, rt.mesh, result)):
         result.hooks.append(tied)
     if fp8_all_gather:
         result.hooks.append(Fp8ScaleStep(dp.models))
-    if lay.tp > 1 and (moe_sp := SequenceShardedMoEStep.needed(cfg.model, rt.axis("tp"), lay.sp)):
-        result.hooks.append(moe_sp)
-    if cfg.model.moe_experts:  # the load over the ranks that saw different tokens: dp, cp, tp with sp
+    if lay.tp > 1 and (moe_tp := SequenceShardedMoEStep.needed(cfg.model, rt.axis("tp"), expert_ids)):
+        result.hooks.append(moe_tp)
+    if cfg.model.moe_experts:  # the load over the ranks that saw different tokens: dp, cp, tp
         groups = [rt.group(axis) for axis, size in ((_step_dp_axis(rt), lay.dp), ("cp", lay.cp),
-                                                     ("tp", lay.tp if lay.sp else 1)) if size > 1]
+                                                     ("tp", lay.tp)) if size > 1]
         if balance := MoEBalance.for_model(dp.models, cfg.model, groups, rt.group("pp") if lay.pp > 1 else None,
                                            rt.device):
             result.hooks.append(balance)

@@ -11,11 +11,14 @@ forward and one in backward per sub-layer:
                 and wv are replicated, each rank computes the one K/V head its query heads
                 read, and the copies' gradients are summed over tp (`ReplicatedKVStep`)
     MLP         w1 (and w3) column-parallel -> activation -> w2 row-parallel
-    MoE         router, experts and shared experts replicated (no expert-tensor parallelism):
-                every rank routes the whole micro-batch, or, with sequence parallelism, its own
-                sequence shard (no gather; the gradients of those weights are then partial sums,
-                added over tp by `SequenceShardedMoEStep`, and the load counts over tp too).
-                With expert parallelism each tp rank's experts are split over its own ep group
+    MoE         router, experts and shared experts replicated (no expert-tensor parallelism),
+                and each rank routes its own sequence shard: with sequence parallelism the one
+                it holds; without, a slice of the replicated input, its output all-gathered after
+                (so no two ranks compute the same tokens). The gradients of those weights are
+                then partial sums, added over tp by `SequenceShardedMoEStep` (and the load counts
+                over tp too). Expert parallelism borrows the tp ranks like data-parallel ones:
+                its experts are split over ep groups that may span them, and averaged by its own
+                engine (parallel/expert_parallel.py)
     embedding   rows (vocabulary) split; output head columns (vocabulary) split, and the loss is
                 computed on the vocabulary shards (`loss_parallel`): the full logits never exist
 
@@ -40,6 +43,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -102,10 +106,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool,
                     input_layouts=(Shard(1),), desired_input_layouts=(Shard(1) if moe else Replicate(),),
                     use_local_output=moe),
             })
+        elif moe:  # each rank routes a slice of the replicated tokens, the outputs gathered after
+            plan["moe"] = PrepareModuleInputOutput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_input=True,
+                output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
         if replicated_kv:
             _select_kv_head(block.attn, tp_mesh, cfg.kv_heads, cfg.head_size)
-        if moe and sequence_parallel:  # the Switch loss's counts are those of whole sequences
+        if moe:  # the Switch loss's counts are those of whole sequences
             block.moe.sequence_counts = partial(summed_over, previous=block.moe.sequence_counts,
                                                 group=tp_mesh.get_group())
         if sequence_parallel and name == first_block:
@@ -176,18 +184,19 @@ class ReplicatedKVStep(StepHook):
 
 
 class SequenceShardedMoEStep(StepHook):
-    """Sequence parallel with mixtures of experts: the router and the experts are replicated
-    over tp (no expert-tensor parallelism) and each tp rank routes its own sequence shard, so
-    their gradients are partial sums, summed over tp each step (then the copies stay equal)."""
+    """Mixtures of experts under tp: the router and the experts are replicated over tp (no
+    expert-tensor parallelism) and each tp rank routes its own sequence shard, so their
+    gradients are partial sums, summed over tp each step (then the copies stay equal). Experts
+    split by expert parallelism (`exclude`, ids) are not copies: their engine averages them."""
 
-    phase = "the mixture-of-experts gradients' all-reduce (tp, sequence parallel)"
+    phase = "the mixture-of-experts gradients' all-reduce (tp)"
 
-    def __init__(self, tp_mesh):
-        self.group = tp_mesh.get_group()
+    def __init__(self, tp_mesh, exclude: frozenset[int] = frozenset()):
+        self.group, self.exclude = tp_mesh.get_group(), exclude
 
     @classmethod
-    def needed(cls, model_cfg, tp_mesh, sequence_parallel: bool) -> SequenceShardedMoEStep | None:
-        return cls(tp_mesh) if tp_mesh.size() > 1 and sequence_parallel and model_cfg.moe_experts else None
+    def needed(cls, model_cfg, tp_mesh, exclude: frozenset[int] = frozenset()) -> SequenceShardedMoEStep | None:
+        return cls(tp_mesh, exclude) if tp_mesh.size() > 1 and model_cfg.moe_experts else None
 
     def reduce_gradients(self, named) -> None:
-        sum_gradients([p for n, p in named if ".moe." in n], self.group)
+        sum_gradients([p for n, p in named if ".moe." in n and id(p) not in self.exclude], self.group)
