@@ -170,6 +170,12 @@ class Layout:
         return self.step_dp * self.token_ranks // self.ep
 
     @property
+    def expert_zero(self) -> int:
+        """The ZeRO stage of the experts' own engine under expert parallelism (over the
+        expert_dp ranks): the layout's, but at most 2 (ZeRO-3 leaves the experts whole)."""
+        return min(self.zero, 2)
+
+    @property
     def token_ranks(self) -> int:
         """Ranks of one data-parallel rank that route different tokens through a mixture of
         experts: its cp ranks (their chunks of the sequences) times its tp ranks (each its
@@ -406,7 +412,7 @@ class Layout:
         if self.tp > 1:
             parts.append(f"tensor parallel{' + sequence parallel' if self.sp else ''}")
         if self.ep > 1:
-            parts.append(f"expert parallel {self.ep} (experts ZeRO-{min(self.zero, 2)} over {self.expert_dp} ranks)"
+            parts.append(f"expert parallel {self.ep} (experts ZeRO-{self.expert_zero} over {self.expert_dp} ranks)"
                          if self.zero and self.expert_dp > 1 else f"expert parallel {self.ep}")
         if self.cp > 1:
             parts.append(f"context parallel {self.cp_method}")

@@ -197,7 +197,7 @@ def expert_engine(main: DataParallel, chunks: list[nn.Module], expert_params: li
     elif lay.zero == 0:  # (local SGD / DiLoCo workers: within the worker; the workers sync every H steps)
         experts = ExpertAverage(named, rt.expert_mesh()["dp_shard" if lay.local_sync else "expert_dp"].get_group())
     else:
-        experts = ZeroDataParallel(chunks, rt.expert_mesh(), stage=min(lay.zero, 2), bucket_mb=bucket_mb,
+        experts = ZeroDataParallel(chunks, rt.expert_mesh(), stage=lay.expert_zero, bucket_mb=bucket_mb,
                                    dp_replicate=1 if lay.local_sync else lay.dp_replicate, master_dtype=master_dtype,
                                    params=named)
     return ExpertParallelData(main, experts, expert_params)

@@ -170,7 +170,7 @@ def moe_lines(cfg, wl: Workload, cluster: Cluster, best: Evaluated, result: dict
 
         buffer, calls = ep_traffic(cfg, wl, lay)
         n = expert_shard_ranks(lay, wl.engine)
-        zero = min(lay.zero, 2) if wl.engine == "scaletrain" else lay.zero
+        zero = lay.expert_zero if wl.engine == "scaletrain" else lay.zero
         held = (f"ZeRO-{zero} over the {n} ranks holding the same ones" +
                 (", their weights whole" if lay.zero == 3 and zero == 2 else "")) if zero and n > 1 else "unsharded"
         lines.append(f"Expert parallel {lay.ep}: each rank holds {cfg.moe_experts // lay.ep} of {cfg.moe_experts} "

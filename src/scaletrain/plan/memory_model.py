@@ -249,7 +249,7 @@ def expert_sharding(wl: Workload, layout: Layout, sh: Sharding) -> Sharding:
         return sh
     zero = layout.zero if n > 1 else 0
     if wl.engine == "scaletrain" and layout.ep > 1:
-        zero = min(zero, 2)
+        zero = min(zero, layout.expert_zero)
     grad_zero = 1 if zero == 2 and layout.grad_accum > 1 and layout.pp > 1 else zero
     return Sharding(n, zero, grad_zero, sh.fsdp_like)
 

@@ -356,7 +356,7 @@ def state_groups(layout: Layout, counts: ParamCounts, engine: str = "scaletrain"
     dense, experts = counts.parts()
     if layout.ep == 1 or not experts.total:
         return [(layout, counts)]
-    zero = min(layout.zero, 2) if engine == "scaletrain" else layout.zero
+    zero = layout.expert_zero if engine == "scaletrain" else layout.zero
     group = replace(layout, dp_shard=expert_shard_ranks(layout, engine), tp=layout.ep, cp=1, ep=1, sp=False,
                     zero=zero)
     return [(layout, dense), (group, experts)]
