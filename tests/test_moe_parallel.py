@@ -1,19 +1,18 @@
 """A mixture of experts (expert bias, Switch loss and z-loss on) under data parallelism, ZeRO-3,
 tensor parallelism (with and without sequence parallelism), pipeline and context parallelism,
-on real processes (gloo on CPU), all in one launch of 2 ranks: every step's loss and gradient
-norm before clipping, the final weights and the expert biases after the run match one process."""
+on real processes (gloo on CPU), all in one launch of 2 ranks: the first step's gradients, every
+step's loss and gradient norm before clipping, the final weights and the expert biases after the
+run match one process."""
 
 from __future__ import annotations
 
 import pytest
 
 from scaletrain.layout import Layout
-from scaletrain.parallel.moe_balance import MoEBalance
-from scaletrain.train.trainer import Trainer
 from scaletrain.verify import TOLERANCES
+from test_expert_parallel import assert_same_gradients, fit_one
 
 from conftest import assert_same_run, assert_same_weights, micro_cfg, micro_overrides, run_group
-from dist_worker import weight_fingerprint
 
 pytestmark = pytest.mark.multiproc
 
@@ -40,29 +39,17 @@ LAYOUTS = [
 WORKERS = ("local-sgd", {"parallel.dp_replicate": 2, "parallel.dp_sync": "local_sgd", "parallel.sync_every": 2})
 
 
-def expert_biases(trainer):
-    """dist_worker's probe: this rank's MoE layers' biases after the run."""
-    hook = trainer.hooks.find(MoEBalance)
-    return lambda: {name: m.expert_bias.tolist() for name, m in hook.layers.items()}
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One process: its history, its final weights fingerprinted with the norm of their change over
-    the run (what assert_same_weights measures a difference against), its biases."""
-    trainer = Trainer(micro_cfg(tmp_path_factory.mktemp("one"), **MOE))
-    start = {n: p.detach().double().clone() for n, p in trainer.named_params}
-    history = trainer.fit()["history"]
-    weights = weight_fingerprint(trainer.named_params)
-    for n, p in trainer.named_params:
-        weights[n].append((p.detach().double() - start[n]).norm().item())
-    return {"history": history, "weights": weights, "biases": expert_biases(trainer)()}
+    """One process: its history, first step's gradients, final weights (fingerprinted with the norm
+    of their change over the run, what assert_same_weights measures a difference against), biases."""
+    return fit_one(micro_cfg(tmp_path_factory.mktemp("one"), **MOE))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe-mp")
-    jobs = [{"overrides": micro_overrides(tmp / name, **{**MOE, **extra}), "probe": "test_moe_parallel:expert_biases"}
+    jobs = [{"overrides": micro_overrides(tmp / name, **{**MOE, **extra}), "probe": "test_expert_parallel:probe"}
             for name, extra in [*LAYOUTS, WORKERS]]
     code, results, err = run_group(2, jobs, tmp)
     assert code == 0, err
@@ -72,18 +59,20 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", [n for n, _ in LAYOUTS])
 def test_moe_parity_with_one_process(runs, reference, name):
     got = runs[name]
+    grads, biases = {}, {}
+    for rank in got["ranks"]:  # pipeline ranks each hold their stages' parameters and layers
+        grads.update(rank["probe"]["grads"])
+        biases.update(rank["probe"]["biases"])
+    assert_same_gradients(grads, reference["grads"], name)
     assert_same_run(got["history"], reference["history"], steps=STEPS, tol=TOL, what=name)
     assert_same_weights(got["weights"], reference["weights"], tol=WEIGHTS_TOL, what=name)
-    biases = {}
-    for rank in got["ranks"]:
-        biases.update(rank["probe"])  # pipeline ranks each hold their stages' layers
     assert sorted(biases) == sorted(reference["biases"]) == ["layers.1.moe", "layers.2.moe", "layers.3.moe"]
     assert any(any(b) for b in reference["biases"].values()), "the biases never moved in the reference"
     for layer, want in reference["biases"].items():
         assert biases[layer] == want, f"{name}: the bias of {layer} after {STEPS} steps differs from one process's"
     # every rank holding a layer holds the same bias (tp and dp ranks: copies)
     for rank in got["ranks"]:
-        for layer, b in rank["probe"].items():
+        for layer, b in rank["probe"]["biases"].items():
             assert b == reference["biases"][layer], f"{name}: rank {rank['rank']}'s bias of {layer}"
     # the metrics see every layer (pipeline: summed over the stages) and the whole step's load
     assert got["history"][-1]["moe_imbalance"] == reference["history"][-1]["moe_imbalance"]
