@@ -90,3 +90,77 @@ def test_cli_generate_from_a_checkpoint_and_a_hugging_face_folder(tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "neither a checkpoint" in r.stderr
     r = run_here("generate", str(ckpt), "--prompt", "x", "--temperature", "0")
     assert r.returncode == 2 and "--temperature 0.0 must be above 0" in r.stderr
+
+
+def test_streamed_tokens_are_the_same_draws_and_only_a_window_is_kept():
+    model = tiny(position="rope", norm="rmsnorm")
+    prompt = torch.randint(0, 64, (1, 5))
+
+    def run(on_token=None):
+        return generate(lambda x, cache: model(x, cache), prompt, 30, window=8, temperature=1.0, top_k=0,
+                        generator=torch.Generator().manual_seed(1), cache=KVCache(8), on_token=on_token)
+
+    whole = run()
+    seen = []
+    kept = run(on_token=seen.append)
+    assert torch.cat(seen, dim=1).tolist() == whole[:, 5:].tolist()  # each token as drawn, the same draws
+    assert kept.tolist() == whole[:, -8:].tolist()  # a stream keeps one window, whatever its length
+
+
+def test_the_text_stream_hands_on_whole_characters():
+    from scaletrain.data.tokenizer import ByteTokenizer
+    from scaletrain.model.generate import _TextStream
+
+    text = "añ€😀 z"
+    pieces = []
+    stream = _TextStream(ByteTokenizer(), pieces.append)
+    for b in text.encode():
+        stream.add(torch.tensor([[b]]))
+    stream.flush()
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    assert pieces == ["a", "ñ", "€", "😀", " ", "z"]  # each character as soon as its last byte came
+    stream.add(torch.tensor([[0xFF]]))  # a byte that starts no character: handed on at the flush
+    stream.flush()
+    assert pieces[-1] == "\ufffd"
+
+
+def test_cli_generate_streams_and_refuses_an_empty_prompt(tmp_path):
+    import os
+    import select
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    cfg = micro_cfg(tmp_path, **{"train.steps": 1, "checkpoint.save_final": True})
+    Trainer(cfg).fit()
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000001"
+    r = run_here("generate", str(ckpt), "--prompt", "")
+    assert r.returncode == 2 and r.stderr.strip() == \
+        "scaletrain: error: --prompt is empty: give the text to continue (at least one character)", r.stderr
+    # a sample far too long to wait for shows as it grows: the first bytes come while it still runs
+    proc = subprocess.Popen([sys.executable, "-m", "scaletrain", "generate", str(ckpt), "--prompt", "The ",
+                             "--max-new-tokens", str(10**13)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    got = b""
+    try:
+        while len(got) < 4 + 40:
+            ready, _, _ = select.select([proc.stdout], [], [], 120)
+            assert ready, f"nothing streamed within 120 s: {got!r}"
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            assert chunk, f"the process ended: {got!r} {proc.stderr.read().decode()}"
+            got += chunk
+        assert proc.poll() is None  # still sampling
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    assert got.startswith(b"The ")
+
+
+def test_an_empty_sample_prompt_is_refused_before_training(tmp_path):
+    from scaletrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="train.sample_prompt is empty: the sample after training continues"):
+        micro_cfg(tmp_path, **{"train.sample_prompt": "", "train.sample_tokens": 20})
+    micro_cfg(tmp_path, **{"train.sample_prompt": "", "train.sample_tokens": 0})  # no sample: nothing to refuse

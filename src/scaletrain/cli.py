@@ -155,11 +155,25 @@ def _eval(args: argparse.Namespace, extra: list[str]) -> int:
 def _generate(args: argparse.Namespace, extra: list[str]) -> int:
     from scaletrain.trained.generate import generate_text
 
+    def stream(piece: str) -> None:  # each piece as it is sampled (a long sample shows as it grows)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    started = False
+
+    def first(piece: str) -> None:
+        nonlocal started
+        if not started:  # the prompt once the model is loaded and sampling has begun
+            sys.stdout.write(args.prompt)
+            started = True
+        stream(piece)
+
     with os_errors_named({"source": args.source, "--data": args.data or ""}):
-        text = generate_text(args.source, args.prompt, max_new_tokens=args.max_new_tokens,
-                             temperature=args.temperature, top_k=args.top_k, seed=args.seed, data=args.data,
-                             device=args.device)
-    print(text)
+        generate_text(args.source, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      top_k=args.top_k, seed=args.seed, data=args.data, device=args.device, stream=first)
+    if not started:  # no token asked for: the prompt alone
+        sys.stdout.write(args.prompt)
+    print()
     return 0
 
 

@@ -462,6 +462,9 @@ def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
     if cfg.data.seq_len > m.max_seq_len:
         errors.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
                       f"lower data.seq_len or raise model.max_seq_len")
+    if cfg.train.sample_tokens and not cfg.train.sample_prompt:
+        errors.append("train.sample_prompt is empty: the sample after training continues a prompt; give it some "
+                      "text, or train.sample_tokens=0 for no sample")
     if cfg.data.mix:
         try:
             parse_mix(cfg.data.mix)

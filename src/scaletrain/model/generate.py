@@ -30,21 +30,32 @@ class Interrupted(Exception):
 @torch.no_grad()
 def generate(logits_of: Callable[..., torch.Tensor], tokens: torch.Tensor, new_tokens: int, *,
              window: int, temperature: float = 0.8, top_k: int = 50,
-             generator: torch.Generator | None = None, cache: KVCache | None = None) -> torch.Tensor:
+             generator: torch.Generator | None = None, cache: KVCache | None = None,
+             on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     """Append `new_tokens` sampled tokens to tokens (B, T). `logits_of(tokens)` returns the
     logits (B, T, vocab); with `cache`, `logits_of(tokens, cache)` takes only the positions
     after those cached. The context is at most `window` tokens (use the training length:
-    positions past it were never trained)."""
+    positions past it were never trained). With `on_token`, each new token (B, 1) goes to it as
+    it is drawn and only the last `window` tokens are kept (returned): a stream of any length
+    holds the memory of one window."""
+    keep = window if on_token is not None else None
+
+    def append(tokens, nxt):
+        if on_token is not None:
+            on_token(nxt)
+        tokens = torch.cat([tokens, nxt], dim=1)
+        return tokens[:, -keep:] if keep else tokens
+
     if cache is None:
         for _ in range(new_tokens):
             nxt = pick(logits_of(tokens[:, -window:])[:, -1, :], temperature, top_k, generator)
-            tokens = torch.cat([tokens, nxt], dim=1)
+            tokens = append(tokens, nxt)
         return tokens
     cache.reset()
     logits = logits_of(tokens[:, -window:], cache)[:, -1, :]
     for i in range(new_tokens):
         nxt = pick(logits, temperature, top_k, generator)
-        tokens = torch.cat([tokens, nxt], dim=1)
+        tokens = append(tokens, nxt)
         if i == new_tokens - 1:
             break
         if cache.length >= window:  # full: the last half of the window again, then on from there
@@ -68,13 +79,18 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.
 def sample_text(module: torch.nn.Module, tokenizer, prompt: str, new_tokens: int, *, window: int, seed: int,
                 device: torch.device, autocast: Callable[[], AbstractContextManager], all_ranks: bool,
                 interrupted: Callable[[], bool], use_cache: bool = True, temperature: float = 0.8,
-                top_k: int = 50) -> str:
+                top_k: int = 50, stream: Callable[[str], None] | None = None) -> str:
     """`prompt` and `new_tokens` sampled tokens, decoded. `all_ranks`: every rank of a group runs
     this (a sharded model), and they finish together; `interrupted()` true raises Interrupted
     before the next forward. `use_cache`: generate with a KVCache (a model whose forward takes
-    one; a sharded model never does)."""
-    x = torch.tensor([tokenizer.encode(prompt) or [0]], device=device)
+    one; a sharded model never does). `stream`: the sampled text goes to it piece by piece as
+    the tokens come (whole characters only), and what is returned is the prompt alone."""
+    ids = tokenizer.encode(prompt)
+    if not ids:  # there is nothing to continue: the model would start from an arbitrary token
+        raise ValueError(f"the prompt {prompt!r} holds no token to continue from")
+    x = torch.tensor([ids], device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
+    text = _TextStream(tokenizer, stream) if stream is not None else None
 
     def logits_of(tokens, *cache):
         if interrupted():
@@ -85,12 +101,39 @@ def sample_text(module: torch.nn.Module, tokenizer, prompt: str, new_tokens: int
 
     module.eval()
     cache = KVCache(window) if use_cache and not all_ranks else None
-    out = generate(logits_of, x, new_tokens, window=window, generator=gen, cache=cache, temperature=temperature,
-                   top_k=top_k)
+    try:
+        out = generate(logits_of, x, new_tokens, window=window, generator=gen, cache=cache, temperature=temperature,
+                       top_k=top_k, on_token=text.add if text is not None else None)
+    finally:
+        if text is not None:
+            text.flush()
     module.train()
     if all_ranks:
         for m in module.modules():  # free what FSDP gathered for the forwards
             if hasattr(m, "reshard"):
                 m.reshard()
         dist.barrier()  # and let every rank finish together
-    return tokenizer.decode(out[0].tolist())
+    return prompt if text is not None else tokenizer.decode(out[0].tolist())
+
+
+class _TextStream:
+    """Sampled tokens to text as they come: a token can end inside a character (byte-level
+    tokenizers), so the text is handed on up to its last whole character; the tokens of the
+    rest wait for the next. Only the undecided tail is kept."""
+
+    def __init__(self, tokenizer, out: Callable[[str], None]):
+        self.tokenizer, self.out, self.pending = tokenizer, out, []
+
+    def add(self, token: torch.Tensor) -> None:
+        self.pending.append(int(token[0, 0]))
+        text = self.tokenizer.decode(self.pending)
+        if text and not text.endswith("\ufffd"):  # (a character still incomplete decodes to U+FFFD)
+            self.out(text)
+            self.pending = []
+        elif len(self.pending) > 8:  # longer than any character: invalid bytes, not one being completed
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            self.out(self.tokenizer.decode(self.pending))
+            self.pending = []

@@ -69,10 +69,14 @@ def load_for_generation(source: str | Path, data: str | None = None):
 
 
 def generate_text(source: str | Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
-                  top_k: int = 50, seed: int = 0, data: str | None = None, device: str = "auto") -> str:
-    """The prompt and `max_new_tokens` tokens sampled after it, decoded."""
+                  top_k: int = 50, seed: int = 0, data: str | None = None, device: str = "auto",
+                  stream=None) -> str:
+    """The prompt and `max_new_tokens` tokens sampled after it, decoded; with `stream`, the
+    sampled text goes to it as it comes (model.generate.sample_text) and the prompt is returned."""
     from scaletrain.model.generate import sample_text
 
+    if not prompt:
+        raise ConfigError("--prompt is empty: give the text to continue (at least one character)")
     if max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens {max_new_tokens} must be 0 or more")
     if not temperature > 0:
@@ -87,7 +91,10 @@ def generate_text(source: str | Path, prompt: str, *, max_new_tokens: int = 200,
                         f"{model.cfg.vocab_size}: give --data, the folder the model was trained on")
     dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
     model = model.to(dev)
-    return sample_text(model, tokenizer, prompt, max_new_tokens, window=window, seed=seed, device=dev,
-                       autocast=contextlib.nullcontext, all_ranks=False, interrupted=lambda: False,
-                       temperature=temperature, top_k=top_k)
+    try:
+        return sample_text(model, tokenizer, prompt, max_new_tokens, window=window, seed=seed, device=dev,
+                           autocast=contextlib.nullcontext, all_ranks=False, interrupted=lambda: False,
+                           temperature=temperature, top_k=top_k, stream=stream)
+    except ValueError as e:  # the prompt encodes to no token
+        raise ConfigError(f"--prompt: {e}; give text the tokenizer knows") from None
 
