@@ -130,3 +130,14 @@ def test_training_on_a_mix_logs_proportions_and_validation_per_source_and_resume
     result = json.loads(r.stdout)
     assert result["val_loss"] == pytest.approx(last["val_loss"], rel=1e-4)
     assert result["sources"] == pytest.approx(per_source, rel=1e-4)
+
+
+def test_weights_of_any_size_normalise_without_overflow():
+    """Weights are relative shares: 1e308 twice is an even mix (their sum overflowed to inf and
+    logged "0%, 0%", every window drawn from the second source); a weight too small beside the
+    largest to get any share is refused."""
+    assert parse_mix("a=1e308,b=1e308") == [("a", 0.5), ("b", 0.5)]
+    assert [w for _, w in parse_mix("a=3e307,b=1e308,c=1e308")] == pytest.approx([3 / 23, 10 / 23, 10 / 23])
+    assert [w for _, w in parse_mix("a=1e-300,b=3e-300")] == pytest.approx([0.25, 0.75])
+    with pytest.raises(ValueError, match="the weight of b is too small beside the largest"):
+        parse_mix("a=1e308,b=1e-300")

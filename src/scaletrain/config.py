@@ -296,8 +296,14 @@ def parse_mix(text: str) -> list[tuple[str, float]]:
         raise ValueError(f"{dup} is named twice; give each folder once with its whole weight")
     if len(pairs) < 2:
         raise ValueError("a mix needs at least two sources; for one folder set data.path instead")
-    total = sum(w for _, w in pairs)
-    return [(p, w / total) for p, w in pairs]
+    # normalised by the largest weight first: a sum of huge weights (1e308 + 1e308) overflows
+    top = max(w for _, w in pairs)
+    scaled = [(p, w / top) for p, w in pairs]
+    if starved := next((p for p, w in scaled if w == 0.0 or w / len(scaled) == 0.0), None):
+        raise ValueError(f"the weight of {starved} is too small beside the largest ({top:g}) to give it any share; "
+                         "give weights of comparable size (they are relative shares)")
+    total = sum(w for _, w in scaled)
+    return [(p, w / total) for p, w in scaled]
 
 
 def data_paths(cfg_data) -> list[str]:
