@@ -49,7 +49,8 @@ LAYOUTS_4 = [  # (name, overrides, reference) on 4 ranks
     ("ep2-zero3-ac", {"parallel.ep": 2, "parallel.zero": 3, "memory.activation_checkpointing": "full"}, "plain"),
     ("ep2-zero1-accum", {"parallel.ep": 2, "parallel.zero": 1, "train.micro_batch": 1}, "plain"),
     ("ep2-zero2-sgd-noclip", {"parallel.ep": 2, "parallel.zero": 2, **SGD}, "sgd"),
-    ("ep2-compile", {"parallel.ep": 2, "parallel.zero": 0, "train.compile": True}, "plain"),
+    # the experts' ZeRO-3 gathers and frees around compiled blocks
+    ("ep2-zero3-compile", {"parallel.ep": 2, "parallel.zero": 3, "train.compile": True}, "plain"),
     ("ep2-hsdp-zero3", {"parallel.ep": 2, "parallel.zero": 3, "parallel.dp_replicate": 2}, "plain"),
     # ep borrows the cp ranks (ep 2: the two cp ranks of a dp rank; ep 4: the dp and the cp
     # ranks), the Switch loss's per-sequence counts summed over cp, the experts left out of cp's sum
@@ -68,7 +69,8 @@ LAYOUTS_4 = [  # (name, overrides, reference) on 4 ranks
 
 def probe(trainer):
     """A probe (tests/dist_worker.py): every parameter's gradient of the first step before clipping
-    (fingerprinted whole: dist_worker.weight_fingerprint), and the routing biases after the run."""
+    (fingerprinted whole: dist_worker.weight_fingerprint), the routing biases after the run, and
+    the bytes this rank's expert weights hold after it (replicas, their shards, and whole)."""
     layers = {canonical_name(n): m for chunk in trainer.dp.models for n, m in chunk.named_modules()
               if isinstance(m, MoE)}  # a pipeline stage holds its own blocks' layers
     first = {}
@@ -80,7 +82,24 @@ def probe(trainer):
             first.update(weight_fingerprint([(n, p.grad) for n, p in named]))
 
     trainer.hooks.reduce_gradients = reduce
-    return lambda: {"grads": first, "biases": {n: m.expert_bias.tolist() for n, m in layers.items()}}
+    return lambda: {"grads": first, "biases": {n: m.expert_bias.tolist() for n, m in layers.items()},
+                    "expert_bytes": expert_bytes(trainer, layers.values())}
+
+
+def expert_bytes(trainer, layers) -> dict:
+    """Bytes of the expert weights on this rank: in the layers' parameters (the replicas), in
+    what the optimizer steps for them, and what the rank's experts take whole."""
+    replicas = [w for m in layers for w in (m.w1, m.w2, m.w3) if w is not None]
+    ids = {id(w) for w in replicas}
+    engine = getattr(trainer.dp, "experts", None)  # expert parallelism's engine (ZeRO: the shards)
+    shards = [p for _, p in engine.named_optim_params if id(p) not in ids] if engine is not None else []
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    return {"replicas": sum(local(w).untyped_storage().nbytes() for w in replicas),
+            "shards": sum(local(p).numel() * local(p).element_size() for p in shards),
+            "whole": sum(local(w).numel() * local(w).element_size() for w in replicas)}
 
 
 def fit_one(cfg) -> dict:
@@ -157,6 +176,17 @@ def test_parity_with_one_process(group4, reference, name, ref):
     assert max(abs(b) for bias in want["biases"].values() for b in bias) > 0, "the bias never moved: the test is blind"
     assert_same_run(result["history"], want["history"], steps=STEPS, tol=TOL, what=name)
     assert_same_weights(result["weights"], want["weights"], tol=WEIGHTS_TOL, what=name)
+
+
+@pytest.mark.parametrize("name", ["ep2-zero3-ac", "ep2xcp2-zero3", "ep2xtp2-zero3", "ep2-zero3-compile"])
+def test_zero3_keeps_a_shard_of_the_experts_between_steps(group4, name):
+    """Under ZeRO-3 the experts are sharded like every other weight: after the run each rank's
+    expert replicas hold no storage and the shards it steps are 1/N of its experts (N = the
+    ranks holding the same experts, 2 here)."""
+    for r in group4[name]["ranks"]:
+        got = r["probe"]["expert_bytes"]
+        assert got["whole"] > 0 and got["replicas"] == 0, f"{name} rank {r['rank']}: {got}"
+        assert got["shards"] == got["whole"] // 2, f"{name} rank {r['rank']}: {got}"
 
 
 @pytest.mark.parametrize("name", [("save-ep2", "ep2-to-ep4", "ep4-to-ep1")], ids=["ep2-ep4-ep1"])

@@ -81,10 +81,10 @@ def test_moe_block_activations_match_the_real_layers_saved_tensors(extra, precis
 
 
 def test_expert_states_split_by_ep_then_sharded_over_the_rest():
-    """Each rank holds E/ep experts; the dp_shard / ep ranks holding the same ones shard their
-    gradients and optimizer state by the experts' own engine (parallel/expert_parallel.py):
-    ZeRO-1/2, also under zero 3, whose FSDP leaves them out, so their weights stay whole. The
-    other parameters as without experts (ZeRO over dp_shard)."""
+    """Each rank holds E/ep experts; the dp_shard / ep ranks holding the same ones shard them by
+    the experts' own engine (parallel/expert_parallel.py) at the layout's stage: gradients and
+    optimizer state at ZeRO-1/2, the weights too at ZeRO-3. The other parameters as without
+    experts (ZeRO over dp_shard)."""
     cfg = ModelConfig(**MOE)
     wl = Workload(seq_len=64, global_batch=8, precision="32-true")
     experts = 3 * 8 * expert_params(cfg)  # 3 MoE blocks of 8
@@ -95,9 +95,8 @@ def test_expert_states_split_by_ep_then_sharded_over_the_rest():
         return m.params / 4, m.grads / 4, m.optimizer / 8  # fp32 weights and gradients, Adam's two moments
 
     assert states(Layout(dp_shard=4, zero=3)) == pytest.approx(((dense + experts) / 4,) * 3)
-    # zero 3, ep 2: 4 experts a rank, whole; their gradients and moments over the 2 ranks holding them
-    assert states(Layout(dp_shard=4, zero=3, ep=2)) == pytest.approx(
-        (dense / 4 + experts / 2, dense / 4 + experts / 2 / 2, dense / 4 + experts / 2 / 2))
+    # zero 3, ep 2: 4 experts a rank, their weights, gradients and moments over the 2 ranks holding them
+    assert states(Layout(dp_shard=4, zero=3, ep=2)) == pytest.approx(((dense + experts) / 4,) * 3)
     assert states(Layout(dp_shard=4, zero=3, ep=4)) == pytest.approx(((dense + experts) / 4,) * 3)  # none left
     assert states(Layout(dp_shard=4, zero=0, ep=2)) == pytest.approx((dense + experts / 2,) * 3)
     assert states(Layout(dp_shard=4, zero=2, ep=2)) == pytest.approx(

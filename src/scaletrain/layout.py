@@ -172,8 +172,8 @@ class Layout:
     @property
     def expert_zero(self) -> int:
         """The ZeRO stage of the experts' own engine under expert parallelism (over the
-        expert_dp ranks): the layout's, but at most 2 (ZeRO-3 leaves the experts whole)."""
-        return min(self.zero, 2)
+        expert_dp ranks): the layout's (parallel/expert_parallel.py: ExpertZero3 for 3)."""
+        return self.zero
 
     @property
     def token_ranks(self) -> int:

@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor, Shard
 from scaletrain.model.moe import MoE, expert_mlp
 from scaletrain.parallel.data_parallel import DataParallel
 from scaletrain.parallel.init import canonical_name
+from scaletrain.parallel.zero import ZeroDataParallel
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
@@ -100,7 +101,9 @@ def _by_expert(recv: torch.Tensor) -> torch.Tensor:
 
 def dispatch(m: MoE, group, ep: int, grad_scale: float, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """`MoE.run_experts` under expert parallelism: x (tokens, dim) grouped by expert, counts (experts,)
-    -> the experts' outputs in the same order, each group computed on the rank holding its expert."""
+    -> the experts' outputs in the same order, each group computed on the rank holding its expert.
+    Under ZeRO-3 (`m.expert_shards`, an ExpertZero3) the rank's experts are gathered for the
+    experts' matmuls and freed after them, forward and backward."""
     local = m.num_experts // ep
     send = counts.view(ep, local)  # [rank, its expert]: rows this rank sends
     recv = torch.empty_like(send)  # [source rank, my expert]: rows that arrive
@@ -109,11 +112,20 @@ def dispatch(m: MoE, group, ep: int, grad_scale: float, x: torch.Tensor, counts:
     # (the functional all-to-all: differentiable, its backward the reverse exchange)
     arrived = all_to_all_single_autograd(x.contiguous(), recv_sizes, send_sizes, group)
     order = _by_expert(recv)
+    shards = getattr(m, "expert_shards", None)
+    if shards is not None:
+        shards.gather(m)
     # each rank's expert gradient holds the tokens of all ep ranks; the ranks holding the same
     # experts average theirs: cp·tp/ep makes that the step's gradient (module docstring)
     weights = [_ScaleGrad.apply(w.to_local(), grad_scale).to(x.dtype) if w is not None else None
                for w in (m.w1, m.w2, m.w3)]
     y = expert_mlp(arrived[order], recv.sum(0), *weights)
+    if shards is not None and torch._C._current_graph_task_id() == -1:
+        # (a forward recomputed in backward, activation checkpointing, keeps them for the backward
+        # that follows; they are freed once their gradients are accumulated)
+        shards.free(m)
+        if y.requires_grad:  # backward needs the weights again: gathered before the experts' backward
+            y.register_hook(partial(shards.gather_for_backward, m))
     back = y[torch.argsort(order)]  # arrival order again: blocks (source, expert)
     return all_to_all_single_autograd(back.contiguous(), send_sizes, recv_sizes, group)
 
@@ -149,6 +161,70 @@ class ExpertAverage(DataParallel):
             offset += g.numel()
 
 
+class ExpertZero3(ZeroDataParallel):
+    """ZeRO-3 for the experts, over the ranks holding the same experts: ZeRO-2's sharded
+    gradients and optimizer state (bucketed reduce-scatter in backward), and the replicas'
+    storage freed except while a layer's experts compute — gathered from the shards for its
+    forward, freed after it, gathered again for its backward (a hook on the experts' output)
+    and freed once its gradients are accumulated. After the optimizer step nothing is gathered:
+    the next use gathers the updated shards. Between uses a rank holds 1/N of its experts'
+    weights, as FSDP would; at most one MoE layer's experts are whole at a time (plus the
+    copies autocast keeps for backward)."""
+
+    def __init__(self, chunks, mesh, *, dp_replicate: int, bucket_mb: float, master_dtype, params):
+        super().__init__(chunks, mesh, stage=2, dp_replicate=dp_replicate, bucket_mb=bucket_mb,
+                         master_dtype=master_dtype, params=params, own_shards=True)
+        self.zero = 3
+        self.slots_of: dict[int, list] = {}  # id(MoE module) -> its slots
+        by_param = {id(s.param): s for s in self.slots}
+        for c in chunks:
+            for m in c.modules():
+                if isinstance(m, MoE):
+                    self.slots_of[id(m)] = [by_param[id(w)] for w in (m.w1, m.w2, m.w3)
+                                            if w is not None and id(w) in by_param]
+                    m.expert_shards = self
+        for s in self.slots:  # freed after each backward that filled its gradient
+            s.param.register_post_accumulate_grad_hook(partial(_free_slot, s))
+            _free_slot(s)
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def gather(self, m: MoE) -> None:
+        """The layer's experts whole again, from every rank's shard (an all-gather over the
+        shard group; under HSDP the replicas hold the same shards)."""
+        for s in self.slots_of[id(m)]:
+            storage = s.data.untyped_storage()
+            if storage.nbytes():
+                continue  # already gathered (a recomputed forward, or backward right after forward)
+            storage.resize_(s.data.numel() * s.data.element_size())
+            local = s.shard.to_local()
+            mine = torch.zeros(s.chunk_rows, s.row_numel, dtype=s.data.dtype, device=s.data.device)
+            mine[:local.shape[0]] = local.reshape(local.shape[0], -1)
+            everyone = torch.empty(self.n * s.chunk_rows, s.row_numel, dtype=s.data.dtype, device=s.data.device)
+            dist.all_gather_into_tensor(everyone, mine, group=self.shard_group)
+            # written without bumping the version autograd checks: the values it saved are the ones
+            # gathered again
+            with torch.autograd._unsafe_preserve_version_counter(s.data):
+                s.data.view(s.rows, -1).copy_(everyone[:s.rows])
+
+    @torch.compiler.disable
+    def free(self, m: MoE) -> None:
+        for s in self.slots_of[id(m)]:
+            _free_slot(s)
+
+    @torch.compiler.disable
+    def gather_for_backward(self, m: MoE, grad: torch.Tensor) -> torch.Tensor:
+        self.gather(m)
+        return grad
+
+    def _gather_parameters(self) -> None:
+        """(ZeRO-1/2 gathers every replica after the step; here the next use does.)"""
+
+
+def _free_slot(slot, *_) -> None:
+    slot.data.untyped_storage().resize_(0)
+
+
 class ExpertParallelData(DataParallel):
     """The run's data parallelism under expert parallelism: `main`, the layout's engine for every
     parameter but the experts, and `experts`, the experts' engine over the ranks holding them."""
@@ -163,6 +239,14 @@ class ExpertParallelData(DataParallel):
     def named_optim_params(self):
         return [(n, p) for n, p in self.main.named_optim_params if id(p) not in self._ids] + \
             self.experts.named_optim_params
+
+    @property
+    def named_params(self):
+        """Under ZeRO-3 the experts' replicas are freed between uses: their shards stand for them."""
+        if not isinstance(self.experts, ExpertZero3):
+            return super().named_params
+        shards = {id(s.param): s.shard for s in self.experts.slots}
+        return [(n, shards.get(id(p), p)) for n, p in super().named_params]
 
     def micro_step(self, last: bool):
         stack = contextlib.ExitStack()
@@ -187,8 +271,6 @@ def expert_engine(main: DataParallel, chunks: list[nn.Module], expert_params: li
                   bucket_mb: float, master_dtype) -> ExpertParallelData:
     """`main` joined by the experts' engine: none when each rank's experts are its own (ep = dp),
     an average (zero 0), or ZeRO-1/2 over the expert mesh's dp_shard (and dp_replicate) ranks."""
-    from scaletrain.parallel.zero import ZeroDataParallel
-
     lay = rt.layout
     ids = {id(p) for p in expert_params}
     named = [(canonical_name(n), p) for c in chunks for n, p in c.named_parameters() if id(p) in ids]
@@ -196,6 +278,9 @@ def expert_engine(main: DataParallel, chunks: list[nn.Module], expert_params: li
         experts = ExpertAverage(named, None)
     elif lay.zero == 0:  # (local SGD / DiLoCo workers: within the worker; the workers sync every H steps)
         experts = ExpertAverage(named, rt.expert_mesh()["dp_shard" if lay.local_sync else "expert_dp"].get_group())
+    elif lay.expert_zero == 3:
+        experts = ExpertZero3(chunks, rt.expert_mesh(), bucket_mb=bucket_mb, master_dtype=master_dtype, params=named,
+                              dp_replicate=1 if lay.local_sync else lay.dp_replicate)
     else:
         experts = ZeroDataParallel(chunks, rt.expert_mesh(), stage=lay.expert_zero, bucket_mb=bucket_mb,
                                    dp_replicate=1 if lay.local_sync else lay.dp_replicate, master_dtype=master_dtype,

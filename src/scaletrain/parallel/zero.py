@@ -77,7 +77,7 @@ class ZeroDataParallel(DataParallel):
 
     def __init__(self, chunks: list[nn.Module], mesh: DeviceMesh, *, stage: int, dp_replicate: int,
                  bucket_mb: float, master_dtype: torch.dtype | None = None,
-                 params: list[tuple[str, nn.Parameter]] | None = None):
+                 params: list[tuple[str, nn.Parameter]] | None = None, own_shards: bool = False):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel handles stages 1 and 2, not {stage}")
         super().__init__(chunks)
@@ -109,7 +109,7 @@ class ZeroDataParallel(DataParallel):
             start, stop = min(rows, self.rank * chunk_rows), min(rows, (self.rank + 1) * chunk_rows)
             local = data.view(rows, -1)[start:stop].view(stop - start, *data.shape[1:])
             dtype = master_dtype or p.dtype
-            is_view = dtype == p.dtype
+            is_view = dtype == p.dtype and not own_shards  # (own_shards: the replicas are freed between uses)
             if not is_view:
                 local = local.to(dtype=dtype, copy=True)  # its own fp32 master copy
             mesh_of, where = self._placement(p, mesh, dp_replicate, placements)

@@ -240,10 +240,9 @@ def expert_sharding(wl: Workload, layout: Layout, sh: Sharding) -> Sharding:
     """How the engine holds the routed experts' model states: without ep like the other
     parameters. Under scaletrain's ep the experts have an engine of their own over the ranks
     holding the same experts (`scaletrain.parallel.expert_parallel.expert_engine`): none or an
-    average (zero 0, or one such rank), else ZeRO-1/2 over `expert_shard_ranks` — ZeRO-2 under
-    zero 3, whose FSDP leaves the experts out: their weights stay whole (in fp32, as FSDP's
-    are), their gradients and optimizer state sharded. Another engine's ZeRO shards them like
-    the others, over its own expert group."""
+    average (zero 0, or one such rank), else ZeRO at the layout's stage over `expert_shard_ranks`
+    (`Layout.expert_zero`; at zero 3 their weights are sharded too, gathered a layer at a time
+    as FSDP's are). Another engine's ZeRO shards them like the others, over its own expert group."""
     n = expert_shard_ranks(layout, wl.engine)
     if layout.ep == 1 and n == sh.n:
         return sh
