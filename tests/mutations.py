@@ -50,6 +50,9 @@ class Mutant:
 DP = "tests/test_data_parallel.py"
 MP = "tests/test_model_parallel.py"
 EP = "tests/test_expert_parallel.py"
+LSC = "tests/test_local_sgd_catch.py"
+RC = "tests/test_rampup_catch.py"
+MC = "tests/test_mixture_catch.py"
 
 MUTANTS = [
     Mutant("zero-no-dp-division", "ZeRO-1/2 bucket reduce without the 1/dp division",
@@ -208,6 +211,50 @@ MUTANTS = [
            "src/scaletrain/plan/calibrated_time.py",
            "        per_micro = layout.zero in (2, 3)", "        per_micro = False",
            ("tests/test_calibration.py::test_a_measured_engine_replaces_the_modelled_communication_and_optimizer_step",)),
+    # local SGD / DiLoCo, the batch ramp and mixtures where their boundaries land exactly
+    Mutant("local-sgd-int8-sender-scales", "the receiver decodes the int8 values it received with the scales it "
+           "sent, not those that came with them", "src/scaletrain/parallel/replica_average.py",
+           "_encode(_reduce_segment(received, received_scales, dtype, workers)",
+           "_encode(_reduce_segment(received, scales, dtype, workers)",
+           (f"{LSC}::test_int8_chunks_of_very_different_magnitudes_each_within_their_own_scale",
+            f"{LSC}::test_the_average_is_the_mean_bit_for_bit_where_the_format_carries_it[int8]")),
+    Mutant("local-sgd-int8-one-scale-per-segment", "int8 on the wire with one scale per worker's segment (its "
+           "largest value), not one per chunk", "src/scaletrain/parallel/replica_average.py",
+           "    scale = chunks.abs().amax(-1) / 127.0\n",
+           "    scale = chunks.abs().amax(-1).amax(-1, keepdim=True).expand(chunks.shape[:2]) / 127.0\n",
+           (f"{LSC}::test_int8_chunks_of_very_different_magnitudes_each_within_their_own_scale",
+            f"{LSC}::test_the_average_is_the_mean_bit_for_bit_where_the_format_carries_it[int8]")),
+    Mutant("diloco-nesterov-stale-look-ahead", "DiLoCo's Nesterov step looks ahead with the momentum before this "
+           "sync's pseudo-gradient is added to it", "src/scaletrain/parallel/local_sgd.py",
+           "                p.momentum.mul_(self.momentum).add_(delta)\n"
+           "                update = delta.add(p.momentum, alpha=self.momentum) if self.nesterov else p.momentum\n",
+           "                update = delta.add(p.momentum, alpha=self.momentum) if self.nesterov else p.momentum\n"
+           "                p.momentum.mul_(self.momentum).add_(delta)\n",
+           (f"{LSC}::test_every_outer_optimizer_takes_the_steps_worked_out_by_hand[diloco-nesterov-0.75]",
+            f"{LSC}::test_two_workers_step_on_their_mean_and_a_delayed_sync_adds_what_each_learnt")),
+    Mutant("rampup-threshold-reached-a-step-late", "the batch ramp grows one step after the tokens seen reach an "
+           "increment's threshold exactly", "src/scaletrain/schedule.py",
+           "steps = -(-need // (batch * seq_len * n))", "steps = need // (batch * seq_len * n) + 1",
+           (f"{RC}::test_each_steps_batch_where_the_tokens_land_on_a_threshold",
+            f"{RC}::test_the_first_threshold_reached_exactly_is_where_the_describe_line_says")),
+    Mutant("rampup-batch-reads-past-the-epoch-cut", "under a batch ramp, a step that runs past an epoch's end takes "
+           "the windows the epoch's cut to whole batches leaves out", "src/scaletrain/data/loader.py",
+           "take = min(count, per_epoch - within)", "take = count",
+           (f"{RC}::test_a_ramp_across_epoch_ends_reads_each_steps_windows_in_order",)),
+    Mutant("mix-permutation-kept-across-epochs", "a mixture's sampler that runs on keeps a source's first "
+           "permutation for its later epochs (one built at the step reads the right one)",
+           "src/scaletrain/data/mix.py",
+           "if cached is None or cached[0] != epoch:", "if cached is None:",
+           (f"{MC}::test_every_steps_windows_follow_the_definition_through_many_epochs_of_a_small_source",
+            f"{MC}::test_a_sampler_resumed_past_a_small_sources_epochs_reads_what_a_straight_one_does")),
+    Mutant("mix-epochs-in-one-order", "every epoch of a mixture's source read in the same order (the permutation "
+           "not seeded by the epoch)", "src/scaletrain/data/mix.py",
+           "np.random.default_rng([self.seed, d, int(epoch)])", "np.random.default_rng([self.seed, d])",
+           (f"{MC}::test_every_steps_windows_follow_the_definition_through_many_epochs_of_a_small_source",)),
+    Mutant("mix-weights-not-normalised", "a mixture's sampler takes its weights as shares of [0, 1), not as "
+           "proportions (weights 70, 20, 10 draw from the first source only)", "src/scaletrain/data/mix.py",
+           "int(round(c / cumulative[-1] * M))", "int(round(c * M))",
+           (f"{MC}::test_weights_summing_to_one_or_more_draw_the_same_windows_in_proportion",)),
 ]
 
 

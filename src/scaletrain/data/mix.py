@@ -123,16 +123,18 @@ def floor_sum(n: int, m: int, a: int, b: int) -> int:
 
 class MixSampler(StepSampler):
     """StepSampler over a MixDataset: step s's global batch of window ids from (seed, s) alone
-    (see the module's docstring); `drawn(step)` counts each source's windows before it."""
+    (see the module's docstring); `drawn(step)` counts each source's windows before it.
+    `weights`: one positive number per source, taken as proportions."""
 
     def __init__(self, dataset: MixDataset, weights, global_batch: int, micro_batch: int, grad_accum: int,
                  dp_rank: int, dp_size: int, seed: int, start_step: int = 0):
         super().__init__(max(len(dataset), global_batch), global_batch, micro_batch, grad_accum, dp_rank, dp_size,
                          seed, start_step)
         self.sizes, self.offsets = dataset.sizes, dataset.offsets
-        cumulative = np.concatenate([[0.0], np.cumsum(weights)])
-        self.bounds = [min(M, int(round(c * M))) for c in cumulative]  # source d holds x in [bounds[d], bounds[d+1])
-        self.bounds[-1] = M
+        # source d holds x in [bounds[d], bounds[d+1]): the weights as proportions, whatever they sum
+        # to; a bound inside stays below 2**64 (uint64) even where a share is too small to show
+        cumulative = np.cumsum(np.asarray(weights, dtype=np.float64))
+        self.bounds = [0, *(min(M - 1, int(round(c / cumulative[-1] * M))) for c in cumulative[:-1]), M]
         self.c = int.from_bytes(hashlib.sha256(f"scaletrain.mix:{seed}".encode()).digest()[:8], "big")
         self._perms: dict[int, tuple[int, np.ndarray]] = {}  # source -> (epoch, its permutation)
 
