@@ -138,6 +138,16 @@ MUTANTS = [
            "sum_gradients([p for _, p in named if id(p) not in self.exclude], self.group)",
            "sum_gradients([p for _, p in named], self.group)",
            (f"{EP}::test_parity_with_one_process[ep2xcp2-zero3]",)),
+    Mutant("ep-zero3-backward-without-regather", "under ZeRO-3 the experts freed after forward are not gathered "
+           "again for their backward", "src/scaletrain/parallel/expert_parallel.py",
+           "            y.register_hook(partial(shards.gather_for_backward, m))", "            pass",
+           (f"{EP}::test_parity_with_one_process[ep2xcp2-zero3]",
+            f"{EP}::test_parity_with_one_process[ep2xtp2-zero3]")),
+    Mutant("ep-zero3-shards-views-of-freed-replicas", "under ZeRO-3 the experts' shards are views into the replicas "
+           "whose storage is freed between uses", "src/scaletrain/parallel/zero.py",
+           "is_view = dtype == p.dtype and not own_shards", "is_view = dtype == p.dtype",
+           (f"{EP}::test_parity_with_one_process[ep2xcp2-zero3]",
+            f"{EP}::test_zero3_keeps_a_shard_of_the_experts_between_steps[ep2xcp2-zero3]")),
     Mutant("moe-bias-from-one-micro-batch", "the expert bias moves from the last micro-batch's load, not the step's",
            "src/scaletrain/model/moe.py",
            "                self.stats[:E] += routed", "                self.stats[:E] = routed",

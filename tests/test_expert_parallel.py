@@ -140,10 +140,10 @@ def reference(tmp_path_factory):
 
 
 def resharding_jobs(tmp) -> list[tuple[str, dict]]:
-    """Saved at ep 2 (ZeRO-1) at step 2, resumed at ep 4 (ZeRO-3) and saved at step 4, resumed
-    at ep 1 (DDP) for step 5: one job after the other in the same group."""
+    """Saved at ep 2 (ZeRO-3: the experts' shards) at step 2, resumed at ep 4 (ZeRO-3) and saved
+    at step 4, resumed at ep 1 (DDP) for step 5: one job after the other in the same group."""
     a, b = tmp / "save-ep2", tmp / "ep2-to-ep4"
-    return [("save-ep2", {"parallel.ep": 2, "parallel.zero": 1, "checkpoint.every": 2}),
+    return [("save-ep2", {"parallel.ep": 2, "parallel.zero": 3, "checkpoint.every": 2}),
             ("ep2-to-ep4", {"parallel.ep": 4, "parallel.zero": 3, "checkpoint.every": 4,
                             "checkpoint.resume": str(a / "checkpoints" / "step_00000002")}),
             ("ep4-to-ep1", {"parallel.ep": 1, "parallel.zero": 0,
