@@ -19,7 +19,7 @@ from scaletrain.model.transformer import Transformer, count_params
 from scaletrain.plan import plan
 from scaletrain.plan.activations import formula_activation_bytes
 from scaletrain.plan.memory_model import model_state_memory
-from scaletrain.plan.params import expert_params, rank_params
+from scaletrain.plan.params import expert_params, expert_shard_ranks, rank_params
 from scaletrain.plan.search import enumerate_layouts
 from scaletrain.plan.spec import Cluster, Layout, Workload
 from scaletrain.plan.time_model import ep_traffic, estimate_time
@@ -81,10 +81,10 @@ def test_moe_block_activations_match_the_real_layers_saved_tensors(extra, precis
 
 
 def test_expert_states_split_by_ep_then_sharded_over_the_rest():
-    """Each rank holds E/ep experts; the dp_shard / ep ranks holding the same ones shard them by
-    the experts' own engine (parallel/expert_parallel.py) at the layout's stage: gradients and
-    optimizer state at ZeRO-1/2, the weights too at ZeRO-3. The other parameters as without
-    experts (ZeRO over dp_shard)."""
+    """Each rank holds E/ep experts; the dp_shard × cp × tp / ep ranks holding the same ones
+    shard them by the experts' own engine (parallel/expert_parallel.py) at the layout's stage:
+    gradients and optimizer state at ZeRO-1/2, the weights too at ZeRO-3. The other parameters
+    as without experts (ZeRO over dp_shard)."""
     cfg = ModelConfig(**MOE)
     wl = Workload(seq_len=64, global_batch=8, precision="32-true")
     experts = 3 * 8 * expert_params(cfg)  # 3 MoE blocks of 8
@@ -106,6 +106,15 @@ def test_expert_states_split_by_ep_then_sharded_over_the_rest():
     with_ep, without = Layout(dp_shard=8, zero=1, ep=4), Layout(dp_shard=8, zero=1)
     assert states(without)[0] - states(with_ep)[0] == pytest.approx(experts * 3 / 4)
     assert states(without)[2] == pytest.approx(states(with_ep)[2])
+    # ep borrows the cp ranks too: the experts' shards over dp_shard × cp / ep, the rest's over dp_shard
+    assert expert_shard_ranks(Layout(dp_shard=2, cp=2, zero=2, ep=2)) == 2
+    assert states(Layout(dp_shard=2, cp=2, zero=2, ep=2)) == pytest.approx(
+        (dense + experts / 2, dense / 2 + experts / 4, dense / 2 + experts / 4))
+    assert states(Layout(dp_shard=2, cp=2, zero=2, ep=4)) == pytest.approx(
+        (dense + experts / 4, dense / 2 + experts / 4, dense / 2 + experts / 4))  # none left to shard over
+    # and the tp ranks (which split the dense weights, not the experts)
+    assert expert_shard_ranks(Layout(dp_shard=4, tp=2, zero=1, ep=2)) == 4
+    assert expert_shard_ranks(Layout(dp_shard=2, dp_replicate=2, tp=2, cp=2, zero=3, ep=8)) == 1
 
 
 def test_all_to_all_volume_and_time_and_the_expert_load():
@@ -127,19 +136,55 @@ def test_all_to_all_volume_and_time_and_the_expert_load():
     t2 = estimate_time(cfg, dataclasses.replace(wl, moe_imbalance=2.0), lay, cluster)
     assert t2.ep_comm_s == pytest.approx(2 * volume / bw + latency, rel=1e-6)
     assert t2.compute_s > t1.compute_s
+    # ep over cp and tp ranks: each rank sends its own tokens, 1/(cp·tp) of the sequences, sp or not
+    for sp in (True, False):
+        over = Layout(dp_shard=2, cp=2, tp=2, sp=sp, zero=1, ep=8, micro_batch=2, grad_accum=2)
+        assert ep_traffic(cfg, wl, over) == (buffer / 4, 4)
+        assert estimate_time(cfg, wl, over, cluster).ep_comm_s == pytest.approx(volume / 4 / bw + latency, rel=1e-6)
     flat = Layout(dp_shard=8, zero=1, micro_batch=2, grad_accum=2)
     assert estimate_time(cfg, wl, flat, cluster).ep_comm_s == 0.0
     assert estimate_time(cfg, dataclasses.replace(wl, moe_imbalance=2.0), flat, cluster) == \
         estimate_time(cfg, wl, flat, cluster)
 
 
+def test_tp_collectives_of_a_moe_block():
+    """scaletrain's MoE half runs no tp collective under sp (each rank routes the shard it
+    holds); without sp it slices the replicated input and all-gathers the output forward, and
+    all-gathers the input's gradient backward: one all-reduce's volume, where a dense MLP has
+    two. Once per step the router's and shared experts' gradients are summed over tp."""
+    from scaletrain.plan.params import moe_block_split
+    from scaletrain.plan.time_model import tp_collectives
+
+    sp, no_sp = Layout(dp_shard=4, tp=2, sp=True), Layout(dp_shard=4, tp=2)
+    wl = Workload(seq_len=2048, global_batch=8)
+    assert [tp_collectives(wl, lay, 1, 2) for lay in (sp, no_sp)] == [4 + 2 * 2, 4 + 2 * 3]
+    megatron = dataclasses.replace(wl, engine="megatron")
+    assert tp_collectives(megatron, sp, 1, 2) == tp_collectives(megatron, no_sp, 1, 2) == 12
+    cfg = ModelConfig(**{**MOE, "dim": 512, "moe_hidden": 1024, "n_heads": 8, "max_seq_len": 2048,
+                         "moe_shared_experts": 1})
+    cluster = Cluster(lookup("H100-SXM"), 1, 8)
+    for lay, calls in ((sp, 3 * 2), (no_sp, 3 * 3)):  # 3 MoE blocks
+        lay = dataclasses.replace(lay, ep=2, micro_batch=2, grad_accum=1)
+        bw = lookup("H100-SXM").intra_node_GBps * 0.75e9
+        # an all-reduce over 2 ranks: 2(n-1)/n = 1 of the micro-batch's bf16 activations, or of the
+        # fp32 gradients (the routed experts are ep's, not summed over tp)
+        per_collective = 2 * 2048 * 512 * 2 / bw
+        summed = 3 * moe_block_split(cfg)[1] * 4 / bw
+        assert estimate_time(cfg, wl, lay, cluster).tp_comm_s == pytest.approx(
+            (calls + 2) * per_collective + summed, rel=1e-6)
+
+
 def test_the_search_tries_ep_sizes_that_divide_the_experts_and_the_ranks():
+    """ep divides the experts and the dp_shard × cp × tp ranks it borrows from."""
     cluster = Cluster(lookup("H100-SXM"), 1, 8)
     wl = Workload(seq_len=2048, global_batch=8)
 
     def sizes(cfg):
         return {lay.ep for lay in enumerate_layouts(cfg, wl, cluster, max_micro_batch=1)}
 
+    layouts = list(enumerate_layouts(ModelConfig(**MOE), wl, cluster, max_micro_batch=1))
+    assert all(lay.dp_shard * lay.cp * lay.tp % lay.ep == 0 for lay in layouts)
+    assert {(lay.dp_shard, lay.tp, lay.ep) for lay in layouts} >= {(1, 4, 4), (2, 4, 8), (2, 2, 4), (4, 2, 8)}
     assert sizes(ModelConfig(**MOE)) == {1, 2, 4, 8}
     assert sizes(ModelConfig(**{**MOE, "moe_experts": 6})) == {1, 2}
     assert sizes(ModelConfig(**{k: v for k, v in MOE.items() if not k.startswith("moe")})) == {1}
@@ -181,3 +226,18 @@ def test_a_published_moe_run_states_its_assumptions():
     assert "published figures force-balance the router" in out
     assert "Expert parallel 8: each rank holds 16 of 128 experts" in out
     assert "expert all-to-all" in out
+
+
+def test_the_plan_says_where_ep_borrows_its_ranks():
+    """Where ep spans tp or cp ranks, the plan's words say so (each routes its own tokens);
+    within dp_shard they stay as they were."""
+
+    def ep_line(**layout):
+        r = plan(ModelConfig(**MOE), hardware="H100-SXM", gpus_per_node=4, seq_len=64, global_batch=8, top_k=1,
+                 layout={"zero": 1, **layout})
+        return next(line for line in r["explanation"] if line.startswith("Expert parallel"))
+
+    assert ep_line(tp=2, ep=4).startswith("Expert parallel 4 (ranks borrowed from dp_shard 2 × tp 2: each tp rank "
+                                          "routes its own sequence shard): each rank holds 2 of 8 experts (unsharded)")
+    assert "ZeRO-1 over the 2 ranks holding the same ones" in ep_line(tp=2, ep=2)
+    assert ep_line(ep=2).startswith("Expert parallel 2: each rank holds 4 of 8 experts (ZeRO-1 over the 2 ranks")

@@ -19,9 +19,9 @@ the tp ranks') partial gradients are summed. An expert's gradient on its rank al
 tokens of its whole ep group; the ranks holding the same experts (dp × cp × tp / ep of them,
 `Layout.expert_dp`) average theirs. So the expert weights' gradient is scaled by cp × tp / ep
 on its way back (`_ScaleGrad`), and the experts' engine averages over the ranks holding the
-same experts: an all-reduce (zero 0), or ZeRO-1/2's engine on the expert mesh (zero 1, 2; under
-zero 3 the experts are ZeRO-2: whole on their ep ranks, gradients and optimizer state sharded
-over the others). The cp and tp gradient sums leave the experts alone; the non-expert
+same experts: an all-reduce (zero 0), ZeRO-1/2's engine on the expert mesh (zero 1, 2), or at
+zero 3 `ExpertZero3`, which shards the weights too and gathers a layer's experts only while they
+compute (FSDP's blocks leave the experts out). The cp and tp gradient sums leave the experts alone; the non-expert
 parameters keep their engine (DDP, ZeRO, FSDP), which leaves the experts alone too. The
 gradient norm counts each expert once: its gradient is a DTensor sharded over ep (and the ZeRO
 shards), summed over those axes only.

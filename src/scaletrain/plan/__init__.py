@@ -173,7 +173,8 @@ def moe_lines(cfg, wl: Workload, cluster: Cluster, best: Evaluated, result: dict
         zero = lay.expert_zero if wl.engine == "scaletrain" else lay.zero
         held = (f"ZeRO-{zero} over the {n} ranks holding the same ones" +
                 (", their weights whole" if lay.zero == 3 and zero == 2 else "")) if zero and n > 1 else "unsharded"
-        lines.append(f"Expert parallel {lay.ep}: each rank holds {cfg.moe_experts // lay.ep} of {cfg.moe_experts} "
+        lines.append(f"Expert parallel {lay.ep}{ep_ranks_words(lay)}: each rank holds {cfg.moe_experts // lay.ep} of "
+                     f"{cfg.moe_experts} "
                      f"experts ({held}); {calls} "
                      f"all-to-alls per MoE block and micro-batch of {buffer * (lay.ep - 1) / lay.ep / 2**20:.1f} MiB "
                      f"each leaving a rank cost {1e3 * t.ep_comm_s:.0f} ms per step on the critical path.")
@@ -184,6 +185,23 @@ def moe_lines(cfg, wl: Workload, cluster: Cluster, best: Evaluated, result: dict
                          f"{with_ep.time.tokens_per_s:,.0f} tokens/s, its all-to-alls "
                          f"{1e3 * with_ep.time.ep_comm_s:.0f} ms per step.")
     return lines
+
+
+def ep_ranks_words(lay) -> str:
+    """Where expert parallelism's ranks come from, in words, where they span cp or tp ranks
+    ("" within dp_shard): each ep group is ep neighbours of a replica group's dp_shard × cp × tp
+    ranks, tp innermost (`Layout.build_expert_mesh`), each rank routing tokens of its own."""
+    spans, inner = [], 1
+    for name, size in (("tp", lay.tp), ("cp", lay.cp), ("dp_shard", lay.dp_shard)):
+        if size > 1 and inner < lay.ep:
+            spans.append((name, min(size, -(-lay.ep // inner))))
+            inner *= size
+    borrowed = {name for name, _ in spans}
+    if not borrowed & {"tp", "cp"}:
+        return ""
+    whose = "; ".join(w for a, w in (("tp", "each tp rank routes its own sequence shard"),
+                                     ("cp", "each cp rank routes its own chunks of the sequences")) if a in borrowed)
+    return f" (ranks borrowed from {' × '.join(f'{n} {k}' for n, k in reversed(spans))}: {whose})"
 
 
 def calibrated(cfg, wl: Workload, cluster: Cluster, layouts: list[Layout] | None, gpu: bool, measure) -> Cluster:

@@ -106,7 +106,7 @@ def _scaletrain_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp:
         mm_out = 2 * b * s * h * d.compute  # wo and w2 outputs (before their reduction)
         ffn = (n_ffn - 1) * b * s * f / tp * d.compute
         if moe:  # the grouped matmuls are recomputed; the router's and the shared experts' matmuls kept
-            n, shared = b * s_loc, cfg.moe_shared_experts * cfg.expert_hidden
+            n, shared = b * s / tp, cfg.moe_shared_experts * cfg.expert_hidden  # the tokens this rank routes
             mm_out = b * s * h * d.compute + n * cfg.moe_experts * d.compute
             ffn = n * ((n_ffn - 1) * shared + h) * d.compute if shared else 0.0
         return x + qkv + attn_out + lse + mm_out + ffn
@@ -149,8 +149,12 @@ def mlp_half_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp
 
 def moe_half_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp: int, ep: int = 1) -> float:
     """`mlp_half_bytes` of a mixture-of-experts block (`scaletrain.model.moe.MoE`), for the n
-    tokens a rank routes (its sequence shard under sp) and the n·k routed copies of them (top_k
-    each; under expert parallelism the busiest rank's experts take `expert_load` times the mean):
+    tokens a rank routes and the n·k routed copies of them (top_k each; under expert parallelism
+    the busiest rank's experts take `expert_load` times the mean). Under tp every rank routes its
+    own sequence shard, 1/tp of its cp chunk's tokens, with or without sp (without, the block
+    slices the replicated input into a contiguous copy before the MoE and all-gathers the output
+    after it, neither saving anything for backward: parallel/tensor_parallel.py); the residual,
+    the norm's tensors and the dropout mask are the residual stream's, replicated without sp:
 
     * per token: the router's input (fp32 in every mode; autocast makes a compute-dtype copy per
       shared-expert matrix), its fp32 scores (softmax or sigmoid output), the logits and
@@ -170,12 +174,12 @@ def moe_half_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp
     """
     d = Dtypes.of(wl.precision)
     s, h, c = wl.seq_len / cp, cfg.dim, d.compute
-    s_loc = s / tp if sp else s
-    n = b * s_loc
+    s_loc = s / tp if sp else s  # the residual stream's tokens on this rank
+    n = b * s / tp  # the tokens this rank routes
     E, k, he = cfg.moe_experts, cfg.moe_top_k, cfg.expert_hidden
     n_ffn = 3 if cfg.activation == "swiglu" else 2
     shared = cfg.moe_shared_experts * he
-    residual = n * h * d.residual if _norm_keeps_input(cfg, d) else 0.0
+    residual = b * s_loc * h * d.residual if _norm_keeps_input(cfg, d) else 0.0
     # the router's input is fp32 in every mode (the block's input itself when that is fp32, else an
     # fp32 copy); under autocast each shared-expert matrix makes its own compute-dtype copy, without
     # it a compute-dtype input is kept by them as it is
@@ -187,7 +191,7 @@ def moe_half_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp
     inner = (2 if cfg.activation == "gelu" else 4) * he * c
     experts = arrived * (h * c + inner + (2 * 8 if ep > 1 else 0)) + 2 * n * k * h * c
     shared_ffn = (2 if cfg.activation == "gelu" else 4) * n * shared * c
-    mask = n * h if cfg.dropout > 0 else 0.0
+    mask = b * s_loc * h if cfg.dropout > 0 else 0.0
     inputs = residual + _norm_extra(cfg, d, b, s_loc) + n * h * 4 + shared_copies * n * h * c
     return inputs + router + routing + experts + shared_ffn + mask
 

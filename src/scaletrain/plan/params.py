@@ -115,16 +115,15 @@ class ParamCounts:
 def expert_shard_ranks(layout: Layout, engine: str = "scaletrain") -> int:
     """Ranks each routed expert's model states are sharded over by ZeRO. Without expert
     parallelism the experts are parameters like the others (`Layout.shard_ranks`; replicated
-    over tp: experts are not split by it). With ep, scaletrain splits them over ep ranks
-    borrowed from dp_shard (`Layout.build_expert_mesh`), each holding E/ep experts, which the
-    other dp_shard / ep ranks of the replica group hold alike and shard (the experts' own
-    engine, `scaletrain.parallel.expert_parallel.expert_engine`); the engines the planner
-    compares against borrow them from dp_shard × cp × tp."""
+    over tp: experts are not split by it). With ep, every engine here splits them over ep ranks
+    borrowed from the dp_shard × cp × tp ranks of a replica group (scaletrain's
+    `Layout.build_expert_mesh`, as torchtitan's dp2ep), each holding E/ep experts, which the
+    other dp_shard × cp × tp / ep ranks of the group hold alike and shard (scaletrain's
+    experts' own engine, `scaletrain.parallel.expert_parallel.expert_engine`); the
+    dp_replicate groups hold copies of those shards."""
     if layout.ep == 1:
         return layout.shard_ranks(engine)
-    if engine == "scaletrain":
-        return max(1, layout.dp_shard // layout.ep)
-    return max(1, layout.dp_shard * layout.cp * layout.tp // layout.ep)
+    return max(1, layout.dp_shard * layout.token_ranks // layout.ep)
 
 
 def expert_params(cfg: ModelConfig) -> int:

@@ -73,7 +73,8 @@ def layout_errors(cfg: ModelConfig, wl: Workload, cluster: Cluster, layout: Layo
 
 def _ep_sizes(cfg: ModelConfig, borrowed: int) -> list[int]:
     """The expert-parallel sizes the search tries: those dividing the experts and the ranks they
-    borrow (`Layout.errors` says which compose with the rest of the layout)."""
+    borrow, a replica group's dp_shard × cp × tp (`Layout.errors` says which compose with the
+    rest of the layout)."""
     return [ep for ep in _divisors(borrowed) if cfg.moe_experts % ep == 0] if cfg.moe_experts else [1]
 
 
@@ -126,7 +127,7 @@ def _layouts(cfg, wl, cluster, cp, max_micro_batch, offload, sync=None):
                                 for off in ((False, True) if (offload and zero == 3) else (False,)):
                                     for how in syncs:
                                         for method in methods:
-                                            for ep in _ep_sizes(cfg, dp_shard):
+                                            for ep in _ep_sizes(cfg, dp_shard * cp * tp):
                                                 yield Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
                                                              pp=pp, cp=cp, cp_method=method, ep=ep, zero=zero,
                                                              sp=tp > 1, pp_schedule=schedule,

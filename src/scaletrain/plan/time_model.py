@@ -18,15 +18,23 @@
 * Data-parallel communication overlaps with backward (DDP, ZeRO-1/2: only the last
   micro-batch's backward, when gradients are reduced) or with all of forward and backward
   (ZeRO-3 prefetch), up to `OVERLAP` of that compute; the rest is exposed.
-* Tensor-parallel collectives sit on the critical path: four per layer per micro-batch.
-* A mixture of experts: the routed experts' matmuls (top_k per token) at the efficiency of
+* Tensor-parallel collectives sit on the critical path: four per layer per micro-batch (ring
+  volumes of an all-reduce of the layer's activations, or its all-gather and reduce-scatter
+  under sp). scaletrain's mixture-of-experts block has attention's two; its MoE half none
+  under sp (each rank routes the sequence shard it holds), and without sp one all-gather of the
+  output forward and one of the input's gradient backward (each rank routes a slice of the
+  replicated input); and once per step the router's and shared experts' gradients summed over
+  tp (`SequenceShardedMoEStep`).
+* A mixture of experts: a rank routes its share of its tokens (`routed_share`: under
+  scaletrain's tp each rank its own sequence shard, with or without sp); the router's and
+  shared experts' matmuls on those, the routed experts' (top_k per token) at the efficiency of
   their groups' rows (tokens × top_k / experts, over the ep ranks' tokens); under expert
   parallelism four all-to-alls per MoE block and micro-batch (dispatch and combine, forward and
-  backward; two more when full checkpointing recomputes the forward), each moving
-  tokens × top_k × dim in the compute dtype × (ep-1)/ep over the ep group, on the critical
-  path. The busiest ep rank computes and receives `Workload.moe_imbalance` (max / mean load)
-  times the mean; the routed experts' gradients are reduced and stepped over their own group
-  (`expert_shard_ranks`).
+  backward; two more when full checkpointing recomputes the forward), each moving the routed
+  tokens × top_k × dim in the compute dtype × (ep-1)/ep over the ep group (neighbouring
+  ranks: tp first, then cp, then dp_shard), on the critical path. The busiest ep rank computes
+  and receives `Workload.moe_imbalance` (max / mean load) times the mean; the routed experts'
+  gradients are reduced and stepped over their own group (`expert_shard_ranks`).
 * The bubble fraction comes from the schedule's simulated timeline (`scaletrain schedule`).
 * The optimizer step reads and writes every state byte once, at the device's memory bandwidth.
 * Workers in sites joined by a slow link (`Cluster.workers`, `workers_link_GBps`): a ring that
@@ -52,6 +60,7 @@ from scaletrain.plan.params import (
     block_of_kind,
     dtypes_for,
     engine_of,
+    expert_params,
     expert_shard_ranks,
     moe_block_split,
     rank_blocks,
@@ -201,14 +210,36 @@ def cp_traffic(cfg: ModelConfig, wl: Workload, layout: Layout) -> list[tuple[str
     return [("send_recv", kv, 3 * (n - 1), PIPELINE_SEND_EXPOSED)]
 
 
+def routed_share(wl: Workload, layout: Layout) -> int:
+    """Over how many ranks a data-parallel rank's tokens are routed through a mixture of experts,
+    each rank routing its share: scaletrain's cp × tp (`Layout.token_ranks`: under tp each rank
+    routes its own sequence shard, with or without sp, parallel/tensor_parallel.py); for the
+    engines compared against, cp, times tp under sp (without it each tp rank routes them all)."""
+    if wl.engine == "scaletrain":
+        return layout.token_ranks
+    return layout.cp * (layout.tp if layout.sp else 1)
+
+
 def ep_traffic(cfg: ModelConfig, wl: Workload, layout: Layout) -> tuple[float, int]:
     """One MoE block's expert-parallel exchange for one micro-batch: (the bytes one all-to-all
     carries from a rank, as `scaletrain bench comms` counts its buffer: the rank's routed
-    tokens × top_k × dim in the compute dtype; the calls: dispatch and combine, forward and
-    backward, and again in the forward that full checkpointing recomputes)."""
-    tokens = layout.micro_batch * wl.seq_len / layout.cp / (layout.tp if layout.sp else 1)
+    tokens (`routed_share`) × top_k × dim in the compute dtype; the calls: dispatch and
+    combine, forward and backward, and again in the forward that full checkpointing recomputes)."""
+    tokens = layout.micro_batch * wl.seq_len / routed_share(wl, layout)
     buffer = tokens * cfg.moe_top_k * cfg.dim * dtypes_for(wl).compute
     return buffer, 4 + (2 if layout.activation_checkpointing == "full" else 0)
+
+
+def tp_collectives(wl: Workload, layout: Layout, dense: int, moe: int) -> float:
+    """Tensor-parallel collectives of `dense` and `moe` blocks for one micro-batch, in all-reduces
+    of one micro-batch's activations (an all-gather or a reduce-scatter is half of one): a
+    block's attention and MLP halves each reduce forward and backward (under sp each gathers
+    and scatters). scaletrain's MoE half is not split by tp: under sp it routes the shard it
+    holds (none), without sp it slices the replicated input and gathers its output forward, and
+    gathers the input's gradient backward (one)."""
+    if wl.engine != "scaletrain":
+        return 4.0 * (dense + moe)
+    return 4.0 * dense + (2.0 if layout.sp else 3.0) * moe
 
 
 def expert_load(wl: Workload, layout: Layout) -> float:
@@ -235,7 +266,7 @@ def compute_seconds(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clu
     routed_s = 0.0
     if moe_layers:  # attention split by tp; router, shared and routed experts on the rank's tokens
         attention, whole, routed = moe_block_split(cfg)
-        moe_tokens = tokens / (layout.tp if layout.sp else 1)
+        moe_tokens = tokens * layout.cp / routed_share(wl, layout)  # the tokens this rank routes
         linear += 6.0 * moe_layers * (attention * tokens / layout.tp + whole * moe_tokens)
         rows = moe_tokens / layout.grad_accum * layout.ep * cfg.moe_top_k / cfg.moe_experts  # an expert's group
         eta_e = hardware_efficiency(hw) * _shape_factor(rows) * _shape_factor(min(cfg.dim, cfg.expert_hidden))
@@ -258,7 +289,7 @@ def compute_seconds(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clu
     if moe_layers:  # a mixture's routed copies (gathered, weighted, added back) and its experts' activation
         n_ffn = 3 if cfg.activation == "swiglu" else 2
         routed_fwd = cfg.moe_top_k * expert_load(wl, layout) * (n_ffn * cfg.expert_hidden + 4 * cfg.dim) * d.compute
-        traffic += 3 * moe_layers * tokens * (routed_fwd - n_ffn * cfg.hidden_dim * d.compute / layout.tp)
+        traffic += 3 * moe_layers * (moe_tokens * routed_fwd - tokens * n_ffn * cfg.hidden_dim * d.compute / layout.tp)
     if head:  # the loss: fp32 logits written, softmax read and written, forward and backward
         traffic += 4 * 4 * cfg.vocab_size / layout.tp * tokens
     if not wl.compile and wl.engine == "scaletrain" and cfg.norm == "rmsnorm":  # LayerNorm is one kernel
@@ -296,12 +327,19 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
     act = layout.micro_batch * wl.seq_len / layout.cp * cfg.dim * d.compute  # one micro-batch's hidden states
     # tensor parallel: an all-reduce (or all-gather + reduce-scatter) of the activations after
     # attention and after the MLP, forward and backward, in every layer of this rank
+    # (`tp_collectives`: fewer in scaletrain's MoE blocks), and the MoE weights' gradient sum
     tp_bw = _group_link_GBps(cluster, 1, layout.tp) * 1e9
     layers_here = max(counts)
     tp_comm = 0.0
     if layout.tp > 1:
         per_collective = 2 * (layout.tp - 1) / layout.tp * act / tp_bw
-        tp_comm = 4 * layers_here * m * per_collective + 2 * m * per_collective  # + embedding/head
+        collectives = max(tp_collectives(wl, layout, counts[r] - moe_counts[r], moe_counts[r])
+                          for r in range(layout.pp))
+        tp_comm = collectives * m * per_collective + 2 * m * per_collective  # + embedding/head
+        if wl.engine == "scaletrain" and max(moe_counts):  # SequenceShardedMoEStep, once per step
+            # the router's and shared experts' gradients, and the routed experts' unless ep holds them
+            summed = moe_block_split(cfg)[1] + (cfg.moe_experts * expert_params(cfg) if layout.ep == 1 else 0)
+            tp_comm += 2 * (layout.tp - 1) / layout.tp * summed * max(moe_counts) * d.grad / tp_bw
 
     # context parallel: each layer's exchange of keys and values (or, under ulysses, of every
     # projection) per micro-batch, forward and backward (`cp_traffic`)
