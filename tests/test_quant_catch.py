@@ -29,8 +29,8 @@ from conftest import micro_cfg  # noqa: E402
 SCHEMES = {"int8-dynamic": (8, None), "int8-int4": (4, 32)}
 LINEARS = ("layers.0.attn.wq", "layers.0.attn.wo", "layers.0.mlp.w1", "layers.0.mlp.w2")
 # a QAT linear's output against the PTQ linear's, relative (measured 0 for int8-int4, 1.7e-7 for
-# int8-dynamic, whose int8 matmul accumulates in another order); activations rounded with another
-# symmetry move it by ~1e-2
+# int8-dynamic, whose int8 matmul accumulates in another order); activations left unrounded
+# move it by 5e-3 (measured: 519x)
 OUTPUT_TOLERANCE = 1e-5
 
 
@@ -130,12 +130,14 @@ def test_qat_rounds_activations_as_ptq_and_its_linears_give_ptq_outputs(converte
         x = torch.randn(2, 16, n, generator=g) * torch.logspace(-1, 1, 16).unsqueeze(-1) + \
             torch.linspace(-0.5, 1.0, 16).unsqueeze(-1)
         with torch.no_grad():
-            activations = fake_linear.activation_fake_quantizer(x)
             got, want = fake_linear(x), linear(x)
-        assert torch.equal(activations, asymmetric_per_token(x)), f"{scheme} {name}: QAT's activation rounding"
         err = float((got - want).norm() / want.norm())
         assert err <= OUTPUT_TOLERANCE, (f"{scheme} {name}: the QAT linear's output is {err:.3g} off the PTQ linear's "
                                          f"({err / OUTPUT_TOLERANCE:.3g}x tolerance)")
+        assert fake_linear.activation_fake_quantizer is not None, f"{scheme} {name}: activations not fake-quantized"
+        with torch.no_grad():
+            activations = fake_linear.activation_fake_quantizer(x)
+        assert torch.equal(activations, asymmetric_per_token(x)), f"{scheme} {name}: QAT's activation rounding"
 
 
 # ------------------------------------------------------------------------------------------
