@@ -53,6 +53,8 @@ EP = "tests/test_expert_parallel.py"
 LSC = "tests/test_local_sgd_catch.py"
 RC = "tests/test_rampup_catch.py"
 MC = "tests/test_mixture_catch.py"
+QC = "tests/test_quant_catch.py"
+CC = "tests/test_calibrated_comm.py"
 
 MUTANTS = [
     Mutant("zero-no-dp-division", "ZeRO-1/2 bucket reduce without the 1/dp division",
@@ -194,7 +196,7 @@ MUTANTS = [
             f"{MP}::test_parity_with_one_process[cp4-ulysses-llama]")),
     Mutant("cp-grads-not-summed", "the context-parallel ranks' gradients never summed (each steps on its own "
            "tokens' share)", "src/scaletrain/parallel/context_parallel.py",
-           "        sum_gradients([p for _, p in named], self.group)\n", "        pass\n",
+           "        sum_gradients([p for _, p in named if id(p) not in self.exclude], self.group)\n", "        pass\n",
            (f"{MP}::test_parity_with_one_process[cp2-ring]", f"{MP}::test_parity_with_one_process[dp2xcp2-zero3]")),
     Mutant("tp-replicated-kv-grads-not-summed", "with fewer K/V heads than tp, the replicated wk/wv gradients are "
            "not summed over the tp ranks", "src/scaletrain/parallel/tensor_parallel.py",
@@ -265,6 +267,61 @@ MUTANTS = [
            "proportions (weights 70, 20, 10 draw from the first source only)", "src/scaletrain/data/mix.py",
            "int(round(c / cumulative[-1] * M))", "int(round(c * M))",
            (f"{MC}::test_weights_summing_to_one_or_more_draw_the_same_windows_in_proportion",)),
+    # QAT's rounding against PTQ's, value for value and by hand (tests/test_quant_catch.py)
+    Mutant("qat-int8-weights-asymmetric", "QAT (int8-dynamic) rounds weights asymmetrically, PTQ symmetrically",
+           "src/scaletrain/quant/qat.py",
+           'weight = IntxFakeQuantizeConfig(torch.int8, "per_channel", is_symmetric=True)',
+           'weight = IntxFakeQuantizeConfig(torch.int8, "per_channel", is_symmetric=False)',
+           (f"{QC}::test_qat_trains_against_the_weight_ptq_stores[int8-dynamic]",)),
+    Mutant("qat-int4-groups-of-64", "QAT (int8-int4) gives each 64 inputs one weight scale, PTQ each 32",
+           "src/scaletrain/quant/qat.py",
+           'return QATConfig(torchao_config(scheme), step="prepare")',
+           'return QATConfig(activation_config=IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False), '
+           'weight_config=IntxFakeQuantizeConfig(torch.int4, group_size=64, is_symmetric=True), step="prepare")',
+           (f"{QC}::test_qat_trains_against_the_weight_ptq_stores[int8-int4]",)),
+    Mutant("qat-activations-not-quantized", "QAT (int8-dynamic) fake-quantizes the weights only, PTQ the "
+           "activations too", "src/scaletrain/quant/qat.py",
+           "return QATConfig(activation_config=act, weight_config=weight",
+           "return QATConfig(activation_config=None, weight_config=weight",
+           (f"{QC}::test_qat_rounds_activations_as_ptq_and_its_linears_give_ptq_outputs[int8-dynamic]",)),
+    Mutant("qat-eval-without-fake-quantizers", "a QAT run evaluates with its fake quantizers switched off",
+           "src/scaletrain/train/evaluate.py",
+           "        m.eval()  # no dropout\n",
+           "        m.eval()  # no dropout\n"
+           "        m.apply(__import__('torchao.quantization.qat.linear', fromlist=['_']).disable_linear_fake_quant)\n",
+           (f"{QC}::test_a_qat_model_is_evaluated_through_its_fake_quantizers",)),
+    Mutant("qat-checkpoint-evaluated-plain", "scaletrain eval of a QAT checkpoint runs it without fake quantizers",
+           "src/scaletrain/train/evaluate.py",
+           "            prepare_qat(model, cfg.train.qat)\n", "            pass\n",
+           (f"{QC}::test_a_qat_model_is_evaluated_through_its_fake_quantizers",)),
+    # the planner's collectives, each engine's derived by hand (tests/test_calibrated_comm.py)
+    Mutant("calibrated-zero-gather-as-all-reduce", "ZeRO-1/2's weight all-gather priced as an all-reduce",
+           "src/scaletrain/plan/calibrated_time.py",
+           'gather = cal.collective_s("all_gather", params * max(d.param, 4), n_shard, calls=buckets)',
+           'gather = cal.collective_s("all_reduce", params * max(d.param, 4), n_shard, calls=buckets)',
+           (f"{CC}::test_each_engines_communication_is_the_calibrated_collectives_by_hand[zero1]",
+            f"{CC}::test_each_engines_communication_is_the_calibrated_collectives_by_hand[zero2-accum]")),
+    Mutant("calibrated-fsdp-gathers-fp32", "FSDP's gathers priced in the stored dtype (fp32), not the compute dtype",
+           "src/scaletrain/plan/calibrated_time.py",
+           'gather = 2 * cal.collective_s("all_gather", params * d.compute, n_shard, calls=units + 1)',
+           'gather = 2 * cal.collective_s("all_gather", params * d.param, n_shard, calls=units + 1)',
+           (f"{CC}::test_each_engines_communication_is_the_calibrated_collectives_by_hand[fsdp-accum]",
+            f"{CC}::test_each_engines_communication_is_the_calibrated_collectives_by_hand[hsdp]")),
+    Mutant("all-to-all-with-all-reduce-bus-factor", "an all-to-all priced with the all-reduce's bus factor 2(n-1)/n",
+           "src/scaletrain/plan/calibrate.py",
+           '    if op == "all_reduce":', '    if op in ("all_reduce", "all_to_all"):',
+           (f"{CC}::test_each_engines_communication_is_the_calibrated_collectives_by_hand[cp2-ulysses]",
+            f"{CC}::test_the_catalog_prices_each_engines_collectives_at_the_measured_bus_bandwidth[cp2-ulysses]")),
+    Mutant("calibrated-pp-send-whole-under-sp", "under sequence parallelism a pipeline send priced for the whole "
+           "activation, not its tp shard", "src/scaletrain/plan/calibrated_time.py",
+           "sent = act / (layout.tp if layout.sp else 1)", "sent = act",
+           (f"{CC}::test_each_engines_communication_is_the_calibrated_collectives_by_hand[tp2-sp-pp2]",)),
+    Mutant("tp-two-collectives-per-block", "tensor parallelism priced at two collectives per block, not four",
+           "src/scaletrain/plan/time_model.py",
+           "    return 4.0 * dense + (2.0 if layout.sp else 3.0) * moe",
+           "    return 2.0 * dense + (2.0 if layout.sp else 3.0) * moe",
+           (f"{CC}::test_the_catalog_prices_each_engines_collectives_at_the_measured_bus_bandwidth[tp2]",
+            f"{CC}::test_the_catalog_prices_each_engines_collectives_at_the_measured_bus_bandwidth[tp4-sp]")),
 ]
 
 

@@ -144,7 +144,8 @@ def _eval(args: argparse.Namespace, extra: list[str]) -> int:
     if args.json:
         print(json.dumps(r, indent=1))
     else:
-        scheme = f"  [quantized: {r['quantized']}]" if r.get("quantized") else ""
+        scheme = f"  [quantized: {r['quantized']}]" if r.get("quantized") else \
+            f"  [fake-quantized: train.qat={r['fake_quantized']}]" if r.get("fake_quantized") else ""
         print(f"val_loss {r['val_loss']:.4f}  val_ppl {r['val_ppl']:.2f}{scheme}  ({r['data']}, {r['split']}: "
               f"{r['batches']} batch(es) = {r['windows']:,} windows, {r['tokens']:,} tokens; step {r['step']})")
         for name, loss in r.get("sources", {}).items():

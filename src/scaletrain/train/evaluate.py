@@ -10,7 +10,8 @@ schedule's forward-only pass, and the sums are all-reduced like the training los
 process. The windows are those the training run evaluated: the same data split, the
 checkpoint's data.seq_len, global batch and seed, and train.eval_batches batches of them (or
 --batches), so the number matches the val_loss the run logged at the checkpoint's step. The
-model runs whole, in fp32; a folder without a validation split is evaluated on all its windows.
+model runs whole, in fp32 (a checkpoint trained with train.qat through its fake quantizers, as
+its run evaluated it); a folder without a validation split is evaluated on all its windows.
 A folder written by `scaletrain quantize` is evaluated the same way, its quantized layers as they
 are (the windows come from the config it records).
 """
@@ -32,6 +33,7 @@ from scaletrain.errors import ConfigError, DataError
 from scaletrain.parallel import pipeline
 from scaletrain.parallel.tensor_parallel import whole
 from scaletrain.quant.ptq import is_quantized_folder, load_quantized, read_info
+from scaletrain.quant.qat import prepare_qat
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.metrics import perplexity
 from scaletrain.trained.export import load_model_from_checkpoint
@@ -166,7 +168,13 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, batches: int 
         pairs = [(None, 1.0, cfg.data.path if data is None else str(data))]
     seq_len, global_batch, seed = cfg.data.seq_len, int(state["data"]["global_batch"]), cfg.train.seed
     dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
-    model = load_quantized(path)[0].to(dev) if quantized else load_model_from_checkpoint(path).to(dev).eval()
+    if quantized:
+        model = load_quantized(path)[0].to(dev)
+    else:
+        model = load_model_from_checkpoint(path)
+        if cfg.train.qat != "none":  # through the fake quantizers it trained and was evaluated with
+            prepare_qat(model, cfg.train.qat)
+        model = model.to(dev).eval()
     from scaletrain.model.loss import cross_entropy_sum  # the training loss, summed over tokens
 
     losses, weights, parts = {}, {}, []
@@ -199,6 +207,8 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, batches: int 
            "val_loss": loss, "val_ppl": perplexity(loss), "device": str(dev)}
     if quantized:
         out["quantized"] = info["scheme"]
+    elif cfg.train.qat != "none":
+        out["fake_quantized"] = cfg.train.qat
     if len(parts) > 1:
         out["sources"] = {n: losses[n] for n in losses}
     return out
