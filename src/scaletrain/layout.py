@@ -74,7 +74,7 @@ class Layout:
     tp: int = ParallelConfig.tp
     pp: int = ParallelConfig.pp
     cp: int = ParallelConfig.cp  # context parallel: each rank holds 1/cp of every sequence
-    ep: int = ParallelConfig.ep  # expert parallel: ranks borrowed from dp_shard, each holding 1/ep of the experts
+    ep: int = ParallelConfig.ep  # expert parallel: ranks borrowed from dp_shard × cp × tp, each 1/ep of the experts
     cp_method: str = ParallelConfig.cp_method  # ring, allgather or ulysses (scaletrain.parallel.context_parallel)
     zero: int = ParallelConfig.zero
     sp: bool = ParallelConfig.sp
@@ -412,7 +412,8 @@ class Layout:
         if self.tp > 1:
             parts.append(f"tensor parallel{' + sequence parallel' if self.sp else ''}")
         if self.ep > 1:
-            parts.append(f"expert parallel {self.ep} (experts ZeRO-{self.expert_zero} over {self.expert_dp} ranks)"
+            parts.append(f"expert parallel {self.ep} (experts ZeRO-{self.expert_zero}; {self.expert_dp} ranks hold "
+                         "the same ones)"
                          if self.zero and self.expert_dp > 1 else f"expert parallel {self.ep}")
         if self.cp > 1:
             parts.append(f"context parallel {self.cp_method}")
