@@ -258,6 +258,16 @@ def test_a_checkpoint_of_workers_is_refused_elsewhere_in_one_line(two_workers, t
     with pytest.raises(CheckpointError, match="was trained with parallel.dp_sync=diloco; resuming it with "
                                               "dp_sync=step would not continue the same run"):
         ckpt.check_sync(saved, state, Layout(dp_shard=2))
+    # a fragment in flight at the save: its parameters (the fragments) and its landing (the delay) are fixed
+    streamed = Layout(dp_replicate=2, dp_sync="diloco", sync_every=3, sync_fragments=2, sync_delay=1)
+    ckpt.check_sync(saved, state, streamed)
+    with pytest.raises(CheckpointError, match=r"was saved with a fragment's sync in flight under "
+                                              r"parallel.sync_fragments=2 \(it lands at step 5\); resuming with "
+                                              r"sync_fragments=3 would apply it to other parameters"):
+        ckpt.check_sync(saved, state, Layout(dp_replicate=2, dp_sync="diloco", sync_every=3, sync_fragments=3))
+    with pytest.raises(CheckpointError, match=r"under parallel.sync_delay=1 \(it lands at step 5\); resuming with "
+                                              r"sync_delay=0 would .* resume with parallel.sync_delay=1"):
+        ckpt.check_sync(saved, state, Layout(dp_replicate=2, dp_sync="diloco", sync_every=3, sync_fragments=2))
     # one process refuses it before touching anything (the outer weights are the checkpoint's model)
     from scaletrain.train.trainer import Trainer
 

@@ -555,6 +555,17 @@ def check_sync(path: Path, state: dict, layout) -> None:
                 f"{path} holds the weights and inner optimizer state of {outer['workers']} workers "
                 f"(dp_sync={saved}); resuming needs {outer['workers']} workers, not {layout.dp_replicate}: set "
                 f"parallel.dp_replicate={outer['workers']} (with as many ranks as that takes)")
+        if outer.get("in_flight"):  # a fragment's average under way: its parameters and its landing are fixed
+            par = state["config"].get("parallel") or {}
+            for key, now in (("sync_fragments", layout.sync_fragments), ("sync_delay", layout.sync_delay)):
+                was = par.get(key, now)
+                if was != now:
+                    step = outer["in_flight"][0].get("apply_at")
+                    raise CheckpointError(
+                        f"{path} was saved with a fragment's sync in flight under parallel.{key}={was} (it lands "
+                        f"at step {step}); resuming with {key}={now} would apply it to other parameters or without "
+                        f"the steps done meanwhile: resume with parallel.{key}={was}, or from a checkpoint with no "
+                        "sync in flight")
 
 
 def checkpoint_of(path: str | Path, report=print) -> Path:
