@@ -328,7 +328,13 @@ def saved_config(options: dict[str, str], report: Callable[[str], None]) -> tupl
         section = raw.get("checkpoint") if problem is None else None
         elsewhere = section.get("dir") if isinstance(section, dict) and isinstance(section.get("dir"), str) else ""
         folder = Path(options.get("checkpoint.dir") or elsewhere or Path(run_dir) / "checkpoints")
-        newest = ckpt.latest_checkpoint(folder) if folder.is_dir() else None
+        newest, state = None, None
+        for candidate in reversed(ckpt.complete_checkpoints(folder)) if folder.is_dir() else []:
+            try:  # a damaged one is named by the trainer, which resumes an older one
+                newest, state = candidate, ckpt.read_trainer_state(candidate)
+                break
+            except CheckpointError:
+                continue
         if newest is None:  # nothing to resume: the trainer says so, or starts the run
             if problem == "missing":
                 return None
@@ -336,14 +342,13 @@ def saved_config(options: dict[str, str], report: Callable[[str], None]) -> tupl
                 return raw, str(f)
             raise ConfigError(f"{f}: {problem}, so not the run's config, and no checkpoint in {folder} holds one; "
                               "restore it, or give the run's config with --config FILE")
-        state = ckpt.read_trainer_state(newest)
         if problem is not None:  # every checkpoint holds the config it was saved with
             report(f"{f} is {problem}: the run's config is the one its newest checkpoint holds, {newest}")
             return ckpt.saved_config(newest, state, fix=fix, report=report), str(newest / ckpt.TRAINER_FILE)
         # the checkpoint's record of where the data lies relative to it holds for the data it names
-        saved_data = state["config"].get("data") or {}
-        same = {k: v for k, v in (state.get("data_relative") or {}).items()
-                if isinstance(raw.get("data"), dict) and saved_data.get(k) == raw["data"].get(k)}
+        saved_data, data, recorded = state["config"].get("data"), raw.get("data"), state.get("data_relative")
+        same = {k: v for k, v in recorded.items() if isinstance(saved_data, dict) and isinstance(data, dict)
+                and saved_data.get(k) == data.get(k)} if isinstance(recorded, dict) else {}
         return locate_data(raw, same, newest, what=f"the run of {f}", fix=fix, report=report), str(f)
     if resume == "none" or not (Path(resume) / ckpt.TRAINER_FILE).is_file():
         return None  # a missing folder is reported by the config's own check
