@@ -68,7 +68,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.help_config:
         print(describe_options())
         return 0
-    cfg, source = job.train_config(args.config, extra)
+    cfg, notes = job.train_config(args.config, extra)
     if args.print_config:
         print(cfg.to_toml() if args.print_config == "toml" else cfg.to_json())
         return 0
@@ -84,16 +84,16 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
 
             cfg, rt = job.start(cfg, note=_note, can_measure=True)
             trainer = Trainer(cfg, rt)  # checked: the resume included
-            if source:
-                _note(source)
+            for line in notes:
+                _note(line)
             return job.exit_code(trainer.fit())
         for flag, value in (("--nproc", args.nproc), ("--nnodes", args.nnodes)):
             if value < 1:  # before any arithmetic on the world size
                 raise LaunchError(f"{flag} must be at least 1, got {value}")
         cfg, layout = job.settle(cfg, args.nproc * args.nnodes, pick_device(cfg.train.device, 0, args.nproc),
                                  per_node=args.nproc, note=_note, can_measure=args.nnodes == 1)
-        if source:
-            _note(source)
+        for line in notes:
+            _note(line)
         return job.launch(cfg, layout, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                           rdzv_endpoint=args.rdzv_endpoint or "", rdzv_id=args.rdzv_id,
                           max_restarts=args.max_restarts)
@@ -140,7 +140,7 @@ def _eval(args: argparse.Namespace, extra: list[str]) -> int:
     from scaletrain.train.evaluate import evaluate_checkpoint
 
     with os_errors_named({"checkpoint": args.checkpoint, "data.path": args.data or ""}):
-        r = evaluate_checkpoint(_checkpoint_of(args.checkpoint), args.data, args.batches, args.device)
+        r = evaluate_checkpoint(_checkpoint_of(args.checkpoint), args.data, args.batches, args.device, report=_note)
     if args.json:
         print(json.dumps(r, indent=1))
     else:
@@ -171,7 +171,8 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
 
     with os_errors_named({"source": args.source, "--data": args.data or ""}):
         generate_text(args.source, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k, seed=args.seed, data=args.data, device=args.device, stream=first)
+                      top_k=args.top_k, seed=args.seed, data=args.data, device=args.device, stream=first,
+                      report=_note)
     if not started:  # no token asked for: the prompt alone
         sys.stdout.write(args.prompt)
     print()

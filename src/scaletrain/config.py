@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tomllib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -309,6 +310,68 @@ def parse_mix(text: str) -> list[tuple[str, float]]:
 def data_paths(cfg_data) -> list[str]:
     """The prepared folders a run reads: data.mix's, or data.path (empty: the built-in text)."""
     return [p for p, _ in parse_mix(cfg_data.mix)] if cfg_data.mix else [cfg_data.path]
+
+
+def map_data_folders(data: Mapping[str, Any], change: Callable[[str], str]) -> dict[str, str]:
+    """The folders a data section names, `change`d: {"path": ..., "mix": ...} for those it sets
+    (data.mix's weights kept as written; the built-in data, "", names no folder)."""
+    out = {}
+    if isinstance(path := data.get("path"), str) and path:
+        out["path"] = change(path)
+    if isinstance(mix := data.get("mix"), str) and mix:
+        entries = []
+        for item in mix.split(","):
+            folder, eq, weight = item.strip().rpartition("=")
+            entries.append(f"{change(folder.strip())}={weight.strip()}" if eq and folder.strip() else item)
+        out["mix"] = ",".join(entries)
+    return out
+
+
+def with_absolute_data(cfg: JobConfig) -> JobConfig:
+    """`cfg` with its data folders absolute: the config a run saves (config.json, every
+    checkpoint) then names its data whatever folder a later command runs in."""
+    absolute = map_data_folders(cfg.to_dict()["data"], os.path.abspath)
+    changed = {f"data.{key}": value for key, value in absolute.items() if value != getattr(cfg.data, key)}
+    return cfg.replace(**changed) if changed else cfg
+
+
+def relative_data(data: Mapping[str, Any], base: str | Path) -> dict[str, str]:
+    """The folders a data section names, relative to the folder `base` (a checkpoint's): what
+    finds them again once `base` has moved with its data (`locate_data`)."""
+    return map_data_folders(data, lambda folder: os.path.relpath(folder, base))
+
+
+def locate_data(config: dict, recorded: Mapping | None, base: Path, *, what: str, fix: str | None = None,
+                report: Callable[[str], None] | None = None) -> dict:
+    """Saved `config` (a dict) with its data folders found: each is taken where it is recorded
+    (absolute), else where `recorded` (`relative_data`) puts it relative to `base` (the folder
+    moved with its data; said through `report`). A folder in neither place: a DataError that
+    says so, naming `what` config it is and ending with `fix`, or (fix None) left as it is."""
+    data = config.get("data") if isinstance(config.get("data"), dict) else {}
+    recorded = recorded if isinstance(recorded, Mapping) else {}
+    found = {}
+    for key, value in map_data_folders(data, lambda folder: folder).items():
+        if all(_exists(folder) for folder in _folders_of(key, value)):
+            continue
+        there = None
+        if isinstance(rel := recorded.get(key), str) and rel:
+            there = map_data_folders({key: rel}, lambda folder: os.path.abspath(base / folder))[key]
+            if all(_exists(folder) for folder in _folders_of(key, there)):
+                found[key] = there
+                if report is not None:
+                    report(f"data.{key} {value} of {what} is not there; using {there}, which lies where it did "
+                           f"relative to {base} (moved with it)")
+                continue
+        if fix is not None:
+            beside = f", nor at {there}, where it lay relative to {base}" if there else ""
+            raise DataError(f"data.{key} {value} of {what} was not found{beside}; {fix}")
+    return {**config, "data": {**data, **found}} if found else config
+
+
+def _folders_of(key: str, value: str) -> list[str]:
+    folders: list[str] = []
+    map_data_folders({key: value}, lambda folder: folders.append(folder) or folder)
+    return folders
 
 
 # --------------------------------------------------------------------------------------------

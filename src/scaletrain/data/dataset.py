@@ -25,6 +25,9 @@ def how_to_prepare(folder: Path) -> str:
     """The commands that make `folder`, which holds no prepared data, trainable — ones that work
     as printed: a folder of raw text is prepared into a new folder beside it (prepare never
     writes into a folder that holds files); a missing or empty folder can be prepare's output."""
+    if not folder.exists():  # a mistyped path, or data not made yet: which, the user knows
+        return (f"the folder was not found: check the path, or make it with `scaletrain prepare INPUT... "
+                f"--out {folder}`")
     raw = folder.is_dir() and any(f.is_file() and input_kind(f) for f in folder.rglob("*"))
     if not raw:
         return f"prepare the data first with `scaletrain prepare INPUT... --out {folder}`"

@@ -83,6 +83,16 @@ def recorded_vocab_size(path: str | Path) -> int:
     return vocab
 
 
+def recorded_validation_tokens(path: str | Path) -> int:
+    """The tokens of a prepared folder's validation split, as its meta.json records them (0: it
+    has none, or the folder cannot say; opening it reports why)."""
+    try:
+        shards = json.loads((Path(path) / META_FILE).read_text())["val_shards"]
+        return sum(int(shard["num_tokens"]) for shard in shards)
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
 def is_validation(doc: str, fraction: float) -> bool:
     """Whether `doc` belongs to the validation split of a `fraction`: decided by its text alone."""
     if fraction <= 0:

@@ -3,7 +3,8 @@
 `settle(cfg, world, device)` is the one place a job's request is checked and completed before
 anything is built or written: torch.compile's C++ compiler, `parallel.layout = "auto"` chosen by
 the planner, the layout derived and checked against the model, the run folder named (so every
-rank, on every node, writes to the same one), a checkpoint of another parallel.dp_sync or
+rank, on every node, writes to the same one), the data folders made absolute (so the config the
+run saves names them from any working folder), a checkpoint of another parallel.dp_sync or
 number of workers refused, the output folders checked writable, and more ranks than cores
 said. It returns the config as the job runs it and its Layout; every rank is given both. The
 three ways a job starts all settle it here:
@@ -25,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from scaletrain.config import JobConfig, from_dict
+from scaletrain.config import JobConfig, from_dict, with_absolute_data
 from scaletrain.errors import CheckpointError, UserError, config_paths, os_errors_named, user_error_from_os
 from scaletrain.layout import Layout
 
@@ -55,6 +56,7 @@ def settle(cfg: JobConfig, world: int, device: torch.device, *, per_node: int | 
     layout.check(cfg.model, seq_len=cfg.data.seq_len)
     if not cfg.log.run_dir:  # named here, once: every rank (and node) must write to the same folder
         cfg = cfg.replace(**{"log.run_dir": default_run_dir()})
+    cfg = with_absolute_data(cfg)  # the run's saved config finds its data from any working folder
     _check_resume(cfg, layout)
     _check_writable({"log.run_dir": cfg.log.run_dir, "checkpoint.dir": cfg.checkpoint.dir})
     if note is not None and device.type == "cpu" and here > (cores := cpu_cores()):
@@ -198,23 +200,63 @@ def exit_code(result: dict) -> int:
     return 128 + int(result["stopped_by"])
 
 
-def train_config(config: str | None, extra: list[str]) -> tuple[JobConfig, str | None]:
-    """(the config `scaletrain train` runs, a line that says where it came from or None).
-    `config`, a TOML file or a run's config.json; without it, when the options resume a run
-    (checkpoint.resume=auto with its log.run_dir, or a checkpoint folder), that run's own saved
-    config; else the demo (configs/tiny.toml). The options `extra` go on top and are checked, by
-    the config and, on resuming, against the checkpoint."""
+def train_config(config: str | None, extra: list[str]) -> tuple[JobConfig, list[str]]:
+    """(the config `scaletrain train` runs, the lines that say where it came from and what the
+    data changed of it). `config`, a TOML file or a run's config.json; without it, when the
+    options resume a run (checkpoint.resume=auto with its log.run_dir, or a checkpoint folder),
+    that run's own saved config; else the demo (configs/tiny.toml), its evaluation fitted to the
+    data (`_demo_evaluation`). The options `extra` go on top and are checked, by the config and,
+    on resuming, against the checkpoint."""
     from scaletrain.config import DEMO_CONFIG, load_config, parse_override_args
     from scaletrain.train.run_folder import saved_config
 
     if config:
-        return load_config(config, extra), None
-    saved = saved_config(parse_override_args(extra)[0])
+        return load_config(config, extra), []
+    options, notes = parse_override_args(extra)[0], []
+    saved = saved_config(options, notes.append)
     if saved is None:
-        return load_config(DEMO_CONFIG, extra), None
+        return _demo_evaluation(load_config(DEMO_CONFIG, extra), options, notes), notes
     raw, source = saved
     cfg = from_dict(raw, overrides=extra, source=source)
     before = from_dict(raw, source=source).to_dict()
     changed = [f"{s}.{k}={v}" for s, values in cfg.to_dict().items() for k, v in values.items()
                if before[s][k] != v]
-    return cfg, f"config: the run's own ({source}){', with ' + ', '.join(changed) if changed else ''}"
+    return cfg, [f"config: the run's own ({source}){', with ' + ', '.join(changed) if changed else ''}", *notes]
+
+
+def _demo_evaluation(cfg: JobConfig, given: dict[str, str], notes: list[str]) -> JobConfig:
+    """The demo config's evaluation (train.eval_every and eval_batches, written for the built-in
+    data and its validation text) fitted to the data the options give, where they leave those
+    two to the demo: data without a validation split, or with less than one batch of it, is not
+    evaluated; a split of fewer batches than eval_batches is evaluated on those it holds. Each
+    change is a line of `notes`. What the options set stays as asked: the trainer refuses what
+    the data cannot give."""
+    from scaletrain.config import data_paths
+    from scaletrain.data.prepare import recorded_validation_tokens
+
+    train, folders = cfg.train, data_paths(cfg.data)
+    if not train.eval_every or "train.eval_every" in given or folders == [""]:
+        return cfg
+    tokens = {folder: recorded_validation_tokens(folder) for folder in folders}
+    demo = f"the demo config's evaluation (train.eval_every={train.eval_every})"
+    if not any(tokens.values()):
+        what = f"data.path {cfg.data.path} has no" if not cfg.data.mix else "none of data.mix's folders has a"
+        notes.append(f"{what} validation split, so {demo} steps aside; prepare the data with --val-fraction F "
+                     "for a validation loss")
+        return cfg.replace(**{"train.eval_every": 0})
+    batch = train.global_batch
+    if not batch or "train.eval_batches" in given:
+        return cfg  # a batch derived from the layout: the trainer checks it
+    held = {folder: (n - 1) // cfg.data.seq_len // batch for folder, n in tokens.items() if n}
+    folder, least = min(held.items(), key=lambda item: item[1])
+    if least < 1:
+        notes.append(f"the validation split of {folder} holds fewer windows of data.seq_len={cfg.data.seq_len} than "
+                     f"one batch of {batch}, so {demo} steps aside; prepare the data with a larger --val-fraction "
+                     "for a validation loss")
+        return cfg.replace(**{"train.eval_every": 0})
+    if train.eval_batches and least < train.eval_batches:
+        notes.append(f"the validation split of {folder} holds {least} whole batch(es) of {batch} windows, fewer "
+                     f"than the demo config's train.eval_batches={train.eval_batches}: each evaluation uses those "
+                     f"{least}")
+        return cfg.replace(**{"train.eval_batches": least})
+    return cfg

@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from scaletrain import atomic
+from scaletrain.config import locate_data, relative_data
 from scaletrain.errors import CheckpointError
 from scaletrain.optim import get_lr, set_lr
 
@@ -375,7 +376,10 @@ def save_checkpoint(folder: Path, step: int, tensors: dict[str, Any], trainer_st
             dist.all_gather_object(every, files)
             files = {k: v for part in every for k, v in part.items()}
         if rank == 0:
-            _write_json(partial / TRAINER_FILE, {"format_version": FORMAT_VERSION, **trainer_state, "files": files})
+            # the data folders relative to this checkpoint too: found again when the run folder moves with them
+            relative = relative_data((trainer_state.get("config") or {}).get("data") or {}, final)
+            _write_json(partial / TRAINER_FILE, {"format_version": FORMAT_VERSION, **trainer_state,
+                                                 "data_relative": relative, "files": files})
             atomic.fsync_dir(partial)
             lineage = trainer_state.get("lineage") or []
             if final.exists() and not _same_line(final, lineage, step):
@@ -566,6 +570,15 @@ def check_sync(path: Path, state: dict, layout) -> None:
                         f"at step {step}); resuming with {key}={now} would apply it to other parameters or without "
                         f"the steps done meanwhile: resume with parallel.{key}={was}, or from a checkpoint with no "
                         "sync in flight")
+
+
+def saved_config(path: Path, state: dict, *, fix: str | None = None, report=None) -> dict:
+    """The config checkpoint `path` (its trainer `state`) was saved with, its data folders found
+    (`locate_data`): where the run recorded them, else where they lie relative to the checkpoint
+    (its run folder moved with them); one that is in neither place is a DataError ending with
+    `fix` (None: left for whoever opens it)."""
+    return locate_data(state["config"], state.get("data_relative"), Path(path), what=f"the run of {path}",
+                       fix=fix, report=report)
 
 
 def checkpoint_of(path: str | Path, report=print) -> Path:

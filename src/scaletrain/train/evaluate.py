@@ -143,11 +143,12 @@ def _restore_modes(modules, was_training: list[bool], *, reshard: bool) -> None:
 
 @torch.no_grad()
 def evaluate_checkpoint(path: str | Path, data: str | None = None, batches: int | None = None,
-                        device: str = "auto", chunk: int = 8) -> dict:
+                        device: str = "auto", chunk: int = 8, report=None) -> dict:
     """Evaluate checkpoint `path` on `data` (a prepared folder; None: the data it was trained on,
-    "" the built-in data): its validation split, or all of it if it has none. `batches`: global
-    batches of windows (None: the run's train.eval_batches; 0: every whole batch). `chunk`:
-    sequences per forward, which changes memory, not the result."""
+    found where the run recorded it or where it moved with the run; "" the built-in data): its
+    validation split, or all of it if it has none. `batches`: global batches of windows (None:
+    the run's train.eval_batches, or as many as the data holds if fewer, said through `report`;
+    0: every whole batch). `chunk`: sequences per forward, which changes memory, not the result."""
     if batches is not None and batches < 0:
         raise ConfigError(f"--batches {batches} must be 0 (every whole batch) or more")
     if device not in ("auto", "cpu", "cuda"):
@@ -161,7 +162,9 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, batches: int 
                  "data": {"global_batch": info.get("global_batch") or 32}}
     else:
         state = ckpt.read_trainer_state(Path(path))
-    cfg = from_dict(state["config"])
+    config = state["config"] if data is not None else \
+        ckpt.saved_config(path, state, fix="give --data FOLDER, a prepared folder to evaluate on", report=report)
+    cfg = from_dict(config)
     if data is None and cfg.data.mix:  # each source of the mix, and their mean weighted as the mix
         pairs = [(source_name(p), w, p) for p, w in parse_mix(cfg.data.mix)]
     else:
@@ -185,8 +188,15 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, batches: int 
             raise DataError(f"{tokens.source}: the tokenizer has {tokens.vocab_size} tokens, more than the model's "
                             f"vocabulary of {cfg.model.vocab_size}: this data was prepared for another model")
         dataset = WindowDataset(tokens, seq_len)
-        order = validation_batches(len(dataset), global_batch,
-                                   cfg.train.eval_batches if batches is None else batches, seed, tokens.source)
+        wanted = batches
+        if batches is None:  # the run's number, where this data holds that many
+            wanted, held = cfg.train.eval_batches, len(dataset) // global_batch
+            if 0 < held < wanted:
+                if report is not None:
+                    report(f"{tokens.source} holds {held} whole batch(es) of {global_batch} windows, fewer than the "
+                           f"run's train.eval_batches={wanted}: evaluating on those {held}")
+                wanted = held
+        order = validation_batches(len(dataset), global_batch, wanted, seed, tokens.source)
         total = torch.zeros((), dtype=torch.float64, device=dev)
         for window_batch in order:
             for i in range(0, global_batch, chunk):

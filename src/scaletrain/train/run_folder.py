@@ -28,7 +28,7 @@ from datetime import datetime
 from pathlib import Path
 
 from scaletrain import atomic
-from scaletrain.config import JobConfig
+from scaletrain.config import JobConfig, locate_data
 from scaletrain.errors import CheckpointError, ConfigError
 from scaletrain.train import checkpoint as ckpt
 
@@ -301,23 +301,57 @@ def schedule_change(state: dict, cfg: JobConfig, peak_lr: float) -> str | None:
             "checkpoint's train.steps and optim settings to continue it unchanged")
 
 
-def saved_config(options: dict[str, str]) -> tuple[dict, str] | None:
+def saved_config(options: dict[str, str], report: Callable[[str], None]) -> tuple[dict, str] | None:
     """The config of the run that command-line `options` ({"section.key": text}) resume, as
     saved, and where it was read: checkpoint.resume=auto in log.run_dir reads the run's
-    config.json; checkpoint.resume=FOLDER reads that checkpoint's own config. None when the
-    options resume nothing that has one (a new run, or a folder without a saved config)."""
+    config.json, or, where that is missing or not a config, the config its newest checkpoint
+    holds (said through `report`); checkpoint.resume=FOLDER reads that checkpoint's own config.
+    Its data folders are found where the run recorded them, or where they moved with the run
+    (`ckpt.saved_config`), unless the options name the data. None when the options resume
+    nothing that has a config (a new run, or a folder without one)."""
     resume = options.get("checkpoint.resume", "none").strip()
+    fix = "give the data's folder with --data.path (--data.mix for several)"
+    if "data.path" in options or "data.mix" in options:
+        fix = None  # the data given replaces the run's: nothing to find
     if resume == "auto":
         run_dir = options.get("log.run_dir", "")
-        f = Path(run_dir) / "config.json" if run_dir else None
-        if f is None or not f.is_file():
+        if not run_dir:
             return None
-        try:
-            raw = json.loads(f.read_text())
-        except (OSError, ValueError):
-            raise ConfigError(f"{f}: not a readable config (not valid JSON); restore it, or give the run's config "
-                              "with --config FILE") from None
-        return (raw, str(f)) if isinstance(raw, dict) else None
+        f = Path(run_dir) / "config.json"
+        raw, problem = None, "missing"
+        if f.exists():
+            try:
+                raw = json.loads(f.read_text())
+                problem = None if isinstance(raw, dict) else f"a JSON {type(raw).__name__}, not an object of sections"
+            except (OSError, ValueError):  # a folder in its place, or not JSON
+                problem = "not readable as JSON"
+        section = raw.get("checkpoint") if problem is None else None
+        elsewhere = section.get("dir") if isinstance(section, dict) and isinstance(section.get("dir"), str) else ""
+        folder = Path(options.get("checkpoint.dir") or elsewhere or Path(run_dir) / "checkpoints")
+        newest, state = None, None
+        for candidate in reversed(ckpt.complete_checkpoints(folder)) if folder.is_dir() else []:
+            try:  # a damaged one is named by the trainer, which resumes an older one
+                newest, state = candidate, ckpt.read_trainer_state(candidate)
+                break
+            except CheckpointError:
+                continue
+        if newest is None:  # nothing to resume: the trainer says so, or starts the run
+            if problem == "missing":
+                return None
+            if problem is None:
+                return raw, str(f)
+            raise ConfigError(f"{f}: {problem}, so not the run's config, and no checkpoint in {folder} holds one; "
+                              "restore it, or give the run's config with --config FILE")
+        if problem is not None:  # every checkpoint holds the config it was saved with
+            report(f"{f} is {problem}: the run's config is the one its newest checkpoint holds, {newest}")
+            return ckpt.saved_config(newest, state, fix=fix, report=report), str(newest / ckpt.TRAINER_FILE)
+        # the checkpoint's record of where the data lies relative to it holds for the data it names
+        saved_data, data, recorded = state["config"].get("data"), raw.get("data"), state.get("data_relative")
+        same = {k: v for k, v in recorded.items() if isinstance(saved_data, dict) and isinstance(data, dict)
+                and saved_data.get(k) == data.get(k)} if isinstance(recorded, dict) else {}
+        return locate_data(raw, same, newest, what=f"the run of {f}", fix=fix, report=report), str(f)
     if resume == "none" or not (Path(resume) / ckpt.TRAINER_FILE).is_file():
         return None  # a missing folder is reported by the config's own check
-    return ckpt.read_trainer_state(Path(resume))["config"], str(Path(resume) / ckpt.TRAINER_FILE)
+    state = ckpt.read_trainer_state(Path(resume))
+    return ckpt.saved_config(Path(resume), state, fix=fix, report=report), str(Path(resume) / ckpt.TRAINER_FILE)
+

@@ -47,7 +47,7 @@ def export_safetensors(path: str | Path, out: str | Path, *, overwrite: bool = F
     model = load_model_from_checkpoint(path)
     # named_parameters lists a tied weight once, under its first name (tok_emb.weight)
     weights = {name: p.detach().contiguous() for name, p in model.named_parameters()}
-    cfg = from_dict(ckpt.read_trainer_state(path)["config"])
+    cfg = from_dict(ckpt.saved_config(path, ckpt.read_trainer_state(path)))  # the data, found if it moved
     meta = {"scaletrain.model": json.dumps(cfg.to_dict()["model"]), "format": "pt"}
     tokenizer = identity_of_data(cfg.data.path)
     if tokenizer is not None:  # which tokenizer the ids mean (model.init_from checks it against its data)

@@ -49,7 +49,9 @@ def export_hf(checkpoint_path: str | Path, out_dir: str | Path, *, tokenizer: st
 
     path, out = Path(checkpoint_path), Path(out_dir)
     _check_out(out, overwrite)
-    cfg = from_dict(ckpt.read_trainer_state(path)["config"])
+    state = ckpt.read_trainer_state(path)
+    cfg = from_dict(state["config"] if tokenizer is not None else ckpt.saved_config(
+        path, state, fix="restore the data folder the run trained on: export --format hf ships its tokenizer"))
     try:
         hf_config_from_model(cfg.model)
     except ConfigError as e:  # before loading any weights

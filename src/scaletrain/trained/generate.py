@@ -38,14 +38,17 @@ def data_tokenizer(path: str):
     return load_tokenizer(described, Path(path))
 
 
-def load_for_generation(source: str | Path, data: str | None = None):
+def load_for_generation(source: str | Path, data: str | None = None, report=None):
     """(model, tokenizer, window) for `source`: a checkpoint folder (step_*) or a Hugging Face
-    model folder; `data`: a prepared folder whose tokenizer to use instead."""
+    model folder; `data`: a prepared folder whose tokenizer to use instead of the run's (found
+    where the run recorded it, or where it moved with the run: said through `report`)."""
     path = Path(source)
     if (path / ckpt.TRAINER_FILE).is_file():
         from scaletrain.trained.export import load_model_from_checkpoint
 
-        cfg = from_dict(ckpt.read_trainer_state(path)["config"])
+        state = ckpt.read_trainer_state(path)
+        cfg = from_dict(state["config"] if data is not None else ckpt.saved_config(
+            path, state, fix="give --data FOLDER, a prepared folder with the run's tokenizer", report=report))
         tokenizer = data_tokenizer(data if data is not None else data_paths(cfg.data)[0])
         return load_model_from_checkpoint(path), tokenizer, min(cfg.data.seq_len, cfg.model.max_seq_len)
     if (path / "config.json").is_file():
@@ -70,9 +73,10 @@ def load_for_generation(source: str | Path, data: str | None = None):
 
 def generate_text(source: str | Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
                   top_k: int = 50, seed: int = 0, data: str | None = None, device: str = "auto",
-                  stream=None) -> str:
+                  stream=None, report=None) -> str:
     """The prompt and `max_new_tokens` tokens sampled after it, decoded; with `stream`, the
-    sampled text goes to it as it comes (model.generate.sample_text) and the prompt is returned."""
+    sampled text goes to it as it comes (model.generate.sample_text) and the prompt is returned;
+    `report` is told where the run's data was found, if it moved."""
     from scaletrain.model.generate import sample_text
 
     if not prompt:
@@ -85,7 +89,7 @@ def generate_text(source: str | Path, prompt: str, *, max_new_tokens: int = 200,
         raise ConfigError(f"--top-k {top_k} must be 0 (no limit) or more")
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available here; use --device cpu")
-    model, tokenizer, window = load_for_generation(source, data)
+    model, tokenizer, window = load_for_generation(source, data, report)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise DataError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
                         f"{model.cfg.vocab_size}: give --data, the folder the model was trained on")

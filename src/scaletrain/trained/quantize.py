@@ -54,7 +54,8 @@ def load_source(source: Path) -> tuple[Transformer, dict, dict]:
 
     state = ckpt.read_trainer_state(source)  # one line if it is not a checkpoint
     model = load_model_from_checkpoint(source)
-    return model, state["config"], {"source": str(source), "step": int(state["step"]),
+    # the data folders found, if the run folder moved with them: eval of the quantized folder reads them
+    return model, ckpt.saved_config(source, state), {"source": str(source), "step": int(state["step"]),
                                     "global_batch": int(state["data"]["global_batch"])}
 
 
