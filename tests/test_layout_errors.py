@@ -70,6 +70,12 @@ BAD_INPUT = [
           "dp_shard × cp × tp = 4 × 1 × 1 = 4; use an ep in [2, 4]",)),
     Case("ep-on-a-dense-model", train_args("--nproc", "2", "--parallel.ep=2"),
          ("parallel.ep=2 splits the experts of a mixture of experts, but the model is dense",)),
+    # refused where the job is settled, once, before any rank starts (each rank said it before)
+    Case("qat-with-tp", train_args("--nproc", "2", "--parallel.tp=2", "--train.qat=int8-dynamic"),
+         ("train.qat=int8-dynamic with parallel.tp=2", "set parallel.tp=1")),
+    Case("fp8-with-cp", train_args("--nproc", "2", "--parallel.cp=2", "--precision.mode=fp8",
+                                   "--precision.fp8_min_dim=16"),
+         ("precision.mode=fp8 with parallel.cp=2: not supported yet",)),
     Case("auto-layout-with-fixed-zero", train_args("--parallel.layout=auto", "--parallel.zero=3"),
          ("parallel.layout=auto chooses the layout itself", "parallel.layout=manual")),
 ]

@@ -54,6 +54,9 @@ def settle(cfg: JobConfig, world: int, device: torch.device, *, per_node: int | 
         from scaletrain import measure
     cfg, layout = resolve(cfg, world, device, gpus_per_node=per_node, note=note, measure=measure)
     layout.check(cfg.model, seq_len=cfg.data.seq_len)
+    from scaletrain.parallel.parallelize import check_techniques
+
+    check_techniques(cfg, layout)  # said once here, not by every rank
     if not cfg.log.run_dir:  # named here, once: every rank (and node) must write to the same folder
         cfg = cfg.replace(**{"log.run_dir": default_run_dir()})
     cfg = with_absolute_data(cfg)  # the run's saved config finds its data from any working folder

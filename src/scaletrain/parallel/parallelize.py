@@ -252,6 +252,15 @@ def _weights_fit(num_params: int, rt: Runtime):
                           "`scaletrain plan --config FILE` finds a layout") from None
 
 
+def check_techniques(cfg: JobConfig, lay) -> None:
+    """The layouts QAT and fp8 refuse, checked where the job is settled, before any rank starts
+    (one line, not one per rank); parallelize checks them again for a Trainer built directly."""
+    if cfg.train.qat != "none":
+        _check_qat(cfg, lay)
+    if cfg.precision.mode == "fp8":
+        _check_fp8_layout(lay)
+
+
 def _check_qat(cfg: JobConfig, lay) -> None:
     """train.qat composes with data parallelism (DDP, ZeRO 0-3), every precision, accumulation,
     activation checkpointing and compile; tensor and pipeline parallelism are refused."""
@@ -268,6 +277,11 @@ def _check_fp8(lay, device: torch.device, emulate: bool) -> None:
     """fp8 composes with data parallelism (DDP and ZeRO-3 checked against one process; ZeRO-1/2
     and HSDP wrap the converted model like any other), accumulation, activation checkpointing,
     compile and checkpoints; the model-parallel axes are refused."""
+    _check_fp8_layout(lay)
+    check_fp8_device(device, emulate)
+
+
+def _check_fp8_layout(lay) -> None:
     for axis, size, why in (("tp", lay.tp, "its column/row plans would need torchao's Float8ColwiseParallel and "
                              "Float8RowwiseParallel, which scaletrain does not apply yet"),
                             ("pp", lay.pp, "the pipeline stages are untested with float8 linears"),
@@ -275,7 +289,6 @@ def _check_fp8(lay, device: torch.device, emulate: bool) -> None:
         if size > 1:
             raise ConfigError(f"precision.mode=fp8 with parallel.{axis}={size}: not supported yet ({why}); set "
                               f"parallel.{axis}=1 or train with precision.mode=bf16-mixed")
-    check_fp8_device(device, emulate)
 
 
 def _shard_mesh(rt: Runtime):
