@@ -52,3 +52,33 @@ BAD_INPUT = [
 @pytest.mark.parametrize("case", BAD_INPUT, ids=[c.id for c in BAD_INPUT])
 def test_bad_input_gives_one_clear_line(case: Case, workdir: Path, capsys):
     assert_one_clear_line(case, workdir, capsys)
+
+
+def test_what_a_killed_export_left_is_removed_by_the_next(finished_run, tmp_path):
+    """A writer killed inside atomic.replacing (SIGKILL: no cleanup runs) leaves its temporary
+    `.NAME.partial-PID` beside the target; the next export (or quantize) of that target removes
+    it. A temporary name of a process still running is left alone."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "model.safetensors"
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os, signal, sys\n"
+        "from scaletrain import atomic\n"
+        "with atomic.replacing(sys.argv[1]) as tmp:\n"
+        "    tmp.write_bytes(b'half of an export')\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"), str(out)], capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    left = [p for p in tmp_path.iterdir() if p.name.startswith(".model.safetensors.partial-")]
+    assert len(left) == 1 and left[0].read_bytes() == b"half of an export"
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # a writer still running
+    try:
+        alive = tmp_path / f".model.safetensors.partial-{writer.pid}"
+        alive.write_bytes(b"in use")
+        r = run_here("export", str(finished_run), "--out", str(out))
+        assert r.returncode == 0, r.stderr
+        assert not left[0].exists() and alive.exists() and out.stat().st_size > 1000
+    finally:
+        writer.kill()
+        writer.wait()

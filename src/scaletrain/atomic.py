@@ -15,12 +15,16 @@ from typing import Any
 
 
 @contextlib.contextmanager
-def replacing(target: str | Path, *, durable: bool = False) -> Iterator[Path]:
+def replacing(target: str | Path, *, durable: bool = False, sweep: bool = False) -> Iterator[Path]:
     """A temporary path beside `target` to write (a file or a folder); when the block ends
     without an error it is renamed to `target`, otherwise removed. `durable`: also flush the
     folder's entry to disk (checkpoints), so the rename survives a power cut. A folder already at
-    `target` (an overwrite the caller allowed) is swapped out whole and removed after the rename."""
+    `target` (an overwrite the caller allowed) is swapped out whole and removed after the rename.
+    `sweep`: first remove what a killed writer of `target` left beside it (`leftovers`)."""
     target = Path(target)
+    if sweep:
+        for dead in leftovers(target):
+            _remove(dead)
     tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
     try:
         yield tmp
@@ -36,14 +40,44 @@ def replacing(target: str | Path, *, durable: bool = False) -> Iterator[Path]:
         else:
             os.replace(tmp, target)
     except BaseException:
-        with contextlib.suppress(OSError):
-            if tmp.is_dir() and not tmp.is_symlink():
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                tmp.unlink(missing_ok=True)
+        _remove(tmp)
         raise
     if durable:
         fsync_dir(target.parent)
+
+
+def leftovers(target: str | Path) -> list[Path]:
+    """The temporary names `replacing` gave `target` in processes that no longer run (a writer
+    killed before it could remove them: SIGKILL, a power cut). A process's name carries its pid,
+    so this holds for writers on this machine: the command-line writers (export, quantize), not
+    the ranks of several nodes."""
+    target = Path(target)
+    found = []
+    with contextlib.suppress(OSError):
+        for p in target.parent.iterdir():
+            head, _, pid = p.name.rpartition("-")
+            if head in (f".{target.name}.partial", f".{target.name}.replaced") and pid.isdigit() \
+                    and not _running(int(pid)):
+                found.append(p)
+    return sorted(found)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def write_text(target: str | Path, text: str, *, durable: bool = False) -> None:

@@ -112,7 +112,7 @@ def save_quantized(model: nn.Module, plan: dict[str, str | None], scheme: str, o
     layers = {n: {"converted": why is None, **({"kept": why} if why else {})} for n, why in plan.items()}
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "scheme": scheme, "group_size": GROUP_SIZE,
             "torchao": torchao.__version__, "layers": layers, **info}
-    with atomic.replacing(out) as tmp:
+    with atomic.replacing(out, sweep=True) as tmp:
         tmp.mkdir(parents=True)
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / INFO_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")

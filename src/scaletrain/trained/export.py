@@ -54,7 +54,7 @@ def export_safetensors(path: str | Path, out: str | Path, *, overwrite: bool = F
         meta["scaletrain.tokenizer"] = tokenizer
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with atomic.replacing(out) as tmp:
+        with atomic.replacing(out, sweep=True) as tmp:
             save_file(weights, str(tmp), metadata=meta)
             atomic.usual_mode(tmp)
     except BaseException as e:

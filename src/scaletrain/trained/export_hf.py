@@ -96,7 +96,7 @@ def save_hf(model: Transformer, out_dir: str | Path, *, tokenizer: dict[str, str
     config = hf_config_from_model(model.cfg, **ids)
     weights = hf_state_dict({n: p.detach().float().cpu() for n, p in model.named_parameters()}, model.cfg)
 
-    with atomic.replacing(out) as tmp:
+    with atomic.replacing(out, sweep=True) as tmp:
         tmp.mkdir(parents=True)
         shards = _split(weights, max_shard_bytes)
         if len(shards) == 1:
