@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
+import zlib
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,12 @@ def test_truncated_compressed_file_is_one_line_exit_2(corpus, tmp_path, suffix):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and f"{bad}: it ends before the end of its compressed stream (truncated" in lines[0]
     assert not (tmp_path / "out").exists()
+    # where: the text read before the break, to within one read (it said "after 0 bytes" for a file
+    # under a chunk of text)
+    if suffix == ".jsonl.gz":
+        readable = len(zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(bad.read_bytes()))
+        said = int(lines[0].split(", after ")[1].split(" bytes of text")[0].replace(",", ""))
+        assert readable - sources.PIECE_BYTES <= said <= readable and said > 0, (said, readable)
 
 
 def test_parquet_folder_and_arrow_files(tmp_path):

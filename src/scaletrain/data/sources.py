@@ -35,6 +35,7 @@ DATASET = "dataset"  # the kind of a save_to_disk folder
 DATASET_FILES = ("state.json", "dataset_info.json")  # what save_to_disk writes beside its .arrow files
 DATASET_DICT_FILE = "dataset_dict.json"  # save_to_disk of a DatasetDict: one folder per split
 CHUNK_BYTES = 1 << 20  # jsonl text per chunk (1 MiB)
+PIECE_BYTES = 1 << 16  # read from a (compressed) stream at a time
 CHUNK_ROWS = 2048  # parquet / arrow rows per chunk
 REENCODE = "re-encode the file as UTF-8 (e.g. iconv -f LATIN1 -t UTF-8) or remove it from the inputs"
 KINDS_TEXT = ".txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet or .arrow"
@@ -181,16 +182,19 @@ def _jsonl_chunks(f: Path, kind: str) -> Iterator[Chunk]:
         stream = _decompressed(raw, f, kind)
         lineno, offset, read = 1, 0, 0
         while True:
+            block = bytearray()  # read in pieces: a broken stream is said with the text read before it
             try:
-                block = stream.read(CHUNK_BYTES)
+                while len(block) < CHUNK_BYTES and (piece := stream.read(min(PIECE_BYTES, CHUNK_BYTES - len(block)))):
+                    block += piece
                 if block and not block.endswith(b"\n"):
                     block += stream.readline()  # whole lines only
             except (EOFError, OSError, zlib.error) as e:
-                raise _broken(f, kind, offset, e) from None
+                raise _broken(f, kind, offset + len(block), e) from None
             except Exception as e:  # zstandard's own error type
                 if type(e).__name__ != "ZstdError":
                     raise
-                raise _broken(f, kind, offset, e) from None
+                raise _broken(f, kind, offset + len(block), e) from None
+            block = bytes(block)
             if not block:
                 return
             now = raw.tell()
