@@ -320,3 +320,30 @@ def test_two_hosts_with_two_ranks_each_train_like_one_process(tmp_path, two_host
     # reduction order differs: fp32 noise; every step's loss and gradient norm
     # 20 steps; two hosts reduce in another order (seen 1.3e-4)
     assert_same_run(four, one, steps=20, tol=(1e-5, 1e-3), what="2 nodes x 2 ranks, HSDP")
+
+
+def test_a_restarted_rank_that_is_waited_for_says_the_step_it_resumes(tmp_path):
+    """A rank restarted after a failure (torchrun's restart) loads the last checkpoint; while it
+    does, a peer that times out waiting for it names the step it resumes and what it is doing,
+    not "step 0, start-up" (a worker that had done 7 steps was reported so)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from scaletrain.launch.watchdog import Progress, lagging
+    from scaletrain.train.health import Health
+
+    store = dist.HashStore()
+    peer, restarted = Progress(store, 0, interval=0.02), Progress(store, 1)
+    peer.step, peer.phase = 7, "forward/backward"
+    health = Health.__new__(Health)  # only what resuming touches: the rank's progress
+    health.rt, health.phase, health.current_step = SimpleNamespace(progress=restarted), "start-up", 0
+    health.resuming(7)
+    restarted.publish()  # then it stops publishing (loading, or frozen)
+    peer.start()
+    try:
+        found = lagging(store, 2, interval=0.4, timeout_s=5.0)  # a second between reads: the peer refreshes
+    finally:
+        peer.stop()
+    assert [str(f) for f in found] == ["rank 1 last reported step 7, start-up, resuming from the checkpoint of "
+                                       "step 7 (it stopped reporting: dead or frozen)"]

@@ -52,6 +52,14 @@ class Health:
         if self.rt.progress is not None:
             self.rt.progress.step = step
 
+    def resuming(self, step: int) -> None:
+        """A restarted rank loading the checkpoint of `step`: it has done those steps, and says so
+        (not step 0 and start-up) to a peer that waits for it."""
+        self.current_step = step
+        if self.rt.progress is not None:
+            self.rt.progress.step = step
+        self.enter(f"start-up, resuming from the checkpoint of step {step}")
+
     def enter(self, phase: str) -> None:
         self.phase = phase
         if self.rt.progress is not None:

@@ -216,6 +216,7 @@ class Trainer:
         """Continue from checkpoint `path`, after checking it was saved for this model, data,
         batch and layout."""
         state = ckpt.read_trainer_state(path)
+        self.health.resuming(int(state["step"]))  # what a peer that waits for this rank is told
         self.folder.check_resumable(path, state, global_batch=self.layout.global_batch, data=self.data,
                                     peak_lr=self.schedule.peak)
         ckpt.check_sync(path, state, self.layout)
