@@ -138,3 +138,24 @@ def test_cli_reports_errors_one_line_each_exit_2():
     assert "Traceback" not in r.stderr
     r = run_cli("nonsense")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_did_you_mean_finds_what_the_user_meant():
+    """The suggestion is what the name most likely means: Lightning's short precision names (its
+    "bf16" is bf16-mixed, which spelling alone took for bf16-true), another case, the names it
+    begins (both H100s), else the closest spelling."""
+    from scaletrain.hardware import CATALOG
+    from scaletrain.vocab import PRECISIONS, did_you_mean
+
+    assert did_you_mean("bf16", PRECISIONS) == " (did you mean bf16-mixed?)"
+    assert did_you_mean("16", PRECISIONS) == " (did you mean 16-mixed?)"
+    assert did_you_mean("fp32", PRECISIONS) == " (did you mean 32-true?)"
+    assert did_you_mean("H100", CATALOG) == " (did you mean H100-SXM or H100-PCIe?)"
+    assert did_you_mean("h200", CATALOG) == " (did you mean H200?)"
+    assert did_you_mean("llama-8B", ["llama-1b", "llama-8b", "llama-70b"]) == " (did you mean llama-8b?)"
+    assert did_you_mean("adam", ["adamw", "sgd", "adafactor", "adamw8bit"]) == " (did you mean adamw?)"
+    assert did_you_mean("zzz", PRECISIONS) == ""
+    with pytest.raises(ConfigError, match=r"unknown hardware 'H100' \(did you mean H100-SXM or H100-PCIe\?\)"):
+        from scaletrain.hardware import lookup
+
+        lookup("H100")

@@ -105,7 +105,9 @@ def lookup(name: str, extra_file: str | Path | None = None) -> Hardware:
     for key, hw in catalog.items():
         if key.lower() == name.lower():
             return hw
-    raise ConfigError(f"unknown hardware {name!r}; known: {', '.join(catalog)} "
+    from scaletrain.vocab import did_you_mean
+
+    raise ConfigError(f"unknown hardware {name!r}{did_you_mean(name, catalog)}; known: {', '.join(catalog)} "
                       "(add your own with a TOML file of [[hardware]] tables)")
 
 

@@ -60,10 +60,30 @@ SYNC_DTYPES = ("fp32", "bf16", "int8")
 PLAN_ENGINES = ("scaletrain", "megatron", "deepspeed")
 
 
+# names users bring from elsewhere for one of ours: Lightning's short precision names (its "bf16"
+# and "16" are the mixed modes, which spelling alone would not find)
+MEANT = {"bf16": "bf16-mixed", "16": "16-mixed", "fp16": "16-mixed", "half": "16-mixed", "32": "32-true",
+         "fp32": "32-true", "float32": "32-true", "bfloat16": "bf16-mixed"}
+
+
 def did_you_mean(word: str, choices: Iterable[str], prefix: str = "", suffix: str = "") -> str:
-    """' (did you mean X?)' for the closest of `choices`, or ''."""
-    match = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
-    return f" (did you mean {prefix}{match[0]}{suffix}?)" if match else ""
+    """' (did you mean X?)' for what `word` most likely means among `choices`, or '': a name
+    known to mean one of them (MEANT), the same name in another case, the choices it begins (up
+    to three, those about as close as the closest: `H100` -> H100-SXM or H100-PCIe), else the
+    closest spelling."""
+    choices = [str(c) for c in choices]
+    w = str(word).strip().lower()
+    folded = {c.lower(): c for c in choices}
+    if MEANT.get(w) in choices:
+        found = [MEANT[w]]
+    elif w in folded:
+        found = [folded[w]]
+    elif len(w) >= 2 and 1 <= len(begun := [c for c in choices if c.lower().startswith(w)]) <= 3:
+        close = {c: difflib.SequenceMatcher(None, w, c.lower()).ratio() for c in begun}
+        found = [c for c in begun if close[c] >= max(close.values()) - 0.1]  # adam: adamw, not adamw8bit
+    else:
+        found = [folded[m] for m in difflib.get_close_matches(w, list(folded), n=1, cutoff=0.6)]
+    return f" (did you mean {' or '.join(f'{prefix}{c}{suffix}' for c in found)}?)" if found else ""
 
 
 def unknown(kind: str, value, choices: Iterable) -> ValueError:

@@ -18,7 +18,7 @@ from scaletrain.errors import ConfigError
 from scaletrain.hardware import Hardware
 from scaletrain.layout import Layout  # noqa: F401 - the one Layout, re-exported for the planner
 from scaletrain.model.config import ModelConfig
-from scaletrain.vocab import OPTIMIZERS, PLAN_ENGINES, PRECISIONS
+from scaletrain.vocab import OPTIMIZERS, PLAN_ENGINES, PRECISIONS, did_you_mean
 
 ATTENTION = ("flash", "eager")  # memory-efficient kernels (SDPA flash / efficient) or materialized scores
 
@@ -137,8 +137,9 @@ def load_model(source: Any) -> ModelSource:
                                                                                    str(path)))
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e.msg})") from None
-    raise ConfigError(f"unknown model {text!r}: not a preset ({', '.join(PRESETS)}), a published run's shape "
-                      f"({', '.join(MODELS)}), a .toml or a config.json")
+    raise ConfigError(f"unknown model {text!r}{did_you_mean(text, [*PRESETS, *MODELS])}: not a preset "
+                      f"({', '.join(PRESETS)}), a published run's shape ({', '.join(MODELS)}), a .toml or a "
+                      "config.json")
 
 
 def _model_only(section: dict, where: str) -> ModelConfig:
