@@ -111,7 +111,7 @@ def _prepare(args: argparse.Namespace, extra: list[str]) -> int:
         meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                        tokenizer_file=args.tokenizer_file, text_key=args.text_key, shard_tokens=args.shard_tokens,
                        val_fraction=args.val_fraction, workers=args.workers,
-                       progress=None if args.quiet else sys.stderr)
+                       progress=None if args.quiet else sys.stderr, report=lambda line: _note(f"prepare: {line}"))
     model_vocab = meta["tokenizer"].get("model_vocab_size")
     padded = f", {model_vocab} in the model" if model_vocab else ""
     print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}, {len(meta['shards'])} shard(s), "

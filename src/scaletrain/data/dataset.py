@@ -1,13 +1,19 @@
-"""Token data on disk (memory-mapped) or in memory, cut into (input, target) windows.
+"""Token data on disk or in memory, cut into (input, target) windows.
 
 Window i covers tokens [i*T, i*T + T + 1): the input is the first T, the target the last T.
 Windows do not overlap and may span shard boundaries, so no token is wasted.
+
+Shards are read with pread, not through a memory map: a shard cut short while a run reads it
+(rewritten, truncated) then gives a short read, reported in one line naming the shard, where a
+map would kill the process with SIGBUS on the first page past the new end.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -48,8 +54,8 @@ class TokenData:
 
     def __init__(self, arrays_or_paths: list, dtype: np.dtype, lengths: list[int], tokenizer, source: str,
                  description: dict | None = None):
-        self._sources = arrays_or_paths  # np.ndarray (in memory) or Path (memory-mapped lazily)
-        self._arrays: list[np.ndarray] | None = None
+        self._sources = arrays_or_paths  # np.ndarray (in memory) or Path (opened lazily, read with pread)
+        self._opened: list[np.ndarray | int] | None = None  # the arrays, and a file descriptor per Path
         self.dtype = np.dtype(dtype)
         self.lengths = lengths
         self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -161,32 +167,56 @@ class TokenData:
         source = str(folder) if split == "train" else f"{folder} (validation split)"
         return cls(paths, dtype, lengths, tokenizer, source, description)
 
-    def _open_arrays(self) -> list[np.ndarray]:
-        if self._arrays is None:
-            self._arrays = [np.memmap(s, dtype=self.dtype, mode="r") if isinstance(s, Path) else s
-                            for s in self._sources]
-        return self._arrays
+    def _open(self) -> list[np.ndarray | int]:
+        if self._opened is None:
+            opened = [os.open(src, os.O_RDONLY) if isinstance(src, Path) else src for src in self._sources]
+            fds = [fd for fd in opened if isinstance(fd, int)]
+            weakref.finalize(self, _close_all, fds)
+            self._opened = opened
+        return self._opened
 
     def __getstate__(self):
-        # worker processes re-open the memory maps instead of receiving copies of them
+        # worker processes open the shards again instead of receiving this process's descriptors
         state = self.__dict__.copy()
-        state["_arrays"] = None
+        state["_opened"] = None
         return state
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) as int64, across shard boundaries."""
-        arrays = self._open_arrays()
+        opened = self._open()
         out = np.empty(length, dtype=np.int64)
         shard = int(np.searchsorted(self.offsets, start, side="right") - 1)
         pos, filled = start, 0
         while filled < length:
             local = pos - int(self.offsets[shard])
             take = min(length - filled, self.lengths[shard] - local)
-            out[filled:filled + take] = arrays[shard][local:local + take]
+            src = opened[shard]
+            if isinstance(src, int):
+                want = take * self.dtype.itemsize
+                raw = os.pread(src, want, local * self.dtype.itemsize)
+                if len(raw) < want:
+                    raise self._cut_short(shard, src)
+                out[filled:filled + take] = np.frombuffer(raw, dtype=self.dtype)
+            else:
+                out[filled:filled + take] = src[local:local + take]
             filled += take
             pos += take
             shard += 1
         return out
+
+    def _cut_short(self, shard: int, fd: int) -> DataError:
+        path, expected = self._sources[shard], self.lengths[shard] * self.dtype.itemsize
+        return DataError(f"{path}: the shard is now {os.fstat(fd).st_size} bytes, {expected} when it was opened: it "
+                         "was cut short (truncated or rewritten) while this process read it; restore it as it was "
+                         "(data prepared again is other data, for a new run)")
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 _SAMPLE_BYTES = 4096  # read from each end of a shard for its fingerprint

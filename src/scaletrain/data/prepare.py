@@ -40,7 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -114,13 +114,15 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
             vocab_size: int = 8192, tokenizer_file: str | Path | None = None,
             text_key: str = "text", shard_tokens: int = 100_000_000, val_fraction: float = 0.0,
             workers: int | None = None, progress: IO[str] | None = None,
-            progress_every: float | None = None) -> dict:
+            progress_every: float | None = None, report: Callable[[str], None] | None = None) -> dict:
     """Tokenize `inputs` into `out`; returns the metadata written to meta.json. `tokenizer` is
     byte, bpe, file (with `tokenizer_file`) or the path of a Hugging Face model folder.
     `val_fraction` of the documents (by their text's hash) go to a validation split instead.
     `workers`: tokenizer processes (None: every core, or this process alone for inputs under
-    16 MiB; 1: this process). `progress`: a stream for the progress line (MB/s, tokens, ETA),
-    redrawn every `progress_every` seconds (None: 0.5 on a terminal, else a line every 30)."""
+    16 MiB; 1: this process), at most one per core and per chunk of the input (a process starts
+    when there is a chunk for it). `progress`: a stream for the progress line (MB/s, tokens,
+    ETA), redrawn every `progress_every` seconds (None: 0.5 on a terminal, else a line every 30).
+    `report`: told the workers' cap in a line (None: the progress stream, if any, is)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DataError(f"{out} is a file; --out must be a new or empty folder (nothing was changed)")
@@ -135,8 +137,8 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
         raise DataError(f"--workers must be at least 1, got {workers}")
     files = find_inputs(inputs)
     total_bytes = input_bytes(files)
-    if workers is None:
-        workers = default_workers() if total_bytes >= SMALL_INPUT else 1
+    cores = default_workers()
+    asked, workers = workers, (cores if total_bytes >= SMALL_INPUT else 1) if workers is None else min(workers, cores)
 
     if tokenizer == "byte":
         tok = ByteTokenizer()
@@ -161,6 +163,10 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
 
     dtype = token_dtype(tok.vocab_size)
     line = ProgressLine(total_bytes, progress, progress_every) if progress is not None else None
+    say = report or (line.note if line is not None else None)
+    if say is not None and asked is not None and asked > workers:
+        say(f"--workers {asked}: {workers} tokenizer process(es) at most, one per core this process may use (more "
+            "would only wait for each other)")
     for stale in _unfinished(out):  # left by an interrupted prepare: nothing in it is complete
         shutil.rmtree(stale, ignore_errors=True)
         if line is not None:
@@ -168,7 +174,8 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
     encoder = Encoder(tok, text_key, val_fraction, dtype)
     with replacing(out) as tmp, _locked_folder(tmp), _ShardWriter(tmp, "shard", dtype, shard_tokens) as train, \
             _ShardWriter(tmp, "val", dtype, shard_tokens) as val:
-        for part in encode_chunks(chunks(files, text_key), encoder, workers):
+        started: list[int] = []
+        for part in encode_chunks(chunks(files, text_key), encoder, workers, started):
             train.add(part.train, part.docs, part.text_docs)
             val.add(part.val, part.val_docs, part.val_text_docs)
             if line is not None:
@@ -177,6 +184,9 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
         val.close()
         if line is not None:
             line.finish()
+        if say is not None and asked is not None and workers > 1 and started and started[0] < workers:
+            say(f"--workers {asked}: {started[0]} tokenizer process(es) started, one per chunk of the input "
+                f"(it came in {started[0]})")
         n_docs = train.n_docs + val.n_docs
         if train.n_text_docs + val.n_text_docs == 0:  # separators alone are no training data
             found = f"{n_docs} document(s), all empty or whitespace" if n_docs else "no documents"
@@ -256,9 +266,12 @@ class Encoder:
         return [np.asarray(ids, dtype=self.dtype) for ids in self.tok.encode_batch(docs)]
 
 
-def encode_chunks(parts: Iterator[Chunk], encoder: Encoder, workers: int) -> Iterator[Encoded]:
+def encode_chunks(parts: Iterator[Chunk], encoder: Encoder, workers: int,
+                  started: list[int] | None = None) -> Iterator[Encoded]:
     """`encoder` applied to every chunk, in order: here with one worker, else in `workers`
-    processes, chunk i going to worker i % workers, at most IN_FLIGHT chunks each at a time."""
+    processes, chunk i going to worker i % workers, at most IN_FLIGHT chunks each at a time.
+    Worker i starts with chunk i: an input of fewer chunks starts fewer processes (their number
+    is put in `started`, where one is given)."""
     if workers == 1:
         for chunk in parts:
             yield encoder(chunk)
@@ -266,11 +279,14 @@ def encode_chunks(parts: Iterator[Chunk], encoder: Encoder, workers: int) -> Ite
     procs: list[_Worker] = []
     ok = False
     try:
-        procs = [_Worker(encoder, i) for i in range(workers)]
         sent = received = 0
         for chunk in itertools.islice(parts, IN_FLIGHT * workers):
+            if sent < workers:
+                procs.append(_Worker(encoder, sent))
             procs[sent % workers].send(chunk)
             sent += 1
+        if started is not None:
+            started[:] = [len(procs)]
         while received < sent:
             kind, value = procs[received % workers].receive()
             received += 1

@@ -145,8 +145,6 @@ def read_info(path: str | Path) -> dict:
 def load_quantized(path: str | Path) -> tuple[Transformer, dict]:
     """(the quantized model on the CPU, in eval mode, its quantization.json) from folder `path`.
     Reads JSON and safetensors only."""
-    from safetensors.torch import load_file
-
     from scaletrain.model.config import model_config
 
     path = Path(path)
@@ -154,10 +152,7 @@ def load_quantized(path: str | Path) -> tuple[Transformer, dict]:
     # the saved config's model section is whole (every key, as the run resolved it): no preset or
     # Hugging Face config is read again, the keys are only checked
     scheme, cfg = info["scheme"], model_config(info["config"]["model"], source=str(path / INFO_FILE))
-    try:
-        tensors = load_file(str(path / WEIGHTS_FILE))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path / WEIGHTS_FILE} is missing; the quantized folder is damaged") from None
+    tensors = _read_weights(path / WEIGHTS_FILE)
     model = Transformer(cfg)
     converted = {n for n, v in info["layers"].items() if v.get("converted")}
     for name, m in model.named_modules():
@@ -172,6 +167,7 @@ def load_quantized(path: str | Path) -> tuple[Transformer, dict]:
             if name not in tensors or tensors[name].shape != p.shape:
                 raise CheckpointError(f"{path / WEIGHTS_FILE}: tensor {name} is missing or of another shape; the "
                                       "quantized folder is damaged")
+            _check_dtype(tensors[name], torch.float32, f"{path / WEIGHTS_FILE}: {name}")
             p.copy_(tensors[name])
         for name in converted:
             linear = model.get_submodule(name)
@@ -179,6 +175,29 @@ def load_quantized(path: str | Path) -> tuple[Transformer, dict]:
                                     tuple(linear.weight.shape), f"{path / WEIGHTS_FILE}: {name}")
             linear.weight = nn.Parameter(weight, requires_grad=False)
     return model.eval(), info
+
+
+def _read_weights(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a quantized folder's safetensors file; a missing, cut short or garbled
+    file is one line."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing; the quantized folder is damaged: quantize the checkpoint again")
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{file}: not a readable safetensors file ({why}): it is truncated or corrupt; the "
+                              "quantized folder is damaged: quantize the checkpoint again") from None
+
+
+def _check_dtype(tensor: torch.Tensor, want: torch.dtype, where: str) -> None:
+    if tensor.dtype != want:
+        raise CheckpointError(f"{where} is {str(tensor.dtype).removeprefix('torch.')}, not "
+                              f"{str(want).removeprefix('torch.')}; the quantized folder is damaged: quantize the "
+                              "checkpoint again")
 
 
 def _weight_tensor(scheme: str, parts: dict[str, torch.Tensor | None], shape: tuple[int, int], where: str):
@@ -191,9 +210,12 @@ def _weight_tensor(scheme: str, parts: dict[str, torch.Tensor | None], shape: tu
     groups = cols // GROUP_SIZE if scheme == "int8-int4" else 1
     qshape = (rows, (cols + 1) // 2) if scheme == "int8-int4" else shape
     expected = {"qdata": qshape, "scale": (rows, groups), "zero_point": (rows, groups)}
+    dtypes = {"qdata": torch.uint8 if scheme == "int8-int4" else torch.int8, "scale": torch.float32,
+              "zero_point": torch.int8}  # as quantized_tensors writes them
     for k, want in expected.items():
         if parts[k] is None or tuple(parts[k].shape) != want:
             raise CheckpointError(f"{where}.{k} is missing or not of shape {want}; the quantized folder is damaged")
+        _check_dtype(parts[k], dtypes[k], f"{where}.{k}")
     if scheme == "int8-int4":
         return IntxUnpackedToInt8Tensor(unpack_int4(parts["qdata"], cols), parts["scale"], parts["zero_point"],
                                         torch.int4, (1, GROUP_SIZE), torch.float32, "int8_asym_per_token")

@@ -6,7 +6,8 @@ that fell behind. The loss is watched: spikes are logged, divergence stops the r
 gradients are not finite are skipped and counted; too many in a row stop the run, and so does
 a run none of whose steps changed the weights. Every rank sees the same global loss and gradient
 norm, so every rank decides alike and they stop together. A metrics row the disk refuses (it is
-full) stops the run after an emergency checkpoint (`final_checkpoint`). `StopSignals` catches
+full) stops the run after an emergency checkpoint (`final_checkpoint`), and so does, in a single
+process, a data file that fails under the run (a shard cut short while it trains). `StopSignals` catches
 SIGINT and SIGTERM while a run trains: the run stops at the end of its step, with a checkpoint.
 """
 
@@ -23,8 +24,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from scaletrain.errors import CheckpointError, ConfigError, TrainingStopped, UserError
+from scaletrain.errors import CheckpointError, ConfigError, DataError, TrainingStopped, UserError
 from scaletrain.launch import watchdog
+
+
+def _worker_line(line: str) -> str:
+    """A DataError's own line, also where a DataLoader worker raised it (torch raises it again
+    here with the worker's traceback before it)."""
+    return line.rsplit("DataError: ", 1)[-1].removesuffix("\\n") if "Original Traceback" in line else line
+
 
 # words of gloo's and NCCL's messages when a peer is gone or late
 COMM_FAILURES = ("Timed out", "timed out", "Timeout", "Connection closed", "Connection reset", "Broken pipe",
@@ -46,6 +54,7 @@ class Health:
         self.loss_mean: float | None = None
         self.early_losses: list[float] = []  # the first steps' losses: the divergence check's yardstick
         self.fault: str | None = None  # an I/O failure that stops the run after an emergency save
+        self.fault_fix = ""  # what to do before resuming from that save
 
     def begin_step(self, step: int) -> None:
         self.current_step = step
@@ -70,9 +79,17 @@ class Health:
 
     def guarded(self, fn, *args):
         """Run one phase of a step; turn a communication failure into one line that names the
-        ranks that stopped participating and the collective it happened in."""
+        ranks that stopped participating and the collective it happened in. A data file that
+        fails under a single-process run (`DataError`: a shard cut short) becomes the run's
+        `fault` and the phase returns None: the run stops, saving the steps it finished."""
         try:
             return fn(*args)
+        except DataError as e:
+            if self.rt.distributed:  # the other ranks wait in this step's collectives: no save they could join
+                raise
+            self.fault = f"step {self.current_step}: {_worker_line(e.lines[0])}"
+            self.fault_fix = "resume from it once the data is restored"
+            return None
         except (RuntimeError, dist.DistError) as e:
             text = str(e)
             if isinstance(e, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text:
@@ -118,7 +135,7 @@ class Health:
                     raise UserError(f"{self.fault}; the emergency checkpoint failed too: {e.lines[0]}") from None
                 raise
         if self.fault:
-            raise UserError(f"{self.fault}; checkpoint {last_saved} was saved first, resume from it once there is room")
+            raise UserError(f"{self.fault}; checkpoint {last_saved} was saved first, {self.fault_fix}")
         return last_saved
 
     def log_row(self, row: dict, step: int, path: Path) -> None:
@@ -131,6 +148,7 @@ class Health:
         except OSError as e:
             what = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
             self.fault = f"step {step}: writing metrics to {path} failed: {what}"
+            self.fault_fix = "resume from it once there is room"
             self.metrics.enabled = False
 
     # ---------------------------------------------------------------------------------------

@@ -371,7 +371,9 @@ class Trainer:
         while self.step < cfg.train.steps:
             self.health.begin_step(self.step + 1)
             set_lr(self.optimizer, self.schedule.lr(self.step))
-            local_loss, grad_norm, skipped, wait = guarded(self.train_step, batches)
+            if (done := guarded(self.train_step, batches)) is None:
+                break  # the data failed under the run (health.fault): _finish saves the steps done
+            local_loss, grad_norm, skipped, wait = done
             self.state.step += 1
             loss, grad_norm, stop = guarded(self.end_of_step, local_loss, grad_norm)
             self.health.watch_loss(self.step, loss, skipped)

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.config import from_dict
+from scaletrain.config import DataConfig, from_dict
 from scaletrain.errors import CheckpointError
+from scaletrain.model.config import model_config
 from scaletrain.model.transformer import Transformer
 from scaletrain.quant.layers import describe
 from scaletrain.quant.ptq import is_quantized_folder, quantize_model, save_quantized
@@ -74,7 +75,18 @@ def _from_export(path: Path) -> tuple[Transformer, dict, dict]:
     if "scaletrain.model" not in meta:
         raise CheckpointError(f"{path} is not a scaletrain model: its safetensors metadata has no scaletrain.model "
                               "(written by scaletrain export); give a checkpoint folder or such a file")
-    config = from_dict({"model": json.loads(meta["scaletrain.model"])}, source=str(path)).to_dict()
+    try:
+        model_values = json.loads(meta["scaletrain.model"])
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: its scaletrain.model metadata is not valid JSON ({e.msg}); export the "
+                              "checkpoint again") from None
+    if not isinstance(model_values, dict):
+        raise CheckpointError(f"{path}: its scaletrain.model metadata is not a table of model keys; export the "
+                              "checkpoint again")
+    model = model_config(model_values, source=str(path))
+    # the file holds no data config: the default one, its windows no longer than the model reads
+    fits = min(DataConfig.seq_len, model.max_seq_len, model.sliding_window or model.max_seq_len)
+    config = from_dict({"model": model_values, "data": {"seq_len": fits}}, source=str(path)).to_dict()
     model = Transformer(from_dict(config).model)
     model.init_buffers("cpu")
     params = dict(model.named_parameters())
