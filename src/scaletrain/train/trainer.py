@@ -213,8 +213,7 @@ class Trainer:
                                     keep=cfg.checkpoint.keep)
 
     def _resume(self, path: Path) -> None:
-        """Continue from checkpoint `path`, after checking it was saved for this model, data,
-        batch and layout."""
+        """Continue from checkpoint `path`, once checked against this model, data, batch and layout."""
         state = ckpt.read_trainer_state(path)
         self.health.resuming(int(state["step"]))  # what a peer that waits for this rank is told
         self.folder.check_resumable(path, state, global_batch=self.layout.global_batch, data=self.data,
