@@ -26,6 +26,7 @@ from scaletrain.plan.search import (
     explain,
     layout_errors,
     rank_key,
+    savers,
     search,
     slow_link,
     workers_comparison,
@@ -119,6 +120,8 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
             result["explanation"].append(calibration_sources(cluster.calibration))
         if not ev.fits and not isinstance(layout, Layout):  # what else the keys given allow
             result["explanation"].append(_keeping(layout, fixed, src.cfg, wl, cluster, gpu))
+        if not ev.fits:
+            result["explanation"] += savers(ev, src.cfg, wl, cluster, gpu)
         if workers > 1:
             result["explanation"] += workers_comparison(src.cfg, wl, cluster, fixed, candidates, gpu=gpu)
         result["explanation"] += moe_lines(src.cfg, wl, cluster, ev, result)
