@@ -294,7 +294,7 @@ def figure(schedule: str, p: int, m: int, v: int, placed: list[list[Placed]]):
     chunks = sorted({x.op.chunk for row in placed for x in row})
     if len(chunks) > 1:
         handles += [Patch(facecolor="white", edgecolor="black", hatch=CHUNK_HATCHES[c % len(CHUNK_HATCHES)],
-                          label=f"chunk {c}" + (" (upper case, solid)" if c == 0 else " (lower case, lighter, hatched)"))
+                          label=f"chunk {c} " + ("(upper case, solid)" if c == 0 else "(lower case, lighter, hatched)"))
                     for c in chunks]
     ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25 if p < 3 else -0.15),
               ncol=min(len(handles), 4), frameon=False)
