@@ -91,7 +91,7 @@ def test_cpu_peak_is_probed_on_the_shared_cores_and_no_run_changes_it(cache, mon
     assert "MFU is measured against the CPU's fp32 matmul peak on its" in r.stderr
     assert "1.0 MFLOP/s" in r.stderr
     rows = read_metrics(tmp_path / "run")
-    assert all(row["mfu"] > 1 for row in rows)  # honest against that peak: the same figure every run
+    assert all(row["mfu"] is None for row in rows)  # above that peak: no MFU stated (never above 100%)
     r2 = run_here("train", *MICRO_ARGS, "--train.steps=3", f"--log.run_dir={tmp_path / 'run2'}")
     assert r2.returncode == 0 and threads == [hardware.cpu_cores()]  # cached: probed once
 

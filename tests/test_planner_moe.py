@@ -40,7 +40,8 @@ def test_total_and_active_parameters_each_counted_once():
     assert r["num_params"] - r["active_params"] >= 2 * 6 * expert_params(cfg)
     from scaletrain.plan import report
 
-    assert f"{r['num_params'] / 1e9:.2f}B parameters ({r['active_params'] / 1e9:.2f}B active)" in report.table(r)
+    assert r["num_params"] < 1e9  # a model under a billion is counted in millions, not as 0.00B
+    assert f"{r['num_params'] / 1e6:.2f}M parameters ({r['active_params'] / 1e6:.2f}M active)" in report.table(r)
     model = json.loads(report.to_json(r))["model"]
     assert (model["num_params"], model["active_params"], model["moe_imbalance"]) == \
         (r["num_params"], r["active_params"], 1.0)

@@ -5,10 +5,12 @@ are per GPU and per direction. `inter_node_GBps` is the typical NIC of machines 
 that GPU (one NIC per GPU); a cluster TOML can override any field.
 
 For a CPU there is no datasheet we can trust, so its peak is measured with a matmul probe (the
-best of several sizes and runs) on all the cores this process may run on — the cores the local
-ranks share — once per CPU, core count, torch version and dtype, and cached in the user's cache
-folder. The same probe gives the same kind of figure every time: nothing a run does changes it,
-so an MFU does not depend on past runs (`cpu_peak_flops`, `describe_cpu_peak`).
+best of several sizes, runs and the layouts a linear layer's forward and backward multiply in) on
+all the cores this process may run on — the cores the local ranks share — once per CPU, core
+count, torch version and dtype, and cached in the user's cache folder. The same probe gives the
+same kind of figure every time: nothing a run does changes it, so an MFU does not depend on past
+runs (`cpu_peak_flops`, `describe_cpu_peak`); a run that still outruns it is given no MFU
+(`train.metrics.mfu`), never one above 100%.
 """
 
 from __future__ import annotations
@@ -199,7 +201,16 @@ def _probe(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] | No
 
 
 def _matmul_flops(a: torch.Tensor, b: torch.Tensor) -> float:
-    """FLOP/s of one timed `a @ b` (square matrices)."""
+    """FLOP/s of the fastest of the three layouts a linear layer's training step multiplies in
+    (square matrices), each timed once: the forward `x @ w.T`, the input's gradient `g @ w` and
+    the weight's `g.T @ x` (attention's `q @ k.T` and `p @ v` are two of them). Kernels differ by
+    layout: on CPUs without native fp16/bf16 math, `a @ b` in half precision runs several times
+    slower than `a @ b.T`, so a peak probed on one layout alone falls below what a run reaches."""
+    return max(_timed_flops(a, b.t()), _timed_flops(a, b), _timed_flops(a.t(), b))
+
+
+def _timed_flops(a: torch.Tensor, b: torch.Tensor) -> float:
+    """FLOP/s of one timed `a @ b` (square matrices, either of them maybe a transposed view)."""
     cuda = a.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(a.device)
@@ -234,8 +245,9 @@ def cpu_cores() -> int:
 
 
 def _cpu_key(dtype: torch.dtype) -> str:
-    # probe=2: the probe on every core (with one core's as its floor); older entries are not read
-    return f"{_cpu_name()}|cores={cpu_cores()}|torch={torch.__version__}|{dtype}|probe=2"
+    # probe=3: the probe on every core (with one core's as its floor), the best of the three layouts a
+    # linear layer multiplies in; older entries (one layout, below what half-precision runs reach) are not read
+    return f"{_cpu_name()}|cores={cpu_cores()}|torch={torch.__version__}|{dtype}|probe=3"
 
 
 def cpu_peak_file() -> Path:

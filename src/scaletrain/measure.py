@@ -320,22 +320,21 @@ def run_layout(config: str, layout, nproc: int, overrides: dict | None = None) -
     return measure_layouts([overrides], nproc, steps=2, config=config)[0]
 
 
-def measure_and_print(config: str, layout, nproc: int, overrides: dict | None = None) -> int:
+def measure_and_print(config: str, result: dict, nproc: int, overrides: dict | None = None) -> int:
+    """Run real steps of the plan's first layout here and print its prediction beside what they
+    measured. The prediction is the plan's own evaluation (`result`, which the plan's table
+    printed, calibrated or not): planning the layout again here could give a second figure."""
     from scaletrain.config import load_config
-    from scaletrain.hardware import local_hardware
     from scaletrain.launch.runtime import pick_device
-    from scaletrain.plan import plan
 
-    cfg = load_config(config, overrides or {})
-    device = pick_device(cfg.train.device)
-    hw = local_hardware(device)
-    result = plan(cfg.model, hardware=hw, nodes=1, gpus_per_node=nproc, seq_len=cfg.data.seq_len,
-                  global_batch=layout.micro_batch * layout.grad_accum * layout.dp, precision=cfg.precision.mode,
-                  optimizer=cfg.optim.name, layout=layout, gpu=device.type == "cuda")
     ev = result["layouts"][0]
+    layout, hw = ev.layout, result["cluster"].hardware
+    device = pick_device(load_config(config, overrides or {}).train.device)
     predicted = predicted_components(ev, result["cfg"], result["workload"], layout, gpu=device.type == "cuda")
     rows = run_layout(config, layout, nproc, overrides)
-    print(f"\nmeasured on {nproc} × {hw.name} ({layout.describe()}), largest over ranks:")
+    source = "calibrated on this machine" if ev.time.calibrated else "the catalog's time model"
+    print(f"\nmeasured on {nproc} × {hw.name} ({layout.describe()}), largest over ranks; predicted: the plan above "
+          f"({source}):")
     print(f"{'component':<22}{'predicted':>14}{'measured':>14}{'ratio':>8}")
     for key in ("params", "grads", "optimizer", "activations", "peak", "step_time_s"):
         values = [r[key] for r in rows if r.get(key) is not None]

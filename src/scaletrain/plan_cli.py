@@ -204,6 +204,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
                   top_k=10 if args.top is None else args.top, activations=args.activations, engine=args.engine,
                   compile=args.compile, fp8=args.fp8, workers=args.workers, workers_link=args.workers_link,
                   sync=req.sync, calibrate=_calibration_here() if here else None, moe_imbalance=args.moe_imbalance,
+                  name=None if args.model else f"{args.config} [model]" if args.config else "(the --model.* options)",
                   **req.workload)
     if args.json:
         print(report.to_json(result))
@@ -236,7 +237,7 @@ def _measure(args: argparse.Namespace, result: dict, overrides) -> int:
             raise UserError("plan --measure --top: no layout fits, so none is measured")
         measure_top(args.config, candidates, nproc=args.nproc or 1, overrides=overrides)
         return 0
-    code = measure_and_print(args.config, result["layouts"][0].layout, nproc=args.nproc or 1, overrides=overrides)
+    code = measure_and_print(args.config, result, nproc=args.nproc or 1, overrides=overrides)
     return code or (0 if result["layouts"][0].fits else 1)
 
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from scaletrain import fmt
 from scaletrain.errors import UserError
+from scaletrain.train.metrics import mfu, mfu_text
 
 
 @dataclass
@@ -69,7 +70,7 @@ class Row:
     tokens_per_step: int = 0
     median_s: float = 0.0
     tokens_per_s: float = 0.0
-    mfu: float = 0.0
+    mfu: float | None = 0.0  # None: the step outran the peak, no MFU stated
     peak_bytes: int = 0  # kept_bytes + the most one step allocates on top
     kept_bytes: int = 0  # what the runner keeps allocated between steps
     speed: float | None = None  # tokens/s over the baseline's
@@ -214,10 +215,10 @@ def run(entries: list[Entry], *, steps: int, warmup: int, device: torch.device,
         row.tokens_per_step = runner.tokens_per_step
         row.median_s = statistics.median(row.times_s)
         row.tokens_per_s = row.tokens_per_step / row.median_s
-        row.mfu = runner.flops_per_token * row.tokens_per_s / (runner.peak_flops * runner.world_size)
-        if row.mfu > 1:  # say so rather than print an impossible figure without a word
-            row.note = "; ".join(filter(None, [row.note, "MFU above 100%: the device's peak for this dtype (on CPU a "
-                                               "matmul probe) is below what the step reached; read it as no MFU"]))
+        row.mfu = mfu(runner.flops_per_token * row.tokens_per_s / runner.world_size, runner.peak_flops)
+        if row.mfu is None:  # say why rather than print an impossible figure
+            row.note = "; ".join(filter(None, [row.note, "MFU n/a: the device's peak for this dtype (on CPU a "
+                                               "matmul probe) is below what the step reached"]))
     base = rows[0]
     for row in rows:
         if row.status == "measured":
@@ -258,7 +259,7 @@ def rows_table(rows: list[Row]) -> str:
             body.append([row.name, f"{row.status}: {row.reason}"])
             continue
         memory = "n/a" if row.memory is None else f"{row.memory:.3f}"
-        body.append([row.name, fmt.seconds(row.median_s), fmt.count(row.tokens_per_s), f"{100 * row.mfu:.1f}%",
+        body.append([row.name, fmt.seconds(row.median_s), fmt.count(row.tokens_per_s), mfu_text(row.mfu),
                      fmt.size(row.peak_bytes), f"{row.speed:.3f}", memory])
         if row.note:
             notes.append(f"  {row.name}: {row.note}")

@@ -26,6 +26,7 @@ from scaletrain.plan.search import (
     explain,
     layout_errors,
     rank_key,
+    savers,
     search,
     slow_link,
     workers_comparison,
@@ -43,7 +44,7 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
          activations: str = "formula", hardware_file: str | None = None, gpu: bool | None = None,
          engine: str | None = None, compile: bool | None = None, fp8: bool | None = None, workers: int = 1,
          workers_link: float | None = None, sync: dict | None = None, calibrate=None,
-         moe_imbalance: float | None = None) -> dict:
+         moe_imbalance: float | None = None, name: str | None = None) -> dict:
     """Search the layouts (or evaluate `layout`) for `model` on the cluster. Returns a dict with
     "layouts" (Evaluated, best first), "explanation" (lines), "stats", and the inputs. `engine`,
     `compile` and `fp8` default to a model TOML's [plan] table, else scaletrain, off, off.
@@ -62,8 +63,12 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
     `moe_imbalance`: a mixture of experts' load, max / mean tokens per expert (at least 1): the
     busiest expert-parallel rank computes and receives that much more than the mean. Not given:
     the calibration's measured load where the plan is calibrated, else 1 (balanced, as
-    published figures force the router)."""
+    published figures force the router).
+
+    `name`: what the report calls the model (default: its preset, file or class name)."""
     src = load_model(model)
+    if name:
+        src = replace(src, name=name)
     engine = engine if engine is not None else src.extra.get("engine", "scaletrain")
     compile = compile if compile is not None else bool(src.extra.get("compile", False))
     fp8 = fp8 if fp8 is not None else bool(src.extra.get("fp8", False))
@@ -87,8 +92,12 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
     result = {"model_name": src.name, "cfg": src.cfg, "workload": wl, "cluster": cluster, "stats": None}
     if src.cfg is None:
         return _plan_module(src, wl, cluster, layout, top_k, result, gpu)
-    if src.cfg.max_seq_len < seq_len:
-        src.cfg = replace(src.cfg, max_seq_len=seq_len)  # planning a longer context than the preset's
+    stretched = []
+    if src.cfg.max_seq_len < seq_len:  # planning a longer context than the model's: say so
+        stretched.append(f"Sequence {seq_len} is above {src.name}'s max_seq_len {src.cfg.max_seq_len}: planned as if "
+                         f"it were {seq_len} (train it with --model.max_seq_len={seq_len}, or plan --seq-len "
+                         f"{src.cfg.max_seq_len}).")
+        src.cfg = replace(src.cfg, max_seq_len=seq_len)
     if moe_imbalance is not None and not src.cfg.moe_experts:
         raise ConfigError(f"--moe-imbalance {moe_imbalance:g} is a mixture of experts' load, but {src.name} is dense "
                           "(model.moe_experts=0); drop it")
@@ -106,11 +115,13 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
             wl = result["workload"] = _measured_load(src.cfg, wl, cluster, [fixed], result, moe_imbalance)
         ev = evaluate(src.cfg, wl, cluster, fixed, gpu=gpu, activations=activations)
         result["layouts"] = [ev]
-        result["explanation"] = [f"{fixed.describe()}: " + ("fits" if ev.fits else "; ".join(ev.why_not))]
+        result["explanation"] = stretched + [f"{fixed.describe()}: " + ("fits" if ev.fits else "; ".join(ev.why_not))]
         if calibrate:
             result["explanation"].append(calibration_sources(cluster.calibration))
         if not ev.fits and not isinstance(layout, Layout):  # what else the keys given allow
             result["explanation"].append(_keeping(layout, fixed, src.cfg, wl, cluster, gpu))
+        if not ev.fits:
+            result["explanation"] += savers(ev, src.cfg, wl, cluster, gpu)
         if workers > 1:
             result["explanation"] += workers_comparison(src.cfg, wl, cluster, fixed, candidates, gpu=gpu)
         result["explanation"] += moe_lines(src.cfg, wl, cluster, ev, result)
@@ -122,7 +133,7 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
                            sync=candidates if slow_link(cluster) else None)
     result["stats"] = stats
     result["layouts"] = ranked[:top_k]
-    result["explanation"] = explain(ranked[0], ranked, src.cfg, wl, cluster, gpu)
+    result["explanation"] = stretched + explain(ranked[0], ranked, src.cfg, wl, cluster, gpu)
     if workers > 1:
         if ranked[0].layout.local_sync:
             result["explanation"].append(f"{ranked[0].layout.dp_sync} is in the search because the link between the "

@@ -73,11 +73,16 @@ def _how_trained(wl, cfg=None) -> str:
     return "; " + ", ".join(parts) if parts else ""
 
 
+def param_count(n: float, scale: float) -> str:
+    """`n` parameters in billions, or in millions for a model (`scale`: its total) under a billion."""
+    return f"{n / 1e9:.2f}B" if scale >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def table(result: dict) -> str:
     cl, wl = result["cluster"], result["workload"]
-    active = result.get("active_params")
-    params = f"{result['num_params'] / 1e9:.2f}B parameters" + \
-        (f" ({active / 1e9:.2f}B active)" if result["cfg"] is not None and result["cfg"].moe_experts else "")
+    total, active = result["num_params"], result.get("active_params")
+    params = f"{param_count(total, total)} parameters" + \
+        (f" ({param_count(active, total)} active)" if result["cfg"] is not None and result["cfg"].moe_experts else "")
     lines = [f"model {result['model_name']}: {params}; "
              f"{cl.nodes} × {cl.gpus_per_node} × {cl.hardware.name} ({cl.hardware.memory_bytes / GiB:.1f} GiB each); "
              f"sequence {wl.seq_len}, global batch {wl.global_batch}, {wl.precision}, {wl.optimizer}"
@@ -107,6 +112,11 @@ def breakdown(e: Evaluated) -> str:
         lines.append(f"  {label:<26}{v / GiB:>9.2f} GiB")
     lines.append(f"  {'total':<26}{m.total / GiB:>9.2f} GiB of {e.capacity / GiB:.2f}"
                  + ("" if m.total <= e.capacity else "  — DOES NOT FIT"))
+    rows = sum(getattr(m, c) for c in MemoryBreakdown.COMPONENTS)
+    if f"{rows / GiB:.2f}" != f"{m.total / GiB:.2f}":  # the engine's peak: not every row is alive at once
+        lines.append(f"  (the rows sum to {rows / GiB:.2f} GiB, but not all are alive at once: the total is the most "
+                     "held at one moment — backward's activations with the gradients made by then, or the "
+                     "gradients at their largest at the optimizer step — plus the reserve)")
     if m.host:
         of = f" of {e.host_capacity / GiB:.2f} (the GPU's share of its node's RAM)" if e.host_capacity else \
             " (the node's RAM is unknown: not checked)"

@@ -209,12 +209,37 @@ def rank_key(e: Evaluated) -> tuple:
     return (1, e.memory.total + e.memory.host, -e.time.tokens_per_s)
 
 
+SAVERS = (("adamw8bit", "8-bit AdamW (--optimizer adamw8bit)"), ("adafactor", "Adafactor (--optimizer adafactor)"))
+
+
+def savers(best: Evaluated, cfg: ModelConfig, wl: Workload, cluster: Cluster, gpu: bool) -> list[str]:
+    """When the leanest layout's model states alone exceed the device, the memory savers that
+    change them — a smaller optimizer state, or ZeRO-3 with the states offloaded to host memory
+    — each evaluated on that layout, with its figure and whether it would fit."""
+    if best.memory.model_states + best.memory.host <= best.capacity:
+        return []
+    tried = [(words, evaluate(cfg, replace(wl, optimizer=name), cluster, best.layout, gpu=gpu))
+             for name, words in SAVERS if name != wl.optimizer]
+    lay = best.layout
+    if not lay.offload_optimizer:
+        off = replace(lay, zero=3, dp_shard=lay.dp, dp_replicate=1, offload_optimizer=True)
+        if not layout_errors(cfg, wl, cluster, off):
+            tried.append(("ZeRO-3 with offload (--zero 3 --offload)", evaluate(cfg, wl, cluster, off, gpu=gpu)))
+    if not tried:
+        return []
+    words = [f"{name}: {size(e.memory.total)} per GPU" + (f" and {size(e.memory.host)} in host memory"
+                                                           if e.memory.host else "")
+             + (", fits" if e.fits else ", still too large") for name, e in tried]
+    return [f"The model states alone ({size(best.memory.model_states + best.memory.host)} per GPU) exceed the "
+            f"device's {size(best.capacity)}; memory savers on {lay.describe()}: " + "; ".join(words) + "."]
+
+
 def explain(best: Evaluated, ranked: list[Evaluated], cfg: ModelConfig, wl: Workload, cluster: Cluster,
             gpu: bool = True) -> list[str]:
     """The winner's choices in plain words."""
     if not best.fits:
         return [f"No layout fits: the leanest ({best.layout.describe()}) {best.why_not[0]}. "
-                "Use more GPUs, a shorter sequence, or a smaller global batch."]
+                "Use more GPUs, a shorter sequence, or a smaller global batch."] + savers(best, cfg, wl, cluster, gpu)
     lay, hw = best.layout, cluster.hardware
     lines = [f"Best: {lay.describe()} — {best.time.tokens_per_s:,.0f} tokens/s, MFU {100 * best.time.mfu:.1f}%, "
              f"{best.memory.total / GiB:.1f} of {hw.memory_bytes / GiB:.1f} GiB per GPU."]

@@ -257,28 +257,63 @@ def render_text(schedule: str, p: int, m: int, v: int, placed: list[list[Placed]
     return "\n".join(lines)
 
 
-def render_png(schedule: str, p: int, m: int, v: int, placed: list[list[Placed]], path: str) -> None:
-    try:
-        import matplotlib
+KIND_COLORS = {"F": "#4c78a8", "B": "#e45756", "I": "#f58518", "W": "#54a24b"}
+KIND_WORDS = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
+CHUNK_HATCHES = ("", "///", "...", "xxx", "\\\\\\", "+++", "ooo", "---")  # a second cue beside the shade
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError("--png needs matplotlib: pip install matplotlib (or 'scaletrain[plot]')") from None
-    colors = {"F": "#4c78a8", "B": "#e45756", "I": "#f58518", "W": "#54a24b"}
+
+def bar_style(op: Op) -> dict:
+    """How the picture draws one operation: its kind's colour; a rank's later chunks lighter
+    and hatched (a pattern as well as a shade, so they stay apart in grey or for colour-blind
+    readers) and labelled in lower case, as the text picture does."""
+    label = op.kind if op.chunk == 0 else op.kind.lower()
+    return {"color": KIND_COLORS[op.kind], "alpha": 1.0 if op.chunk == 0 else 0.55,
+            "hatch": CHUNK_HATCHES[op.chunk % len(CHUNK_HATCHES)], "label": f"{label}{op.mb}"}
+
+
+def figure(schedule: str, p: int, m: int, v: int, placed: list[list[Placed]]):
+    """The schedule as a matplotlib figure: a bar per operation on its rank's row, a legend of
+    the kinds and, with several chunks per rank, of the chunks' patterns."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
     span = float(max(x.end for row in placed for x in row))
-    fig, ax = plt.subplots(figsize=(max(6.0, span * 0.45), 0.6 * p + 1.2))
+    fig, ax = plt.subplots(figsize=(max(6.0, span * 0.45), 0.6 * p + 1.8))
     for r, row in enumerate(placed):
         for x in row:
             start, width = float(x.start), float(x.end - x.start)
-            shade = 0.55 if x.op.chunk else 1.0
-            ax.barh(r, width, left=start, color=colors[x.op.kind], alpha=shade, edgecolor="black", linewidth=0.5)
-            ax.text(start + width / 2, r, f"{x.op.kind}{x.op.mb}", ha="center", va="center", fontsize=7)
+            style = bar_style(x.op)
+            ax.barh(r, width, left=start, color=style["color"], alpha=style["alpha"], hatch=style["hatch"],
+                    edgecolor="black", linewidth=0.5)
+            ax.text(start + width / 2, r, style["label"], ha="center", va="center", fontsize=7)
+    kinds = sorted({x.op.kind for row in placed for x in row}, key="FBIW".index)
+    handles = [Patch(facecolor=KIND_COLORS[k], edgecolor="black", label=f"{k} {KIND_WORDS[k]}") for k in kinds]
+    chunks = sorted({x.op.chunk for row in placed for x in row})
+    if len(chunks) > 1:
+        handles += [Patch(facecolor="white", edgecolor="black", hatch=CHUNK_HATCHES[c % len(CHUNK_HATCHES)],
+                          label=f"chunk {c} " + ("(upper case, solid)" if c == 0 else "(lower case, lighter, hatched)"))
+                    for c in chunks]
+    ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25 if p < 3 else -0.15),
+              ncol=min(len(handles), 4), frameon=False)
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.invert_yaxis()
     ax.set_xlabel("time (forward = 1)")
     ax.set_title(f"{schedule}, p={p}, m={m}" + (f", v={v}" if v > 1 else "")
                  + f": bubble {bubble_fraction(placed):.3f} (theory {theory(schedule, p, m, v):.3f})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
+
+
+def render_png(schedule: str, p: int, m: int, v: int, placed: list[list[Placed]], path: str) -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError("--png needs matplotlib: pip install matplotlib (or 'scaletrain[plot]')") from None
+    import matplotlib.pyplot as plt
+
+    fig = figure(schedule, p, m, v, placed)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)

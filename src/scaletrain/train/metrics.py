@@ -48,6 +48,27 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
+def mfu(achieved_flops: float, peak_flops: float) -> float | None:
+    """Model FLOP/s utilisation, or None (shown as "n/a") when the achieved FLOP/s exceed the peak:
+    then the peak (on a CPU a probe) is not a bound on what runs here, and a figure above 100%
+    would state as fact what is only the probe's shortfall."""
+    ratio = achieved_flops / peak_flops
+    return ratio if ratio <= 1 else None
+
+
+def mfu_text(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def mean_mfu_text(rows: list[dict]) -> str:
+    """The summary's mean MFU over the rows that have one (and how many had none)."""
+    known = [r["mfu"] for r in rows if r["mfu"] is not None]
+    if not known:
+        return "n/a (the run outran the peak MFU is measured against)"
+    missing = len(rows) - len(known)
+    return mfu_text(sum(known) / len(known)) + (f" ({missing} of {len(rows)} rows n/a)" if missing else "")
+
+
 def perplexity(loss: float) -> float:
     """exp(mean token loss): the number of tokens the model is as unsure between as a uniform guess."""
     return math.exp(loss) if loss < 709 else math.inf  # exp overflows a double past ~709.78
@@ -130,7 +151,7 @@ class MetricsLogger:
         eta = elapsed / max(step, 1) * (self.total_steps - step)
         text = (f"step {step}/{self.total_steps}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
                 f"gnorm {row['grad_norm']:.3f}  {fmt.count(row['tokens_per_s'])} tok/s  "
-                f"mfu {100 * row['mfu']:.1f}%  {self.memory_label} {fmt.size(row['peak_mem_bytes'])}  "
+                f"mfu {mfu_text(row['mfu'])}  {self.memory_label} {fmt.size(row['peak_mem_bytes'])}  "
                 f"wait {100 * row['data_wait_frac']:.0f}%")
         if "loss_scale" in row:
             text += f"  scale {row['loss_scale']:g}"
@@ -171,7 +192,7 @@ class MetricsLogger:
         table += [
             ("wall time", fmt.clock(elapsed)),
             ("tokens/s (mean)", fmt.count(sum(r["tokens_per_s"] for r in steady) / len(steady))),
-            ("MFU (mean)", f"{100 * sum(r['mfu'] for r in steady) / len(steady):.1f}%"),
+            ("MFU (mean)", mean_mfu_text(steady)),
             ("peak memory", f"{fmt.size(max(r['peak_mem_bytes'] for r in rows))} ({self.memory_counted})"),
             ("data wait (mean)", f"{100 * sum(r['data_wait_frac'] for r in steady) / len(steady):.1f}%"),
         ]
@@ -240,10 +261,11 @@ class StepMeter:
     """The measured figures of a metrics row, over the steps since the last row (its window):
     tokens/s, model FLOP/s against the device's peak (MFU; a CPU's probed peak is shared by its
     local ranks: each is measured against its share), the largest peak memory of any rank (one
-    all-reduce, its phase named with `enter`), the share of time spent waiting for data."""
+    all-reduce, its phase named with `enter`), the share of time spent waiting for data. A window
+    that outruns the peak gets no MFU (`mfu`), and `say` tells why, once."""
 
     def __init__(self, rt, *, tokens_per_step: int, flops_per_token: float, compute_dtype: torch.dtype,
-                 tf32: bool, enter: Callable[[str], None]):
+                 tf32: bool, enter: Callable[[str], None], say: Callable[[str], None] = lambda line: None):
         self.device, self.world_size, self.distributed = rt.device, rt.world_size, rt.distributed
         self.tokens_per_step, self.flops_per_token, self.compute_dtype = tokens_per_step, flops_per_token, compute_dtype
         peak, source = device_peak_flops(self.device, compute_dtype, tf32=tf32)
@@ -252,7 +274,7 @@ class StepMeter:
         self.peak_flops = peak / self.sharing
         self.peak_source = (f"MFU is measured against {source}: {fmt.flops(peak)}"
                             + (f", shared by the {self.sharing} ranks on it" if self.sharing > 1 else ""))
-        self.enter = enter
+        self.enter, self.say, self.outran = enter, say, False
         self.new_window()
 
     def new_window(self) -> None:
@@ -291,7 +313,7 @@ class StepMeter:
             "grad_norm": float(grad_norm),
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": tokens_per_s / self.world_size,
-            "mfu": achieved / self.peak_flops,
+            "mfu": mfu(achieved, self.peak_flops),
             "peak_mem_bytes": peak,
             "data_wait_frac": self.wait / elapsed,
             "step_time_s": elapsed / self.steps,
@@ -299,6 +321,10 @@ class StepMeter:
         }
         if loss_scale is not None:
             row["loss_scale"] = loss_scale
+        if row["mfu"] is None and not self.outran:
+            self.outran = True
+            self.say(f"MFU n/a: this rank reached {fmt.flops(achieved)} of model FLOPs, above the peak it is "
+                     f"measured against ({fmt.flops(self.peak_flops)}), so that peak bounds nothing here")
         return row
 
 

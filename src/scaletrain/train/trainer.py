@@ -114,7 +114,7 @@ class Trainer:
         self.meter = StepMeter(rt, tokens_per_step=self.tokens_per_step, compute_dtype=self.precision.compute_dtype,
                                flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len)
                                if self.custom_model is None else 6 * self.num_params,
-                               tf32=cfg.precision.mode == "tf32", enter=self.health.enter)
+                               tf32=cfg.precision.mode == "tf32", enter=self.health.enter, say=self.metrics.info)
 
     def _build_data(self) -> None:
         """Data: order from (seed, step) alone; each data-parallel rank reads its slice."""
