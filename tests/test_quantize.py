@@ -371,3 +371,23 @@ def test_qat_under_data_parallelism_tracks_one_process(zero, bound):
         assert code == 0 and verdict.endswith("PASS"), verdict
     else:
         assert float(m.group(1)) <= bound, verdict
+
+
+def test_generate_samples_a_quantized_folder_and_a_run_folder(runs):
+    """`generate` takes what eval and export take: a quantized folder (its model as quantized, the
+    run's tokenizer) and a run folder (its newest complete checkpoint, said on stderr)."""
+    out = runs["root"] / "gen-int8-weight"
+    if not out.exists():
+        quantize(runs["fp32"]["ckpt"], "int8-weight", out)
+    args = ["--prompt", "The ", "--max-new-tokens", "12", "--seed", "5"]
+    r = run_here("generate", str(out), *args)
+    assert r.returncode == 0 and r.stdout.startswith("The "), r.stderr
+    from scaletrain.trained.generate import generate_text
+
+    assert r.stdout.rstrip("\n") == generate_text(out, "The ", max_new_tokens=12, seed=5, device="cpu")
+    ckpt = runs["fp32"]["ckpt"]
+    run_folder = ckpt.parent.parent
+    by_run = run_here("generate", str(run_folder), *args)
+    assert by_run.returncode == 0, by_run.stderr
+    assert by_run.stdout == run_here("generate", str(ckpt), *args).stdout
+    assert f"its newest complete checkpoint is {ckpt}" in by_run.stderr

@@ -170,9 +170,10 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
         stream(piece)
 
     with os_errors_named({"source": args.source, "--data": args.data or ""}):
-        generate_text(args.source, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k, seed=args.seed, data=args.data, device=args.device, stream=first,
-                      report=_note)
+        # a run folder: its newest complete checkpoint, as eval and export take it
+        generate_text(_checkpoint_of(args.source), args.prompt, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, seed=args.seed, data=args.data,
+                      device=args.device, stream=first, report=_note)
     if not started:  # no token asked for: the prompt alone
         sys.stdout.write(args.prompt)
     print()

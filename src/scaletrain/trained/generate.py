@@ -39,10 +39,20 @@ def data_tokenizer(path: str):
 
 
 def load_for_generation(source: str | Path, data: str | None = None, report=None):
-    """(model, tokenizer, window) for `source`: a checkpoint folder (step_*) or a Hugging Face
-    model folder; `data`: a prepared folder whose tokenizer to use instead of the run's (found
-    where the run recorded it, or where it moved with the run: said through `report`)."""
+    """(model, tokenizer, window) for `source`: a checkpoint folder (step_*), a folder written by
+    `scaletrain quantize`, or a Hugging Face model folder; `data`: a prepared folder whose
+    tokenizer to use instead of the run's (found where the run recorded it, or where it moved
+    with the run: said through `report`)."""
+    from scaletrain.quant.ptq import is_quantized_folder, load_quantized, read_info
+
     path = Path(source)
+    if is_quantized_folder(path):  # `scaletrain quantize`'s folder: its quantization.json holds the config
+        info = read_info(path)
+        state = {"config": info["config"]}
+        cfg = from_dict(state["config"] if data is not None else ckpt.saved_config(
+            path, state, fix="give --data FOLDER, a prepared folder with the run's tokenizer", report=report))
+        tokenizer = data_tokenizer(data if data is not None else data_paths(cfg.data)[0])
+        return load_quantized(path)[0], tokenizer, min(cfg.data.seq_len, cfg.model.max_seq_len)
     if (path / ckpt.TRAINER_FILE).is_file():
         from scaletrain.trained.export import load_model_from_checkpoint
 
