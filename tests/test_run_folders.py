@@ -203,3 +203,27 @@ def test_a_broken_config_json_without_a_checkpoint_names_the_file(tmp_path, caps
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f"{run / 'config.json'}: a JSON list, not an object of sections, so not the run's config" in err, err
     assert "model" not in err
+
+
+@pytest.mark.multiproc
+def test_resuming_on_fewer_ranks_suggests_the_ranks_it_was_saved_by(tmp_path):
+    """A 2-rank ZeRO-3 run resumed without --nproc: the layout does not fit one rank, and the line
+    says to resume with --nproc 2 (it suggested parallel.zero=0, which changes the run's layout);
+    nothing in the run folder changes. resume=auto without a run folder is refused (it started a
+    new run every time)."""
+    from conftest import folder_snapshot, run_here
+
+    run = tmp_path / "run"
+    r = run_here("train", *MICRO_ARGS, "--nproc", "2", "--parallel.zero=3", "--train.steps=2",
+                 "--checkpoint.every=2", f"--log.run_dir={run}")
+    assert r.returncode == 0, r.stderr
+    before = folder_snapshot(run)
+    again = run_here("train", f"--log.run_dir={run}", "--checkpoint.resume=auto", "--train.steps=4")
+    lines = again.stderr.strip().splitlines()
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr
+    assert len([line for line in lines if "error:" in line]) == 1, again.stderr
+    assert "was saved by 2 ranks: resume it with --nproc 2 to keep its layout" in lines[-1], again.stderr
+    assert folder_snapshot(run) == before
+    auto = run_here("train", *MICRO_ARGS, "--checkpoint.resume=auto", "--train.steps=1")
+    assert auto.returncode == 2 and "checkpoint.resume=auto resumes the run in log.run_dir, but none is given" \
+        in auto.stderr, auto.stderr

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from scaletrain.config import JobConfig, from_dict, with_absolute_data
-from scaletrain.errors import CheckpointError, UserError, config_paths, os_errors_named, user_error_from_os
+from scaletrain.errors import CheckpointError, ConfigError, UserError, config_paths, os_errors_named, user_error_from_os
 from scaletrain.layout import Layout
 
 if TYPE_CHECKING:  # torch is imported by what runs the job, not by reading its config
@@ -53,7 +53,13 @@ def settle(cfg: JobConfig, world: int, device: torch.device, *, per_node: int | 
     if can_measure:
         from scaletrain import measure
     cfg, layout = resolve(cfg, world, device, gpus_per_node=per_node, note=note, measure=measure)
-    layout.check(cfg.model, seq_len=cfg.data.seq_len)
+    if cfg.checkpoint.resume == "auto" and not (cfg.log.run_dir or cfg.checkpoint.dir):
+        raise ConfigError("checkpoint.resume=auto resumes the run in log.run_dir, but none is given (each run would "
+                          "start in a new folder and never resume); add --log.run_dir=runs/NAME")
+    try:
+        layout.check(cfg.model, seq_len=cfg.data.seq_len)
+    except ConfigError as e:
+        raise _with_saved_world(e, cfg, world) from None
     from scaletrain.parallel.parallelize import check_techniques
 
     check_techniques(cfg, layout)  # said once here, not by every rank
@@ -68,26 +74,47 @@ def settle(cfg: JobConfig, world: int, device: torch.device, *, per_node: int | 
     return cfg, layout
 
 
+def _resumed(cfg: JobConfig) -> tuple[Path, dict] | None:
+    """(the checkpoint the job resumes, its trainer state), or None (a new run, or one the trainer
+    reports: with auto it falls back to an older checkpoint, naming this one)."""
+    from scaletrain.train import checkpoint as ckpt
+
+    res = cfg.checkpoint.resume
+    if res == "none":
+        return None
+    if res == "auto":
+        if not (cfg.checkpoint.dir or cfg.log.run_dir):
+            return None
+        folder = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.log.run_dir) / "checkpoints"
+        path = ckpt.latest_checkpoint(folder)
+        if path is None:
+            return None
+    else:
+        path = Path(res)
+    try:
+        return path, ckpt.read_trainer_state(path)
+    except CheckpointError:
+        return None
+
+
+def _with_saved_world(e: ConfigError, cfg: JobConfig, world: int) -> ConfigError:
+    """A layout that does not fit this world, for a run saved by another number of ranks: the
+    fix is first to resume with those ranks (the saved layout), not to change it."""
+    resumed = _resumed(cfg)
+    saved = resumed[1].get("world_size") if resumed else None
+    if not isinstance(saved, int) or saved == world:
+        return e
+    return ConfigError(*e.lines[:-1], f"{e.lines[-1]}; {resumed[0]} was saved by {saved} ranks: resume it with "
+                                      f"--nproc {saved} to keep its layout")
+
+
 def _check_resume(cfg: JobConfig, layout: Layout) -> None:
     """A checkpoint of another parallel.dp_sync, or of another number of workers, is refused here,
     in one line, before any rank starts (the trainer checks it again)."""
     from scaletrain.train import checkpoint as ckpt
 
-    res = cfg.checkpoint.resume
-    if res == "none":
-        return
-    if res == "auto":
-        folder = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.log.run_dir) / "checkpoints"
-        path = ckpt.latest_checkpoint(folder)
-        if path is None:
-            return
-    else:
-        path = Path(res)
-    try:
-        state = ckpt.read_trainer_state(path)
-    except CheckpointError:
-        return  # the trainer reports it (or, with auto, falls back to an older checkpoint, naming this one)
-    ckpt.check_sync(path, state, layout)
+    if (resumed := _resumed(cfg)) is not None:
+        ckpt.check_sync(*resumed, layout)
 
 
 def _check_writable(paths: dict[str, str]) -> None:
