@@ -227,3 +227,28 @@ def test_resuming_on_fewer_ranks_suggests_the_ranks_it_was_saved_by(tmp_path):
     auto = run_here("train", *MICRO_ARGS, "--checkpoint.resume=auto", "--train.steps=1")
     assert auto.returncode == 2 and "checkpoint.resume=auto resumes the run in log.run_dir, but none is given" \
         in auto.stderr, auto.stderr
+
+
+def test_the_command_suggested_for_a_raw_file_works_as_printed(tmp_path):
+    """`--data.path=corpus.jsonl` (a raw file, not prepared data): the line suggests a prepare
+    command and a --data.path; both run as printed (the suggestion used to name the file itself
+    as prepare's output, which prepare refuses: it is a file)."""
+    import shlex
+
+    from conftest import run_here
+
+    raw = tmp_path / "corpus.jsonl"
+    raw.write_text("".join(json.dumps({"text": f"document {i} " + "words " * 40}) + "\n" for i in range(30)))
+    r = run_here("train", *MICRO_ARGS, f"--data.path={raw}", "--train.steps=1", f"--log.run_dir={tmp_path / 'r'}")
+    assert r.returncode == 2 and "it is a raw text file" in r.stderr, r.stderr
+    command = re.search(r"`scaletrain (prepare [^`]+)`", r.stderr).group(1)
+    data = re.search(r"--data.path=(\S+)", r.stderr).group(1)
+    prepared = run_here(*shlex.split(command), "--quiet")
+    assert prepared.returncode == 0, prepared.stderr
+    trained = run_here("train", *MICRO_ARGS, f"--data.path={data}", "--train.steps=1", "--train.eval_every=0",
+                       f"--log.run_dir={tmp_path / 'r2'}")
+    assert trained.returncode == 0, trained.stderr
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"\0" * 64)
+    r = run_here("train", *MICRO_ARGS, f"--data.path={other}", "--train.steps=1", f"--log.run_dir={tmp_path / 'r3'}")
+    assert r.returncode == 2 and "it is a file, not a folder of prepared data" in r.stderr, r.stderr

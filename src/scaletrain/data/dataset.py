@@ -29,20 +29,27 @@ VALID_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 def how_to_prepare(folder: Path) -> str:
     """The commands that make `folder`, which holds no prepared data, trainable — ones that work
-    as printed: a folder of raw text is prepared into a new folder beside it (prepare never
-    writes into a folder that holds files); a missing or empty folder can be prepare's output."""
+    as printed: a folder or file of raw text is prepared into a new folder beside it (prepare
+    never writes into a folder that holds files); a missing or empty folder can be prepare's
+    output."""
     if not folder.exists():  # a mistyped path, or data not made yet: which, the user knows
         return (f"the folder was not found: check the path, or make it with `scaletrain prepare INPUT... "
                 f"--out {folder}`")
-    raw = folder.is_dir() and any(f.is_file() and input_kind(f) for f in folder.rglob("*"))
-    if not raw:
+    if folder.is_file():  # --data.path=corpus.jsonl: a raw file, which prepare reads, not writes
+        if not input_kind(folder):
+            return ("it is a file, not a folder of prepared data: give --data.path the folder `scaletrain prepare "
+                    "INPUT... --out FOLDER` wrote")
+    elif not any(f.is_file() and input_kind(f) for f in folder.rglob("*")):
         return f"prepare the data first with `scaletrain prepare INPUT... --out {folder}`"
     base = folder if folder.name else folder.resolve()  # "." has no name to extend
+    if folder.is_file():
+        base = base.with_name(base.name.split(".")[0] or "data")  # corpus.jsonl.gz -> corpus-tokens
     out = base.with_name(f"{base.name}-tokens")
     n = 2
     while out.exists():
         out, n = base.with_name(f"{base.name}-tokens-{n}"), n + 1
-    return (f"it holds raw text: prepare it into a new folder with `scaletrain prepare {folder} --out {out}`, "
+    what = "it is a raw text file" if folder.is_file() else "it holds raw text"
+    return (f"{what}: prepare it into a new folder with `scaletrain prepare {folder} --out {out}`, "
             f"then train with --data.path={out}")
 
 
