@@ -1,7 +1,8 @@
 """Ctrl-C and SIGTERM at any moment of `scaletrain train`'s start-up, for real: each ends in its
-documented exit code (3 before training started, 128 + the signal once a checkpoint is saved), with
-one line and no traceback, and none is ignored. A tracker whose server does not answer holds the
-run up for log.tracker_wait_s at most, and a signal meanwhile is not held up at all.
+documented exit code (3 before training started, 128 + the signal while the command line is read
+or once a checkpoint is saved), with one line and no traceback, and none is ignored. A tracker
+whose server does not answer holds the run up for log.tracker_wait_s at most, and a signal
+meanwhile is not held up at all.
 
 The moments are counted from when the program's own handler is in place (its SIGTERM shows as
 caught in /proc/PID/status): before that, in the interpreter's own start-up (tens of ms), Python's
@@ -70,6 +71,8 @@ def _assert_stopped(proc: subprocess.Popen, sig: signal.Signals, run_dir: Path, 
     if code == 3:  # nothing to save yet, and it says so
         assert stops[0] == (f"scaletrain: error: stopped by {sig.name} before training started: no checkpoint "
                             "was written") and not saved, f"{what}\n{err}"
+    elif stops[0] == f"scaletrain: stopped by {sig.name}":  # while the command line was read: nothing began
+        assert not saved, f"{what}\n{err}"
     elif "before the ranks saved a checkpoint" not in stops[0]:  # the launcher's ranks were still starting
         assert saved and str(saved[-1]) in stops[0], f"{what}\n{err}"  # the trainer finished its step and saved
     return code

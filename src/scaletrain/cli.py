@@ -419,15 +419,19 @@ def _stopped(signum: int, verb: str | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None, guard: EarlySignals | None = None) -> int:
-    """The command line's exit code. `guard`: the stop signals' handler the program installed
-    first (scaletrain.__main__); without it, main installs one and restores the caller's after."""
+    """The exit code of the command `argv` (default: this program's own command line, whose
+    result then stands: later signals are absorbed). `guard`: the stop signals' handler the
+    program installed first (scaletrain.__main__); without it, main installs one (and, given
+    `argv`, restores the caller's after)."""
+    program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    verb = argv[0] if argv and not argv[0].startswith("-") else None  # a stop while parsing is the verb's
-    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if guard is None else {}
+    verb = None
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if guard is None and not program else {}
     try:  # from here on, a Ctrl-C or SIGTERM (even in `import torch`) is one line
         if guard is None:
             guard = EarlySignals.install()
         if guard is not None:
+            guard.on_stuck = lambda signum: _stopped(signum, verb)  # the verb once known
             guard.check()  # one that came while the program started
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
@@ -452,9 +456,11 @@ def main(argv: Sequence[str] | None = None, guard: EarlySignals | None = None) -
         return _stopped(signal.SIGTERM, verb)
     finally:
         if threading.current_thread() is threading.main_thread():
-            for sig, old in before.items():
-                if old is not None and signal.getsignal(sig) is not signal.SIG_IGN:  # SIG_IGN: a stop absorbs
-                    signal.signal(sig, old)
+            for sig in STOP_SIGNALS:
+                if program:
+                    signal.signal(sig, signal.SIG_IGN)
+                elif before.get(sig) is not None and signal.getsignal(sig) is not signal.SIG_IGN:  # a stop absorbs
+                    signal.signal(sig, before[sig])
 
 
 if __name__ == "__main__":

@@ -6,19 +6,26 @@ KeyboardInterrupt (SIGINT) or `Terminated` (SIGTERM) where the program stands, w
 turns into its exit code and one line, except inside an import: an exception there leaves modules
 half-initialised (numpy's C core cannot be loaded a second time; a module missing its names is
 found again by the next import), and some libraries turn it into an ImportError they swallow. A
-signal that lands in an import is kept and raised as soon as the import is over, or at the next
-`check()`. `received` keeps the first signal either way, so a stop that some library swallowed is
-still seen by the next `check()` (the trainer's, before its first step).
+signal that lands in an import is kept and raised as soon as the import is over; an import still
+running IMPORT_GRACE_S later (a stalled file system) ends the program there, without unwinding,
+through `on_stuck`. `received` keeps the first signal either way, so a stop that some library
+swallowed is still seen by the next `check()`, or by the trainer, which then stops after its first
+step, saved.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
+import time
+from collections.abc import Callable
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _RETRY_S = 0.02  # how often a signal kept during an import is tried again
+IMPORT_GRACE_S = 3.0  # how long a signal waits for the import it landed in (torch's takes 1-5 s)
 
 
 class Terminated(BaseException):
@@ -44,6 +51,10 @@ class EarlySignals:
     def __init__(self):
         self.received: int | None = None
         self.raised = False  # the stop is on its way: later signals are absorbed while it is reported
+        self._since = 0.0
+        # the exit code of a stop by this signal, its line said, where no exception can carry it
+        # (an import that outlasts IMPORT_GRACE_S); None: wait for the import however long it takes
+        self.on_stuck: Callable[[int], int] | None = None
 
     @classmethod
     def install(cls) -> EarlySignals | None:
@@ -64,10 +75,13 @@ class EarlySignals:
         return owner if isinstance(owner, cls) else None
 
     def handler(self, signum, frame) -> None:
-        self.received = self.received or signum
+        if self.received is None:
+            self.received, self._since = signum, time.monotonic()
         if self.raised:
             return
         if _importing(frame):
+            if self.on_stuck is not None and time.monotonic() - self._since >= IMPORT_GRACE_S:
+                self._leave_now()
             self._retry_later(signum)
             return
         self.raised = True
@@ -86,6 +100,15 @@ class EarlySignals:
         timer = threading.Timer(_RETRY_S, again)
         timer.daemon = True
         timer.start()
+
+    def _leave_now(self) -> None:
+        """End the program in the middle of its import: nothing has been saved or is being written
+        yet that unwinding would finish (imports come before the work)."""
+        code = self.on_stuck(self.received)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
 
     def check(self) -> None:
         """Raise the stop of a signal received so far (one kept during an import, or one that

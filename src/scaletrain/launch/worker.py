@@ -76,6 +76,8 @@ def run(task: Callable[..., int | None], *args) -> NoReturn:
     from scaletrain.interrupt import EarlySignals, Terminated
 
     guard = EarlySignals.current() or EarlySignals.install()  # before torch is imported
+    if guard is not None and guard.on_stuck is None:  # the launcher says in one line what the ranks saved
+        guard.on_stuck = lambda signum: 128 + signum
     rank = int(os.environ.get("RANK", "0"))
     try:
         from scaletrain.launch import runtime
