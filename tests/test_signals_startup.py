@@ -79,20 +79,27 @@ def _assert_stopped(proc: subprocess.Popen, sig: signal.Signals, run_dir: Path, 
 
 
 def test_a_signal_at_any_moment_of_the_start_up_stops_the_run_in_one_line(tmp_path):
-    codes = []
-    for batch in (MOMENTS[0::2], MOMENTS[1::2]):  # a few at once: 2 cores
+    """MOMENTS after the handler is in place, SIGINT and SIGTERM in turn; and, in each batch, one
+    run signalled as its trainer takes the run folder (the hand-over to the trainer's handler)."""
+    for batch, sig in ((MOMENTS[0::2], signal.SIGTERM), (MOMENTS[1::2], signal.SIGINT)):  # a few at once: 2 cores
         runs = []
         for moment in batch:
-            sig = (signal.SIGINT, signal.SIGTERM)[len(runs) % 2]
             run_dir = tmp_path / f"{moment}"
             proc = _train(run_dir)
-            runs.append((moment, sig, proc, run_dir, _handler_in_place(proc)))
-        for moment, sig, proc, _, ready in sorted(runs, key=lambda r: r[4] + r[0]):
+            runs.append((moment, (signal.SIGINT, signal.SIGTERM)[len(runs) % 2], proc, run_dir,
+                         _handler_in_place(proc)))
+        for moment, each, proc, _, ready in sorted(runs, key=lambda r: r[4] + r[0]):
             time.sleep(max(0.0, ready + moment - time.monotonic()))
-            proc.send_signal(sig)
-        for moment, sig, proc, run_dir, _ in runs:
-            codes.append(_assert_stopped(proc, sig, run_dir, f"{sig.name} {moment} s after the handler"))
-    assert 3 in codes, codes  # the moments did reach into the start-up
+            proc.send_signal(each)
+        handover = _train(tmp_path / f"handover-{sig.name}")
+        while not (tmp_path / f"handover-{sig.name}").exists():
+            assert handover.poll() is None, handover.communicate()[1]
+            time.sleep(0.002)
+        handover.send_signal(sig)
+        for moment, each, proc, run_dir, _ in runs:
+            _assert_stopped(proc, each, run_dir, f"{each.name} {moment} s after the handler")
+        code = _assert_stopped(handover, sig, tmp_path / f"handover-{sig.name}", f"{sig.name} at the hand-over")
+        assert code == 128 + sig  # the trainer had it: one step, saved
 
 
 @pytest.mark.multiproc
