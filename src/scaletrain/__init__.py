@@ -7,17 +7,19 @@ Python API (the same names as the TOML config and the `--section.key=value` opti
     result = Trainer(cfg).fit()
 """
 
-from scaletrain.config import JobConfig, load_config
-from scaletrain.errors import CheckpointError, ConfigError, DataError, LaunchError, UserError
-
 __version__ = "0.1.0"
 
+# imported when first asked for: `python -m scaletrain` installs its signal handlers (see
+# scaletrain.interrupt) after this package is imported and before anything slow
+_LAZY = {"JobConfig": "config", "load_config": "config", "Trainer": "train.trainer", "CheckpointError": "errors",
+         "ConfigError": "errors", "DataError": "errors", "LaunchError": "errors", "UserError": "errors"}
 
-def __getattr__(name):  # the trainer pulls in torch; import it only when asked for
-    if name == "Trainer":
-        from scaletrain.train.trainer import Trainer
 
-        return Trainer
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"scaletrain.{_LAZY[name]}"), name)
     raise AttributeError(name)
 
 

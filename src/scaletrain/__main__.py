@@ -2,6 +2,10 @@
 
 import sys
 
-from scaletrain.cli import main
+from scaletrain.interrupt import EarlySignals
 
-sys.exit(main())
+guard = EarlySignals.install()  # first: a stop signal from here on is one line and its exit code
+
+from scaletrain.cli import main  # noqa: E402 - after the signals' handler, as everything slow
+
+sys.exit(main(guard=guard))

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Sequence
 
 from scaletrain.errors import LaunchError, UserError, config_paths, os_errors_named, user_error_from_os
+from scaletrain.interrupt import STOP_SIGNALS, EarlySignals, Terminated
 from scaletrain.vocab import QUANT_SCHEMES, did_you_mean
 
 PROG = "scaletrain"
@@ -408,11 +409,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Terminated(BaseException):
-    """SIGTERM outside the trainer's own handling (before training started), like SIGINT's
-    KeyboardInterrupt."""
-
-
 def _stopped(signum: int, verb: str | None) -> int:
     """A signal that reached the command line: the trainer was not there to save anything."""
     name = signal.Signals(signum).name
@@ -424,17 +420,21 @@ def _stopped(signum: int, verb: str | None) -> int:
     return 128 + signum
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, guard: EarlySignals | None = None) -> int:
+    """The exit code of the command `argv` (default: this program's own command line, whose
+    result then stands: later signals are absorbed). `guard`: the stop signals' handler the
+    program installed first (scaletrain.__main__); without it, main installs one (and, given
+    `argv`, restores the caller's after)."""
+    program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    old_term, verb = None, None
-    try:  # from here on, a Ctrl-C (even in `import torch`) is one line
-        from scaletrain.launch.runtime import is_worker
-
-        if not is_worker() and threading.current_thread() is threading.main_thread():
-            def on_term(signum, frame):
-                raise _Terminated()
-
-            old_term = signal.signal(signal.SIGTERM, on_term)
+    verb = None
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if guard is None and not program else {}
+    try:  # from here on, a Ctrl-C or SIGTERM (even in `import torch`) is one line
+        if guard is None:
+            guard = EarlySignals.install()
+        if guard is not None:
+            guard.on_stuck = lambda signum: _stopped(signum, verb)  # the verb once known
+            guard.check()  # one that came while the program started
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)
         args.argv, verb = argv, args.verb
@@ -454,11 +454,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return error.exit_code
     except KeyboardInterrupt:  # not inside the trainer's fit, which handles SIGINT itself
         return _stopped(signal.SIGINT, verb)
-    except _Terminated:
+    except Terminated:
         return _stopped(signal.SIGTERM, verb)
     finally:
-        if old_term is not None and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
-            signal.signal(signal.SIGTERM, old_term)
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                if program:
+                    signal.signal(sig, signal.SIG_IGN)
+                elif before.get(sig) is not None and signal.getsignal(sig) is not signal.SIG_IGN:  # a stop absorbs
+                    signal.signal(sig, before[sig])
 
 
 if __name__ == "__main__":

@@ -211,6 +211,8 @@ class LogConfig:
     run_name: str = option("", "the run's name in W&B and MLflow; empty = the run folder's name")
     tags: str = option("", "comma-separated tags of the run in W&B and MLflow, e.g. \"ddp,baseline\"; in MLflow "
                            "KEY=VALUE is the tag KEY with VALUE, a bare tag has the value true")
+    tracker_wait_s: float = option(30.0, "seconds to wait for W&B or MLflow to start (an unreachable server's "
+                                         "retries take minutes) before the run goes on without it", min=1.0)
 
 
 SECTIONS: dict[str, type] = {

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -72,14 +73,27 @@ def _task(*argv: str) -> int:
 
 def run(task: Callable[..., int | None], *args) -> NoReturn:
     """Run `task(*args)` as this rank's work, and leave as every rank leaves (see above)."""
-    from scaletrain.launch import launcher, runtime
+    from scaletrain.interrupt import EarlySignals, Terminated
 
-    runtime.die_with_launcher()  # first: a launcher killed from here on takes this rank with it
+    guard = EarlySignals.current() or EarlySignals.install()  # before torch is imported
+    if guard is not None and guard.on_stuck is None:  # the launcher says in one line what the ranks saved
+        guard.on_stuck = lambda signum: 128 + signum
     rank = int(os.environ.get("RANK", "0"))
     try:
+        from scaletrain.launch import runtime
+
+        runtime.die_with_launcher()  # first: a launcher killed from here on takes this rank with it
+        if guard is not None:
+            guard.check()
         code = task(*args)
+    except (KeyboardInterrupt, Terminated) as e:  # a stop before the task handled signals: nothing to report,
+        code = 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)  # the launcher says it
     except BaseException as e:  # noqa: BLE001 - every failure is reported in a few lines
+        from scaletrain.launch import launcher
+
         code = launcher.record_worker_error(e, rank)
+    from scaletrain.launch import runtime
+
     runtime.exit_worker(int(code or 0))
 
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from scaletrain.errors import CheckpointError, ConfigError, DataError, TrainingStopped, UserError
+from scaletrain.interrupt import EarlySignals
 from scaletrain.launch import watchdog
 
 
@@ -271,6 +272,9 @@ class StopSignals:
                 self._old[sig] = signal.signal(sig, self._handler)
         except ValueError:  # not the main thread: leave the process's handlers alone
             self._old = {}
+        early = getattr(self._old.get(signal.SIGINT), "__self__", None)
+        if isinstance(early, EarlySignals) and early.received is not None:  # one that came while the run started
+            self.received = self.received or early.received
 
     def restore(self) -> None:
         for sig, old in self._old.items():

@@ -95,12 +95,13 @@ class MetricsLogger:
         self.trackers = None  # W&B, MLflow (scaletrain.train.trackers): started with the run, rank 0
         assert run_dir is not None or not enabled
 
-    def start_trackers(self, cfg, run_id: str) -> None:
-        """W&B and MLflow, as log.wandb and log.mlflow ask (rank 0; one line each at start-up)."""
+    def start_trackers(self, cfg, run_id: str, stopping=lambda: False) -> None:
+        """W&B and MLflow, as log.wandb and log.mlflow ask (rank 0; one line each at start-up),
+        each waited for log.tracker_wait_s at most, or until `stopping()` (a signal came)."""
         if self.enabled and (cfg.log.wandb or cfg.log.mlflow):
             from scaletrain.train.trackers import Trackers
 
-            self.trackers = Trackers(cfg, self._run_dir, run_id, self.info)
+            self.trackers = Trackers(cfg, self._run_dir, run_id, self.info, stopping)
 
     def _open(self) -> None:
         """Files are created at the first logged step, so that building a trainer writes nothing."""

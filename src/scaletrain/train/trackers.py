@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,7 +51,9 @@ def numbers(row: dict) -> dict[str, float]:
 class Trackers:
     """The trackers of one run (rank 0). `say`: where their one-line notes go."""
 
-    def __init__(self, cfg, run_dir: Path, run_id: str, say: Callable[[str], None]):
+    def __init__(self, cfg, run_dir: Path, run_id: str, say: Callable[[str], None],
+                 stopping: Callable[[], bool] = lambda: False):
+        """`stopping`: whether a signal asked the run to stop (then no tracker is waited for)."""
         self.say = say
         self.active: dict[str, object] = {}
         name = cfg.log.run_name or Path(run_dir).resolve().name
@@ -59,7 +62,8 @@ class Trackers:
             if not getattr(cfg.log, option):
                 continue
             try:
-                self.active[option] = start(cfg, Path(run_dir), run_id, name, tags)
+                self.active[option] = _started_within(cfg.log.tracker_wait_s, stopping, start, cfg, Path(run_dir),
+                                                      run_id, name, tags)
             except Exception as e:  # noqa: BLE001 - whatever the client raises, the run goes on
                 say(f"log.{option}: the tracker could not start ({_reason(e)}); this run logs to metrics.jsonl "
                     f"{'and TensorBoard ' if cfg.log.tensorboard else ''}without it")
@@ -84,6 +88,32 @@ class Trackers:
         self.active = {}
 
 
+def _started_within(wait_s: float, stopping: Callable[[], bool], start, *args):
+    """start(*args) in a thread of its own, waited for `wait_s` seconds at most, or until a signal
+    asks the run to stop: a client's retries against a server that does not answer (MLflow's last
+    minutes) neither stall the run nor hold off its Ctrl-C. The thread left behind is a daemon."""
+    outcome: dict = {}
+
+    def target():
+        try:
+            outcome["tracker"] = start(*args)
+        except Exception as e:  # noqa: BLE001 - reported by the caller, in the main thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=target, name="scaletrain-tracker-start", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + wait_s
+    while thread.is_alive() and time.monotonic() < deadline and not stopping():
+        thread.join(0.1)  # short waits: the signal handlers run in between
+    if "error" in outcome:
+        raise outcome["error"]
+    if "tracker" in outcome:
+        return outcome["tracker"]
+    if stopping():
+        raise TimeoutError("the run was stopped by a signal while it started")
+    raise TimeoutError(f"no answer within log.tracker_wait_s={wait_s:g} s")
+
+
 def _reason(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
@@ -96,7 +126,8 @@ class _WandB:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=cfg.log.wandb, name=name, tags=tags, id=run_id, resume="allow",
                               dir=str(run_dir), config=cfg.to_dict(), allow_val_change=True,
-                              settings=wandb.Settings(console="off", silent=True, init_timeout=60))
+                              settings=wandb.Settings(console="off", silent=True,
+                                                      init_timeout=cfg.log.tracker_wait_s))
         self.run.define_metric("*", step_metric="step")  # our step is the x axis (a resume logs steps again)
         self.where = f"W&B project {cfg.log.wandb}, run {run_id} ({self.run.settings.mode}, {run_dir / 'wandb'})"
 

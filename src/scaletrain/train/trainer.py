@@ -346,7 +346,7 @@ class Trainer:
             st = self.state
             self.folder.take_ownership(st.run_id, st.lineage, st.step, st.resumed_from, self.metrics.info)
             announce(self)
-            self.metrics.start_trackers(self.cfg, st.run_id)
+            self.metrics.start_trackers(self.cfg, st.run_id, stopping=lambda: self.signals.received is not None)
             result = self._loop()
             if result["stopped_by"] is None and self.cfg.train.sample_tokens:  # a signal now cuts the sample short
                 print_sample(self)
