@@ -79,6 +79,23 @@ def test_an_honest_layout_passes_and_leaves_the_run_folder_alone(tmp_path, verif
     line = summary(out)
     assert line.endswith("tolerance loss 1e-05, grad norm 1e-04 (precision 32-true): PASS"), line
     assert not (tmp_path / "userrun").exists()
+    assert "final loss" not in out  # the runs' own summary tables are not verify's output
+
+
+def test_the_built_in_config_is_the_one_train_runs(capfd):
+    """Without --config verify runs train's built-in config: the batch `train --nproc 2` derives
+    (it derived another from the bare defaults)."""
+    from scaletrain.launch.job import train_config
+    from scaletrain.layout import Layout
+
+    small = ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--data.seq_len=32",
+             "--model.max_seq_len=32"]
+    lay = Layout.from_config(train_config(None, small)[0], 2)
+    code = cli.main(["verify", "--steps=1", "--nproc=2", *small])
+    out, err = capfd.readouterr()
+    assert code == 0, out + err
+    assert f"batch {lay.global_batch} = micro {lay.micro_batch} × accum {lay.grad_accum} × dp 2" in out, out
+    assert "final loss" not in out + err
 
 
 def test_one_ranks_perturbed_gradient_fails(tmp_path, verify):

@@ -202,6 +202,7 @@ class LogConfig:
     every: int = option(10, "log metrics every N steps (and on the first and last step)", min=1)
     tensorboard: bool = option(True, "write TensorBoard event files to <run_dir>/tensorboard")
     progress: str = option("auto", "progress bar: auto = when stderr is a terminal", choices=("auto", "on", "off"))
+    summary: bool = option(True, "print the run's summary table at its end (verify's runs leave it out)")
     spike_factor: float = option(3.0, "log a loss above this multiple of its running mean; 0 = off", min=0.0)
     wandb: str = option("", "Weights & Biases project to log to as well (pip install 'scaletrain[wandb]'); empty = "
                             "off; WANDB_MODE=offline writes the run under <run_dir>/wandb")

@@ -357,7 +357,9 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
     out = out or sys.stdout
     if steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {steps}")
-    cfg = load_config(config, overrides)
+    from scaletrain.config import DEMO_CONFIG
+
+    cfg = load_config(config or DEMO_CONFIG, overrides)  # without one, the built-in config `train` runs
     total_steps = max(cfg.train.steps, steps)
     world = layout_world(cfg.parallel, nproc)
     device = pick_device(cfg.train.device, 0, world)  # refuses a CUDA layout with too few GPUs

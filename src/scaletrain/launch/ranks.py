@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 # a run nobody reads: no files a user would look for, no resuming, every step in its metrics
-QUIET = {"log.every": 1, "log.tensorboard": False, "log.progress": "off", "train.sample_tokens": 0,
-         "train.eval_every": 0, "checkpoint.dir": "", "checkpoint.every": 0, "checkpoint.save_final": False,
-         "checkpoint.resume": "none"}
+QUIET = {"log.every": 1, "log.tensorboard": False, "log.progress": "off", "log.summary": False,
+         "train.sample_tokens": 0, "train.eval_every": 0, "checkpoint.dir": "", "checkpoint.every": 0,
+         "checkpoint.save_final": False, "checkpoint.resume": "none"}
 
 
 def quiet(run_dir: str | Path) -> dict:

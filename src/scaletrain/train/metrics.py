@@ -77,10 +77,10 @@ def perplexity(loss: float) -> float:
 class MetricsLogger:
     def __init__(self, run_dir: Path | None, total_steps: int, *, enabled: bool = True,
                  tensorboard: bool = True, progress: str = "auto", stream: IO[str] | None = None,
-                 result_stream: IO[str] | None = None, device_type: str = "cpu"):
+                 result_stream: IO[str] | None = None, device_type: str = "cpu", summary: bool = True):
         """`stream`: the log (stderr); `result_stream`: where the result also goes (stdout), unless
         it is the log's own destination; `device_type`: what peak memory counts (MEMORY_COUNTED)."""
-        self.enabled = enabled
+        self.enabled, self.show_summary = enabled, summary
         self.total_steps = total_steps
         self.stream = stream or sys.stderr
         self.result_stream = result_stream or sys.stdout
@@ -174,8 +174,8 @@ class MetricsLogger:
         self.stream.flush()
 
     def summary(self, extra: dict | None = None) -> None:
-        """The table printed at the end of a run."""
-        if not self.enabled or not self.history:
+        """The table printed at the end of a run (unless log.summary is off)."""
+        if not self.enabled or not self.history or not self.show_summary:
             return
         rows = self.history
         steady = rows[1:] or rows  # the first step includes warm-up (and compile)

@@ -102,7 +102,7 @@ class Trainer:
         self.state = TrainState()
         self.state.run_id, self.state.lineage = self.rt.shared(run_folder.new_identity())
         self.metrics = MetricsLogger(self.run_dir if self.rank == 0 else None, cfg.train.steps,
-                                     enabled=self.rank == 0, tensorboard=cfg.log.tensorboard,
+                                     enabled=self.rank == 0, tensorboard=cfg.log.tensorboard, summary=cfg.log.summary,
                                      progress=cfg.log.progress, stream=stream, device_type=self.device.type)
         self.health = Health(cfg, self.layout, rt, self.metrics, self.state, scaler=self.scaler,
                              param_names=self.param_names, custom_loss=self.custom_model is not None)
