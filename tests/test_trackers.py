@@ -179,3 +179,25 @@ def test_a_failing_tracker_is_one_line_and_never_stops_training(tmp_path, monkey
     assert notes == ["log.mlflow: logging to nowhere",
                      "log.mlflow: the tracker failed at step 2 (ConnectionError: the network went away); the run "
                      "goes on without it"]
+
+
+def test_mlflow_without_a_uri_writes_in_the_run_folder_and_reasons_are_whole(tmp_path, monkeypatch):
+    """log.mlflow_uri empty (and no MLFLOW_TRACKING_URI): the store is the run folder's
+    mlflow.db, not a file in the working folder; a tracker's failure reason is its first line
+    whole, or cut at a sentence's end (it was cut mid-sentence at 200 characters)."""
+    pytest.importorskip("mlflow", reason="the mlflow extra is missing")
+    pytest.importorskip("sqlalchemy", reason="the mlflow extra's local database (sqlalchemy) is missing")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = micro_cfg(tmp_path, **{**BASE, "log.mlflow": "here", "train.steps": 2})
+    Trainer(cfg).fit()
+    assert (tmp_path / "run" / "mlflow.db").is_file()
+    assert list(work.iterdir()) == []  # nothing in the working folder
+    long = ("The server refused the request because the experiment name is taken. " * 6).strip()
+    reason = trackers._reason(ConnectionError(long))
+    assert reason.startswith("ConnectionError: The server refused") and reason.endswith("is taken."), reason
+    assert len(reason) < 320
+    words = trackers._reason(ValueError("x" * 50 + " " + "word " * 100))
+    assert words.endswith(" …") and not words.endswith("wor …")

@@ -207,8 +207,8 @@ class LogConfig:
     wandb: str = option("", "Weights & Biases project to log to as well (pip install 'scaletrain[wandb]'); empty = "
                             "off; WANDB_MODE=offline writes the run under <run_dir>/wandb")
     mlflow: str = option("", "MLflow experiment to log to as well (pip install 'scaletrain[mlflow]'); empty = off")
-    mlflow_uri: str = option("", "MLflow tracking URI (http://SERVER, or sqlite:///FILE); empty = MLflow's own "
-                                 "default (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
+    mlflow_uri: str = option("", "MLflow tracking URI (http://SERVER, or sqlite:///FILE); empty = "
+                                 "MLFLOW_TRACKING_URI, else <run_dir>/mlflow.db")
     run_name: str = option("", "the run's name in W&B and MLflow; empty = the run folder's name")
     tags: str = option("", "comma-separated tags of the run in W&B and MLflow, e.g. \"ddp,baseline\"; in MLflow "
                            "KEY=VALUE is the tag KEY with VALUE, a bare tag has the value true")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -114,9 +115,18 @@ def _started_within(wait_s: float, stopping: Callable[[], bool], start, *args):
     raise TimeoutError(f"no answer within log.tracker_wait_s={wait_s:g} s")
 
 
-def _reason(e: Exception) -> str:
+def _reason(e: Exception, limit: int = 300) -> str:
+    """The error's first line, whole, or, when longer than `limit`, up to the end of its last
+    sentence within it (never cut mid-word: "…" says the rest was left out)."""
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+    if not text:
+        return type(e).__name__
+    first = text[0]
+    if len(first) > limit:
+        head = first[:limit]
+        end = max(head.rfind(". "), head.rfind("; "))
+        first = head[:end + 1] if end > limit // 3 else head[:head.rfind(" ")] + " …"
+    return f"{type(e).__name__}: {first}"
 
 
 class _WandB:
@@ -143,7 +153,10 @@ class _MLflow:
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
-        self.client = client = MlflowClient(tracking_uri=cfg.log.mlflow_uri or None)
+        # no URI given anywhere: a database in the run folder (MLflow's own default is the working folder)
+        uri = cfg.log.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir / 'mlflow.db'}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.client = client = MlflowClient(tracking_uri=uri)
         experiment = client.get_experiment_by_name(cfg.log.mlflow)
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(cfg.log.mlflow)
         found = client.search_runs([experiment_id], filter_string=f"tags.`scaletrain.run_id` = '{run_id}'",
