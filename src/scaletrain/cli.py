@@ -15,7 +15,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from scaletrain.errors import LaunchError, UserError, config_paths, os_errors_named, user_error_from_os
+from scaletrain.errors import UserError, config_paths, os_errors_named, user_error_from_os
 from scaletrain.interrupt import STOP_SIGNALS, EarlySignals, Terminated
 from scaletrain.vocab import QUANT_SCHEMES, did_you_mean
 
@@ -88,9 +88,9 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
             for line in notes:
                 _note(line)
             return job.exit_code(trainer.fit())
-        for flag, value in (("--nproc", args.nproc), ("--nnodes", args.nnodes)):
-            if value < 1:  # before any arithmetic on the world size
-                raise LaunchError(f"{flag} must be at least 1, got {value}")
+        from scaletrain.launch.launcher import check_launch
+
+        check_launch(args.nproc, args.nnodes, args.rdzv_endpoint or "")  # before any arithmetic on the world size
         cfg, layout = job.settle(cfg, args.nproc * args.nnodes, pick_device(cfg.train.device, 0, args.nproc),
                                  per_node=args.nproc, note=_note, can_measure=args.nnodes == 1)
         for line in notes:

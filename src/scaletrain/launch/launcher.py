@@ -65,6 +65,17 @@ def _restart_would_repeat(e: BaseException) -> bool:
     return not (isinstance(e, TrainingStopped) and isinstance(e.__context__, RuntimeError))
 
 
+def check_launch(nproc: int, nnodes: int, rdzv_endpoint: str) -> None:
+    """The launch arguments on their own, checked before the job is settled (and before any
+    line about it is printed)."""
+    if nproc < 1:
+        raise LaunchError(f"--nproc must be at least 1, got {nproc}")
+    if nnodes < 1:
+        raise LaunchError(f"--nnodes must be at least 1, got {nnodes}")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise LaunchError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT, reachable from every node")
+
+
 def launch(task: str, worker_args: list[str], *, nproc: int, nnodes: int = 1, node_rank: int | None = None,
            rdzv_endpoint: str = "", rdzv_id: str = "scaletrain", max_restarts: int = 0,
            monitor_interval: float = 0.1, checkpoint_dir: str | Path | None = None,
@@ -82,12 +93,7 @@ def launch(task: str, worker_args: list[str], *, nproc: int, nnodes: int = 1, no
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if nproc < 1:
-        raise LaunchError(f"--nproc must be at least 1, got {nproc}")
-    if nnodes < 1:
-        raise LaunchError(f"--nnodes must be at least 1, got {nnodes}")
-    if nnodes > 1 and not rdzv_endpoint:
-        raise LaunchError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT, reachable from every node")
+    check_launch(nproc, nnodes, rdzv_endpoint)
     for name in ["torch.distributed.elastic", "torch.distributed.launcher", *logging.Logger.manager.loggerDict]:
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
             logging.getLogger(name).setLevel(logging.CRITICAL)  # we report failures ourselves, briefly
