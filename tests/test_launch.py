@@ -100,3 +100,29 @@ def test_auto_layout(tmp_path):
     assert [row["step"] for row in read_metrics(tmp_path / "tr")] == [1, 2, 3]
     r = run_here("train", "--parallel.layout=auto", "--parallel.tp=2", "--train.steps=1")
     assert r.returncode == 2 and "leave parallel.tp at their defaults" in r.stderr
+
+
+def test_a_stop_signal_while_a_failing_rank_records_its_error_is_absorbed(tmp_path):
+    """When a rank fails, the launcher stops the others with SIGTERM; one that is itself failing
+    (recording its error) must finish its report, not print a traceback of the signal (seen
+    under load: a collective failed on rank 0 as rank 1 died, and the SIGTERM landed in rank
+    0's record_worker_error)."""
+    import subprocess
+    import sys
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os, signal\n"
+        "from scaletrain.launch import launcher, worker\n"
+        "record = launcher.record_worker_error\n"
+        "def recording(e, rank):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)  # the launcher stopping the ranks, mid-report\n"
+        "    sum(range(100000))\n"
+        "    return record(e, rank)\n"
+        "launcher.record_worker_error = recording\n"
+        "def task():\n"
+        "    raise RuntimeError('disk on fire')\n"
+        "worker.run(task)\n")
+    r = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "RuntimeError: disk on fire" in r.stderr

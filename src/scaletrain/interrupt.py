@@ -110,6 +110,12 @@ class EarlySignals:
                 stream.flush()
         os._exit(code)
 
+    def absorb(self) -> None:
+        """From now on a stop signal is only remembered: the program is already on its way out
+        (a failure being recorded, which a SIGTERM from the launcher stopping the other ranks
+        must not interrupt with a traceback of its own)."""
+        self.raised = True
+
     def check(self) -> None:
         """Raise the stop of a signal received so far (one kept during an import, or one that
         some code swallowed)."""

@@ -89,6 +89,8 @@ def run(task: Callable[..., int | None], *args) -> NoReturn:
     except (KeyboardInterrupt, Terminated) as e:  # a stop before the task handled signals: nothing to report,
         code = 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)  # the launcher says it
     except BaseException as e:  # noqa: BLE001 - every failure is reported in a few lines
+        if (current := EarlySignals.current()) is not None:
+            current.absorb()  # the launcher stops the other ranks now: its SIGTERM must not cut this report
         from scaletrain.launch import launcher
 
         code = launcher.record_worker_error(e, rank)
