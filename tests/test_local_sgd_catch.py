@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from scaletrain.parallel.local_sgd import OuterSync
 from scaletrain.parallel.replica_average import CHUNK, ReplicaAverage, SimulatedWorkers, reference_average
+from test_local_sgd import _step
 
 # ------------------------------------------------------------------------------------------
 # The average over the workers
@@ -187,13 +188,8 @@ def test_two_workers_step_on_their_mean_and_a_delayed_sync_adds_what_each_learnt
     syncs = [OuterSync([("layers.0.w", p)], mode="diloco", sync_every=2, fragments=1, delay=1, n_blocks=1,
                        comm=shared.member(w), outer_lr=0.5, outer_momentum=0.75) for w, p in enumerate(params)]
 
-    def step(moves):
-        with torch.no_grad():
-            for p, move in zip(params, moves):
-                p.add_(move)
-        for s in syncs:
-            s.begin()
-        return [s.finish() for s in syncs]
+    def step(moves):  # each worker moves, then every sync begins and finishes (test_local_sgd's step)
+        return _step(params, syncs, moves)
 
     assert step([-1.0, -3.0]) == [False, False]
     assert step([-2.0, -2.0]) == [False, False]  # Δ = (3, 5): mean 4, sent after step 2
