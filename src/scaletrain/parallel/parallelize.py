@@ -1,15 +1,17 @@
 """The one place where the techniques that transform the model are composed, in a fixed order:
 
-    pipeline split -> (qat | fp8 linears) -> tensor/sequence parallel -> expert parallel -> activation checkpointing
-        -> compile -> data parallel (sharding engines) -> materialize weights -> context parallel
-        attention (its positions are cut from the materialized rotary tables) -> data parallel
+    pipeline split -> (qat | fp8 linears) -> adapters (base frozen) -> tensor/sequence parallel -> expert parallel
+        -> activation checkpointing -> compile -> data parallel (sharding engines) -> materialize weights
+        -> context parallel attention (its positions are cut from the materialized rotary tables) -> data parallel
         (wrapping engines) -> step hooks
 
 Expert parallelism's experts (DTensors on the ep axis) are left alone by the data-parallel
 engine of the rest; an engine of their own joins it (parallel/expert_parallel.py).
 
 Before tensor parallelism, the linears that train.qat or precision.mode=fp8 choose become
-fake-quantized or float8 ones (same names), so everything after wraps them.
+fake-quantized or float8 ones (same names), so everything after wraps them. Then adapter.kind
+(model/lora.py) replaces the targeted linears by adapted ones (the base's names unchanged) and
+freezes every other parameter: the engines and the optimizer take the trainable ones alone.
 
 The model arrives plain, on the meta device; it leaves as this rank's chunks (one, or its
 pipeline stages), materialized and initialized from (seed, parameter name) or loaded from given
@@ -30,6 +32,7 @@ from torch import nn
 from scaletrain.config import JobConfig
 from scaletrain.errors import ConfigError, LaunchError
 from scaletrain.memory import apply_activation_checkpointing, block_items
+from scaletrain.model.lora import AdapterSpec, adapter_init_rule, apply_adapters, init_magnitudes, is_adapter_param
 from scaletrain.model.transformer import count_params
 from scaletrain.parallel import pipeline
 from scaletrain.parallel.context_parallel import ContextParallelStep, apply_context_parallel
@@ -153,6 +156,12 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
                                     f"{', emulated' if pc.fp8_emulate else ''}"
                                     f"{', fp8 all-gather' if fp8_all_gather else ''})")
 
+    # adapters: the targeted linears gain low-rank updates, every other parameter is frozen
+    adapters = AdapterSpec.of(cfg.adapter)
+    if adapters is not None:
+        check_adapters(cfg, lay)
+        notes.append(_adapt(chunks, adapters))
+
     experts = []  # expert parallelism's sharded expert weights (their own data-parallel engine)
     for chunk in chunks:
         # 2. tensor (and sequence) parallel over the innermost axis
@@ -186,10 +195,16 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
         for chunk in chunks:
             chunk.to_empty(device="cpu" if (fsdp and lay.offload_optimizer) else rt.device)
             chunk.init_buffers(rt.device)
+            rule_of = adapter_init_rule(chunk.init_rule, adapters) if adapters is not None else None
             if weights is not None:
-                load_weights(chunk, weights, cfg.model.init_from or "the weights")
+                load_weights(chunk, weights, cfg.model.init_from or "the weights",
+                             only=None if adapters is None else lambda n: not is_adapter_param(n))
+                if adapters is not None:  # the adapters are not in the weights: from (seed, name)
+                    init_weights(chunk, cfg.train.seed, rule_of, only=is_adapter_param)
             else:
-                init_weights(chunk, cfg.train.seed)
+                init_weights(chunk, cfg.train.seed, rule_of)
+            if adapters is not None:
+                init_magnitudes(chunk)  # DoRA: from the base, once it holds its values
             if not (fsdp or replicate):  # those keep fp32 storage and cast for compute themselves
                 chunk.to(precision.param_dtype)
             elif precision.param_dtype != torch.float32:  # ...but start from the rounded weights the others keep
@@ -239,6 +254,29 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
     return result
 
 
+def _adapt(chunks: list[nn.Module], spec: AdapterSpec) -> str:
+    """Adapters on every chunk; what the run's log says of them."""
+    names = [n for chunk in chunks for n in apply_adapters(chunk, spec)]
+    trainable = sum(p.numel() for chunk in chunks for p in chunk.parameters() if p.requires_grad)
+    total = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+    return (f"adapter.kind={spec.kind}: rank {spec.rank} on {len(names)} linears, scale {spec.scale:g}; "
+            f"{trainable:,} trainable parameters ({100 * trainable / max(total, 1):.2f}% of {total:,}), the rest "
+            "frozen")
+
+
+def check_adapters(cfg: JobConfig, lay) -> None:
+    """The layouts and techniques adapters do not compose with yet: one line each."""
+    kind = cfg.adapter.kind
+    for axis, size in (("tp", lay.tp), ("pp", lay.pp), ("ep", lay.ep)):
+        if size > 1:
+            raise ConfigError(f"adapter.kind={kind} with parallel.{axis}={size}: not supported yet (the adapters "
+                              f"are not in the {axis} plan); set parallel.{axis}=1")
+    if cfg.train.qat != "none" or cfg.precision.mode == "fp8":
+        what = f"train.qat={cfg.train.qat}" if cfg.train.qat != "none" else "precision.mode=fp8"
+        raise ConfigError(f"adapter.kind={kind} with {what}: adapters go on plain linears, and {what} converts "
+                          "them; drop one of them")
+
+
 @contextlib.contextmanager
 def _weights_fit(num_params: int, rt: Runtime):
     """Allocating the weights: running out of memory there is one line that says what to do."""
@@ -259,6 +297,8 @@ def check_techniques(cfg: JobConfig, lay) -> None:
         _check_qat(cfg, lay)
     if cfg.precision.mode == "fp8":
         _check_fp8_layout(lay)
+    if cfg.adapter.kind != "none":
+        check_adapters(cfg, lay)
 
 
 def _check_qat(cfg: JobConfig, lay) -> None:
@@ -321,7 +361,8 @@ def _engine(chunks: list[nn.Module], cfg: JobConfig, rt: Runtime, precision: Pre
                                reduce_in_fp32=precision.param_dtype != torch.float32)
     if engine not in ("zero1", "zero2"):  # never take a name we do not know for ZeRO
         raise unknown("data-parallel engine", engine, DP_ENGINES)
-    params = [(n, p) for n, p in DataParallel(chunks).named_params if id(p) not in experts]
+    # a frozen parameter (adapter fine-tuning's base) has no gradient to reduce and no optimizer state
+    params = [(n, p) for n, p in DataParallel(chunks).named_params if id(p) not in experts and p.requires_grad]
     return ZeroDataParallel(chunks, rt.mesh, stage=lay.zero, bucket_mb=bucket_mb,
                             dp_replicate=1 if lay.local_sync else lay.dp_replicate,
                             master_dtype=torch.float32 if precision.master_weights else None, params=params)

@@ -153,8 +153,8 @@ class Trainer:
             return parallelize_module(self.custom_model, cfg, self.rt, self.precision)
         with torch.device("meta"):
             model = Transformer(cfg.model)
-        weights = None  # a new run from existing weights (a resumed one takes the checkpoint's)
-        if cfg.model.init_from and resume_from is None:
+        weights = None  # a new run from existing weights (a resumed one takes the checkpoint's, but a frozen base)
+        if cfg.model.init_from and (resume_from is None or cfg.adapter.kind != "none"):
             from scaletrain.data.tokenizer import check_same_tokenizer
             from scaletrain.model.hf import load_hf_weights
 
