@@ -158,13 +158,22 @@ def resolve_targets(model: nn.Module, targets: str) -> list[str]:
         else:
             hits = [n for n in linears if n == target or fnmatch.fnmatchcase(n, target)]
         if not hits:
-            shown = ", ".join(linears[:12]) + (f", ... ({len(linears)} in all)" if len(linears) > 12 else "")
+            shown = _list_linears(linears)
             hint = did_you_mean(target, ADAPTER_GROUPS) if not any(c in target for c in ".*?[") else ""
             raise ConfigError(f"adapter.targets: {target!r} matches no linear of the model{hint}; its linears are "
                               f"{shown or 'none'}; name them, a pattern such as \"layers.*.attn.wq\", or a group: "
                               f"{', '.join(ADAPTER_GROUPS)}")
         chosen.update(hits)
     return [n for n in linears if n in chosen]
+
+
+def _list_linears(names: list[str]) -> str:
+    """Every linear's name, a block's index written * (each block's linears said once)."""
+    blocks = sorted({int(p) for n in names for p in n.split(".") if p.isdigit()})
+    shapes = list(dict.fromkeys(".".join("*" if p.isdigit() else p for p in n.split(".")) for n in names))
+    if not shapes:
+        return ""
+    return ", ".join(shapes) + (f" (* = block {blocks[0]} to {blocks[-1]})" if blocks else "")
 
 
 def apply_adapters(model: nn.Module, spec: AdapterSpec) -> list[str]:

@@ -1,0 +1,165 @@
+"""Adapters (adapter.kind = lora | dora, scaletrain.model.lora): the base frozen, the adapters alone
+trained, zero-initialised updates that start exactly at the base, numerics against PEFT's, and
+the configuration errors one line each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from scaletrain.errors import ConfigError
+from scaletrain.model.lora import AdapterSpec, LoRALinear, apply_adapters, init_magnitudes, resolve_targets
+from scaletrain.model.transformer import Transformer
+from scaletrain.train.trainer import Trainer
+
+from conftest import MICRO_ARGS, micro_cfg, one_line_exit_2, run_cli, run_here
+
+ADAPTED = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2")  # the micro model's block linears
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_zero_initialised_adapters_give_exactly_the_base_models_logits(tmp_path, kind):
+    base = Trainer(micro_cfg(tmp_path / "base", **{"train.steps": 1}))
+    adapted = Trainer(micro_cfg(tmp_path / kind, **{"train.steps": 1, "adapter.kind": kind}))
+    lora = [m for m in adapted.model.modules() if isinstance(m, LoRALinear)]
+    assert len(lora) == 2 * len(ADAPTED)
+    assert all(m.lora_a.abs().sum() > 0 and m.lora_b.abs().sum() == 0 for m in lora)
+    # the base's weights keep their names and their (seed, name) values
+    base_weights = dict(base.named_params)
+    for name, p in adapted.named_params:
+        if name in base_weights:
+            assert torch.equal(p, base_weights[name]), name
+    with torch.no_grad():
+        assert torch.equal(adapted.model(tokens()), base.model(tokens()))
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_only_the_adapters_train_and_hold_optimizer_state(tmp_path, kind):
+    trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 6, "adapter.kind": kind, "optim.warmup_steps": 1}))
+    before = {n: p.detach().clone() for n, p in trainer.named_params}
+    leaves = ("lora_a", "lora_b", "lora_magnitude") if kind == "dora" else ("lora_a", "lora_b")
+    want = sorted(f"layers.{i}.{lin}.{leaf}" for i in range(2) for lin in ADAPTED for leaf in leaves)
+    assert sorted(n for n, _ in trainer.optim_params) == want
+    losses = trainer.fit()["losses"]
+    assert losses[-1] < losses[0] - 0.05, losses  # the adapters alone move the loss
+    state_of = {id(p) for p in trainer.optimizer.state}
+    for name, p in trainer.named_params:
+        adapter = name in want
+        assert p.requires_grad == adapter and (id(p) in state_of) == adapter, name
+        assert p.grad is None, name  # zeroed after the step; a frozen one never had one
+        moved = not torch.equal(p, before[name])
+        assert moved == adapter, f"{name} {'moved' if moved else 'stayed'}"
+
+
+def test_a_frozen_base_gets_no_gradient_in_backward(tmp_path):
+    trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 1, "adapter.kind": "lora", "adapter.targets": "attention"}))
+    trainer.model(tokens()).float().square().mean().backward()
+    got = sorted(n for n, p in trainer.named_params if p.grad is not None)
+    assert got == sorted(f"layers.{i}.attn.{w}.{leaf}" for i in range(2) for w in ("wq", "wk", "wv", "wo")
+                         for leaf in ("lora_a", "lora_b"))
+
+
+def test_targets_resolve_groups_names_and_patterns():
+    cfg = micro_cfg(__import__("pathlib").Path("/nonexistent"), **{"model.activation": "swiglu"}).model
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    block = [f"layers.{i}.{n}" for i in range(2) for n in ("attn.wq", "attn.wk", "attn.wv", "attn.wo",
+                                                           "mlp.w1", "mlp.w3", "mlp.w2")]
+    assert resolve_targets(model, "all-linear") == block  # not the output head
+    assert resolve_targets(model, "attention") == [n for n in block if ".attn." in n]
+    assert resolve_targets(model, "mlp") == [n for n in block if ".mlp." in n]
+    assert resolve_targets(model, "*.wq, layers.1.mlp.w2") == ["layers.0.attn.wq", "layers.1.attn.wq",
+                                                               "layers.1.mlp.w2"]
+    assert resolve_targets(model, "output") == ["output"]  # by name, the head can be adapted
+    with pytest.raises(ConfigError, match=r"'attn' matches no linear of the model \(did you mean attention\?\); "
+                                          r"its linears are layers\.\*\.attn\.wq, .*, layers\.\*\.mlp\.w2, "
+                                          r"output \(\* = block 0 to 1\)"):
+        resolve_targets(model, "attn")
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_numerics_match_peft(kind, rslora):
+    peft = pytest.importorskip("peft")
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(24, 40, bias=True), nn.Linear(40, 24, bias=False)
+
+        def forward(self, x):
+            return self.down(torch.tanh(self.up(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Block()])
+
+        def forward(self, x):
+            return self.layers[0](x)
+
+    torch.manual_seed(0)
+    ours, theirs = Net(), Net()
+    theirs.load_state_dict(ours.state_dict())
+    spec = AdapterSpec(kind, rank=4, alpha=12.0, targets="all-linear", rslora=rslora)
+    assert apply_adapters(ours, spec) == ["layers.0.up", "layers.0.down"]
+    init_magnitudes(ours) if kind == "dora" else None
+    theirs = peft.get_peft_model(theirs, peft.LoraConfig(r=4, lora_alpha=12.0, target_modules=["up", "down"],
+                                                         use_dora=kind == "dora", use_rslora=rslora))
+    with torch.no_grad():
+        for i in range(2):
+            mine, peer = (getattr(m.layers[0], ("up", "down")[i]) for m in (ours, theirs.base_model.model))
+            mine.lora_a.normal_()
+            mine.lora_b.normal_()  # a trained-looking update, not the zero start
+            peer.lora_A["default"].weight.copy_(mine.lora_a)
+            peer.lora_B["default"].weight.copy_(mine.lora_b)
+            if kind == "dora":
+                # the magnitude peft starts from is the base's row norms, as ours
+                torch.testing.assert_close(peer.lora_magnitude_vector["default"].weight, mine.lora_magnitude,
+                                           rtol=0, atol=1e-6)
+                mine.lora_magnitude.mul_(1.5)
+                peer.lora_magnitude_vector["default"].weight.copy_(mine.lora_magnitude)
+    x = torch.randn(3, 5, 24)
+    a, b = ours(x), theirs(x)
+    assert (a - b).abs().max().item() <= 1e-6 * max(1.0, b.abs().max().item())
+    a.square().sum().backward()
+    b.square().sum().backward()
+    for i in range(2):
+        mine, peer = (getattr(m.layers[0], ("up", "down")[i]) for m in (ours, theirs.base_model.model))
+        pairs = [(mine.lora_a, peer.lora_A["default"].weight), (mine.lora_b, peer.lora_B["default"].weight)]
+        if kind == "dora":
+            pairs.append((mine.lora_magnitude, peer.lora_magnitude_vector["default"].weight))
+        for p, q in pairs:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
+        assert mine.weight.grad is None
+
+
+def test_merged_weight_computes_what_the_adapted_linear_does():
+    torch.manual_seed(1)
+    for kind in ("lora", "dora"):
+        lin = nn.Linear(16, 8)
+        adapted = LoRALinear(lin, AdapterSpec(kind, rank=2, alpha=4.0))
+        with torch.no_grad():
+            adapted.lora_a.normal_()
+            adapted.lora_b.normal_()
+            if kind == "dora":
+                adapted.lora_magnitude.uniform_(0.5, 2.0)
+        x = torch.randn(4, 16)
+        torch.testing.assert_close(adapted(x), nn.functional.linear(x, adapted.merged_weight(), lin.bias))
+
+
+def test_bad_adapter_settings_are_one_line_and_exit_2(tmp_path):
+    one_line_exit_2(run_here("train", "--adapter.kind=lora", "--adapter.rank=0"), "adapter.rank=0",
+                    "at least 1")
+    one_line_exit_2(run_here("train", "--adapter.kind=lorra"), "adapter.kind", "did you mean lora?")
+    r = run_cli("train", *MICRO_ARGS, f"--log.run_dir={tmp_path / 'r'}", "--adapter.kind=lora",
+                "--adapter.targets=layers.*.attn.wz")
+    one_line_exit_2(r, "'layers.*.attn.wz' matches no linear", "layers.*.attn.wq", "all-linear, attention, mlp")
+    r = run_cli("train", *MICRO_ARGS, f"--log.run_dir={tmp_path / 'q'}", "--adapter.kind=dora",
+                "--train.qat=int8-dynamic", "--model.dim=128")
+    one_line_exit_2(r, "adapter.kind=dora with train.qat=int8-dynamic")
