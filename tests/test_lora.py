@@ -12,8 +12,22 @@ from scaletrain.errors import ConfigError
 from scaletrain.model.lora import AdapterSpec, LoRALinear, apply_adapters, init_magnitudes, resolve_targets
 from scaletrain.model.transformer import Transformer
 from scaletrain.train.trainer import Trainer
+from scaletrain.verify import TOLERANCES
 
-from conftest import MICRO_ARGS, micro_cfg, one_line_exit_2, run_cli, run_here
+from conftest import (
+    MICRO_ARGS,
+    Lazy,
+    assert_same_run,
+    assert_same_weights,
+    fit_reference,
+    micro_cfg,
+    micro_overrides,
+    one_line_exit_2,
+    run_cli,
+    run_group,
+    run_here,
+    wanted_params,
+)
 
 ADAPTED = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2")  # the micro model's block linears
 
@@ -163,3 +177,49 @@ def test_bad_adapter_settings_are_one_line_and_exit_2(tmp_path):
     r = run_cli("train", *MICRO_ARGS, f"--log.run_dir={tmp_path / 'q'}", "--adapter.kind=dora",
                 "--train.qat=int8-dynamic", "--model.dim=128")
     one_line_exit_2(r, "adapter.kind=dora with train.qat=int8-dynamic")
+
+
+# --- data parallel: the adapters train on 2 ranks as in one process ---------------------------
+
+STEPS = 4
+LAYOUTS = [
+    ("lora-ddp", "lora", {"parallel.dp_shard": 2, "parallel.zero": 0}),
+    ("lora-zero2", "lora", {"parallel.dp_shard": 2, "parallel.zero": 2}),
+    ("lora-zero3", "lora", {"parallel.dp_shard": 2, "parallel.zero": 3}),
+    ("dora-zero1", "dora", {"parallel.dp_shard": 2, "parallel.zero": 1}),
+    ("dora-zero3", "dora", {"parallel.dp_shard": 2, "parallel.zero": 3}),
+]
+
+
+def adapter_run(kind: str) -> dict:
+    return {"train.steps": STEPS, "adapter.kind": kind, "adapter.dropout": 0.0, "train.micro_batch": 2}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    return Lazy({kind: (lambda kind=kind: fit_reference(micro_cfg(tmp_path_factory.mktemp(kind),
+                                                                  **adapter_run(kind)))) for kind in ("lora", "dora")})
+
+
+@pytest.fixture(scope="module")
+def group_runs(tmp_path_factory, request):
+    wanted = wanted_params(request, "name")
+    chosen = [(n, k, extra) for n, k, extra in LAYOUTS if wanted is None or n in wanted]
+    tmp = tmp_path_factory.mktemp("lora-mp")
+    jobs = [{"overrides": micro_overrides(tmp / name, **{**adapter_run(kind), **extra})}
+            for name, kind, extra in chosen]
+    code, results, err = run_group(2, jobs, tmp)
+    assert code == 0, err
+    return {name: r for (name, _, _), r in zip(chosen, results, strict=True)}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name,kind", [(n, k) for n, k, _ in LAYOUTS])
+def test_adapters_on_two_data_parallel_ranks_match_one_process(group_runs, references, name, kind):
+    got, ref = group_runs[name], references[kind]
+    assert_same_run(got["history"], ref["history"], steps=STEPS, tol=TOLERANCES["32-true"], what=name)
+    assert_same_weights(got["weights"], ref["weights"], tol=1e-3, what=name)
+    frozen = [n for n, w in ref["weights"].items() if w[2] == 0]
+    assert frozen and all(".lora_" not in n for n in frozen)  # the base stayed where it started in one process
+    for n in frozen:  # ... and on the ranks
+        assert got["weights"][n][:2] == ref["weights"][n][:2], f"{name}: the frozen {n} moved"
