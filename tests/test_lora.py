@@ -223,3 +223,70 @@ def test_adapters_on_two_data_parallel_ranks_match_one_process(group_runs, refer
     assert frozen and all(".lora_" not in n for n in frozen)  # the base stayed where it started in one process
     for n in frozen:  # ... and on the ranks
         assert got["weights"][n][:2] == ref["weights"][n][:2], f"{name}: the frozen {n} moved"
+
+
+# --- checkpoints: the adapters and the base's fingerprint, resumed bitwise ----------------------
+
+def stopped_after(trainer: Trainer, steps: int) -> Trainer:
+    """The trainer stops (and saves) once `steps` steps are done, as on a signal."""
+    trainer.end_of_step = lambda t, g, real=trainer.end_of_step: (*real(t, g)[:2], trainer.step >= steps)
+    return trainer
+
+
+def checkpoint_keys(path) -> list[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return sorted(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def hf_base(folder, noise: float = 0.0):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(noise * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return {"model.from_hf": str(folder), "model.init_from": str(folder), "data.seq_len": 16,
+            "model.max_seq_len": 64}
+
+
+@pytest.mark.parametrize("kind,base", [("lora", "hf"), ("dora", "seed")])
+def test_adapter_checkpoints_hold_the_adapters_and_resume_bitwise(tmp_path, kind, base):
+    run = {"train.steps": 6, "adapter.kind": kind, "adapter.dropout": 0.1, "adapter.targets": "attention,mlp",
+           **(hf_base(tmp_path / "hf") if base == "hf" else {})}
+    straight = Trainer(micro_cfg(tmp_path, **run, **{"log.run_dir": str(tmp_path / "a")})).fit()["losses"]
+    b = {**run, "log.run_dir": str(tmp_path / "b"), "checkpoint.save_final": True}
+    saved = stopped_after(Trainer(micro_cfg(tmp_path, **b)), 3).fit()["checkpoint"]
+    assert saved.endswith("step_00000003")
+    keys = checkpoint_keys(saved)
+    assert keys and all(".lora_" in k for k in keys), keys  # no base weight, no base optimizer state
+    leaves = 3 if kind == "dora" else 2
+    linears = 7 if base == "hf" else 6  # Llama's MLP is gated (w1, w3, w2)
+    assert len([k for k in keys if k.startswith("model.")]) == 2 * linears * leaves
+    state = __import__("json").loads((__import__("pathlib").Path(saved) / "trainer.json").read_text())["adapter"]
+    assert state["kind"] == kind and len(state["base"]["sha256"]) == 64
+    if base == "hf":
+        assert state["base"]["name"] == str((tmp_path / "hf").resolve())
+    resumed = Trainer(micro_cfg(tmp_path, **{**b, "checkpoint.resume": "auto"}))
+    assert resumed.step == 3
+    resumed.fit()
+    assert [r["loss"] for r in __import__("conftest").read_metrics(tmp_path / "b")] == straight
+
+
+def test_resuming_adapters_onto_another_base_is_refused_in_one_line(tmp_path):
+    from scaletrain.errors import CheckpointError
+
+    run = {"train.steps": 4, "adapter.kind": "lora", **hf_base(tmp_path / "hf"), "checkpoint.save_final": True}
+    stopped_after(Trainer(micro_cfg(tmp_path, **run)), 2).fit()
+    other = hf_base(tmp_path / "other", noise=0.01)
+    with pytest.raises(CheckpointError, match=r"^the checkpoint's adapters were trained on the base .*/hf "
+                                              r"\(sha256 [0-9a-f]{12}\), but this run's base is .*/other "
+                                              r"\(sha256 [0-9a-f]{12}\); set model.init_from"):
+        Trainer(micro_cfg(tmp_path, **{**run, **other, "checkpoint.resume": "auto"}))
+    with pytest.raises(CheckpointError, match=r"saved with other adapters: adapter.rank=8 \(now 4\)"):
+        Trainer(micro_cfg(tmp_path, **{**run, "adapter.rank": 4, "checkpoint.resume": "auto"}))
+    with pytest.raises(CheckpointError, match=r"saved with other adapters: adapter.kind='lora' \(now 'none'\)"):
+        Trainer(micro_cfg(tmp_path, **{**run, "adapter.kind": "none", "checkpoint.resume": "auto"}))

@@ -32,9 +32,10 @@ from torch import nn
 from scaletrain.config import JobConfig
 from scaletrain.errors import ConfigError, LaunchError
 from scaletrain.memory import apply_activation_checkpointing, block_items
-from scaletrain.model.lora import AdapterSpec, adapter_init_rule, apply_adapters, init_magnitudes, is_adapter_param
+from scaletrain.model.lora import AdapterSpec, adapter_init_rule, init_magnitudes, is_adapter_param
 from scaletrain.model.transformer import count_params
 from scaletrain.parallel import pipeline
+from scaletrain.parallel.adapters import BaseFingerprint, adapt, base_fingerprint, check_adapters
 from scaletrain.parallel.context_parallel import ContextParallelStep, apply_context_parallel
 from scaletrain.parallel.data_parallel import (
     DataParallel,
@@ -160,7 +161,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
     adapters = AdapterSpec.of(cfg.adapter)
     if adapters is not None:
         check_adapters(cfg, lay)
-        notes.append(_adapt(chunks, adapters))
+        notes.append(adapt(chunks, adapters))
 
     experts = []  # expert parallelism's sharded expert weights (their own data-parallel engine)
     for chunk in chunks:
@@ -233,6 +234,8 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
         result.stages = pipeline.build_stages(dp.models, stage_ids, num_stages, rt.device, rt.group("pp"))
 
     # 8. the per-step work of what was applied, in the order the step runs it
+    if adapters is not None:  # the base's fingerprint in checkpoints, checked on resume
+        result.hooks.append(BaseFingerprint(adapters, base_fingerprint(cfg, rt)))
     # the experts as the hooks see them (their engine's: ZeRO's shards, or themselves)
     expert_ids = frozenset(id(p) for _, p in dp.experts.named_optim_params) if experts else frozenset()
     if lay.cp > 1:
@@ -252,29 +255,6 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
                                            rt.device):
             result.hooks.append(balance)
     return result
-
-
-def _adapt(chunks: list[nn.Module], spec: AdapterSpec) -> str:
-    """Adapters on every chunk; what the run's log says of them."""
-    names = [n for chunk in chunks for n in apply_adapters(chunk, spec)]
-    trainable = sum(p.numel() for chunk in chunks for p in chunk.parameters() if p.requires_grad)
-    total = sum(p.numel() for chunk in chunks for p in chunk.parameters())
-    return (f"adapter.kind={spec.kind}: rank {spec.rank} on {len(names)} linears, scale {spec.scale:g}; "
-            f"{trainable:,} trainable parameters ({100 * trainable / max(total, 1):.2f}% of {total:,}), the rest "
-            "frozen")
-
-
-def check_adapters(cfg: JobConfig, lay) -> None:
-    """The layouts and techniques adapters do not compose with yet: one line each."""
-    kind = cfg.adapter.kind
-    for axis, size in (("tp", lay.tp), ("pp", lay.pp), ("ep", lay.ep)):
-        if size > 1:
-            raise ConfigError(f"adapter.kind={kind} with parallel.{axis}={size}: not supported yet (the adapters "
-                              f"are not in the {axis} plan); set parallel.{axis}=1")
-    if cfg.train.qat != "none" or cfg.precision.mode == "fp8":
-        what = f"train.qat={cfg.train.qat}" if cfg.train.qat != "none" else "precision.mode=fp8"
-        raise ConfigError(f"adapter.kind={kind} with {what}: adapters go on plain linears, and {what} converts "
-                          "them; drop one of them")
 
 
 @contextlib.contextmanager
