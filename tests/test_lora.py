@@ -290,3 +290,28 @@ def test_resuming_adapters_onto_another_base_is_refused_in_one_line(tmp_path):
         Trainer(micro_cfg(tmp_path, **{**run, "adapter.rank": 4, "checkpoint.resume": "auto"}))
     with pytest.raises(CheckpointError, match=r"saved with other adapters: adapter.kind='lora' \(now 'none'\)"):
         Trainer(micro_cfg(tmp_path, **{**run, "adapter.kind": "none", "checkpoint.resume": "auto"}))
+
+
+def test_a_custom_module_takes_adapters_through_the_same_targets_and_resumes_bitwise(tmp_path):
+    from test_any_module import tiny_lm
+
+    run = {"train.steps": 6, "adapter.kind": "lora", "adapter.rank": 4}
+    straight = Trainer(micro_cfg(tmp_path, **run, **{"log.run_dir": str(tmp_path / "a")}), model=tiny_lm())
+    assert sorted(n for n, _ in straight.optim_params) == sorted(
+        f"blocks.{i}.{j}.{leaf}" for i in range(3) for j in (1, 3) for leaf in ("lora_a", "lora_b"))
+    losses = straight.fit()["losses"]
+    fresh = dict(tiny_lm().named_parameters())
+    for name, p in straight.named_params:  # the base as given, the adapters moved
+        assert torch.equal(p, fresh[name]) if name in fresh else not torch.equal(p, torch.zeros_like(p)), name
+    b = {**run, "log.run_dir": str(tmp_path / "b"), "checkpoint.save_final": True}
+    saved = stopped_after(Trainer(micro_cfg(tmp_path, **b), model=tiny_lm()), 3).fit()["checkpoint"]
+    assert all(".lora_" in k for k in checkpoint_keys(saved))
+    resumed = Trainer(micro_cfg(tmp_path, **{**b, "checkpoint.resume": "auto"}), model=tiny_lm())
+    resumed.fit()
+    assert [r["loss"] for r in __import__("conftest").read_metrics(tmp_path / "b")] == losses
+    other = tiny_lm()
+    with torch.no_grad():
+        other.blocks[0][1].weight.add_(1e-3)  # another base: one weight moved
+    with pytest.raises(__import__("scaletrain.errors").errors.CheckpointError,
+                       match=r"trained on the base the TinyLM given to the Trainer \(sha256"):
+        Trainer(micro_cfg(tmp_path, **{**b, "checkpoint.resume": "auto", "train.steps": 8}), model=other)

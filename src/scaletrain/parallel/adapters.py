@@ -11,6 +11,7 @@ not of its materialized shards (the same on every layout, and no gather of a sha
 
     model.init_from   sha256 of its safetensors files' bytes (read once, on rank 0)
     from seed         sha256 of the seed and the model config (the (seed, name) rule makes the base)
+    a custom module   sha256 of its frozen parameters' names and bytes (its weights are its own)
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from scaletrain.errors import CheckpointError, ConfigError
-from scaletrain.model.lora import AdapterSpec, apply_adapters
+from scaletrain.model.lora import AdapterSpec, adapter_init_rule, apply_adapters, init_magnitudes, is_adapter_param
 from scaletrain.parallel.hooks import StepHook
 
 if TYPE_CHECKING:
@@ -72,6 +74,25 @@ def base_fingerprint(cfg: JobConfig, rt: Runtime | None = None) -> dict:
                     h.update(block)
         digest = h.hexdigest()
     return {"name": str(Path(source).resolve()), "sha256": rt.shared(digest) if rt is not None else digest}
+
+
+@torch.no_grad()
+def adapt_module(module: nn.Module, spec: AdapterSpec, seed: int) -> BaseFingerprint:
+    """A custom nn.Module (with its own weights, the same on every rank): adapters on the linears
+    `spec.targets` chooses, from (seed, name) like every weight, the rest frozen. Before any
+    wrapper (activation checkpointing, compile, FSDP), so the names are the module's own."""
+    from scaletrain.parallel.init import init_weights
+
+    apply_adapters(module, spec)
+    init_weights(module, seed, adapter_init_rule(lambda name: None, spec), only=is_adapter_param)
+    init_magnitudes(module)
+    h = hashlib.sha256()
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            h.update(name.encode())
+            h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return BaseFingerprint(spec, {"name": f"the {type(module).__name__} given to the Trainer",
+                                  "sha256": h.hexdigest()})
 
 
 class BaseFingerprint(StepHook):

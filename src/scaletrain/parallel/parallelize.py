@@ -35,7 +35,7 @@ from scaletrain.memory import apply_activation_checkpointing, block_items
 from scaletrain.model.lora import AdapterSpec, adapter_init_rule, init_magnitudes, is_adapter_param
 from scaletrain.model.transformer import count_params
 from scaletrain.parallel import pipeline
-from scaletrain.parallel.adapters import BaseFingerprint, adapt, base_fingerprint, check_adapters
+from scaletrain.parallel.adapters import BaseFingerprint, adapt, adapt_module, base_fingerprint, check_adapters
 from scaletrain.parallel.context_parallel import ContextParallelStep, apply_context_parallel
 from scaletrain.parallel.data_parallel import (
     DataParallel,
@@ -413,6 +413,8 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
         with torch.no_grad():
             for t in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(t.data, src=0)
+    # adapters: on the module's own names, before any wrapper; the base's bytes fingerprinted
+    adapters = adapt_module(module, spec, cfg.train.seed) if (spec := AdapterSpec.of(cfg.adapter)) else None
     if blocks is not None:
         apply_activation_checkpointing(blocks, lay.activation_checkpointing)
     if cfg.train.compile:
@@ -429,5 +431,5 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
         module.to(precision.param_dtype)
     module.train()
     return ParallelModel(_engine([module], cfg, rt, precision), keeps_fp32_weights=lay.keeps_fp32_weights,
-                         n_blocks=len(blocks) if blocks is not None else 1,
+                         n_blocks=len(blocks) if blocks is not None else 1, hooks=[adapters] if adapters else [],
                          num_params=sum(p.numel() for p in module.parameters()))
