@@ -254,13 +254,23 @@ def hf_base(folder, noise: float = 0.0):
 
 
 @pytest.mark.parametrize("kind,base", [("lora", "hf"), ("dora", "seed")])
-def test_adapter_checkpoints_hold_the_adapters_and_resume_bitwise(tmp_path, kind, base):
+def test_adapter_checkpoints_hold_the_adapters_and_resume_bitwise(tmp_path, capsys, kind, base):
     run = {"train.steps": 6, "adapter.kind": kind, "adapter.dropout": 0.1, "adapter.targets": "attention,mlp",
            **(hf_base(tmp_path / "hf") if base == "hf" else {})}
     straight = Trainer(micro_cfg(tmp_path, **run, **{"log.run_dir": str(tmp_path / "a")})).fit()["losses"]
     b = {**run, "log.run_dir": str(tmp_path / "b"), "checkpoint.save_final": True}
-    saved = stopped_after(Trainer(micro_cfg(tmp_path, **b)), 3).fit()["checkpoint"]
+    first = stopped_after(Trainer(micro_cfg(tmp_path, **b)), 3)
+    trainable = sum(p.numel() for _, p in first.optim_params)
+    whole = sum(p.numel() for _, p in first.named_params)
+    saved = first.fit()["checkpoint"]
     assert saved.endswith("step_00000003")
+    # the adapters and their two AdamW moments (12 bytes each), DCP's ~2 KiB a tensor and the small
+    # files: a third of what the whole model's weights and moments would take
+    size = sum(f.stat().st_size for f in __import__("pathlib").Path(saved).iterdir())
+    tensors = len(checkpoint_keys(saved))
+    assert size < 12 * trainable + 2560 * tensors + 64 * 1024 and size < 12 * whole / 3, (size, trainable, whole)
+    summary = [line for line in capsys.readouterr().out.splitlines() if line.startswith("checkpoint ")]
+    assert summary and summary[-1].endswith(f"{saved} ({__import__('scaletrain.fmt').fmt.size(size)})"), summary
     keys = checkpoint_keys(saved)
     assert keys and all(".lora_" in k for k in keys), keys  # no base weight, no base optimizer state
     leaves = 3 if kind == "dora" else 2

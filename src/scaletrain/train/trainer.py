@@ -418,7 +418,7 @@ class Trainer:
             self.metrics.info(f"stopped by {signal.Signals(stopped).name} after step {self.step}; "
                               f"checkpoint saved to {last_saved}")
         spikes = {"loss spikes logged": self.health.spikes} if self.health.spikes else {}
-        self.metrics.summary({"checkpoint": str(last_saved) if last_saved else "none",
+        self.metrics.summary({"checkpoint": ckpt.saved_text(last_saved),
                               "steps skipped (non-finite gradients)": self.state.skipped_steps, **spikes})
         return {"losses": losses, "history": self.metrics.history, "step": self.step,
                 "stopped_by": stopped, "checkpoint": str(last_saved) if last_saved else None,
