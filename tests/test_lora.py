@@ -290,7 +290,9 @@ def test_resuming_adapters_onto_another_base_is_refused_in_one_line(tmp_path):
     from scaletrain.errors import CheckpointError
 
     run = {"train.steps": 4, "adapter.kind": "lora", **hf_base(tmp_path / "hf"), "checkpoint.save_final": True}
-    stopped_after(Trainer(micro_cfg(tmp_path, **run)), 2).fit()
+    saved = stopped_after(Trainer(micro_cfg(tmp_path, **run)), 2).fit()["checkpoint"]
+    for verb in (["export", saved, "--out", str(tmp_path / "x.safetensors")], ["eval", saved]):
+        one_line_exit_2(run_here(*verb), "holds lora adapters (rank 8) of the base", "not a whole model")
     other = hf_base(tmp_path / "other", noise=0.01)
     with pytest.raises(CheckpointError, match=r"^the checkpoint's adapters were trained on the base .*/hf "
                                               r"\(sha256 [0-9a-f]{12}\), but this run's base is .*/other "
