@@ -174,8 +174,8 @@ def test_bad_adapter_settings_are_one_line_and_exit_2(tmp_path):
     r = run_cli("train", *MICRO_ARGS, f"--log.run_dir={tmp_path / 'r'}", "--adapter.kind=lora",
                 "--adapter.targets=layers.*.attn.wz")
     one_line_exit_2(r, "'layers.*.attn.wz' matches no linear", "layers.*.attn.wq", "all-linear, attention, mlp")
-    r = run_cli("train", *MICRO_ARGS, f"--log.run_dir={tmp_path / 'q'}", "--adapter.kind=dora",
-                "--train.qat=int8-dynamic", "--model.dim=128")
+    r = run_here("train", *MICRO_ARGS, f"--log.run_dir={tmp_path / 'q'}", "--adapter.kind=dora",
+                 "--train.qat=int8-dynamic", "--model.dim=128")  # refused where the job is settled
     one_line_exit_2(r, "adapter.kind=dora with train.qat=int8-dynamic")
 
 
