@@ -340,3 +340,13 @@ def test_bf16_true_keeps_fp32_masters_of_the_adapters_alone(tmp_path):
     assert all(map(__import__("math").isfinite, losses))
     for n, p in trainer.named_params:
         assert torch.equal(p, before[n]) == (n not in adapters), n
+
+
+def test_activation_checkpointing_keeps_the_adapters_names_and_losses(tmp_path):
+    run = {"train.steps": 3, "adapter.kind": "dora", "adapter.dropout": 0.1}
+    plain = Trainer(micro_cfg(tmp_path, **run, **{"log.run_dir": str(tmp_path / "p")}))
+    names, losses = [n for n, _ in plain.optim_params], plain.fit()["losses"]  # (a Trainer seeds dropout's RNG)
+    ac = Trainer(micro_cfg(tmp_path, **run, **{"log.run_dir": str(tmp_path / "c"),
+                                               "memory.activation_checkpointing": "full"}))
+    assert [n for n, _ in ac.optim_params] == names  # canonical names
+    assert ac.fit()["losses"] == losses  # the recomputed forward draws the same dropout masks
