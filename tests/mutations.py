@@ -55,6 +55,7 @@ RC = "tests/test_rampup_catch.py"
 MC = "tests/test_mixture_catch.py"
 QC = "tests/test_quant_catch.py"
 CC = "tests/test_calibrated_comm.py"
+LO = "tests/test_lora.py"
 
 MUTANTS = [
     Mutant("zero-no-dp-division", "ZeRO-1/2 bucket reduce without the 1/dp division",
@@ -322,6 +323,21 @@ MUTANTS = [
            "    return 2.0 * dense + (2.0 if layout.sp else 3.0) * moe",
            (f"{CC}::test_the_catalog_prices_each_engines_collectives_at_the_measured_bus_bandwidth[tp2]",
             f"{CC}::test_the_catalog_prices_each_engines_collectives_at_the_measured_bus_bandwidth[tp4-sp]")),
+    Mutant("lora-scale-twice", "the adapters' update scaled by alpha/rank twice",
+           "src/scaletrain/model/lora.py",
+           "return F.linear(x, self.weight, self.bias) + self.scale * update",
+           "return F.linear(x, self.weight, self.bias) + self.scale * self.scale * update",
+           (f"{LO}::test_numerics_match_peft[lora-False]",)),
+    Mutant("lora-base-trains", "gradients reach the frozen base (every parameter left trainable)",
+           "src/scaletrain/model/lora.py",
+           "        p.requires_grad_(is_adapter_param(pname))\n", "        p.requires_grad_(True)\n",
+           (f"{LO}::test_only_the_adapters_train_and_hold_optimizer_state[lora]",
+            f"{LO}::test_a_frozen_base_gets_no_gradient_in_backward")),
+    Mutant("lora-zero-shards-the-frozen-base", "ZeRO-1/2 gives the frozen base slots (gradient buckets, optimizer "
+           "shards)", "src/scaletrain/parallel/parallelize.py",
+           "if id(p) not in experts and p.requires_grad]", "if id(p) not in experts]",
+           (f"{LO}::test_adapters_on_two_data_parallel_ranks_match_one_process[lora-zero2-lora]",
+            f"{LO}::test_adapters_on_two_data_parallel_ranks_match_one_process[dora-zero1-dora]")),
 ]
 
 

@@ -25,6 +25,8 @@ from scaletrain.options import build_section, option
 from scaletrain.quant.layers import FP8_MIN_DIM
 from scaletrain.vocab import (
     AC_MODES,
+    ADAPTER_GROUPS,
+    ADAPTER_KINDS,
     CP_METHODS,
     DP_SYNC_MODES,
     FP8_RECIPES,
@@ -104,6 +106,23 @@ class OptimConfig:
                                  min=0.0, max=1.0)
     scale_lr_with_batch: bool = option(False, "linear scaling rule: lr *= global_batch / reference_batch")
     reference_batch: int = option(256, "global batch (sequences) at which optim.lr was tuned", min=1)
+
+
+@dataclass
+class AdapterConfig:
+    kind: str = option("none", "fine-tune low-rank adapters on a frozen base instead of every weight: none, lora, or "
+                               "dora (LoRA with each output row's magnitude trained apart from its direction)",
+                       choices=ADAPTER_KINDS)
+    rank: int = option(8, "the adapters' rank r: each adapted linear (out x in) gains r x (in + out) parameters")
+    alpha: float = option(16.0, "the adapters' update is scaled by alpha / rank (alpha / sqrt(rank) with rslora)",
+                          min=0.0)
+    dropout: float = option(0.0, "dropout on the adapters' input (the base's path sees none)", min=0.0, max=1.0,
+                            open_max=True)
+    targets: str = option("all-linear", "which linears gain adapters, comma-separated: module names or fnmatch "
+                                        "patterns on them (\"layers.*.attn.wq\", \"*.wv\"), or a group: all-linear "
+                                        "(every block linear, not the output head), attention, mlp")
+    rslora: bool = option(False, "rank-stabilised scale alpha / sqrt(rank) (Kalajdzievski 2023) instead of "
+                                 "alpha / rank")
 
 
 @dataclass
@@ -226,6 +245,7 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
     "log": LogConfig,
+    "adapter": AdapterConfig,
 }
 
 
@@ -240,6 +260,7 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -577,8 +598,19 @@ def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
         from scaletrain.quant.layers import fp8_problems  # torch-free
 
         errors.extend(fp8_problems(m if own_model else None, cfg.precision.fp8_min_dim, cfg.train.qat))
+    errors.extend(adapter_problems(cfg.adapter))
     if cfg.optim.name == "adamw8bit" and cfg.optim.implementation not in ("auto",):
         errors.append("optim.implementation applies to adamw and sgd; leave it at auto for adamw8bit")
+    return errors
+
+
+def adapter_problems(a: AdapterConfig) -> list[str]:
+    """adapter.*'s own problems (whether the targets name modules is known once the model is built)."""
+    errors = []
+    if a.rank <= 0:
+        errors.append(f"adapter.rank={a.rank}: the adapters' rank must be at least 1 (8 or 16 are usual)")
+    if a.kind != "none" and not [t for t in a.targets.split(",") if t.strip()]:
+        errors.append(f"adapter.targets is empty: name the linears to adapt, or a group: {', '.join(ADAPTER_GROUPS)}")
     return errors
 
 

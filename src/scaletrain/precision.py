@@ -156,6 +156,7 @@ class MasterWeights(StepHook):
     phase = "the gradients to the fp32 master weights"
 
     def __init__(self, params: list[tuple[str, torch.nn.Parameter]]):
+        params = [(n, p) for n, p in params if p.requires_grad]  # a frozen base keeps no master copy
         self.model_params = [p for _, p in params]
         self.master = [torch.nn.Parameter(_local_clone_fp32(p)) for p in self.model_params]
         self.named_master = [(n, m) for (n, _), m in zip(params, self.master)]

@@ -28,6 +28,12 @@ QAT_SCHEMES = ("none", "int8-dynamic", "int8-int4")
 
 OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
 
+# adapters (adapter.kind, scaletrain.model.lora): none, low-rank updates of frozen linears (LoRA),
+# or LoRA with each output row's magnitude learned apart from its direction (DoRA)
+ADAPTER_KINDS = ("none", "lora", "dora")
+# adapter.targets' named groups of linears (besides module names and fnmatch patterns)
+ADAPTER_GROUPS = ("all-linear", "attention", "mlp")
+
 # activation checkpointing: keep everything, recompute element-wise work, recompute whole blocks
 AC_MODES = ("none", "full", "selective")
 

@@ -138,6 +138,8 @@ def build_loader(dataset: WindowDataset, sampler: StepSampler, *, num_workers: i
     kwargs = {}
     if num_workers > 0:
         kwargs = {"prefetch_factor": prefetch_factor, "persistent_workers": True}
+    # its own generator: starting an iteration draws the workers' base seed from it, not from the
+    # global one, so dropout's random numbers after a resume continue those of the saved run
     return torch.utils.data.DataLoader(
         _Shared(dataset, share) if share is not None else dataset, sampler=sampler, batch_size=None,
-        num_workers=num_workers, pin_memory=pin_memory, **kwargs)
+        num_workers=num_workers, pin_memory=pin_memory, generator=torch.Generator(), **kwargs)

@@ -57,8 +57,9 @@ class DataParallel:
 
     @property
     def named_optim_params(self) -> list[tuple[str, nn.Parameter]]:
-        """The parameters the optimizer steps (shards under ZeRO-1/2)."""
-        return self.named_params
+        """The parameters the optimizer steps (shards under ZeRO-1/2): the trainable ones (a frozen
+        base, under adapters, has no gradient and no optimizer state)."""
+        return [(n, p) for n, p in self.named_params if p.requires_grad]
 
     def micro_step(self, last: bool) -> contextlib.AbstractContextManager:
         """Context for one micro-batch's forward/backward; gradients sync only on the last."""

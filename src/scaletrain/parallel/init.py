@@ -41,14 +41,17 @@ def initial_value(rule, shape: torch.Size, seed: int, name: str) -> torch.Tensor
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int, rule_of=None) -> None:
+def init_weights(model: nn.Module, seed: int, rule_of=None, only=None) -> None:
     """Fill every parameter of `model` (already on its device, e.g. after `to_empty`).
 
     `rule_of(name)` gives the InitRule of a canonical name; by default `model.init_rule`.
+    `only(name)`: the canonical names to fill (default: all).
     """
     rule_of = rule_of or model.init_rule
     for name, param in model.named_parameters():  # shared (tied) parameters appear once
         cname = canonical_name(name)
+        if only is not None and not only(cname):
+            continue
         full = initial_value(rule_of(cname), param.shape, seed, cname)
         if isinstance(param, DTensor):
             # every rank holds the same full tensor: src_data_rank=None keeps the local shard
@@ -61,15 +64,18 @@ def init_weights(model: nn.Module, seed: int, rule_of=None) -> None:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, weights, where: str) -> None:
+def load_weights(model: nn.Module, weights, where: str, only=None) -> None:
     """Fill every parameter of `model` from `weights[canonical name]`, a full fp32 CPU tensor, as
     `init_weights` does: every layout starts from the same numbers. Weights are read when asked,
     one at a time (a rank holding some pipeline stages reads only theirs); where `weights` can
-    read a part (`weights.read(name, index)`) a sharded parameter reads only its own shard."""
+    read a part (`weights.read(name, index)`) a sharded parameter reads only its own shard.
+    `only(name)`: the canonical names to fill (default: all; adapters are not in the weights)."""
     from scaletrain.errors import ConfigError
 
     for name, param in model.named_parameters():
         cname = canonical_name(name)
+        if only is not None and not only(cname):
+            continue
         index = _local_index(param) if hasattr(weights, "read") else None
         if index is not None:
             param.to_local().copy_(weights.read(cname, index))

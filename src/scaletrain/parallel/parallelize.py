@@ -1,15 +1,17 @@
 """The one place where the techniques that transform the model are composed, in a fixed order:
 
-    pipeline split -> (qat | fp8 linears) -> tensor/sequence parallel -> expert parallel -> activation checkpointing
-        -> compile -> data parallel (sharding engines) -> materialize weights -> context parallel
-        attention (its positions are cut from the materialized rotary tables) -> data parallel
+    pipeline split -> (qat | fp8 linears) -> adapters (base frozen) -> tensor/sequence parallel -> expert parallel
+        -> activation checkpointing -> compile -> data parallel (sharding engines) -> materialize weights
+        -> context parallel attention (its positions are cut from the materialized rotary tables) -> data parallel
         (wrapping engines) -> step hooks
 
 Expert parallelism's experts (DTensors on the ep axis) are left alone by the data-parallel
 engine of the rest; an engine of their own joins it (parallel/expert_parallel.py).
 
 Before tensor parallelism, the linears that train.qat or precision.mode=fp8 choose become
-fake-quantized or float8 ones (same names), so everything after wraps them.
+fake-quantized or float8 ones (same names), so everything after wraps them. Then adapter.kind
+(model/lora.py) replaces the targeted linears by adapted ones (the base's names unchanged) and
+freezes every other parameter: the engines and the optimizer take the trainable ones alone.
 
 The model arrives plain, on the meta device; it leaves as this rank's chunks (one, or its
 pipeline stages), materialized and initialized from (seed, parameter name) or loaded from given
@@ -30,8 +32,10 @@ from torch import nn
 from scaletrain.config import JobConfig
 from scaletrain.errors import ConfigError, LaunchError
 from scaletrain.memory import apply_activation_checkpointing, block_items
+from scaletrain.model.lora import AdapterSpec, adapter_init_rule, init_magnitudes, is_adapter_param
 from scaletrain.model.transformer import count_params
 from scaletrain.parallel import pipeline
+from scaletrain.parallel.adapters import BaseFingerprint, adapt, adapt_module, base_fingerprint, check_adapters
 from scaletrain.parallel.context_parallel import ContextParallelStep, apply_context_parallel
 from scaletrain.parallel.data_parallel import (
     DataParallel,
@@ -153,6 +157,12 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
                                     f"{', emulated' if pc.fp8_emulate else ''}"
                                     f"{', fp8 all-gather' if fp8_all_gather else ''})")
 
+    # adapters: the targeted linears gain low-rank updates, every other parameter is frozen
+    adapters = AdapterSpec.of(cfg.adapter)
+    if adapters is not None:
+        check_adapters(cfg, lay)
+        notes.append(adapt(chunks, adapters))
+
     experts = []  # expert parallelism's sharded expert weights (their own data-parallel engine)
     for chunk in chunks:
         # 2. tensor (and sequence) parallel over the innermost axis
@@ -186,10 +196,16 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
         for chunk in chunks:
             chunk.to_empty(device="cpu" if (fsdp and lay.offload_optimizer) else rt.device)
             chunk.init_buffers(rt.device)
+            rule_of = adapter_init_rule(chunk.init_rule, adapters) if adapters is not None else None
             if weights is not None:
-                load_weights(chunk, weights, cfg.model.init_from or "the weights")
+                load_weights(chunk, weights, cfg.model.init_from or "the weights",
+                             only=None if adapters is None else lambda n: not is_adapter_param(n))
+                if adapters is not None:  # the adapters are not in the weights: from (seed, name)
+                    init_weights(chunk, cfg.train.seed, rule_of, only=is_adapter_param)
             else:
-                init_weights(chunk, cfg.train.seed)
+                init_weights(chunk, cfg.train.seed, rule_of)
+            if adapters is not None:
+                init_magnitudes(chunk)  # DoRA: from the base, once it holds its values
             if not (fsdp or replicate):  # those keep fp32 storage and cast for compute themselves
                 chunk.to(precision.param_dtype)
             elif precision.param_dtype != torch.float32:  # ...but start from the rounded weights the others keep
@@ -218,6 +234,8 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
         result.stages = pipeline.build_stages(dp.models, stage_ids, num_stages, rt.device, rt.group("pp"))
 
     # 8. the per-step work of what was applied, in the order the step runs it
+    if adapters is not None:  # the base's fingerprint in checkpoints, checked on resume
+        result.hooks.append(BaseFingerprint(adapters, base_fingerprint(cfg, rt)))
     # the experts as the hooks see them (their engine's: ZeRO's shards, or themselves)
     expert_ids = frozenset(id(p) for _, p in dp.experts.named_optim_params) if experts else frozenset()
     if lay.cp > 1:
@@ -259,6 +277,8 @@ def check_techniques(cfg: JobConfig, lay) -> None:
         _check_qat(cfg, lay)
     if cfg.precision.mode == "fp8":
         _check_fp8_layout(lay)
+    if cfg.adapter.kind != "none":
+        check_adapters(cfg, lay)
 
 
 def _check_qat(cfg: JobConfig, lay) -> None:
@@ -321,7 +341,8 @@ def _engine(chunks: list[nn.Module], cfg: JobConfig, rt: Runtime, precision: Pre
                                reduce_in_fp32=precision.param_dtype != torch.float32)
     if engine not in ("zero1", "zero2"):  # never take a name we do not know for ZeRO
         raise unknown("data-parallel engine", engine, DP_ENGINES)
-    params = [(n, p) for n, p in DataParallel(chunks).named_params if id(p) not in experts]
+    # a frozen parameter (adapter fine-tuning's base) has no gradient to reduce and no optimizer state
+    params = [(n, p) for n, p in DataParallel(chunks).named_params if id(p) not in experts and p.requires_grad]
     return ZeroDataParallel(chunks, rt.mesh, stage=lay.zero, bucket_mb=bucket_mb,
                             dp_replicate=1 if lay.local_sync else lay.dp_replicate,
                             master_dtype=torch.float32 if precision.master_weights else None, params=params)
@@ -392,6 +413,8 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
         with torch.no_grad():
             for t in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(t.data, src=0)
+    # adapters: on the module's own names, before any wrapper; the base's bytes fingerprinted
+    adapters = adapt_module(module, spec, cfg.train.seed) if (spec := AdapterSpec.of(cfg.adapter)) else None
     if blocks is not None:
         apply_activation_checkpointing(blocks, lay.activation_checkpointing)
     if cfg.train.compile:
@@ -408,5 +431,5 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
         module.to(precision.param_dtype)
     module.train()
     return ParallelModel(_engine([module], cfg, rt, precision), keeps_fp32_weights=lay.keeps_fp32_weights,
-                         n_blocks=len(blocks) if blocks is not None else 1,
+                         n_blocks=len(blocks) if blocks is not None else 1, hooks=[adapters] if adapters else [],
                          num_params=sum(p.numel() for p in module.parameters()))

@@ -197,6 +197,16 @@ def _write_json(path: Path, data: Any) -> None:
         os.fsync(f.fileno())
 
 
+def saved_text(path: Path | None) -> str:
+    """A saved checkpoint as the run's summary states it: where, and its size (adapter fine-tuning's
+    are the adapters' size, not the model's)."""
+    if path is None:
+        return "none"
+    from scaletrain.fmt import size
+
+    return f"{path} ({size(sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file()))})"
+
+
 def rng_state() -> dict:
     state = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -189,6 +189,9 @@ class RunFolder:
                     if saved_model.get(k) != v]
             raise CheckpointError(f"{path} was saved for another model shape: {', '.join(diff)}; "
                                   "resume with the model config it was saved with")
+        if diff := adapter_changes(state["config"].get("adapter", {}), cfg.to_dict()["adapter"]):
+            raise CheckpointError(f"{path} was saved with other adapters: {', '.join(diff)}; resume with the adapter "
+                                  "settings it was saved with")
         saved = state["data"]
         if saved["global_batch"] != global_batch or saved["seed"] != cfg.train.seed:
             raise CheckpointError(
@@ -355,3 +358,12 @@ def saved_config(options: dict[str, str], report: Callable[[str], None]) -> tupl
     state = ckpt.read_trainer_state(Path(resume))
     return ckpt.saved_config(Path(resume), state, fix=fix, report=report), str(Path(resume) / ckpt.TRAINER_FILE)
 
+
+def adapter_changes(saved: dict, now: dict) -> list[str]:
+    """The adapter.* settings the adapters' tensors and numbers depend on, changed since a checkpoint
+    (a checkpoint from before the section was adapter.kind=none)."""
+    kind = saved.get("kind", "none")
+    if kind != now["kind"] or kind == "none":
+        return [] if kind == now["kind"] else [f"adapter.kind={kind!r} (now {now['kind']!r})"]
+    return [f"adapter.{k}={saved.get(k)!r} (now {now[k]!r})" for k in ("rank", "alpha", "targets", "rslora")
+            if saved.get(k) != now[k]]

@@ -153,8 +153,8 @@ class Trainer:
             return parallelize_module(self.custom_model, cfg, self.rt, self.precision)
         with torch.device("meta"):
             model = Transformer(cfg.model)
-        weights = None  # a new run from existing weights (a resumed one takes the checkpoint's)
-        if cfg.model.init_from and resume_from is None:
+        weights = None  # a new run from existing weights (a resumed one takes the checkpoint's, but a frozen base)
+        if cfg.model.init_from and (resume_from is None or cfg.adapter.kind != "none"):
             from scaletrain.data.tokenizer import check_same_tokenizer
             from scaletrain.model.hf import load_hf_weights
 
@@ -418,7 +418,7 @@ class Trainer:
             self.metrics.info(f"stopped by {signal.Signals(stopped).name} after step {self.step}; "
                               f"checkpoint saved to {last_saved}")
         spikes = {"loss spikes logged": self.health.spikes} if self.health.spikes else {}
-        self.metrics.summary({"checkpoint": str(last_saved) if last_saved else "none",
+        self.metrics.summary({"checkpoint": ckpt.saved_text(last_saved),
                               "steps skipped (non-finite gradients)": self.state.skipped_steps, **spikes})
         return {"losses": losses, "history": self.metrics.history, "step": self.step,
                 "stopped_by": stopped, "checkpoint": str(last_saved) if last_saved else None,

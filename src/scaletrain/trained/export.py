@@ -25,6 +25,10 @@ def load_model_from_checkpoint(path: str | Path) -> Transformer:
     """A plain fp32 CPU model with the weights of checkpoint `path`."""
     path = Path(path)
     state = ckpt.read_trainer_state(path)
+    if isinstance(adapter := state.get("adapter"), dict):  # adapters alone: the base is not in the checkpoint
+        raise CheckpointError(f"{path} holds {adapter.get('kind')} adapters (rank {adapter.get('rank')}) of the base "
+                              f"{adapter.get('base', {}).get('name')}, not a whole model; exporting, evaluating or "
+                              "sampling adapters (with their base, or merged into it) is not built yet")
     cfg = from_dict(state["config"])
     model = Transformer(cfg.model)
     model.init_buffers("cpu")

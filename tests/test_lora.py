@@ -1,0 +1,352 @@
+"""Adapters (adapter.kind = lora | dora, scaletrain.model.lora): the base frozen, the adapters alone
+trained, zero-initialised updates that start exactly at the base, numerics against PEFT's, and
+the configuration errors one line each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from scaletrain.errors import ConfigError
+from scaletrain.model.lora import AdapterSpec, LoRALinear, apply_adapters, init_magnitudes, resolve_targets
+from scaletrain.model.transformer import Transformer
+from scaletrain.train.trainer import Trainer
+from scaletrain.verify import TOLERANCES
+
+from conftest import (
+    MICRO_ARGS,
+    Lazy,
+    assert_same_run,
+    assert_same_weights,
+    fit_reference,
+    micro_cfg,
+    micro_overrides,
+    one_line_exit_2,
+    run_cli,
+    run_group,
+    run_here,
+    wanted_params,
+)
+
+ADAPTED = ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2")  # the micro model's block linears
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_zero_initialised_adapters_give_exactly_the_base_models_logits(tmp_path, kind):
+    base = Trainer(micro_cfg(tmp_path / "base", **{"train.steps": 1}))
+    adapted = Trainer(micro_cfg(tmp_path / kind, **{"train.steps": 1, "adapter.kind": kind}))
+    lora = [m for m in adapted.model.modules() if isinstance(m, LoRALinear)]
+    assert len(lora) == 2 * len(ADAPTED)
+    assert all(m.lora_a.abs().sum() > 0 and m.lora_b.abs().sum() == 0 for m in lora)
+    # the base's weights keep their names and their (seed, name) values
+    base_weights = dict(base.named_params)
+    for name, p in adapted.named_params:
+        if name in base_weights:
+            assert torch.equal(p, base_weights[name]), name
+    with torch.no_grad():
+        assert torch.equal(adapted.model(tokens()), base.model(tokens()))
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_only_the_adapters_train_and_hold_optimizer_state(tmp_path, kind):
+    trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 6, "adapter.kind": kind, "optim.warmup_steps": 1}))
+    before = {n: p.detach().clone() for n, p in trainer.named_params}
+    leaves = ("lora_a", "lora_b", "lora_magnitude") if kind == "dora" else ("lora_a", "lora_b")
+    want = sorted(f"layers.{i}.{lin}.{leaf}" for i in range(2) for lin in ADAPTED for leaf in leaves)
+    assert sorted(n for n, _ in trainer.optim_params) == want
+    losses = trainer.fit()["losses"]
+    assert losses[-1] < losses[0] - 0.05, losses  # the adapters alone move the loss
+    state_of = {id(p) for p in trainer.optimizer.state}
+    for name, p in trainer.named_params:
+        adapter = name in want
+        assert p.requires_grad == adapter and (id(p) in state_of) == adapter, name
+        assert p.grad is None, name  # zeroed after the step; a frozen one never had one
+        moved = not torch.equal(p, before[name])
+        assert moved == adapter, f"{name} {'moved' if moved else 'stayed'}"
+
+
+def test_a_frozen_base_gets_no_gradient_in_backward(tmp_path):
+    trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 1, "adapter.kind": "lora", "adapter.targets": "attention"}))
+    trainer.model(tokens()).float().square().mean().backward()
+    got = sorted(n for n, p in trainer.named_params if p.grad is not None)
+    assert got == sorted(f"layers.{i}.attn.{w}.{leaf}" for i in range(2) for w in ("wq", "wk", "wv", "wo")
+                         for leaf in ("lora_a", "lora_b"))
+
+
+def test_targets_resolve_groups_names_and_patterns():
+    cfg = micro_cfg(__import__("pathlib").Path("/nonexistent"), **{"model.activation": "swiglu"}).model
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    block = [f"layers.{i}.{n}" for i in range(2) for n in ("attn.wq", "attn.wk", "attn.wv", "attn.wo",
+                                                           "mlp.w1", "mlp.w3", "mlp.w2")]
+    assert resolve_targets(model, "all-linear") == block  # not the output head
+    assert resolve_targets(model, "attention") == [n for n in block if ".attn." in n]
+    assert resolve_targets(model, "mlp") == [n for n in block if ".mlp." in n]
+    assert resolve_targets(model, "*.wq, layers.1.mlp.w2") == ["layers.0.attn.wq", "layers.1.attn.wq",
+                                                               "layers.1.mlp.w2"]
+    assert resolve_targets(model, "output") == ["output"]  # by name, the head can be adapted
+    with pytest.raises(ConfigError, match=r"'attn' matches no linear of the model \(did you mean attention\?\); "
+                                          r"its linears are layers\.\*\.attn\.wq, .*, layers\.\*\.mlp\.w2, "
+                                          r"output \(\* = block 0 to 1\)"):
+        resolve_targets(model, "attn")
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_numerics_match_peft(kind, rslora):
+    peft = pytest.importorskip("peft")
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(24, 40, bias=True), nn.Linear(40, 24, bias=False)
+
+        def forward(self, x):
+            return self.down(torch.tanh(self.up(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Block()])
+
+        def forward(self, x):
+            return self.layers[0](x)
+
+    torch.manual_seed(0)
+    ours, theirs = Net(), Net()
+    theirs.load_state_dict(ours.state_dict())
+    spec = AdapterSpec(kind, rank=4, alpha=12.0, targets="all-linear", rslora=rslora)
+    assert apply_adapters(ours, spec) == ["layers.0.up", "layers.0.down"]
+    init_magnitudes(ours) if kind == "dora" else None
+    theirs = peft.get_peft_model(theirs, peft.LoraConfig(r=4, lora_alpha=12.0, target_modules=["up", "down"],
+                                                         use_dora=kind == "dora", use_rslora=rslora))
+    with torch.no_grad():
+        for i in range(2):
+            mine, peer = (getattr(m.layers[0], ("up", "down")[i]) for m in (ours, theirs.base_model.model))
+            mine.lora_a.normal_()
+            mine.lora_b.normal_()  # a trained-looking update, not the zero start
+            peer.lora_A["default"].weight.copy_(mine.lora_a)
+            peer.lora_B["default"].weight.copy_(mine.lora_b)
+            if kind == "dora":
+                # the magnitude peft starts from is the base's row norms, as ours
+                torch.testing.assert_close(peer.lora_magnitude_vector["default"].weight, mine.lora_magnitude,
+                                           rtol=0, atol=1e-6)
+                mine.lora_magnitude.mul_(1.5)
+                peer.lora_magnitude_vector["default"].weight.copy_(mine.lora_magnitude)
+    x = torch.randn(3, 5, 24)
+    a, b = ours(x), theirs(x)
+    assert (a - b).abs().max().item() <= 1e-6 * max(1.0, b.abs().max().item())
+    a.square().sum().backward()
+    b.square().sum().backward()
+    for i in range(2):
+        mine, peer = (getattr(m.layers[0], ("up", "down")[i]) for m in (ours, theirs.base_model.model))
+        pairs = [(mine.lora_a, peer.lora_A["default"].weight), (mine.lora_b, peer.lora_B["default"].weight)]
+        if kind == "dora":
+            pairs.append((mine.lora_magnitude, peer.lora_magnitude_vector["default"].weight))
+        for p, q in pairs:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
+        assert mine.weight.grad is None
+
+
+def test_merged_weight_computes_what_the_adapted_linear_does():
+    torch.manual_seed(1)
+    for kind in ("lora", "dora"):
+        lin = nn.Linear(16, 8)
+        adapted = LoRALinear(lin, AdapterSpec(kind, rank=2, alpha=4.0))
+        with torch.no_grad():
+            adapted.lora_a.normal_()
+            adapted.lora_b.normal_()
+            if kind == "dora":
+                adapted.lora_magnitude.uniform_(0.5, 2.0)
+        x = torch.randn(4, 16)
+        torch.testing.assert_close(adapted(x), nn.functional.linear(x, adapted.merged_weight(), lin.bias))
+
+
+def test_bad_adapter_settings_are_one_line_and_exit_2(tmp_path):
+    one_line_exit_2(run_here("train", "--adapter.kind=lora", "--adapter.rank=0"), "adapter.rank=0",
+                    "at least 1")
+    one_line_exit_2(run_here("train", "--adapter.kind=lorra"), "adapter.kind", "did you mean lora?")
+    r = run_cli("train", *MICRO_ARGS, f"--log.run_dir={tmp_path / 'r'}", "--adapter.kind=lora",
+                "--adapter.targets=layers.*.attn.wz")
+    one_line_exit_2(r, "'layers.*.attn.wz' matches no linear", "layers.*.attn.wq", "all-linear, attention, mlp")
+    r = run_here("train", *MICRO_ARGS, f"--log.run_dir={tmp_path / 'q'}", "--adapter.kind=dora",
+                 "--train.qat=int8-dynamic", "--model.dim=128")  # refused where the job is settled
+    one_line_exit_2(r, "adapter.kind=dora with train.qat=int8-dynamic")
+
+
+# --- data parallel: the adapters train on 2 ranks as in one process ---------------------------
+
+STEPS = 4
+LAYOUTS = [
+    ("lora-ddp", "lora", {"parallel.dp_shard": 2, "parallel.zero": 0}),
+    ("lora-zero2", "lora", {"parallel.dp_shard": 2, "parallel.zero": 2}),
+    ("lora-zero3", "lora", {"parallel.dp_shard": 2, "parallel.zero": 3}),
+    ("dora-zero1", "dora", {"parallel.dp_shard": 2, "parallel.zero": 1}),
+    ("dora-zero3", "dora", {"parallel.dp_shard": 2, "parallel.zero": 3}),
+]
+
+
+def adapter_run(kind: str) -> dict:
+    return {"train.steps": STEPS, "adapter.kind": kind, "adapter.dropout": 0.0, "train.micro_batch": 2}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    return Lazy({kind: (lambda kind=kind: fit_reference(micro_cfg(tmp_path_factory.mktemp(kind),
+                                                                  **adapter_run(kind)))) for kind in ("lora", "dora")})
+
+
+@pytest.fixture(scope="module")
+def group_runs(tmp_path_factory, request):
+    wanted = wanted_params(request, "name")
+    chosen = [(n, k, extra) for n, k, extra in LAYOUTS if wanted is None or n in wanted]
+    tmp = tmp_path_factory.mktemp("lora-mp")
+    jobs = [{"overrides": micro_overrides(tmp / name, **{**adapter_run(kind), **extra})}
+            for name, kind, extra in chosen]
+    code, results, err = run_group(2, jobs, tmp)
+    assert code == 0, err
+    return {name: r for (name, _, _), r in zip(chosen, results, strict=True)}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name,kind", [(n, k) for n, k, _ in LAYOUTS])
+def test_adapters_on_two_data_parallel_ranks_match_one_process(group_runs, references, name, kind):
+    got, ref = group_runs[name], references[kind]
+    assert_same_run(got["history"], ref["history"], steps=STEPS, tol=TOLERANCES["32-true"], what=name)
+    assert_same_weights(got["weights"], ref["weights"], tol=1e-3, what=name)
+    frozen = [n for n, w in ref["weights"].items() if w[2] == 0]
+    assert frozen and all(".lora_" not in n for n in frozen)  # the base stayed where it started in one process
+    for n in frozen:  # ... and on the ranks
+        assert got["weights"][n][:2] == ref["weights"][n][:2], f"{name}: the frozen {n} moved"
+
+
+# --- checkpoints: the adapters and the base's fingerprint, resumed bitwise ----------------------
+
+def stopped_after(trainer: Trainer, steps: int) -> Trainer:
+    """The trainer stops (and saves) once `steps` steps are done, as on a signal."""
+    trainer.end_of_step = lambda t, g, real=trainer.end_of_step: (*real(t, g)[:2], trainer.step >= steps)
+    return trainer
+
+
+def checkpoint_keys(path) -> list[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return sorted(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def hf_base(folder, noise: float = 0.0):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(noise * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return {"model.from_hf": str(folder), "model.init_from": str(folder), "data.seq_len": 16,
+            "model.max_seq_len": 64}
+
+
+@pytest.mark.parametrize("kind,base", [("lora", "hf"), ("dora", "seed")])
+def test_adapter_checkpoints_hold_the_adapters_and_resume_bitwise(tmp_path, capsys, kind, base):
+    run = {"train.steps": 6, "adapter.kind": kind, "adapter.dropout": 0.1, "adapter.targets": "attention,mlp",
+           **(hf_base(tmp_path / "hf") if base == "hf" else {})}
+    straight = Trainer(micro_cfg(tmp_path, **run, **{"log.run_dir": str(tmp_path / "a")})).fit()["losses"]
+    b = {**run, "log.run_dir": str(tmp_path / "b"), "checkpoint.save_final": True}
+    first = stopped_after(Trainer(micro_cfg(tmp_path, **b)), 3)
+    trainable = sum(p.numel() for _, p in first.optim_params)
+    whole = sum(p.numel() for _, p in first.named_params)
+    saved = first.fit()["checkpoint"]
+    assert saved.endswith("step_00000003")
+    # the adapters and their two AdamW moments (12 bytes each), DCP's ~2 KiB a tensor and the small
+    # files: a third of what the whole model's weights and moments would take
+    size = sum(f.stat().st_size for f in __import__("pathlib").Path(saved).iterdir())
+    tensors = len(checkpoint_keys(saved))
+    assert size < 12 * trainable + 2560 * tensors + 64 * 1024 and size < 12 * whole / 3, (size, trainable, whole)
+    summary = [line for line in capsys.readouterr().out.splitlines() if line.startswith("checkpoint ")]
+    assert summary and summary[-1].endswith(f"{saved} ({__import__('scaletrain.fmt').fmt.size(size)})"), summary
+    keys = checkpoint_keys(saved)
+    assert keys and all(".lora_" in k for k in keys), keys  # no base weight, no base optimizer state
+    leaves = 3 if kind == "dora" else 2
+    linears = 7 if base == "hf" else 6  # Llama's MLP is gated (w1, w3, w2)
+    assert len([k for k in keys if k.startswith("model.")]) == 2 * linears * leaves
+    state = __import__("json").loads((__import__("pathlib").Path(saved) / "trainer.json").read_text())["adapter"]
+    assert state["kind"] == kind and len(state["base"]["sha256"]) == 64
+    if base == "hf":
+        assert state["base"]["name"] == str((tmp_path / "hf").resolve())
+    resumed = Trainer(micro_cfg(tmp_path, **{**b, "checkpoint.resume": "auto"}))
+    assert resumed.step == 3
+    resumed.fit()
+    assert [r["loss"] for r in __import__("conftest").read_metrics(tmp_path / "b")] == straight
+
+
+def test_resuming_adapters_onto_another_base_is_refused_in_one_line(tmp_path):
+    from scaletrain.errors import CheckpointError
+
+    run = {"train.steps": 4, "adapter.kind": "lora", **hf_base(tmp_path / "hf"), "checkpoint.save_final": True}
+    saved = stopped_after(Trainer(micro_cfg(tmp_path, **run)), 2).fit()["checkpoint"]
+    for verb in (["export", saved, "--out", str(tmp_path / "x.safetensors")], ["eval", saved]):
+        one_line_exit_2(run_here(*verb), "holds lora adapters (rank 8) of the base", "not a whole model")
+    other = hf_base(tmp_path / "other", noise=0.01)
+    with pytest.raises(CheckpointError, match=r"^the checkpoint's adapters were trained on the base .*/hf "
+                                              r"\(sha256 [0-9a-f]{12}\), but this run's base is .*/other "
+                                              r"\(sha256 [0-9a-f]{12}\); set model.init_from"):
+        Trainer(micro_cfg(tmp_path, **{**run, **other, "checkpoint.resume": "auto"}))
+    with pytest.raises(CheckpointError, match=r"saved with other adapters: adapter.rank=8 \(now 4\)"):
+        Trainer(micro_cfg(tmp_path, **{**run, "adapter.rank": 4, "checkpoint.resume": "auto"}))
+    with pytest.raises(CheckpointError, match=r"saved with other adapters: adapter.kind='lora' \(now 'none'\)"):
+        Trainer(micro_cfg(tmp_path, **{**run, "adapter.kind": "none", "checkpoint.resume": "auto"}))
+
+
+def test_a_custom_module_takes_adapters_through_the_same_targets_and_resumes_bitwise(tmp_path):
+    from test_any_module import tiny_lm
+
+    run = {"train.steps": 6, "adapter.kind": "lora", "adapter.rank": 4}
+    straight = Trainer(micro_cfg(tmp_path, **run, **{"log.run_dir": str(tmp_path / "a")}), model=tiny_lm())
+    assert sorted(n for n, _ in straight.optim_params) == sorted(
+        f"blocks.{i}.{j}.{leaf}" for i in range(3) for j in (1, 3) for leaf in ("lora_a", "lora_b"))
+    losses = straight.fit()["losses"]
+    fresh = dict(tiny_lm().named_parameters())
+    for name, p in straight.named_params:  # the base as given, the adapters moved
+        assert torch.equal(p, fresh[name]) if name in fresh else not torch.equal(p, torch.zeros_like(p)), name
+    b = {**run, "log.run_dir": str(tmp_path / "b"), "checkpoint.save_final": True}
+    saved = stopped_after(Trainer(micro_cfg(tmp_path, **b), model=tiny_lm()), 3).fit()["checkpoint"]
+    assert all(".lora_" in k for k in checkpoint_keys(saved))
+    resumed = Trainer(micro_cfg(tmp_path, **{**b, "checkpoint.resume": "auto"}), model=tiny_lm())
+    resumed.fit()
+    assert [r["loss"] for r in __import__("conftest").read_metrics(tmp_path / "b")] == losses
+    other = tiny_lm()
+    with torch.no_grad():
+        other.blocks[0][1].weight.add_(1e-3)  # another base: one weight moved
+    with pytest.raises(__import__("scaletrain.errors").errors.CheckpointError,
+                       match=r"trained on the base the TinyLM given to the Trainer \(sha256"):
+        Trainer(micro_cfg(tmp_path, **{**b, "checkpoint.resume": "auto", "train.steps": 8}), model=other)
+
+
+def test_bf16_true_keeps_fp32_masters_of_the_adapters_alone(tmp_path):
+    trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 3, "adapter.kind": "dora", "precision.mode": "bf16-true"}))
+    adapters = sorted(n for n, p in trainer.named_params if p.requires_grad)
+    assert len(adapters) == 2 * len(ADAPTED) * 3
+    assert sorted(n for n, _ in trainer.master.named_master) == adapters  # no master copy of the frozen base
+    assert all(p.dtype == torch.float32 for _, p in trainer.optim_params)
+    before = {n: p.detach().clone() for n, p in trainer.named_params}
+    losses = trainer.fit()["losses"]
+    assert all(map(__import__("math").isfinite, losses))
+    for n, p in trainer.named_params:
+        assert torch.equal(p, before[n]) == (n not in adapters), n
+
+
+def test_activation_checkpointing_keeps_the_adapters_names_and_losses(tmp_path):
+    run = {"train.steps": 3, "adapter.kind": "dora", "adapter.dropout": 0.1}
+    plain = Trainer(micro_cfg(tmp_path, **run, **{"log.run_dir": str(tmp_path / "p")}))
+    names, losses = [n for n, _ in plain.optim_params], plain.fit()["losses"]  # (a Trainer seeds dropout's RNG)
+    ac = Trainer(micro_cfg(tmp_path, **run, **{"log.run_dir": str(tmp_path / "c"),
+                                               "memory.activation_checkpointing": "full"}))
+    assert [n for n, _ in ac.optim_params] == names  # canonical names
+    assert ac.fit()["losses"] == losses  # the recomputed forward draws the same dropout masks
