@@ -128,8 +128,9 @@ def _checkpoint_of(path: str) -> str:
     folder written by `scaletrain quantize` as it is."""
     from scaletrain.quant.ptq import is_quantized_folder
     from scaletrain.train.checkpoint import checkpoint_of
+    from scaletrain.trained.adapters import is_peft_folder
 
-    if is_quantized_folder(path):
+    if is_quantized_folder(path) or is_peft_folder(path):
         return path
 
     return str(checkpoint_of(path, report=_note))
@@ -140,8 +141,9 @@ def _eval(args: argparse.Namespace, extra: list[str]) -> int:
 
     from scaletrain.train.evaluate import evaluate_checkpoint
 
-    with os_errors_named({"checkpoint": args.checkpoint, "data.path": args.data or ""}):
-        r = evaluate_checkpoint(_checkpoint_of(args.checkpoint), args.data, args.batches, args.device, report=_note)
+    with os_errors_named({"checkpoint": args.checkpoint, "data.path": args.data or "", "--base": args.base or ""}):
+        r = evaluate_checkpoint(_checkpoint_of(args.checkpoint), args.data, args.batches, args.device, report=_note,
+                                base=args.base)
     if args.json:
         print(json.dumps(r, indent=1))
     else:
@@ -170,11 +172,11 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
             started = True
         stream(piece)
 
-    with os_errors_named({"source": args.source, "--data": args.data or ""}):
+    with os_errors_named({"source": args.source, "--data": args.data or "", "--base": args.base or ""}):
         # a run folder: its newest complete checkpoint, as eval and export take it
         generate_text(_checkpoint_of(args.source), args.prompt, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, seed=args.seed, data=args.data,
-                      device=args.device, stream=first, report=_note)
+                      device=args.device, stream=first, report=_note, base=args.base)
     if not started:  # no token asked for: the prompt alone
         sys.stdout.write(args.prompt)
     print()
@@ -193,13 +195,13 @@ def _plot(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _export(args: argparse.Namespace, extra: list[str]) -> int:
+    from scaletrain.trained.adapters import export_peft
     from scaletrain.trained.export import export_safetensors
     from scaletrain.trained.export_hf import export_hf
 
-    with os_errors_named({"--out": args.out, "checkpoint": args.checkpoint}):
-        checkpoint = _checkpoint_of(args.checkpoint)
-        out = export_hf(checkpoint, args.out, overwrite=args.overwrite) if args.format == "hf" else \
-            export_safetensors(checkpoint, args.out, overwrite=args.overwrite)
+    write = {"hf": export_hf, "peft": export_peft, "safetensors": export_safetensors}[args.format]
+    with os_errors_named({"--out": args.out, "checkpoint": args.checkpoint, "--base": args.base or ""}):
+        out = write(_checkpoint_of(args.checkpoint), args.out, overwrite=args.overwrite, base=args.base)
     print(f"wrote {out}")
     return 0
 
@@ -313,7 +315,7 @@ def _eval_parser(sub) -> None:
                        description="Evaluate a checkpoint. Options are the config's names (data.path, "
                                    "train.eval_batches, train.device), with short aliases.")
     p.add_argument("checkpoint", help="a checkpoint folder (runs/.../checkpoints/step_*), or a run folder: its "
-                                      "newest complete checkpoint")
+                                      "newest complete checkpoint; or a PEFT adapter folder (on --base)")
     p.add_argument("--data", "--data.path", dest="data", metavar="FOLDER",
                    help="a prepared folder: its validation split, or all of it if it has none (default: the data "
                         "the checkpoint was trained on)")
@@ -323,6 +325,9 @@ def _eval_parser(sub) -> None:
     p.add_argument("--device", "--train.device", dest="device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="where to run the model (default auto: cuda if available)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--base", metavar="FOLDER",
+                   help="adapters only: where their base is now (default: where the run read it, or a PEFT "
+                        "folder's base_model_name_or_path); its sha256 must be the one they were trained on")
     p.set_defaults(func=_eval, takes_overrides=False, parser=p)
 
 
@@ -338,7 +343,8 @@ def _generate_parser(sub) -> None:
                        description="Sample text after a prompt, one process, with a key/value cache (each new token "
                                    "costs one position). The tokenizer is the run's data folder's (or --data's); a "
                                    "Hugging Face folder's own.")
-    p.add_argument("source", help="a checkpoint folder (runs/.../checkpoints/step_*) or a Hugging Face model folder")
+    p.add_argument("source", help="a checkpoint folder (runs/.../checkpoints/step_*), a Hugging Face model folder, "
+                                  "or a PEFT adapter folder (on --base)")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (default 200)")
     p.add_argument("--temperature", type=float, default=0.8, help="below 1: more predictable; above: more varied "
@@ -348,6 +354,9 @@ def _generate_parser(sub) -> None:
     p.add_argument("--data", help="a prepared folder whose tokenizer to use (default: the run's data)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="where to run the model (default auto: cuda if available)")
+    p.add_argument("--base", metavar="FOLDER",
+                   help="adapters only: where their base is now (default: where the run read it, or a PEFT "
+                        "folder's base_model_name_or_path); its sha256 must be the one they were trained on")
     p.set_defaults(func=_generate, takes_overrides=False, parser=p)
 
 
@@ -359,9 +368,15 @@ def _export_parser(sub) -> None:
                                                 "folders are created)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --out (the new one is written whole first, then put in its place)")
-    p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+    p.add_argument("--format", choices=("safetensors", "hf", "peft"), default="safetensors",
                    help="safetensors: one file, scaletrain names; hf: a Hugging Face model folder (config.json, "
-                        "safetensors, generation_config, the data's tokenizer) that transformers loads with no code")
+                        "safetensors, generation_config, the data's tokenizer) that transformers loads with no code "
+                        "(adapters merged into their base); peft: an adapter run's adapters alone, as a folder "
+                        "that peft.PeftModel.from_pretrained loads onto the base")
+    p.add_argument("--base", metavar="FOLDER",
+                   help="adapters only: where their base is now (default: where the run read it, or a PEFT "
+                        "folder's base_model_name_or_path); its sha256 must be the one they were trained on")
+
     p.set_defaults(func=_export, takes_overrides=False, parser=p)
 
 

@@ -94,6 +94,25 @@ def _rope_heads(name: str, cfg: ModelConfig) -> int:
     return 0
 
 
+def hf_linear(name: str, cfg: ModelConfig) -> tuple[str, int]:
+    """Our linear `name` (a module: `layers.0.attn.wq`) as a Hugging Face module name
+    (`model.layers.0.self_attn.q_proj`) and the heads whose rows the rotary reordering moves in
+    its output (0: none): what an adapter on it (PEFT's lora_B rows) must follow. A Llama-like
+    family only (GPT-2 fuses q, k and v into one Conv1D): ConfigError otherwise, or for a linear
+    the family has no module of."""
+    from scaletrain.model.hf_config import hf_family
+
+    family = hf_family(cfg)
+    if family == "gpt2":
+        raise ConfigError("GPT-2 keeps q, k and v in one fused, transposed c_attn, which separate adapters on them "
+                          "do not map onto")
+    try:
+        hf = _hf_name(f"{name}.weight", False, "mixtral" if family == "mixtral" else "mlp")
+    except KeyError:
+        raise ConfigError(f"{name} has no {family} module of its own") from None
+    return hf.removesuffix(".weight"), _rope_heads(f"{name}.weight", cfg)
+
+
 def _moe_style(keys) -> str:
     """How a checkpoint names its experts: "mixtral" (block_sparse_moe.experts.E.w1), "mlp"
     (mlp.experts.E.gate_proj) or "fused" (mlp.experts.gate_up_proj, transformers 5's modules)."""

@@ -36,6 +36,7 @@ from scaletrain.quant.ptq import is_quantized_folder, load_quantized, read_info
 from scaletrain.quant.qat import prepare_qat
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.metrics import perplexity
+from scaletrain.trained.adapters import adapted_model, is_peft_folder
 from scaletrain.trained.export import load_model_from_checkpoint
 
 
@@ -143,12 +144,14 @@ def _restore_modes(modules, was_training: list[bool], *, reshard: bool) -> None:
 
 @torch.no_grad()
 def evaluate_checkpoint(path: str | Path, data: str | None = None, batches: int | None = None,
-                        device: str = "auto", chunk: int = 8, report=None) -> dict:
+                        device: str = "auto", chunk: int = 8, report=None, base: str | Path | None = None) -> dict:
     """Evaluate checkpoint `path` on `data` (a prepared folder; None: the data it was trained on,
     found where the run recorded it or where it moved with the run; "" the built-in data): its
     validation split, or all of it if it has none. `batches`: global batches of windows (None:
     the run's train.eval_batches, or as many as the data holds if fewer, said through `report`;
-    0: every whole batch). `chunk`: sequences per forward, which changes memory, not the result."""
+    0: every whole batch). `chunk`: sequences per forward, which changes memory, not the result.
+    An adapter checkpoint or a PEFT adapter folder is evaluated merged into its base (`base`, if
+    given: where the base is now; a PEFT folder not written by scaletrain needs `data`)."""
     if batches is not None and batches < 0:
         raise ConfigError(f"--batches {batches} must be 0 (every whole batch) or more")
     if device not in ("auto", "cpu", "cuda"):
@@ -156,13 +159,22 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, batches: int 
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available here; use --device cpu")
     quantized = is_quantized_folder(path)
-    if quantized:  # `scaletrain quantize`'s folder: its quantization.json holds the run's config
+    peft_model = None
+    if is_peft_folder(path):  # the run's config if a scaletrain export carries it, else the base's shape
+        peft_model, run_cfg = adapted_model(path, base)
+        if run_cfg is None and data is None:
+            raise ConfigError(f"{path} is a PEFT folder that names no run (not written by scaletrain export): give "
+                              "--data FOLDER, a prepared folder to evaluate on")
+        config = run_cfg.to_dict() if run_cfg is not None else {
+            "model": peft_model.cfg.__dict__, "data": {"seq_len": min(128, peft_model.cfg.max_seq_len)}}
+        state = {"config": config, "step": 0, "data": {"global_batch": from_dict(config).train.global_batch or 8}}
+    elif quantized:  # `scaletrain quantize`'s folder: its quantization.json holds the run's config
         info = read_info(path)
         state = {"config": info["config"], "step": info.get("step") or 0,
                  "data": {"global_batch": info.get("global_batch") or 32}}
     else:
         state = ckpt.read_trainer_state(Path(path))
-    config = state["config"] if data is not None else \
+    config = state["config"] if data is not None or peft_model is not None else \
         ckpt.saved_config(path, state, fix="give --data FOLDER, a prepared folder to evaluate on", report=report)
     cfg = from_dict(config)
     if data is None and cfg.data.mix:  # each source of the mix, and their mean weighted as the mix
@@ -171,10 +183,12 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, batches: int 
         pairs = [(None, 1.0, cfg.data.path if data is None else str(data))]
     seq_len, global_batch, seed = cfg.data.seq_len, int(state["data"]["global_batch"]), cfg.train.seed
     dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
-    if quantized:
+    if peft_model is not None:
+        model = peft_model.to(dev).eval()
+    elif quantized:
         model = load_quantized(path)[0].to(dev)
     else:
-        model = load_model_from_checkpoint(path)
+        model = load_model_from_checkpoint(path, base)
         if cfg.train.qat != "none":  # through the fake quantizers it trained and was evaluated with
             prepare_qat(model, cfg.train.qat)
         model = model.to(dev).eval()

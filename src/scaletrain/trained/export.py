@@ -21,14 +21,17 @@ from scaletrain.model.transformer import Transformer
 from scaletrain.train import checkpoint as ckpt
 
 
-def load_model_from_checkpoint(path: str | Path) -> Transformer:
-    """A plain fp32 CPU model with the weights of checkpoint `path`."""
+def load_model_from_checkpoint(path: str | Path, base: str | Path | None = None) -> Transformer:
+    """A plain fp32 CPU model with the weights of checkpoint `path`; an adapter checkpoint's
+    adapters merged into their base (`base`: where it is now, if not where training read it)."""
     path = Path(path)
     state = ckpt.read_trainer_state(path)
-    if isinstance(adapter := state.get("adapter"), dict):  # adapters alone: the base is not in the checkpoint
-        raise CheckpointError(f"{path} holds {adapter.get('kind')} adapters (rank {adapter.get('rank')}) of the base "
-                              f"{adapter.get('base', {}).get('name')}, not a whole model; exporting, evaluating or "
-                              "sampling adapters (with their base, or merged into it) is not built yet")
+    if isinstance(state.get("adapter"), dict):  # adapters alone: on their base, merged
+        from scaletrain.trained.adapters import adapted_model
+
+        return adapted_model(path, base)[0]
+    if base is not None:
+        raise CheckpointError(f"--base {base}: {path} holds a whole model, not adapters; drop --base")
     cfg = from_dict(state["config"])
     model = Transformer(cfg.model)
     model.init_buffers("cpu")
@@ -38,7 +41,8 @@ def load_model_from_checkpoint(path: str | Path) -> Transformer:
     return model
 
 
-def export_safetensors(path: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
+def export_safetensors(path: str | Path, out: str | Path, *, overwrite: bool = False,
+                       base: str | Path | None = None) -> Path:
     """Write checkpoint `path`'s weights to the file `out` (its folder created if need be), whole
     or not at all: they go to a hidden file beside it, renamed when complete and removed on any
     failure; an existing `out` is replaced only with `overwrite`. The file's mode is the umask's."""
@@ -48,7 +52,7 @@ def export_safetensors(path: str | Path, out: str | Path, *, overwrite: bool = F
         raise CheckpointError("export needs the safetensors package: pip install safetensors") from None
     out = Path(out)
     _check_target(out, overwrite)  # before the checkpoint is read
-    model = load_model_from_checkpoint(path)
+    model = load_model_from_checkpoint(path, base)
     # named_parameters lists a tied weight once, under its first name (tok_emb.weight)
     weights = {name: p.detach().contiguous() for name, p in model.named_parameters()}
     cfg = from_dict(ckpt.saved_config(path, ckpt.read_trainer_state(path)))  # the data, found if it moved

@@ -39,8 +39,9 @@ SPECIAL_IDS = ("bos_token_id", "eos_token_id")
 
 
 def export_hf(checkpoint_path: str | Path, out_dir: str | Path, *, tokenizer: str | Path | None = None,
-              max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
+              max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False, base: str | Path | None = None) -> Path:
     """Write checkpoint `checkpoint_path` as a Hugging Face model folder `out_dir`; returns it.
+    An adapter checkpoint's adapters are merged into their base (`base`: where it is now).
     The tokenizer is the one of the run's data folder (its `data.path`; the built-in data is
     byte-level), or that of `tokenizer` (a prepared data folder) when given. An existing folder
     is replaced (whole, once the new one is complete) only with `overwrite`."""
@@ -59,7 +60,7 @@ def export_hf(checkpoint_path: str | Path, out_dir: str | Path, *, tokenizer: st
                               "export it as safetensors instead") from None
     data = str(tokenizer) if tokenizer is not None else data_paths(cfg.data)[0]  # a mix's sources share one
     files = tokenizer_files(data, cfg.model.max_seq_len)  # a missing tokenizer stops us before writing
-    model = load_model_from_checkpoint(path)
+    model = load_model_from_checkpoint(path, base)
     if cfg.model.moe_experts:  # the routing biases are buffers, saved beside the weights
         biases = {f"{name}.expert_bias": m.expert_bias for name, m in model.named_modules() if isinstance(m, MoE)}
         with torch.no_grad():

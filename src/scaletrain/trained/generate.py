@@ -38,14 +38,28 @@ def data_tokenizer(path: str):
     return load_tokenizer(described, Path(path))
 
 
-def load_for_generation(source: str | Path, data: str | None = None, report=None):
-    """(model, tokenizer, window) for `source`: a checkpoint folder (step_*), a folder written by
-    `scaletrain quantize`, or a Hugging Face model folder; `data`: a prepared folder whose
-    tokenizer to use instead of the run's (found where the run recorded it, or where it moved
-    with the run: said through `report`)."""
+def load_for_generation(source: str | Path, data: str | None = None, report=None, base: str | Path | None = None):
+    """(model, tokenizer, window) for `source`: a checkpoint folder (step_*; adapters merged into
+    their base, `base` if given), a folder written by `scaletrain quantize`, a Hugging Face model
+    folder, or a PEFT adapter folder (merged into `base`, else its base_model_name_or_path);
+    `data`: a prepared folder whose tokenizer to use instead of the run's (found where the run
+    recorded it, or where it moved with the run: said through `report`)."""
     from scaletrain.quant.ptq import is_quantized_folder, load_quantized, read_info
+    from scaletrain.trained.adapters import adapted_model, is_peft_folder, peft_base
 
     path = Path(source)
+    if is_peft_folder(path):  # the run's tokenizer if a scaletrain export says which, else the base's
+        from scaletrain.data.tokenizer import HFTokenizer
+
+        model, cfg = adapted_model(path, base)
+        if data is not None or cfg is not None:
+            tokenizer = data_tokenizer(data if data is not None else data_paths(cfg.data)[0])
+        else:
+            tokenizer = HFTokenizer.from_hf_folder(peft_base(path, base))
+        return model, tokenizer, min(cfg.data.seq_len, model.cfg.max_seq_len) if cfg else model.cfg.max_seq_len
+    if base is not None and not (path / ckpt.TRAINER_FILE).is_file():
+        raise ConfigError(f"--base {base} goes with adapters (a checkpoint of an adapter run, or a PEFT folder); "
+                          f"{path} holds none: drop --base")
     if is_quantized_folder(path):  # `scaletrain quantize`'s folder: its quantization.json holds the config
         info = read_info(path)
         state = {"config": info["config"]}
@@ -60,7 +74,7 @@ def load_for_generation(source: str | Path, data: str | None = None, report=None
         cfg = from_dict(state["config"] if data is not None else ckpt.saved_config(
             path, state, fix="give --data FOLDER, a prepared folder with the run's tokenizer", report=report))
         tokenizer = data_tokenizer(data if data is not None else data_paths(cfg.data)[0])
-        return load_model_from_checkpoint(path), tokenizer, min(cfg.data.seq_len, cfg.model.max_seq_len)
+        return load_model_from_checkpoint(path, base), tokenizer, min(cfg.data.seq_len, cfg.model.max_seq_len)
     if (path / "config.json").is_file():
         from scaletrain.data.tokenizer import HFTokenizer
         from scaletrain.model.config import model_config
@@ -83,7 +97,7 @@ def load_for_generation(source: str | Path, data: str | None = None, report=None
 
 def generate_text(source: str | Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
                   top_k: int = 50, seed: int = 0, data: str | None = None, device: str = "auto",
-                  stream=None, report=None) -> str:
+                  stream=None, report=None, base: str | Path | None = None) -> str:
     """The prompt and `max_new_tokens` tokens sampled after it, decoded; with `stream`, the
     sampled text goes to it as it comes (model.generate.sample_text) and the prompt is returned;
     `report` is told where the run's data was found, if it moved."""
@@ -99,7 +113,7 @@ def generate_text(source: str | Path, prompt: str, *, max_new_tokens: int = 200,
         raise ConfigError(f"--top-k {top_k} must be 0 (no limit) or more")
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available here; use --device cpu")
-    model, tokenizer, window = load_for_generation(source, data, report)
+    model, tokenizer, window = load_for_generation(source, data, report, base)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise DataError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
                         f"{model.cfg.vocab_size}: give --data, the folder the model was trained on")
