@@ -185,9 +185,9 @@ STEPS = 4
 LAYOUTS = [
     ("lora-ddp", "lora", {"parallel.dp_shard": 2, "parallel.zero": 0}),
     ("lora-zero2", "lora", {"parallel.dp_shard": 2, "parallel.zero": 2}),
-    ("lora-zero3", "lora", {"parallel.dp_shard": 2, "parallel.zero": 3}),
+    ("lora-zero3", "lora", {"parallel.dp_shard": 2, "parallel.zero": 3, "checkpoint.save_final": True}),
     ("dora-zero1", "dora", {"parallel.dp_shard": 2, "parallel.zero": 1}),
-    ("dora-zero3", "dora", {"parallel.dp_shard": 2, "parallel.zero": 3}),
+    ("dora-zero3", "dora", {"parallel.dp_shard": 2, "parallel.zero": 3, "checkpoint.save_final": True}),
 ]
 
 
@@ -210,7 +210,7 @@ def group_runs(tmp_path_factory, request):
             for name, kind, extra in chosen]
     code, results, err = run_group(2, jobs, tmp)
     assert code == 0, err
-    return {name: r for (name, _, _), r in zip(chosen, results, strict=True)}
+    return {name: {**r, "run_dir": tmp / name} for (name, _, _), r in zip(chosen, results, strict=True)}
 
 
 @pytest.mark.multiproc
@@ -223,6 +223,24 @@ def test_adapters_on_two_data_parallel_ranks_match_one_process(group_runs, refer
     assert frozen and all(".lora_" not in n for n in frozen)  # the base stayed where it started in one process
     for n in frozen:  # ... and on the ranks
         assert got["weights"][n][:2] == ref["weights"][n][:2], f"{name}: the frozen {n} moved"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["lora-zero3", "dora-zero3"])
+def test_adapters_saved_under_zero3_merge_into_a_hugging_face_model_with_the_same_logits(group_runs, tmp_path, name):
+    """PEFT cannot merge under FSDP; the export merges from the resharded checkpoint."""
+    transformers = pytest.importorskip("transformers")
+    from scaletrain.trained.adapters import adapted_from_checkpoint
+
+    saved = group_runs[name]["run_dir"] / "checkpoints" / f"step_{STEPS:08d}"
+    ours, _ = adapted_from_checkpoint(saved)  # the ranks' row shards read back whole
+    assert all(torch.count_nonzero(m.lora_b) for m in ours.modules() if isinstance(m, LoRALinear))
+    r = run_here("export", str(saved), "--format", "hf", "--out", str(tmp_path / "merged"))
+    assert r.returncode == 0, r.stderr
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+    with torch.no_grad():
+        err = (merged(tokens()).logits - ours(tokens())).abs().max().item()
+    assert err <= 1e-5, f"{name}: the merged export's logits differ by {err:.3g}"
 
 
 # --- checkpoints: the adapters and the base's fingerprint, resumed bitwise ----------------------
@@ -291,9 +309,10 @@ def test_resuming_adapters_onto_another_base_is_refused_in_one_line(tmp_path):
 
     run = {"train.steps": 4, "adapter.kind": "lora", **hf_base(tmp_path / "hf"), "checkpoint.save_final": True}
     saved = stopped_after(Trainer(micro_cfg(tmp_path, **run)), 2).fit()["checkpoint"]
-    for verb in (["export", saved, "--out", str(tmp_path / "x.safetensors")], ["eval", saved]):
-        one_line_exit_2(run_here(*verb), "holds lora adapters (rank 8) of the base", "not a whole model")
     other = hf_base(tmp_path / "other", noise=0.01)
+    for verb in (["export", saved, "--out", str(tmp_path / "x.safetensors")], ["eval", saved]):  # merged onto it
+        one_line_exit_2(run_here(*verb, "--base", other["model.init_from"]), "adapters were trained on the base",
+                        "/other has sha256")
     with pytest.raises(CheckpointError, match=r"^the checkpoint's adapters were trained on the base .*/hf "
                                               r"\(sha256 [0-9a-f]{12}\), but this run's base is .*/other "
                                               r"\(sha256 [0-9a-f]{12}\); set model.init_from"):
