@@ -56,6 +56,7 @@ MC = "tests/test_mixture_catch.py"
 QC = "tests/test_quant_catch.py"
 CC = "tests/test_calibrated_comm.py"
 LO = "tests/test_lora.py"
+AE = "tests/test_adapter_export.py"
 
 MUTANTS = [
     Mutant("zero-no-dp-division", "ZeRO-1/2 bucket reduce without the 1/dp division",
@@ -338,6 +339,20 @@ MUTANTS = [
            "if id(p) not in experts and p.requires_grad]", "if id(p) not in experts]",
            (f"{LO}::test_adapters_on_two_data_parallel_ranks_match_one_process[lora-zero2-lora]",
             f"{LO}::test_adapters_on_two_data_parallel_ranks_match_one_process[dora-zero1-dora]")),
+    Mutant("peft-lora-b-rows-unpermuted", "the PEFT export leaves lora_B's rows of wq/wk in scaletrain's rotary "
+           "order (the base's rows are reordered)", "src/scaletrain/trained/adapters.py",
+           'if heads and leaf != "lora_a":  # the output rows follow', 'if heads and leaf == "lora_magnitude":  #',
+           (f"{AE}::test_peft_and_merged_exports_give_scaletrains_logits[qwen3-lora-attention]",)),
+    Mutant("peft-import-rows-unpermuted", "a PEFT folder read back without reordering lora_B's and the "
+           "magnitudes' q/k rows", "src/scaletrain/trained/adapters.py",
+           'if heads_of[name] and leaf != "lora_a":', "if False:",
+           (f"{AE}::test_a_folder_saved_by_peft_itself_reads_back_onto_its_base",)),
+    Mutant("merge-drops-the-scale", "merging adds B A without the alpha/rank scale",
+           "src/scaletrain/model/lora.py",
+           "w = self.weight.float() + self.delta_weight().float()", "w = self.weight.float() + (self.lora_b @ "
+           "self.lora_a).float()",
+           (f"{AE}::test_peft_and_merged_exports_give_scaletrains_logits[qwen3-lora-attention]",
+            f"{LO}::test_merged_weight_computes_what_the_adapted_linear_does")),
 ]
 
 
