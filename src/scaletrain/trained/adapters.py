@@ -164,11 +164,14 @@ def export_peft(checkpoint: str | Path, out: str | Path, *, base: str | Path | N
 
     from scaletrain.model.hf import rows_ours_to_hf
     from scaletrain.train import checkpoint as ckpt
-    from scaletrain.trained.export_hf import _check_out
 
     peft = _import_peft()
     path, out = Path(checkpoint), Path(out)
-    _check_out(out, overwrite)
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{out} already exists; choose another --out, or add --overwrite to replace it "
+                              "(nothing was overwritten)")
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"--out {out} is a file; --format peft writes a folder: choose another --out")
     state = ckpt.read_trainer_state(path)
     adapter = state.get("adapter")
     if not isinstance(adapter, dict):
