@@ -101,6 +101,22 @@ def test_peft_and_merged_exports_give_scaletrains_logits(request, tmp_path, fami
         assert_close(merge_adapters(back)(tokens()), want, f"{family} {kind}: the PEFT folder merged")
 
 
+def test_module_names_and_rows_follow_the_family():
+    from scaletrain.errors import ConfigError
+    from scaletrain.model.config import model_config
+    from scaletrain.model.hf import hf_linear
+
+    llama = model_config({"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "position": "rope",
+                          "norm": "rmsnorm", "activation": "swiglu"})
+    assert hf_linear("layers.1.attn.wq", llama) == ("model.layers.1.self_attn.q_proj", 4)
+    assert hf_linear("layers.1.attn.wk", llama) == ("model.layers.1.self_attn.k_proj", 2)  # kv heads' rows
+    assert hf_linear("layers.0.attn.wv", llama) == ("model.layers.0.self_attn.v_proj", 0)
+    assert hf_linear("layers.0.mlp.w3", llama) == ("model.layers.0.mlp.up_proj", 0)
+    assert hf_linear("output", llama) == ("lm_head", 0)
+    with pytest.raises(ConfigError, match="GPT-2 keeps q, k and v in one fused"):
+        hf_linear("layers.0.attn.wq", model_config({"dim": 64, "n_layers": 2, "n_heads": 4}))
+
+
 def test_a_folder_saved_by_peft_itself_reads_back_onto_its_base(tmp_path):
     hf_model(tmp_path / "hf", "llama")
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
@@ -123,6 +139,12 @@ def test_a_folder_saved_by_peft_itself_reads_back_onto_its_base(tmp_path):
     assert meta == {"format": "pt"}
     with torch.no_grad():
         assert_close(ours(tokens()), want, "a PEFT-saved DoRA folder")
+    # no run's config in it: eval needs --data ("" = the built-in byte-level text, this base's vocabulary)
+    base = ("--base", str(tmp_path / "hf"))
+    one_line_exit_2(run_here("eval", str(tmp_path / "theirs"), *base), "names no run", "give --data FOLDER")
+    r = run_here("eval", str(tmp_path / "theirs"), *base, "--data", "", "--batches", "1", "--device", "cpu", "--json")
+    assert r.returncode == 0, r.stderr
+    assert 0 < json.loads(r.stdout)["val_loss"] < 10
 
 
 def test_eval_and_generate_of_the_run_and_of_its_peft_folder_equal_the_merged_models(dora_llama):
@@ -138,6 +160,8 @@ def test_eval_and_generate_of_the_run_and_of_its_peft_folder_equal_the_merged_mo
         assert r.returncode == 0, (what, r.stderr)
         texts[what] = r.stdout
     assert len(set(texts.values())) == 1 and len(texts["merged"]) > len("The "), texts
+    r = run_here("quantize", saved, "--scheme", "int8-weight", "--out", str(tmp_path / "q"))  # merged, then quantized
+    assert r.returncode == 0, r.stderr
     losses = {}
     for what, args in (("checkpoint", [saved]), ("peft", [str(peft_dir), "--base", str(tmp_path / "hf")])):
         r = run_here("eval", *args, "--batches", "1", "--device", "cpu", "--json")
@@ -166,6 +190,8 @@ def test_bad_adapter_input_is_one_line_each(dora_llama, tmp_path, monkeypatch):
                              str(tmp_path / "nowhere")), "is not there; give --base FOLDER")
     one_line_exit_2(run_here("generate", str(peft_dir), "--base", str(tmp_path), "--prompt", "x"),
                     "is not a Hugging Face model folder")
+    one_line_exit_2(run_here("export", saved, "--format", "peft", "--out", str(peft_dir)), "already exists",
+                    "nothing was overwritten")
     # peft missing: the export says how to get it, and writes nothing
     monkeypatch.setitem(sys.modules, "peft", None)
     one_line_exit_2(run_here("export", saved, "--format", "peft", "--out", str(tmp_path / "p2")),

@@ -18,7 +18,7 @@ are (the windows come from the config it records).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -166,7 +166,7 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, batches: int 
             raise ConfigError(f"{path} is a PEFT folder that names no run (not written by scaletrain export): give "
                               "--data FOLDER, a prepared folder to evaluate on")
         config = run_cfg.to_dict() if run_cfg is not None else {
-            "model": peft_model.cfg.__dict__, "data": {"seq_len": min(128, peft_model.cfg.max_seq_len)}}
+            "model": asdict(peft_model.cfg), "data": {"seq_len": min(128, peft_model.cfg.max_seq_len)}}
         state = {"config": config, "step": 0, "data": {"global_batch": from_dict(config).train.global_batch or 8}}
     elif quantized:  # `scaletrain quantize`'s folder: its quantization.json holds the run's config
         info = read_info(path)

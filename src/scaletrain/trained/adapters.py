@@ -177,13 +177,17 @@ def export_peft(checkpoint: str | Path, out: str | Path, *, base: str | Path | N
     if not isinstance(adapter, dict):
         raise CheckpointError(f"{path} holds a whole model, not adapters; --format peft writes adapters: "
                               "use --format hf or safetensors")
-    cfg = from_dict(state["config"])
+    def not_hf() -> CheckpointError:
+        return CheckpointError(f"{path}: its adapters' base is {adapter['base']['name']}, not a Hugging Face model "
+                               "folder, which PEFT loads them onto; train from one (model.init_from), or export "
+                               "them merged (--format hf)")
+
+    if not from_dict(state["config"]).model.init_from:
+        raise not_hf()
+    model, cfg = adapted_from_checkpoint(path, base)  # the base there, and the one they were trained on
     folder = Path(base) if base is not None else Path(adapter["base"]["name"])
-    if not cfg.model.init_from or not (folder / "config.json").is_file():
-        raise CheckpointError(f"{path}: its adapters' base is {adapter['base']['name']}, not a Hugging Face model "
-                              "folder, which PEFT loads them onto; train from one (model.init_from), or export "
-                              "them merged (--format hf)")
-    model, cfg = adapted_from_checkpoint(path, base)
+    if not (folder / "config.json").is_file():
+        raise not_hf()
     adapted = {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     names = _hf_linears(cfg.model, list(adapted), str(path))
     tensors = {}
