@@ -192,6 +192,9 @@ def test_bad_adapter_input_is_one_line_each(dora_llama, tmp_path, monkeypatch):
                     "is not a Hugging Face model folder")
     one_line_exit_2(run_here("export", saved, "--format", "peft", "--out", str(peft_dir)), "already exists",
                     "nothing was overwritten")
+    for verb in (["export", str(peft_dir), "--format", "hf"], ["quantize", str(peft_dir), "--scheme", "int8-weight"]):
+        one_line_exit_2(run_here(*verb, "--out", str(tmp_path / "q")), "is a PEFT adapter folder; this command takes "
+                                                                       "an adapter run")
     # peft missing: the export says how to get it, and writes nothing
     monkeypatch.setitem(sys.modules, "peft", None)
     one_line_exit_2(run_here("export", saved, "--format", "peft", "--out", str(tmp_path / "p2")),

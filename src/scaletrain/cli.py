@@ -123,13 +123,16 @@ def _prepare(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def _checkpoint_of(path: str) -> str:
+def _checkpoint_of(path: str, peft: bool = True) -> str:
     """A checkpoint folder, or a run folder's newest complete checkpoint (said on stderr); a
-    folder written by `scaletrain quantize` as it is."""
+    folder written by `scaletrain quantize` as it is, and a PEFT adapter folder where `peft`."""
     from scaletrain.quant.ptq import is_quantized_folder
     from scaletrain.train.checkpoint import checkpoint_of
     from scaletrain.trained.adapters import is_peft_folder
 
+    if is_peft_folder(path) and not peft:
+        raise UserError(f"{path} is a PEFT adapter folder; this command takes an adapter run or its checkpoint "
+                        "(eval and generate take a PEFT folder, on --base)")
     if is_quantized_folder(path) or is_peft_folder(path):
         return path
 
@@ -201,7 +204,7 @@ def _export(args: argparse.Namespace, extra: list[str]) -> int:
 
     write = {"hf": export_hf, "peft": export_peft, "safetensors": export_safetensors}[args.format]
     with os_errors_named({"--out": args.out, "checkpoint": args.checkpoint, "--base": args.base or ""}):
-        out = write(_checkpoint_of(args.checkpoint), args.out, overwrite=args.overwrite, base=args.base)
+        out = write(_checkpoint_of(args.checkpoint, peft=False), args.out, overwrite=args.overwrite, base=args.base)
     print(f"wrote {out}")
     return 0
 
@@ -210,7 +213,7 @@ def _quantize(args: argparse.Namespace, extra: list[str]) -> int:
     from scaletrain.trained.quantize import quantize_source
 
     with os_errors_named({"--out": args.out, "source": args.source}):
-        source = args.source if os.path.isfile(args.source) else _checkpoint_of(args.source)
+        source = args.source if os.path.isfile(args.source) else _checkpoint_of(args.source, peft=False)
         out = quantize_source(source, args.scheme, args.out, overwrite=args.overwrite, report=print)
     from scaletrain.quant.ptq import folder_bytes
 
