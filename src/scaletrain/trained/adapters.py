@@ -123,7 +123,7 @@ def merge_adapters(model: nn.Module) -> nn.Module:
             raise CheckpointError("the output head is adapted but shares its weight with the embedding "
                                   "(model.tie_embeddings=true): merged, they would differ; keep the adapters "
                                   "apart (export --format peft)")
-        plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=m.weight.device)
+        plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")  # no init work
         plain.weight = nn.Parameter(m.merged_weight(), requires_grad=False)
         plain.bias = m.bias
         parent, _, leaf = name.rpartition(".")
