@@ -336,8 +336,20 @@ MUTANTS = [
     Mutant("lora-zero-shards-the-frozen-base", "ZeRO-1/2 gives the frozen base slots (gradient buckets, optimizer "
            "shards)", "src/scaletrain/parallel/parallelize.py",
            "if id(p) not in experts and p.requires_grad]", "if id(p) not in experts]",
-           (f"{LO}::test_adapters_on_two_data_parallel_ranks_match_one_process[lora-zero2-lora]",
-            f"{LO}::test_adapters_on_two_data_parallel_ranks_match_one_process[dora-zero1-dora]")),
+           (f"{LO}::test_adapters_on_every_layout_match_one_process[lora-zero2]",
+            f"{LO}::test_adapters_on_every_layout_match_one_process[dora-zero1]")),
+    Mutant("lora-tp-plan-drops-the-adapters", "the tp plan leaves a column-parallel base's B whole (replicated), "
+           "not split with the base's rows", "src/scaletrain/parallel/tensor_parallel.py",
+           '"lora_a": Replicate(), "lora_b": Shard(0),', '"lora_a": Replicate(), "lora_b": Replicate(),',
+           (f"{LO}::test_tensor_parallelism_splits_the_adapters_like_their_base[lora-tp2]",)),
+    Mutant("dora-rowwise-norm-local", "DoRA's magnitude on a row-parallel base starts from the local columns' "
+           "row norms, not the whole rows'", "src/scaletrain/model/lora.py",
+           "torch.distributed.all_reduce(squares, group=w.device_mesh.get_group(axis))", "pass",
+           (f"{LO}::test_adapters_on_every_layout_match_one_process[dora-tp2]",)),
+    Mutant("lora-sp-unfreezes-the-base", "sequence parallelism's norms come back trainable (the frozen base "
+           "not frozen again after the tp plan)", "src/scaletrain/parallel/tensor_parallel.py",
+           "        if name in frozen:\n", "        if name in frozen and not sequence_parallel:\n",
+           (f"{LO}::test_adapters_on_every_layout_match_one_process[lora-tp2-sp]",)),
 ]
 
 

@@ -197,7 +197,7 @@ LAYOUTS = {  # ranks: (name, reference, overrides), each group in one launch
         ("dora-tp2-sp", "dora", {**TP_SPLIT, "parallel.sp": True}),
         # one K/V head for 2 tp ranks: wk, wv and their adapters whole on each, used in part
         ("lora-tp2-kv1", "lora-kv1", TP_SPLIT),
-        ("lora-pp2", "lora", {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}),
+        ("lora-pp2", "lora", {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "checkpoint.save_final": True}),
         ("dora-cp2", "dora", {"parallel.cp": 2, "parallel.cp_method": "ring"}),
         ("lora-ddp-compile-ac", "lora", {"parallel.dp_shard": 2, "parallel.zero": 0, "train.compile": True,
                                          "memory.activation_checkpointing": "full"})],
@@ -246,6 +246,7 @@ def group_runs(tmp_path_factory, request):
             done.update({n: r for (n, _, _), r in zip(chosen, results, strict=True)})
         return done[name]
 
+    get.folder = tmp  # each layout's run folder is folder / name
     return get
 
 
@@ -255,12 +256,12 @@ def test_adapters_on_every_layout_match_one_process(group_runs, references, name
     """Losses and gradient norms before clipping every step, and the final adapters, as in one
     process; the frozen base stays where it started on the ranks."""
     got, want = group_runs(name), references[ref]
-    assert_same_run(got["history"], want["history"], steps=STEPS, tol=TOLERANCES["32-true"], what=name)
-    assert_same_weights(got["weights"], want["weights"], tol=1e-3, what=name)
     frozen = [n for n, w in want["weights"].items() if w[2] == 0]
     assert frozen and all(".lora_" not in n for n in frozen)  # the base stayed where it started in one process
     for n in frozen:  # ... and on the ranks
         assert got["weights"][n][:2] == want["weights"][n][:2], f"{name}: the frozen {n} moved"
+    assert_same_run(got["history"], want["history"], steps=STEPS, tol=TOLERANCES["32-true"], what=name)
+    assert_same_weights(got["weights"], want["weights"], tol=1e-3, what=name)
 
 
 @pytest.mark.multiproc
@@ -279,6 +280,16 @@ def test_tensor_parallelism_splits_the_adapters_like_their_base(group_runs, name
                  "lora_magnitude": None if rowwise else 0}[leaf]
         assert placements == ["Replicate()" if split is None else f"Shard(dim={split})"], (n, placements)
         assert local == [w // 2 if d == split else w for d, w in enumerate(whole)], (n, local, whole)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["lora-pp2"])
+def test_a_pipelined_checkpoint_holds_each_stages_adapters_alone(group_runs, name):
+    group_runs(name)
+    keys = checkpoint_keys(group_runs.folder / name / "checkpoints" / f"step_{STEPS:08d}")
+    assert keys and all(".lora_" in k for k in keys), keys  # no base weight, no base optimizer state
+    assert sorted(k for k in keys if k.startswith("model.")) == sorted(
+        f"model.layers.{i}.{lin}.{leaf}" for i in range(2) for lin in ADAPTED for leaf in ("lora_a", "lora_b"))
 
 
 # --- checkpoints: the adapters and the base's fingerprint, resumed bitwise ----------------------
