@@ -201,8 +201,8 @@ LAYOUTS = {  # ranks: (name, reference, overrides), each group in one launch
         ("dora-cp2", "dora", {"parallel.cp": 2, "parallel.cp_method": "ring"}),
         ("lora-ddp-compile-ac", "lora", {"parallel.dp_shard": 2, "parallel.zero": 0, "train.compile": True,
                                          "memory.activation_checkpointing": "full"})],
-    4: [("lora-dp2xtp2-zero3", "lora", {**TP_SPLIT, "parallel.zero": 3}),
-        ("dora-dp2xtp2-zero1-sp", "dora", {**TP_SPLIT, "parallel.zero": 1, "parallel.sp": True}),
+    4: [("dora-dp2xtp2-zero3", "dora", {**TP_SPLIT, "parallel.zero": 3}),
+        ("lora-dp2xtp2-zero1-sp", "lora", {**TP_SPLIT, "parallel.zero": 1, "parallel.sp": True}),
         ("lora-hsdp", "lora", {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero": 3})],
 }
 EVERY = [(n, r) for group in LAYOUTS.values() for n, r, _ in group]

@@ -207,11 +207,12 @@ def init_magnitudes(model: nn.Module) -> None:
             w, mag = m.weight, m.lora_magnitude
             w_local = w.to_local() if hasattr(w, "to_local") else w
             mag_local = mag.to_local() if hasattr(mag, "to_local") else mag
-            squares = w_local.float().square().sum(dim=1)
+            norms = torch.linalg.vector_norm(w_local.float(), dim=1)
             for axis, placement in enumerate(getattr(w, "placements", ())):
                 if placement.is_shard(1):  # the row's other columns are on the other ranks of this axis
+                    squares = norms.square()
                     torch.distributed.all_reduce(squares, group=w.device_mesh.get_group(axis))
-            norms = squares.sqrt()
+                    norms = squares.sqrt()
             if norms.shape != mag_local.shape:
                 raise ValueError(f"DoRA magnitude shard {tuple(mag_local.shape)} does not hold the rows of its "
                                  f"weight shard {tuple(w_local.shape)}")
