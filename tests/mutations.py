@@ -337,8 +337,8 @@ MUTANTS = [
     Mutant("lora-zero-shards-the-frozen-base", "ZeRO-1/2 gives the frozen base slots (gradient buckets, optimizer "
            "shards)", "src/scaletrain/parallel/parallelize.py",
            "if id(p) not in experts and p.requires_grad]", "if id(p) not in experts]",
-           (f"{LO}::test_adapters_on_two_data_parallel_ranks_match_one_process[lora-zero2-lora]",
-            f"{LO}::test_adapters_on_two_data_parallel_ranks_match_one_process[dora-zero1-dora]")),
+           (f"{LO}::test_adapters_on_every_layout_match_one_process[lora-zero2]",
+            f"{LO}::test_adapters_on_every_layout_match_one_process[dora-zero1]")),
     Mutant("peft-lora-b-rows-unpermuted", "the PEFT export leaves lora_B's rows of wq/wk in scaletrain's rotary "
            "order (the base's rows are reordered)", "src/scaletrain/trained/adapters.py",
            'if heads and leaf != "lora_a":  # the output rows follow', 'if heads and leaf == "lora_magnitude":  #',
@@ -353,6 +353,18 @@ MUTANTS = [
            "self.lora_a).float()",
            (f"{AE}::test_peft_and_merged_exports_give_scaletrains_logits[qwen3-lora-attention]",
             f"{LO}::test_merged_weight_computes_what_the_adapted_linear_does")),
+    Mutant("lora-tp-plan-drops-the-adapters", "the tp plan leaves a column-parallel base's B whole (replicated), "
+           "not split with the base's rows", "src/scaletrain/parallel/tensor_parallel.py",
+           '"lora_a": Replicate(), "lora_b": Shard(0),', '"lora_a": Replicate(), "lora_b": Replicate(),',
+           (f"{LO}::test_tensor_parallelism_splits_the_adapters_like_their_base[lora-tp2]",)),
+    Mutant("dora-rowwise-norm-local", "DoRA's magnitude on a row-parallel base starts from the local columns' "
+           "row norms, not the whole rows'", "src/scaletrain/model/lora.py",
+           "torch.distributed.all_reduce(squares, group=w.device_mesh.get_group(axis))", "pass",
+           (f"{LO}::test_adapters_on_every_layout_match_one_process[dora-tp2]",)),
+    Mutant("lora-sp-unfreezes-the-base", "sequence parallelism's norms come back trainable (the frozen base "
+           "not frozen again after the tp plan)", "src/scaletrain/parallel/tensor_parallel.py",
+           "        if name in frozen:\n", "        if name in frozen and not sequence_parallel:\n",
+           (f"{LO}::test_adapters_on_every_layout_match_one_process[lora-tp2-sp]",)),
 ]
 
 

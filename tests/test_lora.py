@@ -179,50 +179,117 @@ def test_bad_adapter_settings_are_one_line_and_exit_2(tmp_path):
     one_line_exit_2(r, "adapter.kind=dora with train.qat=int8-dynamic")
 
 
-# --- data parallel: the adapters train on 2 ranks as in one process ---------------------------
+# --- every layout: the adapters train on 2 and 4 ranks as in one process ----------------------
 
 STEPS = 4
-LAYOUTS = [
-    ("lora-ddp", "lora", {"parallel.dp_shard": 2, "parallel.zero": 0}),
-    ("lora-zero2", "lora", {"parallel.dp_shard": 2, "parallel.zero": 2}),
-    ("lora-zero3", "lora", {"parallel.dp_shard": 2, "parallel.zero": 3, "checkpoint.save_final": True}),
-    ("dora-zero1", "dora", {"parallel.dp_shard": 2, "parallel.zero": 1}),
-    ("dora-zero3", "dora", {"parallel.dp_shard": 2, "parallel.zero": 3, "checkpoint.save_final": True}),
-]
+KV1 = {"model.norm": "rmsnorm", "model.activation": "swiglu", "model.position": "rope", "model.n_kv_heads": 1}
+REFERENCES = {"lora": ("lora", {}), "dora": ("dora", {}), "lora-kv1": ("lora", KV1)}  # name: (kind, model)
+TP_SPLIT = {"parallel.tp": 2}
+LAYOUTS = {  # ranks: (name, reference, overrides), each group in one launch
+    2: [("lora-ddp", "lora", {"parallel.dp_shard": 2, "parallel.zero": 0}),
+        ("lora-zero2", "lora", {"parallel.dp_shard": 2, "parallel.zero": 2}),
+        ("lora-zero3", "lora", {"parallel.dp_shard": 2, "parallel.zero": 3, "checkpoint.save_final": True}),
+        ("dora-zero1", "dora", {"parallel.dp_shard": 2, "parallel.zero": 1}),
+        ("dora-zero3", "dora", {"parallel.dp_shard": 2, "parallel.zero": 3, "checkpoint.save_final": True}),
+        ("lora-tp2", "lora", TP_SPLIT),
+        ("lora-tp2-sp", "lora", {**TP_SPLIT, "parallel.sp": True}),
+        ("dora-tp2", "dora", TP_SPLIT),
+        ("dora-tp2-sp", "dora", {**TP_SPLIT, "parallel.sp": True}),
+        # one K/V head for 2 tp ranks: wk, wv and their adapters whole on each, used in part
+        ("lora-tp2-kv1", "lora-kv1", TP_SPLIT),
+        ("lora-pp2", "lora", {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "checkpoint.save_final": True}),
+        ("dora-cp2", "dora", {"parallel.cp": 2, "parallel.cp_method": "ring"}),
+        ("lora-ddp-compile-ac", "lora", {"parallel.dp_shard": 2, "parallel.zero": 0, "train.compile": True,
+                                         "memory.activation_checkpointing": "full"})],
+    4: [("dora-dp2xtp2-zero3", "dora", {**TP_SPLIT, "parallel.zero": 3}),
+        ("lora-dp2xtp2-zero1-sp", "lora", {**TP_SPLIT, "parallel.zero": 1, "parallel.sp": True}),
+        ("lora-hsdp", "lora", {"parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero": 3})],
+}
+EVERY = [(n, r) for group in LAYOUTS.values() for n, r, _ in group]
 
 
 def adapter_run(kind: str) -> dict:
     return {"train.steps": STEPS, "adapter.kind": kind, "adapter.dropout": 0.0, "train.micro_batch": 2}
 
 
+def adapter_layout(trainer):
+    """dist_worker's probe: how this rank holds each adapter (placements, local and whole shape)."""
+    def report():
+        return {n: [[repr(pl) for pl in p.placements], list(p.to_local().shape), list(p.shape)]
+                for n, p in trainer.named_params if ".lora_" in n and hasattr(p, "placements")}
+    return report
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    return Lazy({kind: (lambda kind=kind: fit_reference(micro_cfg(tmp_path_factory.mktemp(kind),
-                                                                  **adapter_run(kind)))) for kind in ("lora", "dora")})
+    return Lazy({name: (lambda name=name, kind=kind, model=model: fit_reference(micro_cfg(
+        tmp_path_factory.mktemp(name), **adapter_run(kind), **model))) for name, (kind, model) in REFERENCES.items()})
 
 
 @pytest.fixture(scope="module")
 def group_runs(tmp_path_factory, request):
+    """group_runs(name): a layout's results; each group of ranks runs (the layouts of it this
+    session's tests ask for) when a test first needs one of them."""
     wanted = wanted_params(request, "name")
-    chosen = [(n, k, extra) for n, k, extra in LAYOUTS if wanted is None or n in wanted]
-    tmp = tmp_path_factory.mktemp("lora-mp")
-    jobs = [{"overrides": micro_overrides(tmp / name, **{**adapter_run(kind), **extra})}
-            for name, kind, extra in chosen]
-    code, results, err = run_group(2, jobs, tmp)
-    assert code == 0, err
-    return {name: {**r, "run_dir": tmp / name} for (name, _, _), r in zip(chosen, results, strict=True)}
+    tmp, done = tmp_path_factory.mktemp("lora-mp"), {}
+
+    def get(name: str) -> dict:
+        if name not in done:
+            ranks = next(n for n, group in LAYOUTS.items() if name in {g[0] for g in group})
+            chosen = [(n, ref, extra) for n, ref, extra in LAYOUTS[ranks] if wanted is None or n in wanted]
+            jobs = [{"overrides": micro_overrides(tmp / n, **{**adapter_run(REFERENCES[ref][0]), **REFERENCES[ref][1],
+                                                             **extra}),
+                     "probe": "test_lora:adapter_layout" if "parallel.tp" in extra else None}
+                    for n, ref, extra in chosen]
+            code, results, err = run_group(ranks, jobs, tmp)
+            assert code == 0, err
+            done.update({n: r for (n, _, _), r in zip(chosen, results, strict=True)})
+        return done[name]
+
+    get.folder = tmp  # each layout's run folder is folder / name
+    return get
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name,kind", [(n, k) for n, k, _ in LAYOUTS])
-def test_adapters_on_two_data_parallel_ranks_match_one_process(group_runs, references, name, kind):
-    got, ref = group_runs[name], references[kind]
-    assert_same_run(got["history"], ref["history"], steps=STEPS, tol=TOLERANCES["32-true"], what=name)
-    assert_same_weights(got["weights"], ref["weights"], tol=1e-3, what=name)
-    frozen = [n for n, w in ref["weights"].items() if w[2] == 0]
+@pytest.mark.parametrize("name,ref", EVERY, ids=[n for n, _ in EVERY])
+def test_adapters_on_every_layout_match_one_process(group_runs, references, name, ref):
+    """Losses and gradient norms before clipping every step, and the final adapters, as in one
+    process; the frozen base stays where it started on the ranks."""
+    got, want = group_runs(name), references[ref]
+    frozen = [n for n, w in want["weights"].items() if w[2] == 0]
     assert frozen and all(".lora_" not in n for n in frozen)  # the base stayed where it started in one process
     for n in frozen:  # ... and on the ranks
-        assert got["weights"][n][:2] == ref["weights"][n][:2], f"{name}: the frozen {n} moved"
+        assert got["weights"][n][:2] == want["weights"][n][:2], f"{name}: the frozen {n} moved"
+    assert_same_run(got["history"], want["history"], steps=STEPS, tol=TOLERANCES["32-true"], what=name)
+    assert_same_weights(got["weights"], want["weights"], tol=1e-3, what=name)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["lora-tp2", "dora-tp2-sp"])
+def test_tensor_parallelism_splits_the_adapters_like_their_base(group_runs, name):
+    """Column-parallel base (rows split): B's rows and the magnitude split, A whole; row-parallel
+    base (wo, w2: columns split): A's columns split, B and the magnitude whole."""
+    layout = group_runs(name)["ranks"][0]["probe"]
+    leaves = ("lora_a", "lora_b", "lora_magnitude") if name.startswith("dora") else ("lora_a", "lora_b")
+    assert sorted(layout) == sorted(f"layers.{i}.{lin}.{leaf}" for i in range(2) for lin in ADAPTED
+                                    for leaf in leaves)
+    for n, (placements, local, whole) in layout.items():
+        linear, leaf = n.split(".")[-2:]
+        rowwise = linear in ("wo", "w2")
+        split = {"lora_a": 1 if rowwise else None, "lora_b": None if rowwise else 0,
+                 "lora_magnitude": None if rowwise else 0}[leaf]
+        assert placements == ["Replicate()" if split is None else f"Shard(dim={split})"], (n, placements)
+        assert local == [w // 2 if d == split else w for d, w in enumerate(whole)], (n, local, whole)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["lora-pp2"])
+def test_a_pipelined_checkpoint_holds_each_stages_adapters_alone(group_runs, name):
+    group_runs(name)
+    keys = checkpoint_keys(group_runs.folder / name / "checkpoints" / f"step_{STEPS:08d}")
+    assert keys and all(".lora_" in k for k in keys), keys  # no base weight, no base optimizer state
+    assert sorted(k for k in keys if k.startswith("model.")) == sorted(
+        f"model.layers.{i}.{lin}.{leaf}" for i in range(2) for lin in ADAPTED for leaf in ("lora_a", "lora_b"))
 
 
 @pytest.mark.multiproc
@@ -232,7 +299,8 @@ def test_adapters_saved_under_zero3_merge_into_a_hugging_face_model_with_the_sam
     transformers = pytest.importorskip("transformers")
     from scaletrain.trained.adapters import adapted_from_checkpoint
 
-    saved = group_runs[name]["run_dir"] / "checkpoints" / f"step_{STEPS:08d}"
+    group_runs(name)
+    saved = group_runs.folder / name / "checkpoints" / f"step_{STEPS:08d}"
     ours, _ = adapted_from_checkpoint(saved)  # the ranks' row shards read back whole
     assert all(torch.count_nonzero(m.lora_b) for m in ours.modules() if isinstance(m, LoRALinear))
     r = run_here("export", str(saved), "--format", "hf", "--out", str(tmp_path / "merged"))

@@ -218,3 +218,14 @@ def test_verify_runs_a_quiet_run_of_n_steps_without_dropout(tmp_path):
     flat = {f"{section}.{key}": value for section, values in got.items() for key, value in values.items()}
     assert {k: flat[k] for k in QUIET} == QUIET
     assert (flat["log.run_dir"], flat["train.steps"], flat["model.dropout"]) == (str(tmp_path / "layout"), 3, 0.0)
+
+
+@pytest.mark.parametrize("layout", [("--nproc=2", "--parallel.zero=3"), ("--parallel.tp=2",), ("--parallel.pp=2",)],
+                         ids=["zero3", "tp2", "pp2"])
+def test_lora_fine_tuning_passes_on_zero3_tp_and_pp(tmp_path, verify, layout):
+    """Adapters (the base frozen) under ZeRO-3, tensor and pipeline parallelism: the loss and the
+    pre-clip gradient norm of the adapters every step as one process's."""
+    code, out = verify(write_config(tmp_path, **{"adapter.kind": "lora", "adapter.targets": "all-linear"}), *layout)
+    assert code == 0, out
+    line = summary(out)
+    assert line.endswith("(precision 32-true): PASS"), line

@@ -199,14 +199,20 @@ def apply_adapters(model: nn.Module, spec: AdapterSpec) -> list[str]:
 @torch.no_grad()
 def init_magnitudes(model: nn.Module) -> None:
     """DoRA: each magnitude starts at its base weight's row norms (with B = 0, ‖W + s·B A‖ = ‖W‖), so
-    the adapted model starts at the base. A row-sharded weight (ZeRO-3) and its magnitude hold the
-    same rows on each rank: the local rows' norms are the local magnitude."""
+    the adapted model starts at the base. A row-sharded weight (ZeRO-3, a column-parallel linear)
+    and its magnitude hold the same rows on each rank: the local rows' norms are the local magnitude;
+    a weight whose columns are split (a row-parallel linear) sums its rows' squares over that split."""
     for m in model.modules():
         if isinstance(m, LoRALinear) and m.lora_magnitude is not None:
             w, mag = m.weight, m.lora_magnitude
             w_local = w.to_local() if hasattr(w, "to_local") else w
             mag_local = mag.to_local() if hasattr(mag, "to_local") else mag
             norms = torch.linalg.vector_norm(w_local.float(), dim=1)
+            for axis, placement in enumerate(getattr(w, "placements", ())):
+                if placement.is_shard(1):  # the row's other columns are on the other ranks of this axis
+                    squares = norms.square()
+                    torch.distributed.all_reduce(squares, group=w.device_mesh.get_group(axis))
+                    norms = squares.sqrt()
             if norms.shape != mag_local.shape:
                 raise ValueError(f"DoRA magnitude shard {tuple(mag_local.shape)} does not hold the rows of its "
                                  f"weight shard {tuple(w_local.shape)}")

@@ -34,12 +34,13 @@ if TYPE_CHECKING:
 
 
 def check_adapters(cfg: JobConfig, lay) -> None:
-    """The layouts and techniques adapters do not compose with yet: one line each."""
+    """The layouts and techniques adapters do not compose with yet: one line each. (Tensor parallelism
+    splits the adapters like their base, parallel/tensor_parallel.py; pipeline stages adapt their own
+    linears; context parallelism, like data parallelism, sees only plain parameters.)"""
     kind = cfg.adapter.kind
-    for axis, size in (("tp", lay.tp), ("pp", lay.pp), ("ep", lay.ep)):
-        if size > 1:
-            raise ConfigError(f"adapter.kind={kind} with parallel.{axis}={size}: not supported yet (the adapters "
-                              f"are not in the {axis} plan); set parallel.{axis}=1")
+    if lay.ep > 1:
+        raise ConfigError(f"adapter.kind={kind} with parallel.ep={lay.ep}: not supported yet (the adapters "
+                          "are not in the ep plan); set parallel.ep=1")
     if cfg.train.qat != "none" or cfg.precision.mode == "fp8":
         what = f"train.qat={cfg.train.qat}" if cfg.train.qat != "none" else "precision.mode=fp8"
         raise ConfigError(f"adapter.kind={kind} with {what}: adapters go on plain linears, and {what} converts "

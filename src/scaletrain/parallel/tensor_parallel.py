@@ -30,6 +30,13 @@ Sequence parallelism (`parallel.sp`) also splits the sequence between the tensor
 regions: norms, dropout and residual adds run on T/tp tokens, and each all-reduce becomes a
 reduce-scatter (into sequence shards) plus an all-gather (before the next matmuls) — the same
 bytes, and the activations outside the matmuls shrink by tp as well.
+
+Adapters (adapter.kind, model/lora.py) follow their base's split (`Colwise`, `Rowwise`): on a
+column-parallel linear B's rows and DoRA's magnitude are split like the weight's rows and A is
+replicated (each rank computes A x whole, its gradient a partial sum that DTensor adds over tp);
+on a row-parallel one A's columns are split like the weight's and B (and the magnitude) replicated,
+so B A x is a partial sum reduced with the base's output, and DoRA's row norm sums the squares of
+the rows' shards over tp (DTensor's norm of a Shard(1) tensor) before the magnitude divides by it.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -53,6 +60,41 @@ from scaletrain.model.moe import MoE
 from scaletrain.parallel.hooks import StepHook, sum_gradients
 from scaletrain.parallel.moe_balance import summed_over
 
+# where a linear's parameters go: the base's weight and bias as torch's styles put them, and the
+# adapters' (model/lora.py: lora_a is rank x in, lora_b out x rank, lora_magnitude out) alike
+COLWISE_SPLIT = {"weight": Shard(0), "bias": Shard(0),
+                 "lora_a": Replicate(), "lora_b": Shard(0), "lora_magnitude": Shard(0)}
+ROWWISE_SPLIT = {"weight": Shard(1), "bias": Replicate(),
+                 "lora_a": Shard(1), "lora_b": Replicate(), "lora_magnitude": Replicate()}
+
+
+def _split_linear(module: nn.Module, mesh, split: dict, src_data_rank) -> None:
+    """Each of the linear's own parameters distributed as `split` says; one it does not name is an
+    error (never left a plain tensor, nor replicated by default)."""
+    for leaf, param in list(module.named_parameters(recurse=False)):
+        if leaf not in split:
+            raise NotImplementedError(f"tensor parallelism does not know how to split {type(module).__name__}."
+                                      f"{leaf}; it splits {', '.join(split)}")
+        module.register_parameter(leaf, nn.Parameter(
+            distribute_tensor(param, mesh, [split[leaf]], src_data_rank=src_data_rank),
+            requires_grad=param.requires_grad))
+
+
+class Colwise(ColwiseParallel):
+    """torch's ColwiseParallel, whose linear split also takes a LoRALinear's adapters (B's rows and
+    DoRA's magnitude split with the weight's rows, A replicated); a plain linear splits as torch's."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        _split_linear(module, device_mesh, COLWISE_SPLIT, self.src_data_rank)
+
+
+class Rowwise(RowwiseParallel):
+    """torch's RowwiseParallel, whose linear split also takes a LoRALinear's adapters (A's columns
+    split with the weight's, B and DoRA's magnitude replicated); a plain linear splits as torch's."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        _split_linear(module, device_mesh, ROWWISE_SPLIT, self.src_data_rank)
+
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool, first_block: str | None) -> None:
     """Shard `model` (a whole model or one pipeline chunk) over `tp_mesh` in place.
@@ -61,6 +103,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool,
     parallelism. `first_block` is the name of the model's very first block, which turns the
     replicated embedding output into sequence shards (None if this chunk does not hold it).
     """
+    # torch's SequenceParallel makes a norm's weight a new Parameter that requires grad: a frozen base
+    # (adapter fine-tuning) stays frozen whatever the styles below put in its place
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    _split(model, tp_mesh, sequence_parallel, first_block)
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
+
+
+def _split(model: nn.Module, tp_mesh, sequence_parallel: bool, first_block: str | None) -> None:
     between = Shard(1) if sequence_parallel else Replicate()
     if model.tok_emb is not None:
         # vocabulary-parallel embedding: each rank looks up its rows, the partial sums are
@@ -68,7 +120,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool,
         parallelize_module(model, tp_mesh, {"tok_emb": RowwiseParallel(input_layouts=Replicate(),
                                                                        output_layouts=Replicate())})
     if model.output is not None:
-        head = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
+        head = Colwise(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
         plan = {"output": head}
         if model.norm is not None and sequence_parallel:
             plan["norm"] = SequenceParallel()
@@ -79,17 +131,17 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, sequence_parallel: bool,
     cfg = model.cfg
     replicated_kv = cfg.kv_heads < tp_mesh.size()
     for name, block in model.layers.items():
-        kv_plan = {} if replicated_kv else {"attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel()}
+        kv_plan = {} if replicated_kv else {"attn.wk": Colwise(), "attn.wv": Colwise()}
         moe = isinstance(block.ffn, MoE)
         plan = {
-            "attn.wq": ColwiseParallel(),
+            "attn.wq": Colwise(),
             **kv_plan,
-            "attn.wo": RowwiseParallel(output_layouts=between),
+            "attn.wo": Rowwise(output_layouts=between),
         }
         if not moe:
-            plan.update({"mlp.w1": ColwiseParallel(), "mlp.w2": RowwiseParallel(output_layouts=between)})
+            plan.update({"mlp.w1": Colwise(), "mlp.w2": Rowwise(output_layouts=between)})
             if block.mlp.w3 is not None:
-                plan["mlp.w3"] = ColwiseParallel()
+                plan["mlp.w3"] = Colwise()
         if block.attn.q_norm is not None:
             # q/k norms (Qwen3) act on each head: the rank's own heads are shards of dim 2, and
             # their replicated weight gets its gradient summed over the ranks' heads
@@ -170,7 +222,8 @@ class ReplicatedKVStep(StepHook):
     rows); the copies' gradients are summed over tp each step, so they stay equal."""
 
     phase = "the replicated K/V projections' gradient all-reduce (tp)"
-    NAMES = ("attn.wk.weight", "attn.wk.bias", "attn.wv.weight", "attn.wv.bias")
+    NAMES = tuple(f"attn.{w}.{leaf}" for w in ("wk", "wv")
+                  for leaf in ("weight", "bias", "lora_a", "lora_b", "lora_magnitude"))  # adapters: used in part too
 
     def __init__(self, tp_mesh):
         self.group = tp_mesh.get_group()
