@@ -188,17 +188,24 @@ LAYOUTS = [
     ("lora-zero3", "lora", {"parallel.dp_shard": 2, "parallel.zero": 3}),
     ("dora-zero1", "dora", {"parallel.dp_shard": 2, "parallel.zero": 1}),
     ("dora-zero3", "dora", {"parallel.dp_shard": 2, "parallel.zero": 3}),
+    # QLoRA: FSDP2 shards and all-gathers the NF4 base (quantized whole, then split by rows)
+    ("qlora-nf4-zero3", "lora+nf4", {"parallel.dp_shard": 2, "parallel.zero": 3}),
+    ("qlora-nf4-ddp", "lora+nf4", {"parallel.dp_shard": 2, "parallel.zero": 0}),
+    ("qlora-int8-zero2", "lora+int8", {"parallel.dp_shard": 2, "parallel.zero": 2}),
 ]
+KINDS = ("lora", "dora", "lora+nf4", "lora+int8")  # adapter.kind, +adapter.base_dtype
 
 
 def adapter_run(kind: str) -> dict:
-    return {"train.steps": STEPS, "adapter.kind": kind, "adapter.dropout": 0.0, "train.micro_batch": 2}
+    kind, _, base = kind.partition("+")
+    return {"train.steps": STEPS, "adapter.kind": kind, "adapter.dropout": 0.0, "train.micro_batch": 2,
+            **({"adapter.base_dtype": base} if base else {})}
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     return Lazy({kind: (lambda kind=kind: fit_reference(micro_cfg(tmp_path_factory.mktemp(kind),
-                                                                  **adapter_run(kind)))) for kind in ("lora", "dora")})
+                                                                  **adapter_run(kind)))) for kind in KINDS})
 
 
 @pytest.fixture(scope="module")
