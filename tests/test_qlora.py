@@ -17,7 +17,7 @@ from scaletrain.model.lora import AdapterSpec, LoRALinear
 from scaletrain.quant.frozen_base import FrozenWeight, nf4_scaler_block, quantize_base, stored_bytes
 from scaletrain.train.trainer import Trainer
 
-from conftest import MICRO_ARGS, micro_cfg, one_line_exit_2, read_metrics, run_cli, run_here
+from conftest import MICRO_ARGS, micro_cfg, one_line_exit_2, read_metrics, run_here
 
 BASES = ("nf4", "int8", "bf16")
 
@@ -155,6 +155,6 @@ def test_bad_quantized_base_settings_are_one_line_and_exit_2(tmp_path):
                  "--adapter.base_dtype=nf4", "--model.dim=96", "--model.n_heads=2")
     one_line_exit_2(r, "adapter.base_dtype=nf4: layers.0.attn.wq has 96 in-features, not a multiple of NF4's block "
                        "of 64 (allowed: 64, 128, 192, ...)")
-    r = run_cli("train", *MICRO_ARGS, f"--log.run_dir={tmp_path / 'z'}", "--adapter.kind=lora",
-                "--adapter.base_dtype=int8", "--nproc=2", "--parallel.zero=3")  # refused before any rank starts
+    r = run_here("train", *MICRO_ARGS, f"--log.run_dir={tmp_path / 'z'}", "--adapter.kind=lora",
+                 "--adapter.base_dtype=int8", "--nproc=2", "--parallel.zero=3")  # refused before any rank starts
     one_line_exit_2(r, "adapter.base_dtype=int8 with parallel.zero=3", "use adapter.base_dtype=nf4")
