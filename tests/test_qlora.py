@@ -158,3 +158,37 @@ def test_bad_quantized_base_settings_are_one_line_and_exit_2(tmp_path):
     r = run_here("train", *MICRO_ARGS, f"--log.run_dir={tmp_path / 'z'}", "--adapter.kind=lora",
                  "--adapter.base_dtype=int8", "--nproc=2", "--parallel.zero=3")  # refused before any rank starts
     one_line_exit_2(r, "adapter.base_dtype=int8 with parallel.zero=3", "use adapter.base_dtype=nf4")
+
+
+# --- the planner: which GPU fits a LoRA / QLoRA fine-tune ----------------------------------------
+
+def test_the_planner_fits_a_70b_qlora_on_one_80gb_gpu_but_not_lora_or_full_fine_tuning():
+    from scaletrain.plan import plan
+
+    def best(**adapter):
+        return plan("llama-70b", hardware="H100-SXM", nodes=1, gpus_per_node=1, seq_len=2048, global_batch=8,
+                    **adapter)["layouts"][0]
+
+    full, lora, qlora = best(), best(adapter="lora"), best(adapter="lora", base_dtype="nf4")
+    assert not full.fits and not lora.fits and qlora.fits, (full.memory.total, lora.memory.total, qlora.memory.total)
+    # the frozen base: no gradients, no optimizer state; the adapters' (rank 8 on the 7 linears of 80 blocks) alone
+    adapters = 80 * 8 * (2 * (8192 + 8192) + 2 * (8192 + 1024) + 3 * (8192 + 28672))
+    assert lora.memory.grads == qlora.memory.grads == 4 * adapters
+    assert lora.memory.optimizer == 8 * adapters and full.memory.optimizer == 8 * 70_553_706_496
+    # the NF4 base: ~0.52 bytes per adapted weight (1 byte of scales per 64, a factor per 64 x 128 or 64 x 256);
+    # the embedding, norms and head stay fp32 (bf16-mixed keeps fp32 weights), as do the adapters
+    base = 80 * (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672)
+    rest = 70_553_706_496 - base
+    assert qlora.memory.params == pytest.approx(base * (0.5 + 1 / 64) + rest * 4 + adapters * 4, rel=0.002)
+    assert lora.memory.params == 4 * (70_553_706_496 + adapters)
+
+
+def test_plan_takes_the_adapter_keys_of_a_config(tmp_path):
+    r = run_here("plan", "llama-8b", "--hardware", "A100-40GB", "--gpus-per-node", "1", "--seq-len", "2048",
+                 "--global-batch", "8", "--adapter.kind=lora", "--adapter.base_dtype=nf4")
+    assert r.returncode == 0, r.stdout + r.stderr  # fits: exit 0
+    full = run_here("plan", "llama-8b", "--hardware", "A100-40GB", "--gpus-per-node", "1", "--seq-len", "2048",
+                    "--global-batch", "8")
+    assert full.returncode == 1 and "DOES NOT FIT" in full.stdout
+    one_line_exit_2(run_here("plan", "llama-8b", "--adapter.base_dtype=nf4"), "adapter.base_dtype=nf4",
+                    "adapter.kind=none")
