@@ -192,3 +192,21 @@ def test_plan_takes_the_adapter_keys_of_a_config(tmp_path):
     assert full.returncode == 1 and "DOES NOT FIT" in full.stdout
     one_line_exit_2(run_here("plan", "llama-8b", "--adapter.base_dtype=nf4"), "adapter.base_dtype=nf4",
                     "adapter.kind=none")
+
+
+def test_a_custom_module_takes_a_quantized_base(tmp_path):
+    from scaletrain.errors import ConfigError
+    from test_any_module import tiny_lm
+
+    run = {"train.steps": 4, "adapter.kind": "lora", "adapter.rank": 4, "adapter.base_dtype": "int8"}
+    fresh = dict(tiny_lm().named_parameters())
+    trainer = Trainer(micro_cfg(tmp_path, **run), model=tiny_lm())
+    bases = {n: p for n, p in trainer.named_params if isinstance(p, FrozenWeight)}
+    assert sorted(bases) == sorted(f"blocks.{i}.{j}.weight" for i in range(3) for j in (1, 3))
+    for name, p in bases.items():  # the module's own weights, quantized per row
+        scale = fresh[name].abs().amax(dim=1) / 127
+        torch.testing.assert_close(p.dequantize(), torch.round(fresh[name] / scale[:, None]) * scale[:, None])
+    losses = trainer.fit()["losses"]
+    assert losses[-1] < losses[0]
+    with pytest.raises(ConfigError, match=r"^adapter.base_dtype=nf4: blocks.0.1 has 48 in-features, not a multiple"):
+        Trainer(micro_cfg(tmp_path / "nf4", **{**run, "adapter.base_dtype": "nf4"}), model=tiny_lm())

@@ -453,6 +453,8 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
                 dist.broadcast(t.data, src=0)
     # adapters: on the module's own names, before any wrapper; the base's bytes fingerprinted
     adapters = adapt_module(module, spec, cfg.train.seed) if (spec := AdapterSpec.of(cfg.adapter)) else None
+    # QLoRA: the module's weights are its own, known now: quantized whole (FSDP2 then shards NF4 by rows)
+    base_dtype = quantize_plan(cfg, [module], lay.shard_ranks("scaletrain") if lay.dp_engine == "fsdp" else 1)
     if blocks is not None:
         apply_activation_checkpointing(blocks, lay.activation_checkpointing)
     if cfg.train.compile:
@@ -462,11 +464,15 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
     with _weights_fit(sum(p.numel() for p in module.parameters()), rt):
         module.to(rt.device)
     if lay.dp_engine == "fsdp":
+        if base_dtype is not None:
+            quantize_base(module, base_dtype)
         compute_bf16 = precision.compute_dtype if precision.compute_dtype == torch.bfloat16 else None
         apply_fsdp(module, _shard_mesh(rt), param_dtype=compute_bf16, offload=lay.offload_optimizer,
                    blocks=[b for _, b in block_items(blocks)])
     else:
         module.to(precision.param_dtype)
+        if base_dtype is not None:
+            quantize_base(module, base_dtype)
     module.train()
     return ParallelModel(_engine([module], cfg, rt, precision), keeps_fp32_weights=lay.keeps_fp32_weights,
                          n_blocks=len(blocks) if blocks is not None else 1, hooks=[adapters] if adapters else [],
