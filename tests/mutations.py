@@ -57,6 +57,7 @@ QC = "tests/test_quant_catch.py"
 CC = "tests/test_calibrated_comm.py"
 LO = "tests/test_lora.py"
 AE = "tests/test_adapter_export.py"
+QL = "tests/test_qlora.py"
 
 MUTANTS = [
     Mutant("zero-no-dp-division", "ZeRO-1/2 bucket reduce without the 1/dp division",
@@ -365,6 +366,21 @@ MUTANTS = [
            "not frozen again after the tp plan)", "src/scaletrain/parallel/tensor_parallel.py",
            "        if name in frozen:\n", "        if name in frozen and not sequence_parallel:\n",
            (f"{LO}::test_adapters_on_every_layout_match_one_process[lora-tp2-sp]",)),
+    Mutant("qlora-nf4-shard-of-rank-0", "under ZeRO-3 every rank keeps the first row shard of the NF4 base",
+           "src/scaletrain/quant/frozen_base.py",
+           "whole = whole.split(rows)[offset[0] // rows]", "whole = whole.split(rows)[0]",
+           (f"{LO}::test_adapters_on_every_layout_match_one_process[qlora-nf4-zero3]",)),
+    Mutant("qlora-int8-backward-without-scale", "the int8 base's input gradient taken through its codes, not "
+           "their dequantized values", "src/scaletrain/quant/frozen_base.py",
+           "return grad @ weight.dequantize(grad.dtype), None", "return grad @ weight.qdata.to(grad.dtype), None",
+           (f"{QL}::test_a_quantized_base_computes_what_its_dequantized_weight_does[int8]",
+            f"{LO}::test_adapters_on_every_layout_match_one_process[qlora-int8-zero2]")),
+    Mutant("plan-frozen-base-has-optimizer-state", "the planner gives the frozen base gradients and optimizer "
+           "state under adapters", "src/scaletrain/plan/memory_model.py",
+           "out = model_state_memory(adapters.trainable, wl, layout, sh=sh)",
+           "out = model_state_memory(counts, wl, layout, sh=sh)",
+           (f"{QL}::test_the_planner_fits_a_70b_qlora_on_one_80gb_gpu_but_not_lora_or_full_fine_tuning",
+            "tests/test_planner_accuracy.py::test_adapter_prediction_matches_measurement[qlora nf4]")),
 ]
 
 

@@ -183,7 +183,8 @@ def test_bad_adapter_settings_are_one_line_and_exit_2(tmp_path):
 
 STEPS = 4
 KV1 = {"model.norm": "rmsnorm", "model.activation": "swiglu", "model.position": "rope", "model.n_kv_heads": 1}
-REFERENCES = {"lora": ("lora", {}), "dora": ("dora", {}), "lora-kv1": ("lora", KV1)}  # name: (kind, model)
+REFERENCES = {"lora": ("lora", {}), "dora": ("dora", {}), "lora-kv1": ("lora", KV1),  # name: (kind, model)
+              "lora+nf4": ("lora+nf4", {}), "lora+int8": ("lora+int8", {})}  # kind+adapter.base_dtype
 TP_SPLIT = {"parallel.tp": 2}
 LAYOUTS = {  # ranks: (name, reference, overrides), each group in one launch
     2: [("lora-ddp", "lora", {"parallel.dp_shard": 2, "parallel.zero": 0}),
@@ -191,6 +192,10 @@ LAYOUTS = {  # ranks: (name, reference, overrides), each group in one launch
         ("lora-zero3", "lora", {"parallel.dp_shard": 2, "parallel.zero": 3, "checkpoint.save_final": True}),
         ("dora-zero1", "dora", {"parallel.dp_shard": 2, "parallel.zero": 1}),
         ("dora-zero3", "dora", {"parallel.dp_shard": 2, "parallel.zero": 3, "checkpoint.save_final": True}),
+        # QLoRA: FSDP2 shards and all-gathers the NF4 base (quantized whole, then split by rows)
+        ("qlora-nf4-zero3", "lora+nf4", {"parallel.dp_shard": 2, "parallel.zero": 3}),
+        ("qlora-nf4-ddp", "lora+nf4", {"parallel.dp_shard": 2, "parallel.zero": 0}),
+        ("qlora-int8-zero2", "lora+int8", {"parallel.dp_shard": 2, "parallel.zero": 2}),
         ("lora-tp2", "lora", TP_SPLIT),
         ("lora-tp2-sp", "lora", {**TP_SPLIT, "parallel.sp": True}),
         ("dora-tp2", "dora", TP_SPLIT),
@@ -209,7 +214,9 @@ EVERY = [(n, r) for group in LAYOUTS.values() for n, r, _ in group]
 
 
 def adapter_run(kind: str) -> dict:
-    return {"train.steps": STEPS, "adapter.kind": kind, "adapter.dropout": 0.0, "train.micro_batch": 2}
+    kind, _, base = kind.partition("+")
+    return {"train.steps": STEPS, "adapter.kind": kind, "adapter.dropout": 0.0, "train.micro_batch": 2,
+            **({"adapter.base_dtype": base} if base else {})}
 
 
 def adapter_layout(trainer):

@@ -110,3 +110,35 @@ def test_context_parallel_prediction_matches_measurement(cp_measured, method):
     assert (ev.layout.cp, ev.layout.cp_method) == (2, method)
     peak = max(r["peak"] for r in rows)
     assert ev.memory.total == pytest.approx(peak, rel=0.10), (ev.memory.as_dict(), peak)
+
+
+# --- adapters: LoRA and QLoRA (NF4 base) in one process and under ZeRO-3 ------------------------
+
+ADAPTER_LAYOUTS = [  # (name, ranks, overrides): the frozen base's bytes, the adapters' states
+    ("lora", 1, {"adapter.kind": "lora"}),
+    ("qlora nf4", 1, {"adapter.kind": "lora", "adapter.base_dtype": "nf4"}),
+    ("lora zero 3", 2, {"adapter.kind": "lora", "parallel.zero": 3}),
+    ("qlora nf4 zero 3", 2, {"adapter.kind": "lora", "adapter.base_dtype": "nf4", "parallel.zero": 3}),
+]
+
+
+@pytest.fixture(scope="module")
+def adapters_measured(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("adapters")
+    out = {}
+    for ranks in (1, 2):
+        jobs = [(name, {**bench.BASE, **extra, "log.run_dir": str(tmp / name.replace(" ", "-"))})
+                for name, r, extra in ADAPTER_LAYOUTS if r == ranks]
+        for (name, overrides), rows in zip(jobs, measure_layouts([o for _, o in jobs], ranks)):
+            out[name] = (load_config(None, overrides), ranks, rows)
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n, _, _ in ADAPTER_LAYOUTS])
+def test_adapter_prediction_matches_measurement(adapters_measured, name):
+    cfg, ranks, rows = adapters_measured[name]
+    predicted = assert_memory_matches(planned(cfg, ranks, bench.CPU), rows)
+    # the frozen base holds no gradient and no optimizer state: the adapters' alone, rank 8 on each
+    # block's 4 attention linears (128 x 128) and 2 MLP linears (128 x 512), fp32 with AdamW's two moments
+    adapters = 4 * 8 * (4 * (128 + 128) + 2 * (128 + 512))
+    assert predicted["grads"] == 4 * adapters / ranks and predicted["optimizer"] == 8 * adapters / ranks

@@ -82,6 +82,15 @@ def test_an_honest_layout_passes_and_leaves_the_run_folder_alone(tmp_path, verif
     assert "final loss" not in out  # the runs' own summary tables are not verify's output
 
 
+def test_qlora_under_zero3_passes(tmp_path, verify):
+    """QLoRA: an NF4 base that FSDP2 shards by rows and all-gathers as NF4, LoRA adapters on it."""
+    config = write_config(tmp_path, **{"adapter.kind": "lora", "adapter.base_dtype": "nf4"})
+    code, out = verify(config, "--parallel.dp_shard=2", "--parallel.zero=3")
+    assert code == 0, out
+    assert "dp_shard 2" in out and "reference: 1 process" in out, out
+    assert summary(out).endswith("(precision 32-true): PASS"), summary(out)
+
+
 def test_the_built_in_config_is_the_one_train_runs(capfd):
     """Without --config verify runs train's built-in config: the batch `train --nproc 2` derives
     (it derived another from the bare defaults)."""

@@ -27,6 +27,7 @@ from scaletrain.vocab import (
     AC_MODES,
     ADAPTER_GROUPS,
     ADAPTER_KINDS,
+    BASE_DTYPES,
     CP_METHODS,
     DP_SYNC_MODES,
     FP8_RECIPES,
@@ -123,6 +124,11 @@ class AdapterConfig:
                                         "(every block linear, not the output head), attention, mlp")
     rslora: bool = option(False, "rank-stabilised scale alpha / sqrt(rank) (Kalajdzievski 2023) instead of "
                                  "alpha / rank")
+    base_dtype: str = option("auto", "QLoRA: how the adapted linears' frozen base weights are stored, dequantized "
+                                     "for each matmul: auto (as the precision mode keeps weights), nf4 (4-bit "
+                                     "NormalFloat in blocks of 64, torchao), int8 (a scale per row) or bf16; only "
+                                     "the adapted linears' bases: embeddings, norms and the output head stay as "
+                                     "they are", choices=BASE_DTYPES)
 
 
 @dataclass
@@ -611,6 +617,12 @@ def adapter_problems(a: AdapterConfig) -> list[str]:
         errors.append(f"adapter.rank={a.rank}: the adapters' rank must be at least 1 (8 or 16 are usual)")
     if a.kind != "none" and not [t for t in a.targets.split(",") if t.strip()]:
         errors.append(f"adapter.targets is empty: name the linears to adapt, or a group: {', '.join(ADAPTER_GROUPS)}")
+    if a.base_dtype != "auto" and a.kind == "none":
+        errors.append(f"adapter.base_dtype={a.base_dtype} stores the frozen base of adapted linears, but adapter.kind="
+                      "none trains every weight; set adapter.kind=lora (QLoRA), or drop adapter.base_dtype")
+    if a.base_dtype != "auto" and a.kind == "dora":
+        errors.append(f"adapter.kind=dora with adapter.base_dtype={a.base_dtype}: not supported (DoRA's row norms "
+                      "read the dense base weight); use adapter.kind=lora, or adapter.base_dtype=auto")
     return errors
 
 

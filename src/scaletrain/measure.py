@@ -188,7 +188,8 @@ def planned(cfg, ranks: int, hardware, gpu: bool = False):
         layout.update(cp=par.cp, cp_method=par.cp_method)
     r = plan(cfg.model, hardware=hardware, nodes=1, gpus_per_node=ranks, seq_len=cfg.data.seq_len,
              global_batch=cfg.train.global_batch, precision=cfg.precision.mode, optimizer=cfg.optim.name,
-             layout=layout, gpu=gpu)
+             layout=layout, gpu=gpu, adapter=cfg.adapter.kind, adapter_rank=cfg.adapter.rank,
+             adapter_targets=cfg.adapter.targets, base_dtype=cfg.adapter.base_dtype)
     return r["layouts"][0]
 
 

@@ -31,6 +31,7 @@ OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
 # adapters (adapter.kind, scaletrain.model.lora): none, low-rank updates of frozen linears (LoRA),
 # or LoRA with each output row's magnitude learned apart from its direction (DoRA)
 ADAPTER_KINDS = ("none", "lora", "dora")
+BASE_DTYPES = ("auto", "nf4", "int8", "bf16")  # adapter.base_dtype: how a frozen base is stored (QLoRA)
 # adapter.targets' named groups of linears (besides module names and fnmatch patterns)
 ADAPTER_GROUPS = ("all-linear", "attention", "mlp")
 

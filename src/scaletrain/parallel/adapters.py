@@ -41,10 +41,45 @@ def check_adapters(cfg: JobConfig, lay) -> None:
     if lay.ep > 1:
         raise ConfigError(f"adapter.kind={kind} with parallel.ep={lay.ep}: not supported yet (the adapters "
                           "are not in the ep plan); set parallel.ep=1")
+    check_base(cfg, lay)
     if cfg.train.qat != "none" or cfg.precision.mode == "fp8":
         what = f"train.qat={cfg.train.qat}" if cfg.train.qat != "none" else "precision.mode=fp8"
         raise ConfigError(f"adapter.kind={kind} with {what}: adapters go on plain linears, and {what} converts "
                           "them; drop one of them")
+
+
+def check_base(cfg: JobConfig, lay) -> None:
+    """adapter.base_dtype (QLoRA) composes with one process, DDP, ZeRO-1/2, ZeRO-3 (nf4: FSDP2
+    shards and all-gathers NF4 tensors), activation checkpointing and accumulation."""
+    base = cfg.adapter.base_dtype
+    if base == "auto" or cfg.adapter.kind == "none":
+        return
+    for axis, size in (("tp", lay.tp), ("pp", lay.pp)):
+        if size > 1:
+            raise ConfigError(f"adapter.base_dtype={base} with parallel.{axis}={size}: not supported yet (the "
+                              f"quantized base is not in the {axis} plan); set parallel.{axis}=1 or "
+                              "adapter.base_dtype=auto")
+    if lay.dp_engine == "fsdp" and base != "nf4":
+        raise ConfigError(f"adapter.base_dtype={base} with parallel.zero=3: FSDP2 shards a quantized base as NF4 "
+                          "only; use adapter.base_dtype=nf4, or parallel.zero=2")
+    if cfg.train.compile:
+        raise ConfigError(f"adapter.base_dtype={base} with train.compile=true: not supported yet (the quantized "
+                          "base's matmuls are not compiled); set train.compile=false")
+
+
+def quantize_plan(cfg: JobConfig, chunks: list[nn.Module], shards: int) -> str | None:
+    """The base_dtype the adapted linears' bases take (None: kept as the precision mode keeps
+    them), their problems refused in one line first (`shards`: ZeRO-3's ranks, else 1)."""
+    from scaletrain.model.lora import LoRALinear
+    from scaletrain.quant.frozen_base import base_problems
+
+    base = cfg.adapter.base_dtype
+    if base == "auto" or cfg.adapter.kind == "none":
+        return None
+    linears = [(n, m) for chunk in chunks for n, m in chunk.named_modules() if isinstance(m, LoRALinear)]
+    if errors := base_problems(base, linears, shards):
+        raise ConfigError(errors[0])
+    return base
 
 
 def adapt(chunks: list[nn.Module], spec: AdapterSpec) -> str:

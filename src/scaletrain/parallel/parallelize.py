@@ -35,7 +35,14 @@ from scaletrain.memory import apply_activation_checkpointing, block_items
 from scaletrain.model.lora import AdapterSpec, adapter_init_rule, init_magnitudes, is_adapter_param
 from scaletrain.model.transformer import count_params
 from scaletrain.parallel import pipeline
-from scaletrain.parallel.adapters import BaseFingerprint, adapt, adapt_module, base_fingerprint, check_adapters
+from scaletrain.parallel.adapters import (
+    BaseFingerprint,
+    adapt,
+    adapt_module,
+    base_fingerprint,
+    check_adapters,
+    quantize_plan,
+)
 from scaletrain.parallel.context_parallel import ContextParallelStep, apply_context_parallel
 from scaletrain.parallel.data_parallel import (
     DataParallel,
@@ -47,12 +54,13 @@ from scaletrain.parallel.data_parallel import (
 )
 from scaletrain.parallel.expert_parallel import expert_engine, hide_from_ddp, shard_experts
 from scaletrain.parallel.hooks import StepHook
-from scaletrain.parallel.init import init_weights, load_weights
+from scaletrain.parallel.init import init_weights, initial_value, load_weights
 from scaletrain.parallel.moe_balance import MoEBalance, check_moe
 from scaletrain.parallel.tensor_parallel import ReplicatedKVStep, SequenceShardedMoEStep, apply_tensor_parallel
 from scaletrain.parallel.zero import ZeroDataParallel
 from scaletrain.precision import Precision
 from scaletrain.quant.fp8 import Fp8ScaleStep, check_fp8_device, convert_fp8
+from scaletrain.quant.frozen_base import fill_nf4_shards, nf4_on_meta, quantize_base
 from scaletrain.quant.layers import describe, layer_plan
 from scaletrain.quant.qat import prepare_qat
 from scaletrain.vocab import DP_ENGINES, unknown
@@ -162,6 +170,11 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
     if adapters is not None:
         check_adapters(cfg, lay)
         notes.append(adapt(chunks, adapters))
+    # QLoRA: the adapted linears' bases stored quantized; under ZeRO-3 as NF4 before FSDP2 shards them
+    base_dtype = quantize_plan(cfg, chunks, lay.shard_ranks("scaletrain") if lay.dp_engine == "fsdp" else 1)
+    if base_dtype is not None and lay.dp_engine == "fsdp":
+        for chunk in chunks:
+            nf4_on_meta(chunk)
 
     experts = []  # expert parallelism's sharded expert weights (their own data-parallel engine)
     for chunk in chunks:
@@ -197,20 +210,30 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
             chunk.to_empty(device="cpu" if (fsdp and lay.offload_optimizer) else rt.device)
             chunk.init_buffers(rt.device)
             rule_of = adapter_init_rule(chunk.init_rule, adapters) if adapters is not None else None
+            nf4_shards = base_dtype is not None and fsdp  # filled apart: whole tensors quantized, then sharded
+            plain = _not_nf4(chunk) if nf4_shards else (lambda n: True)
             if weights is not None:
-                load_weights(chunk, weights, cfg.model.init_from or "the weights",
-                             only=None if adapters is None else lambda n: not is_adapter_param(n))
+                base_only = None if adapters is None else lambda n, plain=plain: not is_adapter_param(n) and plain(n)
+                load_weights(chunk, weights, cfg.model.init_from or "the weights", only=base_only)
                 if adapters is not None:  # the adapters are not in the weights: from (seed, name)
                     init_weights(chunk, cfg.train.seed, rule_of, only=is_adapter_param)
             else:
-                init_weights(chunk, cfg.train.seed, rule_of)
+                init_weights(chunk, cfg.train.seed, rule_of, only=None if not nf4_shards else plain)
+            if nf4_shards:
+                fill_nf4_shards(chunk, weights.__getitem__ if weights is not None else
+                                lambda n, rule_of=rule_of, chunk=chunk: initial_value(
+                                    rule_of(n), _param_shape(chunk, n), cfg.train.seed, n))
             if adapters is not None:
                 init_magnitudes(chunk)  # DoRA: from the base, once it holds its values
             if not (fsdp or replicate):  # those keep fp32 storage and cast for compute themselves
                 chunk.to(precision.param_dtype)
+                if base_dtype is not None:  # the base holds its values: now stored quantized
+                    quantize_base(chunk, base_dtype)
             elif precision.param_dtype != torch.float32:  # ...but start from the rounded weights the others keep
                 with torch.no_grad():
                     for p in chunk.parameters():
+                        if type(p.to_local() if hasattr(p, "to_local") else p).__name__ == "NF4Tensor":
+                            continue  # quantized from the fp32 values (one process quantizes the rounded ones)
                         local = p.to_local() if hasattr(p, "to_local") else p
                         local.copy_(local.to(precision.param_dtype))
             chunk.train()
@@ -255,6 +278,21 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
                                            rt.device):
             result.hooks.append(balance)
     return result
+
+
+def _not_nf4(chunk: nn.Module):
+    """name -> whether the canonical parameter name is not an NF4 base weight of `chunk`."""
+    from scaletrain.parallel.init import canonical_name
+
+    nf4 = {canonical_name(n) for n, p in chunk.named_parameters()
+           if type(p.to_local() if hasattr(p, "to_local") else p).__name__ == "NF4Tensor"}
+    return lambda name: name not in nf4
+
+
+def _param_shape(chunk: nn.Module, cname: str) -> torch.Size:
+    from scaletrain.parallel.init import canonical_name
+
+    return next(p.shape for n, p in chunk.named_parameters() if canonical_name(n) == cname)
 
 
 @contextlib.contextmanager
@@ -415,6 +453,8 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
                 dist.broadcast(t.data, src=0)
     # adapters: on the module's own names, before any wrapper; the base's bytes fingerprinted
     adapters = adapt_module(module, spec, cfg.train.seed) if (spec := AdapterSpec.of(cfg.adapter)) else None
+    # QLoRA: the module's weights are its own, known now: quantized whole (FSDP2 then shards NF4 by rows)
+    base_dtype = quantize_plan(cfg, [module], lay.shard_ranks("scaletrain") if lay.dp_engine == "fsdp" else 1)
     if blocks is not None:
         apply_activation_checkpointing(blocks, lay.activation_checkpointing)
     if cfg.train.compile:
@@ -424,11 +464,15 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
     with _weights_fit(sum(p.numel() for p in module.parameters()), rt):
         module.to(rt.device)
     if lay.dp_engine == "fsdp":
+        if base_dtype is not None:
+            quantize_base(module, base_dtype)
         compute_bf16 = precision.compute_dtype if precision.compute_dtype == torch.bfloat16 else None
         apply_fsdp(module, _shard_mesh(rt), param_dtype=compute_bf16, offload=lay.offload_optimizer,
                    blocks=[b for _, b in block_items(blocks)])
     else:
         module.to(precision.param_dtype)
+        if base_dtype is not None:
+            quantize_base(module, base_dtype)
     module.train()
     return ParallelModel(_engine([module], cfg, rt, precision), keeps_fp32_weights=lay.keeps_fp32_weights,
                          n_blocks=len(blocks) if blocks is not None else 1, hooks=[adapters] if adapters else [],

@@ -44,7 +44,8 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
          activations: str = "formula", hardware_file: str | None = None, gpu: bool | None = None,
          engine: str | None = None, compile: bool | None = None, fp8: bool | None = None, workers: int = 1,
          workers_link: float | None = None, sync: dict | None = None, calibrate=None,
-         moe_imbalance: float | None = None, name: str | None = None) -> dict:
+         moe_imbalance: float | None = None, name: str | None = None, adapter: str = "none", adapter_rank: int = 8,
+         adapter_targets: str = "all-linear", base_dtype: str = "auto") -> dict:
     """Search the layouts (or evaluate `layout`) for `model` on the cluster. Returns a dict with
     "layouts" (Evaluated, best first), "explanation" (lines), "stats", and the inputs. `engine`,
     `compile` and `fp8` default to a model TOML's [plan] table, else scaletrain, off, off.
@@ -65,7 +66,10 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
     the calibration's measured load where the plan is calibrated, else 1 (balanced, as
     published figures force the router).
 
-    `name`: what the report calls the model (default: its preset, file or class name)."""
+    `name`: what the report calls the model (default: its preset, file or class name).
+
+    `adapter`, `adapter_rank`, `adapter_targets`, `base_dtype`: a LoRA / QLoRA fine-tune (the
+    config's adapter.*): the base frozen, its adapted linears stored as `base_dtype`."""
     src = load_model(model)
     if name:
         src = replace(src, name=name)
@@ -84,7 +88,8 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
         raise ConfigError(f"--top must be at least 1, got {top_k}")
     wl = Workload(seq_len=seq_len, global_batch=global_batch, precision=precision, optimizer=optimizer,
                   attention=attention, engine=engine, compile=compile, fp8=fp8,
-                  moe_imbalance=1.0 if moe_imbalance is None else moe_imbalance)
+                  moe_imbalance=1.0 if moe_imbalance is None else moe_imbalance, adapter=adapter,
+                  adapter_rank=adapter_rank, adapter_targets=adapter_targets, base_dtype=base_dtype)
     gpu = hw.name != "CPU" if gpu is None else gpu
     if fp8 and "fp8" not in hw.peak_tflops:
         raise ConfigError(f"--fp8{' (or --precision fp8)' if precision == 'fp8' else ''}: hardware {hw.name} has no "

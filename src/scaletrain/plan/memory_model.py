@@ -34,6 +34,7 @@ from scaletrain.plan.activations import (
     mlp_half_bytes,
     moe_half_bytes,
 )
+from scaletrain.plan.adapters import adapter_activation_bytes, adapter_counts, dequantized_bytes
 from scaletrain.plan.params import (
     Dtypes,
     ParamCounts,
@@ -121,11 +122,22 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
     counts = rank_params(cfg, layout, pp_rank)
     sh = sharding(wl, layout)
     extra_grads = 0.0
-    if ours and layout.tp > 1 and not sh.fsdp_like and sh.grad_zero < 2 and pp_rank == 0:
-        # the vocabulary-parallel embedding's gradient arrives replicated (DTensor's embedding
-        # backward), full size on every tensor-parallel rank, in the parameters' dtype
-        extra_grads = cfg.vocab_size * cfg.dim * (1 - 1 / layout.tp) * d.grad
-    out = model_state_memory(counts, wl, layout, extra_grads=extra_grads, sh=sh)
+    adapters = None
+    if wl.adapter != "none":  # the base frozen: model states of the adapters, the base's bytes beside them
+        adapters = adapter_counts(cfg, wl, layout, pp_rank, counts, 4 if sh.fsdp_like else d.param)
+        out = model_state_memory(adapters.trainable, wl, layout, sh=sh)
+        frozen = adapters.base_bytes + adapters.frozen * (4 if sh.fsdp_like else d.param)
+        out.params += frozen / (sh.n if sh.zero >= 3 else 1)
+        out.notes.append(f"adapter.kind={wl.adapter}: {adapters.trainable.total:,} trainable parameters on this rank "
+                         f"(gradients and optimizer state), the base frozen"
+                         f"{'' if wl.base_dtype == 'auto' else f', its adapted linears stored as {wl.base_dtype}'}")
+        counts = adapters.trainable
+    else:
+        if ours and layout.tp > 1 and not sh.fsdp_like and sh.grad_zero < 2 and pp_rank == 0:
+            # the vocabulary-parallel embedding's gradient arrives replicated (DTensor's embedding
+            # backward), full size on every tensor-parallel rank, in the parameters' dtype
+            extra_grads = cfg.vocab_size * cfg.dim * (1 - 1 / layout.tp) * d.grad
+        out = model_state_memory(counts, wl, layout, extra_grads=extra_grads, sh=sh)
     out.stage = pp_rank
 
     # activations: per micro-batch on this rank's layers (dense and mixture-of-experts blocks),
@@ -157,6 +169,10 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
     else:
         raise ValueError(f"unknown activation source {activations!r}")
     out.activations = sum(n * per_kind[moe] for n, moe in kinds) * flight
+    if adapters is not None and ac != "full":  # each adapter's rank-wide intermediate
+        out.activations += sum(n for n, _ in kinds) * adapter_activation_bytes(cfg, wl, layout, d.compute) * flight
+    if adapters is not None and wl.base_dtype in ("nf4", "int8"):  # one base weight dequantized at a time
+        out.activations += dequantized_bytes(cfg, wl, layout, d.compute)
     if 0 in stages and activations == "formula":
         out.activations += first_layer_extra_bytes(cfg, wl, layout.micro_batch, layout.tp, layout.sp,
                                                    layout.activation_checkpointing, layout.cp) * flight
@@ -174,14 +190,23 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
     if ours and activations == "formula" and last in stages:
         moe_last = cfg.is_moe_block(cfg.n_layers - 1)
         moments = backward_moments(cfg, wl, layout, d, per_kind.get(moe_last, max(per_kind.values())))
+        if adapters is not None:  # the head and the layers' matrices are frozen: the adapters' gradients, small
+            moments = moments._replace(grads_at_attention=0.0, grads_at_start=0.0)
     # FSDP gathers block by block (a mixture's block with its experts, but not the experts
     # expert parallelism holds: FSDP leaves those to their own engine); the root (embedding and
     # head) stays gathered
     block = max(layer_params(cfg, tp, moe, ep).sharded + layer_params(cfg, tp, moe, ep).replicated
                 + (layer_params(cfg, tp, moe, ep).expert if ep == 1 else 0) for _, moe in kinds)
     root = (cfg.vocab_size * cfg.dim // layout.tp) * (1 if cfg.tie_embeddings else 2)
+    gathered = None
+    if adapters is not None:  # FSDP gathers a block's frozen base (quantized: as stored) and its adapters
+        base, base_bytes, adapter_params = adapters.per_block
+        c = d.compute if d.compute < 4 else 4
+        stored = base_bytes if wl.base_dtype != "auto" else base * c
+        gathered = ((block - base + adapter_params) * c + stored, adapter_params)
     return buffers_and_peak(out, counts, wl, layout, block_params=block, root_params=root,
-                            recompute=recompute, moments=moments, bucket_mb=bucket_mb, gpu=gpu, sh=sh)
+                            recompute=recompute, moments=moments, bucket_mb=bucket_mb, gpu=gpu, sh=sh,
+                            gathered=gathered)
 
 
 class BackwardMoments(NamedTuple):
@@ -297,11 +322,13 @@ def model_state_memory(counts: ParamCounts, wl: Workload, layout: Layout, *, ext
 def buffers_and_peak(out: MemoryBreakdown, counts: ParamCounts, wl: Workload, layout: Layout, *, block_params: float,
                      root_params: float, recompute: float = 0.0, moments: BackwardMoments | None = None,
                      bucket_mb: float = ParallelConfig.bucket_mb, gpu: bool = True,
-                     sh: Sharding | None = None) -> MemoryBreakdown:
+                     sh: Sharding | None = None, gathered: tuple[float, float] | None = None) -> MemoryBreakdown:
     """Complete `out` (model states and activations filled in) with the communication buffers,
     scaletrain's peak and the reserve. FSDP gathers units of `block_params` parameters, the
     root's `root_params` stay gathered; `recompute`: the bytes checkpointing rebuilds at once;
-    `moments`: backward's moments on the last stage (`backward_moments`)."""
+    `moments`: backward's moments on the last stage (`backward_moments`); `gathered`: (bytes of
+    a gathered block, its parameters that take gradients) where not `block_params` of each
+    (adapters: a frozen, maybe quantized base)."""
     d = dtypes_for(wl)
     ours = wl.engine == "scaletrain"
     sh = sh or sharding(wl, layout)
@@ -318,6 +345,8 @@ def buffers_and_peak(out: MemoryBreakdown, counts: ParamCounts, wl: Workload, la
         # two blocks gathered (current + prefetched), the root kept gathered, one block's
         # unsharded fp32 gradients waiting for their reduce-scatter
         out.comm_buffers = (2 * block_params + root_params) * c + block_params * 4
+        if gathered is not None:
+            out.comm_buffers = 2 * gathered[0] + root_params * c + gathered[1] * 4
     elif zero == 3:  # another engine's ZeRO-3: two blocks gathered, one block's gradients
         out.comm_buffers = 2 * block_params * d.compute + block_params * d.grad
     if ours:

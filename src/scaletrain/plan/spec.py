@@ -18,7 +18,7 @@ from scaletrain.errors import ConfigError
 from scaletrain.hardware import Hardware
 from scaletrain.layout import Layout  # noqa: F401 - the one Layout, re-exported for the planner
 from scaletrain.model.config import ModelConfig
-from scaletrain.vocab import OPTIMIZERS, PLAN_ENGINES, PRECISIONS, did_you_mean
+from scaletrain.vocab import ADAPTER_KINDS, BASE_DTYPES, OPTIMIZERS, PLAN_ENGINES, PRECISIONS, did_you_mean
 
 ATTENTION = ("flash", "eager")  # memory-efficient kernels (SDPA flash / efficient) or materialized scores
 
@@ -38,9 +38,24 @@ class Workload:
     # a mixture of experts' load: max / mean tokens per expert (1 = balanced, as published
     # figures force it); the busiest expert-parallel rank computes and receives this much more
     moe_imbalance: float = 1.0
+    # adapter fine-tuning (adapter.kind, rank, targets, base_dtype): the base frozen, the adapted
+    # linears' bases stored as base_dtype (scaletrain.plan.adapters)
+    adapter: str = "none"
+    adapter_rank: int = 8
+    adapter_targets: str = "all-linear"
+    base_dtype: str = "auto"
 
     def __post_init__(self):
         errors = []
+        if self.adapter not in ADAPTER_KINDS:
+            errors.append(f"adapter {self.adapter!r} is not one of {', '.join(ADAPTER_KINDS)}")
+        if self.base_dtype not in BASE_DTYPES:
+            errors.append(f"base_dtype {self.base_dtype!r} is not one of {', '.join(BASE_DTYPES)}")
+        elif self.base_dtype != "auto" and self.adapter == "none":
+            errors.append(f"adapter.base_dtype={self.base_dtype} stores the frozen base of adapted linears; plan it "
+                          "with adapter.kind=lora")
+        if self.adapter_rank < 1:
+            errors.append(f"adapter.rank={self.adapter_rank}: at least 1")
         if self.engine not in PLAN_ENGINES:
             errors.append(f"engine {self.engine!r} is not one of {', '.join(PLAN_ENGINES)}")
         if self.precision not in PRECISIONS:
