@@ -158,7 +158,11 @@ class ReplicaGroups(StepHook):
 
     def begin_step(self, loss_factor: float) -> None:
         if not self.joined:
+            step = self.state.step
             self.manager.start_quorum()
+            if self.state.step != step:  # healed to another step mid-loop: the data already read is not its
+                raise RuntimeError(f"replica group {self.replica_id} was behind the quorum at step {step} and "
+                                   f"healed to step {self.state.step} mid-run; it restarts to read that step's data")
         self.joined = False
         self.participants = self.manager.num_participants()
 
