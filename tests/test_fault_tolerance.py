@@ -149,3 +149,22 @@ def test_a_killed_group_restarts_alone_heals_from_its_peer_and_rejoins(tmp_path)
     assert g0[-1]["val_loss"] == g1[-1]["val_loss"]  # the same weights at the end, bit for bit
     both = {r["step"]: r for r in g0 if r["ft_groups"] == 2 and r["step"] >= healed[0]["step"]}
     assert both and all(both[r["step"]]["grad_norm"] == r["grad_norm"] for r in g1 if r["step"] in both)
+
+
+def test_the_lighthouse_command_prints_its_address_and_stops_on_sigterm():
+    lighthouse = subprocess.Popen([sys.executable, "-m", "scaletrain", "lighthouse", "--bind", "[::]:0"], cwd=REPO,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = lighthouse.stdout.readline()
+        assert first.startswith("lighthouse http://") and "--parallel.ft_lighthouse=http://" in first, first
+        address = first.split()[1]
+        from scaletrain.parallel.fault_tolerance import lighthouse_problem
+
+        assert lighthouse_problem(address, 10.0) is None  # it answers at the address it printed
+        lighthouse.send_signal(signal.SIGTERM)
+        out, err = lighthouse.communicate(timeout=60)
+    finally:
+        if lighthouse.poll() is None:
+            lighthouse.kill()
+    assert lighthouse.returncode == 0, err
+    assert out.strip() == "lighthouse stopped"
