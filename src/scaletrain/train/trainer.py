@@ -99,6 +99,8 @@ class Trainer:
         self.val_sets = validation_sets(cfg, self.layout.global_batch)
         self.state = TrainState()  # before the hooks: fault tolerance heals it from a peer
         self._build_optimizer()
+        # the windows drawn from each source so far are logged (one sampler, on every rank alike; after the hooks)
+        self.mix_sampler = self.sampler(0) if cfg.data.mix else None
         self.state.run_id, self.state.lineage = self.rt.shared(run_folder.new_identity())
         self.metrics = MetricsLogger(self.run_dir if self.rank == 0 else None, cfg.train.steps,
                                      enabled=self.rank == 0, tensorboard=cfg.log.tensorboard, summary=cfg.log.summary,
@@ -125,8 +127,6 @@ class Trainer:
         self.tokens_per_step = self.layout.global_batch * cfg.data.seq_len  # of the full batch
         self.batch_schedule = self.layout.batch_schedule(cfg.data.seq_len)  # train.batch_rampup, if any
         self.schedule = self._schedule or TrainSchedule(cfg.optim, self.batch_schedule, cfg.train.steps)
-        # the windows drawn from each source so far are logged (one sampler, on every rank alike)
-        self.mix_sampler = self.sampler(0) if cfg.data.mix else None
 
     def _build_model(self, resume_from: Path | None) -> None:
         """Model: built on the meta device (no memory), then parallelized and materialized."""
