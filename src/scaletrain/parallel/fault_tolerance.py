@@ -115,9 +115,10 @@ class ReplicaGroups(StepHook):
         problem = lighthouse_problem(par.ft_lighthouse, par.ft_quorum_timeout_s) if rt.rank == 0 else None
         if problem := rt.shared(problem):
             raise ConfigError(problem)
-        # the group's own store for torchft's process groups: rank 0 serves it, the others learn its port
-        one_node = rt.local_world_size == rt.world_size
-        host = "127.0.0.1" if one_node else socket.gethostname()
+        # the group's own store for torchft's process groups: rank 0 serves it, the others learn its port.
+        # Other groups reach it (and this group's Manager) by this host's name, or by loopback when the
+        # Lighthouse is on loopback (every group on this machine)
+        host = "127.0.0.1" if _loopback(par.ft_lighthouse) else socket.gethostname()
         store = TCPStore(host, 0, is_master=True, wait_for_workers=False) if rt.rank == 0 else None
         port = rt.shared(store.port if store is not None else None)
         step_timeout = timedelta(seconds=par.ft_step_timeout_s)
@@ -204,6 +205,11 @@ class ReplicaGroups(StepHook):
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def _loopback(address: str) -> bool:
+    host = urlsplit(address if "://" in address else f"http://{address}").hostname or ""
+    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 def _local(t: torch.Tensor | nn.Parameter) -> torch.Tensor:
