@@ -418,11 +418,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Train models too big or too slow for one GPU.")
     parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="verb", required=True, parser_class=_Parser)
-    from scaletrain import bench_cli, plan_cli
+    from scaletrain import bench_cli, ft_cli, plan_cli
 
     for verb_parser in (_train_parser, _prepare_parser, _eval_parser, _plot_parser, _generate_parser,
                         plan_cli.plan_parser, plan_cli.schedule_parser, _export_parser, _quantize_parser,
-                        _verify_parser, bench_cli.bench_parser):
+                        _verify_parser, bench_cli.bench_parser, ft_cli.lighthouse_parser, ft_cli.ft_local_parser):
         verb_parser(sub)
     return parser
 

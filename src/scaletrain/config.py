@@ -208,6 +208,23 @@ class ParallelConfig:
                                    open_max=True)
     outer_on_cpu: bool = option(False, "local_sgd, diloco: keep the outer weights and momentum in host memory "
                                        "(4-8 bytes per parameter off the device)")
+    fault_tolerance: bool = option(False, "this run is one replica group of a fault-tolerant job (torchft): the "
+                                          "groups average their gradients every step over the groups alive, a "
+                                          "group that dies costs the others that step's commit and heals from a "
+                                          "live peer when it comes back (pip install 'scaletrain[ft]')")
+    ft_groups: int = option(2, "fault_tolerance: the replica groups of the job (each one `scaletrain train` with its "
+                               "own ranks and ft_replica_id)", min=1)
+    ft_replica_id: int = option(0, "fault_tolerance: this group's id, 0 to ft_groups - 1 (the lowest id alive "
+                                   "writes the checkpoints)", min=0)
+    ft_lighthouse: str = option("", "fault_tolerance: the Lighthouse's address, http://HOST:PORT, as `scaletrain "
+                                    "lighthouse` prints it")
+    ft_min_replicas: int = option(1, "fault_tolerance: the groups a step needs to commit; with fewer alive the "
+                                     "others wait (up to ft_quorum_timeout_s)", min=1)
+    ft_quorum_timeout_s: float = option(60.0, "fault_tolerance: seconds a group waits to reach the Lighthouse (at "
+                                              "start) and for a quorum of groups (every step) before it fails",
+                                        min=0.1)
+    ft_step_timeout_s: float = option(60.0, "fault_tolerance: seconds the groups' all-reduce, commit vote and a "
+                                            "healing transfer may take before that step is given up", min=0.1)
 
 
 @dataclass
@@ -596,6 +613,7 @@ def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
         errors.append(f"parallel.sync_delay={par.sync_delay} must be below sync_every / sync_fragments = "
                       f"{par.sync_every} / {par.sync_fragments}: a fragment's sync must land before the next "
                       f"fragment's begins; lower sync_delay or sync_fragments, or raise sync_every")
+    errors.extend(fault_tolerance_problems(par))
     if cfg.train.qat != "none" and own_model:
         from scaletrain.quant.layers import qat_problems  # torch-free
 
@@ -607,6 +625,32 @@ def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
     errors.extend(adapter_problems(cfg.adapter))
     if cfg.optim.name == "adamw8bit" and cfg.optim.implementation not in ("auto",):
         errors.append("optim.implementation applies to adamw and sgd; leave it at auto for adamw8bit")
+    return errors
+
+
+def fault_tolerance_problems(par: ParallelConfig) -> list[str]:
+    """parallel.ft_*'s problems, and the layouts inside a replica group that fault tolerance does not
+    protect yet (their state or their collectives span more than what the groups heal and average)."""
+    if not par.fault_tolerance:
+        return []
+    errors = []
+    if par.ft_replica_id >= par.ft_groups:
+        errors.append(f"parallel.ft_replica_id={par.ft_replica_id} is out of range for parallel.ft_groups="
+                      f"{par.ft_groups}; give each group an id from 0 to {par.ft_groups - 1}")
+    if par.ft_min_replicas > par.ft_groups:
+        errors.append(f"parallel.ft_min_replicas={par.ft_min_replicas} is above parallel.ft_groups={par.ft_groups}: "
+                      "no step could ever commit; lower ft_min_replicas or start more groups")
+    if not par.ft_lighthouse:
+        errors.append("parallel.fault_tolerance needs parallel.ft_lighthouse=http://HOST:PORT, the address "
+                      "`scaletrain lighthouse` prints")
+    unprotected = [f"parallel.{name}={value}" for name, value, ok in (
+        ("tp", par.tp, 1), ("pp", par.pp, 1), ("cp", par.cp, 1), ("ep", par.ep, 1), ("zero", par.zero, None),
+        ("dp_replicate", par.dp_replicate, 1), ("dp_sync", par.dp_sync, "step")) if
+        (value == 3 if ok is None else value != ok)]
+    if unprotected:
+        errors.append(f"parallel.fault_tolerance does not protect {', '.join(unprotected)} yet: inside a replica "
+                      "group it takes DDP or ZeRO-1/2 over dp_shard ranks, and the groups themselves are the "
+                      "replicas (leave dp_replicate at 1, dp_sync=step)")
     return errors
 
 

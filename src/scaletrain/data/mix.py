@@ -197,13 +197,17 @@ def open_training_data(data_cfg, mix: list[tuple[str, float]] | None, vocab_size
     return data, (MixDataset(data, data_cfg.seq_len) if mix else WindowDataset(data, data_cfg.seq_len))
 
 
-def step_sampler(dataset, layout, *, dp_rank: int, seed: int, start_step: int, schedule) -> StepSampler:
+def step_sampler(dataset, layout, *, dp_rank: int, seed: int, start_step: int, schedule,
+                 outer: tuple[int, int] = (0, 1)) -> StepSampler:
     """Which windows data-parallel rank `dp_rank` reads at each step from `start_step` on, by
     `layout`'s batch triad: a mixture's sampler (each source in its proportion) or one folder's
-    (`schedule`: the batch-size warm-up, a BatchSchedule)."""
-    b = layout
+    (`schedule`: the batch-size warm-up, a BatchSchedule). `outer` = (index, count): this run is
+    group `index` of `count` that read one step's windows apart (fault tolerance's replica groups:
+    each reads what `layout.dp` ranks of a count-times larger data-parallel run read)."""
+    b, (index, count) = layout, outer
+    batch, dp, rank = b.global_batch * count, b.dp * count, index * b.dp + dp_rank
     if isinstance(dataset, MixDataset):
-        return MixSampler(dataset, dataset.data.weights, b.global_batch, b.micro_batch, b.grad_accum,
-                          dp_rank=dp_rank, dp_size=b.dp, seed=seed, start_step=start_step)
-    return StepSampler(len(dataset), b.global_batch, b.micro_batch, b.grad_accum, dp_rank=dp_rank, dp_size=b.dp,
+        return MixSampler(dataset, dataset.data.weights, batch, b.micro_batch, b.grad_accum,
+                          dp_rank=rank, dp_size=dp, seed=seed, start_step=start_step)
+    return StepSampler(len(dataset), batch, b.micro_batch, b.grad_accum, dp_rank=rank, dp_size=dp,
                        seed=seed, start_step=start_step, schedule=schedule)

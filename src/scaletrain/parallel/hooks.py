@@ -31,6 +31,13 @@ class StepHook:
     # this rank's share of a batch's (inputs, targets), cut in the data loader (None: all of it);
     # a picklable function, as the loader's worker processes call it
     batch_share: Callable | None = None
+    # (index, count): this rank's data-parallel group is group `index` of `count` that read apart as one
+    # job's data-parallel ranks, in processes of their own (fault tolerance's replica groups)
+    data_outer: tuple[int, int] = (0, 1)
+
+    def start(self) -> None:
+        """Once the run is built (and resumed), before its first step: a technique that may take the
+        run's state from elsewhere (a live peer) does so here, before the data position is read."""
 
     def begin_step(self, loss_factor: float) -> None:
         """Before the step's first forward. `loss_factor`: d (what backward starts from) / d (the sum
@@ -43,6 +50,14 @@ class StepHook:
     def norm_copies(self) -> tuple[torch.Tensor, ...]:
         """Parameters whose gradients are a copy of another rank's: the global norm counts them once."""
         return ()
+
+    def skip_reason(self) -> str | None:
+        """Why `agree_to_skip` skipped this step where the gradients did not ask for it (None: it did not)."""
+        return None
+
+    def writes_checkpoint(self) -> bool:
+        """Whether this run writes the checkpoints (one of several copies of the run: only one writes)."""
+        return True
 
     def agree_to_skip(self, skip: bool) -> bool:
         """Whether every rank skips this step, given this rank's verdict (a collective where ranks
@@ -99,9 +114,26 @@ class StepHooks:
         """The run's hook of one technique (a benchmark or a test looks into it), or None."""
         return next((h for h in self.hooks if isinstance(h, kind)), None)
 
+    def start(self) -> None:
+        for h in self.hooks:
+            self.enter(h.phase)
+            h.start()
+
     def begin_step(self, loss_factor: float) -> None:
         for h in self.hooks:
             h.begin_step(loss_factor)
+
+    @property
+    def data_outer(self) -> tuple[int, int]:
+        outers = [h.data_outer for h in self.hooks if h.data_outer != (0, 1)]
+        assert len(outers) <= 1, "two techniques split the data among groups"
+        return outers[0] if outers else (0, 1)
+
+    def skip_reason(self) -> str | None:
+        return next((r for h in self.hooks if (r := h.skip_reason()) is not None), None)
+
+    def writes_checkpoint(self) -> bool:
+        return all(h.writes_checkpoint() for h in self.hooks)
 
     def reduce_gradients(self, named: Named) -> None:
         for h in self.hooks:

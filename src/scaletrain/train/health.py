@@ -56,6 +56,8 @@ class Health:
         self.early_losses: list[float] = []  # the first steps' losses: the divergence check's yardstick
         self.fault: str | None = None  # an I/O failure that stops the run after an emergency save
         self.fault_fix = ""  # what to do before resuming from that save
+        # why a technique voted the step away, when it did (the step hooks' skip_reason): None otherwise
+        self.skip_reason: Callable[[], str | None] = lambda: None
 
     def begin_step(self, step: int) -> None:
         self.current_step = step
@@ -207,6 +209,9 @@ class Health:
         at the minimum loss scale: above it, the scaler backs off and tries again)."""
         limit = self.cfg.train.max_skipped_steps
         self.state.skipped_steps += 1
+        if (reason := self.skip_reason()) is not None:  # not the gradients' fault: no streak toward a stop
+            self.metrics.info(f"step {step}: {reason}; step skipped, weights untouched")
+            return
         if overflow and self.scaler is not None:
             self.consecutive_skips = self.consecutive_skips + 1 if at_minimum else 0
             if self.consecutive_skips < limit:

@@ -149,7 +149,8 @@ class RunFolder:
         held = holds_run(self.run_dir, self.ckpt_dir)
         if res == "auto":
             found = ckpt.find_resumable(self.ckpt_dir, report=self.notes.append)
-            if found is None and held and not self.restart:
+            # a replica group of a fault-tolerant job that never wrote one (another group did) heals from a peer
+            if found is None and held and not self.restart and not self.cfg.parallel.fault_tolerance:
                 raise ConfigError(f"log.run_dir {self.run_dir} holds a run ({', '.join(held)}) but no complete "
                                   "checkpoint to resume; choose another log.run_dir, or move that folder away to "
                                   "start over (nothing was changed)")

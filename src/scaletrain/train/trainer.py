@@ -1,16 +1,15 @@
 """The training loop: one explicit function per phase, no callbacks.
 
     setup:  data -> model (meta) -> parallelize -> materialize -> optimizer -> step hooks -> resume
-    step:   lr -> micro-batches (accumulated, or through the pipeline schedule): forward, loss /
-            tokens of the global batch, backward -> hooks' gradient reductions -> unscale (fp16)
-            -> clip by global norm -> optimizer step (unless skipped) -> hooks' after-step work
+    step:   lr -> micro-batches (accumulated, or through the pipeline schedule): forward, loss / tokens of the
+            global batch, backward -> hooks' gradient reductions -> unscale (fp16) -> clip by global norm
+            -> optimizer step (unless skipped) -> hooks' after-step work
     around: validation every train.eval_every steps, metrics every log.every, checkpoints every
             checkpoint.every, at the end, and before stopping on SIGINT/SIGTERM.
 
-The step never names a technique: what one does every step reaches it as a hook (parallel/hooks.py)
-from parallelize() or built from the run. Each concern around the loop has its module: train.state,
-train.run_folder, train.health (what stops a run, and why, in one line), train.metrics,
-train.evaluate, scaletrain.schedule (each step's batch and learning rate).
+The step never names a technique: what one does every step reaches it as a hook (parallel/hooks.py) from
+parallelize() or built from the run. Each concern around the loop has its module: train.state, train.run_folder,
+train.health (what stops a run, and why, in one line), train.metrics, train.evaluate, scaletrain.schedule.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from scaletrain.model.generate import sample_text
 from scaletrain.model.loss import cross_entropy_sum
 from scaletrain.model.transformer import Transformer
 from scaletrain.optim import build_optimizer, get_lr, set_lr
-from scaletrain.parallel import pipeline
+from scaletrain.parallel import fault_tolerance, pipeline
 from scaletrain.parallel.data_parallel import DataParallel, clip_gradients, model_state_bytes
 from scaletrain.parallel.hooks import StepHooks
 from scaletrain.parallel.local_sgd import LocalSGD
@@ -98,15 +97,17 @@ class Trainer:
         self._build_model(resume_from)
         # the validation windows (train.eval_every), once the model is known to fit
         self.val_sets = validation_sets(cfg, self.layout.global_batch)
+        self.state = TrainState()  # before the hooks: fault tolerance heals it from a peer
         self._build_optimizer()
-        self.state = TrainState()
+        # the windows drawn from each source so far are logged (one sampler, on every rank alike; after the hooks)
+        self.mix_sampler = self.sampler(0) if cfg.data.mix else None
         self.state.run_id, self.state.lineage = self.rt.shared(run_folder.new_identity())
         self.metrics = MetricsLogger(self.run_dir if self.rank == 0 else None, cfg.train.steps,
                                      enabled=self.rank == 0, tensorboard=cfg.log.tensorboard, summary=cfg.log.summary,
                                      progress=cfg.log.progress, stream=stream, device_type=self.device.type)
         self.health = Health(cfg, self.layout, rt, self.metrics, self.state, scaler=self.scaler,
                              param_names=self.param_names, custom_loss=self.custom_model is not None)
-        self.hooks.enter = self.health.enter
+        self.hooks.enter, self.health.skip_reason = self.health.enter, self.hooks.skip_reason
         if resume_from is not None:
             self._resume(resume_from)
         self.signals = StopSignals(self.rank)
@@ -126,8 +127,6 @@ class Trainer:
         self.tokens_per_step = self.layout.global_batch * cfg.data.seq_len  # of the full batch
         self.batch_schedule = self.layout.batch_schedule(cfg.data.seq_len)  # train.batch_rampup, if any
         self.schedule = self._schedule or TrainSchedule(cfg.optim, self.batch_schedule, cfg.train.steps)
-        # the windows drawn from each source so far are logged (one sampler, on every rank alike)
-        self.mix_sampler = self.sampler(0) if cfg.data.mix else None
 
     def _build_model(self, resume_from: Path | None) -> None:
         """Model: built on the meta device (no memory), then parallelized and materialized."""
@@ -177,11 +176,12 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optim, self.optim_params, self.schedule.peak, self.device)
         self.scaler = self.precision.scaler
         self.state_bytes: dict[str, int] | None = None  # measured during the first step
-        # the techniques' per-step work: master weights first (the others reduce the masters'
-        # gradients), those parallelize() applied, the workers' sync last (it sees the stepped weights)
-        self.hooks = StepHooks().add(self.master, *self.pm.hooks,
-                                     LocalSGD.for_run(self.optim_params, self.layout, cfg.parallel,
-                                                      n_blocks=self.pm.n_blocks, mesh=self.rt.mesh))
+        # the techniques' per-step work: master weights first (the others reduce the masters' gradients), those
+        # parallelize() applied, the workers' sync (it sees the stepped weights), the replica groups' (fault tolerance)
+        self.hooks = StepHooks().add(self.master, *self.pm.hooks, LocalSGD.for_run(
+            self.optim_params, self.layout, cfg.parallel, n_blocks=self.pm.n_blocks, mesh=self.rt.mesh),
+            fault_tolerance.ReplicaGroups.for_run(cfg.parallel, self.rt, self.optim_params, self.optimizer,
+                                                  self.state, self.refresh_weights))
 
     @property
     def step(self) -> int:  # optimizer steps done (the run's TrainState holds it)
@@ -242,7 +242,7 @@ class Trainer:
     def sampler(self, start_step: int) -> StepSampler:
         """Which windows this rank reads at each step from `start_step` on (the data-parallel cut)."""
         return step_sampler(self.dataset, self.layout, dp_rank=self.dp_rank, seed=self.cfg.train.seed,
-                            start_step=start_step, schedule=self.batch_schedule)
+                            start_step=start_step, schedule=self.batch_schedule, outer=self.hooks.data_outer)
 
     def batches(self):
         """This rank's micro-batches (inputs, targets) from the current step on: the sampler cuts
@@ -360,8 +360,8 @@ class Trainer:
         return result
 
     def _loop(self) -> dict:
-        cfg, guarded = self.cfg, self.health.guarded
-        losses: list[float] = []
+        cfg, guarded, losses = self.cfg, self.health.guarded, []
+        self.hooks.start()  # before the data position is read: a hook may take the run's state from a peer
         batches = self.batches()
         self.meter.new_window()
         resumed = self.state.resumed_from
@@ -385,7 +385,7 @@ class Trainer:
             # a stop (a signal, a fault) logs the step it stopped at: the summary reports that step
             if self.step % cfg.log.every == 0 or self.step in (1, cfg.train.steps) or val_loss is not None or stop:
                 losses.append(self._log(loss, grad_norm, val_loss))
-            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.hooks.writes_checkpoint():
                 self.health.enter("checkpoint save")
                 last_saved = guarded(self.save)
             if stop:
@@ -412,7 +412,7 @@ class Trainer:
         """The end of the loop: the final (or emergency) checkpoint, the summary, the result."""
         stopped = self.signals.received
         due = (self.health.fault or stopped is not None or self.cfg.checkpoint.save_final) and \
-            (last_saved is None or last_saved.name != f"step_{self.step:08d}")
+            (last_saved is None or last_saved.name != f"step_{self.step:08d}") and self.hooks.writes_checkpoint()
         last_saved = self.health.final_checkpoint(self.save if due else None, last_saved)
         if stopped is not None:
             self.metrics.info(f"stopped by {signal.Signals(stopped).name} after step {self.step}; "

@@ -1,0 +1,153 @@
+"""`scaletrain lighthouse` and `scaletrain ft-local`: the commands of a fault-tolerant job
+(parallel.fault_tolerance, scaletrain.parallel.fault_tolerance), their parsers (scaletrain.cli calls
+`lighthouse_parser` and `ft_local_parser`) and their work.
+
+    scaletrain lighthouse --min-replicas M            the quorum's Lighthouse; prints its address and
+                                                      runs until SIGINT/SIGTERM
+    scaletrain ft-local --groups R [--nproc N] ...    one machine: a Lighthouse and R replica groups, each
+                                                      an ordinary `scaletrain train --nproc N` under its own
+                                                      elastic agent, which restarts the group alone when it
+                                                      fails (--max-restarts); run folders RUN_DIR/groupR
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from scaletrain.errors import LaunchError
+
+FT_LOCAL_RESTARTS = 10  # each group's own restarts, by default: a group that keeps failing ends the job
+
+
+def lighthouse_parser(sub) -> None:
+    p = sub.add_parser("lighthouse", help="the Lighthouse of a fault-tolerant job (torchft): forms each step's "
+                                          "quorum of replica groups",
+                       description="Start torchft's Lighthouse, print its address (give it to every group as "
+                                   "--parallel.ft_lighthouse) and serve until SIGINT or SIGTERM.")
+    _lighthouse_options(p)
+    p.add_argument("--bind", default="[::]:29510", help="address:port to listen on (default [::]:29510; port 0: "
+                                                         "any free port)")
+    p.set_defaults(func=lighthouse, takes_overrides=False, parser=p)
+
+
+def _lighthouse_options(p) -> None:
+    p.add_argument("--min-replicas", type=int, default=1,
+                   help="replica groups a quorum needs (default 1); with fewer alive, the others wait")
+    p.add_argument("--join-timeout-ms", type=int, default=1000,
+                   help="how long a quorum waits for groups that have not asked yet (default 1000)")
+    p.add_argument("--heartbeat-timeout-ms", type=int, default=5000,
+                   help="a group silent this long is dead to the quorum (default 5000)")
+
+
+def start_lighthouse(bind: str, min_replicas: int, join_timeout_ms: int, heartbeat_timeout_ms: int):
+    """torchft's LighthouseServer (in this process, on its own threads); one line if torchft is missing."""
+    if min_replicas < 1:
+        raise LaunchError(f"--min-replicas must be at least 1, got {min_replicas}")
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info (the groups inherit it)
+    try:
+        from torchft.coordination import LighthouseServer
+    except ImportError:
+        raise LaunchError("the Lighthouse needs torchft, which is not installed: pip install 'scaletrain[ft]' "
+                          "(torchft==0.2.0)") from None
+    try:
+        return LighthouseServer(bind=bind, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
+                                heartbeat_timeout_ms=heartbeat_timeout_ms)
+    except Exception as e:  # noqa: BLE001 - torchft raises a plain RuntimeError for a port in use
+        raise LaunchError(f"the Lighthouse cannot listen on {bind} ({str(e).splitlines()[0][:200]}); give a free "
+                          "port with --bind") from None
+
+
+def lighthouse(args: argparse.Namespace, extra: list[str]) -> int:
+    server = start_lighthouse(args.bind, args.min_replicas, args.join_timeout_ms, args.heartbeat_timeout_ms)
+    print(f"lighthouse {server.address()} (min_replicas {args.min_replicas}); give each group "
+          f"--parallel.fault_tolerance=true --parallel.ft_lighthouse={server.address()}", flush=True)
+    stop = threading.Event()
+    handlers = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop.wait()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        server.shutdown()
+    print("lighthouse stopped", flush=True)
+    return 0
+
+
+def ft_local_parser(sub) -> None:
+    p = sub.add_parser("ft-local", help="a fault-tolerant job on this machine: a Lighthouse and R replica groups, "
+                                        "each restarted alone when it fails",
+                       description="Start a Lighthouse and --groups replica groups, each `scaletrain train "
+                                   "--nproc N` with parallel.fault_tolerance under its own elastic agent (a group "
+                                   "that fails restarts alone, heals from a live peer and rejoins). Config "
+                                   "options as --section.key=value go to every group; group r's run folder is "
+                                   "<log.run_dir>/group<r>.")
+    p.add_argument("--config", help="TOML config file (default: the demo run)")
+    p.add_argument("--groups", type=int, required=True, help="replica groups (R)")
+    p.add_argument("--nproc", type=int, default=1, help="ranks of each group (default 1)")
+    p.add_argument("--max-restarts", type=int, default=FT_LOCAL_RESTARTS,
+                   help=f"restarts of each group after a failure (default {FT_LOCAL_RESTARTS})")
+    _lighthouse_options(p)
+    p.set_defaults(func=ft_local, takes_overrides=True, parser=p)
+
+
+def ft_local(args: argparse.Namespace, extra: list[str]) -> int:
+    """Run the groups to their end; the exit code: 0 when every group finished, else the first failure's."""
+    from scaletrain.launch.job import train_config
+
+    if args.groups < 1 or args.nproc < 1:
+        raise LaunchError(f"--groups and --nproc must be at least 1, got {args.groups} and {args.nproc}")
+    if args.min_replicas > args.groups:
+        raise LaunchError(f"--min-replicas {args.min_replicas} is above --groups {args.groups}: no step could "
+                          "ever commit")
+    from scaletrain.train.run_folder import default_run_dir
+
+    base = [*(["--config", args.config] if args.config else []), *extra]
+    server = start_lighthouse("[::]:0", args.min_replicas, args.join_timeout_ms, args.heartbeat_timeout_ms)
+    address, groups = server.address(), []
+    try:
+        ft = ["--parallel.fault_tolerance=true", f"--parallel.ft_groups={args.groups}",
+              f"--parallel.ft_lighthouse={address}", f"--parallel.ft_min_replicas={args.min_replicas}"]
+        cfg, _ = train_config(args.config, [*extra, *ft])  # the config's problems before any group starts
+        run_dir = Path(cfg.log.run_dir or default_run_dir())
+        print(f"scaletrain: lighthouse {address}; {args.groups} group(s) of {args.nproc} rank(s) in "
+              f"{run_dir}/group*", file=sys.stderr, flush=True)
+        for r in range(args.groups):
+            command = [sys.executable, "-m", "scaletrain", "train", *base, "--nproc", str(args.nproc),
+                       "--max-restarts", str(args.max_restarts), *ft, f"--parallel.ft_replica_id={r}",
+                       f"--log.run_dir={run_dir / f'group{r}'}"]
+            groups.append(subprocess.Popen(command, start_new_session=True))  # a signal here reaches it from us
+        return _wait(groups)
+    finally:
+        for g in groups:
+            if g.poll() is None:
+                g.kill()
+        server.shutdown()
+
+
+def _wait(groups: list[subprocess.Popen]) -> int:
+    """Every group's exit; SIGINT/SIGTERM here is passed on to each (they save and stop)."""
+    def forward(signum, frame):
+        for g in groups:
+            if g.poll() is None:
+                g.send_signal(signum)
+
+    handlers = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while any(g.poll() is None for g in groups):
+            time.sleep(0.2)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    codes = [g.returncode for g in groups]
+    for r, code in enumerate(codes):
+        if code:
+            print(f"scaletrain: error: replica group {r} ended with exit code {code}", file=sys.stderr, flush=True)
+    return next((c for c in codes if c), 0)
+

@@ -1,0 +1,216 @@
+"""Fault tolerance across replica groups, on torchft: the groups that are alive go on when one dies.
+
+A fault-tolerant job is `parallel.ft_groups` = R replica groups, each an ordinary run of its own
+ranks (`scaletrain train`, one process or `--nproc N` with DDP or ZeRO-1/2 inside), started with its
+`parallel.ft_replica_id`, and a Lighthouse (`scaletrain lighthouse`) that forms a quorum of the
+groups alive at every step. Each rank of a group has a torchft Manager; the group's step goes
+through this module's `ReplicaGroups` step hook:
+
+    begin_step        join the step's quorum (synchronous: a group behind the quorum's newest step
+                      heals here, from a live peer, before its forward)
+    reduce_gradients  after the group's own reduction: the gradients averaged over the groups in
+                      the quorum (torchft's fault-tolerant all-reduce, on a gloo group it reconfigures
+                      when the membership changes)
+    agree_to_skip     the commit vote: a step whose all-reduce failed (a group died in it) is not
+                      committed, and the optimizer does not step in any group that saw the failure
+
+Batch and learning rate: each group reads its own share of every step's windows (group r of R
+reads what data-parallel rank r of a run with dp_replicate=R reads), so train.global_batch is one
+group's batch, and the job's batch is (groups alive) × train.global_batch: it shrinks while a group
+is down. Each group's gradient is the mean over its own tokens and the groups' gradients are
+averaged, so the learning rate stays as configured (not scaled with the groups alive). With every
+group alive the step equals a DDP step of R × train.global_batch over dp_replicate=R ranks.
+
+Healing: a group that comes back (its supervisor restarts it, from its newest checkpoint or from
+nothing) joins the quorum before its first step; torchft sees it behind the newest step and
+fetches, over HTTP from a live peer, the state this hook hands out: the weights the optimizer
+steps, the optimizer state, and the run's step (the data position and the learning rate follow
+from it). The step counted by torchft is the committed steps; a step nobody committed is a
+skipped step of the run (weights untouched, the data moves on) in every group alike.
+
+Checkpoints: written by the lowest replica id in the step's quorum only (`writes_checkpoint`);
+after a restart of everything, the groups resume their newest checkpoint and heal from whichever
+holds the newest step.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from urllib.parse import urlsplit
+
+import torch
+from torch import nn
+
+from scaletrain.errors import ConfigError
+from scaletrain.parallel.hooks import Named, StepHook
+
+
+def replica_name(replica_id: int) -> str:
+    """The group's name at the Lighthouse: zero-padded, so that the quorum's order is the ids' order."""
+    return f"group{replica_id:04d}"
+
+
+def lighthouse_problem(address: str, timeout_s: float) -> str | None:
+    """None once the Lighthouse at `address` (http://HOST:PORT) accepts a connection, else one line
+    saying why, after trying for `timeout_s` seconds."""
+    parts = urlsplit(address if "://" in address else f"http://{address}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host, port = None, None
+    if not host or not port:
+        return f"parallel.ft_lighthouse={address!r} is not http://HOST:PORT; give the address `scaletrain " \
+               "lighthouse` prints"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, timeout_s))):
+                return None
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                return (f"the Lighthouse at {address} is unreachable after parallel.ft_quorum_timeout_s="
+                        f"{timeout_s:g} s ({e.strerror or e}); start it with `scaletrain lighthouse`, or fix "
+                        "parallel.ft_lighthouse")
+            time.sleep(0.2)
+
+
+class ReplicaGroups(StepHook):
+    """One rank's part in the replica groups' step (see the module's docstring)."""
+
+    phase = "the replica groups' gradient all-reduce (torchft)"
+    key = "fault_tolerance"
+
+    def __init__(self, manager, named: Named, optimizer: torch.optim.Optimizer, state, refresh: Callable[[], None],
+                 *, replica_id: int, groups: int):
+        self.manager = manager
+        self.named, self.optimizer, self.state, self.refresh = list(named), optimizer, state, refresh
+        self.replica_id, self.groups = replica_id, groups
+        self.data_outer = (replica_id, groups)  # this group's share of every step's windows
+        self.joined = False  # the first step's quorum was joined before the loop (start)
+        self.committed = True
+        self.participants = 0
+        self.uncommitted = 0  # steps of this run not committed (a group died in them)
+        self.healed = 0  # times this group took its state from a peer
+        manager.register_state_dict_fn("scaletrain", self._load_peer_state, self._peer_state)
+
+    @classmethod
+    def for_run(cls, par, rt, named: Named, optimizer, state, refresh: Callable[[], None]) -> ReplicaGroups | None:
+        """The hook of a run with parallel.fault_tolerance (else None): checks that torchft is there
+        and the Lighthouse answers, then starts this rank's Manager (rank 0's serves the group)."""
+        if not par.fault_tolerance:
+            return None
+        import logging
+
+        logging.getLogger("torchft").setLevel(logging.ERROR)  # its per-step lines; failures are ours to report
+        try:
+            from torchft import Manager, ProcessGroupGloo
+        except ImportError:
+            raise ConfigError("parallel.fault_tolerance needs torchft, which is not installed: "
+                              "pip install 'scaletrain[ft]' (torchft==0.2.0)") from None
+        from torch.distributed import TCPStore
+
+        problem = lighthouse_problem(par.ft_lighthouse, par.ft_quorum_timeout_s) if rt.rank == 0 else None
+        if problem := rt.shared(problem):
+            raise ConfigError(problem)
+        # the group's own store for torchft's process groups: rank 0 serves it, the others learn its port.
+        # Other groups reach it (and this group's Manager) by this host's name, or by loopback when the
+        # Lighthouse is on loopback (every group on this machine)
+        host = "127.0.0.1" if _loopback(par.ft_lighthouse) else socket.gethostname()
+        store = TCPStore(host, 0, is_master=True, wait_for_workers=False) if rt.rank == 0 else None
+        port = rt.shared(store.port if store is not None else None)
+        step_timeout = timedelta(seconds=par.ft_step_timeout_s)
+        manager = Manager(pg=ProcessGroupGloo(timeout=step_timeout), load_state_dict=None, state_dict=None,
+                          min_replica_size=par.ft_min_replicas, use_async_quorum=False, timeout=step_timeout,
+                          quorum_timeout=timedelta(seconds=par.ft_quorum_timeout_s),
+                          connect_timeout=timedelta(seconds=par.ft_quorum_timeout_s), rank=rt.rank,
+                          world_size=rt.world_size, store_addr=host, store_port=port,
+                          lighthouse_addr=par.ft_lighthouse, replica_id=replica_name(par.ft_replica_id),
+                          hostname=host, init_sync=False)  # weights start equal: seeded by name
+        hook = cls(manager, named, optimizer, state, refresh, replica_id=par.ft_replica_id, groups=par.ft_groups)
+        hook.store = store  # kept alive with the hook
+        return hook
+
+    # ---- what a healing peer receives ---------------------------------------------------------
+
+    def _peer_state(self) -> dict:
+        return {"params": {n: _local(p) for n, p in self.named}, "optim": self.optimizer.state_dict(),
+                "step": self.state.step, "skipped_steps": self.state.skipped_steps,
+                "early_loss": self.state.early_loss}
+
+    def _load_peer_state(self, peer: dict) -> None:
+        with torch.no_grad():
+            for n, p in self.named:
+                _local(p).copy_(peer["params"][n])
+        self.optimizer.load_state_dict(peer["optim"])
+        self.state.step, self.state.skipped_steps = int(peer["step"]), int(peer["skipped_steps"])
+        self.state.early_loss = peer["early_loss"]
+        self.refresh()  # what the model computes with (ZeRO-1/2: the shards gathered)
+        self.healed += 1
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Before the loop: join the quorum of the first step (healing from a peer if behind)."""
+        self.manager.start_quorum()
+        self.joined = True
+
+    def begin_step(self, loss_factor: float) -> None:
+        if not self.joined:
+            step = self.state.step
+            self.manager.start_quorum()
+            if self.state.step != step:  # healed to another step mid-loop: the data already read is not its
+                raise RuntimeError(f"replica group {self.replica_id} was behind the quorum at step {step} and "
+                                   f"healed to step {self.state.step} mid-run; it restarts to read that step's data")
+        self.joined = False
+        self.participants = self.manager.num_participants()
+
+    def reduce_gradients(self, named: Named) -> None:
+        grads = [_local(p.grad) for _, p in named if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        self.manager.allreduce(flat).wait()  # the mean over the groups in the quorum; an error: not committed
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def agree_to_skip(self, skip: bool) -> bool:
+        self.committed = self.manager.should_commit()
+        if not self.committed:
+            self.uncommitted += 1
+        return skip or not self.committed
+
+    def skip_reason(self) -> str | None:
+        return None if self.committed else \
+            f"not committed by the replica groups (a group failed in it; {self.participants} in its quorum)"
+
+    def writes_checkpoint(self) -> bool:
+        return self.manager.participating_rank() == 0  # the lowest replica id of the quorum
+
+    def metrics(self) -> dict[str, float]:
+        return {"ft_groups": float(self.participants), "ft_uncommitted": float(self.uncommitted),
+                "ft_healed": float(self.healed)}
+
+    def state_dict(self) -> dict:
+        return {"committed_steps": self.manager.current_step(), "batches_committed": self.manager.batches_committed()}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state:  # a resumed group starts torchft's count where its checkpoint left it
+            self.manager.load_state_dict({"step": int(state["committed_steps"]),
+                                          "batches_committed": int(state["batches_committed"])})
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _loopback(address: str) -> bool:
+    host = urlsplit(address if "://" in address else f"http://{address}").hostname or ""
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def _local(t: torch.Tensor | nn.Parameter) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t.data if isinstance(t, nn.Parameter) else t

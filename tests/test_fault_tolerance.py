@@ -1,0 +1,171 @@
+"""Fault tolerance across replica groups (parallel.fault_tolerance, on torchft): the one-line refusals,
+a clean run of two groups against one process training their joint batch, and a group SIGKILLed
+mid-run that restarts alone, heals from its live peer and rejoins."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scaletrain.config import load_config
+from scaletrain.errors import ConfigError
+
+from conftest import MICRO, REPO, micro_cfg, one_line_exit_2, read_metrics, run_here
+
+FT = {"parallel.fault_tolerance": True, "parallel.ft_lighthouse": "http://127.0.0.1:1"}
+# two groups of one rank, each with half of a batch of 8 windows (CLI options: `scaletrain ft-local`)
+GROUP = [f"--{k}={v}" for k, v in {**MICRO, "train.global_batch": 4, "train.micro_batch": 4,
+                                   "train.eval_every": 1000, "train.eval_batches": 1,
+                                   "checkpoint.save_final": True}.items()]
+
+
+@pytest.mark.parametrize("options,fragments", [
+    ({"parallel.ft_groups": 2, "parallel.ft_replica_id": 2}, ["parallel.ft_replica_id=2 is out of range",
+                                                             "from 0 to 1"]),
+    ({"parallel.ft_groups": 2, "parallel.ft_min_replicas": 3}, ["parallel.ft_min_replicas=3 is above "
+                                                               "parallel.ft_groups=2"]),
+    ({"parallel.tp": 2}, ["does not protect parallel.tp=2 yet"]),
+    ({"parallel.zero": 3, "parallel.dp_sync": "diloco", "parallel.dp_replicate": 2},
+     ["does not protect parallel.zero=3, parallel.dp_replicate=2, parallel.dp_sync=diloco yet"]),
+    ({"parallel.ft_lighthouse": ""}, ["needs parallel.ft_lighthouse=http://HOST:PORT"]),
+])
+def test_bad_fault_tolerance_options_are_one_line_each(options, fragments):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {**FT, **options})
+    assert len(e.value.lines) == 1
+    for f in fragments:
+        assert f in e.value.lines[0], e.value.lines[0]
+
+
+def test_an_unreachable_lighthouse_and_a_missing_torchft_are_one_line_exit_2(tmp_path, monkeypatch):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["train", *[f"--{k}={v}" for k, v in MICRO.items()], f"--log.run_dir={tmp_path / 'run'}",
+            "--parallel.fault_tolerance=true", f"--parallel.ft_lighthouse=http://127.0.0.1:{port}",
+            "--parallel.ft_quorum_timeout_s=0.5"]
+    t0 = time.monotonic()
+    one_line_exit_2(run_here(*args), f"the Lighthouse at http://127.0.0.1:{port} is unreachable after "
+                                     "parallel.ft_quorum_timeout_s=0.5 s")
+    assert time.monotonic() - t0 < 60
+    monkeypatch.setitem(sys.modules, "torchft", None)  # as if not installed: its import fails
+    one_line_exit_2(run_here(*args), "parallel.fault_tolerance needs torchft", "pip install 'scaletrain[ft]'")
+    one_line_exit_2(run_here("lighthouse", "--bind", "[::]:0"), "the Lighthouse needs torchft")
+
+
+# --------------------------------------------------------------------------------------------
+# Real groups: `scaletrain ft-local` (a Lighthouse and two groups, each under its own elastic agent)
+
+
+def _ft_local(run_dir: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "scaletrain", "ft-local", "--groups", "2", *GROUP,
+                             f"--log.run_dir={run_dir}", "--heartbeat-timeout-ms=1000", *args],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _descendants(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    children = [int(p) for p in out.split()]
+    return children + [d for c in children for d in _descendants(c)]
+
+
+def _group_worker(ft_local: int, replica_id: int) -> int | None:
+    """The pid of group `replica_id`'s rank 0: the worker under that group's launcher."""
+    def cmdline(pid: int) -> list[bytes]:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return []
+
+    for launcher in _descendants(ft_local):
+        if f"--parallel.ft_replica_id={replica_id}".encode() in cmdline(launcher):
+            return next((w for w in _descendants(launcher) if b"scaletrain.launch.worker" in cmdline(w)), None)
+    return None
+
+
+def _rows(run: Path) -> list[dict]:
+    return read_metrics(run) if (run / "metrics.jsonl").exists() else []
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_two_groups_train_as_one_process_on_their_joint_batch(tmp_path):
+    """With both groups in every step (min_replicas 2), the mean of their losses and their common
+    gradient norm are those of one process training the batch of 8 they share."""
+    from conftest import fit_reference
+
+    job = _ft_local(tmp_path / "ft", "--min-replicas", "2", "--train.steps=6")
+    out, err = job.communicate(timeout=600)
+    assert job.returncode == 0, err[-3000:]
+    ref = fit_reference(micro_cfg(tmp_path, **{"train.steps": 6, "train.global_batch": 8,
+                                               "train.micro_batch": 4}))["history"]
+    g0, g1 = read_metrics(tmp_path / "ft" / "group0"), read_metrics(tmp_path / "ft" / "group1")
+    assert [r["ft_groups"] for r in g0] == [2.0] * 6
+    for a, b, r in zip(g0, g1, ref, strict=True):
+        assert a["grad_norm"] == b["grad_norm"]  # one averaged gradient in both groups, bit for bit
+        assert abs((a["loss"] + b["loss"]) / 2 - r["loss"]) < 1e-5 * r["loss"], (a, b, r)
+        assert abs(a["grad_norm"] - r["grad_norm"]) < 1e-4 * r["grad_norm"], (a, r)
+    assert g0[-1]["val_loss"] == g1[-1]["val_loss"]  # the same weights at the end
+    assert (tmp_path / "ft" / "group0" / "checkpoints" / "step_00000006").is_dir()
+    assert not (tmp_path / "ft" / "group1" / "checkpoints").exists()  # only the lowest id alive writes
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_killed_group_restarts_alone_heals_from_its_peer_and_rejoins(tmp_path):
+    """Group 1's rank is SIGKILLed after step 4: group 0 is not restarted (it does not commit the step
+    the kill broke, if any, and waits for a quorum of two), group 1's agent restarts it, it takes
+    group 0's weights, optimizer state and step, and both finish with the same weights."""
+    steps = 100  # a step takes ~0.1 s here: the kill lands well before the end
+    job = _ft_local(tmp_path / "ft", "--min-replicas", "2", f"--train.steps={steps}",
+                    "--parallel.ft_quorum_timeout_s=300")
+    g0_dir, g1_dir = tmp_path / "ft" / "group0", tmp_path / "ft" / "group1"
+    deadline = time.time() + 300
+    while len(_rows(g1_dir)) < 4 and time.time() < deadline and job.poll() is None:
+        time.sleep(0.02)
+    victim = _group_worker(job.pid, 1)
+    assert victim is not None and len(_rows(g1_dir)) < steps, "the run ended before the kill"
+    os.kill(victim, signal.SIGKILL)
+    killed_after = len(_rows(g1_dir))
+    out, err = job.communicate(timeout=600)
+    assert job.returncode == 0, err[-3000:]
+    g0, g1 = read_metrics(g0_dir), read_metrics(g1_dir)
+    assert [r["step"] for r in g0] == list(range(1, steps + 1))  # group 0 never went back
+    assert "restart 1 of at most" in err  # group 1's agent restarted it (group 0's did not: one restart)
+    assert err.count("restart 1 of at most") == 1, err[-3000:]
+    # the step the kill broke, if it fell inside one (between two steps it breaks none), is not committed
+    assert g0[-1]["ft_uncommitted"] <= 1 and g0[-1]["ft_uncommitted"] == ("not committed by the replica groups" in err)
+    healed = [r for r in g1 if r.get("ft_healed")]
+    assert healed and healed[0]["step"] > killed_after  # it went on from the peer's step, not from 0
+    assert [r["step"] for r in g1][-1] == steps
+    assert g0[-1]["val_loss"] == g1[-1]["val_loss"]  # the same weights at the end, bit for bit
+    both = {r["step"]: r for r in g0 if r["ft_groups"] == 2 and r["step"] >= healed[0]["step"]}
+    assert both and all(both[r["step"]]["grad_norm"] == r["grad_norm"] for r in g1 if r["step"] in both)
+
+
+def test_the_lighthouse_command_prints_its_address_and_stops_on_sigterm():
+    lighthouse = subprocess.Popen([sys.executable, "-m", "scaletrain", "lighthouse", "--bind", "[::]:0"], cwd=REPO,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = lighthouse.stdout.readline()
+        assert first.startswith("lighthouse http://") and "--parallel.ft_lighthouse=http://" in first, first
+        address = first.split()[1]
+        from scaletrain.parallel.fault_tolerance import lighthouse_problem
+
+        assert lighthouse_problem(address, 10.0) is None  # it answers at the address it printed
+        lighthouse.send_signal(signal.SIGTERM)
+        out, err = lighthouse.communicate(timeout=60)
+    finally:
+        if lighthouse.poll() is None:
+            lighthouse.kill()
+    assert lighthouse.returncode == 0, err
+    assert out.strip() == "lighthouse stopped"
