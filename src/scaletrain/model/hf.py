@@ -68,17 +68,24 @@ _EXPERT_LEAF = {"mixtral": {"w1": "w1", "w2": "w2", "w3": "w3"},
 _BUFFERS = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
 
 
-def rows_hf_to_ours(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """Reorder each head's rows (dim 0) from Hugging Face's rotate-half pairing (x[i], x[i+d/2])
-    to ours (x[2i], x[2i+1]): ours[2i + c] = hf[c * d/2 + i]."""
+def rows_hf_to_ours(t: torch.Tensor, heads: int, rotary: int = 0) -> torch.Tensor:
+    """Reorder each head's rows (dim 0) from Hugging Face's rotate-half pairing (x[i], x[i+r/2])
+    to ours (x[2i], x[2i+1]): ours[2i + c] = hf[c * r/2 + i], over the first `rotary` rows of each
+    head (r; 0 = all of them), the rest (partial rotary: never turned) left in place."""
     d = t.shape[0] // heads
-    return t.reshape(heads, 2, d // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+    r, rest = rotary or d, t.shape[1:]
+    h = t.reshape(heads, d, *rest)
+    turned = h[:, :r].reshape(heads, 2, r // 2, *rest).transpose(1, 2).reshape(heads, r, *rest)
+    return torch.cat((turned, h[:, r:]), 1).reshape(t.shape)
 
 
-def rows_ours_to_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
+def rows_ours_to_hf(t: torch.Tensor, heads: int, rotary: int = 0) -> torch.Tensor:
     """The inverse of rows_hf_to_ours."""
     d = t.shape[0] // heads
-    return t.reshape(heads, d // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+    r, rest = rotary or d, t.shape[1:]
+    h = t.reshape(heads, d, *rest)
+    turned = h[:, :r].reshape(heads, r // 2, 2, *rest).transpose(1, 2).reshape(heads, r, *rest)
+    return torch.cat((turned, h[:, r:]), 1).reshape(t.shape)
 
 
 def _rope_heads(name: str, cfg: ModelConfig) -> int:
@@ -110,7 +117,19 @@ def _expert_keys(i: str, matrix: str, experts: int, style: str) -> list[str]:
     return [f"model.layers.{i}.{block}.experts.{e}.{_EXPERT_LEAF[style][matrix]}.weight" for e in range(experts)]
 
 
-def _hf_name(name: str, gpt2: bool, style: str = "mlp") -> str:
+def _block_names(cfg: ModelConfig) -> dict[str, str]:
+    """Ours -> Hugging Face inside a block of a Llama-like family, by where its norms sit: OLMo 2's
+    post_attention_layernorm follows attention (ours: attn_post_norm), Llama's precedes the MLP."""
+    if cfg.norm_placement == "post":
+        return {**_LLAMA_BLOCK, "attn_post_norm": "post_attention_layernorm",
+                "mlp_post_norm": "post_feedforward_layernorm"}
+    if cfg.norm_placement == "both":  # Gemma 2 and 3
+        return {**_LLAMA_BLOCK, "attn_post_norm": "post_attention_layernorm", "mlp_norm": "pre_feedforward_layernorm",
+                "mlp_post_norm": "post_feedforward_layernorm"}
+    return _LLAMA_BLOCK
+
+
+def _hf_name(name: str, gpt2: bool, style: str = "mlp", blocks: Mapping[str, str] = _LLAMA_BLOCK) -> str:
     if name.endswith(".moe.router.weight"):  # the family's gate
         i = name.split(".")[1]
         return f"model.layers.{i}.{'block_sparse_moe' if style == 'mixtral' else 'mlp'}.gate.weight"
@@ -121,7 +140,7 @@ def _hf_name(name: str, gpt2: bool, style: str = "mlp") -> str:
     i, module, leaf = m.groups()
     if gpt2:
         return f"transformer.h.{i}.{_GPT2_BLOCK[module]}.{leaf}"
-    return f"model.layers.{i}.{_LLAMA_BLOCK[module]}.{leaf}"
+    return f"model.layers.{i}.{blocks[module]}.{leaf}"
 
 
 def _expected(cfg: ModelConfig) -> dict[str, torch.Size]:
@@ -153,13 +172,13 @@ def hf_state_dict(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
             continue
         heads = _rope_heads(name, cfg)
         if heads:
-            t = rows_ours_to_hf(t, heads)
+            t = rows_ours_to_hf(t, heads, cfg.rotary_dim)
         m = _NAME.match(name)
         if gpt2 and m and m.group(2) in ("attn.wq", "attn.wk", "attn.wv"):
             continue  # fused below
         if gpt2 and m and m.group(3) == "weight" and "norm" not in m.group(2):
             t = t.t()  # Conv1D keeps (in, out)
-        out[_hf_name(name, gpt2, style)] = t.contiguous()
+        out[_hf_name(name, gpt2, style, _block_names(cfg))] = t.contiguous()
     if gpt2:
         for i in range(cfg.n_layers):
             p = f"layers.{i}."
@@ -172,6 +191,8 @@ def hf_state_dict(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
                                 ("mlp.w1", cfg.hidden_dim), ("mlp.w2", cfg.dim)):
                 out.setdefault(_hf_name(p + ours + ".bias", True), torch.zeros(width, dtype=zeros.dtype))
         out.setdefault("transformer.ln_f.bias", torch.zeros(cfg.dim, dtype=out["transformer.ln_f.weight"].dtype))
+    if family in ("gpt_neox", "phi3"):
+        out = _fuse(out, cfg, family)
     return out
 
 
@@ -180,6 +201,9 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
     """Hugging Face tensors (GPT-2 or Llama-like names, with or without the `transformer.` /
     `model.` prefix) as our parameters for `cfg`, each checked for its shape. A tensor the model
     has no place for is refused unless it is all zeros (a bias the model leaves out)."""
+    family = _fused_family(hf)
+    if family is not None:  # GPT-NeoX, Phi-3: their fused tensors seen as Llama's
+        hf = _FamilyView(hf, cfg, family)
     gpt2 = any(k.split(".")[-2] in ("wte", "c_attn") for k in hf)
     style = _moe_style(hf) if cfg.moe_experts else "mlp"
     prefix = "transformer." if gpt2 else "model."
@@ -204,7 +228,7 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
         elif transpose:
             t = t.t()  # Conv1D keeps (in, out)
         heads = _rope_heads(name, cfg)
-        return (rows_hf_to_ours(t, heads) if heads else t).to(dtype).contiguous()
+        return (rows_hf_to_ours(t, heads, cfg.rotary_dim) if heads else t).to(dtype).contiguous()
 
     recipes: dict[str, tuple] = {}
     experts: dict[str, _Experts] = {}
@@ -223,7 +247,7 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
         elif name == "output.weight" and _hf_name(name, gpt2) not in left:
             recipes[name] = (take(_hf_name("tok_emb.weight", gpt2), name), None, False)  # the source ties its head
         else:
-            recipes[name] = (take(_hf_name(name, gpt2, style), name), None,
+            recipes[name] = (take(_hf_name(name, gpt2, style, _block_names(cfg)), name), None,
                              bool(gpt2 and leaf == "weight" and "norm" not in block))
     shapes = _expected(cfg)
     for name, source in experts.items():  # from the headers: no tensor is read yet
@@ -261,7 +285,7 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
         else:
             t = _read(hf, key, (slice(lo, hi), *rest))
         if heads:
-            t = rows_hf_to_ours(t, (hi - lo) // d)
+            t = rows_hf_to_ours(t, (hi - lo) // d, cfg.rotary_dim)
         return t[rows.start - lo:rows.stop - lo].to(dtype).contiguous()
 
     makers = {n: (lambda n=n, r=r: convert(n, *r)) for n, r in recipes.items()}
@@ -279,6 +303,148 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
         if torch.count_nonzero(hf[left[key]]):
             raise CheckpointError(f"{where}: tensor {key} has no place in the model; do model.bias, qkv_bias, "
                                   "qk_norm and n_layers match the checkpoint? (take them with model.from_hf)")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Families that fuse projections (GPT-NeoX, Phi-3): seen through Llama's names
+
+_NEOX_BLOCK = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
+               "self_attn.o_proj": "attention.dense", "mlp.gate_proj": "mlp.dense_h_to_4h",
+               "mlp.down_proj": "mlp.dense_4h_to_h"}
+# (the head: transformers 5 saves lm_head, older checkpoints such as Pythia's embed_out; both are read)
+_NEOX_TOP = {"model.embed_tokens.": "gpt_neox.embed_in.", "model.norm.": "gpt_neox.final_layer_norm."}
+_LLAMA_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def _fused_family(keys) -> str | None:
+    """"gpt_neox" or "phi3" when a checkpoint's names are theirs, else None."""
+    if any(k.startswith("gpt_neox.") for k in keys):
+        return "gpt_neox"
+    return "phi3" if any(k.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")) for k in keys) else None
+
+
+def _family_key(key: str, family: str, cfg: ModelConfig) -> tuple[str, list[tuple[int, int]] | None]:
+    """Where the tensor Llama calls `key` lives in `family`'s checkpoint: (its name, the row ranges
+    of it that make `key`, concatenated; None = all of it).
+
+    GPT-NeoX fuses q, k and v per head: the rows of head h are [q_h; k_h; v_h] (it views the output
+    as (heads, 3 * head_size) and chunks each), so q is every head's first head_size rows. Phi-3
+    stacks them whole ([q; k; v]) and its MLP's gate and up projections alike ([gate; up])."""
+    d, q, kv = cfg.head_size, cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
+    m = _LLAMA_KEY.match(key)
+    if family == "gpt_neox":
+        if m is None:
+            top = next((t for t in _NEOX_TOP if key.startswith(t)), None)
+            return (_NEOX_TOP[top] + key[len(top):], None) if top else (key, None)
+        i, module, leaf = m.groups()
+        parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        if module in parts:
+            j = parts.index(module)
+            return (f"gpt_neox.layers.{i}.attention.query_key_value.{leaf}",
+                    [(h * 3 * d + j * d, h * 3 * d + (j + 1) * d) for h in range(cfg.n_heads)])
+        return f"gpt_neox.layers.{i}.{_NEOX_BLOCK.get(module, module)}.{leaf}", None
+    if m is None:
+        return key, None
+    i, module, leaf = m.groups()
+    f = cfg.hidden_dim
+    fused = {"self_attn.q_proj": ("self_attn.qkv_proj", (0, q)), "self_attn.k_proj": ("self_attn.qkv_proj", (q, q + kv)),
+             "self_attn.v_proj": ("self_attn.qkv_proj", (q + kv, q + 2 * kv)),
+             "mlp.gate_proj": ("mlp.gate_up_proj", (0, f)), "mlp.up_proj": ("mlp.gate_up_proj", (f, 2 * f))}
+    if module in fused:
+        name, rows = fused[module]
+        return f"model.layers.{i}.{name}.{leaf}", [rows]
+    return key, None
+
+
+def _llama_keys(cfg: ModelConfig) -> list[str]:
+    """The Llama names of every tensor a model of `cfg` has (its head too, tied or not)."""
+    names = [_hf_name(n, False, blocks=_block_names(cfg)) for n in _expected(cfg)]
+    return names + ([] if "lm_head.weight" in names else ["lm_head.weight"])
+
+
+class _Lazy(Mapping):
+    """Tensors by name that are read when asked for, a part at a time (`read`) if need be."""
+
+    def read(self, key: str, index: tuple) -> torch.Tensor:
+        raise NotImplementedError
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+
+class _FamilyView(_Lazy):
+    """A GPT-NeoX or Phi-3 checkpoint under Llama's names (`_family_key`): a fused tensor appears
+    as the parts it holds, each read from its rows alone. Tensors no Llama name points at keep
+    their own names, so that the import still refuses one with no place in the model."""
+
+    def __init__(self, source: Mapping[str, torch.Tensor], cfg: ModelConfig, family: str):
+        self.source = source
+        self.parts = {k: _family_key(k, family, cfg) for k in _llama_keys(cfg)}
+        if "lm_head.weight" not in source and "embed_out.weight" in source:  # GPT-NeoX's older name
+            self.parts["lm_head.weight"] = ("embed_out.weight", None)
+        self.parts = {k: v for k, v in self.parts.items() if v[0] in source}
+        used = {v[0] for v in self.parts.values()}
+        self.parts.update({k: (k, None) for k in source if k not in used})
+
+    @property
+    def bytes_read(self) -> int:
+        return getattr(self.source, "bytes_read", 0)
+
+    @property
+    def total_bytes(self) -> int:
+        return getattr(self.source, "total_bytes", 0)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        source, ranges = self.parts[key]
+        shape = _shape_of(self.source, source)
+        return shape if ranges is None else (sum(b - a for a, b in ranges), *shape[1:])
+
+    def read(self, key: str, index: tuple) -> torch.Tensor:
+        source, ranges = self.parts[key]
+        if ranges is None:
+            return _read(self.source, source, index)
+        rows, rest = index[0], tuple(index[1:])
+        start, stop = rows.indices(self.shape(key)[0])[:2]
+        pieces, at = [], 0  # `at`: where each range begins among our rows
+        for a, b in ranges:
+            lo, hi = max(start, at), min(stop, at + b - a)
+            if lo < hi:
+                pieces.append(_read(self.source, source, (slice(a + lo - at, a + hi - at), *rest)))
+            at += b - a
+        if not pieces:
+            return _read(self.source, source, (slice(0, 0), *rest))
+        return torch.cat(pieces, 0)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.read(key, tuple(slice(0, n) for n in self.shape(key)))
+
+    def __iter__(self):
+        return iter(self.parts)
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+
+def _fuse(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, family: str) -> dict[str, torch.Tensor]:
+    """Llama-named tensors as `family` saves them: the parts of a fused tensor put back in its rows."""
+    out: dict[str, torch.Tensor] = {}
+    fused: dict[str, list[tuple[list[tuple[int, int]], torch.Tensor]]] = {}
+    for key, t in tensors.items():
+        name, ranges = _family_key(key, family, cfg)
+        if ranges is None:
+            out[name] = t
+        else:
+            fused.setdefault(name, []).append((ranges, t))
+    for name, parts in fused.items():
+        rows = max(b for ranges, _ in parts for _, b in ranges)
+        whole = parts[0][1].new_empty(rows, *parts[0][1].shape[1:])
+        for ranges, t in parts:
+            at = 0
+            for a, b in ranges:
+                whole[a:b] = t[at:at + b - a]
+                at += b - a
+        out[name] = whole
     return out
 
 
@@ -314,11 +480,11 @@ class _Experts:
 
 def _read(tensors: Mapping[str, torch.Tensor], key: str, index: tuple) -> torch.Tensor:
     """tensors[key][index], reading only that part where the source is a file."""
-    return tensors.read(key, index) if isinstance(tensors, _SafetensorsFiles) else tensors[key][index]
+    return tensors.read(key, index) if isinstance(tensors, _Lazy) else tensors[key][index]
 
 
 def _shape_of(tensors: Mapping[str, torch.Tensor], key: str) -> tuple[int, ...]:
-    return tensors.shape(key) if isinstance(tensors, _SafetensorsFiles) else tuple(tensors[key].shape)
+    return tensors.shape(key) if isinstance(tensors, _Lazy) else tuple(tensors[key].shape)
 
 
 class _Converted(Mapping):
@@ -366,7 +532,7 @@ class _Converted(Mapping):
         return len(self._makers)
 
 
-class _SafetensorsFiles(Mapping):
+class _SafetensorsFiles(_Lazy):
     """The tensors of some safetensors files by name; only the headers are read up front, each
     tensor when it is asked for (through the files' memory maps)."""
 
@@ -433,7 +599,8 @@ class _SafetensorsFiles(Mapping):
 # checked tensor by tensor, and rope_scaling / sliding_window / max_seq_len may change on purpose
 # (context extension)
 _SAME_MATH = ("norm", "norm_eps", "activation", "position", "rope_theta", "qk_norm", "qk_norm_scope", "head_dim",
-              "moe_top_k", "moe_score", "moe_renorm", "moe_route_scale")
+              "moe_top_k", "moe_score", "moe_renorm", "moe_route_scale", "norm_placement", "norm_unit_offset",
+              "parallel_residual", "embed_scale", "rotary_fraction")
 
 
 def load_hf_weights(source: str | Path, model_cfg: ModelConfig,

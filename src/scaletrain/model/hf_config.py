@@ -31,7 +31,8 @@ from typing import Any
 from scaletrain.errors import ConfigError
 from scaletrain.model.config import ModelConfig
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe")
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gpt_neox", "phi3", "mixtral", "qwen3_moe",
+            "olmoe")
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
 # mixtures of experts whose attention scaletrain lacks: refused with what to do instead
 _MLA = ("deepseek_v3", "deepseek_v2")
@@ -72,6 +73,11 @@ _KNOWN = {
     "mistral": _ROTARY | {"sliding_window"},
     "qwen2": _ROTARY | _WINDOWED,
     "qwen3": _ROTARY | _WINDOWED | {"attention_bias"},
+    "olmo2": _ROTARY | {"attention_bias"},
+    "gpt_neox": _ROTARY - {"rms_norm_eps", "num_key_value_heads", "head_dim"} | {
+        "layer_norm_eps", "rotary_pct", "rotary_emb_base", "use_parallel_residual", "attention_bias",
+        "hidden_dropout", "classifier_dropout", "is_decoder"},
+    "phi3": _ROTARY | {"original_max_position_embeddings", "sliding_window"},
     "mixtral": _ROTARY | {"sliding_window", "num_local_experts", "num_experts", "num_experts_per_tok",
                           "router_jitter_noise"},
     "qwen3_moe": _ROTARY | _WINDOWED | {"attention_bias", "num_experts", "num_local_experts", "num_experts_per_tok",
@@ -92,6 +98,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                   rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=4096, max_window_layers=28),
     "qwen3": dict(num_key_value_heads=32, head_dim=128, hidden_act="silu", max_position_embeddings=32768,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=4096, max_window_layers=28),
+    "olmo2": dict(num_key_value_heads=None, head_dim=None, hidden_act="silu", max_position_embeddings=2048,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False),
+    "gpt_neox": dict(hidden_act="gelu", max_position_embeddings=2048, layer_norm_eps=1e-5, tie_word_embeddings=False,
+                     use_parallel_residual=True, attention_bias=True, rotary_pct=0.25, rotary_emb_base=10000),
+    "phi3": dict(num_key_value_heads=None, head_dim=None, hidden_act="silu", max_position_embeddings=4096,
+                 rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None),
     "mixtral": dict(num_key_value_heads=8, head_dim=None, hidden_act="silu", max_position_embeddings=131072,
                     rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None, rope_theta=1e6,
                     num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.0),
@@ -172,6 +184,8 @@ def model_config_from_hf(source: str | Path | Mapping[str, Any], *, strict: bool
     try:
         if family == "gpt2":
             out = _gpt2_fields(get, refuse)
+        elif family == "gpt_neox":
+            out = _neox_fields(get, refuse)
         else:
             out = _rotary_fields(get, refuse, family, strict)
     except KeyError as e:
@@ -203,6 +217,26 @@ def _gpt2_fields(get: _Reader, refuse) -> dict[str, Any]:
         max_seq_len=get.int("n_positions"), tie_embeddings=get.bool("tie_word_embeddings"), bias=True))
 
 
+def _neox_fields(get: _Reader, refuse) -> dict[str, Any]:
+    """GPT-NeoX / Pythia: LayerNorm and every linear layer with biases, a GELU MLP, q/k/v fused per
+    head, a share of each head rotated (rotary_pct), attention and MLP in parallel or in turn."""
+    dim, act = get.int("hidden_size"), get.raw("hidden_act")
+    if act not in ("gelu",) + _GELU_TANH:
+        refuse("hidden_act", f"is not supported; scaletrain's GPT-NeoX MLP computes gelu or {', '.join(_GELU_TANH)}")
+    if not get.raw("attention_bias"):
+        refuse("attention_bias", "leaves attention without biases while GPT-NeoX's MLP keeps its own; scaletrain "
+                                 "has biases on every linear layer or none")
+    max_len = get.int("max_position_embeddings")
+    out = dict(
+        vocab_size=get.int("vocab_size"), dim=dim, n_layers=get.int("num_hidden_layers"),
+        n_heads=get.int("num_attention_heads"), ffn_dim=get.int("intermediate_size"), norm="layernorm",
+        norm_eps=get.float("layer_norm_eps"), activation="gelu_exact" if act == "gelu" else "gelu", position="rope",
+        max_seq_len=max_len, tie_embeddings=get.bool("tie_word_embeddings"), bias=True,
+        parallel_residual=get.bool("use_parallel_residual"))
+    out.update(_rope_fields(get, refuse, max_len, partial=True))
+    return _complete(out)
+
+
 def _rotary_fields(get: _Reader, refuse, family: str, strict: bool) -> dict[str, Any]:
     vocab, dim, n_heads = get.int("vocab_size"), get.int("hidden_size"), get.int("num_attention_heads")
     head_dim = get.int("head_dim", optional=True) or 0
@@ -215,11 +249,12 @@ def _rotary_fields(get: _Reader, refuse, family: str, strict: bool) -> dict[str,
         head_dim=0 if head_dim * n_heads == dim else head_dim,  # 0: the usual dim / n_heads
         ffn_dim=get.int("intermediate_size"), norm="rmsnorm", norm_eps=get.float("rms_norm_eps"),
         activation="swiglu", position="rope", max_seq_len=max_len, tie_embeddings=get.bool("tie_word_embeddings"),
-        bias=False, qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe", "olmoe"),
-        qk_norm_scope="projection" if family == "olmoe" else "head")
+        bias=False, qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe", "olmoe", "olmo2"),
+        qk_norm_scope="projection" if family in ("olmoe", "olmo2") else "head",
+        norm_placement="post" if family == "olmo2" else "pre", export_as="phi3" if family == "phi3" else "auto")
     if out["n_kv_heads"] == n_heads:
         out["n_kv_heads"] = 0
-    out.update(_rope_fields(get, refuse, max_len))
+    out.update(_rope_fields(get, refuse, max_len, partial=family == "phi3"))
 
     attention_bias, mlp_bias = bool(get.raw("attention_bias")), bool(get.raw("mlp_bias"))
     if family == "llama" and attention_bias and mlp_bias:
@@ -229,10 +264,10 @@ def _rotary_fields(get: _Reader, refuse, family: str, strict: bool) -> dict[str,
                                  "biases on q/k/v only (qkv_bias) or on every linear layer (bias)")
     elif family == "llama" and mlp_bias:
         refuse("mlp_bias", "puts biases on the MLP alone; scaletrain has them on every linear layer or none")
-    elif family in ("qwen3", "qwen3_moe", "olmoe") and attention_bias:
+    elif family in ("qwen3", "qwen3_moe", "olmoe", "olmo2") and attention_bias:
         refuse("attention_bias", f"puts a bias on the output projection too; scaletrain's {family} has none there")
-    if family == "olmoe" and out["head_dim"]:
-        refuse("head_dim", "differs from hidden_size / num_attention_heads, which OLMoE's q/k norms assume")
+    if family in ("olmoe", "olmo2") and out["head_dim"]:
+        refuse("head_dim", f"differs from hidden_size / num_attention_heads, which {family}'s q/k norms assume")
     if family == "olmoe" and get.raw("clip_qkv") is not None:
         refuse("clip_qkv", "clamps the queries, keys and values; scaletrain does not")
     if family in MOE_FAMILIES:
@@ -248,20 +283,29 @@ def _rotary_fields(get: _Reader, refuse, family: str, strict: bool) -> dict[str,
     return _complete(out)
 
 
-def _rope_fields(get: _Reader, refuse, max_len: int) -> dict[str, Any]:
+def _rope_fields(get: _Reader, refuse, max_len: int, partial: bool = False) -> dict[str, Any]:
     """rope_theta and the scaling, from transformers 5's `rope_parameters` or 4's
-    `rope_theta` + `rope_scaling` (which 5 also reads, and lets win)."""
+    `rope_theta` + `rope_scaling` (which 5 also reads, and lets win); with `partial` (GPT-NeoX,
+    Phi-3) the share of each head that turns, else only a whole head is accepted. GPT-NeoX's
+    rotary_pct and rotary_emb_base are its older names of partial_rotary_factor and rope_theta."""
     params = get.raw("rope_scaling") or get.raw("rope_parameters") or {}
     key = "rope_scaling" if get.raw("rope_scaling") else "rope_parameters"
     if not isinstance(params, dict):
         refuse(key, "is not a JSON object of rotary parameters")
         params = {}
     kind = params.get("rope_type", params.get("type", "default"))
-    theta = params.get("rope_theta", get.raw("rope_theta") or 10000.0)
+    theta = params.get("rope_theta", get.raw("rope_theta") or get.raw("rotary_emb_base") or 10000.0)
     out: dict[str, Any] = dict(rope_theta=float(theta) if isinstance(theta, (int, float)) else theta)
-    partial = params.get("partial_rotary_factor", get.raw("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
-        refuse("partial_rotary_factor", "rotates part of each head; scaletrain rotates all of it")
+    share = params.get("partial_rotary_factor", get.raw("partial_rotary_factor"))
+    share = get.raw("rotary_pct") if share is None else share
+    if partial and share is not None:
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            refuse("partial_rotary_factor", "should be a number in (0, 1], the share of each head that turns")
+        else:
+            out["rotary_fraction"] = float(share)
+    elif share not in (None, 1, 1.0):
+        refuse("partial_rotary_factor", "rotates part of each head; scaletrain's import of this family rotates all "
+                                        "of it")
     if not isinstance(kind, str) or kind not in _ROPE_KEYS:
         refuse(key, f"has rope_type {kind!r}; scaletrain implements default, linear and llama3")
         return out
@@ -289,7 +333,7 @@ def _sliding_window(get: _Reader, family: str, n_layers: int) -> int:
     window = get.raw("sliding_window")
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return 0  # null: no window (a value of another type is left to the planner's guess)
-    if family in ("mistral", "mixtral"):
+    if family in ("mistral", "mixtral", "phi3"):
         return window
     if family not in ("qwen2", "qwen3", "qwen3_moe") or not get.raw("use_sliding_window"):
         return 0
@@ -345,6 +389,8 @@ def _complete(out: dict[str, Any]) -> dict[str, Any]:
                 rope_high_freq_factor=ModelConfig.rope_high_freq_factor,
                 rope_original_max_seq_len=ModelConfig.rope_original_max_seq_len,
                 sliding_window=0, bias=False, qkv_bias=False, qk_norm=False, qk_norm_scope="head",
+                norm_placement="pre", norm_unit_offset=False, parallel_residual=False, embed_scale=False,
+                rotary_fraction=1.0, export_as="auto",
                 **{f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name.startswith("moe_")})
     return {**base, **out}
 
@@ -400,6 +446,12 @@ def hf_family(cfg: ModelConfig) -> str:
     def no(why: str) -> ConfigError:
         return ConfigError(f"this model has no Hugging Face family: {why}")
 
+    if cfg.norm_placement != "pre" or cfg.norm_unit_offset or cfg.parallel_residual or cfg.embed_scale or \
+            cfg.rotary_fraction != 1.0 or cfg.activation in ("gelu_exact", "geglu") or \
+            (cfg.position == "rope" and cfg.norm == "layernorm"):
+        return _newer_family(cfg, no)
+    if cfg.export_as == "phi3":
+        return _phi3_family(cfg, no)
     if cfg.position == "learned" and cfg.norm == "layernorm" and cfg.activation == "gelu":
         if cfg.kv_heads != cfg.n_heads or cfg.head_size * cfg.n_heads != cfg.dim:
             raise no("GPT-2 has neither grouped-query attention nor a head_dim apart from dim / n_heads")
@@ -427,6 +479,55 @@ def hf_family(cfg: ModelConfig) -> str:
             raise no("Llama (biases everywhere) has no sliding window (model.sliding_window)")
         return "llama"
     return "mistral" if cfg.sliding_window else "llama"
+
+
+def _phi3_family(cfg: ModelConfig, no) -> str:
+    """Phi-3 (and Phi-4), if it computes what `cfg` computes: a Llama with its projections fused."""
+    unlike = [why for why, differs in (
+        ("is rope, rmsnorm, swiglu with norms before the sub-blocks",
+         not (cfg.position == "rope" and cfg.norm == "rmsnorm" and cfg.activation == "swiglu"
+              and cfg.norm_placement == "pre")),
+        ("has no biases, q/k norms nor experts", cfg.bias or cfg.qkv_bias or cfg.qk_norm or cfg.moe_experts),
+        ("has no head_dim apart from dim / n_heads", cfg.head_size * cfg.n_heads != cfg.dim),
+        ("scales rope by longrope only, which scaletrain lacks (model.rope_scaling=none)", cfg.rope_scaling != "none"),
+        ("has no parallel residual, embed_scale nor norm_unit_offset",
+         cfg.parallel_residual or cfg.embed_scale or cfg.norm_unit_offset)) if differs]
+    if unlike:
+        raise no(f"model.export_as=phi3, but Phi-3 {unlike[0]}")
+    return "phi3"
+
+
+def _newer_family(cfg: ModelConfig, no) -> str:
+    """OLMo 2, GPT-NeoX or Phi-3, whichever computes what `cfg` (with one of the options GPT-2 and
+    the Llama-likes lack) computes."""
+    llama_like = cfg.position == "rope" and cfg.norm == "rmsnorm" and cfg.activation == "swiglu"
+    if llama_like and cfg.norm_placement == "pre" and not (cfg.parallel_residual or cfg.embed_scale
+                                                           or cfg.norm_unit_offset):
+        return _phi3_family(cfg, no)  # a Llama that rotates part of each head
+    if cfg.norm_placement == "post":
+        plain = llama_like and not (cfg.norm_unit_offset or cfg.parallel_residual or cfg.embed_scale or cfg.bias
+                                    or cfg.qkv_bias or cfg.sliding_window or cfg.moe_experts)
+        if not plain or cfg.rotary_fraction != 1.0 or not cfg.qk_norm or cfg.qk_norm_scope != "projection" \
+                or cfg.head_size * cfg.n_heads != cfg.dim:
+            raise no("norms after the sub-blocks (model.norm_placement=post) are OLMo 2's, which is rope, rmsnorm, "
+                     "swiglu with q/k norms over the whole projections (qk_norm_scope=projection), full rotary, "
+                     "head_dim = dim / n_heads, no biases, window, experts, embed_scale nor norm_unit_offset")
+        return "olmo2"
+    if cfg.position == "rope" and cfg.norm == "layernorm":
+        unlike = [why for why, differs in (
+            ("no biases (model.bias=true: every linear layer and LayerNorm has one)", not cfg.bias),
+            (f"activation={cfg.activation} (gelu or gelu_exact)", cfg.activation not in ("gelu", "gelu_exact")),
+            ("grouped-query attention nor a head_dim apart from dim / n_heads",
+             cfg.kv_heads != cfg.n_heads or cfg.head_size * cfg.n_heads != cfg.dim),
+            ("q/k norms, sliding window, experts, embed_scale nor norm_unit_offset",
+             cfg.qk_norm or cfg.qkv_bias or cfg.sliding_window or cfg.moe_experts or cfg.embed_scale
+             or cfg.norm_unit_offset), ("no rope scaling (model.rope_scaling)", cfg.rope_scaling != "none"))
+            if differs]
+        if unlike:
+            raise no(f"rope with layernorm is GPT-NeoX's, which has {unlike[0]}")
+        return "gpt_neox"
+    raise no("no family computes this combination of model.norm_placement, norm_unit_offset, parallel_residual, "
+             "embed_scale, rotary_fraction and activation")
 
 
 def _moe_family(cfg: ModelConfig, no) -> str:
@@ -458,7 +559,8 @@ def hf_config_from_model(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
     family = hf_family(cfg)
     arch = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}[family]
+            "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "olmo2": "Olmo2ForCausalLM",
+            "gpt_neox": "GPTNeoXForCausalLM", "phi3": "Phi3ForCausalLM"}[family]
     out: dict[str, Any] = {"architectures": [arch], "model_type": family, "vocab_size": cfg.vocab_size,
                            "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32"}
     if family == "gpt2":
@@ -467,6 +569,15 @@ def hf_config_from_model(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
                    attn_pdrop=cfg.dropout, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
                    scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
                    add_cross_attention=False)
+        return {**out, **extra}
+    if family == "gpt_neox":
+        rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.rotary_fraction}
+        out.update(hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                   intermediate_size=cfg.hidden_dim, max_position_embeddings=cfg.max_seq_len,
+                   hidden_act="gelu" if cfg.activation == "gelu_exact" else "gelu_new", layer_norm_eps=cfg.norm_eps,
+                   use_parallel_residual=cfg.parallel_residual, attention_bias=True, rope_parameters=rope,
+                   rotary_pct=cfg.rotary_fraction, rotary_emb_base=cfg.rope_theta, attention_dropout=cfg.dropout,
+                   hidden_dropout=cfg.dropout)
         return {**out, **extra}
     out.update(hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
                num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_size, intermediate_size=cfg.hidden_dim,
@@ -489,6 +600,14 @@ def hf_config_from_model(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
         out.update(intermediate_size=cfg.expert_hidden)
     if family == "llama":
         out.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
+    elif family == "olmo2":
+        out.update(attention_bias=False)
+    elif family == "phi3":
+        rope["partial_rotary_factor"] = cfg.rotary_fraction
+        # (Phi-3's default padding id, 32000, lies outside a smaller vocabulary: transformers then fails to load)
+        out.update(rope_scaling=None, sliding_window=cfg.sliding_window or None,
+                   original_max_position_embeddings=cfg.max_seq_len, pad_token_id=None)
+        del out["head_dim"]
     elif family in ("mistral", "mixtral"):
         out.update(sliding_window=cfg.sliding_window or None)
     if family == "mixtral":

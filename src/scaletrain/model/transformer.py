@@ -30,21 +30,24 @@ from scaletrain.model.moe import MoE
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
+        """`unit_offset` (Gemma): scale by (1 + weight), so a weight of zeros is the identity."""
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in fp32 even under autocast: the mean of squares loses bits in bf16
         x32 = x.float()
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:  # (Gemma scales in fp32, then rounds)
+            return (y * (1.0 + self.weight.float())).type_as(x)
         return y.type_as(x) * self.weight
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.dim, cfg.norm_eps)
+        return RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_unit_offset)
     if cfg.norm == "layernorm":
         return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
     raise ValueError(f"unknown norm {cfg.norm!r}")
@@ -53,7 +56,7 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
     """The rotation speed of each pair of a head, (head_size // 2,) in fp32: theta^(-2i/d),
     stretched by `rope_scaling` for contexts longer than the model was first trained on."""
-    d = cfg.head_size
+    d = cfg.rotary_dim  # (a head's first rotary_dim coordinates turn, the rest do not)
     freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
     if cfg.rope_scaling == "linear":  # positions / factor, the same as frequencies / factor
         return freq / cfg.rope_factor
@@ -70,19 +73,20 @@ def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
 
 
 def rope_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, each (max_seq_len, head_size // 2), in fp32."""
+    """cos and sin of the rotary angles, each (max_seq_len, rotary_dim // 2), in fp32."""
     angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32),
                          rope_frequencies(cfg, device))
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x: (B, T, H, head_dim) by the angle of their position."""
-    T = x.shape[1]
-    cos, sin = cos[:T, None, :], sin[:T, None, :]  # (T, 1, head_dim/2), broadcast over heads
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    return out.type_as(x)
+    """Rotate pairs (x[2i], x[2i+1]) of x: (B, T, H, head_dim) by the angle of their position; with
+    tables narrower than the head (partial rotary) only its first 2 * cos.shape[-1] coordinates."""
+    T, r = x.shape[1], 2 * cos.shape[-1]
+    cos, sin = cos[:T, None, :], sin[:T, None, :]  # (T, 1, rotary_dim/2), broadcast over heads
+    x1, x2 = x[..., :r].float().unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
+    return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -101,8 +105,8 @@ class Attention(nn.Module):
         self.norm_heads = cfg.qk_norm_scope == "head"
         q_width, k_width = (self.head_dim,) * 2 if self.norm_heads else (cfg.n_heads * self.head_dim,
                                                                          cfg.kv_heads * self.head_dim)
-        self.q_norm = RMSNorm(q_width, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(k_width, cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(q_width, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: tuple[KVCache, str] | None = None) -> torch.Tensor:
@@ -146,9 +150,15 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0):
         """`index`: the block's place in the model (which blocks are mixtures of experts)."""
         super().__init__()
-        self.attn_norm = make_norm(cfg)
+        # norm_placement: pre-norms normalise each sub-block's input (attn_norm, mlp_norm), post-norms
+        # its output before the residual add (attn_post_norm, mlp_post_norm; OLMo 2, Gemma)
+        pre, post = cfg.norm_placement in ("pre", "both"), cfg.norm_placement in ("post", "both")
+        self.attn_norm = make_norm(cfg) if pre else None
         self.attn = Attention(cfg)
-        self.mlp_norm = make_norm(cfg)
+        self.attn_post_norm = make_norm(cfg) if post else None
+        self.mlp_norm = make_norm(cfg) if pre else None
+        self.mlp_post_norm = make_norm(cfg) if post else None
+        self.parallel_residual = cfg.parallel_residual
         # a mixture of experts is `moe`, a dense MLP `mlp`: their weights differ in name and shape
         if cfg.is_moe_block(index):
             self.moe = MoE(cfg)
@@ -162,11 +172,17 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 cache: tuple[KVCache, str] | None = None) -> torch.Tensor:
-        h = self.attn_norm(x)
+        h = _maybe(self.attn_norm, x)
         # the cache only in generation: tensor parallelism's input plan knows (x, rope) alone
-        x = x + self.drop(self.attn(h, rope) if cache is None else self.attn(h, rope, cache))
-        x = x + self.drop(self.ffn(self.mlp_norm(x)))
-        return x
+        a = _maybe(self.attn_post_norm, self.attn(h, rope) if cache is None else self.attn(h, rope, cache))
+        if self.parallel_residual:  # GPT-NeoX: x + attn(norm1(x)) + mlp(norm2(x))
+            return x + self.drop(a) + self.drop(self.ffn(self.mlp_norm(x)))
+        x = x + self.drop(a)
+        return x + self.drop(_maybe(self.mlp_post_norm, self.ffn(_maybe(self.mlp_norm, x))))
+
+
+def _maybe(norm: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+    return x if norm is None else norm(x)
 
 
 @dataclass(frozen=True)
@@ -210,8 +226,9 @@ class Transformer(nn.Module):
     def init_rule(self, name: str) -> InitRule:
         """The initial distribution of parameter `name` (a canonical name, no wrapper prefixes)."""
         leaf = name.rsplit(".", 1)[-1]
-        if "norm" in name.rsplit(".", 2)[-2]:
-            return InitRule("ones") if leaf == "weight" else InitRule("zeros")
+        if "norm" in name.rsplit(".", 2)[-2]:  # (a (1 + w) RMSNorm is the identity at w = 0)
+            ones = leaf == "weight" and not (self.cfg.norm_unit_offset and self.cfg.norm == "rmsnorm")
+            return InitRule("ones") if ones else InitRule("zeros")
         if leaf == "bias":
             return InitRule("zeros")
         if name.endswith(("attn.wo.weight", "mlp.w2.weight", "moe.w2", "shared.w2.weight")):
@@ -234,6 +251,8 @@ class Transformer(nn.Module):
         # last stage of a tied model holds the embedding too, for its weight (the head's) alone
         embed = self.tok_emb is not None and not tokens.is_floating_point()
         h = self.tok_emb(tokens) if embed else tokens  # (B, T, dim)
+        if embed and self.cfg.embed_scale:  # Gemma: sqrt(dim), rounded to the activations' dtype as it does
+            h = h * torch.tensor(self.cfg.dim ** 0.5, dtype=h.dtype)
         if self.pos_emb is not None and embed:
             h = h + self.pos_emb(torch.arange(past, past + h.shape[1], device=h.device))
         if embed:
