@@ -348,7 +348,8 @@ def _family_key(key: str, family: str, cfg: ModelConfig) -> tuple[str, list[tupl
         return key, None
     i, module, leaf = m.groups()
     f = cfg.hidden_dim
-    fused = {"self_attn.q_proj": ("self_attn.qkv_proj", (0, q)), "self_attn.k_proj": ("self_attn.qkv_proj", (q, q + kv)),
+    fused = {"self_attn.q_proj": ("self_attn.qkv_proj", (0, q)),
+             "self_attn.k_proj": ("self_attn.qkv_proj", (q, q + kv)),
              "self_attn.v_proj": ("self_attn.qkv_proj", (q + kv, q + 2 * kv)),
              "mlp.gate_proj": ("mlp.gate_up_proj", (0, f)), "mlp.up_proj": ("mlp.gate_up_proj", (f, 2 * f))}
     if module in fused:
