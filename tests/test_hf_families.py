@@ -35,6 +35,16 @@ FAMILIES = {
     "phi4-partial": ("Phi3Config", dict(TINY, **PHI_IDS, tie_word_embeddings=True,
                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                          "partial_rotary_factor": 0.75})),
+    # Gemma 2: caps low enough to bite on a tiny random model, a query scale apart from head_dim
+    "gemma2": ("Gemma2Config", dict(TINY, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                                    sliding_window=48, attn_logit_softcapping=1.0, final_logit_softcapping=2.0)),
+    # Gemma 3: q/k norms, head_dim apart, global blocks every 2nd with their own (linearly scaled) rotary base
+    "gemma3": ("Gemma3TextConfig", dict(TINY, num_hidden_layers=4, num_key_value_heads=2, head_dim=24,
+                                        sliding_window=48, sliding_window_pattern=2,
+                                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                            "rope_theta": 1000000.0},
+                                                         "sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 10000.0}})),
 }
 
 

@@ -62,6 +62,20 @@ class ModelConfig:
     sliding_window: int = option(0, "the window of a model trained with sliding-window attention (Mistral); "
                                     "scaletrain attends to the whole sequence, so data.seq_len may not exceed it; "
                                     "0 = none", min=0)
+    global_every: int = option(0, "every n-th block (counting from 1) attends to the whole sequence and the others are "
+                                  "sliding-window blocks (Gemma 2: 2, Gemma 3: 6); 0 = every block alike. As with "
+                                  "model.sliding_window, scaletrain attends to the whole sequence in both kinds: what "
+                                  "differs is the rotary base (model.rope_local_theta)", min=0)
+    rope_local_theta: float = option(0.0, "rotary base of the sliding-window blocks, which rope_scaling leaves "
+                                          "unscaled (Gemma 3's rope_local_base_freq); 0 = rope_theta and scaling "
+                                          "alike in every block", min=0.0)
+    attn_scale_dim: int = option(0, "the attention scores are divided by sqrt(this) rather than sqrt(head_dim) "
+                                    "(Gemma's query_pre_attn_scalar); 0 = head_dim", min=0)
+    attn_softcap: float = option(0.0, "soft-cap the attention scores to (-c, c): c * tanh(score / c) before the "
+                                      "softmax (Gemma 2); 0 = off. Attention then runs as plain matmuls, not "
+                                      "scaled_dot_product_attention", min=0.0)
+    logit_softcap: float = option(0.0, "soft-cap the output logits likewise: c * tanh(logit / c) (Gemma 2); 0 = off",
+                                  min=0.0)
     tie_embeddings: bool = option(True, "share the input embedding with the output head")
     bias: bool = option(False, "add biases to linear layers and LayerNorm")
     qkv_bias: bool = option(False, "add biases to the query, key and value projections only (Qwen2)")
@@ -123,6 +137,10 @@ class ModelConfig:
     def expert_hidden(self) -> int:
         return self.moe_hidden or self.hidden_dim
 
+    def is_local_block(self, index: int) -> bool:
+        """Whether block `index` is a sliding-window block (model.global_every) rather than a global one."""
+        return bool(self.global_every) and (index + 1) % self.global_every != 0
+
     def is_moe_block(self, index: int) -> bool:
         """Whether block `index` holds a mixture of experts rather than a dense MLP."""
         return bool(self.moe_experts) and index >= self.moe_first_dense and \
@@ -169,6 +187,12 @@ def check_model(m: ModelConfig) -> list[str]:
     if m.parallel_residual and m.norm_placement != "pre":
         errors.append(f"model.parallel_residual=true feeds attention and MLP the one normalised input; it needs "
                       f"model.norm_placement=pre, not {m.norm_placement}")
+    if m.global_every and not m.sliding_window:
+        errors.append(f"model.global_every={m.global_every} makes the other blocks sliding-window ones, but "
+                      "model.sliding_window=0; set the window, or drop global_every")
+    if m.rope_local_theta and not (m.global_every and m.position == "rope"):
+        errors.append(f"model.rope_local_theta={m.rope_local_theta:g} is the rotary base of the sliding-window blocks; "
+                      "it needs model.position=rope and model.global_every")
     if m.rope_scaling != "none" and m.position != "rope":
         errors.append(f"model.rope_scaling={m.rope_scaling} scales rotary positions; it needs model.position=rope")
     if m.rope_scaling == "none" and m.rope_factor != 1.0:

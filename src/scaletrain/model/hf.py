@@ -601,7 +601,8 @@ class _SafetensorsFiles(_Lazy):
 # (context extension)
 _SAME_MATH = ("norm", "norm_eps", "activation", "position", "rope_theta", "qk_norm", "qk_norm_scope", "head_dim",
               "moe_top_k", "moe_score", "moe_renorm", "moe_route_scale", "norm_placement", "norm_unit_offset",
-              "parallel_residual", "embed_scale", "rotary_fraction")
+              "parallel_residual", "embed_scale", "rotary_fraction", "attn_scale_dim", "attn_softcap", "logit_softcap",
+              "rope_local_theta", "global_every")
 
 
 def load_hf_weights(source: str | Path, model_cfg: ModelConfig,

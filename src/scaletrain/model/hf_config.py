@@ -31,8 +31,9 @@ from typing import Any
 from scaletrain.errors import ConfigError
 from scaletrain.model.config import ModelConfig
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gpt_neox", "phi3", "mixtral", "qwen3_moe",
-            "olmoe")
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gpt_neox", "phi3", "gemma2", "gemma3_text",
+            "mixtral", "qwen3_moe", "olmoe")
+_GEMMA = ("gemma2", "gemma3_text")
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
 # mixtures of experts whose attention scaletrain lacks: refused with what to do instead
 _MLA = ("deepseek_v3", "deepseek_v2")
@@ -78,6 +79,13 @@ _KNOWN = {
         "layer_norm_eps", "rotary_pct", "rotary_emb_base", "use_parallel_residual", "attention_bias",
         "hidden_dropout", "classifier_dropout", "is_decoder"},
     "phi3": _ROTARY | {"original_max_position_embeddings", "sliding_window"},
+    "gemma2": _ROTARY | {"hidden_activation", "attention_bias", "query_pre_attn_scalar", "sliding_window",
+                         "layer_types", "final_logit_softcapping", "attn_logit_softcapping",
+                         "use_bidirectional_attention", "cache_implementation"},
+    "gemma3_text": _ROTARY | {"hidden_activation", "attention_bias", "query_pre_attn_scalar", "sliding_window",
+                              "layer_types", "final_logit_softcapping", "attn_logit_softcapping",
+                              "use_bidirectional_attention", "cache_implementation", "rope_local_base_freq",
+                              "sliding_window_pattern", "_sliding_window_pattern"},
     "mixtral": _ROTARY | {"sliding_window", "num_local_experts", "num_experts", "num_experts_per_tok",
                           "router_jitter_noise"},
     "qwen3_moe": _ROTARY | _WINDOWED | {"attention_bias", "num_experts", "num_local_experts", "num_experts_per_tok",
@@ -104,6 +112,15 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                      use_parallel_residual=True, attention_bias=True, rotary_pct=0.25, rotary_emb_base=10000),
     "phi3": dict(num_key_value_heads=None, head_dim=None, hidden_act="silu", max_position_embeddings=4096,
                  rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None),
+    "gemma2": dict(num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                   max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
+                   query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
+                   attn_logit_softcapping=50.0, sliding_window_pattern=2),
+    "gemma3_text": dict(num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                        max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                        attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096,
+                        final_logit_softcapping=None, attn_logit_softcapping=None, rope_theta=1000000.0,
+                        rope_local_base_freq=10000.0, sliding_window_pattern=6),
     "mixtral": dict(num_key_value_heads=8, head_dim=None, hidden_act="silu", max_position_embeddings=131072,
                     rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None, rope_theta=1e6,
                     num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.0),
@@ -186,6 +203,8 @@ def model_config_from_hf(source: str | Path | Mapping[str, Any], *, strict: bool
             out = _gpt2_fields(get, refuse)
         elif family == "gpt_neox":
             out = _neox_fields(get, refuse)
+        elif family in _GEMMA:
+            out = _gemma_fields(get, refuse, family)
         else:
             out = _rotary_fields(get, refuse, family, strict)
     except KeyError as e:
@@ -234,6 +253,76 @@ def _neox_fields(get: _Reader, refuse) -> dict[str, Any]:
         max_seq_len=max_len, tie_embeddings=get.bool("tie_word_embeddings"), bias=True,
         parallel_residual=get.bool("use_parallel_residual"))
     out.update(_rope_fields(get, refuse, max_len, partial=True))
+    return _complete(out)
+
+
+def _gemma_fields(get: _Reader, refuse, family: str) -> dict[str, Any]:
+    """Gemma 2 and Gemma 3 (text): embeddings scaled by sqrt(dim), GeGLU, (1 + w) RMSNorms before and
+    after each sub-block, scores scaled by query_pre_attn_scalar, soft-capped scores and logits
+    (Gemma 2), q/k norms and a rotary base of their own for the sliding-window blocks (Gemma 3)."""
+    dim, n_heads, head_dim = get.int("hidden_size"), get.int("num_attention_heads"), get.int("head_dim")
+    n_layers, max_len = get.int("num_hidden_layers"), get.int("max_position_embeddings")
+    act = get.raw("hidden_activation") or get.raw("hidden_act")
+    if act not in _GELU_TANH:
+        refuse("hidden_activation", f"is not supported; scaletrain's GeGLU gates by {' or '.join(_GELU_TANH)}")
+    if get.raw("attention_bias"):
+        refuse("attention_bias", "puts biases on the attention projections; scaletrain's Gemma has none")
+    if get.raw("use_bidirectional_attention"):
+        refuse("use_bidirectional_attention", "lets every token attend to later ones; scaletrain's attention is causal")
+    scalar = get.raw("query_pre_attn_scalar")
+    if isinstance(scalar, bool) or not isinstance(scalar, int) or scalar <= 0:
+        refuse("query_pre_attn_scalar", "should be a positive integer (the scores are divided by its square root)")
+        scalar = head_dim
+    caps = {}
+    for key, ours in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "logit_softcap")):
+        cap = get.raw(key)
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
+            refuse(key, "should be a positive number or null")
+            cap = None
+        caps[ours] = float(cap or 0.0)
+    # which blocks slide: layer_types, or (configs without it) every block but each pattern-th
+    pattern = get.raw("sliding_window_pattern")
+    types = get.raw("layer_types")
+    if not isinstance(types, list):
+        ok = isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0
+        types = ["sliding_attention" if ok and (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    window = get.raw("sliding_window")
+    slides = "sliding_attention" in types and isinstance(window, int) and not isinstance(window, bool) and window > 0
+    every = 0
+    if slides and "full_attention" in types:
+        every = types.index("full_attention") + 1
+        if types != ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]:
+            refuse("layer_types", f"has its global blocks where model.global_every (every n-th block global) cannot "
+                                  f"put them: {_short(types)}")
+    out = dict(
+        vocab_size=get.int("vocab_size"), dim=dim, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=get.int("num_key_value_heads"), head_dim=0 if head_dim * n_heads == dim else head_dim,
+        ffn_dim=get.int("intermediate_size"), norm="rmsnorm", norm_eps=get.float("rms_norm_eps"),
+        norm_unit_offset=True, norm_placement="both", activation="geglu", embed_scale=True, position="rope",
+        max_seq_len=max_len, tie_embeddings=get.bool("tie_word_embeddings"), bias=False,
+        qk_norm=family == "gemma3_text", sliding_window=window if slides else 0, global_every=every,
+        attn_scale_dim=0 if scalar == head_dim else scalar, **caps)
+    if out["n_kv_heads"] == n_heads:
+        out["n_kv_heads"] = 0
+    params = get.raw("rope_parameters")
+    if family == "gemma3_text" and isinstance(params, dict) and "full_attention" in params:
+        # transformers 5: one set of rotary parameters per kind of block
+        glob, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        out.update(_rope_fields(_Reader({"rope_parameters": glob}, {"rope_theta": 1000000.0}, get.where), refuse,
+                                max_len))
+        local_kind = local.get("rope_type", local.get("type", "default")) if isinstance(local, dict) else None
+        if local_kind != "default" or set(local) - {"rope_type", "type", "rope_theta"}:
+            refuse("rope_parameters", f"scales the sliding-window blocks' rotary ({_short(local)}); scaletrain "
+                                      "scales the global blocks' only")
+        local_theta = local.get("rope_theta", 10000.0) if isinstance(local, dict) else 10000.0
+    else:
+        out.update(_rope_fields(get, refuse, max_len))
+        local_theta = get.raw("rope_local_base_freq") if family == "gemma3_text" else None
+    if local_theta is not None and not every and types and types[0] == "sliding_attention":
+        out["rope_theta"] = float(local_theta)  # every block slides: the local base is the only one
+        out["rope_scaling"], out["rope_factor"] = "none", 1.0
+    elif local_theta is not None and every:
+        out["rope_local_theta"] = float(local_theta)
     return _complete(out)
 
 
@@ -390,7 +479,8 @@ def _complete(out: dict[str, Any]) -> dict[str, Any]:
                 rope_original_max_seq_len=ModelConfig.rope_original_max_seq_len,
                 sliding_window=0, bias=False, qkv_bias=False, qk_norm=False, qk_norm_scope="head",
                 norm_placement="pre", norm_unit_offset=False, parallel_residual=False, embed_scale=False,
-                rotary_fraction=1.0, export_as="auto",
+                rotary_fraction=1.0, export_as="auto", global_every=0, rope_local_theta=0.0, attn_scale_dim=0,
+                attn_softcap=0.0, logit_softcap=0.0,
                 **{f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name.startswith("moe_")})
     return {**base, **out}
 
@@ -448,7 +538,8 @@ def hf_family(cfg: ModelConfig) -> str:
 
     if cfg.norm_placement != "pre" or cfg.norm_unit_offset or cfg.parallel_residual or cfg.embed_scale or \
             cfg.rotary_fraction != 1.0 or cfg.activation in ("gelu_exact", "geglu") or \
-            (cfg.position == "rope" and cfg.norm == "layernorm"):
+            (cfg.position == "rope" and cfg.norm == "layernorm") or cfg.attn_softcap or cfg.logit_softcap or \
+            cfg.attn_scale_dim or cfg.global_every or cfg.rope_local_theta:
         return _newer_family(cfg, no)
     if cfg.export_as == "phi3":
         return _phi3_family(cfg, no)
@@ -497,13 +588,38 @@ def _phi3_family(cfg: ModelConfig, no) -> str:
     return "phi3"
 
 
+def _gemma_family(cfg: ModelConfig, no) -> str:
+    """Gemma 2 or Gemma 3 (text), if one computes what `cfg` (norms before and after) computes."""
+    unlike = [why for why, differs in (
+        ("is rope, rmsnorm with the (1 + w) weight, geglu and scaled embeddings",
+         not (cfg.position == "rope" and cfg.norm == "rmsnorm" and cfg.norm_unit_offset and cfg.activation == "geglu"
+              and cfg.embed_scale)),
+        ("has no biases, experts, parallel residual nor partial rotary",
+         cfg.bias or cfg.qkv_bias or cfg.moe_experts or cfg.parallel_residual or cfg.rotary_fraction != 1.0),
+        ("has q/k norms of each head only", cfg.qk_norm and cfg.qk_norm_scope != "head")) if differs]
+    if unlike:
+        raise no(f"norms before and after each sub-block are Gemma's, which {unlike[0]}")
+    if cfg.qk_norm or cfg.rope_local_theta:
+        return "gemma3_text"
+    return "gemma2"
+
+
 def _newer_family(cfg: ModelConfig, no) -> str:
     """OLMo 2, GPT-NeoX or Phi-3, whichever computes what `cfg` (with one of the options GPT-2 and
     the Llama-likes lack) computes."""
     llama_like = cfg.position == "rope" and cfg.norm == "rmsnorm" and cfg.activation == "swiglu"
     if llama_like and cfg.norm_placement == "pre" and not (cfg.parallel_residual or cfg.embed_scale
-                                                           or cfg.norm_unit_offset):
+                                                           or cfg.norm_unit_offset or cfg.attn_softcap
+                                                           or cfg.logit_softcap or cfg.attn_scale_dim
+                                                           or cfg.global_every or cfg.rope_local_theta):
         return _phi3_family(cfg, no)  # a Llama that rotates part of each head
+    if cfg.norm_placement == "both":
+        return _gemma_family(cfg, no)
+    gemma_only = [k for k in ("attn_softcap", "logit_softcap", "attn_scale_dim", "global_every", "rope_local_theta")
+                  if getattr(cfg, k)]
+    if gemma_only:
+        raise no(f"model.{gemma_only[0]} is Gemma's, which also has norms before and after each sub-block "
+                 "(model.norm_placement=both)")
     if cfg.norm_placement == "post":
         plain = llama_like and not (cfg.norm_unit_offset or cfg.parallel_residual or cfg.embed_scale or cfg.bias
                                     or cfg.qkv_bias or cfg.sliding_window or cfg.moe_experts)
@@ -560,7 +676,8 @@ def hf_config_from_model(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
     arch = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "olmo2": "Olmo2ForCausalLM",
-            "gpt_neox": "GPTNeoXForCausalLM", "phi3": "Phi3ForCausalLM"}[family]
+            "gpt_neox": "GPTNeoXForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM"}[family]
     out: dict[str, Any] = {"architectures": [arch], "model_type": family, "vocab_size": cfg.vocab_size,
                            "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32"}
     if family == "gpt2":
@@ -602,6 +719,21 @@ def hf_config_from_model(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
         out.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
     elif family == "olmo2":
         out.update(attention_bias=False)
+    elif family in _GEMMA:
+        out.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+                   query_pre_attn_scalar=cfg.attn_scale_dim or cfg.head_size,
+                   attn_logit_softcapping=cfg.attn_softcap or None, final_logit_softcapping=cfg.logit_softcap or None,
+                   sliding_window=cfg.sliding_window or None, use_bidirectional_attention=False,
+                   layer_types=["sliding_attention" if cfg.is_local_block(i) or (cfg.sliding_window and not
+                                                                                cfg.global_every) else "full_attention"
+                                for i in range(cfg.n_layers)])
+        del out["hidden_act"]
+        if family == "gemma3_text":  # one set of rotary parameters per kind of block
+            local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
+            if not cfg.rope_local_theta and cfg.rope_scaling != "none":
+                local = rope  # every block alike
+            out.update(rope_parameters={"full_attention": rope, "sliding_attention": local}, rope_scaling=None)
+            del out["rope_theta"]
     elif family == "phi3":
         rope["partial_rotary_factor"] = cfg.rotary_fraction
         # (Phi-3's default padding id, 32000, lies outside a smaller vocabulary: transformers then fails to load)

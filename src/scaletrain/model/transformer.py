@@ -16,6 +16,7 @@ Initial values are a function of the parameter's name alone (see `init_rule` and
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -94,6 +95,8 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_size
         self.dropout = cfg.dropout
+        self.scale = cfg.attn_scale_dim ** -0.5 if cfg.attn_scale_dim else None  # None: 1 / sqrt(head_dim)
+        self.softcap = cfg.attn_softcap
         qkv_bias = cfg.bias or cfg.qkv_bias
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=qkv_bias)
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=qkv_bias)
@@ -140,10 +143,27 @@ class Attention(nn.Module):
                causal: bool) -> torch.Tensor:
         """softmax(q kᵀ / √head_dim) v, k and v with as many or fewer (grouped) heads than q. The
         one step a transformation may replace on an instance (context parallelism brings the keys
-        of other ranks here), so it stays a method of its own."""
+        of other ranks here), so it stays a method of its own. Soft-capped scores (Gemma 2) are
+        computed as plain matmuls, as transformers' eager attention does: no fused kernel caps them."""
+        if self.softcap:
+            return self._capped(q, k, v, mask, causal)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=q.shape[1] != k.shape[1])
+            enable_gqa=q.shape[1] != k.shape[1], scale=self.scale)
+
+    def _capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                causal: bool) -> torch.Tensor:
+        if k.shape[1] != q.shape[1]:  # grouped-query: each K/V head serves q_heads / kv_heads query heads
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        scores = q @ k.transpose(-2, -1) * (self.scale or self.head_dim ** -0.5)
+        scores = self.softcap * torch.tanh(scores / self.softcap)
+        T, S = scores.shape[-2:]
+        if mask is None and causal:  # query i sees keys up to S - T + i
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = F.dropout(torch.softmax(scores.float(), dim=-1).type_as(q), self.dropout, self.training)
+        return weights @ v
 
 
 class Block(nn.Module):
@@ -210,6 +230,10 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(cfg)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+        if cfg.rope_local_theta:  # Gemma 3: the sliding-window blocks turn at their own base, unscaled
+            cos, sin = rope_tables(local_rope(cfg))
+            self.register_buffer("rope_local_cos", cos, persistent=False)
+            self.register_buffer("rope_local_sin", sin, persistent=False)
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """After `to_empty` from the meta device: re-tie the head to the embedding (`to_empty`
@@ -219,6 +243,8 @@ class Transformer(nn.Module):
         if self.cfg.position == "rope":
             cos, sin = rope_tables(self.cfg, device=device or self.rope_cos.device)
             self.rope_cos, self.rope_sin = cos, sin
+        if self.cfg.rope_local_theta:
+            self.rope_local_cos, self.rope_local_sin = rope_tables(local_rope(self.cfg), device=self.rope_cos.device)
         for m in self.modules():
             if isinstance(m, MoE):
                 m.reset_state()
@@ -258,15 +284,24 @@ class Transformer(nn.Module):
         if embed:
             h = self.drop(h)
         rope = (self.rope_cos[past:], self.rope_sin[past:]) if self.cfg.position == "rope" else None
+        local = (self.rope_local_cos[past:], self.rope_local_sin[past:]) if self.cfg.rope_local_theta else rope
         for name, block in self.layers.items():
-            h = block(h, rope) if cache is None else block(h, rope, (cache, name))
+            r = local if self.cfg.is_local_block(int(name)) else rope
+            h = block(h, r) if cache is None else block(h, r, (cache, name))
         if cache is not None:
             cache.advance(tokens.shape[1])
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
             h = self.output(h)  # (B, T, vocab)
+            if self.cfg.logit_softcap:  # Gemma 2
+                h = self.cfg.logit_softcap * torch.tanh(h / self.cfg.logit_softcap)
         return h
+
+
+def local_rope(cfg: ModelConfig) -> ModelConfig:
+    """The rotary settings of the sliding-window blocks (Gemma 3): their own base, no scaling."""
+    return dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling="none", rope_factor=1.0)
 
 
 def count_params(cfg: ModelConfig) -> int:
