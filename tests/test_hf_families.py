@@ -1,8 +1,11 @@
 """Hugging Face families beyond GPT-2 and the Llama-likes: OLMo 2 (norms after the sub-blocks,
-q/k norms over the whole projections). For each, a tiny model made by transformers (from_config;
-nothing downloaded): the import computes its logits, the export gives its state dict back
-exactly, greedy generation with our KV cache picks its tokens, and the planner counts the model
-scaletrain builds. The multi-rank cases of every family run in one 2-rank launch."""
+q/k norms over the whole projections), GPT-NeoX / Pythia (parallel residual, partial rotary, q/k/v
+fused per head), Phi-3 / Phi-4 (fused qkv and gate/up, partial rotary) and Gemma 2 / 3 ((1 + w)
+norms before and after, GeGLU, scaled embeddings, soft-caps, per-kind rotary bases). For each, a
+tiny model made by transformers (from_config; nothing downloaded): the import computes its
+logits, the export gives its state dict back exactly, greedy generation with our KV cache picks
+its tokens, and the planner counts the model scaletrain builds. The multi-rank cases of every
+family run in one 2-rank launch."""
 
 from __future__ import annotations
 
@@ -295,8 +298,9 @@ def test_export_names_the_family_or_why_none(tmp_path):
     assert hf_family(ModelConfig(**olmo2)) == "olmo2"
     with pytest.raises(ConfigError, match="norms after the sub-blocks .* are OLMo 2's"):
         hf_family(ModelConfig(**{**olmo2, "qk_norm": False, "qk_norm_scope": "head"}))
-    with pytest.raises(ConfigError, match="rope with layernorm is GPT-NeoX's, which has no biases"):
-        hf_family(ModelConfig(position="rope"))
+    with pytest.raises(ConfigError, match="rope with layernorm is GPT-NeoX's, which needs activation gelu or "
+                                          "gelu_exact, not swiglu"):
+        hf_family(ModelConfig(position="rope", bias=True, activation="swiglu"))
     with pytest.raises(ConfigError, match="model.attn_softcap is Gemma's"):
         hf_family(ModelConfig(attn_softcap=5.0))
     with pytest.raises(ConfigError, match="model.export_as=phi3, but Phi-3 has no biases"):

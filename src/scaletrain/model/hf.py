@@ -1,5 +1,6 @@
-"""Hugging Face in and out: the weights of GPT-2, Llama, Mistral, Qwen2, Qwen3 and the mixtures of
-experts Mixtral, Qwen3-MoE and OLMoE (their configs: scaletrain.model.hf_config).
+"""Hugging Face in and out: the weights of GPT-2, Llama, Mistral, Qwen2, Qwen3, OLMo 2, GPT-NeoX,
+Phi-3, Gemma 2 and 3 and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE (their configs:
+scaletrain.model.hf_config; GPT-NeoX's and Phi-3's fused tensors: scaletrain.model.hf_fused).
 
 Three things differ between a Hugging Face checkpoint and ours; each is converted here, both ways:
 
@@ -41,6 +42,9 @@ import torch
 from scaletrain.errors import CheckpointError, ConfigError
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.hf_config import CONFIG_FILE, hf_family, model_config_from_hf
+from scaletrain.model.hf_fused import FamilyView, Lazy, fuse, fused_family
+from scaletrain.model.hf_fused import read_part as _read
+from scaletrain.model.hf_fused import shape_of as _shape_of
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -143,6 +147,12 @@ def _hf_name(name: str, gpt2: bool, style: str = "mlp", blocks: Mapping[str, str
     return f"model.layers.{i}.{blocks[module]}.{leaf}"
 
 
+def _llama_keys(cfg: ModelConfig) -> list[str]:
+    """The Llama names of every tensor a model of `cfg` has (its head too, tied or not)."""
+    names = [_hf_name(n, False, blocks=_block_names(cfg)) for n in _expected(cfg)]
+    return names + ([] if "lm_head.weight" in names else ["lm_head.weight"])
+
+
 def _expected(cfg: ModelConfig) -> dict[str, torch.Size]:
     """Our parameter names and shapes for cfg (a tied head listed once, as tok_emb.weight)."""
     from scaletrain.model.transformer import Transformer
@@ -192,7 +202,7 @@ def hf_state_dict(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
                 out.setdefault(_hf_name(p + ours + ".bias", True), torch.zeros(width, dtype=zeros.dtype))
         out.setdefault("transformer.ln_f.bias", torch.zeros(cfg.dim, dtype=out["transformer.ln_f.weight"].dtype))
     if family in ("gpt_neox", "phi3"):
-        out = _fuse(out, cfg, family)
+        out = fuse(out, cfg, family)
     return out
 
 
@@ -201,9 +211,9 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
     """Hugging Face tensors (GPT-2 or Llama-like names, with or without the `transformer.` /
     `model.` prefix) as our parameters for `cfg`, each checked for its shape. A tensor the model
     has no place for is refused unless it is all zeros (a bias the model leaves out)."""
-    family = _fused_family(hf)
+    family = fused_family(hf)
     if family is not None:  # GPT-NeoX, Phi-3: their fused tensors seen as Llama's
-        hf = _FamilyView(hf, cfg, family)
+        hf = FamilyView(hf, _llama_keys(cfg), cfg, family)
     gpt2 = any(k.split(".")[-2] in ("wte", "c_attn") for k in hf)
     style = _moe_style(hf) if cfg.moe_experts else "mlp"
     prefix = "transformer." if gpt2 else "model."
@@ -306,149 +316,6 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# Families that fuse projections (GPT-NeoX, Phi-3): seen through Llama's names
-
-_NEOX_BLOCK = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
-               "self_attn.o_proj": "attention.dense", "mlp.gate_proj": "mlp.dense_h_to_4h",
-               "mlp.down_proj": "mlp.dense_4h_to_h"}
-# (the head: transformers 5 saves lm_head, older checkpoints such as Pythia's embed_out; both are read)
-_NEOX_TOP = {"model.embed_tokens.": "gpt_neox.embed_in.", "model.norm.": "gpt_neox.final_layer_norm."}
-_LLAMA_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-
-
-def _fused_family(keys) -> str | None:
-    """"gpt_neox" or "phi3" when a checkpoint's names are theirs, else None."""
-    if any(k.startswith("gpt_neox.") for k in keys):
-        return "gpt_neox"
-    return "phi3" if any(k.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")) for k in keys) else None
-
-
-def _family_key(key: str, family: str, cfg: ModelConfig) -> tuple[str, list[tuple[int, int]] | None]:
-    """Where the tensor Llama calls `key` lives in `family`'s checkpoint: (its name, the row ranges
-    of it that make `key`, concatenated; None = all of it).
-
-    GPT-NeoX fuses q, k and v per head: the rows of head h are [q_h; k_h; v_h] (it views the output
-    as (heads, 3 * head_size) and chunks each), so q is every head's first head_size rows. Phi-3
-    stacks them whole ([q; k; v]) and its MLP's gate and up projections alike ([gate; up])."""
-    d, q, kv = cfg.head_size, cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
-    m = _LLAMA_KEY.match(key)
-    if family == "gpt_neox":
-        if m is None:
-            top = next((t for t in _NEOX_TOP if key.startswith(t)), None)
-            return (_NEOX_TOP[top] + key[len(top):], None) if top else (key, None)
-        i, module, leaf = m.groups()
-        parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-        if module in parts:
-            j = parts.index(module)
-            return (f"gpt_neox.layers.{i}.attention.query_key_value.{leaf}",
-                    [(h * 3 * d + j * d, h * 3 * d + (j + 1) * d) for h in range(cfg.n_heads)])
-        return f"gpt_neox.layers.{i}.{_NEOX_BLOCK.get(module, module)}.{leaf}", None
-    if m is None:
-        return key, None
-    i, module, leaf = m.groups()
-    f = cfg.hidden_dim
-    fused = {"self_attn.q_proj": ("self_attn.qkv_proj", (0, q)),
-             "self_attn.k_proj": ("self_attn.qkv_proj", (q, q + kv)),
-             "self_attn.v_proj": ("self_attn.qkv_proj", (q + kv, q + 2 * kv)),
-             "mlp.gate_proj": ("mlp.gate_up_proj", (0, f)), "mlp.up_proj": ("mlp.gate_up_proj", (f, 2 * f))}
-    if module in fused:
-        name, rows = fused[module]
-        return f"model.layers.{i}.{name}.{leaf}", [rows]
-    return key, None
-
-
-def _llama_keys(cfg: ModelConfig) -> list[str]:
-    """The Llama names of every tensor a model of `cfg` has (its head too, tied or not)."""
-    names = [_hf_name(n, False, blocks=_block_names(cfg)) for n in _expected(cfg)]
-    return names + ([] if "lm_head.weight" in names else ["lm_head.weight"])
-
-
-class _Lazy(Mapping):
-    """Tensors by name that are read when asked for, a part at a time (`read`) if need be."""
-
-    def read(self, key: str, index: tuple) -> torch.Tensor:
-        raise NotImplementedError
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        raise NotImplementedError
-
-
-class _FamilyView(_Lazy):
-    """A GPT-NeoX or Phi-3 checkpoint under Llama's names (`_family_key`): a fused tensor appears
-    as the parts it holds, each read from its rows alone. Tensors no Llama name points at keep
-    their own names, so that the import still refuses one with no place in the model."""
-
-    def __init__(self, source: Mapping[str, torch.Tensor], cfg: ModelConfig, family: str):
-        self.source = source
-        self.parts = {k: _family_key(k, family, cfg) for k in _llama_keys(cfg)}
-        if "lm_head.weight" not in source and "embed_out.weight" in source:  # GPT-NeoX's older name
-            self.parts["lm_head.weight"] = ("embed_out.weight", None)
-        self.parts = {k: v for k, v in self.parts.items() if v[0] in source}
-        used = {v[0] for v in self.parts.values()}
-        self.parts.update({k: (k, None) for k in source if k not in used})
-
-    @property
-    def bytes_read(self) -> int:
-        return getattr(self.source, "bytes_read", 0)
-
-    @property
-    def total_bytes(self) -> int:
-        return getattr(self.source, "total_bytes", 0)
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        source, ranges = self.parts[key]
-        shape = _shape_of(self.source, source)
-        return shape if ranges is None else (sum(b - a for a, b in ranges), *shape[1:])
-
-    def read(self, key: str, index: tuple) -> torch.Tensor:
-        source, ranges = self.parts[key]
-        if ranges is None:
-            return _read(self.source, source, index)
-        rows, rest = index[0], tuple(index[1:])
-        start, stop = rows.indices(self.shape(key)[0])[:2]
-        pieces, at = [], 0  # `at`: where each range begins among our rows
-        for a, b in ranges:
-            lo, hi = max(start, at), min(stop, at + b - a)
-            if lo < hi:
-                pieces.append(_read(self.source, source, (slice(a + lo - at, a + hi - at), *rest)))
-            at += b - a
-        if not pieces:
-            return _read(self.source, source, (slice(0, 0), *rest))
-        return torch.cat(pieces, 0)
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self.read(key, tuple(slice(0, n) for n in self.shape(key)))
-
-    def __iter__(self):
-        return iter(self.parts)
-
-    def __len__(self) -> int:
-        return len(self.parts)
-
-
-def _fuse(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, family: str) -> dict[str, torch.Tensor]:
-    """Llama-named tensors as `family` saves them: the parts of a fused tensor put back in its rows."""
-    out: dict[str, torch.Tensor] = {}
-    fused: dict[str, list[tuple[list[tuple[int, int]], torch.Tensor]]] = {}
-    for key, t in tensors.items():
-        name, ranges = _family_key(key, family, cfg)
-        if ranges is None:
-            out[name] = t
-        else:
-            fused.setdefault(name, []).append((ranges, t))
-    for name, parts in fused.items():
-        rows = max(b for ranges, _ in parts for _, b in ranges)
-        whole = parts[0][1].new_empty(rows, *parts[0][1].shape[1:])
-        for ranges, t in parts:
-            at = 0
-            for a, b in ranges:
-                whole[a:b] = t[at:at + b - a]
-                at += b - a
-        out[name] = whole
-    return out
-
-
 class _Experts:
     """One of our stacked expert matrices (experts, rows, cols), from a file's tensors: one per
     expert, or transformers' fused tensor, whose rows [offset, offset + rows) it is (rows 0: all)."""
@@ -477,15 +344,6 @@ class _Experts:
 
     def full(self) -> torch.Tensor:
         return self.part(tuple(slice(0, n) for n in self.shape()))
-
-
-def _read(tensors: Mapping[str, torch.Tensor], key: str, index: tuple) -> torch.Tensor:
-    """tensors[key][index], reading only that part where the source is a file."""
-    return tensors.read(key, index) if isinstance(tensors, _Lazy) else tensors[key][index]
-
-
-def _shape_of(tensors: Mapping[str, torch.Tensor], key: str) -> tuple[int, ...]:
-    return tensors.shape(key) if isinstance(tensors, _Lazy) else tuple(tensors[key].shape)
 
 
 class _Converted(Mapping):
@@ -533,7 +391,7 @@ class _Converted(Mapping):
         return len(self._makers)
 
 
-class _SafetensorsFiles(_Lazy):
+class _SafetensorsFiles(Lazy):
     """The tensors of some safetensors files by name; only the headers are read up front, each
     tensor when it is asked for (through the files' memory maps)."""
 
