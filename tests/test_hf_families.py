@@ -240,13 +240,13 @@ def test_family_options_we_do_not_compute_are_refused(tmp_path, name, change, wo
 
 
 def test_phi3_longrope_exits_2_with_one_line(tmp_path):
-    from conftest import run_cli
+    from conftest import run_here
 
     make_hf("phi3", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "rope_parameters": {
         "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}))
-    r = run_cli("train", "--print-config", f"--model.from_hf={tmp_path}")
+    r = run_here("train", "--print-config", f"--model.from_hf={tmp_path}")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith(f"scaletrain: error: model.from_hf: {tmp_path / 'config.json'}: rope_parameters={{")
