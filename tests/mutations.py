@@ -58,6 +58,7 @@ CC = "tests/test_calibrated_comm.py"
 LO = "tests/test_lora.py"
 AE = "tests/test_adapter_export.py"
 QL = "tests/test_qlora.py"
+HF = "tests/test_hf_families.py"
 
 MUTANTS = [
     Mutant("zero-no-dp-division", "ZeRO-1/2 bucket reduce without the 1/dp division",
@@ -87,7 +88,8 @@ MUTANTS = [
            ("tests/test_checkpoint.py::test_damaged_checkpoint_is_named_and_auto_resume_falls_back",)),
     Mutant("hf-rotary-inverted-on-sharded-reads", "HF rotary row permutation inverted when a rank reads a slice",
            "src/scaletrain/model/hf.py",
-           "            t = rows_hf_to_ours(t, (hi - lo) // d)", "            t = rows_ours_to_hf(t, (hi - lo) // d)",
+           "            t = rows_hf_to_ours(t, (hi - lo) // d, cfg.rotary_dim)",
+           "            t = rows_ours_to_hf(t, (hi - lo) // d, cfg.rotary_dim)",
            ("tests/test_init_from.py::test_a_shard_reads_only_its_part_and_equals_the_full_tensor",
             "tests/test_init_from.py::test_fine_tuning_from_hf_passes_verify[dp2-zero3]",
             "tests/test_init_from.py::test_fine_tuning_from_hf_passes_verify[tp2]")),
@@ -381,6 +383,67 @@ MUTANTS = [
            "out = model_state_memory(counts, wl, layout, sh=sh)",
            (f"{QL}::test_the_planner_fits_a_70b_qlora_on_one_80gb_gpu_but_not_lora_or_full_fine_tuning",
             "tests/test_planner_accuracy.py::test_adapter_prediction_matches_measurement[qlora nf4]")),
+    # the Hugging Face families of model/hf.py beyond GPT-2 and the Llama-likes (tests/test_hf_families.py)
+    Mutant("olmo2-post-norms-swapped",
+           "OLMo 2's post-attention and post-feedforward norms loaded into each other's place",
+           "src/scaletrain/model/hf.py",
+           '{**_LLAMA_BLOCK, "attn_post_norm": "post_attention_layernorm",\n                "mlp_post_norm": '
+           '"post_feedforward_layernorm"}',
+           '{**_LLAMA_BLOCK, "attn_post_norm": "post_feedforward_layernorm",\n                "mlp_post_norm": '
+           '"post_attention_layernorm"}',
+           (f"{HF}::test_import_export_and_generation_match_transformers[olmo2]",)),
+    Mutant("post-norm-on-the-residual", "the norm after the MLP normalises the residual stream, not the MLP's output",
+           "src/scaletrain/model/transformer.py",
+           "return x + self.drop(_maybe(self.mlp_post_norm, self.ffn(_maybe(self.mlp_norm, x))))",
+           "return _maybe(self.mlp_post_norm, x + self.drop(self.ffn(_maybe(self.mlp_norm, x))))",
+           (f"{HF}::test_import_export_and_generation_match_transformers[olmo2]",
+            f"{HF}::test_import_export_and_generation_match_transformers[gemma2]")),
+    Mutant("neox-partial-rotary-over-all-dims",
+           "partial rotary (GPT-NeoX's rotary_pct) turns every coordinate of a head",
+           "src/scaletrain/model/transformer.py",
+           "    d = cfg.rotary_dim  #", "    d = cfg.head_size  #",
+           (f"{HF}::test_import_export_and_generation_match_transformers[neox-parallel]",
+            f"{HF}::test_import_export_and_generation_match_transformers[phi4-partial]")),
+    Mutant("neox-qkv-split-not-per-head", "GPT-NeoX's fused q/k/v split as [q; k; v] instead of per head",
+           "src/scaletrain/model/hf_fused.py",
+           "[(h * 3 * d + j * d, h * 3 * d + (j + 1) * d) for h in range(cfg.n_heads)]",
+           "[(j * cfg.dim + h * d, j * cfg.dim + (h + 1) * d) for h in range(cfg.n_heads)]",
+           (f"{HF}::test_import_export_and_generation_match_transformers[neox-parallel]",
+            f"{HF}::test_import_export_and_generation_match_transformers[neox-sequential]")),
+    Mutant("neox-parallel-residual-in-turn",
+           "the parallel residual's MLP reads the block input plus attention's output",
+           "src/scaletrain/model/transformer.py",
+           "self.drop(self.ffn(self.mlp_norm(x)))", "self.drop(self.ffn(self.mlp_norm(x + a)))",
+           (f"{HF}::test_import_export_and_generation_match_transformers[neox-parallel]",)),
+    Mutant("phi3-gate-up-swapped", "Phi-3's fused gate_up_proj split with the up rows taken as the gate",
+           "src/scaletrain/model/hf_fused.py",
+           '"mlp.gate_proj": ("mlp.gate_up_proj", (0, f)), "mlp.up_proj": ("mlp.gate_up_proj", (f, 2 * f))',
+           '"mlp.gate_proj": ("mlp.gate_up_proj", (f, 2 * f)), "mlp.up_proj": ("mlp.gate_up_proj", (0, f))',
+           (f"{HF}::test_import_export_and_generation_match_transformers[phi3]",)),
+    Mutant("partial-rotary-rows-whole-head", "the rotate-half row permutation applied to the whole head under partial "
+           "rotary (Phi-4, GPT-NeoX)", "src/scaletrain/model/hf.py",
+           "rows_hf_to_ours(t, heads, cfg.rotary_dim) if heads else t", "rows_hf_to_ours(t, heads) if heads else t",
+           (f"{HF}::test_import_export_and_generation_match_transformers[phi4-partial]",
+            f"{HF}::test_import_export_and_generation_match_transformers[neox-parallel]")),
+    Mutant("gemma-norm-weight-not-offset", "Gemma's RMSNorm scales by w, not (1 + w)",
+           "src/scaletrain/model/transformer.py",
+           "return (y * (1.0 + self.weight.float())).type_as(x)", "return (y * self.weight.float()).type_as(x)",
+           (f"{HF}::test_import_export_and_generation_match_transformers[gemma2]",
+            f"{HF}::test_import_export_and_generation_match_transformers[gemma3]")),
+    Mutant("gemma-query-scale-ignored", "the scores divided by sqrt(head_dim), not by sqrt(query_pre_attn_scalar)",
+           "src/scaletrain/model/transformer.py",
+           "self.scale = cfg.attn_scale_dim ** -0.5 if cfg.attn_scale_dim else None", "self.scale = None",
+           (f"{HF}::test_import_export_and_generation_match_transformers[gemma2]",
+            f"{HF}::test_import_export_and_generation_match_transformers[gemma3]")),
+    Mutant("gemma3-local-rope-unused", "Gemma 3's sliding-window blocks turn at the global blocks' rotary base",
+           "src/scaletrain/model/transformer.py",
+           "r = local if self.cfg.is_local_block(int(name)) else rope", "r = rope",
+           (f"{HF}::test_import_export_and_generation_match_transformers[gemma3]",)),
+    Mutant("sp-post-norm-grads-not-summed", "under sequence parallelism the norms after the sub-blocks (Gemma, OLMo 2) "
+           "keep each rank's share of their weight's gradient", "src/scaletrain/parallel/tensor_parallel.py",
+           '            plan.update({n: SequenceParallel(use_local_output=True) for n in ("attn_post_norm", '
+           '"mlp_post_norm")\n                         if getattr(block, n) is not None})\n', "",
+           (f"{HF}::test_imported_families_train_alike_under_zero3_tp_and_pp",)),
 ]
 
 

@@ -314,6 +314,11 @@ class Layout:
             if model.dropout > 0:
                 e.append(f"model.dropout={model.dropout:g}: attention dropout is not supported under context "
                          "parallelism (parallel.cp > 1); set model.dropout=0")
+            changed = [f"model.{k}={getattr(model, k):g}" for k in ("attn_softcap", "attn_scale_dim")
+                       if getattr(model, k, 0)]
+            if changed:
+                e.append(f"{' and '.join(changed)} change the attention scores, which context parallelism's "
+                         "attention (parallel.cp > 1) computes unchanged; train this model with parallel.cp=1")
         return e
 
     def _seq_errors(self, seq_len: int | None) -> list[str]:

@@ -31,11 +31,23 @@ class ModelConfig:
     head_dim: int = option(0, "width of each attention head; 0 = dim / n_heads (Qwen3 sets it apart)", min=0)
     ffn_dim: int = option(0, "hidden width of the MLP; 0 = 4*dim (gelu) or 8/3*dim rounded up to 64 (swiglu)", min=0)
     norm: str = option("layernorm", "normalisation layer", choices=("layernorm", "rmsnorm"))
+    norm_placement: str = option("pre", "where each block normalises: before each sub-block (GPT-2, Llama), after "
+                                        "each sub-block's output, before the residual add (OLMo 2), or both "
+                                        "(Gemma 2 and 3)", choices=("pre", "post", "both"))
+    norm_unit_offset: bool = option(False, "model.norm=rmsnorm scales by (1 + weight), the weight starting at 0 "
+                                           "(Gemma)")
     norm_eps: float = option(1e-5, "epsilon of the normalisation layers", min=0.0)
-    activation: str = option("gelu", "MLP type: GELU (GPT-2) or SwiGLU (Llama)", choices=("gelu", "swiglu"))
+    activation: str = option("gelu", "MLP type: GELU with the tanh approximation (GPT-2), exact GELU (GPT-NeoX, "
+                                     "Pythia), SwiGLU (Llama) or GeGLU, gated by tanh-GELU (Gemma)",
+                             choices=("gelu", "gelu_exact", "swiglu", "geglu"))
+    parallel_residual: bool = option(False, "attention and MLP both read the block's input and their outputs are "
+                                            "added to it together (GPT-NeoX, Pythia); false = one after the other")
+    embed_scale: bool = option(False, "multiply the token embeddings by sqrt(dim) (Gemma)")
     position: str = option("learned", "position encoding: learned table (GPT-2) or rotary (Llama)",
                            choices=("learned", "rope"))
     rope_theta: float = option(10000.0, "rotary base frequency", min=1.0)
+    rotary_fraction: float = option(1.0, "share of each head's width that the rotation turns, the rest left as is "
+                                         "(GPT-NeoX's rotary_pct, Phi's partial_rotary_factor)", min=0.0, max=1.0)
     rope_scaling: str = option("none", "stretch the rotary frequencies for long contexts: linear (all divided by "
                                        "rope_factor) or llama3 (Llama 3.1: low frequencies only)",
                                choices=("none", "linear", "llama3"))
@@ -50,6 +62,20 @@ class ModelConfig:
     sliding_window: int = option(0, "the window of a model trained with sliding-window attention (Mistral); "
                                     "scaletrain attends to the whole sequence, so data.seq_len may not exceed it; "
                                     "0 = none", min=0)
+    global_every: int = option(0, "every n-th block (counting from 1) attends to the whole sequence and the others are "
+                                  "sliding-window blocks (Gemma 2: 2, Gemma 3: 6); 0 = every block alike. As with "
+                                  "model.sliding_window, scaletrain attends to the whole sequence in both kinds: what "
+                                  "differs is the rotary base (model.rope_local_theta)", min=0)
+    rope_local_theta: float = option(0.0, "rotary base of the sliding-window blocks, which rope_scaling leaves "
+                                          "unscaled (Gemma 3's rope_local_base_freq); 0 = rope_theta and scaling "
+                                          "alike in every block", min=0.0)
+    attn_scale_dim: int = option(0, "the attention scores are divided by sqrt(this) rather than sqrt(head_dim) "
+                                    "(Gemma's query_pre_attn_scalar); 0 = head_dim", min=0)
+    attn_softcap: float = option(0.0, "soft-cap the attention scores to (-c, c): c * tanh(score / c) before the "
+                                      "softmax (Gemma 2); 0 = off. Attention then runs as plain matmuls, not "
+                                      "scaled_dot_product_attention", min=0.0)
+    logit_softcap: float = option(0.0, "soft-cap the output logits likewise: c * tanh(logit / c) (Gemma 2); 0 = off",
+                                  min=0.0)
     tie_embeddings: bool = option(True, "share the input embedding with the output head")
     bias: bool = option(False, "add biases to linear layers and LayerNorm")
     qkv_bias: bool = option(False, "add biases to the query, key and value projections only (Qwen2)")
@@ -57,6 +83,10 @@ class ModelConfig:
     qk_norm_scope: str = option("head", "what model.qk_norm normalises: each head apart, with one weight of head_dim "
                                         "(Qwen3), or the whole query and key projections, each with its own weight "
                                         "(OLMoE, OLMo 2)", choices=("head", "projection"))
+    export_as: str = option("auto", "the Hugging Face family `scaletrain export --format hf` writes where several "
+                                    "compute this model: auto = the plainest (Llama for a Llama-like), or phi3 "
+                                    "(q/k/v and gate/up fused in one tensor each; an import of Phi-3 sets it)",
+                            choices=("auto", "phi3"))
     moe_experts: int = option(0, "routed experts of each mixture-of-experts block; 0 = dense MLPs everywhere", min=0)
     moe_top_k: int = option(2, "experts each token is sent to", min=1)
     moe_shared_experts: int = option(0, "experts every token passes through besides its routed ones (DeepSeek, "
@@ -94,8 +124,22 @@ class ModelConfig:
         return self.head_dim or self.dim // self.n_heads
 
     @property
+    def gated(self) -> bool:
+        """Whether the MLP is gated (three matrices: SwiGLU, GeGLU) rather than plain (two)."""
+        return self.activation in ("swiglu", "geglu")
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's coordinates the rotation turns (all but with rotary_fraction < 1)."""
+        return int(self.head_size * self.rotary_fraction)
+
+    @property
     def expert_hidden(self) -> int:
         return self.moe_hidden or self.hidden_dim
+
+    def is_local_block(self, index: int) -> bool:
+        """Whether block `index` is a sliding-window block (model.global_every) rather than a global one."""
+        return bool(self.global_every) and (index + 1) % self.global_every != 0
 
     def is_moe_block(self, index: int) -> bool:
         """Whether block `index` holds a mixture of experts rather than a dense MLP."""
@@ -110,7 +154,7 @@ class ModelConfig:
     def hidden_dim(self) -> int:
         if self.ffn_dim:
             return self.ffn_dim
-        if self.activation == "swiglu":
+        if self.activation in ("swiglu", "geglu"):
             return 64 * math.ceil(8 * self.dim / 3 / 64)
         return 4 * self.dim
 
@@ -132,6 +176,23 @@ def check_model(m: ModelConfig) -> list[str]:
     if m.position == "rope" and (m.head_dim or m.dim % m.n_heads == 0) and m.head_size % 2:
         errors.append(f"model.position=rope needs an even head dimension, but "
                       f"{'head_dim' if m.head_dim else 'dim/n_heads'} = {m.head_size}")
+    if m.rotary_fraction != 1.0 and m.position != "rope":
+        errors.append(f"model.rotary_fraction={m.rotary_fraction} says how much of each head rotates; it needs "
+                      "model.position=rope")
+    elif m.position == "rope" and (m.head_dim or m.dim % m.n_heads == 0) and (m.rotary_dim < 2 or m.rotary_dim % 2):
+        errors.append(f"model.rotary_fraction={m.rotary_fraction} rotates {m.rotary_dim} of the {m.head_size} "
+                      "coordinates of each head; it must be an even number of at least 2")
+    if m.norm_unit_offset and m.norm != "rmsnorm":
+        errors.append("model.norm_unit_offset=true scales RMSNorm by (1 + weight); it needs model.norm=rmsnorm")
+    if m.parallel_residual and m.norm_placement != "pre":
+        errors.append(f"model.parallel_residual=true feeds attention and MLP the one normalised input; it needs "
+                      f"model.norm_placement=pre, not {m.norm_placement}")
+    if m.global_every and not m.sliding_window:
+        errors.append(f"model.global_every={m.global_every} makes the other blocks sliding-window ones, but "
+                      "model.sliding_window=0; set the window, or drop global_every")
+    if m.rope_local_theta and not (m.global_every and m.position == "rope"):
+        errors.append(f"model.rope_local_theta={m.rope_local_theta:g} is the rotary base of the sliding-window blocks; "
+                      "it needs model.position=rope and model.global_every")
     if m.rope_scaling != "none" and m.position != "rope":
         errors.append(f"model.rope_scaling={m.rope_scaling} scales rotary positions; it needs model.position=rope")
     if m.rope_scaling == "none" and m.rope_factor != 1.0:
@@ -147,6 +208,9 @@ def check_model(m: ModelConfig) -> list[str]:
     if m.qk_norm_scope != "head" and not m.qk_norm:
         errors.append(f"model.qk_norm_scope={m.qk_norm_scope} says what the q/k norms cover, but model.qk_norm=false; "
                       "set model.qk_norm=true, or drop qk_norm_scope")
+    if m.moe_experts and m.activation not in ("gelu", "swiglu"):
+        errors.append(f"model.activation={m.activation}: the experts of a mixture compute gelu or swiglu; "
+                      "set one of those, or model.moe_experts=0")
     if m.moe_experts and m.moe_top_k > m.moe_experts:
         errors.append(f"model.moe_top_k={m.moe_top_k} chooses more experts than model.moe_experts={m.moe_experts}; "
                       f"set moe_top_k to at most {m.moe_experts}")

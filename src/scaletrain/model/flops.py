@@ -24,7 +24,7 @@ def block_matmul_params(cfg: ModelConfig, tp: int = 1, index: int | None = None)
     never all experts. The experts are not split by tp."""
     d, kv, q = cfg.dim, cfg.kv_heads * cfg.head_size, cfg.n_heads * cfg.head_size
     attn = d * q + 2 * d * kv + q * d  # wq, wk, wv, wo
-    per_mlp = 3 if cfg.activation == "swiglu" else 2
+    per_mlp = 3 if cfg.gated else 2
     dense = per_mlp * d * cfg.hidden_dim
     if not cfg.moe_experts:
         return (attn + dense) // tp

@@ -1,5 +1,6 @@
-"""Hugging Face in and out: the weights of GPT-2, Llama, Mistral, Qwen2, Qwen3 and the mixtures of
-experts Mixtral, Qwen3-MoE and OLMoE (their configs: scaletrain.model.hf_config).
+"""Hugging Face in and out: the weights of GPT-2, Llama, Mistral, Qwen2, Qwen3, OLMo 2, GPT-NeoX,
+Phi-3, Gemma 2 and 3 and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE (their configs:
+scaletrain.model.hf_config; GPT-NeoX's and Phi-3's fused tensors: scaletrain.model.hf_fused).
 
 Three things differ between a Hugging Face checkpoint and ours; each is converted here, both ways:
 
@@ -41,6 +42,9 @@ import torch
 from scaletrain.errors import CheckpointError, ConfigError
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.hf_config import CONFIG_FILE, hf_family, model_config_from_hf
+from scaletrain.model.hf_fused import FamilyView, Lazy, fuse, fused_family
+from scaletrain.model.hf_fused import read_part as _read
+from scaletrain.model.hf_fused import shape_of as _shape_of
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -68,17 +72,24 @@ _EXPERT_LEAF = {"mixtral": {"w1": "w1", "w2": "w2", "w3": "w3"},
 _BUFFERS = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
 
 
-def rows_hf_to_ours(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """Reorder each head's rows (dim 0) from Hugging Face's rotate-half pairing (x[i], x[i+d/2])
-    to ours (x[2i], x[2i+1]): ours[2i + c] = hf[c * d/2 + i]."""
+def rows_hf_to_ours(t: torch.Tensor, heads: int, rotary: int = 0) -> torch.Tensor:
+    """Reorder each head's rows (dim 0) from Hugging Face's rotate-half pairing (x[i], x[i+r/2])
+    to ours (x[2i], x[2i+1]): ours[2i + c] = hf[c * r/2 + i], over the first `rotary` rows of each
+    head (r; 0 = all of them), the rest (partial rotary: never turned) left in place."""
     d = t.shape[0] // heads
-    return t.reshape(heads, 2, d // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+    r, rest = rotary or d, t.shape[1:]
+    h = t.reshape(heads, d, *rest)
+    turned = h[:, :r].reshape(heads, 2, r // 2, *rest).transpose(1, 2).reshape(heads, r, *rest)
+    return torch.cat((turned, h[:, r:]), 1).reshape(t.shape)
 
 
-def rows_ours_to_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
+def rows_ours_to_hf(t: torch.Tensor, heads: int, rotary: int = 0) -> torch.Tensor:
     """The inverse of rows_hf_to_ours."""
     d = t.shape[0] // heads
-    return t.reshape(heads, d // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+    r, rest = rotary or d, t.shape[1:]
+    h = t.reshape(heads, d, *rest)
+    turned = h[:, :r].reshape(heads, r // 2, 2, *rest).transpose(1, 2).reshape(heads, r, *rest)
+    return torch.cat((turned, h[:, r:]), 1).reshape(t.shape)
 
 
 def _rope_heads(name: str, cfg: ModelConfig) -> int:
@@ -129,7 +140,19 @@ def _expert_keys(i: str, matrix: str, experts: int, style: str) -> list[str]:
     return [f"model.layers.{i}.{block}.experts.{e}.{_EXPERT_LEAF[style][matrix]}.weight" for e in range(experts)]
 
 
-def _hf_name(name: str, gpt2: bool, style: str = "mlp") -> str:
+def _block_names(cfg: ModelConfig) -> dict[str, str]:
+    """Ours -> Hugging Face inside a block of a Llama-like family, by where its norms sit: OLMo 2's
+    post_attention_layernorm follows attention (ours: attn_post_norm), Llama's precedes the MLP."""
+    if cfg.norm_placement == "post":
+        return {**_LLAMA_BLOCK, "attn_post_norm": "post_attention_layernorm",
+                "mlp_post_norm": "post_feedforward_layernorm"}
+    if cfg.norm_placement == "both":  # Gemma 2 and 3
+        return {**_LLAMA_BLOCK, "attn_post_norm": "post_attention_layernorm", "mlp_norm": "pre_feedforward_layernorm",
+                "mlp_post_norm": "post_feedforward_layernorm"}
+    return _LLAMA_BLOCK
+
+
+def _hf_name(name: str, gpt2: bool, style: str = "mlp", blocks: Mapping[str, str] = _LLAMA_BLOCK) -> str:
     if name.endswith(".moe.router.weight"):  # the family's gate
         i = name.split(".")[1]
         return f"model.layers.{i}.{'block_sparse_moe' if style == 'mixtral' else 'mlp'}.gate.weight"
@@ -140,7 +163,13 @@ def _hf_name(name: str, gpt2: bool, style: str = "mlp") -> str:
     i, module, leaf = m.groups()
     if gpt2:
         return f"transformer.h.{i}.{_GPT2_BLOCK[module]}.{leaf}"
-    return f"model.layers.{i}.{_LLAMA_BLOCK[module]}.{leaf}"
+    return f"model.layers.{i}.{blocks[module]}.{leaf}"
+
+
+def _llama_keys(cfg: ModelConfig) -> list[str]:
+    """The Llama names of every tensor a model of `cfg` has (its head too, tied or not)."""
+    names = [_hf_name(n, False, blocks=_block_names(cfg)) for n in _expected(cfg)]
+    return names + ([] if "lm_head.weight" in names else ["lm_head.weight"])
 
 
 def _expected(cfg: ModelConfig) -> dict[str, torch.Size]:
@@ -172,13 +201,13 @@ def hf_state_dict(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
             continue
         heads = _rope_heads(name, cfg)
         if heads:
-            t = rows_ours_to_hf(t, heads)
+            t = rows_ours_to_hf(t, heads, cfg.rotary_dim)
         m = _NAME.match(name)
         if gpt2 and m and m.group(2) in ("attn.wq", "attn.wk", "attn.wv"):
             continue  # fused below
         if gpt2 and m and m.group(3) == "weight" and "norm" not in m.group(2):
             t = t.t()  # Conv1D keeps (in, out)
-        out[_hf_name(name, gpt2, style)] = t.contiguous()
+        out[_hf_name(name, gpt2, style, _block_names(cfg))] = t.contiguous()
     if gpt2:
         for i in range(cfg.n_layers):
             p = f"layers.{i}."
@@ -191,6 +220,8 @@ def hf_state_dict(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
                                 ("mlp.w1", cfg.hidden_dim), ("mlp.w2", cfg.dim)):
                 out.setdefault(_hf_name(p + ours + ".bias", True), torch.zeros(width, dtype=zeros.dtype))
         out.setdefault("transformer.ln_f.bias", torch.zeros(cfg.dim, dtype=out["transformer.ln_f.weight"].dtype))
+    if family in ("gpt_neox", "phi3"):
+        out = fuse(out, cfg, family)
     return out
 
 
@@ -199,6 +230,9 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
     """Hugging Face tensors (GPT-2 or Llama-like names, with or without the `transformer.` /
     `model.` prefix) as our parameters for `cfg`, each checked for its shape. A tensor the model
     has no place for is refused unless it is all zeros (a bias the model leaves out)."""
+    family = fused_family(hf)
+    if family is not None:  # GPT-NeoX, Phi-3: their fused tensors seen as Llama's
+        hf = FamilyView(hf, _llama_keys(cfg), cfg, family)
     gpt2 = any(k.split(".")[-2] in ("wte", "c_attn") for k in hf)
     style = _moe_style(hf) if cfg.moe_experts else "mlp"
     prefix = "transformer." if gpt2 else "model."
@@ -223,7 +257,7 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
         elif transpose:
             t = t.t()  # Conv1D keeps (in, out)
         heads = _rope_heads(name, cfg)
-        return (rows_hf_to_ours(t, heads) if heads else t).to(dtype).contiguous()
+        return (rows_hf_to_ours(t, heads, cfg.rotary_dim) if heads else t).to(dtype).contiguous()
 
     recipes: dict[str, tuple] = {}
     experts: dict[str, _Experts] = {}
@@ -242,7 +276,7 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
         elif name == "output.weight" and _hf_name(name, gpt2) not in left:
             recipes[name] = (take(_hf_name("tok_emb.weight", gpt2), name), None, False)  # the source ties its head
         else:
-            recipes[name] = (take(_hf_name(name, gpt2, style), name), None,
+            recipes[name] = (take(_hf_name(name, gpt2, style, _block_names(cfg)), name), None,
                              bool(gpt2 and leaf == "weight" and "norm" not in block))
     shapes = _expected(cfg)
     for name, source in experts.items():  # from the headers: no tensor is read yet
@@ -280,7 +314,7 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
         else:
             t = _read(hf, key, (slice(lo, hi), *rest))
         if heads:
-            t = rows_hf_to_ours(t, (hi - lo) // d)
+            t = rows_hf_to_ours(t, (hi - lo) // d, cfg.rotary_dim)
         return t[rows.start - lo:rows.stop - lo].to(dtype).contiguous()
 
     makers = {n: (lambda n=n, r=r: convert(n, *r)) for n, r in recipes.items()}
@@ -331,15 +365,6 @@ class _Experts:
         return self.part(tuple(slice(0, n) for n in self.shape()))
 
 
-def _read(tensors: Mapping[str, torch.Tensor], key: str, index: tuple) -> torch.Tensor:
-    """tensors[key][index], reading only that part where the source is a file."""
-    return tensors.read(key, index) if isinstance(tensors, _SafetensorsFiles) else tensors[key][index]
-
-
-def _shape_of(tensors: Mapping[str, torch.Tensor], key: str) -> tuple[int, ...]:
-    return tensors.shape(key) if isinstance(tensors, _SafetensorsFiles) else tuple(tensors[key].shape)
-
-
 class _Converted(Mapping):
     """Our parameters by name, each converted from the source when it is asked for (and checked
     against the model's shape then): loading a model holds one tensor at a time, and a rank that
@@ -385,7 +410,7 @@ class _Converted(Mapping):
         return len(self._makers)
 
 
-class _SafetensorsFiles(Mapping):
+class _SafetensorsFiles(Lazy):
     """The tensors of some safetensors files by name; only the headers are read up front, each
     tensor when it is asked for (through the files' memory maps)."""
 
@@ -452,7 +477,9 @@ class _SafetensorsFiles(Mapping):
 # checked tensor by tensor, and rope_scaling / sliding_window / max_seq_len may change on purpose
 # (context extension)
 _SAME_MATH = ("norm", "norm_eps", "activation", "position", "rope_theta", "qk_norm", "qk_norm_scope", "head_dim",
-              "moe_top_k", "moe_score", "moe_renorm", "moe_route_scale")
+              "moe_top_k", "moe_score", "moe_renorm", "moe_route_scale", "norm_placement", "norm_unit_offset",
+              "parallel_residual", "embed_scale", "rotary_fraction", "attn_scale_dim", "attn_softcap", "logit_softcap",
+              "rope_local_theta", "global_every")
 
 
 def load_hf_weights(source: str | Path, model_cfg: ModelConfig,

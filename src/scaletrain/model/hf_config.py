@@ -1,5 +1,6 @@
-"""Hugging Face configs in and out: config.json <-> ModelConfig for GPT-2, Llama, Mistral, Qwen2 and
-Qwen3, and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE.
+"""Hugging Face configs in and out: config.json <-> ModelConfig for GPT-2, Llama, Mistral, Qwen2,
+Qwen3, OLMo 2, GPT-NeoX / Pythia, Phi-3 / Phi-4, Gemma 2 and Gemma 3 (text), and the mixtures of
+experts Mixtral, Qwen3-MoE and OLMoE.
 
 A field that changes what the model computes and that scaletrain does not implement (another
 RoPE scaling, a bias on the output projection alone, partial rotary, ...) is refused with one
@@ -30,8 +31,11 @@ from typing import Any
 
 from scaletrain.errors import ConfigError
 from scaletrain.model.config import ModelConfig
+from scaletrain.model.hf_export_family import newer_family, phi3_family, uses_newer_options
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe")
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gpt_neox", "phi3", "gemma2", "gemma3_text",
+            "mixtral", "qwen3_moe", "olmoe")
+_GEMMA = ("gemma2", "gemma3_text")
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe")
 # mixtures of experts whose attention scaletrain lacks: refused with what to do instead
 _MLA = ("deepseek_v3", "deepseek_v2")
@@ -72,6 +76,18 @@ _KNOWN = {
     "mistral": _ROTARY | {"sliding_window"},
     "qwen2": _ROTARY | _WINDOWED,
     "qwen3": _ROTARY | _WINDOWED | {"attention_bias"},
+    "olmo2": _ROTARY | {"attention_bias"},
+    "gpt_neox": _ROTARY - {"rms_norm_eps", "num_key_value_heads", "head_dim"} | {
+        "layer_norm_eps", "rotary_pct", "rotary_emb_base", "use_parallel_residual", "attention_bias",
+        "hidden_dropout", "classifier_dropout", "is_decoder"},
+    "phi3": _ROTARY | {"original_max_position_embeddings", "sliding_window"},
+    "gemma2": _ROTARY | {"hidden_activation", "attention_bias", "query_pre_attn_scalar", "sliding_window",
+                         "layer_types", "final_logit_softcapping", "attn_logit_softcapping",
+                         "use_bidirectional_attention", "cache_implementation"},
+    "gemma3_text": _ROTARY | {"hidden_activation", "attention_bias", "query_pre_attn_scalar", "sliding_window",
+                              "layer_types", "final_logit_softcapping", "attn_logit_softcapping",
+                              "use_bidirectional_attention", "cache_implementation", "rope_local_base_freq",
+                              "sliding_window_pattern", "_sliding_window_pattern"},
     "mixtral": _ROTARY | {"sliding_window", "num_local_experts", "num_experts", "num_experts_per_tok",
                           "router_jitter_noise"},
     "qwen3_moe": _ROTARY | _WINDOWED | {"attention_bias", "num_experts", "num_local_experts", "num_experts_per_tok",
@@ -92,6 +108,21 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                   rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=4096, max_window_layers=28),
     "qwen3": dict(num_key_value_heads=32, head_dim=128, hidden_act="silu", max_position_embeddings=32768,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=4096, max_window_layers=28),
+    "olmo2": dict(num_key_value_heads=None, head_dim=None, hidden_act="silu", max_position_embeddings=2048,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False),
+    "gpt_neox": dict(hidden_act="gelu", max_position_embeddings=2048, layer_norm_eps=1e-5, tie_word_embeddings=False,
+                     use_parallel_residual=True, attention_bias=True, rotary_pct=0.25, rotary_emb_base=10000),
+    "phi3": dict(num_key_value_heads=None, head_dim=None, hidden_act="silu", max_position_embeddings=4096,
+                 rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None),
+    "gemma2": dict(num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                   max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
+                   query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
+                   attn_logit_softcapping=50.0, sliding_window_pattern=2),
+    "gemma3_text": dict(num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                        max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                        attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096,
+                        final_logit_softcapping=None, attn_logit_softcapping=None, rope_theta=1000000.0,
+                        rope_local_base_freq=10000.0, sliding_window_pattern=6),
     "mixtral": dict(num_key_value_heads=8, head_dim=None, hidden_act="silu", max_position_embeddings=131072,
                     rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None, rope_theta=1e6,
                     num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.0),
@@ -172,6 +203,10 @@ def model_config_from_hf(source: str | Path | Mapping[str, Any], *, strict: bool
     try:
         if family == "gpt2":
             out = _gpt2_fields(get, refuse)
+        elif family == "gpt_neox":
+            out = _neox_fields(get, refuse)
+        elif family in _GEMMA:
+            out = _gemma_fields(get, refuse, family)
         else:
             out = _rotary_fields(get, refuse, family, strict)
     except KeyError as e:
@@ -203,6 +238,96 @@ def _gpt2_fields(get: _Reader, refuse) -> dict[str, Any]:
         max_seq_len=get.int("n_positions"), tie_embeddings=get.bool("tie_word_embeddings"), bias=True))
 
 
+def _neox_fields(get: _Reader, refuse) -> dict[str, Any]:
+    """GPT-NeoX / Pythia: LayerNorm and every linear layer with biases, a GELU MLP, q/k/v fused per
+    head, a share of each head rotated (rotary_pct), attention and MLP in parallel or in turn."""
+    dim, act = get.int("hidden_size"), get.raw("hidden_act")
+    if act not in ("gelu",) + _GELU_TANH:
+        refuse("hidden_act", f"is not supported; scaletrain's GPT-NeoX MLP computes gelu or {', '.join(_GELU_TANH)}")
+    if not get.raw("attention_bias"):
+        refuse("attention_bias", "leaves attention without biases while GPT-NeoX's MLP keeps its own; scaletrain "
+                                 "has biases on every linear layer or none")
+    max_len = get.int("max_position_embeddings")
+    out = dict(
+        vocab_size=get.int("vocab_size"), dim=dim, n_layers=get.int("num_hidden_layers"),
+        n_heads=get.int("num_attention_heads"), ffn_dim=get.int("intermediate_size"), norm="layernorm",
+        norm_eps=get.float("layer_norm_eps"), activation="gelu_exact" if act == "gelu" else "gelu", position="rope",
+        max_seq_len=max_len, tie_embeddings=get.bool("tie_word_embeddings"), bias=True,
+        parallel_residual=get.bool("use_parallel_residual"))
+    out.update(_rope_fields(get, refuse, max_len, partial=True))
+    return _complete(out)
+
+
+def _gemma_fields(get: _Reader, refuse, family: str) -> dict[str, Any]:
+    """Gemma 2 and Gemma 3 (text): embeddings scaled by sqrt(dim), GeGLU, (1 + w) RMSNorms before and
+    after each sub-block, scores scaled by query_pre_attn_scalar, soft-capped scores and logits
+    (Gemma 2), q/k norms and a rotary base of their own for the sliding-window blocks (Gemma 3)."""
+    dim, n_heads, head_dim = get.int("hidden_size"), get.int("num_attention_heads"), get.int("head_dim")
+    n_layers, max_len = get.int("num_hidden_layers"), get.int("max_position_embeddings")
+    act = get.raw("hidden_activation") or get.raw("hidden_act")
+    if act not in _GELU_TANH:
+        refuse("hidden_activation", f"is not supported; scaletrain's GeGLU gates by {' or '.join(_GELU_TANH)}")
+    if get.raw("attention_bias"):
+        refuse("attention_bias", "puts biases on the attention projections; scaletrain's Gemma has none")
+    if get.raw("use_bidirectional_attention"):
+        refuse("use_bidirectional_attention", "lets every token attend to later ones; scaletrain's attention is causal")
+    scalar = get.raw("query_pre_attn_scalar")
+    if isinstance(scalar, bool) or not isinstance(scalar, int) or scalar <= 0:
+        refuse("query_pre_attn_scalar", "should be a positive integer (the scores are divided by its square root)")
+        scalar = head_dim
+    caps = {}
+    for key, ours in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "logit_softcap")):
+        cap = get.raw(key)
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
+            refuse(key, "should be a positive number or null")
+            cap = None
+        caps[ours] = float(cap or 0.0)
+    # which blocks slide: layer_types, or (configs without it) every block but each pattern-th
+    pattern = get.raw("sliding_window_pattern")
+    types = get.raw("layer_types")
+    if not isinstance(types, list):
+        ok = isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0
+        types = ["sliding_attention" if ok and (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    window = get.raw("sliding_window")
+    slides = "sliding_attention" in types and isinstance(window, int) and not isinstance(window, bool) and window > 0
+    every = 0
+    if slides and "full_attention" in types:
+        every = types.index("full_attention") + 1
+        if types != ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]:
+            refuse("layer_types", f"has its global blocks where model.global_every (every n-th block global) cannot "
+                                  f"put them: {_short(types)}")
+    out = dict(
+        vocab_size=get.int("vocab_size"), dim=dim, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=get.int("num_key_value_heads"), head_dim=0 if head_dim * n_heads == dim else head_dim,
+        ffn_dim=get.int("intermediate_size"), norm="rmsnorm", norm_eps=get.float("rms_norm_eps"),
+        norm_unit_offset=True, norm_placement="both", activation="geglu", embed_scale=True, position="rope",
+        max_seq_len=max_len, tie_embeddings=get.bool("tie_word_embeddings"), bias=False,
+        qk_norm=family == "gemma3_text", sliding_window=window if slides else 0, global_every=every,
+        attn_scale_dim=0 if scalar == head_dim else scalar, **caps)
+    if out["n_kv_heads"] == n_heads:
+        out["n_kv_heads"] = 0
+    params = get.raw("rope_parameters")
+    if family == "gemma3_text" and isinstance(params, dict) and "full_attention" in params:
+        # transformers 5: one set of rotary parameters per kind of block
+        glob, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        out.update(_rope_fields(_Reader({"rope_parameters": glob}, {"rope_theta": 1000000.0}, get.where), refuse,
+                                max_len))
+        local_kind = local.get("rope_type", local.get("type", "default")) if isinstance(local, dict) else None
+        if local_kind != "default" or set(local) - {"rope_type", "type", "rope_theta"}:
+            refuse("rope_parameters", f"scales the sliding-window blocks' rotary ({_short(local)}); scaletrain "
+                                      "scales the global blocks' only")
+        local_theta = local.get("rope_theta", 10000.0) if isinstance(local, dict) else 10000.0
+    else:
+        out.update(_rope_fields(get, refuse, max_len))
+        local_theta = get.raw("rope_local_base_freq") if family == "gemma3_text" else None
+    if local_theta is not None and not every and types and types[0] == "sliding_attention":
+        out["rope_theta"] = float(local_theta)  # every block slides: the local base is the only one
+        out["rope_scaling"], out["rope_factor"] = "none", 1.0
+    elif local_theta is not None and every:
+        out["rope_local_theta"] = float(local_theta)
+    return _complete(out)
+
+
 def _rotary_fields(get: _Reader, refuse, family: str, strict: bool) -> dict[str, Any]:
     vocab, dim, n_heads = get.int("vocab_size"), get.int("hidden_size"), get.int("num_attention_heads")
     head_dim = get.int("head_dim", optional=True) or 0
@@ -215,11 +340,12 @@ def _rotary_fields(get: _Reader, refuse, family: str, strict: bool) -> dict[str,
         head_dim=0 if head_dim * n_heads == dim else head_dim,  # 0: the usual dim / n_heads
         ffn_dim=get.int("intermediate_size"), norm="rmsnorm", norm_eps=get.float("rms_norm_eps"),
         activation="swiglu", position="rope", max_seq_len=max_len, tie_embeddings=get.bool("tie_word_embeddings"),
-        bias=False, qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe", "olmoe"),
-        qk_norm_scope="projection" if family == "olmoe" else "head")
+        bias=False, qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe", "olmoe", "olmo2"),
+        qk_norm_scope="projection" if family in ("olmoe", "olmo2") else "head",
+        norm_placement="post" if family == "olmo2" else "pre", export_as="phi3" if family == "phi3" else "auto")
     if out["n_kv_heads"] == n_heads:
         out["n_kv_heads"] = 0
-    out.update(_rope_fields(get, refuse, max_len))
+    out.update(_rope_fields(get, refuse, max_len, partial=family == "phi3"))
 
     attention_bias, mlp_bias = bool(get.raw("attention_bias")), bool(get.raw("mlp_bias"))
     if family == "llama" and attention_bias and mlp_bias:
@@ -229,10 +355,10 @@ def _rotary_fields(get: _Reader, refuse, family: str, strict: bool) -> dict[str,
                                  "biases on q/k/v only (qkv_bias) or on every linear layer (bias)")
     elif family == "llama" and mlp_bias:
         refuse("mlp_bias", "puts biases on the MLP alone; scaletrain has them on every linear layer or none")
-    elif family in ("qwen3", "qwen3_moe", "olmoe") and attention_bias:
+    elif family in ("qwen3", "qwen3_moe", "olmoe", "olmo2") and attention_bias:
         refuse("attention_bias", f"puts a bias on the output projection too; scaletrain's {family} has none there")
-    if family == "olmoe" and out["head_dim"]:
-        refuse("head_dim", "differs from hidden_size / num_attention_heads, which OLMoE's q/k norms assume")
+    if family in ("olmoe", "olmo2") and out["head_dim"]:
+        refuse("head_dim", f"differs from hidden_size / num_attention_heads, which {family}'s q/k norms assume")
     if family == "olmoe" and get.raw("clip_qkv") is not None:
         refuse("clip_qkv", "clamps the queries, keys and values; scaletrain does not")
     if family in MOE_FAMILIES:
@@ -248,20 +374,29 @@ def _rotary_fields(get: _Reader, refuse, family: str, strict: bool) -> dict[str,
     return _complete(out)
 
 
-def _rope_fields(get: _Reader, refuse, max_len: int) -> dict[str, Any]:
+def _rope_fields(get: _Reader, refuse, max_len: int, partial: bool = False) -> dict[str, Any]:
     """rope_theta and the scaling, from transformers 5's `rope_parameters` or 4's
-    `rope_theta` + `rope_scaling` (which 5 also reads, and lets win)."""
+    `rope_theta` + `rope_scaling` (which 5 also reads, and lets win); with `partial` (GPT-NeoX,
+    Phi-3) the share of each head that turns, else only a whole head is accepted. GPT-NeoX's
+    rotary_pct and rotary_emb_base are its older names of partial_rotary_factor and rope_theta."""
     params = get.raw("rope_scaling") or get.raw("rope_parameters") or {}
     key = "rope_scaling" if get.raw("rope_scaling") else "rope_parameters"
     if not isinstance(params, dict):
         refuse(key, "is not a JSON object of rotary parameters")
         params = {}
     kind = params.get("rope_type", params.get("type", "default"))
-    theta = params.get("rope_theta", get.raw("rope_theta") or 10000.0)
+    theta = params.get("rope_theta", get.raw("rope_theta") or get.raw("rotary_emb_base") or 10000.0)
     out: dict[str, Any] = dict(rope_theta=float(theta) if isinstance(theta, (int, float)) else theta)
-    partial = params.get("partial_rotary_factor", get.raw("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
-        refuse("partial_rotary_factor", "rotates part of each head; scaletrain rotates all of it")
+    share = params.get("partial_rotary_factor", get.raw("partial_rotary_factor"))
+    share = get.raw("rotary_pct") if share is None else share
+    if partial and share is not None:
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            refuse("partial_rotary_factor", "should be a number in (0, 1], the share of each head that turns")
+        else:
+            out["rotary_fraction"] = float(share)
+    elif share not in (None, 1, 1.0):
+        refuse("partial_rotary_factor", "rotates part of each head; scaletrain's import of this family rotates all "
+                                        "of it")
     if not isinstance(kind, str) or kind not in _ROPE_KEYS:
         refuse(key, f"has rope_type {kind!r}; scaletrain implements default, linear and llama3")
         return out
@@ -289,7 +424,7 @@ def _sliding_window(get: _Reader, family: str, n_layers: int) -> int:
     window = get.raw("sliding_window")
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return 0  # null: no window (a value of another type is left to the planner's guess)
-    if family in ("mistral", "mixtral"):
+    if family in ("mistral", "mixtral", "phi3"):
         return window
     if family not in ("qwen2", "qwen3", "qwen3_moe") or not get.raw("use_sliding_window"):
         return 0
@@ -345,6 +480,9 @@ def _complete(out: dict[str, Any]) -> dict[str, Any]:
                 rope_high_freq_factor=ModelConfig.rope_high_freq_factor,
                 rope_original_max_seq_len=ModelConfig.rope_original_max_seq_len,
                 sliding_window=0, bias=False, qkv_bias=False, qk_norm=False, qk_norm_scope="head",
+                norm_placement="pre", norm_unit_offset=False, parallel_residual=False, embed_scale=False,
+                rotary_fraction=1.0, export_as="auto", global_every=0, rope_local_theta=0.0, attn_scale_dim=0,
+                attn_softcap=0.0, logit_softcap=0.0,
                 **{f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name.startswith("moe_")})
     return {**base, **out}
 
@@ -400,6 +538,10 @@ def hf_family(cfg: ModelConfig) -> str:
     def no(why: str) -> ConfigError:
         return ConfigError(f"this model has no Hugging Face family: {why}")
 
+    if uses_newer_options(cfg):
+        return newer_family(cfg, no)
+    if cfg.export_as == "phi3":
+        return phi3_family(cfg, no)
     if cfg.position == "learned" and cfg.norm == "layernorm" and cfg.activation == "gelu":
         if cfg.kv_heads != cfg.n_heads or cfg.head_size * cfg.n_heads != cfg.dim:
             raise no("GPT-2 has neither grouped-query attention nor a head_dim apart from dim / n_heads")
@@ -410,7 +552,8 @@ def hf_family(cfg: ModelConfig) -> str:
         return "gpt2"
     if not (cfg.position == "rope" and cfg.norm == "rmsnorm" and cfg.activation == "swiglu"):
         raise no(f"position={cfg.position}, norm={cfg.norm}, activation={cfg.activation}; GPT-2 is learned, "
-                 "layernorm, gelu and Llama-likes are rope, rmsnorm, swiglu")
+                 "layernorm, gelu, Llama-likes are rope, rmsnorm, swiglu and GPT-NeoX is rope, layernorm with "
+                 "biases (model.bias=true)")
     if cfg.moe_experts:
         return _moe_family(cfg, no)
     if cfg.qk_norm and cfg.qk_norm_scope != "head":
@@ -458,7 +601,9 @@ def hf_config_from_model(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
     family = hf_family(cfg)
     arch = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}[family]
+            "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "olmo2": "Olmo2ForCausalLM",
+            "gpt_neox": "GPTNeoXForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM"}[family]
     out: dict[str, Any] = {"architectures": [arch], "model_type": family, "vocab_size": cfg.vocab_size,
                            "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32"}
     if family == "gpt2":
@@ -467,6 +612,15 @@ def hf_config_from_model(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
                    attn_pdrop=cfg.dropout, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
                    scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
                    add_cross_attention=False)
+        return {**out, **extra}
+    if family == "gpt_neox":
+        rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.rotary_fraction}
+        out.update(hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                   intermediate_size=cfg.hidden_dim, max_position_embeddings=cfg.max_seq_len,
+                   hidden_act="gelu" if cfg.activation == "gelu_exact" else "gelu_new", layer_norm_eps=cfg.norm_eps,
+                   use_parallel_residual=cfg.parallel_residual, attention_bias=True, rope_parameters=rope,
+                   rotary_pct=cfg.rotary_fraction, rotary_emb_base=cfg.rope_theta, attention_dropout=cfg.dropout,
+                   hidden_dropout=cfg.dropout)
         return {**out, **extra}
     out.update(hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
                num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_size, intermediate_size=cfg.hidden_dim,
@@ -489,6 +643,29 @@ def hf_config_from_model(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
         out.update(intermediate_size=cfg.expert_hidden)
     if family == "llama":
         out.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
+    elif family == "olmo2":
+        out.update(attention_bias=False)
+    elif family in _GEMMA:
+        out.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+                   query_pre_attn_scalar=cfg.attn_scale_dim or cfg.head_size,
+                   attn_logit_softcapping=cfg.attn_softcap or None, final_logit_softcapping=cfg.logit_softcap or None,
+                   sliding_window=cfg.sliding_window or None, use_bidirectional_attention=False,
+                   layer_types=["sliding_attention" if cfg.is_local_block(i) or (cfg.sliding_window and not
+                                                                                cfg.global_every) else "full_attention"
+                                for i in range(cfg.n_layers)])
+        del out["hidden_act"]
+        if family == "gemma3_text":  # one set of rotary parameters per kind of block
+            local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
+            if not cfg.rope_local_theta and cfg.rope_scaling != "none":
+                local = rope  # every block alike
+            out.update(rope_parameters={"full_attention": rope, "sliding_attention": local}, rope_scaling=None)
+            del out["rope_theta"]
+    elif family == "phi3":
+        rope["partial_rotary_factor"] = cfg.rotary_fraction
+        # (Phi-3's default padding id, 32000, lies outside a smaller vocabulary: transformers then fails to load)
+        out.update(rope_scaling=None, sliding_window=cfg.sliding_window or None,
+                   original_max_position_embeddings=cfg.max_seq_len, pad_token_id=None)
+        del out["head_dim"]
     elif family in ("mistral", "mixtral"):
         out.update(sliding_window=cfg.sliding_window or None)
     if family == "mixtral":

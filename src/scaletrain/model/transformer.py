@@ -16,6 +16,7 @@ Initial values are a function of the parameter's name alone (see `init_rule` and
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -30,21 +31,24 @@ from scaletrain.model.moe import MoE
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
+        """`unit_offset` (Gemma): scale by (1 + weight), so a weight of zeros is the identity."""
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in fp32 even under autocast: the mean of squares loses bits in bf16
         x32 = x.float()
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:  # (Gemma scales in fp32, then rounds)
+            return (y * (1.0 + self.weight.float())).type_as(x)
         return y.type_as(x) * self.weight
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.dim, cfg.norm_eps)
+        return RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_unit_offset)
     if cfg.norm == "layernorm":
         return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=cfg.bias)
     raise ValueError(f"unknown norm {cfg.norm!r}")
@@ -53,7 +57,7 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
     """The rotation speed of each pair of a head, (head_size // 2,) in fp32: theta^(-2i/d),
     stretched by `rope_scaling` for contexts longer than the model was first trained on."""
-    d = cfg.head_size
+    d = cfg.rotary_dim  # (a head's first rotary_dim coordinates turn, the rest do not)
     freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
     if cfg.rope_scaling == "linear":  # positions / factor, the same as frequencies / factor
         return freq / cfg.rope_factor
@@ -70,19 +74,20 @@ def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
 
 
 def rope_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, each (max_seq_len, head_size // 2), in fp32."""
+    """cos and sin of the rotary angles, each (max_seq_len, rotary_dim // 2), in fp32."""
     angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32),
                          rope_frequencies(cfg, device))
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x: (B, T, H, head_dim) by the angle of their position."""
-    T = x.shape[1]
-    cos, sin = cos[:T, None, :], sin[:T, None, :]  # (T, 1, head_dim/2), broadcast over heads
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    return out.type_as(x)
+    """Rotate pairs (x[2i], x[2i+1]) of x: (B, T, H, head_dim) by the angle of their position; with
+    tables narrower than the head (partial rotary) only its first 2 * cos.shape[-1] coordinates."""
+    T, r = x.shape[1], 2 * cos.shape[-1]
+    cos, sin = cos[:T, None, :], sin[:T, None, :]  # (T, 1, rotary_dim/2), broadcast over heads
+    x1, x2 = x[..., :r].float().unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
+    return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -90,6 +95,8 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_size
         self.dropout = cfg.dropout
+        self.scale = cfg.attn_scale_dim ** -0.5 if cfg.attn_scale_dim else None  # None: 1 / sqrt(head_dim)
+        self.softcap = cfg.attn_softcap
         qkv_bias = cfg.bias or cfg.qkv_bias
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=qkv_bias)
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=qkv_bias)
@@ -101,8 +108,8 @@ class Attention(nn.Module):
         self.norm_heads = cfg.qk_norm_scope == "head"
         q_width, k_width = (self.head_dim,) * 2 if self.norm_heads else (cfg.n_heads * self.head_dim,
                                                                          cfg.kv_heads * self.head_dim)
-        self.q_norm = RMSNorm(q_width, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(k_width, cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(q_width, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: tuple[KVCache, str] | None = None) -> torch.Tensor:
@@ -136,19 +143,42 @@ class Attention(nn.Module):
                causal: bool) -> torch.Tensor:
         """softmax(q kᵀ / √head_dim) v, k and v with as many or fewer (grouped) heads than q. The
         one step a transformation may replace on an instance (context parallelism brings the keys
-        of other ranks here), so it stays a method of its own."""
+        of other ranks here), so it stays a method of its own. Soft-capped scores (Gemma 2) are
+        computed as plain matmuls, as transformers' eager attention does: no fused kernel caps them."""
+        if self.softcap:
+            return self._capped(q, k, v, mask, causal)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=q.shape[1] != k.shape[1])
+            enable_gqa=q.shape[1] != k.shape[1], scale=self.scale)
+
+    def _capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                causal: bool) -> torch.Tensor:
+        if k.shape[1] != q.shape[1]:  # grouped-query: each K/V head serves q_heads / kv_heads query heads
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        scores = q @ k.transpose(-2, -1) * (self.scale or self.head_dim ** -0.5)
+        scores = self.softcap * torch.tanh(scores / self.softcap)
+        T, S = scores.shape[-2:]
+        if mask is None and causal:  # query i sees keys up to S - T + i
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = F.dropout(torch.softmax(scores.float(), dim=-1).type_as(q), self.dropout, self.training)
+        return weights @ v
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0):
         """`index`: the block's place in the model (which blocks are mixtures of experts)."""
         super().__init__()
-        self.attn_norm = make_norm(cfg)
+        # norm_placement: pre-norms normalise each sub-block's input (attn_norm, mlp_norm), post-norms
+        # its output before the residual add (attn_post_norm, mlp_post_norm; OLMo 2, Gemma)
+        pre, post = cfg.norm_placement in ("pre", "both"), cfg.norm_placement in ("post", "both")
+        self.attn_norm = make_norm(cfg) if pre else None
         self.attn = Attention(cfg)
-        self.mlp_norm = make_norm(cfg)
+        self.attn_post_norm = make_norm(cfg) if post else None
+        self.mlp_norm = make_norm(cfg) if pre else None
+        self.mlp_post_norm = make_norm(cfg) if post else None
+        self.parallel_residual = cfg.parallel_residual
         # a mixture of experts is `moe`, a dense MLP `mlp`: their weights differ in name and shape
         if cfg.is_moe_block(index):
             self.moe = MoE(cfg)
@@ -162,11 +192,17 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 cache: tuple[KVCache, str] | None = None) -> torch.Tensor:
-        h = self.attn_norm(x)
+        h = _maybe(self.attn_norm, x)
         # the cache only in generation: tensor parallelism's input plan knows (x, rope) alone
-        x = x + self.drop(self.attn(h, rope) if cache is None else self.attn(h, rope, cache))
-        x = x + self.drop(self.ffn(self.mlp_norm(x)))
-        return x
+        a = _maybe(self.attn_post_norm, self.attn(h, rope) if cache is None else self.attn(h, rope, cache))
+        if self.parallel_residual:  # GPT-NeoX: x + attn(norm1(x)) + mlp(norm2(x))
+            return x + self.drop(a) + self.drop(self.ffn(self.mlp_norm(x)))
+        x = x + self.drop(a)
+        return x + self.drop(_maybe(self.mlp_post_norm, self.ffn(_maybe(self.mlp_norm, x))))
+
+
+def _maybe(norm: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+    return x if norm is None else norm(x)
 
 
 @dataclass(frozen=True)
@@ -194,6 +230,10 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(cfg)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+        if cfg.rope_local_theta:  # Gemma 3: the sliding-window blocks turn at their own base, unscaled
+            cos, sin = rope_tables(local_rope(cfg))
+            self.register_buffer("rope_local_cos", cos, persistent=False)
+            self.register_buffer("rope_local_sin", sin, persistent=False)
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """After `to_empty` from the meta device: re-tie the head to the embedding (`to_empty`
@@ -203,6 +243,8 @@ class Transformer(nn.Module):
         if self.cfg.position == "rope":
             cos, sin = rope_tables(self.cfg, device=device or self.rope_cos.device)
             self.rope_cos, self.rope_sin = cos, sin
+        if self.cfg.rope_local_theta:
+            self.rope_local_cos, self.rope_local_sin = rope_tables(local_rope(self.cfg), device=self.rope_cos.device)
         for m in self.modules():
             if isinstance(m, MoE):
                 m.reset_state()
@@ -210,8 +252,9 @@ class Transformer(nn.Module):
     def init_rule(self, name: str) -> InitRule:
         """The initial distribution of parameter `name` (a canonical name, no wrapper prefixes)."""
         leaf = name.rsplit(".", 1)[-1]
-        if "norm" in name.rsplit(".", 2)[-2]:
-            return InitRule("ones") if leaf == "weight" else InitRule("zeros")
+        if "norm" in name.rsplit(".", 2)[-2]:  # (a (1 + w) RMSNorm is the identity at w = 0)
+            ones = leaf == "weight" and not (self.cfg.norm_unit_offset and self.cfg.norm == "rmsnorm")
+            return InitRule("ones") if ones else InitRule("zeros")
         if leaf == "bias":
             return InitRule("zeros")
         if name.endswith(("attn.wo.weight", "mlp.w2.weight", "moe.w2", "shared.w2.weight")):
@@ -234,20 +277,31 @@ class Transformer(nn.Module):
         # last stage of a tied model holds the embedding too, for its weight (the head's) alone
         embed = self.tok_emb is not None and not tokens.is_floating_point()
         h = self.tok_emb(tokens) if embed else tokens  # (B, T, dim)
+        if embed and self.cfg.embed_scale:  # Gemma: sqrt(dim), rounded to the activations' dtype as it does
+            h = h * torch.tensor(self.cfg.dim ** 0.5, dtype=h.dtype)
         if self.pos_emb is not None and embed:
             h = h + self.pos_emb(torch.arange(past, past + h.shape[1], device=h.device))
         if embed:
             h = self.drop(h)
         rope = (self.rope_cos[past:], self.rope_sin[past:]) if self.cfg.position == "rope" else None
+        local = (self.rope_local_cos[past:], self.rope_local_sin[past:]) if self.cfg.rope_local_theta else rope
         for name, block in self.layers.items():
-            h = block(h, rope) if cache is None else block(h, rope, (cache, name))
+            r = local if self.cfg.is_local_block(int(name)) else rope
+            h = block(h, r) if cache is None else block(h, r, (cache, name))
         if cache is not None:
             cache.advance(tokens.shape[1])
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
             h = self.output(h)  # (B, T, vocab)
+            if self.cfg.logit_softcap:  # Gemma 2
+                h = self.cfg.logit_softcap * torch.tanh(h / self.cfg.logit_softcap)
         return h
+
+
+def local_rope(cfg: ModelConfig) -> ModelConfig:
+    """The rotary settings of the sliding-window blocks (Gemma 3): their own base, no scaling."""
+    return dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling="none", rope_factor=1.0)
 
 
 def count_params(cfg: ModelConfig) -> int:

@@ -148,9 +148,12 @@ def _split(model: nn.Module, tp_mesh, sequence_parallel: bool, first_block: str 
             plan["attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if sequence_parallel:
+            # pre-norms hand their output to the gathering input plans below as DTensors; post-norms
+            # (OLMo 2, Gemma) sit on the residual stream, which stays a plain sequence shard
+            plan.update({n: SequenceParallel() for n in ("attn_norm", "mlp_norm") if getattr(block, n) is not None})
+            plan.update({n: SequenceParallel(use_local_output=True) for n in ("attn_post_norm", "mlp_post_norm")
+                         if getattr(block, n) is not None})
             plan.update({
-                "attn_norm": SequenceParallel(),
-                "mlp_norm": SequenceParallel(),
                 # gather the sequence before the column-parallel matmuls (rope tables pass as is)
                 "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
                 # a mixture of experts routes the rank's own tokens: its sequence shard, as a plain tensor

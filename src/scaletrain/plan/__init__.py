@@ -106,6 +106,10 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
     if moe_imbalance is not None and not src.cfg.moe_experts:
         raise ConfigError(f"--moe-imbalance {moe_imbalance:g} is a mixture of experts' load, but {src.name} is dense "
                           "(model.moe_experts=0); drop it")
+    if src.cfg.attn_softcap and attention == "flash":
+        raise ConfigError(f"--attention flash: model.attn_softcap={src.cfg.attn_softcap:g} caps the attention scores, "
+                          "which no fused kernel does, so scaletrain computes them as plain matmuls; plan with "
+                          "--attention eager")
     result["num_params"], result["active_params"] = total_and_active(src.cfg)
     result["moe_imbalance"] = ("given" if moe_imbalance is not None else "balanced") if src.cfg.moe_experts else None
     if layout is not None:

@@ -67,7 +67,7 @@ def _megatron_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: b
         return b * s * h * d.residual * rest
     masks = 2 * h if cfg.dropout > 0 else 0
     outside = (2 * h * d.residual + 2 * h * c + masks) * rest
-    n_ffn = 3 if cfg.activation == "swiglu" else 2
+    n_ffn = 3 if cfg.gated else 2
     inside = (2 * q + 2 * kv) * c + n_ffn * f * c  # q, k, v, wo's input; the MLP's inner tensors
     inside /= tp
     if moe:
@@ -101,7 +101,7 @@ def _scaletrain_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp:
     if wl.attention == "eager" and ac != "selective":
         # materialized scores: the softmax output (selective recomputation recomputes them)
         lse = b * a / tp * s * wl.seq_len * d.compute
-    n_ffn = 3 if cfg.activation == "swiglu" else 2
+    n_ffn = 3 if cfg.gated else 2
     if ac == "selective":  # matmul and attention outputs; element-wise ops are recomputed
         mm_out = 2 * b * s * h * d.compute  # wo and w2 outputs (before their reduction)
         ffn = (n_ffn - 1) * b * s * f / tp * d.compute
@@ -139,7 +139,7 @@ def mlp_half_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp
     d = Dtypes.of(wl.precision)
     s, h, f = wl.seq_len / cp, cfg.dim, cfg.hidden_dim
     s_loc = s / tp if sp else s
-    n_ffn = 3 if cfg.activation == "swiglu" else 2
+    n_ffn = 3 if cfg.gated else 2
     residual = b * s_loc * h * d.residual if _norm_keeps_input(cfg, d) else 0.0
     mlp_in = ((n_ffn - 1) if d.autocast else 1) * b * s * h * d.compute
     ffn = (2 if cfg.activation == "gelu" else 4) * b * s * f / tp * d.compute
@@ -177,7 +177,7 @@ def moe_half_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp
     s_loc = s / tp if sp else s  # the residual stream's tokens on this rank
     n = b * s / tp  # the tokens this rank routes
     E, k, he = cfg.moe_experts, cfg.moe_top_k, cfg.expert_hidden
-    n_ffn = 3 if cfg.activation == "swiglu" else 2
+    n_ffn = 3 if cfg.gated else 2
     shared = cfg.moe_shared_experts * he
     residual = b * s_loc * h * d.residual if _norm_keeps_input(cfg, d) else 0.0
     # the router's input is fp32 in every mode (the block's input itself when that is fp32, else an

@@ -226,7 +226,7 @@ def backward_moments(cfg: ModelConfig, wl: Workload, layout: Layout, d: Dtypes, 
     b, tp, sp, cp = layout.micro_batch, layout.tp, layout.sp, layout.cp
     scratch = attention_backward_bytes(cfg, wl, b, tp, cp, layout.cp_method)
     wo_in = b * wl.seq_len / cp * cfg.n_heads * cfg.head_size / tp * d.compute
-    n_ffn = 3 if cfg.activation == "swiglu" else 2
+    n_ffn = 3 if cfg.gated else 2
     head = (cfg.vocab_size * cfg.dim / tp + cfg.dim) * d.grad
     if cfg.is_moe_block(cfg.n_layers - 1):  # a mixture: its router's, shared and routed experts' gradients
         freed = moe_half_bytes(cfg, wl, b, tp, sp, cp, layout.ep) + wo_in

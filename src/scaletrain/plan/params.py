@@ -128,7 +128,7 @@ def expert_shard_ranks(layout: Layout, engine: str = "scaletrain") -> int:
 
 def expert_params(cfg: ModelConfig) -> int:
     """Parameters of one routed expert: its MLP's two (GELU) or three (SwiGLU) matrices, no bias."""
-    return (3 if cfg.activation == "swiglu" else 2) * cfg.dim * cfg.expert_hidden
+    return (3 if cfg.gated else 2) * cfg.dim * cfg.expert_hidden
 
 
 def moe_block_split(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -136,7 +136,7 @@ def moe_block_split(cfg: ModelConfig) -> tuple[int, int, int]:
     (attention, router + shared experts, the top_k routed experts a token visits): tp splits
     the first, ep the last."""
     active = block_matmul_params(cfg, 1, block_of_kind(cfg, True))
-    n_ffn = 3 if cfg.activation == "swiglu" else 2
+    n_ffn = 3 if cfg.gated else 2
     whole = cfg.moe_experts * cfg.dim + n_ffn * cfg.dim * cfg.moe_shared_experts * cfg.expert_hidden
     routed = cfg.moe_top_k * expert_params(cfg)
     return active - whole - routed, whole, routed
@@ -175,7 +175,7 @@ def layer_params(cfg: ModelConfig, tp: int, moe: bool = False, ep: int = 1) -> B
     experts split over `ep` ranks)."""
     h, kv, f = cfg.dim, cfg.kv_heads * cfg.head_size, cfg.hidden_dim
     q = cfg.n_heads * cfg.head_size  # = h unless head_dim is set apart
-    n_ffn = 3 if cfg.activation == "swiglu" else 2
+    n_ffn = 3 if cfg.gated else 2
     # the K/V width on a rank: kv / tp, or, with fewer K/V heads than tp, the one head its
     # query heads read (replicated on tp / kv_heads ranks, as the engine holds it)
     kv_rank = kv // tp if cfg.kv_heads >= tp else cfg.head_size
@@ -183,9 +183,10 @@ def layer_params(cfg: ModelConfig, tp: int, moe: bool = False, ep: int = 1) -> B
     index = block_of_kind(cfg, moe) if cfg.moe_experts else None
     active = block_matmul_params(cfg, tp, index)  # the one count of a block's matmul work (model/flops.py)
     attn_mats = ((q // tp, h), (kv_rank, h), (kv_rank, h), (h, q // tp))
-    replicated = (4 if cfg.norm == "layernorm" and cfg.bias else 2) * h
-    if cfg.qk_norm:
-        replicated += 2 * cfg.head_size
+    norms = 4 if cfg.norm_placement == "both" else 2  # pre- and/or post-norms of the two sub-blocks
+    replicated = norms * (2 if cfg.norm == "layernorm" and cfg.bias else 1) * h
+    if cfg.qk_norm:  # one weight of head_size each (Qwen3), or of the whole projection (OLMo 2; no tp then)
+        replicated += 2 * cfg.head_size if cfg.qk_norm_scope == "head" else q + kv
     if moe:
         E, he = cfg.moe_experts, cfg.expert_hidden
         shared = cfg.moe_shared_experts * he

@@ -176,7 +176,7 @@ def _elementwise_bytes_per_token(cfg: ModelConfig, d: Dtypes, tp: int, sp: bool)
     r, c, h = d.residual, d.compute, cfg.dim
     q, kv, f = cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size, cfg.hidden_dim
     outside = 1 / tp if sp else 1.0
-    n_ffn = 3 if cfg.activation == "swiglu" else 2
+    n_ffn = 3 if cfg.gated else 2
     fwd = 2 * h * (r + c) * outside + 2 * 3 * h * r * outside + n_ffn * f * c / tp
     if cfg.position == "rope":
         fwd += 2 * 2 * (q + kv) * c / tp
@@ -287,7 +287,7 @@ def compute_seconds(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clu
     head_s = head_flops / (peak * hardware_efficiency(hw) * _shape_factor(tokens / layout.grad_accum))
     traffic = _elementwise_bytes_per_token(cfg, d, layout.tp, layout.sp) * layers * tokens
     if moe_layers:  # a mixture's routed copies (gathered, weighted, added back) and its experts' activation
-        n_ffn = 3 if cfg.activation == "swiglu" else 2
+        n_ffn = 3 if cfg.gated else 2
         routed_fwd = cfg.moe_top_k * expert_load(wl, layout) * (n_ffn * cfg.expert_hidden + 4 * cfg.dim) * d.compute
         traffic += 3 * moe_layers * (moe_tokens * routed_fwd - tokens * n_ffn * cfg.hidden_dim * d.compute / layout.tp)
     if head:  # the loss: fp32 logits written, softmax read and written, forward and backward

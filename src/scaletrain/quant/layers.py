@@ -81,7 +81,7 @@ def block_linears(cfg) -> dict[str, tuple[int, int]]:
     d, kv, q = cfg.dim, cfg.kv_heads * cfg.head_size, cfg.n_heads * cfg.head_size
     shapes = {"attn.wq": (d, q), "attn.wk": (d, kv), "attn.wv": (d, kv), "attn.wo": (q, d),
               "mlp.w1": (d, cfg.hidden_dim), "mlp.w2": (cfg.hidden_dim, d)}
-    if cfg.activation == "swiglu":
+    if cfg.gated:
         shapes["mlp.w3"] = (d, cfg.hidden_dim)
     return shapes
 
