@@ -201,3 +201,21 @@ def test_masked_loss_matches_one_process_under_zero1_and_accumulation(plain, tmp
         assert_same_run(result["history"], ref["history"], steps=STEPS, tol=TOLERANCES["32-true"],
                         what=f"2 ranks {name}, masked")
     assert ref["history"][-1]["tokens_trained"] == sum(probe.counted_tokens(s) for s in range(STEPS))
+
+
+def test_validation_loss_is_the_mean_over_the_held_out_answers(tmp_path):
+    prepare([write_jsonl(tmp_path / "chat.jsonl", conversations(80))], tmp_path / "tok", chat_format="plain",
+            val_fraction=0.3)
+    trainer = Trainer(micro_cfg(tmp_path, **{"data.path": str(tmp_path / "tok"), "train.eval_every": 1,
+                                             "train.eval_batches": 2}))
+    (v,) = trainer.val_sets
+    held_out, T = TokenData.open(tmp_path / "tok", split="val"), trainer.cfg.data.seq_len
+    total, counted = 0.0, 0
+    for windows in v.batches:
+        inputs, targets = WindowDataset(held_out, T)[windows]
+        mask = torch.from_numpy(np.stack([held_out.mask.read(int(i) * T + 1, T) for i in windows])).bool()
+        with torch.no_grad():
+            per_token = F.cross_entropy(trainer.model(inputs).flatten(0, 1), targets.flatten(), reduction="none")
+        total, counted = total + per_token[mask.flatten()].double().sum().item(), counted + int(mask.sum())
+    assert 0 < counted < v.batches.size * T
+    assert trainer.evaluate()["val_loss"] == pytest.approx(total / counted, rel=1e-6)
