@@ -59,6 +59,7 @@ LO = "tests/test_lora.py"
 AE = "tests/test_adapter_export.py"
 QL = "tests/test_qlora.py"
 HF = "tests/test_hf_families.py"
+CH = "tests/test_chat.py"
 
 MUTANTS = [
     Mutant("zero-no-dp-division", "ZeRO-1/2 bucket reduce without the 1/dp division",
@@ -444,6 +445,26 @@ MUTANTS = [
            '            plan.update({n: SequenceParallel(use_local_output=True) for n in ("attn_post_norm", '
            '"mlp_post_norm")\n                         if getattr(block, n) is not None})\n', "",
            (f"{HF}::test_imported_families_train_alike_under_zero3_tp_and_pp",)),
+    Mutant("chat-loss-over-all-tokens", "the masked loss normalised by every token of the global batch, not by the "
+           "counted ones", "src/scaletrain/train/trainer.py",
+           "return self.dataset.counted_in_step(step, self.sampler) or self.step_tokens(step)",
+           "return self.step_tokens(step)",
+           (f"{CH}::test_first_step_loss_is_the_mean_over_the_assistants_tokens_and_the_prompt_gets_no_gradient",)),
+    Mutant("chat-mask-shifted-by-one", "a window's targets masked by its inputs' mask (the mask read one token "
+           "early)", "src/scaletrain/data/dataset.py",
+           "return np.stack([self.mask.read(int(i) * T + 1, T) for i in indices])",
+           "return np.stack([self.mask.read(int(i) * T, T) for i in indices])",
+           (f"{CH}::test_first_step_loss_is_the_mean_over_the_assistants_tokens_and_the_prompt_gets_no_gradient",)),
+    Mutant("chat-count-per-rank", "each data-parallel rank normalises by the tokens its own windows count, not "
+           "the whole global batch's", "src/scaletrain/data/dataset.py",
+           "self.counted_tokens(sampler(step).global_batch_indices(step))",
+           "self.counted_tokens(np.concatenate(sampler(step).rank_micro_batches(step))) * sampler(step).dp_size",
+           (f"{CH}::test_masked_loss_matches_one_process_under_zero1_and_accumulation",)),
+    Mutant("chat-label-counted", "the plain format counts the \"Assistant: \" label with the answer",
+           "src/scaletrain/data/chat.py",
+           "            text += f\"{m['role'].capitalize()}: \"\n            start = len(text)\n",
+           "            start = len(text)\n            text += f\"{m['role'].capitalize()}: \"\n",
+           (f"{CH}::test_plain_format_masks_exactly_the_assistants_tokens",)),
 ]
 
 

@@ -111,8 +111,12 @@ def _prepare(args: argparse.Namespace, extra: list[str]) -> int:
     with os_errors_named({"--out": args.out}):
         meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                        tokenizer_file=args.tokenizer_file, text_key=args.text_key, shard_tokens=args.shard_tokens,
-                       val_fraction=args.val_fraction, workers=args.workers,
-                       progress=None if args.quiet else sys.stderr, report=lambda line: _note(f"prepare: {line}"))
+                       val_fraction=args.val_fraction, workers=args.workers, chat_format=args.chat_format,
+                       loss_on_prompt=args.loss_on_prompt, progress=None if args.quiet else sys.stderr,
+                       report=lambda line: _note(f"prepare: {line}"))
+    if "mask_shards" in meta:
+        print(f"loss mask: {meta['num_counted_tokens']:,} of the training tokens counted "
+              f"(--chat-format {meta['chat_format']}{', the prompt included' if meta['loss_on_prompt'] else ''})")
     model_vocab = meta["tokenizer"].get("model_vocab_size")
     padded = f", {model_vocab} in the model" if model_vocab else ""
     print(f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}, {len(meta['shards'])} shard(s), "
@@ -309,6 +313,14 @@ def _prepare_parser(sub) -> None:
     p.add_argument("--workers", type=int, metavar="N",
                    help="tokenizer processes (default: every core; inputs under 16 MiB are tokenized in one); the "
                         "shards are byte-identical whatever N")
+    p.add_argument("--chat-format", choices=("template", "plain"),
+                   help="the inputs are chat/instruction jsonl: a `messages` list of {role, content} turns, or a "
+                        "prompt|instruction|question field with a response|completion|output|answer field (and an "
+                        "optional system); rendered with the tokenizer's chat_template (template: a Hugging Face "
+                        "folder) or as \"User: ...\\nAssistant: ...\\n\" (plain), with a loss mask beside the tokens "
+                        "that counts the assistant's tokens only")
+    p.add_argument("--loss-on-prompt", action="store_true",
+                   help="with --chat-format: count every token (the prompt's too), not the assistant's alone")
     p.add_argument("--quiet", action="store_true", help="no progress line (MB/s, tokens, ETA) on stderr")
     p.set_defaults(func=_prepare, takes_overrides=False, parser=p)
 

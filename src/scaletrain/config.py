@@ -55,6 +55,9 @@ class DataConfig:
     prefetch_factor: int = option(2, "batches each worker prepares ahead (with num_workers > 0)", min=1)
     pin_memory: bool = option(True, "page-lock batches for faster host-to-GPU copies (CUDA runs only)")
     verify_checksums: bool = option(True, "check every shard's sha256 against the metadata when opening")
+    loss_mask: str = option("auto", "the loss mask of chat data (prepare --chat-format): auto = use it where the "
+                                    "folder has one, true = require one, false = count every token",
+                            choices=("auto", "true", "false"))
 
 
 @dataclass

@@ -72,6 +72,7 @@ class TokenData:
         self.source = source
         self._description = description  # what meta.json says of the shards; None in memory
         self._fingerprint: str | None = None
+        self.mask: TokenData | None = None  # the loss mask (prepare --chat-format): 1 a counted target, else 0
 
     @classmethod
     def from_array(cls, tokens: np.ndarray, tokenizer, source: str) -> TokenData:
@@ -171,8 +172,15 @@ class TokenData:
         description = {"dtype": dtype_name, "tokenizer": tokenizer.describe(), "shards": described}
         if split == "val":  # the training split's description (and fingerprint) stays as it always was
             description["split"] = "val"
+        mask_key = "mask_shards" if split == "train" else "val_mask_shards"
+        mask = None
+        if mask_key in meta:  # data with a mask is other data than the same tokens without one
+            mask = _open_mask(folder, meta[mask_key], lengths, tokenizer, verify_checksums)
+            description[mask_key] = mask._description["shards"]
         source = str(folder) if split == "train" else f"{folder} (validation split)"
-        return cls(paths, dtype, lengths, tokenizer, source, description)
+        data = cls(paths, dtype, lengths, tokenizer, source, description)
+        data.mask = mask
+        return data
 
     def _open(self) -> list[np.ndarray | int]:
         if self._opened is None:
@@ -216,6 +224,30 @@ class TokenData:
         return DataError(f"{path}: the shard is now {os.fstat(fd).st_size} bytes, {expected} when it was opened: it "
                          "was cut short (truncated or rewritten) while this process read it; restore it as it was "
                          "(data prepared again is other data, for a new run)")
+
+
+def _open_mask(folder: Path, shards, lengths: list[int], tokenizer, verify_checksums: bool) -> TokenData:
+    """The loss mask's shards beside the token shards: one uint8 (0 or 1) per token, cut alike."""
+    meta_path = folder / META_FILE
+    paths, described = [], []
+    if not isinstance(shards, list) or len(shards) != len(lengths):
+        raise DataError(f"{meta_path}: the loss mask's shards do not match the token shards one to one; re-run "
+                        "scaletrain prepare")
+    for shard, n in zip(shards, lengths):
+        try:
+            name, count = shard["file"], int(shard["num_tokens"])
+        except (TypeError, KeyError, ValueError):
+            raise DataError(f"{meta_path}: mask shard entry {shard!r} needs a file name and a token count; "
+                            "re-run scaletrain prepare") from None
+        path = folder / name
+        if Path(name).name != name or count != n or not path.is_file() or path.stat().st_size != n:
+            raise DataError(f"{path}: the loss mask shard is missing, misnamed or not {n} bytes (one per token of "
+                            "its token shard); re-run scaletrain prepare")
+        _check_shard(path, shard.get("sha256") if verify_checksums else None, np.dtype(np.uint8), 2)
+        paths.append(path)
+        described.append([name, n, shard.get("sha256")])
+    return TokenData(paths, np.uint8, list(lengths), tokenizer, f"{folder} (loss mask)",
+                     {"dtype": "uint8", "shards": described})
 
 
 def _close_all(fds: list[int]) -> None:
@@ -313,12 +345,18 @@ def open_validation(path: str, verify_checksums: bool = True) -> TokenData | Non
     return builtin_validation_data() if not path else TokenData.open(path, verify_checksums, split="val")
 
 
-class WindowDataset(torch.utils.data.Dataset):
-    """Map-style dataset indexed by a list of window indices -> (inputs, targets), each (b, T)."""
+IGNORE_INDEX = -100  # a target the loss does not count (cross_entropy's default ignore_index)
 
-    def __init__(self, data: TokenData, seq_len: int):
+
+class WindowDataset(torch.utils.data.Dataset):
+    """Map-style dataset indexed by a list of window indices -> (inputs, targets), each (b, T).
+    With `loss_mask` (the data has one), a target whose mask is 0 is IGNORE_INDEX."""
+
+    def __init__(self, data: TokenData, seq_len: int, loss_mask: bool = False):
         self.data = data
         self.seq_len = seq_len
+        self.mask = data.mask if loss_mask else None
+        self._counted = (-1, 0)  # (step, its counted targets): counted_in_step's last answer
         self.num_windows = (data.num_tokens - 1) // seq_len
         if self.num_windows < 1:
             fix = (f"lower data.seq_len to at most {data.num_tokens - 1} or add data" if data.num_tokens > 1
@@ -332,5 +370,31 @@ class WindowDataset(torch.utils.data.Dataset):
     def __getitem__(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
         T = self.seq_len
         rows = np.stack([self.data.read(int(i) * T, T + 1) for i in indices])  # (b, T + 1)
+        if self.mask is not None:
+            targets = rows[:, 1:].copy()
+            targets[self.target_mask(indices) == 0] = IGNORE_INDEX
+            return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(targets)
         tokens = torch.from_numpy(rows)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def target_mask(self, indices) -> np.ndarray:
+        """(b, T) of the windows' targets: 1 where the loss counts the token."""
+        T = self.seq_len
+        return np.stack([self.mask.read(int(i) * T + 1, T) for i in indices])
+
+    def counted_in_step(self, step: int, sampler) -> int | None:
+        """The targets a loss mask counts in step `step`'s global batch, whose windows
+        `sampler(step)` (a StepSampler) gives: every rank counts the whole batch alike, so no
+        reduction is needed. At least 1 (an all-prompt batch trains on nothing, without dividing
+        by 0); None without a mask. The last step's count is kept: the trainer asks per micro-batch."""
+        if self.mask is None:
+            return None
+        if self._counted[0] != step:
+            self._counted = (step, max(1, self.counted_tokens(sampler(step).global_batch_indices(step))))
+        return self._counted[1]
+
+    def counted_tokens(self, indices) -> int:
+        """Targets the loss counts in these windows: all of them without a mask."""
+        if self.mask is None:
+            return len(indices) * self.seq_len
+        return int(self.target_mask(indices).sum())

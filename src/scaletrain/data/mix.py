@@ -28,7 +28,7 @@ import torch
 from scaletrain.data.dataset import TokenData, WindowDataset, open_data
 from scaletrain.data.loader import StepSampler
 from scaletrain.data.tokenizer import TOKENIZER_FILE
-from scaletrain.errors import DataError
+from scaletrain.errors import ConfigError, DataError
 
 M = 2**64
 PHI = 0x9E3779B97F4A7C15  # 2**64 / golden ratio, odd
@@ -94,6 +94,9 @@ class MixDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
+
+    def counted_in_step(self, step: int, sampler) -> None:
+        return None  # every target counts: a mixture refuses loss masks (_use_mask)
 
     def __getitem__(self, ids) -> tuple[torch.Tensor, torch.Tensor]:
         ids = np.asarray(ids, dtype=np.int64)
@@ -186,15 +189,40 @@ class MixSampler(StepSampler):
         return out
 
 
-def open_training_data(data_cfg, mix: list[tuple[str, float]] | None, vocab_size: int | None):
+def open_training_data(data_cfg, mix: list[tuple[str, float]] | None, vocab_size: int | None, *,
+                       replica_groups: bool = False):
     """(data, dataset) of a run: data.path's folder, or data.mix's sources (`mix`, parsed) in
     proportion; refuses a tokenizer larger than the model's vocabulary (`vocab_size`; None: a
-    custom module's, unknown)."""
+    custom module's, unknown), and a loss mask under fault tolerance's replica groups
+    (`replica_groups`: their average does not weigh each group's counted tokens)."""
     data = MixData(mix, data_cfg.verify_checksums) if mix else open_data(data_cfg.path, data_cfg.verify_checksums)
+    if mix:
+        _use_mask(data_cfg.loss_mask, [data])  # refuses what a mixture cannot honour
     if vocab_size is not None and data.vocab_size > vocab_size:
         raise DataError(f"{data.source}: the tokenizer has {data.vocab_size} tokens but model.vocab_size={vocab_size}; "
                         f"set model.vocab_size to at least {data.vocab_size}")
-    return data, (MixDataset(data, data_cfg.seq_len) if mix else WindowDataset(data, data_cfg.seq_len))
+    masked = not mix and _use_mask(data_cfg.loss_mask, [data])
+    if masked and replica_groups:
+        raise ConfigError(f"{data.source} has a loss mask (chat data), and parallel.fault_tolerance averages the "
+                          "replica groups' gradients without weighing their counted tokens: not supported yet; set "
+                          "data.loss_mask=false to count every token, or parallel.fault_tolerance=false")
+    return data, (MixDataset(data, data_cfg.seq_len) if mix else
+                  WindowDataset(data, data_cfg.seq_len, loss_mask=masked))
+
+
+def _use_mask(asked: str, parts: list) -> bool:
+    """Whether training counts only the loss mask's tokens (data.loss_mask), refusing a mask asked
+    of data without one and masks under data.mix (its sampler does not count them)."""
+    where = "data.mix" if len(parts) > 1 or isinstance(parts[0], MixData) else parts[0].source
+    masked = [getattr(p, "mask", None) is not None for p in getattr(parts[0], "parts", parts)]
+    if asked == "true" and not all(masked):
+        raise ConfigError(f"data.loss_mask=true, but {where} was prepared without a loss mask; prepare chat data "
+                          "with `scaletrain prepare FILE.jsonl --chat-format plain|template --out FOLDER`, or set "
+                          "data.loss_mask=auto")
+    if asked != "false" and any(masked) and where == "data.mix":
+        raise ConfigError("data.mix with loss-masked (chat) folders is not supported; train on one folder "
+                          "(data.path), or set data.loss_mask=false to count every token")
+    return asked != "false" and all(masked)
 
 
 def step_sampler(dataset, layout, *, dp_rank: int, seed: int, start_step: int, schedule,

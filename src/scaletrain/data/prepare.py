@@ -9,6 +9,9 @@ Output folder:
                        of 2**64, fall below F, so the split depends on the document alone (never
                        on the run, the order of the inputs or the other documents), a document
                        never straddles the two, and duplicates land on the same side
+    mask_00000.bin     with --chat-format: the loss mask, one uint8 a token (1: a training target, the
+                       assistant's tokens; 0: the prompt's), cut into shards of the same token counts
+                       as the token shards (meta.json's `mask_shards`, and `val_mask_shards`)
     tokenizer.json     for BPE, file and Hugging Face tokenizers
     tokenizer_config.json, special_tokens_map.json
                        copied from a Hugging Face model folder, where it has them
@@ -49,6 +52,7 @@ import numpy as np
 
 from scaletrain import fmt
 from scaletrain.atomic import replacing
+from scaletrain.data.chat import ChatRenderer, iter_records
 from scaletrain.data.sources import Chunk, chunks, find_inputs, input_bytes, iter_documents, texts_of
 from scaletrain.data.tokenizer import ByteTokenizer, HFTokenizer
 from scaletrain.errors import DataError
@@ -114,7 +118,8 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
             vocab_size: int = 8192, tokenizer_file: str | Path | None = None,
             text_key: str = "text", shard_tokens: int = 100_000_000, val_fraction: float = 0.0,
             workers: int | None = None, progress: IO[str] | None = None,
-            progress_every: float | None = None, report: Callable[[str], None] | None = None) -> dict:
+            progress_every: float | None = None, report: Callable[[str], None] | None = None,
+            chat_format: str | None = None, loss_on_prompt: bool = False) -> dict:
     """Tokenize `inputs` into `out`; returns the metadata written to meta.json. `tokenizer` is
     byte, bpe, file (with `tokenizer_file`) or the path of a Hugging Face model folder.
     `val_fraction` of the documents (by their text's hash) go to a validation split instead.
@@ -122,7 +127,10 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
     16 MiB; 1: this process), at most one per core and per chunk of the input (a process starts
     when there is a chunk for it). `progress`: a stream for the progress line (MB/s, tokens,
     ETA), redrawn every `progress_every` seconds (None: 0.5 on a terminal, else a line every 30).
-    `report`: told the workers' cap in a line (None: the progress stream, if any, is)."""
+    `report`: told the workers' cap in a line (None: the progress stream, if any, is).
+    `chat_format` (template or plain; scaletrain.data.chat): the inputs are chat or instruction
+    jsonl, rendered in this process, with a loss mask on the assistant's tokens (every token's
+    with `loss_on_prompt`)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DataError(f"{out} is a file; --out must be a new or empty folder (nothing was changed)")
@@ -143,6 +151,9 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
     if tokenizer == "byte":
         tok = ByteTokenizer()
     elif tokenizer == "bpe":
+        if chat_format:
+            raise DataError("--chat-format needs a tokenizer made beforehand: byte, file or a Hugging Face folder, "
+                            "not bpe (train one on the text first)")
         if vocab_size < 257:
             raise DataError(f"--vocab-size {vocab_size} is too small for BPE; it needs more than the 256 bytes")
         # learnt from the training documents only: the validation text stays unseen
@@ -172,16 +183,21 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
         if line is not None:
             line.note(f"removed {stale}, left by an interrupted prepare")
     encoder = Encoder(tok, text_key, val_fraction, dtype)
+    renderer = ChatRenderer(tok, chat_format, loss_on_prompt) if chat_format else None
     with replacing(out) as tmp, _locked_folder(tmp), _ShardWriter(tmp, "shard", dtype, shard_tokens) as train, \
-            _ShardWriter(tmp, "val", dtype, shard_tokens) as val:
+            _ShardWriter(tmp, "val", dtype, shard_tokens) as val, \
+            _ShardWriter(tmp, "mask", np.uint8, shard_tokens) as train_mask, \
+            _ShardWriter(tmp, "val_mask", np.uint8, shard_tokens) as val_mask:
         started: list[int] = []
-        for part in encode_chunks(chunks(files, text_key), encoder, workers, started):
+        if renderer is not None:
+            _write_chat(files, renderer, val_fraction, dtype, (train, train_mask), (val, val_mask), line)
+        for part in encode_chunks(chunks(files, text_key), encoder, workers, started) if renderer is None else ():
             train.add(part.train, part.docs, part.text_docs)
             val.add(part.val, part.val_docs, part.val_text_docs)
             if line is not None:
                 line.advance(part.nbytes, part.train.size + part.val.size)
-        train.close()
-        val.close()
+        for writer in (train, val, train_mask, val_mask):
+            writer.close()
         if line is not None:
             line.finish()
         if say is not None and asked is not None and workers > 1 and started and started[0] < workers:
@@ -215,10 +231,28 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
         if val_fraction:  # absent otherwise: a folder without a split is written as it always was
             meta.update({"val_fraction": val_fraction, "num_val_tokens": sum(s["num_tokens"] for s in val.shards),
                          "num_val_documents": val.n_docs, "val_shards": val.shards})
+        if renderer is not None:  # absent for text: its folders are written as they always were
+            meta.update({"chat_format": chat_format, "loss_on_prompt": loss_on_prompt,
+                         "num_counted_tokens": train_mask.ones, "mask_shards": train_mask.shards})
+            if val_fraction:
+                meta["val_mask_shards"] = val_mask.shards
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
         if out.exists():
             out.rmdir()  # empty, checked above: the rename needs its place
     return meta
+
+
+def _write_chat(files, renderer: ChatRenderer, val_fraction: float, dtype: np.dtype, train: tuple, val: tuple,
+                line: ProgressLine | None) -> None:
+    """Every chat record rendered to tokens and mask, each to its split (by its rendered tokens' hash)."""
+    for _, messages in iter_records(files):
+        ids, mask = renderer(messages)
+        key = json.dumps(messages, sort_keys=True)
+        tokens, masks = val if is_validation(key, val_fraction) else train
+        tokens.add(ids.astype(dtype), 1, int(mask.any()))
+        masks.add(mask, 0, 0)
+        if line is not None:
+            line.advance(len(key), ids.size)
 
 
 # --------------------------------------------------------------------------------------------
@@ -378,6 +412,7 @@ class _ShardWriter:
         self._file: IO[bytes] | None = None
         self._digest = hashlib.sha256()
         self._count = 0  # tokens in the open shard
+        self.ones = 0  # of a mask: the counted tokens written
 
     def __enter__(self) -> _ShardWriter:
         return self
@@ -390,6 +425,8 @@ class _ShardWriter:
     def add(self, ids: np.ndarray, docs: int, text_docs: int) -> None:
         self.n_docs += docs
         self.n_text_docs += text_docs
+        if self.dtype == np.uint8:
+            self.ones += int(np.count_nonzero(ids))
         pos = 0
         while pos < ids.size:
             if self._file is None:

@@ -67,7 +67,9 @@ def validation_sets(cfg: JobConfig, global_batch: int) -> list[ValidationSet]:
         data = open_validation(path, cfg.data.verify_checksums)
         if data is None:
             continue
-        dataset = WindowDataset(data, cfg.data.seq_len)
+        # a loss mask (chat data) counts the answers here as in training
+        masked = cfg.data.loss_mask != "false" and data.mask is not None
+        dataset = WindowDataset(data, cfg.data.seq_len, loss_mask=masked)
         sets.append(ValidationSet(name, weight, dataset,
                                   validation_batches(len(dataset), global_batch, train.eval_batches, train.seed,
                                                      data.source)))
@@ -126,7 +128,9 @@ def validation_loss(t) -> dict[str, float]:
         t.health.enter("the evaluation all-reduce")
         dist.all_reduce(totals)
         totals /= b.tp
-    losses = {v.name: float(totals[i]) / (len(v.batches) * t.tokens_per_step) for i, v in enumerate(t.val_sets)}
+    # by the targets counted: every token's, or a loss mask's (the same on every rank: from the data)
+    losses = {v.name: float(totals[i]) / max(1, sum(v.dataset.counted_tokens(g) for g in v.batches))
+              for i, v in enumerate(t.val_sets)}
     return combined(losses, {v.name: v.weight for v in t.val_sets})
 
 
@@ -201,7 +205,7 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, batches: int 
         if tokens.vocab_size > cfg.model.vocab_size:
             raise DataError(f"{tokens.source}: the tokenizer has {tokens.vocab_size} tokens, more than the model's "
                             f"vocabulary of {cfg.model.vocab_size}: this data was prepared for another model")
-        dataset = WindowDataset(tokens, seq_len)
+        dataset = WindowDataset(tokens, seq_len, loss_mask=tokens.mask is not None)  # chat data: the answers
         wanted = batches
         if batches is None:  # the run's number, where this data holds that many
             wanted, held = cfg.train.eval_batches, len(dataset) // global_batch
@@ -216,7 +220,7 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, batches: int 
             for i in range(0, global_batch, chunk):
                 inputs, targets = dataset[window_batch[i:i + chunk]]
                 total += cross_entropy_sum(model(inputs.to(dev)), targets.to(dev)).double()
-        losses[name], weights[name] = float(total) / (order.size * seq_len), weight
+        losses[name], weights[name] = float(total) / max(1, sum(dataset.counted_tokens(b) for b in order)), weight
         parts.append((tokens, held_out is not None, order))
     result = combined(losses, weights)
     loss = result["val_loss"]

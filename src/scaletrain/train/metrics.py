@@ -269,6 +269,7 @@ class StepMeter:
                  tf32: bool, enter: Callable[[str], None], say: Callable[[str], None] = lambda line: None):
         self.device, self.world_size, self.distributed = rt.device, rt.world_size, rt.distributed
         self.tokens_per_step, self.flops_per_token, self.compute_dtype = tokens_per_step, flops_per_token, compute_dtype
+        self.tokens_trained = 0  # targets the loss counted, since this process started (stepped's `counted`)
         peak, source = device_peak_flops(self.device, compute_dtype, tf32=tf32)
         # the ranks on one CPU share its cores: each rank's peak is its share of the CPU's
         self.sharing = rt.local_world_size if self.device.type == "cpu" else 1
@@ -281,12 +282,14 @@ class StepMeter:
     def new_window(self) -> None:
         self.t0, self.wait, self.steps, self.tokens = time.perf_counter(), 0.0, 0, 0
 
-    def stepped(self, wait: float, tokens: int | None = None) -> None:
+    def stepped(self, wait: float, tokens: int | None = None, counted: int | None = None) -> None:
         """One more step in the window (of `tokens` tokens, or tokens_per_step), `wait` seconds of
-        it spent waiting for data."""
+        it spent waiting for data; `counted`: the targets its loss counted (of a loss mask), which
+        the rows add up as tokens_trained (since this process started)."""
         self.wait += wait
         self.steps += 1
         self.tokens += self.tokens_per_step if tokens is None else tokens
+        self.tokens_trained += (self.tokens_per_step if tokens is None else tokens) if counted is None else counted
 
     @contextlib.contextmanager
     def paused(self):
@@ -322,6 +325,7 @@ class StepMeter:
         }
         if loss_scale is not None:
             row["loss_scale"] = loss_scale
+        row["tokens_trained"] = self.tokens_trained  # the targets counted: a loss mask's, else every token
         if row["mfu"] is None and not self.outran:
             self.outran = True
             self.say(f"MFU n/a: this rank reached {fmt.flops(achieved)} of model FLOPs, above the peak it is "

@@ -121,17 +121,16 @@ class Trainer:
         """Data: order from (seed, step) alone; each data-parallel rank reads its slice."""
         cfg = self.cfg
         self.dp_rank = self.rt.axis("dp").get_local_rank() if self.rt.distributed else 0
-        # one folder, or several in proportion (data.mix): each source's windows drawn as weighted
         self.data, self.dataset = open_training_data(cfg.data, parse_mix(cfg.data.mix) if cfg.data.mix else None,
-                                                     cfg.model.vocab_size if self.custom_model is None else None)
+                                                     cfg.model.vocab_size if self.custom_model is None else None,
+                                                     replica_groups=cfg.parallel.fault_tolerance)
         self.tokens_per_step = self.layout.global_batch * cfg.data.seq_len  # of the full batch
         self.batch_schedule = self.layout.batch_schedule(cfg.data.seq_len)  # train.batch_rampup, if any
         self.schedule = self._schedule or TrainSchedule(cfg.optim, self.batch_schedule, cfg.train.steps)
 
     def _build_model(self, resume_from: Path | None) -> None:
         """Model: built on the meta device (no memory), then parallelized and materialized."""
-        cfg = self.cfg
-        torch.manual_seed(cfg.train.seed + self.rank)  # dropout differs per rank; weights do not
+        torch.manual_seed(self.cfg.train.seed + self.rank)  # dropout differs per rank; weights do not
         self.pm = self._parallel_model(resume_from)  # weights that do not fit: one line (parallelize)
         self.dp: DataParallel = self.pm.dp
         self.model = self.dp.model  # forward goes through the data-parallel wrapper
@@ -166,8 +165,7 @@ class Trainer:
         return pm
 
     def _build_optimizer(self) -> None:
-        """Optimizer: over what holds the fp32 truth: the parameters, their ZeRO shards, or
-        (bf16-true without a sharding engine) fp32 master copies."""
+        """Optimizer over what holds the fp32 truth: parameters, ZeRO shards or (bf16-true, unsharded) fp32 masters."""
         cfg = self.cfg
         use_master = self.precision.master_weights and not self.pm.keeps_fp32_weights
         self.master = MasterWeights(self.named_params) if use_master else None
@@ -191,15 +189,13 @@ class Trainer:
     # checkpoints
 
     def checkpoint_tensors(self) -> dict:
-        """What DCP saves and loads: the weights the optimizer steps are the model's true state
-        (fp32 masters in bf16-true, the shards under ZeRO-1/2: DCP writes each rank's shard and
-        reshards on load), the optimizer state, and what the step hooks keep."""
+        """What DCP saves and loads: the weights the optimizer steps (fp32 masters in bf16-true, the shards under
+        ZeRO-1/2: DCP writes each rank's shard and reshards on load), the optimizer state, the step hooks' state."""
         optim, _ = ckpt.optimizer_to_named(self.optimizer, self.param_names)
         return self.hooks.checkpoint_tensors({"model": dict(self.optim_params), "optim": optim})
 
     def save(self) -> Path:
-        """A checkpoint of the tensors and of what resuming needs to continue bitwise (step,
-        data position, loss scale, lineage, the hooks' state)."""
+        """A checkpoint: tensors and what resuming needs to go on bitwise (step, data, loss scale, lineage, hooks)."""
         _, skeleton = ckpt.optimizer_to_named(self.optimizer, self.param_names)
         cfg = self.cfg
         state = {**self.state.state_dict(), "world_size": self.world_size, "config": cfg.to_dict(),
@@ -245,8 +241,7 @@ class Trainer:
                             start_step=start_step, schedule=self.batch_schedule, outer=self.hooks.data_outer)
 
     def batches(self):
-        """This rank's micro-batches (inputs, targets) from the current step on: the sampler cuts
-        its data-parallel share of each step's windows, the loader its share of their tokens."""
+        """This rank's micro-batches (inputs, targets) from this step on: its share of the windows and tokens."""
         return iter(build_loader(self.dataset, self.sampler(self.step), share=self.hooks.batch_share,
                                  num_workers=self.cfg.data.num_workers,
                                  pin_memory=self.cfg.data.pin_memory and self.device.type == "cuda",
@@ -263,12 +258,17 @@ class Trainer:
         return loss, grad_norm, skipped, wait
 
     def loss_factor(self) -> float:
-        # by the tokens of the whole global batch: gradients add up over micro-batches and ranks to
-        # the mean token loss's; the dp reductions average over ranks, hence the factor dp. Under fp16
-        # unscaling applies dp: backward sees the scale times each token's share, as one process does.
+        # by the counted tokens of the whole global batch (every rank counts them alike from the data): gradients
+        # add up over micro-batches and ranks to the mean token loss's; the dp reductions average over ranks, hence
+        # the factor dp. Under fp16 unscaling applies dp: backward sees the scale times each token's share.
         if self.scaler:
-            return self.scaler.scale / self.step_tokens()
-        return self.layout.dp / self.step_tokens()
+            return self.scaler.scale / self.counted_tokens()
+        return self.layout.dp / self.counted_tokens()
+
+    def counted_tokens(self, step: int | None = None) -> int:
+        """Targets counted in a step's global batch: all its tokens, or those its loss mask marks (from the data)."""
+        step = self.step if step is None else step
+        return self.dataset.counted_in_step(step, self.sampler) or self.step_tokens(step)
 
     def step_tokens(self, step: int | None = None) -> int:
         """Tokens of a step's global batch (this step's by default): fewer during a batch-size warm-up."""
@@ -278,7 +278,7 @@ class Trainer:
         """This step's gradients over its micro-batches; returns (mean token loss, data wait)."""
         self.health.enter("forward/backward")
         loss_sum, wait = self._micro_batches(batches)
-        return loss_sum / self.loss_factor() / self.step_tokens(), wait
+        return loss_sum / self.loss_factor() / self.counted_tokens(), wait
 
     def _through_pipeline(self, batches) -> tuple[torch.Tensor, float]:
         """All micro-batches through the schedule at once; the last stage's losses (the others: 0)."""
@@ -376,7 +376,7 @@ class Trainer:
             self.state.step += 1
             loss, grad_norm, stop = guarded(self.end_of_step, local_loss, grad_norm)
             self.health.watch_loss(self.step, loss, skipped)
-            self.meter.stepped(wait, self.step_tokens(self.step - 1))
+            self.meter.stepped(wait, self.step_tokens(self.step - 1), self.counted_tokens(self.step - 1))
             val_loss = None
             if self.val_sets and not stop and \
                     (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps):

@@ -1,0 +1,230 @@
+"""Chat and instruction data (prepare --chat-format): the loss mask marks exactly the assistant's
+tokens, training counts those alone (the prompt gets no gradient), the loss is normalised by
+the counted tokens of the whole global batch (data parallelism and accumulation match one
+process with unequal counts per rank), and bad input is refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from scaletrain.data import prepare
+from scaletrain.data.dataset import IGNORE_INDEX, TokenData, WindowDataset
+from scaletrain.errors import ConfigError, DataError
+from scaletrain.model.loss import cross_entropy_sum
+from scaletrain.train.trainer import Trainer
+from scaletrain.verify import TOLERANCES
+
+from conftest import assert_same_run, fit_reference, micro_cfg, micro_overrides, run_group, run_here
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex café".split()
+
+
+def conversations(n: int = 60) -> list[dict]:
+    """Records of both shapes, answers of very different lengths (so ranks count unequally)."""
+    out = []
+    for i in range(n):
+        question = " ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(2 + i % 5))
+        answer = " ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(1 + (i * 7) % 13))
+        if i % 2:
+            out.append({"prompt": question + "?", "response": answer})
+        else:
+            out.append({"messages": [{"role": "system", "content": "be brief"},
+                                     {"role": "user", "content": question},
+                                     {"role": "assistant", "content": answer},
+                                     {"role": "user", "content": "again"},
+                                     {"role": "assistant", "content": answer.upper()}]})
+    return out
+
+
+def assistant_texts(record: dict, end: str) -> list[str]:
+    if "messages" in record:
+        return [m["content"] + end for m in record["messages"] if m["role"] == "assistant"]
+    return [record["response"] + end]
+
+
+def write_jsonl(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def tokens_and_mask(folder: Path) -> tuple[np.ndarray, np.ndarray]:
+    data = TokenData.open(folder)
+    return data.read(0, data.num_tokens), data.mask.read(0, data.num_tokens)
+
+
+def spans(ids: np.ndarray, mask: np.ndarray) -> list[np.ndarray]:
+    """The runs of masked tokens, in order."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    return [ids[a:b] for a, b in zip(edges[::2], edges[1::2])]
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("plain")
+    records = conversations()
+    prepare([write_jsonl(tmp / "chat.jsonl", records)], tmp / "tok", chat_format="plain", shard_tokens=1000)
+    return records, tmp / "tok"
+
+
+def test_plain_format_masks_exactly_the_assistants_tokens(plain, tmp_path):
+    records, folder = plain
+    meta = json.loads((folder / "meta.json").read_text())
+    assert len(meta["mask_shards"]) == len(meta["shards"]) > 1  # cut like the token shards
+    ids, mask = tokens_and_mask(folder)
+    got = [bytes(s.astype(np.uint8)).decode() for s in spans(ids, mask)]
+    assert got == [t for r in records for t in assistant_texts(r, "\n")]
+    assert meta["num_counted_tokens"] == int(mask.sum())
+    text = bytes(ids.astype(np.uint8)).decode()
+    assert text.startswith("System: be brief\nUser: the quick\nAssistant: the\nUser: again\nAssistant: THE\n\n\n")
+    prepare([folder.parent / "chat.jsonl"], tmp_path / "all", chat_format="plain", loss_on_prompt=True)
+    all_ids, all_mask = tokens_and_mask(tmp_path / "all")
+    assert np.array_equal(all_ids, ids) and all_mask.all()
+
+
+def test_chat_template_masks_exactly_the_assistants_tokens(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from test_hf_tokenizer import make_hf_folder
+
+    hf = make_hf_folder(tmp_path / "hf", "no-special")
+    config = json.loads((hf / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                               "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+    (hf / "tokenizer_config.json").write_text(json.dumps(config))
+    records = conversations(12)
+    prepare([write_jsonl(tmp_path / "chat.jsonl", records)], tmp_path / "tok", tokenizer=str(hf),
+            chat_format="template")
+    ids, mask = tokens_and_mask(tmp_path / "tok")
+    auto = transformers.AutoTokenizer.from_pretrained(hf)
+    got = [auto.decode(s.tolist()) for s in spans(ids, mask)]
+    assert got == [t for r in records for t in assistant_texts(r, "</s>\n")]
+    # the tokens are transformers' own rendering and tokenization, record after record
+    first = records[0]["messages"]
+    expected = auto.apply_chat_template(first, tokenize=True, return_dict=True)["input_ids"]
+    assert ids[:len(expected)].tolist() == list(expected)
+
+
+def test_bad_chat_input_is_one_line_each(tmp_path):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "response": "b"}, {"text": "no chat here"}])
+    r = run_here("prepare", str(bad), "--out", str(tmp_path / "o1"), "--chat-format", "plain")
+    assert r.returncode == 2 and f"{bad}:2: no chat fields (found text); expected a `messages` list" in r.stderr
+    assert "prompt, instruction, question with one of response, completion, output, answer" in r.stderr
+    good = write_jsonl(tmp_path / "good.jsonl", conversations(4))
+    r = run_here("prepare", str(good), "--out", str(tmp_path / "o2"), "--chat-format", "template")
+    assert r.returncode == 2 and "the byte tokenizer has none: give --chat-format plain" in r.stderr
+    pytest.importorskip("transformers")
+    from test_hf_tokenizer import make_hf_folder
+
+    hf = make_hf_folder(tmp_path / "hf", "bos")  # no chat_template
+    r = run_here("prepare", str(good), "--out", str(tmp_path / "o3"), "--tokenizer", str(hf), "--chat-format",
+                 "template")
+    assert r.returncode == 2 and "the tokenizer has no chat_template" in r.stderr
+    assert "give --chat-format plain" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_mask_asked_of_data_without_one_is_refused(tmp_path):
+    (tmp_path / "doc.txt").write_text(" ".join(WORDS) * 40)
+    prepare([tmp_path / "doc.txt"], tmp_path / "text")
+    with pytest.raises(ConfigError, match=r"data.loss_mask=true, but .*text was prepared without a loss mask; "
+                                          r"prepare chat data with `scaletrain prepare FILE.jsonl --chat-format"):
+        Trainer(micro_cfg(tmp_path, **{"data.path": str(tmp_path / "text"), "data.loss_mask": "true"}))
+    with pytest.raises(ConfigError, match="data.loss_mask=true, but builtin"):
+        Trainer(micro_cfg(tmp_path, **{"data.loss_mask": "true"}))
+
+
+def test_a_mask_under_fault_tolerance_is_refused_before_any_group_connects(plain, tmp_path):
+    """The replica groups average their gradients without weighing each group's counted tokens."""
+    ft = {"parallel.fault_tolerance": True, "parallel.ft_lighthouse": "http://127.0.0.1:1"}
+    with pytest.raises(ConfigError, match=r"has a loss mask \(chat data\), and parallel.fault_tolerance averages"):
+        Trainer(micro_cfg(tmp_path, **{"data.path": str(plain[1]), **ft}))
+    Trainer(micro_cfg(tmp_path, **{"data.path": str(plain[1]), "data.loss_mask": "false",
+                                   "log.run_dir": str(tmp_path / "b")}))  # every token counted: no refusal here
+
+
+def test_a_mask_shard_cut_short_is_refused(plain, tmp_path):
+    import shutil
+
+    shutil.copytree(plain[1], tmp_path / "tok")
+    with (tmp_path / "tok" / "mask_00000.bin").open("r+b") as f:
+        f.truncate(10)
+    with pytest.raises(DataError, match="the loss mask shard is missing, misnamed or not 1000 bytes"):
+        TokenData.open(tmp_path / "tok")
+
+
+def test_first_step_loss_is_the_mean_over_the_assistants_tokens_and_the_prompt_gets_no_gradient(plain, tmp_path):
+    _, folder = plain
+    captured = []
+
+    def loss_fn(logits, targets):  # the training loss, keeping each micro-batch's logits' gradient
+        logits.retain_grad()
+        captured.append((logits, targets))
+        return cross_entropy_sum(logits, targets)
+
+    cfg = micro_cfg(tmp_path, **{"data.path": str(folder), "train.micro_batch": 4})  # accumulation 2
+    trainer = Trainer(cfg, loss_fn=loss_fn)
+    windows = trainer.sampler(0).global_batch_indices(0)
+    raw = WindowDataset(trainer.data, cfg.data.seq_len)  # the same windows, every target kept
+    inputs, targets = raw[windows]
+    T = cfg.data.seq_len  # window i's targets are tokens i*T + 1 .. i*T + T: their mask, read here
+    counted = torch.from_numpy(np.stack([trainer.data.mask.read(int(i) * T + 1, T) for i in windows])).bool()
+    with torch.no_grad():
+        per_token = F.cross_entropy(trainer.model(inputs).flatten(0, 1), targets.flatten(), reduction="none")
+    by_hand = per_token[counted.flatten()].mean().item()
+    assert 0 < counted.sum() < counted.numel()  # a real mask: some targets are the prompts', some answers
+    loss, _, _, _ = trainer.train_step(trainer.batches())
+    assert abs(loss.item() - by_hand) <= 1e-6 * by_hand
+    assert trainer.counted_tokens(0) == int(counted.sum())
+    # the loss's gradient reaches the predictions of the assistant's tokens alone
+    grads = torch.cat([logits.grad.flatten(0, 1) for logits, _ in captured])
+    seen = torch.cat([t.flatten() for _, t in captured])
+    assert torch.equal(seen == IGNORE_INDEX, ~counted.flatten())
+    assert grads[seen == IGNORE_INDEX].abs().max().item() == 0.0
+    assert (grads[seen != IGNORE_INDEX].abs().amax(dim=1) > 0).all()
+
+
+STEPS = 3
+LAYOUTS = {"zero1": ({"parallel.zero": 1}, {}),  # (overrides of the 2-rank run, of its one-process reference)
+           "zero1-accum": ({"parallel.zero": 1, "train.micro_batch": 2}, {"train.micro_batch": 4})}
+
+
+@pytest.mark.multiproc
+def test_masked_loss_matches_one_process_under_zero1_and_accumulation(plain, tmp_path):
+    _, folder = plain
+    base = {"data.path": str(folder), "train.steps": STEPS}
+    # the ranks count unequally at every step: the normalisation must be the global batch's
+    probe = Trainer(micro_cfg(tmp_path / "probe", **base))
+    for step in range(STEPS):
+        halves = probe.sampler(step).global_batch_indices(step).reshape(2, -1)
+        counts = [int(probe.dataset.target_mask(h).sum()) for h in halves]
+        assert counts[0] != counts[1], counts
+    jobs = [{"overrides": micro_overrides(tmp_path / name, **base, **extra)} for name, (extra, _) in LAYOUTS.items()]
+    code, results, err = run_group(2, jobs, tmp_path)
+    assert code == 0, err
+    for (name, (_, ref_extra)), result in zip(LAYOUTS.items(), results, strict=True):
+        ref = fit_reference(micro_cfg(tmp_path / f"ref-{name}", **base, **ref_extra))
+        assert_same_run(result["history"], ref["history"], steps=STEPS, tol=TOLERANCES["32-true"],
+                        what=f"2 ranks {name}, masked")
+    assert ref["history"][-1]["tokens_trained"] == sum(probe.counted_tokens(s) for s in range(STEPS))
+
+
+def test_validation_loss_is_the_mean_over_the_held_out_answers(tmp_path):
+    prepare([write_jsonl(tmp_path / "chat.jsonl", conversations(80))], tmp_path / "tok", chat_format="plain",
+            val_fraction=0.3)
+    trainer = Trainer(micro_cfg(tmp_path, **{"data.path": str(tmp_path / "tok"), "train.eval_every": 1,
+                                             "train.eval_batches": 2}))
+    (v,) = trainer.val_sets
+    held_out, T = TokenData.open(tmp_path / "tok", split="val"), trainer.cfg.data.seq_len
+    total, counted = 0.0, 0
+    for windows in v.batches:
+        inputs, targets = WindowDataset(held_out, T)[windows]
+        mask = torch.from_numpy(np.stack([held_out.mask.read(int(i) * T + 1, T) for i in windows])).bool()
+        with torch.no_grad():
+            per_token = F.cross_entropy(trainer.model(inputs).flatten(0, 1), targets.flatten(), reduction="none")
+        total, counted = total + per_token[mask.flatten()].double().sum().item(), counted + int(mask.sum())
+    assert 0 < counted < v.batches.size * T
+    assert trainer.evaluate()["val_loss"] == pytest.approx(total / counted, rel=1e-6)
