@@ -5,6 +5,7 @@ mid-run that restarts alone, heals from its live peer and rejoins."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -161,6 +162,11 @@ def test_a_killed_group_restarts_alone_heals_from_its_peer_and_rejoins(killed_ru
     assert err.count("restart 1 of at most") == 1, err[-3000:]
     # the step the kill broke, if it fell inside one (between two steps it breaks none), is not committed
     assert g0[-1]["ft_uncommitted"] <= 1 and g0[-1]["ft_uncommitted"] == ("not committed by the replica groups" in err)
+    # while group 1 restarts, group 0 has fewer than min_replicas groups in its quorum: it waits, and says so once
+    waits = [int(s) for s in re.findall(r"replica group 0 waits at step (\d+): fewer than parallel.ft_min_replicas=2 "
+                                        r"groups are in its quorum yet", err)]
+    assert [w for w in waits if w > killed_after], err[-3000:]
+    assert len(waits) == len(set(waits)), waits  # one line per wait, not one per try
     healed = [r for r in g1 if r.get("ft_healed")]
     assert healed and healed[0]["step"] > killed_after  # it went on from the peer's step, not from 0
     assert [r["step"] for r in g1][-1] == STEPS
