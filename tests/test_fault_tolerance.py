@@ -79,17 +79,18 @@ def _descendants(pid: int) -> list[int]:
     return children + [d for c in children for d in _descendants(c)]
 
 
+def _cmdline(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
 def _group_worker(ft_local: int, replica_id: int) -> int | None:
     """The pid of group `replica_id`'s rank 0: the worker under that group's launcher."""
-    def cmdline(pid: int) -> list[bytes]:
-        try:
-            return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            return []
-
     for launcher in _descendants(ft_local):
-        if f"--parallel.ft_replica_id={replica_id}".encode() in cmdline(launcher):
-            return next((w for w in _descendants(launcher) if b"scaletrain.launch.worker" in cmdline(w)), None)
+        if f"--parallel.ft_replica_id={replica_id}".encode() in _cmdline(launcher):
+            return next((w for w in _descendants(launcher) if b"scaletrain.launch.worker" in _cmdline(w)), None)
     return None
 
 
@@ -173,6 +174,39 @@ def test_a_killed_group_restarts_alone_heals_from_its_peer_and_rejoins(killed_ru
     assert g0[-1]["val_loss"] == g1[-1]["val_loss"]  # the same weights at the end, bit for bit
     both = {r["step"]: r for r in g0 if r["ft_groups"] == 2 and r["step"] >= healed[0]["step"]}
     assert both and all(both[r["step"]]["grad_norm"] == r["grad_norm"] for r in g1 if r["step"] in both)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_lighthouse_killed_mid_run_stops_every_group_cleanly_with_exit_3(tmp_path):
+    """The Lighthouse is the job's single point of failure: SIGKILLed mid-run, every group says so in
+    one line within ft_quorum_timeout_s and stops (exit code 3, no restart), its checkpoints intact."""
+    run = tmp_path / "ft"
+    job = _ft_local(run, "--min-replicas", "1", "--train.steps=2000", "--checkpoint.every=3",
+                    "--parallel.ft_quorum_timeout_s=5")
+    try:
+        lighthouse = None
+        while lighthouse is None and job.poll() is None:
+            lighthouse = next((p for p in _descendants(job.pid) if b"lighthouse" in _cmdline(p)), None)
+        while len(_rows(run / "group0")) < 6 and job.poll() is None:
+            time.sleep(0.02)
+        assert lighthouse is not None and job.poll() is None
+        os.kill(lighthouse, signal.SIGKILL)
+        out, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 3, err[-3000:]
+    assert "restart 1 of at most" not in err
+    for r in (0, 1):
+        stops = re.findall(rf"rank 0: replica group {r} stops at step \d+: the Lighthouse at http://\S+ no longer "
+                           r"answers; the last checkpoint is kept", err)
+        assert len(stops) == 1, err[-3000:]
+    from scaletrain.train.checkpoint import latest_checkpoint, verify_checkpoint
+
+    newest = latest_checkpoint(run / "group0" / "checkpoints")  # the lowest id writes them
+    assert newest is not None and verify_checkpoint(newest) is None, newest
+    assert len(_rows(run / "group0")) < 2000
 
 
 def test_the_lighthouse_command_prints_its_address_and_stops_on_sigterm():

@@ -46,7 +46,7 @@ from urllib.parse import urlsplit
 import torch
 from torch import nn
 
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, TrainingStopped
 from scaletrain.parallel.hooks import Named, StepHook
 
 WAIT_NOTE_S = 2.0  # a quorum slower than this is a wait for groups (a split, or a group restarting): said once
@@ -89,8 +89,9 @@ class ReplicaGroups(StepHook):
 
     def __init__(self, manager, named: Named, optimizer: torch.optim.Optimizer, state, refresh: Callable[[], None],
                  *, replica_id: int, groups: int, min_replicas: int = 1, quorum_timeout_s: float = 60.0,
-                 rank: int = 0):
+                 rank: int = 0, lighthouse: str = ""):
         self.manager = manager
+        self.lighthouse = lighthouse
         self.min_replicas, self.quorum_timeout_s, self.rank = min_replicas, quorum_timeout_s, rank
         self.named, self.optimizer, self.state, self.refresh = list(named), optimizer, state, refresh
         self.replica_id, self.groups = replica_id, groups
@@ -136,7 +137,8 @@ class ReplicaGroups(StepHook):
                           lighthouse_addr=par.ft_lighthouse, replica_id=replica_name(par.ft_replica_id),
                           hostname=host, init_sync=False)  # weights start equal: seeded by name
         hook = cls(manager, named, optimizer, state, refresh, replica_id=par.ft_replica_id, groups=par.ft_groups,
-                   min_replicas=par.ft_min_replicas, quorum_timeout_s=par.ft_quorum_timeout_s, rank=rt.rank)
+                   min_replicas=par.ft_min_replicas, quorum_timeout_s=par.ft_quorum_timeout_s, rank=rt.rank,
+                   lighthouse=par.ft_lighthouse)
         hook.store = store  # kept alive with the hook
         return hook
 
@@ -168,17 +170,33 @@ class ReplicaGroups(StepHook):
         """torchft's quorum, with one line (rank 0's) when it waits for groups: fewer than min_replicas
         are alive at the Lighthouse, so nobody steps until enough join or ft_quorum_timeout_s passes."""
         step = self.state.step
-        note = threading.Timer(WAIT_NOTE_S, lambda: print(
-            f"scaletrain: replica group {self.replica_id} waits at step {step + 1}: fewer than "
-            f"parallel.ft_min_replicas={self.min_replicas} groups are in its quorum yet; it goes on when enough "
-            f"join (up to parallel.ft_quorum_timeout_s={self.quorum_timeout_s:g} s)", file=sys.stderr, flush=True))
+        def say() -> None:
+            if self.lighthouse and lighthouse_problem(self.lighthouse, 0.0) is not None:
+                why = f"the Lighthouse at {self.lighthouse} does not answer; it stops"
+            else:
+                why = (f"fewer than parallel.ft_min_replicas={self.min_replicas} groups are in its quorum yet; it "
+                       "goes on when enough join")
+            print(f"scaletrain: replica group {self.replica_id} waits at step {step + 1}: {why} (up to "
+                  f"parallel.ft_quorum_timeout_s={self.quorum_timeout_s:g} s)", file=sys.stderr, flush=True)
+
+        note = threading.Timer(WAIT_NOTE_S, say)
         note.daemon = True
         if self.rank == 0:
             note.start()
         try:
             self.manager.start_quorum()
+        except Exception:
+            # the Lighthouse gone (it is the job's single point of failure) is a stop, not a restart: raised
+            # outside this block so that the launcher sees no communication error behind it (no restart)
+            if not self.lighthouse or lighthouse_problem(self.lighthouse, 2.0) is None:
+                raise
+        else:
+            return
         finally:
             note.cancel()
+        raise TrainingStopped(f"replica group {self.replica_id} stops at step {step}: the Lighthouse at "
+                              f"{self.lighthouse} no longer answers; the last "
+                              "checkpoint is kept: restart the Lighthouse and the groups, and they resume from it")
 
     def begin_step(self, loss_factor: float) -> None:
         if not self.joined:
