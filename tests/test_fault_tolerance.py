@@ -113,6 +113,7 @@ def killed_run(tmp_path_factory):
         deadline = time.time() + 300
         victim = None  # found before its rows are counted: the search is slow next to a step
         while victim is None and time.time() < deadline and job.poll() is None:
+            time.sleep(0.05)  # pgrep in a tight loop would take the cores the groups start on
             victim = _group_worker(job.pid, 1)
         while len(_rows(run / "group1")) < KILL_AFTER and time.time() < deadline and job.poll() is None:
             time.sleep(0.01)
@@ -182,11 +183,12 @@ def test_the_lighthouse_killed_mid_run_stops_every_group_cleanly_with_exit_3(tmp
     """The Lighthouse is the job's single point of failure: SIGKILLed mid-run, every group says so in
     one line within ft_quorum_timeout_s and stops (exit code 3, no restart), its checkpoints intact."""
     run = tmp_path / "ft"
-    job = _ft_local(run, "--min-replicas", "1", "--train.steps=2000", "--checkpoint.every=3",
+    job = _ft_local(run, "--min-replicas", "1", "--train.steps=2000", "--checkpoint.every=4",
                     "--parallel.ft_quorum_timeout_s=5")
     try:
         lighthouse = None
         while lighthouse is None and job.poll() is None:
+            time.sleep(0.05)
             lighthouse = next((p for p in _descendants(job.pid) if b"lighthouse" in _cmdline(p)), None)
         while len(_rows(run / "group0")) < 6 and job.poll() is None:
             time.sleep(0.02)

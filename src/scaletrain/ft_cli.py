@@ -66,10 +66,11 @@ def start_lighthouse(bind: str, min_replicas: int, join_timeout_ms: int, heartbe
 
 def lighthouse(args: argparse.Namespace, extra: list[str]) -> int:
     server = start_lighthouse(args.bind, args.min_replicas, args.join_timeout_ms, args.heartbeat_timeout_ms)
+    stop = threading.Event()
+    # the handlers before the address line: whoever reads it may send SIGTERM at once
+    handlers = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     print(f"lighthouse {server.address()} (min_replicas {args.min_replicas}); give each group "
           f"--parallel.fault_tolerance=true --parallel.ft_lighthouse={server.address()}", flush=True)
-    stop = threading.Event()
-    handlers = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         stop.wait()
     finally:
@@ -141,7 +142,10 @@ def ft_local(args: argparse.Namespace, extra: list[str]) -> int:
                 g.kill()
         if server.poll() is None:
             server.terminate()
-            server.wait()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
 
 
 def _wait(groups: list[subprocess.Popen]) -> int:
