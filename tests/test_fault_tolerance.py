@@ -5,6 +5,7 @@ mid-run that restarts alone, heals from its live peer and rejoins."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -78,17 +79,18 @@ def _descendants(pid: int) -> list[int]:
     return children + [d for c in children for d in _descendants(c)]
 
 
+def _cmdline(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
 def _group_worker(ft_local: int, replica_id: int) -> int | None:
     """The pid of group `replica_id`'s rank 0: the worker under that group's launcher."""
-    def cmdline(pid: int) -> list[bytes]:
-        try:
-            return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            return []
-
     for launcher in _descendants(ft_local):
-        if f"--parallel.ft_replica_id={replica_id}".encode() in cmdline(launcher):
-            return next((w for w in _descendants(launcher) if b"scaletrain.launch.worker" in cmdline(w)), None)
+        if f"--parallel.ft_replica_id={replica_id}".encode() in _cmdline(launcher):
+            return next((w for w in _descendants(launcher) if b"scaletrain.launch.worker" in _cmdline(w)), None)
     return None
 
 
@@ -96,60 +98,117 @@ def _rows(run: Path) -> list[dict]:
     return read_metrics(run) if (run / "metrics.jsonl").exists() else []
 
 
+STEPS = 40  # a step takes ~0.1 s here; group 1 is killed after step 4, group 0 waits for it (min_replicas 2)
+KILL_AFTER = 4
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory):
+    """One ft-local run of two groups (min_replicas 2) that several tests read: group 1's rank is
+    SIGKILLed once it has logged KILL_AFTER steps; its agent restarts it, it heals from group 0 and
+    both run to STEPS. Returns (run folder, group 1's metrics rows at the kill, stderr)."""
+    run = tmp_path_factory.mktemp("ft") / "ft"
+    job = _ft_local(run, "--min-replicas", "2", f"--train.steps={STEPS}", "--parallel.ft_quorum_timeout_s=120")
+    try:
+        deadline = time.time() + 300
+        victim = None  # found before its rows are counted: the search is slow next to a step
+        while victim is None and time.time() < deadline and job.poll() is None:
+            time.sleep(0.05)  # pgrep in a tight loop would take the cores the groups start on
+            victim = _group_worker(job.pid, 1)
+        while len(_rows(run / "group1")) < KILL_AFTER and time.time() < deadline and job.poll() is None:
+            time.sleep(0.01)
+        assert victim is not None and len(_rows(run / "group1")) < STEPS, "the run ended before the kill"
+        os.kill(victim, signal.SIGKILL)
+        before_kill = _rows(run / "group1")  # read now: the restarted group starts its metrics anew
+        out, err = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, err[-3000:]
+    return run, before_kill, err
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_two_groups_train_as_one_process_on_their_joint_batch(tmp_path):
-    """With both groups in every step (min_replicas 2), the mean of their losses and their common
-    gradient norm are those of one process training the batch of 8 they share."""
+def test_two_groups_train_as_one_process_on_their_joint_batch(killed_run, tmp_path):
+    """While both groups are in every step (min_replicas 2, the steps before the kill), the mean of
+    their losses and their common gradient norm are those of one process training the batch of 8
+    they share; only the lowest replica id writes checkpoints."""
     from conftest import fit_reference
 
-    job = _ft_local(tmp_path / "ft", "--min-replicas", "2", "--train.steps=6")
-    out, err = job.communicate(timeout=600)
-    assert job.returncode == 0, err[-3000:]
-    ref = fit_reference(micro_cfg(tmp_path, **{"train.steps": 6, "train.global_batch": 8,
-                                               "train.micro_batch": 4}))["history"]
-    g0, g1 = read_metrics(tmp_path / "ft" / "group0"), read_metrics(tmp_path / "ft" / "group1")
-    assert [r["ft_groups"] for r in g0] == [2.0] * 6
+    run, before_kill, _ = killed_run
+    ref = fit_reference(micro_cfg(tmp_path, **{"train.steps": STEPS, "train.global_batch": 8,
+                                               "train.micro_batch": 4}))["history"][:KILL_AFTER]
+    g0, g1 = read_metrics(run / "group0")[:KILL_AFTER], before_kill[:KILL_AFTER]
+    assert [r["ft_groups"] for r in g0] == [2.0] * KILL_AFTER
     for a, b, r in zip(g0, g1, ref, strict=True):
+        assert a["step"] == b["step"] == r["step"]
         assert a["grad_norm"] == b["grad_norm"]  # one averaged gradient in both groups, bit for bit
         assert abs((a["loss"] + b["loss"]) / 2 - r["loss"]) < 1e-5 * r["loss"], (a, b, r)
         assert abs(a["grad_norm"] - r["grad_norm"]) < 1e-4 * r["grad_norm"], (a, r)
-    assert g0[-1]["val_loss"] == g1[-1]["val_loss"]  # the same weights at the end
-    assert (tmp_path / "ft" / "group0" / "checkpoints" / "step_00000006").is_dir()
-    assert not (tmp_path / "ft" / "group1" / "checkpoints").exists()  # only the lowest id alive writes
+    assert (run / "group0" / "checkpoints" / f"step_{STEPS:08d}").is_dir()
+    assert not (run / "group1" / "checkpoints").exists()  # only the lowest id alive writes
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_a_killed_group_restarts_alone_heals_from_its_peer_and_rejoins(tmp_path):
-    """Group 1's rank is SIGKILLed after step 4: group 0 is not restarted (it does not commit the step
-    the kill broke, if any, and waits for a quorum of two), group 1's agent restarts it, it takes
-    group 0's weights, optimizer state and step, and both finish with the same weights."""
-    steps = 100  # a step takes ~0.1 s here: the kill lands well before the end
-    job = _ft_local(tmp_path / "ft", "--min-replicas", "2", f"--train.steps={steps}",
-                    "--parallel.ft_quorum_timeout_s=300")
-    g0_dir, g1_dir = tmp_path / "ft" / "group0", tmp_path / "ft" / "group1"
-    deadline = time.time() + 300
-    while len(_rows(g1_dir)) < 4 and time.time() < deadline and job.poll() is None:
-        time.sleep(0.02)
-    victim = _group_worker(job.pid, 1)
-    assert victim is not None and len(_rows(g1_dir)) < steps, "the run ended before the kill"
-    os.kill(victim, signal.SIGKILL)
-    killed_after = len(_rows(g1_dir))
-    out, err = job.communicate(timeout=600)
-    assert job.returncode == 0, err[-3000:]
-    g0, g1 = read_metrics(g0_dir), read_metrics(g1_dir)
-    assert [r["step"] for r in g0] == list(range(1, steps + 1))  # group 0 never went back
+def test_a_killed_group_restarts_alone_heals_from_its_peer_and_rejoins(killed_run):
+    """Group 0 is not restarted (it does not commit the step the kill broke, if any, and waits for a
+    quorum of two), group 1's agent restarts it, it takes group 0's weights, optimizer state and
+    step, and both finish with the same weights."""
+    run, before_kill, err = killed_run
+    killed_after = len(before_kill)
+    g0, g1 = read_metrics(run / "group0"), read_metrics(run / "group1")
+    assert [r["step"] for r in g0] == list(range(1, STEPS + 1))  # group 0 never went back
     assert "restart 1 of at most" in err  # group 1's agent restarted it (group 0's did not: one restart)
     assert err.count("restart 1 of at most") == 1, err[-3000:]
     # the step the kill broke, if it fell inside one (between two steps it breaks none), is not committed
     assert g0[-1]["ft_uncommitted"] <= 1 and g0[-1]["ft_uncommitted"] == ("not committed by the replica groups" in err)
+    # while group 1 restarts, group 0 has fewer than min_replicas groups in its quorum: it waits, and says so once
+    waits = [int(s) for s in re.findall(r"replica group 0 waits at step (\d+): fewer than parallel.ft_min_replicas=2 "
+                                        r"groups are in its quorum yet", err)]
+    assert [w for w in waits if w > killed_after], err[-3000:]
+    assert len(waits) == len(set(waits)), waits  # one line per wait, not one per try
     healed = [r for r in g1 if r.get("ft_healed")]
     assert healed and healed[0]["step"] > killed_after  # it went on from the peer's step, not from 0
-    assert [r["step"] for r in g1][-1] == steps
+    assert [r["step"] for r in g1][-1] == STEPS
     assert g0[-1]["val_loss"] == g1[-1]["val_loss"]  # the same weights at the end, bit for bit
     both = {r["step"]: r for r in g0 if r["ft_groups"] == 2 and r["step"] >= healed[0]["step"]}
     assert both and all(both[r["step"]]["grad_norm"] == r["grad_norm"] for r in g1 if r["step"] in both)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_lighthouse_killed_mid_run_stops_every_group_cleanly_with_exit_3(tmp_path):
+    """The Lighthouse is the job's single point of failure: SIGKILLed mid-run, every group says so in
+    one line within ft_quorum_timeout_s and stops (exit code 3, no restart), its checkpoints intact."""
+    run = tmp_path / "ft"
+    job = _ft_local(run, "--min-replicas", "1", "--train.steps=2000", "--checkpoint.every=4",
+                    "--parallel.ft_quorum_timeout_s=5")
+    try:
+        lighthouse = None
+        while lighthouse is None and job.poll() is None:
+            time.sleep(0.05)
+            lighthouse = next((p for p in _descendants(job.pid) if b"lighthouse" in _cmdline(p)), None)
+        while len(_rows(run / "group0")) < 6 and job.poll() is None:
+            time.sleep(0.02)
+        assert lighthouse is not None and job.poll() is None
+        os.kill(lighthouse, signal.SIGKILL)
+        out, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 3, err[-3000:]
+    assert "restart 1 of at most" not in err
+    for r in (0, 1):
+        stops = re.findall(rf"rank 0: replica group {r} stops at step \d+: the Lighthouse at http://\S+ no longer "
+                           r"answers; the last checkpoint is kept", err)
+        assert len(stops) == 1, err[-3000:]
+    from scaletrain.train.checkpoint import latest_checkpoint, verify_checkpoint
+
+    newest = latest_checkpoint(run / "group0" / "checkpoints")  # the lowest id writes them
+    assert newest is not None and verify_checkpoint(newest) is None, newest
+    assert len(_rows(run / "group0")) < 2000
 
 
 def test_the_lighthouse_command_prints_its_address_and_stops_on_sigterm():

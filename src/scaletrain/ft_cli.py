@@ -66,10 +66,11 @@ def start_lighthouse(bind: str, min_replicas: int, join_timeout_ms: int, heartbe
 
 def lighthouse(args: argparse.Namespace, extra: list[str]) -> int:
     server = start_lighthouse(args.bind, args.min_replicas, args.join_timeout_ms, args.heartbeat_timeout_ms)
+    stop = threading.Event()
+    # the handlers before the address line: whoever reads it may send SIGTERM at once
+    handlers = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     print(f"lighthouse {server.address()} (min_replicas {args.min_replicas}); give each group "
           f"--parallel.fault_tolerance=true --parallel.ft_lighthouse={server.address()}", flush=True)
-    stop = threading.Event()
-    handlers = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         stop.wait()
     finally:
@@ -109,8 +110,19 @@ def ft_local(args: argparse.Namespace, extra: list[str]) -> int:
     from scaletrain.train.run_folder import default_run_dir
 
     base = [*(["--config", args.config] if args.config else []), *extra]
-    server = start_lighthouse("[::]:0", args.min_replicas, args.join_timeout_ms, args.heartbeat_timeout_ms)
-    address, groups = server.address(), []
+    # the Lighthouse in its own process, as on a cluster: it can die alone (then every group stops, exit code 3)
+    if args.min_replicas < 1:
+        raise LaunchError(f"--min-replicas must be at least 1, got {args.min_replicas}")
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info (the groups inherit it)
+    server = subprocess.Popen([sys.executable, "-m", "scaletrain", "lighthouse", "--bind", "[::]:0",
+                               f"--min-replicas={args.min_replicas}", f"--join-timeout-ms={args.join_timeout_ms}",
+                               f"--heartbeat-timeout-ms={args.heartbeat_timeout_ms}"],
+                              stdout=subprocess.PIPE, text=True)
+    first, groups = server.stdout.readline().split(), []
+    if not first or first[0] != "lighthouse":
+        server.wait()
+        raise LaunchError(f"the Lighthouse did not start (exit code {server.returncode}); see the line above")
+    address = first[1]
     try:
         ft = ["--parallel.fault_tolerance=true", f"--parallel.ft_groups={args.groups}",
               f"--parallel.ft_lighthouse={address}", f"--parallel.ft_min_replicas={args.min_replicas}"]
@@ -128,7 +140,12 @@ def ft_local(args: argparse.Namespace, extra: list[str]) -> int:
         for g in groups:
             if g.poll() is None:
                 g.kill()
-        server.shutdown()
+        if server.poll() is None:
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
 
 
 def _wait(groups: list[subprocess.Popen]) -> int:

@@ -36,6 +36,8 @@ holds the newest step.
 from __future__ import annotations
 
 import socket
+import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -44,8 +46,10 @@ from urllib.parse import urlsplit
 import torch
 from torch import nn
 
-from scaletrain.errors import ConfigError
+from scaletrain.errors import ConfigError, TrainingStopped
 from scaletrain.parallel.hooks import Named, StepHook
+
+WAIT_NOTE_S = 2.0  # a quorum slower than this is a wait for groups (a split, or a group restarting): said once
 
 
 def replica_name(replica_id: int) -> str:
@@ -84,8 +88,11 @@ class ReplicaGroups(StepHook):
     key = "fault_tolerance"
 
     def __init__(self, manager, named: Named, optimizer: torch.optim.Optimizer, state, refresh: Callable[[], None],
-                 *, replica_id: int, groups: int):
+                 *, replica_id: int, groups: int, min_replicas: int = 1, quorum_timeout_s: float = 60.0,
+                 rank: int = 0, lighthouse: str = ""):
         self.manager = manager
+        self.lighthouse = lighthouse
+        self.min_replicas, self.quorum_timeout_s, self.rank = min_replicas, quorum_timeout_s, rank
         self.named, self.optimizer, self.state, self.refresh = list(named), optimizer, state, refresh
         self.replica_id, self.groups = replica_id, groups
         self.data_outer = (replica_id, groups)  # this group's share of every step's windows
@@ -129,7 +136,9 @@ class ReplicaGroups(StepHook):
                           world_size=rt.world_size, store_addr=host, store_port=port,
                           lighthouse_addr=par.ft_lighthouse, replica_id=replica_name(par.ft_replica_id),
                           hostname=host, init_sync=False)  # weights start equal: seeded by name
-        hook = cls(manager, named, optimizer, state, refresh, replica_id=par.ft_replica_id, groups=par.ft_groups)
+        hook = cls(manager, named, optimizer, state, refresh, replica_id=par.ft_replica_id, groups=par.ft_groups,
+                   min_replicas=par.ft_min_replicas, quorum_timeout_s=par.ft_quorum_timeout_s, rank=rt.rank,
+                   lighthouse=par.ft_lighthouse)
         hook.store = store  # kept alive with the hook
         return hook
 
@@ -154,13 +163,45 @@ class ReplicaGroups(StepHook):
 
     def start(self) -> None:
         """Before the loop: join the quorum of the first step (healing from a peer if behind)."""
-        self.manager.start_quorum()
+        self._join_quorum()
         self.joined = True
+
+    def _join_quorum(self) -> None:
+        """torchft's quorum, with one line (rank 0's) when it waits for groups: fewer than min_replicas
+        are alive at the Lighthouse, so nobody steps until enough join or ft_quorum_timeout_s passes."""
+        step = self.state.step
+        def say() -> None:
+            if self.lighthouse and lighthouse_problem(self.lighthouse, 0.0) is not None:
+                why = f"the Lighthouse at {self.lighthouse} does not answer; it stops"
+            else:
+                why = (f"fewer than parallel.ft_min_replicas={self.min_replicas} groups are in its quorum yet; it "
+                       "goes on when enough join")
+            print(f"scaletrain: replica group {self.replica_id} waits at step {step + 1}: {why} (up to "
+                  f"parallel.ft_quorum_timeout_s={self.quorum_timeout_s:g} s)", file=sys.stderr, flush=True)
+
+        note = threading.Timer(WAIT_NOTE_S, say)
+        note.daemon = True
+        if self.rank == 0:
+            note.start()
+        try:
+            self.manager.start_quorum()
+        except Exception:
+            # the Lighthouse gone (it is the job's single point of failure) is a stop, not a restart: raised
+            # outside this block so that the launcher sees no communication error behind it (no restart)
+            if not self.lighthouse or lighthouse_problem(self.lighthouse, 2.0) is None:
+                raise
+        else:
+            return
+        finally:
+            note.cancel()
+        raise TrainingStopped(f"replica group {self.replica_id} stops at step {step}: the Lighthouse at "
+                              f"{self.lighthouse} no longer answers; the last "
+                              "checkpoint is kept: restart the Lighthouse and the groups, and they resume from it")
 
     def begin_step(self, loss_factor: float) -> None:
         if not self.joined:
             step = self.state.step
-            self.manager.start_quorum()
+            self._join_quorum()
             if self.state.step != step:  # healed to another step mid-loop: the data already read is not its
                 raise RuntimeError(f"replica group {self.replica_id} was behind the quorum at step {step} and "
                                    f"healed to step {self.state.step} mid-run; it restarts to read that step's data")
