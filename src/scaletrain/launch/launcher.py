@@ -7,6 +7,7 @@ the failure that caused the others.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -139,6 +140,11 @@ def launch(task: str, worker_args: list[str], *, nproc: int, nnodes: int = 1, no
         print(f"scaletrain: error: {_first_failure(e, log_dir)}", file=sys.stderr, flush=True)
         return _reported_exit_code(log_dir)
     finally:
+        # After a signal, torch leaves the rendezvous handler open (its keep-alive thread running) and
+        # unreferenced in a cycle: a garbage collection in that thread itself would run its finalizer
+        # there, which joins the thread it runs in ("cannot join current thread", a traceback on
+        # stderr after the stop line; seen under load). Collected here, the finalizer runs in this thread.
+        gc.collect()
         _restore_signal_handlers(handlers)
         for key, value in env_before.items():
             if value is None:
