@@ -24,12 +24,16 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 
+# TEST_JOBS pytest processes (pytest-xdist), each given whole files (--dist loadfile: a module's
+# shared process group still runs once). Most tests run on one core, or wait on a subprocess or a
+# rank; two processes keep both cores of a 2-core machine busy. TEST_JOBS=0 runs in this process.
+TEST_JOBS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 # the inner loop: everything in one process (no ranks, signals or mounts), under 3 minutes
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not multiproc and not slow"
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not multiproc and not slow"
 
 # the tests that need a CUDA device (marked gpu; on a CPU machine they skip, each with its reason)
 test-gpu: $(STAMP)
