@@ -60,6 +60,7 @@ AE = "tests/test_adapter_export.py"
 QL = "tests/test_qlora.py"
 HF = "tests/test_hf_families.py"
 CH = "tests/test_chat.py"
+FT = "tests/test_fault_tolerance.py"
 
 MUTANTS = [
     Mutant("zero-no-dp-division", "ZeRO-1/2 bucket reduce without the 1/dp division",
@@ -465,6 +466,15 @@ MUTANTS = [
            "            text += f\"{m['role'].capitalize()}: \"\n            start = len(text)\n",
            "            start = len(text)\n            text += f\"{m['role'].capitalize()}: \"\n",
            (f"{CH}::test_plain_format_masks_exactly_the_assistants_tokens",)),
+    # fault tolerance across replica groups (parallel/fault_tolerance.py, tests/test_fault_tolerance.py)
+    Mutant("ft-groups-read-the-same-windows", "every replica group reads group 0's share of the step's windows",
+           "src/scaletrain/parallel/fault_tolerance.py",
+           "self.data_outer = (replica_id, groups)", "self.data_outer = (0, groups)",
+           (f"{FT}::test_two_groups_train_as_one_process_on_their_joint_batch",)),
+    Mutant("ft-heal-skips-the-weights", "a group healing from a peer takes its optimizer state and step, not its "
+           "weights", "src/scaletrain/parallel/fault_tolerance.py",
+           '                _local(p).copy_(peer["params"][n])\n', "                pass\n",
+           (f"{FT}::test_a_killed_group_restarts_alone_heals_from_its_peer_and_rejoins",)),
 ]
 
 
