@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -49,16 +49,33 @@ def trainer(overrides: dict, config: str | None = None, run_dir: str | None = No
 
     run_dir = run_dir or tempfile.mkdtemp(prefix="adapters-")
     cfg = load_config(config, [*flags(quiet(run_dir)), *flags({**QUIET_RUN, **overrides})])
-    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+    devnull = open(os.devnull, "w")  # noqa: SIM115 - the Trainer logs to it for as long as it lives
+    with contextlib.redirect_stdout(devnull):
         return Trainer(cfg, stream=devnull)
+
+
+def fit(t) -> None:
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):  # the summary
+        t.fit()
 
 
 def trainable(model) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+def rss_mib(key: str = "VmHWM") -> float:
+    """This process's peak (VmHWM) or current (VmRSS) resident memory, from /proc (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def reset_peak() -> None:
+    """Start the peak (VmHWM) again from the current RSS: building the model (its fp32 weights
+    initialised, then quantized) peaks higher than its training does and would hide it."""
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 # ------------------------------------------------------------------------------------------
@@ -73,21 +90,25 @@ def memory_row(spec: str) -> None:
     t = trainer({"model.preset": "llama-1b", "model.n_layers": args["layers"], "data.seq_len": args["seq"],
                  "model.max_seq_len": args["seq"], "train.global_batch": args["batch"],
                  "train.micro_batch": args["batch"], "train.device": "cpu", **MEMORY_ROWS[args["row"]][1]})
-    built = rss_mib()
+    build_peak = rss_mib()
+    reset_peak()
+    built = rss_mib("VmRSS")
     batches = t.batches()
     t0 = time.perf_counter()
     for _ in range(args["steps"]):
         t.train_step(batches)
     seconds = (time.perf_counter() - t0) / args["steps"]
-    print(json.dumps({"before": before, "built": built, "peak": rss_mib(), "params": t.num_params,
-                      "trainable": trainable(t.model), "step_s": seconds}))
+    print(json.dumps({"before": before, "build_peak": build_peak, "built": built, "peak": rss_mib(),
+                      "params": t.num_params, "trainable": trainable(t.model), "step_s": seconds}))
 
 
 def memory(args) -> None:
     print(f"llama-1b widths, {args.layers} blocks, batch {args.batch} x {args.seq} tokens, AdamW, fp32, "
           f"{args.steps} steps; peak RSS of one process per row")
-    print(f"{'row':<22}{'params':>9}{'trainable':>11}{'after import':>14}{'built':>10}{'peak':>10}"
-          f"{'peak - import':>15}{'vs full':>9}{'step':>8}")
+    print("MiB: RSS after importing torch; the build's peak; RSS once built; the peak of the training steps, "
+          "then less the import's RSS, and that as a share of full fine-tuning's")
+    print(f"{'row':<22}{'params':>9}{'trainable':>11}{'import':>8}{'build peak':>11}{'built':>8}"
+          f"{'step peak':>10}{'- import':>9}{'vs full':>9}{'step':>8}")
     full = None
     for name in args.rows.split(","):
         spec = json.dumps({"row": name, "layers": args.layers, "seq": args.seq, "batch": args.batch,
@@ -100,7 +121,7 @@ def memory(args) -> None:
         net = r["peak"] - r["before"]
         full = full or net
         print(f"{MEMORY_ROWS[name][0]:<22}{r['params'] / 1e6:>8.1f}M{r['trainable'] / 1e6:>10.2f}M"
-              f"{r['before']:>10.0f}MiB{r['built']:>7.0f}MiB{r['peak']:>7.0f}MiB{net:>12.0f}MiB"
+              f"{r['before']:>8.0f}{r['build_peak']:>11.0f}{r['built']:>8.0f}{r['peak']:>10.0f}{net:>9.0f}"
               f"{net / full:>9.3f}{r['step_s']:>7.1f}s", flush=True)
 
 
@@ -129,7 +150,7 @@ def speed(args) -> None:
     batches = ours.batches()
     x, y = next(batches)
 
-    base = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     peft_model = get_peft_model(base, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
                                                  target_modules="all-linear"))
     params = [p for p in peft_model.parameters() if p.requires_grad]
@@ -211,7 +232,7 @@ def quality(args) -> None:
 
     t0 = time.perf_counter()
     pre = trainer({**common, "train.steps": args.pretrain_steps}, config=args.config)
-    pre.fit()
+    fit(pre)
     state = {k: v.detach().clone().contiguous() for k, v in pre.model.state_dict().items()}
     base_file = str(work / "base.safetensors")
     save_file({k: v for k, v in state.items() if k != "output.weight" or "tok_emb.weight" not in state}, base_file)
@@ -231,7 +252,7 @@ def quality(args) -> None:
         ft = trainer({**common, "model.init_from": base_file, "data.path": str(work / "data"),
                       "data.seq_len": args.seq, "train.steps": args.steps, "optim.lr": lr,
                       "optim.warmup_steps": max(args.steps // 10, 1), **extra}, config=args.config)
-        ft.fit()
+        fit(ft)
         v = val_loss(ft.model, val_tokens, args.seq)
         gain = base_val - v
         full_gain = full_gain if full_gain is not None else gain
