@@ -84,21 +84,25 @@ def reset_peak() -> None:
 
 def memory_row(spec: str) -> None:
     args = json.loads(spec)
-    import torch  # noqa: F401 - its own RSS counted in "before"
+    from scaletrain.measure import LiveMemory
 
-    before = rss_mib()
-    t = trainer({"model.preset": "llama-1b", "model.n_layers": args["layers"], "data.seq_len": args["seq"],
-                 "model.max_seq_len": args["seq"], "train.global_batch": args["batch"],
-                 "train.micro_batch": args["batch"], "train.device": "cpu", **MEMORY_ROWS[args["row"]][1]})
-    build_peak = rss_mib()
-    reset_peak()
-    built = rss_mib("VmRSS")
-    batches = t.batches()
-    t0 = time.perf_counter()
-    for _ in range(args["steps"]):
-        t.train_step(batches)
-    seconds = (time.perf_counter() - t0) / args["steps"]
+    before = rss_mib()  # torch imported: its own RSS counted here
+    live = LiveMemory()  # the tensors alone (no allocator caching, no Python heap), as scaletrain measures
+    with live:
+        t = trainer({"model.preset": "llama-1b", "model.n_layers": args["layers"], "data.seq_len": args["seq"],
+                     "model.max_seq_len": args["seq"], "train.global_batch": args["batch"],
+                     "train.micro_batch": args["batch"], "train.device": "cpu", **MEMORY_ROWS[args["row"]][1]})
+        build_peak = rss_mib()
+        reset_peak()
+        live.reset_peak()
+        built, built_live = rss_mib("VmRSS"), live.live / 2**20
+        batches = t.batches()
+        t0 = time.perf_counter()
+        for _ in range(args["steps"]):
+            t.train_step(batches)
+        seconds = (time.perf_counter() - t0) / args["steps"]
     print(json.dumps({"before": before, "build_peak": build_peak, "built": built, "peak": rss_mib(),
+                      "built_live": built_live, "live_peak": live.peak / 2**20,
                       "params": t.num_params, "trainable": trainable(t.model), "step_s": seconds}))
 
 
@@ -106,10 +110,11 @@ def memory(args) -> None:
     print(f"llama-1b widths, {args.layers} blocks, batch {args.batch} x {args.seq} tokens, AdamW, fp32, "
           f"{args.steps} steps; peak RSS of one process per row")
     print("MiB: RSS after importing torch; the build's peak; RSS once built; the peak of the training steps, "
-          "then less the import's RSS, and that as a share of full fine-tuning's")
+          "then less the import's RSS, and that as a share of full fine-tuning's; live tensors once built, "
+          "their peak in the steps (scaletrain.measure.LiveMemory) and its share of full's")
     print(f"{'row':<22}{'params':>9}{'trainable':>11}{'import':>8}{'build peak':>11}{'built':>8}"
-          f"{'step peak':>10}{'- import':>9}{'vs full':>9}{'step':>8}")
-    full = None
+          f"{'step peak':>10}{'- import':>9}{'vs full':>8}{'tensors':>8}{'peak':>7}{'vs full':>8}{'step':>7}")
+    full = full_live = None
     for name in args.rows.split(","):
         spec = json.dumps({"row": name, "layers": args.layers, "seq": args.seq, "batch": args.batch,
                            "steps": args.steps})
@@ -120,9 +125,12 @@ def memory(args) -> None:
         r = json.loads(out.stdout.strip().splitlines()[-1])
         net = r["peak"] - r["before"]
         full = full or net
+        full_live = full_live or r["live_peak"]
         print(f"{MEMORY_ROWS[name][0]:<22}{r['params'] / 1e6:>8.1f}M{r['trainable'] / 1e6:>10.2f}M"
-              f"{r['before']:>8.0f}{r['build_peak']:>11.0f}{r['built']:>8.0f}{r['peak']:>10.0f}{net:>9.0f}"
-              f"{net / full:>9.3f}{r['step_s']:>7.1f}s", flush=True)
+              f"{r['before']:>8.0f}{r['build_peak']:>11.0f}{r['built']:>8.0f}{r['peak']:>10.0f}"
+              f"{net:>9.0f}{net / full:>8.3f}"
+              f"{r['built_live']:>8.0f}{r['live_peak']:>7.0f}{r['live_peak'] / full_live:>8.3f}{r['step_s']:>6.1f}s",
+              flush=True)
 
 
 # ------------------------------------------------------------------------------------------
