@@ -196,9 +196,9 @@ LAYOUTS = {  # ranks: (name, reference, overrides), each group in one launch
         ("qlora-nf4-zero3", "lora+nf4", {"parallel.dp_shard": 2, "parallel.zero": 3}),
         ("qlora-nf4-ddp", "lora+nf4", {"parallel.dp_shard": 2, "parallel.zero": 0}),
         ("qlora-int8-zero2", "lora+int8", {"parallel.dp_shard": 2, "parallel.zero": 2}),
-        ("lora-tp2", "lora", TP_SPLIT),
+        ("lora-tp2", "lora", {**TP_SPLIT, "checkpoint.save_final": True}),
         ("lora-tp2-sp", "lora", {**TP_SPLIT, "parallel.sp": True}),
-        ("dora-tp2", "dora", TP_SPLIT),
+        ("dora-tp2", "dora", {**TP_SPLIT, "checkpoint.save_final": True}),
         ("dora-tp2-sp", "dora", {**TP_SPLIT, "parallel.sp": True}),
         # one K/V head for 2 tp ranks: wk, wv and their adapters whole on each, used in part
         ("lora-tp2-kv1", "lora-kv1", TP_SPLIT),
@@ -300,9 +300,11 @@ def test_a_pipelined_checkpoint_holds_each_stages_adapters_alone(group_runs, nam
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["lora-zero3", "dora-zero3"])
-def test_adapters_saved_under_zero3_merge_into_a_hugging_face_model_with_the_same_logits(group_runs, tmp_path, name):
-    """PEFT cannot merge under FSDP; the export merges from the resharded checkpoint."""
+@pytest.mark.parametrize("name", ["lora-zero3", "dora-zero3", "lora-tp2", "dora-tp2"])
+def test_adapters_saved_sharded_merge_into_a_hugging_face_model_with_the_same_logits(group_runs, tmp_path, name):
+    """PEFT cannot merge under FSDP; the export merges from the resharded checkpoint (ZeRO-3's
+    row shards, or tp's: B and the magnitude split by rows on column-parallel bases, A by columns
+    on row-parallel ones)."""
     transformers = pytest.importorskip("transformers")
     from scaletrain.trained.adapters import adapted_from_checkpoint
 
