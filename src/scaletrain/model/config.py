@@ -179,7 +179,8 @@ def check_model(m: ModelConfig) -> list[str]:
     if m.rotary_fraction != 1.0 and m.position != "rope":
         errors.append(f"model.rotary_fraction={m.rotary_fraction} says how much of each head rotates; it needs "
                       "model.position=rope")
-    elif m.position == "rope" and (m.head_dim or m.dim % m.n_heads == 0) and (m.rotary_dim < 2 or m.rotary_dim % 2):
+    elif m.position == "rope" and m.rotary_fraction != 1.0 and (m.head_dim or m.dim % m.n_heads == 0) and \
+            (m.rotary_dim < 2 or m.rotary_dim % 2):  # the whole head: the even head dimension's line above
         errors.append(f"model.rotary_fraction={m.rotary_fraction} rotates {m.rotary_dim} of the {m.head_size} "
                       "coordinates of each head; it must be an even number of at least 2")
     if m.norm_unit_offset and m.norm != "rmsnorm":
