@@ -72,8 +72,9 @@ def rss_mib(key: str = "VmHWM") -> float:
 
 
 def reset_peak() -> None:
-    """Start the peak (VmHWM) again from the current RSS: building the model (its fp32 weights
-    initialised, then quantized) peaks higher than its training does and would hide it."""
+    """Start the peak (VmHWM) again from the current RSS: building the model (fp32 weights
+    initialised; QLoRA's bases quantized one weight at a time) has a peak of its own, which would
+    hide the training's."""
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")
 

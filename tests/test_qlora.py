@@ -210,3 +210,30 @@ def test_a_custom_module_takes_a_quantized_base(tmp_path):
     assert losses[-1] < losses[0]
     with pytest.raises(ConfigError, match=r"^adapter.base_dtype=nf4: blocks.0.1 has 48 in-features, not a multiple"):
         Trainer(micro_cfg(tmp_path / "nf4", **{**run, "adapter.base_dtype": "nf4"}), model=tiny_lm())
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_a_one_process_qlora_build_never_holds_the_dense_base(tmp_path, monkeypatch, base):
+    """The adapted linears' bases are quantized as each weight gets its values, so building peaks
+    at about the quantized model and one dense weight, far below the dense bases' bytes."""
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+
+    from scaletrain.measure import LiveMemory
+
+    # torchao quantizes NF4 codes in chunks of 1M values with ~128 bytes of scratch each: a
+    # fixed cost, made small here so that the model's own bytes show (the codes are the same)
+    monkeypatch.setattr(nf4_tensor, "CHUNK_SIZE", 2**14)
+    live = LiveMemory()  # every tensor storage alive, from before the build on
+    with live:
+        trainer = Trainer(micro_cfg(tmp_path, **{"model.dim": 256, "model.n_layers": 8, "model.n_heads": 4,
+                                                 "adapter.kind": "lora", "adapter.base_dtype": base}))
+    bases = [m.weight for m in trainer.model.modules() if isinstance(m, LoRALinear)]
+    assert all(type(w).__name__ in ("FrozenWeight", "NF4Tensor") for w in bases)
+    dense = sum(4 * w.numel() for w in bases)  # the fp32 bases that a dense build holds all at once
+    largest = max(4 * w.numel() for w in bases)
+    # what the built model holds, plus a few dense weights' worth (one value, its rounding, absolute
+    # values or scaled blocks, the quantizer's scratch); and well under the dense bases (the old
+    # build's peak was above them; bf16 bases alone are half of them)
+    figures = (live.peak / 2**20, live.live / 2**20, largest / 2**20, dense / 2**20)  # MiB
+    assert live.peak < live.live + 5 * largest, figures
+    assert live.peak < 0.75 * dense, figures

@@ -70,8 +70,6 @@ def load_weights(model: nn.Module, weights, where: str, only=None) -> None:
     one at a time (a rank holding some pipeline stages reads only theirs); where `weights` can
     read a part (`weights.read(name, index)`) a sharded parameter reads only its own shard.
     `only(name)`: the canonical names to fill (default: all; adapters are not in the weights)."""
-    from scaletrain.errors import ConfigError
-
     for name, param in model.named_parameters():
         cname = canonical_name(name)
         if only is not None and not only(cname):
@@ -80,15 +78,23 @@ def load_weights(model: nn.Module, weights, where: str, only=None) -> None:
         if index is not None:
             param.to_local().copy_(weights.read(cname, index))
             continue
-        full = weights[cname]
-        if tuple(full.shape) != tuple(param.shape):
-            raise ConfigError(f"{where}: {cname} has shape {tuple(full.shape)} but the model's is "
-                              f"{tuple(param.shape)}; model.init_from must hold weights of this model's shape")
+        full = full_weight(weights, cname, param.shape, where)
         if isinstance(param, DTensor):
             shard = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
             param.to_local().copy_(shard.to_local())
         else:
             param.copy_(full)
+
+
+def full_weight(weights, cname: str, shape: torch.Size, where: str) -> torch.Tensor:
+    """`weights[cname]`, refused in one line unless it has the model's `shape`."""
+    from scaletrain.errors import ConfigError
+
+    full = weights[cname]
+    if tuple(full.shape) != tuple(shape):
+        raise ConfigError(f"{where}: {cname} has shape {tuple(full.shape)} but the model's is "
+                          f"{tuple(shape)}; model.init_from must hold weights of this model's shape")
+    return full
 
 
 def _local_index(param) -> tuple[slice, ...] | None:

@@ -54,13 +54,13 @@ from scaletrain.parallel.data_parallel import (
 )
 from scaletrain.parallel.expert_parallel import expert_engine, hide_from_ddp, shard_experts
 from scaletrain.parallel.hooks import StepHook
-from scaletrain.parallel.init import init_weights, initial_value, load_weights
+from scaletrain.parallel.init import full_weight, init_weights, initial_value, load_weights
 from scaletrain.parallel.moe_balance import MoEBalance, check_moe
 from scaletrain.parallel.tensor_parallel import ReplicatedKVStep, SequenceShardedMoEStep, apply_tensor_parallel
 from scaletrain.parallel.zero import ZeroDataParallel
 from scaletrain.precision import Precision
 from scaletrain.quant.fp8 import Fp8ScaleStep, check_fp8_device, convert_fp8
-from scaletrain.quant.frozen_base import fill_nf4_shards, nf4_on_meta, quantize_base
+from scaletrain.quant.frozen_base import bases_on_meta, fill_bases, fill_nf4_shards, is_quantized, quantize_base
 from scaletrain.quant.layers import describe, layer_plan
 from scaletrain.quant.qat import prepare_qat
 from scaletrain.vocab import DP_ENGINES, unknown
@@ -170,11 +170,13 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
     if adapters is not None:
         check_adapters(cfg, lay)
         notes.append(adapt(chunks, adapters))
-    # QLoRA: the adapted linears' bases stored quantized; under ZeRO-3 as NF4 before FSDP2 shards them
+    # QLoRA: the adapted linears' bases stored quantized, placeholders on the meta device until their values
+    # come one weight at a time (never the dense base whole); under ZeRO-3 as NF4 of fp32 that FSDP2 shards,
+    # else of the dtype the precision mode keeps weights in (one process quantizes the rounded weights)
     base_dtype = quantize_plan(cfg, chunks, lay.shard_ranks("scaletrain") if lay.dp_engine == "fsdp" else 1)
-    if base_dtype is not None and lay.dp_engine == "fsdp":
+    if base_dtype is not None:
         for chunk in chunks:
-            nf4_on_meta(chunk)
+            bases_on_meta(chunk, base_dtype, None if lay.dp_engine == "fsdp" else precision.param_dtype)
 
     experts = []  # expert parallelism's sharded expert weights (their own data-parallel engine)
     for chunk in chunks:
@@ -210,29 +212,30 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
             chunk.to_empty(device="cpu" if (fsdp and lay.offload_optimizer) else rt.device)
             chunk.init_buffers(rt.device)
             rule_of = adapter_init_rule(chunk.init_rule, adapters) if adapters is not None else None
-            nf4_shards = base_dtype is not None and fsdp  # filled apart: whole tensors quantized, then sharded
-            plain = _not_nf4(chunk) if nf4_shards else (lambda n: True)
+            quantized = base_dtype is not None  # the bases filled apart, one whole weight quantized at a time
+            plain = _not_quantized(chunk) if quantized else (lambda n: True)
             if weights is not None:
                 base_only = None if adapters is None else lambda n, plain=plain: not is_adapter_param(n) and plain(n)
                 load_weights(chunk, weights, cfg.model.init_from or "the weights", only=base_only)
                 if adapters is not None:  # the adapters are not in the weights: from (seed, name)
                     init_weights(chunk, cfg.train.seed, rule_of, only=is_adapter_param)
             else:
-                init_weights(chunk, cfg.train.seed, rule_of, only=None if not nf4_shards else plain)
-            if nf4_shards:
-                fill_nf4_shards(chunk, weights.__getitem__ if weights is not None else
-                                lambda n, rule_of=rule_of, chunk=chunk: initial_value(
-                                    rule_of(n), _param_shape(chunk, n), cfg.train.seed, n))
+                init_weights(chunk, cfg.train.seed, rule_of, only=None if not quantized else plain)
+            if quantized:
+                base_value = _full_values(chunk, weights, cfg.model.init_from or "the weights", rule_of,
+                                          cfg.train.seed)
+                if fsdp:
+                    fill_nf4_shards(chunk, base_value)
             if adapters is not None:
                 init_magnitudes(chunk)  # DoRA: from the base, once it holds its values
             if not (fsdp or replicate):  # those keep fp32 storage and cast for compute themselves
-                chunk.to(precision.param_dtype)
-                if base_dtype is not None:  # the base holds its values: now stored quantized
-                    quantize_base(chunk, base_dtype)
+                _move(chunk, dtype=precision.param_dtype)  # the quantized bases are of that dtype already
+                if quantized:  # the placeholders replaced by the quantized values, one weight at a time
+                    fill_bases(chunk, base_value, base_dtype)
             elif precision.param_dtype != torch.float32:  # ...but start from the rounded weights the others keep
                 with torch.no_grad():
                     for p in chunk.parameters():
-                        if type(p.to_local() if hasattr(p, "to_local") else p).__name__ == "NF4Tensor":
+                        if is_quantized(p):
                             continue  # quantized from the fp32 values (one process quantizes the rounded ones)
                         local = p.to_local() if hasattr(p, "to_local") else p
                         local.copy_(local.to(precision.param_dtype))
@@ -280,13 +283,27 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
     return result
 
 
-def _not_nf4(chunk: nn.Module):
-    """name -> whether the canonical parameter name is not an NF4 base weight of `chunk`."""
+def _not_quantized(chunk: nn.Module):
+    """name -> whether the canonical parameter name is not a quantized base weight of `chunk`."""
     from scaletrain.parallel.init import canonical_name
 
-    nf4 = {canonical_name(n) for n, p in chunk.named_parameters()
-           if type(p.to_local() if hasattr(p, "to_local") else p).__name__ == "NF4Tensor"}
-    return lambda name: name not in nf4
+    bases = {canonical_name(n) for n, p in chunk.named_parameters() if is_quantized(p)}
+    return lambda name: name not in bases
+
+
+def _move(module: nn.Module, device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+    """`module.to(device, dtype)` (the same conversion of each tensor), the quantized bases left as they
+    are (`to` would dequantize them)."""
+    module._apply(lambda t: t if is_quantized(t) else
+                  t.to(device, dtype if t.is_floating_point() or t.is_complex() else None))
+
+
+def _full_values(chunk: nn.Module, weights, where: str, rule_of, seed: int):
+    """canonical name -> the full fp32 value of one of `chunk`'s parameters, read from `weights`
+    (checked against the model's shape) or drawn from (seed, name): one tensor at a time."""
+    if weights is not None:
+        return lambda name: full_weight(weights, name, _param_shape(chunk, name), where)
+    return lambda name: initial_value(rule_of(name), _param_shape(chunk, name), seed, name)
 
 
 def _param_shape(chunk: nn.Module, cname: str) -> torch.Size:
@@ -461,18 +478,17 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
         check_compiler(rt.device)
         for _, block in (block_items(blocks) if blocks is not None else [(None, module)]):
             block.compile()
+    fsdp = lay.dp_engine == "fsdp"
     with _weights_fit(sum(p.numel() for p in module.parameters()), rt):
-        module.to(rt.device)
-    if lay.dp_engine == "fsdp":
-        if base_dtype is not None:
-            quantize_base(module, base_dtype)
+        if base_dtype is not None:  # each base put on the device and quantized there, one weight at a time
+            quantize_base(module, base_dtype, rt.device, None if fsdp else precision.param_dtype)
+        _move(module, rt.device)
+    if fsdp:
         compute_bf16 = precision.compute_dtype if precision.compute_dtype == torch.bfloat16 else None
         apply_fsdp(module, _shard_mesh(rt), param_dtype=compute_bf16, offload=lay.offload_optimizer,
                    blocks=[b for _, b in block_items(blocks)])
     else:
-        module.to(precision.param_dtype)
-        if base_dtype is not None:
-            quantize_base(module, base_dtype)
+        _move(module, dtype=precision.param_dtype)
     module.train()
     return ParallelModel(_engine([module], cfg, rt, precision), keeps_fp32_weights=lay.keeps_fp32_weights,
                          n_blocks=len(blocks) if blocks is not None else 1, hooks=[adapters] if adapters else [],

@@ -143,6 +143,10 @@ class FrozenWeight(torch.Tensor):
             return out.to(kwargs["device"]) if kwargs.get("device") is not None else out
         if func is aten._has_compatible_shallow_copy_type.default:
             return False
+        if func is aten.empty_like.default:  # `to_empty`: a placeholder from the meta device, filled later
+            device = kwargs.get("device") or w.device
+            return FrozenWeight(torch.empty_like(w.qdata, device=device),
+                                None if w.scale is None else torch.empty_like(w.scale, device=device), w.dtype)
         raise NotImplementedError(f"{func} on a quantized frozen base weight (adapter.base_dtype): it is frozen and "
                                   "only dequantized for matmuls")
 
@@ -172,12 +176,16 @@ def quantized(w: torch.Tensor, base_dtype: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_base(model: nn.Module, base_dtype: str) -> int:
+def quantize_base(model: nn.Module, base_dtype: str, device: torch.device | None = None,
+                  dtype: torch.dtype | None = None) -> int:
     """Replace the base weight of every adapted linear of `model` (materialized, plain tensors)
-    by its `base_dtype` form, frozen; the bytes the bases take now."""
+    by its `base_dtype` form, frozen, one weight at a time: put on `device` and cast to `dtype`
+    first (where given), as moving and casting the whole model would; the bytes the bases take now."""
     stored = 0
     for _, m in _lora_linears(model):
-        m.weight = nn.Parameter(quantized(m.weight.data, base_dtype), requires_grad=False)
+        w = m.weight.data.to(device)
+        m.weight = nn.Parameter(quantized(w if dtype is None else w.to(dtype), base_dtype), requires_grad=False)
+        del w  # the dense weight goes before the next one comes
         stored += stored_bytes(m.weight)
     return stored
 
@@ -188,14 +196,39 @@ def stored_bytes(t: torch.Tensor) -> int:
     return sum(x.untyped_storage().nbytes() for x in holding_tensors(t))
 
 
+def is_quantized(t: torch.Tensor) -> bool:
+    """Whether `t` (a plain tensor or a DTensor's local one) is a quantized base weight."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return isinstance(local, FrozenWeight) or type(local).__name__ == "NF4Tensor"
+
+
 @torch.no_grad()
-def nf4_on_meta(model: nn.Module) -> None:
-    """ZeRO-3: before FSDP2 shards the model on the meta device, the adapted linears' bases become
-    NF4 (meta) tensors, which FSDP2 then shards by rows and all-gathers as NF4. Their values are
-    filled in by `fill_nf4_shards` once the base's full values are known."""
+def bases_on_meta(model: nn.Module, base_dtype: str, dtype: torch.dtype | None = None) -> None:
+    """The adapted linears' bases (on the meta device) become `base_dtype` placeholders of `dtype`
+    (default: the weight's), so that materializing the model (`to_empty`) allocates them quantized
+    and no dense base ever exists whole: `fill_bases` (one process) or `fill_nf4_shards` (ZeRO-3)
+    then quantize one weight at a time. Under ZeRO-3 they are NF4 tensors of fp32, which FSDP2
+    shards by rows and all-gathers as NF4."""
     for _, m in _lora_linears(model):
-        m.weight = nn.Parameter(_nf4(torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta")),
-                                requires_grad=False)
+        empty = torch.empty(m.weight.shape, dtype=dtype or m.weight.dtype, device="meta")
+        m.weight = nn.Parameter(quantized(empty, base_dtype), requires_grad=False)
+
+
+@torch.no_grad()
+def fill_bases(model: nn.Module, full_value, base_dtype: str) -> None:
+    """One process (DDP, ZeRO-1/2 alike): each adapted linear's placeholder (`bases_on_meta`, then
+    materialized) replaced by its whole base weight (`full_value(canonical name)`, fp32) quantized,
+    one weight at a time: the fp32 value put on the device, rounded to the placeholder's dtype
+    there, quantized there — the numbers a dense model materialized, cast and then quantized holds."""
+    from scaletrain.parallel.init import canonical_name
+
+    for name, m in _lora_linears(model):
+        p = m.weight
+        device = p.quantized_data.device if type(p).__name__ == "NF4Tensor" else p.device
+        dense = full_value(canonical_name(f"{name}.weight" if name else "weight"))
+        dense = dense.to(device=device, dtype=torch.float32).to(p.dtype)
+        m.weight = nn.Parameter(quantized(dense, base_dtype), requires_grad=False)
+        del p, dense  # the placeholder and the dense value go before the next weight comes
 
 
 @torch.no_grad()
