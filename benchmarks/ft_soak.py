@@ -45,20 +45,23 @@ TINY = {"model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.max_seq
 
 
 def plan(groups: int, nproc: int, steps: int, kills: int, seed: int, every: int) -> list[dict]:
-    """`kills` kills at distinct random steps after the first checkpoint, in random groups, ranks and
-    phases. A save kill hits group 0 (the writer while it lives) at a checkpoint's step; a heal kill
-    is a kill of the same group in its forward followed by one in its next heal (two kills)."""
+    """`kills` kills at distinct random steps after the first checkpoint and before the last quarter of
+    the run (a group killed near the end would come back to groups that have finished: it waits for
+    a quorum that never forms), in random groups, ranks and phases. A save kill hits group 0 (the
+    writer while it lives) at a checkpoint's step; a heal kill is a kill of the same group in its
+    forward followed by one in its next heal (two kills)."""
     rng = random.Random(seed)
     out: list[dict] = []
     taken: set[int] = set()
+    last = steps - steps // 4
     while len(out) < kills:
-        step = rng.randrange(every + 1, steps - 10)
+        step = rng.randrange(every + 1, last)
         if step in taken:
             continue
         taken.add(step)
         phase, group, rank = rng.choice(PHASES), rng.randrange(groups), rng.randrange(nproc)
         if phase == "save":
-            out.append({"group": 0, "rank": rank, "step": (step // every + 1) * every, "phase": "save"})
+            out.append({"group": 0, "rank": rank, "step": step // every * every, "phase": "save"})
         elif phase == "heal" and len(out) + 2 <= kills:
             out += [{"group": group, "rank": rank, "step": step, "phase": "forward"},
                     {"group": group, "rank": rank, "step": step, "phase": "heal"}]
@@ -125,13 +128,18 @@ def main() -> int:
     ap.add_argument("--every", type=int, default=25, help="checkpoint.every")
     ap.add_argument("--batch", type=int, default=4, help="train.global_batch of each group")
     ap.add_argument("--out", help="write the result as JSON here")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds the faulted run may take (default 900)")
+    ap.add_argument("--analyse", metavar="RUN", help="only analyse the faulted run left in RUN (its folder ft)")
     args, extra = ap.parse_known_args()
     values = {**TINY, "train.steps": args.steps, "train.global_batch": args.batch,
               "train.micro_batch": args.batch // args.nproc, "train.eval_every": args.steps,
               "checkpoint.every": args.every, "checkpoint.save_final": True}
     kills = plan(args.groups, args.nproc, args.steps, args.kills, args.seed, args.every)
-    tmp = Path(tempfile.mkdtemp(prefix="ft-soak-"))
+    tmp = Path(args.analyse or tempfile.mkdtemp(prefix="ft-soak-"))
     run = tmp / "ft"
+    if args.analyse:
+        kills = json.loads((run / "faults.json").read_text())["kills"]
+        return report(args, run, tmp, kills, values, wall=float("nan"))
     write_plan(run, kills, journal=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))}
@@ -143,12 +151,21 @@ def main() -> int:
     print(f"faulted run: {args.groups} groups x {args.nproc} ranks, {args.steps} steps, {len(kills)} kills "
           f"(seed {args.seed}), min_replicas {args.min_replicas}, in {run}", flush=True)
     t0 = time.time()
-    job = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    with open(tmp / "stderr.txt", "w") as err:
+        try:
+            code = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                  timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = "a timeout"
     wall = time.time() - t0
-    if job.returncode != 0:
-        print(job.stderr[-5000:], file=sys.stderr)
-        print(f"the faulted run failed with exit code {job.returncode}", file=sys.stderr)
+    if code != 0:
+        print((tmp / "stderr.txt").read_text()[-5000:], file=sys.stderr)
+        print(f"the faulted run failed with exit code {code} after {wall:.0f} s; its folder: {run}", file=sys.stderr)
         return 1
+    return report(args, run, tmp, kills, values, wall)
+
+
+def report(args, run: Path, tmp: Path, kills: list[dict], values: dict, wall: float) -> int:
     result = analyse(run, args.groups, args.steps, args.every, kills)
     finals = [json.loads(line) for line in (run / "group0" / "metrics.jsonl").read_text().splitlines()]
     result["val_loss"] = finals[-1]["val_loss"]

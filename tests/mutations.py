@@ -475,6 +475,22 @@ MUTANTS = [
            "weights", "src/scaletrain/parallel/fault_tolerance.py",
            '                _local(p).copy_(peer["params"][n])\n', "                pass\n",
            (f"{FT}::test_a_killed_group_restarts_alone_heals_from_its_peer_and_rejoins",)),
+    # kills at named phases (tests/ft_faults.py through ft-local's hidden --rank-hook)
+    Mutant("ft-commits-a-broken-step", "a group commits a step whose gradient all-reduce failed (a group died in "
+           "it): the vote ignored", "src/scaletrain/parallel/fault_tolerance.py",
+           "        self.committed = self.manager.should_commit()\n",
+           "        self.committed = self.manager.should_commit() or True\n",
+           (f"{FT}::test_kills_at_each_phase_cost_at_most_the_step_they_break_and_no_restart_elsewhere",
+            f"{FT}::test_a_run_with_kills_ends_where_a_clean_run_that_skipped_the_same_steps_ends")),
+    Mutant("ft-heal-keeps-its-optimizer-state", "a group healing from a peer takes its weights and step but keeps "
+           "its own optimizer state (none, or an older checkpoint's)", "src/scaletrain/parallel/fault_tolerance.py",
+           '        self.optimizer.load_state_dict(peer["optim"])\n', "        pass\n",
+           (f"{FT}::test_a_group_healed_from_a_peer_holds_its_state_bit_for_bit",)),
+    Mutant("ft-heal-keeps-its-skipped-count", "a group healing from a peer takes its step but not its count of "
+           "skipped steps", "src/scaletrain/parallel/fault_tolerance.py",
+           'self.state.step, self.state.skipped_steps = int(peer["step"]), int(peer["skipped_steps"])',
+           'self.state.step = int(peer["step"])',
+           (f"{FT}::test_a_group_healed_from_a_peer_holds_its_state_bit_for_bit",)),
 ]
 
 

@@ -314,13 +314,14 @@ def test_a_group_healed_from_a_peer_holds_its_state_bit_for_bit(phase_kills):
     witness = {p.stem: p for p in states[2].glob("*.pt")}
     healed = {g: [r["step"] for r in read_metrics(run / f"group{g}") if r.get("ft_healed")] for g in (0, 1)}
     assert healed[0] and healed[1], healed
-    compared = 0
     for g in (0, 1):
-        for path in states[g].glob("*.pt"):
-            a, b = torch.load(path, weights_only=False), torch.load(witness[path.stem], weights_only=False)
-            _assert_same_state(a, b, f"group {g} at {path.stem}")
-            compared += 1
-    assert compared >= 2 * (PHASE_STEPS + 1)
+        recorded = {p.stem: p for p in states[g].glob("*.pt")}
+        # the state it held before the first step it took after its last heal: what it took from the peer
+        assert f"{healed[g][0] - 1:04d}" in recorded and "final" in recorded, (g, healed[g], sorted(recorded))
+        assert len(recorded) >= PHASE_STEPS - 1  # all but the steps it was down for (a heal kill: one more)
+        for name, path in recorded.items():
+            a, b = torch.load(path, weights_only=False), torch.load(witness[name], weights_only=False)
+            _assert_same_state(a, b, f"group {g} before step {name}")
 
 
 def _assert_same_state(a: dict, b: dict, what: str) -> None:
@@ -340,9 +341,9 @@ def _assert_same_state(a: dict, b: dict, what: str) -> None:
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_a_run_with_kills_ends_where_a_clean_run_that_skipped_the_same_steps_ends(phase_kills, tmp_path):
-    """The three groups end on the same weights bit for bit, and on those of one process training
-    their joint batch of 12 that skips the steps the kills left uncommitted (within 1e-4 of each
-    parameter's change over the run: the groups average three means where it takes one)."""
+    """The three groups end on the same weights bit for bit (and validation loss), and on those of one
+    process training their joint batch of 12 that skips the steps the kills left uncommitted (within
+    1e-4 of each parameter's change over the run: the groups average three means where it takes one)."""
     import torch
 
     from scaletrain.parallel.hooks import StepHook
@@ -358,8 +359,11 @@ def test_a_run_with_kills_ends_where_a_clean_run_that_skipped_the_same_steps_end
         def agree_to_skip(self, skip: bool) -> bool:
             return skip or trainer.state.step + 1 in lost
 
+        def skip_reason(self) -> str | None:
+            return "not committed in the faulted run" if trainer.state.step + 1 in lost else None
+
     trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": PHASE_STEPS, "train.global_batch": 12,
-                                             "train.micro_batch": 4}))
+                                             "train.micro_batch": 4, "train.eval_every": 1000}))
     start = {n: p.detach().clone() for n, p in trainer.optim_params}
     trainer.hooks.add(SkipThem())
     trainer.fit()
@@ -368,11 +372,10 @@ def test_a_run_with_kills_ends_where_a_clean_run_that_skipped_the_same_steps_end
     for n, p in trainer.optim_params:
         change = (p.detach() - start[n]).norm().item()
         worst = max(worst, (final[2]["params"][n] - p.detach()).norm().item() / change)
+    print(f"final weights against the clean run: {worst:.2e} of their change")
     assert worst < 1e-4, worst
     rows = {g: read_metrics(run / f"group{g}")[-1] for g in range(3)}
-    ref_val = trainer.metrics.history[-1]["val_loss"]
     assert rows[0]["val_loss"] == rows[1]["val_loss"] == rows[2]["val_loss"]
-    assert abs(rows[2]["val_loss"] - ref_val) < 1e-5 * ref_val, (rows[2]["val_loss"], ref_val)
 
 
 @pytest.mark.slow
