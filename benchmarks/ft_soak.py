@@ -45,7 +45,7 @@ TINY = {"model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.max_seq
 
 
 def plan(groups: int, nproc: int, steps: int, kills: int, seed: int, every: int) -> list[dict]:
-    """`kills` kills at distinct random steps after the first checkpoint and before the last quarter of
+    """`kills` kills at distinct random steps after the first checkpoint and before the last third of
     the run (a group killed near the end would come back to groups that have finished: it waits for
     a quorum that never forms), in random groups, ranks and phases. A save kill hits group 0 (the
     writer while it lives) at a checkpoint's step; a heal kill is a kill of the same group in its
@@ -53,19 +53,20 @@ def plan(groups: int, nproc: int, steps: int, kills: int, seed: int, every: int)
     rng = random.Random(seed)
     out: list[dict] = []
     taken: set[int] = set()
-    last = steps - steps // 4
+    last = steps - steps // 3
     while len(out) < kills:
         step = rng.randrange(every + 1, last)
         if step in taken:
             continue
         taken.add(step)
         phase, group, rank = rng.choice(PHASES), rng.randrange(groups), rng.randrange(nproc)
-        if phase == "save":
+        if phase == "save" and -(step // every) not in taken:  # one kill per save
+            taken.add(-(step // every))
             out.append({"group": 0, "rank": rank, "step": step // every * every, "phase": "save"})
         elif phase == "heal" and len(out) + 2 <= kills:
             out += [{"group": group, "rank": rank, "step": step, "phase": "forward"},
                     {"group": group, "rank": rank, "step": step, "phase": "heal"}]
-        elif phase != "heal":
+        elif phase not in ("heal", "save"):
             out.append({"group": group, "rank": rank, "step": step, "phase": phase})
     return out
 
@@ -97,8 +98,10 @@ def analyse(run: Path, groups: int, steps: int, every: int, kills: list[dict]) -
             by_step[e["step"]] = e  # the last group's word on each step: they agree (one quorum)
     uncommitted = sorted(s for s, e in by_step.items() if e["skipped"])
     missed = sum(groups - by_step[s]["groups"] for s in by_step if not by_step[s]["skipped"])
-    # a job-wide restart at each kill redoes, in every group, the steps since the newest checkpoint
-    redone = [k["step"] - (k["step"] // every) * every for k in done.values()]
+    # a job-wide restart at each kill redoes, in every group, the steps since the newest checkpoint: a kill
+    # inside step s loses s and those since the last checkpoint; one inside the save of s, the checkpoint too
+    redone = [every if k["phase"] == "save" else k["step"] - (k["step"] - 1) // every * every
+              for k in done.values()]
     return {"kills_planned": len(kills), "kills_fired": len(done),
             "fired": sorted(done.values(), key=lambda k: k["time"]),
             "restarts_per_group": {g: len(pids[g]) - 1 for g in range(groups)},
