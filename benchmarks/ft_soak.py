@@ -68,7 +68,7 @@ def plan(groups: int, nproc: int, steps: int, kills: int, seed: int, every: int)
                     {"group": group, "rank": rank, "step": step, "phase": "heal"}]
         elif phase not in ("heal", "save"):
             out.append({"group": group, "rank": rank, "step": step, "phase": phase})
-    return out
+    return [{**k, "until": last} for k in out]  # a kill its group reaches only later (it was down) is dropped
 
 
 def journal(run: Path, group: int) -> list[dict]:
@@ -170,8 +170,13 @@ def main() -> int:
 
 def report(args, run: Path, tmp: Path, kills: list[dict], values: dict, wall: float) -> int:
     result = analyse(run, args.groups, args.steps, args.every, kills)
-    finals = [json.loads(line) for line in (run / "group0" / "metrics.jsonl").read_text().splitlines()]
-    result["val_loss"] = finals[-1]["val_loss"]
+    # the final validation loss of the groups that finished (they hold the same weights)
+    ends = {g: rows[-1] for g in range(args.groups) if (rows := [
+        json.loads(line) for line in (run / f"group{g}" / "metrics.jsonl").read_text().splitlines()])}
+    finished = {g: r["val_loss"] for g, r in ends.items() if r["step"] == args.steps and "val_loss" in r}
+    result["groups_finished"] = sorted(finished)
+    result["val_loss"] = next(iter(finished.values()))
+    result["val_loss_groups_agree"] = len(set(finished.values())) == 1
     t1 = time.time()
     result["clean_val_loss"] = clean_val_loss({**values, "train.global_batch": args.groups * args.batch,
                                                "train.micro_batch": args.batch}, tmp)

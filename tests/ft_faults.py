@@ -9,7 +9,9 @@ before the launch:
      "record": true}
 
 Each kill fires once in the whole job, restarts included: rank `rank` (default 0) of group `group`
-SIGKILLs itself at the first `phase` it reaches at a step >= `step` (default 0). Just before, it writes
+SIGKILLs itself at the first `phase` it reaches at a step >= `step` (default 0) and <= `until` (if given:
+past it the kill is dropped; a group killed after the others finished would wait for a quorum that
+never forms). Just before, it writes
 <log.run_dir>/fired/<index>.json ({"group", "rank", "phase", "step", "time"}), which the test reads. The
 phases, and the step each one counts as:
 
@@ -71,7 +73,7 @@ def inject(trainer) -> None:
 
     def due(phase: str, step: int) -> None:
         for i, k in mine:
-            if k["phase"] == phase and step >= k.get("step", 0):
+            if k["phase"] == phase and k.get("step", 0) <= step <= k.get("until", step):
                 marker = job_dir / "fired" / f"{i}.json"
                 marker.parent.mkdir(exist_ok=True)
                 tmp = marker.with_suffix(".tmp")
