@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -83,14 +84,14 @@ def analyse(run: Path, groups: int, steps: int, every: int, kills: list[dict]) -
     killed = {g: sum(1 for k in done.values() if k["group"] == g) for g in range(groups)}
     # a group's restarts are its processes after the first; each must come from a kill of its own
     unexplained = {g: len(pids[g]) - 1 - killed[g] for g in range(groups)}
-    # rejoin: the first step a new process took; it held the step the live groups were at if it took
-    # the step after the newest step any group had taken by then
+    # rejoin: the first step a new process took; it held the live groups' step if no group had taken a
+    # later step by the time it finished that one
     rejoins = []
     for g in range(groups):
         for pid in pids[g][1:]:
             first = next(e for e in lines[g] if e["pid"] == pid)
             newest = max((e["step"] for h in range(groups) for e in lines[h] if e["time"] < first["time"]), default=0)
-            rejoins.append({"group": g, "step": first["step"], "behind": max(0, newest + 1 - first["step"]),
+            rejoins.append({"group": g, "step": first["step"], "behind": max(0, newest - first["step"]),
                             "healed": first["healed"]})
     by_step: dict[int, dict] = {}
     for g in range(groups):
@@ -102,21 +103,32 @@ def analyse(run: Path, groups: int, steps: int, every: int, kills: list[dict]) -
     # inside step s loses s and those since the last checkpoint; one inside the save of s, the checkpoint too
     redone = [every if k["phase"] == "save" else k["step"] - (k["step"] - 1) // every * every
               for k in done.values()]
+    # every group restart says so in a line (which group, it does not say): each must come from a kill,
+    # or from a rank that found itself behind the quorum in its loop (it heals, then restarts itself)
+    err = (run.parent / "stderr.txt").read_text() if (run.parent / "stderr.txt").exists() else ""
+    restarts, midloop = len(re.findall(r"restart \d+ of at most", err)), err.count("mid-run; it restarts")
     return {"kills_planned": len(kills), "kills_fired": len(done),
             "fired": sorted(done.values(), key=lambda k: k["time"]),
-            "restarts_per_group": {g: len(pids[g]) - 1 for g in range(groups)},
-            "job_wide_restarts": sum(max(0, u) for u in unexplained.values()),
+            "group_restarts": restarts, "restarts_after_a_mid_loop_heal": midloop,
+            "restarts_per_group_that_took_a_step": {g: len(pids[g]) - 1 for g in range(groups)},
+            "job_wide_restarts": sum(max(0, u) for u in unexplained.values()) + max(0, restarts - len(done) - midloop),
             "rejoins": rejoins, "max_behind_at_rejoin": max((r["behind"] for r in rejoins), default=0),
             "steps_logged": len(by_step), "uncommitted_steps": uncommitted,
             "group_steps_missed_while_down": missed,
             "job_restart_would_redo_steps": sum(redone), "job_restart_would_redo_group_steps": groups * sum(redone)}
 
 
-def clean_val_loss(cfg_values: dict, tmp: Path) -> float:
+def clean_val_loss(cfg_values: dict, folder: Path) -> float:
+    """The final validation loss of one process trained on `cfg_values` in `folder` (read back when it
+    was trained there already)."""
+    import io
+
     from scaletrain.config import load_config
     from scaletrain.train.trainer import Trainer
 
-    trainer = Trainer(load_config(None, {**cfg_values, "log.run_dir": str(tmp / "clean")}))
+    if (folder / "metrics.jsonl").exists():
+        return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()][-1]["val_loss"]
+    trainer = Trainer(load_config(None, {**cfg_values, "log.run_dir": str(folder)}), stream=io.StringIO())
     return trainer.fit()["history"][-1]["val_loss"]
 
 
@@ -179,7 +191,11 @@ def report(args, run: Path, tmp: Path, kills: list[dict], values: dict, wall: fl
     result["val_loss_groups_agree"] = len(set(finished.values())) == 1
     t1 = time.time()
     result["clean_val_loss"] = clean_val_loss({**values, "train.global_batch": args.groups * args.batch,
-                                               "train.micro_batch": args.batch}, tmp)
+                                               "train.micro_batch": args.batch}, tmp / "clean")
+    # the same with one group fewer throughout: how much of a gap the batch lost while groups are down explains
+    result["clean_val_loss_one_group_fewer"] = clean_val_loss(
+        {**values, "train.global_batch": (args.groups - 1) * args.batch, "train.micro_batch": args.batch},
+        tmp / "clean_one_group_fewer")
     result["wall_s"], result["clean_wall_s"] = round(wall, 1), round(time.time() - t1, 1)
     result["val_loss_rel_diff"] = abs(result["val_loss"] - result["clean_val_loss"]) / result["clean_val_loss"]
     result["command"] = " ".join(sys.argv)

@@ -200,18 +200,22 @@ def train_rank(spec_path: str) -> int:
     return train(from_dict(job["config"]), Layout(**job["layout"]), rank_hook=job.get("rank_hook"))
 
 
-def call_rank_hook(hook: str, trainer) -> None:
+def call_rank_hook(hook: str | None, trainer):
     """`scaletrain train --rank-hook MODULE:FUNCTION` (hidden, for tests only: the fault-tolerance
     tests inject their SIGKILLs at chosen steps and phases with it, tests/ft_faults.py): FUNCTION,
-    importable on the ranks, is called with each rank's Trainer once it is built, before it trains."""
+    importable on the ranks, is called with each rank's Trainer once it is built, before it trains.
+    Returns the Trainer (no hook: nothing is called)."""
     import importlib
 
+    if not hook:
+        return trainer
     module, _, name = hook.partition(":")
     try:
         function = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError(f"--rank-hook {hook!r} is not an importable MODULE:FUNCTION ({e})") from None
     function(trainer)
+    return trainer
 
 
 def train(cfg: JobConfig, layout: Layout | None = None, note=None, rank_hook: str | None = None) -> int:
@@ -232,10 +236,7 @@ def train(cfg: JobConfig, layout: Layout | None = None, note=None, rank_hook: st
               "a rank failed; the group resumes from its newest complete checkpoint", file=sys.stderr, flush=True)
     with os_errors_named(config_paths(cfg)):
         cfg, rt = start(cfg, layout, note=note)
-        trainer = Trainer(cfg, rt, restart=restarts > 0)
-        if rank_hook:
-            call_rank_hook(rank_hook, trainer)
-        return exit_code(trainer.fit())
+        return exit_code(call_rank_hook(rank_hook, Trainer(cfg, rt, restart=restarts > 0)).fit())
 
 
 def exit_code(result: dict) -> int:
