@@ -1,6 +1,8 @@
 """Fault tolerance across replica groups (parallel.fault_tolerance, on torchft): the one-line refusals,
-a clean run of two groups against one process training their joint batch, and a group SIGKILLed
-mid-run that restarts alone, heals from its live peer and rejoins."""
+a clean run of two groups against one process training their joint batch, a group SIGKILLed
+mid-run that restarts alone, heals from its live peer and rejoins, and three groups killed at named
+phases (forward, the gradient all-reduce, the optimizer step, a checkpoint save, a heal) by the
+injector of tests/ft_faults.py."""
 
 from __future__ import annotations
 
