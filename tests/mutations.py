@@ -453,8 +453,7 @@ MUTANTS = [
            (f"{CH}::test_first_step_loss_is_the_mean_over_the_assistants_tokens_and_the_prompt_gets_no_gradient",)),
     Mutant("chat-mask-shifted-by-one", "a window's targets masked by its inputs' mask (the mask read one token "
            "early)", "src/scaletrain/data/dataset.py",
-           "return np.stack([self.mask.read(int(i) * T + 1, T) for i in indices])",
-           "return np.stack([self.mask.read(int(i) * T, T) for i in indices])",
+           "self.mask.read(int(i) * T + 1, T)", "self.mask.read(int(i) * T, T)",
            (f"{CH}::test_first_step_loss_is_the_mean_over_the_assistants_tokens_and_the_prompt_gets_no_gradient",)),
     Mutant("chat-count-per-rank", "each data-parallel rank normalises by the tokens its own windows count, not "
            "the whole global batch's", "src/scaletrain/data/dataset.py",

@@ -22,7 +22,7 @@ import torch
 from scaletrain.data.prepare import FORMAT, META_FILE
 from scaletrain.data.sources import input_kind
 from scaletrain.data.tokenizer import ByteTokenizer, load_tokenizer
-from scaletrain.errors import DataError
+from scaletrain.errors import ConfigError, DataError
 
 VALID_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -348,14 +348,35 @@ def open_validation(path: str, verify_checksums: bool = True) -> TokenData | Non
 IGNORE_INDEX = -100  # a target the loss does not count (cross_entropy's default ignore_index)
 
 
+def document_separator(data, source: str) -> int:
+    """The one token id that ends each document of `data` (TokenData) for data.document_mask: the
+    separator prepare wrote after each document, or the EOS a Hugging Face tokenizer ends each one
+    with. Byte-level data, whose documents are joined by a blank line that the text holds too, and
+    a tokenizer without such a token, are refused in one line."""
+    tok = data.tokenizer
+    separator = list(getattr(tok, "separator", []))
+    if not separator and getattr(tok, "eos_id", None) is not None:
+        separator = [tok.eos_id]  # its encoding already ends each document with EOS
+    if len(separator) != 1:
+        why = ("byte-level, whose documents are joined by a blank line that the text holds too" if tok.kind == "byte"
+               else "written by a tokenizer without an end-of-document token (EOS or <|endoftext|>)")
+        raise ConfigError(f"data.document_mask=true finds documents by the token that ends each one, but {source} is "
+                          f"{why}; prepare the data with --tokenizer bpe or a Hugging Face tokenizer, or set "
+                          "data.document_mask=false")
+    return int(separator[0])
+
+
 class WindowDataset(torch.utils.data.Dataset):
     """Map-style dataset indexed by a list of window indices -> (inputs, targets), each (b, T).
-    With `loss_mask` (the data has one), a target whose mask is 0 is IGNORE_INDEX."""
+    With `loss_mask` (the data has one), a target whose mask is 0 is IGNORE_INDEX; with `separator`
+    (data.document_mask: the token that ends each document), so is the target of each separator,
+    the next document's first token, which nothing in its own document predicts."""
 
-    def __init__(self, data: TokenData, seq_len: int, loss_mask: bool = False):
+    def __init__(self, data: TokenData, seq_len: int, loss_mask: bool = False, separator: int | None = None):
         self.data = data
         self.seq_len = seq_len
         self.mask = data.mask if loss_mask else None
+        self.separator = separator
         self._counted = (-1, 0)  # (step, its counted targets): counted_in_step's last answer
         self.num_windows = (data.num_tokens - 1) // seq_len
         if self.num_windows < 1:
@@ -370,31 +391,39 @@ class WindowDataset(torch.utils.data.Dataset):
     def __getitem__(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
         T = self.seq_len
         rows = np.stack([self.data.read(int(i) * T, T + 1) for i in indices])  # (b, T + 1)
-        if self.mask is not None:
+        if self.mask is not None or self.separator is not None:
             targets = rows[:, 1:].copy()
-            targets[self.target_mask(indices) == 0] = IGNORE_INDEX
+            targets[~self.target_mask(indices, rows[:, :-1])] = IGNORE_INDEX
             return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(targets)
         tokens = torch.from_numpy(rows)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
-    def target_mask(self, indices) -> np.ndarray:
-        """(b, T) of the windows' targets: 1 where the loss counts the token."""
+    def target_mask(self, indices, inputs: np.ndarray | None = None) -> np.ndarray:
+        """(b, T) bool of the windows' targets: True where the loss counts the token (`inputs`: the
+        windows' input tokens where the caller has read them already)."""
         T = self.seq_len
-        return np.stack([self.mask.read(int(i) * T + 1, T) for i in indices])
+        counted = np.ones((len(indices), T), dtype=bool)
+        if self.mask is not None:
+            counted &= np.stack([self.mask.read(int(i) * T + 1, T) for i in indices]) != 0
+        if self.separator is not None:
+            if inputs is None:
+                inputs = np.stack([self.data.read(int(i) * T, T) for i in indices])
+            counted &= inputs != self.separator
+        return counted
 
     def counted_in_step(self, step: int, sampler) -> int | None:
         """The targets a loss mask counts in step `step`'s global batch, whose windows
         `sampler(step)` (a StepSampler) gives: every rank counts the whole batch alike, so no
         reduction is needed. At least 1 (an all-prompt batch trains on nothing, without dividing
-        by 0); None without a mask. The last step's count is kept: the trainer asks per micro-batch."""
-        if self.mask is None:
+        by 0); None when every target counts. The last step's count is kept: the trainer asks per micro-batch."""
+        if self.mask is None and self.separator is None:
             return None
         if self._counted[0] != step:
             self._counted = (step, max(1, self.counted_tokens(sampler(step).global_batch_indices(step))))
         return self._counted[1]
 
     def counted_tokens(self, indices) -> int:
-        """Targets the loss counts in these windows: all of them without a mask."""
-        if self.mask is None:
+        """Targets the loss counts in these windows: all of them without a mask or document boundaries."""
+        if self.mask is None and self.separator is None:
             return len(indices) * self.seq_len
         return int(self.target_mask(indices).sum())
