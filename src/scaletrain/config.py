@@ -58,11 +58,9 @@ class DataConfig:
     loss_mask: str = option("auto", "the loss mask of chat data (prepare --chat-format): auto = use it where the "
                                     "folder has one, true = require one, false = count every token",
                             choices=("auto", "true", "false"))
-    document_mask: bool = option(False, "keep the documents packed in a window from attending to each other: each "
-                                        "attends within itself, positions (rotary, learned) restart at its first "
-                                        "token, and the target after each separator (the next document's first "
-                                        "token) is not counted; needs data whose documents end with one token "
-                                        "(EOS, <|endoftext|>), not byte-level data")
+    document_mask: bool = option(False, "documents packed in a window attend within themselves, their positions "
+                                        "restart, the target after each separator is not counted; needs documents "
+                                        "ended by one token (EOS, <|endoftext|>), not byte-level data")
 
 
 @dataclass
@@ -622,7 +620,10 @@ def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
                       f"{par.sync_every} / {par.sync_fragments}: a fragment's sync must land before the next "
                       f"fragment's begins; lower sync_delay or sync_fragments, or raise sync_every")
     errors.extend(fault_tolerance_problems(par))
-    errors.extend(document_mask_problems(cfg))
+    if cfg.data.document_mask:
+        from scaletrain.data.documents import document_mask_problems  # torch-free
+
+        errors.extend(document_mask_problems(cfg))
     if cfg.train.qat != "none" and own_model:
         from scaletrain.quant.layers import qat_problems  # torch-free
 
@@ -634,27 +635,6 @@ def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
     errors.extend(adapter_problems(cfg.adapter))
     if cfg.optim.name == "adamw8bit" and cfg.optim.implementation not in ("auto",):
         errors.append("optim.implementation applies to adamw and sgd; leave it at auto for adamw8bit")
-    return errors
-
-
-def document_mask_problems(cfg: JobConfig) -> list[str]:
-    """What data.document_mask cannot honour yet, one line each: the layouts whose ranks do not all
-    see a window's token ids (the documents are found from them), a mixture, fault tolerance."""
-    if not cfg.data.document_mask:
-        return []
-    par, errors = cfg.parallel, []
-    for key, value, why in (("pp", par.pp, "later pipeline stages get hidden states, not the token ids the "
-                                          "documents are found from"),
-                            ("cp", par.cp, "each rank holds chunks of a window, not the token ids before them")):
-        if value > 1:
-            errors.append(f"data.document_mask with parallel.{key}={value} is not supported: {why}; set "
-                          f"parallel.{key}=1 or data.document_mask=false")
-    if cfg.data.mix:
-        errors.append("data.document_mask with data.mix is not supported (the mixture's sampler does not count the "
-                      "targets it leaves out); train on one folder (data.path), or set data.document_mask=false")
-    if par.fault_tolerance:
-        errors.append("data.document_mask with parallel.fault_tolerance is not supported: the replica groups' "
-                      "average does not weigh their counted tokens; set data.document_mask=false")
     return errors
 
 

@@ -22,7 +22,7 @@ import torch
 from scaletrain.data.prepare import FORMAT, META_FILE
 from scaletrain.data.sources import input_kind
 from scaletrain.data.tokenizer import ByteTokenizer, load_tokenizer
-from scaletrain.errors import ConfigError, DataError
+from scaletrain.errors import DataError
 
 VALID_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -346,24 +346,6 @@ def open_validation(path: str, verify_checksums: bool = True) -> TokenData | Non
 
 
 IGNORE_INDEX = -100  # a target the loss does not count (cross_entropy's default ignore_index)
-
-
-def document_separator(data, source: str) -> int:
-    """The one token id that ends each document of `data` (TokenData) for data.document_mask: the
-    separator prepare wrote after each document, or the EOS a Hugging Face tokenizer ends each one
-    with. Byte-level data, whose documents are joined by a blank line that the text holds too, and
-    a tokenizer without such a token, are refused in one line."""
-    tok = data.tokenizer
-    separator = list(getattr(tok, "separator", []))
-    if not separator and getattr(tok, "eos_id", None) is not None:
-        separator = [tok.eos_id]  # its encoding already ends each document with EOS
-    if len(separator) != 1:
-        why = ("byte-level, whose documents are joined by a blank line that the text holds too" if tok.kind == "byte"
-               else "written by a tokenizer without an end-of-document token (EOS or <|endoftext|>)")
-        raise ConfigError(f"data.document_mask=true finds documents by the token that ends each one, but {source} is "
-                          f"{why}; prepare the data with --tokenizer bpe or a Hugging Face tokenizer, or set "
-                          "data.document_mask=false")
-    return int(separator[0])
 
 
 class WindowDataset(torch.utils.data.Dataset):

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from scaletrain.data.dataset import TokenData, WindowDataset, document_separator, open_data
+from scaletrain.data.dataset import TokenData, WindowDataset, open_data
+from scaletrain.data.documents import document_separator
 from scaletrain.data.loader import StepSampler
 from scaletrain.data.tokenizer import TOKENIZER_FILE
 from scaletrain.errors import ConfigError, DataError

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config import JobConfig, from_dict, parse_mix
-from scaletrain.data.dataset import WindowDataset, document_separator, open_data, open_validation
+from scaletrain.data.dataset import WindowDataset, open_data, open_validation
+from scaletrain.data.documents import document_separator
 from scaletrain.data.loader import rank_slices, validation_batches
 from scaletrain.data.mix import source_name
 from scaletrain.errors import ConfigError, DataError
