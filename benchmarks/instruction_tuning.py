@@ -17,7 +17,7 @@ Measured:
   to any gradient (the prompts are still read, as the context of the answers);
 * the share of the targets counted (tokens_trained against every target seen).
 
-    nice python benchmarks/instruction_tuning.py [--steps 300] [--batch 16] [--eval-every 50]
+    nice python benchmarks/instruction_tuning.py [--steps 200] [--batch 8] [--eval-every 50] [--eval-batches 10]
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ def records() -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch", type=int, default=16, help="global batch, windows of 128 bytes")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=8, help="global batch, windows of 128 bytes")
     ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--eval-batches", type=int, default=10, help="held-out batches per evaluation (0: all)")
     args = ap.parse_args()
     from scaletrain.config import load_config
     from scaletrain.data import prepare
@@ -82,7 +83,8 @@ def main() -> None:
         cfg = load_config(None, {
             "model.preset": "tiny", "data.path": str(tmp / "qa"), "data.seq_len": 128,
             "train.global_batch": args.batch, "train.steps": args.steps, "train.eval_every": args.eval_every,
-            "train.eval_batches": 0, "train.device": "cpu", "train.sample_tokens": 0, "optim.warmup_steps": 25,
+            "train.eval_batches": args.eval_batches, "train.device": "cpu", "train.sample_tokens": 0,
+            "optim.warmup_steps": 25,
             "log.run_dir": str(tmp / "run"), "log.tensorboard": False, "log.progress": "off", "log.every": 50,
             "checkpoint.save_final": False})
         devnull = open(os.devnull, "w")  # noqa: SIM115 - the Trainer logs to it for as long as it lives
@@ -98,7 +100,8 @@ def main() -> None:
               f"{meta['num_tokens']:,} training tokens of which {meta['num_counted_tokens']:,} answers'; "
               f"model tiny ({trainer.num_params / 1e6:.2f}M), {args.steps} steps of {args.batch} x 128, "
               f"{seconds:.0f} s")
-        print("validation loss over the held-out answers' tokens:")
+        print(f"validation loss over the held-out answers' tokens ({args.eval_batches or 'all'} batch(es) of "
+              f"{args.batch} windows):")
         print(f"  step {0:>4}  {before:.4f}")
         for r in rows:
             print(f"  step {r['step']:>4}  {r['val_loss']:.4f}")
