@@ -141,6 +141,24 @@ def test_validation_counts_and_masks_alike(packed, tmp_path):
     assert trainer.evaluate()["val_loss"] == pytest.approx(total / counted, rel=1e-6)
 
 
+@pytest.mark.parametrize("variant", ["bos", "bos-eos"])
+def test_a_hugging_face_tokenizers_documents_end_at_its_eos(tmp_path, variant):
+    """EOS as prepare's separator (bos), or as the token the encoding already ends each document with
+    (bos-eos): either way one id per document, after its last token."""
+    pytest.importorskip("transformers")
+    from scaletrain.data.dataset import TokenData
+    from scaletrain.data.documents import document_separator
+    from test_hf_tokenizer import make_hf_folder, write_docs
+
+    hf = make_hf_folder(tmp_path / "hf", variant)
+    meta = prepare([write_docs(tmp_path / "docs.jsonl")], tmp_path / "tok", tokenizer=str(hf))
+    data = TokenData.open(tmp_path / "tok")
+    eos = json.loads((hf / "tokenizer_config.json").read_text())["eos_token"]
+    sep = document_separator(data, data.source)
+    assert sep == data.tokenizer.tok.token_to_id(eos)
+    assert int((data.read(0, data.num_tokens) == sep).sum()) == meta["num_documents"]
+
+
 STEPS = 3
 # (overrides of the 2-rank run, of its one-process reference): dp 2 under ZeRO-3, tp 2 (+ sp) accumulating
 LAYOUTS = {"zero3": ({"parallel.zero": 3}, {}),
