@@ -394,10 +394,11 @@ class WindowDataset(torch.utils.data.Dataset):
         return counted
 
     def counted_in_step(self, step: int, sampler) -> int | None:
-        """The targets a loss mask counts in step `step`'s global batch, whose windows
-        `sampler(step)` (a StepSampler) gives: every rank counts the whole batch alike, so no
-        reduction is needed. At least 1 (an all-prompt batch trains on nothing, without dividing
-        by 0); None when every target counts. The last step's count is kept: the trainer asks per micro-batch."""
+        """The targets counted (a loss mask's, less the separators' under document masks) in step
+        `step`'s global batch, whose windows `sampler(step)` (a StepSampler) gives: every rank
+        counts the whole batch alike, so no reduction is needed. At least 1 (an all-prompt batch
+        trains on nothing, without dividing by 0); None when every target counts. The last step's
+        count is kept: the trainer asks per micro-batch."""
         if self.mask is None and self.separator is None:
             return None
         if self._counted[0] != step:
