@@ -131,13 +131,14 @@ def test_the_target_after_a_separator_is_not_counted(packed, tmp_path):
 def test_validation_counts_and_masks_alike(packed, tmp_path):
     trainer = Trainer(doc_cfg(packed, tmp_path, "rope", **{"train.eval_every": 1, "train.eval_batches": 1}))
     (v,) = trainer.val_sets
-    total, counted = 0.0, 0
+    total, counted, separators = 0.0, 0, 0
     for windows in v.batches:
         inputs, targets = v.dataset[windows]
         losses = per_token_losses(trainer.model, inputs, targets)
-        total, counted = total + losses[targets != IGNORE_INDEX].double().sum().item(), counted + int(
-            (targets != IGNORE_INDEX).sum())
-    assert counted == v.batches.size * trainer.cfg.data.seq_len - int((inputs == v.dataset.separator).sum())
+        total += losses[targets != IGNORE_INDEX].double().sum().item()
+        counted, separators = counted + int((targets != IGNORE_INDEX).sum()), separators + int(
+            (inputs == v.dataset.separator).sum())
+    assert separators > 0 and counted == v.batches.size * trainer.cfg.data.seq_len - separators
     assert trainer.evaluate()["val_loss"] == pytest.approx(total / counted, rel=1e-6)
 
 
