@@ -194,7 +194,14 @@ def speed(args) -> None:
     print(f"{'step':<14}{'median':>10}{'min':>10}{'max':>10}   ({args.reps} alternating reps of {args.steps} steps)")
     for k, v in times.items():
         print(f"{k:<14}{med[k] * 1e3:>8.1f}ms{min(v) * 1e3:>8.1f}ms{max(v) * 1e3:>8.1f}ms")
-    print(f"scaletrain / PEFT: {med['scaletrain'] / med['peft']:.3f}")
+    print(f"scaletrain / PEFT: {med['scaletrain'] / med['peft']:.3f} (medians)")
+    # each repetition's pair ran back to back, under about the same load: their ratios spread less
+    # than the times, and how far they spread says how much one figure can be trusted
+    paired = sorted(a / b for a, b in zip(times["scaletrain"], times["peft"], strict=True))
+    quartiles = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
+    print(f"paired (each repetition's scaletrain / PEFT): median {statistics.median(paired):.3f}, quartiles "
+          f"{quartiles[0]:.3f}-{quartiles[2]:.3f}, range {paired[0]:.3f}-{paired[-1]:.3f}, "
+          f"{sum(r < 1 for r in paired)} of {len(paired)} below 1")
 
 
 # ------------------------------------------------------------------------------------------

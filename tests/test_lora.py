@@ -199,6 +199,10 @@ LAYOUTS = {  # ranks: (name, reference, overrides), each group in one launch
         # QLoRA: FSDP2 shards and all-gathers the NF4 base (quantized whole, then split by rows)
         ("qlora-nf4-zero3", "lora+nf4", {"parallel.dp_shard": 2, "parallel.zero": 3}),
         ("qlora-nf4-ddp", "lora+nf4", {"parallel.dp_shard": 2, "parallel.zero": 0}),
+        # ... compiled (the base's matmul one opaque op), and split into pipeline stages (each fills its own bases)
+        ("qlora-nf4-ddp-compile", "lora+nf4", {"parallel.dp_shard": 2, "parallel.zero": 0, "train.compile": True}),
+        ("qlora-nf4-pp2", "lora+nf4", {"parallel.pp": 2, "parallel.pp_schedule": "1f1b",
+                                       "checkpoint.save_final": True}),
         ("qlora-int8-zero2", "lora+int8", {"parallel.dp_shard": 2, "parallel.zero": 2}),
         ("lora-tp2", "lora", {**TP_SPLIT, "checkpoint.save_final": True}),
         ("lora-tp2-sp", "lora", {**TP_SPLIT, "parallel.sp": True}),
@@ -294,7 +298,7 @@ def test_tensor_parallelism_splits_the_adapters_like_their_base(group_runs, name
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["lora-pp2"])
+@pytest.mark.parametrize("name", ["lora-pp2", "qlora-nf4-pp2"])
 def test_a_pipelined_checkpoint_holds_each_stages_adapters_alone(group_runs, name):
     group_runs(name)
     keys = checkpoint_keys(group_runs.folder / name / "checkpoints" / f"step_{STEPS:08d}")
