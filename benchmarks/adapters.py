@@ -8,7 +8,8 @@
 * speed: scaletrain's LoRA step (Trainer on `model.init_from` of a saved transformers Llama)
   against PEFT's (`peft.get_peft_model` on the same transformers model, a plain loop), same
   batch, rank, alpha and targets (every block linear), AdamW, no clipping; A and B alternate
-  in one run, the medians and their ratio.
+  in one run; the medians of wall and of this process's CPU time, their ratios and the spread of
+  each repetition's ratio.
 * quality: the demo model (configs/tiny.toml) pre-trained briefly on the demo corpus, then
   fine-tuned on a held-out text that ships with Python (the stdlib's json package source, its
   last 15% held out) by full fine-tuning, LoRA and QLoRA (nf4); each one's validation loss on
@@ -182,19 +183,30 @@ def speed(args) -> None:
     print(f"trainable: scaletrain {trainable(ours.model):,}, PEFT {sum(p.numel() for p in params):,}")
     for step in (ours_step, peft_step):  # warm-up
         step()
-    times = {"scaletrain": [], "peft": []}
+    # wall time, and this process's CPU time (on a shared machine the other sessions' load stretches
+    # the wall time while this process waits for a core; its CPU time counts only its own running)
+    times = {clock: {"scaletrain": [], "peft": []} for clock in ("wall", "cpu")}
     for rep in range(args.reps):
         order = [("scaletrain", ours_step), ("peft", peft_step)]
         for name, step in order if rep % 2 == 0 else order[::-1]:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(args.steps):
                 step()
-            times[name].append((time.perf_counter() - t0) / args.steps)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{'step':<14}{'median':>10}{'min':>10}{'max':>10}   ({args.reps} alternating reps of {args.steps} steps)")
-    for k, v in times.items():
-        print(f"{k:<14}{med[k] * 1e3:>8.1f}ms{min(v) * 1e3:>8.1f}ms{max(v) * 1e3:>8.1f}ms")
-    print(f"scaletrain / PEFT: {med['scaletrain'] / med['peft']:.3f}")
+            times["wall"][name].append((time.perf_counter() - t0) / args.steps)
+            times["cpu"][name].append((time.process_time() - c0) / args.steps)
+    print(f"{'step':<18}{'median':>10}{'min':>10}{'max':>10}   ({args.reps} alternating reps of {args.steps} steps)")
+    for clock, sides in times.items():
+        for k, v in sides.items():
+            print(f"{k + ' ' + clock:<18}{statistics.median(v) * 1e3:>8.1f}ms{min(v) * 1e3:>8.1f}ms"
+                  f"{max(v) * 1e3:>8.1f}ms")
+    for clock, sides in times.items():
+        med = statistics.median(sides["scaletrain"]) / statistics.median(sides["peft"])
+        # each repetition's pair ran back to back, under about the same load: their ratios show the spread
+        paired = sorted(a / b for a, b in zip(sides["scaletrain"], sides["peft"], strict=True))
+        quartiles = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
+        print(f"scaletrain / PEFT, {clock}: {med:.3f} (medians); each repetition's pair: median "
+              f"{statistics.median(paired):.3f}, quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f}, range "
+              f"{paired[0]:.3f}-{paired[-1]:.3f}, {sum(r < 1 for r in paired)} of {len(paired)} below 1")
 
 
 # ------------------------------------------------------------------------------------------

@@ -332,8 +332,8 @@ MUTANTS = [
             f"{CC}::test_the_catalog_prices_each_engines_collectives_at_the_measured_bus_bandwidth[tp4-sp]")),
     Mutant("lora-scale-twice", "the adapters' update scaled by alpha/rank twice",
            "src/scaletrain/model/lora.py",
-           "return F.linear(x, self.weight, self.bias) + self.scale * update",
-           "return F.linear(x, self.weight, self.bias) + self.scale * self.scale * update",
+           "self.lora_a.to(x.dtype)) * self.scale\n",
+           "self.lora_a.to(x.dtype)) * self.scale * self.scale\n",
            (f"{LO}::test_numerics_match_peft[lora-False]",)),
     Mutant("lora-base-trains", "gradients reach the frozen base (every parameter left trainable)",
            "src/scaletrain/model/lora.py",
@@ -377,9 +377,20 @@ MUTANTS = [
            (f"{LO}::test_adapters_on_every_layout_match_one_process[qlora-nf4-zero3]",)),
     Mutant("qlora-int8-backward-without-scale", "the int8 base's input gradient taken through its codes, not "
            "their dequantized values", "src/scaletrain/quant/frozen_base.py",
-           "return grad @ weight.dequantize(grad.dtype), None", "return grad @ weight.qdata.to(grad.dtype), None",
+           "return grad @ _dense(kind, parts, sizes, stored, grad.dtype)", "return grad @ parts[0].to(grad.dtype)",
            (f"{QL}::test_a_quantized_base_computes_what_its_dequantized_weight_does[int8]",
             f"{LO}::test_adapters_on_every_layout_match_one_process[qlora-int8-zero2]")),
+    Mutant("qlora-dense-base-kept-for-backward", "the quantized base dequantized outside its matmul's op: backward "
+           "keeps a dense copy of every adapted weight (eager, and compiled)", "src/scaletrain/quant/frozen_base.py",
+           "y = _frozen_linear(x.to(dtype), kind, parts, sizes, weight.dtype)",
+           "y = F.linear(x.to(dtype), _dense(kind, parts, sizes, weight.dtype, dtype))",
+           (f"{QL}::test_compiled_the_base_keeps_no_dense_weight_for_backward[nf4]",
+            f"{QL}::test_compiled_the_base_keeps_no_dense_weight_for_backward[int8]")),
+    Mutant("qlora-nf4-nibbles-swapped", "each byte's two NF4 codes read low nibble first (neighbouring weights "
+           "swapped)", "src/scaletrain/quant/frozen_base.py",
+           "torch.stack([high, low], dim=-1)", "torch.stack([low, high], dim=-1)",
+           (f"{QL}::test_a_quantized_base_computes_what_its_dequantized_weight_does[nf4]",
+            f"{QL}::test_only_the_adapters_train_over_a_quantized_base[nf4]")),
     Mutant("plan-frozen-base-has-optimizer-state", "the planner gives the frozen base gradients and optimizer "
            "state under adapters", "src/scaletrain/plan/memory_model.py",
            "out = model_state_memory(adapters.trainable, wl, layout, sh=sh)",

@@ -77,6 +77,33 @@ def test_a_quantized_base_computes_what_its_dequantized_weight_does(base):
     assert stored_bytes(lin.weight) == want
 
 
+@pytest.mark.parametrize("base", ["nf4", "int8"])
+def test_compiled_the_base_keeps_no_dense_weight_for_backward(base):
+    """Under torch.compile the base's matmul stays one op that dequantizes inside (traced as plain
+    ops, the compiled graph kept each dense weight for backward); outputs and gradients are eager's."""
+    torch.manual_seed(2)
+    lin = LoRALinear(nn.Linear(256, 384, bias=False), AdapterSpec("lora", rank=4))
+    with torch.no_grad():
+        lin.lora_a.normal_()
+        lin.lora_b.normal_()
+    quantize_base(lin, base)
+    x = torch.randn(2, 8, 256, requires_grad=True)
+
+    def run(f):
+        saved = []  # what autograd keeps for backward
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = f(x)
+        return y, torch.autograd.grad(y.square().sum(), (x, lin.lora_a, lin.lora_b)), saved
+
+    y, grads, _ = run(lin)
+    # the partitioner inductor uses (min-cut), without its code generation: what backward keeps is decided there
+    cy, cgrads, saved = run(torch.compile(lin, backend="aot_eager_decomp_partition", fullgraph=True))
+    assert torch.equal(cy, y) and all(torch.equal(a, b) for a, b in zip(cgrads, grads, strict=True))
+    dense = [(tuple(t.shape), t.dtype) for t in saved if t.is_floating_point() and t.numel() >= lin.weight.numel()]
+    assert saved
+    assert not dense, dense
+
+
 @pytest.mark.parametrize("base", BASES)
 def test_only_the_adapters_train_over_a_quantized_base(tmp_path, base):
     trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 5, "adapter.kind": "lora", "adapter.base_dtype": base,
@@ -158,6 +185,9 @@ def test_bad_quantized_base_settings_are_one_line_and_exit_2(tmp_path):
     r = run_here("train", *MICRO_ARGS, f"--log.run_dir={tmp_path / 'z'}", "--adapter.kind=lora",
                  "--adapter.base_dtype=int8", "--nproc=2", "--parallel.zero=3")  # refused before any rank starts
     one_line_exit_2(r, "adapter.base_dtype=int8 with parallel.zero=3", "use adapter.base_dtype=nf4")
+    r = run_here("train", *MICRO_ARGS, f"--log.run_dir={tmp_path / 't'}", "--adapter.kind=lora",
+                 "--adapter.base_dtype=nf4", "--nproc=2", "--parallel.tp=2")  # pp and compile are not refused
+    one_line_exit_2(r, "adapter.base_dtype=nf4 with parallel.tp=2: not supported", "set parallel.tp=1")
 
 
 # --- the planner: which GPU fits a LoRA / QLoRA fine-tune ----------------------------------------

@@ -9,7 +9,7 @@ A chosen `nn.Linear` (out x in) is replaced in place by a `LoRALinear` that keep
     lora_magnitude  (out,)       DoRA only: the base weight's row norms (`init_magnitudes`, once
                                  the base holds its values)
 
-LoRA:  y = W x + b + s · B A dropout(x),                    s = alpha / rank (alpha / √rank: rslora)
+LoRA:  y = W x + b + B (s · A dropout(x)),                  s = alpha / rank (alpha / √rank: rslora)
 DoRA:  y = m / ‖W + s·B A‖_row · (W + s·B A) x + b, the norm treated as a constant in backward
        (the paper's section 4.3: it saves the norm's graph at little cost in accuracy).
 
@@ -64,6 +64,10 @@ class AdapterSpec:
 class LoRALinear(nn.Linear):
     """A frozen linear plus a trainable low-rank update (see the module's docstring)."""
 
+    # the base's matmul, F.linear's signature: a quantized base (QLoRA) brings its own, which
+    # dequantizes inside (scaletrain.quant.frozen_base.frozen_linear)
+    base_linear = staticmethod(F.linear)
+
     def __init__(self, base: nn.Linear, spec: AdapterSpec):
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
@@ -86,10 +90,10 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dropping = self.training and isinstance(self.dropout, nn.Dropout)
+        if self.lora_magnitude is None:
+            return self._lora(x, dropping)
         xd = self.dropout(x) if dropping else x
         update = F.linear(F.linear(xd, self.lora_a.to(x.dtype)), self.lora_b.to(x.dtype))
-        if self.lora_magnitude is None:
-            return F.linear(x, self.weight, self.bias) + self.scale * update
         y = F.linear(x, self.weight)
         yd = F.linear(xd, self.weight) if dropping else y  # dropout: the magnitude's part sees the dropped input
         with torch.no_grad():  # the row norm is a constant of backward (DoRA, section 4.3)
@@ -97,6 +101,17 @@ class LoRALinear(nn.Linear):
         g = (self.lora_magnitude.float() / norm).to(y.dtype)
         out = y + (g - 1) * yd + g * self.scale * update
         return out if self.bias is None else out + self.bias
+
+    def _lora(self, x: torch.Tensor, dropping: bool) -> torch.Tensor:
+        """W x + b + B (s · A dropout(x)). The scale multiplies the rank-r intermediate, not the wide
+        output, and B's product is accumulated into the base's output by its matmul (addmm_): no
+        pass over the wide output, forward or backward, beyond the two matmuls. The rows are
+        flattened first so that the base's output is no view and may be added into in place."""
+        rows = x.reshape(-1, x.shape[-1])
+        y = self.base_linear(rows, self.weight, self.bias)
+        h = F.linear(self.dropout(rows) if dropping else rows, self.lora_a.to(x.dtype)) * self.scale
+        y = y.addmm_(h.to(y.dtype), self.lora_b.to(y.dtype).t())
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:

@@ -50,21 +50,22 @@ def check_adapters(cfg: JobConfig, lay) -> None:
 
 def check_base(cfg: JobConfig, lay) -> None:
     """adapter.base_dtype (QLoRA) composes with one process, DDP, ZeRO-1/2, ZeRO-3 (nf4: FSDP2
-    shards and all-gathers NF4 tensors), activation checkpointing and accumulation."""
+    shards and all-gathers NF4 tensors), pipeline stages (each quantizes its own blocks' bases),
+    compile (the base's matmul is one opaque op: no dense weight kept for backward), activation
+    checkpointing and accumulation. Not with tensor parallelism: torch's tp plan splits a weight
+    as a plain tensor, and a row-parallel split (wo, w2) cuts through the rows that int8's scale
+    and NF4's double-quantized scale groups span, so a shard quantized alone would differ from
+    the whole's quantization."""
     base = cfg.adapter.base_dtype
     if base == "auto" or cfg.adapter.kind == "none":
         return
-    for axis, size in (("tp", lay.tp), ("pp", lay.pp)):
-        if size > 1:
-            raise ConfigError(f"adapter.base_dtype={base} with parallel.{axis}={size}: not supported yet (the "
-                              f"quantized base is not in the {axis} plan); set parallel.{axis}=1 or "
-                              "adapter.base_dtype=auto")
+    if lay.tp > 1:
+        raise ConfigError(f"adapter.base_dtype={base} with parallel.tp={lay.tp}: not supported (tensor parallelism "
+                          "would split the quantized base weights, whose scales span whole rows); set "
+                          "parallel.tp=1 (ZeRO-3 or pp shard the model instead), or adapter.base_dtype=auto")
     if lay.dp_engine == "fsdp" and base != "nf4":
         raise ConfigError(f"adapter.base_dtype={base} with parallel.zero=3: FSDP2 shards a quantized base as NF4 "
                           "only; use adapter.base_dtype=nf4, or parallel.zero=2")
-    if cfg.train.compile:
-        raise ConfigError(f"adapter.base_dtype={base} with train.compile=true: not supported yet (the quantized "
-                          "base's matmuls are not compiled); set train.compile=false")
 
 
 def quantize_plan(cfg: JobConfig, chunks: list[nn.Module], shards: int) -> str | None:

@@ -56,29 +56,93 @@ def base_problems(base_dtype: str, named_linears: list[tuple[str, nn.Linear]], s
 
 
 # --------------------------------------------------------------------------------------------
+# The base's matmul: y = x deq(W)^T forward, g deq(W) for the input's gradient, each one op that
+# dequantizes inside. Opaque to torch.compile on purpose: traced as plain ops, the forward's and
+# the backward's dequantization are one expression, and the compiled graph then keeps the dense
+# weight of every adapted linear for backward (QLoRA's saving gone). Autograd saves the stored
+# tensors alone (the parameter's own storage: nothing new is kept).
+
+
+def _dense(kind: str, parts: list[torch.Tensor], sizes: list[int], stored: torch.dtype,
+           dtype: torch.dtype) -> torch.Tensor:
+    """The dense weight (out x in, `dtype`) that `parts` store. nf4: torchao's layout, dequantized
+    in its order of operations (bit for bit its `get_original_weight()`), then cast."""
+    if kind == "int8":
+        q, scale = parts
+        return (q.float() * scale.unsqueeze(1)).to(dtype)
+    if kind == "bf16":
+        return parts[0].to(dtype)
+    codes, scalers, factors, mean, levels = parts  # two 4-bit codes a byte; int8 block scales, their factors
+    rows, cols, block, group = sizes
+    scales = (scalers.view(-1, group) / factors.unsqueeze(-1)).flatten().to(stored) + mean  # one per 64 values
+    scales = scales.unsqueeze(-1).expand(scales.shape[0], block // 2).flatten()  # one per byte
+    high, low = levels[(codes >> 4).long()] * scales, levels[(codes & 0b1111).long()] * scales
+    return torch.stack([high, low], dim=-1).reshape(rows, cols).to(dtype)
+
+
+@torch.library.custom_op("scaletrain::frozen_linear", mutates_args=())
+def _frozen_linear(x: torch.Tensor, kind: str, parts: list[torch.Tensor], sizes: list[int],
+                   stored: torch.dtype) -> torch.Tensor:
+    with torch.autocast(x.device.type, enabled=False):  # x is in the compute dtype already
+        return F.linear(x, _dense(kind, parts, sizes, stored, x.dtype))
+
+
+@_frozen_linear.register_fake
+def _(x, kind, parts, sizes, stored):
+    return x.new_empty((*x.shape[:-1], sizes[0]))
+
+
+@torch.library.custom_op("scaletrain::frozen_linear_grad", mutates_args=())
+def _frozen_linear_grad(grad: torch.Tensor, kind: str, parts: list[torch.Tensor], sizes: list[int],
+                        stored: torch.dtype) -> torch.Tensor:
+    with torch.autocast(grad.device.type, enabled=False):
+        return grad @ _dense(kind, parts, sizes, stored, grad.dtype)
+
+
+@_frozen_linear_grad.register_fake
+def _(grad, kind, parts, sizes, stored):
+    return grad.new_empty((*grad.shape[:-1], sizes[1]))
+
+
+def _save_parts(ctx, inputs, output):
+    _, ctx.kind, parts, ctx.sizes, ctx.stored = inputs
+    ctx.save_for_backward(*parts)
+
+
+def _input_grad(ctx, grad):  # the weight is frozen: the input's gradient alone
+    parts = list(ctx.saved_tensors)
+    return _frozen_linear_grad(grad, ctx.kind, parts, ctx.sizes, ctx.stored), None, [None] * len(parts), None, None
+
+
+_frozen_linear.register_autograd(_input_grad, setup_context=_save_parts)
+
+
+def _stored_parts(w: torch.Tensor) -> tuple[str, list[torch.Tensor], list[int]]:
+    """(kind, the tensors, the sizes) a quantized base weight is stored as."""
+    if isinstance(w, FrozenWeight):
+        return ("bf16", [w.qdata], list(w.shape)) if w.scale is None else ("int8", [w.qdata, w.scale], list(w.shape))
+    return "nf4", [w.quantized_data, w.quantized_scalers, w.quantization_factor, w.scaler_mean, w.nf4], \
+        [*w.shape, w.block_size, w.scaler_block_size]
+
+
+def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` through a quantized base weight (FrozenWeight or NF4Tensor), in
+    autocast's dtype where it is on (as `F.linear` would be); a `LoRALinear`'s base matmul."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    kind, parts, sizes = _stored_parts(weight)
+    y = _frozen_linear(x.to(dtype), kind, parts, sizes, weight.dtype)
+    if bias is None:
+        return y
+    return y + (bias if kind == "nf4" else bias.to(y.dtype))  # nf4: as torchao's NF4 linear adds it
+
+
+# --------------------------------------------------------------------------------------------
 # int8 and bf16: a frozen weight in fewer bytes, dequantized per matmul
-
-
-class _DequantLinear(torch.autograd.Function):
-    """y = x deq(W)^T, saving the stored weight (not a dequantized copy) for backward, which
-    dequantizes it again for the input's gradient (the weight takes none)."""
-
-    @staticmethod
-    def forward(ctx, x, weight):
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        ctx.save_for_backward(weight)
-        with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x.to(dtype), weight.dequantize(dtype))
-
-    @staticmethod
-    def backward(ctx, grad):
-        (weight,) = ctx.saved_tensors
-        return grad @ weight.dequantize(grad.dtype), None
 
 
 class FrozenWeight(torch.Tensor):
     """A frozen weight stored as `data` (int8 or bf16) with per-row `scale` (int8; None for bf16),
-    seen as a tensor of the original dtype and shape. `F.linear` on it runs `_DequantLinear`;
+    seen as a tensor of the original dtype and shape. `F.linear` on it is `frozen_linear`;
     converting it to a dtype (`.float()`, `.to(dtype)`) dequantizes."""
 
     @staticmethod
@@ -120,10 +184,7 @@ class FrozenWeight(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
-            x, w = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            y = _DequantLinear.apply(x, w)
-            return y if bias is None else y + bias.to(y.dtype)
+            return frozen_linear(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias"))
         if func is torch.Tensor.float:  # even to its own dtype: a plain tensor, as NF4's
             return args[0].dequantize(torch.float32)
         with torch._C.DisableTorchFunctionSubclass():
@@ -184,10 +245,16 @@ def quantize_base(model: nn.Module, base_dtype: str, device: torch.device | None
     stored = 0
     for _, m in _lora_linears(model):
         w = m.weight.data.to(device)
-        m.weight = nn.Parameter(quantized(w if dtype is None else w.to(dtype), base_dtype), requires_grad=False)
+        _put_base(m, quantized(w if dtype is None else w.to(dtype), base_dtype))
         del w  # the dense weight goes before the next one comes
         stored += stored_bytes(m.weight)
     return stored
+
+
+def _put_base(m: nn.Module, weight: torch.Tensor) -> None:
+    """A LoRALinear's base becomes `weight` (quantized), frozen, and its matmul `frozen_linear`."""
+    m.weight = nn.Parameter(weight, requires_grad=False)
+    m.base_linear = frozen_linear
 
 
 def stored_bytes(t: torch.Tensor) -> int:
@@ -211,7 +278,7 @@ def bases_on_meta(model: nn.Module, base_dtype: str, dtype: torch.dtype | None =
     shards by rows and all-gathers as NF4."""
     for _, m in _lora_linears(model):
         empty = torch.empty(m.weight.shape, dtype=dtype or m.weight.dtype, device="meta")
-        m.weight = nn.Parameter(quantized(empty, base_dtype), requires_grad=False)
+        _put_base(m, quantized(empty, base_dtype))
 
 
 @torch.no_grad()
@@ -227,7 +294,7 @@ def fill_bases(model: nn.Module, full_value, base_dtype: str) -> None:
         device = p.quantized_data.device if type(p).__name__ == "NF4Tensor" else p.device
         dense = full_value(canonical_name(f"{name}.weight" if name else "weight"))
         dense = dense.to(device=device, dtype=torch.float32).to(p.dtype)
-        m.weight = nn.Parameter(quantized(dense, base_dtype), requires_grad=False)
+        _put_base(m, quantized(dense, base_dtype))
         del p, dense  # the placeholder and the dense value go before the next weight comes
 
 
