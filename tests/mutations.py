@@ -61,6 +61,7 @@ QL = "tests/test_qlora.py"
 HF = "tests/test_hf_families.py"
 CH = "tests/test_chat.py"
 FT = "tests/test_fault_tolerance.py"
+DM = "tests/test_document_mask.py"
 
 MUTANTS = [
     Mutant("zero-no-dp-division", "ZeRO-1/2 bucket reduce without the 1/dp division",
@@ -453,8 +454,7 @@ MUTANTS = [
            (f"{CH}::test_first_step_loss_is_the_mean_over_the_assistants_tokens_and_the_prompt_gets_no_gradient",)),
     Mutant("chat-mask-shifted-by-one", "a window's targets masked by its inputs' mask (the mask read one token "
            "early)", "src/scaletrain/data/dataset.py",
-           "return np.stack([self.mask.read(int(i) * T + 1, T) for i in indices])",
-           "return np.stack([self.mask.read(int(i) * T, T) for i in indices])",
+           "self.mask.read(int(i) * T + 1, T)", "self.mask.read(int(i) * T, T)",
            (f"{CH}::test_first_step_loss_is_the_mean_over_the_assistants_tokens_and_the_prompt_gets_no_gradient",)),
     Mutant("chat-count-per-rank", "each data-parallel rank normalises by the tokens its own windows count, not "
            "the whole global batch's", "src/scaletrain/data/dataset.py",
@@ -475,6 +475,41 @@ MUTANTS = [
            "weights", "src/scaletrain/parallel/fault_tolerance.py",
            '                _local(p).copy_(peer["params"][n])\n', "                pass\n",
            (f"{FT}::test_a_killed_group_restarts_alone_heals_from_its_peer_and_rejoins",)),
+    # kills at named phases (tests/ft_faults.py through ft-local's hidden --rank-hook)
+    Mutant("ft-commits-a-broken-step", "a group commits a step whose gradient all-reduce failed (a group died in "
+           "it): the vote ignored", "src/scaletrain/parallel/fault_tolerance.py",
+           "        self.committed = self.manager.should_commit()\n",
+           "        self.committed = self.manager.should_commit() or True\n",
+           (f"{FT}::test_kills_at_each_phase_cost_at_most_the_step_they_break_and_no_restart_elsewhere",
+            f"{FT}::test_a_run_with_kills_ends_where_a_clean_run_that_skipped_the_same_steps_ends")),
+    Mutant("ft-heal-keeps-its-optimizer-state", "a group healing from a peer takes its weights and step but keeps "
+           "its own optimizer state (none, or an older checkpoint's)", "src/scaletrain/parallel/fault_tolerance.py",
+           '        self.optimizer.load_state_dict(peer["optim"])\n', "        pass\n",
+           (f"{FT}::test_a_group_healed_from_a_peer_holds_its_state_bit_for_bit",)),
+    Mutant("ft-heal-keeps-its-skipped-count", "a group healing from a peer takes its step but not its count of "
+           "skipped steps", "src/scaletrain/parallel/fault_tolerance.py",
+           'self.state.step, self.state.skipped_steps = int(peer["step"]), int(peer["skipped_steps"])',
+           'self.state.step = int(peer["step"])',
+           (f"{FT}::test_a_group_healed_from_a_peer_holds_its_state_bit_for_bit",)),
+    # packing without cross-document attention (data.document_mask, tests/test_document_mask.py)
+    Mutant("docmask-attends-across-documents", "a packed document's queries see the keys of the documents before "
+           "it (the mask is plain causal)", "src/scaletrain/model/transformer.py",
+           "(docs[:, :, None] == docs[:, None, :]) & causal", "(docs[:, :, None] >= docs[:, None, :]) & causal",
+           (f"{DM}::test_a_packed_window_gives_each_document_the_losses_it_has_alone[rope]",)),
+    Mutant("docmask-positions-not-restarted", "positions run on through the window instead of restarting at each "
+           "document", "src/scaletrain/model/transformer.py",
+           "mask, positions = document_mask(docs), document_positions(docs)",
+           "mask, positions = document_mask(docs), None",
+           (f"{DM}::test_rotary_positions_restart_at_each_document",
+            f"{DM}::test_a_packed_window_gives_each_document_the_losses_it_has_alone[learned]")),
+    Mutant("docmask-separator-opens-next-document", "a separator counted with the document after it (which then "
+           "sees the one before)", "src/scaletrain/model/transformer.py",
+           "return ends.cumsum(1) - ends", "return ends.cumsum(1)",
+           (f"{DM}::test_a_packed_window_gives_each_document_the_losses_it_has_alone[rope]",)),
+    Mutant("docmask-boundary-target-counted", "the target after a separator (the next document's first token) "
+           "counted in the loss", "src/scaletrain/data/dataset.py",
+           "counted &= inputs != self.separator", "counted &= inputs != -1",
+           (f"{DM}::test_the_target_after_a_separator_is_not_counted",)),
 ]
 
 

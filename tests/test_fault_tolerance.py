@@ -1,6 +1,8 @@
 """Fault tolerance across replica groups (parallel.fault_tolerance, on torchft): the one-line refusals,
-a clean run of two groups against one process training their joint batch, and a group SIGKILLed
-mid-run that restarts alone, heals from its live peer and rejoins."""
+a clean run of two groups against one process training their joint batch, a group SIGKILLed
+mid-run that restarts alone, heals from its live peer and rejoins, and three groups killed at named
+phases (forward, the gradient all-reduce, the optimizer step, a checkpoint save, a heal) by the
+injector of tests/ft_faults.py."""
 
 from __future__ import annotations
 
@@ -231,3 +233,166 @@ def test_the_lighthouse_command_prints_its_address_and_stops_on_sigterm():
             lighthouse.kill()
     assert lighthouse.returncode == 0, err
     assert out.strip() == "lighthouse stopped"
+
+
+# --------------------------------------------------------------------------------------------
+# Kills at named phases (tests/ft_faults.py, through ft-local's hidden --rank-hook): three groups of one
+# rank, min_replicas 3 (every committed step has all three, so the run is a clean run that skipped the
+# uncommitted steps), group 2 the witness that is never killed. Two rounds of two groups killed at once
+# (their restarts overlap), then a kill while healing:
+#   step 3: group 1 in its forward, group 0 in the gradient all-reduce
+#   step 8: group 1 in its optimizer step, group 0 inside its checkpoint save (checkpoint.every 4)
+#   group 1 again, while it heals after the second round (its first heal at a step >= 5)
+PHASE_STEPS = 14
+PHASE_KILLS = [{"group": 1, "step": 3, "phase": "forward"}, {"group": 0, "step": 3, "phase": "allreduce"},
+               {"group": 1, "step": 8, "phase": "optimizer"}, {"group": 0, "step": 8, "phase": "save"},
+               {"group": 1, "step": 5, "phase": "heal"}]
+
+
+@pytest.fixture(scope="module")
+def phase_kills(tmp_path_factory):
+    """The run of three groups with PHASE_KILLS; returns (run folder, the fired kills, stderr)."""
+    from ft_faults import fired, write_plan
+
+    run = tmp_path_factory.mktemp("ftphases") / "ft"
+    write_plan(run, PHASE_KILLS, record=True)
+    tests = str(Path(__file__).parent)
+    job = subprocess.Popen([sys.executable, "-m", "scaletrain", "ft-local", "--groups", "3", *GROUP,
+                            f"--log.run_dir={run}", "--heartbeat-timeout-ms=1000", "--min-replicas", "3",
+                            f"--train.steps={PHASE_STEPS}", "--checkpoint.every=4", "--checkpoint.keep=10",
+                            "--parallel.ft_quorum_timeout_s=120", "--rank-hook=ft_faults:inject"],
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1",
+                                "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])})
+    try:
+        out, err = job.communicate(timeout=400)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, err[-3000:]
+    return run, fired(run), err
+
+
+def _uncommitted(rows: list[dict]) -> list[int]:
+    """The steps a group did not commit (its ft_uncommitted count went up at them)."""
+    counts = [0.0] + [r["ft_uncommitted"] for r in rows]
+    return [r["step"] for r, before in zip(rows, counts, strict=False) if r["ft_uncommitted"] > before]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_kills_at_each_phase_cost_at_most_the_step_they_break_and_no_restart_elsewhere(phase_kills):
+    """Each kill fired at its phase and step; the witness (group 2) was never restarted and logged
+    every step once; each kill cost at most the commit of the step it broke (or of the next one,
+    where the dead group was still in that step's quorum), in every group alike."""
+    run, kills, err = phase_kills
+    assert sorted(kills) == list(range(len(PHASE_KILLS))), kills
+    for i, k in kills.items():
+        assert (k["group"], k["phase"]) == (PHASE_KILLS[i]["group"], PHASE_KILLS[i]["phase"])
+    assert [kills[i]["step"] for i in range(4)] == [3, 3, 8, 8], kills  # as planned (the save: its checkpoint's)
+    assert kills[4]["step"] >= 8  # group 1's heal after the second round: to the peers' step
+    assert err.count("restart 1 of at most") == 2 and err.count("restart 2 of at most") == 2, err[-3000:]
+    assert err.count("restart 3 of at most") == 1 and "restart 4 of" not in err  # group 1's heal kill
+    witness = read_metrics(run / "group2")
+    assert [r["step"] for r in witness] == list(range(1, PHASE_STEPS + 1))  # never went back, never restarted
+    lost = _uncommitted(witness)
+    near = {k["step"] + d for k in kills.values() for d in (0, 1)}
+    assert len(lost) <= len(kills) and set(lost) <= near, (lost, kills)
+    assert 3 in lost  # group 1 died in its forward, before its share of step 3's all-reduce
+    for g in range(3):  # the restarted groups took the count of skipped steps with the peer's state
+        assert read_metrics(run / f"group{g}")[-1]["skipped_steps"] == len(lost), g
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_group_healed_from_a_peer_holds_its_state_bit_for_bit(phase_kills):
+    """Before every step each group took, its weights, optimizer state, step and skipped steps were
+    the witness's bit for bit: in particular right after each heal (a restart from nothing or from an
+    older checkpoint, taking the peer's state), and at the end."""
+    import torch
+
+    run, kills, _ = phase_kills
+    states = {g: run / f"group{g}" / "states" for g in range(3)}
+    witness = {p.stem: p for p in states[2].glob("*.pt")}
+    healed = {g: [r["step"] for r in read_metrics(run / f"group{g}") if r.get("ft_healed")] for g in (0, 1)}
+    assert healed[0] and healed[1], healed
+    for g in (0, 1):
+        recorded = {p.stem: p for p in states[g].glob("*.pt")}
+        # the state it held before the first step it took after its last heal: what it took from the peer
+        assert f"{healed[g][0] - 1:04d}" in recorded and "final" in recorded, (g, healed[g], sorted(recorded))
+        assert len(recorded) >= PHASE_STEPS - 1  # all but the steps it was down for (a heal kill: one more)
+        for name, path in recorded.items():
+            a, b = torch.load(path, weights_only=False), torch.load(witness[name], weights_only=False)
+            _assert_same_state(a, b, f"group {g} before step {name}")
+
+
+def _assert_same_state(a: dict, b: dict, what: str) -> None:
+    import torch
+
+    assert (a["step"], a["skipped_steps"]) == (b["step"], b["skipped_steps"]), what
+    assert a["params"].keys() == b["params"].keys()
+    for n in a["params"]:
+        assert torch.equal(a["params"][n], b["params"][n]), f"{what}: {n}"
+    sa, sb = a["optim"]["state"], b["optim"]["state"]
+    assert sa.keys() == sb.keys(), what
+    for i in sa:
+        for k in sa[i]:
+            assert torch.equal(torch.as_tensor(sa[i][k]), torch.as_tensor(sb[i][k])), f"{what}: optimizer {i} {k}"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_run_with_kills_ends_where_a_clean_run_that_skipped_the_same_steps_ends(phase_kills, tmp_path):
+    """The three groups end on the same weights bit for bit (and validation loss), and on those of one
+    process training their joint batch of 12 that skips the steps the kills left uncommitted (within
+    1e-4 of each parameter's change over the run: the groups average three means where it takes one)."""
+    import torch
+
+    from scaletrain.parallel.hooks import StepHook
+    from scaletrain.train.trainer import Trainer
+
+    run, _, _ = phase_kills
+    final = [torch.load(run / f"group{g}" / "states" / "final.pt", weights_only=False) for g in range(3)]
+    for g in (0, 1):
+        _assert_same_state(final[g], final[2], f"group {g} at the end")
+    lost = _uncommitted(read_metrics(run / "group2"))
+
+    class SkipThem(StepHook):  # what the groups' commit vote did at those steps
+        def agree_to_skip(self, skip: bool) -> bool:
+            return skip or trainer.state.step + 1 in lost
+
+        def skip_reason(self) -> str | None:
+            return "not committed in the faulted run" if trainer.state.step + 1 in lost else None
+
+    trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": PHASE_STEPS, "train.global_batch": 12,
+                                             "train.micro_batch": 4, "train.eval_every": 1000}))
+    start = {n: p.detach().clone() for n, p in trainer.optim_params}
+    trainer.hooks.add(SkipThem())
+    trainer.fit()
+    assert trainer.state.skipped_steps == len(lost) == final[2]["skipped_steps"]
+    worst = 0.0
+    for n, p in trainer.optim_params:
+        change = (p.detach() - start[n]).norm().item()
+        worst = max(worst, (final[2]["params"][n] - p.detach()).norm().item() / change)
+    print(f"final weights against the clean run: {worst:.2e} of their change")
+    assert worst < 1e-4, worst
+    rows = {g: read_metrics(run / f"group{g}")[-1] for g in range(3)}
+    assert rows[0]["val_loss"] == rows[1]["val_loss"] == rows[2]["val_loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_checkpoints_written_around_kills_are_whole_and_the_killed_save_left_none(phase_kills):
+    """Group 0 (the lowest id, the writer) died inside its save of step 8: no step 8 checkpoint, no
+    partial folder left (the next save cleared it), and every checkpoint there verifies, the newest
+    at the last step; nobody else wrote one (group 0 was in every quorum that committed)."""
+    from scaletrain.train.checkpoint import complete_checkpoints, latest_checkpoint, verify_checkpoint
+
+    run, kills, _ = phase_kills
+    folder = run / "group0" / "checkpoints"
+    saved = [p.name for p in complete_checkpoints(folder)]
+    assert saved == [f"step_{s:08d}" for s in (4, 12, PHASE_STEPS)], saved
+    assert all(verify_checkpoint(p) is None for p in complete_checkpoints(folder))
+    assert latest_checkpoint(folder).name == f"step_{PHASE_STEPS:08d}"
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".step_")]
+    assert not (run / "group1" / "checkpoints").exists() and not (run / "group2" / "checkpoints").exists()

@@ -64,7 +64,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     """The config chosen and shown, or the job settled (scaletrain.launch.job) and run: here, on
     --nproc ranks, or as this rank of torchrun's."""
     from scaletrain.config import describe_options
-    from scaletrain.launch import job
+    from scaletrain.launch import job, worker
 
     if args.help_config:
         print(describe_options())
@@ -76,15 +76,13 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     from scaletrain.launch.runtime import is_worker, pick_device
 
     if is_worker():  # started by torchrun (our launcher starts scaletrain.launch.worker itself)
-        from scaletrain.launch import worker
-
-        worker.run(job.train, cfg, None, _note)  # rank 0 settles the job for all; does not return
+        worker.run(job.train, cfg, None, _note, args.rank_hook)  # rank 0 settles the job for all; does not return
     with os_errors_named(config_paths(cfg)):
         if args.nproc is None:  # this process is the whole job
             from scaletrain.train.trainer import Trainer
 
             cfg, rt = job.start(cfg, note=_note, can_measure=True)
-            trainer = Trainer(cfg, rt)  # checked: the resume included
+            trainer = job.call_rank_hook(args.rank_hook, Trainer(cfg, rt))  # checked: the resume included
             for line in notes:
                 _note(line)
             return job.exit_code(trainer.fit())
@@ -97,7 +95,7 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
             _note(line)
         return job.launch(cfg, layout, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                           rdzv_endpoint=args.rdzv_endpoint or "", rdzv_id=args.rdzv_id,
-                          max_restarts=args.max_restarts)
+                          max_restarts=args.max_restarts, rank_hook=args.rank_hook)
 
 
 def _note(line: str) -> None:
@@ -292,6 +290,7 @@ def _train_parser(sub) -> None:
                    help="job name shared by the nodes of one job (default scaletrain); each job needs its own "
                         "--rdzv-endpoint port")
     g.add_argument("--max-restarts", type=int, default=0, help="restart the group this often after a failure")
+    p.add_argument("--rank-hook", help=argparse.SUPPRESS)  # hidden, tests only: scaletrain.launch.job.call_rank_hook
     p.set_defaults(func=_train, takes_overrides=True, parser=p)
 
 

@@ -58,6 +58,9 @@ class DataConfig:
     loss_mask: str = option("auto", "the loss mask of chat data (prepare --chat-format): auto = use it where the "
                                     "folder has one, true = require one, false = count every token",
                             choices=("auto", "true", "false"))
+    document_mask: bool = option(False, "documents packed in a window attend within themselves, their positions "
+                                        "restart, the target after each separator is not counted; needs documents "
+                                        "ended by one token (EOS, <|endoftext|>), not byte-level data")
 
 
 @dataclass
@@ -617,6 +620,10 @@ def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
                       f"{par.sync_every} / {par.sync_fragments}: a fragment's sync must land before the next "
                       f"fragment's begins; lower sync_delay or sync_fragments, or raise sync_every")
     errors.extend(fault_tolerance_problems(par))
+    if cfg.data.document_mask:
+        from scaletrain.data.documents import document_mask_problems  # torch-free
+
+        errors.extend(document_mask_problems(cfg))
     if cfg.train.qat != "none" and own_model:
         from scaletrain.quant.layers import qat_problems  # torch-free
 

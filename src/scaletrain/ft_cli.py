@@ -95,6 +95,9 @@ def ft_local_parser(sub) -> None:
     p.add_argument("--max-restarts", type=int, default=FT_LOCAL_RESTARTS,
                    help=f"restarts of each group after a failure (default {FT_LOCAL_RESTARTS})")
     _lighthouse_options(p)
+    # for tests, not users (hidden from --help): passed on to every group's `scaletrain train --rank-hook`
+    # (scaletrain.launch.job.call_rank_hook): the fault-tolerance tests' SIGKILLs at chosen steps and phases
+    p.add_argument("--rank-hook", metavar="MODULE:FUNCTION", help=argparse.SUPPRESS)
     p.set_defaults(func=ft_local, takes_overrides=True, parser=p)
 
 
@@ -109,7 +112,8 @@ def ft_local(args: argparse.Namespace, extra: list[str]) -> int:
                           "ever commit")
     from scaletrain.train.run_folder import default_run_dir
 
-    base = [*(["--config", args.config] if args.config else []), *extra]
+    base = [*(["--config", args.config] if args.config else []), *extra,
+            *([f"--rank-hook={args.rank_hook}"] if args.rank_hook else [])]
     # the Lighthouse in its own process, as on a cluster: it can die alone (then every group stops, exit code 3)
     if args.min_replicas < 1:
         raise LaunchError(f"--min-replicas must be at least 1, got {args.min_replicas}")

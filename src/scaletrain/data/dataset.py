@@ -350,12 +350,15 @@ IGNORE_INDEX = -100  # a target the loss does not count (cross_entropy's default
 
 class WindowDataset(torch.utils.data.Dataset):
     """Map-style dataset indexed by a list of window indices -> (inputs, targets), each (b, T).
-    With `loss_mask` (the data has one), a target whose mask is 0 is IGNORE_INDEX."""
+    With `loss_mask` (the data has one), a target whose mask is 0 is IGNORE_INDEX; with `separator`
+    (data.document_mask: the token that ends each document), so is the target of each separator,
+    the next document's first token, which nothing in its own document predicts."""
 
-    def __init__(self, data: TokenData, seq_len: int, loss_mask: bool = False):
+    def __init__(self, data: TokenData, seq_len: int, loss_mask: bool = False, separator: int | None = None):
         self.data = data
         self.seq_len = seq_len
         self.mask = data.mask if loss_mask else None
+        self.separator = separator
         self._counted = (-1, 0)  # (step, its counted targets): counted_in_step's last answer
         self.num_windows = (data.num_tokens - 1) // seq_len
         if self.num_windows < 1:
@@ -370,31 +373,40 @@ class WindowDataset(torch.utils.data.Dataset):
     def __getitem__(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
         T = self.seq_len
         rows = np.stack([self.data.read(int(i) * T, T + 1) for i in indices])  # (b, T + 1)
-        if self.mask is not None:
+        if self.mask is not None or self.separator is not None:
             targets = rows[:, 1:].copy()
-            targets[self.target_mask(indices) == 0] = IGNORE_INDEX
+            targets[~self.target_mask(indices, rows[:, :-1])] = IGNORE_INDEX
             return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(targets)
         tokens = torch.from_numpy(rows)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
-    def target_mask(self, indices) -> np.ndarray:
-        """(b, T) of the windows' targets: 1 where the loss counts the token."""
+    def target_mask(self, indices, inputs: np.ndarray | None = None) -> np.ndarray:
+        """(b, T) bool of the windows' targets: True where the loss counts the token (`inputs`: the
+        windows' input tokens where the caller has read them already)."""
         T = self.seq_len
-        return np.stack([self.mask.read(int(i) * T + 1, T) for i in indices])
+        counted = np.ones((len(indices), T), dtype=bool)
+        if self.mask is not None:
+            counted &= np.stack([self.mask.read(int(i) * T + 1, T) for i in indices]) != 0
+        if self.separator is not None:
+            if inputs is None:
+                inputs = np.stack([self.data.read(int(i) * T, T) for i in indices])
+            counted &= inputs != self.separator
+        return counted
 
     def counted_in_step(self, step: int, sampler) -> int | None:
-        """The targets a loss mask counts in step `step`'s global batch, whose windows
-        `sampler(step)` (a StepSampler) gives: every rank counts the whole batch alike, so no
-        reduction is needed. At least 1 (an all-prompt batch trains on nothing, without dividing
-        by 0); None without a mask. The last step's count is kept: the trainer asks per micro-batch."""
-        if self.mask is None:
+        """The targets counted (a loss mask's, less the separators' under document masks) in step
+        `step`'s global batch, whose windows `sampler(step)` (a StepSampler) gives: every rank
+        counts the whole batch alike, so no reduction is needed. At least 1 (an all-prompt batch
+        trains on nothing, without dividing by 0); None when every target counts. The last step's
+        count is kept: the trainer asks per micro-batch."""
+        if self.mask is None and self.separator is None:
             return None
         if self._counted[0] != step:
             self._counted = (step, max(1, self.counted_tokens(sampler(step).global_batch_indices(step))))
         return self._counted[1]
 
     def counted_tokens(self, indices) -> int:
-        """Targets the loss counts in these windows: all of them without a mask."""
-        if self.mask is None:
+        """Targets the loss counts in these windows: all of them without a mask or document boundaries."""
+        if self.mask is None and self.separator is None:
             return len(indices) * self.seq_len
         return int(self.target_mask(indices).sum())

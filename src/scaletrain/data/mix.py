@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from scaletrain.data.dataset import TokenData, WindowDataset, open_data
+from scaletrain.data.documents import document_separator
 from scaletrain.data.loader import StepSampler
 from scaletrain.data.tokenizer import TOKENIZER_FILE
 from scaletrain.errors import ConfigError, DataError
@@ -85,6 +86,8 @@ def _describe(identity: dict) -> str:
 
 class MixDataset(torch.utils.data.Dataset):
     """Windows of all sources under one index: id = offsets[source] + window."""
+
+    separator = None  # config loading refuses data.document_mask with data.mix
 
     def __init__(self, data: MixData, seq_len: int):
         self.data = data
@@ -194,7 +197,8 @@ def open_training_data(data_cfg, mix: list[tuple[str, float]] | None, vocab_size
     """(data, dataset) of a run: data.path's folder, or data.mix's sources (`mix`, parsed) in
     proportion; refuses a tokenizer larger than the model's vocabulary (`vocab_size`; None: a
     custom module's, unknown), and a loss mask under fault tolerance's replica groups
-    (`replica_groups`: their average does not weigh each group's counted tokens)."""
+    (`replica_groups`: their average does not weigh each group's counted tokens). With
+    data.document_mask the dataset knows the token that ends each document (its `separator`)."""
     data = MixData(mix, data_cfg.verify_checksums) if mix else open_data(data_cfg.path, data_cfg.verify_checksums)
     if mix:
         _use_mask(data_cfg.loss_mask, [data])  # refuses what a mixture cannot honour
@@ -206,8 +210,14 @@ def open_training_data(data_cfg, mix: list[tuple[str, float]] | None, vocab_size
         raise ConfigError(f"{data.source} has a loss mask (chat data), and parallel.fault_tolerance averages the "
                           "replica groups' gradients without weighing their counted tokens: not supported yet; set "
                           "data.loss_mask=false to count every token, or parallel.fault_tolerance=false")
+    separator = None
+    if data_cfg.document_mask and not mix:
+        if vocab_size is None:
+            raise ConfigError("data.document_mask=true masks the attention of scaletrain's transformer; a custom "
+                              "module is not given the documents: set data.document_mask=false")
+        separator = document_separator(data, data.source)
     return data, (MixDataset(data, data_cfg.seq_len) if mix else
-                  WindowDataset(data, data_cfg.seq_len, loss_mask=masked))
+                  WindowDataset(data, data_cfg.seq_len, loss_mask=masked, separator=separator))
 
 
 def _use_mask(asked: str, parts: list) -> bool:

@@ -175,12 +175,14 @@ def _settled_on_rank0(cfg: JobConfig, place, note, can_measure: bool) -> tuple[J
 
 
 def launch(cfg: JobConfig, layout: Layout, *, nproc: int, nnodes: int = 1, node_rank: int | None = None,
-           rdzv_endpoint: str = "", rdzv_id: str = "scaletrain", max_restarts: int = 0) -> int:
+           rdzv_endpoint: str = "", rdzv_id: str = "scaletrain", max_restarts: int = 0,
+           rank_hook: str | None = None) -> int:
     """Start the `train` task on `nproc` local ranks (of `nnodes` nodes) for the settled `cfg`
-    and `layout`, each rank handed both (`spec`); returns the job's exit code."""
+    and `layout`, each rank handed both (`spec`); returns the job's exit code. `rank_hook`: see
+    `call_rank_hook` (tests only)."""
     from scaletrain.launch import launcher
 
-    with launcher.spec_file(spec(cfg, layout), prefix="scaletrain-train-") as path:
+    with launcher.spec_file({**spec(cfg, layout), "rank_hook": rank_hook}, prefix="scaletrain-train-") as path:
         return launcher.launch("train", [path], nproc=nproc, nnodes=nnodes, node_rank=node_rank,
                                rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
                                checkpoint_dir=cfg.checkpoint.dir or os.path.join(cfg.log.run_dir, "checkpoints"))
@@ -195,13 +197,32 @@ def train_rank(spec_path: str) -> int:
     """One rank of `scaletrain train --nproc N` (the `train` task of scaletrain.launch.worker, which
     reports its failures): SPEC_PATH is the JSON file of `spec`."""
     job = json.loads(Path(spec_path).read_text())
-    return train(from_dict(job["config"]), Layout(**job["layout"]))
+    return train(from_dict(job["config"]), Layout(**job["layout"]), rank_hook=job.get("rank_hook"))
 
 
-def train(cfg: JobConfig, layout: Layout | None = None, note=None) -> int:
+def call_rank_hook(hook: str | None, trainer):
+    """`scaletrain train --rank-hook MODULE:FUNCTION` (hidden, for tests only: the fault-tolerance
+    tests inject their SIGKILLs at chosen steps and phases with it, tests/ft_faults.py): FUNCTION,
+    importable on the ranks, is called with each rank's Trainer once it is built, before it trains.
+    Returns the Trainer (no hook: nothing is called)."""
+    import importlib
+
+    if not hook:
+        return trainer
+    module, _, name = hook.partition(":")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"--rank-hook {hook!r} is not an importable MODULE:FUNCTION ({e})") from None
+    function(trainer)
+    return trainer
+
+
+def train(cfg: JobConfig, layout: Layout | None = None, note=None, rank_hook: str | None = None) -> int:
     """Train `cfg` as one rank of a group (`layout`: cfg's, settled where the job started; None
     under torchrun, where rank 0 settles it for all, telling `note`). Returns the rank's exit
-    code. A rank the launcher restarted after a failure resumes from the newest checkpoint."""
+    code. A rank the launcher restarted after a failure resumes from the newest checkpoint.
+    `rank_hook`: see `call_rank_hook` (tests only)."""
     from scaletrain.launch import runtime
     from scaletrain.train.trainer import Trainer
 
@@ -215,7 +236,7 @@ def train(cfg: JobConfig, layout: Layout | None = None, note=None) -> int:
               "a rank failed; the group resumes from its newest complete checkpoint", file=sys.stderr, flush=True)
     with os_errors_named(config_paths(cfg)):
         cfg, rt = start(cfg, layout, note=note)
-        return exit_code(Trainer(cfg, rt, restart=restarts > 0).fit())
+        return exit_code(call_rank_hook(rank_hook, Trainer(cfg, rt, restart=restarts > 0)).fit())
 
 
 def exit_code(result: dict) -> int:

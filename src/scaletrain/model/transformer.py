@@ -12,6 +12,13 @@ Two choices make that possible:
 
 Initial values are a function of the parameter's name alone (see `init_rule` and
 `scaletrain.parallel.init`), so every layout starts from the same weights.
+
+Documents packed in one window (data.document_mask): with `separator` set, a query attends only
+to the keys of its own document, a document being what lies after a separator token up to and
+including the next one, and positions (rotary and learned) restart at each document's first
+token, as Hugging Face's packing with position_ids does. The mask is an explicit boolean one
+through scaled_dot_product_attention (exact on CPU and GPU); generation with the key/value cache
+does not use it.
 """
 
 from __future__ import annotations
@@ -82,9 +89,14 @@ def rope_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tens
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[2i], x[2i+1]) of x: (B, T, H, head_dim) by the angle of their position; with
-    tables narrower than the head (partial rotary) only its first 2 * cos.shape[-1] coordinates."""
+    tables narrower than the head (partial rotary) only its first 2 * cos.shape[-1] coordinates.
+    Tables of (T', rotary_dim/2) hold positions 0, 1, ...; tables of (B, T, rotary_dim/2) each
+    sequence's own (positions that restart per document)."""
     T, r = x.shape[1], 2 * cos.shape[-1]
-    cos, sin = cos[:T, None, :], sin[:T, None, :]  # (T, 1, rotary_dim/2), broadcast over heads
+    if cos.dim() == 2:
+        cos, sin = cos[:T, None, :], sin[:T, None, :]  # (T, 1, rotary_dim/2), broadcast over heads
+    else:
+        cos, sin = cos[:, :T, None, :], sin[:, :T, None, :]  # (B, T, 1, rotary_dim/2)
     x1, x2 = x[..., :r].float().unflatten(-1, (-1, 2)).unbind(-1)
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
     return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)
@@ -112,9 +124,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(k_width, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: tuple[KVCache, str] | None = None) -> torch.Tensor:
+                cache: tuple[KVCache, str] | None = None, *, mask: torch.Tensor | None = None) -> torch.Tensor:
         """`cache`: (the KVCache, this block's name): x holds the positions after those cached;
-        rope's tables start at the first of them."""
+        rope's tables start at the first of them. `mask` (B, 1, T, T) bool: which keys each query
+        sees (packed documents, `document_mask`), in place of the causal mask."""
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of the heads
         q, k = self.wq(x), self.wk(x)
@@ -128,7 +141,7 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
-        mask, causal = None, True
+        causal = mask is None
         if cache is not None:
             past = cache[0].length
             k, v = cache[0].append(cache[1], k, v)  # (B, kv_heads, past + T, head_dim)
@@ -191,10 +204,11 @@ class Block(nn.Module):
         return self.moe if hasattr(self, "moe") else self.mlp
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache: tuple[KVCache, str] | None = None) -> torch.Tensor:
+                cache: tuple[KVCache, str] | None = None, *, mask: torch.Tensor | None = None) -> torch.Tensor:
         h = _maybe(self.attn_norm, x)
-        # the cache only in generation: tensor parallelism's input plan knows (x, rope) alone
-        a = _maybe(self.attn_post_norm, self.attn(h, rope) if cache is None else self.attn(h, rope, cache))
+        # the cache only in generation: tensor parallelism's input plan knows (x, rope) alone; the
+        # documents' mask goes by keyword, which the plans pass on as it is
+        a = _maybe(self.attn_post_norm, self.attn(h, rope, mask=mask) if cache is None else self.attn(h, rope, cache))
         if self.parallel_residual:  # GPT-NeoX: x + attn(norm1(x)) + mlp(norm2(x))
             return x + self.drop(a) + self.drop(self.ffn(self.mlp_norm(x)))
         x = x + self.drop(a)
@@ -214,9 +228,12 @@ class InitRule:
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, separator: int | None = None):
+        """`separator`: the token id that ends each document of packed inputs (data.document_mask):
+        attention stays within documents and positions restart at each; None: one sequence a window."""
         super().__init__()
         self.cfg = cfg
+        self.separator = separator
         self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos_emb: nn.Embedding | None = (
             nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.position == "learned" else None)
@@ -276,18 +293,29 @@ class Transformer(nn.Module):
         # token ids are embedded; hidden states (a later pipeline stage's input) go on as they are. A
         # last stage of a tied model holds the embedding too, for its weight (the head's) alone
         embed = self.tok_emb is not None and not tokens.is_floating_point()
+        mask = positions = None
+        if self.separator is not None and cache is None:  # packed documents (training, evaluation)
+            if tokens.is_floating_point():  # (config loading refuses pipeline stages with document masks)
+                raise ValueError("document masks are built from token ids; this model was given hidden states")
+            docs = document_ids(tokens, self.separator)
+            mask, positions = document_mask(docs), document_positions(docs)
         h = self.tok_emb(tokens) if embed else tokens  # (B, T, dim)
         if embed and self.cfg.embed_scale:  # Gemma: sqrt(dim), rounded to the activations' dtype as it does
             h = h * torch.tensor(self.cfg.dim ** 0.5, dtype=h.dtype)
         if self.pos_emb is not None and embed:
-            h = h + self.pos_emb(torch.arange(past, past + h.shape[1], device=h.device))
+            h = h + self.pos_emb(torch.arange(past, past + h.shape[1], device=h.device) if positions is None
+                                 else positions)
         if embed:
             h = self.drop(h)
-        rope = (self.rope_cos[past:], self.rope_sin[past:]) if self.cfg.position == "rope" else None
-        local = (self.rope_local_cos[past:], self.rope_local_sin[past:]) if self.cfg.rope_local_theta else rope
+        rope = _tables(getattr(self, "rope_cos", None), getattr(self, "rope_sin", None), past, positions)
+        local = _tables(getattr(self, "rope_local_cos", None), getattr(self, "rope_local_sin", None), past,
+                        positions) if self.cfg.rope_local_theta else rope
         for name, block in self.layers.items():
             r = local if self.cfg.is_local_block(int(name)) else rope
-            h = block(h, r) if cache is None else block(h, r, (cache, name))
+            if cache is not None:
+                h = block(h, r, (cache, name))
+            else:
+                h = block(h, r) if mask is None else block(h, r, mask=mask)
         if cache is not None:
             cache.advance(tokens.shape[1])
         if self.norm is not None:
@@ -297,6 +325,38 @@ class Transformer(nn.Module):
             if self.cfg.logit_softcap:  # Gemma 2
                 h = self.cfg.logit_softcap * torch.tanh(h / self.cfg.logit_softcap)
         return h
+
+
+def _tables(cos: torch.Tensor | None, sin: torch.Tensor | None, past: int,
+            positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rotary tables from position `past` on, or (B, T, rotary_dim/2) rows of each sequence's own
+    `positions`; None for a model without rotary positions."""
+    if cos is None:
+        return None
+    return (cos[past:], sin[past:]) if positions is None else (cos[positions], sin[positions])
+
+
+def document_ids(tokens: torch.Tensor, separator: int) -> torch.Tensor:
+    """(B, T) the document of each position of packed token ids: the separators before it (a
+    separator belongs to the document it ends), as torchtitan derives them from EOS tokens."""
+    ends = (tokens == separator).long()
+    return ends.cumsum(1) - ends
+
+
+def document_positions(docs: torch.Tensor) -> torch.Tensor:
+    """(B, T) each position's place within its document: 0 at the window's start and at each
+    document's first token."""
+    t = torch.arange(docs.shape[1], device=docs.device).expand_as(docs)
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    return t - torch.where(starts, t, 0).cummax(1).values
+
+
+def document_mask(docs: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) bool: query i sees key j when j <= i and both are in one document."""
+    T = docs.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=docs.device).tril()
+    return ((docs[:, :, None] == docs[:, None, :]) & causal)[:, None]
 
 
 def local_rope(cfg: ModelConfig) -> ModelConfig:

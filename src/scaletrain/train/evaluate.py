@@ -27,9 +27,11 @@ import torch.distributed as dist
 
 from scaletrain.config import JobConfig, from_dict, parse_mix
 from scaletrain.data.dataset import WindowDataset, open_data, open_validation
+from scaletrain.data.documents import document_separator
 from scaletrain.data.loader import rank_slices, validation_batches
 from scaletrain.data.mix import source_name
 from scaletrain.errors import ConfigError, DataError
+from scaletrain.model.transformer import Transformer
 from scaletrain.parallel import pipeline
 from scaletrain.parallel.tensor_parallel import whole
 from scaletrain.quant.ptq import is_quantized_folder, load_quantized, read_info
@@ -69,7 +71,8 @@ def validation_sets(cfg: JobConfig, global_batch: int) -> list[ValidationSet]:
             continue
         # a loss mask (chat data) counts the answers here as in training
         masked = cfg.data.loss_mask != "false" and data.mask is not None
-        dataset = WindowDataset(data, cfg.data.seq_len, loss_mask=masked)
+        separator = document_separator(data, data.source) if cfg.data.document_mask else None
+        dataset = WindowDataset(data, cfg.data.seq_len, loss_mask=masked, separator=separator)
         sets.append(ValidationSet(name, weight, dataset,
                                   validation_batches(len(dataset), global_batch, train.eval_batches, train.seed,
                                                      data.source)))
@@ -205,7 +208,12 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, batches: int 
         if tokens.vocab_size > cfg.model.vocab_size:
             raise DataError(f"{tokens.source}: the tokenizer has {tokens.vocab_size} tokens, more than the model's "
                             f"vocabulary of {cfg.model.vocab_size}: this data was prepared for another model")
-        dataset = WindowDataset(tokens, seq_len, loss_mask=tokens.mask is not None)  # chat data: the answers
+        # chat data: the answers; packed documents (data.document_mask) attend within themselves, as in training
+        separator = document_separator(tokens, tokens.source) if cfg.data.document_mask else None
+        for m in model.modules():
+            if isinstance(m, Transformer):
+                m.separator = separator
+        dataset = WindowDataset(tokens, seq_len, loss_mask=tokens.mask is not None, separator=separator)
         wanted = batches
         if batches is None:  # the run's number, where this data holds that many
             wanted, held = cfg.train.eval_batches, len(dataset) // global_batch

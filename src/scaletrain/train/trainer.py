@@ -150,7 +150,7 @@ class Trainer:
         if self.custom_model is not None:
             return parallelize_module(self.custom_model, cfg, self.rt, self.precision)
         with torch.device("meta"):
-            model = Transformer(cfg.model)
+            model = Transformer(cfg.model, separator=self.dataset.separator)  # data.document_mask's, or None
         weights = None  # a new run from existing weights (a resumed one takes the checkpoint's, but a frozen base)
         if cfg.model.init_from and (resume_from is None or cfg.adapter.kind != "none"):
             from scaletrain.data.tokenizer import check_same_tokenizer

@@ -1,0 +1,171 @@
+"""Real SIGKILLs at chosen steps and phases of a fault-tolerant job's replica groups: the injector of
+tests/test_fault_tolerance.py and benchmarks/ft_soak.py, given to every rank by
+`scaletrain ft-local --rank-hook ft_faults:inject` (this folder on the ranks' PYTHONPATH).
+
+The plan is a JSON file beside the groups' run folders, <log.run_dir of ft-local>/faults.json, written
+before the launch:
+
+    {"kills": [{"group": 1, "step": 3, "phase": "forward"}, {"group": 1, "phase": "heal"}, ...],
+     "record": true}
+
+Each kill fires once in the whole job, restarts included: rank `rank` (default 0) of group `group`
+SIGKILLs itself at the first `phase` it reaches at a step >= `step` (default 0) and <= `until` (if given:
+past it the kill is dropped; a group killed after the others finished would wait for a quorum that
+never forms). Just before, it writes
+<log.run_dir>/fired/<index>.json ({"group", "rank", "phase", "step", "time"}), which the test reads. The
+phases, and the step each one counts as:
+
+    forward    in the model's forward of a training step (its first micro-batch); the step being taken
+    allreduce  in the groups' gradient all-reduce: the collective issued, never waited for; the step
+    optimizer  in the optimizer step (the group voted its commit; the weights are not updated yet); the step
+    save       inside a checkpoint save (the tensors written in its partial folder, nothing else yet);
+               the checkpoint's step
+    heal       while healing from a live peer (the peer's weights, optimizer state and step taken, what
+               the model computes with not refreshed yet); the step healed to
+
+"record": each group's rank 0 also writes its state (weights, optimizer state, step, skipped steps)
+before each step it takes, to <run>/group<r>/states/<step>.pt (a heal or a restart overwrites the step
+it went back to), and at the end to <run>/group<r>/states/final.pt: what the tests compare bit for bit.
+"journal": each group's rank 0 appends a line per step it took to <run>/group<r>/journal.jsonl (kept
+across its restarts, unlike metrics.jsonl): {"step", "skipped", "groups" (in its quorum), "healed" (heals
+of this process so far), "pid", "time"}, what benchmarks/ft_soak.py reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+PHASES = ("forward", "allreduce", "optimizer", "save", "heal")
+
+
+def write_plan(run_dir: Path, kills: list[dict], *, record: bool = False, journal: bool = False) -> Path:
+    """The plan for a job whose ft-local log.run_dir is `run_dir` (created); returns its path."""
+    for k in kills:
+        assert k["phase"] in PHASES, k
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "faults.json"
+    path.write_text(json.dumps({"kills": kills, "record": record, "journal": journal}))
+    return path
+
+
+def fired(run_dir: Path) -> dict[int, dict]:
+    """The kills that fired so far: {index in the plan: what its marker says}."""
+    folder = run_dir / "fired"
+    return {int(p.stem): json.loads(p.read_text()) for p in folder.glob("*.json")} if folder.is_dir() else {}
+
+
+def inject(trainer) -> None:
+    """The rank hook: arm this rank's kills of the plan (those not fired yet), and the recording."""
+    from scaletrain.parallel.fault_tolerance import ReplicaGroups
+
+    job_dir = Path(trainer.run_dir).parent
+    plan = json.loads((job_dir / "faults.json").read_text())
+    group, rank = trainer.cfg.parallel.ft_replica_id, trainer.rank
+    done = fired(job_dir)
+    mine = [(i, k) for i, k in enumerate(plan["kills"])
+            if i not in done and k["group"] == group and k.get("rank", 0) == rank]
+
+    def due(phase: str, step: int) -> None:
+        for i, k in mine:
+            if k["phase"] == phase and k.get("step", 0) <= step <= k.get("until", step):
+                marker = job_dir / "fired" / f"{i}.json"
+                marker.parent.mkdir(exist_ok=True)
+                tmp = marker.with_suffix(".tmp")
+                tmp.write_text(json.dumps({"group": group, "rank": rank, "phase": phase, "step": step,
+                                           "time": time.time()}))
+                os.replace(tmp, marker)  # whole, before the kill: the test reads it
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    state = trainer.state
+    ft = trainer.hooks.find(ReplicaGroups)
+    assert ft is not None, "the fault injector needs parallel.fault_tolerance"
+
+    training = [False]  # the model's forward inside a training step, not an evaluation's
+
+    def forward_backward(batches, real=trainer.forward_backward):
+        training[0] = True
+        try:
+            return real(batches)
+        finally:
+            training[0] = False
+
+    def in_forward(module, args):
+        if training[0]:
+            due("forward", state.step + 1)
+
+    trainer.forward_backward = forward_backward
+    trainer.model.register_forward_pre_hook(in_forward)
+
+    def allreduce(tensor, *args, real=ft.manager.allreduce, **kwargs):
+        work = real(tensor, *args, **kwargs)  # issued to the other groups; this rank dies before waiting
+        due("allreduce", state.step + 1)
+        return work
+
+    ft.manager.allreduce = allreduce
+
+    def optimizer_step(*args, real=trainer.optimizer.step, **kwargs):
+        due("optimizer", state.step + 1)
+        return real(*args, **kwargs)
+
+    trainer.optimizer.step = optimizer_step
+
+    from scaletrain.train import checkpoint as ckpt
+
+    def rng_state(real=ckpt.rng_state):  # a save calls it once its tensors are in the partial folder
+        due("save", state.step)
+        return real()
+
+    ckpt.rng_state = rng_state  # this process's module: its saves only
+
+    def refresh(real=ft.refresh):  # the last part of taking a peer's state
+        due("heal", state.step)
+        return real()
+
+    ft.refresh = refresh
+    if plan.get("record") and rank == 0:
+        _record_states(trainer)
+    if plan.get("journal") and rank == 0:
+        _journal(trainer, ft)
+
+
+def _journal(trainer, ft) -> None:
+    path = Path(trainer.run_dir) / "journal.jsonl"
+
+    def train_step(batches, real=trainer.train_step):
+        out = real(batches)
+        with path.open("a") as f:  # one short line per write: whole even when this process dies next
+            f.write(json.dumps({"step": trainer.state.step + 1, "skipped": bool(out[2]), "groups": ft.participants,
+                                "healed": ft.healed, "pid": os.getpid(), "time": time.time()}) + "\n")
+        return out
+
+    trainer.train_step = train_step
+
+
+def _record_states(trainer) -> None:
+    folder = Path(trainer.run_dir) / "states"
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def write(name: str) -> None:
+        state = {"step": trainer.state.step, "skipped_steps": trainer.state.skipped_steps,
+                 "params": {n: p.detach().clone() for n, p in trainer.optim_params},
+                 "optim": trainer.optimizer.state_dict()}
+        torch.save(state, folder / f".{name}.tmp")
+        os.replace(folder / f".{name}.tmp", folder / f"{name}.pt")
+
+    def begin_step(loss_factor, real=trainer.hooks.begin_step):
+        real(loss_factor)  # the quorum joined: a group behind has healed by now
+        write(f"{trainer.state.step:04d}")
+
+    def fit(real=trainer.fit):
+        result = real()
+        write("final")
+        return result
+
+    trainer.hooks.begin_step = begin_step
+    trainer.fit = fit
