@@ -118,6 +118,25 @@ def run_group(nproc: int, jobs: list[dict], tmp_path: Path, timeout: float = 600
     return code, results, err
 
 
+@pytest.fixture(scope="module")
+def forked_launches():
+    """For a module whose tests measure through scaletrain.launch.ranks.run_on_ranks (the
+    planner's measured runs, the calibration): the launcher's ranks forked instead
+    (tests/forked_ranks.py), the ranks' stderr passed on when they fail. The launcher itself is
+    tested where it is what the test is about."""
+    from forked_ranks import run_forked
+
+    def launch(task, worker_args, *, nproc, **_):
+        code, err = run_forked(task, list(worker_args), nproc)
+        if code:
+            sys.stderr.write(err)
+        return code
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("scaletrain.launch.launcher.launch", launch)
+        yield
+
+
 def launch_here(task: str, args: list[str], nproc: int, timeout: float = 600) -> tuple[int, str]:
     """scaletrain's launcher called from this process (torch is imported already: no extra
     interpreter start-up per group), its stderr and its ranks' captured; returns (exit code,
