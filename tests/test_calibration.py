@@ -17,6 +17,8 @@ from scaletrain.plan.calibrate import Calibration, probes_for
 
 from conftest import run_here
 
+pytestmark = pytest.mark.usefixtures("forked_launches")
+
 CPU = Hardware("CPU", 24, {"fp32": 0.1, "tf32": 0.1, "bf16": 0.1, "fp16": 0.1}, 20, 5, 1)
 TINY = {"model.dim": 64, "model.n_layers": 2, "model.n_heads": 2, "data.seq_len": 32, "model.max_seq_len": 32,
         "train.global_batch": 4, "train.device": "cpu"}

@@ -19,7 +19,7 @@ from scaletrain.config import load_config
 from scaletrain.measure import LiveMemory, measure_layouts, planned, predicted_components
 from scaletrain.vocab import CP_METHODS
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("forked_launches")]
 
 _spec = importlib.util.spec_from_file_location("planner_bench", Path(__file__).parents[1] / "benchmarks" / "planner.py")
 bench = importlib.util.module_from_spec(_spec)

@@ -22,7 +22,7 @@ from scaletrain.measure import measure_layouts
 from scaletrain.plan import plan
 from test_planner_accuracy import assert_memory_matches
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("forked_launches")]
 
 _spec = importlib.util.spec_from_file_location("planner_bench", Path(__file__).parents[1] / "benchmarks" / "planner.py")
 bench = importlib.util.module_from_spec(_spec)

@@ -1,0 +1,90 @@
+"""A group's ranks forked from a process that has imported torch and scaletrain already (tests only).
+
+Starting a rank the launcher's way (a fresh `python -m scaletrain.launch.worker`) costs it about
+5 s of CPU before its first step, importing torch, DTensor and the trainer; the suite starts
+hundreds of ranks on 2 cores. Here one fork server per test process (multiprocessing's
+"forkserver", single-threaded, so forking it is safe) imports them once, and each rank is a fork
+of it that joins the group from the environment torchrun would have given it and runs the task as
+`python -m scaletrain.launch.worker TASK ARGS` does (scaletrain.launch.worker.main): the same
+exit codes, failure reports and exit without teardown. What the launcher itself does (restarts,
+signals, the one-line summary of a failed job) is tested through the launcher, by the tests that
+start it (conftest.launch_here, the CLI).
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import signal
+import socket
+import tempfile
+import time
+
+
+@functools.cache
+def _server():
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["dist_worker"])  # torch, DTensor, the trainer: imported once
+    return ctx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, error_dir: str, stderr_path: str, env: dict, cwd: str, task: str,
+          args: list[str]) -> None:
+    os.chdir(cwd)  # the test's, now: the server was forked from the first test that started ranks
+    os.environ.clear()
+    os.environ.update({**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                       "TORCHELASTIC_ERROR_FILE": os.path.join(error_dir, f"error_{rank}.json")})
+    fd = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 2)
+    os.close(fd)
+    from scaletrain.launch import worker
+
+    worker.main([task, *args])  # leaves by os._exit with the task's code
+
+
+def run_forked(task: str, args: list[str], nproc: int, timeout: float = 600) -> tuple[int, str]:
+    """Run `task` (MODULE:FUNCTION) with `args` on `nproc` forked ranks; returns (exit code, the
+    ranks' stderr). The first rank to fail stops the others (SIGTERM, then SIGKILL), as the
+    launcher does; its code is the group's. Past `timeout` every rank is stopped: 143."""
+    ctx = _server()
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="scaletrain-forked-") as tmp:
+        err_path = os.path.join(tmp, "stderr")
+        open(err_path, "w").close()
+        procs = [ctx.Process(target=_rank, args=(r, nproc, port, tmp, err_path, dict(os.environ), os.getcwd(), task,
+                                                 list(args))) for r in range(nproc)]
+        for p in procs:
+            p.start()
+        deadline, code = time.monotonic() + timeout, 0
+        while any(p.exitcode is None for p in procs):
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                code = failed[0] if failed else 143
+                _stop(procs)
+                break
+            for p in procs:
+                p.join(0.05)
+        if not code:
+            code = next((p.exitcode for p in procs if p.exitcode), 0)
+        with open(err_path) as f:
+            return (code if code >= 0 else 128 - code), f.read()
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.exitcode is None:
+            p.terminate()
+    for p in procs:
+        p.join(30)
+        if p.exitcode is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.join()
