@@ -1,7 +1,8 @@
 """Run several training configs inside one group of real processes (tests only).
 
-    Tests call `run_group(nproc, jobs)`, which starts `python -m scaletrain.launch.worker
-    dist_worker:main SPEC` on nproc ranks through scaletrain's launcher (tests/ on PYTHONPATH).
+    Tests call `run_group(nproc, jobs)`, which runs `scaletrain.launch.worker dist_worker:main SPEC`
+    on nproc ranks forked from a process that has imported this module (tests/forked_ranks.py), or
+    through scaletrain's launcher when a job injects a fault.
 
 SPEC is a JSON file: {"jobs": [{"overrides": {...}, "expect_fail": false, "fault": null}, ...],
 "out": "results.json"}. Rank 0 writes, per job, the logged history (every logged step's loss
