@@ -471,7 +471,7 @@ MUTANTS = [
            "the whole global batch's", "src/scaletrain/data/dataset.py",
            "self.counted_tokens(sampler(step).global_batch_indices(step))",
            "self.counted_tokens(np.concatenate(sampler(step).rank_micro_batches(step))) * sampler(step).dp_size",
-           (f"{CH}::test_masked_loss_matches_one_process_under_zero1_and_accumulation",)),
+           (f"{CH}::test_masked_loss_matches_one_process_on_every_layout",)),
     Mutant("chat-label-counted", "the plain format counts the \"Assistant: \" label with the answer",
            "src/scaletrain/data/chat.py",
            "            text += f\"{m['role'].capitalize()}: \"\n            start = len(text)\n",

@@ -189,11 +189,15 @@ def test_first_step_loss_is_the_mean_over_the_assistants_tokens_and_the_prompt_g
 
 STEPS = 3
 LAYOUTS = {"zero1": ({"parallel.zero": 1}, {}),  # (overrides of the 2-rank run, of its one-process reference)
-           "zero1-accum": ({"parallel.zero": 1, "train.micro_batch": 2}, {"train.micro_batch": 4})}
+           "zero1-accum": ({"parallel.zero": 1, "train.micro_batch": 2}, {"train.micro_batch": 4}),
+           # the other layouts see the whole batch on each rank: the counts come from the data alike
+           "tp2-sp": ({"parallel.tp": 2, "parallel.sp": True}, {}),
+           "pp2-1f1b": ({"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2}, {}),
+           "cp2-ring": ({"parallel.cp": 2, "parallel.cp_method": "ring"}, {})}
 
 
 @pytest.mark.multiproc
-def test_masked_loss_matches_one_process_under_zero1_and_accumulation(plain, tmp_path):
+def test_masked_loss_matches_one_process_on_every_layout(plain, tmp_path):
     _, folder = plain
     base = {"data.path": str(folder), "train.steps": STEPS}
     # the ranks count unequally at every step: the normalisation must be the global batch's
