@@ -174,6 +174,10 @@ class OuterSync:
     @torch.no_grad()
     def _apply(self, sync: _InFlight) -> None:
         average, offset = sync.result(), 0
+        if average is None:  # the sync was not committed (a replica group failed in it): the window is discarded,
+            for p in self._members(sync.fragment):  # the weights back to the last synced ones, no outer step
+                p.local.copy_(p.outer.to(p.local.device, non_blocking=True))
+            return
         for p in self._members(sync.fragment):
             n = p.local.numel()
             delta = average[offset:offset + n].view(p.local.shape).to(p.outer.device, non_blocking=True)
@@ -263,7 +267,7 @@ class LocalSGD(StepHook):
         """The hook of a run whose layout syncs the workers every few steps (None otherwise), over
         `named_params` (what the inner optimizer steps). The workers average over `mesh`'s
         dp_replicate axis, or through `comm` (verify's simulated workers)."""
-        if not layout.local_sync:
+        if not layout.local_sync or layout.fault_tolerance:  # (replica groups: fault_tolerance.ReplicaGroupsOuter)
             return None
         # (the config's model was checked with its layout; a custom module's blocks are counted here)
         if problems := layout.fragment_errors(n_blocks, of_config=False):
