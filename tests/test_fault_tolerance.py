@@ -44,6 +44,20 @@ def test_bad_fault_tolerance_options_are_one_line_each(options, fragments):
         assert f in e.value.lines[0], e.value.lines[0]
 
 
+def test_diloco_across_groups_is_accepted_whole_and_refused_streamed_in_one_line():
+    """dp_sync with dp_replicate = 1 makes the groups the workers (no refusal); streamed, delayed or
+    compressed syncs across groups are one line naming the options."""
+    from scaletrain.layout import Layout
+
+    cfg = load_config(None, {**FT, "parallel.dp_sync": "diloco", "parallel.sync_every": 10})
+    assert Layout.from_config(cfg, 1).errors() == []
+    cfg = cfg.replace(**{"parallel.sync_fragments": 2, "parallel.sync_dtype": "int8"})
+    assert Layout.from_config(cfg, 1).errors() == [
+        "parallel.fault_tolerance syncs the replica groups' diloco whole, in fp32, with no delay: "
+        "parallel.sync_fragments=2, parallel.sync_dtype=int8 across groups is not supported yet; leave "
+        "sync_fragments at 1, sync_delay at 0 and sync_dtype at fp32"]
+
+
 def test_an_unreachable_lighthouse_and_a_missing_torchft_are_one_line_exit_2(tmp_path, monkeypatch):
     import socket
 

@@ -209,9 +209,8 @@ class ParallelConfig:
     outer_lr: float = option(0.7, "diloco: the outer learning rate (local_sgd is an outer lr of 1)", min=0.0)
     outer_momentum: float = option(0.9, "diloco: the outer momentum; 0 = none (local_sgd has none)", min=0.0, max=1.0,
                                    open_max=True)
-    inner_lr_scale: float = option(1.0, "local_sgd, diloco: each worker's inner learning rate is the schedule's "
-                                        "(optim.lr, set for the global batch) times this; 0 = the square-root rule "
-                                        "for a worker's share of the batch, sqrt(1 / dp_replicate)", min=0.0)
+    inner_lr_scale: float = option(1.0, "local_sgd, diloco: the workers' inner lr is the schedule's (for the global "
+                                        "batch) times this; 0 = sqrt(1 / dp_replicate), the square-root rule", min=0.0)
     outer_on_cpu: bool = option(False, "local_sgd, diloco: keep the outer weights and momentum in host memory "
                                        "(4-8 bytes per parameter off the device)")
     fault_tolerance: bool = option(False, "this run is one replica group of a fault-tolerant job (torchft): the "
@@ -661,15 +660,7 @@ def fault_tolerance_problems(par: ParallelConfig) -> list[str]:
         errors.append(f"parallel.fault_tolerance does not protect {', '.join(unprotected)} yet: inside a replica "
                       "group it takes DDP or ZeRO-1/2 over dp_shard ranks, and the groups themselves are the "
                       "replicas (leave dp_replicate at 1, dp_sync=step)")
-    # local SGD / DiLoCo with dp_replicate = 1: the groups are the workers (fault_tolerance.ReplicaGroupsOuter)
-    streamed = [f"parallel.{name}={value}" for name, value, ok in (
-        ("sync_fragments", par.sync_fragments, 1), ("sync_delay", par.sync_delay, 0),
-        ("sync_dtype", par.sync_dtype, "fp32")) if value != ok]
-    if par.dp_sync != "step" and par.dp_replicate == 1 and streamed:
-        errors.append(f"parallel.fault_tolerance syncs the groups' {par.dp_sync} whole, in fp32, with no delay: "
-                      f"{', '.join(streamed)} across replica groups is not supported yet; leave sync_fragments at "
-                      "1, sync_delay at 0 and sync_dtype at fp32")
-    return errors
+    return errors  # (local SGD / DiLoCo with dp_replicate = 1: the groups are the workers; Layout.errors)
 
 
 def adapter_problems(a: AdapterConfig) -> list[str]:

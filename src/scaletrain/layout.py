@@ -244,6 +244,12 @@ class Layout:
             e.append(f"parallel.dp_sync={self.dp_sync} syncs the workers, which are the dp_replicate groups, every "
                      f"sync_every steps; with parallel.dp_replicate=1 there is one worker; set parallel.dp_replicate "
                      f"to the number of workers (2 or more), or dp_sync=step")
+        streamed = [f"parallel.{k}={v}" for k, v, ok in (("sync_fragments", self.sync_fragments, 1),
+                    ("sync_delay", self.sync_delay, 0), ("sync_dtype", self.sync_dtype, "fp32")) if v != ok]
+        if self.fault_tolerance and self.local_sync and streamed:  # the groups are the workers (ReplicaGroupsOuter)
+            e.append(f"parallel.fault_tolerance syncs the replica groups' {self.dp_sync} whole, in fp32, with no "
+                     f"delay: {', '.join(streamed)} across groups is not supported yet; leave sync_fragments at 1, "
+                     "sync_delay at 0 and sync_dtype at fp32")
         if self.batch_rampup:
             e += self._rampup_errors()
         if self.ep > 1:
