@@ -253,7 +253,9 @@ def test_the_lighthouse_command_prints_its_address_and_stops_on_sigterm():
 
 H = 8  # inner steps per window; group 1 is killed inside the second window (steps 9-16)
 D_STEPS, D_KILL_AFTER = 24, 10
-DILOCO = ["--parallel.dp_sync=diloco", f"--parallel.sync_every={H}", "--parallel.ft_step_timeout_s=20"]
+# validation after every window: the weights the sync leaves (or the discard takes back)
+DILOCO = ["--parallel.dp_sync=diloco", f"--parallel.sync_every={H}", "--parallel.ft_step_timeout_s=20",
+          f"--train.eval_every={H}"]
 
 
 @pytest.fixture(scope="module")
@@ -305,6 +307,8 @@ def test_diloco_across_groups_matches_its_simulation_and_discards_a_window_a_gro
         assert abs(math.hypot(a["grad_norm"], b["grad_norm"]) / math.sqrt(2) - r["grad_norm"]) < 1e-5 * r["grad_norm"]
     assert "replica group 0 discards the sync window of steps 9-16: not committed" in err, err[-3000:]
     assert [r["step"] for r in g0] == list(range(1, D_STEPS + 1))  # it went on
+    val = {r["step"]: r["val_loss"] for r in g0 if "val_loss" in r}
+    assert val[H] == val[2 * H] != val[3 * H]  # after the discard: the weights of the sync after step 8, exactly
     assert g0[-1]["ft_uncommitted"] == 1 and g0[2 * H - 2]["ft_uncommitted"] == 0
     assert err.count("restart 1 of at most") == 1, err[-3000:]
     healed = [r for r in g1 if r.get("ft_healed")]
