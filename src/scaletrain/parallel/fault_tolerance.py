@@ -14,6 +14,10 @@ through this module's `ReplicaGroups` step hook:
     agree_to_skip     the commit vote: a step whose all-reduce failed (a group died in it) is not
                       committed, and the optimizer does not step in any group that saw the failure
 
+With parallel.dp_sync = local_sgd | diloco (dp_replicate = 1) the groups are the workers of local SGD
+/ DiLoCo instead: `ReplicaGroupsOuter` joins a quorum per window of sync_every steps, averages the
+pseudo-gradient over it at the window's end and discards a window the vote does not commit.
+
 Batch and learning rate: each group reads its own share of every step's windows (group r of R
 reads what data-parallel rank r of a run with dp_replicate=R reads), so train.global_batch is one
 group's batch, and the job's batch is (groups alive) × train.global_batch: it shrinks while a group

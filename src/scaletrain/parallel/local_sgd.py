@@ -11,7 +11,11 @@ averaged over the workers, and
     diloco:     θ_outer ← an outer optimizer step on mean Δ: SGD with Nesterov momentum,
                 lr 0.7, momentum 0.9 (Douillard et al. 2023), or heavy-ball momentum
 
-after which every worker continues from θ_outer. Each worker keeps its inner optimizer state.
+after which every worker continues from θ_outer. Each worker keeps its inner optimizer state, and
+takes its inner steps at the schedule's learning rate times parallel.inner_lr_scale (0: the
+square-root rule for its 1/R of the batch; scaletrain.schedule.worker_lr_scale). Across the replica
+groups of a fault-tolerant job the groups are the workers: fault_tolerance.ReplicaGroupsOuter drives
+an OuterSync whose average is torchft's, and a sync not committed there is discarded (`_apply`).
 
 Streaming (Douillard et al. 2025): `parallel.sync_fragments` = F splits the blocks into F
 contiguous fragments (parameters before the first block, the embedding, go with the first;
