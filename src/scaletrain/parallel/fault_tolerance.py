@@ -271,7 +271,7 @@ class ReplicaGroupsOuter(ReplicaGroups):
     def set_outer(self, par) -> None:
         from scaletrain.parallel.local_sgd import OuterSync
 
-        # one fragment, no delay, fp32 (config.fault_tolerance_problems): the whole model in one vote per window
+        # one fragment, no delay, fp32 (Layout.errors refuses the rest): the whole model in one vote per window
         self.outer = OuterSync(self.named, mode=par.dp_sync, sync_every=par.sync_every, fragments=1, delay=0,
                                n_blocks=1, comm=_GroupsAverage(self), outer_optimizer=par.outer_optimizer,
                                outer_lr=par.outer_lr, outer_momentum=par.outer_momentum, on_cpu=par.outer_on_cpu)
