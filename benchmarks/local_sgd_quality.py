@@ -4,7 +4,9 @@ The demo model (configs/tiny.toml) on N workers of one rank each (`parallel.dp_r
 every run on the same tokens (the same global batch, steps, seed, data order and inner
 optimizer): DDP (gradients every step), local SGD (weights averaged every H steps) and DiLoCo
 (outer Nesterov SGD, lr 0.7, momentum 0.9) at each H, with fp32 and int8 pseudo-gradients,
-whole or streamed (F fragments, each all-reduced in the background for τ steps). The
+whole or streamed (F fragments, each all-reduced in the background for τ steps), their workers'
+inner learning rate scaled by each --inner-lr-scale (parallel.inner_lr_scale; 0 = the
+square-root rule for a worker's quarter of the batch: half DDP's lr). The
 validation loss is measured at the end on the demo's held-out text (every worker on its share
 of the validation windows with its own weights: after a sync of every fragment they are the same).
 As in the DiLoCo paper (whose workers start from a model pretrained synchronously for 24k of
@@ -14,7 +16,7 @@ each row is printed as it finishes and appended to OUT/rows.jsonl (`--out-dir OU
 invocation with the same --out-dir runs only the rows not there yet.
 
     python benchmarks/local_sgd_quality.py [--nproc 4] [--pretrain-steps 100] [--steps 200]
-        [--sync-every 10 50 100] [--out-dir DIR]
+        [--sync-every 10 50 100] [--inner-lr-scale 0 1] [--only NAME ...] [--out-dir DIR]
         [--section.key=value ...]
 """
 
@@ -31,17 +33,26 @@ import time
 from pathlib import Path
 
 
-def rows(sync_every: list[int], fragments: int, delay: int) -> list[tuple[str, dict]]:
+def rows(sync_every: list[int], fragments: int, delay: int, workers: int = 4, lr_scales: tuple[float, ...] = (0.0,),
+         only: list[str] | None = None) -> list[tuple[str, dict]]:
+    """The rows, DDP first: local SGD and DiLoCo at each H and inner lr scale (parallel.inner_lr_scale;
+    0 = the square-root rule, 1/sqrt(workers)), named with the factor unless it is 1; `only`: those
+    names (and DDP)."""
     out = [("DDP", {"parallel.dp_sync": "step"})]
-    for h in sync_every:
-        out.append((f"local_sgd H{h}", {"parallel.dp_sync": "local_sgd", "parallel.sync_every": h}))
-    streamed = {"parallel.sync_fragments": fragments, "parallel.sync_delay": delay}
-    for h in sync_every:
-        for dtype in ("fp32", "int8"):
-            for name, extra in (("", {}), (f" F{fragments} d{delay}", streamed)):
-                out.append((f"diloco H{h} {dtype}{name}", {"parallel.dp_sync": "diloco", "parallel.sync_every": h,
-                                                           "parallel.sync_dtype": dtype, **extra}))
-    return out
+    for scale in lr_scales:
+        factor = scale or workers ** -0.5
+        lr = {"parallel.inner_lr_scale": scale}
+        tag = "" if factor == 1 else f" lr x{factor:.3g}"
+        for h in sync_every:
+            out.append((f"local_sgd H{h}{tag}", {"parallel.dp_sync": "local_sgd", "parallel.sync_every": h, **lr}))
+        streamed = {"parallel.sync_fragments": fragments, "parallel.sync_delay": delay}
+        for h in sync_every:
+            for dtype in ("fp32", "int8"):
+                for name, extra in (("", {}), (f" F{fragments} d{delay}", streamed)):
+                    out.append((f"diloco H{h} {dtype}{name}{tag}", {
+                        "parallel.dp_sync": "diloco", "parallel.sync_every": h, "parallel.sync_dtype": dtype,
+                        **extra, **lr}))
+    return [r for r in out if not only or r[0] == "DDP" or r[0] in only]
 
 
 def rank_main(spec_path: str, out_path: str) -> int:
@@ -59,7 +70,7 @@ def rank_main(spec_path: str, out_path: str) -> int:
     out = Path(args.out)
     done = {json.loads(line)["name"] for line in out.read_text().splitlines()} if out.exists() else set()
     start = out.parent / "pretrained.safetensors"
-    todo = rows(args.sync_every, args.fragments, args.delay)
+    todo = rows(args.sync_every, args.fragments, args.delay, args.nproc, args.inner_lr_scale, args.only)
     if args.pretrain_steps:
         if not start.exists():
             todo.insert(0, ("pretrain", {"parallel.dp_sync": "step", "checkpoint.save_final": "true"}))
@@ -114,6 +125,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sync-every", type=int, nargs="+", default=[10, 50, 100])
     ap.add_argument("--fragments", type=int, default=4, help="fragments of the streamed rows")
     ap.add_argument("--delay", type=int, default=2, help="sync_delay of the streamed rows")
+    ap.add_argument("--inner-lr-scale", type=float, nargs="+", default=[0.0],
+                    help="the workers' parallel.inner_lr_scale, a row of each (0: the square-root rule, "
+                         "1/sqrt(workers); 1: DDP's lr)")
+    ap.add_argument("--only", nargs="+", help="run only the rows of these names (and DDP)")
     ap.add_argument("--out-dir", help="where the runs and rows.jsonl go (default: a new temporary folder); rows "
                                        "already in its rows.jsonl are not run again")
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -129,7 +144,8 @@ def main(argv=None) -> None:
     out = folder / "rows.jsonl"
     forwarded = [f"--config={args.config}", f"--nproc={args.nproc}", f"--steps={args.steps}",
                  f"--pretrain-steps={args.pretrain_steps}", f"--fragments={args.fragments}", f"--delay={args.delay}",
-                 f"--out={out}",
+                 f"--out={out}", "--inner-lr-scale", *map(str, args.inner_lr_scale),
+                 *(["--only", *args.only] if args.only else []),
                  "--sync-every", *map(str, args.sync_every), *extra]
     run_on_ranks("local_sgd_quality:rank_main", {"argv": forwarded}, args.nproc,
                  pythonpath=(str(Path(__file__).resolve().parent),))
@@ -138,9 +154,9 @@ def main(argv=None) -> None:
     start = (f"from {args.pretrain_steps} steps of DDP, then " if args.pretrain_steps else "")
     print(f"config {args.config}, {args.nproc} workers of 1 rank, {start}{args.steps} steps, "
           "the same tokens in every row")
-    print(f"{'run':<26}{'val loss':>10}{'vs DDP':>9}{'train loss':>12}{'time':>8}")
+    print(f"{'run':<34}{'val loss':>10}{'vs DDP':>9}{'train loss':>12}{'time':>8}")
     for r in results:
-        print(f"{r['name']:<26}{r['val_loss']:>10.4f}{100 * (r['val_loss'] / ddp - 1):>+8.1f}%{r['loss']:>12.4f}"
+        print(f"{r['name']:<34}{r['val_loss']:>10.4f}{100 * (r['val_loss'] / ddp - 1):>+8.1f}%{r['loss']:>12.4f}"
               f"{r['seconds']:>7.0f}s")
 
 

@@ -521,6 +521,26 @@ MUTANTS = [
            "counted in the loss", "src/scaletrain/data/dataset.py",
            "counted &= inputs != self.separator", "counted &= inputs != -1",
            (f"{DM}::test_the_target_after_a_separator_is_not_counted",)),
+    Mutant("ft-diloco-keeps-a-discarded-window", "a DiLoCo sync the replica groups did not commit leaves each "
+           "group's own weights instead of taking it back to the last sync", "src/scaletrain/parallel/local_sgd.py",
+           "                p.local.copy_(p.outer.to(p.local.device, non_blocking=True))\n            return\n",
+           "                pass\n            return\n",
+           (f"{FT}::test_diloco_across_groups_matches_its_simulation_and_discards_a_window_a_group_died_in",)),
+    Mutant("ft-diloco-commits-without-the-vote", "a DiLoCo sync across replica groups is applied without torchft's "
+           "commit vote (a window a group died in takes an outer step)", "src/scaletrain/parallel/fault_tolerance.py",
+           "        if hook.manager.should_commit():\n", "        if hook.manager.should_commit() or True:\n",
+           (f"{FT}::test_diloco_across_groups_matches_its_simulation_and_discards_a_window_a_group_died_in",)),
+    # the workers' inner learning rate (parallel.inner_lr_scale; schedule.worker_lr_scale)
+    Mutant("inner-lr-rule-unscaled", "parallel.inner_lr_scale=0 (the square-root rule) leaves the workers at "
+           "optim.lr", "src/scaletrain/schedule.py",
+           "return par.inner_lr_scale or 1.0 / math.sqrt(par.dp_replicate)", "return par.inner_lr_scale or 1.0",
+           ("tests/test_local_sgd.py::test_the_workers_inner_lr_follows_parallel_inner_lr_scale",
+            "tests/test_local_sgd.py::test_the_workers_optimizer_steps_at_the_scaled_lr_as_in_their_simulation")),
+    Mutant("inner-lr-simulation-unscaled", "verify's one-process simulation of the workers steps them at optim.lr, "
+           "not at the scaled inner lr", "src/scaletrain/verify.py",
+           "schedule = TrainSchedule.for_job(cfg, BatchSchedule(g, cfg.data.seq_len, g), total_steps)",
+           "schedule = TrainSchedule(cfg.optim, BatchSchedule(g, cfg.data.seq_len, g), total_steps)",
+           ("tests/test_local_sgd.py::test_the_workers_optimizer_steps_at_the_scaled_lr_as_in_their_simulation",)),
 ]
 
 

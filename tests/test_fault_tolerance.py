@@ -46,6 +46,20 @@ def test_bad_fault_tolerance_options_are_one_line_each(options, fragments):
         assert f in e.value.lines[0], e.value.lines[0]
 
 
+def test_diloco_across_groups_is_accepted_whole_and_refused_streamed_in_one_line():
+    """dp_sync with dp_replicate = 1 makes the groups the workers (no refusal); streamed, delayed or
+    compressed syncs across groups are one line naming the options."""
+    from scaletrain.layout import Layout
+
+    cfg = load_config(None, {**FT, "parallel.dp_sync": "diloco", "parallel.sync_every": 10})
+    assert Layout.from_config(cfg, 1).errors() == []
+    cfg = cfg.replace(**{"parallel.sync_fragments": 2, "parallel.sync_dtype": "int8"})
+    assert Layout.from_config(cfg, 1).errors() == [
+        "parallel.fault_tolerance syncs the replica groups' diloco whole, in fp32, with no delay: "
+        "parallel.sync_fragments=2, parallel.sync_dtype=int8 across groups is not supported yet; leave "
+        "sync_fragments at 1, sync_delay at 0 and sync_dtype at fp32"]
+
+
 def test_an_unreachable_lighthouse_and_a_missing_torchft_are_one_line_exit_2(tmp_path, monkeypatch):
     import socket
 
@@ -396,3 +410,72 @@ def test_checkpoints_written_around_kills_are_whole_and_the_killed_save_left_non
     assert latest_checkpoint(folder).name == f"step_{PHASE_STEPS:08d}"
     assert not [p.name for p in folder.iterdir() if p.name.startswith(".step_")]
     assert not (run / "group1" / "checkpoints").exists() and not (run / "group2" / "checkpoints").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# DiLoCo across the groups: each group a worker, the pseudo-gradient averaged over the live groups
+
+
+H = 8  # inner steps per window; group 1 is killed inside the second window (steps 9-16)
+D_STEPS, D_KILL_AFTER = 24, 10
+# validation after every window: the weights the sync leaves (or the discard takes back)
+DILOCO = ["--parallel.dp_sync=diloco", f"--parallel.sync_every={H}", "--parallel.ft_step_timeout_s=20",
+          f"--train.eval_every={H}"]
+
+
+@pytest.fixture(scope="module")
+def killed_diloco(tmp_path_factory):
+    """Two groups (min_replicas 2) doing DiLoCo every H steps; group 1's rank is SIGKILLed once it
+    has logged D_KILL_AFTER steps, mid-window. Returns (run folder, group 1's rows at the kill, stderr)."""
+    run = tmp_path_factory.mktemp("ftd") / "ft"
+    job = _ft_local(run, "--min-replicas", "2", f"--train.steps={D_STEPS}", "--parallel.ft_quorum_timeout_s=120",
+                    *DILOCO)
+    try:
+        deadline, victim = time.time() + 300, None
+        while victim is None and time.time() < deadline and job.poll() is None:
+            time.sleep(0.05)
+            victim = _group_worker(job.pid, 1)
+        while len(_rows(run / "group1")) < D_KILL_AFTER and time.time() < deadline and job.poll() is None:
+            time.sleep(0.01)
+        assert victim is not None and len(_rows(run / "group1")) < 2 * H, "group 1 left the window before the kill"
+        os.kill(victim, signal.SIGKILL)
+        before_kill = _rows(run / "group1")
+        out, err = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, err[-3000:]
+    return run, before_kill, err
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_diloco_across_groups_matches_its_simulation_and_discards_a_window_a_group_died_in(killed_diloco, tmp_path):
+    """Until the kill the two groups are verify's one-process simulation of 2 DiLoCo workers (each
+    step's mean loss and RMS gradient norm, a sync after step 8 included). Group 1 dies mid-window:
+    group 0's sync after step 16 is not committed and discarded (weights back to the last sync),
+    it goes on; group 1 restarts, heals from group 0 at step 16 and both end with the same weights."""
+    import math
+
+    from scaletrain.layout import Layout
+    from scaletrain.verify import isolated, simulate_workers
+
+    run, before_kill, err = killed_diloco
+    cfg = micro_cfg(tmp_path, **{"train.steps": D_STEPS, "train.global_batch": 8, "train.micro_batch": 4,
+                                 "parallel.dp_replicate": 2, "parallel.dp_sync": "diloco", "parallel.sync_every": H})
+    ref = simulate_workers(isolated(cfg, tmp_path / "ref", D_KILL_AFTER), Layout.from_config(cfg, 2), D_STEPS,
+                           tmp_path / "ref")
+    g0, g1 = read_metrics(run / "group0"), read_metrics(run / "group1")
+    for a, b, r in zip(g0[:D_KILL_AFTER], before_kill[:D_KILL_AFTER], ref, strict=True):
+        assert a["step"] == b["step"] == r["step"]
+        assert abs((a["loss"] + b["loss"]) / 2 - r["loss"]) < 1e-6 * r["loss"], (a, b, r)
+        assert abs(math.hypot(a["grad_norm"], b["grad_norm"]) / math.sqrt(2) - r["grad_norm"]) < 1e-5 * r["grad_norm"]
+    assert "replica group 0 discards the sync window of steps 9-16: not committed" in err, err[-3000:]
+    assert [r["step"] for r in g0] == list(range(1, D_STEPS + 1))  # it went on
+    val = {r["step"]: r["val_loss"] for r in g0 if "val_loss" in r}
+    assert val[H] == val[2 * H] != val[3 * H]  # after the discard: the weights of the sync after step 8, exactly
+    assert g0[-1]["ft_uncommitted"] == 1 and g0[2 * H - 2]["ft_uncommitted"] == 0
+    assert err.count("restart 1 of at most") == 1, err[-3000:]
+    healed = [r for r in g1 if r.get("ft_healed")]
+    assert healed and healed[0]["step"] == 2 * H + 1  # from the peer's state at the discarded window's end
+    assert g0[-1]["val_loss"] == g1[-1]["val_loss"]  # the same weights at the end, bit for bit

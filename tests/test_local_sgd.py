@@ -15,6 +15,7 @@ from scaletrain.errors import CheckpointError
 from scaletrain.layout import Layout
 from scaletrain.parallel.local_sgd import OuterSync, fragments_of
 from scaletrain.parallel.replica_average import CHUNK, SimulatedWorkers, reference_average, segment_length
+from scaletrain.schedule import BatchSchedule, TrainSchedule
 from scaletrain.train import checkpoint as ckpt
 
 from conftest import CKPT, Case, assert_one_clear_line, micro_cfg, micro_overrides, run_group, train_args
@@ -187,6 +188,9 @@ STEPS = 10
 LINEAR = {"optim.name": "sgd", "train.grad_clip": 0.0, "optim.lr": 0.1}  # the inner optimizer is linear
 STREAMED = {"parallel.sync_every": 3, "parallel.sync_fragments": 2, "parallel.sync_delay": 1}
 RAMP = {"train.batch_rampup": "2,2,1000", "train.steps": 12}
+# the workers' inner lr by the square-root rule (parallel.inner_lr_scale = 0): 1/sqrt(2) of optim.lr
+SQRT_LR = {"parallel.dp_replicate": 2, "parallel.dp_sync": "diloco", "parallel.sync_every": 3,
+           "parallel.inner_lr_scale": 0.0}
 MODEL = {"model.n_layers": 4, "model.tie_embeddings": False, "train.micro_batch": 2, "train.steps": STEPS}
 
 
@@ -208,6 +212,7 @@ def two_workers(tmp_path_factory):
     jobs["resume"] = {**jobs["save"], "checkpoint.resume": str(saved), "checkpoint.every": 0}
     # a batch-size warm-up over 2 ranks of ZeRO-2 (micro-batches of 1 sequence; tests/test_batch_rampup.py)
     jobs["ramp-zero2"] = {**RAMP, "parallel.zero": 2, "train.micro_batch": 1}
+    jobs["diloco-sqrt-lr"] = SQRT_LR
     code, results, err = run_group(2, [{"overrides": micro_overrides(tmp / name, **extra)}
                                        for name, extra in jobs.items()], tmp)
     assert code == 0, err
@@ -222,6 +227,52 @@ def test_one_sync_per_step_trains_exactly_like_ddp(two_workers):
         losses = [loss for _, loss in runs[name]["losses"]]
         assert len(losses) == STEPS
         assert max(abs(a - b) / b for a, b in zip(losses, ddp)) < 1e-6, name
+
+
+def test_the_workers_inner_lr_follows_parallel_inner_lr_scale(tmp_path):
+    """0 is the square-root rule, sqrt(worker batch / global batch); a number is the factor; workers
+    that sync every step are not scaled (and refuse a factor other than 1 in one line)."""
+    from scaletrain.config import load_config
+    from scaletrain.errors import ConfigError
+    from scaletrain.schedule import worker_lr_scale
+
+    four = {"parallel.dp_replicate": 4, "parallel.dp_sync": "diloco"}
+    assert worker_lr_scale(micro_cfg(tmp_path, **four).parallel) == 1.0  # the default: optim.lr as it is
+    assert worker_lr_scale(micro_cfg(tmp_path, **four, **{"parallel.inner_lr_scale": 0}).parallel) == 0.5
+    assert worker_lr_scale(micro_cfg(tmp_path, **four, **{"parallel.inner_lr_scale": 0.3}).parallel) == 0.3
+    assert worker_lr_scale(micro_cfg(tmp_path).parallel) == 1.0
+    cfg = micro_cfg(tmp_path, **four, **{"parallel.inner_lr_scale": 0})
+    batch = BatchSchedule(8, 32, 8)
+    scaled, plain = TrainSchedule.for_job(cfg, batch, STEPS), TrainSchedule(cfg.optim, batch, STEPS)
+    assert scaled.peak == plain.peak * 0.5
+    assert [scaled.lr(s) for s in range(STEPS)] == [plain.lr(s) * 0.5 for s in range(STEPS)]  # exact: a power of 2
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {"parallel.inner_lr_scale": 0.5})
+    assert e.value.lines == ["parallel.inner_lr_scale=0.5 scales the inner learning rate of the workers of "
+                             "parallel.dp_sync=local_sgd or diloco; with dp_sync=step every rank steps at optim.lr: "
+                             "set optim.lr instead, or leave inner_lr_scale at 1"]
+
+
+@pytest.mark.multiproc
+def test_the_workers_optimizer_steps_at_the_scaled_lr_as_in_their_simulation(two_workers, tmp_path):
+    """With the square-root rule each worker's optimizer takes its steps at optim.lr's schedule / sqrt(2)
+    (the lr its optimizer held, in every metrics row), and verify's one-process simulation of the
+    workers does the same."""
+    import math
+
+    from scaletrain.verify import compare, isolated, simulate_workers, verdict
+
+    runs, _ = two_workers
+    rows, plain = runs["diloco-sqrt-lr"]["history"], runs["save"]["history"]  # ("save": DiLoCo, optim.lr as it is)
+    cfg = micro_cfg(tmp_path, **SQRT_LR)
+    want = [TrainSchedule(cfg.optim, BatchSchedule(8, 32, 8), STEPS).lr(s) / math.sqrt(2) for s in range(STEPS)]
+    assert [r["lr"] for r in rows] == pytest.approx(want, rel=1e-15, abs=0)
+    assert [r["lr"] for r in plain] == pytest.approx([w * math.sqrt(2) for w in want], rel=1e-15, abs=0)
+    layout = Layout.from_config(cfg, 2)
+    ref = simulate_workers(isolated(cfg, tmp_path / "ref", STEPS), layout, STEPS, tmp_path / "ref")
+    diffs = compare(rows, ref)
+    ok, line = verdict(diffs, STEPS, "32-true", "fp32")
+    assert ok and max(d.loss_rel for d in diffs) < 1e-6, line
 
 
 @pytest.mark.multiproc

@@ -212,6 +212,8 @@ class ParallelConfig:
     outer_lr: float = option(0.7, "diloco: the outer learning rate (local_sgd is an outer lr of 1)", min=0.0)
     outer_momentum: float = option(0.9, "diloco: the outer momentum; 0 = none (local_sgd has none)", min=0.0, max=1.0,
                                    open_max=True)
+    inner_lr_scale: float = option(1.0, "local_sgd, diloco: the workers' inner lr is the schedule's (for the global "
+                                        "batch) times this; 0 = sqrt(1 / dp_replicate), the square-root rule", min=0.0)
     outer_on_cpu: bool = option(False, "local_sgd, diloco: keep the outer weights and momentum in host memory "
                                        "(4-8 bytes per parameter off the device)")
     fault_tolerance: bool = option(False, "this run is one replica group of a fault-tolerant job (torchft): the "
@@ -619,6 +621,10 @@ def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
         errors.append(f"parallel.sync_delay={par.sync_delay} must be below sync_every / sync_fragments = "
                       f"{par.sync_every} / {par.sync_fragments}: a fragment's sync must land before the next "
                       f"fragment's begins; lower sync_delay or sync_fragments, or raise sync_every")
+    if par.dp_sync == "step" and par.inner_lr_scale != 1.0:
+        errors.append(f"parallel.inner_lr_scale={par.inner_lr_scale:g} scales the inner learning rate of the workers "
+                      "of parallel.dp_sync=local_sgd or diloco; with dp_sync=step every rank steps at optim.lr: set "
+                      "optim.lr instead, or leave inner_lr_scale at 1")
     errors.extend(fault_tolerance_problems(par))
     if cfg.data.document_mask:
         from scaletrain.data.documents import document_mask_problems  # torch-free
@@ -656,12 +662,12 @@ def fault_tolerance_problems(par: ParallelConfig) -> list[str]:
     unprotected = [f"parallel.{name}={value}" for name, value, ok in (
         ("tp", par.tp, 1), ("pp", par.pp, 1), ("cp", par.cp, 1), ("ep", par.ep, 1), ("zero", par.zero, None),
         ("dp_replicate", par.dp_replicate, 1), ("dp_sync", par.dp_sync, "step")) if
-        (value == 3 if ok is None else value != ok)]
+        (value == 3 if ok is None else value != ok) and (name != "dp_sync" or par.dp_replicate > 1)]
     if unprotected:
         errors.append(f"parallel.fault_tolerance does not protect {', '.join(unprotected)} yet: inside a replica "
                       "group it takes DDP or ZeRO-1/2 over dp_shard ranks, and the groups themselves are the "
                       "replicas (leave dp_replicate at 1, dp_sync=step)")
-    return errors
+    return errors  # (local SGD / DiLoCo with dp_replicate = 1: the groups are the workers; Layout.errors)
 
 
 def adapter_problems(a: AdapterConfig) -> list[str]:

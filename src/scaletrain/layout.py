@@ -92,6 +92,8 @@ class Layout:
     sync_dtype: str = ParallelConfig.sync_dtype
     # "START,INCREMENT,TOKENS": the global batch grows to global_batch (BatchSchedule)
     batch_rampup: str = TrainConfig.batch_rampup
+    # one replica group of a fault-tolerant job: with local SGD / DiLoCo the groups are the workers
+    fault_tolerance: bool = ParallelConfig.fault_tolerance
 
     # ---- from a config ------------------------------------------------------------------------
 
@@ -130,7 +132,7 @@ class Layout:
                    activation_checkpointing=cfg.memory.activation_checkpointing,
                    offload_optimizer=cfg.memory.offload_optimizer, dp_sync=par.dp_sync, sync_every=par.sync_every,
                    sync_fragments=par.sync_fragments, sync_delay=par.sync_delay, sync_dtype=par.sync_dtype,
-                   batch_rampup=train.batch_rampup)
+                   batch_rampup=train.batch_rampup, fault_tolerance=par.fault_tolerance)
 
     # ---- sizes --------------------------------------------------------------------------------
 
@@ -238,10 +240,16 @@ class Layout:
         if self.offload_optimizer and self.zero != 3:
             e.append("memory.offload_optimizer offloads the sharded model states of parallel.zero=3; it does nothing "
                      f"at zero={self.zero}; set parallel.zero=3 or drop the offload")
-        if self.local_sync and self.dp_replicate == 1:
+        if self.local_sync and self.dp_replicate == 1 and not self.fault_tolerance:
             e.append(f"parallel.dp_sync={self.dp_sync} syncs the workers, which are the dp_replicate groups, every "
                      f"sync_every steps; with parallel.dp_replicate=1 there is one worker; set parallel.dp_replicate "
                      f"to the number of workers (2 or more), or dp_sync=step")
+        streamed = [f"parallel.{k}={v}" for k, v, ok in (("sync_fragments", self.sync_fragments, 1),
+                    ("sync_delay", self.sync_delay, 0), ("sync_dtype", self.sync_dtype, "fp32")) if v != ok]
+        if self.fault_tolerance and self.local_sync and streamed:  # the groups are the workers (ReplicaGroupsOuter)
+            e.append(f"parallel.fault_tolerance syncs the replica groups' {self.dp_sync} whole, in fp32, with no "
+                     f"delay: {', '.join(streamed)} across groups is not supported yet; leave sync_fragments at 1, "
+                     "sync_delay at 0 and sync_dtype at fp32")
         if self.batch_rampup:
             e += self._rampup_errors()
         if self.ep > 1:
@@ -408,7 +416,8 @@ class Layout:
         """The layout in one line of words: ranks per axis, what runs on them, the batch."""
         parts = [self.describe_ranks()]
         if self.local_sync:
-            parts.append(f"{self.dp_replicate} workers ({self.describe_sync()})")
+            workers = "the replica groups as workers" if self.fault_tolerance else f"{self.dp_replicate} workers"
+            parts.append(f"{workers} ({self.describe_sync()})")
         if self.step_dp > 1:
             zero = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 (FSDP)"}[self.zero]
             within = " within each worker" if self.local_sync else ""

@@ -98,6 +98,17 @@ def peak_lr(cfg, global_batch: int) -> float:
     return cfg.lr
 
 
+def worker_lr_scale(par) -> float:
+    """The factor on the learning rate of a run's inner optimizer (`par`: its [parallel]). Local SGD
+    and DiLoCo workers each step on 1/dp_replicate of the global batch that optim.lr is set for:
+    parallel.inner_lr_scale, or with 0 the square-root rule, sqrt(worker batch / global batch) =
+    1/sqrt(dp_replicate) (Adam's noise scales with 1/sqrt(batch): Malladi et al. 2022). 1 for
+    workers that sync every step."""
+    if par.dp_sync == "step":
+        return 1.0
+    return par.inner_lr_scale or 1.0 / math.sqrt(par.dp_replicate)
+
+
 class LRSchedule:
     """Multiplier of the peak learning rate at a step: linear warm-up, then decay to min_lr_ratio."""
 
@@ -123,11 +134,12 @@ class LRSchedule:
 class TrainSchedule:
     """A run's batch and learning rate at each step. The decay runs to `total_steps` (the run's
     train.steps; verify passes the whole run's to a shorter check); `peak` is the learning rate at
-    the full global batch."""
+    the full global batch; `scale` multiplies every step's (a local SGD worker's: `worker_lr_scale`)."""
 
-    def __init__(self, optim_cfg, batch: BatchSchedule, total_steps: int, peak: float | None = None):
-        self.optim_cfg, self.batch = optim_cfg, batch
-        self.peak = peak_lr(optim_cfg, batch.global_batch) if peak is None else peak
+    def __init__(self, optim_cfg, batch: BatchSchedule, total_steps: int, peak: float | None = None,
+                 scale: float = 1.0):
+        self.optim_cfg, self.batch, self.scale = optim_cfg, batch, scale
+        self.peak = (peak_lr(optim_cfg, batch.global_batch) if peak is None else peak) * scale
         self.decay = LRSchedule(optim_cfg, batch.equivalent_steps(total_steps))
 
     def lr(self, step: int) -> float:
@@ -135,7 +147,13 @@ class TrainSchedule:
         the linear scaling rule at the step's batch."""
         if not self.batch.ramps:
             return self.peak * self.decay(step)
-        return peak_lr(self.optim_cfg, self.batch.batch(step)) * self.decay(self.batch.equivalent_steps(step))
+        return peak_lr(self.optim_cfg, self.batch.batch(step)) * self.scale * self.decay(
+            self.batch.equivalent_steps(step))
+
+    @classmethod
+    def for_job(cls, cfg, batch: BatchSchedule, total_steps: int) -> TrainSchedule:
+        """A run's schedule (`cfg`: its JobConfig): optim's, its workers' inner lr scaled (worker_lr_scale)."""
+        return cls(cfg.optim, batch, total_steps, scale=worker_lr_scale(cfg.parallel))
 
     def tokens(self, step: int) -> int:
         """Tokens of step `step`'s global batch (fewer during a batch-size warm-up)."""

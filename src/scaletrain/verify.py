@@ -216,8 +216,9 @@ def simulate_workers(cfg: JobConfig, layout: Layout, total_steps: int, run_dir: 
                  activation_checkpointing=layout.activation_checkpointing)
     shared = SimulatedWorkers(workers, layout.sync_dtype)
     steps = cfg.train.steps
-    # each worker's learning rate is the whole run's, at the global batch (as every rank of the layout's)
-    schedule = TrainSchedule(cfg.optim, BatchSchedule(g, cfg.data.seq_len, g), total_steps)
+    # each worker's learning rate is the whole run's, at the global batch, times the workers' inner
+    # scale (as every rank of the layout's)
+    schedule = TrainSchedule.for_job(cfg, BatchSchedule(g, cfg.data.seq_len, g), total_steps)
     runs = []
     for w in range(workers):
         wcfg = isolated(reference(cfg, one, "").cfg, run_dir / f"worker{w}", steps)
@@ -258,7 +259,8 @@ def _trainer(cfg: JobConfig, runtime, total_steps: int):
     from scaletrain.schedule import TrainSchedule
     from scaletrain.train.trainer import Trainer
 
-    schedule = TrainSchedule(cfg.optim, runtime.for_config(cfg).layout.batch_schedule(cfg.data.seq_len), total_steps)
+    schedule = TrainSchedule.for_job(cfg, runtime.for_config(cfg).layout.batch_schedule(cfg.data.seq_len),
+                                      total_steps)
     return Trainer(cfg, runtime, stream=open(os.devnull, "w"), schedule=schedule)
 
 

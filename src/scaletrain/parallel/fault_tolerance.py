@@ -14,6 +14,10 @@ through this module's `ReplicaGroups` step hook:
     agree_to_skip     the commit vote: a step whose all-reduce failed (a group died in it) is not
                       committed, and the optimizer does not step in any group that saw the failure
 
+With parallel.dp_sync = local_sgd | diloco (dp_replicate = 1) the groups are the workers of local SGD
+/ DiLoCo instead: `ReplicaGroupsOuter` joins a quorum per window of sync_every steps, averages the
+pseudo-gradient over it at the window's end and discards a window the vote does not commit.
+
 Batch and learning rate: each group reads its own share of every step's windows (group r of R
 reads what data-parallel rank r of a run with dp_replicate=R reads), so train.global_batch is one
 group's batch, and the job's batch is (groups alive) × train.global_batch: it shrinks while a group
@@ -136,9 +140,12 @@ class ReplicaGroups(StepHook):
                           world_size=rt.world_size, store_addr=host, store_port=port,
                           lighthouse_addr=par.ft_lighthouse, replica_id=replica_name(par.ft_replica_id),
                           hostname=host, init_sync=False)  # weights start equal: seeded by name
-        hook = cls(manager, named, optimizer, state, refresh, replica_id=par.ft_replica_id, groups=par.ft_groups,
-                   min_replicas=par.ft_min_replicas, quorum_timeout_s=par.ft_quorum_timeout_s, rank=rt.rank,
-                   lighthouse=par.ft_lighthouse)
+        kind = cls if par.dp_sync == "step" else ReplicaGroupsOuter  # local SGD / DiLoCo: the groups are the workers
+        hook = kind(manager, named, optimizer, state, refresh, replica_id=par.ft_replica_id, groups=par.ft_groups,
+                    min_replicas=par.ft_min_replicas, quorum_timeout_s=par.ft_quorum_timeout_s, rank=rt.rank,
+                    lighthouse=par.ft_lighthouse)
+        if kind is not cls:
+            hook.set_outer(par)
         hook.store = store  # kept alive with the hook
         return hook
 
@@ -246,6 +253,117 @@ class ReplicaGroups(StepHook):
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+class ReplicaGroupsOuter(ReplicaGroups):
+    """Local SGD / DiLoCo across the replica groups (parallel.dp_sync = local_sgd | diloco with
+    dp_replicate = 1): each group is a worker that takes its inner steps alone for sync_every steps,
+    its gradients its own. A window of sync_every steps begins with the quorum of the groups alive
+    (a group behind it heals from a live peer there: weights, inner optimizer state, outer weights
+    and momentum, step) and ends with the pseudo-gradient averaged over that quorum by the Manager's
+    all-reduce and the commit vote. A committed sync takes the outer step (scaletrain's OuterSync,
+    as between dp_replicate workers); a sync not committed (a group died in its window, or in the
+    all-reduce) is discarded: the weights go back to the last synced ones, the outer optimizer does
+    not step, and training goes on with the next window."""
+
+    phase = "the replica groups' outer sync (torchft)"
+
+    def set_outer(self, par) -> None:
+        from scaletrain.parallel.local_sgd import OuterSync
+
+        # one fragment, no delay, fp32 (Layout.errors refuses the rest): the whole model in one vote per window
+        self.outer = OuterSync(self.named, mode=par.dp_sync, sync_every=par.sync_every, fragments=1, delay=0,
+                               n_blocks=1, comm=_GroupsAverage(self), outer_optimizer=par.outer_optimizer,
+                               outer_lr=par.outer_lr, outer_momentum=par.outer_momentum, on_cpu=par.outer_on_cpu)
+        self.discarded = 0  # sync windows not committed
+
+    # ---- what a healing peer receives: the outer state besides ---------------------------------
+
+    def _peer_state(self) -> dict:
+        outer = self.outer
+        return {**super()._peer_state(), "outer": {p.name: p.outer for p in outer.params}, "outer_steps": outer.steps,
+                "momentum": {p.name: p.momentum for p in outer.params if p.momentum is not None}}
+
+    def _load_peer_state(self, peer: dict) -> None:
+        with torch.no_grad():
+            for p in self.outer.params:
+                p.outer.copy_(peer["outer"][p.name])
+                if p.momentum is not None:
+                    p.momentum.copy_(peer["momentum"][p.name])
+        self.outer.steps = int(peer["outer_steps"])
+        super()._load_peer_state(peer)
+
+    # ---- the step: a quorum per window, the inner steps alone ----------------------------------
+
+    def begin_step(self, loss_factor: float) -> None:
+        # a window begins (or, resumed mid-window, the rest of one begins with the quorum `start` joined)
+        if self.state.step % self.outer.every == 0 or self.joined:
+            super().begin_step(loss_factor)
+
+    def reduce_gradients(self, named: Named) -> None:
+        pass  # a group's gradients are its own; the groups meet at the window's sync
+
+    def agree_to_skip(self, skip: bool) -> bool:
+        return skip  # a step skipped by one group alone changes nothing of the others'
+
+    def skip_reason(self) -> str | None:
+        return None
+
+    def after_optimizer_step(self, applied: bool) -> bool:
+        return self.outer.after_step()
+
+    def metrics(self) -> dict[str, float]:
+        return {**super().metrics(), "ft_uncommitted": float(self.discarded)}
+
+    # ---- checkpoints: the outer weights are the model, as in LocalSGD --------------------------
+
+    def checkpoint_tensors(self, tensors: dict) -> dict:
+        shared, _ = self.outer.tensors()
+        return {**tensors, "model": self.outer.outer_weights(), "outer": shared}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "outer": self.outer.state()}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        super().load_state_dict(state)
+        if state:  # the checkpoint's model was loaded into the outer weights: the group goes on from them
+            self.outer.load_state(state["outer"])
+            with torch.no_grad():
+                for p in self.outer.params:
+                    p.local.copy_(p.outer.to(p.local.device))
+
+
+class _GroupsAverage:
+    """The OuterSync's averager across replica groups: this group's pseudo-gradient all-reduced
+    (mean) over the window's quorum by the Manager; its result waits for the commit vote."""
+
+    def __init__(self, hook: ReplicaGroupsOuter):
+        self.hook = hook
+
+    def start(self, flat: torch.Tensor) -> _Vote:
+        return _Vote(self.hook, flat, self.hook.manager.allreduce(flat))  # in place: flat becomes the mean
+
+
+class _Vote:
+    """A window's all-reduce, then its commit vote: the average, or None when the sync is not
+    committed (the window is discarded)."""
+
+    def __init__(self, hook: ReplicaGroupsOuter, flat: torch.Tensor, work):
+        self.hook, self.flat, self.work = hook, flat, work
+
+    def wait(self) -> torch.Tensor | None:
+        self.work.wait()  # an error (a group gone) is not raised: the Manager records it and the vote fails
+        hook = self.hook
+        if hook.manager.should_commit():
+            return self.flat
+        hook.discarded += 1
+        if hook.rank == 0:
+            last = hook.outer.steps
+            print(f"scaletrain: replica group {hook.replica_id} discards the sync window of steps "
+                  f"{last - hook.outer.every + 1}-{last}: not committed by the replica groups (a group failed in "
+                  f"it; {hook.participants} in its quorum); the weights go back to the last sync",
+                  file=sys.stderr, flush=True)
+        return None
 
 
 def _loopback(address: str) -> bool:

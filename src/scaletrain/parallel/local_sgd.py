@@ -11,7 +11,11 @@ averaged over the workers, and
     diloco:     θ_outer ← an outer optimizer step on mean Δ: SGD with Nesterov momentum,
                 lr 0.7, momentum 0.9 (Douillard et al. 2023), or heavy-ball momentum
 
-after which every worker continues from θ_outer. Each worker keeps its inner optimizer state.
+after which every worker continues from θ_outer. Each worker keeps its inner optimizer state, and
+takes its inner steps at the schedule's learning rate times parallel.inner_lr_scale (0: the
+square-root rule for its 1/R of the batch; scaletrain.schedule.worker_lr_scale). Across the replica
+groups of a fault-tolerant job the groups are the workers: fault_tolerance.ReplicaGroupsOuter drives
+an OuterSync whose average is torchft's, and a sync not committed there is discarded (`_apply`).
 
 Streaming (Douillard et al. 2025): `parallel.sync_fragments` = F splits the blocks into F
 contiguous fragments (parameters before the first block, the embedding, go with the first;
@@ -174,6 +178,10 @@ class OuterSync:
     @torch.no_grad()
     def _apply(self, sync: _InFlight) -> None:
         average, offset = sync.result(), 0
+        if average is None:  # the sync was not committed (a replica group failed in it): the window is discarded,
+            for p in self._members(sync.fragment):  # the weights back to the last synced ones, no outer step
+                p.local.copy_(p.outer.to(p.local.device, non_blocking=True))
+            return
         for p in self._members(sync.fragment):
             n = p.local.numel()
             delta = average[offset:offset + n].view(p.local.shape).to(p.outer.device, non_blocking=True)
@@ -263,7 +271,7 @@ class LocalSGD(StepHook):
         """The hook of a run whose layout syncs the workers every few steps (None otherwise), over
         `named_params` (what the inner optimizer steps). The workers average over `mesh`'s
         dp_replicate axis, or through `comm` (verify's simulated workers)."""
-        if not layout.local_sync:
+        if not layout.local_sync or layout.fault_tolerance:  # (replica groups: fault_tolerance.ReplicaGroupsOuter)
             return None
         # (the config's model was checked with its layout; a custom module's blocks are counted here)
         if problems := layout.fragment_errors(n_blocks, of_config=False):

@@ -90,7 +90,7 @@ def reference_average(buffers: list[torch.Tensor], dtype: str) -> torch.Tensor:
 
 
 class Handle(Protocol):
-    def wait(self) -> torch.Tensor: ...
+    def wait(self) -> torch.Tensor | None: ...  # None: the workers did not commit this sync (fault tolerance)
 
 
 class Averager(Protocol):

@@ -362,10 +362,17 @@ def announce(t) -> None:
         par = cfg.parallel
         outer = (f"outer {par.outer_optimizer} lr {par.outer_lr:g} momentum {par.outer_momentum:g}"
                  if b.dp_sync == "diloco" else "the workers' weights averaged")
-        say(f"workers: {b.dp_replicate} ({b.describe_sync()}; {outer}), each reading its "
-            f"{b.global_batch // b.dp_replicate} sequences of every step's {b.global_batch}; gradients reduced "
-            f"every step over the {b.dp_shard} rank(s) of a worker; loss and tokens/s are the global batch's, "
-            f"grad norm the root mean square of the workers'")
+        if (scale := t.schedule.scale) != 1.0:
+            outer += f"; inner lr {scale:.3g} x optim.lr"
+        if b.fault_tolerance:  # each replica group is a worker; its metrics are its own
+            say(f"workers: the replica groups ({b.describe_sync()}; {outer}), each reading its {b.global_batch} "
+                f"sequences a step; gradients reduced every step over the {b.dp_shard} rank(s) of this group; loss, "
+                "tokens/s and grad norm are this group's")
+        else:
+            say(f"workers: {b.dp_replicate} ({b.describe_sync()}; {outer}), each reading its "
+                f"{b.global_batch // b.dp_replicate} sequences of every step's {b.global_batch}; gradients reduced "
+                f"every step over the {b.dp_shard} rank(s) of a worker; loss and tokens/s are the global batch's, "
+                f"grad norm the root mean square of the workers'")
     for v in t.val_sets:
         n, data = len(v.batches), v.dataset.data
         say(f"validation: {data.source}, {data.num_tokens:,} tokens; {n} batch(es) = "

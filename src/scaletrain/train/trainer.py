@@ -126,7 +126,7 @@ class Trainer:
                                                      replica_groups=cfg.parallel.fault_tolerance)
         self.tokens_per_step = self.layout.global_batch * cfg.data.seq_len  # of the full batch
         self.batch_schedule = self.layout.batch_schedule(cfg.data.seq_len)  # train.batch_rampup, if any
-        self.schedule = self._schedule or TrainSchedule(cfg.optim, self.batch_schedule, cfg.train.steps)
+        self.schedule = self._schedule or TrainSchedule.for_job(cfg, self.batch_schedule, cfg.train.steps)
 
     def _build_model(self, resume_from: Path | None) -> None:
         """Model: built on the meta device (no memory), then parallelized and materialized."""
