@@ -27,9 +27,10 @@ lint: $(STAMP)
 # TEST_JOBS pytest processes (pytest-xdist), each given whole files (--dist loadfile: a module's
 # shared process group still runs once). Most tests run on one core, or wait on a subprocess or a
 # rank; two processes keep both cores of a 2-core machine busy. TEST_JOBS=0 runs in this process.
+# The files go out in the order tests/conftest.py sorts them, the slowest first.
 TEST_JOBS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 # the inner loop: everything in one process (no ranks, signals or mounts), under 3 minutes
 test-fast: $(STAMP)

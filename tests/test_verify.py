@@ -14,7 +14,7 @@ from scaletrain.verify import TOLERANCES, StepDiff, notes, rel_diff, table, verd
 
 from conftest import MICRO
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("forked_launches")]
 
 STEPS = 4
 # the micro model with 4 untied blocks (pipelining splits them), micro-batches of 2 sequences
@@ -47,7 +47,8 @@ def _toml(v) -> str:
 @pytest.fixture
 def verify(monkeypatch, capfd):
     """`scaletrain verify --config CONFIG --steps STEPS ARGS` through the CLI's main in this
-    process (the ranks are real processes started by the launcher); returns (exit code, stdout)."""
+    process (the ranks are real processes, forked: see conftest.forked_launches); returns (exit code,
+    stdout)."""
 
     def run(config: str, *args: str, fault: str = "") -> tuple[int, str]:
         if fault:  # a bug planted in the layout run by tests/verify_faults.py (verify's layout_hook)
