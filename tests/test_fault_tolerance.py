@@ -124,16 +124,23 @@ def killed_run(tmp_path_factory):
     SIGKILLed once it has logged KILL_AFTER steps; its agent restarts it, it heals from group 0 and
     both run to STEPS. Returns (run folder, group 1's metrics rows at the kill, stderr)."""
     run = tmp_path_factory.mktemp("ft") / "ft"
-    job = _ft_local(run, "--min-replicas", "2", f"--train.steps={STEPS}", "--parallel.ft_quorum_timeout_s=120")
+    return _kill_group_1(run, KILL_AFTER, STEPS, "the run ended before the kill", f"--train.steps={STEPS}")
+
+
+def _kill_group_1(run: Path, after: int, before: int, why: str, *args: str) -> tuple[Path, list[dict], str]:
+    """An ft-local run of two groups (min_replicas 2, ARGS) whose group 1 rank is SIGKILLed once it
+    has logged `after` steps (and fewer than `before`, else `why`); returns (run folder, group 1's
+    rows at the kill, stderr) once the run has ended cleanly."""
+    job = _ft_local(run, "--min-replicas", "2", "--parallel.ft_quorum_timeout_s=120", *args)
     try:
         deadline = time.time() + 300
         victim = None  # found before its rows are counted: the search is slow next to a step
         while victim is None and time.time() < deadline and job.poll() is None:
             time.sleep(0.05)  # pgrep in a tight loop would take the cores the groups start on
             victim = _group_worker(job.pid, 1)
-        while len(_rows(run / "group1")) < KILL_AFTER and time.time() < deadline and job.poll() is None:
+        while len(_rows(run / "group1")) < after and time.time() < deadline and job.poll() is None:
             time.sleep(0.01)
-        assert victim is not None and len(_rows(run / "group1")) < STEPS, "the run ended before the kill"
+        assert victim is not None and len(_rows(run / "group1")) < before, why
         os.kill(victim, signal.SIGKILL)
         before_kill = _rows(run / "group1")  # read now: the restarted group starts its metrics anew
         out, err = job.communicate(timeout=300)
@@ -428,24 +435,8 @@ def killed_diloco(tmp_path_factory):
     """Two groups (min_replicas 2) doing DiLoCo every H steps; group 1's rank is SIGKILLed once it
     has logged D_KILL_AFTER steps, mid-window. Returns (run folder, group 1's rows at the kill, stderr)."""
     run = tmp_path_factory.mktemp("ftd") / "ft"
-    job = _ft_local(run, "--min-replicas", "2", f"--train.steps={D_STEPS}", "--parallel.ft_quorum_timeout_s=120",
-                    *DILOCO)
-    try:
-        deadline, victim = time.time() + 300, None
-        while victim is None and time.time() < deadline and job.poll() is None:
-            time.sleep(0.05)
-            victim = _group_worker(job.pid, 1)
-        while len(_rows(run / "group1")) < D_KILL_AFTER and time.time() < deadline and job.poll() is None:
-            time.sleep(0.01)
-        assert victim is not None and len(_rows(run / "group1")) < 2 * H, "group 1 left the window before the kill"
-        os.kill(victim, signal.SIGKILL)
-        before_kill = _rows(run / "group1")
-        out, err = job.communicate(timeout=300)
-    finally:
-        if job.poll() is None:
-            job.kill()
-    assert job.returncode == 0, err[-3000:]
-    return run, before_kill, err
+    return _kill_group_1(run, D_KILL_AFTER, 2 * H, "group 1 left the window before the kill",
+                         f"--train.steps={D_STEPS}", *DILOCO)
 
 
 @pytest.mark.slow
