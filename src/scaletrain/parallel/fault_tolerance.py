@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from scaletrain.errors import ConfigError, TrainingStopped
+from scaletrain.optim import init_optimizer_state
 from scaletrain.parallel.hooks import Named, StepHook
 
 WAIT_NOTE_S = 2.0  # a quorum slower than this is a wait for groups (a split, or a group restarting): said once
@@ -152,7 +153,9 @@ class ReplicaGroups(StepHook):
     # ---- what a healing peer receives ---------------------------------------------------------
 
     def _peer_state(self) -> dict:
-        return {"params": {n: _local(p) for n, p in self.named}, "optim": self.optimizer.state_dict(),
+        # this rank's local tensors only (a DTensor's shard: its mesh means nothing in another group);
+        # the healing rank is the same rank of a group of the same layout, so it holds the same shards
+        return {"params": {n: _local(p) for n, p in self.named}, "optim": _local_optimizer_state(self.optimizer),
                 "step": self.state.step, "skipped_steps": self.state.skipped_steps,
                 "early_loss": self.state.early_loss}
 
@@ -160,7 +163,7 @@ class ReplicaGroups(StepHook):
         with torch.no_grad():
             for n, p in self.named:
                 _local(p).copy_(peer["params"][n])
-        self.optimizer.load_state_dict(peer["optim"])
+        _load_local_optimizer_state(self.optimizer, peer["optim"])
         self.state.step, self.state.skipped_steps = int(peer["step"]), int(peer["skipped_steps"])
         self.state.early_loss = peer["early_loss"]
         self.refresh()  # what the model computes with (ZeRO-1/2: the shards gathered)
@@ -369,6 +372,36 @@ class _Vote:
 def _loopback(address: str) -> bool:
     host = urlsplit(address if "://" in address else f"http://{address}").hostname or ""
     return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
+    """The optimizer's state by the parameters' order, each tensor as this rank's local part."""
+    return {i: {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in optimizer.state[p].items()}
+            for i, p in enumerate(_optimizer_params(optimizer)) if optimizer.state.get(p)}
+
+
+@torch.no_grad()
+def _load_local_optimizer_state(optimizer: torch.optim.Optimizer, peer: dict[int, dict]) -> None:
+    """A peer's `_local_optimizer_state` copied into this optimizer's own state tensors (created
+    first where it has none: a group that never stepped), so that each keeps its kind (a DTensor
+    shard's mesh and placement are this group's)."""
+    params = _optimizer_params(optimizer)
+    if any(i in peer and not optimizer.state.get(p) for i, p in enumerate(params)):
+        init_optimizer_state(optimizer)
+    for i, p in enumerate(params):
+        if i not in peer:  # the peer has not stepped it (no gradient yet): neither has this group now
+            optimizer.state.pop(p, None)
+            continue
+        mine = optimizer.state[p]
+        for k, v in peer[i].items():
+            if isinstance(v, torch.Tensor) and isinstance(mine.get(k), torch.Tensor):
+                _local(mine[k]).copy_(v)
+            else:
+                mine[k] = v
 
 
 def _local(t: torch.Tensor | nn.Parameter) -> torch.Tensor:
