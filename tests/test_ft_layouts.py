@@ -20,7 +20,7 @@ import torch
 
 from scaletrain.verify import TOLERANCES
 
-from conftest import MICRO, assert_same_run, fit_reference, micro_cfg, wanted_params
+from conftest import MICRO, Lazy, assert_same_run, fit_reference, micro_cfg, wanted_params
 
 pytestmark = pytest.mark.multiproc
 
@@ -29,12 +29,18 @@ TOL = TOLERANCES["32-true"]  # (loss, grad norm) relative, every step: what the 
 GROUP = {"train.steps": STEPS, "train.global_batch": 4, "train.micro_batch": 2, "parallel.ft_groups": 2,
          "parallel.ft_quorum_timeout_s": 60, "parallel.ft_step_timeout_s": 60}
 LAYOUTS = {  # inside each group of two ranks
-    "zero3": {"parallel.zero": 3},
+    "zero3": {"parallel.zero": 3, "checkpoint.save_final": True},  # only group 0 writes: with both ranks
     "tp2": {"parallel.tp": 2},
-    "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"},  # tied embedding: first and last stage
+    # tied embedding: its copies on the first and last stage; a checkpoint holds both stages
+    "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "checkpoint.save_final": True},
     "cp2-ring": {"parallel.cp": 2, "parallel.cp_method": "ring"},
     "dp-replicate2": {"parallel.dp_replicate": 2},  # two ranks only: no dp_shard left to shard (DDP)
+    # experts split over both ranks, the rest ZeRO-3; routing unbalanced (the biases and the auxiliary
+    # loss follow each group's own tokens: config refuses the one, the other is not the joint batch's)
+    "ep2-zero3": {"parallel.ep": 2, "parallel.zero": 3, "model.moe_experts": 4, "model.moe_top_k": 2,
+                  "model.moe_bias_rate": 0.0},
 }
+MODEL_KEYS = ("model.moe_experts", "model.moe_top_k", "model.moe_bias_rate")  # the joint run's model
 HEAL_STEPS, HEAL_AT = 6, 3  # group 1 of the heal job starts once group 0 has logged HEAL_AT steps alone
 PROBE = "test_ft_layouts"
 
@@ -155,15 +161,30 @@ def groups(request, tmp_path_factory):
         assert outcome[g][0] == 0, f"group {g} failed:\n{outcome[g][1][-6000:]}"
     results = [json.loads((tmp / f"group{g}.out.json").read_text()) for g in (0, 1)]
     print(f"{len(names)} jobs of 2 groups x 2 ranks in {seconds:.1f} s")
-    return {n: (a, b) for n, a, b in zip(names, *results, strict=True)}
+    runs = Runs({n: (a, b) for n, a, b in zip(names, *results, strict=True)})
+    runs.folder = tmp  # each job's groups' run folders: folder / job / groupR
+    return runs
+
+
+class Runs(dict):
+    folder: Path
+
+
+def _model(layout: dict) -> dict:
+    return {k: v for k, v in layout.items() if k in MODEL_KEYS}
 
 
 @pytest.fixture(scope="module")
 def joint(tmp_path_factory):
-    """One process training the groups' joint batch (2 x train.global_batch), in micro-batches of 2."""
-    cfg = micro_cfg(tmp_path_factory.mktemp("joint"), **{"train.steps": STEPS, "train.global_batch": 8,
-                                                          "train.micro_batch": 2})
-    return fit_reference(cfg)["history"]
+    """joint[name]: one process training the groups' joint batch (2 x train.global_batch) of that
+    layout's model, in micro-batches of 2 (one run per model)."""
+    def fit(model: dict) -> list[dict]:
+        cfg = micro_cfg(tmp_path_factory.mktemp("joint"), **{"train.steps": STEPS, "train.global_batch": 8,
+                                                              "train.micro_batch": 2, **model})
+        return fit_reference(cfg)["history"]
+
+    runs = Lazy({"dense": lambda: fit({}), "moe": lambda: fit(_model(LAYOUTS["ep2-zero3"]))})
+    return lambda name: runs["moe" if _model(LAYOUTS[name]) else "dense"]
 
 
 def _crc(result: dict) -> list[dict]:
@@ -181,7 +202,7 @@ def test_two_groups_of_a_layout_train_as_one_process_on_their_joint_batch(groups
     assert [r["ft_groups"] for r in h0 + h1] == [2.0] * (2 * STEPS)
     both = [{"step": a["step"], "loss": (a["loss"] + b["loss"]) / 2, "grad_norm": a["grad_norm"]}
             for a, b in zip(h0, h1, strict=True)]  # the joint mean: both groups count the same tokens
-    assert_same_run(both, joint, steps=STEPS, tol=TOL, what=name)
+    assert_same_run(both, joint(name), steps=STEPS, tol=TOL, what=name)
     assert [a["grad_norm"] for a in h0] == [b["grad_norm"] for b in h1]  # one averaged gradient, bit for bit
     assert _crc(g0) == _crc(g1), f"{name}: the groups' local tensors differ"
 
@@ -201,3 +222,17 @@ def test_a_late_zero3_group_heals_from_its_peers_shards_and_then_holds_them_bit_
     assert [r["probe"]["healed"] for r in g1["ranks"]] == [1, 1]  # each rank from its counterpart
     assert [a["grad_norm"] for a in h0[HEAL_AT:]] == [b["grad_norm"] for b in h1]
     assert _crc(g0) == _crc(g1), "the healed group's local shards differ from its peer's"
+
+
+@pytest.mark.parametrize("name", ["zero3", "pp2-1f1b"])
+def test_the_lowest_group_writes_the_checkpoint_with_all_its_ranks_and_the_other_none(groups, name):
+    """writes_checkpoint is the same on every rank of a group: group 0's two ranks save together
+    (both ZeRO-3 shards, both pipeline stages), group 1 writes nothing."""
+    from scaletrain.train import checkpoint as ckpt
+
+    folder = groups.folder / name
+    saved = ckpt.complete_checkpoints(folder / "group0" / "checkpoints")
+    assert [p.name for p in saved] == [f"step_{STEPS:08d}"]
+    assert ckpt.verify_checkpoint(saved[0]) is None
+    assert sorted(p.name for p in saved[0].glob("rng_rank*")) == ["rng_rank0.json", "rng_rank1.json"]
+    assert not (folder / "group1" / "checkpoints").exists()

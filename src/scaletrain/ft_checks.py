@@ -9,7 +9,7 @@ def fault_tolerance_problems(par, model=None) -> list[str]:
 
     Every group has the same layout and rank i of each group pairs with rank i of the others (its
     all-reduce, and what it sends a healing peer), so each rank's local tensors (a ZeRO-3 or tensor-
-    parallel shard, a pipeline stage, a context-parallel copy) line up with the same ones elsewhere:
+    parallel shard, a pipeline stage, an expert-parallel rank's experts) line up with the same ones elsewhere:
     with dp_sync=step any layout inside a group is protected (tests/test_ft_layouts.py)."""
     if not par.fault_tolerance:
         return []
@@ -23,9 +23,6 @@ def fault_tolerance_problems(par, model=None) -> list[str]:
     if not par.ft_lighthouse:
         errors.append("parallel.fault_tolerance needs parallel.ft_lighthouse=http://HOST:PORT, the address "
                       "`scaletrain lighthouse` prints")
-    if par.ep != 1:
-        errors.append(f"parallel.fault_tolerance does not protect parallel.ep={par.ep} yet: expert parallelism's "
-                      "experts have an engine of their own, untested across replica groups; set parallel.ep=1")
     if model is not None and model.moe_experts and model.moe_bias_rate:
         errors.append(f"parallel.fault_tolerance with model.moe_bias_rate={model.moe_bias_rate:g}: each group would "
                       "move its experts' routing biases by its own tokens' load (neither averaged across the groups "
@@ -35,7 +32,7 @@ def fault_tolerance_problems(par, model=None) -> list[str]:
         return errors
     # local SGD / DiLoCo: the groups are the workers (dp_replicate = 1, one level of workers)
     unprotected = [f"parallel.{name}={value}" for name, value, ok in (
-        ("tp", par.tp, 1), ("pp", par.pp, 1), ("cp", par.cp, 1), ("zero", par.zero, None),
+        ("tp", par.tp, 1), ("pp", par.pp, 1), ("cp", par.cp, 1), ("ep", par.ep, 1), ("zero", par.zero, None),
         ("dp_replicate", par.dp_replicate, 1)) if (value == 3 if ok is None else value != ok)]
     if unprotected:
         errors.append(f"parallel.fault_tolerance with parallel.dp_sync={par.dp_sync} does not protect "

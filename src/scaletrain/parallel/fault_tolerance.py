@@ -2,7 +2,7 @@
 
 A fault-tolerant job is `parallel.ft_groups` = R replica groups, each an ordinary run of its own
 ranks (`scaletrain train`, one process or `--nproc N` with any layout inside: DDP, ZeRO-1/2/3, HSDP,
-tp, pp, cp; every group the same), started with its `parallel.ft_replica_id`, and a Lighthouse
+tp, pp, cp, ep; every group the same), started with its `parallel.ft_replica_id`, and a Lighthouse
 (`scaletrain lighthouse`) that forms a quorum of the groups alive at every step. Each rank of a
 group has a torchft Manager, and torchft pairs rank i of every group with rank i of the others
 (their all-reduce; a healing rank fetches from its counterpart): in groups of one layout the two
