@@ -1,7 +1,8 @@
 """Fault tolerance with any layout inside a replica group: two groups of two ranks each (ZeRO-3,
-tensor parallel, pipeline parallel, context parallel, or data parallel over dp_replicate) train as
-one process trains their joint batch, and a ZeRO-3 group that starts late heals from its peer's
-local shards and holds them bit for bit.
+tensor, pipeline, context or expert parallel, or data parallel over dp_replicate), or of four
+(HSDP), train as one process trains their joint batch and end on the same local tensors bit for bit, the lowest group
+writes the checkpoints with both its ranks, and a ZeRO-3 group that starts late heals from its
+peer's local shards and holds them bit for bit.
 
 No launcher: a Lighthouse per job in this process, and each group's ranks forked
 (tests/forked_ranks.py) from a thread of its own; both groups run every job one after another in
@@ -39,6 +40,9 @@ LAYOUTS = {  # inside each group of two ranks
     # loss follow each group's own tokens: config refuses the one, the other is not the joint batch's)
     "ep2-zero3": {"parallel.ep": 2, "parallel.zero": 3, "model.moe_experts": 4, "model.moe_top_k": 2,
                   "model.moe_bias_rate": 0.0},
+}
+FOUR = {  # inside each group of four ranks (one launch more): HSDP, ZeRO-3 over 2 x 2 ranks
+    "hsdp-zero3": {"parallel.zero": 3, "parallel.dp_replicate": 2, "train.micro_batch": 1},
 }
 MODEL_KEYS = ("model.moe_experts", "model.moe_top_k", "model.moe_bias_rate")  # the joint run's model
 HEAL_STEPS, HEAL_AT = 6, 3  # group 1 of the heal job starts once group 0 has logged HEAL_AT steps alone
@@ -123,7 +127,7 @@ def _jobs(tmp: Path, names: list[str], lighthouses: dict, group: int) -> list[di
             if group == 1:
                 job["wait_for"] = [str(tmp / name / "group0" / "metrics.jsonl"), HEAL_AT]
         else:
-            job = {"overrides": {**MICRO, **ft, **LAYOUTS[name], "parallel.ft_min_replicas": 2},
+            job = {"overrides": {**MICRO, **ft, **{**LAYOUTS, **FOUR}[name], "parallel.ft_min_replicas": 2},
                    "probe": f"{PROBE}:local_state"}
         jobs.append(job)
     return jobs
@@ -132,21 +136,32 @@ def _jobs(tmp: Path, names: list[str], lighthouses: dict, group: int) -> list[di
 @pytest.fixture(scope="module")
 def groups(request, tmp_path_factory):
     """{job: (group 0's results, group 1's results)}: every job this session's tests ask for, run
-    by the two groups (two ranks each) in one launch, with the launch's wall time."""
+    by the two groups in one launch per group size (two ranks each, then four)."""
+    wanted = wanted_params(request, "name")
+    tmp = tmp_path_factory.mktemp("ftl")
+    runs = Runs()
+    runs.folder = tmp  # each job's groups' run folders: folder / job / groupR
+    for nproc, names in ((2, [*LAYOUTS, "heal"]), (4, list(FOUR))):
+        names = [n for n in names if wanted is None or n in wanted]
+        if names:
+            runs.update(_launch(tmp, nproc, names))
+    return runs
+
+
+def _launch(tmp: Path, nproc: int, names: list[str]) -> dict:
+    """Both groups of `nproc` ranks each running `names` one after another, each job with a
+    Lighthouse of its own (a fresh quorum), each group's ranks forked from a thread of its own."""
     from forked_ranks import run_forked
 
-    wanted = wanted_params(request, "name")
-    names = [n for n in [*LAYOUTS, "heal"] if wanted is None or n in wanted]
-    tmp = tmp_path_factory.mktemp("ftl")
     with pytest.MonkeyPatch.context() as mp:
         servers = {n: _lighthouse(mp, 1 if n == "heal" else 2, 30000 if n == "heal" else 1000) for n in names}
         outcome: dict[int, tuple[int, str]] = {}
 
         def run(g: int) -> None:
-            spec = tmp / f"group{g}.json"
+            spec = tmp / f"group{g}-{nproc}.json"
             spec.write_text(json.dumps({"jobs": _jobs(tmp, names, {n: a for n, (_, a) in servers.items()}, g),
-                                        "out": str(tmp / f"group{g}.out.json")}))
-            outcome[g] = run_forked("dist_worker:main", [str(spec)], 2, timeout=400)
+                                        "out": str(spec.with_suffix(".out.json"))}))
+            outcome[g] = run_forked("dist_worker:main", [str(spec)], nproc, timeout=400)
 
         t0 = time.monotonic()
         threads = [threading.Thread(target=run, args=(g,)) for g in (0, 1)]
@@ -159,11 +174,9 @@ def groups(request, tmp_path_factory):
             server.shutdown()
     for g in (0, 1):
         assert outcome[g][0] == 0, f"group {g} failed:\n{outcome[g][1][-6000:]}"
-    results = [json.loads((tmp / f"group{g}.out.json").read_text()) for g in (0, 1)]
-    print(f"{len(names)} jobs of 2 groups x 2 ranks in {seconds:.1f} s")
-    runs = Runs({n: (a, b) for n, a, b in zip(names, *results, strict=True)})
-    runs.folder = tmp  # each job's groups' run folders: folder / job / groupR
-    return runs
+    results = [json.loads((tmp / f"group{g}-{nproc}.out.json").read_text()) for g in (0, 1)]
+    print(f"{len(names)} jobs of 2 groups x {nproc} ranks in {seconds:.1f} s")
+    return {n: (a, b) for n, a, b in zip(names, *results, strict=True)}
 
 
 class Runs(dict):
@@ -184,14 +197,14 @@ def joint(tmp_path_factory):
         return fit_reference(cfg)["history"]
 
     runs = Lazy({"dense": lambda: fit({}), "moe": lambda: fit(_model(LAYOUTS["ep2-zero3"]))})
-    return lambda name: runs["moe" if _model(LAYOUTS[name]) else "dense"]
+    return lambda name: runs["moe" if _model({**LAYOUTS, **FOUR}[name]) else "dense"]
 
 
 def _crc(result: dict) -> list[dict]:
     return [r["probe"]["crc"] for r in sorted(result["ranks"], key=lambda r: r["rank"])]
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [*LAYOUTS, *FOUR])
 def test_two_groups_of_a_layout_train_as_one_process_on_their_joint_batch(groups, joint, name):
     """Both groups in every step (min_replicas 2): the mean of their losses and their common
     gradient norm are one process's on the joint batch, and the two groups end with the same

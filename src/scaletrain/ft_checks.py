@@ -8,9 +8,9 @@ def fault_tolerance_problems(par, model=None) -> list[str]:
     what fault tolerance does not protect yet inside a replica group.
 
     Every group has the same layout and rank i of each group pairs with rank i of the others (its
-    all-reduce, and what it sends a healing peer), so each rank's local tensors (a ZeRO-3 or tensor-
-    parallel shard, a pipeline stage, an expert-parallel rank's experts) line up with the same ones elsewhere:
-    with dp_sync=step any layout inside a group is protected (tests/test_ft_layouts.py)."""
+    all-reduce, and what it sends a healing peer), so each rank's local tensors (its ZeRO-3 or
+    tensor-parallel shard, its pipeline stages, its experts) line up with the same ones in the other
+    groups: with dp_sync=step any layout inside a group is protected (tests/test_ft_layouts.py)."""
     if not par.fault_tolerance:
         return []
     errors = []
