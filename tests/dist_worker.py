@@ -5,10 +5,11 @@
     through scaletrain's launcher when a job injects a fault.
 
 SPEC is a JSON file: {"jobs": [{"overrides": {...}, "expect_fail": false, "fault": null}, ...],
-"out": "results.json"}. Rank 0 writes, per job, the logged history (every logged step's loss
-and gradient norm before clipping), a fingerprint of the final weights of the whole model, the
-wall time of fit() and of each train_step on rank 0, the measured model-state bytes and the
-window indices each rank read at step 0.
+"out": "results.json"} (a job may also name a "probe", a "module", and "wait_for": [file, lines]).
+Rank 0 writes, per job, the logged history (every logged step's loss and gradient norm before
+clipping), a fingerprint of the final weights of the whole model, the wall time of fit() and of
+each train_step on rank 0, the measured model-state bytes and the window indices each rank read
+at step 0.
 """
 
 from __future__ import annotations
@@ -107,6 +108,15 @@ def timed_steps(trainer) -> list[float]:
     return seconds
 
 
+def wait_for_lines(path: str, lines: int, timeout: float = 300.0) -> None:
+    """Until file `path` has `lines` lines (another process's metrics rows); past `timeout`: an error."""
+    deadline = time.monotonic() + timeout
+    while not (Path(path).exists() and len(Path(path).read_text().splitlines()) >= lines):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not reach {lines} lines in {timeout:g} s")
+        time.sleep(0.05)
+
+
 def main(spec_path: str) -> None:
     """A rank of the group (the `dist_worker:main` task of scaletrain.launch.worker, which reports failures)."""
     torch.set_num_threads(1)
@@ -114,6 +124,8 @@ def main(spec_path: str) -> None:
     results = []
     rank = int(os.environ["RANK"])
     for job in spec["jobs"]:
+        if job.get("wait_for"):  # [file, lines]: start once another group has written that much (a late group)
+            wait_for_lines(*job["wait_for"])
         cfg = load_config(None, job["overrides"])
         rt = init_worker(cfg)
         inject(job.get("fault"), rank)

@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import tempfile
+import threading
 import time
 
 
@@ -29,10 +30,24 @@ def _server():
     return ctx
 
 
+@functools.cache
+def _ports_given() -> tuple[threading.Lock, set[int]]:
+    return threading.Lock(), set()
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port that this process has not handed out before: groups started from two
+    threads at once (replica groups) must not get the same one between our probe and their rank
+    0's bind. (Starting processes from several threads is safe: the fork server has its own lock.)"""
+    lock, given = _ports_given()
+    with lock:
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in given:
+                given.add(port)
+                return port
 
 
 def _rank(rank: int, world: int, port: int, error_dir: str, stderr_path: str, env: dict, cwd: str, task: str,
@@ -53,8 +68,9 @@ def _rank(rank: int, world: int, port: int, error_dir: str, stderr_path: str, en
 
 def run_forked(task: str, args: list[str], nproc: int, timeout: float = 600) -> tuple[int, str]:
     """Run `task` (MODULE:FUNCTION) with `args` on `nproc` forked ranks; returns (exit code, the
-    ranks' stderr). The first rank to fail stops the others (SIGTERM, then SIGKILL), as the
-    launcher does; its code is the group's. Past `timeout` every rank is stopped: 143."""
+    ranks' stderr). Several groups may run at once, each from its own thread. The first rank to
+    fail stops the others (SIGTERM, then SIGKILL), as the launcher does; its code is the group's.
+    Past `timeout` every rank is stopped: 143."""
     ctx = _server()
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="scaletrain-forked-") as tmp:

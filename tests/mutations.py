@@ -61,6 +61,7 @@ QL = "tests/test_qlora.py"
 HF = "tests/test_hf_families.py"
 CH = "tests/test_chat.py"
 FT = "tests/test_fault_tolerance.py"
+FTL = "tests/test_ft_layouts.py"
 DM = "tests/test_document_mask.py"
 
 MUTANTS = [
@@ -495,13 +496,29 @@ MUTANTS = [
             f"{FT}::test_a_run_with_kills_ends_where_a_clean_run_that_skipped_the_same_steps_ends")),
     Mutant("ft-heal-keeps-its-optimizer-state", "a group healing from a peer takes its weights and step but keeps "
            "its own optimizer state (none, or an older checkpoint's)", "src/scaletrain/parallel/fault_tolerance.py",
-           '        self.optimizer.load_state_dict(peer["optim"])\n', "        pass\n",
+           '        _load_local_optimizer_state(self.optimizer, peer["optim"])\n', "        pass\n",
            (f"{FT}::test_a_group_healed_from_a_peer_holds_its_state_bit_for_bit",)),
     Mutant("ft-heal-keeps-its-skipped-count", "a group healing from a peer takes its step but not its count of "
            "skipped steps", "src/scaletrain/parallel/fault_tolerance.py",
            'self.state.step, self.state.skipped_steps = int(peer["step"]), int(peer["skipped_steps"])',
            'self.state.step = int(peer["step"])',
            (f"{FT}::test_a_group_healed_from_a_peer_holds_its_state_bit_for_bit",)),
+    # any layout inside a replica group (tests/test_ft_layouts.py: 2 groups x 2 ranks, no launcher)
+    Mutant("ft-groups-skip-sharded-grads", "the replica groups average the plain gradients only, not the local "
+           "shards of DTensor ones (ZeRO-3, tensor parallel)", "src/scaletrain/parallel/fault_tolerance.py",
+           "grads = [_local(p.grad) for _, p in named if p.grad is not None]",
+           "grads = [p.grad for _, p in named if p.grad is not None and not hasattr(p.grad, 'to_local')]",
+           (f"{FTL}::test_two_groups_of_a_layout_train_as_one_process_on_their_joint_batch[zero3]",
+            f"{FTL}::test_two_groups_of_a_layout_train_as_one_process_on_their_joint_batch[tp2]")),
+    Mutant("ft-group-ranks-read-overlapping-windows", "with data parallelism inside the replica groups, group r's "
+           "ranks read from data-parallel rank r on (the groups' shares overlap)", "src/scaletrain/data/mix.py",
+           "index * b.dp + dp_rank", "index + dp_rank",
+           (f"{FTL}::test_two_groups_of_a_layout_train_as_one_process_on_their_joint_batch[zero3]",
+            f"{FTL}::test_two_groups_of_a_layout_train_as_one_process_on_their_joint_batch[dp-replicate2]")),
+    Mutant("ft-heal-leaves-sharded-optimizer-state", "a healing rank creates its optimizer state but does not copy "
+           "its counterpart's local state tensors into it", "src/scaletrain/parallel/fault_tolerance.py",
+           "                _local(mine[k]).copy_(v)\n", "                pass\n",
+           (f"{FTL}::test_a_late_zero3_group_heals_from_its_peers_shards_and_then_holds_them_bit_for_bit[heal]",)),
     # packing without cross-document attention (data.document_mask, tests/test_document_mask.py)
     Mutant("docmask-attends-across-documents", "a packed document's queries see the keys of the documents before "
            "it (the mask is plain causal)", "src/scaletrain/model/transformer.py",

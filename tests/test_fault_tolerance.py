@@ -33,9 +33,11 @@ GROUP = [f"--{k}={v}" for k, v in {**MICRO, "train.global_batch": 4, "train.micr
                                                              "from 0 to 1"]),
     ({"parallel.ft_groups": 2, "parallel.ft_min_replicas": 3}, ["parallel.ft_min_replicas=3 is above "
                                                                "parallel.ft_groups=2"]),
-    ({"parallel.tp": 2}, ["does not protect parallel.tp=2 yet"]),
+    ({"parallel.ep": 2, "parallel.dp_sync": "diloco"}, ["dp_sync=diloco does not protect parallel.ep=2 yet"]),
+    ({"model.moe_experts": 4}, ["model.moe_bias_rate=0.001", "drift apart", "set model.moe_bias_rate=0"]),
     ({"parallel.zero": 3, "parallel.dp_sync": "diloco", "parallel.dp_replicate": 2},
-     ["does not protect parallel.zero=3, parallel.dp_replicate=2, parallel.dp_sync=diloco yet"]),
+     ["with parallel.dp_sync=diloco does not protect parallel.zero=3, parallel.dp_replicate=2 yet"]),
+    ({"parallel.tp": 2, "parallel.dp_sync": "local_sgd"}, ["dp_sync=local_sgd does not protect parallel.tp=2"]),
     ({"parallel.ft_lighthouse": ""}, ["needs parallel.ft_lighthouse=http://HOST:PORT"]),
 ])
 def test_bad_fault_tolerance_options_are_one_line_each(options, fragments):
@@ -44,6 +46,15 @@ def test_bad_fault_tolerance_options_are_one_line_each(options, fragments):
     assert len(e.value.lines) == 1
     for f in fragments:
         assert f in e.value.lines[0], e.value.lines[0]
+
+
+def test_any_layout_inside_a_group_is_accepted_with_dp_sync_step():
+    """tp, pp, cp, ep, ZeRO-3 and HSDP inside each group (tests/test_ft_layouts.py runs them), and a
+    mixture of experts balanced by its auxiliary loss alone."""
+    load_config(None, {**FT, "parallel.tp": 2, "parallel.pp": 2, "parallel.cp": 2, "parallel.zero": 3,
+                       "parallel.dp_replicate": 2})
+    load_config(None, {**FT, "parallel.ep": 2, "model.moe_experts": 4, "model.moe_bias_rate": 0})
+    load_config(None, {**FT, "model.moe_experts": 4, "model.moe_bias_rate": 0, "model.moe_aux_loss": 0.01})
 
 
 def test_diloco_across_groups_is_accepted_whole_and_refused_streamed_in_one_line():

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 
-def fault_tolerance_problems(par) -> list[str]:
-    """parallel.ft_*'s problems (`par`: the config's ParallelConfig), and the layouts inside a replica
-    group that fault tolerance does not protect yet (their state or their collectives span more than
-    what the groups heal and average)."""
+def fault_tolerance_problems(par, model=None) -> list[str]:
+    """parallel.ft_*'s problems (`par`: the config's ParallelConfig, `model`: its ModelConfig), and
+    what fault tolerance does not protect yet inside a replica group.
+
+    Every group has the same layout and rank i of each group pairs with rank i of the others (its
+    all-reduce, and what it sends a healing peer), so each rank's local tensors (its ZeRO-3 or
+    tensor-parallel shard, its pipeline stages, its experts) line up with the same ones in the other
+    groups: with dp_sync=step any layout inside a group is protected (tests/test_ft_layouts.py)."""
     if not par.fault_tolerance:
         return []
     errors = []
@@ -19,12 +23,19 @@ def fault_tolerance_problems(par) -> list[str]:
     if not par.ft_lighthouse:
         errors.append("parallel.fault_tolerance needs parallel.ft_lighthouse=http://HOST:PORT, the address "
                       "`scaletrain lighthouse` prints")
+    if model is not None and model.moe_experts and model.moe_bias_rate:
+        errors.append(f"parallel.fault_tolerance with model.moe_bias_rate={model.moe_bias_rate:g}: each group would "
+                      "move its experts' routing biases by its own tokens' load (neither averaged across the groups "
+                      "nor healed), and the groups' models would drift apart; set model.moe_bias_rate=0 (balance "
+                      "with model.moe_aux_loss instead)")
+    if par.dp_sync == "step":
+        return errors
+    # local SGD / DiLoCo: the groups are the workers (dp_replicate = 1, one level of workers)
     unprotected = [f"parallel.{name}={value}" for name, value, ok in (
         ("tp", par.tp, 1), ("pp", par.pp, 1), ("cp", par.cp, 1), ("ep", par.ep, 1), ("zero", par.zero, None),
-        ("dp_replicate", par.dp_replicate, 1), ("dp_sync", par.dp_sync, "step")) if
-        (value == 3 if ok is None else value != ok) and (name != "dp_sync" or par.dp_replicate > 1)]
+        ("dp_replicate", par.dp_replicate, 1)) if (value == 3 if ok is None else value != ok)]
     if unprotected:
-        errors.append(f"parallel.fault_tolerance does not protect {', '.join(unprotected)} yet: inside a replica "
-                      "group it takes DDP or ZeRO-1/2 over dp_shard ranks, and the groups themselves are the "
-                      "replicas (leave dp_replicate at 1, dp_sync=step)")
-    return errors  # (local SGD / DiLoCo with dp_replicate = 1: the groups are the workers; Layout.errors)
+        errors.append(f"parallel.fault_tolerance with parallel.dp_sync={par.dp_sync} does not protect "
+                      f"{', '.join(unprotected)} yet: the replica groups are the workers, each DDP or ZeRO-1/2 "
+                      "inside (leave dp_replicate at 1; with dp_sync=step any layout works inside a group)")
+    return errors  # (streamed, delayed or compressed syncs across the groups: Layout.errors)

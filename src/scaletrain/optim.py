@@ -84,6 +84,23 @@ def get_lr(optimizer: torch.optim.Optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
 
 
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state tensors (so that a checkpoint, or a peer's state, can be loaded
+    into them) by taking one step with zero gradients and a zero learning rate; the weights do not move."""
+    if all(p in optimizer.state and optimizer.state[p] for g in optimizer.param_groups for p in g["params"]):
+        return
+    saved_lr = get_lr(optimizer)
+    set_lr(optimizer, 0.0)
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+    set_lr(optimizer, saved_lr)
+    optimizer.zero_grad(set_to_none=True)
+
+
 def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors that hold a (possibly subclassed or sharded) tensor's data."""
     if isinstance(t, DTensor):

@@ -1,22 +1,29 @@
 """Fault tolerance across replica groups, on torchft: the groups that are alive go on when one dies.
 
 A fault-tolerant job is `parallel.ft_groups` = R replica groups, each an ordinary run of its own
-ranks (`scaletrain train`, one process or `--nproc N` with DDP or ZeRO-1/2 inside), started with its
-`parallel.ft_replica_id`, and a Lighthouse (`scaletrain lighthouse`) that forms a quorum of the
-groups alive at every step. Each rank of a group has a torchft Manager; the group's step goes
-through this module's `ReplicaGroups` step hook:
+ranks (`scaletrain train`, one process or `--nproc N` with any layout inside: DDP, ZeRO-1/2/3, HSDP,
+tp, pp, cp, ep; every group the same), started with its `parallel.ft_replica_id`, and a Lighthouse
+(`scaletrain lighthouse`) that forms a quorum of the groups alive at every step. Each rank of a
+group has a torchft Manager, and torchft pairs rank i of every group with rank i of the others
+(their all-reduce; a healing rank fetches from its counterpart): in groups of one layout the two
+hold the same shard, stage or copy, so everything below works on each rank's LOCAL tensors (a
+DTensor's local shard). The group's step goes through this module's `ReplicaGroups` step hook:
 
     begin_step        join the step's quorum (synchronous: a group behind the quorum's newest step
                       heals here, from a live peer, before its forward)
-    reduce_gradients  after the group's own reduction: the gradients averaged over the groups in
+    reduce_gradients  after the group's own reductions (the data-parallel engine's in backward or
+                      finish_gradients, then the other hooks': cp, tp K/V copies, a tied embedding;
+                      this hook comes last): each rank's local gradients averaged over the groups in
                       the quorum (torchft's fault-tolerant all-reduce, on a gloo group it reconfigures
-                      when the membership changes)
-    agree_to_skip     the commit vote: a step whose all-reduce failed (a group died in it) is not
-                      committed, and the optimizer does not step in any group that saw the failure
+                      when the membership changes), before the norm and the clipping
+    agree_to_skip     the commit vote, agreed by every rank of a group (torchft's should_commit):
+                      a step whose all-reduce failed (a group died in it) is not committed, and the
+                      optimizer does not step in any group that saw the failure
 
-With parallel.dp_sync = local_sgd | diloco (dp_replicate = 1) the groups are the workers of local SGD
-/ DiLoCo instead: `ReplicaGroupsOuter` joins a quorum per window of sync_every steps, averages the
-pseudo-gradient over it at the window's end and discards a window the vote does not commit.
+With parallel.dp_sync = local_sgd | diloco (dp_replicate = 1; DDP or ZeRO-1/2 inside each group,
+scaletrain.ft_checks) the groups are the workers of local SGD / DiLoCo instead: `ReplicaGroupsOuter`
+joins a quorum per window of sync_every steps, averages the pseudo-gradient over it at the window's
+end and discards a window the vote does not commit.
 
 Batch and learning rate: each group reads its own share of every step's windows (group r of R
 reads what data-parallel rank r of a run with dp_replicate=R reads), so train.global_batch is one
@@ -26,14 +33,18 @@ averaged, so the learning rate stays as configured (not scaled with the groups a
 group alive the step equals a DDP step of R × train.global_batch over dp_replicate=R ranks.
 
 Healing: a group that comes back (its supervisor restarts it, from its newest checkpoint or from
-nothing) joins the quorum before its first step; torchft sees it behind the newest step and
-fetches, over HTTP from a live peer, the state this hook hands out: the weights the optimizer
-steps, the optimizer state, and the run's step (the data position and the learning rate follow
-from it). The step counted by torchft is the committed steps; a step nobody committed is a
-skipped step of the run (weights untouched, the data moves on) in every group alike.
+nothing) joins the quorum before its first step; torchft sees it behind the newest step and each
+rank fetches, over HTTP from its counterpart in a live peer, the state this hook hands out: its
+local weights the optimizer steps, its local optimizer state (copied into this group's own state
+tensors, which keep their mesh), and the run's step (the data position and the learning rate follow
+from it); then `refresh` rebuilds what the model computes with (bf16 weights from fp32 masters,
+ZeRO-1/2's gathered replicas, fp8 scales). The step counted by torchft is the committed steps; a
+step nobody committed is a skipped step of the run (weights untouched, the data moves on) in every
+group alike.
 
-Checkpoints: written by the lowest replica id in the step's quorum only (`writes_checkpoint`);
-after a restart of everything, the groups resume their newest checkpoint and heal from whichever
+Checkpoints: written by the lowest replica id in the step's quorum only (`writes_checkpoint`:
+every rank of a group has the same answer, so the group's ranks save together); after a restart
+of everything, the groups resume their newest checkpoint and heal from whichever
 holds the newest step.
 """
 
@@ -51,6 +62,7 @@ import torch
 from torch import nn
 
 from scaletrain.errors import ConfigError, TrainingStopped
+from scaletrain.optim import init_optimizer_state
 from scaletrain.parallel.hooks import Named, StepHook
 
 WAIT_NOTE_S = 2.0  # a quorum slower than this is a wait for groups (a split, or a group restarting): said once
@@ -152,7 +164,9 @@ class ReplicaGroups(StepHook):
     # ---- what a healing peer receives ---------------------------------------------------------
 
     def _peer_state(self) -> dict:
-        return {"params": {n: _local(p) for n, p in self.named}, "optim": self.optimizer.state_dict(),
+        # this rank's local tensors only (a DTensor's shard: its mesh means nothing in another group);
+        # the healing rank is the same rank of a group of the same layout, so it holds the same shards
+        return {"params": {n: _local(p) for n, p in self.named}, "optim": _local_optimizer_state(self.optimizer),
                 "step": self.state.step, "skipped_steps": self.state.skipped_steps,
                 "early_loss": self.state.early_loss}
 
@@ -160,7 +174,7 @@ class ReplicaGroups(StepHook):
         with torch.no_grad():
             for n, p in self.named:
                 _local(p).copy_(peer["params"][n])
-        self.optimizer.load_state_dict(peer["optim"])
+        _load_local_optimizer_state(self.optimizer, peer["optim"])
         self.state.step, self.state.skipped_steps = int(peer["step"]), int(peer["skipped_steps"])
         self.state.early_loss = peer["early_loss"]
         self.refresh()  # what the model computes with (ZeRO-1/2: the shards gathered)
@@ -369,6 +383,36 @@ class _Vote:
 def _loopback(address: str) -> bool:
     host = urlsplit(address if "://" in address else f"http://{address}").hostname or ""
     return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
+    """The optimizer's state by the parameters' order, each tensor as this rank's local part."""
+    return {i: {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in optimizer.state[p].items()}
+            for i, p in enumerate(_optimizer_params(optimizer)) if optimizer.state.get(p)}
+
+
+@torch.no_grad()
+def _load_local_optimizer_state(optimizer: torch.optim.Optimizer, peer: dict[int, dict]) -> None:
+    """A peer's `_local_optimizer_state` copied into this optimizer's own state tensors (created
+    first where it has none: a group that never stepped), so that each keeps its kind (a DTensor
+    shard's mesh and placement are this group's)."""
+    params = _optimizer_params(optimizer)
+    if any(i in peer and not optimizer.state.get(p) for i, p in enumerate(params)):
+        init_optimizer_state(optimizer)
+    for i, p in enumerate(params):
+        if i not in peer:  # the peer has not stepped it (no gradient yet): neither has this group now
+            optimizer.state.pop(p, None)
+            continue
+        mine = optimizer.state[p]
+        for k, v in peer[i].items():
+            if isinstance(v, torch.Tensor) and isinstance(mine.get(k), torch.Tensor):
+                _local(mine[k]).copy_(v)
+            else:
+                mine[k] = v
 
 
 def _local(t: torch.Tensor | nn.Parameter) -> torch.Tensor:

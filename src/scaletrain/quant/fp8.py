@@ -85,15 +85,14 @@ def precompute_fp8_scales(modules: list[nn.Module]) -> None:
 
 
 class Fp8ScaleStep(StepHook):
-    """ZeRO-3 gathering fp8 weights (tensorwise scales): after each applied optimizer step, the
-    scales of the next step's all-gathers, for every sharded weight at once."""
+    """ZeRO-3 gathering fp8 weights (tensorwise scales): whenever the weights change (an applied
+    optimizer step, a resume, a heal from a replica group's peer), the scales of the next step's
+    all-gathers, for every sharded weight at once."""
 
     phase = "the fp8 weights' scales (one all-reduce)"
 
     def __init__(self, modules: list[nn.Module]):
         self.modules = modules
 
-    def after_optimizer_step(self, applied: bool) -> bool:
-        if applied:
-            precompute_fp8_scales(self.modules)
-        return False
+    def refresh_weights(self) -> None:
+        precompute_fp8_scales(self.modules)

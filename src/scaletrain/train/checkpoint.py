@@ -54,7 +54,6 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from scaletrain import atomic
 from scaletrain.config import locate_data, relative_data
 from scaletrain.errors import CheckpointError
-from scaletrain.optim import get_lr, set_lr
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
 TRAINER_FILE = "trainer.json"
@@ -149,23 +148,6 @@ def _jsonable(v: Any) -> Any:
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     raise TypeError(f"cannot store optimizer setting {v!r} in a checkpoint")
-
-
-@torch.no_grad()
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state tensors (so that a checkpoint can be loaded into them) by
-    taking one step with zero gradients and a zero learning rate; the weights do not move."""
-    if all(p in optimizer.state and optimizer.state[p] for g in optimizer.param_groups for p in g["params"]):
-        return
-    saved_lr = get_lr(optimizer)
-    set_lr(optimizer, 0.0)
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-    optimizer.step()
-    set_lr(optimizer, saved_lr)
-    optimizer.zero_grad(set_to_none=True)
 
 
 def restore_optimizer_extras(optimizer: torch.optim.Optimizer, names: dict[int, str], skeleton: dict) -> None:

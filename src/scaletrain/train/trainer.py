@@ -32,7 +32,7 @@ from scaletrain.model.flops import flops_per_token
 from scaletrain.model.generate import sample_text
 from scaletrain.model.loss import cross_entropy_sum
 from scaletrain.model.transformer import Transformer
-from scaletrain.optim import build_optimizer, get_lr, set_lr
+from scaletrain.optim import build_optimizer, get_lr, init_optimizer_state, set_lr
 from scaletrain.parallel import fault_tolerance, pipeline
 from scaletrain.parallel.data_parallel import DataParallel, clip_gradients, model_state_bytes
 from scaletrain.parallel.hooks import StepHooks
@@ -216,7 +216,7 @@ class Trainer:
                                     peak_lr=self.schedule.peak)
         ckpt.check_sync(path, state, self.layout)
         self.hooks.prepare_load(state)
-        ckpt.init_optimizer_state(self.optimizer)
+        init_optimizer_state(self.optimizer)
         # resume=auto verified the files while choosing this checkpoint; a given path is verified here
         ckpt.load_tensors(path, self.checkpoint_tensors(), verify=self.cfg.checkpoint.resume != "auto")
         ckpt.restore_optimizer_extras(self.optimizer, self.param_names, state["optimizer"])
