@@ -7,8 +7,8 @@
 SPEC is a JSON file: {"jobs": [{"overrides": {...}, "expect_fail": false, "fault": null}, ...],
 "out": "results.json"} (a job may also name a "probe", a "module", and "wait_for": [file, lines]).
 Rank 0 writes, per job, the logged history (every logged step's loss and gradient norm before
-clipping), a fingerprint of the final weights of the whole model, the wall time of fit() and of
-each train_step on rank 0, the measured model-state bytes and the window indices each rank read
+clipping), a fingerprint of the final weights of the whole model, the wall time of the whole job, of
+fit() and of each train_step on rank 0, the measured model-state bytes and the window indices each rank read
 at step 0.
 """
 
@@ -124,6 +124,7 @@ def main(spec_path: str) -> None:
     results = []
     rank = int(os.environ["RANK"])
     for job in spec["jobs"]:
+        job_t0 = time.perf_counter()
         if job.get("wait_for"):  # [file, lines]: start once another group has written that much (a late group)
             wait_for_lines(*job["wait_for"])
         cfg = load_config(None, job["overrides"])
@@ -163,7 +164,8 @@ def main(spec_path: str) -> None:
         results.append({"losses": [(r["step"], r["loss"]) for r in result["history"]],
                         "history": result["history"], "ranks": gathered, "num_params": trainer.num_params,
                         "start_step": result["history"][0]["step"] if result["history"] else None,
-                        "weights": whole, "weights_spread": spread, "fit_s": fit_s, "step_s": step_s})
+                        "weights": whole, "weights_spread": spread, "fit_s": fit_s, "step_s": step_s,
+                        "job_s": time.perf_counter() - job_t0})
         dist.barrier()
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps(results))

@@ -1,10 +1,10 @@
 """The planner's calibration of the machine at hand (scaletrain.plan.calibrate, issue 24): the
-fitted figures, the cache and its key, the calibrated time model, `plan --calibrate`, the
-measured ranking, and `parallel.auto_measure_s`."""
+fitted figures, the cache and its key, the calibrated time model, `plan --calibrate` and
+`parallel.auto_measure_s`. The ranking against measured step times is a timing, so it lives in
+benchmarks/planner_ranking.py (docs/benchmarks.md), not here."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import pytest
@@ -222,41 +222,6 @@ def test_plan_calibrate_measures_this_machine_once_then_reads_the_cache(shared_c
     # the same ranking; only the search's own seconds ("searched N layouts in 0.06 s") may differ
     assert table(second.stdout) == table(first.stdout)
     assert "Step times calibrated on this machine for 2 rank(s)" in second.stdout
-
-
-@pytest.mark.multiproc
-@pytest.mark.slow
-def test_the_calibrated_planner_orders_clearly_different_layouts_as_measured(shared_cache, monkeypatch):
-    """A smaller set than benchmarks/planner_ranking.py, of layouts far apart on this machine."""
-    import functools
-
-    from scaletrain.hardware import local_hardware
-    from scaletrain.measure import calibration, kendall_tau, measure_evaluations
-    from scaletrain.plan import calibrated, evaluate
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(shared_cache))
-    overrides = {"model.dim": 128, "model.n_layers": 4, "model.n_heads": 4, "data.seq_len": 64,
-                 "model.max_seq_len": 64, "train.global_batch": 8, "train.device": "cpu"}
-    cfg = load_config("configs/tiny.toml", overrides)
-    layouts = [{"zero": 0, "micro_batch": 4}, {"zero": 0, "micro_batch": 1, "ac": "full"},
-               {"tp": 2, "sp": True, "micro_batch": 1}, {"pp": 2, "schedule": "gpipe", "micro_batch": 1}]
-    common = dict(hardware=local_hardware(torch.device("cpu")), nodes=1, gpus_per_node=2, seq_len=64,
-                  global_batch=8, precision="32-true", gpu=False)
-    first = plan(cfg.model, layout=layouts[0], **common)
-    fixed = [plan(cfg.model, layout=lay, **common)["layouts"][0].layout for lay in layouts]
-    cluster = calibrated(first["cfg"], first["workload"], first["cluster"], fixed, False,
-                         functools.partial(calibration, note=None))
-    predicted = [evaluate(first["cfg"], first["workload"], cluster, lay, gpu=False) for lay in fixed]
-    # two rounds, the layouts in turn, each keeping its fastest: a burst of other work slows them alike
-    rows, _ = measure_evaluations("configs/tiny.toml", predicted, 2, overrides, steps=3, memory=False, rounds=2)
-    p, m = [r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]
-    assert kendall_tau(p, m) >= 0.66, rows  # at most one pair of the four swapped
-    # predicted/measured of every layout within one factor-4 band (as 0.5 to 2 around 1 would be),
-    # wherever the band lies: the calibration and these steps ran at different moments, and other
-    # work on the machine in between scales every measured step alike, not their ratios
-    ratios = [a / b for a, b in zip(p, m)]
-    assert max(ratios) / min(ratios) < 4.0, rows
-    assert math.isfinite(sum(p))
 
 
 @pytest.mark.multiproc
