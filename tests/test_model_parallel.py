@@ -41,10 +41,14 @@ LLAMA = {"model.norm": "rmsnorm", "model.activation": "swiglu", "model.position"
 
 # tied embeddings under pipelining: the first and the last stage each hold the shared weight
 TIED = {"model.tie_embeddings": True}
+# a step in one micro-batch (one dp rank: 8 sequences; two: 4 each): tensor and context parallelism's
+# collectives once per step instead of per micro-batch, each a round trip between processes on CPU.
+# The layouts without it (tp2, dp2xtp2-zero1/2/3, cp4-allgather, ...) keep accumulating under tp and cp
+WHOLE, WHOLE_DP2 = {"train.micro_batch": 8}, {"train.micro_batch": 4}
 
 TWO = [
     ("tp2", {"parallel.tp": 2}),
-    ("tp2-sp", {"parallel.tp": 2, "parallel.sp": True}),
+    ("tp2-sp", {"parallel.tp": 2, "parallel.sp": True, **WHOLE}),
     ("pp2-gpipe", {"parallel.pp": 2, "parallel.pp_schedule": "gpipe"}),
     ("pp2-1f1b", {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}),
     ("pp2-interleaved", {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b",
@@ -52,7 +56,7 @@ TWO = [
     ("pp2-zero-bubble", {"parallel.pp": 2, "parallel.pp_schedule": "zero-bubble", "parallel.pp_virtual_stages": 2}),
     ("pp2-one-microbatch", {"parallel.pp": 2, "parallel.pp_schedule": "gpipe", "train.micro_batch": 8}),
     ("pp2-bias-gelu", {"parallel.pp": 2, "model.bias": True, "model.position": "rope"}),
-    ("tp2-sgd-noclip", {"parallel.tp": 2, **SGD}),
+    ("tp2-sgd-noclip", {"parallel.tp": 2, **SGD, **WHOLE}),
     ("pp2-interleaved-sgd-noclip", {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b",
                                     "parallel.pp_virtual_stages": 2, **SGD}),
     ("pp2-tied", {"parallel.pp": 2, "checkpoint.save_final": True, **TIED}),  # exported below
@@ -65,12 +69,14 @@ FOUR = [
     ("dp2xtp2-zero2-sp", {"parallel.tp": 2, "parallel.zero": 2, "parallel.sp": True}),
     ("dp2xtp2-zero3", {"parallel.tp": 2, "parallel.zero": 3}),
     ("dp2xpp2-ddp", {"parallel.pp": 2, "parallel.zero": 0}),
-    ("dp2xtp2-zero0-sp", {"parallel.tp": 2, "parallel.zero": 0, "parallel.sp": True}),  # FSDP-style replicate
-    ("dp2xtp2-zero1-sp-sgd-noclip", {"parallel.tp": 2, "parallel.zero": 1, "parallel.sp": True, **SGD}),
+    # FSDP-style replicate
+    ("dp2xtp2-zero0-sp", {"parallel.tp": 2, "parallel.zero": 0, "parallel.sp": True, **WHOLE_DP2}),
+    ("dp2xtp2-zero1-sp-sgd-noclip", {"parallel.tp": 2, "parallel.zero": 1, "parallel.sp": True, **SGD,
+                                     **WHOLE_DP2}),
     ("tp2xpp2-tied", {"parallel.tp": 2, "parallel.pp": 2, **TIED}),
     # fewer K/V heads than tp: each K/V head replicated on the ranks whose query heads read it
-    ("tp4-kv1", {"parallel.tp": 4, **LLAMA, "model.n_kv_heads": 1}),
-    ("tp4-kv2-sp", {"parallel.tp": 4, "parallel.sp": True, **LLAMA}),
+    ("tp4-kv1", {"parallel.tp": 4, **LLAMA, "model.n_kv_heads": 1, **WHOLE}),
+    ("tp4-kv2-sp", {"parallel.tp": 4, "parallel.sp": True, **LLAMA, **WHOLE}),
 ]
 # context parallelism: each method at cp 2 and cp 4, and cp composed with ZeRO-3, tp and pp; the
 # Llama shape (rotary positions, 2 K/V heads: fewer than cp 4) and GPT-2's learned positions
@@ -81,11 +87,11 @@ CP_TWO = [
     ("cp2-ulysses-llama", {**CP, "parallel.cp_method": "ulysses", **LLAMA}),
 ]
 CP_FOUR = [
-    ("cp4-ring-llama", {"parallel.cp": 4, "parallel.cp_method": "ring", **LLAMA}),
+    ("cp4-ring-llama", {"parallel.cp": 4, "parallel.cp_method": "ring", **LLAMA, **WHOLE}),
     ("cp4-allgather", {"parallel.cp": 4, "parallel.cp_method": "allgather"}),
-    ("cp4-ulysses-llama", {"parallel.cp": 4, "parallel.cp_method": "ulysses", **LLAMA}),
+    ("cp4-ulysses-llama", {"parallel.cp": 4, "parallel.cp_method": "ulysses", **LLAMA, **WHOLE}),
     ("dp2xcp2-zero3", {**CP, "parallel.zero": 3}),
-    ("cp2xtp2-ring-llama", {**CP, "parallel.tp": 2, **LLAMA}),
+    ("cp2xtp2-ring-llama", {**CP, "parallel.tp": 2, **LLAMA, **WHOLE}),
     ("cp2xpp2-ring", {**CP, "parallel.pp": 2}),
 ]
 EIGHT = [
