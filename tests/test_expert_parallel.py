@@ -216,20 +216,17 @@ def test_layout_errors(tmp_path, overrides, world, fragment):
     assert sum(fragment in p for p in problems) == 1, problems
 
 
+@pytest.mark.usefixtures("forked_launches")  # verify's ranks forked (conftest.forked_launches)
 def test_diloco_workers_with_expert_parallelism_pass_verify(tmp_path):
     """2 DiLoCo workers of 2 ranks each, experts split over each worker's 2 ranks: every step's
     loss and gradient norm as verify's simulation of the workers (the experts' gradients are
     averaged within a worker, never across workers between syncs)."""
-    import subprocess
-    import sys
-
-    from conftest import REPO
+    from conftest import run_here
 
     args = [f"--{k}={v}" for k, v in {**MICRO, **MOE, "parallel.dp_replicate": 2, "parallel.dp_shard": 2,
                                       "parallel.ep": 2, "parallel.dp_sync": "diloco",
                                       "parallel.sync_every": 2}.items()
             if not k.startswith(("log.", "checkpoint.", "train.steps"))]
-    r = subprocess.run([sys.executable, "-m", "scaletrain", "verify", f"--steps={STEPS}", *args, "--nproc=4"],
-                       capture_output=True, text=True, cwd=REPO, timeout=900)
+    r = run_here("verify", f"--steps={STEPS}", *args, "--nproc=4")
     verdict = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
     assert r.returncode == 0 and verdict.endswith(" (precision 32-true): PASS"), f"{r.stdout}{r.stderr}"

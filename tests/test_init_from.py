@@ -112,6 +112,7 @@ def test_init_from_weights_of_another_shape_is_refused(tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.usefixtures("forked_launches")  # verify's ranks forked (conftest.forked_launches)
 @pytest.mark.parametrize("layout", [
     ["--nproc=2", "--parallel.zero=3"],
     ["--parallel.tp=2"],
@@ -121,8 +122,7 @@ def test_fine_tuning_from_hf_passes_verify(tmp_path, layout):
     make_hf("qwen3", tmp_path / "hf")
     args = [f"--{k}={v}" for k, v in {**MICRO, **hf_overrides(tmp_path / "hf")}.items()
             if not k.startswith(("log.", "checkpoint."))]
-    r = subprocess.run([sys.executable, "-m", "scaletrain", "verify", "--steps=4", *args, *layout],
-                       capture_output=True, text=True, cwd=REPO, timeout=600)
+    r = run_here("verify", "--steps=4", *args, *layout)
     verdict = r.stdout.strip().splitlines()[-1]  # verify's last line is its verdict
     assert r.returncode == 0 and verdict.startswith("largest relative difference: loss ") and \
         verdict.endswith(" (precision 32-true): PASS"), f"{verdict_margin(verdict)}\n{r.stdout}{r.stderr}"
