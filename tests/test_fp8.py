@@ -129,6 +129,7 @@ def test_compile_with_fp8_gives_the_eager_losses(tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.usefixtures("forked_launches")  # verify's ranks forked (conftest.forked_launches)
 def test_fp8_under_zero3_with_fp8_all_gather_tracks_one_process(tmp_path):
     """2 ranks of ZeRO-3 whose tensorwise weights are all-gathered in fp8 (and their scales
     precomputed after each step) against one process of fp8, through `scaletrain verify`: the
@@ -137,8 +138,7 @@ def test_fp8_under_zero3_with_fp8_all_gather_tracks_one_process(tmp_path):
     args = [f"--{k}={v}" for k, v in {**MICRO, **FP8}.items() if not k.startswith(("log.", "checkpoint."))]
     # (that a run of this layout says its all-gather is in fp8, which verify does not print, the
     # resume test below checks on its first run)
-    r = subprocess.run([sys.executable, "-m", "scaletrain", "verify", "--steps=4", *args, "--nproc=2",
-                        "--parallel.zero=3"], capture_output=True, text=True, cwd=REPO, timeout=600)
+    r = run_here("verify", "--steps=4", *args, "--nproc=2", "--parallel.zero=3")
     verdict = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr
     m = re.match(r"largest relative difference: loss ([\d.e+-]+) at step \d+", verdict)
     assert m, f"{r.stdout}{r.stderr}"
