@@ -67,7 +67,7 @@ def measured(tmp_path_factory):
     for ranks in (1, 2):  # one group of processes for all the two-rank layouts
         jobs = [(name, {**bench.BASE, **extra, "log.run_dir": str(tmp / name.replace(" ", "-"))})
                 for name, r, extra in bench.LAYOUTS if r == ranks]
-        for (name, overrides), rows in zip(jobs, measure_layouts([o for _, o in jobs], ranks)):
+        for (name, overrides), rows in zip(jobs, measure_layouts([o for _, o in jobs], ranks, steps=0)):
             out[name] = (load_config(None, overrides), ranks, rows)
     return out
 
@@ -100,7 +100,7 @@ def cp_measured():
     one sequence of 2,048 tokens (two 512-row score tiles per K/V block for ring)."""
     jobs = [cp_bench.overrides_for(2048, 2, method, {"model.n_layers": 2}) for method in CP_METHODS]
     return {method: (load_config(TINY, job), rows)
-            for method, job, rows in zip(CP_METHODS, jobs, measure_layouts(jobs, 2, config=TINY))}
+            for method, job, rows in zip(CP_METHODS, jobs, measure_layouts(jobs, 2, steps=0, config=TINY))}
 
 
 @pytest.mark.parametrize("method", CP_METHODS)
@@ -129,7 +129,7 @@ def adapters_measured(tmp_path_factory):
     for ranks in (1, 2):
         jobs = [(name, {**bench.BASE, **extra, "log.run_dir": str(tmp / name.replace(" ", "-"))})
                 for name, r, extra in ADAPTER_LAYOUTS if r == ranks]
-        for (name, overrides), rows in zip(jobs, measure_layouts([o for _, o in jobs], ranks)):
+        for (name, overrides), rows in zip(jobs, measure_layouts([o for _, o in jobs], ranks, steps=0)):
             out[name] = (load_config(None, overrides), ranks, rows)
     return out
 

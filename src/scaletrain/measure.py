@@ -120,9 +120,9 @@ class _nothing:
 
 
 def measure(trainer, steps: int = 2, live: LiveMemory | None = None, memory: bool = True) -> dict:
-    """Run a few real steps and measure (every rank calls this); `steps` are timed. On CPU the
-    peak needs a `LiveMemory` that saw the trainer built (`measure_run`); without one it is None.
-    `memory=False`: two warm-up steps, then the timed ones."""
+    """Run a few real steps and measure (every rank calls this); `steps` are timed (0: none, the
+    memory figures alone). On CPU the peak needs a `LiveMemory` that saw the trainer built
+    (`measure_run`); without one it is None. `memory=False`: two warm-up steps, then the timed ones."""
     batches = trainer.batches()
     cuda = trainer.device.type == "cuda"
     if not memory:
@@ -149,8 +149,10 @@ def measure(trainer, steps: int = 2, live: LiveMemory | None = None, memory: boo
             "step_time_s": _timed_steps(trainer, batches, steps)}
 
 
-def _timed_steps(trainer, batches, steps: int) -> float:
-    """The median seconds of `steps` training steps."""
+def _timed_steps(trainer, batches, steps: int) -> float | None:
+    """The median seconds of `steps` training steps (None for 0 steps: memory alone)."""
+    if steps == 0:
+        return None
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -308,8 +310,9 @@ def measure_rank(spec: str, out: str) -> int:
 
 
 def _fastest(rounds: list[list[list[dict]]]) -> list[list[dict]]:
-    """Per set and rank, the round whose step was fastest (the slowest rank's time decides)."""
-    return [min(runs, key=lambda rows: max(r["step_time_s"] for r in rows)) for runs in zip(*rounds)]
+    """Per set and rank, the round whose step was fastest (the slowest rank's time decides; the
+    first round where the steps were not timed)."""
+    return [min(runs, key=lambda rows: max(r["step_time_s"] or 0.0 for r in rows)) for runs in zip(*rounds)]
 
 
 def run_layout(config: str, layout, nproc: int, overrides: dict | None = None) -> list[dict]:
