@@ -77,7 +77,10 @@ def lighthouse(args: argparse.Namespace, extra: list[str]) -> int:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         server.shutdown()
-    print("lighthouse stopped", flush=True)
+    try:
+        print("lighthouse stopped", flush=True)
+    except BrokenPipeError:  # whoever read our output is gone (ft-local killed): nobody to tell, nor at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
@@ -118,10 +121,9 @@ def ft_local(args: argparse.Namespace, extra: list[str]) -> int:
     if args.min_replicas < 1:
         raise LaunchError(f"--min-replicas must be at least 1, got {args.min_replicas}")
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info (the groups inherit it)
-    server = subprocess.Popen([sys.executable, "-m", "scaletrain", "lighthouse", "--bind", "[::]:0",
-                               f"--min-replicas={args.min_replicas}", f"--join-timeout-ms={args.join_timeout_ms}",
-                               f"--heartbeat-timeout-ms={args.heartbeat_timeout_ms}"],
-                              stdout=subprocess.PIPE, text=True)
+    server = _child([sys.executable, "-m", "scaletrain", "lighthouse", "--bind", "[::]:0",
+                     f"--min-replicas={args.min_replicas}", f"--join-timeout-ms={args.join_timeout_ms}",
+                     f"--heartbeat-timeout-ms={args.heartbeat_timeout_ms}"], stdout=subprocess.PIPE, text=True)
     first, groups = server.stdout.readline().split(), []
     if not first or first[0] != "lighthouse":
         server.wait()
@@ -138,7 +140,7 @@ def ft_local(args: argparse.Namespace, extra: list[str]) -> int:
             command = [sys.executable, "-m", "scaletrain", "train", *base, "--nproc", str(args.nproc),
                        "--max-restarts", str(args.max_restarts), *ft, f"--parallel.ft_replica_id={r}",
                        f"--log.run_dir={run_dir / f'group{r}'}"]
-            groups.append(subprocess.Popen(command, start_new_session=True))  # a signal here reaches it from us
+            groups.append(_child(command, start_new_session=True))  # a signal here reaches it from us
         return _wait(groups)
     finally:
         for g in groups:
@@ -150,6 +152,23 @@ def ft_local(args: argparse.Namespace, extra: list[str]) -> int:
                 server.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 server.kill()
+
+
+def _child(command: list[str], **popen) -> subprocess.Popen:
+    """A process of the job (the Lighthouse, a group's launcher) that gets SIGTERM when ft-local
+    dies, even by SIGKILL (Linux's parent-death signal): nothing of the job outlives it. SIGTERM:
+    a group saves a checkpoint and stops, the Lighthouse stops."""
+    me = os.getpid()
+
+    def die_with_us() -> None:  # in the child, before exec (the signal setting survives exec)
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+            if os.getppid() != me:  # ft-local died before the call: no signal will come
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    return subprocess.Popen(command, preexec_fn=die_with_us, **popen)
 
 
 def _wait(groups: list[subprocess.Popen]) -> int:
