@@ -11,9 +11,11 @@ before the launch:
 Each kill fires once in the whole job, restarts included: rank `rank` (default 0) of group `group`
 SIGKILLs itself at the first `phase` it reaches at a step >= `step` (default 0) and <= `until` (if given:
 past it the kill is dropped; a group killed after the others finished would wait for a quorum that
-never forms). Just before, it writes
-<log.run_dir>/fired/<index>.json ({"group", "rank", "phase", "step", "time"}), which the test reads. The
-phases, and the step each one counts as:
+never forms). Just before, it copies its group's metrics.jsonl as it stands (whole rows: the file is
+line-buffered) to <log.run_dir>/fired/<index>.metrics.jsonl, the rows of the steps it logged before the
+kill, which its restart would drop (`rows_at_kill`), then writes <log.run_dir>/fired/<index>.json
+({"group", "rank", "phase", "step", "time"}), which the test reads. The phases, and the step each one
+counts as:
 
     forward    in the model's forward of a training step (its first micro-batch); the step being taken
     allreduce  in the groups' gradient all-reduce: the collective issued, never waited for; the step
@@ -60,6 +62,12 @@ def fired(run_dir: Path) -> dict[int, dict]:
     return {int(p.stem): json.loads(p.read_text()) for p in folder.glob("*.json")} if folder.is_dir() else {}
 
 
+def rows_at_kill(run_dir: Path, index: int) -> list[dict]:
+    """The metrics rows the killed group had logged when kill `index` of the plan fired."""
+    path = run_dir / "fired" / f"{index}.metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def inject(trainer) -> None:
     """The rank hook: arm this rank's kills of the plan (those not fired yet), and the recording."""
     from scaletrain.parallel.fault_tolerance import ReplicaGroups
@@ -76,6 +84,10 @@ def inject(trainer) -> None:
             if k["phase"] == phase and k.get("step", 0) <= step <= k.get("until", step):
                 marker = job_dir / "fired" / f"{i}.json"
                 marker.parent.mkdir(exist_ok=True)
+                rows = marker.with_suffix(".metrics.jsonl")  # the restart would start the group's file anew
+                metrics = Path(trainer.run_dir) / "metrics.jsonl"
+                rows.with_suffix(".tmp").write_bytes(metrics.read_bytes() if metrics.exists() else b"")
+                os.replace(rows.with_suffix(".tmp"), rows)
                 tmp = marker.with_suffix(".tmp")
                 tmp.write_text(json.dumps({"group": group, "rank": rank, "phase": phase, "step": step,
                                            "time": time.time()}))

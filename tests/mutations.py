@@ -482,11 +482,11 @@ MUTANTS = [
     Mutant("ft-groups-read-the-same-windows", "every replica group reads group 0's share of the step's windows",
            "src/scaletrain/parallel/fault_tolerance.py",
            "self.data_outer = (replica_id, groups)", "self.data_outer = (0, groups)",
-           (f"{FT}::test_two_groups_train_as_one_process_on_their_joint_batch",)),
+           (f"{FT}::test_three_groups_train_as_one_process_on_their_joint_batch_until_the_first_kill",)),
     Mutant("ft-heal-skips-the-weights", "a group healing from a peer takes its optimizer state and step, not its "
            "weights", "src/scaletrain/parallel/fault_tolerance.py",
            '                _local(p).copy_(peer["params"][n])\n', "                pass\n",
-           (f"{FT}::test_a_killed_group_restarts_alone_heals_from_its_peer_and_rejoins",)),
+           (f"{FT}::test_a_group_healed_from_a_peer_holds_its_state_bit_for_bit",)),
     # kills at named phases (tests/ft_faults.py through ft-local's hidden --rank-hook)
     Mutant("ft-commits-a-broken-step", "a group commits a step whose gradient all-reduce failed (a group died in "
            "it): the vote ignored", "src/scaletrain/parallel/fault_tolerance.py",

@@ -1,8 +1,9 @@
 """Fault tolerance across replica groups (parallel.fault_tolerance, on torchft): the one-line refusals,
-a clean run of two groups against one process training their joint batch, a group SIGKILLed
-mid-run that restarts alone, heals from its live peer and rejoins, and three groups killed at named
-phases (forward, the gradient all-reduce, the optimizer step, a checkpoint save, a heal) by the
-injector of tests/ft_faults.py."""
+the Lighthouse killed mid-run, three groups killed at named phases (forward, the gradient all-reduce,
+the optimizer step, a checkpoint save, a heal) by the injector of tests/ft_faults.py, checked against
+one process training their joint batch, and two DiLoCo groups, one killed mid-window by the injector.
+Every kill of a group is the injector's (deterministic: at a phase of a step, from inside the rank),
+never a poll from outside; the Lighthouse is killed from outside, but late is harmless there."""
 
 from __future__ import annotations
 
@@ -90,20 +91,33 @@ def test_an_unreachable_lighthouse_and_a_missing_torchft_are_one_line_exit_2(tmp
 
 
 # --------------------------------------------------------------------------------------------
-# Real groups: `scaletrain ft-local` (a Lighthouse and two groups, each under its own elastic agent)
+# Real groups: `scaletrain ft-local` (a Lighthouse and R groups, each under its own elastic agent)
+
+TESTS = Path(__file__).parent
 
 
-def _ft_local(run_dir: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "scaletrain", "ft-local", "--groups", "2", *GROUP,
+def _ft_local(run_dir: Path, groups: int, *args: str) -> subprocess.Popen:
+    """`scaletrain ft-local` with ARGS, this folder on the ranks' path (for --rank-hook=ft_faults:inject)."""
+    return subprocess.Popen([sys.executable, "-m", "scaletrain", "ft-local", "--groups", str(groups), *GROUP,
                              f"--log.run_dir={run_dir}", "--heartbeat-timeout-ms=1000", *args],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1",
+                                 "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])})
 
 
-def _descendants(pid: int) -> list[int]:
+def _ended(job: subprocess.Popen, timeout: float) -> str:
+    """The job's stderr once it has ended (killed past `timeout` seconds)."""
+    try:
+        return job.communicate(timeout=timeout)[1]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+
+
+def _children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    children = [int(p) for p in out.split()]
-    return children + [d for c in children for d in _descendants(c)]
+    return [int(p) for p in out.split()]
 
 
 def _cmdline(pid: int) -> list[bytes]:
@@ -113,137 +127,43 @@ def _cmdline(pid: int) -> list[bytes]:
         return []
 
 
-def _group_worker(ft_local: int, replica_id: int) -> int | None:
-    """The pid of group `replica_id`'s rank 0: the worker under that group's launcher."""
-    for launcher in _descendants(ft_local):
-        if f"--parallel.ft_replica_id={replica_id}".encode() in _cmdline(launcher):
-            return next((w for w in _descendants(launcher) if b"scaletrain.launch.worker" in _cmdline(w)), None)
-    return None
-
-
 def _rows(run: Path) -> list[dict]:
     return read_metrics(run) if (run / "metrics.jsonl").exists() else []
 
 
-STEPS = 40  # a step takes ~0.1 s here; group 1 is killed after step 4, group 0 waits for it (min_replicas 2)
-KILL_AFTER = 4
-
-
-@pytest.fixture(scope="module")
-def killed_run(tmp_path_factory):
-    """One ft-local run of two groups (min_replicas 2) that several tests read: group 1's rank is
-    SIGKILLed once it has logged KILL_AFTER steps; its agent restarts it, it heals from group 0 and
-    both run to STEPS. Returns (run folder, group 1's metrics rows at the kill, stderr)."""
-    run = tmp_path_factory.mktemp("ft") / "ft"
-    return _kill_group_1(run, KILL_AFTER, STEPS, "the run ended before the kill", f"--train.steps={STEPS}")
-
-
-def _kill_group_1(run: Path, after: int, before: int, why: str, *args: str) -> tuple[Path, list[dict], str]:
-    """An ft-local run of two groups (min_replicas 2, ARGS) whose group 1 rank is SIGKILLed once it
-    has logged `after` steps (and fewer than `before`, else `why`); returns (run folder, group 1's
-    rows at the kill, stderr) once the run has ended cleanly."""
-    job = _ft_local(run, "--min-replicas", "2", "--parallel.ft_quorum_timeout_s=120", *args)
-    try:
-        deadline = time.time() + 300
-        victim = None  # found before its rows are counted: the search is slow next to a step
-        while victim is None and time.time() < deadline and job.poll() is None:
-            time.sleep(0.05)  # pgrep in a tight loop would take the cores the groups start on
-            victim = _group_worker(job.pid, 1)
-        while len(_rows(run / "group1")) < after and time.time() < deadline and job.poll() is None:
-            time.sleep(0.01)
-        assert victim is not None and len(_rows(run / "group1")) < before, why
-        os.kill(victim, signal.SIGKILL)
-        before_kill = _rows(run / "group1")  # read now: the restarted group starts its metrics anew
-        out, err = job.communicate(timeout=300)
-    finally:
-        if job.poll() is None:
-            job.kill()
-    assert job.returncode == 0, err[-3000:]
-    return run, before_kill, err
-
-
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_two_groups_train_as_one_process_on_their_joint_batch(killed_run, tmp_path):
-    """While both groups are in every step (min_replicas 2, the steps before the kill), the mean of
-    their losses and their common gradient norm are those of one process training the batch of 8
-    they share; only the lowest replica id writes checkpoints."""
-    from conftest import fit_reference
+def test_the_lighthouse_killed_mid_run_stops_the_group_cleanly_with_exit_3(tmp_path):
+    """The Lighthouse is the job's single point of failure: SIGKILLed mid-run, a group says so in one
+    line within ft_quorum_timeout_s and stops (exit code 3, no restart), its checkpoints intact. One
+    group: each group finds the Lighthouse gone at its own next quorum, with no part for its peers."""
+    from scaletrain.train.checkpoint import latest_checkpoint, verify_checkpoint
 
-    run, before_kill, _ = killed_run
-    ref = fit_reference(micro_cfg(tmp_path, **{"train.steps": STEPS, "train.global_batch": 8,
-                                               "train.micro_batch": 4}))["history"][:KILL_AFTER]
-    g0, g1 = read_metrics(run / "group0")[:KILL_AFTER], before_kill[:KILL_AFTER]
-    assert [r["ft_groups"] for r in g0] == [2.0] * KILL_AFTER
-    for a, b, r in zip(g0, g1, ref, strict=True):
-        assert a["step"] == b["step"] == r["step"]
-        assert a["grad_norm"] == b["grad_norm"]  # one averaged gradient in both groups, bit for bit
-        assert abs((a["loss"] + b["loss"]) / 2 - r["loss"]) < 1e-5 * r["loss"], (a, b, r)
-        assert abs(a["grad_norm"] - r["grad_norm"]) < 1e-4 * r["grad_norm"], (a, r)
-    assert (run / "group0" / "checkpoints" / f"step_{STEPS:08d}").is_dir()
-    assert not (run / "group1" / "checkpoints").exists()  # only the lowest id alive writes
-
-
-@pytest.mark.slow
-@pytest.mark.multiproc
-def test_a_killed_group_restarts_alone_heals_from_its_peer_and_rejoins(killed_run):
-    """Group 0 is not restarted (it does not commit the step the kill broke, if any, and waits for a
-    quorum of two), group 1's agent restarts it, it takes group 0's weights, optimizer state and
-    step, and both finish with the same weights."""
-    run, before_kill, err = killed_run
-    killed_after = len(before_kill)
-    g0, g1 = read_metrics(run / "group0"), read_metrics(run / "group1")
-    assert [r["step"] for r in g0] == list(range(1, STEPS + 1))  # group 0 never went back
-    assert "restart 1 of at most" in err  # group 1's agent restarted it (group 0's did not: one restart)
-    assert err.count("restart 1 of at most") == 1, err[-3000:]
-    # the step the kill broke, if it fell inside one (between two steps it breaks none), is not committed
-    assert g0[-1]["ft_uncommitted"] <= 1 and g0[-1]["ft_uncommitted"] == ("not committed by the replica groups" in err)
-    # while group 1 restarts, group 0 has fewer than min_replicas groups in its quorum: it waits, and says so once
-    waits = [int(s) for s in re.findall(r"replica group 0 waits at step (\d+): fewer than parallel.ft_min_replicas=2 "
-                                        r"groups are in its quorum yet", err)]
-    assert [w for w in waits if w > killed_after], err[-3000:]
-    assert len(waits) == len(set(waits)), waits  # one line per wait, not one per try
-    healed = [r for r in g1 if r.get("ft_healed")]
-    assert healed and healed[0]["step"] > killed_after  # it went on from the peer's step, not from 0
-    assert [r["step"] for r in g1][-1] == STEPS
-    assert g0[-1]["val_loss"] == g1[-1]["val_loss"]  # the same weights at the end, bit for bit
-    both = {r["step"]: r for r in g0 if r["ft_groups"] == 2 and r["step"] >= healed[0]["step"]}
-    assert both and all(both[r["step"]]["grad_norm"] == r["grad_norm"] for r in g1 if r["step"] in both)
-
-
-@pytest.mark.slow
-@pytest.mark.multiproc
-def test_the_lighthouse_killed_mid_run_stops_every_group_cleanly_with_exit_3(tmp_path):
-    """The Lighthouse is the job's single point of failure: SIGKILLed mid-run, every group says so in
-    one line within ft_quorum_timeout_s and stops (exit code 3, no restart), its checkpoints intact."""
     run = tmp_path / "ft"
-    job = _ft_local(run, "--min-replicas", "1", "--train.steps=2000", "--checkpoint.every=4",
+    job = _ft_local(run, 1, "--min-replicas", "1", "--train.steps=2000", "--checkpoint.every=2",
                     "--parallel.ft_quorum_timeout_s=5")
     try:
-        lighthouse = None
-        while lighthouse is None and job.poll() is None:
-            time.sleep(0.05)
-            lighthouse = next((p for p in _descendants(job.pid) if b"lighthouse" in _cmdline(p)), None)
-        # both groups past their start (under load group 1 may still be starting when group 0, alone in
-        # its quorums with min_replicas 1, has logged its steps: a Lighthouse gone before a group's
-        # first connection is the unreachable Lighthouse of its start, exit 2, another test's case)
-        while (len(_rows(run / "group0")) < 6 or len(_rows(run / "group1")) < 2) and job.poll() is None:
-            time.sleep(0.02)
-        assert lighthouse is not None and job.poll() is None
+        # killed once the group is past its start (a Lighthouse gone before the group's first connection is
+        # the unreachable Lighthouse of its start, exit 2, another test's case) and has a checkpoint; later
+        # is harmless: the group goes on until it dies
+        deadline, lighthouse = time.monotonic() + 300, None
+        while time.monotonic() < deadline and job.poll() is None:
+            lighthouse = lighthouse or next((p for p in _children(job.pid) if b"lighthouse" in _cmdline(p)), None)
+            if lighthouse and latest_checkpoint(run / "group0" / "checkpoints"):
+                break
+            time.sleep(0.1)
+        assert lighthouse is not None and job.poll() is None, "the group did not start, or ended before the kill"
         os.kill(lighthouse, signal.SIGKILL)
-        out, err = job.communicate(timeout=120)
+        err = _ended(job, 300)
     finally:
         if job.poll() is None:
             job.kill()
     assert job.returncode == 3, err[-3000:]
     assert "restart 1 of at most" not in err
-    for r in (0, 1):
-        stops = re.findall(rf"rank 0: replica group {r} stops at step \d+: the Lighthouse at http://\S+ no longer "
-                           r"answers; the last checkpoint is kept", err)
-        assert len(stops) == 1, err[-3000:]
-    from scaletrain.train.checkpoint import latest_checkpoint, verify_checkpoint
-
-    newest = latest_checkpoint(run / "group0" / "checkpoints")  # the lowest id writes them
+    stops = re.findall(r"rank 0: replica group 0 stops at step \d+: the Lighthouse at http://\S+ no longer "
+                       r"answers; the last checkpoint is kept", err)
+    assert len(stops) == 1, err[-3000:]
+    newest = latest_checkpoint(run / "group0" / "checkpoints")
     assert newest is not None and verify_checkpoint(newest) is None, newest
     assert len(_rows(run / "group0")) < 2000
 
@@ -275,6 +195,8 @@ def test_the_lighthouse_command_prints_its_address_and_stops_on_sigterm():
 #   step 3: group 1 in its forward, group 0 in the gradient all-reduce
 #   step 8: group 1 in its optimizer step, group 0 inside its checkpoint save (checkpoint.every 4)
 #   group 1 again, while it heals after the second round (its first heal at a step >= 5)
+# Steps 1-2, before any kill, are one process training the joint batch (groups 0 and 1: their rows as
+# the injector kept them at their kill in step 3; their restarts start metrics.jsonl anew).
 PHASE_STEPS = 14
 PHASE_KILLS = [{"group": 1, "step": 3, "phase": "forward"}, {"group": 0, "step": 3, "phase": "allreduce"},
                {"group": 1, "step": 8, "phase": "optimizer"}, {"group": 0, "step": 8, "phase": "save"},
@@ -288,21 +210,37 @@ def phase_kills(tmp_path_factory):
 
     run = tmp_path_factory.mktemp("ftphases") / "ft"
     write_plan(run, PHASE_KILLS, record=True)
-    tests = str(Path(__file__).parent)
-    job = subprocess.Popen([sys.executable, "-m", "scaletrain", "ft-local", "--groups", "3", *GROUP,
-                            f"--log.run_dir={run}", "--heartbeat-timeout-ms=1000", "--min-replicas", "3",
-                            f"--train.steps={PHASE_STEPS}", "--checkpoint.every=4", "--checkpoint.keep=10",
-                            "--parallel.ft_quorum_timeout_s=120", "--rank-hook=ft_faults:inject"],
-                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, "OMP_NUM_THREADS": "1",
-                                "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])})
-    try:
-        out, err = job.communicate(timeout=400)
-    finally:
-        if job.poll() is None:
-            job.kill()
+    job = _ft_local(run, 3, "--min-replicas", "3", f"--train.steps={PHASE_STEPS}", "--checkpoint.every=4",
+                    "--checkpoint.keep=10", "--parallel.ft_quorum_timeout_s=120", "--rank-hook=ft_faults:inject")
+    err = _ended(job, 600)
     assert job.returncode == 0, err[-3000:]
     return run, fired(run), err
+
+
+@pytest.fixture(scope="module")
+def joint_run(phase_kills, tmp_path_factory):
+    """One process training the three groups' joint batch of 12 for PHASE_STEPS, skipping the steps the
+    kills left uncommitted (what the groups' commit vote did at them): {"history": its metrics rows,
+    "start": its initial weights, "trainer": the Trainer at the end}."""
+    from scaletrain.parallel.hooks import StepHook
+    from scaletrain.train.trainer import Trainer
+
+    run, _, _ = phase_kills
+    lost = _uncommitted(read_metrics(run / "group2"))
+
+    class SkipThem(StepHook):
+        def agree_to_skip(self, skip: bool) -> bool:
+            return skip or trainer.state.step + 1 in lost
+
+        def skip_reason(self) -> str | None:
+            return "not committed in the faulted run" if trainer.state.step + 1 in lost else None
+
+    trainer = Trainer(micro_cfg(tmp_path_factory.mktemp("joint"), **{
+        "train.steps": PHASE_STEPS, "train.global_batch": 12, "train.micro_batch": 4, "train.eval_every": 1000}))
+    start = {n: p.detach().clone() for n, p in trainer.optim_params}
+    trainer.hooks.add(SkipThem())
+    history = trainer.fit()["history"]
+    return {"history": history, "start": start, "trainer": trainer, "lost": lost}
 
 
 def _uncommitted(rows: list[dict]) -> list[int]:
@@ -331,8 +269,22 @@ def test_kills_at_each_phase_cost_at_most_the_step_they_break_and_no_restart_els
     near = {k["step"] + d for k in kills.values() for d in (0, 1)}
     assert len(lost) <= len(kills) and set(lost) <= near, (lost, kills)
     assert 3 in lost  # group 1 died in its forward, before its share of step 3's all-reduce
+    assert "not committed by the replica groups" in err, err[-3000:]  # said, as well as counted
     for g in range(3):  # the restarted groups took the count of skipped steps with the peer's state
         assert read_metrics(run / f"group{g}")[-1]["skipped_steps"] == len(lost), g
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_witness_waits_for_restarting_groups_and_says_so_once_per_wait(phase_kills):
+    """While killed groups restart, the witness has fewer than min_replicas groups in its quorum: it
+    waits (it is not restarted: the test above), and says so in one line per step it waits at, not
+    one per try."""
+    run, kills, err = phase_kills
+    waits = [int(s) for s in re.findall(r"replica group 2 waits at step (\d+): fewer than parallel.ft_min_replicas=3 "
+                                        r"groups are in its quorum yet", err)]
+    assert [w for w in waits if w > kills[0]["step"]], err[-3000:]  # after the first kills: a restart's wait
+    assert len(waits) == len(set(waits)), waits
 
 
 @pytest.mark.slow
@@ -348,6 +300,9 @@ def test_a_group_healed_from_a_peer_holds_its_state_bit_for_bit(phase_kills):
     witness = {p.stem: p for p in states[2].glob("*.pt")}
     healed = {g: [r["step"] for r in read_metrics(run / f"group{g}") if r.get("ft_healed")] for g in (0, 1)}
     assert healed[0] and healed[1], healed
+    for g in (0, 1):  # it went on from the peers' step (not from 0), and from there to the end
+        steps = [r["step"] for r in read_metrics(run / f"group{g}")]
+        assert healed[g][0] > kills[0]["step"] and steps == sorted(set(steps)) and steps[-1] == PHASE_STEPS, steps
     for g in (0, 1):
         recorded = {p.stem: p for p in states[g].glob("*.pt")}
         # the state it held before the first step it took after its last heal: what it took from the peer
@@ -374,34 +329,44 @@ def _assert_same_state(a: dict, b: dict, what: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_a_run_with_kills_ends_where_a_clean_run_that_skipped_the_same_steps_ends(phase_kills, tmp_path):
+def test_three_groups_train_as_one_process_on_their_joint_batch_until_the_first_kill(phase_kills, joint_run):
+    """While all three groups are in every step (steps 1-2, before the kills of step 3), the mean of
+    their losses and their common gradient norm are those of one process training the batch of 12
+    they share (groups 0 and 1: their rows as they were at their kill, which their restart dropped);
+    and the groups' gradient norms agree bit for bit at every step they all logged."""
+    from ft_faults import rows_at_kill
+
+    run, kills, _ = phase_kills
+    first = kills[0]["step"] - 1
+    assert first == 2 and kills[1]["step"] == kills[0]["step"], kills
+    groups = [rows_at_kill(run, 1), rows_at_kill(run, 0), read_metrics(run / "group2")]  # kill 1 is group 0's
+    for a, b, c, r in zip(*(g[:first] for g in groups), joint_run["history"][:first], strict=True):
+        assert a["step"] == b["step"] == c["step"] == r["step"]
+        assert a["ft_groups"] == b["ft_groups"] == c["ft_groups"] == 3.0
+        assert a["grad_norm"] == b["grad_norm"] == c["grad_norm"]  # one averaged gradient in all, bit for bit
+        assert abs((a["loss"] + b["loss"] + c["loss"]) / 3 - r["loss"]) < 1e-5 * r["loss"], (a, b, c, r)
+        assert abs(a["grad_norm"] - r["grad_norm"]) < 1e-4 * r["grad_norm"], (a, r)
+    last = {g: {r["step"]: r for r in read_metrics(run / f"group{g}")} for g in range(3)}
+    common = [s for s in last[2] if s in last[0] and s in last[1] and s not in joint_run["lost"]]
+    assert len(common) >= 3, common
+    for s in common:
+        assert last[0][s]["grad_norm"] == last[1][s]["grad_norm"] == last[2][s]["grad_norm"], s
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_run_with_kills_ends_where_a_clean_run_that_skipped_the_same_steps_ends(phase_kills, joint_run):
     """The three groups end on the same weights bit for bit (and validation loss), and on those of one
     process training their joint batch of 12 that skips the steps the kills left uncommitted (within
     1e-4 of each parameter's change over the run: the groups average three means where it takes one)."""
     import torch
 
-    from scaletrain.parallel.hooks import StepHook
-    from scaletrain.train.trainer import Trainer
-
     run, _, _ = phase_kills
     final = [torch.load(run / f"group{g}" / "states" / "final.pt", weights_only=False) for g in range(3)]
     for g in (0, 1):
         _assert_same_state(final[g], final[2], f"group {g} at the end")
-    lost = _uncommitted(read_metrics(run / "group2"))
-
-    class SkipThem(StepHook):  # what the groups' commit vote did at those steps
-        def agree_to_skip(self, skip: bool) -> bool:
-            return skip or trainer.state.step + 1 in lost
-
-        def skip_reason(self) -> str | None:
-            return "not committed in the faulted run" if trainer.state.step + 1 in lost else None
-
-    trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": PHASE_STEPS, "train.global_batch": 12,
-                                             "train.micro_batch": 4, "train.eval_every": 1000}))
-    start = {n: p.detach().clone() for n, p in trainer.optim_params}
-    trainer.hooks.add(SkipThem())
-    trainer.fit()
-    assert trainer.state.skipped_steps == len(lost) == final[2]["skipped_steps"]
+    trainer, start = joint_run["trainer"], joint_run["start"]
+    assert trainer.state.skipped_steps == len(joint_run["lost"]) == final[2]["skipped_steps"]
     worst = 0.0
     for n, p in trainer.optim_params:
         change = (p.detach() - start[n]).norm().item()
@@ -443,11 +408,18 @@ DILOCO = ["--parallel.dp_sync=diloco", f"--parallel.sync_every={H}", "--parallel
 
 @pytest.fixture(scope="module")
 def killed_diloco(tmp_path_factory):
-    """Two groups (min_replicas 2) doing DiLoCo every H steps; group 1's rank is SIGKILLed once it
-    has logged D_KILL_AFTER steps, mid-window. Returns (run folder, group 1's rows at the kill, stderr)."""
+    """Two groups (min_replicas 2) doing DiLoCo every H steps; group 1's rank SIGKILLs itself (tests/ft_faults.py)
+    in its forward of step D_KILL_AFTER + 1, mid-window. Returns (run folder, group 1's rows at the kill, stderr)."""
+    from ft_faults import fired, rows_at_kill, write_plan
+
     run = tmp_path_factory.mktemp("ftd") / "ft"
-    return _kill_group_1(run, D_KILL_AFTER, 2 * H, "group 1 left the window before the kill",
-                         f"--train.steps={D_STEPS}", *DILOCO)
+    write_plan(run, [{"group": 1, "step": D_KILL_AFTER + 1, "phase": "forward"}])
+    job = _ft_local(run, 2, "--min-replicas", "2", "--parallel.ft_quorum_timeout_s=120", f"--train.steps={D_STEPS}",
+                    *DILOCO, "--rank-hook=ft_faults:inject")
+    err = _ended(job, 600)
+    assert job.returncode == 0, err[-3000:]
+    assert fired(run)[0]["step"] == D_KILL_AFTER + 1, fired(run)
+    return run, rows_at_kill(run, 0), err
 
 
 @pytest.mark.slow

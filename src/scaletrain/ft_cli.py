@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -66,13 +65,17 @@ def start_lighthouse(bind: str, min_replicas: int, join_timeout_ms: int, heartbe
 
 def lighthouse(args: argparse.Namespace, extra: list[str]) -> int:
     server = start_lighthouse(args.bind, args.min_replicas, args.join_timeout_ms, args.heartbeat_timeout_ms)
-    stop = threading.Event()
-    # the handlers before the address line: whoever reads it may send SIGTERM at once
-    handlers = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # the handlers before the address line: whoever reads it may send SIGTERM at once. They only append to a
+    # list: a handler runs in the main thread between two bytecodes, maybe while it holds a threading.Event's
+    # lock inside its wait, where Event.set() would block on that lock forever
+    stop: list[int] = []
+    handlers = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     print(f"lighthouse {server.address()} (min_replicas {args.min_replicas}); give each group "
           f"--parallel.fault_tolerance=true --parallel.ft_lighthouse={server.address()}", flush=True)
     try:
-        stop.wait()
+        while not stop:
+            time.sleep(0.2)
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
