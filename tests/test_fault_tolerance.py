@@ -168,6 +168,42 @@ def test_the_lighthouse_killed_mid_run_stops_the_group_cleanly_with_exit_3(tmp_p
     assert len(_rows(run / "group0")) < 2000
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_ft_local_killed_takes_its_lighthouse_and_groups_with_it(tmp_path):
+    """ft-local SIGKILLed (it cannot clean up): Linux sends its Lighthouse and each group's launcher
+    SIGTERM (their parent-death signal), so the group finishes its step, saves and stops, and nothing
+    of the job outlives it."""
+    from scaletrain.train.checkpoint import latest_checkpoint, verify_checkpoint
+
+    run = tmp_path / "ft"
+    job = _ft_local(run, 1, "--min-replicas", "1", "--train.steps=2000", "--checkpoint.every=1000")
+    try:
+        deadline, children = time.monotonic() + 300, []
+        while time.monotonic() < deadline and job.poll() is None and len(_rows(run / "group0")) < 2:
+            time.sleep(0.1)
+        children = _children(job.pid)  # the Lighthouse and the group's launcher
+        assert len(children) == 2 and job.poll() is None, "the group did not start, or ended before the kill"
+        os.kill(job.pid, signal.SIGKILL)
+        err = _ended(job, 120)  # the end of its stderr: every process that shares it has closed it
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert not [p for p in children if _alive(p)], err[-3000:]
+    assert "scaletrain: stopped by SIGTERM: the ranks finished their step and saved" in err, err[-3000:]
+    newest = latest_checkpoint(run / "group0" / "checkpoints")
+    assert newest is not None and verify_checkpoint(newest) is None, newest
+    assert len(_rows(run / "group0")) < 2000
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, ended but not reaped yet, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_the_lighthouse_command_prints_its_address_and_stops_on_sigterm():
     lighthouse = subprocess.Popen([sys.executable, "-m", "scaletrain", "lighthouse", "--bind", "[::]:0"], cwd=REPO,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
