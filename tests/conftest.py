@@ -35,9 +35,10 @@ MICRO = {
 # the collection's order (`make test` passes --no-loadscope-reorder), so with these first the last
 # file to start is a short one and neither process waits alone at the end.
 SLOWEST_FIRST = ("test_fault_tolerance.py", "test_expert_parallel.py", "test_model_parallel.py", "test_lora.py",
-                 "test_local_sgd.py", "test_os_faults.py", "test_reliability.py", "test_fp8.py", "test_verify.py",
-                 "test_planner_accuracy.py", "test_calibration.py", "test_moe.py", "test_data_parallel.py",
-                 "test_checkpoint.py", "test_launch.py", "test_qlora.py", "test_signals_startup.py")
+                 "test_planner_accuracy.py", "test_local_sgd.py", "test_os_faults.py", "test_reliability.py",
+                 "test_fp8.py", "test_verify.py", "test_data_parallel.py", "test_calibration.py", "test_moe.py",
+                 "test_ft_layouts.py", "test_checkpoint.py", "test_launch.py", "test_qlora.py",
+                 "test_signals_startup.py")
 
 
 def pytest_collection_modifyitems(config, items):
