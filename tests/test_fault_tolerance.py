@@ -189,6 +189,9 @@ def test_ft_local_killed_takes_its_lighthouse_and_groups_with_it(tmp_path):
     finally:
         if job.poll() is None:
             job.kill()
+    deadline = time.monotonic() + 60  # its stderr closed at exit, a moment before the process is gone
+    while [p for p in children if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not [p for p in children if _alive(p)], err[-3000:]
     assert "scaletrain: stopped by SIGTERM: the ranks finished their step and saved" in err, err[-3000:]
     newest = latest_checkpoint(run / "group0" / "checkpoints")
