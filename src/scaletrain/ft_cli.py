@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import subprocess
@@ -159,19 +160,11 @@ def ft_local(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _child(command: list[str], **popen) -> subprocess.Popen:
     """A process of the job (the Lighthouse, a group's launcher) that gets SIGTERM when ft-local
-    dies, even by SIGKILL (Linux's parent-death signal): nothing of the job outlives it. SIGTERM:
-    a group saves a checkpoint and stops, the Lighthouse stops."""
-    me = os.getpid()
+    dies, even by SIGKILL (Linux's parent-death signal, set in the child before exec): nothing of the
+    job outlives it. SIGTERM: a group saves a checkpoint and stops, the Lighthouse stops."""
+    from scaletrain.interrupt import die_with_parent
 
-    def die_with_us() -> None:  # in the child, before exec (the signal setting survives exec)
-        if sys.platform.startswith("linux"):
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-            if os.getppid() != me:  # ft-local died before the call: no signal will come
-                os.kill(os.getpid(), signal.SIGTERM)
-
-    return subprocess.Popen(command, preexec_fn=die_with_us, **popen)
+    return subprocess.Popen(command, preexec_fn=functools.partial(die_with_parent, os.getpid()), **popen)
 
 
 def _wait(groups: list[subprocess.Popen]) -> int:

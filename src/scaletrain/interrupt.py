@@ -121,3 +121,20 @@ class EarlySignals:
         some code swallowed)."""
         if self.received is not None:
             raise stop_exception(self.received)
+
+
+def die_with_parent(parent_pid: int | None) -> None:
+    """Have Linux send this process SIGTERM when its parent dies, even by SIGKILL (the parent-death
+    signal, PR_SET_PDEATHSIG; kept across exec). `parent_pid`: the parent it should have; if it has
+    died already (this process was re-parented before the call), SIGTERM now. SIGTERM, not SIGKILL: a
+    training process finishes its step and saves a checkpoint first. Does nothing off Linux."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if parent_pid and os.getppid() != parent_pid:  # it died before the call above: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)

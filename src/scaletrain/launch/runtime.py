@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -149,20 +148,11 @@ def init_worker(cfg: JobConfig) -> Runtime:
 
 def die_with_launcher() -> None:
     """Have Linux send this worker SIGTERM when the process that started it (the launcher, whose
-    elastic agent is the workers' parent) dies, even by SIGKILL: no rank outlives its launcher.
-    SIGTERM, not SIGKILL: a training rank finishes its step and saves a checkpoint first."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
+    elastic agent is the workers' parent) dies, even by SIGKILL: no rank outlives its launcher."""
+    from scaletrain.interrupt import die_with_parent
 
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
     launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if launcher and os.getppid() != int(launcher):  # it died before the call above: no signal will come
-        os.kill(os.getpid(), signal.SIGTERM)
+    die_with_parent(int(launcher) if launcher else None)
 
 
 @dataclass(frozen=True)
