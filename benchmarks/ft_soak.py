@@ -140,12 +140,18 @@ def main() -> int:
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-replicas", type=int, default=2)
-    ap.add_argument("--every", type=int, default=25, help="checkpoint.every")
+    ap.add_argument("--every", type=int, help="checkpoint.every (default: 25, or a tenth of a shorter run's steps)")
     ap.add_argument("--batch", type=int, default=4, help="train.global_batch of each group")
     ap.add_argument("--out", help="write the result as JSON here")
     ap.add_argument("--timeout", type=float, default=900, help="seconds the faulted run may take (default 900)")
     ap.add_argument("--analyse", metavar="RUN", help="only analyse the faulted run left in RUN (its folder ft)")
     args, extra = ap.parse_known_args()
+    args.every = args.every or max(1, min(25, args.steps // 10))
+    room = args.steps - args.steps // 3 - args.every - 1  # the steps a kill may fall on
+    if args.kills > room:
+        ap.error(f"--kills={args.kills} do not fit {args.steps} steps: kills fall on distinct steps after the first "
+                 f"checkpoint (--every={args.every}) and before the last third, {max(room, 0)} here; give fewer "
+                 "--kills, a smaller --every or more --steps")
     values = {**TINY, "train.steps": args.steps, "train.global_batch": args.batch,
               "train.micro_batch": args.batch // args.nproc, "train.eval_every": args.steps,
               "checkpoint.every": args.every, "checkpoint.save_final": True}

@@ -519,6 +519,11 @@ MUTANTS = [
            "its counterpart's local state tensors into it", "src/scaletrain/parallel/fault_tolerance.py",
            "                _local(mine[k]).copy_(v)\n", "                pass\n",
            (f"{FTL}::test_a_late_zero3_group_heals_from_its_peers_shards_and_then_holds_them_bit_for_bit[heal]",)),
+    Mutant("ft-heal-keeps-its-own-loss-scale", "a healing group takes the peer's weights and optimizer state but "
+           "keeps its own fp16 loss scale (the groups then average gradients scaled differently)",
+           "src/scaletrain/parallel/fault_tolerance.py",
+           "            self.scaler.load_state_dict(peer[\"scaler\"])\n", "            pass\n",
+           (f"{FTL}::test_a_late_zero3_group_heals_from_its_peers_shards_and_then_holds_them_bit_for_bit[heal]",)),
     # packing without cross-document attention (data.document_mask, tests/test_document_mask.py)
     Mutant("docmask-attends-across-documents", "a packed document's queries see the keys of the documents before "
            "it (the mask is plain causal)", "src/scaletrain/model/transformer.py",

@@ -65,7 +65,8 @@ def local_state(trainer):
             for k, v in trainer.optimizer.state[p].items():
                 if hasattr(v, "shape"):
                     sums[f"{n}/{k}"] = _local_bytes(v)
-        return {"crc": sums, "healed": trainer.hooks.find(ReplicaGroups).healed}
+        scaler = trainer.scaler.state_dict() if trainer.scaler else None
+        return {"crc": sums, "healed": trainer.hooks.find(ReplicaGroups).healed, "scaler": scaler}
 
     return report
 
@@ -120,9 +121,12 @@ def _jobs(tmp: Path, names: list[str], lighthouses: dict, group: int) -> list[di
     for name in names:
         ft = {**GROUP, "parallel.fault_tolerance": True, "parallel.ft_replica_id": group,
               "parallel.ft_lighthouse": lighthouses[name], "log.run_dir": str(tmp / name / f"group{group}")}
-        if name == "heal":  # ZeRO-3; group 0 alone for HEAL_AT steps (min_replicas 1), then both
+        if name == "heal":  # ZeRO-3; group 0 alone for HEAL_AT steps (min_replicas 1), then both. fp16, the
+            # late group's first loss scale another (as a group resumed from an older checkpoint): it takes the
+            # peer's scale, grown once (growth_interval 2) in the steps it trained alone
             job = {"overrides": {**MICRO, **ft, "parallel.zero": 3, "train.steps": HEAL_STEPS,
-                                 "parallel.ft_min_replicas": 1},
+                                 "parallel.ft_min_replicas": 1, "precision.mode": "16-mixed",
+                                 "precision.growth_interval": 2, "precision.init_scale": 1024.0 * (1 + 6 * group)},
                    "probe": f"{PROBE}:{'held_group' if group == 0 else 'late_group'}"}
             if group == 1:
                 job["wait_for"] = [str(tmp / name / "group0" / "metrics.jsonl"), HEAL_AT]
@@ -223,7 +227,7 @@ def test_two_groups_of_a_layout_train_as_one_process_on_their_joint_batch(groups
 @pytest.mark.parametrize("name", ["heal"])
 def test_a_late_zero3_group_heals_from_its_peers_shards_and_then_holds_them_bit_for_bit(groups, name):
     """Group 0 trains HEAL_AT steps alone; group 1 starts then, finds itself behind the quorum,
-    takes group 0's local ZeRO-3 shards, optimizer state and step over HTTP (rank i from rank i),
+    takes group 0's local ZeRO-3 shards, optimizer state, step and fp16 loss scale over HTTP (rank i from rank i),
     and both train the remaining steps together on the same weights."""
     g0, g1 = groups[name]
     h0, h1 = g0["history"], g1["history"]
@@ -235,6 +239,9 @@ def test_a_late_zero3_group_heals_from_its_peers_shards_and_then_holds_them_bit_
     assert [r["probe"]["healed"] for r in g1["ranks"]] == [1, 1]  # each rank from its counterpart
     assert [a["grad_norm"] for a in h0[HEAL_AT:]] == [b["grad_norm"] for b in h1]
     assert _crc(g0) == _crc(g1), "the healed group's local shards differ from its peer's"
+    assert [a["loss_scale"] for a in h0[HEAL_AT:]] == [b["loss_scale"] for b in h1]  # fp16: the peer's scale
+    assert [r["probe"]["scaler"] for r in g1["ranks"]] == [r["probe"]["scaler"] for r in g0["ranks"]]
+    assert h0[0]["loss_scale"] == 1024.0 and h0[-1]["loss_scale"] > 1024.0  # it grew: the test is not blind
 
 
 @pytest.mark.parametrize("name", ["zero3", "pp2-1f1b"])

@@ -105,8 +105,9 @@ class ReplicaGroups(StepHook):
 
     def __init__(self, manager, named: Named, optimizer: torch.optim.Optimizer, state, refresh: Callable[[], None],
                  *, replica_id: int, groups: int, min_replicas: int = 1, quorum_timeout_s: float = 60.0,
-                 rank: int = 0, lighthouse: str = ""):
+                 rank: int = 0, lighthouse: str = "", scaler=None):
         self.manager = manager
+        self.scaler = scaler  # fp16's loss scaler: a healed group takes the peer's scale with its weights
         self.lighthouse = lighthouse
         self.min_replicas, self.quorum_timeout_s, self.rank = min_replicas, quorum_timeout_s, rank
         self.named, self.optimizer, self.state, self.refresh = list(named), optimizer, state, refresh
@@ -120,7 +121,8 @@ class ReplicaGroups(StepHook):
         manager.register_state_dict_fn("scaletrain", self._load_peer_state, self._peer_state)
 
     @classmethod
-    def for_run(cls, par, rt, named: Named, optimizer, state, refresh: Callable[[], None]) -> ReplicaGroups | None:
+    def for_run(cls, par, rt, named: Named, optimizer, state, refresh: Callable[[], None],
+                scaler=None) -> ReplicaGroups | None:
         """The hook of a run with parallel.fault_tolerance (else None): checks that torchft is there
         and the Lighthouse answers, then starts this rank's Manager (rank 0's serves the group)."""
         if not par.fault_tolerance:
@@ -155,7 +157,7 @@ class ReplicaGroups(StepHook):
         kind = cls if par.dp_sync == "step" else ReplicaGroupsOuter  # local SGD / DiLoCo: the groups are the workers
         hook = kind(manager, named, optimizer, state, refresh, replica_id=par.ft_replica_id, groups=par.ft_groups,
                     min_replicas=par.ft_min_replicas, quorum_timeout_s=par.ft_quorum_timeout_s, rank=rt.rank,
-                    lighthouse=par.ft_lighthouse)
+                    lighthouse=par.ft_lighthouse, scaler=scaler)
         if kind is not cls:
             hook.set_outer(par)
         hook.store = store  # kept alive with the hook
@@ -168,7 +170,7 @@ class ReplicaGroups(StepHook):
         # the healing rank is the same rank of a group of the same layout, so it holds the same shards
         return {"params": {n: _local(p) for n, p in self.named}, "optim": _local_optimizer_state(self.optimizer),
                 "step": self.state.step, "skipped_steps": self.state.skipped_steps,
-                "early_loss": self.state.early_loss}
+                "early_loss": self.state.early_loss, "scaler": self.scaler.state_dict() if self.scaler else None}
 
     def _load_peer_state(self, peer: dict) -> None:
         with torch.no_grad():
@@ -177,6 +179,8 @@ class ReplicaGroups(StepHook):
         _load_local_optimizer_state(self.optimizer, peer["optim"])
         self.state.step, self.state.skipped_steps = int(peer["step"]), int(peer["skipped_steps"])
         self.state.early_loss = peer["early_loss"]
+        if self.scaler is not None:
+            self.scaler.load_state_dict(peer["scaler"])
         self.refresh()  # what the model computes with (ZeRO-1/2: the shards gathered)
         self.healed += 1
 
