@@ -49,8 +49,6 @@ LAYOUTS_4 = [  # (name, overrides, reference) on 4 ranks
     ("ep2-zero3-ac", {"parallel.ep": 2, "parallel.zero": 3, "memory.activation_checkpointing": "full"}, "plain"),
     ("ep2-zero1-accum", {"parallel.ep": 2, "parallel.zero": 1, "train.micro_batch": 1}, "plain"),
     ("ep2-zero2-sgd-noclip", {"parallel.ep": 2, "parallel.zero": 2, **SGD}, "sgd"),
-    # the experts' ZeRO-3 gathers and frees around compiled blocks
-    ("ep2-zero3-compile", {"parallel.ep": 2, "parallel.zero": 3, "train.compile": True}, "plain"),
     ("ep2-hsdp-zero3", {"parallel.ep": 2, "parallel.zero": 3, "parallel.dp_replicate": 2}, "plain"),
     # ep borrows the cp ranks (ep 2: the two cp ranks of a dp rank; ep 4: the dp and the cp
     # ranks), the Switch loss's per-sequence counts summed over cp, the experts left out of cp's sum
@@ -65,6 +63,11 @@ LAYOUTS_4 = [  # (name, overrides, reference) on 4 ranks
     ("ep2xtp2-zero3", {"parallel.ep": 2, "parallel.tp": 2, "parallel.zero": 3}, "plain"),
     ("ep4xtp2-zero1", {"parallel.ep": 4, "parallel.tp": 2, "parallel.zero": 1}, "plain"),
 ]
+LAYOUTS_2 = [  # on 2 ranks: compiled blocks (inductor compiles on every rank: the cost of 2, not 4), their
+    # all-to-all's split sizes dynamic after the first step, ZeRO-3 gathering and freeing around them
+    ("ep2-zero3-compile", {"parallel.ep": 2, "parallel.zero": 3, "train.compile": True}, "plain"),
+]
+LAYOUTS = LAYOUTS_4 + LAYOUTS_2
 
 
 def probe(trainer):
@@ -152,20 +155,25 @@ def resharding_jobs(tmp) -> list[tuple[str, dict]]:
 
 @pytest.fixture(scope="module")
 def group4(request, tmp_path_factory):
-    """The layouts and the resharding chain, in one group of 4 ranks (those the session's tests
-    ask for: see conftest.wanted_params)."""
+    """The layouts and the resharding chain, in one group of 4 ranks, then the compiled layout in
+    one of 2 (those the session's tests ask for: see conftest.wanted_params)."""
     tmp = tmp_path_factory.mktemp("ep4")
     wanted = wanted_params(request, "name")
-    cases = [(name, extra) for name, extra, _ in LAYOUTS_4] + resharding_jobs(tmp)
-    cases = [(name, extra) for name, extra in cases if wanted is None or name in wanted]
-    jobs = [{"overrides": micro_overrides(tmp / name, **{**MOE, **extra}), "probe": "test_expert_parallel:probe"}
-            for name, extra in cases]
-    code, results, err = run_group(4, jobs, tmp)
-    assert code == 0, err
-    return {name: result for (name, _), result in zip(cases, results, strict=True)}
+    out = {}
+    for nproc, layouts in ((4, [(n, e) for n, e, _ in LAYOUTS_4] + resharding_jobs(tmp)),
+                           (2, [(n, e) for n, e, _ in LAYOUTS_2])):
+        cases = [(name, extra) for name, extra in layouts if wanted is None or name in wanted]
+        if not cases:
+            continue
+        jobs = [{"overrides": micro_overrides(tmp / name, **{**MOE, **extra}), "probe": "test_expert_parallel:probe"}
+                for name, extra in cases]
+        code, results, err = run_group(nproc, jobs, tmp)
+        assert code == 0, err
+        out.update({name: result for (name, _), result in zip(cases, results, strict=True)})
+    return out
 
 
-@pytest.mark.parametrize("name,ref", [(name, ref) for name, _, ref in LAYOUTS_4], ids=[n for n, _, _ in LAYOUTS_4])
+@pytest.mark.parametrize("name,ref", [(name, ref) for name, _, ref in LAYOUTS], ids=[n for n, _, _ in LAYOUTS])
 def test_parity_with_one_process(group4, reference, name, ref):
     result, want = group4[name], reference[ref]
     grads = {}  # every stage's (pipeline stages hold different parameters; the others, copies)
@@ -178,7 +186,7 @@ def test_parity_with_one_process(group4, reference, name, ref):
     assert_same_weights(result["weights"], want["weights"], tol=WEIGHTS_TOL, what=name)
 
 
-@pytest.mark.parametrize("name", ["ep2-zero3-ac", "ep2xcp2-zero3", "ep2xtp2-zero3", "ep2-zero3-compile"])
+@pytest.mark.parametrize("name", ["ep2-zero3-ac", "ep2xcp2-zero3", "ep2xtp2-zero3"])
 def test_zero3_keeps_a_shard_of_the_experts_between_steps(group4, name):
     """Under ZeRO-3 the experts are sharded like every other weight: after the run each rank's
     expert replicas hold no storage and the shards it steps are 1/N of its experts (N = the
