@@ -29,9 +29,10 @@ from conftest import (  # noqa: E402
     Case,
     assert_one_clear_line,
     micro_cfg,
+    micro_overrides,
     one_line_exit_2,
     read_metrics,
-    run_cli,
+    run_group,
     run_here,
     train_args,
 )
@@ -146,19 +147,26 @@ def test_fp8_under_zero3_with_fp8_all_gather_tracks_one_process(tmp_path):
     assert verdict.endswith("PASS"), verdict  # the gradient norms within verify's fp8 tolerance too
 
 
+def conversion_notes(trainer):
+    """dist_worker's probe: what the run's log says of its conversions (parallelize's notes)."""
+    return lambda: trainer.pm.notes
+
+
 @pytest.mark.multiproc
 def test_a_zero3_fp8_checkpoint_resumes_bitwise(tmp_path):
     """ZeRO-3 with fp8 all-gather keeps each weight shard inside torchao's fp8-casting tensor
     subclass; the distributed checkpoint saves and loads through it: resumed at step 2 of 4, steps
-    3 and 4 are bit for bit those of the run that went straight on."""
-    args = [f"--{k}={v}" for k, v in {**MICRO, **FP8}.items() if not k.startswith(("log.", "checkpoint."))]
-    args += ["--train.steps=4", "--nproc=2", "--parallel.zero=3", "--log.every=1", "--log.tensorboard=false"]
-    r = run_cli("train", *args, "--checkpoint.every=2", f"--log.run_dir={tmp_path / 'a'}")
-    assert r.returncode == 0, r.stderr
-    assert "(tensorwise scales, emulated, fp8 all-gather)" in r.stdout + r.stderr, r.stderr  # the run says so
+    3 and 4 are bit for bit those of the run that went straight on. (One group of 2 forked ranks,
+    the straight run then the resumed one.)"""
+    base = {**FP8, "train.steps": 4, "parallel.zero": 3}
     step2 = tmp_path / "a" / "checkpoints" / "step_00000002"
-    r = run_cli("train", *args, f"--checkpoint.resume={step2}", f"--log.run_dir={tmp_path / 'b'}")
-    assert r.returncode == 0, r.stderr
+    jobs = [{"overrides": micro_overrides(tmp_path / "a", **base, **{"checkpoint.every": 2}),
+             "probe": "test_fp8:conversion_notes"},
+            {"overrides": micro_overrides(tmp_path / "b", **base, **{"checkpoint.resume": str(step2)})}]
+    code, results, err = run_group(2, jobs, tmp_path)
+    assert code == 0, err
+    notes = results[0]["ranks"][0]["probe"]
+    assert any("(tensorwise scales, emulated, fp8 all-gather)" in n for n in notes), notes  # the run says so
 
     def rows(run):
         return [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / run) if "loss" in m]
