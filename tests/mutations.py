@@ -524,6 +524,14 @@ MUTANTS = [
            "src/scaletrain/parallel/fault_tolerance.py",
            "            self.scaler.load_state_dict(peer[\"scaler\"])\n", "            pass\n",
            (f"{FTL}::test_a_late_zero3_group_heals_from_its_peers_shards_and_then_holds_them_bit_for_bit[heal]",)),
+    Mutant("ft-moe-loads-not-summed-over-groups", "each replica group moves its routing biases by its own tokens' "
+           "load, not by the load summed over the groups", "src/scaletrain/parallel/fault_tolerance.py",
+           "        self._allreduce([m.stats for m in self.moe.values()], ReduceOp.SUM)\n", "        pass\n",
+           (f"{FTL}::test_routing_biases_move_by_the_load_of_every_group_as_for_the_joint_batch[ep2-zero3]",)),
+    Mutant("ft-heal-keeps-its-own-biases", "a healing group takes its peer's weights but keeps its own routing "
+           "biases", "src/scaletrain/parallel/fault_tolerance.py",
+           "                m.expert_bias.copy_(peer[\"moe_bias\"][n])\n", "                pass\n",
+           (f"{FTL}::test_a_late_zero3_group_heals_from_its_peers_shards_and_then_holds_them_bit_for_bit[heal]",)),
     # packing without cross-document attention (data.document_mask, tests/test_document_mask.py)
     Mutant("docmask-attends-across-documents", "a packed document's queries see the keys of the documents before "
            "it (the mask is plain causal)", "src/scaletrain/model/transformer.py",

@@ -35,7 +35,8 @@ GROUP = [f"--{k}={v}" for k, v in {**MICRO, "train.global_batch": 4, "train.micr
     ({"parallel.ft_groups": 2, "parallel.ft_min_replicas": 3}, ["parallel.ft_min_replicas=3 is above "
                                                                "parallel.ft_groups=2"]),
     ({"parallel.ep": 2, "parallel.dp_sync": "diloco"}, ["dp_sync=diloco does not protect parallel.ep=2 yet"]),
-    ({"model.moe_experts": 4}, ["model.moe_bias_rate=0.001", "drift apart", "set model.moe_bias_rate=0"]),
+    ({"model.moe_experts": 4, "parallel.dp_sync": "diloco"},
+     ["dp_sync=diloco and model.moe_bias_rate=0.001", "drift apart", "set model.moe_bias_rate=0"]),
     ({"parallel.zero": 3, "parallel.dp_sync": "diloco", "parallel.dp_replicate": 2},
      ["with parallel.dp_sync=diloco does not protect parallel.zero=3, parallel.dp_replicate=2 yet"]),
     ({"parallel.tp": 2, "parallel.dp_sync": "local_sgd"}, ["dp_sync=local_sgd does not protect parallel.tp=2"]),
@@ -51,10 +52,10 @@ def test_bad_fault_tolerance_options_are_one_line_each(options, fragments):
 
 def test_any_layout_inside_a_group_is_accepted_with_dp_sync_step():
     """tp, pp, cp, ep, ZeRO-3 and HSDP inside each group (tests/test_ft_layouts.py runs them), and a
-    mixture of experts balanced by its auxiliary loss alone."""
+    mixture of experts balanced by its routing biases (the default) or by its auxiliary loss alone."""
     load_config(None, {**FT, "parallel.tp": 2, "parallel.pp": 2, "parallel.cp": 2, "parallel.zero": 3,
                        "parallel.dp_replicate": 2})
-    load_config(None, {**FT, "parallel.ep": 2, "model.moe_experts": 4, "model.moe_bias_rate": 0})
+    load_config(None, {**FT, "parallel.ep": 2, "model.moe_experts": 4})
     load_config(None, {**FT, "model.moe_experts": 4, "model.moe_bias_rate": 0, "model.moe_aux_loss": 0.01})
 
 

@@ -1,8 +1,9 @@
 """Fault tolerance with any layout inside a replica group: two groups of two ranks each (ZeRO-3,
 tensor, pipeline, context or expert parallel, or data parallel over dp_replicate), or of four
-(HSDP), train as one process trains their joint batch and end on the same local tensors bit for bit, the lowest group
-writes the checkpoints with both its ranks, and a ZeRO-3 group that starts late heals from its
-peer's local shards and holds them bit for bit.
+(HSDP), train as one process trains their joint batch and end on the same local tensors bit for bit (a
+mixture's routing biases too, moved by the load of both groups), the lowest group writes the checkpoints
+with both its ranks, and a group that starts late heals from its peer's local shards, loss scale and
+routing biases and holds them bit for bit.
 
 No launcher: a Lighthouse per job in this process, and each group's ranks forked
 (tests/forked_ranks.py) from a thread of its own; both groups run every job one after another in
@@ -19,9 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from scaletrain.train.trainer import Trainer
 from scaletrain.verify import TOLERANCES
 
-from conftest import MICRO, Lazy, assert_same_run, fit_reference, micro_cfg, wanted_params
+from conftest import MICRO, Lazy, assert_same_run, micro_cfg, wanted_params
 
 pytestmark = pytest.mark.multiproc
 
@@ -36,10 +38,10 @@ LAYOUTS = {  # inside each group of two ranks
     "pp2-1f1b": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b", "checkpoint.save_final": True},
     "cp2-ring": {"parallel.cp": 2, "parallel.cp_method": "ring"},
     "dp-replicate2": {"parallel.dp_replicate": 2},  # two ranks only: no dp_shard left to shard (DDP)
-    # experts split over both ranks, the rest ZeRO-3; routing unbalanced (the biases and the auxiliary
-    # loss follow each group's own tokens: config refuses the one, the other is not the joint batch's)
+    # experts split over both ranks, the rest ZeRO-3; the routing biases moved by the load counts summed
+    # over the groups (a rate that changes the routing within the run), as by the joint batch's
     "ep2-zero3": {"parallel.ep": 2, "parallel.zero": 3, "model.moe_experts": 4, "model.moe_top_k": 2,
-                  "model.moe_bias_rate": 0.0},
+                  "model.moe_bias_rate": 0.05},
 }
 FOUR = {  # inside each group of four ranks (one launch more): HSDP, ZeRO-3 over 2 x 2 ranks
     "hsdp-zero3": {"parallel.zero": 3, "parallel.dp_replicate": 2, "train.micro_batch": 1},
@@ -66,9 +68,17 @@ def local_state(trainer):
                 if hasattr(v, "shape"):
                     sums[f"{n}/{k}"] = _local_bytes(v)
         scaler = trainer.scaler.state_dict() if trainer.scaler else None
-        return {"crc": sums, "healed": trainer.hooks.find(ReplicaGroups).healed, "scaler": scaler}
+        return {"crc": sums, "healed": trainer.hooks.find(ReplicaGroups).healed, "scaler": scaler,
+                "biases": _biases(trainer)}
 
     return report
+
+
+def _biases(trainer) -> dict[str, list[float]]:
+    """Each MoE layer's routing bias on this rank (its pipeline stages'), by name."""
+    from scaletrain.parallel.moe_balance import moe_layers
+
+    return {n: m.expert_bias.tolist() for n, m in moe_layers(trainer.dp.models).items()}
 
 
 def _marker(trainer) -> Path:
@@ -121,10 +131,11 @@ def _jobs(tmp: Path, names: list[str], lighthouses: dict, group: int) -> list[di
     for name in names:
         ft = {**GROUP, "parallel.fault_tolerance": True, "parallel.ft_replica_id": group,
               "parallel.ft_lighthouse": lighthouses[name], "log.run_dir": str(tmp / name / f"group{group}")}
-        if name == "heal":  # ZeRO-3; group 0 alone for HEAL_AT steps (min_replicas 1), then both. fp16, the
-            # late group's first loss scale another (as a group resumed from an older checkpoint): it takes the
-            # peer's scale, grown once (growth_interval 2) in the steps it trained alone
-            job = {"overrides": {**MICRO, **ft, "parallel.zero": 3, "train.steps": HEAL_STEPS,
+        if name == "heal":  # experts over 2 ranks, the rest ZeRO-3; group 0 alone for HEAL_AT steps (min_replicas
+            # 1), then both. fp16, the late group's first loss scale another (as a group resumed from an older
+            # checkpoint): it takes the peer's scale, grown once (growth_interval 2) in the steps it trained alone,
+            # and the routing biases those steps moved
+            job = {"overrides": {**MICRO, **ft, **LAYOUTS["ep2-zero3"], "train.steps": HEAL_STEPS,
                                  "parallel.ft_min_replicas": 1, "precision.mode": "16-mixed",
                                  "precision.growth_interval": 2, "precision.init_scale": 1024.0 * (1 + 6 * group)},
                    "probe": f"{PROBE}:{'held_group' if group == 0 else 'late_group'}"}
@@ -195,10 +206,11 @@ def _model(layout: dict) -> dict:
 def joint(tmp_path_factory):
     """joint[name]: one process training the groups' joint batch (2 x train.global_batch) of that
     layout's model, in micro-batches of 2 (one run per model)."""
-    def fit(model: dict) -> list[dict]:
+    def fit(model: dict) -> dict:
         cfg = micro_cfg(tmp_path_factory.mktemp("joint"), **{"train.steps": STEPS, "train.global_batch": 8,
                                                               "train.micro_batch": 2, **model})
-        return fit_reference(cfg)["history"]
+        trainer = Trainer(cfg)
+        return {"history": trainer.fit()["history"], "biases": _biases(trainer)}
 
     runs = Lazy({"dense": lambda: fit({}), "moe": lambda: fit(_model(LAYOUTS["ep2-zero3"]))})
     return lambda name: runs["moe" if _model({**LAYOUTS, **FOUR}[name]) else "dense"]
@@ -219,15 +231,28 @@ def test_two_groups_of_a_layout_train_as_one_process_on_their_joint_batch(groups
     assert [r["ft_groups"] for r in h0 + h1] == [2.0] * (2 * STEPS)
     both = [{"step": a["step"], "loss": (a["loss"] + b["loss"]) / 2, "grad_norm": a["grad_norm"]}
             for a, b in zip(h0, h1, strict=True)]  # the joint mean: both groups count the same tokens
-    assert_same_run(both, joint(name), steps=STEPS, tol=TOL, what=name)
+    assert_same_run(both, joint(name)["history"], steps=STEPS, tol=TOL, what=name)
     assert [a["grad_norm"] for a in h0] == [b["grad_norm"] for b in h1]  # one averaged gradient, bit for bit
     assert _crc(g0) == _crc(g1), f"{name}: the groups' local tensors differ"
+
+
+@pytest.mark.parametrize("name", ["ep2-zero3"])
+def test_routing_biases_move_by_the_load_of_every_group_as_for_the_joint_batch(groups, joint, name):
+    """The step's expert load counts are summed over the groups before the commit vote: every rank of
+    both groups ends with the routing biases of one process on the joint batch, bit for bit (each
+    bias moves by whole steps of model.moe_bias_rate, so one count off shows as a whole step)."""
+    want = joint(name)["biases"]
+    assert any(b != 0 for bias in want.values() for b in bias), "the biases never moved: the test is blind"
+    for g, result in enumerate(groups[name]):
+        for r in result["ranks"]:
+            assert r["probe"]["biases"] == want, f"group {g} rank {r['rank']}: {r['probe']['biases']} vs {want}"
 
 
 @pytest.mark.parametrize("name", ["heal"])
 def test_a_late_zero3_group_heals_from_its_peers_shards_and_then_holds_them_bit_for_bit(groups, name):
     """Group 0 trains HEAL_AT steps alone; group 1 starts then, finds itself behind the quorum,
-    takes group 0's local ZeRO-3 shards, optimizer state, step and fp16 loss scale over HTTP (rank i from rank i),
+    takes group 0's local ZeRO-3 and expert shards, optimizer state, step, fp16 loss scale and routing
+    biases over HTTP (rank i from rank i),
     and both train the remaining steps together on the same weights."""
     g0, g1 = groups[name]
     h0, h1 = g0["history"], g1["history"]
@@ -242,6 +267,9 @@ def test_a_late_zero3_group_heals_from_its_peers_shards_and_then_holds_them_bit_
     assert [a["loss_scale"] for a in h0[HEAL_AT:]] == [b["loss_scale"] for b in h1]  # fp16: the peer's scale
     assert [r["probe"]["scaler"] for r in g1["ranks"]] == [r["probe"]["scaler"] for r in g0["ranks"]]
     assert h0[0]["loss_scale"] == 1024.0 and h0[-1]["loss_scale"] > 1024.0  # it grew: the test is not blind
+    biases = [r["probe"]["biases"] for r in g0["ranks"]]
+    assert [r["probe"]["biases"] for r in g1["ranks"]] == biases  # the peer's, moved alike since
+    assert any(b != 0 for bias in biases[0].values() for b in bias)
 
 
 @pytest.mark.parametrize("name", ["zero3", "pp2-1f1b"])

@@ -23,13 +23,13 @@ def fault_tolerance_problems(par, model=None) -> list[str]:
     if not par.ft_lighthouse:
         errors.append("parallel.fault_tolerance needs parallel.ft_lighthouse=http://HOST:PORT, the address "
                       "`scaletrain lighthouse` prints")
-    if model is not None and model.moe_experts and model.moe_bias_rate:
-        errors.append(f"parallel.fault_tolerance with model.moe_bias_rate={model.moe_bias_rate:g}: each group would "
-                      "move its experts' routing biases by its own tokens' load (neither averaged across the groups "
-                      "nor healed), and the groups' models would drift apart; set model.moe_bias_rate=0 (balance "
-                      "with model.moe_aux_loss instead)")
-    if par.dp_sync == "step":
+    if par.dp_sync == "step":  # a mixture's load counts summed over the groups each step, its biases healed
         return errors
+    if model is not None and model.moe_experts and model.moe_bias_rate:
+        errors.append(f"parallel.fault_tolerance with parallel.dp_sync={par.dp_sync} and model.moe_bias_rate="
+                      f"{model.moe_bias_rate:g}: each group, a worker, would move its experts' routing biases by its "
+                      "own tokens' load between syncs, and the workers' models would drift apart; set "
+                      "model.moe_bias_rate=0 (balance with model.moe_aux_loss instead), or use dp_sync=step")
     # local SGD / DiLoCo: the groups are the workers (dp_replicate = 1, one level of workers)
     unprotected = [f"parallel.{name}={value}" for name, value, ok in (
         ("tp", par.tp, 1), ("pp", par.pp, 1), ("cp", par.cp, 1), ("ep", par.ep, 1), ("zero", par.zero, None),

@@ -15,7 +15,9 @@ DTensor's local shard). The group's step goes through this module's `ReplicaGrou
                       finish_gradients, then the other hooks': cp, tp K/V copies, a tied embedding;
                       this hook comes last): each rank's local gradients averaged over the groups in
                       the quorum (torchft's fault-tolerant all-reduce, on a gloo group it reconfigures
-                      when the membership changes), before the norm and the clipping
+                      when the membership changes), before the norm and the clipping; a mixture's
+                      expert load counts summed over them (its routing biases then move as for the
+                      joint batch, in MoEBalance after the step)
     agree_to_skip     the commit vote, agreed by every rank of a group (torchft's should_commit):
                       a step whose all-reduce failed (a group died in it) is not committed, and the
                       optimizer does not step in any group that saw the failure
@@ -36,11 +38,11 @@ Healing: a group that comes back (its supervisor restarts it, from its newest ch
 nothing) joins the quorum before its first step; torchft sees it behind the newest step and each
 rank fetches, over HTTP from its counterpart in a live peer, the state this hook hands out: its
 local weights the optimizer steps, its local optimizer state (copied into this group's own state
-tensors, which keep their mesh), and the run's step (the data position and the learning rate follow
-from it); then `refresh` rebuilds what the model computes with (bf16 weights from fp32 masters,
-ZeRO-1/2's gathered replicas, fp8 scales). The step counted by torchft is the committed steps; a
-step nobody committed is a skipped step of the run (weights untouched, the data moves on) in every
-group alike.
+tensors, which keep their mesh), the run's step (the data position and the learning rate follow
+from it), the fp16 loss scale and a mixture's routing biases; then `refresh` rebuilds what the
+model computes with (bf16 weights from fp32 masters, ZeRO-1/2's gathered replicas, fp8 scales).
+The step counted by torchft is the committed steps; a step nobody committed is a skipped step of
+the run (weights untouched, the data moves on) in every group alike.
 
 Checkpoints: written by the lowest replica id in the step's quorum only (`writes_checkpoint`:
 every rank of a group has the same answer, so the group's ranks save together); after a restart
@@ -60,10 +62,12 @@ from urllib.parse import urlsplit
 
 import torch
 from torch import nn
+from torch.distributed import ReduceOp
 
 from scaletrain.errors import ConfigError, TrainingStopped
 from scaletrain.optim import init_optimizer_state
 from scaletrain.parallel.hooks import Named, StepHook
+from scaletrain.parallel.moe_balance import MoEBalance
 
 WAIT_NOTE_S = 2.0  # a quorum slower than this is a wait for groups (a split, or a group restarting): said once
 
@@ -118,11 +122,12 @@ class ReplicaGroups(StepHook):
         self.participants = 0
         self.uncommitted = 0  # steps of this run not committed (a group died in them)
         self.healed = 0  # times this group took its state from a peer
+        self.moe: dict[str, nn.Module] = {}  # the MoE layers whose routing biases the groups move together
         manager.register_state_dict_fn("scaletrain", self._load_peer_state, self._peer_state)
 
     @classmethod
     def for_run(cls, par, rt, named: Named, optimizer, state, refresh: Callable[[], None],
-                scaler=None) -> ReplicaGroups | None:
+                scaler=None, hooks=()) -> ReplicaGroups | None:
         """The hook of a run with parallel.fault_tolerance (else None): checks that torchft is there
         and the Lighthouse answers, then starts this rank's Manager (rank 0's serves the group)."""
         if not par.fault_tolerance:
@@ -160,6 +165,8 @@ class ReplicaGroups(StepHook):
                     lighthouse=par.ft_lighthouse, scaler=scaler)
         if kind is not cls:
             hook.set_outer(par)
+        elif balance := next((h for h in hooks if isinstance(h, MoEBalance)), None):
+            hook.moe = balance.layers  # their load counts summed over the groups, their biases healed
         hook.store = store  # kept alive with the hook
         return hook
 
@@ -170,12 +177,15 @@ class ReplicaGroups(StepHook):
         # the healing rank is the same rank of a group of the same layout, so it holds the same shards
         return {"params": {n: _local(p) for n, p in self.named}, "optim": _local_optimizer_state(self.optimizer),
                 "step": self.state.step, "skipped_steps": self.state.skipped_steps,
-                "early_loss": self.state.early_loss, "scaler": self.scaler.state_dict() if self.scaler else None}
+                "early_loss": self.state.early_loss, "scaler": self.scaler.state_dict() if self.scaler else None,
+                "moe_bias": {n: m.expert_bias for n, m in self.moe.items()}}
 
     def _load_peer_state(self, peer: dict) -> None:
         with torch.no_grad():
             for n, p in self.named:
                 _local(p).copy_(peer["params"][n])
+            for n, m in self.moe.items():
+                m.expert_bias.copy_(peer["moe_bias"][n])
         _load_local_optimizer_state(self.optimizer, peer["optim"])
         self.state.step, self.state.skipped_steps = int(peer["step"]), int(peer["skipped_steps"])
         self.state.early_loss = peer["early_loss"]
@@ -234,15 +244,21 @@ class ReplicaGroups(StepHook):
         self.participants = self.manager.num_participants()
 
     def reduce_gradients(self, named: Named) -> None:
-        grads = [_local(p.grad) for _, p in named if p.grad is not None]
-        if not grads:
+        # the mean over the groups in the quorum; an error: not committed
+        self._allreduce([_local(p.grad) for _, p in named if p.grad is not None], ReduceOp.AVG)
+        # the step's MoE load counts summed over the groups (before the vote: an error, no commit), so that the
+        # routing biases move as for the joint batch
+        self._allreduce([m.stats for m in self.moe.values()], ReduceOp.SUM)
+
+    def _allreduce(self, tensors: list[torch.Tensor], op) -> None:
+        if not tensors:
             return
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        self.manager.allreduce(flat).wait()  # the mean over the groups in the quorum; an error: not committed
+        flat = torch.cat([t.reshape(-1).float() for t in tensors])
+        self.manager.allreduce(flat, reduce_op=op).wait()
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
 
     def agree_to_skip(self, skip: bool) -> bool:
         self.committed = self.manager.should_commit()

@@ -179,7 +179,7 @@ class Trainer:
         self.hooks = StepHooks().add(self.master, *self.pm.hooks, LocalSGD.for_run(
             self.optim_params, self.layout, cfg.parallel, n_blocks=self.pm.n_blocks, mesh=self.rt.mesh),
             fault_tolerance.ReplicaGroups.for_run(cfg.parallel, self.rt, self.optim_params, self.optimizer,
-                                                  self.state, self.refresh_weights, self.scaler))
+                                                  self.state, self.refresh_weights, self.scaler, self.pm.hooks))
 
     @property
     def step(self) -> int:  # optimizer steps done (the run's TrainState holds it)
