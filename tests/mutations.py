@@ -506,8 +506,9 @@ MUTANTS = [
     # any layout inside a replica group (tests/test_ft_layouts.py: 2 groups x 2 ranks, no launcher)
     Mutant("ft-groups-skip-sharded-grads", "the replica groups average the plain gradients only, not the local "
            "shards of DTensor ones (ZeRO-3, tensor parallel)", "src/scaletrain/parallel/fault_tolerance.py",
-           "grads = [_local(p.grad) for _, p in named if p.grad is not None]",
-           "grads = [p.grad for _, p in named if p.grad is not None and not hasattr(p.grad, 'to_local')]",
+           "self._allreduce([_local(p.grad) for _, p in named if p.grad is not None], ReduceOp.AVG)",
+           "self._allreduce([p.grad for _, p in named if p.grad is not None and not hasattr(p.grad, 'to_local')], "
+           "ReduceOp.AVG)",
            (f"{FTL}::test_two_groups_of_a_layout_train_as_one_process_on_their_joint_batch[zero3]",
             f"{FTL}::test_two_groups_of_a_layout_train_as_one_process_on_their_joint_batch[tp2]")),
     Mutant("ft-group-ranks-read-overlapping-windows", "with data parallelism inside the replica groups, group r's "

@@ -358,3 +358,19 @@ def test_tasks_on_ranks_start_in_one_place():
     calls = r"\blauncher\.launch\(|^\s*launch\(|= launch\("
     callers = {str(p.relative_to(p.parents[1])) for p in files if re.search(calls, p.read_text(), re.M)}
     assert callers <= {"launch/launcher.py", "launch/ranks.py", "launch/job.py"}
+
+
+def test_every_mutant_plants_its_bug_in_text_found_once_and_names_tests_that_exist():
+    """tests/mutations.py refuses a mutant whose text is not in its file exactly once, but only when it
+    runs (minutes, outside `make test`): a refactor that moves a mutant's text fails here instead."""
+    import re
+
+    import mutations
+
+    repo = PACKAGE.parents[1]
+    rotten = [m.name for m in mutations.MUTANTS if (repo / m.file).read_text().count(m.old) != 1]
+    assert rotten == [], f"mutants whose planted text is not in their file exactly once: {rotten}"
+    missing = [t for m in mutations.MUTANTS for t in m.tests
+               if not re.search(rf"^def {re.escape(t.split('::')[1].split('[')[0])}\(",
+                                (repo / t.split("::")[0]).read_text(), re.M)]
+    assert missing == [], f"tests named by mutants that do not exist: {missing}"
