@@ -506,9 +506,8 @@ MUTANTS = [
     # any layout inside a replica group (tests/test_ft_layouts.py: 2 groups x 2 ranks, no launcher)
     Mutant("ft-groups-skip-sharded-grads", "the replica groups average the plain gradients only, not the local "
            "shards of DTensor ones (ZeRO-3, tensor parallel)", "src/scaletrain/parallel/fault_tolerance.py",
-           "self._allreduce([_local(p.grad) for _, p in named if p.grad is not None], ReduceOp.AVG)",
-           "self._allreduce([p.grad for _, p in named if p.grad is not None and not hasattr(p.grad, 'to_local')], "
-           "ReduceOp.AVG)",
+           "grads = [_local(p.grad) for _, p in named if p.grad is not None]",
+           "grads = [p.grad for _, p in named if p.grad is not None and not hasattr(p.grad, 'to_local')]",
            (f"{FTL}::test_two_groups_of_a_layout_train_as_one_process_on_their_joint_batch[zero3]",
             f"{FTL}::test_two_groups_of_a_layout_train_as_one_process_on_their_joint_batch[tp2]")),
     Mutant("ft-group-ranks-read-overlapping-windows", "with data parallelism inside the replica groups, group r's "
@@ -527,7 +526,7 @@ MUTANTS = [
            (f"{FTL}::test_a_late_zero3_group_heals_from_its_peers_shards_and_then_holds_them_bit_for_bit[heal]",)),
     Mutant("ft-moe-loads-not-summed-over-groups", "each replica group moves its routing biases by its own tokens' "
            "load, not by the load summed over the groups", "src/scaletrain/parallel/fault_tolerance.py",
-           "        self._allreduce([m.stats for m in self.moe.values()], ReduceOp.SUM)\n", "        pass\n",
+           "tensors = grads + [m.stats for m in self.moe.values()]", "tensors = grads",
            (f"{FTL}::test_routing_biases_move_by_the_load_of_every_group_as_for_the_joint_batch[ep2-zero3]",)),
     Mutant("ft-heal-keeps-its-own-biases", "a healing group takes its peer's weights but keeps its own routing "
            "biases", "src/scaletrain/parallel/fault_tolerance.py",

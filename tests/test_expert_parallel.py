@@ -154,7 +154,7 @@ def resharding_jobs(tmp) -> list[tuple[str, dict]]:
 
 
 @pytest.fixture(scope="module")
-def group4(request, tmp_path_factory):
+def ep_runs(request, tmp_path_factory):
     """The layouts and the resharding chain, in one group of 4 ranks, then the compiled layout in
     one of 2 (those the session's tests ask for: see conftest.wanted_params)."""
     tmp = tmp_path_factory.mktemp("ep4")
@@ -174,8 +174,8 @@ def group4(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name,ref", [(name, ref) for name, _, ref in LAYOUTS], ids=[n for n, _, _ in LAYOUTS])
-def test_parity_with_one_process(group4, reference, name, ref):
-    result, want = group4[name], reference[ref]
+def test_parity_with_one_process(ep_runs, reference, name, ref):
+    result, want = ep_runs[name], reference[ref]
     grads = {}  # every stage's (pipeline stages hold different parameters; the others, copies)
     for r in result["ranks"]:
         grads.update(r["probe"]["grads"])
@@ -187,25 +187,25 @@ def test_parity_with_one_process(group4, reference, name, ref):
 
 
 @pytest.mark.parametrize("name", ["ep2-zero3-ac", "ep2xcp2-zero3", "ep2xtp2-zero3"])
-def test_zero3_keeps_a_shard_of_the_experts_between_steps(group4, name):
+def test_zero3_keeps_a_shard_of_the_experts_between_steps(ep_runs, name):
     """Under ZeRO-3 the experts are sharded like every other weight: after the run each rank's
     expert replicas hold no storage and the shards it steps are 1/N of its experts (N = the
     ranks holding the same experts, 2 here)."""
-    for r in group4[name]["ranks"]:
+    for r in ep_runs[name]["ranks"]:
         got = r["probe"]["expert_bytes"]
         assert got["whole"] > 0 and got["replicas"] == 0, f"{name} rank {r['rank']}: {got}"
         assert got["shards"] == got["whole"] // 2, f"{name} rank {r['rank']}: {got}"
 
 
 @pytest.mark.parametrize("name", [("save-ep2", "ep2-to-ep4", "ep4-to-ep1")], ids=["ep2-ep4-ep1"])
-def test_checkpoints_reshard_across_ep_sizes(group4, reference, name):
+def test_checkpoints_reshard_across_ep_sizes(ep_runs, reference, name):
     """Saved at ep 2, resumed at ep 4, saved again and resumed at ep 1: the same losses and
     gradient norms as one process's uninterrupted run, the same final weights and bias."""
     ref = reference["plain"]
-    assert_same_run(group4["save-ep2"]["history"], ref["history"], steps=STEPS, tol=TOL, what="ep 2")
-    assert_same_run(group4["ep2-to-ep4"]["history"], ref["history"], steps=STEPS, first=3, tol=TOL,
+    assert_same_run(ep_runs["save-ep2"]["history"], ref["history"], steps=STEPS, tol=TOL, what="ep 2")
+    assert_same_run(ep_runs["ep2-to-ep4"]["history"], ref["history"], steps=STEPS, first=3, tol=TOL,
                     what="ep 2 -> ep 4")
-    last = group4["ep4-to-ep1"]
+    last = ep_runs["ep4-to-ep1"]
     assert_same_run(last["history"], ref["history"], steps=STEPS, first=5, tol=TOL, what="ep 2 -> ep 4 -> ep 1")
     assert_same_weights(last["weights"], ref["weights"], tol=WEIGHTS_TOL, what="ep 2 -> ep 4 -> ep 1")
     assert_same_biases(last["ranks"], ref["biases"], "ep 2 -> ep 4 -> ep 1")

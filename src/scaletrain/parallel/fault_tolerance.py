@@ -244,17 +244,16 @@ class ReplicaGroups(StepHook):
         self.participants = self.manager.num_participants()
 
     def reduce_gradients(self, named: Named) -> None:
-        # the mean over the groups in the quorum; an error: not committed
-        self._allreduce([_local(p.grad) for _, p in named if p.grad is not None], ReduceOp.AVG)
-        # the step's MoE load counts summed over the groups (before the vote: an error, no commit), so that the
-        # routing biases move as for the joint batch
-        self._allreduce([m.stats for m in self.moe.values()], ReduceOp.SUM)
-
-    def _allreduce(self, tensors: list[torch.Tensor], op) -> None:
+        # one all-reduce over the groups in the quorum (an error: not committed): the local gradients, then
+        # divided into their mean, and a mixture's step load counts, left summed so that the routing biases
+        # move as for the joint batch (MoEBalance, after the step)
+        grads = [_local(p.grad) for _, p in named if p.grad is not None]
+        tensors = grads + [m.stats for m in self.moe.values()]
         if not tensors:
             return
         flat = torch.cat([t.reshape(-1).float() for t in tensors])
-        self.manager.allreduce(flat, reduce_op=op).wait()
+        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        flat[:sum(g.numel() for g in grads)] /= self.manager.num_participants()
         offset = 0
         for t in tensors:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
