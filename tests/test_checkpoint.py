@@ -14,6 +14,7 @@ import torch
 
 from scaletrain.errors import CheckpointError, ConfigError, UserError
 from scaletrain.train import checkpoint as ckpt
+from scaletrain.train import dcp_safe
 from scaletrain.train.trainer import Trainer
 from scaletrain.trained.export import export_safetensors, load_model_from_checkpoint
 
@@ -217,7 +218,7 @@ def test_dotted_global_through_dcp_metadata_module_is_refused(tmp_path, monkeypa
 
 
 def test_only_listed_metadata_classes_are_accepted():
-    unpickler = ckpt._MetadataUnpickler(io.BytesIO(b""))
+    unpickler = dcp_safe._MetadataUnpickler(io.BytesIO(b""))
     assert unpickler.find_class("torch.distributed.checkpoint.metadata", "Metadata").__name__ == "Metadata"
     assert unpickler.find_class("torch", "float32") is torch.float32
     for module, name in (("torch.distributed.checkpoint.metadata", "os"), ("torch.distributed.checkpoint.metadata",

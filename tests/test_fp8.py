@@ -116,7 +116,7 @@ def test_an_fp8_run_tracks_bf16_mixed(tmp_path, bf16_losses, recipe):
 def test_compile_with_fp8_gives_the_eager_losses(tmp_path):
     """torch.compile of each block with its Float8Linears (after conversion, as torchtitan
     orders it): inductor fuses the casts; the losses stay within 1e-3 of eager."""
-    from scaletrain.parallel.parallelize import check_compiler
+    from scaletrain.parallel.checks import check_compiler
 
     try:
         check_compiler(torch.device("cpu"))
@@ -274,13 +274,13 @@ def test_a_custom_module_is_refused_in_one_line(tmp_path):
 
 def test_model_parallel_axes_are_refused_in_one_line(tmp_path):
     from scaletrain.layout import Layout
-    from scaletrain.parallel.parallelize import _check_fp8
+    from scaletrain.parallel.checks import check_fp8
 
     cpu = torch.device("cpu")
     for axis in ("tp", "pp", "cp"):
         with pytest.raises(ConfigError, match=f"precision.mode=fp8 with parallel.{axis}=2: not supported yet"):
-            _check_fp8(Layout(**{axis: 2}), cpu, emulate=True)
-    _check_fp8(Layout(dp_shard=2, zero=3), cpu, emulate=True)  # data parallelism composes
+            check_fp8(Layout(**{axis: 2}), cpu, emulate=True)
+    check_fp8(Layout(dp_shard=2, zero=3), cpu, emulate=True)  # data parallelism composes
 
 
 # ------------------------------------------------------------------------------------------

@@ -338,7 +338,7 @@ def test_compiler_check_passes_where_inductor_finds_one():
 
     import torch
 
-    from scaletrain.parallel.parallelize import check_compiler
+    from scaletrain.parallel.checks import check_compiler
 
     if os.environ.get("CXX") is None and shutil.which("g++") is None:
         pytest.skip("no g++ here")

@@ -177,7 +177,7 @@ def test_qat_with_compile_gives_the_eager_qat_losses(tmp_path):
     inductor reorders the reductions). The same tolerance tells QAT from no QAT: fp32's losses
     differ from eager QAT's by more (measured 1.6e-4), so a compile that skipped the fake
     quantization would fail here."""
-    from scaletrain.parallel.parallelize import check_compiler
+    from scaletrain.parallel.checks import check_compiler
 
     try:
         check_compiler(torch.device("cpu"))
@@ -289,14 +289,14 @@ def test_qat_with_a_width_int4_cannot_group_is_one_line(tmp_path):
 
 def test_qat_refuses_tensor_parallelism_in_one_line(tmp_path):
     from scaletrain.layout import Layout
-    from scaletrain.parallel.parallelize import _check_qat
+    from scaletrain.parallel.checks import check_qat
 
     cfg = micro_cfg(tmp_path, **{"train.qat": "int8-dynamic"})
     with pytest.raises(ConfigError, match="parallel.tp=2"):
-        _check_qat(cfg, Layout(tp=2))
+        check_qat(cfg, Layout(tp=2))
     with pytest.raises(ConfigError, match="parallel.pp=2"):
-        _check_qat(cfg, Layout(pp=2))
-    _check_qat(cfg, Layout(dp_shard=2, zero=3))  # data parallelism composes
+        check_qat(cfg, Layout(pp=2))
+    check_qat(cfg, Layout(dp_shard=2, zero=3))  # data parallelism composes
 
 
 def test_a_damaged_quantized_folder_is_named(runs, tmp_path):

@@ -46,7 +46,7 @@ def settle(cfg: JobConfig, world: int, device: torch.device, *, per_node: int | 
 
     here = per_node or world
     if cfg.train.compile:  # every rank would fail the same way: said once, before anything is built
-        from scaletrain.parallel.parallelize import check_compiler
+        from scaletrain.parallel.checks import check_compiler
 
         check_compiler(device)
     measure = None
@@ -60,7 +60,7 @@ def settle(cfg: JobConfig, world: int, device: torch.device, *, per_node: int | 
         layout.check(cfg.model, seq_len=cfg.data.seq_len)
     except ConfigError as e:
         raise _with_saved_world(e, cfg, world) from None
-    from scaletrain.parallel.parallelize import check_techniques
+    from scaletrain.parallel.checks import check_techniques
 
     check_techniques(cfg, layout)  # said once here, not by every rank
     if not cfg.log.run_dir:  # named here, once: every rank (and node) must write to the same folder

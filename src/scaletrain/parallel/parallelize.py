@@ -22,7 +22,6 @@ hooks of the techniques applied (parallel/hooks.py: the per-step work the Traine
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -43,6 +42,7 @@ from scaletrain.parallel.adapters import (
     check_adapters,
     quantize_plan,
 )
+from scaletrain.parallel.checks import check_compiler, check_fp8, check_qat
 from scaletrain.parallel.context_parallel import ContextParallelStep, apply_context_parallel
 from scaletrain.parallel.data_parallel import (
     DataParallel,
@@ -59,7 +59,7 @@ from scaletrain.parallel.moe_balance import MoEBalance, check_moe
 from scaletrain.parallel.tensor_parallel import ReplicatedKVStep, SequenceShardedMoEStep, apply_tensor_parallel
 from scaletrain.parallel.zero import ZeroDataParallel
 from scaletrain.precision import Precision
-from scaletrain.quant.fp8 import Fp8ScaleStep, check_fp8_device, convert_fp8
+from scaletrain.quant.fp8 import Fp8ScaleStep, convert_fp8
 from scaletrain.quant.frozen_base import bases_on_meta, fill_bases, fill_nf4_shards, is_quantized, quantize_base
 from scaletrain.quant.layers import describe, layer_plan
 from scaletrain.quant.qat import prepare_qat
@@ -106,25 +106,6 @@ class ParallelModel:
         return self.num_stages - 1 in self.stage_ids
 
 
-def check_compiler(device: torch.device) -> None:
-    """torch.compile on the CPU builds its kernels with a C++ compiler; without one the first
-    step fails deep inside inductor. Look for it the way inductor does (env CXX, else g++ on
-    PATH) and refuse up front."""
-    if device.type != "cpu":
-        return
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-    except ImportError:  # a PyTorch that finds its compiler some other way: let it
-        return
-    try:
-        get_cpp_compiler()  # cached: inductor gets the same answer later
-    except Exception:  # noqa: BLE001 - InvalidCxxCompiler, or a CXX that cannot even be started
-        cxx = os.environ.get("CXX")
-        looked = f"CXX={cxx!r}" if cxx is not None else "g++ on PATH (or env CXX)"
-        raise ConfigError(f"train.compile=true on the CPU needs a C++ compiler and none works here (looked for "
-                          f"{looked}); set train.compile=false, or install g++ / point CXX at a compiler") from None
-
-
 def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precision,
                 weights=None) -> ParallelModel:
     """`weights`: full tensors by canonical parameter name (e.g. `model.init_from`, read lazily),
@@ -148,7 +129,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
     # quantization-aware training: the chosen linears become fake-quantized ones (same names)
     notes = []
     if cfg.train.qat != "none":
-        _check_qat(cfg, lay)
+        check_qat(cfg, lay)
         notes += describe(layer_plan(model, cfg.train.qat), f"train.qat={cfg.train.qat}")  # the rule, said once
         for chunk in chunks:
             prepare_qat(chunk, cfg.train.qat)
@@ -156,7 +137,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precis
     # that wraps them; with tensorwise scales FSDP2 will gather them in fp8
     fp8_all_gather = False
     if precision.mode == "fp8":
-        _check_fp8(lay, rt.device, cfg.precision.fp8_emulate)
+        check_fp8(lay, rt.device, cfg.precision.fp8_emulate)
         pc = cfg.precision
         fp8_all_gather = pc.fp8_recipe == "tensorwise" and lay.dp_engine == "fsdp"
         plans = [convert_fp8(chunk, pc.fp8_recipe, emulate=pc.fp8_emulate, fp8_min_dim=pc.fp8_min_dim,
@@ -323,47 +304,6 @@ def _weights_fit(num_params: int, rt: Runtime):
         raise ConfigError(f"the model's weights ({num_params / 1e6:,.1f}M parameters) do not fit in {rt.device} "
                           f"memory on rank {rt.rank}; shrink the model, or shard it (parallel.zero=3, tp, pp): "
                           "`scaletrain plan --config FILE` finds a layout") from None
-
-
-def check_techniques(cfg: JobConfig, lay) -> None:
-    """The layouts QAT and fp8 refuse, checked where the job is settled, before any rank starts
-    (one line, not one per rank); parallelize checks them again for a Trainer built directly."""
-    if cfg.train.qat != "none":
-        _check_qat(cfg, lay)
-    if cfg.precision.mode == "fp8":
-        _check_fp8_layout(lay)
-    if cfg.adapter.kind != "none":
-        check_adapters(cfg, lay)
-
-
-def _check_qat(cfg: JobConfig, lay) -> None:
-    """train.qat composes with data parallelism (DDP, ZeRO 0-3), every precision, accumulation,
-    activation checkpointing and compile; tensor and pipeline parallelism are refused."""
-    if lay.tp > 1:
-        raise ConfigError(f"train.qat={cfg.train.qat} with parallel.tp={lay.tp}: torchao's fake-quantized linear "
-                          "quantizes whole weight rows and token rows, which tensor parallelism splits across ranks "
-                          "(per-row scales would differ from the quantized model's); set parallel.tp=1")
-    if lay.pp > 1:
-        raise ConfigError(f"train.qat={cfg.train.qat} with parallel.pp={lay.pp}: not supported yet (the pipeline "
-                          "stages are untested with fake-quantized linears); set parallel.pp=1")
-
-
-def _check_fp8(lay, device: torch.device, emulate: bool) -> None:
-    """fp8 composes with data parallelism (DDP and ZeRO-3 checked against one process; ZeRO-1/2
-    and HSDP wrap the converted model like any other), accumulation, activation checkpointing,
-    compile and checkpoints; the model-parallel axes are refused."""
-    _check_fp8_layout(lay)
-    check_fp8_device(device, emulate)
-
-
-def _check_fp8_layout(lay) -> None:
-    for axis, size, why in (("tp", lay.tp, "its column/row plans would need torchao's Float8ColwiseParallel and "
-                             "Float8RowwiseParallel, which scaletrain does not apply yet"),
-                            ("pp", lay.pp, "the pipeline stages are untested with float8 linears"),
-                            ("cp", lay.cp, "context parallelism is untested with float8 linears")):
-        if size > 1:
-            raise ConfigError(f"precision.mode=fp8 with parallel.{axis}={size}: not supported yet ({why}); set "
-                              f"parallel.{axis}=1 or train with precision.mode=bf16-mixed")
 
 
 def _shard_mesh(rt: Runtime):

@@ -34,7 +34,6 @@ import base64
 import contextlib
 import errno
 import hashlib
-import io
 import json
 import os
 import pickle
@@ -46,10 +45,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from scaletrain import atomic
 from scaletrain.config import locate_data, relative_data
@@ -62,54 +57,6 @@ FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)  # 1: before checksums and lineage
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-# --------------------------------------------------------------------------------------------
-# Safe reading
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's metadata and refuses any other global (os.system, eval, ...).
-
-    Only the classes listed here, by exact name: a dotted name ("os.system" looked up through a
-    module that happens to import os) or any other attribute of an allowed module is refused."""
-
-    _allowed = {
-        "torch.distributed.checkpoint.metadata": {
-            "Metadata", "MetadataIndex", "TensorProperties", "ChunkStorageMetadata", "TensorStorageMetadata",
-            "BytesStorageMetadata", "StorageMeta", "_MEM_FORMAT_ENCODING"},
-        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-        "torch.serialization": {"_get_layout"},
-        "torch": {"Size"},
-        "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
-        "collections": {"OrderedDict"},
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        is_dtype = module == "torch" and "." not in name and isinstance(getattr(torch, name, None), torch.dtype)
-        if "." not in name and (name in self._allowed.get(module, ()) or is_dtype):
-            return super().find_class(module, name)
-        raise CheckpointError(f"refusing to load: the checkpoint metadata asks to unpickle {module}.{name}, "
-                              "which a checkpoint never needs; the folder may have been tampered with")
-
-
-class SafeReader(FileSystemReader):
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        raise CheckpointError(f"refusing to load: the checkpoint stores a pickled object at "
-                              f"{read_item.dest_index.fqn}; scaletrain checkpoints hold tensors only")
 
 
 # --------------------------------------------------------------------------------------------
@@ -348,6 +295,11 @@ def save_checkpoint(folder: Path, step: int, tensors: dict[str, Any], trainer_st
     final = folder / f"step_{step:08d}"
     partial = folder / f".step_{step:08d}.partial"
     rank = _rank()
+    # imported here, not with this module: DCP and DTensor are a second of imports, paid by the processes that save
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         if rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
@@ -485,6 +437,8 @@ def read_trainer_state(path: Path) -> dict:
 
 def _causes(e: BaseException) -> list[BaseException]:
     """The per-rank exceptions inside DCP's CheckpointException (or e itself)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     if isinstance(e, CheckpointException):
         return [exc for exc, _ in e.failures.values()]
     return [e]
@@ -493,6 +447,11 @@ def _causes(e: BaseException) -> list[BaseException]:
 def load_tensors(path: Path, tensors: dict[str, Any], verify: bool = True) -> None:
     """Fill `tensors` (nested dict of tensors, DTensors included) in place from checkpoint `path`,
     after checking its files against their checksums (unless the caller just did)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from scaletrain.train.dcp_safe import SafeLoadPlanner, SafeReader
+
     if verify and (problem := verify_checkpoint(path)):
         raise CheckpointError(f"{path} is damaged ({problem}); use another checkpoint")
     try:  # read the metadata once first: DCP logs a traceback when it cannot, then fails vaguely
