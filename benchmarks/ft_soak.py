@@ -47,8 +47,8 @@ TINY = {"model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.max_seq
 
 def plan(groups: int, nproc: int, steps: int, kills: int, seed: int, every: int) -> list[dict]:
     """`kills` kills at distinct random steps after the first checkpoint and before the last third of
-    the run (a group killed near the end would come back to groups that have finished: it waits for
-    a quorum that never forms), in random groups, ranks and phases. A save kill hits group 0 (the
+    the run (a group killed near the end comes back to groups that have finished: it cannot rejoin,
+    and ft-local stops it, which measures nothing), in random groups, ranks and phases. A save kill hits group 0 (the
     writer while it lives) at a checkpoint's step; a heal kill is a kill of the same group in its
     forward followed by one in its next heal (two kills)."""
     rng = random.Random(seed)

@@ -10,8 +10,8 @@ before the launch:
 
 Each kill fires once in the whole job, restarts included: rank `rank` (default 0) of group `group`
 SIGKILLs itself at the first `phase` it reaches at a step >= `step` (default 0) and <= `until` (if given:
-past it the kill is dropped; a group killed after the others finished would wait for a quorum that
-never forms). Just before, it copies its group's metrics.jsonl as it stands (whole rows: the file is
+past it the kill is dropped; a group killed after the others finished cannot rejoin them: ft-local
+stops it). Just before, it copies its group's metrics.jsonl as it stands (whole rows: the file is
 line-buffered) to <log.run_dir>/fired/<index>.metrics.jsonl, the rows of the steps it logged before the
 kill, which its restart would drop (`rows_at_kill`), then writes <log.run_dir>/fired/<index>.json
 ({"group", "rank", "phase", "step", "time"}), which the test reads. The phases, and the step each one

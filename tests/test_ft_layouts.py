@@ -46,6 +46,14 @@ LAYOUTS = {  # inside each group of two ranks
 FOUR = {  # inside each group of four ranks (one launch more): HSDP, ZeRO-3 over 2 x 2 ranks
     "hsdp-zero3": {"parallel.zero": 3, "parallel.dp_replicate": 2, "train.micro_batch": 1},
 }
+# DiLoCo across the groups (dp_sync=diloco with dp_replicate 1: each group a worker), a sync every 2 steps,
+# each group sharded over its two ranks as a local-SGD worker can be
+DILOCO = {f"diloco-{name}": {**inside, "parallel.dp_sync": "diloco", "parallel.sync_every": 2} for name, inside in (
+    ("zero3", {"parallel.zero": 3}), ("tp2", {"parallel.tp": 2}),
+    ("pp2", {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}), ("cp2", {"parallel.cp": 2}),
+    # experts over both ranks, balanced by the auxiliary loss (routing biases are refused across DiLoCo groups)
+    ("ep2", {"parallel.ep": 2, "model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_bias_rate": 0.0}))}
+DILOCO_DP = {"diloco-zero3": 2, "diloco-ep2": 2}  # data-parallel ranks inside each group (the others: 1)
 MODEL_KEYS = ("model.moe_experts", "model.moe_top_k", "model.moe_bias_rate")  # the joint run's model
 HEAL_STEPS, HEAL_AT = 6, 3  # group 1 of the heal job starts once group 0 has logged HEAL_AT steps alone
 PROBE = "test_ft_layouts"
@@ -142,7 +150,7 @@ def _jobs(tmp: Path, names: list[str], lighthouses: dict, group: int) -> list[di
             if group == 1:
                 job["wait_for"] = [str(tmp / name / "group0" / "metrics.jsonl"), HEAL_AT]
         else:
-            job = {"overrides": {**MICRO, **ft, **{**LAYOUTS, **FOUR}[name], "parallel.ft_min_replicas": 2},
+            job = {"overrides": {**MICRO, **ft, **{**LAYOUTS, **DILOCO, **FOUR}[name], "parallel.ft_min_replicas": 2},
                    "probe": f"{PROBE}:local_state"}
         jobs.append(job)
     return jobs
@@ -156,7 +164,7 @@ def groups(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ftl")
     runs = Runs()
     runs.folder = tmp  # each job's groups' run folders: folder / job / groupR
-    for nproc, names in ((2, [*LAYOUTS, "heal"]), (4, list(FOUR))):
+    for nproc, names in ((2, [*LAYOUTS, *DILOCO, "heal"]), (4, list(FOUR))):
         names = [n for n in names if wanted is None or n in wanted]
         if names:
             runs.update(_launch(tmp, nproc, names))
@@ -234,6 +242,51 @@ def test_two_groups_of_a_layout_train_as_one_process_on_their_joint_batch(groups
     assert_same_run(both, joint(name)["history"], steps=STEPS, tol=TOL, what=name)
     assert [a["grad_norm"] for a in h0] == [b["grad_norm"] for b in h1]  # one averaged gradient, bit for bit
     assert _crc(g0) == _crc(g1), f"{name}: the groups' local tensors differ"
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    """two_workers(name): verify's one-process simulation of two DiLoCo workers of that job's model,
+    synced as DILOCO's, each reading the windows of a group with DILOCO_DP data-parallel ranks inside
+    (the group's share of the joint batch of 8 is cut among them as among dp_replicate x dp ranks)."""
+    from scaletrain.layout import Layout
+    from scaletrain.verify import isolated, simulate_workers
+
+    def simulate(dp: int, model: dict) -> list[dict]:
+        tmp = tmp_path_factory.mktemp("workers")
+        cfg = micro_cfg(tmp, **{"train.steps": STEPS, "train.global_batch": 8, "train.micro_batch": 2,
+                                "parallel.dp_replicate": 2, "parallel.dp_sync": "diloco", "parallel.sync_every": 2,
+                                **model})
+        return simulate_workers(isolated(cfg, tmp / "ref", STEPS), Layout.from_config(cfg, 2 * dp), STEPS, tmp / "ref")
+
+    def key(name: str) -> tuple:  # one simulation per (dp, model)
+        return DILOCO_DP.get(name, 1), tuple(_model(DILOCO[name]).items())
+
+    runs = Lazy({k: lambda k=k: simulate(k[0], dict(k[1])) for k in map(key, DILOCO)})
+    return lambda name: runs[key(name)]
+
+
+@pytest.mark.parametrize("name", [*DILOCO])
+def test_diloco_groups_sharded_inside_train_as_the_simulated_workers(groups, two_workers, name):
+    """Each group a DiLoCo worker with ZeRO-3, tp, pp, cp or ep over its two ranks: every step's mean loss of
+    the two groups and the root mean square of their gradient norms are verify's one-process
+    simulation of two workers (syncs after steps 2 and 4 included), and after the last sync both
+    groups hold the same weights on each rank, bit for bit."""
+    import math
+
+    g0, g1 = groups[name]
+    h0, h1 = g0["history"], g1["history"]
+    assert [r["step"] for r in h0] == [r["step"] for r in h1] == list(range(1, STEPS + 1))
+    both = [{"step": a["step"], "loss": (a["loss"] + b["loss"]) / 2,
+             "grad_norm": math.hypot(a["grad_norm"], b["grad_norm"]) / math.sqrt(2)}
+            for a, b in zip(h0, h1, strict=True)]
+    assert_same_run(both, two_workers(name), steps=STEPS, tol=TOL, what=name)
+    assert h0[0]["grad_norm"] != h1[0]["grad_norm"]  # each group its own gradients between syncs
+
+    def weights(result):  # (the inner optimizers' states are each group's own)
+        return [{k: v for k, v in crc.items() if "/" not in k} for crc in _crc(result)]
+
+    assert weights(g0) == weights(g1), f"{name}: the groups' weights differ after the last sync"
 
 
 @pytest.mark.parametrize("name", ["ep2-zero3"])

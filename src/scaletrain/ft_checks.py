@@ -30,12 +30,11 @@ def fault_tolerance_problems(par, model=None) -> list[str]:
                       f"{model.moe_bias_rate:g}: each group, a worker, would move its experts' routing biases by its "
                       "own tokens' load between syncs, and the workers' models would drift apart; set "
                       "model.moe_bias_rate=0 (balance with model.moe_aux_loss instead), or use dp_sync=step")
-    # local SGD / DiLoCo: the groups are the workers (dp_replicate = 1, one level of workers)
-    unprotected = [f"parallel.{name}={value}" for name, value, ok in (
-        ("tp", par.tp, 1), ("pp", par.pp, 1), ("cp", par.cp, 1), ("ep", par.ep, 1), ("zero", par.zero, None),
-        ("dp_replicate", par.dp_replicate, 1)) if (value == 3 if ok is None else value != ok)]
-    if unprotected:
+    # local SGD / DiLoCo: the groups are the workers, one level of them; inside each, any layout a local-SGD
+    # worker can have (ZeRO 1-3, tp, pp, cp, ep: tests/test_ft_layouts.py), but not workers of its own
+    if par.dp_replicate != 1:
         errors.append(f"parallel.fault_tolerance with parallel.dp_sync={par.dp_sync} does not protect "
-                      f"{', '.join(unprotected)} yet: the replica groups are the workers, each DDP or ZeRO-1/2 "
-                      "inside (leave dp_replicate at 1; with dp_sync=step any layout works inside a group)")
+                      f"parallel.dp_replicate={par.dp_replicate}: the replica groups are the workers, and workers "
+                      "inside them would be a second level; leave dp_replicate at 1 (ZeRO, tp, pp, cp and ep work "
+                      "inside a group), or use dp_sync=step")
     return errors  # (streamed, delayed or compressed syncs across the groups: Layout.errors)

@@ -145,7 +145,7 @@ def ft_local(args: argparse.Namespace, extra: list[str]) -> int:
                        "--max-restarts", str(args.max_restarts), *ft, f"--parallel.ft_replica_id={r}",
                        f"--log.run_dir={run_dir / f'group{r}'}"]
             groups.append(_child(command, start_new_session=True))  # a signal here reaches it from us
-        return _wait(groups)
+        return _wait(groups, cfg.parallel.ft_quorum_timeout_s)
     finally:
         for g in groups:
             if g.poll() is None:
@@ -167,23 +167,37 @@ def _child(command: list[str], **popen) -> subprocess.Popen:
     return subprocess.Popen(command, preexec_fn=functools.partial(die_with_parent, os.getpid()), **popen)
 
 
-def _wait(groups: list[subprocess.Popen]) -> int:
-    """Every group's exit; SIGINT/SIGTERM here is passed on to each (they save and stop)."""
+def _wait(groups: list[subprocess.Popen], grace_s: float) -> int:
+    """Every group's exit; SIGINT/SIGTERM here is passed on to each (they save and stop). Once a group
+    has finished the run, the others get `grace_s` (the quorum timeout) to finish too, then SIGTERM: a
+    group that came back after its peers finished waits for a quorum that, with min_replicas > 1, can
+    never form (and with 1, trains its last steps again alone). The run is the finished group's."""
     def forward(signum, frame):
         for g in groups:
             if g.poll() is None:
                 g.send_signal(signum)
 
     handlers = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    finished, stopped = None, set()
     try:
         while any(g.poll() is None for g in groups):
             time.sleep(0.2)
+            if finished is None:
+                done = [r for r, g in enumerate(groups) if g.poll() == 0]
+                finished = (done[0], time.monotonic()) if done else None
+            elif time.monotonic() - finished[1] > grace_s:
+                for r, g in enumerate(groups):
+                    if g.poll() is None and r not in stopped:
+                        print(f"scaletrain: replica group {r} is stopped: group {finished[0]} finished the run "
+                              f"{grace_s:g} s ago (parallel.ft_quorum_timeout_s) and group {r} has not; it "
+                              "came back too late to share a quorum with it", file=sys.stderr, flush=True)
+                        g.terminate()
+                        stopped.add(r)
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     codes = [g.returncode for g in groups]
     for r, code in enumerate(codes):
-        if code:
+        if code and r not in stopped:
             print(f"scaletrain: error: replica group {r} ended with exit code {code}", file=sys.stderr, flush=True)
-    return next((c for c in codes if c), 0)
-
+    return next((c for r, c in enumerate(codes) if c and r not in stopped), 0)
