@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -14,6 +15,11 @@ import pytest
 
 # keep the tests on few threads: the suite runs beside other work on 2 cores
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# a suite started in the background by a shell without job control (`make test &` in a script) inherits
+# SIGINT ignored, as does every process it starts, and scaletrain keeps an ignored SIGINT ignored (as
+# under nohup): the tests of Ctrl-C need the interpreter's default, as from a terminal
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import torch  # noqa: E402
 
