@@ -53,7 +53,6 @@ DILOCO = {f"diloco-{name}": {**inside, "parallel.dp_sync": "diloco", "parallel.s
     ("pp2", {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}), ("cp2", {"parallel.cp": 2}),
     # experts over both ranks, balanced by the auxiliary loss (routing biases are refused across DiLoCo groups)
     ("ep2", {"parallel.ep": 2, "model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_bias_rate": 0.0}))}
-DILOCO_DP = {"diloco-zero3": 2, "diloco-ep2": 2}  # data-parallel ranks inside each group (the others: 1)
 MODEL_KEYS = ("model.moe_experts", "model.moe_top_k", "model.moe_bias_rate")  # the joint run's model
 HEAL_STEPS, HEAL_AT = 6, 3  # group 1 of the heal job starts once group 0 has logged HEAL_AT steps alone
 PROBE = "test_ft_layouts"
@@ -247,7 +246,7 @@ def test_two_groups_of_a_layout_train_as_one_process_on_their_joint_batch(groups
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
     """two_workers(name): verify's one-process simulation of two DiLoCo workers of that job's model,
-    synced as DILOCO's, each reading the windows of a group with DILOCO_DP data-parallel ranks inside
+    synced as DILOCO's, each reading the windows of a group with that job's data-parallel ranks inside
     (the group's share of the joint batch of 8 is cut among them as among dp_replicate x dp ranks)."""
     from scaletrain.layout import Layout
     from scaletrain.verify import isolated, simulate_workers
@@ -260,7 +259,9 @@ def two_workers(tmp_path_factory):
         return simulate_workers(isolated(cfg, tmp / "ref", STEPS), Layout.from_config(cfg, 2 * dp), STEPS, tmp / "ref")
 
     def key(name: str) -> tuple:  # one simulation per (dp, model)
-        return DILOCO_DP.get(name, 1), tuple(_model(DILOCO[name]).items())
+        group = micro_cfg(tmp_path_factory.getbasetemp(), **{**GROUP, **DILOCO[name], "parallel.fault_tolerance": True,
+                                                             "parallel.ft_lighthouse": "http://127.0.0.1:1"})
+        return Layout.from_config(group, 2).dp_shard, tuple(_model(DILOCO[name]).items())
 
     runs = Lazy({k: lambda k=k: simulate(k[0], dict(k[1])) for k in map(key, DILOCO)})
     return lambda name: runs[key(name)]

@@ -7,7 +7,9 @@
     scaletrain ft-local --groups R [--nproc N] ...    one machine: a Lighthouse and R replica groups, each
                                                       an ordinary `scaletrain train --nproc N` under its own
                                                       elastic agent, which restarts the group alone when it
-                                                      fails (--max-restarts); run folders RUN_DIR/groupR
+                                                      fails (--max-restarts); run folders RUN_DIR/groupR;
+                                                      a group still running ft_quorum_timeout_s after
+                                                      another finished the run is stopped (`_wait`)
 """
 
 from __future__ import annotations
