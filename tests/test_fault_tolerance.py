@@ -215,7 +215,7 @@ def test_a_group_back_after_the_others_finished_is_stopped_and_the_run_ends_0(tm
     run, steps = tmp_path / "ft", 3
     write_plan(run, [{"group": 1, "step": steps, "phase": "optimizer"}])
     job = _ft_local(run, 2, "--min-replicas", "2", f"--train.steps={steps}", "--parallel.ft_quorum_timeout_s=30",
-                    "--max-restarts=2", "--rank-hook=ft_faults:inject")  # (without the stop: failed in about a minute)
+                    "--max-restarts=2", "--rank-hook=ft_faults:inject")  # without the stop: fails in ~2 min
     err = _ended(job, 400)
     assert job.returncode == 0, err[-3000:]
     assert fired(run)[0]["step"] == steps
