@@ -14,6 +14,7 @@ start it (conftest.launch_here, the CLI).
 from __future__ import annotations
 
 import functools
+import gc
 import multiprocessing
 import os
 import signal
@@ -22,11 +23,34 @@ import tempfile
 import threading
 import time
 
+_starting = threading.Lock()
+
+
+def _server():
+    with _starting:  # groups start from several threads (replica groups); the first starts the server
+        return _start_server()
+
 
 @functools.cache
-def _server():
+def _start_server():
+    """The fork server, started now with this folder on its import path: it imports dist_worker (torch,
+    DTensor, the trainer) once, and each rank forked from it starts with them imported. (Python 3.11's
+    fork server is handed the parent's sys.path but does not use it for its preload, which it skips
+    without a word when the import fails: this folder, which pytest puts on sys.path at run time, has
+    to reach it through PYTHONPATH.)"""
+    from multiprocessing import forkserver
+
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["dist_worker"])  # torch, DTensor, the trainer: imported once
+    ctx.set_forkserver_preload(["dist_worker"])
+    here, saved = os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, saved) if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
     return ctx
 
 
@@ -52,6 +76,7 @@ def _free_port() -> int:
 
 def _rank(rank: int, world: int, port: int, error_dir: str, stderr_path: str, env: dict, cwd: str, task: str,
           args: list[str]) -> None:
+    gc.freeze()  # the fork server's objects, never collected here: the collector leaves their pages shared
     os.chdir(cwd)  # the test's, now: the server was forked from the first test that started ranks
     os.environ.clear()
     os.environ.update({**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
