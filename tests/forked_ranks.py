@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -76,6 +77,8 @@ def _free_port() -> int:
 
 def _rank(rank: int, world: int, port: int, error_dir: str, stderr_path: str, env: dict, cwd: str, task: str,
           args: list[str]) -> None:
+    if "dist_worker" not in sys.modules:  # each rank would import torch and the trainer itself: 3 s of CPU
+        raise RuntimeError("tests/forked_ranks.py: the fork server did not preload dist_worker")
     gc.freeze()  # the fork server's objects, never collected here: the collector leaves their pages shared
     os.chdir(cwd)  # the test's, now: the server was forked from the first test that started ranks
     os.environ.clear()
