@@ -129,7 +129,7 @@ def wanted_params(request, argname: str) -> set | None:
 def run_group(nproc: int, jobs: list[dict], tmp_path: Path, timeout: float = 600) -> tuple[int, list | None, str]:
     """Run `jobs` (dicts with "overrides", optional "fault") in one group of `nproc` real
     processes; returns (exit code, rank 0's results, stderr). The ranks are forked from a process
-    that has imported torch and the trainer already (tests/forked_ranks.py: about 5 s of CPU saved
+    that has imported torch and the trainer already (tests/forked_ranks.py: about 3 s of CPU saved
     per rank); a group with a fault to inject is started by scaletrain's launcher, whose handling
     of the failure the test checks."""
     from forked_ranks import run_forked

@@ -1,14 +1,14 @@
 """A group's ranks forked from a process that has imported torch and scaletrain already (tests only).
 
 Starting a rank the launcher's way (a fresh `python -m scaletrain.launch.worker`) costs it about
-5 s of CPU before its first step, importing torch, DTensor and the trainer; the suite starts
-hundreds of ranks on 2 cores. Here one fork server per test process (multiprocessing's
-"forkserver", single-threaded, so forking it is safe) imports them once, and each rank is a fork
-of it that joins the group from the environment torchrun would have given it and runs the task as
-`python -m scaletrain.launch.worker TASK ARGS` does (scaletrain.launch.worker.main): the same
-exit codes, failure reports and exit without teardown. What the launcher itself does (restarts,
-signals, the one-line summary of a failed job) is tested through the launcher, by the tests that
-start it (conftest.launch_here, the CLI).
+3 s of CPU before its first step (measured on a 2-core machine), importing torch, DTensor and the
+trainer; the suite starts about 140 ranks. Here one fork server per test process
+(multiprocessing's "forkserver", single-threaded, so forking it is safe) imports them once, and
+each rank is a fork of it that joins the group from the environment torchrun would have given it
+and runs the task as `python -m scaletrain.launch.worker TASK ARGS` does
+(scaletrain.launch.worker.main): the same exit codes, failure reports and exit without teardown.
+What the launcher itself does (restarts, signals, the one-line summary of a failed job) is tested
+through the launcher, by the tests that start it (conftest.launch_here, the CLI).
 """
 
 from __future__ import annotations
