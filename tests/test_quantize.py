@@ -341,6 +341,7 @@ def test_torchao_imports_without_library_loading_noise():
 
 
 @pytest.mark.multiproc
+@pytest.mark.usefixtures("forked_launches")  # verify's ranks forked (conftest.forked_launches)
 @pytest.mark.parametrize("zero,bound", [(0, None), (1, 1e-3), (2, 1e-3), (3, 1e-3)],
                          ids=["ddp", "zero1", "zero2", "zero3"])
 def test_qat_under_data_parallelism_tracks_one_process(zero, bound):
