@@ -77,8 +77,6 @@ def _free_port() -> int:
 
 def _rank(rank: int, world: int, port: int, error_dir: str, stderr_path: str, env: dict, cwd: str, task: str,
           args: list[str]) -> None:
-    if "dist_worker" not in sys.modules:  # each rank would import torch and the trainer itself: 3 s of CPU
-        raise RuntimeError("tests/forked_ranks.py: the fork server did not preload dist_worker")
     gc.freeze()  # the fork server's objects, never collected here: the collector leaves their pages shared
     os.chdir(cwd)  # the test's, now: the server was forked from the first test that started ranks
     os.environ.clear()
@@ -89,6 +87,8 @@ def _rank(rank: int, world: int, port: int, error_dir: str, stderr_path: str, en
     fd = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 2)
     os.close(fd)
+    if "dist_worker" not in sys.modules:  # each rank would import torch and the trainer itself: 3 s of CPU
+        raise RuntimeError("tests/forked_ranks.py: the fork server did not preload dist_worker")
     from scaletrain.launch import worker
 
     worker.main([task, *args])  # leaves by os._exit with the task's code
