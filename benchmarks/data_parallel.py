@@ -65,7 +65,7 @@ def rank_main(spec_path: str, out_path: str) -> int:
     import torch.distributed as dist
 
     from scaletrain.launch.ranks import read_spec, write_result
-    from scaletrain.launch.runtime import init_worker
+    from scaletrain.runtime import init_worker
     from scaletrain.train.trainer import Trainer
 
     args, extra = _parser().parse_known_args(read_spec(spec_path)["argv"])

@@ -63,7 +63,7 @@ def rank_main(spec_path: str, out_path: str) -> int:
 
     from scaletrain.config import load_config
     from scaletrain.launch.ranks import flags, quiet, read_spec
-    from scaletrain.launch.runtime import init_worker
+    from scaletrain.runtime import init_worker
     from scaletrain.train.trainer import Trainer
 
     args, extra = _parser().parse_known_args(read_spec(spec_path)["argv"])

@@ -38,8 +38,8 @@ import torch  # noqa: E402
 from scaletrain.config import load_config  # noqa: E402
 from scaletrain.launch.ranks import quiet  # noqa: E402
 from scaletrain.quant.ptq import folder_bytes, load_quantized  # noqa: E402
-from scaletrain.train.evaluate import evaluate_checkpoint  # noqa: E402
 from scaletrain.train.trainer import Trainer  # noqa: E402
+from scaletrain.trained.evaluate import evaluate_checkpoint  # noqa: E402
 from scaletrain.trained.export import export_safetensors, load_model_from_checkpoint  # noqa: E402
 from scaletrain.trained.quantize import quantize_source  # noqa: E402
 from scaletrain.vocab import QAT_SCHEMES, QUANT_SCHEMES  # noqa: E402

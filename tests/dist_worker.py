@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from scaletrain.config import load_config
-from scaletrain.launch.runtime import init_worker
+from scaletrain.runtime import init_worker
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.trainer import Trainer
 

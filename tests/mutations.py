@@ -141,7 +141,7 @@ MUTANTS = [
     Mutant("ep-grad-scale-ignores-borrowed-ranks", "the experts' gradient scale is 1/ep even where ep borrows cp or tp "
            "ranks (whose partial gradients the experts' average then undercounts)",
            "src/scaletrain/parallel/parallelize.py",
-           "grad_scale=lay.token_ranks / lay.ep)", "grad_scale=1 / lay.ep)",
+           "grad_scale=c.lay.token_ranks / c.lay.ep)", "grad_scale=1 / c.lay.ep)",
            (f"{EP}::test_parity_with_one_process[ep4xcp2]", f"{EP}::test_parity_with_one_process[ep2xtp2]")),
     Mutant("ep-experts-summed-over-cp", "the context-parallel gradient sum also sums the experts that ep splits "
            "over the cp ranks",
@@ -300,8 +300,8 @@ MUTANTS = [
            "        m.apply(__import__('torchao.quantization.qat.linear', fromlist=['_']).disable_linear_fake_quant)\n",
            (f"{QC}::test_a_qat_model_is_evaluated_through_its_fake_quantizers",)),
     Mutant("qat-checkpoint-evaluated-plain", "scaletrain eval of a QAT checkpoint runs it without fake quantizers",
-           "src/scaletrain/train/evaluate.py",
-           "            prepare_qat(model, cfg.train.qat)\n", "            pass\n",
+           "src/scaletrain/trained/evaluate.py",
+           "        prepare_qat(model, what.cfg.train.qat)\n", "        pass\n",
            (f"{QC}::test_a_qat_model_is_evaluated_through_its_fake_quantizers",)),
     # the planner's collectives, each engine's derived by hand (tests/test_calibrated_comm.py)
     Mutant("calibrated-zero-gather-as-all-reduce", "ZeRO-1/2's weight all-gather priced as an all-reduce",
@@ -456,8 +456,8 @@ MUTANTS = [
            (f"{HF}::test_import_export_and_generation_match_transformers[gemma3]",)),
     Mutant("sp-post-norm-grads-not-summed", "under sequence parallelism the norms after the sub-blocks (Gemma, OLMo 2) "
            "keep each rank's share of their weight's gradient", "src/scaletrain/parallel/tensor_parallel.py",
-           '            plan.update({n: SequenceParallel(use_local_output=True) for n in ("attn_post_norm", '
-           '"mlp_post_norm")\n                         if getattr(block, n) is not None})\n', "",
+           '        plan.update({n: SequenceParallel(use_local_output=True) for n in ("attn_post_norm", '
+           '"mlp_post_norm")\n                     if getattr(block, n) is not None})\n', "",
            (f"{HF}::test_imported_families_train_alike_under_zero3_tp_and_pp",)),
     Mutant("chat-loss-over-all-tokens", "the masked loss normalised by every token of the global batch, not by the "
            "counted ones", "src/scaletrain/train/trainer.py",

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.errors import ConfigError
-from scaletrain.launch.runtime import Runtime
 from scaletrain.layout import Layout
 from scaletrain.parallel.parallelize import find_blocks, parallelize_module
 from scaletrain.precision import Precision
+from scaletrain.runtime import Runtime
 from scaletrain.train.trainer import Trainer
 from scaletrain.verify import TOLERANCES
 

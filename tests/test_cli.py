@@ -87,7 +87,7 @@ def test_a_job_is_settled_once_its_run_folder_named_and_oversubscription_said(tm
 def test_auto_is_settled_by_the_job_not_by_the_runtime(tmp_path, monkeypatch):
     from scaletrain.errors import ConfigError
     from scaletrain.launch.job import start
-    from scaletrain.launch.runtime import prepare_worker
+    from scaletrain.runtime import prepare_worker
 
     from conftest import micro_cfg
 

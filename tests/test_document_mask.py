@@ -192,9 +192,11 @@ def test_activation_checkpointing_changes_nothing(packed, tmp_path):
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (("--parallel.pp=2",), ("data.document_mask with parallel.pp=2 is not supported: later pipeline stages",
-                            "set parallel.pp=1 or data.document_mask=false")),
-    (("--parallel.cp=2",), ("data.document_mask with parallel.cp=2 is not supported",)),
+    # (settled where the job starts, before its 2 ranks are)
+    (("--parallel.pp=2", "--train.grad_accum=2", "--nproc=2"),
+     ("data.document_mask with parallel.pp=2 is not supported: later pipeline stages",
+      "set parallel.pp=1 or data.document_mask=false")),
+    (("--parallel.cp=2", "--nproc=2"), ("data.document_mask with parallel.cp=2 is not supported",)),
     (("--data.mix=a=1,b=1",), ("data.document_mask with data.mix is not supported",)),
     ((), ("data.document_mask=true finds documents by the token that ends each one, but builtin",
           "byte-level, whose documents are joined by a blank line", "--tokenizer bpe")),

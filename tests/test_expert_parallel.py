@@ -12,7 +12,7 @@ import torch
 
 from scaletrain.layout import Layout
 from scaletrain.model.moe import MoE
-from scaletrain.parallel.init import canonical_name
+from scaletrain.model.names import canonical_name
 from scaletrain.train.trainer import Trainer
 from scaletrain.verify import TOLERANCES
 

@@ -43,8 +43,14 @@ GROUP = [f"--{k}={v}" for k, v in {**MICRO, "train.global_batch": 4, "train.micr
     ({"parallel.ft_lighthouse": ""}, ["needs parallel.ft_lighthouse=http://HOST:PORT"]),
 ])
 def test_bad_fault_tolerance_options_are_one_line_each(options, fragments):
+    """A key's own range at config validation, what a layout cannot protect at the legality check
+    (settle asks both before any rank starts)."""
+    from scaletrain.layout import Layout
+    from scaletrain.legality import check_config
+
     with pytest.raises(ConfigError) as e:
-        load_config(None, {**FT, **options})
+        cfg = load_config(None, {**FT, **options})
+        check_config(cfg, Layout.from_config(cfg, 2 * Layout.config_world(cfg.parallel)))
     assert len(e.value.lines) == 1
     for f in fragments:
         assert f in e.value.lines[0], e.value.lines[0]
@@ -287,7 +293,7 @@ def joint_run(phase_kills, tmp_path_factory):
     """One process training the three groups' joint batch of 12 for PHASE_STEPS, skipping the steps the
     kills left uncommitted (what the groups' commit vote did at them): {"history": its metrics rows,
     "start": its initial weights, "trainer": the Trainer at the end}."""
-    from scaletrain.parallel.hooks import StepHook
+    from scaletrain.hooks import StepHook
     from scaletrain.train.trainer import Trainer
 
     run, _, _ = phase_kills

@@ -274,13 +274,14 @@ def test_a_custom_module_is_refused_in_one_line(tmp_path):
 
 def test_model_parallel_axes_are_refused_in_one_line(tmp_path):
     from scaletrain.layout import Layout
-    from scaletrain.parallel.checks import check_fp8
+    from scaletrain.legality import Techniques, check_job
 
-    cpu = torch.device("cpu")
-    for axis in ("tp", "pp", "cp"):
-        with pytest.raises(ConfigError, match=f"precision.mode=fp8 with parallel.{axis}=2: not supported yet"):
-            check_fp8(Layout(**{axis: 2}), cpu, emulate=True)
-    check_fp8(Layout(dp_shard=2, zero=3), cpu, emulate=True)  # data parallelism composes
+    fp8 = Techniques(fp8=True)
+    for axis, extra in (("tp", {}), ("pp", {"grad_accum": 2}), ("cp", {})):  # each legal without fp8
+        with pytest.raises(ConfigError, match=f"precision.mode=fp8 with parallel.{axis}=2: not supported yet") as e:
+            check_job(Layout(**{axis: 2}, **extra), None, fp8)
+        assert len(e.value.lines) == 1
+    check_job(Layout(dp_shard=2, zero=3), None, fp8)  # data parallelism composes
 
 
 # ------------------------------------------------------------------------------------------

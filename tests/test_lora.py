@@ -437,7 +437,7 @@ def test_bf16_true_keeps_fp32_masters_of_the_adapters_alone(tmp_path):
     trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 3, "adapter.kind": "dora", "precision.mode": "bf16-true"}))
     adapters = sorted(n for n, p in trainer.named_params if p.requires_grad)
     assert len(adapters) == 2 * len(ADAPTED) * 3
-    assert sorted(n for n, _ in trainer.master.named_master) == adapters  # no master copy of the frozen base
+    assert sorted(n for n, _ in trainer.pm.master.named_master) == adapters  # no master copy of the frozen base
     assert all(p.dtype == torch.float32 for _, p in trainer.optim_params)
     before = {n: p.detach().clone() for n, p in trainer.named_params}
     losses = trainer.fit()["losses"]

@@ -7,7 +7,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from scaletrain.config import from_dict
 from scaletrain.model import Transformer, count_params, flops_per_token, preset_config
-from scaletrain.parallel.init import canonical_name, init_weights
+from scaletrain.model.names import canonical_name
+from scaletrain.parallel.init import init_weights
 
 
 def model_cfg(**kw):

@@ -16,11 +16,12 @@ from torch.utils.checkpoint import checkpoint
 
 from scaletrain.errors import ConfigError
 from scaletrain.layout import Layout
+from scaletrain.legality import check_job
 from scaletrain.model import moe as moe_module
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.moe import MoE, expert_mlp
 from scaletrain.model.transformer import Transformer
-from scaletrain.parallel.moe_balance import MoEBalance, check_moe
+from scaletrain.parallel.moe_balance import MoEBalance
 from scaletrain.quant.layers import layer_plan
 from scaletrain.train.trainer import Trainer
 
@@ -312,8 +313,8 @@ def test_moe_options_on_a_custom_module_are_one_line(tmp_path):
 def test_a_capacity_with_ranks_holding_parts_of_sequences_is_refused(layout):
     cfg = ModelConfig(dim=D, n_layers=1, n_heads=4, moe_experts=E, moe_capacity_factor=1.25)
     with pytest.raises(ConfigError, match=r"model.moe_capacity_factor=1.25 with parallel.(cp|sp)"):
-        check_moe(cfg, layout)
-    check_moe(ModelConfig(dim=D, n_layers=1, n_heads=4, moe_experts=E), layout)  # dropless: fine
+        check_job(layout, cfg)
+    check_job(layout, ModelConfig(dim=D, n_layers=1, n_heads=4, moe_experts=E))  # dropless: fine
 
 
 def test_the_grouped_matmul_leaves_compiles_graph_outside_bf16(monkeypatch):

@@ -128,7 +128,7 @@ def test_fp16_scale_never_below_minimum(tmp_path):
 def test_bf16_true_keeps_fp32_master_weights(tmp_path):
     trainer = Trainer(micro_cfg(tmp_path, **{"precision.mode": "bf16-true", "optim.lr": 1e-4}))
     assert all(p.dtype == torch.bfloat16 for _, p in trainer.named_params)
-    masters = [m for _, m in trainer.master.named_master]
+    masters = [m for _, m in trainer.pm.master.named_master]
     assert all(m.dtype == torch.float32 for m in masters)
     assert {id(p) for g in trainer.optimizer.param_groups for p in g["params"]} == {id(m) for m in masters}
     batches = trainer.batches()

@@ -188,8 +188,8 @@ def loss_by_hand(trainer, fake_quantize: bool) -> float:
 
 
 def test_a_qat_model_is_evaluated_through_its_fake_quantizers(tmp_path):
-    from scaletrain.train.evaluate import evaluate_checkpoint
     from scaletrain.train.trainer import Trainer
+    from scaletrain.trained.evaluate import evaluate_checkpoint
 
     trainer = Trainer(micro_cfg(tmp_path, **{"train.qat": "int8-int4", "train.steps": 1, "train.eval_every": 1,
                                                   "train.eval_batches": 2}))

@@ -14,8 +14,8 @@ pytest.importorskip("torchao")
 
 from scaletrain.errors import CheckpointError, ConfigError  # noqa: E402
 from scaletrain.quant.ptq import load_quantized, pack_int4, unpack_int4  # noqa: E402
-from scaletrain.train.evaluate import evaluate_checkpoint  # noqa: E402
 from scaletrain.train.trainer import Trainer  # noqa: E402
+from scaletrain.trained.evaluate import evaluate_checkpoint  # noqa: E402
 from scaletrain.trained.export import load_model_from_checkpoint  # noqa: E402
 
 from conftest import micro_cfg, one_line_exit_2, run_here  # noqa: E402
@@ -289,14 +289,14 @@ def test_qat_with_a_width_int4_cannot_group_is_one_line(tmp_path):
 
 def test_qat_refuses_tensor_parallelism_in_one_line(tmp_path):
     from scaletrain.layout import Layout
-    from scaletrain.parallel.checks import check_qat
+    from scaletrain.legality import Techniques, job_errors
 
-    cfg = micro_cfg(tmp_path, **{"train.qat": "int8-dynamic"})
-    with pytest.raises(ConfigError, match="parallel.tp=2"):
-        check_qat(cfg, Layout(tp=2))
-    with pytest.raises(ConfigError, match="parallel.pp=2"):
-        check_qat(cfg, Layout(pp=2))
-    check_qat(cfg, Layout(dp_shard=2, zero=3))  # data parallelism composes
+    qat = Techniques.of(micro_cfg(tmp_path, **{"train.qat": "int8-dynamic"}))
+    [tp] = job_errors(Layout(tp=2), None, qat)
+    assert tp.startswith("train.qat=int8-dynamic with parallel.tp=2: torchao's fake-quantized linear")
+    [pp] = job_errors(Layout(pp=2, grad_accum=2), None, qat)  # (a pipeline that is legal without qat)
+    assert pp.startswith("train.qat=int8-dynamic with parallel.pp=2: not supported yet")
+    assert job_errors(Layout(dp_shard=2, zero=3), None, qat) == []  # data parallelism composes
 
 
 def test_a_damaged_quantized_folder_is_named(runs, tmp_path):

@@ -330,8 +330,8 @@ def test_a_restarted_rank_that_is_waited_for_says_the_step_it_resumes(tmp_path):
 
     import torch.distributed as dist
 
-    from scaletrain.launch.watchdog import Progress, lagging
     from scaletrain.train.health import Health
+    from scaletrain.watchdog import Progress, lagging
 
     store = dist.HashStore()
     peer, restarted = Progress(store, 0, interval=0.02), Progress(store, 1)

@@ -7,7 +7,7 @@ from conftest import MICRO, REPO
 
 def test_prepare_worker_without_a_launcher_is_one_process(monkeypatch, tmp_path):
     from scaletrain.config import load_config
-    from scaletrain.launch.runtime import prepare_worker
+    from scaletrain.runtime import prepare_worker
     from scaletrain.train.trainer import Trainer
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):

@@ -6,6 +6,7 @@ scaletrain.hardware, scaletrain.model.loss; what uses both sits above them: meas
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -232,10 +233,10 @@ def test_an_unknown_data_parallel_engine_is_an_error_not_zero():
     import torch
 
     from scaletrain.config import load_config
-    from scaletrain.launch.runtime import Runtime
     from scaletrain.layout import Layout
     from scaletrain.parallel.parallelize import _engine
     from scaletrain.precision import Precision
+    from scaletrain.runtime import Runtime
 
     cfg = load_config(None, {"parallel.zero": 3})
     layout = Layout(dp_shard=2, zero=5)  # a stage that does not exist
@@ -293,22 +294,6 @@ def test_the_branch_check_sees_a_planted_technique_branch(tmp_path):
     assert [b.split(" ", 1)[1] for b in technique_branches(planted)] == ["outer"]
 
 
-def _method_lines(path: Path, name: str) -> int:
-    fn = next(n for n in _trainer_class(path).body if isinstance(n, ast.FunctionDef) and n.name == name)
-    return fn.end_lineno - fn.lineno + 1
-
-
-def test_the_trainer_is_small():
-    assert len(TRAINER.read_text().splitlines()) <= 450
-    assert _method_lines(TRAINER, "update") <= 30
-
-
-def test_no_source_file_is_over_700_lines():
-    long = {str(f.relative_to(PACKAGE)): n for f in PACKAGE.rglob("*.py")
-            if (n := len(f.read_text().splitlines())) > 700}
-    assert long == {}
-
-
 def trainer_private_names(path: Path = TRAINER) -> set[str]:
     """The Trainer's private members: its _methods and the self._attributes it sets."""
     cls = _trainer_class(path)
@@ -344,9 +329,8 @@ def test_the_process_side_and_the_techniques_do_not_reach_up():
     """The runtime joins a group with a settled layout (the planner resolves `auto` where the job
     is settled, scaletrain.launch.job); quantization takes model configs, not the job's; the CLI
     parses and prints."""
-    assert not offenders([PACKAGE / "launch" / "runtime.py"], ("scaletrain.plan", "scaletrain.launch.job"))
+    assert not offenders([PACKAGE / "runtime.py"], ("scaletrain.plan", "scaletrain.launch"))
     assert not offenders(sorted((PACKAGE / "quant").glob("*.py")), ("scaletrain.config",))
-    assert len((PACKAGE / "cli.py").read_text().splitlines()) < 500
 
 
 def test_tasks_on_ranks_start_in_one_place():
@@ -374,3 +358,119 @@ def test_every_mutant_plants_its_bug_in_text_found_once_and_names_tests_that_exi
                if not re.search(rf"^def {re.escape(t.split('::')[1].split('[')[0])}\(",
                                 (repo / t.split("::")[0]).read_text(), re.M)]
     assert missing == [], f"tests named by mutants that do not exist: {missing}"
+
+
+# ------------------------------------------------------------------------------------------
+# The house, round 3 (issue 46): shape rules instead of line caps. A file is as long as its one job
+# needs; what is held is the shape: floors, short functions where the hot paths are, one home for
+# refusals. Each rule fails naming the file and line, and each has a test that plants a breach.
+
+# The floors, lowest first: a module imports from its own floor or below, never above (computed from
+# every import, at the top or inside a function). Keyed by the top-level module or subpackage.
+FLOORS = (
+    # the ground: words, errors, files, signals, the machine, the step-hook protocol, the watchdog
+    ("", "errors", "vocab", "fmt", "atomic", "options", "interrupt", "schedule", "ft_checks", "hardware", "hooks",
+     "watchdog"),
+    ("model", "data", "memory"),  # plain parts: the model knows nothing of parallelism
+    ("quant", "config"),  # the config reads presets, documents and the quantization rule
+    ("layout", "legality", "optim", "precision"),  # what follows from a config, torch-free where it can be
+    ("runtime",),  # the handle of a group of ranks: mesh and axes
+    ("parallel",),  # the techniques, composed in parallelize
+    ("train", "plan"),  # the trainer and the planner stand apart (test_import_boundaries)
+    ("launch", "trained"),  # starting jobs; what is done with a trained model
+    ("measure", "verify", "bench"),  # what runs jobs to measure or compare them
+    ("cli", "plan_cli", "ft_cli", "bench_cli", "__main__"),  # the front door
+)
+
+
+def floor_of(module: str) -> int:
+    parts = module.split(".")
+    key = parts[1] if len(parts) > 1 else ""
+    return next(i for i, names in enumerate(FLOORS) if key in names)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{a} (floor {floor_of(a)}) imports {b} (floor {floor_of(b)})" for a in sorted(graph)
+            for b in sorted(graph[a]) if floor_of(b) > floor_of(a)]
+
+
+def test_every_module_has_a_floor():
+    unplaced = []
+    for module in import_graph():
+        try:
+            floor_of(module)
+        except StopIteration:
+            unplaced.append(module)
+    assert unplaced == [], "place each in FLOORS"
+
+
+def test_no_import_runs_back_up():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_floor_check_sees_an_import_that_climbs(tmp_path):
+    pkg = tmp_path / "scaletrain"
+    (pkg / "model").mkdir(parents=True)
+    (pkg / "train").mkdir()
+    for f in ("__init__.py", "model/__init__.py", "train/__init__.py", "train/trainer.py"):
+        (pkg / f).write_text("")
+    (pkg / "model" / "moe.py").write_text("def f():\n    from scaletrain.train.trainer import Trainer\n")
+    assert upward_imports(import_graph(pkg)) == [
+        "scaletrain.model.moe (floor 1) imports scaletrain.train.trainer (floor 6)"]
+
+
+FUNCTION_LINES = 60  # where the hot paths are: train/ and parallel/
+
+
+def long_functions(files, limit: int = FUNCTION_LINES) -> list[str]:
+    return [f"{f.relative_to(f.parents[1])}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+            for f in files for n in ast.walk(ast.parse(f.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > limit]
+
+
+def test_no_function_over_60_lines_in_train_and_parallel():
+    files = sorted((PACKAGE / "train").glob("*.py")) + sorted((PACKAGE / "parallel").glob("*.py"))
+    assert long_functions(files) == []
+
+
+def test_the_length_check_sees_a_long_function(tmp_path):
+    f = tmp_path / "parallel" / "x.py"
+    f.parent.mkdir()
+    f.write_text("def short():\n    pass\n\n\ndef long():\n" + "    x = 1\n" * 60)
+    assert long_functions([f]) == ["parallel/x.py:5 long (61 lines)"]
+
+
+# A refusal of a combination names a setting and the layout axis it cannot run with: "train.qat=... with
+# parallel.tp=2". Those live in the one legality check (scaletrain.legality, with Layout.errors for the
+# layout's own rules), which settle, parallelize and the planner's search all ask. What is checked where
+# it is met instead: the actual tensors (a quantized base whose shard rows do not split).
+COMBINATION = re.compile(r"\b[a-z_]+\.[a-z_0-9]+(=\S*)? with parallel\.([a-z_]+|\{\})")
+REFUSAL_HOMES = {"legality.py", "layout.py"}
+MET_WHERE_CHECKED = {"quant/frozen_base.py"}  # the rows of each base weight against ZeRO-3's shards
+
+
+def combination_refusals(files) -> list[str]:
+    found = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.JoinedStr):  # an f-string: its values as {}
+                text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+            else:
+                text = node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+            if text is not None and COMBINATION.search(text):
+                found.append(f"{f.name}:{node.lineno} {COMBINATION.search(text).group()}")
+    return list(dict.fromkeys(found))  # (an f-string's own parts seen again)
+
+
+def test_refusals_of_combinations_live_in_the_legality_module():
+    files = [f for f in sorted(PACKAGE.rglob("*.py"))
+             if str(f.relative_to(PACKAGE)) not in REFUSAL_HOMES | MET_WHERE_CHECKED]
+    assert combination_refusals(files) == []
+    assert combination_refusals([PACKAGE / "legality.py"])  # the pattern sees the real ones
+
+
+def test_the_refusal_check_sees_one_planted_elsewhere(tmp_path):
+    f = tmp_path / "checks.py"
+    f.write_text('def check(lay):\n    if lay.tp > 1:\n        raise ValueError(f"train.qat=int8 with parallel.tp='
+                 '{lay.tp}: no")\n')
+    assert combination_refusals([f]) == ["checks.py:3 train.qat=int8 with parallel.tp"]

@@ -73,15 +73,16 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
     if args.print_config:
         print(cfg.to_toml() if args.print_config == "toml" else cfg.to_json())
         return 0
-    from scaletrain.launch.runtime import is_worker, pick_device
+    from scaletrain.runtime import is_worker, pick_device
 
     if is_worker():  # started by torchrun (our launcher starts scaletrain.launch.worker itself)
         worker.run(job.train, cfg, None, _note, args.rank_hook)  # rank 0 settles the job for all; does not return
     with os_errors_named(config_paths(cfg)):
         if args.nproc is None:  # this process is the whole job
+            from scaletrain import measure
             from scaletrain.train.trainer import Trainer
 
-            cfg, rt = job.start(cfg, note=_note, can_measure=True)
+            cfg, rt = job.start(cfg, note=_note, measure=measure)
             trainer = job.call_rank_hook(args.rank_hook, Trainer(cfg, rt))  # checked: the resume included
             for line in notes:
                 _note(line)
@@ -89,8 +90,10 @@ def _train(args: argparse.Namespace, extra: list[str]) -> int:
         from scaletrain.launch.launcher import check_launch
 
         check_launch(args.nproc, args.nnodes, args.rdzv_endpoint or "")  # before any arithmetic on the world size
+        from scaletrain import measure
+
         cfg, layout = job.settle(cfg, args.nproc * args.nnodes, pick_device(cfg.train.device, 0, args.nproc),
-                                 per_node=args.nproc, note=_note, can_measure=args.nnodes == 1)
+                                 per_node=args.nproc, note=_note, measure=measure if args.nnodes == 1 else None)
         for line in notes:
             _note(line)
         return job.launch(cfg, layout, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
@@ -144,7 +147,7 @@ def _checkpoint_of(path: str, peft: bool = True) -> str:
 def _eval(args: argparse.Namespace, extra: list[str]) -> int:
     import json
 
-    from scaletrain.train.evaluate import evaluate_checkpoint
+    from scaletrain.trained.evaluate import evaluate_checkpoint
 
     with os_errors_named({"checkpoint": args.checkpoint, "data.path": args.data or "", "--base": args.base or ""}):
         r = evaluate_checkpoint(_checkpoint_of(args.checkpoint), args.data, args.batches, args.device, report=_note,

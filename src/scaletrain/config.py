@@ -628,7 +628,7 @@ def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
     if par.fault_tolerance:
         from scaletrain.ft_checks import fault_tolerance_problems  # torch-free
 
-        errors.extend(fault_tolerance_problems(par, cfg.model))
+        errors.extend(fault_tolerance_problems(par))
     if cfg.data.document_mask:
         from scaletrain.data.documents import document_mask_problems  # torch-free
 

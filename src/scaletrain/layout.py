@@ -164,6 +164,45 @@ class Layout:
         return self.dp_shard if self.local_sync else self.dp
 
     @property
+    def step_axis(self) -> str:
+        """The mesh axis whose ranks reduce gradients every step: `dp` (every data-parallel rank,
+        flattened), or `dp_shard` (one worker's) when the workers sync every sync_every steps."""
+        return "dp_shard" if self.local_sync else "dp"
+
+    @property
+    def step_replicas(self) -> int:
+        """The dp_replicate ranks inside each step's reduction (HSDP's and ZeRO's replica groups):
+        all of them, or 1 when they are workers that sync every sync_every steps."""
+        return 1 if self.local_sync else self.dp_replicate
+
+    @property
+    def shard_axes(self) -> tuple[str, ...]:
+        """The mesh axes FSDP shards over: dp_shard, or (HSDP) dp_replicate × dp_shard."""
+        return ("dp_replicate", "dp_shard") if self.step_replicas > 1 else ("dp_shard",)
+
+    @property
+    def expert_step_axis(self) -> str:
+        """The expert mesh's axis whose ranks reduce the experts' gradients every step: `expert_dp`
+        (every rank that holds the same experts), or one worker's (`dp_shard`) under local sync."""
+        return "dp_shard" if self.local_sync else "expert_dp"
+
+    @property
+    def expert_shard_ranks(self) -> int:
+        """Ranks of one replica group that hold the same experts (the expert mesh's dp_shard axis):
+        dp_shard × cp × tp / ep; ZeRO shards the experts' states over them."""
+        return self.dp_shard * self.token_ranks // self.ep
+
+    def stride(self, axis: str) -> int:
+        """Ranks between neighbours of `axis` in the mesh (MESH_AXES, outermost first): the product
+        of the sizes of the axes inside it."""
+        inner = MESH_AXES[MESH_AXES.index(axis) + 1:]
+        sizes = dict(zip(MESH_AXES, self.mesh_shape))
+        out = 1
+        for name in inner:
+            out *= sizes[name]
+        return out
+
+    @property
     def expert_dp(self) -> int:
         """Ranks that hold the same experts under expert parallelism and reduce their gradients
         every step (step_dp × cp × tp / ep: one worker's under local SGD / DiLoCo, whose workers
@@ -483,6 +522,7 @@ class Layout:
         out = {"parallel.dp_replicate": self.dp_replicate, "parallel.dp_shard": self.dp_shard,
                "parallel.tp": self.tp, "parallel.pp": self.pp, "parallel.zero": self.zero, "parallel.sp": self.sp,
                "train.micro_batch": self.micro_batch, "train.grad_accum": self.grad_accum,
+               "train.global_batch": self.global_batch,
                "memory.activation_checkpointing": self.activation_checkpointing,
                "memory.offload_optimizer": self.offload_optimizer, "parallel.dp_sync": self.dp_sync,
                "parallel.sync_every": self.sync_every, "parallel.sync_fragments": self.sync_fragments,
@@ -522,7 +562,7 @@ class Layout:
         experts within a replica group."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        shape = (self.pp, self.dp_replicate, self.dp_shard * self.token_ranks // self.ep, self.ep)
+        shape = (self.pp, self.dp_replicate, self.expert_shard_ranks, self.ep)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_AXES)
         mesh["dp_replicate", "dp_shard"]._flatten("expert_dp")  # the ranks holding the same experts
         return mesh

@@ -102,7 +102,7 @@ def measure_run(cfg, runtime=None, steps: int = 1, memory: bool = True) -> dict:
     """Build a trainer for `cfg` and measure it (every rank calls this); on CPU the peak counts
     every storage from the trainer's construction on (`LiveMemory`). `memory=False` times the
     steps alone (no memory figures: they are None)."""
-    from scaletrain.launch.runtime import pick_device
+    from scaletrain.runtime import pick_device
     from scaletrain.train.trainer import Trainer
 
     live = LiveMemory() if memory and pick_device(cfg.train.device).type != "cuda" else None
@@ -288,7 +288,7 @@ def measure_rank(spec: str, out: str) -> int:
     import torch.distributed as dist
 
     from scaletrain.config import load_config
-    from scaletrain.launch.runtime import init_worker
+    from scaletrain.runtime import init_worker
 
     job = read_spec(spec)
     rounds = []
@@ -318,9 +318,7 @@ def _fastest(rounds: list[list[list[dict]]]) -> list[list[dict]]:
 def run_layout(config: str, layout, nproc: int, overrides: dict | None = None) -> list[dict]:
     """Measure `layout` with the model and data of `config` (and `overrides`, {"section.key": value})
     on `nproc` local ranks."""
-    overrides = {**(overrides or {}), **layout.config_overrides()}
-    overrides.update({**quiet(tempfile.mkdtemp(prefix="plan-measure-")),
-                      "train.global_batch": layout.micro_batch * layout.grad_accum * layout.dp})
+    overrides = {**(overrides or {}), **layout.config_overrides(), **quiet(tempfile.mkdtemp(prefix="plan-measure-"))}
     return measure_layouts([overrides], nproc, steps=2, config=config)[0]
 
 
@@ -329,7 +327,7 @@ def measure_and_print(config: str, result: dict, nproc: int, overrides: dict | N
     measured. The prediction is the plan's own evaluation (`result`, which the plan's table
     printed, calibrated or not): planning the layout again here could give a second figure."""
     from scaletrain.config import load_config
-    from scaletrain.launch.runtime import pick_device
+    from scaletrain.runtime import pick_device
 
     ev = result["layouts"][0]
     layout, hw = ev.layout, result["cluster"].hardware
@@ -367,10 +365,8 @@ def measure_evaluations(config: str | None, evaluations: list, nproc: int, overr
     ranks, in one group of processes: (one row per layout, in that order; seconds it all took)."""
     jobs = []
     for ev in evaluations:
-        layout = ev.layout
-        jobs.append({**(overrides or {}), **layout.config_overrides(),
-                     **quiet(tempfile.mkdtemp(prefix="plan-measure-")),
-                     "train.global_batch": layout.micro_batch * layout.grad_accum * layout.dp})
+        jobs.append({**(overrides or {}), **ev.layout.config_overrides(),
+                     **quiet(tempfile.mkdtemp(prefix="plan-measure-"))})
     t0 = time.perf_counter()
     measured = measure_layouts(jobs, nproc, steps=steps, config=config, memory=memory, rounds=rounds)
     rows = []
@@ -446,7 +442,7 @@ def activation_bytes(trainer, batches) -> int | None:
         held = saved_activation_bytes(trainer.dp.module, forward)
     trainer.dp.finish_gradients()
     trainer.dp.zero_grad(trainer.optimizer)
-    if trainer.master:
-        trainer.master.grads_to_master()
+    if trainer.pm.master:
+        trainer.pm.master.grads_to_master()
         trainer.optimizer.zero_grad(set_to_none=True)
     return held

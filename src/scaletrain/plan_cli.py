@@ -184,7 +184,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     req = read_request(args.model, args.config, aliases, extra, world=nodes * per_node)
     if here:
         from scaletrain.hardware import local_hardware
-        from scaletrain.launch.runtime import pick_device
+        from scaletrain.runtime import pick_device
 
         hardware = local_hardware(pick_device(req.cfg.train.device))
     if args.measure and (args.engine or "scaletrain") != "scaletrain":

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from scaletrain.config import PrecisionConfig
-from scaletrain.parallel.hooks import StepHook
+from scaletrain.hooks import StepHook
 
 COMPUTE_DTYPES = {
     "32-true": torch.float32,

@@ -144,7 +144,7 @@ def reference(cfg: JobConfig, layout: Layout, why: str) -> Reference:
     """The same run under `layout` (one process, or ZeRO-3 over its ranks), every other parallel
     setting at its default: the config is built from the layout's values, so the two agree."""
     defaults = {f"parallel.{k}": v for k, v in dataclasses.asdict(ParallelConfig()).items() if k != "timeout_s"}
-    values = {**defaults, **layout.config_overrides(), "train.global_batch": layout.global_batch}
+    values = {**defaults, **layout.config_overrides()}
     return Reference(cfg.replace(**values), layout, why)
 
 
@@ -204,10 +204,10 @@ def simulate_workers(cfg: JobConfig, layout: Layout, total_steps: int, run_dir: 
     (the same encoding and sums). Returns one row per step: the mean loss over the workers and the
     root mean square of their gradient norms, as the layout's run reports them."""
     from scaletrain.data.loader import StepSampler, build_loader
-    from scaletrain.launch.runtime import single_process
     from scaletrain.optim import set_lr
     from scaletrain.parallel.local_sgd import LocalSGD
     from scaletrain.parallel.replica_average import SimulatedWorkers
+    from scaletrain.runtime import single_process
     from scaletrain.schedule import BatchSchedule, TrainSchedule
     from scaletrain.train.trainer import Trainer
 
@@ -268,7 +268,7 @@ def run(cfg: JobConfig, layout: Layout, total_steps: int, role: str, hook: str |
         pythonpath: Sequence[str] = ()) -> tuple[int, list[dict]]:
     """Train `cfg` in `layout` (cfg's) on its ranks (one: in this process); returns (exit code,
     metrics rows). `hook`: see `verify`'s layout_hook."""
-    from scaletrain.launch.runtime import single_process
+    from scaletrain.runtime import single_process
 
     nproc = layout.world
     if nproc == 1:
@@ -353,8 +353,8 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
     `layout_hook`: "module:function" (importable, from `hook_path` too), called on every rank of
     the layout run (never the reference's) with its Trainer before it trains — to instrument
     the run, or, as scaletrain's tests do, to plant a known bug and watch verify FAIL."""
-    from scaletrain.launch.runtime import pick_device
     from scaletrain.plan.auto import resolve
+    from scaletrain.runtime import pick_device
 
     out = out or sys.stdout
     if steps < 1:
@@ -436,7 +436,7 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
 def run_rank(spec_path: str, out_path: str | None = None) -> int:
     """One rank of a run started by `run` (the `verify` task of scaletrain.launch.worker). It writes no
     result (`out_path`): its metrics are in the run folder, as far as it got."""
-    from scaletrain.launch import runtime
+    from scaletrain import runtime
 
     spec = read_spec(spec_path)
     cfg, rt = runtime.prepare_worker(from_dict(spec["config"]), Layout(**spec["layout"]))

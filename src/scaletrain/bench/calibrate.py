@@ -20,8 +20,8 @@ def calibrate_rank(spec_path: str, out_path: str) -> int:
     """One rank of `scaletrain.measure.calibration` (the `calibrate` task of scaletrain.launch.worker)."""
     import torch.distributed as dist
 
-    from scaletrain.launch.runtime import pick_device
     from scaletrain.model.config import ModelConfig
+    from scaletrain.runtime import pick_device
 
     job = read_spec(spec_path)
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -179,7 +179,7 @@ def _trainer_step(model_cfg, layers: int, precision: str, seq_len: int, micro_ba
     import torch.distributed as dist
 
     from scaletrain.config import load_config
-    from scaletrain.launch.runtime import init_worker
+    from scaletrain.runtime import init_worker
     from scaletrain.train.trainer import Trainer
 
     model = {f"model.{k}": v for k, v in asdict(model_cfg).items() if k not in ("preset", "from_hf", "init_from")}

@@ -161,7 +161,7 @@ def bench_rank(spec_path: str, out_path: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from scaletrain.launch.runtime import pick_device
+    from scaletrain.runtime import pick_device
 
     spec = read_spec(spec_path)
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -185,7 +185,7 @@ def run(nproc: int | None = None, sizes: list[str] | None = None, iters: int = 2
     """Start the ranks, measure, and return the result (what `--json` prints)."""
     import torch
 
-    from scaletrain.launch.runtime import pick_device
+    from scaletrain.runtime import pick_device
 
     kind = "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
     if nproc is None:

@@ -95,9 +95,9 @@ def plain_entry(cfg, batch) -> Entry:
         from scaletrain.bench.plain import PlainLoop
         from scaletrain.data.dataset import open_data
         from scaletrain.hardware import device_peak_flops
-        from scaletrain.launch.runtime import pick_device
         from scaletrain.model.flops import flops_per_token
         from scaletrain.precision import COMPUTE_DTYPES
+        from scaletrain.runtime import pick_device
 
         device = pick_device(cfg.train.device)
         data = open_data(cfg.data.path, cfg.data.verify_checksums)
@@ -114,8 +114,8 @@ def bench_step(config: str | None, overrides: list[str], vs: list[str], *, steps
                plain_loop: bool = False, progress=None) -> dict:
     """Measure the config and its variants, interleaved; returns the header facts and the rows.
     Each config's layout is derived once: the baseline's here, a variant's by its trainer."""
-    from scaletrain.launch.runtime import single_process
     from scaletrain.model.transformer import count_params
+    from scaletrain.runtime import single_process
 
     variants = [(text, parse_variant(text)) for text in vs]
     with scratch_dir() as (tmp, sink):

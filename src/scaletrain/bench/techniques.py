@@ -111,8 +111,8 @@ def _measure(config_name: str | None, base, *, steps, warmup, skip, max_slowdown
              progress=None) -> dict:
     """Every rank calls this (or the one process) with the baseline's config (a bench_config) and
     the runtime of its layout (None: one process); returns the result dict."""
-    from scaletrain.launch.runtime import single_process
     from scaletrain.model.transformer import count_params
+    from scaletrain.runtime import single_process
 
     with scratch_dir() as (tmp, sink):
         need = warmup + steps + 2
@@ -155,7 +155,7 @@ def bench_techniques(config: str | None, overrides: list[str], *, nproc: int | N
     if nproc == 1:
         return _measure(config, base, steps=steps, warmup=warmup, skip=list(skip), max_slowdown=max_slowdown,
                         progress=progress)
-    from scaletrain.launch.runtime import pick_device
+    from scaletrain.runtime import pick_device
 
     _check_skip(base, list(skip), pick_device(base.train.device, 0, nproc).type)  # before starting the ranks
     return run_on_ranks("bench-techniques", {"config_name": config, "config": base.to_dict(), "steps": steps,
@@ -167,7 +167,7 @@ def bench_rank(spec_path: str, out_path: str) -> int:
     """One rank of bench_techniques (the `bench-techniques` task of scaletrain.launch.worker): SPEC_PATH
     is a JSON file of the baseline's config (read once, where the job started) and the settings."""
     from scaletrain.config import from_dict
-    from scaletrain.launch.runtime import prepare_worker
+    from scaletrain.runtime import prepare_worker
 
     spec = read_spec(spec_path)
     base, runtime = prepare_worker(from_dict(spec["config"]))  # the group's mesh: the baseline's layout

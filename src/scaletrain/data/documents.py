@@ -27,22 +27,10 @@ def document_separator(data, source: str) -> int:
 
 
 def document_mask_problems(cfg) -> list[str]:
-    """What data.document_mask cannot honour yet, one line each: the layouts whose ranks do not all
-    see a window's token ids (the documents are found from them), a mixture, fault tolerance.
-    `cfg`: a JobConfig."""
-    if not cfg.data.document_mask:
+    """What data.document_mask cannot honour yet whatever the layout: a mixture (the layouts whose
+    ranks do not all see a window's token ids, and fault tolerance: scaletrain.legality). `cfg`: a
+    JobConfig."""
+    if not cfg.data.document_mask or not cfg.data.mix:
         return []
-    par, errors = cfg.parallel, []
-    for key, value, why in (("pp", par.pp, "later pipeline stages get hidden states, not the token ids the "
-                                          "documents are found from"),
-                            ("cp", par.cp, "each rank holds chunks of a window, not the token ids before them")):
-        if value > 1:
-            errors.append(f"data.document_mask with parallel.{key}={value} is not supported: {why}; set "
-                          f"parallel.{key}=1 or data.document_mask=false")
-    if cfg.data.mix:
-        errors.append("data.document_mask with data.mix is not supported (the mixture's sampler does not count the "
-                      "targets it leaves out); train on one folder (data.path), or set data.document_mask=false")
-    if par.fault_tolerance:
-        errors.append("data.document_mask with parallel.fault_tolerance is not supported: the replica groups' "
-                      "average does not weigh their counted tokens; set data.document_mask=false")
-    return errors
+    return ["data.document_mask with data.mix is not supported (the mixture's sampler does not count the targets it "
+            "leaves out); train on one folder (data.path), or set data.document_mask=false"]

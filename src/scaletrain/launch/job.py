@@ -29,17 +29,19 @@ from typing import TYPE_CHECKING
 from scaletrain.config import JobConfig, from_dict, with_absolute_data
 from scaletrain.errors import CheckpointError, ConfigError, UserError, config_paths, os_errors_named, user_error_from_os
 from scaletrain.layout import Layout
+from scaletrain.legality import check_config
 
 if TYPE_CHECKING:  # torch is imported by what runs the job, not by reading its config
     import torch
 
 
 def settle(cfg: JobConfig, world: int, device: torch.device, *, per_node: int | None = None, note=None,
-           can_measure: bool = False) -> tuple[JobConfig, Layout]:
+           measure=None) -> tuple[JobConfig, Layout]:
     """(the config as the job runs it, its layout on `world` ranks of `device`), `per_node` of
     them on this node (default: all). `note`, a function of a str, is told the choices made for
-    the user; `can_measure`: the caller may start groups of processes on this node, which
-    parallel.auto_measure_s needs to time layouts."""
+    the user; `measure`: `scaletrain.measure`, given by a caller that may start groups of processes
+    on this node, which parallel.auto_measure_s needs to time layouts (the job does not import it:
+    measuring runs jobs)."""
     from scaletrain.hardware import cpu_cores
     from scaletrain.plan.auto import resolve
     from scaletrain.train.run_folder import default_run_dir
@@ -49,20 +51,14 @@ def settle(cfg: JobConfig, world: int, device: torch.device, *, per_node: int | 
         from scaletrain.parallel.checks import check_compiler
 
         check_compiler(device)
-    measure = None
-    if can_measure:
-        from scaletrain import measure
     cfg, layout = resolve(cfg, world, device, gpus_per_node=per_node, note=note, measure=measure)
     if cfg.checkpoint.resume == "auto" and not (cfg.log.run_dir or cfg.checkpoint.dir):
         raise ConfigError("checkpoint.resume=auto resumes the run in log.run_dir, but none is given (each run would "
                           "start in a new folder and never resume); add --log.run_dir=runs/NAME")
-    try:
-        layout.check(cfg.model, seq_len=cfg.data.seq_len)
+    try:  # the one legality check (the planner's search asks it too), said once here, not by every rank
+        check_config(cfg, layout, device_type=device.type)
     except ConfigError as e:
         raise _with_saved_world(e, cfg, world) from None
-    from scaletrain.parallel.checks import check_techniques
-
-    check_techniques(cfg, layout)  # said once here, not by every rank
     if not cfg.log.run_dir:  # named here, once: every rank (and node) must write to the same folder
         cfg = cfg.replace(**{"log.run_dir": default_run_dir()})
     cfg = with_absolute_data(cfg)  # the run's saved config finds its data from any working folder
@@ -136,25 +132,25 @@ def _check_writable(paths: dict[str, str]) -> None:
             raise user_error_from_os(OSError(code, os.strerror(code), folder), {option: path})
 
 
-def start(cfg: JobConfig, layout: Layout | None = None, *, note=None, can_measure: bool = False):
+def start(cfg: JobConfig, layout: Layout | None = None, *, note=None, measure=None):
     """(the config as it runs, this process's Runtime): join the group of ranks (a process
     started by a launcher or torchrun; else this process is the whole job) and build the mesh of
     `layout`, the job's, settled where it started; when it is not given, the job is settled
     here: by this process alone, or under torchrun by rank 0 for every rank. `note` and
-    `can_measure` as for `settle` (rank 0 alone notes)."""
-    from scaletrain.launch import runtime
+    `measure` as for `settle` (rank 0 alone notes)."""
+    from scaletrain import runtime
 
     place = runtime.join(cfg)
     if layout is None:
-        cfg, layout = _settled_on_rank0(cfg, place, note, can_measure)
+        cfg, layout = _settled_on_rank0(cfg, place, note, measure)
     return cfg, runtime.runtime_of(cfg, layout, place)
 
 
-def _settled_on_rank0(cfg: JobConfig, place, note, can_measure: bool) -> tuple[JobConfig, Layout]:
+def _settled_on_rank0(cfg: JobConfig, place, note, measure) -> tuple[JobConfig, Layout]:
     """`settle` on rank 0 alone; every other rank receives its result, or its error."""
     def settle_here():
         return settle(cfg, place.world_size, place.device, per_node=place.local_world_size, note=note,
-                      can_measure=can_measure)
+                      measure=measure)
 
     if not place.distributed:
         return settle_here()
@@ -223,7 +219,7 @@ def train(cfg: JobConfig, layout: Layout | None = None, note=None, rank_hook: st
     under torchrun, where rank 0 settles it for all, telling `note`). Returns the rank's exit
     code. A rank the launcher restarted after a failure resumes from the newest checkpoint.
     `rank_hook`: see `call_rank_hook` (tests only)."""
-    from scaletrain.launch import runtime
+    from scaletrain import runtime
     from scaletrain.train.trainer import Trainer
 
     rank = int(os.environ.get("RANK", "0"))

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from scaletrain.errors import LaunchError, TrainingStopped, UserError, user_error_from_os
-from scaletrain.launch.runtime import LAUNCHER_PID_ENV
+from scaletrain.runtime import LAUNCHER_PID_ENV
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # a rank stopped by one saved a checkpoint and exits 128 + it
 
@@ -43,7 +43,7 @@ def record_worker_error(e: BaseException, rank: int) -> int:
         text = f"{type(e).__name__}: {first} (at {where})"
     code = e.exit_code if isinstance(e, UserError) else 1
     print(f"scaletrain: error: rank {rank}: {text}", file=sys.stderr, flush=True)
-    from scaletrain.launch.watchdog import running_progress
+    from scaletrain.watchdog import running_progress
 
     if (progress := running_progress()) is not None:  # the other ranks leave now, not at their timeout
         progress.abort()

@@ -80,7 +80,7 @@ def run(task: Callable[..., int | None], *args) -> NoReturn:
         guard.on_stuck = lambda signum: 128 + signum
     rank = int(os.environ.get("RANK", "0"))
     try:
-        from scaletrain.launch import runtime
+        from scaletrain import runtime
 
         runtime.die_with_launcher()  # first: a launcher killed from here on takes this rank with it
         if guard is not None:
@@ -94,7 +94,7 @@ def run(task: Callable[..., int | None], *args) -> NoReturn:
         from scaletrain.launch import launcher
 
         code = launcher.record_worker_error(e, rank)
-    from scaletrain.launch import runtime
+    from scaletrain import runtime
 
     runtime.exit_worker(int(code or 0))
 

@@ -25,47 +25,12 @@ import torch
 from torch import nn
 
 from scaletrain.errors import CheckpointError, ConfigError
+from scaletrain.hooks import StepHook
 from scaletrain.model.lora import AdapterSpec, adapter_init_rule, apply_adapters, init_magnitudes, is_adapter_param
-from scaletrain.parallel.hooks import StepHook
 
 if TYPE_CHECKING:
     from scaletrain.config import JobConfig
-    from scaletrain.launch.runtime import Runtime
-
-
-def check_adapters(cfg: JobConfig, lay) -> None:
-    """The layouts and techniques adapters do not compose with yet: one line each. (Tensor parallelism
-    splits the adapters like their base, parallel/tensor_parallel.py; pipeline stages adapt their own
-    linears; context parallelism, like data parallelism, sees only plain parameters.)"""
-    kind = cfg.adapter.kind
-    if lay.ep > 1:
-        raise ConfigError(f"adapter.kind={kind} with parallel.ep={lay.ep}: not supported yet (the adapters "
-                          "are not in the ep plan); set parallel.ep=1")
-    check_base(cfg, lay)
-    if cfg.train.qat != "none" or cfg.precision.mode == "fp8":
-        what = f"train.qat={cfg.train.qat}" if cfg.train.qat != "none" else "precision.mode=fp8"
-        raise ConfigError(f"adapter.kind={kind} with {what}: adapters go on plain linears, and {what} converts "
-                          "them; drop one of them")
-
-
-def check_base(cfg: JobConfig, lay) -> None:
-    """adapter.base_dtype (QLoRA) composes with one process, DDP, ZeRO-1/2, ZeRO-3 (nf4: FSDP2
-    shards and all-gathers NF4 tensors), pipeline stages (each quantizes its own blocks' bases),
-    compile (the base's matmul is one opaque op: no dense weight kept for backward), activation
-    checkpointing and accumulation. Not with tensor parallelism: torch's tp plan splits a weight
-    as a plain tensor, and a row-parallel split (wo, w2) cuts through the rows that int8's scale
-    and NF4's double-quantized scale groups span, so a shard quantized alone would differ from
-    the whole's quantization."""
-    base = cfg.adapter.base_dtype
-    if base == "auto" or cfg.adapter.kind == "none":
-        return
-    if lay.tp > 1:
-        raise ConfigError(f"adapter.base_dtype={base} with parallel.tp={lay.tp}: not supported (tensor parallelism "
-                          "would split the quantized base weights, whose scales span whole rows); set "
-                          "parallel.tp=1 (ZeRO-3 or pp shard the model instead), or adapter.base_dtype=auto")
-    if lay.dp_engine == "fsdp" and base != "nf4":
-        raise ConfigError(f"adapter.base_dtype={base} with parallel.zero=3: FSDP2 shards a quantized base as NF4 "
-                          "only; use adapter.base_dtype=nf4, or parallel.zero=2")
+    from scaletrain.runtime import Runtime
 
 
 def quantize_plan(cfg: JobConfig, chunks: list[nn.Module], shards: int) -> str | None:

@@ -44,9 +44,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.hooks import StepHook, sum_gradients
 from scaletrain.model.moe import MoE
 from scaletrain.model.transformer import Attention
-from scaletrain.parallel.hooks import StepHook, sum_gradients
 from scaletrain.parallel.moe_balance import summed_over
 from scaletrain.vocab import CP_METHODS, unknown
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from scaletrain.parallel.init import canonical_name
+from scaletrain.model.names import canonical_name
 
 
 class DataParallel:

@@ -45,8 +45,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard
 
 from scaletrain.model.moe import MoE, expert_mlp
+from scaletrain.model.names import canonical_name
 from scaletrain.parallel.data_parallel import DataParallel
-from scaletrain.parallel.init import canonical_name
 from scaletrain.parallel.zero import ZeroDataParallel
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
@@ -277,13 +277,13 @@ def expert_engine(main: DataParallel, chunks: list[nn.Module], expert_params: li
     if lay.expert_dp == 1:
         experts = ExpertAverage(named, None)
     elif lay.zero == 0:  # (local SGD / DiLoCo workers: within the worker; the workers sync every H steps)
-        experts = ExpertAverage(named, rt.expert_mesh()["dp_shard" if lay.local_sync else "expert_dp"].get_group())
+        experts = ExpertAverage(named, rt.expert_step_mesh().get_group())
     elif lay.expert_zero == 3:
         experts = ExpertZero3(chunks, rt.expert_mesh(), bucket_mb=bucket_mb, master_dtype=master_dtype, params=named,
-                              dp_replicate=1 if lay.local_sync else lay.dp_replicate)
+                              dp_replicate=lay.step_replicas)
     else:
         experts = ZeroDataParallel(chunks, rt.expert_mesh(), stage=lay.expert_zero, bucket_mb=bucket_mb,
-                                   dp_replicate=1 if lay.local_sync else lay.dp_replicate, master_dtype=master_dtype,
+                                   dp_replicate=lay.step_replicas, master_dtype=master_dtype,
                                    params=named)
     return ExpertParallelData(main, experts, expert_params)
 

@@ -65,8 +65,8 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from scaletrain.errors import ConfigError, TrainingStopped
+from scaletrain.hooks import Named, StepHook
 from scaletrain.optim import init_optimizer_state
-from scaletrain.parallel.hooks import Named, StepHook
 from scaletrain.parallel.moe_balance import MoEBalance
 
 WAIT_NOTE_S = 2.0  # a quorum slower than this is a wait for groups (a split, or a group restarting): said once

@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor
 
 from scaletrain.config import ParallelConfig
 from scaletrain.errors import ConfigError
-from scaletrain.parallel.hooks import StepHook
+from scaletrain.hooks import StepHook
 from scaletrain.parallel.replica_average import Averager, Handle, ReplicaAverage
 from scaletrain.vocab import LOCAL_SYNC_MODES, unknown
 

@@ -12,7 +12,7 @@ micro-batches and ranks. Pipeline stages hold other layers: their counters are s
 as well, for the metrics alone.
 
 The capacity (model.moe_capacity_factor) is counted on the tokens a rank routes: under context
-or sequence parallelism a rank holds part of each sequence, so `check_moe` refuses the pair.
+or sequence parallelism a rank holds part of each sequence, so scaletrain.legality refuses the pair.
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scaletrain.errors import ConfigError
+from scaletrain.hooks import StepHook
 from scaletrain.model.moe import STAT_NAMES, MoE
-from scaletrain.parallel.hooks import StepHook
-from scaletrain.parallel.init import canonical_name
+from scaletrain.model.names import canonical_name
 
 
 def moe_layers(modules: list[nn.Module]) -> dict[str, MoE]:
@@ -118,15 +117,3 @@ class MoEBalance(StepHook):
         # the biases are buffers, not parameters: saved beside the weights, resharding-free (replicated)
         tensors["model"].update({f"{name}.expert_bias": m.expert_bias for name, m in self.layers.items()})
         return tensors
-
-
-def check_moe(model_cfg, layout) -> None:
-    """What a layout cannot do with this mixture of experts, as one ConfigError line."""
-    if not model_cfg.moe_experts or not model_cfg.moe_capacity_factor:
-        return
-    for axis, on in (("cp", layout.cp > 1), ("sp", layout.tp > 1 and layout.sp)):
-        if on:
-            raise ConfigError(f"model.moe_capacity_factor={model_cfg.moe_capacity_factor} with parallel.{axis}: each "
-                              f"rank would keep its experts' first tokens among its own part of every sequence, "
-                              f"not among the micro-batch's (one process drops other tokens); set "
-                              f"model.moe_capacity_factor=0 (dropless), or parallel.{axis} off")

@@ -1,9 +1,11 @@
-"""The one place where the techniques that transform the model are composed, in a fixed order:
+"""The one place where the techniques that transform the model are composed, in a fixed order,
+`STEPS` (a function each, run in turn on one `Composition`):
 
-    pipeline split -> (qat | fp8 linears) -> adapters (base frozen) -> tensor/sequence parallel -> expert parallel
-        -> activation checkpointing -> compile -> data parallel (sharding engines) -> materialize weights
-        -> context parallel attention (its positions are cut from the materialized rotary tables) -> data parallel
-        (wrapping engines) -> step hooks
+    split_pipeline -> apply_qat | apply_fp8 (linears converted) -> apply_adapters (base frozen, maybe quantized)
+        -> apply_tp (tensor/sequence parallel) -> apply_ep (expert parallel) -> activation checkpointing, compile
+        -> apply_sharding_engines (FSDP2, replicate: on the meta device) -> materialize_weights (then context
+        parallel attention: its positions are cut from the materialized rotary tables)
+        -> apply_wrapping_engines (DDP, ZeRO-1/2, the experts' engine, pipeline stages) -> register_step_hooks
 
 Expert parallelism's experts (DTensors on the ep axis) are left alone by the data-parallel
 engine of the rest; an engine of their own joins it (parallel/expert_parallel.py).
@@ -16,7 +18,7 @@ freezes every other parameter: the engines and the optimizer take the trainable 
 The model arrives plain, on the meta device; it leaves as this rank's chunks (one, or its
 pipeline stages), materialized and initialized from (seed, parameter name) or loaded from given
 weights (each rank keeping its shard), wrapped for their data-parallel strategy, with the step
-hooks of the techniques applied (parallel/hooks.py: the per-step work the Trainer calls).
+hooks of the techniques applied (scaletrain/hooks.py: the per-step work the Trainer calls).
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ import torch
 from torch import nn
 
 from scaletrain.config import JobConfig
-from scaletrain.errors import ConfigError, LaunchError
+from scaletrain.errors import ConfigError
+from scaletrain.hooks import StepHook, StepHooks
+from scaletrain.legality import check_config
 from scaletrain.memory import apply_activation_checkpointing, block_items
-from scaletrain.model.lora import AdapterSpec, adapter_init_rule, init_magnitudes, is_adapter_param
+from scaletrain.model.lora import AdapterSpec
 from scaletrain.model.transformer import count_params
 from scaletrain.parallel import pipeline
 from scaletrain.parallel.adapters import (
@@ -39,10 +43,9 @@ from scaletrain.parallel.adapters import (
     adapt,
     adapt_module,
     base_fingerprint,
-    check_adapters,
     quantize_plan,
 )
-from scaletrain.parallel.checks import check_compiler, check_fp8, check_qat
+from scaletrain.parallel.checks import check_compiler
 from scaletrain.parallel.context_parallel import ContextParallelStep, apply_context_parallel
 from scaletrain.parallel.data_parallel import (
     DataParallel,
@@ -53,20 +56,20 @@ from scaletrain.parallel.data_parallel import (
     apply_replicate,
 )
 from scaletrain.parallel.expert_parallel import expert_engine, hide_from_ddp, shard_experts
-from scaletrain.parallel.hooks import StepHook
-from scaletrain.parallel.init import full_weight, init_weights, initial_value, load_weights
-from scaletrain.parallel.moe_balance import MoEBalance, check_moe
+from scaletrain.parallel.init import Materialize, materialize, move
+from scaletrain.parallel.moe_balance import MoEBalance
+from scaletrain.parallel.outer import outer_loop
 from scaletrain.parallel.tensor_parallel import ReplicatedKVStep, SequenceShardedMoEStep, apply_tensor_parallel
 from scaletrain.parallel.zero import ZeroDataParallel
-from scaletrain.precision import Precision
-from scaletrain.quant.fp8 import Fp8ScaleStep, convert_fp8
-from scaletrain.quant.frozen_base import bases_on_meta, fill_bases, fill_nf4_shards, is_quantized, quantize_base
+from scaletrain.precision import MasterWeights, Precision
+from scaletrain.quant.fp8 import Fp8ScaleStep, check_fp8_device, convert_fp8
+from scaletrain.quant.frozen_base import bases_on_meta, quantize_base
 from scaletrain.quant.layers import describe, layer_plan
 from scaletrain.quant.qat import prepare_qat
 from scaletrain.vocab import DP_ENGINES, unknown
 
 if TYPE_CHECKING:  # passed in, never imported: the runtime is the caller's
-    from scaletrain.launch.runtime import Runtime
+    from scaletrain.runtime import Runtime
 
 
 @dataclass
@@ -82,6 +85,12 @@ class ParallelModel:
     n_blocks: int = 1  # the whole model's repeated blocks (local SGD's fragments split them)
     num_params: int = 0  # the whole model's parameters (before pipeline split and sharding)
     expert_parallel: bool = False  # the experts' tokens travel by all-to-all: every rank runs each forward
+    master: MasterWeights | None = None  # bf16-true without an engine keeping fp32: the optimizer's fp32 copies
+
+    @property
+    def optim_params(self) -> list[tuple[str, nn.Parameter]]:
+        """What the optimizer steps: the fp32 masters, the engine's shards (ZeRO-1/2) or the parameters."""
+        return self.master.named_master if self.master is not None else self.dp.named_optim_params
 
     def loss_context(self):
         """Where the loss (and its backward) is computed: under tensor parallelism on the logits'
@@ -106,191 +115,229 @@ class ParallelModel:
         return self.num_stages - 1 in self.stage_ids
 
 
+@dataclass
+class Composition:
+    """What the steps of `parallelize` hand on to each other: the run's settings, this rank's chunks
+    as they are transformed, and what the steps found (notes for the log, the experts' weights)."""
+
+    cfg: JobConfig
+    rt: Runtime
+    precision: Precision
+    weights: object  # full tensors by canonical name (model.init_from), or None: from (seed, name)
+    chunks: list[nn.Module]
+    stage_ids: list[int] = field(default_factory=lambda: [0])
+    num_stages: int = 1
+    notes: list[str] = field(default_factory=list)
+    adapters: AdapterSpec | None = None
+    base_dtype: str | None = None  # the adapted linears' bases stored quantized (QLoRA)
+    fp8_all_gather: bool = False  # FSDP2 gathers the float8 linears' weights in fp8
+    experts: list = field(default_factory=list)  # expert parallelism's weights (an engine of their own)
+    dp: DataParallel | None = None
+    result: ParallelModel | None = None
+
+    @property
+    def lay(self):
+        return self.rt.layout
+
+
 def parallelize(model: nn.Module, cfg: JobConfig, rt: Runtime, precision: Precision,
                 weights=None) -> ParallelModel:
     """`weights`: full tensors by canonical parameter name (e.g. `model.init_from`, read lazily),
-    loaded instead of the (seed, name) initialisation."""
-    lay = rt.layout
-    check_moe(cfg.model, lay)
+    loaded instead of the (seed, name) initialisation. The steps run in the order they compose: the
+    order of STEPS is the documentation."""
+    check_config(cfg, rt.layout, device_type=rt.device.type)  # as settle did (a Trainer may be built directly)
     if cfg.train.compile:
         check_compiler(rt.device)
-    compute_bf16 = precision.compute_dtype if precision.compute_dtype == torch.bfloat16 else None
+    c = Composition(cfg, rt, precision, weights, chunks=[model])
+    for step in STEPS:
+        step(c)
+    return c.result
 
-    # 1. pipeline: this rank's stages, each a copy of the model with the other layers deleted
-    if lay.pp > 1:
-        num_stages = lay.num_stages
-        ranges = pipeline.layer_ranges(cfg.model, num_stages, lay.pp_split)
-        stage_ids = pipeline.stage_indices(lay.pp_schedule, rt.axis("pp").get_local_rank(), lay.pp,
-                                           lay.chunks_per_rank)
-        chunks = pipeline.split_model(model, stage_ids, ranges)
-    else:
-        num_stages, stage_ids, chunks = 1, [0], [model]
 
-    # quantization-aware training: the chosen linears become fake-quantized ones (same names)
-    notes = []
-    if cfg.train.qat != "none":
-        check_qat(cfg, lay)
-        notes += describe(layer_plan(model, cfg.train.qat), f"train.qat={cfg.train.qat}")  # the rule, said once
-        for chunk in chunks:
-            prepare_qat(chunk, cfg.train.qat)
-    # fp8: the chosen linears become torchao's Float8Linear (same names), before everything
-    # that wraps them; with tensorwise scales FSDP2 will gather them in fp8
-    fp8_all_gather = False
-    if precision.mode == "fp8":
-        check_fp8(lay, rt.device, cfg.precision.fp8_emulate)
-        pc = cfg.precision
-        fp8_all_gather = pc.fp8_recipe == "tensorwise" and lay.dp_engine == "fsdp"
-        plans = [convert_fp8(chunk, pc.fp8_recipe, emulate=pc.fp8_emulate, fp8_min_dim=pc.fp8_min_dim,
-                             fp8_all_gather=fp8_all_gather) for chunk in chunks]
-        notes += describe(plans[0], f"precision.mode=fp8 ({pc.fp8_recipe} scales"
-                                    f"{', emulated' if pc.fp8_emulate else ''}"
-                                    f"{', fp8 all-gather' if fp8_all_gather else ''})")
+def split_pipeline(c: Composition) -> None:
+    """1. pipeline: this rank's stages, each a copy of the model with the other layers deleted."""
+    lay = c.lay
+    if lay.pp == 1:
+        return
+    c.num_stages = lay.num_stages
+    ranges = pipeline.layer_ranges(c.cfg.model, c.num_stages, lay.pp_split)
+    c.stage_ids = pipeline.stage_indices(lay.pp_schedule, c.rt.axis("pp").get_local_rank(), lay.pp,
+                                         lay.chunks_per_rank)
+    c.chunks = pipeline.split_model(c.chunks[0], c.stage_ids, ranges)
 
-    # adapters: the targeted linears gain low-rank updates, every other parameter is frozen
-    adapters = AdapterSpec.of(cfg.adapter)
-    if adapters is not None:
-        check_adapters(cfg, lay)
-        notes.append(adapt(chunks, adapters))
-    # QLoRA: the adapted linears' bases stored quantized, placeholders on the meta device until their values
-    # come one weight at a time (never the dense base whole); under ZeRO-3 as NF4 of fp32 that FSDP2 shards,
-    # else of the dtype the precision mode keeps weights in (one process quantizes the rounded weights)
-    base_dtype = quantize_plan(cfg, chunks, lay.shard_ranks("scaletrain") if lay.dp_engine == "fsdp" else 1)
-    if base_dtype is not None:
-        for chunk in chunks:
-            bases_on_meta(chunk, base_dtype, None if lay.dp_engine == "fsdp" else precision.param_dtype)
 
-    experts = []  # expert parallelism's sharded expert weights (their own data-parallel engine)
-    for chunk in chunks:
-        # 2. tensor (and sequence) parallel over the innermost axis
-        if lay.tp > 1:
-            apply_tensor_parallel(chunk, rt.axis("tp"), sequence_parallel=lay.sp,
+def apply_qat(c: Composition) -> None:
+    """Quantization-aware training: the chosen linears become fake-quantized ones (same names)."""
+    if (scheme := c.cfg.train.qat) == "none":
+        return
+    c.notes += describe(layer_plan(c.chunks[0], scheme), f"train.qat={scheme}")  # the rule, said once
+    for chunk in c.chunks:
+        prepare_qat(chunk, scheme)
+
+
+def apply_fp8(c: Composition) -> None:
+    """fp8: the chosen linears become torchao's Float8Linear (same names), before everything that
+    wraps them; with tensorwise scales FSDP2 will gather them in fp8 (a step hook refreshes the scales)."""
+    if c.precision.mode != "fp8":
+        return
+    pc = c.cfg.precision
+    check_fp8_device(c.rt.device, pc.fp8_emulate)  # the machine's part; the layout's is legality's
+    c.fp8_all_gather = pc.fp8_recipe == "tensorwise" and c.lay.dp_engine == "fsdp"
+    plans = [convert_fp8(chunk, pc.fp8_recipe, emulate=pc.fp8_emulate, fp8_min_dim=pc.fp8_min_dim,
+                         fp8_all_gather=c.fp8_all_gather) for chunk in c.chunks]
+    c.notes += describe(plans[0], f"precision.mode=fp8 ({pc.fp8_recipe} scales"
+                                  f"{', emulated' if pc.fp8_emulate else ''}"
+                                  f"{', fp8 all-gather' if c.fp8_all_gather else ''})")
+
+
+def apply_adapters(c: Composition) -> None:
+    """Adapters: the targeted linears gain low-rank updates, every other parameter is frozen. QLoRA:
+    the adapted linears' bases stored quantized, placeholders on the meta device until their values
+    come one weight at a time (never the dense base whole); under ZeRO-3 as NF4 of fp32 that FSDP2
+    shards, else of the dtype the precision mode keeps weights in."""
+    c.adapters = AdapterSpec.of(c.cfg.adapter)
+    if c.adapters is None:
+        return
+    c.notes.append(adapt(c.chunks, c.adapters))
+    fsdp = c.lay.dp_engine == "fsdp"
+    c.base_dtype = quantize_plan(c.cfg, c.chunks, c.lay.shard_ranks("scaletrain") if fsdp else 1)
+    if c.base_dtype is not None:
+        for chunk in c.chunks:
+            bases_on_meta(chunk, c.base_dtype, None if fsdp else c.precision.param_dtype)
+
+
+def apply_tp(c: Composition) -> None:
+    """2. tensor (and sequence) parallel over the innermost axis."""
+    if c.lay.tp > 1:
+        for chunk in c.chunks:
+            apply_tensor_parallel(chunk, c.rt.axis("tp"), sequence_parallel=c.lay.sp,
                                   first_block="0" if "0" in chunk.layers else None)
-        # expert parallel: each rank holds 1/ep of the experts, tokens travel by all-to-all
-        if lay.ep > 1:
-            experts += shard_experts(chunk, rt.expert_mesh()["ep"], grad_scale=lay.token_ranks / lay.ep)
-        # 3. activation checkpointing, 4. compile, block by block
-        apply_activation_checkpointing(chunk.layers, lay.activation_checkpointing)
-        if cfg.train.compile:
+
+
+def apply_ep(c: Composition) -> None:
+    """Expert parallel: each rank holds 1/ep of the experts, tokens travel by all-to-all."""
+    if c.lay.ep > 1:
+        for chunk in c.chunks:
+            c.experts += shard_experts(chunk, c.rt.expert_mesh()["ep"], grad_scale=c.lay.token_ranks / c.lay.ep)
+
+
+def apply_checkpointing_and_compile(c: Composition) -> None:
+    """3. activation checkpointing, 4. compile, block by block (in place: parameter names, and so
+    checkpoint keys, stay the same)."""
+    for chunk in c.chunks:
+        apply_activation_checkpointing(chunk.layers, c.lay.activation_checkpointing)
+        if c.cfg.train.compile:
             for _, block in block_items(chunk.layers):
-                block.compile()  # in place: parameter names (and checkpoint keys) stay the same
+                block.compile()
 
-    # 5. data parallel engines that shard or replicate DTensors, applied on the meta device
-    if lay.offload_optimizer and rt.device.type != "cuda":
-        raise LaunchError("memory.offload_optimizer moves model states from GPU memory to pinned host memory; "
-                          "this run is on the CPU already, so drop the option")
-    fsdp, replicate = lay.dp_engine == "fsdp", lay.dp_engine == "replicate"  # DDP cannot take DTensor parameters
-    if fsdp:
-        for chunk in chunks:
-            apply_fsdp(chunk, _shard_mesh(rt), param_dtype=compute_bf16, offload=lay.offload_optimizer,
-                       ignored_params=set(experts))
-    elif replicate:
-        for chunk in chunks:
-            apply_replicate(chunk, rt.axis(_step_dp_axis(rt)), param_dtype=compute_bf16, ignored_params=set(experts))
 
-    # 6. materialize: every parameter from (seed, name), the same numbers on every layout
-    with _weights_fit(count_params(cfg.model), rt):
-        for chunk in chunks:
-            chunk.to_empty(device="cpu" if (fsdp and lay.offload_optimizer) else rt.device)
-            chunk.init_buffers(rt.device)
-            rule_of = adapter_init_rule(chunk.init_rule, adapters) if adapters is not None else None
-            quantized = base_dtype is not None  # the bases filled apart, one whole weight quantized at a time
-            plain = _not_quantized(chunk) if quantized else (lambda n: True)
-            if weights is not None:
-                base_only = None if adapters is None else lambda n, plain=plain: not is_adapter_param(n) and plain(n)
-                load_weights(chunk, weights, cfg.model.init_from or "the weights", only=base_only)
-                if adapters is not None:  # the adapters are not in the weights: from (seed, name)
-                    init_weights(chunk, cfg.train.seed, rule_of, only=is_adapter_param)
-            else:
-                init_weights(chunk, cfg.train.seed, rule_of, only=None if not quantized else plain)
-            if quantized:
-                base_value = _full_values(chunk, weights, cfg.model.init_from or "the weights", rule_of,
-                                          cfg.train.seed)
-                if fsdp:
-                    fill_nf4_shards(chunk, base_value)
-            if adapters is not None:
-                init_magnitudes(chunk)  # DoRA: from the base, once it holds its values
-            if not (fsdp or replicate):  # those keep fp32 storage and cast for compute themselves
-                _move(chunk, dtype=precision.param_dtype)  # the quantized bases are of that dtype already
-                if quantized:  # the placeholders replaced by the quantized values, one weight at a time
-                    fill_bases(chunk, base_value, base_dtype)
-            elif precision.param_dtype != torch.float32:  # ...but start from the rounded weights the others keep
-                with torch.no_grad():
-                    for p in chunk.parameters():
-                        if is_quantized(p):
-                            continue  # quantized from the fp32 values (one process quantizes the rounded ones)
-                        local = p.to_local() if hasattr(p, "to_local") else p
-                        local.copy_(local.to(precision.param_dtype))
-            chunk.train()
-            # context parallel: attention over the cp ranks, positions those of this rank's chunks
-            # (after materializing: it cuts the rotary tables to this rank's rows)
+def apply_sharding_engines(c: Composition) -> None:
+    """5. the data-parallel engines that shard or replicate DTensors, applied on the meta device
+    (DDP cannot take DTensor parameters: zero 0 under tp replicates)."""
+    lay, rt, compute_bf16 = c.lay, c.rt, _compute_bf16(c.precision)
+    if lay.dp_engine == "fsdp":
+        for chunk in c.chunks:
+            apply_fsdp(chunk, rt.shard_mesh(), param_dtype=compute_bf16, offload=lay.offload_optimizer,
+                       ignored_params=set(c.experts))
+    elif lay.dp_engine == "replicate":
+        for chunk in c.chunks:
+            apply_replicate(chunk, rt.step_mesh(), param_dtype=compute_bf16,
+                            ignored_params=set(c.experts))
+
+
+def materialize_weights(c: Composition) -> None:
+    """6. materialize: every parameter from (seed, name) or the given weights, the same numbers on
+    every layout; then context parallel attention over the cp ranks, whose positions are this rank's
+    chunks of the sequence (after materializing: it cuts the rotary tables to this rank's rows)."""
+    lay, cfg = c.lay, c.cfg
+    spec = Materialize(cfg.train.seed, c.rt.device, c.precision.param_dtype,
+                       engine_keeps_fp32=lay.dp_engine in ("fsdp", "replicate"), fsdp=lay.dp_engine == "fsdp",
+                       offload=lay.offload_optimizer, weights=c.weights, where=cfg.model.init_from or "the weights",
+                       adapters=c.adapters, base_dtype=c.base_dtype)
+    with _weights_fit(count_params(cfg.model), c.rt):
+        for chunk in c.chunks:
+            materialize(chunk, spec)
             if lay.cp > 1:
-                apply_context_parallel(chunk, rt.axis("cp"), lay.cp_method, cfg.data.seq_len)
+                apply_context_parallel(chunk, c.rt.axis("cp"), lay.cp_method, cfg.data.seq_len)
 
-    # 7. data parallel engines that wrap materialized weights (the experts: an engine of their own)
-    if experts and lay.dp_engine == "ddp":
-        for chunk in chunks:
-            hide_from_ddp(chunk, experts)
-    dp = _engine(chunks, cfg, rt, precision, experts={id(p) for p in experts})
-    if experts:
-        dp = expert_engine(dp, chunks, experts, rt, bucket_mb=cfg.parallel.bucket_mb,
-                           master_dtype=torch.float32 if precision.master_weights else None)
-    result = ParallelModel(dp, stage_ids=stage_ids, num_stages=num_stages, keeps_fp32_weights=lay.keeps_fp32_weights,
-                           notes=notes, vocab_parallel=lay.tp > 1, n_blocks=cfg.model.n_layers,
-                           num_params=count_params(cfg.model), expert_parallel=bool(experts))
+
+def apply_wrapping_engines(c: Composition) -> None:
+    """7. the data-parallel engines that wrap materialized weights (the experts: an engine of their
+    own), and the pipeline's stages over them."""
+    lay, cfg = c.lay, c.cfg
+    if c.experts and lay.dp_engine == "ddp":
+        for chunk in c.chunks:
+            hide_from_ddp(chunk, c.experts)
+    c.dp = _engine(c.chunks, cfg, c.rt, c.precision, experts={id(p) for p in c.experts})
+    if c.experts:
+        c.dp = expert_engine(c.dp, c.chunks, c.experts, c.rt, bucket_mb=cfg.parallel.bucket_mb,
+                             master_dtype=torch.float32 if c.precision.master_weights else None)
+    c.result = ParallelModel(c.dp, stage_ids=c.stage_ids, num_stages=c.num_stages,
+                             keeps_fp32_weights=lay.keeps_fp32_weights, notes=c.notes, vocab_parallel=lay.tp > 1,
+                             n_blocks=cfg.model.n_layers, num_params=count_params(cfg.model),
+                             expert_parallel=bool(c.experts))
     if lay.pp > 1:
-        result.stages = pipeline.build_stages(dp.models, stage_ids, num_stages, rt.device, rt.group("pp"))
+        c.result.stages = pipeline.build_stages(c.dp.models, c.stage_ids, c.num_stages, c.rt.device,
+                                                c.rt.group("pp"))
 
-    # 8. the per-step work of what was applied, in the order the step runs it
-    if adapters is not None:  # the base's fingerprint in checkpoints, checked on resume
-        result.hooks.append(BaseFingerprint(adapters, base_fingerprint(cfg, rt)))
+
+def apply_master_weights(c: Composition) -> None:
+    """8. bf16-true: the optimizer steps fp32 master copies of the weights, unless the engine keeps fp32
+    weights itself (FSDP, replicate, ZeRO-1/2's shards)."""
+    c.result.master = _master_weights(c.result, c.precision)
+
+
+def _master_weights(pm: ParallelModel, precision: Precision) -> MasterWeights | None:
+    return MasterWeights(pm.dp.named_params) if precision.master_weights and not pm.keeps_fp32_weights else None
+
+
+def register_step_hooks(c: Composition) -> None:
+    """9. the per-step work of what was applied, in the order the step runs it: the masters first (the
+    others reduce the masters' gradients)."""
+    cfg, lay, rt, dp, hooks = c.cfg, c.lay, c.rt, c.dp, c.result.hooks
+    if c.result.master is not None:
+        hooks.append(c.result.master)
+    if c.adapters is not None:  # the base's fingerprint in checkpoints, checked on resume
+        hooks.append(BaseFingerprint(c.adapters, base_fingerprint(cfg, rt)))
     # the experts as the hooks see them (their engine's: ZeRO's shards, or themselves)
-    expert_ids = frozenset(id(p) for _, p in dp.experts.named_optim_params) if experts else frozenset()
+    expert_ids = frozenset(id(p) for _, p in dp.experts.named_optim_params) if c.experts else frozenset()
     if lay.cp > 1:
-        result.hooks.append(ContextParallelStep(rt.axis("cp"), exclude=expert_ids))
+        hooks.append(ContextParallelStep(rt.axis("cp"), exclude=expert_ids))
     if lay.tp > 1 and (kv := ReplicatedKVStep.needed(cfg.model, rt.axis("tp"))):
-        result.hooks.append(kv)
-    if lay.pp > 1 and (tied := pipeline.TiedEmbeddingStep.needed(cfg.model, rt.mesh, result)):
-        result.hooks.append(tied)
-    if fp8_all_gather:
-        result.hooks.append(Fp8ScaleStep(dp.models))
+        hooks.append(kv)
+    if lay.pp > 1 and (tied := pipeline.TiedEmbeddingStep.needed(cfg.model, rt.mesh, c.result)):
+        hooks.append(tied)
+    if c.fp8_all_gather:
+        hooks.append(Fp8ScaleStep(dp.models))
     if lay.tp > 1 and (moe_tp := SequenceShardedMoEStep.needed(cfg.model, rt.axis("tp"), expert_ids)):
-        result.hooks.append(moe_tp)
+        hooks.append(moe_tp)
     if cfg.model.moe_experts:  # the load over the ranks that saw different tokens: dp, cp, tp
-        groups = [rt.group(axis) for axis, size in ((_step_dp_axis(rt), lay.dp), ("cp", lay.cp),
+        groups = [rt.group(axis) for axis, size in ((lay.step_axis, lay.step_dp), ("cp", lay.cp),
                                                      ("tp", lay.tp)) if size > 1]
         if balance := MoEBalance.for_model(dp.models, cfg.model, groups, rt.group("pp") if lay.pp > 1 else None,
                                            rt.device):
-            result.hooks.append(balance)
-    return result
+            hooks.append(balance)
 
 
-def _not_quantized(chunk: nn.Module):
-    """name -> whether the canonical parameter name is not a quantized base weight of `chunk`."""
-    from scaletrain.parallel.init import canonical_name
-
-    bases = {canonical_name(n) for n, p in chunk.named_parameters() if is_quantized(p)}
-    return lambda name: name not in bases
+# The composition, in its order: what each step wraps was made by the steps before it.
+STEPS = (split_pipeline, apply_qat, apply_fp8, apply_adapters, apply_tp, apply_ep,
+         apply_checkpointing_and_compile, apply_sharding_engines, materialize_weights, apply_wrapping_engines,
+         apply_master_weights, register_step_hooks)
 
 
-def _move(module: nn.Module, device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
-    """`module.to(device, dtype)` (the same conversion of each tensor), the quantized bases left as they
-    are (`to` would dequantize them)."""
-    module._apply(lambda t: t if is_quantized(t) else
-                  t.to(device, dtype if t.is_floating_point() or t.is_complex() else None))
+def step_hooks(pm: ParallelModel, cfg: JobConfig, rt: Runtime, *, optimizer, state, refresh, scaler) -> StepHooks:
+    """Every step hook of the run, in the order the step calls them: those parallelize registered (the
+    masters, then each technique's), then the outer loop (local SGD / DiLoCo / replica groups), which
+    sees the stepped weights. `optimizer` steps `pm.optim_params`; `state`, `refresh` and `scaler` are
+    what a replica group heals from a peer."""
+    outer = outer_loop(pm.optim_params, cfg, rt, n_blocks=pm.n_blocks, optimizer=optimizer, state=state,
+                       refresh=refresh, scaler=scaler, hooks=pm.hooks)
+    return StepHooks(pm.hooks).add(outer)
 
 
-def _full_values(chunk: nn.Module, weights, where: str, rule_of, seed: int):
-    """canonical name -> the full fp32 value of one of `chunk`'s parameters, read from `weights`
-    (checked against the model's shape) or drawn from (seed, name): one tensor at a time."""
-    if weights is not None:
-        return lambda name: full_weight(weights, name, _param_shape(chunk, name), where)
-    return lambda name: initial_value(rule_of(name), _param_shape(chunk, name), seed, name)
-
-
-def _param_shape(chunk: nn.Module, cname: str) -> torch.Size:
-    from scaletrain.parallel.init import canonical_name
-
-    return next(p.shape for n, p in chunk.named_parameters() if canonical_name(n) == cname)
+def _compute_bf16(precision: Precision):
+    """The dtype the sharding engines cast weights to for compute: bf16 under bf16 modes, else none."""
+    return precision.compute_dtype if precision.compute_dtype == torch.bfloat16 else None
 
 
 @contextlib.contextmanager
@@ -306,19 +353,6 @@ def _weights_fit(num_params: int, rt: Runtime):
                           "`scaletrain plan --config FILE` finds a layout") from None
 
 
-def _shard_mesh(rt: Runtime):
-    """FSDP's mesh: dp_shard, or (HSDP) dp_replicate × dp_shard. When the workers (dp_replicate
-    groups) sync every sync_every steps (parallel/local_sgd.py), each worker shards on its own."""
-    hsdp = rt.layout.dp_replicate > 1 and not rt.layout.local_sync
-    return rt.mesh["dp_replicate", "dp_shard"] if hsdp else rt.mesh["dp_shard"]
-
-
-def _step_dp_axis(rt: Runtime) -> str:
-    """The mesh axis whose ranks reduce gradients every step: all data-parallel ranks, or, when
-    the workers sync every sync_every steps, the dp_shard ranks of one worker."""
-    return "dp_shard" if rt.layout.local_sync else "dp"
-
-
 def _engine(chunks: list[nn.Module], cfg: JobConfig, rt: Runtime, precision: Precision,
             experts: set[int] = frozenset()) -> DataParallel:
     """The layout's data-parallel engine over this rank's materialized (and, for FSDP, sharded)
@@ -332,14 +366,14 @@ def _engine(chunks: list[nn.Module], cfg: JobConfig, rt: Runtime, precision: Pre
     if engine == "replicate":
         return ReplicateDataParallel(chunks)
     if engine == "ddp":
-        return DDPDataParallel(chunks, rt.group(_step_dp_axis(rt)), bucket_mb,
+        return DDPDataParallel(chunks, rt.group(rt.layout.step_axis), bucket_mb,
                                reduce_in_fp32=precision.param_dtype != torch.float32)
     if engine not in ("zero1", "zero2"):  # never take a name we do not know for ZeRO
         raise unknown("data-parallel engine", engine, DP_ENGINES)
     # a frozen parameter (adapter fine-tuning's base) has no gradient to reduce and no optimizer state
     params = [(n, p) for n, p in DataParallel(chunks).named_params if id(p) not in experts and p.requires_grad]
     return ZeroDataParallel(chunks, rt.mesh, stage=lay.zero, bucket_mb=bucket_mb,
-                            dp_replicate=1 if lay.local_sync else lay.dp_replicate,
+                            dp_replicate=lay.step_replicas,
                             master_dtype=torch.float32 if precision.master_weights else None, params=params)
 
 
@@ -371,32 +405,7 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
     nn.ModuleList/ModuleDict named `layers` (or `h`, `blocks`: `find_blocks`), the unit of ZeRO-3
     sharding, activation checkpointing and compile."""
     lay = rt.layout
-    if lay.ep > 1:
-        raise ConfigError(f"parallel.ep={lay.ep}: expert parallelism splits the experts of scaletrain's own "
-                          "mixture-of-experts layers; a custom nn.Module's are its own: set parallel.ep=1")
-    if lay.cp > 1:
-        raise ConfigError(f"parallel.cp={lay.cp}: context parallelism splits the attention of models scaletrain "
-                          f"builds (its own transformer, or one taken with model.from_hf); a custom nn.Module's "
-                          f"attention is its own: set parallel.cp=1")
-    if lay.tp > 1 or lay.pp > 1:
-        raise ConfigError(f"parallel.tp={lay.tp}, parallel.pp={lay.pp}: tensor and pipeline parallelism split "
-                          "models scaletrain knows (its own transformer, or one taken with model.from_hf and "
-                          "model.init_from); a custom nn.Module trains with data parallelism (DDP, ZeRO 0-3), any "
-                          "precision, activation checkpointing and compile: set parallel.tp=1 and parallel.pp=1")
-    if cfg.train.qat != "none":
-        raise ConfigError(f"train.qat={cfg.train.qat} fake-quantizes scaletrain's own transformer (its layer rule "
-                          "knows which linears convert); for a custom nn.Module apply torchao's QATConfig to it "
-                          "before handing it to the Trainer, and set train.qat=none")
-    if precision.mode == "fp8":
-        raise ConfigError("precision.mode=fp8 converts scaletrain's own transformer (its layer rule knows which "
-                          "linears convert); for a custom nn.Module apply torchao's convert_to_float8_training to it "
-                          "before handing it to the Trainer, and set precision.mode=bf16-mixed")
-    if cfg.model.moe_experts:
-        raise ConfigError(f"model.moe_experts={cfg.model.moe_experts} builds mixture-of-experts blocks into "
-                          "scaletrain's own transformer; a custom nn.Module's are its own: set model.moe_experts=0")
-    if cfg.model.init_from:
-        raise ConfigError("model.init_from loads weights into scaletrain's own model; a custom nn.Module brings "
-                          "its own weights: load them into the module before handing it to the Trainer")
+    check_config(cfg, lay, custom_module=True, device_type=rt.device.type)
     blocks = find_blocks(module)
     if blocks is None and (lay.activation_checkpointing != "none" or lay.dp_engine == "fsdp"):
         raise ConfigError(f"{type(module).__name__} has no repeated blocks scaletrain can find (an nn.ModuleList or "
@@ -422,14 +431,16 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
     with _weights_fit(sum(p.numel() for p in module.parameters()), rt):
         if base_dtype is not None:  # each base put on the device and quantized there, one weight at a time
             quantize_base(module, base_dtype, rt.device, None if fsdp else precision.param_dtype)
-        _move(module, rt.device)
+        move(module, rt.device)
     if fsdp:
-        compute_bf16 = precision.compute_dtype if precision.compute_dtype == torch.bfloat16 else None
-        apply_fsdp(module, _shard_mesh(rt), param_dtype=compute_bf16, offload=lay.offload_optimizer,
+        apply_fsdp(module, rt.shard_mesh(), param_dtype=_compute_bf16(precision), offload=lay.offload_optimizer,
                    blocks=[b for _, b in block_items(blocks)])
     else:
-        _move(module, dtype=precision.param_dtype)
+        move(module, dtype=precision.param_dtype)
     module.train()
-    return ParallelModel(_engine([module], cfg, rt, precision), keeps_fp32_weights=lay.keeps_fp32_weights,
-                         n_blocks=len(blocks) if blocks is not None else 1, hooks=[adapters] if adapters else [],
-                         num_params=sum(p.numel() for p in module.parameters()))
+    pm = ParallelModel(_engine([module], cfg, rt, precision), keeps_fp32_weights=lay.keeps_fp32_weights,
+                       n_blocks=len(blocks) if blocks is not None else 1,
+                       num_params=sum(p.numel() for p in module.parameters()))
+    pm.master = _master_weights(pm, precision)
+    pm.hooks = [h for h in (pm.master, adapters) if h is not None]
+    return pm

@@ -38,11 +38,11 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from scaletrain.hooks import StepHook, sum_gradients
 from scaletrain.layout import balanced_split_counts, chunks_per_rank  # noqa: F401 - re-exported
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.moe import MoE
-from scaletrain.parallel.hooks import StepHook, sum_gradients
-from scaletrain.parallel.init import canonical_name
+from scaletrain.model.names import canonical_name
 from scaletrain.parallel.tensor_parallel import whole
 from scaletrain.vocab import PP_SCHEDULES, unknown
 

@@ -56,8 +56,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from scaletrain.hooks import StepHook, sum_gradients
 from scaletrain.model.moe import MoE
-from scaletrain.parallel.hooks import StepHook, sum_gradients
 from scaletrain.parallel.moe_balance import summed_over
 
 # where a linear's parameters go: the base's weight and bias as torch's styles put them, and the
@@ -131,41 +131,8 @@ def _split(model: nn.Module, tp_mesh, sequence_parallel: bool, first_block: str 
     cfg = model.cfg
     replicated_kv = cfg.kv_heads < tp_mesh.size()
     for name, block in model.layers.items():
-        kv_plan = {} if replicated_kv else {"attn.wk": Colwise(), "attn.wv": Colwise()}
         moe = isinstance(block.ffn, MoE)
-        plan = {
-            "attn.wq": Colwise(),
-            **kv_plan,
-            "attn.wo": Rowwise(output_layouts=between),
-        }
-        if not moe:
-            plan.update({"mlp.w1": Colwise(), "mlp.w2": Rowwise(output_layouts=between)})
-            if block.mlp.w3 is not None:
-                plan["mlp.w3"] = Colwise()
-        if block.attn.q_norm is not None:
-            # q/k norms (Qwen3) act on each head: the rank's own heads are shards of dim 2, and
-            # their replicated weight gets its gradient summed over the ranks' heads
-            plan["attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-            plan["attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        if sequence_parallel:
-            # pre-norms hand their output to the gathering input plans below as DTensors; post-norms
-            # (OLMo 2, Gemma) sit on the residual stream, which stays a plain sequence shard
-            plan.update({n: SequenceParallel() for n in ("attn_norm", "mlp_norm") if getattr(block, n) is not None})
-            plan.update({n: SequenceParallel(use_local_output=True) for n in ("attn_post_norm", "mlp_post_norm")
-                         if getattr(block, n) is not None})
-            plan.update({
-                # gather the sequence before the column-parallel matmuls (rope tables pass as is)
-                "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-                # a mixture of experts routes the rank's own tokens: its sequence shard, as a plain tensor
-                "moe" if moe else "mlp": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Shard(1) if moe else Replicate(),),
-                    use_local_output=moe),
-            })
-        elif moe:  # each rank routes a slice of the replicated tokens, the outputs gathered after
-            plan["moe"] = PrepareModuleInputOutput(
-                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_input=True,
-                output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True)
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, _block_plan(block, moe, replicated_kv, sequence_parallel))
         if replicated_kv:
             _select_kv_head(block.attn, tp_mesh, cfg.kv_heads, cfg.head_size)
         if moe:  # the Switch loss's counts are those of whole sequences
@@ -175,6 +142,46 @@ def _split(model: nn.Module, tp_mesh, sequence_parallel: bool, first_block: str 
             # the residual stream enters the first block replicated and leaves it in sequence shards
             parallelize_module(block, tp_mesh, PrepareModuleInput(
                 input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None), use_local_output=True))
+
+
+def _block_plan(block: nn.Module, moe: bool, replicated_kv: bool, sequence_parallel: bool) -> dict:
+    """One block's tensor-parallel plan: attention and MLP column- then row-parallel, K/V split unless
+    each is replicated (fewer heads than ranks), norms sequence-parallel under sp."""
+    between = Shard(1) if sequence_parallel else Replicate()
+    kv_plan = {} if replicated_kv else {"attn.wk": Colwise(), "attn.wv": Colwise()}
+    plan = {
+        "attn.wq": Colwise(),
+        **kv_plan,
+        "attn.wo": Rowwise(output_layouts=between),
+    }
+    if not moe:
+        plan.update({"mlp.w1": Colwise(), "mlp.w2": Rowwise(output_layouts=between)})
+        if block.mlp.w3 is not None:
+            plan["mlp.w3"] = Colwise()
+    if block.attn.q_norm is not None:
+        # q/k norms (Qwen3) act on each head: the rank's own heads are shards of dim 2, and
+        # their replicated weight gets its gradient summed over the ranks' heads
+        plan["attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if sequence_parallel:
+        # pre-norms hand their output to the gathering input plans below as DTensors; post-norms
+        # (OLMo 2, Gemma) sit on the residual stream, which stays a plain sequence shard
+        plan.update({n: SequenceParallel() for n in ("attn_norm", "mlp_norm") if getattr(block, n) is not None})
+        plan.update({n: SequenceParallel(use_local_output=True) for n in ("attn_post_norm", "mlp_post_norm")
+                     if getattr(block, n) is not None})
+        plan.update({
+            # gather the sequence before the column-parallel matmuls (rope tables pass as is)
+            "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            # a mixture of experts routes the rank's own tokens: its sequence shard, as a plain tensor
+            "moe" if moe else "mlp": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Shard(1) if moe else Replicate(),),
+                use_local_output=moe),
+        })
+    elif moe:  # each rank routes a slice of the replicated tokens, the outputs gathered after
+        plan["moe"] = PrepareModuleInputOutput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_input=True,
+            output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True)
+    return plan
 
 
 # --------------------------------------------------------------------------------------------

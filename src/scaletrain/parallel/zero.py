@@ -101,36 +101,10 @@ class ZeroDataParallel(DataParallel):
         # a local sum sends the (N-1)/N a reduce-scatter should (NCCL's is already optimal)
         self.all_to_all = dist.get_backend(self.shard_group) == "gloo"
 
-        slots = []
-        for name, p in named_params:
-            data = _local(p.detach())
-            rows = data.shape[0] if data.ndim else 1
-            chunk_rows = math.ceil(rows / self.n)
-            start, stop = min(rows, self.rank * chunk_rows), min(rows, (self.rank + 1) * chunk_rows)
-            local = data.view(rows, -1)[start:stop].view(stop - start, *data.shape[1:])
-            dtype = master_dtype or p.dtype
-            is_view = dtype == p.dtype and not own_shards  # (own_shards: the replicas are freed between uses)
-            if not is_view:
-                local = local.to(dtype=dtype, copy=True)  # its own fp32 master copy
-            mesh_of, where = self._placement(p, mesh, dp_replicate, placements)
-            shard = nn.Parameter(DTensor.from_local(local, mesh_of, where, run_check=False,
-                                                    shape=p.shape, stride=p.stride()))
-            slots.append(_Slot(name, p, data, shard, rows, chunk_rows, data[0].numel() if data.ndim else 1,
-                               is_view))
+        slots = [self._slot(name, p, mesh, dp_replicate, placements, master_dtype, own_shards)
+                 for name, p in named_params]
         self.slots = slots
-        # buckets in reverse order: gradients of the last layers are ready first
-        self.buckets: list[_Bucket] = []
-        bucket = _Bucket()
-        for slot in reversed(slots):
-            elem = slot.data.element_size()
-            if bucket.slots and (bucket.shard_numel + slot.chunk_numel) * self.n * elem > bucket_bytes:
-                self.buckets.append(bucket)
-                bucket = _Bucket()
-            slot.offset = bucket.shard_numel
-            bucket.slots.append(slot)
-            bucket.shard_numel += slot.chunk_numel
-        if bucket.slots:
-            self.buckets.append(bucket)
+        self.buckets = self._buckets(slots, bucket_bytes)
         self._bucket_of = {id(s.param): b for b in self.buckets for s in b.slots}
         self._next = 0  # buckets are launched in order, the same on every rank
         self._in_flight: list[_Bucket] = []
@@ -140,6 +114,40 @@ class ZeroDataParallel(DataParallel):
         # backwards inside one micro_step(last=False), so there it reduces once, after them.
         pipelined = "pp" in (mesh.mesh_dim_names or ()) and mesh["pp"].size() > 1
         self.reduce_every_micro_step = stage == 2 and not pipelined
+
+    def _slot(self, name: str, p: nn.Parameter, mesh, dp_replicate: int, placements, master_dtype,
+              own_shards: bool) -> _Slot:
+        """Parameter `p`'s shard on this rank: rows [rank × ceil(rows / n), ...) of its first dimension,
+        a view of the replica (or its own fp32 master copy), as a DTensor of the whole's shape."""
+        data = _local(p.detach())
+        rows = data.shape[0] if data.ndim else 1
+        chunk_rows = math.ceil(rows / self.n)
+        start, stop = min(rows, self.rank * chunk_rows), min(rows, (self.rank + 1) * chunk_rows)
+        local = data.view(rows, -1)[start:stop].view(stop - start, *data.shape[1:])
+        dtype = master_dtype or p.dtype
+        is_view = dtype == p.dtype and not own_shards  # (own_shards: the replicas are freed between uses)
+        if not is_view:
+            local = local.to(dtype=dtype, copy=True)  # its own fp32 master copy
+        mesh_of, where = self._placement(p, mesh, dp_replicate, placements)
+        shard = nn.Parameter(DTensor.from_local(local, mesh_of, where, run_check=False,
+                                                shape=p.shape, stride=p.stride()))
+        return _Slot(name, p, data, shard, rows, chunk_rows, data[0].numel() if data.ndim else 1, is_view)
+
+    def _buckets(self, slots: list[_Slot], bucket_bytes: int) -> list[_Bucket]:
+        """The slots cut into buckets of about `bucket_bytes` of full gradient each, in reverse order:
+        gradients of the last layers are ready first."""
+        buckets, bucket = [], _Bucket()
+        for slot in reversed(slots):
+            elem = slot.data.element_size()
+            if bucket.slots and (bucket.shard_numel + slot.chunk_numel) * self.n * elem > bucket_bytes:
+                buckets.append(bucket)
+                bucket = _Bucket()
+            slot.offset = bucket.shard_numel
+            bucket.slots.append(slot)
+            bucket.shard_numel += slot.chunk_numel
+        if bucket.slots:
+            buckets.append(bucket)
+        return buckets
 
     def _placement(self, p, mesh, dp_replicate, dp_placements):
         """Where a shard lives. A tensor-parallel (or expert-parallel) parameter's shard is sharded

@@ -45,7 +45,8 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
          engine: str | None = None, compile: bool | None = None, fp8: bool | None = None, workers: int = 1,
          workers_link: float | None = None, sync: dict | None = None, calibrate=None,
          moe_imbalance: float | None = None, name: str | None = None, adapter: str = "none", adapter_rank: int = 8,
-         adapter_targets: str = "all-linear", base_dtype: str = "auto") -> dict:
+         adapter_targets: str = "all-linear", base_dtype: str = "auto", qat: str = "none",
+         document_mask: bool = False) -> dict:
     """Search the layouts (or evaluate `layout`) for `model` on the cluster. Returns a dict with
     "layouts" (Evaluated, best first), "explanation" (lines), "stats", and the inputs. `engine`,
     `compile` and `fp8` default to a model TOML's [plan] table, else scaletrain, off, off.
@@ -69,7 +70,9 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
     `name`: what the report calls the model (default: its preset, file or class name).
 
     `adapter`, `adapter_rank`, `adapter_targets`, `base_dtype`: a LoRA / QLoRA fine-tune (the
-    config's adapter.*): the base frozen, its adapted linears stored as `base_dtype`."""
+    config's adapter.*): the base frozen, its adapted linears stored as `base_dtype`. `qat`: the
+    config's train.qat; `document_mask` its data.document_mask. Every layout ranked is one
+    `scaletrain train` accepts with these (scaletrain.legality, asked by the search as by the job)."""
     src = load_model(model)
     if name:
         src = replace(src, name=name)
@@ -89,7 +92,8 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
     wl = Workload(seq_len=seq_len, global_batch=global_batch, precision=precision, optimizer=optimizer,
                   attention=attention, engine=engine, compile=compile, fp8=fp8,
                   moe_imbalance=1.0 if moe_imbalance is None else moe_imbalance, adapter=adapter,
-                  adapter_rank=adapter_rank, adapter_targets=adapter_targets, base_dtype=base_dtype)
+                  adapter_rank=adapter_rank, adapter_targets=adapter_targets, base_dtype=base_dtype, qat=qat,
+                  document_mask=document_mask)
     gpu = hw.name != "CPU" if gpu is None else gpu
     if fp8 and "fp8" not in hw.peak_tflops:
         raise ConfigError(f"--fp8{' (or --precision fp8)' if precision == 'fp8' else ''}: hardware {hw.name} has no "

@@ -51,9 +51,14 @@ def auto_layout(cfg: JobConfig, world: int, device: torch.device, gpus_per_node:
         measuring = False
         if note is not None:
             note("parallel.auto_measure_s: measuring needs scaletrain's launcher on one node; predicting only")
+    # every setting that changes which layouts are legal or what they hold: the planner ranks only
+    # layouts this job can train (scaletrain.legality), and plans an adapter run as one
     result = plan(cfg.model, hardware=local_hardware(device), nodes=nodes, gpus_per_node=world // nodes,
                   seq_len=cfg.data.seq_len, global_batch=global_batch, precision=cfg.precision.mode,
-                  optimizer=cfg.optim.name, gpu=device.type == "cuda", top_k=MEASURE_MAX if measuring else 1,
+                  optimizer=cfg.optim.name, adapter=cfg.adapter.kind, adapter_rank=cfg.adapter.rank,
+                  adapter_targets=cfg.adapter.targets, base_dtype=cfg.adapter.base_dtype, qat=cfg.train.qat,
+                  document_mask=cfg.data.document_mask,
+                  gpu=device.type == "cuda", top_k=MEASURE_MAX if measuring else 1,
                   calibrate=functools.partial(measure.calibration, note=note) if measuring else None)
     best = result["layouts"][0]
     if not best.fits:

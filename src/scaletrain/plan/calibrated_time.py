@@ -135,7 +135,7 @@ def data_parallel(cal: Calibration, wl: Workload, layout: Layout, params: float,
         cp_sum = cal.collective_s("all_reduce", params * 4 / (n_shard if layout.zero >= 1 else 1), layout.cp)
     if layout.dp == 1:
         return cp_sum, cp_sum
-    r = 1 if layout.local_sync else layout.dp_replicate  # local SGD: the replicas sync below, every H steps
+    r = layout.step_replicas  # local SGD: the replicas sync below, every H steps
     grad_bytes = params * 4  # scaletrain reduces gradients in fp32
     buckets = max(1, math.ceil(grad_bytes / (bucket_mb * 2**20)))
     backward = compute / m * 2 / 3  # the last micro-batch's backward, where gradients are reduced

@@ -62,10 +62,12 @@ SYNC_KEYS = ("parallel.dp_sync", "parallel.sync_every", "parallel.sync_fragments
 # (without --config; a training config gives all of them, its defaults included)
 WORKLOAD_KEYS = {"seq_len": "data.seq_len", "global_batch": "train.global_batch", "precision": "precision.mode",
                  "optimizer": "optim.name", "adapter": "adapter.kind", "adapter_rank": "adapter.rank",
-                 "adapter_targets": "adapter.targets", "base_dtype": "adapter.base_dtype"}
+                 "adapter_targets": "adapter.targets", "base_dtype": "adapter.base_dtype", "qat": "train.qat",
+                 "document_mask": "data.document_mask"}
 PLAN_DEFAULTS = {"data.seq_len": 2048, "train.global_batch": 256, "precision.mode": "bf16-mixed",
                  "optim.name": "adamw", "adapter.kind": "none", "adapter.rank": 8, "adapter.targets": "all-linear",
-                 "adapter.base_dtype": "auto"}
+                 "adapter.base_dtype": "auto", "train.qat": "none",
+                 "data.document_mask": False}
 
 # plan(layout={...}) names: Layout's field names and the aliases' short names, to config keys
 LAYOUT_NAMES = {**{key.partition(".")[2]: key for key in LAYOUT_KEYS},

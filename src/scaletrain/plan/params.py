@@ -123,7 +123,7 @@ def expert_shard_ranks(layout: Layout, engine: str = "scaletrain") -> int:
     dp_replicate groups hold copies of those shards."""
     if layout.ep == 1:
         return layout.shard_ranks(engine)
-    return max(1, layout.dp_shard * layout.token_ranks // layout.ep)
+    return max(1, layout.expert_shard_ranks)
 
 
 def expert_params(cfg: ModelConfig) -> int:

@@ -19,6 +19,7 @@ from functools import lru_cache
 from scaletrain.errors import ConfigError
 from scaletrain.fmt import seconds, size
 from scaletrain.layout import tp_errors
+from scaletrain.legality import job_errors
 from scaletrain.model.config import ModelConfig
 from scaletrain.plan import calibrated_time
 from scaletrain.plan.memory_model import GiB, MemoryBreakdown, estimate_memory
@@ -64,7 +65,8 @@ def layout_errors(cfg: ModelConfig, wl: Workload, cluster: Cluster, layout: Layo
         e.append(f"it uses {layout.world} ranks but the cluster has {cluster.world} GPUs")
     if layout.tp > cluster.gpus_per_node:
         e.append(f"tp {layout.tp} would cross nodes ({cluster.gpus_per_node} GPUs per node)")
-    e += layout.errors(cfg, engine=wl.engine, seq_len=wl.seq_len)  # the rules the trainer applies
+    # the one legality check: the rules `train` applies to this layout, model and techniques
+    e += job_errors(layout, cfg, wl.techniques, seq_len=wl.seq_len, engine=wl.engine)
     if layout.global_batch != wl.global_batch:
         e.append(f"micro-batch {layout.micro_batch} × accumulation {layout.grad_accum} × dp {layout.dp} "
                  f"≠ global batch {wl.global_batch}")

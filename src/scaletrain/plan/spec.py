@@ -17,8 +17,9 @@ from scaletrain.config import from_dict, read_config_file
 from scaletrain.errors import ConfigError
 from scaletrain.hardware import Hardware
 from scaletrain.layout import Layout  # noqa: F401 - the one Layout, re-exported for the planner
+from scaletrain.legality import Techniques
 from scaletrain.model.config import ModelConfig
-from scaletrain.vocab import ADAPTER_KINDS, BASE_DTYPES, OPTIMIZERS, PLAN_ENGINES, PRECISIONS, did_you_mean
+from scaletrain.vocab import ADAPTER_KINDS, BASE_DTYPES, OPTIMIZERS, PLAN_ENGINES, PRECISIONS, QAT_SCHEMES, did_you_mean
 
 ATTENTION = ("flash", "eager")  # memory-efficient kernels (SDPA flash / efficient) or materialized scores
 
@@ -44,9 +45,13 @@ class Workload:
     adapter_rank: int = 8
     adapter_targets: str = "all-linear"
     base_dtype: str = "auto"
+    qat: str = "none"  # train.qat: fake-quantized linears (what they allow: scaletrain.legality)
+    document_mask: bool = False  # data.document_mask: pp and cp cannot find a window's documents
 
     def __post_init__(self):
         errors = []
+        if self.qat not in QAT_SCHEMES:
+            errors.append(f"qat {self.qat!r} is not one of {', '.join(QAT_SCHEMES)}")
         if self.adapter not in ADAPTER_KINDS:
             errors.append(f"adapter {self.adapter!r} is not one of {', '.join(ADAPTER_KINDS)}")
         if self.base_dtype not in BASE_DTYPES:
@@ -74,6 +79,15 @@ class Workload:
     @property
     def tokens(self) -> int:
         return self.seq_len * self.global_batch
+
+    @property
+    def techniques(self) -> Techniques:
+        """What scaletrain's trainer runs on top of a layout, for the one legality check: the
+        planner ranks only what `train` accepts (another engine's rules are its own)."""
+        if self.engine != "scaletrain":
+            return Techniques()
+        return Techniques(qat=self.qat, fp8=self.fp8, adapter=self.adapter, base_dtype=self.base_dtype,
+                          document_mask=self.document_mask)
 
 
 @dataclass(frozen=True)

@@ -345,7 +345,7 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
     # projection) per micro-batch, forward and backward (`cp_traffic`)
     cp_comm = 0.0
     if layout.cp > 1:
-        cp_bw = _group_link_GBps(cluster, layout.tp, layout.cp) * 1e9
+        cp_bw = _group_link_GBps(cluster, layout.stride("cp"), layout.cp) * 1e9
         cp_comm = sum(calls * buffer * bus_factor(op, layout.cp) / cp_bw * exposed
                       for op, buffer, calls, exposed in cp_traffic(cfg, wl, layout)) * layers_here * m
 
@@ -353,7 +353,7 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
     pp_comm = 0.0
     bubble = 0.0
     if layout.pp > 1:
-        pp_bw = _group_link_GBps(cluster, layout.tp * layout.cp * layout.dp, layout.pp) * 1e9
+        pp_bw = _group_link_GBps(cluster, layout.stride("pp"), layout.pp) * 1e9
         chunks = layout.chunks_per_rank
         sent = act / (layout.tp if layout.sp else 1)
         pp_comm = 2 * m * chunks * sent / pp_bw * PIPELINE_SEND_EXPOSED
@@ -437,14 +437,15 @@ def data_parallel_seconds(wl: Workload, layout: Layout, cluster: Cluster, params
     cp_sum = 0.0
     if ours and layout.cp > 1:  # the Trainer's sum over the cp ranks, once per step
         summed = params / n_shard if layout.zero >= 1 else params
-        cp_sum = 2 * (layout.cp - 1) / layout.cp * summed * grad_b / (_group_link_GBps(cluster, layout.tp, layout.cp)
-                                                                      * 1e9)
+        cp_bw = _group_link_GBps(cluster, layout.stride("cp"), layout.cp) * 1e9
+        cp_sum = 2 * (layout.cp - 1) / layout.cp * summed * grad_b / cp_bw
     if layout.dp * (1 if ours else layout.cp) == 1:
         return cp_sum, cp_sum
-    # the reducing group's members sit tp apart, or tp × cp apart in scaletrain's mesh (its dp
-    # groups leave the cp axis out); the dp_replicate groups tp × cp × dp_shard apart
-    stride = layout.tp * (layout.cp if ours else 1)
-    across = layout.tp * layout.cp * layout.dp_shard
+    # the reducing group's members sit a dp_shard stride apart in scaletrain's mesh (its dp groups leave
+    # the cp axis out), a cp stride apart for the engines that shard over dp_shard × cp; the dp_replicate
+    # groups a dp_replicate stride apart
+    stride = layout.stride("dp_shard" if ours else "cp")
+    across = layout.stride("dp_replicate")
     single = engine.single_rail_zero3 and layout.zero == 3
     shard_bw = _group_link_GBps(cluster, stride, n_shard, single) * 1e9
     rep_bw = _group_link_GBps(cluster, across, layout.dp_replicate) * 1e9
@@ -480,7 +481,7 @@ def outer_sync_seconds(layout: Layout, cluster: Cluster, params: float, step_s: 
     r = layout.dp_replicate
     n_shard = layout.shard_ranks(engine)
     shard = params / n_shard if layout.zero >= 1 else params
-    across = layout.tp * layout.cp * layout.dp_shard  # the dp_replicate ranks' distance in the mesh
+    across = layout.stride("dp_replicate")  # the dp_replicate ranks' distance in the mesh
     bw = _group_link_GBps(cluster, across, r) * 1e9
     whole = 2 * (r - 1) / r * shard * SYNC_BYTES[layout.sync_dtype] / bw + 2 * _ring_latency(cluster, across, r)
     fragment = whole / layout.sync_fragments

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from scaletrain.errors import ConfigError
-from scaletrain.parallel.hooks import StepHook
+from scaletrain.hooks import StepHook
 from scaletrain.quant import import_torchao
 from scaletrain.quant.layers import layer_plan
 

@@ -287,7 +287,7 @@ def fill_bases(model: nn.Module, full_value, base_dtype: str) -> None:
     materialized) replaced by its whole base weight (`full_value(canonical name)`, fp32) quantized,
     one weight at a time: the fp32 value put on the device, rounded to the placeholder's dtype
     there, quantized there — the numbers a dense model materialized, cast and then quantized holds."""
-    from scaletrain.parallel.init import canonical_name
+    from scaletrain.model.names import canonical_name
 
     for name, m in _lora_linears(model):
         p = m.weight
@@ -306,7 +306,7 @@ def fill_nf4_shards(model: nn.Module, full_value) -> set[str]:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from scaletrain.parallel.init import canonical_name
+    from scaletrain.model.names import canonical_name
 
     done = set()
     for name, m in _lora_linears(model):

@@ -302,13 +302,7 @@ def save_checkpoint(folder: Path, step: int, tensors: dict[str, Any], trainer_st
 
     try:
         if rank == 0:
-            folder.mkdir(parents=True, exist_ok=True)
-            # left by saves or deletions that were killed: partial folders, and HEAD files half-written
-            # by another process (this run owns the folder: no other process writes here now)
-            for dead in folder.glob(".step_*"):
-                shutil.rmtree(dead, ignore_errors=True)
-            for dead in folder.glob(f".{HEAD_FILE}.partial-*"):
-                dead.unlink(missing_ok=True)
+            _clear_partial(folder)
             partial.mkdir()
         _barrier()
         dcp.save(tensors, storage_writer=FileSystemWriter(str(partial)), no_dist=not dist.is_initialized())
@@ -320,27 +314,7 @@ def save_checkpoint(folder: Path, step: int, tensors: dict[str, Any], trainer_st
             dist.all_gather_object(every, files)
             files = {k: v for part in every for k, v in part.items()}
         if rank == 0:
-            # the data folders relative to this checkpoint too: found again when the run folder moves with them
-            relative = relative_data((trainer_state.get("config") or {}).get("data") or {}, final)
-            _write_json(partial / TRAINER_FILE, {"format_version": FORMAT_VERSION, **trainer_state,
-                                                 "data_relative": relative, "files": files})
-            atomic.fsync_dir(partial)
-            lineage = trainer_state.get("lineage") or []
-            if final.exists() and not _same_line(final, lineage, step):
-                _set_aside(folder, final)  # another branch's checkpoint of this step: kept, out of the way
-            if final.exists():  # saving the same step again (e.g. stopped right after a save)
-                old = folder / f".step_{step:08d}.old"
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-                os.replace(partial, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(partial, final)
-            atomic.fsync_dir(folder)
-            # the checkpoint is complete; a HEAD left behind still leads to it (its descendant)
-            with contextlib.suppress(OSError):  # (a failed write removes its own partial file)
-                write_head(folder, lineage, step)
-            _rotate(folder, lineage, step, keep)
+            _publish(folder, partial, final, step, trainer_state, files, keep)
         _barrier()
     except (OSError, RuntimeError, CheckpointException) as e:
         full = _disk_full(folder, _causes(e), _local_bytes(tensors))
@@ -354,6 +328,44 @@ def save_checkpoint(folder: Path, step: int, tensors: dict[str, Any], trainer_st
         reason = "the disk is full" if full else f"{os_errors[0].strerror or os_errors[0]}"
         raise CheckpointError(f"saving checkpoint step {step} to {folder} failed: {reason}; {kept}") from None
     return final
+
+
+def _clear_partial(folder: Path) -> None:
+    """Remove what saves or deletions that were killed left: partial folders, and HEAD files
+    half-written by another process (this run owns the folder: no other process writes here now)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for dead in folder.glob(".step_*"):
+        shutil.rmtree(dead, ignore_errors=True)
+    for dead in folder.glob(f".{HEAD_FILE}.partial-*"):
+        dead.unlink(missing_ok=True)
+
+
+def _publish(folder: Path, partial: Path, final: Path, step: int, trainer_state: dict, files: dict,
+             keep: int) -> None:
+    """Rank 0, once every rank's files are in `partial` (`files`: their checksums): write trainer.json,
+    rename `partial` to `final` (atomically; the same step saved again replaces the old one), point HEAD
+    at it, rotate."""
+    # the data folders relative to this checkpoint too: found again when the run folder moves with them
+    relative = relative_data((trainer_state.get("config") or {}).get("data") or {}, final)
+    _write_json(partial / TRAINER_FILE, {"format_version": FORMAT_VERSION, **trainer_state,
+                                         "data_relative": relative, "files": files})
+    atomic.fsync_dir(partial)
+    lineage = trainer_state.get("lineage") or []
+    if final.exists() and not _same_line(final, lineage, step):
+        _set_aside(folder, final)  # another branch's checkpoint of this step: kept, out of the way
+    if final.exists():  # saving the same step again (e.g. stopped right after a save)
+        old = folder / f".step_{step:08d}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(partial, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(partial, final)
+    atomic.fsync_dir(folder)
+    # the checkpoint is complete; a HEAD left behind still leads to it (its descendant)
+    with contextlib.suppress(OSError):  # (a failed write removes its own partial file)
+        write_head(folder, lineage, step)
+    _rotate(folder, lineage, step, keep)
 
 
 def _same_line(path: Path, lineage: Lineage, step: int) -> bool:

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from scaletrain import watchdog
 from scaletrain.errors import CheckpointError, ConfigError, DataError, TrainingStopped, UserError
 from scaletrain.interrupt import EarlySignals
-from scaletrain.launch import watchdog
 
 
 def _worker_line(line: str) -> str:

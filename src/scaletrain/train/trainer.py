@@ -7,7 +7,7 @@
     around: validation every train.eval_every steps, metrics every log.every, checkpoints every
             checkpoint.every, at the end, and before stopping on SIGINT/SIGTERM.
 
-The step never names a technique: what one does every step reaches it as a hook (parallel/hooks.py) from
+The step never names a technique: what one does every step reaches it as a hook (scaletrain/hooks.py) from
 parallelize() or built from the run. Each concern around the loop has its module: train.state, train.run_folder,
 train.health (what stops a run, and why, in one line), train.metrics, train.evaluate, scaletrain.schedule.
 """
@@ -27,19 +27,18 @@ from scaletrain.config import JobConfig, parse_mix
 from scaletrain.data.loader import StepSampler, build_loader
 from scaletrain.data.mix import open_training_data, step_sampler
 from scaletrain.errors import ConfigError
-from scaletrain.launch.runtime import Runtime, single_process
+from scaletrain.legality import check_config
 from scaletrain.model.flops import flops_per_token
 from scaletrain.model.generate import sample_text
 from scaletrain.model.loss import cross_entropy_sum
 from scaletrain.model.transformer import Transformer
 from scaletrain.optim import build_optimizer, get_lr, init_optimizer_state, set_lr
-from scaletrain.parallel import fault_tolerance, pipeline
+from scaletrain.parallel import pipeline
 from scaletrain.parallel.data_parallel import DataParallel, clip_gradients, model_state_bytes
-from scaletrain.parallel.hooks import StepHooks
-from scaletrain.parallel.local_sgd import LocalSGD
-from scaletrain.parallel.parallelize import parallelize, parallelize_module
+from scaletrain.parallel.parallelize import parallelize, parallelize_module, step_hooks
 from scaletrain.parallel.tensor_parallel import whole
-from scaletrain.precision import MasterWeights, Precision
+from scaletrain.precision import Precision
+from scaletrain.runtime import Runtime, single_process
 from scaletrain.schedule import TrainSchedule
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import run_folder
@@ -66,8 +65,8 @@ class Trainer:
         # the runtime's layout is cfg's (derived once, where the job began); a config that asks for
         # another stage or batch on the same group of ranks gets its own layout on the same mesh
         self.rt = rt = (runtime or single_process(cfg)).for_config(cfg)
-        # a custom module: tp, pp and cp refused later
-        rt.layout.check(cfg.model if model is None else None, seq_len=cfg.data.seq_len)
+        # the one legality check, as settle asks it (a Trainer may be built without a job)
+        check_config(cfg, rt.layout, custom_module=model is not None, device_type=rt.device.type)
         self.rank, self.world_size, self.device = rt.rank, rt.world_size, rt.device
         self.run_dir = Path(cfg.log.run_dir or self.rt.shared(default_run_dir()))
         if not cfg.log.run_dir:  # the folder it writes, in the config it saves (resuming reads it there)
@@ -167,19 +166,14 @@ class Trainer:
     def _build_optimizer(self) -> None:
         """Optimizer over what holds the fp32 truth: parameters, ZeRO shards or (bf16-true, unsharded) fp32 masters."""
         cfg = self.cfg
-        use_master = self.precision.master_weights and not self.pm.keeps_fp32_weights
-        self.master = MasterWeights(self.named_params) if use_master else None
-        self.optim_params = self.master.named_master if self.master else self.dp.named_optim_params
+        self.optim_params = self.pm.optim_params
         self.param_names = {id(p): n for n, p in self.optim_params}
         self.optimizer = build_optimizer(cfg.optim, self.optim_params, self.schedule.peak, self.device)
         self.scaler = self.precision.scaler
         self.state_bytes: dict[str, int] | None = None  # measured during the first step
-        # the techniques' per-step work: master weights first (the others reduce the masters' gradients), those
-        # parallelize() applied, the workers' sync (it sees the stepped weights), the replica groups' (fault tolerance)
-        self.hooks = StepHooks().add(self.master, *self.pm.hooks, LocalSGD.for_run(
-            self.optim_params, self.layout, cfg.parallel, n_blocks=self.pm.n_blocks, mesh=self.rt.mesh),
-            fault_tolerance.ReplicaGroups.for_run(cfg.parallel, self.rt, self.optim_params, self.optimizer,
-                                                  self.state, self.refresh_weights, self.scaler, self.pm.hooks))
+        # the techniques' per-step work, in the order the composition gives (parallel.parallelize.step_hooks)
+        self.hooks = step_hooks(self.pm, cfg, self.rt, optimizer=self.optimizer, state=self.state,
+                                refresh=self.refresh_weights, scaler=self.scaler)
 
     @property
     def step(self) -> int:  # optimizer steps done (the run's TrainState holds it)

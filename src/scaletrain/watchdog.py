@@ -29,7 +29,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 # keys in the process group's store, which is private to one attempt of the job (see
-# scaletrain.launch.runtime): a restarted group never reads its predecessor's records
+# scaletrain.runtime): a restarted group never reads its predecessor's records
 PROGRESS, ABORT = "scaletrain/progress/{rank}", "scaletrain/abort"
 ABORTED_EXIT_CODE = 1  # a rank ended because another failed; the launcher reports the other's error
 

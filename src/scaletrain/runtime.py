@@ -41,7 +41,7 @@ class Runtime:
     layout: Layout  # resolved for this world: every part of the run reads it from here
     mesh: object | None = None  # the 5-D DeviceMesh when distributed
     dp_mesh: object | None = None  # its data-parallel axes flattened into one
-    progress: object | None = None  # this rank's published progress (scaletrain.launch.watchdog.Progress)
+    progress: object | None = None  # this rank's published progress (scaletrain.watchdog.Progress)
     # the config values `layout` was derived from (`layout_key`); None: the layout was given as it is
     layout_of: tuple | None = None
     # expert parallelism's meshes by ep size, built on first use (shared by the runtimes `with_layout`
@@ -72,6 +72,19 @@ class Runtime:
     def axis(self, name: str):
         """The 1-D mesh of one axis: `dp` (flattened), `dp_replicate`, `dp_shard`, `cp`, `tp`, `pp`."""
         return self.dp_mesh if name == "dp" else self.mesh[name]
+
+    def step_mesh(self):
+        """The ranks that reduce gradients every step (Layout.step_axis)."""
+        return self.axis(self.layout.step_axis)
+
+    def shard_mesh(self):
+        """The mesh FSDP shards over: dp_shard, or (HSDP) dp_replicate × dp_shard (Layout.shard_axes)."""
+        axes = self.layout.shard_axes
+        return self.mesh[axes] if len(axes) > 1 else self.mesh[axes[0]]
+
+    def expert_step_mesh(self):
+        """The ranks that reduce the experts' gradients every step (Layout.expert_step_axis)."""
+        return self.expert_mesh()[self.layout.expert_step_axis]
 
     def expert_mesh(self):
         """Expert parallelism's mesh for this layout's ep (Layout.build_expert_mesh), built once."""
@@ -217,9 +230,9 @@ def prepare_worker(cfg: JobConfig, layout: Layout | None = None) -> tuple[JobCon
 
 
 def _start_progress(rank: int):
-    """Publish this rank's progress for the timeout messages (see scaletrain.launch.watchdog); a
+    """Publish this rank's progress for the timeout messages (see scaletrain.watchdog); a
     process that joins again (the test suite's groups host many runs) replaces its old record."""
-    from scaletrain.launch.watchdog import Progress, running_progress
+    from scaletrain.watchdog import Progress, running_progress
 
     try:
         store = dist.distributed_c10d._get_default_store()
@@ -247,7 +260,7 @@ def _attempt_store(rank: int, world: int, timeout: timedelta) -> dict:
 
 
 def shutdown() -> None:
-    from scaletrain.launch.watchdog import running_progress
+    from scaletrain.watchdog import running_progress
 
     if (progress := running_progress()) is not None:
         progress.stop()

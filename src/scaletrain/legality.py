@@ -1,0 +1,226 @@
+"""Whether a job can run: the one legality check, asked alike by the job's settling
+(scaletrain.launch.job), by `parallelize()` for a Trainer built directly, and by the planner's
+search (scaletrain.plan.search), so the planner never ranks a layout that `train` refuses.
+
+    job_errors(layout, model, techniques, seq_len=...)  ->  every problem, one sentence each
+
+It asks `Layout.errors` for the rules of the layout and the model (sizes that divide, pipeline
+schedules, context-parallel chunks, local SGD's fragments, expert parallelism's ranks), then adds
+those of the techniques a job runs on top of a layout (`Techniques`): quantization-aware training,
+fp8 linears, adapters and their quantized bases, a mixture of experts' capacity, a module scaletrain
+did not build, and optimizer offload on a CPU. Each refusal says what, why and how to fix it.
+
+What is not a combination of settings is checked where it is met: a config key's own range (config
+validation), the machine (a C++ compiler, an fp8-capable GPU, torchft installed), and the model's
+actual tensors (a quantized base whose rows do not split, weights that do not fit).
+
+This module imports no torch: the planner asks it about thousands of layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scaletrain.errors import ConfigError
+from scaletrain.layout import Layout
+
+
+@dataclass(frozen=True)
+class Techniques:
+    """What a job runs besides its layout that changes which layouts are legal (and what they
+    hold in memory: the planner plans the same ones)."""
+
+    qat: str = "none"  # train.qat: fake-quantized linears
+    fp8: bool = False  # precision.mode=fp8: float8 linears
+    adapter: str = "none"  # adapter.kind: the base frozen, adapters trained
+    base_dtype: str = "auto"  # adapter.base_dtype: the frozen base stored quantized (QLoRA)
+    document_mask: bool = False  # data.document_mask: every rank must see a window's token ids
+    custom_module: bool = False  # an nn.Module scaletrain did not build (Trainer(model=...))
+    device_type: str | None = None  # where the job runs, when known ("cpu", "cuda")
+
+    @classmethod
+    def of(cls, cfg, *, custom_module: bool = False, device_type: str | None = None) -> Techniques:
+        """The techniques of a JobConfig."""
+        return cls(qat=cfg.train.qat, fp8=cfg.precision.mode == "fp8", adapter=cfg.adapter.kind,
+                   base_dtype=cfg.adapter.base_dtype, document_mask=cfg.data.document_mask,
+                   custom_module=custom_module, device_type=device_type)
+
+    @property
+    def quantized_base(self) -> str | None:
+        """The dtype adapted linears' bases are stored in (None: as the precision keeps weights)."""
+        return self.base_dtype if self.adapter != "none" and self.base_dtype != "auto" else None
+
+
+def job_errors(layout: Layout, model=None, tech: Techniques = Techniques(), *, seq_len: int | None = None,
+               engine: str = "scaletrain") -> list[str]:
+    """Everything that stops `model` (a ModelConfig, or None: the layout alone) from training in
+    `layout` with `tech` on sequences of `seq_len` tokens, one sentence each; [] when it can."""
+    if tech.custom_module:  # what needs scaletrain's model first, then the layout's own rules
+        e = _custom_module_errors(layout, model, tech) + layout.errors(None, engine=engine, seq_len=seq_len)
+    else:
+        e = layout.errors(model, engine=engine, seq_len=seq_len) + _qat_errors(layout, tech) + \
+            _fp8_errors(layout, tech) + _moe_errors(layout, model) + _document_mask_errors(layout, tech) + \
+            _fault_tolerance_errors(layout, model)
+    e += _adapter_errors(layout, tech)
+    if layout.offload_optimizer and tech.device_type not in (None, "cuda"):
+        e.append("memory.offload_optimizer moves model states from GPU memory to pinned host memory; this run is "
+                 f"on the {tech.device_type.upper()} already, so drop the option")
+    return e
+
+
+def check_job(layout: Layout, model=None, tech: Techniques = Techniques(), *, seq_len: int | None = None) -> None:
+    """Raise one ConfigError listing every problem of `job_errors`."""
+    if problems := job_errors(layout, model, tech, seq_len=seq_len):
+        raise ConfigError(*problems)
+
+
+def check_config(cfg, layout: Layout, *, custom_module: bool = False, device_type: str | None = None) -> None:
+    """`check_job` for a JobConfig run in `layout`."""
+    tech = Techniques.of(cfg, custom_module=custom_module, device_type=device_type)
+    check_job(layout, cfg.model, tech, seq_len=cfg.data.seq_len)
+
+
+# ---- the techniques' rules -------------------------------------------------------------------
+
+
+def _qat_errors(lay: Layout, tech: Techniques) -> list[str]:
+    """train.qat composes with data parallelism (DDP, ZeRO 0-3), every precision, accumulation,
+    activation checkpointing and compile; tensor and pipeline parallelism are refused."""
+    if tech.qat == "none":
+        return []
+    e = []
+    if lay.tp > 1:
+        e.append(f"train.qat={tech.qat} with parallel.tp={lay.tp}: torchao's fake-quantized linear quantizes whole "
+                 "weight rows and token rows, which tensor parallelism splits across ranks (per-row scales would "
+                 "differ from the quantized model's); set parallel.tp=1")
+    if lay.pp > 1:
+        e.append(f"train.qat={tech.qat} with parallel.pp={lay.pp}: not supported yet (the pipeline stages are "
+                 "untested with fake-quantized linears); set parallel.pp=1")
+    return e
+
+
+def _fp8_errors(lay: Layout, tech: Techniques) -> list[str]:
+    """fp8 composes with data parallelism (DDP and ZeRO-3 checked against one process; ZeRO-1/2
+    and HSDP wrap the converted model like any other), accumulation, activation checkpointing,
+    compile and checkpoints; the model-parallel axes are refused."""
+    if not tech.fp8:
+        return []
+    return [f"precision.mode=fp8 with parallel.{axis}={size}: not supported yet ({why}); set parallel.{axis}=1 or "
+            "train with precision.mode=bf16-mixed"
+            for axis, size, why in (("tp", lay.tp, "its column/row plans would need torchao's Float8ColwiseParallel "
+                                     "and Float8RowwiseParallel, which scaletrain does not apply yet"),
+                                    ("pp", lay.pp, "the pipeline stages are untested with float8 linears"),
+                                    ("cp", lay.cp, "context parallelism is untested with float8 linears"))
+            if size > 1]
+
+
+def _adapter_errors(lay: Layout, tech: Techniques) -> list[str]:
+    """Adapters compose with every layout but expert parallelism (tensor parallelism splits them
+    like their base; pipeline stages adapt their own linears; context and data parallelism see
+    plain parameters). A quantized base (QLoRA) composes with one process, DDP, ZeRO-1/2, ZeRO-3
+    (nf4: FSDP2 shards and all-gathers NF4 tensors) and pipeline stages, not with tensor
+    parallelism: a row-parallel split cuts through the rows that int8's scale and NF4's
+    double-quantized scale groups span, so a shard quantized alone would differ from the whole's."""
+    kind, e = tech.adapter, []
+    if kind == "none":
+        return e
+    if lay.ep > 1:
+        e.append(f"adapter.kind={kind} with parallel.ep={lay.ep}: not supported yet (the adapters are not in the ep "
+                 "plan); set parallel.ep=1")
+    if (base := tech.quantized_base) is not None:
+        if lay.tp > 1:
+            e.append(f"adapter.base_dtype={base} with parallel.tp={lay.tp}: not supported (tensor parallelism would "
+                     "split the quantized base weights, whose scales span whole rows); set parallel.tp=1 (ZeRO-3 or "
+                     "pp shard the model instead), or adapter.base_dtype=auto")
+        if lay.dp_engine == "fsdp" and base != "nf4":
+            e.append(f"adapter.base_dtype={base} with parallel.zero=3: FSDP2 shards a quantized base as NF4 only; "
+                     "use adapter.base_dtype=nf4, or parallel.zero=2")
+    if tech.qat != "none" or tech.fp8:
+        what = f"train.qat={tech.qat}" if tech.qat != "none" else "precision.mode=fp8"
+        e.append(f"adapter.kind={kind} with {what}: adapters go on plain linears, and {what} converts them; drop "
+                 "one of them")
+    return e
+
+
+def _moe_errors(lay: Layout, model) -> list[str]:
+    """A mixture of experts with a capacity keeps each expert's first tokens of the micro-batch;
+    under context or sequence parallelism a rank holds part of each sequence, so it would keep
+    other tokens than one process does."""
+    capacity = getattr(model, "moe_capacity_factor", 0) if getattr(model, "moe_experts", 0) else 0
+    if not capacity:
+        return []
+    return [f"model.moe_capacity_factor={capacity} with parallel.{axis}: each rank would keep its experts' first "
+            f"tokens among its own part of every sequence, not among the micro-batch's (one process drops other "
+            f"tokens); set model.moe_capacity_factor=0 (dropless), or parallel.{axis} off"
+            for axis, on in (("cp", lay.cp > 1), ("sp", lay.tp > 1 and lay.sp)) if on]
+
+
+def _document_mask_errors(lay: Layout, tech: Techniques) -> list[str]:
+    """data.document_mask finds a window's documents from its token ids: every rank must see them
+    (and replica groups' averages do not weigh their counted tokens)."""
+    if not tech.document_mask:
+        return []
+    e = ["data.document_mask with parallel.fault_tolerance is not supported: the replica groups' average does "
+         "not weigh their counted tokens; set data.document_mask=false"] if lay.fault_tolerance else []
+    for axis, size, why in (("pp", lay.pp, "later pipeline stages get hidden states, not the token ids the "
+                                           "documents are found from"),
+                            ("cp", lay.cp, "each rank holds chunks of a window, not the token ids before them")):
+        if size > 1:
+            e.append(f"data.document_mask with parallel.{axis}={size} is not supported: {why}; set "
+                     f"parallel.{axis}=1 or data.document_mask=false")
+    return e
+
+
+def _fault_tolerance_errors(lay: Layout, model) -> list[str]:
+    """Every replica group has the same layout and rank i of each group pairs with rank i of the others
+    (its all-reduce, and what it sends a healing peer), so each rank's local tensors (its ZeRO-3 or
+    tensor-parallel shard, its pipeline stages, its experts) line up with the same ones in the other
+    groups: with dp_sync=step any layout inside a group is protected (tests/test_ft_layouts.py). With
+    local SGD / DiLoCo the groups are the workers, one level of them."""
+    if not lay.fault_tolerance or lay.dp_sync == "step":
+        return []
+    e = []
+    if model is not None and getattr(model, "moe_experts", 0) and model.moe_bias_rate:
+        e.append(f"parallel.fault_tolerance with parallel.dp_sync={lay.dp_sync} and model.moe_bias_rate="
+                 f"{model.moe_bias_rate:g}: each group, a worker, would move its experts' routing biases by its own "
+                 "tokens' load between syncs, and the workers' models would drift apart; set model.moe_bias_rate=0 "
+                 "(balance with model.moe_aux_loss instead), or use dp_sync=step")
+    if lay.dp_replicate != 1:
+        e.append(f"parallel.fault_tolerance with parallel.dp_sync={lay.dp_sync} does not protect "
+                 f"parallel.dp_replicate={lay.dp_replicate}: the replica groups are the workers, and workers inside "
+                 "them would be a second level; leave dp_replicate at 1 (ZeRO, tp, pp, cp and ep work inside a "
+                 "group), or use dp_sync=step")
+    return e
+
+
+def _custom_module_errors(lay: Layout, model, tech: Techniques) -> list[str]:
+    """A model scaletrain did not build trains with data parallelism (DDP, ZeRO-1/2/3, HSDP), every
+    precision, activation checkpointing and compile; what needs to know the model is refused."""
+    e = []
+    if lay.ep > 1:
+        e.append(f"parallel.ep={lay.ep}: expert parallelism splits the experts of scaletrain's own mixture-of-experts "
+                 "layers; a custom nn.Module's are its own: set parallel.ep=1")
+    if lay.cp > 1:
+        e.append(f"parallel.cp={lay.cp}: context parallelism splits the attention of models scaletrain builds (its "
+                 "own transformer, or one taken with model.from_hf); a custom nn.Module's attention is its own: set "
+                 "parallel.cp=1")
+    if lay.tp > 1 or lay.pp > 1:
+        e.append(f"parallel.tp={lay.tp}, parallel.pp={lay.pp}: tensor and pipeline parallelism split models "
+                 "scaletrain knows (its own transformer, or one taken with model.from_hf and model.init_from); a "
+                 "custom nn.Module trains with data parallelism (DDP, ZeRO 0-3), any precision, activation "
+                 "checkpointing and compile: set parallel.tp=1 and parallel.pp=1")
+    if tech.qat != "none":
+        e.append(f"train.qat={tech.qat} fake-quantizes scaletrain's own transformer (its layer rule knows which "
+                 "linears convert); for a custom nn.Module apply torchao's QATConfig to it before handing it to the "
+                 "Trainer, and set train.qat=none")
+    if tech.fp8:
+        e.append("precision.mode=fp8 converts scaletrain's own transformer (its layer rule knows which linears "
+                 "convert); for a custom nn.Module apply torchao's convert_to_float8_training to it before handing "
+                 "it to the Trainer, and set precision.mode=bf16-mixed")
+    if model is not None and getattr(model, "moe_experts", 0):
+        e.append(f"model.moe_experts={model.moe_experts} builds mixture-of-experts blocks into scaletrain's own "
+                 "transformer; a custom nn.Module's are its own: set model.moe_experts=0")
+    if model is not None and getattr(model, "init_from", ""):
+        e.append("model.init_from loads weights into scaletrain's own model; a custom nn.Module brings its own "
+                 "weights: load them into the module before handing it to the Trainer")
+    return e
