@@ -43,7 +43,7 @@ from scaletrain.errors import CheckpointError, ConfigError
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.families import Family, family_of_model, layout_of, naming
 from scaletrain.model.hf_config import CONFIG_FILE, model_config_from_hf
-from scaletrain.model.hf_fused import FamilyView, Lazy, fuse
+from scaletrain.model.hf_fused import FamilyView, Lazy
 from scaletrain.model.hf_fused import read_part as _read
 from scaletrain.model.hf_fused import shape_of as _shape_of
 
@@ -180,25 +180,11 @@ def hf_state_dict(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
             t = rows_ours_to_hf(t, heads, cfg.rotary_dim)
         m = _NAME.match(name)
         if gpt2 and m and m.group(2) in ("attn.wq", "attn.wk", "attn.wv"):
-            continue  # fused below
+            continue  # fused by the family (c_attn)
         if gpt2 and m and m.group(3) == "weight" and "norm" not in m.group(2):
             t = t.t()  # Conv1D keeps (in, out)
         out[_hf_name(name, family, style)] = t.contiguous()
-    if gpt2:
-        for i in range(cfg.n_layers):
-            p = f"layers.{i}."
-            out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat(
-                [weights[p + f"attn.{w}.weight"].detach() for w in ("wq", "wk", "wv")], 0).t().contiguous()
-            zeros = torch.zeros(cfg.dim, dtype=weights[p + "attn.wq.weight"].dtype)
-            out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat(
-                [weights.get(p + f"attn.{w}.bias", zeros).detach() for w in ("wq", "wk", "wv")]).contiguous()
-            for ours, width in (("attn_norm", cfg.dim), ("attn.wo", cfg.dim), ("mlp_norm", cfg.dim),
-                                ("mlp.w1", cfg.hidden_dim), ("mlp.w2", cfg.dim)):
-                out.setdefault(_hf_name(p + ours + ".bias", family), torch.zeros(width, dtype=zeros.dtype))
-        out.setdefault("transformer.ln_f.bias", torch.zeros(cfg.dim, dtype=out["transformer.ln_f.weight"].dtype))
-    if family.fused:
-        out = fuse(out, cfg, family)
-    return out
+    return family.saved(out, weights, cfg)  # its fused tensors put together
 
 
 def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: str = "the weights",

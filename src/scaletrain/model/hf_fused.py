@@ -2,7 +2,7 @@
 Phi-3's `qkv_proj` and `gate_up_proj`), seen through Llama's names: where each part lives is the
 family's `fused_key` (scaletrain.model.families). Import reads each part from its rows of the
 fused tensor (`FamilyView`, only those rows where a rank reads a slice); export puts the parts
-back (`fuse`). scaletrain.model.hf does the rest.
+back (the family's `saved`). scaletrain.model.hf does the rest.
 """
 
 from __future__ import annotations
@@ -79,28 +79,6 @@ class FamilyView(Lazy):
 
     def __len__(self) -> int:
         return len(self.parts)
-
-
-def fuse(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, family: Family) -> dict[str, torch.Tensor]:
-    """Llama-named tensors as `family` saves them: the parts of a fused tensor put back in its rows."""
-    out: dict[str, torch.Tensor] = {}
-    fused: dict[str, list[tuple[list[tuple[int, int]], torch.Tensor]]] = {}
-    for key, t in tensors.items():
-        name, ranges = family.fused_key(key, cfg)
-        if ranges is None:
-            out[name] = t
-        else:
-            fused.setdefault(name, []).append((ranges, t))
-    for name, parts in fused.items():
-        rows = max(b for ranges, _ in parts for _, b in ranges)
-        whole = parts[0][1].new_empty(rows, *parts[0][1].shape[1:])
-        for ranges, t in parts:
-            at = 0
-            for a, b in ranges:
-                whole[a:b] = t[at:at + b - a]
-                at += b - a
-        out[name] = whole
-    return out
 
 
 def read_part(tensors: Mapping[str, torch.Tensor], key: str, index: tuple) -> torch.Tensor:

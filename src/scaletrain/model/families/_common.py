@@ -6,7 +6,7 @@ and o projections, norms before the sub-blocks. A family file overrides what dif
 A family answers four questions, both ways: which config.json keys it knows (and their defaults
 when left out), which ModelConfig fields they make (`fields`), the config.json of a ModelConfig
 (`to_hf`), and how its checkpoints name and lay out the tensors (`block`, `top`, `conv1d`,
-`expert_style`, `fused_key`).
+`expert_style`, `fused_key`, `saved`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,13 @@ import dataclasses
 import json
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from scaletrain.errors import ConfigError
 from scaletrain.model.config import ModelConfig
+
+if TYPE_CHECKING:  # reading a config.json does not load torch
+    import torch
 
 CONFIG_FILE = "config.json"
 
@@ -91,6 +94,12 @@ class Family:
     def hf_base(self, cfg: ModelConfig) -> dict[str, Any]:
         return {"architectures": [self.architecture], "model_type": self.model_type, "vocab_size": cfg.vocab_size,
                 "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32"}
+
+    def saved(self, tensors: dict[str, torch.Tensor], weights: Mapping[str, torch.Tensor],
+              cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        """Its checkpoint's tensors, from `tensors` (ours under its names, each in its layout, but
+        what it fuses still apart) and our `weights`: the fused tensors put together."""
+        return fuse(tensors, cfg, self) if self.fused else tensors
 
     def recognises(self, keys) -> bool:
         """Whether a checkpoint with these tensor names is laid out as this family's own (and not
@@ -179,6 +188,28 @@ class RotaryFamily(Family):
 
     def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:
         """The family's own config.json keys, added to (or changed in) the Llama-like `out`."""
+
+
+def fuse(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, family: Family) -> dict[str, torch.Tensor]:
+    """Llama-named tensors as `family` saves them: the parts of a fused tensor put back in its rows."""
+    out: dict[str, torch.Tensor] = {}
+    fused: dict[str, list[tuple[list[tuple[int, int]], torch.Tensor]]] = {}
+    for key, t in tensors.items():
+        name, ranges = family.fused_key(key, cfg)
+        if ranges is None:
+            out[name] = t
+        else:
+            fused.setdefault(name, []).append((ranges, t))
+    for name, parts in fused.items():
+        rows = max(b for ranges, _ in parts for _, b in ranges)
+        whole = parts[0][1].new_empty(rows, *parts[0][1].shape[1:])
+        for ranges, t in parts:
+            at = 0
+            for a, b in ranges:
+                whole[a:b] = t[at:at + b - a]
+                at += b - a
+        out[name] = whole
+    return out
 
 
 def every_layer_window(get: Reader) -> int:

@@ -4,10 +4,14 @@ Conv1D's (in, out), ours (out, in)); scaletrain.model.hf splits and turns them."
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.families._common import GELU_TANH, Family, Reader, Refuse, complete
+
+if TYPE_CHECKING:  # reading a config.json does not load torch
+    import torch
 
 
 class GPT2(Family):
@@ -33,6 +37,26 @@ class GPT2(Family):
 
     def recognises(self, keys) -> bool:
         return any(k.split(".")[-2] in ("wte", "c_attn") for k in keys)
+
+    def saved(self, tensors: dict[str, torch.Tensor], weights: Mapping[str, torch.Tensor],
+              cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        """q, k and v fused into each block's c_attn, transposed as Conv1D keeps it, and zero biases
+        where ours has none (the same function)."""
+        import torch
+
+        out = dict(tensors)
+        for i in range(cfg.n_layers):
+            p = f"layers.{i}."
+            out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat(
+                [weights[p + f"attn.{w}.weight"].detach() for w in ("wq", "wk", "wv")], 0).t().contiguous()
+            zeros = torch.zeros(cfg.dim, dtype=weights[p + "attn.wq.weight"].dtype)
+            out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat(
+                [weights.get(p + f"attn.{w}.bias", zeros).detach() for w in ("wq", "wk", "wv")]).contiguous()
+            for ours, width in (("attn_norm", cfg.dim), ("attn.wo", cfg.dim), ("mlp_norm", cfg.dim),
+                                ("mlp.w1", cfg.hidden_dim), ("mlp.w2", cfg.dim)):
+                out.setdefault(f"{self.layers}.{i}.{self.block[ours]}.bias", torch.zeros(width, dtype=zeros.dtype))
+        out.setdefault("transformer.ln_f.bias", torch.zeros(cfg.dim, dtype=out["transformer.ln_f.weight"].dtype))
+        return out
 
     def fields(self, get: Reader, refuse: Refuse, strict: bool) -> dict[str, Any]:
         vocab, dim = get.int("vocab_size"), get.int("n_embd")
