@@ -234,7 +234,7 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
                                      cfg.expert_hidden if matrix != "w2" and style == "fused" else 0, dtype)
             continue
         if gpt2 and block in ("attn.wq", "attn.wk", "attn.wv"):
-            key = take(f"transformer.h.{m.group(1)}.attn.c_attn.{leaf}", name)
+            key = take(f"{names.layers}.{m.group(1)}.{names.fused_qkv}.{leaf}", name)
             recipes[name] = (key, ("attn.wq", "attn.wk", "attn.wv").index(block), leaf == "weight")
         elif name == "output.weight" and _hf_name(name, names) not in left:
             recipes[name] = (take(_hf_name("tok_emb.weight", names), name), None, False)  # the source ties its head

@@ -73,7 +73,8 @@ class Family:
     known: ClassVar[frozenset[str]]  # config.json keys its modeling code reads, beyond HARMLESS
     defaults: ClassVar[dict[str, Any]]  # what a key left out means: transformers' config class defaults
     # weights
-    conv1d: ClassVar[bool] = False  # GPT-2's layout: q, k, v fused in c_attn, linear weights stored (in, out)
+    conv1d: ClassVar[bool] = False  # GPT-2's layout: q, k, v fused in one module, linear weights stored (in, out)
+    fused_qkv: ClassVar[str] = ""  # ...that module, in each block (a Conv1D family only)
     prefix: ClassVar[str] = "model."  # what the base model's tensor names start with
     layers: ClassVar[str] = "model.layers"  # ...and those of block i, `{layers}.{i}.`
     block: ClassVar[Mapping[str, str]] = LLAMA_BLOCK  # ours -> theirs inside block i

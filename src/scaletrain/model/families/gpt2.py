@@ -25,6 +25,7 @@ class GPT2(Family):
     defaults = dict(n_positions=1024, n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5,
                     tie_word_embeddings=True, scale_attn_weights=True)
     conv1d = True
+    fused_qkv = "attn.c_attn"
     prefix = "transformer."
     layers = "transformer.h"
     # ours -> GPT-2's, inside block i (q, k and v are fused into attn.c_attn) and outside the blocks
@@ -47,10 +48,10 @@ class GPT2(Family):
         out = dict(tensors)
         for i in range(cfg.n_layers):
             p = f"layers.{i}."
-            out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat(
+            out[f"{self.layers}.{i}.{self.fused_qkv}.weight"] = torch.cat(
                 [weights[p + f"attn.{w}.weight"].detach() for w in ("wq", "wk", "wv")], 0).t().contiguous()
             zeros = torch.zeros(cfg.dim, dtype=weights[p + "attn.wq.weight"].dtype)
-            out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat(
+            out[f"{self.layers}.{i}.{self.fused_qkv}.bias"] = torch.cat(
                 [weights.get(p + f"attn.{w}.bias", zeros).detach() for w in ("wq", "wk", "wv")]).contiguous()
             for ours, width in (("attn_norm", cfg.dim), ("attn.wo", cfg.dim), ("mlp_norm", cfg.dim),
                                 ("mlp.w1", cfg.hidden_dim), ("mlp.w2", cfg.dim)):
