@@ -3,7 +3,8 @@ config.json's `model_type`. A family file holds what differs in that family: its
 their defaults, its reader (config.json -> ModelConfig fields), its writer (ModelConfig ->
 config.json), its weight names and its fused tensors; `_common` holds what the Llama-likes share,
 `_moe` what the mixtures of experts share, `_choose` which family computes a given model. Adding a
-family is a file and a line in FAMILIES.
+family that scaletrain reads and writes is a file and a line in FAMILIES; for the export to pick it
+for a model no other family computes, `_choose` says where it stands among them.
 
 scaletrain.model.hf_config and scaletrain.model.hf are the callers: they ask the family and never
 name one."""
