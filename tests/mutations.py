@@ -398,13 +398,13 @@ MUTANTS = [
            "out = model_state_memory(counts, wl, layout, sh=sh)",
            (f"{QL}::test_the_planner_fits_a_70b_qlora_on_one_80gb_gpu_but_not_lora_or_full_fine_tuning",
             "tests/test_planner_accuracy.py::test_adapter_prediction_matches_measurement[qlora nf4]")),
-    # the Hugging Face families of model/hf.py beyond GPT-2 and the Llama-likes (tests/test_hf_families.py)
+    # the Hugging Face families of model/families/ beyond GPT-2 and the Llama-likes (tests/test_hf_families.py)
     Mutant("olmo2-post-norms-swapped",
            "OLMo 2's post-attention and post-feedforward norms loaded into each other's place",
-           "src/scaletrain/model/hf.py",
-           '{**_LLAMA_BLOCK, "attn_post_norm": "post_attention_layernorm",\n                "mlp_post_norm": '
+           "src/scaletrain/model/families/olmo2.py",
+           '{**LLAMA_BLOCK, "attn_post_norm": "post_attention_layernorm",\n             "mlp_post_norm": '
            '"post_feedforward_layernorm"}',
-           '{**_LLAMA_BLOCK, "attn_post_norm": "post_feedforward_layernorm",\n                "mlp_post_norm": '
+           '{**LLAMA_BLOCK, "attn_post_norm": "post_feedforward_layernorm",\n             "mlp_post_norm": '
            '"post_attention_layernorm"}',
            (f"{HF}::test_import_export_and_generation_match_transformers[olmo2]",)),
     Mutant("post-norm-on-the-residual", "the norm after the MLP normalises the residual stream, not the MLP's output",
@@ -420,7 +420,7 @@ MUTANTS = [
            (f"{HF}::test_import_export_and_generation_match_transformers[neox-parallel]",
             f"{HF}::test_import_export_and_generation_match_transformers[phi4-partial]")),
     Mutant("neox-qkv-split-not-per-head", "GPT-NeoX's fused q/k/v split as [q; k; v] instead of per head",
-           "src/scaletrain/model/hf_fused.py",
+           "src/scaletrain/model/families/gpt_neox.py",
            "[(h * 3 * d + j * d, h * 3 * d + (j + 1) * d) for h in range(cfg.n_heads)]",
            "[(j * cfg.dim + h * d, j * cfg.dim + (h + 1) * d) for h in range(cfg.n_heads)]",
            (f"{HF}::test_import_export_and_generation_match_transformers[neox-parallel]",
@@ -431,7 +431,7 @@ MUTANTS = [
            "self.drop(self.ffn(self.mlp_norm(x)))", "self.drop(self.ffn(self.mlp_norm(x + a)))",
            (f"{HF}::test_import_export_and_generation_match_transformers[neox-parallel]",)),
     Mutant("phi3-gate-up-swapped", "Phi-3's fused gate_up_proj split with the up rows taken as the gate",
-           "src/scaletrain/model/hf_fused.py",
+           "src/scaletrain/model/families/phi3.py",
            '"mlp.gate_proj": ("mlp.gate_up_proj", (0, f)), "mlp.up_proj": ("mlp.gate_up_proj", (f, 2 * f))',
            '"mlp.gate_proj": ("mlp.gate_up_proj", (f, 2 * f)), "mlp.up_proj": ("mlp.gate_up_proj", (0, f))',
            (f"{HF}::test_import_export_and_generation_match_transformers[phi3]",)),

@@ -143,6 +143,7 @@ def test_the_cycle_check_finds_a_loop_through_a_local_import(tmp_path):
     ("parallel", ("scaletrain.plan", "scaletrain.train", "scaletrain.cli", "scaletrain.launch.launcher",
                   "scaletrain.launch.worker", "scaletrain.launch.job")),
     ("model", ("scaletrain.config", "scaletrain.parallel", "scaletrain.train", "scaletrain.plan")),
+    ("model/families", ("scaletrain.config", "scaletrain.parallel", "scaletrain.train", "scaletrain.plan")),
 ])
 def test_folder_boundaries(folder, forbidden):
     files = sorted((PACKAGE / folder).glob("*.py"))
@@ -474,3 +475,93 @@ def test_the_refusal_check_sees_one_planted_elsewhere(tmp_path):
     f.write_text('def check(lay):\n    if lay.tp > 1:\n        raise ValueError(f"train.qat=int8 with parallel.tp='
                  '{lay.tp}: no")\n')
     assert combination_refusals([f]) == ["checks.py:3 train.qat=int8 with parallel.tp"]
+
+
+# ------------------------------------------------------------------------------------------
+# One file per model family (issue 46): what differs per Hugging Face family lives in its file
+# under model/families/ and one line of its registry; no family name in a condition elsewhere
+
+FAMILY_DIR = PACKAGE / "model" / "families"
+
+
+def family_conditions(files, names: set[str], root: Path = PACKAGE) -> list[str]:
+    """`file:line name` for each string constant naming a family inside a condition: the test of an
+    if, a while or a conditional expression, a comprehension's if, a match case, and any boolean
+    operation or comparison (`family == "llama"`, `kind in ("qwen2", "qwen3")`)."""
+    found = []
+    for f in files:
+        tests = []
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.If, ast.IfExp, ast.While)):
+                tests.append(node.test)
+            elif isinstance(node, ast.comprehension):
+                tests.extend(node.ifs)
+            elif isinstance(node, (ast.BoolOp, ast.Compare, ast.MatchValue)):
+                tests.append(node)
+        hits = {(c.lineno, c.value) for t in tests for c in ast.walk(t)
+                if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value in names}
+        found += [f"{f.relative_to(root)}:{line} {name}" for line, name in sorted(hits)]
+    return found
+
+
+def test_no_family_name_in_a_condition_outside_model_families():
+    from scaletrain.model.families import FAMILIES
+
+    files = [f for f in sorted(PACKAGE.rglob("*.py")) if FAMILY_DIR not in f.parents]
+    assert len(files) > 100 and family_conditions(files, set(FAMILIES)) == []
+
+
+def test_the_family_check_sees_a_planted_family_condition(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def g(family, kinds, cfg):\n"
+                 "    if family == 'gemma2':\n"
+                 "        return 1\n"
+                 "    x = 2 if cfg.model_type in ('llama', 'qwen2') else 3\n"
+                 "    ys = [k for k in kinds if k != 'olmoe']\n"
+                 "    ok = cfg.bias and family == 'mixtral'\n"
+                 "    match family:\n"
+                 "        case 'phi3':\n"
+                 "            pass\n"
+                 "    name = {'gpt2': 1}[family]  # a lookup, not a condition\n"
+                 "    return x, ys, ok, 'llama' + name\n")
+    names = {"gemma2", "llama", "qwen2", "olmoe", "mixtral", "phi3", "gpt2"}
+    assert family_conditions([f], names, tmp_path) == [
+        "m.py:2 gemma2", "m.py:4 llama", "m.py:4 qwen2", "m.py:5 olmoe", "m.py:6 mixtral", "m.py:8 phi3"]
+
+
+def test_the_registry_covers_every_family_the_reader_accepts():
+    """The reader's list of model_types is the registry's; each registered family reads a config.json
+    of its own keys, and a model_type outside the registry is refused with the registry's list."""
+    from scaletrain.errors import ConfigError
+    from scaletrain.model.families import FAMILIES
+    from scaletrain.model.hf_config import FAMILIES as READ
+    from scaletrain.model.hf_config import model_config_from_hf
+
+    assert READ == tuple(FAMILIES) and len(FAMILIES) == 13
+    shape = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                 head_dim=8, n_embd=32, n_layer=2, n_head=4)
+    for name, family in FAMILIES.items():
+        fields = model_config_from_hf({"model_type": name, **{k: v for k, v in shape.items() if k in family.known}})
+        assert fields["vocab_size"] == 64 and fields["n_layers"] == 2, name
+    with pytest.raises(ConfigError, match=f"model_type='falcon' is not one scaletrain imports; supported: "
+                                          f"{', '.join(FAMILIES)}"):
+        model_config_from_hf({"model_type": "falcon", **shape})
+
+
+def test_a_family_is_one_file_and_one_registry_line():
+    """Each registered model_type is a module of its own name under model/families/ (its FAMILY),
+    named on one line of the registry and imported by no module outside model/families/; every
+    public module there is a registered family (the shared helpers are private: _common, _moe, ...)."""
+    from scaletrain.model.families import FAMILIES
+
+    for name, family in FAMILIES.items():
+        assert family.model_type == name and type(family).__module__ == f"scaletrain.model.families.{name}"
+        assert (FAMILY_DIR / f"{name}.py").is_file()
+    assert {f.stem for f in FAMILY_DIR.glob("*.py") if not f.stem.startswith("_")} == set(FAMILIES)
+    registry = (FAMILY_DIR / "__init__.py").read_text()
+    table = registry[registry.index("FAMILIES = "):]
+    table = table[:table.index("})") + 2]
+    assert all(table.count(f"{name}.FAMILY") == 1 for name in FAMILIES)
+    outside = [f for f in PACKAGE.rglob("*.py") if FAMILY_DIR not in f.parents]
+    reached = {m for f in outside for m in imported_modules(f)}
+    assert not {f"scaletrain.model.families.{name}" for name in FAMILIES} & reached

@@ -1,6 +1,8 @@
 """Hugging Face in and out: the weights of GPT-2, Llama, Mistral, Qwen2, Qwen3, OLMo 2, GPT-NeoX,
 Phi-3, Gemma 2 and 3 and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE (their configs:
-scaletrain.model.hf_config; GPT-NeoX's and Phi-3's fused tensors: scaletrain.model.hf_fused).
+scaletrain.model.hf_config; GPT-NeoX's and Phi-3's fused tensors: scaletrain.model.hf_fused). What
+differs per family (its tensor names, its fused tensors) is in its file under
+scaletrain.model.families; this module does the converting that is alike for all of them.
 
 Three things differ between a Hugging Face checkpoint and ours; each is converted here, both ways:
 
@@ -41,8 +43,9 @@ import torch
 
 from scaletrain.errors import CheckpointError, ConfigError
 from scaletrain.model.config import ModelConfig
-from scaletrain.model.hf_config import CONFIG_FILE, hf_family, model_config_from_hf
-from scaletrain.model.hf_fused import FamilyView, Lazy, fuse, fused_family
+from scaletrain.model.families import Family, family_of_model, layout_of, naming
+from scaletrain.model.hf_config import CONFIG_FILE, model_config_from_hf
+from scaletrain.model.hf_fused import FamilyView, Lazy
 from scaletrain.model.hf_fused import read_part as _read
 from scaletrain.model.hf_fused import shape_of as _shape_of
 
@@ -53,20 +56,12 @@ INDEX_FILE = "model.safetensors.index.json"
 # --------------------------------------------------------------------------------------------
 # Tensor names and layouts
 
-# ours -> Hugging Face, inside block i (GPT-2's q, k, v are fused into attn.c_attn)
-_LLAMA_BLOCK = {"attn_norm": "input_layernorm", "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
-                "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj", "attn.q_norm": "self_attn.q_norm",
-                "attn.k_norm": "self_attn.k_norm", "mlp_norm": "post_attention_layernorm",
-                "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj", "mlp.w2": "mlp.down_proj"}
-_LLAMA_TOP = {"tok_emb": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
-_GPT2_BLOCK = {"attn_norm": "ln_1", "attn.wo": "attn.c_proj", "mlp_norm": "ln_2", "mlp.w1": "mlp.c_fc",
-               "mlp.w2": "mlp.c_proj"}
-_GPT2_TOP = {"tok_emb": "transformer.wte", "pos_emb": "transformer.wpe", "norm": "transformer.ln_f",
-             "output": "lm_head"}
+# (each family's names, ours -> theirs, are the `block` and `top` of its file in scaletrain.model.families)
 _NAME = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 _EXPERTS = re.compile(r"^layers\.(\d+)\.moe\.(w1|w2|w3)$")  # our stacked expert matrices
-# each expert's matrix in a file: ours -> Mixtral's, ours -> Qwen3-MoE's and OLMoE's
-_EXPERT_LEAF = {"mixtral": {"w1": "w1", "w2": "w2", "w3": "w3"},
+# each expert's matrix in a file, by the module that holds the experts: ours -> Mixtral's
+# (block_sparse_moe), ours -> Qwen3-MoE's and OLMoE's (mlp)
+_EXPERT_LEAF = {"block_sparse_moe": {"w1": "w1", "w2": "w2", "w3": "w3"},
                 "mlp": {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}}
 # buffers some checkpoints carry that are no weights: GPT-2's causal mask, old Llamas' frequencies
 _BUFFERS = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
@@ -111,24 +106,21 @@ def hf_linear(name: str, cfg: ModelConfig) -> tuple[str, int]:
     its output (0: none): what an adapter on it (PEFT's lora_B rows) must follow. A Llama-like
     family only (GPT-2 fuses q, k and v into one Conv1D): ConfigError otherwise, or for a linear
     the family has no module of."""
-    from scaletrain.model.hf_config import hf_family
-
-    family = hf_family(cfg)
-    if family == "gpt2":
-        raise ConfigError("GPT-2 keeps q, k and v in one fused, transposed c_attn, which separate adapters on them "
-                          "do not map onto")
+    family = family_of_model(cfg)
+    if family.adapter_refusal:
+        raise ConfigError(family.adapter_refusal)
     try:
-        hf = _hf_name(f"{name}.weight", False, "mixtral" if family == "mixtral" else "mlp")
+        hf = _hf_name(f"{name}.weight", naming(cfg), family.expert_style)
     except KeyError:
-        raise ConfigError(f"{name} has no {family} module of its own") from None
+        raise ConfigError(f"{name} has no {family.model_type} module of its own") from None
     return hf.removesuffix(".weight"), _rope_heads(f"{name}.weight", cfg)
 
 
 def _moe_style(keys) -> str:
-    """How a checkpoint names its experts: "mixtral" (block_sparse_moe.experts.E.w1), "mlp"
-    (mlp.experts.E.gate_proj) or "fused" (mlp.experts.gate_up_proj, transformers 5's modules)."""
+    """How a checkpoint names its experts: "block_sparse_moe" (Mixtral's block_sparse_moe.experts.E.w1),
+    "mlp" (mlp.experts.E.gate_proj) or "fused" (mlp.experts.gate_up_proj, transformers 5's modules)."""
     if any(".block_sparse_moe." in k for k in keys):
-        return "mixtral"
+        return "block_sparse_moe"
     return "fused" if any(k.endswith(".experts.gate_up_proj") for k in keys) else "mlp"
 
 
@@ -136,39 +128,25 @@ def _expert_keys(i: str, matrix: str, experts: int, style: str) -> list[str]:
     """The file's tensor names for our `layers.{i}.moe.{matrix}`: one per expert, or the fused one."""
     if style == "fused":
         return [f"model.layers.{i}.mlp.experts.{'down_proj' if matrix == 'w2' else 'gate_up_proj'}"]
-    block = "block_sparse_moe" if style == "mixtral" else "mlp"
-    return [f"model.layers.{i}.{block}.experts.{e}.{_EXPERT_LEAF[style][matrix]}.weight" for e in range(experts)]
+    return [f"model.layers.{i}.{style}.experts.{e}.{_EXPERT_LEAF[style][matrix]}.weight" for e in range(experts)]
 
 
-def _block_names(cfg: ModelConfig) -> dict[str, str]:
-    """Ours -> Hugging Face inside a block of a Llama-like family, by where its norms sit: OLMo 2's
-    post_attention_layernorm follows attention (ours: attn_post_norm), Llama's precedes the MLP."""
-    if cfg.norm_placement == "post":
-        return {**_LLAMA_BLOCK, "attn_post_norm": "post_attention_layernorm",
-                "mlp_post_norm": "post_feedforward_layernorm"}
-    if cfg.norm_placement == "both":  # Gemma 2 and 3
-        return {**_LLAMA_BLOCK, "attn_post_norm": "post_attention_layernorm", "mlp_norm": "pre_feedforward_layernorm",
-                "mlp_post_norm": "post_feedforward_layernorm"}
-    return _LLAMA_BLOCK
-
-
-def _hf_name(name: str, gpt2: bool, style: str = "mlp", blocks: Mapping[str, str] = _LLAMA_BLOCK) -> str:
-    if name.endswith(".moe.router.weight"):  # the family's gate
+def _hf_name(name: str, family: Family, style: str = "mlp") -> str:
+    """Our tensor `name` as `family` names it (`style`: how its experts are named, _moe_style)."""
+    if name.endswith(".moe.router.weight"):  # the family's gate, beside its experts
         i = name.split(".")[1]
-        return f"model.layers.{i}.{'block_sparse_moe' if style == 'mixtral' else 'mlp'}.gate.weight"
+        return f"model.layers.{i}.{'mlp' if style == 'fused' else style}.gate.weight"
     m = _NAME.match(name)
     if m is None:
         module, leaf = name.rsplit(".", 1)
-        return f"{(_GPT2_TOP if gpt2 else _LLAMA_TOP)[module]}.{leaf}"
+        return f"{family.top[module]}.{leaf}"
     i, module, leaf = m.groups()
-    if gpt2:
-        return f"transformer.h.{i}.{_GPT2_BLOCK[module]}.{leaf}"
-    return f"model.layers.{i}.{blocks[module]}.{leaf}"
+    return f"{family.layers}.{i}.{family.block[module]}.{leaf}"
 
 
 def _llama_keys(cfg: ModelConfig) -> list[str]:
     """The Llama names of every tensor a model of `cfg` has (its head too, tied or not)."""
-    names = [_hf_name(n, False, blocks=_block_names(cfg)) for n in _expected(cfg)]
+    names = [_hf_name(n, naming(cfg)) for n in _expected(cfg)]
     return names + ([] if "lm_head.weight" in names else ["lm_head.weight"])
 
 
@@ -185,8 +163,8 @@ def hf_state_dict(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
     """Our parameters (named as named_parameters or state_dict names them) as the tensors of
     `hf_family(cfg)`, named as transformers saves them. GPT-2 gets zero biases where ours has
     none (the same function); a tied head is left out (transformers ties it back)."""
-    family = hf_family(cfg)
-    gpt2, style = family == "gpt2", "mixtral" if family == "mixtral" else "mlp"
+    family = family_of_model(cfg)
+    gpt2, style = family.conv1d, family.expert_style
     out: dict[str, torch.Tensor] = {}
     for name in _expected(cfg):
         if name not in weights:
@@ -204,25 +182,11 @@ def hf_state_dict(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
             t = rows_ours_to_hf(t, heads, cfg.rotary_dim)
         m = _NAME.match(name)
         if gpt2 and m and m.group(2) in ("attn.wq", "attn.wk", "attn.wv"):
-            continue  # fused below
+            continue  # fused by the family (c_attn)
         if gpt2 and m and m.group(3) == "weight" and "norm" not in m.group(2):
             t = t.t()  # Conv1D keeps (in, out)
-        out[_hf_name(name, gpt2, style, _block_names(cfg))] = t.contiguous()
-    if gpt2:
-        for i in range(cfg.n_layers):
-            p = f"layers.{i}."
-            out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat(
-                [weights[p + f"attn.{w}.weight"].detach() for w in ("wq", "wk", "wv")], 0).t().contiguous()
-            zeros = torch.zeros(cfg.dim, dtype=weights[p + "attn.wq.weight"].dtype)
-            out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat(
-                [weights.get(p + f"attn.{w}.bias", zeros).detach() for w in ("wq", "wk", "wv")]).contiguous()
-            for ours, width in (("attn_norm", cfg.dim), ("attn.wo", cfg.dim), ("mlp_norm", cfg.dim),
-                                ("mlp.w1", cfg.hidden_dim), ("mlp.w2", cfg.dim)):
-                out.setdefault(_hf_name(p + ours + ".bias", True), torch.zeros(width, dtype=zeros.dtype))
-        out.setdefault("transformer.ln_f.bias", torch.zeros(cfg.dim, dtype=out["transformer.ln_f.weight"].dtype))
-    if family in ("gpt_neox", "phi3"):
-        out = fuse(out, cfg, family)
-    return out
+        out[_hf_name(name, family, style)] = t.contiguous()
+    return family.saved(out, weights, cfg)  # its fused tensors put together
 
 
 def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: str = "the weights",
@@ -230,12 +194,13 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
     """Hugging Face tensors (GPT-2 or Llama-like names, with or without the `transformer.` /
     `model.` prefix) as our parameters for `cfg`, each checked for its shape. A tensor the model
     has no place for is refused unless it is all zeros (a bias the model leaves out)."""
-    family = fused_family(hf)
-    if family is not None:  # GPT-NeoX, Phi-3: their fused tensors seen as Llama's
-        hf = FamilyView(hf, _llama_keys(cfg), cfg, family)
-    gpt2 = any(k.split(".")[-2] in ("wte", "c_attn") for k in hf)
+    layout = layout_of(hf)
+    if layout is not None and layout.fused:  # GPT-NeoX, Phi-3: their fused tensors seen as Llama's
+        hf = FamilyView(hf, _llama_keys(cfg), cfg, layout)
+    names = layout if layout is not None and layout.conv1d else naming(cfg)
+    gpt2 = names.conv1d  # GPT-2's Conv1D layout: q, k, v fused in c_attn, weights transposed
     style = _moe_style(hf) if cfg.moe_experts else "mlp"
-    prefix = "transformer." if gpt2 else "model."
+    prefix = names.prefix
     left = {k if k.startswith((prefix, "lm_head.")) else prefix + k: k  # a base model saved without its prefix
             for k in hf if not _BUFFERS.search(k)}
     used: set[str] = set()
@@ -271,12 +236,12 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
                                      cfg.expert_hidden if matrix != "w2" and style == "fused" else 0, dtype)
             continue
         if gpt2 and block in ("attn.wq", "attn.wk", "attn.wv"):
-            key = take(f"transformer.h.{m.group(1)}.attn.c_attn.{leaf}", name)
+            key = take(f"{names.layers}.{m.group(1)}.{names.fused_qkv}.{leaf}", name)
             recipes[name] = (key, ("attn.wq", "attn.wk", "attn.wv").index(block), leaf == "weight")
-        elif name == "output.weight" and _hf_name(name, gpt2) not in left:
-            recipes[name] = (take(_hf_name("tok_emb.weight", gpt2), name), None, False)  # the source ties its head
+        elif name == "output.weight" and _hf_name(name, names) not in left:
+            recipes[name] = (take(_hf_name("tok_emb.weight", names), name), None, False)  # the source ties its head
         else:
-            recipes[name] = (take(_hf_name(name, gpt2, style, _block_names(cfg)), name), None,
+            recipes[name] = (take(_hf_name(name, names, style), name), None,
                              bool(gpt2 and leaf == "weight" and "norm" not in block))
     shapes = _expected(cfg)
     for name, source in experts.items():  # from the headers: no tensor is read yet
@@ -323,7 +288,7 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
         makers[n], part_makers[n] = source.full, source.part
     out = _Converted({n: shapes[n] for n in makers}, makers, where, part_makers, hf)
     if cfg.tie_embeddings and "lm_head.weight" in left:
-        head, emb = hf[left["lm_head.weight"]], hf[left[_hf_name("tok_emb.weight", gpt2)]]
+        head, emb = hf[left["lm_head.weight"]], hf[left[_hf_name("tok_emb.weight", names)]]
         if head.shape != emb.shape or not torch.equal(head, emb):
             raise CheckpointError(f"{where}: lm_head.weight differs from the embedding, but model.tie_embeddings=true "
                                   "shares one; set model.tie_embeddings=false")

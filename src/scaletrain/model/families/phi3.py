@@ -1,0 +1,72 @@
+"""Phi-3 and Phi-4: a Llama that may turn only part of each head (partial_rotary_factor), whose
+every layer attends within sliding_window (when set), and whose checkpoints fuse q, k and v into
+`qkv_proj` ([q; k; v] stacked whole) and the MLP's gate and up projections into `gate_up_proj`
+([gate; up]). A model computes the same as a Llama whenever it rotates whole heads, so the export
+writes Phi-3 only where model.export_as=phi3 or a partial rotary asks for it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scaletrain.model.config import ModelConfig
+from scaletrain.model.families._common import LLAMA_KEY, ROTARY, Reader, RotaryFamily, every_layer_window
+
+
+class Phi3(RotaryFamily):
+    model_type = "phi3"
+    architecture = "Phi3ForCausalLM"
+    known = ROTARY | {"original_max_position_embeddings", "sliding_window"}
+    defaults = dict(num_key_value_heads=None, head_dim=None, hidden_act="silu", max_position_embeddings=4096,
+                    rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None)
+    export_as = "phi3"
+    partial_rotary = True
+    fused = True
+
+    def window(self, get: Reader, n_layers: int) -> int:
+        return every_layer_window(get)
+
+    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:
+        rope["partial_rotary_factor"] = cfg.rotary_fraction
+        # (Phi-3's default padding id, 32000, lies outside a smaller vocabulary: transformers then fails to load)
+        out.update(rope_scaling=None, sliding_window=cfg.sliding_window or None,
+                   original_max_position_embeddings=cfg.max_seq_len, pad_token_id=None)
+        del out["head_dim"]
+
+    def chosen(self, cfg: ModelConfig, no) -> str:
+        """This family, if it computes what `cfg` computes (a Llama with its projections fused),
+        else `no`'s ConfigError."""
+        unlike = [why for why, differs in (
+            ("is rope, rmsnorm, swiglu with norms before the sub-blocks",
+             not (cfg.position == "rope" and cfg.norm == "rmsnorm" and cfg.activation == "swiglu"
+                  and cfg.norm_placement == "pre")),
+            ("has no biases, q/k norms nor experts", cfg.bias or cfg.qkv_bias or cfg.qk_norm or cfg.moe_experts),
+            ("has no head_dim apart from dim / n_heads", cfg.head_size * cfg.n_heads != cfg.dim),
+            ("scales rope by longrope only, which scaletrain lacks (model.rope_scaling=none)",
+             cfg.rope_scaling != "none"),
+            ("has no parallel residual, embed_scale nor norm_unit_offset",
+             cfg.parallel_residual or cfg.embed_scale or cfg.norm_unit_offset)) if differs]
+        if unlike:
+            raise no(f"model.export_as=phi3, but Phi-3 {unlike[0]}")
+        return self.model_type
+
+    def recognises(self, keys) -> bool:
+        return any(k.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")) for k in keys)
+
+    def fused_key(self, key: str, cfg: ModelConfig) -> tuple[str, list[tuple[int, int]] | None]:
+        """q, k and v stacked whole in qkv_proj, the MLP's gate and up in gate_up_proj."""
+        m = LLAMA_KEY.match(key)
+        if m is None:
+            return key, None
+        i, module, leaf = m.groups()
+        q, kv, f = cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size, cfg.hidden_dim
+        fused = {"self_attn.q_proj": ("self_attn.qkv_proj", (0, q)),
+                 "self_attn.k_proj": ("self_attn.qkv_proj", (q, q + kv)),
+                 "self_attn.v_proj": ("self_attn.qkv_proj", (q + kv, q + 2 * kv)),
+                 "mlp.gate_proj": ("mlp.gate_up_proj", (0, f)), "mlp.up_proj": ("mlp.gate_up_proj", (f, 2 * f))}
+        if module in fused:
+            name, rows = fused[module]
+            return f"model.layers.{i}.{name}.{leaf}", [rows]
+        return key, None
+
+
+FAMILY = Phi3()
