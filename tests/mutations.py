@@ -50,10 +50,10 @@ class Mutant:
 DP = "tests/test_data_parallel.py"
 MP = "tests/test_model_parallel.py"
 EP = "tests/test_expert_parallel.py"
-LSC = "tests/test_local_sgd_catch.py"
-RC = "tests/test_rampup_catch.py"
-MC = "tests/test_mixture_catch.py"
-QC = "tests/test_quant_catch.py"
+LSC = "tests/test_local_sgd.py"
+RC = "tests/test_batch_rampup.py"
+MC = "tests/test_mix.py"
+QC = "tests/test_quantize.py"
 CC = "tests/test_calibrated_comm.py"
 LO = "tests/test_lora.py"
 AE = "tests/test_adapter_export.py"
@@ -276,7 +276,7 @@ MUTANTS = [
            "proportions (weights 70, 20, 10 draw from the first source only)", "src/scaletrain/data/mix.py",
            "int(round(c / cumulative[-1] * M))", "int(round(c * M))",
            (f"{MC}::test_weights_summing_to_one_or_more_draw_the_same_windows_in_proportion",)),
-    # QAT's rounding against PTQ's, value for value and by hand (tests/test_quant_catch.py)
+    # QAT's rounding against PTQ's, value for value and by hand (tests/test_quantize.py)
     Mutant("qat-int8-weights-asymmetric", "QAT (int8-dynamic) rounds weights asymmetrically, PTQ symmetrically",
            "src/scaletrain/quant/qat.py",
            'weight = IntxFakeQuantizeConfig(torch.int8, "per_channel", is_symmetric=True)',
