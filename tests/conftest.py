@@ -29,6 +29,14 @@ from scaletrain.config import load_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
+# tests/ mirrors src/scaletrain/: a folder of test files per subject, the helpers (this file, dist_worker,
+# forked_ranks, ...) at its top, on sys.path through pyproject's pythonpath. Every folder goes on sys.path
+# too, so that a test module imports another's helpers by plain name from any folder (test_qlora uses
+# test_lora's), whichever files a run selects, and forked ranks (handed this sys.path) import a probe by
+# its module's name. dist_worker does the same for ranks started by the launcher.
+TEST_FOLDERS = sorted(p for p in (REPO / "tests").iterdir() if p.is_dir() and any(p.glob("test_*.py")))
+sys.path.extend(str(p) for p in TEST_FOLDERS if str(p) not in sys.path)
+
 MICRO = {
     "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.max_seq_len": 32,
     "data.seq_len": 32, "train.global_batch": 8, "train.steps": 10, "train.device": "cpu",
