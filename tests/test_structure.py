@@ -330,7 +330,7 @@ def test_no_module_outside_the_trainer_touches_its_private_members():
     private = trainer_private_names()
     assert {"_build", "_resume", "_accumulate"} <= private  # the check sees them
     files = [f for f in sorted(PACKAGE.rglob("*.py")) if f != TRAINER]
-    files += sorted((PACKAGE.parents[1] / "benchmarks").glob("*.py")) + sorted(Path(__file__).parent.glob("*.py"))
+    files += sorted((PACKAGE.parents[1] / "benchmarks").glob("*.py")) + sorted(Path(__file__).parent.rglob("*.py"))
     assert private_trainer_access(files, private) == []
 
 
