@@ -136,7 +136,7 @@ def test_bad_input_gives_one_clear_line(case: Case, workdir: Path, capsys):
 def every_bad_input() -> list[Case]:
     """The BAD_INPUT cases of every test file (each subject lists its own)."""
     cases = []
-    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+    for path in sorted(Path(__file__).parents[1].rglob("test_*.py")):
         if "\nBAD_INPUT = [" in path.read_text():
             cases += importlib.import_module(path.stem).BAD_INPUT
     return cases
