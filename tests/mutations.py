@@ -52,17 +52,17 @@ MP = "tests/test_model_parallel.py"
 EP = "tests/test_expert_parallel.py"
 LSC = "tests/test_local_sgd.py"
 RC = "tests/test_batch_rampup.py"
-MC = "tests/test_mix.py"
+MC = "tests/data/test_mix.py"
 QC = "tests/test_quantize.py"
 CC = "tests/test_calibrated_comm.py"
-LO = "tests/test_lora.py"
+LO = "tests/model/test_lora.py"
 AE = "tests/test_adapter_export.py"
 QL = "tests/test_qlora.py"
-HF = "tests/test_hf_families.py"
-CH = "tests/test_chat.py"
+HF = "tests/model/test_hf_families.py"
+CH = "tests/data/test_chat.py"
 FT = "tests/test_fault_tolerance.py"
 FTL = "tests/test_ft_layouts.py"
-DM = "tests/test_document_mask.py"
+DM = "tests/data/test_document_mask.py"
 
 MUTANTS = [
     Mutant("zero-no-dp-division", "ZeRO-1/2 bucket reduce without the 1/dp division",
@@ -94,9 +94,9 @@ MUTANTS = [
            "src/scaletrain/model/hf.py",
            "            t = rows_hf_to_ours(t, (hi - lo) // d, cfg.rotary_dim)",
            "            t = rows_ours_to_hf(t, (hi - lo) // d, cfg.rotary_dim)",
-           ("tests/test_init_from.py::test_a_shard_reads_only_its_part_and_equals_the_full_tensor",
-            "tests/test_init_from.py::test_fine_tuning_from_hf_passes_verify[dp2-zero3]",
-            "tests/test_init_from.py::test_fine_tuning_from_hf_passes_verify[tp2]")),
+           ("tests/model/test_init_from.py::test_a_shard_reads_only_its_part_and_equals_the_full_tensor",
+            "tests/model/test_init_from.py::test_fine_tuning_from_hf_passes_verify[dp2-zero3]",
+            "tests/model/test_init_from.py::test_fine_tuning_from_hf_passes_verify[tp2]")),
     # DDP without no_sync costs communication, not correctness (its all-reduce is linear and the
     # accumulated part is already equal on every rank); ZeRO-1's engine reduces into the shard
     # rows of the full gradient, so reducing on every micro-step there is a wrong gradient
@@ -398,7 +398,7 @@ MUTANTS = [
            "out = model_state_memory(counts, wl, layout, sh=sh)",
            (f"{QL}::test_the_planner_fits_a_70b_qlora_on_one_80gb_gpu_but_not_lora_or_full_fine_tuning",
             "tests/test_planner_accuracy.py::test_adapter_prediction_matches_measurement[qlora nf4]")),
-    # the Hugging Face families of model/hf.py beyond GPT-2 and the Llama-likes (tests/test_hf_families.py)
+    # the Hugging Face families of model/hf.py beyond GPT-2 and the Llama-likes (tests/model/test_hf_families.py)
     Mutant("olmo2-post-norms-swapped",
            "OLMo 2's post-attention and post-feedforward norms loaded into each other's place",
            "src/scaletrain/model/hf.py",
@@ -542,7 +542,7 @@ MUTANTS = [
            "    return next((c for r, c in enumerate(codes) if c and r not in stopped), 0)",
            "    return next((c for c in codes if c), 0)",
            (f"{FT}::test_a_group_back_after_the_others_finished_is_stopped_and_the_run_ends_0",)),
-    # packing without cross-document attention (data.document_mask, tests/test_document_mask.py)
+    # packing without cross-document attention (data.document_mask, tests/data/test_document_mask.py)
     Mutant("docmask-attends-across-documents", "a packed document's queries see the keys of the documents before "
            "it (the mask is plain causal)", "src/scaletrain/model/transformer.py",
            "(docs[:, :, None] == docs[:, None, :]) & causal", "(docs[:, :, None] >= docs[:, None, :]) & causal",

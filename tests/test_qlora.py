@@ -1,7 +1,7 @@
 """QLoRA (adapter.base_dtype = nf4 | int8 | bf16, scaletrain.quant.frozen_base): the adapted
 linears' frozen bases stored quantized and dequantized per matmul, exactly as a dense model with
 the dequantized weights computes; the adapters alone train; small checkpoints resumed bitwise;
-the refusals one line each. (Two ranks against one process: tests/test_lora.py's one launch.)"""
+the refusals one line each. (Two ranks against one process: tests/model/test_lora.py's one launch.)"""
 
 from __future__ import annotations
 
