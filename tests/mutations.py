@@ -47,10 +47,10 @@ class Mutant:
     tests: tuple[str, ...]  # pytest node ids that must catch it
 
 
-DP = "tests/test_data_parallel.py"
-MP = "tests/test_model_parallel.py"
-EP = "tests/test_expert_parallel.py"
-LSC = "tests/test_local_sgd.py"
+DP = "tests/parallel/test_data_parallel.py"
+MP = "tests/parallel/test_model_parallel.py"
+EP = "tests/parallel/test_expert_parallel.py"
+LSC = "tests/parallel/test_local_sgd.py"
 RC = "tests/test_batch_rampup.py"
 MC = "tests/data/test_mix.py"
 QC = "tests/test_quantize.py"
@@ -60,8 +60,8 @@ AE = "tests/test_adapter_export.py"
 QL = "tests/test_qlora.py"
 HF = "tests/model/test_hf_families.py"
 CH = "tests/data/test_chat.py"
-FT = "tests/test_fault_tolerance.py"
-FTL = "tests/test_ft_layouts.py"
+FT = "tests/parallel/test_fault_tolerance.py"
+FTL = "tests/parallel/test_ft_layouts.py"
 DM = "tests/data/test_document_mask.py"
 
 MUTANTS = [
@@ -136,8 +136,8 @@ MUTANTS = [
            "src/scaletrain/parallel/tensor_parallel.py",
            '''if ".moe." in n and id(p) not in self.exclude]''',
            '''if ".moe." in n and ".moe.w" not in n and id(p) not in self.exclude]''',
-           ("tests/test_moe_parallel.py::test_moe_parity_with_one_process[tp2]",
-            "tests/test_moe_parallel.py::test_moe_parity_with_one_process[tp2-sp]")),
+           ("tests/parallel/test_moe_parallel.py::test_moe_parity_with_one_process[tp2]",
+            "tests/parallel/test_moe_parallel.py::test_moe_parity_with_one_process[tp2-sp]")),
     Mutant("ep-grad-scale-ignores-borrowed-ranks", "the experts' gradient scale is 1/ep even where ep borrows cp or tp "
            "ranks (whose partial gradients the experts' average then undercounts)",
            "src/scaletrain/parallel/parallelize.py",
@@ -169,8 +169,8 @@ MUTANTS = [
            "src/scaletrain/verify.py",
            "ok = worst_loss.loss_rel <= tol_loss and worst_norm.grad_norm_rel <= tol_norm",
            "ok = worst_loss.loss_rel <= tol_loss",
-           ("tests/test_verify.py::test_a_wrong_loss_normalisation_fails_on_the_gradient_norm",
-            "tests/test_verify.py::test_comparison_and_verdict")),
+           ("tests/parallel/test_verify.py::test_a_wrong_loss_normalisation_fails_on_the_gradient_norm",
+            "tests/parallel/test_verify.py::test_comparison_and_verdict")),
     Mutant("grad-norm-logged-after-clipping", "the logged gradient norm is the norm after clipping",
            "src/scaletrain/parallel/data_parallel.py",
            "                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)\n    return norm",
@@ -181,7 +181,7 @@ MUTANTS = [
            "where the workers went)", "src/scaletrain/parallel/local_sgd.py",
            "mine = torch.cat([(p.outer.to(p.local.device, non_blocking=True) - p.local).reshape(-1)",
            "mine = torch.cat([(p.local - p.outer.to(p.local.device, non_blocking=True)).reshape(-1)",
-           ("tests/test_local_sgd.py::test_local_sgd_averages_the_weights_and_diloco_takes_a_nesterov_step",)),
+           ("tests/parallel/test_local_sgd.py::test_local_sgd_averages_the_weights_and_diloco_takes_a_nesterov_step",)),
     Mutant("cp-ring-no-lse-merge", "ring attention adds the K/V blocks' partial outputs without the log-sum-exp "
            "weights", "src/scaletrain/parallel/context_parallel.py",
            "    return out * torch.exp(lse - merged) + block_out * torch.exp(block_lse - merged), merged\n",
@@ -478,7 +478,7 @@ MUTANTS = [
            "            text += f\"{m['role'].capitalize()}: \"\n            start = len(text)\n",
            "            start = len(text)\n            text += f\"{m['role'].capitalize()}: \"\n",
            (f"{CH}::test_plain_format_masks_exactly_the_assistants_tokens",)),
-    # fault tolerance across replica groups (parallel/fault_tolerance.py, tests/test_fault_tolerance.py)
+    # fault tolerance across replica groups (parallel/fault_tolerance.py, tests/parallel/test_fault_tolerance.py)
     Mutant("ft-groups-read-the-same-windows", "every replica group reads group 0's share of the step's windows",
            "src/scaletrain/parallel/fault_tolerance.py",
            "self.data_outer = (replica_id, groups)", "self.data_outer = (0, groups)",
@@ -503,7 +503,7 @@ MUTANTS = [
            'self.state.step, self.state.skipped_steps = int(peer["step"]), int(peer["skipped_steps"])',
            'self.state.step = int(peer["step"])',
            (f"{FT}::test_a_group_healed_from_a_peer_holds_its_state_bit_for_bit",)),
-    # any layout inside a replica group (tests/test_ft_layouts.py: 2 groups x 2 ranks, no launcher)
+    # any layout inside a replica group (tests/parallel/test_ft_layouts.py: 2 groups x 2 ranks, no launcher)
     Mutant("ft-groups-skip-sharded-grads", "the replica groups average the plain gradients only, not the local "
            "shards of DTensor ones (ZeRO-3, tensor parallel)", "src/scaletrain/parallel/fault_tolerance.py",
            "grads = [_local(p.grad) for _, p in named if p.grad is not None]",
@@ -574,13 +574,13 @@ MUTANTS = [
     Mutant("inner-lr-rule-unscaled", "parallel.inner_lr_scale=0 (the square-root rule) leaves the workers at "
            "optim.lr", "src/scaletrain/schedule.py",
            "return par.inner_lr_scale or 1.0 / math.sqrt(par.dp_replicate)", "return par.inner_lr_scale or 1.0",
-           ("tests/test_local_sgd.py::test_the_workers_inner_lr_follows_parallel_inner_lr_scale",
-            "tests/test_local_sgd.py::test_the_workers_optimizer_steps_at_the_scaled_lr_as_in_their_simulation")),
+           ("tests/parallel/test_local_sgd.py::test_the_workers_inner_lr_follows_parallel_inner_lr_scale",
+            "tests/parallel/test_local_sgd.py::test_the_workers_optimizer_steps_at_the_scaled_lr_as_in_their_simulation")),
     Mutant("inner-lr-simulation-unscaled", "verify's one-process simulation of the workers steps them at optim.lr, "
            "not at the scaled inner lr", "src/scaletrain/verify.py",
            "schedule = TrainSchedule.for_job(cfg, BatchSchedule(g, cfg.data.seq_len, g), total_steps)",
            "schedule = TrainSchedule(cfg.optim, BatchSchedule(g, cfg.data.seq_len, g), total_steps)",
-           ("tests/test_local_sgd.py::test_the_workers_optimizer_steps_at_the_scaled_lr_as_in_their_simulation",)),
+           ("tests/parallel/test_local_sgd.py::test_the_workers_optimizer_steps_at_the_scaled_lr_as_in_their_simulation",)),
 ]
 
 

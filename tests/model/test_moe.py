@@ -269,7 +269,7 @@ def test_resume_is_exact_with_the_expert_bias(tmp_path):
 @pytest.mark.parametrize("mode", ["bf16-mixed", "bf16-true", "16-mixed", "full", "selective"])
 def test_every_precision_and_checkpointing_train_like_32_true(tmp_path, mode):
     """Activation checkpointing the same numbers, a 16-bit precision nearly. (Compiled blocks:
-    tests/test_expert_parallel.py's ep2-zero3-compile against one eager process, every step.)"""
+    tests/parallel/test_expert_parallel.py's ep2-zero3-compile against one eager process, every step.)"""
     extra = {"memory.activation_checkpointing": mode} if mode in ("full", "selective") else {"precision.mode": mode}
     steps = {**MOE_RUN, "train.steps": 2, "model.activation": "swiglu", "model.moe_shared_experts": 1}
     ref = Trainer(micro_cfg(tmp_path / "ref", **steps)).fit()["history"]

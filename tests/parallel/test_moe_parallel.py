@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multiproc
 
 STEPS = 4
 TOL = TOLERANCES["32-true"]
-WEIGHTS_TOL = 1e-3  # as tests/test_model_parallel.py
+WEIGHTS_TOL = 1e-3  # as tests/parallel/test_model_parallel.py
 # 4 blocks, the first dense (a tp plan mixing both kinds), untied embeddings (for pipelining);
 # the Switch loss's coefficient large enough that a wrong share of it shows in the gradient norm
 MOE = {"train.steps": STEPS, "model.n_layers": 4, "model.tie_embeddings": False, "train.micro_batch": 2,

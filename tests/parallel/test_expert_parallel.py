@@ -33,7 +33,7 @@ pytestmark = pytest.mark.multiproc
 
 STEPS = 5
 TOL = TOLERANCES["32-true"]
-WEIGHTS_TOL = 1e-3  # as tests/test_data_parallel.py
+WEIGHTS_TOL = 1e-3  # as tests/parallel/test_data_parallel.py
 GRAD_TOL = 1e-4  # the first step's gradients, relative to their norm (seen: below 1e-6)
 BIAS_TOL = 1e-6  # the bias moves by exact multiples of the rate: equal, or a whole step apart
 # 8 experts, top 2 (4 experts per rank at ep 2, 2 at ep 4: the regrouping by local expert matters),

@@ -55,7 +55,7 @@ def verify(monkeypatch, capfd):
             import scaletrain.verify
 
             planted = functools.partial(scaletrain.verify.verify, layout_hook=f"verify_faults:{fault}",
-                                        hook_path=[str(Path(__file__).parent)])
+                                        hook_path=[str(Path(__file__).parents[1])])
             monkeypatch.setattr(scaletrain.verify, "verify", planted)
         code = cli.main(["verify", "--config", config, f"--steps={STEPS}", *args])
         out, err = capfd.readouterr()
@@ -129,7 +129,7 @@ def test_a_wrong_loss_normalisation_fails_on_the_gradient_norm(tmp_path, verify)
 
 
 def test_workers_that_sync_every_few_steps_are_checked_against_their_simulation(tmp_path, verify):
-    """DiLoCo, streamed and delayed, over 2 workers of one rank (tp inside a worker: tests/test_local_sgd.py):
+    """DiLoCo, streamed and delayed, over 2 workers of one rank (tp inside a worker: tests/parallel/test_local_sgd.py):
     the reference is the 2 workers simulated in one process; a worker that applies its syncs early FAILs."""
     config = write_config(tmp_path, **{"parallel.dp_replicate": 2, "parallel.dp_sync": "diloco",
                                        "parallel.sync_every": 3, "parallel.sync_fragments": 2,

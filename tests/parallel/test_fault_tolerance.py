@@ -51,7 +51,7 @@ def test_bad_fault_tolerance_options_are_one_line_each(options, fragments):
 
 
 def test_any_layout_inside_a_group_is_accepted_with_dp_sync_step():
-    """tp, pp, cp, ep, ZeRO-3 and HSDP inside each group (tests/test_ft_layouts.py runs them), and a
+    """tp, pp, cp, ep, ZeRO-3 and HSDP inside each group (tests/parallel/test_ft_layouts.py runs them), and a
     mixture of experts balanced by its routing biases (the default) or by its auxiliary loss alone."""
     load_config(None, {**FT, "parallel.tp": 2, "parallel.pp": 2, "parallel.cp": 2, "parallel.zero": 3,
                        "parallel.dp_replicate": 2})
@@ -67,7 +67,7 @@ def test_diloco_across_groups_is_accepted_whole_and_refused_streamed_in_one_line
     cfg = load_config(None, {**FT, "parallel.dp_sync": "diloco", "parallel.sync_every": 10})
     assert Layout.from_config(cfg, 1).errors() == []
     for inside in ({"parallel.zero": 3}, {"parallel.tp": 2}, {"parallel.pp": 2}, {"parallel.cp": 2},
-                   {"parallel.ep": 2, "model.moe_experts": 4, "model.moe_bias_rate": 0}):  # tests/test_ft_layouts.py
+                   {"parallel.ep": 2, "model.moe_experts": 4, "model.moe_bias_rate": 0}):  # test_ft_layouts.py
         load_config(None, {**FT, "parallel.dp_sync": "diloco", "parallel.sync_every": 10, **inside})
     cfg = cfg.replace(**{"parallel.sync_fragments": 2, "parallel.sync_dtype": "int8"})
     assert Layout.from_config(cfg, 1).errors() == [
@@ -97,11 +97,11 @@ def test_an_unreachable_lighthouse_and_a_missing_torchft_are_one_line_exit_2(tmp
 # --------------------------------------------------------------------------------------------
 # Real groups: `scaletrain ft-local` (a Lighthouse and R groups, each under its own elastic agent)
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]  # tests/, where ft_faults.py is
 
 
 def _ft_local(run_dir: Path, groups: int, *args: str) -> subprocess.Popen:
-    """`scaletrain ft-local` with ARGS, this folder on the ranks' path (for --rank-hook=ft_faults:inject)."""
+    """`scaletrain ft-local` with ARGS, tests/ on the ranks' path (for --rank-hook=ft_faults:inject)."""
     return subprocess.Popen([sys.executable, "-m", "scaletrain", "ft-local", "--groups", str(groups), *GROUP,
                              f"--log.run_dir={run_dir}", "--heartbeat-timeout-ms=1000", *args],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
