@@ -54,7 +54,7 @@ LSC = "tests/parallel/test_local_sgd.py"
 RC = "tests/test_batch_rampup.py"
 MC = "tests/data/test_mix.py"
 QC = "tests/test_quantize.py"
-CC = "tests/test_calibrated_comm.py"
+CC = "tests/plan/test_calibrated_comm.py"
 LO = "tests/model/test_lora.py"
 AE = "tests/test_adapter_export.py"
 QL = "tests/test_qlora.py"
@@ -231,7 +231,7 @@ MUTANTS = [
     Mutant("calibrated-engine-once-per-step", "the measured engine cost of ZeRO-2/FSDP not scaled by micro-batches",
            "src/scaletrain/plan/calibrated_time.py",
            "        per_micro = layout.zero in (2, 3)", "        per_micro = False",
-           ("tests/test_calibration.py::test_a_measured_engine_replaces_the_modelled_communication_and_optimizer_step",)),
+           ("tests/plan/test_calibration.py::test_a_measured_engine_replaces_the_modelled_communication_and_optimizer_step",)),
     # local SGD / DiLoCo, the batch ramp and mixtures where their boundaries land exactly
     Mutant("local-sgd-int8-sender-scales", "the receiver decodes the int8 values it received with the scales it "
            "sent, not those that came with them", "src/scaletrain/parallel/replica_average.py",
@@ -303,7 +303,7 @@ MUTANTS = [
            "src/scaletrain/train/evaluate.py",
            "            prepare_qat(model, cfg.train.qat)\n", "            pass\n",
            (f"{QC}::test_a_qat_model_is_evaluated_through_its_fake_quantizers",)),
-    # the planner's collectives, each engine's derived by hand (tests/test_calibrated_comm.py)
+    # the planner's collectives, each engine's derived by hand (tests/plan/test_calibrated_comm.py)
     Mutant("calibrated-zero-gather-as-all-reduce", "ZeRO-1/2's weight all-gather priced as an all-reduce",
            "src/scaletrain/plan/calibrated_time.py",
            'gather = cal.collective_s("all_gather", params * max(d.param, 4), n_shard, calls=buckets)',
@@ -397,7 +397,7 @@ MUTANTS = [
            "out = model_state_memory(adapters.trainable, wl, layout, sh=sh)",
            "out = model_state_memory(counts, wl, layout, sh=sh)",
            (f"{QL}::test_the_planner_fits_a_70b_qlora_on_one_80gb_gpu_but_not_lora_or_full_fine_tuning",
-            "tests/test_planner_accuracy.py::test_adapter_prediction_matches_measurement[qlora nf4]")),
+            "tests/plan/test_planner_accuracy.py::test_adapter_prediction_matches_measurement[qlora nf4]")),
     # the Hugging Face families of model/hf.py beyond GPT-2 and the Llama-likes (tests/model/test_hf_families.py)
     Mutant("olmo2-post-norms-swapped",
            "OLMo 2's post-attention and post-feedforward norms loaded into each other's place",

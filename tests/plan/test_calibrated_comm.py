@@ -1,5 +1,5 @@
 """Each engine's communication per step, derived here by hand from a fixed calibration
-(`scaletrain.plan.calibrated_time`), as tests/test_calibration.py derives one collective.
+(`scaletrain.plan.calibrated_time`), as tests/plan/test_calibration.py derives one collective.
 
 A collective of `nbytes` (the whole buffer, as `scaletrain bench comms` counts it) over `n` of
 the calibration's ranks takes, per call, its measured latency times the ring's share of the hops

@@ -28,7 +28,7 @@ from conftest import run_here
 # --- 7(a): published figures ------------------------------------------------------------------
 
 # Published figures (the ZeRO paper, Korthikanti et al., Megatron, Llama 3, torchtitan,
-# llm-foundry) are checked through the CLI in tests/test_planner_published.py.
+# llm-foundry) are checked through the CLI in tests/plan/test_planner_published.py.
 
 
 # --- the closed form against the actual model -------------------------------------------------
@@ -59,7 +59,7 @@ def test_closed_form_matches_the_traced_count(variant, precision, tp, sp, ac):
 
 @pytest.mark.parametrize("schedule,p,m,v,counted", [
     # per rank, the most chunk-forwards whose activations are still held, over the chunks per rank,
-    # counted by hand from each rank's order (tests/test_timeline.py checks those orders are the
+    # counted by hand from each rank's order (tests/plan/test_timeline.py checks those orders are the
     # ones torch.distributed.pipelining runs):
     ("gpipe", 2, 2, 1, (2, 2)),  # F0 F1 B0 B1 on both ranks
     ("1f1b", 2, 4, 1, (2, 1)),  # rank 0: F0 | F1 B0 F2 B1 ...: 2 held; rank 1: F B F B ...: 1

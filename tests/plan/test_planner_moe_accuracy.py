@@ -1,5 +1,5 @@
 """The planner against real CPU steps of a mixture of experts (issue 31, point 5), as
-tests/test_planner_accuracy.py does for dense layouts: per rank, the planner's total (what
+tests/plan/test_planner_accuracy.py does for dense layouts: per rank, the planner's total (what
 decides "fits") within 10% of the peak of live tensor storages during a training step, and the
 model states and one micro-batch's activations beside the bytes measured from live tensors.
 One process (bf16-mixed, a shared expert, SwiGLU), and data parallel 2 under ZeRO-3 and DDP;
@@ -24,7 +24,7 @@ from test_planner_accuracy import assert_memory_matches
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("forked_launches")]
 
-_spec = importlib.util.spec_from_file_location("planner_bench", Path(__file__).parents[1] / "benchmarks" / "planner.py")
+_spec = importlib.util.spec_from_file_location("planner_bench", Path(__file__).parents[2] / "benchmarks" / "planner.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)  # its CPU: the catalog entry the dense accuracy test plans with
 

@@ -2,7 +2,7 @@
 experts' model states under expert parallelism and ZeRO, a MoE block's activations against the
 real layer's saved tensors, the all-to-all's volume and time, the expert load (given, or from the
 calibration), the search's expert-parallel sizes, and a published MoE run's stated assumptions.
-The planner against real CPU steps of MoE layouts: tests/test_planner_moe_accuracy.py."""
+The planner against real CPU steps of MoE layouts: tests/plan/test_planner_moe_accuracy.py."""
 
 from __future__ import annotations
 
@@ -218,7 +218,7 @@ def test_the_expert_load_comes_from_the_calibration_unless_given():
 def test_a_published_moe_run_states_its_assumptions():
     """Megatron-Bridge's Qwen3-30B-A3B row on 16 H100: the plan says the parameters in all and
     active, that the router is taken as force-balanced as published figures do, and what ep
-    costs; its prediction is held against the figure in tests/test_planner_published.py."""
+    costs; its prediction is held against the figure in tests/plan/test_planner_published.py."""
     from scaletrain.plan.published import RUNS
 
     run = next(r for r in RUNS if "Qwen3-30B-A3B" in r.name)

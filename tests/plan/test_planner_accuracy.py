@@ -21,14 +21,14 @@ from scaletrain.vocab import CP_METHODS
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.usefixtures("forked_launches")]
 
-_spec = importlib.util.spec_from_file_location("planner_bench", Path(__file__).parents[1] / "benchmarks" / "planner.py")
+_spec = importlib.util.spec_from_file_location("planner_bench", Path(__file__).parents[2] / "benchmarks" / "planner.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 _spec = importlib.util.spec_from_file_location("cp_bench",
-                                               Path(__file__).parents[1] / "benchmarks" / "context_parallel.py")
+                                               Path(__file__).parents[2] / "benchmarks" / "context_parallel.py")
 cp_bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cp_bench)
-TINY = str(Path(__file__).parents[1] / "configs" / "tiny.toml")
+TINY = str(Path(__file__).parents[2] / "configs" / "tiny.toml")
 
 
 def test_live_memory_on_sums_done_by_hand():
