@@ -53,11 +53,11 @@ EP = "tests/parallel/test_expert_parallel.py"
 LSC = "tests/parallel/test_local_sgd.py"
 RC = "tests/test_batch_rampup.py"
 MC = "tests/data/test_mix.py"
-QC = "tests/test_quantize.py"
+QC = "tests/quant/test_quantize.py"
 CC = "tests/plan/test_calibrated_comm.py"
 LO = "tests/model/test_lora.py"
 AE = "tests/test_adapter_export.py"
-QL = "tests/test_qlora.py"
+QL = "tests/quant/test_qlora.py"
 HF = "tests/model/test_hf_families.py"
 CH = "tests/data/test_chat.py"
 FT = "tests/parallel/test_fault_tolerance.py"
@@ -223,8 +223,8 @@ MUTANTS = [
            "src/scaletrain/quant/ptq.py",
            'return Int8Tensor(parts["qdata"], parts["scale"], [1, cols]',
            'return Int8Tensor(parts["qdata"], torch.ones_like(parts["scale"]), [1, cols]',
-           ("tests/test_quantize.py::test_the_folder_loads_without_unpickling_and_gives_the_same_logits[int8-weight]",
-            "tests/test_quantize.py::test_ptq_perplexity_is_within_tolerance_of_fp32_and_the_folder_is_smaller"
+           ("tests/quant/test_quantize.py::test_the_folder_loads_without_unpickling_and_gives_the_same_logits[int8-weight]",
+            "tests/quant/test_quantize.py::test_ptq_perplexity_is_within_tolerance_of_fp32_and_the_folder_is_smaller"
             "[int8-dynamic]")),
     # the calibrated planner: FSDP's and ZeRO-2's measured per-block cost paid once per step
     # instead of every micro-batch (accumulation would look free under them)
@@ -276,7 +276,7 @@ MUTANTS = [
            "proportions (weights 70, 20, 10 draw from the first source only)", "src/scaletrain/data/mix.py",
            "int(round(c / cumulative[-1] * M))", "int(round(c * M))",
            (f"{MC}::test_weights_summing_to_one_or_more_draw_the_same_windows_in_proportion",)),
-    # QAT's rounding against PTQ's, value for value and by hand (tests/test_quantize.py)
+    # QAT's rounding against PTQ's, value for value and by hand (tests/quant/test_quantize.py)
     Mutant("qat-int8-weights-asymmetric", "QAT (int8-dynamic) rounds weights asymmetrically, PTQ symmetrically",
            "src/scaletrain/quant/qat.py",
            'weight = IntxFakeQuantizeConfig(torch.int8, "per_channel", is_symmetric=True)',

@@ -369,7 +369,7 @@ def test_qat_under_data_parallelism_tracks_one_process(zero, bound):
     out = io.StringIO()
     code = verify(None, [*args, "--train.qat=int8-int4", f"--parallel.zero={zero}"], steps=4, nproc=2, out=out,
                   layout_hook="verify_faults:every_block_linear_fake_quantized",
-                  hook_path=[str(Path(__file__).parent)])
+                  hook_path=[str(Path(__file__).parents[1])])
     verdict = out.getvalue().strip().splitlines()[-1]
     m = re.match(r"largest relative difference: loss ([\d.e+-]+) at step \d+", verdict)
     assert m, out.getvalue()
