@@ -51,12 +51,12 @@ DP = "tests/parallel/test_data_parallel.py"
 MP = "tests/parallel/test_model_parallel.py"
 EP = "tests/parallel/test_expert_parallel.py"
 LSC = "tests/parallel/test_local_sgd.py"
-RC = "tests/test_batch_rampup.py"
+RC = "tests/train/test_batch_rampup.py"
 MC = "tests/data/test_mix.py"
 QC = "tests/quant/test_quantize.py"
 CC = "tests/plan/test_calibrated_comm.py"
 LO = "tests/model/test_lora.py"
-AE = "tests/test_adapter_export.py"
+AE = "tests/trained/test_adapter_export.py"
 QL = "tests/quant/test_qlora.py"
 HF = "tests/model/test_hf_families.py"
 CH = "tests/data/test_chat.py"
@@ -73,7 +73,7 @@ MUTANTS = [
     Mutant("fp16-scale-kept", "fp16 loss scale never divided out of the gradients",
            "src/scaletrain/precision.py",
            "torch.full((1,), times / self.scale, device=device)", "torch.full((1,), times / 1.0, device=device)",
-           ("tests/test_precision.py::test_each_mode_tracks_fp32[16-mixed]",)),
+           ("tests/train/test_precision.py::test_each_mode_tracks_fp32[16-mixed]",)),
     Mutant("pp-grads-divided-by-microbatches", "pipeline (1F1B) gradients divided by the micro-batch count",
            "src/scaletrain/parallel/pipeline.py",
            "Schedule1F1B(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)",
@@ -89,7 +89,7 @@ MUTANTS = [
     Mutant("checkpoint-sha256-not-compared", "the sha256 of checkpoint files computed but never compared",
            "src/scaletrain/train/checkpoint.py",
            '        if got["sha256"] != want["sha256"]:', "        if False:",
-           ("tests/test_checkpoint.py::test_damaged_checkpoint_is_named_and_auto_resume_falls_back",)),
+           ("tests/train/test_checkpoint.py::test_damaged_checkpoint_is_named_and_auto_resume_falls_back",)),
     Mutant("hf-rotary-inverted-on-sharded-reads", "HF rotary row permutation inverted when a rank reads a slice",
            "src/scaletrain/model/hf.py",
            "            t = rows_hf_to_ours(t, (hi - lo) // d, cfg.rotary_dim)",
@@ -110,7 +110,7 @@ MUTANTS = [
            "build_loader(self.dataset, self.sampler(self.step),",
            "build_loader(self.dataset, self.sampler(self.step + (self.step > 0)),",
            (f"{DP}::test_checkpoints_reshard_across_layouts",
-            "tests/test_checkpoint.py::test_stop_and_resume_gives_bitwise_identical_losses")),
+            "tests/train/test_checkpoint.py::test_stop_and_resume_gives_bitwise_identical_losses")),
     # (the input_layouts of the blocks' "attn" and "mlp" PrepareModuleInput are not this: their
     # input is already a DTensor, whose own placement wins, so changing them changes nothing)
     Mutant("sp-all-gather-wrong-dim", "sequence parallelism shards the residual stream along the batch, so its "
@@ -176,7 +176,7 @@ MUTANTS = [
            "                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)\n    return norm",
            "                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)\n"
            "    return norm.clamp(max=max_norm) if max_norm else norm",
-           ("tests/test_training.py::test_gradient_clipping_by_global_norm",)),
+           ("tests/train/test_training.py::test_gradient_clipping_by_global_norm",)),
     Mutant("local-sgd-pseudo-gradient-sign", "DiLoCo's pseudo-gradient taken as local - outer (a step away from "
            "where the workers went)", "src/scaletrain/parallel/local_sgd.py",
            "mine = torch.cat([(p.outer.to(p.local.device, non_blocking=True) - p.local).reshape(-1)",

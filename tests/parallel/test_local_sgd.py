@@ -220,7 +220,7 @@ def two_workers(tmp_path_factory):
     }
     saved = tmp / "save" / "checkpoints" / "step_00000004"
     jobs["resume"] = {**jobs["save"], "checkpoint.resume": str(saved), "checkpoint.every": 0}
-    # a batch-size warm-up over 2 ranks of ZeRO-2 (micro-batches of 1 sequence; tests/test_batch_rampup.py)
+    # a batch-size warm-up over 2 ranks of ZeRO-2 (micro-batches of 1 sequence; tests/train/test_batch_rampup.py)
     jobs["ramp-zero2"] = {**RAMP, "parallel.zero": 2, "train.micro_batch": 1}
     jobs["diloco-sqrt-lr"] = SQRT_LR
     code, results, err = run_group(2, [{"overrides": micro_overrides(tmp / name, **extra)}

@@ -284,7 +284,7 @@ def test_run_on_ranks_returns_rank_0s_result_or_raises_the_ranks_exit_code(capfd
 
     from scaletrain.launch.ranks import RanksFailed, run_on_ranks
 
-    here = (str(Path(__file__).parent),)
+    here = (str(Path(__file__).parent), str(Path(__file__).parents[1]))  # this file, and conftest it imports
     got = run_on_ranks("test_bench:answering_rank", {"echo": [1, "a"], "fail": False}, 2, pythonpath=here)
     assert got == {"echo": [1, "a"], "world": 2}
     with pytest.raises(RanksFailed) as failed:
