@@ -29,6 +29,14 @@ from scaletrain.config import load_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
+# tests/ mirrors src/scaletrain/: a folder of test files per subject, the helpers (this file, dist_worker,
+# forked_ranks, ...) at its top, on sys.path through pyproject's pythonpath. Every folder goes on sys.path
+# too, so that a test module imports another's helpers by plain name from any folder (test_qlora uses
+# test_lora's), whichever files a run selects, and forked ranks (handed this sys.path) import a probe by
+# its module's name. dist_worker does the same for ranks started by the launcher.
+TEST_FOLDERS = sorted(p for p in (REPO / "tests").iterdir() if p.is_dir() and any(p.glob("test_*.py")))
+sys.path.extend(str(p) for p in TEST_FOLDERS if str(p) not in sys.path)
+
 MICRO = {
     "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.max_seq_len": 32,
     "data.seq_len": 32, "train.global_batch": 8, "train.steps": 10, "train.device": "cpu",
@@ -42,13 +50,13 @@ MICRO = {
 # pytest-xdist hands whole files to its processes in the collection's order (`make test` passes
 # --no-loadscope-reorder), so with these first the last file to start is a short one and neither
 # process waits alone at the end.
-SLOWEST_FIRST = ("test_fault_tolerance.py", "test_expert_parallel.py", "test_reliability.py", "test_os_faults.py",
-                 "test_launch.py", "test_model_parallel.py", "test_quantize.py", "test_planner_accuracy.py",
-                 "test_lora.py", "test_training.py", "test_bench.py", "test_planner.py", "test_signals_startup.py",
+SLOWEST_FIRST = ("test_fault_tolerance.py", "test_expert_parallel.py", "test_reliability.py", "test_launch.py",
+                 "test_model_parallel.py", "test_quantize.py", "test_planner_accuracy.py", "test_lora.py",
+                 "test_training.py", "test_bench.py", "test_planner.py", "test_signals_startup.py",
                  "test_data_parallel.py", "test_fp8.py", "test_init_from.py", "test_calibration.py",
                  "test_checkpoint.py", "test_local_sgd.py", "test_hf_families.py", "test_eval.py", "test_verify.py",
                  "test_run_folders.py", "test_cli.py", "test_planner_moe_accuracy.py", "test_ft_layouts.py",
-                 "test_launch_errors.py", "test_moe_parallel.py", "test_run_folder.py")
+                 "test_moe_parallel.py", "test_run_folder.py")
 
 
 def pytest_collection_modifyitems(config, items):

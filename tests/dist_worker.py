@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -29,6 +30,12 @@ from scaletrain.config import load_config
 from scaletrain.runtime import init_worker
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train.trainer import Trainer
+
+# a job's "module" and "probe" name a test module by its file's stem; the test files live in folders under
+# tests/ (tests/parallel/, ...), which a rank started by the launcher (its path: tests/ alone) gets here
+for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
+    if _folder.is_dir() and any(_folder.glob("test_*.py")) and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 
 def inject(fault: dict | None, rank: int) -> None:

@@ -1,5 +1,5 @@
 """Real SIGKILLs at chosen steps and phases of a fault-tolerant job's replica groups: the injector of
-tests/test_fault_tolerance.py and benchmarks/ft_soak.py, given to every rank by
+tests/parallel/test_fault_tolerance.py and benchmarks/ft_soak.py, given to every rank by
 `scaletrain ft-local --rank-hook ft_faults:inject` (this folder on the ranks' PYTHONPATH).
 
 The plan is a JSON file beside the groups' run folders, <log.run_dir of ft-local>/faults.json, written

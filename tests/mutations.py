@@ -47,22 +47,22 @@ class Mutant:
     tests: tuple[str, ...]  # pytest node ids that must catch it
 
 
-DP = "tests/test_data_parallel.py"
-MP = "tests/test_model_parallel.py"
-EP = "tests/test_expert_parallel.py"
-LSC = "tests/test_local_sgd_catch.py"
-RC = "tests/test_rampup_catch.py"
-MC = "tests/test_mixture_catch.py"
-QC = "tests/test_quant_catch.py"
-CC = "tests/test_calibrated_comm.py"
-LO = "tests/test_lora.py"
-AE = "tests/test_adapter_export.py"
-QL = "tests/test_qlora.py"
-HF = "tests/test_hf_families.py"
-CH = "tests/test_chat.py"
-FT = "tests/test_fault_tolerance.py"
-FTL = "tests/test_ft_layouts.py"
-DM = "tests/test_document_mask.py"
+DP = "tests/parallel/test_data_parallel.py"
+MP = "tests/parallel/test_model_parallel.py"
+EP = "tests/parallel/test_expert_parallel.py"
+LSC = "tests/parallel/test_local_sgd.py"
+RC = "tests/train/test_batch_rampup.py"
+MC = "tests/data/test_mix.py"
+QC = "tests/quant/test_quantize.py"
+CC = "tests/plan/test_calibrated_comm.py"
+LO = "tests/model/test_lora.py"
+AE = "tests/trained/test_adapter_export.py"
+QL = "tests/quant/test_qlora.py"
+HF = "tests/model/test_hf_families.py"
+CH = "tests/data/test_chat.py"
+FT = "tests/parallel/test_fault_tolerance.py"
+FTL = "tests/parallel/test_ft_layouts.py"
+DM = "tests/data/test_document_mask.py"
 
 MUTANTS = [
     Mutant("zero-no-dp-division", "ZeRO-1/2 bucket reduce without the 1/dp division",
@@ -73,7 +73,7 @@ MUTANTS = [
     Mutant("fp16-scale-kept", "fp16 loss scale never divided out of the gradients",
            "src/scaletrain/precision.py",
            "torch.full((1,), times / self.scale, device=device)", "torch.full((1,), times / 1.0, device=device)",
-           ("tests/test_precision.py::test_each_mode_tracks_fp32[16-mixed]",)),
+           ("tests/train/test_precision.py::test_each_mode_tracks_fp32[16-mixed]",)),
     Mutant("pp-grads-divided-by-microbatches", "pipeline (1F1B) gradients divided by the micro-batch count",
            "src/scaletrain/parallel/pipeline.py",
            "Schedule1F1B(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)",
@@ -89,14 +89,14 @@ MUTANTS = [
     Mutant("checkpoint-sha256-not-compared", "the sha256 of checkpoint files computed but never compared",
            "src/scaletrain/train/checkpoint.py",
            '        if got["sha256"] != want["sha256"]:', "        if False:",
-           ("tests/test_checkpoint.py::test_damaged_checkpoint_is_named_and_auto_resume_falls_back",)),
+           ("tests/train/test_checkpoint.py::test_damaged_checkpoint_is_named_and_auto_resume_falls_back",)),
     Mutant("hf-rotary-inverted-on-sharded-reads", "HF rotary row permutation inverted when a rank reads a slice",
            "src/scaletrain/model/hf.py",
            "            t = rows_hf_to_ours(t, (hi - lo) // d, cfg.rotary_dim)",
            "            t = rows_ours_to_hf(t, (hi - lo) // d, cfg.rotary_dim)",
-           ("tests/test_init_from.py::test_a_shard_reads_only_its_part_and_equals_the_full_tensor",
-            "tests/test_init_from.py::test_fine_tuning_from_hf_passes_verify[dp2-zero3]",
-            "tests/test_init_from.py::test_fine_tuning_from_hf_passes_verify[tp2]")),
+           ("tests/model/test_init_from.py::test_a_shard_reads_only_its_part_and_equals_the_full_tensor",
+            "tests/model/test_init_from.py::test_fine_tuning_from_hf_passes_verify[dp2-zero3]",
+            "tests/model/test_init_from.py::test_fine_tuning_from_hf_passes_verify[tp2]")),
     # DDP without no_sync costs communication, not correctness (its all-reduce is linear and the
     # accumulated part is already equal on every rank); ZeRO-1's engine reduces into the shard
     # rows of the full gradient, so reducing on every micro-step there is a wrong gradient
@@ -110,7 +110,7 @@ MUTANTS = [
            "build_loader(self.dataset, self.sampler(self.step),",
            "build_loader(self.dataset, self.sampler(self.step + (self.step > 0)),",
            (f"{DP}::test_checkpoints_reshard_across_layouts",
-            "tests/test_checkpoint.py::test_stop_and_resume_gives_bitwise_identical_losses")),
+            "tests/train/test_checkpoint.py::test_stop_and_resume_gives_bitwise_identical_losses")),
     # (the input_layouts of the blocks' "attn" and "mlp" PrepareModuleInput are not this: their
     # input is already a DTensor, whose own placement wins, so changing them changes nothing)
     Mutant("sp-all-gather-wrong-dim", "sequence parallelism shards the residual stream along the batch, so its "
@@ -136,8 +136,8 @@ MUTANTS = [
            "src/scaletrain/parallel/tensor_parallel.py",
            '''if ".moe." in n and id(p) not in self.exclude]''',
            '''if ".moe." in n and ".moe.w" not in n and id(p) not in self.exclude]''',
-           ("tests/test_moe_parallel.py::test_moe_parity_with_one_process[tp2]",
-            "tests/test_moe_parallel.py::test_moe_parity_with_one_process[tp2-sp]")),
+           ("tests/parallel/test_moe_parallel.py::test_moe_parity_with_one_process[tp2]",
+            "tests/parallel/test_moe_parallel.py::test_moe_parity_with_one_process[tp2-sp]")),
     Mutant("ep-grad-scale-ignores-borrowed-ranks", "the experts' gradient scale is 1/ep even where ep borrows cp or tp "
            "ranks (whose partial gradients the experts' average then undercounts)",
            "src/scaletrain/parallel/parallelize.py",
@@ -169,19 +169,19 @@ MUTANTS = [
            "src/scaletrain/verify.py",
            "ok = worst_loss.loss_rel <= tol_loss and worst_norm.grad_norm_rel <= tol_norm",
            "ok = worst_loss.loss_rel <= tol_loss",
-           ("tests/test_verify.py::test_a_wrong_loss_normalisation_fails_on_the_gradient_norm",
-            "tests/test_verify.py::test_comparison_and_verdict")),
+           ("tests/parallel/test_verify.py::test_a_wrong_loss_normalisation_fails_on_the_gradient_norm",
+            "tests/parallel/test_verify.py::test_comparison_and_verdict")),
     Mutant("grad-norm-logged-after-clipping", "the logged gradient norm is the norm after clipping",
            "src/scaletrain/parallel/data_parallel.py",
            "                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)\n    return norm",
            "                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)\n"
            "    return norm.clamp(max=max_norm) if max_norm else norm",
-           ("tests/test_training.py::test_gradient_clipping_by_global_norm",)),
+           ("tests/train/test_training.py::test_gradient_clipping_by_global_norm",)),
     Mutant("local-sgd-pseudo-gradient-sign", "DiLoCo's pseudo-gradient taken as local - outer (a step away from "
            "where the workers went)", "src/scaletrain/parallel/local_sgd.py",
            "mine = torch.cat([(p.outer.to(p.local.device, non_blocking=True) - p.local).reshape(-1)",
            "mine = torch.cat([(p.local - p.outer.to(p.local.device, non_blocking=True)).reshape(-1)",
-           ("tests/test_local_sgd.py::test_local_sgd_averages_the_weights_and_diloco_takes_a_nesterov_step",)),
+           ("tests/parallel/test_local_sgd.py::test_local_sgd_averages_the_weights_and_diloco_takes_a_nesterov_step",)),
     Mutant("cp-ring-no-lse-merge", "ring attention adds the K/V blocks' partial outputs without the log-sum-exp "
            "weights", "src/scaletrain/parallel/context_parallel.py",
            "    return out * torch.exp(lse - merged) + block_out * torch.exp(block_lse - merged), merged\n",
@@ -223,15 +223,15 @@ MUTANTS = [
            "src/scaletrain/quant/ptq.py",
            'return Int8Tensor(parts["qdata"], parts["scale"], [1, cols]',
            'return Int8Tensor(parts["qdata"], torch.ones_like(parts["scale"]), [1, cols]',
-           ("tests/test_quantize.py::test_the_folder_loads_without_unpickling_and_gives_the_same_logits[int8-weight]",
-            "tests/test_quantize.py::test_ptq_perplexity_is_within_tolerance_of_fp32_and_the_folder_is_smaller"
+           ("tests/quant/test_quantize.py::test_the_folder_loads_without_unpickling_and_gives_the_same_logits[int8-weight]",
+            "tests/quant/test_quantize.py::test_ptq_perplexity_is_within_tolerance_of_fp32_and_the_folder_is_smaller"
             "[int8-dynamic]")),
     # the calibrated planner: FSDP's and ZeRO-2's measured per-block cost paid once per step
     # instead of every micro-batch (accumulation would look free under them)
     Mutant("calibrated-engine-once-per-step", "the measured engine cost of ZeRO-2/FSDP not scaled by micro-batches",
            "src/scaletrain/plan/calibrated_time.py",
            "        per_micro = layout.zero in (2, 3)", "        per_micro = False",
-           ("tests/test_calibration.py::test_a_measured_engine_replaces_the_modelled_communication_and_optimizer_step",)),
+           ("tests/plan/test_calibration.py::test_a_measured_engine_replaces_the_modelled_communication_and_optimizer_step",)),
     # local SGD / DiLoCo, the batch ramp and mixtures where their boundaries land exactly
     Mutant("local-sgd-int8-sender-scales", "the receiver decodes the int8 values it received with the scales it "
            "sent, not those that came with them", "src/scaletrain/parallel/replica_average.py",
@@ -276,7 +276,7 @@ MUTANTS = [
            "proportions (weights 70, 20, 10 draw from the first source only)", "src/scaletrain/data/mix.py",
            "int(round(c / cumulative[-1] * M))", "int(round(c * M))",
            (f"{MC}::test_weights_summing_to_one_or_more_draw_the_same_windows_in_proportion",)),
-    # QAT's rounding against PTQ's, value for value and by hand (tests/test_quant_catch.py)
+    # QAT's rounding against PTQ's, value for value and by hand (tests/quant/test_quantize.py)
     Mutant("qat-int8-weights-asymmetric", "QAT (int8-dynamic) rounds weights asymmetrically, PTQ symmetrically",
            "src/scaletrain/quant/qat.py",
            'weight = IntxFakeQuantizeConfig(torch.int8, "per_channel", is_symmetric=True)',
@@ -303,7 +303,7 @@ MUTANTS = [
            "src/scaletrain/trained/evaluate.py",
            "        prepare_qat(model, what.cfg.train.qat)\n", "        pass\n",
            (f"{QC}::test_a_qat_model_is_evaluated_through_its_fake_quantizers",)),
-    # the planner's collectives, each engine's derived by hand (tests/test_calibrated_comm.py)
+    # the planner's collectives, each engine's derived by hand (tests/plan/test_calibrated_comm.py)
     Mutant("calibrated-zero-gather-as-all-reduce", "ZeRO-1/2's weight all-gather priced as an all-reduce",
            "src/scaletrain/plan/calibrated_time.py",
            'gather = cal.collective_s("all_gather", params * max(d.param, 4), n_shard, calls=buckets)',
@@ -397,8 +397,8 @@ MUTANTS = [
            "out = model_state_memory(adapters.trainable, wl, layout, sh=sh)",
            "out = model_state_memory(counts, wl, layout, sh=sh)",
            (f"{QL}::test_the_planner_fits_a_70b_qlora_on_one_80gb_gpu_but_not_lora_or_full_fine_tuning",
-            "tests/test_planner_accuracy.py::test_adapter_prediction_matches_measurement[qlora nf4]")),
-    # the Hugging Face families of model/families/ beyond GPT-2 and the Llama-likes (tests/test_hf_families.py)
+            "tests/plan/test_planner_accuracy.py::test_adapter_prediction_matches_measurement[qlora nf4]")),
+    # the Hugging Face families of model/families/ beyond GPT-2 and the Llama-likes (tests/model/test_hf_families.py)
     Mutant("olmo2-post-norms-swapped",
            "OLMo 2's post-attention and post-feedforward norms loaded into each other's place",
            "src/scaletrain/model/families/olmo2.py",
@@ -478,7 +478,7 @@ MUTANTS = [
            "            text += f\"{m['role'].capitalize()}: \"\n            start = len(text)\n",
            "            start = len(text)\n            text += f\"{m['role'].capitalize()}: \"\n",
            (f"{CH}::test_plain_format_masks_exactly_the_assistants_tokens",)),
-    # fault tolerance across replica groups (parallel/fault_tolerance.py, tests/test_fault_tolerance.py)
+    # fault tolerance across replica groups (parallel/fault_tolerance.py, tests/parallel/test_fault_tolerance.py)
     Mutant("ft-groups-read-the-same-windows", "every replica group reads group 0's share of the step's windows",
            "src/scaletrain/parallel/fault_tolerance.py",
            "self.data_outer = (replica_id, groups)", "self.data_outer = (0, groups)",
@@ -503,7 +503,7 @@ MUTANTS = [
            'self.state.step, self.state.skipped_steps = int(peer["step"]), int(peer["skipped_steps"])',
            'self.state.step = int(peer["step"])',
            (f"{FT}::test_a_group_healed_from_a_peer_holds_its_state_bit_for_bit",)),
-    # any layout inside a replica group (tests/test_ft_layouts.py: 2 groups x 2 ranks, no launcher)
+    # any layout inside a replica group (tests/parallel/test_ft_layouts.py: 2 groups x 2 ranks, no launcher)
     Mutant("ft-groups-skip-sharded-grads", "the replica groups average the plain gradients only, not the local "
            "shards of DTensor ones (ZeRO-3, tensor parallel)", "src/scaletrain/parallel/fault_tolerance.py",
            "grads = [_local(p.grad) for _, p in named if p.grad is not None]",
@@ -542,7 +542,7 @@ MUTANTS = [
            "    return next((c for r, c in enumerate(codes) if c and r not in stopped), 0)",
            "    return next((c for c in codes if c), 0)",
            (f"{FT}::test_a_group_back_after_the_others_finished_is_stopped_and_the_run_ends_0",)),
-    # packing without cross-document attention (data.document_mask, tests/test_document_mask.py)
+    # packing without cross-document attention (data.document_mask, tests/data/test_document_mask.py)
     Mutant("docmask-attends-across-documents", "a packed document's queries see the keys of the documents before "
            "it (the mask is plain causal)", "src/scaletrain/model/transformer.py",
            "(docs[:, :, None] == docs[:, None, :]) & causal", "(docs[:, :, None] >= docs[:, None, :]) & causal",
@@ -574,13 +574,13 @@ MUTANTS = [
     Mutant("inner-lr-rule-unscaled", "parallel.inner_lr_scale=0 (the square-root rule) leaves the workers at "
            "optim.lr", "src/scaletrain/schedule.py",
            "return par.inner_lr_scale or 1.0 / math.sqrt(par.dp_replicate)", "return par.inner_lr_scale or 1.0",
-           ("tests/test_local_sgd.py::test_the_workers_inner_lr_follows_parallel_inner_lr_scale",
-            "tests/test_local_sgd.py::test_the_workers_optimizer_steps_at_the_scaled_lr_as_in_their_simulation")),
+           ("tests/parallel/test_local_sgd.py::test_the_workers_inner_lr_follows_parallel_inner_lr_scale",
+            "tests/parallel/test_local_sgd.py::test_the_workers_optimizer_steps_at_the_scaled_lr_as_in_their_simulation")),
     Mutant("inner-lr-simulation-unscaled", "verify's one-process simulation of the workers steps them at optim.lr, "
            "not at the scaled inner lr", "src/scaletrain/verify.py",
            "schedule = TrainSchedule.for_job(cfg, BatchSchedule(g, cfg.data.seq_len, g), total_steps)",
            "schedule = TrainSchedule(cfg.optim, BatchSchedule(g, cfg.data.seq_len, g), total_steps)",
-           ("tests/test_local_sgd.py::test_the_workers_optimizer_steps_at_the_scaled_lr_as_in_their_simulation",)),
+           ("tests/parallel/test_local_sgd.py::test_the_workers_optimizer_steps_at_the_scaled_lr_as_in_their_simulation",)),
 ]
 
 

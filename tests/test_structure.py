@@ -316,7 +316,7 @@ def test_no_module_outside_the_trainer_touches_its_private_members():
     private = trainer_private_names()
     assert {"_build", "_resume", "_accumulate"} <= private  # the check sees them
     files = [f for f in sorted(PACKAGE.rglob("*.py")) if f != TRAINER]
-    files += sorted((PACKAGE.parents[1] / "benchmarks").glob("*.py")) + sorted(Path(__file__).parent.glob("*.py"))
+    files += sorted((PACKAGE.parents[1] / "benchmarks").glob("*.py")) + sorted(Path(__file__).parent.rglob("*.py"))
     assert private_trainer_access(files, private) == []
 
 
@@ -565,3 +565,25 @@ def test_a_family_is_one_file_and_one_registry_line():
     outside = [f for f in PACKAGE.rglob("*.py") if FAMILY_DIR not in f.parents]
     reached = {m for f in outside for m in imported_modules(f)}
     assert not {f"scaletrain.model.families.{name}" for name in FAMILIES} & reached
+
+
+def test_tests_mirror_the_package():
+    """tests/ mirrors src/scaletrain/ (issue 46, step 8): every test file sits in a folder named after a
+    subpackage or a top-level module of the package (tests/plan/ for scaletrain/plan/, tests/cli/ for
+    cli.py, with config.py's tests beside), one level deep, no folder holding more than 15; at the top of
+    tests/ only this file (the package as a whole) and the helpers the folders share. A subject's
+    catching, fault and error cases are in its own file, not in a *_catch, *_faults or *_errors file
+    beside it. pytest imports a test file by its name alone (no __init__.py), so each name is unique."""
+    tests = Path(__file__).parent
+    areas = {p.stem for p in PACKAGE.iterdir() if (p / "__init__.py").is_file() or p.suffix == ".py"}
+    files = sorted(tests.rglob("test_*.py"))
+    assert [p.name for p in files if p.parent == tests] == ["test_structure.py"]
+    folders: dict[str, list[str]] = {}
+    for p in files:
+        if p.parent != tests:
+            folders.setdefault(str(p.parent.relative_to(tests)), []).append(p.name)
+    assert sorted(f for f in folders if f not in areas - {"__init__", "__main__"}) == [], "folders named after no area"
+    assert {f: len(names) for f, names in folders.items() if len(names) > 15} == {}
+    assert [str(p.relative_to(tests)) for p in files if p.stem.endswith(("_catch", "_faults", "_errors"))] == []
+    names = [p.name for p in files]
+    assert sorted({n for n in names if names.count(n) > 1}) == [] and not list(tests.rglob("__init__.py"))

@@ -1,0 +1,345 @@
+"""The mixture-of-experts layer (model/moe.py) and its step hook (parallel/moe_balance.py) in one
+process: the layer's output against a hand-written per-token reference, the grouped matmul
+against a per-expert loop, the capacity, the expert bias, the auxiliary losses' gradients, and
+what activation checkpointing, gradient accumulation, a run's metrics and a resume must keep."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from scaletrain.errors import ConfigError
+from scaletrain.layout import Layout
+from scaletrain.legality import check_job
+from scaletrain.model import moe as moe_module
+from scaletrain.model.config import ModelConfig
+from scaletrain.model.moe import MoE, expert_mlp
+from scaletrain.model.transformer import Transformer
+from scaletrain.parallel.moe_balance import MoEBalance
+from scaletrain.quant.layers import layer_plan
+from scaletrain.train.trainer import Trainer
+
+from conftest import micro_cfg, read_metrics, run_until
+
+E, D, H = 4, 32, 48  # experts, model width, expert width (fp32 rows of 128 and 192 bytes: grouped matmul)
+
+
+def layer(seed: int = 0, **overrides) -> MoE:
+    cfg = ModelConfig(**{"dim": D, "n_layers": 1, "n_heads": 4, "moe_experts": E, "moe_hidden": H,
+                         "moe_top_k": 2, **overrides})
+    m = MoE(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    m.reset_state()
+    return m
+
+
+def tokens(B: int = 3, T: int = 8, seed: int = 1) -> torch.Tensor:
+    return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))
+
+
+def reference(m: MoE, x: torch.Tensor, keep=lambda token, expert: True) -> torch.Tensor:
+    """The layer written token by token: scores, the top_k choice (with the bias), the weights
+    (without it), each chosen expert's MLP, the shared experts. `keep(token, expert)`: whether
+    that choice survives the capacity."""
+    flat = x.reshape(-1, D)
+    out = torch.zeros_like(flat)
+    for i, v in enumerate(flat):
+        logits = m.router.weight @ v
+        scores = logits.softmax(-1) if m.score == "softmax" else logits.sigmoid()
+        chosen = torch.topk(scores + m.expert_bias, m.top_k).indices
+        weights = scores[chosen]
+        if m.renorm:
+            weights = weights / weights.sum()
+        for e, w in zip(chosen.tolist(), weights * m.route_scale):
+            if not keep(i, e):
+                continue
+            h = m.w1[e] @ v
+            h = F.silu(h) * (m.w3[e] @ v) if m.w3 is not None else F.gelu(h, approximate="tanh")
+            out[i] += w * (m.w2[e] @ h)
+        if m.shared is not None:
+            out[i] += m.shared(v)
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"activation": "swiglu", "moe_score": "sigmoid", "moe_renorm": True, "moe_route_scale": 2.5,
+     "moe_shared_experts": 1},
+    {"activation": "swiglu", "moe_renorm": True, "moe_shared_experts": 2, "moe_top_k": 3},
+], ids=["softmax-gelu", "sigmoid-swiglu-renorm-scale-shared", "softmax-swiglu-renorm-2shared-top3"])
+def test_output_equals_the_per_token_reference(options):
+    m = layer(**options)
+    with torch.no_grad():
+        m.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))  # moves some choices, never a weight
+        x = tokens()
+        for mode in (m.eval, m.train):  # training adds the counters and the losses' gradients only
+            mode()
+            torch.testing.assert_close(m(x), reference(m, x), rtol=1e-5, atol=1e-5)
+
+
+def per_expert_loop(x, counts, w1, w2, w3):
+    """The experts' MLPs one expert at a time (the reference the grouped matmul must match)."""
+    outs = []
+    for e, part in enumerate(x.split(counts.tolist())):
+        h = part @ w1[e].T
+        h = F.silu(h) * (part @ w3[e].T) if w3 is not None else F.gelu(h, approximate="tanh")
+        outs.append(h @ w2[e].T)
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dim,hidden,grouped", [(32, 48, True), (10, 6, False), (32, 7, False)],
+                         ids=["grouped", "fallback-dim10", "fallback-hidden7"])
+@pytest.mark.parametrize("swiglu", [False, True], ids=["gelu", "swiglu"])
+def test_grouped_matmul_equals_a_per_expert_loop(monkeypatch, dim, hidden, grouped, swiglu):
+    """Values and gradients, with an expert that gets no token; shapes whose rows are not a
+    multiple of 16 bytes are refused by torch._grouped_mm and take the loop."""
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor([5, 0, 9, 3])
+    x = torch.randn(int(counts.sum()), dim, generator=g, requires_grad=True)
+    w1, w3 = (torch.randn(4, hidden, dim, generator=g, requires_grad=True) for _ in range(2))
+    w2 = torch.randn(4, dim, hidden, generator=g, requires_grad=True)
+    w3 = w3 if swiglu else None
+    inputs = [t for t in (x, w1, w2, w3) if t is not None]
+    dy = torch.randn(len(x), dim, generator=g)
+    got = expert_mlp(x, counts, w1, w2, w3)
+    assert bool(calls) == grouped, "the grouped matmul ran where it should not, or not where it should"
+    got_grads = torch.autograd.grad(got, inputs, dy)
+    want = per_expert_loop(x, counts, w1, w2, w3)
+    want_grads = torch.autograd.grad(want, inputs, dy)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(expert_mlp(x, counts, w1, w2, w3, loop=True), want, rtol=1e-5, atol=1e-5)
+
+
+def test_capacity_drops_each_experts_later_tokens_and_counts_them():
+    m = layer(moe_capacity_factor=1.0).train()
+    x = tokens(B=2, T=8)
+    n, k = 16, 2
+    capacity = math.ceil(1.0 * n * k / E)  # 8 choices per expert
+    with torch.no_grad():
+        m.expert_bias.copy_(torch.tensor([9.0, 0.0, 0.0, 0.0]))  # every token chooses expert 0
+        flat = x.reshape(-1, D)
+        scores = (flat @ m.router.weight.T).softmax(-1)
+        chosen = torch.topk(scores + m.expert_bias, k).indices
+        seen = {e: 0 for e in range(E)}
+        kept = set()
+        for i in range(n):  # tokens in order: each expert keeps its first `capacity`
+            for e in chosen[i].tolist():
+                if seen[e] < capacity:
+                    kept.add((i, e))
+                seen[e] += 1
+        dropped = sum(max(c - capacity, 0) for c in seen.values())
+        assert dropped == 8  # the 16 tokens sent to expert 0, of which 8 fit
+        want = reference(m, x, keep=lambda i, e: (i, e) in kept)
+    torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-5)  # a training forward counts
+    assert m.stats[:E].tolist() == [float(seen[e]) for e in range(E)]  # the load counts every choice
+    assert m.stats[E].item() == dropped
+
+
+def test_the_expert_bias_steers_the_choice_but_not_the_weights():
+    m = layer().eval()
+    x = tokens()
+    with torch.no_grad():
+        unbiased = m(x)
+        m.expert_bias[3] = 100.0
+        biased = m(x)
+        flat = x.reshape(-1, D)
+        scores = (flat @ m.router.weight.T).softmax(-1)
+        # every token now takes expert 3, weighted by its score (not by its score + 100)
+        assert torch.topk(scores + m.expert_bias, 2).indices.eq(3).any(-1).all()
+        torch.testing.assert_close(biased, reference(m, x), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(biased, unbiased)
+        assert biased.abs().max() < 10 * unbiased.abs().max()  # no weight near 100
+
+
+def explicit_losses(m: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Switch loss (per sequence, times its length) and the z-loss (summed over tokens), as
+    their papers write them."""
+    B, T, _ = x.shape
+    logits = x @ m.router.weight.T  # (B, T, E)
+    probs = logits.softmax(-1)
+    chosen = torch.topk(probs.detach() + m.expert_bias, m.top_k).indices  # (B, T, k)
+    aux = 0.0
+    for b in range(B):
+        f = torch.stack([(chosen[b] == e).sum() for e in range(E)]).float() / (T * m.top_k)
+        aux = aux + E * (f * probs[b].mean(0)).sum() * T
+    z = logits.logsumexp(-1).square().sum()
+    return aux, z
+
+
+def test_aux_and_z_loss_gradients_equal_autograd_of_the_explicit_losses():
+    factor, aux_coef, z_coef = 0.37, 0.2, 0.05
+    m = layer(moe_aux_loss=aux_coef, moe_z_loss=z_coef).train()
+    m.loss_factor = factor
+    plain = layer().train()  # the same weights, no losses
+    x = tokens()
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+    (m(x) * dy).sum().backward()
+    aux, z = explicit_losses(plain, x)
+    ((plain(x) * dy).sum() + factor * (aux_coef * aux + z_coef * z)).backward()
+    for (name, a), (_, b) in zip(m.named_parameters(), plain.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+    # and the counters hold the losses themselves (sums: the hook divides by the tokens)
+    torch.testing.assert_close(m.stats[E + 1], aux.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m.stats[E + 2], z.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_activation_checkpointing_counts_no_token_twice():
+    m, again = layer(moe_aux_loss=0.1, moe_z_loss=0.01).train(), layer(moe_aux_loss=0.1, moe_z_loss=0.01).train()
+    x = tokens()
+    m(x).square().sum().backward()
+    checkpoint(again, x, use_reentrant=False).square().sum().backward()  # forward again in backward
+    assert again.stats[:E].sum().item() == x.shape[0] * x.shape[1] * 2  # every token's 2 choices, once
+    torch.testing.assert_close(again.stats, m.stats)
+    for (name, a), (_, b) in zip(again.named_parameters(), m.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_two_micro_batches_give_one_batchs_bias_losses_and_gradients():
+    """Gradient accumulation: the per-sequence Switch loss and the counters are sums, so two
+    halves of a batch add up to the whole batch, bias update included."""
+    opts = {"moe_aux_loss": 0.1, "moe_z_loss": 0.01, "moe_bias_rate": 0.01}
+    whole, halves = layer(**opts).train(), layer(**opts).train()
+    x = tokens(B=4)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+    for m in (whole, halves):
+        m.loss_factor = 0.5
+    (whole(x) * dy).sum().backward()
+    for part, dpart in zip(x.split(2), dy.split(2)):
+        (halves(part) * dpart).sum().backward()
+    for (name, a), (_, b) in zip(halves.named_parameters(), whole.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(halves.stats, whole.stats, rtol=1e-5, atol=1e-5)
+    cfg = ModelConfig(dim=D, n_layers=1, n_heads=4, moe_experts=E, moe_bias_rate=0.01)
+    biases = []
+    for m in (whole, halves):
+        hook = MoEBalance({"layers.0.moe": m}, ["layers.0.moe"], [], experts=E, bias_rate=cfg.moe_bias_rate, top_k=2)
+        hook.after_optimizer_step(applied=True)
+        assert m.stats.abs().sum() == 0  # cleared for the next step
+        biases.append(m.expert_bias.clone())
+    assert torch.equal(biases[0], biases[1]) and biases[0].abs().sum() > 0
+
+
+MOE_RUN = {"model.moe_experts": 4, "model.moe_aux_loss": 0.01, "model.moe_z_loss": 0.001,
+           "model.moe_bias_rate": 0.01}
+
+
+def biases(trainer) -> dict[str, torch.Tensor]:
+    return {n: m.expert_bias.clone() for n, m in trainer.hooks.find(MoEBalance).layers.items()}
+
+
+def test_metrics_rows_show_the_balance(tmp_path):
+    Trainer(micro_cfg(tmp_path, **{**MOE_RUN, "train.steps": 2, "model.moe_capacity_factor": 1.0})).fit()
+    rows = read_metrics(tmp_path / "run")
+    for row in rows:
+        worst = max(row["moe_imbalance/layers.0.moe"], row["moe_imbalance/layers.1.moe"])
+        assert row["moe_imbalance"] == worst >= 1.0
+        assert 0 <= row["moe_dropped"] < 1
+        # per token per layer; at initialisation the router is near uniform: Switch ~ top_k... here about 1
+        assert 0.5 < row["moe_aux_loss"] < 4 and row["moe_z_loss"] > 0
+
+
+def test_resume_is_exact_with_the_expert_bias(tmp_path):
+    base = {**MOE_RUN, "train.steps": 4, "checkpoint.every": 2}
+    straight = Trainer(micro_cfg(tmp_path / "a", **base))
+    history = [(r["step"], r["loss"], r["grad_norm"]) for r in straight.fit()["history"]]
+    cfg = micro_cfg(tmp_path / "b", **{**base, "checkpoint.resume": "auto"})
+    run_until(cfg, stop_after=2)
+    resumed = Trainer(cfg)
+    assert resumed.step == 2
+    assert all(b.abs().sum() > 0 for b in biases(resumed).values()), "the biases did not come back"
+    resumed.fit()
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / "b" / "run")] == history
+    for name, b in biases(straight).items():
+        assert torch.equal(biases(resumed)[name], b), name
+
+
+@pytest.mark.parametrize("mode", ["bf16-mixed", "bf16-true", "16-mixed", "full", "selective"])
+def test_every_precision_and_checkpointing_train_like_32_true(tmp_path, mode):
+    """Activation checkpointing the same numbers, a 16-bit precision nearly. (Compiled blocks:
+    tests/parallel/test_expert_parallel.py's ep2-zero3-compile against one eager process, every step.)"""
+    extra = {"memory.activation_checkpointing": mode} if mode in ("full", "selective") else {"precision.mode": mode}
+    steps = {**MOE_RUN, "train.steps": 2, "model.activation": "swiglu", "model.moe_shared_experts": 1}
+    ref = Trainer(micro_cfg(tmp_path / "ref", **steps)).fit()["history"]
+    got = Trainer(micro_cfg(tmp_path / mode, **steps, **extra)).fit()["history"]
+    tol = 2e-2 if "precision.mode" in extra else 1e-5
+    for a, b in zip(got, ref):
+        assert abs(a["loss"] - b["loss"]) <= tol * b["loss"], (mode, a["loss"], b["loss"])
+        assert a["moe_imbalance"] >= 1.0 and math.isfinite(a["moe_aux_loss"])
+
+
+def test_fp8_and_qat_leave_the_router_and_the_routed_experts_alone():
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(dim=128, n_layers=2, n_heads=4, moe_experts=64, moe_shared_experts=1))
+    for scheme in ("fp8", "int8-dynamic"):
+        plan = layer_plan(model, scheme, fp8_min_dim=16)
+        assert plan["layers.0.moe.router"] is not None and "router" in plan["layers.0.moe.router"]
+        assert plan["layers.0.moe.shared.w1"] is None  # the shared experts are a dense MLP: they convert
+        assert not any(name.endswith(("moe.w1", "moe.w2", "moe.w3")) for name in plan)  # not linears
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(256, 16)
+        self.layers = nn.ModuleList([nn.Linear(16, 16)])
+        self.out = nn.Linear(16, 256)
+
+    def forward(self, tokens):
+        return self.out(self.layers[0](self.emb(tokens)))
+
+
+def test_moe_options_on_a_custom_module_are_one_line(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        Trainer(micro_cfg(tmp_path, **{"model.moe_experts": 4}), stream=open(os.devnull, "w"), model=Tiny())
+    assert str(e.value).count("\n") == 0 and "model.moe_experts=4" in str(e.value)
+    assert "custom nn.Module" in str(e.value)
+
+
+@pytest.mark.parametrize("layout", [Layout(cp=2), Layout(tp=2, sp=True)], ids=["cp", "sp"])
+def test_a_capacity_with_ranks_holding_parts_of_sequences_is_refused(layout):
+    cfg = ModelConfig(dim=D, n_layers=1, n_heads=4, moe_experts=E, moe_capacity_factor=1.25)
+    with pytest.raises(ConfigError, match=r"model.moe_capacity_factor=1.25 with parallel.(cp|sp)"):
+        check_job(layout, cfg)
+    check_job(layout, ModelConfig(dim=D, n_layers=1, n_heads=4, moe_experts=E))  # dropless: fine
+
+
+def test_the_grouped_matmul_leaves_compiles_graph_outside_bf16(monkeypatch):
+    """torch.compile traces the grouped matmul with a shape function that takes bf16 alone; fp32
+    runs it eagerly instead (the path compile takes, called here directly)."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    seen = []
+    monkeypatch.setattr(moe_module, "_grouped_eager", lambda *a: seen.append(1) or moe_module._grouped(*a))
+    counts = torch.tensor([2, 3, 0, 1])
+    w = torch.randn(4, 48, 32)
+    expert_mlp(torch.randn(6, 32), counts, w, w.transpose(1, 2).contiguous(), None)
+    assert len(seen) == 2
+
+
+def test_the_router_runs_in_fp32_under_autocast():
+    """bf16 autocast casts a linear's operands; the router's scores must still be fp32 products
+    (a bf16 tie decides an expert), equal to the fp32 router's bit for bit."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=32, n_heads=4, moe_experts=8, moe_top_k=2, moe_hidden=16)
+    moe = MoE(cfg)
+    with torch.no_grad():
+        moe.router.weight.normal_(0, 0.5)
+    x = torch.randn(64, 32)
+    want, _, _ = moe.route(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _, _ = moe.route(x)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, want)

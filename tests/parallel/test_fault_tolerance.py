@@ -1,0 +1,526 @@
+"""Fault tolerance across replica groups (parallel.fault_tolerance, on torchft): the one-line refusals,
+the Lighthouse killed mid-run, three groups killed at named phases (forward, the gradient all-reduce,
+the optimizer step, a checkpoint save, a heal) by the injector of tests/ft_faults.py, checked against
+one process training their joint batch, and two DiLoCo groups, one killed mid-window by the injector.
+Every kill of a group is the injector's (deterministic: at a phase of a step, from inside the rank),
+never a poll from outside; the Lighthouse is killed from outside, but late is harmless there."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scaletrain.config import load_config
+from scaletrain.errors import ConfigError
+
+from conftest import MICRO, REPO, micro_cfg, one_line_exit_2, read_metrics, run_here
+
+FT = {"parallel.fault_tolerance": True, "parallel.ft_lighthouse": "http://127.0.0.1:1"}
+# two groups of one rank, each with half of a batch of 8 windows (CLI options: `scaletrain ft-local`)
+GROUP = [f"--{k}={v}" for k, v in {**MICRO, "train.global_batch": 4, "train.micro_batch": 4,
+                                   "train.eval_every": 1000, "train.eval_batches": 1,
+                                   "checkpoint.save_final": True}.items()]
+
+
+@pytest.mark.parametrize("options,fragments", [
+    ({"parallel.ft_groups": 2, "parallel.ft_replica_id": 2}, ["parallel.ft_replica_id=2 is out of range",
+                                                             "from 0 to 1"]),
+    ({"parallel.ft_groups": 2, "parallel.ft_min_replicas": 3}, ["parallel.ft_min_replicas=3 is above "
+                                                               "parallel.ft_groups=2"]),
+    ({"model.moe_experts": 4, "parallel.dp_sync": "diloco"},
+     ["dp_sync=diloco and model.moe_bias_rate=0.001", "drift apart", "set model.moe_bias_rate=0"]),
+    ({"parallel.zero": 3, "parallel.dp_sync": "diloco", "parallel.dp_replicate": 2},
+     ["with parallel.dp_sync=diloco does not protect parallel.dp_replicate=2: the replica groups are the workers"]),
+    ({"parallel.dp_replicate": 2, "parallel.dp_sync": "local_sgd"}, ["dp_sync=local_sgd does not protect "
+                                                                     "parallel.dp_replicate=2", "use dp_sync=step"]),
+    ({"parallel.ft_lighthouse": ""}, ["needs parallel.ft_lighthouse=http://HOST:PORT"]),
+])
+def test_bad_fault_tolerance_options_are_one_line_each(options, fragments):
+    """A key's own range at config validation, what a layout cannot protect at the legality check
+    (settle asks both before any rank starts)."""
+    from scaletrain.layout import Layout
+    from scaletrain.legality import check_config
+
+    with pytest.raises(ConfigError) as e:
+        cfg = load_config(None, {**FT, **options})
+        check_config(cfg, Layout.from_config(cfg, 2 * Layout.config_world(cfg.parallel)))
+    assert len(e.value.lines) == 1
+    for f in fragments:
+        assert f in e.value.lines[0], e.value.lines[0]
+
+
+def test_any_layout_inside_a_group_is_accepted_with_dp_sync_step():
+    """tp, pp, cp, ep, ZeRO-3 and HSDP inside each group (tests/parallel/test_ft_layouts.py runs them), and a
+    mixture of experts balanced by its routing biases (the default) or by its auxiliary loss alone."""
+    load_config(None, {**FT, "parallel.tp": 2, "parallel.pp": 2, "parallel.cp": 2, "parallel.zero": 3,
+                       "parallel.dp_replicate": 2})
+    load_config(None, {**FT, "parallel.ep": 2, "model.moe_experts": 4})
+    load_config(None, {**FT, "model.moe_experts": 4, "model.moe_bias_rate": 0, "model.moe_aux_loss": 0.01})
+
+
+def test_diloco_across_groups_is_accepted_whole_and_refused_streamed_in_one_line():
+    """dp_sync with dp_replicate = 1 makes the groups the workers (no refusal); streamed, delayed or
+    compressed syncs across groups are one line naming the options."""
+    from scaletrain.layout import Layout
+
+    cfg = load_config(None, {**FT, "parallel.dp_sync": "diloco", "parallel.sync_every": 10})
+    assert Layout.from_config(cfg, 1).errors() == []
+    for inside in ({"parallel.zero": 3}, {"parallel.tp": 2}, {"parallel.pp": 2}, {"parallel.cp": 2},
+                   {"parallel.ep": 2, "model.moe_experts": 4, "model.moe_bias_rate": 0}):  # test_ft_layouts.py
+        load_config(None, {**FT, "parallel.dp_sync": "diloco", "parallel.sync_every": 10, **inside})
+    cfg = cfg.replace(**{"parallel.sync_fragments": 2, "parallel.sync_dtype": "int8"})
+    assert Layout.from_config(cfg, 1).errors() == [
+        "parallel.fault_tolerance syncs the replica groups' diloco whole, in fp32, with no delay: "
+        "parallel.sync_fragments=2, parallel.sync_dtype=int8 across groups is not supported yet; leave "
+        "sync_fragments at 1, sync_delay at 0 and sync_dtype at fp32"]
+
+
+def test_an_unreachable_lighthouse_and_a_missing_torchft_are_one_line_exit_2(tmp_path, monkeypatch):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["train", *[f"--{k}={v}" for k, v in MICRO.items()], f"--log.run_dir={tmp_path / 'run'}",
+            "--parallel.fault_tolerance=true", f"--parallel.ft_lighthouse=http://127.0.0.1:{port}",
+            "--parallel.ft_quorum_timeout_s=0.5"]
+    t0 = time.monotonic()
+    one_line_exit_2(run_here(*args), f"the Lighthouse at http://127.0.0.1:{port} is unreachable after "
+                                     "parallel.ft_quorum_timeout_s=0.5 s")
+    assert time.monotonic() - t0 < 60
+    monkeypatch.setitem(sys.modules, "torchft", None)  # as if not installed: its import fails
+    one_line_exit_2(run_here(*args), "parallel.fault_tolerance needs torchft", "pip install 'scaletrain[ft]'")
+    one_line_exit_2(run_here("lighthouse", "--bind", "[::]:0"), "the Lighthouse needs torchft")
+
+
+# --------------------------------------------------------------------------------------------
+# Real groups: `scaletrain ft-local` (a Lighthouse and R groups, each under its own elastic agent)
+
+TESTS = Path(__file__).parents[1]  # tests/, where ft_faults.py is
+
+
+def _ft_local(run_dir: Path, groups: int, *args: str) -> subprocess.Popen:
+    """`scaletrain ft-local` with ARGS, tests/ on the ranks' path (for --rank-hook=ft_faults:inject)."""
+    return subprocess.Popen([sys.executable, "-m", "scaletrain", "ft-local", "--groups", str(groups), *GROUP,
+                             f"--log.run_dir={run_dir}", "--heartbeat-timeout-ms=1000", *args],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1",
+                                 "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])})
+
+
+def _ended(job: subprocess.Popen, timeout: float) -> str:
+    """The job's stderr once it has ended (killed past `timeout` seconds)."""
+    try:
+        return job.communicate(timeout=timeout)[1]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _cmdline(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def _rows(run: Path) -> list[dict]:
+    return read_metrics(run) if (run / "metrics.jsonl").exists() else []
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_lighthouse_killed_mid_run_stops_the_group_cleanly_with_exit_3(tmp_path):
+    """The Lighthouse is the job's single point of failure: SIGKILLed mid-run, a group says so in one
+    line within ft_quorum_timeout_s and stops (exit code 3, no restart), its checkpoints intact. One
+    group: each group finds the Lighthouse gone at its own next quorum, with no part for its peers."""
+    from scaletrain.train.checkpoint import latest_checkpoint, verify_checkpoint
+
+    run = tmp_path / "ft"
+    job = _ft_local(run, 1, "--min-replicas", "1", "--train.steps=2000", "--checkpoint.every=2",
+                    "--parallel.ft_quorum_timeout_s=5")
+    try:
+        # killed once the group is past its start (a Lighthouse gone before the group's first connection is
+        # the unreachable Lighthouse of its start, exit 2, another test's case) and has a checkpoint; later
+        # is harmless: the group goes on until it dies
+        deadline, lighthouse = time.monotonic() + 300, None
+        while time.monotonic() < deadline and job.poll() is None:
+            lighthouse = lighthouse or next((p for p in _children(job.pid) if b"lighthouse" in _cmdline(p)), None)
+            if lighthouse and latest_checkpoint(run / "group0" / "checkpoints"):
+                break
+            time.sleep(0.1)
+        assert lighthouse is not None and job.poll() is None, "the group did not start, or ended before the kill"
+        os.kill(lighthouse, signal.SIGKILL)
+        err = _ended(job, 300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 3, err[-3000:]
+    assert "restart 1 of at most" not in err
+    stops = re.findall(r"rank 0: replica group 0 stops at step \d+: the Lighthouse at http://\S+ no longer "
+                       r"answers; the last checkpoint is kept", err)
+    assert len(stops) == 1, err[-3000:]
+    newest = latest_checkpoint(run / "group0" / "checkpoints")
+    assert newest is not None and verify_checkpoint(newest) is None, newest
+    assert len(_rows(run / "group0")) < 2000
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_ft_local_killed_takes_its_lighthouse_and_groups_with_it(tmp_path):
+    """ft-local SIGKILLed (it cannot clean up): Linux sends its Lighthouse and each group's launcher
+    SIGTERM (their parent-death signal), so the group finishes its step, saves and stops, and nothing
+    of the job outlives it."""
+    from scaletrain.train.checkpoint import latest_checkpoint, verify_checkpoint
+
+    run = tmp_path / "ft"
+    job = _ft_local(run, 1, "--min-replicas", "1", "--train.steps=2000", "--checkpoint.every=1000")
+    try:
+        deadline, children = time.monotonic() + 300, []
+        while time.monotonic() < deadline and job.poll() is None and len(_rows(run / "group0")) < 2:
+            time.sleep(0.1)
+        children = _children(job.pid)  # the Lighthouse and the group's launcher
+        assert len(children) == 2 and job.poll() is None, "the group did not start, or ended before the kill"
+        os.kill(job.pid, signal.SIGKILL)
+        err = _ended(job, 120)  # the end of its stderr: every process that shares it has closed it
+    finally:
+        if job.poll() is None:
+            job.kill()
+    deadline = time.monotonic() + 60  # its stderr closed at exit, a moment before the process is gone
+    while [p for p in children if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in children if _alive(p)], err[-3000:]
+    assert "scaletrain: stopped by SIGTERM: the ranks finished their step and saved" in err, err[-3000:]
+    newest = latest_checkpoint(run / "group0" / "checkpoints")
+    assert newest is not None and verify_checkpoint(newest) is None, newest
+    assert len(_rows(run / "group0")) < 2000
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_group_back_after_the_others_finished_is_stopped_and_the_run_ends_0(tmp_path):
+    """Two groups, min_replicas 2. Group 1 dies in the last step's optimizer step, after its commit
+    vote: group 0 commits that step and finishes without it. Group 1's restart comes back to no peer
+    and would wait for a quorum of two that cannot form, then time out and restart, again and again.
+    ft-local stops it ft_quorum_timeout_s after group 0 finished and says why; the run ends 0."""
+    from ft_faults import fired, write_plan
+
+    run, steps = tmp_path / "ft", 3
+    write_plan(run, [{"group": 1, "step": steps, "phase": "optimizer"}])
+    job = _ft_local(run, 2, "--min-replicas", "2", f"--train.steps={steps}", "--parallel.ft_quorum_timeout_s=30",
+                    "--max-restarts=2", "--rank-hook=ft_faults:inject")  # without the stop: fails in ~2 min
+    err = _ended(job, 400)
+    assert job.returncode == 0, err[-3000:]
+    assert fired(run)[0]["step"] == steps
+    assert "restart 1 of at most" in err, err[-3000:]  # it came back
+    assert "replica group 1 is stopped: group 0 finished the run 30 s ago" in err, err[-3000:]
+    assert "replica group 1 ended with exit code" not in err, err[-3000:]
+    assert read_metrics(run / "group0")[-1]["step"] == steps
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, ended but not reaped yet, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_lighthouse_command_prints_its_address_and_stops_on_sigterm():
+    lighthouse = subprocess.Popen([sys.executable, "-m", "scaletrain", "lighthouse", "--bind", "[::]:0"], cwd=REPO,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = lighthouse.stdout.readline()
+        assert first.startswith("lighthouse http://") and "--parallel.ft_lighthouse=http://" in first, first
+        address = first.split()[1]
+        from scaletrain.parallel.fault_tolerance import lighthouse_problem
+
+        assert lighthouse_problem(address, 10.0) is None  # it answers at the address it printed
+        lighthouse.send_signal(signal.SIGTERM)
+        out, err = lighthouse.communicate(timeout=60)
+    finally:
+        if lighthouse.poll() is None:
+            lighthouse.kill()
+    assert lighthouse.returncode == 0, err
+    assert out.strip() == "lighthouse stopped"
+
+
+# --------------------------------------------------------------------------------------------
+# Kills at named phases (tests/ft_faults.py, through ft-local's hidden --rank-hook): three groups of one
+# rank, min_replicas 3 (every committed step has all three, so the run is a clean run that skipped the
+# uncommitted steps), group 2 the witness that is never killed. Two rounds of two groups killed at once
+# (their restarts overlap), then a kill while healing:
+#   step 3: group 1 in its forward, group 0 in the gradient all-reduce
+#   step 8: group 1 in its optimizer step, group 0 inside its checkpoint save (checkpoint.every 4)
+#   group 1 again, while it heals after the second round (its first heal at a step >= 5)
+# Steps 1-2, before any kill, are one process training the joint batch (groups 0 and 1: their rows as
+# the injector kept them at their kill in step 3; their restarts start metrics.jsonl anew).
+PHASE_STEPS = 14
+PHASE_KILLS = [{"group": 1, "step": 3, "phase": "forward"}, {"group": 0, "step": 3, "phase": "allreduce"},
+               {"group": 1, "step": 8, "phase": "optimizer"}, {"group": 0, "step": 8, "phase": "save"},
+               {"group": 1, "step": 5, "phase": "heal"}]
+
+
+@pytest.fixture(scope="module")
+def phase_kills(tmp_path_factory):
+    """The run of three groups with PHASE_KILLS; returns (run folder, the fired kills, stderr)."""
+    from ft_faults import fired, write_plan
+
+    run = tmp_path_factory.mktemp("ftphases") / "ft"
+    write_plan(run, PHASE_KILLS, record=True)
+    job = _ft_local(run, 3, "--min-replicas", "3", f"--train.steps={PHASE_STEPS}", "--checkpoint.every=4",
+                    "--checkpoint.keep=10", "--parallel.ft_quorum_timeout_s=120", "--rank-hook=ft_faults:inject")
+    err = _ended(job, 600)
+    assert job.returncode == 0, err[-3000:]
+    return run, fired(run), err
+
+
+@pytest.fixture(scope="module")
+def joint_run(phase_kills, tmp_path_factory):
+    """One process training the three groups' joint batch of 12 for PHASE_STEPS, skipping the steps the
+    kills left uncommitted (what the groups' commit vote did at them): {"history": its metrics rows,
+    "start": its initial weights, "trainer": the Trainer at the end}."""
+    from scaletrain.hooks import StepHook
+    from scaletrain.train.trainer import Trainer
+
+    run, _, _ = phase_kills
+    lost = _uncommitted(read_metrics(run / "group2"))
+
+    class SkipThem(StepHook):
+        def agree_to_skip(self, skip: bool) -> bool:
+            return skip or trainer.state.step + 1 in lost
+
+        def skip_reason(self) -> str | None:
+            return "not committed in the faulted run" if trainer.state.step + 1 in lost else None
+
+    trainer = Trainer(micro_cfg(tmp_path_factory.mktemp("joint"), **{
+        "train.steps": PHASE_STEPS, "train.global_batch": 12, "train.micro_batch": 4, "train.eval_every": 1000}))
+    start = {n: p.detach().clone() for n, p in trainer.optim_params}
+    trainer.hooks.add(SkipThem())
+    history = trainer.fit()["history"]
+    return {"history": history, "start": start, "trainer": trainer, "lost": lost}
+
+
+def _uncommitted(rows: list[dict]) -> list[int]:
+    """The steps a group did not commit (its ft_uncommitted count went up at them)."""
+    counts = [0.0] + [r["ft_uncommitted"] for r in rows]
+    return [r["step"] for r, before in zip(rows, counts, strict=False) if r["ft_uncommitted"] > before]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_kills_at_each_phase_cost_at_most_the_step_they_break_and_no_restart_elsewhere(phase_kills):
+    """Each kill fired at its phase and step; the witness (group 2) was never restarted and logged
+    every step once; each kill cost at most the commit of the step it broke (or of the next one,
+    where the dead group was still in that step's quorum), in every group alike."""
+    run, kills, err = phase_kills
+    assert sorted(kills) == list(range(len(PHASE_KILLS))), kills
+    for i, k in kills.items():
+        assert (k["group"], k["phase"]) == (PHASE_KILLS[i]["group"], PHASE_KILLS[i]["phase"])
+    assert [kills[i]["step"] for i in range(4)] == [3, 3, 8, 8], kills  # as planned (the save: its checkpoint's)
+    assert kills[4]["step"] >= 8  # group 1's heal after the second round: to the peers' step
+    assert err.count("restart 1 of at most") == 2 and err.count("restart 2 of at most") == 2, err[-3000:]
+    assert err.count("restart 3 of at most") == 1 and "restart 4 of" not in err  # group 1's heal kill
+    witness = read_metrics(run / "group2")
+    assert [r["step"] for r in witness] == list(range(1, PHASE_STEPS + 1))  # never went back, never restarted
+    lost = _uncommitted(witness)
+    near = {k["step"] + d for k in kills.values() for d in (0, 1)}
+    assert len(lost) <= len(kills) and set(lost) <= near, (lost, kills)
+    assert 3 in lost  # group 1 died in its forward, before its share of step 3's all-reduce
+    assert "not committed by the replica groups" in err, err[-3000:]  # said, as well as counted
+    for g in range(3):  # the restarted groups took the count of skipped steps with the peer's state
+        assert read_metrics(run / f"group{g}")[-1]["skipped_steps"] == len(lost), g
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_witness_waits_for_restarting_groups_and_says_so_once_per_wait(phase_kills):
+    """While killed groups restart, the witness has fewer than min_replicas groups in its quorum: it
+    waits (it is not restarted: the test above), and says so in one line per step it waits at, not
+    one per try."""
+    run, kills, err = phase_kills
+    waits = [int(s) for s in re.findall(r"replica group 2 waits at step (\d+): fewer than parallel.ft_min_replicas=3 "
+                                        r"groups are in its quorum yet", err)]
+    assert [w for w in waits if w > kills[0]["step"]], err[-3000:]  # after the first kills: a restart's wait
+    assert len(waits) == len(set(waits)), waits
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_group_healed_from_a_peer_holds_its_state_bit_for_bit(phase_kills):
+    """Before every step each group took, its weights, optimizer state, step and skipped steps were
+    the witness's bit for bit: in particular right after each heal (a restart from nothing or from an
+    older checkpoint, taking the peer's state), and at the end."""
+    import torch
+
+    run, kills, _ = phase_kills
+    states = {g: run / f"group{g}" / "states" for g in range(3)}
+    witness = {p.stem: p for p in states[2].glob("*.pt")}
+    healed = {g: [r["step"] for r in read_metrics(run / f"group{g}") if r.get("ft_healed")] for g in (0, 1)}
+    assert healed[0] and healed[1], healed
+    for g in (0, 1):  # it went on from the peers' step (not from 0), and from there to the end
+        steps = [r["step"] for r in read_metrics(run / f"group{g}")]
+        assert healed[g][0] > kills[0]["step"] and steps == sorted(set(steps)) and steps[-1] == PHASE_STEPS, steps
+    for g in (0, 1):
+        recorded = {p.stem: p for p in states[g].glob("*.pt")}
+        # the state it held before the first step it took after its last heal: what it took from the peer
+        assert f"{healed[g][0] - 1:04d}" in recorded and "final" in recorded, (g, healed[g], sorted(recorded))
+        assert len(recorded) >= PHASE_STEPS - 1  # all but the steps it was down for (a heal kill: one more)
+        for name, path in recorded.items():
+            a, b = torch.load(path, weights_only=False), torch.load(witness[name], weights_only=False)
+            _assert_same_state(a, b, f"group {g} before step {name}")
+
+
+def _assert_same_state(a: dict, b: dict, what: str) -> None:
+    import torch
+
+    assert (a["step"], a["skipped_steps"]) == (b["step"], b["skipped_steps"]), what
+    assert a["params"].keys() == b["params"].keys()
+    for n in a["params"]:
+        assert torch.equal(a["params"][n], b["params"][n]), f"{what}: {n}"
+    sa, sb = a["optim"]["state"], b["optim"]["state"]
+    assert sa.keys() == sb.keys(), what
+    for i in sa:
+        for k in sa[i]:
+            assert torch.equal(torch.as_tensor(sa[i][k]), torch.as_tensor(sb[i][k])), f"{what}: optimizer {i} {k}"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_three_groups_train_as_one_process_on_their_joint_batch_until_the_first_kill(phase_kills, joint_run):
+    """While all three groups are in every step (steps 1-2, before the kills of step 3), the mean of
+    their losses and their common gradient norm are those of one process training the batch of 12
+    they share (groups 0 and 1: their rows as they were at their kill, which their restart dropped);
+    and the groups' gradient norms agree bit for bit at every step they all logged."""
+    from ft_faults import rows_at_kill
+
+    run, kills, _ = phase_kills
+    first = kills[0]["step"] - 1
+    assert first == 2 and kills[1]["step"] == kills[0]["step"], kills
+    groups = [rows_at_kill(run, 1), rows_at_kill(run, 0), read_metrics(run / "group2")]  # kill 1 is group 0's
+    for a, b, c, r in zip(*(g[:first] for g in groups), joint_run["history"][:first], strict=True):
+        assert a["step"] == b["step"] == c["step"] == r["step"]
+        assert a["ft_groups"] == b["ft_groups"] == c["ft_groups"] == 3.0
+        assert a["grad_norm"] == b["grad_norm"] == c["grad_norm"]  # one averaged gradient in all, bit for bit
+        assert abs((a["loss"] + b["loss"] + c["loss"]) / 3 - r["loss"]) < 1e-5 * r["loss"], (a, b, c, r)
+        assert abs(a["grad_norm"] - r["grad_norm"]) < 1e-4 * r["grad_norm"], (a, r)
+    last = {g: {r["step"]: r for r in read_metrics(run / f"group{g}")} for g in range(3)}
+    common = [s for s in last[2] if s in last[0] and s in last[1] and s not in joint_run["lost"]]
+    assert len(common) >= 3, common
+    for s in common:
+        assert last[0][s]["grad_norm"] == last[1][s]["grad_norm"] == last[2][s]["grad_norm"], s
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_run_with_kills_ends_where_a_clean_run_that_skipped_the_same_steps_ends(phase_kills, joint_run):
+    """The three groups end on the same weights bit for bit (and validation loss), and on those of one
+    process training their joint batch of 12 that skips the steps the kills left uncommitted (within
+    1e-4 of each parameter's change over the run: the groups average three means where it takes one)."""
+    import torch
+
+    run, _, _ = phase_kills
+    final = [torch.load(run / f"group{g}" / "states" / "final.pt", weights_only=False) for g in range(3)]
+    for g in (0, 1):
+        _assert_same_state(final[g], final[2], f"group {g} at the end")
+    trainer, start = joint_run["trainer"], joint_run["start"]
+    assert trainer.state.skipped_steps == len(joint_run["lost"]) == final[2]["skipped_steps"]
+    worst = 0.0
+    for n, p in trainer.optim_params:
+        change = (p.detach() - start[n]).norm().item()
+        worst = max(worst, (final[2]["params"][n] - p.detach()).norm().item() / change)
+    print(f"final weights against the clean run: {worst:.2e} of their change")
+    assert worst < 1e-4, worst
+    rows = {g: read_metrics(run / f"group{g}")[-1] for g in range(3)}
+    assert rows[0]["val_loss"] == rows[1]["val_loss"] == rows[2]["val_loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_checkpoints_written_around_kills_are_whole_and_the_killed_save_left_none(phase_kills):
+    """Group 0 (the lowest id, the writer) died inside its save of step 8: no step 8 checkpoint, no
+    partial folder left (the next save cleared it), and every checkpoint there verifies, the newest
+    at the last step; nobody else wrote one (group 0 was in every quorum that committed)."""
+    from scaletrain.train.checkpoint import complete_checkpoints, latest_checkpoint, verify_checkpoint
+
+    run, kills, _ = phase_kills
+    folder = run / "group0" / "checkpoints"
+    saved = [p.name for p in complete_checkpoints(folder)]
+    assert saved == [f"step_{s:08d}" for s in (4, 12, PHASE_STEPS)], saved
+    assert all(verify_checkpoint(p) is None for p in complete_checkpoints(folder))
+    assert latest_checkpoint(folder).name == f"step_{PHASE_STEPS:08d}"
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".step_")]
+    assert not (run / "group1" / "checkpoints").exists() and not (run / "group2" / "checkpoints").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# DiLoCo across the groups: each group a worker, the pseudo-gradient averaged over the live groups
+
+
+H = 8  # inner steps per window; group 1 is killed inside the second window (steps 9-16)
+D_STEPS, D_KILL_AFTER = 24, 10
+# validation after every window: the weights the sync leaves (or the discard takes back)
+DILOCO = ["--parallel.dp_sync=diloco", f"--parallel.sync_every={H}", "--parallel.ft_step_timeout_s=20",
+          f"--train.eval_every={H}"]
+
+
+@pytest.fixture(scope="module")
+def killed_diloco(tmp_path_factory):
+    """Two groups (min_replicas 2) doing DiLoCo every H steps; group 1's rank SIGKILLs itself (tests/ft_faults.py)
+    in its forward of step D_KILL_AFTER + 1, mid-window. Returns (run folder, group 1's rows at the kill, stderr)."""
+    from ft_faults import fired, rows_at_kill, write_plan
+
+    run = tmp_path_factory.mktemp("ftd") / "ft"
+    write_plan(run, [{"group": 1, "step": D_KILL_AFTER + 1, "phase": "forward"}])
+    job = _ft_local(run, 2, "--min-replicas", "2", "--parallel.ft_quorum_timeout_s=120", f"--train.steps={D_STEPS}",
+                    *DILOCO, "--rank-hook=ft_faults:inject")
+    err = _ended(job, 600)
+    assert job.returncode == 0, err[-3000:]
+    assert fired(run)[0]["step"] == D_KILL_AFTER + 1, fired(run)
+    return run, rows_at_kill(run, 0), err
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_diloco_across_groups_matches_its_simulation_and_discards_a_window_a_group_died_in(killed_diloco, tmp_path):
+    """Until the kill the two groups are verify's one-process simulation of 2 DiLoCo workers (each
+    step's mean loss and RMS gradient norm, a sync after step 8 included). Group 1 dies mid-window:
+    group 0's sync after step 16 is not committed and discarded (weights back to the last sync),
+    it goes on; group 1 restarts, heals from group 0 at step 16 and both end with the same weights."""
+    import math
+
+    from scaletrain.layout import Layout
+    from scaletrain.verify import isolated, simulate_workers
+
+    run, before_kill, err = killed_diloco
+    cfg = micro_cfg(tmp_path, **{"train.steps": D_STEPS, "train.global_batch": 8, "train.micro_batch": 4,
+                                 "parallel.dp_replicate": 2, "parallel.dp_sync": "diloco", "parallel.sync_every": H})
+    ref = simulate_workers(isolated(cfg, tmp_path / "ref", D_KILL_AFTER), Layout.from_config(cfg, 2), D_STEPS,
+                           tmp_path / "ref")
+    g0, g1 = read_metrics(run / "group0"), read_metrics(run / "group1")
+    for a, b, r in zip(g0[:D_KILL_AFTER], before_kill[:D_KILL_AFTER], ref, strict=True):
+        assert a["step"] == b["step"] == r["step"]
+        assert abs((a["loss"] + b["loss"]) / 2 - r["loss"]) < 1e-6 * r["loss"], (a, b, r)
+        assert abs(math.hypot(a["grad_norm"], b["grad_norm"]) / math.sqrt(2) - r["grad_norm"]) < 1e-5 * r["grad_norm"]
+    assert "replica group 0 discards the sync window of steps 9-16: not committed" in err, err[-3000:]
+    assert [r["step"] for r in g0] == list(range(1, D_STEPS + 1))  # it went on
+    val = {r["step"]: r["val_loss"] for r in g0 if "val_loss" in r}
+    assert val[H] == val[2 * H] != val[3 * H]  # after the discard: the weights of the sync after step 8, exactly
+    assert g0[-1]["ft_uncommitted"] == 1 and g0[2 * H - 2]["ft_uncommitted"] == 0
+    assert err.count("restart 1 of at most") == 1, err[-3000:]
+    healed = [r for r in g1 if r.get("ft_healed")]
+    assert healed and healed[0]["step"] == 2 * H + 1  # from the peer's state at the discarded window's end
+    assert g0[-1]["val_loss"] == g1[-1]["val_loss"]  # the same weights at the end, bit for bit
