@@ -1,15 +1,8 @@
-"""`scaletrain lighthouse` and `scaletrain ft-local`: the commands of a fault-tolerant job
-(parallel.fault_tolerance, scaletrain.parallel.fault_tolerance), their parsers (scaletrain.cli calls
-`lighthouse_parser` and `ft_local_parser`) and their work.
+"""`scaletrain ft-local`: a fault-tolerant job on this machine, a Lighthouse and R replica groups.
 
-    scaletrain lighthouse --min-replicas M            the quorum's Lighthouse; prints its address and
-                                                      runs until SIGINT/SIGTERM
-    scaletrain ft-local --groups R [--nproc N] ...    one machine: a Lighthouse and R replica groups, each
-                                                      an ordinary `scaletrain train --nproc N` under its own
-                                                      elastic agent, which restarts the group alone when it
-                                                      fails (--max-restarts); run folders RUN_DIR/groupR;
-                                                      a group still running ft_quorum_timeout_s after
-                                                      another finished the run is stopped (`_wait`)
+Each group is an ordinary `scaletrain train --nproc N` under its own elastic agent, which restarts the
+group alone when it fails (--max-restarts); run folders RUN_DIR/groupR; a group still running
+ft_quorum_timeout_s after another finished the run is stopped (`_wait`).
 """
 
 from __future__ import annotations
@@ -23,74 +16,13 @@ import sys
 import time
 from pathlib import Path
 
+from scaletrain.cli.lighthouse import add_options
 from scaletrain.errors import LaunchError
 
 FT_LOCAL_RESTARTS = 10  # each group's own restarts, by default: a group that keeps failing ends the job
 
 
-def lighthouse_parser(sub) -> None:
-    p = sub.add_parser("lighthouse", help="the Lighthouse of a fault-tolerant job (torchft): forms each step's "
-                                          "quorum of replica groups",
-                       description="Start torchft's Lighthouse, print its address (give it to every group as "
-                                   "--parallel.ft_lighthouse) and serve until SIGINT or SIGTERM.")
-    _lighthouse_options(p)
-    p.add_argument("--bind", default="[::]:29510", help="address:port to listen on (default [::]:29510; port 0: "
-                                                         "any free port)")
-    p.set_defaults(func=lighthouse, takes_overrides=False, parser=p)
-
-
-def _lighthouse_options(p) -> None:
-    p.add_argument("--min-replicas", type=int, default=1,
-                   help="replica groups a quorum needs (default 1); with fewer alive, the others wait")
-    p.add_argument("--join-timeout-ms", type=int, default=1000,
-                   help="how long a quorum waits for groups that have not asked yet (default 1000)")
-    p.add_argument("--heartbeat-timeout-ms", type=int, default=5000,
-                   help="a group silent this long is dead to the quorum (default 5000)")
-
-
-def start_lighthouse(bind: str, min_replicas: int, join_timeout_ms: int, heartbeat_timeout_ms: int):
-    """torchft's LighthouseServer (in this process, on its own threads); one line if torchft is missing."""
-    if min_replicas < 1:
-        raise LaunchError(f"--min-replicas must be at least 1, got {min_replicas}")
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info (the groups inherit it)
-    try:
-        from torchft.coordination import LighthouseServer
-    except ImportError:
-        raise LaunchError("the Lighthouse needs torchft, which is not installed: pip install 'scaletrain[ft]' "
-                          "(torchft==0.2.0)") from None
-    try:
-        return LighthouseServer(bind=bind, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
-                                heartbeat_timeout_ms=heartbeat_timeout_ms)
-    except Exception as e:  # noqa: BLE001 - torchft raises a plain RuntimeError for a port in use
-        raise LaunchError(f"the Lighthouse cannot listen on {bind} ({str(e).splitlines()[0][:200]}); give a free "
-                          "port with --bind") from None
-
-
-def lighthouse(args: argparse.Namespace, extra: list[str]) -> int:
-    server = start_lighthouse(args.bind, args.min_replicas, args.join_timeout_ms, args.heartbeat_timeout_ms)
-    # the handlers before the address line: whoever reads it may send SIGTERM at once. They only append to a
-    # list: a handler runs in the main thread between two bytecodes, maybe while it holds a threading.Event's
-    # lock inside its wait, where Event.set() would block on that lock forever
-    stop: list[int] = []
-    handlers = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    print(f"lighthouse {server.address()} (min_replicas {args.min_replicas}); give each group "
-          f"--parallel.fault_tolerance=true --parallel.ft_lighthouse={server.address()}", flush=True)
-    try:
-        while not stop:
-            time.sleep(0.2)
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        server.shutdown()
-    try:
-        print("lighthouse stopped", flush=True)
-    except BrokenPipeError:  # whoever read our output is gone (ft-local killed): nobody to tell, nor at exit
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
-
-
-def ft_local_parser(sub) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("ft-local", help="a fault-tolerant job on this machine: a Lighthouse and R replica groups, "
                                         "each restarted alone when it fails",
                        description="Start a Lighthouse and --groups replica groups, each `scaletrain train "
@@ -103,14 +35,14 @@ def ft_local_parser(sub) -> None:
     p.add_argument("--nproc", type=int, default=1, help="ranks of each group (default 1)")
     p.add_argument("--max-restarts", type=int, default=FT_LOCAL_RESTARTS,
                    help=f"restarts of each group after a failure (default {FT_LOCAL_RESTARTS})")
-    _lighthouse_options(p)
+    add_options(p)
     # for tests, not users (hidden from --help): passed on to every group's `scaletrain train --rank-hook`
     # (scaletrain.launch.job.call_rank_hook): the fault-tolerance tests' SIGKILLs at chosen steps and phases
     p.add_argument("--rank-hook", metavar="MODULE:FUNCTION", help=argparse.SUPPRESS)
-    p.set_defaults(func=ft_local, takes_overrides=True, parser=p)
+    p.set_defaults(func=run, takes_overrides=True, parser=p)
 
 
-def ft_local(args: argparse.Namespace, extra: list[str]) -> int:
+def run(args: argparse.Namespace, extra: list[str]) -> int:
     """Run the groups to their end; the exit code: 0 when every group finished, else the first failure's."""
     from scaletrain.launch.job import train_config
 
