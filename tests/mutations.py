@@ -534,11 +534,11 @@ MUTANTS = [
            (f"{FTL}::test_a_late_zero3_group_heals_from_its_peers_shards_and_then_holds_them_bit_for_bit[heal]",)),
     Mutant("ft-local-waits-for-a-late-group", "ft-local never stops a group that came back after the others "
            "finished: it waits for a quorum that cannot form, times out and restarts until its restarts run out",
-           "src/scaletrain/ft_cli.py", "            elif time.monotonic() - finished[1] > grace_s:\n",
+           "src/scaletrain/launch/replica_groups.py", "            elif time.monotonic() - finished[1] > grace_s:\n",
            "            elif False:\n",
            (f"{FT}::test_a_group_back_after_the_others_finished_is_stopped_and_the_run_ends_0",)),
     Mutant("ft-local-fails-a-run-it-stopped-a-group-of", "ft-local ends with the exit code of the late group it "
-           "stopped, though the run finished", "src/scaletrain/ft_cli.py",
+           "stopped, though the run finished", "src/scaletrain/launch/replica_groups.py",
            "    return next((c for r, c in enumerate(codes) if c and r not in stopped), 0)",
            "    return next((c for c in codes if c), 0)",
            (f"{FT}::test_a_group_back_after_the_others_finished_is_stopped_and_the_run_ends_0",)),

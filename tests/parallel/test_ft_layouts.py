@@ -126,7 +126,7 @@ def late_group(trainer):
 
 
 def _lighthouse(monkeypatch, min_replicas: int, join_timeout_ms: int):
-    from scaletrain.ft_cli import start_lighthouse
+    from scaletrain.cli.lighthouse import start_lighthouse
 
     monkeypatch.setenv("RUST_LOG", "warn")  # start_lighthouse's default, undone after the module
     server = start_lighthouse("127.0.0.1:0", min_replicas, join_timeout_ms, 5000)

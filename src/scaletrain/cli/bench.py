@@ -1,6 +1,4 @@
-"""`scaletrain bench comms|step|techniques`: the benchmarks' parsers (scaletrain.cli calls
-`bench_parser`) and their work, each a call into scaletrain.bench with its result printed.
-"""
+"""`scaletrain bench comms|step|techniques`: this machine measured, each a call into scaletrain.bench."""
 
 from __future__ import annotations
 
@@ -9,7 +7,7 @@ import json
 import sys
 
 
-def bench_parser(sub) -> None:
+def add_parser(sub) -> None:
     """`scaletrain bench` and its three verbs' options."""
     p = sub.add_parser("bench", help="measure this machine: collectives, a step, each technique",
                        description="Benchmarks run here, for real: collectives over N ranks; a config's step with "

@@ -1,67 +1,20 @@
-"""The planner's verbs: `scaletrain plan` (the request read from the options: a config, its
-keys, the short flags as aliases; the planner run for the cluster asked or for the devices at
-hand, `--measure` and `--calibrate`; its report printed) and `scaletrain schedule` (a pipeline
-schedule drawn). Each verb's parser is one function here, which scaletrain.cli calls.
-"""
+"""`scaletrain plan`: will a model fit on a cluster, and which layout is fastest; measured here on demand."""
 
 from __future__ import annotations
 
 import argparse
-import os
+import functools
 import sys
 
+from scaletrain.cli.common import check_png
+from scaletrain.cli.plan_aliases import add_aliases, alias_dest, load_factor
 from scaletrain.errors import UserError
 
 
-def at_least_1(name: str):
-    """argparse type of a count given by one of plan's short flags: an integer of at least 1
-    (the config's own names keep its meanings: train.micro_batch=0 derives, parallel.dp_shard=-1
-    takes the remaining ranks)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"layout sizes must be at least 1, got {name}={value}" if " " not in name
-                                             else f"{name} must be at least 1, got {value}")
-        return value
-    return parse
-
-
-def load_factor(text: str) -> float:
-    """argparse type of --moe-imbalance: max / mean tokens per expert, a number of at least 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number (max / mean tokens per expert), got {text!r}") from None
-    if not value >= 1.0:  # NaN too
-        raise argparse.ArgumentTypeError(f"max / mean tokens per expert is at least 1 (1 = balanced), got {text}")
-    return value
-
-
-def alias_dest(flag: str) -> str:
-    """The argparse destination of a short flag: --seq-len -> seq_len."""
-    return flag[2:].replace("-", "_")
-
-
-def check_png(flag: str, path: str | None) -> None:
-    """Refuse an image path that cannot be written before any work is done (plan --chart,
-    schedule --png, plot --out)."""
-    if not path:
-        return
-    folder = os.path.dirname(path) or "."
-    if not path.lower().endswith(".png"):
-        raise UserError(f"{flag} {path}: give a file name ending in .png")
-    if not os.path.isdir(folder):
-        raise UserError(f"{flag} {path}: the folder {folder} does not exist; create it or choose another path")
-
-
-def plan_parser(sub) -> None:
+def add_parser(sub) -> None:
     """`scaletrain plan`'s options: the cluster, the config and its keys, and their short aliases."""
-    from scaletrain.plan.options import ALIASES
     from scaletrain.plan.spec import ATTENTION
-    from scaletrain.vocab import AC_MODES, CP_METHODS, OPTIMIZERS, PLAN_ENGINES, PP_SCHEDULES, PRECISIONS, ZERO_STAGES
+    from scaletrain.vocab import PLAN_ENGINES
 
     p = sub.add_parser("plan", help="will it fit, and which layout is fastest",
                        description="Search the layouts of a model on a cluster, or evaluate the one the options fix, "
@@ -102,36 +55,7 @@ def plan_parser(sub) -> None:
     p.add_argument("--workers-link", type=float, metavar="GBPS",
                    help="bandwidth of the link between the sites, GB/s each way, shared by every rank that sends "
                         "over it")
-    g = p.add_argument_group("aliases of config keys (each the same as its --section.key=value)")
-
-    def alias(flag: str, help: str = "", **kw):
-        g.add_argument(flag, dest=alias_dest(flag), help=f"alias of --{ALIASES[flag]}" + (f"; {help}" if help else ""),
-                       **kw)
-
-    alias("--seq-len", type=int, metavar="N", help="default 2048 (without --config)")
-    alias("--global-batch", type=at_least_1("global batch"), metavar="N",
-          help="sequences per optimizer step, default 256 (without --config); --train.global_batch=0 derives it "
-               "from the micro-batch and accumulation")
-    alias("--precision", choices=PRECISIONS, help="default bf16-mixed (without --config)")
-    alias("--optimizer", choices=OPTIMIZERS)
-    alias("--zero", type=int, choices=ZERO_STAGES)
-    alias("--tp", type=at_least_1("tp"), metavar="N")
-    alias("--pp", type=at_least_1("pp"), metavar="N")
-    alias("--dp-replicate", type=at_least_1("dp_replicate"), metavar="N")
-    alias("--dp-shard", type=at_least_1("dp_shard"), metavar="N")
-    alias("--micro-batch", type=at_least_1("micro_batch"), metavar="N")
-    alias("--ac", choices=AC_MODES)
-    alias("--sp", metavar="true|false", help="default: on under tensor parallelism")
-    alias("--schedule", choices=PP_SCHEDULES)
-    alias("--virtual", type=at_least_1("pp_virtual_stages"), metavar="N")
-    alias("--offload", action="store_const", const=True, help="sets it to true")
-    alias("--cp", type=at_least_1("cp"), metavar="N",
-          help="context parallel: ranks that split every sequence; each keeps its own tokens' activations, and "
-               "--cp-method's attention backward buffers")
-    alias("--cp-method", choices=CP_METHODS, help="how attention reaches the other cp ranks' keys (with --cp)")
-    alias("--ep", type=at_least_1("ep"), metavar="N",
-          help="expert parallel: a mixture's experts split over N ranks borrowed from dp_shard × cp × tp (N divides "
-               "the experts and those ranks); the tokens travel by all-to-all")
+    add_aliases(p)
     p.add_argument("--top", type=int, help="layouts to show (default 10); with --measure, the K best predicted "
                                            "are run and re-ranked by their measured step time")
     p.add_argument("--json", action="store_true", help="print JSON (schema in docs/planner.md)")
@@ -145,28 +69,6 @@ def plan_parser(sub) -> None:
     p.add_argument("--comms", metavar="FILE", help="`scaletrain bench comms --json` output: use its measured "
                    "all-reduce bus bandwidth for the collectives inside a node")
     p.set_defaults(func=run, takes_overrides=True, parser=p)
-
-
-def schedule_parser(sub) -> None:
-    """`scaletrain schedule`'s options: the config's pipeline keys, with short aliases (and its defaults)."""
-    from scaletrain.config import ParallelConfig
-
-    p = sub.add_parser("schedule", help="draw a pipeline schedule's timeline and its bubble",
-                       description="Draw a pipeline schedule. Options are the config's names (parallel.pp, "
-                                   "parallel.pp_microbatches, parallel.pp_schedule, parallel.pp_virtual_stages), "
-                                   "with short aliases.")
-    p.add_argument("--pp", "--parallel.pp", dest="pp", type=int, required=True, metavar="N",
-                   help="pipeline stages (ranks)")
-    p.add_argument("--microbatches", "--parallel.pp_microbatches", dest="microbatches", type=int, required=True,
-                   metavar="M", help="micro-batches per step (train.grad_accum under pipelining)")
-    p.add_argument("--schedule", "--parallel.pp_schedule", dest="schedule", default=ParallelConfig.pp_schedule,
-                   metavar="NAME",
-                   help="gpipe, 1f1b, interleaved-1f1b or zero-bubble")
-    p.add_argument("--virtual", "--parallel.pp_virtual_stages", dest="virtual", type=int,
-                   default=ParallelConfig.pp_virtual_stages, metavar="V",
-                   help="chunks per rank (interleaved-1f1b, zero-bubble)")
-    p.add_argument("--png", help="also draw it to this PNG file")
-    p.set_defaults(func=schedule, takes_overrides=False, parser=p)
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -243,22 +145,6 @@ def _measure(args: argparse.Namespace, result: dict, overrides) -> int:
 
 def _calibration_here():
     """The planner's `calibrate`: this machine's calibration, measured where missing (said on stderr)."""
-    import functools
-
     from scaletrain.measure import calibration
 
     return functools.partial(calibration, note=lambda line: print(line, file=sys.stderr))
-
-
-def schedule(args: argparse.Namespace, extra: list[str]) -> int:
-    """`scaletrain schedule`: a pipeline schedule's timeline, as text and optionally a PNG."""
-    from scaletrain.plan import timeline
-
-    timeline.check(args.schedule, args.pp, args.microbatches, args.virtual)
-    check_png("--png", args.png)
-    placed = timeline.simulate(args.schedule, args.pp, args.microbatches, args.virtual)
-    print(timeline.render_text(args.schedule, args.pp, args.microbatches, args.virtual, placed))
-    if args.png:
-        timeline.render_png(args.schedule, args.pp, args.microbatches, args.virtual, placed, args.png)
-        print(f"wrote {args.png}")
-    return 0
