@@ -6,8 +6,9 @@ Trainer a `StepHook`; `parallelize()` returns those of the techniques it applied
 those built from it (master weights, local SGD). The Trainer calls `StepHooks` at fixed points of
 the step and never asks which technique is behind a hook:
 
-    begin_step -> forward/backward of every micro-batch (each hook's `batch_share` cuts this rank's tokens)
-    -> reduce_gradients -> unscale -> clip (norm_copies counted once) -> agree_to_skip
+    begin_step -> forward/backward of every micro-batch (each hook's `batch_share` cuts this rank's tokens;
+    the loss scaled by `loss_scale`) -> reduce_gradients (the last: fp16's unscale) -> clip (norm_copies
+    counted once) -> agree_to_skip
     -> optimizer step -> after_optimizer_step -> reported_norm (-> metrics, on a logged step)
 
 Every method of `StepHook` does nothing by default: a hook overrides what it needs.
@@ -38,6 +39,11 @@ class StepHook:
     def start(self) -> None:
         """Once the run is built (and resumed), before its first step: a technique that may take the
         run's state from elsewhere (a live peer) does so here, before the data position is read."""
+
+    def loss_scale(self) -> float | None:
+        """The scale the loss is multiplied by, in place of the data-parallel mean's factor dp, which
+        this hook multiplies back when it unscales the gradients (fp16's loss scaler); None: none."""
+        return None
 
     def begin_step(self, loss_factor: float) -> None:
         """Before the step's first forward. `loss_factor`: d (what backward starts from) / d (the sum
@@ -118,6 +124,11 @@ class StepHooks:
         for h in self.hooks:
             self.enter(h.phase)
             h.start()
+
+    def loss_scale(self) -> float | None:
+        scales = [s for h in self.hooks if (s := h.loss_scale()) is not None]
+        assert len(scales) <= 1, "two techniques scale the loss"
+        return scales[0] if scales else None
 
     def begin_step(self, loss_factor: float) -> None:
         for h in self.hooks:

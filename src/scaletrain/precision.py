@@ -80,12 +80,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class DynamicLossScaler:
+class DynamicLossScaler(StepHook):
     """Dynamic loss scaling for fp16 (Micikevicius et al. 2018, "Mixed Precision Training").
 
     Works for plain and sharded (DTensor) gradients: each rank checks its own gradients for
     inf/NaN and the verdict is all-reduced over `group`, so every rank skips the same steps.
+
+    As a step hook it comes last (it unscales the gradients every other hook has reduced): the loss
+    is multiplied by the scale in place of the data-parallel mean's factor dp (`loss_scale`), the
+    gradients unscaled and checked (`reduce_gradients`, dp multiplied back), a step with an overflow
+    skipped and the scale backed off or grown (`agree_to_skip`); its state is the checkpoint's
+    "scaler" entry.
     """
+
+    phase = "the fp16 unscale and overflow check"
+    key = "scaler"
 
     def __init__(self, cfg: PrecisionConfig):
         self.scale = float(cfg.init_scale)
@@ -95,6 +104,21 @@ class DynamicLossScaler:
         self.min_scale = cfg.min_scale
         self.clean_steps = 0  # consecutive steps without overflow
         self.skipped_steps = 0  # total steps skipped for overflow
+        self.times = 1.0  # the data-parallel ranks the gradients were averaged over (the run sets it)
+        self.overflow = False  # the last step's gradients overflowed somewhere
+        self.at_minimum = False  # ...with the scale already at its minimum (backing off cannot cure it)
+
+    # ---- as the run's step hook ----
+
+    def loss_scale(self) -> float:
+        return self.scale
+
+    def reduce_gradients(self, named) -> None:
+        self.overflow = self.unscale_([p for _, p in named], times=self.times)
+
+    def agree_to_skip(self, skip: bool) -> bool:
+        self.at_minimum = self.update(self.overflow)  # back off, or grow
+        return skip or self.overflow
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
@@ -139,7 +163,9 @@ class DynamicLossScaler:
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict | None) -> None:
+        if not state:  # a checkpoint of a run without fp16
+            return
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
         self.skipped_steps = int(state["skipped_steps"])

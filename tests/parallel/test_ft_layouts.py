@@ -74,7 +74,7 @@ def local_state(trainer):
             for k, v in trainer.optimizer.state[p].items():
                 if hasattr(v, "shape"):
                     sums[f"{n}/{k}"] = _local_bytes(v)
-        scaler = trainer.scaler.state_dict() if trainer.scaler else None
+        scaler = trainer.precision.scaler.state_dict() if trainer.precision.scaler else None
         return {"crc": sums, "healed": trainer.hooks.find(ReplicaGroups).healed, "scaler": scaler,
                 "biases": _biases(trainer)}
 

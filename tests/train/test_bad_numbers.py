@@ -99,7 +99,7 @@ def test_fp16_scale_collapse_stops_and_suggests_bf16(tmp_path):
     with pytest.raises(TrainingStopped, match=r"^step 7: the fp16 loss scale collapsed to its minimum .*"
                                               r"train with precision.mode=bf16-mixed$"):
         trainer.fit()
-    assert trainer.scaler.scale == 1.0
+    assert trainer.precision.scaler.scale == 1.0
 
 
 def test_fp16_overflows_that_recover_do_not_stop_the_run(tmp_path):
@@ -107,7 +107,7 @@ def test_fp16_overflows_that_recover_do_not_stop_the_run(tmp_path):
                                              "train.steps": 12, "train.max_skipped_steps": 2}))
     poison(trainer, {2, 3, 4, 5, 6}, float("inf"))  # five overflows in a row, but the scale stays above 1
     result = trainer.fit()
-    assert result["step"] == 12 and trainer.state.skipped_steps == 5 and trainer.scaler.scale == 1024.0 / 32
+    assert result["step"] == 12 and trainer.state.skipped_steps == 5 and trainer.precision.scaler.scale == 1024.0 / 32
 
 
 def test_loss_spikes_are_logged(tmp_path):

@@ -79,8 +79,8 @@ def test_resume_is_exact_for_optimizers_and_precisions(tmp_path, extra):
     run_until(cfg, stop_after=3)
     resumed = Trainer(cfg)
     assert resumed.step == 3
-    if resumed.scaler:
-        assert resumed.scaler.scale == 4.0 * 2  # the loss scale came back with the rest
+    if resumed.precision.scaler:
+        assert resumed.precision.scaler.scale == 4.0 * 2  # the loss scale came back with the rest
     resumed.fit()
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / "b" / "run")] == straight
     assert len(straight) == 6

@@ -95,14 +95,14 @@ def test_fp16_overflow_skips_step_and_lowers_scale(tmp_path):
     for bad in (float("inf"), float("nan")):
         trainer.forward_backward(batches)
         trainer.named_params[3][1].grad.view(-1)[0] = bad  # one poisoned gradient element
-        scale = trainer.scaler.scale
+        scale = trainer.precision.scaler.scale
         _, skipped = trainer.update()
         assert skipped
-        assert trainer.scaler.scale == scale * 0.5
+        assert trainer.precision.scaler.scale == scale * 0.5
         for n, p in trainer.named_params:
             assert torch.equal(p, before[n]), n  # weights untouched
         assert all(p.grad is None for _, p in trainer.named_params)
-    assert trainer.scaler.skipped_steps == 2
+    assert trainer.precision.scaler.skipped_steps == 2
     trainer.forward_backward(batches)
     _, skipped = trainer.update()  # a clean step moves the weights again
     assert not skipped
@@ -114,15 +114,15 @@ def test_fp16_scale_grows_after_clean_interval(tmp_path):
                                  "precision.growth_interval": 3, "train.steps": 7})
     trainer = Trainer(cfg)
     trainer.fit()
-    assert trainer.scaler.scale == 8.0 * 2 * 2  # grew after steps 3 and 6
+    assert trainer.precision.scaler.scale == 8.0 * 2 * 2  # grew after steps 3 and 6
 
 
 def test_fp16_scale_never_below_minimum(tmp_path):
     trainer = Trainer(micro_cfg(tmp_path, **{"precision.mode": "16-mixed", "precision.init_scale": 4.0,
                                              "precision.min_scale": 2.0}))
     for _ in range(3):
-        trainer.scaler.update(found_inf=True)
-    assert trainer.scaler.scale == 2.0
+        trainer.precision.scaler.update(found_inf=True)
+    assert trainer.precision.scaler.scale == 2.0
 
 
 def test_bf16_true_keeps_fp32_master_weights(tmp_path):

@@ -327,12 +327,15 @@ STEPS = (split_pipeline, apply_qat, apply_fp8, apply_adapters, apply_tp, apply_e
 
 def step_hooks(pm: ParallelModel, cfg: JobConfig, rt: Runtime, *, optimizer, state, refresh, scaler) -> StepHooks:
     """Every step hook of the run, in the order the step calls them: those parallelize registered (the
-    masters, then each technique's), then the outer loop (local SGD / DiLoCo / replica groups), which
-    sees the stepped weights. `optimizer` steps `pm.optim_params`; `state`, `refresh` and `scaler` are
-    what a replica group heals from a peer."""
+    masters, then each technique's), the outer loop (local SGD / DiLoCo / replica groups), which sees
+    the stepped weights, and last fp16's loss scaler (`scaler`, precision's or None), which unscales
+    the gradients all the others reduced. `optimizer` steps `pm.optim_params`; `state`, `refresh` and
+    `scaler` are what a replica group heals from a peer."""
     outer = outer_loop(pm.optim_params, cfg, rt, n_blocks=pm.n_blocks, optimizer=optimizer, state=state,
                        refresh=refresh, scaler=scaler, hooks=pm.hooks)
-    return StepHooks(pm.hooks).add(outer)
+    if scaler is not None:  # the loss was scaled in place of dp, the mean's factor: unscaling multiplies it back
+        scaler.times = rt.layout.dp
+    return StepHooks(pm.hooks).add(outer, scaler)
 
 
 def _compute_bf16(precision: Precision):

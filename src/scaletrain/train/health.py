@@ -196,10 +196,13 @@ class Health:
     # ---------------------------------------------------------------------------------------
     # skipped steps
 
-    def step_done(self, step: int, skipped: bool, params, overflow: bool, at_minimum: bool) -> None:
-        """Count an applied or a skipped optimizer step."""
+    def step_done(self, step: int, skipped: bool, params) -> None:
+        """Count an applied or a skipped optimizer step (fp16: whether the loss scaler saw an overflow,
+        and at its minimum scale, is the scaler's to say)."""
         if skipped:
-            self.step_skipped(step, params, overflow, at_minimum)
+            scaler = self.scaler
+            self.step_skipped(step, params, scaler is not None and scaler.overflow,
+                              scaler is not None and scaler.at_minimum)
         else:
             self.consecutive_skips = 0
             self.applied_steps += 1

@@ -104,7 +104,7 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir if self.rank == 0 else None, cfg.train.steps,
                                      enabled=self.rank == 0, tensorboard=cfg.log.tensorboard, summary=cfg.log.summary,
                                      progress=cfg.log.progress, stream=stream, device_type=self.device.type)
-        self.health = Health(cfg, self.layout, rt, self.metrics, self.state, scaler=self.scaler,
+        self.health = Health(cfg, self.layout, rt, self.metrics, self.state, scaler=self.precision.scaler,
                              param_names=self.param_names, custom_loss=self.custom_model is not None)
         self.hooks.enter, self.health.skip_reason = self.health.enter, self.hooks.skip_reason
         if resume_from is not None:
@@ -169,11 +169,10 @@ class Trainer:
         self.optim_params = self.pm.optim_params
         self.param_names = {id(p): n for n, p in self.optim_params}
         self.optimizer = build_optimizer(cfg.optim, self.optim_params, self.schedule.peak, self.device)
-        self.scaler = self.precision.scaler
         self.state_bytes: dict[str, int] | None = None  # measured during the first step
         # the techniques' per-step work, in the order the composition gives (parallel.parallelize.step_hooks)
         self.hooks = step_hooks(self.pm, cfg, self.rt, optimizer=self.optimizer, state=self.state,
-                                refresh=self.refresh_weights, scaler=self.scaler)
+                                refresh=self.refresh_weights, scaler=self.precision.scaler)
 
     @property
     def step(self) -> int:  # optimizer steps done (the run's TrainState holds it)
@@ -194,7 +193,6 @@ class Trainer:
         cfg = self.cfg
         state = {**self.state.state_dict(), "world_size": self.world_size, "config": cfg.to_dict(),
                  "schedule": {"kind": cfg.optim.schedule, "step": self.step, "peak_lr": self.schedule.peak},
-                 "scaler": self.scaler.state_dict() if self.scaler else None,
                  "data": {"step": self.step, "seed": cfg.train.seed, "global_batch": self.layout.global_batch,
                           "seq_len": cfg.data.seq_len, "source": self.data.source,
                           "fingerprint": getattr(self.data, "fingerprint", None)},
@@ -215,8 +213,6 @@ class Trainer:
         ckpt.load_tensors(path, self.checkpoint_tensors(), verify=self.cfg.checkpoint.resume != "auto")
         ckpt.restore_optimizer_extras(self.optimizer, self.param_names, state["optimizer"])
         self.refresh_weights()
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
         self.hooks.load_state_dict(state)
         branch = self.state.lineage[-1][0]
         self.state.load_state_dict(state, path)
@@ -255,9 +251,8 @@ class Trainer:
         # by the counted tokens of the whole global batch (every rank counts them alike from the data): gradients
         # add up over micro-batches and ranks to the mean token loss's; the dp reductions average over ranks, hence
         # the factor dp. Under fp16 unscaling applies dp: backward sees the scale times each token's share.
-        if self.scaler:
-            return self.scaler.scale / self.counted_tokens()
-        return self.layout.dp / self.counted_tokens()
+        scale = self.hooks.loss_scale()
+        return (self.layout.dp if scale is None else scale) / self.counted_tokens()
 
     def counted_tokens(self, step: int | None = None) -> int:
         """Targets counted in a step's global batch: all its tokens, or those its loss mask marks (from the data)."""
@@ -304,26 +299,24 @@ class Trainer:
         return validation_loss(self)
 
     def update(self) -> tuple[torch.Tensor, bool]:
-        """Reduce, unscale, clip, step, zero: returns (gradient norm before clipping, skipped).
+        """Reduce (and unscale), clip, step, zero: returns (gradient norm before clipping, skipped).
 
         A step whose gradients are not finite anywhere (an fp16 overflow, or inf/NaN in any
         mode) is skipped without touching the weights or the optimizer state."""
         named = self.optim_params
         params = [p for _, p in named]
         self.hooks.reduce_gradients(named)
-        self.health.enter("the gradient-norm all-reduce (and fp16 overflow check)")
-        overflow = self.scaler.unscale_(params, times=self.layout.dp) if self.scaler else False
+        self.health.enter("the gradient-norm all-reduce")
         grad_norm = clip_gradients(params, self.cfg.train.grad_clip, self._norm_group, copies=self.hooks.norm_copies())
         # the norm is global (reduced over every shard and stage): every rank decides alike
-        skip = self.hooks.agree_to_skip(overflow or not math.isfinite(float(grad_norm)))
+        skip = self.hooks.agree_to_skip(not math.isfinite(float(grad_norm)))
         self.health.enter("the optimizer step (with the ZeRO parameter all-gather)")
         if not skip:
             self.optimizer.step()
         if self.state_bytes is None:  # measured once, while gradients and optimizer state are live
             self.state_bytes = model_state_bytes(self.dp, params, self.optimizer)
             report_state_bytes(self.metrics.info, self.rank, self.state_bytes, self.num_params)
-        at_minimum = self.scaler.update(overflow) if self.scaler else False  # fp16: back off, or grow
-        self.health.step_done(self.step + 1, skip, params, overflow, at_minimum)
+        self.health.step_done(self.step + 1, skip, params)
         self.dp.zero_grad(self.optimizer)
         if self.hooks.after_optimizer_step(applied=not skip) or not skip:
             self.refresh_weights()
@@ -390,7 +383,7 @@ class Trainer:
     def _log(self, loss: float, grad_norm, val_loss: dict[str, float] | None) -> float:
         """Log the metrics of the steps since the last row, and start the next; returns the row's loss."""
         row = self.health.guarded(self.meter.row, self.step, loss, grad_norm, get_lr(self.optimizer),
-                                  self.state.skipped_steps, self.scaler.scale if self.scaler else None)
+                                  self.state.skipped_steps, self.hooks.loss_scale())
         row["global_batch"] = self.batch_schedule.batch(self.step - 1)  # of the logged step
         row.update(self.hooks.metrics())  # what the techniques measured in it (a mixture's balance)
         if self.mix_sampler is not None:  # the share of the windows so far drawn from each source
