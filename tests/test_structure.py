@@ -284,6 +284,14 @@ def test_the_trainer_step_names_no_technique():
     assert technique_branches(TRAINER) == []
 
 
+def test_the_trainer_reaches_the_techniques_through_the_composition_alone():
+    """The Trainer imports one module of parallel/, the composition: the hooks it calls, the pipeline
+    schedule, the norm and the engines' bytes come through parallelize's ParallelModel and step_hooks."""
+    files = {module_name(f) for f in PACKAGE.rglob("*.py")}
+    reached = {m for m in imported_modules(TRAINER) if m.startswith("scaletrain.parallel") and m in files}
+    assert reached == {"scaletrain.parallel.parallelize"}
+
+
 def test_the_branch_check_sees_a_planted_technique_branch(tmp_path):
     text = TRAINER.read_text()
     anchor = "        self.hooks.reduce_gradients(named)\n"

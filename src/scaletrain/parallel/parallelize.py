@@ -54,12 +54,14 @@ from scaletrain.parallel.data_parallel import (
     ReplicateDataParallel,
     apply_fsdp,
     apply_replicate,
+    clip_gradients,
+    model_state_bytes,
 )
 from scaletrain.parallel.expert_parallel import expert_engine, hide_from_ddp, shard_experts
 from scaletrain.parallel.init import Materialize, materialize, move
 from scaletrain.parallel.moe_balance import MoEBalance
 from scaletrain.parallel.outer import outer_loop
-from scaletrain.parallel.tensor_parallel import ReplicatedKVStep, SequenceShardedMoEStep, apply_tensor_parallel
+from scaletrain.parallel.tensor_parallel import ReplicatedKVStep, SequenceShardedMoEStep, apply_tensor_parallel, whole
 from scaletrain.parallel.zero import ZeroDataParallel
 from scaletrain.precision import MasterWeights, Precision
 from scaletrain.quant.fp8 import Fp8ScaleStep, check_fp8_device, convert_fp8
@@ -86,6 +88,30 @@ class ParallelModel:
     num_params: int = 0  # the whole model's parameters (before pipeline split and sharding)
     expert_parallel: bool = False  # the experts' tokens travel by all-to-all: every rank runs each forward
     master: MasterWeights | None = None  # bf16-true without an engine keeping fp32: the optimizer's fp32 copies
+    norm_group: object = None  # the pipeline's stages: the global gradient norm spans them
+
+    # ---- what the Trainer asks of the parallel model (it imports no technique) ----
+
+    def schedule(self, name: str, micro_batches: int, loss_fn):
+        """The pipeline schedule that runs this rank's stages; None without pipeline parallelism."""
+        return pipeline.build_schedule(self.stages, name, micro_batches, loss_fn) if self.stages else None
+
+    def through_schedule(self, schedule, batches, micro_batches: int, **kw) -> tuple[torch.Tensor, float]:
+        """A step's micro-batches through the pipeline schedule at once (pipeline.forward_backward)."""
+        return pipeline.forward_backward(self, schedule, batches, micro_batches, **kw)
+
+    def clip_gradients(self, params, max_norm: float, copies=()):
+        """The global gradient norm (every shard and stage), gradients clipped to `max_norm`."""
+        return clip_gradients(params, max_norm, self.norm_group, copies=copies)
+
+    def state_bytes(self, params, optimizer) -> dict[str, int]:
+        """This rank's model states, measured (parameters, gradients, optimizer state)."""
+        return model_state_bytes(self.dp, params, optimizer)
+
+    @staticmethod
+    def whole(loss: torch.Tensor) -> torch.Tensor:
+        """A loss computed on vocabulary shards (tensor parallel) as a plain tensor."""
+        return whole(loss)
 
     @property
     def optim_params(self) -> list[tuple[str, nn.Parameter]]:
@@ -279,6 +305,7 @@ def apply_wrapping_engines(c: Composition) -> None:
     if lay.pp > 1:
         c.result.stages = pipeline.build_stages(c.dp.models, c.stage_ids, c.num_stages, c.rt.device,
                                                 c.rt.group("pp"))
+        c.result.norm_group = c.rt.group("pp")
 
 
 def apply_master_weights(c: Composition) -> None:

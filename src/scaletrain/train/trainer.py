@@ -33,10 +33,7 @@ from scaletrain.model.generate import sample_text
 from scaletrain.model.loss import cross_entropy_sum
 from scaletrain.model.transformer import Transformer
 from scaletrain.optim import build_optimizer, get_lr, init_optimizer_state, set_lr
-from scaletrain.parallel import pipeline
-from scaletrain.parallel.data_parallel import DataParallel, clip_gradients, model_state_bytes
 from scaletrain.parallel.parallelize import parallelize, parallelize_module, step_hooks
-from scaletrain.parallel.tensor_parallel import whole
 from scaletrain.precision import Precision
 from scaletrain.runtime import Runtime, single_process
 from scaletrain.schedule import TrainSchedule
@@ -131,18 +128,15 @@ class Trainer:
         """Model: built on the meta device (no memory), then parallelized and materialized."""
         torch.manual_seed(self.cfg.train.seed + self.rank)  # dropout differs per rank; weights do not
         self.pm = self._parallel_model(resume_from)  # weights that do not fit: one line (parallelize)
-        self.dp: DataParallel = self.pm.dp
+        self.dp = self.pm.dp
         self.model = self.dp.model  # forward goes through the data-parallel wrapper
         self.named_params = self.dp.named_params  # this rank's (pipeline stages') parameters
         self.num_params = self.pm.num_params  # the whole model's (ZeRO-3: before sharding)
-        self.pipeline = pipeline.build_schedule(
-            self.pm.stages, self.layout.pp_schedule, self.layout.grad_accum,
-            lambda logits, targets: self.loss_fn(logits, targets) * self.loss_factor()) if self.pm.stages else None
+        self.pipeline = self.pm.schedule(self.layout.pp_schedule, self.layout.grad_accum,
+                                         lambda logits, targets: self.loss_fn(logits, targets) * self.loss_factor())
         # a step's micro-batches: through the pipeline schedule at once, or accumulated one by one
         self._micro_batches = self._through_pipeline if self.pipeline is not None else self._accumulate
         self.loss_context = self.pm.loss_context  # tensor parallel: the loss on the vocabulary shards
-        # the gradient norm spans the pipeline's stages
-        self._norm_group = self.rt.group("pp") if self.layout.pp > 1 else None
 
     def _parallel_model(self, resume_from: Path | None):
         cfg = self.cfg
@@ -271,8 +265,8 @@ class Trainer:
 
     def _through_pipeline(self, batches) -> tuple[torch.Tensor, float]:
         """All micro-batches through the schedule at once; the last stage's losses (the others: 0)."""
-        return pipeline.forward_backward(self.pm, self.pipeline, batches, self.layout.grad_accum, device=self.device,
-                                         autocast=self.precision.autocast, loss_context=self.loss_context)
+        return self.pm.through_schedule(self.pipeline, batches, self.layout.grad_accum, device=self.device,
+                                        autocast=self.precision.autocast, loss_context=self.loss_context)
 
     def _accumulate(self, batches) -> tuple[torch.Tensor, float]:
         """Gradients accumulated micro-batch by micro-batch, synced on the last."""
@@ -290,7 +284,7 @@ class Trainer:
                     logits = self.model(inputs)  # (B, T, vocab)
                 loss = self.loss_fn(logits, targets) * self.loss_factor()
                 loss.backward()
-            loss_sum += whole(loss.detach())
+            loss_sum += self.pm.whole(loss.detach())
         self.dp.finish_gradients()
         return loss_sum, wait
 
@@ -307,14 +301,14 @@ class Trainer:
         params = [p for _, p in named]
         self.hooks.reduce_gradients(named)
         self.health.enter("the gradient-norm all-reduce")
-        grad_norm = clip_gradients(params, self.cfg.train.grad_clip, self._norm_group, copies=self.hooks.norm_copies())
+        grad_norm = self.pm.clip_gradients(params, self.cfg.train.grad_clip, copies=self.hooks.norm_copies())
         # the norm is global (reduced over every shard and stage): every rank decides alike
         skip = self.hooks.agree_to_skip(not math.isfinite(float(grad_norm)))
         self.health.enter("the optimizer step (with the ZeRO parameter all-gather)")
         if not skip:
             self.optimizer.step()
         if self.state_bytes is None:  # measured once, while gradients and optimizer state are live
-            self.state_bytes = model_state_bytes(self.dp, params, self.optimizer)
+            self.state_bytes = self.pm.state_bytes(params, self.optimizer)
             report_state_bytes(self.metrics.info, self.rank, self.state_bytes, self.num_params)
         self.health.step_done(self.step + 1, skip, params)
         self.dp.zero_grad(self.optimizer)
