@@ -284,6 +284,32 @@ def test_the_trainer_step_names_no_technique():
     assert technique_branches(TRAINER) == []
 
 
+# what names a technique anywhere in the Trainer (its build included): the step words but the user's own
+# module (a Trainer input), and the techniques' own names
+TECHNIQUE_NAMES = (TECHNIQUE_WORDS - {"custom_model"}) | {"scaler", "pipeline", "fault_tolerance", "local_sgd",
+                                                        "diloco", "replica_groups", "fsdp", "ddp", "dp_replicate",
+                                                        "dp_shard", "ReplicaGroups", "LocalSGD", "MasterWeights"}
+
+
+def technique_names(path: Path) -> list[str]:
+    """Names and attributes anywhere in `path` that name a technique."""
+    return sorted({f"{path.name}:{n.lineno} {name}" for n in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(n, (ast.Name, ast.Attribute))
+                   and (name := n.attr if isinstance(n, ast.Attribute) else n.id) in TECHNIQUE_NAMES})
+
+
+def test_the_trainer_names_no_technique_anywhere():
+    """Not in its step (above), nor where it is built: the composition (parallelize, step_hooks), the
+    legality check and the layout's facts by role answer for the techniques."""
+    assert technique_names(TRAINER) == []
+
+
+def test_the_name_check_sees_a_technique_built_by_the_trainer(tmp_path):
+    planted = tmp_path / "trainer.py"
+    planted.write_text("def build(self):\n    self.sync = LocalSGD.for_run(self.layout.dp_replicate)\n")
+    assert technique_names(planted) == ["trainer.py:2 LocalSGD", "trainer.py:2 dp_replicate"]
+
+
 def test_the_trainer_reaches_the_techniques_through_the_composition_alone():
     """The Trainer imports one module of parallel/, the composition: the hooks it calls, the pipeline
     schedule, the norm and the engines' bytes come through parallelize's ParallelModel and step_hooks."""

@@ -224,6 +224,12 @@ class Layout:
         return self.cp * self.tp
 
     @property
+    def loss_copies(self) -> int:
+        """Ranks of one data-parallel rank and pipeline stage that hold the same loss: its tensor-parallel
+        ranks (the logits' vocabulary shards reduce to one loss on each), summed over and divided out."""
+        return self.tp
+
+    @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 

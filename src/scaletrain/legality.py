@@ -80,6 +80,21 @@ def check_config(cfg, layout: Layout, *, custom_module: bool = False, device_typ
     check_job(layout, cfg.model, tech, seq_len=cfg.data.seq_len)
 
 
+def data_errors(layout: Layout, *, source: str, loss_mask: bool) -> list[str]:
+    """What a layout cannot train on the run's data once it is opened (`source`, `loss_mask`: whether
+    its loss counts only a mask's tokens)."""
+    if loss_mask and layout.fault_tolerance:
+        return [f"{source} has a loss mask (chat data), and parallel.fault_tolerance averages the replica groups' "
+                "gradients without weighing their counted tokens: not supported yet; set data.loss_mask=false to "
+                "count every token, or parallel.fault_tolerance=false"]
+    return []
+
+
+def check_data(layout: Layout, *, source: str, loss_mask: bool) -> None:
+    if problems := data_errors(layout, source=source, loss_mask=loss_mask):
+        raise ConfigError(*problems)
+
+
 # ---- the techniques' rules -------------------------------------------------------------------
 
 

@@ -429,7 +429,7 @@ def activation_bytes(trainer, batches) -> int | None:
     tensors); None under pipelining, where a micro-batch's forward spans the schedule."""
     from scaletrain.memory import saved_activation_bytes
 
-    if trainer.pipeline is not None:
+    if trainer.micro_schedule is not None:
         return None
     inputs, targets = (x.to(trainer.device) for x in next(batches))  # this rank's share, cut by the loader
 

@@ -99,3 +99,14 @@ def test_settle_lists_every_problem_of_a_job_at_once(tmp_path):
         settle(cfg, 8, torch.device("cuda"))
     assert [line.split(":")[0] for line in e.value.lines] == [
         "train.qat=int8-dynamic with parallel.tp=2", "train.qat=int8-dynamic with parallel.pp=2"]
+
+
+def test_chat_data_under_replica_groups_is_refused_in_one_line_and_accepted_without_them():
+    """The groups' average does not weigh each group's counted tokens: a loss mask is refused under
+    fault tolerance (from the data, once opened), and only there."""
+    from scaletrain.legality import data_errors
+
+    [line] = data_errors(Layout(fault_tolerance=True), source="chat/", loss_mask=True)
+    assert line.startswith("chat/ has a loss mask (chat data), and parallel.fault_tolerance averages")
+    assert data_errors(Layout(), source="chat/", loss_mask=True) == []
+    assert data_errors(Layout(fault_tolerance=True), source="plain/", loss_mask=False) == []

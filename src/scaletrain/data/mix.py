@@ -192,13 +192,12 @@ class MixSampler(StepSampler):
         return out
 
 
-def open_training_data(data_cfg, mix: list[tuple[str, float]] | None, vocab_size: int | None, *,
-                       replica_groups: bool = False):
+def open_training_data(data_cfg, mix: list[tuple[str, float]] | None, vocab_size: int | None):
     """(data, dataset) of a run: data.path's folder, or data.mix's sources (`mix`, parsed) in
     proportion; refuses a tokenizer larger than the model's vocabulary (`vocab_size`; None: a
-    custom module's, unknown), and a loss mask under fault tolerance's replica groups
-    (`replica_groups`: their average does not weigh each group's counted tokens). With
-    data.document_mask the dataset knows the token that ends each document (its `separator`)."""
+    custom module's, unknown). With data.document_mask the dataset knows the token that ends each
+    document (its `separator`); with a loss mask (chat data) its `mask` (what a layout may refuse of
+    it: scaletrain.legality.data_errors)."""
     data = MixData(mix, data_cfg.verify_checksums) if mix else open_data(data_cfg.path, data_cfg.verify_checksums)
     if mix:
         _use_mask(data_cfg.loss_mask, [data])  # refuses what a mixture cannot honour
@@ -206,10 +205,6 @@ def open_training_data(data_cfg, mix: list[tuple[str, float]] | None, vocab_size
         raise DataError(f"{data.source}: the tokenizer has {data.vocab_size} tokens but model.vocab_size={vocab_size}; "
                         f"set model.vocab_size to at least {data.vocab_size}")
     masked = not mix and _use_mask(data_cfg.loss_mask, [data])
-    if masked and replica_groups:
-        raise ConfigError(f"{data.source} has a loss mask (chat data), and parallel.fault_tolerance averages the "
-                          "replica groups' gradients without weighing their counted tokens: not supported yet; set "
-                          "data.loss_mask=false to count every token, or parallel.fault_tolerance=false")
     separator = None
     if data_cfg.document_mask and not mix:
         if vocab_size is None:

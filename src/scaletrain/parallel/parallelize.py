@@ -346,18 +346,33 @@ def register_step_hooks(c: Composition) -> None:
             hooks.append(balance)
 
 
+def initial_weights(cfg: JobConfig, *, resuming: bool):
+    """The weights a run of scaletrain's model starts from: model.init_from (names and shapes checked,
+    each tensor read when used), or None (from (seed, name)). A resumed run takes the checkpoint's,
+    but for a frozen base (adapters), which its checkpoints do not hold."""
+    if not cfg.model.init_from or (resuming and AdapterSpec.of(cfg.adapter) is None):
+        return None
+    from scaletrain.data.tokenizer import check_same_tokenizer
+    from scaletrain.model.hf import load_hf_weights
+
+    check_same_tokenizer(cfg.model.init_from, cfg.data.path)  # the ids must mean the same text
+    return load_hf_weights(cfg.model.init_from, cfg.model)
+
+
 # The composition, in its order: what each step wraps was made by the steps before it.
 STEPS = (split_pipeline, apply_qat, apply_fp8, apply_adapters, apply_tp, apply_ep,
          apply_checkpointing_and_compile, apply_sharding_engines, materialize_weights, apply_wrapping_engines,
          apply_master_weights, register_step_hooks)
 
 
-def step_hooks(pm: ParallelModel, cfg: JobConfig, rt: Runtime, *, optimizer, state, refresh, scaler) -> StepHooks:
+def step_hooks(pm: ParallelModel, cfg: JobConfig, rt: Runtime, *, optimizer, state, refresh,
+               precision: Precision) -> StepHooks:
     """Every step hook of the run, in the order the step calls them: those parallelize registered (the
     masters, then each technique's), the outer loop (local SGD / DiLoCo / replica groups), which sees
-    the stepped weights, and last fp16's loss scaler (`scaler`, precision's or None), which unscales
-    the gradients all the others reduced. `optimizer` steps `pm.optim_params`; `state`, `refresh` and
-    `scaler` are what a replica group heals from a peer."""
+    the stepped weights, and last fp16's loss scaler (precision's, if any), which unscales the
+    gradients all the others reduced. `optimizer` steps `pm.optim_params`; `state`, `refresh` and the
+    scaler are what a replica group heals from a peer."""
+    scaler = precision.scaler
     outer = outer_loop(pm.optim_params, cfg, rt, n_blocks=pm.n_blocks, optimizer=optimizer, state=state,
                        refresh=refresh, scaler=scaler, hooks=pm.hooks)
     if scaler is not None:  # the loss was scaled in place of dp, the mean's factor: unscaling multiplies it back

@@ -96,9 +96,9 @@ def validation_loss(t) -> dict[str, float]:
         for i, v in enumerate(t.val_sets):
             for global_batch in v.batches:
                 micro = rank_slices(global_batch, b.micro_batch, b.grad_accum, t.dp_rank, b.dp)
-                if t.pipeline is not None:
+                if t.micro_schedule is not None:
                     totals[i] += pipeline.eval_loss_sum(
-                        t.pm, t.pipeline, [share(v.dataset[indices]) for indices in micro], device=t.device,
+                        t.pm, t.micro_schedule, [share(v.dataset[indices]) for indices in micro], device=t.device,
                         loss_factor=t.loss_factor(), autocast=t.precision.autocast, loss_context=t.loss_context)
                     continue
                 for indices in micro:
@@ -113,7 +113,7 @@ def validation_loss(t) -> dict[str, float]:
     if t.rt.distributed:
         t.health.enter("the evaluation all-reduce")
         dist.all_reduce(totals)
-        totals /= b.tp
+        totals /= b.loss_copies
     # by the targets counted: every token's, or a loss mask's (the same on every rank: from the data)
     losses = {v.name: float(totals[i]) / max(1, sum(v.dataset.counted_tokens(g) for g in v.batches))
               for i, v in enumerate(t.val_sets)}

@@ -45,10 +45,11 @@ class Health:
     steps (counted in the run's TrainState `state`, which checkpoints keep, as its early loss).
     `custom_loss`: the loss need not be a cross-entropy (no ln(vocab_size) bound)."""
 
-    def __init__(self, cfg, layout, rt, metrics, state, *, scaler, param_names: dict[int, str], custom_loss: bool):
+    def __init__(self, cfg, layout, rt, metrics, state, *, precision, param_names: dict[int, str], custom_loss: bool):
         self.cfg, self.layout, self.rt, self.metrics, self.state = cfg, layout, rt, metrics, state
         self.rank, self.world_size, self.device = rt.rank, rt.world_size, rt.device
-        self.scaler, self.param_names, self.custom_loss = scaler, param_names, custom_loss
+        # fp16's loss scaler (None in other modes): it says whether a skipped step overflowed, at its minimum
+        self.scaler, self.param_names, self.custom_loss = precision.scaler, param_names, custom_loss
         self.phase = "start-up"  # what the step is doing, named when a collective times out
         self.current_step = 0
         self.consecutive_skips = self.spikes = self.applied_steps = 0

@@ -391,7 +391,7 @@ def print_sample(t) -> None:
     """The sample that closes a run's log (train.sample_tokens), or why there is none. `t`: the
     Trainer."""
     say = t.metrics.info
-    if t.pipeline is not None:
+    if t.micro_schedule is not None:
         say("sample: skipped, the model is split into pipeline stages (export the checkpoint and sample it whole)")
     elif t.layout.cp > 1:
         say("sample: skipped, the model's attention is split over the context-parallel ranks (export the "

@@ -27,13 +27,13 @@ from scaletrain.config import JobConfig, parse_mix
 from scaletrain.data.loader import StepSampler, build_loader
 from scaletrain.data.mix import open_training_data, step_sampler
 from scaletrain.errors import ConfigError
-from scaletrain.legality import check_config
+from scaletrain.legality import check_config, check_data
 from scaletrain.model.flops import flops_per_token
 from scaletrain.model.generate import sample_text
 from scaletrain.model.loss import cross_entropy_sum
 from scaletrain.model.transformer import Transformer
 from scaletrain.optim import build_optimizer, get_lr, init_optimizer_state, set_lr
-from scaletrain.parallel.parallelize import parallelize, parallelize_module, step_hooks
+from scaletrain.parallel.parallelize import initial_weights, parallelize, parallelize_module, step_hooks
 from scaletrain.precision import Precision
 from scaletrain.runtime import Runtime, single_process
 from scaletrain.schedule import TrainSchedule
@@ -101,7 +101,7 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir if self.rank == 0 else None, cfg.train.steps,
                                      enabled=self.rank == 0, tensorboard=cfg.log.tensorboard, summary=cfg.log.summary,
                                      progress=cfg.log.progress, stream=stream, device_type=self.device.type)
-        self.health = Health(cfg, self.layout, rt, self.metrics, self.state, scaler=self.precision.scaler,
+        self.health = Health(cfg, self.layout, rt, self.metrics, self.state, precision=self.precision,
                              param_names=self.param_names, custom_loss=self.custom_model is not None)
         self.hooks.enter, self.health.skip_reason = self.health.enter, self.hooks.skip_reason
         if resume_from is not None:
@@ -118,8 +118,8 @@ class Trainer:
         cfg = self.cfg
         self.dp_rank = self.rt.axis("dp").get_local_rank() if self.rt.distributed else 0
         self.data, self.dataset = open_training_data(cfg.data, parse_mix(cfg.data.mix) if cfg.data.mix else None,
-                                                     cfg.model.vocab_size if self.custom_model is None else None,
-                                                     replica_groups=cfg.parallel.fault_tolerance)
+                                                     cfg.model.vocab_size if self.custom_model is None else None)
+        check_data(self.layout, source=self.data.source, loss_mask=getattr(self.dataset, "mask", None) is not None)
         self.tokens_per_step = self.layout.global_batch * cfg.data.seq_len  # of the full batch
         self.batch_schedule = self.layout.batch_schedule(cfg.data.seq_len)  # train.batch_rampup, if any
         self.schedule = self._schedule or TrainSchedule.for_job(cfg, self.batch_schedule, cfg.train.steps)
@@ -132,10 +132,10 @@ class Trainer:
         self.model = self.dp.model  # forward goes through the data-parallel wrapper
         self.named_params = self.dp.named_params  # this rank's (pipeline stages') parameters
         self.num_params = self.pm.num_params  # the whole model's (ZeRO-3: before sharding)
-        self.pipeline = self.pm.schedule(self.layout.pp_schedule, self.layout.grad_accum,
+        self.micro_schedule = self.pm.schedule(self.layout.pp_schedule, self.layout.grad_accum,
                                          lambda logits, targets: self.loss_fn(logits, targets) * self.loss_factor())
         # a step's micro-batches: through the pipeline schedule at once, or accumulated one by one
-        self._micro_batches = self._through_pipeline if self.pipeline is not None else self._accumulate
+        self._micro_batches = self._through_schedule if self.micro_schedule is not None else self._accumulate
         self.loss_context = self.pm.loss_context  # tensor parallel: the loss on the vocabulary shards
 
     def _parallel_model(self, resume_from: Path | None):
@@ -144,13 +144,7 @@ class Trainer:
             return parallelize_module(self.custom_model, cfg, self.rt, self.precision)
         with torch.device("meta"):
             model = Transformer(cfg.model, separator=self.dataset.separator)  # data.document_mask's, or None
-        weights = None  # a new run from existing weights (a resumed one takes the checkpoint's, but a frozen base)
-        if cfg.model.init_from and (resume_from is None or cfg.adapter.kind != "none"):
-            from scaletrain.data.tokenizer import check_same_tokenizer
-            from scaletrain.model.hf import load_hf_weights
-
-            check_same_tokenizer(cfg.model.init_from, cfg.data.path)  # the ids must mean the same text
-            weights = load_hf_weights(cfg.model.init_from, cfg.model)  # names, shapes checked; read on use
+        weights = initial_weights(cfg, resuming=resume_from is not None)  # model.init_from, read on use
         pm = parallelize(model, cfg, self.rt, self.precision, weights=weights)
         self.folder.notes.extend(pm.notes)  # what the quantization layer rule converted (qat, fp8)
         if weights is not None:
@@ -166,7 +160,7 @@ class Trainer:
         self.state_bytes: dict[str, int] | None = None  # measured during the first step
         # the techniques' per-step work, in the order the composition gives (parallel.parallelize.step_hooks)
         self.hooks = step_hooks(self.pm, cfg, self.rt, optimizer=self.optimizer, state=self.state,
-                                refresh=self.refresh_weights, scaler=self.precision.scaler)
+                                refresh=self.refresh_weights, precision=self.precision)
 
     @property
     def step(self) -> int:  # optimizer steps done (the run's TrainState holds it)
@@ -263,9 +257,9 @@ class Trainer:
         loss_sum, wait = self._micro_batches(batches)
         return loss_sum / self.loss_factor() / self.counted_tokens(), wait
 
-    def _through_pipeline(self, batches) -> tuple[torch.Tensor, float]:
+    def _through_schedule(self, batches) -> tuple[torch.Tensor, float]:
         """All micro-batches through the schedule at once; the last stage's losses (the others: 0)."""
-        return self.pm.through_schedule(self.pipeline, batches, self.layout.grad_accum, device=self.device,
+        return self.pm.through_schedule(self.micro_schedule, batches, self.layout.grad_accum, device=self.device,
                                         autocast=self.precision.autocast, loss_context=self.loss_context)
 
     def _accumulate(self, batches) -> tuple[torch.Tensor, float]:
@@ -415,10 +409,10 @@ class Trainer:
             return float(local_loss), grad_norm, bool(flag)
         self.health.enter("the end-of-step all-reduce of loss and stop flag")
         t = torch.stack([torch.tensor(flag, device=self.device), local_loss.float().reshape(())])
-        dist.all_reduce(t)  # every rank's share of the loss; tensor-parallel ranks hold copies
+        dist.all_reduce(t)  # every rank's share of the loss; some ranks hold copies of it
         if t[0] > 0 and not fault:
             signals.received = signals.received or signal.SIGTERM
-        return float(t[1]) / self.layout.tp, grad_norm, bool(t[0] > 0)
+        return float(t[1]) / self.layout.loss_copies, grad_norm, bool(t[0] > 0)
 
     def sample(self, prompt: str, new_tokens: int) -> str:
         """Generate from the trained model. Every rank of a sharded model (FSDP, tensor parallel)
