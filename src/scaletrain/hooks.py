@@ -7,8 +7,8 @@ those built from it (master weights, local SGD). The Trainer calls `StepHooks` a
 the step and never asks which technique is behind a hook:
 
     begin_step -> forward/backward of every micro-batch (each hook's `batch_share` cuts this rank's tokens;
-    the loss scaled by `loss_scale`) -> reduce_gradients (the last: fp16's unscale) -> clip (norm_copies
-    counted once) -> agree_to_skip
+    the loss scaled by `loss_scale`) -> reduce_gradients (the last: fp16's unscale) -> clip (the parallel model's
+    global norm) -> agree_to_skip
     -> optimizer step -> after_optimizer_step -> reported_norm (-> metrics, on a logged step)
 
 Every method of `StepHook` does nothing by default: a hook overrides what it needs.
@@ -52,10 +52,6 @@ class StepHook:
     def reduce_gradients(self, named: Named) -> None:
         """After the micro-batches' backward, before the norm: gradients of the optimizer's
         parameters (`named`, masters or shards included) summed where the technique needs it."""
-
-    def norm_copies(self) -> tuple[torch.Tensor, ...]:
-        """Parameters whose gradients are a copy of another rank's: the global norm counts them once."""
-        return ()
 
     def skip_reason(self) -> str | None:
         """Why `agree_to_skip` skipped this step where the gradients did not ask for it (None: it did not)."""
@@ -150,9 +146,6 @@ class StepHooks:
         for h in self.hooks:
             self.enter(h.phase)
             h.reduce_gradients(named)
-
-    def norm_copies(self) -> tuple[torch.Tensor, ...]:
-        return tuple(p for h in self.hooks for p in h.norm_copies())
 
     @property
     def batch_share(self) -> Callable | None:

@@ -24,6 +24,7 @@ hooks of the techniques applied (scaletrain/hooks.py: the per-step work the Trai
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -89,6 +90,7 @@ class ParallelModel:
     expert_parallel: bool = False  # the experts' tokens travel by all-to-all: every rank runs each forward
     master: MasterWeights | None = None  # bf16-true without an engine keeping fp32: the optimizer's fp32 copies
     norm_group: object = None  # the pipeline's stages: the global gradient norm spans them
+    norm_copies: Callable[[], tuple] = tuple  # parameters another stage holds too (a tied embedding's)
 
     # ---- what the Trainer asks of the parallel model (it imports no technique) ----
 
@@ -100,9 +102,10 @@ class ParallelModel:
         """A step's micro-batches through the pipeline schedule at once (pipeline.forward_backward)."""
         return pipeline.forward_backward(self, schedule, batches, micro_batches, **kw)
 
-    def clip_gradients(self, params, max_norm: float, copies=()):
-        """The global gradient norm (every shard and stage), gradients clipped to `max_norm`."""
-        return clip_gradients(params, max_norm, self.norm_group, copies=copies)
+    def clip_gradients(self, params, max_norm: float):
+        """The global gradient norm (every shard and stage, a weight two stages hold counted once),
+        gradients clipped to `max_norm`."""
+        return clip_gradients(params, max_norm, self.norm_group, copies=self.norm_copies())
 
     def state_bytes(self, params, optimizer) -> dict[str, int]:
         """This rank's model states, measured (parameters, gradients, optimizer state)."""
@@ -334,6 +337,7 @@ def register_step_hooks(c: Composition) -> None:
         hooks.append(kv)
     if lay.pp > 1 and (tied := pipeline.TiedEmbeddingStep.needed(cfg.model, rt.mesh, c.result)):
         hooks.append(tied)
+        c.result.norm_copies = tied.copies
     if c.fp8_all_gather:
         hooks.append(Fp8ScaleStep(dp.models))
     if lay.tp > 1 and (moe_tp := SequenceShardedMoEStep.needed(cfg.model, rt.axis("tp"), expert_ids)):

@@ -226,5 +226,6 @@ class TiedEmbeddingStep(StepHook):
         self.tied = [p for n, p in named if canonical_name(n) == "tok_emb.weight"]
         sum_gradients(self.tied, self.group)
 
-    def norm_copies(self) -> tuple[torch.Tensor, ...]:
+    def copies(self) -> tuple[torch.Tensor, ...]:
+        """The last stage's copy of the tied weight (this step's): the global norm counts it once."""
         return tuple(self.tied) if self.last_copy else ()

@@ -295,7 +295,7 @@ class Trainer:
         params = [p for _, p in named]
         self.hooks.reduce_gradients(named)
         self.health.enter("the gradient-norm all-reduce")
-        grad_norm = self.pm.clip_gradients(params, self.cfg.train.grad_clip, copies=self.hooks.norm_copies())
+        grad_norm = self.pm.clip_gradients(params, self.cfg.train.grad_clip)
         # the norm is global (reduced over every shard and stage): every rank decides alike
         skip = self.hooks.agree_to_skip(not math.isfinite(float(grad_norm)))
         self.health.enter("the optimizer step (with the ZeRO parameter all-gather)")
