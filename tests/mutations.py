@@ -217,6 +217,20 @@ MUTANTS = [
            "        sum_gradients(self.tied, self.group)\n", "",
            (f"{MP}::test_parity_with_one_process[pp2-tied]",
             f"{MP}::test_tied_embedding_copies_stay_identical[pp2-tied]")),
+    Mutant("pp-tied-copy-counted-twice", "the global gradient norm counts both pipeline stages' copies of a tied "
+           "embedding", "src/scaletrain/parallel/parallelize.py",
+           "copies=self.norm_copies())", "copies=())",
+           (f"{MP}::test_parity_with_one_process[pp2-tied]",)),
+    # the composition's step hooks and the one legality check (issue 46)
+    Mutant("fp16-unscale-forgets-dp", "fp16's loss scale stands in for dp, the mean's factor, but unscaling does "
+           "not multiply dp back", "src/scaletrain/parallel/parallelize.py",
+           "        scaler.times = rt.layout.dp\n", "        scaler.times = 1\n",
+           (f"{DP}::test_precision_composes_with_every_zero_stage",)),
+    Mutant("planner-blind-to-techniques", "the planner's search checks layouts without the job's techniques "
+           "(QLoRA, fp8, QAT, document masks)", "src/scaletrain/plan/search.py",
+           "job_errors(layout, cfg, wl.techniques,", "job_errors(layout, cfg, type(wl.techniques)(),",
+           ("tests/parallel/test_legality.py::test_every_layout_the_planner_ranks_is_one_settle_accepts",
+            "tests/parallel/test_legality.py::test_the_check_narrows_the_search")),
     # quantization: a saved int8 weight rebuilt without its per-row scale (the integers taken as
     # the weights themselves)
     Mutant("quantized-scale-not-applied", "a quantized folder's int8 weights loaded without their scales",
