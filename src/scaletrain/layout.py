@@ -278,8 +278,9 @@ class Layout:
         when it can train."""
         e = []
         if self.zero >= 1 and self.shard_ranks(engine) == 1:
+            more = " (launch them with --nproc N)" if self.world == 1 else ""
             e.append(f"parallel.zero={self.zero} shards model states over the dp_shard ranks, but there is only 1 "
-                     f"({self.describe_ranks()}); use parallel.zero=0, or more data-parallel ranks")
+                     f"({self.describe_ranks()}); use parallel.zero=0, or more data-parallel ranks{more}")
         if self.sp and self.tp == 1:
             e.append("parallel.sp=true splits the sequence over the tensor-parallel ranks; it needs parallel.tp > 1")
         if self.offload_optimizer and self.zero != 3:
@@ -338,7 +339,10 @@ class Layout:
         """Why this layout's expert parallelism cannot train `model` (None: the layout alone)."""
         ep, e = self.ep, []
         borrows = self.dp_shard * self.token_ranks
-        if borrows % ep:
+        if borrows == 1:  # nothing to borrow: one rank routes every token
+            e.append(f"parallel.ep={ep} borrows its ranks from the dp_shard × cp × tp ranks, but there is only 1 "
+                     f"({self.describe_ranks()}); launch {ep} or a multiple (--nproc {ep}), or set parallel.ep=1")
+        elif borrows % ep:
             e.append(f"parallel.ep={ep} borrows its ranks from the dp_shard × cp × tp ranks, so it must divide "
                      f"dp_shard × cp × tp = {self.dp_shard} × {self.cp} × {self.tp} = {borrows}; use an ep in "
                      f"{[d for d in range(2, borrows + 1) if borrows % d == 0]}, or more of those ranks")

@@ -155,6 +155,16 @@ class TrainSchedule:
         """A run's schedule (`cfg`: its JobConfig): optim's, its workers' inner lr scaled (worker_lr_scale)."""
         return cls(cfg.optim, batch, total_steps, scale=worker_lr_scale(cfg.parallel))
 
+    def warmup_note(self, steps: int) -> str | None:
+        """A line for a run of `steps` steps that ends inside its warm-up: its learning rate never
+        reaches the peak (None when the warm-up ends first)."""
+        warmup = self.optim_cfg.warmup_steps
+        if not warmup or warmup < steps:
+            return None
+        return (f"optim.warmup_steps={warmup} is not shorter than train.steps={steps}: the learning rate never "
+                f"reaches its peak ({self.peak:.2e}) and this run trains at a fraction of it; lower "
+                f"optim.warmup_steps (e.g. to {max(1, steps // 10)})")
+
     def tokens(self, step: int) -> int:
         """Tokens of step `step`'s global batch (fewer during a batch-size warm-up)."""
         return self.batch.batch(step) * self.batch.seq_len

@@ -110,3 +110,15 @@ def test_chat_data_under_replica_groups_is_refused_in_one_line_and_accepted_with
     assert line.startswith("chat/ has a loss mask (chat data), and parallel.fault_tolerance averages")
     assert data_errors(Layout(), source="chat/", loss_mask=True) == []
     assert data_errors(Layout(fault_tolerance=True), source="plain/", loss_mask=False) == []
+
+
+def test_a_layout_that_needs_more_ranks_than_one_process_names_nproc():
+    """ep or ZeRO-3 on one process (issue 47): the line says to launch ranks with --nproc, not "use an ep
+    in []"; with ranks to borrow or shard over, the ordinary rule."""
+    [ep] = Layout(ep=2).errors()
+    assert ep.startswith("parallel.ep=2 borrows its ranks") and "(--nproc 2)" in ep and "[]" not in ep
+    [zero] = Layout(zero=3).errors()
+    assert zero.endswith("or more data-parallel ranks (launch them with --nproc N)")
+    assert Layout(ep=2, dp_shard=2).errors() == [] and Layout(zero=3, dp_shard=2).errors() == []
+    [uneven] = Layout(ep=2, dp_shard=3).errors()
+    assert uneven.endswith("use an ep in [3], or more of those ranks")

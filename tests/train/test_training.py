@@ -18,7 +18,7 @@ from scaletrain.schedule import LRSchedule, peak_lr
 from scaletrain.train.metrics import REQUIRED_KEYS
 from scaletrain.train.trainer import Trainer
 
-from conftest import MICRO_ARGS, assert_same_run, micro_cfg, read_metrics
+from conftest import MICRO_ARGS, assert_same_run, micro_cfg, read_metrics, run_here
 
 
 def grads_after_one_step(cfg) -> dict[str, torch.Tensor]:
@@ -198,3 +198,15 @@ def test_out_of_memory_in_activations_is_one_line_with_the_fix(tmp_path):
         "step 1: out of cpu memory on rank 0 during forward/backward (activations of micro-batch 256 x data.seq_len "
         "1024); lower train.micro_batch (now 256; gradient accumulation keeps the global batch), or set "
         "memory.activation_checkpointing=selective or full")
+
+
+def test_a_run_that_ends_inside_its_warm_up_says_so_once(tmp_path):
+    """A 20-step run with the default 25-step warm-up never reaches its learning rate (issue 47): one
+    line says so and how to fix it; a warm-up shorter than the run says nothing."""
+    short = run_here("train", *MICRO_ARGS, "--train.steps=3", "--optim.warmup_steps=3",
+                     f"--log.run_dir={tmp_path / 'a'}")
+    assert short.returncode == 0, short.stderr
+    notes = [line for line in short.stderr.splitlines() if "optim.warmup_steps=3 is not shorter" in line]
+    assert len(notes) == 1 and "train.steps=3" in notes[0] and "lower optim.warmup_steps" in notes[0], notes
+    fine = run_here("train", *MICRO_ARGS, "--train.steps=3", f"--log.run_dir={tmp_path / 'b'}")  # warm-up 2
+    assert fine.returncode == 0 and "is not shorter than train.steps" not in fine.stderr

@@ -123,6 +123,8 @@ class Trainer:
         self.tokens_per_step = self.layout.global_batch * cfg.data.seq_len  # of the full batch
         self.batch_schedule = self.layout.batch_schedule(cfg.data.seq_len)  # train.batch_rampup, if any
         self.schedule = self._schedule or TrainSchedule.for_job(cfg, self.batch_schedule, cfg.train.steps)
+        if self._schedule is None and (note := self.schedule.warmup_note(cfg.train.steps)):
+            self.folder.notes.append(note)  # (verify's shorter checks run part of a longer schedule)
 
     def _build_model(self, resume_from: Path | None) -> None:
         """Model: built on the meta device (no memory), then parallelized and materialized."""
