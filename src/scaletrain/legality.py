@@ -62,7 +62,8 @@ def job_errors(layout: Layout, model=None, tech: Techniques = Techniques(), *, s
             _fp8_errors(layout, tech) + _moe_errors(layout, model) + _document_mask_errors(layout, tech) + \
             _fault_tolerance_errors(layout, model)
     e += _adapter_errors(layout, tech)
-    if layout.offload_optimizer and tech.device_type not in (None, "cuda"):
+    # (offload without ZeRO-3 is Layout.errors' one line)
+    if layout.offload_optimizer and layout.zero == 3 and tech.device_type not in (None, "cuda"):
         e.append("memory.offload_optimizer moves model states from GPU memory to pinned host memory; this run is "
                  f"on the {tech.device_type.upper()} already, so drop the option")
     return e

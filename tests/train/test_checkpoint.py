@@ -345,6 +345,24 @@ def test_damaged_checkpoint_is_named_and_auto_resume_falls_back(tmp_path):
     assert not (tmp_path / "m.safetensors").exists()
 
 
+def test_auto_resume_with_every_checkpoint_damaged_names_each_and_changes_nothing(tmp_path):
+    """Issue 47: every checkpoint damaged, resume=auto names each with what is wrong with it (as export
+    does) and suggests nothing that would lose one; the folder is left byte for byte."""
+    train_micro(tmp_path, **{"train.steps": 4, "checkpoint.every": 2})
+    folder = tmp_path / "run" / "checkpoints"
+    for step in (2, 4):
+        _flip_a_byte(folder / f"step_{step:08d}")
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError) as e:
+        Trainer(micro_cfg(tmp_path, **{"checkpoint.resume": "auto", "train.steps": 6}))
+    assert e.value.lines[:2] == [
+        f"checkpoint {folder / name} is damaged (__0_0.distcp does not match the checksum written with it); "
+        "no older one is complete" for name in ("step_00000004", "step_00000002")]
+    assert "are all damaged (above)" in e.value.lines[2] and "move" not in e.value.lines[2]
+    assert len(e.value.lines) == 3
+    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
+
+
 def test_truncated_tensor_file_is_refused_on_explicit_resume(tmp_path):
     train_micro(tmp_path, **{"train.steps": 2, "checkpoint.save_final": True})
     path = ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints")

@@ -270,18 +270,23 @@ def verify_checkpoint(path: Path, state: dict | None = None) -> str | None:
 
 def find_resumable(folder: Path, report=print) -> Path | None:
     """The newest checkpoint of `folder` on HEAD's lineage that reads and verifies; each damaged
-    one on the way is named in one line through `report`. Every rank calls this together."""
+    one on the way is named in one line through `report`, with what is wrong with it and whether an
+    older one was found. Every rank calls this together."""
     folder = Path(folder)
     head = read_head(folder)
+    damaged, found = [], None
     for path, state in reversed(_states(folder)):
         if state is not None and head is not None and not (
                 is_ancestor(*_position(state), *head) or is_ancestor(*head, *_position(state))):
             continue  # another branch: kept, never resumed
         problem = "its trainer.json cannot be read" if state is None else verify_checkpoint(path, state)
         if problem is None:
-            return path
-        report(f"checkpoint {path} is damaged ({problem}); falling back to an older one")
-    return None
+            found = path
+            break
+        damaged.append(f"checkpoint {path} is damaged ({problem})")
+    for line in damaged:
+        report(f"{line}; {'falling back to an older one' if found else 'no older one is complete'}")
+    return found
 
 
 # --------------------------------------------------------------------------------------------

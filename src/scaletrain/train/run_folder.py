@@ -148,12 +148,18 @@ class RunFolder:
                 raise ConfigError(f"{name} {folder} is a file, not a folder; choose another {name}")
         held = holds_run(self.run_dir, self.ckpt_dir)
         if res == "auto":
-            found = ckpt.find_resumable(self.ckpt_dir, report=self.notes.append)
+            damaged: list[str] = []
+            found = ckpt.find_resumable(self.ckpt_dir, report=damaged.append)
             # a replica group of a fault-tolerant job that never wrote one (another group did) heals from a peer
             if found is None and held and not self.restart and not self.cfg.parallel.fault_tolerance:
+                if damaged:  # each named with what is wrong with it, as export does; nothing suggested that loses one
+                    raise ConfigError(*damaged, f"log.run_dir {self.run_dir} holds a run ({', '.join(held)}) whose "
+                                      "checkpoints are all damaged (above); restore one from a copy, or train anew "
+                                      "in another log.run_dir (nothing was changed)")
                 raise ConfigError(f"log.run_dir {self.run_dir} holds a run ({', '.join(held)}) but no complete "
-                                  "checkpoint to resume; choose another log.run_dir, or move that folder away to "
-                                  "start over (nothing was changed)")
+                                  "checkpoint to resume; choose another log.run_dir to start over (nothing was "
+                                  "changed)")
+            self.notes.extend(damaged)
             return found
         if res != "none":
             path = Path(res)
