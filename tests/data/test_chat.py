@@ -127,6 +127,42 @@ def test_bad_chat_input_is_one_line_each(tmp_path):
     assert "give --chat-format plain" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_a_misspelled_role_is_refused_with_its_line_and_the_known_roles(tmp_path):
+    """Issue 47: "assitant" was rendered as an "Assitant: ..." prompt turn and never trained on."""
+    records = conversations(3)
+    records[2]["messages"][2]["role"] = "assitant"  # (record 1 is a prompt/response one)
+    bad = write_jsonl(tmp_path / "bad.jsonl", records)
+    r = run_here("prepare", str(bad), "--out", str(tmp_path / "o"), "--chat-format", "plain")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"{bad}:3: role 'assitant' is not one of system, developer, user, assistant, tool (did you mean " \
+           "assistant?)" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_chat_template_that_raises_is_one_line_with_the_record_and_its_message(tmp_path):
+    """Issue 47: Llama-2 / Mistral / Gemma templates raise on a role or an order they refuse; that was a
+    jinja traceback."""
+    pytest.importorskip("transformers")
+    from test_hf_tokenizer import make_hf_folder
+
+    hf = make_hf_folder(tmp_path / "hf", "no-special")
+    config = json.loads((hf / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                               "{{ raise_exception('System role not supported') }}{% endif %}"
+                               "<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                               "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+    (hf / "tokenizer_config.json").write_text(json.dumps(config))
+    records = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+               {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                             {"role": "assistant", "content": "yo"}]}]
+    chat = write_jsonl(tmp_path / "chat.jsonl", records)
+    r = run_here("prepare", str(chat), "--out", str(tmp_path / "o"), "--tokenizer", str(hf), "--chat-format",
+                 "template")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"{chat}:2: the tokenizer's chat template refuses this conversation (System role not supported)" \
+        in r.stderr
+
+
 def test_a_mask_asked_of_data_without_one_is_refused(tmp_path):
     (tmp_path / "doc.txt").write_text(" ".join(WORDS) * 40)
     prepare([tmp_path / "doc.txt"], tmp_path / "text")

@@ -27,10 +27,14 @@ from pathlib import Path
 import numpy as np
 
 from scaletrain.errors import DataError
+from scaletrain.vocab import did_you_mean
 
 CHAT_FORMATS = ("template", "plain")
 PROMPT_FIELDS = ("prompt", "instruction", "question")
 RESPONSE_FIELDS = ("response", "completion", "output", "answer")
+# the roles of Hugging Face's chat format; another (a misspelling) would be rendered as a prompt turn and never
+# trained on, so it is refused
+KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool")
 EXPECTED = (f"a `messages` list of {{\"role\", \"content\"}} turns, or one of {', '.join(PROMPT_FIELDS)} with one of "
             f"{', '.join(RESPONSE_FIELDS)}")
 
@@ -73,6 +77,11 @@ def messages_of(record, where: str) -> list[dict]:
         system = record.get("system")
         messages = ([{"role": "system", "content": system}] if isinstance(system, str) and system else []) + [
             {"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    for m in messages:
+        if m["role"] not in KNOWN_ROLES:
+            raise DataError(f"{where}: role {m['role']!r} is not one of {', '.join(KNOWN_ROLES)}"
+                            f"{did_you_mean(m['role'], KNOWN_ROLES)}; fix the record (only the assistant's turns "
+                            "are trained on)")
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: no assistant turn, so nothing to train on; every record needs one")
     return messages
@@ -89,8 +98,9 @@ class ChatRenderer:
         if chat_format == "template":
             self.hf = _template_tokenizer(tok)
 
-    def __call__(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-        text, spans = self._plain(messages) if self.hf is None else self._template(messages)
+    def __call__(self, messages: list[dict], where: str = "a record") -> tuple[np.ndarray, np.ndarray]:
+        """(ids, mask) of one record's turns; `where` (FILE:LINE) names it in a refusal."""
+        text, spans = self._plain(messages) if self.hf is None else self._template(messages, where)
         ids, starts = self._encode(text)
         mask = np.zeros(len(ids), dtype=np.uint8)
         for lo, hi in spans:
@@ -112,9 +122,15 @@ class ChatRenderer:
                 spans.append((start, len(text)))
         return text, spans
 
-    def _template(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    def _template(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
+        from jinja2.exceptions import TemplateError  # (transformers renders templates with jinja2)
+
         def render(turns, generation_prompt=False) -> str:
-            return self.hf.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
+            try:
+                return self.hf.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
+            except TemplateError as e:  # the template's own raise_exception: a role or an order it refuses
+                raise DataError(f"{where}: the tokenizer's chat template refuses this conversation ({e}); fix the "
+                                "record, or give --chat-format plain") from None
 
         text, spans = render(messages), []
         for i, m in enumerate(messages):

@@ -245,8 +245,8 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
 def _write_chat(files, renderer: ChatRenderer, val_fraction: float, dtype: np.dtype, train: tuple, val: tuple,
                 line: ProgressLine | None) -> None:
     """Every chat record rendered to tokens and mask, each to its split (by its rendered tokens' hash)."""
-    for _, messages in iter_records(files):
-        ids, mask = renderer(messages)
+    for where, messages in iter_records(files):
+        ids, mask = renderer(messages, where)
         key = json.dumps(messages, sort_keys=True)
         tokens, masks = val if is_validation(key, val_fraction) else train
         tokens.add(ids.astype(dtype), 1, int(mask.any()))
