@@ -382,11 +382,18 @@ def map_data_folders(data: Mapping[str, Any], change: Callable[[str], str]) -> d
     return out
 
 
+MODEL_PATHS = ("from_hf", "init_from")  # the model's config and weights, when they are local files or folders
+
+
 def with_absolute_data(cfg: JobConfig) -> JobConfig:
-    """`cfg` with its data folders absolute: the config a run saves (config.json, every
-    checkpoint) then names its data whatever folder a later command runs in."""
+    """`cfg` with its data folders and local model paths (MODEL_PATHS) absolute: the config a run
+    saves (config.json, every checkpoint) then names them whatever folder a later command (a resume,
+    eval, export) runs in."""
     absolute = map_data_folders(cfg.to_dict()["data"], os.path.abspath)
     changed = {f"data.{key}": value for key, value in absolute.items() if value != getattr(cfg.data, key)}
+    for key in MODEL_PATHS:
+        if (value := getattr(cfg.model, key)) and os.path.exists(value) and not os.path.isabs(value):
+            changed[f"model.{key}"] = os.path.abspath(value)
     return cfg.replace(**changed) if changed else cfg
 
 

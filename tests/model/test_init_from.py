@@ -215,3 +215,30 @@ def test_fine_tuning_weights_of_another_tokenizer_is_one_line(tmp_path):
     r = run_here("train", *common, f"--model.from_hf={tmp_path / 'exp'}",
                  f"--model.init_from={tmp_path / 'm.safetensors'}", f"--log.run_dir={tmp_path / 'tuned3'}")
     assert r.returncode == 2 and "another tokenizer" in r.stderr
+
+
+@pytest.mark.slow
+def test_a_run_from_a_relative_hugging_face_folder_resumes_from_another_directory(tmp_path):
+    """Issue 47: the model's folder was stored as given (relative), so resuming from another directory
+    failed with "'tiny-qwen3': not found". Every path a run stores works from any directory."""
+    import json
+    import os
+
+    from conftest import run_cli
+
+    common = [*MICRO_ARGS, "--train.eval_every=0", "--checkpoint.save_final=true"]
+    assert run_here("train", *common, "--train.steps=1", f"--log.run_dir={tmp_path / 'base'}").returncode == 0
+    step = tmp_path / "base" / "checkpoints" / "step_00000001"
+    assert run_here("export", str(step), "--format", "hf", "--out", str(tmp_path / "exp")).returncode == 0
+    relative = os.path.relpath(tmp_path / "exp", REPO)  # run_here runs from the repository
+    r = run_here("train", *common, "--train.steps=1", f"--model.from_hf={relative}", f"--model.init_from={relative}",
+                 f"--log.run_dir={tmp_path / 'tuned'}")
+    assert r.returncode == 0, r.stderr
+    saved = json.loads((tmp_path / "tuned" / "config.json").read_text())["model"]
+    assert saved["from_hf"] == saved["init_from"] == str(tmp_path / "exp")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = run_cli("train", "--checkpoint.resume=auto", f"--log.run_dir={tmp_path / 'tuned'}", "--train.steps=2",
+                cwd=elsewhere)  # the run's own config, from another directory
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "tuned" / "checkpoints" / "step_00000002").is_dir()
