@@ -13,7 +13,7 @@ Why the gradient norm as well as the loss: AdamW is nearly blind to a uniformly 
 gradient, and clipping hides a scale too, so a wrong normalisation can leave the losses
 almost unchanged; the norm before clipping shows it at the first step.
 
-Workers that sync every few steps (parallel.dp_sync = local_sgd or diloco) are compared with
+Workers that sync every few steps (parallel.sync.mode = local_sgd or diloco) are compared with
 their simulation: the N workers in one process, each a one-process run on its worker's share
 of every step's batch, synced at the same steps by the same code (parallel/local_sgd.py) with
 the average over the workers computed in the process. The loss compared is the global batch's

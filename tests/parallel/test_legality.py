@@ -82,7 +82,7 @@ def test_the_check_narrows_the_search():
     (Techniques(custom_module=True), Layout(cp=2), "parallel.cp=2: context parallelism splits the attention"),
     (Techniques(document_mask=True), Layout(pp=2, grad_accum=2), "data.document_mask with parallel.pp=2"),
     (Techniques(document_mask=True), Layout(fault_tolerance=True),
-     "data.document_mask with parallel.fault_tolerance is not supported"),
+     "data.document_mask with fault_tolerance.enabled is not supported"),
     (Techniques(device_type="cpu"), Layout(dp_shard=2, zero=3, offload_optimizer=True),
      "memory.offload_optimizer moves model states"),
 ])

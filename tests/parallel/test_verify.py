@@ -131,9 +131,9 @@ def test_a_wrong_loss_normalisation_fails_on_the_gradient_norm(tmp_path, verify)
 def test_workers_that_sync_every_few_steps_are_checked_against_their_simulation(tmp_path, verify):
     """DiLoCo, streamed and delayed, over 2 workers of one rank (tp inside a worker: tests/parallel/test_local_sgd.py):
     the reference is the 2 workers simulated in one process; a worker that applies its syncs early FAILs."""
-    config = write_config(tmp_path, **{"parallel.dp_replicate": 2, "parallel.dp_sync": "diloco",
-                                       "parallel.sync_every": 3, "parallel.sync_fragments": 2,
-                                       "parallel.sync_delay": 1})
+    config = write_config(tmp_path, **{"parallel.dp_replicate": 2, "parallel.sync.mode": "diloco",
+                                       "parallel.sync.every": 3, "parallel.sync.fragments": 2,
+                                       "parallel.sync.delay": 1})
     code, out = verify(config)
     assert code == 0, out
     assert "reference: 2 workers simulated in one process" in out and "(diloco every 3 steps, 2 fragments, delay 1, " \

@@ -207,9 +207,9 @@ def open_training_data(data_cfg, mix: list[tuple[str, float]] | None, vocab_size
                         f"set model.vocab_size to at least {data.vocab_size}")
     masked = not mix and _use_mask(data_cfg.loss_mask, [data])
     if masked and replica_groups:
-        raise ConfigError(f"{data.source} has a loss mask (chat data), and parallel.fault_tolerance averages the "
+        raise ConfigError(f"{data.source} has a loss mask (chat data), and fault_tolerance.enabled averages the "
                           "replica groups' gradients without weighing their counted tokens: not supported yet; set "
-                          "data.loss_mask=false to count every token, or parallel.fault_tolerance=false")
+                          "data.loss_mask=false to count every token, or fault_tolerance.enabled=false")
     separator = None
     if data_cfg.document_mask and not mix:
         if vocab_size is None:

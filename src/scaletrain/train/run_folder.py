@@ -150,7 +150,7 @@ class RunFolder:
         if res == "auto":
             found = ckpt.find_resumable(self.ckpt_dir, report=self.notes.append)
             # a replica group of a fault-tolerant job that never wrote one (another group did) heals from a peer
-            if found is None and held and not self.restart and not self.cfg.parallel.fault_tolerance:
+            if found is None and held and not self.restart and not self.cfg.fault_tolerance.enabled:
                 raise ConfigError(f"log.run_dir {self.run_dir} holds a run ({', '.join(held)}) but no complete "
                                   "checkpoint to resume; choose another log.run_dir, or move that folder away to "
                                   "start over (nothing was changed)")

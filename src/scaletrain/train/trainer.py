@@ -122,7 +122,7 @@ class Trainer:
         self.dp_rank = self.rt.axis("dp").get_local_rank() if self.rt.distributed else 0
         self.data, self.dataset = open_training_data(cfg.data, parse_mix(cfg.data.mix) if cfg.data.mix else None,
                                                      cfg.model.vocab_size if self.custom_model is None else None,
-                                                     replica_groups=cfg.parallel.fault_tolerance)
+                                                     replica_groups=cfg.fault_tolerance.enabled)
         self.tokens_per_step = self.layout.global_batch * cfg.data.seq_len  # of the full batch
         self.batch_schedule = self.layout.batch_schedule(cfg.data.seq_len)  # train.batch_rampup, if any
         self.schedule = self._schedule or TrainSchedule.for_job(cfg, self.batch_schedule, cfg.train.steps)
