@@ -70,7 +70,7 @@ def rows_at_kill(run_dir: Path, index: int) -> list[dict]:
 
 def inject(trainer) -> None:
     """The rank hook: arm this rank's kills of the plan (those not fired yet), and the recording."""
-    from scaletrain.fault_tolerance.enabled import ReplicaGroups
+    from scaletrain.parallel.fault_tolerance import ReplicaGroups
 
     job_dir = Path(trainer.run_dir).parent
     plan = json.loads((job_dir / "faults.json").read_text())

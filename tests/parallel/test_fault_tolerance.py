@@ -247,7 +247,7 @@ def test_the_lighthouse_command_prints_its_address_and_stops_on_sigterm():
         first = lighthouse.stdout.readline()
         assert first.startswith("lighthouse http://") and "--fault_tolerance.lighthouse=http://" in first, first
         address = first.split()[1]
-        from scaletrain.fault_tolerance.enabled import lighthouse_problem
+        from scaletrain.parallel.fault_tolerance import lighthouse_problem
 
         assert lighthouse_problem(address, 10.0) is None  # it answers at the address it printed
         lighthouse.send_signal(signal.SIGTERM)

@@ -66,7 +66,7 @@ def _local_bytes(t) -> int:
 def local_state(trainer):
     """A probe (tests/dist_worker.py): after the run, a checksum of each of this rank's local
     tensors (weights the optimizer steps, optimizer state) and the replica groups' counters."""
-    from scaletrain.fault_tolerance.enabled import ReplicaGroups
+    from scaletrain.parallel.fault_tolerance import ReplicaGroups
 
     def report() -> dict:
         sums = {n: _local_bytes(p) for n, p in trainer.optim_params}
@@ -111,7 +111,7 @@ def held_group(trainer):
 
 def late_group(trainer):
     """Group 1 of the heal job: says when it asks for its first quorum (the heal happens there)."""
-    from scaletrain.fault_tolerance.enabled import ReplicaGroups
+    from scaletrain.parallel.fault_tolerance import ReplicaGroups
 
     hook = trainer.hooks.find(ReplicaGroups)
     real = hook.start
