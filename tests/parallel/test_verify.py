@@ -25,7 +25,7 @@ def write_config(tmp_path, **extra) -> str:
     """A TOML config whose run folder is tmp_path/userrun (which verify must never create)."""
     sections: dict[str, dict] = {}
     for key, value in {**MODEL, "log.run_dir": str(tmp_path / "userrun"), **extra}.items():
-        section, name = key.split(".")
+        section, name = key.rsplit(".", 1)  # "parallel.sync.every": the table [parallel.sync]
         sections.setdefault(section, {})[name] = value
     lines = []
     for section, body in sections.items():
