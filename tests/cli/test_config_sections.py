@@ -215,8 +215,11 @@ def test_print_config_shows_the_new_shape_whatever_name_was_given():
     shown = json.loads(r.stdout)
     assert shown["parallel"]["sync"]["every"] == 7 and shown["fault_tolerance"]["groups"] == 4
     assert not {"sync_every", "dp_sync", "fault_tolerance", "ft_groups"} & set(shown["parallel"])
+    assert r.stderr.splitlines() == [
+        "scaletrain: parallel.sync_every is now parallel.sync.every; the old name still works",
+        "scaletrain: parallel.ft_groups is now fault_tolerance.groups; the old name still works"]
     r = run_here("train", "--print-config=toml", "--parallel.sync.every=7")
-    assert r.returncode == 0 and "[parallel.sync]\nmode = \"step\"\nevery = 7\n" in r.stdout
+    assert r.returncode == 0 and r.stderr == "" and "[parallel.sync]\nmode = \"step\"\nevery = 7\n" in r.stdout
     assert "\n[fault_tolerance]\nenabled = false\n" in r.stdout
 
 
