@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from scaletrain.config import JobConfig, ParallelConfig, from_dict, load_config
+from scaletrain.config import FaultToleranceConfig, JobConfig, ParallelConfig, flat_keys, from_dict, load_config
 from scaletrain.errors import ConfigError
 from scaletrain.launch.ranks import quiet, read_spec
 from scaletrain.layout import Layout
@@ -143,7 +143,9 @@ def isolated(cfg: JobConfig, run_dir: Path, steps: int) -> JobConfig:
 def reference(cfg: JobConfig, layout: Layout, why: str) -> Reference:
     """The same run under `layout` (one process, or ZeRO-3 over its ranks), every other parallel
     setting at its default: the config is built from the layout's values, so the two agree."""
-    defaults = {f"parallel.{k}": v for k, v in dataclasses.asdict(ParallelConfig()).items() if k != "timeout_s"}
+    sections = {"parallel": dataclasses.asdict(ParallelConfig()),  # [parallel.sync] with it
+                "fault_tolerance": dataclasses.asdict(FaultToleranceConfig())}
+    defaults = {k: v for k, v in flat_keys(sections).items() if k != "parallel.timeout_s"}
     values = {**defaults, **layout.config_overrides()}
     return Reference(cfg.replace(**values), layout, why)
 
