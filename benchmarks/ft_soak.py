@@ -1,4 +1,4 @@
-"""Soak of fault tolerance across replica groups (parallel.fault_tolerance, torchft): R groups of N ranks
+"""Soak of fault tolerance across replica groups (fault_tolerance.enabled, torchft): R groups of N ranks
 train a tiny model on CPU while random groups are SIGKILLed at random steps and phases, against a
 clean run of the same batch.
 
@@ -168,7 +168,7 @@ def main() -> int:
                str(args.nproc), "--min-replicas", str(args.min_replicas), "--heartbeat-timeout-ms=1000",
                "--max-restarts", str(args.kills + 5), "--rank-hook=ft_faults:inject",
                *[f"--{k}={v}" for k, v in values.items()], f"--log.run_dir={run}",
-               "--parallel.ft_quorum_timeout_s=300", *extra]
+               "--fault_tolerance.quorum_timeout_s=300", *extra]
     print(f"faulted run: {args.groups} groups x {args.nproc} ranks, {args.steps} steps, {len(kills)} kills "
           f"(seed {args.seed}), min_replicas {args.min_replicas}, in {run}", flush=True)
     t0 = time.time()

@@ -1,6 +1,6 @@
 """Bytes each rank sends between workers: DDP every step, local SGD and DiLoCo every H steps.
 
-N workers of one rank each (`parallel.dp_replicate = N`): DDP (`dp_sync = step`) all-reduces
+N workers of one rank each (`parallel.dp_replicate = N`): DDP (`parallel.sync.mode = step`) all-reduces
 the gradients every step; local SGD and DiLoCo send each rank's pseudo-gradient once every H
 steps, as fp32, bf16 or int8 with a scale per chunk. Bytes sent are *counted*: each rank reads
 the kernel's count of bytes it wrote (`wchar` in /proc/self/io, socket sends included) before
@@ -24,17 +24,17 @@ from data_parallel import _wchar  # the kernel's count of bytes this process wro
 
 # (name, overrides, measured steps): the same model and batch in every row
 ROWS = [
-    ("DDP", {"parallel.dp_sync": "step"}, 10),
-    ("local_sgd H10", {"parallel.dp_sync": "local_sgd", "parallel.sync_every": 10}, 50),
-    ("local_sgd H50", {"parallel.dp_sync": "local_sgd", "parallel.sync_every": 50}, 50),
-    *[(f"diloco H{h} {dt}", {"parallel.dp_sync": "diloco", "parallel.sync_every": h, "parallel.sync_dtype": dt}, 50)
+    ("DDP", {"parallel.sync.mode": "step"}, 10),
+    ("local_sgd H10", {"parallel.sync.mode": "local_sgd", "parallel.sync.every": 10}, 50),
+    ("local_sgd H50", {"parallel.sync.mode": "local_sgd", "parallel.sync.every": 50}, 50),
+    *[(f"diloco H{h} {dt}", {"parallel.sync.mode": "diloco", "parallel.sync.every": h, "parallel.sync.dtype": dt}, 50)
       for h in (10, 50) for dt in ("fp32", "bf16", "int8")],
-    ("diloco H50 F2", {"parallel.dp_sync": "diloco", "parallel.sync_every": 50, "parallel.sync_fragments": 2}, 50),
-    ("diloco H50 F4", {"parallel.dp_sync": "diloco", "parallel.sync_every": 50, "parallel.sync_fragments": 4}, 50),
-    ("diloco H50 F4 d5", {"parallel.dp_sync": "diloco", "parallel.sync_every": 50, "parallel.sync_fragments": 4,
-                          "parallel.sync_delay": 5}, 50),
-    ("diloco H50 F4 d5 int8", {"parallel.dp_sync": "diloco", "parallel.sync_every": 50, "parallel.sync_fragments": 4,
-                               "parallel.sync_delay": 5, "parallel.sync_dtype": "int8"}, 50),
+    ("diloco H50 F2", {"parallel.sync.mode": "diloco", "parallel.sync.every": 50, "parallel.sync.fragments": 2}, 50),
+    ("diloco H50 F4", {"parallel.sync.mode": "diloco", "parallel.sync.every": 50, "parallel.sync.fragments": 4}, 50),
+    ("diloco H50 F4 d5", {"parallel.sync.mode": "diloco", "parallel.sync.every": 50, "parallel.sync.fragments": 4,
+                          "parallel.sync.delay": 5}, 50),
+    ("diloco H50 F4 d5 int8", {"parallel.sync.mode": "diloco", "parallel.sync.every": 50, "parallel.sync.fragments": 4,
+                               "parallel.sync.delay": 5, "parallel.sync.dtype": "int8"}, 50),
 ]
 BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
 
@@ -108,11 +108,11 @@ def main(argv=None) -> None:
         o = row["overrides"]
         sent = statistics.mean(statistics.mean(r) for r in row["per_step"])
         peak = max(max(r) for r in row["per_step"])
-        if o["parallel.dp_sync"] == "step":
+        if o["parallel.sync.mode"] == "step":
             theory, expect_peak = 1.0, 1.0
         else:
-            theory = BYTES[o.get("parallel.sync_dtype", "fp32")] / 4 / o["parallel.sync_every"]
-            expect_peak = BYTES[o.get("parallel.sync_dtype", "fp32")] / 4 / o.get("parallel.sync_fragments", 1)
+            theory = BYTES[o.get("parallel.sync.dtype", "fp32")] / 4 / o["parallel.sync.every"]
+            expect_peak = BYTES[o.get("parallel.sync.dtype", "fp32")] / 4 / o.get("parallel.sync.fragments", 1)
         steps = len(row["per_step"][0])
         print(f"{row['name']:<24}{steps:>6}{sent / 2**10:>13.1f}KiB{sent / ddp:>9.4f}{theory:>9.4f}"
               f"{sent / ddp / theory:>7.3f}{peak / 2**20:>11.2f}MiB{peak / whole:>6.3f} (÷{1 / expect_peak:g})")

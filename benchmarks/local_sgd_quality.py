@@ -5,7 +5,7 @@ every run on the same tokens (the same global batch, steps, seed, data order and
 optimizer): DDP (gradients every step), local SGD (weights averaged every H steps) and DiLoCo
 (outer Nesterov SGD, lr 0.7, momentum 0.9) at each H, with fp32 and int8 pseudo-gradients,
 whole or streamed (F fragments, each all-reduced in the background for τ steps), their workers'
-inner learning rate scaled by each --inner-lr-scale (parallel.inner_lr_scale; 0 = the
+inner learning rate scaled by each --inner-lr-scale (parallel.sync.inner_lr_scale; 0 = the
 square-root rule for a worker's quarter of the batch: half DDP's lr). The
 validation loss is measured at the end on the demo's held-out text (every worker on its share
 of the validation windows with its own weights: after a sync of every fragment they are the same).
@@ -35,22 +35,22 @@ from pathlib import Path
 
 def rows(sync_every: list[int], fragments: int, delay: int, workers: int = 4, lr_scales: tuple[float, ...] = (0.0,),
          only: list[str] | None = None) -> list[tuple[str, dict]]:
-    """The rows, DDP first: local SGD and DiLoCo at each H and inner lr scale (parallel.inner_lr_scale;
+    """The rows, DDP first: local SGD and DiLoCo at each H and inner lr scale (parallel.sync.inner_lr_scale;
     0 = the square-root rule, 1/sqrt(workers)), named with the factor unless it is 1; `only`: those
     names (and DDP)."""
-    out = [("DDP", {"parallel.dp_sync": "step"})]
+    out = [("DDP", {"parallel.sync.mode": "step"})]
     for scale in lr_scales:
         factor = scale or workers ** -0.5
-        lr = {"parallel.inner_lr_scale": scale}
+        lr = {"parallel.sync.inner_lr_scale": scale}
         tag = "" if factor == 1 else f" lr x{factor:.3g}"
         for h in sync_every:
-            out.append((f"local_sgd H{h}{tag}", {"parallel.dp_sync": "local_sgd", "parallel.sync_every": h, **lr}))
-        streamed = {"parallel.sync_fragments": fragments, "parallel.sync_delay": delay}
+            out.append((f"local_sgd H{h}{tag}", {"parallel.sync.mode": "local_sgd", "parallel.sync.every": h, **lr}))
+        streamed = {"parallel.sync.fragments": fragments, "parallel.sync.delay": delay}
         for h in sync_every:
             for dtype in ("fp32", "int8"):
                 for name, extra in (("", {}), (f" F{fragments} d{delay}", streamed)):
                     out.append((f"diloco H{h} {dtype}{name}{tag}", {
-                        "parallel.dp_sync": "diloco", "parallel.sync_every": h, "parallel.sync_dtype": dtype,
+                        "parallel.sync.mode": "diloco", "parallel.sync.every": h, "parallel.sync.dtype": dtype,
                         **extra, **lr}))
     return [r for r in out if not only or r[0] == "DDP" or r[0] in only]
 
@@ -73,7 +73,7 @@ def rank_main(spec_path: str, out_path: str) -> int:
     todo = rows(args.sync_every, args.fragments, args.delay, args.nproc, args.inner_lr_scale, args.only)
     if args.pretrain_steps:
         if not start.exists():
-            todo.insert(0, ("pretrain", {"parallel.dp_sync": "step", "checkpoint.save_final": "true"}))
+            todo.insert(0, ("pretrain", {"parallel.sync.mode": "step", "checkpoint.save_final": "true"}))
         # the rows read other windows than the pretraining did (the data order follows the seed)
         extra = [*extra, f"--model.init_from={start}", "--train.seed=4321"]
     for name, overrides in todo:
@@ -126,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--fragments", type=int, default=4, help="fragments of the streamed rows")
     ap.add_argument("--delay", type=int, default=2, help="sync_delay of the streamed rows")
     ap.add_argument("--inner-lr-scale", type=float, nargs="+", default=[0.0],
-                    help="the workers' parallel.inner_lr_scale, a row of each (0: the square-root rule, "
+                    help="the workers' parallel.sync.inner_lr_scale, a row of each (0: the square-root rule, "
                          "1/sqrt(workers); 1: DDP's lr)")
     ap.add_argument("--only", nargs="+", help="run only the rows of these names (and DDP)")
     ap.add_argument("--out-dir", help="where the runs and rows.jsonl go (default: a new temporary folder); rows "

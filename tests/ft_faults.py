@@ -74,7 +74,7 @@ def inject(trainer) -> None:
 
     job_dir = Path(trainer.run_dir).parent
     plan = json.loads((job_dir / "faults.json").read_text())
-    group, rank = trainer.cfg.parallel.ft_replica_id, trainer.rank
+    group, rank = trainer.cfg.fault_tolerance.replica_id, trainer.rank
     done = fired(job_dir)
     mine = [(i, k) for i, k in enumerate(plan["kills"])
             if i not in done and k["group"] == group and k.get("rank", 0) == rank]
@@ -96,7 +96,7 @@ def inject(trainer) -> None:
 
     state = trainer.state
     ft = trainer.hooks.find(ReplicaGroups)
-    assert ft is not None, "the fault injector needs parallel.fault_tolerance"
+    assert ft is not None, "the fault injector needs fault_tolerance.enabled"
 
     training = [False]  # the model's forward inside a training step, not an evaluation's
 

@@ -584,10 +584,11 @@ MUTANTS = [
            "commit vote (a window a group died in takes an outer step)", "src/scaletrain/parallel/fault_tolerance.py",
            "        if hook.manager.should_commit():\n", "        if hook.manager.should_commit() or True:\n",
            (f"{FT}::test_diloco_across_groups_matches_its_simulation_and_discards_a_window_a_group_died_in",)),
-    # the workers' inner learning rate (parallel.inner_lr_scale; schedule.worker_lr_scale)
-    Mutant("inner-lr-rule-unscaled", "parallel.inner_lr_scale=0 (the square-root rule) leaves the workers at "
+    # the workers' inner learning rate (parallel.sync.inner_lr_scale; schedule.worker_lr_scale)
+    Mutant("inner-lr-rule-unscaled", "parallel.sync.inner_lr_scale=0 (the square-root rule) leaves the workers at "
            "optim.lr", "src/scaletrain/schedule.py",
-           "return par.inner_lr_scale or 1.0 / math.sqrt(par.dp_replicate)", "return par.inner_lr_scale or 1.0",
+           "return par.sync.inner_lr_scale or 1.0 / math.sqrt(par.dp_replicate)",
+           "return par.sync.inner_lr_scale or 1.0",
            ("tests/parallel/test_local_sgd.py::test_the_workers_inner_lr_follows_parallel_inner_lr_scale",
             "tests/parallel/test_local_sgd.py::test_the_workers_optimizer_steps_at_the_scaled_lr_as_in_their_simulation")),
     Mutant("inner-lr-simulation-unscaled", "verify's one-process simulation of the workers steps them at optim.lr, "

@@ -208,18 +208,17 @@ def test_the_state_check_sees_a_global_and_a_module_cache(tmp_path):
 def test_each_vocabulary_is_defined_once_and_the_tables_keyed_by_it_cover_it():
     """The names live in scaletrain.vocab; tables that say what each name means cover exactly them."""
     from scaletrain import vocab
-    from scaletrain.config import SECTIONS
+    from scaletrain.config import option_fields
     from scaletrain.precision import COMPUTE_DTYPES
 
-    fields = {(s, f.name): f.metadata.get("choices") for s, cls in SECTIONS.items()
-              for f in __import__("dataclasses").fields(cls)}
+    fields = {tuple(key.rsplit(".", 1)): f.metadata.get("choices") for key, f in option_fields().items()}
     assert fields[("precision", "mode")] == vocab.PRECISIONS
     assert fields[("optim", "name")] == vocab.OPTIMIZERS
     assert fields[("memory", "activation_checkpointing")] == vocab.AC_MODES
     assert fields[("parallel", "pp_schedule")] == vocab.PP_SCHEDULES
-    assert fields[("parallel", "dp_sync")] == vocab.DP_SYNC_MODES
-    assert fields[("parallel", "outer_optimizer")] == vocab.OUTER_OPTIMIZERS
-    assert fields[("parallel", "sync_dtype")] == vocab.SYNC_DTYPES
+    assert fields[("parallel.sync", "mode")] == vocab.DP_SYNC_MODES
+    assert fields[("parallel.sync", "outer_optimizer")] == vocab.OUTER_OPTIMIZERS
+    assert fields[("parallel.sync", "dtype")] == vocab.SYNC_DTYPES
     assert set(COMPUTE_DTYPES) == set(vocab.PRECISIONS) == set(vocab.PEAK_KIND)
     # no module types a vocabulary's names as a tuple of its own
     spelled = {"PRECISIONS": '"32-true", "tf32", "16-mixed"', "OPTIMIZERS": '"adamw", "sgd", "adafactor"',

@@ -1,8 +1,10 @@
 """The config tree: one typed dataclass per section, loaded from TOML and `--section.key=value`.
 
 Every option has one name, the same in TOML (`[train] steps = 100`), on the command line
-(`--train.steps=100`) and in Python (`cfg.train.steps`). Loading checks every key and value and
-reports all problems at once, one line each, as a `ConfigError`.
+(`--train.steps=100`) and in Python (`cfg.train.steps`); a table inside a section likewise
+(`[parallel.sync] every = 10`, `--parallel.sync.every=10`, `cfg.parallel.sync.every`). Loading checks
+every key and value and reports all problems at once, one line each, as a `ConfigError`. Options
+that moved keep their old names as ALIASES, read with a note each.
 
 Precedence, lowest first: built-in defaults < `model.preset` < TOML file < command line.
 """
@@ -21,7 +23,7 @@ from typing import Any
 from scaletrain.errors import ConfigError, DataError
 from scaletrain.model.config import ModelConfig, check_model
 from scaletrain.model.presets import fill_shape
-from scaletrain.options import build_section, option
+from scaletrain.options import build_section, option, option_table, table_class
 from scaletrain.quant.layers import FP8_MIN_DIM
 from scaletrain.vocab import (
     AC_MODES,
@@ -166,6 +168,33 @@ class MemoryConfig:
 
 
 @dataclass
+class SyncConfig:
+    """[parallel.sync]: how the data-parallel workers (the dp_replicate groups) synchronise."""
+    mode: str = option("step", "how the data-parallel workers (the dp_replicate groups) synchronise: step = "
+                               "gradients every step (DDP, ZeRO); local_sgd = weights averaged every sync.every "
+                               "steps; diloco = an outer optimizer step on the averaged pseudo-gradient every "
+                               "sync.every steps (inside a worker, gradients sync every step)",
+                       choices=DP_SYNC_MODES)
+    every: int = option(50, "local_sgd, diloco: inner steps between two syncs of the workers (H)", min=1)
+    fragments: int = option(1, "local_sgd, diloco: the blocks split into this many fragments, synced one at a "
+                               "time at staggered steps (streaming: the peak volume of a sync is the model's / F)",
+                            min=1)
+    delay: int = option(0, "local_sgd, diloco: inner steps a fragment's all-reduce runs in the background before "
+                           "it is applied (tau; below sync.every / sync.fragments)", min=0)
+    dtype: str = option("fp32", "local_sgd, diloco: pseudo-gradients on the wire: fp32, bf16, or int8 with a "
+                                "scale per chunk; the outer step accumulates in fp32", choices=SYNC_DTYPES)
+    outer_optimizer: str = option("nesterov", "diloco: the outer optimizer, SGD with nesterov or heavy-ball (sgd) "
+                                              "momentum", choices=OUTER_OPTIMIZERS)
+    outer_lr: float = option(0.7, "diloco: the outer learning rate (local_sgd is an outer lr of 1)", min=0.0)
+    outer_momentum: float = option(0.9, "diloco: the outer momentum; 0 = none (local_sgd has none)", min=0.0, max=1.0,
+                                   open_max=True)
+    inner_lr_scale: float = option(1.0, "local_sgd, diloco: the workers' inner lr is the schedule's (for the global "
+                                        "batch) times this; 0 = sqrt(1 / dp_replicate), the square-root rule", min=0.0)
+    outer_on_cpu: bool = option(False, "local_sgd, diloco: keep the outer weights and momentum in host memory "
+                                       "(4-8 bytes per parameter off the device)")
+
+
+@dataclass
 class ParallelConfig:
     layout: str = option("manual", "auto: the planner chooses the layout below (and the micro-batch and "
                                    "checkpointing) for the devices at hand", choices=("manual", "auto"))
@@ -194,45 +223,28 @@ class ParallelConfig:
                           "3 = + parameters (FSDP)", min=0, max=3)
     bucket_mb: float = option(25.0, "gradient bucket size for the overlapped reductions (zero 0-2)", min=0.001)
     timeout_s: int = option(600, "a collective that waits longer than this fails the job", min=1, max=7 * 24 * 3600)
-    dp_sync: str = option("step", "how the data-parallel workers (the dp_replicate groups) synchronise: step = "
-                                  "gradients every step (DDP, ZeRO); local_sgd = weights averaged every sync_every "
-                                  "steps; diloco = an outer optimizer step on the averaged pseudo-gradient every "
-                                  "sync_every steps (inside a worker, gradients sync every step)",
-                     choices=DP_SYNC_MODES)
-    sync_every: int = option(50, "local_sgd, diloco: inner steps between two syncs of the workers (H)", min=1)
-    sync_fragments: int = option(1, "local_sgd, diloco: the blocks split into this many fragments, synced one at a "
-                                    "time at staggered steps (streaming: the peak volume of a sync is the model's / F)",
-                                 min=1)
-    sync_delay: int = option(0, "local_sgd, diloco: inner steps a fragment's all-reduce runs in the background before "
-                                "it is applied (tau; below sync_every / sync_fragments)", min=0)
-    sync_dtype: str = option("fp32", "local_sgd, diloco: pseudo-gradients on the wire: fp32, bf16, or int8 with a "
-                                     "scale per chunk; the outer step accumulates in fp32", choices=SYNC_DTYPES)
-    outer_optimizer: str = option("nesterov", "diloco: the outer optimizer, SGD with nesterov or heavy-ball (sgd) "
-                                              "momentum", choices=OUTER_OPTIMIZERS)
-    outer_lr: float = option(0.7, "diloco: the outer learning rate (local_sgd is an outer lr of 1)", min=0.0)
-    outer_momentum: float = option(0.9, "diloco: the outer momentum; 0 = none (local_sgd has none)", min=0.0, max=1.0,
-                                   open_max=True)
-    inner_lr_scale: float = option(1.0, "local_sgd, diloco: the workers' inner lr is the schedule's (for the global "
-                                        "batch) times this; 0 = sqrt(1 / dp_replicate), the square-root rule", min=0.0)
-    outer_on_cpu: bool = option(False, "local_sgd, diloco: keep the outer weights and momentum in host memory "
-                                       "(4-8 bytes per parameter off the device)")
-    fault_tolerance: bool = option(False, "this run is one replica group of a fault-tolerant job (torchft): the "
-                                          "groups average their gradients every step over the groups alive, a "
-                                          "group that dies costs the others that step's commit and heals from a "
-                                          "live peer when it comes back (pip install 'scaletrain[ft]')")
-    ft_groups: int = option(2, "fault_tolerance: the replica groups of the job (each one `scaletrain train` with its "
-                               "own ranks and ft_replica_id)", min=1)
-    ft_replica_id: int = option(0, "fault_tolerance: this group's id, 0 to ft_groups - 1 (the lowest id alive "
-                                   "writes the checkpoints)", min=0)
-    ft_lighthouse: str = option("", "fault_tolerance: the Lighthouse's address, http://HOST:PORT, as `scaletrain "
-                                    "lighthouse` prints it")
-    ft_min_replicas: int = option(1, "fault_tolerance: the groups a step needs to commit; with fewer alive the "
-                                     "others wait (up to ft_quorum_timeout_s)", min=1)
-    ft_quorum_timeout_s: float = option(60.0, "fault_tolerance: seconds a group waits to reach the Lighthouse (at "
-                                              "start) and for a quorum of groups (every step) before it fails",
-                                        min=0.1)
-    ft_step_timeout_s: float = option(60.0, "fault_tolerance: seconds the groups' all-reduce, commit vote and a "
-                                            "healing transfer may take before that step is given up", min=0.1)
+    sync: SyncConfig = option_table(SyncConfig, "local SGD and DiLoCo: how and how often the data-parallel "
+                                                "workers (the dp_replicate groups) synchronise")
+
+
+@dataclass
+class FaultToleranceConfig:
+    """[fault_tolerance]: this run as one replica group of a fault-tolerant job (torchft)."""
+    enabled: bool = option(False, "this run is one replica group of a fault-tolerant job (torchft): the "
+                                  "groups average their gradients every step over the groups alive, a "
+                                  "group that dies costs the others that step's commit and heals from a "
+                                  "live peer when it comes back (pip install 'scaletrain[ft]')")
+    groups: int = option(2, "the replica groups of the job (each one `scaletrain train` with its own ranks and "
+                            "fault_tolerance.replica_id)", min=1)
+    replica_id: int = option(0, "this group's id, 0 to fault_tolerance.groups - 1 (the lowest id alive writes "
+                                "the checkpoints)", min=0)
+    lighthouse: str = option("", "the Lighthouse's address, http://HOST:PORT, as `scaletrain lighthouse` prints it")
+    min_replicas: int = option(1, "the groups a step needs to commit; with fewer alive the others wait (up to "
+                                  "fault_tolerance.quorum_timeout_s)", min=1)
+    quorum_timeout_s: float = option(60.0, "seconds a group waits to reach the Lighthouse (at start) and for a "
+                                           "quorum of groups (every step) before it fails", min=0.1)
+    step_timeout_s: float = option(60.0, "seconds the groups' all-reduce, commit vote and a healing transfer may "
+                                         "take before that step is given up", min=0.1)
 
 
 @dataclass
@@ -274,6 +286,7 @@ SECTIONS: dict[str, type] = {
     "precision": PrecisionConfig,
     "memory": MemoryConfig,
     "parallel": ParallelConfig,
+    "fault_tolerance": FaultToleranceConfig,
     "checkpoint": CheckpointConfig,
     "log": LogConfig,
     "adapter": AdapterConfig,
@@ -289,6 +302,7 @@ class JobConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
@@ -303,9 +317,14 @@ class JobConfig:
         """The config as TOML that `--config` reads back to the same config (every key written)."""
         lines = []
         for section, values in self.to_dict().items():
+            tables = {key: value for key, value in values.items() if isinstance(value, dict)}
             lines.append(f"[{section}]")
-            lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+            lines += [f"{key} = {_toml_value(value)}" for key, value in values.items() if key not in tables]
             lines.append("")
+            for key, table in tables.items():  # [parallel.sync] after [parallel]'s own keys
+                lines.append(f"[{section}.{key}]")
+                lines += [f"{name} = {_toml_value(value)}" for name, value in table.items()]
+                lines.append("")
         return "\n".join(lines)
 
     def replace(self, **dotted: Any) -> JobConfig:
@@ -324,6 +343,113 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):  # a JSON string is a TOML basic string (the escapes agree)
         return json.dumps(value, ensure_ascii=False)
     raise TypeError(f"no TOML form for {value!r}")
+
+
+# Old names of options that moved (issue 46: ParallelConfig split by job). Each still works where a
+# key is given (TOML, --section.key=value, cfg.replace, a saved run's config.json or checkpoint),
+# mapped to its new name with a one-line note; giving both names of one option is an error.
+ALIASES: dict[str, str] = {
+    "parallel.dp_sync": "parallel.sync.mode",
+    "parallel.sync_every": "parallel.sync.every",
+    "parallel.sync_fragments": "parallel.sync.fragments",
+    "parallel.sync_delay": "parallel.sync.delay",
+    "parallel.sync_dtype": "parallel.sync.dtype",
+    "parallel.outer_optimizer": "parallel.sync.outer_optimizer",
+    "parallel.outer_lr": "parallel.sync.outer_lr",
+    "parallel.outer_momentum": "parallel.sync.outer_momentum",
+    "parallel.inner_lr_scale": "parallel.sync.inner_lr_scale",
+    "parallel.outer_on_cpu": "parallel.sync.outer_on_cpu",
+    "parallel.fault_tolerance": "fault_tolerance.enabled",
+    "parallel.ft_groups": "fault_tolerance.groups",
+    "parallel.ft_replica_id": "fault_tolerance.replica_id",
+    "parallel.ft_lighthouse": "fault_tolerance.lighthouse",
+    "parallel.ft_min_replicas": "fault_tolerance.min_replicas",
+    "parallel.ft_quorum_timeout_s": "fault_tolerance.quorum_timeout_s",
+    "parallel.ft_step_timeout_s": "fault_tolerance.step_timeout_s",
+}
+
+
+def alias_note(old: str) -> str:
+    return f"{old} is now {ALIASES[old]}; the old name still works"
+
+
+def _both_names(old: str, where: str) -> str:
+    return f"{old} and {ALIASES[old]} are one option{where}; keep {ALIASES[old]} ({old} is its old name)"
+
+
+def upgrade(raw: Mapping[str, Any], errors: list[str], used: dict[str, None], where: str = "") -> dict[str, Any]:
+    """A copy of a nested config `raw` (a TOML file, a saved config) with its old names (ALIASES)
+    moved to their new places; each old name found goes into `used`, both names of one option is
+    an error. Its tables are copied: `raw` stays as it was."""
+    out = {k: ({n: dict(v) if isinstance(v, Mapping) else v for n, v in body.items()}
+               if isinstance(body, Mapping) else body) for k, body in raw.items()}
+    for old, new in ALIASES.items():
+        section, _, name = old.partition(".")
+        body = out.get(section)
+        if not isinstance(body, dict) or name not in body:
+            continue
+        *path, leaf = new.split(".")
+        table = out
+        for part in path:
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                break  # `sync = 3`: reported as it is built, and the old name with it
+        else:
+            used[old] = None
+            value = body.pop(name)
+            if leaf in table:
+                errors.append(_both_names(old, where))
+            else:
+                table[leaf] = value
+    return out
+
+
+def _dotted_aliases(dotted: Mapping[str, Any], errors: list[str], used: dict[str, None]) -> dict[str, Any]:
+    """Dotted overrides with their old names (ALIASES) renamed; both names of one option is an error."""
+    out: dict[str, Any] = {}
+    for key, value in dotted.items():
+        new = ALIASES.get(key)
+        if new is None:
+            out[key] = value
+            continue
+        used[key] = None
+        if new in dotted:
+            errors.append(_both_names(key, " given twice"))
+            continue
+        out[new] = value
+    return out
+
+
+def _tables(cls: type) -> set[str]:
+    """The names of a section's sub-tables (`option_table` fields)."""
+    return {f.name for f in dataclasses.fields(cls) if table_class(f) is not None}
+
+
+def flat_keys(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"section.key": value} of a config tree (`to_dict()`), a sub-table's keys as
+    "section.table.key"."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            out.update(flat_keys(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def option_fields() -> dict[str, dataclasses.Field]:
+    """Every option by its dotted name ("train.steps", "parallel.sync.every")."""
+    out: dict[str, dataclasses.Field] = {}
+
+    def walk(prefix: str, cls: type) -> None:
+        for f in dataclasses.fields(cls):
+            if (inner := table_class(f)) is not None:
+                walk(f"{prefix}{f.name}.", inner)
+            else:
+                out[f"{prefix}{f.name}"] = f
+    for name, cls in SECTIONS.items():
+        walk(f"{name}.", cls)
+    return out
 
 
 # the config `scaletrain train` runs without --config: the demo (configs/tiny.toml, shipped inside
@@ -441,16 +567,18 @@ def _folders_of(key: str, value: str) -> list[str]:
 
 
 def load_config(path: str | Path | None = None,
-                overrides: Mapping[str, Any] | Sequence[str] = ()) -> JobConfig:
+                overrides: Mapping[str, Any] | Sequence[str] = (), *,
+                notes: Callable[[str], None] | None = None) -> JobConfig:
     """Load a TOML file (or nothing: the built-in default) and apply overrides.
 
     `overrides` is either a mapping {"section.key": value} (Python values, or strings that are
-    parsed like the command line) or a list of `--section.key=value` arguments.
+    parsed like the command line) or a list of `--section.key=value` arguments. `notes`: where
+    the lines about old option names used go (one per name; see ALIASES).
     """
     raw: dict[str, Any] = {}
     if path is not None:
         raw = read_config_file(path)
-    return from_dict(raw, overrides=overrides, source=str(path) if path else "defaults")
+    return from_dict(raw, overrides=overrides, source=str(path) if path else "defaults", notes=notes)
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -506,15 +634,23 @@ def parse_override_args(args: Iterable[str]) -> tuple[dict[str, str], list[str]]
 
 
 def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[str] = (),
-              source: str = "config", *, own_model: bool = True) -> JobConfig:
+              source: str = "config", *, own_model: bool = True,
+              notes: Callable[[str], None] | None = None) -> JobConfig:
     """Build and validate a JobConfig from a nested dict plus dotted overrides. `own_model=False`:
     the model these settings go with is given elsewhere (the planner's MODEL argument), so the
-    checks of the settings against the model's shape (train.qat, precision.mode=fp8) are left out."""
+    checks of the settings against the model's shape (train.qat, precision.mode=fp8) are left out.
+    Old option names (ALIASES) are read as their new ones, a line each to `notes`."""
     errors: list[str] = []
     if isinstance(overrides, Mapping):
         dotted = dict(overrides)
     else:
         dotted, errors = parse_override_args(overrides)
+    used: dict[str, None] = {}  # the old names given, in order
+    raw = upgrade(raw, errors, used, f" in {source}")
+    dotted = _dotted_aliases(dotted, errors, used)
+    if notes is not None:
+        for old in used:
+            notes(alias_note(old))
 
     merged: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     from_cli: set[tuple[str, str]] = set()  # values that arrive as text and need parsing
@@ -535,9 +671,15 @@ def from_dict(raw: Mapping[str, Any], overrides: Mapping[str, Any] | Sequence[st
             errors.append(f"unknown option --{key}{did_you_mean(section, SECTIONS, suffix='.' + name)}; "
                           f"options look like --section.key=value (sections: {', '.join(SECTIONS)})")
             continue
-        merged[section][name] = value
+        table, target = section, merged[section]
+        sub, _, leaf = name.partition(".")
+        if leaf and sub in _tables(SECTIONS[section]):  # --parallel.sync.every: a key of [parallel.sync]
+            inner = target.get(sub)
+            target[sub] = dict(inner) if isinstance(inner, Mapping) else {}
+            table, name, target = f"{section}.{sub}", leaf, target[sub]
+        target[name] = value
         if isinstance(value, str):
-            from_cli.add((section, name))
+            from_cli.add((table, name))
 
     # The model's shape has one source, model.preset or model.from_hf: one given on the command
     # line replaces the other's from the file below it (a layer replaces a lower layer's choice)
@@ -620,22 +762,22 @@ def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
             parse_rampup(cfg.train.batch_rampup)
         except ValueError as e:
             errors.append(str(e))
-    par = cfg.parallel
-    if par.dp_sync != "step" and par.sync_fragments > par.sync_every:
-        errors.append(f"parallel.sync_fragments={par.sync_fragments} must be at most sync_every={par.sync_every}: "
-                      "each fragment syncs at a step of its own in every sync_every steps")
-    elif par.dp_sync != "step" and par.sync_delay and par.sync_delay * par.sync_fragments >= par.sync_every:
-        errors.append(f"parallel.sync_delay={par.sync_delay} must be below sync_every / sync_fragments = "
-                      f"{par.sync_every} / {par.sync_fragments}: a fragment's sync must land before the next "
-                      f"fragment's begins; lower sync_delay or sync_fragments, or raise sync_every")
-    if par.dp_sync == "step" and par.inner_lr_scale != 1.0:
-        errors.append(f"parallel.inner_lr_scale={par.inner_lr_scale:g} scales the inner learning rate of the workers "
-                      "of parallel.dp_sync=local_sgd or diloco; with dp_sync=step every rank steps at optim.lr: set "
-                      "optim.lr instead, or leave inner_lr_scale at 1")
-    if par.fault_tolerance:
+    sync = cfg.parallel.sync
+    if sync.mode != "step" and sync.fragments > sync.every:
+        errors.append(f"parallel.sync.fragments={sync.fragments} must be at most parallel.sync.every={sync.every}: "
+                      "each fragment syncs at a step of its own in every sync.every steps")
+    elif sync.mode != "step" and sync.delay and sync.delay * sync.fragments >= sync.every:
+        errors.append(f"parallel.sync.delay={sync.delay} must be below sync.every / sync.fragments = "
+                      f"{sync.every} / {sync.fragments}: a fragment's sync must land before the next "
+                      f"fragment's begins; lower sync.delay or sync.fragments, or raise sync.every")
+    if sync.mode == "step" and sync.inner_lr_scale != 1.0:
+        errors.append(f"parallel.sync.inner_lr_scale={sync.inner_lr_scale:g} scales the inner learning rate of the "
+                      "workers of parallel.sync.mode=local_sgd or diloco; with sync.mode=step every rank steps at "
+                      "optim.lr: set optim.lr instead, or leave sync.inner_lr_scale at 1")
+    if cfg.fault_tolerance.enabled:
         from scaletrain.ft_checks import fault_tolerance_problems  # torch-free
 
-        errors.extend(fault_tolerance_problems(par))
+        errors.extend(fault_tolerance_problems(cfg.fault_tolerance))
     if cfg.data.document_mask:
         from scaletrain.data.documents import document_mask_problems  # torch-free
 
@@ -680,10 +822,22 @@ def _exists(path: str) -> bool:
 def describe_options() -> str:
     """Every option with its default and reason, for `scaletrain train --help-config`."""
     lines = []
-    for section, cls in SECTIONS.items():
-        lines.append(f"[{section}]")
+
+    def table(name: str, cls: type) -> None:
+        lines.append(f"[{name}]")
+        inner = []
         for f in dataclasses.fields(cls):
+            if (sub := table_class(f)) is not None:
+                inner.append((f"{name}.{f.name}", sub))  # after this table's own keys, as in TOML
+                continue
             choices = f.metadata.get("choices")
             extra = f" ({' | '.join(choices)})" if choices else ""
             lines.append(f"  {f.name} = {f.default!r}{extra}  # {f.metadata['help']}")
+        for args in inner:
+            table(*args)
+
+    for section, cls in SECTIONS.items():
+        table(section, cls)
+    lines.append("# old names, still read (with a note each): " +
+                 ", ".join(f"{old} = {new}" for old, new in ALIASES.items()))
     return "\n".join(lines)

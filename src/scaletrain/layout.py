@@ -5,7 +5,8 @@ how each step's batch is cut, and the rules that follow from those numbers.
     global_batch = micro_batch × grad_accum × dp          (dp = dp_replicate × dp_shard)
 
 A `Layout`'s fields are the config keys of the same names ([parallel], train.micro_batch and
-train.grad_accum, memory.activation_checkpointing and memory.offload_optimizer) after
+train.grad_accum, memory.activation_checkpointing and memory.offload_optimizer; dp_sync and
+sync_* are parallel.sync.mode and its keys, fault_tolerance is fault_tolerance.enabled) after
 derivation, their defaults the config's: `parallel.dp_shard = -1` becomes the remaining ranks,
 the batch triad is completed (`parallel.pp_microbatches` is the accumulation count under
 pipelining). The trainer, `parallelize`, `verify`, `bench` and the planner (its search, memory
@@ -50,7 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from scaletrain.config import MemoryConfig, ParallelConfig, TrainConfig
+from scaletrain.config import FaultToleranceConfig, MemoryConfig, ParallelConfig, SyncConfig, TrainConfig
 from scaletrain.errors import ConfigError
 from scaletrain.schedule import BatchSchedule, parse_rampup
 from scaletrain.vocab import CP_METHODS, is_multi_chunk, unknown
@@ -85,15 +86,16 @@ class Layout:
     grad_accum: int = 1
     activation_checkpointing: str = MemoryConfig.activation_checkpointing
     offload_optimizer: bool = MemoryConfig.offload_optimizer
-    dp_sync: str = ParallelConfig.dp_sync  # step, local_sgd or diloco (the dp_replicate groups are the workers)
-    sync_every: int = ParallelConfig.sync_every
-    sync_fragments: int = ParallelConfig.sync_fragments
-    sync_delay: int = ParallelConfig.sync_delay
-    sync_dtype: str = ParallelConfig.sync_dtype
+    # parallel.sync.mode, every, fragments, delay, dtype
+    dp_sync: str = SyncConfig.mode  # step, local_sgd or diloco (the dp_replicate groups are the workers)
+    sync_every: int = SyncConfig.every
+    sync_fragments: int = SyncConfig.fragments
+    sync_delay: int = SyncConfig.delay
+    sync_dtype: str = SyncConfig.dtype
     # "START,INCREMENT,TOKENS": the global batch grows to global_batch (BatchSchedule)
     batch_rampup: str = TrainConfig.batch_rampup
     # one replica group of a fault-tolerant job: with local SGD / DiLoCo the groups are the workers
-    fault_tolerance: bool = ParallelConfig.fault_tolerance
+    fault_tolerance: bool = FaultToleranceConfig.enabled
 
     # ---- from a config ------------------------------------------------------------------------
 
@@ -102,7 +104,7 @@ class Layout:
         """The layout of `cfg` (a JobConfig) on `world_size` ranks: dp_shard = -1 resolved, the
         batch triad derived or checked. Raises ConfigError when the numbers do not add up; the
         model-dependent checks are `check()`."""
-        par, train = cfg.parallel, cfg.train
+        par, train, sync = cfg.parallel, cfg.train, cfg.parallel.sync
         fixed = cls.fixed_ranks(par)
         cp_name, cp_size = (" × cp", f" × {par.cp}") if par.cp > 1 else ("", "")
         if par.dp_shard == 0:
@@ -130,9 +132,9 @@ class Layout:
                    pp_schedule=par.pp_schedule, pp_virtual_stages=par.pp_virtual_stages, pp_split=par.pp_split,
                    micro_batch=micro, grad_accum=accum,
                    activation_checkpointing=cfg.memory.activation_checkpointing,
-                   offload_optimizer=cfg.memory.offload_optimizer, dp_sync=par.dp_sync, sync_every=par.sync_every,
-                   sync_fragments=par.sync_fragments, sync_delay=par.sync_delay, sync_dtype=par.sync_dtype,
-                   batch_rampup=train.batch_rampup, fault_tolerance=par.fault_tolerance)
+                   offload_optimizer=cfg.memory.offload_optimizer, dp_sync=sync.mode, sync_every=sync.every,
+                   sync_fragments=sync.fragments, sync_delay=sync.delay, sync_dtype=sync.dtype,
+                   batch_rampup=train.batch_rampup, fault_tolerance=cfg.fault_tolerance.enabled)
 
     # ---- sizes --------------------------------------------------------------------------------
 
@@ -287,15 +289,15 @@ class Layout:
             e.append("memory.offload_optimizer offloads the sharded model states of parallel.zero=3; it does nothing "
                      f"at zero={self.zero}; set parallel.zero=3 or drop the offload")
         if self.local_sync and self.dp_replicate == 1 and not self.fault_tolerance:
-            e.append(f"parallel.dp_sync={self.dp_sync} syncs the workers, which are the dp_replicate groups, every "
-                     f"sync_every steps; with parallel.dp_replicate=1 there is one worker; set parallel.dp_replicate "
-                     f"to the number of workers (2 or more), or dp_sync=step")
-        streamed = [f"parallel.{k}={v}" for k, v, ok in (("sync_fragments", self.sync_fragments, 1),
-                    ("sync_delay", self.sync_delay, 0), ("sync_dtype", self.sync_dtype, "fp32")) if v != ok]
+            e.append(f"parallel.sync.mode={self.dp_sync} syncs the workers, which are the dp_replicate groups, every "
+                     f"sync.every steps; with parallel.dp_replicate=1 there is one worker; set parallel.dp_replicate "
+                     f"to the number of workers (2 or more), or sync.mode=step")
+        streamed = [f"parallel.sync.{k}={v}" for k, v, ok in (("fragments", self.sync_fragments, 1),
+                    ("delay", self.sync_delay, 0), ("dtype", self.sync_dtype, "fp32")) if v != ok]
         if self.fault_tolerance and self.local_sync and streamed:  # the groups are the workers (ReplicaGroupsOuter)
-            e.append(f"parallel.fault_tolerance syncs the replica groups' {self.dp_sync} whole, in fp32, with no "
-                     f"delay: {', '.join(streamed)} across groups is not supported yet; leave sync_fragments at 1, "
-                     "sync_delay at 0 and sync_dtype at fp32")
+            e.append(f"fault_tolerance.enabled syncs the replica groups' {self.dp_sync} whole, in fp32, with no "
+                     f"delay: {', '.join(streamed)} across groups is not supported yet; leave sync.fragments at 1, "
+                     "sync.delay at 0 and sync.dtype at fp32")
         if self.batch_rampup:
             e += self._rampup_errors()
         if self.ep > 1:
@@ -325,7 +327,7 @@ class Layout:
         if not self.local_sync or self.sync_fragments <= n_blocks:
             return []
         has = f"model.n_layers={n_blocks}" if of_config else f"it has {n_blocks}"
-        return [f"parallel.sync_fragments={self.sync_fragments} splits the model's blocks into fragments, but {has}; "
+        return [f"parallel.sync.fragments={self.sync_fragments} splits the model's blocks into fragments, but {has}; "
                 f"use at most {n_blocks} fragments"]
 
     def check(self, model=None, *, engine: str = "scaletrain", seq_len: int | None = None) -> Layout:
@@ -534,9 +536,9 @@ class Layout:
                "train.micro_batch": self.micro_batch, "train.grad_accum": self.grad_accum,
                "train.global_batch": self.global_batch,
                "memory.activation_checkpointing": self.activation_checkpointing,
-               "memory.offload_optimizer": self.offload_optimizer, "parallel.dp_sync": self.dp_sync,
-               "parallel.sync_every": self.sync_every, "parallel.sync_fragments": self.sync_fragments,
-               "parallel.sync_delay": self.sync_delay, "parallel.sync_dtype": self.sync_dtype}
+               "memory.offload_optimizer": self.offload_optimizer, "parallel.sync.mode": self.dp_sync,
+               "parallel.sync.every": self.sync_every, "parallel.sync.fragments": self.sync_fragments,
+               "parallel.sync.delay": self.sync_delay, "parallel.sync.dtype": self.sync_dtype}
         if self.cp > 1:
             out.update({"parallel.cp": self.cp, "parallel.cp_method": self.cp_method})
         if self.ep > 1:

@@ -85,9 +85,9 @@ def data_errors(layout: Layout, *, source: str, loss_mask: bool) -> list[str]:
     """What a layout cannot train on the run's data once it is opened (`source`, `loss_mask`: whether
     its loss counts only a mask's tokens)."""
     if loss_mask and layout.fault_tolerance:
-        return [f"{source} has a loss mask (chat data), and parallel.fault_tolerance averages the replica groups' "
+        return [f"{source} has a loss mask (chat data), and fault_tolerance.enabled averages the replica groups' "
                 "gradients without weighing their counted tokens: not supported yet; set data.loss_mask=false to "
-                "count every token, or parallel.fault_tolerance=false"]
+                "count every token, or fault_tolerance.enabled=false"]
     return []
 
 
@@ -176,7 +176,7 @@ def _document_mask_errors(lay: Layout, tech: Techniques) -> list[str]:
     (and replica groups' averages do not weigh their counted tokens)."""
     if not tech.document_mask:
         return []
-    e = ["data.document_mask with parallel.fault_tolerance is not supported: the replica groups' average does "
+    e = ["data.document_mask with fault_tolerance.enabled is not supported: the replica groups' average does "
          "not weigh their counted tokens; set data.document_mask=false"] if lay.fault_tolerance else []
     for axis, size, why in (("pp", lay.pp, "later pipeline stages get hidden states, not the token ids the "
                                            "documents are found from"),
@@ -191,21 +191,21 @@ def _fault_tolerance_errors(lay: Layout, model) -> list[str]:
     """Every replica group has the same layout and rank i of each group pairs with rank i of the others
     (its all-reduce, and what it sends a healing peer), so each rank's local tensors (its ZeRO-3 or
     tensor-parallel shard, its pipeline stages, its experts) line up with the same ones in the other
-    groups: with dp_sync=step any layout inside a group is protected (tests/test_ft_layouts.py). With
+    groups: with sync.mode=step any layout inside a group is protected (tests/test_ft_layouts.py). With
     local SGD / DiLoCo the groups are the workers, one level of them."""
     if not lay.fault_tolerance or lay.dp_sync == "step":
         return []
     e = []
     if model is not None and getattr(model, "moe_experts", 0) and model.moe_bias_rate:
-        e.append(f"parallel.fault_tolerance with parallel.dp_sync={lay.dp_sync} and model.moe_bias_rate="
+        e.append(f"fault_tolerance.enabled with parallel.sync.mode={lay.dp_sync} and model.moe_bias_rate="
                  f"{model.moe_bias_rate:g}: each group, a worker, would move its experts' routing biases by its own "
                  "tokens' load between syncs, and the workers' models would drift apart; set model.moe_bias_rate=0 "
-                 "(balance with model.moe_aux_loss instead), or use dp_sync=step")
+                 "(balance with model.moe_aux_loss instead), or use parallel.sync.mode=step")
     if lay.dp_replicate != 1:
-        e.append(f"parallel.fault_tolerance with parallel.dp_sync={lay.dp_sync} does not protect "
+        e.append(f"fault_tolerance.enabled with parallel.sync.mode={lay.dp_sync} does not protect "
                  f"parallel.dp_replicate={lay.dp_replicate}: the replica groups are the workers, and workers inside "
                  "them would be a second level; leave dp_replicate at 1 (ZeRO, tp, pp, cp and ep work inside a "
-                 "group), or use dp_sync=step")
+                 "group), or use parallel.sync.mode=step")
     return e
 
 

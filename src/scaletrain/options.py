@@ -23,6 +23,17 @@ def option(default: Any, help: str, *, choices: Sequence[str] | None = None,
     return field(default=default, metadata=meta)
 
 
+def option_table(cls: type, help: str) -> Any:
+    """A table of options inside a section (`[parallel.sync]`, `--parallel.sync.every=10`,
+    `cfg.parallel.sync.every`): one level deep, its own dataclass of `option` fields."""
+    return field(default_factory=cls, metadata={"help": help, "section": cls})
+
+
+def table_class(f: dataclasses.Field) -> type | None:
+    """The dataclass of a field declared with `option_table`, else None."""
+    return f.metadata.get("section")
+
+
 def build_section(section: str, cls: type, values: Mapping[str, Any],
                   from_cli: set[tuple[str, str]], errors: list[str]) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -32,6 +43,13 @@ def build_section(section: str, cls: type, values: Mapping[str, Any],
         if f is None:
             errors.append(f"{section}.{key}: unknown key{did_you_mean(key, fields, prefix=section + '.')}; "
                           f"keys of [{section}] are {', '.join(fields)}")
+            continue
+        if (inner := table_class(f)) is not None:
+            if not isinstance(value, Mapping):
+                errors.append(f"{section}.{key} is a table of options ([{section}.{key}]), got {value!r}; "
+                              f"keys of it are {', '.join(g.name for g in dataclasses.fields(inner))}")
+                continue
+            kwargs[key] = build_section(f"{section}.{key}", inner, value, from_cli, errors)
             continue
         try:
             kwargs[key] = coerce(f, value, (section, key) in from_cli)

@@ -101,12 +101,12 @@ def peak_lr(cfg, global_batch: int) -> float:
 def worker_lr_scale(par) -> float:
     """The factor on the learning rate of a run's inner optimizer (`par`: its [parallel]). Local SGD
     and DiLoCo workers each step on 1/dp_replicate of the global batch that optim.lr is set for:
-    parallel.inner_lr_scale, or with 0 the square-root rule, sqrt(worker batch / global batch) =
+    parallel.sync.inner_lr_scale, or with 0 the square-root rule, sqrt(worker batch / global batch) =
     1/sqrt(dp_replicate) (Adam's noise scales with 1/sqrt(batch): Malladi et al. 2022). 1 for
     workers that sync every step."""
-    if par.dp_sync == "step":
+    if par.sync.mode == "step":
         return 1.0
-    return par.inner_lr_scale or 1.0 / math.sqrt(par.dp_replicate)
+    return par.sync.inner_lr_scale or 1.0 / math.sqrt(par.dp_replicate)
 
 
 class LRSchedule:

@@ -13,7 +13,7 @@ Why the gradient norm as well as the loss: AdamW is nearly blind to a uniformly 
 gradient, and clipping hides a scale too, so a wrong normalisation can leave the losses
 almost unchanged; the norm before clipping shows it at the first step.
 
-Workers that sync every few steps (parallel.dp_sync = local_sgd or diloco) are compared with
+Workers that sync every few steps (parallel.sync.mode = local_sgd or diloco) are compared with
 their simulation: the N workers in one process, each a one-process run on its worker's share
 of every step's batch, synced at the same steps by the same code (parallel/local_sgd.py) with
 the average over the workers computed in the process. The loss compared is the global batch's
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from scaletrain.config import JobConfig, ParallelConfig, from_dict, load_config
+from scaletrain.config import FaultToleranceConfig, JobConfig, ParallelConfig, flat_keys, from_dict, load_config
 from scaletrain.errors import ConfigError
 from scaletrain.launch.ranks import quiet, read_spec
 from scaletrain.layout import Layout
@@ -143,7 +143,9 @@ def isolated(cfg: JobConfig, run_dir: Path, steps: int) -> JobConfig:
 def reference(cfg: JobConfig, layout: Layout, why: str) -> Reference:
     """The same run under `layout` (one process, or ZeRO-3 over its ranks), every other parallel
     setting at its default: the config is built from the layout's values, so the two agree."""
-    defaults = {f"parallel.{k}": v for k, v in dataclasses.asdict(ParallelConfig()).items() if k != "timeout_s"}
+    sections = {"parallel": dataclasses.asdict(ParallelConfig()),  # [parallel.sync] with it
+                "fault_tolerance": dataclasses.asdict(FaultToleranceConfig())}
+    defaults = {k: v for k, v in flat_keys(sections).items() if k != "parallel.timeout_s"}
     values = {**defaults, **layout.config_overrides()}
     return Reference(cfg.replace(**values), layout, why)
 

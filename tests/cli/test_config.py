@@ -16,7 +16,7 @@ def test_defaults_are_the_tiny_demo():
     cfg = load_config()
     assert isinstance(cfg, JobConfig)
     assert set(cfg.to_dict()) == set(SECTIONS) == {
-        "model", "data", "train", "optim", "precision", "memory", "parallel", "checkpoint", "log",
+        "model", "data", "train", "optim", "precision", "memory", "parallel", "fault_tolerance", "checkpoint", "log",
         "adapter"}
     assert cfg.model.vocab_size == 256 and cfg.precision.mode == "32-true"
 

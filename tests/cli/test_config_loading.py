@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scaletrain.config import SECTIONS, JobConfig, from_dict, load_config
+from scaletrain.config import ALIASES, SECTIONS, JobConfig, from_dict, load_config, option_fields
 from scaletrain.errors import ConfigError
 
 from conftest import (
@@ -210,7 +210,9 @@ def test_code_in_config_values_is_refused_as_data(payload, via, workdir: Path, c
 # Fuzzing the config loader: it returns a valid config or raises ConfigError, nothing else
 
 FIELD_NAMES = {name: [f.name for f in fields(cls)] for name, cls in SECTIONS.items()}
-ALL_KEYS = sorted({k for keys in FIELD_NAMES.values() for k in keys})
+# the keys of every section, a sub-table's as "sync.every", and the old names that still work
+ALL_KEYS = sorted({k for keys in FIELD_NAMES.values() for k in keys} | {k.split(".", 1)[1] for k in option_fields()}
+                  | {k.split(".", 1)[1] for k in ALIASES})
 
 scalars = st.one_of(st.text(max_size=20), st.integers(), st.integers(min_value=-(10**30), max_value=10**30),
                     st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.none())
@@ -289,14 +291,19 @@ def _field_values(section: str, f) -> st.SearchStrategy:
     return st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12)
 
 
-FIELD_STRATEGIES = {f"{s}.{f.name}": _field_values(s, f) for s, cls in SECTIONS.items() for f in fields(cls)}
+FIELD_STRATEGIES = {key: _field_values(key.rsplit(".", 1)[0], f) for key, f in option_fields().items()}
 
 
 def to_toml(cfg: JobConfig) -> str:
     lines = []
-    for section, body in cfg.to_dict().items():
+    tables = list(cfg.to_dict().items())
+    while tables:
+        section, body = tables.pop(0)
         lines.append(f"[{section}]")
         for key, value in body.items():
+            if isinstance(value, dict):  # a sub-table: [parallel.sync], after its section's own keys
+                tables.insert(0, (f"{section}.{key}", value))
+                continue
             if isinstance(value, bool):
                 text = "true" if value else "false"
             elif isinstance(value, str):

@@ -175,8 +175,8 @@ def test_a_mask_asked_of_data_without_one_is_refused(tmp_path):
 
 def test_a_mask_under_fault_tolerance_is_refused_before_any_group_connects(plain, tmp_path):
     """The replica groups average their gradients without weighing each group's counted tokens."""
-    ft = {"parallel.fault_tolerance": True, "parallel.ft_lighthouse": "http://127.0.0.1:1"}
-    with pytest.raises(ConfigError, match=r"has a loss mask \(chat data\), and parallel.fault_tolerance averages"):
+    ft = {"fault_tolerance.enabled": True, "fault_tolerance.lighthouse": "http://127.0.0.1:1"}
+    with pytest.raises(ConfigError, match=r"has a loss mask \(chat data\), and fault_tolerance.enabled averages"):
         Trainer(micro_cfg(tmp_path, **{"data.path": str(plain[1]), **ft}))
     Trainer(micro_cfg(tmp_path, **{"data.path": str(plain[1]), "data.loss_mask": "false",
                                    "log.run_dir": str(tmp_path / "b")}))  # every token counted: no refusal here

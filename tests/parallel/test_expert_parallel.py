@@ -232,8 +232,8 @@ def test_diloco_workers_with_expert_parallelism_pass_verify(tmp_path):
     from conftest import run_here
 
     args = [f"--{k}={v}" for k, v in {**MICRO, **MOE, "parallel.dp_replicate": 2, "parallel.dp_shard": 2,
-                                      "parallel.ep": 2, "parallel.dp_sync": "diloco",
-                                      "parallel.sync_every": 2}.items()
+                                      "parallel.ep": 2, "parallel.sync.mode": "diloco",
+                                      "parallel.sync.every": 2}.items()
             if not k.startswith(("log.", "checkpoint.", "train.steps"))]
     r = run_here("verify", f"--steps={STEPS}", *args, "--nproc=4")
     verdict = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""

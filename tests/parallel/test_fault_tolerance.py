@@ -1,4 +1,4 @@
-"""Fault tolerance across replica groups (parallel.fault_tolerance, on torchft): the one-line refusals,
+"""Fault tolerance across replica groups (fault_tolerance.enabled, on torchft): the one-line refusals,
 the Lighthouse killed mid-run, three groups killed at named phases (forward, the gradient all-reduce,
 the optimizer step, a checkpoint save, a heal) by the injector of tests/ft_faults.py, checked against
 one process training their joint batch, and two DiLoCo groups, one killed mid-window by the injector.
@@ -22,7 +22,7 @@ from scaletrain.errors import ConfigError
 
 from conftest import MICRO, REPO, micro_cfg, one_line_exit_2, read_metrics, run_here
 
-FT = {"parallel.fault_tolerance": True, "parallel.ft_lighthouse": "http://127.0.0.1:1"}
+FT = {"fault_tolerance.enabled": True, "fault_tolerance.lighthouse": "http://127.0.0.1:1"}
 # two groups of one rank, each with half of a batch of 8 windows (CLI options: `scaletrain ft-local`)
 GROUP = [f"--{k}={v}" for k, v in {**MICRO, "train.global_batch": 4, "train.micro_batch": 4,
                                    "train.eval_every": 1000, "train.eval_batches": 1,
@@ -30,17 +30,18 @@ GROUP = [f"--{k}={v}" for k, v in {**MICRO, "train.global_batch": 4, "train.micr
 
 
 @pytest.mark.parametrize("options,fragments", [
-    ({"parallel.ft_groups": 2, "parallel.ft_replica_id": 2}, ["parallel.ft_replica_id=2 is out of range",
+    ({"fault_tolerance.groups": 2, "fault_tolerance.replica_id": 2}, ["fault_tolerance.replica_id=2 is out of range",
                                                              "from 0 to 1"]),
-    ({"parallel.ft_groups": 2, "parallel.ft_min_replicas": 3}, ["parallel.ft_min_replicas=3 is above "
-                                                               "parallel.ft_groups=2"]),
-    ({"model.moe_experts": 4, "parallel.dp_sync": "diloco"},
-     ["dp_sync=diloco and model.moe_bias_rate=0.001", "drift apart", "set model.moe_bias_rate=0"]),
-    ({"parallel.zero": 3, "parallel.dp_sync": "diloco", "parallel.dp_replicate": 2},
-     ["with parallel.dp_sync=diloco does not protect parallel.dp_replicate=2: the replica groups are the workers"]),
-    ({"parallel.dp_replicate": 2, "parallel.dp_sync": "local_sgd"}, ["dp_sync=local_sgd does not protect "
-                                                                     "parallel.dp_replicate=2", "use dp_sync=step"]),
-    ({"parallel.ft_lighthouse": ""}, ["needs parallel.ft_lighthouse=http://HOST:PORT"]),
+    ({"fault_tolerance.groups": 2, "fault_tolerance.min_replicas": 3}, ["fault_tolerance.min_replicas=3 is above "
+                                                               "fault_tolerance.groups=2"]),
+    ({"model.moe_experts": 4, "parallel.sync.mode": "diloco"},
+     ["parallel.sync.mode=diloco and model.moe_bias_rate=0.001", "drift apart", "set model.moe_bias_rate=0"]),
+    ({"parallel.zero": 3, "parallel.sync.mode": "diloco", "parallel.dp_replicate": 2},
+     ["with parallel.sync.mode=diloco does not protect parallel.dp_replicate=2: the replica groups are the workers"]),
+    ({"parallel.dp_replicate": 2, "parallel.sync.mode": "local_sgd"}, ["sync.mode=local_sgd does not protect "
+                                                                     "parallel.dp_replicate=2",
+                                                                     "use parallel.sync.mode=step"]),
+    ({"fault_tolerance.lighthouse": ""}, ["needs fault_tolerance.lighthouse=http://HOST:PORT"]),
 ])
 def test_bad_fault_tolerance_options_are_one_line_each(options, fragments):
     """A key's own range at config validation, what a layout cannot protect at the legality check
@@ -70,16 +71,16 @@ def test_diloco_across_groups_is_accepted_whole_and_refused_streamed_in_one_line
     compressed syncs across groups are one line naming the options."""
     from scaletrain.layout import Layout
 
-    cfg = load_config(None, {**FT, "parallel.dp_sync": "diloco", "parallel.sync_every": 10})
+    cfg = load_config(None, {**FT, "parallel.sync.mode": "diloco", "parallel.sync.every": 10})
     assert Layout.from_config(cfg, 1).errors() == []
     for inside in ({"parallel.zero": 3}, {"parallel.tp": 2}, {"parallel.pp": 2}, {"parallel.cp": 2},
                    {"parallel.ep": 2, "model.moe_experts": 4, "model.moe_bias_rate": 0}):  # test_ft_layouts.py
-        load_config(None, {**FT, "parallel.dp_sync": "diloco", "parallel.sync_every": 10, **inside})
-    cfg = cfg.replace(**{"parallel.sync_fragments": 2, "parallel.sync_dtype": "int8"})
+        load_config(None, {**FT, "parallel.sync.mode": "diloco", "parallel.sync.every": 10, **inside})
+    cfg = cfg.replace(**{"parallel.sync.fragments": 2, "parallel.sync.dtype": "int8"})
     assert Layout.from_config(cfg, 1).errors() == [
-        "parallel.fault_tolerance syncs the replica groups' diloco whole, in fp32, with no delay: "
-        "parallel.sync_fragments=2, parallel.sync_dtype=int8 across groups is not supported yet; leave "
-        "sync_fragments at 1, sync_delay at 0 and sync_dtype at fp32"]
+        "fault_tolerance.enabled syncs the replica groups' diloco whole, in fp32, with no delay: "
+        "parallel.sync.fragments=2, parallel.sync.dtype=int8 across groups is not supported yet; leave "
+        "sync.fragments at 1, sync.delay at 0 and sync.dtype at fp32"]
 
 
 def test_an_unreachable_lighthouse_and_a_missing_torchft_are_one_line_exit_2(tmp_path, monkeypatch):
@@ -89,14 +90,14 @@ def test_an_unreachable_lighthouse_and_a_missing_torchft_are_one_line_exit_2(tmp
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args = ["train", *[f"--{k}={v}" for k, v in MICRO.items()], f"--log.run_dir={tmp_path / 'run'}",
-            "--parallel.fault_tolerance=true", f"--parallel.ft_lighthouse=http://127.0.0.1:{port}",
-            "--parallel.ft_quorum_timeout_s=0.5"]
+            "--fault_tolerance.enabled=true", f"--fault_tolerance.lighthouse=http://127.0.0.1:{port}",
+            "--fault_tolerance.quorum_timeout_s=0.5"]
     t0 = time.monotonic()
     one_line_exit_2(run_here(*args), f"the Lighthouse at http://127.0.0.1:{port} is unreachable after "
-                                     "parallel.ft_quorum_timeout_s=0.5 s")
+                                     "fault_tolerance.quorum_timeout_s=0.5 s")
     assert time.monotonic() - t0 < 60
     monkeypatch.setitem(sys.modules, "torchft", None)  # as if not installed: its import fails
-    one_line_exit_2(run_here(*args), "parallel.fault_tolerance needs torchft", "pip install 'scaletrain[ft]'")
+    one_line_exit_2(run_here(*args), "fault_tolerance.enabled needs torchft", "pip install 'scaletrain[ft]'")
     one_line_exit_2(run_here("lighthouse", "--bind", "[::]:0"), "the Lighthouse needs torchft")
 
 
@@ -151,7 +152,7 @@ def test_the_lighthouse_killed_mid_run_stops_the_group_cleanly_with_exit_3(tmp_p
 
     run = tmp_path / "ft"
     job = _ft_local(run, 1, "--min-replicas", "1", "--train.steps=2000", "--checkpoint.every=2",
-                    "--parallel.ft_quorum_timeout_s=5")
+                    "--fault_tolerance.quorum_timeout_s=5")
     try:
         # killed once the group is past its start (a Lighthouse gone before the group's first connection is
         # the unreachable Lighthouse of its start, exit 2, another test's case) and has a checkpoint; later
@@ -220,7 +221,7 @@ def test_a_group_back_after_the_others_finished_is_stopped_and_the_run_ends_0(tm
 
     run, steps = tmp_path / "ft", 3
     write_plan(run, [{"group": 1, "step": steps, "phase": "optimizer"}])
-    job = _ft_local(run, 2, "--min-replicas", "2", f"--train.steps={steps}", "--parallel.ft_quorum_timeout_s=30",
+    job = _ft_local(run, 2, "--min-replicas", "2", f"--train.steps={steps}", "--fault_tolerance.quorum_timeout_s=30",
                     "--max-restarts=2", "--rank-hook=ft_faults:inject")  # without the stop: fails in ~2 min
     err = _ended(job, 400)
     assert job.returncode == 0, err[-3000:]
@@ -244,7 +245,7 @@ def test_the_lighthouse_command_prints_its_address_and_stops_on_sigterm():
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         first = lighthouse.stdout.readline()
-        assert first.startswith("lighthouse http://") and "--parallel.ft_lighthouse=http://" in first, first
+        assert first.startswith("lighthouse http://") and "--fault_tolerance.lighthouse=http://" in first, first
         address = first.split()[1]
         from scaletrain.parallel.fault_tolerance import lighthouse_problem
 
@@ -282,7 +283,7 @@ def phase_kills(tmp_path_factory):
     run = tmp_path_factory.mktemp("ftphases") / "ft"
     write_plan(run, PHASE_KILLS, record=True)
     job = _ft_local(run, 3, "--min-replicas", "3", f"--train.steps={PHASE_STEPS}", "--checkpoint.every=4",
-                    "--checkpoint.keep=10", "--parallel.ft_quorum_timeout_s=120", "--rank-hook=ft_faults:inject")
+                    "--checkpoint.keep=10", "--fault_tolerance.quorum_timeout_s=120", "--rank-hook=ft_faults:inject")
     err = _ended(job, 600)
     assert job.returncode == 0, err[-3000:]
     return run, fired(run), err
@@ -352,8 +353,8 @@ def test_the_witness_waits_for_restarting_groups_and_says_so_once_per_wait(phase
     waits (it is not restarted: the test above), and says so in one line per step it waits at, not
     one per try."""
     run, kills, err = phase_kills
-    waits = [int(s) for s in re.findall(r"replica group 2 waits at step (\d+): fewer than parallel.ft_min_replicas=3 "
-                                        r"groups are in its quorum yet", err)]
+    waits = [int(s) for s in re.findall(r"replica group 2 waits at step (\d+): fewer than "
+                                        r"fault_tolerance.min_replicas=3 groups are in its quorum yet", err)]
     assert [w for w in waits if w > kills[0]["step"]], err[-3000:]  # after the first kills: a restart's wait
     assert len(waits) == len(set(waits)), waits
 
@@ -473,7 +474,7 @@ def test_checkpoints_written_around_kills_are_whole_and_the_killed_save_left_non
 H = 8  # inner steps per window; group 1 is killed inside the second window (steps 9-16)
 D_STEPS, D_KILL_AFTER = 24, 10
 # validation after every window: the weights the sync leaves (or the discard takes back)
-DILOCO = ["--parallel.dp_sync=diloco", f"--parallel.sync_every={H}", "--parallel.ft_step_timeout_s=20",
+DILOCO = ["--parallel.sync.mode=diloco", f"--parallel.sync.every={H}", "--fault_tolerance.step_timeout_s=20",
           f"--train.eval_every={H}"]
 
 
@@ -485,7 +486,7 @@ def killed_diloco(tmp_path_factory):
 
     run = tmp_path_factory.mktemp("ftd") / "ft"
     write_plan(run, [{"group": 1, "step": D_KILL_AFTER + 1, "phase": "forward"}])
-    job = _ft_local(run, 2, "--min-replicas", "2", "--parallel.ft_quorum_timeout_s=120", f"--train.steps={D_STEPS}",
+    job = _ft_local(run, 2, "--min-replicas", "2", "--fault_tolerance.quorum_timeout_s=120", f"--train.steps={D_STEPS}",
                     *DILOCO, "--rank-hook=ft_faults:inject")
     err = _ended(job, 600)
     assert job.returncode == 0, err[-3000:]
@@ -507,7 +508,7 @@ def test_diloco_across_groups_matches_its_simulation_and_discards_a_window_a_gro
 
     run, before_kill, err = killed_diloco
     cfg = micro_cfg(tmp_path, **{"train.steps": D_STEPS, "train.global_batch": 8, "train.micro_batch": 4,
-                                 "parallel.dp_replicate": 2, "parallel.dp_sync": "diloco", "parallel.sync_every": H})
+                                 "parallel.dp_replicate": 2, "parallel.sync.mode": "diloco", "parallel.sync.every": H})
     ref = simulate_workers(isolated(cfg, tmp_path / "ref", D_KILL_AFTER), Layout.from_config(cfg, 2), D_STEPS,
                            tmp_path / "ref")
     g0, g1 = read_metrics(run / "group0"), read_metrics(run / "group1")

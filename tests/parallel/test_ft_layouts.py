@@ -29,8 +29,8 @@ pytestmark = pytest.mark.multiproc
 
 STEPS = 4
 TOL = TOLERANCES["32-true"]  # (loss, grad norm) relative, every step: what the parity tests allow
-GROUP = {"train.steps": STEPS, "train.global_batch": 4, "train.micro_batch": 2, "parallel.ft_groups": 2,
-         "parallel.ft_quorum_timeout_s": 60, "parallel.ft_step_timeout_s": 60}
+GROUP = {"train.steps": STEPS, "train.global_batch": 4, "train.micro_batch": 2, "fault_tolerance.groups": 2,
+         "fault_tolerance.quorum_timeout_s": 60, "fault_tolerance.step_timeout_s": 60}
 LAYOUTS = {  # inside each group of two ranks
     "zero3": {"parallel.zero": 3, "checkpoint.save_final": True},  # only group 0 writes: with both ranks
     "tp2": {"parallel.tp": 2},
@@ -48,7 +48,7 @@ FOUR = {  # inside each group of four ranks (one launch more): HSDP, ZeRO-3 over
 }
 # DiLoCo across the groups (dp_sync=diloco with dp_replicate 1: each group a worker), a sync every 2 steps,
 # each group sharded over its two ranks as a local-SGD worker can be
-DILOCO = {f"diloco-{name}": {**inside, "parallel.dp_sync": "diloco", "parallel.sync_every": 2} for name, inside in (
+DILOCO = {f"diloco-{name}": {**inside, "parallel.sync.mode": "diloco", "parallel.sync.every": 2} for name, inside in (
     ("zero3", {"parallel.zero": 3}), ("tp2", {"parallel.tp": 2}),
     ("pp2", {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}), ("cp2", {"parallel.cp": 2}),
     # experts over both ranks, balanced by the auxiliary loss (routing biases are refused across DiLoCo groups)
@@ -136,20 +136,21 @@ def _lighthouse(monkeypatch, min_replicas: int, join_timeout_ms: int):
 def _jobs(tmp: Path, names: list[str], lighthouses: dict, group: int) -> list[dict]:
     jobs = []
     for name in names:
-        ft = {**GROUP, "parallel.fault_tolerance": True, "parallel.ft_replica_id": group,
-              "parallel.ft_lighthouse": lighthouses[name], "log.run_dir": str(tmp / name / f"group{group}")}
+        ft = {**GROUP, "fault_tolerance.enabled": True, "fault_tolerance.replica_id": group,
+              "fault_tolerance.lighthouse": lighthouses[name], "log.run_dir": str(tmp / name / f"group{group}")}
         if name == "heal":  # experts over 2 ranks, the rest ZeRO-3; group 0 alone for HEAL_AT steps (min_replicas
             # 1), then both. fp16, the late group's first loss scale another (as a group resumed from an older
             # checkpoint): it takes the peer's scale, grown once (growth_interval 2) in the steps it trained alone,
             # and the routing biases those steps moved
             job = {"overrides": {**MICRO, **ft, **LAYOUTS["ep2-zero3"], "train.steps": HEAL_STEPS,
-                                 "parallel.ft_min_replicas": 1, "precision.mode": "16-mixed",
+                                 "fault_tolerance.min_replicas": 1, "precision.mode": "16-mixed",
                                  "precision.growth_interval": 2, "precision.init_scale": 1024.0 * (1 + 6 * group)},
                    "probe": f"{PROBE}:{'held_group' if group == 0 else 'late_group'}"}
             if group == 1:
                 job["wait_for"] = [str(tmp / name / "group0" / "metrics.jsonl"), HEAL_AT]
         else:
-            job = {"overrides": {**MICRO, **ft, **{**LAYOUTS, **DILOCO, **FOUR}[name], "parallel.ft_min_replicas": 2},
+            job = {"overrides": {**MICRO, **ft, **{**LAYOUTS, **DILOCO, **FOUR}[name],
+                                 "fault_tolerance.min_replicas": 2},
                    "probe": f"{PROBE}:local_state"}
         jobs.append(job)
     return jobs
@@ -254,13 +255,13 @@ def two_workers(tmp_path_factory):
     def simulate(dp: int, model: dict) -> list[dict]:
         tmp = tmp_path_factory.mktemp("workers")
         cfg = micro_cfg(tmp, **{"train.steps": STEPS, "train.global_batch": 8, "train.micro_batch": 2,
-                                "parallel.dp_replicate": 2, "parallel.dp_sync": "diloco", "parallel.sync_every": 2,
+                                "parallel.dp_replicate": 2, "parallel.sync.mode": "diloco", "parallel.sync.every": 2,
                                 **model})
         return simulate_workers(isolated(cfg, tmp / "ref", STEPS), Layout.from_config(cfg, 2 * dp), STEPS, tmp / "ref")
 
     def key(name: str) -> tuple:  # one simulation per (dp, model)
-        group = micro_cfg(tmp_path_factory.getbasetemp(), **{**GROUP, **DILOCO[name], "parallel.fault_tolerance": True,
-                                                             "parallel.ft_lighthouse": "http://127.0.0.1:1"})
+        group = micro_cfg(tmp_path_factory.getbasetemp(), **{**GROUP, **DILOCO[name], "fault_tolerance.enabled": True,
+                                                             "fault_tolerance.lighthouse": "http://127.0.0.1:1"})
         return Layout.from_config(group, 2).dp_shard, tuple(_model(DILOCO[name]).items())
 
     runs = Lazy({k: lambda k=k: simulate(k[0], dict(k[1])) for k in map(key, DILOCO)})

@@ -107,10 +107,13 @@ def test_the_layouts_defaults_are_the_configs():
     aside: the config's -1 and 0 ask for derivation); so are the planner's sync defaults."""
     from dataclasses import fields
 
-    from scaletrain.config import MemoryConfig, ParallelConfig, TrainConfig
+    from scaletrain.config import FaultToleranceConfig, MemoryConfig, ParallelConfig, SyncConfig, TrainConfig
     from scaletrain.plan import DEFAULT_SYNC
 
-    config = {**vars(ParallelConfig()), **vars(MemoryConfig()), "batch_rampup": TrainConfig().batch_rampup}
+    s = SyncConfig()  # [parallel.sync] and [fault_tolerance]: the Layout's names of their keys
+    config = {**vars(ParallelConfig()), **vars(MemoryConfig()), "batch_rampup": TrainConfig().batch_rampup,
+              "dp_sync": s.mode, "sync_every": s.every, "sync_fragments": s.fragments, "sync_delay": s.delay,
+              "sync_dtype": s.dtype, "fault_tolerance": FaultToleranceConfig().enabled}
     derived = {"dp_shard", "micro_batch", "grad_accum"}
     assert {f.name: f.default for f in fields(Layout) if f.name not in derived} == \
         {f.name: config[f.name] for f in fields(Layout) if f.name not in derived}
@@ -136,7 +139,7 @@ def test_world_of_a_config_and_the_rules_of_sizes_live_in_layout():
 
 def test_local_sgd_fragments_are_checked_by_one_rule():
     lay = Layout(dp_replicate=2, dp_sync="diloco", sync_every=10, sync_fragments=3)
-    text = "parallel.sync_fragments=3 splits the model's blocks into fragments, but model.n_layers=2"
+    text = "parallel.sync.fragments=3 splits the model's blocks into fragments, but model.n_layers=2"
     assert lay.fragment_errors(2) == [f"{text}; use at most 2 fragments"]
     assert lay.fragment_errors(2, of_config=False)[0].endswith("but it has 2; use at most 2 fragments")
     assert lay.fragment_errors(3) == [] and Layout(sync_fragments=3).fragment_errors(1) == []  # without local sync

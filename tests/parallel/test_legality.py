@@ -82,7 +82,7 @@ def test_the_check_narrows_the_search():
     (Techniques(custom_module=True), Layout(cp=2), "parallel.cp=2: context parallelism splits the attention"),
     (Techniques(document_mask=True), Layout(pp=2, grad_accum=2), "data.document_mask with parallel.pp=2"),
     (Techniques(document_mask=True), Layout(fault_tolerance=True),
-     "data.document_mask with parallel.fault_tolerance is not supported"),
+     "data.document_mask with fault_tolerance.enabled is not supported"),
     (Techniques(device_type="cpu"), Layout(dp_shard=2, zero=3, offload_optimizer=True),
      "memory.offload_optimizer moves model states"),
 ])
@@ -107,7 +107,7 @@ def test_chat_data_under_replica_groups_is_refused_in_one_line_and_accepted_with
     from scaletrain.legality import data_errors
 
     [line] = data_errors(Layout(fault_tolerance=True), source="chat/", loss_mask=True)
-    assert line.startswith("chat/ has a loss mask (chat data), and parallel.fault_tolerance averages")
+    assert line.startswith("chat/ has a loss mask (chat data), and fault_tolerance.enabled averages")
     assert data_errors(Layout(), source="chat/", loss_mask=True) == []
     assert data_errors(Layout(fault_tolerance=True), source="plain/", loss_mask=False) == []
 

@@ -196,11 +196,11 @@ def test_outer_sync_matches_a_hand_written_reference(mode, outer_optimizer):
 
 STEPS = 10
 LINEAR = {"optim.name": "sgd", "train.grad_clip": 0.0, "optim.lr": 0.1}  # the inner optimizer is linear
-STREAMED = {"parallel.sync_every": 3, "parallel.sync_fragments": 2, "parallel.sync_delay": 1}
+STREAMED = {"parallel.sync.every": 3, "parallel.sync.fragments": 2, "parallel.sync.delay": 1}
 RAMP = {"train.batch_rampup": "2,2,1000", "train.steps": 12}
-# the workers' inner lr by the square-root rule (parallel.inner_lr_scale = 0): 1/sqrt(2) of optim.lr
-SQRT_LR = {"parallel.dp_replicate": 2, "parallel.dp_sync": "diloco", "parallel.sync_every": 3,
-           "parallel.inner_lr_scale": 0.0}
+# the workers' inner lr by the square-root rule (parallel.sync.inner_lr_scale = 0): 1/sqrt(2) of optim.lr
+SQRT_LR = {"parallel.dp_replicate": 2, "parallel.sync.mode": "diloco", "parallel.sync.every": 3,
+           "parallel.sync.inner_lr_scale": 0.0}
 MODEL = {"model.n_layers": 4, "model.tie_embeddings": False, "train.micro_batch": 2, "train.steps": STEPS}
 
 
@@ -209,13 +209,13 @@ def two_workers(tmp_path_factory):
     """2 ranks, each a worker: DDP and one sync per step with linear inner steps; a streamed,
     delayed, int8 DiLoCo run that saves at step 4 (a fragment in flight) and 8, and its resume."""
     tmp = tmp_path_factory.mktemp("lsgd2")
-    one = {"parallel.dp_replicate": 2, "parallel.sync_every": 1}
+    one = {"parallel.dp_replicate": 2, "parallel.sync.every": 1}
     jobs = {
         "ddp": {**LINEAR},
-        "local_sgd-h1": {**LINEAR, **one, "parallel.dp_sync": "local_sgd"},
-        "diloco-h1": {**LINEAR, **one, "parallel.dp_sync": "diloco", "parallel.outer_optimizer": "sgd",
-                      "parallel.outer_lr": 1.0, "parallel.outer_momentum": 0.0},
-        "save": {"parallel.dp_replicate": 2, "parallel.dp_sync": "diloco", **STREAMED, "parallel.sync_dtype": "int8",
+        "local_sgd-h1": {**LINEAR, **one, "parallel.sync.mode": "local_sgd"},
+        "diloco-h1": {**LINEAR, **one, "parallel.sync.mode": "diloco", "parallel.sync.outer_optimizer": "sgd",
+                      "parallel.sync.outer_lr": 1.0, "parallel.sync.outer_momentum": 0.0},
+        "save": {"parallel.dp_replicate": 2, "parallel.sync.mode": "diloco", **STREAMED, "parallel.sync.dtype": "int8",
                  "checkpoint.every": 4},
     }
     saved = tmp / "save" / "checkpoints" / "step_00000004"
@@ -246,21 +246,21 @@ def test_the_workers_inner_lr_follows_parallel_inner_lr_scale(tmp_path):
     from scaletrain.errors import ConfigError
     from scaletrain.schedule import worker_lr_scale
 
-    four = {"parallel.dp_replicate": 4, "parallel.dp_sync": "diloco"}
+    four = {"parallel.dp_replicate": 4, "parallel.sync.mode": "diloco"}
     assert worker_lr_scale(micro_cfg(tmp_path, **four).parallel) == 1.0  # the default: optim.lr as it is
-    assert worker_lr_scale(micro_cfg(tmp_path, **four, **{"parallel.inner_lr_scale": 0}).parallel) == 0.5
-    assert worker_lr_scale(micro_cfg(tmp_path, **four, **{"parallel.inner_lr_scale": 0.3}).parallel) == 0.3
+    assert worker_lr_scale(micro_cfg(tmp_path, **four, **{"parallel.sync.inner_lr_scale": 0}).parallel) == 0.5
+    assert worker_lr_scale(micro_cfg(tmp_path, **four, **{"parallel.sync.inner_lr_scale": 0.3}).parallel) == 0.3
     assert worker_lr_scale(micro_cfg(tmp_path).parallel) == 1.0
-    cfg = micro_cfg(tmp_path, **four, **{"parallel.inner_lr_scale": 0})
+    cfg = micro_cfg(tmp_path, **four, **{"parallel.sync.inner_lr_scale": 0})
     batch = BatchSchedule(8, 32, 8)
     scaled, plain = TrainSchedule.for_job(cfg, batch, STEPS), TrainSchedule(cfg.optim, batch, STEPS)
     assert scaled.peak == plain.peak * 0.5
     assert [scaled.lr(s) for s in range(STEPS)] == [plain.lr(s) * 0.5 for s in range(STEPS)]  # exact: a power of 2
     with pytest.raises(ConfigError) as e:
-        load_config(None, {"parallel.inner_lr_scale": 0.5})
-    assert e.value.lines == ["parallel.inner_lr_scale=0.5 scales the inner learning rate of the workers of "
-                             "parallel.dp_sync=local_sgd or diloco; with dp_sync=step every rank steps at optim.lr: "
-                             "set optim.lr instead, or leave inner_lr_scale at 1"]
+        load_config(None, {"parallel.sync.inner_lr_scale": 0.5})
+    assert e.value.lines == ["parallel.sync.inner_lr_scale=0.5 scales the inner learning rate of the workers of "
+                             "parallel.sync.mode=local_sgd or diloco; with sync.mode=step every rank steps at "
+                             "optim.lr: set optim.lr instead, or leave sync.inner_lr_scale at 1"]
 
 
 @pytest.mark.multiproc
@@ -313,26 +313,26 @@ def test_a_checkpoint_of_workers_is_refused_elsewhere_in_one_line(two_workers, t
     _, saved = two_workers
     state = ckpt.read_trainer_state(saved)
     with pytest.raises(CheckpointError, match=r"holds the weights and inner optimizer state of 2 workers "
-                                              r"\(dp_sync=diloco\); resuming needs 2 workers, not 4: set "
+                                              r"\(sync.mode=diloco\); resuming needs 2 workers, not 4: set "
                                               r"parallel.dp_replicate=2"):
         ckpt.check_sync(saved, state, Layout(dp_replicate=4, dp_sync="diloco"))
-    with pytest.raises(CheckpointError, match="was trained with parallel.dp_sync=diloco; resuming it with "
-                                              "dp_sync=step would not continue the same run"):
+    with pytest.raises(CheckpointError, match="was trained with parallel.sync.mode=diloco; resuming it with "
+                                              "sync.mode=step would not continue the same run"):
         ckpt.check_sync(saved, state, Layout(dp_shard=2))
     # a fragment in flight at the save: its parameters (the fragments) and its landing (the delay) are fixed
     streamed = Layout(dp_replicate=2, dp_sync="diloco", sync_every=3, sync_fragments=2, sync_delay=1)
     ckpt.check_sync(saved, state, streamed)
     with pytest.raises(CheckpointError, match=r"was saved with a fragment's sync in flight under "
-                                              r"parallel.sync_fragments=2 \(it lands at step 5\); resuming with "
-                                              r"sync_fragments=3 would apply it to other parameters"):
+                                              r"parallel.sync.fragments=2 \(it lands at step 5\); resuming with "
+                                              r"sync.fragments=3 would apply it to other parameters"):
         ckpt.check_sync(saved, state, Layout(dp_replicate=2, dp_sync="diloco", sync_every=3, sync_fragments=3))
-    with pytest.raises(CheckpointError, match=r"under parallel.sync_delay=1 \(it lands at step 5\); resuming with "
-                                              r"sync_delay=0 would .* resume with parallel.sync_delay=1"):
+    with pytest.raises(CheckpointError, match=r"under parallel.sync.delay=1 \(it lands at step 5\); resuming with "
+                                              r"sync.delay=0 would .* resume with parallel.sync.delay=1"):
         ckpt.check_sync(saved, state, Layout(dp_replicate=2, dp_sync="diloco", sync_every=3, sync_fragments=2))
     # one process refuses it before touching anything (the outer weights are the checkpoint's model)
     from scaletrain.train.trainer import Trainer
 
-    with pytest.raises(CheckpointError, match="dp_sync=diloco"):
+    with pytest.raises(CheckpointError, match="sync.mode=diloco"):
         Trainer(micro_cfg(tmp_path, **{"checkpoint.resume": str(saved)}))
 
 
@@ -375,24 +375,24 @@ def test_export_takes_the_outer_weights(two_workers, tmp_path):
 # the layouts of the issue (2 workers of 2 ranks: ZeRO-3 within each, or tensor parallel 2), with
 # local SGD and DiLoCo, streamed and delayed or not, and ZeRO-1 inside a worker
 FOUR = {
-    "zero3-local_sgd": {"parallel.dp_shard": 2, "parallel.zero": 3, "parallel.dp_sync": "local_sgd",
-                        "parallel.sync_every": 2},
-    "zero3-diloco-streamed": {"parallel.dp_shard": 2, "parallel.zero": 3, "parallel.dp_sync": "diloco", **STREAMED},
-    "zero3-local_sgd-streamed-bf16": {"parallel.dp_shard": 2, "parallel.zero": 3, "parallel.dp_sync": "local_sgd",
-                                      **STREAMED, "parallel.sync_dtype": "bf16"},
-    "zero3-diloco": {"parallel.dp_shard": 2, "parallel.zero": 3, "parallel.dp_sync": "diloco",
-                     "parallel.sync_every": 2},
-    "tp2-local_sgd": {"parallel.tp": 2, "parallel.dp_sync": "local_sgd", "parallel.sync_every": 2},
+    "zero3-local_sgd": {"parallel.dp_shard": 2, "parallel.zero": 3, "parallel.sync.mode": "local_sgd",
+                        "parallel.sync.every": 2},
+    "zero3-diloco-streamed": {"parallel.dp_shard": 2, "parallel.zero": 3, "parallel.sync.mode": "diloco", **STREAMED},
+    "zero3-local_sgd-streamed-bf16": {"parallel.dp_shard": 2, "parallel.zero": 3, "parallel.sync.mode": "local_sgd",
+                                      **STREAMED, "parallel.sync.dtype": "bf16"},
+    "zero3-diloco": {"parallel.dp_shard": 2, "parallel.zero": 3, "parallel.sync.mode": "diloco",
+                     "parallel.sync.every": 2},
+    "tp2-local_sgd": {"parallel.tp": 2, "parallel.sync.mode": "local_sgd", "parallel.sync.every": 2},
     # (tensor parallelism's collectives once per step, not per micro-batch: a worker's 4 sequences in one)
-    "tp2-diloco-streamed": {"parallel.tp": 2, "parallel.dp_sync": "diloco", **STREAMED, "train.micro_batch": 4},
-    "tp2-local_sgd-streamed": {"parallel.tp": 2, "parallel.dp_sync": "local_sgd", **STREAMED,
+    "tp2-diloco-streamed": {"parallel.tp": 2, "parallel.sync.mode": "diloco", **STREAMED, "train.micro_batch": 4},
+    "tp2-local_sgd-streamed": {"parallel.tp": 2, "parallel.sync.mode": "local_sgd", **STREAMED,
                                "train.micro_batch": 4},
-    "tp2-diloco-int8": {"parallel.tp": 2, "parallel.dp_sync": "diloco", "parallel.sync_every": 2,
-                        "parallel.sync_dtype": "int8", "train.micro_batch": 4},
-    "pp2-diloco-checkpointed": {"parallel.pp": 2, "parallel.dp_sync": "diloco", "parallel.sync_every": 2,
+    "tp2-diloco-int8": {"parallel.tp": 2, "parallel.sync.mode": "diloco", "parallel.sync.every": 2,
+                        "parallel.sync.dtype": "int8", "train.micro_batch": 4},
+    "pp2-diloco-checkpointed": {"parallel.pp": 2, "parallel.sync.mode": "diloco", "parallel.sync.every": 2,
                                 "memory.activation_checkpointing": "full", "train.micro_batch": 1},
-    "zero1-diloco-accum": {"parallel.dp_shard": 2, "parallel.zero": 1, "parallel.dp_sync": "diloco",
-                           "parallel.sync_every": 3, "train.micro_batch": 1},
+    "zero1-diloco-accum": {"parallel.dp_shard": 2, "parallel.zero": 1, "parallel.sync.mode": "diloco",
+                           "parallel.sync.every": 3, "train.micro_batch": 1},
 }
 
 
@@ -429,29 +429,29 @@ def test_workers_match_their_simulation_in_one_process(four_ranks, name, tmp_pat
 
 
 BAD_INPUT = [
-    Case("sync-every-zero", train_args("--parallel.dp_sync=diloco", "--parallel.sync_every=0"),
-         ("parallel.sync_every: 0 is below the minimum 1",)),
+    Case("sync-every-zero", train_args("--parallel.sync.mode=diloco", "--parallel.sync.every=0"),
+         ("parallel.sync.every: 0 is below the minimum 1",)),
     Case("sync-fragments-above-blocks", train_args("--nproc", "2", "--parallel.dp_replicate=2",
-                                                   "--parallel.dp_sync=diloco",
-                                                   "--parallel.sync_every=10", "--parallel.sync_fragments=3"),
-         ("parallel.sync_fragments=3 splits the model's blocks into fragments, but model.n_layers=2",
+                                                   "--parallel.sync.mode=diloco",
+                                                   "--parallel.sync.every=10", "--parallel.sync.fragments=3"),
+         ("parallel.sync.fragments=3 splits the model's blocks into fragments, but model.n_layers=2",
           "at most 2 fragments")),
-    Case("sync-delay-too-long", train_args("--parallel.dp_sync=local_sgd", "--parallel.sync_every=10",
-                                           "--parallel.sync_fragments=2", "--parallel.sync_delay=5"),
-         ("parallel.sync_delay=5 must be below sync_every / sync_fragments = 10 / 2",)),
-    Case("sync-fragments-above-sync-every", train_args("--parallel.dp_sync=diloco", "--parallel.sync_every=2",
-                                                       "--parallel.sync_fragments=3"),
-         ("parallel.sync_fragments=3 must be at most sync_every=2",)),
-    Case("diloco-one-worker", train_args("--nproc", "2", "--parallel.dp_sync=diloco"),
-         ("parallel.dp_sync=diloco syncs the workers, which are the dp_replicate groups",
+    Case("sync-delay-too-long", train_args("--parallel.sync.mode=local_sgd", "--parallel.sync.every=10",
+                                           "--parallel.sync.fragments=2", "--parallel.sync.delay=5"),
+         ("parallel.sync.delay=5 must be below sync.every / sync.fragments = 10 / 2",)),
+    Case("sync-fragments-above-sync-every", train_args("--parallel.sync.mode=diloco", "--parallel.sync.every=2",
+                                                       "--parallel.sync.fragments=3"),
+         ("parallel.sync.fragments=3 must be at most parallel.sync.every=2",)),
+    Case("diloco-one-worker", train_args("--nproc", "2", "--parallel.sync.mode=diloco"),
+         ("parallel.sync.mode=diloco syncs the workers, which are the dp_replicate groups",
           "set parallel.dp_replicate to the number of workers")),
-    Case("auto-layout-with-diloco", train_args("--parallel.layout=auto", "--parallel.dp_sync=diloco"),
-         ("parallel.layout=auto chooses the layout itself; leave parallel.dp_sync at their defaults",)),
-    Case("outer-optimizer-adam", train_args("--parallel.outer_optimizer=adam"),
-         ("parallel.outer_optimizer: 'adam' is not one of nesterov, sgd",)),
+    Case("auto-layout-with-diloco", train_args("--parallel.layout=auto", "--parallel.sync.mode=diloco"),
+         ("parallel.layout=auto chooses the layout itself; leave parallel.sync.mode at their defaults",)),
+    Case("outer-optimizer-adam", train_args("--parallel.sync.outer_optimizer=adam"),
+         ("parallel.sync.outer_optimizer: 'adam' is not one of nesterov, sgd",)),
     Case("resume-other-dp-sync", train_args(f"--checkpoint.resume={CKPT}", "--nproc", "2", "--parallel.dp_replicate=2",
-                                            "--parallel.dp_sync=diloco"),
-         ("was trained with parallel.dp_sync=step; resuming it with dp_sync=diloco", "parallel.dp_sync=step")),
+                                            "--parallel.sync.mode=diloco"),
+         ("was trained with parallel.sync.mode=step; resuming it with sync.mode=diloco", "parallel.sync.mode=step")),
 ]
 
 

@@ -36,7 +36,7 @@ LAYOUTS = [
 ]
 # two workers that sync every 2 steps: each moves its own biases from its own tokens, as the
 # simulation of `scaletrain verify` (the workers one after the other in one process) does
-WORKERS = ("local-sgd", {"parallel.dp_replicate": 2, "parallel.dp_sync": "local_sgd", "parallel.sync_every": 2})
+WORKERS = ("local-sgd", {"parallel.dp_replicate": 2, "parallel.sync.mode": "local_sgd", "parallel.sync.every": 2})
 
 
 @pytest.fixture(scope="module")

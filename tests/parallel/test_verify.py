@@ -25,7 +25,7 @@ def write_config(tmp_path, **extra) -> str:
     """A TOML config whose run folder is tmp_path/userrun (which verify must never create)."""
     sections: dict[str, dict] = {}
     for key, value in {**MODEL, "log.run_dir": str(tmp_path / "userrun"), **extra}.items():
-        section, name = key.split(".")
+        section, name = key.rsplit(".", 1)  # "parallel.sync.every": the table [parallel.sync]
         sections.setdefault(section, {})[name] = value
     lines = []
     for section, body in sections.items():
@@ -131,9 +131,9 @@ def test_a_wrong_loss_normalisation_fails_on_the_gradient_norm(tmp_path, verify)
 def test_workers_that_sync_every_few_steps_are_checked_against_their_simulation(tmp_path, verify):
     """DiLoCo, streamed and delayed, over 2 workers of one rank (tp inside a worker: tests/parallel/test_local_sgd.py):
     the reference is the 2 workers simulated in one process; a worker that applies its syncs early FAILs."""
-    config = write_config(tmp_path, **{"parallel.dp_replicate": 2, "parallel.dp_sync": "diloco",
-                                       "parallel.sync_every": 3, "parallel.sync_fragments": 2,
-                                       "parallel.sync_delay": 1})
+    config = write_config(tmp_path, **{"parallel.dp_replicate": 2, "parallel.sync.mode": "diloco",
+                                       "parallel.sync.every": 3, "parallel.sync.fragments": 2,
+                                       "parallel.sync.delay": 1})
     code, out = verify(config)
     assert code == 0, out
     assert "reference: 2 workers simulated in one process" in out and "(diloco every 3 steps, 2 fragments, delay 1, " \

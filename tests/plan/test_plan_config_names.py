@@ -10,9 +10,9 @@ import json
 import pytest
 
 from scaletrain.cli import build_parser, main
-from scaletrain.config import SECTIONS
+from scaletrain.config import option_fields
 from scaletrain.plan import plan
-from scaletrain.plan.options import ALIASES, LAYOUT_KEYS, LAYOUT_NAMES, WORKLOAD_KEYS
+from scaletrain.plan.options import ALIASES, LAYOUT_KEYS, LAYOUT_NAMES, SYNC_KEYS, WORKLOAD_KEYS
 
 MODEL = ("llama-8b", "--gpus-per-node", "8", "--hardware", "H100-SXM")
 
@@ -40,9 +40,9 @@ def _error(capsys, *args: str) -> list[str]:
 # --- the alias table --------------------------------------------------------------------------
 
 def test_every_alias_names_a_config_key_and_says_so_in_its_help():
-    fields = {f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in __import__("dataclasses").fields(cls)}
+    fields = set(option_fields())
     assert set(ALIASES.values()) <= fields
-    assert set(LAYOUT_KEYS) <= fields and set(WORKLOAD_KEYS.values()) <= fields
+    assert set(LAYOUT_KEYS) <= fields and set(WORKLOAD_KEYS.values()) <= fields and set(SYNC_KEYS) <= fields
     assert len(set(ALIASES.values())) == len(ALIASES)  # one alias per key
     sub = next(a for a in build_parser()._actions if a.dest == "verb").choices["plan"]
     helps = {s: a.help for a in sub._actions for s in a.option_strings}

@@ -496,7 +496,7 @@ def test_plan_takes_diloco_over_a_slow_link_and_says_where_it_overtakes():
 
 def test_plan_cli_workers(tmp_path):
     r = run_here("plan", "llama-1b", "--nodes", "4", "--workers", "2", "--workers-link", "1", "--seq-len", "4096",
-                 "--global-batch", "256", "--parallel.dp_sync=local_sgd", "--parallel.sync_every=20", "--top", "2")
+                 "--global-batch", "256", "--parallel.sync.mode=local_sgd", "--parallel.sync.every=20", "--top", "2")
     assert r.returncode == 0, r.stderr
     assert "local_sgd H20" in r.stdout and "local_sgd every 20 steps, fp32 overtakes synchronous training" in r.stdout
 

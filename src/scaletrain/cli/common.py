@@ -68,12 +68,11 @@ def leftovers(parser: argparse.ArgumentParser, extra: list[str], takes_overrides
     (`--section.key=value`, checked by the config); anything else is an error, one line each,
     naming the closest of the command's own options (and of the config's keys)."""
     import difflib
-    from dataclasses import fields
 
-    from scaletrain.config import SECTIONS
+    from scaletrain.config import SECTIONS, option_fields
 
     flags = [s for action in parser._actions for s in action.option_strings if s.startswith("--") and s != "--help"]
-    keys = [f"--{name}.{f.name}" for name, cls in SECTIONS.items() for f in fields(cls)] if takes_overrides else []
+    keys = [f"--{key}" for key in option_fields()] if takes_overrides else []
     errors, kept, i = [], [], 0
     while i < len(extra):
         arg = extra[i]

@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("ft-local", help="a fault-tolerant job on this machine: a Lighthouse and R replica groups, "
                                         "each restarted alone when it fails",
                        description="Start a Lighthouse and --groups replica groups, each `scaletrain train "
-                                   "--nproc N` with parallel.fault_tolerance under its own elastic agent (a group "
+                                   "--nproc N` with fault_tolerance.enabled under its own elastic agent (a group "
                                    "that fails restarts alone, heals from a live peer and rejoins). Config "
                                    "options as --section.key=value go to every group; group r's run folder is "
                                    "<log.run_dir>/group<r>.")

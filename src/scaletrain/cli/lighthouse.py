@@ -15,7 +15,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("lighthouse", help="the Lighthouse of a fault-tolerant job (torchft): forms each step's "
                                           "quorum of replica groups",
                        description="Start torchft's Lighthouse, print its address (give it to every group as "
-                                   "--parallel.ft_lighthouse) and serve until SIGINT or SIGTERM.")
+                                   "--fault_tolerance.lighthouse) and serve until SIGINT or SIGTERM.")
     add_options(p)
     p.add_argument("--bind", default="[::]:29510", help="address:port to listen on (default [::]:29510; port 0: "
                                                          "any free port)")
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     handlers = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     print(f"lighthouse {server.address()} (min_replicas {args.min_replicas}); give each group "
-          f"--parallel.fault_tolerance=true --parallel.ft_lighthouse={server.address()}", flush=True)
+          f"--fault_tolerance.enabled=true --fault_tolerance.lighthouse={server.address()}", flush=True)
     try:
         while not stop:
             time.sleep(0.2)

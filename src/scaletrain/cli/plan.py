@@ -50,8 +50,8 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="the cluster is N sites (e.g. datacenters) of equal size joined by --workers-link; the "
                         "data-parallel workers (dp_replicate groups) are the sites. When that link is slow the search "
-                        "tries local SGD / DiLoCo (--parallel.dp_sync, sync_every, sync_fragments, sync_delay, "
-                        "sync_dtype; default diloco every 50 steps) and says where it overtakes synchronous training")
+                        "tries local SGD / DiLoCo (--parallel.sync.mode, every, fragments, delay, dtype; "
+                        "default diloco every 50 steps) and says where it overtakes synchronous training")
     p.add_argument("--workers-link", type=float, metavar="GBPS",
                    help="bandwidth of the link between the sites, GB/s each way, shared by every rank that sends "
                         "over it")

@@ -42,6 +42,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         return 0
     cfg, notes = job.train_config(args.config, extra)
     if args.print_config:
+        for line in notes:  # on stderr: where the config came from, the old option names it used
+            note(line)
         print(cfg.to_toml() if args.print_config == "toml" else cfg.to_json())
         return 0
     from scaletrain.runtime import is_worker, pick_device

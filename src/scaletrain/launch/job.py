@@ -4,7 +4,7 @@
 anything is built or written: torch.compile's C++ compiler, `parallel.layout = "auto"` chosen by
 the planner, the layout derived and checked against the model, the run folder named (so every
 rank, on every node, writes to the same one), the data folders made absolute (so the config the
-run saves names them from any working folder), a checkpoint of another parallel.dp_sync or
+run saves names them from any working folder), a checkpoint of another parallel.sync.mode or
 number of workers refused, the output folders checked writable, and more ranks than cores
 said. It returns the config as the job runs it and its Layout; every rank is given both. The
 three ways a job starts all settle it here:
@@ -105,7 +105,7 @@ def _with_saved_world(e: ConfigError, cfg: JobConfig, world: int) -> ConfigError
 
 
 def _check_resume(cfg: JobConfig, layout: Layout) -> None:
-    """A checkpoint of another parallel.dp_sync, or of another number of workers, is refused here,
+    """A checkpoint of another parallel.sync.mode, or of another number of workers, is refused here,
     in one line, before any rank starts (the trainer checks it again)."""
     from scaletrain.train import checkpoint as ckpt
 
@@ -254,21 +254,23 @@ def train_config(config: str | None, extra: list[str]) -> tuple[JobConfig, list[
     that run's own saved config; else the demo (configs/tiny.toml), its evaluation fitted to the
     data (`_demo_evaluation`). The options `extra` go on top and are checked, by the config and,
     on resuming, against the checkpoint."""
-    from scaletrain.config import DEMO_CONFIG, load_config, parse_override_args
+    from scaletrain.config import DEMO_CONFIG, flat_keys, load_config, parse_override_args
     from scaletrain.train.run_folder import saved_config
 
     if config:
-        return load_config(config, extra), []
+        notes: list[str] = []
+        return load_config(config, extra, notes=notes.append), notes
     options, notes = parse_override_args(extra)[0], []
     saved = saved_config(options, notes.append)
     if saved is None:
-        return _demo_evaluation(load_config(DEMO_CONFIG, extra), options, notes), notes
+        return _demo_evaluation(load_config(DEMO_CONFIG, extra, notes=notes.append), options, notes), notes
     raw, source = saved
-    cfg = from_dict(raw, overrides=extra, source=source)
-    before = from_dict(raw, source=source).to_dict()
-    changed = [f"{s}.{k}={v}" for s, values in cfg.to_dict().items() for k, v in values.items()
-               if before[s][k] != v]
-    return cfg, [f"config: the run's own ({source}){', with ' + ', '.join(changed) if changed else ''}", *notes]
+    renamed: list[str] = []  # an old run's config holds old names: one line each
+    cfg = from_dict(raw, overrides=extra, source=source, notes=renamed.append)
+    before = flat_keys(from_dict(raw, source=source).to_dict())
+    changed = [f"{k}={v}" for k, v in flat_keys(cfg.to_dict()).items() if before[k] != v]
+    return cfg, [f"config: the run's own ({source}){', with ' + ', '.join(changed) if changed else ''}", *notes,
+                 *renamed]
 
 
 def _demo_evaluation(cfg: JobConfig, given: dict[str, str], notes: list[str]) -> JobConfig:

@@ -1,9 +1,9 @@
 """Replica groups on one machine (`scaletrain ft-local`): a Lighthouse and R groups, each an
-ordinary `scaletrain train --nproc N` with parallel.fault_tolerance under its own elastic agent,
+ordinary `scaletrain train --nproc N` with fault_tolerance.enabled under its own elastic agent,
 which restarts the group alone when it fails (max_restarts); run folders RUN_DIR/group<r>.
 
 Every process of the job gets SIGTERM when the one that started it dies, even by SIGKILL, so
-nothing outlives it; a group still running ft_quorum_timeout_s after another finished the run is
+nothing outlives it; a group still running fault_tolerance.quorum_timeout_s after another finished the run is
 stopped (`_wait`), since it waits for a quorum that cannot form.
 """
 
@@ -47,18 +47,18 @@ def run_replica_groups(config: str | None, extra: list[str], *, groups: int, npr
         raise LaunchError(f"the Lighthouse did not start (exit code {server.returncode}); see the line above")
     address = first[1]
     try:
-        ft = ["--parallel.fault_tolerance=true", f"--parallel.ft_groups={groups}",
-              f"--parallel.ft_lighthouse={address}", f"--parallel.ft_min_replicas={min_replicas}"]
+        ft = ["--fault_tolerance.enabled=true", f"--fault_tolerance.groups={groups}",
+              f"--fault_tolerance.lighthouse={address}", f"--fault_tolerance.min_replicas={min_replicas}"]
         cfg, _ = train_config(config, [*extra, *ft])  # the config's problems before any group starts
         run_dir = Path(cfg.log.run_dir or default_run_dir())
         print(f"scaletrain: lighthouse {address}; {groups} group(s) of {nproc} rank(s) in {run_dir}/group*",
               file=sys.stderr, flush=True)
         for r in range(groups):
             command = [sys.executable, "-m", "scaletrain", "train", *base, "--nproc", str(nproc),
-                       "--max-restarts", str(max_restarts), *ft, f"--parallel.ft_replica_id={r}",
+                       "--max-restarts", str(max_restarts), *ft, f"--fault_tolerance.replica_id={r}",
                        f"--log.run_dir={run_dir / f'group{r}'}"]
             launched.append(_child(command, start_new_session=True))  # a signal here reaches it from us
-        return _wait(launched, cfg.parallel.ft_quorum_timeout_s)
+        return _wait(launched, cfg.fault_tolerance.quorum_timeout_s)
     finally:
         for g in launched:
             if g.poll() is None:
@@ -102,7 +102,7 @@ def _wait(groups: list[subprocess.Popen], grace_s: float) -> int:
                 for r, g in enumerate(groups):
                     if g.poll() is None and r not in stopped:
                         print(f"scaletrain: replica group {r} is stopped: group {finished[0]} finished the run "
-                              f"{grace_s:g} s ago (parallel.ft_quorum_timeout_s) and group {r} has not; it "
+                              f"{grace_s:g} s ago (fault_tolerance.quorum_timeout_s) and group {r} has not; it "
                               "came back too late to share a quorum with it", file=sys.stderr, flush=True)
                         g.terminate()
                         stopped.add(r)

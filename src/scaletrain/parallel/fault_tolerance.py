@@ -1,8 +1,8 @@
 """Fault tolerance across replica groups, on torchft: the groups that are alive go on when one dies.
 
-A fault-tolerant job is `parallel.ft_groups` = R replica groups, each an ordinary run of its own
+A fault-tolerant job is `fault_tolerance.groups` = R replica groups, each an ordinary run of its own
 ranks (`scaletrain train`, one process or `--nproc N` with any layout inside: DDP, ZeRO-1/2/3, HSDP,
-tp, pp, cp, ep; every group the same), started with its `parallel.ft_replica_id`, and a Lighthouse
+tp, pp, cp, ep; every group the same), started with its `fault_tolerance.replica_id`, and a Lighthouse
 (`scaletrain lighthouse`) that forms a quorum of the groups alive at every step. Each rank of a
 group has a torchft Manager, and torchft pairs rank i of every group with rank i of the others
 (their all-reduce; a healing rank fetches from its counterpart): in groups of one layout the two
@@ -22,9 +22,9 @@ DTensor's local shard). The group's step goes through this module's `ReplicaGrou
                       a step whose all-reduce failed (a group died in it) is not committed, and the
                       optimizer does not step in any group that saw the failure
 
-With parallel.dp_sync = local_sgd | diloco (dp_replicate = 1; DDP or ZeRO-1/2 inside each group,
+With parallel.sync.mode = local_sgd | diloco (dp_replicate = 1; DDP or ZeRO-1/2 inside each group,
 scaletrain.ft_checks) the groups are the workers of local SGD / DiLoCo instead: `ReplicaGroupsOuter`
-joins a quorum per window of sync_every steps, averages the pseudo-gradient over it at the window's
+joins a quorum per window of sync.every steps, averages the pseudo-gradient over it at the window's
 end and discards a window the vote does not commit.
 
 Batch and learning rate: each group reads its own share of every step's windows (group r of R
@@ -86,7 +86,7 @@ def lighthouse_problem(address: str, timeout_s: float) -> str | None:
     except ValueError:
         host, port = None, None
     if not host or not port:
-        return f"parallel.ft_lighthouse={address!r} is not http://HOST:PORT; give the address `scaletrain " \
+        return f"fault_tolerance.lighthouse={address!r} is not http://HOST:PORT; give the address `scaletrain " \
                "lighthouse` prints"
     deadline = time.monotonic() + timeout_s
     while True:
@@ -95,9 +95,9 @@ def lighthouse_problem(address: str, timeout_s: float) -> str | None:
                 return None
         except OSError as e:
             if time.monotonic() >= deadline:
-                return (f"the Lighthouse at {address} is unreachable after parallel.ft_quorum_timeout_s="
+                return (f"the Lighthouse at {address} is unreachable after fault_tolerance.quorum_timeout_s="
                         f"{timeout_s:g} s ({e.strerror or e}); start it with `scaletrain lighthouse`, or fix "
-                        "parallel.ft_lighthouse")
+                        "fault_tolerance.lighthouse")
             time.sleep(0.2)
 
 
@@ -126,11 +126,13 @@ class ReplicaGroups(StepHook):
         manager.register_state_dict_fn("scaletrain", self._load_peer_state, self._peer_state)
 
     @classmethod
-    def for_run(cls, par, rt, named: Named, optimizer, state, refresh: Callable[[], None],
+    def for_run(cls, cfg, rt, named: Named, optimizer, state, refresh: Callable[[], None],
                 scaler=None, hooks=()) -> ReplicaGroups | None:
-        """The hook of a run with parallel.fault_tolerance (else None): checks that torchft is there
-        and the Lighthouse answers, then starts this rank's Manager (rank 0's serves the group)."""
-        if not par.fault_tolerance:
+        """The hook of a run (`cfg`, its JobConfig) with fault_tolerance.enabled (else None): checks that
+        torchft is there and the Lighthouse answers, then starts this rank's Manager (rank 0's serves
+        the group)."""
+        ft = cfg.fault_tolerance
+        if not ft.enabled:
             return None
         import logging
 
@@ -138,33 +140,34 @@ class ReplicaGroups(StepHook):
         try:
             from torchft import Manager, ProcessGroupGloo
         except ImportError:
-            raise ConfigError("parallel.fault_tolerance needs torchft, which is not installed: "
+            raise ConfigError("fault_tolerance.enabled needs torchft, which is not installed: "
                               "pip install 'scaletrain[ft]' (torchft==0.2.0)") from None
         from torch.distributed import TCPStore
 
-        problem = lighthouse_problem(par.ft_lighthouse, par.ft_quorum_timeout_s) if rt.rank == 0 else None
+        problem = lighthouse_problem(ft.lighthouse, ft.quorum_timeout_s) if rt.rank == 0 else None
         if problem := rt.shared(problem):
             raise ConfigError(problem)
         # the group's own store for torchft's process groups: rank 0 serves it, the others learn its port.
         # Other groups reach it (and this group's Manager) by this host's name, or by loopback when the
         # Lighthouse is on loopback (every group on this machine)
-        host = "127.0.0.1" if _loopback(par.ft_lighthouse) else socket.gethostname()
+        host = "127.0.0.1" if _loopback(ft.lighthouse) else socket.gethostname()
         store = TCPStore(host, 0, is_master=True, wait_for_workers=False) if rt.rank == 0 else None
         port = rt.shared(store.port if store is not None else None)
-        step_timeout = timedelta(seconds=par.ft_step_timeout_s)
+        step_timeout = timedelta(seconds=ft.step_timeout_s)
         manager = Manager(pg=ProcessGroupGloo(timeout=step_timeout), load_state_dict=None, state_dict=None,
-                          min_replica_size=par.ft_min_replicas, use_async_quorum=False, timeout=step_timeout,
-                          quorum_timeout=timedelta(seconds=par.ft_quorum_timeout_s),
-                          connect_timeout=timedelta(seconds=par.ft_quorum_timeout_s), rank=rt.rank,
+                          min_replica_size=ft.min_replicas, use_async_quorum=False, timeout=step_timeout,
+                          quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+                          connect_timeout=timedelta(seconds=ft.quorum_timeout_s), rank=rt.rank,
                           world_size=rt.world_size, store_addr=host, store_port=port,
-                          lighthouse_addr=par.ft_lighthouse, replica_id=replica_name(par.ft_replica_id),
+                          lighthouse_addr=ft.lighthouse, replica_id=replica_name(ft.replica_id),
                           hostname=host, init_sync=False)  # weights start equal: seeded by name
-        kind = cls if par.dp_sync == "step" else ReplicaGroupsOuter  # local SGD / DiLoCo: the groups are the workers
-        hook = kind(manager, named, optimizer, state, refresh, replica_id=par.ft_replica_id, groups=par.ft_groups,
-                    min_replicas=par.ft_min_replicas, quorum_timeout_s=par.ft_quorum_timeout_s, rank=rt.rank,
-                    lighthouse=par.ft_lighthouse, scaler=scaler)
+        # local SGD / DiLoCo: the groups are the workers
+        kind = cls if cfg.parallel.sync.mode == "step" else ReplicaGroupsOuter
+        hook = kind(manager, named, optimizer, state, refresh, replica_id=ft.replica_id, groups=ft.groups,
+                    min_replicas=ft.min_replicas, quorum_timeout_s=ft.quorum_timeout_s, rank=rt.rank,
+                    lighthouse=ft.lighthouse, scaler=scaler)
         if kind is not cls:
-            hook.set_outer(par)
+            hook.set_outer(cfg.parallel.sync)
         elif balance := next((h for h in hooks if isinstance(h, MoEBalance)), None):
             hook.moe = balance.layers  # their load counts summed over the groups, their biases healed
         hook.store = store  # kept alive with the hook
@@ -203,16 +206,16 @@ class ReplicaGroups(StepHook):
 
     def _join_quorum(self) -> None:
         """torchft's quorum, with one line (rank 0's) when it waits for groups: fewer than min_replicas
-        are alive at the Lighthouse, so nobody steps until enough join or ft_quorum_timeout_s passes."""
+        are alive at the Lighthouse, so nobody steps until enough join or fault_tolerance.quorum_timeout_s passes."""
         step = self.state.step
         def say() -> None:
             if self.lighthouse and lighthouse_problem(self.lighthouse, 0.0) is not None:
                 why = f"the Lighthouse at {self.lighthouse} does not answer; it stops"
             else:
-                why = (f"fewer than parallel.ft_min_replicas={self.min_replicas} groups are in its quorum yet; it "
+                why = (f"fewer than fault_tolerance.min_replicas={self.min_replicas} groups are in its quorum yet; it "
                        "goes on when enough join")
             print(f"scaletrain: replica group {self.replica_id} waits at step {step + 1}: {why} (up to "
-                  f"parallel.ft_quorum_timeout_s={self.quorum_timeout_s:g} s)", file=sys.stderr, flush=True)
+                  f"fault_tolerance.quorum_timeout_s={self.quorum_timeout_s:g} s)", file=sys.stderr, flush=True)
 
         note = threading.Timer(WAIT_NOTE_S, say)
         note.daemon = True
@@ -289,7 +292,7 @@ class ReplicaGroups(StepHook):
 
 
 class ReplicaGroupsOuter(ReplicaGroups):
-    """Local SGD / DiLoCo across the replica groups (parallel.dp_sync = local_sgd | diloco with
+    """Local SGD / DiLoCo across the replica groups (parallel.sync.mode = local_sgd | diloco with
     dp_replicate = 1): each group is a worker that takes its inner steps alone for sync_every steps,
     its gradients its own. A window of sync_every steps begins with the quorum of the groups alive
     (a group behind it heals from a live peer there: weights, inner optimizer state, outer weights
@@ -301,13 +304,13 @@ class ReplicaGroupsOuter(ReplicaGroups):
 
     phase = "the replica groups' outer sync (torchft)"
 
-    def set_outer(self, par) -> None:
+    def set_outer(self, sync) -> None:
         from scaletrain.parallel.local_sgd import OuterSync
 
         # one fragment, no delay, fp32 (Layout.errors refuses the rest): the whole model in one vote per window
-        self.outer = OuterSync(self.named, mode=par.dp_sync, sync_every=par.sync_every, fragments=1, delay=0,
-                               n_blocks=1, comm=_GroupsAverage(self), outer_optimizer=par.outer_optimizer,
-                               outer_lr=par.outer_lr, outer_momentum=par.outer_momentum, on_cpu=par.outer_on_cpu)
+        self.outer = OuterSync(self.named, mode=sync.mode, sync_every=sync.every, fragments=1, delay=0,
+                               n_blocks=1, comm=_GroupsAverage(self), outer_optimizer=sync.outer_optimizer,
+                               outer_lr=sync.outer_lr, outer_momentum=sync.outer_momentum, on_cpu=sync.outer_on_cpu)
         self.discarded = 0  # sync windows not committed
 
     # ---- what a healing peer receives: the outer state besides ---------------------------------

@@ -3,7 +3,7 @@
 The workers are the `dp_replicate` groups. Inside a worker everything trains as in synchronous
 data parallelism (gradients reduced over its `dp_shard` ranks every step: DDP, ZeRO 1-3, with
 tensor and pipeline parallelism, any precision); between workers nothing moves for
-`parallel.sync_every` = H inner steps. Then each worker's pseudo-gradient
+`parallel.sync.every` = H inner steps. Then each worker's pseudo-gradient
 Δ = θ_outer − θ_local (how far its inner steps took it from the last synchronised weights) is
 averaged over the workers, and
 
@@ -12,16 +12,16 @@ averaged over the workers, and
                 lr 0.7, momentum 0.9 (Douillard et al. 2023), or heavy-ball momentum
 
 after which every worker continues from θ_outer. Each worker keeps its inner optimizer state, and
-takes its inner steps at the schedule's learning rate times parallel.inner_lr_scale (0: the
+takes its inner steps at the schedule's learning rate times parallel.sync.inner_lr_scale (0: the
 square-root rule for its 1/R of the batch; scaletrain.schedule.worker_lr_scale). Across the replica
 groups of a fault-tolerant job the groups are the workers: fault_tolerance.ReplicaGroupsOuter drives
 an OuterSync whose average is torchft's, and a sync not committed there is discarded (`_apply`).
 
-Streaming (Douillard et al. 2025): `parallel.sync_fragments` = F splits the blocks into F
+Streaming (Douillard et al. 2025): `parallel.sync.fragments` = F splits the blocks into F
 contiguous fragments (parameters before the first block, the embedding, go with the first;
 those after the blocks, final norm and head, with the last). Fragment f syncs at the inner
 steps s with s ≡ (f + 1)·H/F (mod H): each fragment every H steps, one fragment at a time.
-With `parallel.sync_delay` = τ the average of a fragment is computed on a background thread
+With `parallel.sync.delay` = τ the average of a fragment is computed on a background thread
 (on its own process group) while the next τ inner steps compute, and applied at step s + τ
 as θ ← θ_outer' + (θ_local(s + τ) − θ_local(s)): the new outer weights plus what the worker
 learnt meanwhile.
@@ -33,7 +33,7 @@ bytes ÷ H in fp32, ÷ 2H in bf16, ÷ 4H in int8 (plus 4 bytes of scale per repl
 fragments the peak volume of one sync is the model's ÷ F.
 Costs: the outer weights (4 bytes per parameter of this rank's shard) and, for diloco with
 momentum, the outer momentum (4 more), on the device or in host memory
-(`parallel.outer_on_cpu`); with a delay, one fragment's pseudo-gradient twice while it is in
+(`parallel.sync.outer_on_cpu`); with a delay, one fragment's pseudo-gradient twice while it is in
 flight. Quality: the workers drift apart between syncs (docs/benchmarks.md measures how much).
 
 `LocalSGD.for_run` builds the trainer's step hook: after every optimizer step it counts the
@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from scaletrain.config import ParallelConfig
+from scaletrain.config import SyncConfig
 from scaletrain.errors import ConfigError
 from scaletrain.hooks import StepHook
 from scaletrain.parallel.replica_average import Averager, Handle, ReplicaAverage
@@ -112,8 +112,8 @@ class OuterSync:
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], *, mode: str, sync_every: int,
                  fragments: int, delay: int, n_blocks: int, comm: Averager,
-                 outer_optimizer: str = ParallelConfig.outer_optimizer, outer_lr: float = ParallelConfig.outer_lr,
-                 outer_momentum: float = ParallelConfig.outer_momentum, on_cpu: bool = ParallelConfig.outer_on_cpu):
+                 outer_optimizer: str = SyncConfig.outer_optimizer, outer_lr: float = SyncConfig.outer_lr,
+                 outer_momentum: float = SyncConfig.outer_momentum, on_cpu: bool = SyncConfig.outer_on_cpu):
         if mode not in LOCAL_SYNC_MODES:
             raise unknown("local sync mode", mode, LOCAL_SYNC_MODES)
         assert fragments <= n_blocks, "LocalSGD.for_run and Layout.fragment_errors refuse more fragments than blocks"
@@ -255,10 +255,10 @@ class OuterSync:
 
 
 class LocalSGD(StepHook):
-    """parallel.dp_sync = local_sgd | diloco in a run: the workers' sync after every inner step,
+    """parallel.sync.mode = local_sgd | diloco in a run: the workers' sync after every inner step,
     the skip they agree on, the norm they report, and the checkpoint's outer state."""
 
-    phase = "the workers' sync (parallel.dp_sync)"
+    phase = "the workers' sync (parallel.sync.mode)"
     key = "outer"
 
     def __init__(self, outer: OuterSync, layout, mesh=None):
@@ -281,8 +281,9 @@ class LocalSGD(StepHook):
                                            timeout=timedelta(seconds=par.timeout_s))
         outer = OuterSync(named_params, mode=layout.dp_sync, sync_every=layout.sync_every,
                           fragments=layout.sync_fragments, delay=layout.sync_delay,
-                          outer_optimizer=par.outer_optimizer, outer_lr=par.outer_lr,
-                          outer_momentum=par.outer_momentum, on_cpu=par.outer_on_cpu, n_blocks=n_blocks, comm=comm)
+                          outer_optimizer=par.sync.outer_optimizer, outer_lr=par.sync.outer_lr,
+                          outer_momentum=par.sync.outer_momentum, on_cpu=par.sync.outer_on_cpu, n_blocks=n_blocks,
+                          comm=comm)
         return cls(outer, layout, mesh)
 
     def agree_to_skip(self, skip: bool) -> bool:

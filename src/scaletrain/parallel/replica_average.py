@@ -1,6 +1,6 @@
 """The mean over the workers (dp_replicate groups) of a flat fp32 tensor: on the wire, and simulated.
 
-On the wire (`parallel.sync_dtype`): each rank's pseudo-gradient is cut into one segment per
+On the wire (`parallel.sync.dtype`): each rank's pseudo-gradient is cut into one segment per
 worker; an all-to-all sends each segment to its owner, which sums the workers' values in fp32
 and divides by their number (a reduce-scatter); an all-gather returns the sums (2Ψ(R−1)/R values
 per rank, as a ring all-reduce). The values travel as fp32, bf16, or int8 with one fp32 scale

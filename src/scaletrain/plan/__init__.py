@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from scaletrain.config import ParallelConfig
+from scaletrain.config import SyncConfig
 from scaletrain.errors import ConfigError
 from scaletrain.hardware import Hardware, lookup
 from scaletrain.plan.memory_model import GiB, module_memory
-from scaletrain.plan.options import config_key, derive_layout, fixed_fields
+from scaletrain.plan.options import SYNC_KEYS, config_key, derive_layout, fixed_fields
 from scaletrain.plan.params import ParamCounts, total_and_active
 from scaletrain.plan.search import (
     Evaluated,
@@ -244,9 +244,8 @@ def calibrated(cfg, wl: Workload, cluster: Cluster, layouts: list[Layout] | None
 
 
 # local SGD / DiLoCo settings the planner tries when none are given: the config's defaults
-# (DiLoCo's paper: H in the hundreds; scaletrain's parallel.sync_every is 50)
-DEFAULT_SYNC = {name: getattr(ParallelConfig, name) for name in
-                ("dp_sync", "sync_every", "sync_fragments", "sync_delay", "sync_dtype")}
+# (DiLoCo's paper: H in the hundreds; scaletrain's parallel.sync.every is 50)
+DEFAULT_SYNC = {name: getattr(SyncConfig, key.rpartition(".")[2]) for key, name in SYNC_KEYS.items()}
 
 
 def _check_workers(workers: int, link: float | None, world: int) -> None:

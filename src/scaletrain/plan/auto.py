@@ -16,15 +16,17 @@ the config as it will run and its `Layout`, which every rank is then given.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 
-from scaletrain.config import JobConfig, ParallelConfig
+from scaletrain.config import JobConfig, ParallelConfig, flat_keys
 from scaletrain.errors import ConfigError
 from scaletrain.layout import Layout
 
-CHOSEN = ("dp_replicate", "dp_shard", "tp", "pp", "ep", "zero", "sp", "pp_schedule", "pp_virtual_stages", "dp_sync")
+CHOSEN = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "parallel.pp", "parallel.ep", "parallel.zero",
+          "parallel.sp", "parallel.pp_schedule", "parallel.pp_virtual_stages", "parallel.sync.mode")
 
 
 MEASURE_MAX = 5  # layouts timed at most under auto_measure_s
@@ -38,11 +40,12 @@ def auto_layout(cfg: JobConfig, world: int, device: torch.device, gpus_per_node:
     from scaletrain.hardware import local_hardware
     from scaletrain.plan import plan
 
-    defaults = ParallelConfig()
-    set_by_hand = [k for k in CHOSEN if getattr(cfg.parallel, k) != getattr(defaults, k)]
+    given = flat_keys({"parallel": dataclasses.asdict(cfg.parallel)})
+    defaults = flat_keys({"parallel": dataclasses.asdict(ParallelConfig())})
+    set_by_hand = [k for k in CHOSEN if given[k] != defaults[k]]
     if set_by_hand:
-        raise ConfigError(f"parallel.layout=auto chooses the layout itself; leave parallel."
-                          f"{', parallel.'.join(set_by_hand)} at their defaults, or set parallel.layout=manual")
+        raise ConfigError(f"parallel.layout=auto chooses the layout itself; leave {', '.join(set_by_hand)} at their "
+                          "defaults, or set parallel.layout=manual")
     global_batch = cfg.train.global_batch or Layout.from_config(cfg, world).global_batch
     per_node = gpus_per_node or (min(world, torch.cuda.device_count()) if device.type == "cuda" else world)
     nodes = max(1, world // per_node)

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from scaletrain.config import SECTIONS, JobConfig, from_dict, parse_override_args, read_config_file
+from scaletrain.config import JobConfig, from_dict, option_fields, parse_override_args, read_config_file
 from scaletrain.errors import ConfigError
 from scaletrain.layout import Layout
 from scaletrain.options import coerce
@@ -53,10 +53,12 @@ LAYOUT_KEYS = ("parallel.dp_replicate", "parallel.dp_shard", "parallel.tp", "par
                "parallel.zero", "parallel.cp", "parallel.cp_method", "parallel.ep", "train.micro_batch",
                "train.grad_accum", "memory.activation_checkpointing", "memory.offload_optimizer")
 
-# How the data-parallel workers sync (Layout's fields of these names): not layout keys that fix
-# the layout, but the local SGD / DiLoCo settings the search tries (and a fixed layout runs)
-SYNC_KEYS = ("parallel.dp_sync", "parallel.sync_every", "parallel.sync_fragments", "parallel.sync_delay",
-             "parallel.sync_dtype")
+# How the data-parallel workers sync ([parallel.sync]'s keys and the Layout's fields they become): not
+# layout keys that fix the layout, but the local SGD / DiLoCo settings the search tries (and a fixed
+# layout runs)
+SYNC_KEYS = {"parallel.sync.mode": "dp_sync", "parallel.sync.every": "sync_every",
+             "parallel.sync.fragments": "sync_fragments", "parallel.sync.delay": "sync_delay",
+             "parallel.sync.dtype": "sync_dtype"}
 
 # The workload's fields and their config keys, and what the planner assumes for those not given
 # (without --config; a training config gives all of them, its defaults included)
@@ -89,7 +91,7 @@ DERIVES = {"parallel.dp_shard": -1, "train.micro_batch": 0, "train.grad_accum": 
 
 def config_key(field: str) -> str:
     """The config key of a Layout field."""
-    return next((k for k, f in FIELD_OF.items() if f == field), None) or \
+    return next((k for k, f in {**FIELD_OF, **SYNC_KEYS}.items() if f == field), None) or \
         next((k for k in LAYOUT_KEYS if k.partition(".")[2] == field), field)
 
 
@@ -221,7 +223,7 @@ def read_request(model: Any, config: str | None, aliases: Mapping[str, Any], ext
     layout = {key: _value(cfg, key) for key in LAYOUT_KEYS if key in given}
     if not workload["global_batch"]:  # 0: micro_batch × grad_accum × dp, as the config derives it here
         workload["global_batch"] = derive_layout(layout, world, 0).global_batch
-    sync = {key.partition(".")[2]: _value(cfg, key) for key in SYNC_KEYS}
+    sync = {field: _value(cfg, key) for key, field in SYNC_KEYS.items()}
     return Request(model, cfg, workload, layout or None, overrides, sync)
 
 
@@ -260,11 +262,10 @@ def _validated(raw: dict, overrides: dict, config: str | None, *, model_given: b
 
 def _coerce(key: str, value: Any) -> Any:
     """`value` for config key `key` as the config reads it (text as from the command line)."""
-    section, _, name = key.partition(".")
-    field = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
-    return coerce(field, value, isinstance(value, str))
+    return coerce(option_fields()[key], value, isinstance(value, str))
 
 
 def _value(cfg: JobConfig, key: str) -> Any:
-    section, _, name = key.partition(".")
-    return getattr(getattr(cfg, section), name)
+    for name in key.split("."):  # "parallel.sync.every": cfg.parallel.sync.every
+        cfg = getattr(cfg, name)
+    return cfg

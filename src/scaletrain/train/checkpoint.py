@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain import atomic
-from scaletrain.config import locate_data, relative_data
+from scaletrain.config import locate_data, relative_data, upgrade
 from scaletrain.errors import CheckpointError
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
@@ -511,13 +511,14 @@ def load_rng(path: Path, rank: int, world_size: int, saved_world_size: int) -> b
 
 
 def check_sync(path: Path, state: dict, layout) -> None:
-    """Refuse a checkpoint saved under another parallel.dp_sync, or (local_sgd, diloco) by
+    """Refuse a checkpoint saved under another parallel.sync.mode, or (local_sgd, diloco) by
     another number of workers: each worker's own weights and optimizer state are in it."""
-    saved = (state["config"].get("parallel") or {}).get("dp_sync", "step")
+    sync = upgrade(state["config"], [], {}).get("parallel", {}).get("sync", {})  # (old names too)
+    saved = sync.get("mode", "step")
     if saved != layout.dp_sync:
-        raise CheckpointError(f"{path} was trained with parallel.dp_sync={saved}; resuming it with "
-                              f"dp_sync={layout.dp_sync} would not continue the same run; resume with "
-                              f"parallel.dp_sync={saved}, or start a new run (model.init_from takes its weights)")
+        raise CheckpointError(f"{path} was trained with parallel.sync.mode={saved}; resuming it with "
+                              f"sync.mode={layout.dp_sync} would not continue the same run; resume with "
+                              f"parallel.sync.mode={saved}, or start a new run (model.init_from takes its weights)")
     if layout.local_sync and not layout.fault_tolerance:  # (across replica groups: any number resumes it)
         outer = state.get("outer")
         if not isinstance(outer, dict) or not isinstance(outer.get("workers"), int):
@@ -525,19 +526,18 @@ def check_sync(path: Path, state: dict, layout) -> None:
         if outer["workers"] != layout.dp_replicate:
             raise CheckpointError(
                 f"{path} holds the weights and inner optimizer state of {outer['workers']} workers "
-                f"(dp_sync={saved}); resuming needs {outer['workers']} workers, not {layout.dp_replicate}: set "
+                f"(sync.mode={saved}); resuming needs {outer['workers']} workers, not {layout.dp_replicate}: set "
                 f"parallel.dp_replicate={outer['workers']} (with as many ranks as that takes)")
         if outer.get("in_flight"):  # a fragment's average under way: its parameters and its landing are fixed
-            par = state["config"].get("parallel") or {}
-            for key, now in (("sync_fragments", layout.sync_fragments), ("sync_delay", layout.sync_delay)):
-                was = par.get(key, now)
+            for key, now in (("fragments", layout.sync_fragments), ("delay", layout.sync_delay)):
+                was = sync.get(key, now)
                 if was != now:
                     step = outer["in_flight"][0].get("apply_at")
                     raise CheckpointError(
-                        f"{path} was saved with a fragment's sync in flight under parallel.{key}={was} (it lands "
-                        f"at step {step}); resuming with {key}={now} would apply it to other parameters or without "
-                        f"the steps done meanwhile: resume with parallel.{key}={was}, or from a checkpoint with no "
-                        "sync in flight")
+                        f"{path} was saved with a fragment's sync in flight under parallel.sync.{key}={was} (it "
+                        f"lands at step {step}); resuming with sync.{key}={now} would apply it to other parameters or "
+                        f"without the steps done meanwhile: resume with parallel.sync.{key}={was}, or from a "
+                        "checkpoint with no sync in flight")
 
 
 def saved_config(path: Path, state: dict, *, fix: str | None = None, report=None) -> dict:

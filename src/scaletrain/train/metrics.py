@@ -359,8 +359,8 @@ def announce(t) -> None:
         say(f"batch-size warm-up (train.batch_rampup={cfg.train.batch_rampup}): {t.batch_schedule.describe()}; "
             "more accumulation micro-batches, the learning rate at the tokens seen")
     if b.local_sync:
-        par = cfg.parallel
-        outer = (f"outer {par.outer_optimizer} lr {par.outer_lr:g} momentum {par.outer_momentum:g}"
+        sync = cfg.parallel.sync
+        outer = (f"outer {sync.outer_optimizer} lr {sync.outer_lr:g} momentum {sync.outer_momentum:g}"
                  if b.dp_sync == "diloco" else "the workers' weights averaged")
         if (scale := t.schedule.scale) != 1.0:
             outer += f"; inner lr {scale:.3g} x optim.lr"

@@ -151,7 +151,7 @@ class RunFolder:
             damaged: list[str] = []
             found = ckpt.find_resumable(self.ckpt_dir, report=damaged.append)
             # a replica group of a fault-tolerant job that never wrote one (another group did) heals from a peer
-            if found is None and held and not self.restart and not self.cfg.parallel.fault_tolerance:
+            if found is None and held and not self.restart and not self.cfg.fault_tolerance.enabled:
                 if damaged:  # each named with what is wrong with it, as export does; nothing suggested that loses one
                     raise ConfigError(*damaged, f"log.run_dir {self.run_dir} holds a run ({', '.join(held)}) whose "
                                       "checkpoints are all damaged (above); restore one from a copy, or train anew "

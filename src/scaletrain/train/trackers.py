@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from scaletrain.config import flat_keys
+
 PACKAGES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}  # option -> (module, extra)
 
 
@@ -40,8 +42,8 @@ def parse_tags(text: str) -> list[str]:
 
 
 def flat_config(cfg_dict: dict) -> dict[str, object]:
-    """{"section.key": value} of a config tree."""
-    return {f"{section}.{key}": value for section, body in cfg_dict.items() for key, value in body.items()}
+    """{"section.key": value} of a config tree ("parallel.sync.every": a sub-table's keys)."""
+    return flat_keys(cfg_dict)
 
 
 def numbers(row: dict) -> dict[str, float]:
