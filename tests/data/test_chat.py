@@ -268,3 +268,31 @@ def test_validation_loss_is_the_mean_over_the_held_out_answers(tmp_path):
         total, counted = total + per_token[mask.flatten()].double().sum().item(), counted + int(mask.sum())
     assert 0 < counted < v.batches.size * T
     assert trainer.evaluate()["val_loss"] == pytest.approx(total / counted, rel=1e-6)
+
+
+def test_steps_without_a_counted_target_report_no_loss_and_stay_out_of_the_statistics(tmp_path):
+    """Issue 47: windows holding prompt tokens only logged `loss 0.0`, fed the early-loss mean, and
+    then crashed the divergence check (ZeroDivisionError). Such a step reports no loss, is kept out of
+    the early-loss and divergence statistics, and is said once with what to change."""
+    import io
+
+    # long prompts, short answers: about one window in seven holds an answer's tokens, so some global
+    # batches of 8 windows hold none
+    records = [{"prompt": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(40)), "response": WORDS[i % 7]}
+               for i in range(120)]
+    prepare([write_jsonl(tmp_path / "chat.jsonl", records)], tmp_path / "tok", chat_format="plain")
+    log = io.StringIO()
+    trainer = Trainer(micro_cfg(tmp_path, **{"data.path": str(tmp_path / "tok"), "train.steps": 20,
+                                             "train.eval_every": 0}), stream=log)
+    empty = [s for s in range(20) if trainer.dataset.counts_nothing(s, trainer.sampler)]
+    assert 1 <= len(empty) and 20 - len(empty) >= 6, empty  # the case is exercised, and the early mean too
+    result = trainer.fit()  # (the divergence check ran: train.divergence_factor is on by default)
+    losses = {r["step"]: r["loss"] for r in result["history"]}
+    assert [s for s, loss in losses.items() if loss is None] == [s + 1 for s in empty]
+    assert all(loss > 0 for loss in losses.values() if loss is not None)
+    early = [losses[s] for s in sorted(losses) if losses[s] is not None][:5]
+    assert trainer.state.early_loss == pytest.approx(sum(early) / 5)
+    said = [line for line in log.getvalue().splitlines() if "no token of its batch is a training target" in line]
+    assert len(said) == 1 and f"step {empty[0] + 1}:" in said[0] and "lengthen data.seq_len" in said[0]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["loss"] is None] == [s + 1 for s in empty]

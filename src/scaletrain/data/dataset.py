@@ -402,8 +402,13 @@ class WindowDataset(torch.utils.data.Dataset):
         if self.mask is None and self.separator is None:
             return None
         if self._counted[0] != step:
-            self._counted = (step, max(1, self.counted_tokens(sampler(step).global_batch_indices(step))))
-        return self._counted[1]
+            self._counted = (step, self.counted_tokens(sampler(step).global_batch_indices(step)))
+        return max(1, self._counted[1])
+
+    def counts_nothing(self, step: int, sampler) -> bool:
+        """Whether step `step`'s global batch holds no target the loss counts (every window prompt
+        tokens only): such a step trains nothing and has no loss."""
+        return self.counted_in_step(step, sampler) is not None and self._counted[1] == 0
 
     def counted_tokens(self, indices) -> int:
         """Targets the loss counts in these windows: all of them without a mask or document boundaries."""

@@ -101,6 +101,9 @@ class MixDataset(torch.utils.data.Dataset):
     def counted_in_step(self, step: int, sampler) -> None:
         return None  # every target counts: a mixture refuses loss masks (_use_mask)
 
+    def counts_nothing(self, step: int, sampler) -> bool:
+        return False
+
     def __getitem__(self, ids) -> tuple[torch.Tensor, torch.Tensor]:
         ids = np.asarray(ids, dtype=np.int64)
         which = np.searchsorted(self.offsets, ids, side="right") - 1

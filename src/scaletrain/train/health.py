@@ -55,6 +55,7 @@ class Health:
         self.consecutive_skips = self.spikes = self.applied_steps = 0
         self.loss_mean: float | None = None
         self.early_losses: list[float] = []  # the first steps' losses: the divergence check's yardstick
+        self.said_empty = False  # a step without a counted target was reported
         self.fault: str | None = None  # an I/O failure that stops the run after an emergency save
         self.fault_fix = ""  # what to do before resuming from that save
         # why a technique voted the step away, when it did (the step hooks' skip_reason): None otherwise
@@ -163,6 +164,14 @@ class Health:
         above train.divergence_factor × its early value (the mean of the first 5 steps), or,
         after warm-up, above ln(vocab_size) + train.divergence_margin, which is worse than a
         model that guesses every token uniformly. Every rank sees the same global loss."""
+        if loss is None:  # no target counted in the step's batch: kept out of every statistic, said once
+            if not self.said_empty:
+                self.said_empty = True
+                self.metrics.info(f"step {step}: no token of its batch is a training target (the loss mask marks "
+                                  "none: every window holds prompt tokens only), so the step trains nothing and "
+                                  "reports no loss; lengthen data.seq_len, or shorten the prompts, so that answers "
+                                  "fall in the windows")
+            return
         if skipped or not math.isfinite(loss):
             return
         if self.cfg.train.divergence_factor:

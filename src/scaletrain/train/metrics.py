@@ -150,7 +150,8 @@ class MetricsLogger:
         step = row["step"]
         elapsed = time.perf_counter() - self._t0
         eta = elapsed / max(step, 1) * (self.total_steps - step)
-        text = (f"step {step}/{self.total_steps}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
+        loss = "n/a" if row["loss"] is None else f"{row['loss']:.4f}"  # (no target counted)
+        text = (f"step {step}/{self.total_steps}  loss {loss}  lr {row['lr']:.2e}  "
                 f"gnorm {row['grad_norm']:.3f}  {fmt.count(row['tokens_per_s'])} tok/s  "
                 f"mfu {mfu_text(row['mfu'])}  {self.memory_label} {fmt.size(row['peak_mem_bytes'])}  "
                 f"wait {100 * row['data_wait_frac']:.0f}%")
@@ -182,8 +183,8 @@ class MetricsLogger:
         elapsed = time.perf_counter() - self._t0
         table = [
             ("steps", f"{rows[-1]['step']}"),
-            ("final loss", f"{rows[-1]['loss']:.4f}"),
-            ("first logged loss", f"{rows[0]['loss']:.4f}"),
+            ("final loss", _loss_text([r for r in rows if r["loss"] is not None][-1:])),
+            ("first logged loss", _loss_text([r for r in rows if r["loss"] is not None][:1])),
         ]
         evaluated = [r for r in rows if "val_loss" in r]
         if evaluated:
@@ -312,7 +313,7 @@ class StepMeter:
         row = {
             "step": step,
             "tokens": step * self.tokens_per_step,  # trained on so far (the x axis of `scaletrain plot`)
-            "loss": float(loss),
+            "loss": None if loss is None else float(loss),  # None: no target counted in the step
             "lr": lr,
             "grad_norm": float(grad_norm),
             "tokens_per_s": tokens_per_s,
@@ -331,6 +332,11 @@ class StepMeter:
             self.say(f"MFU n/a: this rank reached {fmt.flops(achieved)} of model FLOPs, above the peak it is "
                      f"measured against ({fmt.flops(self.peak_flops)}), so that peak bounds nothing here")
         return row
+
+
+def _loss_text(rows: list[dict]) -> str:
+    """A logged row's loss (the rows of steps without a counted target have none)."""
+    return f"{rows[0]['loss']:.4f}" if rows else "n/a (no step counted a target)"
 
 
 def report_state_bytes(say: Callable[[str], None], rank: int, b: dict[str, int], num_params: int) -> None:

@@ -352,6 +352,8 @@ class Trainer:
             local_loss, grad_norm, skipped, wait = done
             self.state.step += 1
             loss, grad_norm, stop = guarded(self.end_of_step, local_loss, grad_norm)
+            if self.dataset.counts_nothing(self.step - 1, self.sampler):
+                loss = None  # no target counted: a step with nothing to learn has no loss (not a loss of 0)
             self.health.watch_loss(self.step, loss, skipped)
             self.meter.stepped(wait, self.step_tokens(self.step - 1), self.counted_tokens(self.step - 1))
             val_loss = None
