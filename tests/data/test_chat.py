@@ -296,3 +296,26 @@ def test_steps_without_a_counted_target_report_no_loss_and_stay_out_of_the_stati
     assert len(said) == 1 and f"step {empty[0] + 1}:" in said[0] and "lengthen data.seq_len" in said[0]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["loss"] is None] == [s + 1 for s in empty]
+
+
+def test_a_chat_template_kept_apart_survives_prepare_training_and_export(tmp_path):
+    """Issue 47: the export lost the chat template. A folder that keeps it in chat_template.jinja (as
+    transformers writes it now) renders the chat data, and the exported model's tokenizer has it."""
+    transformers = pytest.importorskip("transformers")
+    from test_hf_tokenizer import make_hf_folder
+
+    hf = make_hf_folder(tmp_path / "hf", "no-special")
+    template = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+    (hf / "chat_template.jinja").write_text(template)
+    assert "chat_template" not in json.loads((hf / "tokenizer_config.json").read_text())
+    prepare([write_jsonl(tmp_path / "chat.jsonl", conversations(12))], tmp_path / "tok", tokenizer=str(hf),
+            chat_format="template")
+    options = micro_overrides(tmp_path / "run", **{"train.steps": 1, "train.eval_every": 0,
+                                                   "checkpoint.save_final": True, "data.path": str(tmp_path / "tok"),
+                                                   "model.vocab_size": 0})
+    r = run_here("train", *(f"--{k}={v}" for k, v in options.items()))
+    assert r.returncode == 0, r.stderr
+    step = tmp_path / "run" / "checkpoints" / "step_00000001"
+    assert run_here("export", str(step), "--format", "hf", "--out", str(tmp_path / "exp")).returncode == 0
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "exp").chat_template == template

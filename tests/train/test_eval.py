@@ -284,3 +284,20 @@ def test_eval_and_export_take_a_run_folder_and_config_names(finished_run, tmp_pa
     typo = run_here("eval", str(finished_run), "--data.paths=x")
     assert typo.returncode == 2 and "(did you mean --data.path?)" in typo.stderr
     assert len(typo.stderr.strip().splitlines()) == 1
+
+
+def test_eval_takes_a_hugging_face_folder_as_generate_does(finished_run, tmp_path):
+    """Issue 47: eval refused a Hugging Face folder that generate accepts. The run's export evaluates to
+    the checkpoint's loss on the same windows (its eval batch of 8 windows of 32 is the run's); without
+    --data it is one line saying what to give."""
+    newest = finished_run / "checkpoints" / "step_00000004"
+    assert run_here("export", str(newest), "--format", "hf", "--out", str(tmp_path / "hf")).returncode == 0
+    ckpt = run_here("eval", str(newest), "--data", "", "--batches", "2", "--json")
+    hf = run_here("eval", str(tmp_path / "hf"), "--data", "", "--batches", "2", "--json")
+    assert ckpt.returncode == 0 and hf.returncode == 0, ckpt.stderr + hf.stderr
+    a, b = json.loads(ckpt.stdout), json.loads(hf.stdout)
+    assert a["windows"] == b["windows"] == 16 and abs(a["val_loss"] - b["val_loss"]) < 1e-5, (a, b)
+    assert run_here("generate", str(tmp_path / "hf"), "--prompt", "a", "--max-new-tokens", "4").returncode == 0
+    r = run_here("eval", str(tmp_path / "hf"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "is a Hugging Face model folder, which names no data: give --data FOLDER" in r.stderr

@@ -20,7 +20,10 @@ EOT = "<|endoftext|>"
 # what transformers' AutoTokenizer reads from a model folder for a fast tokenizer
 HF_CONFIG_FILE = "tokenizer_config.json"
 HF_SPECIAL_FILE = "special_tokens_map.json"
-HF_FILES = (TOKENIZER_FILE, HF_CONFIG_FILE, HF_SPECIAL_FILE)
+# the chat template, where a folder keeps it apart from tokenizer_config.json (transformers >= 4.43 writes
+# chat_template.jinja): copied with the rest, so chat data and exports keep it
+HF_CHAT_FILES = ("chat_template.jinja", "chat_template.json")
+HF_FILES = (TOKENIZER_FILE, HF_CONFIG_FILE, HF_SPECIAL_FILE, *HF_CHAT_FILES)
 # the named special tokens, in the order transformers adds those missing from the vocabulary
 HF_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 

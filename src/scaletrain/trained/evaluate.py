@@ -40,6 +40,7 @@ class _Evaluated:
     cfg: JobConfig
     quantized: dict | None = None  # `scaletrain quantize`'s quantization.json
     peft_model: torch.nn.Module | None = None  # a PEFT folder merged into its base
+    hf_folder: bool = False  # a Hugging Face model folder (as `generate` takes), evaluated on --data
 
 
 @torch.no_grad()
@@ -86,6 +87,8 @@ def _what_is_evaluated(path, data, base, report) -> _Evaluated:
             "model": asdict(peft_model.cfg), "data": {"seq_len": min(128, peft_model.cfg.max_seq_len)}}
         state = {"config": config, "step": 0, "data": {"global_batch": from_dict(config).train.global_batch or 8}}
         return _Evaluated(state, from_dict(config), peft_model=peft_model)
+    if not (Path(path) / ckpt.TRAINER_FILE).is_file() and (Path(path) / "config.json").is_file():
+        return _hf_folder(path, data)
     quantized = None
     if is_quantized_folder(path):  # `scaletrain quantize`'s folder: its quantization.json holds the run's config
         quantized = read_info(path)
@@ -98,10 +101,31 @@ def _what_is_evaluated(path, data, base, report) -> _Evaluated:
     return _Evaluated(state, from_dict(config), quantized=quantized)
 
 
+def _hf_folder(path, data) -> _Evaluated:
+    """A Hugging Face model folder names no run: evaluated on `data` (a prepared folder of the same
+    tokenizer), as a PEFT folder without a run is: windows of min(128, its max_seq_len), batches of 8."""
+    from scaletrain.data.tokenizer import check_same_tokenizer
+    from scaletrain.model.config import model_config
+    from scaletrain.model.hf_config import model_config_from_hf
+
+    if data is None:
+        raise ConfigError(f"{path} is a Hugging Face model folder, which names no data: give --data FOLDER, a "
+                          "prepared folder of its tokenizer")
+    check_same_tokenizer(str(path), str(data))  # the ids must mean the same text
+    cfg = model_config(model_config_from_hf(path))
+    config = {"model": asdict(cfg), "data": {"seq_len": min(128, cfg.max_seq_len)}}
+    state = {"config": config, "step": 0, "data": {"global_batch": 8}}
+    return _Evaluated(state, from_dict(config), hf_folder=True)
+
+
 def _model(path, what: _Evaluated, base, dev: torch.device) -> torch.nn.Module:
     """The model to evaluate, whole, on `dev`."""
     if what.peft_model is not None:
         return what.peft_model.to(dev).eval()
+    if what.hf_folder:  # read as `generate` reads it
+        from scaletrain.trained.generate import load_for_generation
+
+        return load_for_generation(path)[0].to(dev).eval()
     if what.quantized is not None:
         return load_quantized(path)[0].to(dev)
     model = load_model_from_checkpoint(path, base)
