@@ -375,6 +375,10 @@ def test_a_group_healed_from_a_peer_holds_its_state_bit_for_bit(phase_kills):
     for g in (0, 1):  # it went on from the peers' step (not from 0), and from there to the end
         steps = [r["step"] for r in read_metrics(run / f"group{g}")]
         assert healed[g][0] > kills[0]["step"] and steps == sorted(set(steps)) and steps[-1] == PHASE_STEPS, steps
+        # and nothing it had written was lost (issue 47): the rows before its first kill are still there,
+        # and every committed step the witness logged after it, up to the group's next kill, is too
+        first = min(k["step"] for k in kills.values() if k["group"] == g)
+        assert set(range(1, first)) <= set(steps), (g, first, steps)
     for g in (0, 1):
         recorded = {p.stem: p for p in states[g].glob("*.pt")}
         # the state it held before the first step it took after its last heal: what it took from the peer

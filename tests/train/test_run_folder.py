@@ -180,3 +180,20 @@ BAD_INPUT = [
 @pytest.mark.parametrize("case", BAD_INPUT, ids=[c.id for c in BAD_INPUT])
 def test_bad_input_gives_one_clear_line(case: Case, workdir: Path, capsys):
     assert_one_clear_line(case, workdir, capsys)
+
+
+def test_a_restarted_process_keeps_its_runs_id(tmp_path):
+    """Issue 47: a replica group restarted by its launcher, with no checkpoint of its own, got a new
+    run id in run.json; a restarted process keeps the id its folder records, a new run gets its own."""
+    from scaletrain.train.run_folder import RunFolder, write_identity
+
+    cfg = micro_cfg(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    write_identity(run, "abc123def456")
+
+    def folder(restart: bool) -> RunFolder:
+        return RunFolder(run, run / "checkpoints", cfg, 0, shared=lambda v: v, restart=restart)
+
+    assert folder(restart=True).identity()[0] == "abc123def456"
+    assert folder(restart=False).identity()[0] != "abc123def456"

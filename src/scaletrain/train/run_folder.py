@@ -115,6 +115,14 @@ class RunFolder:
         self.locks: list[FolderLock] = []
         self.notes: list[str] = []  # said once the logger exists
 
+    def identity(self) -> tuple[str, list[list]]:
+        """The run's id and lineage: a new run's, or, for a process the launcher restarted (its replica
+        group's, or its job's, with no checkpoint to resume), the id its folder records: the same run."""
+        run_id, lineage = new_identity()
+        if self.restart and (kept := run_id_of(self.run_dir)):
+            run_id = kept
+        return run_id, lineage
+
     def lock(self) -> None:
         """Rank 0 locks the run folder (and a separate checkpoint folder) if they exist; every
         rank learns whether another run holds one."""

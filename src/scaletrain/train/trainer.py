@@ -97,7 +97,7 @@ class Trainer:
         self._build_optimizer()
         # the windows drawn from each source so far are logged (one sampler, on every rank alike; after the hooks)
         self.mix_sampler = self.sampler(0) if cfg.data.mix else None
-        self.state.run_id, self.state.lineage = self.rt.shared(run_folder.new_identity())
+        self.state.run_id, self.state.lineage = self.rt.shared(self.folder.identity())
         self.metrics = MetricsLogger(self.run_dir if self.rank == 0 else None, cfg.train.steps,
                                      enabled=self.rank == 0, tensorboard=cfg.log.tensorboard, summary=cfg.log.summary,
                                      progress=cfg.log.progress, stream=stream, device_type=self.device.type)
@@ -320,6 +320,9 @@ class Trainer:
         diverged loss stops it; checkpoint, sample, and return the run's summary."""
         self.signals.install()  # from here on a signal stops the run at a step's end, saved
         try:
+            # first a hook may take the run's state from a peer (a restarted replica group heals): the folder's
+            # history is then kept up to the step it goes on from, not cut back to where this process began
+            self.hooks.start()
             st = self.state
             self.folder.take_ownership(st.run_id, st.lineage, st.step, st.resumed_from, self.metrics.info)
             announce(self)
@@ -338,7 +341,6 @@ class Trainer:
 
     def _loop(self) -> dict:
         cfg, guarded, losses = self.cfg, self.health.guarded, []
-        self.hooks.start()  # before the data position is read: a hook may take the run's state from a peer
         batches = self.batches()
         self.meter.new_window()
         resumed = self.state.resumed_from
