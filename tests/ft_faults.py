@@ -181,3 +181,20 @@ def _record_states(trainer) -> None:
 
     trainer.hooks.begin_step = begin_step
     trainer.fit = fit
+
+
+def diverge(trainer) -> None:
+    """A rank hook: the ranks of replica group 1 stop at step 3 as a diverged run stops (TrainingStopped,
+    exit code 3); the other groups train on."""
+    from scaletrain.errors import TrainingStopped
+
+    if trainer.cfg.fault_tolerance.replica_id != 1:
+        return
+    real = trainer.health.watch_loss
+
+    def watch_loss(step, loss, skipped):
+        if step >= 3:
+            raise TrainingStopped(f"step {step}: the loss diverged (planted by the test)")
+        return real(step, loss, skipped)
+
+    trainer.health.watch_loss = watch_loss

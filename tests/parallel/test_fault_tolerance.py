@@ -240,6 +240,24 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_group_that_diverges_ends_the_job_with_its_code(tmp_path):
+    """Issue 47: two of three groups stopped on divergence (exit 3) and the third waited for a quorum
+    that could not form, timed out and restarted until its restarts ran out. A group that ends with a
+    code a restart would repeat ends the job with that code: the others are stopped (they save first)."""
+    run = tmp_path / "ft"
+    job = _ft_local(run, 2, "--min-replicas", "2", "--train.steps=40", "--max-restarts=2",
+                    "--rank-hook=ft_faults:diverge")
+    err = _ended(job, 400)
+    assert job.returncode == 3, err[-3000:]
+    assert "scaletrain: error: replica group 1 ended with exit code 3 (training cannot go on: a restart would " \
+           "repeat it); the job ends with it, and group(s) 0 are stopped (each saves a checkpoint first)" in err, \
+        err[-3000:]
+    assert "restart 1 of at most" not in err, err[-3000:]  # group 0 never timed out waiting for a quorum
+    assert read_metrics(run / "group0")[-1]["step"] < 40
+
+
 def test_the_lighthouse_command_prints_its_address_and_stops_on_sigterm():
     lighthouse = subprocess.Popen([sys.executable, "-m", "scaletrain", "lighthouse", "--bind", "[::]:0"], cwd=REPO,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

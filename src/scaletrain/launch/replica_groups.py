@@ -17,7 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-from scaletrain.errors import LaunchError
+from scaletrain.errors import LaunchError, TrainingStopped, UserError
+
+# a group that ends so ends the job: a restart would repeat it (a refusal, a diverged run), and the other
+# groups would wait for a quorum without it until their restarts ran out
+FINAL_CODES = {UserError.exit_code: "a refusal of its input", TrainingStopped.exit_code: "training cannot go on"}
 
 
 def run_replica_groups(config: str | None, extra: list[str], *, groups: int, nproc: int, max_restarts: int,
@@ -91,10 +95,20 @@ def _wait(groups: list[subprocess.Popen], grace_s: float) -> int:
                 g.send_signal(signum)
 
     handlers = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    finished, stopped = None, set()
+    finished, stopped, final = None, set(), None
     try:
         while any(g.poll() is None for g in groups):
             time.sleep(0.2)
+            if final is None and (final := _final_failure(groups)) is not None:
+                r, code = final
+                running = [s for s, g in enumerate(groups) if g.poll() is None]
+                print(f"scaletrain: error: replica group {r} ended with exit code {code} ({FINAL_CODES[code]}: a "
+                      f"restart would repeat it); the job ends with it, and group(s) "
+                      f"{', '.join(map(str, running))} are stopped (each saves a checkpoint first)",
+                      file=sys.stderr, flush=True)
+                for s in running:
+                    groups[s].terminate()
+                    stopped.add(s)
             if finished is None:
                 done = [r for r, g in enumerate(groups) if g.poll() == 0]
                 finished = (done[0], time.monotonic()) if done else None
@@ -110,7 +124,18 @@ def _wait(groups: list[subprocess.Popen], grace_s: float) -> int:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     codes = [g.returncode for g in groups]
+    if final is None and (final := _final_failure(groups)) is not None:  # (the last group to end)
+        print(f"scaletrain: error: replica group {final[0]} ended with exit code {final[1]} "
+              f"({FINAL_CODES[final[1]]})", file=sys.stderr, flush=True)
+        return final[1]
+    if final is not None:
+        return final[1]
     for r, code in enumerate(codes):
         if code and r not in stopped:
             print(f"scaletrain: error: replica group {r} ended with exit code {code}", file=sys.stderr, flush=True)
     return next((c for r, c in enumerate(codes) if c and r not in stopped), 0)
+
+
+def _final_failure(groups: list[subprocess.Popen]) -> tuple[int, int] | None:
+    """(group, its exit code) of the first group that ended with a code a restart would repeat."""
+    return next(((r, g.returncode) for r, g in enumerate(groups) if g.returncode in FINAL_CODES), None)
