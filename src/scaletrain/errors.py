@@ -49,6 +49,16 @@ class TrainingStopped(UserError):
     a user error (one line, no traceback) with its own exit code."""
 
     exit_code = 3
+    # whether a restart may cure it (a quorum of replica groups that did not form: the others may be back);
+    # a diverged run's would only repeat it
+    restartable = False
+
+
+class QuorumNotFormed(TrainingStopped):
+    """A replica group gave up waiting for enough groups to form its quorum: restartable (--max-restarts),
+    as the missing groups may be back by then."""
+
+    restartable = True
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import pytest
 from scaletrain.config import load_config
 from scaletrain.errors import ConfigError
 
-from conftest import MICRO, REPO, micro_cfg, one_line_exit_2, read_metrics, run_here
+from conftest import MICRO, REPO, micro_cfg, one_line_exit_2, read_metrics, run_cli, run_here
 
 FT = {"fault_tolerance.enabled": True, "fault_tolerance.lighthouse": "http://127.0.0.1:1"}
 # two groups of one rank, each with half of a batch of 8 windows (CLI options: `scaletrain ft-local`)
@@ -99,6 +99,31 @@ def test_an_unreachable_lighthouse_and_a_missing_torchft_are_one_line_exit_2(tmp
     monkeypatch.setitem(sys.modules, "torchft", None)  # as if not installed: its import fails
     one_line_exit_2(run_here(*args), "fault_tolerance.enabled needs torchft", "pip install 'scaletrain[ft]'")
     one_line_exit_2(run_here("lighthouse", "--bind", "[::]:0"), "the Lighthouse needs torchft")
+
+
+@pytest.mark.multiproc
+def test_a_quorum_that_never_forms_says_which_group_gave_up_and_how_many_joined(tmp_path, monkeypatch):
+    """Issue 47: a quorum that never formed ended in a torchft traceback (exit 1). One line: the group,
+    the groups that joined of those needed, how long it waited, the exit code of the README's table."""
+    from scaletrain.cli.lighthouse import start_lighthouse
+
+    monkeypatch.setenv("RUST_LOG", "warn")
+    server = start_lighthouse("127.0.0.1:0", 2, 100, 5000)  # needs 2 groups; only one comes
+    try:
+        address = f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+        r = run_cli("train", *[f"--{k}={v}" for k, v in MICRO.items()], f"--log.run_dir={tmp_path / 'run'}",
+                    "--fault_tolerance.enabled=true", f"--fault_tolerance.lighthouse={address}",
+                    "--fault_tolerance.groups=2", "--fault_tolerance.min_replicas=2",
+                    "--fault_tolerance.quorum_timeout_s=3")
+    finally:
+        server.shutdown()
+    assert r.returncode == 3, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "TimeoutError" not in r.stderr, r.stderr[-3000:]
+    lines = [line for line in r.stderr.splitlines() if line.startswith("scaletrain: error:")]
+    assert len(lines) == 1, r.stderr[-3000:]
+    assert re.search(r"replica group 0 gave up at step 1: 1 of the 2 groups it needs \(fault_tolerance.min_replicas\) "
+                     r"joined its quorum in \d+ s \(fault_tolerance.quorum_timeout_s=3\); it stops with exit code 3",
+                     lines[0]), lines[0]
 
 
 # --------------------------------------------------------------------------------------------

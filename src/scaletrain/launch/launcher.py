@@ -63,7 +63,7 @@ def _restart_would_repeat(e: BaseException) -> bool:
     what --max-restarts is for."""
     if not isinstance(e, UserError):
         return False
-    return not (isinstance(e, TrainingStopped) and isinstance(e.__context__, RuntimeError))
+    return not (isinstance(e, TrainingStopped) and (e.restartable or isinstance(e.__context__, RuntimeError)))
 
 
 def check_launch(nproc: int, nnodes: int, rdzv_endpoint: str) -> None:

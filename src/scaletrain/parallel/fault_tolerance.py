@@ -64,7 +64,7 @@ import torch
 from torch import nn
 from torch.distributed import ReduceOp
 
-from scaletrain.errors import ConfigError, TrainingStopped
+from scaletrain.errors import ConfigError, QuorumNotFormed, TrainingStopped
 from scaletrain.hooks import Named, StepHook
 from scaletrain.optim import init_optimizer_state
 from scaletrain.parallel.moe_balance import MoEBalance
@@ -99,6 +99,26 @@ def lighthouse_problem(address: str, timeout_s: float) -> str | None:
                         f"{timeout_s:g} s ({e.strerror or e}); start it with `scaletrain lighthouse`, or fix "
                         "fault_tolerance.lighthouse")
             time.sleep(0.2)
+
+
+def _timed_out(e: BaseException) -> bool:
+    """Whether torchft's quorum request failed by running out of time (not another failure)."""
+    return isinstance(e, TimeoutError) or "timeout expired" in str(e).lower() or "timed out" in str(e).lower()
+
+
+def quorum_status(address: str) -> tuple[int, int] | None:
+    """(groups in the Lighthouse's next quorum, groups it needs), read from its status page (torchft's
+    dashboard: "only have N participants, need min_replicas M"); None when it cannot be read."""
+    import re
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{address.rstrip('/')}/status", timeout=2) as r:
+            text = r.read(65536).decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None
+    m = re.search(r"have (\d+) participants, need min_replicas (\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 class ReplicaGroups(StepHook):
@@ -221,12 +241,15 @@ class ReplicaGroups(StepHook):
         note.daemon = True
         if self.rank == 0:
             note.start()
+        started = time.monotonic()
         try:
             self.manager.start_quorum()
-        except Exception:
+        except Exception as e:
             # the Lighthouse gone (it is the job's single point of failure) is a stop, not a restart: raised
             # outside this block so that the launcher sees no communication error behind it (no restart)
             if not self.lighthouse or lighthouse_problem(self.lighthouse, 2.0) is None:
+                if _timed_out(e):  # the Lighthouse answers, but too few groups joined: said, and restartable
+                    raise QuorumNotFormed(self._gave_up(step, time.monotonic() - started)) from None
                 raise
         else:
             return
@@ -235,6 +258,15 @@ class ReplicaGroups(StepHook):
         raise TrainingStopped(f"replica group {self.replica_id} stops at step {step}: the Lighthouse at "
                               f"{self.lighthouse} no longer answers; the last "
                               "checkpoint is kept: restart the Lighthouse and the groups, and they resume from it")
+
+    def _gave_up(self, step: int, waited_s: float) -> str:
+        """What a group that gave up waiting for its quorum says: how many groups joined of how many."""
+        status = quorum_status(self.lighthouse) if self.lighthouse else None
+        joined = (f"{status[0]} of the {status[1]} groups it needs (fault_tolerance.min_replicas)" if status else
+                  f"fewer than the {self.min_replicas} groups it needs (fault_tolerance.min_replicas)")
+        return (f"replica group {self.replica_id} gave up at step {step + 1}: {joined} joined its quorum in "
+                f"{waited_s:.0f} s (fault_tolerance.quorum_timeout_s={self.quorum_timeout_s:g}); it stops with exit "
+                "code 3, and its launcher restarts it while --max-restarts allows: it joins when enough groups are up")
 
     def begin_step(self, loss_factor: float) -> None:
         if not self.joined:
