@@ -228,8 +228,11 @@ def train(cfg: JobConfig, layout: Layout | None = None, note=None, rank_hook: st
         # the launcher restarted the group after a failure: continue from the newest checkpoint
         cfg = cfg.replace(**{"checkpoint.resume": "auto"})
     if restarts > 0 and rank == 0:
+        then = ("the group rejoins its peers: from its newest complete checkpoint if it has one, then a live "
+                "peer's state" if cfg.fault_tolerance.enabled else
+                "the group resumes from its newest complete checkpoint (or begins again without one)")
         print(f"scaletrain: restart {restarts} of at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}: "
-              "a rank failed; the group resumes from its newest complete checkpoint", file=sys.stderr, flush=True)
+              f"a rank failed; {then}", file=sys.stderr, flush=True)
     with os_errors_named(config_paths(cfg)):
         cfg, rt = start(cfg, layout, note=note)
         return exit_code(call_rank_hook(rank_hook, Trainer(cfg, rt, restart=restarts > 0)).fit())

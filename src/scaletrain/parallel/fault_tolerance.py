@@ -231,9 +231,11 @@ class ReplicaGroups(StepHook):
         def say() -> None:
             if self.lighthouse and lighthouse_problem(self.lighthouse, 0.0) is not None:
                 why = f"the Lighthouse at {self.lighthouse} does not answer; it stops"
-            else:
+            elif self.min_replicas > 1:
                 why = (f"fewer than fault_tolerance.min_replicas={self.min_replicas} groups are in its quorum yet; it "
                        "goes on when enough join")
+            else:  # one group is enough: the Lighthouse is still gathering the groups that join this quorum
+                why = "the Lighthouse has not formed its quorum yet (groups still joining); it goes on when it does"
             print(f"scaletrain: replica group {self.replica_id} waits at step {step + 1}: {why} (up to "
                   f"fault_tolerance.quorum_timeout_s={self.quorum_timeout_s:g} s)", file=sys.stderr, flush=True)
 
