@@ -126,6 +126,70 @@ def test_a_quorum_that_never_forms_says_which_group_gave_up_and_how_many_joined(
                      lines[0]), lines[0]
 
 
+@pytest.mark.parametrize("prints,group,expected", [
+    (["aaaa1111", "aaaa1111", "aaaa2222"], 2, "another optimizer"),  # the odd one of three
+    (["aaaa1111", "aaaa1111", "aaaa2222"], 0, None),  # the majority goes on
+    (["aaaa1111", "bbbb1111"], 1, "another model"),  # a tie: the lowest id's settings are the reference
+    (["aaaa1111", "bbbb1111"], 0, None),
+    (["aaaa1111", "bbbb2222", "aaaa1111"], 1, "another model (model.*) and another optimizer"),
+])
+def test_the_group_that_differs_from_its_quorum_is_named_with_what_differs(prints, group, expected):
+    """Known answers of the fingerprint comparison (two kinds of settings, 4 hex digits each here)."""
+    from scaletrain.parallel import fault_tolerance as ft
+
+    kinds = ft.FINGERPRINTED
+    padded = [p + "0000" * (len(kinds) - 2) for p in prints]  # the other kinds agree
+    ids = [f"{ft.replica_name(g, p)}:uuid{g}" for g, p in enumerate(padded)]
+    why = ft.disagreement(group, ids)
+    assert (why is None) == (expected is None), why
+    if expected:
+        assert why.startswith(f"replica group {group} runs {expected}"), why
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_group_with_other_settings_is_refused_before_it_is_averaged(tmp_path, monkeypatch):
+    """Issue 47: groups started with another learning rate (or head count, or model shape) were averaged
+    silently (or crashed the others' collectives). At the first quorum (all three groups: min_replicas 3)
+    the odd group is refused in one line naming what differs, exit 2, before any step: nothing of it was
+    averaged with the others, who took no step with it."""
+    from scaletrain.cli.lighthouse import start_lighthouse
+
+    monkeypatch.setenv("RUST_LOG", "warn")
+    server = start_lighthouse("127.0.0.1:0", 3, 100, 5000)
+    address = f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+    common = [*[f"--{k}={v}" for k, v in MICRO.items()], "--train.steps=4", "--fault_tolerance.enabled=true",
+              f"--fault_tolerance.lighthouse={address}", "--fault_tolerance.groups=3",
+              "--fault_tolerance.min_replicas=3", "--fault_tolerance.quorum_timeout_s=120"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    jobs = [subprocess.Popen([sys.executable, "-m", "scaletrain", "train", *common,
+                              f"--fault_tolerance.replica_id={g}", f"--log.run_dir={tmp_path / f'group{g}'}",
+                              *(["--optim.lr=0.001"] if g == 2 else [])],
+                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for g in range(3)]
+    try:
+        err = _ended(jobs[2], 300)
+        for job in jobs[:2]:  # they wait for a third group now (min_replicas 3), inside a quorum: ended
+            job.kill()
+            _ended(job, 60)
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+        server.shutdown()
+    assert jobs[2].returncode == 2, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("scaletrain: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert lines[0] == (
+        "scaletrain: error: replica group 2 runs another optimizer and learning-rate schedule (optim.*) than "
+        "group(s) 0, 1 of its quorum, so it would be averaged with them (or break their collectives): every "
+        "replica group of a job must run the same settings; start it with theirs"), lines[0]
+    assert not (tmp_path / "group2" / "metrics.jsonl").exists()  # it never took a step
+    for g in (0, 1):  # and no step was committed with it (a step begun with it in the quorum was not)
+        rows = read_metrics(tmp_path / f"group{g}") if (tmp_path / f"group{g}" / "metrics.jsonl").exists() else []
+        assert {r["step"] for r in rows if r["ft_groups"] >= 3} <= set(_uncommitted(rows)), (g, rows)
+
+
 # --------------------------------------------------------------------------------------------
 # Real groups: `scaletrain ft-local` (a Lighthouse and R groups, each under its own elastic agent)
 

@@ -72,9 +72,84 @@ from scaletrain.parallel.moe_balance import MoEBalance
 WAIT_NOTE_S = 2.0  # a quorum slower than this is a wait for groups (a split, or a group restarting): said once
 
 
-def replica_name(replica_id: int) -> str:
-    """The group's name at the Lighthouse: zero-padded, so that the quorum's order is the ids' order."""
-    return f"group{replica_id:04d}"
+def replica_name(replica_id: int, fingerprint: str = "") -> str:
+    """The group's name at the Lighthouse: the fingerprint of its settings (`settings_fingerprint`), then
+    its id zero-padded (torchft orders the quorum by the name's trailing digits: the ids' order)."""
+    return f"{fingerprint}-group{replica_id:04d}" if fingerprint else f"group{replica_id:04d}"
+
+
+# What every replica group of a job must run alike, by kind: a group that differs would be averaged with the
+# others (another learning rate, another head count of the same shapes) or crash the groups' collectives
+# (another model shape). Each kind is 4 hex digits of the group's name at the Lighthouse.
+FINGERPRINTED = (
+    ("model", "model (model.*)"),
+    ("optim", "optimizer and learning-rate schedule (optim.*)"),
+    ("precision", "precision (precision.*)"),
+    ("train", "steps, global batch, seed or batch ramp (train.steps, global_batch, seed, batch_rampup)"),
+    ("data", "windows (data.seq_len, loss_mask, document_mask)"),
+    ("layout", "layout inside each group (parallel.*, the batch triad, memory.*)"),
+)
+_PATHS = ("init_from", "from_hf", "preset")  # where the model came from: the same model from another folder
+
+
+def settings_fingerprint(cfg, layout) -> str:
+    """4 hex digits of each FINGERPRINTED kind of `cfg`'s (a JobConfig) settings and its `layout`."""
+    import hashlib
+    import json
+
+    d = cfg.to_dict()
+    parts = {"model": {k: v for k, v in d["model"].items() if k not in _PATHS}, "optim": d["optim"],
+             "precision": d["precision"],
+             "train": {k: d["train"][k] for k in ("steps", "global_batch", "seed", "batch_rampup")},
+             "data": {k: d["data"][k] for k in ("seq_len", "loss_mask", "document_mask")},
+             "layout": layout.to_dict()}
+    return "".join(hashlib.sha256(json.dumps(parts[kind], sort_keys=True, default=str).encode()).hexdigest()[:4]
+                   for kind, _ in FINGERPRINTED)
+
+
+def disagreement(replica_id: int, replica_ids: list[str]) -> str | None:
+    """Why group `replica_id` must not train in a quorum of `replica_ids` (torchft's "NAME:uuid", NAME
+    from `replica_name`): the kinds of settings where its fingerprint differs from the quorum's majority
+    (a tie: the lowest id's among the most common), in one line; None when it agrees."""
+    prints = {}
+    for rid in replica_ids:
+        fingerprint, _, gid = rid.split(":")[0].rpartition("-group")
+        if gid.isdigit():
+            prints[int(gid)] = fingerprint
+    if replica_id not in prints or len(set(prints.values())) <= 1:
+        return None
+    differs, others = [], set()
+    for i, (_, what) in enumerate(FINGERPRINTED):
+        part = {g: fp[4 * i:4 * i + 4] for g, fp in prints.items()}
+        count = {v: sum(1 for w in part.values() if w == v) for v in part.values()}
+        most = max(count.values())
+        reference = part[min(g for g, v in part.items() if count[v] == most)]
+        if part[replica_id] != reference:
+            differs.append(what)
+            others |= {g for g, v in part.items() if v == reference}
+    if not differs:
+        return None
+    return (f"replica group {replica_id} runs another {' and another '.join(differs)} than group(s) "
+            f"{', '.join(map(str, sorted(others)))} of its quorum, so it would be averaged with them (or break their "
+            "collectives): every replica group of a job must run the same settings; start it with theirs")
+
+
+class _CheckedQuorum:
+    """torchft's client of the group's Manager, each quorum checked (`check(replica_ids)`) as soon as it
+    is known, before a peer's state heals this group: the group refuses once the quorum is formed (its
+    process groups configured with the others'), before any collective between the groups, so that the
+    others lose one uncommitted step, as to any group that fails, not their collectives' configuration."""
+
+    def __init__(self, client, check: Callable[[list[str]], None]):
+        self._client, self._check = client, check
+
+    def _quorum(self, *args, **kwargs):
+        quorum = self._client._quorum(*args, **kwargs)
+        self._check(list(quorum.replica_ids))
+        return quorum
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
 
 
 def lighthouse_problem(address: str, timeout_s: float) -> str | None:
@@ -143,6 +218,8 @@ class ReplicaGroups(StepHook):
         self.uncommitted = 0  # steps of this run not committed (a group died in them)
         self.healed = 0  # times this group took its state from a peer
         self.moe: dict[str, nn.Module] = {}  # the MoE layers whose routing biases the groups move together
+        # why this group's settings differ from its quorum's (settings_fingerprint), or None: it is refused
+        self.disagreement: Callable[[], str | None] = lambda: None
         manager.register_state_dict_fn("scaletrain", self._load_peer_state, self._peer_state)
 
     @classmethod
@@ -179,8 +256,16 @@ class ReplicaGroups(StepHook):
                           quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
                           connect_timeout=timedelta(seconds=ft.quorum_timeout_s), rank=rt.rank,
                           world_size=rt.world_size, store_addr=host, store_port=port,
-                          lighthouse_addr=ft.lighthouse, replica_id=replica_name(ft.replica_id),
+                          lighthouse_addr=ft.lighthouse,
+                          replica_id=replica_name(ft.replica_id, settings_fingerprint(cfg, rt.layout)),
                           hostname=host, init_sync=False)  # weights start equal: seeded by name
+
+        said: list[str | None] = [None]  # the quorum's disagreement, raised once the quorum is formed
+
+        def check(replica_ids: list[str]) -> None:  # groups that disagree are refused, not averaged
+            said[0] = disagreement(ft.replica_id, replica_ids)
+
+        manager._client = _CheckedQuorum(manager._client, check)
         # local SGD / DiLoCo: the groups are the workers
         kind = cls if cfg.parallel.sync.mode == "step" else ReplicaGroupsOuter
         hook = kind(manager, named, optimizer, state, refresh, replica_id=ft.replica_id, groups=ft.groups,
@@ -191,6 +276,7 @@ class ReplicaGroups(StepHook):
         elif balance := next((h for h in hooks if isinstance(h, MoEBalance)), None):
             hook.moe = balance.layers  # their load counts summed over the groups, their biases healed
         hook.store = store  # kept alive with the hook
+        hook.disagreement = lambda: said[0]
         return hook
 
     # ---- what a healing peer receives ---------------------------------------------------------
@@ -204,6 +290,8 @@ class ReplicaGroups(StepHook):
                 "moe_bias": {n: m.expert_bias for n, m in self.moe.items()}}
 
     def _load_peer_state(self, peer: dict) -> None:
+        if self.disagreement() is not None:  # another model's state: not taken (the group is refused next)
+            return
         with torch.no_grad():
             for n, p in self.named:
                 _local(p).copy_(peer["params"][n])
@@ -254,6 +342,8 @@ class ReplicaGroups(StepHook):
                     raise QuorumNotFormed(self._gave_up(step, time.monotonic() - started)) from None
                 raise
         else:
+            if (why := self.disagreement()) is not None:  # formed: the group leaves before any collective
+                raise ConfigError(why)
             return
         finally:
             note.cancel()
@@ -355,6 +445,8 @@ class ReplicaGroupsOuter(ReplicaGroups):
                 "momentum": {p.name: p.momentum for p in outer.params if p.momentum is not None}}
 
     def _load_peer_state(self, peer: dict) -> None:
+        if self.disagreement() is not None:  # (as the base class: refused next)
+            return
         with torch.no_grad():
             for p in self.outer.params:
                 p.outer.copy_(peer["outer"][p.name])
