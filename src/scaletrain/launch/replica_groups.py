@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -46,7 +45,7 @@ def run_replica_groups(config: str | None, extra: list[str], *, groups: int, npr
     server = _child([sys.executable, "-m", "scaletrain", "lighthouse", "--bind", "[::]:0",
                      f"--min-replicas={min_replicas}", f"--join-timeout-ms={join_timeout_ms}",
                      f"--heartbeat-timeout-ms={heartbeat_timeout_ms}"], stdout=subprocess.PIPE, text=True)
-    first, launched, copies = server.stdout.readline().split(), [], []
+    first, launched = server.stdout.readline().split(), []
     if not first or first[0] != "lighthouse":
         server.wait()
         raise LaunchError(f"the Lighthouse did not start (exit code {server.returncode}); see the line above")
@@ -62,20 +61,8 @@ def run_replica_groups(config: str | None, extra: list[str], *, groups: int, npr
             command = [sys.executable, "-m", "scaletrain", "train", *base, "--nproc", str(nproc),
                        "--max-restarts", str(max_restarts), *ft, f"--fault_tolerance.replica_id={r}",
                        f"--log.run_dir={run_dir / f'group{r}'}"]
-            # each group writes its output to files beside its run folder (never a pipe: a group outlives a
-            # killed ft-local long enough to save, and must not die of a closed pipe), which ft-local shows
-            # line by line, each line saying whose it is
-            run_dir.mkdir(parents=True, exist_ok=True)
-            out, err = (open(run_dir / f"group{r}.{kind}", "ab") for kind in ("out", "err"))  # noqa: SIM115
-            with out, err:
-                group = _child(command, start_new_session=True, stdout=out, stderr=err)  # signals reach it from us
-            copies += [_shown(run_dir / f"group{r}.out", f"group {r}", sys.stdout, group),
-                       _shown(run_dir / f"group{r}.err", f"group {r}", sys.stderr, group)]
-            launched.append(group)
-        code = _wait(launched, cfg.fault_tolerance.quorum_timeout_s)
-        for copy in copies:  # the groups' last lines
-            copy.join(timeout=10)
-        return code
+            launched.append(_child(command, start_new_session=True))  # a signal here reaches it from us
+        return _wait(launched, cfg.fault_tolerance.quorum_timeout_s)
     finally:
         for g in launched:
             if g.poll() is None:
@@ -86,35 +73,6 @@ def run_replica_groups(config: str | None, extra: list[str], *, groups: int, npr
                 server.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 server.kill()
-
-
-def _shown(path: Path, who: str, to, process: subprocess.Popen) -> threading.Thread:
-    """Show what `process` appends to the file `path` on `to`, from where the file ends now, line by line,
-    each prefixed with `[who] `, until the process has ended and every line is shown."""
-    start = path.stat().st_size  # (a restarted job's folder: what earlier runs wrote stays in the file)
-
-    def copy():
-        with open(path, encoding="utf-8", errors="replace", newline="") as f:
-            f.seek(start)
-            partial = ""
-            while True:
-                ended = process.poll() is not None  # asked before reading: what it wrote before it ended is read now
-                chunk = f.read()
-                if chunk:
-                    *lines, partial = (partial + chunk).split("\n")
-                    to.write("".join(f"[{who}] {line}\n" for line in lines))
-                    to.flush()
-                if ended:
-                    if partial:
-                        to.write(f"[{who}] {partial}\n")
-                        to.flush()
-                    return
-                if not chunk:
-                    time.sleep(0.1)
-
-    thread = threading.Thread(target=copy, daemon=True)
-    thread.start()
-    return thread
 
 
 def _child(command: list[str], **popen) -> subprocess.Popen:

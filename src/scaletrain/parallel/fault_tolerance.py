@@ -84,7 +84,7 @@ def replica_name(replica_id: int, fingerprint: str = "") -> str:
 FINGERPRINTED = (
     ("model", "model (model.*)"),
     ("optim", "optimizer and learning-rate schedule (optim.*)"),
-    ("precision", "precision (precision.*)"),
+    ("precision", "precision (precision.*; the fp16 loss scale's start aside: a healed group takes its peer's)"),
     ("train", "steps, global batch, seed or batch ramp (train.steps, global_batch, seed, batch_rampup)"),
     ("data", "windows (data.seq_len, loss_mask, document_mask)"),
     ("layout", "layout inside each group (parallel.*, the batch triad, memory.*)"),
@@ -99,7 +99,7 @@ def settings_fingerprint(cfg, layout) -> str:
 
     d = cfg.to_dict()
     parts = {"model": {k: v for k, v in d["model"].items() if k not in _PATHS}, "optim": d["optim"],
-             "precision": d["precision"],
+             "precision": {k: v for k, v in d["precision"].items() if k != "init_scale"},
              "train": {k: d["train"][k] for k in ("steps", "global_batch", "seed", "batch_rampup")},
              "data": {k: d["data"][k] for k in ("seq_len", "loss_mask", "document_mask")},
              "layout": layout.to_dict()}
