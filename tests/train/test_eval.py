@@ -301,3 +301,17 @@ def test_eval_takes_a_hugging_face_folder_as_generate_does(finished_run, tmp_pat
     r = run_here("eval", str(tmp_path / "hf"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "is a Hugging Face model folder, which names no data: give --data FOLDER" in r.stderr
+
+
+def test_eval_refuses_a_model_folder_of_another_tokenizer_in_eval_s_words(finished_run, corpus, tmp_path):
+    """A Hugging Face folder evaluated on data of another tokenizer: one line that names the folder and
+    what to give `eval`, not model.init_from's advice."""
+    src, _ = corpus
+    assert run_here("export", str(finished_run / "checkpoints" / "step_00000004"), "--format", "hf", "--out",
+                    str(tmp_path / "hf")).returncode == 0
+    prepare([src], tmp_path / "bpe", tokenizer="bpe", vocab_size=300)
+    r = run_here("eval", str(tmp_path / "hf"), "--data", str(tmp_path / "bpe"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"the model folder {tmp_path / 'hf'} was trained with another tokenizer" in r.stderr
+    assert r.stderr.rstrip().endswith("or give --data a folder prepared with this model's tokenizer")
+    assert "model.init_from" not in r.stderr

@@ -319,10 +319,11 @@ def describe_identity(identity: str) -> str:
     return f"{kind} {int(size):,} tokens" if kind != "byte-level" else "byte-level, 256 tokens"
 
 
-def check_same_tokenizer(init_from: str, data_path: str) -> None:
-    """Refuse to start from weights (model.init_from) trained with another tokenizer than the
-    data's: every token id would stand for other text. Weights that do not say which tokenizer
-    they were trained with pass unchecked."""
+def check_same_tokenizer(init_from: str, data_path: str, *, what: str = "model.init_from",
+                         otherwise: str = "start from weights trained on this data's tokenizer") -> None:
+    """Refuse weights (model.init_from; `what` names them otherwise, e.g. a folder `eval` reads) trained
+    with another tokenizer than the data's: every token id would stand for other text. Weights that
+    do not say which tokenizer they were trained with pass unchecked. `otherwise`: the other fix."""
     theirs, ours = identity_of_weights(init_from), identity_of_data(data_path)
     if theirs is None or ours is None or theirs == ours:
         return
@@ -330,7 +331,6 @@ def check_same_tokenizer(init_from: str, data_path: str) -> None:
     folder = Path(init_from) if Path(init_from).is_dir() else Path(init_from).parent
     how = (f"scaletrain prepare INPUT... --out NEW_FOLDER --tokenizer {folder}" if (folder / TOKENIZER_FILE).is_file()
            else "the tokenizer of the run it was exported from")
-    raise DataError(f"model.init_from {init_from} was trained with another tokenizer ({describe_identity(theirs)}) "
+    raise DataError(f"{what} {init_from} was trained with another tokenizer ({describe_identity(theirs)}) "
                     f"than data.path {data} ({describe_identity(ours)}): its token ids would stand for other text; "
-                    f"prepare the data with its tokenizer ({how}), or start from weights trained on this data's "
-                    "tokenizer")
+                    f"prepare the data with its tokenizer ({how}), or {otherwise}")

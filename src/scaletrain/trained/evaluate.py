@@ -111,7 +111,8 @@ def _hf_folder(path, data) -> _Evaluated:
     if data is None:
         raise ConfigError(f"{path} is a Hugging Face model folder, which names no data: give --data FOLDER, a "
                           "prepared folder of its tokenizer")
-    check_same_tokenizer(str(path), str(data))  # the ids must mean the same text
+    check_same_tokenizer(str(path), str(data), what="the model folder",  # the ids must mean the same text
+                         otherwise="give --data a folder prepared with this model's tokenizer")
     cfg = model_config(model_config_from_hf(path))
     config = {"model": asdict(cfg), "data": {"seq_len": min(128, cfg.max_seq_len)}}
     state = {"config": config, "step": 0, "data": {"global_batch": 8}}
