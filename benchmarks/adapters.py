@@ -105,7 +105,7 @@ def memory_row(spec: str) -> None:
         seconds = (time.perf_counter() - t0) / args["steps"]
     print(json.dumps({"before": before, "build_peak": build_peak, "built": built, "peak": rss_mib(),
                       "built_live": built_live, "live_peak": live.peak / 2**20,
-                      "params": t.num_params, "trainable": trainable(t.model), "step_s": seconds}))
+                      "params": t.pm.num_params, "trainable": trainable(t.model), "step_s": seconds}))
 
 
 def memory(args) -> None:

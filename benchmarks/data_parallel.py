@@ -78,9 +78,9 @@ def rank_main(spec_path: str, out_path: str) -> int:
         every = [None] * rt.world_size
         dist.all_gather_object(every, sent)
         states = [None] * rt.world_size
-        dist.all_gather_object(states, sum(trainer.state_bytes.values()))
+        dist.all_gather_object(states, sum(trainer.meter.state_bytes.values()))
         rows.append({"zero": zero, "step_s": statistics.median(times), "sent": every, "states": states,
-                     "num_params": trainer.num_params})
+                     "num_params": trainer.pm.num_params})
         del trainer
     if rt.rank == 0:
         write_result(out_path, rows)
@@ -112,7 +112,7 @@ def main(argv=None) -> None:
     n, psi = args.nproc, rows[0]["num_params"]
     b = single.layout
     print(f"config {args.config}: {psi / 1e6:.2f}M params, global batch {b.global_batch} x {cfg.data.seq_len}, "
-          f"fp32, {args.steps} timed steps, N = {n} ranks ({single.device.type})")
+          f"fp32, {args.steps} timed steps, N = {n} ranks ({single.rt.device.type})")
     print(f"{'layout':<14}{'step (median)':>15}{'vs 1 proc':>10}{'sent/rank/step':>16}{'theory':>11}{'ratio':>7}"
           f"{'states/rank':>13}{'paper':>10}{'ratio':>7}")
     print(f"{'1 process':<14}{single_s * 1e3:>13.0f}ms{1.0:>10.2f}{'-':>16}{'-':>11}{'-':>7}"

@@ -71,8 +71,8 @@ def main() -> None:
         for seq in (int(s) for s in args.seq.split(",")):
             probe = trainer(data, tmp / f"probe-{seq}", seq, 4096, True)
             windows = probe.sampler(0).global_batch_indices(0)
-            inputs, _ = probe.dataset[windows]
-            docs = (inputs == probe.dataset.separator).sum(1).float().mean().item() + 1
+            inputs, _ = probe.data.dataset[windows]
+            docs = (inputs == probe.data.dataset.separator).sum(1).float().mean().item() + 1
             counted = probe.counted_tokens(0) / inputs.numel()
             print(f"\nwindows of {seq} tokens, batch {len(windows)}: {docs:.1f} documents a window (step 1's "
                   f"mean), {100 * counted:.1f}% of the targets counted (those after a separator are not)")

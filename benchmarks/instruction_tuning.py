@@ -98,7 +98,7 @@ def main() -> None:
         print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {len(recs)} records "
               f"({meta['num_documents']} train, {meta['num_val_documents']} held out), "
               f"{meta['num_tokens']:,} training tokens of which {meta['num_counted_tokens']:,} answers'; "
-              f"model tiny ({trainer.num_params / 1e6:.2f}M), {args.steps} steps of {args.batch} x 128, "
+              f"model tiny ({trainer.pm.num_params / 1e6:.2f}M), {args.steps} steps of {args.batch} x 128, "
               f"{seconds:.0f} s")
         print(f"validation loss over the held-out answers' tokens ({args.eval_batches or 'all'} batch(es) of "
               f"{args.batch} windows):")

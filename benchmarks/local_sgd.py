@@ -76,7 +76,7 @@ def rank_main(spec_path: str, out_path: str) -> int:
             per_step.append(_wchar() - before)
         every = [None] * rt.world_size
         dist.all_gather_object(every, per_step)
-        out.append({"name": name, "overrides": overrides, "per_step": every, "num_params": trainer.num_params})
+        out.append({"name": name, "overrides": overrides, "per_step": every, "num_params": trainer.pm.num_params})
         del trainer, batches
     if rt.rank == 0:
         write_result(out_path, out)

@@ -62,7 +62,7 @@ def main(argv=None) -> None:
             continue
         trainer.train_step(trainer.batches())
         state = optimizer_state_bytes(trainer.optimizer)
-        print(f"{name:<12}{state / 2**20:>11.2f}MiB{state / trainer.num_params:>14.3f}")
+        print(f"{name:<12}{state / 2**20:>11.2f}MiB{state / trainer.pm.num_params:>14.3f}")
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def _measure(trainer, steps: int, sync=None) -> dict:
 
     batches = trainer.batches()
     trainer.train_step(batches)  # warm-up (and the model-state measurement)
-    peak = peak_allocated_bytes(lambda: trainer.train_step(batches), trainer.device)
+    peak = peak_allocated_bytes(lambda: trainer.train_step(batches), trainer.rt.device)
     if sync:
         sync()
     times = []
@@ -63,7 +63,7 @@ def _measure(trainer, steps: int, sync=None) -> dict:
         if sync:
             sync()
         times.append(time.perf_counter() - t0)
-    return {"step_s": statistics.median(times), "states": sum(trainer.state_bytes.values()), "peak": peak}
+    return {"step_s": statistics.median(times), "states": sum(trainer.meter.state_bytes.values()), "peak": peak}
 
 
 def rank_main(spec_path: str, out_path: str) -> int:
@@ -106,9 +106,9 @@ def main(argv=None) -> None:
     single = _measure(trainer, args.steps)
     b = trainer.layout
     common = ", ".join(f"{k}={v}" for k, v in COMMON.items())
-    print(f"config {args.config} with {common}: {trainer.num_params / 1e6:.2f}M "
+    print(f"config {args.config} with {common}: {trainer.pm.num_params / 1e6:.2f}M "
           f"params, global batch {b.global_batch} x {cfg.data.seq_len} in {b.grad_accum} micro-batches, fp32, "
-          f"{args.steps} timed steps, {trainer.device.type}")
+          f"{args.steps} timed steps, {trainer.rt.device.type}")
     print(f"{'layout':<18}{'ranks':>6}{'step (median)':>15}{'vs 1 proc':>11}{'states/rank':>14}{'peak/rank':>12}")
     print(f"{'1 process':<18}{1:>6}{single['step_s'] * 1e3:>13.0f}ms{1.0:>11.2f}"
           f"{single['states'] / 2**20:>11.1f}MiB{single['peak'] / 2**20:>9.1f}MiB")

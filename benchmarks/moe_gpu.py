@@ -76,7 +76,7 @@ def main(argv=None) -> None:
         steady = [r for r in rows if r["step"] > args.skip]
         imb = [r["moe_imbalance"] for r in steady if "moe_imbalance" in r]
         mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]  # (n/a where a step beat the peak)
-        print(f"{label:<26}{trainer.num_params / 1e6:>8.1f}M{matmul_params(trainer.cfg.model) / 1e6:>8.1f}M"
+        print(f"{label:<26}{trainer.pm.num_params / 1e6:>8.1f}M{matmul_params(trainer.cfg.model) / 1e6:>8.1f}M"
               + (f"{100 * statistics.median(mfu):>6.1f}%" if mfu else f"{'n/a':>7}") +
               f"{statistics.median(r['tokens_per_s'] for r in steady):>11,.0f}"
               f"{1e3 * statistics.median(r['step_time_s'] for r in steady):>7.1f}ms"

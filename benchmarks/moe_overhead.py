@@ -84,8 +84,8 @@ def main(argv=None) -> None:
 
     trainer = Trainer(cfg)
     batches = trainer.batches()
-    model = trainer.dp.module  # one process: the plain Transformer both loops train
-    tokens = torch.from_numpy(trainer.data.read(0, trainer.data.num_tokens))
+    model = trainer.pm.dp.module  # one process: the plain Transformer both loops train
+    tokens = torch.from_numpy(trainer.data.corpus.read(0, trainer.data.corpus.num_tokens))
     B, T = trainer.layout.micro_batch, cfg.data.seq_len
     hand = HandLoop(model, cfg, tokens, B)
 
@@ -111,7 +111,7 @@ def main(argv=None) -> None:
             times[name].extend(timed(fn))
     m = cfg.model
     print(f"config {args.config} + {m.moe_experts} experts of {m.expert_hidden}, top {m.moe_top_k}, bias rate "
-          f"{m.moe_bias_rate:g}; device {trainer.device}, batch {B}x{T}, {trainer.num_params / 1e6:.2f}M params; "
+          f"{m.moe_bias_rate:g}; device {trainer.rt.device}, batch {B}x{T}, {trainer.pm.num_params / 1e6:.2f}M params; "
           f"{len(times['scaletrain'])} steps each, interleaved; {torch.get_num_threads()} thread(s)")
     # CPU time (all the process's threads) is the steadier figure on a machine shared with other work
     print(f"{'loop':<14}{'median step':>14}{'min':>10}{'max':>10}{'median CPU time':>17}")

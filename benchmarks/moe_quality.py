@@ -59,7 +59,7 @@ def train_row(args, extra: list[str], overrides: dict) -> dict:
             trainer.fit()
         except TrainingStopped as e:  # a diverged run is a result too: its rows so far, and why it stopped
             stopped = str(e)
-    return {"params": trainer.num_params, "active": matmul_params(cfg.model), "rows": trainer.metrics.history,
+    return {"params": trainer.pm.num_params, "active": matmul_params(cfg.model), "rows": trainer.metrics.history,
             "seconds": time.perf_counter() - t0, "stopped": stopped}
 
 

@@ -48,8 +48,8 @@ def main(argv=None) -> None:
 
     # hand-written: the same model shape and optimizer, nanoGPT-style batches (scaletrain.bench.plain;
     # `scaletrain bench step --vs-plain-loop` runs the same comparison)
-    device = trainer.device
-    data = torch.from_numpy(trainer.data.read(0, trainer.data.num_tokens))
+    device = trainer.rt.device
+    data = torch.from_numpy(trainer.data.corpus.read(0, trainer.data.corpus.num_tokens))
     B, T = trainer.layout.micro_batch, cfg.data.seq_len
     hand_step = PlainLoop(cfg, data, device, B).step
 
@@ -78,7 +78,7 @@ def main(argv=None) -> None:
         (hand if first is ours_step else ours).extend(b)
     m_ours, m_hand = statistics.median(ours), statistics.median(hand)
     print(f"config {args.config}, device {device}, precision {cfg.precision.mode}, "
-          f"batch {B}x{T}, {trainer.num_params / 1e6:.2f}M params, {len(ours)} steps each, interleaved")
+          f"batch {B}x{T}, {trainer.pm.num_params / 1e6:.2f}M params, {len(ours)} steps each, interleaved")
     print(f"{'loop':<14}{'median step':>14}{'min':>10}{'max':>10}")
     for name, xs in (("scaletrain", ours), ("hand-written", hand)):
         print(f"{name:<14}{statistics.median(xs) * 1e3:>12.1f}ms{min(xs) * 1e3:>8.1f}ms{max(xs) * 1e3:>8.1f}ms")

@@ -294,10 +294,10 @@ def fit_reference(cfg, **trainer_kw) -> dict:
     from dist_worker import weight_fingerprint
 
     trainer = Trainer(cfg, **trainer_kw)
-    before = {n: p.detach().double().clone() for n, p in trainer.named_params}
+    before = {n: p.detach().double().clone() for n, p in trainer.pm.dp.named_params}
     history = trainer.fit()["history"]
-    weights = weight_fingerprint(trainer.named_params)
-    for n, p in trainer.named_params:
+    weights = weight_fingerprint(trainer.pm.dp.named_params)
+    for n, p in trainer.pm.dp.named_params:
         weights[n].append((p.detach().double() - before[n]).norm().item())
     return {"history": history, "weights": weights}
 
@@ -352,7 +352,7 @@ def run_until(cfg, stop_after: int) -> dict:
     def step_then_maybe_stop(batches):
         out = step(batches)
         if trainer.step + 1 >= stop_after:
-            trainer.signals.received = signal.SIGTERM
+            trainer.health.signals.received = signal.SIGTERM
         return out
 
     trainer.train_step = step_then_maybe_stop

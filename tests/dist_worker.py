@@ -68,7 +68,7 @@ def inject_into_trainer(trainer, fault: dict | None, rank: int) -> None:
 
         def poisoned_update():
             if trainer.step + 1 == fault["step"]:
-                grad = trainer.optim_params[0][1].grad
+                grad = trainer.pm.optim_params[0][1].grad
                 local = grad.to_local() if hasattr(grad, "to_local") else grad
                 local.view(-1)[0] = float("inf")
             return real()
@@ -156,10 +156,10 @@ def main(spec_path: str) -> None:
         t0 = time.perf_counter()
         result = trainer.fit()
         fit_s = time.perf_counter() - t0
-        weights = weight_fingerprint(trainer.named_params)  # this rank's stages, gathered over their shards
+        weights = weight_fingerprint(trainer.pm.dp.named_params)  # this rank's stages, gathered over their shards
         gathered = [None] * rt.world_size
-        dist.all_gather_object(gathered, {"rank": rank, "dp_rank": trainer.dp_rank, "indices": indices,
-                                          "state_bytes": trainer.state_bytes, "probe": probe() if probe else None,
+        dist.all_gather_object(gathered, {"rank": rank, "dp_rank": trainer.data.dp_rank, "indices": indices,
+                                          "state_bytes": trainer.meter.state_bytes, "probe": probe() if probe else None,
                                           "weights": weights})
         whole = {}  # every stage's parameters (replicas and tensor-parallel peers hold the same values)
         copies: dict[str, list] = {}  # each parameter's fingerprint on every rank that holds it
@@ -169,7 +169,7 @@ def main(spec_path: str) -> None:
                 copies.setdefault(n, []).append(v)
         spread = {n: max(abs(v[1] - vs[0][1]) for v in vs) for n, vs in copies.items()}
         results.append({"losses": [(r["step"], r["loss"]) for r in result["history"]],
-                        "history": result["history"], "ranks": gathered, "num_params": trainer.num_params,
+                        "history": result["history"], "ranks": gathered, "num_params": trainer.pm.num_params,
                         "start_step": result["history"][0]["step"] if result["history"] else None,
                         "weights": whole, "weights_spread": spread, "fit_s": fit_s, "step_s": step_s,
                         "job_s": time.perf_counter() - job_t0})

@@ -72,9 +72,9 @@ def inject(trainer) -> None:
     """The rank hook: arm this rank's kills of the plan (those not fired yet), and the recording."""
     from scaletrain.parallel.fault_tolerance import ReplicaGroups
 
-    job_dir = Path(trainer.run_dir).parent
+    job_dir = Path(trainer.folder.run_dir).parent
     plan = json.loads((job_dir / "faults.json").read_text())
-    group, rank = trainer.cfg.fault_tolerance.replica_id, trainer.rank
+    group, rank = trainer.cfg.fault_tolerance.replica_id, trainer.rt.rank
     done = fired(job_dir)
     mine = [(i, k) for i, k in enumerate(plan["kills"])
             if i not in done and k["group"] == group and k.get("rank", 0) == rank]
@@ -85,7 +85,7 @@ def inject(trainer) -> None:
                 marker = job_dir / "fired" / f"{i}.json"
                 marker.parent.mkdir(exist_ok=True)
                 rows = marker.with_suffix(".metrics.jsonl")  # the restart would start the group's file anew
-                metrics = Path(trainer.run_dir) / "metrics.jsonl"
+                metrics = Path(trainer.folder.run_dir) / "metrics.jsonl"
                 rows.with_suffix(".tmp").write_bytes(metrics.read_bytes() if metrics.exists() else b"")
                 os.replace(rows.with_suffix(".tmp"), rows)
                 tmp = marker.with_suffix(".tmp")
@@ -147,7 +147,7 @@ def inject(trainer) -> None:
 
 
 def _journal(trainer, ft) -> None:
-    path = Path(trainer.run_dir) / "journal.jsonl"
+    path = Path(trainer.folder.run_dir) / "journal.jsonl"
 
     def train_step(batches, real=trainer.train_step):
         out = real(batches)
@@ -160,12 +160,12 @@ def _journal(trainer, ft) -> None:
 
 
 def _record_states(trainer) -> None:
-    folder = Path(trainer.run_dir) / "states"
+    folder = Path(trainer.folder.run_dir) / "states"
     folder.mkdir(parents=True, exist_ok=True)
 
     def write(name: str) -> None:
         state = {"step": trainer.state.step, "skipped_steps": trainer.state.skipped_steps,
-                 "params": {n: p.detach().clone() for n, p in trainer.optim_params},
+                 "params": {n: p.detach().clone() for n, p in trainer.pm.optim_params},
                  "optim": trainer.optimizer.state_dict()}
         torch.save(state, folder / f".{name}.tmp")
         os.replace(folder / f".{name}.tmp", folder / f"{name}.pt")

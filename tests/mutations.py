@@ -107,8 +107,8 @@ MUTANTS = [
             f"{DP}::test_parity_with_one_process[4ranks-zero1-sgd-noclip-accum]")),
     Mutant("resume-data-order-off-by-one", "a resumed run reads the data of the step after the one it is at",
            "src/scaletrain/train/trainer.py",
-           "build_loader(self.dataset, self.sampler(self.step),",
-           "build_loader(self.dataset, self.sampler(self.step + (self.step > 0)),",
+           "build_loader(self.data.dataset, self.sampler(self.step),",
+           "build_loader(self.data.dataset, self.sampler(self.step + (self.step > 0)),",
            (f"{DP}::test_checkpoints_reshard_across_layouts",
             "tests/train/test_checkpoint.py::test_stop_and_resume_gives_bitwise_identical_losses")),
     # (the input_layouts of the blocks' "attn" and "mlp" PrepareModuleInput are not this: their
@@ -475,7 +475,7 @@ MUTANTS = [
            (f"{HF}::test_imported_families_train_alike_under_zero3_tp_and_pp",)),
     Mutant("chat-loss-over-all-tokens", "the masked loss normalised by every token of the global batch, not by the "
            "counted ones", "src/scaletrain/train/trainer.py",
-           "return self.dataset.counted_in_step(step, self.sampler) or self.step_tokens(step)",
+           "return self.data.dataset.counted_in_step(step, self.sampler) or self.step_tokens(step)",
            "return self.step_tokens(step)",
            (f"{CH}::test_first_step_loss_is_the_mean_over_the_assistants_tokens_and_the_prompt_gets_no_gradient",)),
     Mutant("chat-mask-shifted-by-one", "a window's targets masked by its inputs' mask (the mask read one token "

@@ -339,6 +339,108 @@ def trainer_private_names(path: Path = TRAINER) -> set[str]:
     return {n for n in names if not n.startswith("__")}
 
 
+def hook_members(package: Path = PACKAGE, protocol: str = "StepHook") -> dict[str, set[str]]:
+    """Each member of `protocol` (scaletrain/hooks.py) -> the modules whose classes below it override it."""
+    hooks_py = package / "hooks.py"
+    classes = {n.name: n for n in ast.parse(hooks_py.read_text()).body if isinstance(n, ast.ClassDef)}
+
+    def members(cls: ast.ClassDef) -> set[str]:
+        return {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")} | \
+            {t.id for n in cls.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+             for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)} | \
+            {t.attr for n in ast.walk(cls) if isinstance(n, ast.Assign) for t in n.targets
+             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+
+    below, found = {protocol}, {m: set() for m in members(classes[protocol]) - {"phase", "key"}}
+    trees = {f: ast.parse(f.read_text()) for f in sorted(package.rglob("*.py")) if f != hooks_py}
+    grew = True
+    while grew:  # the classes below the protocol, however deep
+        grew = False
+        for tree in [ast.parse(hooks_py.read_text()), *trees.values()]:
+            for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name not in below):
+                if any(isinstance(b, ast.Name) and b.id in below for b in cls.bases):
+                    below.add(cls.name)
+                    grew = True
+    for f, tree in trees.items():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name in below):
+            for m in members(cls) & found.keys():
+                found[m].add(f.relative_to(package).as_posix())
+    return found
+
+
+def test_every_step_hook_member_has_more_than_one_technique():
+    """A member of the step-hook protocol that one technique alone implements belongs to that technique:
+    the outer loop's (OuterLoop), the precision's (Precision.loss_scale), the parallel model's
+    (ParallelModel.batch_share)."""
+    single = {m: where for m, where in hook_members().items() if len(where) < 2}
+    assert single == {}, f"step-hook members with one implementer: {single}"
+    outer = hook_members(protocol="OuterLoop")
+    assert {"start", "writes_checkpoint", "skip_reason", "reported_norm", "data_outer"} <= outer.keys()
+    assert all(where <= {"parallel/local_sgd.py", "parallel/fault_tolerance.py"} and where
+               for m, where in outer.items() if m not in hook_members()), outer
+
+
+def test_the_member_count_sees_a_member_one_technique_implements(tmp_path):
+    package = tmp_path / "scaletrain"
+    (package / "parallel").mkdir(parents=True)
+    hooks = (PACKAGE / "hooks.py").read_text()
+    (package / "hooks.py").write_text(hooks.replace("    def begin_step(", "    def only_mine(self):\n"
+                                                    "        pass\n\n    def begin_step(", 1))
+    (package / "parallel" / "t.py").write_text("from scaletrain.hooks import StepHook\n\n\nclass A(StepHook):\n"
+                                               "    def only_mine(self):\n        return 1\n")
+    assert hook_members(package)["only_mine"] == {"parallel/t.py"}
+
+
+def reads_of(attr: str, files) -> list[str]:
+    """Where `.attr` is read in `files`, as "FILE:LINE"."""
+    return [f"{f.name}:{n.lineno}" for f in files for n in ast.walk(ast.parse(f.read_text()))
+            if isinstance(n, ast.Attribute) and n.attr == attr]
+
+
+def test_the_local_sync_predicate_is_read_in_the_layout_alone():
+    """Whether copies train apart between syncs is answered by the layout's roles (step_axis, step_replicas,
+    expert_step_axis, outer: the outer sync's mode, period, dtype and workers), never re-derived."""
+    files = [f for f in sorted(PACKAGE.rglob("*.py")) if f != PACKAGE / "layout.py"]
+    assert reads_of("local_sync", files) == []
+    assert len(reads_of("local_sync", [PACKAGE / "layout.py"])) >= 5  # the check sees the reads
+
+
+def trainer_public_attributes(path: Path = TRAINER) -> list[str]:
+    """The Trainer's public attributes (what it holds, not what it does): the self.X it sets and its
+    properties, as "NAME (FILE:LINE)" where each first appears."""
+    cls, seen = _trainer_class(path), {}
+    for n in ast.walk(cls):
+        if isinstance(n, ast.FunctionDef) and any(isinstance(d, ast.Name) and d.id == "property"
+                                                  for d in n.decorator_list):
+            seen.setdefault(n.name, n.lineno)
+        if isinstance(n, (ast.Assign, ast.AnnAssign)):
+            for target in n.targets if isinstance(n, ast.Assign) else [n.target]:
+                for t in ast.walk(target):
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self" \
+                            and not t.attr.startswith("_"):
+                        seen.setdefault(t.attr, t.lineno)
+    return [f"{name} ({path.name}:{line})" for name, line in sorted(seen.items(), key=lambda kv: kv[1])]
+
+
+TRAINER_ATTRIBUTES = 16  # the issue's "about 15": what a user reaches a run's parts by
+
+
+def test_the_trainer_holds_few_public_attributes():
+    """A user reaches a run's parts through a few (cfg, rt, layout, data, pm, model, optimizer, schedule,
+    state, precision, hooks, health, metrics, meter, folder; step): the rest is theirs or private."""
+    public = trainer_public_attributes()
+    assert len(public) <= TRAINER_ATTRIBUTES, f"{len(public)} public Trainer attributes: {public}"
+
+
+def test_the_attribute_count_sees_one_more(tmp_path):
+    planted = tmp_path / "trainer.py"
+    text = TRAINER.read_text()
+    anchor = "        self.cfg = cfg\n"
+    planted.write_text(text.replace(anchor, anchor + "        self.dp_rank, self._x = 0, 1\n", 1))
+    before, after = trainer_public_attributes(), trainer_public_attributes(planted)
+    assert len(after) == len(before) + 1 and any(a.startswith("dp_rank (trainer.py:") for a in after)
+
+
 def private_trainer_access(files, private: set[str]) -> list[str]:
     return [f"{f.name}:{n.lineno} .{n.attr}" for f in files for n in ast.walk(ast.parse(f.read_text()))
             if isinstance(n, ast.Attribute) and n.attr in private

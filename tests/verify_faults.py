@@ -17,7 +17,7 @@ def perturb_grad_rank1(trainer, scale: float = 1.01) -> None:
     def scale_gradient(module, inputs, output):
         return output.detach() + (output - output.detach()) * scale
 
-    for chunk in trainer.dp.modules:
+    for chunk in trainer.pm.dp.modules:
         chunk.register_forward_hook(scale_gradient)
 
 
@@ -45,7 +45,7 @@ def every_block_linear_fake_quantized(trainer) -> None:
     from torch import nn
     from torchao.quantization.qat import FakeQuantizedLinear
 
-    linears = {n: m for chunk in trainer.dp.modules for n, m in chunk.named_modules()
+    linears = {n: m for chunk in trainer.pm.dp.modules for n, m in chunk.named_modules()
                if isinstance(m, nn.Linear) and "layers." in n}
     plain = sorted(n for n, m in linears.items() if not isinstance(m, FakeQuantizedLinear))
     if not linears or plain:

@@ -6,12 +6,14 @@ Trainer a `StepHook`; `parallelize()` returns those of the techniques it applied
 those built from it (master weights, local SGD). The Trainer calls `StepHooks` at fixed points of
 the step and never asks which technique is behind a hook:
 
-    begin_step -> forward/backward of every micro-batch (each hook's `batch_share` cuts this rank's tokens;
-    the loss scaled by `loss_scale`) -> reduce_gradients (the last: fp16's unscale) -> clip (the parallel model's
-    global norm) -> agree_to_skip
-    -> optimizer step -> after_optimizer_step -> reported_norm (-> metrics, on a logged step)
+    begin_step -> forward/backward of every micro-batch -> reduce_gradients (the last: fp16's unscale)
+    -> clip (the parallel model's global norm) -> agree_to_skip -> optimizer step -> after_optimizer_step
+    (-> metrics, on a logged step)
 
-Every method of `StepHook` does nothing by default: a hook overrides what it needs.
+Every method of `StepHook` does nothing by default: a hook overrides what it needs. A member belongs to
+the protocol when more than one technique implements it (tests/test_structure.py holds this); the run's
+outer loop (local SGD / DiLoCo / replica groups: parallel/outer.py), one strategy of its own, adds the
+members only it has (`OuterLoop`).
 """
 
 from __future__ import annotations
@@ -29,21 +31,6 @@ class StepHook:
 
     phase = "a technique's step work"
     key = ""  # the checkpoint's trainer.json entry of state_dict(); empty: the hook keeps no state
-    # this rank's share of a batch's (inputs, targets), cut in the data loader (None: all of it);
-    # a picklable function, as the loader's worker processes call it
-    batch_share: Callable | None = None
-    # (index, count): this rank's data-parallel group is group `index` of `count` that read apart as one
-    # job's data-parallel ranks, in processes of their own (fault tolerance's replica groups)
-    data_outer: tuple[int, int] = (0, 1)
-
-    def start(self) -> None:
-        """Once the run is built (and resumed), before its first step: a technique that may take the
-        run's state from elsewhere (a live peer) does so here, before the data position is read."""
-
-    def loss_scale(self) -> float | None:
-        """The scale the loss is multiplied by, in place of the data-parallel mean's factor dp, which
-        this hook multiplies back when it unscales the gradients (fp16's loss scaler); None: none."""
-        return None
 
     def begin_step(self, loss_factor: float) -> None:
         """Before the step's first forward. `loss_factor`: d (what backward starts from) / d (the sum
@@ -52,14 +39,6 @@ class StepHook:
     def reduce_gradients(self, named: Named) -> None:
         """After the micro-batches' backward, before the norm: gradients of the optimizer's
         parameters (`named`, masters or shards included) summed where the technique needs it."""
-
-    def skip_reason(self) -> str | None:
-        """Why `agree_to_skip` skipped this step where the gradients did not ask for it (None: it did not)."""
-        return None
-
-    def writes_checkpoint(self) -> bool:
-        """Whether this run writes the checkpoints (one of several copies of the run: only one writes)."""
-        return True
 
     def agree_to_skip(self, skip: bool) -> bool:
         """Whether every rank skips this step, given this rank's verdict (a collective where ranks
@@ -73,10 +52,6 @@ class StepHook:
 
     def refresh_weights(self) -> None:
         """What the model computes with, from what the optimizer steps (after a step or a load)."""
-
-    def reported_norm(self, grad_norm):
-        """The gradient norm the metrics show (a worker's own norm becomes the workers' RMS)."""
-        return grad_norm
 
     def metrics(self) -> dict[str, float]:
         """What the technique measured in the last step, for the metrics row."""
@@ -100,12 +75,42 @@ class StepHook:
         """After the tensors are loaded."""
 
 
-class StepHooks:
-    """The hooks of a run, called in order. `enter(phase)` tells the run's health what is running
-    (a hang in a collective is reported with it)."""
+class OuterLoop(StepHook):
+    """The run's outer loop: copies of the model kept apart between syncs (local SGD / DiLoCo's
+    workers, fault tolerance's replica groups; at most one per run, parallel/outer.py). Besides a
+    step hook's work, it alone decides what follows from there being several copies of one run."""
 
-    def __init__(self, hooks: Iterable[StepHook] = (), enter: Callable[[str], None] = lambda phase: None):
-        self.hooks = list(hooks)
+    # (index, count): this rank's data-parallel group is group `index` of `count` that read apart as one
+    # job's data-parallel ranks, in processes of their own (fault tolerance's replica groups)
+    data_outer: tuple[int, int] = (0, 1)
+
+    def start(self) -> None:
+        """Once the run is built (and resumed), before its first step: a copy that may take the run's
+        state from elsewhere (a live peer) does so here, before the data position is read."""
+
+    def skip_reason(self) -> str | None:
+        """Why `agree_to_skip` skipped this step where the gradients did not ask for it (None: it did not)."""
+        return None
+
+    def writes_checkpoint(self) -> bool:
+        """Whether this copy of the run writes the checkpoints (only one of several writes)."""
+        return True
+
+    def reported_norm(self, grad_norm):
+        """The gradient norm the metrics show (a worker's own norm becomes the workers' RMS)."""
+        return grad_norm
+
+
+class StepHooks:
+    """The hooks of a run, called in order, and its outer loop (`outer`, among the hooks in its place;
+    None: every rank syncs every step). `enter(phase)` tells the run's health what is running (a hang
+    in a collective is reported with it)."""
+
+    def __init__(self, hooks: Iterable[StepHook | None] = (), enter: Callable[[str], None] = lambda phase: None,
+                 outer: OuterLoop | None = None):
+        self.hooks = [h for h in hooks if h is not None]
+        assert outer is None or outer in self.hooks, "the outer loop is one of the run's hooks"
+        self.outer = outer or OuterLoop()  # (no outer loop: one copy of the run, nothing to decide)
         self.enter = enter
 
     def add(self, *hooks: StepHook | None) -> StepHooks:
@@ -117,14 +122,8 @@ class StepHooks:
         return next((h for h in self.hooks if isinstance(h, kind)), None)
 
     def start(self) -> None:
-        for h in self.hooks:
-            self.enter(h.phase)
-            h.start()
-
-    def loss_scale(self) -> float | None:
-        scales = [s for h in self.hooks if (s := h.loss_scale()) is not None]
-        assert len(scales) <= 1, "two techniques scale the loss"
-        return scales[0] if scales else None
+        self.enter(self.outer.phase)
+        self.outer.start()
 
     def begin_step(self, loss_factor: float) -> None:
         for h in self.hooks:
@@ -132,26 +131,18 @@ class StepHooks:
 
     @property
     def data_outer(self) -> tuple[int, int]:
-        outers = [h.data_outer for h in self.hooks if h.data_outer != (0, 1)]
-        assert len(outers) <= 1, "two techniques split the data among groups"
-        return outers[0] if outers else (0, 1)
+        return self.outer.data_outer
 
     def skip_reason(self) -> str | None:
-        return next((r for h in self.hooks if (r := h.skip_reason()) is not None), None)
+        return self.outer.skip_reason()
 
     def writes_checkpoint(self) -> bool:
-        return all(h.writes_checkpoint() for h in self.hooks)
+        return self.outer.writes_checkpoint()
 
     def reduce_gradients(self, named: Named) -> None:
         for h in self.hooks:
             self.enter(h.phase)
             h.reduce_gradients(named)
-
-    @property
-    def batch_share(self) -> Callable | None:
-        shares = [h.batch_share for h in self.hooks if h.batch_share is not None]
-        assert len(shares) <= 1, "two techniques cut the batch"
-        return shares[0] if shares else None
 
     def agree_to_skip(self, skip: bool) -> bool:
         for h in self.hooks:
@@ -170,9 +161,7 @@ class StepHooks:
             h.refresh_weights()
 
     def reported_norm(self, grad_norm):
-        for h in self.hooks:
-            grad_norm = h.reported_norm(grad_norm)
-        return grad_norm
+        return self.outer.reported_norm(grad_norm)
 
     def metrics(self) -> dict[str, float]:
         return {k: v for h in self.hooks for k, v in h.metrics().items()}

@@ -67,6 +67,26 @@ def chunks_per_rank(schedule: str, virtual: int) -> int:
 
 
 @dataclass(frozen=True)
+class OuterSync:
+    """How copies of the model trained apart are synced (parallel.sync): `mode` local_sgd or diloco,
+    every `every` steps, in `fragments` (streaming), `delay` steps late, weights sent in `dtype`; the
+    `workers` are the job's dp_replicate groups (1 per job under fault tolerance: the groups are its
+    workers, each a job of its own)."""
+
+    mode: str
+    every: int
+    fragments: int
+    delay: int
+    dtype: str
+    workers: int
+
+    @property
+    def outer_momentum(self) -> bool:
+        """DiLoCo keeps an outer optimizer's momentum beside the outer weights; local SGD averages."""
+        return self.mode == "diloco"
+
+
+@dataclass(frozen=True)
 class Layout:
     # the defaults are the config's (its dataclasses are their one home); sizes and the batch
     # triad default to 1, where the config's -1 and 0 ask for derivation
@@ -159,6 +179,15 @@ class Layout:
     def local_sync(self) -> bool:
         """The workers (dp_replicate groups) sync every sync_every steps, not every step."""
         return self.dp_sync != "step"
+
+    @property
+    def outer(self) -> OuterSync | None:
+        """The outer sync of copies trained apart between syncs (the run's outer loop: local SGD,
+        DiLoCo, streaming), or None when every data-parallel rank syncs every step."""
+        if not self.local_sync:
+            return None
+        return OuterSync(self.dp_sync, self.sync_every, self.sync_fragments, self.sync_delay, self.sync_dtype,
+                         self.dp_replicate)
 
     @property
     def step_dp(self) -> int:

@@ -124,7 +124,7 @@ def measure(trainer, steps: int = 2, live: LiveMemory | None = None, memory: boo
     memory figures alone). On CPU the peak needs a `LiveMemory` that saw the trainer built
     (`measure_run`); without one it is None. `memory=False`: two warm-up steps, then the timed ones."""
     batches = trainer.batches()
-    cuda = trainer.device.type == "cuda"
+    cuda = trainer.rt.device.type == "cuda"
     if not memory:
         trainer.train_step(batches)
         trainer.train_step(batches)
@@ -134,18 +134,18 @@ def measure(trainer, steps: int = 2, live: LiveMemory | None = None, memory: boo
         trainer.train_step(batches)  # DDP rebuilds its buckets in the second forward: not activations
         activations = activation_bytes(trainer, batches)
         if cuda:
-            torch.cuda.synchronize(trainer.device)
-            torch.cuda.reset_peak_memory_stats(trainer.device)
+            torch.cuda.synchronize(trainer.rt.device)
+            torch.cuda.reset_peak_memory_stats(trainer.rt.device)
         elif live is not None:
             live.reset_peak()
         trainer.train_step(batches)  # a steady step: every state exists, nothing is created once
         if cuda:
-            torch.cuda.synchronize(trainer.device)
-            peak = torch.cuda.max_memory_allocated(trainer.device)
+            torch.cuda.synchronize(trainer.rt.device)
+            peak = torch.cuda.max_memory_allocated(trainer.rt.device)
         else:
             peak = live.peak if live is not None else None
     # timed outside the tracker (it costs a Python call per operation)
-    return {**trainer.state_bytes, "activations": activations, "peak": peak,
+    return {**trainer.meter.state_bytes, "activations": activations, "peak": peak,
             "step_time_s": _timed_steps(trainer, batches, steps)}
 
 
@@ -429,19 +429,19 @@ def activation_bytes(trainer, batches) -> int | None:
     tensors); None under pipelining, where a micro-batch's forward spans the schedule."""
     from scaletrain.memory import saved_activation_bytes
 
-    if trainer.micro_schedule is not None:
+    if trainer.pm.micro_schedule is not None:
         return None
-    inputs, targets = (x.to(trainer.device) for x in next(batches))  # this rank's share, cut by the loader
+    inputs, targets = (x.to(trainer.rt.device) for x in next(batches))  # this rank's share, cut by the loader
 
     def forward():
         with trainer.precision.autocast():
             logits = trainer.model(inputs)
-        return trainer.loss_fn(logits, targets) * trainer.loss_factor()
+        return trainer.token_loss(logits, targets) * trainer.loss_factor()
 
-    with trainer.dp.micro_step(last=True), trainer.loss_context():
-        held = saved_activation_bytes(trainer.dp.module, forward)
-    trainer.dp.finish_gradients()
-    trainer.dp.zero_grad(trainer.optimizer)
+    with trainer.pm.dp.micro_step(last=True), trainer.pm.loss_context():
+        held = saved_activation_bytes(trainer.pm.dp.module, forward)
+    trainer.pm.dp.finish_gradients()
+    trainer.pm.dp.zero_grad(trainer.optimizer)
     if trainer.pm.master:
         trainer.pm.master.grads_to_master()
         trainer.optimizer.zero_grad(set_to_none=True)

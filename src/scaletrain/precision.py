@@ -69,6 +69,11 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
+    def loss_scale(self) -> float | None:
+        """The scale the loss is multiplied by in place of the data-parallel mean's factor dp (fp16's
+        loss scaler multiplies dp back when it unscales the gradients); None in other modes."""
+        return self.scaler.scale if self.scaler is not None else None
+
     def note(self) -> str | None:
         """A line for the log when a mode behaves differently on this device."""
         if self.mode == "tf32" and self.device.type != "cuda":
@@ -87,7 +92,7 @@ class DynamicLossScaler(StepHook):
     inf/NaN and the verdict is all-reduced over `group`, so every rank skips the same steps.
 
     As a step hook it comes last (it unscales the gradients every other hook has reduced): the loss
-    is multiplied by the scale in place of the data-parallel mean's factor dp (`loss_scale`), the
+    is multiplied by the scale in place of the data-parallel mean's factor dp (`Precision.loss_scale`), the
     gradients unscaled and checked (`reduce_gradients`, dp multiplied back), a step with an overflow
     skipped and the scale backed off or grown (`agree_to_skip`); its state is the checkpoint's
     "scaler" entry.
@@ -109,9 +114,6 @@ class DynamicLossScaler(StepHook):
         self.at_minimum = False  # ...with the scale already at its minimum (backing off cannot cure it)
 
     # ---- as the run's step hook ----
-
-    def loss_scale(self) -> float:
-        return self.scale
 
     def reduce_gradients(self, named) -> None:
         self.overflow = self.unscale_([p for _, p in named], times=self.times)

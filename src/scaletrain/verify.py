@@ -225,11 +225,11 @@ def simulate_workers(cfg: JobConfig, layout: Layout, total_steps: int, run_dir: 
     for w in range(workers):
         wcfg = isolated(reference(cfg, one, "").cfg, run_dir / f"worker{w}", steps)
         trainer = Trainer(wcfg, single_process(wcfg, one), stream=open(os.devnull, "w"), schedule=schedule)
-        sampler = StepSampler(len(trainer.dataset), g, one.micro_batch, one.grad_accum, dp_rank=w, dp_size=workers,
+        sampler = StepSampler(len(trainer.data.dataset), g, one.micro_batch, one.grad_accum, dp_rank=w, dp_size=workers,
                               seed=cfg.train.seed)
-        batches = iter(build_loader(trainer.dataset, sampler, num_workers=0, pin_memory=False, prefetch_factor=2))
+        batches = iter(build_loader(trainer.data.dataset, sampler, num_workers=0, pin_memory=False, prefetch_factor=2))
         # the same hook as a layout rank's, averaging through the simulated workers
-        sync = LocalSGD.for_run(trainer.optim_params, layout, cfg.parallel, n_blocks=cfg.model.n_layers,
+        sync = LocalSGD.for_run(trainer.pm.optim_params, layout, cfg.parallel, n_blocks=cfg.model.n_layers,
                                 comm=shared.member(w))
         runs.append((trainer, batches, sync.outer))
     rows = []
@@ -376,16 +376,17 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
     # layout stays the config's: these are the values it was derived to)
     cfg = cfg.replace(**{"train.global_batch": layout.global_batch, "train.micro_batch": layout.micro_batch,
                          "train.grad_accum": layout.grad_accum, "parallel.pp_microbatches": 0})
-    if layout.local_sync and layout.batch_rampup:
+    outer = layout.outer  # workers that sync every few steps: simulated in one process
+    if outer is not None and layout.batch_rampup:
         raise ConfigError("verify simulates workers that sync every few steps at a fixed batch; drop "
                           "train.batch_rampup to verify the layout (the ramp is checked on its own layouts)")
-    if layout.local_sync:
+    if outer is not None:
         ref = Reference(cfg, layout, f"{layout.dp_replicate} workers simulated in one process, each a one-process "
                                      f"run on its worker's share of every step's batch, synced as the layout syncs "
                                      f"({layout.describe_sync()})")
     else:
         ref = choose_reference(cfg, world, device, device_memory_gib)
-    if not layout.local_sync and same_layout(layout, ref.layout):
+    if outer is None and same_layout(layout, ref.layout):
         raise ConfigError(f"the layout ({layout.describe_ranks()}) is itself the simplest layout that fits, "
                           "so there is no simpler reference to compare it with; "
                           "give --device-memory if the planner is wrong")
@@ -408,7 +409,7 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
             print(f"the layout run stopped with exit code {code} after {len(layout_rows)} step(s) (its error is "
                   "above): FAIL", file=out)
             return 1
-        if layout.local_sync:
+        if outer is not None:
             code, ref_rows = 0, simulate_workers(ref_cfg, layout, total_steps, tmp / "reference")
         else:
             code, ref_rows = run(ref_cfg, ref.layout, total_steps, "reference")
@@ -422,7 +423,7 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
         diffs = compare(layout_rows, ref_rows)
         print(f"(layout run {t1 - t0:.1f} s, reference run {t2 - t1:.1f} s)\n", file=out)
         print(table(diffs), file=out)
-        ok, summary = verdict(diffs, steps, cfg.precision.mode, layout.sync_dtype if layout.local_sync else "fp32")
+        ok, summary = verdict(diffs, steps, cfg.precision.mode, outer.dtype if outer else "fp32")
         for line in notes(diffs, steps):
             print(line, file=out)
         print(summary, file=out, flush=True)

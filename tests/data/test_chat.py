@@ -204,10 +204,10 @@ def test_first_step_loss_is_the_mean_over_the_assistants_tokens_and_the_prompt_g
     cfg = micro_cfg(tmp_path, **{"data.path": str(folder), "train.micro_batch": 4})  # accumulation 2
     trainer = Trainer(cfg, loss_fn=loss_fn)
     windows = trainer.sampler(0).global_batch_indices(0)
-    raw = WindowDataset(trainer.data, cfg.data.seq_len)  # the same windows, every target kept
+    raw = WindowDataset(trainer.data.corpus, cfg.data.seq_len)  # the same windows, every target kept
     inputs, targets = raw[windows]
     T = cfg.data.seq_len  # window i's targets are tokens i*T + 1 .. i*T + T: their mask, read here
-    counted = torch.from_numpy(np.stack([trainer.data.mask.read(int(i) * T + 1, T) for i in windows])).bool()
+    counted = torch.from_numpy(np.stack([trainer.data.corpus.mask.read(int(i) * T + 1, T) for i in windows])).bool()
     with torch.no_grad():
         per_token = F.cross_entropy(trainer.model(inputs).flatten(0, 1), targets.flatten(), reduction="none")
     by_hand = per_token[counted.flatten()].mean().item()
@@ -240,7 +240,7 @@ def test_masked_loss_matches_one_process_on_every_layout(plain, tmp_path):
     probe = Trainer(micro_cfg(tmp_path / "probe", **base))
     for step in range(STEPS):
         halves = probe.sampler(step).global_batch_indices(step).reshape(2, -1)
-        counts = [int(probe.dataset.target_mask(h).sum()) for h in halves]
+        counts = [int(probe.data.dataset.target_mask(h).sum()) for h in halves]
         assert counts[0] != counts[1], counts
     jobs = [{"overrides": micro_overrides(tmp_path / name, **base, **extra)} for name, (extra, _) in LAYOUTS.items()]
     code, results, err = run_group(2, jobs, tmp_path)
@@ -257,7 +257,7 @@ def test_validation_loss_is_the_mean_over_the_held_out_answers(tmp_path):
             val_fraction=0.3)
     trainer = Trainer(micro_cfg(tmp_path, **{"data.path": str(tmp_path / "tok"), "train.eval_every": 1,
                                              "train.eval_batches": 2}))
-    (v,) = trainer.val_sets
+    (v,) = trainer.data.val_sets
     held_out, T = TokenData.open(tmp_path / "tok", split="val"), trainer.cfg.data.seq_len
     total, counted = 0.0, 0
     for windows in v.batches:
@@ -284,7 +284,7 @@ def test_steps_without_a_counted_target_report_no_loss_and_stay_out_of_the_stati
     log = io.StringIO()
     trainer = Trainer(micro_cfg(tmp_path, **{"data.path": str(tmp_path / "tok"), "train.steps": 20,
                                              "train.eval_every": 0}), stream=log)
-    empty = [s for s in range(20) if trainer.dataset.counts_nothing(s, trainer.sampler)]
+    empty = [s for s in range(20) if trainer.data.dataset.counts_nothing(s, trainer.sampler)]
     assert 1 <= len(empty) and 20 - len(empty) >= 6, empty  # the case is exercised, and the early mean too
     result = trainer.fit()  # (the divergence check ran: train.divergence_factor is on by default)
     losses = {r["step"]: r["loss"] for r in result["history"]}

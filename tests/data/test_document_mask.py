@@ -65,9 +65,9 @@ def per_token_losses(model, inputs: torch.Tensor, targets: torch.Tensor) -> torc
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_packed_window_gives_each_document_the_losses_it_has_alone(packed, tmp_path, family):
     trainer = Trainer(doc_cfg(packed, tmp_path, family))
-    model, sep = trainer.model, trainer.dataset.separator
+    model, sep = trainer.model, trainer.data.dataset.separator
     windows = trainer.sampler(0).global_batch_indices(0)[:4]
-    inputs, targets = trainer.dataset[windows]
+    inputs, targets = trainer.data.dataset[windows]
     losses = per_token_losses(model, inputs, targets)
     model.separator = None  # each document alone: a window of its own, nothing to mask
     unmasked = per_token_losses(model, inputs, targets)
@@ -89,7 +89,7 @@ def test_a_packed_window_gives_each_document_the_losses_it_has_alone(packed, tmp
 
 def test_rotary_positions_restart_at_each_document(packed, tmp_path):
     trainer = Trainer(doc_cfg(packed, tmp_path, "rope"))
-    model, sep = trainer.model, trainer.dataset.separator
+    model, sep = trainer.model, trainer.data.dataset.separator
     seen = []
     model.layers["0"].attn.register_forward_pre_hook(lambda module, args: seen.append(args[1]))
     inputs = torch.tensor([[5, 6, sep, 7, 8, 9, sep, 10], [sep, 11, 12, 13, 14, 15, 16, 17]])
@@ -111,10 +111,10 @@ def test_the_target_after_a_separator_is_not_counted(packed, tmp_path):
 
     cfg = doc_cfg(packed, tmp_path, "rope", **{"train.micro_batch": 4})  # accumulation 2
     trainer = Trainer(cfg, loss_fn=loss_fn)
-    sep = trainer.dataset.separator
+    sep = trainer.data.dataset.separator
     windows = trainer.sampler(0).global_batch_indices(0)
-    inputs, targets = trainer.dataset[windows]
-    raw_inputs, raw_targets = WindowDataset(trainer.data, cfg.data.seq_len)[windows]  # every target kept
+    inputs, targets = trainer.data.dataset[windows]
+    raw_inputs, raw_targets = WindowDataset(trainer.data.corpus, cfg.data.seq_len)[windows]  # every target kept
     boundary = raw_inputs == sep
     assert torch.equal(inputs, raw_inputs) and boundary.sum() > len(windows)
     assert torch.equal(targets == IGNORE_INDEX, boundary)  # exactly the separators' targets left out
@@ -132,7 +132,7 @@ def test_the_target_after_a_separator_is_not_counted(packed, tmp_path):
 
 def test_validation_counts_and_masks_alike(packed, tmp_path):
     trainer = Trainer(doc_cfg(packed, tmp_path, "rope", **{"train.eval_every": 1, "train.eval_batches": 1}))
-    (v,) = trainer.val_sets
+    (v,) = trainer.data.val_sets
     total, counted, separators = 0.0, 0, 0
     for windows in v.batches:
         inputs, targets = v.dataset[windows]

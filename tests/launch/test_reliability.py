@@ -119,7 +119,7 @@ def _save_forever(trainer: Trainer, first_step: int) -> None:
     step = first_step
     while True:
         with torch.no_grad():
-            for _, p in trainer.optim_params:
+            for _, p in trainer.pm.optim_params:
                 p.fill_(step)
         trainer.state.step = step
         trainer.save()
@@ -139,7 +139,7 @@ def test_twenty_five_random_kills_during_saves_never_lose_the_last_checkpoint(tm
     trainer = Trainer(cfg)
     trainer.fit()  # one real step, so the optimizer has state to save
     trainer.save()
-    folder = trainer.ckpt_dir
+    folder = trainer.folder.ckpt_dir
     rng = random.Random(0)
     last = 1
     for kill in range(25):
@@ -214,7 +214,7 @@ def test_full_disk_reported_where_tmpfs_is_unavailable(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=r"step 4 .* failed: the disk is full; the last complete checkpoint "
                                               r".*step_00000002 is intact"):
         trainer.fit()
-    assert [p.name for p in trainer.ckpt_dir.iterdir()] == ["step_00000002"]
+    assert [p.name for p in trainer.folder.ckpt_dir.iterdir()] == ["step_00000002"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -63,9 +63,10 @@ def test_a_custom_module_trains_and_resumes_exactly(tmp_path):
 def test_activation_checkpointing_on_a_custom_module_keeps_the_losses(tmp_path, mode):
     plain = Trainer(micro_cfg(tmp_path, **{"train.steps": 3, "log.run_dir": str(tmp_path / "p")}),
                     model=tiny_lm()).fit()
+    module = tiny_lm()
     ac = Trainer(micro_cfg(tmp_path, **{"train.steps": 3, "log.run_dir": str(tmp_path / "c"),
-                                        "memory.activation_checkpointing": mode}), model=tiny_lm())
-    assert all(type(b).__name__ == "CheckpointWrapper" for b in ac.custom_model.blocks)
+                                        "memory.activation_checkpointing": mode}), model=module)
+    assert all(type(b).__name__ == "CheckpointWrapper" for b in module.blocks)
     assert ac.fit()["losses"] == pytest.approx(plain["losses"], rel=1e-6)
 
 

@@ -56,7 +56,7 @@ TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(
 def test_a_new_run_starts_from_the_hf_weights(tmp_path, family):
     hf = make_hf(family, tmp_path / "hf")
     trainer = Trainer(micro_cfg(tmp_path, **hf_overrides(tmp_path / "hf", **{"train.steps": 2})))
-    module = trainer.dp.module.eval()
+    module = trainer.pm.dp.module.eval()
     with torch.no_grad():
         ours, theirs = module(TOKENS), hf(TOKENS).logits
     assert (ours - theirs).abs().max() <= 1e-5

@@ -44,8 +44,8 @@ def test_zero_initialised_adapters_give_exactly_the_base_models_logits(tmp_path,
     assert len(lora) == 2 * len(ADAPTED)
     assert all(m.lora_a.abs().sum() > 0 and m.lora_b.abs().sum() == 0 for m in lora)
     # the base's weights keep their names and their (seed, name) values
-    base_weights = dict(base.named_params)
-    for name, p in adapted.named_params:
+    base_weights = dict(base.pm.dp.named_params)
+    for name, p in adapted.pm.dp.named_params:
         if name in base_weights:
             assert torch.equal(p, base_weights[name]), name
     with torch.no_grad():
@@ -55,14 +55,14 @@ def test_zero_initialised_adapters_give_exactly_the_base_models_logits(tmp_path,
 @pytest.mark.parametrize("kind", ["lora", "dora"])
 def test_only_the_adapters_train_and_hold_optimizer_state(tmp_path, kind):
     trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 6, "adapter.kind": kind, "optim.warmup_steps": 1}))
-    before = {n: p.detach().clone() for n, p in trainer.named_params}
+    before = {n: p.detach().clone() for n, p in trainer.pm.dp.named_params}
     leaves = ("lora_a", "lora_b", "lora_magnitude") if kind == "dora" else ("lora_a", "lora_b")
     want = sorted(f"layers.{i}.{lin}.{leaf}" for i in range(2) for lin in ADAPTED for leaf in leaves)
-    assert sorted(n for n, _ in trainer.optim_params) == want
+    assert sorted(n for n, _ in trainer.pm.optim_params) == want
     losses = trainer.fit()["losses"]
     assert losses[-1] < losses[0] - 0.05, losses  # the adapters alone move the loss
     state_of = {id(p) for p in trainer.optimizer.state}
-    for name, p in trainer.named_params:
+    for name, p in trainer.pm.dp.named_params:
         adapter = name in want
         assert p.requires_grad == adapter and (id(p) in state_of) == adapter, name
         assert p.grad is None, name  # zeroed after the step; a frozen one never had one
@@ -73,7 +73,7 @@ def test_only_the_adapters_train_and_hold_optimizer_state(tmp_path, kind):
 def test_a_frozen_base_gets_no_gradient_in_backward(tmp_path):
     trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 1, "adapter.kind": "lora", "adapter.targets": "attention"}))
     trainer.model(tokens()).float().square().mean().backward()
-    got = sorted(n for n, p in trainer.named_params if p.grad is not None)
+    got = sorted(n for n, p in trainer.pm.dp.named_params if p.grad is not None)
     assert got == sorted(f"layers.{i}.attn.{w}.{leaf}" for i in range(2) for w in ("wq", "wk", "wv", "wo")
                          for leaf in ("lora_a", "lora_b"))
 
@@ -231,7 +231,7 @@ def adapter_layout(trainer):
     """dist_worker's probe: how this rank holds each adapter (placements, local and whole shape)."""
     def report():
         return {n: [[repr(pl) for pl in p.placements], list(p.to_local().shape), list(p.shape)]
-                for n, p in trainer.named_params if ".lora_" in n and hasattr(p, "placements")}
+                for n, p in trainer.pm.dp.named_params if ".lora_" in n and hasattr(p, "placements")}
     return report
 
 
@@ -363,8 +363,8 @@ def test_adapter_checkpoints_hold_the_adapters_and_resume_bitwise(tmp_path, caps
     straight = Trainer(micro_cfg(tmp_path, **run, **{"log.run_dir": str(tmp_path / "a")})).fit()["losses"]
     b = {**run, "log.run_dir": str(tmp_path / "b"), "checkpoint.save_final": True}
     first = stopped_after(Trainer(micro_cfg(tmp_path, **b)), 3)
-    trainable = sum(p.numel() for _, p in first.optim_params)
-    whole = sum(p.numel() for _, p in first.named_params)
+    trainable = sum(p.numel() for _, p in first.pm.optim_params)
+    whole = sum(p.numel() for _, p in first.pm.dp.named_params)
     saved = first.fit()["checkpoint"]
     assert saved.endswith("step_00000003")
     # the adapters and their two AdamW moments (12 bytes each), DCP's ~2 KiB a tensor and the small
@@ -413,11 +413,11 @@ def test_a_custom_module_takes_adapters_through_the_same_targets_and_resumes_bit
 
     run = {"train.steps": 6, "adapter.kind": "lora", "adapter.rank": 4}
     straight = Trainer(micro_cfg(tmp_path, **run, **{"log.run_dir": str(tmp_path / "a")}), model=tiny_lm())
-    assert sorted(n for n, _ in straight.optim_params) == sorted(
+    assert sorted(n for n, _ in straight.pm.optim_params) == sorted(
         f"blocks.{i}.{j}.{leaf}" for i in range(3) for j in (1, 3) for leaf in ("lora_a", "lora_b"))
     losses = straight.fit()["losses"]
     fresh = dict(tiny_lm().named_parameters())
-    for name, p in straight.named_params:  # the base as given, the adapters moved
+    for name, p in straight.pm.dp.named_params:  # the base as given, the adapters moved
         assert torch.equal(p, fresh[name]) if name in fresh else not torch.equal(p, torch.zeros_like(p)), name
     b = {**run, "log.run_dir": str(tmp_path / "b"), "checkpoint.save_final": True}
     saved = stopped_after(Trainer(micro_cfg(tmp_path, **b), model=tiny_lm()), 3).fit()["checkpoint"]
@@ -435,22 +435,22 @@ def test_a_custom_module_takes_adapters_through_the_same_targets_and_resumes_bit
 
 def test_bf16_true_keeps_fp32_masters_of_the_adapters_alone(tmp_path):
     trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 3, "adapter.kind": "dora", "precision.mode": "bf16-true"}))
-    adapters = sorted(n for n, p in trainer.named_params if p.requires_grad)
+    adapters = sorted(n for n, p in trainer.pm.dp.named_params if p.requires_grad)
     assert len(adapters) == 2 * len(ADAPTED) * 3
     assert sorted(n for n, _ in trainer.pm.master.named_master) == adapters  # no master copy of the frozen base
-    assert all(p.dtype == torch.float32 for _, p in trainer.optim_params)
-    before = {n: p.detach().clone() for n, p in trainer.named_params}
+    assert all(p.dtype == torch.float32 for _, p in trainer.pm.optim_params)
+    before = {n: p.detach().clone() for n, p in trainer.pm.dp.named_params}
     losses = trainer.fit()["losses"]
     assert all(map(__import__("math").isfinite, losses))
-    for n, p in trainer.named_params:
+    for n, p in trainer.pm.dp.named_params:
         assert torch.equal(p, before[n]) == (n not in adapters), n
 
 
 def test_activation_checkpointing_keeps_the_adapters_names_and_losses(tmp_path):
     run = {"train.steps": 3, "adapter.kind": "dora", "adapter.dropout": 0.1}
     plain = Trainer(micro_cfg(tmp_path, **run, **{"log.run_dir": str(tmp_path / "p")}))
-    names, losses = [n for n, _ in plain.optim_params], plain.fit()["losses"]  # (a Trainer seeds dropout's RNG)
+    names, losses = [n for n, _ in plain.pm.optim_params], plain.fit()["losses"]  # (a Trainer seeds dropout's RNG)
     ac = Trainer(micro_cfg(tmp_path, **run, **{"log.run_dir": str(tmp_path / "c"),
                                                "memory.activation_checkpointing": "full"}))
-    assert [n for n, _ in ac.optim_params] == names  # canonical names
+    assert [n for n, _ in ac.pm.optim_params] == names  # canonical names
     assert ac.fit()["losses"] == losses  # the recomputed forward draws the same dropout masks

@@ -74,7 +74,7 @@ def probe(trainer):
     """A probe (tests/dist_worker.py): every parameter's gradient of the first step before clipping
     (fingerprinted whole: dist_worker.weight_fingerprint), the routing biases after the run, and
     the bytes this rank's expert weights hold after it (replicas, their shards, and whole)."""
-    layers = {canonical_name(n): m for chunk in trainer.dp.models for n, m in chunk.named_modules()
+    layers = {canonical_name(n): m for chunk in trainer.pm.dp.models for n, m in chunk.named_modules()
               if isinstance(m, MoE)}  # a pipeline stage holds its own blocks' layers
     first = {}
     real = trainer.hooks.reduce_gradients
@@ -94,7 +94,7 @@ def expert_bytes(trainer, layers) -> dict:
     what the optimizer steps for them, and what the rank's experts take whole."""
     replicas = [w for m in layers for w in (m.w1, m.w2, m.w3) if w is not None]
     ids = {id(w) for w in replicas}
-    engine = getattr(trainer.dp, "experts", None)  # expert parallelism's engine (ZeRO: the shards)
+    engine = getattr(trainer.pm.dp, "experts", None)  # expert parallelism's engine (ZeRO: the shards)
     shards = [p for _, p in engine.named_optim_params if id(p) not in ids] if engine is not None else []
 
     def local(t):
@@ -107,11 +107,11 @@ def expert_bytes(trainer, layers) -> dict:
 
 def fit_one(cfg) -> dict:
     trainer = Trainer(cfg)
-    before = {n: p.detach().double().clone() for n, p in trainer.named_params}
+    before = {n: p.detach().double().clone() for n, p in trainer.pm.dp.named_params}
     report = probe(trainer)
     history = trainer.fit()["history"]
-    weights = weight_fingerprint(trainer.named_params)
-    for n, p in trainer.named_params:
+    weights = weight_fingerprint(trainer.pm.dp.named_params)
+    for n, p in trainer.pm.dp.named_params:
         weights[n].append((p.detach().double() - before[n]).norm().item())
     return {"history": history, "weights": weights, **report()}
 

@@ -416,7 +416,7 @@ def joint_run(phase_kills, tmp_path_factory):
 
     trainer = Trainer(micro_cfg(tmp_path_factory.mktemp("joint"), **{
         "train.steps": PHASE_STEPS, "train.global_batch": 12, "train.micro_batch": 4, "train.eval_every": 1000}))
-    start = {n: p.detach().clone() for n, p in trainer.optim_params}
+    start = {n: p.detach().clone() for n, p in trainer.pm.optim_params}
     trainer.hooks.add(SkipThem())
     history = trainer.fit()["history"]
     return {"history": history, "start": start, "trainer": trainer, "lost": lost}
@@ -551,7 +551,7 @@ def test_a_run_with_kills_ends_where_a_clean_run_that_skipped_the_same_steps_end
     trainer, start = joint_run["trainer"], joint_run["start"]
     assert trainer.state.skipped_steps == len(joint_run["lost"]) == final[2]["skipped_steps"]
     worst = 0.0
-    for n, p in trainer.optim_params:
+    for n, p in trainer.pm.optim_params:
         change = (p.detach() - start[n]).norm().item()
         worst = max(worst, (final[2]["params"][n] - p.detach()).norm().item() / change)
     print(f"final weights against the clean run: {worst:.2e} of their change")

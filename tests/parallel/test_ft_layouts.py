@@ -69,8 +69,8 @@ def local_state(trainer):
     from scaletrain.parallel.fault_tolerance import ReplicaGroups
 
     def report() -> dict:
-        sums = {n: _local_bytes(p) for n, p in trainer.optim_params}
-        for n, p in trainer.optim_params:
+        sums = {n: _local_bytes(p) for n, p in trainer.pm.optim_params}
+        for n, p in trainer.pm.optim_params:
             for k, v in trainer.optimizer.state[p].items():
                 if hasattr(v, "shape"):
                     sums[f"{n}/{k}"] = _local_bytes(v)
@@ -85,7 +85,7 @@ def _biases(trainer) -> dict[str, list[float]]:
     """Each MoE layer's routing bias on this rank (its pipeline stages'), by name."""
     from scaletrain.parallel.moe_balance import moe_layers
 
-    return {n: m.expert_bias.tolist() for n, m in moe_layers(trainer.dp.models).items()}
+    return {n: m.expert_bias.tolist() for n, m in moe_layers(trainer.pm.dp.models).items()}
 
 
 def _marker(trainer) -> Path:
@@ -117,7 +117,7 @@ def late_group(trainer):
     real = hook.start
 
     def start():
-        if trainer.rank == 0:
+        if trainer.rt.rank == 0:
             _marker(trainer).touch()
         real()
 

@@ -161,7 +161,8 @@ def runs(request, tmp_path_factory):
             if "save" not in done:
                 run(4)
             trainer = Trainer(micro_cfg(tmp / name, **{**BASE, **LLAMA, "checkpoint.resume": str(tmp / SAVED)}))
-            done[name] = {"history": trainer.fit()["history"], "weights": weight_fingerprint(trainer.named_params)}
+            done[name] = {"history": trainer.fit()["history"],
+                          "weights": weight_fingerprint(trainer.pm.dp.named_params)}
         if name not in done:
             assert wanted is None or name in wanted, f"{name} is not among the layouts this session's tests ask for"
             run(next(n for n, layouts in GROUPS.items() if name in dict(layouts)))

@@ -54,7 +54,7 @@ def gradient_probe(trainer):
     """Record the peak bytes of live gradient tensors over every backward: the replicas' full
     gradients, the shards' gradients and the buffers of the buckets in flight (each storage once).
     Measured after each parameter's gradient is accumulated and around each bucket's launch."""
-    engine = trainer.dp  # the ZeRO-1/2 engine is the data-parallel strategy itself
+    engine = trainer.pm.dp  # the ZeRO-1/2 engine is the data-parallel strategy itself
     peak = [0]
 
     def measure(*_):

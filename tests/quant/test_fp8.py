@@ -47,7 +47,7 @@ OUTPUT_SQNR, GRAD_SQNR = 18.0, 17.0
 
 
 def float8_kinds(trainer) -> list[str]:
-    return [n for n, m in trainer.dp.module.named_modules() if type(m).__name__ == "Float8Linear"]
+    return [n for n, m in trainer.pm.dp.module.named_modules() if type(m).__name__ == "Float8Linear"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -104,7 +104,7 @@ def bf16_losses(tmp_path_factory):
 def test_an_fp8_run_tracks_bf16_mixed(tmp_path, bf16_losses, recipe):
     trainer = Trainer(micro_cfg(tmp_path, **{**FP8, "train.steps": STEPS, "precision.fp8_recipe": recipe, **LR}))
     assert len(float8_kinds(trainer)) == 12  # every block linear converted, the head not
-    assert type(trainer.dp.module.output) is nn.Linear
+    assert type(trainer.pm.dp.module.output) is nn.Linear
     losses = trainer.fit()["losses"]
     rel = [abs(a - b) / b for a, b in zip(losses, bf16_losses)]
     assert len(losses) == STEPS and max(rel) <= LOSS_TOL, f"worst {max(rel):.2e} at step {rel.index(max(rel)) + 1}"

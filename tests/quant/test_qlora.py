@@ -109,7 +109,7 @@ def test_only_the_adapters_train_over_a_quantized_base(tmp_path, base):
     trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 5, "adapter.kind": "lora", "adapter.base_dtype": base,
                                              "optim.warmup_steps": 1}))
     adapted = [n for n, m in trainer.model.named_modules() if isinstance(m, LoRALinear)]
-    params = dict(trainer.named_params)
+    params = dict(trainer.pm.dp.named_params)
     assert len(adapted) == 12
     for name in adapted:  # the adapted bases stored quantized; the rest of the model as it was
         assert type(params[f"{name}.weight"]) is (FrozenWeight if base != "nf4" else type(params[f"{name}.weight"]))
@@ -123,13 +123,13 @@ def test_only_the_adapters_train_over_a_quantized_base(tmp_path, base):
             dense.model.get_submodule(name).weight.copy_(dequantized(params[f"{name}.weight"]))
         x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
         assert torch.equal(trainer.model(x), dense.model(x))
-    before = {n: p.detach().clone() if type(p.data) is torch.Tensor else None for n, p in trainer.named_params}
+    before = {n: p.detach().clone() if type(p.data) is torch.Tensor else None for n, p in trainer.pm.dp.named_params}
     losses = trainer.fit()["losses"]
     assert losses[-1] < losses[0] - 0.05, losses
-    assert sorted(n for n, _ in trainer.optim_params) == sorted(f"{a}.{leaf}" for a in adapted
+    assert sorted(n for n, _ in trainer.pm.optim_params) == sorted(f"{a}.{leaf}" for a in adapted
                                                                 for leaf in ("lora_a", "lora_b"))
     state_of = {id(p) for p in trainer.optimizer.state}
-    for name, p in trainer.named_params:
+    for name, p in trainer.pm.dp.named_params:
         adapter = ".lora_" in name
         assert p.requires_grad == adapter and (id(p) in state_of) == adapter and p.grad is None, name
         if before[name] is not None:
@@ -143,7 +143,7 @@ def test_qlora_checkpoints_hold_the_adapters_and_resume_bitwise(tmp_path):
     straight = Trainer(micro_cfg(tmp_path, **run, **{"log.run_dir": str(tmp_path / "a")})).fit()["losses"]
     b = {**run, "log.run_dir": str(tmp_path / "b"), "checkpoint.save_final": True}
     first = stopped_after(Trainer(micro_cfg(tmp_path, **b)), 3)
-    trainable = sum(p.numel() for _, p in first.optim_params)
+    trainable = sum(p.numel() for _, p in first.pm.optim_params)
     saved = first.fit()["checkpoint"]
     keys = checkpoint_keys(saved)
     assert keys and all(".lora_" in k for k in keys), keys  # no base, quantized or not
@@ -231,7 +231,7 @@ def test_a_custom_module_takes_a_quantized_base(tmp_path):
     run = {"train.steps": 4, "adapter.kind": "lora", "adapter.rank": 4, "adapter.base_dtype": "int8"}
     fresh = dict(tiny_lm().named_parameters())
     trainer = Trainer(micro_cfg(tmp_path, **run), model=tiny_lm())
-    bases = {n: p for n, p in trainer.named_params if isinstance(p, FrozenWeight)}
+    bases = {n: p for n, p in trainer.pm.dp.named_params if isinstance(p, FrozenWeight)}
     assert sorted(bases) == sorted(f"blocks.{i}.{j}.weight" for i in range(3) for j in (1, 3))
     for name, p in bases.items():  # the module's own weights, quantized per row
         scale = fresh[name].abs().amax(dim=1) / 127

@@ -168,9 +168,9 @@ def test_qat_then_quantize_stays_close_to_fp32_and_matches_its_fake_quantized_ev
 @pytest.mark.parametrize("scheme", ["int8-dynamic", "int8-int4"])
 def test_qat_trains_through_fake_quantized_linears(tmp_path, scheme):
     trainer = Trainer(micro_cfg(tmp_path, **{"train.qat": scheme, "train.steps": 2}))
-    kinds = {type(m).__name__ for n, m in trainer.dp.module.named_modules() if n.startswith("layers.0.")}
+    kinds = {type(m).__name__ for n, m in trainer.pm.dp.module.named_modules() if n.startswith("layers.0.")}
     assert "FakeQuantizedLinear" in kinds
-    assert type(trainer.dp.module.output).__name__ == "Linear"  # the head stays high precision
+    assert type(trainer.pm.dp.module.output).__name__ == "Linear"  # the head stays high precision
     losses = trainer.fit()["losses"]
     assert len(losses) == 2 and all(loss == loss for loss in losses)
 
@@ -195,7 +195,7 @@ def test_qat_with_compile_gives_the_eager_qat_losses(tmp_path):
 
     eager = Trainer(micro_cfg(tmp_path / "e", **qat)).fit()["losses"]
     trainer = Trainer(micro_cfg(tmp_path / "c", **qat, **{"train.compile": True}))
-    assert "FakeQuantizedLinear" in {type(m).__name__ for m in trainer.dp.module.modules()}
+    assert "FakeQuantizedLinear" in {type(m).__name__ for m in trainer.pm.dp.module.modules()}
     compiled = trainer.fit()["losses"]
     fp32 = Trainer(micro_cfg(tmp_path / "f", **{"train.steps": 4})).fit()["losses"]
     assert worst(compiled, eager) <= tol, f"compiled QAT off eager QAT by {worst(compiled, eager):.2e}"
@@ -218,7 +218,7 @@ def test_qat_trains_under_the_other_precision_modes(tmp_path, mode, fp32_runs):
     QAT moves these losses by 6e-4 to 7e-4, bf16 by 1e-4), so a mode whose run lost the fake
     quantization (the losses of plain training in that mode) fails."""
     trainer = Trainer(micro_cfg(tmp_path, **{"train.qat": "int8-int4", "train.steps": 3, "precision.mode": mode}))
-    assert "FakeQuantizedLinear" in {type(m).__name__ for m in trainer.dp.module.modules()}
+    assert "FakeQuantizedLinear" in {type(m).__name__ for m in trainer.pm.dp.module.modules()}
     result = trainer.fit()
     assert len(result["losses"]) == 3 and all(0 < loss < 6 for loss in result["losses"])
 
@@ -552,7 +552,7 @@ def loss_by_hand(trainer, fake_quantize: bool) -> float:
     quantizers on or off."""
     from torchao.quantization.qat.linear import FakeQuantizedLinear
 
-    model = trainer.dp.module
+    model = trainer.pm.dp.module
     linears = [m for m in model.modules() if isinstance(m, FakeQuantizedLinear)]
     assert linears
     before = [(m.activation_fake_quantizer.enabled, m.weight_fake_quantizer.enabled) for m in linears]
@@ -562,7 +562,7 @@ def loss_by_hand(trainer, fake_quantize: bool) -> float:
     try:
         with torch.no_grad():
             model.eval()
-            for v in trainer.val_sets:
+            for v in trainer.data.val_sets:
                 for batch in v.batches:
                     inputs, targets = v.dataset[batch]
                     logits = model(inputs)
@@ -582,7 +582,7 @@ def test_a_qat_model_is_evaluated_through_its_fake_quantizers(tmp_path):
 
     trainer = Trainer(micro_cfg(tmp_path, **{"train.qat": "int8-int4", "train.steps": 1, "train.eval_every": 1,
                                                   "train.eval_batches": 2}))
-    plant_outliers(trainer.dp.module)
+    plant_outliers(trainer.pm.dp.module)
     on, off = loss_by_hand(trainer, True), loss_by_hand(trainer, False)
     effect = abs(on - off) / on
     assert effect > 1000 * EVAL_TOLERANCE, f"the fake quantizers move the loss by only {effect:.2e}"

@@ -22,15 +22,15 @@ def poison(trainer, steps, value=float("nan"), param=3):
 
     def update():
         if trainer.step + 1 in steps:
-            trainer.named_params[param][1].grad.view(-1)[0] = value
+            trainer.pm.dp.named_params[param][1].grad.view(-1)[0] = value
         return real()
 
     trainer.update = update
-    return trainer.named_params[param][0]
+    return trainer.pm.dp.named_params[param][0]
 
 
 def snapshot(trainer):
-    weights = {n: p.detach().clone() for n, p in trainer.named_params}
+    weights = {n: p.detach().clone() for n, p in trainer.pm.dp.named_params}
     state = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
              for p, s in trainer.optimizer.state.items()}
     return weights, state

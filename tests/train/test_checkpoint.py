@@ -234,17 +234,17 @@ def test_only_listed_metadata_classes_are_accepted():
 def test_a_signal_during_the_stop_save_does_not_interrupt_it(tmp_path):
     trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 50, "checkpoint.save_final": True}))
     trainer.end_of_step = lambda t, g, real=trainer.end_of_step: (*real(t, g)[:2], trainer.step >= 3) \
-        if trainer.signals.received is None else real(t, g)
+        if trainer.health.signals.received is None else real(t, g)
     real_save = ckpt.save_checkpoint
     seen = []
 
     def save_with_signals(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C pressed twice while the checkpoint is written
         os.kill(os.getpid(), signal.SIGTERM)
-        seen.append(trainer.signals.received)
+        seen.append(trainer.health.signals.received)
         return real_save(*args, **kwargs)
 
-    trainer.signals.received = signal.SIGINT
+    trainer.health.signals.received = signal.SIGINT
     ckpt_save, ckpt.save_checkpoint = ckpt.save_checkpoint, save_with_signals
     try:
         result = trainer.fit()

@@ -91,22 +91,22 @@ def test_tf32_on_gpu_differs_from_fp32_within_its_tolerance(tmp_path, matmul_pre
 def test_fp16_overflow_skips_step_and_lowers_scale(tmp_path):
     trainer = Trainer(micro_cfg(tmp_path, **{"precision.mode": "16-mixed", "precision.init_scale": 1024.0}))
     batches = trainer.batches()
-    before = {n: p.detach().clone() for n, p in trainer.named_params}
+    before = {n: p.detach().clone() for n, p in trainer.pm.dp.named_params}
     for bad in (float("inf"), float("nan")):
         trainer.forward_backward(batches)
-        trainer.named_params[3][1].grad.view(-1)[0] = bad  # one poisoned gradient element
+        trainer.pm.dp.named_params[3][1].grad.view(-1)[0] = bad  # one poisoned gradient element
         scale = trainer.precision.scaler.scale
         _, skipped = trainer.update()
         assert skipped
         assert trainer.precision.scaler.scale == scale * 0.5
-        for n, p in trainer.named_params:
+        for n, p in trainer.pm.dp.named_params:
             assert torch.equal(p, before[n]), n  # weights untouched
-        assert all(p.grad is None for _, p in trainer.named_params)
+        assert all(p.grad is None for _, p in trainer.pm.dp.named_params)
     assert trainer.precision.scaler.skipped_steps == 2
     trainer.forward_backward(batches)
     _, skipped = trainer.update()  # a clean step moves the weights again
     assert not skipped
-    assert any(not torch.equal(p, before[n]) for n, p in trainer.named_params)
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.pm.dp.named_params)
 
 
 def test_fp16_scale_grows_after_clean_interval(tmp_path):
@@ -127,7 +127,7 @@ def test_fp16_scale_never_below_minimum(tmp_path):
 
 def test_bf16_true_keeps_fp32_master_weights(tmp_path):
     trainer = Trainer(micro_cfg(tmp_path, **{"precision.mode": "bf16-true", "optim.lr": 1e-4}))
-    assert all(p.dtype == torch.bfloat16 for _, p in trainer.named_params)
+    assert all(p.dtype == torch.bfloat16 for _, p in trainer.pm.dp.named_params)
     masters = [m for _, m in trainer.pm.master.named_master]
     assert all(m.dtype == torch.float32 for m in masters)
     assert {id(p) for g in trainer.optimizer.param_groups for p in g["params"]} == {id(m) for m in masters}
@@ -139,6 +139,6 @@ def test_bf16_true_keeps_fp32_master_weights(tmp_path):
     # the masters took updates smaller than bf16 can represent; the model holds their rounding
     moved = [(m - s).abs().max().item() for m, s in zip(masters, start)]
     assert min(moved) > 0
-    for (_, p), m in zip(trainer.named_params, masters):
+    for (_, p), m in zip(trainer.pm.dp.named_params, masters):
         assert torch.equal(p, m.to(torch.bfloat16))
     assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in masters)

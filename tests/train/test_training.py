@@ -24,7 +24,7 @@ from conftest import MICRO_ARGS, assert_same_run, micro_cfg, read_metrics, run_h
 def grads_after_one_step(cfg) -> dict[str, torch.Tensor]:
     trainer = Trainer(cfg)
     trainer.forward_backward(trainer.batches())
-    return {n: p.grad.detach().clone() for n, p in trainer.named_params}
+    return {n: p.grad.detach().clone() for n, p in trainer.pm.dp.named_params}
 
 
 def assert_grads_close(a, b, rtol):
@@ -52,7 +52,7 @@ def test_loss_is_the_mean_token_loss_of_the_global_batch(tmp_path):
     trainer = Trainer(micro_cfg(tmp_path))
     batches = list(trainer.sampler(0).rank_micro_batches(0))
     loss, _ = trainer.forward_backward(trainer.batches())
-    x, y = trainer.dataset[batches[0]]
+    x, y = trainer.data.dataset[batches[0]]
     with torch.no_grad():
         expected = cross_entropy_sum(trainer.model(x), y) / y.numel()
     torch.testing.assert_close(loss, expected)
@@ -93,7 +93,7 @@ def test_optimizer_state_bytes_per_parameter(tmp_path, name, low, high):
     cfg = micro_cfg(tmp_path, **{"optim.name": name, "model.dim": 128, "train.steps": 2})
     trainer = Trainer(cfg)
     trainer.fit()
-    per_param = optimizer_state_bytes(trainer.optimizer) / trainer.num_params
+    per_param = optimizer_state_bytes(trainer.optimizer) / trainer.pm.num_params
     assert low <= per_param <= high, per_param
 
 
@@ -145,7 +145,7 @@ def test_compile_trains_like_eager(tmp_path):
 def test_gradient_clipping_by_global_norm(tmp_path):
     trainer = Trainer(micro_cfg(tmp_path, **{"train.grad_clip": 1e-3}))
     trainer.forward_backward(trainer.batches())
-    params = [p for _, p in trainer.optim_params]
+    params = [p for _, p in trainer.pm.optim_params]
     norm_before = torch.nn.utils.get_total_norm([p.grad for p in params]).item()
     seen = []
     trainer.optimizer.step = lambda: seen.append(torch.nn.utils.get_total_norm([p.grad for p in params]).item())

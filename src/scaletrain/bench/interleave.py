@@ -91,8 +91,8 @@ def trainer_runner(trainer) -> Runner:
         trainer.train_step(batches)
         trainer.state.step += 1
 
-    return Runner(step, trainer.tokens_per_step, trainer.meter.flops_per_token, trainer.meter.peak_flops,
-                  trainer.world_size, trainer.precision.configure_backends)
+    return Runner(step, trainer.meter.tokens_per_step, trainer.meter.flops_per_token, trainer.meter.peak_flops,
+                  trainer.rt.world_size, trainer.precision.configure_backends)
 
 
 def _sync(device: torch.device) -> None:

@@ -65,7 +65,7 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from scaletrain.errors import ConfigError, QuorumNotFormed, TrainingStopped
-from scaletrain.hooks import Named, StepHook
+from scaletrain.hooks import Named, OuterLoop
 from scaletrain.optim import init_optimizer_state
 from scaletrain.parallel.moe_balance import MoEBalance
 
@@ -196,7 +196,7 @@ def quorum_status(address: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-class ReplicaGroups(StepHook):
+class ReplicaGroups(OuterLoop):
     """One rank's part in the replica groups' step (see the module's docstring)."""
 
     phase = "the replica groups' gradient all-reduce (torchft)"

@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor
 
 from scaletrain.config import SyncConfig
 from scaletrain.errors import ConfigError
-from scaletrain.hooks import StepHook
+from scaletrain.hooks import OuterLoop
 from scaletrain.parallel.replica_average import Averager, Handle, ReplicaAverage
 from scaletrain.vocab import LOCAL_SYNC_MODES, unknown
 
@@ -254,7 +254,7 @@ class OuterSync:
 # The trainer's step hook
 
 
-class LocalSGD(StepHook):
+class LocalSGD(OuterLoop):
     """parallel.sync.mode = local_sgd | diloco in a run: the workers' sync after every inner step,
     the skip they agree on, the norm they report, and the checkpoint's outer state."""
 
@@ -271,7 +271,7 @@ class LocalSGD(StepHook):
         """The hook of a run whose layout syncs the workers every few steps (None otherwise), over
         `named_params` (what the inner optimizer steps). The workers average over `mesh`'s
         dp_replicate axis, or through `comm` (verify's simulated workers)."""
-        if not layout.local_sync or layout.fault_tolerance:  # (replica groups: fault_tolerance.ReplicaGroupsOuter)
+        if layout.outer is None or layout.fault_tolerance:  # (replica groups: fault_tolerance.ReplicaGroupsOuter)
             return None
         # (the config's model was checked with its layout; a custom module's blocks are counted here)
         if problems := layout.fragment_errors(n_blocks, of_config=False):

@@ -14,12 +14,12 @@ the last step hook: it sees the weights the optimizer stepped.
 
 from __future__ import annotations
 
-from scaletrain.hooks import StepHook
+from scaletrain.hooks import OuterLoop
 from scaletrain.parallel.fault_tolerance import ReplicaGroups
 from scaletrain.parallel.local_sgd import LocalSGD
 
 
-def outer_loop(named, cfg, rt, *, n_blocks: int, optimizer, state, refresh, scaler, hooks) -> StepHook | None:
+def outer_loop(named, cfg, rt, *, n_blocks: int, optimizer, state, refresh, scaler, hooks) -> OuterLoop | None:
     """The outer-loop hook of a run over `named` (what the optimizer steps), or None. `state` (the
     run's TrainState), `refresh` (what the model computes with, from the stepped weights), `scaler` and
     `hooks` (the other techniques', whose state a healing group takes from a peer) for replica groups."""

@@ -91,12 +91,20 @@ class ParallelModel:
     master: MasterWeights | None = None  # bf16-true without an engine keeping fp32: the optimizer's fp32 copies
     norm_group: object = None  # the pipeline's stages: the global gradient norm spans them
     norm_copies: Callable[[], tuple] = tuple  # parameters another stage holds too (a tied embedding's)
+    micro_schedule: object = None  # the pipeline schedule the step's micro-batches go through (schedule())
+    custom: bool = False  # a user's module (parallelize_module): its outputs need not be logits
+    # this rank's share of a batch's (inputs, targets), cut in the data loader (None: all of it; context
+    # parallel: its chunks of every sequence); a picklable function, as the loader's workers call it
+    batch_share: Callable | None = None
 
     # ---- what the Trainer asks of the parallel model (it imports no technique) ----
 
     def schedule(self, name: str, micro_batches: int, loss_fn):
-        """The pipeline schedule that runs this rank's stages; None without pipeline parallelism."""
-        return pipeline.build_schedule(self.stages, name, micro_batches, loss_fn) if self.stages else None
+        """The pipeline schedule that runs this rank's stages (kept as `micro_schedule`); None without
+        pipeline parallelism."""
+        self.micro_schedule = pipeline.build_schedule(self.stages, name, micro_batches, loss_fn) if self.stages \
+            else None
+        return self.micro_schedule
 
     def through_schedule(self, schedule, batches, micro_batches: int, **kw) -> tuple[torch.Tensor, float]:
         """A step's micro-batches through the pipeline schedule at once (pipeline.forward_backward)."""
@@ -332,7 +340,8 @@ def register_step_hooks(c: Composition) -> None:
     # the experts as the hooks see them (their engine's: ZeRO's shards, or themselves)
     expert_ids = frozenset(id(p) for _, p in dp.experts.named_optim_params) if c.experts else frozenset()
     if lay.cp > 1:
-        hooks.append(ContextParallelStep(rt.axis("cp"), exclude=expert_ids))
+        hooks.append(cp := ContextParallelStep(rt.axis("cp"), exclude=expert_ids))
+        c.result.batch_share = cp.batch_share  # each cp rank's tokens, cut in the data loader
     if lay.tp > 1 and (kv := ReplicatedKVStep.needed(cfg.model, rt.axis("tp"))):
         hooks.append(kv)
     if lay.pp > 1 and (tied := pipeline.TiedEmbeddingStep.needed(cfg.model, rt.mesh, c.result)):
@@ -381,7 +390,7 @@ def step_hooks(pm: ParallelModel, cfg: JobConfig, rt: Runtime, *, optimizer, sta
                        refresh=refresh, scaler=scaler, hooks=pm.hooks)
     if scaler is not None:  # the loss was scaled in place of dp, the mean's factor: unscaling multiplies it back
         scaler.times = rt.layout.dp
-    return StepHooks(pm.hooks).add(outer, scaler)
+    return StepHooks([*pm.hooks, outer, scaler], outer=outer)
 
 
 def _compute_bf16(precision: Precision):
@@ -487,7 +496,7 @@ def parallelize_module(module: nn.Module, cfg: JobConfig, rt: Runtime, precision
     else:
         move(module, dtype=precision.param_dtype)
     module.train()
-    pm = ParallelModel(_engine([module], cfg, rt, precision), keeps_fp32_weights=lay.keeps_fp32_weights,
+    pm = ParallelModel(_engine([module], cfg, rt, precision), keeps_fp32_weights=lay.keeps_fp32_weights, custom=True,
                        n_blocks=len(blocks) if blocks is not None else 1,
                        num_params=sum(p.numel() for p in module.parameters()))
     pm.master = _master_weights(pm, precision)

@@ -148,8 +148,8 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
     result["layouts"] = ranked[:top_k]
     result["explanation"] = stretched + explain(ranked[0], ranked, src.cfg, wl, cluster, gpu)
     if workers > 1:
-        if ranked[0].layout.local_sync:
-            result["explanation"].append(f"{ranked[0].layout.dp_sync} is in the search because the link between the "
+        if (outer := ranked[0].layout.outer) is not None:
+            result["explanation"].append(f"{outer.mode} is in the search because the link between the "
                                          "sites is slow (below the network inside a site, per GPU)")
         result["explanation"] += workers_comparison(src.cfg, wl, cluster, ranked[0].layout, candidates, gpu=gpu)
     result["explanation"] += moe_lines(src.cfg, wl, cluster, ranked[0], result, ranked)

@@ -130,7 +130,7 @@ def engine_key(cfg, wl, layout) -> str:
 def engine_probed(layout) -> bool:
     """Layouts whose engine is probed: every rank data or tensor parallel (no pipeline, no
     context or expert parallel, synchronous data parallelism)."""
-    return layout.pp == 1 and layout.cp == 1 and layout.ep == 1 and not layout.local_sync and layout.world > 1
+    return layout.pp == 1 and layout.cp == 1 and layout.ep == 1 and layout.outer is None and layout.world > 1
 
 
 def layout_key(cfg, wl, layout) -> str:

@@ -157,9 +157,9 @@ def data_parallel(cal: Calibration, wl: Workload, layout: Layout, params: float,
             reduce += cal.collective_s("all_reduce", grad_bytes / n_shard, r, calls=units + 1)
         comm = m * (gather + reduce)
         exposed = comm - min(comm, cal.overlap * compute)
-    if layout.local_sync:  # the workers' outer all-reduce, once every sync_every steps
+    if (sync := layout.outer) is not None:  # the workers' outer all-reduce, once every sync.every steps
         shard = params / n_shard if layout.zero >= 1 else params
-        outer = cal.collective_s("all_reduce", shard * SYNC_BYTES[layout.sync_dtype], layout.dp_replicate)
-        comm += outer / layout.sync_every
-        exposed += outer / layout.sync_every
+        outer = cal.collective_s("all_reduce", shard * SYNC_BYTES[sync.dtype], sync.workers)
+        comm += outer / sync.every
+        exposed += outer / sync.every
     return comm + cp_sum, exposed + cp_sum

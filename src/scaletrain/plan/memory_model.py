@@ -301,16 +301,16 @@ def model_state_memory(counts: ParamCounts, wl: Workload, layout: Layout, *, ext
             # have been moved into them (one process, DDP), reduce-scattered into fp32 shards
             # (ZeRO-2), or sit beside the fp32 shards (ZeRO-1, and ZeRO-2 while accumulating)
             grads = {0: P * 4, 1: P * d.grad + P * 4 / n, 2: P * 4 / n}[grad_zero]
-        if layout.local_sync:  # the outer weights (fp32) and DiLoCo's outer momentum, of the rank's shard
-            optimizer += P / (n if zero >= 1 else 1) * (8 if layout.dp_sync == "diloco" else 4)
+        if (sync := layout.outer) is not None:  # the outer weights (fp32) and DiLoCo's momentum, of the shard
+            optimizer += P / (n if zero >= 1 else 1) * (8 if sync.outer_momentum else 4)
         out.params += params
         out.master += master
         out.optimizer += optimizer
         out.grads += grads
     zero = sh.zero
     out.grads += extra_grads
-    if layout.local_sync:
-        out.notes.append(f"{layout.dp_sync}: the outer weights{' and momentum' if layout.dp_sync == 'diloco' else ''} "
+    if (sync := layout.outer) is not None:
+        out.notes.append(f"{sync.mode}: the outer weights{' and momentum' if sync.outer_momentum else ''} "
                          "count as optimizer state")
     if layout.offload_optimizer and zero == 3:
         out.host = out.params + out.grads + out.optimizer

@@ -355,7 +355,7 @@ def slow_link(cluster: Cluster) -> bool:
 def twins(layout: Layout, sync: dict, workers: int) -> tuple[Layout, Layout]:
     """(synchronous, syncing every few steps) versions of `layout`, the same otherwise; a flat
     DDP group becomes `workers` workers of DDP, and back."""
-    if layout.local_sync:
+    if layout.outer is not None:
         local = layout
         step = replace(layout, dp_sync="step")
         if layout.zero == 0:  # DDP replicates over one flat group

@@ -422,7 +422,7 @@ def data_parallel_seconds(wl: Workload, layout: Layout, cluster: Cluster, params
     scaletrain's over the dp_shard ranks, whose context-parallel copies then sum their
     gradients (their shards) after backward, on the critical path; the other engines over the
     dp_shard × cp ranks, which hold the same weights."""
-    if layout.local_sync:  # every step inside a worker; between the workers every H steps
+    if layout.outer is not None:  # every step inside a worker; between the workers every H steps
         inner = replace(layout, dp_replicate=1, dp_sync="step")
         comm, exposed = data_parallel_seconds(wl, inner, cluster, params, compute, units)
         outer, outer_exposed = outer_sync_seconds(layout, cluster, params, step_s=compute + exposed,
@@ -478,15 +478,16 @@ def outer_sync_seconds(layout: Layout, cluster: Cluster, params: float, step_s: 
     rank's pseudo-gradient (its shard under ZeRO, `Layout.shard_ranks` of `engine`)
     reduce-scattered and all-gathered over the dp_replicate ranks once every H steps, in F
     fragments, each overlapped with τ inner steps of `step_s` seconds."""
-    r = layout.dp_replicate
+    sync = layout.outer
+    r = sync.workers
     n_shard = layout.shard_ranks(engine)
     shard = params / n_shard if layout.zero >= 1 else params
     across = layout.stride("dp_replicate")  # the dp_replicate ranks' distance in the mesh
     bw = _group_link_GBps(cluster, across, r) * 1e9
-    whole = 2 * (r - 1) / r * shard * SYNC_BYTES[layout.sync_dtype] / bw + 2 * _ring_latency(cluster, across, r)
-    fragment = whole / layout.sync_fragments
-    exposed = layout.sync_fragments * max(0.0, fragment - layout.sync_delay * step_s)
-    return whole / layout.sync_every, exposed / layout.sync_every
+    whole = 2 * (r - 1) / r * shard * SYNC_BYTES[sync.dtype] / bw + 2 * _ring_latency(cluster, across, r)
+    fragment = whole / sync.fragments
+    exposed = sync.fragments * max(0.0, fragment - sync.delay * step_s)
+    return whole / sync.every, exposed / sync.every
 
 
 def optimizer_seconds(wl: Workload, layout: Layout, hw, params: float) -> float:
@@ -499,8 +500,8 @@ def optimizer_seconds(wl: Workload, layout: Layout, hw, params: float) -> float:
         opt_params /= n_shard
     state_b = {"adamw": 8, "sgd": 4, "adafactor": 0.1, "adamw8bit": 2}[wl.optimizer]
     touched = opt_params * (2 * max(d.param, 4) + 4 + 2 * state_b + (8 if d.master else 0))
-    if layout.local_sync:  # the outer step every H steps: weights, outer weights and momentum read, two written
-        touched += opt_params * 4 * 6 / layout.sync_every
+    if (sync := layout.outer) is not None:  # the outer step every H steps: weights, outer weights, momentum
+        touched += opt_params * 4 * 6 / sync.every
     if layout.offload_optimizer:
         return touched / (OFFLOAD_HOST_GBPS * 1e9) + opt_params * 8 / (OFFLOAD_PCIE_GBPS * 1e9)
     return touched / (hw.memory_GBps * 0.8 * 1e9)

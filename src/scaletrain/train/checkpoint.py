@@ -519,7 +519,7 @@ def check_sync(path: Path, state: dict, layout) -> None:
         raise CheckpointError(f"{path} was trained with parallel.sync.mode={saved}; resuming it with "
                               f"sync.mode={layout.dp_sync} would not continue the same run; resume with "
                               f"parallel.sync.mode={saved}, or start a new run (model.init_from takes its weights)")
-    if layout.local_sync and not layout.fault_tolerance:  # (across replica groups: any number resumes it)
+    if layout.outer is not None and not layout.fault_tolerance:  # (across replica groups: any number resumes it)
         outer = state.get("outer")
         if not isinstance(outer, dict) or not isinstance(outer.get("workers"), int):
             raise CheckpointError(f"{path}: trainer.json has no state of the workers' sync; the checkpoint is damaged")

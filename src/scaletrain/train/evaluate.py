@@ -86,38 +86,38 @@ def validation_loss(t) -> dict[str, float]:
     (tensor-parallel ranks hold copies). Gradients, optimizer state and random streams are left
     as they were."""
     t.health.enter("evaluation")
-    b, modules = t.layout, t.dp.modules
-    share = t.hooks.batch_share or (lambda batch: batch)  # this rank's tokens (context parallelism)
-    totals = torch.zeros(len(t.val_sets), dtype=torch.float64, device=t.device)
+    b, modules = t.layout, t.pm.dp.modules
+    share = t.pm.batch_share or (lambda batch: batch)  # this rank's tokens (context parallelism)
+    totals = torch.zeros(len(t.data.val_sets), dtype=torch.float64, device=t.rt.device)
     was_training = [m.training for m in modules]
     for m in modules:
         m.eval()  # no dropout
     try:
-        for i, v in enumerate(t.val_sets):
+        for i, v in enumerate(t.data.val_sets):
             for global_batch in v.batches:
-                micro = rank_slices(global_batch, b.micro_batch, b.grad_accum, t.dp_rank, b.dp)
-                if t.micro_schedule is not None:
+                micro = rank_slices(global_batch, b.micro_batch, b.grad_accum, t.data.dp_rank, b.dp)
+                if t.pm.micro_schedule is not None:
                     totals[i] += pipeline.eval_loss_sum(
-                        t.pm, t.micro_schedule, [share(v.dataset[indices]) for indices in micro], device=t.device,
-                        loss_factor=t.loss_factor(), autocast=t.precision.autocast, loss_context=t.loss_context)
+                        t.pm, t.pm.micro_schedule, [share(v.dataset[indices]) for indices in micro], device=t.rt.device,
+                        loss_factor=t.loss_factor(), autocast=t.precision.autocast, loss_context=t.pm.loss_context)
                     continue
                 for indices in micro:
-                    inputs, targets = (x.to(t.device) for x in share(v.dataset[indices]))
-                    with t.loss_context():
+                    inputs, targets = (x.to(t.rt.device) for x in share(v.dataset[indices]))
+                    with t.pm.loss_context():
                         with t.precision.autocast():
-                            logits = t.dp.module(inputs)  # the chunk itself: no DDP bookkeeping
-                        loss = t.loss_fn(logits, targets)
+                            logits = t.pm.dp.module(inputs)  # the chunk itself: no DDP bookkeeping
+                        loss = t.token_loss(logits, targets)
                         totals[i] += whole(loss).double()
     finally:
-        _restore_modes(modules, was_training, reshard=t.dp.zero == 3)
+        _restore_modes(modules, was_training, reshard=t.pm.dp.zero == 3)
     if t.rt.distributed:
         t.health.enter("the evaluation all-reduce")
         dist.all_reduce(totals)
         totals /= b.loss_copies
     # by the targets counted: every token's, or a loss mask's (the same on every rank: from the data)
     losses = {v.name: float(totals[i]) / max(1, sum(v.dataset.counted_tokens(g) for g in v.batches))
-              for i, v in enumerate(t.val_sets)}
-    return combined(losses, {v.name: v.weight for v in t.val_sets})
+              for i, v in enumerate(t.data.val_sets)}
+    return combined(losses, {v.name: v.weight for v in t.data.val_sets})
 
 
 def _restore_modes(modules, was_training: list[bool], *, reshard: bool) -> None:

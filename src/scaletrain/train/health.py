@@ -58,6 +58,7 @@ class Health:
         self.said_empty = False  # a step without a counted target was reported
         self.fault: str | None = None  # an I/O failure that stops the run after an emergency save
         self.fault_fix = ""  # what to do before resuming from that save
+        self.signals = StopSignals(rt.rank)  # SIGINT / SIGTERM: the run stops at a step's end, saved
         # why a technique voted the step away, when it did (the step hooks' skip_reason): None otherwise
         self.skip_reason: Callable[[], str | None] = lambda: None
 

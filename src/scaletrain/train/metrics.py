@@ -271,6 +271,7 @@ class StepMeter:
         self.device, self.world_size, self.distributed = rt.device, rt.world_size, rt.distributed
         self.tokens_per_step, self.flops_per_token, self.compute_dtype = tokens_per_step, flops_per_token, compute_dtype
         self.tokens_trained = 0  # targets the loss counted, since this process started (stepped's `counted`)
+        self.state_bytes: dict[str, int] | None = None  # this rank's model states, measured in the first step
         peak, source = device_peak_flops(self.device, compute_dtype, tf32=tf32)
         # the ranks on one CPU share its cores: each rank's peak is its share of the CPU's
         self.sharing = rt.local_world_size if self.device.type == "cpu" else 1
@@ -351,20 +352,20 @@ def announce(t) -> None:
     """The lines that open a run's log: the model and how it trains, the layout, the data, the
     validation windows, the precision's note. `t`: the Trainer (read only)."""
     b, cfg, say = t.layout, t.cfg, t.metrics.info
-    say(f"scaletrain: {t.num_params / 1e6:.2f}M parameters, device {t.device}, precision "
+    say(f"scaletrain: {t.pm.num_params / 1e6:.2f}M parameters, device {t.rt.device}, precision "
         f"{cfg.precision.mode}, optimizer {cfg.optim.name}, activation checkpointing "
         f"{cfg.memory.activation_checkpointing}{', compiled' if cfg.train.compile else ''}"
         f"{f'; weights from {cfg.model.init_from}' if cfg.model.init_from and t.state.resumed_from is None else ''}")
     if t.rt.distributed:
         stages = f"; rank 0 holds stages {t.pm.stage_ids} of {t.pm.num_stages}" if b.pp > 1 else ""
         say(f"layout: {b.explain()}{stages}; backend {dist.get_backend()}")
-    say(f"data: {t.data.source}, {t.data.num_tokens:,} tokens, {len(t.dataset):,} windows of "
+    say(f"data: {t.data.corpus.source}, {t.data.corpus.num_tokens:,} tokens, {len(t.data.dataset):,} windows of "
         f"{cfg.data.seq_len}; batch {b.global_batch} = micro {b.micro_batch} x accum {b.grad_accum} "
-        f"x dp {b.dp}; run folder {t.run_dir}")
-    if t.batch_schedule.ramps:
-        say(f"batch-size warm-up (train.batch_rampup={cfg.train.batch_rampup}): {t.batch_schedule.describe()}; "
+        f"x dp {b.dp}; run folder {t.folder.run_dir}")
+    if t.data.batch_schedule.ramps:
+        say(f"batch-size warm-up (train.batch_rampup={cfg.train.batch_rampup}): {t.data.batch_schedule.describe()}; "
             "more accumulation micro-batches, the learning rate at the tokens seen")
-    if b.local_sync:
+    if b.outer is not None:
         sync = cfg.parallel.sync
         outer = (f"outer {sync.outer_optimizer} lr {sync.outer_lr:g} momentum {sync.outer_momentum:g}"
                  if b.dp_sync == "diloco" else "the workers' weights averaged")
@@ -379,13 +380,13 @@ def announce(t) -> None:
                 f"{b.global_batch // b.dp_replicate} sequences of every step's {b.global_batch}; gradients reduced "
                 f"every step over the {b.dp_shard} rank(s) of a worker; loss and tokens/s are the global batch's, "
                 f"grad norm the root mean square of the workers'")
-    for v in t.val_sets:
+    for v in t.data.val_sets:
         n, data = len(v.batches), v.dataset.data
         say(f"validation: {data.source}, {data.num_tokens:,} tokens; {n} batch(es) = "
             f"{n * b.global_batch:,} windows every {cfg.train.eval_every} steps and at the end"
             + (f" (logged as val_loss/{v.name})" if v.name else ""))
-    if t.val_sets and t.val_sets[0].name:
-        missing = [n for n in t.data.names if n not in {v.name for v in t.val_sets}]
+    if t.data.val_sets and t.data.val_sets[0].name:
+        missing = [n for n in t.data.corpus.names if n not in {v.name for v in t.data.val_sets}]
         say("validation: val_loss is the mean of the sources' losses weighted as the mix"
             + (f"; {', '.join(missing)} has no validation split (prepare --val-fraction)" if missing else ""))
     say(t.meter.peak_source)
@@ -397,14 +398,14 @@ def print_sample(t) -> None:
     """The sample that closes a run's log (train.sample_tokens), or why there is none. `t`: the
     Trainer."""
     say = t.metrics.info
-    if t.micro_schedule is not None:
+    if t.pm.micro_schedule is not None:
         say("sample: skipped, the model is split into pipeline stages (export the checkpoint and sample it whole)")
     elif t.layout.cp > 1:
         say("sample: skipped, the model's attention is split over the context-parallel ranks (export the "
             "checkpoint and sample it whole)")
-    elif t.custom_model is not None:
+    elif t.pm.custom:
         say("sample: skipped, the model is a custom module (its outputs need not be logits)")
-    elif t.rank == 0 or t.pm.sharded_forward:
+    elif t.rt.rank == 0 or t.pm.sharded_forward:
         from scaletrain.model.generate import Interrupted
 
         try:

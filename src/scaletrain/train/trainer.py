@@ -40,10 +40,24 @@ from scaletrain.schedule import TrainSchedule
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import run_folder
 from scaletrain.train.evaluate import validation_loss, validation_sets
-from scaletrain.train.health import Health, StopSignals
+from scaletrain.train.health import Health
 from scaletrain.train.metrics import MetricsLogger, StepMeter, announce, perplexity, print_sample, report_state_bytes
 from scaletrain.train.run_folder import default_run_dir
 from scaletrain.train.state import TrainState
+
+
+@dataclasses.dataclass
+class RunData:
+    """What a run reads: the training text (`corpus`: its source, tokenizer, sources' names), its
+    windows (`dataset`), this rank's place in each step's batch (`dp_rank`), the batch per step
+    (`batch_schedule`: train.batch_rampup), the validation sets and data.mix's draw counter."""
+
+    corpus: object
+    dataset: object
+    dp_rank: int
+    batch_schedule: object
+    val_sets: list = dataclasses.field(default_factory=list)
+    mix_sampler: StepSampler | None = None
 
 
 class Trainer:
@@ -58,19 +72,17 @@ class Trainer:
         the protocol: parallel.parallelize.parallelize_module."""
         self.cfg = cfg
         # custom_model: the user's nn.Module, or None for scaletrain's transformer
-        self.custom_model, self.loss_fn, self._schedule = model, loss_fn or cross_entropy_sum, schedule
+        self._custom_model, self._loss_fn, self._schedule = model, loss_fn or cross_entropy_sum, schedule
         # the runtime's layout is cfg's (derived once, where the job began); a config that asks for
         # another stage or batch on the same group of ranks gets its own layout on the same mesh
         self.rt = rt = (runtime or single_process(cfg)).for_config(cfg)
         # the one legality check, as settle asks it (a Trainer may be built without a job)
         check_config(cfg, rt.layout, custom_module=model is not None, device_type=rt.device.type)
-        self.rank, self.world_size, self.device = rt.rank, rt.world_size, rt.device
-        self.run_dir = Path(cfg.log.run_dir or self.rt.shared(default_run_dir()))
+        run_dir = Path(cfg.log.run_dir or rt.shared(default_run_dir()))
         if not cfg.log.run_dir:  # the folder it writes, in the config it saves (resuming reads it there)
-            self.cfg = cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, run_dir=str(self.run_dir)))
-        self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
-        self.folder = run_folder.RunFolder(self.run_dir, self.ckpt_dir, cfg, self.rank, shared=self.rt.shared,
-                                           restart=restart)
+            self.cfg = cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, run_dir=str(run_dir)))
+        ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+        self.folder = run_folder.RunFolder(run_dir, ckpt_dir, cfg, rt.rank, shared=rt.shared, restart=restart)
         try:
             self.folder.lock()  # those that exist already; fit() locks the ones it creates
             self._build(stream)
@@ -83,83 +95,76 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         from scaletrain.train.trackers import missing_packages  # before anything is built or written
 
-        if missing := self.rt.shared(missing_packages(cfg.log) if self.rank == 0 else None):
+        if missing := self.rt.shared(missing_packages(cfg.log) if self.rt.rank == 0 else None):
             raise ConfigError(*missing)  # only rank 0 logs: its packages are the ones that matter
-        self.precision = Precision(cfg.precision, self.device)
+        self.precision = Precision(cfg.precision, self.rt.device)
         self.precision.configure_backends()
         resume_from = self.folder.find_resume()  # reads only: nothing is written before fit()
         self.layout = rt.layout  # ranks, batch triad (global = micro × accum × dp), engines
         self._build_data()
         self._build_model(resume_from)
         # the validation windows (train.eval_every), once the model is known to fit
-        self.val_sets = validation_sets(cfg, self.layout.global_batch)
+        self.data.val_sets = validation_sets(cfg, self.layout.global_batch)
         self.state = TrainState()  # before the hooks: fault tolerance heals it from a peer
         self._build_optimizer()
         # the windows drawn from each source so far are logged (one sampler, on every rank alike; after the hooks)
-        self.mix_sampler = self.sampler(0) if cfg.data.mix else None
+        self.data.mix_sampler = self.sampler(0) if cfg.data.mix else None
         self.state.run_id, self.state.lineage = self.rt.shared(self.folder.identity())
-        self.metrics = MetricsLogger(self.run_dir if self.rank == 0 else None, cfg.train.steps,
-                                     enabled=self.rank == 0, tensorboard=cfg.log.tensorboard, summary=cfg.log.summary,
-                                     progress=cfg.log.progress, stream=stream, device_type=self.device.type)
+        self.metrics = MetricsLogger(self.folder.run_dir if rt.rank == 0 else None, cfg.train.steps,
+                                     enabled=rt.rank == 0, tensorboard=cfg.log.tensorboard, summary=cfg.log.summary,
+                                     progress=cfg.log.progress, stream=stream, device_type=rt.device.type)
         self.health = Health(cfg, self.layout, rt, self.metrics, self.state, precision=self.precision,
-                             param_names=self.param_names, custom_loss=self.custom_model is not None)
+                             param_names=self._param_names, custom_loss=self._custom_model is not None)
         self.hooks.enter, self.health.skip_reason = self.health.enter, self.hooks.skip_reason
         if resume_from is not None:
             self._resume(resume_from)
-        self.signals = StopSignals(self.rank)
         # a custom module's FLOPs are not known in detail: 6 per parameter per token (matmuls, no attention)
-        self.meter = StepMeter(rt, tokens_per_step=self.tokens_per_step, compute_dtype=self.precision.compute_dtype,
+        self.meter = StepMeter(rt, tokens_per_step=self.layout.global_batch * cfg.data.seq_len,
+                               compute_dtype=self.precision.compute_dtype,
                                flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len)
-                               if self.custom_model is None else 6 * self.num_params,
+                               if self._custom_model is None else 6 * self.pm.num_params,
                                tf32=cfg.precision.mode == "tf32", enter=self.health.enter, say=self.metrics.info)
 
     def _build_data(self) -> None:
         """Data: order from (seed, step) alone; each data-parallel rank reads its slice."""
         cfg = self.cfg
-        self.dp_rank = self.rt.axis("dp").get_local_rank() if self.rt.distributed else 0
-        self.data, self.dataset = open_training_data(cfg.data, parse_mix(cfg.data.mix) if cfg.data.mix else None,
-                                                     cfg.model.vocab_size if self.custom_model is None else None)
-        check_data(self.layout, source=self.data.source, loss_mask=getattr(self.dataset, "mask", None) is not None)
-        self.tokens_per_step = self.layout.global_batch * cfg.data.seq_len  # of the full batch
-        self.batch_schedule = self.layout.batch_schedule(cfg.data.seq_len)  # train.batch_rampup, if any
-        self.schedule = self._schedule or TrainSchedule.for_job(cfg, self.batch_schedule, cfg.train.steps)
+        corpus, dataset = open_training_data(cfg.data, parse_mix(cfg.data.mix) if cfg.data.mix else None,
+                                             cfg.model.vocab_size if self._custom_model is None else None)
+        check_data(self.layout, source=corpus.source, loss_mask=getattr(dataset, "mask", None) is not None)
+        self.data = RunData(corpus, dataset, dp_rank=self.rt.axis("dp").get_local_rank() if self.rt.distributed else 0,
+                            batch_schedule=self.layout.batch_schedule(cfg.data.seq_len))  # train.batch_rampup's
+        self.schedule = self._schedule or TrainSchedule.for_job(cfg, self.data.batch_schedule, cfg.train.steps)
         if self._schedule is None and (note := self.schedule.warmup_note(cfg.train.steps)):
             self.folder.notes.append(note)  # (verify's shorter checks run part of a longer schedule)
 
     def _build_model(self, resume_from: Path | None) -> None:
         """Model: built on the meta device (no memory), then parallelized and materialized."""
-        torch.manual_seed(self.cfg.train.seed + self.rank)  # dropout differs per rank; weights do not
+        torch.manual_seed(self.cfg.train.seed + self.rt.rank)  # dropout differs per rank; weights do not
         self.pm = self._parallel_model(resume_from)  # weights that do not fit: one line (parallelize)
-        self.dp = self.pm.dp
-        self.model = self.dp.model  # forward goes through the data-parallel wrapper
-        self.named_params = self.dp.named_params  # this rank's (pipeline stages') parameters
-        self.num_params = self.pm.num_params  # the whole model's (ZeRO-3: before sharding)
-        self.micro_schedule = self.pm.schedule(self.layout.pp_schedule, self.layout.grad_accum,
-                                         lambda logits, targets: self.loss_fn(logits, targets) * self.loss_factor())
+        self.model = self.pm.dp.model  # forward goes through the data-parallel wrapper
+        self.pm.schedule(self.layout.pp_schedule, self.layout.grad_accum,  # pipeline parallel: pm.micro_schedule
+                         lambda logits, targets: self._loss_fn(logits, targets) * self.loss_factor())
         # a step's micro-batches: through the pipeline schedule at once, or accumulated one by one
-        self._micro_batches = self._through_schedule if self.micro_schedule is not None else self._accumulate
-        self.loss_context = self.pm.loss_context  # tensor parallel: the loss on the vocabulary shards
+        self._micro_batches = self._through_schedule if self.pm.micro_schedule is not None else self._accumulate
 
     def _parallel_model(self, resume_from: Path | None):
         cfg = self.cfg
-        if self.custom_model is not None:
-            return parallelize_module(self.custom_model, cfg, self.rt, self.precision)
+        if self._custom_model is not None:
+            return parallelize_module(self._custom_model, cfg, self.rt, self.precision)
         with torch.device("meta"):
-            model = Transformer(cfg.model, separator=self.dataset.separator)  # data.document_mask's, or None
+            model = Transformer(cfg.model, separator=self.data.dataset.separator)  # data.document_mask's, or None
         weights = initial_weights(cfg, resuming=resume_from is not None)  # model.init_from, read on use
         pm = parallelize(model, cfg, self.rt, self.precision, weights=weights)
         self.folder.notes.extend(pm.notes)  # what the quantization layer rule converted (qat, fp8)
         if weights is not None:
-            self.folder.notes.append(weights.describe(cfg.model.init_from, self.rank))
+            self.folder.notes.append(weights.describe(cfg.model.init_from, self.rt.rank))
         return pm
 
     def _build_optimizer(self) -> None:
         """Optimizer over what holds the fp32 truth: parameters, ZeRO shards or (bf16-true, unsharded) fp32 masters."""
         cfg = self.cfg
-        self.optim_params = self.pm.optim_params
-        self.param_names = {id(p): n for n, p in self.optim_params}
-        self.optimizer = build_optimizer(cfg.optim, self.optim_params, self.schedule.peak, self.device)
-        self.state_bytes: dict[str, int] | None = None  # measured during the first step
+        self._param_names = {id(p): n for n, p in self.pm.optim_params}
+        self.optimizer = build_optimizer(cfg.optim, self.pm.optim_params, self.schedule.peak, self.rt.device)
         # the techniques' per-step work, in the order the composition gives (parallel.parallelize.step_hooks)
         self.hooks = step_hooks(self.pm, cfg, self.rt, optimizer=self.optimizer, state=self.state,
                                 refresh=self.refresh_weights, precision=self.precision)
@@ -174,57 +179,57 @@ class Trainer:
     def checkpoint_tensors(self) -> dict:
         """What DCP saves and loads: the weights the optimizer steps (fp32 masters in bf16-true, the shards under
         ZeRO-1/2: DCP writes each rank's shard and reshards on load), the optimizer state, the step hooks' state."""
-        optim, _ = ckpt.optimizer_to_named(self.optimizer, self.param_names)
-        return self.hooks.checkpoint_tensors({"model": dict(self.optim_params), "optim": optim})
+        optim, _ = ckpt.optimizer_to_named(self.optimizer, self._param_names)
+        return self.hooks.checkpoint_tensors({"model": dict(self.pm.optim_params), "optim": optim})
 
     def save(self) -> Path:
         """A checkpoint: tensors and what resuming needs to go on bitwise (step, data, loss scale, lineage, hooks)."""
-        _, skeleton = ckpt.optimizer_to_named(self.optimizer, self.param_names)
+        _, skeleton = ckpt.optimizer_to_named(self.optimizer, self._param_names)
         cfg = self.cfg
-        state = {**self.state.state_dict(), "world_size": self.world_size, "config": cfg.to_dict(),
+        state = {**self.state.state_dict(), "world_size": self.rt.world_size, "config": cfg.to_dict(),
                  "schedule": {"kind": cfg.optim.schedule, "step": self.step, "peak_lr": self.schedule.peak},
                  "data": {"step": self.step, "seed": cfg.train.seed, "global_batch": self.layout.global_batch,
-                          "seq_len": cfg.data.seq_len, "source": self.data.source,
-                          "fingerprint": getattr(self.data, "fingerprint", None)},
+                          "seq_len": cfg.data.seq_len, "source": self.data.corpus.source,
+                          "fingerprint": getattr(self.data.corpus, "fingerprint", None)},
                  "optimizer": skeleton, **self.hooks.state_dict()}
-        return ckpt.save_checkpoint(self.ckpt_dir, self.step, self.checkpoint_tensors(), state,
+        return ckpt.save_checkpoint(self.folder.ckpt_dir, self.step, self.checkpoint_tensors(), state,
                                     keep=cfg.checkpoint.keep)
 
     def _resume(self, path: Path) -> None:
         """Continue from checkpoint `path`, once checked against this model, data, batch and layout."""
         state = ckpt.read_trainer_state(path)
         self.health.resuming(int(state["step"]))  # what a peer that waits for this rank is told
-        self.folder.check_resumable(path, state, global_batch=self.layout.global_batch, data=self.data,
+        self.folder.check_resumable(path, state, global_batch=self.layout.global_batch, data=self.data.corpus,
                                     peak_lr=self.schedule.peak)
         ckpt.check_sync(path, state, self.layout)
         self.hooks.prepare_load(state)
         init_optimizer_state(self.optimizer)
         # resume=auto verified the files while choosing this checkpoint; a given path is verified here
         ckpt.load_tensors(path, self.checkpoint_tensors(), verify=self.cfg.checkpoint.resume != "auto")
-        ckpt.restore_optimizer_extras(self.optimizer, self.param_names, state["optimizer"])
+        ckpt.restore_optimizer_extras(self.optimizer, self._param_names, state["optimizer"])
         self.refresh_weights()
         self.hooks.load_state_dict(state)
         branch = self.state.lineage[-1][0]
         self.state.load_state_dict(state, path)
         # the run goes on on a new branch of its lineage that starts at this checkpoint
         self.state.lineage = run_folder.continued_lineage(state.get("lineage"), branch, self.step)
-        ckpt.load_rng(path, self.rank, self.world_size, state["world_size"])
+        ckpt.load_rng(path, self.rt.rank, self.rt.world_size, state["world_size"])
 
     def refresh_weights(self) -> None:
         """Refresh what the model computes with from what the optimizer steps."""
         self.hooks.refresh_weights()  # bf16-true: the fp32 masters rounded into the model
-        self.dp.after_optimizer_step()  # ZeRO-1/2: gather the updated shards into every replica
+        self.pm.dp.after_optimizer_step()  # ZeRO-1/2: gather the updated shards into every replica
 
     def sampler(self, start_step: int) -> StepSampler:
         """Which windows this rank reads at each step from `start_step` on (the data-parallel cut)."""
-        return step_sampler(self.dataset, self.layout, dp_rank=self.dp_rank, seed=self.cfg.train.seed,
-                            start_step=start_step, schedule=self.batch_schedule, outer=self.hooks.data_outer)
+        return step_sampler(self.data.dataset, self.layout, dp_rank=self.data.dp_rank, seed=self.cfg.train.seed,
+                            start_step=start_step, schedule=self.data.batch_schedule, outer=self.hooks.data_outer)
 
     def batches(self):
         """This rank's micro-batches (inputs, targets) from this step on: its share of the windows and tokens."""
-        return iter(build_loader(self.dataset, self.sampler(self.step), share=self.hooks.batch_share,
+        return iter(build_loader(self.data.dataset, self.sampler(self.step), share=self.pm.batch_share,
                                  num_workers=self.cfg.data.num_workers,
-                                 pin_memory=self.cfg.data.pin_memory and self.device.type == "cuda",
+                                 pin_memory=self.cfg.data.pin_memory and self.rt.device.type == "cuda",
                                  prefetch_factor=self.cfg.data.prefetch_factor))
 
     # ---------------------------------------------------------------------------------------
@@ -237,21 +242,25 @@ class Trainer:
         grad_norm, skipped = self.update()
         return loss, grad_norm, skipped, wait
 
+    def token_loss(self, logits, targets) -> torch.Tensor:
+        """The sum of the token losses of `logits` against `targets`: cross-entropy, or a custom module's loss_fn."""
+        return self._loss_fn(logits, targets)
+
     def loss_factor(self) -> float:
         # by the counted tokens of the whole global batch (every rank counts them alike from the data): gradients
         # add up over micro-batches and ranks to the mean token loss's; the dp reductions average over ranks, hence
         # the factor dp. Under fp16 unscaling applies dp: backward sees the scale times each token's share.
-        scale = self.hooks.loss_scale()
+        scale = self.precision.loss_scale()
         return (self.layout.dp if scale is None else scale) / self.counted_tokens()
 
     def counted_tokens(self, step: int | None = None) -> int:
         """Targets counted in a step's global batch: all its tokens, or those its loss mask marks (from the data)."""
         step = self.step if step is None else step
-        return self.dataset.counted_in_step(step, self.sampler) or self.step_tokens(step)
+        return self.data.dataset.counted_in_step(step, self.sampler) or self.step_tokens(step)
 
     def step_tokens(self, step: int | None = None) -> int:
         """Tokens of a step's global batch (this step's by default): fewer during a batch-size warm-up."""
-        return self.batch_schedule.batch(self.step if step is None else step) * self.cfg.data.seq_len
+        return self.data.batch_schedule.batch(self.step if step is None else step) * self.cfg.data.seq_len
 
     def forward_backward(self, batches) -> tuple[torch.Tensor, float]:
         """This step's gradients over its micro-batches; returns (mean token loss, data wait)."""
@@ -261,27 +270,27 @@ class Trainer:
 
     def _through_schedule(self, batches) -> tuple[torch.Tensor, float]:
         """All micro-batches through the schedule at once; the last stage's losses (the others: 0)."""
-        return self.pm.through_schedule(self.micro_schedule, batches, self.layout.grad_accum, device=self.device,
-                                        autocast=self.precision.autocast, loss_context=self.loss_context)
+        return self.pm.through_schedule(self.pm.micro_schedule, batches, self.layout.grad_accum, device=self.rt.device,
+                                        autocast=self.precision.autocast, loss_context=self.pm.loss_context)
 
     def _accumulate(self, batches) -> tuple[torch.Tensor, float]:
         """Gradients accumulated micro-batch by micro-batch, synced on the last."""
         wait = 0.0
-        loss_sum = torch.zeros((), device=self.device)
-        accum = self.batch_schedule.accum(self.step)  # grad_accum, or fewer during a batch-size warm-up
+        loss_sum = torch.zeros((), device=self.rt.device)
+        accum = self.data.batch_schedule.accum(self.step)  # grad_accum, or fewer during a batch-size warm-up
         last = accum - 1
         for k in range(accum):
             t0 = time.perf_counter()
             inputs, targets = next(batches)
             wait += time.perf_counter() - t0
-            inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
-            with self.dp.micro_step(last=k == last), self.loss_context():  # sync gradients on the last
+            inputs, targets = (x.to(self.rt.device, non_blocking=True) for x in (inputs, targets))
+            with self.pm.dp.micro_step(last=k == last), self.pm.loss_context():  # sync gradients on the last
                 with self.precision.autocast():
                     logits = self.model(inputs)  # (B, T, vocab)
-                loss = self.loss_fn(logits, targets) * self.loss_factor()
+                loss = self._loss_fn(logits, targets) * self.loss_factor()
                 loss.backward()
             loss_sum += self.pm.whole(loss.detach())
-        self.dp.finish_gradients()
+        self.pm.dp.finish_gradients()
         return loss_sum, wait
 
     def evaluate(self) -> dict[str, float]:
@@ -293,7 +302,7 @@ class Trainer:
 
         A step whose gradients are not finite anywhere (an fp16 overflow, or inf/NaN in any
         mode) is skipped without touching the weights or the optimizer state."""
-        named = self.optim_params
+        named = self.pm.optim_params
         params = [p for _, p in named]
         self.hooks.reduce_gradients(named)
         self.health.enter("the gradient-norm all-reduce")
@@ -303,11 +312,11 @@ class Trainer:
         self.health.enter("the optimizer step (with the ZeRO parameter all-gather)")
         if not skip:
             self.optimizer.step()
-        if self.state_bytes is None:  # measured once, while gradients and optimizer state are live
-            self.state_bytes = self.pm.state_bytes(params, self.optimizer)
-            report_state_bytes(self.metrics.info, self.rank, self.state_bytes, self.num_params)
+        if self.meter.state_bytes is None:  # measured once, while gradients and optimizer state are live
+            self.meter.state_bytes = self.pm.state_bytes(params, self.optimizer)
+            report_state_bytes(self.metrics.info, self.rt.rank, self.meter.state_bytes, self.pm.num_params)
         self.health.step_done(self.step + 1, skip, params)
-        self.dp.zero_grad(self.optimizer)
+        self.pm.dp.zero_grad(self.optimizer)
         if self.hooks.after_optimizer_step(applied=not skip) or not skip:
             self.refresh_weights()
         return grad_norm, skip
@@ -318,7 +327,7 @@ class Trainer:
     def fit(self) -> dict:
         """Train from where the run stands to train.steps, or until a signal, a full disk or a
         diverged loss stops it; checkpoint, sample, and return the run's summary."""
-        self.signals.install()  # from here on a signal stops the run at a step's end, saved
+        self.health.signals.install()  # from here on a signal stops the run at a step's end, saved
         try:
             # first a hook may take the run's state from a peer (a restarted replica group heals): the folder's
             # history is then kept up to the step it goes on from, not cut back to where this process began
@@ -326,7 +335,7 @@ class Trainer:
             st = self.state
             self.folder.take_ownership(st.run_id, st.lineage, st.step, st.resumed_from, self.metrics.info)
             announce(self)
-            self.metrics.start_trackers(self.cfg, st.run_id, stopping=lambda: self.signals.received is not None)
+            self.metrics.start_trackers(self.cfg, st.run_id, stopping=lambda: self.health.signals.received is not None)
             result = self._loop()
             if result["stopped_by"] is None and self.cfg.train.sample_tokens:  # a signal now cuts the sample short
                 print_sample(self)
@@ -334,7 +343,7 @@ class Trainer:
             self.metrics.close()  # no file left open (a disk that cannot be unmounted, a torn row)
             raise
         finally:
-            self.signals.restore()
+            self.health.signals.restore()
             self.folder.release()
         self.metrics.close()
         return result
@@ -354,12 +363,12 @@ class Trainer:
             local_loss, grad_norm, skipped, wait = done
             self.state.step += 1
             loss, grad_norm, stop = guarded(self.end_of_step, local_loss, grad_norm)
-            if self.dataset.counts_nothing(self.step - 1, self.sampler):
+            if self.data.dataset.counts_nothing(self.step - 1, self.sampler):
                 loss = None  # no target counted: a step with nothing to learn has no loss (not a loss of 0)
             self.health.watch_loss(self.step, loss, skipped)
             self.meter.stepped(wait, self.step_tokens(self.step - 1), self.counted_tokens(self.step - 1))
             val_loss = None
-            if self.val_sets and not stop and \
+            if self.data.val_sets and not stop and \
                     (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps):
                 with self.meter.paused():  # evaluating is not training: tokens/s leaves it out
                     val_loss = guarded(self.evaluate)
@@ -377,21 +386,21 @@ class Trainer:
     def _log(self, loss: float, grad_norm, val_loss: dict[str, float] | None) -> float:
         """Log the metrics of the steps since the last row, and start the next; returns the row's loss."""
         row = self.health.guarded(self.meter.row, self.step, loss, grad_norm, get_lr(self.optimizer),
-                                  self.state.skipped_steps, self.hooks.loss_scale())
-        row["global_batch"] = self.batch_schedule.batch(self.step - 1)  # of the logged step
+                                  self.state.skipped_steps, self.precision.loss_scale())
+        row["global_batch"] = self.data.batch_schedule.batch(self.step - 1)  # of the logged step
         row.update(self.hooks.metrics())  # what the techniques measured in it (a mixture's balance)
-        if self.mix_sampler is not None:  # the share of the windows so far drawn from each source
-            row.update(self.mix_sampler.shares(self.step, self.data.names))
+        if self.data.mix_sampler is not None:  # the share of the windows so far drawn from each source
+            row.update(self.data.mix_sampler.shares(self.step, self.data.corpus.names))
         if val_loss is not None:
             row.update(val_loss=val_loss["val_loss"], val_ppl=perplexity(val_loss["val_loss"]))
             row.update(val_loss)
-        self.health.log_row(row, self.step, self.run_dir / "metrics.jsonl")
+        self.health.log_row(row, self.step, self.folder.run_dir / "metrics.jsonl")
         self.meter.new_window()
         return row["loss"]
 
     def _finish(self, losses: list[float], last_saved: Path | None) -> dict:
         """The end of the loop: the final (or emergency) checkpoint, the summary, the result."""
-        stopped = self.signals.received
+        stopped = self.health.signals.received
         due = (self.health.fault or stopped is not None or self.cfg.checkpoint.save_final) and \
             (last_saved is None or last_saved.name != f"step_{self.step:08d}") and self.hooks.writes_checkpoint()
         last_saved = self.health.final_checkpoint(self.save if due else None, last_saved)
@@ -403,18 +412,18 @@ class Trainer:
                               "steps skipped (non-finite gradients)": self.state.skipped_steps, **spikes})
         return {"losses": losses, "history": self.metrics.history, "step": self.step,
                 "stopped_by": stopped, "checkpoint": str(last_saved) if last_saved else None,
-                "run_dir": str(self.run_dir)}
+                "run_dir": str(self.folder.run_dir)}
 
     def end_of_step(self, local_loss: torch.Tensor, grad_norm) -> tuple[float, object, bool]:
         """The global batch's loss, the gradient norm the hooks report, and whether a signal
         reached any rank (then every rank stops after this same step): one small all-reduce."""
-        signals, fault = self.signals, self.health.fault
+        signals, fault = self.health.signals, self.health.fault
         flag = float(signals.received or (1 if fault else 0))
         grad_norm = self.hooks.reported_norm(grad_norm)
         if not self.rt.distributed:
             return float(local_loss), grad_norm, bool(flag)
         self.health.enter("the end-of-step all-reduce of loss and stop flag")
-        t = torch.stack([torch.tensor(flag, device=self.device), local_loss.float().reshape(())])
+        t = torch.stack([torch.tensor(flag, device=self.rt.device), local_loss.float().reshape(())])
         dist.all_reduce(t)  # every rank's share of the loss; some ranks hold copies of it
         if t[0] > 0 and not fault:
             signals.received = signals.received or signal.SIGTERM
@@ -423,9 +432,9 @@ class Trainer:
     def sample(self, prompt: str, new_tokens: int) -> str:
         """Generate from the trained model. Every rank of a sharded model (FSDP, tensor parallel)
         takes part in each forward; all draw the same tokens from the same generator."""
-        return sample_text(self.dp.module, self.data.tokenizer, prompt, new_tokens,
+        return sample_text(self.pm.dp.module, self.data.corpus.tokenizer, prompt, new_tokens,
                            window=min(self.cfg.data.seq_len, self.cfg.model.max_seq_len), seed=self.cfg.train.seed,
-                           device=self.device, autocast=self.precision.autocast,
+                           device=self.rt.device, autocast=self.precision.autocast,
                            all_ranks=self.rt.distributed and self.pm.sharded_forward,  # sharded: all go on
-                           use_cache=not self.cfg.train.compile and self.custom_model is None,  # compiled: recompiles
-                           interrupted=lambda: self.signals.received is not None and not self.rt.distributed)
+                           use_cache=not self.cfg.train.compile and self._custom_model is None,  # compiled: recompiles
+                           interrupted=lambda: self.health.signals.received is not None and not self.rt.distributed)
