@@ -18,7 +18,11 @@ step, its mean over the logged steps, its largest, and its mean over the last qu
 each layer's mean over the last quarter (layers 0, 1, ...). A row
 whose run diverged (scaletrain's divergence check stops it) shows its last logged step and why.
 
-    nice python benchmarks/moe_quality.py [--steps 100] [--batch 16] [--rows dense,none,bias] [--section.key=value ...]
+`--per-step` then prints the worst layer's imbalance at every logged step, the rows side by side
+(with `--every 1`, every step: the first steps, where a router collapses, compared row by row).
+
+    nice python benchmarks/moe_quality.py [--steps 100] [--batch 16] [--rows dense,none,bias] [--every 5]
+        [--per-step] [--section.key=value ...]
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ def train_row(args, extra: list[str], overrides: dict) -> dict:
 
     run_dir = tempfile.mkdtemp(prefix="moe-quality-")
     base = {"train.steps": args.steps, "train.global_batch": args.batch, "train.eval_every": args.steps,
-            "log.every": 5, "train.sample_tokens": 0}
+            "log.every": args.every, "train.sample_tokens": 0}
     cfg = load_config(args.config, [*extra, *flags(quiet(run_dir)), *flags({**base, **overrides})])
     t0 = time.perf_counter()
     stopped = None
@@ -69,6 +73,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch", type=int, default=16, help="train.global_batch (the demo's is 32)")
     ap.add_argument("--rows", default="dense,none,bias", help=f"of {', '.join(ROWS)}")
+    ap.add_argument("--every", type=int, default=5, help="log.every: the steps between metrics rows")
+    ap.add_argument("--per-step", action="store_true", help="then the imbalance at each logged step, side by side")
     args, extra = ap.parse_known_args(argv)
     names = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [n for n in names if n not in ROWS]
@@ -79,10 +85,12 @@ def main(argv=None) -> None:
     head = (f"{'row':<28}{'params':>8}{'active':>8}{'train loss':>11}{'val loss':>9}"
             f"{'imbalance: first':>17}{'mean':>6}{'max':>6}{'last 1/4':>9}{'time':>7}  each layer, last 1/4")
     print(head)
+    per_step = {}
     for name in names:
         label, overrides = ROWS[name]
         r = train_row(args, extra, overrides)
         rows = r["rows"]
+        per_step[name] = {row["step"]: row["moe_imbalance"] for row in rows if "moe_imbalance" in row}
         last = rows[-1]
         imb = [row["moe_imbalance"] for row in rows if "moe_imbalance" in row]
         tail = imb[-max(len(imb) // 4, 1):]
@@ -94,6 +102,16 @@ def main(argv=None) -> None:
               f"{last.get('val_loss', float('nan')):>9.4f}{figures}{r['seconds']:>6.0f}s  {per_layer}", flush=True)
         if r["stopped"]:
             print(f"  {label} stopped at step {last['step']} (the last logged row above): {r['stopped']}", flush=True)
+    if args.per_step:
+        print_per_step({n: v for n, v in per_step.items() if v})
+
+
+def print_per_step(per_step: dict[str, dict[int, float]]) -> None:
+    """The worst layer's imbalance at each logged step, one column per row (4.00: collapsed)."""
+    print(f"\nimbalance per step (worst layer; {', '.join(f'{n}: {ROWS[n][0]}' for n in per_step)})")
+    print(f"{'step':>5}" + "".join(f"{n:>8}" for n in per_step))
+    for step in sorted({s for v in per_step.values() for s in v}):
+        print(f"{step:>5}" + "".join(f"{v[step]:>8.2f}" if step in v else f"{'-':>8}" for v in per_step.values()))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ members only it has (`OuterLoop`).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 
 import torch
@@ -56,6 +57,11 @@ class StepHook:
     def metrics(self) -> dict[str, float]:
         """What the technique measured in the last step, for the metrics row."""
         return {}
+
+    def say(self, line: str) -> None:
+        """A line for the run's log, when what it tells arises (not a member a technique implements: the run
+        directs every hook's lines to its log with StepHooks.say_to; until then they go to stderr)."""
+        print(f"scaletrain: {line}", file=sys.stderr, flush=True)
 
     # ---- checkpoints: what the technique keeps beside the weights and the optimizer state ----
 
@@ -165,6 +171,11 @@ class StepHooks:
 
     def metrics(self) -> dict[str, float]:
         return {k: v for h in self.hooks for k, v in h.metrics().items()}
+
+    def say_to(self, say: Callable[[str], None]) -> None:
+        """Where the hooks' lines go from now on (the run's log)."""
+        for h in self.hooks:
+            h.say = say
 
     def checkpoint_tensors(self, tensors: dict) -> dict:
         for h in self.hooks:

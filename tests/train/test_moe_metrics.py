@@ -179,3 +179,47 @@ def test_mfu_of_a_mixture_counts_its_active_parameters_never_the_total(tmp_path)
     t.fit()
     for r in read_metrics(tmp_path / "run"):
         assert r["mfu"] == pytest.approx((6 * active + attention) * r["tokens_per_s"] / t.meter.peak_flops)
+
+
+def test_a_layer_that_stays_collapsed_is_noted_once_by_name():
+    """A real router pinned on two experts (its weights favour experts 0 and 1 for every token
+    with positive features; the bias, at 1e-3 a step, cannot pull 10 logits back): the hook notes
+    the layer after COLLAPSE_STEPS steps in a row near the ceiling, once, with its imbalance and the
+    options to change; the balanced layer beside it is never named."""
+    from scaletrain.model.config import ModelConfig
+    from scaletrain.parallel.moe_balance import COLLAPSE_STEPS, MoEBalance
+
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, moe_experts=8, moe_top_k=2, moe_hidden=16)
+    torch.manual_seed(0)
+    collapsed, balanced = MoE(cfg), MoE(cfg)
+    with torch.no_grad():
+        collapsed.router.weight.zero_()
+        collapsed.router.weight[:2] = 10.0  # experts 0 and 1 win for every token with positive features
+    hook = MoEBalance({"layers.0.moe": collapsed, "layers.1.moe": balanced}, ["layers.0.moe", "layers.1.moe"], [],
+                      experts=8, bias_rate=1e-3, top_k=2, aux_loss=0.0)
+    notes = []
+    hook.say = lambda line: notes.append((step, line))
+    for step in range(1, 2 * COLLAPSE_STEPS + 1):  # noqa: B007 (the lambda above reads it)
+        x = torch.randn(4, 16, 32).abs()
+        balanced(torch.randn(4, 16, 32)).sum().backward()
+        collapsed(x).sum().backward()
+        hook.after_optimizer_step(applied=True)
+    assert hook.last["moe_imbalance/layers.0.moe"] == 4.0  # the ceiling: 8 experts / top 2
+    assert hook.last["moe_imbalance/layers.1.moe"] < 3.0
+    assert notes == [(COLLAPSE_STEPS, "MoE router collapse: layers.0.moe at 4.00 (max / mean tokens per expert) for "
+                                      "the last 10 steps, near the ceiling 4 (moe_experts 8 / moe_top_k 2: every "
+                                      "token on the same 2 experts); early in training the blocks' outputs are nearly "
+                                      "alike for every token and no balancing separates them (docs/benchmarks.md); "
+                                      "if it lasts past the warm-up, raise model.moe_bias_rate (now 0.001) or "
+                                      "model.moe_aux_loss (now 0)")]
+
+
+def test_a_techniques_line_reaches_the_runs_log(tmp_path):
+    """The run directs its hooks' lines (the collapse note) to its log, which its stream and log show."""
+    from scaletrain.parallel.moe_balance import MoEBalance
+
+    stream = io.StringIO()
+    t = Trainer(micro_cfg(tmp_path, **{"model.moe_experts": 4}), stream=stream)
+    t.hooks.find(MoEBalance).say("MoE router collapse: planted")
+    assert "MoE router collapse: planted" in stream.getvalue()
+    t.folder.release()

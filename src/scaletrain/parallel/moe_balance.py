@@ -25,6 +25,10 @@ from scaletrain.hooks import StepHook
 from scaletrain.model.moe import STAT_NAMES, MoE
 from scaletrain.model.names import canonical_name
 
+# a layer is near collapse at this share of its ceiling (moe_experts / moe_top_k: every token on the
+# same top_k experts); the note comes once it has stayed there this many optimizer steps in a row
+NEAR_COLLAPSE, COLLAPSE_STEPS = 0.9, 10
+
 
 def moe_layers(modules: list[nn.Module]) -> dict[str, MoE]:
     """The MoE layers of this rank's model chunks, by canonical name."""
@@ -42,7 +46,8 @@ def summed_over(counts: torch.Tensor, previous, group) -> torch.Tensor:
 class MoEBalance(StepHook):
     """Sums each layer's counters over `groups` after every optimizer step, moves the routing
     biases by `bias_rate` towards an even load (DeepSeek-V3's sign rule), keeps the step's
-    metrics, and saves the biases in checkpoints.
+    metrics, says once (in the run's log) each layer that stays near collapse, and saves the biases in
+    checkpoints.
 
     `names`: every MoE layer of the model, in order. Under pipelining a rank holds some of them;
     the counters of the others come as zeros, and the pipeline group (`pp_group`) is summed over
@@ -52,12 +57,14 @@ class MoEBalance(StepHook):
     phase = "the mixture-of-experts load counts' all-reduce"
 
     def __init__(self, layers: dict[str, MoE], names: list[str], groups: list, *, experts: int, bias_rate: float,
-                 top_k: int, pp_group=None, device: torch.device | str = "cpu"):
+                 top_k: int, aux_loss: float = 0.0, pp_group=None, device: torch.device | str = "cpu"):
         self.layers, self.names, self.experts, self.device = layers, names, experts, device
         self.groups = [g for g in (*groups, pp_group) if g is not None]
-        self.bias_rate, self.top_k = bias_rate, top_k
+        self.bias_rate, self.top_k, self.aux_loss = bias_rate, top_k, aux_loss
         self.last: dict[str, float] = {}
         self.window_worst = 0.0  # the worst imbalance of any step since the last metrics row
+        self.near = dict.fromkeys(names, 0)  # each layer's optimizer steps in a row near collapse
+        self.noted: set[str] = set()  # the layers whose collapse was noted (once each)
 
     @classmethod
     def for_model(cls, modules: list[nn.Module], model_cfg, groups: list, pp_group=None,
@@ -69,7 +76,7 @@ class MoEBalance(StepHook):
         layers = moe_layers(modules)
         assert set(layers) <= set(names), f"MoE layers {sorted(layers)} outside the config's {names}"
         return cls(layers, names, groups, experts=model_cfg.moe_experts, bias_rate=model_cfg.moe_bias_rate,
-                   top_k=model_cfg.moe_top_k, pp_group=pp_group, device=device)
+                   top_k=model_cfg.moe_top_k, aux_loss=model_cfg.moe_aux_loss, pp_group=pp_group, device=device)
 
     def begin_step(self, loss_factor: float) -> None:
         for m in self.layers.values():
@@ -104,7 +111,26 @@ class MoEBalance(StepHook):
         if z:
             self.last["moe_z_loss"] = z / max(tokens, 1.0) / n
         self.window_worst = max(self.window_worst, self.last["moe_imbalance"])
+        self.watch_collapse(imbalance)
         return False
+
+    def watch_collapse(self, imbalance: dict[str, float]) -> None:
+        """Count each layer's steps in a row near its ceiling (moe_experts / moe_top_k), and note the
+        layers that reach COLLAPSE_STEPS of them, once each, in one line."""
+        ceiling = self.experts / self.top_k
+        for name, value in imbalance.items():
+            self.near[name] = self.near[name] + 1 if value >= NEAR_COLLAPSE * ceiling else 0
+        new = [name for name in self.names if self.near[name] >= COLLAPSE_STEPS and name not in self.noted]
+        if not new:
+            return
+        self.noted.update(new)
+        layers = ", ".join(f"{name} at {imbalance[name]:.2f}" for name in new)
+        self.say(
+            f"MoE router collapse: {layers} (max / mean tokens per expert) for the last {COLLAPSE_STEPS} steps, "
+            f"near the ceiling {ceiling:g} (moe_experts {self.experts} / moe_top_k {self.top_k}: every token "
+            f"on the same {self.top_k} experts); early in training the blocks' outputs are nearly alike for every "
+            f"token and no balancing separates them (docs/benchmarks.md); if it lasts past the warm-up, raise "
+            f"model.moe_bias_rate (now {self.bias_rate:g}) or model.moe_aux_loss (now {self.aux_loss:g})")
 
     def metrics(self) -> dict[str, float]:
         """The logged step's figures, and the worst imbalance of the steps since the last row

@@ -116,6 +116,7 @@ class Trainer:
         self.health = Health(cfg, self.layout, rt, self.metrics, self.state, precision=self.precision,
                              param_names=self._param_names, custom_loss=self._custom_model is not None)
         self.hooks.enter, self.health.skip_reason = self.health.enter, self.hooks.skip_reason
+        self.hooks.say_to(self.metrics.info)  # what a technique sees go wrong (a collapsed router), when it does
         if resume_from is not None:
             self._resume(resume_from)
         # a custom module's FLOPs are not known in detail: 6 per parameter per token (matmuls, no attention)
