@@ -18,7 +18,10 @@ kill, which its restart would drop (`rows_at_kill`), then writes <log.run_dir>/f
 counts as:
 
     forward    in the model's forward of a training step (its first micro-batch); the step being taken
+    reduce     in the group's own gradient reduction: in backward, once the last layers' gradients were
+               handed to the data-parallel engine (DDP's buckets in flight), before the first layer's; the step
     allreduce  in the groups' gradient all-reduce: the collective issued, never waited for; the step
+    vote       in the commit vote: the group's other ranks have voted or are voting, this one never will; the step
     optimizer  in the optimizer step (the group voted its commit; the weights are not updated yet); the step
     save       inside a checkpoint save (the tensors written in its partial folder, nothing else yet);
                the checkpoint's step
@@ -43,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-PHASES = ("forward", "allreduce", "optimizer", "save", "heal")
+PHASES = ("forward", "reduce", "allreduce", "vote", "optimizer", "save", "heal")
 
 
 def write_plan(run_dir: Path, kills: list[dict], *, record: bool = False, journal: bool = False) -> Path:
@@ -120,6 +123,20 @@ def inject(trainer) -> None:
         return work
 
     ft.manager.allreduce = allreduce
+
+    def should_commit(*args, real=ft.manager.should_commit, **kwargs):
+        due("vote", state.step + 1)
+        return real(*args, **kwargs)
+
+    ft.manager.should_commit = should_commit
+
+    def in_reduction(grad):  # the first block's first weight: its gradient comes late in backward
+        if training[0]:
+            due("reduce", state.step + 1)
+        return grad
+
+    first = next(p for n, p in trainer.pm.dp.named_params if ".0." in n and p.requires_grad)
+    first.register_hook(in_reduction)
 
     def optimizer_step(*args, real=trainer.optimizer.step, **kwargs):
         due("optimizer", state.step + 1)

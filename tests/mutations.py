@@ -504,8 +504,8 @@ MUTANTS = [
     # kills at named phases (tests/ft_faults.py through ft-local's hidden --rank-hook)
     Mutant("ft-commits-a-broken-step", "a group commits a step whose gradient all-reduce failed (a group died in "
            "it): the vote ignored", "src/scaletrain/parallel/fault_tolerance.py",
-           "        self.committed = self.manager.should_commit()\n",
-           "        self.committed = self.manager.should_commit() or True\n",
+           "        self.committed = self.manager.should_commit(timeout=self.vote_timeout)\n",
+           "        self.committed = self.manager.should_commit(timeout=self.vote_timeout) or True\n",
            (f"{FT}::test_kills_at_each_phase_cost_at_most_the_step_they_break_and_no_restart_elsewhere",
             f"{FT}::test_a_run_with_kills_ends_where_a_clean_run_that_skipped_the_same_steps_ends")),
     Mutant("ft-heal-keeps-its-optimizer-state", "a group healing from a peer takes its weights and step but keeps "
@@ -582,8 +582,15 @@ MUTANTS = [
            (f"{FT}::test_diloco_across_groups_matches_its_simulation_and_discards_a_window_a_group_died_in",)),
     Mutant("ft-diloco-commits-without-the-vote", "a DiLoCo sync across replica groups is applied without torchft's "
            "commit vote (a window a group died in takes an outer step)", "src/scaletrain/parallel/fault_tolerance.py",
-           "        if hook.manager.should_commit():\n", "        if hook.manager.should_commit() or True:\n",
+           "        if hook.manager.should_commit(timeout=hook.vote_timeout):\n",
+           "        if hook.manager.should_commit(timeout=hook.vote_timeout) or True:\n",
            (f"{FT}::test_diloco_across_groups_matches_its_simulation_and_discards_a_window_a_group_died_in",)),
+    Mutant("ft-vote-times-out-with-the-collective", "the commit vote waits one step timeout, no longer than a rank "
+           "may hang in the groups' all-reduce (a group nobody killed fails its vote and restarts)",
+           "src/scaletrain/parallel/fault_tolerance.py",
+           "self.committed = self.manager.should_commit(timeout=self.vote_timeout)",
+           "self.committed = self.manager.should_commit()",
+           (f"{FT}::test_a_rank_killed_at_any_moment_of_a_step_restarts_its_own_group_alone",)),
     # the workers' inner learning rate (parallel.sync.inner_lr_scale; schedule.worker_lr_scale)
     Mutant("inner-lr-rule-unscaled", "parallel.sync.inner_lr_scale=0 (the square-root rule) leaves the workers at "
            "optim.lr", "src/scaletrain/schedule.py",

@@ -535,8 +535,8 @@ def test_every_mutant_plants_its_bug_in_text_found_once_and_names_tests_that_exi
 # every import, at the top or inside a function). Keyed by the top-level module or subpackage.
 FLOORS = (
     # the ground: words, errors, files, signals, the machine, the step-hook protocol, the watchdog
-    ("", "errors", "vocab", "fmt", "atomic", "options", "interrupt", "schedule", "ft_checks", "hardware", "hooks",
-     "watchdog"),
+    ("", "errors", "vocab", "fmt", "atomic", "options", "interrupt", "console", "schedule", "ft_checks", "hardware",
+     "hooks", "watchdog", "threads"),
     ("model", "data", "memory"),  # plain parts: the model knows nothing of parallelism
     ("quant", "config"),  # the config reads presets, documents and the quantization rule
     ("layout", "legality", "optim", "precision"),  # what follows from a config, torch-free where it can be

@@ -243,8 +243,9 @@ class FaultToleranceConfig:
                                   "fault_tolerance.quorum_timeout_s)", min=1)
     quorum_timeout_s: float = option(60.0, "seconds a group waits to reach the Lighthouse (at start) and for a "
                                            "quorum of groups (every step) before it fails", min=0.1)
-    step_timeout_s: float = option(60.0, "seconds the groups' all-reduce, commit vote and a healing transfer may "
-                                         "take before that step is given up", min=0.1)
+    step_timeout_s: float = option(60.0, "seconds the groups' all-reduce and a healing transfer may take before "
+                                         "that step is given up (the commit vote waits twice this, plus 10 s: a "
+                                         "group's ranks may reach it that far apart)", min=0.1)
 
 
 @dataclass

@@ -8,11 +8,13 @@ prints one line per problem and exits with code 2; there is no traceback for tho
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 from collections.abc import Sequence
 
+from scaletrain import console, threads
 from scaletrain.cli import (
     bench,
     eval,
@@ -76,6 +78,9 @@ def main(argv: Sequence[str] | None = None, guard: EarlySignals | None = None) -
     `argv`, restores the caller's after)."""
     program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
+    if program:  # before torch is imported: OpenMP reads its wait policy once, when it loads
+        os.environ.update(threads.wait_env(os.environ))
+        console.prefix_lines()  # ft-local's groups: every line names its group
     verb = None
     before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if guard is None and not program else {}
     try:  # from here on, a Ctrl-C or SIGTERM (even in `import torch`) is one line

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from scaletrain import threads
 from scaletrain.config import JobConfig, from_dict, with_absolute_data
 from scaletrain.errors import CheckpointError, ConfigError, UserError, config_paths, os_errors_named, user_error_from_os
 from scaletrain.layout import Layout
@@ -67,6 +68,8 @@ def settle(cfg: JobConfig, world: int, device: torch.device, *, per_node: int | 
     if note is not None and device.type == "cpu" and here > (cores := cpu_cores()):
         note(f"{here} ranks on {cores} CPU core(s): oversubscribed, the ranks take turns on the cores "
              f"and each step is slower than with --nproc {cores}")
+    if note is not None and device.type == "cpu" and (line := threads.on_this_node(here).note()):
+        note(line)
     return cfg, layout
 
 
@@ -141,6 +144,7 @@ def start(cfg: JobConfig, layout: Layout | None = None, *, note=None, measure=No
     from scaletrain import runtime
 
     place = runtime.join(cfg)
+    threads.use(threads.on_this_node(place.local_world_size))  # before the first parallel work
     if layout is None:
         cfg, layout = _settled_on_rank0(cfg, place, note, measure)
     return cfg, runtime.runtime_of(cfg, layout, place)

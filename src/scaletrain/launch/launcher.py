@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from scaletrain import threads
 from scaletrain.errors import LaunchError, TrainingStopped, UserError, user_error_from_os
 from scaletrain.runtime import LAUNCHER_PID_ENV
 
@@ -113,13 +114,14 @@ def launch(task: str, worker_args: list[str], *, nproc: int, nnodes: int = 1, no
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=max_restarts,
         monitor_interval=monitor_interval, logs_specs=DefaultLogsSpecs(log_dir=log_dir), start_method="spawn",
         local_addr=local_addr)
-    env_before = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", LAUNCHER_PID_ENV,
-                                                 "PYTHONPATH")}
+    env_before = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GLOO_SOCKET_IFNAME",
+                                                 LAUNCHER_PID_ENV, "PYTHONPATH")}
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     if pythonpath:
         os.environ["PYTHONPATH"] = os.pathsep.join([*pythonpath, *filter(None, [env_before["PYTHONPATH"]])])
-    if env_before["OMP_NUM_THREADS"] is None:  # share the cores among the local ranks, don't oversubscribe
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    # the user's OMP_NUM_THREADS and wait policy kept; else the cores shared among the ranks, less those
+    # other work keeps busy, and idle threads that sleep (scaletrain.threads)
+    os.environ.update(threads.rank_env(threads.on_this_node(nproc), os.environ))
     if env_before["GLOO_SOCKET_IFNAME"] is None:  # gloo talks over the interface that reaches the others
         interface = _interface_towards(local_addr or endpoint.rsplit(":", 1)[0])
         if interface:

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from scaletrain.console import PREFIX_ENV
 from scaletrain.errors import LaunchError, TrainingStopped, UserError
 
 # a group that ends so ends the job: a restart would repeat it (a refusal, a diverged run), and the other
@@ -61,7 +62,8 @@ def run_replica_groups(config: str | None, extra: list[str], *, groups: int, npr
             command = [sys.executable, "-m", "scaletrain", "train", *base, "--nproc", str(nproc),
                        "--max-restarts", str(max_restarts), *ft, f"--fault_tolerance.replica_id={r}",
                        f"--log.run_dir={run_dir / f'group{r}'}"]
-            launched.append(_child(command, start_new_session=True))  # a signal here reaches it from us
+            launched.append(_child(command, start_new_session=True,  # a signal here reaches it from us
+                                   env={**os.environ, PREFIX_ENV: f"[group {r}] "}))  # its lines name it
         return _wait(launched, cfg.fault_tolerance.quorum_timeout_s)
     finally:
         for g in launched:

@@ -73,9 +73,11 @@ def _task(*argv: str) -> int:
 
 def run(task: Callable[..., int | None], *args) -> NoReturn:
     """Run `task(*args)` as this rank's work, and leave as every rank leaves (see above)."""
+    from scaletrain.console import prefix_lines
     from scaletrain.interrupt import EarlySignals, Terminated
 
     guard = EarlySignals.current() or EarlySignals.install()  # before torch is imported
+    prefix_lines()  # ft-local's groups: every line names its group
     if guard is not None and guard.on_stuck is None:  # the launcher says in one line what the ranks saved
         guard.on_stuck = lambda signum: 128 + signum
     rank = int(os.environ.get("RANK", "0"))

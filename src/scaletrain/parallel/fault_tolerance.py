@@ -52,6 +52,7 @@ holds the newest step.
 
 from __future__ import annotations
 
+import re
 import socket
 import sys
 import threading
@@ -70,6 +71,7 @@ from scaletrain.optim import init_optimizer_state
 from scaletrain.parallel.moe_balance import MoEBalance
 
 WAIT_NOTE_S = 2.0  # a quorum slower than this is a wait for groups (a split, or a group restarting): said once
+VOTE_MARGIN_S = 10.0  # the commit vote's wait beyond two step timeouts (ranks of a group reach it apart)
 
 
 def replica_name(replica_id: int, fingerprint: str = "") -> str:
@@ -204,8 +206,12 @@ class ReplicaGroups(OuterLoop):
 
     def __init__(self, manager, named: Named, optimizer: torch.optim.Optimizer, state, refresh: Callable[[], None],
                  *, replica_id: int, groups: int, min_replicas: int = 1, quorum_timeout_s: float = 60.0,
-                 rank: int = 0, lighthouse: str = "", scaler=None):
+                 rank: int = 0, lighthouse: str = "", scaler=None, step_timeout_s: float = 60.0):
         self.manager = manager
+        # the commit vote waits for every rank of the group, and a rank may reach it a whole step timeout
+        # late (stuck in the groups' all-reduce with a rank killed inside it, until the collective times
+        # out): the vote waits longer than that, or a group nobody killed fails its vote and restarts
+        self.vote_timeout = timedelta(seconds=2 * step_timeout_s + VOTE_MARGIN_S)
         self.scaler = scaler  # fp16's loss scaler: a healed group takes the peer's scale with its weights
         self.lighthouse = lighthouse
         self.min_replicas, self.quorum_timeout_s, self.rank = min_replicas, quorum_timeout_s, rank
@@ -233,7 +239,10 @@ class ReplicaGroups(OuterLoop):
             return None
         import logging
 
-        logging.getLogger("torchft").setLevel(logging.ERROR)  # its per-step lines; failures are ours to report
+        # its per-step lines, and the tracebacks of the failures it recovers from (a group gone in a collective):
+        # those are ours to report, in one line (the step's skip reason), as the vote's verdict
+        logging.getLogger("torchft").setLevel(logging.CRITICAL)
+        _quiet_healing_transfers()
         try:
             from torchft import Manager, ProcessGroupGloo
         except ImportError:
@@ -270,7 +279,7 @@ class ReplicaGroups(OuterLoop):
         kind = cls if cfg.parallel.sync.mode == "step" else ReplicaGroupsOuter
         hook = kind(manager, named, optimizer, state, refresh, replica_id=ft.replica_id, groups=ft.groups,
                     min_replicas=ft.min_replicas, quorum_timeout_s=ft.quorum_timeout_s, rank=rt.rank,
-                    lighthouse=ft.lighthouse, scaler=scaler)
+                    lighthouse=ft.lighthouse, scaler=scaler, step_timeout_s=ft.step_timeout_s)
         if kind is not cls:
             hook.set_outer(cfg.parallel.sync)
         elif balance := next((h for h in hooks if isinstance(h, MoEBalance)), None):
@@ -304,6 +313,9 @@ class ReplicaGroups(OuterLoop):
             self.scaler.load_state_dict(peer["scaler"])
         self.refresh()  # what the model computes with (ZeRO-1/2: the shards gathered)
         self.healed += 1
+        if self.rank == 0:
+            print(f"scaletrain: replica group {self.replica_id} took the run's state at step {self.state.step} from a "
+                  "live peer (it was behind its quorum: a restart, or a late start)", file=sys.stderr, flush=True)
 
     # ---- the step -----------------------------------------------------------------------------
 
@@ -387,14 +399,16 @@ class ReplicaGroups(OuterLoop):
             offset += t.numel()
 
     def agree_to_skip(self, skip: bool) -> bool:
-        self.committed = self.manager.should_commit()
+        self.committed = self.manager.should_commit(timeout=self.vote_timeout)
         if not self.committed:
             self.uncommitted += 1
         return skip or not self.committed
 
     def skip_reason(self) -> str | None:
-        return None if self.committed else \
-            f"not committed by the replica groups (a group failed in it; {self.participants} in its quorum)"
+        if self.committed:
+            return None
+        seen = f": {failure}" if (failure := failure_text(self.manager.errored())) else ""
+        return f"not committed by the replica groups (a group failed in it{seen}; {self.participants} in its quorum)"
 
     def writes_checkpoint(self) -> bool:
         return self.manager.participating_rank() == 0  # the lowest replica id of the quorum
@@ -516,7 +530,7 @@ class _Vote:
     def wait(self) -> torch.Tensor | None:
         self.work.wait()  # an error (a group gone) is not raised: the Manager records it and the vote fails
         hook = self.hook
-        if hook.manager.should_commit():
+        if hook.manager.should_commit(timeout=hook.vote_timeout):
             return self.flat
         hook.discarded += 1
         if hook.rank == 0:
@@ -526,6 +540,30 @@ class _Vote:
                   f"it; {hook.participants} in its quorum); the weights go back to the last sync",
                   file=sys.stderr, flush=True)
         return None
+
+
+def _quiet_healing_transfers() -> None:
+    """A healing group fetches its peer's state over HTTP (torchft's checkpoint server, on Python's
+    http.server): its access lines and the not-writable-buffer warning of loading what came are not
+    ours to show (the heal is said in one line); its errors still are."""
+    import warnings
+    from http.server import BaseHTTPRequestHandler
+
+    BaseHTTPRequestHandler.log_request = lambda self, code="-", size="-": None
+    warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+def failure_text(error) -> str | None:
+    """What torchft recorded going wrong in a step (an ExceptionWithTraceback, or None), in a few words:
+    the error's first line without gloo's source location and advice."""
+    if error is None:
+        return None
+    e = getattr(error, "original_exception", error)
+    if not str(e).strip():
+        return type(e).__name__
+    text = str(e).strip().splitlines()[0]
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text).split(" This is typically")[0].rstrip(" .")
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _loopback(address: str) -> bool:
