@@ -191,6 +191,47 @@ def test_a_group_with_other_settings_is_refused_before_it_is_averaged(tmp_path, 
         assert {r["step"] for r in rows if r["ft_groups"] >= 3} <= set(_uncommitted(rows)), (g, rows)
 
 
+@pytest.mark.multiproc
+def test_a_group_behind_an_odd_group_takes_nothing_from_it(tmp_path, monkeypatch):
+    """The odd group ahead: group 1 (another learning rate) trains alone (min_replicas 1), then group 0
+    joins. At their first quorum group 1 is refused (two groups that disagree: the lowest id's settings
+    stand), but it holds the newest step, so torchft has group 0 heal from it: group 0 must not take its
+    state (another run's weights), and says why in one line."""
+    from scaletrain.cli.lighthouse import start_lighthouse
+
+    monkeypatch.setenv("RUST_LOG", "warn")
+    server = start_lighthouse("127.0.0.1:0", 1, 100, 5000)
+    address = f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+    common = [*[f"--{k}={v}" for k, v in MICRO.items()], "--train.steps=400",
+              "--fault_tolerance.enabled=true", f"--fault_tolerance.lighthouse={address}",
+              "--fault_tolerance.groups=2", "--fault_tolerance.min_replicas=1", "--fault_tolerance.quorum_timeout_s=60"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def group(g: int, *more: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "scaletrain", "train", *common,
+                                 f"--fault_tolerance.replica_id={g}", f"--log.run_dir={tmp_path / f'group{g}'}", *more],
+                                cwd=REPO, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    jobs = [group(1, "--optim.lr=0.001")]
+    try:
+        metrics, deadline = tmp_path / "group1" / "metrics.jsonl", time.monotonic() + 180
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):  # it is steps ahead
+            assert jobs[0].poll() is None and time.monotonic() < deadline, _ended(jobs[0], 5)[-3000:]
+            time.sleep(0.2)
+        jobs.append(group(0))
+        err, odd = _ended(jobs[1], 180), _ended(jobs[0], 60)
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+        server.shutdown()
+    assert jobs[0].returncode == 2 and "replica group 1 runs another optimizer" in odd, odd[-3000:]
+    assert jobs[1].returncode not in (0, None) and "took the run's state" not in err, err[-3000:]
+    assert "replica group 0 was to take the run's state from a peer whose settings differ" in err, err[-3000:]
+    assert not (tmp_path / "group0" / "metrics.jsonl").exists()  # no step taken, with or without its state
+
+
 # --------------------------------------------------------------------------------------------
 # Real groups: `scaletrain ft-local` (a Lighthouse and R groups, each under its own elastic agent)
 

@@ -226,6 +226,7 @@ class ReplicaGroups(OuterLoop):
         self.moe: dict[str, nn.Module] = {}  # the MoE layers whose routing biases the groups move together
         # why this group's settings differ from its quorum's (settings_fingerprint), or None: it is refused
         self.disagreement: Callable[[], str | None] = lambda: None
+        self.fingerprint = ""  # this group's settings_fingerprint: a peer's state is taken only when they agree
         manager.register_state_dict_fn("scaletrain", self._load_peer_state, self._peer_state)
 
     @classmethod
@@ -260,13 +261,14 @@ class ReplicaGroups(OuterLoop):
         store = TCPStore(host, 0, is_master=True, wait_for_workers=False) if rt.rank == 0 else None
         port = rt.shared(store.port if store is not None else None)
         step_timeout = timedelta(seconds=ft.step_timeout_s)
+        fingerprint = settings_fingerprint(cfg, rt.layout)
         manager = Manager(pg=ProcessGroupGloo(timeout=step_timeout), load_state_dict=None, state_dict=None,
                           min_replica_size=ft.min_replicas, use_async_quorum=False, timeout=step_timeout,
                           quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
                           connect_timeout=timedelta(seconds=ft.quorum_timeout_s), rank=rt.rank,
                           world_size=rt.world_size, store_addr=host, store_port=port,
                           lighthouse_addr=ft.lighthouse,
-                          replica_id=replica_name(ft.replica_id, settings_fingerprint(cfg, rt.layout)),
+                          replica_id=replica_name(ft.replica_id, fingerprint),
                           hostname=host, init_sync=False)  # weights start equal: seeded by name
 
         said: list[str | None] = [None]  # the quorum's disagreement, raised once the quorum is formed
@@ -285,7 +287,7 @@ class ReplicaGroups(OuterLoop):
         elif balance := next((h for h in hooks if isinstance(h, MoEBalance)), None):
             hook.moe = balance.layers  # their load counts summed over the groups, their biases healed
         hook.store = store  # kept alive with the hook
-        hook.disagreement = lambda: said[0]
+        hook.disagreement, hook.fingerprint = (lambda: said[0]), fingerprint
         return hook
 
     # ---- what a healing peer receives ---------------------------------------------------------
@@ -296,11 +298,15 @@ class ReplicaGroups(OuterLoop):
         return {"params": {n: _local(p) for n, p in self.named}, "optim": _local_optimizer_state(self.optimizer),
                 "step": self.state.step, "skipped_steps": self.state.skipped_steps,
                 "early_loss": self.state.early_loss, "scaler": self.scaler.state_dict() if self.scaler else None,
-                "moe_bias": {n: m.expert_bias for n, m in self.moe.items()}}
+                "moe_bias": {n: m.expert_bias for n, m in self.moe.items()}, "fingerprint": self.fingerprint}
 
     def _load_peer_state(self, peer: dict) -> None:
         if self.disagreement() is not None:  # another model's state: not taken (the group is refused next)
             return
+        if peer.get("fingerprint") != self.fingerprint:  # the peer is the odd one (refused at this quorum)
+            raise RuntimeError(f"replica group {self.replica_id} was to take the run's state from a peer whose "
+                               "settings differ from its own (that group is refused at this quorum); it takes "
+                               "nothing from it and restarts, to heal from a group that agrees")
         with torch.no_grad():
             for n, p in self.named:
                 _local(p).copy_(peer["params"][n])
