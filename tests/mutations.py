@@ -478,6 +478,10 @@ MUTANTS = [
            "return self.data.dataset.counted_in_step(step, self.sampler) or self.step_tokens(step)",
            "return self.step_tokens(step)",
            (f"{CH}::test_first_step_loss_is_the_mean_over_the_assistants_tokens_and_the_prompt_gets_no_gradient",)),
+    Mutant("chat-count-kept-across-steps", "the counted targets of the first step asked are kept for every later "
+           "step (a per-step quantity cached across steps)", "src/scaletrain/data/dataset.py",
+           "        if self._counted[0] != step:\n", "        if self._counted[0] < 0:\n",
+           (f"{CH}::test_each_step_counts_its_own_batchs_targets",)),
     Mutant("chat-mask-shifted-by-one", "a window's targets masked by its inputs' mask (the mask read one token "
            "early)", "src/scaletrain/data/dataset.py",
            "self.mask.read(int(i) * T + 1, T)", "self.mask.read(int(i) * T, T)",
@@ -585,6 +589,12 @@ MUTANTS = [
            "        if hook.manager.should_commit(timeout=hook.vote_timeout):\n",
            "        if hook.manager.should_commit(timeout=hook.vote_timeout) or True:\n",
            (f"{FT}::test_diloco_across_groups_matches_its_simulation_and_discards_a_window_a_group_died_in",)),
+    Mutant("ft-mean-over-configured-groups", "the groups' gradient sum divided by the groups configured, not by "
+           "those alive in the step's quorum (a divisor that agrees while every group lives)",
+           "src/scaletrain/parallel/fault_tolerance.py",
+           "flat[:sum(g.numel() for g in grads)] /= self.manager.num_participants()",
+           "flat[:sum(g.numel() for g in grads)] /= self.groups",
+           (f"{FT}::test_with_fewer_groups_alive_than_configured_the_step_is_the_mean_of_the_live_ones",)),
     Mutant("ft-vote-times-out-with-the-collective", "the commit vote waits one step timeout, no longer than a rank "
            "may hang in the groups' all-reduce (a group nobody killed fails its vote and restarts)",
            "src/scaletrain/parallel/fault_tolerance.py",

@@ -233,6 +233,22 @@ LAYOUTS = {"zero1": ({"parallel.zero": 1}, {}),  # (overrides of the 2-rank run,
 
 
 @pytest.mark.multiproc
+def test_each_step_counts_its_own_batchs_targets(plain, tmp_path):
+    """The targets a step's loss is divided by are that step's (read from the mask here, window by
+    window), whatever step was asked before: a count kept from another step would pass a test of one
+    step, or of steps that all count alike (these do not)."""
+    _, folder = plain
+    cfg = micro_cfg(tmp_path, **{"data.path": str(folder), "train.micro_batch": 4})
+    trainer = Trainer(cfg)
+    T, sampler = cfg.data.seq_len, trainer.sampler(0)
+    by_hand = [int(sum(trainer.data.corpus.mask.read(int(i) * T + 1, T).sum() for i in
+                       sampler.global_batch_indices(step))) for step in range(6)]
+    assert len(set(by_hand)) > 1, by_hand  # the steps differ, so a kept count shows
+    for step in [0, 1, 2, 1, 5, 3, 4, 0]:  # out of order and again
+        assert trainer.counted_tokens(step) == max(1, by_hand[step]), (step, by_hand)
+    trainer.folder.release()
+
+
 def test_masked_loss_matches_one_process_on_every_layout(plain, tmp_path):
     _, folder = plain
     base = {"data.path": str(folder), "train.steps": STEPS}

@@ -519,6 +519,61 @@ def test_a_failure_torchft_recorded_is_said_in_a_few_words():
     assert failure_text(TimeoutError()) == "TimeoutError" and failure_text(None) is None
 
 
+SGD = ["--optim.name=sgd", "--optim.momentum=0", "--optim.weight_decay=0", "--train.grad_clip=0"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_with_fewer_groups_alive_than_configured_the_step_is_the_mean_of_the_live_ones(tmp_path):
+    """Three groups, min_replicas 2, group 0 killed at step 3: groups 1 and 2 go on without it. A step
+    they took alone moved group 1's weights by the learning rate times the MEAN of the two live groups'
+    gradients (recomputed here by hand, on the windows each group reads, from group 1's recorded
+    weights; SGD without momentum, decay or clipping: the update is that mean, nothing else). With
+    every group alive, dividing by the live and by the configured groups agree; here they do not.
+    The checkpoints of those steps were written by group 1, the lowest id in the quorum (not group 0)."""
+    import torch
+    import torch.nn.functional as F
+
+    from ft_faults import write_plan
+    from scaletrain.data.loader import StepSampler
+    from scaletrain.train.trainer import Trainer
+
+    run = tmp_path / "ft"
+    write_plan(run, [{"group": 0, "step": 3, "phase": "forward"}], record=True)
+    job = _ft_local(run, 3, "--min-replicas", "2", "--train.steps=8", "--checkpoint.every=1", "--checkpoint.keep=10",
+                    "--fault_tolerance.quorum_timeout_s=20", *SGD, "--rank-hook=ft_faults:inject")
+    err = _ended(job, 600)
+    assert job.returncode == 0, err[-3000:]
+    rows = read_metrics(run / "group1")
+    alone = [r["step"] for r in rows if r["ft_groups"] == 2 and r["step"] not in _uncommitted(rows)]
+    assert alone, rows
+    s = alone[0]
+    before, after = (torch.load(run / "group1" / "states" / f"{k:04d}.pt") for k in (s - 1, s))
+    cfg = micro_cfg(tmp_path / "ref", **{"train.global_batch": 4, "train.micro_batch": 4, "train.steps": 8,
+                                         "optim.name": "sgd", "optim.momentum": 0.0, "optim.weight_decay": 0.0,
+                                         "train.grad_clip": 0.0})
+    ref = Trainer(cfg)
+    params = dict(ref.pm.optim_params)
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(before["params"][n])
+    grads = []
+    for group in (1, 2):  # what each live group reads at step s: dp rank `group` of a 3-rank run of 12 windows
+        windows = StepSampler(len(ref.data.dataset), 12, 4, 1, dp_rank=group, dp_size=3,
+                              seed=cfg.train.seed).rank_micro_batches(s - 1)[0]
+        inputs, targets = ref.data.dataset[windows]
+        loss = F.cross_entropy(ref.model(inputs).flatten(0, 1), targets.flatten())  # the group's mean token loss
+        grads.append(torch.autograd.grad(loss, list(params.values())))
+    lr = ref.schedule.lr(s - 1)
+    for (n, p), g1, g2 in zip(params.items(), *grads, strict=True):
+        expected = p.detach() - lr * (g1 + g2) / 2
+        torch.testing.assert_close(after["params"][n], expected, rtol=1e-5, atol=1e-7, msg=f"{n} at step {s}")
+    ref.folder.release()
+    # the checkpoint of a step without group 0 is group 1's, the lowest id in that step's quorum
+    assert (run / "group1" / "checkpoints" / f"step_{s:08d}").is_dir()
+    assert not (run / "group2" / "checkpoints" / f"step_{s:08d}").exists()
+
+
 # one rank of a two-rank group killed at each moment of a step (issue 47 #1: a rank killed inside the groups'
 # all-reduce left its counterparts' receive hanging until the step timeout; their group's other rank, at the
 # commit vote already, gave up on the vote at that same timeout, and a group nobody killed restarted)
