@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.scaletrain-installed
 
-.PHONY: demo lint test test-fast test-gpu test-mutations install clean
+.PHONY: demo lint test test-fast test-properties test-gpu test-mutations install clean
 
 install: $(STAMP)
 
@@ -35,6 +35,12 @@ test: $(STAMP)
 # the inner loop: everything in one process (no ranks, signals or mounts), under 3 minutes
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not multiproc and not slow"
+
+# the property tests alone (tests/*/test_*_properties.py) under Hypothesis's "long" profile: 1,000 fresh
+# random examples a property instead of the suite's 30 fixed ones (docs/testing.md, "Properties")
+test-properties: $(STAMP)
+	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-long} $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile \
+		$(wildcard tests/*/test_*_properties.py)
 
 # the tests that need a CUDA device (marked gpu; on a CPU machine they skip, each with its reason)
 test-gpu: $(STAMP)

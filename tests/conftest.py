@@ -22,8 +22,18 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 torch.set_num_threads(1)
+
+# Hypothesis's profiles for the property tests (test_*_properties.py): "suite", the default, draws 50
+# examples and the same ones on every run (derandomize: a CI failure is one a rerun shows again);
+# HYPOTHESIS_PROFILE=long draws 1,000 random ones per property (docs/testing.md, "Properties"). No
+# deadline: a first example pays for imports and warm-up, and the machines are shared.
+settings.register_profile("suite", max_examples=50, deadline=None, derandomize=True, database=None,
+                          print_blob=True)
+settings.register_profile("long", max_examples=1000, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 from scaletrain.config import load_config  # noqa: E402
 

@@ -25,7 +25,7 @@ sequence uses the whole sequence's counts (its sum over the ranks is then one pr
 
 from __future__ import annotations
 
-import math
+from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +106,9 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
         self.score, self.renorm, self.route_scale = cfg.moe_score, cfg.moe_renorm, cfg.moe_route_scale
         self.capacity_factor = cfg.moe_capacity_factor
+        # the factor as the decimal it was written as (1.1 = 11/10), so that the capacity is computed in
+        # integers: 1.1 over an even share of 10 keeps 11 (in floats 11.000000000000002, and 12 were kept)
+        self.capacity_ratio = Fraction(str(cfg.moe_capacity_factor)).as_integer_ratio()
         self.aux_coef, self.z_coef = cfg.moe_aux_loss, cfg.moe_z_loss
         E, d, h = cfg.moe_experts, cfg.dim, cfg.expert_hidden
         self.router = nn.Linear(d, E, bias=False)
@@ -159,7 +162,8 @@ class MoE(nn.Module):
         counts = torch.bincount(slots, minlength=self.num_experts)
         routed = counts
         if self.capacity_factor:  # each expert keeps its first `capacity` tokens, drops the rest
-            capacity = math.ceil(self.capacity_factor * len(slots) / self.num_experts)
+            num, den = self.capacity_ratio  # ceil(factor * slots / experts), exactly
+            capacity = -(-num * len(slots) // (den * self.num_experts))
             starts = counts.cumsum(0) - counts
             rank_in_expert = torch.arange(len(slots), device=x.device) - starts.repeat_interleave(counts)
             order = order[rank_in_expert < capacity]
