@@ -215,3 +215,23 @@ def diverge(trainer) -> None:
         return real(step, loss, skipped)
 
     trainer.health.watch_loss = watch_loss
+
+
+def nan_in_group_2(trainer) -> None:
+    """A rank hook: replica group 2's gradients hold a NaN at step 4, before the groups average them
+    (every group then sees a non-finite gradient); the other groups' are untouched."""
+    import math
+
+    from scaletrain.parallel.fault_tolerance import ReplicaGroups
+
+    if trainer.cfg.fault_tolerance.replica_id != 2:
+        return
+    ft = trainer.hooks.find(ReplicaGroups)
+
+    def reduce_gradients(named, real=ft.reduce_gradients):
+        if trainer.state.step + 1 == 4:
+            grad = next(p.grad for _, p in named if p.grad is not None)
+            grad.view(-1)[0] = math.nan
+        return real(named)
+
+    ft.reduce_gradients = reduce_gradients

@@ -8,6 +8,7 @@ never a poll from outside; the Lighthouse is killed from outside, but late is ha
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -572,6 +573,26 @@ def test_with_fewer_groups_alive_than_configured_the_step_is_the_mean_of_the_liv
     # the checkpoint of a step without group 0 is group 1's, the lowest id in that step's quorum
     assert (run / "group1" / "checkpoints" / f"step_{s:08d}").is_dir()
     assert not (run / "group2" / "checkpoints" / f"step_{s:08d}").exists()
+
+
+@pytest.mark.multiproc
+def test_a_non_finite_gradient_in_one_group_skips_the_step_in_every_group(tmp_path):
+    """Group 2's gradient holds a NaN at step 4, before the groups average: the average carries it to
+    every group, so every group skips step 4 (counted and said), none takes it into its weights, and
+    the three go on and end on the same weights (the same validation loss, to the bit)."""
+    run = tmp_path / "ft"
+    job = _ft_local(run, 3, "--min-replicas", "3", "--train.steps=6", "--train.eval_every=6",
+                    "--rank-hook=ft_faults:nan_in_group_2")
+    err = _ended(job, 600)
+    assert job.returncode == 0, err[-3000:]
+    rows = {g: read_metrics(run / f"group{g}") for g in range(3)}
+    for g in range(3):
+        assert [r["step"] for r in rows[g]] == list(range(1, 7)), (g, rows[g])
+        skipped = [r["skipped_steps"] for r in rows[g]]
+        assert skipped == [0, 0, 0, 1, 1, 1], (g, skipped)  # step 4, in every group, and no other
+        assert all(math.isfinite(r["loss"]) for r in rows[g]), (g, rows[g])
+    assert len({rows[g][-1]["val_loss"] for g in range(3)}) == 1, [rows[g][-1] for g in range(3)]
+    assert len(re.findall(r"\[group [0-2]\] .*step 4.*skipped", err)) >= 1, err[-3000:]
 
 
 # one rank of a two-rank group killed at each moment of a step (issue 47 #1: a rank killed inside the groups'
