@@ -35,6 +35,15 @@ def add_parser(sub) -> None:
                         "that counts the assistant's tokens only")
     p.add_argument("--loss-on-prompt", action="store_true",
                    help="with --chat-format: count every token (the prompt's too), not the assistant's alone")
+    p.add_argument("--preference", nargs="?", const="auto", choices=("pairs", "unpaired", "auto"),
+                   help="the inputs are preference rows (jsonl or parquet, TRL's formats): prompt/chosen/rejected "
+                        "pairs (pairs), or prompt/completion/label for KTO (unpaired); alone: read from the first "
+                        "row. Text, or conversations rendered by --chat-format (template by default)")
+    p.add_argument("--max-prompt-tokens", type=int, metavar="N",
+                   help="with --preference: a longer prompt keeps its last N tokens (cut from the left)")
+    p.add_argument("--max-length", type=int, metavar="N",
+                   help="with --preference: completions are cut from the right so that prompt + completion holds "
+                        "at most N tokens; a row left with no completion token is dropped and counted")
     p.add_argument("--quiet", action="store_true", help="no progress line (MB/s, tokens, ETA) on stderr")
     p.set_defaults(func=run, takes_overrides=False, parser=p)
 
@@ -47,7 +56,13 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
                        tokenizer_file=args.tokenizer_file, text_key=args.text_key, shard_tokens=args.shard_tokens,
                        val_fraction=args.val_fraction, workers=args.workers, chat_format=args.chat_format,
                        loss_on_prompt=args.loss_on_prompt, progress=None if args.quiet else sys.stderr,
-                       report=lambda line: note(f"prepare: {line}"))
+                       report=lambda line: note(f"prepare: {line}"), preference=args.preference,
+                       max_prompt_tokens=args.max_prompt_tokens, max_length=args.max_length)
+    if "preference" in meta:
+        from scaletrain.data.preference import summary
+
+        print("\n".join(summary(meta, args.out)))
+        return 0
     if "mask_shards" in meta:
         print(f"loss mask: {meta['num_counted_tokens']:,} of the training tokens counted "
               f"(--chat-format {meta['chat_format']}{', the prompt included' if meta['loss_on_prompt'] else ''})")

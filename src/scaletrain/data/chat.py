@@ -35,6 +35,8 @@ RESPONSE_FIELDS = ("response", "completion", "output", "answer")
 # the roles of Hugging Face's chat format; another (a misspelling) would be rendered as a prompt turn and never
 # trained on, so it is refused
 KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool")
+PREFIX_REWRITTEN = ("the tokenizer's chat template renders a conversation's prefix differently from the whole (it "
+                    "rewrites earlier turns), so the assistant's tokens cannot be found; use --chat-format plain")
 EXPECTED = (f"a `messages` list of {{\"role\", \"content\"}} turns, or one of {', '.join(PROMPT_FIELDS)} with one of "
             f"{', '.join(RESPONSE_FIELDS)}")
 
@@ -64,10 +66,7 @@ def messages_of(record, where: str) -> list[dict]:
         raise DataError(f"{where}: a chat record must be a JSON object with {EXPECTED}")
     if "messages" in record:
         messages = record["messages"]
-        if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise DataError(f"{where}: `messages` must be a list of {{\"role\": str, \"content\": str}} turns")
+        check_turns(messages, where)
     else:
         prompt = next((record[k] for k in PROMPT_FIELDS if k in record), None)
         response = next((record[k] for k in RESPONSE_FIELDS if k in record), None)
@@ -77,14 +76,22 @@ def messages_of(record, where: str) -> list[dict]:
         system = record.get("system")
         messages = ([{"role": "system", "content": system}] if isinstance(system, str) and system else []) + [
             {"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: no assistant turn, so nothing to train on; every record needs one")
+    return messages
+
+
+def check_turns(messages, where: str, field: str = "messages") -> None:
+    """`messages` (a record's `field`) is a list of {"role", "content"} turns, each role a known one."""
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise DataError(f"{where}: `{field}` must be a list of {{\"role\": str, \"content\": str}} turns")
     for m in messages:
         if m["role"] not in KNOWN_ROLES:
             raise DataError(f"{where}: role {m['role']!r} is not one of {', '.join(KNOWN_ROLES)}"
                             f"{did_you_mean(m['role'], KNOWN_ROLES)}; fix the record (only the assistant's turns "
                             "are trained on)")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise DataError(f"{where}: no assistant turn, so nothing to train on; every record needs one")
-    return messages
 
 
 class ChatRenderer:
@@ -122,37 +129,43 @@ class ChatRenderer:
                 spans.append((start, len(text)))
         return text, spans
 
-    def _template(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
+    def render(self, messages: list[dict], where: str = "a record", generation_prompt: bool = False) -> str:
+        """The text of `messages`, ending with the start of an assistant turn with `generation_prompt`."""
+        if self.hf is None:
+            return self._plain(messages)[0] + ("Assistant: " if generation_prompt else "")
         from jinja2.exceptions import TemplateError  # (transformers renders templates with jinja2)
 
-        def render(turns, generation_prompt=False) -> str:
-            try:
-                return self.hf.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
-            except TemplateError as e:  # the template's own raise_exception: a role or an order it refuses
-                raise DataError(f"{where}: the tokenizer's chat template refuses this conversation ({e}); fix the "
-                                "record, or give --chat-format plain") from None
+        try:
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        except TemplateError as e:  # the template's own raise_exception: a role or an order it refuses
+            raise DataError(f"{where}: the tokenizer's chat template refuses this conversation ({e}); fix the "
+                            "record, or give --chat-format plain") from None
 
-        text, spans = render(messages), []
+    def _template(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
+        text, spans = self.render(messages, where), []
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before, through = render(messages[:i], True) if i else "", render(messages[:i + 1])
+            before, through = self.render(messages[:i], where, True) if i else "", self.render(messages[:i + 1], where)
             if not (text.startswith(before) and text.startswith(through) and len(through) >= len(before)):
-                raise DataError("the tokenizer's chat template renders a conversation's prefix differently from "
-                                "the whole (it rewrites earlier turns), so the assistant's tokens cannot be found; "
-                                "use --chat-format plain")
+                raise DataError(PREFIX_REWRITTEN)
             spans.append((len(before), len(through)))
         return text, spans
 
     def _encode(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids of `text` and each token's first character."""
-        if self.tok.kind == "byte":
-            raw = text.encode("utf-8")
-            # a byte's character: the count of characters that start before it
-            char_of = np.cumsum([(b & 0xC0) != 0x80 for b in raw]) - 1
-            return np.frombuffer(raw, dtype=np.uint8).astype(np.int64), char_of.astype(np.int64)
-        enc = self.tok.tok.encode(text, add_special_tokens=False)  # a template writes its own BOS
-        return np.asarray(enc.ids, dtype=np.int64), np.asarray([o[0] for o in enc.offsets], dtype=np.int64)
+        return encode_text(self.tok, text)
+
+
+def encode_text(tok, text: str) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of `text`, no special token added (a template writes its own BOS), and each token's first
+    character."""
+    if tok.kind == "byte":
+        raw = text.encode("utf-8")
+        # a byte's character: the count of characters that start before it
+        char_of = np.cumsum([(b & 0xC0) != 0x80 for b in raw]) - 1
+        return np.frombuffer(raw, dtype=np.uint8).astype(np.int64), char_of.astype(np.int64)
+    enc = tok.tok.encode(text, add_special_tokens=False)
+    return np.asarray(enc.ids, dtype=np.int64), np.asarray([o[0] for o in enc.offsets], dtype=np.int64)
 
 
 def _template_tokenizer(tok):

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from scaletrain.data.preference import PREFERENCE_FORMAT
 from scaletrain.data.prepare import FORMAT, META_FILE
 from scaletrain.data.sources import input_kind
 from scaletrain.data.tokenizer import ByteTokenizer, load_tokenizer
@@ -108,9 +109,11 @@ class TokenData:
         return self._fingerprint
 
     @classmethod
-    def open(cls, folder: str | Path, verify_checksums: bool = True, split: str = "train") -> TokenData:
+    def open(cls, folder: str | Path, verify_checksums: bool = True, split: str = "train",
+             expected_format: str = FORMAT) -> TokenData:
         """Open a folder written by `scaletrain prepare`, checking it against its metadata.
-        `split`: train (its `shards`) or val (its `val_shards`, written by --val-fraction)."""
+        `split`: train (its `shards`) or val (its `val_shards`, written by --val-fraction).
+        `expected_format`: the folder's kind, token data (FORMAT) or preference data's tokens."""
         if split not in ("train", "val"):
             raise ValueError(f"unknown split {split!r}; expected train or val")
         folder = Path(folder)
@@ -122,7 +125,11 @@ class TokenData:
         except json.JSONDecodeError as e:
             raise DataError(f"{meta_path}: not valid JSON ({e.msg}); re-run scaletrain prepare") from None
         fmt = meta.get("format") if isinstance(meta, dict) else None
-        if fmt != FORMAT:
+        if fmt == PREFERENCE_FORMAT != expected_format:
+            raise DataError(f"{folder}: holds preference data (prepare --preference), which training does not "
+                            "read yet (preference optimization is not wired into the trainer); give a folder of text "
+                            "or chat data")
+        if fmt != expected_format:
             raise DataError(f"{meta_path}: not a scaletrain token folder (format {fmt!r}); re-run scaletrain prepare")
         dtype_name = meta.get("dtype")
         if dtype_name not in VALID_DTYPES:

@@ -9,6 +9,9 @@ Output folder:
                        of 2**64, fall below F, so the split depends on the document alone (never
                        on the run, the order of the inputs or the other documents), a document
                        never straddles the two, and duplicates land on the same side
+    index_00000.bin    with --preference: one row of three int64 per example (scaletrain.data.preference),
+                       whose tokens (prompt, then each completion) follow one another in the shards;
+                       meta.json's format is then scaletrain.preference (`index_shards`, `val_index_shards`)
     mask_00000.bin     with --chat-format: the loss mask, one uint8 a token (1: a training target, the
                        assistant's tokens; 0: the prompt's), cut into shards of the same token counts
                        as the token shards (meta.json's `mask_shards`, and `val_mask_shards`)
@@ -53,7 +56,8 @@ import numpy as np
 from scaletrain import fmt
 from scaletrain.atomic import replacing
 from scaletrain.data.chat import ChatRenderer, iter_records
-from scaletrain.data.sources import Chunk, chunks, find_inputs, input_bytes, iter_documents, texts_of
+from scaletrain.data.preference import PREFERENCE_FORMAT, PreferenceEncoder, row_key
+from scaletrain.data.sources import Chunk, chunks, find_inputs, input_bytes, iter_documents, iter_rows, texts_of
 from scaletrain.data.tokenizer import ByteTokenizer, HFTokenizer
 from scaletrain.errors import DataError
 
@@ -119,7 +123,8 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
             text_key: str = "text", shard_tokens: int = 100_000_000, val_fraction: float = 0.0,
             workers: int | None = None, progress: IO[str] | None = None,
             progress_every: float | None = None, report: Callable[[str], None] | None = None,
-            chat_format: str | None = None, loss_on_prompt: bool = False) -> dict:
+            chat_format: str | None = None, loss_on_prompt: bool = False, preference: str | None = None,
+            max_prompt_tokens: int | None = None, max_length: int | None = None) -> dict:
     """Tokenize `inputs` into `out`; returns the metadata written to meta.json. `tokenizer` is
     byte, bpe, file (with `tokenizer_file`) or the path of a Hugging Face model folder.
     `val_fraction` of the documents (by their text's hash) go to a validation split instead.
@@ -130,7 +135,10 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
     `report`: told the workers' cap in a line (None: the progress stream, if any, is).
     `chat_format` (template or plain; scaletrain.data.chat): the inputs are chat or instruction
     jsonl, rendered in this process, with a loss mask on the assistant's tokens (every token's
-    with `loss_on_prompt`)."""
+    with `loss_on_prompt`). `preference` (pairs, unpaired or auto; scaletrain.data.preference): the inputs
+    are preference rows, written as prompt and completion ids with an index, truncated to
+    `max_prompt_tokens` (from the left) and `max_length` (completions from the right); `chat_format`
+    then renders their conversations."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DataError(f"{out} is a file; --out must be a new or empty folder (nothing was changed)")
@@ -143,6 +151,12 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
                         "for validation, e.g. 0.05 (nothing was written)")
     if workers is not None and workers < 1:
         raise DataError(f"--workers must be at least 1, got {workers}")
+    if preference is None and (max_prompt_tokens is not None or max_length is not None):
+        flag = "--max-prompt-tokens" if max_prompt_tokens is not None else "--max-length"
+        raise DataError(f"{flag} truncates preference data: give it with --preference (nothing was written)")
+    if preference is not None and loss_on_prompt:
+        raise DataError("--loss-on-prompt does not apply to --preference data: a preference loss counts the "
+                        "completions' tokens alone (nothing was written)")
     files = find_inputs(inputs)
     total_bytes = input_bytes(files)
     cores = default_workers()
@@ -151,8 +165,9 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
     if tokenizer == "byte":
         tok = ByteTokenizer()
     elif tokenizer == "bpe":
-        if chat_format:
-            raise DataError("--chat-format needs a tokenizer made beforehand: byte, file or a Hugging Face folder, "
+        if chat_format or preference:
+            flag = "--preference" if preference else "--chat-format"
+            raise DataError(f"{flag} needs a tokenizer made beforehand: byte, file or a Hugging Face folder, "
                             "not bpe (train one on the text first)")
         if vocab_size < 257:
             raise DataError(f"--vocab-size {vocab_size} is too small for BPE; it needs more than the 256 bytes")
@@ -183,20 +198,26 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
         if line is not None:
             line.note(f"removed {stale}, left by an interrupted prepare")
     encoder = Encoder(tok, text_key, val_fraction, dtype)
-    renderer = ChatRenderer(tok, chat_format, loss_on_prompt) if chat_format else None
+    pref = PreferenceEncoder(tok, preference, chat_format, max_prompt_tokens, max_length) if preference else None
+    renderer = ChatRenderer(tok, chat_format, loss_on_prompt) if chat_format and not pref else None
     with replacing(out) as tmp, _locked_folder(tmp), _ShardWriter(tmp, "shard", dtype, shard_tokens) as train, \
             _ShardWriter(tmp, "val", dtype, shard_tokens) as val, \
             _ShardWriter(tmp, "mask", np.uint8, shard_tokens) as train_mask, \
-            _ShardWriter(tmp, "val_mask", np.uint8, shard_tokens) as val_mask:
+            _ShardWriter(tmp, "val_mask", np.uint8, shard_tokens) as val_mask, \
+            _ShardWriter(tmp, "index", np.int64, 1 << 62) as train_index, \
+            _ShardWriter(tmp, "val_index", np.int64, 1 << 62) as val_index:
         started: list[int] = []
-        if renderer is not None:
+        if pref is not None:
+            _write_preference(files, pref, val_fraction, dtype, (train, train_index), (val, val_index), line, say)
+        elif renderer is not None:
             _write_chat(files, renderer, val_fraction, dtype, (train, train_mask), (val, val_mask), line)
-        for part in encode_chunks(chunks(files, text_key), encoder, workers, started) if renderer is None else ():
+        rendered = renderer is not None or pref is not None  # else text, tokenized in chunks (by workers)
+        for part in encode_chunks(chunks(files, text_key), encoder, workers, started) if not rendered else ():
             train.add(part.train, part.docs, part.text_docs)
             val.add(part.val, part.val_docs, part.val_text_docs)
             if line is not None:
                 line.advance(part.nbytes, part.train.size + part.val.size)
-        for writer in (train, val, train_mask, val_mask):
+        for writer in (train, val, train_mask, val_mask, train_index, val_index):
             writer.close()
         if line is not None:
             line.finish()
@@ -236,6 +257,11 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str | P
                          "num_counted_tokens": train_mask.ones, "mask_shards": train_mask.shards})
             if val_fraction:
                 meta["val_mask_shards"] = val_mask.shards
+        if pref is not None:  # its own format: a folder that text training refuses (dataset.TokenData.open)
+            meta.update({"format": PREFERENCE_FORMAT, "preference": pref.describe(),
+                         "index_shards": train_index.shards})
+            if val_fraction:
+                meta["val_index_shards"] = val_index.shards
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
         if out.exists():
             out.rmdir()  # empty, checked above: the rename needs its place
@@ -253,6 +279,30 @@ def _write_chat(files, renderer: ChatRenderer, val_fraction: float, dtype: np.dt
         masks.add(mask, 0, 0)
         if line is not None:
             line.advance(len(key), ids.size)
+
+
+def _write_preference(files, encoder: PreferenceEncoder, val_fraction: float, dtype: np.dtype, train: tuple,
+                      val: tuple, line: ProgressLine | None, say: Callable[[str], None] | None) -> None:
+    """Every preference row's ids (prompt, then each completion) and its index row, each to its split (by the
+    row's text's hash); refused in one line when no row is left to train on."""
+    for where, row in iter_rows(files):
+        example = encoder(row, where)
+        if example is None:
+            continue
+        tokens, index = val if is_validation(row_key(row), val_fraction) else train
+        ids = np.concatenate([example.prompt, *example.completions])
+        tokens.add(ids.astype(dtype), 1, 1)
+        index.add(np.asarray(example.index_row(), dtype=np.int64), 0, 0)
+        if line is not None:
+            line.advance(0, ids.size)
+    kept = train[0].n_docs + val[0].n_docs
+    if not kept:
+        t = encoder.tally
+        why = "; ".join(encoder.report(0)) or "the inputs hold no rows"
+        raise DataError(f"no preference example to write: of {t.rows} row(s), none is left ({why}); nothing was "
+                        "written")
+    for report in encoder.report(kept) if say is not None else ():
+        say(report)
 
 
 # --------------------------------------------------------------------------------------------

@@ -120,6 +120,59 @@ def iter_documents(files: Sequence[Path], text_key: str = "text") -> Iterator[st
         yield from texts_of(chunk, text_key)
 
 
+ROW_KINDS = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")  # what iter_rows reads
+
+
+def iter_rows(files: Sequence[Path], what: str = "preference data") -> Iterator[tuple[str, dict]]:
+    """(where, row) for each row of jsonl (plain, .gz, .zst) and parquet files, whole rows with every field:
+    `where` is FILE:LINE for jsonl, FILE:row N (from 0, as `datasets` counts) for parquet."""
+    for f in files:
+        kind = input_kind(f)
+        if kind not in ROW_KINDS:
+            raise DataError(f"{f}: {what} is read from {', '.join(ROW_KINDS)} files, one row an example; convert "
+                            "it to jsonl or parquet")
+        if kind == ".parquet":
+            yield from _parquet_rows(f)
+            continue
+        for chunk in _jsonl_chunks(f, kind):
+            lines = chunk.payload.split(b"\n")
+            for lineno, raw in enumerate(lines[:-1] if not lines[-1] else lines, chunk.first):
+                where = f"{f}:{lineno}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{where}: invalid UTF-8 at column {e.start + 1}: {raw[e.start:e.end]!r} "
+                                    f"({e.reason}); {REENCODE}") from None
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must hold "
+                                    "one JSON object") from None
+                if not isinstance(row, dict):
+                    raise DataError(f"{where}: a row of {what} must be a JSON object, not {type(row).__name__}")
+                yield where, row
+
+
+def _parquet_rows(f: Path) -> Iterator[tuple[str, dict]]:
+    _pyarrow(f)
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(f)
+    except Exception as e:  # pyarrow raises its own exception types for bad files
+        raise DataError(f"{f}: not a readable parquet file ({e})") from None
+    n = 0
+    try:
+        for batch in pf.iter_batches(batch_size=CHUNK_ROWS):
+            for row in batch.to_pylist():
+                yield f"{f}:row {n}", row
+                n += 1
+    except OSError as e:  # a file cut short after its footer was read
+        raise DataError(f"{f}: not a readable parquet file ({e}); copy it again") from None
+
+
 # --------------------------------------------------------------------------------------------
 # Turning a chunk into texts (in the workers)
 

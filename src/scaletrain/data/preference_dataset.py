@@ -1,0 +1,123 @@
+"""Preference data on disk -> examples and padded batches: the reader of `prepare --preference` (issue 49).
+
+`PreferenceData[i]` is example i: prompt + chosen and prompt + rejected (pairs), or prompt + completion
+with its label (unpaired), each with a completion mask, 1 on the completion's tokens alone. It is
+indexed by example, so whatever sampler picks the indices, a pair is never split across micro-batches
+or ranks; `collate_preference` pads a list of examples into one `PreferenceBatch`, a pair's two
+sequences on adjacent rows. Nothing here knows the trainer (the wiring comes later).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from scaletrain.data.dataset import IGNORE_INDEX, TokenData
+from scaletrain.data.preference import INDEX_COLUMNS, PREFERENCE_FORMAT, PREFERENCE_KINDS
+from scaletrain.data.prepare import META_FILE
+from scaletrain.errors import DataError
+
+
+@dataclass
+class PreferenceExample:
+    """One example's sequences: [chosen, rejected] (pairs) or [completion] (unpaired), each prompt + completion."""
+
+    sequences: list[torch.Tensor]  # (L,) int64 token ids each
+    masks: list[torch.Tensor]  # (L,) bool each: True on the completion's tokens
+    prompt_len: int
+    label: bool | None  # unpaired: desirable (True) or not; pairs: None
+
+
+@dataclass
+class PreferenceBatch:
+    """Examples padded to one length T (the longest sequence less one: inputs and targets are shifted by one).
+    R rows, one per sequence in the order of the examples: a pair's chosen on row 2k, its rejected on 2k + 1."""
+
+    input_ids: torch.Tensor  # (R, T) int64, padded with the pad id
+    targets: torch.Tensor  # (R, T) int64: the next token; IGNORE_INDEX on the prompt's tokens and the padding
+    completion_mask: torch.Tensor  # (R, T) bool: the targets that are completion tokens (what the losses sum)
+    pair_index: torch.Tensor  # (R,) int64: the example of the batch each row belongs to
+    chosen: torch.Tensor | None  # (R,) bool: a pair's chosen row (pairs); None for unpaired data
+    label: torch.Tensor | None  # (R,) bool: a desirable completion (unpaired); None for pairs
+
+
+class PreferenceData(torch.utils.data.Dataset):
+    """The examples of a folder written by `scaletrain prepare --preference` (one split)."""
+
+    def __init__(self, tokens: TokenData, index: np.ndarray, kind: str):
+        self.tokens, self.index, self.kind = tokens, index, kind
+        self.tokenizer = tokens.tokenizer
+        widths = index[:, :3] if kind == "pairs" else index[:, :2]  # an unpaired row's third column is its label
+        self.lengths = widths.sum(axis=1)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        if int(self.offsets[-1]) != tokens.num_tokens:
+            raise DataError(f"{tokens.source}: the index covers {int(self.offsets[-1])} tokens, the shards hold "
+                            f"{tokens.num_tokens}; re-run scaletrain prepare")
+
+    @classmethod
+    def open(cls, folder: str | Path, split: str = "train", verify_checksums: bool = True) -> PreferenceData:
+        folder = Path(folder)
+        tokens = TokenData.open(folder, verify_checksums, split, expected_format=PREFERENCE_FORMAT)
+        meta_path = folder / META_FILE
+        meta = json.loads(meta_path.read_text())  # read and checked by TokenData.open
+        kind = (meta.get("preference") or {}).get("kind")
+        if kind not in PREFERENCE_KINDS:
+            raise DataError(f"{meta_path}: preference kind {kind!r} is not one of {', '.join(PREFERENCE_KINDS)}; "
+                            "re-run scaletrain prepare")
+        shards = meta.get("index_shards" if split == "train" else "val_index_shards")
+        if not isinstance(shards, list) or len(shards) != 1 or not isinstance(shards[0], dict):
+            raise DataError(f"{meta_path}: lists no index for the {split} split; re-run scaletrain prepare")
+        entry = shards[0]
+        name, path = str(entry.get("file")), folder / str(entry.get("file"))
+        raw = path.read_bytes() if Path(name).name == name and path.is_file() else None
+        width, count = len(INDEX_COLUMNS[kind]), entry.get("num_tokens")
+        if raw is None or not isinstance(count, int) or len(raw) != 8 * count or len(raw) % (8 * width):
+            raise DataError(f"{path}: the index is missing, misnamed or not the size {META_FILE} records; re-run "
+                            "scaletrain prepare")
+        if verify_checksums and hashlib.sha256(raw).hexdigest() != entry.get("sha256"):
+            raise DataError(f"{path}: the index is corrupt (its sha256 differs from {META_FILE}); re-run scaletrain "
+                            "prepare")
+        index = np.frombuffer(raw, dtype=np.int64).reshape(-1, width)
+        if (index < 0).any():
+            raise DataError(f"{path}: the index holds a negative length; re-run scaletrain prepare")
+        return cls(tokens, index, kind)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> PreferenceExample:
+        row = [int(x) for x in self.index[i]]
+        prompt_len = row[0]
+        completions = row[1:3] if self.kind == "pairs" else row[1:2]
+        ids = torch.from_numpy(self.tokens.read(int(self.offsets[i]), int(self.lengths[i])))
+        prompt, sequences, masks, pos = ids[:prompt_len], [], [], prompt_len
+        for n in completions:
+            sequences.append(torch.cat([prompt, ids[pos:pos + n]]))
+            masks.append(torch.arange(prompt_len + n) >= prompt_len)
+            pos += n
+        return PreferenceExample(sequences, masks, prompt_len, bool(row[2]) if self.kind == "unpaired" else None)
+
+
+def collate_preference(examples: list[PreferenceExample], pad_id: int = 0) -> PreferenceBatch:
+    """Pad `examples` into one batch, each example's sequences on adjacent rows (a pair is never split)."""
+    seqs = [(s, m) for ex in examples for s, m in zip(ex.sequences, ex.masks)]
+    R, T = len(seqs), max(s.numel() for s, _ in seqs) - 1
+    input_ids = torch.full((R, T), pad_id, dtype=torch.long)
+    targets = torch.full((R, T), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((R, T), dtype=torch.bool)
+    for r, (s, m) in enumerate(seqs):
+        n = s.numel() - 1  # position t predicts token t + 1: a completion token is counted as the target
+        input_ids[r, :n] = s[:-1]
+        mask[r, :n] = m[1:]
+        targets[r, :n] = torch.where(m[1:], s[1:], IGNORE_INDEX)
+    per_example = torch.tensor([len(ex.sequences) for ex in examples])
+    pair_index = torch.repeat_interleave(torch.arange(len(examples)), per_example)
+    pairs = examples[0].label is None
+    chosen = torch.arange(R) % 2 == 0 if pairs else None
+    label = None if pairs else torch.tensor([ex.label for ex in examples], dtype=torch.bool)
+    return PreferenceBatch(input_ids, targets, mask, pair_index, chosen, label)
