@@ -613,6 +613,48 @@ MUTANTS = [
            "schedule = TrainSchedule.for_job(cfg, BatchSchedule(g, cfg.data.seq_len, g), total_steps)",
            "schedule = TrainSchedule(cfg.optim, BatchSchedule(g, cfg.data.seq_len, g), total_steps)",
            ("tests/parallel/test_local_sgd.py::test_the_workers_optimizer_steps_at_the_scaled_lr_as_in_their_simulation",)),
+    # independent references (issue 48, round 3): known answers, reference libraries, directions
+    Mutant("eval-counts-the-mask-the-run-did-not", "scaletrain eval of a chat run trained with data.loss_mask=false "
+           "counts the answers alone (the run logged every token's loss)", "src/scaletrain/trained/evaluate.py",
+           'masked = cfg.data.loss_mask != "false" and tokens.mask is not None', "masked = tokens.mask is not None",
+           ("tests/train/test_eval.py::test_eval_of_a_mid_run_chat_checkpoint_gives_the_val_loss_logged_at_its_step"
+            "[false]",)),
+    Mutant("moe-bias-sign-flipped", "the routing bias moves towards the load (overloaded experts up): every "
+           "layout moves it alike, so parity passes", "src/scaletrain/parallel/moe_balance.py",
+           "torch.sign(loads[i].mean() - loads[i])", "torch.sign(loads[i] - loads[i].mean())",
+           ("tests/model/test_moe.py::test_the_bias_moves_by_the_rate_against_each_experts_load",
+            "tests/model/test_moe.py::test_after_a_bias_update_the_busiest_expert_gets_fewer_tokens_and_the_idlest_more")),
+    Mutant("moe-aux-logged-per-choice", "the logged Switch loss divided by the choices (tokens x top_k), not the "
+           "tokens", "src/scaletrain/parallel/moe_balance.py",
+           'self.last["moe_aux_loss"] = aux / max(tokens, 1.0) / n',
+           'self.last["moe_aux_loss"] = aux / max(choices, 1.0) / n',
+           ("tests/model/test_moe.py::test_switch_and_z_losses_equal_their_values_worked_by_hand",)),
+    Mutant("attention-dropout-in-eval", "attention drops weights in eval too (evaluation and generation noisy)",
+           "src/scaletrain/model/transformer.py",
+           "dropout_p=self.dropout if self.training else 0.0", "dropout_p=self.dropout",
+           ("tests/model/test_model.py::test_each_dropout_draws_anew_in_training_and_is_off_in_eval[attention]",)),
+    Mutant("capped-attention-dropout-in-eval", "soft-capped attention (Gemma 2) drops weights in eval too",
+           "src/scaletrain/model/transformer.py", "self.dropout, self.training)", "self.dropout, True)",
+           ("tests/model/test_model.py::test_each_dropout_draws_anew_in_training_and_is_off_in_eval"
+            "[attention-softcapped]",)),
+    Mutant("lora-dropout-after-a", "the adapters' dropout drops A's rank-r output, not the input x (PEFT: "
+           "B A dropout(x))", "src/scaletrain/model/lora.py",
+           "h = F.linear(self.dropout(rows) if dropping else rows, self.lora_a.to(x.dtype)) * self.scale",
+           "h = self.dropout(F.linear(rows, self.lora_a.to(x.dtype))) * self.scale",
+           (f"{LO}::test_a_chosen_subset_with_adapter_dropout_matches_peft_in_training_and_in_eval",)),
+    Mutant("fp16-loss-factor-counts-every-token", "under fp16 loss scaling the loss is divided by the step's tokens, "
+           "not its counted targets (alike where nothing is masked)", "src/scaletrain/train/trainer.py",
+           "return (self.layout.dp if scale is None else scale) / self.counted_tokens()",
+           "return self.layout.dp / self.counted_tokens() if scale is None else scale / self.step_tokens()",
+           (f"{CH}::test_masked_loss_under_fp16_loss_scaling_tracks_fp32",)),
+    Mutant("neox-layer-norm-eps-ignored", "GPT-NeoX's layer_norm_eps read as its default (the FAMILIES' configs "
+           "keep the default)", "src/scaletrain/model/families/gpt_neox.py",
+           'norm_eps=get.float("layer_norm_eps")', "norm_eps=1e-5",
+           (f"{HF}::test_fields_off_their_defaults_are_read_and_give_transformers_logits[neox-sequential]",)),
+    Mutant("gemma2-rms-norm-eps-ignored", "Gemma 2's rms_norm_eps read as its default",
+           "src/scaletrain/model/families/gemma2.py",
+           'norm="rmsnorm", norm_eps=get.float("rms_norm_eps"),', 'norm="rmsnorm", norm_eps=1e-6,',
+           (f"{HF}::test_fields_off_their_defaults_are_read_and_give_transformers_logits[gemma2]",)),
 ]
 
 

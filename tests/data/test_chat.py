@@ -268,6 +268,21 @@ def test_masked_loss_matches_one_process_on_every_layout(plain, tmp_path):
     assert ref["history"][-1]["tokens_trained"] == sum(probe.counted_tokens(s) for s in range(STEPS))
 
 
+def test_masked_loss_under_fp16_loss_scaling_tracks_fp32(plain, tmp_path):
+    """16-mixed's path of a masked loss: the loss scale stands in for the factor that divides by the
+    counted targets, and unscaling must leave the counted targets' mean; the loss and the gradient
+    norm before clipping of each of the first steps within verify's 16-mixed tolerance of 32-true."""
+    from scaletrain.verify import CALIBRATED_STEPS
+
+    _, folder = plain
+    run = {"data.path": str(folder), "train.steps": CALIBRATED_STEPS, "optim.lr": 1e-3}
+    fp32 = Trainer(micro_cfg(tmp_path / "fp32", **run))
+    assert all(fp32.counted_tokens(s) < fp32.step_tokens(s) for s in range(CALIBRATED_STEPS))  # a real mask
+    rows = Trainer(micro_cfg(tmp_path / "fp16", **run, **{"precision.mode": "16-mixed"})).fit()["history"]
+    assert_same_run(rows, fp32.fit()["history"], steps=CALIBRATED_STEPS, tol=TOLERANCES["16-mixed"],
+                    what="16-mixed against 32-true, masked")
+
+
 def test_validation_loss_is_the_mean_over_the_held_out_answers(tmp_path):
     prepare([write_jsonl(tmp_path / "chat.jsonl", conversations(80))], tmp_path / "tok", chat_format="plain",
             val_fraction=0.3)

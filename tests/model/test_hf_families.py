@@ -122,6 +122,39 @@ def test_import_export_and_generation_match_transformers(name, tmp_path, tokens)
         assert (again(tokens).logits - ours(tokens)).abs().max() <= TOL
 
 
+# fields away from their defaults (and from the FAMILIES' values), each far enough to move the logits
+# and not so far as to hide another (an epsilon of 1e-2 flattened OLMo 2's q/k norms, and its rotary base
+# no longer showed): the HF config's change, and the values our reader must give. Each field read as its
+# default, the logits alone fail (checked by hand, the config assertion taken out)
+OFF_DEFAULT = {
+    "olmo2": ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rms_norm_eps": 1e-3},
+              {"rope_theta": 1e6, "norm_eps": 1e-3}),
+    "neox-sequential": ({"rope_parameters": {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.5},
+                         "layer_norm_eps": 1e-3}, {"rope_theta": 100.0, "norm_eps": 1e-3, "rotary_fraction": 0.5}),
+    "gemma2": ({"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}, "rms_norm_eps": 1e-3,
+                "attn_logit_softcapping": 3.0, "final_logit_softcapping": 7.0, "query_pre_attn_scalar": 40},
+               {"rope_theta": 500.0, "norm_eps": 1e-3, "attn_softcap": 3.0, "logit_softcap": 7.0,
+                "attn_scale_dim": 40}),
+}
+
+
+@pytest.mark.parametrize("name", OFF_DEFAULT)
+def test_fields_off_their_defaults_are_read_and_give_transformers_logits(name, tmp_path, tokens):
+    """Rotary bases, norm epsilons, soft caps and the query scale set away from their defaults: the
+    config reader gives each value, and the model gives the logits transformers computes with them,
+    which differ from those of the same weights at the family's values (each field bites)."""
+    change, ours_expected = OFF_DEFAULT[name]
+    hf = make_hf(name, tmp_path / "hf", **change)
+    usual = make_hf(name, tmp_path / "usual")  # the same seed: the same weights, FAMILIES' values
+    assert all(torch.equal(a, b) for a, b in zip(hf.state_dict().values(), usual.state_dict().values()))
+    ours = ours_from(tmp_path / "hf")
+    assert {k: getattr(ours.cfg, k) for k in ours_expected} == ours_expected
+    with torch.no_grad():
+        ref, before, mine = hf(tokens).logits, usual(tokens).logits, ours(tokens)
+    assert (ref - before).abs().max() > 1e-2  # the fields change the logits
+    assert (mine - ref).abs().max() <= TOL
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_the_planner_counts_the_imported_shape(name, tmp_path):
     """Parameters as the model holds them, and FLOPs from the same matmul count."""

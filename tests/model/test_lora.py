@@ -157,6 +157,63 @@ def test_numerics_match_peft(kind, rslora):
         assert mine.weight.grad is None
 
 
+def test_a_chosen_subset_with_adapter_dropout_matches_peft_in_training_and_in_eval():
+    """Targets by name and pattern (not every linear) and dropout on the adapters' input, against PEFT's
+    LoraConfig of the same modules: PEFT adapts the same linears; in eval both give the same output,
+    forward after forward; in training each forward draws a new mask, and from the same seed both
+    draw the same one (dropout on x before A, the base's output left whole)."""
+    peft = pytest.importorskip("peft")
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(24, 40, bias=True), nn.Linear(40, 24, bias=False)
+
+        def forward(self, x):
+            return x + self.down(torch.tanh(self.up(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            return self.layers[1](self.layers[0](x))
+
+    torch.manual_seed(0)
+    ours, theirs = Net().double(), Net().double()
+    theirs.load_state_dict(ours.state_dict())
+    spec = AdapterSpec("lora", rank=4, alpha=12.0, dropout=0.3, targets="layers.1.up, *.down")
+    assert apply_adapters(ours, spec) == ["layers.0.down", "layers.1.up", "layers.1.down"]
+    ours.double()
+    theirs = peft.get_peft_model(theirs, peft.LoraConfig(r=4, lora_alpha=12.0, lora_dropout=0.3,
+                                                         target_modules=r"layers\.1\.up|layers\.\d\.down"))
+    adapted = [n.removeprefix("base_model.model.") for n, m in theirs.named_modules() if hasattr(m, "lora_A")]
+    assert adapted == ["layers.0.down", "layers.1.up", "layers.1.down"]
+    assert not isinstance(ours.layers[0].up, LoRALinear)
+    with torch.no_grad():
+        for name in adapted:
+            mine, peer = ours.get_submodule(name), theirs.base_model.model.get_submodule(name)
+            mine.lora_a.normal_()
+            mine.lora_b.normal_()
+            peer.lora_A["default"].weight.copy_(mine.lora_a)
+            peer.lora_B["default"].weight.copy_(mine.lora_b)
+    x = torch.randn(3, 5, 24, dtype=torch.float64)
+    with torch.no_grad():
+        ours.eval(), theirs.eval()
+        a, again, b = ours(x), ours(x), theirs(x)
+        assert torch.equal(a, again)
+        assert (a - b).abs().max().item() <= 1e-10 * b.abs().max().item()
+        ours.train(), theirs.train()
+        torch.manual_seed(7)
+        a1, a2 = ours(x), ours(x)
+        torch.manual_seed(7)
+        b1, b2 = theirs(x), theirs(x)
+    assert not torch.allclose(a1, a2) and not torch.allclose(a1, a)  # a new mask each forward, and one at all
+    assert (a1 - b1).abs().max().item() <= 1e-10 * b1.abs().max().item()
+    assert (a2 - b2).abs().max().item() <= 1e-10 * b2.abs().max().item()
+
+
 def test_merged_weight_computes_what_the_adapted_linear_does():
     torch.manual_seed(1)
     for kind in ("lora", "dora"):

@@ -118,3 +118,34 @@ def test_flops_formula_matches_counted_flops(variant):
     counted = counter.get_total_flops()
     predicted = flops_per_token(cfg, T) * B * T
     assert abs(counted - predicted) / predicted < 0.01, (counted, predicted)
+
+
+def _only_dropout_at(model: Transformer, site: str, p: float) -> None:
+    """Leave dropout at `site` alone (embedding, residual or attention) at rate p, every other off."""
+    model.drop.p = p if site == "embedding" else 0.0
+    for block in model.layers.values():
+        block.drop.p = p if site == "residual" else 0.0
+        block.attn.dropout = p if site == "attention" else 0.0
+
+
+@pytest.mark.parametrize("site,extra", [("embedding", {}), ("residual", {}), ("attention", {}),
+                                        ("attention", {"attn_softcap": 5.0}),
+                                        ("residual", {"parallel_residual": True})],
+                         ids=["embedding", "residual", "attention", "attention-softcapped", "parallel-residual"])
+def test_each_dropout_draws_anew_in_training_and_is_off_in_eval(site, extra):
+    """Every stochastic module of the model, alone: in training two forwards differ (and differ from the
+    same weights without dropout); in eval two forwards are the model without dropout, bit for bit."""
+    torch.manual_seed(0)
+    model = Transformer(model_cfg(dropout=0.2, **extra))
+    plain = Transformer(model_cfg(**extra))
+    plain.load_state_dict(model.state_dict())
+    _only_dropout_at(model, site, 0.2)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model.train(), plain.train()
+        first, second, reference = model(tokens), model(tokens), plain(tokens)
+        assert not torch.equal(first, second)
+        assert not torch.equal(first, reference) and not torch.equal(second, reference)
+        model.eval(), plain.eval()
+        first, second, reference = model(tokens), model(tokens), plain(tokens)
+        assert torch.equal(first, second) and torch.equal(first, reference)

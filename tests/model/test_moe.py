@@ -233,6 +233,68 @@ def test_two_micro_batches_give_one_batchs_bias_losses_and_gradients():
     assert torch.equal(biases[0], biases[1]) and biases[0].abs().sum() > 0
 
 
+def hook_of(m: MoE, bias_rate: float) -> MoEBalance:
+    return MoEBalance({"layers.0.moe": m}, ["layers.0.moe"], [], experts=E, bias_rate=bias_rate, top_k=m.top_k)
+
+
+def test_the_bias_moves_by_the_rate_against_each_experts_load():
+    """DeepSeek-V3's rule by hand: each expert's bias moves by exactly bias_rate, down where its load
+    is above the mean, up where below, not at all where equal; a skipped step moves nothing."""
+    m = layer()
+    start = torch.tensor([0.5, -0.25, 0.125, 0.0])
+    with torch.no_grad():
+        m.expert_bias.copy_(start)
+    loads = torch.tensor([10.0, 2.0, 6.0, 6.0])  # mean 6: expert 0 over, expert 1 under, 2 and 3 even
+    m.stats[:E] = loads
+    hook_of(m, bias_rate=0.01).after_optimizer_step(applied=False)
+    assert torch.equal(m.expert_bias, start)  # a skipped step moves no bias (and clears the counters)
+    m.stats[:E] = loads
+    hook_of(m, bias_rate=0.01).after_optimizer_step(applied=True)
+    torch.testing.assert_close(m.expert_bias, start + torch.tensor([-0.01, 0.01, 0.0, 0.0]), rtol=0, atol=1e-7)
+
+
+def test_after_a_bias_update_the_busiest_expert_gets_fewer_tokens_and_the_idlest_more():
+    """The rule's direction: on the same tokens, the routing after one update sends fewer tokens to
+    the expert that had the most and more to the one that had the fewest, and the loads draw together."""
+    m = layer().train()
+    x = tokens(B=8, T=32)
+    m(x).sum().backward()
+    before = m.stats[:E].clone()
+    busiest, idlest = int(before.argmax()), int(before.argmin())
+    assert before[busiest] > before.mean() > before[idlest]
+    hook_of(m, bias_rate=0.005).after_optimizer_step(applied=True)  # (a larger rate overshoots: 0.05 swaps them)
+    m(x).sum().backward()
+    after = m.stats[:E]
+    assert after.sum() == before.sum()  # the same choices made, differently
+    assert after[busiest] < before[busiest] and after[idlest] > before[idlest], (before, after)
+    assert after.max() - after.min() < before.max() - before.min()
+
+
+def test_switch_and_z_losses_equal_their_values_worked_by_hand():
+    """A router whose logits are set by hand (the log of 4, 2, 1, 1 in some order: the probabilities
+    are eighths, every logsumexp is log 8). Sequence 0's two tokens both choose experts 0 and 1
+    (f = 1/2, 1/2, 0, 0; mean probabilities 3/8, 3/8, 1/8, 1/8): its Switch loss E * sum f_i P_i
+    = 4 * 3/8 = 3/2, times its 2 tokens = 3; sequence 1 is its mirror image, 3 again. Over the batch
+    as one sequence it would be 4 (every f = 1/4): the loss is per sequence. z: (log 8)^2 per token."""
+    m = layer(moe_aux_loss=1.0, moe_z_loss=1.0).train()
+    logits = torch.tensor([[[4.0, 2, 1, 1], [2, 4, 1, 1]], [[1.0, 1, 2, 4], [1, 1, 4, 2]]]).log()
+    with torch.no_grad():
+        m.router.weight.zero_()
+        m.router.weight[:, :E] = torch.eye(E)  # logits = the first E coordinates of each token
+    x = torch.zeros(2, 2, D)
+    x[..., :E] = logits
+    m(x).sum().backward()
+    assert m.stats[:E].tolist() == [2.0, 2.0, 2.0, 2.0]
+    aux, z = m.stats[E + 1].item(), m.stats[E + 2].item()
+    assert aux == pytest.approx(6.0, rel=1e-6)
+    assert z == pytest.approx(4 * math.log(8) ** 2, rel=1e-6)
+    hook = hook_of(m, bias_rate=0.0)
+    hook.after_optimizer_step(applied=True)
+    # the logged figures are means over the 4 tokens
+    assert hook.last["moe_aux_loss"] == pytest.approx(1.5, rel=1e-6)
+    assert hook.last["moe_z_loss"] == pytest.approx(math.log(8) ** 2, rel=1e-6)
+
+
 MOE_RUN = {"model.moe_experts": 4, "model.moe_aux_loss": 0.01, "model.moe_z_loss": 0.001,
            "model.moe_bias_rate": 0.01}
 

@@ -267,6 +267,26 @@ def test_eval_cli_prints_the_val_loss_the_run_logged(corpus, tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("loss_mask", ["auto", "false"])
+def test_eval_of_a_mid_run_chat_checkpoint_gives_the_val_loss_logged_at_its_step(tmp_path, loss_mask):
+    """`scaletrain eval` of the checkpoint of step 5 (not the last) of a run on chat data gives the
+    val_loss the run logged at step 5, counting the tokens the run counted: the answers alone, or every
+    token where the run said data.loss_mask=false (eval counted the answers alone there, 2% off)."""
+    from scaletrain.trained.evaluate import evaluate_checkpoint
+    from test_chat import conversations, write_jsonl
+
+    prepare([write_jsonl(tmp_path / "chat.jsonl", conversations(80))], tmp_path / "tok", chat_format="plain",
+            val_fraction=0.3)
+    cfg = micro_cfg(tmp_path, **{"data.path": str(tmp_path / "tok"), "data.loss_mask": loss_mask,
+                                 "train.eval_every": 5, "train.eval_batches": 2, "checkpoint.every": 5})
+    result = Trainer(cfg).fit()
+    logged = {row["step"]: row["val_loss"] for row in result["history"] if "val_loss" in row}
+    assert logged[5] != logged[10]  # the steps' losses differ, so evaluating the other checkpoint shows
+    out = evaluate_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000005")
+    assert out["step"] == 5 and out["split"] == "validation"
+    assert abs(out["val_loss"] - logged[5]) / logged[5] < TOL, (out["val_loss"], logged[5])
+
+
 # --------------------------------------------------------------------------------------------
 # `scaletrain eval RUN_FOLDER`
 

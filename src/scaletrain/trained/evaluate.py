@@ -146,12 +146,14 @@ def _loss_on(model, data_path: str, what: _Evaluated, batches: int | None, chunk
     if tokens.vocab_size > cfg.model.vocab_size:
         raise DataError(f"{tokens.source}: the tokenizer has {tokens.vocab_size} tokens, more than the model's "
                         f"vocabulary of {cfg.model.vocab_size}: this data was prepared for another model")
-    # chat data: the answers; packed documents (data.document_mask) attend within themselves, as in training
+    # packed documents (data.document_mask) attend within themselves, as in training
     separator = document_separator(tokens, tokens.source) if cfg.data.document_mask else None
     for m in model.modules():
         if isinstance(m, Transformer):
             m.separator = separator
-    dataset = WindowDataset(tokens, cfg.data.seq_len, loss_mask=tokens.mask is not None, separator=separator)
+    # a loss mask (chat data) counts the answers, unless the run counted every token (data.loss_mask=false)
+    masked = cfg.data.loss_mask != "false" and tokens.mask is not None
+    dataset = WindowDataset(tokens, cfg.data.seq_len, loss_mask=masked, separator=separator)
     wanted = batches
     if batches is None:  # the run's number, where this data holds that many
         wanted, held = cfg.train.eval_batches, len(dataset) // global_batch
