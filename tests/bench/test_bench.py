@@ -291,3 +291,24 @@ def test_run_on_ranks_returns_rank_0s_result_or_raises_the_ranks_exit_code(capfd
         run_on_ranks("test_bench:answering_rank", {"echo": None, "fail": True}, 2, pythonpath=here)
     assert failed.value.code == 2 and isinstance(failed.value, SystemExit)  # a user's error, as the CLI exits
     assert "planted failure" in capfd.readouterr().err
+
+
+def test_the_compute_probe_runs_the_weights_a_run_starts_from():
+    """The calibration's compute probe times the model a run trains: the run's initial weights (by name),
+    not nn's defaults. With those defaults the probe's backward went through subnormal floats, which this
+    CPU computes 10-100x slower: a 3-block forward and backward took 5.2 s against 0.3 s, and the
+    calibrated planner predicted 14-40x the measured step times (benchmarks/planner_ranking.py)."""
+    from scaletrain.bench.calibrate import _model_step
+    from scaletrain.config import load_config
+    from scaletrain.model.transformer import Transformer
+    from scaletrain.parallel.init import init_weights
+
+    cfg = load_config(None, {**MICRO, "model.n_layers": 2}).model
+    probe = _model_step(cfg, torch.device("cpu"), 2, "32-true", 32, 2, 1, False, "none").model
+    with torch.no_grad():
+        run = Transformer(cfg)
+        init_weights(run, seed=0)
+    mine, theirs = dict(probe.named_parameters()), dict(run.named_parameters())
+    assert mine.keys() == theirs.keys()
+    for name, p in mine.items():
+        assert torch.equal(p, theirs[name]), name

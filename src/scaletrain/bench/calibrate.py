@@ -125,6 +125,7 @@ def _model_step(model_cfg, device, layers: int, precision: str, seq_len: int, mi
     from scaletrain.memory import apply_activation_checkpointing
     from scaletrain.model.loss import cross_entropy_sum
     from scaletrain.model.transformer import Transformer
+    from scaletrain.parallel.init import init_weights
     from scaletrain.precision import Precision
 
     cfg = replace(model_cfg, n_layers=layers, max_seq_len=max(model_cfg.max_seq_len, seq_len))
@@ -132,6 +133,8 @@ def _model_step(model_cfg, device, layers: int, precision: str, seq_len: int, mi
     torch.manual_seed(0)
     with torch.device(device):
         model = Transformer(cfg)
+    with torch.no_grad():  # the weights a run starts from (by name), not nn's defaults: those drive the
+        init_weights(model, seed=0)  # activations into subnormal floats, which a CPU computes 10-100x slower
     if prec.param_dtype != torch.float32:
         model.to(prec.param_dtype)
     loss_context = contextlib.nullcontext
