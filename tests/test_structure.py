@@ -354,10 +354,10 @@ def hook_members(package: Path = PACKAGE, protocol: str = "StepHook") -> dict[st
     # (phase and key name a hook; say is where the run sends its lines: none is work a technique implements)
     below, found = {protocol}, {m: set() for m in members(classes[protocol]) - {"phase", "key", "say"}}
     trees = {f: ast.parse(f.read_text()) for f in sorted(package.rglob("*.py")) if f != hooks_py}
-    grew = True
+    grew, every = True, [ast.parse(hooks_py.read_text()), *trees.values()]
     while grew:  # the classes below the protocol, however deep
         grew = False
-        for tree in [ast.parse(hooks_py.read_text()), *trees.values()]:
+        for tree in every:
             for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name not in below):
                 if any(isinstance(b, ast.Name) and b.id in below for b in cls.bases):
                     below.add(cls.name)
@@ -373,12 +373,13 @@ def test_every_step_hook_member_has_more_than_one_technique():
     """A member of the step-hook protocol that one technique alone implements belongs to that technique:
     the outer loop's (OuterLoop), the precision's (Precision.loss_scale), the parallel model's
     (ParallelModel.batch_share)."""
-    single = {m: where for m, where in hook_members().items() if len(where) < 2}
+    step = hook_members()
+    single = {m: where for m, where in step.items() if len(where) < 2}
     assert single == {}, f"step-hook members with one implementer: {single}"
     outer = hook_members(protocol="OuterLoop")
     assert {"start", "writes_checkpoint", "skip_reason", "reported_norm", "data_outer"} <= outer.keys()
     assert all(where <= {"parallel/local_sgd.py", "parallel/fault_tolerance.py"} and where
-               for m, where in outer.items() if m not in hook_members()), outer
+               for m, where in outer.items() if m not in step), outer
 
 
 def test_the_member_count_sees_a_member_one_technique_implements(tmp_path):
