@@ -135,21 +135,7 @@ def iter_rows(files: Sequence[Path], what: str = "preference data") -> Iterator[
             yield from _parquet_rows(f)
             continue
         for chunk in _jsonl_chunks(f, kind):
-            lines = chunk.payload.split(b"\n")
-            for lineno, raw in enumerate(lines[:-1] if not lines[-1] else lines, chunk.first):
-                where = f"{f}:{lineno}"
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise DataError(f"{where}: invalid UTF-8 at column {e.start + 1}: {raw[e.start:e.end]!r} "
-                                    f"({e.reason}); {REENCODE}") from None
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must hold "
-                                    "one JSON object") from None
+            for where, row in _json_lines(chunk):
                 if not isinstance(row, dict):
                     raise DataError(f"{where}: a row of {what} must be a JSON object, not {type(row).__name__}")
                 yield where, row
@@ -199,9 +185,10 @@ def _txt_text(raw: bytes, f: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-def _jsonl_texts(chunk: Chunk, text_key: str) -> list[str]:
-    f, texts = chunk.file, []
-    offset = chunk.offset  # of the current line in the (uncompressed) file
+def _json_lines(chunk: Chunk) -> Iterator[tuple[str, object]]:
+    """("FILE:LINE", the line's JSON value) for each non-blank line of a jsonl chunk; a line that is not
+    UTF-8 (its byte in the file and column named) or not JSON is one line of error."""
+    f, offset = chunk.file, chunk.offset  # of the current line in the (uncompressed) file
     lines = chunk.payload.split(b"\n")
     if lines and not lines[-1]:
         lines.pop()  # the payload ends with a newline
@@ -215,12 +202,18 @@ def _jsonl_texts(chunk: Chunk, text_key: str) -> list[str]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            value = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{f}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); "
                             "each line must hold one JSON object") from None
+        yield f"{f}:{lineno}", value
+
+
+def _jsonl_texts(chunk: Chunk, text_key: str) -> list[str]:
+    texts = []
+    for where, row in _json_lines(chunk):
         if not isinstance(row, dict) or not isinstance(row.get(text_key), str):
-            raise DataError(f"{f}:{lineno}: expected an object with a string field "
+            raise DataError(f"{where}: expected an object with a string field "
                             f"{text_key!r}; set --text-key to the field that holds the text")
         texts.append(row[text_key])
     return texts
