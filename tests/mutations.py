@@ -644,8 +644,8 @@ MUTANTS = [
            (f"{LO}::test_a_chosen_subset_with_adapter_dropout_matches_peft_in_training_and_in_eval",)),
     Mutant("fp16-loss-factor-counts-every-token", "under fp16 loss scaling the loss is divided by the step's tokens, "
            "not its counted targets (alike where nothing is masked)", "src/scaletrain/train/trainer.py",
-           "return (self.layout.dp if scale is None else scale) / self.counted_tokens()",
-           "return self.layout.dp / self.counted_tokens() if scale is None else scale / self.step_tokens()",
+           "return (self.layout.dp if scale is None else scale) / self.loss_divisor()",
+           "return self.layout.dp / self.loss_divisor() if scale is None else scale / self.step_tokens()",
            (f"{CH}::test_masked_loss_under_fp16_loss_scaling_tracks_fp32",)),
     Mutant("neox-layer-norm-eps-ignored", "GPT-NeoX's layer_norm_eps read as its default (the FAMILIES' configs "
            "keep the default)", "src/scaletrain/model/families/gpt_neox.py",

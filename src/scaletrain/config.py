@@ -33,11 +33,15 @@ from scaletrain.vocab import (
     CP_METHODS,
     DP_SYNC_MODES,
     FP8_RECIPES,
+    OBJECTIVES,
     OPTIMIZERS,
     OUTER_OPTIMIZERS,
     PP_SCHEDULES,
     PRECISIONS,
+    PREFERENCE_LOSSES,
     QAT_SCHEMES,
+    REFERENCE_FREE,
+    REFERENCE_MODES,
     SYNC_DTYPES,
     did_you_mean,
 )
@@ -95,6 +99,9 @@ class TrainConfig:
                               "scheme will (int8 activations per token; int8 weights per channel, or int4 in "
                               "groups of 32), so `scaletrain quantize --scheme` of the checkpoint loses less",
                       choices=QAT_SCHEMES)
+    objective: str = option("lm", "what the run trains: lm = next-token cross-entropy (every token, or a loss mask's); "
+                                  "preference = the [preference] loss on the pairs (or KTO's unpaired examples) of a "
+                                  "folder written by `scaletrain prepare --preference`", choices=OBJECTIVES)
 
 
 @dataclass
@@ -279,6 +286,55 @@ class LogConfig:
                                          "retries take minutes) before the run goes on without it", min=1.0)
 
 
+@dataclass
+class PreferenceConfig:
+    """[preference]: which preference loss (train.objective=preference), its coefficients (TRL 1.16's
+    defaults) and where the reference model's log-probabilities come from."""
+
+    loss: str = option("sigmoid", "the preference loss: sigmoid = DPO (cDPO with label_smoothing), robust = robust "
+                                  "DPO, ipo, hinge, simpo and orpo (no reference model), kto (unpaired examples)",
+                       choices=PREFERENCE_LOSSES)
+    beta: float = option(0.1, "how far the policy may stray from the reference (β; IPO's τ; ORPO's weight λ of the "
+                              "odds-ratio term); above 0", min=0.0)
+    label_smoothing: float = option(0.0, "sigmoid, robust, simpo: the chance a preference label is flipped, "
+                                         "below 0.5", min=0.0, max=0.5, open_max=True)
+    gamma: float = option(0.5, "simpo: the target reward margin γ", min=0.0)
+    desirable_weight: float = option(1.0, "kto: weight of the desirable examples' losses", min=0.0)
+    undesirable_weight: float = option(1.0, "kto: weight of the undesirable examples' losses", min=0.0)
+    reference: str = option("auto", "where the reference log-probs come from: model = a frozen copy of the starting "
+                                    "weights, sharded like the policy (forward only: its weights' memory, no "
+                                    "gradients or optimizer state); precomputed = one forward pass over the data "
+                                    "before training, kept in the run folder (no second model); adapters = the "
+                                    "policy with its adapters switched off (adapter fine-tuning; no second copy); "
+                                    "auto = adapters under adapter fine-tuning, else model", choices=REFERENCE_MODES)
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.loss not in REFERENCE_FREE
+
+
+def check_preference(p: PreferenceConfig) -> list[str]:
+    errors = []
+    if p.beta <= 0:
+        errors.append(f"preference.beta={p.beta:g} must be above 0: it divides the margin (1/β, 1/(2β)); 0.1 is usual")
+    if p.label_smoothing and p.loss not in ("sigmoid", "robust", "simpo"):
+        errors.append(f"preference.label_smoothing={p.label_smoothing:g} is read by the sigmoid, robust and simpo "
+                      f"losses, not by preference.loss={p.loss}; drop it")
+    if p.loss == "kto" and p.desirable_weight == 0 and p.undesirable_weight == 0:
+        errors.append("preference.desirable_weight and undesirable_weight are both 0: KTO would learn nothing")
+    return errors
+
+
+def preference_config(values: Mapping[str, Any]) -> PreferenceConfig:
+    """A validated PreferenceConfig from a mapping of its keys: every problem at once, a line each."""
+    errors: list[str] = []
+    p = build_section("preference", PreferenceConfig, values, set(), errors)
+    errors += [] if errors else check_preference(p)
+    if errors:
+        raise ConfigError(*errors)
+    return p
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -291,6 +347,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "log": LogConfig,
     "adapter": AdapterConfig,
+    "preference": PreferenceConfig,
 }
 
 
@@ -307,6 +364,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -792,8 +850,35 @@ def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
 
         errors.extend(fp8_problems(m if own_model else None, cfg.precision.fp8_min_dim, cfg.train.qat))
     errors.extend(adapter_problems(cfg.adapter))
+    errors.extend(preference_problems(cfg))
     if cfg.optim.name == "adamw8bit" and cfg.optim.implementation not in ("auto",):
         errors.append("optim.implementation applies to adamw and sgd; leave it at auto for adamw8bit")
+    return errors
+
+
+def preference_problems(cfg: JobConfig) -> list[str]:
+    """[preference] and what train.objective=preference cannot be combined with (yet)."""
+    p = cfg.preference
+    if cfg.train.objective != "preference":
+        return []
+    errors = check_preference(p)
+    if p.reference == "adapters" and cfg.adapter.kind == "none":
+        errors.append("preference.reference=adapters takes the reference log-probs from the policy with its adapters "
+                      "switched off, and adapter.kind=none trains no adapters; set adapter.kind=lora, or "
+                      "preference.reference=model or precomputed")
+    if p.loss == "kto":
+        errors.append("preference.loss=kto (unpaired examples) is implemented as a loss (scaletrain.model.preference"
+                      ".kto_loss) but not yet trained by train.objective=preference; use a paired loss (sigmoid, "
+                      "robust, ipo, hinge, simpo, orpo)")
+    if cfg.fault_tolerance.enabled:
+        errors.append("fault_tolerance.enabled with train.objective=preference is not supported yet (the replica "
+                      "groups' losses are weighed by tokens, a preference loss by pairs); set fault_tolerance."
+                      "enabled=false")
+    for key, value, why in (("data.mix", cfg.data.mix, "one preference folder (data.path)"),
+                            ("train.batch_rampup", cfg.train.batch_rampup, "a fixed number of examples per step"),
+                            ("data.document_mask", cfg.data.document_mask, "one example per row, nothing packed")):
+        if value:
+            errors.append(f"{key} is not used by train.objective=preference, which trains {why}; drop {key}")
     return errors
 
 

@@ -25,6 +25,10 @@ QUANT_SCHEMES = ("int8-weight", "int8-dynamic", "int8-int4")
 # quantization-aware training (train.qat): "none", or a scheme whose activations are quantized too,
 # fake-quantized during training (scaletrain.quant.qat)
 QAT_SCHEMES = ("none", "int8-dynamic", "int8-int4")
+OBJECTIVES = ("lm", "preference")  # train.objective
+PREFERENCE_LOSSES = ("sigmoid", "robust", "ipo", "hinge", "simpo", "orpo", "kto")
+REFERENCE_FREE = ("simpo", "orpo")  # the preference losses that need no reference model
+REFERENCE_MODES = ("auto", "model", "precomputed", "adapters")  # preference.reference
 
 OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
 

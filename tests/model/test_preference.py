@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from scaletrain.config import PreferenceConfig, preference_config
 from scaletrain.errors import ConfigError
 from scaletrain.model.preference import (
     Mean,
-    PreferenceConfig,
     combined,
     dpo_loss,
     hinge_loss,
@@ -24,7 +24,6 @@ from scaletrain.model.preference import (
     kto_kl,
     kto_loss,
     orpo_loss,
-    preference_config,
     preference_loss,
     robust_dpo_loss,
     sequence_logps,

@@ -121,3 +121,63 @@ def collate_preference(examples: list[PreferenceExample], pad_id: int = 0) -> Pr
     chosen = torch.arange(R) % 2 == 0 if pairs else None
     label = None if pairs else torch.tensor([ex.label for ex in examples], dtype=torch.bool)
     return PreferenceBatch(input_ids, targets, mask, pair_index, chosen, label)
+
+
+class PreferenceWindows(torch.utils.data.Dataset):
+    """PreferenceData as the trainer reads it (train.objective=preference): `dataset[indices]` is one
+    micro-batch of examples as fixed-width rows, (inputs, targets, ids): inputs and targets (R, seq_len),
+    every example's sequences on adjacent rows (a pair's chosen, then its rejected), padded on the right;
+    targets the next token on the completion's tokens and IGNORE_INDEX elsewhere; ids the examples'
+    indices (what the precomputed reference log-probs are looked up by). One width for every batch keeps
+    the shapes that pipeline stages, context-parallel chunks and compiled blocks need.
+
+    The step's counts come from the index alone, the same on every rank: its examples (what the loss is
+    a mean over) and its completion tokens (counted, and ORPO's NLL divisor: the chosen's)."""
+
+    mask = None  # the trainer's loss mask and document separator: a language-modelling dataset's
+    separator = None
+
+    def __init__(self, data: PreferenceData, seq_len: int, pad_id: int = 0):
+        self.data, self.seq_len, self.pad_id = data, seq_len, pad_id
+        self.kind, self.tokenizer = data.kind, data.tokenizer
+        self.rows_per_example = 2 if data.kind == "pairs" else 1
+        columns = data.index[:, 1:3] if data.kind == "pairs" else data.index[:, 1:2]
+        self.completion_lengths = columns.astype(np.int64)  # (N, rows per example)
+        # a sequence of L tokens fills L - 1 positions (inputs and targets shifted by one)
+        self.longest = int((data.index[:, :1] + columns).max()) - 1 if len(data) else 0
+        self._counts = (-1, 0, 0)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch = collate_preference([self.data[int(i)] for i in indices], self.pad_id)
+        R, T = batch.input_ids.shape
+        if T > self.seq_len:
+            raise DataError(f"{self.data.tokens.source}: an example is {T + 1} tokens long, more than data.seq_len + 1 "
+                            f"= {self.seq_len + 1}; raise data.seq_len or prepare again with --max-length")
+        inputs = torch.full((R, self.seq_len), self.pad_id, dtype=torch.long)
+        targets = torch.full((R, self.seq_len), IGNORE_INDEX, dtype=torch.long)
+        inputs[:, :T], targets[:, :T] = batch.input_ids, batch.targets
+        return inputs, targets, torch.as_tensor(np.asarray(indices, dtype=np.int64))
+
+    def labels(self, ids: torch.Tensor) -> torch.Tensor:
+        """Unpaired examples: desirable (True) or not, by example index."""
+        return torch.as_tensor(self.data.index[ids.numpy(), 2] != 0)
+
+    def step_counts(self, step: int, sampler) -> tuple[int, int]:
+        """(examples, chosen completion tokens) of step `step`'s global batch (kept for the last step asked)."""
+        if self._counts[0] != step:
+            ids = sampler(step).global_batch_indices(step)
+            self._counts = (step, len(ids), int(self.completion_lengths[ids, 0].sum()))
+        return self._counts[1], self._counts[2]
+
+    def counted_in_step(self, step: int, sampler) -> int:
+        """The completion tokens of step `step`'s global batch: the targets the losses read."""
+        return max(1, int(self.completion_lengths[sampler(step).global_batch_indices(step)].sum()))
+
+    def counts_nothing(self, step: int, sampler) -> bool:
+        return False  # prepare drops every example without a completion token
+
+    def counted_tokens(self, indices) -> int:
+        return int(self.completion_lengths[np.asarray(indices)].sum())

@@ -20,6 +20,7 @@ group (`all-linear`: every linear in the repeated blocks, no output head or MoE 
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 from dataclasses import dataclass
@@ -67,6 +68,7 @@ class LoRALinear(nn.Linear):
     # the base's matmul, F.linear's signature: a quantized base (QLoRA) brings its own, which
     # dequantizes inside (scaletrain.quant.frozen_base.frozen_linear)
     base_linear = staticmethod(F.linear)
+    enabled = True  # False inside adapters_off()
 
     def __init__(self, base: nn.Linear, spec: AdapterSpec):
         nn.Module.__init__(self)
@@ -89,6 +91,9 @@ class LoRALinear(nn.Linear):
         return self.scale * (self.lora_b @ self.lora_a)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:  # adapters_off: the base alone (a preference run's reference)
+            rows = x.reshape(-1, x.shape[-1])
+            return self.base_linear(rows, self.weight, self.bias).view(*x.shape[:-1], self.out_features)
         dropping = self.training and isinstance(self.dropout, nn.Dropout)
         if self.lora_magnitude is None:
             return self._lora(x, dropping)
@@ -124,6 +129,20 @@ class LoRALinear(nn.Linear):
     def extra_repr(self) -> str:
         dora = ", dora" if self.lora_magnitude is not None else ""
         return f"{self.in_features}, {self.out_features}, rank={self.lora_a.shape[0]}, scale={self.scale:g}{dora}"
+
+
+@contextlib.contextmanager
+def adapters_off(modules):
+    """The adapted linears of `modules` compute their frozen base alone inside this block (the model the
+    adapters started from: a preference run's reference, with no second copy of the weights)."""
+    adapted = [m for module in modules for m in module.modules() if isinstance(m, LoRALinear)]
+    for m in adapted:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m in adapted:
+            del m.enabled  # back to the class's True
 
 
 def is_adapter_param(name: str) -> bool:

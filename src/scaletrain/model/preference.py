@@ -24,17 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from scaletrain.errors import ConfigError
-from scaletrain.options import build_section, option
-
-LOSSES = ("sigmoid", "robust", "ipo", "hinge", "simpo", "orpo", "kto")
-REFERENCE_FREE = ("simpo", "orpo")  # the losses that need no reference model
-
+from scaletrain.vocab import PREFERENCE_LOSSES as LOSSES  # noqa: F401
+from scaletrain.vocab import REFERENCE_FREE  # noqa: F401
 
 # --------------------------------------------------------------------------------------------
 # Log-probabilities of the completions
@@ -243,56 +238,12 @@ def kto_loss(logps, ref_logps, desirable, kl, *, beta: float = 0.1, desirable_we
                                             "rewards/rejected": mean_of(rewards[~desirable])})
 
 
-# --------------------------------------------------------------------------------------------
-# [preference]: which loss, and its coefficients (TRL 1.16's defaults)
-
-
-@dataclass
-class PreferenceConfig:
-    loss: str = option("sigmoid", "the preference loss: sigmoid = DPO (cDPO with label_smoothing), robust = robust "
-                                  "DPO, ipo, hinge, simpo and orpo (no reference model), kto (unpaired examples)",
-                       choices=LOSSES)
-    beta: float = option(0.1, "how far the policy may stray from the reference (β; IPO's τ; ORPO's weight λ of the "
-                              "odds-ratio term); above 0", min=0.0)
-    label_smoothing: float = option(0.0, "sigmoid, robust, simpo: the chance a preference label is flipped, "
-                                         "below 0.5", min=0.0, max=0.5, open_max=True)
-    gamma: float = option(0.5, "simpo: the target reward margin γ", min=0.0)
-    desirable_weight: float = option(1.0, "kto: weight of the desirable examples' losses", min=0.0)
-    undesirable_weight: float = option(1.0, "kto: weight of the undesirable examples' losses", min=0.0)
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.loss not in REFERENCE_FREE
-
-
-def check_preference(p: PreferenceConfig) -> list[str]:
-    errors = []
-    if p.beta <= 0:
-        errors.append(f"preference.beta={p.beta:g} must be above 0: it divides the margin (1/β, 1/(2β)); 0.1 is usual")
-    if p.label_smoothing and p.loss not in ("sigmoid", "robust", "simpo"):
-        errors.append(f"preference.label_smoothing={p.label_smoothing:g} is read by the sigmoid, robust and simpo "
-                      f"losses, not by preference.loss={p.loss}; drop it")
-    if p.loss == "kto" and p.desirable_weight == 0 and p.undesirable_weight == 0:
-        errors.append("preference.desirable_weight and undesirable_weight are both 0: KTO would learn nothing")
-    return errors
-
-
-def preference_config(values: Mapping[str, Any]) -> PreferenceConfig:
-    """A validated PreferenceConfig from a mapping of its keys: every problem at once, a line each."""
-    errors: list[str] = []
-    p = build_section("preference", PreferenceConfig, values, set(), errors)
-    errors += [] if errors else check_preference(p)
-    if errors:
-        raise ConfigError(*errors)
-    return p
-
-
-def preference_loss(cfg: PreferenceConfig, policy: Mapping[str, torch.Tensor],
+def preference_loss(cfg, policy: Mapping[str, torch.Tensor],
                     reference: Mapping[str, torch.Tensor] | None = None) -> PreferenceLoss:
-    """The configured loss of paired sums: policy and reference each {"chosen", "rejected"} (summed
-    log-probabilities), policy also {"chosen_tokens", "rejected_tokens"}, and for ORPO {"nll", "nll_tokens"}.
-    No reference: reference-free, the log-ratios the policy's log-probabilities alone. KTO's examples are
-    unpaired: call kto_loss."""
+    """The configured loss (cfg: a scaletrain.config.PreferenceConfig) of paired sums: policy and reference
+    each {"chosen", "rejected"} (summed log-probabilities), policy also {"chosen_tokens", "rejected_tokens"},
+    and for ORPO {"nll", "nll_tokens"}. No reference: reference-free, the log-ratios the policy's
+    log-probabilities alone. KTO's examples are unpaired: call kto_loss."""
     ref = reference or {}
     c, r, rc, rr = policy["chosen"], policy["rejected"], ref.get("chosen"), ref.get("rejected")
     match cfg.loss:

@@ -343,10 +343,12 @@ def apply_context_parallel(model: nn.Module, cp_mesh, method: str, seq_len: int)
         model.pos_emb.register_forward_pre_hook(lambda module, args: (positions.to(args[0].device)[args[0]],))
 
 
-def shard_batch(batch: tuple[torch.Tensor, torch.Tensor], cp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def shard_batch(batch: tuple, cp: int, rank: int) -> tuple:
     """This cp rank's tokens of a batch's (inputs, targets): cut in the data loader, as the
-    sampler cuts each data-parallel rank's sequences."""
-    return tuple(shard_sequence(t, cp, rank) for t in batch)
+    sampler cuts each data-parallel rank's sequences. What follows them (a preference batch's
+    example ids) is per sequence: passed on whole."""
+    inputs, targets, *rest = batch
+    return (shard_sequence(inputs, cp, rank), shard_sequence(targets, cp, rank), *rest)
 
 
 class ContextParallelStep(StepHook):

@@ -103,11 +103,33 @@ def build_stages(models: list[nn.Module], stage_ids: list[int], num_stages: int,
 
     stages = [PipelineStage(m, sid, num_stages, device, group=group) for m, sid in zip(models, stage_ids)]
     for stage, model in zip(stages, models):
+        assert hasattr(stage, "_prepare_backward_infra"), "torch.distributed.pipelining renamed its shape inference"
+        stage._prepare_backward_infra = _inferring(stage._prepare_backward_infra)
         counters = [m.stats for m in model.modules() if isinstance(m, MoE)]
         if counters:
             assert hasattr(stage, "_prepare_forward_infra"), "torch.distributed.pipelining renamed its shape inference"
             stage._prepare_forward_infra = _counters_kept(stage._prepare_forward_infra, counters)
     return stages
+
+
+_INFERRING = [0]  # > 0 while a stage learns its gradients' shapes
+
+
+def inferring() -> bool:
+    """Whether the loss function is called by a stage's shape inference (the schedule's first step, and
+    the first after an evaluation), on the first micro-batch's output, not as a micro-batch's loss: a loss
+    that counts its calls (the preference objective's, which hands each its reference) must not count it."""
+    return _INFERRING[0] > 0
+
+
+def _inferring(infer: Callable) -> Callable:
+    def run(*args, **kwargs):
+        _INFERRING[0] += 1
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            _INFERRING[0] -= 1
+    return run
 
 
 def _counters_kept(infer: Callable, counters: list[torch.Tensor]) -> Callable:

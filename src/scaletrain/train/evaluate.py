@@ -109,7 +109,7 @@ def validation_loss(t) -> dict[str, float]:
                         loss = t.token_loss(logits, targets)
                         totals[i] += whole(loss).double()
     finally:
-        _restore_modes(modules, was_training, reshard=t.pm.dp.zero == 3)
+        restore_modes(modules, was_training, reshard=t.pm.dp.zero == 3)
     if t.rt.distributed:
         t.health.enter("the evaluation all-reduce")
         dist.all_reduce(totals)
@@ -120,7 +120,7 @@ def validation_loss(t) -> dict[str, float]:
     return combined(losses, {v.name: v.weight for v in t.data.val_sets})
 
 
-def _restore_modes(modules, was_training: list[bool], *, reshard: bool) -> None:
+def restore_modes(modules, was_training: list[bool], *, reshard: bool) -> None:
     """Put each module back in the mode it was in; under ZeRO-3 free what FSDP gathered for
     the forwards."""
     for m, training in zip(modules, was_training):

@@ -161,8 +161,13 @@ class MetricsLogger:
             text += f"  imbalance {row['moe_imbalance']:.2f}"
             if row.get("moe_dropped"):
                 text += f"  dropped {100 * row['moe_dropped']:.1f}%"
+        if "rewards/accuracies" in row:  # a preference run: the pairs its rewards rank right, and their margin
+            text += f"  acc {100 * row['rewards/accuracies']:.0f}%  margin {row['rewards/margins']:.3f}"
         if "val_loss" in row:
-            text += f"  val_loss {row['val_loss']:.4f}  val_ppl {row['val_ppl']:.2f}"
+            text += f"  val_loss {row['val_loss']:.4f}"
+            text += f"  val_ppl {row['val_ppl']:.2f}" if "val_ppl" in row else ""
+            if "val_rewards/accuracies" in row:
+                text += f"  val_acc {100 * row['val_rewards/accuracies']:.1f}%"
         if self._bar:
             width = 24
             filled = int(width * step / self.total_steps)
@@ -189,8 +194,8 @@ class MetricsLogger:
         evaluated = [r for r in rows if "val_loss" in r]
         if evaluated:
             last = evaluated[-1]
-            table.append(("validation loss",
-                          f"{last['val_loss']:.4f} (ppl {last['val_ppl']:.2f}, step {last['step']})"))
+            ppl = f"ppl {last['val_ppl']:.2f}, " if "val_ppl" in last else ""
+            table.append(("validation loss", f"{last['val_loss']:.4f} ({ppl}step {last['step']})"))
         table += [
             ("wall time", fmt.clock(elapsed)),
             ("tokens/s (mean)", fmt.count(sum(r["tokens_per_s"] for r in steady) / len(steady))),

@@ -42,6 +42,7 @@ from scaletrain.train import run_folder
 from scaletrain.train.evaluate import validation_loss, validation_sets
 from scaletrain.train.health import Health
 from scaletrain.train.metrics import MetricsLogger, StepMeter, announce, perplexity, print_sample, report_state_bytes
+from scaletrain.train.preference import PreferenceObjective, open_preference_data, reference_mode
 from scaletrain.train.run_folder import default_run_dir
 from scaletrain.train.state import TrainState
 
@@ -101,10 +102,11 @@ class Trainer:
         self.precision.configure_backends()
         resume_from = self.folder.find_resume()  # reads only: nothing is written before fit()
         self.layout = rt.layout  # ranks, batch triad (global = micro × accum × dp), engines
+        self.objective: PreferenceObjective | None = None  # train.objective=preference's loss (lm: None)
         self._build_data()
         self._build_model(resume_from)
         # the validation windows (train.eval_every), once the model is known to fit
-        self.data.val_sets = validation_sets(cfg, self.layout.global_batch)
+        self.data.val_sets = validation_sets(cfg, self.layout.global_batch) if self.objective is None else []
         self.state = TrainState()  # before the hooks: fault tolerance heals it from a peer
         self._build_optimizer()
         # the windows drawn from each source so far are logged (one sampler, on every rank alike; after the hooks)
@@ -120,7 +122,7 @@ class Trainer:
         if resume_from is not None:
             self._resume(resume_from)
         # a custom module's FLOPs are not known in detail: 6 per parameter per token (matmuls, no attention)
-        self.meter = StepMeter(rt, tokens_per_step=self.layout.global_batch * cfg.data.seq_len,
+        self.meter = StepMeter(rt, tokens_per_step=self.step_tokens(0),
                                compute_dtype=self.precision.compute_dtype,
                                flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len)
                                if self._custom_model is None else 6 * self.pm.num_params,
@@ -129,8 +131,15 @@ class Trainer:
     def _build_data(self) -> None:
         """Data: order from (seed, step) alone; each data-parallel rank reads its slice."""
         cfg = self.cfg
-        corpus, dataset = open_training_data(cfg.data, parse_mix(cfg.data.mix) if cfg.data.mix else None,
-                                             cfg.model.vocab_size if self._custom_model is None else None)
+        if cfg.train.objective == "preference":
+            if self._custom_model is not None:
+                raise ConfigError("train.objective=preference trains scaletrain's transformer (its loss reads the "
+                                  "logits of each completion); a custom module trains with train.objective=lm")
+            dataset = open_preference_data(cfg.data, cfg.model.vocab_size)
+            corpus = dataset.data.tokens  # its source, tokenizer and fingerprint
+        else:
+            corpus, dataset = open_training_data(cfg.data, parse_mix(cfg.data.mix) if cfg.data.mix else None,
+                                                 cfg.model.vocab_size if self._custom_model is None else None)
         check_data(self.layout, source=corpus.source, loss_mask=getattr(dataset, "mask", None) is not None)
         self.data = RunData(corpus, dataset, dp_rank=self.rt.axis("dp").get_local_rank() if self.rt.distributed else 0,
                             batch_schedule=self.layout.batch_schedule(cfg.data.seq_len))  # train.batch_rampup's
@@ -143,10 +152,26 @@ class Trainer:
         torch.manual_seed(self.cfg.train.seed + self.rt.rank)  # dropout differs per rank; weights do not
         self.pm = self._parallel_model(resume_from)  # weights that do not fit: one line (parallelize)
         self.model = self.pm.dp.model  # forward goes through the data-parallel wrapper
+        if self.cfg.train.objective == "preference":  # its loss, and the reference model it may need
+            self.objective = PreferenceObjective(self, self._reference_model())
+            self._loss_fn = self.objective.micro_loss
         self.pm.schedule(self.layout.pp_schedule, self.layout.grad_accum,  # pipeline parallel: pm.micro_schedule
                          lambda logits, targets: self._loss_fn(logits, targets) * self.loss_factor())
         # a step's micro-batches: through the pipeline schedule at once, or accumulated one by one
         self._micro_batches = self._through_schedule if self.pm.micro_schedule is not None else self._accumulate
+
+    def _reference_model(self):
+        """preference.reference=model: a frozen copy of the starting weights (seed's, or model.init_from's),
+        parallelized exactly like the policy; its forward needs no gradients and it has no optimizer."""
+        if reference_mode(self.cfg) != "model":
+            return None
+        with torch.device("meta"):
+            model = Transformer(self.cfg.model)
+        pm = parallelize(model, self.cfg, self.rt, self.precision,
+                         weights=initial_weights(self.cfg, resuming=False))
+        for module in pm.dp.modules:
+            module.requires_grad_(False)
+        return pm
 
     def _parallel_model(self, resume_from: Path | None):
         cfg = self.cfg
@@ -228,17 +253,20 @@ class Trainer:
 
     def batches(self):
         """This rank's micro-batches (inputs, targets) from this step on: its share of the windows and tokens."""
-        return iter(build_loader(self.data.dataset, self.sampler(self.step), share=self.pm.batch_share,
-                                 num_workers=self.cfg.data.num_workers,
-                                 pin_memory=self.cfg.data.pin_memory and self.rt.device.type == "cuda",
-                                 prefetch_factor=self.cfg.data.prefetch_factor))
+        batches = iter(build_loader(self.data.dataset, self.sampler(self.step), share=self.pm.batch_share,
+                                    num_workers=self.cfg.data.num_workers,
+                                    pin_memory=self.cfg.data.pin_memory and self.rt.device.type == "cuda",
+                                    prefetch_factor=self.cfg.data.prefetch_factor))
+        # a preference run's examples: their ids and reference log-probs go to the loss, (inputs, targets) on
+        return batches if self.objective is None else self.objective.tap(batches)
 
     # ---------------------------------------------------------------------------------------
     # one optimizer step
 
     def train_step(self, batches) -> tuple[torch.Tensor, torch.Tensor, bool, float]:
         """One optimizer step. Returns (loss, grad_norm, skipped, seconds spent waiting for data)."""
-        self.hooks.begin_step(self.loss_factor())
+        self.hooks.begin_step(self.loss_factor() if self.objective is None else  # a loss added inside the model
+                              self.loss_factor() / self.step_tokens())  # (a mixture's): a mean over the tokens
         loss, wait = self.forward_backward(batches)
         grad_norm, skipped = self.update()
         return loss, grad_norm, skipped, wait
@@ -252,7 +280,12 @@ class Trainer:
         # add up over micro-batches and ranks to the mean token loss's; the dp reductions average over ranks, hence
         # the factor dp. Under fp16 unscaling applies dp: backward sees the scale times each token's share.
         scale = self.precision.loss_scale()
-        return (self.layout.dp if scale is None else scale) / self.counted_tokens()
+        return (self.layout.dp if scale is None else scale) / self.loss_divisor()
+
+    def loss_divisor(self) -> int:
+        """What the step's summed losses are divided by: its counted tokens; 1 for a preference run, whose
+        loss divides itself (by the step's pairs; ORPO's NLL by its tokens)."""
+        return self.counted_tokens() if self.objective is None else 1
 
     def counted_tokens(self, step: int | None = None) -> int:
         """Targets counted in a step's global batch: all its tokens, or those its loss mask marks (from the data)."""
@@ -261,13 +294,16 @@ class Trainer:
 
     def step_tokens(self, step: int | None = None) -> int:
         """Tokens of a step's global batch (this step's by default): fewer during a batch-size warm-up."""
-        return self.data.batch_schedule.batch(self.step if step is None else step) * self.cfg.data.seq_len
+        rows = 1 if self.objective is None else self.data.dataset.rows_per_example  # a pair: two sequences
+        return self.data.batch_schedule.batch(self.step if step is None else step) * self.cfg.data.seq_len * rows
 
     def forward_backward(self, batches) -> tuple[torch.Tensor, float]:
         """This step's gradients over its micro-batches; returns (mean token loss, data wait)."""
         self.health.enter("forward/backward")
         loss_sum, wait = self._micro_batches(batches)
-        return loss_sum / self.loss_factor() / self.counted_tokens(), wait
+        if self.objective is not None:  # its reference passes ran as the step's micro-batches were drawn
+            wait = max(0.0, wait - self.objective.take_ref_seconds())
+        return loss_sum / self.loss_factor() / self.loss_divisor(), wait
 
     def _through_schedule(self, batches) -> tuple[torch.Tensor, float]:
         """All micro-batches through the schedule at once; the last stage's losses (the others: 0)."""
@@ -295,8 +331,13 @@ class Trainer:
         return loss_sum, wait
 
     def evaluate(self) -> dict[str, float]:
-        """{"val_loss": ...} over the run's fixed validation windows, "val_loss/NAME" per data.mix source."""
-        return validation_loss(self)
+        """{"val_loss": ...} over the run's fixed validation windows, "val_loss/NAME" per data.mix source
+        (a preference run: the held-out split's loss, rewards, margins and accuracy, val_*)."""
+        return validation_loss(self) if self.objective is None else self.objective.evaluate()
+
+    def _evaluates(self) -> bool:
+        """Whether the run evaluates held-out data (train.eval_every)."""
+        return bool(self.data.val_sets) if self.objective is None else self.objective.val is not None
 
     def update(self) -> tuple[torch.Tensor, bool]:
         """Reduce (and unscale), clip, step, zero: returns (gradient norm before clipping, skipped).
@@ -337,6 +378,9 @@ class Trainer:
             self.folder.take_ownership(st.run_id, st.lineage, st.step, st.resumed_from, self.metrics.info)
             announce(self)
             self.metrics.start_trackers(self.cfg, st.run_id, stopping=lambda: self.health.signals.received is not None)
+            if self.objective is not None:  # preference.reference=precomputed: the pass before the first step
+                self.health.enter("the reference log-probs' pass over the data")
+                self.objective.precompute(self.folder.run_dir)
             result = self._loop()
             if result["stopped_by"] is None and self.cfg.train.sample_tokens:  # a signal now cuts the sample short
                 print_sample(self)
@@ -369,7 +413,7 @@ class Trainer:
             self.health.watch_loss(self.step, loss, skipped)
             self.meter.stepped(wait, self.step_tokens(self.step - 1), self.counted_tokens(self.step - 1))
             val_loss = None
-            if self.data.val_sets and not stop and \
+            if self._evaluates() and not stop and \
                     (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps):
                 with self.meter.paused():  # evaluating is not training: tokens/s leaves it out
                     val_loss = guarded(self.evaluate)
@@ -390,10 +434,14 @@ class Trainer:
                                   self.state.skipped_steps, self.precision.loss_scale())
         row["global_batch"] = self.data.batch_schedule.batch(self.step - 1)  # of the logged step
         row.update(self.hooks.metrics())  # what the techniques measured in it (a mixture's balance)
+        if self.objective is not None:  # the pairs' rewards, margins, accuracy and log-probs
+            row.update(self.objective.metrics())
         if self.data.mix_sampler is not None:  # the share of the windows so far drawn from each source
             row.update(self.data.mix_sampler.shares(self.step, self.data.corpus.names))
         if val_loss is not None:
-            row.update(val_loss=val_loss["val_loss"], val_ppl=perplexity(val_loss["val_loss"]))
+            row.update(val_loss=val_loss["val_loss"])
+            if self.objective is None:
+                row.update(val_ppl=perplexity(val_loss["val_loss"]))
             row.update(val_loss)
         self.health.log_row(row, self.step, self.folder.run_dir / "metrics.jsonl")
         self.meter.new_window()
@@ -408,9 +456,11 @@ class Trainer:
         if stopped is not None:
             self.metrics.info(f"stopped by {signal.Signals(stopped).name} after step {self.step}; "
                               f"checkpoint saved to {last_saved}")
-        spikes = {"loss spikes logged": self.health.spikes} if self.health.spikes else {}
+        extra = {"loss spikes logged": self.health.spikes} if self.health.spikes else {}
+        if self.objective is not None and "val_rewards/accuracies" in self.objective.last_val:
+            extra["held-out preference accuracy"] = f"{self.objective.last_val['val_rewards/accuracies']:.1%}"
         self.metrics.summary({"checkpoint": ckpt.saved_text(last_saved),
-                              "steps skipped (non-finite gradients)": self.state.skipped_steps, **spikes})
+                              "steps skipped (non-finite gradients)": self.state.skipped_steps, **extra})
         return {"losses": losses, "history": self.metrics.history, "step": self.step,
                 "stopped_by": stopped, "checkpoint": str(last_saved) if last_saved else None,
                 "run_dir": str(self.folder.run_dir)}
@@ -428,7 +478,8 @@ class Trainer:
         dist.all_reduce(t)  # every rank's share of the loss; some ranks hold copies of it
         if t[0] > 0 and not fault:
             signals.received = signals.received or signal.SIGTERM
-        return float(t[1]) / self.layout.loss_copies, grad_norm, bool(t[0] > 0)
+        copies = self.layout.loss_copies if self.objective is None else self.objective.copies()
+        return float(t[1]) / copies, grad_norm, bool(t[0] > 0)
 
     def sample(self, prompt: str, new_tokens: int) -> str:
         """Generate from the trained model. Every rank of a sharded model (FSDP, tensor parallel)
