@@ -58,6 +58,8 @@ CC = "tests/plan/test_calibrated_comm.py"
 LO = "tests/model/test_lora.py"
 AE = "tests/trained/test_adapter_export.py"
 QL = "tests/quant/test_qlora.py"
+PT = "tests/objectives/test_preference_training.py"
+PL = "tests/objectives/test_preference_layouts.py"
 HF = "tests/model/test_hf_families.py"
 CH = "tests/data/test_chat.py"
 FT = "tests/parallel/test_fault_tolerance.py"
@@ -655,6 +657,27 @@ MUTANTS = [
            "src/scaletrain/model/families/gemma2.py",
            'norm="rmsnorm", norm_eps=get.float("rms_norm_eps"),', 'norm="rmsnorm", norm_eps=1e-6,',
            (f"{HF}::test_fields_off_their_defaults_are_read_and_give_transformers_logits[gemma2]",)),
+    # preference optimization (issue 49): the objective's loss, its reference and its pairs
+    Mutant("preference-accumulation-divided-twice", "each micro-batch's preference loss divided by the accumulation "
+           "steps as well as by the step's pairs (ms-swift #10117)", "src/scaletrain/objectives/preference.py",
+           "value = part.loss.total / pairs\n", "value = part.loss.total / pairs / self.t.layout.grad_accum\n",
+           (f"{PT}::test_the_step_loss_and_gradients_equal_the_loss_written_out[sigmoid]",)),
+    Mutant("preference-reference-with-adapters-on", "the reference log-probs taken from the policy with its adapters "
+           "on (the reference moves with the policy)", "src/scaletrain/objectives/preference.py",
+           "with adapters_off(self.t.pm.dp.modules):", "with adapters_off([]):",
+           (f"{PT}::test_the_three_reference_modes_give_one_run[sigmoid]",)),
+    Mutant("preference-prompt-counted", "the prompt's tokens counted in each sequence's log-prob (its targets kept)",
+           "src/scaletrain/data/preference_dataset.py",
+           "targets[r, :n] = torch.where(m[1:], s[1:], IGNORE_INDEX)", "targets[r, :n] = s[1:]",
+           (f"{PT}::test_the_step_loss_and_gradients_equal_the_loss_written_out[simpo]",)),
+    Mutant("preference-pairs-halved", "a micro-batch's rows paired as its first half against its second (right "
+           "with one pair a micro-batch only)", "src/scaletrain/objectives/preference.py",
+           "chosen, rejected = sums[0::2], sums[1::2]", "chosen, rejected = sums.view(2, -1)[0], sums.view(2, -1)[1]",
+           (f"{PT}::test_the_step_loss_and_gradients_equal_the_loss_written_out[sigmoid]",)),
+    Mutant("preference-cp-partial-sums", "under context parallelism each rank's loss from its own chunks' log-probs "
+           "(a pair's sequence split across ranks, not summed over them)", "src/scaletrain/objectives/preference.py",
+           "        sums = _SumOver.apply(sums, cp_group)\n", "",
+           (f"{PL}::test_a_layout_trains_like_one_process[cp2-ring]",)),
 ]
 
 

@@ -544,7 +544,7 @@ FLOORS = (
     ("layout", "legality", "optim", "precision"),  # what follows from a config, torch-free where it can be
     ("runtime",),  # the handle of a group of ranks: mesh and axes
     ("parallel",),  # the techniques, composed in parallelize
-    ("train", "plan"),  # the trainer and the planner stand apart (test_import_boundaries)
+    ("train", "objectives", "plan"),  # the trainer and its objectives; the planner apart (test_import_boundaries)
     ("launch", "trained"),  # starting jobs; what is done with a trained model
     ("measure", "verify", "bench"),  # what runs jobs to measure or compare them
     ("cli", "__main__"),  # the front door: one module per verb

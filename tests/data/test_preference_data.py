@@ -244,7 +244,7 @@ def test_a_bad_parquet_row_is_named_by_its_row_and_text_files_are_refused(tmp_pa
 def test_text_training_refuses_preference_data_and_a_corrupt_index_is_caught(tmp_path):
     prepare([write_jsonl(tmp_path / "p.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b"}])], tmp_path / "out",
             preference="pairs")
-    with pytest.raises(DataError, match="holds preference data .prepare --preference., which training does not read"):
+    with pytest.raises(DataError, match="holds preference data .prepare --preference., which language-model training"):
         TokenData.open(tmp_path / "out")
     index = tmp_path / "out" / "index_00000.bin"
     raw = bytearray(index.read_bytes())

@@ -39,6 +39,10 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
                                 base=args.base)
     if args.json:
         print(json.dumps(r, indent=1))
+    elif "val_rewards/accuracies" in r:  # a preference-trained checkpoint
+        print(f"val_loss {r['val_loss']:.4f}  accuracy {100 * r['val_rewards/accuracies']:.1f}%  margin "
+              f"{r['val_rewards/margins']:.4f}  ({r['data']}, {r['split']}: {r['batches']} batch(es) = "
+              f"{r['examples']:,} examples; step {r['step']})")
     else:
         scheme = f"  [quantized: {r['quantized']}]" if r.get("quantized") else \
             f"  [fake-quantized: train.qat={r['fake_quantized']}]" if r.get("fake_quantized") else ""

@@ -126,9 +126,9 @@ class TokenData:
             raise DataError(f"{meta_path}: not valid JSON ({e.msg}); re-run scaletrain prepare") from None
         fmt = meta.get("format") if isinstance(meta, dict) else None
         if fmt == PREFERENCE_FORMAT != expected_format:
-            raise DataError(f"{folder}: holds preference data (prepare --preference), which training does not "
-                            "read yet (preference optimization is not wired into the trainer); give a folder of text "
-                            "or chat data")
+            raise DataError(f"{folder}: holds preference data (prepare --preference), which language-model "
+                            "training does not read; train on it with train.objective=preference, or give a folder "
+                            "of text or chat data")
         if fmt != expected_format:
             raise DataError(f"{meta_path}: not a scaletrain token folder (format {fmt!r}); re-run scaletrain prepare")
         dtype_name = meta.get("dtype")

@@ -32,6 +32,7 @@ from scaletrain.model.flops import flops_per_token
 from scaletrain.model.generate import sample_text
 from scaletrain.model.loss import cross_entropy_sum
 from scaletrain.model.transformer import Transformer
+from scaletrain.objectives.preference import PreferenceObjective, open_preference_data, reference_mode
 from scaletrain.optim import build_optimizer, get_lr, init_optimizer_state, set_lr
 from scaletrain.parallel.parallelize import initial_weights, parallelize, parallelize_module, step_hooks
 from scaletrain.precision import Precision
@@ -42,7 +43,6 @@ from scaletrain.train import run_folder
 from scaletrain.train.evaluate import validation_loss, validation_sets
 from scaletrain.train.health import Health
 from scaletrain.train.metrics import MetricsLogger, StepMeter, announce, perplexity, print_sample, report_state_bytes
-from scaletrain.train.preference import PreferenceObjective, open_preference_data, reference_mode
 from scaletrain.train.run_folder import default_run_dir
 from scaletrain.train.state import TrainState
 
@@ -116,7 +116,8 @@ class Trainer:
                                      enabled=rt.rank == 0, tensorboard=cfg.log.tensorboard, summary=cfg.log.summary,
                                      progress=cfg.log.progress, stream=stream, device_type=rt.device.type)
         self.health = Health(cfg, self.layout, rt, self.metrics, self.state, precision=self.precision,
-                             param_names=self._param_names, custom_loss=self._custom_model is not None)
+                             param_names=self._param_names,
+                             custom_loss=self._custom_model is not None or self.objective is not None)
         self.hooks.enter, self.health.skip_reason = self.health.enter, self.hooks.skip_reason
         self.hooks.say_to(self.metrics.info)  # what a technique sees go wrong (a collapsed router), when it does
         if resume_from is not None:

@@ -67,6 +67,8 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, batches: int 
         pairs = [(None, 1.0, cfg.data.path if data is None else str(data))]
     dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
     model = _model(path, what, base, dev)
+    if cfg.train.objective == "preference":  # its held-out pairs' loss, rewards and accuracy
+        return _preference_result(path, what, model, pairs[0][2], batches, dev)
     losses, weights, parts = {}, {}, []
     for name, weight, data_path in pairs:
         losses[name], held_out, order = _loss_on(model, data_path, what, batches, chunk, dev, report)
@@ -170,6 +172,14 @@ def _loss_on(model, data_path: str, what: _Evaluated, batches: int | None, chunk
             total += cross_entropy_sum(model(inputs.to(dev)), targets.to(dev)).double()
     loss = float(total) / max(1, sum(dataset.counted_tokens(b) for b in order))
     return loss, (tokens, held_out is not None), order
+
+
+def _preference_result(path, what: _Evaluated, model, data_path: str, batches: int | None, dev) -> dict:
+    from scaletrain.trained.preference_eval import evaluate_preference
+
+    r = evaluate_preference(model, what.cfg, data_path, int(what.state["data"]["global_batch"]), batches, dev)
+    return {"checkpoint": str(path), "step": int(what.state["step"]), "data": r["source"], "split": r["split"],
+            "batches": r["batches"], "examples": r["examples"], **r["result"], "device": str(dev)}
 
 
 def _result(path, what: _Evaluated, result: dict, losses: dict, parts: list, dev: torch.device) -> dict:

@@ -1,0 +1,90 @@
+"""Preference training on 2 ranks against one process (issue 49 #4): every step's loss and gradient norm before
+clipping, and the final weights under SGD without clipping (each update the gradient itself), for DPO and SimPO
+under ZeRO-3, tensor parallelism with sequence parallelism, pipeline parallelism, context parallelism, expert
+parallelism on a mixture of experts, adapters (the reference their base) and a precomputed reference — each
+with accumulation (micro-batches of 1 or 2 pairs). A pair's two rows are one example of the sampler: never
+split over micro-batches, ranks or pipeline micro-batches."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scaletrain.bench.preference_task import write_rule_pairs
+from scaletrain.data.prepare import prepare
+from scaletrain.verify import TOLERANCES
+
+from conftest import Lazy, assert_same_run, assert_same_weights, fit_reference, micro_cfg, micro_overrides, run_group
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.usefixtures("forked_launches")]
+
+STEPS = 3
+TOL = TOLERANCES["32-true"]
+WEIGHTS_TOL = 1e-3  # final weights relative to their change over the run (as tests/parallel/test_model_parallel.py)
+SGD = {"optim.name": "sgd", "optim.lr": 0.3, "train.grad_clip": 0.0}
+# 4 untied blocks (pipelining splits them); 6 pairs a step: 3 micro-batches of 2 on one rank
+BASE = {"train.objective": "preference", "train.steps": STEPS, "model.n_layers": 4, "model.tie_embeddings": False,
+        "train.global_batch": 6, "train.micro_batch": 1, **SGD}
+MOE = {"model.moe_experts": 4, "model.moe_aux_loss": 0.01}
+SIMPO = {"preference.loss": "simpo", "preference.beta": 2.0}
+
+LAYOUTS = [
+    ("zero3", {"parallel.dp_shard": 2, "parallel.zero": 3}),
+    ("tp2-sp", {"parallel.tp": 2, "parallel.sp": True}),
+    ("pp2-1f1b", {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}),
+    ("cp2-ring", {"parallel.cp": 2}),
+    ("ep2-zero3-moe", {"parallel.dp_shard": 2, "parallel.zero": 3, "parallel.ep": 2, **MOE}),
+    ("zero3-lora", {"parallel.dp_shard": 2, "parallel.zero": 3, "adapter.kind": "lora"}),
+    ("ddp-precomputed", {"parallel.dp_shard": 2, "preference.reference": "precomputed"}),
+    ("simpo-zero3", {"parallel.dp_shard": 2, "parallel.zero": 3, **SIMPO}),
+    ("simpo-tp2-sp", {"parallel.tp": 2, "parallel.sp": True, **SIMPO}),
+    ("simpo-pp2-gpipe", {"parallel.pp": 2, "parallel.pp_schedule": "gpipe", **SIMPO}),
+    ("simpo-cp2-ulysses", {"parallel.cp": 2, "parallel.cp_method": "ulysses", **SIMPO}),
+    ("simpo-ep2-moe", {"parallel.dp_shard": 2, "parallel.zero": 3, "parallel.ep": 2, **MOE, **SIMPO}),
+]
+NOT_LAYOUT = ("parallel.", "train.micro_batch")
+
+
+def reference_of(extra: dict) -> dict:
+    """The one-process settings of a layout: its model, loss and reference, every pair in one micro-batch."""
+    return {k: v for k, v in extra.items() if not k.startswith(NOT_LAYOUT)}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pairs")
+    rows = write_rule_pairs(root / "rows.jsonl", 60, seed=5)
+    with rows.open("a") as f:  # completions of uneven lengths: rows of a micro-batch differ
+        for i in range(6):
+            f.write(json.dumps({"prompt": "vowels: ", "chosen": "ae" * (1 + i), "rejected": "k" * (3 + i)}) + "\n")
+    prepare([rows], root / "data", preference="pairs")
+    return str(root / "data")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data):
+    tmp = tmp_path_factory.mktemp("pref-mp")
+    jobs = [{"overrides": micro_overrides(tmp / name, **{**BASE, "data.path": data, **extra})}
+            for name, extra in LAYOUTS]
+    code, results, err = run_group(2, jobs, tmp)
+    assert code == 0, err
+    return dict(zip([name for name, _ in LAYOUTS], results, strict=True))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data):
+    tmp = tmp_path_factory.mktemp("pref-one")
+    makers = {}
+    for _, extra in LAYOUTS:
+        key = json.dumps(reference_of(extra), sort_keys=True)
+        makers[key] = lambda key=key: fit_reference(micro_cfg(tmp / str(abs(hash(key))), **{
+            **BASE, "data.path": data, "train.micro_batch": 6, **json.loads(key)}))
+    return Lazy(makers)
+
+
+@pytest.mark.parametrize("name,extra", LAYOUTS, ids=[n for n, _ in LAYOUTS])
+def test_a_layout_trains_like_one_process(runs, reference, name, extra):
+    ref = reference[json.dumps(reference_of(extra), sort_keys=True)]
+    assert_same_run(runs[name]["history"], ref["history"], steps=STEPS, tol=TOL, what=name)
+    assert_same_weights(runs[name]["weights"], ref["weights"], tol=WEIGHTS_TOL, what=name)
