@@ -313,6 +313,18 @@ class PreferenceConfig:
         return self.loss not in REFERENCE_FREE
 
 
+def preference_reference(cfg) -> str:
+    """Where a run's reference log-probs come from: model, adapters or precomputed; "none" for a reference-free
+    loss (simpo, orpo) or a run that is not train.objective=preference. auto = adapters under adapter fine-tuning,
+    else model."""
+    p = cfg.preference
+    if cfg.train.objective != "preference" or not p.needs_reference:
+        return "none"
+    if p.reference == "auto":
+        return "adapters" if cfg.adapter.kind != "none" else "model"
+    return p.reference
+
+
 def check_preference(p: PreferenceConfig) -> list[str]:
     errors = []
     if p.beta <= 0:

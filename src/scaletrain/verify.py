@@ -39,7 +39,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from scaletrain.config import FaultToleranceConfig, JobConfig, ParallelConfig, flat_keys, from_dict, load_config
+from scaletrain.config import (
+    FaultToleranceConfig,
+    JobConfig,
+    ParallelConfig,
+    flat_keys,
+    from_dict,
+    load_config,
+    preference_reference,
+)
 from scaletrain.errors import ConfigError
 from scaletrain.launch.ranks import quiet, read_spec
 from scaletrain.layout import Layout
@@ -165,11 +173,13 @@ def choose_reference(cfg: JobConfig, world: int, device, device_memory_gib: floa
         if device_memory_gib <= 0:
             raise ConfigError(f"--device-memory must be positive (GiB), got {device_memory_gib:g}")
         hw = dataclasses.replace(hw, memory_GB=device_memory_gib * GiB / 1e9)
-    wl = Workload(seq_len=cfg.data.seq_len, global_batch=g, precision=cfg.precision.mode, optimizer=cfg.optim.name)
+    rows = 2 if cfg.train.objective == "preference" else 1  # a preference pair: two sequences
+    wl = Workload(seq_len=cfg.data.seq_len, global_batch=g * rows, precision=cfg.precision.mode,
+                  optimizer=cfg.optim.name, objective=cfg.train.objective, reference=preference_reference(cfg))
     gpu = device.type == "cuda"
     # the same global batch in micro-batches of the same size: accumulation makes up for the ranks
     one_process = Layout(micro_batch=m, grad_accum=g // m, activation_checkpointing=ac)
-    one = evaluate(cfg.model, wl, Cluster(hw, 1, 1), one_process, gpu=gpu)
+    one = evaluate(cfg.model, wl, Cluster(hw, 1, 1), in_sequences(one_process, rows), gpu=gpu)
     cap, need = _size(hw.memory_bytes), _size(one.memory.total)
     if one.fits:
         return reference(cfg, one_process, f"1 process (the planner puts it at {need} of the device's {cap})")
@@ -179,7 +189,7 @@ def choose_reference(cfg: JobConfig, world: int, device, device_memory_gib: floa
         mb = max(d for d in range(1, min(m, g // n) + 1) if (g // n) % d == 0)
         for ac_n in dict.fromkeys((ac, "full")):
             lay = Layout(dp_shard=n, zero=3, micro_batch=mb, grad_accum=g // n // mb, activation_checkpointing=ac_n)
-            ev = evaluate(cfg.model, wl, Cluster(hw, 1, n), lay, gpu=gpu)
+            ev = evaluate(cfg.model, wl, Cluster(hw, 1, n), in_sequences(lay, rows), gpu=gpu)
             if ev.fits:
                 return reference(cfg, lay, f"ZeRO-3 over {n} ranks ({lay.describe()}, {_size(ev.memory.total)} per "
                                            f"rank), the simplest layout that fits: one process does not (the planner "
@@ -187,6 +197,11 @@ def choose_reference(cfg: JobConfig, world: int, device, device_memory_gib: floa
     raise ConfigError(f"no reference fits: one process needs {need} (the device has {cap}) "
                       f"and ZeRO-3 over up to {world} ranks does not fit either; verify a smaller model of the same "
                       "shape (fewer layers), or give --device-memory if the planner's figure is wrong")
+
+
+def in_sequences(layout: Layout, rows: int) -> Layout:
+    """A layout whose micro-batch counts examples as the planner counts sequences (a preference pair: 2)."""
+    return dataclasses.replace(layout, micro_batch=layout.micro_batch * rows)
 
 
 def _size(n: float) -> str:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from scaletrain.atomic import replacing
+from scaletrain.config import preference_reference
 from scaletrain.data.dataset import IGNORE_INDEX
 from scaletrain.data.loader import rank_slices, validation_batches
 from scaletrain.data.preference_dataset import PreferenceData, PreferenceWindows
@@ -51,12 +52,7 @@ REFERENCE_FILE = "reference_logps.pt"  # precomputed: the starting policy's log-
 
 def reference_mode(cfg) -> str:
     """Where the run's reference log-probs come from ("none" for the reference-free losses)."""
-    p = cfg.preference
-    if not p.needs_reference:
-        return "none"
-    if p.reference == "auto":
-        return "adapters" if cfg.adapter.kind != "none" else "model"
-    return p.reference
+    return preference_reference(cfg)
 
 
 def open_preference_data(data_cfg, vocab_size: int | None, split: str = "train") -> PreferenceWindows | None:

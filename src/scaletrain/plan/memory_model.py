@@ -139,6 +139,11 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
             extra_grads = cfg.vocab_size * cfg.dim * (1 - 1 / layout.tp) * d.grad
         out = model_state_memory(counts, wl, layout, extra_grads=extra_grads, sh=sh)
     out.stage = pp_rank
+    if wl.reference == "model":  # a frozen copy of the starting weights, sharded like the policy's parameters
+        reference = model_state_memory(rank_params(cfg, layout, pp_rank), wl, layout, sh=sh).params
+        out.params += reference
+        out.notes.append(f"preference.reference=model: the reference's weights, {reference / GiB:.2f} GiB on this rank "
+                         "(no gradients or optimizer state), are in the parameters")
 
     # activations: per micro-batch on this rank's layers (dense and mixture-of-experts blocks),
     # times the micro-batches in flight

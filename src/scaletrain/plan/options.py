@@ -18,7 +18,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from scaletrain.config import JobConfig, from_dict, option_fields, parse_override_args, read_config_file
+from scaletrain.config import (
+    JobConfig,
+    from_dict,
+    option_fields,
+    parse_override_args,
+    preference_reference,
+    read_config_file,
+)
 from scaletrain.errors import ConfigError
 from scaletrain.layout import Layout
 from scaletrain.options import coerce
@@ -223,6 +230,11 @@ def read_request(model: Any, config: str | None, aliases: Mapping[str, Any], ext
     layout = {key: _value(cfg, key) for key in LAYOUT_KEYS if key in given}
     if not workload["global_batch"]:  # 0: micro_batch × grad_accum × dp, as the config derives it here
         workload["global_batch"] = derive_layout(layout, world, 0).global_batch
+    if cfg.train.objective == "preference":  # a pair is two sequences, chosen and rejected, in one micro-batch
+        workload["global_batch"] *= 2
+        if layout.get("train.micro_batch"):
+            layout["train.micro_batch"] *= 2
+        workload["reference"], workload["objective"] = preference_reference(cfg), "preference"
     sync = {field: _value(cfg, key) for key, field in SYNC_KEYS.items()}
     return Request(model, cfg, workload, layout or None, overrides, sync)
 

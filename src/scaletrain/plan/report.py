@@ -85,7 +85,7 @@ def table(result: dict) -> str:
         (f" ({param_count(active, total)} active)" if result["cfg"] is not None and result["cfg"].moe_experts else "")
     lines = [f"model {result['model_name']}: {params}; "
              f"{cl.nodes} × {cl.gpus_per_node} × {cl.hardware.name} ({cl.hardware.memory_bytes / GiB:.1f} GiB each); "
-             f"sequence {wl.seq_len}, global batch {wl.global_batch}, {wl.precision}, {wl.optimizer}"
+             f"sequence {wl.seq_len}, global batch {wl.global_batch}{wl.batch_note}, {wl.precision}, {wl.optimizer}"
              + _how_trained(wl, result.get("cfg"))]
     if result.get("stats"):
         s = result["stats"]
@@ -131,7 +131,8 @@ def breakdown(e: Evaluated) -> str:
                      ("pipeline sends (exposed)", t.pp_comm_s), ("pipeline bubble", t.bubble_s),
                      ("data-parallel comm" if not engine else "engine (dp, optimizer)", t.dp_comm_s),
                      ("  of which exposed", t.dp_exposed_s),
-                     ("optimizer step", t.optimizer_s)):
+                     ("optimizer step", t.optimizer_s),
+                     *((("reference forward", t.reference_s),) if t.reference_s else ())):
         lines.append(f"  {label:<26}{1e3 * v:>9.1f} ms")
     lines.append(f"  {'step':<26}{1e3 * t.step_time_s:>9.1f} ms  → {t.tokens_per_s:,.0f} tokens/s, "
                  f"MFU {100 * t.mfu:.1f}% ({t.model_flops / 1e12:,.0f} model TFLOP, "

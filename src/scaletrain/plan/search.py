@@ -67,6 +67,9 @@ def layout_errors(cfg: ModelConfig, wl: Workload, cluster: Cluster, layout: Layo
         e.append(f"tp {layout.tp} would cross nodes ({cluster.gpus_per_node} GPUs per node)")
     # the one legality check: the rules `train` applies to this layout, model and techniques
     e += job_errors(layout, cfg, wl.techniques, seq_len=wl.seq_len, engine=wl.engine)
+    if layout.micro_batch % wl.rows_per_example:
+        e.append(f"micro-batch {layout.micro_batch} sequences would split a preference pair (chosen and rejected "
+                 "share a micro-batch): an even number of sequences")
     if layout.global_batch != wl.global_batch:
         e.append(f"micro-batch {layout.micro_batch} × accumulation {layout.grad_accum} × dp {layout.dp} "
                  f"≠ global batch {wl.global_batch}")
@@ -123,6 +126,8 @@ def _layouts(cfg, wl, cluster, cp, max_micro_batch, offload, sync=None):
                     for mb in _divisors(per_rank):
                         if mb > max_micro_batch:
                             break
+                        if mb % wl.rows_per_example:  # a preference pair's two sequences share a micro-batch
+                            continue
                         accum = per_rank // mb
                         for schedule, virtual in _schedules(cfg, pp, accum):
                             for ac in AC_MODES:

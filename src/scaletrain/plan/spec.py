@@ -47,6 +47,26 @@ class Workload:
     base_dtype: str = "auto"
     qat: str = "none"  # train.qat: fake-quantized linears (what they allow: scaletrain.legality)
     document_mask: bool = False  # data.document_mask: pp and cp cannot find a window's documents
+    # train.objective=preference: where the reference log-probs come from (scaletrain.config.preference_reference):
+    # model = a frozen copy sharded like the policy (its weights' memory, a forward a step), adapters = the policy
+    # with its adapters off (a forward a step), precomputed = a pass before training, none = no reference
+    reference: str = "none"
+    objective: str = "lm"  # train.objective: preference counts two sequences a pair in global_batch
+
+    @property
+    def rows_per_example(self) -> int:
+        """Sequences of one training example: a preference pair's two, else one."""
+        return 2 if self.objective == "preference" else 1
+
+    @property
+    def batch_note(self) -> str:
+        """What the global batch's sequences are, where it is not plain sequences."""
+        if self.objective != "preference":
+            return ""
+        ref = {"none": "no reference", "precomputed": "reference precomputed before training",
+               "model": "reference: a frozen copy, a forward a step", "adapters": "reference: adapters off, a forward "
+               "a step"}[self.reference]
+        return f" sequences ({self.global_batch // 2} preference pairs; {ref})"
 
     def __post_init__(self):
         errors = []
@@ -71,6 +91,8 @@ class Workload:
             errors.append(f"attention {self.attention!r} is not one of {', '.join(ATTENTION)}")
         if not self.moe_imbalance >= 1.0:
             errors.append(f"--moe-imbalance is max / mean tokens per expert, at least 1; got {self.moe_imbalance:g}")
+        if self.reference not in ("none", "model", "adapters", "precomputed"):
+            errors.append(f"reference {self.reference!r} is not one of none, model, adapters, precomputed")
         if self.seq_len < 1 or self.global_batch < 1:
             errors.append("sequence length and global batch must be at least 1")
         if errors:

@@ -112,6 +112,7 @@ class TimeBreakdown:
     hardware_flops: float
     bubble_fraction: float
     cp_comm_s: float = 0.0  # exposed context-parallel exchange (cp_traffic)
+    reference_s: float = 0.0  # a preference run's reference forward (model, adapters): in step_time_s
     ep_comm_s: float = 0.0  # expert parallelism's all-to-alls (ep_traffic), on the critical path
     calibrated: bool = False  # from this machine's calibration (tp collectives inside compute_s), not the catalog
 
@@ -377,11 +378,16 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
 
     busy = compute + tp_comm + cp_comm + pp_comm + ep_comm
     step = busy * (1.0 + bubble) + dp_exposed + optimizer
+    reference = 0.0
+    if wl.reference in ("model", "adapters"):  # the reference's forward: a third of a forward and backward's work
+        reference = busy * (1.0 + bubble) / 3.0 + (dp_comm / 3.0 if layout.zero == 3 else 0.0)  # ZeRO-3: its gathers
+        step += reference
+        hardware_flops += model_flops / 3.0
     return TimeBreakdown(
         compute_s=compute, tp_comm_s=tp_comm, cp_comm_s=cp_comm, ep_comm_s=ep_comm, pp_comm_s=pp_comm,
         dp_comm_s=dp_comm, dp_exposed_s=dp_exposed, bubble_s=busy * bubble, optimizer_s=optimizer, step_time_s=step,
         tokens_per_s=tokens / step, mfu=model_flops / (step * peak * world), model_flops=model_flops,
-        hardware_flops=hardware_flops, bubble_fraction=bubble)
+        hardware_flops=hardware_flops, bubble_fraction=bubble, reference_s=reference)
 
 
 def state_groups(layout: Layout, counts: ParamCounts, engine: str = "scaletrain") -> list[tuple[Layout, ParamCounts]]:
