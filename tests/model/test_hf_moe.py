@@ -240,8 +240,11 @@ def test_projection_qk_norm_options_are_checked():
     with pytest.raises(ConfigError, match="model.qk_norm_scope=projection says what the q/k norms cover, but "
                                           "model.qk_norm=false"):
         load_config(None, {"model.qk_norm_scope": "projection"})
-    olmoe = ModelConfig(qk_norm=True, qk_norm_scope="projection")
-    assert any("model.qk_norm_scope=projection normalises all of them together" in e for e in tp_errors(olmoe, 2))
+    olmoe = ModelConfig(qk_norm=True, qk_norm_scope="projection", n_heads=4, n_kv_heads=2)
+    assert tp_errors(olmoe, 2) == []  # the sum of squares over the tp ranks (tests/parallel/test_window_parallel.py)
+    (line,) = tp_errors(olmoe, 4)
+    assert line == ("parallel.tp=4 is more than the 2 key/value heads, which then sit whole on every rank, but model."
+                    "qk_norm_scope=projection normalises the key projection across the tp ranks; use tp at most 2")
     assert tp_errors(ModelConfig(qk_norm=True), 2) == []
 
 

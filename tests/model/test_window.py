@@ -122,3 +122,53 @@ def test_the_masks_are_transformers_masks(size):
         zero = torch.tensor(0)
         expected = [[bool(theirs(zero, zero, torch.tensor(i), torch.tensor(j))) for j in range(T)] for i in range(T)]
         assert window.allows(pos, pos).tolist() == expected
+
+
+def test_the_planners_attention_flops_time_and_memory_follow_the_window():
+    """FLOPs per token by hand (a local block counts its window's keys, a global one the sequence);
+    the predicted compute of a model whose every block slides stays the same per token however
+    long the sequence (the tiles' keys, 2·window - 1, do not grow with it) where the plain model's
+    grows; the saved softmax of eager attention holds a tile's keys, not the sequence's."""
+    import dataclasses
+
+    from scaletrain.config import ModelConfig
+    from scaletrain.hardware import lookup
+    from scaletrain.model.flops import flops_per_token, matmul_params
+    from scaletrain.plan.activations import layer_activation_bytes
+    from scaletrain.plan.spec import Cluster, Layout, Workload
+    from scaletrain.plan.time_model import compute_seconds
+
+    gemma = ModelConfig(dim=256, n_layers=4, n_heads=4, position="rope", sliding_window=100, global_every=2)
+    plain = dataclasses.replace(gemma, sliding_window=0, global_every=0)
+    assert flops_per_token(gemma, 1000) == 6 * matmul_params(gemma) + 12 * 256 * (2 * 100 + 2 * 1000)
+    assert flops_per_token(gemma, 100) == flops_per_token(plain, 100)  # a window the sequence fits in
+    chunked = dataclasses.replace(plain, attn_chunk=300)
+    assert flops_per_token(chunked, 1000) == 6 * matmul_params(plain) + 12 * 256 * 4 * 300
+
+    sliding = dataclasses.replace(plain, sliding_window=512)
+    cluster = Cluster(lookup("H100-SXM"), 1, 8)
+
+    def per_token(cfg, seq_len, micro_batch):  # the same tokens per micro-batch at either length
+        layout = Layout(micro_batch=micro_batch, grad_accum=1)
+        return compute_seconds(cfg, Workload(seq_len=seq_len, global_batch=micro_batch), layout, cluster, 4, False)
+
+    assert per_token(sliding, 4096, 4) == pytest.approx(per_token(sliding, 8192, 2), rel=1e-12)
+    assert per_token(plain, 8192, 2) > 1.2 * per_token(plain, 4096, 4)
+
+    wl = Workload(seq_len=4096, global_batch=1, precision="bf16-true", attention="eager")
+    saved = {cfg: layer_activation_bytes(cfg, wl, 1, 1, False, "none") for cfg in (sliding, plain)}
+    assert saved[plain] - saved[sliding] == 1 * 4 * 4096 * (4096 - (2 * 512 - 1)) * 2  # b·heads·T·(T - keys)·bf16
+
+
+def test_chunked_attention_is_checked_and_not_exported():
+    from scaletrain.config import ModelConfig
+    from scaletrain.model.hf_config import hf_family
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {"model.sliding_window": 8, "model.attn_chunk": 8})
+    assert e.value.lines == ["model.sliding_window=8 and model.attn_chunk=8 are two kinds of local attention; set "
+                             "one of them"]
+    assert load_config(None, {"model.attn_chunk": 8, "model.global_every": 4}).model.attn_chunk == 8
+    with pytest.raises(ConfigError, match=r"chunked attention \(model.attn_chunk\) is Llama 4's, a family scaletrain "
+                                          "does not export"):
+        hf_family(ModelConfig(position="rope", norm="rmsnorm", activation="swiglu", attn_chunk=8))

@@ -86,3 +86,19 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: W
             allowed = mask[:, :, start:stop, first:stop] & allowed
         out.append(kernel(q[:, :, start:stop], k[:, :, first:stop], v[:, :, first:stop], allowed, False))
     return torch.cat(out, dim=2)  # (B, H, T, D)
+
+
+def key_span(cfg: ModelConfig, seq_len: int, index: int, *, kernel: bool = False) -> int:
+    """The keys each query of block `index` is counted against, in sequences of `seq_len`: the whole
+    sequence (causal attention counted unhalved, as PaLM counts its FLOPs), or the window's size;
+    with `kernel`, the keys the tiled kernel scores and keeps (a sliding tile's rows see up to
+    2·size - 1 keys together; a chunked tile, its chunk)."""
+    window = block_window(cfg, index)
+    if window is None or seq_len <= window.size:
+        return seq_len
+    return min(seq_len, 2 * window.size - 1) if kernel and not window.chunked else window.size
+
+
+def mean_key_span(cfg: ModelConfig, seq_len: int, *, kernel: bool = False) -> float:
+    """key_span averaged over the model's blocks (the planner's layers are alike)."""
+    return sum(key_span(cfg, seq_len, i, kernel=kernel) for i in range(cfg.n_layers)) / cfg.n_layers
