@@ -87,6 +87,10 @@ def attention_by_hand(q, k, v, mask, causal, softcap, scale_dim, window=None):
 @given(attention_cases())
 @example((torch.ones(1, 1, 1, 1) * 30, torch.ones(1, 1, 3, 1) * 30, torch.arange(3.0).view(1, 1, 3, 1), None, False,
           0.3, 0, None))  # scores of 900 capped to 0.3: the three keys weigh alike
+@example((torch.randn(1, 2, 7, 4, generator=torch.Generator().manual_seed(3)),
+          torch.randn(1, 1, 7, 4, generator=torch.Generator().manual_seed(4)),
+          torch.randn(1, 1, 7, 4, generator=torch.Generator().manual_seed(5)),
+          torch.ones(1, 1, 7, 7, dtype=torch.bool).tril(), False, 0.0, 0, Window(3)))  # a document mask, 3 tiles
 def test_attention_is_the_softmax_of_the_capped_scores_over_the_keys_each_query_sees(case):
     q, k, v, mask, causal, softcap, scale_dim, window = case
     cfg = ModelConfig(dim=8, n_layers=1, n_heads=1, attn_softcap=softcap, attn_scale_dim=scale_dim)

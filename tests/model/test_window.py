@@ -97,6 +97,23 @@ def test_logits_and_generation_past_the_window_match_transformers(name, tmp_path
     assert local and all(cache.positions_held(n) == WINDOW - 1 for n in local)
 
 
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_packed_documents_past_the_window_give_each_documents_own_logits(name, tmp_path):
+    """Documents packed in one sequence (data.document_mask), each longer than the window: the
+    logits at each document's positions are transformers' on that document alone."""
+    hf = make_hf(name, tmp_path)
+    cfg = load_config(None, {"model.from_hf": str(tmp_path), "data.seq_len": 32}).model
+    ours = Transformer(cfg, separator=3)
+    ours.load_state_dict(ours_from(tmp_path, 32).state_dict())
+    g = torch.Generator().manual_seed(4)
+    docs = [torch.randint(4, 128, (1, n), generator=g) for n in (2 * WINDOW + 5, 3 * WINDOW - 2)]
+    docs[0][0, -1] = 3  # the separator ends the first document
+    with torch.no_grad():
+        mine = ours.eval()(torch.cat(docs, dim=1))
+        ref = torch.cat([hf(d).logits for d in docs], dim=1)
+    assert (mine - ref).abs().max() <= TOL
+
+
 def test_a_qwen2_that_slides_some_layers_only_is_refused_in_one_line(tmp_path):
     make_hf("qwen2", tmp_path, max_window_layers=1)
     with pytest.raises(ConfigError) as e:
