@@ -701,7 +701,7 @@ MUTANTS = [
     Mutant("tp-projection-norm-not-summed", "OLMo 2's q/k norms under tp take each rank's columns as the whole "
            "projection (no sum of squares over tp)", "src/scaletrain/parallel/tensor_parallel.py",
            "[Shard(args[0].dim() - 1)]", "[Replicate()]",
-           (f"{WINDOW_PARITY}[2ranks]",
+           (f"{WP}::test_olmo2_under_tp_gives_transformers_logits", f"{WINDOW_PARITY}[2ranks]",
             f"{HF}::test_imported_families_train_alike_under_zero3_tp_and_pp")),
     Mutant("planner-attention-ignores-the-window", "the FLOPs per token count every block's keys as the whole "
            "sequence", "src/scaletrain/model/flops.py",

@@ -68,8 +68,8 @@ def ours_from(folder, seq_len: int) -> Transformer:
 def test_logits_and_generation_past_the_window_match_transformers(name, tmp_path):
     """At 2, 3 and 4 windows (and lengths between), logits within 1e-5 of transformers' in fp32;
     and greedy generation from a prompt longer than the window, through our cache, picks the
-    tokens transformers' model picks on the whole sequence (its own generate differs from that for
-    Phi-3, whose cache keeps a window one shorter than its mask)."""
+    tokens transformers' model picks on the whole sequence each step (not its `generate`, which
+    stops at an end-of-sequence token: Phi-3's is 2, inside the tiny vocabulary)."""
     hf = make_hf(name, tmp_path)
     ours = ours_from(tmp_path, seq_len=4 * WINDOW)
     assert ours.cfg.sliding_window == WINDOW

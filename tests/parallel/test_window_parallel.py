@@ -53,6 +53,52 @@ def test_windowed_models_train_alike_under_cp_tp_and_pp(tmp_path, ranks, layouts
         assert_same_weights(result["weights"], refs[name]["weights"], tol=1e-3, what=f"{name} {layout}")
 
 
+def full_logits(trainer):
+    """dist_worker's probe: the model's logits over the whole vocabulary on fixed tokens, at the
+    weights the run starts from (taken now, before training)."""
+    import torch
+
+    from scaletrain.parallel.tensor_parallel import whole
+
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        logits = whole(trainer.model.eval()(tokens)).tolist()
+    trainer.model.train()
+    return lambda: logits
+
+
+def test_olmo2_under_tp_gives_transformers_logits(tmp_path):
+    """OLMo 2 imported (its q/k norms over the whole projections), split over tp 2 (and with
+    sequence parallelism): the sharded model's logits, gathered, are transformers' within 1e-5."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Olmo2Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():  # norms off their init: a norm computed over the wrong span must show
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.add_(0.2 * torch.randn_like(p))
+    hf.eval().save_pretrained(tmp_path / "hf")
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+    run = {"model.from_hf": str(tmp_path / "hf"), "model.init_from": str(tmp_path / "hf"), "model.max_seq_len": 64,
+           "train.steps": 1, "train.global_batch": 2, "train.micro_batch": 2}
+    layouts = {"tp2": {"parallel.tp": 2}, "tp2-sp": {"parallel.tp": 2, "parallel.sp": True}}
+    jobs = [{"overrides": {k: v for k, v in micro_overrides(tmp_path / name, **run, **extra).items()
+                           if not k.startswith(("model.dim", "model.n_"))},
+             "probe": "test_window_parallel:full_logits"} for name, extra in layouts.items()]
+    code, results, err = run_group(2, jobs, tmp_path)
+    assert code == 0, err
+    for name, result in zip(layouts, results, strict=True):
+        mine = torch.tensor(result["ranks"][0]["probe"])
+        assert mine.shape == ref.shape and ref.abs().max() > 0.1
+        assert (mine - ref).abs().max() <= 1e-5, (name, (mine - ref).abs().max())
+
+
 def _toml(values: dict) -> str:
     sections: dict[str, list[str]] = {}
     for key, value in values.items():
