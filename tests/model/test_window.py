@@ -189,3 +189,21 @@ def test_chunked_attention_is_checked_and_not_exported():
     with pytest.raises(ConfigError, match=r"chunked attention \(model.attn_chunk\) is Llama 4's, a family scaletrain "
                                           "does not export"):
         hf_family(ModelConfig(position="rope", norm="rmsnorm", activation="swiglu", attn_chunk=8))
+
+
+def test_reading_a_config_and_counting_flops_load_no_torch():
+    """scaletrain.model imports the transformer (torch) only when asked for it (model/__init__.py);
+    the FLOP count now reads the window's spans, whose module keeps torch to its kernel."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import scaletrain
+
+    code = ("import sys, scaletrain.config, scaletrain.model, scaletrain.model.window, scaletrain.model.flops; "
+            "assert 'torch' not in sys.modules, 'torch loaded'")
+    tree = str(Path(scaletrain.__file__).parents[1])  # this tree's package, not an installed one
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": tree})
+    assert r.returncode == 0, r.stderr

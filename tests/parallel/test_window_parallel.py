@@ -13,7 +13,7 @@ from scaletrain import cli
 
 from conftest import MICRO, assert_same_run, assert_same_weights, fit_reference, micro_cfg, micro_overrides, run_group
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+pytestmark = pytest.mark.multiproc
 
 # SGD without clipping: each update is the gradient itself, so a gradient that misses a rank's share
 # shows in the final weights
@@ -40,6 +40,7 @@ FOUR = {"sliding": {"cp4-ring": {"parallel.cp": 4, "parallel.cp_method": "ring"}
         "olmo2-shaped": {"tp4-sp": {"parallel.tp": 4, "parallel.sp": True}}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks,layouts", [(2, TWO), (4, FOUR)], ids=["2ranks", "4ranks"])
 def test_windowed_models_train_alike_under_cp_tp_and_pp(tmp_path, ranks, layouts):
     refs = {name: fit_reference(micro_cfg(tmp_path / name / "one", **{**BASE, **MODELS[name]})) for name in layouts}

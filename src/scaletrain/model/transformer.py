@@ -19,6 +19,10 @@ including the next one, and positions (rotary and learned) restart at each docum
 token, as Hugging Face's packing with position_ids does. The mask is an explicit boolean one
 through scaled_dot_product_attention (exact on CPU and GPU); generation with the key/value cache
 does not use it.
+
+Local attention (model.sliding_window, model.attn_chunk; with model.global_every, in some blocks
+only): each such block's Attention holds its Window, and attention, its key/value cache and
+context parallelism's methods all ask the window's one rule (model/window.py).
 """
 
 from __future__ import annotations

@@ -19,10 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from scaletrain.model.config import ModelConfig
+
+if TYPE_CHECKING:  # (torch is imported where the kernel runs: reading a config, or the FLOPs, must not load it)
+    import torch
+
+    Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -63,15 +67,14 @@ def causal_allows(window: Window | None, q_pos: torch.Tensor, k_pos: torch.Tenso
     return window.allows(q_pos, k_pos)
 
 
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool], torch.Tensor]
-
-
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Window, mask: torch.Tensor | None,
                     kernel: Kernel) -> torch.Tensor:
     """Causal attention within `window` of q (B, H, T, D) over k, v (B, Hkv, T, D) of the same T
     positions 0..T-1, and-ed with `mask` (B, 1, T, T) bool if given (packed documents).
     `kernel(q, k, v, mask, causal)` computes attention over the keys it is given; it is called once
     per tile of `window.size` query rows, with the keys the tile's rows may see."""
+    import torch
+
     T = q.shape[2]
     assert k.shape[2] == T, "local attention takes the keys of the queries' own positions"
     if T <= window.size:  # no query reaches past the window: plain causal attention
