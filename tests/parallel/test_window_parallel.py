@@ -1,7 +1,9 @@
 """Sliding-window and chunked attention (model/window.py) under every layout that splits attention:
 context parallelism (ring, allgather, Ulysses; cp 4 makes ring skip blocks the window excludes
 whole), tensor parallelism (with sequence parallelism) and pipeline parallelism train like one
-process, step by step, on sequences several windows long; and `scaletrain verify` passes them.
+process, step by step, on sequences several windows long (models made here, and a Mistral
+imported from transformers, whose one-process logits tests/model/test_window.py holds to
+transformers'); and `scaletrain verify` passes them.
 OLMo 2's q/k norms over the whole projections (qk_norm_scope=projection) under tensor parallelism
 (the sum of squares over the tp ranks) likewise."""
 
@@ -10,8 +12,9 @@ from __future__ import annotations
 import pytest
 
 from scaletrain import cli
+from scaletrain.config import load_config
 
-from conftest import MICRO, assert_same_run, assert_same_weights, fit_reference, micro_cfg, micro_overrides, run_group
+from conftest import MICRO, assert_same_run, assert_same_weights, fit_reference, micro_overrides, run_group
 
 pytestmark = pytest.mark.multiproc
 
@@ -34,7 +37,9 @@ CP = {f"cp2-{m}": {"parallel.cp": 2, "parallel.cp_method": m} for m in ("ring", 
 TP = {"tp2": {"parallel.tp": 2}, "tp2-sp": {"parallel.tp": 2, "parallel.sp": True}}
 PP = {"pp2": {"parallel.pp": 2}}
 TWO = {"sliding": {**CP, **TP, **PP}, "chunked": {**CP, "tp2": TP["tp2"], **PP},
-       "sliding-capped-global": {"tp2": TP["tp2"], **PP}, "olmo2-shaped": {**TP, **PP, "cp2-ring": CP["cp2-ring"]}}
+       "sliding-capped-global": {"tp2": TP["tp2"], **PP}, "olmo2-shaped": {**TP, **PP, "cp2-ring": CP["cp2-ring"]},
+       "mistral-imported": {"cp2-ring": CP["cp2-ring"], "cp2-ulysses": CP["cp2-ulysses"], "tp2-sp": TP["tp2-sp"],
+                            **PP}}
 FOUR = {"sliding": {"cp4-ring": {"parallel.cp": 4, "parallel.cp_method": "ring"},
                     "cp2xtp2-allgather": {"parallel.cp": 2, "parallel.tp": 2, "parallel.cp_method": "allgather"}},
         "olmo2-shaped": {"tp4-sp": {"parallel.tp": 4, "parallel.sp": True}}}
@@ -43,15 +48,36 @@ FOUR = {"sliding": {"cp4-ring": {"parallel.cp": 4, "parallel.cp_method": "ring"}
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks,layouts", [(2, TWO), (4, FOUR)], ids=["2ranks", "4ranks"])
 def test_windowed_models_train_alike_under_cp_tp_and_pp(tmp_path, ranks, layouts):
-    refs = {name: fit_reference(micro_cfg(tmp_path / name / "one", **{**BASE, **MODELS[name]})) for name in layouts}
+    models = {**MODELS, "mistral-imported": imported_mistral(tmp_path / "mistral-hf")}
+
+    def overrides(run_dir, name, extra):
+        values = micro_overrides(run_dir, **{**BASE, **models[name], **extra})
+        if "model.from_hf" in models[name]:  # the shape is the checkpoint's
+            values = {k: v for k, v in values.items() if not k.startswith(("model.dim", "model.n_"))}
+        return values
+
+    refs = {name: fit_reference(load_config(None, overrides(tmp_path / name / "one", name, {}))) for name in layouts}
     cases = [(name, layout, extra) for name, by_layout in layouts.items() for layout, extra in by_layout.items()]
-    jobs = [{"overrides": micro_overrides(tmp_path / name / layout, **{**BASE, **MODELS[name], **extra})}
-            for name, layout, extra in cases]
+    jobs = [{"overrides": overrides(tmp_path / name / layout, name, extra)} for name, layout, extra in cases]
     code, results, err = run_group(ranks, jobs, tmp_path)
     assert code == 0, err
     for (name, layout, _), result in zip(cases, results, strict=True):
         assert_same_run(result["history"], refs[name]["history"], steps=3, what=f"{name} {layout}")
         assert_same_weights(result["weights"], refs[name]["weights"], tol=1e-3, what=f"{name} {layout}")
+
+
+def imported_mistral(folder) -> dict:
+    """A tiny Mistral made by transformers (window 7 under sequences of 32), saved to `folder`:
+    the options that import its shape and start from its weights."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        sliding_window=7)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return {"model.from_hf": str(folder), "model.init_from": str(folder), "model.max_seq_len": 64}
 
 
 def full_logits(trainer):
