@@ -65,6 +65,12 @@ CH = "tests/data/test_chat.py"
 FT = "tests/parallel/test_fault_tolerance.py"
 FTL = "tests/parallel/test_ft_layouts.py"
 DM = "tests/data/test_document_mask.py"
+WIN = "tests/model/test_window.py"
+AP = "tests/model/test_attention_properties.py"
+WP = "tests/parallel/test_window_parallel.py"
+ATTEND_BY_HAND = f"{AP}::test_attention_is_the_softmax_of_the_capped_scores_over_the_keys_each_query_sees"
+WINDOW_HF = f"{WIN}::test_logits_and_generation_past_the_window_match_transformers"
+WINDOW_PARITY = f"{WP}::test_windowed_models_train_alike_under_cp_tp_and_pp"
 
 MUTANTS = [
     Mutant("zero-no-dp-division", "ZeRO-1/2 bucket reduce without the 1/dp division",
@@ -678,6 +684,52 @@ MUTANTS = [
            "(a pair's sequence split across ranks, not summed over them)", "src/scaletrain/objectives/preference.py",
            "        sums = _SumOver.apply(sums, cp_group)\n", "",
            (f"{PL}::test_a_layout_trains_like_one_process[cp2-ring]",)),
+    # the window's boundary off by one, on each path that computes it
+    Mutant("window-sliding-one-key-more", "the sliding window's mask lets a query see size + 1 keys (the rule every "
+           "path asks)", "src/scaletrain/model/window.py", "(q - k < self.size)", "(q - k <= self.size)",
+           (f"{WIN}::test_the_masks_are_transformers_masks[7]", f"{WINDOW_HF}[mistral]", ATTEND_BY_HAND)),
+    Mutant("window-chunk-boundary-off-by-one", "chunked attention's chunks start one position late",
+           "src/scaletrain/model/window.py", "(q // self.size == k // self.size)",
+           "((q - 1) // self.size == (k - 1) // self.size)",
+           (f"{WIN}::test_the_masks_are_transformers_masks[7]", ATTEND_BY_HAND)),
+    Mutant("window-tile-misses-its-first-key", "the one-process kernel's tile leaves out the earliest key its "
+           "first row sees (plain and soft-capped attention)", "src/scaletrain/model/window.py",
+           "first = window.first_key(start)  #", "first = window.first_key(start) + 1  #",
+           (f"{WINDOW_HF}[mistral]", f"{WINDOW_HF}[gemma2]", ATTEND_BY_HAND)),
+    Mutant("window-one-wider-under-document-masks", "with packed documents the window lets a query see one key more",
+           "src/scaletrain/model/window.py", "allowed = mask[:, :, start:stop, first:stop] & allowed",
+           "allowed = mask[:, :, start:stop, first:stop] & Window(window.size + 1, window.chunked).allows("
+           "positions[start:stop], positions[first:stop])",
+           (f"{WIN}::test_packed_documents_past_the_window_give_each_documents_own_logits", ATTEND_BY_HAND)),
+    Mutant("window-cache-drops-a-reachable-key", "generation's cache forgets the oldest key the next token's window "
+           "still reaches", "src/scaletrain/model/kv_cache.py",
+           "drop = window.first_key(self.length + k.shape[2]) - first",
+           "drop = window.first_key(self.length + k.shape[2]) - first + 1",
+           (f"{AP}::test_generation_with_the_cache_gives_the_whole_sequences_logits_and_keeps_only_the_window",
+            f"{WINDOW_HF}[mistral]")),
+    Mutant("cp-ring-window-one-wider", "ring attention's forward lets a query see one key more than the window",
+           "src/scaletrain/parallel/context_parallel.py",
+           "allowed = _allowed(seq, n, rank, (rank - step) % n, q.device, window)",
+           "allowed = _allowed(seq, n, rank, (rank - step) % n, q.device, window and Window(window.size + 1, "
+           "window.chunked))", (f"{WINDOW_PARITY}[2ranks]",)),
+    Mutant("cp-allgather-window-one-wider", "allgather attention's forward lets a query see one key more than the "
+           "window", "src/scaletrain/parallel/context_parallel.py",
+           "allowed = causal_allows(window, chunk_positions(seq, n, rank, q.device)",
+           "allowed = causal_allows(window and Window(window.size + 1, window.chunked), "
+           "chunk_positions(seq, n, rank, q.device)", (f"{WINDOW_PARITY}[2ranks]",)),
+    Mutant("cp-ulysses-window-one-wider", "Ulysses attention lets a query see one key more than the window",
+           "src/scaletrain/parallel/context_parallel.py", "local_attention(q, k, v, window, None, _sdpa)",
+           "local_attention(q, k, v, Window(window.size + 1, window.chunked), None, _sdpa)",
+           (f"{WINDOW_PARITY}[2ranks]",)),
+    Mutant("tp-projection-norm-not-summed", "OLMo 2's q/k norms under tp take each rank's columns as the whole "
+           "projection (no sum of squares over tp)", "src/scaletrain/parallel/tensor_parallel.py",
+           "[Shard(args[0].dim() - 1)]", "[Replicate()]",
+           (f"{WP}::test_olmo2_under_tp_gives_transformers_logits", f"{WINDOW_PARITY}[2ranks]",
+            f"{HF}::test_imported_families_train_alike_under_zero3_tp_and_pp")),
+    Mutant("planner-attention-ignores-the-window", "the FLOPs per token count every block's keys as the whole "
+           "sequence", "src/scaletrain/model/flops.py",
+           "keys = sum(key_span(cfg, seq_len, i) for i in range(cfg.n_layers))", "keys = cfg.n_layers * seq_len",
+           (f"{WIN}::test_the_planners_attention_flops_time_and_memory_follow_the_window",)),
 ]
 
 

@@ -799,10 +799,6 @@ def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
     """Problems that involve more than one key. Checks of the layout, which needs the world size, are
     scaletrain.layout.Layout.check."""
     m, errors = cfg.model, check_model(cfg.model)
-    if m.sliding_window and cfg.data.seq_len > m.sliding_window:
-        errors.append(f"data.seq_len={cfg.data.seq_len} exceeds model.sliding_window={m.sliding_window}: scaletrain "
-                      f"attends to the whole sequence, which matches the model only up to its window; "
-                      f"lower data.seq_len to at most {m.sliding_window}")
     if cfg.data.seq_len > m.max_seq_len:
         errors.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
                       f"lower data.seq_len or raise model.max_seq_len")

@@ -662,9 +662,10 @@ def tp_errors(model, tp: int) -> list[str]:
         fit = [d for d in range(1, model.n_heads + 1) if model.n_heads % d == 0 and (kv % d == 0 or d % kv == 0)]
         e.append(f"parallel.tp={tp} must divide the key/value heads ({kv}), or be a multiple of them (each K/V "
                  f"head then replicated on tp / {kv} ranks): use tp in {fit}")
-    if model.qk_norm and model.qk_norm_scope == "projection":
-        e.append(f"parallel.tp={tp} splits the heads, but model.qk_norm_scope=projection normalises all of them "
-                 "together (OLMoE); train this model with parallel.tp=1 (data, pipeline or context parallelism)")
+    if model.qk_norm and model.qk_norm_scope == "projection" and model.kv_heads < tp:
+        e.append(f"parallel.tp={tp} is more than the {model.kv_heads} key/value heads, which then sit whole on every "
+                 "rank, but model.qk_norm_scope=projection normalises the key projection across the tp ranks; use "
+                 f"tp at most {model.kv_heads}")
     if model.vocab_size % tp:
         e.append(f"parallel.tp={tp} must divide model.vocab_size={model.vocab_size} (the vocabulary is split); "
                  "pad the vocabulary to a multiple of tp")

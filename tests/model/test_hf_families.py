@@ -173,9 +173,10 @@ def test_the_planner_counts_the_imported_shape(name, tmp_path):
 # --------------------------------------------------------------------------------------------
 # Under ZeRO-3, tensor and pipeline parallelism: every family's cases in one 2-rank launch
 
-# the families' layouts (tp: OLMo 2's q/k norms span every head, so tp cannot split them; refused)
+# the families' layouts (OLMo 2 under tp: its q/k norms' sum of squares over the tp ranks)
 LAYOUTS = {
-    "olmo2": {"zero3": {"parallel.zero": 3}, "pp2": {"parallel.pp": 2}},
+    "olmo2": {"zero3": {"parallel.zero": 3}, "tp2": {"parallel.tp": 2},
+              "tp2-sp": {"parallel.tp": 2, "parallel.sp": True}, "pp2": {"parallel.pp": 2}},
     "neox-parallel": {"zero3": {"parallel.zero": 3}, "tp2-sp": {"parallel.tp": 2, "parallel.sp": True},
                       "pp2": {"parallel.pp": 2}},
     "phi4-partial": {"zero3": {"parallel.zero": 3}, "tp2": {"parallel.tp": 2}, "pp2": {"parallel.pp": 2}},

@@ -240,8 +240,11 @@ def test_projection_qk_norm_options_are_checked():
     with pytest.raises(ConfigError, match="model.qk_norm_scope=projection says what the q/k norms cover, but "
                                           "model.qk_norm=false"):
         load_config(None, {"model.qk_norm_scope": "projection"})
-    olmoe = ModelConfig(qk_norm=True, qk_norm_scope="projection")
-    assert any("model.qk_norm_scope=projection normalises all of them together" in e for e in tp_errors(olmoe, 2))
+    olmoe = ModelConfig(qk_norm=True, qk_norm_scope="projection", n_heads=4, n_kv_heads=2)
+    assert tp_errors(olmoe, 2) == []  # the sum of squares over the tp ranks (tests/parallel/test_window_parallel.py)
+    (line,) = tp_errors(olmoe, 4)
+    assert line == ("parallel.tp=4 is more than the 2 key/value heads, which then sit whole on every rank, but model."
+                    "qk_norm_scope=projection normalises the key projection across the tp ranks; use tp at most 2")
     assert tp_errors(ModelConfig(qk_norm=True), 2) == []
 
 
@@ -277,18 +280,23 @@ def test_fine_tune_from_the_import_then_export(tmp_path, tokens):
 
 @pytest.mark.multiproc
 @pytest.mark.usefixtures("forked_launches")  # verify's ranks forked (conftest.forked_launches)
-@pytest.mark.parametrize("family", ["olmoe", "mixtral", "qwen3-moe-dense-first"])
-def test_fine_tuning_an_imported_mixture_passes_verify(tmp_path, family):
+@pytest.mark.parametrize("family,layout", [
+    ("olmoe", ["--parallel.zero=3", "--parallel.ep=2"]), ("mixtral", ["--parallel.zero=3", "--parallel.ep=2"]),
+    ("qwen3-moe-dense-first", ["--parallel.zero=3", "--parallel.ep=2"]),
+    # OLMoE's q/k norms over the whole projections: the sum of squares over the tp ranks
+    ("olmoe", ["--parallel.tp=2", "--parallel.sp=true"])], ids=["olmoe", "mixtral", "qwen3-moe-dense-first",
+                                                                "olmoe-tp2-sp"])
+def test_fine_tuning_an_imported_mixture_passes_verify(tmp_path, family, layout):
     """Each family's imported weights train under expert parallelism 2 × ZeRO-3 (experts split over
-    the 2 ranks, the rest sharded) as in one process: `scaletrain verify` compares every step's
-    loss and gradient norm."""
+    the 2 ranks, the rest sharded), and OLMoE under tp 2 with sequence parallelism, as in one
+    process: `scaletrain verify` compares every step's loss and gradient norm."""
     from conftest import MICRO
 
     make_hf(family, tmp_path / "hf", vocab_size=256)
     hf = str(tmp_path / "hf")
     args = [f"--{k}={v}" for k, v in {**MICRO, "model.from_hf": hf, "model.init_from": hf}.items()
             if not k.startswith(("log.", "checkpoint.", "model.dim", "model.n_"))]
-    r = run_here("verify", "--steps=3", *args, "--nproc=2", "--parallel.zero=3", "--parallel.ep=2")
+    r = run_here("verify", "--steps=3", *args, "--nproc=2", *layout)
     verdict = r.stdout.strip().splitlines()[-1]  # verify's last line is its verdict
     assert r.returncode == 0 and verdict.startswith("largest relative difference: loss ") and \
         verdict.endswith(" (precision 32-true): PASS"), f"{r.stdout}{r.stderr}"

@@ -59,13 +59,14 @@ class ModelConfig:
     rope_original_max_seq_len: int = option(8192, "rope_scaling=llama3: the context length trained before scaling",
                                             min=1)
     max_seq_len: int = option(128, "longest sequence the position encoding covers", min=1)
-    sliding_window: int = option(0, "the window of a model trained with sliding-window attention (Mistral); "
-                                    "scaletrain attends to the whole sequence, so data.seq_len may not exceed it; "
-                                    "0 = none", min=0)
-    global_every: int = option(0, "every n-th block (counting from 1) attends to the whole sequence and the others are "
-                                  "sliding-window blocks (Gemma 2: 2, Gemma 3: 6); 0 = every block alike. As with "
-                                  "model.sliding_window, scaletrain attends to the whole sequence in both kinds: what "
-                                  "differs is the rotary base (model.rope_local_theta)", min=0)
+    sliding_window: int = option(0, "sliding-window attention (Mistral, Gemma): a query sees itself and the "
+                                    "window - 1 tokens before it; 0 = the whole sequence", min=0)
+    attn_chunk: int = option(0, "chunked attention (Llama 4's attention_chunk_size): the sequence is cut into chunks "
+                                "of this many tokens and a query sees the earlier tokens of its own chunk; 0 = none",
+                             min=0)
+    global_every: int = option(0, "every n-th block (counting from 1) attends to the whole sequence and the others "
+                                  "within model.sliding_window (Gemma 2: 2, Gemma 3: 6) or model.attn_chunk (Llama 4: "
+                                  "4); 0 = every block alike", min=0)
     rope_local_theta: float = option(0.0, "rotary base of the sliding-window blocks, which rope_scaling leaves "
                                           "unscaled (Gemma 3's rope_local_base_freq); 0 = rope_theta and scaling "
                                           "alike in every block", min=0.0)
@@ -138,7 +139,8 @@ class ModelConfig:
         return self.moe_hidden or self.hidden_dim
 
     def is_local_block(self, index: int) -> bool:
-        """Whether block `index` is a sliding-window block (model.global_every) rather than a global one."""
+        """Whether block `index` is a local (sliding-window or chunked) block of model.global_every rather
+        than a global one."""
         return bool(self.global_every) and (index + 1) % self.global_every != 0
 
     def is_moe_block(self, index: int) -> bool:
@@ -188,9 +190,12 @@ def check_model(m: ModelConfig) -> list[str]:
     if m.parallel_residual and m.norm_placement != "pre":
         errors.append(f"model.parallel_residual=true feeds attention and MLP the one normalised input; it needs "
                       f"model.norm_placement=pre, not {m.norm_placement}")
-    if m.global_every and not m.sliding_window:
+    if m.global_every and not (m.sliding_window or m.attn_chunk):
         errors.append(f"model.global_every={m.global_every} makes the other blocks sliding-window ones, but "
-                      "model.sliding_window=0; set the window, or drop global_every")
+                      "model.sliding_window=0; set the window (or model.attn_chunk), or drop global_every")
+    if m.sliding_window and m.attn_chunk:
+        errors.append(f"model.sliding_window={m.sliding_window} and model.attn_chunk={m.attn_chunk} are two kinds of "
+                      "local attention; set one of them")
     if m.rope_local_theta and not (m.global_every and m.position == "rope"):
         errors.append(f"model.rope_local_theta={m.rope_local_theta:g} is the rotary base of the sliding-window blocks; "
                       "it needs model.position=rope and model.global_every")

@@ -4,12 +4,14 @@ Training a decoder costs about 6 FLOPs per matmul parameter per token (2 forward
 Kaplan et al. 2020, section 2.1) plus the attention scores and their weighted sum, which grow
 with the sequence: 12 * n_layers * dim * seq_len per token (PaLM, Chowdhery et al. 2022,
 appendix B). Like PaLM we do not halve the attention term for the causal mask, and we count
-recomputation nowhere: MFU measures useful work, so activation checkpointing lowers it.
+recomputation nowhere: MFU measures useful work, so activation checkpointing lowers it. A block
+with a window (sliding or chunked) counts the window's keys in place of seq_len.
 """
 
 from __future__ import annotations
 
 from scaletrain.model.config import ModelConfig
+from scaletrain.model.window import key_span
 
 
 def block_matmul_params(cfg: ModelConfig, tp: int = 1, index: int | None = None) -> int:
@@ -44,5 +46,7 @@ def matmul_params(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Forward + backward FLOPs per trained token: 6 per active matmul parameter plus attention
     (MFU of a mixture of experts counts the experts a token visits, never all of them)."""
-    # the scores and their weighted sum run at the heads' width, n_heads * head_size (= dim unless set apart)
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_size * seq_len
+    # the scores and their weighted sum run at the heads' width, n_heads * head_size (= dim unless set
+    # apart), over the keys a query sees: the sequence, or a local block's window (model/window.py)
+    keys = sum(key_span(cfg, seq_len, i) for i in range(cfg.n_layers))
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_heads * cfg.head_size * keys

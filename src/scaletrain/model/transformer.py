@@ -19,6 +19,10 @@ including the next one, and positions (rotary and learned) restart at each docum
 token, as Hugging Face's packing with position_ids does. The mask is an explicit boolean one
 through scaled_dot_product_attention (exact on CPU and GPU); generation with the key/value cache
 does not use it.
+
+Local attention (model.sliding_window, model.attn_chunk; with model.global_every, in some blocks
+only): each such block's Attention holds its Window, and attention, its key/value cache and
+context parallelism's methods all ask the window's one rule (model/window.py).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from scaletrain.model.config import ModelConfig
 from scaletrain.model.kv_cache import KVCache
 from scaletrain.model.mlp import MLP
 from scaletrain.model.moe import MoE
+from scaletrain.model.window import Window, block_window, causal_allows, local_attention
 
 
 class RMSNorm(nn.Module):
@@ -103,8 +108,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, window: Window | None = None):
+        """`window`: the keys each query sees (sliding or chunked, model/window.py); None: all before it."""
         super().__init__()
+        self.window = window
         self.head_dim = cfg.head_size
         self.dropout = cfg.dropout
         self.scale = cfg.attn_scale_dim ** -0.5 if cfg.attn_scale_dim else None  # None: 1 / sqrt(head_dim)
@@ -127,7 +134,8 @@ class Attention(nn.Module):
                 cache: tuple[KVCache, str] | None = None, *, mask: torch.Tensor | None = None) -> torch.Tensor:
         """`cache`: (the KVCache, this block's name): x holds the positions after those cached;
         rope's tables start at the first of them. `mask` (B, 1, T, T) bool: which keys each query
-        sees (packed documents, `document_mask`), in place of the causal mask."""
+        sees (packed documents, `document_mask`), in place of the causal mask; the window, if any,
+        narrows it further."""
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of the heads
         q, k = self.wq(x), self.wk(x)
@@ -141,23 +149,39 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
-        causal = mask is None
         if cache is not None:
-            past = cache[0].length
-            k, v = cache[0].append(cache[1], k, v)  # (B, kv_heads, past + T, head_dim)
-            if past:  # query i sees keys up to past + i (a single new token sees them all)
-                causal = False
-                if T > 1:
-                    mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-        y = self.attend(q, k, v, mask, causal)  # (B, heads, T, head_dim)
+            y = self._cached(q, k, v, *cache)
+        else:
+            y = self.attend(q, k, v, mask, mask is None)  # (B, heads, T, head_dim)
         return self.wo(y.transpose(1, 2).flatten(2))  # (B, T, dim)
+
+    def _cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, block: str) -> torch.Tensor:
+        """Generation: the queries of positions past.. after the cached ones, against the keys the
+        cache keeps (a local block's: only those its window can still reach)."""
+        past, T = cache.length, q.shape[2]
+        k, v, first = cache.append(block, k, v, self.window)  # keys of positions first .. past + T - 1
+        if T == 1:  # a single new token sees every key kept
+            return self._kernel(q, k, v, None, False)
+        if first == 0 and past == 0 and self.window is None:
+            return self._kernel(q, k, v, None, True)
+        allowed = causal_allows(self.window, torch.arange(past, past + T, device=q.device),
+                                torch.arange(first, first + k.shape[2], device=q.device))
+        return self._kernel(q, k, v, allowed, False)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                causal: bool) -> torch.Tensor:
-        """softmax(q kᵀ / √head_dim) v, k and v with as many or fewer (grouped) heads than q. The
-        one step a transformation may replace on an instance (context parallelism brings the keys
-        of other ranks here), so it stays a method of its own. Soft-capped scores (Gemma 2) are
-        computed as plain matmuls, as transformers' eager attention does: no fused kernel caps them."""
+        """softmax(q kᵀ / √head_dim) v, k and v with as many or fewer (grouped) heads than q, each
+        query seeing the keys `mask` (or causality) and the block's window allow. The one step a
+        transformation may replace on an instance (context parallelism brings the keys of other
+        ranks here), so it stays a method of its own."""
+        if self.window is not None:  # (training: queries and keys of the same positions)
+            return local_attention(q, k, v, self.window, mask, self._kernel)
+        return self._kernel(q, k, v, mask, causal)
+
+    def _kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                causal: bool) -> torch.Tensor:
+        """Attention over the keys given, as `mask` or causality allow. Soft-capped scores (Gemma 2)
+        are computed as plain matmuls, as transformers' eager attention does: no fused kernel caps them."""
         if self.softcap:
             return self._capped(q, k, v, mask, causal)
         return F.scaled_dot_product_attention(
@@ -187,7 +211,7 @@ class Block(nn.Module):
         # its output before the residual add (attn_post_norm, mlp_post_norm; OLMo 2, Gemma)
         pre, post = cfg.norm_placement in ("pre", "both"), cfg.norm_placement in ("post", "both")
         self.attn_norm = make_norm(cfg) if pre else None
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, block_window(cfg, index))
         self.attn_post_norm = make_norm(cfg) if post else None
         self.mlp_norm = make_norm(cfg) if pre else None
         self.mlp_post_norm = make_norm(cfg) if post else None
@@ -286,10 +310,6 @@ class Transformer(nn.Module):
         `cache` (generation): tokens are the positions after the `cache.length` already cached;
         their keys and values are added to it, so each new token costs one position."""
         past = cache.length if cache is not None else 0
-        if self.cfg.sliding_window and past + tokens.shape[1] > self.cfg.sliding_window:
-            # (config loading refuses data.seq_len past the window; this guards other callers)
-            raise ValueError(f"{tokens.shape[1]} tokens exceed the model's sliding window of "
-                             f"{self.cfg.sliding_window}, and this model attends to the whole sequence")
         # token ids are embedded; hidden states (a later pipeline stage's input) go on as they are. A
         # last stage of a tied model holds the embedding too, for its weight (the head's) alone
         embed = self.tok_emb is not None and not tokens.is_floating_point()

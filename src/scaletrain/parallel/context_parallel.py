@@ -20,6 +20,10 @@ does), TILE query rows at a time.
              sequence for heads/cp of the heads, and a second all-to-all swaps back. Needs the
              heads (per tensor-parallel rank) divisible by cp; K/V heads fewer than cp are copied.
 
+A window (sliding or chunked, model/window.py) narrows each method's mask at the tokens' true
+positions: ring skips the scores of a block the window excludes whole (its K/V still passes on),
+allgather masks the gathered keys, and Ulysses runs the one-process windowed kernel on its heads.
+
 Saves: activations per rank fall as 1/cp (the sequence dimension of every activation is cut;
 the score matrices as 1/cp² for ring). Costs: the K/V exchange per layer, forward and backward,
 and one all-reduce of the gradients over the cp ranks per step (they hold the same weights and
@@ -47,6 +51,7 @@ from torch import nn
 from scaletrain.hooks import StepHook, sum_gradients
 from scaletrain.model.moe import MoE
 from scaletrain.model.transformer import Attention
+from scaletrain.model.window import Window, causal_allows, local_attention
 from scaletrain.parallel.moe_balance import summed_over
 from scaletrain.vocab import CP_METHODS, unknown
 
@@ -179,9 +184,10 @@ def _merge(out, lse, block_out, block_lse):
     return out * torch.exp(lse - merged) + block_out * torch.exp(block_lse - merged), merged
 
 
-def _allowed(seq: int, n: int, rank: int, block: int, device) -> torch.Tensor:
-    """(T_local, T_local) causal mask of cp rank `rank`'s queries against cp rank `block`'s keys."""
-    return chunk_positions(seq, n, rank, device)[:, None] >= chunk_positions(seq, n, block, device)[None, :]
+def _allowed(seq: int, n: int, rank: int, block: int, device, window: Window | None) -> torch.Tensor:
+    """(T_local, T_local) causal mask (within `window`, if any) of cp rank `rank`'s queries against
+    cp rank `block`'s keys, at their true positions."""
+    return causal_allows(window, chunk_positions(seq, n, rank, device), chunk_positions(seq, n, block, device))
 
 
 class _RingAttention(torch.autograd.Function):
@@ -192,15 +198,17 @@ class _RingAttention(torch.autograd.Function):
     travels with it, one more shift bringing each to its owner."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, rank, n, ranks):
-        ctx.group, ctx.rank, ctx.n, ctx.ranks = group, rank, n, ranks
+    def forward(ctx, q, k, v, group, rank, n, ranks, window):
+        ctx.group, ctx.rank, ctx.n, ctx.ranks, ctx.window = group, rank, n, ranks, window
         seq, heads = q.shape[2] * n, q.shape[1]
         kv = torch.stack((k, v))  # one message per shift: (2, B, kv_heads, T_local, D)
         out = lse = None
         for step in range(n):  # at step s this rank holds the block of rank (rank - s) mod n
             if step:
                 kv = _shift(kv, group, ranks[(rank + 1) % n], ranks[(rank - 1) % n])
-            allowed = _allowed(seq, n, rank, (rank - step) % n, q.device)
+            allowed = _allowed(seq, n, rank, (rank - step) % n, q.device, window)
+            if not allowed.any():  # a block the window (or causality) excludes whole: no scores
+                continue
             out, lse = _merge(out, lse, *_block_forward(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads), allowed))
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
@@ -219,20 +227,23 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             if step:  # the block and its gradient so far move on together
                 kv, d_kv = _shift(kv, group, nxt, prev), _shift(d_kv, group, nxt, prev)
-            allowed = _allowed(seq, n, rank, (rank - step) % n, q.device)
+            allowed = _allowed(seq, n, rank, (rank - step) % n, q.device, ctx.window)
+            if not allowed.any():  # (its gradient passes on unchanged)
+                continue
             d_k, d_v = _block_backward(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads), allowed, lse, d_out,
                                        delta, d_q)
             d_kv[0] += _fold_kv(d_k, kv_heads)
             d_kv[1] += _fold_kv(d_v, kv_heads)
         if n > 1:  # this rank holds rank + 1's block; the previous rank holds this rank's
             d_kv = _shift(d_kv, group, nxt, prev)
-        return d_q.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), None, None, None, None
+        return d_q.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), None, None, None, None, None
 
 
-def ring_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int]) -> torch.Tensor:
-    """Causal attention of this rank's queries over the whole sequence; (B, H, T_local, D) each
-    (k and v may have fewer heads)."""
-    return _RingAttention.apply(q, k, v, group, rank, n, ranks)
+def ring_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int],
+                   window: Window | None = None) -> torch.Tensor:
+    """Causal attention (within `window`, if any) of this rank's queries over the whole sequence;
+    (B, H, T_local, D) each (k and v may have fewer heads)."""
+    return _RingAttention.apply(q, k, v, group, rank, n, ranks, window)
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -247,11 +258,11 @@ class _AllGatherAttention(torch.autograd.Function):
         return kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # (2, B, kv_heads, seq, D), the ranks' tokens in rank order
 
     @staticmethod
-    def forward(ctx, q, k, v, group, rank, n):
-        ctx.group, ctx.rank, ctx.n = group, rank, n
+    def forward(ctx, q, k, v, group, rank, n, window):
+        ctx.group, ctx.rank, ctx.n, ctx.window = group, rank, n, window
         seq, heads = q.shape[2] * n, q.shape[1]
         kv = _AllGatherAttention._whole(k, v, group, n)
-        allowed = chunk_positions(seq, n, rank, q.device)[:, None] >= all_positions(seq, n, q.device)[None, :]
+        allowed = causal_allows(window, chunk_positions(seq, n, rank, q.device), all_positions(seq, n, q.device))
         # one block: every key
         out, lse = _block_forward(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads), allowed)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -263,7 +274,7 @@ class _AllGatherAttention(torch.autograd.Function):
         group, rank, n = ctx.group, ctx.rank, ctx.n
         seq, heads, kv_heads = q.shape[2] * n, q.shape[1], k.shape[1]
         kv = _AllGatherAttention._whole(k, v, group, n)
-        allowed = chunk_positions(seq, n, rank, q.device)[:, None] >= all_positions(seq, n, q.device)[None, :]
+        allowed = causal_allows(ctx.window, chunk_positions(seq, n, rank, q.device), all_positions(seq, n, q.device))
         d_out = d_out.float()
         d_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         d_k, d_v = _block_backward(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads), allowed, lse, d_out,
@@ -272,11 +283,12 @@ class _AllGatherAttention(torch.autograd.Function):
         # (n, 2, B, kv_heads, T_local, D): part j is rank j's
         d_kv = d_kv.unflatten(3, (n, -1)).permute(3, 0, 1, 2, 4, 5)
         d_kv = _reduce_scatter(d_kv, group)
-        return d_q.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), None, None, None
+        return d_q.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), None, None, None, None
 
 
-def allgather_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int]) -> torch.Tensor:
-    return _AllGatherAttention.apply(q, k, v, group, rank, n)
+def allgather_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int],
+                        window: Window | None = None) -> torch.Tensor:
+    return _AllGatherAttention.apply(q, k, v, group, rank, n, window)
 
 
 def _to_heads(x: torch.Tensor, group, n: int) -> torch.Tensor:
@@ -295,14 +307,21 @@ def _to_sequence(x: torch.Tensor, group, n: int) -> torch.Tensor:
     return got.movedim(0, 1).reshape(B, n * h, S // n, D)
 
 
-def ulysses_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int]) -> torch.Tensor:
+def _sdpa(q, k, v, mask, causal) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def ulysses_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int],
+                      window: Window | None = None) -> torch.Tensor:
     seq = q.shape[2] * n
     if k.shape[1] % n:  # fewer K/V heads than cp ranks (or not a multiple): each query head gets its own copy
         k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
-    # the whole sequence for heads/cp of the heads, put in true order: plain causal attention
+    # the whole sequence for heads/cp of the heads, put in true order: plain causal attention (in
+    # the window's tiles, if any: the one-process kernel)
     order = all_positions(seq, n, q.device).argsort()  # token at true position t: order[t]
     q, k, v = (_to_heads(t, group, n).index_select(2, order) for t in (q, k, v))
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    y = _sdpa(q, k, v, None, True) if window is None else local_attention(q, k, v, window, None, _sdpa)
     return _to_sequence(y.index_select(2, order.argsort()), group, n)
 
 
@@ -313,7 +332,7 @@ assert tuple(METHODS) == CP_METHODS
 def _attend(method, q, k, v, mask, causal, **where):
     if mask is not None or not causal:  # generation with a cache: the trainer never samples under cp
         raise RuntimeError("context-parallel attention is causal attention over a whole sequence (no cache)")
-    return method(q, k, v, **where)
+    return method(q, k, v, **where)  # (where: the group, this rank, and the block's window)
 
 
 # --------------------------------------------------------------------------------------------
@@ -329,7 +348,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh, method: str, seq_len: int)
     where = {"group": group, "rank": rank, "n": n, "ranks": [dist.get_global_rank(group, r) for r in range(n)]}
     for module in model.modules():  # (blocks may be wrapped for activation checkpointing)
         if isinstance(module, Attention):
-            module.attend = partial(_attend, METHODS[method], **where)
+            module.attend = partial(_attend, METHODS[method], window=module.window, **where)
         if isinstance(module, MoE):  # the Switch loss's counts are those of whole sequences
             module.sequence_counts = partial(summed_over, previous=module.sequence_counts, group=group)
     device = next(iter(model.buffers()), torch.empty(0)).device

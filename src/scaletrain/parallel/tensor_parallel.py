@@ -6,7 +6,9 @@ forward and one in backward per sub-layer:
 
     attention   wq, wk, wv column-parallel (each rank owns n_heads/tp query heads and
                 n_kv_heads/tp key/value heads; their biases split alike; q/k norms, one
-                weight per head width, replicated) -> local attention -> wo row-parallel.
+                weight per head width, replicated; q/k norms over the whole projections
+                (OLMo 2), their weights split like the rows, the sum of squares all-reduced
+                over tp: `ProjectionNorm`) -> local attention -> wo row-parallel.
                 Fewer K/V heads than tp ranks (grouped-query attention, Megatron's way): wk
                 and wv are replicated, each rank computes the one K/V head its query heads
                 read, and the copies' gradients are summed over tp (`ReplicatedKVStep`)
@@ -49,6 +51,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
@@ -158,11 +161,14 @@ def _block_plan(block: nn.Module, moe: bool, replicated_kv: bool, sequence_paral
         plan.update({"mlp.w1": Colwise(), "mlp.w2": Rowwise(output_layouts=between)})
         if block.mlp.w3 is not None:
             plan["mlp.w3"] = Colwise()
-    if block.attn.q_norm is not None:
+    if block.attn.q_norm is not None and block.attn.norm_heads:
         # q/k norms (Qwen3) act on each head: the rank's own heads are shards of dim 2, and
         # their replicated weight gets its gradient summed over the ranks' heads
         plan["attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    elif block.attn.q_norm is not None:  # over the whole projections (OLMo 2, OLMoE)
+        plan["attn.q_norm"] = ProjectionNorm()
+        plan["attn.k_norm"] = ProjectionNorm()
     if sequence_parallel:
         # pre-norms hand their output to the gathering input plans below as DTensors; post-norms
         # (OLMo 2, Gemma) sit on the residual stream, which stays a plain sequence shard
@@ -182,6 +188,22 @@ def _block_plan(block: nn.Module, moe: bool, replicated_kv: bool, sequence_paral
             input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_input=True,
             output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True)
     return plan
+
+
+class ProjectionNorm(ParallelStyle):
+    """An RMSNorm over a whole column-parallel projection (the q/k norms of OLMo 2 and OLMoE,
+    model.qk_norm_scope=projection): its weight split like the projection's rows, and its input,
+    the rank's columns, seen as the column shard it is, so that DTensor sums the squares over the
+    tp ranks (one all-reduce of B×T numbers per norm, forward and backward) before the mean."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        weight = module.weight
+        module.register_parameter("weight", nn.Parameter(distribute_tensor(weight, device_mesh, [Shard(0)]),
+                                                         requires_grad=weight.requires_grad))
+        module.register_forward_pre_hook(
+            lambda m, args: (DTensor.from_local(args[0], device_mesh, [Shard(args[0].dim() - 1)]),))
+        module.register_forward_hook(lambda m, args, out: out.to_local())
+        return module
 
 
 # --------------------------------------------------------------------------------------------

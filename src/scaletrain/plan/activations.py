@@ -8,6 +8,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from scaletrain.model.config import ModelConfig
+from scaletrain.model.window import mean_key_span
 from scaletrain.plan.params import Dtypes, dtypes_for, layer_params
 from scaletrain.plan.spec import Layout, Workload
 from scaletrain.vocab import AC_MODES, CP_METHODS, PP_SCHEDULES, is_multi_chunk, unknown
@@ -76,8 +77,8 @@ def _megatron_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: b
         inside += (routed + shared + cfg.moe_experts * 4) * (1 / tp if sp else 1.0) - n_ffn * f * c / tp
     scores = 0.0
     if wl.attention == "eager" and ac != "selective":
-        # softmax output, and with dropout its mask and dropped output (keys span the sequence)
-        scores = a / tp * wl.seq_len * ((2 * c + 1) if cfg.dropout > 0 else c)
+        # softmax output, and with dropout its mask and dropped output (keys span the sequence, or a window's tiles)
+        scores = a / tp * mean_key_span(cfg, wl.seq_len, kernel=True) * ((2 * c + 1) if cfg.dropout > 0 else c)
     elif wl.attention == "flash":
         scores = a / tp * 4  # log-sum-exp
     return b * s * (outside + inside + scores)
@@ -99,8 +100,9 @@ def _scaletrain_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp:
     attn_out = b * s * q / tp * d.compute
     lse = b * a / tp * s * 4
     if wl.attention == "eager" and ac != "selective":
-        # materialized scores: the softmax output (selective recomputation recomputes them)
-        lse = b * a / tp * s * wl.seq_len * d.compute
+        # materialized scores: the softmax output (selective recomputation recomputes them), over the
+        # sequence's keys or a window's tiles
+        lse = b * a / tp * s * mean_key_span(cfg, wl.seq_len, kernel=True) * d.compute
     n_ffn = 3 if cfg.gated else 2
     if ac == "selective":  # matmul and attention outputs; element-wise ops are recomputed
         mm_out = 2 * b * s * h * d.compute  # wo and w2 outputs (before their reduction)

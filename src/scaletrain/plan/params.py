@@ -185,8 +185,11 @@ def layer_params(cfg: ModelConfig, tp: int, moe: bool = False, ep: int = 1) -> B
     attn_mats = ((q // tp, h), (kv_rank, h), (kv_rank, h), (h, q // tp))
     norms = 4 if cfg.norm_placement == "both" else 2  # pre- and/or post-norms of the two sub-blocks
     replicated = norms * (2 if cfg.norm == "layernorm" and cfg.bias else 1) * h
-    if cfg.qk_norm:  # one weight of head_size each (Qwen3), or of the whole projection (OLMo 2; no tp then)
-        replicated += 2 * cfg.head_size if cfg.qk_norm_scope == "head" else q + kv
+    # q/k norms: one weight of head_size each (Qwen3), replicated; or one over the whole projection
+    # (OLMo 2, OLMoE), split over tp like the projection's rows
+    projection_norms = (q // tp + kv_rank) if cfg.qk_norm and cfg.qk_norm_scope == "projection" else 0
+    if cfg.qk_norm and cfg.qk_norm_scope == "head":
+        replicated += 2 * cfg.head_size
     if moe:
         E, he = cfg.moe_experts, cfg.expert_hidden
         shared = cfg.moe_shared_experts * he
@@ -194,7 +197,7 @@ def layer_params(cfg: ModelConfig, tp: int, moe: bool = False, ep: int = 1) -> B
         # experts (whole on every tp rank) and top_k routed experts; a rank holds E / ep of these
         whole = E * h + n_ffn * h * shared
         attention = active - whole - cfg.moe_top_k * expert_params(cfg) + replicated_kv
-        sharded = attention
+        sharded = attention + projection_norms
         if cfg.bias:
             sharded += q // tp + 2 * kv_rank  # column-parallel biases
             replicated += h + ((n_ffn - 1) * shared + h if shared else 0)  # wo's, the shared MLP's
@@ -206,7 +209,7 @@ def layer_params(cfg: ModelConfig, tp: int, moe: bool = False, ep: int = 1) -> B
         expert_mats = (((he, h),) * (n_ffn - 1) + ((h, he),)) * local
         return BlockParams(sharded, replicated + whole, attention + whole + experts, mats, experts, expert_mats)
     matmul = active + replicated_kv
-    sharded = matmul
+    sharded = matmul + projection_norms
     if cfg.bias:
         sharded += (q + (n_ffn - 1) * f) // tp + 2 * kv_rank  # column-parallel biases
         replicated += 2 * h  # row-parallel biases (wo, w2)

@@ -53,6 +53,7 @@ from functools import lru_cache
 
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.flops import block_matmul_params, flops_per_token
+from scaletrain.model.window import mean_key_span
 from scaletrain.plan.calibrate import bus_factor
 from scaletrain.plan.params import (
     Dtypes,
@@ -272,7 +273,9 @@ def compute_seconds(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clu
         rows = moe_tokens / layout.grad_accum * layout.ep * cfg.moe_top_k / cfg.moe_experts  # an expert's group
         eta_e = hardware_efficiency(hw) * _shape_factor(rows) * _shape_factor(min(cfg.dim, cfg.expert_hidden))
         routed_s = 6.0 * moe_layers * routed * moe_tokens * expert_load(wl, layout) / (peak * eta_e)
-    attn = 12.0 * cfg.n_heads * cfg.head_size * wl.seq_len * layers * tokens / layout.tp
+    # the keys each query is scored against: the sequence, or the tiles of a window (model/window.py)
+    attn = 12.0 * cfg.n_heads * cfg.head_size * mean_key_span(cfg, wl.seq_len, kernel=True) * layers * tokens / \
+        layout.tp
     head_flops = 6.0 * cfg.dim * cfg.vocab_size * tokens / layout.tp if head else 0.0
     if wl.fp8:
         if "fp8" not in hw.peak_tflops:

@@ -85,7 +85,7 @@ def _from_export(path: Path) -> tuple[Transformer, dict, dict]:
                               "checkpoint again")
     model = model_config(model_values, source=str(path))
     # the file holds no data config: the default one, its windows no longer than the model reads
-    fits = min(DataConfig.seq_len, model.max_seq_len, model.sliding_window or model.max_seq_len)
+    fits = min(DataConfig.seq_len, model.max_seq_len)
     config = from_dict({"model": model_values, "data": {"seq_len": fits}}, source=str(path)).to_dict()
     model = Transformer(from_dict(config).model)
     model.init_buffers("cpu")

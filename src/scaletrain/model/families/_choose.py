@@ -17,6 +17,8 @@ def _no(why: str) -> ConfigError:
 def choose(cfg: ModelConfig) -> str:
     """The Hugging Face model_type that computes what `cfg` computes, or ConfigError."""
     no = _no
+    if cfg.attn_chunk:
+        raise no("chunked attention (model.attn_chunk) is Llama 4's, a family scaletrain does not export")
     if uses_newer_options(cfg):
         return newer_family(cfg, no)
     if cfg.export_as == phi3.FAMILY.export_as:

@@ -153,9 +153,9 @@ class RotaryFamily(Family):
         if not strict and attention_bias and not out["bias"]:
             out["qkv_bias"] = True  # (planning: close enough for counting)
 
-        window = self.window(get, out["n_layers"])
+        window = self.window(get, out["n_layers"], refuse)
         if window and window < max_len:
-            out["sliding_window"] = window  # config loading then keeps data.seq_len within it
+            out["sliding_window"] = window  # (one at least max_len changes nothing)
         if get.raw("use_mrope"):
             refuse("use_mrope", "is multimodal rotary positions; scaletrain has text positions only")
         return complete(out)
@@ -170,7 +170,7 @@ class RotaryFamily(Family):
         """The mixture-of-experts fields (a dense family: none)."""
         return {}
 
-    def window(self, get: Reader, n_layers: int) -> int:
+    def window(self, get: Reader, n_layers: int, refuse: Refuse) -> int:
         """The window that some layer attends within, or 0 (a family without one: 0)."""
         return 0
 

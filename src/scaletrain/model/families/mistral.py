@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from scaletrain.model.config import ModelConfig
-from scaletrain.model.families._common import ROTARY, Reader, RotaryFamily, every_layer_window
+from scaletrain.model.families._common import ROTARY, Reader, Refuse, RotaryFamily, every_layer_window
 
 
 class Mistral(RotaryFamily):
@@ -15,7 +15,7 @@ class Mistral(RotaryFamily):
     defaults = dict(num_key_value_heads=8, head_dim=None, hidden_act="silu", max_position_embeddings=131072,
                     rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=4096)
 
-    def window(self, get: Reader, n_layers: int) -> int:
+    def window(self, get: Reader, n_layers: int, refuse: Refuse) -> int:
         return every_layer_window(get)
 
     def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:

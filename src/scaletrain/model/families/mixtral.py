@@ -30,7 +30,7 @@ class Mixtral(MoeFamily):
             refuse("router_jitter_noise", "scales the router's input by random noise in training; scaletrain's "
                                           "router has no jitter: set it to 0")
 
-    def window(self, get: Reader, n_layers: int) -> int:
+    def window(self, get: Reader, n_layers: int, refuse: Refuse) -> int:
         return every_layer_window(get)
 
     def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:

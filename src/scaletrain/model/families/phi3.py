@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from scaletrain.model.config import ModelConfig
-from scaletrain.model.families._common import LLAMA_KEY, ROTARY, Reader, RotaryFamily, every_layer_window
+from scaletrain.model.families._common import LLAMA_KEY, ROTARY, Reader, Refuse, RotaryFamily, every_layer_window
 
 
 class Phi3(RotaryFamily):
@@ -22,7 +22,7 @@ class Phi3(RotaryFamily):
     partial_rotary = True
     fused = True
 
-    def window(self, get: Reader, n_layers: int) -> int:
+    def window(self, get: Reader, n_layers: int, refuse: Refuse) -> int:
         return every_layer_window(get)
 
     def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:

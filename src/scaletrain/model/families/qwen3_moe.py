@@ -25,7 +25,7 @@ class Qwen3Moe(MoeFamily):
     qk_norm = True
     output_bias_refused = True
 
-    def window(self, get: Reader, n_layers: int) -> int:
+    def window(self, get: Reader, n_layers: int, refuse: Refuse) -> int:
         # every layer, whatever max_window_layers says
         return every_layer_window(get) if get.raw("use_sliding_window") else 0
 
