@@ -307,6 +307,10 @@ class PreferenceConfig:
                                     "before training, kept in the run folder (no second model); adapters = the "
                                     "policy with its adapters switched off (adapter fine-tuning; no second copy); "
                                     "auto = adapters under adapter fine-tuning, else model", choices=REFERENCE_MODES)
+    reference_from: str = option("", "preference.reference=model: the reference's weights from this Hugging Face "
+                                     "folder or safetensors file (the policy's shapes and tokenizer) instead of the "
+                                     "weights training starts from (e.g. the SFT model, when the policy starts "
+                                     "elsewhere); empty = the starting weights")
 
     @property
     def needs_reference(self) -> bool:
@@ -874,6 +878,13 @@ def preference_problems(cfg: JobConfig) -> list[str]:
         errors.append("preference.reference=adapters takes the reference log-probs from the policy with its adapters "
                       "switched off, and adapter.kind=none trains no adapters; set adapter.kind=lora, or "
                       "preference.reference=model or precomputed")
+    if p.reference_from and preference_reference(cfg) != "model":
+        errors.append(f"preference.reference_from={p.reference_from} gives the weights of a frozen reference copy "
+                      f"(preference.reference=model); with reference {preference_reference(cfg)} there is none: set "
+                      "preference.reference=model, or drop preference.reference_from")
+    elif p.reference_from and not _exists(p.reference_from):
+        errors.append(f"preference.reference_from: {p.reference_from} does not exist; give a Hugging Face model folder "
+                      "or a .safetensors file")
     if p.loss == "kto":
         errors.append("preference.loss=kto (unpaired examples) is implemented as a loss (scaletrain.model.preference"
                       ".kto_loss) but not yet trained by train.objective=preference; use a paired loss (sigmoid, "

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from scaletrain.bench.preference_task import write_rule_pairs
 from scaletrain.data.prepare import prepare
-from scaletrain.errors import ConfigError, DataError
+from scaletrain.errors import CheckpointError, ConfigError, DataError
 from scaletrain.train.trainer import Trainer
 
 from conftest import micro_cfg, one_line_exit_2, read_metrics, run_here
@@ -196,3 +196,34 @@ def test_text_data_short_windows_and_the_cli_are_one_line_exit_2(tmp_path, pairs
                  f"--log.run_dir={tmp_path / 'cli'}")
     one_line_exit_2(r, "preference.beta")
     assert not (tmp_path / "cli").exists()
+
+
+def test_a_reference_from_another_model_is_that_models_log_probs(tmp_path, pairs):
+    """preference.reference_from: the frozen copy holds the given weights (here a trained run's, exported), so
+    the first step's loss is DPO against that model, not ln 2; one of other shapes or tokenizer is one line."""
+    Trainer(cfg_for(tmp_path / "sft", pairs, **{"checkpoint.save_final": True})).fit()
+    export = tmp_path / "sft.safetensors"
+    assert run_here("export", str(tmp_path / "sft" / "run"), "--out", str(export)).returncode == 0
+    t = Trainer(cfg_for(tmp_path / "dpo", pairs, **{"preference.reference_from": str(export)}))
+    model = t.pm.dp.module
+    reference = type(model)(t.cfg.model)
+    from safetensors.torch import load_file
+
+    from scaletrain.model.hf import load_hf_weights
+
+    reference.load_state_dict(dict(load_hf_weights(str(export), t.cfg.model)), strict=False)
+    reference.init_buffers("cpu")
+    reference.eval()
+    assert load_file(str(export))  # a plain safetensors file
+    examples = [t.data.dataset.data[int(i)] for i in t.sampler(0).global_batch_indices(0)]
+    t.hooks.begin_step(t.loss_factor())
+    got, _ = t.forward_backward(t.batches())
+    want = by_hand(model, reference, examples, "sigmoid", beta=0.1)
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    assert float(want) != pytest.approx(math.log(2), abs=1e-3)
+    t.folder.release()
+    with pytest.raises(CheckpointError, match=r"tok_emb.weight has shape \(256, 64\), the model expects \(256, 32\)"):
+        Trainer(cfg_for(tmp_path / "wide", pairs, **{"preference.reference_from": str(export), "model.dim": 32,
+                                                     "model.n_heads": 2}))
+    with pytest.raises(ConfigError, match="preference.reference_from=.* gives the weights of a frozen reference copy"):
+        cfg_for(tmp_path, pairs, **{"preference.reference_from": str(export), "preference.loss": "simpo"})

@@ -44,6 +44,7 @@ from scaletrain.errors import ConfigError, DataError
 from scaletrain.model.lora import adapters_off
 from scaletrain.model.preference import Mean, PreferenceLoss, combined, mean_of, preference_loss
 from scaletrain.parallel import pipeline
+from scaletrain.parallel.parallelize import initial_weights
 from scaletrain.parallel.tensor_parallel import whole
 from scaletrain.train.evaluate import restore_modes
 
@@ -53,6 +54,20 @@ REFERENCE_FILE = "reference_logps.pt"  # precomputed: the starting policy's log-
 def reference_mode(cfg) -> str:
     """Where the run's reference log-probs come from ("none" for the reference-free losses)."""
     return preference_reference(cfg)
+
+
+def reference_weights(cfg):
+    """The frozen reference copy's weights: preference.reference_from's (its shapes and tokenizer checked against
+    the run's), or those training starts from (model.init_from's; None: the seed's)."""
+    source = cfg.preference.reference_from
+    if not source:
+        return initial_weights(cfg, resuming=False)
+    from scaletrain.data.tokenizer import check_same_tokenizer
+    from scaletrain.model.hf import load_hf_weights
+
+    check_same_tokenizer(source, cfg.data.path, what="preference.reference_from",
+                         otherwise="give a reference trained with the data's tokenizer")
+    return load_hf_weights(source, cfg.model)
 
 
 def open_preference_data(data_cfg, vocab_size: int | None, split: str = "train") -> PreferenceWindows | None:

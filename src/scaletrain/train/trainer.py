@@ -32,7 +32,12 @@ from scaletrain.model.flops import flops_per_token
 from scaletrain.model.generate import sample_text
 from scaletrain.model.loss import cross_entropy_sum
 from scaletrain.model.transformer import Transformer
-from scaletrain.objectives.preference import PreferenceObjective, open_preference_data, reference_mode
+from scaletrain.objectives.preference import (
+    PreferenceObjective,
+    open_preference_data,
+    reference_mode,
+    reference_weights,
+)
 from scaletrain.optim import build_optimizer, get_lr, init_optimizer_state, set_lr
 from scaletrain.parallel.parallelize import initial_weights, parallelize, parallelize_module, step_hooks
 from scaletrain.precision import Precision
@@ -168,8 +173,7 @@ class Trainer:
             return None
         with torch.device("meta"):
             model = Transformer(self.cfg.model)
-        pm = parallelize(model, self.cfg, self.rt, self.precision,
-                         weights=initial_weights(self.cfg, resuming=False))
+        pm = parallelize(model, self.cfg, self.rt, self.precision, weights=reference_weights(self.cfg))
         for module in pm.dp.modules:
             module.requires_grad_(False)
         return pm

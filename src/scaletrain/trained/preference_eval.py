@@ -20,10 +20,11 @@ def starting_model(cfg) -> Transformer:
     """The weights a run of `cfg` started from (its reference model), whole, fp32, on the CPU."""
     model = Transformer(cfg.model)
     model.init_buffers("cpu")
-    if cfg.model.init_from:
+    source = cfg.preference.reference_from or cfg.model.init_from
+    if source:
         from scaletrain.model.hf import load_hf_weights
 
-        weights = load_hf_weights(cfg.model.init_from, cfg.model)
+        weights = load_hf_weights(source, cfg.model)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(weights[name])
