@@ -378,6 +378,25 @@ CLI_MICRO = ["--model.dim=64", "--model.n_layers=2", "--model.max_seq_len=32", "
              "--train.sample_tokens=0"]
 
 
+def language_models(root: Path, lines: list[str]) -> dict[str, str]:
+    """Two exported micro models (4 untied blocks), "policy" trained as a language model on `lines` and
+    "reference" its starting weights: KTO's KL, clamped at 0 where a policy starts at its reference, is
+    well above 0 between them (tests/objectives)."""
+    text = root / "lm.txt"
+    text.write_text("".join(line + "\n" for line in lines) * 20)
+    from scaletrain.data.prepare import prepare
+
+    prepare([text], root / "lm")
+    models = {}
+    for name, steps, lr in (("policy", 30, 3e-3), ("reference", 1, 1e-9)):
+        fit_reference(micro_cfg(root / name, **{"data.path": str(root / "lm"), "train.steps": steps,
+                                               "model.n_layers": 4, "model.tie_embeddings": False, "optim.lr": lr,
+                                               "checkpoint.save_final": True}))
+        models[name] = str(root / f"{name}.safetensors")
+        assert run_here("export", str(root / name / "run"), "--out", models[name]).returncode == 0
+    return models
+
+
 def train_micro(tmp_path: Path, **overrides) -> dict:
     """Train micro_cfg(tmp_path, **overrides) in this process; fit()'s result."""
     from scaletrain.train.trainer import Trainer

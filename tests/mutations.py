@@ -680,6 +680,11 @@ MUTANTS = [
            "with one pair a micro-batch only)", "src/scaletrain/objectives/preference.py",
            "chosen, rejected = sums[0::2], sums[1::2]", "chosen, rejected = sums.view(2, -1)[0], sums.view(2, -1)[1]",
            (f"{PT}::test_the_step_loss_and_gradients_equal_the_loss_written_out[sigmoid]",)),
+    Mutant("kto-kl-per-rank", "KTO's KL estimate from each rank's own examples, not the global batch's",
+           "src/scaletrain/objectives/preference.py",
+           "        if self.t.rt.distributed:  # tp and cp copies add to the sum and the count alike\n"
+           "            dist.all_reduce(total)\n", "",
+           (f"{PL}::test_a_layout_trains_like_one_process[kto-zero3]",)),
     Mutant("preference-cp-partial-sums", "under context parallelism each rank's loss from its own chunks' log-probs "
            "(a pair's sequence split across ranks, not summed over them)", "src/scaletrain/objectives/preference.py",
            "        sums = _SumOver.apply(sums, cp_group)\n", "",

@@ -885,10 +885,6 @@ def preference_problems(cfg: JobConfig) -> list[str]:
     elif p.reference_from and not _exists(p.reference_from):
         errors.append(f"preference.reference_from: {p.reference_from} does not exist; give a Hugging Face model folder "
                       "or a .safetensors file")
-    if p.loss == "kto":
-        errors.append("preference.loss=kto (unpaired examples) is implemented as a loss (scaletrain.model.preference"
-                      ".kto_loss) but not yet trained by train.objective=preference; use a paired loss (sigmoid, "
-                      "robust, ipo, hinge, simpo, orpo)")
     if cfg.fault_tolerance.enabled:
         errors.append("fault_tolerance.enabled with train.objective=preference is not supported yet (the replica "
                       "groups' losses are weighed by tokens, a preference loss by pairs); set fault_tolerance."

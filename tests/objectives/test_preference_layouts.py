@@ -15,7 +15,16 @@ from scaletrain.bench.preference_task import write_rule_pairs
 from scaletrain.data.prepare import prepare
 from scaletrain.verify import TOLERANCES
 
-from conftest import Lazy, assert_same_run, assert_same_weights, fit_reference, micro_cfg, micro_overrides, run_group
+from conftest import (
+    Lazy,
+    assert_same_run,
+    assert_same_weights,
+    fit_reference,
+    language_models,
+    micro_cfg,
+    micro_overrides,
+    run_group,
+)
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.usefixtures("forked_launches")]
 
@@ -28,6 +37,7 @@ BASE = {"train.objective": "preference", "train.steps": STEPS, "model.n_layers":
         "train.global_batch": 6, "train.micro_batch": 1, **SGD}
 MOE = {"model.moe_experts": 4, "model.moe_aux_loss": 0.01}
 SIMPO = {"preference.loss": "simpo", "preference.beta": 2.0}
+KTO = {"preference.loss": "kto", "preference.undesirable_weight": 1.5}  # (+ the models of `data`: a KL above 0)
 
 LAYOUTS = [
     ("zero3", {"parallel.dp_shard": 2, "parallel.zero": 3}),
@@ -42,8 +52,22 @@ LAYOUTS = [
     ("simpo-pp2-gpipe", {"parallel.pp": 2, "parallel.pp_schedule": "gpipe", **SIMPO}),
     ("simpo-cp2-ulysses", {"parallel.cp": 2, "parallel.cp_method": "ulysses", **SIMPO}),
     ("simpo-ep2-moe", {"parallel.dp_shard": 2, "parallel.zero": 3, "parallel.ep": 2, **MOE, **SIMPO}),
+    # KTO: unpaired examples, the KL estimate over the global batch (every rank's KL rows)
+    ("kto-zero3", {"parallel.dp_shard": 2, "parallel.zero": 3, **KTO}),
+    ("kto-pp2", {"parallel.pp": 2, **KTO}),
+    ("kto-cp2", {"parallel.cp": 2, **KTO}),
+    ("kto-tp2-sp-precomputed", {"parallel.tp": 2, "parallel.sp": True, "preference.reference": "precomputed", **KTO}),
 ]
 NOT_LAYOUT = ("parallel.", "train.micro_batch")
+
+
+def data_of(extra: dict, data: dict) -> dict:
+    """The data (and for KTO the starting and reference models) of a layout's settings."""
+    if extra.get("preference.loss") != "kto":
+        return {"data.path": data["pairs"]}
+    return {"data.path": data["unpaired"], "model.init_from": data["policy"],
+            **({} if extra.get("preference.reference") == "precomputed" else
+               {"preference.reference_from": data["reference"]})}
 
 
 def reference_of(extra: dict) -> dict:
@@ -59,13 +83,20 @@ def data(tmp_path_factory):
         for i in range(6):
             f.write(json.dumps({"prompt": "vowels: ", "chosen": "ae" * (1 + i), "rejected": "k" * (3 + i)}) + "\n")
     prepare([rows], root / "data", preference="pairs")
-    return str(root / "data")
+    kto = root / "kto.jsonl"  # the same completions, unpaired: the chosen desirable, the rejected not
+    kto.write_text("".join(json.dumps({"prompt": r["prompt"], "completion": r["chosen" if i % 2 else "rejected"],
+                                       "label": bool(i % 2)}) + "\n"
+                           for i, r in enumerate(json.loads(line) for line in rows.read_text().splitlines())))
+    prepare([kto], root / "unpaired", preference="unpaired")
+    models = language_models(root, [json.loads(line)["prompt"] + json.loads(line)["chosen"]
+                                    for line in rows.read_text().splitlines()])
+    return {"pairs": str(root / "data"), "unpaired": str(root / "unpaired"), **models}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data):
     tmp = tmp_path_factory.mktemp("pref-mp")
-    jobs = [{"overrides": micro_overrides(tmp / name, **{**BASE, "data.path": data, **extra})}
+    jobs = [{"overrides": micro_overrides(tmp / name, **{**BASE, **data_of(extra, data), **extra})}
             for name, extra in LAYOUTS]
     code, results, err = run_group(2, jobs, tmp)
     assert code == 0, err
@@ -79,12 +110,14 @@ def reference(tmp_path_factory, data):
     for _, extra in LAYOUTS:
         key = json.dumps(reference_of(extra), sort_keys=True)
         makers[key] = lambda key=key: fit_reference(micro_cfg(tmp / str(abs(hash(key))), **{
-            **BASE, "data.path": data, "train.micro_batch": 6, **json.loads(key)}))
+            **BASE, **data_of(json.loads(key), data), "train.micro_batch": 6, **json.loads(key)}))
     return Lazy(makers)
 
 
 @pytest.mark.parametrize("name,extra", LAYOUTS, ids=[n for n, _ in LAYOUTS])
 def test_a_layout_trains_like_one_process(runs, reference, name, extra):
     ref = reference[json.dumps(reference_of(extra), sort_keys=True)]
+    if name.startswith("kto") and extra.get("preference.reference") != "precomputed":
+        assert min(r["kl"] for r in ref["history"]) > 0.1, [r["kl"] for r in ref["history"]]  # the KL counts
     assert_same_run(runs[name]["history"], ref["history"], steps=STEPS, tol=TOL, what=name)
     assert_same_weights(runs[name]["weights"], ref["weights"], tol=WEIGHTS_TOL, what=name)

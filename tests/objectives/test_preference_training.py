@@ -38,6 +38,19 @@ def pairs(tmp_path_factory):
     return str(root / "data")
 
 
+@pytest.fixture(scope="module")
+def unpaired(tmp_path_factory):
+    """KTO's examples: the rule task's completions, each desirable (follows the rule) or not, one of each per pair."""
+    from scaletrain.bench.preference_task import rule_pairs
+
+    root = tmp_path_factory.mktemp("unpaired")
+    rows = [{"prompt": r["prompt"], "completion": r["chosen"] if i % 3 else r["rejected"][: 3 + i % 6],
+             "label": bool(i % 3)} for i, r in enumerate(rule_pairs(240, seed=4))]
+    (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prepare([root / "rows.jsonl"], root / "data", preference="unpaired", val_fraction=0.1)
+    return str(root / "data")
+
+
 def cfg_for(tmp_path, data, **extra):
     return micro_cfg(tmp_path, **{**PREF, "data.path": data, **extra})
 
@@ -99,19 +112,91 @@ def test_the_step_loss_and_gradients_equal_the_loss_written_out(tmp_path, pairs,
         torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
 
 
-@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
-def test_the_three_reference_modes_give_one_run(tmp_path, pairs, loss):
+def kto_by_hand(policy, reference, dataset, ids, beta: float, weights=(1.0, 1.0)) -> torch.Tensor:
+    """KTO written out (Ethayarajh et al. 2024): the KL estimate the mean over the batch of the policy's log-ratio
+    on each example's prompt with the next example's completion (no gradient, at least 0); a desirable example
+    costs w_d (1 - sigmoid(beta (r - KL))), an undesirable one w_u (1 - sigmoid(beta (KL - r)))."""
+    data = dataset.data
+    n = len(data)
+    with torch.no_grad():
+        kls = []
+        for i in ids:
+            ex, other = data[int(i)], data[(int(i) + 1) % n]
+            seq = torch.cat([ex.sequences[0][:ex.prompt_len], other.sequences[0][other.prompt_len:]])
+            mask = torch.arange(seq.numel()) >= ex.prompt_len
+            kls.append(completion_logp(policy, seq, mask) - completion_logp(reference, seq, mask))
+        kl = torch.stack(kls).mean().clamp(min=0)
+    losses = []
+    for i in ids:
+        ex = data[int(i)]
+        with torch.no_grad():
+            ref = completion_logp(reference, ex.sequences[0], ex.masks[0])
+        r = completion_logp(policy, ex.sequences[0], ex.masks[0]) - ref
+        losses.append(weights[0] * (1 - torch.sigmoid(beta * (r - kl))) if ex.label else
+                      weights[1] * (1 - torch.sigmoid(beta * (kl - r))))
+    return torch.stack(losses).mean()
+
+
+def test_kto_step_loss_and_gradients_equal_kto_written_out(tmp_path, unpaired):
+    """From a model trained on the completions' text against its starting weights as the reference: a KL
+    estimate well above 0 (it is clamped at 0, where a policy starting at its reference stays at first)."""
+    from scaletrain.bench.preference_task import rule_pairs
+    from scaletrain.model.hf import load_hf_weights
+
+    from conftest import language_models
+
+    models = language_models(tmp_path, [r["prompt"] + r["chosen"] for r in rule_pairs(60, seed=4)])
+    shape = {"model.n_layers": 4, "model.tie_embeddings": False}
+    t = Trainer(cfg_for(tmp_path / "kto", unpaired, **{
+        "preference.loss": "kto", "preference.beta": 0.5, "preference.undesirable_weight": 1.5, **shape,
+        "model.init_from": models["policy"], "preference.reference_from": models["reference"]}))
+    model = t.pm.dp.module
+    reference = type(model)(t.cfg.model)
+    reference.load_state_dict(dict(load_hf_weights(models["reference"], t.cfg.model)), strict=False)
+    reference.init_buffers("cpu")
+    reference.eval()
+    batches = t.batches()
+    for _ in range(2):
+        t.train_step(batches)
+        t.state.step += 1
+    ids = t.sampler(2).global_batch_indices(2)
+    t.hooks.begin_step(t.loss_factor())
+    loss_value, _ = t.forward_backward(batches)
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    expected = kto_by_hand(model, reference, t.data.dataset, ids, beta=0.5, weights=(1.0, 1.5))
+    expected.backward()
+    assert t.objective.window.metrics["kl"].value() > 0.1  # the KL counts
+    assert float(loss_value.detach()) == pytest.approx(float(expected.detach()), rel=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_kto_learns_which_completions_are_desirable(tmp_path, unpaired):
+    cfg = cfg_for(tmp_path, unpaired, **{"preference.loss": "kto", "train.steps": 20, "train.global_batch": 16,
+                                         "train.micro_batch": 16, "train.eval_every": 20, "train.eval_batches": 1})
+    t = Trainer(cfg)
+    first = t.evaluate()
+    history = t.fit()["history"]
+    last = history[-1]
+    assert first["val_rewards/chosen"] == 0.0 == first["val_rewards/rejected"]  # the policy is the reference
+    assert last["val_rewards/chosen"] > last["val_rewards/rejected"] + 1.0, last  # held out: desirable ones rise
+    assert last["loss"] < history[0]["loss"]
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "kto"])
+def test_the_three_reference_modes_give_one_run(tmp_path, pairs, unpaired, loss):
     """A frozen copy, the adapters switched off, and the pass before the first step: the same losses, gradient
     norms and held-out metrics (LoRA, whose adapters start at zero: the base is the starting policy)."""
     runs = {}
     for mode in ("model", "adapters", "precomputed"):
-        cfg = cfg_for(tmp_path / mode, pairs, **{"adapter.kind": "lora", "preference.reference": mode,
-                                                 "preference.loss": loss, "train.eval_every": 2,
-                                                 "train.eval_batches": 2})
+        cfg = cfg_for(tmp_path / mode, unpaired if loss == "kto" else pairs, **{
+            "adapter.kind": "lora", "preference.reference": mode, "preference.loss": loss, "train.eval_every": 2,
+            "train.eval_batches": 2})
         runs[mode] = Trainer(cfg).fit()["history"]
     for mode in ("adapters", "precomputed"):
         for a, b in zip(runs[mode], runs["model"]):
-            for key in ("loss", "grad_norm", "val_loss", "val_rewards/margins"):
+            for key in ("loss", "grad_norm", "val_loss", "val_rewards/margins", "val_rewards/chosen", "kl"):
                 if key in b:
                     assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (mode, a["step"], key)
     assert (tmp_path / "precomputed" / "run" / "reference_logps.pt").exists()
@@ -178,13 +263,19 @@ def test_export_generate_and_eval_of_a_preference_run(tmp_path, pairs):
 @pytest.mark.parametrize("extra, fragment", [
     ({"preference.beta": 0.0}, "preference.beta=0 must be above 0"),
     ({"preference.reference": "adapters"}, "preference.reference=adapters takes the reference log-probs"),
-    ({"preference.loss": "kto"}, "preference.loss=kto"),
     ({"train.batch_rampup": "2,2,100"}, "train.batch_rampup is not used by train.objective=preference"),
     ({"fault_tolerance.enabled": True}, "fault_tolerance.enabled with train.objective=preference"),
 ])
 def test_bad_settings_are_one_line(tmp_path, pairs, extra, fragment):
     with pytest.raises(ConfigError, match=fragment.replace(".", r"\.").replace("(", r"\(")):
         cfg_for(tmp_path, pairs, **extra)
+
+
+def test_kto_needs_unpaired_examples_and_the_paired_losses_pairs(tmp_path, pairs, unpaired):
+    with pytest.raises(ConfigError, match="preference.loss=kto trains on unpaired examples, and .* holds pairs"):
+        Trainer(cfg_for(tmp_path / "a", pairs, **{"preference.loss": "kto"}))
+    with pytest.raises(ConfigError, match="preference.loss=sigmoid trains on pairs, and .* holds unpaired"):
+        Trainer(cfg_for(tmp_path / "b", unpaired))
 
 
 def test_text_data_short_windows_and_the_cli_are_one_line_exit_2(tmp_path, pairs):

@@ -39,9 +39,11 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
                                 base=args.base)
     if args.json:
         print(json.dumps(r, indent=1))
-    elif "val_rewards/accuracies" in r:  # a preference-trained checkpoint
-        print(f"val_loss {r['val_loss']:.4f}  accuracy {100 * r['val_rewards/accuracies']:.1f}%  margin "
-              f"{r['val_rewards/margins']:.4f}  ({r['data']}, {r['split']}: {r['batches']} batch(es) = "
+    elif "val_rewards/chosen" in r:  # a preference-trained checkpoint (pairs: accuracy and margin; KTO: rewards)
+        shown = (f"accuracy {100 * r['val_rewards/accuracies']:.1f}%  margin {r['val_rewards/margins']:.4f}"
+                 if "val_rewards/accuracies" in r else f"reward desirable {r['val_rewards/chosen']:.4f}  undesirable "
+                 f"{r['val_rewards/rejected']:.4f}  kl {r['val_kl']:.4f}")
+        print(f"val_loss {r['val_loss']:.4f}  {shown}  ({r['data']}, {r['split']}: {r['batches']} batch(es) = "
               f"{r['examples']:,} examples; step {r['step']})")
     else:
         scheme = f"  [quantized: {r['quantized']}]" if r.get("quantized") else \

@@ -126,7 +126,9 @@ def collate_preference(examples: list[PreferenceExample], pad_id: int = 0) -> Pr
 class PreferenceWindows(torch.utils.data.Dataset):
     """PreferenceData as the trainer reads it (train.objective=preference): `dataset[indices]` is one
     micro-batch of examples as fixed-width rows, (inputs, targets, ids): inputs and targets (R, seq_len),
-    every example's sequences on adjacent rows (a pair's chosen, then its rejected), padded on the right;
+    every example's sequences on adjacent rows (a pair's chosen, then its rejected; an unpaired example's
+    completion, then its KL row: its prompt with the completion of `kl_partner` — KTO's mismatched pair, fixed
+    by the data rather than by the batch, so that every layout estimates the KL alike), padded on the right;
     targets the next token on the completion's tokens and IGNORE_INDEX elsewhere; ids the examples'
     indices (what the precomputed reference log-probs are looked up by). One width for every batch keeps
     the shapes that pipeline stages, context-parallel chunks and compiled blocks need.
@@ -140,7 +142,7 @@ class PreferenceWindows(torch.utils.data.Dataset):
     def __init__(self, data: PreferenceData, seq_len: int, pad_id: int = 0):
         self.data, self.seq_len, self.pad_id = data, seq_len, pad_id
         self.kind, self.tokenizer = data.kind, data.tokenizer
-        self.rows_per_example = 2 if data.kind == "pairs" else 1
+        self.rows_per_example = 2  # a pair's two sequences; an unpaired example's own and its KL row
         columns = data.index[:, 1:3] if data.kind == "pairs" else data.index[:, 1:2]
         self.completion_lengths = columns.astype(np.int64)  # (N, rows per example)
         # a sequence of L tokens fills L - 1 positions (inputs and targets shifted by one)
@@ -150,8 +152,21 @@ class PreferenceWindows(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.data)
 
+    def kl_partner(self, i: int) -> int:
+        """The example whose completion example i's KL row takes (the next one, round the data's end)."""
+        return (i + 1) % len(self.data)
+
+    def _with_kl_row(self, i: int) -> PreferenceExample:
+        """Example i with its KL row: its prompt and its partner's completion, cut on the right to fit a row."""
+        ex, other = self.data[i], self.data[self.kl_partner(i)]
+        prompt, completion = ex.sequences[0][:ex.prompt_len], other.sequences[0][other.prompt_len:]
+        kl = torch.cat([prompt, completion])[:self.seq_len + 1]
+        mask = torch.arange(kl.numel()) >= ex.prompt_len
+        return PreferenceExample([ex.sequences[0], kl], [ex.masks[0], mask], ex.prompt_len, ex.label)
+
     def __getitem__(self, indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        batch = collate_preference([self.data[int(i)] for i in indices], self.pad_id)
+        examples = [self.data[int(i)] if self.kind == "pairs" else self._with_kl_row(int(i)) for i in indices]
+        batch = collate_preference(examples, self.pad_id)
         R, T = batch.input_ids.shape
         if T > self.seq_len:
             raise DataError(f"{self.data.tokens.source}: an example is {T + 1} tokens long, more than data.seq_len + 1 "

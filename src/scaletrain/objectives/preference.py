@@ -42,7 +42,7 @@ from scaletrain.data.loader import rank_slices, validation_batches
 from scaletrain.data.preference_dataset import PreferenceData, PreferenceWindows
 from scaletrain.errors import ConfigError, DataError
 from scaletrain.model.lora import adapters_off
-from scaletrain.model.preference import Mean, PreferenceLoss, combined, mean_of, preference_loss
+from scaletrain.model.preference import Mean, PreferenceLoss, combined, kto_loss, mean_of, preference_loss
 from scaletrain.parallel import pipeline
 from scaletrain.parallel.parallelize import initial_weights
 from scaletrain.parallel.tensor_parallel import whole
@@ -70,8 +70,10 @@ def reference_weights(cfg):
     return load_hf_weights(source, cfg.model)
 
 
-def open_preference_data(data_cfg, vocab_size: int | None, split: str = "train") -> PreferenceWindows | None:
-    """The examples of data.path (a folder written by `prepare --preference`) as fixed-width rows."""
+def open_preference_data(data_cfg, vocab_size: int | None, split: str = "train",
+                         loss: str | None = None) -> PreferenceWindows | None:
+    """The examples of data.path (a folder written by `prepare --preference`) as fixed-width rows; `loss`: the
+    preference loss they are for (KTO reads unpaired examples, the others pairs)."""
     if not data_cfg.path:
         raise ConfigError("train.objective=preference trains on a folder written by `scaletrain prepare --preference "
                           "FILE.jsonl --out FOLDER`; set data.path to it")
@@ -84,6 +86,12 @@ def open_preference_data(data_cfg, vocab_size: int | None, split: str = "train")
     if vocab_size is not None and data.tokenizer.vocab_size > vocab_size:
         raise DataError(f"{data.tokens.source}: the tokenizer has {data.tokenizer.vocab_size} tokens but "
                         f"model.vocab_size={vocab_size}; set model.vocab_size to at least {data.tokenizer.vocab_size}")
+    if loss is not None and (loss == "kto") != (data.kind == "unpaired"):
+        raise ConfigError(f"preference.loss={loss} trains on {'unpaired examples' if loss == 'kto' else 'pairs'}, and "
+                          f"{data.tokens.source} holds {data.kind} ({'pairs' if data.kind == 'pairs' else 'examples'} "
+                          f"written by prepare --preference {data.kind}); "
+                          + ("set preference.loss=kto, or prepare pairs" if data.kind == "unpaired" else
+                             "use a paired loss (sigmoid, ...), or prepare unpaired rows (prompt, completion, label)"))
     windows = PreferenceWindows(data, data_cfg.seq_len)
     if windows.longest > data_cfg.seq_len:
         raise DataError(f"{data.tokens.source}: its longest example is {windows.longest + 1} tokens, more than "
@@ -144,6 +152,10 @@ class PreferenceObjective:
             raise ConfigError(f"train.eval_every={t.cfg.train.eval_every} needs a validation split, and data.path "
                               f"{t.cfg.data.path} has none; prepare it again with --val-fraction (e.g. 0.05), or set "
                               "train.eval_every=0")
+        # the held-out batches, fixed for the run (checked here: a split too small is said before training)
+        self.val_batches = None if self.val is None else validation_batches(
+            len(self.val), t.layout.global_batch, t.cfg.train.eval_batches, t.cfg.train.seed,
+            f"{self.val.data.tokens.source} (validation split)")
         if self.ref_pm is not None and self.ref_pm.stages:
             self.ref_pm.schedule(t.layout.pp_schedule, t.layout.grad_accum, self.micro_loss)
 
@@ -161,7 +173,7 @@ class PreferenceObjective:
         while True:
             parts = [next(batches) for _ in range(t.layout.grad_accum)]
             t0 = time.perf_counter()
-            refs = self.reference(parts)
+            refs = self._with_kl(parts, self.reference(parts), t.data.dataset)
             self.ref_seconds += time.perf_counter() - t0
             for (inputs, targets, _ids), ref in zip(parts, refs):
                 self.queue.append(ref)
@@ -183,7 +195,32 @@ class PreferenceObjective:
             value = value + part.nll.total / max(1, chosen_tokens)
         return value
 
+    def _with_kl(self, parts, refs: list, dataset, rows: list | None = None) -> list:
+        """KTO: each micro-batch's reference with its examples' labels and the KL estimate of the whole global
+        batch (`parts`, over every rank): the mean of the policy's log-ratio to the reference on the KL rows
+        (an example's prompt with another's completion), at least 0, a constant to the gradient. `rows`: the
+        policy's row log-probs, where the caller has them (evaluation); else a forward pass without gradients."""
+        if self.cfg.loss != "kto":
+            return refs
+        rows = rows if rows is not None else self.forward_logps(self.t.pm, parts)
+        total = torch.zeros(2, dtype=torch.float64, device=self.t.rt.device)
+        for r, ref in zip(rows, refs):
+            if r is not None:  # the stages with the head
+                total[0] += (r[0][1::2].double() - ref["rejected"].double()).sum()
+                total[1] += ref["rejected"].numel()
+        if self.t.rt.distributed:  # tp and cp copies add to the sum and the count alike
+            dist.all_reduce(total)
+        kl = (total[0] / total[1].clamp(min=1)).clamp(min=0).float()
+        return [None if ref is None else {**ref, "kl": kl, "labels": dataset.labels(ids).to(kl.device)}
+                for (_, _, ids), ref in zip(parts, refs)]
+
     def _loss(self, sums, counts, ref) -> PreferenceLoss:
+        if self.cfg.loss == "kto":  # an example's own row, then its KL row
+            own, p = sums[0::2], self.cfg
+            part = kto_loss(own, ref["chosen"], ref["labels"], ref["kl"], beta=p.beta,
+                            desirable_weight=p.desirable_weight, undesirable_weight=p.undesirable_weight)
+            part.metrics["kl"] = Mean(ref["kl"].double() * own.numel(), torch.tensor(float(own.numel())))
+            return part
         chosen, rejected = sums[0::2], sums[1::2]
         policy = {"chosen": chosen, "rejected": rejected, "chosen_tokens": counts[0::2],
                   "rejected_tokens": counts[1::2], "nll": -chosen.sum(), "nll_tokens": counts[0::2].sum()}
@@ -196,6 +233,8 @@ class PreferenceObjective:
 
     def metric_names(self) -> list[str]:
         """The names of a row's metrics, known on every rank (the stages without the head compute none)."""
+        if self.cfg.loss == "kto":  # rewards of the desirable (chosen) and undesirable (rejected) examples
+            return ["loss", "kl", "rewards/chosen", "rewards/rejected"]
         names = ["logps/chosen", "logps/rejected", "rewards/accuracies", "rewards/chosen", "rewards/margins",
                  "rewards/rejected"]
         return ["loss", *names, *(["log_odds_chosen", "log_odds_ratio", "nll"] if self.cfg.loss == "orpo" else [])]
@@ -326,14 +365,13 @@ class PreferenceObjective:
         and micro-batches like a training step's, the policy and the reference in eval mode."""
         t, b = self.t, self.t.layout
         t.health.enter("evaluation")
-        batches = validation_batches(len(self.val), b.global_batch, t.cfg.train.eval_batches, t.cfg.train.seed,
-                                     self.val.data.tokens.source)
         parts_total: list[PreferenceLoss] = []
-        for global_batch in batches:
+        for global_batch in self.val_batches:
             micro = rank_slices(global_batch, b.micro_batch, b.grad_accum, t.data.dp_rank, b.dp)
             parts = [self._share(self.val[ids]) for ids in micro]
-            refs = self._val_reference(parts)
-            for rows, ref in zip(self.forward_logps(t.pm, parts), refs):
+            policy = self.forward_logps(t.pm, parts)
+            refs = self._with_kl(parts, self._val_reference(parts), self.val, policy)
+            for rows, ref in zip(policy, refs):
                 if rows is not None:
                     parts_total.append(self._loss(rows[0], rows[1], ref))
         self.last_val = self._reduced(combined(parts_total) if parts_total else None, prefix="val_")

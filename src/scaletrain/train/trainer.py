@@ -141,7 +141,7 @@ class Trainer:
             if self._custom_model is not None:
                 raise ConfigError("train.objective=preference trains scaletrain's transformer (its loss reads the "
                                   "logits of each completion); a custom module trains with train.objective=lm")
-            dataset = open_preference_data(cfg.data, cfg.model.vocab_size)
+            dataset = open_preference_data(cfg.data, cfg.model.vocab_size, loss=cfg.preference.loss)
             corpus = dataset.data.tokens  # its source, tokenizer and fingerprint
         else:
             corpus, dataset = open_training_data(cfg.data, parse_mix(cfg.data.mix) if cfg.data.mix else None,

@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 
 from scaletrain.data.loader import validation_batches
-from scaletrain.model.preference import combined, mean_of, preference_loss
+from scaletrain.model.preference import combined, kto_loss, mean_of, preference_loss
 from scaletrain.model.transformer import Transformer
 from scaletrain.objectives.preference import open_preference_data, row_logps
 from scaletrain.parallel.init import init_weights
@@ -45,13 +45,21 @@ def evaluate_preference(model, cfg, data_path: str, global_batch: int, batches: 
     reference = starting_model(cfg).to(dev) if cfg.preference.needs_reference else None
     parts = []
     for examples in order:
-        inputs, targets, _ = windows[examples]
+        inputs, targets, ids = windows[examples]
         inputs, targets = inputs.to(dev), targets.to(dev)
         sums, counts = row_logps(model(inputs), targets)
         ref = None
         if reference is not None:
             ref_sums, _ = row_logps(reference(inputs), targets)
             ref = {"chosen": ref_sums[0::2], "rejected": ref_sums[1::2]}
+        if cfg.preference.loss == "kto":  # each example's own row, then its KL row (the batch's KL estimate)
+            p = cfg.preference
+            kl = (sums[1::2] - ref["rejected"]).mean().clamp(min=0)
+            part = kto_loss(sums[0::2], ref["chosen"], windows.labels(ids).to(dev), kl, beta=p.beta,
+                            desirable_weight=p.desirable_weight, undesirable_weight=p.undesirable_weight)
+            part.metrics["kl"] = mean_of(kl.reshape(1).expand(len(examples)))
+            parts.append(part)
+            continue
         chosen = sums[0::2]
         part = preference_loss(cfg.preference, {
             "chosen": chosen, "rejected": sums[1::2], "chosen_tokens": counts[0::2], "rejected_tokens": counts[1::2],
