@@ -5,8 +5,11 @@ their markers give; a block that needs a GPU, several nodes or the user's own fi
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -62,19 +65,35 @@ def test_the_shim_runs_this_tree_with_the_sizes(tmp_path):
     assert '"steps": 3' in r.stdout
 
 
+def run_page(page: str, folder: Path) -> str | None:
+    """A page's runnable blocks, in order, in one fresh folder: None, or what failed (the block's place, its
+    text and the end of its output)."""
+    env = {**os.environ, "PATH": f"{folder / 'bin'}:{os.environ['PATH']}", "MPLBACKEND": "Agg",
+           "PYTHONPATH": os.pathsep.join([str(Path(scaletrain.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    work = folder / "work"
+    work.mkdir(parents=True)
+    for block in (b for b in BLOCKS if b.page == page and b.run):
+        write_shims(folder / "bin", sys.executable, block.sizes)
+        try:
+            r = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block.text], cwd=work, env=env,
+                               capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return f"{block.where} did not end within {BLOCK_TIMEOUT_S} s:\n{block.text}"
+        if r.returncode != 0:
+            return f"{block.where} exited {r.returncode}:\n{block.text}\n{(r.stdout + r.stderr)[-3000:]}"
+    return None
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("page", RUNNABLE_PAGES)
-def test_the_runnable_blocks_of_each_page_run(page, tmp_path):
-    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
-           "PYTHONPATH": os.pathsep.join([str(Path(scaletrain.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-           "MPLBACKEND": "Agg"}
-    work = tmp_path / "work"
-    work.mkdir()
-    for block in (b for b in BLOCKS if b.page == page):
-        if not block.run:
-            continue
-        write_shims(tmp_path / "bin", sys.executable, block.sizes)
-        r = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block.text], cwd=work, env=env,
-                           capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
-        assert r.returncode == 0, f"{block.where} exited {r.returncode}:\n{block.text}\n{(r.stdout + r.stderr)[-3000:]}"
+def test_every_runnable_block_runs(tmp_path):
+    """Two pages at a time (most of a block's time is an interpreter starting, on one core)."""
+    t0, cpu0 = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    with ThreadPoolExecutor(2) as pool:
+        failed = [f for f in pool.map(lambda i_page: run_page(i_page[1], tmp_path / str(i_page[0])),
+                                      enumerate(RUNNABLE_PAGES)) if f]
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+    runnable = sum(1 for b in BLOCKS if b.run)
+    print(f"\n{runnable} runnable blocks on {len(RUNNABLE_PAGES)} pages: {time.monotonic() - t0:.0f} s, "
+          f"{cpu.ru_utime + cpu.ru_stime - cpu0.ru_utime - cpu0.ru_stime:.0f} s of CPU")
+    assert failed == [], "\n\n".join(failed)
