@@ -66,7 +66,7 @@ def help_flags(argv: list[str], capsys) -> set[str]:
 def test_every_verb_and_flag_is_on_the_page(capsys):
     page = cli_page()
     commands = re.findall(r"^## `scaletrain ([\w -]+)`$", page, re.M)
-    assert commands[:len(VERBS)] != [] and [c for c in VERBS if c not in commands] == []
+    assert [c for c in VERBS if c not in commands] == [] and len(commands) == len(set(commands))
     assert {"bench comms", "bench step", "bench techniques"} <= set(commands)
     for command in commands:
         section = page.split(f"## `scaletrain {command}`", 1)[1].split("\n## ", 1)[0]
@@ -105,7 +105,7 @@ def test_every_family_and_error_is_on_its_page():
         kinds = re.findall(r'^\s+model_type = "(\w+)"', text, re.M)
         classes = re.findall(r'^\s+architecture = "(\w+)"', text, re.M)
         declared |= set(zip(kinds, classes))
-    assert len(declared) == 13 and families == declared
+    assert len(declared) >= 13 and families == declared
     page = errors_page()
     defined = {node.name for f in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(f.read_text()))
                if isinstance(node, ast.ClassDef) and any(getattr(b, "id", "").endswith(("Error", "Stopped", "Formed"))

@@ -124,9 +124,18 @@ def test_a_browser_shows_the_pages_with_navigation_and_search(served):
             page.goto(served)
             search = page.locator("input[data-md-component=search-query]")
             search.click()
-            search.fill("dp_replicate")
+            # the index is built in a web worker: slow on a busy machine ("Initializing search" until then)
+            meta = page.locator(".md-search-result__meta")
+            page.wait_for_function("() => !/Initializing/.test(document.querySelector('.md-search-result__meta')"
+                                   ".textContent)", timeout=180_000)
+            search.press_sequentially("dp_replicate", delay=20)  # key by key, as a person types
             results = page.locator(".md-search-result__item")
-            results.first.wait_for(timeout=30_000)
+            try:
+                results.first.wait_for(timeout=60_000)
+            except Exception:
+                save(page, "search-failed")
+                raise AssertionError(f"no search result: {meta.inner_text()!r}") from None
+            assert "matching" in meta.inner_text()
             assert results.count() >= 1
             save(page, "search")
         finally:
