@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.scaletrain-installed
 
-.PHONY: demo lint test test-fast test-properties test-gpu test-mutations install clean
+.PHONY: demo lint test test-fast test-properties test-gpu test-mutations docs docs-serve install clean
 
 install: $(STAMP)
 
@@ -22,7 +22,7 @@ demo: $(STAMP)
 
 # ruff, pinned in the dev extra and configured in pyproject.toml; .ci/run runs it before the tests
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks docs/hooks
 
 # TEST_JOBS pytest processes (pytest-xdist), each given whole files (--dist loadfile: a module's
 # shared process group still runs once). Most tests run on one core, or wait on a subprocess or a
@@ -51,5 +51,20 @@ test-gpu: $(STAMP)
 test-mutations: $(STAMP)
 	$(PY) tests/mutations.py
 
+# the documentation site (mkdocs.yml, docs/): the docs extra installed once, then a strict build into site/
+# (a broken link, a page left out of the navigation or a block without its marker fails); docs-serve serves
+# it at http://127.0.0.1:8000 and rebuilds on each change. The reference pages are written from the code.
+DOCS_STAMP := $(VENV)/.scaletrain-docs-installed
+
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+docs-serve: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr 127.0.0.1:8000
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache

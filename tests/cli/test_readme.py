@@ -11,7 +11,7 @@ README = (REPO / "README.md").read_text()
 
 
 def test_every_config_file_the_docs_name_exists():
-    docs = [README, *(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))]
+    docs = [README, *(p.read_text() for p in sorted((REPO / "docs").rglob("*.md")))]
     named = sorted({m for text in docs for m in re.findall(r"\bconfigs/[\w.-]+\.toml\b", text)})
     assert named and [n for n in named if not (REPO / n).is_file()] == []
 
