@@ -318,3 +318,19 @@ def test_a_reference_from_another_model_is_that_models_log_probs(tmp_path, pairs
                                                      "model.n_heads": 2}))
     with pytest.raises(ConfigError, match="preference.reference_from=.* gives the weights of a frozen reference copy"):
         cfg_for(tmp_path, pairs, **{"preference.reference_from": str(export), "preference.loss": "simpo"})
+
+
+def test_a_lora_preference_run_exports_its_adapters_for_peft(tmp_path, pairs):
+    """On a Hugging Face base (a run exported as one): PEFT's adapter folder, loaded back by `generate`."""
+    llama = {"model.norm": "rmsnorm", "model.activation": "swiglu", "model.position": "rope"}
+    Trainer(cfg_for(tmp_path / "base", pairs, **{"checkpoint.save_final": True, "train.steps": 1, **llama})).fit()
+    assert run_here("export", str(tmp_path / "base" / "run"), "--format", "hf", "--out",
+                    str(tmp_path / "hf")).returncode == 0
+    Trainer(cfg_for(tmp_path, pairs, **{"adapter.kind": "lora", "checkpoint.save_final": True, "train.steps": 2,
+                                        "model.from_hf": str(tmp_path / "hf"),
+                                        "model.init_from": str(tmp_path / "hf")})).fit()
+    r = run_here("export", str(tmp_path / "run"), "--format", "peft", "--out", str(tmp_path / "peft"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "peft" / "adapter_config.json").exists()
+    r = run_here("generate", str(tmp_path / "peft"), "--prompt", "digits: ", "--max-new-tokens", "4")
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
