@@ -62,10 +62,10 @@ MICRO = {
 # process waits alone at the end.
 SLOWEST_FIRST = ("test_fault_tolerance.py", "test_docs_blocks.py", "test_expert_parallel.py", "test_reliability.py",
                  "test_launch.py", "test_model_parallel.py", "test_quantize.py", "test_planner_accuracy.py",
-                 "test_lora.py", "test_training.py", "test_bench.py", "test_planner.py", "test_signals_startup.py",
+                 "test_lora.py", "test_preference_training.py", "test_training.py", "test_bench.py", "test_planner.py", "test_signals_startup.py",
                  "test_data_parallel.py", "test_fp8.py", "test_init_from.py", "test_calibration.py",
                  "test_checkpoint.py", "test_local_sgd.py", "test_hf_families.py", "test_window_parallel.py",
-                 "test_eval.py", "test_verify.py",
+                 "test_eval.py", "test_verify.py", "test_preference_layouts.py",
                  "test_run_folders.py", "test_cli.py", "test_planner_moe_accuracy.py", "test_ft_layouts.py",
                  "test_moe_parallel.py", "test_run_folder.py")
 
