@@ -62,7 +62,8 @@ MICRO = {
 # process waits alone at the end.
 SLOWEST_FIRST = ("test_fault_tolerance.py", "test_docs_blocks.py", "test_expert_parallel.py", "test_reliability.py",
                  "test_launch.py", "test_model_parallel.py", "test_quantize.py", "test_planner_accuracy.py",
-                 "test_lora.py", "test_preference_training.py", "test_training.py", "test_bench.py", "test_planner.py", "test_signals_startup.py",
+                 "test_lora.py", "test_preference_training.py", "test_training.py", "test_bench.py",
+                 "test_planner.py", "test_signals_startup.py",
                  "test_data_parallel.py", "test_fp8.py", "test_init_from.py", "test_calibration.py",
                  "test_checkpoint.py", "test_local_sgd.py", "test_hf_families.py", "test_window_parallel.py",
                  "test_eval.py", "test_verify.py", "test_preference_layouts.py",
