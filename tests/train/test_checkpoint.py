@@ -28,9 +28,11 @@ from conftest import (
     edit_json,
     forge_checksums,
     micro_cfg,
+    micro_overrides,
     mount_tmpfs,
     popen_train,
     read_metrics,
+    run_group,
     run_until,
     train_args,
     train_micro,
@@ -620,3 +622,28 @@ def test_a_background_save_that_fails_stops_the_run_at_the_next_save(tmp_path):
         assert ckpt.verify_checkpoint(disk / "step_00000002") is None and not list(disk.glob(".step_*"))
     finally:
         unmount(disk)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_two_ranks_save_in_the_background_and_resume_bitwise(tmp_path):
+    """Two gloo ranks, ZeRO-3 (each rank writes its own shards): background saves hold the bytes
+    synchronous ones hold, every rank's, and a run resumed from one (in the background too) goes on
+    bit for bit as the synchronous run. In one group, one run after another: each run makes its
+    own process group for its saves and lets it go at its end."""
+    common = {"train.steps": 6, "checkpoint.every": 3, "checkpoint.keep": 5, "parallel.zero": 3}
+    a = tmp_path / "async" / "checkpoints" / "step_00000003"
+    code, results, err = run_group(2, [
+        {"overrides": micro_overrides(tmp_path / "sync", **common)},
+        {"overrides": micro_overrides(tmp_path / "async", **common, **ASYNC)},
+        {"overrides": micro_overrides(tmp_path / "resumed", **common, **ASYNC, **{"checkpoint.resume": str(a)})},
+    ], tmp_path)
+    assert code == 0, err
+    sync, background, resumed = ([(r["step"], r["loss"], r["grad_norm"]) for r in job["history"]] for job in results)
+    assert len(sync) == 6 and background == sync and resumed == sync[3:]
+    for name in ("step_00000003", "step_00000006"):
+        got = tmp_path / "async" / "checkpoints" / name
+        assert {p.name for p in got.glob("__*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+        assert_same_checkpoint(got, tmp_path / "sync" / "checkpoints" / name)
+    assert_same_checkpoint(tmp_path / "resumed" / "checkpoints" / "step_00000006",
+                           tmp_path / "sync" / "checkpoints" / "step_00000006")
