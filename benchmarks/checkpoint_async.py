@@ -8,11 +8,11 @@ blocked   Train a model with a checkpoint every --every steps, once saving synch
           background save is waited for at the end, so both runs end with every checkpoint written).
 
               python benchmarks/checkpoint_async.py blocked [--model demo|gpt2-124m|both]
-                     [--saves 4] [--every 5] [--device cpu|cuda]
+                     [--saves 4] [--every 2] [--repeats 2] [--device cpu|cuda]
 
           demo: the built-in demo run (the 3.2M-parameter byte-level GPT, batch 32 x 128).
           gpt2-124m: GPT-2 small's shape on the same byte-level data (85M parameters with a
-          vocabulary of 256; batch 4 x 64 to keep a CPU step near a second).
+          vocabulary of 256; batch 2 x 64 to keep a CPU step short).
 
 soak      SIGKILL a run saving in the background, again and again, at random moments while a
           checkpoint is being written (a `.step_N.partial` folder is seen, then a random delay),
@@ -47,7 +47,7 @@ from pathlib import Path
 MODELS = {
     "demo": {},
     "gpt2-124m": {"model.preset": "gpt2-124m", "model.vocab_size": 256, "model.max_seq_len": 64,
-                  "data.seq_len": 64, "train.global_batch": 4},
+                  "data.seq_len": 64, "train.global_batch": 2},
 }
 QUIET = {"log.progress": "off", "log.tensorboard": False, "log.summary": False, "train.sample_tokens": 0,
          "train.eval_every": 0, "checkpoint.save_final": False, "log.every": 1}
@@ -89,22 +89,27 @@ def blocked_main(args) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     names = list(MODELS) if args.model == "both" else [args.model]
     print(f"blocked time per save, {args.saves} saves every {args.every} steps, device {args.device}, "
-          f"{os.cpu_count()} CPU core(s)")
-    print(f"{'model':<11} {'params':>7} {'checkpoint':>10} {'mode':<6} {'blocked per save (s)':<34} "
-          f"{'mean':>6} {'step (s)':>8} {'run (s)':>8}")
+          f"{os.cpu_count()} CPU core(s); sync and async runs alternate, {args.repeats} of each")
+    print(f"{'model':<10} {'params':>7} {'checkpoint':>10} {'mode':<6} {'blocked per save (s)':<30} "
+          f"{'step (s)':>8} {'run (s)':>8}")
     for name in names:
-        for background in (False, True):
-            work = Path(tempfile.mkdtemp(prefix="ckpt-async-"))
-            try:
-                r = timed_run({**MODELS[name], "train.steps": args.saves * args.every, "checkpoint.every": args.every,
-                               "checkpoint.keep": 2, "checkpoint.async_save": background,
-                               "train.device": args.device}, work / "run")
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
-            each = " ".join(f"{s:.3f}" for s in r["blocked_s"])
-            print(f"{name:<11} {r['params'] / 1e6:6.1f}M {r['bytes'] / 2**20:8.1f} MiB "
-                  f"{'async' if background else 'sync':<6} {each:<34} {statistics.mean(r['blocked_s']):6.3f} "
-                  f"{r['step_s']:8.3f} {r['wall_s']:8.1f}")
+        every: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(args.repeats):
+            for background in (False, True):
+                work = Path(tempfile.mkdtemp(prefix="ckpt-async-"))
+                try:
+                    r = timed_run({**MODELS[name], "train.steps": args.saves * args.every,
+                                   "checkpoint.every": args.every, "checkpoint.keep": 2,
+                                   "checkpoint.async_save": background, "train.device": args.device}, work / "run")
+                finally:
+                    shutil.rmtree(work, ignore_errors=True)
+                every[background] += r["blocked_s"]
+                print(f"{name:<10} {r['params'] / 1e6:6.1f}M {r['bytes'] / 2**20:6.1f} MiB "
+                      f"{'async' if background else 'sync':<6} {' '.join(f'{s:.3f}' for s in r['blocked_s']):<30} "
+                      f"{r['step_s']:8.3f} {r['wall_s']:8.1f}", flush=True)
+        sync, background = (statistics.median(every[m]) for m in (False, True))
+        print(f"{name}: median blocked per save: sync {sync:.3f} s, async {background:.3f} s "
+              f"({sync / background:.1f}x less)", flush=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,7 +248,8 @@ def main(argv=None) -> None:
     b = sub.add_parser("blocked", help="the time each save blocks training, sync and async")
     b.add_argument("--model", choices=[*MODELS, "both"], default="both")
     b.add_argument("--saves", type=int, default=4)
-    b.add_argument("--every", type=int, default=5)
+    b.add_argument("--every", type=int, default=2)
+    b.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternating (a shared machine is noisy)")
     b.add_argument("--device", default="cpu")
     s = sub.add_parser("soak", help="SIGKILL background writes at random; nothing incomplete is ever resumed")
     s.add_argument("--kills", type=int, default=20)

@@ -625,23 +625,58 @@ def test_a_background_save_that_fails_stops_the_run_at_the_next_save(tmp_path):
         unmount(disk)
 
 
+def hold_rank_1s_write(trainer):
+    """A probe (tests/dist_worker.py): rank 1's write of step 3's checkpoint is held until it starts
+    step 6, so that rank 0's thread waits for it in the save's collectives while both ranks train
+    (a checkpoint collective on the training's group would be paired with a training collective
+    there, and the run would hang). Reports the step rank 1 had done when its write went on."""
+    held, released = [], threading.Event()
+    real_write, real_step = ckpt._write_json, trainer.train_step
+
+    def held_write(path, data):
+        if trainer.rt.rank == 1 and path.name.startswith("rng") and path.parent.name == ".step_00000003.partial":
+            released.wait(60)
+            held.append(trainer.step)
+        real_write(path, data)
+
+    def step_then_release(batches):
+        if trainer.step == 5:
+            released.set()
+        return real_step(batches)
+
+    ckpt._write_json, trainer.train_step = held_write, step_then_release
+
+    def report():
+        ckpt._write_json = real_write
+        return held
+    return report
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_two_ranks_save_in_the_background_and_resume_bitwise(tmp_path):
     """Two gloo ranks, ZeRO-3 (each rank writes its own shards): background saves hold the bytes
     synchronous ones hold, every rank's, and a run resumed from one (in the background too) goes on
-    bit for bit as the synchronous run. In one group, one run after another: each run makes its
-    own process group for its saves and lets it go at its end."""
-    common = {"train.steps": 6, "checkpoint.every": 3, "checkpoint.keep": 5, "parallel.zero": 3}
+    bit for bit as the synchronous run; a save held on one rank while both train (their collectives
+    under way beside the save's) neither hangs nor changes a step. In one group, one run after
+    another: each run makes its own process group for its saves and lets it go at its end."""
+    common = {"train.steps": 6, "checkpoint.every": 3, "checkpoint.keep": 5, "parallel.zero": 3,
+              "parallel.timeout_s": 60}  # (a hang fails the test in a minute)
     a = tmp_path / "async" / "checkpoints" / "step_00000003"
     code, results, err = run_group(2, [
         {"overrides": micro_overrides(tmp_path / "sync", **common)},
         {"overrides": micro_overrides(tmp_path / "async", **common, **ASYNC)},
         {"overrides": micro_overrides(tmp_path / "resumed", **common, **ASYNC, **{"checkpoint.resume": str(a)})},
+        {"overrides": micro_overrides(tmp_path / "held", **common, **ASYNC),
+         "probe": "test_checkpoint:hold_rank_1s_write"},
     ], tmp_path)
     assert code == 0, err
-    sync, background, resumed = ([(r["step"], r["loss"], r["grad_norm"]) for r in job["history"]] for job in results)
-    assert len(sync) == 6 and background == sync and resumed == sync[3:]
+    sync, background, resumed, held = ([(r["step"], r["loss"], r["grad_norm"]) for r in job["history"]]
+                                       for job in results)
+    assert len(sync) == 6 and background == sync and resumed == sync[3:] and held == sync
+    # rank 0's thread waited in the save's barrier for rank 1's while both ranks trained steps 4 and 5,
+    # their all-gathers and reduce-scatters on the training group
+    assert results[3]["ranks"][1]["probe"] == [5], results[3]["ranks"]
     for name in ("step_00000003", "step_00000006"):
         got = tmp_path / "async" / "checkpoints" / name
         assert {p.name for p in got.glob("__*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
