@@ -84,12 +84,17 @@ def timed_run(overrides: dict, run_dir: Path) -> dict:
 
 
 def blocked_main(args) -> None:
-    import torch
+    from scaletrain import threads
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    # the intra-op threads `scaletrain train` would run (on a busy machine a copy on two threads whose
+    # partner waits for a core took 1 s where one thread took 14 ms): chosen as the command line does
+    os.environ.update(threads.wait_env(os.environ))  # before torch is imported
+    choice = threads.on_this_node(1)
+    threads.use(choice)
     names = list(MODELS) if args.model == "both" else [args.model]
     print(f"blocked time per save, {args.saves} saves every {args.every} steps, device {args.device}, "
-          f"{os.cpu_count()} CPU core(s); sync and async runs alternate, {args.repeats} of each")
+          f"{os.cpu_count()} CPU core(s), {choice.threads} intra-op thread(s); sync and async runs alternate, "
+          f"{args.repeats} of each")
     print(f"{'model':<10} {'params':>7} {'checkpoint':>10} {'mode':<6} {'blocked per save (s)':<30} "
           f"{'step (s)':>8} {'run (s)':>8}")
     for name in names:
