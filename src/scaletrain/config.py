@@ -262,6 +262,8 @@ class CheckpointConfig:
     keep: int = option(3, "keep the newest K complete checkpoints", min=1)
     resume: str = option("none", "none, auto (the newest complete checkpoint, if any) or a checkpoint folder")
     save_final: bool = option(True, "save a checkpoint when training ends")
+    async_save: bool = option(False, "write the periodic checkpoints in the background: training waits only while "
+                                     "the state is copied to CPU memory (one copy of it kept for the run)")
     allow_data_change: bool = option(False, "resume on data other than the checkpoint was trained on (its "
                                      "fingerprint differs); without it such a resume is refused")
 

@@ -114,9 +114,9 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -293,12 +293,21 @@ def find_resumable(folder: Path, report=print) -> Path | None:
 # Saving
 
 
-def save_checkpoint(folder: Path, step: int, tensors: dict[str, Any], trainer_state: dict, keep: int) -> Path:
+def checkpoint_path(folder: Path, step: int) -> Path:
+    """Where the checkpoint of `step` is, once complete."""
+    return Path(folder) / f"step_{step:08d}"
+
+
+def save_checkpoint(folder: Path, step: int, tensors: dict[str, Any], trainer_state: dict, keep: int, *,
+                    group=None, rng: dict | None = None) -> Path:
     """Write a checkpoint of `step` (every rank calls this); returns its folder. `trainer_state`
-    holds "lineage": rotation keeps the newest `keep` checkpoints of that lineage."""
+    holds "lineage": rotation keeps the newest `keep` checkpoints of that lineage. `group`: the
+    process group every collective of the save runs on (None: the default one; a background save
+    has its own, scaletrain.train.async_save). `rng`: this rank's generators' state as of the
+    step saved (None: now)."""
     folder = Path(folder)
-    final = folder / f"step_{step:08d}"
-    partial = folder / f".step_{step:08d}.partial"
+    final = checkpoint_path(folder, step)
+    partial = folder / f".{final.name}.partial"
     rank = _rank()
     # imported here, not with this module: DCP and DTensor are a second of imports, paid by the processes that save
     import torch.distributed.checkpoint as dcp
@@ -309,18 +318,19 @@ def save_checkpoint(folder: Path, step: int, tensors: dict[str, Any], trainer_st
         if rank == 0:
             _clear_partial(folder)
             partial.mkdir()
-        _barrier()
-        dcp.save(tensors, storage_writer=FileSystemWriter(str(partial)), no_dist=not dist.is_initialized())
-        _write_json(partial / f"rng_rank{rank}.json", rng_state())
-        _barrier()  # rank 0's .metadata is written once every rank's data is
+        _barrier(group)
+        dcp.save(tensors, storage_writer=FileSystemWriter(str(partial)), process_group=group,
+                 no_dist=not dist.is_initialized())
+        _write_json(partial / f"rng_rank{rank}.json", rng if rng is not None else rng_state())
+        _barrier(group)  # rank 0's .metadata is written once every rank's data is
         files = {f.name: _digest(f) for f in _own_files(partial, rank)}
         if dist.is_initialized():
             every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, files)
+            dist.all_gather_object(every, files, group=group)
             files = {k: v for part in every for k, v in part.items()}
         if rank == 0:
             _publish(folder, partial, final, step, trainer_state, files, keep)
-        _barrier()
+        _barrier(group)
     except (OSError, RuntimeError, CheckpointException) as e:
         full = _disk_full(folder, _causes(e), _local_bytes(tensors))
         os_errors = [c for c in _causes(e) if isinstance(c, OSError)]

@@ -45,6 +45,7 @@ from scaletrain.runtime import Runtime, single_process
 from scaletrain.schedule import TrainSchedule
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import run_folder
+from scaletrain.train.async_save import writer_for
 from scaletrain.train.evaluate import validation_loss, validation_sets
 from scaletrain.train.health import Health
 from scaletrain.train.metrics import MetricsLogger, StepMeter, announce, perplexity, print_sample, report_state_bytes
@@ -127,6 +128,7 @@ class Trainer:
         self.hooks.say_to(self.metrics.info)  # what a technique sees go wrong (a collapsed router), when it does
         if resume_from is not None:
             self._resume(resume_from)
+        self._writer = writer_for(cfg, rt.device)  # checkpoints: at once, or in the background (async_save)
         # a custom module's FLOPs are not known in detail: 6 per parameter per token (matmuls, no attention)
         self.meter = StepMeter(rt, tokens_per_step=self.step_tokens(0),
                                compute_dtype=self.precision.compute_dtype,
@@ -213,8 +215,10 @@ class Trainer:
         optim, _ = ckpt.optimizer_to_named(self.optimizer, self._param_names)
         return self.hooks.checkpoint_tensors({"model": dict(self.pm.optim_params), "optim": optim})
 
-    def save(self) -> Path:
-        """A checkpoint: tensors and what resuming needs to go on bitwise (step, data, loss scale, lineage, hooks)."""
+    def save(self, background: bool = False) -> Path:
+        """A checkpoint: tensors and what resuming needs to go on bitwise (step, data, loss scale, lineage, hooks).
+        `background` (the loop's periodic saves), with checkpoint.async_save: returns once the state is copied to
+        CPU memory, while a thread writes it; the next save and the run's end wait for it."""
         _, skeleton = ckpt.optimizer_to_named(self.optimizer, self._param_names)
         cfg = self.cfg
         state = {**self.state.state_dict(), "world_size": self.rt.world_size, "config": cfg.to_dict(),
@@ -223,8 +227,8 @@ class Trainer:
                           "seq_len": cfg.data.seq_len, "source": self.data.corpus.source,
                           "fingerprint": getattr(self.data.corpus, "fingerprint", None)},
                  "optimizer": skeleton, **self.hooks.state_dict()}
-        return ckpt.save_checkpoint(self.folder.ckpt_dir, self.step, self.checkpoint_tensors(), state,
-                                    keep=cfg.checkpoint.keep)
+        return self._writer.save(self.folder.ckpt_dir, self.step, self.checkpoint_tensors(), state,
+                                 keep=cfg.checkpoint.keep, wait=not background)
 
     def _resume(self, path: Path) -> None:
         """Continue from checkpoint `path`, once checked against this model, data, batch and layout."""
@@ -394,6 +398,7 @@ class Trainer:
             raise
         finally:
             self.health.signals.restore()
+            self._writer.close()  # a checkpoint still being written completes before the folder is let go
             self.folder.release()
         self.metrics.close()
         return result
@@ -427,7 +432,7 @@ class Trainer:
                 losses.append(self._log(loss, grad_norm, val_loss))
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.hooks.writes_checkpoint():
                 self.health.enter("checkpoint save")
-                last_saved = guarded(self.save)
+                last_saved = guarded(self.save, True)  # in the background, with checkpoint.async_save
             if stop:
                 break
         self.health.check_weights_changed(self.step - first_step)
@@ -454,6 +459,7 @@ class Trainer:
 
     def _finish(self, losses: list[float], last_saved: Path | None) -> dict:
         """The end of the loop: the final (or emergency) checkpoint, the summary, the result."""
+        self._writer.wait()  # a checkpoint still being written in the background is complete first
         stopped = self.health.signals.received
         due = (self.health.fault or stopped is not None or self.cfg.checkpoint.save_final) and \
             (last_saved is None or last_saved.name != f"step_{self.step:08d}") and self.hooks.writes_checkpoint()
