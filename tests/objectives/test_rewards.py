@@ -190,3 +190,8 @@ def test_a_bad_reward_names_itself_and_the_row(user_module, name, completions, l
     with pytest.raises(ConfigError) as e:
         score([r], [""] * len(completions), completions)
     assert one_line(e) == line
+
+
+def test_fields_not_row_aligned_are_our_bug_not_the_users(user_module):
+    with pytest.raises(ValueError, match="label has 1 rows for 2 completions"):
+        score([load_reward(f"{user_module}:needs_label")], ["p", "q"], ["a", "b"], {"label": ["a"]})

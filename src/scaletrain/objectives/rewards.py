@@ -154,8 +154,9 @@ def score(rewards: Sequence[Reward], prompts: Sequence[str], completions: Sequen
           fields: Mapping[str, Sequence] | None = None) -> Scores:
     """Every reward on every completion, checked, and their weighted sum."""
     fields = dict(fields or {})
-    if len(prompts) != len(completions):
-        raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
+    for name, column in {"prompts": prompts, **fields}.items():  # our callers' invariant: one entry per completion
+        if len(column) != len(completions):
+            raise ValueError(f"{name} has {len(column)} rows for {len(completions)} completions")
     each = {r.name: torch.tensor(_call(r, list(prompts), list(completions), fields)) for r in rewards}
     total = torch.zeros(len(completions))
     for r in rewards:
