@@ -29,6 +29,13 @@ OBJECTIVES = ("lm", "preference")  # train.objective
 PREFERENCE_LOSSES = ("sigmoid", "robust", "ipo", "hinge", "simpo", "orpo", "kto")
 REFERENCE_FREE = ("simpo", "orpo")  # the preference losses that need no reference model
 REFERENCE_MODES = ("auto", "model", "precomputed", "adapters")  # preference.reference
+# RL with verifiable rewards (scaletrain.model.rl): how the per-token losses become one number (token:
+# the mean over the global batch's tokens; sequence: each sequence's token mean, then their mean;
+# constant: Dr. GRPO's sum over tokens / (sequences x maximum completion length)), the per-token KL
+# estimators, and the advantages' scaling (group: GRPO's division by the group's std; none: Dr. GRPO)
+RL_AGGREGATIONS = ("token", "sequence", "constant")
+KL_ESTIMATORS = ("k1", "k3")
+ADVANTAGE_SCALINGS = ("group", "none")
 
 OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
 
