@@ -498,7 +498,7 @@ def optimizer_seconds(wl: Workload, layout: Layout, hw, params: float) -> float:
     n_shard = layout.shard_ranks(wl.engine)  # what the engine shards: never the cp ranks in scaletrain's
     if layout.zero >= 1 and n_shard > 1:
         opt_params /= n_shard
-    state_b = {"adamw": 8, "sgd": 4, "adafactor": 0.1, "adamw8bit": 2}[wl.optimizer]
+    state_b = {"adamw": 8, "sgd": 4, "adafactor": 0.1, "adamw8bit": 2, "muon": 4}[wl.optimizer]  # (muon: its matrices')
     touched = opt_params * (2 * max(d.param, 4) + 4 + 2 * state_b + (8 if d.master else 0))
     if (sync := layout.outer) is not None:  # the outer step every H steps: weights, outer weights, momentum
         touched += opt_params * 4 * 6 / sync.every
