@@ -63,6 +63,8 @@ CH = "tests/data/test_chat.py"
 FT = "tests/parallel/test_fault_tolerance.py"
 FTL = "tests/parallel/test_ft_layouts.py"
 DM = "tests/data/test_document_mask.py"
+MU = "tests/optim/test_muon.py"
+MUP = "tests/optim/test_muon_parallel.py"
 
 MUTANTS = [
     Mutant("zero-no-dp-division", "ZeRO-1/2 bucket reduce without the 1/dp division",
@@ -655,6 +657,26 @@ MUTANTS = [
            "src/scaletrain/model/families/gemma2.py",
            'norm="rmsnorm", norm_eps=get.float("rms_norm_eps"),', 'norm="rmsnorm", norm_eps=1e-6,',
            (f"{HF}::test_fields_off_their_defaults_are_read_and_give_transformers_logits[gemma2]",)),
+    Mutant("muon-newton-schulz-on-a-shard", "Muon orthogonalises each rank's shard of a matrix instead of the whole",
+           "src/scaletrain/optim/whole.py",
+           "    if not isinstance(p, DTensor):\n        return []\n",
+           "    if True:\n        return []\n",
+           (f"{MUP}::test_parity_with_one_process[2ranks-zero1]", f"{MUP}::test_parity_with_one_process[2ranks-tp2-sp]",
+            f"{MU}::test_whole_matrices_on_4_ranks_equal_torch_newton_schulz_and_send_what_theory_says")),
+    Mutant("muon-tall-matrix-not-transposed", "Newton-Schulz iterates a tall matrix as it is (the Gram matrix of the "
+           "longer side) instead of its transpose", "src/scaletrain/optim/muon.py",
+           "    tall = g.size(0) > g.size(1)\n", "    tall = g.size(0) < g.size(1)\n",
+           (f"{MU}::test_three_steps_equal_torch_muon_and_adamw_bit_for_bit[match_rms_adamw]",)),
+    Mutant("muon-lr-adjusted-by-the-shard-shape", "Muon's learning-rate adjustment reads the shard's shape, not the "
+           "whole matrix's", "src/scaletrain/optim/muon.py",
+           'adjusted_lr(lr, group["adjust_lr"], p.shape)', 'adjusted_lr(lr, group["adjust_lr"], _local(p).shape)',
+           (f"{MUP}::test_parity_with_one_process[2ranks-zero1]",
+            f"{MUP}::test_parity_with_one_process[2ranks-zero3]")),
+    Mutant("muon-takes-vectors", "the automatic split sends 1-D parameters (norms, biases) to Muon",
+           "src/scaletrain/optim/muon.py",
+           "take = p.ndim >= 2 and not any", "take = p.ndim >= 1 and not any",
+           (f"{MU}::test_the_split_takes_block_and_expert_matrices_and_leaves_embeddings_head_norms",
+            f"{MU}::test_three_steps_equal_torch_muon_and_adamw_bit_for_bit[match_rms_adamw]")),
 ]
 
 
