@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from scaletrain.errors import ConfigError
+from scaletrain.model.flops import ns_flops
 from scaletrain.model.transformer import Transformer
 from scaletrain.optim import build_optimizer, optimizer_state_bytes, param_groups
 from scaletrain.optim.muon import adjusted_lr, muon_split, newton_schulz
-from scaletrain.optim.whole import ns_flops
 
 from conftest import micro_cfg, one_line_exit_2, read_metrics, run_here
 
@@ -193,3 +193,48 @@ def test_whole_matrices_on_4_ranks_equal_torch_newton_schulz_and_send_what_theor
     theory = 2 * 3 / 4 * result["values"] * 2
     assert abs(result["sent_bytes"] / theory - 1) < 0.01, (result["sent_bytes"], theory)
     assert sorted(set(result["owners"])) == [0, 1, 2, 3]  # five matrices, four owners: each has work
+
+
+@pytest.mark.parametrize("mode", ["16-mixed", "bf16-true"])
+def test_each_precision_tracks_the_fp32_muon_run(tmp_path, mode):
+    """fp16 with its loss scale (unscaled before Muon's step), and bf16 weights with fp32 masters (Muon steps
+    the masters): every step's loss within verify's tolerance for the mode of the 32-true run's (measured
+    1.4e-5 and 5.1e-4, 6 steps)."""
+    from scaletrain.train.trainer import Trainer
+    from scaletrain.verify import TOLERANCES
+
+    base = {"optim.name": "muon", "train.steps": 6}
+    ref = [r["loss"] for r in Trainer(micro_cfg(tmp_path / "fp32", **base)).fit()["history"]]
+    got = [r["loss"] for r in Trainer(micro_cfg(tmp_path / mode, **base, **{"precision.mode": mode})).fit()["history"]]
+    worst = max(abs(a - b) / b for a, b in zip(got, ref, strict=True))
+    assert worst < TOLERANCES[mode][0], worst
+
+
+def test_the_planner_counts_muon_state_flops_and_exchange_by_hand(tmp_path):
+    """llama-8b on 8 H100s under ZeRO-3: Muon's state is 4 bytes per hidden-matrix value and AdamW's 8 for the
+    rest; Newton-Schulz's time is the hand count of its FLOPs over the 8 owners at the bf16 peak (on one GPU,
+    all of them and no exchange)."""
+    from dataclasses import replace
+
+    from scaletrain.hardware import lookup
+    from scaletrain.model.presets import PRESETS
+    from scaletrain.plan.params import optimizer_bytes, rank_params
+    from scaletrain.plan.spec import Cluster, Layout
+    from scaletrain.plan.time_model import hardware_efficiency, muon_seconds
+
+    cfg = micro_cfg(tmp_path, **{f"model.{k}": v for k, v in PRESETS["llama-8b"].items()}, **{"data.seq_len": 128}).model
+    d, f, kv, layers = cfg.dim, cfg.hidden_dim, cfg.kv_heads * cfg.head_size, cfg.n_layers
+    shapes = [(d, d), (kv, d), (kv, d), (d, d), (f, d), (f, d), (d, f)]  # wq wk wv wo w1 w3 w2 (rows, cols)
+    hidden = layers * sum(r * c for r, c in shapes)
+    layout = Layout(dp_shard=8, zero=3)
+    counts = rank_params(cfg, layout, 0)
+    assert counts.hidden == hidden
+    assert optimizer_bytes("muon", counts) == 4 * hidden + 8 * (counts.total - hidden)
+    flops = layers * sum(5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes)
+    hw = lookup("H100-SXM")
+    cluster = Cluster(hw, 1, 8)
+    compute, exchange = muon_seconds(cfg, layout, cluster, 0)
+    assert compute == pytest.approx(flops / 8 / (hw.peak_flops("bf16") * hardware_efficiency(hw)))
+    one = Cluster(hw, 1, 1)
+    assert muon_seconds(cfg, replace(layout, dp_shard=1, zero=0), one, 0) == (pytest.approx(compute * 8), 0.0)
+    assert exchange > 0

@@ -46,3 +46,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     (MFU of a mixture of experts counts the experts a token visits, never all of them)."""
     # the scores and their weighted sum run at the heads' width, n_heads * head_size (= dim unless set apart)
     return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_size * seq_len
+
+
+def ns_flops(rows: int, cols: int, steps: int = 1) -> float:
+    """FLOPs of Muon's Newton-Schulz on a rows x cols matrix (scaletrain.optim.muon), per iteration times
+    `steps`: with m the shorter side and n the longer, X X' (2m²n), its square (2m³), the product with X
+    (2m²n)."""
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (4.0 * m * m * n + 2.0 * m ** 3)

@@ -36,6 +36,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from scaletrain.model.flops import ns_flops
+
 Orthogonalize = Callable[[torch.Tensor], torch.Tensor]  # (A, B) -> (A, B), in the exchange's dtype
 
 
@@ -89,13 +91,6 @@ def piece_indices(p: DTensor) -> tuple[torch.Tensor, torch.Tensor]:
         where = [_restricted(pl, dim) for pl in p.placements]
         out.append(distribute_tensor(index, p.device_mesh, where, src_data_rank=None).to_local())
     return out[0], out[1]
-
-
-def ns_flops(rows: int, cols: int, steps: int = 1) -> float:
-    """FLOPs of Newton-Schulz on a rows x cols matrix, per iteration times `steps`: with m the
-    shorter side and n the longer, X X' (2m²n), its square (2m³) and the product with X (2m²n)."""
-    m, n = min(rows, cols), max(rows, cols)
-    return steps * (4.0 * m * m * n + 2.0 * m ** 3)
 
 
 def _stacked(t: torch.Tensor) -> torch.Tensor:

@@ -100,21 +100,25 @@ class ParamCounts:
     matrices: tuple[tuple[int, int], ...] = ()
     expert: int = 0
     expert_matrices: tuple[tuple[int, int], ...] = ()
-    outer: int = 0  # of `matrices`, the values of the embeddings and the output head (Muon leaves them to AdamW)
+    n_outer: int = 0  # the last n_outer of `matrices` are the embeddings and the output head (Muon leaves them)
 
     @property
     def total(self) -> int:
         return self.sharded + self.replicated + self.expert
 
     @property
+    def hidden_matrices(self) -> tuple[tuple[int, int], ...]:
+        """The hidden matrices (the blocks', each expert's): what Muon steps."""
+        return self.matrices[:len(self.matrices) - self.n_outer] + self.expert_matrices
+
+    @property
     def hidden(self) -> int:
-        """Values of the hidden matrices (the blocks', each expert's): what Muon steps."""
-        return sum(r * c for r, c in (*self.matrices, *self.expert_matrices)) - self.outer
+        return sum(r * c for r, c in self.hidden_matrices)
 
     def parts(self) -> tuple[ParamCounts, ParamCounts]:
         """(everything but the routed experts, the routed experts): sharded by ZeRO over
         different groups under expert parallelism."""
-        return (ParamCounts(self.sharded, self.replicated, self.matmul, self.matrices, outer=self.outer),
+        return (ParamCounts(self.sharded, self.replicated, self.matmul, self.matrices, n_outer=self.n_outer),
                 ParamCounts(0, 0, 0, self.expert_matrices, self.expert))
 
 
@@ -297,8 +301,8 @@ def _rank_params(cfg: ModelConfig, tp: int, pp: int, virtual: int, schedule: str
         if not (cfg.tie_embeddings and layout.pp == 1):
             sharded += V * h // tp
             matrices.append((V // tp, h))
-    outer = sum(r * c for r, c in matrices[outer:])
-    return ParamCounts(sharded, replicated, matmul, tuple(matrices), expert, tuple(expert_matrices), outer)
+    return ParamCounts(sharded, replicated, matmul, tuple(matrices), expert, tuple(expert_matrices),
+                       len(matrices) - outer)
 
 
 def optimizer_bytes(optimizer: str, counts: ParamCounts) -> float:
