@@ -222,7 +222,8 @@ def test_the_planner_counts_muon_state_flops_and_exchange_by_hand(tmp_path):
     from scaletrain.plan.spec import Cluster, Layout
     from scaletrain.plan.time_model import hardware_efficiency, muon_seconds
 
-    cfg = micro_cfg(tmp_path, **{f"model.{k}": v for k, v in PRESETS["llama-8b"].items()}, **{"data.seq_len": 128}).model
+    preset = {f"model.{k}": v for k, v in PRESETS["llama-8b"].items()}
+    cfg = micro_cfg(tmp_path, **preset, **{"data.seq_len": 128}).model
     d, f, kv, layers = cfg.dim, cfg.hidden_dim, cfg.kv_heads * cfg.head_size, cfg.n_layers
     shapes = [(d, d), (kv, d), (kv, d), (d, d), (f, d), (f, d), (d, f)]  # wq wk wv wo w1 w3 w2 (rows, cols)
     hidden = layers * sum(r * c for r, c in shapes)
