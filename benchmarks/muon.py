@@ -130,7 +130,10 @@ def main(argv=None) -> None:
     single = compare(args, extra)
     forwarded = [f"--config={args.config}", f"--steps={args.steps}", f"--rounds={args.rounds}",
                  f"--nproc={args.nproc}", *extra]
-    rows = run_on_ranks("muon:rank_main", {"argv": forwarded}, args.nproc, pythonpath=(str(Path(__file__).parent),))
+    rows = {}  # (--nproc 1: one process only, as on a machine with one GPU)
+    if args.nproc > 1:
+        rows = run_on_ranks("muon:rank_main", {"argv": forwarded}, args.nproc,
+                            pythonpath=(str(Path(__file__).parent),))
     print(f"config {args.config} {' '.join(extra)}: {args.rounds} rounds x {args.steps} steps of each optimizer, "
           f"N = {args.nproc} ranks ({single['device']}); bytes per rank per step, mean over ranks")
     print(f"{'layout':<12}{'adamw step':>12}{'muon step':>12}{'ratio':>7}{'counted':>12}{'wchar diff':>12}"
