@@ -7,17 +7,21 @@ validation loss at the end (the demo's held-out text); its best is its row in th
 optim.muon.adjust_lr=match_rms_adamw (its default), so optim.lr means the same update size for both and
 one grid serves both. Printed: each run's final validation loss; the best of each; the tokens each best
 run needed to reach AdamW's best final training loss (the training loss smoothed over 10 steps). With
---plot FILE the best runs' training curves go into one PNG.
+--plot FILE the best runs' training curves go into one PNG. With --runs FILE each finished run is appended
+there and a run already in it is not run again: invocations with different --lrs can share the work (in
+parallel), and a last one with every --lrs prints the whole table.
 
     python benchmarks/muon_quality.py [--lrs 1e-3 3e-3 1e-2] [--steps 250] [--plot docs/muon-quality.png]
-        [--config configs/tiny.toml] [--section.key=value ...]
+        [--runs FILE] [--config configs/tiny.toml] [--section.key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
+from pathlib import Path
 
 
 def run(config: str, extra: list[str], optimizer: str, lr: float, steps: int) -> dict:
@@ -45,12 +49,21 @@ def main(argv=None) -> None:
     ap.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
     ap.add_argument("--steps", type=int, default=250)
     ap.add_argument("--plot", default="")
+    ap.add_argument("--runs", default="", help="JSON lines of finished runs: appended to, and not run again")
     args, extra = ap.parse_known_args(argv)
+    saved = Path(args.runs) if args.runs else None
+    done = [json.loads(line) for line in saved.read_text().splitlines()] if saved and saved.exists() else []
     runs = []
     print(f"{'optimizer':<10}{'lr':>9}{'final val loss':>16}{'final train loss (10-step mean)':>33}")
     for optimizer in ("adamw", "muon"):
         for lr in args.lrs:
-            r = run(args.config, extra, optimizer, lr, args.steps)
+            key = {"optimizer": optimizer, "lr": lr, "steps": args.steps, "extra": extra}
+            r = next((d for d in done if all(d.get(k) == v for k, v in key.items())), None)
+            if r is None:
+                r = {**key, **run(args.config, extra, optimizer, lr, args.steps)}
+                if saved:
+                    with saved.open("a") as f:
+                        f.write(json.dumps(r) + "\n")
             runs.append(r)
             print(f"{optimizer:<10}{lr:>9.0e}{r['val_loss']:>16.4f}{smoothed(r['losses'])[-1]:>33.4f}", flush=True)
     best = {o: min((r for r in runs if r["optimizer"] == o), key=lambda r: r["val_loss"]) for o in ("adamw", "muon")}

@@ -113,6 +113,8 @@ class Muon(torch.optim.Optimizer):
     `fallback` optimizer (AdamW) over the rest, as one optimizer: one state, one list of groups
     (the fallback's groups are the same dicts, so set_lr and checkpoints see every parameter)."""
 
+    note = ""  # one line for the start of a run: which parameters which optimizer steps (describe_split)
+
     def __init__(self, params: list[torch.Tensor], fallback: torch.optim.Optimizer | None, *, lr: float,
                  cfg: MuonConfig, weight_decay: float, lr_ratio: float = 1.0):
         super().__init__([{"params": params, "muon": True}],
