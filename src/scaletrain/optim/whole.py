@@ -142,7 +142,8 @@ class WholeMatrices:
         everyone: list = [None] * axis.n
         dist.all_gather_object(everyone, [(r.tolist(), c.tolist()) for r, c in mine], group=axis.group)
         for k, i in enumerate(axis.params):
-            axis.pieces[i] = [(torch.tensor(ranks[k][0], dtype=torch.long), torch.tensor(ranks[k][1], dtype=torch.long))
+            device = params[i].to_local().device  # (indices where the matrices are: a GPU's, under NCCL)
+            axis.pieces[i] = [tuple(torch.tensor(ix, dtype=torch.long, device=device) for ix in ranks[k])
                               for ranks in everyone]
             p = params[i]
             stack = p.to_local().shape[:-2].numel()  # the same on every rank of the axis
