@@ -71,6 +71,8 @@ WP = "tests/parallel/test_window_parallel.py"
 ATTEND_BY_HAND = f"{AP}::test_attention_is_the_softmax_of_the_capped_scores_over_the_keys_each_query_sees"
 WINDOW_HF = f"{WIN}::test_logits_and_generation_past_the_window_match_transformers"
 WINDOW_PARITY = f"{WP}::test_windowed_models_train_alike_under_cp_tp_and_pp"
+MU = "tests/optim/test_muon.py"
+MUP = "tests/optim/test_muon_parallel.py"
 
 MUTANTS = [
     Mutant("zero-no-dp-division", "ZeRO-1/2 bucket reduce without the 1/dp division",
@@ -735,6 +737,26 @@ MUTANTS = [
            "sequence", "src/scaletrain/model/flops.py",
            "keys = sum(key_span(cfg, seq_len, i) for i in range(cfg.n_layers))", "keys = cfg.n_layers * seq_len",
            (f"{WIN}::test_the_planners_attention_flops_time_and_memory_follow_the_window",)),
+    Mutant("muon-newton-schulz-on-a-shard", "Muon orthogonalises each rank's shard of a matrix instead of the whole",
+           "src/scaletrain/optim/whole.py",
+           "    if not isinstance(p, DTensor):\n        return []\n",
+           "    if True:\n        return []\n",
+           (f"{MUP}::test_parity_with_one_process[2ranks-zero1]", f"{MUP}::test_parity_with_one_process[2ranks-tp2-sp]",
+            f"{MU}::test_whole_matrices_on_4_ranks_equal_torch_newton_schulz_and_send_what_theory_says")),
+    Mutant("muon-tall-matrix-not-transposed", "Newton-Schulz iterates a tall matrix as it is (the Gram matrix of the "
+           "longer side) instead of its transpose", "src/scaletrain/optim/muon.py",
+           "    tall = g.size(0) > g.size(1)\n", "    tall = g.size(0) < g.size(1)\n",
+           (f"{MU}::test_three_steps_equal_torch_muon_and_adamw_bit_for_bit[match_rms_adamw]",)),
+    Mutant("muon-lr-adjusted-by-the-shard-shape", "Muon's learning-rate adjustment reads the shard's shape, not the "
+           "whole matrix's", "src/scaletrain/optim/muon.py",
+           'adjusted_lr(lr, group["adjust_lr"], p.shape)', 'adjusted_lr(lr, group["adjust_lr"], _local(p).shape)',
+           (f"{MUP}::test_parity_with_one_process[2ranks-zero1]",
+            f"{MUP}::test_parity_with_one_process[2ranks-zero3]")),
+    Mutant("muon-takes-vectors", "the automatic split sends 1-D parameters (norms, biases) to Muon",
+           "src/scaletrain/optim/muon.py",
+           "take = p.ndim >= 2 and not any", "take = p.ndim >= 1 and not any",
+           (f"{MU}::test_the_split_takes_block_and_expert_matrices_and_leaves_embeddings_head_norms",
+            f"{MU}::test_three_steps_equal_torch_muon_and_adamw_bit_for_bit[match_rms_adamw]")),
 ]
 
 

@@ -33,6 +33,8 @@ from scaletrain.vocab import (
     CP_METHODS,
     DP_SYNC_MODES,
     FP8_RECIPES,
+    MUON_LR_ADJUST,
+    MUON_NS_DTYPES,
     OBJECTIVES,
     OPTIMIZERS,
     OUTER_OPTIMIZERS,
@@ -105,8 +107,49 @@ class TrainConfig:
 
 
 @dataclass
+class MuonConfig:
+    """Muon (optim.name=muon): orthogonalised momentum for the hidden matrices, AdamW for the rest."""
+
+    lr: float = option(0.0, "Muon's peak learning rate; 0 = optim.lr (right with adjust_lr=match_rms_adamw, "
+                            "which scales each matrix's step to AdamW's RMS)", min=0.0)
+    momentum: float = option(0.95, "momentum of the gradient before it is orthogonalised", min=0.0, max=1.0,
+                             open_max=True)
+    nesterov: bool = option(True, "orthogonalise g + momentum * buffer (Nesterov) rather than the buffer")
+    ns_steps: int = option(5, "Newton-Schulz iterations", min=1, max=99)
+    ns_coefficients: str = option("3.4445,-4.7750,2.0315", "a,b,c of the quintic Newton-Schulz step "
+                                                          "X <- aX + b(XX')X + c(XX')^2 X (Keller Jordan's)")
+    ns_dtype: str = option("bf16", "dtype Newton-Schulz computes in (and its gathers send): bf16 as "
+                                   "torch.optim.Muon, or fp32 (exact against one process across layouts)",
+                           choices=MUON_NS_DTYPES)
+    eps: float = option(1e-7, "floor of the norm each matrix is divided by before Newton-Schulz", min=0.0)
+    adjust_lr: str = option("match_rms_adamw", "learning rate per matrix shape A x B: match_rms_adamw "
+                                               "(lr * 0.2 * sqrt(max(A, B)), Moonlight), original "
+                                               "(lr * sqrt(max(1, A / B)), Keller Jordan) or none",
+                            choices=MUON_LR_ADJUST)
+    params: str = option("auto", "which parameters Muon steps: auto (every matrix of 2 or more dimensions but "
+                                 "the embeddings and the output head; an expert tensor as one matrix per "
+                                 "expert), or comma-separated fnmatch patterns on parameter names")
+    exclude: str = option("", "comma-separated fnmatch patterns of parameters left to AdamW although "
+                              "optim.muon.params takes them (\"*.router.*\")")
+
+
+def ns_coefficients(m: MuonConfig) -> tuple[float, float, float]:
+    """optim.muon.ns_coefficients as three floats (a ValueError naming the key otherwise)."""
+    parts = [x.strip() for x in m.ns_coefficients.split(",")]
+    try:
+        values = tuple(float(x) for x in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 3:
+        raise ValueError(f"optim.muon.ns_coefficients={m.ns_coefficients!r}: give three numbers a,b,c, as "
+                         "\"3.4445,-4.7750,2.0315\" (Keller Jordan's)")
+    return values
+
+
+@dataclass
 class OptimConfig:
-    name: str = option("adamw", "optimizer", choices=OPTIMIZERS)
+    name: str = option("adamw", "optimizer (muon: Muon for the hidden matrices, AdamW for the rest; see optim.muon)",
+                       choices=OPTIMIZERS)
     lr: float = option(3e-3, "peak learning rate (at optim.reference_batch if scale_lr_with_batch)", min=0.0)
     weight_decay: float = option(0.1, "decoupled weight decay on matrices (not on norms, biases)", min=0.0)
     beta1: float = option(0.9, "first-moment decay (adamw, adamw8bit; adafactor ignores it)", min=0.0, max=1.0,
@@ -122,6 +165,8 @@ class OptimConfig:
                                  min=0.0, max=1.0)
     scale_lr_with_batch: bool = option(False, "linear scaling rule: lr *= global_batch / reference_batch")
     reference_batch: int = option(256, "global batch (sequences) at which optim.lr was tuned", min=1)
+    muon: MuonConfig = option_table(MuonConfig, "Muon's options (optim.name=muon); AdamW, with optim.beta1, "
+                                                "beta2, eps and weight_decay, steps what Muon does not")
 
 
 @dataclass
@@ -867,6 +912,11 @@ def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
     errors.extend(preference_problems(cfg))
     if cfg.optim.name == "adamw8bit" and cfg.optim.implementation not in ("auto",):
         errors.append("optim.implementation applies to adamw and sgd; leave it at auto for adamw8bit")
+    if cfg.optim.name == "muon":
+        try:
+            ns_coefficients(cfg.optim.muon)
+        except ValueError as e:
+            errors.append(str(e))
     return errors
 
 

@@ -37,7 +37,12 @@ RL_AGGREGATIONS = ("token", "sequence", "constant")
 KL_ESTIMATORS = ("k1", "k3")
 ADVANTAGE_SCALINGS = ("group", "none")
 
-OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit")
+OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit", "muon")
+# optim.muon.adjust_lr: how Muon scales its learning rate by a matrix's shape (A x B): Moonlight's
+# 0.2 * sqrt(max(A, B)), which matches AdamW's update RMS (so optim.lr carries over), Keller Jordan's
+# original sqrt(max(1, A / B)), or none; torch.optim.Muon's names
+MUON_LR_ADJUST = ("match_rms_adamw", "original", "none")
+MUON_NS_DTYPES = ("bf16", "fp32")  # optim.muon.ns_dtype: what Newton-Schulz computes (and sends) in
 
 # adapters (adapter.kind, scaletrain.model.lora): none, low-rank updates of frozen linears (LoRA),
 # or LoRA with each output row's magnitude learned apart from its direction (DoRA)

@@ -42,6 +42,9 @@ LAYOUTS = {  # inside each group of two ranks
     # over the groups (a rate that changes the routing within the run), as by the joint batch's
     "ep2-zero3": {"parallel.ep": 2, "parallel.zero": 3, "model.moe_experts": 4, "model.moe_top_k": 2,
                   "model.moe_bias_rate": 0.05},
+    # Muon (optim/whole.py gathers each matrix to an owner inside the group): the groups' gradient
+    # sum reaches it before its step, its momentum shards as ZeRO-3 shards the weights
+    "zero3-muon": {"parallel.zero": 3, "optim.name": "muon", "optim.muon.ns_dtype": "fp32"},
 }
 FOUR = {  # inside each group of four ranks (one launch more): HSDP, ZeRO-3 over 2 x 2 ranks
     "hsdp-zero3": {"parallel.zero": 3, "parallel.dp_replicate": 2, "train.micro_batch": 1},
@@ -53,7 +56,8 @@ DILOCO = {f"diloco-{name}": {**inside, "parallel.sync.mode": "diloco", "parallel
     ("pp2", {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}), ("cp2", {"parallel.cp": 2}),
     # experts over both ranks, balanced by the auxiliary loss (routing biases are refused across DiLoCo groups)
     ("ep2", {"parallel.ep": 2, "model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_bias_rate": 0.0}))}
-MODEL_KEYS = ("model.moe_experts", "model.moe_top_k", "model.moe_bias_rate")  # the joint run's model
+# the joint run's model and optimizer
+MODEL_KEYS = ("model.moe_experts", "model.moe_top_k", "model.moe_bias_rate", "optim.name", "optim.muon.ns_dtype")
 HEAL_STEPS, HEAL_AT = 6, 3  # group 1 of the heal job starts once group 0 has logged HEAL_AT steps alone
 PROBE = "test_ft_layouts"
 
@@ -220,8 +224,16 @@ def joint(tmp_path_factory):
         trainer = Trainer(cfg)
         return {"history": trainer.fit()["history"], "biases": _biases(trainer)}
 
-    runs = Lazy({"dense": lambda: fit({}), "moe": lambda: fit(_model(LAYOUTS["ep2-zero3"]))})
-    return lambda name: runs["moe" if _model({**LAYOUTS, **FOUR}[name]) else "dense"]
+    runs: dict = {}  # one run per model (and optimizer)
+
+    def run(name: str) -> dict:
+        model = _model({**LAYOUTS, **FOUR}[name])
+        key = tuple(sorted(model.items()))
+        if key not in runs:
+            runs[key] = fit(model)
+        return runs[key]
+
+    return run
 
 
 def _crc(result: dict) -> list[dict]:

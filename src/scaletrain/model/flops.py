@@ -50,3 +50,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     # apart), over the keys a query sees: the sequence, or a local block's window (model/window.py)
     keys = sum(key_span(cfg, seq_len, i) for i in range(cfg.n_layers))
     return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_heads * cfg.head_size * keys
+
+
+def ns_flops(rows: int, cols: int, steps: int = 1) -> float:
+    """FLOPs of Muon's Newton-Schulz on a rows x cols matrix (scaletrain.optim.muon), per iteration times
+    `steps`: with m the shorter side and n the longer, X X' (2m²n), its square (2m³), the product with X
+    (2m²n)."""
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (4.0 * m * m * n + 2.0 * m ** 3)

@@ -100,15 +100,25 @@ class ParamCounts:
     matrices: tuple[tuple[int, int], ...] = ()
     expert: int = 0
     expert_matrices: tuple[tuple[int, int], ...] = ()
+    n_outer: int = 0  # the last n_outer of `matrices` are the embeddings and the output head (Muon leaves them)
 
     @property
     def total(self) -> int:
         return self.sharded + self.replicated + self.expert
 
+    @property
+    def hidden_matrices(self) -> tuple[tuple[int, int], ...]:
+        """The hidden matrices (the blocks', each expert's): what Muon steps."""
+        return self.matrices[:len(self.matrices) - self.n_outer] + self.expert_matrices
+
+    @property
+    def hidden(self) -> int:
+        return sum(r * c for r, c in self.hidden_matrices)
+
     def parts(self) -> tuple[ParamCounts, ParamCounts]:
         """(everything but the routed experts, the routed experts): sharded by ZeRO over
         different groups under expert parallelism."""
-        return (ParamCounts(self.sharded, self.replicated, self.matmul, self.matrices),
+        return (ParamCounts(self.sharded, self.replicated, self.matmul, self.matrices, n_outer=self.n_outer),
                 ParamCounts(0, 0, 0, self.expert_matrices, self.expert))
 
 
@@ -281,6 +291,7 @@ def _rank_params(cfg: ModelConfig, tp: int, pp: int, virtual: int, schedule: str
     stages = stage_indices(layout.pp_schedule, pp_rank, layout.pp, layout.pp_virtual_stages) if layout.pp > 1 else [0]
     last = layout.num_stages - 1
     h, V = cfg.dim, cfg.vocab_size
+    outer = len(matrices)  # the matrices from here on are the embeddings and the head
     if 0 in stages:
         sharded += V * h // tp
         matrices.append((V // tp, h))
@@ -293,7 +304,8 @@ def _rank_params(cfg: ModelConfig, tp: int, pp: int, virtual: int, schedule: str
         if not (cfg.tie_embeddings and layout.pp == 1):
             sharded += V * h // tp
             matrices.append((V // tp, h))
-    return ParamCounts(sharded, replicated, matmul, tuple(matrices), expert, tuple(expert_matrices))
+    return ParamCounts(sharded, replicated, matmul, tuple(matrices), expert, tuple(expert_matrices),
+                       len(matrices) - outer)
 
 
 def optimizer_bytes(optimizer: str, counts: ParamCounts) -> float:
@@ -311,4 +323,7 @@ def optimizer_bytes(optimizer: str, counts: ParamCounts) -> float:
         # factored second moment of each matrix (a row and a column vector), full for vectors
         in_matrices = sum(r * c for r, c in counts.matrices)
         return 4.0 * sum(r + c for r, c in counts.matrices) + 4.0 * max(0, counts.total - in_matrices)
+    if optimizer == "muon":
+        # one momentum buffer for the hidden matrices, AdamW's two moments for the rest
+        return 4.0 * counts.hidden + 8.0 * (counts.total - counts.hidden)
     raise unknown("optimizer", optimizer, OPTIMIZERS)

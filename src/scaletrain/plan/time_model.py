@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from scaletrain.model.config import ModelConfig
-from scaletrain.model.flops import block_matmul_params, flops_per_token
+from scaletrain.model.flops import block_matmul_params, flops_per_token, ns_flops
 from scaletrain.model.window import mean_key_span
 from scaletrain.plan.calibrate import bus_factor
 from scaletrain.plan.params import (
@@ -378,6 +378,8 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
     dp_comm, dp_exposed = model_states_seconds(wl, layout, cluster, held, compute, max(counts))
     optimizer = sum(optimizer_seconds(wl, lay, hw, part.total)
                     for lay, part in state_groups(layout, held, wl.engine))
+    if wl.optimizer == "muon":  # Newton-Schulz and its owners' gathers, on the fullest pipeline rank
+        optimizer += max(sum(muon_seconds(cfg, layout, cluster, r)) for r in range(layout.pp))
 
     busy = compute + tp_comm + cp_comm + pp_comm + ep_comm
     step = busy * (1.0 + bubble) + dp_exposed + optimizer
@@ -499,6 +501,39 @@ def outer_sync_seconds(layout: Layout, cluster: Cluster, params: float, step_s: 
     return whole / sync.every, exposed / sync.every
 
 
+MUON_NS_STEPS, MUON_NS_BYTES = 5, 2  # the planner assumes optim.muon's defaults: 5 iterations in bf16
+
+
+def muon_seconds(cfg: ModelConfig, layout: Layout, cluster: Cluster, pp_rank: int) -> tuple[float, float]:
+    """(Newton-Schulz compute, its exchange) per step on a rank of pipeline rank `pp_rank` (optim/whole.py):
+    each hidden matrix whole on an owner among the ranks of the one axis that shards it (ZeRO's dp_shard,
+    or tp), which runs its iterations; pieces there and back, 2(n-1)/n of its values over the n ranks. ZeRO
+    with tp (two axes): every rank gathers the whole matrix and runs them all. Experts are whole on their
+    ranks (ZeRO splits them between experts)."""
+    from scaletrain.plan.params import expert_shard_ranks
+
+    whole = rank_params(cfg, replace(layout, tp=1), pp_rank)
+    dense = whole.matrices[:len(whole.matrices) - whole.n_outer]
+    flops = sum(ns_flops(r, c, MUON_NS_STEPS) for r, c in dense)
+    values = sum(r * c for r, c in dense)
+    sharded = layout.zero >= 1 and layout.dp_shard > 1
+    axis = "dp_shard" if sharded else "tp"
+    n = layout.dp_shard if sharded else layout.tp
+    if sharded and layout.tp > 1:  # gathered by every rank over both axes
+        n, moved, owners = layout.dp_shard * layout.tp, values * (1 - 1 / (layout.dp_shard * layout.tp)), 1
+    else:
+        moved, owners = 2 * values * (n - 1) / n / n, n
+    experts = sum(ns_flops(r, c, MUON_NS_STEPS) for r, c in whole.expert_matrices)
+    if layout.zero >= 1:
+        experts /= expert_shard_ranks(layout)
+    hw = cluster.hardware
+    compute = (flops / owners + experts) / (hw.peak_flops("bf16") * hardware_efficiency(hw))
+    if n == 1:
+        return compute, 0.0
+    bw = _group_link_GBps(cluster, layout.stride(axis), n) * 1e9
+    return compute, moved * MUON_NS_BYTES / bw + 2 * _ring_latency(cluster, layout.stride(axis), n)
+
+
 def optimizer_seconds(wl: Workload, layout: Layout, hw, params: float) -> float:
     """The optimizer step: read parameters, gradients and states, write parameters and states
     (on the host with offload, after copying the gradients there)."""
@@ -507,7 +542,7 @@ def optimizer_seconds(wl: Workload, layout: Layout, hw, params: float) -> float:
     n_shard = layout.shard_ranks(wl.engine)  # what the engine shards: never the cp ranks in scaletrain's
     if layout.zero >= 1 and n_shard > 1:
         opt_params /= n_shard
-    state_b = {"adamw": 8, "sgd": 4, "adafactor": 0.1, "adamw8bit": 2}[wl.optimizer]
+    state_b = {"adamw": 8, "sgd": 4, "adafactor": 0.1, "adamw8bit": 2, "muon": 4}[wl.optimizer]  # (muon: its matrices')
     touched = opt_params * (2 * max(d.param, 4) + 4 + 2 * state_b + (8 if d.master else 0))
     if (sync := layout.outer) is not None:  # the outer step every H steps: weights, outer weights, momentum
         touched += opt_params * 4 * 6 / sync.every

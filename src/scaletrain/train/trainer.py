@@ -198,6 +198,8 @@ class Trainer:
         cfg = self.cfg
         self._param_names = {id(p): n for n, p in self.pm.optim_params}
         self.optimizer = build_optimizer(cfg.optim, self.pm.optim_params, self.schedule.peak, self.rt.device)
+        if note := getattr(self.optimizer, "note", None):  # which parameters which optimizer steps (muon)
+            self.folder.notes.append(note)
         # the techniques' per-step work, in the order the composition gives (parallel.parallelize.step_hooks)
         self.hooks = step_hooks(self.pm, cfg, self.rt, optimizer=self.optimizer, state=self.state,
                                 refresh=self.refresh_weights, precision=self.precision)

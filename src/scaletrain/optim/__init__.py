@@ -8,6 +8,7 @@ Optimizer state per parameter (fp32 parameters):
 | sgd        | momentum buffer in fp32                | 4           | needs more tuning than AdamW      |
 | adamw8bit  | m, v block-quantized to 8 bits         | ~2          | torchao; small tensors stay fp32  |
 | adafactor  | row and column second moments, no m    | << 1        | Shazeer & Stern 2018; torch.optim |
+| muon       | matrices: momentum in fp32; the rest: AdamW's | 4 / 8    | optim/muon.py, optim/whole.py     |
 """
 
 from __future__ import annotations
@@ -44,7 +45,25 @@ def build_optimizer(cfg: OptimConfig, named_params: list[tuple[str, torch.nn.Par
         return torch.optim.Adafactor(groups, lr=lr, foreach=True)
     if cfg.name == "adamw8bit":
         return _adamw8bit(groups, lr, cfg)
+    if cfg.name == "muon":
+        return _muon(cfg, named_params, lr)
     raise unknown("optimizer", cfg.name, OPTIMIZERS)
+
+
+def _muon(cfg: OptimConfig, named_params: list[tuple[str, torch.nn.Parameter]], lr: float) -> torch.optim.Optimizer:
+    from scaletrain.optim.muon import Muon, describe_split, muon_split
+
+    muon, rest = muon_split(named_params, cfg.muon)
+    fallback = None
+    if rest:
+        fallback = torch.optim.AdamW(param_groups(rest, cfg.weight_decay), lr=lr, betas=(cfg.beta1, cfg.beta2),
+                                     eps=cfg.eps, **_kernel_flags(cfg.implementation, rest))
+    # Muon's peak learning rate over AdamW's: the schedule scales both
+    ratio = cfg.muon.lr / cfg.lr if cfg.muon.lr and cfg.lr else 1.0
+    optimizer = Muon([p for _, p in muon], fallback, lr=lr, cfg=cfg.muon, weight_decay=cfg.weight_decay,
+                     lr_ratio=ratio)
+    optimizer.note = describe_split(muon, rest)
+    return optimizer
 
 
 def _kernel_flags(implementation: str, named_params) -> dict:
