@@ -125,7 +125,8 @@ def test_techniques_table_and_chart(tmp_path):
     expected = ["baseline", "grad accumulation x4 (micro-batch 2)", "activation checkpointing full",
                 "activation checkpointing selective", "precision tf32", "precision 16-mixed", "precision bf16-mixed",
                 "precision bf16-true", "precision fp8", "larger batch x2 (micro-batch 16)", "optimizer sgd",
-                "optimizer adafactor", "optimizer adamw8bit", "loader workers 2", "ZeRO stage 1", "ZeRO stage 2",
+                "optimizer adafactor", "optimizer adamw8bit", "optimizer muon",
+                "loader workers 2", "ZeRO stage 1", "ZeRO stage 2",
                 "ZeRO stage 3", "compile"]
     assert list(rows) == expected
     _check_rows(result["rows"])

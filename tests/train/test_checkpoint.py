@@ -556,11 +556,12 @@ def rss_bytes() -> int:
 @pytest.mark.slow
 def test_memory_stays_flat_over_50_background_saves(tmp_path):
     """50 background saves of 15 MiB of state changing in place between saves (as training
-    changes weights and optimizer state): the process's resident memory grows by less than half
+    changes weights and optimizer state): the process's resident memory grows by less than twice
     the state from save 10 to save 50 (one staging copy, reused; a copy kept per save would add
-    600 MiB; measured: 1.3 MiB), and the last checkpoint holds the state of its step. The measure
-    sees a leak: 10 more saves that each keep a copy of the state grow it by more than the bound
-    ten times."""
+    600 MiB, a twentieth of one per save 30 MiB; measured: 1.3 MiB alone, 8.1 MiB in a suite
+    worker that ran other tests first: the allocator's arenas, not the saves), and the last
+    checkpoint holds the state of its step. The measure sees a leak: 10 more saves that each keep a
+    copy of the state grow it by more than the bound."""
     from datetime import timedelta
 
     from scaletrain.train.async_save import CheckpointWriter
@@ -588,7 +589,7 @@ def test_memory_stays_flat_over_50_background_saves(tmp_path):
     growth = rss[50] - rss[10]
     print(f"state {state_bytes / 2**20:.1f} MiB; resident memory after save 1: {rss[1] / 2**20:.1f} MiB, "
           f"10: {rss[10] / 2**20:.1f} MiB, 50: {rss[50] / 2**20:.1f} MiB")
-    assert growth < state_bytes / 2, f"resident memory grew {growth / 2**20:.1f} MiB over 40 saves"
+    assert growth < 2 * state_bytes, f"resident memory grew {growth / 2**20:.1f} MiB over 40 saves"
     assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step_00000050"]
     loaded = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()},
               "optim": {k: {n: torch.empty_like(t) for n, t in v.items()} for k, v in state["optim"].items()}}
@@ -601,7 +602,7 @@ def test_memory_stays_flat_over_50_background_saves(tmp_path):
         kept.append([t.clone() for t in tensors])  # a leak the size of the state per save
     writer.close()
     print(f"with a copy kept per save, 10 saves later: {rss_bytes() / 2**20:.1f} MiB")
-    assert rss_bytes() - rss[50] > state_bytes / 2 * 10
+    assert rss_bytes() - rss[50] > 2 * state_bytes  # the planted leak passes the bound
 
 
 def test_a_background_save_that_fails_stops_the_run_at_the_next_save(tmp_path):
