@@ -228,9 +228,15 @@ def test_a_group_behind_an_odd_group_takes_nothing_from_it(tmp_path, monkeypatch
                 job.kill()
         server.shutdown()
     assert jobs[0].returncode == 2 and "replica group 1 runs another optimizer" in odd, odd[-3000:]
-    assert jobs[1].returncode not in (0, None) and "took the run's state" not in err, err[-3000:]
-    assert "replica group 0 was to take the run's state from a peer whose settings differ" in err, err[-3000:]
-    assert not (tmp_path / "group0" / "metrics.jsonl").exists()  # no step taken, with or without its state
+    assert jobs[1].returncode is not None and "took the run's state" not in err, err[-3000:]
+    if jobs[1].returncode == 0:
+        # the quorum that refused group 1 did not ask group 0 to heal (which one torchft forms first is a race):
+        # group 0 trained from its own first step to the end, nothing taken
+        rows = read_metrics(tmp_path / "group0")
+        assert rows[0]["step"] == 1 and rows[-1]["step"] == 400, (rows[0], rows[-1])
+    else:  # asked to heal from the odd group: refused in one line, no step taken with or without its state
+        assert "replica group 0 was to take the run's state from a peer whose settings differ" in err, err[-3000:]
+        assert not (tmp_path / "group0" / "metrics.jsonl").exists()
 
 
 # --------------------------------------------------------------------------------------------
@@ -546,7 +552,8 @@ def test_with_fewer_groups_alive_than_configured_the_step_is_the_mean_of_the_liv
     err = _ended(job, 600)
     assert job.returncode == 0, err[-3000:]
     rows = read_metrics(run / "group1")
-    alone = [r["step"] for r in rows if r["ft_groups"] == 2 and r["step"] not in _uncommitted(rows)]
+    # after the kill (the first quorum may hold any two groups: min_replicas 2 lets it form before the third)
+    alone = [r["step"] for r in rows if r["ft_groups"] == 2 and r["step"] > 3 and r["step"] not in _uncommitted(rows)]
     assert alone, rows
     s = alone[0]
     before, after = (torch.load(run / "group1" / "states" / f"{k:04d}.pt") for k in (s - 1, s))
