@@ -334,3 +334,19 @@ def test_a_lora_preference_run_exports_its_adapters_for_peft(tmp_path, pairs):
     assert (tmp_path / "peft" / "adapter_config.json").exists()
     r = run_here("generate", str(tmp_path / "peft"), "--prompt", "digits: ", "--max-new-tokens", "4")
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
+
+
+def test_a_reference_trained_with_another_tokenizer_is_one_line(tmp_path, pairs):
+    """A reference whose token ids mean other text (a BPE vocabulary against the pairs' bytes): refused before
+    anything is read, naming the option."""
+    from scaletrain.bench.preference_task import rule_pairs
+
+    text = tmp_path / "text.txt"
+    text.write_text("".join(r["prompt"] + r["chosen"] + "\n" for r in rule_pairs(200, seed=9)) * 5)
+    prepare([text], tmp_path / "bpe", tokenizer="bpe", vocab_size=300)
+    Trainer(micro_cfg(tmp_path / "other", **{"data.path": str(tmp_path / "bpe"), "model.vocab_size": 300,
+                                             "train.steps": 1, "checkpoint.save_final": True})).fit()
+    export = tmp_path / "other.safetensors"
+    assert run_here("export", str(tmp_path / "other" / "run"), "--out", str(export)).returncode == 0
+    with pytest.raises(DataError, match="preference.reference_from .* was trained with another tokenizer"):
+        Trainer(cfg_for(tmp_path / "dpo", pairs, **{"preference.reference_from": str(export)}))
