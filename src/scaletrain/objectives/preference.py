@@ -131,6 +131,27 @@ def row_logps(logits: torch.Tensor, targets: torch.Tensor, cp_group=None) -> tup
     return sums, counts
 
 
+def examples_loss(cfg, sums: torch.Tensor, counts: torch.Tensor, ref: dict | None) -> PreferenceLoss:
+    """The [preference] loss (`cfg`) of a micro-batch's rows: their completion log-probs `sums` and token
+    `counts`, each example's two rows adjacent (a pair's chosen and rejected; KTO: an example's own row and its
+    KL row), and the reference's {"chosen", "rejected"} (KTO adds "labels" and the batch's "kl")."""
+    if cfg.loss == "kto":  # an example's own row, then its KL row
+        own = sums[0::2]
+        part = kto_loss(own, ref["chosen"], ref["labels"], ref["kl"], beta=cfg.beta,
+                        desirable_weight=cfg.desirable_weight, undesirable_weight=cfg.undesirable_weight)
+        part.metrics["kl"] = Mean(ref["kl"].double() * own.numel(), torch.tensor(float(own.numel())))
+        return part
+    chosen, rejected = sums[0::2], sums[1::2]
+    policy = {"chosen": chosen, "rejected": rejected, "chosen_tokens": counts[0::2],
+              "rejected_tokens": counts[1::2], "nll": -chosen.sum(), "nll_tokens": counts[0::2].sum()}
+    part = preference_loss(cfg, policy, ref)
+    part.metrics["logps/chosen"] = mean_of(chosen.detach())
+    part.metrics["logps/rejected"] = mean_of(rejected.detach())
+    if part.nll is not None:
+        part.metrics["nll"] = Mean(part.nll.total.detach(), part.nll.count)
+    return part
+
+
 class PreferenceObjective:
     """The loss of train.objective=preference, its reference log-probs and its metrics, for Trainer `t`
     (which calls `tap` on its batches, `micro_loss` as the loss of a micro-batch, `metrics` per row,
@@ -187,7 +208,7 @@ class PreferenceObjective:
         if self.capture is not None:
             self.capture.append((sums.detach(), counts.detach()))
             return sums.sum() * 0
-        part = self._loss(sums, counts, self.queue.popleft())
+        part = examples_loss(self.cfg, sums, counts, self.queue.popleft())
         self.window = part if self.window is None else self.window + part
         pairs, chosen_tokens = self.t.data.dataset.step_counts(self.t.step, self.t.sampler)
         value = part.loss.total / pairs
@@ -213,23 +234,6 @@ class PreferenceObjective:
         kl = (total[0] / total[1].clamp(min=1)).clamp(min=0).float()
         return [None if ref is None else {**ref, "kl": kl, "labels": dataset.labels(ids).to(kl.device)}
                 for (_, _, ids), ref in zip(parts, refs)]
-
-    def _loss(self, sums, counts, ref) -> PreferenceLoss:
-        if self.cfg.loss == "kto":  # an example's own row, then its KL row
-            own, p = sums[0::2], self.cfg
-            part = kto_loss(own, ref["chosen"], ref["labels"], ref["kl"], beta=p.beta,
-                            desirable_weight=p.desirable_weight, undesirable_weight=p.undesirable_weight)
-            part.metrics["kl"] = Mean(ref["kl"].double() * own.numel(), torch.tensor(float(own.numel())))
-            return part
-        chosen, rejected = sums[0::2], sums[1::2]
-        policy = {"chosen": chosen, "rejected": rejected, "chosen_tokens": counts[0::2],
-                  "rejected_tokens": counts[1::2], "nll": -chosen.sum(), "nll_tokens": counts[0::2].sum()}
-        part = preference_loss(self.cfg, policy, ref)
-        part.metrics["logps/chosen"] = mean_of(chosen.detach())
-        part.metrics["logps/rejected"] = mean_of(rejected.detach())
-        if part.nll is not None:
-            part.metrics["nll"] = Mean(part.nll.total.detach(), part.nll.count)
-        return part
 
     def metric_names(self) -> list[str]:
         """The names of a row's metrics, known on every rank (the stages without the head compute none)."""
@@ -373,7 +377,7 @@ class PreferenceObjective:
             refs = self._with_kl(parts, self._val_reference(parts), self.val, policy)
             for rows, ref in zip(policy, refs):
                 if rows is not None:
-                    parts_total.append(self._loss(rows[0], rows[1], ref))
+                    parts_total.append(examples_loss(self.cfg, rows[0], rows[1], ref))
         self.last_val = self._reduced(combined(parts_total) if parts_total else None, prefix="val_")
         return self.last_val
 

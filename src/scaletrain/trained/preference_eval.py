@@ -10,9 +10,9 @@ from dataclasses import replace
 import torch
 
 from scaletrain.data.loader import validation_batches
-from scaletrain.model.preference import combined, kto_loss, mean_of, preference_loss
+from scaletrain.model.preference import combined
 from scaletrain.model.transformer import Transformer
-from scaletrain.objectives.preference import open_preference_data, row_logps
+from scaletrain.objectives.preference import examples_loss, open_preference_data, row_logps
 from scaletrain.parallel.init import init_weights
 
 
@@ -53,19 +53,8 @@ def evaluate_preference(model, cfg, data_path: str, global_batch: int, batches: 
             ref_sums, _ = row_logps(reference(inputs), targets)
             ref = {"chosen": ref_sums[0::2], "rejected": ref_sums[1::2]}
         if cfg.preference.loss == "kto":  # each example's own row, then its KL row (the batch's KL estimate)
-            p = cfg.preference
-            kl = (sums[1::2] - ref["rejected"]).mean().clamp(min=0)
-            part = kto_loss(sums[0::2], ref["chosen"], windows.labels(ids).to(dev), kl, beta=p.beta,
-                            desirable_weight=p.desirable_weight, undesirable_weight=p.undesirable_weight)
-            part.metrics["kl"] = mean_of(kl.reshape(1).expand(len(examples)))
-            parts.append(part)
-            continue
-        chosen = sums[0::2]
-        part = preference_loss(cfg.preference, {
-            "chosen": chosen, "rejected": sums[1::2], "chosen_tokens": counts[0::2], "rejected_tokens": counts[1::2],
-            "nll": -chosen.sum(), "nll_tokens": counts[0::2].sum()}, ref)
-        part.metrics["logps/chosen"], part.metrics["logps/rejected"] = mean_of(chosen), mean_of(sums[1::2])
-        parts.append(part)
+            ref.update(kl=(sums[1::2] - ref["rejected"]).mean().clamp(min=0), labels=windows.labels(ids).to(dev))
+        parts.append(examples_loss(cfg.preference, sums, counts, ref))
     total = combined(parts)
     out = {f"val_{name}": float(m.value()) for name, m in total.metrics.items()}
     out["val_loss"] = float(total.value())
