@@ -29,10 +29,13 @@ from scaletrain.vocab import (
     AC_MODES,
     ADAPTER_GROUPS,
     ADAPTER_KINDS,
+    ADVANTAGE_SCALINGS,
     BASE_DTYPES,
     CP_METHODS,
     DP_SYNC_MODES,
     FP8_RECIPES,
+    IS_CORRECTIONS,
+    KL_ESTIMATORS,
     MUON_LR_ADJUST,
     MUON_NS_DTYPES,
     OBJECTIVES,
@@ -44,6 +47,9 @@ from scaletrain.vocab import (
     QAT_SCHEMES,
     REFERENCE_FREE,
     REFERENCE_MODES,
+    RL_AGGREGATIONS,
+    RL_ALGORITHMS,
+    RL_REFERENCE_MODES,
     SYNC_DTYPES,
     did_you_mean,
 )
@@ -103,7 +109,8 @@ class TrainConfig:
                       choices=QAT_SCHEMES)
     objective: str = option("lm", "what the run trains: lm = next-token cross-entropy (every token, or a loss mask's); "
                                   "preference = the [preference] loss on the pairs (or KTO's unpaired examples) of a "
-                                  "folder written by `scaletrain prepare --preference`", choices=OBJECTIVES)
+                                  "folder written by `scaletrain prepare --preference`; rl = reinforcement learning on "
+                                  "the rewards of sampled completions ([rl])", choices=OBJECTIVES)
 
 
 @dataclass
@@ -397,6 +404,88 @@ def preference_config(values: Mapping[str, Any]) -> PreferenceConfig:
         raise ConfigError(*errors)
     return p
 
+@dataclass
+class RLConfig:
+    """[rl]: reinforcement learning with verifiable rewards (train.objective=rl): GRPO, Dr. GRPO and DAPO on
+    completions the run samples from its own policy (scaletrain.rollout), scored by Python reward functions.
+    rl.algorithm sets the knobs left at auto (docs/guides/rl.md has the table)."""
+
+    algorithm: str = option("grpo", "grpo = group-normalised advantages, each sequence's token mean; dr_grpo = no std "
+                                    "division, a constant normaliser; dapo = clip-higher (eps_high 0.28), dynamic "
+                                    "sampling, the token mean over the batch", choices=RL_ALGORITHMS)
+    prompts: str = option("", "the training prompts: a jsonl or parquet file, a row a prompt (`prompt`, text) with "
+                              "the fields its rewards read (e.g. `answer`)")
+    eval_prompts: str = option("", "held-out prompts (as rl.prompts), scored every train.eval_every steps: one greedy "
+                                   "completion each, the rewards' mean (val_reward) and pass rate")
+    rewards: str = option("answer_match", "the reward functions, comma-separated: `module:function` or a built-in "
+                                          "(answer_match, format_match, overlong_penalty), each `*WEIGHT` optionally "
+                                          "(default 1)")
+    reward_args: str = option("", "the rewards' keyword arguments as JSON, by function name: "
+                                  "{\"answer_match\": {\"extractor\": \"last_number\"}}")
+    group_size: int = option(4, "completions sampled per prompt (G); a step's rows are train.global_batch "
+                                "completions, global_batch / G prompts", min=1)
+    max_new_tokens: int = option(32, "the longest completion, in tokens; prompt + completion fits data.seq_len", min=1)
+    temperature: float = option(1.0, "sampling temperature (the log-probs are of the logits divided by it, in "
+                                     "rollout and training alike)", min=0.0)
+    top_p: float = option(1.0, "nucleus sampling: draw from the smallest set of tokens whose probability reaches "
+                               "this; 1 = off", min=0.0, max=1.0)
+    top_k: int = option(0, "draw from the k likeliest tokens; 0 = off", min=0)
+    stop: str = option("", "text that ends a completion besides the tokenizer's end of text (e.g. \"\\n\"); empty "
+                           "= none")
+    updates: int = option(1, "optimizer steps on each batch of rollouts (μ); above 1 the policy moves from the one "
+                             "that sampled and the clip acts", min=1)
+    beta: float = option(0.0, "weight of the KL to the reference model, per token (0 = no reference model)", min=0.0)
+    kl_estimator: str = option("k3", "the per-token KL estimate: k1 = log ratio, k3 = Schulman's non-negative "
+                                     "estimator", choices=KL_ESTIMATORS)
+    eps_low: float = option(0.2, "the clip below: the ratio to the sampling policy held above 1 - eps_low", min=0.0)
+    eps_high: float = option(0.0, "the clip above (1 + eps_high); 0 = the algorithm's (dapo: 0.28, else eps_low)",
+                             min=0.0)
+    aggregation: str = option("auto", "how the token losses become one: token = their mean over the global "
+                                      "batch, sequence = each sequence's mean then the mean, constant = sum / "
+                                      "(sequences x rl.max_new_tokens); auto = the algorithm's",
+                              choices=("auto", *RL_AGGREGATIONS))
+    advantage_scaling: str = option("auto", "group = (r - group mean) / group std; none = r - group mean; auto = "
+                                            "the algorithm's", choices=("auto", *ADVANTAGE_SCALINGS))
+    dynamic_sampling: str = option("auto", "drop groups whose rewards are all equal and sample again to fill "
+                                           "the batch (DAPO); auto = on for dapo", choices=("auto", "on", "off"))
+    sampling_rounds: int = option(4, "dynamic sampling: rollout rounds at most per step to fill it with groups "
+                                     "that teach; what stays unfilled trains on the groups found", min=1)
+    mask_truncated: bool = option(False, "completions cut by rl.max_new_tokens get no loss (DAPO's overlong "
+                                         "filtering)")
+    is_correction: str = option("none", "truncated importance sampling when the rollout's log-probs differ from "
+                                        "the trainer's (bf16, another engine): per token or per sequence",
+                                choices=IS_CORRECTIONS)
+    is_cap: float = option(2.0, "the importance weights' cap (rl.is_correction)", min=1.0)
+    reference: str = option("auto", "the reference model of the KL (rl.beta > 0): model = a frozen copy of the "
+                                    "starting weights, sharded like the policy; adapters = the policy with its "
+                                    "adapters off; auto = adapters under adapter fine-tuning, else model",
+                            choices=RL_REFERENCE_MODES)
+    reference_from: str = option("", "rl.reference=model: the reference's weights from this Hugging Face folder or "
+                                     "safetensors file; empty = the starting weights")
+    rollouts: str = option("", "replay the rollouts recorded in this file (rl.record) instead of sampling: a "
+                               "layout's losses against one process's on the same completions (verify)")
+    record: str = option("", "write every step's rollouts (tokens, rewards, log-probs) to this file")
+
+    def settings(self) -> dict[str, Any]:
+        """The knobs rl.algorithm decides where they are left at auto."""
+        algo = self.algorithm
+        return {"aggregation": self.aggregation if self.aggregation != "auto" else
+                {"grpo": "sequence", "dr_grpo": "constant", "dapo": "token"}[algo],
+                "advantage_scaling": self.advantage_scaling if self.advantage_scaling != "auto" else
+                ("none" if algo == "dr_grpo" else "group"),
+                "eps_high": self.eps_high or (0.28 if algo == "dapo" else self.eps_low),
+                "dynamic_sampling": self.dynamic_sampling == "on" or (self.dynamic_sampling == "auto" and
+                                                                      algo == "dapo")}
+
+
+def rl_reference(cfg) -> str:
+    """Where an RL run's reference log-probs come from: model, adapters, or "none" (rl.beta = 0, or not RL)."""
+    if cfg.train.objective != "rl" or cfg.rl.beta == 0:
+        return "none"
+    if cfg.rl.reference == "auto":
+        return "adapters" if cfg.adapter.kind != "none" else "model"
+    return cfg.rl.reference
+
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
@@ -411,6 +500,7 @@ SECTIONS: dict[str, type] = {
     "log": LogConfig,
     "adapter": AdapterConfig,
     "preference": PreferenceConfig,
+    "rl": RLConfig,
 }
 
 
@@ -428,6 +518,7 @@ class JobConfig:
     log: LogConfig = field(default_factory=LogConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -910,6 +1001,7 @@ def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
         errors.extend(fp8_problems(m if own_model else None, cfg.precision.fp8_min_dim, cfg.train.qat))
     errors.extend(adapter_problems(cfg.adapter))
     errors.extend(preference_problems(cfg))
+    errors.extend(rl_problems(cfg))
     if cfg.optim.name == "adamw8bit" and cfg.optim.implementation not in ("auto",):
         errors.append("optim.implementation applies to adamw and sgd; leave it at auto for adamw8bit")
     if cfg.optim.name == "muon":
@@ -946,6 +1038,58 @@ def preference_problems(cfg: JobConfig) -> list[str]:
                             ("data.document_mask", cfg.data.document_mask, "one example per row, nothing packed")):
         if value:
             errors.append(f"{key} is not used by train.objective=preference, which trains {why}; drop {key}")
+    return errors
+
+
+def rl_problems(cfg: JobConfig) -> list[str]:
+    """[rl] and what train.objective=rl cannot be combined with (yet); what needs the data or the layout
+    (a prompt too long, whole groups per rank) is checked where they are known (scaletrain.objectives.rl)."""
+    r = cfg.rl
+    if cfg.train.objective != "rl":
+        return []
+    errors, settings = [], r.settings()
+    if settings["advantage_scaling"] == "group" and r.group_size < 2:
+        errors.append(f"rl.group_size={r.group_size}: {r.algorithm}'s advantages divide by the std of a prompt's group "
+                      "of completions, which needs 2 or more; set rl.group_size to 2 or more (4-16 are usual)")
+    if r.group_size < 2 and settings["dynamic_sampling"]:
+        errors.append("rl.dynamic_sampling keeps groups whose rewards differ, and one completion per prompt never "
+                      "differs; set rl.group_size to 2 or more")
+    if r.max_new_tokens >= cfg.data.seq_len:
+        errors.append(f"rl.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in data.seq_len="
+                      f"{cfg.data.seq_len} (prompt + completion fit one row); raise data.seq_len or lower "
+                      "rl.max_new_tokens")
+    if not r.prompts and not r.rollouts:
+        errors.append("train.objective=rl samples completions of prompts: set rl.prompts to a jsonl or parquet file "
+                      "of rows with a `prompt` (and the fields your rewards read)")
+    for key in ("prompts", "eval_prompts", "rollouts"):
+        if getattr(r, key) and not _exists(getattr(r, key)):
+            errors.append(f"rl.{key}: {getattr(r, key)} does not exist; give the path of the file")
+    if r.reward_args:
+        try:
+            args = json.loads(r.reward_args)
+            if not isinstance(args, dict) or not all(isinstance(v, dict) for v in args.values()):
+                raise ValueError("not an object of objects")
+        except ValueError as e:
+            errors.append(f"rl.reward_args is not a JSON object of each reward's arguments ({e}); write e.g. "
+                          '{"answer_match": {"extractor": "last_number"}}')
+    if r.beta > 0 and r.reference == "adapters" and cfg.adapter.kind == "none":
+        errors.append("rl.reference=adapters takes the reference log-probs from the policy with its adapters switched "
+                      "off, and adapter.kind=none trains none; set adapter.kind=lora, or rl.reference=model")
+    if r.reference_from and rl_reference(cfg) != "model":
+        errors.append(f"rl.reference_from gives a frozen reference copy's weights, and this run has reference "
+                      f"{rl_reference(cfg)} (rl.beta={r.beta:g}); set rl.beta above 0 and rl.reference=model, or drop "
+                      "rl.reference_from")
+    if r.rollouts and r.record:
+        errors.append("rl.rollouts replays recorded rollouts and rl.record records new ones; set one of them")
+    if cfg.fault_tolerance.enabled:
+        errors.append("fault_tolerance.enabled with train.objective=rl is not supported yet; set "
+                      "fault_tolerance.enabled=false")
+    for key, value, why in (("data.mix", cfg.data.mix, "on rl.prompts"),
+                            ("train.batch_rampup", cfg.train.batch_rampup, "a fixed number of completions per step"),
+                            ("data.document_mask", cfg.data.document_mask, "one completion per row, nothing packed"),
+                            ("parallel.sync.mode", cfg.parallel.sync.mode != "step", "every step synchronous")):
+        if value:
+            errors.append(f"{key} is not used by train.objective=rl, which trains {why}; drop {key}")
     return errors
 
 

@@ -25,7 +25,7 @@ QUANT_SCHEMES = ("int8-weight", "int8-dynamic", "int8-int4")
 # quantization-aware training (train.qat): "none", or a scheme whose activations are quantized too,
 # fake-quantized during training (scaletrain.quant.qat)
 QAT_SCHEMES = ("none", "int8-dynamic", "int8-int4")
-OBJECTIVES = ("lm", "preference")  # train.objective
+OBJECTIVES = ("lm", "preference", "rl")  # train.objective
 PREFERENCE_LOSSES = ("sigmoid", "robust", "ipo", "hinge", "simpo", "orpo", "kto")
 REFERENCE_FREE = ("simpo", "orpo")  # the preference losses that need no reference model
 REFERENCE_MODES = ("auto", "model", "precomputed", "adapters")  # preference.reference
@@ -36,6 +36,10 @@ REFERENCE_MODES = ("auto", "model", "precomputed", "adapters")  # preference.ref
 RL_AGGREGATIONS = ("token", "sequence", "constant")
 KL_ESTIMATORS = ("k1", "k3")
 ADVANTAGE_SCALINGS = ("group", "none")
+# rl.algorithm: a preset of the knobs below it (GRPO, Dr. GRPO, DAPO as their papers and TRL 1.16 set them)
+RL_ALGORITHMS = ("grpo", "dr_grpo", "dapo")
+RL_REFERENCE_MODES = ("auto", "model", "adapters")  # rl.reference (auto: none when rl.beta is 0)
+IS_CORRECTIONS = ("none", "token", "sequence")  # rl.is_correction: truncated importance sampling's level
 
 OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw8bit", "muon")
 # optim.muon.adjust_lr: how Muon scales its learning rate by a matrix's shape (A x B): Moonlight's

@@ -281,7 +281,7 @@ def test_bad_inputs_are_refused_in_one_line():
         per_token_kl(torch.zeros(2), torch.zeros(2), "k2")
     with pytest.raises(ValueError, match="unknown loss aggregation 'seq'"):
         aggregate(torch.zeros(1, 2), torch.ones(1, 2), "seq")
-    with pytest.raises(ValueError, match="needs max_completion_length >= the completions' width 3, got 2"):
+    with pytest.raises(ValueError, match="needs max_completion_length >= the longest completion, 3 tokens, got 2"):
         aggregate(torch.zeros(1, 3), torch.ones(1, 3), "constant", max_completion_length=2)
     with pytest.raises(ValueError, match="beta=0.1 weighs a KL to the reference: pass ref_logps"):
         rl_loss(torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2), beta=0.1)

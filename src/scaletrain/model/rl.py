@@ -121,18 +121,22 @@ def clipped_surrogate(logps: torch.Tensor, old_logps: torch.Tensor, advantages: 
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str,
-              max_completion_length: int | None = None) -> Mean:
-    """This micro-batch's share of the loss under an aggregation mode, as a sum and its final divisor."""
+              max_completion_length: int | None = None, row_tokens: torch.Tensor | None = None) -> Mean:
+    """This micro-batch's share of the loss under an aggregation mode, as a sum and its final divisor.
+    `row_tokens` (B,): each sequence's completion tokens in all, where this micro-batch holds only part of
+    each (a context-parallel chunk): the sequence mode divides each part by the whole's count."""
     per_token = per_token * mask
     rows = torch.tensor(float(mask.shape[0]), device=per_token.device)
     if mode == "token":
         return Mean(per_token.sum(), mask.sum().to(per_token.dtype))
     if mode == "sequence":
-        return Mean((per_token.sum(-1) / mask.sum(-1).clamp(min=1)).sum(), rows)
+        counts = mask.sum(-1) if row_tokens is None else row_tokens.to(per_token.dtype)
+        return Mean((per_token.sum(-1) / counts.clamp(min=1)).sum(), rows)
     if mode == "constant":
-        if max_completion_length is None or max_completion_length < mask.shape[1]:
-            raise ValueError(f"the constant aggregation needs max_completion_length >= the completions' "
-                             f"width {mask.shape[1]}, got {max_completion_length}")
+        longest = int(mask.sum(-1).max()) if mask.numel() else 0
+        if max_completion_length is None or max_completion_length < longest:
+            raise ValueError(f"the constant aggregation needs max_completion_length >= the longest completion, "
+                             f"{longest} tokens, got {max_completion_length}")
         return Mean(per_token.sum(), rows * max_completion_length)
     raise ValueError(f"unknown loss aggregation {mode!r}; one of {RL_AGGREGATIONS}")
 
@@ -159,16 +163,20 @@ def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> Mean:
 def rl_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
             old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None, beta: float = 0.0,
             kl_estimator: str = "k3", eps_low: float = 0.2, eps_high: float = 0.2, aggregation: str = "token",
-            max_completion_length: int | None = None) -> RLLoss:
+            max_completion_length: int | None = None, weights: torch.Tensor | None = None,
+            row_tokens: torch.Tensor | None = None) -> RLLoss:
     """The policy-gradient loss of one micro-batch: the clipped surrogate plus beta x the KL per token,
     aggregated (see the module's docstring). logps, old_logps, ref_logps, mask: (B, T); advantages (B,).
 
     old_logps None: the rollout's own policy (one update per rollout), logps detached, so ρ = 1 and the
-    gradient is A ∇logπ. beta > 0 needs ref_logps. Metrics, each over the completion tokens: the clip
-    fractions and, with a reference, the KL."""
+    gradient is A ∇logπ. beta > 0 needs ref_logps. `weights` (B, T) or (B, 1): truncated importance weights of
+    the surrogate (the trainer's policy over the sampler's, capped; see `importance_weights`). `row_tokens`:
+    see `aggregate`. Metrics, each over the completion tokens: the clip fractions and, with a reference, the KL."""
     mask = mask.to(logps.dtype)
     old_logps = logps.detach() if old_logps is None else old_logps
     losses, clips = clipped_surrogate(logps, old_logps, advantages, eps_low, eps_high)
+    if weights is not None:
+        losses = losses * weights
     metrics = {"clip_ratio/low": _token_mean(clips["low"], mask), "clip_ratio/high": _token_mean(clips["high"], mask),
                "clip_ratio/region": _token_mean(clips["low"] | clips["high"], mask)}
     if beta != 0.0 or ref_logps is not None:
@@ -178,4 +186,18 @@ def rl_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *
         losses = losses + beta * kl
         metrics["kl"] = _token_mean(kl, mask)
     metrics["advantage"] = mean_of(advantages.detach().float())
-    return RLLoss(aggregate(losses, mask, aggregation, max_completion_length), metrics)
+    return RLLoss(aggregate(losses, mask, aggregation, max_completion_length, row_tokens), metrics)
+
+
+def importance_weights(trainer_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor,
+                       level: str, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (TIS) of completions sampled by another engine (or another precision)
+    than the one trained: min(π_trainer / π_rollout, cap) per token, or per sequence from the sum of its
+    tokens' log-ratios (a (B, 1) weight), detached (a sequence split over context-parallel ranks: the caller
+    weighs with the sum over its parts)."""
+    log_ratio = (trainer_logps - rollout_logps).detach() * mask
+    if level == "token":
+        return torch.exp(log_ratio).clamp(max=cap)
+    if level == "sequence":
+        return torch.exp(log_ratio.sum(-1, keepdim=True)).clamp(max=cap)
+    raise ValueError(f"unknown importance-sampling level {level!r}; token or sequence")

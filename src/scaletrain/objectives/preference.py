@@ -36,36 +36,37 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from scaletrain.atomic import replacing
-from scaletrain.config import preference_reference
+from scaletrain.config import preference_reference, rl_reference
 from scaletrain.data.dataset import IGNORE_INDEX
 from scaletrain.data.loader import rank_slices, validation_batches
 from scaletrain.data.preference_dataset import PreferenceData, PreferenceWindows
 from scaletrain.errors import ConfigError, DataError
 from scaletrain.model.lora import adapters_off
 from scaletrain.model.preference import Mean, PreferenceLoss, combined, kto_loss, mean_of, preference_loss
+from scaletrain.objectives.passes import forward_only
 from scaletrain.parallel import pipeline
 from scaletrain.parallel.parallelize import initial_weights
 from scaletrain.parallel.tensor_parallel import whole
-from scaletrain.train.evaluate import restore_modes
 
 REFERENCE_FILE = "reference_logps.pt"  # precomputed: the starting policy's log-probs of every example
 
 
 def reference_mode(cfg) -> str:
-    """Where the run's reference log-probs come from ("none" for the reference-free losses)."""
-    return preference_reference(cfg)
+    """Where the run's reference log-probs come from ("none" for the reference-free losses, and RL without a KL)."""
+    return rl_reference(cfg) if cfg.train.objective == "rl" else preference_reference(cfg)
 
 
 def reference_weights(cfg):
     """The frozen reference copy's weights: preference.reference_from's (its shapes and tokenizer checked against
     the run's), or those training starts from (model.init_from's; None: the seed's)."""
-    source = cfg.preference.reference_from
+    section = "rl" if cfg.train.objective == "rl" else "preference"
+    source = getattr(cfg, section).reference_from
     if not source:
         return initial_weights(cfg, resuming=False)
     from scaletrain.data.tokenizer import check_same_tokenizer
     from scaletrain.model.hf import load_hf_weights
 
-    check_same_tokenizer(source, cfg.data.path, what="preference.reference_from",
+    check_same_tokenizer(source, cfg.data.path, what=f"{section}.reference_from",
                          otherwise="give a reference trained with the data's tokenizer")
     return load_hf_weights(source, cfg.model)
 
@@ -180,12 +181,29 @@ class PreferenceObjective:
         if self.ref_pm is not None and self.ref_pm.stages:
             self.ref_pm.schedule(t.layout.pp_schedule, t.layout.grad_accum, self.micro_loss)
 
+    def describe(self) -> str:
+        """What the run trains on, for the log's data line."""
+        data, cfg = self.t.data, self.t.cfg
+        return (f"{data.corpus.num_tokens:,} tokens, {len(data.dataset):,} "
+                f"{'pairs' if data.dataset.kind == 'pairs' else 'unpaired examples'}, two rows of {cfg.data.seq_len} "
+                f"each; preference.loss={cfg.preference.loss}, reference {self.mode}")
+
+    def summary(self) -> dict[str, str]:
+        """The end-of-run summary's lines: the held-out accuracy, where the run evaluated."""
+        if "val_rewards/accuracies" not in self.last_val:
+            return {}
+        return {"held-out preference accuracy": f"{self.last_val['val_rewards/accuracies']:.1%}"}
+
     # ---- the step -----------------------------------------------------------------------------
 
     def copies(self) -> int:
         """Ranks of a data-parallel rank and the last stage that hold the same loss: tp's (vocabulary shards
         reduced) and cp's (each row's sum over the chunks)."""
         return self.t.layout.tp * self.t.layout.cp
+
+    def batches(self, loader):
+        """The step's micro-batches: the loader's (`loader()` opens it), their reference log-probs queued."""
+        return self.tap(loader())
 
     def tap(self, batches):
         """(inputs, targets) micro-batches from the loader's (inputs, targets, ids): each step's micro-batches
@@ -264,36 +282,20 @@ class PreferenceObjective:
         rows = self.table[ids.to(self.table.device)]
         return {"chosen": rows[:, 0].float(), "rejected": rows[:, 1].float()}
 
-    @torch.no_grad()
     def forward_logps(self, pm, parts) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Row log-probs and counts of each micro-batch of `parts` under `pm`'s model in eval mode, without
         gradients (pipeline: the schedule's forward-only pass; None on the stages without the head)."""
-        t, modules = self.t, pm.dp.modules
-        was_training = [m.training for m in modules]
-        for m in modules:
-            m.eval()
         self.capture = []
         try:
-            if pm.micro_schedule is not None:
-                inputs = [(x, y) for x, y, *_ in parts]
-                pipeline.eval_loss_sum(pm, pm.micro_schedule, inputs, device=t.rt.device, loss_factor=1.0,
-                                       autocast=t.precision.autocast, loss_context=pm.loss_context)
-            else:
-                for inputs, targets, *_ in parts:
-                    inputs, targets = inputs.to(t.rt.device), targets.to(t.rt.device)
-                    with pm.loss_context():
-                        with t.precision.autocast():
-                            logits = pm.dp.module(inputs)
-                        self.micro_loss(logits, targets)
+            forward_only(self.t, pm, parts, self.micro_loss)
             rows = self.capture
         finally:
             self.capture = None
-            restore_modes(modules, was_training, reshard=pm.dp.zero == 3)
         return rows if rows else [None] * len(parts)
 
-    def precompute(self, folder: Path) -> None:
-        """Mode precomputed: the starting policy's log-probs of every training (and held-out) example, in one
-        pass before the first step, or read back from the run folder (a resumed run's policy has moved)."""
+    def before_training(self, folder: Path) -> None:
+        """Before the first step. Mode precomputed: the starting policy's log-probs of every training (and
+        held-out) example, in one pass, or read back from the run folder (a resumed run's policy has moved)."""
         if self.mode != "precomputed":
             return
         path = folder / REFERENCE_FILE

@@ -43,13 +43,16 @@ COMM_FAILURES = ("Timed out", "timed out", "Timeout", "Connection closed", "Conn
 class Health:
     """The run's state of health: the step and phase running, the loss's history, the skipped
     steps (counted in the run's TrainState `state`, which checkpoints keep, as its early loss).
-    `custom_loss`: the loss need not be a cross-entropy (no ln(vocab_size) bound)."""
+    `custom_loss`: the loss need not be a cross-entropy (no ln(vocab_size) bound); `loss_scale_free`: nor
+    positive, nor comparable with its early value (an RL policy loss, about 0): no divergence or spike check."""
 
-    def __init__(self, cfg, layout, rt, metrics, state, *, precision, param_names: dict[int, str], custom_loss: bool):
+    def __init__(self, cfg, layout, rt, metrics, state, *, precision, param_names: dict[int, str], custom_loss: bool,
+                 loss_scale_free: bool = False):
         self.cfg, self.layout, self.rt, self.metrics, self.state = cfg, layout, rt, metrics, state
         self.rank, self.world_size, self.device = rt.rank, rt.world_size, rt.device
         # fp16's loss scaler (None in other modes): it says whether a skipped step overflowed, at its minimum
         self.scaler, self.param_names, self.custom_loss = precision.scaler, param_names, custom_loss
+        self.loss_scale_free = loss_scale_free
         self.phase = "start-up"  # what the step is doing, named when a collective times out
         self.current_step = 0
         self.consecutive_skips = self.spikes = self.applied_steps = 0
@@ -173,7 +176,7 @@ class Health:
                                   "reports no loss; lengthen data.seq_len, or shorten the prompts, so that answers "
                                   "fall in the windows")
             return
-        if skipped or not math.isfinite(loss):
+        if skipped or not math.isfinite(loss) or self.loss_scale_free:
             return
         if self.cfg.train.divergence_factor:
             self._check_divergence(step, loss)

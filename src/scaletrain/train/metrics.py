@@ -364,13 +364,10 @@ def announce(t) -> None:
     if t.rt.distributed:
         stages = f"; rank 0 holds stages {t.pm.stage_ids} of {t.pm.num_stages}" if b.pp > 1 else ""
         say(f"layout: {b.explain()}{stages}; backend {dist.get_backend()}")
-    if t.objective is None:
-        what = f"{len(t.data.dataset):,} windows of {cfg.data.seq_len}"
-    else:  # a preference run: examples, each two rows of data.seq_len
-        what = (f"{len(t.data.dataset):,} {'pairs' if t.data.dataset.kind == 'pairs' else 'unpaired examples'}, "
-                f"two rows of {cfg.data.seq_len} each; preference.loss={cfg.preference.loss}, reference "
-                f"{t.objective.mode}")
-    say(f"data: {t.data.corpus.source}, {t.data.corpus.num_tokens:,} tokens, {what}; batch {b.global_batch} = micro "
+    # what the run reads: windows of tokens, or an objective's examples (pairs, prompts)
+    what = f"{t.data.corpus.num_tokens:,} tokens, {len(t.data.dataset):,} windows of {cfg.data.seq_len}" \
+        if t.objective is None else t.objective.describe()
+    say(f"data: {t.data.corpus.source}, {what}; batch {b.global_batch} = micro "
         f"{b.micro_batch} x accum {b.grad_accum} x dp {b.dp}; run folder {t.folder.run_dir}")
     if t.data.batch_schedule.ramps:
         say(f"batch-size warm-up (train.batch_rampup={cfg.train.batch_rampup}): {t.data.batch_schedule.describe()}; "

@@ -38,6 +38,8 @@ from scaletrain.objectives.preference import (
     reference_mode,
     reference_weights,
 )
+from scaletrain.objectives.rl import RLObjective
+from scaletrain.objectives.rl_data import PromptSet, run_tokenizer
 from scaletrain.optim import build_optimizer, get_lr, init_optimizer_state, set_lr
 from scaletrain.parallel.parallelize import initial_weights, parallelize, parallelize_module, step_hooks
 from scaletrain.precision import Precision
@@ -108,7 +110,8 @@ class Trainer:
         self.precision.configure_backends()
         resume_from = self.folder.find_resume()  # reads only: nothing is written before fit()
         self.layout = rt.layout  # ranks, batch triad (global = micro × accum × dp), engines
-        self.objective: PreferenceObjective | None = None  # train.objective=preference's loss (lm: None)
+        # train.objective=preference's or rl's loss, data and metrics (lm: None)
+        self.objective: PreferenceObjective | RLObjective | None = None
         self._build_data()
         self._build_model(resume_from)
         # the validation windows (train.eval_every), once the model is known to fit
@@ -123,7 +126,8 @@ class Trainer:
                                      progress=cfg.log.progress, stream=stream, device_type=rt.device.type)
         self.health = Health(cfg, self.layout, rt, self.metrics, self.state, precision=self.precision,
                              param_names=self._param_names,
-                             custom_loss=self._custom_model is not None or self.objective is not None)
+                             custom_loss=self._custom_model is not None or self.objective is not None,
+                             loss_scale_free=cfg.train.objective == "rl")  # a policy loss: no yardstick
         self.hooks.enter, self.health.skip_reason = self.health.enter, self.hooks.skip_reason
         self.hooks.say_to(self.metrics.info)  # what a technique sees go wrong (a collapsed router), when it does
         if resume_from is not None:
@@ -139,12 +143,15 @@ class Trainer:
     def _build_data(self) -> None:
         """Data: order from (seed, step) alone; each data-parallel rank reads its slice."""
         cfg = self.cfg
+        if cfg.train.objective != "lm" and self._custom_model is not None:
+            raise ConfigError(f"train.objective={cfg.train.objective} trains scaletrain's transformer (its loss reads "
+                              "the logits of each completion); a custom module trains with train.objective=lm")
         if cfg.train.objective == "preference":
-            if self._custom_model is not None:
-                raise ConfigError("train.objective=preference trains scaletrain's transformer (its loss reads the "
-                                  "logits of each completion); a custom module trains with train.objective=lm")
             dataset = open_preference_data(cfg.data, cfg.model.vocab_size, loss=cfg.preference.loss)
             corpus = dataset.data.tokens  # its source, tokenizer and fingerprint
+        elif cfg.train.objective == "rl":  # the prompts, tokenized with data.path's tokenizer
+            corpus = dataset = PromptSet(cfg.rl.prompts, run_tokenizer(cfg.data.path),
+                                         cfg.data.seq_len - cfg.rl.max_new_tokens)
         else:
             corpus, dataset = open_training_data(cfg.data, parse_mix(cfg.data.mix) if cfg.data.mix else None,
                                                  cfg.model.vocab_size if self._custom_model is None else None)
@@ -160,8 +167,9 @@ class Trainer:
         torch.manual_seed(self.cfg.train.seed + self.rt.rank)  # dropout differs per rank; weights do not
         self.pm = self._parallel_model(resume_from)  # weights that do not fit: one line (parallelize)
         self.model = self.pm.dp.model  # forward goes through the data-parallel wrapper
-        if self.cfg.train.objective == "preference":  # its loss, and the reference model it may need
-            self.objective = PreferenceObjective(self, self._reference_model())
+        if self.cfg.train.objective != "lm":  # its loss, and the reference model it may need
+            kind = PreferenceObjective if self.cfg.train.objective == "preference" else RLObjective
+            self.objective = kind(self, self._reference_model())
             self._loss_fn = self.objective.micro_loss
         self.pm.schedule(self.layout.pp_schedule, self.layout.grad_accum,  # pipeline parallel: pm.micro_schedule
                          lambda logits, targets: self._loss_fn(logits, targets) * self.loss_factor())
@@ -169,8 +177,8 @@ class Trainer:
         self._micro_batches = self._through_schedule if self.pm.micro_schedule is not None else self._accumulate
 
     def _reference_model(self):
-        """preference.reference=model: a frozen copy of the starting weights (seed's, or model.init_from's),
-        parallelized exactly like the policy; its forward needs no gradients and it has no optimizer."""
+        """preference.reference=model (rl.reference=model): a frozen copy of the starting weights (seed's, or
+        model.init_from's), parallelized exactly like the policy; its forward needs no gradients, nor an optimizer."""
         if reference_mode(self.cfg) != "model":
             return None
         with torch.device("meta"):
@@ -264,12 +272,15 @@ class Trainer:
 
     def batches(self):
         """This rank's micro-batches (inputs, targets) from this step on: its share of the windows and tokens."""
-        batches = iter(build_loader(self.data.dataset, self.sampler(self.step), share=self.pm.batch_share,
-                                    num_workers=self.cfg.data.num_workers,
-                                    pin_memory=self.cfg.data.pin_memory and self.rt.device.type == "cuda",
-                                    prefetch_factor=self.cfg.data.prefetch_factor))
-        # a preference run's examples: their ids and reference log-probs go to the loss, (inputs, targets) on
-        return batches if self.objective is None else self.objective.tap(batches)
+        # an objective's: a preference run's examples (their reference log-probs go to the loss), or the rollouts
+        # of an RL run (sampled from the policy every rl.updates steps)
+        return self._loader() if self.objective is None else self.objective.batches(self._loader)
+
+    def _loader(self):
+        return iter(build_loader(self.data.dataset, self.sampler(self.step), share=self.pm.batch_share,
+                                 num_workers=self.cfg.data.num_workers,
+                                 pin_memory=self.cfg.data.pin_memory and self.rt.device.type == "cuda",
+                                 prefetch_factor=self.cfg.data.prefetch_factor))
 
     # ---------------------------------------------------------------------------------------
     # one optimizer step
@@ -389,9 +400,9 @@ class Trainer:
             self.folder.take_ownership(st.run_id, st.lineage, st.step, st.resumed_from, self.metrics.info)
             announce(self)
             self.metrics.start_trackers(self.cfg, st.run_id, stopping=lambda: self.health.signals.received is not None)
-            if self.objective is not None:  # preference.reference=precomputed: the pass before the first step
-                self.health.enter("the reference log-probs' pass over the data")
-                self.objective.precompute(self.folder.run_dir)
+            if self.objective is not None:  # e.g. preference.reference=precomputed's pass over the data
+                self.health.enter("the objective's preparation (the reference log-probs' pass over the data)")
+                self.objective.before_training(self.folder.run_dir)
             result = self._loop()
             if result["stopped_by"] is None and self.cfg.train.sample_tokens:  # a signal now cuts the sample short
                 print_sample(self)
@@ -470,8 +481,8 @@ class Trainer:
             self.metrics.info(f"stopped by {signal.Signals(stopped).name} after step {self.step}; "
                               f"checkpoint saved to {last_saved}")
         extra = {"loss spikes logged": self.health.spikes} if self.health.spikes else {}
-        if self.objective is not None and "val_rewards/accuracies" in self.objective.last_val:
-            extra["held-out preference accuracy"] = f"{self.objective.last_val['val_rewards/accuracies']:.1%}"
+        if self.objective is not None:  # the held-out accuracy, or reward
+            extra.update(self.objective.summary())
         self.metrics.summary({"checkpoint": ckpt.saved_text(last_saved),
                               "steps skipped (non-finite gradients)": self.state.skipped_steps, **extra})
         return {"losses": losses, "history": self.metrics.history, "step": self.step,
