@@ -259,11 +259,14 @@ def margin_text(rel: float, tol: float) -> str:
 
 
 def assert_same_run(got: list[dict], ref: list[dict], *, steps: int, first: int = 1,
-                    tol: tuple[float, float] = (1e-5, 1e-4), what: str = "") -> tuple[float, float]:
+                    tol: tuple[float, float] = (1e-5, 1e-4), what: str = "",
+                    loss_floor: float = 0.0) -> tuple[float, float]:
     """`got`'s metrics rows against `ref`'s: every step from `first` to `steps` logged (no step
     dropped, none extra), and at each the loss and the gradient norm before clipping within
     `tol` = (loss, grad norm) relative. `ref` is a run from step 1 (a resumed `got` is held
-    against its later steps). Returns the worst (loss, grad norm) relative differences."""
+    against its later steps). `loss_floor`: losses that differ by less, absolutely, agree (an RL
+    policy loss, 0 up to rounding at each round's first update). Returns the worst (loss, grad norm)
+    relative differences."""
     from scaletrain.verify import rel_diff
 
     got_steps, ref_steps = [r["step"] for r in got], [r["step"] for r in ref]
@@ -273,7 +276,9 @@ def assert_same_run(got: list[dict], ref: list[dict], *, steps: int, first: int 
     worst = []
     problems = []
     for key, name, t in (("loss", "loss", tol[0]), ("grad_norm", "grad norm", tol[1])):
-        diffs = [(rel_diff(r[key], by_step[r["step"]][key]), r["step"], r[key], by_step[r["step"]][key]) for r in got]
+        floor = loss_floor if key == "loss" else 0.0
+        diffs = [(0.0 if abs(r[key] - by_step[r["step"]][key]) <= floor else rel_diff(r[key], by_step[r["step"]][key]),
+                  r["step"], r[key], by_step[r["step"]][key]) for r in got]
         rel, step, a, b = max(diffs)
         worst.append(rel)
         if not rel <= t:

@@ -36,21 +36,22 @@ def write_prompts(path, n: int = 10, seed: int = 0) -> list[dict]:
     return rows
 
 
-def write_record(path, rows: list[dict], rounds: int, batch: int, seed: int = 0) -> None:
+def write_record(path, rows: list[dict], rounds: int, batch: int, seed: int = 0, group: int = G) -> None:
     """Made-up rollouts of `rounds` rounds: `batch` completions a round, G per prompt, of uneven lengths, some
-    with the right answer (so that groups' rewards differ), some cut by the length limit."""
+    with the right answer (so that groups' rewards differ), some cut by the length limit; the rollout's log-probs
+    near an untrained byte model's (-ln 256), so that importance weights are neither 0 nor capped."""
     rng = random.Random(seed)
     record = RolloutRecord(path)
     for r in range(rounds):
         out = []
-        for g in range(batch // G):
+        for g in range(batch // group):
             p = (r * 7 + g * 3) % len(rows)
-            for k in range(G):
+            for k in range(group):
                 text = rows[p]["answer"] if (k + g) % 3 == 0 else str(rng.randint(0, 99))
                 text = text[: rng.randint(1, 3)]
                 ids = list(text.encode()) + [rng.randint(97, 122) for _ in range(rng.randint(0, 8))]
                 out.append(Completion(p, list(rows[p]["prompt"].encode()), ids,
-                                      [-rng.random() for _ in ids], finished=rng.random() < 0.8))
+                                      [-5.545 + 0.2 * (rng.random() - 0.5) for _ in ids], finished=rng.random() < 0.8))
         record.write(r, out)
 
 
