@@ -59,6 +59,8 @@ LO = "tests/model/test_lora.py"
 AE = "tests/trained/test_adapter_export.py"
 QL = "tests/quant/test_qlora.py"
 PT = "tests/objectives/test_preference_training.py"
+RT = "tests/objectives/test_rl_training.py"
+RL = "tests/objectives/test_rl_layouts.py"
 PL = "tests/objectives/test_preference_layouts.py"
 HF = "tests/model/test_hf_families.py"
 CH = "tests/data/test_chat.py"
@@ -691,6 +693,28 @@ MUTANTS = [
            "(a pair's sequence split across ranks, not summed over them)", "src/scaletrain/objectives/preference.py",
            "        sums = _SumOver.apply(sums, cp_group)\n", "",
            (f"{PL}::test_a_layout_trains_like_one_process[cp2-ring]",)),
+    # RL (issue 50): the aggregation, the advantages, the old policy and the reference
+    Mutant("rl-token-mean-per-micro-batch", "each micro-batch's RL loss its own mean, divided by the accumulation "
+           "steps (verl #593, TRL #3021: wrong with uneven completion lengths)", "src/scaletrain/objectives/rl.py",
+           "        return part.loss.total / self.divisor\n",
+           "        return part.loss.total / part.loss.count / self.t.layout.grad_accum\n",
+           (f"{RT}::test_the_second_update_of_a_round_equals_the_loss_written_out[dapo]",)),
+    Mutant("rl-advantage-normalised-per-rank", "the advantages normalised over the rank's completions, not within "
+           "each prompt's group", "src/scaletrain/objectives/rl.py",
+           "adv = rl.group_advantages(rewards, self.cfg.group_size,",
+           "adv = rl.group_advantages(rewards, len(rewards),",
+           (f"{RT}::test_the_second_update_of_a_round_equals_the_loss_written_out[grpo]",)),
+    Mutant("rl-old-logps-after-update", "the old policy's log-probs taken with the updated policy (the ratio always "
+           "1, the clip never acts)", "src/scaletrain/objectives/rl.py",
+           "old_logps=m.old, ref_logps=m.ref", "old_logps=None, ref_logps=m.ref",
+           (f"{RT}::test_the_second_update_of_a_round_equals_the_loss_written_out[dr_grpo]",)),
+    Mutant("rl-reference-with-adapters-on", "the RL reference log-probs from the policy with its adapters on",
+           "src/scaletrain/objectives/rl.py", "with adapters_off(self.t.pm.dp.modules):", "with adapters_off([]):",
+           (f"{RT}::test_the_reference_of_adapters_off_is_the_frozen_starting_copy",)),
+    Mutant("rl-cp-sequence-mean-per-chunk", "under context parallelism the sequence mean divides each rank's chunk by "
+           "its own token count, not the sequence's", "src/scaletrain/objectives/rl.py",
+           "weights=m.weights, row_tokens=m.lengths)", "weights=m.weights, row_tokens=None)",
+           (f"{RL}::test_a_layout_trains_like_one_process[grpo-cp2-ring]",)),
     # the window's boundary off by one, on each path that computes it
     Mutant("window-sliding-one-key-more", "the sliding window's mask lets a query see size + 1 keys (the rule every "
            "path asks)", "src/scaletrain/model/window.py", "(q - k < self.size)", "(q - k <= self.size)",

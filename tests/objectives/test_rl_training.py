@@ -177,3 +177,18 @@ def test_a_reward_that_needs_an_argument_or_a_field_is_one_line_exit_2(tmp_path,
     args = [f"--{k}={v}" for k, v in base.items()]
     one_line_exit_2(run_here("train", *args, "--rl.rewards=overlong_penalty"), "needs the argument")
     one_line_exit_2(run_here("train", *args, "--rl.rewards=tests_rl_rewards:needs_level"), "does not import")
+
+
+def test_the_reference_of_adapters_off_is_the_frozen_starting_copy(tmp_path, task):
+    """Under LoRA (B starts at 0) the base with the adapters off is the starting policy: rl.reference=adapters and
+    rl.reference=model give the same run, over two rounds (the second's reference is not the moved policy)."""
+    runs = {}
+    for mode in ("adapters", "model"):
+        t = Trainer(cfg_for(tmp_path / mode, task, **{"adapter.kind": "lora", "rl.beta": 0.5, "rl.reference": mode,
+                                                      "rl.updates": 1, "optim.lr": 5e-2}))
+        t.fit()
+        runs[mode] = read_metrics(t.folder.run_dir)
+    assert max(r["kl"] for r in runs["model"]) > 1e-6
+    for a, b in zip(runs["adapters"], runs["model"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-8)
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-5, abs=1e-9)
