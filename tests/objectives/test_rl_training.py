@@ -192,3 +192,18 @@ def test_the_reference_of_adapters_off_is_the_frozen_starting_copy(tmp_path, tas
     for a, b in zip(runs["adapters"], runs["model"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-8)
         assert a["kl"] == pytest.approx(b["kl"], rel=1e-5, abs=1e-9)
+
+
+@pytest.mark.parametrize("cut", [1, 2])
+def test_an_rl_run_resumes_bitwise_inside_a_round_and_at_its_end(tmp_path, task, cut):
+    """μ = 2, stopped after step 1 (inside round 0: its rollouts come back from the run folder) or step 2 (at a
+    round's end): the later steps' losses and gradient norms as in one go, with the reference rebuilt."""
+    from conftest import run_until
+
+    extra = {"rl.updates": 2, "rl.beta": 0.2}
+    whole = Trainer(cfg_for(tmp_path / "whole", task, **extra)).fit()["history"]
+    cfg = cfg_for(tmp_path / "cut", task, **extra, **{"checkpoint.resume": "auto"})
+    run_until(cfg, cut)
+    resumed = Trainer(cfg).fit()["history"]
+    for key in ("loss", "grad_norm", "kl"):
+        assert [r[key] for r in resumed if r["step"] > cut] == [r[key] for r in whole if r["step"] > cut], key

@@ -24,6 +24,7 @@ sums gradients); each sequence's token count comes whole from the rows.
 from __future__ import annotations
 
 import collections
+import io
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -45,7 +46,7 @@ from scaletrain.parallel import pipeline
 from scaletrain.parallel.context_parallel import shard_sequence
 from scaletrain.parallel.tensor_parallel import whole
 
-BUFFER_FILE = "rl_rollouts_rank{rank}.json"  # rl.updates > 1: the round being trained on, for a resume inside it
+BUFFER_FILE = "rl_rollouts_rank{rank}.pt"  # rl.updates > 1: the round being trained on, for a resume inside it
 
 
 def load_rewards(cfg) -> list[rw.Reward]:
@@ -220,9 +221,8 @@ class RLObjective:
         inside the round, whose rollouts the run folder kept)."""
         t = self.t
         t.health.enter("the rollouts (sampling, rewards)")
-        mine = self._kept(round_) if resumed else self._completions(round_)
-        if self.cfg.updates > 1 and not resumed:  # a resume inside the round trains on these same rollouts
-            self._keep(round_, mine)
+        kept = self._kept(round_) if resumed else None
+        mine = kept["completions"] if kept else self._completions(round_)
         rows = to_rows(mine, t.cfg.data.seq_len, mask_truncated=self.cfg.mask_truncated)
         advantages = torch.tensor([c.advantage for c in mine], dtype=torch.float32)
         self._global_divisor(rows["lengths"], len(mine))
@@ -238,9 +238,11 @@ class RLObjective:
             dev = t.rt.device
             micros.append(Micro(advantages[cut].to(dev), rows["lengths"][cut].to(dev), rollout.to(dev)))
         t.health.enter("the forward passes before the update (old and reference log-probs)")
-        if self.cfg.updates > 1 or self.cfg.is_correction != "none":
-            for m, old in zip(micros, self._logps(t.pm, parts)):
-                m.old = old
+        if self.cfg.updates > 1 or self.cfg.is_correction != "none":  # the policy that sampled, as the trainer has it
+            for m, old in zip(micros, kept["old"] if kept else self._logps(t.pm, parts)):
+                m.old = None if old is None else old.to(t.rt.device)
+        if self.cfg.updates > 1 and not kept:  # a resume inside the round trains on these rollouts, this old policy
+            self._keep(round_, mine, [m.old for m in micros])
         if self.mode != "none":
             for m, ref in zip(micros, self._reference(parts)):
                 m.ref = ref
@@ -250,22 +252,26 @@ class RLObjective:
                     m.weights = self._is_weights(m, targets)
         return parts, micros
 
-    def _keep(self, round_: int, completions: list[Completion]) -> None:
+    def _keep(self, round_: int, completions: list[Completion], old: list) -> None:
+        """The round's rollouts and the old policy's log-probs of this rank's micro-batches, in the run folder."""
         path = self.t.folder.run_dir / BUFFER_FILE.format(rank=self.t.rt.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
+        torch.save({"round": round_, "completions": [asdict(c) for c in completions],
+                    "old": [None if x is None else x.cpu() for x in old]}, buf)
         with replacing(path, durable=True) as tmp:
-            tmp.write_text(json.dumps({"round": round_, "completions": [asdict(c) for c in completions]}))
+            tmp.write_bytes(buf.getvalue())
 
-    def _kept(self, round_: int) -> list[Completion]:
+    def _kept(self, round_: int) -> dict:
         path = self.t.folder.run_dir / BUFFER_FILE.format(rank=self.t.rt.rank)
-        saved = json.loads(path.read_text()) if path.exists() else {}
+        saved = torch.load(path, weights_only=True) if path.exists() else {}
         if saved.get("round") != round_:
             raise DataError(f"{path}: the run resumes inside round {round_} of its rollouts (rl.updates="
                             f"{self.cfg.updates}), and the rollouts of that round are not there; restore the file, or "
                             "resume from a checkpoint at a multiple of rl.updates")
-        out = [Completion(**c) for c in saved["completions"]]
-        self._truncated = sum(not c.finished for c in out)
-        return out
+        saved["completions"] = [Completion(**c) for c in saved["completions"]]
+        self._truncated = sum(not c.finished for c in saved["completions"])
+        return saved
 
     def _global_divisor(self, lengths: torch.Tensor, rows: int) -> None:
         """What the step's summed losses divide by, over the whole global batch (every rank's rows)."""
@@ -364,24 +370,27 @@ class RLObjective:
         from scaletrain.rollout.engine import SamplingParams
 
         t, c = self.t, self.cfg
-        start = ((round_ * c.sampling_rounds + attempt) * t.layout.dp + t.data.dp_rank) * prompts
+        # the step's prompts are a stretch of the run's stream, this rank's its share of it; each completion
+        # draws from (seed, round, attempt, its index in the step): what one process would draw, on any layout
+        mine = t.data.dp_rank * prompts
+        start = (round_ * c.sampling_rounds + attempt) * t.layout.dp * prompts + mine
         chosen = self.prompts.draw(t.cfg.train.seed, start, prompts)
-        params = SamplingParams(n=c.group_size, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
-                                top_p=c.top_p, top_k=c.top_k, stop_token_ids=self._stop_ids(),
-                                stop_strings=[c.stop] if c.stop else [],
-                                seed=hash((t.cfg.train.seed, round_, attempt, t.data.dp_rank)) % 2**62)
-        out = self.engine().generate([self.prompts.ids[i] for i in chosen], params)
-        self._add({"time/generation_s": Mean(torch.tensor(out.seconds, dtype=torch.float64),
+        params = SamplingParams(n=c.group_size, max_new_tokens=c.max_new_tokens, temperature=c.temperature or 1.0,
+                                top_p=c.top_p, top_k=c.top_k if c.temperature else 1, stop_token_ids=self._stop_ids(),
+                                stop_strings=(c.stop,) if c.stop else (),
+                                seed=(t.cfg.train.seed * 1_000_003 + round_ * 1009 + attempt) % 2**62)
+        out = self.engine().generate([self.prompts.ids[i] for i in chosen], params, first_index=mine)
+        self._add({"time/generation_s": Mean(torch.tensor(out.generation_seconds, dtype=torch.float64),
                                              torch.tensor(1.0, dtype=torch.float64)),
-                   "time/generated_tokens": Mean(torch.tensor(float(out.tokens), dtype=torch.float64),
+                   "time/generated_tokens": Mean(torch.tensor(float(out.tokens_generated), dtype=torch.float64),
                                                  torch.tensor(1.0, dtype=torch.float64))})
         return [Completion(chosen[out.prompt_index[k]], list(out.prompt_ids[k]), list(out.completion_ids[k]),
                            [float(x) for x in out.logprobs[k]], bool(out.finished[k]))
                 for k in range(len(out.completion_ids))]
 
-    def _stop_ids(self) -> list[int]:
+    def _stop_ids(self) -> tuple[int, ...]:
         eos = getattr(self.prompts.tokenizer, "eos_id", None)
-        return [eos] if eos is not None else []
+        return (eos,) if eos is not None else ()
 
     def engine(self):
         """The rollout engine: scaletrain's own, on the live policy (built at first use)."""
@@ -393,9 +402,10 @@ class RLObjective:
                 raise ConfigError(f"sampling rollouts under {'pipeline' if t.layout.pp > 1 else 'context'} "
                                   "parallelism is not supported yet; train RL with tp or ZeRO-3, or replay recorded "
                                   "rollouts (rl.rollouts)")
-            self._engine = LocalEngine(t.pm.dp.module, device=t.rt.device, autocast=t.precision.autocast,
-                                       tokenizer=self.prompts.tokenizer, group=t.rt.world_group()
-                                       if t.rt.distributed else None)
+            self._engine = LocalEngine(t.pm.dp.module, tokenizer=self.prompts.tokenizer, autocast=t.precision.autocast,
+                                       group=dist.group.WORLD if t.rt.distributed else None,  # forwards in step
+                                       max_len=t.cfg.data.seq_len,
+                                       length_multiple=t.layout.tp if t.cfg.parallel.sp else 1)
         return self._engine
 
     def _score(self, completions: list[Completion], prompts: PromptSet) -> None:
@@ -471,8 +481,8 @@ class RLObjective:
         t.health.enter("evaluation (sampling the held-out prompts)")
         n, dp, rank = len(self.val), t.layout.dp, t.data.dp_rank
         share = list(range(rank, n, dp))
-        params = SamplingParams(n=1, max_new_tokens=self.cfg.max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
-                                stop_token_ids=self._stop_ids(), stop_strings=[self.cfg.stop] if self.cfg.stop else [],
+        params = SamplingParams(n=1, max_new_tokens=self.cfg.max_new_tokens, temperature=1.0, top_k=1,  # greedy
+                                stop_token_ids=self._stop_ids(), stop_strings=(self.cfg.stop,) if self.cfg.stop else (),
                                 seed=0)
         longest = (n + dp - 1) // dp  # every rank runs as many prompts (sharded generation goes in step)
         ids = [self.val.ids[i] for i in share] + [self.val.ids[0]] * (longest - len(share))
