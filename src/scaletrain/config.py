@@ -1041,9 +1041,18 @@ def preference_problems(cfg: JobConfig) -> list[str]:
     return errors
 
 
+def completion_room_problem(seq_len: int, max_new_tokens: int) -> str | None:
+    """A completion as long as a row leaves no room for its prompt (the trainer and the planner ask)."""
+    if max_new_tokens < seq_len:
+        return None
+    return (f"rl.max_new_tokens={max_new_tokens} leaves no room for a prompt in data.seq_len={seq_len} (prompt + "
+            "completion fit one row); raise data.seq_len or lower rl.max_new_tokens")
+
+
 def rl_problems(cfg: JobConfig) -> list[str]:
-    """[rl] and what train.objective=rl cannot be combined with (yet); what needs the data or the layout
-    (a prompt too long, whole groups per rank) is checked where they are known (scaletrain.objectives.rl)."""
+    """[rl] and what train.objective=rl cannot be combined with (yet); what needs the data or the layout is
+    checked where they are known (rl.prompts given and its prompts short enough: the trainer; whole groups per
+    rank, and the layouts that can sample: the legality check, which the planner asks too)."""
     r = cfg.rl
     if cfg.train.objective != "rl":
         return []
@@ -1054,13 +1063,6 @@ def rl_problems(cfg: JobConfig) -> list[str]:
     if r.group_size < 2 and settings["dynamic_sampling"]:
         errors.append("rl.dynamic_sampling keeps groups whose rewards differ, and one completion per prompt never "
                       "differs; set rl.group_size to 2 or more")
-    if r.max_new_tokens >= cfg.data.seq_len:
-        errors.append(f"rl.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in data.seq_len="
-                      f"{cfg.data.seq_len} (prompt + completion fit one row); raise data.seq_len or lower "
-                      "rl.max_new_tokens")
-    if not r.prompts and not r.rollouts:
-        errors.append("train.objective=rl samples completions of prompts: set rl.prompts to a jsonl or parquet file "
-                      "of rows with a `prompt` (and the fields your rewards read)")
     for key in ("prompts", "eval_prompts", "rollouts"):
         if getattr(r, key) and not _exists(getattr(r, key)):
             errors.append(f"rl.{key}: {getattr(r, key)} does not exist; give the path of the file")

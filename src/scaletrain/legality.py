@@ -37,13 +37,19 @@ class Techniques:
     document_mask: bool = False  # data.document_mask: every rank must see a window's token ids
     custom_module: bool = False  # an nn.Module scaletrain did not build (Trainer(model=...))
     device_type: str | None = None  # where the job runs, when known ("cpu", "cuda")
+    # train.objective=rl: completions per prompt (0: not RL), and whether the run samples them (the rollout
+    # engine runs on tp and ZeRO ranks) or replays recorded ones (rl.rollouts: any layout)
+    rl_group: int = 0
+    rl_samples: bool = False
 
     @classmethod
     def of(cls, cfg, *, custom_module: bool = False, device_type: str | None = None) -> Techniques:
         """The techniques of a JobConfig."""
+        rl = cfg.train.objective == "rl"
         return cls(qat=cfg.train.qat, fp8=cfg.precision.mode == "fp8", adapter=cfg.adapter.kind,
                    base_dtype=cfg.adapter.base_dtype, document_mask=cfg.data.document_mask,
-                   custom_module=custom_module, device_type=device_type)
+                   custom_module=custom_module, device_type=device_type, rl_group=cfg.rl.group_size if rl else 0,
+                   rl_samples=rl and not cfg.rl.rollouts)
 
     @property
     def quantized_base(self) -> str | None:
@@ -61,7 +67,7 @@ def job_errors(layout: Layout, model=None, tech: Techniques = Techniques(), *, s
         e = layout.errors(model, engine=engine, seq_len=seq_len) + _qat_errors(layout, tech) + \
             _fp8_errors(layout, tech) + _moe_errors(layout, model) + _document_mask_errors(layout, tech) + \
             _fault_tolerance_errors(layout, model)
-    e += _adapter_errors(layout, tech)
+    e += _adapter_errors(layout, tech) + _rl_errors(layout, tech)
     # (offload without ZeRO-3 is Layout.errors' one line)
     if layout.offload_optimizer and layout.zero == 3 and tech.device_type not in (None, "cuda"):
         e.append("memory.offload_optimizer moves model states from GPU memory to pinned host memory; this run is "
@@ -97,6 +103,24 @@ def check_data(layout: Layout, *, source: str, loss_mask: bool) -> None:
 
 
 # ---- the techniques' rules -------------------------------------------------------------------
+
+
+def _rl_errors(lay: Layout, tech: Techniques) -> list[str]:
+    """train.objective=rl: each data-parallel rank samples whole groups of completions; the rollout engine
+    generates on tensor-parallel and ZeRO ranks, not yet through a pipeline or on context-parallel chunks."""
+    if not tech.rl_group:
+        return []
+    e = []
+    per_rank = lay.global_batch / lay.dp
+    if per_rank != int(per_rank) or int(per_rank) % tech.rl_group:
+        e.append(f"rl.group_size={tech.rl_group}: each data-parallel rank samples whole groups, and global batch "
+                 f"{lay.global_batch} over dp {lay.dp} is {per_rank:g} completions a rank; make the global batch a "
+                 f"multiple of dp x group_size = {lay.dp * tech.rl_group}")
+    if tech.rl_samples and (lay.pp > 1 or lay.cp > 1):
+        e.append(f"train.objective=rl samples its rollouts on the training ranks, and generation under "
+                 f"{'pipeline' if lay.pp > 1 else 'context'} parallelism is not supported yet; use tp or ZeRO-3, or "
+                 "replay recorded rollouts (rl.rollouts)")
+    return e
 
 
 def _qat_errors(lay: Layout, tech: Techniques) -> list[str]:

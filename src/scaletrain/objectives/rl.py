@@ -109,12 +109,6 @@ class RLObjective:
         self.record = RolloutRecord(self.cfg.record) if self.cfg.record else None
         self.replay = RolloutRecord(self.cfg.rollouts) if self.cfg.rollouts else None
         self._engine = engine
-        per_rank, rem = divmod(t.layout.global_batch, t.layout.dp)
-        if rem or per_rank % self.cfg.group_size:
-            raise ConfigError(f"rl.group_size={self.cfg.group_size}: each data-parallel rank samples whole groups, "
-                              f"and train.global_batch={t.layout.global_batch} over dp={t.layout.dp} ranks is "
-                              f"{t.layout.global_batch / t.layout.dp:g} completions a rank; make global_batch a "
-                              f"multiple of dp x group_size = {t.layout.dp * self.cfg.group_size}")
         if self.record is not None and t.rt.world_size > 1:
             raise ConfigError("rl.record writes the rollouts of one process; record them in a one-process run, then "
                               "replay them on any layout with rl.rollouts")
@@ -397,11 +391,7 @@ class RLObjective:
         if self._engine is None:
             from scaletrain.rollout.local import LocalEngine
 
-            t = self.t
-            if t.layout.pp > 1 or t.layout.cp > 1:
-                raise ConfigError(f"sampling rollouts under {'pipeline' if t.layout.pp > 1 else 'context'} "
-                                  "parallelism is not supported yet; train RL with tp or ZeRO-3, or replay recorded "
-                                  "rollouts (rl.rollouts)")
+            t = self.t  # (pipeline and context parallelism cannot sample: the legality check refuses them)
             self._engine = LocalEngine(t.pm.dp.module, tokenizer=self.prompts.tokenizer, autocast=t.precision.autocast,
                                        group=dist.group.WORLD if t.rt.distributed else None,  # forwards in step
                                        max_len=t.cfg.data.seq_len,

@@ -46,7 +46,8 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
          workers_link: float | None = None, sync: dict | None = None, calibrate=None,
          moe_imbalance: float | None = None, name: str | None = None, adapter: str = "none", adapter_rank: int = 8,
          adapter_targets: str = "all-linear", base_dtype: str = "auto", qat: str = "none",
-         document_mask: bool = False, reference: str = "none", objective: str = "lm") -> dict:
+         document_mask: bool = False, reference: str = "none", objective: str = "lm", rl_group: int = 0,
+         rl_new_tokens: int = 0, rl_updates: int = 1, rl_old_pass: bool = False) -> dict:
     """Search the layouts (or evaluate `layout`) for `model` on the cluster. Returns a dict with
     "layouts" (Evaluated, best first), "explanation" (lines), "stats", and the inputs. `engine`,
     `compile` and `fp8` default to a model TOML's [plan] table, else scaletrain, off, off.
@@ -72,7 +73,10 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
     `adapter`, `adapter_rank`, `adapter_targets`, `base_dtype`: a LoRA / QLoRA fine-tune (the
     config's adapter.*): the base frozen, its adapted linears stored as `base_dtype`. `qat`: the
     config's train.qat; `document_mask` its data.document_mask. `reference`: a preference run's reference
-    log-probs (Workload.reference; its global batch counts sequences, two a pair). Every layout ranked is one
+    log-probs (Workload.reference; its global batch counts sequences, two a pair). `objective="rl"` with `rl_group`
+    completions per prompt of at most `rl_new_tokens`, sampled every `rl_updates` steps (`rl_old_pass`: a forward
+    for the sampling policy's log-probs before each update): the rollouts' cache and time (scaletrain.plan.rl),
+    its global batch counted in completions. Every layout ranked is one
     `scaletrain train` accepts with these (scaletrain.legality, asked by the search as by the job)."""
     src = load_model(model)
     if name:
@@ -94,7 +98,8 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
                   attention=attention, engine=engine, compile=compile, fp8=fp8,
                   moe_imbalance=1.0 if moe_imbalance is None else moe_imbalance, adapter=adapter,
                   adapter_rank=adapter_rank, adapter_targets=adapter_targets, base_dtype=base_dtype, qat=qat,
-                  document_mask=document_mask, reference=reference, objective=objective)
+                  document_mask=document_mask, reference=reference, objective=objective, rl_group=rl_group,
+                  rl_new_tokens=rl_new_tokens, rl_updates=rl_updates, rl_old_pass=rl_old_pass)
     gpu = hw.name != "CPU" if gpu is None else gpu
     if fp8 and "fp8" not in hw.peak_tflops:
         raise ConfigError(f"--fp8{' (or --precision fp8)' if precision == 'fp8' else ''}: hardware {hw.name} has no "

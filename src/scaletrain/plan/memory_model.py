@@ -142,8 +142,9 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
     if wl.reference == "model":  # a frozen copy of the starting weights, sharded like the policy's parameters
         reference = model_state_memory(rank_params(cfg, layout, pp_rank), wl, layout, sh=sh).params
         out.params += reference
-        out.notes.append(f"preference.reference=model: the reference's weights, {reference / GiB:.2f} GiB on this rank "
-                         "(no gradients or optimizer state), are in the parameters")
+        out.notes.append(f"{'rl' if wl.objective == 'rl' else 'preference'}.reference=model: the reference's weights, "
+                         f"{reference / GiB:.2f} GiB on this rank (no gradients or optimizer state), are in the "
+                         "parameters")
 
     # activations: per micro-batch on this rank's layers (dense and mixture-of-experts blocks),
     # times the micro-batches in flight
@@ -185,6 +186,16 @@ def _rank_memory(cfg, wl, layout: Layout, pp_rank: int, bucket_mb: float, gpu: b
         # the head's activations live from the last forward of a micro-batch to its backward:
         # one micro-batch at a time on the last stage
         out.logits_loss = head
+
+    if wl.objective == "rl":  # the rollouts' cache, alive while sampling, when the step's activations are not
+        from scaletrain.plan.rl import kv_cache_bytes
+
+        kv = kv_cache_bytes(cfg, wl, layout)
+        out.notes.append(f"rl: the rollout engine's key/value cache, {kv / GiB:.2f} GiB on this rank "
+                         f"({wl.global_batch // layout.dp} completions of {wl.seq_len} positions), while sampling: "
+                         f"{'above' if kv > out.activations else 'within'} the step's activations "
+                         f"({out.activations / GiB:.2f} GiB), the larger counted")
+        out.activations = max(out.activations, kv)
 
     recompute = 0.0
     if ours and ac != "none":  # backward rebuilds one layer's activations at a time

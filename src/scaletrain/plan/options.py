@@ -25,6 +25,7 @@ from scaletrain.config import (
     parse_override_args,
     preference_reference,
     read_config_file,
+    rl_reference,
 )
 from scaletrain.errors import ConfigError
 from scaletrain.layout import Layout
@@ -235,6 +236,10 @@ def read_request(model: Any, config: str | None, aliases: Mapping[str, Any], ext
         if layout.get("train.micro_batch"):
             layout["train.micro_batch"] *= 2
         workload["reference"], workload["objective"] = preference_reference(cfg), "preference"
+    if cfg.train.objective == "rl":  # the rollouts' cache and generation (scaletrain.plan.rl)
+        workload.update(objective="rl", reference=rl_reference(cfg), rl_group=cfg.rl.group_size,
+                        rl_new_tokens=cfg.rl.max_new_tokens, rl_updates=cfg.rl.updates,
+                        rl_old_pass=cfg.rl.updates > 1 or cfg.rl.is_correction != "none")
     sync = {field: _value(cfg, key) for key, field in SYNC_KEYS.items()}
     return Request(model, cfg, workload, layout or None, overrides, sync)
 

@@ -132,7 +132,8 @@ def breakdown(e: Evaluated) -> str:
                      ("data-parallel comm" if not engine else "engine (dp, optimizer)", t.dp_comm_s),
                      ("  of which exposed", t.dp_exposed_s),
                      ("optimizer step", t.optimizer_s),
-                     *((("reference forward", t.reference_s),) if t.reference_s else ())):
+                     *((("reference forward", t.reference_s),) if t.reference_s else ()),
+                     *((("rollouts (sampling, old pass)", t.rollout_s),) if t.rollout_s else ())):
         lines.append(f"  {label:<26}{1e3 * v:>9.1f} ms")
     lines.append(f"  {'step':<26}{1e3 * t.step_time_s:>9.1f} ms  → {t.tokens_per_s:,.0f} tokens/s, "
                  f"MFU {100 * t.mfu:.1f}% ({t.model_flops / 1e12:,.0f} model TFLOP, "

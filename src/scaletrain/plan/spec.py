@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config import from_dict, read_config_file
+from scaletrain.config import completion_room_problem, from_dict, read_config_file
 from scaletrain.errors import ConfigError
 from scaletrain.hardware import Hardware
 from scaletrain.layout import Layout  # noqa: F401 - the one Layout, re-exported for the planner
@@ -52,6 +52,12 @@ class Workload:
     # with its adapters off (a forward a step), precomputed = a pass before training, none = no reference
     reference: str = "none"
     objective: str = "lm"  # train.objective: preference counts two sequences a pair in global_batch
+    # train.objective=rl (scaletrain.plan.rl): completions per prompt, the longest completion, optimizer steps a
+    # round of rollouts feeds, and whether an update needs the sampling policy's log-probs first (a forward)
+    rl_group: int = 0
+    rl_new_tokens: int = 0
+    rl_updates: int = 1
+    rl_old_pass: bool = False
 
     @property
     def rows_per_example(self) -> int:
@@ -61,6 +67,10 @@ class Workload:
     @property
     def batch_note(self) -> str:
         """What the global batch's sequences are, where it is not plain sequences."""
+        if self.objective == "rl":
+            ref = "no reference" if self.reference == "none" else f"reference: {self.reference}"
+            return (f" completions ({self.global_batch // max(1, self.rl_group)} prompts x {self.rl_group}, at most "
+                    f"{self.rl_new_tokens} new tokens each, sampled every {self.rl_updates} step(s); {ref})")
         if self.objective != "preference":
             return ""
         ref = {"none": "no reference", "precomputed": "reference precomputed before training",
@@ -93,6 +103,8 @@ class Workload:
             errors.append(f"--moe-imbalance is max / mean tokens per expert, at least 1; got {self.moe_imbalance:g}")
         if self.reference not in ("none", "model", "adapters", "precomputed"):
             errors.append(f"reference {self.reference!r} is not one of none, model, adapters, precomputed")
+        if self.objective == "rl" and (problem := completion_room_problem(self.seq_len, self.rl_new_tokens)):
+            errors.append(problem)
         if self.seq_len < 1 or self.global_batch < 1:
             errors.append("sequence length and global batch must be at least 1")
         if errors:
@@ -109,7 +121,8 @@ class Workload:
         if self.engine != "scaletrain":
             return Techniques()
         return Techniques(qat=self.qat, fp8=self.fp8, adapter=self.adapter, base_dtype=self.base_dtype,
-                          document_mask=self.document_mask)
+                          document_mask=self.document_mask, rl_group=self.rl_group if self.objective == "rl" else 0,
+                          rl_samples=self.objective == "rl")
 
 
 @dataclass(frozen=True)

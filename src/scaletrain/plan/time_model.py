@@ -114,6 +114,7 @@ class TimeBreakdown:
     bubble_fraction: float
     cp_comm_s: float = 0.0  # exposed context-parallel exchange (cp_traffic)
     reference_s: float = 0.0  # a preference run's reference forward (model, adapters): in step_time_s
+    rollout_s: float = 0.0  # an RL run's share of a round's sampling, and its forward before the update (plan.rl)
     ep_comm_s: float = 0.0  # expert parallelism's all-to-alls (ep_traffic), on the critical path
     calibrated: bool = False  # from this machine's calibration (tp collectives inside compute_s), not the catalog
 
@@ -388,11 +389,31 @@ def estimate_time(cfg: ModelConfig, wl: Workload, layout: Layout, cluster: Clust
         reference = busy * (1.0 + bubble) / 3.0 + (dp_comm / 3.0 if layout.zero == 3 else 0.0)  # ZeRO-3: its gathers
         step += reference
         hardware_flops += model_flops / 3.0
+    rollout = 0.0
+    if wl.objective == "rl":
+        rollout = _rollout_seconds(cfg, wl, layout, cluster, compute, busy * (1.0 + bubble), dp_comm, held)
+        step += rollout
     return TimeBreakdown(
         compute_s=compute, tp_comm_s=tp_comm, cp_comm_s=cp_comm, ep_comm_s=ep_comm, pp_comm_s=pp_comm,
         dp_comm_s=dp_comm, dp_exposed_s=dp_exposed, bubble_s=busy * bubble, optimizer_s=optimizer, step_time_s=step,
         tokens_per_s=tokens / step, mfu=model_flops / (step * peak * world), model_flops=model_flops,
-        hardware_flops=hardware_flops, bubble_fraction=bubble, reference_s=reference)
+        hardware_flops=hardware_flops, bubble_fraction=bubble, reference_s=reference, rollout_s=rollout)
+
+
+def _rollout_seconds(cfg, wl: Workload, layout: Layout, cluster: Cluster, compute: float, busy: float,
+                     dp_comm: float, held: ParamCounts) -> float:
+    """An RL step's share of its round's sampling (scaletrain.plan.rl), and the forward that gives the sampling
+    policy's log-probs before an update (rl.updates > 1, or an importance-sampling correction)."""
+    from scaletrain.plan.rl import generation_seconds
+
+    d = dtypes_for(wl)
+    gather = 0.0
+    if layout.zero == 3:  # every forward gathers the weights again: a third of the step's dp traffic, a token's
+        gather = dp_comm / 3.0
+    tp_latency = _ring_latency(cluster, 1, layout.tp)
+    round_s = generation_seconds(cfg, wl, layout, cluster, compute, held.total * d.compute, gather, tp_latency)
+    old = busy / 3.0 + (dp_comm / 3.0 if layout.zero == 3 else 0.0) if wl.rl_old_pass else 0.0
+    return round_s / wl.rl_updates + old
 
 
 def state_groups(layout: Layout, counts: ParamCounts, engine: str = "scaletrain") -> list[tuple[Layout, ParamCounts]]:
