@@ -430,8 +430,8 @@ class RLConfig:
     top_p: float = option(1.0, "nucleus sampling: draw from the smallest set of tokens whose probability reaches "
                                "this; 1 = off", min=0.0, max=1.0)
     top_k: int = option(0, "draw from the k likeliest tokens; 0 = off", min=0)
-    stop: str = option("", "text that ends a completion besides the tokenizer's end of text (e.g. \"\\n\"); empty "
-                           "= none")
+    stop: str = option("", "text that ends a completion besides the tokenizer's end of text, backslash escapes "
+                           "read (\\n: a newline); empty = none")
     updates: int = option(1, "optimizer steps on each batch of rollouts (μ); above 1 the policy moves from the one "
                              "that sampled and the clip acts", min=1)
     beta: float = option(0.0, "weight of the KL to the reference model, per token (0 = no reference model)", min=0.0)

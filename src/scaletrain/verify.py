@@ -101,14 +101,23 @@ class Reference:
         return self.layout.world
 
 
+# An RL policy loss is 0 up to rounding at each round's first update (the ratio is 1 and a group's advantages sum
+# to 0): its differences are relative to at least this much, a loss's typical size being that of an advantage
+RL_LOSS_FLOOR = 1e-3
+
+
 @dataclass
 class StepDiff:
     step: int
     loss: tuple[float, float]  # (layout, reference)
     grad_norm: tuple[float, float]
+    loss_floor: float = 0.0  # the loss's differences are relative to at least this (RL_LOSS_FLOOR)
 
     @property
     def loss_rel(self) -> float:
+        value, reference = self.loss
+        if self.loss_floor and math.isfinite(value) and math.isfinite(reference):
+            return abs(value - reference) / max(abs(reference), self.loss_floor)
         return rel_diff(*self.loss)
 
     @property
@@ -312,10 +321,10 @@ def run(cfg: JobConfig, layout: Layout, total_steps: int, role: str, hook: str |
     return code, rows
 
 
-def compare(layout_rows: list[dict], reference_rows: list[dict]) -> list[StepDiff]:
+def compare(layout_rows: list[dict], reference_rows: list[dict], loss_floor: float = 0.0) -> list[StepDiff]:
     ref = {r["step"]: r for r in reference_rows}
-    return [StepDiff(r["step"], (r["loss"], ref[r["step"]]["loss"]), (r["grad_norm"], ref[r["step"]]["grad_norm"]))
-            for r in layout_rows if r["step"] in ref]
+    return [StepDiff(r["step"], (r["loss"], ref[r["step"]]["loss"]), (r["grad_norm"], ref[r["step"]]["grad_norm"]),
+                     loss_floor) for r in layout_rows if r["step"] in ref]
 
 
 def table(diffs: list[StepDiff]) -> str:
@@ -415,34 +424,39 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
     try:
         layout_cfg = isolated(cfg, tmp / "layout", steps)
         ref_cfg = isolated(ref.cfg, tmp / "reference", steps)
+        records = cfg.train.objective == "rl" and not cfg.rl.rollouts
+        if records:  # RL: the reference samples and records its rollouts, the layout trains on the same
+            layout_cfg, ref_cfg = _replaying(layout_cfg, ref_cfg, ref, tmp / "rollouts.jsonl")
         dropout = f" (model.dropout={cfg.model.dropout:g} in the config)" if cfg.model.dropout else ""
         print(f"scaletrain verify: {config or 'the built-in config'}, {steps} step(s) of {cfg.train.steps}, "
               f"precision {cfg.precision.mode}, device {device.type}, dropout off{dropout}"
               f"{', Muon Newton-Schulz in fp32' if cfg.optim.name == 'muon' else ''}", file=out)
         print(f"layout:    {layout.explain()}", file=out)
-        print(f"reference: {ref.why}", file=out, flush=True)
+        print(f"reference: {ref.why}{'; it samples the rollouts, which the layout replays' if records else ''}",
+              file=out, flush=True)
         t0 = time.perf_counter()
-        code, layout_rows = run(layout_cfg, layout, total_steps, "layout", layout_hook, hook_path)
+        reference_result = None
+        if records:  # the reference first: the rollouts it samples are what the layout replays
+            reference_result = _reference_run(ref_cfg, ref, layout, total_steps, tmp, outer, out)
+            if reference_result[0]:
+                return reference_result[0]
         t1 = time.perf_counter()
+        code, layout_rows = run(layout_cfg, layout, total_steps, "layout", layout_hook, hook_path)
+        t2 = time.perf_counter()
         if code == 2:  # a user error, reported by the launcher in one line
             return 2
         if code:
             print(f"the layout run stopped with exit code {code} after {len(layout_rows)} step(s) (its error is "
                   "above): FAIL", file=out)
             return 1
-        if outer is not None:
-            code, ref_rows = 0, simulate_workers(ref_cfg, layout, total_steps, tmp / "reference")
-        else:
-            code, ref_rows = run(ref_cfg, ref.layout, total_steps, "reference")
-        t2 = time.perf_counter()
-        if code == 2:
-            return 2
-        if code:
-            print(f"the reference run stopped with exit code {code} after {len(ref_rows)} step(s) (its error is "
-                  "above); nothing to compare with", file=out)
-            return 1
-        diffs = compare(layout_rows, ref_rows)
-        print(f"(layout run {t1 - t0:.1f} s, reference run {t2 - t1:.1f} s)\n", file=out)
+        if reference_result is None:
+            reference_result = _reference_run(ref_cfg, ref, layout, total_steps, tmp, outer, out)
+            if reference_result[0]:
+                return reference_result[0]
+        ref_rows = reference_result[1]
+        ref_seconds = (t1 - t0) + (time.perf_counter() - t2)
+        diffs = compare(layout_rows, ref_rows, RL_LOSS_FLOOR if cfg.train.objective == "rl" else 0.0)
+        print(f"(layout run {t2 - t1:.1f} s, reference run {ref_seconds:.1f} s)\n", file=out)
         print(table(diffs), file=out)
         ok, summary = verdict(diffs, steps, cfg.precision.mode, outer.dtype if outer else "fp32")
         for line in notes(diffs, steps):
@@ -451,6 +465,32 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
         return 0 if ok else 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _replaying(layout_cfg: JobConfig, ref_cfg: JobConfig, ref: Reference, record: Path) -> tuple[JobConfig, JobConfig]:
+    """RL: the reference records the rollouts it samples to `record`, the layout replays them (rl.record,
+    rl.rollouts): both train on the same completions, which sampling on another layout would not draw alike."""
+    if ref.nproc > 1:
+        raise ConfigError(f"verify of an RL run records the reference's rollouts, and its reference needs {ref.nproc} "
+                          "ranks (rl.record writes one process's); record them yourself in a run that fits and give "
+                          "them with rl.rollouts")
+    record.touch()
+    return (layout_cfg.replace(**{"rl.rollouts": str(record)}), ref_cfg.replace(**{"rl.record": str(record)}))
+
+
+def _reference_run(ref_cfg: JobConfig, ref: Reference, layout: Layout, total_steps: int, tmp: Path, outer,
+                   out: IO[str]) -> tuple[int, list[dict]]:
+    """The reference's rows (simulated workers, or a run on its ranks); a non-zero code if it failed (said)."""
+    if outer is not None:
+        return 0, simulate_workers(ref_cfg, layout, total_steps, tmp / "reference")
+    code, rows = run(ref_cfg, ref.layout, total_steps, "reference")
+    if code == 2:
+        return 2, rows
+    if code:
+        print(f"the reference run stopped with exit code {code} after {len(rows)} step(s) (its error is above); "
+              "nothing to compare with", file=out)
+        return 1, rows
+    return 0, rows
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ sums gradients); each sequence's token count comes whole from the rows.
 
 from __future__ import annotations
 
+import codecs
 import collections
 import io
 import json
@@ -371,7 +372,7 @@ class RLObjective:
         chosen = self.prompts.draw(t.cfg.train.seed, start, prompts)
         params = SamplingParams(n=c.group_size, max_new_tokens=c.max_new_tokens, temperature=c.temperature or 1.0,
                                 top_p=c.top_p, top_k=c.top_k if c.temperature else 1, stop_token_ids=self._stop_ids(),
-                                stop_strings=(c.stop,) if c.stop else (),
+                                stop_strings=self._stop_strings(),
                                 seed=(t.cfg.train.seed * 1_000_003 + round_ * 1009 + attempt) % 2**62)
         out = self.engine().generate([self.prompts.ids[i] for i in chosen], params, first_index=mine)
         self._add({"time/generation_s": Mean(torch.tensor(out.generation_seconds, dtype=torch.float64),
@@ -381,6 +382,10 @@ class RLObjective:
         return [Completion(chosen[out.prompt_index[k]], list(out.prompt_ids[k]), list(out.completion_ids[k]),
                            [float(x) for x in out.logprobs[k]], bool(out.finished[k]))
                 for k in range(len(out.completion_ids))]
+
+    def _stop_strings(self) -> tuple[str, ...]:
+        """rl.stop, its backslash escapes read (\\n on a command line is a newline)."""
+        return (codecs.decode(self.cfg.stop, "unicode_escape"),) if self.cfg.stop else ()
 
     def _stop_ids(self) -> tuple[int, ...]:
         eos = getattr(self.prompts.tokenizer, "eos_id", None)
@@ -472,7 +477,7 @@ class RLObjective:
         n, dp, rank = len(self.val), t.layout.dp, t.data.dp_rank
         share = list(range(rank, n, dp))
         params = SamplingParams(n=1, max_new_tokens=self.cfg.max_new_tokens, temperature=1.0, top_k=1,  # greedy
-                                stop_token_ids=self._stop_ids(), stop_strings=(self.cfg.stop,) if self.cfg.stop else (),
+                                stop_token_ids=self._stop_ids(), stop_strings=self._stop_strings(),
                                 seed=0)
         longest = (n + dp - 1) // dp  # every rank runs as many prompts (sharded generation goes in step)
         ids = [self.val.ids[i] for i in share] + [self.val.ids[0]] * (longest - len(share))
