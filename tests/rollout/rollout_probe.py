@@ -22,22 +22,38 @@ def share(rank: int, world: int, split: bool) -> tuple[int, list[list[int]]]:
     return (0, PROMPTS[:cut]) if rank == 0 else (cut, PROMPTS[cut:])
 
 
-def sample(module, group, split: bool, rank: int, world: int, use_cache: bool = True) -> dict:
+def sample(module, group, split: bool, rank: int, world: int, use_cache: bool = True, multiple: int = 1) -> dict:
     from scaletrain.rollout import SamplingParams
     from scaletrain.rollout.local import LocalEngine, logprobs_of
 
     first, prompts = share(rank, world, split)
-    engine = LocalEngine(module, group=group, use_cache=use_cache)
+    engine = LocalEngine(module, group=group, use_cache=use_cache, length_multiple=multiple)
     r = engine.generate(prompts, SamplingParams(**PARAMS), first_index=first)
     # the trainer's side on the same tokens, every rank of the group together
     rows = max_rows(len(r), group)
     trainer_side = []
     for k in range(rows):
         b = min(k, len(r) - 1)
-        trainer_side.append(logprobs_of(module, r.prompt_ids[b], r.completion_ids[b], PARAMS["temperature"]).tolist())
+        trainer_side.append(logprobs_of(module, r.prompt_ids[b], r.completion_ids[b], PARAMS["temperature"],
+                                        length_multiple=multiple).tolist())
     return {"prompt_index": [first + i for i in r.prompt_index], "completions": r.completion_ids,
             "logprobs": [lp.tolist() for lp in r.logprobs], "finished": r.finished, "forwards": r.forwards,
-            "trainer": trainer_side[:len(r)]}
+            "trainer": trainer_side[:len(r)],
+            "text": sample_text_of(module, None if multiple > 1 else group is not None)}
+
+
+def sample_text_of(module, all_ranks: bool | None) -> str | None:
+    """The trainer's sample after training (model.generate.sample_text, with its cache); not under
+    sequence parallelism, which it does not pad for."""
+    import contextlib
+
+    from scaletrain.data.tokenizer import ByteTokenizer
+    from scaletrain.model.generate import sample_text
+
+    if all_ranks is None:
+        return None
+    return sample_text(module, ByteTokenizer(), "Hello", 12, window=32, seed=3, device=torch.device("cpu"),
+                       autocast=contextlib.nullcontext, all_ranks=all_ranks, interrupted=lambda: False)
 
 
 def max_rows(mine: int, group) -> int:
@@ -58,7 +74,8 @@ def main(out_path: str, overrides_json: str, split: str) -> None:
     rt = init_worker(cfg)
     trainer = Trainer(cfg, rt, stream=open(os.devnull, "w"))
     rank, world = dist.get_rank(), dist.get_world_size()
-    got = sample(trainer.pm.dp.module, dist.group.WORLD, split == "split", rank, world)
+    multiple = cfg.parallel.tp if cfg.parallel.sp else 1
+    got = sample(trainer.pm.dp.module, dist.group.WORLD, split == "split", rank, world, multiple=multiple)
     gathered = [None] * world
     dist.all_gather_object(gathered, got)
     if rank == 0:

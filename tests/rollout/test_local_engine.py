@@ -166,3 +166,38 @@ def test_training_mode_is_restored_and_dropout_is_off_while_sampling():
     b = engine.generate(PROMPTS[:2], HOT)
     assert a.completion_ids == b.completion_ids  # no dropout draws in between
     assert math.isfinite(float(torch.cat(a.logprobs).sum()))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_padding_each_forward_to_a_multiple_changes_no_token(shape):
+    """Sequence parallelism's padding (length_multiple), run in one process: no real position sees it."""
+    model = tiny(**SHAPES[shape])
+    plain = LocalEngine(model).generate(PROMPTS, HOT)
+    seen = []
+    model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
+    padded = LocalEngine(model, length_multiple=3).generate(PROMPTS, HOT)
+    assert padded.completion_ids == plain.completion_ids
+    torch.testing.assert_close(torch.cat(padded.logprobs), torch.cat(plain.logprobs), rtol=0, atol=1e-6)
+    # batches by prompt length in order of first appearance (5: prompts 0 and 2; 3; 1; 7), each prompt
+    # padded to a multiple of 3, then 10 steps of one token and 2 of padding
+    assert seen == [6] + [3] * 10 + [3] + [3] * 10 + [3] + [3] * 10 + [9] + [3] * 10
+    r = padded
+    for prompt, completion, lps in zip(r.prompt_ids, r.completion_ids, r.logprobs, strict=True):
+        ref = logprobs_of(model, prompt, completion, 0.7, length_multiple=4)
+        torch.testing.assert_close(ref, lps, rtol=0, atol=1e-6)
+    with pytest.raises(ConfigError, match=r"max_new_tokens=11 \+ 2 of padding exceeds the model's context of 24"):
+        LocalEngine(model, length_multiple=3).generate([[1] * 12], HOT)
+
+
+def test_a_cache_rewinds_what_padding_stored_and_refuses_more():
+    from scaletrain.model.kv_cache import KVCache
+
+    model = tiny()
+    tokens = torch.randint(0, 64, (2, 9))
+    cache = KVCache(12)
+    model(torch.cat([tokens[:, :5], torch.zeros(2, 2, dtype=torch.long)], 1), cache)  # 5 real + 2 padding
+    cache.rewind(2)
+    assert cache.length == 5
+    torch.testing.assert_close(model(tokens[:, 5:], cache), model(tokens)[:, 5:], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="cannot rewind 10 of 9 positions"):
+        cache.rewind(10)

@@ -15,7 +15,9 @@ under tensor parallelism each forward's collectives join the tp ranks, so every 
 run the same number of forwards. `group` names those ranks: before each forward they agree, with a
 one-number all-reduce, whether any of them still has a row running; one that has finished its own
 prompts runs a forward of one token (thrown away) while the others go on. The ranks of a tp group are
-given the same prompts and seed, so they draw the same tokens from the same (gathered) logits. Pipeline
+given the same prompts and seed, so they draw the same tokens from the same (gathered) logits. Under
+sequence parallelism each forward's length must split evenly over the tp ranks: the engine pads each
+forward at its end (`length_multiple`), which no real position sees under the causal mask. Pipeline
 stages hold part of the model and cannot sample on their own: refused.
 
 The log-probability kept per token is log_softmax(logits / temperature) of the full distribution at the
@@ -49,26 +51,35 @@ def _device_of(module: nn.Module) -> torch.device:
     return p.to_local().device if isinstance(p, DTensor) else p.device
 
 
-def last_logits(module: nn.Module, tokens: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+def last_logits(module: nn.Module, tokens: torch.Tensor, cache: KVCache | None, multiple: int = 1) -> torch.Tensor:
     """(B, V) the logits of each row's last position, whole (a tensor-parallel head's vocabulary shards
-    gathered: every rank of the tp group calls this together)."""
+    gathered: every rank of the tp group calls this together). `multiple`: the forward's length is padded
+    at its end to a multiple of it (sequence parallelism's shards are equal); under the causal mask no
+    real position sees the padding, and the cache forgets it after."""
+    T = tokens.shape[1]
+    pad = -T % multiple
+    if pad:
+        tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, pad)], dim=1)
     out = module(tokens) if cache is None else module(tokens, cache)
     out = out.full_tensor() if isinstance(out, DTensor) else out
-    return out[:, -1, :]
+    if pad and cache is not None:
+        cache.rewind(pad)
+    return out[:, T - 1, :]
 
 
 class _Batch:
     """The n completions of each of some prompts of one length, drawn one token per forward."""
 
     def __init__(self, prompts: list[tuple[int, list[int]]], params: SamplingParams, device: torch.device,
-                 use_cache: bool, tokenizer, first_index: int):
+                 use_cache: bool, tokenizer, first_index: int, multiple: int):
         self.params, self.tokenizer = params, tokenizer
         self.rows = [(i, j) for i, _ in prompts for j in range(params.n)]
         self.prompt_of = dict(prompts)
         ids = [ids for _, ids in prompts for _ in range(params.n)]
         self.tokens = torch.tensor(ids, dtype=torch.long, device=device)  # (B, P), then what is fed
         self.generators = [completion_generator(params.seed, first_index + i, j, device) for i, j in self.rows]
-        self.cache = KVCache(self.tokens.shape[1] + params.max_new_tokens) if use_cache else None
+        # (room for the padding of the last forward, `multiple` - 1 positions past the last real one)
+        self.cache = KVCache(self.tokens.shape[1] + params.max_new_tokens + multiple - 1) if use_cache else None
         self.completions: list[list[int]] = [[] for _ in self.rows]
         self.logprobs: list[list[torch.Tensor]] = [[] for _ in self.rows]
         self.finished = [False] * len(self.rows)
@@ -121,14 +132,17 @@ class LocalEngine:
     shards of ZeRO-3 and the tp ranks; None for a module this process runs alone). `tokenizer` (with a
     `decode(ids) -> str`): needed for stop strings. `use_cache=False`: every token re-runs the sequence.
     `autocast`: the context the forwards run in (the run's precision). `max_len`: the longest prompt +
-    completion (default: the model's max_seq_len)."""
+    completion (default: the model's max_seq_len). `length_multiple`: what every forward's length must be
+    a multiple of: under sequence parallelism (parallel.sp) the tp size, as the sequence is cut in equal
+    shards; each forward is then padded at its end (a decode step runs `length_multiple` positions)."""
 
     def __init__(self, module: nn.Module, *, tokenizer=None, group=None, use_cache: bool = True,
-                 autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext, max_len: int | None = None):
+                 autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext, max_len: int | None = None,
+                 length_multiple: int = 1):
         if getattr(module, "tok_emb", True) is None or getattr(module, "output", True) is None:
             raise ConfigError(PIPELINE_REFUSAL)
         self.module, self.tokenizer, self.group = module, tokenizer, group
-        self.use_cache, self.autocast = use_cache, autocast
+        self.use_cache, self.autocast, self.multiple = use_cache, autocast, length_multiple
         cfg = getattr(module, "cfg", None)
         self.max_len = max_len if max_len is not None else getattr(cfg, "max_seq_len", None)
         self.device = _device_of(module)
@@ -147,7 +161,7 @@ class LocalEngine:
         by_length: dict[int, list[tuple[int, list[int]]]] = {}
         for i, ids in enumerate(prompts):
             by_length.setdefault(len(ids), []).append((i, list(ids)))
-        batches = [_Batch(same, params, self.device, self.use_cache, self.tokenizer, first_index)
+        batches = [_Batch(same, params, self.device, self.use_cache, self.tokenizer, first_index, self.multiple)
                    for same in by_length.values()]
         was_training = self.module.training
         self.module.eval()
@@ -180,9 +194,9 @@ class LocalEngine:
             with self.autocast():
                 if current is None:  # the others still run: a forward of one token, thrown away
                     last_logits(self.module, torch.zeros(1, 1, dtype=torch.long, device=self.device),
-                                KVCache(1) if self.use_cache else None)
+                                KVCache(self.multiple) if self.use_cache else None, self.multiple)
                 else:
-                    current.take(last_logits(self.module, current.next_input(), current.cache))
+                    current.take(last_logits(self.module, current.next_input(), current.cache, self.multiple))
             forwards += 1
 
     def _anyone_running(self, mine: bool) -> bool:
@@ -205,21 +219,26 @@ class LocalEngine:
         for i, ids in enumerate(prompts):
             if not ids:
                 raise ConfigError(f"prompt {i} holds no token: the model has nothing to continue from")
-            if self.max_len is not None and len(ids) + params.max_new_tokens > self.max_len:
-                raise ConfigError(f"prompt {i} of {len(ids)} tokens + max_new_tokens={params.max_new_tokens} "
+            padding = self.multiple - 1  # (the last forward's, under sequence parallelism)
+            if self.max_len is not None and len(ids) + params.max_new_tokens + padding > self.max_len:
+                extra = f" + {padding} of padding" if padding else ""
+                raise ConfigError(f"prompt {i} of {len(ids)} tokens + max_new_tokens={params.max_new_tokens}{extra} "
                                   f"exceeds the model's context of {self.max_len} positions; lower "
                                   f"max_new_tokens or shorten the prompt")
 
 
 @torch.no_grad()
 def logprobs_of(module: nn.Module, prompt_ids: list[int], completion_ids: list[int], temperature: float,
-                autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext) -> torch.Tensor:
+                autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+                length_multiple: int = 1) -> torch.Tensor:
     """(len(completion_ids),) fp32: the trainer's side of the comparison. One forward of prompt +
     completion, the logits of the positions that predict each completion token divided by the temperature,
-    and their log-softmax at that token (model.preference.token_logps, as the trainer computes them)."""
+    and their log-softmax at that token (model.preference.token_logps, as the trainer computes them).
+    `length_multiple`: as LocalEngine's (the forward padded at its end)."""
     tokens = torch.tensor([list(prompt_ids) + list(completion_ids)], dtype=torch.long, device=_device_of(module))
+    pad = -tokens.shape[1] % length_multiple
     with autocast():
-        logits = module(tokens)
+        logits = module(torch.cat([tokens, tokens[:, -1:].expand(-1, pad)], dim=1) if pad else tokens)
     logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
     P, C = len(prompt_ids), len(completion_ids)
     targets = tokens[:, P:]
