@@ -38,7 +38,7 @@ def sample(module, group, split: bool, rank: int, world: int, use_cache: bool = 
                                         length_multiple=multiple).tolist())
     return {"prompt_index": [first + i for i in r.prompt_index], "completions": r.completion_ids,
             "logprobs": [lp.tolist() for lp in r.logprobs], "finished": r.finished, "forwards": r.forwards,
-            "trainer": trainer_side[:len(r)],
+            "trainer": trainer_side[:len(r)], "sampling_gap": r.sampling_gap,
             "text": sample_text_of(module, None if multiple > 1 else group is not None)}
 
 

@@ -68,10 +68,10 @@ def test_the_cache_changes_no_token_and_costs_one_position_per_token(shape):
     model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape))
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     params = with_(HOT, max_new_tokens=8)
-    cached = LocalEngine(model).generate(prompts, params)
+    cached = LocalEngine(model, rescore=False).generate(prompts, params)
     cached_shapes = list(seen)
     seen.clear()
-    plain = LocalEngine(model, use_cache=False).generate(prompts, params)
+    plain = LocalEngine(model, use_cache=False, rescore=False).generate(prompts, params)
     assert cached.completion_ids == plain.completion_ids
     torch.testing.assert_close(torch.cat(cached.logprobs), torch.cat(plain.logprobs), rtol=0, atol=1e-6)
     # each prompt's 3 rows: the prompt once, then one position per new token
@@ -83,24 +83,35 @@ def test_the_cache_changes_no_token_and_costs_one_position_per_token(shape):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_rollout_log_probs_are_the_trainer_forwards(shape):
     """Temperature 0.7 with top-p and top-k on: the log-probs are of the whole distribution at 0.7, not of
-    the filtered one, and within 1e-6 of the trainer's forward on prompt + completion (fp32)."""
+    the filtered one; rescored (the default) they are logprobs_of's bit for bit, and those of the forwards
+    that drew the tokens (rescore=False) are within 1e-6 of them (measured here: at most 7.2e-7)."""
     model = tiny(**SHAPES[shape])
+    seen = []
+    model.register_forward_pre_hook(lambda m, args: seen.append(tuple(args[0].shape)))
     r = LocalEngine(model).generate(PROMPTS, HOT)
-    worst, same, total = 0.0, 0, 0
-    for prompt, completion, lps in zip(r.prompt_ids, r.completion_ids, r.logprobs, strict=True):
+    # after the draws, one forward of each row's prompt + completion, batch by batch (prompts of 5 tokens:
+    # 0 and 2, then 3, 1 and 7)
+    assert seen[-15:] == [(1, 5 + 11)] * 6 + [(1, 3 + 11)] * 3 + [(1, 1 + 11)] * 3 + [(1, 7 + 11)] * 3
+    assert r.forwards == len(seen)
+    drawn = LocalEngine(model, rescore=False).generate(PROMPTS, HOT)
+    assert drawn.completion_ids == r.completion_ids and drawn.sampling_gap == 0.0
+    worst = 0.0
+    for prompt, completion, lps, lps_drawn in zip(r.prompt_ids, r.completion_ids, r.logprobs, drawn.logprobs,
+                                                  strict=True):
         assert lps.dtype == torch.float32 and lps.shape == (len(completion),)
         ref = logprobs_of(model, prompt, completion, 0.7)
-        worst = max(worst, (ref - lps).abs().max().item())
-        same, total = same + int((ref == lps).sum()), total + len(completion)
+        assert torch.equal(ref, lps)
+        worst = max(worst, (ref - lps_drawn).abs().max().item())
         # logprobs_of against the definition, in float64 from the full forward's logits
         logits = model(torch.tensor([prompt + completion])).double()[0, len(prompt) - 1:-1] / 0.7
         by_hand = logits.gather(1, torch.tensor(completion)[:, None])[:, 0] - logits.exp().sum(-1).log()
         torch.testing.assert_close(ref.double(), by_hand, rtol=0, atol=1e-5)
-    assert worst <= 1e-6, (worst, same, total)
+    assert worst <= 1e-6 and r.sampling_gap == worst, (worst, r.sampling_gap)
     # greedy (top_k=1): the filtered distribution would give every token log-prob 0; the full one does not
-    greedy = LocalEngine(model).generate(PROMPTS[:2], with_(HOT, top_k=1, n=2))
-    assert all((lp < 0).all() for lp in greedy.logprobs)
-    assert greedy.completion_ids[0] == greedy.completion_ids[1]  # (and every draw is the argmax)
+    for rescore in (True, False):
+        greedy = LocalEngine(model, rescore=rescore).generate(PROMPTS[:2], with_(HOT, top_k=1, n=2))
+        assert all((lp < 0).all() for lp in greedy.logprobs)
+        assert greedy.completion_ids[0] == greedy.completion_ids[1]  # (and every draw is the argmax)
 
 
 def test_stop_ids_end_a_completion_at_their_first_draw_and_are_kept():
@@ -175,16 +186,17 @@ def test_padding_each_forward_to_a_multiple_changes_no_token(shape):
     plain = LocalEngine(model).generate(PROMPTS, HOT)
     seen = []
     model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
-    padded = LocalEngine(model, length_multiple=3).generate(PROMPTS, HOT)
+    padded = LocalEngine(model, length_multiple=3, rescore=False).generate(PROMPTS, HOT)
     assert padded.completion_ids == plain.completion_ids
     torch.testing.assert_close(torch.cat(padded.logprobs), torch.cat(plain.logprobs), rtol=0, atol=1e-6)
     # batches by prompt length in order of first appearance (5: prompts 0 and 2; 3; 1; 7), each prompt
     # padded to a multiple of 3, then 10 steps of one token and 2 of padding
     assert seen == [6] + [3] * 10 + [3] + [3] * 10 + [3] + [3] * 10 + [9] + [3] * 10
-    r = padded
+    r = LocalEngine(model, length_multiple=4).generate(PROMPTS, HOT)
+    assert r.completion_ids == plain.completion_ids
     for prompt, completion, lps in zip(r.prompt_ids, r.completion_ids, r.logprobs, strict=True):
-        ref = logprobs_of(model, prompt, completion, 0.7, length_multiple=4)
-        torch.testing.assert_close(ref, lps, rtol=0, atol=1e-6)
+        assert torch.equal(logprobs_of(model, prompt, completion, 0.7, length_multiple=4), lps)
+        torch.testing.assert_close(logprobs_of(model, prompt, completion, 0.7), lps, rtol=0, atol=1e-6)
     with pytest.raises(ConfigError, match=r"max_new_tokens=11 \+ 2 of padding exceeds the model's context of 24"):
         LocalEngine(model, length_multiple=3).generate([[1] * 12], HOT)
 

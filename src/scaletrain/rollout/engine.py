@@ -78,6 +78,8 @@ class Rollouts:
     generation_seconds: float = 0.0  # wall time of the whole call
     tokens_generated: int = 0  # completion tokens (what the rows hold, not the fillers of finished rows)
     forwards: int = 0  # forwards run (the same on every rank of a sharded group)
+    sampling_gap: float = 0.0  # the largest |log-prob| difference of the forwards that drew the tokens from
+    # those kept (0 when they are the same: LocalEngine without rescoring); a measure of the cache's rounding
 
     def __len__(self) -> int:
         return len(self.completion_ids)

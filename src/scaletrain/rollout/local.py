@@ -21,8 +21,12 @@ forward at its end (`length_multiple`), which no real position sees under the ca
 stages hold part of the model and cannot sample on their own: refused.
 
 The log-probability kept per token is log_softmax(logits / temperature) of the full distribution at the
-drawn token, in fp32: what `logprobs_of` (the trainer's forward on prompt + completion) gives on the same
-tokens. tests/rollout/ measures the gap between the two.
+drawn token, in fp32. By default (`rescore=True`) it comes from one more forward per completion, of the
+prompt and the completion whole, as `logprobs_of` (the trainer's side) computes it: the same numbers, bit
+for bit, on any layout. The forwards that drew the tokens (one position at a time against the cache) give
+the same distribution up to fp32 rounding: on the demo model their log-probs are within 2e-6 of the whole
+forward's (benchmarks/rollout.py; `Rollouts.sampling_gap` reports it per call). `rescore=False` keeps
+those and saves the forwards (B x (prompt + completion) positions, about one step of training's forward).
 """
 
 from __future__ import annotations
@@ -51,11 +55,12 @@ def _device_of(module: nn.Module) -> torch.device:
     return p.to_local().device if isinstance(p, DTensor) else p.device
 
 
-def last_logits(module: nn.Module, tokens: torch.Tensor, cache: KVCache | None, multiple: int = 1) -> torch.Tensor:
-    """(B, V) the logits of each row's last position, whole (a tensor-parallel head's vocabulary shards
-    gathered: every rank of the tp group calls this together). `multiple`: the forward's length is padded
-    at its end to a multiple of it (sequence parallelism's shards are equal); under the causal mask no
-    real position sees the padding, and the cache forgets it after."""
+def forward_logits(module: nn.Module, tokens: torch.Tensor, cache: KVCache | None = None,
+                   multiple: int = 1) -> torch.Tensor:
+    """(B, T, V) the logits of tokens (B, T), whole (a tensor-parallel head's vocabulary shards gathered:
+    every rank of the tp group calls this together). `multiple`: the forward's length is padded at its end
+    to a multiple of it (sequence parallelism's shards are equal); under the causal mask no real position
+    sees the padding, and the cache forgets it after."""
     T = tokens.shape[1]
     pad = -T % multiple
     if pad:
@@ -64,7 +69,16 @@ def last_logits(module: nn.Module, tokens: torch.Tensor, cache: KVCache | None, 
     out = out.full_tensor() if isinstance(out, DTensor) else out
     if pad and cache is not None:
         cache.rewind(pad)
-    return out[:, T - 1, :]
+    return out[:, :T]
+
+
+def completion_logprobs(logits: torch.Tensor, tokens: torch.Tensor, prompt_len: int,
+                        temperature: float) -> torch.Tensor:
+    """(C,) fp32 from the logits (1, P + C, V) of tokens (1, P + C): the positions that predict each
+    completion token, divided by the temperature, log-softmax at that token (model.preference.token_logps,
+    as the trainer computes them)."""
+    targets = tokens[:, prompt_len:]
+    return token_logps(scaled(logits[:, prompt_len - 1:-1], temperature), targets, torch.ones_like(targets))[0]
 
 
 class _Batch:
@@ -90,15 +104,15 @@ class _Batch:
     def done(self) -> bool:
         return not any(self.running)
 
-    def next_input(self) -> torch.Tensor:
+    def next_input(self) -> tuple[torch.Tensor, KVCache | None]:
         """The positions to run next: the prompts first, then with the cache the last token alone."""
-        return self.tokens if self.cache is None or self.fed == 0 else self.tokens[:, -1:]
+        return (self.tokens if self.cache is None or self.fed == 0 else self.tokens[:, -1:]), self.cache
 
     def take(self, logits: torch.Tensor) -> None:
-        """Draw each running row's next token from the (B, V) logits of its last position."""
+        """Draw each running row's next token from the logits (B, T, V) of the positions run."""
         self.fed += 1
         p = self.params
-        s = scaled(logits, p.temperature)
+        s = scaled(logits[:, -1], p.temperature)
         live = [b for b, r in enumerate(self.running) if r]
         nxt = self.tokens[:, -1].clone()  # a stopped row is fed its last token again (thrown away)
         nxt[live] = draw(filtered_probs(s[live], p.top_k, p.top_p), [self.generators[b] for b in live])
@@ -125,6 +139,30 @@ class _Batch:
             yield (i, j), self.prompt_of[i], self.completions[b], torch.stack(self.logprobs[b]), self.finished[b]
 
 
+class _Rescore:
+    """The log-probs of a sampled batch's completions again, one forward of prompt + completion per row,
+    as `logprobs_of` computes them (run once the batch is done)."""
+
+    def __init__(self, batch: _Batch):
+        self.batch, self.row, self.logprobs = batch, 0, []
+
+    @property
+    def done(self) -> bool:
+        return self.row == len(self.batch.rows)
+
+    def next_input(self) -> tuple[torch.Tensor, None]:
+        i, _ = self.batch.rows[self.row]
+        ids = self.batch.prompt_of[i] + self.batch.completions[self.row]
+        return torch.tensor([ids], dtype=torch.long, device=self.batch.tokens.device), None
+
+    def take(self, logits: torch.Tensor) -> None:
+        tokens, _ = self.next_input()
+        i, _ = self.batch.rows[self.row]
+        self.logprobs.append(completion_logprobs(logits, tokens, len(self.batch.prompt_of[i]),
+                                                 self.batch.params.temperature))
+        self.row += 1
+
+
 class LocalEngine:
     """Completions from the live training module (a scaletrain Transformer, plain or sharded).
 
@@ -134,15 +172,16 @@ class LocalEngine:
     `autocast`: the context the forwards run in (the run's precision). `max_len`: the longest prompt +
     completion (default: the model's max_seq_len). `length_multiple`: what every forward's length must be
     a multiple of: under sequence parallelism (parallel.sp) the tp size, as the sequence is cut in equal
-    shards; each forward is then padded at its end (a decode step runs `length_multiple` positions)."""
+    shards; each forward is then padded at its end (a decode step runs `length_multiple` positions).
+    `rescore`: the log-probs from a forward of each prompt + completion whole (see the module's docstring)."""
 
     def __init__(self, module: nn.Module, *, tokenizer=None, group=None, use_cache: bool = True,
                  autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext, max_len: int | None = None,
-                 length_multiple: int = 1):
+                 length_multiple: int = 1, rescore: bool = True):
         if getattr(module, "tok_emb", True) is None or getattr(module, "output", True) is None:
             raise ConfigError(PIPELINE_REFUSAL)
         self.module, self.tokenizer, self.group = module, tokenizer, group
-        self.use_cache, self.autocast, self.multiple = use_cache, autocast, length_multiple
+        self.use_cache, self.autocast, self.multiple, self.rescore = use_cache, autocast, length_multiple, rescore
         cfg = getattr(module, "cfg", None)
         self.max_len = max_len if max_len is not None else getattr(cfg, "max_seq_len", None)
         self.device = _device_of(module)
@@ -163,28 +202,41 @@ class LocalEngine:
             by_length.setdefault(len(ids), []).append((i, list(ids)))
         batches = [_Batch(same, params, self.device, self.use_cache, self.tokenizer, first_index, self.multiple)
                    for same in by_length.values()]
+        rescores = [_Rescore(b) for b in batches] if self.rescore else []
         was_training = self.module.training
         self.module.eval()
         try:
-            forwards = self._run(batches)
+            forwards = self._run([*batches, *rescores])
         finally:
             self.module.train(was_training)
             self._release()
-        rows = sorted(row for batch in batches for row in batch.results())
-        out = Rollouts(forwards=forwards)
-        for (i, _), prompt, completion, lps, finished in rows:
+        out = self._collect(batches, rescores)
+        out.forwards = forwards
+        out.generation_seconds = time.perf_counter() - t0
+        return out
+
+    @staticmethod
+    def _collect(batches: list[_Batch], rescores: list[_Rescore]) -> Rollouts:
+        """The rows of every batch in prompt-major order, with the rescored log-probs where there are."""
+        rows = []
+        for k, batch in enumerate(batches):
+            for b, (key, prompt, completion, sampled, finished) in enumerate(batch.results()):
+                final = rescores[k].logprobs[b] if rescores else sampled
+                rows.append((key, prompt, completion, final, finished, (final - sampled).abs().max().item()))
+        out = Rollouts()
+        for (i, _), prompt, completion, lps, finished, gap in sorted(rows, key=lambda row: row[0]):
             out.prompt_index.append(i)
             out.prompt_ids.append(prompt)
             out.completion_ids.append(completion)
             out.logprobs.append(lps)
             out.finished.append(finished)
+            out.sampling_gap = max(out.sampling_gap, gap)
         out.tokens_generated = sum(out.lengths)
-        out.generation_seconds = time.perf_counter() - t0
         return out
 
-    def _run(self, batches: list[_Batch]) -> int:
-        """Every batch's forwards, one at a time; with a group, as many as the busiest rank's."""
-        pending, forwards = iter(batches), 0
+    def _run(self, jobs: list[_Batch | _Rescore]) -> int:
+        """Every job's forwards, one at a time, in order; with a group, as many as the busiest rank's."""
+        pending, forwards = iter(jobs), 0
         current = next(pending, None)
         while True:
             while current is not None and current.done:
@@ -193,10 +245,11 @@ class LocalEngine:
                 return forwards
             with self.autocast():
                 if current is None:  # the others still run: a forward of one token, thrown away
-                    last_logits(self.module, torch.zeros(1, 1, dtype=torch.long, device=self.device),
-                                KVCache(self.multiple) if self.use_cache else None, self.multiple)
+                    forward_logits(self.module, torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                                   KVCache(self.multiple) if self.use_cache else None, self.multiple)
                 else:
-                    current.take(last_logits(self.module, current.next_input(), current.cache, self.multiple))
+                    tokens, cache = current.next_input()
+                    current.take(forward_logits(self.module, tokens, cache, self.multiple))
             forwards += 1
 
     def _anyone_running(self, mine: bool) -> bool:
@@ -232,14 +285,9 @@ def logprobs_of(module: nn.Module, prompt_ids: list[int], completion_ids: list[i
                 autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext,
                 length_multiple: int = 1) -> torch.Tensor:
     """(len(completion_ids),) fp32: the trainer's side of the comparison. One forward of prompt +
-    completion, the logits of the positions that predict each completion token divided by the temperature,
-    and their log-softmax at that token (model.preference.token_logps, as the trainer computes them).
-    `length_multiple`: as LocalEngine's (the forward padded at its end)."""
+    completion (padded at its end to `length_multiple`, as LocalEngine's), the logits of the positions
+    that predict each completion token divided by the temperature, their log-softmax at that token."""
     tokens = torch.tensor([list(prompt_ids) + list(completion_ids)], dtype=torch.long, device=_device_of(module))
-    pad = -tokens.shape[1] % length_multiple
     with autocast():
-        logits = module(torch.cat([tokens, tokens[:, -1:].expand(-1, pad)], dim=1) if pad else tokens)
-    logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
-    P, C = len(prompt_ids), len(completion_ids)
-    targets = tokens[:, P:]
-    return token_logps(scaled(logits[:, P - 1:P + C - 1], temperature), targets, torch.ones_like(targets))[0]
+        logits = forward_logits(module, tokens, None, length_multiple)
+    return completion_logprobs(logits, tokens, len(prompt_ids), temperature)
