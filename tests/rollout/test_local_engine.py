@@ -16,11 +16,12 @@ from scaletrain.model.config import model_config
 from scaletrain.model.transformer import Transformer
 from scaletrain.rollout import Rollouts, SamplingParams
 from scaletrain.rollout.engine import RolloutEngine
-from scaletrain.rollout.local import PIPELINE_REFUSAL, LocalEngine, logprobs_of
+from scaletrain.rollout.local import PIPELINE_REFUSAL, WINDOW_PADDING_REFUSAL, LocalEngine, logprobs_of
 
 SHAPES = {
     "gpt2": {"position": "learned"},
     "llama-gqa": {"position": "rope", "norm": "rmsnorm", "activation": "swiglu", "n_kv_heads": 2},
+    "sliding-window": {"position": "rope", "norm": "rmsnorm", "sliding_window": 4, "global_every": 2},
 }
 # prompts of uneven lengths, two of them of the same length (one batch)
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9], [7], [2, 7, 1, 8, 2, 8, 1]]
@@ -183,6 +184,14 @@ def test_training_mode_is_restored_and_dropout_is_off_while_sampling():
 def test_padding_each_forward_to_a_multiple_changes_no_token(shape):
     """Sequence parallelism's padding (length_multiple), run in one process: no real position sees it."""
     model = tiny(**SHAPES[shape])
+    if shape == "sliding-window":  # its cache cannot forget the padding: refused, without the cache it runs
+        with pytest.raises(ConfigError) as e:
+            LocalEngine(model, length_multiple=3)
+        assert e.value.lines == [WINDOW_PADDING_REFUSAL]
+        plain = LocalEngine(model, rescore=False).generate(PROMPTS, HOT)
+        padded = LocalEngine(model, use_cache=False, length_multiple=3).generate(PROMPTS, HOT)
+        assert padded.completion_ids == plain.completion_ids
+        return
     plain = LocalEngine(model).generate(PROMPTS, HOT)
     seen = []
     model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))

@@ -48,6 +48,9 @@ from scaletrain.rollout.engine import Rollouts, SamplingParams
 from scaletrain.rollout.sampling import completion_generator, draw, filtered_probs, full_logprobs, scaled
 
 PIPELINE_REFUSAL = "generation under pipeline parallelism is not supported yet; use tp or ZeRO-3"
+WINDOW_PADDING_REFUSAL = ("generation of a model with local attention (model.sliding_window or model.attn_chunk) "
+                          "under sequence parallelism is not supported yet: its cache cannot take back the "
+                          "padding; turn parallel.sp off")
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -182,6 +185,9 @@ class LocalEngine:
             raise ConfigError(PIPELINE_REFUSAL)
         self.module, self.tokenizer, self.group = module, tokenizer, group
         self.use_cache, self.autocast, self.multiple, self.rescore = use_cache, autocast, length_multiple, rescore
+        windowed = any(getattr(m, "window", None) is not None for m in module.modules())
+        if length_multiple > 1 and use_cache and windowed:  # (the padding's keys cannot be taken back)
+            raise ConfigError(WINDOW_PADDING_REFUSAL)
         cfg = getattr(module, "cfg", None)
         self.max_len = max_len if max_len is not None else getattr(cfg, "max_seq_len", None)
         self.device = _device_of(module)
