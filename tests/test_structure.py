@@ -144,6 +144,7 @@ def test_the_cycle_check_finds_a_loop_through_a_local_import(tmp_path):
                   "scaletrain.launch.worker", "scaletrain.launch.job")),
     ("model", ("scaletrain.config", "scaletrain.parallel", "scaletrain.train", "scaletrain.plan")),
     ("model/families", ("scaletrain.config", "scaletrain.parallel", "scaletrain.train", "scaletrain.plan")),
+    ("rollout", ("scaletrain.config", "scaletrain.parallel", "scaletrain.train", "scaletrain.plan")),
 ])
 def test_folder_boundaries(folder, forbidden):
     files = sorted((PACKAGE / folder).glob("*.py"))
@@ -539,7 +540,7 @@ FLOORS = (
     # the ground: words, errors, files, signals, the machine, the step-hook protocol, the watchdog
     ("", "errors", "vocab", "fmt", "atomic", "options", "interrupt", "console", "schedule", "ft_checks", "hardware",
      "hooks", "watchdog", "threads"),
-    ("model", "data", "memory"),  # plain parts: the model knows nothing of parallelism
+    ("model", "data", "memory", "rollout"),  # plain parts: the model knows nothing of parallelism; sampling from it
     ("quant", "config"),  # the config reads presets, documents and the quantization rule
     ("layout", "legality", "optim", "precision"),  # what follows from a config, torch-free where it can be
     ("runtime",),  # the handle of a group of ranks: mesh and axes

@@ -5,10 +5,13 @@ token costs the forward of one position.
 With the cache, the prompt (its last `window` tokens) is encoded once and every new token is one
 position more; when the context reaches `window`, its last half is encoded again and generation
 goes on from there (each token still costs two positions at most, on average). Without it (a
-model sharded over ranks) every token re-runs the last `window` tokens.
+compiled model, whose shapes would change every token) every token re-runs the last `window` tokens.
 
 `sample_text` runs on a model however it is sharded: every rank of a sharded model (FSDP,
-tensor parallel) takes part in each forward and draws the same tokens from the same seed.
+tensor parallel) takes part in each forward and draws the same tokens from the same seed; the
+cache works there too (a tensor-parallel rank caches its own heads), as the number of forwards
+follows from the prompt, the window and the tokens asked alone. (Under sequence parallelism a
+forward of a length the tp ranks do not divide fails, cached or not: not supported yet.)
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ def sample_text(module: torch.nn.Module, tokenizer, prompt: str, new_tokens: int
     """`prompt` and `new_tokens` sampled tokens, decoded. `all_ranks`: every rank of a group runs
     this (a sharded model), and they finish together; `interrupted()` true raises Interrupted
     before the next forward. `use_cache`: generate with a KVCache (a model whose forward takes
-    one; a sharded model never does). `stream`: the sampled text goes to it piece by piece as
+    one). `stream`: the sampled text goes to it piece by piece as
     the tokens come (whole characters only), and what is returned is the prompt alone."""
     ids = tokenizer.encode(prompt)
     if not ids:  # there is nothing to continue: the model would start from an arbitrary token
@@ -100,7 +103,7 @@ def sample_text(module: torch.nn.Module, tokenizer, prompt: str, new_tokens: int
         return logits.full_tensor() if isinstance(logits, DTensor) else logits  # vocabulary shards
 
     module.eval()
-    cache = KVCache(window) if use_cache and not all_ranks else None
+    cache = KVCache(window) if use_cache else None
     try:
         out = generate(logits_of, x, new_tokens, window=window, generator=gen, cache=cache, temperature=temperature,
                        top_k=top_k, on_token=text.add if text is not None else None)

@@ -73,3 +73,13 @@ class KVCache:
     def advance(self, steps: int) -> None:
         """Every block has stored `steps` more positions."""
         self.length += steps
+
+    def rewind(self, steps: int) -> None:
+        """Forget the last `steps` positions (padding run through the model after the real ones: what it
+        stored is overwritten by the next positions). A block with a window may have dropped keys for
+        them already: not supported there."""
+        if self._first:
+            raise ValueError("a cache of blocks with a window cannot rewind: their dropped keys are gone")
+        if not 0 <= steps <= self.length:
+            raise ValueError(f"cannot rewind {steps} of {self.length} positions")
+        self.length -= steps

@@ -230,9 +230,10 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 cache: tuple[KVCache, str] | None = None, *, mask: torch.Tensor | None = None) -> torch.Tensor:
         h = _maybe(self.attn_norm, x)
-        # the cache only in generation: tensor parallelism's input plan knows (x, rope) alone; the
-        # documents' mask goes by keyword, which the plans pass on as it is
-        a = _maybe(self.attn_post_norm, self.attn(h, rope, mask=mask) if cache is None else self.attn(h, rope, cache))
+        # the cache (generation) and the documents' mask go by keyword: tensor parallelism's input plans
+        # lay out (x, rope) alone and pass keywords on as they are
+        a = self.attn(h, rope, mask=mask) if cache is None else self.attn(h, rope, cache=cache)
+        a = _maybe(self.attn_post_norm, a)
         if self.parallel_residual:  # GPT-NeoX: x + attn(norm1(x)) + mlp(norm2(x))
             return x + self.drop(a) + self.drop(self.ffn(self.mlp_norm(x)))
         x = x + self.drop(a)
@@ -333,7 +334,7 @@ class Transformer(nn.Module):
         for name, block in self.layers.items():
             r = local if self.cfg.is_local_block(int(name)) else rope
             if cache is not None:
-                h = block(h, r, (cache, name))
+                h = block(h, r, cache=(cache, name))
             else:
                 h = block(h, r) if mask is None else block(h, r, mask=mask)
         if cache is not None:
