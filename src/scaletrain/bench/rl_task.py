@@ -1,42 +1,51 @@
-"""A verifiable task for RL (issue 50 #7; benchmarks/rl.py and the tests train on it): sums of small numbers,
-whose answers a reward checks exactly.
+"""Verifiable tasks for RL (issue 50 #7; benchmarks/rl.py, the tests and the guide train on them): a prompt whose
+answer a reward checks exactly, in a format a model learns from a brief supervised warm-up.
 
-A prompt is "a+b=" and its answer the sum's digits; a completion is right when its last number is the sum
-(rewards.answer_match with extractor last_number) and ends at a newline (rl.stop = "\\n"). `sft_text` writes
-the same format as plain text for a brief supervised warm-up (a model that has seen the format, but not yet
-learned to add); `write_prompts` the jsonl files rl.prompts and rl.eval_prompts read, the held-out prompts
-none of the training ones.
+    sum       "a+b=" -> the sum's digits (single digits by default); reward: answer_match, extractor last_number
+    reverse   "abc<" -> "cba", random lowercase words; reward: answer_match, extractor first_line
+
+A completion ends at a newline (rl.stop = "\\n"). `sft_text` writes the task as plain text, one example a line,
+for `scaletrain prepare` (a model that has seen the format but not yet learned the task well); `write_prompts`
+the jsonl files rl.prompts and rl.eval_prompts read ({"prompt", "answer"}); `examples` draws them, the held-out
+ones from another seed (the words: whatever overlap chance gives).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import string
 from pathlib import Path
 
-
-def problems(largest: int = 9) -> list[tuple[int, int]]:
-    return [(a, b) for a in range(largest + 1) for b in range(largest + 1)]
-
-
-def split(largest: int = 9, held_out: float = 0.2, seed: int = 0) -> tuple[list, list]:
-    """The problems split into training and held-out ones, at random (seeded)."""
-    every = problems(largest)
-    random.Random(seed).shuffle(every)
-    n = max(1, int(len(every) * held_out))
-    return every[n:], every[:n]
+TASKS = ("sum", "reverse")
+EXTRACTOR = {"sum": "last_number", "reverse": "first_line"}
 
 
-def write_prompts(path: str | Path, pairs: list[tuple[int, int]]) -> Path:
-    """rl.prompts's rows: {"prompt": "a+b=", "answer": "a+b"}."""
+def example(task: str, rng: random.Random, largest: int = 9, letters: tuple[int, int] = (3, 5)) -> tuple[str, str]:
+    """(prompt, answer) of one example of `task`."""
+    if task == "sum":
+        a, b = rng.randint(0, largest), rng.randint(0, largest)
+        return f"{a}+{b}=", str(a + b)
+    if task == "reverse":
+        word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(*letters)))
+        return f"{word}<", word[::-1]
+    raise ValueError(f"unknown task {task!r}; one of {TASKS}")
+
+
+def examples(task: str, n: int, seed: int = 0, **kw) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    return [example(task, rng, **kw) for _ in range(n)]
+
+
+def write_prompts(path: str | Path, rows: list[tuple[str, str]]) -> Path:
+    """rl.prompts's rows: {"prompt", "answer"}."""
     path = Path(path)
-    path.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a, b in pairs))
+    path.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in rows))
     return path
 
 
-def sft_text(path: str | Path, pairs: list[tuple[int, int]], lines: int, seed: int = 0) -> Path:
-    """`lines` lines "a+b=c", drawn from `pairs` (the training problems), for `scaletrain prepare`."""
-    rng = random.Random(seed)
+def sft_text(path: str | Path, rows: list[tuple[str, str]]) -> Path:
+    """The examples as text, "PROMPTANSWER" a line, for `scaletrain prepare`."""
     path = Path(path)
-    path.write_text("".join(f"{a}+{b}={a + b}\n" for a, b in (rng.choice(pairs) for _ in range(lines))))
+    path.write_text("".join(f"{p}{a}\n" for p, a in rows))
     return path

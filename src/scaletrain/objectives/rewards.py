@@ -189,7 +189,13 @@ def last_number(text: str) -> str | None:
     return found[-1].replace(",", "") if found else None
 
 
-EXTRACTORS = {"boxed": last_boxed, "last_number": last_number}
+def first_line(text: str) -> str | None:
+    """The completion's first line, stripped (an answer written alone on its line); None if it is empty."""
+    line = text.split("\n", 1)[0].strip()
+    return line or None
+
+
+EXTRACTORS = {"boxed": last_boxed, "last_number": last_number, "first_line": first_line}
 
 
 def _same_answer(got: str | None, want: str) -> bool:
@@ -204,7 +210,7 @@ def _same_answer(got: str | None, want: str) -> bool:
 
 def answer_match(prompts, completions, answer, *, extractor: str = "boxed", **_) -> list[float]:
     """1.0 where the answer extracted from the completion equals the row's `answer` field (as numbers
-    when both read as numbers, else as stripped text), else 0.0. extractor: boxed | last_number."""
+    when both read as numbers, else as stripped text), else 0.0. extractor: boxed | last_number | first_line."""
     if extractor not in EXTRACTORS:
         raise ValueError(f"unknown extractor {extractor!r}; one of {tuple(EXTRACTORS)}")
     extract = EXTRACTORS[extractor]

@@ -163,7 +163,11 @@ class MetricsLogger:
                 text += f"  dropped {100 * row['moe_dropped']:.1f}%"
         if "rewards/accuracies" in row:  # a preference run: the pairs its rewards rank right, and their margin
             text += f"  acc {100 * row['rewards/accuracies']:.0f}%  margin {row['rewards/margins']:.3f}"
-        if "val_loss" in row:
+        if "pass_rate" in row:  # an RL run: its rollouts' mean reward and pass rate
+            text += f"  reward {row['reward']:.3f}  pass {100 * row['pass_rate']:.0f}%"
+        if "val_reward" in row:  # (its val_loss is the held-out reward, negated: said as the reward)
+            text += f"  val_reward {row['val_reward']:.3f}  val_pass {100 * row['val_pass_rate']:.0f}%"
+        elif "val_loss" in row:
             text += f"  val_loss {row['val_loss']:.4f}"
             text += f"  val_ppl {row['val_ppl']:.2f}" if "val_ppl" in row else ""
             if "val_rewards/accuracies" in row:
