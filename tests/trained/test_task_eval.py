@@ -216,3 +216,21 @@ def test_in_loop_scores_under_zero3_and_tp_equal_one_process(bpe_data, tmp_path)
         got = {r["step"]: {k: v for k, v in r.items() if k.startswith("tasks/")} for r in result["history"]
                if r["step"] in (3, 6)}
         assert got == want, name
+
+
+@pytest.mark.parametrize("axis", ["pp", "cp"])
+def test_tasks_during_training_with_pipeline_or_context_parallelism_are_refused_in_one_line(axis):
+    """Each rank holds a pipeline stage, or chunks of a window: none has every position's logits."""
+    from scaletrain.config import load_config
+    from scaletrain.layout import Layout
+    from scaletrain.legality import Techniques, job_errors
+
+    cfg = load_config(None, {"eval.tasks": "scaletrain_choice", "eval.every": 10})
+    layout = Layout(**{axis: 2})
+    errors = job_errors(layout, cfg.model, Techniques.of(cfg), seq_len=cfg.data.seq_len)
+    refusals = [e for e in errors if e.startswith("eval.tasks")]
+    assert len(refusals) == 1 and refusals[0].startswith(f"eval.tasks with parallel.{axis}=2:") and \
+        "`scaletrain eval CKPT --tasks ...`" in refusals[0]
+    off = load_config(None, {"eval.tasks": "scaletrain_choice", "eval.every": 0})  # at the end only: by eval
+    assert not [e for e in job_errors(layout, off.model, Techniques.of(off), seq_len=off.data.seq_len)
+                if e.startswith("eval.tasks")]

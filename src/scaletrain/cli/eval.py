@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
                                       "newest complete checkpoint; or a PEFT adapter folder (on --base)")
     p.add_argument("--data", "--data.path", dest="data", metavar="FOLDER",
                    help="a prepared folder: its validation split, or all of it if it has none (default: the data "
-                        "the checkpoint was trained on)")
+                        "the checkpoint was trained on); with --tasks, the folder whose tokenizer to use")
     p.add_argument("--batches", "--train.eval_batches", dest="batches", type=int, metavar="N",
                    help="validation batches of the run's global batch (default: its train.eval_batches; 0 = every "
                         "whole batch)")

@@ -58,6 +58,9 @@ class HarnessLM(TemplateLM):
     def prefix_token_id(self) -> int:
         return self.prefix
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return super().loglikelihood(requests, disable_tqdm=True)  # (no progress bar for the tokenizing)
+
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         return self.tokenizer_.encode(string)
 
