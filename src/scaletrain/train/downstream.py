@@ -132,7 +132,7 @@ def evaluate_tasks(lm, names: list[str], *, limit: int = 0, include: str = "", d
     from lm_eval import simple_evaluate
 
     specs, manager = task_specs(names, include, what)
-    with hub(download), random_state_kept(getattr(lm, "device_", torch.device("cpu"))), _quiet():
+    with hub(download), random_state_kept(lm.device or torch.device("cpu")), _quiet():
         try:
             return simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=limit or None,
                                    bootstrap_iters=0, log_samples=True, random_seed=seed, numpy_random_seed=seed,

@@ -40,8 +40,9 @@ class HarnessLM(TemplateLM):
     def __init__(self, module: torch.nn.Module, tokenizer, *, max_length: int, device: torch.device,
                  batch_size: int = 8, autocast: Callable[[], AbstractContextManager] = nullcontext):
         super().__init__()
-        self.module, self.tokenizer_ = module, tokenizer
-        self.max_length, self.device_, self.batch_size, self.autocast = max_length, device, batch_size, autocast
+        self.module, self.tok = module, tokenizer
+        self._device = device  # (lm-eval's LM.device)
+        self.max_length, self.batch_size, self.autocast = max_length, batch_size, autocast
         end = _end_of_text(tokenizer)
         self.end_id = end  # generation stops there (None: no such token, only the task's stop strings)
         # what stands before a text that has no context: the tokenizer's BOS (else its end-of-text), as for `hf`;
@@ -62,7 +63,7 @@ class HarnessLM(TemplateLM):
         return super().loglikelihood(requests, disable_tqdm=True)  # (no progress bar for the tokenizing)
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return self.tokenizer_.encode(string)
+        return self.tok.encode(string)
 
     # ------------------------------------------------------------------------------------------
     # forwards
@@ -75,7 +76,7 @@ class HarnessLM(TemplateLM):
         for i, r in enumerate(rows):
             x[i, :len(r)] = torch.tensor(r)
         with self.autocast():
-            logits = self.module(x.to(self.device_))
+            logits = self.module(x.to(self.device))
         if isinstance(logits, DTensor):  # vocabulary shards (tensor parallel): every rank takes the whole
             logits = logits.full_tensor()
         return F.log_softmax(logits.float(), dim=-1)
@@ -154,11 +155,11 @@ class HarnessLM(TemplateLM):
                     done[k] = True
                     continue
                 new[k].append(token)
-                text = self.tokenizer_.decode(new[k])
+                text = self.tok.decode(new[k])
                 done[k] = any(s and s in text for s in until)
             if all(done):
                 break
-        return [self.tokenizer_.decode(t) for t in new]
+        return [self.tok.decode(t) for t in new]
 
 
 def _end_of_text(tokenizer) -> int | None:
