@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is an optional extra: pip install 'scaletrain[eval]'")
 
 from scaletrain.data.prepare import prepare
+from scaletrain.errors import ConfigError
 from scaletrain.train.downstream import evaluate_tasks, scores, task_names, task_specs
 from scaletrain.train.trainer import Trainer
 
@@ -67,13 +68,20 @@ def _responses(samples: dict) -> dict:
     return {(task, s["doc_id"]): [r[0] for r in s["resps"]] for task, rows in samples.items() for s in rows}
 
 
+@pytest.fixture(scope="module")
+def exported(scored_run, tmp_path_factory) -> tuple[Path, Path]:
+    """(the run's last checkpoint, its `export --format hf` folder)."""
+    ckpt = scored_run["run"] / "checkpoints" / f"step_{STEPS:08d}"
+    hf_dir = tmp_path_factory.mktemp("exported") / "hf"
+    assert run_here("export", str(ckpt), "--format", "hf", "--out", str(hf_dir)).returncode == 0
+    return ckpt, hf_dir
+
+
 @pytest.mark.slow
-def test_scores_equal_lm_evals_hugging_face_backend_on_the_exported_model(scored_run, tmp_path):
+def test_scores_equal_lm_evals_hugging_face_backend_on_the_exported_model(exported):
     from scaletrain.trained.task_eval import evaluate_checkpoint_tasks
 
-    ckpt = scored_run["run"] / "checkpoints" / f"step_{STEPS:08d}"
-    hf_dir = tmp_path / "hf"
-    assert run_here("export", str(ckpt), "--format", "hf", "--out", str(hf_dir)).returncode == 0
+    ckpt, hf_dir = exported
     ours = evaluate_checkpoint_tasks(ckpt, TASKS, batch_size=3)  # batches that do not divide 11 or 9 requests
     ref = _hf_results(hf_dir, batch_size=4)
     assert ours["tasks"] == {"scaletrain_choice": 11, "scaletrain_complete": 9}
@@ -90,6 +98,37 @@ def test_scores_equal_lm_evals_hugging_face_backend_on_the_exported_model(scored
     # the scores are not trivial: the trained model knows some answers, not all
     assert 0 < ours["scores"]["tasks/scaletrain_choice/acc"] and \
         0 < ours["scores"]["tasks/scaletrain_complete/exact_match/strip"] < 1
+
+
+def test_long_texts_are_cut_and_rolled_as_by_the_hugging_face_backend(exported):
+    """Inputs past the window (64 tokens) cut from the left, and whole texts scored in rolling windows,
+    request by request as lm-eval's HFLM scores the exported model."""
+    import torch
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from scaletrain.train.lm_eval_model import HarnessLM
+    from scaletrain.trained.generate import load_for_generation
+
+    ckpt, hf_dir = exported
+    model, tok, _ = load_for_generation(ckpt)
+    ours = HarnessLM(model.eval(), tok, max_length=64, device=torch.device("cpu"), batch_size=3)
+    ref = HFLM(pretrained=str(hf_dir), dtype="float32", device="cpu", batch_size=2)
+    long = CORPUS[:700]  # about 150 tokens: three windows
+    assert len(tok.encode(long)) > 2 * 64
+    pairs = [(long, " fox"), (long[:-30], " the lazy dog"), ("the quick", " brown"), ("", long[:100])]
+    req = [Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)]
+    for (a, greedy_a), (b, greedy_b) in zip(ours.loglikelihood(req), ref.loglikelihood(req), strict=True):
+        assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-4) and greedy_a == greedy_b, (a, b)
+    texts = [long, "the quick brown fox", long[:333]]
+    rolled = [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)]
+    for a, b in zip(ours.loglikelihood_rolling(rolled), ref.loglikelihood_rolling(rolled), strict=True):
+        assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-4), (a, b)
+    until = {"until": ["\n"], "max_gen_toks": 10, "do_sample": False}
+    gen = [Instance("generate_until", {}, (c, until), i) for i, c in enumerate([long, "the model", long[:-5]])]
+    assert ours.generate_until(gen) == ref.generate_until(gen)
+    with pytest.raises(ConfigError, match="a continuation of .* tokens is longer than the model's window of 64"):
+        ours.loglikelihood([Instance("loglikelihood", {}, ("the", " " + long), 0)])
 
 
 def test_a_log_likelihood_is_the_sum_of_the_continuation_tokens_log_probabilities(scored_run):
@@ -160,7 +199,6 @@ def test_a_task_whose_data_is_on_the_hub_is_refused_in_one_line_unless_allowed(s
     """The data set of lm-eval's lambada_openai is on the Hugging Face Hub; none is reached here."""
     import torch
 
-    from scaletrain.errors import ConfigError
     from scaletrain.train.lm_eval_model import HarnessLM
     from scaletrain.trained.generate import load_for_generation
 

@@ -85,6 +85,10 @@ class HarnessLM(TemplateLM):
         """(log-likelihood, is greedy) of each continuation after its context, in the requests' order;
         the longest first, so a batch is padded little."""
         out: list[tuple[float, bool] | None] = [None] * len(requests)
+        if too_long := next((r for r in requests if len(r[2]) > self.max_length), None):
+            raise ConfigError(f"a continuation of {len(too_long[2])} tokens is longer than the model's window of "
+                              f"{self.max_length} (model.max_seq_len): a task that asks for it cannot be scored "
+                              f"with this model ({too_long[0][1][:40]!r}...)")
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
         for batch in _batches(order, self.batch_size):
             # the input: context + continuation, its last token dropped, cut to the window from the left
