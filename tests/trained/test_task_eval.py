@@ -219,8 +219,8 @@ BAD_INPUT = [
                  marks=pytest.mark.slow),  # lm-eval's index of its own tasks: seconds
     Case("tasks-include-missing", ["eval", CKPT, "--tasks", "mine", "--include", "nowhere"],
          ("include folder nowhere does not exist",)),
-    Case("tasks-in-training-unknown", ["train", "--eval.tasks=nope", "--eval.every=2", "--train.steps=2"],
-         ("eval.tasks: unknown task 'nope'",)),
+    pytest.param(Case("tasks-in-training-unknown", ["train", "--eval.tasks=nope", "--eval.every=2", "--train.steps=2"],
+                      ("eval.tasks: unknown task 'nope'",)), marks=pytest.mark.slow),
     Case("tasks-every-without-tasks", ["train", "--eval.every=2"], ("eval.every=2 scores eval.tasks",)),
 ]
 
