@@ -341,6 +341,23 @@ class LogConfig:
 
 
 @dataclass
+class EvalConfig:
+    """[eval]: downstream tasks through lm-evaluation-harness during training (pip install 'scaletrain[eval]');
+    `scaletrain eval CKPT --tasks` scores a checkpoint on the same tasks."""
+
+    tasks: str = option("", "lm-eval task names, comma-separated, scored every eval.every steps and at the end: "
+                            "lm-eval's own, eval.include's, or those shipped with scaletrain (scaletrain_choice, "
+                            "scaletrain_complete); empty = none")
+    every: int = option(0, "score eval.tasks every this many steps (and at the last); 0 = never during training",
+                        min=0)
+    limit: int = option(0, "examples of each task scored (the first ones); 0 = every example", min=0)
+    include: str = option("", "a folder of lm-eval task YAML files whose tasks eval.tasks may name as well")
+    download: bool = option(False, "let lm-eval download a task's data set from the Hugging Face Hub; without it a "
+                                   "task whose data is neither local nor cached is refused")
+    batch_size: int = option(8, "requests per forward (one sequence each) during task evaluation", min=1)
+
+
+@dataclass
 class PreferenceConfig:
     """[preference]: which preference loss (train.objective=preference), its coefficients (TRL 1.16's
     defaults) and where the reference model's log-probabilities come from."""
@@ -501,6 +518,7 @@ SECTIONS: dict[str, type] = {
     "adapter": AdapterConfig,
     "preference": PreferenceConfig,
     "rl": RLConfig,
+    "eval": EvalConfig,
 }
 
 
@@ -519,6 +537,7 @@ class JobConfig:
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -1002,6 +1021,9 @@ def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
     errors.extend(adapter_problems(cfg.adapter))
     errors.extend(preference_problems(cfg))
     errors.extend(rl_problems(cfg))
+    if cfg.eval.every and not cfg.eval.tasks.strip(", "):
+        errors.append(f"eval.every={cfg.eval.every} scores eval.tasks, and it names none; give task names (e.g. "
+                      "eval.tasks=scaletrain_choice), or eval.every=0")
     if cfg.optim.name == "adamw8bit" and cfg.optim.implementation not in ("auto",):
         errors.append("optim.implementation applies to adamw and sgd; leave it at auto for adamw8bit")
     if cfg.optim.name == "muon":

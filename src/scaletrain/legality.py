@@ -41,6 +41,7 @@ class Techniques:
     # engine runs on tp and ZeRO ranks) or replays recorded ones (rl.rollouts: any layout)
     rl_group: int = 0
     rl_samples: bool = False
+    tasks: bool = False  # eval.tasks scored during training: every rank runs whole-model forwards
 
     @classmethod
     def of(cls, cfg, *, custom_module: bool = False, device_type: str | None = None) -> Techniques:
@@ -49,7 +50,7 @@ class Techniques:
         return cls(qat=cfg.train.qat, fp8=cfg.precision.mode == "fp8", adapter=cfg.adapter.kind,
                    base_dtype=cfg.adapter.base_dtype, document_mask=cfg.data.document_mask,
                    custom_module=custom_module, device_type=device_type, rl_group=cfg.rl.group_size if rl else 0,
-                   rl_samples=rl and not cfg.rl.rollouts)
+                   rl_samples=rl and not cfg.rl.rollouts, tasks=bool(cfg.eval.tasks and cfg.eval.every))
 
     @property
     def quantized_base(self) -> str | None:
@@ -67,7 +68,7 @@ def job_errors(layout: Layout, model=None, tech: Techniques = Techniques(), *, s
         e = layout.errors(model, engine=engine, seq_len=seq_len) + _qat_errors(layout, tech) + \
             _fp8_errors(layout, tech) + _moe_errors(layout, model) + _document_mask_errors(layout, tech) + \
             _fault_tolerance_errors(layout, model)
-    e += _adapter_errors(layout, tech) + _rl_errors(layout, tech)
+    e += _adapter_errors(layout, tech) + _rl_errors(layout, tech) + _tasks_errors(layout, tech)
     # (offload without ZeRO-3 is Layout.errors' one line)
     if layout.offload_optimizer and layout.zero == 3 and tech.device_type not in (None, "cuda"):
         e.append("memory.offload_optimizer moves model states from GPU memory to pinned host memory; this run is "
@@ -137,6 +138,17 @@ def _qat_errors(lay: Layout, tech: Techniques) -> list[str]:
         e.append(f"train.qat={tech.qat} with parallel.pp={lay.pp}: not supported yet (the pipeline stages are "
                  "untested with fake-quantized linears); set parallel.pp=1")
     return e
+
+
+def _tasks_errors(lay: Layout, tech: Techniques) -> list[str]:
+    """eval.tasks during training runs the model on whole token windows on every rank: each rank must
+    produce every position's logits (not a pipeline stage's activations, not a chunk of the window)."""
+    if not tech.tasks:
+        return []
+    return [f"eval.tasks with parallel.{axis}={size}: {why} (not supported yet); score the checkpoint with "
+            "`scaletrain eval CKPT --tasks ...`, or set eval.every=0"
+            for axis, size, why in (("pp", lay.pp, "each rank holds one pipeline stage, not the whole model"),
+                                    ("cp", lay.cp, "each rank holds chunks of a window")) if size > 1]
 
 
 def _fp8_errors(lay: Layout, tech: Techniques) -> list[str]:

@@ -17,7 +17,7 @@ def test_defaults_are_the_tiny_demo():
     assert isinstance(cfg, JobConfig)
     assert set(cfg.to_dict()) == set(SECTIONS) == {
         "model", "data", "train", "optim", "precision", "memory", "parallel", "fault_tolerance", "checkpoint", "log",
-        "adapter", "preference", "rl"}
+        "adapter", "preference", "rl", "eval"}
     assert cfg.model.vocab_size == 256 and cfg.precision.mode == "32-true"
 
 

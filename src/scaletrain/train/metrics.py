@@ -140,7 +140,8 @@ class MetricsLogger:
         if self._tb is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    tag = f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"
+                    tag = f"val/{key[4:]}" if key.startswith("val_") else key if key.startswith("tasks/") \
+                        else f"train/{key}"  # (task scores, eval.tasks: tasks/TASK/METRIC)
                     self._tb.add_scalar(tag, value, row["step"])
         if self.trackers is not None:
             self.trackers.log(row)

@@ -48,6 +48,7 @@ from scaletrain.schedule import TrainSchedule
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import run_folder
 from scaletrain.train.async_save import writer_for
+from scaletrain.train.downstream import TaskEvaluation
 from scaletrain.train.evaluate import validation_loss, validation_sets
 from scaletrain.train.health import Health
 from scaletrain.train.metrics import MetricsLogger, StepMeter, announce, perplexity, print_sample, report_state_bytes
@@ -116,6 +117,7 @@ class Trainer:
         self._build_model(resume_from)
         # the validation windows (train.eval_every), once the model is known to fit
         self.data.val_sets = validation_sets(cfg, self.layout.global_batch) if self.objective is None else []
+        self._tasks = TaskEvaluation.for_run(cfg)  # eval.tasks: lm-eval's tasks every eval.every steps, or None
         self.state = TrainState()  # before the hooks: fault tolerance heals it from a peer
         self._build_optimizer()
         # the windows drawn from each source so far are logged (one sampler, on every rank alike; after the hooks)
@@ -441,11 +443,7 @@ class Trainer:
                 loss = None  # no target counted: a step with nothing to learn has no loss (not a loss of 0)
             self.health.watch_loss(self.step, loss, skipped)
             self.meter.stepped(wait, self.step_tokens(self.step - 1), self.counted_tokens(self.step - 1))
-            val_loss = None
-            if self._evaluates() and not stop and \
-                    (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps):
-                with self.meter.paused():  # evaluating is not training: tokens/s leaves it out
-                    val_loss = guarded(self.evaluate)
+            val_loss = None if stop else self._evaluations()
             # a stop (a signal, a fault) logs the step it stopped at: the summary reports that step
             if self.step % cfg.log.every == 0 or self.step in (1, cfg.train.steps) or val_loss is not None or stop:
                 losses.append(self._log(loss, grad_norm, val_loss))
@@ -457,6 +455,17 @@ class Trainer:
         self.health.check_weights_changed(self.step - first_step)
         return self._finish(losses, last_saved)
 
+    def _evaluations(self) -> dict[str, float] | None:
+        """What is due after this step: the validation loss (train.eval_every) and the task scores
+        (eval.tasks, every eval.every steps), both at the last step; None when nothing is."""
+        cfg, out = self.cfg, {}
+        with self.meter.paused():  # evaluating is not training: tokens/s leaves it out
+            if self._evaluates() and (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps):
+                out.update(self.health.guarded(self.evaluate) or {})
+            if self._tasks is not None and self._tasks.due(self.step, cfg.train.steps):
+                out.update(self.health.guarded(self._tasks.run, self) or {})
+        return out or None
+
     def _log(self, loss: float, grad_norm, val_loss: dict[str, float] | None) -> float:
         """Log the metrics of the steps since the last row, and start the next; returns the row's loss."""
         row = self.health.guarded(self.meter.row, self.step, loss, grad_norm, get_lr(self.optimizer),
@@ -467,10 +476,11 @@ class Trainer:
             row.update(self.objective.metrics())
         if self.data.mix_sampler is not None:  # the share of the windows so far drawn from each source
             row.update(self.data.mix_sampler.shares(self.step, self.data.corpus.names))
-        if val_loss is not None:
+        if val_loss is not None and "val_loss" in val_loss:
             row.update(val_loss=val_loss["val_loss"])
             if self.objective is None:
                 row.update(val_ppl=perplexity(val_loss["val_loss"]))
+        if val_loss is not None:  # and the task scores (eval.tasks), tasks/TASK/METRIC
             row.update(val_loss)
         self.health.log_row(row, self.step, self.folder.run_dir / "metrics.jsonl")
         self.meter.new_window()
