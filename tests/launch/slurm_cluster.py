@@ -11,8 +11,9 @@ its network namespace, and started again with `start_node`.
 
 Needs root, munge, slurmctld, slurmd and the Slurm clients (Debian: apt-get install slurmctld slurmd
 munge). Configured without cgroups (ProctrackType=proctrack/linuxproc, TaskPlugin=task/none) and
-with 8 CPUs and 8 placeholder GPUs (gres without devices) per node, so that a job script written
-for GPU nodes is accepted as written; the ranks run on the CPU.
+with 8 CPUs and 8 placeholder GPUs (character devices like /dev/null) per node, so that a job script
+written for GPU nodes is accepted as written; the ranks run on the CPU. A node that stops answering is
+down after SlurmdTimeout (15 s), and a requeued job may start again cred_expire (10 s, not 120) after.
 
     python tests/launch/slurm_cluster.py start [STATE_DIR]    # prints the SLURM_CONF to export
     python tests/launch/slurm_cluster.py stop [STATE_DIR]
@@ -59,6 +60,7 @@ SlurmdUser=root
 SlurmctldPort={PORTS[0]}
 SlurmdPort={PORTS[1]}
 AuthType=auth/munge
+AuthInfo=cred_expire=10
 StateSaveLocation={state}/ctld
 SlurmdSpoolDir={state}/%n/spool
 SlurmctldPidFile={state}/slurmctld.pid
@@ -73,10 +75,11 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
 MpiDefault=none
 GresTypes=gpu
 ReturnToService=2
-SlurmdTimeout=20
+SlurmdTimeout=15
 InactiveLimit=0
 KillWait=60
 MinJobAge=600
@@ -128,13 +131,19 @@ def start_node(node: str, state: Path = STATE) -> None:
     """slurmd of `node` in its namespaces (again, after kill_node: a node that comes back)."""
     (state / node / "spool").mkdir(parents=True, exist_ok=True)
     log = open(state / node / "slurmd.out", "ab")
-    # nsenter, not `ip netns exec`: that one mounts a fresh /sys, without the cgroup tree slurmd reads
-    subprocess.Popen(["nsenter", f"--net=/run/netns/{netns(node)}", "unshare", "--uts", "--mount", "sh", "-c",
-                      f'hostname {node} && mount --bind "$1" /etc/hosts && exec slurmd -D -N {node} -f "$0"',
-                      str(state / "slurm.conf"), str(state / "hosts")],
+    subprocess.Popen(on_node(node, "slurmd", "-D", "-N", node, "-f", str(state / "slurm.conf"), state=state),
                      stdout=log, stderr=log, start_new_session=True, env=env(state))
     _wait(lambda: node_state(node, state) in ("idle", "mixed", "allocated"), 120,
           f"{node} did not come up (see {state / node / 'slurmd.log'})")
+
+
+def on_node(node: str, *argv: str, state: Path = STATE) -> list[str]:
+    """ARGV run on `node`: in its network namespace, under its hostname (torchft and the launcher tell
+    their peers their host by name), with the cluster's /etc/hosts. nsenter, not `ip netns exec`:
+    that one mounts a fresh /sys, without the cgroup tree slurmd reads."""
+    script = f'hostname {node} && mount --bind "{state / "hosts"}" /etc/hosts && exec "$@"'
+    return ["nsenter", f"--net=/run/netns/{netns(node)}", "unshare", "--uts", "--mount", "sh", "-c", script, "sh",
+            *argv]
 
 
 def kill_node(node: str) -> list[int]:
