@@ -35,14 +35,16 @@ NODES = {"node1": "10.78.0.1", "node2": "10.78.0.2"}
 CONTROLLER, CONTROLLER_ADDR = "slurmctl", "10.78.0.254"
 BRIDGE = "stslurm0"
 PORTS = (16817, 16818)  # slurmctld, slurmd: not Slurm's defaults, so a system Slurm here is left alone
-DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "squeue", "scancel", "ip", "unshare")
+# the daemons, Slurm's clients the tests call, and the tools that make the nodes
+NEEDED = ("slurmctld", "slurmd", "munged", "munge", "sbatch", "scontrol", "squeue", "scancel", "sinfo", "ip", "unshare",
+          "nsenter", "runuser")
 
 
 def missing() -> str | None:
     """Why a cluster cannot start here (None when it can)."""
     if os.geteuid() != 0:
         return "starting slurmd and network namespaces needs root"
-    absent = [d for d in DAEMONS if shutil.which(d) is None and not Path(f"/usr/sbin/{d}").exists()]
+    absent = [d for d in NEEDED if shutil.which(d) is None and not Path(f"/usr/sbin/{d}").exists()]
     return f"not installed: {', '.join(absent)}" if absent else None
 
 
@@ -106,7 +108,7 @@ def _munge() -> None:
     Path("/run/munge").mkdir(exist_ok=True)
     shutil.chown("/run/munge", "munge", "munge")
     _sh("runuser", "-u", "munge", "--", "munged")
-    _wait(lambda: _sh("munge", "-n", check=False).returncode == 0, 30, "munged did not answer")
+    _wait(lambda: _sh("munge", "-n", check=False).returncode == 0, 30, lambda: "munged did not answer")
 
 
 def _network(state: Path) -> None:
@@ -130,11 +132,12 @@ def _network(state: Path) -> None:
 def start_node(node: str, state: Path = STATE) -> None:
     """slurmd of `node` in its namespaces (again, after kill_node: a node that comes back)."""
     (state / node / "spool").mkdir(parents=True, exist_ok=True)
-    log = open(state / node / "slurmd.out", "ab")
-    subprocess.Popen(on_node(node, "slurmd", "-D", "-N", node, "-f", str(state / "slurm.conf"), state=state),
-                     stdout=log, stderr=log, start_new_session=True, env=env(state))
+    with open(state / node / "slurmd.out", "ab") as log:  # the child holds its own copy
+        subprocess.Popen(on_node(node, "slurmd", "-D", "-N", node, "-f", str(state / "slurm.conf"), state=state),
+                         stdout=log, stderr=log, start_new_session=True, env=env(state))
+    log_file = state / node / "slurmd.log"
     _wait(lambda: node_state(node, state) in ("idle", "mixed", "allocated"), 120,
-          f"{node} did not come up (see {state / node / 'slurmd.log'})")
+          lambda: f"{node} did not come up; the end of {log_file}:\n{_tail(log_file)}")
 
 
 def on_node(node: str, *argv: str, state: Path = STATE) -> list[str]:
@@ -184,11 +187,12 @@ def start(state: Path = STATE) -> Path:
 def _start_daemons(state: Path) -> None:
     _munge()
     _network(state)
-    log = open(state / "slurmctld.out", "ab")
-    subprocess.Popen(["unshare", "--uts", "sh", "-c", f'hostname {CONTROLLER} && exec slurmctld -D -i -f "$0"',
-                      str(state / "slurm.conf")], stdout=log, stderr=log, start_new_session=True, env=env(state))
+    with open(state / "slurmctld.out", "ab") as log:
+        subprocess.Popen(["unshare", "--uts", "sh", "-c", f'hostname {CONTROLLER} && exec slurmctld -D -i -f "$0"',
+                          str(state / "slurm.conf")], stdout=log, stderr=log, start_new_session=True, env=env(state))
     _wait(lambda: subprocess.run(["scontrol", "ping"], capture_output=True, text=True, env=env(state)).stdout
-          .count("UP") > 0, 60, f"slurmctld did not answer (see {state / 'slurmctld.log'})")
+          .count("UP") > 0, 60, lambda: f"slurmctld did not answer; the end of {state / 'slurmctld.log'}:\n"
+          + _tail(state / "slurmctld.log"))
     for node in NODES:
         start_node(node, state)
 
@@ -213,12 +217,17 @@ def stop(state: Path = STATE, keep_logs: bool = False) -> None:
         shutil.rmtree(state, ignore_errors=True)
 
 
-def _wait(ready, timeout: float, what: str) -> None:
+def _wait(ready, timeout: float, what) -> None:
+    """Poll READY until it holds; past TIMEOUT seconds, raise with WHAT()."""
     deadline = time.monotonic() + timeout
     while not ready():
         if time.monotonic() > deadline:
-            raise RuntimeError(what)
+            raise RuntimeError(what())
         time.sleep(0.2)
+
+
+def _tail(log: Path, lines: int = 15) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else "(no log)"
 
 
 if __name__ == "__main__":

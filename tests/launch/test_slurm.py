@@ -159,7 +159,7 @@ def test_the_nodes_guide_sbatch_script_trains_two_nodes_as_one_process(slurm, tm
 def test_scancel_saves_a_checkpoint_and_the_resubmitted_job_continues_the_run(slurm, tmp_path):
     from scaletrain.train.checkpoint import latest_checkpoint, verify_checkpoint
 
-    run, steps, script = tmp_path / "run", 200, nodes_script(tmp_path)
+    run, steps, script = tmp_path / "run", 120, nodes_script(tmp_path)
     args = ["--nproc", "2", *TINY, f"--train.steps={steps}", f"--log.run_dir={run}"]
     first = sbatch(slurm, script, *args, options=("-o", str(tmp_path / "first.out")))
     wait_for(lambda: len(rows(run)) >= 3 or job(slurm, first).get("JobState") in ENDED, 600,
