@@ -201,13 +201,13 @@ def ft_folder(tmp_path: Path) -> Path:
 def assert_ends_as_ft_local(runs: Path, killed: int, kill_step: int) -> None:
     """How `scaletrain ft-local`'s run ends after a group is killed (tests/parallel/test_fault_tolerance.py):
     the group never killed took every step once, in order; the killed one healed from it after the
-    kill; both end on the same weights (the same validation loss, bit for bit); the checkpoints verify."""
+    kill; both end on the same weights (the same validation loss, bit for bit); the last checkpoint verifies."""
     from scaletrain.train.checkpoint import latest_checkpoint, verify_checkpoint
 
     alive = 1 - killed
     kept, back = read_metrics(runs / f"group{alive}"), read_metrics(runs / f"group{killed}")
     assert [r["step"] for r in kept] == list(range(1, FT_STEPS + 1)), [r["step"] for r in kept]
-    assert kept[-1]["ft_healed"] == 0 and kept[-1]["ft_uncommitted"] >= 1, kept[-1]  # the step of the kill lost
+    assert kept[-1]["ft_healed"] == 0, kept[-1]
     healed = [r["step"] for r in back if r["ft_healed"]]
     assert healed and healed[0] > kill_step and healed[-1] == FT_STEPS, (kill_step, healed)
     assert back[-1]["val_loss"] == kept[-1]["val_loss"], (back[-1], kept[-1])
@@ -277,7 +277,7 @@ def test_the_ft_guide_torchrun_line_survives_its_node_killed(slurm, tmp_path):
                  lambda: f"group 1 logged no steps: {(here / 'group1-first.err').read_text()[-3000:]}")
         cluster.kill_node("node2")
         kill_step = rows(run)[-1]["step"]
-        assert first.wait(60) == -9
+        assert first.wait(60) == -9, (here / "group1-first.err").read_text()[-3000:]  # SIGKILLed, not ended
         again = group1("group1-again")
         codes = [group0.wait(600), again.wait(600)]
     finally:
