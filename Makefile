@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.scaletrain-installed
 
-.PHONY: demo lint test test-fast test-properties test-gpu test-mutations docs docs-serve install clean
+.PHONY: demo lint test test-fast test-properties test-gpu test-mutations slurm-install slurm-test docs docs-serve install clean
 
 install: $(STAMP)
 
@@ -45,6 +45,23 @@ test-properties: $(STAMP)
 # the tests that need a CUDA device (marked gpu; on a CPU machine they skip, each with its reason)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
+
+# Slurm for tests/launch/test_slurm.py (the docs' sbatch scripts and torchrun lines on a cluster of two nodes that
+# the tests start on this machine, in network namespaces): Debian's packages, installed with apt-get when missing
+# and this is root. Never fails: without Slurm (or root) those tests skip, each with its reason. `make test` runs
+# them where Slurm is installed; slurm-test runs them alone (about 5 minutes on 2 cores).
+SLURM_PACKAGES := slurmctld slurmd slurm-client munge
+slurm-install:
+	@if ! test -x /usr/sbin/slurmctld && ! command -v slurmctld >/dev/null; then \
+	    if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq \
+	        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SLURM_PACKAGES) >/dev/null; then \
+	        echo "slurm-install: installed $(SLURM_PACKAGES)"; \
+	    else echo "slurm-install: Slurm is not installed and apt-get could not install it (root and a package mirror" \
+	        "are needed): the Slurm tests skip"; fi; \
+	fi
+
+slurm-test: $(STAMP) slurm-install
+	$(PY) -m pytest -q -m slurm tests/launch/test_slurm.py
 
 # plants known bugs one at a time on a copy of the tree and shows which tests catch each, by how
 # much (docs/testing.md); a few minutes, not part of `make test`

@@ -60,7 +60,8 @@ MICRO = {
 # pytest-xdist hands whole files to its processes in the collection's order (`make test` passes
 # --no-loadscope-reorder), so with these first the last file to start is a short one and neither
 # process waits alone at the end.
-SLOWEST_FIRST = ("test_fault_tolerance.py", "test_docs_blocks.py", "test_expert_parallel.py", "test_reliability.py",
+SLOWEST_FIRST = ("test_fault_tolerance.py", "test_slurm.py", "test_docs_blocks.py", "test_expert_parallel.py",
+                 "test_reliability.py",
                  "test_launch.py", "test_model_parallel.py", "test_quantize.py", "test_planner_accuracy.py",
                  "test_lora.py", "test_preference_training.py", "test_training.py", "test_bench.py",
                  "test_planner.py", "test_signals_startup.py",
