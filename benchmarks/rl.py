@@ -49,7 +49,7 @@ def supervised(args, folder: str, extra: list[str]) -> str:
     prepare([text], os.path.join(folder, "data"))
     run = os.path.join(folder, "sft")
     _run({"model.preset": "tiny", "data.path": os.path.join(folder, "data"), "data.seq_len": 32,
-          "train.steps": args.sft_steps, "train.global_batch": 32, "optim.lr": 3e-3, "optim.warmup_steps": 10,
+          "train.steps": args.sft_steps, "train.global_batch": 32, "optim.lr": 1e-3, "optim.warmup_steps": 20,
           "checkpoint.save_final": True, "log.run_dir": run}, extra)
     out = os.path.join(folder, "sft.safetensors")
     export_safetensors(run, out)

@@ -30,6 +30,9 @@ BASE = {"train.objective": "rl", "train.steps": STEPS, "model.n_layers": 4, "mod
                                                                                               "last_number"}}), **SGD}
 MOE = {"model.moe_experts": 4, "model.moe_aux_loss": 0.01}
 KL = {"rl.beta": 0.3}
+# completions sampled from the (untrained) policy, rewarded by their share of ASCII bytes: groups that differ
+SAMPLED = {"rl.rollouts": "", "rl.rewards": "scaletrain.bench.rl_task:ascii_share", "rl.reward_args": "",
+           "rl.max_new_tokens": 6}
 
 LAYOUTS = [
     ("grpo-zero3", {"parallel.dp_shard": 2, "parallel.zero": 3, **KL}),
@@ -45,6 +48,10 @@ LAYOUTS = [
     ("drgrpo-zero3", {"parallel.dp_shard": 2, "parallel.zero": 3, "rl.algorithm": "dr_grpo", **KL}),
     ("drgrpo-tp2", {"parallel.tp": 2, "rl.algorithm": "dr_grpo"}),
     ("drgrpo-cp2-is", {"parallel.cp": 2, "rl.algorithm": "dr_grpo", "rl.is_correction": "sequence"}),
+    # sampled, not replayed: each completion draws from (seed, round, its index in the step), whatever the layout
+    ("sampled-ddp", {"parallel.dp_shard": 2, **SAMPLED}),
+    ("sampled-zero3", {"parallel.dp_shard": 2, "parallel.zero": 3, **SAMPLED, **KL}),
+    ("sampled-tp2-sp", {"parallel.tp": 2, "parallel.sp": True, **SAMPLED}),
 ]
 NOT_LAYOUT = ("parallel.", "train.micro_batch")
 
