@@ -53,8 +53,8 @@ def calibrate_rank(spec_path: str, out_path: str) -> int:
 
 
 def _timed(fn, device, reps: int = PROBE_REPS) -> float:
-    """Seconds of `fn` run on every rank at once (after a barrier), each call as long as its
-    slowest rank: the median of `reps` calls after one untimed warm-up call. The median, as
+    """Seconds of `fn` run on every rank at once (after a barrier): the slowest rank's median of
+    `reps` calls after one untimed warm-up call. The median, as
     `scaletrain.measure` times training steps: on a busy machine the fastest call is one that
     found the cores free, and a prediction built from such calls comes out faster than the
     steps it is compared with (DDP's ratio moved between 0.79 and 0.94 with the load)."""
@@ -78,9 +78,11 @@ def _timed_together(fns: list, device, reps: int = PROBE_REPS) -> list[float]:
                 torch.cuda.synchronize(device)
             if i:
                 times[k].append(time.perf_counter() - t0)
-    slowest = torch.tensor(times, dtype=torch.float64)
+    # each rank's median, then the slowest rank's: as `scaletrain.measure` summarises a layout's steps
+    # (the slowest call of each repetition would take the unluckier rank's time every time)
+    slowest = torch.tensor([statistics.median(row) for row in times], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return [statistics.median(row) for row in slowest.tolist()]
+    return slowest.tolist()
 
 
 def _split(one: float, three: float) -> tuple[float, float]:
