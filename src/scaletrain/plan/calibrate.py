@@ -28,8 +28,8 @@ all running at once (the cores and memory bandwidth they share are part of what 
   clipping, the data loader): real training steps of the model at 1 and 3 blocks in that
   layout, of 1 and of 2 micro-batches (the smallest micro-batch), less the bare forward and
   backward of the same models timed in turn with them — per block and for the rest, once per
-  step and again per micro-batch (ZeRO-2 reduce-scatters every micro-batch and steps once; a
-  tensor-parallel trainer places and sums each micro-batch's loss). It is not split into
+  step and again per micro-batch (ZeRO-2 reduce-scatters every micro-batch and steps once; the
+  trainer has work of its own on each micro-batch). It is not split into
   collectives and overlap: on a CPU the two share the cores, and the sum is what a step pays.
 
 * **pace** — a fixed piece of work (`scaletrain.measure.pace_seconds`: one thread's matmuls)
