@@ -9,7 +9,11 @@ the cache lacks it) — and then run for real, all in one group of processes per
 layout in turn, the fastest round kept). Printed per model: the
 layouts re-ranked by measured step time with each prediction beside it, Kendall's tau between
 the predicted and the measured order, the range of predicted/measured, and whether the
-predicted best is the measured best (or how far from it).
+predicted best is the measured best (or how far from it); then the machine's pace (the
+planner's pace probe, `scaletrain.measure.pace_seconds`) when calibrated, when predicted (the
+calibrated figures are scaled by the ratio) and after the measurement: on a shared machine a
+load that moves while the layouts run moves their step times, which no prediction made before
+can follow.
 
     python benchmarks/planner_ranking.py [--nproc 2] [--steps 3] [--models issue,wide]
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import time
 
 MODELS = {  # overrides of configs/tiny.toml
@@ -47,7 +52,7 @@ def rank_model(name: str, nproc: int, steps: int, rounds: int, config: str = "co
 
     from scaletrain.config import load_config
     from scaletrain.hardware import local_hardware
-    from scaletrain.measure import calibration, kendall_tau, measure_evaluations, print_ranking
+    from scaletrain.measure import calibration, kendall_tau, measure_evaluations, pace_seconds, print_ranking
     from scaletrain.plan import calibrated, evaluate, plan
 
     overrides = {**MODELS[name], "train.device": "cpu"}
@@ -64,6 +69,10 @@ def rank_model(name: str, nproc: int, steps: int, rounds: int, config: str = "co
     took = time.perf_counter() - t0
     predicted = [evaluate(first["cfg"], first["workload"], cluster, e.layout, gpu=False) for e in catalog]
     rows, seconds = measure_evaluations(config, predicted, nproc, overrides, steps=steps, memory=False, rounds=rounds)
+    pace = cluster.calibration.pace
+    print(f"pace (one thread's fixed work, the machine's load): {1e3 * pace:.0f} ms at calibration, "
+          f"{1e3 * pace * cluster.calibration.slowdown:.0f} ms at prediction (x{cluster.calibration.slowdown:.2f}), "
+          f"{1e3 * pace_seconds():.0f} ms after the measurement; load average {os.getloadavg()[0]:.1f}")
     print(f"\n{name}: {cfg.model.dim} wide, {cfg.model.n_layers} layers, sequence {cfg.data.seq_len}, global batch "
           f"{cfg.train.global_batch}, {cfg.precision.mode}; {len(rows)} layouts on {nproc} rank(s), median of {steps} "
           f"timed steps, fastest of {rounds} round(s) ({seconds:.0f} s; calibration {took:.0f} s); "

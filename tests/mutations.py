@@ -252,12 +252,22 @@ MUTANTS = [
            ("tests/quant/test_quantize.py::test_the_folder_loads_without_unpickling_and_gives_the_same_logits[int8-weight]",
             "tests/quant/test_quantize.py::test_ptq_perplexity_is_within_tolerance_of_fp32_and_the_folder_is_smaller"
             "[int8-dynamic]")),
-    # the calibrated planner: FSDP's and ZeRO-2's measured per-block cost paid once per step
-    # instead of every micro-batch (accumulation would look free under them)
-    Mutant("calibrated-engine-once-per-step", "the measured engine cost of ZeRO-2/FSDP not scaled by micro-batches",
+    # the calibrated planner: the engine's measured per-micro-batch cost (ZeRO-2's and FSDP's reductions,
+    # the trainer's work on each micro-batch) paid once per step (accumulation would look free)
+    Mutant("calibrated-engine-once-per-step", "the measured per-micro-batch engine cost not scaled by micro-batches",
            "src/scaletrain/plan/calibrated_time.py",
-           "        per_micro = layout.zero in (2, 3)", "        per_micro = False",
+           "    return once + micro_batches * (", "    return once + (",
            ("tests/plan/test_calibration.py::test_a_measured_engine_replaces_the_modelled_communication_and_optimizer_step",)),
+    # the calibration's probes summarised by their fastest call, not the median the measurement keeps
+    Mutant("calibration-fastest-call", "a probe's figure is its fastest call (a busy machine's lucky one)",
+           "src/scaletrain/bench/calibrate.py",
+           "[statistics.median(row) for row in times]", "[min(row) for row in times]",
+           ("tests/bench/test_bench.py::test_the_calibration_keeps_the_median_call_as_the_measurement_keeps_the_median_step",)),
+    # the machine's pace since the calibration left out of the calibrated step
+    Mutant("calibrated-pace-ignored", "the calibrated figures not scaled by the machine's slowdown",
+           "src/scaletrain/plan/calibrated_time.py", "    k = cal.slowdown  #", "    k = 1.0  #",
+           ("tests/plan/test_calibration.py::test_every_calibrated_figure_is_scaled_by_the_machines_slowdown_since_it_"
+            "was_calibrated",)),
     # local SGD / DiLoCo, the batch ramp and mixtures where their boundaries land exactly
     Mutant("local-sgd-int8-sender-scales", "the receiver decodes the int8 values it received with the scales it "
            "sent, not those that came with them", "src/scaletrain/parallel/replica_average.py",

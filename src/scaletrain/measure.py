@@ -223,12 +223,13 @@ def calibration(model_cfg, probes: list[dict], optimizers: list[tuple[str, str]]
 
     cal = calibrate.load(device_type, ranks)
     compute, steps = calibrate.missing(cal, model_cfg, probes, optimizers)
+    pace = pace_seconds()
     if cal is not None and not compute and not steps:
-        return cal
+        return paced(cal, pace, note)
     t0 = time.perf_counter()
     got = run_on_ranks("calibrate", {"model": asdict(model_cfg), "probes": compute, "optimizers": steps,
                                      "collectives": cal is None, "device": device_type}, ranks)
-    cal = calibrate.merge(cal, got, device_type, ranks)
+    cal = paced(calibrate.merge(cal, got, device_type, ranks, pace), pace, note)
     if note is not None:
         busy = _busy(ranks)
         if busy:
@@ -240,6 +241,42 @@ def calibration(model_cfg, probes: list[dict], optimizers: list[tuple[str, str]]
         what += [f"{len(steps)} optimizer step(s)"] if steps else []
         note(f"calibrated this machine for {ranks} rank(s): {', '.join(what)} in {time.perf_counter() - t0:.0f} s "
              f"(cached in {calibrate.cache_file()})")
+    return cal
+
+
+PACE_REPS = 7  # timed calls of the pace probe (the median is kept), after one warm-up
+PACE_MATMULS = 200  # per call: long enough to span the time slices of a shared core (~15 ms idle here)
+
+
+def pace_seconds(reps: int = PACE_REPS) -> float:
+    """The seconds one thread of this process takes for a fixed piece of work (`PACE_MATMULS`
+    192 × 192 matmuls): the machine's speed now, as far as what else runs on it
+    slows a calibration's probes and a layout's steps alike. The median of `reps` calls."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.randn(192, 192, generator=torch.Generator().manual_seed(0))
+        times = []
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            for _ in range(PACE_MATMULS):
+                a @ a
+            if i:
+                times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(times)
+
+
+def paced(cal, pace: float, note=None):
+    """`cal` scaled to the machine's pace now (`Calibration.slowdown`), said to `note` when it moved
+    by more than 10%."""
+    cal.slowdown = pace / cal.pace if cal.pace and pace else 1.0
+    if note is not None and abs(cal.slowdown - 1) > 0.1:
+        way = "slower" if cal.slowdown > 1 else "faster"
+        note(f"this machine runs {cal.slowdown:.2f}x as long now as when it was calibrated (a fixed piece of work "
+             f"took {1e3 * pace:.0f} ms, then {1e3 * cal.pace:.0f} ms: {way}); the calibrated step times are "
+             "scaled by it")
     return cal
 
 

@@ -313,3 +313,49 @@ def test_the_compute_probe_runs_the_weights_a_run_starts_from():
     assert mine.keys() == theirs.keys()
     for name, p in mine.items():
         assert torch.equal(p, theirs[name]), name
+
+
+def test_the_calibration_keeps_the_median_call_as_the_measurement_keeps_the_median_step(monkeypatch):
+    """On a busy machine most calls are slow and a few find the cores free. The calibration's
+    figure for a probe is the median of its timed calls, as `scaletrain.measure` times training
+    steps (the figure a prediction is compared with); the fastest call, kept before, had made
+    every calibrated prediction fast by the machine's load (DDP's ratio 0.79-0.94 run to run). Each
+    rank's median, then the slowest rank's, as the measurement takes the slowest rank's median step."""
+    import time as time_module
+
+    import torch.distributed as dist
+
+    from scaletrain.bench import calibrate as probes
+    from scaletrain.measure import _timed_steps
+
+    durations = [0.050, 0.010, 0.031, 0.030, 0.012, 0.032]  # the first: the untimed warm-up call
+    now = [0.0]
+    monkeypatch.setattr(time_module, "perf_counter", lambda: now[0])  # a clock that moves as the calls run
+
+    def calls():
+        left = iter(durations)
+
+        def call(*args):
+            now[0] += next(left)
+        return call
+
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
+    other_rank = []  # what the all-reduce got: one figure per probe, this rank's median
+
+    def all_reduce(t, op=None):  # a second rank whose median was `other`: the slowest rank's is kept
+        other_rank.append(t.tolist())
+        t.copy_(torch.maximum(t, torch.full_like(t, other)))
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    other = 0.020
+    got = probes._timed(calls(), torch.device("cpu"))
+    assert other_rank == [[pytest.approx(0.030)]]
+    other = 0.045  # a slower rank sets the figure, its median against this one's
+    assert probes._timed(calls(), torch.device("cpu")) == pytest.approx(0.045)
+
+    class Trainer:
+        train_step = staticmethod(calls())
+
+    Trainer.train_step(None)  # as measure does: warm-up steps first, untimed
+    measured = _timed_steps(Trainer(), None, 5)
+    assert got == pytest.approx(0.030) == pytest.approx(measured)  # the median of 10, 31, 30, 12, 32 ms

@@ -161,22 +161,55 @@ def test_probes_cover_each_shape_at_its_smallest_and_largest_micro_batch():
 
 
 def test_a_measured_engine_replaces_the_modelled_communication_and_optimizer_step():
+    """The engine's cost per step, worked out by hand: 2 blocks, 2 micro-batches of 1. What the probe
+    found once per step is paid once, what it found per micro-batch twice, whatever the stage:
+    ZeRO-2 steps and gathers once though it reduce-scatters every micro-batch (counting its whole
+    cost per micro-batch had predicted 1.45x a two-micro-batch step), and a trainer's per-micro-batch
+    work is paid per micro-batch under DDP or tp too (counted once, tp was predicted 16-18% fast)."""
     from scaletrain.plan.calibrate import engine_key
 
     cal = fake_calibration({(1, "none"): 0.01})
-    for zero, extra in ((0, 0.002), (3, 0.005)):
+    for zero in (0, 2, 3):
         lay = {"zero": zero, "micro_batch": 1}
         r = plan_with(cal, layout=lay)
         ev = r["layouts"][0]
-        cal.engine[engine_key(r["cfg"], r["workload"], ev.layout)] = {"block": extra, "rest": 0.03}
+        cal.engine[engine_key(r["cfg"], r["workload"], ev.layout)] = {"block": 0.002, "rest": 0.03,
+                                                                      "block_micro": 0.005, "rest_micro": 0.007}
         measured = plan_with(cal, layout=lay)["layouts"][0]
-        m = ev.layout.grad_accum  # 2 micro-batches of 1
-        compute = m * (2 * 0.01 + 0.01)
-        # FSDP pays its blocks' cost every micro-batch, DDP once per step
-        engine = (m if zero == 3 else 1) * 2 * extra + 0.03
+        assert ev.layout.grad_accum == 2
+        compute = 2 * (2 * 0.01 + 0.01)
+        engine = (2 * 0.002 + 0.03) + 2 * (2 * 0.005 + 0.007)  # = 0.068
+        assert engine == pytest.approx(0.068)
         assert measured.time.compute_s == pytest.approx(compute)
         assert measured.time.step_time_s == pytest.approx(compute + engine)
         assert measured.time.optimizer_s == 0.0 and measured.time.dp_exposed_s == pytest.approx(engine)
+
+
+def test_an_engine_measured_before_the_per_micro_batch_probe_is_paid_once_per_step():
+    from scaletrain.plan.calibrated_time import engine_seconds
+
+    assert engine_seconds({"block": 0.002, "rest": 0.03}, blocks=4, micro_batches=3) == pytest.approx(0.038)
+
+
+def test_the_engine_parts_are_recovered_from_the_six_timings():
+    """engine_parts against timings made from known parts: bare forward and backward of 10 ms per
+    block and 4 ms for the rest; the trainer adds 3 ms per block and 20 ms once per step, and
+    1 ms per block and 6 ms per micro-batch."""
+    from scaletrain.bench.calibrate import engine_parts
+
+    def bare(n):
+        return n * 0.010 + 0.004
+
+    def trained(n, m):
+        return m * bare(n) + m * (n * 0.001 + 0.006) + n * 0.003 + 0.020
+
+    got = engine_parts(bare(1), bare(3), trained(1, 1), trained(3, 1), trained(1, 2), trained(3, 2))
+    assert got == pytest.approx({"block": 0.003, "rest": 0.020, "block_micro": 0.001, "rest_micro": 0.006})
+    # by hand: one block, one micro-batch adds 0.001 + 0.006 + 0.003 + 0.020 = 0.030 s to a bare 0.014 s
+    assert trained(1, 1) == pytest.approx(0.044)
+    # a busy machine's reversed timings (3 blocks' extra below 1 block's) clamp a part at 0, never below
+    noisy = engine_parts(0.014, 0.034, 0.050, 0.060, 0.070, 0.080)
+    assert all(v >= 0 for v in noisy.values()) and noisy["block"] == 0.0
 
 
 def test_the_cache_is_keyed_by_machine_and_versions(tmp_path, monkeypatch):
@@ -192,11 +225,11 @@ def test_the_cache_is_keyed_by_machine_and_versions(tmp_path, monkeypatch):
     assert calibrate.load("cpu", 2) is None  # so is another PyTorch (or CPU, core count, probe version)
 
 
-def table(stdout: str) -> str:
-    """A plan's output up to its memory column, without the search's wall-clock seconds."""
+def ranked(stdout: str) -> list[str]:
+    """A plan's table's layouts, in its order."""
     import re
 
-    return re.sub(r"layouts in [0-9.]+ s;", "layouts in (seconds) s;", stdout.split("memory per GPU")[0])
+    return re.findall(r"^\s+\d+\s+(.+?)\s+[0-9.]+\s+(?:yes|NO)\s", stdout.split("memory per GPU")[0], re.M)
 
 
 @pytest.mark.multiproc
@@ -219,8 +252,8 @@ def test_plan_calibrate_measures_this_machine_once_then_reads_the_cache(shared_c
     assert cal.engine and all(v["block"] >= 0 and v["rest"] >= 0 for v in cal.engine.values())
     second = run_here(*args)
     assert second.returncode == 0 and "calibrated this machine" not in second.stderr  # read from the cache
-    # the same ranking; only the search's own seconds ("searched N layouts in 0.06 s") may differ
-    assert table(second.stdout) == table(first.stdout)
+    # the same ranking; the figures may differ by the machine's pace since (all alike, `Calibration.slowdown`)
+    assert ranked(second.stdout) == ranked(first.stdout) and len(ranked(first.stdout)) == 3
     assert "Step times calibrated on this machine for 2 rank(s)" in second.stdout
 
 
@@ -249,3 +282,55 @@ def test_a_calibration_taken_on_a_busy_machine_says_so(monkeypatch):
     assert measure._busy(2) == "the machine was busy (load average 12.0 on 2 cores, 2 of it the calibration's)"
     monkeypatch.setattr(measure.os, "getloadavg", lambda: (2.5, 0.0, 0.0))  # the calibration's own ranks
     assert measure._busy(2) is None
+
+
+def test_every_calibrated_figure_is_scaled_by_the_machines_slowdown_since_it_was_calibrated():
+    """The step of the engine test above, by hand: compute 0.06 s and engine 0.068 s at the
+    calibration's pace; the machine now twice as slow (`Calibration.slowdown` 2): 0.256 s, and
+    the explanation says by how much."""
+    from scaletrain.plan.calibrate import engine_key
+
+    cal = fake_calibration({(1, "none"): 0.01})
+    lay = {"zero": 0, "micro_batch": 1}
+    r = plan_with(cal, layout=lay)
+    cal.engine[engine_key(r["cfg"], r["workload"], r["layouts"][0].layout)] = {
+        "block": 0.002, "rest": 0.03, "block_micro": 0.005, "rest_micro": 0.007}
+    assert plan_with(cal, layout=lay)["layouts"][0].time.step_time_s == pytest.approx(0.128)
+    cal.slowdown = 2.0
+    slow = plan_with(cal, layout=lay)
+    t = slow["layouts"][0].time
+    assert t.step_time_s == pytest.approx(0.256)
+    assert t.compute_s == pytest.approx(0.12) and t.dp_exposed_s == pytest.approx(0.136)
+    assert "all × 2.00 for the machine's pace now" in " ".join(slow["explanation"])
+
+
+def test_probes_measured_at_another_pace_are_brought_to_the_cached_ones(tmp_path, monkeypatch):
+    """A calibration made at a pace of 0.1 s; a probe added later while the machine ran twice as
+    slow (pace 0.2 s) is stored at half its measured seconds, the expert load (a ratio) as it is;
+    the pace survives the cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = {"collectives": {op: (1e-3, 1e9) for op in calibrate.OPS}, "overlap": 0.0,
+             "compute": {"a": {"1": {"block": 0.01, "rest": 0.02}}}, "optimizer": {"adamw|32-true": 2e-9}}
+    cal = calibrate.merge(None, first, "cpu", 2, pace=0.1)
+    later = {"compute": {"b": {"1": {"block": 0.04, "rest": 0.06, "imbalance": 3.0}}}, "optimizer": {},
+             "engine": {"e": {"block": 0.008, "rest": 0.002, "block_micro": 0.0, "rest_micro": 0.01}}}
+    cal = calibrate.merge(cal, later, "cpu", 2, pace=0.2)
+    loaded = calibrate.load("cpu", 2)
+    assert loaded.pace == 0.1
+    assert loaded.compute["a"]["1"] == {"block": 0.01, "rest": 0.02}
+    assert loaded.compute["b"]["1"] == pytest.approx({"block": 0.02, "rest": 0.03, "imbalance": 3.0})
+    assert loaded.engine["e"] == pytest.approx({"block": 0.004, "rest": 0.001, "block_micro": 0.0, "rest_micro": 0.005})
+    assert loaded.optimizer == {"adamw|32-true": 2e-9}
+
+
+def test_a_plan_reads_the_machines_pace_now_against_the_calibrations():
+    from scaletrain.measure import paced
+
+    said = []
+    cal = paced(fake_calibration({}), 0.1, said.append)
+    assert cal.slowdown == 1.0 and not said  # a calibration without a pace: as measured
+    cal.pace = 0.05
+    assert paced(cal, 0.1, said.append).slowdown == pytest.approx(2.0)
+    assert said == ["this machine runs 2.00x as long now as when it was calibrated (a fixed piece of work took "
+                    "100 ms, then 50 ms: slower); the calibrated step times are scaled by it"]
+    assert paced(cal, 0.052, said.append).slowdown == pytest.approx(1.04) and len(said) == 1  # within 10%: quiet

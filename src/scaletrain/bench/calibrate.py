@@ -53,9 +53,11 @@ def calibrate_rank(spec_path: str, out_path: str) -> int:
 
 
 def _timed(fn, device, reps: int = PROBE_REPS) -> float:
-    """Seconds of `fn` run on every rank at once (after a barrier), each call as long as its
-    slowest rank: the fastest of `reps` calls after one untimed warm-up call (the machine's
-    sustained speed, not its hiccups)."""
+    """Seconds of `fn` run on every rank at once (after a barrier): the slowest rank's median of
+    `reps` calls after one untimed warm-up call. The median, as
+    `scaletrain.measure` times training steps: on a busy machine the fastest call is one that
+    found the cores free, and a prediction built from such calls comes out faster than the
+    steps it is compared with (DDP's ratio moved between 0.79 and 0.94 with the load)."""
     return _timed_together([fn], device, reps)[0]
 
 
@@ -76,9 +78,11 @@ def _timed_together(fns: list, device, reps: int = PROBE_REPS) -> list[float]:
                 torch.cuda.synchronize(device)
             if i:
                 times[k].append(time.perf_counter() - t0)
-    slowest = torch.tensor(times, dtype=torch.float64)
+    # each rank's median, then the slowest rank's: as `scaletrain.measure` summarises a layout's steps
+    # (the slowest call of each repetition would take the unluckier rank's time every time)
+    slowest = torch.tensor([statistics.median(row) for row in times], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return [min(row) for row in slowest.tolist()]
+    return slowest.tolist()
 
 
 def _split(one: float, three: float) -> tuple[float, float]:
@@ -162,20 +166,34 @@ def _model_step(model_cfg, device, layers: int, precision: str, seq_len: int, mi
 
 def probe_engine(model_cfg, device, *, precision: str, seq_len: int, micro_batch: int, tp: int, sp: bool, ac: str,
                  cp: int, zero: int, dp_replicate: int, dp_shard: int, optimizer: str) -> dict:
-    """What the trainer adds per block and per step around forward and backward in this layout:
-    real training steps at 1 and 3 blocks, timed in turn with the bare forward and backward of
-    the same models, less them."""
+    """What the trainer adds around forward and backward in this layout, per block and for the rest
+    of the model, once per step and again per micro-batch: real training steps at 1 and 3 blocks,
+    each of 1 and of 2 micro-batches, timed in turn with the bare forward and backward of the same
+    models, less them (`engine_parts`)."""
     plain = [_model_step(model_cfg, device, n, precision, seq_len, micro_batch, tp, sp, ac) for n in (1, 3)]
     trained = [_trainer_step(model_cfg, n, precision, seq_len, micro_batch, tp, sp, zero, dp_replicate, dp_shard,
-                             optimizer) for n in (1, 3)]
-    p1, p3, t1, t3 = _timed_together(plain + trained, device)
-    (pb, pr), (tb, tr) = _split(p1, p3), _split(t1, t3)
-    return {"block": max(tb - pb, 0.0), "rest": max(tr - pr, 0.0)}
+                             optimizer, micro_batches=m) for m in (1, 2) for n in (1, 3)]
+    return engine_parts(*_timed_together(plain + trained, device))
+
+
+def engine_parts(p1: float, p3: float, t11: float, t31: float, t12: float, t32: float) -> dict[str, float]:
+    """The engine's cost from bare forward and backward seconds at 1 and 3 blocks (`p1`, `p3`) and
+    training steps at 1 and 3 blocks of 1 and 2 micro-batches (`t11`, `t31`, `t12`, `t32`): what a
+    step adds, e(n, m) = t(n, m) − m·p(n), taken as m·(n·block_micro + rest_micro) + n·block + rest.
+    Per micro-batch recur a trainer's own work on each micro-batch (loading and placing it, the
+    loss's bookkeeping; ZeRO-2's and FSDP's reductions and gathers); once per step the rest
+    (DDP's reduction on the last micro-batch, clipping, the optimizer step, ZeRO's gathers after
+    it). Each part is clamped at 0 (on a busy machine two timings can come out reversed)."""
+    e11, e31, e12, e32 = t11 - p1, t31 - p3, t12 - 2 * p1, t32 - 2 * p3
+    block_micro, rest_micro = _split(e12 - e11, e32 - e31)
+    block, rest = _split(e11 - (block_micro + rest_micro), e31 - (3 * block_micro + rest_micro))
+    return {"block": block, "rest": rest, "block_micro": block_micro, "rest_micro": rest_micro}
 
 
 def _trainer_step(model_cfg, layers: int, precision: str, seq_len: int, micro_batch: int, tp: int, sp: bool,
-                  zero: int, dp_replicate: int, dp_shard: int, optimizer: str):
-    """A training step of the model at `layers` blocks in this layout, by the trainer, as a function."""
+                  zero: int, dp_replicate: int, dp_shard: int, optimizer: str, micro_batches: int = 1):
+    """A training step of the model at `layers` blocks in this layout, of `micro_batches`
+    accumulated micro-batches, by the trainer, as a function."""
     import tempfile
     from dataclasses import asdict
 
@@ -192,7 +210,7 @@ def _trainer_step(model_cfg, layers: int, precision: str, seq_len: int, micro_ba
                              "model.max_seq_len": max(model_cfg.max_seq_len, seq_len), "precision.mode": precision,
                              "optim.name": optimizer, "parallel.zero": zero, "parallel.tp": tp, "parallel.sp": sp,
                              "parallel.dp_replicate": dp_replicate, "parallel.dp_shard": dp_shard,
-                             "train.micro_batch": micro_batch, "train.global_batch": micro_batch * dp,
+                             "train.micro_batch": micro_batch, "train.global_batch": micro_batch * dp * micro_batches,
                              "train.device": "cuda" if torch.cuda.is_available() else "cpu"})
     trainer = Trainer(cfg, init_worker(cfg), stream=open(os.devnull, "w"))
     batches = trainer.batches()

@@ -26,9 +26,19 @@ all running at once (the cores and memory bandwidth they share are part of what 
 * **engine** — what the trainer adds around forward and backward for a data- or tensor-parallel
   layout (DDP's or ZeRO's hooks and reductions, FSDP's gathers, DTensor's optimizer step and
   clipping, the data loader): real training steps of the model at 1 and 3 blocks in that
-  layout (no accumulation, the smallest micro-batch), less the bare forward and backward of
-  the same models timed in turn with them — per block, and per step. It is not split into
+  layout, of 1 and of 2 micro-batches (the smallest micro-batch), less the bare forward and
+  backward of the same models timed in turn with them — per block and for the rest, once per
+  step and again per micro-batch (ZeRO-2 reduce-scatters every micro-batch and steps once; the
+  trainer has work of its own on each micro-batch). It is not split into
   collectives and overlap: on a CPU the two share the cores, and the sum is what a step pays.
+
+* **pace** — a fixed piece of work (`scaletrain.measure.pace_seconds`: one thread's matmuls)
+  timed by the planning process just before the group starts. A shared machine's speed moves
+  with what else runs on it: each later plan times the pace again and scales every calibrated
+  figure by now / then (`Calibration.slowdown`), and probes added later are brought to the
+  first calibration's pace before they are merged — so a plan predicts the step on the machine
+  as loaded as it is when planned, not as it was when calibrated (on this 2-core machine under a
+  load of 20 the figures of a quieter moment had predicted 2-3x the measured steps).
 
 Results are cached in the user's cache folder under the machine's key (CPU or GPU name, cores,
 torch version, backend, ranks, probe version): a new machine, core count, PyTorch or probe is
@@ -43,10 +53,10 @@ from pathlib import Path
 
 import torch
 
-PROBE_VERSION = 4
+PROBE_VERSION = 5
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)  # bytes per collective buffer
-PROBE_REPS = 5  # timed calls per probe (the fastest is kept), after one warm-up
+PROBE_REPS = 5  # timed calls per probe (the median is kept), after one warm-up
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -71,7 +81,10 @@ class Calibration:
     overlap: float = 0.0  # share of a collective hidden behind concurrent compute
     compute: dict[str, dict[str, float]] = field(default_factory=dict)  # probe key -> {"block", "rest"} seconds
     optimizer: dict[str, float] = field(default_factory=dict)  # optimizer|precision -> seconds per parameter
-    engine: dict[str, dict[str, float]] = field(default_factory=dict)  # engine key -> {"block", "rest"} extra seconds
+    engine: dict[str, dict[str, float]] = field(default_factory=dict)  # engine key -> extra seconds: block, rest
+    # (once per step), block_micro, rest_micro (per micro-batch)
+    pace: float = 0.0  # seconds of the pace probe when these figures were measured (0: not known)
+    slowdown: float = 1.0  # the pace now over `pace`: every calibrated figure is scaled by it (not cached)
 
     def collective_s(self, op: str, nbytes: float, n: int, calls: int = 1) -> float:
         """Seconds of `calls` calls of `op` moving `nbytes` in all (the whole buffer, as
@@ -192,7 +205,8 @@ def load(device_type: str, ranks: int) -> Calibration | None:
     if not isinstance(entry, dict) or "collectives" not in entry:
         return None
     return Calibration(key, ranks, {k: tuple(v) for k, v in entry["collectives"].items()}, entry["overlap"],
-                       entry.get("compute", {}), entry.get("optimizer", {}), entry.get("engine", {}))
+                       entry.get("compute", {}), entry.get("optimizer", {}), entry.get("engine", {}),
+                       entry.get("pace", 0.0))
 
 
 def _save(cal: Calibration) -> None:
@@ -201,7 +215,7 @@ def _save(cal: Calibration) -> None:
     with json_cache(cache_file()) as cache:
         cache[cal.machine] = {"collectives": {k: list(v) for k, v in cal.collectives.items()},
                               "overlap": cal.overlap, "compute": cal.compute, "optimizer": cal.optimizer,
-                              "engine": cal.engine}
+                              "engine": cal.engine, "pace": cal.pace}
 
 
 def missing(cal: Calibration | None, model_cfg, probes: list[dict], optimizers: list[tuple[str, str]]):
@@ -216,14 +230,22 @@ def missing(cal: Calibration | None, model_cfg, probes: list[dict], optimizers: 
             [o for o in optimizers if cal is None or "|".join(o) not in cal.optimizer])
 
 
-def merge(cal: Calibration | None, got: dict, device_type: str, ranks: int) -> Calibration:
-    """`cal` with what a calibration group measured (`calibrate_rank`'s output) added, saved."""
+def merge(cal: Calibration | None, got: dict, device_type: str, ranks: int, pace: float = 0.0) -> Calibration:
+    """`cal` with what a calibration group measured (`calibrate_rank`'s output) added, saved. `pace`:
+    the pace probe's seconds just before that group ran; figures measured at another pace than the
+    cached ones are brought to theirs (seconds × cached pace / this pace)."""
     if cal is None:
         cal = Calibration(machine_key(device_type, ranks), ranks,
-                          {k: tuple(v) for k, v in got["collectives"].items()}, got["overlap"])
+                          {k: tuple(v) for k, v in got["collectives"].items()}, got["overlap"], pace=pace)
+    k = cal.pace / pace if cal.pace and pace else 1.0
     for key, by_size in got["compute"].items():
-        cal.compute.setdefault(key, {}).update(by_size)
-    cal.optimizer.update(got["optimizer"])
-    cal.engine.update(got.get("engine", {}))
+        cal.compute.setdefault(key, {}).update({mb: at_pace(v, k) for mb, v in by_size.items()})
+    cal.optimizer.update({name: s * k for name, s in got["optimizer"].items()})
+    cal.engine.update({key: at_pace(v, k) for key, v in got.get("engine", {}).items()})
     _save(cal)
     return cal
+
+
+def at_pace(figures: dict[str, float], k: float) -> dict[str, float]:
+    """A probe's seconds × `k` (a mixture's measured load, a ratio, as it is)."""
+    return {name: v if name == "imbalance" else v * k for name, v in figures.items()}

@@ -6,6 +6,8 @@ figure measured here instead of taken from a datasheet:
     step = (compute + exposed pipeline sends) × (1 + bubble) + exposed data-parallel communication
            + optimizer step + the clip's all-reduce
 
+all × the machine's slowdown since it was calibrated (`Calibration.slowdown`, from the pace probe).
+
 * Compute, per pipeline rank (the busiest sets the pace): its blocks' measured forward and
   backward seconds at the layout's micro-batch, tp, sp and checkpointing (interpolated between
   measured micro-batch sizes), plus the rest (embedding, head and loss) on the last stage; every
@@ -25,9 +27,10 @@ figure measured here instead of taken from a datasheet:
   the routed experts' share of a block's measured seconds scaled by the busiest rank's load
   (`Workload.moe_imbalance`); the experts' gradients reduced over their own group.
 * For a layout whose every rank is data or tensor parallel (no pipeline), the three items
-  above give way to its engine's measured cost (`Calibration.engine`): per block (every
-  micro-batch under ZeRO-2 and FSDP, once per step otherwise) and per step. It is reported as
-  the exposed data-parallel time, the optimizer step included.
+  above give way to its engine's measured cost (`Calibration.engine`): per block and for the
+  rest of the model, once per step and again per micro-batch (`engine_seconds`: measured at one
+  and at two micro-batches, not assumed by engine). It is reported as the exposed data-parallel
+  time, the optimizer step included.
 """
 
 from __future__ import annotations
@@ -92,8 +95,7 @@ def estimate(cfg, wl: Workload, layout: Layout, cluster: Cluster,
     held = max((rank_params(cfg, layout, r) for r in range(layout.pp)), key=lambda c: c.total)
     engine = cal.engine.get(engine_key(cfg, wl, layout)) if engine_probed(layout) else None
     if engine is not None:  # measured with the trainer: reductions, hooks, optimizer step, clipping
-        per_micro = layout.zero in (2, 3)  # ZeRO-2 reduce-scatters, FSDP gathers, every micro-batch
-        dp_comm = dp_exposed = (m if per_micro else 1) * max(counts) * engine["block"] + engine["rest"]
+        dp_comm = dp_exposed = engine_seconds(engine, max(counts), m)
         optimizer = clip = 0.0
     else:
         dp_comm = dp_exposed = 0.0
@@ -111,6 +113,9 @@ def estimate(cfg, wl: Workload, layout: Layout, cluster: Cluster,
                           else optimizer_seconds(wl, group, cluster.hardware, part.total))
         clip = cal.collective_s("all_reduce", 4, layout.world)  # the global gradient norm
 
+    k = cal.slowdown  # the machine's pace now against the calibration's: every figure alike
+    compute, pp_comm, cp_comm, ep_comm = compute * k, pp_comm * k, cp_comm * k, ep_comm * k
+    dp_comm, dp_exposed, optimizer, clip = dp_comm * k, dp_exposed * k, optimizer * k, clip * k
     busy = compute + pp_comm + cp_comm + ep_comm
     step = busy * (1.0 + bubble) + dp_exposed + optimizer + clip
     model_flops = flops_per_token(cfg, wl.seq_len) * wl.tokens
@@ -120,6 +125,15 @@ def estimate(cfg, wl: Workload, layout: Layout, cluster: Cluster,
         dp_exposed_s=dp_exposed, bubble_s=busy * bubble, optimizer_s=optimizer + clip, step_time_s=step,
         tokens_per_s=wl.tokens / step, mfu=model_flops / (step * peak * layout.world), model_flops=model_flops,
         hardware_flops=model_flops, bubble_fraction=bubble, calibrated=True)
+
+
+def engine_seconds(engine: dict[str, float], blocks: int, micro_batches: int) -> float:
+    """A step's engine cost (`bench.calibrate.engine_parts`) on a rank of `blocks` blocks that runs
+    `micro_batches` micro-batches: what recurs per micro-batch (the trainer's work on each; ZeRO-2's
+    reduce-scatters, FSDP's gathers) that many times, the rest once. (A calibration made before the
+    probe told them apart has no per-micro-batch part.)"""
+    once = blocks * engine["block"] + engine["rest"]
+    return once + micro_batches * (blocks * engine.get("block_micro", 0.0) + engine.get("rest_micro", 0.0))
 
 
 def data_parallel(cal: Calibration, wl: Workload, layout: Layout, params: float, compute: float, units: int,

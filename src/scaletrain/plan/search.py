@@ -325,8 +325,14 @@ def calibration_sources(cal) -> str:
              else "none (one rank)")
     return (f"Step times calibrated on this machine for {cal.ranks} rank(s) ({cal.machine.split('|')[0]}): compute "
             f"from timed forward/backward of this model's blocks, collectives measured ({comms}; overlap with compute "
-            f"{100 * cal.overlap:.0f}%), optimizer step measured; from the catalog: the device's peak (for MFU) "
-            f"and links across nodes.")
+            f"{100 * cal.overlap:.0f}%), optimizer step measured{_paced(cal)}; from the catalog: the device's peak "
+            f"(for MFU) and links across nodes.")
+
+
+def _paced(cal) -> str:
+    if abs(cal.slowdown - 1) <= 0.01:
+        return ""
+    return f", all × {cal.slowdown:.2f} for the machine's pace now against the calibration's"
 
 
 def _fits_without_ac(best: Evaluated, cfg, wl, cluster, gpu) -> bool:
