@@ -98,3 +98,21 @@ def test_a_layout_trains_like_one_process(runs, reference, name, extra):
     # a round's first update has ratio 1 and advantages that sum to 0 within each group: its loss is 0 up to rounding
     assert_same_run(runs[name]["history"], ref["history"], steps=STEPS, tol=TOL, what=name, loss_floor=1e-6)
     assert_same_weights(runs[name]["weights"], ref["weights"], tol=WEIGHTS_TOL, what=name)
+
+
+def test_verify_of_an_rl_config_records_the_references_rollouts_and_replays_them(tmp_path, task):
+    """`scaletrain verify` of an RL config under pipeline parallelism (which cannot sample): the one-process
+    reference samples and records, the layout trains on the same completions; PASS, and the table shows the loss
+    of each round's second update (μ = 2) away from 0."""
+    from conftest import run_cli
+
+    r = run_cli("verify", "--nproc", "2", "--steps", "4", "--parallel.pp=2", "--train.micro_batch=2",
+                "--train.objective=rl", f"--rl.prompts={task['rl.prompts']}", "--rl.rewards=scaletrain.bench.rl_task:"
+                "ascii_share", "--rl.max_new_tokens=6", "--rl.group_size=4", "--train.global_batch=8", "--rl.updates=2",
+                "--model.dim=64", "--model.n_layers=4", "--model.n_heads=4", "--model.max_seq_len=32",
+                "--data.seq_len=32", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "it samples the rollouts, which the layout replays" in r.stdout
+    assert r.stdout.strip().endswith("PASS")
+    losses = [float(line.split()[1]) for line in r.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert len(losses) == 4 and abs(losses[1]) > 1e-3 and abs(losses[3]) > 1e-3, losses
