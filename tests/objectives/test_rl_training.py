@@ -207,3 +207,30 @@ def test_an_rl_run_resumes_bitwise_inside_a_round_and_at_its_end(tmp_path, task,
     resumed = Trainer(cfg).fit()["history"]
     for key in ("loss", "grad_norm", "kl"):
         assert [r[key] for r in resumed if r["step"] > cut] == [r[key] for r in whole if r["step"] > cut], key
+
+
+def test_prompts_without_the_field_a_reward_reads_are_one_line(tmp_path, task):
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in task["rows"]))
+    with pytest.raises(ConfigError) as e:
+        Trainer(cfg_for(tmp_path, task, **{"rl.prompts": str(bare)}))
+    assert "needs the field(s) answer, which the prompt dataset lacks" in str(e.value)
+
+
+def test_a_sampled_run_exports_and_its_metrics_split_sampling_from_training(tmp_path, task):
+    """Sampling from the policy (no replay): the rollouts' time and rate logged apart; the run exports like any
+    other (the export's logits are the trained model's)."""
+    from scaletrain.trained.export import export_safetensors, load_model_from_checkpoint
+
+    t = Trainer(cfg_for(tmp_path, task, **{"rl.rollouts": "", "rl.rewards": "scaletrain.bench.rl_task:ascii_share",
+                                           "rl.reward_args": "", "rl.max_new_tokens": 6, "train.steps": 2,
+                                           "checkpoint.save_final": True}))
+    t.fit()
+    row = read_metrics(t.folder.run_dir)[-1]
+    assert row["time/generated_tokens"] > 0 and row["time/generation_tokens_per_s"] > 0
+    assert 0 < row["completions/mean_length"] <= 6
+    ckpt = t.folder.ckpt_dir / "step_00000002"
+    export_safetensors(ckpt, tmp_path / "rl.safetensors")
+    model = load_model_from_checkpoint(ckpt)
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    torch.testing.assert_close(model(tokens), t.pm.dp.module(tokens), rtol=0, atol=0)

@@ -461,6 +461,8 @@ class RLObjective:
         out = {n: float(values[i, 0] / values[i, 1].clamp(min=1)) for i, n in enumerate(names)
                if n != "reward_sq" and values[i, 1] > 0}
         out["logprob_gap_max"] = float(gap_max)
+        if out.get("time/generation_s"):  # the sampling's own rate (the step's tokens/s is training's)
+            out["time/generation_tokens_per_s"] = out["time/generated_tokens"] / out["time/generation_s"]
         if "reward" in out:  # the rollouts' std, from the mean of the squares
             sq = values[names.index("reward_sq")]
             out["reward_std"] = max(0.0, float(sq[0] / sq[1].clamp(min=1)) - out["reward"] ** 2) ** 0.5
