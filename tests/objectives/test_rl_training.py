@@ -151,7 +151,7 @@ def test_a_run_replays_and_logs_the_rl_metrics(tmp_path, task):
     rows = read_metrics(t.folder.run_dir)
     assert len(rows) == 4
     for key in ("reward", "reward_std", "pass_rate", "clip_ratio/region", "entropy", "logprob_gap",
-                "completions/mean_length", "rewards/answer_match"):
+                "completions/mean_length", "rewards/answer_match", "rewards/answer_match_std"):
         assert key in rows[0], key
     # the rewards of the recorded round 0, by hand
     completions = RolloutRecord(task["rollouts"]).read(0)

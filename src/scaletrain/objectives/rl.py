@@ -430,8 +430,9 @@ class RLObjective:
                                                            torch.tensor(1.0, dtype=torch.float64))}
         for name in completions[0].rewards if completions else []:
             short = name.rpartition(":")[2]
-            metrics[f"rewards/{short}"] = Mean(torch.tensor(sum(c.rewards[name] for c in completions),
-                                                            dtype=torch.float64), n)
+            each = torch.tensor([c.rewards[name] for c in completions], dtype=torch.float64)
+            metrics[f"rewards/{short}"] = Mean(each.sum(), n)
+            metrics[f"rewards/{short}_sq"] = Mean((each ** 2).sum(), n)
         self._add(metrics)
         return completions
 
@@ -443,7 +444,8 @@ class RLObjective:
                "time/generation_s", "time/generated_tokens")
 
     def metric_names(self) -> list[str]:
-        return [*self.METRICS, *(f"rewards/{r.name.rpartition(':')[2]}" for r in self.rewards)]
+        each = [f"rewards/{r.name.rpartition(':')[2]}" for r in self.rewards]
+        return [*self.METRICS, *each, *(f"{name}_sq" for name in each)]
 
     def metrics(self) -> dict[str, float]:
         """The rollouts' rewards and the updates' clip, KL, entropy and log-prob gap since the last row (every
@@ -458,14 +460,13 @@ class RLObjective:
         if self.t.rt.distributed:
             dist.all_reduce(values)
             dist.all_reduce(gap_max, op=dist.ReduceOp.MAX)
-        out = {n: float(values[i, 0] / values[i, 1].clamp(min=1)) for i, n in enumerate(names)
-               if n != "reward_sq" and values[i, 1] > 0}
+        means = {n: float(values[i, 0] / values[i, 1].clamp(min=1)) for i, n in enumerate(names) if values[i, 1] > 0}
+        out = {n: v for n, v in means.items() if not n.endswith("_sq")}
+        for name in [n for n in out if n == "reward" or n.startswith("rewards/")]:  # std from the mean of squares
+            out[f"{name}_std"] = max(0.0, means[f"{name}_sq"] - out[name] ** 2) ** 0.5
         out["logprob_gap_max"] = float(gap_max)
         if out.get("time/generation_s"):  # the sampling's own rate (the step's tokens/s is training's)
             out["time/generation_tokens_per_s"] = out["time/generated_tokens"] / out["time/generation_s"]
-        if "reward" in out:  # the rollouts' std, from the mean of the squares
-            sq = values[names.index("reward_sq")]
-            out["reward_std"] = max(0.0, float(sq[0] / sq[1].clamp(min=1)) - out["reward"] ** 2) ** 0.5
         return out
 
     @torch.no_grad()
