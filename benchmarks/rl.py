@@ -26,7 +26,7 @@ QUIET = {"train.sample_tokens": 0, "log.progress": "off", "log.summary": False, 
          "train.device": "cpu"}
 
 
-def _run(overrides: dict, extra: list[str]) -> tuple[object, list[dict], float]:
+def _run(overrides: dict, extra: list[str]) -> tuple[object, dict, float]:
     from scaletrain.config import load_config
     from scaletrain.train.trainer import Trainer
 
@@ -35,8 +35,8 @@ def _run(overrides: dict, extra: list[str]) -> tuple[object, list[dict], float]:
     with open(os.devnull, "w") as null, contextlib.redirect_stderr(null), contextlib.redirect_stdout(null):
         trainer = Trainer(cfg)
         first = trainer.evaluate() if overrides.get("train.objective") == "rl" else None
-        history = trainer.fit()["history"]
-    return first, history, time.perf_counter() - t0
+        result = trainer.fit()
+    return first, result, time.perf_counter() - t0
 
 
 def supervised(args, folder: str, extra: list[str]) -> str:
@@ -48,11 +48,11 @@ def supervised(args, folder: str, extra: list[str]) -> str:
     text = rl_task.sft_text(os.path.join(folder, "sft.txt"), rl_task.examples(args.task, 4000, seed=1))
     prepare([text], os.path.join(folder, "data"))
     run = os.path.join(folder, "sft")
-    _run({"model.preset": "tiny", "data.path": os.path.join(folder, "data"), "data.seq_len": 32,
+    _, result, _ = _run({"model.preset": "tiny", "data.path": os.path.join(folder, "data"), "data.seq_len": 32,
           "train.steps": args.sft_steps, "train.global_batch": 32, "optim.lr": 1e-3, "optim.warmup_steps": 20,
           "checkpoint.save_final": True, "log.run_dir": run}, extra)
     out = os.path.join(folder, "sft.safetensors")
-    export_safetensors(run, out)
+    export_safetensors(result["checkpoint"], out)
     return out
 
 
@@ -62,7 +62,7 @@ def rl_row(args, folder: str, weights: str, algorithm: str, extra: list[str]) ->
     prompts = rl_task.write_prompts(os.path.join(folder, "prompts.jsonl"), rl_task.examples(args.task, 2000, seed=2))
     held = rl_task.write_prompts(os.path.join(folder, "held.jsonl"), rl_task.examples(args.task, args.held, seed=3))
     run = os.path.join(folder, algorithm)
-    first, history, seconds = _run({
+    first, result, seconds = _run({
         "model.preset": "tiny", "model.init_from": weights, "data.path": os.path.join(folder, "data"),
         "data.seq_len": 32, "train.objective": "rl", "rl.algorithm": algorithm, "rl.prompts": prompts,
         "rl.eval_prompts": held, "rl.rewards": "answer_match",
@@ -71,7 +71,7 @@ def rl_row(args, folder: str, weights: str, algorithm: str, extra: list[str]) ->
         "train.steps": args.steps, "train.global_batch": args.batch, "train.eval_every": args.every,
         "optim.lr": args.lr, "optim.warmup_steps": 1, "log.every": args.every, "checkpoint.save_final": False,
         "log.run_dir": run}, extra)
-    curve = [(0, first["val_reward"])] + [(r["step"], r["val_reward"]) for r in history if "val_reward" in r]
+    curve = [(0, first["val_reward"])] + [(r["step"], r["val_reward"]) for r in result["history"] if "val_reward" in r]
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
     sampling = sum(r.get("time/generation_s", 0.0) * args.every for r in rows)
     return {"curve": curve, "reached": next((s for s, v in curve if v >= args.target), None), "seconds": seconds,
