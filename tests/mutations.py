@@ -465,7 +465,7 @@ MUTANTS = [
            (f"{HF}::test_import_export_and_generation_match_transformers[phi4-partial]",
             f"{HF}::test_import_export_and_generation_match_transformers[neox-parallel]")),
     Mutant("gemma-norm-weight-not-offset", "Gemma's RMSNorm scales by w, not (1 + w)",
-           "src/scaletrain/model/transformer.py",
+           "src/scaletrain/model/layers.py",
            "return (y * (1.0 + self.weight.float())).type_as(x)", "return (y * self.weight.float()).type_as(x)",
            (f"{HF}::test_import_export_and_generation_match_transformers[gemma2]",
             f"{HF}::test_import_export_and_generation_match_transformers[gemma3]")),
