@@ -72,6 +72,7 @@ ATTEND_BY_HAND = f"{AP}::test_attention_is_the_softmax_of_the_capped_scores_over
 WINDOW_HF = f"{WIN}::test_logits_and_generation_past_the_window_match_transformers"
 WINDOW_PARITY = f"{WP}::test_windowed_models_train_alike_under_cp_tp_and_pp"
 MU = "tests/optim/test_muon.py"
+DS = "tests/model/test_deepseek.py"
 MUP = "tests/optim/test_muon_parallel.py"
 
 MUTANTS = [
@@ -757,6 +758,23 @@ MUTANTS = [
            "take = p.ndim >= 2 and not any", "take = p.ndim >= 1 and not any",
            (f"{MU}::test_the_split_takes_block_and_expert_matrices_and_leaves_embeddings_head_norms",
             f"{MU}::test_three_steps_equal_torch_muon_and_adamw_bit_for_bit[match_rms_adamw]")),
+    Mutant("mla-rotary-on-the-latent", "latent attention turns the compressed latent (its first rope_dim "
+           "coordinates) instead of the decoupled shared key", "src/scaletrain/model/mla.py",
+           "        k_rot = apply_rope(self.shared_key(k_rot).unsqueeze(2), *rope).squeeze(2)  # (B, T, rope_dim)\n",
+           "        k_rot, latent = self.shared_key(k_rot), apply_rope(latent.unsqueeze(2), *rope).squeeze(2)\n",
+           (f"{DS}::test_import_then_export_matches_transformers[plain-query-groups]",
+            f"{DS}::test_import_then_export_matches_transformers[ungrouped-tied]")),
+    Mutant("moe-groups-by-their-best", "group-limited routing scores a group by its best expert, not the sum of its "
+           "two best", "src/scaletrain/model/moe.py",
+           "group_score = grouped.topk(2, dim=-1).values.sum(-1)", "group_score = grouped.amax(-1)",
+           (f"{DS}::test_import_then_export_matches_transformers[plain-query-groups]",
+            f"{DS}::test_import_then_export_matches_transformers[query-latent-yarn]")),
+    Mutant("moe-groups-without-the-bias", "group-limited routing opens the groups by the unbiased scores (the "
+           "routing bias added after)", "src/scaletrain/model/moe.py",
+           "            biased = self.open_groups(biased)\n",
+           "            biased = self.open_groups(scores.detach()) + self.expert_bias\n",
+           (f"{DS}::test_import_then_export_matches_transformers[plain-query-groups]",
+            f"{DS}::test_import_then_export_matches_transformers[query-latent-yarn]")),
 ]
 
 
