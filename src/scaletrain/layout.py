@@ -407,6 +407,10 @@ class Layout:
             if changed:
                 e.append(f"{' and '.join(changed)} change the attention scores, which context parallelism's "
                          "attention (parallel.cp > 1) computes unchanged; train this model with parallel.cp=1")
+            if getattr(model, "mla_kv_rank", 0):
+                e.append(f"model.mla_kv_rank={model.mla_kv_rank}: latent attention (values narrower than its keys, "
+                         "its own softmax scale) is not in context parallelism's attention yet; train it with "
+                         "parallel.cp=1")
         return e
 
     def _seq_errors(self, seq_len: int | None) -> list[str]:
