@@ -110,7 +110,8 @@ def test_imported_deepseek_under_tp_gives_transformers_logits(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("forked_launches")
-@pytest.mark.parametrize("layout", [["--parallel.tp=2"], ["--parallel.pp=2"], ["--parallel.dp_shard=2", "--parallel.ep=2"],
+@pytest.mark.parametrize("layout", [["--parallel.tp=2"], ["--parallel.pp=2"],
+                                    ["--parallel.dp_shard=2", "--parallel.ep=2"],
                                     ["--parallel.dp_shard=2", "--parallel.zero=3"]],
                          ids=["tp2", "pp2", "ep2", "zero3"])
 def test_verify_passes_a_deepseek_shaped_model(tmp_path, capfd, layout):
