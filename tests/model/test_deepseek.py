@@ -219,3 +219,46 @@ def test_bad_shapes_are_one_line(values, words):
     with pytest.raises(ConfigError) as e:
         load_config(None, {**base, **{f"model.{k}": v for k, v in values.items()}})
     assert any(words in line for line in e.value.lines), e.value.lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("targets", ["attention", "all-linear"])
+def test_lora_on_the_latent_projections_exports_to_peft(tmp_path, targets):
+    """LoRA on the attention's linears (the compressions wq_a, wkv_a, the up-projections wq_b, wkv_b,
+    and wo) or on every linear of the blocks (the dense and shared MLPs too; never the stacked
+    experts nor the router), trained from an imported DeepSeek-V3: the merged export computes our
+    logits in transformers; the PEFT folder loads onto the transformers base with them. PEFT
+    reads the MLPs' gate_proj/up_proj/down_proj of a mixture of experts as the fused experts, so
+    adapters there are refused for PEFT in one line (exit 2)."""
+    peft = pytest.importorskip("peft")
+    from scaletrain.train.trainer import Trainer
+    from scaletrain.trained.adapters import adapted_from_checkpoint
+
+    from conftest import micro_cfg
+
+    make_hf("ungrouped-tied", tmp_path / "hf", vocab_size=256, tie_word_embeddings=False)
+    run = {"model.from_hf": str(tmp_path / "hf"), "model.init_from": str(tmp_path / "hf"), "data.seq_len": 16,
+           "model.max_seq_len": 64, "train.steps": 3, "optim.lr": 0.01, "checkpoint.save_final": True,
+           "adapter.kind": "lora", "adapter.targets": targets}
+    saved = Trainer(micro_cfg(tmp_path, **run)).fit()["checkpoint"]
+    ours, _ = adapted_from_checkpoint(saved)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    want = logits(ours, x)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert (want - logits(base, x)).abs().max() > 0.05  # the adapters changed the model
+    r = run_here("export", saved, "--format", "hf", "--out", str(tmp_path / "merged"))
+    assert r.returncode == 0, r.stderr
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert (logits(merged, x) - want).abs().max() <= TOL
+
+    r = run_here("export", saved, "--format", "peft", "--out", str(tmp_path / "peft"))
+    if targets == "all-linear":
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and "model.layers.0.mlp.down_proj is adapted, but PEFT reads " \
+            "gate_proj, up_proj and down_proj of a mixture of experts as its fused experts' parameters" in lines[0]
+        return
+    assert r.returncode == 0, r.stderr
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert set(config["target_modules"]) == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+    assert (logits(adapted, x) - want).abs().max() <= TOL
