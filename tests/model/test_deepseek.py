@@ -21,6 +21,7 @@ from scaletrain.model.hf_config import hf_config_from_model  # noqa: E402
 from scaletrain.model.kv_cache import KVCache  # noqa: E402
 from scaletrain.model.transformer import Transformer  # noqa: E402
 from scaletrain.parallel.init import load_weights  # noqa: E402
+from scaletrain.plan.params import latent_cache_bytes  # noqa: E402
 from scaletrain.trained.export_hf import save_hf  # noqa: E402
 
 from conftest import run_here  # noqa: E402
@@ -176,7 +177,7 @@ def test_generation_caches_the_latent_and_equals_the_full_forward(tmp_path):
     # per block and position: the latent (kv_rank) and the rotated shared key (rope_dim), fp32; ordinary
     # attention would keep n_heads x (head_dim + v_dim): 3.75x as much at these widths, 71x at DeepSeek-V3's
     held = sum(t.numel() * t.element_size() for kv in cache._kv.values() for t in kv)
-    assert held == cfg.n_layers * 2 * 32 * (24 + 8) * 4
+    assert held == cfg.n_layers * 2 * 32 * (24 + 8) * 4 == latent_cache_bytes(cfg, 2, 32, bytes_per_value=4)
     assert held * 3 < cfg.n_layers * 2 * 32 * cfg.n_heads * (cfg.head_size + cfg.value_dim) * 4
 
 
@@ -262,3 +263,41 @@ def test_lora_on_the_latent_projections_exports_to_peft(tmp_path, targets):
     assert set(config["target_modules"]) == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}
     adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
     assert (logits(adapted, x) - want).abs().max() <= TOL
+
+
+PLANNED = {"position": "rope", "norm": "rmsnorm", "activation": "swiglu", "head_dim": 24, "mla_kv_rank": 20,
+           "mla_rope_dim": 8, "mla_v_dim": 12, "n_layers": 3, "tie_embeddings": False, "dim": 64, "n_heads": 4,
+           "vocab_size": 256}
+
+
+MOE = {"mla_q_rank": 28, "moe_experts": 6, "moe_first_dense": 1, "moe_shared_experts": 1, "moe_hidden": 32,
+       "moe_score": "sigmoid"}
+
+
+@pytest.mark.parametrize("extra", [{}, {"mla_q_rank": 28}, MOE], ids=["plain-query", "query-latent", "moe"])
+def test_the_planner_counts_latent_attention_as_the_model_holds_it(extra):
+    """The planner's parameters per rank: the model's own count on one rank; on each of 2 tp ranks
+    the compressions (and their norms) whole and every split matrix halved, counted from the model."""
+    from scaletrain.layout import Layout
+    from scaletrain.model.transformer import count_params
+    from scaletrain.plan.params import rank_params
+
+    cfg = ModelConfig(**PLANNED, **extra)
+    assert rank_params(cfg, Layout(), 0).total == count_params(cfg)
+    split = ("attn.wq.", "attn.wq_b.", "attn.wkv_b.", "attn.wo.", "mlp.w", "tok_emb.", "output.")
+    by_hand = sum(p.numel() // 2 if n.startswith("layers.") and any(s in n for s in split) or
+                  n.startswith(("tok_emb", "output")) else p.numel() for n, p in Transformer(cfg).named_parameters())
+    assert rank_params(cfg, Layout(tp=2), 0).total == by_hand
+
+
+def test_flops_per_token_of_latent_attention_by_hand():
+    """6 per matmul parameter a token multiplies (the compressions, the up-projections, wo, the MLP,
+    the head) plus the scores at the query/key width and the weighted sum at the value width."""
+    from scaletrain.model.flops import flops_per_token
+
+    cfg = ModelConfig(**PLANNED, mla_q_rank=28)
+    d, H, T = 64, 4, 32
+    attn = d * 28 + 28 * H * 24 + d * (20 + 8) + 20 * H * (16 + 12) + H * 12 * d
+    mlp = 3 * d * cfg.hidden_dim
+    want = 6 * (3 * (attn + mlp) + d * 256) + 3 * 6 * H * (24 + 12) * T
+    assert flops_per_token(cfg, T) == want
