@@ -113,6 +113,30 @@ def test_import_then_export_matches_transformers(name, tmp_path, tokens):
     assert torch.equal(logits(ours_from(tmp_path / "out"), tokens), logits(ours, tokens))
 
 
+def test_the_multi_token_prediction_modules_are_left_out_as_transformers_does(tmp_path, tokens):
+    """A checkpoint as DeepSeek ships it, with its multi-token prediction module as the block after
+    the last (model.layers.{n}: enorm, hnorm, eh_proj, shared_head and a whole block): the import
+    leaves those tensors out, as transformers' DeepseekV3ForCausalLM does, and computes its logits;
+    the export says it has no such module."""
+    from safetensors.torch import load_file, save_file
+
+    hf = make_hf("plain-query-groups", tmp_path)
+    n = hf.config.num_hidden_layers
+    tensors = load_file(tmp_path / "model.safetensors")
+    last = {k: v for k, v in tensors.items() if k.startswith(f"model.layers.{n - 1}.")}
+    mtp = {k.replace(f"layers.{n - 1}.", f"layers.{n}."): v + 0.1 for k, v in last.items()}
+    d = hf.config.hidden_size
+    mtp.update({f"model.layers.{n}.enorm.weight": torch.ones(d), f"model.layers.{n}.hnorm.weight": torch.ones(d),
+                f"model.layers.{n}.eh_proj.weight": torch.randn(d, 2 * d),
+                f"model.layers.{n}.shared_head.norm.weight": torch.ones(d),
+                f"model.layers.{n}.shared_head.head.weight": tensors["lm_head.weight"].clone(),
+                f"model.layers.{n}.embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()})
+    save_file({**tensors, **mtp}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ours = ours_from(tmp_path)
+    assert (logits(ours, tokens) - logits(hf, tokens)).abs().max() <= TOL
+    assert hf_config_from_model(ours.cfg)["num_nextn_predict_layers"] == 0
+
+
 def test_the_options_land_where_the_family_puts_them(tmp_path):
     make_hf("query-latent-yarn", tmp_path / "a")
     m = load_config(None, {"model.from_hf": str(tmp_path / "a"), "data.seq_len": 32}).model
@@ -213,7 +237,7 @@ def test_what_we_do_not_import_is_one_line_exit_2(tmp_path, change, words):
      "model.moe_groups=4 must divide model.moe_experts=6 into groups of at least 2"),
     ({"moe_experts": 6, "moe_score": "sigmoid", "moe_groups": 3, "moe_topk_groups": 1, "moe_top_k": 3},
      "model.moe_top_k=3 is more than the 1 open groups of 2 experts hold"),
-    ({"mtp_weight": 0.1}, "model.mtp_weight weighs the multi-token losses, but model.mtp_depth=0"),
+    ({"mtp_depth": 1}, "model.mtp_depth: unknown key"),
 ])
 def test_bad_shapes_are_one_line(values, words):
     base = {"model.position": "rope", "model.norm": "rmsnorm", "model.activation": "swiglu"}

@@ -97,11 +97,6 @@ class ModelConfig:
     mla_rope_dim: int = option(64, "model.mla_kv_rank: the rotated part of each query/key head, its key shared by "
                                    "all heads and cached beside the latent", min=2)
     mla_v_dim: int = option(0, "model.mla_kv_rank: each value head's width; 0 = head_dim - mla_rope_dim", min=0)
-    mtp_depth: int = option(0, "multi-token prediction (DeepSeek-V3): modules after the last block that each "
-                               "predict one token further (module k the token k + 1 ahead of the main head's); "
-                               "trained with model.mtp_weight, unused by generation; 0 = none", min=0)
-    mtp_weight: float = option(0.3, "model.mtp_depth: the multi-token losses' weight, their mean over the depths "
-                                    "added to the token loss (DeepSeek-V3: 0.3, then 0.1)", min=0.0)
     tie_embeddings: bool = option(True, "share the input embedding with the output head")
     bias: bool = option(False, "add biases to linear layers and LayerNorm")
     qkv_bias: bool = option(False, "add biases to the query, key and value projections only (Qwen2)")
@@ -284,7 +279,7 @@ def check_model(m: ModelConfig) -> list[str]:
 
 
 def _latent_errors(m: ModelConfig) -> list[str]:
-    """Problems of latent attention's keys (model.mla_*) and multi-token prediction's."""
+    """Problems of latent attention's keys (model.mla_*)."""
     errors = []
     mla_only = [f"model.{k}" for k in ("mla_q_rank", "mla_v_dim") if getattr(m, k)]
     if not m.mla_kv_rank and mla_only:
@@ -303,9 +298,6 @@ def _latent_errors(m: ModelConfig) -> list[str]:
         if ours or m.rotary_fraction != 1.0:
             errors.append(f"{', '.join(ours) or 'model.rotary_fraction'}: not implemented with latent attention "
                           "(model.mla_kv_rank); drop it, or set mla_kv_rank=0")
-    if m.mtp_weight != ModelConfig.mtp_weight and not m.mtp_depth:
-        errors.append("model.mtp_weight weighs the multi-token losses, but model.mtp_depth=0; set it, or drop "
-                      "mtp_weight")
     return errors
 
 

@@ -309,7 +309,7 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
                                   "shares one; set model.tie_embeddings=false")
         used.add("lm_head.weight")
     for key in sorted(set(left) - used):
-        if torch.count_nonzero(hf[left[key]]):
+        if torch.count_nonzero(hf[left[key]]) and not names.beside_the_model(key, cfg):
             raise CheckpointError(f"{where}: tensor {key} has no place in the model; do model.bias, qkv_bias, "
                                   "qk_norm and n_layers match the checkpoint? (take them with model.from_hf)")
     return out

@@ -110,6 +110,11 @@ class Family:
         what it fuses still apart) and our `weights`: the fused tensors put together."""
         return fuse(tensors, cfg, self) if self.fused else tensors
 
+    def beside_the_model(self, key: str, cfg: ModelConfig) -> bool:
+        """Whether a checkpoint's tensor `key` is one the import leaves out, as transformers does
+        (DeepSeek-V3's multi-token prediction modules); never for most families."""
+        return False
+
     def recognises(self, keys) -> bool:
         """Whether a checkpoint with these tensor names is laid out as this family's own (and not
         as Llama's, which every Llama-like shares)."""

@@ -8,13 +8,19 @@ set, so fine-tuning routes as the checkpoint did).
 
 The rotary part is stored interleaved ((x0, x1), (x2, x3) pairs, transformers' rope_interleave,
 true by default and in DeepSeek's own code), as ours: no rows are permuted; rope_interleave=false
-is refused. Multi-token prediction's modules are stored as the blocks after the last
-(model.layers.{n_layers + k}), which transformers' DeepseekV3ForCausalLM drops when it loads;
-model.mtp_depth trains modules of that shape (enorm, hnorm, eh_proj, a block, the shared head's
-norm) and the import reads them where the checkpoint has them (scaletrain.model.mtp)."""
+is refused.
+
+Multi-token prediction: DeepSeek's checkpoints store its modules as the blocks after the last
+(model.layers.{num_hidden_layers + k}: enorm, hnorm, eh_proj, shared_head, a whole block), which
+transformers' DeepseekV3ForCausalLM leaves out when it loads (_keys_to_ignore_on_load_unexpected)
+and loads apart only for speculative decoding (MtpModel). scaletrain does the same: the import
+leaves those tensors out (`beside_the_model`), the model predicts the next token alone, and the
+export writes num_nextn_predict_layers=0 (it writes no such modules). Training them (a depth and
+a loss weight) is not built."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from scaletrain.model.config import ModelConfig
@@ -25,9 +31,8 @@ BLOCK = {**LLAMA_BLOCK, "attn.wq_a": "self_attn.q_a_proj", "attn.q_a_norm": "sel
          "attn.wq_b": "self_attn.q_b_proj", "attn.wkv_a": "self_attn.kv_a_proj_with_mqa",
          "attn.kv_a_norm": "self_attn.kv_a_layernorm", "attn.wkv_b": "self_attn.kv_b_proj",
          "moe.shared.w1": "mlp.shared_experts.gate_proj", "moe.shared.w3": "mlp.shared_experts.up_proj",
-         "moe.shared.w2": "mlp.shared_experts.down_proj",
-         # multi-token prediction's own parts, in the blocks after the last (scaletrain.model.mtp)
-         "enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "head_norm": "shared_head.norm"}
+         "moe.shared.w2": "mlp.shared_experts.down_proj"}
+BLOCK_KEY = re.compile(r"^model\.layers\.(\d+)\.")  # any tensor of block i
 # what DeepSeek's own config.json says of its router and experts, and the one value transformers computes
 ROUTER = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
 
@@ -71,6 +76,11 @@ class DeepseekV3(MoeFamily):
                 refuse(key, f"is not DeepSeek-V3's {want!r}, the only one scaletrain imports")
         return out
 
+    def beside_the_model(self, key: str, cfg: ModelConfig) -> bool:
+        # the multi-token prediction modules: the blocks after the last
+        m = BLOCK_KEY.match(key)
+        return m is not None and int(m.group(1)) >= cfg.n_layers
+
     def biases(self, out: dict[str, Any], attention_bias: bool, mlp_bias: bool, refuse: Refuse) -> None:
         if attention_bias:
             refuse("attention_bias", "puts biases on q_a_proj, kv_a_proj_with_mqa and o_proj; scaletrain's latent "
@@ -111,7 +121,7 @@ class DeepseekV3(MoeFamily):
         out.update(head_dim=cfg.mla_rope_dim, qk_rope_head_dim=cfg.mla_rope_dim,
                    qk_nope_head_dim=cfg.head_size - cfg.mla_rope_dim, v_head_dim=cfg.value_dim,
                    kv_lora_rank=cfg.mla_kv_rank, q_lora_rank=cfg.mla_q_rank or None, rope_interleave=True,
-                   attention_bias=False, num_nextn_predict_layers=cfg.mtp_depth,
+                   attention_bias=False, num_nextn_predict_layers=0,
                    first_k_dense_replace=cfg.moe_first_dense if moe else cfg.n_layers,
                    n_routed_experts=cfg.moe_experts or 1, moe_intermediate_size=cfg.expert_hidden,
                    n_shared_experts=cfg.moe_shared_experts, routed_scaling_factor=cfg.moe_route_scale,
