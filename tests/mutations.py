@@ -73,6 +73,7 @@ WINDOW_HF = f"{WIN}::test_logits_and_generation_past_the_window_match_transforme
 WINDOW_PARITY = f"{WP}::test_windowed_models_train_alike_under_cp_tp_and_pp"
 MU = "tests/optim/test_muon.py"
 DS = "tests/model/test_deepseek.py"
+DSP = "tests/parallel/test_deepseek_parallel.py"
 MUP = "tests/optim/test_muon_parallel.py"
 
 MUTANTS = [
@@ -764,6 +765,12 @@ MUTANTS = [
            "        k_rot, latent = self.shared_key(k_rot), apply_rope(latent.unsqueeze(2), *rope).squeeze(2)\n",
            (f"{DS}::test_import_then_export_matches_transformers[plain-query-groups]",
             f"{DS}::test_import_then_export_matches_transformers[ungrouped-tied]")),
+    Mutant("tp-latent-shared-key-not-summed", "under tp the rotated key every head shares gets each rank's partial "
+           "gradient, not their sum", "src/scaletrain/parallel/tensor_parallel.py",
+           "            block.attn.shared_key = partial(_copy_to_region, group=tp_mesh.get_group())\n",
+           "            pass\n",
+           (f"{DSP}::test_deepseek_shaped_model_trains_like_one_process[tp2]",
+            f"{DSP}::test_deepseek_shaped_model_trains_like_one_process[tp2-sp]")),
     Mutant("moe-groups-by-their-best", "group-limited routing scores a group by its best expert, not the sum of its "
            "two best", "src/scaletrain/model/moe.py",
            "group_score = grouped.topk(2, dim=-1).values.sum(-1)", "group_score = grouped.amax(-1)",

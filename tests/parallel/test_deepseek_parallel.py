@@ -27,7 +27,10 @@ MLA = {"train.steps": STEPS, "model.n_layers": 3, "model.tie_embeddings": False,
        "model.rope_mscale": 1.0, "model.rope_mscale_all_dim": 1.0,
        "model.moe_experts": 6, "model.moe_top_k": 3, "model.moe_first_dense": 1, "model.moe_score": "sigmoid",
        "model.moe_groups": 3, "model.moe_topk_groups": 2, "model.moe_renorm": True, "model.moe_route_scale": 2.5,
-       "model.moe_shared_experts": 1, "model.moe_hidden": 32, "model.moe_bias_rate": 0.05}
+       "model.moe_shared_experts": 1, "model.moe_hidden": 32, "model.moe_bias_rate": 0.05,
+       # weights large enough that the latents' norms do not magnify their rows' gradients far above the rotated
+       # key's (a gradient of the shared key missing a rank's share must show)
+       "model.init_std": 0.1}
 PLAIN_QUERY = {**MLA, "model.mla_q_rank": 0}
 LAYOUTS = [
     ("zero3", MLA, {"parallel.dp_shard": 2, "parallel.zero": 3}),
