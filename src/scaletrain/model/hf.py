@@ -1,5 +1,5 @@
 """Hugging Face in and out: the weights of GPT-2, Llama, Mistral, Qwen2, Qwen3, OLMo 2, GPT-NeoX,
-Phi-3, Gemma 2 and 3 and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE (their configs:
+Phi-3, Gemma 2 and 3 and the mixtures of experts Mixtral, Qwen3-MoE, OLMoE and DeepSeek-V3 (their configs:
 scaletrain.model.hf_config; GPT-NeoX's and Phi-3's fused tensors: scaletrain.model.hf_fused). What
 differs per family (its tensor names, its fused tensors) is in its file under
 scaletrain.model.families; this module does the converting that is alike for all of them.
