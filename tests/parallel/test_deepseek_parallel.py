@@ -1,9 +1,10 @@
 """A DeepSeek-V3-shaped model (latent attention with and without the queries' latent, YaRN, a
 dense first block, sigmoid routing limited to groups, shared experts, the routing bias moving)
 under ZeRO-3, tensor parallelism (heads split: the compressions replicated, the up-projections
-column-parallel; with and without sequence parallelism), pipeline parallelism and expert
-parallelism, on real processes (gloo on CPU), in one launch of 2 ranks: the first step's gradients,
-every step's loss and gradient norm, the final weights and the routing biases match one process.
+column-parallel; with and without sequence parallelism), pipeline parallelism, expert
+parallelism and context parallelism (ring, all-gather, Ulysses), on real processes (gloo on
+CPU), in one launch of 2 ranks: the first step's gradients, every step's loss and gradient norm,
+the final weights and the routing biases match one process.
 An imported DeepSeek-V3 split over tp 2 gives transformers' logits; `scaletrain verify` passes."""
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ MLA = {"train.steps": STEPS, "model.n_layers": 3, "model.tie_embeddings": False,
        # key's (a gradient of the shared key missing a rank's share must show)
        "model.init_std": 0.1}
 PLAIN_QUERY = {**MLA, "model.mla_q_rank": 0}
+# context parallelism: YaRN without the softmax's mscale (which cp's attention does not apply), the
+# rotated part still scaled by its attention factor
+CP_MODEL = {**MLA, "model.rope_mscale": 0.0, "model.rope_mscale_all_dim": 0.0}
+REFERENCES = {"mla": MLA, "plain-query": PLAIN_QUERY, "cp": CP_MODEL}
 LAYOUTS = [
     ("zero3", MLA, {"parallel.dp_shard": 2, "parallel.zero": 3}),
     ("tp2", MLA, {"parallel.tp": 2}),
@@ -39,13 +44,13 @@ LAYOUTS = [
     ("tp2-sp", MLA, {"parallel.tp": 2, "parallel.sp": True}),
     ("pp2", MLA, {"parallel.pp": 2}),
     ("ep2", MLA, {"parallel.ep": 2, "parallel.zero": 0}),
+    *[(f"cp2-{m}", CP_MODEL, {"parallel.cp": 2, "parallel.cp_method": m}) for m in ("ring", "allgather", "ulysses")],
 ]
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    return {name: fit_one(micro_cfg(tmp_path_factory.mktemp(name), **model))
-            for name, model in (("mla", MLA), ("plain-query", PLAIN_QUERY))}
+    return {name: fit_one(micro_cfg(tmp_path_factory.mktemp(name), **model)) for name, model in REFERENCES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +66,7 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name,model", [(n, m) for n, m, _ in LAYOUTS], ids=[n for n, _, _ in LAYOUTS])
 def test_deepseek_shaped_model_trains_like_one_process(runs, references, name, model):
-    ref = references["plain-query" if model is PLAIN_QUERY else "mla"]
+    ref = references[next(name for name, m in REFERENCES.items() if m is model)]
     got = runs[name]
     grads, biases = {}, {}
     for rank in got["ranks"]:
@@ -115,13 +120,15 @@ def test_imported_deepseek_under_tp_gives_transformers_logits(tmp_path):
 @pytest.mark.usefixtures("forked_launches")
 @pytest.mark.parametrize("layout", [["--parallel.tp=2"], ["--parallel.pp=2"],
                                     ["--parallel.dp_shard=2", "--parallel.ep=2"],
-                                    ["--parallel.dp_shard=2", "--parallel.zero=3"]],
-                         ids=["tp2", "pp2", "ep2", "zero3"])
+                                    ["--parallel.dp_shard=2", "--parallel.zero=3"],
+                                    ["--parallel.cp=2", "--parallel.cp_method=ring"]],
+                         ids=["tp2", "pp2", "ep2", "zero3", "cp2-ring"])
 def test_verify_passes_a_deepseek_shaped_model(tmp_path, capfd, layout):
     from test_window_parallel import _toml
 
     config = tmp_path / "verify.toml"
-    config.write_text(_toml({**MICRO, **MLA, "log.run_dir": str(tmp_path / "userrun")}))
+    model = CP_MODEL if "--parallel.cp=2" in layout else MLA
+    config.write_text(_toml({**MICRO, **model, "log.run_dir": str(tmp_path / "userrun")}))
     code = cli.main(["verify", "--config", str(config), "--steps=3", *layout])
     out = "".join(capfd.readouterr())
     assert code == 0, out
@@ -129,11 +136,11 @@ def test_verify_passes_a_deepseek_shaped_model(tmp_path, capfd, layout):
     assert line.endswith("(precision 32-true): PASS"), line
 
 
-def test_context_parallel_refuses_latent_attention_in_one_line(tmp_path):
+def test_context_parallel_refuses_yarns_softmax_scale_in_one_line(tmp_path):
     from conftest import run_here
 
     args = [f"--{k}={v}" for k, v in {**MICRO, **MLA, "parallel.cp": 2, "log.run_dir": tmp_path}.items()]
     r = run_here("train", "--nproc", "2", *args)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "latent attention (values narrower than its keys" in lines[0], lines
+    assert len(lines) == 1 and "model.rope_mscale_all_dim=1 scales latent attention's softmax" in lines[0], lines

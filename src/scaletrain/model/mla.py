@@ -19,6 +19,7 @@ shared key, (kv_rank + rope_dim) numbers a token a block, where ordinary attenti
 kv_a_norm) are replicated, the up-projections wq / wq_b and wkv_b split by heads (column-
 parallel) and wo row-parallel; the shared rotated key feeds every rank's heads, so its gradient
 is a sum over the ranks (`shared_key`, which tensor parallelism replaces on the instance).
+Context parallelism replaces `attend`, as Attention's.
 """
 
 from __future__ import annotations
