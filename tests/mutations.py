@@ -771,6 +771,11 @@ MUTANTS = [
            "            pass\n",
            (f"{DSP}::test_deepseek_shaped_model_trains_like_one_process[tp2]",
             f"{DSP}::test_deepseek_shaped_model_trains_like_one_process[tp2-sp]")),
+    Mutant("cp-latent-mscale-dropped", "context parallelism attends latent attention's queries at the methods' "
+           "1/sqrt(head_dim), without YaRN's mscale", "src/scaletrain/parallel/context_parallel.py",
+           "        q = q * factor\n", "        q = q\n",
+           (f"{DSP}::test_deepseek_shaped_model_trains_like_one_process[cp2-ring]",
+            f"{DSP}::test_deepseek_shaped_model_trains_like_one_process[cp2-ulysses]")),
     Mutant("moe-groups-by-their-best", "group-limited routing scores a group by its best expert, not the sum of its "
            "two best", "src/scaletrain/model/moe.py",
            "group_score = grouped.topk(2, dim=-1).values.sum(-1)", "group_score = grouped.amax(-1)",

@@ -411,10 +411,6 @@ class Layout:
                 e.append(f"model.mla_v_dim={model.mla_v_dim} is wider than model.head_dim={model.head_dim}: context "
                          "parallelism (parallel.cp > 1) sends latent attention's values padded to the keys' width, "
                          "not wider; train this model with parallel.cp=1")
-            if getattr(model, "mla_kv_rank", 0) and model.rope_scaling == "yarn" and model.rope_mscale_all_dim:
-                e.append(f"model.rope_mscale_all_dim={model.rope_mscale_all_dim:g} scales latent attention's softmax "
-                         "(YaRN's mscale), which context parallelism's attention (parallel.cp > 1) computes "
-                         "unscaled; train this model with parallel.cp=1")
         return e
 
     def _seq_errors(self, seq_len: int | None) -> list[str]:

@@ -33,10 +33,7 @@ MLA = {"train.steps": STEPS, "model.n_layers": 3, "model.tie_embeddings": False,
        # key's (a gradient of the shared key missing a rank's share must show)
        "model.init_std": 0.1}
 PLAIN_QUERY = {**MLA, "model.mla_q_rank": 0}
-# context parallelism: YaRN without the softmax's mscale (which cp's attention does not apply), the
-# rotated part still scaled by its attention factor
-CP_MODEL = {**MLA, "model.rope_mscale": 0.0, "model.rope_mscale_all_dim": 0.0}
-REFERENCES = {"mla": MLA, "plain-query": PLAIN_QUERY, "cp": CP_MODEL}
+REFERENCES = {"mla": MLA, "plain-query": PLAIN_QUERY}
 LAYOUTS = [
     ("zero3", MLA, {"parallel.dp_shard": 2, "parallel.zero": 3}),
     ("tp2", MLA, {"parallel.tp": 2}),
@@ -44,7 +41,7 @@ LAYOUTS = [
     ("tp2-sp", MLA, {"parallel.tp": 2, "parallel.sp": True}),
     ("pp2", MLA, {"parallel.pp": 2}),
     ("ep2", MLA, {"parallel.ep": 2, "parallel.zero": 0}),
-    *[(f"cp2-{m}", CP_MODEL, {"parallel.cp": 2, "parallel.cp_method": m}) for m in ("ring", "allgather", "ulysses")],
+    *[(f"cp2-{m}", MLA, {"parallel.cp": 2, "parallel.cp_method": m}) for m in ("ring", "allgather", "ulysses")],
 ]
 
 
@@ -127,8 +124,7 @@ def test_verify_passes_a_deepseek_shaped_model(tmp_path, capfd, layout):
     from test_window_parallel import _toml
 
     config = tmp_path / "verify.toml"
-    model = CP_MODEL if "--parallel.cp=2" in layout else MLA
-    config.write_text(_toml({**MICRO, **model, "log.run_dir": str(tmp_path / "userrun")}))
+    config.write_text(_toml({**MICRO, **MLA, "log.run_dir": str(tmp_path / "userrun")}))
     code = cli.main(["verify", "--config", str(config), "--steps=3", *layout])
     out = "".join(capfd.readouterr())
     assert code == 0, out
@@ -136,11 +132,12 @@ def test_verify_passes_a_deepseek_shaped_model(tmp_path, capfd, layout):
     assert line.endswith("(precision 32-true): PASS"), line
 
 
-def test_context_parallel_refuses_yarns_softmax_scale_in_one_line(tmp_path):
+def test_context_parallel_refuses_values_wider_than_keys_in_one_line(tmp_path):
     from conftest import run_here
 
-    args = [f"--{k}={v}" for k, v in {**MICRO, **MLA, "parallel.cp": 2, "log.run_dir": tmp_path}.items()]
+    wide = {**MLA, "model.mla_v_dim": 32, "parallel.cp": 2}
+    args = [f"--{k}={v}" for k, v in {**MICRO, **wide, "log.run_dir": tmp_path}.items()]
     r = run_here("train", "--nproc", "2", *args)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "model.rope_mscale_all_dim=1 scales latent attention's softmax" in lines[0], lines
+    assert len(lines) == 1 and "model.mla_v_dim=32 is wider than model.head_dim=24" in lines[0], lines
