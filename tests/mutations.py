@@ -74,6 +74,8 @@ ATTEND_BY_HAND = f"{AP}::test_attention_is_the_softmax_of_the_capped_scores_over
 WINDOW_HF = f"{WIN}::test_logits_and_generation_past_the_window_match_transformers"
 WINDOW_PARITY = f"{WP}::test_windowed_models_train_alike_under_cp_tp_and_pp"
 MU = "tests/optim/test_muon.py"
+DS = "tests/model/test_deepseek.py"
+DSP = "tests/parallel/test_deepseek_parallel.py"
 MUP = "tests/optim/test_muon_parallel.py"
 
 MUTANTS = [
@@ -477,7 +479,7 @@ MUTANTS = [
            (f"{HF}::test_import_export_and_generation_match_transformers[phi4-partial]",
             f"{HF}::test_import_export_and_generation_match_transformers[neox-parallel]")),
     Mutant("gemma-norm-weight-not-offset", "Gemma's RMSNorm scales by w, not (1 + w)",
-           "src/scaletrain/model/transformer.py",
+           "src/scaletrain/model/layers.py",
            "return (y * (1.0 + self.weight.float())).type_as(x)", "return (y * self.weight.float()).type_as(x)",
            (f"{HF}::test_import_export_and_generation_match_transformers[gemma2]",
             f"{HF}::test_import_export_and_generation_match_transformers[gemma3]")),
@@ -791,6 +793,34 @@ MUTANTS = [
            "take = p.ndim >= 2 and not any", "take = p.ndim >= 1 and not any",
            (f"{MU}::test_the_split_takes_block_and_expert_matrices_and_leaves_embeddings_head_norms",
             f"{MU}::test_three_steps_equal_torch_muon_and_adamw_bit_for_bit[match_rms_adamw]")),
+    Mutant("mla-rotary-on-the-latent", "latent attention turns the compressed latent (its first rope_dim "
+           "coordinates) instead of the decoupled shared key", "src/scaletrain/model/mla.py",
+           "        k_rot = apply_rope(self.shared_key(k_rot).unsqueeze(2), *rope).squeeze(2)  # (B, T, rope_dim)\n",
+           "        k_rot, latent = self.shared_key(k_rot), apply_rope(latent.unsqueeze(2), *rope).squeeze(2)\n",
+           (f"{DS}::test_import_then_export_matches_transformers[plain-query-groups]",
+            f"{DS}::test_import_then_export_matches_transformers[ungrouped-tied]")),
+    Mutant("tp-latent-shared-key-not-summed", "under tp the rotated key every head shares gets each rank's partial "
+           "gradient, not their sum", "src/scaletrain/parallel/tensor_parallel.py",
+           "            block.attn.shared_key = partial(_copy_to_region, group=tp_mesh.get_group())\n",
+           "            pass\n",
+           (f"{DSP}::test_deepseek_shaped_model_trains_like_one_process[tp2]",
+            f"{DSP}::test_deepseek_shaped_model_trains_like_one_process[tp2-sp]")),
+    Mutant("cp-latent-mscale-dropped", "context parallelism attends latent attention's queries at the methods' "
+           "1/sqrt(head_dim), without YaRN's mscale", "src/scaletrain/parallel/context_parallel.py",
+           "        q = q * factor\n", "        q = q\n",
+           (f"{DSP}::test_deepseek_shaped_model_trains_like_one_process[cp2-ring]",
+            f"{DSP}::test_deepseek_shaped_model_trains_like_one_process[cp2-ulysses]")),
+    Mutant("moe-groups-by-their-best", "group-limited routing scores a group by its best expert, not the sum of its "
+           "two best", "src/scaletrain/model/moe.py",
+           "group_score = grouped.topk(2, dim=-1).values.sum(-1)", "group_score = grouped.amax(-1)",
+           (f"{DS}::test_import_then_export_matches_transformers[plain-query-groups]",
+            f"{DS}::test_import_then_export_matches_transformers[query-latent-yarn]")),
+    Mutant("moe-groups-without-the-bias", "group-limited routing opens the groups by the unbiased scores (the "
+           "routing bias added after)", "src/scaletrain/model/moe.py",
+           "            biased = self.open_groups(biased)\n",
+           "            biased = self.open_groups(scores.detach()) + self.expert_bias\n",
+           (f"{DS}::test_import_then_export_matches_transformers[plain-query-groups]",
+            f"{DS}::test_import_then_export_matches_transformers[query-latent-yarn]")),
 ]
 
 

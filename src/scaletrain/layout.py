@@ -407,6 +407,10 @@ class Layout:
             if changed:
                 e.append(f"{' and '.join(changed)} change the attention scores, which context parallelism's "
                          "attention (parallel.cp > 1) computes unchanged; train this model with parallel.cp=1")
+            if getattr(model, "mla_kv_rank", 0) and model.mla_v_dim > model.head_dim:
+                e.append(f"model.mla_v_dim={model.mla_v_dim} is wider than model.head_dim={model.head_dim}: context "
+                         "parallelism (parallel.cp > 1) sends latent attention's values padded to the keys' width, "
+                         "not wider; train this model with parallel.cp=1")
         return e
 
     def _seq_errors(self, seq_len: int | None) -> list[str]:

@@ -203,15 +203,15 @@ def test_hf_options_we_do_not_compute_are_refused(tmp_path, name, change, words)
     assert line.startswith(f"model.from_hf: {tmp_path / 'config.json'}: ") and words in line, line
 
 
-def test_deepseek_v3_is_refused_in_one_line_exit_2(tmp_path):
+def test_deepseek_v2_is_refused_in_one_line_exit_2(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "deepseek_v3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "model_type": "deepseek_v2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "vocab_size": 128, "intermediate_size": 96, "kv_lora_rank": 16, "q_lora_rank": 24, "n_routed_experts": 4}))
     r = run_here("train", "--print-config", f"--model.from_hf={tmp_path}")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "model_type='deepseek_v3' attends by multi-head latent attention" in lines[0]
-    assert "import a Mixtral, Qwen3-MoE or OLMoE model" in lines[0]
+    assert len(lines) == 1 and "model_type='deepseek_v2' attends by multi-head latent attention" in lines[0]
+    assert "import a DeepSeek-V3 model" in lines[0]
     # the planner still reads its size (a dense guess, as for any other decoder)
     assert model_config_from_hf(tmp_path, strict=False)["dim"] == 64
 

@@ -49,15 +49,26 @@ class ModelConfig:
     rotary_fraction: float = option(1.0, "share of each head's width that the rotation turns, the rest left as is "
                                          "(GPT-NeoX's rotary_pct, Phi's partial_rotary_factor)", min=0.0, max=1.0)
     rope_scaling: str = option("none", "stretch the rotary frequencies for long contexts: linear (all divided by "
-                                       "rope_factor) or llama3 (Llama 3.1: low frequencies only)",
-                               choices=("none", "linear", "llama3"))
+                                       "rope_factor), llama3 (Llama 3.1: low frequencies only) or yarn (YaRN: a ramp "
+                                       "between the two, the rotated part scaled by its attention factor)",
+                               choices=("none", "linear", "llama3", "yarn"))
     rope_factor: float = option(1.0, "rope_scaling: how much longer the context gets", min=1.0)
     rope_low_freq_factor: float = option(1.0, "rope_scaling=llama3: wavelengths above original/this are divided "
                                               "by rope_factor", min=0.0)
     rope_high_freq_factor: float = option(4.0, "rope_scaling=llama3: wavelengths below original/this are kept",
                                           min=0.0)
-    rope_original_max_seq_len: int = option(8192, "rope_scaling=llama3: the context length trained before scaling",
-                                            min=1)
+    rope_original_max_seq_len: int = option(8192, "rope_scaling=llama3 or yarn: the context length trained before "
+                                                  "scaling", min=1)
+    rope_beta_fast: float = option(32.0, "rope_scaling=yarn: pairs turning more than this many times over the "
+                                         "original context keep their speed", min=0.0)
+    rope_beta_slow: float = option(1.0, "rope_scaling=yarn: pairs turning fewer times than this are divided by "
+                                        "rope_factor", min=0.0)
+    rope_mscale: float = option(0.0, "rope_scaling=yarn: the attention factor on the rotated part is "
+                                     "(1 + 0.1 mscale ln factor) / (1 + 0.1 mscale_all_dim ln factor) when both are "
+                                     "set; 0 = 1 + 0.1 ln factor (DeepSeek-V3: 1)", min=0.0)
+    rope_mscale_all_dim: float = option(0.0, "rope_scaling=yarn: see rope_mscale; with latent attention the softmax "
+                                             "scale is also multiplied by (1 + 0.1 mscale_all_dim ln factor)^2 "
+                                             "(DeepSeek-V3: 1)", min=0.0)
     max_seq_len: int = option(128, "longest sequence the position encoding covers", min=1)
     sliding_window: int = option(0, "sliding-window attention (Mistral, Gemma): a query sees itself and the "
                                     "window - 1 tokens before it; 0 = the whole sequence", min=0)
@@ -77,6 +88,15 @@ class ModelConfig:
                                       "scaled_dot_product_attention", min=0.0)
     logit_softcap: float = option(0.0, "soft-cap the output logits likewise: c * tanh(logit / c) (Gemma 2); 0 = off",
                                   min=0.0)
+    mla_kv_rank: int = option(0, "multi-head latent attention (DeepSeek-V2/V3): keys and values come up from one "
+                                 "compressed latent of this width per token (the cache keeps it, not the heads); "
+                                 "head_dim is then each query/key head's width, of which mla_rope_dim rotate; "
+                                 "0 = ordinary attention", min=0)
+    mla_q_rank: int = option(0, "model.mla_kv_rank: the queries also come up from a latent of this width, "
+                                "normalised (DeepSeek-V3: 1536); 0 = one query projection", min=0)
+    mla_rope_dim: int = option(64, "model.mla_kv_rank: the rotated part of each query/key head, its key shared by "
+                                   "all heads and cached beside the latent", min=2)
+    mla_v_dim: int = option(0, "model.mla_kv_rank: each value head's width; 0 = head_dim - mla_rope_dim", min=0)
     tie_embeddings: bool = option(True, "share the input embedding with the output head")
     bias: bool = option(False, "add biases to linear layers and LayerNorm")
     qkv_bias: bool = option(False, "add biases to the query, key and value projections only (Qwen2)")
@@ -95,6 +115,11 @@ class ModelConfig:
     moe_hidden: int = option(0, "hidden width of each expert; 0 = the dense MLP's (ffn_dim)", min=0)
     moe_every: int = option(1, "every n-th block (counted after moe_first_dense) is a mixture of experts", min=1)
     moe_first_dense: int = option(0, "the first blocks that keep a dense MLP (DeepSeek-V3: 3)", min=0)
+    moe_groups: int = option(0, "group-limited routing (DeepSeek-V3's n_group): the experts are cut into this many "
+                                "groups of consecutive ones, a token chooses its experts within its best "
+                                "moe_topk_groups groups, a group's score the sum of its two best (biased) scores; "
+                                "0 = all experts open", min=0)
+    moe_topk_groups: int = option(0, "model.moe_groups: the groups each token may choose in (DeepSeek-V3: 4)", min=0)
     moe_score: str = option("softmax", "router score of each expert: softmax over experts (Mixtral, Qwen3-MoE) or "
                                        "an independent sigmoid (DeepSeek-V3)", choices=("softmax", "sigmoid"))
     moe_renorm: bool = option(False, "rescale the chosen experts' scores to sum to 1 (Mixtral, Qwen3-MoE)")
@@ -131,8 +156,18 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """How many of each head's coordinates the rotation turns (all but with rotary_fraction < 1)."""
+        """How many of each head's coordinates the rotation turns (all but with rotary_fraction < 1;
+        latent attention: its rotated part, mla_rope_dim)."""
+        if self.mla_kv_rank:
+            return self.mla_rope_dim
         return int(self.head_size * self.rotary_fraction)
+
+    @property
+    def value_dim(self) -> int:
+        """The width of each value head: head_size, or latent attention's mla_v_dim."""
+        if self.mla_kv_rank:
+            return self.mla_v_dim or self.head_size - self.mla_rope_dim
+        return self.head_size
 
     @property
     def expert_hidden(self) -> int:
@@ -204,10 +239,19 @@ def check_model(m: ModelConfig) -> list[str]:
     if m.rope_scaling == "none" and m.rope_factor != 1.0:
         errors.append(f"model.rope_factor={m.rope_factor} does nothing without model.rope_scaling; "
                       "set rope_scaling to linear or llama3, or drop rope_factor")
-    llama3_only = [f"model.{k}" for k in ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
+    llama3_only = [f"model.{k}" for k in ("rope_low_freq_factor", "rope_high_freq_factor")
                    if getattr(m, k) != getattr(ModelConfig, k)]
     if m.rope_scaling != "llama3" and llama3_only:
         errors.append(f"{', '.join(llama3_only)} apply to model.rope_scaling=llama3 only; set it, or drop them")
+    yarn_only = [f"model.{k}" for k in ("rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim")
+                 if getattr(m, k) != getattr(ModelConfig, k)]
+    if m.rope_scaling != "yarn" and yarn_only:
+        errors.append(f"{', '.join(yarn_only)} apply to model.rope_scaling=yarn only; set it, or drop them")
+    original = m.rope_original_max_seq_len != ModelConfig.rope_original_max_seq_len
+    if m.rope_scaling not in ("llama3", "yarn") and original:
+        errors.append("model.rope_original_max_seq_len applies to model.rope_scaling=llama3 or yarn only; set one, "
+                      "or drop it")
+    errors += _latent_errors(m) + _group_errors(m)
     if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
         errors.append(f"model.rope_scaling=llama3 needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
                       f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor}")
@@ -232,6 +276,49 @@ def check_model(m: ModelConfig) -> list[str]:
     if m.vocab_size > 2**32:
         errors.append(f"model.vocab_size={m.vocab_size} is larger than uint32 token ids allow")
     return errors
+
+
+def _latent_errors(m: ModelConfig) -> list[str]:
+    """Problems of latent attention's keys (model.mla_*)."""
+    errors = []
+    mla_only = [f"model.{k}" for k in ("mla_q_rank", "mla_v_dim") if getattr(m, k)]
+    if not m.mla_kv_rank and mla_only:
+        errors.append(f"{', '.join(mla_only)} shape latent attention, but model.mla_kv_rank=0; set it, or drop them")
+    if m.mla_kv_rank:
+        if m.position != "rope":
+            errors.append("model.mla_kv_rank: latent attention rotates part of each head; it needs model.position=rope")
+        if not m.head_dim or m.head_dim <= m.mla_rope_dim or m.mla_rope_dim % 2:
+            errors.append(f"model.mla_kv_rank needs model.head_dim (each query/key head's width) above an even "
+                          f"model.mla_rope_dim={m.mla_rope_dim}, got head_dim={m.head_dim}")
+        if m.n_kv_heads not in (0, m.n_heads):
+            errors.append(f"model.n_kv_heads={m.n_kv_heads}: latent attention brings up keys and values for every "
+                          "head from its latent; drop n_kv_heads")
+        ours = [f"model.{k}" for k in ("sliding_window", "attn_chunk", "attn_softcap", "qk_norm", "qkv_bias", "bias")
+                if getattr(m, k)]
+        if ours or m.rotary_fraction != 1.0:
+            errors.append(f"{', '.join(ours) or 'model.rotary_fraction'}: not implemented with latent attention "
+                          "(model.mla_kv_rank); drop it, or set mla_kv_rank=0")
+    return errors
+
+
+def _group_errors(m: ModelConfig) -> list[str]:
+    """Problems of group-limited routing (model.moe_groups, moe_topk_groups)."""
+    if not m.moe_groups and not m.moe_topk_groups:
+        return []
+    if not m.moe_groups or not m.moe_topk_groups or m.moe_topk_groups > m.moe_groups:
+        return [f"model.moe_topk_groups={m.moe_topk_groups} must be between 1 and model.moe_groups={m.moe_groups}; "
+                "set both (DeepSeek-V3: 8 and 4), or neither"]
+    if m.moe_experts % m.moe_groups or m.moe_experts // m.moe_groups < 2:
+        return [f"model.moe_groups={m.moe_groups} must divide model.moe_experts={m.moe_experts} into groups of at "
+                f"least 2 (a group's score is its two best); try one of "
+                f"{[g for g in divisors(m.moe_experts) if m.moe_experts // g >= 2]}"]
+    if m.moe_score != "sigmoid":
+        return ["model.moe_groups: group-limited routing is DeepSeek-V3's, over sigmoid scores; set "
+                "model.moe_score=sigmoid"]
+    if m.moe_top_k > m.moe_topk_groups * (m.moe_experts // m.moe_groups):
+        return [f"model.moe_top_k={m.moe_top_k} is more than the {m.moe_topk_groups} open groups of "
+                f"{m.moe_experts // m.moe_groups} experts hold; raise moe_topk_groups or lower moe_top_k"]
+    return []
 
 
 def model_config(values: Mapping[str, Any], source: str = "model") -> ModelConfig:

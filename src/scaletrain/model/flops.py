@@ -24,17 +24,31 @@ def block_matmul_params(cfg: ModelConfig, tp: int = 1, index: int | None = None)
     A mixture-of-experts block (`index`: which block; None = the average block) counts its
     *active* parameters: the router, the top_k experts each token visits and the shared experts,
     never all experts. The experts are not split by tp."""
-    d, kv, q = cfg.dim, cfg.kv_heads * cfg.head_size, cfg.n_heads * cfg.head_size
-    attn = d * q + 2 * d * kv + q * d  # wq, wk, wv, wo
+    d = cfg.dim
+    whole, attn = attention_matmul_params(cfg)
     per_mlp = 3 if cfg.gated else 2
     dense = per_mlp * d * cfg.hidden_dim
     if not cfg.moe_experts:
-        return (attn + dense) // tp
+        return whole + (attn + dense) // tp
     moe = d * cfg.moe_experts + per_mlp * d * cfg.expert_hidden * (cfg.moe_top_k + cfg.moe_shared_experts)
     if index is not None:
-        return (attn + dense) // tp if not cfg.is_moe_block(index) else attn // tp + moe
+        return whole + ((attn + dense) // tp if not cfg.is_moe_block(index) else attn // tp + moe)
     blocks = cfg.moe_blocks
-    return round(attn / tp + (blocks * moe + (cfg.n_layers - blocks) * dense / tp) / cfg.n_layers)
+    return round(whole + attn / tp + (blocks * moe + (cfg.n_layers - blocks) * dense / tp) / cfg.n_layers)
+
+
+def attention_matmul_params(cfg: ModelConfig) -> tuple[int, int]:
+    """A block's attention matrices as (those whole on every tensor-parallel rank, those split by
+    heads): wq, wk, wv, wo all split; latent attention (model/mla.py) keeps its compressions
+    (wq_a, wkv_a) whole and splits the up-projections (wq or wq_b, wkv_b) and wo."""
+    d, H, hd = cfg.dim, cfg.n_heads, cfg.head_size
+    if not cfg.mla_kv_rank:
+        kv, q = cfg.kv_heads * hd, H * hd
+        return 0, d * q + 2 * d * kv + q * d  # wq, wk, wv, wo
+    r, rope, v = cfg.mla_kv_rank, cfg.mla_rope_dim, cfg.value_dim
+    whole = d * (r + rope) + d * cfg.mla_q_rank  # wkv_a, wq_a
+    split = (cfg.mla_q_rank or d) * H * hd + r * H * (hd - rope + v) + H * v * d  # wq_b (or wq), wkv_b, wo
+    return whole, split
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -49,7 +63,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     # the scores and their weighted sum run at the heads' width, n_heads * head_size (= dim unless set
     # apart), over the keys a query sees: the sequence, or a local block's window (model/window.py)
     keys = sum(key_span(cfg, seq_len, i) for i in range(cfg.n_layers))
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_heads * cfg.head_size * keys
+    # (latent attention: the scores at the query/key width, the weighted sum at the value width)
+    return 6.0 * matmul_params(cfg) + 6.0 * cfg.n_heads * (cfg.head_size + cfg.value_dim) * keys
 
 
 def ns_flops(rows: int, cols: int, steps: int = 1) -> float:

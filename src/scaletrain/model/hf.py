@@ -1,5 +1,5 @@
 """Hugging Face in and out: the weights of GPT-2, Llama, Mistral, Qwen2, Qwen3, OLMo 2, GPT-NeoX,
-Phi-3, Gemma 2 and 3 and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE (their configs:
+Phi-3, Gemma 2 and 3 and the mixtures of experts Mixtral, Qwen3-MoE, OLMoE and DeepSeek-V3 (their configs:
 scaletrain.model.hf_config; GPT-NeoX's and Phi-3's fused tensors: scaletrain.model.hf_fused). What
 differs per family (its tensor names, its fused tensors) is in its file under
 scaletrain.model.families; this module does the converting that is alike for all of them.
@@ -89,7 +89,7 @@ def rows_ours_to_hf(t: torch.Tensor, heads: int, rotary: int = 0) -> torch.Tenso
 
 def _rope_heads(name: str, cfg: ModelConfig) -> int:
     """How many heads' rows to reorder in our parameter `name` (0: none)."""
-    if cfg.position != "rope":
+    if cfg.position != "rope" or cfg.mla_kv_rank:  # (latent attention: its rotated rows are stored as ours)
         return 0
     if ".attn.wq." in name:
         return cfg.n_heads
@@ -159,6 +159,15 @@ def _expected(cfg: ModelConfig) -> dict[str, torch.Size]:
     return {name: p.shape for name, p in model.named_parameters()}
 
 
+def _routing_biases(cfg: ModelConfig, family: Family) -> dict[str, str]:
+    """Our routing biases (the MoE blocks' expert_bias buffers) -> the family's tensor names, for a
+    family that stores them (DeepSeek-V3's e_score_correction_bias); {} otherwise."""
+    if not family.routing_bias:
+        return {}
+    return {f"layers.{i}.moe.expert_bias": f"{family.layers}.{i}.{family.routing_bias}"
+            for i in range(cfg.n_layers) if cfg.is_moe_block(i)}
+
+
 def hf_state_dict(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our parameters (named as named_parameters or state_dict names them) as the tensors of
     `hf_family(cfg)`, named as transformers saves them. GPT-2 gets zero biases where ours has
@@ -186,6 +195,8 @@ def hf_state_dict(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
         if gpt2 and m and m.group(3) == "weight" and "norm" not in m.group(2):
             t = t.t()  # Conv1D keeps (in, out)
         out[_hf_name(name, family, style)] = t.contiguous()
+    for name, key in _routing_biases(cfg, family).items():  # zeros where the weights come without them
+        out[key] = weights[name].detach().float().contiguous() if name in weights else torch.zeros(cfg.moe_experts)
     return family.saved(out, weights, cfg)  # its fused tensors put together
 
 
@@ -286,6 +297,10 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
     part_makers = {n: (lambda index, n=n, r=r: convert_part(n, *r, index)) for n, r in recipes.items()}
     for n, source in experts.items():
         makers[n], part_makers[n] = source.full, source.part
+    for n, key in _routing_biases(cfg, names).items():  # buffers, beside the parameters
+        if key in left:
+            source = take(key, n)
+            makers[n], shapes[n] = (lambda source=source: hf[source].to(dtype).contiguous()), (cfg.moe_experts,)
     out = _Converted({n: shapes[n] for n in makers}, makers, where, part_makers, hf)
     if cfg.tie_embeddings and "lm_head.weight" in left:
         head, emb = hf[left["lm_head.weight"]], hf[left[_hf_name("tok_emb.weight", names)]]
@@ -294,7 +309,7 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
                                   "shares one; set model.tie_embeddings=false")
         used.add("lm_head.weight")
     for key in sorted(set(left) - used):
-        if torch.count_nonzero(hf[left[key]]):
+        if torch.count_nonzero(hf[left[key]]) and not names.beside_the_model(key, cfg):
             raise CheckpointError(f"{where}: tensor {key} has no place in the model; do model.bias, qkv_bias, "
                                   "qk_norm and n_layers match the checkpoint? (take them with model.from_hf)")
     return out

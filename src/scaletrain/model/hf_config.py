@@ -14,8 +14,8 @@ keep the top k and run every token (dropless), as ours does with moe_score=softm
 capacity. `router_aux_loss_coef` is not carried over: transformers' load-balancing loss pools the
 whole batch and all layers into one product, ours (model.moe_aux_loss) is the Switch loss of each
 layer and each sequence, so the same coefficient would weigh another quantity; set moe_aux_loss
-(or keep the bias) for fine-tuning. DeepSeek-V3 (and V2) attend by multi-head latent attention,
-which scaletrain's attention does not compute: refused.
+(or keep the bias) for fine-tuning. DeepSeek-V3 is a family of its own (latent attention,
+scaletrain.model.mla); DeepSeek-V2, whose router differs, is refused.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from scaletrain.model.families import FAMILIES as _REGISTRY
 
 FAMILIES = tuple(_REGISTRY)  # the model_types scaletrain imports, in the order its messages list them
 # mixtures of experts whose attention scaletrain lacks: refused with what to do instead
-_MLA = ("deepseek_v3", "deepseek_v2")
+_MLA = ("deepseek_v2",)
 
 __all__ = ["CONFIG_FILE", "FAMILIES", "hf_config_from_model", "hf_family", "model_config_from_hf", "read_hf_config"]
 
@@ -79,9 +79,8 @@ def model_config_from_hf(source: str | Path | Mapping[str, Any], *, strict: bool
     errors: list[str] = []
     if strict and kind in _MLA:
         raise ConfigError(f"{where}: model_type={kind!r} attends by multi-head latent attention (compressed keys and "
-                          "values), which scaletrain's attention does not compute; import a Mixtral, Qwen3-MoE or "
-                          "OLMoE model, or train a DeepSeek-style mixture from scratch (model.moe_score=sigmoid, "
-                          "moe_shared_experts, moe_first_dense)")
+                          "values) with DeepSeek-V2's router (softmax, group-limited by the max), which scaletrain "
+                          "does not import; import a DeepSeek-V3 model")
     if strict and kind not in FAMILIES:
         raise ConfigError(f"{where}: model_type={kind!r} is not one scaletrain imports; "
                           f"supported: {', '.join(FAMILIES)}")

@@ -44,7 +44,8 @@ class KVCache:
         if window is not None:
             return self._append_windowed(block, k, v, window)
         if block not in self._kv or self._kv[block][0].shape[0] != B:
-            self._kv[block] = (k.new_empty(B, H, self.max_len, D), v.new_empty(B, H, self.max_len, D))
+            # (values may be narrower than keys: latent attention keeps its latent and rotated key here)
+            self._kv[block] = (k.new_empty(B, H, self.max_len, D), v.new_empty(B, H, self.max_len, v.shape[-1]))
         keys, values = self._kv[block]
         keys[:, :, self.length:end] = k
         values[:, :, self.length:end] = v

@@ -105,6 +105,7 @@ class MoE(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
         self.score, self.renorm, self.route_scale = cfg.moe_score, cfg.moe_renorm, cfg.moe_route_scale
+        self.groups, self.topk_groups = cfg.moe_groups, cfg.moe_topk_groups
         self.capacity_factor = cfg.moe_capacity_factor
         # the factor as the decimal it was written as (1.1 = 11/10), so that the capacity is computed in
         # integers: 1.1 over an even share of 10 keeps 11 (in floats 11.000000000000002, and 12 were kept)
@@ -135,11 +136,25 @@ class MoE(nn.Module):
             logits = F.linear(x.float(), self.router.weight.float())
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         # the bias steers the choice only; the weights are the scores themselves
-        chosen = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
+        biased = scores.detach() + self.expert_bias
+        if self.groups:
+            biased = self.open_groups(biased)
+        chosen = torch.topk(biased, self.top_k, dim=-1).indices
         weights = scores.gather(-1, chosen)
         if self.renorm:
             weights = weights / weights.sum(-1, keepdim=True)
         return logits, chosen, weights * self.route_scale
+
+    def open_groups(self, biased: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing (DeepSeek-V3): biased scores (tokens, experts) with every expert
+        outside the token's best topk_groups groups set to -inf. A group (of consecutive experts)
+        scores the sum of its two best biased scores."""
+        T, E = biased.shape
+        grouped = biased.view(T, self.groups, E // self.groups)
+        group_score = grouped.topk(2, dim=-1).values.sum(-1)  # (tokens, groups)
+        best = group_score.topk(self.topk_groups, dim=-1).indices
+        open_ = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~open_.unsqueeze(-1), float("-inf")).view(T, E)
 
     def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Tokens grouped by expert (counts: the size of each expert's group) -> their outputs in the

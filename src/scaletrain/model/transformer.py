@@ -37,25 +37,12 @@ from torch import nn
 
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.kv_cache import KVCache
+from scaletrain.model.layers import RMSNorm, apply_rope
+from scaletrain.model.mla import LatentAttention
 from scaletrain.model.mlp import MLP
 from scaletrain.model.moe import MoE
 from scaletrain.model.window import Window, block_window, causal_allows, local_attention
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
-        """`unit_offset` (Gemma): scale by (1 + weight), so a weight of zeros is the identity."""
-        super().__init__()
-        self.eps, self.unit_offset = eps, unit_offset
-        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32 even under autocast: the mean of squares loses bits in bf16
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:  # (Gemma scales in fp32, then rounds)
-            return (y * (1.0 + self.weight.float())).type_as(x)
-        return y.type_as(x) * self.weight
+from scaletrain.model.yarn import attention_factor, yarn_frequencies
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -82,29 +69,20 @@ def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
         scaled = (1 - blend) * freq / cfg.rope_factor + blend * freq
         scaled = torch.where(wavelength < original / high, freq, scaled)
         return torch.where(wavelength > original / low, freq / cfg.rope_factor, scaled)
+    if cfg.rope_scaling == "yarn":
+        return yarn_frequencies(cfg, freq)
     return freq
 
 
 def rope_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, each (max_seq_len, rotary_dim // 2), in fp32."""
+    """cos and sin of the rotary angles, each (max_seq_len, rotary_dim // 2), in fp32 (times YaRN's
+    attention factor, which so scales the rotated coordinates)."""
     angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32),
                          rope_frequencies(cfg, device))
+    factor = attention_factor(cfg)
+    if factor != 1.0:
+        return angles.cos() * factor, angles.sin() * factor
     return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x: (B, T, H, head_dim) by the angle of their position; with
-    tables narrower than the head (partial rotary) only its first 2 * cos.shape[-1] coordinates.
-    Tables of (T', rotary_dim/2) hold positions 0, 1, ...; tables of (B, T, rotary_dim/2) each
-    sequence's own (positions that restart per document)."""
-    T, r = x.shape[1], 2 * cos.shape[-1]
-    if cos.dim() == 2:
-        cos, sin = cos[:T, None, :], sin[:T, None, :]  # (T, 1, rotary_dim/2), broadcast over heads
-    else:
-        cos, sin = cos[:, :T, None, :], sin[:, :T, None, :]  # (B, T, 1, rotary_dim/2)
-    x1, x2 = x[..., :r].float().unflatten(-1, (-1, 2)).unbind(-1)
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
-    return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -211,7 +189,7 @@ class Block(nn.Module):
         # its output before the residual add (attn_post_norm, mlp_post_norm; OLMo 2, Gemma)
         pre, post = cfg.norm_placement in ("pre", "both"), cfg.norm_placement in ("post", "both")
         self.attn_norm = make_norm(cfg) if pre else None
-        self.attn = Attention(cfg, block_window(cfg, index))
+        self.attn = LatentAttention(cfg) if cfg.mla_kv_rank else Attention(cfg, block_window(cfg, index))
         self.attn_post_norm = make_norm(cfg) if post else None
         self.mlp_norm = make_norm(cfg) if pre else None
         self.mlp_post_norm = make_norm(cfg) if post else None

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.hooks import StepHook, sum_gradients
+from scaletrain.model.mla import LatentAttention
 from scaletrain.model.moe import MoE
 from scaletrain.model.transformer import Attention
 from scaletrain.model.window import Window, causal_allows, local_attention
@@ -335,6 +336,18 @@ def _attend(method, q, k, v, mask, causal, **where):
     return method(q, k, v, **where)  # (where: the group, this rank, and the block's window)
 
 
+def _attend_narrow_values(method, q, k, v, mask, causal, factor: float = 1.0, **where):
+    """Latent attention (model/mla.py), whose values are narrower than its queries and keys: the
+    values padded with zeros to the keys' width (the methods send K and V as one tensor), the
+    output's extra columns (zeros) cut off. Costs the padding's share of V's bytes more. Its
+    softmax scale, `factor` times the methods' 1/√head_dim (YaRN's mscale²), goes into q."""
+    width = v.shape[-1]
+    v = F.pad(v, (0, k.shape[-1] - width))
+    if factor != 1.0:
+        q = q * factor
+    return _attend(method, q, k, v, mask, causal, **where)[..., :width]
+
+
 # --------------------------------------------------------------------------------------------
 # Applying it
 
@@ -349,6 +362,9 @@ def apply_context_parallel(model: nn.Module, cp_mesh, method: str, seq_len: int)
     for module in model.modules():  # (blocks may be wrapped for activation checkpointing)
         if isinstance(module, Attention):
             module.attend = partial(_attend, METHODS[method], window=module.window, **where)
+        if isinstance(module, LatentAttention):  # its scale over the methods' 1/√head_dim: YaRN's mscale²
+            module.attend = partial(_attend_narrow_values, METHODS[method], window=module.window,
+                                    factor=module.scale * math.sqrt(module.head_dim), **where)
         if isinstance(module, MoE):  # the Switch loss's counts are those of whole sequences
             module.sequence_counts = partial(summed_over, previous=module.sequence_counts, group=group)
     device = next(iter(model.buffers()), torch.empty(0)).device

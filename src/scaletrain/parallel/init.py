@@ -79,6 +79,10 @@ def load_weights(model: nn.Module, weights, where: str, only=None) -> None:
             param.to_local().copy_(shard.to_local())
         else:
             param.copy_(full)
+    for name, buffer in model.named_buffers():  # the routing biases a checkpoint stores (DeepSeek-V3's)
+        cname = canonical_name(name)
+        if cname.endswith(".expert_bias") and cname in weights:
+            buffer.copy_(full_weight(weights, cname, buffer.shape, where))
 
 
 def full_weight(weights, cname: str, shape: torch.Size, where: str) -> torch.Tensor:

@@ -60,6 +60,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from scaletrain.hooks import StepHook, sum_gradients
+from scaletrain.model.mla import LatentAttention
 from scaletrain.model.moe import MoE
 from scaletrain.parallel.moe_balance import summed_over
 
@@ -136,7 +137,9 @@ def _split(model: nn.Module, tp_mesh, sequence_parallel: bool, first_block: str 
     for name, block in model.layers.items():
         moe = isinstance(block.ffn, MoE)
         parallelize_module(block, tp_mesh, _block_plan(block, moe, replicated_kv, sequence_parallel))
-        if replicated_kv:
+        if isinstance(block.attn, LatentAttention):  # its shared rotated key feeds every rank's heads
+            block.attn.shared_key = partial(_copy_to_region, group=tp_mesh.get_group())
+        elif replicated_kv:
             _select_kv_head(block.attn, tp_mesh, cfg.kv_heads, cfg.head_size)
         if moe:  # the Switch loss's counts are those of whole sequences
             block.moe.sequence_counts = partial(summed_over, previous=block.moe.sequence_counts,
@@ -151,22 +154,20 @@ def _block_plan(block: nn.Module, moe: bool, replicated_kv: bool, sequence_paral
     """One block's tensor-parallel plan: attention and MLP column- then row-parallel, K/V split unless
     each is replicated (fewer heads than ranks), norms sequence-parallel under sp."""
     between = Shard(1) if sequence_parallel else Replicate()
+    latent = isinstance(block.attn, LatentAttention)
     kv_plan = {} if replicated_kv else {"attn.wk": Colwise(), "attn.wv": Colwise()}
-    plan = {
-        "attn.wq": Colwise(),
-        **kv_plan,
-        "attn.wo": Rowwise(output_layouts=between),
-    }
+    plan = _latent_plan(block.attn) if latent else {"attn.wq": Colwise(), **kv_plan}
+    plan["attn.wo"] = Rowwise(output_layouts=between)
     if not moe:
         plan.update({"mlp.w1": Colwise(), "mlp.w2": Rowwise(output_layouts=between)})
         if block.mlp.w3 is not None:
             plan["mlp.w3"] = Colwise()
-    if block.attn.q_norm is not None and block.attn.norm_heads:
+    if getattr(block.attn, "q_norm", None) is not None and block.attn.norm_heads:
         # q/k norms (Qwen3) act on each head: the rank's own heads are shards of dim 2, and
         # their replicated weight gets its gradient summed over the ranks' heads
         plan["attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    elif block.attn.q_norm is not None:  # over the whole projections (OLMo 2, OLMoE)
+    elif getattr(block.attn, "q_norm", None) is not None:  # over the whole projections (OLMo 2, OLMoE)
         plan["attn.q_norm"] = ProjectionNorm()
         plan["attn.k_norm"] = ProjectionNorm()
     if sequence_parallel:
@@ -176,8 +177,11 @@ def _block_plan(block: nn.Module, moe: bool, replicated_kv: bool, sequence_paral
         plan.update({n: SequenceParallel(use_local_output=True) for n in ("attn_post_norm", "mlp_post_norm")
                      if getattr(block, n) is not None})
         plan.update({
-            # gather the sequence before the column-parallel matmuls (rope tables pass as is)
-            "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            # gather the sequence before the column-parallel matmuls (rope tables pass as is); latent
+            # attention's replicated compressions take it as a plain tensor, whose gradient the
+            # up-projections' inputs (and `shared_key`) have summed over tp already
+            "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
+                                       use_local_output=latent),
             # a mixture of experts routes the rank's own tokens: its sequence shard, as a plain tensor
             "moe" if moe else "mlp": PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Shard(1) if moe else Replicate(),),
@@ -188,6 +192,20 @@ def _block_plan(block: nn.Module, moe: bool, replicated_kv: bool, sequence_paral
             input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_input=True,
             output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True)
     return plan
+
+
+def _latent_plan(attn: nn.Module) -> dict:
+    """Latent attention (model/mla.py): the compressions (wq_a, q_a_norm, wkv_a, kv_a_norm) stay
+    plain and replicated, each rank computing them whole from the replicated input; the
+    up-projections (wq or wq_b, wkv_b) column-parallel by heads. A column-parallel linear's
+    replicated input gets its gradient summed over tp (torch's ColwiseParallel), so the
+    compressions' gradients are whole on every rank and need no step of their own."""
+    up = "attn.wq_b" if hasattr(attn, "wq_b") else "attn.wq"
+    return {up: Colwise(), "attn.wkv_b": Colwise()}
+
+
+def _copy_to_region(x: torch.Tensor, group) -> torch.Tensor:
+    return _CopyToRegion.apply(x, group)
 
 
 class ProjectionNorm(ParallelStyle):

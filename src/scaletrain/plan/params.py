@@ -192,9 +192,11 @@ def layer_params(cfg: ModelConfig, tp: int, moe: bool = False, ep: int = 1) -> B
     replicated_kv = 2 * h * kv_rank - 2 * h * kv // tp  # wk and wv beyond their 1/tp share
     index = block_of_kind(cfg, moe) if cfg.moe_experts else None
     active = block_matmul_params(cfg, tp, index)  # the one count of a block's matmul work (model/flops.py)
-    attn_mats = ((q // tp, h), (kv_rank, h), (kv_rank, h), (h, q // tp))
+    attn_mats = ((q // tp, h), (kv_rank, h), (kv_rank, h), (h, q // tp)) if not cfg.mla_kv_rank else \
+        latent_matrices(cfg, tp)
     norms = 4 if cfg.norm_placement == "both" else 2  # pre- and/or post-norms of the two sub-blocks
     replicated = norms * (2 if cfg.norm == "layernorm" and cfg.bias else 1) * h
+    replicated += cfg.mla_kv_rank + cfg.mla_q_rank  # latent attention's norms of its latents
     # q/k norms: one weight of head_size each (Qwen3), replicated; or one over the whole projection
     # (OLMo 2, OLMoE), split over tp like the projection's rows
     projection_norms = (q // tp + kv_rank) if cfg.qk_norm and cfg.qk_norm_scope == "projection" else 0
@@ -227,6 +229,22 @@ def layer_params(cfg: ModelConfig, tp: int, moe: bool = False, ep: int = 1) -> B
         sharded += q // tp + 2 * kv_rank
     mats = attn_mats + ((f // tp, h),) * (n_ffn - 1) + ((h, f // tp),)
     return BlockParams(sharded, replicated, matmul, mats)
+
+
+def latent_matrices(cfg: ModelConfig, tp: int) -> tuple:
+    """Latent attention's matrices on a tp rank (model/mla.py): the compressions whole, the
+    up-projections and wo split by heads."""
+    h, H, hd, r, v = cfg.dim, cfg.n_heads // tp, cfg.head_size, cfg.mla_kv_rank, cfg.value_dim
+    q = ((cfg.mla_q_rank, h), (H * hd, cfg.mla_q_rank)) if cfg.mla_q_rank else ((H * hd, h),)
+    return (*q, (r + cfg.mla_rope_dim, h), (H * (hd - cfg.mla_rope_dim + v), r), (h, H * v))
+
+
+def latent_cache_bytes(cfg: ModelConfig, batch: int, positions: int, bytes_per_value: int = 2) -> int:
+    """The generation cache of `batch` sequences of `positions` tokens: latent attention keeps each
+    block's latent and rotated shared key (kv_rank + rope_dim a token); ordinary attention its
+    keys and values (2 x kv_heads x head_dim)."""
+    width = cfg.mla_kv_rank + cfg.mla_rope_dim if cfg.mla_kv_rank else 2 * cfg.kv_heads * cfg.head_size
+    return cfg.n_layers * batch * positions * width * bytes_per_value
 
 
 def stage_layers(cfg: ModelConfig, layout: Layout) -> list[list[int]]:

@@ -41,6 +41,8 @@ _PREFIX = "base_model.model."  # PeftModel's own prefix before the base model's 
 # adapter_config.json fields that change what the adapters compute beyond one rank and alpha on plain linears
 _UNSUPPORTED = ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform", "layer_replication",
                 "target_parameters", "lora_bias", "fan_in_fan_out", "trainable_token_indices")
+# the MLP leaves PEFT maps to a mixture of experts' fused parameters (its v4 -> v5 conversion)
+_EXPERT_LEAVES = (".gate_proj", ".up_proj", ".down_proj", ".w1", ".w2", ".w3")
 _LEAVES = {"lora_a": "lora_A.weight", "lora_b": "lora_B.weight", "lora_magnitude": "lora_magnitude_vector"}
 
 
@@ -52,17 +54,14 @@ def base_model(cfg, source: str | None, seed: int) -> Transformer:
     """The frozen base as training built it, in fp32 on the CPU: `source`'s weights (a Hugging
     Face folder, a .safetensors file or a scaletrain export), or (seed, name) when None."""
     from scaletrain.model.hf import load_hf_weights
-    from scaletrain.parallel.init import init_weights
+    from scaletrain.parallel.init import init_weights, load_weights
 
     model = Transformer(cfg)
     model.init_buffers("cpu")
-    with torch.no_grad():
-        if source:
-            weights = load_hf_weights(source, cfg)
-            for name, p in model.named_parameters():
-                p.copy_(weights[name])
-        else:
-            init_weights(model, seed)
+    if source:
+        load_weights(model, load_hf_weights(source, cfg), source)  # routing biases too (DeepSeek-V3)
+    else:
+        init_weights(model, seed)
     return model
 
 
@@ -190,6 +189,12 @@ def export_peft(checkpoint: str | Path, out: str | Path, *, base: str | Path | N
         raise not_hf()
     adapted = {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     names = _hf_linears(cfg.model, list(adapted), str(path))
+    mlp = sorted(hf for hf, _ in names.values() if cfg.model.moe_experts and hf.endswith(_EXPERT_LEAVES))
+    if mlp:
+        raise CheckpointError(f"{path}: {mlp[0]} is adapted, but PEFT reads gate_proj, up_proj and down_proj of a "
+                              "mixture of experts as its fused experts' parameters (transformers 5), so it would put "
+                              "these adapters there; export them merged (--format hf), or train adapters on the "
+                              "attention alone (adapter.targets=attention)")
     tensors = {}
     for name, m in adapted.items():
         hf, heads = names[name]

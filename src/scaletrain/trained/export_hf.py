@@ -24,6 +24,7 @@ from scaletrain import atomic
 from scaletrain.config import data_paths, from_dict
 from scaletrain.data.tokenizer import byte_chars
 from scaletrain.errors import CheckpointError, ConfigError, DataError
+from scaletrain.model.families import family_of_model
 from scaletrain.model.hf import INDEX_FILE, WEIGHTS_FILE, hf_state_dict
 from scaletrain.model.hf_config import CONFIG_FILE, hf_config_from_model
 from scaletrain.model.moe import MoE
@@ -86,8 +87,9 @@ def save_hf(model: Transformer, out_dir: str | Path, *, tokenizer: dict[str, str
         raise CheckpointError("export needs the safetensors package: pip install safetensors") from None
     out = Path(out_dir)
     _check_out(out, overwrite)
+    keeps_bias = bool(family_of_model(model.cfg).routing_bias)  # a family that stores the routing bias
     for name, m in model.named_modules():
-        if isinstance(m, MoE) and torch.count_nonzero(m.expert_bias):
+        if isinstance(m, MoE) and torch.count_nonzero(m.expert_bias) and not keeps_bias:
             raise CheckpointError(f"{name}.expert_bias is not zero (model.moe_bias_rate moved it in training), and "
                                   f"{hf_config_from_model(model.cfg)['model_type']} routes without a bias, so its "
                                   "experts would be chosen otherwise; export as safetensors, or fine-tune with "
@@ -95,7 +97,8 @@ def save_hf(model: Transformer, out_dir: str | Path, *, tokenizer: dict[str, str
     tokenizer = tokenizer or {}
     ids = {**dict.fromkeys(SPECIAL_IDS), **json.loads(tokenizer.get("special_ids.json", "{}"))}
     config = hf_config_from_model(model.cfg, **ids)
-    weights = hf_state_dict({n: p.detach().float().cpu() for n, p in model.named_parameters()}, model.cfg)
+    weights = hf_state_dict({n: p.detach().float().cpu() for n, p in [*model.named_parameters(), *(
+        (f"{n}.expert_bias", m.expert_bias) for n, m in model.named_modules() if isinstance(m, MoE))]}, model.cfg)
 
     with atomic.replacing(out, sweep=True) as tmp:
         tmp.mkdir(parents=True)

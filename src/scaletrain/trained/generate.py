@@ -83,12 +83,11 @@ def load_for_generation(source: str | Path, data: str | None = None, report=None
         from scaletrain.model.transformer import Transformer
 
         model_cfg = model_config(model_config_from_hf(path))
+        from scaletrain.parallel.init import load_weights
+
         model = Transformer(model_cfg)
-        weights = load_hf_weights(path, model_cfg)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(weights[name])
         model.init_buffers("cpu")
+        load_weights(model, load_hf_weights(path, model_cfg), str(path))  # routing biases too (DeepSeek-V3)
         tokenizer = data_tokenizer(data) if data is not None else HFTokenizer.from_hf_folder(path)
         return model, tokenizer, model_cfg.max_seq_len
     raise CheckpointError(f"{path}: neither a checkpoint folder (no {ckpt.TRAINER_FILE}) nor a Hugging Face model "

@@ -23,11 +23,9 @@ def starting_model(cfg) -> Transformer:
     source = cfg.preference.reference_from or cfg.model.init_from
     if source:
         from scaletrain.model.hf import load_hf_weights
+        from scaletrain.parallel.init import load_weights
 
-        weights = load_hf_weights(source, cfg.model)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(weights[name])
+        load_weights(model, load_hf_weights(source, cfg.model), source)  # routing biases too (DeepSeek-V3)
     else:
         init_weights(model, seed=cfg.train.seed)
     return model.eval()

@@ -15,6 +15,7 @@ from types import MappingProxyType
 
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.families import (
+    deepseek_v3,
     gemma2,
     gemma3_text,
     gpt2,
@@ -34,7 +35,8 @@ from scaletrain.model.families._common import CONFIG_FILE, HARMLESS, Family, Rea
 
 FAMILIES = MappingProxyType({f.model_type: f for f in (
     gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, olmo2.FAMILY, gpt_neox.FAMILY,
-    phi3.FAMILY, gemma2.FAMILY, gemma3_text.FAMILY, mixtral.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY)})
+    phi3.FAMILY, gemma2.FAMILY, gemma3_text.FAMILY, mixtral.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY,
+    deepseek_v3.FAMILY)})
 
 __all__ = ["CONFIG_FILE", "FAMILIES", "HARMLESS", "Family", "Reader", "family_of_config", "family_of_model",
            "layout_of", "naming", "short"]
@@ -61,5 +63,7 @@ def layout_of(keys) -> Family | None:
 
 
 def naming(cfg: ModelConfig) -> Family:
-    """The Llama-like family whose block names fit where `cfg`'s norms sit (model.norm_placement)."""
-    return next(f for f in FAMILIES.values() if not f.conv1d and f.norm_placement == cfg.norm_placement)
+    """The Llama-like family whose block names fit where `cfg`'s norms sit (model.norm_placement)
+    and its attention (latent or not)."""
+    return next(f for f in FAMILIES.values() if not f.conv1d and f.norm_placement == cfg.norm_placement
+                and f.latent_attention == bool(cfg.mla_kv_rank))

@@ -52,7 +52,13 @@ SILU = ("silu", "swish")
 ROPE_KEYS = {"default": {"rope_type", "type", "rope_theta"},
              "linear": {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings"},
              "llama3": {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
-                        "original_max_position_embeddings"}}
+                        "original_max_position_embeddings"},
+             "yarn": {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+                      "beta_slow", "mscale", "mscale_all_dim", "truncate"}}
+# YaRN's keys -> ours, with transformers' value when left out
+YARN_KEYS = {"beta_fast": ("rope_beta_fast", 32.0), "beta_slow": ("rope_beta_slow", 1.0),
+             "mscale": ("rope_mscale", 0.0), "mscale_all_dim": ("rope_mscale_all_dim", 0.0)}
+YARN_FIELDS = tuple(ours for ours, _ in YARN_KEYS.values())
 
 # Weight names, ours -> Hugging Face, inside block i of a Llama-like family, and outside the blocks
 LLAMA_BLOCK = {"attn_norm": "input_layernorm", "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
@@ -83,6 +89,8 @@ class Family:
     expert_style: ClassVar[str] = "mlp"  # how its files name each expert's matrices (scaletrain.model.hf)
     aliases: ClassVar[Mapping[str, str]] = {}  # a Llama name -> an older name some of its checkpoints use
     adapter_refusal: ClassVar[str] = ""  # why adapters on its separate linears cannot map (empty: they can)
+    latent_attention: ClassVar[bool] = False  # its blocks attend by latent attention (model.mla_kv_rank)
+    routing_bias: ClassVar[str] = ""  # where block i stores the experts' routing bias (our expert_bias); "" none
 
     def fields(self, get: Reader, refuse: Refuse, strict: bool) -> dict[str, Any]:
         """The ModelConfig fields of its config.json (`get` reads it, `refuse` records a problem)."""
@@ -101,6 +109,11 @@ class Family:
         """Its checkpoint's tensors, from `tensors` (ours under its names, each in its layout, but
         what it fuses still apart) and our `weights`: the fused tensors put together."""
         return fuse(tensors, cfg, self) if self.fused else tensors
+
+    def beside_the_model(self, key: str, cfg: ModelConfig) -> bool:
+        """Whether a checkpoint's tensor `key` is one the import leaves out, as transformers does
+        (DeepSeek-V3's multi-token prediction modules); never for most families."""
+        return False
 
     def recognises(self, keys) -> bool:
         """Whether a checkpoint with these tensor names is laid out as this family's own (and not
@@ -230,6 +243,10 @@ def hf_rope(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.rope_scaling == "llama3":
         rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
                     original_max_position_embeddings=cfg.rope_original_max_seq_len)
+    if cfg.rope_scaling == "yarn":
+        rope.update(original_max_position_embeddings=cfg.rope_original_max_seq_len, truncate=True,
+                    **{theirs: getattr(cfg, ours) for theirs, (ours, _) in YARN_KEYS.items()
+                       if getattr(cfg, ours) or theirs.startswith("beta")})
     return rope
 
 
@@ -257,12 +274,13 @@ def rope_fields(get: Reader, refuse: Refuse, max_len: int, partial: bool = False
         refuse("partial_rotary_factor", "rotates part of each head; scaletrain's import of this family rotates all "
                                         "of it")
     if not isinstance(kind, str) or kind not in ROPE_KEYS:
-        refuse(key, f"has rope_type {kind!r}; scaletrain implements default, linear and llama3")
+        refuse(key, f"has rope_type {kind!r}; scaletrain implements default, linear, llama3 and yarn")
         return out
     extra = sorted(set(params) - ROPE_KEYS[kind] - {"partial_rotary_factor"})
     if extra:
         refuse(key, f"has {', '.join(extra)}, unknown to rope_type {kind}; scaletrain may not compute it alike")
-    numbers = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+    numbers = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+               "yarn": ("factor",)}
     for k in numbers[kind]:
         if isinstance(params.get(k), bool) or not isinstance(params.get(k), (int, float)):
             refuse(key, f"needs a number {k} for rope_type {kind}")
@@ -273,6 +291,21 @@ def rope_fields(get: Reader, refuse: Refuse, max_len: int, partial: bool = False
         out.update(rope_low_freq_factor=float(params["low_freq_factor"]),
                    rope_high_freq_factor=float(params["high_freq_factor"]),
                    rope_original_max_seq_len=params.get("original_max_position_embeddings", max_len))
+    if kind == "yarn":
+        out.update(_yarn_fields(params, refuse, key, max_len))
+    return out
+
+
+def _yarn_fields(params: dict, refuse: Refuse, key: str, max_len: int) -> dict[str, Any]:
+    """rope_type yarn's keys as ours (transformers' defaults where left out)."""
+    out: dict[str, Any] = {"rope_original_max_seq_len": params.get("original_max_position_embeddings", max_len)}
+    if params.get("truncate", True) is not True:
+        refuse(key, "has truncate=false (a YaRN ramp between fractional pairs); scaletrain's ramp is truncated")
+    for theirs, (ours, default) in YARN_KEYS.items():
+        value = params.get(theirs)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            refuse(key, f"needs a non-negative number {theirs} for rope_type yarn")
+        out[ours] = float(value or default)
     return out
 
 
@@ -286,7 +319,8 @@ def complete(out: dict[str, Any]) -> dict[str, Any]:
                 norm_placement="pre", norm_unit_offset=False, parallel_residual=False, embed_scale=False,
                 rotary_fraction=1.0, export_as="auto", global_every=0, rope_local_theta=0.0, attn_scale_dim=0,
                 attn_softcap=0.0, logit_softcap=0.0,
-                **{f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name.startswith("moe_")})
+                **{f.name: f.default for f in dataclasses.fields(ModelConfig)
+                   if f.name.startswith(("moe_", "mla_")) or f.name in YARN_FIELDS})
     return {**base, **out}
 
 
