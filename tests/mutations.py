@@ -75,7 +75,7 @@ WINDOW_HF = f"{WIN}::test_logits_and_generation_past_the_window_match_transforme
 WINDOW_PARITY = f"{WP}::test_windowed_models_train_alike_under_cp_tp_and_pp"
 RO = "tests/rollout/test_local_engine.py"
 RS = "tests/rollout/test_sampling.py"
-RL = "tests/rollout/test_rollout_layouts.py"
+ROL = "tests/rollout/test_rollout_layouts.py"
 MU = "tests/optim/test_muon.py"
 MUP = "tests/optim/test_muon_parallel.py"
 
@@ -805,7 +805,7 @@ MUTANTS = [
            "completion_generator(params.seed, first_index + i, j, device)",
            "completion_generator(params.seed, i, j, device)",
            (f"{RO}::test_batched_equals_one_prompt_at_a_time[gpt2]",
-            f"{RL}::test_two_ranks_sample_what_one_process_does[zero3]")),
+            f"{ROL}::test_two_ranks_sample_what_one_process_does[zero3]")),
     Mutant("rollout-top-p-keeps-one-too-few", "top-p drops the token that brings the kept mass up to top_p",
            "src/scaletrain/rollout/sampling.py",
            "        drop_sorted = before >= top_p", "        drop_sorted = ordered.cumsum(-1) >= top_p",
@@ -821,12 +821,12 @@ MUTANTS = [
            "the next tokens attend to it", "src/scaletrain/model/generate.py",
            "    if pad and cache is not None:\n        cache.rewind(pad)\n", "",
            (f"{RO}::test_padding_each_forward_to_a_multiple_changes_no_token[llama-gqa]",
-            f"{RL}::test_two_ranks_sample_what_one_process_does[tp2-sp]")),
+            f"{ROL}::test_two_ranks_sample_what_one_process_does[tp2-sp]")),
     Mutant("rollout-ranks-do-not-agree-on-forwards", "a ZeRO-3 rank stops its forwards when its own prompts are "
            "done: the others' gathers wait for it", "src/scaletrain/rollout/local.py",
            "        if self.group is None:\n            return mine\n",
            "        if True:\n            return mine\n",
-           (f"{RL}::test_two_ranks_sample_what_one_process_does[zero3]",)),
+           (f"{ROL}::test_two_ranks_sample_what_one_process_does[zero3]",)),
 ]
 
 
