@@ -73,6 +73,9 @@ WP = "tests/parallel/test_window_parallel.py"
 ATTEND_BY_HAND = f"{AP}::test_attention_is_the_softmax_of_the_capped_scores_over_the_keys_each_query_sees"
 WINDOW_HF = f"{WIN}::test_logits_and_generation_past_the_window_match_transformers"
 WINDOW_PARITY = f"{WP}::test_windowed_models_train_alike_under_cp_tp_and_pp"
+RO = "tests/rollout/test_local_engine.py"
+RS = "tests/rollout/test_sampling.py"
+ROL = "tests/rollout/test_rollout_layouts.py"
 MU = "tests/optim/test_muon.py"
 DS = "tests/model/test_deepseek.py"
 DSP = "tests/parallel/test_deepseek_parallel.py"
@@ -821,6 +824,39 @@ MUTANTS = [
            "            biased = self.open_groups(scores.detach()) + self.expert_bias\n",
            (f"{DS}::test_import_then_export_matches_transformers[plain-query-groups]",
             f"{DS}::test_import_then_export_matches_transformers[query-latent-yarn]")),
+    Mutant("rollout-logprobs-of-the-filtered-distribution", "the rollout's log-probs taken after top-k/top-p "
+           "(renormalised), not of the whole distribution the trainer computes", "src/scaletrain/rollout/local.py",
+           "        lps = full_logprobs(s, nxt)\n",
+           "        lps = full_logprobs(filtered_probs(s, p.top_k, p.top_p).log(), nxt)\n",
+           (f"{RO}::test_rollout_log_probs_are_the_trainer_forwards[gpt2]",)),
+    Mutant("rollout-draws-seeded-by-batch-position", "a completion's generator seeded by its prompt's place in "
+           "the call, not in the step: a rank's share draws what no single process would",
+           "src/scaletrain/rollout/local.py",
+           "completion_generator(params.seed, first_index + i, j, device)",
+           "completion_generator(params.seed, i, j, device)",
+           (f"{RO}::test_batched_equals_one_prompt_at_a_time[gpt2]",
+            f"{ROL}::test_two_ranks_sample_what_one_process_does[zero3]")),
+    Mutant("rollout-top-p-keeps-one-too-few", "top-p drops the token that brings the kept mass up to top_p",
+           "src/scaletrain/rollout/sampling.py",
+           "        drop_sorted = before >= top_p", "        drop_sorted = ordered.cumsum(-1) >= top_p",
+           (f"{RS}::test_which_tokens_can_be_drawn_by_hand",
+            f"{RS}::test_the_kept_tokens_are_those_of_transformers_warpers")),
+    Mutant("rollout-length-limit-counts-as-a-stop", "a completion cut by max_new_tokens reported finished, as if "
+           "it had stopped (DAPO's overlong masks read it)", "src/scaletrain/rollout/local.py",
+           "            self.finished[b] = self._stops(self.completions[b])\n",
+           "            self.finished[b] = self._stops(self.completions[b]) or len(self.completions[b]) == "
+           "p.max_new_tokens\n",
+           (f"{RO}::test_stop_ids_end_a_completion_at_their_first_draw_and_are_kept",)),
+    Mutant("rollout-padding-seen-by-the-cache", "sequence parallelism's padding left in the cache (not rewound): "
+           "the next tokens attend to it", "src/scaletrain/model/generate.py",
+           "    if pad and cache is not None:\n        cache.rewind(pad)\n", "",
+           (f"{RO}::test_padding_each_forward_to_a_multiple_changes_no_token[llama-gqa]",
+            f"{ROL}::test_two_ranks_sample_what_one_process_does[tp2-sp]")),
+    Mutant("rollout-ranks-do-not-agree-on-forwards", "a ZeRO-3 rank stops its forwards when its own prompts are "
+           "done: the others' gathers wait for it", "src/scaletrain/rollout/local.py",
+           "        if self.group is None:\n            return mine\n",
+           "        if True:\n            return mine\n",
+           (f"{ROL}::test_two_ranks_sample_what_one_process_does[zero3]",)),
 ]
 
 

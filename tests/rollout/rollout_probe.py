@@ -39,21 +39,19 @@ def sample(module, group, split: bool, rank: int, world: int, use_cache: bool = 
     return {"prompt_index": [first + i for i in r.prompt_index], "completions": r.completion_ids,
             "logprobs": [lp.tolist() for lp in r.logprobs], "finished": r.finished, "forwards": r.forwards,
             "trainer": trainer_side[:len(r)], "sampling_gap": r.sampling_gap,
-            "text": sample_text_of(module, None if multiple > 1 else group is not None)}
+            "text": sample_text_of(module, group is not None, multiple)}
 
 
-def sample_text_of(module, all_ranks: bool | None) -> str | None:
-    """The trainer's sample after training (model.generate.sample_text, with its cache); not under
-    sequence parallelism, which it does not pad for."""
+def sample_text_of(module, all_ranks: bool, multiple: int) -> str:
+    """The trainer's sample after training (model.generate.sample_text, with its cache)."""
     import contextlib
 
     from scaletrain.data.tokenizer import ByteTokenizer
     from scaletrain.model.generate import sample_text
 
-    if all_ranks is None:
-        return None
     return sample_text(module, ByteTokenizer(), "Hello", 12, window=32, seed=3, device=torch.device("cpu"),
-                       autocast=contextlib.nullcontext, all_ranks=all_ranks, interrupted=lambda: False)
+                       autocast=contextlib.nullcontext, all_ranks=all_ranks, interrupted=lambda: False,
+                       length_multiple=multiple)
 
 
 def max_rows(mine: int, group) -> int:
@@ -74,7 +72,7 @@ def main(out_path: str, overrides_json: str, split: str) -> None:
     rt = init_worker(cfg)
     trainer = Trainer(cfg, rt, stream=open(os.devnull, "w"))
     rank, world = dist.get_rank(), dist.get_world_size()
-    multiple = cfg.parallel.tp if cfg.parallel.sp else 1
+    multiple = trainer.pm.length_multiple
     got = sample(trainer.pm.dp.module, dist.group.WORLD, split == "split", rank, world, multiple=multiple)
     gathered = [None] * world
     dist.all_gather_object(gathered, got)

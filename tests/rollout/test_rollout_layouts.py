@@ -5,7 +5,8 @@ the same number of forwards (ZeRO-3's ranks sample uneven shares of the prompts:
 
 Measured (2 ranks, gloo, fp32): ZeRO-3 bitwise equal to one process (the gathered weights are the same
 numbers, and each rank's forwards the same shapes); tp 2, with or without sp, at most 4.8e-7 from one
-process (the row-parallel sums add in another order)."""
+process (the row-parallel sums add in another order). The trainer's sample after training
+(model.generate.sample_text, with the cache; padded under sp) the same text as one process's."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def test_two_ranks_sample_what_one_process_does(layout, tmp_path, one_process):
     extra, split = LAYOUTS[layout]
     overrides = tmp_path / "overrides.json"
     overrides.write_text(json.dumps(micro_overrides(tmp_path / "run", **extra)))
-    code, err = run_forked("rollout_probe:main", [str(tmp_path / "out.json"), str(overrides), split], 2, timeout=300)
+    # (ranks that disagree on their forwards wait on each other: the time limit ends them)
+    code, err = run_forked("rollout_probe:main", [str(tmp_path / "out.json"), str(overrides), split], 2, timeout=180)
     assert code == 0, err
     got = json.loads((tmp_path / "out.json").read_text())
     assert got[0]["forwards"] == got[1]["forwards"] > 0  # the ranks ran the same forwards
@@ -66,5 +68,4 @@ def test_two_ranks_sample_what_one_process_does(layout, tmp_path, one_process):
         assert worst <= 1e-6, worst
     assert all(r[2] == r[3] for r in rows)  # the engine's log-probs are logprobs_of's on the layout
     assert 0 < max(g["sampling_gap"] for g in got) <= 2e-6
-    if got[0]["text"] is not None:  # the trainer's sample, with its cache, on every rank alike
-        assert got[0]["text"] == got[1]["text"] == ref["text"]
+    assert got[0]["text"] == got[1]["text"] == ref["text"]  # the trainer's sample, with its cache, alike

@@ -10,8 +10,8 @@ compiled model, whose shapes would change every token) every token re-runs the l
 `sample_text` runs on a model however it is sharded: every rank of a sharded model (FSDP,
 tensor parallel) takes part in each forward and draws the same tokens from the same seed; the
 cache works there too (a tensor-parallel rank caches its own heads), as the number of forwards
-follows from the prompt, the window and the tokens asked alone. (Under sequence parallelism a
-forward of a length the tp ranks do not divide fails, cached or not: not supported yet.)
+follows from the prompt, the window and the tokens asked alone. Under sequence parallelism every
+forward's length must split evenly over the tp ranks: `forward_logits` pads it at its end.
 """
 
 from __future__ import annotations
@@ -78,16 +78,36 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
 
 
+def forward_logits(module: torch.nn.Module, tokens: torch.Tensor, cache: KVCache | None = None,
+                   multiple: int = 1) -> torch.Tensor:
+    """(B, T, V) the logits of tokens (B, T), whole (a tensor-parallel head's vocabulary shards gathered:
+    every rank of the tp group calls this together). `multiple`: the forward's length is padded at its end
+    to a multiple of it (sequence parallelism's shards are equal); under the causal mask no real position
+    sees the padding, and the cache forgets it after."""
+    T = tokens.shape[1]
+    pad = -T % multiple
+    if pad:
+        tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, pad)], dim=1)
+    out = module(tokens) if cache is None else module(tokens, cache)
+    out = out.full_tensor() if isinstance(out, DTensor) else out
+    if pad and cache is not None:
+        cache.rewind(pad)
+    return out[:, :T]
+
+
 @torch.no_grad()
 def sample_text(module: torch.nn.Module, tokenizer, prompt: str, new_tokens: int, *, window: int, seed: int,
                 device: torch.device, autocast: Callable[[], AbstractContextManager], all_ranks: bool,
                 interrupted: Callable[[], bool], use_cache: bool = True, temperature: float = 0.8,
-                top_k: int = 50, stream: Callable[[str], None] | None = None) -> str:
+                top_k: int = 50, stream: Callable[[str], None] | None = None, length_multiple: int = 1) -> str:
     """`prompt` and `new_tokens` sampled tokens, decoded. `all_ranks`: every rank of a group runs
     this (a sharded model), and they finish together; `interrupted()` true raises Interrupted
     before the next forward. `use_cache`: generate with a KVCache (a model whose forward takes
     one). `stream`: the sampled text goes to it piece by piece as
-    the tokens come (whole characters only), and what is returned is the prompt alone."""
+    the tokens come (whole characters only), and what is returned is the prompt alone.
+    `length_multiple`: every forward padded at its end to a multiple of it (sequence parallelism:
+    the tp size; `forward_logits`), the context kept that much shorter so that the padding stays
+    within the positions trained; a model with local attention then runs without the cache."""
     ids = tokenizer.encode(prompt)
     if not ids:  # there is nothing to continue: the model would start from an arbitrary token
         raise ValueError(f"the prompt {prompt!r} holds no token to continue from")
@@ -95,15 +115,17 @@ def sample_text(module: torch.nn.Module, tokenizer, prompt: str, new_tokens: int
     gen = torch.Generator(device=device).manual_seed(seed)
     text = _TextStream(tokenizer, stream) if stream is not None else None
 
-    def logits_of(tokens, *cache):
+    def logits_of(tokens, cache=None):
         if interrupted():
             raise Interrupted()
         with autocast():
-            logits = module(tokens, *cache)
-        return logits.full_tensor() if isinstance(logits, DTensor) else logits  # vocabulary shards
+            return forward_logits(module, tokens, cache, length_multiple)  # (vocabulary shards gathered)
 
     module.eval()
-    cache = KVCache(window) if use_cache else None
+    if length_multiple > 1:
+        use_cache = use_cache and not any(getattr(m, "window", None) is not None for m in module.modules())
+        window -= length_multiple - 1
+    cache = KVCache(window + length_multiple - 1) if use_cache else None
     try:
         out = generate(logits_of, x, new_tokens, window=window, generator=gen, cache=cache, temperature=temperature,
                        top_k=top_k, on_token=text.add if text is not None else None)

@@ -400,7 +400,7 @@ class RLObjective:
             self._engine = LocalEngine(t.pm.dp.module, tokenizer=self.prompts.tokenizer, autocast=t.precision.autocast,
                                        group=dist.group.WORLD if t.rt.distributed else None,  # forwards in step
                                        max_len=t.cfg.data.seq_len,
-                                       length_multiple=t.layout.tp if t.cfg.parallel.sp else 1)
+                                       length_multiple=t.pm.length_multiple)
         return self._engine
 
     def _score(self, completions: list[Completion], prompts: PromptSet) -> None:

@@ -85,6 +85,9 @@ class ParallelModel:
     hooks: list[StepHook] = field(default_factory=list)  # the applied techniques' per-step work, in order
     notes: list[str] = field(default_factory=list)  # what the run's log says of the conversions (qat, fp8)
     vocab_parallel: bool = False  # tensor parallel: the logits stay split by vocabulary
+    # what every forward's length must be a multiple of (sequence parallelism cuts it in tp equal shards):
+    # generation pads to it (model.generate.forward_logits)
+    length_multiple: int = 1
     n_blocks: int = 1  # the whole model's repeated blocks (local SGD's fragments split them)
     num_params: int = 0  # the whole model's parameters (before pipeline split and sharding)
     expert_parallel: bool = False  # the experts' tokens travel by all-to-all: every rank runs each forward
@@ -311,6 +314,7 @@ def apply_wrapping_engines(c: Composition) -> None:
                              master_dtype=torch.float32 if c.precision.master_weights else None)
     c.result = ParallelModel(c.dp, stage_ids=c.stage_ids, num_stages=c.num_stages,
                              keeps_fp32_weights=lay.keeps_fp32_weights, notes=c.notes, vocab_parallel=lay.tp > 1,
+                             length_multiple=lay.tp if lay.sp else 1,
                              n_blocks=cfg.model.n_layers, num_params=count_params(cfg.model),
                              expert_parallel=bool(c.experts))
     if lay.pp > 1:

@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from scaletrain.errors import ConfigError
+from scaletrain.model.generate import forward_logits
 from scaletrain.model.kv_cache import KVCache
 from scaletrain.model.preference import token_logps
 from scaletrain.rollout.engine import Rollouts, SamplingParams
@@ -56,23 +57,6 @@ WINDOW_PADDING_REFUSAL = ("generation of a model with local attention (model.sli
 def _device_of(module: nn.Module) -> torch.device:
     p = next(module.parameters())
     return p.to_local().device if isinstance(p, DTensor) else p.device
-
-
-def forward_logits(module: nn.Module, tokens: torch.Tensor, cache: KVCache | None = None,
-                   multiple: int = 1) -> torch.Tensor:
-    """(B, T, V) the logits of tokens (B, T), whole (a tensor-parallel head's vocabulary shards gathered:
-    every rank of the tp group calls this together). `multiple`: the forward's length is padded at its end
-    to a multiple of it (sequence parallelism's shards are equal); under the causal mask no real position
-    sees the padding, and the cache forgets it after."""
-    T = tokens.shape[1]
-    pad = -T % multiple
-    if pad:
-        tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, pad)], dim=1)
-    out = module(tokens) if cache is None else module(tokens, cache)
-    out = out.full_tensor() if isinstance(out, DTensor) else out
-    if pad and cache is not None:
-        cache.rewind(pad)
-    return out[:, :T]
 
 
 def completion_logprobs(logits: torch.Tensor, tokens: torch.Tensor, prompt_len: int,

@@ -529,4 +529,5 @@ class Trainer:
                            device=self.rt.device, autocast=self.precision.autocast,
                            all_ranks=self.rt.distributed and self.pm.sharded_forward,  # sharded: all go on
                            use_cache=not self.cfg.train.compile and self._custom_model is None,  # compiled: recompiles
-                           interrupted=lambda: self.health.signals.received is not None and not self.rt.distributed)
+                           interrupted=lambda: self.health.signals.received is not None and not self.rt.distributed,
+                           length_multiple=self.pm.length_multiple)  # sequence parallelism: forwards padded to tp
