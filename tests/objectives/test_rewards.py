@@ -159,7 +159,7 @@ def test_arguments_the_function_does_not_take(user_module):
     with pytest.raises(ConfigError) as e:
         load_reward(f"{BUILTIN}:answer_match", args={"extractor": "first_number"})
     assert one_line(e) == (f"rl.rewards: {BUILTIN}:answer_match: unknown extractor 'first_number'; "
-                           "one of ('boxed', 'last_number')")
+                           "one of ('boxed', 'last_number', 'first_line')")
     with pytest.raises(ConfigError) as e:
         load_reward(f"{BUILTIN}:format_match")
     assert one_line(e) == f"rl.rewards: {BUILTIN}:format_match needs the argument(s) pattern; set them in its args"
@@ -195,3 +195,10 @@ def test_a_bad_reward_names_itself_and_the_row(user_module, name, completions, l
 def test_fields_not_row_aligned_are_our_bug_not_the_users(user_module):
     with pytest.raises(ValueError, match="label has 1 rows for 2 completions"):
         score([load_reward(f"{user_module}:needs_label")], ["p", "q"], ["a", "b"], {"label": ["a"]})
+
+
+def test_the_first_line_extractor_takes_the_answer_written_alone_on_its_line():
+    from scaletrain.objectives.rewards import answer_match, first_line
+
+    assert first_line("  cba \nmore") == "cba" and first_line("\n") is None
+    assert answer_match([], ["cba\n", "cbaa", "\ncba"], ["cba"] * 3, extractor="first_line") == [1.0, 0.0, 0.0]
