@@ -39,13 +39,19 @@ def _run(overrides: dict, extra: list[str]) -> tuple[object, dict, float]:
     return first, result, time.perf_counter() - t0
 
 
+def _shape(args) -> dict:
+    """The task's size: the words' lengths (reverse)."""
+    low, _, high = args.letters.partition(",")
+    return {"letters": (int(low), int(high or low))} if args.task == "reverse" else {}
+
+
 def supervised(args, folder: str, extra: list[str]) -> str:
     """The warm-up: the task's examples as text, trained --sft-steps steps; returns its export."""
     from scaletrain.bench import rl_task
     from scaletrain.data.prepare import prepare
     from scaletrain.trained.export import export_safetensors
 
-    text = rl_task.sft_text(os.path.join(folder, "sft.txt"), rl_task.examples(args.task, 4000, seed=1))
+    text = rl_task.sft_text(os.path.join(folder, "sft.txt"), rl_task.examples(args.task, 4000, seed=1, **_shape(args)))
     prepare([text], os.path.join(folder, "data"))
     run = os.path.join(folder, "sft")
     _, result, _ = _run({"model.preset": "tiny", "data.path": os.path.join(folder, "data"), "data.seq_len": 32,
@@ -59,8 +65,10 @@ def supervised(args, folder: str, extra: list[str]) -> str:
 def rl_row(args, folder: str, weights: str, algorithm: str, extra: list[str]) -> dict:
     from scaletrain.bench import rl_task
 
-    prompts = rl_task.write_prompts(os.path.join(folder, "prompts.jsonl"), rl_task.examples(args.task, 2000, seed=2))
-    held = rl_task.write_prompts(os.path.join(folder, "held.jsonl"), rl_task.examples(args.task, args.held, seed=3))
+    prompts = rl_task.write_prompts(os.path.join(folder, "prompts.jsonl"),
+                                    rl_task.examples(args.task, 2000, seed=2, **_shape(args)))
+    held = rl_task.write_prompts(os.path.join(folder, "held.jsonl"),
+                                 rl_task.examples(args.task, args.held, seed=3, **_shape(args)))
     run = os.path.join(folder, algorithm)
     first, result, seconds = _run({
         "model.preset": "tiny", "model.init_from": weights, "data.path": os.path.join(folder, "data"),
@@ -102,6 +110,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--task", default="reverse")
     p.add_argument("--sft-steps", type=int, default=150)
+    p.add_argument("--letters", default="3,5", help="reverse: the words' shortest and longest lengths")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--batch", type=int, default=64, help="completions per step")
