@@ -226,9 +226,9 @@ def test_a_tokenizer_without_an_end_of_document_token_is_refused_for_what_it_is(
     assert "byte-level" not in text and "data.document_mask=false" in text
 
 
-def test_the_mask_is_made_on_the_documents_device():
-    """On a GPU the ids are on the GPU, and so must be the causal part of the mask (the meta device stands
-    in for another device here: a mask built on the CPU cannot be combined with it)."""
+def test_the_mask_and_positions_are_made_on_the_documents_device():
+    """On a GPU the ids are on the GPU, and so must be the causal part of the mask and the positions counted
+    (the meta device stands in for another device here: a tensor made on the CPU cannot be combined with it)."""
     from scaletrain.model.transformer import document_mask
 
     docs = document_ids(torch.tensor([[5, 9, 0, 5, 0, 7, 7]]), separator=0)
@@ -237,3 +237,5 @@ def test_the_mask_is_made_on_the_documents_device():
                              [0, 0, 0, 0, 0, 1, 1]], dtype=torch.bool)
     assert torch.equal(document_mask(docs)[0, 0], expected)
     assert document_mask(docs.to("meta")).device.type == "meta"
+    assert document_positions(docs).tolist() == [[0, 1, 2, 0, 1, 0, 1]]
+    assert document_positions(docs.to("meta")).device.type == "meta"
