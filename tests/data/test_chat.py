@@ -403,9 +403,8 @@ def test_templates_that_rewrite_a_prefix_are_refused_and_an_empty_answer_is_coun
     rendering it too ends: a template whose prefix is not the start of the whole cannot be read so, and is
     refused; an empty answer under a template that writes nothing around it is an empty span, not a refusal."""
     pytest.importorskip("transformers")
-    from test_hf_tokenizer import make_hf_folder
-
     from scaletrain.data.chat import PREFIX_REWRITTEN
+    from test_hf_tokenizer import make_hf_folder
 
     records = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
                {"messages": [{"role": "user", "content": "hey"}, {"role": "assistant", "content": ""}]}]
