@@ -76,6 +76,28 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("documents", "document_separator", 'if not separator and getattr(tok, "eos_id", ) is not None:'):
         NO_SUCH_TOKENIZER,
 }
+LOCALE = ("the locale's encoding is UTF-8 wherever we run (Linux; Python coerces the C locale to UTF-8, PEP 538): "
+          "the explicit utf-8 is for the others")
+INT_IDS = ("prepare writes the ids as the shard's integer dtype (ids.astype(dtype)), which holds them exactly "
+           "from any array; the characters' offsets are only compared")
+EQUIVALENT.update({("chat", "iter_records", line): LOCALE for line in (
+    'with (gzip.open(f, "rt", encoding=None) if name.endswith(".gz") else f.open(encoding="utf-8")) as lines:',
+    'with (gzip.open(f, "rt", ) if name.endswith(".gz") else f.open(encoding="utf-8")) as lines:',
+    'with (gzip.open(f, "rt", encoding="utf-8") if name.endswith(".gz") else f.open(encoding=None)) as lines:')})
+EQUIVALENT.update({("chat", "ChatRenderer.__call__", line): INT_IDS for line in (
+    "sep = np.asarray(self.tok.separator, dtype=None)", "sep = np.asarray(self.tok.separator, )")})
+EQUIVALENT.update({("chat", "encode_text", line): INT_IDS for line in (
+    "return np.frombuffer(raw, dtype=np.uint8).astype(None), char_of.astype(np.int64)",
+    "return np.frombuffer(raw, dtype=np.uint8).astype(np.int64), char_of.astype(None)",
+    "return np.asarray(enc.ids, dtype=None), np.asarray([o[0] for o in enc.offsets], dtype=np.int64)",
+    "return np.asarray(enc.ids, ), np.asarray([o[0] for o in enc.offsets], dtype=np.int64)",
+    "return np.asarray(enc.ids, dtype=np.int64), np.asarray([o[0] for o in enc.offsets], dtype=None)",
+    "return np.asarray(enc.ids, dtype=np.int64), np.asarray([o[0] for o in enc.offsets], )")})
+EQUIVALENT[("chat", "ChatRenderer.render",
+            "return self.hf.apply_chat_template(messages, tokenize=None, add_generation_prompt=generation_prompt)")] = \
+    "transformers' apply_chat_template tests `if not tokenize`: None is False there"
+EQUIVALENT[("chat", "_template_tokenizer", 'if not getattr(hf, "chat_template", ):')] = \
+    "every transformers tokenizer has the attribute chat_template (None when it has no template)"
 
 
 def copy_tree(dest: Path) -> None:
