@@ -62,6 +62,30 @@ def test_fragments_follow_the_blocks_and_sync_one_at_a_time():
     assert steps == {0: [2, 12, 22], 1: [5, 15, 25], 2: [7, 17, 27], 3: [10, 20, 30]}
 
 
+@pytest.mark.parametrize("on_cpu", [False, True])
+def test_the_outer_copy_is_fp32_where_asked_and_momentum_is_kept_only_by_diloco(on_cpu):
+    """The outer weights are an fp32 copy of bf16 weights, beside them or in host memory
+    (parallel.sync.outer_on_cpu; the meta device stands in for a GPU here); a momentum buffer only where
+    the outer optimizer has momentum (local SGD's plain mean has none: a zero buffer a parameter is memory
+    for nothing)."""
+    names = ["tok_emb.weight", "layers.0.attn.wq.weight"]
+    # (a meta tensor cannot be copied to the host: with outer_on_cpu the weights are on the host already, and
+    # that the copy leaves a GPU is a check for a GPU machine)
+    device = "cpu" if on_cpu else "meta"
+    params = [(n, torch.nn.Parameter(torch.zeros(3, 2, dtype=torch.bfloat16, device=device))) for n in names]
+    comm = SimulatedWorkers(1, "fp32").member(0)
+    diloco = OuterSync(params, mode="diloco", sync_every=2, fragments=1, delay=0, n_blocks=1, comm=comm,
+                       outer_momentum=0.9, on_cpu=on_cpu)
+    plain = OuterSync(params, mode="local_sgd", sync_every=2, fragments=1, delay=0, n_blocks=1, comm=comm,
+                      on_cpu=on_cpu)
+    for sync in (diloco, plain):
+        assert [p.name for p in sync.params] == names and [p.param for p in sync.params] == [q for _, q in params]
+        assert {(p.outer.dtype, p.outer.device.type) for p in sync.params} == {
+            (torch.float32, device)}
+    assert all(p.momentum is not None and p.momentum.shape == (3, 2) for p in diloco.params)
+    assert all(p.momentum is None for p in plain.params)
+
+
 def _two_workers(mode: str, delay: int = 0, **outer):
     """Two workers with one parameter each, synced every 2 steps through the simulation."""
     shared = SimulatedWorkers(2, "fp32")
