@@ -672,3 +672,23 @@ def test_two_workers_step_on_their_mean_and_a_delayed_sync_adds_what_each_learnt
     assert step([0.0, 0.0]) == [False, False]  # Δ = (−3.5 − (−2.5), −3.5 − (−0.5)) = (−1, −3): mean −2
     assert step([0.5, 0.25]) == [True, True]  # buf 1, update −1.25: outer −2.875, plus 0.5 and 0.25
     assert [p.item() for p in params] == [-2.375, -2.625]
+
+
+def test_the_run_hook_takes_every_sync_option_of_the_config(tmp_path):
+    """LocalSGD.for_run (the hook parallelize() returns) builds the outer loop from the config's every
+    [parallel.sync] value, each set off its default here, over the workers it is given."""
+    from scaletrain.layout import Layout
+    from scaletrain.parallel.local_sgd import LocalSGD
+
+    cfg = micro_cfg(tmp_path, **{"parallel.dp_replicate": 2, "parallel.sync.mode": "diloco",
+                                 "parallel.sync.every": 6, "parallel.sync.fragments": 2, "parallel.sync.delay": 1,
+                                 "parallel.sync.outer_optimizer": "sgd", "parallel.sync.outer_lr": 0.3,
+                                 "parallel.sync.outer_momentum": 0.6, "parallel.sync.outer_on_cpu": True})
+    layout = Layout.from_config(cfg, world_size=2)
+    params = [(f"layers.{i}.w", torch.nn.Parameter(torch.zeros(2))) for i in range(2)]
+    comm = SimulatedWorkers(2, "fp32").member(0)
+    hook = LocalSGD.for_run(params, layout, cfg.parallel, n_blocks=2, comm=comm)
+    outer = hook.outer
+    assert (outer.mode, outer.every, outer.fragments, outer.delay) == ("diloco", 6, 2, 1)
+    assert (outer.lr, outer.momentum, outer.nesterov, outer.on_cpu, outer.comm) == (0.3, 0.6, False, True, comm)
+    assert [p.fragment for p in outer.params] == [0, 1] and hook.layout is layout and hook.mesh is None
