@@ -7,7 +7,8 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.scaletrain-installed
 
-.PHONY: demo lint test test-fast test-properties test-gpu test-mutations slurm-install slurm-test docs docs-serve install clean
+.PHONY: demo lint test test-fast test-properties test-gpu test-mutations test-mutations-auto slurm-install slurm-test \
+	docs docs-serve install clean
 
 install: $(STAMP)
 
@@ -67,6 +68,12 @@ slurm-test: $(STAMP) slurm-install
 # much (docs/testing.md); a few minutes, not part of `make test`
 test-mutations: $(STAMP)
 	$(PY) tests/mutations.py
+
+# mutmut's mutants (every operator, comparison, constant and argument changed in turn) over the modules of
+# MoE, chat data, document masks, local SGD, adapters, fault tolerance and the HF families, each with its own
+# fast tests (tests/mutations_auto.py; SUBJECTS="moe chat" for some); tens of minutes, not part of `make test`
+test-mutations-auto: $(STAMP)
+	$(PY) tests/mutations_auto.py $(SUBJECTS)
 
 # the documentation site (mkdocs.yml, docs/): the docs extra installed once, then a strict build into site/
 # (a broken link, a page left out of the navigation or a block without its marker fails); docs-serve serves

@@ -87,11 +87,14 @@ def test_plain_format_masks_exactly_the_assistants_tokens(plain, tmp_path):
     assert np.array_equal(all_ids, ids) and all_mask.all()
 
 
-def test_chat_template_masks_exactly_the_assistants_tokens(tmp_path):
+@pytest.mark.parametrize("variant", ["no-special", "bos"])
+def test_chat_template_masks_exactly_the_assistants_tokens(tmp_path, variant):
+    """bos: a tokenizer whose encoding adds <s> itself; the template writes its own, so the rendered text is
+    encoded without special tokens (as transformers' apply_chat_template does)."""
     transformers = pytest.importorskip("transformers")
     from test_hf_tokenizer import make_hf_folder
 
-    hf = make_hf_folder(tmp_path / "hf", "no-special")
+    hf = make_hf_folder(tmp_path / "hf", variant)
     config = json.loads((hf / "tokenizer_config.json").read_text())
     config["chat_template"] = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
                                "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
@@ -350,3 +353,160 @@ def test_a_chat_template_kept_apart_survives_prepare_training_and_export(tmp_pat
     step = tmp_path / "run" / "checkpoints" / "step_00000001"
     assert run_here("export", str(step), "--format", "hf", "--out", str(tmp_path / "exp")).returncode == 0
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "exp").chat_template == template
+
+
+def test_records_are_read_alike_from_jsonl_and_gzip_and_another_file_is_refused(tmp_path):
+    import gzip
+
+    from scaletrain.data.chat import iter_records
+
+    records = conversations(5)
+    plain_file = write_jsonl(tmp_path / "chat.jsonl", records)
+    lines = plain_file.read_text().splitlines(keepends=True)
+    plain_file.write_text("".join(lines[:2]) + "\n  \n" + "".join(lines[2:]))  # two blank lines: skipped, counted
+    packed = tmp_path / "chat.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain_file.read_bytes()))
+    from_plain, from_gzip = list(iter_records([plain_file])), list(iter_records([packed]))
+    assert [m for _, m in from_gzip] == [m for _, m in from_plain] and len(from_gzip) == 5
+    assert [m for _, m in from_plain][4] == records[4]["messages"]
+    assert [w for w, _ in from_gzip] == [f"{packed}:{n}" for n in (1, 2, 5, 6, 7)]
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(lines[0] + '{"prompt": "a",\n')
+    with pytest.raises(DataError) as refused:
+        list(iter_records([broken]))
+    assert str(refused.value).startswith(f"{broken}:2: not valid JSON (")
+    other = write_jsonl(tmp_path / "chat.json", records)
+    with pytest.raises(DataError) as refused:
+        list(iter_records([other]))
+    assert str(refused.value) == (f"{other}: chat data is read from .jsonl or .jsonl.gz files; convert it to jsonl, "
+                                  "one conversation a line")
+
+
+@pytest.mark.parametrize("messages", [
+    "hi",  # not a list
+    [{"role": "user", "content": "hi"}, {"role": "assistant"}],  # a turn without its content
+    [{"role": "user", "content": "hi"}, {"role": 3, "content": "yo"}],  # a role that is not a string
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}],  # nor a content
+    [{"role": "user", "content": "hi"}, ["assistant", "yo"]],  # a turn that is not an object
+], ids=["not-a-list", "no-content", "role-3", "content-none", "turn-a-list"])
+def test_a_turn_that_is_not_a_role_and_a_content_is_refused_by_its_record(messages):
+    from scaletrain.data.chat import messages_of
+
+    with pytest.raises(DataError) as refused:
+        messages_of({"messages": messages}, "chat.jsonl:7")
+    assert str(refused.value) == 'chat.jsonl:7: `messages` must be a list of {"role": str, "content": str} turns'
+
+
+def test_the_plain_format_renders_what_generation_continues():
+    """`render` (what generation is prompted with): the turns as prepare writes them, then the assistant's
+    label alone when a generation prompt is asked for."""
+    from scaletrain.data.chat import ChatRenderer
+    from scaletrain.data.tokenizer import ByteTokenizer
+
+    chat = ChatRenderer(ByteTokenizer(), "plain")
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert chat.render(turns) == "System: be brief\nUser: hi\n"
+    assert chat.render(turns, generation_prompt=True) == "System: be brief\nUser: hi\nAssistant: "
+
+
+def test_templates_that_rewrite_a_prefix_are_refused_and_an_empty_answer_is_counted_as_nothing(tmp_path):
+    """The assistant's span is where rendering the turns before it (with the generation prompt) ends and
+    rendering it too ends: a template whose prefix is not the start of the whole cannot be read so, and is
+    refused; an empty answer under a template that writes nothing around it is an empty span, not a refusal."""
+    pytest.importorskip("transformers")
+    from scaletrain.data.chat import PREFIX_REWRITTEN
+    from test_hf_tokenizer import make_hf_folder
+
+    records = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+               {"messages": [{"role": "user", "content": "hey"}, {"role": "assistant", "content": ""}]}]
+    chat = write_jsonl(tmp_path / "chat.jsonl", records)
+    templates = {"counting": "{{ messages|length }}{% for m in messages %}{{ m['content'] }}\n{% endfor %}",
+                 "bare": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
+    for name, template in templates.items():
+        hf = make_hf_folder(tmp_path / name, "no-special")
+        config = json.loads((hf / "tokenizer_config.json").read_text())
+        (hf / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+        if name == "counting":
+            with pytest.raises(DataError) as refused:
+                prepare([chat], tmp_path / f"{name}-tok", tokenizer=str(hf), chat_format="template")
+            assert str(refused.value) == PREFIX_REWRITTEN
+        else:
+            prepare([chat], tmp_path / f"{name}-tok", tokenizer=str(hf), chat_format="template")
+            ids, mask = tokens_and_mask(tmp_path / f"{name}-tok")
+            from transformers import AutoTokenizer
+            assert [AutoTokenizer.from_pretrained(hf).decode(s.tolist()) for s in spans(ids, mask)] == ["yo"]
+
+
+def test_the_template_format_without_transformers_is_one_line(monkeypatch):
+    import sys
+
+    from scaletrain.data.chat import ChatRenderer
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what `import transformers` meets where it is absent
+    tok = type("Tokenizer", (), {"kind": "hf", "source": Path("model")})()
+    with pytest.raises(DataError) as refused:
+        ChatRenderer(tok, "template")
+    assert str(refused.value) == ("--chat-format template renders with transformers, which is not installed: pip "
+                                  "install transformers, or give --chat-format plain")
+
+
+@pytest.mark.parametrize("record,expected", [
+    ({"system": "be brief", "prompt": "q", "response": "a"},
+     [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"},
+      {"role": "assistant", "content": "a"}]),
+    ({"system": "", "instruction": "q", "output": "a"}, [{"role": "user", "content": "q"},
+                                                         {"role": "assistant", "content": "a"}]),
+    ([1, 2], "chat.jsonl:7: a chat record must be a JSON object with a `messages` list"),
+    ({"prompt": "q"}, "chat.jsonl:7: no chat fields (found prompt); expected a `messages` list"),
+    ({"response": "a"}, "chat.jsonl:7: no chat fields (found response); expected a `messages` list"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "t"}]},
+     "chat.jsonl:7: no assistant turn, so nothing to train on; every record needs one"),
+], ids=["system-prompt-response", "empty-system", "not-an-object", "prompt-alone", "response-alone", "no-assistant"])
+def test_a_records_turns_or_its_refusal(record, expected):
+    """A prompt/response record becomes [system,] user, assistant turns (an empty system turn is left out);
+    a record that is not an object, lacks one of the pair or has no assistant turn is refused by its place."""
+    from scaletrain.data.chat import messages_of
+
+    if isinstance(expected, list):
+        assert messages_of(record, "chat.jsonl:7") == expected
+        return
+    with pytest.raises(DataError) as refused:
+        messages_of(record, "chat.jsonl:7")
+    assert str(refused.value).startswith(expected)
+
+
+def test_a_renderer_masks_the_answers_alone_unless_told_and_knows_its_formats():
+    from scaletrain.data.chat import ChatRenderer
+    from scaletrain.data.tokenizer import ByteTokenizer
+
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    ids, mask = ChatRenderer(ByteTokenizer(), "plain")(turns)
+    assert bytes(ids.tolist()) == b"User: hi\nAssistant: yo\n\n\n"  # then the separator, a blank line
+    assert bytes(ids[mask == 1].tolist()) == b"yo\n"
+    assert ChatRenderer(ByteTokenizer(), "plain", loss_on_prompt=True)(turns)[1].all()
+    with pytest.raises(DataError) as refused:
+        ChatRenderer(ByteTokenizer(), "html")
+    assert str(refused.value) == "--chat-format html: expected one of template, plain"
+
+
+@pytest.mark.parametrize("refusal,message", [
+    ("{% if add_generation_prompt %}{{ raise_exception('no generation prompt') }}{% endif %}",
+     "no generation prompt"),  # the turns before an answer, rendered with the generation prompt
+    ("{% if messages|length == 2 %}{{ raise_exception('two turns') }}{% endif %}", "two turns"),  # through it
+], ids=["before-an-answer", "through-an-answer"])
+def test_a_template_that_refuses_a_prefix_names_the_record(tmp_path, refusal, message):
+    """The whole conversation renders, but one of the prefixes the answers are found by does not: the one
+    line still names the record (FILE:LINE)."""
+    pytest.importorskip("transformers")
+    from test_hf_tokenizer import make_hf_folder
+
+    hf = make_hf_folder(tmp_path / "hf", "no-special")
+    config = json.loads((hf / "tokenizer_config.json").read_text())
+    config["chat_template"] = refusal + "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    (hf / "tokenizer_config.json").write_text(json.dumps(config))
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": turns + turns}])
+    with pytest.raises(DataError) as refused:
+        prepare([chat], tmp_path / "tok", tokenizer=str(hf), chat_format="template")
+    assert str(refused.value).startswith(f"{chat}:1: the tokenizer's chat template refuses this conversation "
+                                         f"({message})")

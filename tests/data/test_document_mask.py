@@ -205,3 +205,37 @@ def test_what_cannot_honour_document_masks_is_refused_in_one_line(tmp_path, args
     r = run_here("train", "--data.document_mask=true", "--train.steps=1", "--train.device=cpu",
                  f"--log.run_dir={tmp_path / 'run'}", *args)
     one_line_exit_2(r, *fragments)
+
+
+def test_a_tokenizer_without_an_end_of_document_token_is_refused_for_what_it_is():
+    """A BPE vocabulary without <|endoftext|> (and no EOS) cannot find documents either, but its refusal
+    names that, not the byte-level reason: the one line tells the user which of the two to fix."""
+    import tokenizers as tk
+
+    from scaletrain.data.documents import document_separator
+    from scaletrain.data.tokenizer import HFTokenizer
+    from scaletrain.errors import ConfigError
+
+    words = tk.Tokenizer(tk.models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok = HFTokenizer(words, "file")
+    assert tok.separator == [] and tok.eos_id is None
+    with pytest.raises(ConfigError) as refused:
+        document_separator(type("Data", (), {"tokenizer": tok})(), "FOLDER")
+    text = str(refused.value)
+    assert "but FOLDER is written by a tokenizer without an end-of-document token" in text
+    assert "byte-level" not in text and "data.document_mask=false" in text
+
+
+def test_the_mask_and_positions_are_made_on_the_documents_device():
+    """On a GPU the ids are on the GPU, and so must be the causal part of the mask and the positions counted
+    (the meta device stands in for another device here: a tensor made on the CPU cannot be combined with it)."""
+    from scaletrain.model.transformer import document_mask
+
+    docs = document_ids(torch.tensor([[5, 9, 0, 5, 0, 7, 7]]), separator=0)
+    expected = torch.tensor([[1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0],
+                             [0, 0, 0, 1, 0, 0, 0], [0, 0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 1, 0],
+                             [0, 0, 0, 0, 0, 1, 1]], dtype=torch.bool)
+    assert torch.equal(document_mask(docs)[0, 0], expected)
+    assert document_mask(docs.to("meta")).device.type == "meta"
+    assert document_positions(docs).tolist() == [[0, 1, 2, 0, 1, 0, 1]]
+    assert document_positions(docs.to("meta")).device.type == "meta"

@@ -62,6 +62,30 @@ def test_fragments_follow_the_blocks_and_sync_one_at_a_time():
     assert steps == {0: [2, 12, 22], 1: [5, 15, 25], 2: [7, 17, 27], 3: [10, 20, 30]}
 
 
+@pytest.mark.parametrize("on_cpu", [False, True])
+def test_the_outer_copy_is_fp32_where_asked_and_momentum_is_kept_only_by_diloco(on_cpu):
+    """The outer weights are an fp32 copy of bf16 weights, beside them or in host memory
+    (parallel.sync.outer_on_cpu; the meta device stands in for a GPU here); a momentum buffer only where
+    the outer optimizer has momentum (local SGD's plain mean has none: a zero buffer a parameter is memory
+    for nothing)."""
+    names = ["tok_emb.weight", "layers.0.attn.wq.weight"]
+    # (a meta tensor cannot be copied to the host: with outer_on_cpu the weights are on the host already, and
+    # that the copy leaves a GPU is a check for a GPU machine)
+    device = "cpu" if on_cpu else "meta"
+    params = [(n, torch.nn.Parameter(torch.zeros(3, 2, dtype=torch.bfloat16, device=device))) for n in names]
+    comm = SimulatedWorkers(1, "fp32").member(0)
+    diloco = OuterSync(params, mode="diloco", sync_every=2, fragments=1, delay=0, n_blocks=1, comm=comm,
+                       outer_momentum=0.9, on_cpu=on_cpu)
+    plain = OuterSync(params, mode="local_sgd", sync_every=2, fragments=1, delay=0, n_blocks=1, comm=comm,
+                      on_cpu=on_cpu)
+    for sync in (diloco, plain):
+        assert [p.name for p in sync.params] == names and [p.param for p in sync.params] == [q for _, q in params]
+        assert {(p.outer.dtype, p.outer.device.type) for p in sync.params} == {
+            (torch.float32, device)}
+    assert all(p.momentum is not None and p.momentum.shape == (3, 2) for p in diloco.params)
+    assert all(p.momentum is None for p in plain.params)
+
+
 def _two_workers(mode: str, delay: int = 0, **outer):
     """Two workers with one parameter each, synced every 2 steps through the simulation."""
     shared = SimulatedWorkers(2, "fp32")
@@ -648,3 +672,23 @@ def test_two_workers_step_on_their_mean_and_a_delayed_sync_adds_what_each_learnt
     assert step([0.0, 0.0]) == [False, False]  # Δ = (−3.5 − (−2.5), −3.5 − (−0.5)) = (−1, −3): mean −2
     assert step([0.5, 0.25]) == [True, True]  # buf 1, update −1.25: outer −2.875, plus 0.5 and 0.25
     assert [p.item() for p in params] == [-2.375, -2.625]
+
+
+def test_the_run_hook_takes_every_sync_option_of_the_config(tmp_path):
+    """LocalSGD.for_run (the hook parallelize() returns) builds the outer loop from the config's every
+    [parallel.sync] value, each set off its default here, over the workers it is given."""
+    from scaletrain.layout import Layout
+    from scaletrain.parallel.local_sgd import LocalSGD
+
+    cfg = micro_cfg(tmp_path, **{"parallel.dp_replicate": 2, "parallel.sync.mode": "diloco",
+                                 "parallel.sync.every": 6, "parallel.sync.fragments": 2, "parallel.sync.delay": 1,
+                                 "parallel.sync.outer_optimizer": "sgd", "parallel.sync.outer_lr": 0.3,
+                                 "parallel.sync.outer_momentum": 0.6, "parallel.sync.outer_on_cpu": True})
+    layout = Layout.from_config(cfg, world_size=2)
+    params = [(f"layers.{i}.w", torch.nn.Parameter(torch.zeros(2))) for i in range(2)]
+    comm = SimulatedWorkers(2, "fp32").member(0)
+    hook = LocalSGD.for_run(params, layout, cfg.parallel, n_blocks=2, comm=comm)
+    outer = hook.outer
+    assert (outer.mode, outer.every, outer.fragments, outer.delay) == ("diloco", 6, 2, 1)
+    assert (outer.lr, outer.momentum, outer.nesterov, outer.on_cpu, outer.comm) == (0.3, 0.6, False, True, comm)
+    assert [p.fragment for p in outer.params] == [0, 1] and hook.layout is layout and hook.mesh is None

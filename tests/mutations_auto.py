@@ -1,0 +1,266 @@
+"""Mutants we did not choose: mutmut (pinned in the dev extra) over the modules of one subject at a time,
+each with that subject's own fast tests (issue 48, point 4).
+
+    make test-mutations-auto                       # every subject below, one after another
+    python tests/mutations_auto.py moe chat        # some of them
+    python tests/mutations_auto.py --list          # the subjects, their modules and their tests
+
+tests/mutations.py plants the bugs we thought of; this plants the ones a tool thinks of: every operator,
+comparison, constant, string and keyword argument of the subject's modules changed in turn (mutmut's
+mutants), the subject's tests run against each. For each subject the tree (git's tracked and untracked
+but not ignored files) is copied to a temporary folder, a [tool.mutmut] section naming the modules and
+the tests is added to the copy's pyproject.toml, and `mutmut run` runs there (it forks a test process
+per mutant, each running only the tests that reached the mutated function).
+
+A surviving mutant is either a bug our tests cannot see (then a test is added to the subject's own test
+file) or a change that is no bug: those are listed in EQUIVALENT below, each with its reason, by the
+function it is in and the line it changes (not by mutmut's number, which moves when the code does). The
+table at the end gives, per subject, the mutants, those killed, the equivalent ones and the survivors
+that are neither; the exit code is 1 if any of those is left. docs/testing.md records the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = "not multiproc and not slow and not gpu"
+
+
+@dataclass(frozen=True)
+class Subject:
+    modules: tuple[str, ...]  # files under src/ that mutmut changes
+    tests: tuple[str, ...]  # the pytest selection that runs against each mutant
+    marks: str = FAST
+    functions: tuple[str, ...] = ()  # mutmut name patterns when only part of a module is the subject's
+    deselect: tuple[str, ...] = ()  # long tests of other things that reach the modules (pytest node ids)
+
+
+SRC = "src/scaletrain/"
+SUBJECTS = {
+    "moe": Subject((SRC + "model/moe.py", SRC + "parallel/moe_balance.py"),
+                   ("tests/model/test_moe.py", "tests/model/test_moe_properties.py",
+                    "tests/train/test_moe_metrics.py"),
+                   # (27 s a mutant: the trackers' plumbing, not a rule of the mixture)
+                   deselect=("tests/train/test_moe_metrics.py::test_the_trackers_receive_every_moe_key",)),
+    "chat": Subject((SRC + "data/chat.py",), ("tests/data/test_chat.py", "tests/data/test_chat_properties.py")),
+    "documents": Subject((SRC + "data/documents.py", SRC + "model/transformer.py"),
+                         ("tests/data/test_document_mask.py", "tests/data/test_document_mask_properties.py"),
+                         functions=("scaletrain.data.documents.*", "scaletrain.model.transformer.x_document_*")),
+    "local-sgd": Subject((SRC + "parallel/local_sgd.py", SRC + "parallel/outer.py"),
+                         ("tests/parallel/test_local_sgd.py",)),
+    "lora": Subject((SRC + "model/lora.py",), ("tests/model/test_lora.py",)),
+    "fault-tolerance": Subject((SRC + "parallel/fault_tolerance.py", SRC + "parallel/replica_average.py"),
+                               ("tests/parallel/test_fault_tolerance.py", "tests/parallel/test_local_sgd.py")),
+    "families": Subject((SRC + "model/families/*.py",),
+                        ("tests/model/test_hf_families.py", "tests/model/test_hf.py", "tests/model/test_hf_moe.py")),
+}
+
+# Survivors that are no bug: (subject, function, the line as the mutant writes it) -> why.
+NO_SUCH_TOKENIZER = ("every tokenizer class of data/tokenizer.py has `separator`, and `eos_id` or a non-empty "
+                     "separator; an HF tokenizer's separator is [] or [eos_id]: the changed default or order is never "
+                     "reached")
+EQUIVALENT: dict[tuple[str, str, str], str] = {
+    ("documents", "document_separator", 'separator = list(getattr(tok, "separator", None))'): NO_SUCH_TOKENIZER,
+    ("documents", "document_separator", 'separator = list(getattr(tok, "separator", ))'): NO_SUCH_TOKENIZER,
+    ("documents", "document_separator", 'if not separator or getattr(tok, "eos_id", None) is not None:'):
+        NO_SUCH_TOKENIZER,
+    ("documents", "document_separator", 'if not separator and getattr(tok, "eos_id", ) is not None:'):
+        NO_SUCH_TOKENIZER,
+}
+LOCALE = ("the locale's encoding is UTF-8 wherever we run (Linux; Python coerces the C locale to UTF-8, PEP 538): "
+          "the explicit utf-8 is for the others")
+INT_IDS = ("prepare writes the ids as the shard's integer dtype (ids.astype(dtype)), which holds them exactly "
+           "from any array; the characters' offsets are only compared")
+EQUIVALENT.update({("chat", "iter_records", line): LOCALE for line in (
+    'with (gzip.open(f, "rt", encoding=None) if name.endswith(".gz") else f.open(encoding="utf-8")) as lines:',
+    'with (gzip.open(f, "rt", ) if name.endswith(".gz") else f.open(encoding="utf-8")) as lines:',
+    'with (gzip.open(f, "rt", encoding="utf-8") if name.endswith(".gz") else f.open(encoding=None)) as lines:')})
+EQUIVALENT.update({("chat", "ChatRenderer.__call__", line): INT_IDS for line in (
+    "sep = np.asarray(self.tok.separator, dtype=None)", "sep = np.asarray(self.tok.separator, )")})
+EQUIVALENT.update({("chat", "encode_text", line): INT_IDS for line in (
+    "return np.frombuffer(raw, dtype=np.uint8).astype(None), char_of.astype(np.int64)",
+    "return np.frombuffer(raw, dtype=np.uint8).astype(np.int64), char_of.astype(None)",
+    "return np.asarray(enc.ids, dtype=None), np.asarray([o[0] for o in enc.offsets], dtype=np.int64)",
+    "return np.asarray(enc.ids, ), np.asarray([o[0] for o in enc.offsets], dtype=np.int64)",
+    "return np.asarray(enc.ids, dtype=np.int64), np.asarray([o[0] for o in enc.offsets], dtype=None)",
+    "return np.asarray(enc.ids, dtype=np.int64), np.asarray([o[0] for o in enc.offsets], )")})
+EQUIVALENT[("chat", "ChatRenderer.render",
+            "return self.hf.apply_chat_template(messages, tokenize=None, add_generation_prompt=generation_prompt)")] = \
+    "transformers' apply_chat_template tests `if not tokenize`: None is False there"
+TWO_DIMS = "the tensor has two dimensions (tokens, experts), or one before unsqueeze: dim 1 is dim -1"
+EQUIVALENT.update({("moe", function, line): TWO_DIMS for function, line in (
+    ("MoE.route", 'scores = logits.softmax(+1) if self.score == "softmax" else logits.sigmoid()'),
+    ("MoE.route", "chosen = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=+1).indices"),
+    ("MoE.route", "chosen = torch.topk(scores.detach() + self.expert_bias, self.top_k, ).indices"),
+    ("MoE.route", "weights = scores.gather(+1, chosen)"),
+    ("MoE.route", "weights = weights / weights.sum(+1, keepdim=True)"),
+    ("MoE.forward", "y = y * weights.flatten()[order].unsqueeze(+1).to(y.dtype)"),
+    ("MoE._balance", "z = logits.logsumexp(+1).square().sum()"),
+    ("MoE._balance", "choices = counts.sum(+1, keepdim=True)  # T * top_k of the whole sequence"),
+    ("MoE._balance", "probs = logits.softmax(+1).view(B, T, E)"))})
+EQUIVALENT[("chat", "_template_tokenizer", 'if not getattr(hf, "chat_template", ):')] = \
+    "every transformers tokenizer has the attribute chat_template (None when it has no template)"
+
+
+def copy_tree(dest: Path) -> None:
+    """The files git knows of (tracked, and untracked but not ignored), as they are now."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        src = REPO / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+
+
+def toml_list(items) -> str:
+    return "[" + ", ".join(f'"{x}"' for x in items) + "]"
+
+
+def configure(root: Path, subject: Subject, children: int) -> None:
+    """mutmut reads its settings from the copy's pyproject.toml."""
+    deselected = [arg for test in subject.deselect for arg in ("--deselect", test)]
+    section = ("\n[tool.mutmut]\n"
+               'source_paths = ["src"]\n'
+               f"only_mutate = {toml_list(subject.modules)}\n"
+               f"pytest_add_cli_args_test_selection = {toml_list(subject.tests)}\n"
+               f'pytest_add_cli_args = {toml_list(["-m", subject.marks, "-q", *deselected])}\n')
+    with open(root / "pyproject.toml", "a") as f:
+        f.write(section)
+
+
+def changed_lines(diff: str) -> tuple[str, str]:
+    """The lines the mutant changes and those it writes instead (each joined by a space), from `mutmut show`'s
+    diff."""
+    def joined(sign):
+        return " ".join(ln[1:].strip() for ln in diff.splitlines()
+                        if ln.startswith(sign) and not ln.startswith(sign * 3))
+    return joined("-"), joined("+")
+
+
+def only_wording(old: str, new: str) -> bool:
+    """A mutant that changes no more than the case of a string or wraps it in XX: the wording of a message.
+    The tests check the fragments of each message that say what, where and how to fix; a message
+    shouted or decorated is the same message (a string compared as a key would be caught: it is code)."""
+    return new.replace("XX", "").lower().replace(" ", "") == old.lower().replace(" ", "") and new != old
+
+
+def survivors(root: Path) -> list[tuple[str, str, str]]:
+    """(mutant name, function, the lines it changes, those it writes, its diff) of each mutant that survived
+    a test that reached it ("no tests": those the fast tests never reach are counted, not read)."""
+    out = subprocess.run([sys.executable, "-m", "mutmut", "results"], cwd=root, capture_output=True, text=True).stdout
+    found = []
+    for line in out.splitlines():
+        name, _, status = line.strip().rpartition(": ")
+        if status.strip() != "survived":
+            continue
+        diff = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=root, capture_output=True,
+                              text=True).stdout
+        # mutmut's names: module.x_function__mutmut_N, module.xǁClassǁmethod__mutmut_N
+        function = re.sub(r"__mutmut_\d+$", "", name.rsplit(".", 1)[-1]).removeprefix("x_").removeprefix("xǁ")
+        function = function.replace("ǁ", ".")
+        found.append((name, function, *changed_lines(diff), diff))
+    return found
+
+
+def counts(root: Path) -> dict[str, int]:
+    out = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=root,
+                         capture_output=True, text=True).stdout
+    tally: dict[str, int] = {}
+    for line in out.splitlines():
+        status = line.strip().rpartition(": ")[2].strip()
+        if status and status != "not checked":  # outside the subject's functions
+            tally[status] = tally.get(status, 0) + 1
+    return tally
+
+
+def run_subject(name: str, subject: Subject, children: int, keep: bool, verbose: bool,
+                kept: Path | None = None) -> dict:
+    """Run mutmut over one subject on a copy of the tree (or read the results of a copy kept before)."""
+    root = kept or Path(tempfile.mkdtemp(prefix=f"mutants-{name}-"))
+    try:
+        start = time.monotonic()
+        ran = subprocess.CompletedProcess([], 0)
+        if kept is None:
+            copy_tree(root)
+            configure(root, subject, children)
+            cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(children), *subject.functions]
+            ran = subprocess.run(cmd, cwd=root, capture_output=not verbose, text=True)
+        minutes = (time.monotonic() - start) / 60
+        if ran.returncode != 0:
+            tail = (ran.stdout or "")[-3000:] + (ran.stderr or "")[-3000:]
+            print(f"{name}: mutmut run exited {ran.returncode}\n{tail}")
+        tally = counts(root)
+        left, equivalent, wording = [], 0, 0
+        for mutant, function, old, new, diff in survivors(root):
+            if only_wording(old, new):
+                wording += 1
+            elif (name, function, new) in EQUIVALENT:
+                equivalent += 1
+            else:
+                left.append((mutant, function, new, diff))
+        return {"subject": name, "minutes": minutes, "tally": tally, "equivalent": equivalent, "wording": wording,
+                "left": left, "root": root}
+    finally:
+        if not keep and kept is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("subjects", nargs="*", help="subjects to run (all by default)")
+    parser.add_argument("--list", action="store_true", help="list the subjects, their modules and tests")
+    parser.add_argument("--children", type=int, default=2, help="mutants tested at once (default 2)")
+    parser.add_argument("--keep", action="store_true", help="keep each subject's copy (mutmut show, browse)")
+    parser.add_argument("--verbose", action="store_true", help="show mutmut's own output")
+    parser.add_argument("--diffs", action="store_true", help="print each survivor's diff")
+    parser.add_argument("--kept", type=Path, help="read the results of a copy --keep left (one subject)")
+    args = parser.parse_args()
+    if args.list:
+        for name, s in SUBJECTS.items():
+            print(f"{name}: {' '.join(s.modules)} {' '.join(s.functions)}")
+            print(f"    tests: {' '.join(s.tests)} -m '{s.marks}'")
+        return 0
+    unknown = [s for s in args.subjects if s not in SUBJECTS]
+    if unknown:
+        print(f"unknown subject(s) {', '.join(unknown)}; known: {', '.join(SUBJECTS)}", file=sys.stderr)
+        return 2
+    rows = []
+    for name in args.subjects or list(SUBJECTS):
+        row = run_subject(name, SUBJECTS[name], args.children, args.keep, args.verbose, args.kept)
+        rows.append(row)
+        for mutant, function, line, diff in row["left"]:
+            print(f"{name}: survived {mutant} ({function}): {line}")
+            if args.diffs:
+                print(diff)
+        if args.keep:
+            print(f"{name}: kept in {row['root']}")
+    print("\n| subject | mutants | killed | timeout | no tests | survived | wording | equivalent | left | survival | "
+          "minutes |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    bad = 0
+    for row in rows:
+        t = row["tally"]
+        total = sum(t.values())
+        survived = t.get("survived", 0)
+        left = len(row["left"])
+        bad += left
+        reached = total - t.get("no tests", 0)
+        rate = f"{100 * survived / reached:.0f}%" if reached else "-"
+        print(f"| {row['subject']} | {total} | {t.get('killed', 0)} | {t.get('timeout', 0)} | {t.get('no tests', 0)} | "
+              f"{survived} | "
+              f"{row['wording']} | {row['equivalent']} | {left} | {rate} | {row['minutes']:.1f} |")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
