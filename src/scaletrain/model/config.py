@@ -38,8 +38,14 @@ class ModelConfig:
                                            "(Gemma)")
     norm_eps: float = option(1e-5, "epsilon of the normalisation layers", min=0.0)
     activation: str = option("gelu", "MLP type: GELU with the tanh approximation (GPT-2), exact GELU (GPT-NeoX, "
-                                     "Pythia), SwiGLU (Llama) or GeGLU, gated by tanh-GELU (Gemma)",
-                             choices=("gelu", "gelu_exact", "swiglu", "geglu"))
+                                     "Pythia), SwiGLU (Llama), GeGLU, gated by tanh-GELU (Gemma), or gpt-oss's "
+                                     "clamped SwiGLU (swiglu_clamped: see swiglu_alpha and swiglu_limit)",
+                             choices=("gelu", "gelu_exact", "swiglu", "geglu", "swiglu_clamped"))
+    swiglu_alpha: float = option(1.702, "activation=swiglu_clamped: the gate's sigmoid gain, "
+                                        "g * sigmoid(alpha * g) (gpt-oss's swiglu_alpha)", min=0.0)
+    swiglu_limit: float = option(7.0, "activation=swiglu_clamped: the gate is clamped above at this, the up "
+                                      "projection to [-limit, limit], and the product is (up + 1) * gated "
+                                      "(gpt-oss's swiglu_limit)", min=0.0)
     parallel_residual: bool = option(False, "attention and MLP both read the block's input and their outputs are "
                                             "added to it together (GPT-NeoX, Pythia); false = one after the other")
     embed_scale: bool = option(False, "multiply the token embeddings by sqrt(dim) (Gemma)")
@@ -49,15 +55,23 @@ class ModelConfig:
     rotary_fraction: float = option(1.0, "share of each head's width that the rotation turns, the rest left as is "
                                          "(GPT-NeoX's rotary_pct, Phi's partial_rotary_factor)", min=0.0, max=1.0)
     rope_scaling: str = option("none", "stretch the rotary frequencies for long contexts: linear (all divided by "
-                                       "rope_factor) or llama3 (Llama 3.1: low frequencies only)",
-                               choices=("none", "linear", "llama3"))
+                                       "rope_factor), llama3 (Llama 3.1: low frequencies only) or yarn (YaRN: "
+                                       "blended by rotations per original context, and the scores scaled by "
+                                       "0.1 ln(rope_factor) + 1 squared; gpt-oss)",
+                               choices=("none", "linear", "llama3", "yarn"))
     rope_factor: float = option(1.0, "rope_scaling: how much longer the context gets", min=1.0)
     rope_low_freq_factor: float = option(1.0, "rope_scaling=llama3: wavelengths above original/this are divided "
                                               "by rope_factor", min=0.0)
     rope_high_freq_factor: float = option(4.0, "rope_scaling=llama3: wavelengths below original/this are kept",
                                           min=0.0)
-    rope_original_max_seq_len: int = option(8192, "rope_scaling=llama3: the context length trained before scaling",
-                                            min=1)
+    rope_original_max_seq_len: int = option(8192, "rope_scaling=llama3 or yarn: the context length trained before "
+                                                  "scaling", min=1)
+    rope_beta_fast: float = option(32.0, "rope_scaling=yarn: pairs turning more than this many times over the "
+                                         "original context keep their speed", min=0.0)
+    rope_beta_slow: float = option(1.0, "rope_scaling=yarn: pairs turning fewer times than this are divided by "
+                                        "rope_factor; those between blend the two", min=0.0)
+    rope_truncate: bool = option(True, "rope_scaling=yarn: round the blend's bounds to whole pairs (false: "
+                                       "gpt-oss)")
     max_seq_len: int = option(128, "longest sequence the position encoding covers", min=1)
     sliding_window: int = option(0, "sliding-window attention (Mistral, Gemma): a query sees itself and the "
                                     "window - 1 tokens before it; 0 = the whole sequence", min=0)
@@ -72,6 +86,8 @@ class ModelConfig:
                                           "alike in every block", min=0.0)
     attn_scale_dim: int = option(0, "the attention scores are divided by sqrt(this) rather than sqrt(head_dim) "
                                     "(Gemma's query_pre_attn_scalar); 0 = head_dim", min=0)
+    attn_sinks: bool = option(False, "a learned logit per query head joins each softmax's denominator as a key "
+                                     "with no value, so a query may attend to nothing (gpt-oss's attention sinks)")
     attn_softcap: float = option(0.0, "soft-cap the attention scores to (-c, c): c * tanh(score / c) before the "
                                       "softmax (Gemma 2); 0 = off. Attention then runs as plain matmuls, not "
                                       "scaled_dot_product_attention", min=0.0)
@@ -100,6 +116,7 @@ class ModelConfig:
     moe_renorm: bool = option(False, "rescale the chosen experts' scores to sum to 1 (Mixtral, Qwen3-MoE)")
     moe_route_scale: float = option(1.0, "factor on the routed experts' weighted sum (DeepSeek-V3's "
                                          "routed_scaling_factor)", min=0.0)
+    moe_bias: bool = option(False, "biases on the router's scores and on each expert's matrices (gpt-oss)")
     moe_capacity_factor: float = option(0.0, "tokens an expert takes per micro-batch, as a multiple of an even "
                                              "share (tokens * top_k / experts); the rest are dropped and counted; "
                                              "0 = dropless", min=0.0)
@@ -127,7 +144,7 @@ class ModelConfig:
     @property
     def gated(self) -> bool:
         """Whether the MLP is gated (three matrices: SwiGLU, GeGLU) rather than plain (two)."""
-        return self.activation in ("swiglu", "geglu")
+        return self.activation in ("swiglu", "geglu", "swiglu_clamped")
 
     @property
     def rotary_dim(self) -> int:
@@ -156,7 +173,7 @@ class ModelConfig:
     def hidden_dim(self) -> int:
         if self.ffn_dim:
             return self.ffn_dim
-        if self.activation in ("swiglu", "geglu"):
+        if self.gated:
             return 64 * math.ceil(8 * self.dim / 3 / 64)
         return 4 * self.dim
 
@@ -204,18 +221,25 @@ def check_model(m: ModelConfig) -> list[str]:
     if m.rope_scaling == "none" and m.rope_factor != 1.0:
         errors.append(f"model.rope_factor={m.rope_factor} does nothing without model.rope_scaling; "
                       "set rope_scaling to linear or llama3, or drop rope_factor")
-    llama3_only = [f"model.{k}" for k in ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
-                   if getattr(m, k) != getattr(ModelConfig, k)]
-    if m.rope_scaling != "llama3" and llama3_only:
-        errors.append(f"{', '.join(llama3_only)} apply to model.rope_scaling=llama3 only; set it, or drop them")
+    for kind, keys in (("llama3", ("rope_low_freq_factor", "rope_high_freq_factor")),
+                       ("yarn", ("rope_beta_fast", "rope_beta_slow", "rope_truncate")),
+                       ("llama3 or yarn", ("rope_original_max_seq_len",))):
+        only = [f"model.{k}" for k in keys if getattr(m, k) != getattr(ModelConfig, k)]
+        if m.rope_scaling not in kind.split(" or ") and only:
+            errors.append(f"{', '.join(only)} apply to model.rope_scaling={kind} only; set it, or drop them")
+    if m.activation != "swiglu_clamped" and (m.swiglu_alpha, m.swiglu_limit) != (ModelConfig.swiglu_alpha,
+                                                                                  ModelConfig.swiglu_limit):
+        errors.append("model.swiglu_alpha and model.swiglu_limit shape activation=swiglu_clamped only; set it, or "
+                      "drop them")
     if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
         errors.append(f"model.rope_scaling=llama3 needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
                       f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor}")
     if m.qk_norm_scope != "head" and not m.qk_norm:
         errors.append(f"model.qk_norm_scope={m.qk_norm_scope} says what the q/k norms cover, but model.qk_norm=false; "
                       "set model.qk_norm=true, or drop qk_norm_scope")
-    if m.moe_experts and m.activation not in ("gelu", "swiglu"):
-        errors.append(f"model.activation={m.activation}: the experts of a mixture compute gelu or swiglu; "
+    if m.moe_experts and m.activation not in ("gelu", "swiglu", "swiglu_clamped"):
+        errors.append(f"model.activation={m.activation}: the experts of a mixture compute gelu, swiglu or "
+                      "swiglu_clamped; "
                       "set one of those, or model.moe_experts=0")
     if m.moe_experts and m.moe_top_k > m.moe_experts:
         errors.append(f"model.moe_top_k={m.moe_top_k} chooses more experts than model.moe_experts={m.moe_experts}; "

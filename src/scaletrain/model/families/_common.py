@@ -52,13 +52,16 @@ SILU = ("silu", "swish")
 ROPE_KEYS = {"default": {"rope_type", "type", "rope_theta"},
              "linear": {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings"},
              "llama3": {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
-                        "original_max_position_embeddings"}}
+                        "original_max_position_embeddings"},
+             "yarn": {"rope_type", "type", "rope_theta", "factor", "beta_fast", "beta_slow", "truncate",
+                      "original_max_position_embeddings"}}
 
 # Weight names, ours -> Hugging Face, inside block i of a Llama-like family, and outside the blocks
 LLAMA_BLOCK = {"attn_norm": "input_layernorm", "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
                "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj", "attn.q_norm": "self_attn.q_norm",
                "attn.k_norm": "self_attn.k_norm", "mlp_norm": "post_attention_layernorm",
-               "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj", "mlp.w2": "mlp.down_proj"}
+               "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj", "mlp.w2": "mlp.down_proj",
+               "attn.sinks": "self_attn.sinks"}  # (a parameter of the attention module itself: gpt-oss)
 LLAMA_TOP = {"tok_emb": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
 LLAMA_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")  # a Llama name inside block i
 
@@ -230,6 +233,9 @@ def hf_rope(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.rope_scaling == "llama3":
         rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
                     original_max_position_embeddings=cfg.rope_original_max_seq_len)
+    if cfg.rope_scaling == "yarn":
+        rope.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow, truncate=cfg.rope_truncate,
+                    original_max_position_embeddings=cfg.rope_original_max_seq_len)
     return rope
 
 
@@ -257,12 +263,13 @@ def rope_fields(get: Reader, refuse: Refuse, max_len: int, partial: bool = False
         refuse("partial_rotary_factor", "rotates part of each head; scaletrain's import of this family rotates all "
                                         "of it")
     if not isinstance(kind, str) or kind not in ROPE_KEYS:
-        refuse(key, f"has rope_type {kind!r}; scaletrain implements default, linear and llama3")
+        refuse(key, f"has rope_type {kind!r}; scaletrain implements default, linear, llama3 and yarn")
         return out
     extra = sorted(set(params) - ROPE_KEYS[kind] - {"partial_rotary_factor"})
     if extra:
         refuse(key, f"has {', '.join(extra)}, unknown to rope_type {kind}; scaletrain may not compute it alike")
-    numbers = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+    numbers = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+               "yarn": ("factor",)}
     for k in numbers[kind]:
         if isinstance(params.get(k), bool) or not isinstance(params.get(k), (int, float)):
             refuse(key, f"needs a number {k} for rope_type {kind}")
@@ -273,6 +280,11 @@ def rope_fields(get: Reader, refuse: Refuse, max_len: int, partial: bool = False
         out.update(rope_low_freq_factor=float(params["low_freq_factor"]),
                    rope_high_freq_factor=float(params["high_freq_factor"]),
                    rope_original_max_seq_len=params.get("original_max_position_embeddings", max_len))
+    if kind == "yarn":  # (transformers' defaults where a key is left out)
+        out.update(rope_beta_fast=float(params.get("beta_fast") or 32.0),
+                   rope_beta_slow=float(params.get("beta_slow") or 1.0),
+                   rope_truncate=bool(params.get("truncate", True)),
+                   rope_original_max_seq_len=params.get("original_max_position_embeddings", max_len))
     return out
 
 
@@ -282,7 +294,10 @@ def complete(out: dict[str, Any]) -> dict[str, Any]:
                 rope_low_freq_factor=ModelConfig.rope_low_freq_factor,
                 rope_high_freq_factor=ModelConfig.rope_high_freq_factor,
                 rope_original_max_seq_len=ModelConfig.rope_original_max_seq_len,
-                sliding_window=0, bias=False, qkv_bias=False, qk_norm=False, qk_norm_scope="head",
+                rope_beta_fast=ModelConfig.rope_beta_fast, rope_beta_slow=ModelConfig.rope_beta_slow,
+                rope_truncate=ModelConfig.rope_truncate, attn_sinks=False, swiglu_alpha=ModelConfig.swiglu_alpha,
+                swiglu_limit=ModelConfig.swiglu_limit, sliding_window=0, bias=False, qkv_bias=False, qk_norm=False,
+                qk_norm_scope="head",
                 norm_placement="pre", norm_unit_offset=False, parallel_residual=False, embed_scale=False,
                 rotary_fraction=1.0, export_as="auto", global_every=0, rope_local_theta=0.0, attn_scale_dim=0,
                 attn_softcap=0.0, logit_softcap=0.0,
