@@ -167,7 +167,7 @@ def one_line(excinfo) -> str:
 
 
 @pytest.mark.parametrize("change,field", [
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_scaling"),
     ({"attention_bias": True}, "attention_bias"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
