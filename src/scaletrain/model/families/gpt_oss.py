@@ -80,7 +80,8 @@ class GptOss(MoeFamily):
                   for i in range(cfg.n_layers)]
         out.update(intermediate_size=cfg.expert_hidden, num_local_experts=cfg.moe_experts,
                    swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, attention_bias=cfg.bias,
-                   sliding_window=cfg.sliding_window or None,
+                   # (transformers builds the sliding mask whatever the layers: a window it never uses)
+                   sliding_window=cfg.sliding_window or cfg.max_seq_len,
                    layer_types=["sliding_attention" if s else "full_attention" for s in slides])
         del out["hidden_act"]  # (its experts' activation is the clamped SwiGLU, whatever hidden_act says)
 
