@@ -302,3 +302,44 @@ def test_the_new_options_are_checked_and_export_says_why_no_family(tmp_path):
                                           "SwiGLU are gpt-oss's, which has experts with biases in every block"):
         hf_config_from_model(ModelConfig(position="rope", norm="rmsnorm", activation="swiglu_clamped",
                                          attn_sinks=True, dim=64, n_heads=4))
+
+
+@pytest.mark.slow
+def test_lora_on_its_projections_exports_to_peft_and_merged(tmp_path):
+    """LoRA on gpt-oss's attention projections (biased q/k/v/o beside the sinks), trained from the
+    import: PEFT loads the adapter folder onto transformers' model with scaletrain's logits, and the
+    merged export is a GptOssForCausalLM with them too."""
+    pytest.importorskip("peft")
+    import peft
+
+    from scaletrain.train.trainer import Trainer
+    from scaletrain.trained.adapters import adapted_from_checkpoint
+
+    from conftest import micro_cfg
+
+    make_hf(tmp_path / "hf", vocab_size=256)
+    hf = str(tmp_path / "hf")
+    run = {"model.from_hf": hf, "model.init_from": hf, "data.seq_len": 16, "model.max_seq_len": 64,
+           "model.n_layers": 3, "train.steps": 3, "optim.lr": 0.01, "checkpoint.save_final": True,
+           "adapter.kind": "lora", "adapter.targets": "attention"}
+    saved = Trainer(micro_cfg(tmp_path / "run", **run)).fit()["checkpoint"]
+    ours, _ = adapted_from_checkpoint(saved)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = ours.eval()(tokens)
+
+    def logits(folder, adapters=None):
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+        if adapters is not None:
+            model = peft.PeftModel.from_pretrained(model, str(adapters))
+        with torch.no_grad():
+            return model.eval()(tokens).logits
+
+    assert (want - logits(hf)).abs().max() > 0.05  # the adapters changed the model
+    for fmt in ("peft", "hf"):
+        r = run_here("export", saved, "--format", fmt, "--out", str(tmp_path / f"out-{fmt}"))
+        assert r.returncode == 0, r.stderr
+    config = json.loads((tmp_path / "out-peft" / "adapter_config.json").read_text())
+    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert (logits(hf, tmp_path / "out-peft") - want).abs().max() <= TOL
+    assert (logits(str(tmp_path / "out-hf")) - want).abs().max() <= TOL
