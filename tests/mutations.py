@@ -740,7 +740,7 @@ MUTANTS = [
     Mutant("sink-left-out-of-ring-attention", "ring attention merges its blocks without the sink",
            "src/scaletrain/parallel/context_parallel.py",
            "        if sinks is not None:  # once, after every block", "        if False:  # once, after every block",
-           (f"{GOP}::test_context_parallel_attention_with_sinks_is_the_softmax_by_hand",)),
+           (f"{GOP}::test_context_parallel_attention_with_sinks_is_the_softmax_by_hand[ring]",)),
     Mutant("sink-once-per-ring-block", "ring attention adds the sink into every block's partial softmax, not once",
            "src/scaletrain/parallel/context_parallel.py",
            "            out, lse = _merge(out, lse, *_block_forward(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], "
@@ -748,7 +748,7 @@ MUTANTS = [
            "            out, lse = _merge(out, lse, *(_block_forward(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], "
            "heads), allowed) if sinks is None else fold_sink(*_block_forward(q, _repeat_kv(kv[0], heads), "
            "_repeat_kv(kv[1], heads), allowed), sinks)))\n",
-           (f"{GOP}::test_context_parallel_attention_with_sinks_is_the_softmax_by_hand",)),
+           (f"{GOP}::test_context_parallel_attention_with_sinks_is_the_softmax_by_hand[ring]",)),
     Mutant("sink-gradient-dropped-by-ring", "ring attention's backward gives the sinks no gradient",
            "src/scaletrain/parallel/context_parallel.py",
            "        d_sinks = sink_gradient(sinks, lse, delta) if sinks is not None else None\n"
@@ -756,16 +756,16 @@ MUTANTS = [
            "None",
            "        d_sinks = None\n"
            "        return d_q.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), d_sinks, None, None, None, None, "
-           "None", (f"{GOP}::test_context_parallel_attention_with_sinks_is_the_softmax_by_hand",)),
+           "None", (f"{GOP}::test_context_parallel_attention_with_sinks_is_the_softmax_by_hand[ring]",)),
     Mutant("sink-left-out-of-allgather-attention", "all-gather attention leaves the sink out of the denominator",
            "src/scaletrain/parallel/context_parallel.py",
            "        if sinks is not None:\n            out, lse = fold_sink(out, lse, sinks)\n",
            "        if False:\n            out, lse = fold_sink(out, lse, sinks)\n",
-           (f"{GOP}::test_context_parallel_attention_with_sinks_is_the_softmax_by_hand",)),
+           (f"{GOP}::test_context_parallel_attention_with_sinks_is_the_softmax_by_hand[allgather]",)),
     Mutant("sink-left-out-of-ulysses-attention", "Ulysses attention runs its heads without their sinks",
            "src/scaletrain/parallel/context_parallel.py", "kernel = _sdpa if sinks is None else",
            "kernel = _sdpa if True else",
-           (f"{GOP}::test_context_parallel_attention_with_sinks_is_the_softmax_by_hand",)),
+           (f"{GOP}::test_context_parallel_attention_with_sinks_is_the_softmax_by_hand[ulysses]",)),
     Mutant("sink-of-another-rank-under-tp", "tensor parallelism gives each rank the sinks of the first heads",
            "src/scaletrain/parallel/tensor_parallel.py", "    return attn.sinks.to_local()",
            "    return attn.sinks.full_tensor()[:attn.sinks.to_local().shape[0]]",

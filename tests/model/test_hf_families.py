@@ -250,9 +250,11 @@ def one_line(excinfo) -> str:
 @pytest.mark.parametrize("name,change,words", [
     ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
                                   "long_factor": [2.0] * 8, "original_max_position_embeddings": 32}},
-     "rope_type 'longrope'; scaletrain implements default, linear and llama3"),
+     "rope_type 'longrope'; scaletrain implements default, linear, llama3 and yarn"),
     ("phi3", {"rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
-     "rope_type 'su'; scaletrain implements default, linear and llama3"),
+     "rope_type 'su'; scaletrain implements default, linear, llama3 and yarn"),
+    ("phi3", {"rope_scaling": {"type": "yarn", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
+     "rope_type 'yarn', Phi-3's older name of longrope, which scaletrain lacks"),
     ("neox-parallel", {"attention_bias": False}, "attention_bias=false leaves attention without biases"),
     ("neox-parallel", {"hidden_act": "relu"}, "hidden_act='relu' is not supported"),
     ("olmo2", {"attention_bias": True}, "attention_bias=true puts a bias on the output projection too"),
@@ -284,7 +286,7 @@ def test_phi3_longrope_exits_2_with_one_line(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith(f"scaletrain: error: model.from_hf: {tmp_path / 'config.json'}: rope_parameters={{")
-    assert line.endswith(" has rope_type 'longrope'; scaletrain implements default, linear and llama3")
+    assert line.endswith(" has rope_type 'longrope'; scaletrain implements default, linear, llama3 and yarn")
 
 
 def test_the_new_options_are_checked_and_refused_where_a_method_cannot_honour_them(tmp_path):
@@ -306,7 +308,7 @@ def test_the_new_options_are_checked_and_refused_where_a_method_cannot_honour_th
         global_every=2)
     assert "model.rope_local_theta=1000 is the rotary base of the sliding-window blocks" in errors(
         position="rope", rope_local_theta=1000.0)
-    assert "model.activation=geglu: the experts of a mixture compute gelu or swiglu" in errors(
+    assert "model.activation=geglu: the experts of a mixture compute gelu, swiglu or swiglu_clamped" in errors(
         activation="geglu", moe_experts=4)
     capped = ModelConfig(attn_softcap=50.0, attn_scale_dim=24)
     (cp,) = Layout(cp=2).errors(capped, seq_len=32)
