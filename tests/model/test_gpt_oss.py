@@ -264,6 +264,14 @@ def test_the_planner_counts_gpt_oss(tmp_path):
     assert half.expert * 2 == rank_params(cfg, Layout(), 0).expert
     full = ModelConfig(**{**cfg.__dict__, "sliding_window": 0, "global_every": 0})
     assert flops_per_token(cfg, 64) < flops_per_token(full, 64)
+    # the sinks' kernel is plain matmuls: a plan with fused attention is refused in one line
+    from scaletrain.plan import plan
+
+    with pytest.raises(ConfigError, match="--attention flash: model.attn_sinks=true adds a sink") as e:
+        plan(cfg, hardware="H100-SXM", nodes=1, gpus_per_node=8, seq_len=32, global_batch=8, attention="flash")
+    one_line(e)
+    planned = plan(cfg, hardware="H100-SXM", nodes=1, gpus_per_node=8, seq_len=32, global_batch=8, attention="eager")
+    assert planned["num_params"] == actual
 
 
 # --------------------------------------------------------------------------------------------
