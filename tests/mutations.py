@@ -76,6 +76,8 @@ WINDOW_PARITY = f"{WP}::test_windowed_models_train_alike_under_cp_tp_and_pp"
 RO = "tests/rollout/test_local_engine.py"
 RS = "tests/rollout/test_sampling.py"
 ROL = "tests/rollout/test_rollout_layouts.py"
+GO = "tests/model/test_gpt_oss.py"
+GOP = "tests/parallel/test_gpt_oss_parallel.py"
 MU = "tests/optim/test_muon.py"
 DS = "tests/model/test_deepseek.py"
 DSP = "tests/parallel/test_deepseek_parallel.py"
@@ -764,9 +766,57 @@ MUTANTS = [
            "allowed = causal_allows(window and Window(window.size + 1, window.chunked), "
            "chunk_positions(seq, n, rank, q.device)", (f"{WINDOW_PARITY}[2ranks]",)),
     Mutant("cp-ulysses-window-one-wider", "Ulysses attention lets a query see one key more than the window",
-           "src/scaletrain/parallel/context_parallel.py", "local_attention(q, k, v, window, None, _sdpa)",
-           "local_attention(q, k, v, Window(window.size + 1, window.chunked), None, _sdpa)",
+           "src/scaletrain/parallel/context_parallel.py", "local_attention(q, k, v, window, None, kernel)",
+           "local_attention(q, k, v, Window(window.size + 1, window.chunked), None, kernel)",
            (f"{WINDOW_PARITY}[2ranks]",)),
+    # gpt-oss: the sink left out of the denominator, one path at a time, and the SwiGLU's clamp dropped
+    Mutant("sink-left-out-of-one-process-attention", "plain, windowed, soft-capped, packed and cached attention "
+           "leave the sink out of the softmax's denominator", "src/scaletrain/model/sinks.py",
+           "torch.cat((scores, sink), dim=-1)", "torch.cat((scores, sink - float('inf')), dim=-1)",
+           (f"{GO}::test_every_attention_path_puts_the_sink_in_the_denominator_with_its_gradient[sliding]",
+            f"{GO}::test_import_export_and_gradients_match_transformers[alternating]",
+            f"{GO}::test_a_sink_takes_its_share_of_equal_scores")),
+    Mutant("sink-left-out-of-ring-attention", "ring attention merges its blocks without the sink",
+           "src/scaletrain/parallel/context_parallel.py",
+           "        if sinks is not None:  # once, after every block", "        if False:  # once, after every block",
+           (f"{GOP}::test_context_parallel_attention_with_sinks_is_the_softmax_by_hand[ring]",)),
+    Mutant("sink-once-per-ring-block", "ring attention adds the sink into every block's partial softmax, not once",
+           "src/scaletrain/parallel/context_parallel.py",
+           "            out, lse = _merge(out, lse, *_block_forward(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], "
+           "heads), allowed))\n",
+           "            out, lse = _merge(out, lse, *(_block_forward(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], "
+           "heads), allowed) if sinks is None else fold_sink(*_block_forward(q, _repeat_kv(kv[0], heads), "
+           "_repeat_kv(kv[1], heads), allowed), sinks)))\n",
+           (f"{GOP}::test_context_parallel_attention_with_sinks_is_the_softmax_by_hand[ring]",)),
+    Mutant("sink-gradient-dropped-by-ring", "ring attention's backward gives the sinks no gradient",
+           "src/scaletrain/parallel/context_parallel.py",
+           "        d_sinks = sink_gradient(sinks, lse, delta) if sinks is not None else None\n"
+           "        return d_q.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), d_sinks, None, None, None, None, "
+           "None",
+           "        d_sinks = None\n"
+           "        return d_q.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), d_sinks, None, None, None, None, "
+           "None", (f"{GOP}::test_context_parallel_attention_with_sinks_is_the_softmax_by_hand[ring]",)),
+    Mutant("sink-left-out-of-allgather-attention", "all-gather attention leaves the sink out of the denominator",
+           "src/scaletrain/parallel/context_parallel.py",
+           "        if sinks is not None:\n            out, lse = fold_sink(out, lse, sinks)\n",
+           "        if False:\n            out, lse = fold_sink(out, lse, sinks)\n",
+           (f"{GOP}::test_context_parallel_attention_with_sinks_is_the_softmax_by_hand[allgather]",)),
+    Mutant("sink-left-out-of-ulysses-attention", "Ulysses attention runs its heads without their sinks",
+           "src/scaletrain/parallel/context_parallel.py", "kernel = _sdpa if sinks is None else",
+           "kernel = _sdpa if True else",
+           (f"{GOP}::test_context_parallel_attention_with_sinks_is_the_softmax_by_hand[ulysses]",)),
+    Mutant("sink-of-another-rank-under-tp", "tensor parallelism gives each rank the sinks of the first heads",
+           "src/scaletrain/parallel/tensor_parallel.py", "    return attn.sinks.to_local()",
+           "    return attn.sinks.full_tensor()[:attn.sinks.to_local().shape[0]]",
+           (f"{GOP}::test_gpt_oss_trains_alike_under_every_layout",)),
+    Mutant("swiglu-clamp-dropped", "gpt-oss's SwiGLU without its clamps", "src/scaletrain/model/mlp.py",
+           "    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)\n", "",
+           (f"{GO}::test_the_clamped_swiglu_is_gpt_oss_gate",
+            f"{GO}::test_import_export_and_gradients_match_transformers[alternating]")),
+    Mutant("expert-biases-not-split-by-ep", "expert parallelism leaves the experts' biases whole on every rank",
+           "src/scaletrain/parallel/expert_parallel.py",
+           'EXPERT_WEIGHTS = ("w1", "w2", "w3", "b1", "b2", "b3")', 'EXPERT_WEIGHTS = ("w1", "w2", "w3")',
+           (f"{GOP}::test_gpt_oss_trains_alike_under_every_layout",)),
     Mutant("tp-projection-norm-not-summed", "OLMo 2's q/k norms under tp take each rank's columns as the whole "
            "projection (no sum of squares over tp)", "src/scaletrain/parallel/tensor_parallel.py",
            "[Shard(args[0].dim() - 1)]", "[Replicate()]",

@@ -41,6 +41,7 @@ from scaletrain.model.layers import RMSNorm, apply_rope
 from scaletrain.model.mla import LatentAttention
 from scaletrain.model.mlp import MLP
 from scaletrain.model.moe import MoE
+from scaletrain.model.sinks import sink_attention
 from scaletrain.model.window import Window, block_window, causal_allows, local_attention
 from scaletrain.model.yarn import attention_factor, yarn_frequencies
 
@@ -107,6 +108,8 @@ class Attention(nn.Module):
                                                                          cfg.kv_heads * self.head_dim)
         self.q_norm = RMSNorm(q_width, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(k_width, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
+        # gpt-oss: a learned logit per query head in each softmax's denominator (model/sinks.py)
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attn_sinks else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: tuple[KVCache, str] | None = None, *, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -159,12 +162,21 @@ class Attention(nn.Module):
     def _kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 causal: bool) -> torch.Tensor:
         """Attention over the keys given, as `mask` or causality allow. Soft-capped scores (Gemma 2)
-        are computed as plain matmuls, as transformers' eager attention does: no fused kernel caps them."""
+        are computed as plain matmuls, as transformers' eager attention does: no fused kernel caps them;
+        so are scores with sinks (model/sinks.py)."""
+        if self.sinks is not None:
+            return sink_attention(q, k, v, self.sink_logits(), mask, causal, scale=self.scale, softcap=self.softcap,
+                                  dropout=self.dropout if self.training else 0.0)
         if self.softcap:
             return self._capped(q, k, v, mask, causal)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=q.shape[1] != k.shape[1], scale=self.scale)
+
+    def sink_logits(self) -> torch.Tensor:
+        """The sinks of the query heads this module computes (tensor parallelism replaces this
+        method on the instance with its rank's share)."""
+        return self.sinks
 
     def _capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 causal: bool) -> torch.Tensor:
@@ -275,7 +287,7 @@ class Transformer(nn.Module):
         if "norm" in name.rsplit(".", 2)[-2]:  # (a (1 + w) RMSNorm is the identity at w = 0)
             ones = leaf == "weight" and not (self.cfg.norm_unit_offset and self.cfg.norm == "rmsnorm")
             return InitRule("ones") if ones else InitRule("zeros")
-        if leaf == "bias":
+        if leaf in ("bias", "b1", "b2", "b3"):  # (b1, b2, b3: the experts' biases, gpt-oss)
             return InitRule("zeros")
         if name.endswith(("attn.wo.weight", "mlp.w2.weight", "moe.w2", "shared.w2.weight")):
             # GPT-2: scale the projections into the residual stream by 1/sqrt(2 * n_layers)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from scaletrain.errors import ConfigError
 from scaletrain.model.config import ModelConfig
-from scaletrain.model.families import deepseek_v3, gemma2, gpt_neox, phi3
+from scaletrain.model.families import deepseek_v3, gemma2, gpt_neox, gpt_oss, phi3
 
 
 def _no(why: str) -> ConfigError:
@@ -21,6 +21,8 @@ def choose(cfg: ModelConfig) -> str:
         raise no("chunked attention (model.attn_chunk) is Llama 4's, a family scaletrain does not export")
     if cfg.mla_kv_rank:
         return deepseek_v3.FAMILY.chosen(cfg, no)
+    if cfg.attn_sinks or cfg.moe_bias or cfg.activation == "swiglu_clamped":
+        return gpt_oss.chosen(cfg, no)
     if uses_newer_options(cfg):
         return newer_family(cfg, no)
     if cfg.export_as == phi3.FAMILY.export_as:
