@@ -195,8 +195,9 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
     `model.` prefix) as our parameters for `cfg`, each checked for its shape. A tensor the model
     has no place for is refused unless it is all zeros (a bias the model leaves out)."""
     layout = layout_of(hf)
-    if layout is not None and layout.fused:  # GPT-NeoX, Phi-3: their fused tensors seen as Llama's
-        hf = FamilyView(hf, _llama_keys(cfg), cfg, layout)
+    if layout is not None and layout.fused:  # GPT-NeoX, Phi-3: their fused tensors seen as Llama's (Llama 4: more)
+        view = layout.llama_view(hf, cfg)
+        hf = view if view is not None else FamilyView(hf, _llama_keys(cfg), cfg, layout)
     names = layout if layout is not None and layout.conv1d else naming(cfg)
     gpt2 = names.conv1d  # GPT-2's Conv1D layout: q, k, v fused in c_attn, weights transposed
     style = _moe_style(hf) if cfg.moe_experts else "mlp"
@@ -444,7 +445,8 @@ class _SafetensorsFiles(Lazy):
 _SAME_MATH = ("norm", "norm_eps", "activation", "position", "rope_theta", "qk_norm", "qk_norm_scope", "head_dim",
               "moe_top_k", "moe_score", "moe_renorm", "moe_route_scale", "norm_placement", "norm_unit_offset",
               "parallel_residual", "embed_scale", "rotary_fraction", "attn_scale_dim", "attn_softcap", "logit_softcap",
-              "rope_local_theta", "global_every")
+              "rope_local_theta", "global_every", "attn_chunk", "nope_every", "qk_l2_norm", "attn_temperature",
+              "attn_temperature_floor", "moe_scale_input")
 
 
 def load_hf_weights(source: str | Path, model_cfg: ModelConfig,

@@ -20,6 +20,7 @@ from scaletrain.model.families import (
     gpt2,
     gpt_neox,
     llama,
+    llama4_text,
     mistral,
     mixtral,
     olmo2,
@@ -34,7 +35,8 @@ from scaletrain.model.families._common import CONFIG_FILE, HARMLESS, Family, Rea
 
 FAMILIES = MappingProxyType({f.model_type: f for f in (
     gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, olmo2.FAMILY, gpt_neox.FAMILY,
-    phi3.FAMILY, gemma2.FAMILY, gemma3_text.FAMILY, mixtral.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY)})
+    phi3.FAMILY, gemma2.FAMILY, gemma3_text.FAMILY, mixtral.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY,
+    llama4_text.FAMILY)})
 
 __all__ = ["CONFIG_FILE", "FAMILIES", "HARMLESS", "Family", "Reader", "family_of_config", "family_of_model",
            "layout_of", "naming", "short"]

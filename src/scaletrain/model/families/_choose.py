@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from scaletrain.errors import ConfigError
 from scaletrain.model.config import ModelConfig
-from scaletrain.model.families import gemma2, gpt_neox, phi3
+from scaletrain.model.families import gemma2, gpt_neox, llama4_text, phi3
 
 
 def _no(why: str) -> ConfigError:
@@ -17,8 +17,8 @@ def _no(why: str) -> ConfigError:
 def choose(cfg: ModelConfig) -> str:
     """The Hugging Face model_type that computes what `cfg` computes, or ConfigError."""
     no = _no
-    if cfg.attn_chunk:
-        raise no("chunked attention (model.attn_chunk) is Llama 4's, a family scaletrain does not export")
+    if cfg.attn_chunk or cfg.nope_every or cfg.qk_l2_norm or cfg.moe_scale_input:  # (attn_temperature: nope_every)
+        return llama4_text.FAMILY.chosen(cfg, no)
     if uses_newer_options(cfg):
         return newer_family(cfg, no)
     if cfg.export_as == phi3.FAMILY.export_as:
