@@ -74,6 +74,10 @@ ATTEND_BY_HAND = f"{AP}::test_attention_is_the_softmax_of_the_capped_scores_over
 WINDOW_HF = f"{WIN}::test_logits_and_generation_past_the_window_match_transformers"
 WINDOW_PARITY = f"{WP}::test_windowed_models_train_alike_under_cp_tp_and_pp"
 MU = "tests/optim/test_muon.py"
+L4 = "tests/model/test_llama4.py"
+L4_HF = f"{L4}::test_import_then_export_matches_transformers[interleaved]"
+L4_GENERATE = f"{L4}::test_generation_through_the_cache_picks_transformers_tokens"
+L4_PARITY = "tests/parallel/test_llama4_parallel.py::test_a_llama4_shaped_model_trains_alike_on_every_layout"
 MUP = "tests/optim/test_muon_parallel.py"
 
 MUTANTS = [
@@ -791,6 +795,35 @@ MUTANTS = [
            "take = p.ndim >= 2 and not any", "take = p.ndim >= 1 and not any",
            (f"{MU}::test_the_split_takes_block_and_expert_matrices_and_leaves_embeddings_head_norms",
             f"{MU}::test_three_steps_equal_torch_muon_and_adamw_bit_for_bit[match_rms_adamw]")),
+    # Llama 4 (issue 52, point 3): each new part, against transformers, by hand and across layouts
+    Mutant("llama4-chunk-boundary-off-by-one", "chunked attention's chunks start one position late (held by Llama 4's "
+           "own logits and generation)", "src/scaletrain/model/window.py", "(q // self.size == k // self.size)",
+           "((q - 1) // self.size == (k - 1) // self.size)", (L4_HF, L4_GENERATE)),
+    Mutant("llama4-nope-blocks-rotate", "the no-rope blocks are given the rotary tables (and lose the temperature)",
+           "src/scaletrain/model/transformer.py", "r = nope if self.cfg.is_nope_block(int(name)) else r",
+           "r = r if self.cfg.is_nope_block(int(name)) else r", (L4_HF,)),
+    Mutant("llama4-router-weight-on-the-output", "the router's sigmoid weight scales the expert's output instead of "
+           "its input", "src/scaletrain/model/moe.py", "if self.scale_input:  # Llama 4",
+           "if not self.scale_input:  # Llama 4",
+           (L4_HF, f"{L4}::test_an_expert_scaled_at_its_input_by_hand")),
+    Mutant("llama4-temperature-one-position-early", "the query temperature counts positions from 0, not 1",
+           "src/scaletrain/model/nope.py", "torch.floor((p + 1.0) / cfg.attn_temperature_floor)",
+           "torch.floor(p / cfg.attn_temperature_floor)",
+           (L4_HF, f"{L4}::test_the_query_temperature_and_the_weightless_norm_by_hand")),
+    Mutant("llama4-l2-norm-in-the-no-rope-blocks", "the weightless q/k norm also acts in the no-rope blocks",
+           "src/scaletrain/model/transformer.py", "            q = rope.apply(q)\n",
+           "            q = rope.apply(l2_heads(q, self.l2_eps))\n            k = l2_heads(k, self.l2_eps)\n",
+           (L4_HF,)),
+    Mutant("llama4-cache-temperature-from-zero", "generation's cached steps take the temperature of positions from 0",
+           "src/scaletrain/model/transformer.py",
+           'nope = _query_scale(getattr(self, "attn_temp", None), past, positions)',
+           'nope = _query_scale(getattr(self, "attn_temp", None), 0, positions)', (L4_GENERATE,)),
+    Mutant("llama4-cp-temperature-not-cut", "under context parallelism the temperature table is left uncut: a rank "
+           "scales its tokens by the factors of positions 0, 1, ...", "src/scaletrain/parallel/context_parallel.py",
+           "        model.attn_temp = model.attn_temp[positions]\n", "", (L4_PARITY,)),
+    Mutant("llama4-export-keeps-rotate-half-rows", "the export writes q_proj and k_proj in rotate-half row order",
+           "src/scaletrain/model/families/llama4_text.py", "out[key] = interleaved(t, heads).contiguous()",
+           "out[key] = t.contiguous()", (L4_HF,)),
 ]
 
 
