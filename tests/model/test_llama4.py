@@ -277,3 +277,41 @@ def test_the_planners_count_and_flops(tmp_path):
     assert total_and_active(cfg)[1] == active
     seq = 32  # chunked blocks 0 and 2 see 5 keys, the global ones 32
     assert flops_per_token(cfg, seq) == 6 * active + 12 * q * (CHUNK + seq + CHUNK + seq)
+
+
+def test_a_scout_shaped_config_counts_meta_s_17b_active():
+    """Llama 4 Scout's text shape (config.json's text_config: 48 blocks of 16 experts + a shared
+    one, top-1): Meta's model card gives 17B active parameters and 109B in all (with the vision
+    encoder, which this text model leaves out). Ours: the active matmul parameters plus the
+    embedding row a token reads, and every parameter."""
+    from scaletrain.plan.params import total_and_active
+
+    scout = dict(model_type="llama4_text", hidden_size=5120, num_hidden_layers=48, num_attention_heads=40,
+                 num_key_value_heads=8, head_dim=128, intermediate_size=8192, intermediate_size_mlp=16384,
+                 num_local_experts=16, num_experts_per_tok=1, interleave_moe_layer_step=1, vocab_size=202048,
+                 attention_chunk_size=8192, max_position_embeddings=10485760, tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 8192})
+    cfg = ModelConfig(**model_config_from_hf(scout))
+    total, active = total_and_active(cfg)
+    assert round((active + cfg.dim * cfg.vocab_size) / 1e9) == 17
+    assert 107e9 < total < 109e9  # (the vision encoder's parameters make up the rest of the 109B)
+
+
+def test_packed_documents_give_each_documents_own_logits(tmp_path):
+    """Documents packed in one sequence (data.document_mask), each longer than a chunk: the logits
+    at each document's positions are transformers' on that document alone (its rotary positions and
+    its query temperature restart at its first token; the chunks are counted from the window's
+    first token, as transformers counts them, so the first document here is two chunks long)."""
+    hf = make_hf("interleaved", tmp_path)
+    cfg = load_config(None, {"model.from_hf": str(tmp_path), "data.seq_len": 32}).model
+    ours = Transformer(cfg, separator=3)
+    ours.load_state_dict(ours_from(tmp_path).state_dict())
+    g = torch.Generator().manual_seed(4)
+    docs = [torch.randint(4, 128, (1, n), generator=g) for n in (2 * CHUNK, 3 * CHUNK - 2)]
+    docs[0][0, -1] = 3  # the separator ends the first document
+    with torch.no_grad():
+        mine = ours.eval()(torch.cat(docs, dim=1))
+        ref = torch.cat([hf(d).logits for d in docs], dim=1)
+    assert (mine - ref).abs().max() <= TOL
