@@ -820,7 +820,8 @@ MUTANTS = [
            'nope = _query_scale(getattr(self, "attn_temp", None), 0, positions)', (L4_GENERATE,)),
     Mutant("llama4-cp-temperature-not-cut", "under context parallelism the temperature table is left uncut: a rank "
            "scales its tokens by the factors of positions 0, 1, ...", "src/scaletrain/parallel/context_parallel.py",
-           "        model.attn_temp = model.attn_temp[positions]\n", "", (L4_PARITY,)),
+           "model.attn_temp = model.attn_temp[positions]", "model.attn_temp = model.attn_temp  # uncut",
+           (L4_PARITY,)),
     Mutant("llama4-export-keeps-rotate-half-rows", "the export writes q_proj and k_proj in rotate-half row order",
            "src/scaletrain/model/families/llama4_text.py", "out[key] = interleaved(t, heads).contiguous()",
            "out[key] = t.contiguous()", (L4_HF,)),

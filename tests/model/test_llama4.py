@@ -315,3 +315,15 @@ def test_packed_documents_give_each_documents_own_logits(tmp_path):
         mine = ours.eval()(torch.cat(docs, dim=1))
         ref = torch.cat([hf(d).logits for d in docs], dim=1)
     assert (mine - ref).abs().max() <= TOL
+
+
+def test_a_rank_reads_its_slices_of_the_translated_tensors(tmp_path):
+    """What a sharded rank reads (`read(name, index)`: rows that cut heads, a slice of the experts
+    and of their columns) is that slice of the whole translated tensor, for every parameter."""
+    make_hf("interleaved", tmp_path)
+    cfg = load_config(None, {"model.from_hf": str(tmp_path), "data.seq_len": 16}).model
+    weights = load_hf_weights(tmp_path, cfg)
+    for name in weights:
+        whole = weights[name]
+        index = tuple(slice(min(3, n - 1), max(min(3, n - 1) + 1, n - 2)) for n in whole.shape)
+        assert torch.equal(weights.read(name, index), whole[index]), name
