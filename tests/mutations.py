@@ -76,11 +76,15 @@ WINDOW_PARITY = f"{WP}::test_windowed_models_train_alike_under_cp_tp_and_pp"
 RO = "tests/rollout/test_local_engine.py"
 RS = "tests/rollout/test_sampling.py"
 ROL = "tests/rollout/test_rollout_layouts.py"
-GO = "tests/model/test_gpt_oss.py"
-GOP = "tests/parallel/test_gpt_oss_parallel.py"
+GO = "tests/model/families/test_gpt_oss.py"
+GOP = "tests/model/families/test_gpt_oss_parallel.py"
 MU = "tests/optim/test_muon.py"
-DS = "tests/model/test_deepseek.py"
-DSP = "tests/parallel/test_deepseek_parallel.py"
+DS = "tests/model/families/test_deepseek.py"
+DSP = "tests/model/families/test_deepseek_parallel.py"
+L4 = "tests/model/families/test_llama4.py"
+L4_HF = f"{L4}::test_import_then_export_matches_transformers[interleaved]"
+L4_GENERATE = f"{L4}::test_generation_through_the_cache_picks_transformers_tokens"
+L4_PARITY = "tests/model/families/test_llama4_parallel.py::test_a_llama4_shaped_model_trains_alike_on_every_layout"
 MUP = "tests/optim/test_muon_parallel.py"
 
 MUTANTS = [
@@ -907,6 +911,36 @@ MUTANTS = [
            "        if self.group is None:\n            return mine\n",
            "        if True:\n            return mine\n",
            (f"{ROL}::test_two_ranks_sample_what_one_process_does[zero3]",)),
+    # Llama 4 (issue 52, point 3): each new part, against transformers, by hand and across layouts
+    Mutant("llama4-chunk-boundary-off-by-one", "chunked attention's chunks start one position late (held by Llama 4's "
+           "own logits and generation)", "src/scaletrain/model/window.py", "(q // self.size == k // self.size)",
+           "((q - 1) // self.size == (k - 1) // self.size)", (L4_HF, L4_GENERATE)),
+    Mutant("llama4-nope-blocks-rotate", "the no-rope blocks are given the rotary tables (and lose the temperature)",
+           "src/scaletrain/model/transformer.py", "r = nope if self.cfg.is_nope_block(int(name)) else r",
+           "r = r if self.cfg.is_nope_block(int(name)) else r", (L4_HF,)),
+    Mutant("llama4-router-weight-on-the-output", "the router's sigmoid weight scales the expert's output instead of "
+           "its input", "src/scaletrain/model/moe.py", "if self.scale_input:  # Llama 4",
+           "if not self.scale_input:  # Llama 4",
+           (L4_HF, f"{L4}::test_an_expert_scaled_at_its_input_by_hand")),
+    Mutant("llama4-temperature-one-position-early", "the query temperature counts positions from 0, not 1",
+           "src/scaletrain/model/nope.py", "torch.floor((p + 1.0) / cfg.attn_temperature_floor)",
+           "torch.floor(p / cfg.attn_temperature_floor)",
+           (L4_HF, f"{L4}::test_the_query_temperature_and_the_weightless_norm_by_hand")),
+    Mutant("llama4-l2-norm-in-the-no-rope-blocks", "the weightless q/k norm also acts in the no-rope blocks",
+           "src/scaletrain/model/transformer.py", "            q = rope.apply(q)\n",
+           "            q = rope.apply(l2_heads(q, self.l2_eps))\n            k = l2_heads(k, self.l2_eps)\n",
+           (L4_HF,)),
+    Mutant("llama4-cache-temperature-from-zero", "generation's cached steps take the temperature of positions from 0",
+           "src/scaletrain/model/transformer.py",
+           'nope = _query_scale(getattr(self, "attn_temp", None), past, positions)',
+           'nope = _query_scale(getattr(self, "attn_temp", None), 0, positions)', (L4_GENERATE,)),
+    Mutant("llama4-cp-temperature-not-cut", "under context parallelism the temperature table is left uncut: a rank "
+           "scales its tokens by the factors of positions 0, 1, ...", "src/scaletrain/parallel/context_parallel.py",
+           "model.attn_temp = model.attn_temp[positions]", "model.attn_temp = model.attn_temp  # uncut",
+           (L4_PARITY,)),
+    Mutant("llama4-export-keeps-rotate-half-rows", "the export writes q_proj and k_proj in rotate-half row order",
+           "src/scaletrain/model/families/llama4_text.py", "out[key] = interleaved(t, heads).contiguous()",
+           "out[key] = t.contiguous()", (L4_HF,)),
 ]
 
 

@@ -87,6 +87,16 @@ class ModelConfig:
     global_every: int = option(0, "every n-th block (counting from 1) attends to the whole sequence and the others "
                                   "within model.sliding_window (Gemma 2: 2, Gemma 3: 6) or model.attn_chunk (Llama 4: "
                                   "4); 0 = every block alike", min=0)
+    nope_every: int = option(0, "every n-th block (counting from 1) has no rotary positions: its queries and keys "
+                                "are not turned (Llama 4's no_rope_layers, every 4th; with model.attn_chunk these are "
+                                "the global blocks); 0 = every block rotates", min=0)
+    qk_l2_norm: bool = option(False, "scale each head of the queries and keys to unit RMS, without a weight, after the "
+                                     "rotation, in the rotary blocks only (Llama 4's use_qk_norm)")
+    attn_temperature: float = option(0.0, "the no-rope blocks (model.nope_every) multiply the query at position p by "
+                                          "1 + this * log(1 + floor((p + 1) / attn_temperature_floor)) (Llama 4's "
+                                          "attn_scale with attn_temperature_tuning); 0 = off", min=0.0)
+    attn_temperature_floor: int = option(8192, "model.attn_temperature: positions per step of the query scale "
+                                               "(Llama 4's floor_scale)", min=1)
     rope_local_theta: float = option(0.0, "rotary base of the sliding-window blocks, which rope_scaling leaves "
                                           "unscaled (Gemma 3's rope_local_base_freq); 0 = rope_theta and scaling "
                                           "alike in every block", min=0.0)
@@ -137,6 +147,8 @@ class ModelConfig:
     moe_route_scale: float = option(1.0, "factor on the routed experts' weighted sum (DeepSeek-V3's "
                                          "routed_scaling_factor)", min=0.0)
     moe_bias: bool = option(False, "biases on the router's scores and on each expert's matrices (gpt-oss)")
+    moe_scale_input: bool = option(False, "the router's weight multiplies each chosen expert's input rather than its "
+                                          "output (Llama 4); through the expert's nonlinearity the two differ")
     moe_capacity_factor: float = option(0.0, "tokens an expert takes per micro-batch, as a multiple of an even "
                                              "share (tokens * top_k / experts); the rest are dropped and counted; "
                                              "0 = dropless", min=0.0)
@@ -189,6 +201,10 @@ class ModelConfig:
         """Whether block `index` is a local (sliding-window or chunked) block of model.global_every rather
         than a global one."""
         return bool(self.global_every) and (index + 1) % self.global_every != 0
+
+    def is_nope_block(self, index: int) -> bool:
+        """Whether block `index` attends without rotary positions (model.nope_every)."""
+        return bool(self.nope_every) and (index + 1) % self.nope_every == 0
 
     def is_moe_block(self, index: int) -> bool:
         """Whether block `index` holds a mixture of experts rather than a dense MLP."""
@@ -266,6 +282,7 @@ def check_model(m: ModelConfig) -> list[str]:
     if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
         errors.append(f"model.rope_scaling=llama3 needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
                       f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor}")
+    errors += _nope_errors(m)
     if m.qk_norm_scope != "head" and not m.qk_norm:
         errors.append(f"model.qk_norm_scope={m.qk_norm_scope} says what the q/k norms cover, but model.qk_norm=false; "
                       "set model.qk_norm=true, or drop qk_norm_scope")
@@ -306,7 +323,7 @@ def _latent_errors(m: ModelConfig) -> list[str]:
             errors.append(f"model.n_kv_heads={m.n_kv_heads}: latent attention brings up keys and values for every "
                           "head from its latent; drop n_kv_heads")
         ours = [f"model.{k}" for k in ("sliding_window", "attn_chunk", "attn_softcap", "attn_sinks", "qk_norm",
-                                             "qkv_bias", "bias") if getattr(m, k)]
+                                             "qk_l2_norm", "nope_every", "qkv_bias", "bias") if getattr(m, k)]
         if ours or m.rotary_fraction != 1.0:
             errors.append(f"{', '.join(ours) or 'model.rotary_fraction'}: not implemented with latent attention "
                           "(model.mla_kv_rank); drop it, or set mla_kv_rank=0")
@@ -331,6 +348,25 @@ def _group_errors(m: ModelConfig) -> list[str]:
         return [f"model.moe_top_k={m.moe_top_k} is more than the {m.moe_topk_groups} open groups of "
                 f"{m.moe_experts // m.moe_groups} experts hold; raise moe_topk_groups or lower moe_top_k"]
     return []
+
+
+def _nope_errors(m: ModelConfig) -> list[str]:
+    """Problems of the no-rope blocks, the weightless q/k norm and the query temperature (Llama 4)."""
+    errors = []
+    if m.nope_every and m.position != "rope":
+        errors.append(f"model.nope_every={m.nope_every} leaves some blocks without rotary positions; it needs "
+                      "model.position=rope")
+    if m.qk_l2_norm and m.position != "rope":
+        errors.append("model.qk_l2_norm=true normalises the rotated queries and keys; it needs model.position=rope")
+    if m.qk_l2_norm and m.qk_norm:
+        errors.append("model.qk_l2_norm and model.qk_norm are two q/k norms; set one of them")
+    if m.attn_temperature and not m.nope_every:
+        errors.append(f"model.attn_temperature={m.attn_temperature:g} scales the queries of the no-rope blocks, but "
+                      "model.nope_every=0; set nope_every, or drop attn_temperature")
+    if m.attn_temperature_floor != ModelConfig.attn_temperature_floor and not m.attn_temperature:
+        errors.append(f"model.attn_temperature_floor={m.attn_temperature_floor} applies to model.attn_temperature "
+                      "only; set it, or drop attn_temperature_floor")
+    return errors
 
 
 def model_config(values: Mapping[str, Any], source: str = "model") -> ModelConfig:

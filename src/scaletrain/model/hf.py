@@ -1,9 +1,9 @@
 """Hugging Face in and out: the weights of GPT-2, Llama, Mistral, Qwen2, Qwen3, OLMo 2, GPT-NeoX,
-Phi-3, Gemma 2 and 3 and the mixtures of experts Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3 and gpt-oss (their
-configs: scaletrain.model.hf_config; GPT-NeoX's and Phi-3's fused tensors: scaletrain.model.hf_fused; gpt-oss's
-packed experts: scaletrain.model.hf_packed). What
-differs per family (its tensor names, its fused tensors) is in its file under
-scaletrain.model.families; this module does the converting that is alike for all of them.
+Phi-3, Gemma 2 and 3 and the mixtures of experts Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, gpt-oss and Llama 4
+(their configs: scaletrain.model.hf_config; GPT-NeoX's and Phi-3's fused tensors: scaletrain.model.hf_fused;
+gpt-oss's packed experts: scaletrain.model.hf_packed). What differs per family (its tensor names, its fused
+tensors) is in its file under scaletrain.model.families; this module does the converting that is alike for all
+of them.
 
 Three things differ between a Hugging Face checkpoint and ours; each is converted here, both ways:
 
@@ -224,8 +224,9 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
     `model.` prefix) as our parameters for `cfg`, each checked for its shape. A tensor the model
     has no place for is refused unless it is all zeros (a bias the model leaves out)."""
     layout = layout_of(hf)
-    if layout is not None and layout.fused:  # GPT-NeoX, Phi-3: their fused tensors seen as Llama's
-        hf = FamilyView(hf, _llama_keys(cfg), cfg, layout)
+    if layout is not None and layout.fused:  # GPT-NeoX, Phi-3: their fused tensors seen as Llama's (Llama 4: more)
+        view = layout.llama_view(hf, cfg)
+        hf = view if view is not None else FamilyView(hf, _llama_keys(cfg), cfg, layout)
     names = layout if layout is not None and layout.conv1d else naming(cfg)
     gpt2 = names.conv1d  # GPT-2's Conv1D layout: q, k, v fused in c_attn, weights transposed
     style = _moe_style(hf) if cfg.moe_experts else "mlp"
@@ -480,7 +481,8 @@ class _SafetensorsFiles(Lazy):
 _SAME_MATH = ("norm", "norm_eps", "activation", "position", "rope_theta", "qk_norm", "qk_norm_scope", "head_dim",
               "moe_top_k", "moe_score", "moe_renorm", "moe_route_scale", "norm_placement", "norm_unit_offset",
               "parallel_residual", "embed_scale", "rotary_fraction", "attn_scale_dim", "attn_softcap", "logit_softcap",
-              "rope_local_theta", "global_every", "attn_sinks", "swiglu_alpha", "swiglu_limit", "moe_bias")
+              "rope_local_theta", "global_every", "attn_sinks", "swiglu_alpha", "swiglu_limit", "moe_bias",
+              "attn_chunk", "nope_every", "qk_l2_norm", "attn_temperature", "attn_temperature_floor", "moe_scale_input")
 
 
 def load_hf_weights(source: str | Path, model_cfg: ModelConfig,

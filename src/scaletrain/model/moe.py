@@ -119,6 +119,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
         self.score, self.renorm, self.route_scale = cfg.moe_score, cfg.moe_renorm, cfg.moe_route_scale
         self.groups, self.topk_groups = cfg.moe_groups, cfg.moe_topk_groups
+        self.scale_input = cfg.moe_scale_input  # Llama 4: the weight scales the expert's input, not its output
         self.capacity_factor = cfg.moe_capacity_factor
         # the factor as the decimal it was written as (1.1 = 11/10), so that the capacity is computed in
         # integers: 1.1 over an even share of 10 keeps 11 (in floats 11.000000000000002, and 12 were kept)
@@ -203,8 +204,12 @@ class MoE(nn.Module):
             order = order[rank_in_expert < capacity]
             counts = counts.clamp(max=capacity)
         token = order // self.top_k
-        y = self.run_experts(flat[token], counts)
-        y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
+        weight = weights.flatten()[order].unsqueeze(-1)  # (routed slots, 1) fp32
+        if self.scale_input:  # Llama 4: each expert sees its tokens times their weights
+            y = self.run_experts((flat[token] * weight).to(flat.dtype), counts)
+        else:
+            y = self.run_experts(flat[token], counts)
+            y = y * weight.to(y.dtype)
         out = torch.zeros(flat.shape, dtype=y.dtype, device=x.device).index_add_(0, token, y)
         if self.shared is not None:
             out = out + self.shared(flat)

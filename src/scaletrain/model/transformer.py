@@ -41,6 +41,7 @@ from scaletrain.model.layers import RMSNorm, apply_rope
 from scaletrain.model.mla import LatentAttention
 from scaletrain.model.mlp import MLP
 from scaletrain.model.moe import MoE
+from scaletrain.model.nope import QueryScale, l2_heads, temperature_table
 from scaletrain.model.sinks import sink_attention
 from scaletrain.model.window import Window, block_window, causal_allows, local_attention
 from scaletrain.model.yarn import attention_factor, yarn_frequencies
@@ -110,6 +111,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(k_width, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
         # gpt-oss: a learned logit per query head in each softmax's denominator (model/sinks.py)
         self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attn_sinks else None
+        self.l2_eps = cfg.norm_eps if cfg.qk_l2_norm else None  # Llama 4's weightless q/k norm (model/nope.py)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: tuple[KVCache, str] | None = None, *, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,8 +129,12 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim)
         if self.q_norm is not None and self.norm_heads:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
+        if isinstance(rope, QueryScale):  # a no-rope block's query temperature (Llama 4)
+            q = rope.apply(q)
+        elif rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            if self.l2_eps is not None:  # (Llama 4: after the rotation, in the rotary blocks only)
+                q, k = l2_heads(q, self.l2_eps), l2_heads(k, self.l2_eps)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
         if cache is not None:
             y = self._cached(q, k, v, *cache)
@@ -266,6 +272,8 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(local_rope(cfg))
             self.register_buffer("rope_local_cos", cos, persistent=False)
             self.register_buffer("rope_local_sin", sin, persistent=False)
+        if cfg.attn_temperature:  # Llama 4: the no-rope blocks' query factor of each position
+            self.register_buffer("attn_temp", temperature_table(cfg), persistent=False)
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """After `to_empty` from the meta device: re-tie the head to the embedding (`to_empty`
@@ -277,6 +285,8 @@ class Transformer(nn.Module):
             self.rope_cos, self.rope_sin = cos, sin
         if self.cfg.rope_local_theta:
             self.rope_local_cos, self.rope_local_sin = rope_tables(local_rope(self.cfg), device=self.rope_cos.device)
+        if self.cfg.attn_temperature:
+            self.attn_temp = temperature_table(self.cfg, device=self.rope_cos.device)
         for m in self.modules():
             if isinstance(m, MoE):
                 m.reset_state()
@@ -321,8 +331,10 @@ class Transformer(nn.Module):
         rope = _tables(getattr(self, "rope_cos", None), getattr(self, "rope_sin", None), past, positions)
         local = _tables(getattr(self, "rope_local_cos", None), getattr(self, "rope_local_sin", None), past,
                         positions) if self.cfg.rope_local_theta else rope
+        nope = _query_scale(getattr(self, "attn_temp", None), past, positions)
         for name, block in self.layers.items():
             r = local if self.cfg.is_local_block(int(name)) else rope
+            r = nope if self.cfg.is_nope_block(int(name)) else r
             if cache is not None:
                 h = block(h, r, cache=(cache, name))
             else:
@@ -345,6 +357,14 @@ def _tables(cos: torch.Tensor | None, sin: torch.Tensor | None, past: int,
     if cos is None:
         return None
     return (cos[past:], sin[past:]) if positions is None else (cos[positions], sin[positions])
+
+
+def _query_scale(table: torch.Tensor | None, past: int, positions: torch.Tensor | None) -> QueryScale | None:
+    """What a no-rope block gets in place of rotary tables: its query temperature from position
+    `past` on (or at each sequence's own `positions`), or None (no temperature: nothing at all)."""
+    if table is None:
+        return None
+    return QueryScale(table[past:] if positions is None else table[positions])
 
 
 def document_ids(tokens: torch.Tensor, separator: int) -> torch.Tensor:

@@ -395,6 +395,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh, method: str, seq_len: int)
         model.rope_cos, model.rope_sin = model.rope_cos[positions], model.rope_sin[positions]
     if getattr(model, "rope_local_cos", None) is not None:  # (Gemma 3's sliding-window blocks)
         model.rope_local_cos, model.rope_local_sin = model.rope_local_cos[positions], model.rope_local_sin[positions]
+    if getattr(model, "attn_temp", None) is not None:  # (Llama 4's no-rope blocks: a query factor per position)
+        model.attn_temp = model.attn_temp[positions]
     if getattr(model, "pos_emb", None) is not None:
         model.pos_emb.register_forward_pre_hook(lambda module, args: (positions.to(args[0].device)[args[0]],))
 

@@ -65,7 +65,10 @@ LLAMA_BLOCK = {"attn_norm": "input_layernorm", "attn.wq": "self_attn.q_proj", "a
                "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj", "attn.q_norm": "self_attn.q_norm",
                "attn.k_norm": "self_attn.k_norm", "mlp_norm": "post_attention_layernorm",
                "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj", "mlp.w2": "mlp.down_proj",
-               "attn.sinks": "self_attn.sinks"}  # (a parameter of the attention module itself: gpt-oss)
+               "attn.sinks": "self_attn.sinks",  # (a parameter of the attention module itself: gpt-oss)
+               # a mixture's shared experts, one MLP (Llama 4's files name it their own way: its view)
+               "moe.shared.w1": "mlp.shared_expert.gate_proj", "moe.shared.w3": "mlp.shared_expert.up_proj",
+               "moe.shared.w2": "mlp.shared_expert.down_proj"}
 LLAMA_TOP = {"tok_emb": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
 LLAMA_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")  # a Llama name inside block i
 
@@ -120,6 +123,11 @@ class Family:
         """Whether a checkpoint with these tensor names is laid out as this family's own (and not
         as Llama's, which every Llama-like shares)."""
         return False
+
+    def llama_view(self, source: Mapping[str, torch.Tensor], cfg: ModelConfig) -> Mapping[str, torch.Tensor] | None:
+        """Its checkpoint `source` under Llama's names and layouts, for a family whose tensors differ
+        from Llama's by more than fused rows (Llama 4); None: `fused_key` says it all."""
+        return None
 
     # fused tensors (GPT-NeoX, Phi-3): a checkpoint's names seen as Llama's
     fused: ClassVar[bool] = False  # some of its tensors hold several of Llama's (fused_key says which rows)
@@ -322,7 +330,8 @@ def complete(out: dict[str, Any]) -> dict[str, Any]:
                 qk_norm_scope="head",
                 norm_placement="pre", norm_unit_offset=False, parallel_residual=False, embed_scale=False,
                 rotary_fraction=1.0, export_as="auto", global_every=0, rope_local_theta=0.0, attn_scale_dim=0,
-                attn_softcap=0.0, logit_softcap=0.0,
+                attn_softcap=0.0, logit_softcap=0.0, attn_chunk=0, nope_every=0, qk_l2_norm=False,
+                attn_temperature=0.0, attn_temperature_floor=ModelConfig.attn_temperature_floor,
                 **{f.name: f.default for f in dataclasses.fields(ModelConfig)
                    if f.name.startswith(("moe_", "mla_")) or f.name in YARN_FIELDS})
     return {**base, **out}

@@ -3,7 +3,7 @@ each query's denominator once, with its gradient (against the softmax written by
 and a full block); a gpt-oss-shaped model made here and a GptOssForCausalLM imported from
 transformers train like one process under ZeRO-3, tp 2 (with sp), pp 2, ep 2 and cp 2 (ring,
 all-gather, Ulysses), step by step and in their final weights; and `scaletrain verify` passes them.
-The one-process model is held to transformers' logits and gradients in tests/model/test_gpt_oss.py."""
+The one-process model is held to transformers' logits and gradients in test_gpt_oss.py beside it."""
 
 from __future__ import annotations
 
