@@ -111,6 +111,18 @@ def test_import_then_export_matches_transformers(name, tmp_path, tokens):
     assert torch.equal(logits(ours_from(tmp_path / "out"), tokens), logits(ours, tokens))
 
 
+@pytest.mark.parametrize("yarn", [dict(truncate=False), dict(mscale=0.7, mscale_all_dim=0.3)],
+                         ids=["fractional-ramp", "mscales"])
+def test_yarn_rotary_scaling_matches_transformers(yarn, tmp_path, tokens):
+    """rope_type yarn (model/yarn.py, DeepSeek-V3's and gpt-oss's) in Llama 4's rotary blocks: the
+    ramp between fractional pairs, and the attention factor of two mscales."""
+    rope = dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=16, **yarn)
+    hf = make_hf("interleaved", tmp_path / "hf", rope_parameters=rope)
+    ours = ours_from(tmp_path / "hf")
+    assert ours.cfg.rope_scaling == "yarn" and ours.cfg.rope_truncate == yarn.get("truncate", True)
+    assert (logits(ours, tokens) - logits(hf, tokens, hf=True)).abs().max() <= TOL
+
+
 def test_the_options_land_where_llama4_puts_them(tmp_path):
     make_hf("interleaved", tmp_path / "a")
     make_hf("unchunked-dense-first", tmp_path / "b")
