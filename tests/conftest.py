@@ -44,7 +44,8 @@ REPO = Path(__file__).resolve().parents[1]
 # too, so that a test module imports another's helpers by plain name from any folder (test_qlora uses
 # test_lora's), whichever files a run selects, and forked ranks (handed this sys.path) import a probe by
 # its module's name. dist_worker does the same for ranks started by the launcher.
-TEST_FOLDERS = sorted(p for p in (REPO / "tests").iterdir() if p.is_dir() and any(p.glob("test_*.py")))
+# (a folder inside a folder too: tests/model/families/ for scaletrain/model/families/)
+TEST_FOLDERS = sorted({p.parent for p in (REPO / "tests").rglob("test_*.py")} - {REPO / "tests"})
 sys.path.extend(str(p) for p in TEST_FOLDERS if str(p) not in sys.path)
 
 MICRO = {

@@ -33,8 +33,10 @@ from scaletrain.train.trainer import Trainer
 
 # a job's "module" and "probe" name a test module by its file's stem; the test files live in folders under
 # tests/ (tests/parallel/, ...), which a rank started by the launcher (its path: tests/ alone) gets here
-for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
-    if _folder.is_dir() and any(_folder.glob("test_*.py")) and str(_folder) not in sys.path:
+# (a folder inside a folder too: tests/model/families/)
+_TESTS = Path(__file__).resolve().parent
+for _folder in sorted({p.parent for p in _TESTS.rglob("test_*.py")} - {_TESTS}):
+    if str(_folder) not in sys.path:
         sys.path.append(str(_folder))
 
 

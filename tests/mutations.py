@@ -76,9 +76,15 @@ WINDOW_PARITY = f"{WP}::test_windowed_models_train_alike_under_cp_tp_and_pp"
 RO = "tests/rollout/test_local_engine.py"
 RS = "tests/rollout/test_sampling.py"
 ROL = "tests/rollout/test_rollout_layouts.py"
+GO = "tests/model/families/test_gpt_oss.py"
+GOP = "tests/model/families/test_gpt_oss_parallel.py"
 MU = "tests/optim/test_muon.py"
-DS = "tests/model/test_deepseek.py"
-DSP = "tests/parallel/test_deepseek_parallel.py"
+DS = "tests/model/families/test_deepseek.py"
+DSP = "tests/model/families/test_deepseek_parallel.py"
+L4 = "tests/model/families/test_llama4.py"
+L4_HF = f"{L4}::test_import_then_export_matches_transformers[interleaved]"
+L4_GENERATE = f"{L4}::test_generation_through_the_cache_picks_transformers_tokens"
+L4_PARITY = "tests/model/families/test_llama4_parallel.py::test_a_llama4_shaped_model_trains_alike_on_every_layout"
 MUP = "tests/optim/test_muon_parallel.py"
 
 MUTANTS = [
@@ -764,9 +770,57 @@ MUTANTS = [
            "allowed = causal_allows(window and Window(window.size + 1, window.chunked), "
            "chunk_positions(seq, n, rank, q.device)", (f"{WINDOW_PARITY}[2ranks]",)),
     Mutant("cp-ulysses-window-one-wider", "Ulysses attention lets a query see one key more than the window",
-           "src/scaletrain/parallel/context_parallel.py", "local_attention(q, k, v, window, None, _sdpa)",
-           "local_attention(q, k, v, Window(window.size + 1, window.chunked), None, _sdpa)",
+           "src/scaletrain/parallel/context_parallel.py", "local_attention(q, k, v, window, None, kernel)",
+           "local_attention(q, k, v, Window(window.size + 1, window.chunked), None, kernel)",
            (f"{WINDOW_PARITY}[2ranks]",)),
+    # gpt-oss: the sink left out of the denominator, one path at a time, and the SwiGLU's clamp dropped
+    Mutant("sink-left-out-of-one-process-attention", "plain, windowed, soft-capped, packed and cached attention "
+           "leave the sink out of the softmax's denominator", "src/scaletrain/model/sinks.py",
+           "torch.cat((scores, sink), dim=-1)", "torch.cat((scores, sink - float('inf')), dim=-1)",
+           (f"{GO}::test_every_attention_path_puts_the_sink_in_the_denominator_with_its_gradient[sliding]",
+            f"{GO}::test_import_export_and_gradients_match_transformers[alternating]",
+            f"{GO}::test_a_sink_takes_its_share_of_equal_scores")),
+    Mutant("sink-left-out-of-ring-attention", "ring attention merges its blocks without the sink",
+           "src/scaletrain/parallel/context_parallel.py",
+           "        if sinks is not None:  # once, after every block", "        if False:  # once, after every block",
+           (f"{GOP}::test_context_parallel_attention_with_sinks_is_the_softmax_by_hand[ring]",)),
+    Mutant("sink-once-per-ring-block", "ring attention adds the sink into every block's partial softmax, not once",
+           "src/scaletrain/parallel/context_parallel.py",
+           "            out, lse = _merge(out, lse, *_block_forward(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], "
+           "heads), allowed))\n",
+           "            out, lse = _merge(out, lse, *(_block_forward(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], "
+           "heads), allowed) if sinks is None else fold_sink(*_block_forward(q, _repeat_kv(kv[0], heads), "
+           "_repeat_kv(kv[1], heads), allowed), sinks)))\n",
+           (f"{GOP}::test_context_parallel_attention_with_sinks_is_the_softmax_by_hand[ring]",)),
+    Mutant("sink-gradient-dropped-by-ring", "ring attention's backward gives the sinks no gradient",
+           "src/scaletrain/parallel/context_parallel.py",
+           "        d_sinks = sink_gradient(sinks, lse, delta) if sinks is not None else None\n"
+           "        return d_q.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), d_sinks, None, None, None, None, "
+           "None",
+           "        d_sinks = None\n"
+           "        return d_q.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), d_sinks, None, None, None, None, "
+           "None", (f"{GOP}::test_context_parallel_attention_with_sinks_is_the_softmax_by_hand[ring]",)),
+    Mutant("sink-left-out-of-allgather-attention", "all-gather attention leaves the sink out of the denominator",
+           "src/scaletrain/parallel/context_parallel.py",
+           "        if sinks is not None:\n            out, lse = fold_sink(out, lse, sinks)\n",
+           "        if False:\n            out, lse = fold_sink(out, lse, sinks)\n",
+           (f"{GOP}::test_context_parallel_attention_with_sinks_is_the_softmax_by_hand[allgather]",)),
+    Mutant("sink-left-out-of-ulysses-attention", "Ulysses attention runs its heads without their sinks",
+           "src/scaletrain/parallel/context_parallel.py", "kernel = _sdpa if sinks is None else",
+           "kernel = _sdpa if True else",
+           (f"{GOP}::test_context_parallel_attention_with_sinks_is_the_softmax_by_hand[ulysses]",)),
+    Mutant("sink-of-another-rank-under-tp", "tensor parallelism gives each rank the sinks of the first heads",
+           "src/scaletrain/parallel/tensor_parallel.py", "    return attn.sinks.to_local()",
+           "    return attn.sinks.full_tensor()[:attn.sinks.to_local().shape[0]]",
+           (f"{GOP}::test_gpt_oss_trains_alike_under_every_layout",)),
+    Mutant("swiglu-clamp-dropped", "gpt-oss's SwiGLU without its clamps", "src/scaletrain/model/mlp.py",
+           "    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)\n", "",
+           (f"{GO}::test_the_clamped_swiglu_is_gpt_oss_gate",
+            f"{GO}::test_import_export_and_gradients_match_transformers[alternating]")),
+    Mutant("expert-biases-not-split-by-ep", "expert parallelism leaves the experts' biases whole on every rank",
+           "src/scaletrain/parallel/expert_parallel.py",
+           'EXPERT_WEIGHTS = ("w1", "w2", "w3", "b1", "b2", "b3")', 'EXPERT_WEIGHTS = ("w1", "w2", "w3")',
+           (f"{GOP}::test_gpt_oss_trains_alike_under_every_layout",)),
     Mutant("tp-projection-norm-not-summed", "OLMo 2's q/k norms under tp take each rank's columns as the whole "
            "projection (no sum of squares over tp)", "src/scaletrain/parallel/tensor_parallel.py",
            "[Shard(args[0].dim() - 1)]", "[Replicate()]",
@@ -857,6 +911,36 @@ MUTANTS = [
            "        if self.group is None:\n            return mine\n",
            "        if True:\n            return mine\n",
            (f"{ROL}::test_two_ranks_sample_what_one_process_does[zero3]",)),
+    # Llama 4 (issue 52, point 3): each new part, against transformers, by hand and across layouts
+    Mutant("llama4-chunk-boundary-off-by-one", "chunked attention's chunks start one position late (held by Llama 4's "
+           "own logits and generation)", "src/scaletrain/model/window.py", "(q // self.size == k // self.size)",
+           "((q - 1) // self.size == (k - 1) // self.size)", (L4_HF, L4_GENERATE)),
+    Mutant("llama4-nope-blocks-rotate", "the no-rope blocks are given the rotary tables (and lose the temperature)",
+           "src/scaletrain/model/transformer.py", "r = nope if self.cfg.is_nope_block(int(name)) else r",
+           "r = r if self.cfg.is_nope_block(int(name)) else r", (L4_HF,)),
+    Mutant("llama4-router-weight-on-the-output", "the router's sigmoid weight scales the expert's output instead of "
+           "its input", "src/scaletrain/model/moe.py", "if self.scale_input:  # Llama 4",
+           "if not self.scale_input:  # Llama 4",
+           (L4_HF, f"{L4}::test_an_expert_scaled_at_its_input_by_hand")),
+    Mutant("llama4-temperature-one-position-early", "the query temperature counts positions from 0, not 1",
+           "src/scaletrain/model/nope.py", "torch.floor((p + 1.0) / cfg.attn_temperature_floor)",
+           "torch.floor(p / cfg.attn_temperature_floor)",
+           (L4_HF, f"{L4}::test_the_query_temperature_and_the_weightless_norm_by_hand")),
+    Mutant("llama4-l2-norm-in-the-no-rope-blocks", "the weightless q/k norm also acts in the no-rope blocks",
+           "src/scaletrain/model/transformer.py", "            q = rope.apply(q)\n",
+           "            q = rope.apply(l2_heads(q, self.l2_eps))\n            k = l2_heads(k, self.l2_eps)\n",
+           (L4_HF,)),
+    Mutant("llama4-cache-temperature-from-zero", "generation's cached steps take the temperature of positions from 0",
+           "src/scaletrain/model/transformer.py",
+           'nope = _query_scale(getattr(self, "attn_temp", None), past, positions)',
+           'nope = _query_scale(getattr(self, "attn_temp", None), 0, positions)', (L4_GENERATE,)),
+    Mutant("llama4-cp-temperature-not-cut", "under context parallelism the temperature table is left uncut: a rank "
+           "scales its tokens by the factors of positions 0, 1, ...", "src/scaletrain/parallel/context_parallel.py",
+           "model.attn_temp = model.attn_temp[positions]", "model.attn_temp = model.attn_temp  # uncut",
+           (L4_PARITY,)),
+    Mutant("llama4-export-keeps-rotate-half-rows", "the export writes q_proj and k_proj in rotate-half row order",
+           "src/scaletrain/model/families/llama4_text.py", "out[key] = interleaved(t, heads).contiguous()",
+           "out[key] = t.contiguous()", (L4_HF,)),
 ]
 
 

@@ -253,6 +253,8 @@ def one_line(excinfo) -> str:
      "rope_type 'longrope'; scaletrain implements default, linear, llama3 and yarn"),
     ("phi3", {"rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
      "rope_type 'su'; scaletrain implements default, linear, llama3 and yarn"),
+    ("phi3", {"rope_scaling": {"type": "yarn", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
+     "rope_type 'yarn', Phi-3's older name of longrope, which scaletrain lacks"),
     ("neox-parallel", {"attention_bias": False}, "attention_bias=false leaves attention without biases"),
     ("neox-parallel", {"hidden_act": "relu"}, "hidden_act='relu' is not supported"),
     ("olmo2", {"attention_bias": True}, "attention_bias=true puts a bias on the output projection too"),
@@ -306,7 +308,7 @@ def test_the_new_options_are_checked_and_refused_where_a_method_cannot_honour_th
         global_every=2)
     assert "model.rope_local_theta=1000 is the rotary base of the sliding-window blocks" in errors(
         position="rope", rope_local_theta=1000.0)
-    assert "model.activation=geglu: the experts of a mixture compute gelu or swiglu" in errors(
+    assert "model.activation=geglu: the experts of a mixture compute gelu, swiglu or swiglu_clamped" in errors(
         activation="geglu", moe_experts=4)
     capped = ModelConfig(attn_softcap=50.0, attn_scale_dim=24)
     (cp,) = Layout(cp=2).errors(capped, seq_len=32)

@@ -177,7 +177,7 @@ def test_the_planners_attention_flops_time_and_memory_follow_the_window():
     assert saved[plain] - saved[sliding] == 1 * 4 * 4096 * (4096 - (2 * 512 - 1)) * 2  # b·heads·T·(T - keys)·bf16
 
 
-def test_chunked_attention_is_checked_and_not_exported():
+def test_chunked_attention_is_checked_and_exported_as_llama4():
     from scaletrain.config import ModelConfig
     from scaletrain.model.hf_config import hf_family
 
@@ -186,9 +186,7 @@ def test_chunked_attention_is_checked_and_not_exported():
     assert e.value.lines == ["model.sliding_window=8 and model.attn_chunk=8 are two kinds of local attention; set "
                              "one of them"]
     assert load_config(None, {"model.attn_chunk": 8, "model.global_every": 4}).model.attn_chunk == 8
-    with pytest.raises(ConfigError, match=r"chunked attention \(model.attn_chunk\) is Llama 4's, a family scaletrain "
-                                          "does not export"):
-        hf_family(ModelConfig(position="rope", norm="rmsnorm", activation="swiglu", attn_chunk=8))
+    assert hf_family(ModelConfig(position="rope", norm="rmsnorm", activation="swiglu", attn_chunk=8)) == "llama4_text"
 
 
 def test_reading_a_config_and_counting_flops_load_no_torch():

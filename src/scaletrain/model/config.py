@@ -38,8 +38,14 @@ class ModelConfig:
                                            "(Gemma)")
     norm_eps: float = option(1e-5, "epsilon of the normalisation layers", min=0.0)
     activation: str = option("gelu", "MLP type: GELU with the tanh approximation (GPT-2), exact GELU (GPT-NeoX, "
-                                     "Pythia), SwiGLU (Llama) or GeGLU, gated by tanh-GELU (Gemma)",
-                             choices=("gelu", "gelu_exact", "swiglu", "geglu"))
+                                     "Pythia), SwiGLU (Llama), GeGLU, gated by tanh-GELU (Gemma), or gpt-oss's "
+                                     "clamped SwiGLU (swiglu_clamped: see swiglu_alpha and swiglu_limit)",
+                             choices=("gelu", "gelu_exact", "swiglu", "geglu", "swiglu_clamped"))
+    swiglu_alpha: float = option(1.702, "activation=swiglu_clamped: the gate's sigmoid gain, "
+                                        "g * sigmoid(alpha * g) (gpt-oss's swiglu_alpha)", min=0.0)
+    swiglu_limit: float = option(7.0, "activation=swiglu_clamped: the gate is clamped above at this, the up "
+                                      "projection to [-limit, limit], and the product is (up + 1) * gated "
+                                      "(gpt-oss's swiglu_limit)", min=0.0)
     parallel_residual: bool = option(False, "attention and MLP both read the block's input and their outputs are "
                                             "added to it together (GPT-NeoX, Pythia); false = one after the other")
     embed_scale: bool = option(False, "multiply the token embeddings by sqrt(dim) (Gemma)")
@@ -50,7 +56,8 @@ class ModelConfig:
                                          "(GPT-NeoX's rotary_pct, Phi's partial_rotary_factor)", min=0.0, max=1.0)
     rope_scaling: str = option("none", "stretch the rotary frequencies for long contexts: linear (all divided by "
                                        "rope_factor), llama3 (Llama 3.1: low frequencies only) or yarn (YaRN: a ramp "
-                                       "between the two, the rotated part scaled by its attention factor)",
+                                       "between the two by rotations per original context, the rotated part scaled by "
+                                       "its attention factor; DeepSeek-V3, gpt-oss)",
                                choices=("none", "linear", "llama3", "yarn"))
     rope_factor: float = option(1.0, "rope_scaling: how much longer the context gets", min=1.0)
     rope_low_freq_factor: float = option(1.0, "rope_scaling=llama3: wavelengths above original/this are divided "
@@ -62,7 +69,9 @@ class ModelConfig:
     rope_beta_fast: float = option(32.0, "rope_scaling=yarn: pairs turning more than this many times over the "
                                          "original context keep their speed", min=0.0)
     rope_beta_slow: float = option(1.0, "rope_scaling=yarn: pairs turning fewer times than this are divided by "
-                                        "rope_factor", min=0.0)
+                                        "rope_factor; those between blend the two", min=0.0)
+    rope_truncate: bool = option(True, "rope_scaling=yarn: round the blend's bounds to whole pairs (false: "
+                                       "gpt-oss)")
     rope_mscale: float = option(0.0, "rope_scaling=yarn: the attention factor on the rotated part is "
                                      "(1 + 0.1 mscale ln factor) / (1 + 0.1 mscale_all_dim ln factor) when both are "
                                      "set; 0 = 1 + 0.1 ln factor (DeepSeek-V3: 1)", min=0.0)
@@ -78,11 +87,23 @@ class ModelConfig:
     global_every: int = option(0, "every n-th block (counting from 1) attends to the whole sequence and the others "
                                   "within model.sliding_window (Gemma 2: 2, Gemma 3: 6) or model.attn_chunk (Llama 4: "
                                   "4); 0 = every block alike", min=0)
+    nope_every: int = option(0, "every n-th block (counting from 1) has no rotary positions: its queries and keys "
+                                "are not turned (Llama 4's no_rope_layers, every 4th; with model.attn_chunk these are "
+                                "the global blocks); 0 = every block rotates", min=0)
+    qk_l2_norm: bool = option(False, "scale each head of the queries and keys to unit RMS, without a weight, after the "
+                                     "rotation, in the rotary blocks only (Llama 4's use_qk_norm)")
+    attn_temperature: float = option(0.0, "the no-rope blocks (model.nope_every) multiply the query at position p by "
+                                          "1 + this * log(1 + floor((p + 1) / attn_temperature_floor)) (Llama 4's "
+                                          "attn_scale with attn_temperature_tuning); 0 = off", min=0.0)
+    attn_temperature_floor: int = option(8192, "model.attn_temperature: positions per step of the query scale "
+                                               "(Llama 4's floor_scale)", min=1)
     rope_local_theta: float = option(0.0, "rotary base of the sliding-window blocks, which rope_scaling leaves "
                                           "unscaled (Gemma 3's rope_local_base_freq); 0 = rope_theta and scaling "
                                           "alike in every block", min=0.0)
     attn_scale_dim: int = option(0, "the attention scores are divided by sqrt(this) rather than sqrt(head_dim) "
                                     "(Gemma's query_pre_attn_scalar); 0 = head_dim", min=0)
+    attn_sinks: bool = option(False, "a learned logit per query head joins each softmax's denominator as a key "
+                                     "with no value, so a query may attend to nothing (gpt-oss's attention sinks)")
     attn_softcap: float = option(0.0, "soft-cap the attention scores to (-c, c): c * tanh(score / c) before the "
                                       "softmax (Gemma 2); 0 = off. Attention then runs as plain matmuls, not "
                                       "scaled_dot_product_attention", min=0.0)
@@ -125,6 +146,9 @@ class ModelConfig:
     moe_renorm: bool = option(False, "rescale the chosen experts' scores to sum to 1 (Mixtral, Qwen3-MoE)")
     moe_route_scale: float = option(1.0, "factor on the routed experts' weighted sum (DeepSeek-V3's "
                                          "routed_scaling_factor)", min=0.0)
+    moe_bias: bool = option(False, "biases on the router's scores and on each expert's matrices (gpt-oss)")
+    moe_scale_input: bool = option(False, "the router's weight multiplies each chosen expert's input rather than its "
+                                          "output (Llama 4); through the expert's nonlinearity the two differ")
     moe_capacity_factor: float = option(0.0, "tokens an expert takes per micro-batch, as a multiple of an even "
                                              "share (tokens * top_k / experts); the rest are dropped and counted; "
                                              "0 = dropless", min=0.0)
@@ -152,7 +176,7 @@ class ModelConfig:
     @property
     def gated(self) -> bool:
         """Whether the MLP is gated (three matrices: SwiGLU, GeGLU) rather than plain (two)."""
-        return self.activation in ("swiglu", "geglu")
+        return self.activation in ("swiglu", "geglu", "swiglu_clamped")
 
     @property
     def rotary_dim(self) -> int:
@@ -178,6 +202,10 @@ class ModelConfig:
         than a global one."""
         return bool(self.global_every) and (index + 1) % self.global_every != 0
 
+    def is_nope_block(self, index: int) -> bool:
+        """Whether block `index` attends without rotary positions (model.nope_every)."""
+        return bool(self.nope_every) and (index + 1) % self.nope_every == 0
+
     def is_moe_block(self, index: int) -> bool:
         """Whether block `index` holds a mixture of experts rather than a dense MLP."""
         return bool(self.moe_experts) and index >= self.moe_first_dense and \
@@ -191,7 +219,7 @@ class ModelConfig:
     def hidden_dim(self) -> int:
         if self.ffn_dim:
             return self.ffn_dim
-        if self.activation in ("swiglu", "geglu"):
+        if self.gated:
             return 64 * math.ceil(8 * self.dim / 3 / 64)
         return 4 * self.dim
 
@@ -239,27 +267,28 @@ def check_model(m: ModelConfig) -> list[str]:
     if m.rope_scaling == "none" and m.rope_factor != 1.0:
         errors.append(f"model.rope_factor={m.rope_factor} does nothing without model.rope_scaling; "
                       "set rope_scaling to linear or llama3, or drop rope_factor")
-    llama3_only = [f"model.{k}" for k in ("rope_low_freq_factor", "rope_high_freq_factor")
-                   if getattr(m, k) != getattr(ModelConfig, k)]
-    if m.rope_scaling != "llama3" and llama3_only:
-        errors.append(f"{', '.join(llama3_only)} apply to model.rope_scaling=llama3 only; set it, or drop them")
-    yarn_only = [f"model.{k}" for k in ("rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim")
-                 if getattr(m, k) != getattr(ModelConfig, k)]
-    if m.rope_scaling != "yarn" and yarn_only:
-        errors.append(f"{', '.join(yarn_only)} apply to model.rope_scaling=yarn only; set it, or drop them")
-    original = m.rope_original_max_seq_len != ModelConfig.rope_original_max_seq_len
-    if m.rope_scaling not in ("llama3", "yarn") and original:
-        errors.append("model.rope_original_max_seq_len applies to model.rope_scaling=llama3 or yarn only; set one, "
-                      "or drop it")
+    for kind, keys in (("llama3", ("rope_low_freq_factor", "rope_high_freq_factor")),
+                       ("yarn", ("rope_beta_fast", "rope_beta_slow", "rope_truncate", "rope_mscale",
+                                 "rope_mscale_all_dim")),
+                       ("llama3 or yarn", ("rope_original_max_seq_len",))):
+        only = [f"model.{k}" for k in keys if getattr(m, k) != getattr(ModelConfig, k)]
+        if m.rope_scaling not in kind.split(" or ") and only:
+            errors.append(f"{', '.join(only)} apply to model.rope_scaling={kind} only; set it, or drop them")
+    if m.activation != "swiglu_clamped" and (m.swiglu_alpha, m.swiglu_limit) != (ModelConfig.swiglu_alpha,
+                                                                                  ModelConfig.swiglu_limit):
+        errors.append("model.swiglu_alpha and model.swiglu_limit shape activation=swiglu_clamped only; set it, or "
+                      "drop them")
     errors += _latent_errors(m) + _group_errors(m)
     if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
         errors.append(f"model.rope_scaling=llama3 needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
                       f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor}")
+    errors += _nope_errors(m)
     if m.qk_norm_scope != "head" and not m.qk_norm:
         errors.append(f"model.qk_norm_scope={m.qk_norm_scope} says what the q/k norms cover, but model.qk_norm=false; "
                       "set model.qk_norm=true, or drop qk_norm_scope")
-    if m.moe_experts and m.activation not in ("gelu", "swiglu"):
-        errors.append(f"model.activation={m.activation}: the experts of a mixture compute gelu or swiglu; "
+    if m.moe_experts and m.activation not in ("gelu", "swiglu", "swiglu_clamped"):
+        errors.append(f"model.activation={m.activation}: the experts of a mixture compute gelu, swiglu or "
+                      "swiglu_clamped; "
                       "set one of those, or model.moe_experts=0")
     if m.moe_experts and m.moe_top_k > m.moe_experts:
         errors.append(f"model.moe_top_k={m.moe_top_k} chooses more experts than model.moe_experts={m.moe_experts}; "
@@ -293,8 +322,8 @@ def _latent_errors(m: ModelConfig) -> list[str]:
         if m.n_kv_heads not in (0, m.n_heads):
             errors.append(f"model.n_kv_heads={m.n_kv_heads}: latent attention brings up keys and values for every "
                           "head from its latent; drop n_kv_heads")
-        ours = [f"model.{k}" for k in ("sliding_window", "attn_chunk", "attn_softcap", "qk_norm", "qkv_bias", "bias")
-                if getattr(m, k)]
+        ours = [f"model.{k}" for k in ("sliding_window", "attn_chunk", "attn_softcap", "attn_sinks", "qk_norm",
+                                             "qk_l2_norm", "nope_every", "qkv_bias", "bias") if getattr(m, k)]
         if ours or m.rotary_fraction != 1.0:
             errors.append(f"{', '.join(ours) or 'model.rotary_fraction'}: not implemented with latent attention "
                           "(model.mla_kv_rank); drop it, or set mla_kv_rank=0")
@@ -319,6 +348,25 @@ def _group_errors(m: ModelConfig) -> list[str]:
         return [f"model.moe_top_k={m.moe_top_k} is more than the {m.moe_topk_groups} open groups of "
                 f"{m.moe_experts // m.moe_groups} experts hold; raise moe_topk_groups or lower moe_top_k"]
     return []
+
+
+def _nope_errors(m: ModelConfig) -> list[str]:
+    """Problems of the no-rope blocks, the weightless q/k norm and the query temperature (Llama 4)."""
+    errors = []
+    if m.nope_every and m.position != "rope":
+        errors.append(f"model.nope_every={m.nope_every} leaves some blocks without rotary positions; it needs "
+                      "model.position=rope")
+    if m.qk_l2_norm and m.position != "rope":
+        errors.append("model.qk_l2_norm=true normalises the rotated queries and keys; it needs model.position=rope")
+    if m.qk_l2_norm and m.qk_norm:
+        errors.append("model.qk_l2_norm and model.qk_norm are two q/k norms; set one of them")
+    if m.attn_temperature and not m.nope_every:
+        errors.append(f"model.attn_temperature={m.attn_temperature:g} scales the queries of the no-rope blocks, but "
+                      "model.nope_every=0; set nope_every, or drop attn_temperature")
+    if m.attn_temperature_floor != ModelConfig.attn_temperature_floor and not m.attn_temperature:
+        errors.append(f"model.attn_temperature_floor={m.attn_temperature_floor} applies to model.attn_temperature "
+                      "only; set it, or drop attn_temperature_floor")
+    return errors
 
 
 def model_config(values: Mapping[str, Any], source: str = "model") -> ModelConfig:

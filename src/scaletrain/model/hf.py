@@ -1,8 +1,9 @@
 """Hugging Face in and out: the weights of GPT-2, Llama, Mistral, Qwen2, Qwen3, OLMo 2, GPT-NeoX,
-Phi-3, Gemma 2 and 3 and the mixtures of experts Mixtral, Qwen3-MoE, OLMoE and DeepSeek-V3 (their configs:
-scaletrain.model.hf_config; GPT-NeoX's and Phi-3's fused tensors: scaletrain.model.hf_fused). What
-differs per family (its tensor names, its fused tensors) is in its file under
-scaletrain.model.families; this module does the converting that is alike for all of them.
+Phi-3, Gemma 2 and 3 and the mixtures of experts Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, gpt-oss and Llama 4
+(their configs: scaletrain.model.hf_config; GPT-NeoX's and Phi-3's fused tensors: scaletrain.model.hf_fused;
+gpt-oss's packed experts: scaletrain.model.hf_packed). What differs per family (its tensor names, its fused
+tensors) is in its file under scaletrain.model.families; this module does the converting that is alike for all
+of them.
 
 Three things differ between a Hugging Face checkpoint and ours; each is converted here, both ways:
 
@@ -48,6 +49,7 @@ from scaletrain.model.hf_config import CONFIG_FILE, model_config_from_hf
 from scaletrain.model.hf_fused import FamilyView, Lazy
 from scaletrain.model.hf_fused import read_part as _read
 from scaletrain.model.hf_fused import shape_of as _shape_of
+from scaletrain.model.hf_packed import PackedExperts, pack, packed_key
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -58,7 +60,8 @@ INDEX_FILE = "model.safetensors.index.json"
 
 # (each family's names, ours -> theirs, are the `block` and `top` of its file in scaletrain.model.families)
 _NAME = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
-_EXPERTS = re.compile(r"^layers\.(\d+)\.moe\.(w1|w2|w3)$")  # our stacked expert matrices
+_EXPERTS = re.compile(r"^layers\.(\d+)\.moe\.(w1|w2|w3|b1|b2|b3)$")  # our stacked expert matrices (and biases)
+_LEAFLESS = re.compile(r"^layers\.(\d+)\.(.+)$")  # a parameter of a block's module itself (attn.sinks)
 # each expert's matrix in a file, by the module that holds the experts: ours -> Mixtral's
 # (block_sparse_moe), ours -> Qwen3-MoE's and OLMoE's (mlp)
 _EXPERT_LEAF = {"block_sparse_moe": {"w1": "w1", "w2": "w2", "w3": "w3"},
@@ -121,6 +124,8 @@ def _moe_style(keys) -> str:
     "mlp" (mlp.experts.E.gate_proj) or "fused" (mlp.experts.gate_up_proj, transformers 5's modules)."""
     if any(".block_sparse_moe." in k for k in keys):
         return "block_sparse_moe"
+    if any(k.endswith(".experts.gate_up_proj_bias") or ".mlp.router." in k for k in keys):
+        return "packed"  # (scaletrain.model.hf_packed)
     return "fused" if any(k.endswith(".experts.gate_up_proj") for k in keys) else "mlp"
 
 
@@ -128,15 +133,22 @@ def _expert_keys(i: str, matrix: str, experts: int, style: str) -> list[str]:
     """The file's tensor names for our `layers.{i}.moe.{matrix}`: one per expert, or the fused one."""
     if style == "fused":
         return [f"model.layers.{i}.mlp.experts.{'down_proj' if matrix == 'w2' else 'gate_up_proj'}"]
+    if style == "packed":
+        return [packed_key(i, matrix)]
     return [f"model.layers.{i}.{style}.experts.{e}.{_EXPERT_LEAF[style][matrix]}.weight" for e in range(experts)]
 
 
 def _hf_name(name: str, family: Family, style: str = "mlp") -> str:
     """Our tensor `name` as `family` names it (`style`: how its experts are named, _moe_style)."""
-    if name.endswith(".moe.router.weight"):  # the family's gate, beside its experts
-        i = name.split(".")[1]
-        return f"model.layers.{i}.{'mlp' if style == 'fused' else style}.gate.weight"
+    if ".moe.router." in name:  # the family's gate, beside its experts (packed experts': its router)
+        i, leaf = name.split(".")[1], name.rsplit(".", 1)[1]
+        if style == "packed":
+            return f"model.layers.{i}.mlp.router.{leaf}"
+        return f"model.layers.{i}.{'mlp' if style == 'fused' else style}.gate.{leaf}"
     m = _NAME.match(name)
+    if m is None and _LEAFLESS.match(name):
+        i, module = _LEAFLESS.match(name).groups()
+        return f"{family.layers}.{i}.{family.block[module]}"
     if m is None:
         module, leaf = name.rsplit(".", 1)
         return f"{family.top[module]}.{leaf}"
@@ -175,6 +187,7 @@ def hf_state_dict(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
     family = family_of_model(cfg)
     gpt2, style = family.conv1d, family.expert_style
     out: dict[str, torch.Tensor] = {}
+    packed: dict[str, dict[str, torch.Tensor]] = {}  # layer -> its expert tensors (the packed style)
     for name in _expected(cfg):
         if name not in weights:
             raise CheckpointError(f"no tensor {name} among the weights to export")
@@ -182,6 +195,9 @@ def hf_state_dict(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
         if cfg.tie_embeddings and name == "output.weight":
             continue
         experts = _EXPERTS.match(name)
+        if experts and style == "packed":  # put together once the layer's are all here
+            packed.setdefault(experts.group(1), {})[experts.group(2)] = t
+            continue
         if experts:  # one matrix per expert, as transformers saves them
             keys = _expert_keys(experts.group(1), experts.group(2), cfg.moe_experts, style)
             out.update({key: part.contiguous() for key, part in zip(keys, t.unbind(0), strict=True)})
@@ -195,6 +211,8 @@ def hf_state_dict(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
         if gpt2 and m and m.group(3) == "weight" and "norm" not in m.group(2):
             t = t.t()  # Conv1D keeps (in, out)
         out[_hf_name(name, family, style)] = t.contiguous()
+    for layer, tensors in packed.items():
+        out.update(pack(layer, tensors))
     for name, key in _routing_biases(cfg, family).items():  # zeros where the weights come without them
         out[key] = weights[name].detach().float().contiguous() if name in weights else torch.zeros(cfg.moe_experts)
     return family.saved(out, weights, cfg)  # its fused tensors put together
@@ -206,8 +224,9 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
     `model.` prefix) as our parameters for `cfg`, each checked for its shape. A tensor the model
     has no place for is refused unless it is all zeros (a bias the model leaves out)."""
     layout = layout_of(hf)
-    if layout is not None and layout.fused:  # GPT-NeoX, Phi-3: their fused tensors seen as Llama's
-        hf = FamilyView(hf, _llama_keys(cfg), cfg, layout)
+    if layout is not None and layout.fused:  # GPT-NeoX, Phi-3: their fused tensors seen as Llama's (Llama 4: more)
+        view = layout.llama_view(hf, cfg)
+        hf = view if view is not None else FamilyView(hf, _llama_keys(cfg), cfg, layout)
     names = layout if layout is not None and layout.conv1d else naming(cfg)
     gpt2 = names.conv1d  # GPT-2's Conv1D layout: q, k, v fused in c_attn, weights transposed
     style = _moe_style(hf) if cfg.moe_experts else "mlp"
@@ -243,6 +262,9 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
         if _EXPERTS.match(name):
             i, matrix = _EXPERTS.match(name).groups()
             keys = [take(k, name) for k in _expert_keys(i, matrix, cfg.moe_experts, style)]
+            if style == "packed":
+                experts[name] = PackedExperts(hf, keys[0], matrix, dtype)
+                continue
             experts[name] = _Experts(hf, keys, cfg.expert_hidden if matrix == "w3" and style == "fused" else 0,
                                      cfg.expert_hidden if matrix != "w2" and style == "fused" else 0, dtype)
             continue
@@ -459,7 +481,8 @@ class _SafetensorsFiles(Lazy):
 _SAME_MATH = ("norm", "norm_eps", "activation", "position", "rope_theta", "qk_norm", "qk_norm_scope", "head_dim",
               "moe_top_k", "moe_score", "moe_renorm", "moe_route_scale", "norm_placement", "norm_unit_offset",
               "parallel_residual", "embed_scale", "rotary_fraction", "attn_scale_dim", "attn_softcap", "logit_softcap",
-              "rope_local_theta", "global_every")
+              "rope_local_theta", "global_every", "attn_sinks", "swiglu_alpha", "swiglu_limit", "moe_bias",
+              "attn_chunk", "nope_every", "qk_l2_norm", "attn_temperature", "attn_temperature_floor", "moe_scale_input")
 
 
 def load_hf_weights(source: str | Path, model_cfg: ModelConfig,

@@ -13,16 +13,9 @@ import torch
 
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.families import Family
+from scaletrain.model.lazy import Lazy, read_part, shape_of
 
-
-class Lazy(Mapping):
-    """Tensors by name that are read when asked for, a part at a time (`read`) if need be."""
-
-    def read(self, key: str, index: tuple) -> torch.Tensor:
-        raise NotImplementedError
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        raise NotImplementedError
+__all__ = ["FamilyView", "Lazy", "read_part", "shape_of"]  # (the protocol lives in scaletrain.model.lazy)
 
 
 class FamilyView(Lazy):
@@ -79,12 +72,3 @@ class FamilyView(Lazy):
 
     def __len__(self) -> int:
         return len(self.parts)
-
-
-def read_part(tensors: Mapping[str, torch.Tensor], key: str, index: tuple) -> torch.Tensor:
-    """tensors[key][index], reading only that part where the source is a file (or a view of one)."""
-    return tensors.read(key, index) if isinstance(tensors, Lazy) else tensors[key][index]
-
-
-def shape_of(tensors: Mapping[str, torch.Tensor], key: str) -> tuple[int, ...]:
-    return tensors.shape(key) if isinstance(tensors, Lazy) else tuple(tensors[key].shape)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.model.config import ModelConfig
-from scaletrain.model.mlp import MLP
+from scaletrain.model.mlp import MLP, glu_of
 
 # counters each layer keeps over an optimizer step (sums over micro-batches; the step's hook
 # reduces them over ranks and clears them): tokens per expert, then the scalars below
@@ -67,20 +67,33 @@ def _grouped_eager(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, coun
 
 
 def expert_mlp(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None,
-               loop: bool = False) -> torch.Tensor:
+               loop: bool = False, *, biases: tuple = (None, None, None), glu=None) -> torch.Tensor:
     """The experts' MLPs over tokens grouped by expert: x (tokens, dim), counts (experts,) the
-    size of each group; w1, w3 (experts, hidden, dim), w2 (experts, dim, hidden). SwiGLU when w3
-    is given, GELU otherwise. `loop`: a per-expert loop instead of the grouped matmul (the
+    size of each group; w1, w3 (experts, hidden, dim), w2 (experts, dim, hidden), and `biases`
+    (b1, b2, b3) of (experts, out) each or None. Gated when w3 is given (`glu`(gate, up), SwiGLU
+    if None), GELU otherwise. `loop`: a per-expert loop instead of the grouped matmul (the
     reference the benchmark compares against)."""
     offsets = counts.cumsum(0).to(torch.int32)
     split = counts.tolist() if loop else None
     if torch.is_autocast_enabled(x.device.type):  # a grouped matmul is not on autocast's lists
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w1, w2, w3 = (t.to(dtype) if t is not None else None for t in (x, w1, w2, w3))
+        biases = tuple(b.to(dtype) if b is not None else None for b in biases)
     grouped = _grouped_eager if torch.compiler.is_compiling() and x.dtype != torch.bfloat16 else _grouped
-    h = grouped(x, w1, offsets, split)
-    h = F.silu(h) * grouped(x, w3, offsets, split) if w3 is not None else F.gelu(h, approximate="tanh")
-    return grouped(h, w2, offsets, split)
+    expert = torch.arange(len(counts), device=x.device).repeat_interleave(counts) if any(
+        b is not None for b in biases) else None  # each row's expert, for its bias
+
+    def linear(t: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        y = grouped(t, w, offsets, split)
+        return y if b is None else y + b[expert]
+
+    h = linear(x, w1, biases[0])
+    if w3 is not None:
+        up = linear(x, w3, biases[2])
+        h = glu(h, up) if glu is not None else F.silu(h) * up
+    else:
+        h = F.gelu(h, approximate="tanh")
+    return linear(h, w2, biases[1])
 
 
 class _AddLossGradient(torch.autograd.Function):
@@ -106,16 +119,22 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
         self.score, self.renorm, self.route_scale = cfg.moe_score, cfg.moe_renorm, cfg.moe_route_scale
         self.groups, self.topk_groups = cfg.moe_groups, cfg.moe_topk_groups
+        self.scale_input = cfg.moe_scale_input  # Llama 4: the weight scales the expert's input, not its output
         self.capacity_factor = cfg.moe_capacity_factor
         # the factor as the decimal it was written as (1.1 = 11/10), so that the capacity is computed in
         # integers: 1.1 over an even share of 10 keeps 11 (in floats 11.000000000000002, and 12 were kept)
         self.capacity_ratio = Fraction(str(cfg.moe_capacity_factor)).as_integer_ratio()
         self.aux_coef, self.z_coef = cfg.moe_aux_loss, cfg.moe_z_loss
         E, d, h = cfg.moe_experts, cfg.dim, cfg.expert_hidden
-        self.router = nn.Linear(d, E, bias=False)
+        self.router = nn.Linear(d, E, bias=cfg.moe_bias)
         self.w1 = nn.Parameter(torch.empty(E, h, d))
         self.w2 = nn.Parameter(torch.empty(E, d, h))
-        self.w3 = nn.Parameter(torch.empty(E, h, d)) if cfg.activation == "swiglu" else None
+        self.w3 = nn.Parameter(torch.empty(E, h, d)) if cfg.gated else None
+        # gpt-oss: a bias per expert on each matrix's output (b1 with w1, b2 with w2, b3 with w3)
+        self.b1 = nn.Parameter(torch.empty(E, h)) if cfg.moe_bias else None
+        self.b2 = nn.Parameter(torch.empty(E, d)) if cfg.moe_bias else None
+        self.b3 = nn.Parameter(torch.empty(E, h)) if cfg.moe_bias and cfg.gated else None
+        self.glu = glu_of(cfg)
         self.shared = MLP(cfg, hidden=cfg.moe_shared_experts * h) if cfg.moe_shared_experts else None
         # the routing bias is state (saved, resumed); the step's counters are not
         self.register_buffer("expert_bias", torch.zeros(E), persistent=True)
@@ -133,7 +152,8 @@ class MoE(nn.Module):
         their weights (tokens, top_k) fp32). The router runs in fp32 whatever the precision: a
         bf16 score tie decides an expert."""
         with torch.autocast(x.device.type, enabled=False):  # autocast would run the matmul in bf16
-            logits = F.linear(x.float(), self.router.weight.float())
+            bias = self.router.bias.float() if self.router.bias is not None else None
+            logits = F.linear(x.float(), self.router.weight.float(), bias)
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         # the bias steers the choice only; the weights are the scores themselves
         biased = scores.detach() + self.expert_bias
@@ -159,7 +179,7 @@ class MoE(nn.Module):
     def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Tokens grouped by expert (counts: the size of each expert's group) -> their outputs in the
         same order. Expert parallelism replaces this method on the instance."""
-        return expert_mlp(x, counts, self.w1, self.w2, self.w3)
+        return expert_mlp(x, counts, self.w1, self.w2, self.w3, biases=(self.b1, self.b2, self.b3), glu=self.glu)
 
     def sequence_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """counts (sequences, experts): this process's tokens' choices of each expert, per
@@ -184,8 +204,12 @@ class MoE(nn.Module):
             order = order[rank_in_expert < capacity]
             counts = counts.clamp(max=capacity)
         token = order // self.top_k
-        y = self.run_experts(flat[token], counts)
-        y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
+        weight = weights.flatten()[order].unsqueeze(-1)  # (routed slots, 1) fp32
+        if self.scale_input:  # Llama 4: each expert sees its tokens times their weights
+            y = self.run_experts((flat[token] * weight).to(flat.dtype), counts)
+        else:
+            y = self.run_experts(flat[token], counts)
+            y = y * weight.to(y.dtype)
         out = torch.zeros(flat.shape, dtype=y.dtype, device=x.device).index_add_(0, token, y)
         if self.shared is not None:
             out = out + self.shared(flat)

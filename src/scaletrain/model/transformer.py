@@ -41,6 +41,8 @@ from scaletrain.model.layers import RMSNorm, apply_rope
 from scaletrain.model.mla import LatentAttention
 from scaletrain.model.mlp import MLP
 from scaletrain.model.moe import MoE
+from scaletrain.model.nope import QueryScale, l2_heads, temperature_table
+from scaletrain.model.sinks import sink_attention
 from scaletrain.model.window import Window, block_window, causal_allows, local_attention
 from scaletrain.model.yarn import attention_factor, yarn_frequencies
 
@@ -107,6 +109,9 @@ class Attention(nn.Module):
                                                                          cfg.kv_heads * self.head_dim)
         self.q_norm = RMSNorm(q_width, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(k_width, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
+        # gpt-oss: a learned logit per query head in each softmax's denominator (model/sinks.py)
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attn_sinks else None
+        self.l2_eps = cfg.norm_eps if cfg.qk_l2_norm else None  # Llama 4's weightless q/k norm (model/nope.py)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: tuple[KVCache, str] | None = None, *, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,8 +129,12 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim)
         if self.q_norm is not None and self.norm_heads:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
+        if isinstance(rope, QueryScale):  # a no-rope block's query temperature (Llama 4)
+            q = rope.apply(q)
+        elif rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            if self.l2_eps is not None:  # (Llama 4: after the rotation, in the rotary blocks only)
+                q, k = l2_heads(q, self.l2_eps), l2_heads(k, self.l2_eps)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
         if cache is not None:
             y = self._cached(q, k, v, *cache)
@@ -159,12 +168,21 @@ class Attention(nn.Module):
     def _kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 causal: bool) -> torch.Tensor:
         """Attention over the keys given, as `mask` or causality allow. Soft-capped scores (Gemma 2)
-        are computed as plain matmuls, as transformers' eager attention does: no fused kernel caps them."""
+        are computed as plain matmuls, as transformers' eager attention does: no fused kernel caps them;
+        so are scores with sinks (model/sinks.py)."""
+        if self.sinks is not None:
+            return sink_attention(q, k, v, self.sink_logits(), mask, causal, scale=self.scale, softcap=self.softcap,
+                                  dropout=self.dropout if self.training else 0.0)
         if self.softcap:
             return self._capped(q, k, v, mask, causal)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=q.shape[1] != k.shape[1], scale=self.scale)
+
+    def sink_logits(self) -> torch.Tensor:
+        """The sinks of the query heads this module computes (tensor parallelism replaces this
+        method on the instance with its rank's share)."""
+        return self.sinks
 
     def _capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 causal: bool) -> torch.Tensor:
@@ -254,6 +272,8 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(local_rope(cfg))
             self.register_buffer("rope_local_cos", cos, persistent=False)
             self.register_buffer("rope_local_sin", sin, persistent=False)
+        if cfg.attn_temperature:  # Llama 4: the no-rope blocks' query factor of each position
+            self.register_buffer("attn_temp", temperature_table(cfg), persistent=False)
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """After `to_empty` from the meta device: re-tie the head to the embedding (`to_empty`
@@ -265,6 +285,8 @@ class Transformer(nn.Module):
             self.rope_cos, self.rope_sin = cos, sin
         if self.cfg.rope_local_theta:
             self.rope_local_cos, self.rope_local_sin = rope_tables(local_rope(self.cfg), device=self.rope_cos.device)
+        if self.cfg.attn_temperature:
+            self.attn_temp = temperature_table(self.cfg, device=self.rope_cos.device)
         for m in self.modules():
             if isinstance(m, MoE):
                 m.reset_state()
@@ -275,7 +297,7 @@ class Transformer(nn.Module):
         if "norm" in name.rsplit(".", 2)[-2]:  # (a (1 + w) RMSNorm is the identity at w = 0)
             ones = leaf == "weight" and not (self.cfg.norm_unit_offset and self.cfg.norm == "rmsnorm")
             return InitRule("ones") if ones else InitRule("zeros")
-        if leaf == "bias":
+        if leaf in ("bias", "b1", "b2", "b3"):  # (b1, b2, b3: the experts' biases, gpt-oss)
             return InitRule("zeros")
         if name.endswith(("attn.wo.weight", "mlp.w2.weight", "moe.w2", "shared.w2.weight")):
             # GPT-2: scale the projections into the residual stream by 1/sqrt(2 * n_layers)
@@ -309,8 +331,10 @@ class Transformer(nn.Module):
         rope = _tables(getattr(self, "rope_cos", None), getattr(self, "rope_sin", None), past, positions)
         local = _tables(getattr(self, "rope_local_cos", None), getattr(self, "rope_local_sin", None), past,
                         positions) if self.cfg.rope_local_theta else rope
+        nope = _query_scale(getattr(self, "attn_temp", None), past, positions)
         for name, block in self.layers.items():
             r = local if self.cfg.is_local_block(int(name)) else rope
+            r = nope if self.cfg.is_nope_block(int(name)) else r
             if cache is not None:
                 h = block(h, r, cache=(cache, name))
             else:
@@ -333,6 +357,14 @@ def _tables(cos: torch.Tensor | None, sin: torch.Tensor | None, past: int,
     if cos is None:
         return None
     return (cos[past:], sin[past:]) if positions is None else (cos[positions], sin[positions])
+
+
+def _query_scale(table: torch.Tensor | None, past: int, positions: torch.Tensor | None) -> QueryScale | None:
+    """What a no-rope block gets in place of rotary tables: its query temperature from position
+    `past` on (or at each sequence's own `positions`), or None (no temperature: nothing at all)."""
+    if table is None:
+        return None
+    return QueryScale(table[past:] if positions is None else table[positions])
 
 
 def document_ids(tokens: torch.Tensor, separator: int) -> torch.Tensor:

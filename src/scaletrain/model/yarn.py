@@ -1,7 +1,8 @@
 """YaRN rotary scaling (Peng et al. 2023), as DeepSeek-V3 and gpt-oss use it: the pairs that turn
 many times over the original context keep their speed, those that turn few times are divided by
 the factor, a linear ramp between; and the rotated coordinates are multiplied by an attention
-factor (so the rotary part of each score by its square). Latent attention (model/mla.py) also
+factor (so the rotary part of each score by its square); gpt-oss leaves the ramp's bounds
+fractional (rope_truncate=false) and takes the plain factor 1 + 0.1 ln(factor). Latent attention (model/mla.py) also
 multiplies its softmax scale by `softmax_mscale`, as DeepSeek does."""
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ def yarn_frequencies(cfg: ModelConfig, freq: torch.Tensor) -> torch.Tensor:
     def pair(rotations: float) -> float:  # the pair index that turns `rotations` times over the original context
         return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(pair(cfg.rope_beta_fast)), 0)
-    high = min(math.ceil(pair(cfg.rope_beta_slow)), d - 1)
+    low, high = pair(cfg.rope_beta_fast), pair(cfg.rope_beta_slow)
+    if cfg.rope_truncate:  # whole pairs (transformers' default truncate=True); gpt-oss keeps the fractions
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
     if low == high:
         high += 0.001  # (a ramp of zero width)
     ramp = ((torch.arange(d // 2, dtype=torch.float32, device=freq.device) - low) / (high - low)).clamp(0, 1)

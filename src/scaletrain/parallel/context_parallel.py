@@ -20,6 +20,11 @@ does), TILE query rows at a time.
              sequence for heads/cp of the heads, and a second all-to-all swaps back. Needs the
              heads (per tensor-parallel rank) divisible by cp; K/V heads fewer than cp are copied.
 
+Attention sinks (gpt-oss, model/sinks.py) join each query's denominator once: ring and allgather
+fold them into the merged output and its log-sum-exp after the last block (and give the sinks
+their gradient from that log-sum-exp in backward); Ulysses runs the one-process kernel with the
+sinks of the heads it holds.
+
 A window (sliding or chunked, model/window.py) narrows each method's mask at the tokens' true
 positions: ring skips the scores of a block the window excludes whole (its K/V still passes on),
 allgather masks the gathered keys, and Ulysses runs the one-process windowed kernel on its heads.
@@ -51,6 +56,7 @@ from torch import nn
 from scaletrain.hooks import StepHook, sum_gradients
 from scaletrain.model.mla import LatentAttention
 from scaletrain.model.moe import MoE
+from scaletrain.model.sinks import fold_sink, sink_attention, sink_gradient
 from scaletrain.model.transformer import Attention
 from scaletrain.model.window import Window, causal_allows, local_attention
 from scaletrain.parallel.moe_balance import summed_over
@@ -199,7 +205,7 @@ class _RingAttention(torch.autograd.Function):
     travels with it, one more shift bringing each to its owner."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, rank, n, ranks, window):
+    def forward(ctx, q, k, v, sinks, group, rank, n, ranks, window):
         ctx.group, ctx.rank, ctx.n, ctx.ranks, ctx.window = group, rank, n, ranks, window
         seq, heads = q.shape[2] * n, q.shape[1]
         kv = torch.stack((k, v))  # one message per shift: (2, B, kv_heads, T_local, D)
@@ -211,12 +217,14 @@ class _RingAttention(torch.autograd.Function):
             if not allowed.any():  # a block the window (or causality) excludes whole: no scores
                 continue
             out, lse = _merge(out, lse, *_block_forward(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads), allowed))
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:  # once, after every block: the sink is per query, not per block
+            out, lse = fold_sink(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         group, rank, n, ranks = ctx.group, ctx.rank, ctx.n, ctx.ranks
         nxt, prev = ranks[(rank + 1) % n], ranks[(rank - 1) % n]
         seq, heads, kv_heads = q.shape[2] * n, q.shape[1], k.shape[1]
@@ -237,14 +245,15 @@ class _RingAttention(torch.autograd.Function):
             d_kv[1] += _fold_kv(d_v, kv_heads)
         if n > 1:  # this rank holds rank + 1's block; the previous rank holds this rank's
             d_kv = _shift(d_kv, group, nxt, prev)
-        return d_q.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), None, None, None, None, None
+        d_sinks = sink_gradient(sinks, lse, delta) if sinks is not None else None
+        return d_q.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), d_sinks, None, None, None, None, None
 
 
-def ring_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int],
-                   window: Window | None = None) -> torch.Tensor:
-    """Causal attention (within `window`, if any) of this rank's queries over the whole sequence;
-    (B, H, T_local, D) each (k and v may have fewer heads)."""
-    return _RingAttention.apply(q, k, v, group, rank, n, ranks, window)
+def ring_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int], window: Window | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention (within `window`, if any; with the heads' `sinks`, if any) of this rank's
+    queries over the whole sequence; (B, H, T_local, D) each (k and v may have fewer heads)."""
+    return _RingAttention.apply(q, k, v, sinks, group, rank, n, ranks, window)
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -259,37 +268,41 @@ class _AllGatherAttention(torch.autograd.Function):
         return kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # (2, B, kv_heads, seq, D), the ranks' tokens in rank order
 
     @staticmethod
-    def forward(ctx, q, k, v, group, rank, n, window):
+    def forward(ctx, q, k, v, sinks, group, rank, n, window):
         ctx.group, ctx.rank, ctx.n, ctx.window = group, rank, n, window
         seq, heads = q.shape[2] * n, q.shape[1]
         kv = _AllGatherAttention._whole(k, v, group, n)
         allowed = causal_allows(window, chunk_positions(seq, n, rank, q.device), all_positions(seq, n, q.device))
         # one block: every key
         out, lse = _block_forward(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads), allowed)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:
+            out, lse = fold_sink(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         group, rank, n = ctx.group, ctx.rank, ctx.n
         seq, heads, kv_heads = q.shape[2] * n, q.shape[1], k.shape[1]
         kv = _AllGatherAttention._whole(k, v, group, n)
         allowed = causal_allows(ctx.window, chunk_positions(seq, n, rank, q.device), all_positions(seq, n, q.device))
         d_out = d_out.float()
         d_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        delta = (d_out * out).sum(-1, keepdim=True)
         d_k, d_v = _block_backward(q, _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads), allowed, lse, d_out,
-                                   (d_out * out).sum(-1, keepdim=True), d_q)
+                                   delta, d_q)
         d_kv = torch.stack((_fold_kv(d_k, kv_heads), _fold_kv(d_v, kv_heads)))  # (2, B, kv_heads, seq, D)
         # (n, 2, B, kv_heads, T_local, D): part j is rank j's
         d_kv = d_kv.unflatten(3, (n, -1)).permute(3, 0, 1, 2, 4, 5)
         d_kv = _reduce_scatter(d_kv, group)
-        return d_q.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), None, None, None, None
+        d_sinks = sink_gradient(sinks, lse, delta) if sinks is not None else None
+        return d_q.to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), d_sinks, None, None, None, None
 
 
-def allgather_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int],
-                        window: Window | None = None) -> torch.Tensor:
-    return _AllGatherAttention.apply(q, k, v, group, rank, n, window)
+def allgather_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int], window: Window | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+    return _AllGatherAttention.apply(q, k, v, sinks, group, rank, n, window)
 
 
 def _to_heads(x: torch.Tensor, group, n: int) -> torch.Tensor:
@@ -313,8 +326,8 @@ def _sdpa(q, k, v, mask, causal) -> torch.Tensor:
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
-def ulysses_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int],
-                      window: Window | None = None) -> torch.Tensor:
+def ulysses_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int], window: Window | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     seq = q.shape[2] * n
     if k.shape[1] % n:  # fewer K/V heads than cp ranks (or not a multiple): each query head gets its own copy
         k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
@@ -322,21 +335,29 @@ def ulysses_attention(q, k, v, *, group, rank: int, n: int, ranks: list[int],
     # the window's tiles, if any: the one-process kernel)
     order = all_positions(seq, n, q.device).argsort()  # token at true position t: order[t]
     q, k, v = (_to_heads(t, group, n).index_select(2, order) for t in (q, k, v))
-    y = _sdpa(q, k, v, None, True) if window is None else local_attention(q, k, v, window, None, _sdpa)
+    kernel = _sdpa if sinks is None else partial(_sink_kernel, sinks.view(n, -1)[rank])  # this rank's heads' sinks
+    y = kernel(q, k, v, None, True) if window is None else local_attention(q, k, v, window, None, kernel)
     return _to_sequence(y.index_select(2, order.argsort()), group, n)
+
+
+def _sink_kernel(sinks, q, k, v, mask, causal) -> torch.Tensor:
+    return sink_attention(q, k, v, sinks, mask, causal)
 
 
 METHODS = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
 assert tuple(METHODS) == CP_METHODS
 
 
-def _attend(method, q, k, v, mask, causal, **where):
+def _attend(method, owner: nn.Module, q, k, v, mask, causal, **where):
     if mask is not None or not causal:  # generation with a cache: the trainer never samples under cp
         raise RuntimeError("context-parallel attention is causal attention over a whole sequence (no cache)")
-    return method(q, k, v, **where)  # (where: the group, this rank, and the block's window)
+    # (where: the group, this rank, and the block's window; the sinks asked for now, as data
+    # parallelism may have swapped the parameter since)
+    sinks = owner.sink_logits() if getattr(owner, "sinks", None) is not None else None  # (latent attention: none)
+    return method(q, k, v, sinks=sinks, **where)
 
 
-def _attend_narrow_values(method, q, k, v, mask, causal, factor: float = 1.0, **where):
+def _attend_narrow_values(method, owner: nn.Module, q, k, v, mask, causal, factor: float = 1.0, **where):
     """Latent attention (model/mla.py), whose values are narrower than its queries and keys: the
     values padded with zeros to the keys' width (the methods send K and V as one tensor), the
     output's extra columns (zeros) cut off. Costs the padding's share of V's bytes more. Its
@@ -345,7 +366,7 @@ def _attend_narrow_values(method, q, k, v, mask, causal, factor: float = 1.0, **
     v = F.pad(v, (0, k.shape[-1] - width))
     if factor != 1.0:
         q = q * factor
-    return _attend(method, q, k, v, mask, causal, **where)[..., :width]
+    return _attend(method, owner, q, k, v, mask, causal, **where)[..., :width]
 
 
 # --------------------------------------------------------------------------------------------
@@ -361,9 +382,9 @@ def apply_context_parallel(model: nn.Module, cp_mesh, method: str, seq_len: int)
     where = {"group": group, "rank": rank, "n": n, "ranks": [dist.get_global_rank(group, r) for r in range(n)]}
     for module in model.modules():  # (blocks may be wrapped for activation checkpointing)
         if isinstance(module, Attention):
-            module.attend = partial(_attend, METHODS[method], window=module.window, **where)
+            module.attend = partial(_attend, METHODS[method], module, window=module.window, **where)
         if isinstance(module, LatentAttention):  # its scale over the methods' 1/√head_dim: YaRN's mscale²
-            module.attend = partial(_attend_narrow_values, METHODS[method], window=module.window,
+            module.attend = partial(_attend_narrow_values, METHODS[method], module, window=module.window,
                                     factor=module.scale * math.sqrt(module.head_dim), **where)
         if isinstance(module, MoE):  # the Switch loss's counts are those of whole sequences
             module.sequence_counts = partial(summed_over, previous=module.sequence_counts, group=group)
@@ -374,6 +395,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh, method: str, seq_len: int)
         model.rope_cos, model.rope_sin = model.rope_cos[positions], model.rope_sin[positions]
     if getattr(model, "rope_local_cos", None) is not None:  # (Gemma 3's sliding-window blocks)
         model.rope_local_cos, model.rope_local_sin = model.rope_local_cos[positions], model.rope_local_sin[positions]
+    if getattr(model, "attn_temp", None) is not None:  # (Llama 4's no-rope blocks: a query factor per position)
+        model.attn_temp = model.attn_temp[positions]
     if getattr(model, "pos_emb", None) is not None:
         model.pos_emb.register_forward_pre_hook(lambda module, args: (positions.to(args[0].device)[args[0]],))
 

@@ -5,10 +5,11 @@ The ep ranks are borrowed from the ranks that route different tokens — data-pa
 context-parallel cp and tensor-parallel tp (each tp rank routes its own sequence shard,
 parallel/tensor_parallel.py) — as torchtitan's dp2ep, without expert-tensor parallelism: ranks
 that see different tokens also hold different experts. Rank i of an ep group holds experts
-[i·E/ep, (i+1)·E/ep): `w1`, `w2`, `w3` become DTensors `Shard(0)` on the `ep` axis of the
-expert mesh (Layout.build_expert_mesh), drawn whole from (seed, name) and cut like any sharded
-parameter (parallel/init.py), and saved by DCP as one tensor (checkpoints reshard across ep
-sizes). Each MoE layer's `run_experts` (model/moe.py) becomes `dispatch`:
+[i·E/ep, (i+1)·E/ep): `w1`, `w2`, `w3` (and their biases `b1`, `b2`, `b3` where the experts have
+them, gpt-oss) become DTensors `Shard(0)` on the `ep` axis of the expert mesh
+(Layout.build_expert_mesh), drawn whole from (seed, name) and cut like any sharded parameter
+(parallel/init.py), and saved by DCP as one tensor (checkpoints reshard across ep sizes). Each MoE
+layer's `run_experts` (model/moe.py) becomes `dispatch`:
 
     counts per (destination rank, local expert) exchanged -> tokens by all-to-all -> regrouped by
     local expert -> the local experts' grouped matmul -> back to arrival order -> reverse all-to-all
@@ -49,7 +50,7 @@ from scaletrain.model.names import canonical_name
 from scaletrain.parallel.data_parallel import DataParallel
 from scaletrain.parallel.zero import ZeroDataParallel
 
-EXPERT_WEIGHTS = ("w1", "w2", "w3")
+EXPERT_WEIGHTS = ("w1", "w2", "w3", "b1", "b2", "b3")  # (b1, b2, b3: the experts' biases, gpt-oss)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -118,8 +119,8 @@ def dispatch(m: MoE, group, ep: int, grad_scale: float, x: torch.Tensor, counts:
     # each rank's expert gradient holds the tokens of all ep ranks; the ranks holding the same
     # experts average theirs: cp·tp/ep makes that the step's gradient (module docstring)
     weights = [_ScaleGrad.apply(w.to_local(), grad_scale).to(x.dtype) if w is not None else None
-               for w in (m.w1, m.w2, m.w3)]
-    y = expert_mlp(arrived[order], recv.sum(0), *weights)
+               for w in (m.w1, m.w2, m.w3, m.b1, m.b2, m.b3)]
+    y = expert_mlp(arrived[order], recv.sum(0), *weights[:3], biases=tuple(weights[3:]), glu=m.glu)
     if shards is not None and torch._C._current_graph_task_id() == -1:
         # (a forward recomputed in backward, activation checkpointing, keeps them for the backward
         # that follows; they are freed once their gradients are accumulated)
@@ -180,7 +181,7 @@ class ExpertZero3(ZeroDataParallel):
         for c in chunks:
             for m in c.modules():
                 if isinstance(m, MoE):
-                    self.slots_of[id(m)] = [by_param[id(w)] for w in (m.w1, m.w2, m.w3)
+                    self.slots_of[id(m)] = [by_param[id(w)] for w in (m.w1, m.w2, m.w3, m.b1, m.b2, m.b3)
                                             if w is not None and id(w) in by_param]
                     m.expert_shards = self
         for s in self.slots:  # freed after each backward that filled its gradient

@@ -11,7 +11,8 @@ forward and one in backward per sub-layer:
                 over tp: `ProjectionNorm`) -> local attention -> wo row-parallel.
                 Fewer K/V heads than tp ranks (grouped-query attention, Megatron's way): wk
                 and wv are replicated, each rank computes the one K/V head its query heads
-                read, and the copies' gradients are summed over tp (`ReplicatedKVStep`)
+                read, and the copies' gradients are summed over tp (`ReplicatedKVStep`).
+                Attention sinks (gpt-oss), one per query head, split like the query heads
     MLP         w1 (and w3) column-parallel -> activation -> w2 row-parallel
     MoE         router, experts and shared experts replicated (no expert-tensor parallelism),
                 and each rank routes its own sequence shard: with sequence parallelism the one
@@ -141,6 +142,8 @@ def _split(model: nn.Module, tp_mesh, sequence_parallel: bool, first_block: str 
             block.attn.shared_key = partial(_copy_to_region, group=tp_mesh.get_group())
         elif replicated_kv:
             _select_kv_head(block.attn, tp_mesh, cfg.kv_heads, cfg.head_size)
+        if getattr(block.attn, "sinks", None) is not None:  # (latent attention has none)
+            _split_sinks(block.attn, tp_mesh)
         if moe:  # the Switch loss's counts are those of whole sequences
             block.moe.sequence_counts = partial(summed_over, previous=block.moe.sequence_counts,
                                                 group=tp_mesh.get_group())
@@ -206,6 +209,19 @@ def _latent_plan(attn: nn.Module) -> dict:
 
 def _copy_to_region(x: torch.Tensor, group) -> torch.Tensor:
     return _CopyToRegion.apply(x, group)
+
+
+def _split_sinks(attn: nn.Module, tp_mesh) -> None:
+    """The sinks (one per query head) split as wq's rows are, by heads: Shard(0); the rank's
+    attention reads its own heads' as a plain tensor (their gradient lands in the shard)."""
+    sinks = attn.sinks
+    attn.register_parameter("sinks", nn.Parameter(distribute_tensor(sinks, tp_mesh, [Shard(0)]),
+                                                  requires_grad=sinks.requires_grad))
+    attn.sink_logits = partial(_local_sinks, attn)
+
+
+def _local_sinks(attn: nn.Module) -> torch.Tensor:
+    return attn.sinks.to_local()
 
 
 class ProjectionNorm(ParallelStyle):

@@ -120,6 +120,10 @@ def plan(model: Any, *, hardware: str | Hardware = "H100-SXM", nodes: int = 1, g
         raise ConfigError(f"--attention flash: model.attn_softcap={src.cfg.attn_softcap:g} caps the attention scores, "
                           "which no fused kernel does, so scaletrain computes them as plain matmuls; plan with "
                           "--attention eager")
+    if src.cfg.attn_sinks and attention == "flash":
+        raise ConfigError("--attention flash: model.attn_sinks=true adds a sink to each softmax's denominator, which "
+                          "scaletrain computes as plain matmuls (no fused kernel of PyTorch's takes it); plan with "
+                          "--attention eager")
     result["num_params"], result["active_params"] = total_and_active(src.cfg)
     result["moe_imbalance"] = ("given" if moe_imbalance is not None else "balanced") if src.cfg.moe_experts else None
     if layout is not None:

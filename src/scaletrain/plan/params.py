@@ -141,6 +141,11 @@ def expert_params(cfg: ModelConfig) -> int:
     return (3 if cfg.gated else 2) * cfg.dim * cfg.expert_hidden
 
 
+def expert_bias_params(cfg: ModelConfig) -> int:
+    """The biases of one routed expert (gpt-oss, model.moe_bias): one per output of each matrix."""
+    return ((2 if cfg.gated else 1) * cfg.expert_hidden + cfg.dim) if cfg.moe_bias else 0
+
+
 def moe_block_split(cfg: ModelConfig) -> tuple[int, int, int]:
     """A mixture-of-experts block's active matmul parameters (`block_matmul_params`, no tp) as
     (attention, router + shared experts, the top_k routed experts a token visits): tp splits
@@ -202,6 +207,7 @@ def layer_params(cfg: ModelConfig, tp: int, moe: bool = False, ep: int = 1) -> B
     projection_norms = (q // tp + kv_rank) if cfg.qk_norm and cfg.qk_norm_scope == "projection" else 0
     if cfg.qk_norm and cfg.qk_norm_scope == "head":
         replicated += 2 * cfg.head_size
+    sinks = cfg.n_heads // tp if cfg.attn_sinks else 0  # one per query head, split like them (gpt-oss)
     if moe:
         E, he = cfg.moe_experts, cfg.expert_hidden
         shared = cfg.moe_shared_experts * he
@@ -209,7 +215,9 @@ def layer_params(cfg: ModelConfig, tp: int, moe: bool = False, ep: int = 1) -> B
         # experts (whole on every tp rank) and top_k routed experts; a rank holds E / ep of these
         whole = E * h + n_ffn * h * shared
         attention = active - whole - cfg.moe_top_k * expert_params(cfg) + replicated_kv
-        sharded = attention + projection_norms
+        sharded = attention + projection_norms + sinks
+        if cfg.moe_bias:
+            replicated += E  # the router's
         if cfg.bias:
             sharded += q // tp + 2 * kv_rank  # column-parallel biases
             replicated += h + ((n_ffn - 1) * shared + h if shared else 0)  # wo's, the shared MLP's
@@ -217,11 +225,12 @@ def layer_params(cfg: ModelConfig, tp: int, moe: bool = False, ep: int = 1) -> B
             sharded += q // tp + 2 * kv_rank
         local = E // ep
         experts = local * expert_params(cfg)
+        held = experts + local * expert_bias_params(cfg)
         mats = attn_mats + ((E, h),) + (((shared, h),) * (n_ffn - 1) + ((h, shared),) if shared else ())
         expert_mats = (((he, h),) * (n_ffn - 1) + ((h, he),)) * local
-        return BlockParams(sharded, replicated + whole, attention + whole + experts, mats, experts, expert_mats)
+        return BlockParams(sharded, replicated + whole, attention + whole + experts, mats, held, expert_mats)
     matmul = active + replicated_kv
-    sharded = matmul + projection_norms
+    sharded = matmul + projection_norms + sinks
     if cfg.bias:
         sharded += (q + (n_ffn - 1) * f) // tp + 2 * kv_rank  # column-parallel biases
         replicated += 2 * h  # row-parallel biases (wo, w2)

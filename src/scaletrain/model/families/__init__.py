@@ -20,7 +20,9 @@ from scaletrain.model.families import (
     gemma3_text,
     gpt2,
     gpt_neox,
+    gpt_oss,
     llama,
+    llama4_text,
     mistral,
     mixtral,
     olmo2,
@@ -36,7 +38,7 @@ from scaletrain.model.families._common import CONFIG_FILE, HARMLESS, Family, Rea
 FAMILIES = MappingProxyType({f.model_type: f for f in (
     gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, olmo2.FAMILY, gpt_neox.FAMILY,
     phi3.FAMILY, gemma2.FAMILY, gemma3_text.FAMILY, mixtral.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY,
-    deepseek_v3.FAMILY)})
+    deepseek_v3.FAMILY, gpt_oss.FAMILY, llama4_text.FAMILY)})
 
 __all__ = ["CONFIG_FILE", "FAMILIES", "HARMLESS", "Family", "Reader", "family_of_config", "family_of_model",
            "layout_of", "naming", "short"]

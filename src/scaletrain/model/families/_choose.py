@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from scaletrain.errors import ConfigError
 from scaletrain.model.config import ModelConfig
-from scaletrain.model.families import deepseek_v3, gemma2, gpt_neox, phi3
+from scaletrain.model.families import deepseek_v3, gemma2, gpt_neox, gpt_oss, llama4_text, phi3
 
 
 def _no(why: str) -> ConfigError:
@@ -17,10 +17,21 @@ def _no(why: str) -> ConfigError:
 def choose(cfg: ModelConfig) -> str:
     """The Hugging Face model_type that computes what `cfg` computes, or ConfigError."""
     no = _no
-    if cfg.attn_chunk:
-        raise no("chunked attention (model.attn_chunk) is Llama 4's, a family scaletrain does not export")
+    own = [name for name, parts in (
+        ("DeepSeek-V3's latent attention (model.mla_kv_rank)", cfg.mla_kv_rank),
+        ("gpt-oss's sinks, expert biases or clamped SwiGLU (model.attn_sinks, moe_bias, activation=swiglu_clamped)",
+         cfg.attn_sinks or cfg.moe_bias or cfg.activation == "swiglu_clamped"),
+        ("Llama 4's chunks, no-rope blocks, weightless q/k norm or input-scaled experts (model.attn_chunk, "
+         "nope_every, qk_l2_norm, moe_scale_input)",  # (attn_temperature: nope_every)
+         cfg.attn_chunk or cfg.nope_every or cfg.qk_l2_norm or cfg.moe_scale_input)) if parts]
+    if len(own) > 1:
+        raise no(f"it has {own[0]} and {own[1]}, each of a family of its own")
     if cfg.mla_kv_rank:
         return deepseek_v3.FAMILY.chosen(cfg, no)
+    if cfg.attn_sinks or cfg.moe_bias or cfg.activation == "swiglu_clamped":
+        return gpt_oss.chosen(cfg, no)
+    if cfg.attn_chunk or cfg.nope_every or cfg.qk_l2_norm or cfg.moe_scale_input:
+        return llama4_text.FAMILY.chosen(cfg, no)
     if uses_newer_options(cfg):
         return newer_family(cfg, no)
     if cfg.export_as == phi3.FAMILY.export_as:

@@ -64,7 +64,11 @@ YARN_FIELDS = tuple(ours for ours, _ in YARN_KEYS.values())
 LLAMA_BLOCK = {"attn_norm": "input_layernorm", "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
                "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj", "attn.q_norm": "self_attn.q_norm",
                "attn.k_norm": "self_attn.k_norm", "mlp_norm": "post_attention_layernorm",
-               "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj", "mlp.w2": "mlp.down_proj"}
+               "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj", "mlp.w2": "mlp.down_proj",
+               "attn.sinks": "self_attn.sinks",  # (a parameter of the attention module itself: gpt-oss)
+               # a mixture's shared experts, one MLP (Llama 4's files name it their own way: its view)
+               "moe.shared.w1": "mlp.shared_expert.gate_proj", "moe.shared.w3": "mlp.shared_expert.up_proj",
+               "moe.shared.w2": "mlp.shared_expert.down_proj"}
 LLAMA_TOP = {"tok_emb": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
 LLAMA_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")  # a Llama name inside block i
 
@@ -119,6 +123,11 @@ class Family:
         """Whether a checkpoint with these tensor names is laid out as this family's own (and not
         as Llama's, which every Llama-like shares)."""
         return False
+
+    def llama_view(self, source: Mapping[str, torch.Tensor], cfg: ModelConfig) -> Mapping[str, torch.Tensor] | None:
+        """Its checkpoint `source` under Llama's names and layouts, for a family whose tensors differ
+        from Llama's by more than fused rows (Llama 4); None: `fused_key` says it all."""
+        return None
 
     # fused tensors (GPT-NeoX, Phi-3): a checkpoint's names seen as Llama's
     fused: ClassVar[bool] = False  # some of its tensors hold several of Llama's (fused_key says which rows)
@@ -244,7 +253,7 @@ def hf_rope(cfg: ModelConfig) -> dict[str, Any]:
         rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
                     original_max_position_embeddings=cfg.rope_original_max_seq_len)
     if cfg.rope_scaling == "yarn":
-        rope.update(original_max_position_embeddings=cfg.rope_original_max_seq_len, truncate=True,
+        rope.update(original_max_position_embeddings=cfg.rope_original_max_seq_len, truncate=cfg.rope_truncate,
                     **{theirs: getattr(cfg, ours) for theirs, (ours, _) in YARN_KEYS.items()
                        if getattr(cfg, ours) or theirs.startswith("beta")})
     return rope
@@ -299,8 +308,9 @@ def rope_fields(get: Reader, refuse: Refuse, max_len: int, partial: bool = False
 def _yarn_fields(params: dict, refuse: Refuse, key: str, max_len: int) -> dict[str, Any]:
     """rope_type yarn's keys as ours (transformers' defaults where left out)."""
     out: dict[str, Any] = {"rope_original_max_seq_len": params.get("original_max_position_embeddings", max_len)}
-    if params.get("truncate", True) is not True:
-        refuse(key, "has truncate=false (a YaRN ramp between fractional pairs); scaletrain's ramp is truncated")
+    if not isinstance(params.get("truncate", True), bool):
+        refuse(key, "needs true or false for truncate in rope_type yarn")
+    out["rope_truncate"] = params.get("truncate", True)  # false (gpt-oss): the ramp between fractional pairs
     for theirs, (ours, default) in YARN_KEYS.items():
         value = params.get(theirs)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
@@ -315,10 +325,13 @@ def complete(out: dict[str, Any]) -> dict[str, Any]:
                 rope_low_freq_factor=ModelConfig.rope_low_freq_factor,
                 rope_high_freq_factor=ModelConfig.rope_high_freq_factor,
                 rope_original_max_seq_len=ModelConfig.rope_original_max_seq_len,
-                sliding_window=0, bias=False, qkv_bias=False, qk_norm=False, qk_norm_scope="head",
+                rope_truncate=ModelConfig.rope_truncate, attn_sinks=False, swiglu_alpha=ModelConfig.swiglu_alpha,
+                swiglu_limit=ModelConfig.swiglu_limit, sliding_window=0, bias=False, qkv_bias=False, qk_norm=False,
+                qk_norm_scope="head",
                 norm_placement="pre", norm_unit_offset=False, parallel_residual=False, embed_scale=False,
                 rotary_fraction=1.0, export_as="auto", global_every=0, rope_local_theta=0.0, attn_scale_dim=0,
-                attn_softcap=0.0, logit_softcap=0.0,
+                attn_softcap=0.0, logit_softcap=0.0, attn_chunk=0, nope_every=0, qk_l2_norm=False,
+                attn_temperature=0.0, attn_temperature_floor=ModelConfig.attn_temperature_floor,
                 **{f.name: f.default for f in dataclasses.fields(ModelConfig)
                    if f.name.startswith(("moe_", "mla_")) or f.name in YARN_FIELDS})
     return {**base, **out}

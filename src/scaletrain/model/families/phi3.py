@@ -22,6 +22,14 @@ class Phi3(RotaryFamily):
     partial_rotary = True
     fused = True
 
+    def fields(self, get: Reader, refuse: Refuse, strict: bool) -> dict[str, Any]:
+        key = "rope_scaling" if get.raw("rope_scaling") else "rope_parameters"
+        params = get.raw(key)
+        if isinstance(params, dict) and params.get("rope_type", params.get("type")) == "yarn":
+            refuse(key, "has rope_type 'yarn', Phi-3's older name of longrope, which scaletrain lacks")
+            return {}
+        return super().fields(get, refuse, strict)
+
     def window(self, get: Reader, n_layers: int, refuse: Refuse) -> int:
         return every_layer_window(get)
 

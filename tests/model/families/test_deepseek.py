@@ -217,7 +217,7 @@ def _write(folder, **change) -> None:
     ({"attention_bias": True}, "attention_bias=true puts biases on q_a_proj, kv_a_proj_with_mqa and o_proj"),
     ({"num_key_value_heads": 2}, "num_key_value_heads=2 differs from num_attention_heads=4"),
     ({"scoring_func": "softmax"}, "scoring_func='softmax' is not DeepSeek-V3's 'sigmoid'"),
-    ({"rope_parameters": dict(YARN, truncate=False)}, "has truncate=false"),
+    ({"rope_parameters": dict(YARN, truncate="no")}, "needs true or false for truncate in rope_type yarn"),
     ({"n_group": 4}, "n_group=4 must cut n_routed_experts=6 into groups of at least 2 experts"),
 ])
 def test_what_we_do_not_import_is_one_line_exit_2(tmp_path, change, words):
