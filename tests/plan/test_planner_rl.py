@@ -84,4 +84,5 @@ def test_plan_states_the_cache_and_the_rollouts_for_an_8b_grpo_on_8_h100():
     assert out.returncode == 0, out.stderr
     assert "32 prompts x 8, at most 1024 new tokens each" in out.stdout
     assert "rollouts (sampling, old pass)" in out.stdout and "reference forward" in out.stdout
+    assert "rl: the rollout engine's key/value cache" in out.stdout and "rl.reference=model" in out.stdout
     assert "pp 2" not in out.stdout and "cp 2" not in out.stdout

@@ -117,6 +117,9 @@ def breakdown(e: Evaluated) -> str:
         lines.append(f"  (the rows sum to {rows / GiB:.2f} GiB, but not all are alive at once: the total is the most "
                      "held at one moment — backward's activations with the gradients made by then, or the "
                      "gradients at their largest at the optimizer step — plus the reserve)")
+    for note in m.notes:  # what an objective adds (a reference copy's weights, RL's rollout cache)
+        if note.startswith(("rl", "preference")):
+            lines.append(f"  {note}")
     if m.host:
         of = f" of {e.host_capacity / GiB:.2f} (the GPU's share of its node's RAM)" if e.host_capacity else \
             " (the node's RAM is unknown: not checked)"
