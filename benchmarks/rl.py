@@ -73,7 +73,7 @@ def rl_row(args, folder: str, weights: str, algorithm: str, extra: list[str]) ->
     first, result, seconds = _run({
         "model.preset": "tiny", "model.init_from": weights, "data.path": os.path.join(folder, "data"),
         "data.seq_len": 32, "train.objective": "rl", "rl.algorithm": algorithm, "rl.prompts": prompts,
-        "rl.eval_prompts": held, "rl.rewards": "answer_match",
+        "rl.eval_prompts": held, "rl.eval_temperature": args.eval_temperature, "rl.rewards": "answer_match",
         "rl.reward_args": json.dumps({"answer_match": {"extractor": rl_task.EXTRACTOR[args.task]}}),
         "rl.stop": "\\n", "rl.max_new_tokens": 8, "rl.group_size": args.group, "rl.temperature": 1.0,
         "train.steps": args.steps, "train.global_batch": args.batch, "train.eval_every": args.every,
@@ -97,7 +97,7 @@ def plot(rows: list[tuple[str, dict]], path: str, task: str) -> None:
         steps, rewards = zip(*r["curve"])
         ax.plot(steps, rewards, marker="o", label=LABELS.get(algorithm, algorithm))
     ax.set_xlabel("RL step")
-    ax.set_ylabel("held-out reward (greedy)")
+    ax.set_ylabel("held-out reward")
     ax.set_ylim(0, 1)
     ax.set_title(f"RL on the {task} task after a brief supervised warm-up")
     ax.grid(alpha=0.3)
@@ -118,6 +118,7 @@ def main() -> None:
     p.add_argument("--held", type=int, default=200, help="held-out prompts")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--target", type=float, default=0.8)
+    p.add_argument("--eval-temperature", type=float, default=0.0, help="0: greedy held-out answers; else sampled")
     p.add_argument("--algorithms", default="grpo,dr_grpo,dapo")
     p.add_argument("--plot", default="")
     args, extra = p.parse_known_args()

@@ -434,6 +434,8 @@ class RLConfig:
                               "the fields its rewards read (e.g. `answer`)")
     eval_prompts: str = option("", "held-out prompts (as rl.prompts), scored every train.eval_every steps: one greedy "
                                    "completion each, the rewards' mean (val_reward) and pass rate")
+    eval_temperature: float = option(0.0, "rl.eval_prompts are answered greedily (0), or sampled at this temperature "
+                                          "(the same draws at every evaluation)", min=0.0)
     rewards: str = option("answer_match", "the reward functions, comma-separated: `module:function` or a built-in "
                                           "(answer_match, format_match, overlong_penalty), each `*WEIGHT` optionally "
                                           "(default 1)")

@@ -234,3 +234,22 @@ def test_a_sampled_run_exports_and_its_metrics_split_sampling_from_training(tmp_
     model = load_model_from_checkpoint(ckpt)
     tokens = torch.tensor([[1, 2, 3, 4]])
     torch.testing.assert_close(model(tokens), t.pm.dp.module(tokens), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_held_out_reward_is_the_rewards_of_one_completion_of_each_prompt(tmp_path, task, temperature):
+    """rl.eval_prompts: greedy, or sampled with the same draws every time; val_reward is the mean of the rewards
+    of the completions the engine gives for the prompts, scored here by hand (the graded ASCII share)."""
+    from scaletrain.rollout.engine import SamplingParams
+
+    t = Trainer(cfg_for(tmp_path, task, **{"rl.eval_prompts": task["prompts"], "rl.eval_temperature": temperature,
+                                           "rl.rewards": "scaletrain.bench.rl_task:ascii_share", "rl.reward_args": "",
+                                           "rl.max_new_tokens": 6}))
+    first, again = t.objective.evaluate(), t.objective.evaluate()
+    assert first == again
+    ids = t.objective.val.ids
+    out = t.objective.engine().generate(ids, SamplingParams(n=1, max_new_tokens=6, temperature=temperature or 1.0,
+                                                            top_k=0 if temperature else 1, seed=0))
+    want = sum(sum(x < 128 for x in c) / max(1, len(c)) for c in out.completion_ids) / len(ids)
+    assert first["val_reward"] == pytest.approx(want, abs=1e-6)  # (the rewards are float32)
+    assert 0 < first["val_reward"] <= 1

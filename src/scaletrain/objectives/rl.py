@@ -471,20 +471,22 @@ class RLObjective:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """rl.eval_prompts: one greedy completion of each, split over the data-parallel ranks; the rewards' mean
-        (val_reward), each function's and the pass rate."""
+        """rl.eval_prompts: one completion of each (greedy, or at rl.eval_temperature with the same draws every
+        time), split over the data-parallel ranks; the rewards' mean (val_reward), each function's and the pass
+        rate."""
         from scaletrain.rollout.engine import SamplingParams
 
         t = self.t
         t.health.enter("evaluation (sampling the held-out prompts)")
         n, dp, rank = len(self.val), t.layout.dp, t.data.dp_rank
-        share = list(range(rank, n, dp))
-        params = SamplingParams(n=1, max_new_tokens=self.cfg.max_new_tokens, temperature=1.0, top_k=1,  # greedy
-                                stop_token_ids=self._stop_ids(), stop_strings=self._stop_strings(),
-                                seed=0)
         longest = (n + dp - 1) // dp  # every rank runs as many prompts (sharded generation goes in step)
+        share = list(range(rank * longest, min(n, (rank + 1) * longest)))  # a stretch: each draws as one process
+        temperature = self.cfg.eval_temperature
+        params = SamplingParams(n=1, max_new_tokens=self.cfg.max_new_tokens, temperature=temperature or 1.0,
+                                top_k=0 if temperature else 1,  # greedy at 0
+                                stop_token_ids=self._stop_ids(), stop_strings=self._stop_strings(), seed=0)
         ids = [self.val.ids[i] for i in share] + [self.val.ids[0]] * (longest - len(share))
-        out = self.engine().generate(ids, params)
+        out = self.engine().generate(ids, params, first_index=rank * longest)
         done = [Completion(share[k], list(out.prompt_ids[k]), list(out.completion_ids[k]), [], bool(out.finished[k]))
                 for k in range(len(share))]
         self._score(done, self.val)
