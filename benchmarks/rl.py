@@ -1,6 +1,6 @@
 """Does RL learn? GRPO, Dr. GRPO and DAPO side by side on a verifiable task, from a model briefly supervised on it.
 
-The task (scaletrain.bench.rl_task, --task): "reverse" ("abc<" -> "cba": random lowercase words of 3 to 5
+The task (scaletrain.bench.rl_task, --task): "reverse" ("abc<" -> "cba": random lowercase words of --letters
 letters) or "sum" ("a+b=" -> the sum). A byte-level model (model.preset=tiny unless overridden) is first trained
 on the task as plain text for --sft-steps steps: it knows the format, not yet the task. From that checkpoint each
 algorithm trains --steps RL steps on the same prompts in the same order (same seed, batch, schedule), rewarded 1
@@ -8,8 +8,9 @@ for an exact answer (rewards.answer_match), completions ending at a newline; eve
 prompts (another seed's) are answered greedily and scored: the held-out reward. Per row: the held-out reward at
 each evaluation, the first step it reaches --target, the wall time split between sampling and training.
 
-    nice python benchmarks/rl.py [--task reverse] [--sft-steps 150] [--steps 60] [--every 10] [--batch 64]
-        [--group 8] [--algorithms grpo,dr_grpo,dapo] [--plot docs/images/rl-curves.png] [--section.key=value ...]
+    nice python benchmarks/rl.py [--task reverse] [--letters 2,3] [--sft-steps 180] [--steps 60] [--every 10]
+        [--batch 64] [--group 8] [--lr 1.5e-4] [--eval-temperature 0] [--algorithms grpo,dr_grpo,dapo]
+        [--plot docs/images/rl-curves.png] [--section.key=value ...]
 """
 
 from __future__ import annotations
@@ -109,14 +110,14 @@ def plot(rows: list[tuple[str, dict]], path: str, task: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--task", default="reverse")
-    p.add_argument("--sft-steps", type=int, default=150)
-    p.add_argument("--letters", default="3,5", help="reverse: the words' shortest and longest lengths")
+    p.add_argument("--sft-steps", type=int, default=180)
+    p.add_argument("--letters", default="2,3", help="reverse: the words' shortest and longest lengths")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--batch", type=int, default=64, help="completions per step")
     p.add_argument("--group", type=int, default=8, help="completions per prompt")
-    p.add_argument("--held", type=int, default=200, help="held-out prompts")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--held", type=int, default=100, help="held-out prompts")
+    p.add_argument("--lr", type=float, default=1.5e-4)
     p.add_argument("--target", type=float, default=0.8)
     p.add_argument("--eval-temperature", type=float, default=0.0, help="0: greedy held-out answers; else sampled")
     p.add_argument("--algorithms", default="grpo,dr_grpo,dapo")
