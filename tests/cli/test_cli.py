@@ -138,7 +138,8 @@ def every_bad_input() -> list[Case]:
     cases = []
     for path in sorted(Path(__file__).parents[1].rglob("test_*.py")):
         if "\nBAD_INPUT = [" in path.read_text():
-            cases += importlib.import_module(path.stem).BAD_INPUT
+            # (a case marked slow comes as pytest.param(case, marks=...): the case is its value)
+            cases += [c.values[0] if hasattr(c, "values") else c for c in importlib.import_module(path.stem).BAD_INPUT]
     return cases
 
 
