@@ -23,10 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from scaletrain.config import completion_room_problem
 from scaletrain.data.dataset import IGNORE_INDEX
 from scaletrain.data.sources import iter_rows
 from scaletrain.data.tokenizer import ByteTokenizer, load_tokenizer
-from scaletrain.errors import DataError
+from scaletrain.errors import ConfigError, DataError
 
 
 def run_tokenizer(data_path: str):
@@ -43,6 +44,17 @@ def run_tokenizer(data_path: str):
                         f"`scaletrain prepare`, and {folder / META_FILE} does not read ({e}); give such a folder, or "
                         "leave data.path empty for the byte-level tokenizer") from None
     return load_tokenizer(meta.get("tokenizer", {}), folder)
+
+
+def open_prompts(cfg) -> PromptSet:
+    """An RL run's training prompts (rl.prompts), with room in each row for rl.max_new_tokens."""
+    if problem := completion_room_problem(cfg.data.seq_len, cfg.rl.max_new_tokens):
+        raise ConfigError(problem)
+    if not cfg.rl.prompts:
+        raise ConfigError("train.objective=rl samples completions of prompts (and scores replayed ones from their "
+                          "rows): set rl.prompts to a jsonl or parquet file of rows with a `prompt` and the fields "
+                          "your rewards read")
+    return PromptSet(cfg.rl.prompts, run_tokenizer(cfg.data.path), cfg.data.seq_len - cfg.rl.max_new_tokens)
 
 
 class PromptSet:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from scaletrain.config import JobConfig, completion_room_problem, parse_mix
+from scaletrain.config import JobConfig, parse_mix
 from scaletrain.data.loader import StepSampler, build_loader
 from scaletrain.data.mix import open_training_data, step_sampler
 from scaletrain.errors import ConfigError
@@ -39,7 +39,7 @@ from scaletrain.objectives.preference import (
     reference_weights,
 )
 from scaletrain.objectives.rl import RLObjective
-from scaletrain.objectives.rl_data import PromptSet, run_tokenizer
+from scaletrain.objectives.rl_data import open_prompts
 from scaletrain.optim import build_optimizer, get_lr, init_optimizer_state, set_lr
 from scaletrain.parallel.parallelize import initial_weights, parallelize, parallelize_module, step_hooks
 from scaletrain.precision import Precision
@@ -152,14 +152,7 @@ class Trainer:
             dataset = open_preference_data(cfg.data, cfg.model.vocab_size, loss=cfg.preference.loss)
             corpus = dataset.data.tokens  # its source, tokenizer and fingerprint
         elif cfg.train.objective == "rl":  # the prompts, tokenized with data.path's tokenizer
-            if problem := completion_room_problem(cfg.data.seq_len, cfg.rl.max_new_tokens):
-                raise ConfigError(problem)
-            if not cfg.rl.prompts:
-                raise ConfigError("train.objective=rl samples completions of prompts (and scores replayed ones from "
-                                  "their rows): set rl.prompts to a jsonl or parquet file of rows with a `prompt` "
-                                  "and the fields your rewards read")
-            corpus = dataset = PromptSet(cfg.rl.prompts, run_tokenizer(cfg.data.path),
-                                         cfg.data.seq_len - cfg.rl.max_new_tokens)
+            corpus = dataset = open_prompts(cfg)
         else:
             corpus, dataset = open_training_data(cfg.data, parse_mix(cfg.data.mix) if cfg.data.mix else None,
                                                  cfg.model.vocab_size if self._custom_model is None else None)
