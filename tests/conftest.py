@@ -321,6 +321,30 @@ def fit_reference(cfg, **trainer_kw) -> dict:
     return {"history": history, "weights": weights}
 
 
+def layouts_on_two_ranks(tmp: Path, layouts: list[tuple[str, dict]], overrides_of: Callable[[dict], dict]) -> dict:
+    """Every (name, extra) of `layouts` trained on 2 ranks in one shared process group, `overrides_of(extra)` its
+    whole overrides: {name: its result}."""
+    jobs = [{"overrides": micro_overrides(tmp / name, **overrides_of(extra))} for name, extra in layouts]
+    code, results, err = run_group(2, jobs, tmp)
+    assert code == 0, err
+    return dict(zip([name for name, _ in layouts], results, strict=True))
+
+
+def one_process_key(extra: dict, not_layout: tuple[str, ...] = ("parallel.", "train.micro_batch")) -> str:
+    """What one process trains for a layout's settings (its model, objective, reference, not its layout): the key
+    of one_process_references."""
+    return json.dumps({k: v for k, v in extra.items() if not k.startswith(not_layout)}, sort_keys=True)
+
+
+def one_process_references(tmp: Path, layouts: list[tuple[str, dict]], overrides_of: Callable[[dict], dict]) -> Lazy:
+    """The one-process run of each distinct one_process_key among `layouts`, trained in this process when a test
+    first asks for it; `overrides_of(settings)` is its whole config (every row in one micro-batch)."""
+    keys = {one_process_key(extra) for _, extra in layouts}
+    return Lazy({key: (lambda key=key: fit_reference(micro_cfg(tmp / str(abs(hash(key))),
+                                                               **overrides_of(json.loads(key)))))
+                 for key in keys})
+
+
 def assert_same_weights(got: dict, ref: dict, *, tol: float, what: str = "") -> float:
     """Final weights (dist_worker.weight_fingerprint) against a reference's (fit_reference): the
     same parameters, and for each the difference of the random projections over the norm of

@@ -16,14 +16,12 @@ from scaletrain.data.prepare import prepare
 from scaletrain.verify import TOLERANCES
 
 from conftest import (
-    Lazy,
     assert_same_run,
     assert_same_weights,
-    fit_reference,
     language_models,
-    micro_cfg,
-    micro_overrides,
-    run_group,
+    layouts_on_two_ranks,
+    one_process_key,
+    one_process_references,
 )
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.usefixtures("forked_launches")]
@@ -58,7 +56,6 @@ LAYOUTS = [
     ("kto-cp2", {"parallel.cp": 2, **KTO}),
     ("kto-tp2-sp-precomputed", {"parallel.tp": 2, "parallel.sp": True, "preference.reference": "precomputed", **KTO}),
 ]
-NOT_LAYOUT = ("parallel.", "train.micro_batch")
 
 
 def data_of(extra: dict, data: dict) -> dict:
@@ -68,11 +65,6 @@ def data_of(extra: dict, data: dict) -> dict:
     return {"data.path": data["unpaired"], "model.init_from": data["policy"],
             **({} if extra.get("preference.reference") == "precomputed" else
                {"preference.reference_from": data["reference"]})}
-
-
-def reference_of(extra: dict) -> dict:
-    """The one-process settings of a layout: its model, loss and reference, every pair in one micro-batch."""
-    return {k: v for k, v in extra.items() if not k.startswith(NOT_LAYOUT)}
 
 
 @pytest.fixture(scope="module")
@@ -95,28 +87,19 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data):
-    tmp = tmp_path_factory.mktemp("pref-mp")
-    jobs = [{"overrides": micro_overrides(tmp / name, **{**BASE, **data_of(extra, data), **extra})}
-            for name, extra in LAYOUTS]
-    code, results, err = run_group(2, jobs, tmp)
-    assert code == 0, err
-    return dict(zip([name for name, _ in LAYOUTS], results, strict=True))
+    return layouts_on_two_ranks(tmp_path_factory.mktemp("pref-mp"), LAYOUTS,
+                                lambda extra: {**BASE, **data_of(extra, data), **extra})
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data):
-    tmp = tmp_path_factory.mktemp("pref-one")
-    makers = {}
-    for _, extra in LAYOUTS:
-        key = json.dumps(reference_of(extra), sort_keys=True)
-        makers[key] = lambda key=key: fit_reference(micro_cfg(tmp / str(abs(hash(key))), **{
-            **BASE, **data_of(json.loads(key), data), "train.micro_batch": 6, **json.loads(key)}))
-    return Lazy(makers)
+    return one_process_references(tmp_path_factory.mktemp("pref-one"), LAYOUTS,
+                                  lambda model: {**BASE, **data_of(model, data), "train.micro_batch": 6, **model})
 
 
 @pytest.mark.parametrize("name,extra", LAYOUTS, ids=[n for n, _ in LAYOUTS])
 def test_a_layout_trains_like_one_process(runs, reference, name, extra):
-    ref = reference[json.dumps(reference_of(extra), sort_keys=True)]
+    ref = reference[one_process_key(extra)]
     if name.startswith("kto") and extra.get("preference.reference") != "precomputed":
         assert min(r["kl"] for r in ref["history"]) > 0.1, [r["kl"] for r in ref["history"]]  # the KL counts
     assert_same_run(runs[name]["history"], ref["history"], steps=STEPS, tol=TOL, what=name)

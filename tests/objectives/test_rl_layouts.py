@@ -14,7 +14,7 @@ import pytest
 from scaletrain.verify import TOLERANCES
 from test_rl_training import write_prompts, write_record
 
-from conftest import Lazy, assert_same_run, assert_same_weights, fit_reference, micro_cfg, micro_overrides, run_group
+from conftest import assert_same_run, assert_same_weights, layouts_on_two_ranks, one_process_key, one_process_references
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.usefixtures("forked_launches")]
 
@@ -53,14 +53,6 @@ LAYOUTS = [
     ("sampled-zero3", {"parallel.dp_shard": 2, "parallel.zero": 3, **SAMPLED, **KL}),
     ("sampled-tp2-sp", {"parallel.tp": 2, "parallel.sp": True, **SAMPLED}),
 ]
-NOT_LAYOUT = ("parallel.", "train.micro_batch")
-
-
-def reference_of(extra: dict) -> dict:
-    """The one-process settings of a layout: its model, algorithm and reference, every row in one micro-batch."""
-    return {k: v for k, v in extra.items() if not k.startswith(NOT_LAYOUT)}
-
-
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl-task")
@@ -71,27 +63,18 @@ def task(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, task):
-    tmp = tmp_path_factory.mktemp("rl-mp")
-    jobs = [{"overrides": micro_overrides(tmp / name, **{**BASE, **task, **extra})} for name, extra in LAYOUTS]
-    code, results, err = run_group(2, jobs, tmp)
-    assert code == 0, err
-    return dict(zip([name for name, _ in LAYOUTS], results, strict=True))
+    return layouts_on_two_ranks(tmp_path_factory.mktemp("rl-mp"), LAYOUTS, lambda extra: {**BASE, **task, **extra})
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, task):
-    tmp = tmp_path_factory.mktemp("rl-one")
-    makers = {}
-    for _, extra in LAYOUTS:
-        key = json.dumps(reference_of(extra), sort_keys=True)
-        makers[key] = lambda key=key: fit_reference(micro_cfg(tmp / str(abs(hash(key))), **{
-            **BASE, **task, "train.micro_batch": 12, **json.loads(key)}))
-    return Lazy(makers)
+    return one_process_references(tmp_path_factory.mktemp("rl-one"), LAYOUTS,
+                                  lambda model: {**BASE, **task, "train.micro_batch": 12, **model})
 
 
 @pytest.mark.parametrize("name,extra", LAYOUTS, ids=[n for n, _ in LAYOUTS])
 def test_a_layout_trains_like_one_process(runs, reference, name, extra):
-    ref = reference[json.dumps(reference_of(extra), sort_keys=True)]
+    ref = reference[one_process_key(extra)]
     assert max(abs(r["loss"]) for r in ref["history"]) > 1e-4  # the policy loss is not trivially 0
     if "rl.beta" in extra:
         assert max(r["kl"] for r in ref["history"]) > 0  # the KL to the reference counts (after the first update)
