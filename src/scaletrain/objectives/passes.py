@@ -38,3 +38,15 @@ def forward_only(t, pm, parts, loss_fn) -> None:
                     loss_fn(logits, targets)
     finally:
         restore_modes(modules, was_training, reshard=pm.dp.zero == 3)
+
+
+def captured(objective, t, pm, parts) -> list:
+    """What `objective.micro_loss` keeps of each micro-batch of `parts` (appended to its `capture` list) in a
+    forward-only pass under `pm`'s model; None for each on a pipeline stage without the head."""
+    objective.capture = []
+    try:
+        forward_only(t, pm, parts, objective.micro_loss)
+        got = objective.capture
+    finally:
+        objective.capture = None
+    return got if got else [None] * len(parts)

@@ -43,7 +43,7 @@ from scaletrain.data.preference_dataset import PreferenceData, PreferenceWindows
 from scaletrain.errors import ConfigError, DataError
 from scaletrain.model.lora import adapters_off
 from scaletrain.model.preference import Mean, PreferenceLoss, combined, kto_loss, mean_of, preference_loss
-from scaletrain.objectives.passes import forward_only
+from scaletrain.objectives.passes import captured
 from scaletrain.parallel import pipeline
 from scaletrain.parallel.parallelize import initial_weights
 from scaletrain.parallel.tensor_parallel import whole
@@ -285,13 +285,7 @@ class PreferenceObjective:
     def forward_logps(self, pm, parts) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Row log-probs and counts of each micro-batch of `parts` under `pm`'s model in eval mode, without
         gradients (pipeline: the schedule's forward-only pass; None on the stages without the head)."""
-        self.capture = []
-        try:
-            forward_only(self.t, pm, parts, self.micro_loss)
-            rows = self.capture
-        finally:
-            self.capture = None
-        return rows if rows else [None] * len(parts)
+        return captured(self, self.t, pm, parts)
 
     def before_training(self, folder: Path) -> None:
         """Before the first step. Mode precomputed: the starting policy's log-probs of every training (and

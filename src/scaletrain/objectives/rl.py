@@ -41,7 +41,7 @@ from scaletrain.model import rl
 from scaletrain.model.lora import adapters_off
 from scaletrain.model.preference import Mean
 from scaletrain.objectives import rewards as rw
-from scaletrain.objectives.passes import forward_only
+from scaletrain.objectives.passes import captured
 from scaletrain.objectives.rl_data import Completion, PromptSet, RolloutRecord, to_rows
 from scaletrain.parallel import pipeline
 from scaletrain.parallel.context_parallel import shard_sequence
@@ -292,13 +292,7 @@ class RLObjective:
 
     def _logps(self, pm, parts) -> list[torch.Tensor | None]:
         """Per-token log-probs of each micro-batch under `pm`'s model, forward only (None without the head)."""
-        self.capture = []
-        try:
-            forward_only(self.t, pm, parts, self.micro_loss)
-            got = self.capture
-        finally:
-            self.capture = None
-        return got if got else [None] * len(parts)
+        return captured(self, self.t, pm, parts)
 
     def _reference(self, parts) -> list[torch.Tensor | None]:
         if self.mode == "model":
