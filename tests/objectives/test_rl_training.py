@@ -253,3 +253,18 @@ def test_the_held_out_reward_is_the_rewards_of_one_completion_of_each_prompt(tmp
     want = sum(sum(x < 128 for x in c) / max(1, len(c)) for c in out.completion_ids) / len(ids)
     assert first["val_reward"] == pytest.approx(want, abs=1e-6)  # (the rewards are float32)
     assert 0 < first["val_reward"] <= 1
+
+
+def test_the_entropy_metric_is_the_categorical_entropy_of_the_counted_tokens(monkeypatch):
+    """counted_entropy against torch.distributions.Categorical, at the sampling temperature, over the counted
+    tokens only (uneven per row), in chunks that do not divide them."""
+    from scaletrain.objectives import rl as rl_objective
+
+    monkeypatch.setattr(rl_objective, "ENTROPY_ROWS", 3)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 11, generator=gen) * 4
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 0, 1, 0]], dtype=torch.float32)
+    got = rl_objective.counted_entropy(logits, mask, temperature=0.7)
+    want = torch.distributions.Categorical(logits=logits.double() / 0.7).entropy()[mask.bool()]
+    assert float(got.count) == 9
+    assert float(got.total) == pytest.approx(float(want.sum()), rel=1e-6)

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from scaletrain.atomic import replacing
 from scaletrain.data.dataset import IGNORE_INDEX
@@ -84,6 +85,36 @@ class Micro:
     old: torch.Tensor | None = None  # (B, T) the trainer's log-probs before the round's first update
     ref: torch.Tensor | None = None  # (B, T) the reference's
     weights: torch.Tensor | None = None  # truncated importance weights (rl.is_correction)
+
+
+ENTROPY_ROWS = 1024  # tokens a chunk of counted_entropy: its fp32 copy of their logits, never the whole batch's
+
+
+@torch.no_grad()
+def counted_entropy(logits: torch.Tensor, mask: torch.Tensor, temperature: float) -> Mean:
+    """The sampling policy's entropy (nats) at the counted tokens of `mask`, summed, with their count. Under
+    tensor parallelism `logits` is split by vocabulary (a DTensor): each rank works on its shard and three
+    numbers a token are all-reduced over the tp group (the largest logit, the sum of exp, the exp-weighted sum of
+    logits) — no logits gathered; the counted tokens go ENTROPY_ROWS at a time in fp32."""
+    group, local = None, logits
+    if isinstance(logits, DTensor):
+        split = [i for i, p in enumerate(logits.placements) if p.is_shard() and p.dim % logits.ndim == logits.ndim - 1]
+        group = logits.device_mesh.get_group(split[0]) if split else None
+        local = logits.to_local() if split else logits.full_tensor()
+    chosen = local[mask.bool()]
+    total = torch.zeros((), dtype=torch.float64, device=local.device)
+    for part in chosen.split(ENTROPY_ROWS):
+        z = part.float() / temperature
+        top = z.max(-1).values
+        if group is not None:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        shifted = z - top[:, None]
+        e = shifted.exp()
+        sums = torch.stack([e.sum(-1), (e * shifted).sum(-1)])
+        if group is not None:
+            dist.all_reduce(sums, group=group)
+        total += (sums[0].log() - sums[1] / sums[0]).double().sum()  # H = log Σe^z - Σ e^z z / Σe^z (z shifted)
+    return Mean(total, mask.sum())
 
 
 class RLObjective:
@@ -184,7 +215,7 @@ class RLObjective:
         gap = (logps.detach() - m.rollout).abs() * mask  # the trainer's log-probs against the rollout engine's
         part.metrics["logprob_gap"] = Mean(gap.sum(), mask.sum())
         self.gap_max = max(self.gap_max, float(gap.max()) if gap.numel() else 0.0)
-        part.metrics["entropy"] = self._entropy(logits, mask)
+        part.metrics["entropy"] = counted_entropy(logits, mask, self.cfg.temperature or 1.0)
         self._add(part.metrics)
         return part.loss.total / self.divisor
 
@@ -196,13 +227,6 @@ class RLObjective:
         nll = F.cross_entropy((logits.float() / temperature).flatten(0, 1), targets.masked_fill(~mask, 0).flatten(),
                               reduction="none")
         return -whole(nll).view(targets.shape) * mask, mask.float()
-
-    def _entropy(self, logits: torch.Tensor, mask: torch.Tensor) -> Mean:
-        with torch.no_grad():
-            full = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
-            logp = torch.log_softmax(full.float() / (self.cfg.temperature or 1.0), dim=-1)
-            ent = -(logp.exp() * logp).sum(-1)
-        return Mean((ent * mask).sum(), mask.sum())
 
     def _add(self, metrics: dict[str, Mean]) -> None:
         for name, m in metrics.items():
