@@ -8,7 +8,7 @@ for an exact answer (rewards.answer_match), completions ending at a newline; eve
 prompts (another seed's) are answered greedily and scored: the held-out reward. Per row: the held-out reward at
 each evaluation, the first step it reaches --target, the wall time split between sampling and training.
 
-    nice python benchmarks/rl.py [--task reverse] [--letters 2,3] [--sft-steps 180] [--steps 60] [--every 10]
+    nice python benchmarks/rl.py [--task reverse] [--letters 2,3] [--sft-steps 165] [--steps 100] [--every 10]
         [--batch 64] [--group 8] [--lr 1.5e-4] [--eval-temperature 0] [--algorithms grpo,dr_grpo,dapo]
         [--plot docs/images/rl-curves.png] [--section.key=value ...]
 """
@@ -110,9 +110,9 @@ def plot(rows: list[tuple[str, dict]], path: str, task: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--task", default="reverse")
-    p.add_argument("--sft-steps", type=int, default=180)
+    p.add_argument("--sft-steps", type=int, default=165)
     p.add_argument("--letters", default="2,3", help="reverse: the words' shortest and longest lengths")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--batch", type=int, default=64, help="completions per step")
     p.add_argument("--group", type=int, default=8, help="completions per prompt")
