@@ -157,8 +157,8 @@ class ModelConfig:
                                              "0 = dropless", min=0.0)
     moe_bias_rate: float = option(1e-2, "load balancing without a loss (DeepSeek-V3): each optimizer step moves "
                                         "every expert's routing bias by this much towards an even load; 0 = off. "
-                                        "It must cross the experts' score gap of a collapsed router (0.1-0.2) within "
-                                        "the warm-up: DeepSeek-V3's 1e-3 takes 100-200 steps (docs/benchmarks.md)",
+                                        "It must close a collapsed router's score gap (0.07-0.2) within a few steps "
+                                        "after the warm-up: DeepSeek-V3's 1e-3 takes 35-105 (docs/benchmarks.md)",
                                   min=0.0)
     moe_aux_loss: float = option(0.0, "coefficient of the Switch load-balancing loss (0.01 is usual); 0 = off",
                                  min=0.0)
