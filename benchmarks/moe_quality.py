@@ -8,7 +8,9 @@ batches, same schedule), shortened for a 2-core CPU; only the feed-forward layer
 * dense: the demo model, a GELU MLP of 1,024 per block;
 * the MoE rows: 8 experts of 512, each token routed to 2 of them: the same active matmul
   parameters per token as the dense MLP (2 x 512 = 1,024; plus an 8-wide router), 4x its total;
-* routing balanced by the expert bias (DeepSeek-V3; the default rate 1e-3 and a faster 1e-2),
+* softmax scores (the default until issue 47 point 15; benchmarks/moe_first_steps.py compares the
+  sigmoid scores of today's defaults), routing balanced by the expert bias (DeepSeek-V3's rate 1e-3
+  and a faster 1e-2),
   by the Switch auxiliary loss (0.01, no bias), or not at all (moe_bias_rate=0).
 
 Per row: total and active parameters, the final training and validation loss, and the load
@@ -34,7 +36,8 @@ import statistics
 import tempfile
 import time
 
-MOE = {"model.moe_experts": 8, "model.moe_top_k": 2, "model.moe_hidden": 512}
+# softmax scores: the default until issue 47 point 15, with which the figures in docs/benchmarks.md were taken
+MOE = {"model.moe_experts": 8, "model.moe_top_k": 2, "model.moe_hidden": 512, "model.moe_score": "softmax"}
 ROWS = {
     "dense": ("dense (demo model)", {}),
     "none": ("MoE, no balancing", {**MOE, "model.moe_bias_rate": 0.0}),

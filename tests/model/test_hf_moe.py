@@ -218,7 +218,7 @@ def test_deepseek_v2_is_refused_in_one_line_exit_2(tmp_path):
 
 def test_export_refuses_what_no_family_computes():
     moe = dict(position="rope", norm="rmsnorm", activation="swiglu", moe_experts=4, moe_renorm=True, dim=64,
-               n_heads=4)
+               n_heads=4, moe_score="softmax")  # Mixtral's scores (the default is DeepSeek-V3's sigmoid)
     for change, words in (({"moe_shared_experts": 1}, "have no shared experts"),
                           ({"moe_score": "sigmoid"}, "have no sigmoid scores"),
                           ({"moe_capacity_factor": 1.25}, "have no an expert capacity"[:11]),

@@ -141,8 +141,11 @@ class ModelConfig:
                                 "moe_topk_groups groups, a group's score the sum of its two best (biased) scores; "
                                 "0 = all experts open", min=0)
     moe_topk_groups: int = option(0, "model.moe_groups: the groups each token may choose in (DeepSeek-V3: 4)", min=0)
-    moe_score: str = option("softmax", "router score of each expert: softmax over experts (Mixtral, Qwen3-MoE) or "
-                                       "an independent sigmoid (DeepSeek-V3)", choices=("softmax", "sigmoid"))
+    moe_score: str = option("sigmoid", "router score of each expert: an independent sigmoid (DeepSeek-V3, the "
+                                       "scores model.moe_bias_rate was made for: a softmax's scores of the experts a "
+                                       "collapsed router neglects shrink, and the bias cannot lift them; "
+                                       "docs/benchmarks.md) or a softmax over experts (Mixtral, Qwen3-MoE)",
+                            choices=("softmax", "sigmoid"))
     moe_renorm: bool = option(False, "rescale the chosen experts' scores to sum to 1 (Mixtral, Qwen3-MoE)")
     moe_route_scale: float = option(1.0, "factor on the routed experts' weighted sum (DeepSeek-V3's "
                                          "routed_scaling_factor)", min=0.0)
@@ -152,8 +155,10 @@ class ModelConfig:
     moe_capacity_factor: float = option(0.0, "tokens an expert takes per micro-batch, as a multiple of an even "
                                              "share (tokens * top_k / experts); the rest are dropped and counted; "
                                              "0 = dropless", min=0.0)
-    moe_bias_rate: float = option(1e-3, "load balancing without a loss (DeepSeek-V3): each optimizer step moves "
-                                        "every expert's routing bias by this much towards an even load; 0 = off",
+    moe_bias_rate: float = option(1e-2, "load balancing without a loss (DeepSeek-V3): each optimizer step moves "
+                                        "every expert's routing bias by this much towards an even load; 0 = off. "
+                                        "It must close a collapsed router's score gap (0.07-0.2) within a few steps "
+                                        "after the warm-up: DeepSeek-V3's 1e-3 takes 35-105 (docs/benchmarks.md)",
                                   min=0.0)
     moe_aux_loss: float = option(0.0, "coefficient of the Switch load-balancing loss (0.01 is usual); 0 = off",
                                  min=0.0)

@@ -26,7 +26,10 @@ from scaletrain.model.moe import STAT_NAMES, MoE
 from scaletrain.model.names import canonical_name
 
 # a layer is near collapse at this share of its ceiling (moe_experts / moe_top_k: every token on the
-# same top_k experts); the note comes once it has stayed there this many optimizer steps in a row
+# same top_k experts); the note comes once it has stayed there this many optimizer steps in a row after
+# the warm-up. Within the warm-up every small model's router collapses whatever the balancing: the
+# router's inputs move more from one step to the next than the tokens differ, so no bias set from past
+# steps can split them (docs/benchmarks.md, "The first steps")
 NEAR_COLLAPSE, COLLAPSE_STEPS = 0.9, 10
 
 
@@ -46,8 +49,9 @@ def summed_over(counts: torch.Tensor, previous, group) -> torch.Tensor:
 class MoEBalance(StepHook):
     """Sums each layer's counters over `groups` after every optimizer step, moves the routing
     biases by `bias_rate` towards an even load (DeepSeek-V3's sign rule), keeps the step's
-    metrics, says once (in the run's log) each layer that stays near collapse, and saves the biases in
-    checkpoints.
+    metrics, says once (in the run's log) each layer that stays near collapse after the `warmup` (the
+    optimizer steps of the learning rate's warm-up, counted from this process's start), and saves the
+    biases in checkpoints.
 
     `names`: every MoE layer of the model, in order. Under pipelining a rank holds some of them;
     the counters of the others come as zeros, and the pipeline group (`pp_group`) is summed over
@@ -57,10 +61,12 @@ class MoEBalance(StepHook):
     phase = "the mixture-of-experts load counts' all-reduce"
 
     def __init__(self, layers: dict[str, MoE], names: list[str], groups: list, *, experts: int, bias_rate: float,
-                 top_k: int, aux_loss: float = 0.0, pp_group=None, device: torch.device | str = "cpu"):
+                 top_k: int, aux_loss: float = 0.0, warmup: int = 0, pp_group=None,
+                 device: torch.device | str = "cpu"):
         self.layers, self.names, self.experts, self.device = layers, names, experts, device
         self.groups = [g for g in (*groups, pp_group) if g is not None]
-        self.bias_rate, self.top_k, self.aux_loss = bias_rate, top_k, aux_loss
+        self.bias_rate, self.top_k, self.aux_loss, self.warmup = bias_rate, top_k, aux_loss, warmup
+        self.steps = 0  # optimizer steps applied since this process started
         self.last: dict[str, float] = {}
         self.window_worst = 0.0  # the worst imbalance of any step since the last metrics row
         self.near = dict.fromkeys(names, 0)  # each layer's optimizer steps in a row near collapse
@@ -68,15 +74,17 @@ class MoEBalance(StepHook):
 
     @classmethod
     def for_model(cls, modules: list[nn.Module], model_cfg, groups: list, pp_group=None,
-                  device: torch.device | str = "cpu") -> MoEBalance | None:
-        """The hook of a model built from `model_cfg` (this rank's chunks `modules`), or None for a dense one."""
+                  device: torch.device | str = "cpu", warmup: int = 0) -> MoEBalance | None:
+        """The hook of a model built from `model_cfg` (this rank's chunks `modules`), or None for a dense
+        one; `warmup`: the optimizer steps of the learning rate's warm-up."""
         names = [f"layers.{i}.moe" for i in range(model_cfg.n_layers) if model_cfg.is_moe_block(i)]
         if not names:
             return None
         layers = moe_layers(modules)
         assert set(layers) <= set(names), f"MoE layers {sorted(layers)} outside the config's {names}"
         return cls(layers, names, groups, experts=model_cfg.moe_experts, bias_rate=model_cfg.moe_bias_rate,
-                   top_k=model_cfg.moe_top_k, aux_loss=model_cfg.moe_aux_loss, pp_group=pp_group, device=device)
+                   top_k=model_cfg.moe_top_k, aux_loss=model_cfg.moe_aux_loss, warmup=warmup, pp_group=pp_group,
+                   device=device)
 
     def begin_step(self, loss_factor: float) -> None:
         for m in self.layers.values():
@@ -84,6 +92,7 @@ class MoEBalance(StepHook):
 
     def after_optimizer_step(self, applied: bool) -> bool:
         E = self.experts
+        self.steps += applied
         stats = torch.zeros(len(self.names), E + len(STAT_NAMES) - 1, device=self.device)  # (layers, counters)
         for i, name in enumerate(self.names):
             if name in self.layers:
@@ -115,22 +124,23 @@ class MoEBalance(StepHook):
         return False
 
     def watch_collapse(self, imbalance: dict[str, float]) -> None:
-        """Count each layer's steps in a row near its ceiling (moe_experts / moe_top_k), and note the
-        layers that reach COLLAPSE_STEPS of them, once each, in one line."""
+        """Count each layer's steps in a row near its ceiling (moe_experts / moe_top_k) after the warm-up,
+        and note the layers that reach COLLAPSE_STEPS of them, once each, in one line."""
         ceiling = self.experts / self.top_k
         for name, value in imbalance.items():
-            self.near[name] = self.near[name] + 1 if value >= NEAR_COLLAPSE * ceiling else 0
+            near = value >= NEAR_COLLAPSE * ceiling and self.steps > self.warmup
+            self.near[name] = self.near[name] + 1 if near else 0
         new = [name for name in self.names if self.near[name] >= COLLAPSE_STEPS and name not in self.noted]
         if not new:
             return
         self.noted.update(new)
         layers = ", ".join(f"{name} at {imbalance[name]:.2f}" for name in new)
         self.say(
-            f"MoE router collapse: {layers} (max / mean tokens per expert) for the last {COLLAPSE_STEPS} steps, "
-            f"near the ceiling {ceiling:g} (moe_experts {self.experts} / moe_top_k {self.top_k}: every token "
-            f"on the same {self.top_k} experts); early in training the blocks' outputs are nearly alike for every "
-            f"token and no balancing separates them (docs/benchmarks.md); if it lasts past the warm-up, raise "
-            f"model.moe_bias_rate (now {self.bias_rate:g}) or model.moe_aux_loss (now {self.aux_loss:g})")
+            f"MoE router collapse: {layers} (max / mean tokens per expert) for the last {COLLAPSE_STEPS} steps "
+            f"after the warm-up, near the ceiling {ceiling:g} (moe_experts {self.experts} / moe_top_k {self.top_k}: "
+            f"every token on the same {self.top_k} experts); raise model.moe_bias_rate (now {self.bias_rate:g}) or "
+            f"model.moe_aux_loss (now {self.aux_loss:g}); a softmax router (model.moe_score) balances worse than "
+            f"a sigmoid one (docs/benchmarks.md, \"The first steps\")")
 
     def metrics(self) -> dict[str, float]:
         """The logged step's figures, and the worst imbalance of the steps since the last row
