@@ -53,6 +53,9 @@ MICRO = {
     "data.seq_len": 32, "train.global_batch": 8, "train.steps": 10, "train.device": "cpu",
     "log.every": 1, "log.tensorboard": False, "log.progress": "off", "checkpoint.save_final": False,
     "optim.warmup_steps": 2, "train.sample_tokens": 0,
+    # a tracker a test starts must start on a loaded machine too: MLflow's first database took over the default
+    # 30 s at a load average of 20, and the run then (rightly) went on without it
+    "log.tracker_wait_s": 600,
 }
 
 
