@@ -248,3 +248,71 @@ def test_a_rank_reads_its_slices_of_the_translated_tensors(tmp_path):
         whole = weights[name]
         index = tuple(slice(min(3, n - 1), max(min(3, n - 1) + 1, n - 2)) for n in whole.shape)
         assert torch.equal(weights.read(name, index), whole[index]), name
+
+
+def test_the_planners_count_by_hand_and_transformers():
+    """Parameters: transformers' own count, on one rank; on each of 2 tp ranks every split matrix
+    (attention's, linear attention's projections, the dense MLPs, embedding and head) halved and the
+    rest whole (a single K/V head's projections too), counted from the model; the two pipeline
+    stages' blocks as the trainer splits them."""
+    from scaletrain.layout import Layout
+    from scaletrain.model.transformer import count_params
+    from scaletrain.plan.params import rank_params, total_and_active
+
+    for name in ("moe-grouped-values", "tied-dense-first"):
+        config = transformers.Qwen3NextConfig(**SHAPES[name])
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(config)
+        cfg = ModelConfig(**model_config_from_hf(config.to_dict()))
+        assert count_params(cfg) == total_and_active(cfg)[0] == rank_params(cfg, Layout(), 0).total == \
+            sum(p.numel() for p in hf.parameters())
+        split = ("attn.wq.", "attn.wo.", "attn.in_qkvz.", "attn.in_ba.", "attn.out.", "mlp.w")
+        split += ("attn.wk.", "attn.wv.") if cfg.kv_heads >= 2 else ()  # (one K/V head: whole on both ranks)
+        model = Transformer(cfg)
+        by_hand = sum(p.numel() // 2 if n.startswith(("tok_emb", "output")) or any(s in n for s in split) else p.numel()
+                      for n, p in model.named_parameters())
+        assert rank_params(cfg, Layout(tp=2), 0).total == by_hand, name
+        stages = [rank_params(cfg, Layout(pp=2), r).total for r in range(2)]
+        tied = cfg.dim * cfg.vocab_size if cfg.tie_embeddings else 0  # (the last stage holds the tied head too)
+        assert sum(stages) == count_params(cfg) + tied
+
+
+def test_flops_per_token_of_linear_attention_by_hand():
+    """6 per active matmul parameter (the gated full attention's doubled wq, the linear blocks'
+    in_qkvz, in_ba and out, the router, the shared expert's gate, the top-2 and shared experts, the
+    head) plus the full blocks' scores over 32 keys, plus each linear block's chunked delta rule
+    (chunk 32 here: the whole sequence) and its convolution, 3x their forward."""
+    from scaletrain.model.flops import flops_per_token
+    from scaletrain.plan.params import total_and_active
+
+    cfg = ModelConfig(**model_config_from_hf(transformers.Qwen3NextConfig(**TINY).to_dict()))
+    d, T = 64, 32
+    full = 2 * d * 64 + 2 * d * 32 + 64 * d  # wq (query and gate), wk, wv, wo
+    linear = d * (2 * 2 * 8 + 2 * 4 * 12) + d * 2 * 4 + 4 * 12 * d  # in_qkvz, in_ba, out
+    moe = d * 4 + d + 3 * d * (2 * 32 + 40)  # router, shared gate, two experts and the shared one
+    active = 2 * (full + moe) + 2 * (linear + moe) + d * 128
+    assert total_and_active(cfg)[1] == active
+    scores = 6 * 4 * (16 + 16) * T * 2  # the two full blocks
+    delta = 3 * (4 * (T * (5 * 8 + 3 * 12) + 6 * 8 * 12) + 2 * 4 * (2 * 2 * 8 + 4 * 12))  # a linear block
+    assert flops_per_token(cfg, T) == 6 * active + scores + 2 * delta
+
+
+def test_the_generation_cache_holds_the_state_not_the_positions(tmp_path):
+    """After a prompt, the cache holds the full blocks' keys and values for every position and, per
+    linear block, its state and the convolution's last inputs (fp32 here), as the planner counts it;
+    the linear blocks' share does not grow with the positions."""
+    from scaletrain.plan.params import latent_cache_bytes
+
+    make_hf("moe-grouped-values", tmp_path)
+    model = ours_from(tmp_path)
+    held = []
+    for positions in (9, 17):
+        cache = KVCache(positions)
+        with torch.no_grad():
+            model(torch.randint(0, 128, (2, positions), generator=torch.Generator().manual_seed(5)), cache)
+        keys = sum(cache.positions_held(b) * 2 * 2 * 32 * 4 for b in ("1", "3"))  # (B, kv heads x head_dim) x 2
+        linear = [t.numel() * t.element_size() for b in ("0", "2") for t in cache.linear_state(b)]
+        assert sum(linear) == 2 * 2 * (4 * 8 * 12 + 80 * 3) * 4
+        assert keys + sum(linear) == latent_cache_bytes(model.cfg, 2, positions, bytes_per_value=4)
+        held.append(sum(linear))
+    assert held[0] == held[1]
