@@ -316,3 +316,45 @@ def test_the_generation_cache_holds_the_state_not_the_positions(tmp_path):
         assert keys + sum(linear) == latent_cache_bytes(model.cfg, 2, positions, bytes_per_value=4)
         held.append(sum(linear))
     assert held[0] == held[1]
+
+
+@pytest.mark.slow
+def test_lora_on_the_linear_and_gated_attention_exports_to_peft(tmp_path):
+    """LoRA on the attention's linears of both kinds (the gated q_proj, k_proj, v_proj, o_proj; the
+    linear blocks' in_proj_qkvz, in_proj_ba, out_proj), trained from an imported Qwen3-Next: the
+    merged export computes our logits in transformers; the PEFT folder loads onto the transformers
+    base with them, and back onto ours (the gated q_proj's rows reordered for the partial rotary as
+    its weight's are: its query's first rotary_dim rows of each head, never the gate's)."""
+    peft = pytest.importorskip("peft")
+    from scaletrain.train.trainer import Trainer
+    from scaletrain.trained.adapters import adapted_from_checkpoint, load_peft
+
+    from conftest import micro_overrides, run_here
+
+    make_hf("moe-grouped-values", tmp_path / "hf", vocab_size=256)
+    run = {"model.from_hf": str(tmp_path / "hf"), "model.init_from": str(tmp_path / "hf"), "data.seq_len": 16,
+           "model.max_seq_len": 64, "model.linear_chunk": CHUNK, "train.steps": 3, "optim.lr": 0.01,
+           "checkpoint.save_final": True, "adapter.kind": "lora", "adapter.targets": "attention"}
+    values = {k: v for k, v in micro_overrides(tmp_path / "run", **run).items()
+              if not k.startswith(("model.dim", "model.n_"))}  # (the shape is the checkpoint's)
+    saved = Trainer(load_config(None, values)).fit()["checkpoint"]
+    ours, _ = adapted_from_checkpoint(saved)
+    assert {"layers.0.attn.in_qkvz", "layers.0.attn.in_ba", "layers.0.attn.out", "layers.1.attn.wq"} <= {
+        n.removesuffix(".lora_a") for n, _ in ours.named_parameters() if n.endswith(".lora_a")}
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    want = logits(ours, x)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert (want - logits(base, x, hf=True)).abs().max() > 0.05  # the adapters changed the model
+    r = run_here("export", saved, "--format", "hf", "--out", str(tmp_path / "merged"))
+    assert r.returncode == 0, r.stderr
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert (logits(merged, x, hf=True) - want).abs().max() <= TOL
+    r = run_here("export", saved, "--format", "peft", "--out", str(tmp_path / "peft"))
+    assert r.returncode == 0, r.stderr
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba",
+                                             "out_proj"}
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+    assert (logits(adapted, x, hf=True) - want).abs().max() <= TOL
+    back, _ = load_peft(tmp_path / "peft")  # and PEFT's folder read back onto our base, rows and all
+    assert (logits(back.eval(), x) - want).abs().max() <= TOL
