@@ -67,8 +67,9 @@ def test_verify_passes_a_qwen3_next_shaped_model(tmp_path, capfd, layout):
 
 
 def test_context_parallelism_and_packed_documents_are_refused_in_one_line(tmp_path):
-    """The one legality check (train's settling, parallelize() and the planner's search ask it) refuses
-    cp for linear attention, packed documents, and a tp that cuts its key heads; the CLI exits 2."""
+    """The one legality check (train's settling, verify, parallelize() and the planner's search ask it)
+    refuses cp for linear attention, packed documents, and a tp that cuts its key heads; the CLI
+    exits 2 with one line, before any rank starts."""
     from scaletrain.layout import Layout
     from scaletrain.legality import Techniques, job_errors
 
@@ -85,6 +86,8 @@ def test_context_parallelism_and_packed_documents_are_refused_in_one_line(tmp_pa
     assert job_errors(Layout(tp=2), model) == []
     args = [f"--{k}={v}" for k, v in {**MICRO, **QWEN3NEXT}.items()]
     r = run_here("train", "--nproc", "2", *args, f"--log.run_dir={tmp_path / 'run'}", "--parallel.cp=2")
+    one_line_exit_2(r, "parallel.cp=2 with linear attention", "run without cp (parallel.cp=1)")
+    r = run_here("verify", *args, f"--log.run_dir={tmp_path / 'verify'}", "--parallel.cp=2")  # (said once, no rank)
     one_line_exit_2(r, "parallel.cp=2 with linear attention", "run without cp (parallel.cp=1)")
 
 
