@@ -13,6 +13,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
@@ -121,6 +123,26 @@ def test_the_chunked_and_recurrent_forms_agree_with_transformers(T, chunk):
     for out, s in (chunked_delta_rule(qn, kn, v, decay, beta, state, chunk),
                    recurrent_delta_rule(qn, kn, v, decay, beta, state)):
         assert (out - ref).abs().max() <= 1e-5 and (s - ref_state).abs().max() <= 1e-5
+
+
+@given(T=st.integers(1, 23), chunk=st.integers(1, 9), heads=st.sampled_from([(1, 1), (1, 3), (2, 4)]),
+       carried=st.booleans(), seed=st.integers(0, 2**16))
+@example(T=1, chunk=1, heads=(1, 1), carried=False, seed=0)
+def test_any_length_and_chunk_give_the_recurrence(T, chunk, heads, carried, seed):
+    """Drawn lengths and chunks (the last chunk a part, chunks longer than the sequence, one-position
+    chunks), grouped value heads, a state carried in or not: the chunked form's outputs and final state
+    are the recurrent form's."""
+    g = torch.Generator().manual_seed(seed)
+    hk, hv = heads
+    B, dk, dv = 2, 3, 4
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, hk, dk, generator=g), dim=-1).repeat_interleave(
+        hv // hk, dim=2) for _ in range(2))
+    v = torch.randn(B, T, hv, dv, generator=g)
+    decay, beta = -torch.rand(B, T, hv, generator=g) * 3, torch.rand(B, T, hv, generator=g)
+    state = torch.randn(B, hv, dk, dv, generator=g) if carried else None
+    out, s = chunked_delta_rule(q, k, v, decay, beta, state, chunk)
+    ref, ref_s = recurrent_delta_rule(q, k, v, decay, beta, state)
+    assert (out - ref).abs().max() <= 1e-5 and (s - ref_s).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("name", SHAPES)
