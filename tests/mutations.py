@@ -86,6 +86,12 @@ L4_HF = f"{L4}::test_import_then_export_matches_transformers[interleaved]"
 L4_GENERATE = f"{L4}::test_generation_through_the_cache_picks_transformers_tokens"
 L4_PARITY = "tests/model/families/test_llama4_parallel.py::test_a_llama4_shaped_model_trains_alike_on_every_layout"
 MUP = "tests/optim/test_muon_parallel.py"
+QN = "tests/model/families/test_qwen3_next.py"
+QN_HF = f"{QN}::test_import_then_export_matches_transformers[moe-grouped-values]"
+QN_GENERATE = f"{QN}::test_generation_through_the_cache_equals_the_full_forward_and_picks_transformers_tokens"
+QN_FORMS = f"{QN}::test_the_chunked_and_recurrent_forms_agree_with_transformers[13-4]"
+QNP = "tests/model/families/test_qwen3_next_parallel.py"
+QN_PARITY = f"{QNP}::test_a_qwen3_next_shaped_model_trains_alike_on_every_layout"
 
 MUTANTS = [
     Mutant("zero-no-dp-division", "ZeRO-1/2 bucket reduce without the 1/dp division",
@@ -828,7 +834,7 @@ MUTANTS = [
             f"{HF}::test_imported_families_train_alike_under_zero3_tp_and_pp")),
     Mutant("planner-attention-ignores-the-window", "the FLOPs per token count every block's keys as the whole "
            "sequence", "src/scaletrain/model/flops.py",
-           "keys = sum(key_span(cfg, seq_len, i) for i in range(cfg.n_layers))", "keys = cfg.n_layers * seq_len",
+           "keys = sum(key_span(cfg, seq_len, i) for i in full)", "keys = len(full) * seq_len",
            (f"{WIN}::test_the_planners_attention_flops_time_and_memory_follow_the_window",)),
     Mutant("muon-newton-schulz-on-a-shard", "Muon orthogonalises each rank's shard of a matrix instead of the whole",
            "src/scaletrain/optim/whole.py",
@@ -941,6 +947,39 @@ MUTANTS = [
     Mutant("llama4-export-keeps-rotate-half-rows", "the export writes q_proj and k_proj in rotate-half row order",
            "src/scaletrain/model/families/llama4_text.py", "out[key] = interleaved(t, heads).contiguous()",
            "out[key] = t.contiguous()", (L4_HF,)),
+    Mutant("delta-rule-decays-after-the-write", "the recurrent delta rule decays the state after the token's write, "
+           "not before it", "src/scaletrain/model/deltanet.py",
+           "        s = s * g[:, t].exp()[..., None, None]  # decay before the update\n"
+           "        predicted = torch.einsum(\"bhkv,bhk->bhv\", s, k[:, t])\n"
+           "        write = beta[:, t, :, None] * (v[:, t] - predicted)  # (B, H, dv)\n"
+           "        s = s + k[:, t, :, :, None] * write[:, :, None, :]\n",
+           "        predicted = torch.einsum(\"bhkv,bhk->bhv\", s, k[:, t])\n"
+           "        write = beta[:, t, :, None] * (v[:, t] - predicted)  # (B, H, dv)\n"
+           "        s = s + k[:, t, :, :, None] * write[:, :, None, :]\n"
+           "        s = s * g[:, t].exp()[..., None, None]\n",
+           (f"{QN}::test_the_delta_rule_decays_before_it_writes_by_hand", QN_FORMS, QN_GENERATE)),
+    Mutant("chunked-delta-rule-decays-after-the-write", "the chunked delta rule leaves each position's own decay "
+           "out of its write (an exclusive cumulative sum)", "src/scaletrain/model/deltanet.py",
+           "g[:, :, start:start + chunk].cumsum(-1)\n",
+           "g[:, :, start:start + chunk].cumsum(-1) - g[:, :, start:start + chunk]\n",
+           (f"{QN}::test_the_delta_rule_decays_before_it_writes_by_hand", QN_FORMS, QN_HF)),
+    Mutant("conv-state-not-carried", "generation starts each new token's convolution from zeros, not the inputs "
+           "before it", "src/scaletrain/model/deltanet.py",
+           "before = state[0] if state is not None else x.new_zeros", "before = x.new_zeros",
+           (QN_GENERATE,)),
+    Mutant("zero-centred-norm-without-its-one", "the zero-centred RMSNorm scales by its weight, not (1 + weight)",
+           "src/scaletrain/model/layers.py", "return (y * (1.0 + self.weight.float())).type_as(x)",
+           "return (y * self.weight.float()).type_as(x)", (QN_HF,)),
+    Mutant("attention-output-gate-dropped", "the gated full attention leaves out its output gate",
+           "src/scaletrain/model/transformer.py", "return self.wo(y if gate is None else y * torch.sigmoid(gate))",
+           "return self.wo(y)", (QN_HF,)),
+    Mutant("shared-expert-gate-dropped", "the shared expert's sigmoid gate is left out",
+           "src/scaletrain/model/moe.py", "                shared = torch.sigmoid(self.shared_gate(flat)) * shared\n",
+           "                pass\n", (QN_HF,)),
+    Mutant("linear-heads-of-another-rank-under-tp", "under tp every rank reads the first ranks' convolution and "
+           "decay parameters", "src/scaletrain/parallel/tensor_parallel.py",
+           "return _CopyToRegion.apply(t, group)[rank * n:(rank + 1) * n]", "return _CopyToRegion.apply(t, group)[:n]",
+           (QN_PARITY,)),
 ]
 
 

@@ -705,7 +705,7 @@ def test_the_registry_covers_every_family_the_reader_accepts():
     from scaletrain.model.hf_config import FAMILIES as READ
     from scaletrain.model.hf_config import model_config_from_hf
 
-    assert READ == tuple(FAMILIES) and len(FAMILIES) == 16
+    assert READ == tuple(FAMILIES) and len(FAMILIES) == 17
     shape = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                  head_dim=8, n_embd=32, n_layer=2, n_head=4)
     for name, family in FAMILIES.items():

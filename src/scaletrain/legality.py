@@ -67,7 +67,7 @@ def job_errors(layout: Layout, model=None, tech: Techniques = Techniques(), *, s
     else:
         e = layout.errors(model, engine=engine, seq_len=seq_len) + _qat_errors(layout, tech) + \
             _fp8_errors(layout, tech) + _moe_errors(layout, model) + _document_mask_errors(layout, tech) + \
-            _fault_tolerance_errors(layout, model)
+            _fault_tolerance_errors(layout, model) + _linear_attention_errors(layout, model, tech)
     e += _adapter_errors(layout, tech) + _rl_errors(layout, tech) + _tasks_errors(layout, tech)
     # (offload without ZeRO-3 is Layout.errors' one line)
     if layout.offload_optimizer and layout.zero == 3 and tech.device_type not in (None, "cuda"):
@@ -205,6 +205,28 @@ def _moe_errors(lay: Layout, model) -> list[str]:
             f"tokens among its own part of every sequence, not among the micro-batch's (one process drops other "
             f"tokens); set model.moe_capacity_factor=0 (dropless), or parallel.{axis} off"
             for axis, on in (("cp", lay.cp > 1), ("sp", lay.tp > 1 and lay.sp)) if on]
+
+
+def _linear_attention_errors(lay: Layout, model, tech: Techniques) -> list[str]:
+    """Linear attention (model.linear_heads, model/deltanet.py) carries a state along the sequence:
+    a context-parallel rank would need the state of the ranks before it (not built), and packed
+    documents would leak it from one document into the next. Tensor parallelism splits its key heads."""
+    heads = getattr(model, "linear_heads", 0)
+    if not heads:
+        return []
+    e = []
+    if lay.cp > 1:
+        e.append(f"parallel.cp={lay.cp} with linear attention (model.linear_heads={heads}): each rank would need the "
+                 "recurrent state of the ranks before it, which is not passed between them; run without cp "
+                 "(parallel.cp=1)")
+    if tech.document_mask:
+        e.append("data.document_mask with linear attention (model.linear_heads) is not supported: its state would "
+                 "carry from one document into the next; set data.document_mask=false")
+    if heads % lay.tp:
+        e.append(f"parallel.tp={lay.tp} must divide model.linear_heads={heads}: tensor parallelism splits the "
+                 "linear attention's key heads (with their value heads); choose tp among "
+                 f"{[d for d in range(1, heads + 1) if heads % d == 0]}")
+    return e
 
 
 def _document_mask_errors(lay: Layout, tech: Techniques) -> list[str]:

@@ -384,6 +384,7 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
     `layout_hook`: "module:function" (importable, from `hook_path` too), called on every rank of
     the layout run (never the reference's) with its Trainer before it trains — to instrument
     the run, or, as scaletrain's tests do, to plant a known bug and watch verify FAIL."""
+    from scaletrain.legality import check_config
     from scaletrain.plan.auto import resolve
     from scaletrain.runtime import pick_device
 
@@ -397,7 +398,7 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
     world = layout_world(cfg.parallel, nproc)
     device = pick_device(cfg.train.device, 0, world)  # refuses a CUDA layout with too few GPUs
     cfg, layout = resolve(cfg, world, device)
-    layout.check(cfg.model, seq_len=cfg.data.seq_len)
+    check_config(cfg, layout, device_type=device.type)  # the one legality check, said once (not by every rank)
     if world == 1:
         raise ConfigError("the layout is one process, which is what verify compares against; give a parallel "
                           "layout (--parallel.tp=2, --parallel.pp=2, ...) or --nproc N for data parallelism")

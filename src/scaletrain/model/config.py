@@ -118,6 +118,23 @@ class ModelConfig:
     mla_rope_dim: int = option(64, "model.mla_kv_rank: the rotated part of each query/key head, its key shared by "
                                    "all heads and cached beside the latent", min=2)
     mla_v_dim: int = option(0, "model.mla_kv_rank: each value head's width; 0 = head_dim - mla_rope_dim", min=0)
+    attn_gate: bool = option(False, "the query projection is twice as wide: each head's second half, through a "
+                                    "sigmoid, gates that head's attention output before wo (Qwen3-Next)")
+    linear_heads: int = option(0, "Gated DeltaNet linear attention (Qwen3-Next; model/deltanet.py): the key heads "
+                                  "of the linear-attention blocks, which keep a state of fixed size instead of a "
+                                  "key/value cache; 0 = every block full attention", min=0)
+    linear_value_heads: int = option(0, "model.linear_heads: the value heads (a multiple of linear_heads, which "
+                                        "each serve linear_value_heads / linear_heads of); 0 = linear_heads", min=0)
+    linear_head_dim: int = option(128, "model.linear_heads: the width of each key (and query) head", min=1)
+    linear_value_dim: int = option(0, "model.linear_heads: the width of each value head; 0 = linear_head_dim",
+                                   min=0)
+    linear_conv: int = option(4, "model.linear_heads: the length of the causal depthwise convolution over the "
+                                 "queries, keys and values (Qwen3-Next's linear_conv_kernel_dim)", min=1)
+    full_every: int = option(4, "model.linear_heads: every n-th block (counting from 1) attends by full "
+                                "attention, the others by linear attention (Qwen3-Next's full_attention_interval)",
+                             min=1)
+    linear_chunk: int = option(64, "model.linear_heads: the positions of each chunk of the chunked delta rule in "
+                                   "training (any sequence length: the last chunk may be shorter)", min=1)
     tie_embeddings: bool = option(True, "share the input embedding with the output head")
     bias: bool = option(False, "add biases to linear layers and LayerNorm")
     qkv_bias: bool = option(False, "add biases to the query, key and value projections only (Qwen2)")
@@ -134,6 +151,10 @@ class ModelConfig:
     moe_shared_experts: int = option(0, "experts every token passes through besides its routed ones (DeepSeek, "
                                         "Qwen2-MoE): one MLP of moe_shared_experts * moe_hidden", min=0)
     moe_hidden: int = option(0, "hidden width of each expert; 0 = the dense MLP's (ffn_dim)", min=0)
+    moe_shared_hidden: int = option(0, "the shared experts' MLP width, if not moe_shared_experts * moe_hidden "
+                                       "(Qwen3-Next's shared_expert_intermediate_size)", min=0)
+    moe_shared_gate: bool = option(False, "the shared experts' output is scaled by sigmoid of a learned linear of the "
+                                          "token (Qwen3-Next's shared_expert_gate)")
     moe_every: int = option(1, "every n-th block (counted after moe_first_dense) is a mixture of experts", min=1)
     moe_first_dense: int = option(0, "the first blocks that keep a dense MLP (DeepSeek-V3: 3)", min=0)
     moe_groups: int = option(0, "group-limited routing (DeepSeek-V3's n_group): the experts are cut into this many "
@@ -210,6 +231,23 @@ class ModelConfig:
     def is_nope_block(self, index: int) -> bool:
         """Whether block `index` attends without rotary positions (model.nope_every)."""
         return bool(self.nope_every) and (index + 1) % self.nope_every == 0
+
+    def is_linear_block(self, index: int) -> bool:
+        """Whether block `index` attends by linear attention (model.linear_heads) rather than full."""
+        return bool(self.linear_heads) and (index + 1) % self.full_every != 0
+
+    @property
+    def linear_v_heads(self) -> int:
+        return self.linear_value_heads or self.linear_heads
+
+    @property
+    def linear_v_dim(self) -> int:
+        return self.linear_value_dim or self.linear_head_dim
+
+    @property
+    def shared_hidden(self) -> int:
+        """The shared experts' MLP width (model.moe_shared_hidden, or moe_shared_experts experts' worth)."""
+        return self.moe_shared_hidden or self.moe_shared_experts * self.expert_hidden
 
     def is_moe_block(self, index: int) -> bool:
         """Whether block `index` holds a mixture of experts rather than a dense MLP."""
@@ -288,6 +326,7 @@ def check_model(m: ModelConfig) -> list[str]:
         errors.append(f"model.rope_scaling=llama3 needs 0 < rope_low_freq_factor < rope_high_freq_factor, got "
                       f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor}")
     errors += _nope_errors(m)
+    errors += _linear_errors(m)
     if m.qk_norm_scope != "head" and not m.qk_norm:
         errors.append(f"model.qk_norm_scope={m.qk_norm_scope} says what the q/k norms cover, but model.qk_norm=false; "
                       "set model.qk_norm=true, or drop qk_norm_scope")
@@ -353,6 +392,25 @@ def _group_errors(m: ModelConfig) -> list[str]:
         return [f"model.moe_top_k={m.moe_top_k} is more than the {m.moe_topk_groups} open groups of "
                 f"{m.moe_experts // m.moe_groups} experts hold; raise moe_topk_groups or lower moe_top_k"]
     return []
+
+
+def _linear_errors(m: ModelConfig) -> list[str]:
+    """Problems of the linear-attention blocks (model.linear_*) and the shared experts' gate."""
+    errors = []
+    keys = ("linear_value_heads", "linear_head_dim", "linear_value_dim", "linear_conv", "full_every", "linear_chunk")
+    only = [f"model.{k}" for k in keys if getattr(m, k) != getattr(ModelConfig, k)]
+    if not m.linear_heads and only:
+        errors.append(f"{', '.join(only)} shape linear attention, but model.linear_heads=0; set it, or drop them")
+    if m.linear_heads and m.linear_v_heads % m.linear_heads:
+        errors.append(f"model.linear_value_heads={m.linear_value_heads} must be a multiple of model.linear_heads="
+                      f"{m.linear_heads} (each key head serves the same number of value heads)")
+    if m.linear_heads and m.mla_kv_rank:
+        errors.append("model.linear_heads and model.mla_kv_rank: the full-attention blocks of a linear-attention "
+                      "model are not latent ones; set one of them")
+    if (m.moe_shared_hidden or m.moe_shared_gate) and not m.moe_shared_experts:
+        errors.append("model.moe_shared_hidden and model.moe_shared_gate shape the shared experts, but "
+                      "model.moe_shared_experts=0; set it, or drop them")
+    return errors
 
 
 def _nope_errors(m: ModelConfig) -> list[str]:

@@ -158,7 +158,7 @@ def _hf_name(name: str, family: Family, style: str = "mlp") -> str:
 
 def _llama_keys(cfg: ModelConfig) -> list[str]:
     """The Llama names of every tensor a model of `cfg` has (its head too, tied or not)."""
-    names = [_hf_name(n, naming(cfg)) for n in _expected(cfg)]
+    names = [_hf_name(n, naming(cfg)) for n in _expected(cfg) if not _EXPERTS.match(n)]  # (experts: own names)
     return names + ([] if "lm_head.weight" in names else ["lm_head.weight"])
 
 

@@ -4,7 +4,10 @@ whole context. Plain PyTorch; `Transformer.forward(tokens, cache=...)` fills and
 
 A block with a window (model/window.py) keeps only the keys its window can still reach: at most
 size - 1 positions of a sliding window (and those of the current chunk of a chunked one), so its
-memory is bounded by the window, not by the context."""
+memory is bounded by the window, not by the context.
+
+A linear-attention block (model/deltanet.py) keeps no keys: its convolution's last inputs and its
+state, of a fixed size (`linear_state`, `keep_linear_state`). Its state cannot be rewound."""
 
 from __future__ import annotations
 
@@ -24,10 +27,12 @@ class KVCache:
         self.length = 0  # positions cached, in every block
         self._kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._first: dict[str, int] = {}  # a windowed block's first position kept
+        self._linear: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # a linear block's (conv inputs, state)
 
     def reset(self) -> None:
         """Forget every position (the buffers are kept for reuse)."""
         self.length = 0
+        self._linear.clear()
         for block in self._first:
             self._first[block] = 0
             self._kv[block] = tuple(t[:, :, :0] for t in self._kv[block])
@@ -67,6 +72,15 @@ class KVCache:
         self._first[block] = first + drop
         return keys, values, first
 
+    def linear_state(self, block: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A linear-attention block's (last convolution inputs, state) after the cached positions;
+        None before the first."""
+        return self._linear.get(block) if self.length else None
+
+    def keep_linear_state(self, block: str, conv: torch.Tensor, state: torch.Tensor) -> None:
+        """Keep block `block`'s convolution inputs (B, channels, taps - 1) and state (B, heads, dk, dv)."""
+        self._linear[block] = (conv, state)
+
     def positions_held(self, block: str) -> int:
         """How many positions block `block` keeps (its buffer's length)."""
         return self._kv[block][0].shape[2]
@@ -81,6 +95,9 @@ class KVCache:
         them already: not supported there."""
         if self._first:
             raise ValueError("a cache of blocks with a window cannot rewind: their dropped keys are gone")
+        if self._linear and steps:
+            raise ValueError("a cache of linear-attention blocks cannot rewind: their state has taken in the "
+                             "positions already")
         if not 0 <= steps <= self.length:
             raise ValueError(f"cannot rewind {steps} of {self.length} positions")
         self.length -= steps

@@ -135,7 +135,9 @@ class MoE(nn.Module):
         self.b2 = nn.Parameter(torch.empty(E, d)) if cfg.moe_bias else None
         self.b3 = nn.Parameter(torch.empty(E, h)) if cfg.moe_bias and cfg.gated else None
         self.glu = glu_of(cfg)
-        self.shared = MLP(cfg, hidden=cfg.moe_shared_experts * h) if cfg.moe_shared_experts else None
+        self.shared = MLP(cfg, hidden=cfg.shared_hidden) if cfg.moe_shared_experts else None
+        # Qwen3-Next: the shared experts' output scaled by sigmoid(shared_gate(token)), one number a token
+        self.shared_gate = nn.Linear(d, 1, bias=False) if cfg.moe_shared_gate else None
         # the routing bias is state (saved, resumed); the step's counters are not
         self.register_buffer("expert_bias", torch.zeros(E), persistent=True)
         self.register_buffer("stats", torch.zeros(E + len(STAT_NAMES) - 1), persistent=False)
@@ -212,7 +214,10 @@ class MoE(nn.Module):
             y = y * weight.to(y.dtype)
         out = torch.zeros(flat.shape, dtype=y.dtype, device=x.device).index_add_(0, token, y)
         if self.shared is not None:
-            out = out + self.shared(flat)
+            shared = self.shared(flat)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(flat)) * shared
+            out = out + shared
         if self.training and torch.is_grad_enabled():
             out = self._balance(out, logits, chosen.view(B, -1), routed, routed.sum() - counts.sum())
         return out.view(B, T, D).to(x.dtype)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.model.config import ModelConfig
+from scaletrain.model.deltanet import GatedDeltaNet
 from scaletrain.model.kv_cache import KVCache
 from scaletrain.model.layers import RMSNorm, apply_rope
 from scaletrain.model.mla import LatentAttention
@@ -97,7 +98,9 @@ class Attention(nn.Module):
         self.scale = cfg.attn_scale_dim ** -0.5 if cfg.attn_scale_dim else None  # None: 1 / sqrt(head_dim)
         self.softcap = cfg.attn_softcap
         qkv_bias = cfg.bias or cfg.qkv_bias
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=qkv_bias)
+        # Qwen3-Next: each head's rows of wq are [query | gate], the gate's sigmoid scaling the head's output
+        self.gated = cfg.attn_gate
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim * (2 if self.gated else 1), bias=qkv_bias)
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=cfg.bias)
@@ -122,6 +125,9 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of the heads
         q, k = self.wq(x), self.wk(x)
+        gate = None
+        if self.gated:  # (B, T, heads * head_dim) each
+            q, gate = (t.flatten(2) for t in q.view(B, T, -1, 2 * self.head_dim).chunk(2, dim=-1))
         if self.q_norm is not None and not self.norm_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, -1, self.head_dim)  # (B, T, n_heads, head_dim)
@@ -140,7 +146,8 @@ class Attention(nn.Module):
             y = self._cached(q, k, v, *cache)
         else:
             y = self.attend(q, k, v, mask, mask is None)  # (B, heads, T, head_dim)
-        return self.wo(y.transpose(1, 2).flatten(2))  # (B, T, dim)
+        y = y.transpose(1, 2).flatten(2)  # (B, T, heads * head_dim)
+        return self.wo(y if gate is None else y * torch.sigmoid(gate))  # (B, T, dim)
 
     def _cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, block: str) -> torch.Tensor:
         """Generation: the queries of positions past.. after the cached ones, against the keys the
@@ -207,7 +214,10 @@ class Block(nn.Module):
         # its output before the residual add (attn_post_norm, mlp_post_norm; OLMo 2, Gemma)
         pre, post = cfg.norm_placement in ("pre", "both"), cfg.norm_placement in ("post", "both")
         self.attn_norm = make_norm(cfg) if pre else None
-        self.attn = LatentAttention(cfg) if cfg.mla_kv_rank else Attention(cfg, block_window(cfg, index))
+        if cfg.is_linear_block(index):  # Qwen3-Next's linear-attention blocks (model/deltanet.py)
+            self.attn = GatedDeltaNet(cfg)
+        else:
+            self.attn = LatentAttention(cfg) if cfg.mla_kv_rank else Attention(cfg, block_window(cfg, index))
         self.attn_post_norm = make_norm(cfg) if post else None
         self.mlp_norm = make_norm(cfg) if pre else None
         self.mlp_post_norm = make_norm(cfg) if post else None
@@ -294,12 +304,16 @@ class Transformer(nn.Module):
     def init_rule(self, name: str) -> InitRule:
         """The initial distribution of parameter `name` (a canonical name, no wrapper prefixes)."""
         leaf = name.rsplit(".", 1)[-1]
+        if name.endswith(("attn.z_norm.weight", "attn.dt_bias")):  # (linear attention's: a plain scale, 1)
+            return InitRule("ones")
+        if name.endswith("attn.A_log"):  # a decay rate of exp(0) = 1
+            return InitRule("zeros")
         if "norm" in name.rsplit(".", 2)[-2]:  # (a (1 + w) RMSNorm is the identity at w = 0)
             ones = leaf == "weight" and not (self.cfg.norm_unit_offset and self.cfg.norm == "rmsnorm")
             return InitRule("ones") if ones else InitRule("zeros")
         if leaf in ("bias", "b1", "b2", "b3"):  # (b1, b2, b3: the experts' biases, gpt-oss)
             return InitRule("zeros")
-        if name.endswith(("attn.wo.weight", "mlp.w2.weight", "moe.w2", "shared.w2.weight")):
+        if name.endswith(("attn.wo.weight", "attn.out.weight", "mlp.w2.weight", "moe.w2", "shared.w2.weight")):
             # GPT-2: scale the projections into the residual stream by 1/sqrt(2 * n_layers)
             return InitRule("normal", self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers))
         return InitRule("normal", self.cfg.init_std)

@@ -95,7 +95,10 @@ def key_span(cfg: ModelConfig, seq_len: int, index: int, *, kernel: bool = False
     """The keys each query of block `index` is counted against, in sequences of `seq_len`: the whole
     sequence (causal attention counted unhalved, as PaLM counts its FLOPs), or the window's size;
     with `kernel`, the keys the tiled kernel scores and keeps (a sliding tile's rows see up to
-    2·size - 1 keys together; a chunked tile, its chunk)."""
+    2·size - 1 keys together; a chunked tile, its chunk). A linear-attention block (model/deltanet.py)
+    scores the keys of its delta rule's chunk, the rest reaching it through its state."""
+    if cfg.is_linear_block(index):
+        return min(seq_len, cfg.linear_chunk)
     window = block_window(cfg, index)
     if window is None or seq_len <= window.size:
         return seq_len

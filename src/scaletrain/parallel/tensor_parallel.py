@@ -12,7 +12,12 @@ forward and one in backward per sub-layer:
                 Fewer K/V heads than tp ranks (grouped-query attention, Megatron's way): wk
                 and wv are replicated, each rank computes the one K/V head its query heads
                 read, and the copies' gradients are summed over tp (`ReplicatedKVStep`).
-                Attention sinks (gpt-oss), one per query head, split like the query heads
+                Attention sinks (gpt-oss), one per query head, split like the query heads.
+                Linear attention (model/deltanet.py): in_qkvz and in_ba column-parallel (their rows
+                grouped by key head: a rank owns whole key heads with their value heads), out
+                row-parallel; the per-head convolution, A_log and dt_bias replicated, each rank
+                reading its heads' rows, and the norm's shared weight replicated, their gradients
+                summed over tp in backward (`_own_rows`, `_CopyToRegion`)
     MLP         w1 (and w3) column-parallel -> activation -> w2 row-parallel
     MoE         router, experts and shared experts replicated (no expert-tensor parallelism),
                 and each rank routes its own sequence shard: with sequence parallelism the one
@@ -61,6 +66,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from scaletrain.hooks import StepHook, sum_gradients
+from scaletrain.model.deltanet import GatedDeltaNet
 from scaletrain.model.mla import LatentAttention
 from scaletrain.model.moe import MoE
 from scaletrain.parallel.moe_balance import summed_over
@@ -140,6 +146,10 @@ def _split(model: nn.Module, tp_mesh, sequence_parallel: bool, first_block: str 
         parallelize_module(block, tp_mesh, _block_plan(block, moe, replicated_kv, sequence_parallel))
         if isinstance(block.attn, LatentAttention):  # its shared rotated key feeds every rank's heads
             block.attn.shared_key = partial(_copy_to_region, group=tp_mesh.get_group())
+        elif isinstance(block.attn, GatedDeltaNet):
+            block.attn.own = partial(_own_rows, group=tp_mesh.get_group(), rank=tp_mesh.get_local_rank(),
+                                     size=tp_mesh.size())
+            block.attn.whole = partial(_copy_to_region, group=tp_mesh.get_group())
         elif replicated_kv:
             _select_kv_head(block.attn, tp_mesh, cfg.kv_heads, cfg.head_size)
         if getattr(block.attn, "sinks", None) is not None:  # (latent attention has none)
@@ -161,6 +171,8 @@ def _block_plan(block: nn.Module, moe: bool, replicated_kv: bool, sequence_paral
     kv_plan = {} if replicated_kv else {"attn.wk": Colwise(), "attn.wv": Colwise()}
     plan = _latent_plan(block.attn) if latent else {"attn.wq": Colwise(), **kv_plan}
     plan["attn.wo"] = Rowwise(output_layouts=between)
+    if isinstance(block.attn, GatedDeltaNet):
+        plan = {"attn.in_qkvz": Colwise(), "attn.in_ba": Colwise(), "attn.out": Rowwise(output_layouts=between)}
     if not moe:
         plan.update({"mlp.w1": Colwise(), "mlp.w2": Rowwise(output_layouts=between)})
         if block.mlp.w3 is not None:
@@ -209,6 +221,13 @@ def _latent_plan(attn: nn.Module) -> dict:
 
 def _copy_to_region(x: torch.Tensor, group) -> torch.Tensor:
     return _CopyToRegion.apply(x, group)
+
+
+def _own_rows(t: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
+    """The rank's share of a replicated per-head parameter's rows (rank r: the r-th of `size` equal
+    parts, the heads of its column-parallel projections); its gradient summed over the group."""
+    n = t.shape[0] // size
+    return _CopyToRegion.apply(t, group)[rank * n:(rank + 1) * n]
 
 
 def _split_sinks(attn: nn.Module, tp_mesh) -> None:

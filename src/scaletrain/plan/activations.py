@@ -73,7 +73,7 @@ def _megatron_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: b
     inside /= tp
     if moe:
         routed = cfg.moe_top_k * expert_load(wl, ep) * (n_ffn * cfg.expert_hidden + 2 * h) * c
-        shared = n_ffn * cfg.moe_shared_experts * cfg.expert_hidden * c
+        shared = n_ffn * cfg.shared_hidden * c
         inside += (routed + shared + cfg.moe_experts * 4) * (1 / tp if sp else 1.0) - n_ffn * f * c / tp
     scores = 0.0
     if wl.attention == "eager" and ac != "selective":
@@ -108,7 +108,7 @@ def _scaletrain_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp:
         mm_out = 2 * b * s * h * d.compute  # wo and w2 outputs (before their reduction)
         ffn = (n_ffn - 1) * b * s * f / tp * d.compute
         if moe:  # the grouped matmuls are recomputed; the router's and the shared experts' matmuls kept
-            n, shared = b * s / tp, cfg.moe_shared_experts * cfg.expert_hidden  # the tokens this rank routes
+            n, shared = b * s / tp, cfg.shared_hidden  # the tokens this rank routes
             mm_out = b * s * h * d.compute + n * cfg.moe_experts * d.compute
             ffn = n * ((n_ffn - 1) * shared + h) * d.compute if shared else 0.0
         return x + qkv + attn_out + lse + mm_out + ffn
@@ -180,7 +180,7 @@ def moe_half_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, cp
     n = b * s / tp  # the tokens this rank routes
     E, k, he = cfg.moe_experts, cfg.moe_top_k, cfg.expert_hidden
     n_ffn = 3 if cfg.gated else 2
-    shared = cfg.moe_shared_experts * he
+    shared = cfg.shared_hidden
     residual = b * s_loc * h * d.residual if _norm_keeps_input(cfg, d) else 0.0
     # the router's input is fp32 in every mode (the block's input itself when that is fp32, else an
     # fp32 copy); under autocast each shared-expert matrix makes its own compute-dtype copy, without

@@ -246,7 +246,7 @@ def backward_moments(cfg: ModelConfig, wl: Workload, layout: Layout, d: Dtypes, 
     head = (cfg.vocab_size * cfg.dim / tp + cfg.dim) * d.grad
     if cfg.is_moe_block(cfg.n_layers - 1):  # a mixture: its router's, shared and routed experts' gradients
         freed = moe_half_bytes(cfg, wl, b, tp, sp, cp, layout.ep) + wo_in
-        shared = n_ffn * cfg.dim * cfg.moe_shared_experts * cfg.expert_hidden
+        shared = n_ffn * cfg.dim * cfg.shared_hidden
         mlp = (cfg.moe_experts * cfg.dim + shared + layer_params(cfg, tp, True, layout.ep).expert + cfg.dim) * d.grad
     else:
         freed = mlp_half_bytes(cfg, wl, b, tp, sp, cp) + wo_in

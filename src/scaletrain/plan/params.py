@@ -152,7 +152,7 @@ def moe_block_split(cfg: ModelConfig) -> tuple[int, int, int]:
     the first, ep the last."""
     active = block_matmul_params(cfg, 1, block_of_kind(cfg, True))
     n_ffn = 3 if cfg.gated else 2
-    whole = cfg.moe_experts * cfg.dim + n_ffn * cfg.dim * cfg.moe_shared_experts * cfg.expert_hidden
+    whole = (cfg.moe_experts + cfg.moe_shared_gate) * cfg.dim + n_ffn * cfg.dim * cfg.shared_hidden
     routed = cfg.moe_top_k * expert_params(cfg)
     return active - whole - routed, whole, routed
 
@@ -178,26 +178,45 @@ class BlockParams(NamedTuple):
     expert_matrices: tuple = ()
 
 
-def block_of_kind(cfg: ModelConfig, moe: bool) -> int | None:
-    """A block of the kind asked (a mixture of experts or not), for `block_matmul_params`."""
-    return next((i for i in range(cfg.n_layers) if cfg.is_moe_block(i) == moe), None)
+def block_of_kind(cfg: ModelConfig, moe: bool, linear: bool | None = None) -> int | None:
+    """A block of the kind asked (a mixture of experts or not; with `linear`, a linear-attention
+    block or a full-attention one), for `block_matmul_params`."""
+    return next((i for i in range(cfg.n_layers) if cfg.is_moe_block(i) == moe
+                 and (linear is None or cfg.is_linear_block(i) == linear)), None)
+
+
+def linear_matrices(cfg: ModelConfig, tp: int) -> tuple:
+    """A linear-attention block's matrices on a tp rank (model/deltanet.py): in_qkvz, in_ba, out,
+    split by heads."""
+    h, hk, hv, dk, dv = cfg.dim, cfg.linear_heads // tp, cfg.linear_v_heads // tp, cfg.linear_head_dim, \
+        cfg.linear_v_dim
+    return ((2 * hk * dk + 2 * hv * dv, h), (2 * hv, h), (h, hv * dv))
+
+
+def linear_state_params(cfg: ModelConfig) -> int:
+    """A linear-attention block's parameters replicated over tp: the convolution (every channel's
+    taps), A_log and dt_bias (one per value head) and the gated norm's weight (a head's width)."""
+    channels = 2 * cfg.linear_heads * cfg.linear_head_dim + cfg.linear_v_heads * cfg.linear_v_dim
+    return channels * cfg.linear_conv + 2 * cfg.linear_v_heads + cfg.linear_v_dim
 
 
 @lru_cache(maxsize=1024)
-def layer_params(cfg: ModelConfig, tp: int, moe: bool = False, ep: int = 1) -> BlockParams:
+def layer_params(cfg: ModelConfig, tp: int, moe: bool = False, ep: int = 1, linear: bool = False) -> BlockParams:
     """A block's parameters on one of `tp` tensor-parallel ranks: a dense block, or with `moe`
     a mixture of experts (its router and shared experts whole on every tp rank, its routed
-    experts split over `ep` ranks)."""
+    experts split over `ep` ranks); with `linear`, a linear-attention block (model.linear_heads)."""
     h, kv, f = cfg.dim, cfg.kv_heads * cfg.head_size, cfg.hidden_dim
     q = cfg.n_heads * cfg.head_size  # = h unless head_dim is set apart
     n_ffn = 3 if cfg.gated else 2
     # the K/V width on a rank: kv / tp, or, with fewer K/V heads than tp, the one head its
     # query heads read (replicated on tp / kv_heads ranks, as the engine holds it)
     kv_rank = kv // tp if cfg.kv_heads >= tp else cfg.head_size
-    replicated_kv = 2 * h * kv_rank - 2 * h * kv // tp  # wk and wv beyond their 1/tp share
-    index = block_of_kind(cfg, moe) if cfg.moe_experts else None
+    replicated_kv = 0 if linear else 2 * h * kv_rank - 2 * h * kv // tp  # wk and wv beyond their 1/tp share
+    index = block_of_kind(cfg, moe, linear if cfg.linear_heads else None) \
+        if cfg.moe_experts or cfg.linear_heads else None
     active = block_matmul_params(cfg, tp, index)  # the one count of a block's matmul work (model/flops.py)
-    attn_mats = ((q // tp, h), (kv_rank, h), (kv_rank, h), (h, q // tp)) if not cfg.mla_kv_rank else \
+    gate = 2 if cfg.attn_gate else 1  # (the gated attention's wq: a query and a gate a head)
+    attn_mats = ((gate * q // tp, h), (kv_rank, h), (kv_rank, h), (h, q // tp)) if not cfg.mla_kv_rank else \
         latent_matrices(cfg, tp)
     norms = 4 if cfg.norm_placement == "both" else 2  # pre- and/or post-norms of the two sub-blocks
     replicated = norms * (2 if cfg.norm == "layernorm" and cfg.bias else 1) * h
@@ -205,15 +224,17 @@ def layer_params(cfg: ModelConfig, tp: int, moe: bool = False, ep: int = 1) -> B
     # q/k norms: one weight of head_size each (Qwen3), replicated; or one over the whole projection
     # (OLMo 2, OLMoE), split over tp like the projection's rows
     projection_norms = (q // tp + kv_rank) if cfg.qk_norm and cfg.qk_norm_scope == "projection" else 0
-    if cfg.qk_norm and cfg.qk_norm_scope == "head":
+    if cfg.qk_norm and cfg.qk_norm_scope == "head" and not linear:
         replicated += 2 * cfg.head_size
     sinks = cfg.n_heads // tp if cfg.attn_sinks else 0  # one per query head, split like them (gpt-oss)
+    if linear:  # its projections in place of attention's; its convolution and per-head scalars replicated
+        attn_mats, replicated = linear_matrices(cfg, tp), replicated + linear_state_params(cfg)
     if moe:
         E, he = cfg.moe_experts, cfg.expert_hidden
-        shared = cfg.moe_shared_experts * he
+        shared = cfg.shared_hidden
         # the active count is attention's share (split by tp), the router and the shared
-        # experts (whole on every tp rank) and top_k routed experts; a rank holds E / ep of these
-        whole = E * h + n_ffn * h * shared
+        # experts (and their gate; whole on every tp rank) and top_k routed experts; a rank holds E / ep
+        whole = (E + cfg.moe_shared_gate) * h + n_ffn * h * shared
         attention = active - whole - cfg.moe_top_k * expert_params(cfg) + replicated_kv
         sharded = attention + projection_norms + sinks
         if cfg.moe_bias:
@@ -251,9 +272,15 @@ def latent_matrices(cfg: ModelConfig, tp: int) -> tuple:
 def latent_cache_bytes(cfg: ModelConfig, batch: int, positions: int, bytes_per_value: int = 2) -> int:
     """The generation cache of `batch` sequences of `positions` tokens: latent attention keeps each
     block's latent and rotated shared key (kv_rank + rope_dim a token); ordinary attention its
-    keys and values (2 x kv_heads x head_dim)."""
+    keys and values (2 x kv_heads x head_dim); a linear-attention block (model/deltanet.py) its
+    state (value heads x dk x dv, in fp32) and its convolution's last (taps - 1) inputs, whatever
+    the positions."""
     width = cfg.mla_kv_rank + cfg.mla_rope_dim if cfg.mla_kv_rank else 2 * cfg.kv_heads * cfg.head_size
-    return cfg.n_layers * batch * positions * width * bytes_per_value
+    linear = sum(cfg.is_linear_block(i) for i in range(cfg.n_layers))
+    channels = 2 * cfg.linear_heads * cfg.linear_head_dim + cfg.linear_v_heads * cfg.linear_v_dim
+    state = batch * (cfg.linear_v_heads * cfg.linear_head_dim * cfg.linear_v_dim * 4
+                     + channels * (cfg.linear_conv - 1) * bytes_per_value)
+    return (cfg.n_layers - linear) * batch * positions * width * bytes_per_value + linear * state
 
 
 def stage_layers(cfg: ModelConfig, layout: Layout) -> list[list[int]]:
@@ -281,19 +308,36 @@ def rank_blocks(cfg: ModelConfig, layout: Layout, pp_rank: int) -> tuple[int, in
 
 @lru_cache(maxsize=4096)
 def _rank_blocks(cfg: ModelConfig, pp: int, virtual: int, schedule: str, pp_rank: int) -> tuple[int, int]:
-    from scaletrain.parallel.pipeline import head_cost_in_blocks, stage_indices
-
     if not cfg.moe_experts:
         return sum(stage_layers(cfg, Layout(pp=pp, pp_virtual_stages=virtual, pp_schedule=schedule))[pp_rank]), 0
     if pp == 1:
         return cfg.n_layers - cfg.moe_blocks, cfg.moe_blocks
-    from scaletrain.parallel.pipeline import balanced_split_counts
-
-    counts = balanced_split_counts(cfg.n_layers, pp * virtual, head_cost_in_blocks(cfg))
-    starts = [sum(counts[:s]) for s in range(len(counts))]
-    blocks = [i for s in stage_indices(schedule, pp_rank, pp, virtual) for i in range(starts[s], starts[s] + counts[s])]
+    blocks = _rank_block_ids(cfg, pp, virtual, schedule, pp_rank)
     moe = sum(cfg.is_moe_block(i) for i in blocks)
     return len(blocks) - moe, moe
+
+
+def _rank_kinds(cfg: ModelConfig, pp: int, virtual: int, schedule: str, pp_rank: int) -> dict[tuple, int]:
+    """{(mixture of experts, linear attention): blocks of that kind} that pipeline rank `pp_rank` holds."""
+    if not cfg.linear_heads:
+        dense, moe = _rank_blocks(cfg, pp, virtual, schedule, pp_rank)
+        return {(False, False): dense, (True, False): moe}
+    kinds: dict[tuple, int] = {}
+    for i in _rank_block_ids(cfg, pp, virtual, schedule, pp_rank):
+        kind = (cfg.is_moe_block(i), cfg.is_linear_block(i))
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
+def _rank_block_ids(cfg: ModelConfig, pp: int, virtual: int, schedule: str, pp_rank: int) -> list[int]:
+    """The blocks pipeline rank `pp_rank` holds, as the trainer splits them."""
+    from scaletrain.parallel.pipeline import balanced_split_counts, head_cost_in_blocks, stage_indices
+
+    if pp == 1:
+        return list(range(cfg.n_layers))
+    counts = balanced_split_counts(cfg.n_layers, pp * virtual, head_cost_in_blocks(cfg))
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    return [i for s in stage_indices(schedule, pp_rank, pp, virtual) for i in range(starts[s], starts[s] + counts[s])]
 
 
 def rank_params(cfg: ModelConfig, layout: Layout, pp_rank: int) -> ParamCounts:
@@ -308,9 +352,9 @@ def _rank_params(cfg: ModelConfig, tp: int, pp: int, virtual: int, schedule: str
     layout = Layout(tp=tp, pp=pp, pp_virtual_stages=virtual, pp_schedule=schedule)
     sharded = replicated = matmul = expert = 0
     matrices, expert_matrices = [], []
-    for n, moe in zip(_rank_blocks(cfg, pp, virtual, schedule, pp_rank), (False, True)):
+    for (moe, linear), n in _rank_kinds(cfg, pp, virtual, schedule, pp_rank).items():
         if n:
-            b = layer_params(cfg, tp, moe, ep)
+            b = layer_params(cfg, tp, moe, ep, linear)
             sharded, replicated, matmul = sharded + n * b.sharded, replicated + n * b.replicated, matmul + n * b.matmul
             expert += n * b.expert
             matrices += list(b.matrices) * n

@@ -204,7 +204,7 @@ def export_peft(checkpoint: str | Path, out: str | Path, *, base: str | Path | N
                 continue
             t = t.detach().float()
             if heads and leaf != "lora_a":  # the output rows follow the base's q/k rows
-                t = rows_ours_to_hf(t, heads)
+                t = rows_ours_to_hf(t, heads, cfg.model.rotary_dim)  # (partial rotary: its turned rows only)
             tensors[f"{_PREFIX}{hf}.{theirs}"] = t.contiguous()
     spec = AdapterSpec.of(cfg.adapter)
     config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
@@ -344,7 +344,7 @@ def load_peft(folder: str | Path, base: str | Path | None = None):
                                           f"{spec.rank} want {tuple(p.shape)}")
                 t = leaves[leaf].float()
                 if heads_of[name] and leaf != "lora_a":
-                    t = rows_hf_to_ours(t, heads_of[name])
+                    t = rows_hf_to_ours(t, heads_of[name], model_cfg.rotary_dim)
                 p.copy_(t)
     return model, meta
 

@@ -31,6 +31,7 @@ from scaletrain.model.families import (
     qwen2,
     qwen3,
     qwen3_moe,
+    qwen3_next,
 )
 from scaletrain.model.families._choose import choose
 from scaletrain.model.families._common import CONFIG_FILE, HARMLESS, Family, Reader, short
@@ -38,7 +39,7 @@ from scaletrain.model.families._common import CONFIG_FILE, HARMLESS, Family, Rea
 FAMILIES = MappingProxyType({f.model_type: f for f in (
     gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, olmo2.FAMILY, gpt_neox.FAMILY,
     phi3.FAMILY, gemma2.FAMILY, gemma3_text.FAMILY, mixtral.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY,
-    deepseek_v3.FAMILY, gpt_oss.FAMILY, llama4_text.FAMILY)})
+    deepseek_v3.FAMILY, gpt_oss.FAMILY, llama4_text.FAMILY, qwen3_next.FAMILY)})
 
 __all__ = ["CONFIG_FILE", "FAMILIES", "HARMLESS", "Family", "Reader", "family_of_config", "family_of_model",
            "layout_of", "naming", "short"]
@@ -66,6 +67,7 @@ def layout_of(keys) -> Family | None:
 
 def naming(cfg: ModelConfig) -> Family:
     """The Llama-like family whose block names fit where `cfg`'s norms sit (model.norm_placement)
-    and its attention (latent or not)."""
+    and its attention (latent, linear or neither)."""
     return next(f for f in FAMILIES.values() if not f.conv1d and f.norm_placement == cfg.norm_placement
-                and f.latent_attention == bool(cfg.mla_kv_rank))
+                and f.latent_attention == bool(cfg.mla_kv_rank)
+                and f.hybrid == bool(cfg.linear_heads or cfg.moe_shared_gate))

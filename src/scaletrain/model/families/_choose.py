@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from scaletrain.errors import ConfigError
 from scaletrain.model.config import ModelConfig
-from scaletrain.model.families import deepseek_v3, gemma2, gpt_neox, gpt_oss, llama4_text, phi3
+from scaletrain.model.families import deepseek_v3, gemma2, gpt_neox, gpt_oss, llama4_text, phi3, qwen3_next
 
 
 def _no(why: str) -> ConfigError:
@@ -23,7 +23,9 @@ def choose(cfg: ModelConfig) -> str:
          cfg.attn_sinks or cfg.moe_bias or cfg.activation == "swiglu_clamped"),
         ("Llama 4's chunks, no-rope blocks, weightless q/k norm or input-scaled experts (model.attn_chunk, "
          "nope_every, qk_l2_norm, moe_scale_input)",  # (attn_temperature: nope_every)
-         cfg.attn_chunk or cfg.nope_every or cfg.qk_l2_norm or cfg.moe_scale_input)) if parts]
+         cfg.attn_chunk or cfg.nope_every or cfg.qk_l2_norm or cfg.moe_scale_input),
+        ("Qwen3-Next's linear attention, output gate or gated shared expert (model.linear_heads, attn_gate, "
+         "moe_shared_gate)", cfg.linear_heads or cfg.attn_gate or cfg.moe_shared_gate)) if parts]
     if len(own) > 1:
         raise no(f"it has {own[0]} and {own[1]}, each of a family of its own")
     if cfg.mla_kv_rank:
@@ -32,6 +34,8 @@ def choose(cfg: ModelConfig) -> str:
         return gpt_oss.chosen(cfg, no)
     if cfg.attn_chunk or cfg.nope_every or cfg.qk_l2_norm or cfg.moe_scale_input:
         return llama4_text.FAMILY.chosen(cfg, no)
+    if cfg.linear_heads or cfg.attn_gate or cfg.moe_shared_gate:
+        return qwen3_next.FAMILY.chosen(cfg, no)
     if uses_newer_options(cfg):
         return newer_family(cfg, no)
     if cfg.export_as == phi3.FAMILY.export_as:

@@ -94,6 +94,7 @@ class Family:
     aliases: ClassVar[Mapping[str, str]] = {}  # a Llama name -> an older name some of its checkpoints use
     adapter_refusal: ClassVar[str] = ""  # why adapters on its separate linears cannot map (empty: they can)
     latent_attention: ClassVar[bool] = False  # its blocks attend by latent attention (model.mla_kv_rank)
+    hybrid: ClassVar[bool] = False  # it names linear-attention blocks and gated shared experts (model.linear_heads)
     routing_bias: ClassVar[str] = ""  # where block i stores the experts' routing bias (our expert_bias); "" none
 
     def fields(self, get: Reader, refuse: Refuse, strict: bool) -> dict[str, Any]:
@@ -333,7 +334,8 @@ def complete(out: dict[str, Any]) -> dict[str, Any]:
                 attn_softcap=0.0, logit_softcap=0.0, attn_chunk=0, nope_every=0, qk_l2_norm=False,
                 attn_temperature=0.0, attn_temperature_floor=ModelConfig.attn_temperature_floor,
                 **{f.name: f.default for f in dataclasses.fields(ModelConfig)
-                   if f.name.startswith(("moe_", "mla_")) or f.name in YARN_FIELDS})
+                   if f.name.startswith(("moe_", "mla_", "linear_")) or f.name in YARN_FIELDS + ("attn_gate",
+                                                                                              "full_every")})
     return {**base, **out}
 
 
