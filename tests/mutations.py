@@ -499,7 +499,7 @@ MUTANTS = [
             f"{HF}::test_import_export_and_generation_match_transformers[gemma3]")),
     Mutant("gemma3-local-rope-unused", "Gemma 3's sliding-window blocks turn at the global blocks' rotary base",
            "src/scaletrain/model/transformer.py",
-           "r = local if self.cfg.is_local_block(int(name)) else rope", "r = rope",
+           'return tables["local"] if self.cfg.is_local_block(index) else tables["rope"]', 'return tables["rope"]',
            (f"{HF}::test_import_export_and_generation_match_transformers[gemma3]",)),
     Mutant("sp-post-norm-grads-not-summed", "under sequence parallelism the norms after the sub-blocks (Gemma, OLMo 2) "
            "keep each rank's share of their weight's gradient", "src/scaletrain/parallel/tensor_parallel.py",
@@ -858,8 +858,8 @@ MUTANTS = [
             f"{DS}::test_import_then_export_matches_transformers[ungrouped-tied]")),
     Mutant("tp-latent-shared-key-not-summed", "under tp the rotated key every head shares gets each rank's partial "
            "gradient, not their sum", "src/scaletrain/parallel/tensor_parallel.py",
-           "            block.attn.shared_key = partial(_copy_to_region, group=tp_mesh.get_group())\n",
-           "            pass\n",
+           "        block.attn.shared_key = partial(_copy_to_region, group=tp_mesh.get_group())\n",
+           "        pass\n",
            (f"{DSP}::test_deepseek_shaped_model_trains_like_one_process[tp2]",
             f"{DSP}::test_deepseek_shaped_model_trains_like_one_process[tp2-sp]")),
     Mutant("cp-latent-mscale-dropped", "context parallelism attends latent attention's queries at the methods' "
@@ -916,8 +916,9 @@ MUTANTS = [
            "own logits and generation)", "src/scaletrain/model/window.py", "(q // self.size == k // self.size)",
            "((q - 1) // self.size == (k - 1) // self.size)", (L4_HF, L4_GENERATE)),
     Mutant("llama4-nope-blocks-rotate", "the no-rope blocks are given the rotary tables (and lose the temperature)",
-           "src/scaletrain/model/transformer.py", "r = nope if self.cfg.is_nope_block(int(name)) else r",
-           "r = r if self.cfg.is_nope_block(int(name)) else r", (L4_HF,)),
+           "src/scaletrain/model/transformer.py",
+           'if self.cfg.is_nope_block(index):\n            return tables["nope"]',
+           'if False:\n            return tables["nope"]', (L4_HF,)),
     Mutant("llama4-router-weight-on-the-output", "the router's sigmoid weight scales the expert's output instead of "
            "its input", "src/scaletrain/model/moe.py", "if self.scale_input:  # Llama 4",
            "if not self.scale_input:  # Llama 4",
