@@ -242,7 +242,8 @@ def hf_state_dict(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
         out[key] = weights[name].detach().float().contiguous() if name in weights else torch.zeros(cfg.moe_experts)
     for layer in mtp_layers:  # each prediction module's copies of the shared embedding and head, as the files keep
         for leaf, ours in _MTP_SHARED.items():
-            out[f"{layer}.{leaf}"] = weights["tok_emb.weight" if cfg.tie_embeddings else ours].detach().contiguous()
+            # (a copy of its own: safetensors refuses two names of one storage)
+            out[f"{layer}.{leaf}"] = weights["tok_emb.weight" if cfg.tie_embeddings else ours].detach().clone()
     return family.saved(out, weights, cfg)  # its fused tensors put together
 
 

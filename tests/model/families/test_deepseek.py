@@ -237,7 +237,7 @@ def test_what_we_do_not_import_is_one_line_exit_2(tmp_path, change, words):
      "model.moe_groups=4 must divide model.moe_experts=6 into groups of at least 2"),
     ({"moe_experts": 6, "moe_score": "sigmoid", "moe_groups": 3, "moe_topk_groups": 1, "moe_top_k": 3},
      "model.moe_top_k=3 is more than the 1 open groups of 2 experts hold"),
-    ({"mtp_depth": 1}, "model.mtp_depth: unknown key"),
+    ({"mtp_loss_weight": 0.1}, "model.mtp_loss_weight=0.1 weighs multi-token prediction, but model.mtp_depth=0"),
 ])
 def test_bad_shapes_are_one_line(values, words):
     base = {"model.position": "rope", "model.norm": "rmsnorm", "model.activation": "swiglu"}
