@@ -16,15 +16,27 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from scaletrain import cli  # noqa: E402
 from scaletrain.config import load_config  # noqa: E402
 from scaletrain.errors import CheckpointError  # noqa: E402
 from scaletrain.model.hf import load_hf_weights  # noqa: E402
 from scaletrain.model.transformer import Transformer  # noqa: E402
 from scaletrain.parallel.init import load_weights  # noqa: E402
 from scaletrain.trained.export_hf import save_hf  # noqa: E402
+from scaletrain.verify import TOLERANCES  # noqa: E402
 from test_deepseek import make_hf  # noqa: E402
+from test_deepseek_parallel import MLA, STEPS  # noqa: E402
+from test_expert_parallel import assert_same_gradients, fit_one  # noqa: E402
 
-from conftest import run_here  # noqa: E402
+from conftest import (  # noqa: E402
+    MICRO,
+    assert_same_run,
+    assert_same_weights,
+    micro_cfg,
+    micro_overrides,
+    run_group,
+    run_here,
+)
 
 
 def with_mtp(folder, shape: str = "plain-query-groups", **change) -> dict:
@@ -152,3 +164,60 @@ def test_layouts_it_cannot_train_are_one_line_exit_2(extra, words):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert len(lines) == 1 and words in lines[0], lines
+
+
+
+# ---- layouts: 2 ranks (gloo on CPU) against one process ---------------------------------------------------
+
+# DeepSeek-V3's shape (test_deepseek_parallel's), two prediction depths, the second's block a mixture of experts
+MTP = {**MLA, "model.mtp_depth": 2, "model.mtp_loss_weight": 0.5}
+LAYOUTS = {"zero3": {"parallel.dp_shard": 2, "parallel.zero": 3}, "tp2": {"parallel.tp": 2},
+           "ddp2": {"parallel.dp_replicate": 2}}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return fit_one(micro_cfg(tmp_path_factory.mktemp("one"), **MTP))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mtp-layouts")
+    jobs = [{"overrides": micro_overrides(tmp / name, **{**MTP, **extra}), "probe": "test_expert_parallel:probe"}
+            for name, extra in LAYOUTS.items()]
+    code, results, err = run_group(2, jobs, tmp)
+    assert code == 0, err
+    return dict(zip(LAYOUTS, results, strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_training_with_mtp_equals_one_process(runs, reference, name):
+    got = runs[name]
+    grads = {}
+    for rank in got["ranks"]:
+        grads.update(rank["probe"]["grads"])
+    assert any(n.startswith("mtp.1.block.moe") for n in grads)
+    assert_same_gradients(grads, reference["grads"], name)
+    assert_same_run(got["history"], reference["history"], steps=STEPS, tol=TOLERANCES["32-true"], what=name)
+    assert_same_weights(got["weights"], reference["weights"], tol=1e-3, what=name)
+    for row, want in zip(got["history"], reference["history"], strict=True):  # each depth's loss, over every rank
+        for k in (1, 2):
+            assert row[f"mtp_loss/{k}"] == pytest.approx(want[f"mtp_loss/{k}"], rel=1e-5), (name, row["step"], k)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", [["--parallel.tp=2"], ["--parallel.dp_shard=2", "--parallel.zero=3"]],
+                         ids=["tp2", "zero3"])
+def test_verify_passes_with_mtp(tmp_path, capfd, layout):
+    from test_window_parallel import _toml
+
+    config = tmp_path / "verify.toml"
+    config.write_text(_toml({**MICRO, **MTP, "log.run_dir": str(tmp_path / "userrun")}))
+    code = cli.main(["verify", "--config", str(config), "--steps=3", *layout])
+    out = "".join(capfd.readouterr())
+    assert code == 0, out
+    line = next(line for line in out.splitlines() if line.startswith("largest relative difference"))
+    assert line.endswith("(precision 32-true): PASS"), line
