@@ -185,3 +185,50 @@ def test_the_keys_refuse_what_does_nothing_in_one_line():
                                           r"model.mtp_depth=0"):
         model_config({**BASE, "mtp_loss_weight": 0.1})
     assert math.isclose(model_config({**BASE, "mtp_depth": 1}).mtp_loss_weight, 0.3)
+
+
+# ---- the planner: parameters, FLOPs and activation memory of the depths ------------------------------------
+
+def test_the_planner_counts_the_depths_parameters_by_hand():
+    from scaletrain.layout import Layout
+    from scaletrain.model.transformer import count_params
+    from scaletrain.plan.params import rank_params
+
+    d, f, D = 24, 64, 3  # swiglu's hidden width: 64 * ceil(8 * 24 / 3 / 64)
+    block = 4 * d * d + 3 * d * f + 2 * d  # q, k, v, o; w1, w2, w3; two norms
+    depth = block + 2 * d * d + 3 * d  # and eh_proj, enorm, hnorm, head_norm
+    with_mtp, without = model_config({**BASE, "mtp_depth": D}), model_config(BASE)
+    assert count_params(with_mtp) - count_params(without) == D * depth
+    assert rank_params(with_mtp, Layout(), 0).total == count_params(with_mtp)
+    # on each of 2 tp ranks the blocks' matrices halve (the planner's even share); eh_proj and the norms stay whole
+    tp2 = rank_params(with_mtp, Layout(tp=2), 0).total - rank_params(without, Layout(tp=2), 0).total
+    assert tp2 == D * ((4 * d * d + 3 * d * f) // 2 + 2 * d + 2 * d * d + 3 * d)
+    latent = model_config({**MLA, "mtp_depth": 2})  # the second depth's block a mixture of experts
+    assert rank_params(latent, Layout(), 0).total == count_params(latent)
+
+
+def test_the_depths_flops_by_hand():
+    from scaletrain.model.flops import flops_per_token
+
+    d, f, V, T, H, D = 24, 64, 37, 11, 3, 2
+    per_depth = 6 * (4 * d * d + 3 * d * f + 2 * d * d + d * V) + 6 * H * (8 + 8) * T  # matmuls; scores and sum
+    assert flops_per_token(model_config({**BASE, "mtp_depth": D}), T) - \
+        flops_per_token(model_config(BASE), T) == D * per_depth
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_the_depths_activation_memory_near_the_traced_count(precision):
+    """The closed form's share of the depths against the real model's saved tensors, counted on fake tensors
+    (scaletrain.plan.trace): within 10%."""
+    from scaletrain.plan.activations import formula_activation_bytes
+    from scaletrain.plan.spec import Workload
+    from scaletrain.plan.trace import traced_activation_bytes
+
+    base = model_config({**BASE, "dim": 48, "n_heads": 4, "vocab_size": 101, "max_seq_len": 64})
+    mtp = model_config({**BASE, "dim": 48, "n_heads": 4, "vocab_size": 101, "max_seq_len": 64, "mtp_depth": 2})
+    wl = Workload(seq_len=23, global_batch=4, precision=precision)
+    traced = traced_activation_bytes(mtp, wl, 2, 1, False, "none")[1] - \
+        traced_activation_bytes(base, wl, 2, 1, False, "none")[1]
+    formula = formula_activation_bytes(mtp, wl, 2, 1, False, "none")[1] - \
+        formula_activation_bytes(base, wl, 2, 1, False, "none")[1]
+    assert traced > 0 and abs(formula - traced) <= 0.1 * traced, (formula, traced)

@@ -315,7 +315,30 @@ def formula_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp
     # the head is never checkpointed: its weight copy stays whatever the layers do
     head = head_activation_bytes(cfg, wl, b, tp, sp, cp) + \
         weight_copy_bytes(wl, cfg.vocab_size * cfg.dim // tp, "none", keeps_fp32)
-    return per_layer, head
+    return per_layer, head + mtp_activation_bytes(cfg, wl, b, tp, sp, keeps_fp32, cp, ep)
+
+
+def mtp_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, keeps_fp32: bool = False,
+                         cp: int = 1, ep: int = 1) -> float:
+    """Multi-token prediction's depths (model/mtp.py), never checkpointed, beside the head: each keeps its
+    block's activations and weight copies, the normalised embedding and hidden state (their norms' extras),
+    the concatenation eh_proj reads and its weight copy, its block output's norm, its share of the head's
+    input and its fp32 log-probabilities."""
+    if not cfg.mtp_depth:
+        return 0.0
+    d = dtypes_for(wl)
+    s, h = wl.seq_len / cp, cfg.dim
+    total = 0.0
+    for j in range(cfg.mtp_depth):
+        moe = cfg.is_moe_block(cfg.n_layers + j)
+        params = layer_params(cfg, tp, moe, ep)
+        block = layer_activation_bytes(cfg, wl, b, tp, sp, "none", cp, moe, ep) + \
+            weight_copy_bytes(wl, params.matmul, "none", keeps_fp32)
+        norms_in = 3 * b * s * h * d.residual if _norm_keeps_input(cfg, d) else 0.0  # enorm, hnorm, head_norm
+        projection = b * s * 2 * h * d.compute + weight_copy_bytes(wl, 2 * h * h, "none", keeps_fp32)
+        head = b * s * h * d.compute + b * s * cfg.vocab_size / tp * 4
+        total += block + norms_in + 3 * _norm_extra(cfg, d, b, s) + projection + head
+    return total
 
 
 @lru_cache(maxsize=4096)
