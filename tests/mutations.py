@@ -828,7 +828,8 @@ MUTANTS = [
             f"{HF}::test_imported_families_train_alike_under_zero3_tp_and_pp")),
     Mutant("planner-attention-ignores-the-window", "the FLOPs per token count every block's keys as the whole "
            "sequence", "src/scaletrain/model/flops.py",
-           "keys = sum(key_span(cfg, seq_len, i) for i in range(cfg.n_layers))", "keys = cfg.n_layers * seq_len",
+           "keys = sum(key_span(cfg, seq_len, i) for i in range(cfg.n_layers + cfg.mtp_depth))",
+           "keys = (cfg.n_layers + cfg.mtp_depth) * seq_len",
            (f"{WIN}::test_the_planners_attention_flops_time_and_memory_follow_the_window",)),
     Mutant("muon-newton-schulz-on-a-shard", "Muon orthogonalises each rank's shard of a matrix instead of the whole",
            "src/scaletrain/optim/whole.py",
