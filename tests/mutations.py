@@ -86,6 +86,9 @@ L4_HF = f"{L4}::test_import_then_export_matches_transformers[interleaved]"
 L4_GENERATE = f"{L4}::test_generation_through_the_cache_picks_transformers_tokens"
 L4_PARITY = "tests/model/families/test_llama4_parallel.py::test_a_llama4_shaped_model_trains_alike_on_every_layout"
 MUP = "tests/optim/test_muon_parallel.py"
+MTP = "tests/model/test_mtp.py"
+MTP_HAND = f"{MTP}::test_the_loss_is_the_reports_by_hand[plain]"
+DSM = "tests/model/families/test_deepseek_mtp.py"
 
 MUTANTS = [
     Mutant("zero-no-dp-division", "ZeRO-1/2 bucket reduce without the 1/dp division",
@@ -943,6 +946,44 @@ MUTANTS = [
     Mutant("llama4-export-keeps-rotate-half-rows", "the export writes q_proj and k_proj in rotate-half row order",
            "src/scaletrain/model/families/llama4_text.py", "out[key] = interleaved(t, heads).contiguous()",
            "out[key] = t.contiguous()", (L4_HF,)),
+    Mutant("mtp-predicts-the-next-token", "each multi-token prediction depth is trained on the main head's target "
+           "(the next token) instead of the token k + 1 ahead", "src/scaletrain/model/mtp.py",
+           "torch.where(chain, targets[:, k:], IGNORE)", "torch.where(chain, targets[:, :T - k], IGNORE)",
+           (MTP_HAND, f"{MTP}::test_depth_targets_by_hand")),
+    Mutant("mtp-reads-the-current-token", "a depth embeds the token at its own position, not the one k ahead",
+           "src/scaletrain/model/transformer.py", "ahead = self.tok_emb(tokens_ahead(tokens, k))",
+           "ahead = self.tok_emb(tokens)", (MTP_HAND, f"{DSM}::test_depth_one_equals_transformers_mtp_layer")),
+    Mutant("mtp-counts-the-end-of-the-window", "the last k positions, which have no token k + 1 ahead in the "
+           "window, are counted (with the main head's targets)", "src/scaletrain/model/mtp.py",
+           "    out = torch.full_like(targets, IGNORE)\n", "    out = targets.clone()\n",
+           (MTP_HAND, f"{MTP}::test_depth_targets_by_hand")),
+    Mutant("mtp-counts-across-documents", "a depth's chain of targets is not checked: predictions across a "
+           "document's end (or a masked target) are counted", "src/scaletrain/model/mtp.py",
+           "        chain &= counted[:, j:T - k + j]\n", "        pass\n",
+           (f"{MTP}::test_packed_documents_equal_the_documents_run_one_by_one",
+            f"{MTP}::test_depth_targets_count_only_unbroken_chains")),
+    Mutant("mtp-weight-not-divided-by-depth", "the depths' losses are weighed by lambda, not lambda / D",
+           "src/scaletrain/model/mtp.py", "self.weight / self.depth * sum(per_depth)", "self.weight * sum(per_depth)",
+           (MTP_HAND,)),
+    Mutant("mtp-hidden-after-the-final-norm", "the first depth reads the main model's normalised output, not its "
+           "last block's", "src/scaletrain/model/transformer.py", "*self._depths(h, tokens, tables, mask)",
+           "*self._depths(self.norm(h), tokens, tables, mask)",
+           (MTP_HAND, f"{DSM}::test_depth_one_equals_transformers_mtp_layer")),
+    Mutant("mtp-hidden-first", "eh_proj reads [hidden; embedding] (the report's order) where the checkpoints' "
+           "columns are [embedding; hidden]", "src/scaletrain/model/mtp.py",
+           "torch.cat([self.enorm(ahead), self.hnorm(h)], dim=-1)", "torch.cat([self.hnorm(h), self.enorm(ahead)], "
+           "dim=-1)", (MTP_HAND, f"{DSM}::test_depth_one_equals_transformers_mtp_layer")),
+    Mutant("mtp-export-says-no-modules", "the export writes the modules but num_nextn_predict_layers=0",
+           "src/scaletrain/model/families/deepseek_v3.py", "num_nextn_predict_layers=cfg.mtp_depth",
+           "num_nextn_predict_layers=0", (f"{DSM}::test_export_then_reload_gives_the_same_bytes[plain-query-groups]",)),
+    Mutant("mtp-metrics-of-one-rank", "each depth's logged loss is rank 0's alone, not summed over data parallel",
+           "src/scaletrain/parallel/mtp_metrics.py", "            dist.all_reduce(both, group=group)\n",
+           "            pass\n", (f"{DSM}::test_training_with_mtp_equals_one_process[ddp2]",)),
+    Mutant("planner-mtp-parameters-left-out", "the planner counts no parameters for the prediction depths",
+           "src/scaletrain/plan/params.py", "        for j in range(cfg.mtp_depth):  # multi-token prediction's",
+           "        for j in range(0):  # multi-token prediction's",
+           (f"{MTP}::test_the_planner_counts_the_depths_parameters_by_hand",)),
+
 ]
 
 
