@@ -92,6 +92,9 @@ QN_GENERATE = f"{QN}::test_generation_through_the_cache_equals_the_full_forward_
 QN_FORMS = f"{QN}::test_the_chunked_and_recurrent_forms_agree_with_transformers[13-4]"
 QNP = "tests/model/families/test_qwen3_next_parallel.py"
 QN_PARITY = f"{QNP}::test_a_qwen3_next_shaped_model_trains_alike_on_every_layout"
+MTP = "tests/model/test_mtp.py"
+MTP_HAND = f"{MTP}::test_the_loss_is_the_reports_by_hand[plain]"
+DSM = "tests/model/families/test_deepseek_mtp.py"
 
 MUTANTS = [
     Mutant("zero-no-dp-division", "ZeRO-1/2 bucket reduce without the 1/dp division",
@@ -505,7 +508,7 @@ MUTANTS = [
             f"{HF}::test_import_export_and_generation_match_transformers[gemma3]")),
     Mutant("gemma3-local-rope-unused", "Gemma 3's sliding-window blocks turn at the global blocks' rotary base",
            "src/scaletrain/model/transformer.py",
-           "r = local if self.cfg.is_local_block(int(name)) else rope", "r = rope",
+           'return tables["local"] if self.cfg.is_local_block(index) else tables["rope"]', 'return tables["rope"]',
            (f"{HF}::test_import_export_and_generation_match_transformers[gemma3]",)),
     Mutant("sp-post-norm-grads-not-summed", "under sequence parallelism the norms after the sub-blocks (Gemma, OLMo 2) "
            "keep each rank's share of their weight's gradient", "src/scaletrain/parallel/tensor_parallel.py",
@@ -864,8 +867,8 @@ MUTANTS = [
             f"{DS}::test_import_then_export_matches_transformers[ungrouped-tied]")),
     Mutant("tp-latent-shared-key-not-summed", "under tp the rotated key every head shares gets each rank's partial "
            "gradient, not their sum", "src/scaletrain/parallel/tensor_parallel.py",
-           "            block.attn.shared_key = partial(_copy_to_region, group=tp_mesh.get_group())\n",
-           "            pass\n",
+           "        block.attn.shared_key = partial(_copy_to_region, group=tp_mesh.get_group())\n",
+           "        pass\n",
            (f"{DSP}::test_deepseek_shaped_model_trains_like_one_process[tp2]",
             f"{DSP}::test_deepseek_shaped_model_trains_like_one_process[tp2-sp]")),
     Mutant("cp-latent-mscale-dropped", "context parallelism attends latent attention's queries at the methods' "
@@ -922,8 +925,9 @@ MUTANTS = [
            "own logits and generation)", "src/scaletrain/model/window.py", "(q // self.size == k // self.size)",
            "((q - 1) // self.size == (k - 1) // self.size)", (L4_HF, L4_GENERATE)),
     Mutant("llama4-nope-blocks-rotate", "the no-rope blocks are given the rotary tables (and lose the temperature)",
-           "src/scaletrain/model/transformer.py", "r = nope if self.cfg.is_nope_block(int(name)) else r",
-           "r = r if self.cfg.is_nope_block(int(name)) else r", (L4_HF,)),
+           "src/scaletrain/model/transformer.py",
+           'if self.cfg.is_nope_block(index):\n            return tables["nope"]',
+           'if False:\n            return tables["nope"]', (L4_HF,)),
     Mutant("llama4-router-weight-on-the-output", "the router's sigmoid weight scales the expert's output instead of "
            "its input", "src/scaletrain/model/moe.py", "if self.scale_input:  # Llama 4",
            "if not self.scale_input:  # Llama 4",
@@ -980,6 +984,44 @@ MUTANTS = [
            "decay parameters", "src/scaletrain/parallel/tensor_parallel.py",
            "return _CopyToRegion.apply(t, group)[rank * n:(rank + 1) * n]", "return _CopyToRegion.apply(t, group)[:n]",
            (QN_PARITY,)),
+    Mutant("mtp-predicts-the-next-token", "each multi-token prediction depth is trained on the main head's target "
+           "(the next token) instead of the token k + 1 ahead", "src/scaletrain/model/mtp.py",
+           "torch.where(chain, targets[:, k:], IGNORE)", "torch.where(chain, targets[:, :T - k], IGNORE)",
+           (MTP_HAND, f"{MTP}::test_depth_targets_by_hand")),
+    Mutant("mtp-reads-the-current-token", "a depth embeds the token at its own position, not the one k ahead",
+           "src/scaletrain/model/transformer.py", "ahead = self.tok_emb(tokens_ahead(tokens, k))",
+           "ahead = self.tok_emb(tokens)", (MTP_HAND, f"{DSM}::test_depth_one_equals_transformers_mtp_layer")),
+    Mutant("mtp-counts-the-end-of-the-window", "the last k positions, which have no token k + 1 ahead in the "
+           "window, are counted (with the main head's targets)", "src/scaletrain/model/mtp.py",
+           "    out = torch.full_like(targets, IGNORE)\n", "    out = targets.clone()\n",
+           (MTP_HAND, f"{MTP}::test_depth_targets_by_hand")),
+    Mutant("mtp-counts-across-documents", "a depth's chain of targets is not checked: predictions across a "
+           "document's end (or a masked target) are counted", "src/scaletrain/model/mtp.py",
+           "        chain &= counted[:, j:T - k + j]\n", "        pass\n",
+           (f"{MTP}::test_packed_documents_equal_the_documents_run_one_by_one",
+            f"{MTP}::test_depth_targets_count_only_unbroken_chains")),
+    Mutant("mtp-weight-not-divided-by-depth", "the depths' losses are weighed by lambda, not lambda / D",
+           "src/scaletrain/model/mtp.py", "self.weight / self.depth * sum(per_depth)", "self.weight * sum(per_depth)",
+           (MTP_HAND,)),
+    Mutant("mtp-hidden-after-the-final-norm", "the first depth reads the main model's normalised output, not its "
+           "last block's", "src/scaletrain/model/transformer.py", "*self._depths(h, tokens, tables, mask)",
+           "*self._depths(self.norm(h), tokens, tables, mask)",
+           (MTP_HAND, f"{DSM}::test_depth_one_equals_transformers_mtp_layer")),
+    Mutant("mtp-hidden-first", "eh_proj reads [hidden; embedding] (the report's order) where the checkpoints' "
+           "columns are [embedding; hidden]", "src/scaletrain/model/mtp.py",
+           "torch.cat([self.enorm(ahead), self.hnorm(h)], dim=-1)", "torch.cat([self.hnorm(h), self.enorm(ahead)], "
+           "dim=-1)", (MTP_HAND, f"{DSM}::test_depth_one_equals_transformers_mtp_layer")),
+    Mutant("mtp-export-says-no-modules", "the export writes the modules but num_nextn_predict_layers=0",
+           "src/scaletrain/model/families/deepseek_v3.py", "num_nextn_predict_layers=cfg.mtp_depth",
+           "num_nextn_predict_layers=0", (f"{DSM}::test_export_then_reload_gives_the_same_bytes[plain-query-groups]",)),
+    Mutant("mtp-metrics-of-one-rank", "each depth's logged loss is rank 0's alone, not summed over data parallel",
+           "src/scaletrain/parallel/mtp_metrics.py", "            dist.all_reduce(both, group=group)\n",
+           "            pass\n", (f"{DSM}::test_training_with_mtp_equals_one_process[ddp2]",)),
+    Mutant("planner-mtp-parameters-left-out", "the planner counts no parameters for the prediction depths",
+           "src/scaletrain/plan/params.py", "        for j in range(cfg.mtp_depth):  # multi-token prediction's",
+           "        for j in range(0):  # multi-token prediction's",
+           (f"{MTP}::test_the_planner_counts_the_depths_parameters_by_hand",)),
+
 ]
 
 

@@ -42,6 +42,7 @@ class Techniques:
     rl_group: int = 0
     rl_samples: bool = False
     tasks: bool = False  # eval.tasks scored during training: every rank runs whole-model forwards
+    objective: str = "lm"  # train.objective: what the loss reads of the model's output
 
     @classmethod
     def of(cls, cfg, *, custom_module: bool = False, device_type: str | None = None) -> Techniques:
@@ -50,7 +51,8 @@ class Techniques:
         return cls(qat=cfg.train.qat, fp8=cfg.precision.mode == "fp8", adapter=cfg.adapter.kind,
                    base_dtype=cfg.adapter.base_dtype, document_mask=cfg.data.document_mask,
                    custom_module=custom_module, device_type=device_type, rl_group=cfg.rl.group_size if rl else 0,
-                   rl_samples=rl and not cfg.rl.rollouts, tasks=bool(cfg.eval.tasks and cfg.eval.every))
+                   rl_samples=rl and not cfg.rl.rollouts, tasks=bool(cfg.eval.tasks and cfg.eval.every),
+                   objective=cfg.train.objective)
 
     @property
     def quantized_base(self) -> str | None:
@@ -67,7 +69,8 @@ def job_errors(layout: Layout, model=None, tech: Techniques = Techniques(), *, s
     else:
         e = layout.errors(model, engine=engine, seq_len=seq_len) + _qat_errors(layout, tech) + \
             _fp8_errors(layout, tech) + _moe_errors(layout, model) + _document_mask_errors(layout, tech) + \
-            _fault_tolerance_errors(layout, model) + _linear_attention_errors(layout, model, tech)
+            _fault_tolerance_errors(layout, model) + _linear_attention_errors(layout, model, tech) + \
+            _mtp_errors(layout, model, tech)
     e += _adapter_errors(layout, tech) + _rl_errors(layout, tech) + _tasks_errors(layout, tech)
     # (offload without ZeRO-3 is Layout.errors' one line)
     if layout.offload_optimizer and layout.zero == 3 and tech.device_type not in (None, "cuda"):
@@ -242,6 +245,29 @@ def _document_mask_errors(lay: Layout, tech: Techniques) -> list[str]:
         if size > 1:
             e.append(f"data.document_mask with parallel.{axis}={size} is not supported: {why}; set "
                      f"parallel.{axis}=1 or data.document_mask=false")
+    return e
+
+
+def _mtp_errors(lay: Layout, model, tech: Techniques) -> list[str]:
+    """model.mtp_depth (model/mtp.py): each depth reads the embeddings of the tokens ahead of every position
+    and the main model's last hidden states, and its logits join the main head's in the loss."""
+    depth = getattr(model, "mtp_depth", 0)
+    if not depth:
+        return []
+    e = [f"model.mtp_depth={depth} with parallel.{axis}={size} is not supported: {why}; set parallel.{axis}=1 or "
+         "model.mtp_depth=0" for axis, size, why in (
+             ("pp", lay.pp, "the last stage, which holds the prediction modules, gets hidden states, not the token "
+                            "ids whose embeddings they read"),
+             ("cp", lay.cp, "each rank holds chunks of a window, and the tokens ahead of a chunk's end are on "
+                            "another rank"),
+             ("ep", lay.ep, "the prediction modules' experts are not split over the expert-parallel ranks yet"))
+         if size > 1]
+    if lay.tp > 1 and lay.sp:
+        e.append(f"model.mtp_depth={depth} with parallel.sp=true is not supported yet: the prediction modules take "
+                 "whole sequences; set parallel.sp=false")
+    if tech.objective != "lm":
+        e.append(f"model.mtp_depth={depth} is a language-modelling loss; train.objective={tech.objective} reads "
+                 "the next-token logits alone: set model.mtp_depth=0")
     return e
 
 

@@ -184,6 +184,12 @@ class ModelConfig:
     moe_aux_loss: float = option(0.0, "coefficient of the Switch load-balancing loss (0.01 is usual); 0 = off",
                                  min=0.0)
     moe_z_loss: float = option(0.0, "coefficient of the router z-loss (ST-MoE; 0.001 is usual); 0 = off", min=0.0)
+    mtp_depth: int = option(0, "multi-token prediction (DeepSeek-V3): this many extra modules, each a block with "
+                               "the shared embedding and head, predict the tokens 2 .. depth + 1 ahead in training "
+                               "(model/mtp.py); generation and evaluation ignore them; 0 = off", min=0)
+    mtp_loss_weight: float = option(0.3, "model.mtp_depth: the training loss is the main loss plus this / depth "
+                                         "times the sum of the depths' losses (DeepSeek-V3: 0.3, later 0.1)",
+                                    min=0.0)
     dropout: float = option(0.0, "dropout on attention weights and residual branches", min=0.0, max=1.0, open_max=True)
     init_std: float = option(0.02, "std of the normal init; residual projections get std/sqrt(2*n_layers)", min=0.0)
 
@@ -346,6 +352,9 @@ def check_model(m: ModelConfig) -> list[str]:
     if m.moe_experts and not m.moe_blocks:
         errors.append(f"model.moe_first_dense={m.moe_first_dense} leaves no block of the {m.n_layers} a mixture of "
                       f"experts; lower it below {m.n_layers}")
+    if not m.mtp_depth and m.mtp_loss_weight != ModelConfig.mtp_loss_weight:
+        errors.append(f"model.mtp_loss_weight={m.mtp_loss_weight:g} weighs multi-token prediction, but "
+                      "model.mtp_depth=0; set mtp_depth, or drop mtp_loss_weight")
     if m.vocab_size > 2**32:
         errors.append(f"model.vocab_size={m.vocab_size} is larger than uint32 token ids allow")
     return errors

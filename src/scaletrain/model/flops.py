@@ -80,8 +80,12 @@ def linear_attention_flops(cfg: ModelConfig, seq_len: int) -> float:
 
 def matmul_params(cfg: ModelConfig) -> int:
     """Parameters that multiply each token's activations: the blocks' linear layers (a mixture's
-    active ones) and the output head. The input embedding is a lookup (no FLOPs)."""
-    return sum(block_matmul_params(cfg, index=i) for i in range(cfg.n_layers)) + cfg.dim * cfg.vocab_size
+    active ones) and the output head. The input embedding is a lookup (no FLOPs). Multi-token
+    prediction (model/mtp.py) adds, per depth, its block, eh_proj (2 dim x dim) and the head again."""
+    d = cfg.dim
+    mtp = sum(block_matmul_params(cfg, index=cfg.n_layers + j) + 2 * d * d + d * cfg.vocab_size
+              for j in range(cfg.mtp_depth))
+    return sum(block_matmul_params(cfg, index=i) for i in range(cfg.n_layers)) + d * cfg.vocab_size + mtp
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -89,9 +93,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     (MFU of a mixture of experts counts the experts a token visits, never all of them)."""
     # the scores and their weighted sum run at the heads' width, n_heads * head_size (= dim unless set
     # apart), over the keys a query sees: the sequence, or a local block's window (model/window.py)
-    full = [i for i in range(cfg.n_layers) if not cfg.is_linear_block(i)]
+    linear_blocks = sum(cfg.is_linear_block(i) for i in range(cfg.n_layers)) if cfg.linear_heads else 0
+    full = [i for i in range(cfg.n_layers + cfg.mtp_depth)  # (with MTP's blocks, full attention)
+            if i >= cfg.n_layers or not cfg.is_linear_block(i)]
     keys = sum(key_span(cfg, seq_len, i) for i in full)
-    linear = (cfg.n_layers - len(full)) * linear_attention_flops(cfg, seq_len) if cfg.linear_heads else 0.0
+    linear = linear_blocks * linear_attention_flops(cfg, seq_len) if linear_blocks else 0.0
     # (latent attention: the scores at the query/key width, the weighted sum at the value width)
     return 6.0 * matmul_params(cfg) + 6.0 * cfg.n_heads * (cfg.head_size + cfg.value_dim) * keys + linear
 

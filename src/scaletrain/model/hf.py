@@ -68,6 +68,27 @@ _EXPERT_LEAF = {"block_sparse_moe": {"w1": "w1", "w2": "w2", "w3": "w3"},
                 "mlp": {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}}
 # buffers some checkpoints carry that are no weights: GPT-2's causal mask, old Llamas' frequencies
 _BUFFERS = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
+_MTP = re.compile(r"^mtp\.(\d+)\.(block\.)?(.+)$")  # a multi-token prediction module's parameter (model/mtp.py)
+# what each prediction module's layer holds besides ours: copies of the shared embedding and head (DeepSeek-V3)
+_MTP_SHARED = {"embed_tokens.weight": "tok_emb.weight", "shared_head.head.weight": "output.weight"}
+
+
+def _as_layer(name: str, cfg: ModelConfig) -> str:
+    """Our parameter `name` as the files number it: a multi-token prediction module's (`mtp.0.eh_proj.weight`,
+    `mtp.0.block.attn.wo.weight`) as the layer after the last (`layers.{n_layers}.eh_proj.weight`,
+    `layers.{n_layers}.attn.wo.weight`); any other as it is."""
+    m = _MTP.match(name)
+    return name if m is None else f"layers.{cfg.n_layers + int(m.group(1))}.{m.group(3)}"
+
+
+def _mtp_layers(cfg: ModelConfig, family: Family) -> list[str]:
+    """The files' prefixes of the multi-token prediction modules (`model.layers.{n_layers + j}`), refused in
+    one line for a family whose checkpoints have no place for them."""
+    if cfg.mtp_depth and "eh_proj" not in family.block:
+        raise CheckpointError(f"model.mtp_depth={cfg.mtp_depth}: {family.model_type} checkpoints have no place for "
+                              "multi-token prediction modules (deepseek_v3's do); export with model.mtp_depth=0 "
+                              "to leave them out")
+    return [f"{family.layers}.{cfg.n_layers + j}" for j in range(cfg.mtp_depth)]
 
 
 def rows_hf_to_ours(t: torch.Tensor, heads: int, rotary: int = 0) -> torch.Tensor:
@@ -176,8 +197,11 @@ def _routing_biases(cfg: ModelConfig, family: Family) -> dict[str, str]:
     family that stores them (DeepSeek-V3's e_score_correction_bias); {} otherwise."""
     if not family.routing_bias:
         return {}
-    return {f"layers.{i}.moe.expert_bias": f"{family.layers}.{i}.{family.routing_bias}"
-            for i in range(cfg.n_layers) if cfg.is_moe_block(i)}
+    out = {f"layers.{i}.moe.expert_bias": f"{family.layers}.{i}.{family.routing_bias}"
+           for i in range(cfg.n_layers) if cfg.is_moe_block(i)}
+    out.update({f"mtp.{j}.block.moe.expert_bias": f"{family.layers}.{cfg.n_layers + j}.{family.routing_bias}"
+                for j in range(cfg.mtp_depth) if cfg.is_moe_block(cfg.n_layers + j)})
+    return out
 
 
 def hf_state_dict(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -188,10 +212,11 @@ def hf_state_dict(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
     gpt2, style = family.conv1d, family.expert_style
     out: dict[str, torch.Tensor] = {}
     packed: dict[str, dict[str, torch.Tensor]] = {}  # layer -> its expert tensors (the packed style)
-    for name in _expected(cfg):
-        if name not in weights:
-            raise CheckpointError(f"no tensor {name} among the weights to export")
-        t = weights[name].detach()
+    mtp_layers = _mtp_layers(cfg, family)
+    for ours in _expected(cfg):
+        if ours not in weights:
+            raise CheckpointError(f"no tensor {ours} among the weights to export")
+        t, name = weights[ours].detach(), _as_layer(ours, cfg)
         if cfg.tie_embeddings and name == "output.weight":
             continue
         experts = _EXPERTS.match(name)
@@ -215,6 +240,10 @@ def hf_state_dict(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
         out.update(pack(layer, tensors))
     for name, key in _routing_biases(cfg, family).items():  # zeros where the weights come without them
         out[key] = weights[name].detach().float().contiguous() if name in weights else torch.zeros(cfg.moe_experts)
+    for layer in mtp_layers:  # each prediction module's copies of the shared embedding and head, as the files keep
+        for leaf, ours in _MTP_SHARED.items():
+            # (a copy of its own: safetensors refuses two names of one storage)
+            out[f"{layer}.{leaf}"] = weights["tok_emb.weight" if cfg.tie_embeddings else ours].detach().clone()
     return family.saved(out, weights, cfg)  # its fused tensors put together
 
 
@@ -256,25 +285,27 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
 
     recipes: dict[str, tuple] = {}
     experts: dict[str, _Experts] = {}
-    for name in _expected(cfg):
+    _check_mtp_shared(hf, left, cfg, names, where, used)
+    for ours in _expected(cfg):
+        name = _as_layer(ours, cfg)  # (what the files call it: a prediction module's as the layer after the last)
         m = _NAME.match(name)
         block, leaf = (m.group(2), m.group(3)) if m else (None, None)
         if _EXPERTS.match(name):
             i, matrix = _EXPERTS.match(name).groups()
-            keys = [take(k, name) for k in _expert_keys(i, matrix, cfg.moe_experts, style)]
+            keys = [take(k, ours) for k in _expert_keys(i, matrix, cfg.moe_experts, style)]
             if style == "packed":
-                experts[name] = PackedExperts(hf, keys[0], matrix, dtype)
+                experts[ours] = PackedExperts(hf, keys[0], matrix, dtype)
                 continue
-            experts[name] = _Experts(hf, keys, cfg.expert_hidden if matrix == "w3" and style == "fused" else 0,
+            experts[ours] = _Experts(hf, keys, cfg.expert_hidden if matrix == "w3" and style == "fused" else 0,
                                      cfg.expert_hidden if matrix != "w2" and style == "fused" else 0, dtype)
             continue
         if gpt2 and block in ("attn.wq", "attn.wk", "attn.wv"):
-            key = take(f"{names.layers}.{m.group(1)}.{names.fused_qkv}.{leaf}", name)
-            recipes[name] = (key, ("attn.wq", "attn.wk", "attn.wv").index(block), leaf == "weight")
+            key = take(f"{names.layers}.{m.group(1)}.{names.fused_qkv}.{leaf}", ours)
+            recipes[ours] = (key, ("attn.wq", "attn.wk", "attn.wv").index(block), leaf == "weight")
         elif name == "output.weight" and _hf_name(name, names) not in left:
-            recipes[name] = (take(_hf_name("tok_emb.weight", names), name), None, False)  # the source ties its head
+            recipes[ours] = (take(_hf_name("tok_emb.weight", names), ours), None, False)  # the source ties its head
         else:
-            recipes[name] = (take(_hf_name(name, names, style), name), None,
+            recipes[ours] = (take(_hf_name(name, names, style), ours), None,
                              bool(gpt2 and leaf == "weight" and "norm" not in block))
     shapes = _expected(cfg)
     for name, source in experts.items():  # from the headers: no tensor is read yet
@@ -335,6 +366,25 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, where: 
             raise CheckpointError(f"{where}: tensor {key} has no place in the model; do model.bias, qkv_bias, "
                                   "qk_norm and n_layers match the checkpoint? (take them with model.from_hf)")
     return out
+
+
+def _check_mtp_shared(hf: Mapping[str, torch.Tensor], left: dict[str, str], cfg: ModelConfig, names: Family,
+                      where: str, used: set[str]) -> None:
+    """A multi-token prediction module's layer keeps copies of the shared embedding and head (DeepSeek-V3):
+    each must equal the model's own (ours are shared, not copies), else the import is refused in one line."""
+    if cfg.mtp_depth and f"{names.layers}.{cfg.n_layers}.eh_proj.weight" not in left:
+        raise CheckpointError(f"{where}: model.mtp_depth={cfg.mtp_depth}, but it holds no multi-token prediction "
+                              f"modules ({names.layers}.{cfg.n_layers}.eh_proj.weight, ...); set model.mtp_depth=0 "
+                              "(or as its config's num_nextn_predict_layers)")
+    for layer in _mtp_layers(cfg, names):
+        for leaf, ours in _MTP_SHARED.items():
+            key, main = f"{layer}.{leaf}", _hf_name("tok_emb.weight" if cfg.tie_embeddings else ours, names)
+            if key not in left:
+                continue  # (a file may leave the copies out)
+            if main not in left or not torch.equal(hf[left[key]], hf[left[main]]):
+                raise CheckpointError(f"{where}: {key} differs from {main}; scaletrain's prediction modules share "
+                                      "the model's embedding and head, so it cannot take its own")
+            used.add(key)
 
 
 class _Experts:

@@ -42,6 +42,7 @@ from scaletrain.model.layers import RMSNorm, apply_rope
 from scaletrain.model.mla import LatentAttention
 from scaletrain.model.mlp import MLP
 from scaletrain.model.moe import MoE
+from scaletrain.model.mtp import MTPDepth, tokens_ahead
 from scaletrain.model.nope import QueryScale, l2_heads, temperature_table
 from scaletrain.model.sinks import sink_attention
 from scaletrain.model.window import Window, block_window, causal_allows, local_attention
@@ -274,6 +275,10 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_emb.weight
+        # multi-token prediction (model/mtp.py): depth j + 1's module, its block numbered after the last
+        self.mtp: nn.ModuleDict | None = nn.ModuleDict({
+            str(j): MTPDepth(cfg.dim, Block(cfg, cfg.n_layers + j), lambda: make_norm(cfg))
+            for j in range(cfg.mtp_depth)}) if cfg.mtp_depth else None
         if cfg.position == "rope":
             cos, sin = rope_tables(cfg)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -346,21 +351,47 @@ class Transformer(nn.Module):
         local = _tables(getattr(self, "rope_local_cos", None), getattr(self, "rope_local_sin", None), past,
                         positions) if self.cfg.rope_local_theta else rope
         nope = _query_scale(getattr(self, "attn_temp", None), past, positions)
+        tables = {"rope": rope, "local": local, "nope": nope}
         for name, block in self.layers.items():
-            r = local if self.cfg.is_local_block(int(name)) else rope
-            r = nope if self.cfg.is_nope_block(int(name)) else r
+            r = self._tables_of(int(name), tables)
             if cache is not None:
                 h = block(h, r, cache=(cache, name))
             else:
                 h = block(h, r) if mask is None else block(h, r, mask=mask)
         if cache is not None:
             cache.advance(tokens.shape[1])
+        if self.mtp is not None and self.training and cache is None and embed and self.output is not None:
+            # training with multi-token prediction: the main head's logits, then each depth's, along the sequence
+            return self._head(torch.cat([self.norm(h), *self._depths(h, tokens, tables, mask)], dim=1))
         if self.norm is not None:
             h = self.norm(h)
-        if self.output is not None:
-            h = self.output(h)  # (B, T, vocab)
-            if self.cfg.logit_softcap:  # Gemma 2
-                h = self.cfg.logit_softcap * torch.tanh(h / self.cfg.logit_softcap)
+        return self._head(h) if self.output is not None else h
+
+    def _tables_of(self, index: int, tables: dict) -> object:
+        """What block `index` turns its queries and keys by: the rotary tables, a local block's own, or a
+        no-rope block's query scale."""
+        if self.cfg.is_nope_block(index):
+            return tables["nope"]
+        return tables["local"] if self.cfg.is_local_block(index) else tables["rope"]
+
+    def _depths(self, h: torch.Tensor, tokens: torch.Tensor, tables: dict, mask: torch.Tensor | None) -> list:
+        """Multi-token prediction (model/mtp.py): each depth's normalised hidden states (B, T, dim), depth k
+        from depth k - 1's (the main model's last block output for k = 1) and the embeddings of the tokens k
+        ahead."""
+        out = []
+        for j, depth in self.mtp.items():
+            k = int(j) + 1
+            ahead = self.tok_emb(tokens_ahead(tokens, k))  # (B, T, dim): Emb(t_{i+k})
+            if self.cfg.embed_scale:
+                ahead = ahead * torch.tensor(self.cfg.dim ** 0.5, dtype=ahead.dtype)
+            h = depth(h, ahead, self._tables_of(self.cfg.n_layers + int(j), tables), mask)
+            out.append(depth.head_norm(h))
+        return out
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.output(h)  # (B, T, vocab)
+        if self.cfg.logit_softcap:  # Gemma 2
+            h = self.cfg.logit_softcap * torch.tanh(h / self.cfg.logit_softcap)
         return h
 
 

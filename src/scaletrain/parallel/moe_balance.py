@@ -78,6 +78,9 @@ class MoEBalance(StepHook):
         """The hook of a model built from `model_cfg` (this rank's chunks `modules`), or None for a dense
         one; `warmup`: the optimizer steps of the learning rate's warm-up."""
         names = [f"layers.{i}.moe" for i in range(model_cfg.n_layers) if model_cfg.is_moe_block(i)]
+        # multi-token prediction's blocks (model/mtp.py), numbered after the last
+        names += [f"mtp.{j}.block.moe" for j in range(model_cfg.mtp_depth)
+                  if model_cfg.is_moe_block(model_cfg.n_layers + j)]
         if not names:
             return None
         layers = moe_layers(modules)

@@ -37,6 +37,8 @@ from scaletrain.hooks import StepHook, StepHooks
 from scaletrain.legality import check_config
 from scaletrain.memory import apply_activation_checkpointing, block_items
 from scaletrain.model.lora import AdapterSpec
+from scaletrain.model.loss import cross_entropy_sum
+from scaletrain.model.mtp import MTPLoss
 from scaletrain.model.transformer import count_params
 from scaletrain.parallel import pipeline
 from scaletrain.parallel.adapters import (
@@ -61,6 +63,7 @@ from scaletrain.parallel.data_parallel import (
 from scaletrain.parallel.expert_parallel import expert_engine, hide_from_ddp, shard_experts
 from scaletrain.parallel.init import Materialize, materialize, move
 from scaletrain.parallel.moe_balance import MoEBalance
+from scaletrain.parallel.mtp_metrics import MTPMetrics
 from scaletrain.parallel.outer import outer_loop
 from scaletrain.parallel.tensor_parallel import ReplicatedKVStep, SequenceShardedMoEStep, apply_tensor_parallel, whole
 from scaletrain.parallel.zero import ZeroDataParallel
@@ -99,6 +102,8 @@ class ParallelModel:
     # this rank's share of a batch's (inputs, targets), cut in the data loader (None: all of it; context
     # parallel: its chunks of every sequence); a picklable function, as the loader's workers call it
     batch_share: Callable | None = None
+    # the sum of a micro-batch's token losses from the model's output (multi-token prediction's: model/mtp.py)
+    loss_fn: Callable = cross_entropy_sum
 
     # ---- what the Trainer asks of the parallel model (it imports no technique) ----
 
@@ -361,6 +366,9 @@ def register_step_hooks(c: Composition) -> None:
         if balance := MoEBalance.for_model(dp.models, cfg.model, groups, rt.group("pp") if lay.pp > 1 else None,
                                            rt.device, warmup=cfg.optim.warmup_steps):
             hooks.append(balance)
+    if cfg.model.mtp_depth:  # its loss, and each depth's in the metrics
+        c.result.loss_fn = MTPLoss(cfg.model.mtp_depth, cfg.model.mtp_loss_weight)
+        hooks.append(MTPMetrics(c.result.loss_fn, [rt.group(lay.step_axis)] if lay.step_dp > 1 else []))
 
 
 def initial_weights(cfg: JobConfig, *, resuming: bool):

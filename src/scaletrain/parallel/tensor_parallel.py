@@ -139,28 +139,36 @@ def _split(model: nn.Module, tp_mesh, sequence_parallel: bool, first_block: str 
         if model.cfg.tie_embeddings and model.tok_emb is not None:
             model.output.weight = model.tok_emb.weight  # both are vocabulary rows: Shard(0)
 
-    cfg = model.cfg
-    replicated_kv = cfg.kv_heads < tp_mesh.size()
     for name, block in model.layers.items():
-        moe = isinstance(block.ffn, MoE)
-        parallelize_module(block, tp_mesh, _block_plan(block, moe, replicated_kv, sequence_parallel))
-        if isinstance(block.attn, LatentAttention):  # its shared rotated key feeds every rank's heads
-            block.attn.shared_key = partial(_copy_to_region, group=tp_mesh.get_group())
-        elif isinstance(block.attn, GatedDeltaNet):
-            block.attn.own = partial(_own_rows, group=tp_mesh.get_group(), rank=tp_mesh.get_local_rank(),
-                                     size=tp_mesh.size())
-            block.attn.whole = partial(_copy_to_region, group=tp_mesh.get_group())
-        elif replicated_kv:
-            _select_kv_head(block.attn, tp_mesh, cfg.kv_heads, cfg.head_size)
-        if getattr(block.attn, "sinks", None) is not None:  # (latent attention has none)
-            _split_sinks(block.attn, tp_mesh)
-        if moe:  # the Switch loss's counts are those of whole sequences
-            block.moe.sequence_counts = partial(summed_over, previous=block.moe.sequence_counts,
-                                                group=tp_mesh.get_group())
+        _split_block(block, model.cfg, tp_mesh, sequence_parallel)
         if sequence_parallel and name == first_block:
             # the residual stream enters the first block replicated and leaves it in sequence shards
             parallelize_module(block, tp_mesh, PrepareModuleInput(
                 input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None), use_local_output=True))
+    # multi-token prediction's blocks (model/mtp.py; without sequence parallelism, which legality refuses with
+    # it): split as the others, their inputs and outputs replicated; the norms and eh_proj around them replicated
+    for depth in (model.mtp.values() if getattr(model, "mtp", None) is not None else ()):
+        _split_block(depth.block, model.cfg, tp_mesh, sequence_parallel)
+
+
+def _split_block(block: nn.Module, cfg, tp_mesh, sequence_parallel: bool) -> None:
+    """One block split over `tp_mesh` by its plan, with what its attention and experts need besides."""
+    replicated_kv = cfg.kv_heads < tp_mesh.size()
+    moe = isinstance(block.ffn, MoE)
+    parallelize_module(block, tp_mesh, _block_plan(block, moe, replicated_kv, sequence_parallel))
+    if isinstance(block.attn, LatentAttention):  # its shared rotated key feeds every rank's heads
+        block.attn.shared_key = partial(_copy_to_region, group=tp_mesh.get_group())
+    elif isinstance(block.attn, GatedDeltaNet):  # each rank its key heads' rows of the replicated conv and decay
+        block.attn.own = partial(_own_rows, group=tp_mesh.get_group(), rank=tp_mesh.get_local_rank(),
+                                 size=tp_mesh.size())
+        block.attn.whole = partial(_copy_to_region, group=tp_mesh.get_group())
+    elif replicated_kv:
+        _select_kv_head(block.attn, tp_mesh, cfg.kv_heads, cfg.head_size)
+    if getattr(block.attn, "sinks", None) is not None:  # (latent attention has none)
+        _split_sinks(block.attn, tp_mesh)
+    if moe:  # the Switch loss's counts are those of whole sequences
+        block.moe.sequence_counts = partial(summed_over, previous=block.moe.sequence_counts,
+                                            group=tp_mesh.get_group())
 
 
 def _block_plan(block: nn.Module, moe: bool, replicated_kv: bool, sequence_parallel: bool) -> dict:

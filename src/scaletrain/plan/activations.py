@@ -44,6 +44,34 @@ def expert_load(wl: Workload, ep: int) -> float:
     return wl.moe_imbalance if ep > 1 else 1.0
 
 
+def attention_widths(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(query, key, value) widths per token of a layer's attention, all heads: n_heads x head_size for the
+    queries, kv_heads x head_size for keys and values; latent attention's keys every head's nope + rope
+    (head_size) and its values mla_v_dim each (value_dim)."""
+    q = cfg.n_heads * cfg.head_size
+    if cfg.mla_kv_rank:
+        return q, q, cfg.n_heads * cfg.value_dim
+    kv = cfg.kv_heads * cfg.head_size
+    return q, kv, kv
+
+
+def latent_bytes_per_token(cfg: ModelConfig, tp: int, c: float, selective: bool = False) -> float:
+    """What latent attention (model/mla.py) saves per token beyond q, k, v and the output: the key/value
+    compression's output (kv_rank + rope_dim, its norm's input), the normalised latent (the up-projection's
+    input) and the norm's fp32 1/rms, the up-projection's output (heads x (nope + value): its value half
+    is a view the kernel keeps), and with a query latent its compression's output, normalised copy and
+    1/rms (in 16 bits, also the fp32 copy of its input each norm makes). The compressions are whole on every
+    tp rank; the up-projection is split by heads. `selective` recomputation keeps the matmuls' outputs alone."""
+    if not cfg.mla_kv_rank:
+        return 0.0
+    r, rope, qr = cfg.mla_kv_rank, cfg.mla_rope_dim, cfg.mla_q_rank
+    up = cfg.n_heads * (cfg.head_size - rope + cfg.value_dim) / tp
+    if selective:
+        return (r + rope + up + qr) * c
+    upcast = (r + qr) * 4 if c != 4 else 0.0
+    return (r + rope + r + up + 2 * qr) * c + 4 * (2 if qr else 1) + upcast
+
+
 def _megatron_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, ac: str, cp: int,
                           moe: bool = False, ep: int = 1) -> float:
     """Korthikanti et al. 2022, section 4.1, generalised to grouped-query attention and SwiGLU.
@@ -61,7 +89,7 @@ def _megatron_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: b
     ep) the dispatched input and output and the experts' inner activations."""
     d = dtypes_for(wl)
     s, h, a = wl.seq_len / cp, cfg.dim, cfg.n_heads
-    kv, f, q = cfg.kv_heads * cfg.head_size, cfg.hidden_dim, cfg.n_heads * cfg.head_size
+    (q, k, v), f = attention_widths(cfg), cfg.hidden_dim
     c = d.compute
     rest = 1 / tp if sp else 1.0  # the norms, dropouts and matmul inputs outside the tp split
     if ac == "full":
@@ -69,8 +97,9 @@ def _megatron_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: b
     masks = 2 * h if cfg.dropout > 0 else 0
     outside = (2 * h * d.residual + 2 * h * c + masks) * rest
     n_ffn = 3 if cfg.gated else 2
-    inside = (2 * q + 2 * kv) * c + n_ffn * f * c  # q, k, v, wo's input; the MLP's inner tensors
-    inside /= tp
+    o = cfg.n_heads * cfg.value_dim  # the attention's output: every query head's, at the values' width
+    inside = (q + k + v + o) * c + n_ffn * f * c  # q, k, v, wo's input; the MLP's inner tensors
+    inside = inside / tp + latent_bytes_per_token(cfg, tp, c)
     if moe:
         routed = cfg.moe_top_k * expert_load(wl, ep) * (n_ffn * cfg.expert_hidden + 2 * h) * c
         shared = n_ffn * cfg.shared_hidden * c
@@ -91,13 +120,14 @@ def _scaletrain_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp:
     real layer's in tests/test_planner_moe.py)."""
     d = Dtypes.of(wl.precision)
     s, h, a = wl.seq_len / cp, cfg.dim, cfg.n_heads
-    kv, f, q = cfg.kv_heads * cfg.head_size, cfg.hidden_dim, cfg.n_heads * cfg.head_size
+    (q, k, v), f = attention_widths(cfg), cfg.hidden_dim
     s_loc = s / tp if sp else s  # the residual stream's tokens on this rank
     x = b * s_loc * h * d.residual  # the layer's input (the previous layer's output)
     if ac == "full":
         return x
-    qkv = b * s * (q + 2 * kv) / tp * d.compute
-    attn_out = b * s * q / tp * d.compute
+    qkv = b * s * ((q + k + v) / tp * d.compute + latent_bytes_per_token(cfg, tp, d.compute, ac == "selective"))
+    o = cfg.n_heads * cfg.value_dim  # the attention's output: every query head's, at the values' width
+    attn_out = b * s * o / tp * d.compute
     lse = b * a / tp * s * 4
     if wl.attention == "eager" and ac != "selective":
         # materialized scores: the softmax output (selective recomputation recomputes them), over the
@@ -127,7 +157,7 @@ def _scaletrain_layer_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp:
     # context parallelism keeps only this rank's tokens (ring and allgather keep their own K/V,
     # not the other ranks': they gather or pass them round again in backward); ring and
     # allgather keep their output in fp32 beside the compute-dtype copy the output projection keeps
-    cp_out = b * s * q / tp * (4 - d.compute) if cp > 1 else 0.0
+    cp_out = b * s * o / tp * (4 - d.compute) if cp > 1 else 0.0
     half = moe_half_bytes(cfg, wl, b, tp, sp, cp, ep) if moe else mlp_half_bytes(cfg, wl, b, tp, sp, cp)
     return x + attn_in + norm_extra + mask + qkv + attn_out + lse + cp_out + half
 
@@ -315,7 +345,30 @@ def formula_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp
     # the head is never checkpointed: its weight copy stays whatever the layers do
     head = head_activation_bytes(cfg, wl, b, tp, sp, cp) + \
         weight_copy_bytes(wl, cfg.vocab_size * cfg.dim // tp, "none", keeps_fp32)
-    return per_layer, head
+    return per_layer, head + mtp_activation_bytes(cfg, wl, b, tp, sp, keeps_fp32, cp, ep)
+
+
+def mtp_activation_bytes(cfg: ModelConfig, wl: Workload, b: int, tp: int, sp: bool, keeps_fp32: bool = False,
+                         cp: int = 1, ep: int = 1) -> float:
+    """Multi-token prediction's depths (model/mtp.py), never checkpointed, beside the head: each keeps its
+    block's activations and weight copies, the normalised embedding and hidden state (their norms' extras),
+    the concatenation eh_proj reads and its weight copy, its block output's norm, its share of the head's
+    input and its fp32 log-probabilities."""
+    if not cfg.mtp_depth:
+        return 0.0
+    d = dtypes_for(wl)
+    s, h = wl.seq_len / cp, cfg.dim
+    total = 0.0
+    for j in range(cfg.mtp_depth):
+        moe = cfg.is_moe_block(cfg.n_layers + j)
+        params = layer_params(cfg, tp, moe, ep)
+        block = layer_activation_bytes(cfg, wl, b, tp, sp, "none", cp, moe, ep) + \
+            weight_copy_bytes(wl, params.matmul, "none", keeps_fp32)
+        norms_in = 3 * b * s * h * d.residual if _norm_keeps_input(cfg, d) else 0.0  # enorm, hnorm, head_norm
+        projection = b * s * 2 * h * d.compute + weight_copy_bytes(wl, 2 * h * h, "none", keeps_fp32)
+        head = b * s * h * d.compute + b * s * cfg.vocab_size / tp * 4
+        total += block + norms_in + 3 * _norm_extra(cfg, d, b, s) + projection + head
+    return total
 
 
 @lru_cache(maxsize=4096)

@@ -372,6 +372,13 @@ def _rank_params(cfg: ModelConfig, tp: int, pp: int, virtual: int, schedule: str
     if last in stages:
         replicated += h * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
         matmul += V * h // tp
+        for j in range(cfg.mtp_depth):  # multi-token prediction's depths: a block each, eh_proj and three norms
+            b = layer_params(cfg, tp, cfg.is_moe_block(cfg.n_layers + j), ep)
+            sharded, matmul, expert = sharded + b.sharded, matmul + b.matmul + 2 * h * h, expert + b.expert
+            replicated += b.replicated + 2 * h * h + 3 * h * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
+            matrices[outer:outer] = [*b.matrices, (h, 2 * h)]  # (hidden matrices, before the embeddings and head)
+            outer += len(b.matrices) + 1
+            expert_matrices += list(b.expert_matrices)
         if not (cfg.tie_embeddings and layout.pp == 1):
             sharded += V * h // tp
             matrices.append((V // tp, h))

@@ -75,6 +75,7 @@ def _trace_model(cfg: ModelConfig, seq_len: int, precision: str, b: int, tp: int
 
     from scaletrain.memory import apply_activation_checkpointing, saved_activation_bytes
     from scaletrain.model.loss import cross_entropy_sum
+    from scaletrain.model.mtp import MTPLoss
     from scaletrain.model.transformer import Transformer
 
     mesh_ctx = _fake_world(tp) if tp > 1 else contextlib.nullcontext()
@@ -92,7 +93,9 @@ def _trace_model(cfg: ModelConfig, seq_len: int, precision: str, b: int, tp: int
         apply_activation_checkpointing(model.layers, ac)
         tokens = torch.randint(0, cfg.vocab_size, (b, seq_len))
         targets = torch.randint(0, cfg.vocab_size, (b, seq_len))
-        return saved_activation_bytes(model, _forward(model, tokens, targets, precision, tp, cross_entropy_sum),
+        # (multi-token prediction: its depths' logits follow the main head's, and its loss reads them)
+        loss_fn = MTPLoss(cfg.mtp_depth, cfg.mtp_loss_weight) if cfg.mtp_depth else cross_entropy_sum
+        return saved_activation_bytes(model, _forward(model, tokens, targets, precision, tp, loss_fn),
                                       backward=False)
 
 

@@ -198,11 +198,15 @@ class Health:
                 f"step {step}: the loss {loss:.4f} is {loss / state.early_loss:.1f}x its early value "
                 f"{state.early_loss:.4f} (train.divergence_factor={train.divergence_factor:g}): the run diverged; "
                 "lower optim.lr, raise optim.warmup_steps, or resume from an earlier checkpoint")
-        uniform = math.log(self.cfg.model.vocab_size)
+        # multi-token prediction adds mtp_loss_weight times the depths' mean, each over no more positions than
+        # the main loss counts: a uniform guess scores at most (1 + weight) ln(vocab_size)
+        share = 1 + (self.cfg.model.mtp_loss_weight if self.cfg.model.mtp_depth else 0.0)
+        uniform = share * math.log(self.cfg.model.vocab_size)
         if not self.custom_loss and step > self.cfg.optim.warmup_steps and \
                 loss > uniform + train.divergence_margin:  # a custom loss need not be a cross-entropy
             raise TrainingStopped(
-                f"step {step}: after warm-up the loss {loss:.4f} is above ln(vocab_size) + "
+                f"step {step}: after warm-up the loss {loss:.4f} is above "
+                f"{'' if share == 1 else f'{share:g} x '}ln(vocab_size) + "
                 f"train.divergence_margin = {uniform:.4f} + {train.divergence_margin:g}, worse than guessing "
                 f"each of {self.cfg.model.vocab_size} tokens uniformly: the run diverged; lower optim.lr, "
                 "raise optim.warmup_steps, or resume from an earlier checkpoint")

@@ -30,7 +30,6 @@ from scaletrain.errors import ConfigError
 from scaletrain.legality import check_config, check_data
 from scaletrain.model.flops import flops_per_token
 from scaletrain.model.generate import sample_text
-from scaletrain.model.loss import cross_entropy_sum
 from scaletrain.model.transformer import Transformer
 from scaletrain.objectives.preference import (
     PreferenceObjective,
@@ -82,7 +81,7 @@ class Trainer:
         the protocol: parallel.parallelize.parallelize_module."""
         self.cfg = cfg
         # custom_model: the user's nn.Module, or None for scaletrain's transformer
-        self._custom_model, self._loss_fn, self._schedule = model, loss_fn or cross_entropy_sum, schedule
+        self._custom_model, self._loss_fn, self._schedule = model, loss_fn, schedule  # (None: the model's, pm.loss_fn)
         # the runtime's layout is cfg's (derived once, where the job began); a config that asks for
         # another stage or batch on the same group of ranks gets its own layout on the same mesh
         self.rt = rt = (runtime or single_process(cfg)).for_config(cfg)
@@ -168,6 +167,7 @@ class Trainer:
         torch.manual_seed(self.cfg.train.seed + self.rt.rank)  # dropout differs per rank; weights do not
         self.pm = self._parallel_model(resume_from)  # weights that do not fit: one line (parallelize)
         self.model = self.pm.dp.model  # forward goes through the data-parallel wrapper
+        self._loss_fn = self._loss_fn or self.pm.loss_fn  # cross-entropy (with multi-token prediction: model/mtp.py)
         if self.cfg.train.objective != "lm":  # its loss, and the reference model it may need
             kind = PreferenceObjective if self.cfg.train.objective == "preference" else RLObjective
             self.objective = kind(self, self._reference_model())

@@ -237,7 +237,7 @@ def test_what_we_do_not_import_is_one_line_exit_2(tmp_path, change, words):
      "model.moe_groups=4 must divide model.moe_experts=6 into groups of at least 2"),
     ({"moe_experts": 6, "moe_score": "sigmoid", "moe_groups": 3, "moe_topk_groups": 1, "moe_top_k": 3},
      "model.moe_top_k=3 is more than the 1 open groups of 2 experts hold"),
-    ({"mtp_depth": 1}, "model.mtp_depth: unknown key"),
+    ({"mtp_loss_weight": 0.1}, "model.mtp_loss_weight=0.1 weighs multi-token prediction, but model.mtp_depth=0"),
 ])
 def test_bad_shapes_are_one_line(values, words):
     base = {"model.position": "rope", "model.norm": "rmsnorm", "model.activation": "swiglu"}
@@ -325,3 +325,40 @@ def test_flops_per_token_of_latent_attention_by_hand():
     mlp = 3 * d * cfg.hidden_dim
     want = 6 * (3 * (attn + mlp) + d * 256) + 3 * 6 * H * (24 + 12) * T
     assert flops_per_token(cfg, T) == want
+
+
+def test_the_planner_keeps_latent_attentions_own_widths_by_hand():
+    """Saved activations per token: q and k at nope + rope a head, v and the output at mla_v_dim; the
+    compression's output (kv_rank + rope), the normalised latent and its 1/rms, the up-projection's output
+    (heads x (nope + v)), the query latent's two copies and 1/rms; context parallelism sends keys and values
+    at the keys' width (the values padded, parallel/context_parallel.py)."""
+    from scaletrain.layout import Layout
+    from scaletrain.plan.activations import attention_widths, latent_bytes_per_token
+    from scaletrain.plan.spec import Workload
+    from scaletrain.plan.time_model import cp_traffic
+
+    cfg = ModelConfig(**{**PLANNED, "mla_q_rank": 28})
+    assert attention_widths(cfg) == (4 * 24, 4 * 24, 4 * 12)
+    c = 2  # bf16: and each latent norm's fp32 copy of its input
+    assert latent_bytes_per_token(cfg, 1, c) == (28 + 20 + 8 + 20 + 4 * (16 + 12) + 28) * c + 2 * 4 + (20 + 28) * 4
+    assert latent_bytes_per_token(cfg, 2, c, selective=True) == (20 + 8 + 2 * (16 + 12) + 28) * c
+    wl = Workload(seq_len=32, global_batch=8, precision="bf16-mixed")
+    (_, bytes_, calls, _), = cp_traffic(cfg, wl, Layout(cp=2, micro_batch=2, cp_method="ring"))
+    assert bytes_ == 2 * 16 * 2 * 4 * 24 * 2 and calls == 3
+
+
+@pytest.mark.slow
+def test_the_planners_latent_attention_activations_are_near_the_traced_count():
+    """The closed form against the real layer's saved tensors (fake tensors, scaletrain.plan.trace): within
+    10% in fp32 and bf16-mixed, without and with selective recomputation."""
+    from scaletrain.plan.activations import formula_activation_bytes
+    from scaletrain.plan.spec import Workload
+    from scaletrain.plan.trace import traced_activation_bytes
+
+    wide = ModelConfig(**{**PLANNED, "dim": 128, "head_dim": 48, "mla_kv_rank": 64, "mla_rope_dim": 16,
+                          "mla_v_dim": 24, "mla_q_rank": 96})
+    for precision in ("32-true", "bf16-mixed"):
+        for ac in ("none", "selective"):
+            w = Workload(seq_len=32, global_batch=4, precision=precision)
+            traced = traced_activation_bytes(wide, w, 2, 1, False, ac)[0]
+            assert abs(formula_activation_bytes(wide, w, 2, 1, False, ac)[0] / traced - 1) <= 0.1, (precision, ac)

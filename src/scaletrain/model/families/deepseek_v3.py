@@ -10,13 +10,16 @@ The rotary part is stored interleaved ((x0, x1), (x2, x3) pairs, transformers' r
 true by default and in DeepSeek's own code), as ours: no rows are permuted; rope_interleave=false
 is refused.
 
-Multi-token prediction: DeepSeek's checkpoints store its modules as the blocks after the last
-(model.layers.{num_hidden_layers + k}: enorm, hnorm, eh_proj, shared_head, a whole block), which
-transformers' DeepseekV3ForCausalLM leaves out when it loads (_keys_to_ignore_on_load_unexpected)
-and loads apart only for speculative decoding (MtpModel). scaletrain does the same: the import
-leaves those tensors out (`beside_the_model`), the model predicts the next token alone, and the
-export writes num_nextn_predict_layers=0 (it writes no such modules). Training them (a depth and
-a loss weight) is not built."""
+Multi-token prediction (model/mtp.py): DeepSeek's checkpoints store its modules as the layers after
+the last (model.layers.{num_hidden_layers + j}: enorm, hnorm, eh_proj, shared_head.norm, a whole
+block, and copies of the shared embedding and head, embed_tokens and shared_head.head), which
+transformers' DeepseekV3ForCausalLM leaves out when it loads (_keys_to_ignore_on_load_unexpected).
+Training them is asked for, never implied: model.from_hf leaves model.mtp_depth at 0 (transformers
+writes num_nextn_predict_layers=1 into every config it saves, with no such tensors), and the import
+then leaves them out (`beside_the_model`) and the export writes num_nextn_predict_layers=0. With
+model.mtp_depth=D the import reads the first D modules (their copies of the embedding and head must
+equal the model's, which ours share), refuses a checkpoint without them in one line, and the export
+writes them back, bitwise, with num_nextn_predict_layers=D."""
 
 from __future__ import annotations
 
@@ -31,7 +34,9 @@ BLOCK = {**LLAMA_BLOCK, "attn.wq_a": "self_attn.q_a_proj", "attn.q_a_norm": "sel
          "attn.wq_b": "self_attn.q_b_proj", "attn.wkv_a": "self_attn.kv_a_proj_with_mqa",
          "attn.kv_a_norm": "self_attn.kv_a_layernorm", "attn.wkv_b": "self_attn.kv_b_proj",
          "moe.shared.w1": "mlp.shared_experts.gate_proj", "moe.shared.w3": "mlp.shared_experts.up_proj",
-         "moe.shared.w2": "mlp.shared_experts.down_proj"}
+         "moe.shared.w2": "mlp.shared_experts.down_proj",
+         # a multi-token prediction module's own (model/mtp.py), in the layer after the last (its block's as above)
+         "enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "head_norm": "shared_head.norm"}
 BLOCK_KEY = re.compile(r"^model\.layers\.(\d+)\.")  # any tensor of block i
 # what DeepSeek's own config.json says of its router and experts, and the one value transformers computes
 ROUTER = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
@@ -121,7 +126,7 @@ class DeepseekV3(MoeFamily):
         out.update(head_dim=cfg.mla_rope_dim, qk_rope_head_dim=cfg.mla_rope_dim,
                    qk_nope_head_dim=cfg.head_size - cfg.mla_rope_dim, v_head_dim=cfg.value_dim,
                    kv_lora_rank=cfg.mla_kv_rank, q_lora_rank=cfg.mla_q_rank or None, rope_interleave=True,
-                   attention_bias=False, num_nextn_predict_layers=0,
+                   attention_bias=False, num_nextn_predict_layers=cfg.mtp_depth,
                    first_k_dense_replace=cfg.moe_first_dense if moe else cfg.n_layers,
                    n_routed_experts=cfg.moe_experts or 1, moe_intermediate_size=cfg.expert_hidden,
                    n_shared_experts=cfg.moe_shared_experts, routed_scaling_factor=cfg.moe_route_scale,
