@@ -186,3 +186,26 @@ def test_fields_off_their_defaults_are_read_and_each_bites(name, tmp_path, token
               for field in case.expected}
     assert {field: gap for field, gap in missed.items() if gap <= BITES} == {}, missed
 
+
+def test_gemma3_leaves_the_scores_uncapped_as_transformers_does(tmp_path, tokens):
+    """Gemma 3's config holds attn_logit_softcapping, which transformers' Gemma3Attention never
+    applies: the import reads it as no cap (it read 0.5 once, 0.09 away from transformers' logits),
+    and the export refuses a cap Gemma 3 would drop."""
+    from scaletrain.config import ModelConfig
+    from scaletrain.errors import ConfigError
+    from scaletrain.model.hf_config import hf_family
+
+    capped = test_hf_families.make_hf("gemma3", tmp_path / "capped", **SHARP, attn_logit_softcapping=0.5)
+    plain = test_hf_families.make_hf("gemma3", tmp_path / "plain", **SHARP)
+    assert torch.equal(logits(capped, tokens), logits(plain, tokens))  # transformers: the key changes nothing
+    ours = ours_from(tmp_path / "capped")
+    assert ours.cfg.attn_softcap == 0.0
+    assert (logits(ours, tokens) - logits(capped, tokens)).abs().max() <= TOL
+
+    gemma3 = dict(position="rope", norm="rmsnorm", norm_unit_offset=True, norm_placement="both", activation="geglu",
+                  embed_scale=True, qk_norm=True)
+    assert hf_family(ModelConfig(**gemma3)) == "gemma3_text"
+    with pytest.raises(ConfigError, match=r"Gemma 3's, whose attention has no soft cap \(transformers leaves its "
+                                          r"attn_logit_softcapping unused\): model.attn_softcap=0 or Gemma 2"):
+        hf_family(ModelConfig(**gemma3, attn_softcap=5.0))
+    assert hf_family(ModelConfig(**{**gemma3, "qk_norm": False}, attn_softcap=5.0)) == "gemma2"
