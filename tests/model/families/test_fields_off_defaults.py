@@ -209,3 +209,22 @@ def test_gemma3_leaves_the_scores_uncapped_as_transformers_does(tmp_path, tokens
                                           r"attn_logit_softcapping unused\): model.attn_softcap=0 or Gemma 2"):
         hf_family(ModelConfig(**gemma3, attn_softcap=5.0))
     assert hf_family(ModelConfig(**{**gemma3, "qk_norm": False}, attn_softcap=5.0)) == "gemma2"
+
+
+def test_llama4_no_rope_blocks_from_the_interval_alone(tmp_path, tokens):
+    """transformers 5 writes no_rope_layers out, which then wins; a config.json with it empty (as
+    Meta's published ones) places the no-rope blocks by no_rope_layer_interval alone (3 here, not
+    its default 4): read so, and transformers' logits from that very file (a reader taking the
+default 4 misses them)."""
+    import json
+
+    case = CASES["llama4"]
+    case.build(tmp_path, **SHARP, **case.shape, **case.change)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["no_rope_layers"] == [1, 1, 0, 1]  # (what the interval gives: block 2 has no rotary)
+    del config["layer_types"]  # (derived from the no-rope blocks too)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "no_rope_layers": []}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ours = ours_from(tmp_path)
+    assert (ours.cfg.nope_every, ours.cfg.global_every) == (3, 3)
+    assert (logits(ours, tokens) - logits(hf, tokens)).abs().max() <= TOL
