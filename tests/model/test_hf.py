@@ -45,19 +45,20 @@ FAMILIES = {
 }
 
 
-def make_hf(name: str, folder, **save_kw):
-    """A seeded tiny transformers model, its norms and biases moved off their 1/0 init (a
-    wrong permutation of them must show), saved to `folder`."""
+def make_hf(name: str, folder, save_kw: dict | None = None, **change):
+    """A seeded tiny transformers model (FAMILIES' config, `change`d), its norms and biases moved
+    off their 1/0 init (a wrong permutation of them must show), saved to `folder` (`save_kw`:
+    save_pretrained's options)."""
     cls, kw = FAMILIES[name]
     torch.manual_seed(0)
-    config = getattr(transformers, cls)(**kw)
+    config = getattr(transformers, cls)(**{**kw, **change})
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                                           dtype=torch.float32)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("bias") or "norm" in n or ".ln_" in n:
                 p.add_(0.2 * torch.randn_like(p))
-    model.eval().save_pretrained(folder, **save_kw)
+    model.eval().save_pretrained(folder, **(save_kw or {}))
     return model
 
 
@@ -147,7 +148,7 @@ def test_row_permutation_and_rotation():
 
 
 def test_sharded_checkpoints_load_and_export_sharded(tmp_path, tokens):
-    hf = make_hf("qwen3-head-dim-qk-norm", tmp_path / "hf", max_shard_size="40KB")
+    hf = make_hf("qwen3-head-dim-qk-norm", tmp_path / "hf", save_kw={"max_shard_size": "40KB"})
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     ours = ours_from(tmp_path / "hf")
     assert (our_logits(ours, tokens) - hf_logits(hf, tokens)).abs().max() <= TOL

@@ -6,7 +6,7 @@ the sliding-window blocks: scaletrain.model.families.gemma3_text."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.families._common import (
@@ -33,6 +33,9 @@ class Gemma2(RotaryFamily):
                     query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
                     attn_logit_softcapping=50.0, sliding_window_pattern=2)
     norm_placement = "both"
+    # config.json's soft caps -> ours (Gemma 3 has the logits' one only: see there)
+    caps: ClassVar[tuple[tuple[str, str], ...]] = (("attn_logit_softcapping", "attn_softcap"),
+                                                   ("final_logit_softcapping", "logit_softcap"))
     block = {**LLAMA_BLOCK, "attn_post_norm": "post_attention_layernorm", "mlp_norm": "pre_feedforward_layernorm",
              "mlp_post_norm": "post_feedforward_layernorm"}
 
@@ -52,7 +55,7 @@ class Gemma2(RotaryFamily):
             refuse("query_pre_attn_scalar", "should be a positive integer (the scores are divided by its square root)")
             scalar = head_dim
         caps = {}
-        for key, ours in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "logit_softcap")):
+        for key, ours in self.caps:
             cap = get.raw(key)
             if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
                 refuse(key, "should be a positive number or null")
@@ -123,6 +126,9 @@ def chosen(cfg: ModelConfig, no) -> str:
         ("has q/k norms of each head only", cfg.qk_norm and cfg.qk_norm_scope != "head")) if differs]
     if unlike:
         raise no(f"norms before and after each sub-block are Gemma's, which {unlike[0]}")
+    if (cfg.qk_norm or cfg.rope_local_theta) and cfg.attn_softcap:
+        raise no("q/k norms and a rotary base of the sliding-window blocks are Gemma 3's, whose attention has no "
+                 "soft cap (transformers leaves its attn_logit_softcapping unused): model.attn_softcap=0 or Gemma 2")
     if cfg.qk_norm or cfg.rope_local_theta:
         return "gemma3_text"
     return FAMILY.model_type

@@ -1,6 +1,7 @@
 """Gemma 3 (text): Gemma 2 (scaletrain.model.families.gemma2) with an RMSNorm on each head's
 queries and keys, and a rotary base of its own for the sliding-window blocks
-(rope_local_base_freq; in transformers 5 one set of rotary parameters per kind of block)."""
+(rope_local_base_freq; in transformers 5 one set of rotary parameters per kind of block), and no
+soft cap on the attention scores (attn_logit_softcapping is in its config, unused by transformers)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ class Gemma3Text(Gemma2):
                     final_logit_softcapping=None, attn_logit_softcapping=None, rope_theta=1000000.0,
                     rope_local_base_freq=10000.0, sliding_window_pattern=6)
     qk_norm = True
+    # transformers' Gemma3Attention keeps attn_logit_softcapping but never hands it to the attention (Gemma 3
+    # put q/k norms where Gemma 2 capped the scores): a value there changes no logit, and is read as none
+    caps = (("final_logit_softcapping", "logit_softcap"),)
 
     def rotary(self, get: Reader, refuse: Refuse, out: dict[str, Any], max_len: int) -> float | None:
         params = get.raw("rope_parameters")
