@@ -31,6 +31,7 @@ from pathlib import Path
 
 def run(config: str, extra: list[str], optimizer: str, lr: float, steps: int) -> dict:
     from scaletrain.config import load_config
+    from scaletrain.errors import TrainingStopped
     from scaletrain.launch.ranks import flags, quiet
     from scaletrain.train.trainer import Trainer
 
@@ -39,7 +40,11 @@ def run(config: str, extra: list[str], optimizer: str, lr: float, steps: int) ->
     cfg = load_config(config, [*extra, f"--optim.name={optimizer}", f"--optim.lr={lr}", f"--train.steps={steps}",
                                *quiet_flags])
     trainer = Trainer(cfg, stream=open(os.devnull, "w"))
-    history = trainer.fit()["history"]
+    try:
+        history = trainer.fit()["history"]
+    except TrainingStopped as e:  # a diverged run is a result (the rate is too high), not the end of the grid
+        return {"optimizer": optimizer, "lr": lr, "val_loss": float("inf"), "losses": [], "diverged": str(e),
+                "tokens_per_step": trainer.step_tokens(0)}
     return {"optimizer": optimizer, "lr": lr, "val_loss": history[-1]["val_loss"],
             "losses": [r["loss"] for r in history], "tokens_per_step": trainer.step_tokens(0)}
 
@@ -93,8 +98,8 @@ def main(argv=None) -> None:
     for optimizer in args.optimizers:
         grid = [runs.get(optimizer, lr, seeds[0]) for lr in grids[optimizer]]
         for r in grid:
-            print(f"{optimizer:<10}{r['lr']:>9.0e}{r['val_loss']:>16.4f}{smoothed(r['losses'])[-1]:>33.4f}",
-                  flush=True)
+            last = f"{smoothed(r['losses'])[-1]:>33.4f}" if r["losses"] else f"{'diverged':>33}"
+            print(f"{optimizer:<10}{r['lr']:>9.0e}{r['val_loss']:>16.4f}{last}", flush=True)
         best[optimizer] = min(grid, key=lambda r: r["val_loss"])
         for seed in seeds[1:]:  # the best rate again at the other seeds
             runs.get(optimizer, best[optimizer]["lr"], seed)
