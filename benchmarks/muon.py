@@ -8,11 +8,16 @@ alternating which goes first), so machine noise hits both alike. Printed per lay
 * the bytes the exchange sends per rank per step, two ways: counted where it hands them to the
   all-to-all (optim/whole.py: to other ranks only), and the kernel's count of bytes the rank wrote
   (`wchar` in /proc/self/io, socket sends included) under Muon minus under AdamW, on CPU;
-* theory: each hidden matrix of M values whose one matrix axis has n ranks moves M(n-1)/n there and
-  the same back, in optim.muon.ns_dtype (2 bytes in bf16), so 2M(n-1)/n over the n ranks: per rank
-  2(n-1)/n^2 of the exchanged values, summed over the matrices.
+* theory: each hidden matrix of M values whose matrix axes have n ranks (one axis, or ZeRO's and tp's
+  together: n = dp_shard x tp) moves M(n-1)/n there and the same back, in optim.muon.ns_dtype (2 bytes
+  in bf16), so 2M(n-1)/n over the n ranks: per rank 2(n-1)/n^2 of the exchanged values, summed over
+  the matrices.
 
-    python benchmarks/muon.py [--nproc 2] [--steps 3] [--rounds 4] [--config configs/tiny.toml] [--KEY=VALUE ...]
+The layouts: ZeRO-1, 2 and 3 and tp over every rank; with --nproc 4 or more (even), ZeRO-1 and ZeRO-3
+over half the ranks times tp 2 too. --layouts picks some of them by name.
+
+    python benchmarks/muon.py [--nproc 2] [--steps 3] [--rounds 4] [--layouts "zero 3" ...]
+        [--config configs/tiny.toml] [--KEY=VALUE ...]
 
 On a GPU machine: `--train.device=cuda --nproc 8` (NCCL); the wchar column is then blank.
 """
@@ -27,7 +32,19 @@ import time
 from pathlib import Path
 
 LAYOUTS = {"zero 1": ["--parallel.zero=1"], "zero 2": ["--parallel.zero=2"], "zero 3": ["--parallel.zero=3"],
-           "tp": ["--parallel.tp=-1"]}  # tp = every rank (-1 is filled in with nproc below)
+           "tp": ["--parallel.tp=-1"],  # tp = every rank (-1 is filled in with nproc below)
+           # two matrix axes (-2: half the ranks), on 4 or more
+           "zero 1 x tp 2": ["--parallel.zero=1", "--parallel.dp_shard=-2", "--parallel.tp=2"],
+           "zero 3 x tp 2": ["--parallel.zero=3", "--parallel.dp_shard=-2", "--parallel.tp=2"]}
+
+
+def layouts(args) -> dict[str, list[str]]:
+    """The layouts this run measures (--layouts, of those its --nproc can run), their flags filled in."""
+    chosen = {name: flags_ for name, flags_ in LAYOUTS.items() if not args.layouts or name in args.layouts}
+    if args.nproc < 4 or args.nproc % 2:
+        chosen = {name: flags_ for name, flags_ in chosen.items() if "x tp" not in name}
+    return {name: [f.replace("=-1", f"={args.nproc}").replace("=-2", f"={args.nproc // 2}") for f in flags_]
+            for name, flags_ in chosen.items()}
 
 
 def _wchar() -> int:
@@ -82,15 +99,17 @@ def compare(args, extra: list[str], sync=None) -> dict:
 
 
 def theory_bytes(optimizer) -> float:
-    """Per rank per step: 2(n-1)/n^2 of each exchanged matrix's whole values, in the exchange's dtype."""
+    """Per rank per step: 2(n-1)/n^2 of each exchanged matrix's whole values (n: the ranks of its matrix axes,
+    one or two), in the exchange's dtype."""
+    import math
+
     from scaletrain.optim.whole import _matrix_axes
 
     size = optimizer.whole.dtype.itemsize
     total = 0.0
     for p in optimizer.param_groups[0]["params"]:
-        axes = _matrix_axes(p)
-        if len(axes) == 1:
-            n = p.device_mesh.size(axes[0])
+        if axes := _matrix_axes(p):
+            n = math.prod(p.device_mesh.size(a) for a in axes)
             total += 2 * (n - 1) / n ** 2 * p.numel() * size
     return total
 
@@ -103,8 +122,7 @@ def rank_main(spec_path: str, out_path: str) -> int:
 
     args, extra = _parser().parse_known_args(read_spec(spec_path)["argv"])
     rows = {}
-    for name, flags_ in LAYOUTS.items():
-        flags_ = [f.replace("=-1", f"={args.nproc}") for f in flags_]
+    for name, flags_ in layouts(args).items():
         row = compare(args, [*extra, *flags_], sync=dist.barrier)
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, row)
@@ -120,6 +138,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3, help="steps of each optimizer per round")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--layouts", nargs="+", default=None, choices=list(LAYOUTS), help="default: every one --nproc runs")
     return ap
 
 
@@ -129,7 +148,7 @@ def main(argv=None) -> None:
 
     single = compare(args, extra)
     forwarded = [f"--config={args.config}", f"--steps={args.steps}", f"--rounds={args.rounds}",
-                 f"--nproc={args.nproc}", *extra]
+                 f"--nproc={args.nproc}", *(["--layouts", *args.layouts] if args.layouts else []), *extra]
     rows = {}  # (--nproc 1: one process only, as on a machine with one GPU)
     if args.nproc > 1:
         rows = run_on_ranks("muon:rank_main", {"argv": forwarded}, args.nproc,

@@ -845,6 +845,12 @@ MUTANTS = [
            "    if True:\n        return []\n",
            (f"{MUP}::test_parity_with_one_process[2ranks-zero1]", f"{MUP}::test_parity_with_one_process[2ranks-tp2-sp]",
             f"{MU}::test_whole_matrices_on_4_ranks_equal_torch_newton_schulz_and_send_what_theory_says")),
+    Mutant("muon-two-axes-result-to-the-wrong-tp-piece", "under ZeRO x tp the owner sends each rank the piece of "
+           "the result that belongs to its neighbour on the tp axis", "src/scaletrain/optim/whole.py",
+           "                rows, cols = axis.pieces[m.param][r]\n                results[r]",
+           "                rows, cols = axis.pieces[m.param][r ^ 1 if axis.n == 4 else r]\n                results[r]",
+           (f"{MU}::test_whole_matrices_on_4_ranks_equal_torch_newton_schulz_and_send_what_theory_says",
+            f"{MUP}::test_parity_with_one_process[4ranks-zero3-tp2]")),
     Mutant("muon-tall-matrix-not-transposed", "Newton-Schulz iterates a tall matrix as it is (the Gram matrix of the "
            "longer side) instead of its transpose", "src/scaletrain/optim/muon.py",
            "    tall = g.size(0) > g.size(1)\n", "    tall = g.size(0) < g.size(1)\n",

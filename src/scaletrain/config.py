@@ -1028,12 +1028,25 @@ def check_combinations(cfg: JobConfig, own_model: bool = True) -> list[str]:
                       "eval.tasks=scaletrain_choice), or eval.every=0")
     if cfg.optim.name == "adamw8bit" and cfg.optim.implementation not in ("auto",):
         errors.append("optim.implementation applies to adamw and sgd; leave it at auto for adamw8bit")
-    if cfg.optim.name == "muon":
-        try:
-            ns_coefficients(cfg.optim.muon)
-        except ValueError as e:
-            errors.append(str(e))
+    errors.extend(muon_problems(cfg.optim))
     return errors
+
+
+def muon_problems(o: OptimConfig) -> list[str]:
+    """optim.muon's own checks; and [optim.muon] keys given to an 8-bit or factored optimizer, which would
+    otherwise be dropped without a word: Muon with such a state is not built."""
+    if o.name == "muon":
+        try:
+            ns_coefficients(o.muon)
+        except ValueError as e:
+            return [str(e)]
+        return []
+    given = [f"optim.muon.{f.name}" for f in dataclasses.fields(MuonConfig) if getattr(o.muon, f.name) != f.default]
+    if o.name in ("adamw8bit", "adafactor") and given:
+        return [f"optim.name={o.name} with {', '.join(given)}: Muon with an 8-bit or factored state is not built, "
+                f"and {o.name} has no Muon part; use optim.name=muon (its matrices keep one fp32 buffer, half of "
+                f"AdamW's state), or drop the optim.muon keys"]
+    return []
 
 
 def preference_problems(cfg: JobConfig) -> list[str]:

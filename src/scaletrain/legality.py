@@ -8,7 +8,7 @@ It asks `Layout.errors` for the rules of the layout and the model (sizes that di
 schedules, context-parallel chunks, local SGD's fragments, expert parallelism's ranks), then adds
 those of the techniques a job runs on top of a layout (`Techniques`): quantization-aware training,
 fp8 linears, adapters and their quantized bases, a mixture of experts' capacity, a module scaletrain
-did not build, and optimizer offload on a CPU. Each refusal says what, why and how to fix it.
+did not build, and optimizer offload (on a CPU, or with Muon). Each refusal says what, why and how to fix it.
 
 What is not a combination of settings is checked where it is met: a config key's own range (config
 validation), the machine (a C++ compiler, an fp8-capable GPU, torchft installed), and the model's
@@ -43,6 +43,7 @@ class Techniques:
     rl_samples: bool = False
     tasks: bool = False  # eval.tasks scored during training: every rank runs whole-model forwards
     objective: str = "lm"  # train.objective: what the loss reads of the model's output
+    optimizer: str = "adamw"  # optim.name
 
     @classmethod
     def of(cls, cfg, *, custom_module: bool = False, device_type: str | None = None) -> Techniques:
@@ -52,7 +53,7 @@ class Techniques:
                    base_dtype=cfg.adapter.base_dtype, document_mask=cfg.data.document_mask,
                    custom_module=custom_module, device_type=device_type, rl_group=cfg.rl.group_size if rl else 0,
                    rl_samples=rl and not cfg.rl.rollouts, tasks=bool(cfg.eval.tasks and cfg.eval.every),
-                   objective=cfg.train.objective)
+                   objective=cfg.train.objective, optimizer=cfg.optim.name)
 
     @property
     def quantized_base(self) -> str | None:
@@ -72,11 +73,24 @@ def job_errors(layout: Layout, model=None, tech: Techniques = Techniques(), *, s
             _fault_tolerance_errors(layout, model) + _linear_attention_errors(layout, model, tech) + \
             _mtp_errors(layout, model, tech)
     e += _adapter_errors(layout, tech) + _rl_errors(layout, tech) + _tasks_errors(layout, tech)
-    # (offload without ZeRO-3 is Layout.errors' one line)
-    if layout.offload_optimizer and layout.zero == 3 and tech.device_type not in (None, "cuda"):
-        e.append("memory.offload_optimizer moves model states from GPU memory to pinned host memory; this run is "
-                 f"on the {tech.device_type.upper()} already, so drop the option")
-    return e
+    return e + _offload_errors(layout, tech)
+
+
+def _offload_errors(lay: Layout, tech: Techniques) -> list[str]:
+    """memory.offload_optimizer (FSDP2's CPU offload under ZeRO-3: the shards and the optimizer's step in host
+    memory) is for a GPU run, and not with Muon: Muon's whole-matrix exchange (optim/whole.py) sends the
+    shards over the GPUs' collectives (NCCL), which take no host tensors, and Newton-Schulz on the host would
+    cost what offload saves. (Offload without ZeRO-3 is Layout.errors' one line.)"""
+    if not (lay.offload_optimizer and lay.zero == 3):
+        return []
+    if tech.device_type not in (None, "cuda"):
+        return ["memory.offload_optimizer moves model states from GPU memory to pinned host memory; this run is "
+                f"on the {tech.device_type.upper()} already, so drop the option"]
+    if tech.optimizer == "muon":
+        return ["optim.name=muon with memory.offload_optimizer: not supported (Muon's whole-matrix exchange runs "
+                "on the GPUs' collectives, which take no host memory); drop memory.offload_optimizer (Muon keeps "
+                "one state buffer where AdamW keeps two), or use optim.name=adamw"]
+    return []
 
 
 def check_job(layout: Layout, model=None, tech: Techniques = Techniques(), *, seq_len: int | None = None) -> None:

@@ -170,6 +170,35 @@ def test_a_vector_given_to_muon_is_one_line_and_exit_2(tmp_path):
         micro_cfg(tmp_path, **{"optim.name": "muon", "optim.muon.ns_coefficients": "1,2"})
 
 
+@pytest.mark.parametrize("name,keys", [("adamw8bit", ["--optim.muon.lr=0.02"]),
+                                       ("adafactor", ["--optim.muon.momentum=0.9", "--optim.muon.ns_dtype=fp32"])])
+def test_muon_keys_given_to_an_8bit_or_factored_optimizer_are_one_line_and_exit_2(tmp_path, name, keys):
+    """An 8-bit or factored Muon is not built: [optim.muon] keys with optim.name=adamw8bit or adafactor would be
+    dropped without a word, so they stop the run; without them each optimizer is as before (its own tests)."""
+    given = ", ".join(k.split("=")[0].lstrip("-") for k in sorted(keys))
+    r = run_here("train", f"--optim.name={name}", *keys, "--train.steps=1", f"--log.run_dir={tmp_path / 'run'}")
+    one_line_exit_2(r, f"optim.name={name} with {given}: Muon with an 8-bit or factored state is not built",
+                    "use optim.name=muon")
+    micro_cfg(tmp_path, **{"optim.name": name})  # the same optimizer without Muon's keys loads
+
+
+def test_muon_with_optimizer_offload_is_refused_in_one_line(tmp_path):
+    """FSDP2's CPU offload keeps ZeRO-3's shards in host memory, and Muon's exchange runs on the GPUs'
+    collectives (NCCL takes no host tensors): refused by the one legality check, so `train` and the planner
+    (its explicit layout and its search) alike; AdamW with offload stays legal on a GPU."""
+    from scaletrain.layout import Layout
+    from scaletrain.legality import Techniques, job_errors
+
+    layout = Layout(dp_shard=2, zero=3, offload_optimizer=True)
+    [line] = job_errors(layout, None, Techniques(optimizer="muon", device_type="cuda"))
+    assert line.startswith("optim.name=muon with memory.offload_optimizer: not supported")
+    assert job_errors(layout, None, Techniques(optimizer="adamw", device_type="cuda")) == []
+    r = run_here("plan", "llama-8b", "--hardware", "H100-SXM", "--nodes", "1", "--gpus-per-node", "8", "--zero", "3",
+                 "--dp-shard", "8", "--offload", "--optimizer", "muon")
+    one_line_exit_2(r, "optim.name=muon with memory.offload_optimizer: not supported",
+                    "drop memory.offload_optimizer")
+
+
 def test_the_start_says_which_parameters_muon_takes(tmp_path, capsys):
     from scaletrain.train.trainer import Trainer
 
@@ -180,9 +209,11 @@ def test_the_start_says_which_parameters_muon_takes(tmp_path, capsys):
 
 @pytest.mark.multiproc
 def test_whole_matrices_on_4_ranks_equal_torch_newton_schulz_and_send_what_theory_says(tmp_path):
-    """ZeRO rows, tp columns, an empty piece, HSDP, FSDP x tp (strided), experts: each rank's piece of the
-    result is bit for bit torch.optim.Muon's Newton-Schulz of the whole matrix, cut as the parameter is.
-    Bytes: matrices split 4 ways evenly move 2 x 3/4 of their values each step (there and back), in bf16."""
+    """ZeRO rows, tp columns, an empty piece, HSDP, FSDP x tp (plain and strided, rows and columns, uneven),
+    experts: each rank's piece of the result is bit for bit torch.optim.Muon's Newton-Schulz of the whole
+    matrix, cut as the parameter is. Bytes: matrices split 4 ways evenly (rows over 4 ranks, or rows x columns
+    over dp 2 x tp 2) move 2 x 3/4 of their values each step (there and back), in bf16. Under dp x tp each
+    matrix is orthogonalised once, whole, on its owner among the 4 ranks, and every rank owns some."""
     from forked_ranks import run_forked
 
     out = tmp_path / "probe.json"
@@ -190,9 +221,17 @@ def test_whole_matrices_on_4_ranks_equal_torch_newton_schulz_and_send_what_theor
     assert code == 0, err
     result = json.loads(out.read_text())
     assert result["mismatched"] == []
-    theory = 2 * 3 / 4 * result["values"] * 2
-    assert abs(result["sent_bytes"] / theory - 1) < 0.01, (result["sent_bytes"], theory)
-    assert sorted(set(result["owners"])) == [0, 1, 2, 3]  # five matrices, four owners: each has work
+    for layout in ("flat", "grid"):
+        r = result[layout]
+        theory = 2 * 3 / 4 * r["values"] * 2
+        assert abs(r["sent_bytes"] / theory - 1) < 0.01, (layout, r["sent_bytes"], theory)
+        assert sorted(set(r["owners"])) == [0, 1, 2, 3], layout  # five matrices, four owners: each has work
+    grid = result["grid"]
+    shapes = [[64, 48], [48, 64], [128, 32], [32, 32], [16, 40]]
+    owner_of = {tuple(s): grid["group_ranks"][o] for s, o in zip(shapes, grid["owners"], strict=True)}
+    assert sorted(s for ran in grid["ran"] for s in ran) == sorted(shapes)  # each once, whole
+    for rank, ran in enumerate(grid["ran"]):
+        assert all(owner_of[tuple(s)] == rank for s in ran), (rank, ran)
 
 
 @pytest.mark.parametrize("mode", ["16-mixed", "bf16-true"])
@@ -239,3 +278,7 @@ def test_the_planner_counts_muon_state_flops_and_exchange_by_hand(tmp_path):
     one = Cluster(hw, 1, 1)
     assert muon_seconds(cfg, replace(layout, dp_shard=1, zero=0), one, 0) == (pytest.approx(compute * 8), 0.0)
     assert exchange > 0
+    # ZeRO-3 x tp 2 on the same 8: one owner per matrix among all 8 (not gathered on each), the same share of
+    # the values sent as ZeRO over 8 (2 x 7/8 over 8 ranks), on the same links (one node)
+    assert muon_seconds(cfg, replace(layout, dp_shard=4, tp=2), cluster, 0) == (pytest.approx(compute),
+                                                                                pytest.approx(exchange))

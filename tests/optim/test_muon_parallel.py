@@ -1,7 +1,7 @@
-"""optim.name=muon on real processes (gloo on CPU): under ZeRO-1/2/3, HSDP, tp (+sp), ZeRO-3 x tp, ep x
-ZeRO-3 on a mixture of experts, pp and cp, with accumulation, every step's loss and gradient norm and the
-final weights (each parameter's update over the run) match one process; the momentum shards like the
-parameters; a ZeRO-3 checkpoint resumes on one process.
+"""optim.name=muon on real processes (gloo on CPU): under ZeRO-1/2/3, HSDP, tp (+sp), ZeRO-3 and ZeRO-1 x tp
+(an owner per matrix among the 4 ranks), ep x ZeRO-3 on a mixture of experts, pp and cp, with accumulation,
+every step's loss and gradient norm and the final weights (each parameter's update over the run) match one
+process; the momentum shards like the parameters; a ZeRO-3 checkpoint resumes on one process.
 
 Newton-Schulz runs in fp32 here (optim.muon.ns_dtype=fp32) for the same reason `scaletrain verify` runs it
 so: in bf16 a layout's other summation order moves a value across a bf16 rounding now and then (the
@@ -45,7 +45,8 @@ LAYOUTS = {  # ranks: [(name, overrides, reference)]
         ("pp2", {"parallel.pp": 2, **PP}, "pp"),
         ("cp2", {"parallel.cp": 2}, "plain")],
     4: [("hsdp-zero3", {"parallel.zero": 3, "parallel.dp_replicate": 2}, "plain"),
-        ("zero3-tp2", {"parallel.zero": 3, "parallel.dp_shard": 2, "parallel.tp": 2}, "plain")],
+        ("zero3-tp2", {"parallel.zero": 3, "parallel.dp_shard": 2, "parallel.tp": 2}, "plain"),
+        ("zero1-tp2", {"parallel.zero": 1, "parallel.dp_shard": 2, "parallel.tp": 2}, "plain")],
 }
 REFERENCES = {"plain": {}, "accum": {"train.micro_batch": 1}, "moe": MOE, "pp": PP}
 

@@ -11,16 +11,16 @@ A matrix's *matrix axes* are the mesh axes whose placement cuts one of its last 
 * None (a plain tensor, a DDP replica, an expert tensor cut only between experts, a replicated part):
   every matrix is whole on this rank and is orthogonalised here. Costs nothing to send; under DDP each
   replica computes the same result.
-* One (ZeRO-1/2, FSDP, HSDP's shard axis, tp): each matrix gets an *owner* among the ranks of that
-  axis, chosen to balance Newton-Schulz's FLOPs (largest first, to the least loaded rank). One
-  all-to-all sends every rank's piece of each matrix to its owner, the owner assembles the whole,
-  runs Newton-Schulz, and a second all-to-all sends each rank its piece of the result. Per step each
-  matrix of M values moves (M - the owner's piece) values each way, 2M(n-1)/n for even pieces, in
-  optim.muon.ns_dtype (bf16 by default: 2 bytes a value, which is what Newton-Schulz rounds to first,
-  so nothing is lost); the FLOPs are split n ways.
-* Two (ZeRO or FSDP with tp): each rank gathers the whole matrix (DTensor's all-gathers over both
-  axes) and orthogonalises it itself: n times the FLOPs and (n-1)M values received per rank. The owner
-  scheme would need a process group over both axes, created on every rank alike; not built.
+* One or two (ZeRO-1/2, FSDP, HSDP's shard axis, tp; or ZeRO/FSDP with tp): the ranks of those axes
+  (one axis's group, or the group of the two flattened into one) share the matrices out. Each matrix
+  gets an *owner* among them, chosen to balance Newton-Schulz's FLOPs (largest first, to the least
+  loaded rank). One all-to-all sends every rank's piece of each matrix to its owner, the owner
+  assembles the whole, runs Newton-Schulz, and a second all-to-all sends each rank its piece of the
+  result. A piece is a block of the whole (a set of rows by a set of columns, in DTensor's order:
+  strided under FSDP with tp), so two axes are no harder than one: n is then dp_shard x tp. Per step
+  each matrix of M values moves (M - the owner's piece) values each way, 2M(n-1)/n for even pieces,
+  in optim.muon.ns_dtype (bf16 by default: 2 bytes a value, which is what Newton-Schulz rounds to
+  first, so nothing is lost); the FLOPs are split n ways.
 
 HSDP's replicate axis and the expert and pipeline axes are never matrix axes: each replica group,
 expert owner and stage works on its own.
@@ -54,7 +54,7 @@ class _Matrix:
 
 @dataclass
 class _Axis:
-    """The parameters whose one matrix axis is the same process group."""
+    """The parameters whose matrix axes span the same process group (one mesh axis, or two flattened)."""
 
     group: dist.ProcessGroup
     n: int
@@ -71,6 +71,18 @@ def _matrix_axes(p: torch.Tensor) -> list[int]:
         return []
     return [i for i, pl in enumerate(p.placements)
             if isinstance(pl, (Shard, _StridedShard)) and pl.dim >= p.ndim - 2]  # (_StridedShard is no Shard)
+
+
+def _group_over(mesh, axes: list[int]) -> dist.ProcessGroup:
+    """The ranks of `mesh` that differ from this one only along `axes`: one axis's own group, or (ZeRO or
+    FSDP with tp) the group of those axes flattened into one. The flattened mesh is made once, on every
+    rank of the mesh at the same call (every rank builds the optimizer over the same kinds of matrices:
+    a pipeline stage's blocks are cut as every other stage's), and kept by the root mesh after that."""
+    if len(axes) == 1:
+        return mesh.get_group(axes[0])
+    names = mesh.mesh_dim_names
+    assert names is not None, "a mesh that shards a matrix over two axes has named axes (Layout.build_mesh)"
+    return mesh[tuple(names[a] for a in axes)]._flatten().get_group()
 
 
 def _restricted(pl, dim: int):
@@ -98,14 +110,12 @@ def _stacked(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[:-2].numel(), *t.shape[-2:])
 
 
-def _each(stack: torch.Tensor, fn: Orthogonalize, shape: torch.Size | None = None) -> torch.Tensor:
-    """fn on each matrix of a stack (..., A, B), which may hold none; the results laid out as `shape`
-    (default: the stack's)."""
+def _each(stack: torch.Tensor, fn: Orthogonalize) -> torch.Tensor:
+    """fn on each matrix of a stack (..., A, B), which may hold none."""
     if stack.ndim == 2:
-        return fn(stack).view(shape or stack.shape)
+        return fn(stack)
     done = [fn(m) for m in _stacked(stack)]
-    shape = shape or stack.shape
-    return torch.stack(done).view(shape) if done else torch.empty(shape, dtype=stack.dtype, device=stack.device)
+    return torch.stack(done).view(stack.shape) if done else torch.empty_like(stack)
 
 
 class WholeMatrices:
@@ -115,23 +125,18 @@ class WholeMatrices:
     def __init__(self, params: list[torch.Tensor], dtype: torch.dtype):
         self.dtype = dtype
         self.local: list[int] = []  # whole on this rank
-        self.gathered: list[int] = []  # two matrix axes: gathered whole on every rank
         self.axes: list[_Axis] = []
-        self.pieces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # this rank's, for `gathered`
         self.sent_bytes = 0  # values this rank sent to others (not to itself), accumulated
         by_group: dict[int, _Axis] = {}
         for i, p in enumerate(params):
             axes = _matrix_axes(p)
             if not axes:
                 self.local.append(i)
-            elif len(axes) > 1:
-                self.gathered.append(i)
-                self.pieces[i] = piece_indices(p)
-            else:
-                group = p.device_mesh.get_group(axes[0])
-                if id(group) not in by_group:
-                    by_group[id(group)] = _Axis(group, group.size(), dist.get_rank(group))
-                by_group[id(group)].params.append(i)
+                continue
+            group = _group_over(p.device_mesh, axes)
+            if id(group) not in by_group:
+                by_group[id(group)] = _Axis(group, group.size(), dist.get_rank(group))
+            by_group[id(group)].params.append(i)
         self.axes = list(by_group.values())
         for axis in self.axes:
             self._plan(axis, params)
@@ -159,20 +164,9 @@ class WholeMatrices:
         out: list[torch.Tensor | None] = [None] * len(updates)
         for i in self.local:
             out[i] = _each(updates[i].to(self.dtype), fn)
-        for i in self.gathered:
-            out[i] = self._gathered(updates[i], fn, params[i], *self.pieces[i])
         for axis in self.axes:
             self._exchange(axis, updates, fn, out)
         return out
-
-    def _gathered(self, u, fn, p: DTensor, rows, cols) -> torch.Tensor:
-        whole = DTensor.from_local(u.to(self.dtype), p.device_mesh, p.placements, run_check=False,
-                                   shape=p.shape, stride=p.stride()).full_tensor()
-        if whole.ndim > 2:  # (a stack cut between matrices too: this rank's of them)
-            whole = distribute_tensor(whole, p.device_mesh, [Replicate() if i in _matrix_axes(p) else pl
-                                                             for i, pl in enumerate(p.placements)],
-                                      src_data_rank=None).to_local()
-        return _each(whole, lambda m: fn(m)[rows][:, cols], u.shape)
 
     def _exchange(self, axis: _Axis, updates, fn, out) -> None:
         """Pieces to owners, Newton-Schulz on the owners, pieces of the results back."""

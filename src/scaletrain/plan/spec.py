@@ -122,7 +122,8 @@ class Workload:
             return Techniques()
         return Techniques(qat=self.qat, fp8=self.fp8, adapter=self.adapter, base_dtype=self.base_dtype,
                           document_mask=self.document_mask, rl_group=self.rl_group if self.objective == "rl" else 0,
-                          rl_samples=self.objective == "rl")
+                          rl_samples=self.objective == "rl", objective=self.objective,
+                          optimizer=self.optimizer)
 
 
 @dataclass(frozen=True)

@@ -527,23 +527,20 @@ MUON_NS_STEPS, MUON_NS_BYTES = 5, 2  # the planner assumes optim.muon's defaults
 
 def muon_seconds(cfg: ModelConfig, layout: Layout, cluster: Cluster, pp_rank: int) -> tuple[float, float]:
     """(Newton-Schulz compute, its exchange) per step on a rank of pipeline rank `pp_rank` (optim/whole.py):
-    each hidden matrix whole on an owner among the ranks of the one axis that shards it (ZeRO's dp_shard,
-    or tp), which runs its iterations; pieces there and back, 2(n-1)/n of its values over the n ranks. ZeRO
-    with tp (two axes): every rank gathers the whole matrix and runs them all. Experts are whole on their
-    ranks (ZeRO splits them between experts)."""
+    each hidden matrix whole on an owner among the n ranks that shard it (ZeRO's dp_shard, tp, or both: n =
+    dp_shard x tp), which runs its iterations; pieces there and back, 2(n-1)/n of its values over the n
+    ranks. Experts are whole on their ranks (ZeRO splits them between experts)."""
     from scaletrain.plan.params import expert_shard_ranks
 
     whole = rank_params(cfg, replace(layout, tp=1), pp_rank)
     dense = whole.matrices[:len(whole.matrices) - whole.n_outer]
     flops = sum(ns_flops(r, c, MUON_NS_STEPS) for r, c in dense)
     values = sum(r * c for r, c in dense)
-    sharded = layout.zero >= 1 and layout.dp_shard > 1
-    axis = "dp_shard" if sharded else "tp"
-    n = layout.dp_shard if sharded else layout.tp
-    if sharded and layout.tp > 1:  # gathered by every rank over both axes
-        n, moved, owners = layout.dp_shard * layout.tp, values * (1 - 1 / (layout.dp_shard * layout.tp)), 1
-    else:
-        moved, owners = 2 * values * (n - 1) / n / n, n
+    shard = layout.dp_shard if layout.zero >= 1 else 1
+    n = shard * layout.tp
+    # the group's ranks: tp's alone, dp_shard's alone, or both (cp's ranks between them, when cp > 1)
+    stride = layout.stride("tp") if shard == 1 else layout.stride("dp_shard") * shard // n
+    moved, owners = 2 * values * (n - 1) / n / n, n
     experts = sum(ns_flops(r, c, MUON_NS_STEPS) for r, c in whole.expert_matrices)
     if layout.zero >= 1:
         experts /= expert_shard_ranks(layout)
@@ -551,8 +548,8 @@ def muon_seconds(cfg: ModelConfig, layout: Layout, cluster: Cluster, pp_rank: in
     compute = (flops / owners + experts) / (hw.peak_flops("bf16") * hardware_efficiency(hw))
     if n == 1:
         return compute, 0.0
-    bw = _group_link_GBps(cluster, layout.stride(axis), n) * 1e9
-    return compute, moved * MUON_NS_BYTES / bw + 2 * _ring_latency(cluster, layout.stride(axis), n)
+    bw = _group_link_GBps(cluster, stride, n) * 1e9
+    return compute, moved * MUON_NS_BYTES / bw + 2 * _ring_latency(cluster, stride, n)
 
 
 def optimizer_seconds(wl: Workload, layout: Layout, hw, params: float) -> float:
