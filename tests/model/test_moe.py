@@ -46,14 +46,26 @@ def tokens(B: int = 3, T: int = 8, seed: int = 1) -> torch.Tensor:
     return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))
 
 
-def reference(m: MoE, x: torch.Tensor, keep=lambda token, expert: True) -> torch.Tensor:
-    """The layer written token by token: scores, the top_k choice (with the bias), the weights
-    (without it), each chosen expert's MLP, the shared experts. `keep(token, expert)`: whether
-    that choice survives the capacity."""
+def clamped_swiglu_by_hand(gate, up, alpha: float, limit: float):
+    """gpt-oss's gated unit as its config documents it: the gate clamped above at limit, the up
+    projection to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(alpha * gate)
+
+
+def reference(m: MoE, x: torch.Tensor, keep=lambda token, expert: True, glu=None) -> torch.Tensor:
+    """The layer written token by token: scores (with the router's bias), the top_k choice (with the
+    expert bias), the weights (without it), each chosen expert's MLP (with its matrices' biases),
+    the shared experts. `keep(token, expert)`: whether that choice survives the capacity; `glu`(gate,
+    up): the gated unit, SwiGLU if None."""
     flat = x.reshape(-1, D)
     out = torch.zeros_like(flat)
+
+    def linear(w, b, e, v):
+        return w[e] @ v + (b[e] if b is not None else 0)
+
     for i, v in enumerate(flat):
-        logits = m.router.weight @ v
+        logits = m.router.weight @ v + (m.router.bias if m.router.bias is not None else 0)
         scores = logits.softmax(-1) if m.score == "softmax" else logits.sigmoid()
         chosen = torch.topk(scores + m.expert_bias, m.top_k).indices
         weights = scores[chosen]
@@ -62,9 +74,12 @@ def reference(m: MoE, x: torch.Tensor, keep=lambda token, expert: True) -> torch
         for e, w in zip(chosen.tolist(), weights * m.route_scale):
             if not keep(i, e):
                 continue
-            h = m.w1[e] @ v
-            h = F.silu(h) * (m.w3[e] @ v) if m.w3 is not None else F.gelu(h, approximate="tanh")
-            out[i] += w * (m.w2[e] @ h)
+            h = linear(m.w1, m.b1, e, v)
+            if m.w3 is not None:
+                h = (glu or (lambda g, u: F.silu(g) * u))(h, linear(m.w3, m.b3, e, v))
+            else:
+                h = F.gelu(h, approximate="tanh")
+            out[i] += w * linear(m.w2, m.b2, e, h)
         if m.shared is not None:
             out[i] += m.shared(v)
     return out.view_as(x)
@@ -75,15 +90,21 @@ def reference(m: MoE, x: torch.Tensor, keep=lambda token, expert: True) -> torch
     {"activation": "swiglu", "moe_score": "sigmoid", "moe_renorm": True, "moe_route_scale": 2.5,
      "moe_shared_experts": 1},
     {"activation": "swiglu", "moe_renorm": True, "moe_shared_experts": 2, "moe_top_k": 3},
-], ids=["softmax-gelu", "sigmoid-swiglu-renorm-scale-shared", "softmax-swiglu-renorm-2shared-top3"])
+    {"activation": "swiglu_clamped", "swiglu_limit": 1.0, "moe_bias": True},
+    {"moe_bias": True},
+], ids=["softmax-gelu", "sigmoid-swiglu-renorm-scale-shared", "softmax-swiglu-renorm-2shared-top3",
+        "gpt-oss-biases-clamped-swiglu", "biases-gelu"])
 def test_output_equals_the_per_token_reference(options):
     m = layer(**options)
+    glu = None
+    if options.get("activation") == "swiglu_clamped":  # a limit of 1: most gates and ups are clamped
+        glu = lambda g, u: clamped_swiglu_by_hand(g, u, alpha=1.702, limit=1.0)  # noqa: E731
     with torch.no_grad():
         m.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))  # moves some choices, never a weight
         x = tokens()
         for mode in (m.eval, m.train):  # training adds the counters and the losses' gradients only
             mode()
-            torch.testing.assert_close(m(x), reference(m, x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(m(x), reference(m, x, glu=glu), rtol=1e-5, atol=1e-5)
 
 
 def per_expert_loop(x, counts, w1, w2, w3):
@@ -180,8 +201,10 @@ def explicit_losses(m: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return aux, z
 
 
-def test_aux_and_z_loss_gradients_equal_autograd_of_the_explicit_losses():
-    factor, aux_coef, z_coef = 0.37, 0.2, 0.05
+@pytest.mark.parametrize("aux_coef,z_coef", [(0.2, 0.05), (0.2, 0.0), (0.0, 0.05)], ids=["both", "aux", "z"])
+def test_aux_and_z_loss_gradients_equal_autograd_of_the_explicit_losses(aux_coef, z_coef):
+    """Each loss alone or both: each joins backward with its coefficient times the loss's factor."""
+    factor = 0.37
     m = layer(moe_aux_loss=aux_coef, moe_z_loss=z_coef).train()
     m.loss_factor = factor
     plain = layer().train()  # the same weights, no losses
@@ -192,16 +215,21 @@ def test_aux_and_z_loss_gradients_equal_autograd_of_the_explicit_losses():
     ((plain(x) * dy).sum() + factor * (aux_coef * aux + z_coef * z)).backward()
     for (name, a), (_, b) in zip(m.named_parameters(), plain.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
-    # and the counters hold the losses themselves (sums: the hook divides by the tokens)
-    torch.testing.assert_close(m.stats[E + 1], aux.detach(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(m.stats[E + 2], z.detach(), rtol=1e-5, atol=1e-6)
+    # and the counters hold the losses themselves (sums: the hook divides by the tokens), those that are on
+    torch.testing.assert_close(m.stats[E + 1], aux.detach() if aux_coef else torch.tensor(0.0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m.stats[E + 2], z.detach() if z_coef else torch.tensor(0.0), rtol=1e-5, atol=1e-6)
 
 
-def test_activation_checkpointing_counts_no_token_twice():
+@pytest.mark.parametrize("after", [torch.square, torch.sin], ids=["layer-last", "work-after-the-layer"])
+def test_activation_checkpointing_counts_no_token_twice(after):
+    """The recomputation in backward stops once it has remade the last tensor backward needs: with
+    nothing after the layer that saves its output (square's backward needs only its input, the
+    layer's output, remade before the counting), it never reaches the counting; with a block's work
+    after it (sin saves what it is given: a post-norm, say) it runs the layer to its end."""
     m, again = layer(moe_aux_loss=0.1, moe_z_loss=0.01).train(), layer(moe_aux_loss=0.1, moe_z_loss=0.01).train()
     x = tokens()
-    m(x).square().sum().backward()
-    checkpoint(again, x, use_reentrant=False).square().sum().backward()  # forward again in backward
+    after(m(x)).square().sum().backward()
+    checkpoint(lambda t: after(again(t)), x, use_reentrant=False).square().sum().backward()  # forward again
     assert again.stats[:E].sum().item() == x.shape[0] * x.shape[1] * 2  # every token's 2 choices, once
     torch.testing.assert_close(again.stats, m.stats)
     for (name, a), (_, b) in zip(again.named_parameters(), m.named_parameters()):
@@ -226,7 +254,8 @@ def test_two_micro_batches_give_one_batchs_bias_losses_and_gradients():
     cfg = ModelConfig(dim=D, n_layers=1, n_heads=4, moe_experts=E, moe_bias_rate=0.01)
     biases = []
     for m in (whole, halves):
-        hook = MoEBalance({"layers.0.moe": m}, ["layers.0.moe"], [], experts=E, bias_rate=cfg.moe_bias_rate, top_k=2)
+        hook = MoEBalance({"layers.0.moe": m}, ["layers.0.moe"], [], experts=E, bias_rate=cfg.moe_bias_rate, top_k=2,
+                          aux_loss=0.1, device="cpu")
         hook.after_optimizer_step(applied=True)
         assert m.stats.abs().sum() == 0  # cleared for the next step
         biases.append(m.expert_bias.clone())
@@ -234,7 +263,8 @@ def test_two_micro_batches_give_one_batchs_bias_losses_and_gradients():
 
 
 def hook_of(m: MoE, bias_rate: float) -> MoEBalance:
-    return MoEBalance({"layers.0.moe": m}, ["layers.0.moe"], [], experts=E, bias_rate=bias_rate, top_k=m.top_k)
+    return MoEBalance({"layers.0.moe": m}, ["layers.0.moe"], [], experts=E, bias_rate=bias_rate, top_k=m.top_k,
+                      aux_loss=m.aux_coef, device="cpu")
 
 
 def test_the_bias_moves_by_the_rate_against_each_experts_load():
@@ -405,3 +435,53 @@ def test_the_router_runs_in_fp32_under_autocast():
         got, _, _ = moe.route(x)
     assert got.dtype == torch.float32
     assert torch.equal(got, want)
+
+
+def test_only_a_training_forward_with_gradients_counts_the_load_and_adds_the_losses():
+    """Evaluation (eval mode, even with gradients on) and a training-mode forward under no_grad (a
+    rollout) are no part of the step: no counter moves, and the auxiliary losses add no gradient
+    (an eval forward's gradients are those of the same layer without the losses)."""
+    m, plain = layer(moe_aux_loss=0.5, moe_z_loss=0.5), layer()
+    x = tokens()
+    m.eval()
+    m(x).sum().backward()
+    assert m.stats.abs().sum() == 0, "an eval forward with gradients on counted its load"
+    plain.eval()
+    plain(x).sum().backward()
+    for (name, a), (_, b) in zip(m.named_parameters(), plain.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7, msg=name)
+    m.train()
+    with torch.no_grad():
+        m(x)
+    assert m.stats.abs().sum() == 0, "a forward under no_grad counted its load"
+    m(x).sum().backward()
+    assert m.stats[:E].sum() == x.shape[0] * x.shape[1] * 2  # the one that counts: every token's 2 choices
+
+
+def test_the_layer_makes_its_tensors_on_its_inputs_device():
+    """Every tensor the layer and its hook make (positions, counts, the output, the losses' gradient,
+    the step's counters) goes on the device of the tensors it meets, never the default device: with
+    the default device set to meta, a CPU layer gives the same output, gradients, counters and bias
+    update as without (a tensor made on meta cannot be combined with the CPU's)."""
+    opts = {"moe_capacity_factor": 1.0, "moe_aux_loss": 0.1, "moe_z_loss": 0.1, "moe_bias": True,
+            "moe_bias_rate": 0.01}
+    results = []
+    for default in ("cpu", "meta"):
+        m = layer(**opts).train()
+        x = tokens(B=2, T=5).requires_grad_()
+        with torch.device(default):
+            y = m(x)
+            y.square().sum().backward()
+            cfg = ModelConfig(dim=D, n_layers=1, n_heads=4, moe_experts=E, moe_bias_rate=0.01, moe_top_k=2)
+            hook = MoEBalance.for_model([nn.ModuleDict({"layers": nn.ModuleList([nn.ModuleDict({"moe": m})])})],
+                                        cfg, [], device="cpu")
+            stats = m.stats.clone()
+            hook.after_optimizer_step(applied=True)
+        assert y.device.type == "cpu"
+        results.append((y, x.grad, [p.grad for p in m.parameters()], stats, m.expert_bias.clone(), hook.last))
+    (y, dx, grads, stats, bias, last), want = results
+    torch.testing.assert_close(y, want[0], rtol=0, atol=0)
+    torch.testing.assert_close(dx, want[1], rtol=0, atol=0)
+    for a, b in zip(grads, want[2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert torch.equal(stats, want[3]) and torch.equal(bias, want[4]) and last == want[5]

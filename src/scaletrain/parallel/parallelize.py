@@ -359,7 +359,7 @@ def register_step_hooks(c: Composition) -> None:
         groups = [rt.group(axis) for axis, size in ((lay.step_axis, lay.step_dp), ("cp", lay.cp),
                                                      ("tp", lay.tp)) if size > 1]
         if balance := MoEBalance.for_model(dp.models, cfg.model, groups, rt.group("pp") if lay.pp > 1 else None,
-                                           rt.device):
+                                           device=rt.device):
             hooks.append(balance)
 
 
