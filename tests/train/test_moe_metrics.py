@@ -322,3 +322,25 @@ def test_the_counters_are_summed_over_every_group_given_the_pipelines_too(monkey
     assert reduced == [dp, pp]
     assert m.expert_bias.tolist() == [0.0, 0.5, -0.5, 0.0]
     assert hook.last["moe_imbalance/layers.0.moe"] == 4 / 3 and hook.last["moe_imbalance/layers.1.moe"] == 2.0
+
+
+def test_a_sequences_counts_are_summed_over_the_ranks_holding_its_parts(monkeypatch):
+    """Context parallelism's `sequence_counts`: this rank's counts (after what it wraps) plus the
+    other rank's, by a fake all-reduce over the group given; the layer's own counts untouched and
+    nothing flowing back."""
+    import torch.distributed as dist
+
+    from scaletrain.parallel.moe_balance import summed_over
+
+    cp = object()
+    other = torch.tensor([[1.0, 0, 2, 1], [0.0, 3, 0, 1]])
+
+    def all_reduce(t, op=None, group=None):
+        assert group is cp
+        t += other
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    mine = torch.tensor([[2.0, 1, 0, 1], [1.0, 1, 1, 1]], requires_grad=True)
+    got = summed_over(mine, lambda c: c * 2, cp)  # (what it wraps: doubled here, to be seen)
+    assert got.tolist() == [[5.0, 2, 2, 3], [2.0, 5, 2, 3]]
+    assert mine.tolist() == [[2.0, 1, 0, 1], [1.0, 1, 1, 1]] and not got.requires_grad
