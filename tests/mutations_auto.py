@@ -115,6 +115,11 @@ EQUIVALENT[("moe", "MoE.forward", "weight = weights.flatten()[order].unsqueeze(+
 EQUIVALENT[("moe", "MoE.forward", "y = y * weight.to(None)")] = (
     "the weight left in fp32 makes the weighted outputs and their sum per token fp32, cast to the input's dtype "
     "at the end: the same or closer numbers, an fp32 copy of the routed outputs (memory, not a wrong value)")
+EQUIVALENT.update({("moe", "MoE.open_groups", line): "topk's dim is -1 unless given; group_score is (tokens, groups): "
+                   "dim 1 is dim -1" for line in (
+    "group_score = grouped.topk(2, ).values.sum(-1)  # (tokens, groups)",
+    "best = group_score.topk(self.topk_groups, ).indices",
+    "best = group_score.topk(self.topk_groups, dim=+1).indices")})
 ZERO_DIM_GRAD = ("autograd's engine moves a 0-dim gradient to its input's device (validate_outputs), and the "
                  "default device does not reach backward: the loss's gradient made on the CPU is the same one")
 EQUIVALENT.update({("moe", "_AddLossGradient.backward", line): ZERO_DIM_GRAD for line in (
