@@ -249,10 +249,10 @@ def test_each_layers_figures_worked_by_hand():
     assert hook.after_optimizer_step(applied=True) is False  # it changes no weight the optimizer steps
     assert hook.last == {"moe_imbalance": 3.0, "moe_imbalance/a": 3.0, "moe_imbalance/b": 1.0,
                          "moe_dropped": 0.125, "moe_aux_loss": 2.5, "moe_z_loss": 2.0}
-    # each layer by its own mean: a layer of 8 choices beside one of 4 (as the counters of any rank may be)
-    hook = hook_over({"a": [3.0, 1, 0, 0], "b": [2.0, 2, 2, 2], "c": [1.0, 0, 0, 0]})
+    # each layer by its own mean and its own load: a layer of 8 choices beside one of 4 and an idle one
+    hook = hook_over({"a": [3.0, 1, 0, 0], "b": [2.0, 2, 2, 2], "c": [1.0, 0, 0, 0], "d": [0.0] * 4})
     hook.after_optimizer_step(applied=True)
-    assert [hook.last[f"moe_imbalance/{n}"] for n in "abc"] == [3.0, 1.0, 4.0]
+    assert [hook.last[f"moe_imbalance/{n}"] for n in "abcd"] == [3.0, 1.0, 4.0, 1.0]
 
 
 def test_a_step_without_a_counted_token_is_even_and_reports_no_loss():
