@@ -99,11 +99,10 @@ EQUIVALENT[("chat", "ChatRenderer.render",
 TWO_DIMS = "the tensor has two dimensions (tokens, experts), or one before unsqueeze: dim 1 is dim -1"
 EQUIVALENT.update({("moe", function, line): TWO_DIMS for function, line in (
     ("MoE.route", 'scores = logits.softmax(+1) if self.score == "softmax" else logits.sigmoid()'),
-    ("MoE.route", "chosen = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=+1).indices"),
-    ("MoE.route", "chosen = torch.topk(scores.detach() + self.expert_bias, self.top_k, ).indices"),
+    ("MoE.route", "chosen = torch.topk(biased, self.top_k, dim=+1).indices"),
+    ("MoE.route", "chosen = torch.topk(biased, self.top_k, ).indices"),
     ("MoE.route", "weights = scores.gather(+1, chosen)"),
     ("MoE.route", "weights = weights / weights.sum(+1, keepdim=True)"),
-    ("MoE.forward", "y = y * weights.flatten()[order].unsqueeze(+1).to(y.dtype)"),
     ("MoE._balance", "z = logits.logsumexp(+1).square().sum()"),
     ("MoE._balance", "choices = counts.sum(+1, keepdim=True)  # T * top_k of the whole sequence"),
     ("MoE._balance", "probs = logits.softmax(+1).view(B, T, E)"))})
