@@ -53,11 +53,11 @@ def clamped_swiglu_by_hand(gate, up, alpha: float, limit: float):
     return (up + 1) * gate * torch.sigmoid(alpha * gate)
 
 
-def reference(m: MoE, x: torch.Tensor, keep=lambda token, expert: True, glu=None) -> torch.Tensor:
+def reference(m: MoE, x: torch.Tensor, keep=lambda token, expert: True, glu=None, scale_input=False) -> torch.Tensor:
     """The layer written token by token: scores (with the router's bias), the top_k choice (with the
     expert bias), the weights (without it), each chosen expert's MLP (with its matrices' biases),
     the shared experts. `keep(token, expert)`: whether that choice survives the capacity; `glu`(gate,
-    up): the gated unit, SwiGLU if None."""
+    up): the gated unit, SwiGLU if None; `scale_input`: Llama 4's weighted inputs."""
     flat = x.reshape(-1, D)
     out = torch.zeros_like(flat)
 
@@ -74,13 +74,13 @@ def reference(m: MoE, x: torch.Tensor, keep=lambda token, expert: True, glu=None
         for e, w in zip(chosen.tolist(), weights * m.route_scale):
             if not keep(i, e):
                 continue
-            seen = w * v if m.scale_input else v  # Llama 4: the expert sees the weighted token
+            seen = w * v if scale_input else v  # Llama 4: the expert sees the weighted token
             h = linear(m.w1, m.b1, e, seen)
             if m.w3 is not None:
                 h = (glu or (lambda g, u: F.silu(g) * u))(h, linear(m.w3, m.b3, e, seen))
             else:
                 h = F.gelu(h, approximate="tanh")
-            out[i] += linear(m.w2, m.b2, e, h) * (1 if m.scale_input else w)
+            out[i] += linear(m.w2, m.b2, e, h) * (1 if scale_input else w)
         if m.shared is not None:
             out[i] += m.shared(v)
     return out.view_as(x)
@@ -101,12 +101,16 @@ def test_output_equals_the_per_token_reference(options):
     glu = None
     if options.get("activation") == "swiglu_clamped":  # a limit of 1: most gates and ups are clamped
         glu = lambda g, u: clamped_swiglu_by_hand(g, u, alpha=1.702, limit=1.0)  # noqa: E731
+    if options.get("moe_bias"):  # gpt-oss: a bias on the router and on each of an expert's matrices
+        assert m.router.bias is not None and m.b1 is not None and m.b2 is not None
+        assert (m.b3 is not None) == (options.get("activation", "gelu") != "gelu")
     with torch.no_grad():
         m.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))  # moves some choices, never a weight
         x = tokens()
         for mode in (m.eval, m.train):  # training adds the counters and the losses' gradients only
             mode()
-            torch.testing.assert_close(m(x), reference(m, x, glu=glu), rtol=1e-5, atol=1e-5)
+            want = reference(m, x, glu=glu, scale_input=options.get("moe_scale_input", False))
+            torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-5)
 
 
 def per_expert_loop(x, counts, w1, w2, w3):
