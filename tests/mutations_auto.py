@@ -99,16 +99,44 @@ EQUIVALENT[("chat", "ChatRenderer.render",
 TWO_DIMS = "the tensor has two dimensions (tokens, experts), or one before unsqueeze: dim 1 is dim -1"
 EQUIVALENT.update({("moe", function, line): TWO_DIMS for function, line in (
     ("MoE.route", 'scores = logits.softmax(+1) if self.score == "softmax" else logits.sigmoid()'),
-    ("MoE.route", "chosen = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=+1).indices"),
-    ("MoE.route", "chosen = torch.topk(scores.detach() + self.expert_bias, self.top_k, ).indices"),
+    ("MoE.route", "chosen = torch.topk(biased, self.top_k, dim=+1).indices"),
+    ("MoE.route", "chosen = torch.topk(biased, self.top_k, ).indices"),
     ("MoE.route", "weights = scores.gather(+1, chosen)"),
     ("MoE.route", "weights = weights / weights.sum(+1, keepdim=True)"),
-    ("MoE.forward", "y = y * weights.flatten()[order].unsqueeze(+1).to(y.dtype)"),
     ("MoE._balance", "z = logits.logsumexp(+1).square().sum()"),
     ("MoE._balance", "choices = counts.sum(+1, keepdim=True)  # T * top_k of the whole sequence"),
     ("MoE._balance", "probs = logits.softmax(+1).view(B, T, E)"))})
 EQUIVALENT[("chat", "_template_tokenizer", 'if not getattr(hf, "chat_template", ):')] = \
     "every transformers tokenizer has the attribute chat_template (None when it has no template)"
+# moe
+EQUIVALENT[("moe", "MoE.forward", "weight = weights.flatten()[order].unsqueeze(+1)  # (routed slots, 1) fp32")] = \
+    "weights.flatten()[order] has one dimension: unsqueeze(1) is unsqueeze(-1)"
+EQUIVALENT[("moe", "MoE.forward", "y = y * weight.to(None)")] = (
+    "the weight left in fp32 makes the weighted outputs and their sum per token fp32, cast to the input's dtype "
+    "at the end: the same or closer numbers, an fp32 copy of the routed outputs (memory, not a wrong value)")
+EQUIVALENT.update({("moe", "MoE.open_groups", line): "topk's dim is -1 unless given; group_score is (tokens, groups): "
+                   "dim 1 is dim -1" for line in (
+    "group_score = grouped.topk(2, ).values.sum(-1)  # (tokens, groups)",
+    "best = group_score.topk(self.topk_groups, ).indices",
+    "best = group_score.topk(self.topk_groups, dim=+1).indices")})
+ZERO_DIM_GRAD = ("autograd's engine moves a 0-dim gradient to its input's device (validate_outputs), and the "
+                 "default device does not reach backward: the loss's gradient made on the CPU is the same one")
+EQUIVALENT.update({("moe", "_AddLossGradient.backward", line): ZERO_DIM_GRAD for line in (
+    "return grad_out, torch.full((), ctx.factor, device=None), None",
+    "return grad_out, torch.full((), ctx.factor, ), None")})
+EQUIVALENT[("moe", "MoEBalance.after_optimizer_step",
+            "self.last[\"moe_dropped\"] = dropped / max(choices, 2.0) / n")] = (
+    "a dropped slot needs an expert given more of a micro-batch's slots than its capacity, which is at least 1: "
+    "2 choices or more in the step, where max(choices, 1) and max(choices, 2) agree")
+AT_LEAST_ONE = ("every step's imbalance is max / mean of non-negative loads, at least 1 (1 for a layer with no load), "
+                "so a window's worst over one step or more is the same from 0 or from 1")
+EQUIVALENT[("moe", "MoEBalance.__init__", "self.window_worst = 1.0  # the worst imbalance of any step since the last "
+            "metrics row")] = AT_LEAST_ONE
+EQUIVALENT[("moe", "MoEBalance.metrics", "self.window_worst = 1.0")] = AT_LEAST_ONE
+EQUIVALENT[("moe", "MoEBalance.__init__", "self.last: dict[str, float] = None")] = (
+    "the Trainer asks the hooks' metrics for a row after a step, whose after_optimizer_step sets self.last")
+EQUIVALENT[("moe", "MoEBalance.for_model", "assert set(layers) <= set(names), f\"MoE layers {sorted(None)} outside the "
+            "config's {names}\"")] = "the message of an assertion of our own invariant, built only when it fails"
 
 
 def copy_tree(dest: Path) -> None:

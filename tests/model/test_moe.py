@@ -46,14 +46,26 @@ def tokens(B: int = 3, T: int = 8, seed: int = 1) -> torch.Tensor:
     return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))
 
 
-def reference(m: MoE, x: torch.Tensor, keep=lambda token, expert: True) -> torch.Tensor:
-    """The layer written token by token: scores, the top_k choice (with the bias), the weights
-    (without it), each chosen expert's MLP, the shared experts. `keep(token, expert)`: whether
-    that choice survives the capacity."""
+def clamped_swiglu_by_hand(gate, up, alpha: float, limit: float):
+    """gpt-oss's gated unit as its config documents it: the gate clamped above at limit, the up
+    projection to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(alpha * gate)
+
+
+def reference(m: MoE, x: torch.Tensor, keep=lambda token, expert: True, glu=None, scale_input=False) -> torch.Tensor:
+    """The layer written token by token: scores (with the router's bias), the top_k choice (with the
+    expert bias), the weights (without it), each chosen expert's MLP (with its matrices' biases),
+    the shared experts. `keep(token, expert)`: whether that choice survives the capacity; `glu`(gate,
+    up): the gated unit, SwiGLU if None; `scale_input`: Llama 4's weighted inputs."""
     flat = x.reshape(-1, D)
     out = torch.zeros_like(flat)
+
+    def linear(w, b, e, v):
+        return w[e] @ v + (b[e] if b is not None else 0)
+
     for i, v in enumerate(flat):
-        logits = m.router.weight @ v
+        logits = m.router.weight @ v + (m.router.bias if m.router.bias is not None else 0)
         scores = logits.softmax(-1) if m.score == "softmax" else logits.sigmoid()
         chosen = torch.topk(scores + m.expert_bias, m.top_k).indices
         weights = scores[chosen]
@@ -62,9 +74,13 @@ def reference(m: MoE, x: torch.Tensor, keep=lambda token, expert: True) -> torch
         for e, w in zip(chosen.tolist(), weights * m.route_scale):
             if not keep(i, e):
                 continue
-            h = m.w1[e] @ v
-            h = F.silu(h) * (m.w3[e] @ v) if m.w3 is not None else F.gelu(h, approximate="tanh")
-            out[i] += w * (m.w2[e] @ h)
+            seen = w * v if scale_input else v  # Llama 4: the expert sees the weighted token
+            h = linear(m.w1, m.b1, e, seen)
+            if m.w3 is not None:
+                h = (glu or (lambda g, u: F.silu(g) * u))(h, linear(m.w3, m.b3, e, seen))
+            else:
+                h = F.gelu(h, approximate="tanh")
+            out[i] += linear(m.w2, m.b2, e, h) * (1 if scale_input else w)
         if m.shared is not None:
             out[i] += m.shared(v)
     return out.view_as(x)
@@ -75,15 +91,26 @@ def reference(m: MoE, x: torch.Tensor, keep=lambda token, expert: True) -> torch
     {"activation": "swiglu", "moe_score": "sigmoid", "moe_renorm": True, "moe_route_scale": 2.5,
      "moe_shared_experts": 1},
     {"activation": "swiglu", "moe_renorm": True, "moe_shared_experts": 2, "moe_top_k": 3},
-], ids=["softmax-gelu", "sigmoid-swiglu-renorm-scale-shared", "softmax-swiglu-renorm-2shared-top3"])
+    {"activation": "swiglu_clamped", "swiglu_limit": 1.0, "moe_bias": True},
+    {"moe_bias": True},
+    {"activation": "swiglu", "moe_score": "sigmoid", "moe_top_k": 1, "moe_scale_input": True, "moe_shared_experts": 1},
+], ids=["softmax-gelu", "sigmoid-swiglu-renorm-scale-shared", "softmax-swiglu-renorm-2shared-top3",
+        "gpt-oss-biases-clamped-swiglu", "biases-gelu", "llama4-scaled-input"])
 def test_output_equals_the_per_token_reference(options):
     m = layer(**options)
+    glu = None
+    if options.get("activation") == "swiglu_clamped":  # a limit of 1: most gates and ups are clamped
+        glu = lambda g, u: clamped_swiglu_by_hand(g, u, alpha=1.702, limit=1.0)  # noqa: E731
+    if options.get("moe_bias"):  # gpt-oss: a bias on the router and on each of an expert's matrices
+        assert m.router.bias is not None and m.b1 is not None and m.b2 is not None
+        assert (m.b3 is not None) == (options.get("activation", "gelu") != "gelu")
     with torch.no_grad():
         m.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))  # moves some choices, never a weight
         x = tokens()
         for mode in (m.eval, m.train):  # training adds the counters and the losses' gradients only
             mode()
-            torch.testing.assert_close(m(x), reference(m, x), rtol=1e-5, atol=1e-5)
+            want = reference(m, x, glu=glu, scale_input=options.get("moe_scale_input", False))
+            torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-5)
 
 
 def per_expert_loop(x, counts, w1, w2, w3):
@@ -121,7 +148,52 @@ def test_grouped_matmul_equals_a_per_expert_loop(monkeypatch, dim, hidden, group
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    calls.clear()
     torch.testing.assert_close(expert_mlp(x, counts, w1, w2, w3, loop=True), want, rtol=1e-5, atol=1e-5)
+    assert not calls, "loop=True (the benchmark's reference) ran the grouped matmul"
+
+
+@pytest.mark.parametrize("dim,hidden", [(32, 48), (10, 6)], ids=["grouped", "loop"])
+def test_no_token_at_all_gives_no_rows_and_zero_gradients(dim, hidden):
+    """An expert-parallel rank that receives no token runs its experts over nothing: (0, dim) out,
+    and its weights' gradients are zeros (it still joins the gradients' reduction)."""
+    g = torch.Generator().manual_seed(0)
+    w1, w3 = (torch.randn(4, hidden, dim, generator=g, requires_grad=True) for _ in range(2))
+    w2 = torch.randn(4, dim, hidden, generator=g, requires_grad=True)
+    b1, b2 = torch.randn(4, hidden, requires_grad=True), torch.randn(4, dim, requires_grad=True)
+    x = torch.zeros(0, dim, requires_grad=True)
+    y = expert_mlp(x, torch.zeros(4, dtype=torch.long), w1, w2, w3, biases=(b1, b2, None))
+    assert y.shape == (0, dim)
+    y.sum().backward()
+    for w in (w1, w2, w3, b1, b2):
+        assert w.grad is not None and not w.grad.any()
+
+
+def test_under_autocast_the_experts_compute_in_its_dtype_and_the_layer_keeps_its_inputs():
+    """A grouped matmul is on none of autocast's lists: the experts' operands (inputs, matrices and biases)
+    are cast to autocast's dtype by hand, so the experts' outputs are what a loop over bf16 copies gives;
+    the layer returns its input's dtype (the residual stream's)."""
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor([5, 0, 9, 3])
+    x = torch.randn(17, 32, generator=g)
+    w1, w2 = torch.randn(4, 48, 32, generator=g) * 0.2, torch.randn(4, 32, 48, generator=g) * 0.2
+    b1, b2 = torch.randn(4, 48, generator=g), torch.randn(4, 32, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = expert_mlp(x, counts, w1, w2, None, biases=(b1, b2, None))
+    bf = [t.bfloat16() for t in (x, w1, w2, b1, b2)]
+    parts, start = [], 0
+    for e, n in enumerate(counts.tolist()):  # each expert over its rows, all in bf16
+        h = F.gelu(bf[0][start:start + n] @ bf[1][e].T + bf[3][e], approximate="tanh")
+        parts.append(h @ bf[2][e].T + bf[4][e])
+        start += n
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, torch.cat(parts), rtol=2e-2, atol=2e-2)
+    m = layer(moe_bias=True).train()
+    xs = tokens()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(xs)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, reference(m, xs).detach(), rtol=5e-2, atol=5e-2)
 
 
 def test_capacity_drops_each_experts_later_tokens_and_counts_them():
@@ -180,8 +252,10 @@ def explicit_losses(m: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return aux, z
 
 
-def test_aux_and_z_loss_gradients_equal_autograd_of_the_explicit_losses():
-    factor, aux_coef, z_coef = 0.37, 0.2, 0.05
+@pytest.mark.parametrize("aux_coef,z_coef", [(0.2, 0.05), (0.2, 0.0), (0.0, 0.05)], ids=["both", "aux", "z"])
+def test_aux_and_z_loss_gradients_equal_autograd_of_the_explicit_losses(aux_coef, z_coef):
+    """Each loss alone or both: each joins backward with its coefficient times the loss's factor."""
+    factor = 0.37
     m = layer(moe_aux_loss=aux_coef, moe_z_loss=z_coef).train()
     m.loss_factor = factor
     plain = layer().train()  # the same weights, no losses
@@ -192,16 +266,21 @@ def test_aux_and_z_loss_gradients_equal_autograd_of_the_explicit_losses():
     ((plain(x) * dy).sum() + factor * (aux_coef * aux + z_coef * z)).backward()
     for (name, a), (_, b) in zip(m.named_parameters(), plain.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
-    # and the counters hold the losses themselves (sums: the hook divides by the tokens)
-    torch.testing.assert_close(m.stats[E + 1], aux.detach(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(m.stats[E + 2], z.detach(), rtol=1e-5, atol=1e-6)
+    # and the counters hold the losses themselves (sums: the hook divides by the tokens), those that are on
+    torch.testing.assert_close(m.stats[E + 1], aux.detach() if aux_coef else torch.tensor(0.0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m.stats[E + 2], z.detach() if z_coef else torch.tensor(0.0), rtol=1e-5, atol=1e-6)
 
 
-def test_activation_checkpointing_counts_no_token_twice():
+@pytest.mark.parametrize("after", [torch.square, torch.sin], ids=["layer-last", "work-after-the-layer"])
+def test_activation_checkpointing_counts_no_token_twice(after):
+    """The recomputation in backward stops once it has remade the last tensor backward needs: with
+    nothing after the layer that saves its output (square's backward needs only its input, the
+    layer's output, remade before the counting), it never reaches the counting; with a block's work
+    after it (sin saves what it is given: a post-norm, say) it runs the layer to its end."""
     m, again = layer(moe_aux_loss=0.1, moe_z_loss=0.01).train(), layer(moe_aux_loss=0.1, moe_z_loss=0.01).train()
     x = tokens()
-    m(x).square().sum().backward()
-    checkpoint(again, x, use_reentrant=False).square().sum().backward()  # forward again in backward
+    after(m(x)).square().sum().backward()
+    checkpoint(lambda t: after(again(t)), x, use_reentrant=False).square().sum().backward()  # forward again
     assert again.stats[:E].sum().item() == x.shape[0] * x.shape[1] * 2  # every token's 2 choices, once
     torch.testing.assert_close(again.stats, m.stats)
     for (name, a), (_, b) in zip(again.named_parameters(), m.named_parameters()):
@@ -226,7 +305,8 @@ def test_two_micro_batches_give_one_batchs_bias_losses_and_gradients():
     cfg = ModelConfig(dim=D, n_layers=1, n_heads=4, moe_experts=E, moe_bias_rate=0.01)
     biases = []
     for m in (whole, halves):
-        hook = MoEBalance({"layers.0.moe": m}, ["layers.0.moe"], [], experts=E, bias_rate=cfg.moe_bias_rate, top_k=2)
+        hook = MoEBalance({"layers.0.moe": m}, ["layers.0.moe"], [], experts=E, bias_rate=cfg.moe_bias_rate, top_k=2,
+                          aux_loss=0.1, device="cpu")
         hook.after_optimizer_step(applied=True)
         assert m.stats.abs().sum() == 0  # cleared for the next step
         biases.append(m.expert_bias.clone())
@@ -234,7 +314,8 @@ def test_two_micro_batches_give_one_batchs_bias_losses_and_gradients():
 
 
 def hook_of(m: MoE, bias_rate: float) -> MoEBalance:
-    return MoEBalance({"layers.0.moe": m}, ["layers.0.moe"], [], experts=E, bias_rate=bias_rate, top_k=m.top_k)
+    return MoEBalance({"layers.0.moe": m}, ["layers.0.moe"], [], experts=E, bias_rate=bias_rate, top_k=m.top_k,
+                      aux_loss=m.aux_coef, device="cpu")
 
 
 def test_the_bias_moves_by_the_rate_against_each_experts_load():
@@ -389,6 +470,12 @@ def test_the_grouped_matmul_leaves_compiles_graph_outside_bf16(monkeypatch):
     w = torch.randn(4, 48, 32)
     expert_mlp(torch.randn(6, 32), counts, w, w.transpose(1, 2).contiguous(), None)
     assert len(seen) == 2
+    seen.clear()  # bf16 is traced: compile keeps it in its graph
+    expert_mlp(torch.randn(6, 32).bfloat16(), counts, w.bfloat16(), w.transpose(1, 2).contiguous().bfloat16(), None)
+    assert not seen
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)  # eager: no graph to leave
+    expert_mlp(torch.randn(6, 32), counts, w, w.transpose(1, 2).contiguous(), None)
+    assert not seen
 
 
 def test_the_router_runs_in_fp32_under_autocast():
@@ -405,3 +492,128 @@ def test_the_router_runs_in_fp32_under_autocast():
         got, _, _ = moe.route(x)
     assert got.dtype == torch.float32
     assert torch.equal(got, want)
+
+
+def test_only_a_training_forward_with_gradients_counts_the_load_and_adds_the_losses():
+    """Evaluation (eval mode, even with gradients on) and a training-mode forward under no_grad (a
+    rollout) are no part of the step: no counter moves, and the auxiliary losses add no gradient
+    (an eval forward's gradients are those of the same layer without the losses)."""
+    m, plain = layer(moe_aux_loss=0.5, moe_z_loss=0.5), layer()
+    x = tokens()
+    m.eval()
+    m(x).sum().backward()
+    assert m.stats.abs().sum() == 0, "an eval forward with gradients on counted its load"
+    plain.eval()
+    plain(x).sum().backward()
+    for (name, a), (_, b) in zip(m.named_parameters(), plain.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7, msg=name)
+    m.train()
+    with torch.no_grad():
+        m(x)
+    assert m.stats.abs().sum() == 0, "a forward under no_grad counted its load"
+    m(x).sum().backward()
+    assert m.stats[:E].sum() == x.shape[0] * x.shape[1] * 2  # the one that counts: every token's 2 choices
+
+
+def test_the_layer_makes_its_tensors_on_its_inputs_device():
+    """Every tensor the layer and its hook make (positions, counts, the output, the losses' gradient,
+    the step's counters) goes on the device of the tensors it meets, never the default device: with
+    the default device set to meta, a CPU layer gives the same output, gradients, counters and bias
+    update as without (a tensor made on meta cannot be combined with the CPU's)."""
+    opts = {"moe_capacity_factor": 1.0, "moe_aux_loss": 0.1, "moe_z_loss": 0.1, "moe_bias": True,
+            "moe_bias_rate": 0.01}
+    results = []
+    for default in ("cpu", "meta"):
+        m = layer(**opts).train()
+        x = tokens(B=2, T=5).requires_grad_()
+        with torch.device(default):
+            y = m(x)
+            y.square().sum().backward()
+            cfg = ModelConfig(dim=D, n_layers=1, n_heads=4, moe_experts=E, moe_bias_rate=0.01, moe_top_k=2)
+            hook = MoEBalance.for_model([nn.ModuleDict({"layers": nn.ModuleList([nn.ModuleDict({"moe": m})])})],
+                                        cfg, [], device="cpu")
+            stats = m.stats.clone()
+            hook.after_optimizer_step(applied=True)
+        assert y.device.type == "cpu"
+        results.append((y, x.grad, [p.grad for p in m.parameters()], stats, m.expert_bias.clone(), hook.last))
+    (y, dx, grads, stats, bias, last), want = results
+    torch.testing.assert_close(y, want[0], rtol=0, atol=0)
+    torch.testing.assert_close(dx, want[1], rtol=0, atol=0)
+    for a, b in zip(grads, want[2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert torch.equal(stats, want[3]) and torch.equal(bias, want[4]) and last == want[5]
+
+
+GROUPED = {"moe_experts": 12, "moe_groups": 4, "moe_topk_groups": 2, "moe_top_k": 3, "moe_score": "sigmoid",
+           "moe_renorm": True, "moe_route_scale": 2.5}
+
+
+def grouped_layer_and_tokens() -> tuple[MoE, torch.Tensor]:
+    """12 experts in 4 groups of 3 (a group's score, its two best biased scores, is not all three's),
+    2 groups open per token, top 3 within them, renormalised and scaled; a random expert bias."""
+    m = layer(**GROUPED)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        m.expert_bias.copy_(torch.randn(12, generator=g) * 0.1)
+    return m, torch.randn(64, D, generator=g)
+
+
+def test_group_limited_routing_chooses_within_the_best_groups():
+    """DeepSeek-V3's group-limited routing token by token: each group scored by the sum of its two best
+    biased scores, the 2 best groups open, the top 3 biased scores among their experts chosen, the
+    unbiased scores as weights (renormalised, times 2.5)."""
+    m, x = grouped_layer_and_tokens()
+    _, chosen, weights = m.route(x)
+    scores = torch.sigmoid(x @ m.router.weight.T)
+    changed = 0
+    for i in range(len(x)):
+        biased = (scores[i] + m.expert_bias).tolist()
+        groups = [sorted(biased[3 * j:3 * j + 3])[-2:] for j in range(4)]
+        open_ = sorted(range(4), key=lambda j: sum(groups[j]))[-2:]
+        allowed = [e for j in open_ for e in range(3 * j, 3 * j + 3)]
+        want = sorted(sorted(allowed, key=lambda e: biased[e])[-3:])
+        assert sorted(chosen[i].tolist()) == want, i
+        w = scores[i, want] / scores[i, want].sum() * 2.5
+        got = dict(zip(chosen[i].tolist(), weights[i].tolist()))
+        assert [got[e] for e in want] == pytest.approx(w.tolist(), rel=1e-5)
+        changed += want != sorted(sorted(range(12), key=lambda e: biased[e])[-3:])
+    assert changed > 0  # the groups changed some tokens' choice
+
+
+@pytest.mark.slow  # (importing transformers' DeepSeek-V3 model: 15 s)
+def test_group_limited_routing_chooses_as_transformers_deepseek_v3_router():
+    """The same routing against transformers' own router (the reference library): the same experts and
+    weights."""
+    modeling = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    from transformers import DeepseekV3Config
+
+    m, x = grouped_layer_and_tokens()
+    hf = modeling.DeepseekV3TopkRouter(DeepseekV3Config(
+        hidden_size=D, n_routed_experts=12, num_experts_per_tok=3, n_group=4, topk_group=2, norm_topk_prob=True,
+        routed_scaling_factor=2.5))
+    with torch.no_grad():
+        hf.weight.copy_(m.router.weight)
+        hf.e_score_correction_bias.copy_(m.expert_bias)
+    _, chosen, weights = m.route(x)
+    _, hf_weights, hf_chosen = hf(x)
+    ours, theirs = chosen.sort(-1), hf_chosen.sort(-1)
+    assert torch.equal(ours.values, theirs.values)
+    torch.testing.assert_close(weights.gather(-1, ours.indices), hf_weights.gather(-1, theirs.indices))
+
+
+def test_a_step_of_one_token_reports_its_losses_whole():
+    """One token, top 1, logits log(4, 2, 1, 1) (probabilities 1/2, 1/4, 1/8, 1/8): it chooses expert 0,
+    so the load is 1, 0, 0, 0 (imbalance 1 over a mean of 1/4: 4), its Switch loss E * 1 * 1/2 = 2, its
+    z-loss (log 8)^2; the logged figures are per token: the same."""
+    m = layer(moe_aux_loss=1.0, moe_z_loss=1.0, moe_top_k=1).train()
+    with torch.no_grad():
+        m.router.weight.zero_()
+        m.router.weight[:, :E] = torch.eye(E)
+    x = torch.zeros(1, 1, D)
+    x[..., :E] = torch.tensor([4.0, 2, 1, 1]).log()
+    m(x).sum().backward()
+    hook = hook_of(m, bias_rate=0.0)
+    hook.after_optimizer_step(applied=True)
+    assert hook.last["moe_imbalance"] == 4.0
+    assert hook.last["moe_aux_loss"] == pytest.approx(2.0, rel=1e-6)
+    assert hook.last["moe_z_loss"] == pytest.approx(math.log(8) ** 2, rel=1e-6)

@@ -11,7 +11,9 @@ import math
 import pytest
 import torch
 
+from scaletrain.model.config import ModelConfig
 from scaletrain.model.moe import MoE
+from scaletrain.parallel.moe_balance import MoEBalance
 from scaletrain.train.metrics import MetricsLogger, moe_summary
 from scaletrain.train.trainer import Trainer
 
@@ -196,7 +198,7 @@ def test_a_layer_that_stays_collapsed_is_noted_once_by_name():
         collapsed.router.weight.zero_()
         collapsed.router.weight[:2] = 10.0  # experts 0 and 1 win for every token with positive features
     hook = MoEBalance({"layers.0.moe": collapsed, "layers.1.moe": balanced}, ["layers.0.moe", "layers.1.moe"], [],
-                      experts=8, bias_rate=1e-3, top_k=2, aux_loss=0.0)
+                      experts=8, bias_rate=1e-3, top_k=2, aux_loss=0.0, device="cpu")
     notes = []
     hook.say = lambda line: notes.append((step, line))
     for step in range(1, 2 * COLLAPSE_STEPS + 1):  # noqa: B007 (the lambda above reads it)
@@ -237,7 +239,7 @@ def balance_steps(layer: MoE, x: torch.Tensor, bias_rate: float, steps: int, war
     from scaletrain.parallel.moe_balance import MoEBalance
 
     hook = MoEBalance({"layers.0.moe": layer}, ["layers.0.moe"], [], experts=8, bias_rate=bias_rate, top_k=2,
-                      warmup=warmup)
+                      aux_loss=0.0, device="cpu", warmup=warmup)
     notes, imbalance = [], []
     hook.say = lambda line: notes.append((len(imbalance) + 1, line))
     for _ in range(steps):
@@ -298,3 +300,122 @@ def test_a_techniques_line_reaches_the_runs_log(tmp_path):
     t.hooks.find(MoEBalance).say("MoE router collapse: planted")
     assert "MoE router collapse: planted" in stream.getvalue()
     t.folder.release()
+
+
+def hook_over(loads: dict[str, list[float]], *, top_k: int = K, bias_rate: float = 0.0, **extra) -> MoEBalance:
+    """A hook over layers whose step counters are set by hand: each name's loads (tokens per expert),
+    and `extra[name]` = (dropped, aux, z) where given."""
+    experts = len(next(iter(loads.values())))
+    cfg = ModelConfig(dim=8, n_layers=1, n_heads=2, moe_experts=experts, moe_top_k=top_k, moe_hidden=8)
+    layers = {name: MoE(cfg) for name in loads}
+    for name, m in layers.items():
+        m.reset_state()
+        m.stats[:experts] = torch.tensor(loads[name])
+        m.stats[experts:] = torch.tensor(extra.get(name, (0.0, 0.0, 0.0)))
+    return MoEBalance(layers, list(loads), [], experts=experts, bias_rate=bias_rate, top_k=top_k, aux_loss=0.0,
+                      device="cpu")
+
+
+def test_each_layers_figures_worked_by_hand():
+    """Two layers, 4 choices each (2 tokens, top 2): layer 0's loads 3, 1, 0, 0 (max 3 over mean 1: 3.0),
+    layer 1's even (1.0). dropped: 1 of each layer's 4 choices over the 2 layers, 1/8; aux and z: the
+    sums over tokens (6 + 4, 2 + 6) over 2 tokens and 2 layers, 2.5 and 2.0."""
+    hook = hook_over({"a": [3.0, 1, 0, 0], "b": [1.0, 1, 1, 1]}, a=(1.0, 6.0, 2.0), b=(0.0, 4.0, 6.0))
+    assert hook.after_optimizer_step(applied=True) is False  # it changes no weight the optimizer steps
+    assert hook.last == {"moe_imbalance": 3.0, "moe_imbalance/a": 3.0, "moe_imbalance/b": 1.0,
+                         "moe_dropped": 0.125, "moe_aux_loss": 2.5, "moe_z_loss": 2.0}
+    # each layer by its own mean and its own load: a layer of 8 choices beside one of 4 and an idle one
+    hook = hook_over({"a": [3.0, 1, 0, 0], "b": [2.0, 2, 2, 2], "c": [1.0, 0, 0, 0], "d": [0.0] * 4})
+    hook.after_optimizer_step(applied=True)
+    assert [hook.last[f"moe_imbalance/{n}"] for n in "abcd"] == [3.0, 1.0, 4.0, 1.0]
+
+
+def test_a_step_without_a_counted_token_is_even_and_reports_no_loss():
+    """No training forward in the step (every counter 0): each layer's imbalance is 1 (no expert above
+    the mean), not 0/0; no dropped share and no losses are reported. One expert is always even."""
+    hook = hook_over({"a": [0.0] * 4, "b": [0.0] * 4})
+    hook.after_optimizer_step(applied=True)
+    assert hook.last == {"moe_imbalance": 1.0, "moe_imbalance/a": 1.0, "moe_imbalance/b": 1.0}
+    assert hook.metrics() == {**hook.last, "moe_imbalance_window_max": 1.0}
+    hook = hook_over({"a": [5.0]}, top_k=1)
+    hook.after_optimizer_step(applied=True)
+    assert hook.last == {"moe_imbalance": 1.0, "moe_imbalance/a": 1.0}
+
+
+def test_near_collapse_counts_steps_in_a_row_from_the_threshold_itself():
+    """8 experts, top 2: the ceiling is 4 and a layer is near collapse from 0.9 * 4 = 3.6 on (loads
+    36, 8, 6 x 6: max 36 over mean 10, exactly 3.6). Nine steps near, one even, nine near: the run of
+    steps starts again from nothing, so no note until the tenth in a row (step 20), then one naming
+    the run's options (the hook built as a run builds it)."""
+    from scaletrain.parallel.moe_balance import COLLAPSE_STEPS
+
+    cfg = ModelConfig(dim=8, n_layers=1, n_heads=2, moe_experts=8, moe_top_k=2, moe_hidden=8,
+                      moe_bias_rate=0.003, moe_aux_loss=0.02)
+    m = MoE(cfg)
+    m.reset_state()
+    hook = MoEBalance.for_model([torch.nn.ModuleDict({"layers": torch.nn.ModuleList([torch.nn.ModuleDict(
+        {"moe": m})])})], cfg, [], device="cpu")
+    notes = []
+    hook.say = notes.append
+    near, even = [36.0, 8, 6, 6, 6, 6, 6, 6], [10.0] * 8
+    plan = [near] * (COLLAPSE_STEPS - 1) + [even] + [near] * COLLAPSE_STEPS
+    for step, loads in enumerate(plan, 1):
+        m.stats[:8] = torch.tensor(loads)
+        hook.after_optimizer_step(applied=False)
+        assert bool(notes) == (step == 2 * COLLAPSE_STEPS), step
+    assert hook.last["moe_imbalance"] == 3.6
+    assert notes[0].startswith("MoE router collapse: layers.0.moe at 3.60 (max / mean tokens per expert)")
+    assert notes[0].endswith("raise model.moe_bias_rate (now 0.003) or model.moe_aux_loss (now 0.02)")
+
+
+def test_the_counters_are_summed_over_every_group_given_the_pipelines_too(monkeypatch):
+    """The ranks' sums by hand, the collectives stood in for by a fake all-reduce that adds what the
+    other rank of each group holds: a data-parallel peer that routed other tokens (loads 0, 1, 4, 3
+    against this rank's 3, 1, 0, 0) and a pipeline peer that holds layer 1 (loads 2, 2, 2, 6). The
+    bias moves by the summed loads (3, 2, 4, 3, mean 3: expert 1 up, expert 2 down, 0 and 3 not at
+    all), and this rank's figures cover layer 1 (6 over a mean of 3: 2.0), which it does not hold."""
+    import torch.distributed as dist
+
+    dp, pp = object(), object()
+    peer = {dp: torch.tensor([[0.0, 1, 4, 3, 0, 0, 0], [0.0] * 7]),
+            pp: torch.tensor([[0.0] * 7, [2.0, 2, 2, 6, 0, 0, 0]])}
+    reduced = []
+
+    def all_reduce(t, op=None, group=None):
+        assert group in peer, "a sum over a group the hook was not given"
+        reduced.append(group)
+        t += peer[group]
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    cfg = ModelConfig(dim=8, n_layers=2, n_heads=2, moe_experts=4, moe_top_k=1, moe_hidden=8, moe_bias_rate=0.5)
+    m = MoE(cfg)
+    m.reset_state()
+    hook = MoEBalance.for_model([torch.nn.ModuleDict({"layers": torch.nn.ModuleList([torch.nn.ModuleDict(
+        {"moe": m})])})], cfg, [dp], pp, device="cpu")
+    m.stats[:4] = torch.tensor([3.0, 1, 0, 0])
+    hook.after_optimizer_step(applied=True)
+    assert reduced == [dp, pp]
+    assert m.expert_bias.tolist() == [0.0, 0.5, -0.5, 0.0]
+    assert hook.last["moe_imbalance/layers.0.moe"] == 4 / 3 and hook.last["moe_imbalance/layers.1.moe"] == 2.0
+
+
+def test_a_sequences_counts_are_summed_over_the_ranks_holding_its_parts(monkeypatch):
+    """Context parallelism's `sequence_counts`: this rank's counts (after what it wraps) plus the
+    other rank's, by a fake all-reduce over the group given; the layer's own counts untouched and
+    nothing flowing back."""
+    import torch.distributed as dist
+
+    from scaletrain.parallel.moe_balance import summed_over
+
+    cp = object()
+    other = torch.tensor([[1.0, 0, 2, 1], [0.0, 3, 0, 1]])
+
+    def all_reduce(t, op=None, group=None):
+        assert group is cp
+        t += other
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    mine = torch.tensor([[2.0, 1, 0, 1], [1.0, 1, 1, 1]], requires_grad=True)
+    got = summed_over(mine, lambda c: c * 2, cp)  # (what it wraps: doubled here, to be seen)
+    assert got.tolist() == [[5.0, 2, 2, 3], [2.0, 5, 2, 3]]
+    assert mine.tolist() == [[2.0, 1, 0, 1], [1.0, 1, 1, 1]] and not got.requires_grad

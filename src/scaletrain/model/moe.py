@@ -52,11 +52,13 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: li
     # x (tokens, in) and the transposed view of w (strides in and 1) need `in` aligned, the output `out`
     if counts is None and _aligned(x.shape[-1], x) and _aligned(w.shape[1], w):
         y = torch._grouped_mm(x, wt, offs=offsets)
-        if y.requires_grad:  # its backward refuses a broadcast (stride-0) gradient
-            y.register_hook(lambda g: g.contiguous())
+        if y.requires_grad:  # its backward refuses a broadcast (stride-0) gradient; an empty one (no token)
+            # counts as contiguous whatever its strides: a copy of nothing, with the strides of its shape
+            y.register_hook(lambda g: g.contiguous() if g.numel() else g.clone(memory_format=torch.contiguous_format))
         return y
     counts = counts if counts is not None else torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
-    return torch.cat([part @ wt[e] for e, part in enumerate(x.split(counts))]) if len(x) else x.new_zeros(0, w.shape[1])
+    # (no token at all, an expert-parallel rank's lot at times: every part is empty, the result (0, out))
+    return torch.cat([part @ wt[e] for e, part in enumerate(x.split(counts))])
 
 
 @torch.compiler.disable

@@ -56,13 +56,13 @@ class MoEBalance(StepHook):
     `names`: every MoE layer of the model, in order. Under pipelining a rank holds some of them;
     the counters of the others come as zeros, and the pipeline group (`pp_group`) is summed over
     too, so that every rank's metrics cover every layer (every pp rank has this hook, even one
-    whose stages hold no MoE layer)."""
+    whose stages hold no MoE layer). `device`: where the counters are summed, the run's (NCCL sums
+    GPU tensors only); `aux_loss`: the run's model.moe_aux_loss, which the collapse note names."""
 
     phase = "the mixture-of-experts load counts' all-reduce"
 
     def __init__(self, layers: dict[str, MoE], names: list[str], groups: list, *, experts: int, bias_rate: float,
-                 top_k: int, aux_loss: float = 0.0, warmup: int = 0, pp_group=None,
-                 device: torch.device | str = "cpu"):
+                 top_k: int, aux_loss: float, device: torch.device | str, warmup: int = 0, pp_group=None):
         self.layers, self.names, self.experts, self.device = layers, names, experts, device
         self.groups = [g for g in (*groups, pp_group) if g is not None]
         self.bias_rate, self.top_k, self.aux_loss, self.warmup = bias_rate, top_k, aux_loss, warmup
@@ -73,8 +73,8 @@ class MoEBalance(StepHook):
         self.noted: set[str] = set()  # the layers whose collapse was noted (once each)
 
     @classmethod
-    def for_model(cls, modules: list[nn.Module], model_cfg, groups: list, pp_group=None,
-                  device: torch.device | str = "cpu", warmup: int = 0) -> MoEBalance | None:
+    def for_model(cls, modules: list[nn.Module], model_cfg, groups: list, pp_group=None, *,
+                  device: torch.device | str, warmup: int = 0) -> MoEBalance | None:
         """The hook of a model built from `model_cfg` (this rank's chunks `modules`), or None for a dense
         one; `warmup`: the optimizer steps of the learning rate's warm-up."""
         names = [f"layers.{i}.moe" for i in range(model_cfg.n_layers) if model_cfg.is_moe_block(i)]
@@ -102,6 +102,7 @@ class MoEBalance(StepHook):
                 stats[i] = self.layers[name].stats
         for g in self.groups:
             dist.all_reduce(stats, group=g)
+        stats = stats.double()  # the ratios in float64: 36 / 10 in fp32 falls below 0.9 * 4, the threshold
         loads = stats[:, :E]
         for i, name in enumerate(self.names):
             if name in self.layers:

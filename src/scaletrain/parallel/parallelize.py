@@ -364,7 +364,7 @@ def register_step_hooks(c: Composition) -> None:
         groups = [rt.group(axis) for axis, size in ((lay.step_axis, lay.step_dp), ("cp", lay.cp),
                                                      ("tp", lay.tp)) if size > 1]
         if balance := MoEBalance.for_model(dp.models, cfg.model, groups, rt.group("pp") if lay.pp > 1 else None,
-                                           rt.device, warmup=cfg.optim.warmup_steps):
+                                           device=rt.device, warmup=cfg.optim.warmup_steps):
             hooks.append(balance)
     if cfg.model.mtp_depth:  # its loss, and each depth's in the metrics
         c.result.loss_fn = MTPLoss(cfg.model.mtp_depth, cfg.model.mtp_loss_weight)
