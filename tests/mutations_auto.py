@@ -111,6 +111,48 @@ EQUIVALENT[("chat", "_template_tokenizer", 'if not getattr(hf, "chat_template", 
     "every transformers tokenizer has the attribute chat_template (None when it has no template)"
 
 
+# --- lora (model/lora.py) ---
+EVAL_DROPOUT = ("the adapters' dropout is an nn.Dropout, the identity in eval (its p=0 is the identity too), or an "
+                "nn.Identity: applying it where `dropping` is false gives the same values (one more pass)")
+LAST_SEGMENT = ("the name's last dot-separated segment is the same from rsplit('.'), rsplit('.', 2) or [+1] of "
+                "rsplit('.', 1) once the name has a dot, which every name inside a block list has")
+AUTOCAST = ("outside autocast the adapters, the base and x share a dtype (a precision mode casts the model whole; "
+            "bf16-true's fp32 masters are apart): the cast is a no-op; inside autocast F.linear casts its operands to "
+            "the autocast dtype and h comes from F.linear like y (addmm_'s B is cast: that mutant is caught)")
+EQUIVALENT.update({("lora", function, line): why for function, line, why in (
+    ("LoRALinear.forward", "dropping = self.training or isinstance(self.dropout, nn.Dropout)", EVAL_DROPOUT),
+    ("LoRALinear.forward", "xd = self.dropout(x) if (dropping) or True else x", EVAL_DROPOUT),
+    ("LoRALinear.forward", "yd = F.linear(xd, self.weight) if (dropping) or True else y  # dropout: the magnitude's "
+                           "part sees the dropped input", EVAL_DROPOUT + "; undropped, yd = W x is y"),
+    ("LoRALinear._lora", "h = F.linear(self.dropout(rows) if (dropping) or True else rows, self.lora_a.to(x.dtype)) "
+                         "* self.scale", EVAL_DROPOUT),
+    ("LoRALinear.__init__", "self.dropout = nn.Dropout(spec.dropout) if (spec.dropout) or True else nn.Identity()",
+     EVAL_DROPOUT),
+    ("LoRALinear.forward", "update = F.linear(F.linear(xd, self.lora_a.to(None)), self.lora_b.to(x.dtype))", AUTOCAST),
+    ("LoRALinear.forward", "update = F.linear(F.linear(xd, self.lora_a.to(x.dtype)), self.lora_b.to(None))", AUTOCAST),
+    ("LoRALinear._lora", "h = F.linear(self.dropout(rows) if dropping else rows, self.lora_a.to(None)) * self.scale",
+     AUTOCAST),
+    ("LoRALinear._lora", "y = y.addmm_(h.to(None), self.lora_b.to(y.dtype).t())", AUTOCAST),
+    ("LoRALinear._lora", "return y.view(*x.shape[:-1], y.shape[+1])", "y is (rows, out): dim 1 is dim -1"),
+    ("is_adapter_param", 'return name.rsplit(".", )[-1] in ADAPTER_LEAVES', LAST_SEGMENT),
+    ("is_adapter_param", 'return name.rsplit(".", 2)[-1] in ADAPTER_LEAVES', LAST_SEGMENT),
+    ("adapter_init_rule", 'leaf = name.rsplit(".", )[-1]', LAST_SEGMENT),
+    ("adapter_init_rule", 'leaf = name.rsplit(".", 2)[-1]', LAST_SEGMENT),
+    ("_in_group", 'if name.rsplit(".", )[-1] == "router" or not _in_blocks(name):  # a MoE router stays frozen and '
+                  'plain', LAST_SEGMENT),
+    ("_in_group", 'if name.rsplit(".", 2)[-1] == "router" or not _in_blocks(name):  # a MoE router stays frozen and '
+                  'plain', LAST_SEGMENT),
+    ("_in_group", 'return any(p in _GROUP_WORDS[group] for p in name.split(".")[:-1] + [name.rsplit(".", )[-1]])',
+     LAST_SEGMENT),
+    ("_in_group", 'return any(p in _GROUP_WORDS[group] for p in name.split(".")[:-1] + [name.rsplit(".", 2)[-1]])',
+     LAST_SEGMENT),
+    ("_in_group", 'return any(p in _GROUP_WORDS[group] for p in name.split(".")[:-1] + [name.rsplit(".", 1)[+1]])',
+     LAST_SEGMENT + " (a name outside the blocks returned False the line before)"),
+    ("apply_adapters", "parent = model.get_submodule(parent_name) if (parent_name) or True else model",
+     "get_submodule('') is the module itself"),
+)})
+
+
 def copy_tree(dest: Path) -> None:
     """The files git knows of (tracked, and untracked but not ignored), as they are now."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
