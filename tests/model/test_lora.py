@@ -342,6 +342,9 @@ def test_targets_of_a_custom_module_by_group_follow_its_blocks_and_words():
     assert resolve_targets(net, "all-linear") == ["layers.0", "layers.1", *blocks]
     assert resolve_targets(net, "attention") == [n for n in blocks if n.endswith("attn")]
     assert resolve_targets(net, "mlp") == [n for n in blocks if n.endswith("ffn")]
+    wrapper = nn.Module()
+    wrapper.model = net  # nested, as Hugging Face's models hold their blocks (model.layers.0...)
+    assert resolve_targets(wrapper, "all-linear") == [f"model.{n}" for n in ["layers.0", "layers.1", *blocks]]
     apply_adapters(net, AdapterSpec("lora", rank=2, targets="all-linear"))
     assert isinstance(net.layers[1], LoRALinear) and not isinstance(net.embed[0], LoRALinear)
     assert sorted(n for n, p in net.named_parameters() if p.requires_grad) == sorted(
