@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -174,7 +174,18 @@ EQUIVALENT.update({("fault-tolerance", function, line): why for function, line, 
      "every count doubled: the most common fingerprint and its ties are the same"),
     ("ReplicaAverage.average", 'received_scales = ""',
      "the scales are read by int8's decode alone, and int8 sets them on the next line"),
+    ("_encode", "scale = torch.where(scale >= 0, scale, torch.ones_like(scale))",
+     "an all-zero chunk then has scale 0: whatever code its 0/0 becomes, it decodes to code x 0 = 0"),
+    ("_SimulatedMember.start", "k, self.count = self.count, self.count - 1",
+     "every member numbers its starts alike: the k-th starts of the workers still meet"),
+    ("_SimulatedMember.start", "k, self.count = self.count, self.count + 2",
+     "every member numbers its starts alike: the k-th starts of the workers still meet"),
 )})
+CLAMPED = "x / (max |x| / 127) lies in [-127, 127] (round() undoes the division's last bit): the clamp never bites"
+EQUIVALENT.update({("fault-tolerance", "_encode", f"q = torch.round(chunks / scale.unsqueeze(-1)).{clamp}"
+                    ".to(torch.int8)"): CLAMPED
+                   for clamp in ("clamp_(None, 127)", "clamp_(-127, None)", "clamp_(-127, )", "clamp_(-128, 127)",
+                                 "clamp_(-127, 128)")})
 
 
 def copy_tree(dest: Path) -> None:
@@ -290,6 +301,8 @@ def main() -> int:
     parser.add_argument("--verbose", action="store_true", help="show mutmut's own output")
     parser.add_argument("--diffs", action="store_true", help="print each survivor's diff")
     parser.add_argument("--kept", type=Path, help="read the results of a copy --keep left (one subject)")
+    parser.add_argument("--functions", nargs="+", help="mutmut name patterns narrowing the subjects' functions "
+                                                       "(an after-run of the functions that had survivors)")
     args = parser.parse_args()
     if args.list:
         for name, s in SUBJECTS.items():
@@ -302,7 +315,8 @@ def main() -> int:
         return 2
     rows = []
     for name in args.subjects or list(SUBJECTS):
-        row = run_subject(name, SUBJECTS[name], args.children, args.keep, args.verbose, args.kept)
+        subject = SUBJECTS[name] if not args.functions else replace(SUBJECTS[name], functions=tuple(args.functions))
+        row = run_subject(name, subject, args.children, args.keep, args.verbose, args.kept)
         rows.append(row)
         for mutant, function, line, diff in row["left"]:
             print(f"{name}: survived {mutant} ({function}): {line}")

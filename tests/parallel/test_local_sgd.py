@@ -49,6 +49,31 @@ def test_the_average_over_workers_in_each_dtype():
     assert (int8 - mean).abs().max() > 0  # it is quantized
     assert reference_average([torch.zeros(10), torch.zeros(10)], "int8").abs().max() == 0
     assert segment_length(5 * CHUNK + 17, 3) == 2 * CHUNK  # padded to whole chunks per worker
+    # two equal buffers: their mean is the buffer as bf16 carries it (1 + 2^-10 is no bf16 value: 1)
+    x = torch.tensor([1 + 2 ** -10, -3.0, 2 ** -20 * 1.01, 5.0])
+    assert torch.equal(reference_average([x, x], "bf16"), x.bfloat16().float()) and x[0] != 1.0
+    with pytest.raises(ValueError, match=r"^unknown sync dtype 'fp16'"):
+        reference_average([x, x], "fp16")
+
+
+def test_what_travels_is_the_formats_bytes(monkeypatch):
+    """int8 sends int8 codes and fp32 scales, bf16 sends bf16: the averages' exchanges carry nothing wider."""
+    sent: list[torch.dtype] = []
+    real = dist.all_to_all_single
+    monkeypatch.setattr(dist, "all_to_all_single", lambda out, x, **kw: (sent.append(x.dtype), real(out, x, **kw))[1])
+    buffers, _ = exact_buffers(2, 7, seed=3)
+    wire_average(buffers, "int8")
+    assert set(sent) == {torch.int8, torch.float32} and len(sent) == 4  # codes and scales, from each worker
+    sent.clear()
+    wire_average(buffers, "bf16")
+    assert sent == [torch.bfloat16, torch.bfloat16]
+
+
+def test_a_simulated_sync_that_not_every_worker_started_is_an_error():
+    workers = SimulatedWorkers(3, "fp32")
+    handles = [workers.member(w).start(torch.ones(4) * w) for w in (0, 2)]
+    with pytest.raises(RuntimeError, match=r"^sync 0: 2 of 3 simulated workers have started it$"):
+        handles[0].wait()
 
 
 def test_fragments_follow_the_blocks_and_sync_one_at_a_time():
