@@ -66,7 +66,9 @@ SUBJECTS = {
     # on 2 cores. Left out of the tests too: tp's sharding (18 s), the CLI's exit (9 s; the same messages are
     # read in process by the refusal tests) and a fine-tune (3 s)
     "families": Subject((SRC + "model/families/*.py",),
-                        ("tests/model/test_hf_families.py", "tests/model/test_hf.py", "tests/model/test_hf_moe.py"),
+                        ("tests/model/test_hf_families.py", "tests/model/test_hf.py", "tests/model/test_hf_moe.py",
+                         # (YaRN and gpt-oss are tested here: without them their readers were "no tests")
+                         *(f"tests/model/families/test_{f}.py" for f in ("deepseek", "gpt_oss", "llama4"))),
                         functions=tuple(f"scaletrain.model.families.*{f}__mutmut_*" for f in (
                             "x__yarn_fields", "x_every_layer_window", "ǁQwen2ǁwindow", "ǁPhi3ǁfields",
                             "ǁGptOssǁfields")),
@@ -186,6 +188,12 @@ EQUIVALENT.update({("fault-tolerance", "_encode", f"q = torch.round(chunks / sca
                     ".to(torch.int8)"): CLAMPED
                    for clamp in ("clamp_(None, 127)", "clamp_(-127, None)", "clamp_(-127, )", "clamp_(-128, 127)",
                                  "clamp_(-127, 128)")})
+
+
+# --- families (model/families/) ---
+EQUIVALENT[("families", "Phi3.fields", "return super().fields(get, refuse, None)")] = (
+    "strict only decides what attention_bias makes of a non-strict read, and Phi-3 does not know attention_bias "
+    "(an unknown key: refused when strict, absent otherwise)")
 
 
 def copy_tree(dest: Path) -> None:
