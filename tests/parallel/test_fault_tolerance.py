@@ -129,7 +129,9 @@ def test_a_quorum_that_never_forms_says_which_group_gave_up_and_how_many_joined(
 
 
 @pytest.mark.parametrize("prints,group,expected", [
-    (["aaaa1111", "aaaa1111", "aaaa2222"], 2, "another optimizer"),  # the odd one of three
+    # the odd one of three, told which groups it differs from
+    (["aaaa1111", "aaaa1111", "aaaa2222"], 2, "another optimizer and learning-rate schedule (optim.*) than group(s) "
+                                              "0, 1 of its quorum"),
     # one hex digit apart, the first of its kind's four
     (["aaaa1111", "aaaa0111"], 1, "another optimizer and learning-rate schedule (optim.*) than"),
     (["aaaa11110000", "aaaa11112222"], 1, "another precision ("),  # the third kind alone
