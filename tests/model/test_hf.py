@@ -216,6 +216,30 @@ def test_new_parameters_start_from_their_names(tmp_path):
         "layers.0.attn.wk.weight", "layers.0.attn.wv.weight"]
 
 
+def test_qwen2s_window_is_read_where_transformers_slides_every_layer():
+    """Qwen2's window counts only with use_sliding_window, on the layers transformers' own config marks
+    sliding (its layer_types, from max_window_layers): every layer gives model.sliding_window, none gives 0
+    whatever sliding_window says, and a mix is refused naming the key."""
+    def read(**kw):
+        config = transformers.Qwen2Config(**TINY, **kw)
+        return config.layer_types, model_config_from_hf(config.to_dict())
+
+    types, cfg = read(use_sliding_window=True, sliding_window=16, max_window_layers=0)
+    assert types == ["sliding_attention"] * 2 and cfg["sliding_window"] == 16
+    for off in (dict(use_sliding_window=False, sliding_window=16, max_window_layers=0),
+                dict(use_sliding_window=True, sliding_window=None, max_window_layers=0),
+                dict(use_sliding_window=True, sliding_window=16, max_window_layers=2)):
+        types, cfg = read(**off)
+        assert "sliding_attention" not in types and cfg["sliding_window"] == 0, off
+    old = transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=16, max_window_layers=0).to_dict()
+    del old["layer_types"]  # a config.json from before layer_types: max_window_layers says it
+    assert model_config_from_hf(old)["sliding_window"] == 16
+    with pytest.raises(ConfigError, match=r"layer_types=.* slides 1 of the 2 layers; scaletrain slides every layer"):
+        read(use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    with pytest.raises(ConfigError, match=r"max_window_layers=1 slides 1 of the 2 layers"):
+        model_config_from_hf({**old, "max_window_layers": 1})
+
+
 def test_other_families_and_bad_files_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="model_type='gemma' is not one scaletrain imports"):
         model_config_from_hf({"model_type": "gemma", "hidden_size": 64})

@@ -255,6 +255,10 @@ def one_line(excinfo) -> str:
      "rope_type 'su'; scaletrain implements default, linear, llama3 and yarn"),
     ("phi3", {"rope_scaling": {"type": "yarn", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
      "rope_type 'yarn', Phi-3's older name of longrope, which scaletrain lacks"),
+    # transformers 5's key, which names it rope_type (the refusal names the key the file used)
+    ("phi3", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0}},
+     'rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0} has rope_type \'yarn\', Phi-3\'s '
+     "older name of longrope"),
     ("neox-parallel", {"attention_bias": False}, "attention_bias=false leaves attention without biases"),
     ("neox-parallel", {"hidden_act": "relu"}, "hidden_act='relu' is not supported"),
     ("olmo2", {"attention_bias": True}, "attention_bias=true puts a bias on the output projection too"),

@@ -4,6 +4,8 @@ the configuration errors one line each."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -43,6 +45,9 @@ def test_zero_initialised_adapters_give_exactly_the_base_models_logits(tmp_path,
     lora = [m for m in adapted.model.modules() if isinstance(m, LoRALinear)]
     assert len(lora) == 2 * len(ADAPTED)
     assert all(m.lora_a.abs().sum() > 0 and m.lora_b.abs().sum() == 0 for m in lora)
+    # A drawn from normal(0, 1/rank), the module's rule (rank 8: std 0.125), over its ~9k values
+    a = torch.cat([m.lora_a.detach().reshape(-1) for m in lora])
+    assert abs(a.mean().item()) < 0.01 and abs(a.std().item() - 1 / 8) < 0.005, (a.mean().item(), a.std().item())
     # the base's weights keep their names and their (seed, name) values
     base_weights = dict(base.pm.dp.named_params)
     for name, p in adapted.pm.dp.named_params:
@@ -157,11 +162,13 @@ def test_numerics_match_peft(kind, rslora):
         assert mine.weight.grad is None
 
 
-def test_a_chosen_subset_with_adapter_dropout_matches_peft_in_training_and_in_eval():
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_a_chosen_subset_with_adapter_dropout_matches_peft_in_training_and_in_eval(kind):
     """Targets by name and pattern (not every linear) and dropout on the adapters' input, against PEFT's
     LoraConfig of the same modules: PEFT adapts the same linears; in eval both give the same output,
     forward after forward; in training each forward draws a new mask, and from the same seed both
-    draw the same one (dropout on x before A, the base's output left whole)."""
+    draw the same one (dropout on x before A, the base's output left whole; DoRA: the magnitude's
+    share of the base's output sees the dropped input too)."""
     peft = pytest.importorskip("peft")
 
     class Block(nn.Module):
@@ -183,10 +190,12 @@ def test_a_chosen_subset_with_adapter_dropout_matches_peft_in_training_and_in_ev
     torch.manual_seed(0)
     ours, theirs = Net().double(), Net().double()
     theirs.load_state_dict(ours.state_dict())
-    spec = AdapterSpec("lora", rank=4, alpha=12.0, dropout=0.3, targets="layers.1.up, *.down")
+    spec = AdapterSpec(kind, rank=4, alpha=12.0, dropout=0.3, targets="layers.1.up, *.down")
     assert apply_adapters(ours, spec) == ["layers.0.down", "layers.1.up", "layers.1.down"]
     ours.double()
+    init_magnitudes(ours)
     theirs = peft.get_peft_model(theirs, peft.LoraConfig(r=4, lora_alpha=12.0, lora_dropout=0.3,
+                                                         use_dora=kind == "dora",
                                                          target_modules=r"layers\.1\.up|layers\.\d\.down"))
     adapted = [n.removeprefix("base_model.model.") for n, m in theirs.named_modules() if hasattr(m, "lora_A")]
     assert adapted == ["layers.0.down", "layers.1.up", "layers.1.down"]
@@ -198,20 +207,24 @@ def test_a_chosen_subset_with_adapter_dropout_matches_peft_in_training_and_in_ev
             mine.lora_b.normal_()
             peer.lora_A["default"].weight.copy_(mine.lora_a)
             peer.lora_B["default"].weight.copy_(mine.lora_b)
+            if kind == "dora":
+                mine.lora_magnitude.mul_(1.5)
+                peer.lora_magnitude_vector["default"].weight.copy_(mine.lora_magnitude)
     x = torch.randn(3, 5, 24, dtype=torch.float64)
+    tol = 1e-10 if kind == "lora" else 1e-6  # DoRA's row norms are taken in fp32 (as test_numerics_match_peft)
     with torch.no_grad():
         ours.eval(), theirs.eval()
         a, again, b = ours(x), ours(x), theirs(x)
         assert torch.equal(a, again)
-        assert (a - b).abs().max().item() <= 1e-10 * b.abs().max().item()
+        assert (a - b).abs().max().item() <= tol * b.abs().max().item()
         ours.train(), theirs.train()
         torch.manual_seed(7)
         a1, a2 = ours(x), ours(x)
         torch.manual_seed(7)
         b1, b2 = theirs(x), theirs(x)
     assert not torch.allclose(a1, a2) and not torch.allclose(a1, a)  # a new mask each forward, and one at all
-    assert (a1 - b1).abs().max().item() <= 1e-10 * b1.abs().max().item()
-    assert (a2 - b2).abs().max().item() <= 1e-10 * b2.abs().max().item()
+    assert (a1 - b1).abs().max().item() <= tol * b1.abs().max().item()
+    assert (a2 - b2).abs().max().item() <= tol * b2.abs().max().item()
 
 
 def test_merged_weight_computes_what_the_adapted_linear_does():
@@ -226,6 +239,187 @@ def test_merged_weight_computes_what_the_adapted_linear_does():
                 adapted.lora_magnitude.uniform_(0.5, 2.0)
         x = torch.randn(4, 16)
         torch.testing.assert_close(adapted(x), nn.functional.linear(x, adapted.merged_weight(), lin.bias))
+
+
+def test_the_spec_carries_every_adapter_option_of_the_config(tmp_path):
+    """adapter.* as the layers receive them: the dropout and rslora too (the scale by hand: alpha / sqrt(rank)
+    = 6 / 3 with rslora, 6 / 9 without), and no spec at all for adapter.kind=none."""
+    cfg = micro_cfg(tmp_path, **{"adapter.kind": "dora", "adapter.rank": 9, "adapter.alpha": 6.0,
+                                 "adapter.dropout": 0.25, "adapter.targets": "mlp", "adapter.rslora": True})
+    spec = AdapterSpec.of(cfg.adapter)
+    assert (spec.kind, spec.rank, spec.alpha, spec.dropout, spec.targets, spec.rslora) == ("dora", 9, 6.0, 0.25,
+                                                                                          "mlp", True)
+    assert spec.scale == 2.0 and AdapterSpec(rank=9, alpha=6.0).scale == pytest.approx(6 / 9)
+    lin = LoRALinear(nn.Linear(8, 5), spec)
+    assert lin.scale == 2.0 and isinstance(lin.dropout, nn.Dropout) and lin.dropout.p == 0.25
+    assert AdapterSpec.of(micro_cfg(tmp_path).adapter) is None
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_an_adapted_linear_is_made_on_its_bases_device_with_its_base_frozen(kind):
+    """The adapters are created where the base is (the meta device before materializing; a GPU's base on the
+    GPU), and the base's weight and bias stop taking gradients, whoever builds the linear."""
+    with torch.device("meta"):
+        base = nn.Linear(24, 40)
+    lin = LoRALinear(base, AdapterSpec(kind, rank=3))
+    adapters = [lin.lora_a, lin.lora_b] + ([lin.lora_magnitude] if kind == "dora" else [])
+    assert [p.device.type for p in adapters] == ["meta"] * len(adapters)
+    assert [tuple(p.shape) for p in adapters][:2] == [(3, 24), (40, 3)]
+    assert not lin.weight.requires_grad and not lin.bias.requires_grad
+    assert lin.weight is base.weight and lin.bias is base.bias
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_adapters_off_computes_the_base_alone_then_the_adapters_again(bias):
+    """Inside adapters_off (a preference run's reference) each adapted linear gives what its base linear
+    gave before adapting, on inputs of any leading shape; after the block, the adapted output again."""
+    from scaletrain.model.lora import adapters_off
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(24, 40, bias=bias), nn.Tanh(), nn.Linear(40, 7, bias=bias))
+    plain = nn.Sequential(*(m for m in __import__("copy").deepcopy(net)))
+    apply_adapters(net, AdapterSpec("lora", rank=3, targets="0, 2"))
+    with torch.no_grad():
+        for m in (net[0], net[2]):
+            m.lora_b.normal_()  # a trained-looking update
+    x = torch.randn(3, 5, 24)
+    with torch.no_grad():
+        adapted = net(x)
+        with adapters_off([net]):
+            off = net(x)
+        again = net(x)
+        want = plain(x)
+    assert off.shape == (3, 5, 7) and torch.equal(off, want)
+    assert torch.equal(again, adapted) and (adapted - want).abs().max() > 0.1
+
+
+def test_lora_under_autocast_gives_the_fp32_answer_to_its_precision():
+    """bf16-mixed: the base's matmul and the adapters' run in bf16 under autocast; the output is
+    W x + b + s B (A x) computed by hand in float64, within bf16's rounding of these magnitudes."""
+    torch.manual_seed(0)
+    lin = LoRALinear(nn.Linear(24, 40), AdapterSpec("lora", rank=3, alpha=6.0))
+    with torch.no_grad():
+        lin.lora_a.normal_()
+        lin.lora_b.normal_()
+    x = torch.randn(3, 5, 24)
+    w, b, a, bb = (t.detach().double() for t in (lin.weight, lin.bias, lin.lora_a, lin.lora_b))
+    want = x.double() @ w.T + b + 2.0 * (x.double() @ a.T) @ bb.T
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = lin(x)
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - want).abs().max() <= 2 ** -7 * want.abs().max()
+
+
+def _net_with_root_parameter():
+    """A custom module: a parameter of its own (no dot in its name), a linear outside any block list, a
+    block list whose items are linears themselves, and blocks with linears named by a group word."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.ffn = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gain = nn.Parameter(torch.ones(6))
+            self.embed = nn.Sequential(nn.Linear(5, 6))
+            self.layers = nn.ModuleList([nn.Linear(6, 6) for _ in range(2)])
+            self.blocks = nn.ModuleList([Block() for _ in range(3)])
+            self.head = nn.Linear(6, 5)
+
+    return Net()
+
+
+def test_targets_of_a_custom_module_by_group_follow_its_blocks_and_words():
+    """The groups choose linears inside the repeated blocks only (a block list's items may be linears
+    themselves; a linear in another container is outside), a linear named by a group word belongs to that
+    group, and a parameter of the module itself (no dot in its name) stays frozen and plain."""
+    from scaletrain.model.lora import adapter_init_rule
+    from scaletrain.model.transformer import InitRule
+
+    net = _net_with_root_parameter()
+    blocks = [f"blocks.{i}.{n}" for i in range(3) for n in ("attn", "ffn")]
+    assert resolve_targets(net, "all-linear") == ["layers.0", "layers.1", *blocks]
+    assert resolve_targets(net, "attention") == [n for n in blocks if n.endswith("attn")]
+    assert resolve_targets(net, "mlp") == [n for n in blocks if n.endswith("ffn")]
+    wrapper = nn.Module()
+    wrapper.model = net  # nested, as Hugging Face's models hold their blocks (model.layers.0...)
+    assert resolve_targets(wrapper, "all-linear") == [f"model.{n}" for n in ["layers.0", "layers.1", *blocks]]
+    apply_adapters(net, AdapterSpec("lora", rank=2, targets="all-linear"))
+    assert isinstance(net.layers[1], LoRALinear) and not isinstance(net.embed[0], LoRALinear)
+    assert sorted(n for n, p in net.named_parameters() if p.requires_grad) == sorted(
+        f"{m}.{leaf}" for m in ["layers.0", "layers.1", *blocks] for leaf in ("lora_a", "lora_b"))
+    rule = adapter_init_rule(lambda name: InitRule("zeros") if name == "gain" else InitRule("normal", 0.02),
+                             AdapterSpec(rank=4))
+    assert rule("gain") == InitRule("zeros") and rule("blocks.0.attn.lora_a") == InitRule("normal", 0.25)
+
+
+def test_a_mixtures_router_is_never_in_a_group():
+    """all-linear and mlp leave each block's router plain and frozen (it decides, it does not compute);
+    the experts' shared MLP and the attention's linears are chosen."""
+    cfg = micro_cfg(Path("/nonexistent"), **{"model.moe_experts": 3, "model.moe_top_k": 1,
+                                             "model.moe_shared_experts": 1, "model.activation": "swiglu"}).model
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    routers = [n for n in linears if n.endswith(".router")]
+    assert len(routers) == 2
+    shared = [f"layers.{i}.moe.shared.{w}" for i in range(2) for w in ("w1", "w3", "w2")]
+    assert resolve_targets(model, "mlp") == shared
+    assert resolve_targets(model, "all-linear") == [n for n in linears if n not in routers and n != "output"]
+    assert len(resolve_targets(model, "all-linear")) == 2 * 4 + len(shared)
+    dense = micro_cfg(Path("/nonexistent"), **{"model.moe_experts": 3}).model
+    with torch.device("meta"), pytest.raises(ConfigError, match=r"'mlp' matches no linear of the model; its linears "
+                                                                r"are .*layers\.\*\.moe\.router"):
+        resolve_targets(Transformer(dense), "mlp")  # (a group is not told to mean itself)
+
+
+def test_an_empty_entry_in_targets_is_skipped_and_the_rest_still_read():
+    cfg = micro_cfg(Path("/nonexistent")).model
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    assert resolve_targets(model, "attention, ,mlp,") == resolve_targets(model, "all-linear")
+
+
+def test_a_target_that_matches_nothing_lists_the_linears_whatever_their_blocks():
+    """The message lists each linear once, a block's index written * with the blocks' range (three blocks:
+    0 to 2); a module without blocks lists its names as they are, one without linears says none; a pattern
+    is given the names, not a group's spelling."""
+    net = _net_with_root_parameter()
+    with pytest.raises(ConfigError, match=r"its linears are embed\.\*, layers\.\*, blocks\.\*\.attn, blocks\.\*\.ffn, "
+                                          r"head \(\* = block 0 to 2\); name them"):
+        resolve_targets(net, "wq")
+    flat = nn.Sequential()
+    flat.add_module("proj", nn.Linear(4, 4))
+    flat.add_module("head", nn.Linear(4, 2))
+    with pytest.raises(ConfigError, match=r"its linears are proj, head; name them"):
+        resolve_targets(flat, "wq")
+    with pytest.raises(ConfigError, match=r"its linears are none; name them"):
+        resolve_targets(nn.Sequential(nn.ReLU()), "attention")
+    with pytest.raises(ConfigError) as e:
+        resolve_targets(flat, "mlp*")
+    assert "'mlp*' matches no linear of the model; its linears" in str(e.value)  # no "(did you mean mlp?)"
+
+
+def test_adapting_again_adds_the_new_targets_and_keeps_the_adapted_ones():
+    cfg = micro_cfg(Path("/nonexistent")).model
+    model = Transformer(cfg)
+    apply_adapters(model, AdapterSpec("lora", rank=2, targets="attention"))
+    first = model.get_submodule("layers.0.attn.wq")
+    every = resolve_targets(model, "all-linear")
+    assert apply_adapters(model, AdapterSpec("lora", rank=2, targets="all-linear")) == every
+    assert model.get_submodule("layers.0.attn.wq") is first  # not an adapter wrapped in another
+    assert all(isinstance(model.get_submodule(n), LoRALinear) for n in every)
+
+
+def test_a_converted_linear_is_refused_by_name_and_kind():
+    class FakeQuantLinear(nn.Linear):
+        pass
+
+    net = nn.Sequential(nn.Linear(4, 4), FakeQuantLinear(4, 4))
+    with pytest.raises(ConfigError, match=r"^adapter.kind=lora: 1 is a FakeQuantLinear, not a plain linear; adapters "
+                                          r"go on plain linears \(train.qat=none"):
+        apply_adapters(net, AdapterSpec("lora", targets="0, 1"))
 
 
 def test_bad_adapter_settings_are_one_line_and_exit_2(tmp_path):

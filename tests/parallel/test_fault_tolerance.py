@@ -129,7 +129,12 @@ def test_a_quorum_that_never_forms_says_which_group_gave_up_and_how_many_joined(
 
 
 @pytest.mark.parametrize("prints,group,expected", [
-    (["aaaa1111", "aaaa1111", "aaaa2222"], 2, "another optimizer"),  # the odd one of three
+    # the odd one of three, told which groups it differs from
+    (["aaaa1111", "aaaa1111", "aaaa2222"], 2, "another optimizer and learning-rate schedule (optim.*) than group(s) "
+                                              "0, 1 of its quorum"),
+    # one hex digit apart, the first of its kind's four
+    (["aaaa1111", "aaaa0111"], 1, "another optimizer and learning-rate schedule (optim.*) than"),
+    (["aaaa11110000", "aaaa11112222"], 1, "another precision ("),  # the third kind alone
     (["aaaa1111", "aaaa1111", "aaaa2222"], 0, None),  # the majority goes on
     (["aaaa1111", "bbbb1111"], 1, "another model"),  # a tie: the lowest id's settings are the reference
     (["aaaa1111", "bbbb1111"], 0, None),
@@ -146,6 +151,74 @@ def test_the_group_that_differs_from_its_quorum_is_named_with_what_differs(print
     assert (why is None) == (expected is None), why
     if expected:
         assert why.startswith(f"replica group {group} runs {expected}"), why
+    assert ft.disagreement(len(prints), ids) is None  # a group not in this quorum: nothing to say of it
+
+
+def test_the_settings_fingerprint_moves_only_the_digits_of_the_kind_that_changed():
+    """Four hex digits per kind (model, optim, precision, train, data, layout): a changed learning rate moves the
+    optimizer's alone, a changed width the model's alone; where the model came from (another folder of the
+    same model) and the fp16 scale's start (a healed group takes its peer's) move none."""
+    from scaletrain.layout import Layout
+    from scaletrain.parallel.fault_tolerance import FINGERPRINTED, settings_fingerprint
+
+    def digits(**change):
+        cfg = load_config(None, {**FT, **change})
+        fp = settings_fingerprint(cfg, Layout.from_config(cfg, 1))
+        assert len(fp) == 4 * len(FINGERPRINTED) and int(fp, 16) >= 0
+        return [fp[i:i + 4] for i in range(0, len(fp), 4)]
+
+    base = digits()
+    kinds = [kind for kind, _ in FINGERPRINTED]
+
+    def moved(**change):
+        return [k for k, a, b in zip(kinds, base, digits(**change), strict=True) if a != b]
+
+    assert moved(**{"optim.lr": 1e-4}) == ["optim"]
+    assert moved(**{"model.dim": 96}) == ["model"]
+    assert moved(**{"train.seed": 7}) == ["train"] and moved(**{"data.seq_len": 48}) == ["data"]
+    assert moved(**{"precision.mode": "16-mixed"}) == ["precision"]
+    assert moved(**{"parallel.zero": 1}) == ["layout"]
+    assert moved(**{"precision.init_scale": 1024.0}) == [] and moved(**{"train.eval_every": 7}) == []
+
+
+def test_which_lighthouse_addresses_are_this_machine():
+    from scaletrain.parallel.fault_tolerance import _loopback
+
+    assert [_loopback(a) for a in ("http://127.0.0.1:29510", "localhost:1", "http://[::1]:80", "127.9.9.9:2",
+                                   "http://node7:29510", "10.0.0.1:5", "http://128.0.0.1:1")] == [
+        True, True, True, True, False, False, False]
+
+
+def test_the_lighthouse_status_page_gives_how_many_groups_joined():
+    """torchft's dashboard line "only have N participants, need min_replicas M" read as (N, M); None where the
+    page says otherwise or nothing answers."""
+    import http.server
+    import threading
+
+    from scaletrain.parallel.fault_tolerance import quorum_status
+
+    page = [b"<p>Quorum failed: only have 1 participants, need min_replicas 3</p>"]
+
+    class Status(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/status" else 404)
+            self.end_headers()
+            self.wfile.write(page[0])
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Status)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert quorum_status(address) == (1, 3) and quorum_status(address + "/") == (1, 3)
+        page[0] = b"<p>quorum formed: 12 participants</p>"
+        assert quorum_status(address) is None
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert quorum_status(address) is None
 
 
 @pytest.mark.slow
@@ -524,6 +597,9 @@ def test_a_failure_torchft_recorded_is_said_in_a_few_words():
                         "to complete\nmore")
     assert failure_text(Recorded(hung)) == "RuntimeError: Timed out waiting 20000ms for recv operation to complete"
     assert failure_text(TimeoutError()) == "TimeoutError" and failure_text(None) is None
+    located = RuntimeError("[/x/gloo/transport/tcp/pair.cc:1] This is typically caused by a remote worker crashing.")
+    assert failure_text(Recorded(located)) == "RuntimeError"  # nothing said beyond gloo's location and advice
+    assert failure_text(Recorded(RuntimeError("[/x/gloo/transport/tcp/pair.cc:1]"))) == "RuntimeError"
 
 
 SGD = ["--optim.name=sgd", "--optim.momentum=0", "--optim.weight_decay=0", "--train.grad_clip=0"]
@@ -825,3 +901,240 @@ def test_diloco_across_groups_matches_its_simulation_and_discards_a_window_a_gro
     healed = [r for r in g1 if r.get("ft_healed")]
     assert healed and healed[0]["step"] == 2 * H + 1  # from the peer's state at the discarded window's end
     assert g0[-1]["val_loss"] == g1[-1]["val_loss"]  # the same weights at the end, bit for bit
+
+
+# --- the hook's own arithmetic and bookkeeping, in one process: torchft's Manager stood in for ------------
+# (the multi-process tests above run the real Manager; these give the rules known answers by hand, with fewer
+# groups alive than configured and a writer that is not group 0)
+
+
+class _Wire:
+    """The groups' all-reduce between threads of this process: each group's flat tensor becomes the sum of all."""
+
+    def __init__(self, groups: int):
+        import threading
+
+        self.posted: list = []
+        self.read, self.written = threading.Barrier(groups), threading.Barrier(groups)
+
+
+class _Work:
+    def __init__(self, wire: _Wire, flat):
+        self.wire, self.flat = wire, flat
+
+    def wait(self):
+        self.wire.read.wait()  # every group has posted
+        total = sum(t.clone() for t in self.wire.posted)
+        self.wire.written.wait()  # every group has read before any writes
+        self.flat.copy_(total)
+        return self.flat
+
+
+class _Manager:
+    """What ReplicaGroups asks of torchft's Manager, answered as told."""
+
+    def __init__(self, wire=None, participants=1, rank_in_quorum=0, commit=True, error=None):
+        self.wire, self.participants, self.rank_in_quorum = wire, participants, rank_in_quorum
+        self.commit, self.error, self.fns, self.loaded, self.ops = commit, error, {}, None, []
+
+    def register_state_dict_fn(self, key, load, save):
+        self.fns[key] = (load, save)
+
+    def allreduce(self, flat, reduce_op=None):
+        self.ops.append(reduce_op)
+        self.wire.posted.append(flat)
+        return _Work(self.wire, flat)
+
+    def num_participants(self):
+        return self.participants
+
+    def participating_rank(self):
+        return self.rank_in_quorum
+
+    def should_commit(self, timeout=None):
+        self.vote_timeout = timeout
+        return self.commit
+
+    def errored(self):
+        return self.error
+
+    def current_step(self):
+        return 11
+
+    def batches_committed(self):
+        return 44
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+    def start_quorum(self):
+        self.quorums = getattr(self, "quorums", 0) + 1
+
+
+def _group(manager, seed=0, **kw):
+    """A replica group's hook over two uneven parameters (and a frozen one), AdamW over the trainable."""
+    import types
+
+    import torch
+
+    from scaletrain.parallel.fault_tolerance import ReplicaGroups
+
+    g = torch.Generator().manual_seed(seed)
+    named = [("w", torch.nn.Parameter(torch.randn(3, 5, generator=g))),
+             ("b", torch.nn.Parameter(torch.randn(7, generator=g))),
+             ("frozen", torch.nn.Parameter(torch.randn(2, generator=g), requires_grad=False))]
+    optimizer = torch.optim.AdamW([p for _, p in named[:2]], lr=0.1)
+    state = types.SimpleNamespace(step=0, skipped_steps=0, early_loss=None)
+    refreshed = []
+    hook = ReplicaGroups(manager, named, optimizer, state, lambda: refreshed.append(1),
+                         **{"replica_id": 0, "groups": 3, "min_replicas": 1, **kw})
+    hook.refreshed = refreshed
+    return hook
+
+
+def test_the_groups_gradient_is_the_mean_over_the_groups_alive_and_the_expert_loads_their_sum():
+    """Three groups configured, two alive (group 0 gone): each rank's gradient becomes (g1 + g2) / 2, not / 3,
+    and a mixture's expert load counts g1's + g2's (summed: the biases move as for the joint batch); a frozen
+    parameter (no gradient) is left out."""
+    import threading
+
+    import torch
+
+    wire = _Wire(2)
+    hooks = [_group(_Manager(wire, participants=2), seed=r, replica_id=r) for r in (1, 2)]
+    grads, loads = [], []
+    for r, hook in enumerate(hooks):
+        g = torch.Generator().manual_seed(10 + r)
+        for _, p in hook.named[:2]:
+            p.grad = torch.randn(p.shape, generator=g)
+        grads.append([p.grad.clone() for _, p in hook.named[:2]])
+        moe = torch.nn.Module()
+        moe.stats = torch.tensor([[3.0, 0.0, 5.0], [1.0, 2.0, 0.0]]) * (r + 1)  # (layers' counts) per expert
+        hook.moe = {"layers.0.moe": moe}
+        loads.append(moe.stats.clone())
+    threads = [threading.Thread(target=h.reduce_gradients, args=(h.named,)) for h in hooks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    for hook in hooks:
+        assert [op.name for op in hook.manager.ops] == ["SUM"]
+        for (_, p), a, b in zip(hook.named[:2], *grads, strict=True):
+            torch.testing.assert_close(p.grad, (a + b) / 2, rtol=0, atol=1e-6)
+        assert torch.equal(hook.moe["layers.0.moe"].stats, loads[0] + loads[1])
+        assert hook.named[2][1].grad is None
+
+
+def test_a_group_healed_from_a_peer_takes_its_whole_state_and_then_steps_as_it_does():
+    """What a live peer hands out (torchft's registered state_dict fn) and a group behind it loads: weights,
+    AdamW's moments and step, the run's step, skipped steps and the divergence yardstick, the fp16 scale and
+    the routing biases; the group then refreshes what its model computes with. After the heal, one step on the
+    same gradients leaves both bit for bit alike (a moment left behind would not)."""
+    import torch
+
+    class Scaler:
+        def __init__(self, scale):
+            self.scale = scale
+
+        def state_dict(self):
+            return {"scale": self.scale}
+
+        def load_state_dict(self, state):
+            self.scale = state["scale"]
+
+    peer, behind = _group(_Manager(), seed=0, scaler=Scaler(1024.0)), _group(_Manager(), seed=1, scaler=Scaler(8.0))
+    for hook, bias in ((peer, [0.5, -0.25, 0.0]), (behind, [0.0, 0.0, 0.0])):
+        moe = torch.nn.Module()
+        moe.expert_bias = torch.tensor(bias)
+        hook.moe = {"layers.1.moe": moe}
+    for _ in range(3):  # the peer trained
+        for _, p in peer.named[:2]:
+            p.grad = torch.ones_like(p)
+        peer.optimizer.step()
+    peer.state.step, peer.state.skipped_steps, peer.state.early_loss = 7, 2, 3.5
+    load, _ = behind.manager.fns["scaletrain"]
+    _, save = peer.manager.fns["scaletrain"]
+    load(save())
+    assert (behind.state.step, behind.state.skipped_steps, behind.state.early_loss) == (7, 2, 3.5)
+    assert behind.scaler.scale == 1024.0 and behind.healed == 1 and behind.refreshed == [1]
+    assert torch.equal(behind.moe["layers.1.moe"].expert_bias, torch.tensor([0.5, -0.25, 0.0]))
+    for (n, p), (_, q) in zip(peer.named, behind.named, strict=True):
+        assert torch.equal(p, q), n  # (a frozen one too: the hook's weights are the run's named ones)
+    for hook in (peer, behind):
+        for _, p in hook.named[:2]:
+            p.grad = torch.full_like(p, -0.5)
+        hook.optimizer.step()
+    for (_, p), (_, q) in zip(peer.named[:2], behind.named[:2], strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_peer_with_other_settings_gives_nothing_to_a_group_behind_it():
+    import torch
+
+    peer, behind = _group(_Manager(), seed=0), _group(_Manager(), seed=1)
+    peer.fingerprint, behind.fingerprint = "aaaa", "bbbb"
+    before = [p.clone() for _, p in behind.named]
+    with pytest.raises(RuntimeError, match=r"^replica group 0 was to take the run's state from a peer whose settings "
+                                           r"differ from its own .* restarts, to heal from a group that agrees"):
+        behind.manager.fns["scaletrain"][0](peer.manager.fns["scaletrain"][1]())
+    behind.disagreement = lambda: "this group is the odd one"  # refused at this quorum: it takes nothing either
+    behind.manager.fns["scaletrain"][0](peer.manager.fns["scaletrain"][1]())
+    assert all(torch.equal(p, b) for (_, p), b in zip(behind.named, before, strict=True)) and behind.healed == 0
+
+
+def test_the_vote_the_writer_and_the_counts_are_the_managers():
+    """A step the quorum does not commit is skipped (and counted, and said with what failed and how many groups
+    were in it); the checkpoint writer is the lowest replica id in the quorum, whichever id that is; torchft's
+    committed count goes into the checkpoint and back."""
+    from scaletrain.parallel.fault_tolerance import VOTE_MARGIN_S
+
+    class Recorded:
+        original_exception = RuntimeError("Connection closed by peer [127.0.0.1]:1")
+
+    hook = _group(_Manager(participants=2, rank_in_quorum=0, commit=False, error=Recorded()), replica_id=2,
+                  step_timeout_s=7.0)
+    hook.begin_step(1.0)
+    hook.joined = True  # (as start() leaves it: the next step joins no second quorum)
+    assert hook.agree_to_skip(False) is True and hook.uncommitted == 1
+    assert hook.manager.vote_timeout.total_seconds() == 2 * 7.0 + VOTE_MARGIN_S
+    assert hook.skip_reason() == ("not committed by the replica groups (a group failed in it: RuntimeError: "
+                                  "Connection closed by peer [127.0.0.1]:1; 2 in its quorum)")
+    assert hook.writes_checkpoint()  # group 2, the lowest id alive
+    assert hook.metrics() == {"ft_groups": 2.0, "ft_uncommitted": 1.0, "ft_healed": 0.0}
+    hook.manager.commit, hook.manager.error = True, None
+    assert hook.agree_to_skip(True) is True and hook.agree_to_skip(False) is False and hook.uncommitted == 1
+    assert hook.skip_reason() is None
+    hook.manager.rank_in_quorum = 1
+    assert not hook.writes_checkpoint()
+    assert hook.state_dict() == {"committed_steps": 11, "batches_committed": 44}
+    hook.load_state_dict(hook.state_dict())
+    assert hook.manager.loaded == {"step": 11, "batches_committed": 44}
+    hook.manager.loaded = None
+    hook.load_state_dict(None)  # a fresh run: torchft's count left at zero
+    assert hook.manager.loaded is None and hook.data_outer == (2, 3)
+
+
+def test_each_step_joins_one_quorum_and_a_heal_mid_run_restarts_the_group():
+    from scaletrain.errors import QuorumNotFormed
+
+    hook = _group(_Manager(participants=3))
+    hook.start()
+    hook.begin_step(1.0)  # the quorum start() joined
+    assert hook.manager.quorums == 1 and hook.participants == 3
+    hook.begin_step(1.0)
+    assert hook.manager.quorums == 2
+    hook.manager.start_quorum = lambda: setattr(hook.state, "step", 9)  # behind the quorum: healed to step 9
+    with pytest.raises(RuntimeError, match="was behind the quorum at step 0 and healed to step 9 mid-run"):
+        hook.begin_step(1.0)
+
+    def too_few():
+        raise TimeoutError("quorum timed out")
+
+    hook.state.step = 4
+    hook.manager.start_quorum = too_few
+    with pytest.raises(QuorumNotFormed, match=r"^replica group 0 gave up at step 5: fewer than the 1 groups it needs "
+                                              r"\(fault_tolerance.min_replicas\) joined its quorum in \d+ s"):
+        hook.begin_step(1.0)
+    hook.manager.start_quorum = lambda: (_ for _ in ()).throw(ValueError("another failure"))
+    with pytest.raises(ValueError, match="another failure"):  # not a timeout: torchft's own error, as it is
+        hook.begin_step(1.0)

@@ -49,6 +49,31 @@ def test_the_average_over_workers_in_each_dtype():
     assert (int8 - mean).abs().max() > 0  # it is quantized
     assert reference_average([torch.zeros(10), torch.zeros(10)], "int8").abs().max() == 0
     assert segment_length(5 * CHUNK + 17, 3) == 2 * CHUNK  # padded to whole chunks per worker
+    # two equal buffers: their mean is the buffer as bf16 carries it (1 + 2^-10 is no bf16 value: 1)
+    x = torch.tensor([1 + 2 ** -10, -3.0, 2 ** -20 * 1.01, 5.0])
+    assert torch.equal(reference_average([x, x], "bf16"), x.bfloat16().float()) and x[0] != 1.0
+    with pytest.raises(ValueError, match=r"^unknown sync dtype 'fp16'"):
+        reference_average([x, x], "fp16")
+
+
+def test_what_travels_is_the_formats_bytes(monkeypatch):
+    """int8 sends int8 codes and fp32 scales, bf16 sends bf16: the averages' exchanges carry nothing wider."""
+    sent: list[torch.dtype] = []
+    real = dist.all_to_all_single
+    monkeypatch.setattr(dist, "all_to_all_single", lambda out, x, **kw: (sent.append(x.dtype), real(out, x, **kw))[1])
+    buffers, _ = exact_buffers(2, 7, seed=3)
+    wire_average(buffers, "int8")
+    assert set(sent) == {torch.int8, torch.float32} and len(sent) == 4  # codes and scales, from each worker
+    sent.clear()
+    wire_average(buffers, "bf16")
+    assert sent == [torch.bfloat16, torch.bfloat16]
+
+
+def test_a_simulated_sync_that_not_every_worker_started_is_an_error():
+    workers = SimulatedWorkers(3, "fp32")
+    handles = [workers.member(w).start(torch.ones(4) * w) for w in (0, 2)]
+    with pytest.raises(RuntimeError, match=r"^sync 0: 2 of 3 simulated workers have started it$"):
+        handles[0].wait()
 
 
 def test_fragments_follow_the_blocks_and_sync_one_at_a_time():
@@ -500,12 +525,15 @@ def test_bad_input_gives_one_clear_line(case: Case, workdir: Path, capsys):
 # The average over the workers
 
 
-def wire_average(buffers: list[torch.Tensor], dtype: str) -> list[torch.Tensor]:
+def wire_average(buffers: list[torch.Tensor], dtype: str, background: bool = False) -> list[torch.Tensor]:
     """What each worker gets from `ReplicaAverage.average` when worker w holds buffers[w]: one
-    gloo process group per worker (a store shared in memory), each worker on its own thread."""
+    gloo process group per worker (a store shared in memory), each worker on its own thread. With
+    `background`, through `start` on the averager's own thread (a delayed sync), and it is checked
+    that the average ran on a thread of that name."""
     workers, store = len(buffers), dist.HashStore()
     out: list[torch.Tensor | None] = [None] * workers
     errors: list[BaseException] = []
+    ran_on: list[str] = []
 
     def worker(rank: int) -> None:
         try:
@@ -514,7 +542,13 @@ def wire_average(buffers: list[torch.Tensor], dtype: str) -> list[torch.Tensor]:
             group = dist.ProcessGroup(prefixed, rank, workers)
             group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
             group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
-            out[rank] = ReplicaAverage(group, workers, dtype).average(buffers[rank].clone(), group)
+            if not background:
+                out[rank] = ReplicaAverage(group, workers, dtype).average(buffers[rank].clone(), group)
+                return
+            averager = ReplicaAverage(group, workers, dtype, background_group=group)
+            average = averager.average
+            averager.average = lambda *a: (ran_on.append(threading.current_thread().name), average(*a))[1]
+            out[rank] = averager.start(buffers[rank].clone()).wait()
         except BaseException as e:  # re-raised in the test's thread
             errors.append(e)
 
@@ -526,6 +560,7 @@ def wire_average(buffers: list[torch.Tensor], dtype: str) -> list[torch.Tensor]:
     if errors:
         raise errors[0]
     assert all(o is not None for o in out), "a worker did not finish"
+    assert len(ran_on) == (workers if background else 0) and all(n.startswith("scaletrain-sync") for n in ran_on)
     return out
 
 
@@ -598,19 +633,27 @@ def exact_buffers(workers: int, n: int, seed: int) -> tuple[list[torch.Tensor], 
     return values, mean
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "int8"])
-def test_the_average_is_the_mean_bit_for_bit_where_the_format_carries_it(dtype):
+@pytest.mark.parametrize("dtype,workers,n,background", [
+    ("fp32", 4, 8 * CHUNK - 5, False), ("int8", 4, 8 * CHUNK - 5, False),
+    ("int8", 3, 5, False),  # 5 values: each worker's segment one chunk, mostly padding
+    ("int8", 3, 3 * CHUNK + 7, True), ("bf16", 2, 5, True)])  # a delayed sync: on the averager's thread
+def test_the_average_is_the_mean_bit_for_bit_where_the_format_carries_it(dtype, workers, n, background):
     """4 workers, chunks 2^-20 .. 2^10 apart: every value a multiple of its chunk's scale, so the
     average is the exact mean on every worker. A scale off by any factor on the receiving side,
     or a mean over the wrong number of workers, changes it."""
-    workers, n = 4, 8 * CHUNK - 5
     buffers, mean = exact_buffers(workers, n, seed=1)
     assert (buffers[0] - mean).abs().max() > 0  # the workers differ
-    got = wire_average(buffers, dtype)
+    got = wire_average(buffers, dtype, background)
     simulated = reference_average(buffers, dtype)
     for w, values in enumerate([simulated, *got]):
         wrong = (values != mean).sum().item()
         assert wrong == 0, f"{'simulation' if w == 0 else f'worker {w - 1}'}: {wrong} values differ from the mean"
+
+
+def test_an_unknown_sync_dtype_is_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match=r"^unknown sync dtype 'int4' \(did you mean int8\?\); "
+                                         r"known: fp32, bf16, int8$"):
+        ReplicaAverage(None, 2, "int4")
 
 
 # ------------------------------------------------------------------------------------------

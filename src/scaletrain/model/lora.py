@@ -193,7 +193,8 @@ def resolve_targets(model: nn.Module, targets: str) -> list[str]:
             hits = [n for n in linears if n == target or fnmatch.fnmatchcase(n, target)]
         if not hits:
             shown = _list_linears(linears)
-            hint = did_you_mean(target, ADAPTER_GROUPS) if not any(c in target for c in ".*?[") else ""
+            misspelt = target not in ADAPTER_GROUPS and not any(c in target for c in ".*?[")  # not a group, a pattern
+            hint = did_you_mean(target, ADAPTER_GROUPS) if misspelt else ""
             raise ConfigError(f"adapter.targets: {target!r} matches no linear of the model{hint}; its linears are "
                               f"{shown or 'none'}; name them, a pattern such as \"layers.*.attn.wq\", or a group: "
                               f"{', '.join(ADAPTER_GROUPS)}")

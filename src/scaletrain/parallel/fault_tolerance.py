@@ -568,7 +568,8 @@ def failure_text(error) -> str | None:
     if not str(e).strip():
         return type(e).__name__
     text = str(e).strip().splitlines()[0]
-    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text).split(" This is typically")[0].rstrip(" .")
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
+    text = re.split(r"(^|\s)This is typically", text)[0].rstrip(" .")  # gloo's advice, after a message or alone
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
