@@ -2,7 +2,8 @@
 DeepSeek-V3 (latent attention, its compressions and up-projections adapted, the grouped sigmoid router,
 shared experts, with multi-token prediction), gpt-oss (attention sinks, biases, the clamped SwiGLU
 experts, alternating sliding layers) and Llama 4 text (chunked and no-rope layers, top-1 routing with a
-shared expert). The adapted bases are NF4; the model computes what the dense model holding the
+shared expert), Qwen3-Next (Gated DeltaNet's projections, the gated full attention, a gated shared
+expert). The adapted bases are NF4; the model computes what the dense model holding the
 dequantized bases computes; the adapters alone train and the loss falls."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from scaletrain.model.lora import LoRALinear
 from scaletrain.train.trainer import Trainer
 from test_deepseek_parallel import MLA
 from test_qlora import dequantized
+from test_qwen3_next_parallel import QWEN3NEXT
 
 from conftest import micro_cfg
 
@@ -30,10 +32,14 @@ SHAPES = {
                     "model.moe_experts": 4, "model.moe_top_k": 1, "model.moe_score": "sigmoid",
                     "model.moe_shared_experts": 1, "model.moe_scale_input": True, "model.n_layers": 4,
                     "model.attn_temperature": 0.1, "model.attn_temperature_floor": 4},
+    # Qwen3-Next: linear attention (Gated DeltaNet) beside gated full attention, a gated shared expert
+    "qwen3_next": {**QWEN3NEXT, "model.linear_value_dim": 16, "model.moe_hidden": 64, "model.moe_shared_hidden": 64,
+                   "model.init_std": 0.02},
 }
 ADAPTED = {"deepseek_v3": ("attn.wq_a", "attn.wq_b", "attn.wkv_a", "attn.wkv_b", "attn.wo"),
            "gpt_oss": ("attn.wq", "attn.wk", "attn.wv", "attn.wo"),
-           "llama4_text": ("attn.wq", "attn.wo", "moe.shared.w1")}
+           "llama4_text": ("attn.wq", "attn.wo", "moe.shared.w1"),
+           "qwen3_next": ("attn.in_qkvz", "attn.in_ba", "attn.out", "attn.wq", "attn.wo", "moe.shared.w1")}
 
 
 @pytest.mark.parametrize("family", SHAPES)
