@@ -384,7 +384,7 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
     `layout_hook`: "module:function" (importable, from `hook_path` too), called on every rank of
     the layout run (never the reference's) with its Trainer before it trains — to instrument
     the run, or, as scaletrain's tests do, to plant a known bug and watch verify FAIL."""
-    from scaletrain.legality import check_config
+    from scaletrain.legality import Techniques, check_job
     from scaletrain.plan.auto import resolve
     from scaletrain.runtime import pick_device
 
@@ -398,7 +398,10 @@ def verify(config: str | None, overrides: Sequence[str], *, steps: int = DEFAULT
     world = layout_world(cfg.parallel, nproc)
     device = pick_device(cfg.train.device, 0, world)  # refuses a CUDA layout with too few GPUs
     cfg, layout = resolve(cfg, world, device)
-    check_config(cfg, layout, device_type=device.type)  # the one legality check, said once (not by every rank)
+    # the one legality check, said once (not by every rank), of what the layout runs: under RL it replays the
+    # rollouts the reference records (below), so a layout that cannot sample (pp, cp) still verifies
+    tech = Techniques.of(cfg, device_type=device.type)
+    check_job(layout, cfg.model, dataclasses.replace(tech, rl_samples=False), seq_len=cfg.data.seq_len)
     if world == 1:
         raise ConfigError("the layout is one process, which is what verify compares against; give a parallel "
                           "layout (--parallel.tp=2, --parallel.pp=2, ...) or --nproc N for data parallelism")

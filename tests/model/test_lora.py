@@ -280,7 +280,8 @@ def test_adapters_off_computes_the_base_alone_then_the_adapters_again(bias):
     plain = nn.Sequential(*(m for m in __import__("copy").deepcopy(net)))
     apply_adapters(net, AdapterSpec("lora", rank=3, targets="0, 2"))
     with torch.no_grad():
-        for m in (net[0], net[2]):
+        for m in (net[0], net[2]):  # (apply_adapters leaves A and B as allocated: a model's init fills them)
+            m.lora_a.normal_(std=1 / 3)
             m.lora_b.normal_()  # a trained-looking update
     x = torch.randn(3, 5, 24)
     with torch.no_grad():
