@@ -87,6 +87,19 @@ def micro_cfg(tmp_path: Path, **overrides):
     return load_config(None, values)
 
 
+def model_from_hf(folder, seq_len: int, **overrides):
+    """Our Transformer of a Hugging Face folder (model.from_hf), filled as training fills it (parameters and
+    routing biases), in eval mode; `overrides`: dotted config keys beside the import's."""
+    from scaletrain.model.hf import load_hf_weights
+    from scaletrain.model.transformer import Transformer
+    from scaletrain.parallel.init import load_weights
+
+    cfg = load_config(None, {"model.from_hf": str(folder), "data.seq_len": seq_len, **overrides}).model
+    model = Transformer(cfg)
+    load_weights(model, load_hf_weights(folder, cfg), str(folder))
+    return model.eval()
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 

@@ -19,7 +19,7 @@ from scaletrain.model.transformer import Transformer, apply_rope, rope_frequenci
 from scaletrain.plan.spec import hf_config_to_model  # noqa: E402
 from scaletrain.trained.export_hf import byte_tokenizer_json, export_hf, save_hf  # noqa: E402
 
-from conftest import assert_same_run, micro_cfg, micro_overrides, run_group, run_here  # noqa: E402
+from conftest import assert_same_run, micro_cfg, micro_overrides, model_from_hf, run_group, run_here  # noqa: E402
 
 TOL = 1e-5
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -68,13 +68,7 @@ def hf_logits(model, tokens):
 
 
 def ours_from(folder, seq_len: int = 16) -> Transformer:
-    cfg = load_config(None, {"model.from_hf": str(folder), "data.seq_len": seq_len}).model
-    model = Transformer(cfg)
-    weights = load_hf_weights(folder, cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(weights[n])
-    return model.eval()
+    return model_from_hf(folder, seq_len)
 
 
 def our_logits(model, tokens):

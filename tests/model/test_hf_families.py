@@ -18,12 +18,12 @@ transformers = pytest.importorskip("transformers")
 
 from scaletrain.config import ModelConfig, load_config  # noqa: E402
 from scaletrain.errors import ConfigError  # noqa: E402
-from scaletrain.model.hf import hf_state_dict, load_hf_weights  # noqa: E402
+from scaletrain.model.hf import hf_state_dict  # noqa: E402
 from scaletrain.model.hf_config import model_config_from_hf  # noqa: E402
 from scaletrain.model.transformer import Transformer, count_params  # noqa: E402
 from scaletrain.trained.export_hf import save_hf  # noqa: E402
 
-from conftest import assert_same_run, assert_same_weights, fit_reference, micro_overrides, run_group  # noqa: E402
+from conftest import assert_same_run, assert_same_weights, fit_reference, micro_overrides, model_from_hf, run_group  # noqa: E402
 
 TOL = 1e-5
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -72,13 +72,7 @@ def make_hf(name: str, folder, **change):
 
 
 def ours_from(folder, seq_len: int = 16) -> Transformer:
-    cfg = load_config(None, {"model.from_hf": str(folder), "data.seq_len": seq_len}).model
-    model = Transformer(cfg)
-    weights = load_hf_weights(folder, cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(weights[n])
-    return model.eval()
+    return model_from_hf(folder, seq_len)
 
 
 @pytest.fixture

@@ -16,10 +16,11 @@ transformers = pytest.importorskip("transformers")
 from scaletrain.config import load_config  # noqa: E402
 from scaletrain.errors import ConfigError  # noqa: E402
 from scaletrain.model.generate import generate  # noqa: E402
-from scaletrain.model.hf import load_hf_weights  # noqa: E402
 from scaletrain.model.kv_cache import KVCache  # noqa: E402
 from scaletrain.model.transformer import Transformer  # noqa: E402
 from scaletrain.model.window import Window  # noqa: E402
+
+from conftest import model_from_hf  # noqa: E402
 
 TOL = 1e-5
 WINDOW = 7  # (sequences of 2-4 windows that it does not divide)
@@ -55,13 +56,7 @@ def make_hf(name: str, folder, **change):
 
 
 def ours_from(folder, seq_len: int) -> Transformer:
-    cfg = load_config(None, {"model.from_hf": str(folder), "data.seq_len": seq_len}).model
-    model = Transformer(cfg)
-    weights = load_hf_weights(folder, cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(weights[n])
-    return model.eval()
+    return model_from_hf(folder, seq_len)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

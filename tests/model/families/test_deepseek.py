@@ -16,15 +16,13 @@ transformers = pytest.importorskip("transformers")
 
 from scaletrain.config import ModelConfig, load_config  # noqa: E402
 from scaletrain.errors import ConfigError  # noqa: E402
-from scaletrain.model.hf import load_hf_weights  # noqa: E402
 from scaletrain.model.hf_config import hf_config_from_model  # noqa: E402
 from scaletrain.model.kv_cache import KVCache  # noqa: E402
 from scaletrain.model.transformer import Transformer  # noqa: E402
-from scaletrain.parallel.init import load_weights  # noqa: E402
 from scaletrain.plan.params import latent_cache_bytes  # noqa: E402
 from scaletrain.trained.export_hf import save_hf  # noqa: E402
 
-from conftest import run_here  # noqa: E402
+from conftest import model_from_hf, run_here  # noqa: E402
 
 TOL = 1e-5
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
@@ -68,11 +66,7 @@ def make_hf(name: str, folder, **change):
 
 
 def ours_from(folder, seq_len: int = 32) -> Transformer:
-    """Our model of a Hugging Face folder, filled as training fills it (parameters and routing biases)."""
-    cfg = load_config(None, {"model.from_hf": str(folder), "data.seq_len": seq_len}).model
-    model = Transformer(cfg)
-    load_weights(model, load_hf_weights(folder, cfg), str(folder))
-    return model.eval()
+    return model_from_hf(folder, seq_len)
 
 
 def logits(model, tokens):

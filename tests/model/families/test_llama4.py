@@ -29,6 +29,8 @@ from scaletrain.model.nope import l2_heads, temperature_table  # noqa: E402
 from scaletrain.model.transformer import Transformer  # noqa: E402
 from scaletrain.trained.export_hf import save_hf  # noqa: E402
 
+from conftest import model_from_hf  # noqa: E402
+
 TOL = 1e-5
 CHUNK = 5  # (sequences of 17 tokens: three chunks and a part)
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=48, intermediate_size_mlp=96, num_hidden_layers=4,
@@ -65,13 +67,7 @@ def make_hf(name: str, folder, **change):
 
 
 def ours_from(folder, seq_len: int = 32) -> Transformer:
-    cfg = load_config(None, {"model.from_hf": str(folder), "data.seq_len": seq_len}).model
-    model = Transformer(cfg)
-    weights = load_hf_weights(folder, cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(weights[n])
-    return model.eval()
+    return model_from_hf(folder, seq_len)
 
 
 def logits(model, tokens, hf: bool = False):

@@ -28,6 +28,8 @@ from scaletrain.model.kv_cache import KVCache  # noqa: E402
 from scaletrain.model.transformer import Transformer  # noqa: E402
 from scaletrain.trained.export_hf import save_hf  # noqa: E402
 
+from conftest import model_from_hf  # noqa: E402
+
 TOL = 1e-5
 CHUNK = 5  # the delta rule's chunk in these tests: sequences of 17 tokens are three chunks and a part
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -68,14 +70,7 @@ def make_hf(name: str, folder, **change):
 
 
 def ours_from(folder, seq_len: int = 32) -> Transformer:
-    cfg = load_config(None, {"model.from_hf": str(folder), "data.seq_len": seq_len,
-                             "model.linear_chunk": CHUNK}).model
-    model = Transformer(cfg)
-    weights = load_hf_weights(folder, cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(weights[n])
-    return model.eval()
+    return model_from_hf(folder, seq_len, **{"model.linear_chunk": CHUNK})
 
 
 def logits(model, tokens, hf: bool = False):
