@@ -148,6 +148,11 @@ EQUIVALENT[("moe", "MoEBalance.__init__", "self.window_worst = 1.0  # the worst 
 EQUIVALENT[("moe", "MoEBalance.metrics", "self.window_worst = 1.0")] = AT_LEAST_ONE
 EQUIVALENT[("moe", "MoEBalance.__init__", "self.last: dict[str, float] = None")] = (
     "the Trainer asks the hooks' metrics for a row after a step, whose after_optimizer_step sets self.last")
+EQUIVALENT.update({("moe", "expert_mlp", line): (
+    "each row's expert index made when no bias reads it: work for nothing (one int64 per routed row), never a value")
+    for line in ("b is not None for b in biases) or True else None  # each row's expert, for its bias",
+                 "expert = torch.arange(len(counts), device=x.device).repeat_interleave(counts) if any( "
+                 "b is not None for b in biases) or True else None  # each row's expert, for its bias")})
 EQUIVALENT[("moe", "MoEBalance.for_model", "assert set(layers) <= set(names), f\"MoE layers {sorted(None)} outside the "
             "config's {names}\"")] = "the message of an assertion of our own invariant, built only when it fails"
 

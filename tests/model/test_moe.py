@@ -113,6 +113,21 @@ def test_output_equals_the_per_token_reference(options):
             torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-5)
 
 
+def test_llama4s_weighted_input_reaches_the_experts_in_the_weights_dtype():
+    """bf16 weights (bf16-true): the weighted tokens go to the experts in bf16, not in the router
+    weight's fp32 (an fp32 copy of every routed token and a matmul of mismatched dtypes), and the
+    layer's output is the per-token reference's within bf16's rounding."""
+    m = layer(activation="swiglu", moe_score="sigmoid", moe_top_k=1, moe_scale_input=True).eval()
+    want = reference(m.double(), tokens().double(), scale_input=True)
+    m = m.to(torch.bfloat16)
+    seen, run_experts = [], m.run_experts
+    m.run_experts = lambda h, counts: (seen.append(h.dtype), run_experts(h, counts))[1]
+    with torch.no_grad():
+        out = m(tokens().to(torch.bfloat16))
+    assert seen == [torch.bfloat16] and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), want, rtol=0.05, atol=0.05)
+
+
 def per_expert_loop(x, counts, w1, w2, w3):
     """The experts' MLPs one expert at a time (the reference the grouped matmul must match)."""
     outs = []
