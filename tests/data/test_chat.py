@@ -489,6 +489,27 @@ def test_a_renderer_masks_the_answers_alone_unless_told_and_knows_its_formats():
     assert str(refused.value) == "--chat-format html: expected one of template, plain"
 
 
+def test_an_opening_assistant_turn_counts_its_content_and_not_its_header(tmp_path):
+    """A conversation that opens with the assistant: its role header (what the generation prompt adds to a
+    conversation) is no target, as for every later assistant turn."""
+    transformers = pytest.importorskip("transformers")
+    from test_hf_tokenizer import make_hf_folder
+
+    hf = make_hf_folder(tmp_path / "hf", "no-special")
+    config = json.loads((hf / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("[{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+    (hf / "tokenizer_config.json").write_text(json.dumps(config))
+    turns = [{"role": "assistant", "content": "hello there"}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "yo"}]
+    prepare([write_jsonl(tmp_path / "chat.jsonl", [{"messages": turns}])], tmp_path / "tok", tokenizer=str(hf),
+            chat_format="template")
+    ids, mask = tokens_and_mask(tmp_path / "tok")
+    auto = transformers.AutoTokenizer.from_pretrained(hf)
+    assert [auto.decode(s.tolist()) for s in spans(ids, mask)] == ["hello there</s>\n", "yo</s>\n"]
+    assert auto.decode(ids[:int(mask.argmax())].tolist()) == "[<s>assistant\n"  # the header: there, not counted
+
+
 @pytest.mark.parametrize("refusal,message", [
     ("{% if add_generation_prompt %}{{ raise_exception('no generation prompt') }}{% endif %}",
      "no generation prompt"),  # the turns before an answer, rendered with the generation prompt

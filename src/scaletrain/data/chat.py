@@ -146,11 +146,27 @@ class ChatRenderer:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before, through = self.render(messages[:i], where, True) if i else "", self.render(messages[:i + 1], where)
+            through = self.render(messages[:i + 1], where)
+            before = self.render(messages[:i], where, True) if i else through[:self._opening_header_end(through, where)]
             if not (text.startswith(before) and text.startswith(through) and len(through) >= len(before)):
                 raise DataError(PREFIX_REWRITTEN)
             spans.append((len(before), len(through)))
         return text, spans
+
+    def _opening_header_end(self, through: str, where: str) -> int:
+        """Where the content of a conversation's opening assistant turn starts in `through` (that turn's text):
+        after the role header the generation prompt writes, as for every later turn (the header is no target).
+        An empty conversation does not render (transformers refuses it; Llama 3's template reads messages[0]):
+        the header is what the generation prompt adds to a one-turn conversation, found in `through`; 0 when
+        the template writes none or will not render that turn."""
+        probe = [{"role": "user", "content": "?"}]
+        try:
+            with_prompt, without = self.render(probe, where, True), self.render(probe, where)
+        except DataError:
+            return 0
+        header = with_prompt[len(without):] if with_prompt.startswith(without) else ""
+        at = through.find(header) if header else -1
+        return at + len(header) if at >= 0 else 0
 
     def _encode(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         return encode_text(self.tok, text)
