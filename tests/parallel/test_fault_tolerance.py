@@ -327,6 +327,46 @@ def _ft_local(run_dir: Path, groups: int, *args: str) -> subprocess.Popen:
                                  "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])})
 
 
+def _ft_local_here(run_dir: Path, groups: int, *args: str, timeout: float) -> tuple[int, str]:
+    """`scaletrain ft-local` as _ft_local starts it, but through the CLI's main in this process: its
+    Lighthouse and groups are real processes as ever, only ft-local's own interpreter start-up is saved.
+    Returns (exit code, the stderr of ft-local and of every process of the job: fd 2, which they inherit).
+    Past `timeout` it gets SIGTERM, as from a user: it passes it on to its groups, which save and stop."""
+    import tempfile
+    import threading
+
+    from scaletrain import cli
+
+    saved_env = {k: os.environ.get(k) for k in ("PYTHONPATH", "RUST_LOG")}
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])  # for --rank-hook
+    before = os.getcwd()
+    with tempfile.TemporaryFile(mode="w+") as captured:
+        sys.stderr.flush()
+        saved_fd, saved_stream = os.dup(2), sys.stderr
+        os.dup2(captured.fileno(), 2)
+        sys.stderr = os.fdopen(os.dup(2), "w", buffering=1)
+        timer = threading.Timer(timeout, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.start()
+        try:
+            os.chdir(REPO)
+            code = cli.main(["ft-local", "--groups", str(groups), *GROUP, f"--log.run_dir={run_dir}",
+                             "--heartbeat-timeout-ms=1000", *args])
+        finally:
+            timer.cancel()
+            os.chdir(before)
+            sys.stderr.close()
+            sys.stderr = saved_stream
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        captured.seek(0)
+        return code, captured.read()
+
+
 def _ended(job: subprocess.Popen, timeout: float) -> str:
     """The job's stderr once it has ended (killed past `timeout` seconds)."""
     try:
@@ -432,10 +472,10 @@ def test_a_group_back_after_the_others_finished_is_stopped_and_the_run_ends_0(tm
 
     run, steps = tmp_path / "ft", 3
     write_plan(run, [{"group": 1, "step": steps, "phase": "optimizer"}])
-    job = _ft_local(run, 2, "--min-replicas", "2", f"--train.steps={steps}", "--fault_tolerance.quorum_timeout_s=30",
-                    "--max-restarts=2", "--rank-hook=ft_faults:inject")  # without the stop: fails in ~2 min
-    err = _ended(job, 400)
-    assert job.returncode == 0, err[-3000:]
+    code, err = _ft_local_here(run, 2, "--min-replicas", "2", f"--train.steps={steps}",
+                               "--fault_tolerance.quorum_timeout_s=30", "--max-restarts=2",
+                               "--rank-hook=ft_faults:inject", timeout=400)  # without the stop: fails in ~2 min
+    assert code == 0, err[-3000:]
     assert fired(run)[0]["step"] == steps
     assert "restart 1 of at most" in err, err[-3000:]  # it came back
     assert "replica group 1 is stopped: group 0 finished the run 30 s ago" in err, err[-3000:]
@@ -458,10 +498,9 @@ def test_a_group_that_diverges_ends_the_job_with_its_code(tmp_path):
     that could not form, timed out and restarted until its restarts ran out. A group that ends with a
     code a restart would repeat ends the job with that code: the others are stopped (they save first)."""
     run = tmp_path / "ft"
-    job = _ft_local(run, 2, "--min-replicas", "2", "--train.steps=40", "--max-restarts=2",
-                    "--rank-hook=ft_faults:diverge")
-    err = _ended(job, 400)
-    assert job.returncode == 3, err[-3000:]
+    code, err = _ft_local_here(run, 2, "--min-replicas", "2", "--train.steps=40", "--max-restarts=2",
+                               "--rank-hook=ft_faults:diverge", timeout=400)
+    assert code == 3, err[-3000:]
     assert "scaletrain: error: replica group 1 ended with exit code 3 (training cannot go on: a restart would " \
            "repeat it); the job ends with it, and group(s) 0 are stopped (each saves a checkpoint first)" in err, \
         err[-3000:]
@@ -511,10 +550,10 @@ def phase_kills(tmp_path_factory):
 
     run = tmp_path_factory.mktemp("ftphases") / "ft"
     write_plan(run, PHASE_KILLS, record=True)
-    job = _ft_local(run, 3, "--min-replicas", "3", f"--train.steps={PHASE_STEPS}", "--checkpoint.every=4",
-                    "--checkpoint.keep=10", "--fault_tolerance.quorum_timeout_s=120", "--rank-hook=ft_faults:inject")
-    err = _ended(job, 600)
-    assert job.returncode == 0, err[-3000:]
+    code, err = _ft_local_here(run, 3, "--min-replicas", "3", f"--train.steps={PHASE_STEPS}", "--checkpoint.every=4",
+                               "--checkpoint.keep=10", "--fault_tolerance.quorum_timeout_s=120",
+                               "--rank-hook=ft_faults:inject", timeout=600)
+    assert code == 0, err[-3000:]
     return run, fired(run), err
 
 
@@ -623,10 +662,10 @@ def test_with_fewer_groups_alive_than_configured_the_step_is_the_mean_of_the_liv
 
     run = tmp_path / "ft"
     write_plan(run, [{"group": 0, "step": 3, "phase": "forward"}], record=True)
-    job = _ft_local(run, 3, "--min-replicas", "2", "--train.steps=8", "--checkpoint.every=1", "--checkpoint.keep=10",
-                    "--fault_tolerance.quorum_timeout_s=20", *SGD, "--rank-hook=ft_faults:inject")
-    err = _ended(job, 600)
-    assert job.returncode == 0, err[-3000:]
+    code, err = _ft_local_here(run, 3, "--min-replicas", "2", "--train.steps=8", "--checkpoint.every=1",
+                               "--checkpoint.keep=10", "--fault_tolerance.quorum_timeout_s=20", *SGD,
+                               "--rank-hook=ft_faults:inject", timeout=600)
+    assert code == 0, err[-3000:]
     rows = read_metrics(run / "group1")
     # after the kill (the first quorum may hold any two groups: min_replicas 2 lets it form before the third)
     alone = [r["step"] for r in rows if r["ft_groups"] == 2 and r["step"] > 3 and r["step"] not in _uncommitted(rows)]
@@ -664,10 +703,9 @@ def test_a_non_finite_gradient_in_one_group_skips_the_step_in_every_group(tmp_pa
     every group, so every group skips step 4 (counted and said), none takes it into its weights, and
     the three go on and end on the same weights (the same validation loss, to the bit)."""
     run = tmp_path / "ft"
-    job = _ft_local(run, 3, "--min-replicas", "3", "--train.steps=6", "--train.eval_every=6",
-                    "--rank-hook=ft_faults:nan_in_group_2")
-    err = _ended(job, 600)
-    assert job.returncode == 0, err[-3000:]
+    code, err = _ft_local_here(run, 3, "--min-replicas", "3", "--train.steps=6", "--train.eval_every=6",
+                               "--rank-hook=ft_faults:nan_in_group_2", timeout=600)
+    assert code == 0, err[-3000:]
     rows = {g: read_metrics(run / f"group{g}") for g in range(3)}
     for g in range(3):
         assert [r["step"] for r in rows[g]] == list(range(1, 7)), (g, rows[g])
@@ -700,11 +738,10 @@ def test_a_rank_killed_at_any_moment_of_a_step_restarts_its_own_group_alone(tmp_
 
     run = tmp_path / "ft"
     write_plan(run, RANK_KILLS, journal=True)
-    job = _ft_local(run, 3, "--nproc", "2", "--min-replicas", "3", f"--train.steps={RANK_STEPS}",
-                    "--train.global_batch=8", "--fault_tolerance.step_timeout_s=15",
-                    "--fault_tolerance.quorum_timeout_s=180", "--rank-hook=ft_faults:inject")
-    err = _ended(job, 900)
-    assert job.returncode == 0, err[-3000:]
+    code, err = _ft_local_here(run, 3, "--nproc", "2", "--min-replicas", "3", f"--train.steps={RANK_STEPS}",
+                               "--train.global_batch=8", "--fault_tolerance.step_timeout_s=15",
+                               "--fault_tolerance.quorum_timeout_s=180", "--rank-hook=ft_faults:inject", timeout=900)
+    assert code == 0, err[-3000:]
     kills = fired(run)
     assert [(kills[i]["group"], kills[i]["phase"]) for i in sorted(kills)] == \
         [(k["group"], k["phase"]) for k in RANK_KILLS], (kills, err[-3000:])
@@ -862,10 +899,9 @@ def killed_diloco(tmp_path_factory):
 
     run = tmp_path_factory.mktemp("ftd") / "ft"
     write_plan(run, [{"group": 1, "step": D_KILL_AFTER + 1, "phase": "forward"}])
-    job = _ft_local(run, 2, "--min-replicas", "2", "--fault_tolerance.quorum_timeout_s=120", f"--train.steps={D_STEPS}",
-                    *DILOCO, "--rank-hook=ft_faults:inject")
-    err = _ended(job, 600)
-    assert job.returncode == 0, err[-3000:]
+    code, err = _ft_local_here(run, 2, "--min-replicas", "2", "--fault_tolerance.quorum_timeout_s=120",
+                               f"--train.steps={D_STEPS}", *DILOCO, "--rank-hook=ft_faults:inject", timeout=600)
+    assert code == 0, err[-3000:]
     assert fired(run)[0]["step"] == D_KILL_AFTER + 1, fired(run)
     return run, rows_at_kill(run, 0), err
 
