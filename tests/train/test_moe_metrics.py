@@ -275,7 +275,7 @@ def test_the_demo_moe_leaves_the_ceiling_after_its_warm_up_with_the_defaults(tmp
     the worst layer's imbalance averages below 3.0 over steps 31-40 (measured 2.6; the old defaults,
     softmax scores and a bias rate of 1e-3: 3.4, and 3.9 and 4.0 with seeds 1 and 7:
     benchmarks/moe_first_steps.py), and no layer is noted as collapsed. No validation pass (quiet's
-    train.eval_every 0): an evaluation neither counts routing nor moves a weight, and cost a step and a half."""
+    train.eval_every 0): an evaluation neither counts routing nor moves a weight, and cost about two steps."""
     from pathlib import Path
 
     from scaletrain.config import load_config
