@@ -19,7 +19,6 @@ from conftest import (
     assert_one_clear_line,
     edit_json,
     micro_cfg,
-    run_cli,
     run_here,
     train_args,
     truncate,
@@ -382,7 +381,7 @@ def test_malformed_json_line_names_file_and_line(tmp_path):
 def test_cli_reports_bad_utf8_in_one_line_with_exit_2(tmp_path):
     f = tmp_path / "bad.txt"
     f.write_bytes(b"\x80abc")
-    r = run_cli("prepare", str(f), "--out", str(tmp_path / "out"))
+    r = run_here("prepare", str(f), "--out", str(tmp_path / "out"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
         f"scaletrain: error: {f}: invalid UTF-8 at byte 0 (line 1): b'\\x80' (invalid start byte); "

@@ -25,7 +25,6 @@ from conftest import (
     micro_cfg,
     micro_overrides,
     one_line_exit_2,
-    run_cli,
     run_group,
     run_here,
     wanted_params,
@@ -427,8 +426,8 @@ def test_bad_adapter_settings_are_one_line_and_exit_2(tmp_path):
     one_line_exit_2(run_here("train", "--adapter.kind=lora", "--adapter.rank=0"), "adapter.rank=0",
                     "at least 1")
     one_line_exit_2(run_here("train", "--adapter.kind=lorra"), "adapter.kind", "did you mean lora?")
-    r = run_cli("train", *MICRO_ARGS, f"--log.run_dir={tmp_path / 'r'}", "--adapter.kind=lora",
-                "--adapter.targets=layers.*.attn.wz")
+    r = run_here("train", *MICRO_ARGS, f"--log.run_dir={tmp_path / 'r'}", "--adapter.kind=lora",
+                 "--adapter.targets=layers.*.attn.wz")
     one_line_exit_2(r, "'layers.*.attn.wz' matches no linear", "layers.*.attn.wq", "all-linear, attention, mlp")
     r = run_here("train", *MICRO_ARGS, f"--log.run_dir={tmp_path / 'q'}", "--adapter.kind=dora",
                  "--train.qat=int8-dynamic", "--model.dim=128")  # refused where the job is settled

@@ -23,7 +23,6 @@ from conftest import (
     micro_cfg,
     micro_overrides,
     read_metrics,
-    run_cli,
     run_group,
     run_here,
 )
@@ -133,8 +132,8 @@ def test_eval_every_without_validation_data_is_one_line(corpus, tmp_path):
     prepare([src], tmp_path / "data")
     with pytest.raises(ConfigError, match="needs a validation split"):
         Trainer(micro_cfg(tmp_path, **{"data.path": str(tmp_path / "data"), "train.eval_every": 5}))
-    r = run_cli("train", f"--data.path={tmp_path / 'data'}", "--train.eval_every=5", "--train.device=cpu",
-                f"--log.run_dir={tmp_path / 'cli'}")
+    r = run_here("train", f"--data.path={tmp_path / 'data'}", "--train.eval_every=5", "--train.device=cpu",
+                 f"--log.run_dir={tmp_path / 'cli'}")
     assert r.returncode == 2 and "train.eval_every=5 needs a validation split" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "cli").exists()
 
