@@ -1,12 +1,9 @@
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -167,27 +164,6 @@ def test_export_safetensors(tmp_path):
         export_safetensors(path, out)
 
 
-@pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_then_stops(tmp_path):
-    run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "scaletrain", "train", "--train.steps=100000", "--log.every=1",
-            f"--log.run_dir={run_dir}", "--log.tensorboard=false", "--train.sample_tokens=0",
-            "--model.dim=64", "--model.n_layers=2", "--data.seq_len=32", "--train.global_batch=4"]
-    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.time() + 600  # an event, not a time: the bound only ends a broken run
-    while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
-        time.sleep(0.2)
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "stopped by SIGTERM" in err
-    last = ckpt.latest_checkpoint(run_dir / "checkpoints")
-    steps = [r["step"] for r in read_metrics(run_dir)]
-    assert last is not None and last.name == f"step_{steps[-1]:08d}"
-
-
 # --------------------------------------------------------------------------------------------
 # Loading never executes code
 
@@ -261,6 +237,8 @@ def test_a_signal_during_the_stop_save_does_not_interrupt_it(tmp_path):
 
 @pytest.mark.slow
 def test_repeated_sigterm_to_a_real_run_still_saves_then_exits_143(tmp_path):
+    """A real run: the first SIGTERM stops it with a checkpoint of the last step it logged, and
+    the ones that follow, landing during that save, neither interrupt it nor print a traceback."""
     run = tmp_path / "run"
     proc = popen_train("--train.steps=100000", f"--log.run_dir={run}")
     wait_for_rows(run, 3, proc)
@@ -269,10 +247,12 @@ def test_repeated_sigterm_to_a_real_run_still_saves_then_exits_143(tmp_path):
         time.sleep(0.01)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "Traceback" not in err and "already stopping" in err
+    assert "Traceback" not in err and "already stopping" in err and "stopped by SIGTERM" in err, err
     last = ckpt.latest_checkpoint(run / "checkpoints")
     assert last is not None and ckpt.verify_checkpoint(last) is None
     assert f"checkpoint saved to {last}" in err
+    steps = [r["step"] for r in read_metrics(run)]
+    assert last.name == f"step_{steps[-1]:08d}", (last, steps[-1])
 
 
 def test_full_disk_for_metrics_saves_an_emergency_checkpoint_first(tmp_path):
@@ -687,19 +667,24 @@ def test_two_ranks_save_in_the_background_and_resume_bitwise(tmp_path):
 
 
 @pytest.mark.slow
-def test_kills_during_background_writes_never_leave_an_incomplete_checkpoint_to_resume():
+def test_kills_during_background_writes_never_leave_an_incomplete_checkpoint_to_resume(tmp_path, monkeypatch):
     """benchmarks/checkpoint_async.py's kill soak, short (docs/benchmarks.md has the 20-kill run): a
     run saving in the background is SIGKILLed twice while a checkpoint is being written and resumed
     each time (resume=auto). After each kill every complete checkpoint verifies and holds the clean
     synchronous run's bytes of its step, and resume takes the newest; a SIGTERM during a write exits
     143 with the checkpoint of the step it stopped at complete; the run ends bit for bit as the
     clean one."""
-    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "checkpoint_async.py"), "soak", "--kills", "2",
-                        "--json"], capture_output=True, text=True, timeout=900, cwd=REPO,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    report = json.loads(r.stdout)
+    import importlib.util
+
+    # the soak's own function, called from this process (its runs are fresh processes, as in the benchmark)
+    spec = importlib.util.spec_from_file_location("checkpoint_async", REPO / "benchmarks" / "checkpoint_async.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    report = bench.soak(2, 0, tmp_path)
     assert report["problems"] == [] and report["kills"] == 2, report
     assert report["mid_write"] == 2, report  # both kills cut a write short (its .partial folder left)
     assert report["checked"] >= 2 and all(life["resume_takes"] for life in report["lives"]), report
     assert report["sigterm"]["exit"] == 128 + signal.SIGTERM and report["sigterm_ok"], report
-    assert report["final_bitwise"] and r.returncode == 0, report
+    assert report["final_bitwise"], report
