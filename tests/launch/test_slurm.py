@@ -189,7 +189,7 @@ def test_the_nodes_guide_sbatch_script_trains_two_nodes_as_one_process_and_resum
 # each group's batch of 4 windows, a validation loss at the end only (as tests/parallel/test_fault_tolerance.py)
 FT_TINY = [*TINY, "--train.global_batch=4", "--train.eval_every=1000", "--train.eval_batches=1",
            "--fault_tolerance.groups=2", "--fault_tolerance.quorum_timeout_s=600"]
-FT_STEPS = 40  # the kill comes after 5 steps; the group it spares waits for the other (min_replicas=2)
+FT_STEPS = 60
 
 
 def ft_folder(tmp_path: Path) -> Path:
