@@ -620,3 +620,14 @@ def assert_one_clear_line(case: Case, workdir: Path, capsys) -> None:
     for fragment in case.expect:
         assert fragment in err, (fragment, err)
     assert folder_snapshot(workdir) == before  # nothing written, nothing overwritten
+
+
+def assert_group_trains_alike(nproc: int, tmp: Path, cases: list[tuple[str, dict, dict]], *, steps: int,
+                              weights_tol: float = 1e-3) -> None:
+    """Each case (what, its whole overrides, its reference: a fit_reference result) trained on `nproc` ranks, every
+    case in one group of processes: every step's loss and gradient norm, and the final weights, as its reference's."""
+    code, results, err = run_group(nproc, [{"overrides": overrides} for _, overrides, _ in cases], tmp)
+    assert code == 0, err
+    for (what, _, ref), result in zip(cases, results, strict=True):
+        assert_same_run(result["history"], ref["history"], steps=steps, what=what)
+        assert_same_weights(result["weights"], ref["weights"], tol=weights_tol, what=what)

@@ -29,7 +29,7 @@ from conftest import (
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
-STEPS = 4
+STEPS = 3  # a ZeRO-3 checkpoint at step 2, resumed on one process for step 3
 TOL = TOLERANCES["32-true"]
 WEIGHTS_TOL = 1e-3  # final weights relative to their change over the run, as tests/parallel/test_data_parallel.py
 MUON = {"optim.name": "muon", "optim.muon.ns_dtype": "fp32", "train.steps": STEPS}
@@ -39,7 +39,7 @@ PP = {"model.n_layers": 4, "model.tie_embeddings": False, "train.micro_batch": 2
 LAYOUTS = {  # ranks: [(name, overrides, reference)]
     2: [("zero1", {"parallel.zero": 1}, "plain"),
         ("zero2-accum", {"parallel.zero": 2, "train.micro_batch": 1}, "accum"),
-        ("zero3", {"parallel.zero": 3}, "plain"),
+        ("zero3", {"parallel.zero": 3, "checkpoint.every": 2}, "plain"),  # its checkpoint resumes on one process
         ("tp2-sp", {"parallel.tp": 2, "parallel.sp": True}, "plain"),
         ("ep2-zero3", {"parallel.ep": 2, "parallel.zero": 3, **MOE}, "moe"),
         ("pp2", {"parallel.pp": 2, **PP}, "pp"),
@@ -59,12 +59,14 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def groups(request, tmp_path_factory):
-    done = {}
+    """group(n): the results of the n-rank layouts the session's tests ask for, in one group of processes;
+    group.folders[n]: the folder of their run folders (one per layout, by name)."""
+    done, folders = {}, {}
     wanted = wanted_params(request, "name")
 
     def group(n: int) -> dict[str, dict]:
         if n not in done:
-            tmp = tmp_path_factory.mktemp(f"muon{n}")
+            tmp = folders[n] = tmp_path_factory.mktemp(f"muon{n}")
             layouts = [(name, extra) for name, extra, _ in LAYOUTS[n] if wanted is None or name in wanted]
             jobs = [{"overrides": micro_overrides(tmp / name, **{**MUON, **extra})} for name, extra in layouts]
             code, results, err = run_group(n, jobs, tmp)
@@ -72,6 +74,7 @@ def groups(request, tmp_path_factory):
             done[n] = {name: result for (name, _), result in zip(layouts, results, strict=True)}
         return done[n]
 
+    group.folders = folders
     return group
 
 
@@ -83,10 +86,11 @@ def test_parity_with_one_process(groups, reference, n, name, ref):
     assert_same_weights(result["weights"], reference[ref]["weights"], tol=WEIGHTS_TOL, what=f"muon {n} ranks {name}")
 
 
-def test_momentum_is_sharded_like_the_parameters(groups, tmp_path):
+@pytest.mark.parametrize("name", ["zero3"])  # the layout it reads (conftest.wanted_params)
+def test_momentum_is_sharded_like_the_parameters(groups, tmp_path, name):
     """Under ZeRO-3 on 2 ranks each rank holds half of Muon's momentum and of AdamW's moments (the
     planner's figure over 2, within 5%: AdamW's step counters and uneven rows aside)."""
-    result = groups(2)["zero3"]
+    result = groups(2)[name]
     cfg = micro_cfg(tmp_path, **MUON)
     half = optimizer_bytes("muon", rank_params(cfg.model, Layout(), 0)) / 2
     for r in result["ranks"]:
@@ -94,12 +98,10 @@ def test_momentum_is_sharded_like_the_parameters(groups, tmp_path):
         assert abs(measured - half) / half < 0.05, (r["rank"], measured, half)
 
 
-def test_a_zero3_checkpoint_resumes_on_one_process(tmp_path, reference):
-    save = tmp_path / "zero3"
-    code, _, err = run_group(2, [{"overrides": micro_overrides(save, **{**MUON, "parallel.zero": 3,
-                                                                         "checkpoint.every": 2})}], tmp_path)
-    assert code == 0, err
-    step2 = save / "checkpoints" / "step_00000002"
+@pytest.mark.parametrize("name", ["zero3"])  # the 2-rank layout whose checkpoint it resumes
+def test_a_zero3_checkpoint_resumes_on_one_process(groups, tmp_path, reference, name):
+    groups(2)
+    step2 = groups.folders[2] / name / "checkpoints" / "step_00000002"
     one = Trainer(micro_cfg(tmp_path / "one", **{**MUON, "checkpoint.resume": str(step2)})).fit()
     assert_same_run(one["history"], reference["plain"]["history"], steps=STEPS, first=3, tol=TOL,
                     what="muon zero 3, 2 ranks -> 1 process")

@@ -115,11 +115,9 @@ def test_imported_deepseek_under_tp_gives_transformers_logits(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("forked_launches")
-@pytest.mark.parametrize("layout", [["--parallel.tp=2"], ["--parallel.pp=2"],
-                                    ["--parallel.dp_shard=2", "--parallel.ep=2"],
-                                    ["--parallel.dp_shard=2", "--parallel.zero=3"],
-                                    ["--parallel.cp=2", "--parallel.cp_method=ring"]],
-                         ids=["tp2", "pp2", "ep2", "zero3", "cp2-ring"])
+# verify's command on this model, at one layout: how each layout trains it (tp 2, pp 2, ZeRO-3, cp 2 ring
+# too) is test_deepseek_shaped_model_trains_like_one_process's, step by step and in the final weights
+@pytest.mark.parametrize("layout", [["--parallel.dp_shard=2", "--parallel.ep=2"]], ids=["ep2"])
 def test_verify_passes_a_deepseek_shaped_model(tmp_path, capfd, layout):
     from test_window_parallel import _toml
 

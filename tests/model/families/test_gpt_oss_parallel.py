@@ -12,7 +12,14 @@ import pytest
 from scaletrain import cli
 from scaletrain.config import load_config
 
-from conftest import MICRO, assert_same_run, assert_same_weights, fit_reference, micro_overrides, run_group
+from conftest import (
+    MICRO,
+    assert_group_trains_alike,
+    fit_reference,
+    micro_overrides,
+    run_group,
+    wanted_params,
+)
 
 pytestmark = pytest.mark.multiproc
 
@@ -97,18 +104,29 @@ def cp_attention(trainer):
     return lambda: {"positions": mine.tolist(), "blocks": report}
 
 
+@pytest.fixture(scope="module")
+def cp_attention_runs(request, tmp_path_factory) -> dict:
+    """Each cp method's probe (cp_attention), the methods the session's tests ask for in one group of 2 ranks."""
+    tmp = tmp_path_factory.mktemp("cp-sinks")
+    wanted = wanted_params(request, "method")
+    methods = [m for m in ("ring", "allgather", "ulysses") if wanted is None or m in wanted]
+    runs = [micro_overrides(tmp / m, **{**BASE, **SHAPED, "train.steps": 1, "model.dim": 64, "model.n_heads": HEADS,
+                                        "model.head_dim": HEAD_DIM, "parallel.cp": 2, "parallel.cp_method": m})
+            for m in methods]
+    code, results, err = run_group(2, [{"overrides": run, "probe": "test_gpt_oss_parallel:cp_attention"}
+                                       for run in runs], tmp)
+    assert code == 0, err
+    return dict(zip(methods, results, strict=True))
+
+
 @pytest.mark.parametrize("method", ["ring", "allgather", "ulysses"])
-def test_context_parallel_attention_with_sinks_is_the_softmax_by_hand(tmp_path, method):
+def test_context_parallel_attention_with_sinks_is_the_softmax_by_hand(cp_attention_runs, method):
     import torch
 
     from scaletrain.model.window import Window
     from test_gpt_oss import attention_by_hand
 
-    run = micro_overrides(tmp_path / method, **{**BASE, **SHAPED, "train.steps": 1, "model.dim": 64,
-                                                "model.n_heads": HEADS, "model.head_dim": HEAD_DIM,
-                                                "parallel.cp": 2, "parallel.cp_method": method})
-    code, results, err = run_group(2, [{"overrides": run, "probe": "test_gpt_oss_parallel:cp_attention"}], tmp_path)
-    assert code == 0, err
+    result = cp_attention_runs[method]
     q, k, v, sinks, w = _inputs()
     pos = torch.arange(SEQ)
     for block, window in (("0", Window(5)), ("1", None)):
@@ -118,7 +136,7 @@ def test_context_parallel_attention_with_sinks_is_the_softmax_by_hand(tmp_path, 
         (ref * w).sum().backward()
         got = {key: torch.zeros_like(t) for key, t in (("out", q), ("dq", q), ("dk", k), ("dv", v))}
         dsinks = torch.zeros(HEADS)
-        for rank in results[0]["ranks"]:
+        for rank in result["ranks"]:
             mine, report = rank["probe"]["positions"], rank["probe"]["blocks"][block]
             for key in got:
                 got[key][:, :, mine] += torch.tensor(report[key])
@@ -145,20 +163,16 @@ def test_gpt_oss_trains_alike_under_every_layout(tmp_path):
         return values
 
     refs = {name: fit_reference(load_config(None, overrides(tmp_path / name / "one", name, {}))) for name in models}
-    cases = [(name, layout, extra) for name in models for layout, extra in LAYOUTS.items()]
-    jobs = [{"overrides": overrides(tmp_path / name / layout, name, extra)} for name, layout, extra in cases]
-    code, results, err = run_group(2, jobs, tmp_path)
-    assert code == 0, err
-    for (name, layout, _), result in zip(cases, results, strict=True):
-        assert_same_run(result["history"], refs[name]["history"], steps=3, what=f"{name} {layout}")
-        assert_same_weights(result["weights"], refs[name]["weights"], tol=1e-3, what=f"{name} {layout}")
+    assert_group_trains_alike(2, tmp_path, [(f"{name} {layout}", overrides(tmp_path / name / layout, name, extra),
+                                             refs[name]) for name in models for layout, extra in LAYOUTS.items()],
+                              steps=3)
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("forked_launches")
-@pytest.mark.parametrize("layout", [["--nproc=2", "--parallel.zero=3", "--parallel.ep=2"], ["--parallel.tp=2"],
-                                    ["--parallel.pp=2"], ["--parallel.cp=2", "--parallel.cp_method=ring"]],
-                         ids=["zero3-ep2", "tp2", "pp2", "cp2-ring"])
+# verify's command on the imported model, at one layout: how each layout trains it (tp 2, pp 2, cp 2 ring
+# too) is test_gpt_oss_trains_alike_under_every_layout's ("imported"), step by step and in the final weights
+@pytest.mark.parametrize("layout", [["--nproc=2", "--parallel.zero=3", "--parallel.ep=2"]], ids=["zero3-ep2"])
 def test_verify_passes_an_imported_gpt_oss(tmp_path, capfd, layout):
     hf = imported_gpt_oss(tmp_path / "hf")
     args = [f"--{k}={v}" for k, v in {**MICRO, **hf, "train.micro_batch": 2, "log.run_dir": str(tmp_path / "run")}
