@@ -107,11 +107,17 @@ def with_sizes(args: list[str], sizes: list[str]) -> list[str]:
 
 
 SHIM = """#!{python}
-# `scaletrain` for one docs block: the tree under test, with the block's sizes (tests/cli/docs_blocks.py)
+# `scaletrain` for one docs block: the tree under test, with the block's sizes (tests/cli/docs_blocks.py); a
+# fork of the test's command server where SCALETRAIN_CLI_SERVER names one (tests/cli_server.py), else a fresh
+# `python -m scaletrain`
 import os, sys
-sys.path.insert(0, {tests!r})
+path = sys.path[1:]  # a fresh interpreter's, less this script's folder
+sys.path[:0] = [{tests!r}, os.path.dirname({tests!r})]
 from docs_blocks import with_sizes
 args = with_sizes(sys.argv[1:], {sizes!r})
+if os.environ.get("SCALETRAIN_CLI_SERVER"):
+    from cli_server import client
+    client(os.environ["SCALETRAIN_CLI_SERVER"], args, path)
 os.execv(sys.executable, [sys.executable, "-m", "scaletrain", *args])
 """
 
