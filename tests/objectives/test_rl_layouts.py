@@ -14,14 +14,7 @@ import pytest
 from scaletrain.verify import TOLERANCES
 from test_rl_training import write_prompts, write_record
 
-from conftest import (
-    assert_same_run,
-    assert_same_weights,
-    layouts_on_two_ranks,
-    one_process_key,
-    one_process_references,
-    run_here,
-)
+from conftest import assert_same_run, assert_same_weights, layouts_on_two_ranks, one_process_key, one_process_references
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.usefixtures("forked_launches")]
 
@@ -97,11 +90,13 @@ def test_verify_of_an_rl_config_records_the_references_rollouts_and_replays_them
     """`scaletrain verify` of an RL config under pipeline parallelism (which cannot sample): the one-process
     reference samples and records, the layout trains on the same completions; PASS, and the table shows the loss
     of each round's second update (μ = 2) away from 0."""
-    r = run_here("verify", "--nproc", "2", "--steps", "4", "--parallel.pp=2", "--train.micro_batch=2",
-                 "--train.objective=rl", f"--rl.prompts={task['rl.prompts']}", "--rl.rewards=scaletrain.bench.rl_task:"
-                 "ascii_share", "--rl.max_new_tokens=6", "--rl.group_size=4", "--train.global_batch=8",
-                 "--rl.updates=2", "--model.dim=64", "--model.n_layers=4", "--model.n_heads=4",
-                 "--model.max_seq_len=32", "--data.seq_len=32", f"--log.run_dir={tmp_path / 'verify'}")
+    from conftest import run_cli
+
+    r = run_cli("verify", "--nproc", "2", "--steps", "4", "--parallel.pp=2", "--train.micro_batch=2",
+                "--train.objective=rl", f"--rl.prompts={task['rl.prompts']}", "--rl.rewards=scaletrain.bench.rl_task:"
+                "ascii_share", "--rl.max_new_tokens=6", "--rl.group_size=4", "--train.global_batch=8", "--rl.updates=2",
+                "--model.dim=64", "--model.n_layers=4", "--model.n_heads=4", "--model.max_seq_len=32",
+                "--data.seq_len=32", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "it samples the rollouts, which the layout replays" in r.stdout
     assert r.stdout.strip().endswith("PASS")
