@@ -108,11 +108,14 @@ def run_forked(task: str, args: list[str], nproc: int, timeout: float = 600) -> 
                                                  list(args))) for r in range(nproc)]
         for p in procs:
             p.start()
-        deadline, code = time.monotonic() + timeout, 0
+        deadline, code, killed = time.monotonic() + timeout, 0, ""
         while any(p.exitcode is None for p in procs):
-            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
             if failed or time.monotonic() > deadline:
-                code = failed[0] if failed else 143
+                code = failed[0][1] if failed else 143
+                # a rank ended by a signal that no one here sent writes nothing itself: say which and which
+                killed = "".join(f"tests/forked_ranks.py: rank {r} ended by signal {signal.Signals(-c).name}\n"
+                                 for r, c in failed if c < 0)
                 _stop(procs)
                 break
             for p in procs:
@@ -120,7 +123,7 @@ def run_forked(task: str, args: list[str], nproc: int, timeout: float = 600) -> 
         if not code:
             code = next((p.exitcode for p in procs if p.exitcode), 0)
         with open(err_path) as f:
-            return (code if code >= 0 else 128 - code), f.read()
+            return (code if code >= 0 else 128 - code), f.read() + killed
 
 
 def _stop(procs) -> None:
