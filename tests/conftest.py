@@ -210,11 +210,18 @@ def launch_here(task: str, args: list[str], nproc: int, timeout: float = 600) ->
     interpreter start-up per group), its stderr and its ranks' captured; returns (exit code,
     stderr). Past `timeout` the launcher gets SIGTERM, as from a user: the ranks stop and it
     returns 143."""
+    from scaletrain.launch.launcher import launch
+
+    return stderr_of(lambda: launch(task, args, nproc=nproc, pythonpath=(str(REPO / "tests"),)), timeout)
+
+
+def stderr_of(call, timeout: float) -> tuple:
+    """(call(), what was written to fd 2 meanwhile: this process's stderr and that of every process it
+    starts, which inherit it). Past `timeout` this process gets SIGTERM, as from a user, for `call` (a
+    launcher, ft-local) to pass on to what it started."""
     import signal
     import tempfile
     import threading
-
-    from scaletrain.launch.launcher import launch
 
     with tempfile.TemporaryFile(mode="w+") as captured:
         sys.stderr.flush()
@@ -224,7 +231,7 @@ def launch_here(task: str, args: list[str], nproc: int, timeout: float = 600) ->
         timer = threading.Timer(timeout, os.kill, (os.getpid(), signal.SIGTERM))
         timer.start()
         try:
-            code = launch(task, args, nproc=nproc, pythonpath=(str(REPO / "tests"),))
+            result = call()
         finally:
             timer.cancel()
             sys.stderr.close()
@@ -232,7 +239,7 @@ def launch_here(task: str, args: list[str], nproc: int, timeout: float = 600) ->
             os.dup2(saved_fd, 2)
             os.close(saved_fd)
         captured.seek(0)
-        return code, captured.read()
+        return result, captured.read()
 
 
 def mount_tmpfs(path: Path, options: str) -> bool:

@@ -94,11 +94,9 @@ def test_chat_template_masks_exactly_the_assistants_tokens(tmp_path, variant):
     transformers = pytest.importorskip("transformers")
     from test_hf_tokenizer import make_hf_folder
 
-    hf = make_hf_folder(tmp_path / "hf", variant)
-    config = json.loads((hf / "tokenizer_config.json").read_text())
-    config["chat_template"] = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-                               "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
-    (hf / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = make_hf_folder(tmp_path / "hf", variant,
+                        chat_template=("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                                       "{% if add_generation_prompt %}<s>assistant\n{% endif %}"))
     records = conversations(12)
     prepare([write_jsonl(tmp_path / "chat.jsonl", records)], tmp_path / "tok", tokenizer=str(hf),
             chat_format="template")
@@ -148,13 +146,11 @@ def test_a_chat_template_that_raises_is_one_line_with_the_record_and_its_message
     pytest.importorskip("transformers")
     from test_hf_tokenizer import make_hf_folder
 
-    hf = make_hf_folder(tmp_path / "hf", "no-special")
-    config = json.loads((hf / "tokenizer_config.json").read_text())
-    config["chat_template"] = ("{% for m in messages %}{% if m['role'] == 'system' %}"
-                               "{{ raise_exception('System role not supported') }}{% endif %}"
-                               "<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-                               "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
-    (hf / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = make_hf_folder(tmp_path / "hf", "no-special",
+                        chat_template=("{% for m in messages %}{% if m['role'] == 'system' %}"
+                                       "{{ raise_exception('System role not supported') }}{% endif %}"
+                                       "<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                                       "{% if add_generation_prompt %}<s>assistant\n{% endif %}"))
     records = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
                {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
                              {"role": "assistant", "content": "yo"}]}]
@@ -423,9 +419,7 @@ def test_templates_that_rewrite_a_prefix_are_refused_and_an_empty_answer_is_coun
     templates = {"counting": "{{ messages|length }}{% for m in messages %}{{ m['content'] }}\n{% endfor %}",
                  "bare": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
     for name, template in templates.items():
-        hf = make_hf_folder(tmp_path / name, "no-special")
-        config = json.loads((hf / "tokenizer_config.json").read_text())
-        (hf / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+        hf = make_hf_folder(tmp_path / name, "no-special", chat_template=template)
         if name == "counting":
             with pytest.raises(DataError) as refused:
                 prepare([chat], tmp_path / f"{name}-tok", tokenizer=str(hf), chat_format="template")
@@ -495,11 +489,9 @@ def test_an_opening_assistant_turn_counts_its_content_and_not_its_header(tmp_pat
     transformers = pytest.importorskip("transformers")
     from test_hf_tokenizer import make_hf_folder
 
-    hf = make_hf_folder(tmp_path / "hf", "no-special")
-    config = json.loads((hf / "tokenizer_config.json").read_text())
-    config["chat_template"] = ("[{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n"
-                               "{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}")
-    (hf / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = make_hf_folder(tmp_path / "hf", "no-special",
+                        chat_template=("[{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n"
+                                       "{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}"))
     turns = [{"role": "assistant", "content": "hello there"}, {"role": "user", "content": "hi"},
              {"role": "assistant", "content": "yo"}]
     prepare([write_jsonl(tmp_path / "chat.jsonl", [{"messages": turns}])], tmp_path / "tok", tokenizer=str(hf),
@@ -521,10 +513,9 @@ def test_a_template_that_refuses_a_prefix_names_the_record(tmp_path, refusal, me
     pytest.importorskip("transformers")
     from test_hf_tokenizer import make_hf_folder
 
-    hf = make_hf_folder(tmp_path / "hf", "no-special")
-    config = json.loads((hf / "tokenizer_config.json").read_text())
-    config["chat_template"] = refusal + "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    (hf / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = make_hf_folder(tmp_path / "hf", "no-special",
+                        chat_template=refusal + "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                                                "{% endfor %}")
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": turns + turns}])
     with pytest.raises(DataError) as refused:

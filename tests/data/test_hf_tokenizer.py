@@ -27,9 +27,10 @@ DOCS = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(5 + i % 9)) for 
 DOCS[3] = "Ünïcode, digits 12345 and  double  spaces\nand a newline"
 
 
-def make_hf_folder(folder: Path, variant: str = "bos") -> Path:
-    """A model folder as transformers saves it: tokenizer.json + tokenizer_config.json, and a
-    config.json whose vocab_size is larger than the tokenizer's (padding rows).
+def make_hf_folder(folder: Path, variant: str = "bos", chat_template: str | None = None) -> Path:
+    """A model folder as transformers saves it: tokenizer.json + tokenizer_config.json (with
+    `chat_template` when given), and a config.json whose vocab_size is larger than the tokenizer's
+    (padding rows).
 
     bos: tokenizer.json's post-processor adds <s>
     bos-eos: it adds <s> and </s>: encoding already ends each document
@@ -46,10 +47,12 @@ def make_hf_folder(folder: Path, variant: str = "bos") -> Path:
                                                 add_bos_token=variant.startswith("bos"),
                                                 add_eos_token=variant == "bos-eos")
     fast.save_pretrained(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
     if variant == "config-only":
-        config = json.loads((folder / "tokenizer_config.json").read_text())
         config.update(add_bos_token=True, pad_token="<pad>")
-        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": len(fast) + 20}))
     return folder
 

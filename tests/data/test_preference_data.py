@@ -82,11 +82,9 @@ def test_conversations_are_rendered_with_the_tokenizers_chat_template(tmp_path):
     transformers = pytest.importorskip("transformers")
     from test_hf_tokenizer import make_hf_folder
 
-    hf = make_hf_folder(tmp_path / "hf", "no-special")
-    config = json.loads((hf / "tokenizer_config.json").read_text())
-    config["chat_template"] = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-                               "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
-    (hf / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = make_hf_folder(tmp_path / "hf", "no-special",
+                        chat_template=("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                                       "{% if add_generation_prompt %}<s>assistant\n{% endif %}"))
     prompt = turns(("system", "be brief"), ("user", "the quick fox"))
     rows = [{"prompt": prompt, "chosen": turns(("assistant", "jumps over")), "rejected": turns(("assistant", "naps"))}]
     meta = prepare([write_jsonl(tmp_path / "p.jsonl", rows)], tmp_path / "out", tokenizer=str(hf),

@@ -22,7 +22,7 @@ import pytest
 from scaletrain.config import load_config
 from scaletrain.errors import ConfigError
 
-from conftest import MICRO, REPO, micro_cfg, one_line_exit_2, read_metrics, run_cli, run_here
+from conftest import MICRO, REPO, micro_cfg, one_line_exit_2, read_metrics, run_cli, run_here, stderr_of
 
 FT = {"fault_tolerance.enabled": True, "fault_tolerance.lighthouse": "http://127.0.0.1:1"}
 # two groups of one rank, each with half of a batch of 8 windows (CLI options: `scaletrain ft-local`)
@@ -332,39 +332,22 @@ def _ft_local_here(run_dir: Path, groups: int, *args: str, timeout: float) -> tu
     Lighthouse and groups are real processes as ever, only ft-local's own interpreter start-up is saved.
     Returns (exit code, the stderr of ft-local and of every process of the job: fd 2, which they inherit).
     Past `timeout` it gets SIGTERM, as from a user: it passes it on to its groups, which save and stop."""
-    import tempfile
-    import threading
-
     from scaletrain import cli
 
     saved_env = {k: os.environ.get(k) for k in ("PYTHONPATH", "RUST_LOG")}
     os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])  # for --rank-hook
     before = os.getcwd()
-    with tempfile.TemporaryFile(mode="w+") as captured:
-        sys.stderr.flush()
-        saved_fd, saved_stream = os.dup(2), sys.stderr
-        os.dup2(captured.fileno(), 2)
-        sys.stderr = os.fdopen(os.dup(2), "w", buffering=1)
-        timer = threading.Timer(timeout, os.kill, (os.getpid(), signal.SIGTERM))
-        timer.start()
-        try:
-            os.chdir(REPO)
-            code = cli.main(["ft-local", "--groups", str(groups), *GROUP, f"--log.run_dir={run_dir}",
-                             "--heartbeat-timeout-ms=1000", *args])
-        finally:
-            timer.cancel()
-            os.chdir(before)
-            sys.stderr.close()
-            sys.stderr = saved_stream
-            os.dup2(saved_fd, 2)
-            os.close(saved_fd)
-            for k, v in saved_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        captured.seek(0)
-        return code, captured.read()
+    os.chdir(REPO)
+    try:
+        return stderr_of(lambda: cli.main(["ft-local", "--groups", str(groups), *GROUP, f"--log.run_dir={run_dir}",
+                                           "--heartbeat-timeout-ms=1000", *args]), timeout)
+    finally:
+        os.chdir(before)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _ended(job: subprocess.Popen, timeout: float) -> str:
