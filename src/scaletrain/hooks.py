@@ -18,6 +18,7 @@ members only it has (`OuterLoop`).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Iterable
 
@@ -89,6 +90,9 @@ class OuterLoop(StepHook):
     # (index, count): this rank's data-parallel group is group `index` of `count` that read apart as one
     # job's data-parallel ranks, in processes of their own (fault tolerance's replica groups)
     data_outer: tuple[int, int] = (0, 1)
+    # what a wait for other processes before a step (`start`, `begin_step`: a quorum) runs inside; the run
+    # sets its stop signals' (StopSignals.interruptible: a stop raises StopWaiting there, not a step later)
+    interruptible: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def start(self) -> None:
         """Once the run is built (and resumed), before its first step: a copy that may take the run's

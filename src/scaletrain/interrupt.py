@@ -32,6 +32,12 @@ class Terminated(BaseException):
     """SIGTERM before the trainer handles it: the SIGTERM counterpart of KeyboardInterrupt."""
 
 
+class StopWaiting(Exception):
+    """A stop signal came while a training run waited for other processes before a step (replica groups'
+    quorum: up to fault_tolerance.quorum_timeout_s): raised where it waited, the run stops before that
+    step and saves the steps it took, as at a step's end (train.health.StopSignals.interruptible)."""
+
+
 def stop_exception(signum: int) -> BaseException:
     return KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
 

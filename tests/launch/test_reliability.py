@@ -91,6 +91,45 @@ def test_sigkilled_worker_restarts_the_group_which_resumes_exactly(tmp_path):
         [(r["step"], r["loss"], r["grad_norm"]) for r in reference]  # every step, every bit
 
 
+STUCK_SURVIVOR = """
+import os, signal, threading, time
+def hook(trainer):
+    real = trainer.train_step
+    def step(batches):
+        if trainer.state.step + 1 == 3 and trainer.rt.rank == 1:
+            open(os.environ["MARKS"] + "/killed", "w").write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        if trainer.state.step + 1 == 3:  # rank 0: stuck where no signal reaches Python (a wait in C++)
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, signal.SIGTERM])
+            for _ in range(1200):
+                open(os.environ["MARKS"] + "/alive", "w").write(repr(time.time()))
+                time.sleep(0.1)
+        return real(batches)
+    trainer.train_step = step
+    return trainer
+"""
+
+
+@pytest.mark.multiproc
+def test_the_ranks_left_after_a_rank_died_are_stopped_within_a_few_seconds(tmp_path):
+    """Rank 1 SIGKILLed at step 3 while rank 0 waits where SIGTERM cannot reach it (a collective, a
+    commit vote in C++): the launcher SIGKILLs rank 0 FAILED_GROUP_GRACE_S after its SIGTERM, not
+    torch's 30 s (a save is a collective: with a peer gone, no rank can make one), so the group restarts
+    or the job ends seconds after the failure. A stop by the user's signal keeps the whole grace
+    (test_signal_to_the_launcher_saves_a_checkpoint_and_exits_128_plus_it)."""
+    from scaletrain.launch.launcher import FAILED_GROUP_GRACE_S
+
+    (tmp_path / "stuck_survivor.py").write_text(STUCK_SURVIVOR)
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    r = run_cli("train", "--nproc", "2", *TRAIN, "--train.steps=6", f"--log.run_dir={tmp_path / 'run'}",
+                "--max-restarts=0", "--rank-hook=stuck_survivor:hook",
+                env={"PYTHONPATH": path, "MARKS": str(tmp_path)})
+    assert r.returncode != 0 and "rank 1" in r.stderr, r.stderr
+    killed, last_alive = (float((tmp_path / name).read_text()) for name in ("killed", "alive"))
+    # the agent notices within a few tenths, then the grace; 30 s: the grace of torch's default
+    assert last_alive - killed < FAILED_GROUP_GRACE_S + 10 < 30, (last_alive - killed, r.stderr[-2000:])
+
+
 @pytest.mark.multiproc
 def test_a_rank_that_stops_participating_fails_the_job_within_the_timeout(tmp_path):
     # rank 1 issues step 3's gradient reduction, then sleeps instead of reaching the next collective

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from scaletrain.errors import CheckpointError, ConfigError, UserError
+from scaletrain.interrupt import StopWaiting
 from scaletrain.train import checkpoint as ckpt
 from scaletrain.train import dcp_safe
 from scaletrain.train.trainer import Trainer
@@ -232,6 +233,39 @@ def test_only_listed_metadata_classes_are_accepted():
 
 # --------------------------------------------------------------------------------------------
 # Saves survive signals
+
+
+def test_a_signal_while_a_step_waits_to_begin_stops_before_it_saved(tmp_path):
+    """A step that waits for other processes before it begins (replica groups' quorum: up to minutes) is
+    cut short by a stop signal: the run stops at the steps it took, saved, and does not sit out the wait
+    (a launcher's grace would run out first and SIGKILL the rank unsaved). A signal before the wait
+    stops it before waiting at all; outside such a wait a signal still stops the run at a step's end."""
+    from scaletrain.hooks import StepHook
+
+    trainer = Trainer(micro_cfg(tmp_path, **{"train.steps": 50}))
+    waited = []
+
+    class Quorum(StepHook):
+        def begin_step(self, loss_factor):
+            if trainer.step == 3:  # before step 4: waits for peers that never come
+                threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+                started = time.monotonic()
+                with trainer.hooks.outer.interruptible():
+                    threading.Event().wait(60)
+                waited.append(time.monotonic() - started)  # not reached: the wait is cut short
+
+    trainer.hooks.add(Quorum())
+    started = time.monotonic()
+    result = trainer.fit()
+    assert time.monotonic() - started < 30 and not waited
+    assert result["stopped_by"] == signal.SIGTERM and result["step"] == 3
+    assert result["checkpoint"].endswith("step_00000003")
+    assert ckpt.verify_checkpoint(Path(result["checkpoint"])) is None
+    assert [r["step"] for r in read_metrics(tmp_path / "run")][-1] == 3
+    signals = trainer.health.signals
+    signals.received = signal.SIGINT  # already stopping: no wait is begun
+    with pytest.raises(StopWaiting), signals.interruptible():
+        raise AssertionError("the wait began")
 
 
 def test_a_signal_during_the_stop_save_does_not_interrupt_it(tmp_path):

@@ -28,6 +28,7 @@ from scaletrain.errors import LaunchError, TrainingStopped, UserError, user_erro
 from scaletrain.runtime import LAUNCHER_PID_ENV
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # a rank stopped by one saved a checkpoint and exits 128 + it
+FAILED_GROUP_GRACE_S = 5  # SIGTERM to SIGKILL for the ranks left once one failed (_no_restart_after_final_failures)
 
 
 def record_worker_error(e: BaseException, rank: int) -> int:
@@ -216,10 +217,17 @@ def _final_failure(failure) -> bool:
 def _no_restart_after_final_failures():
     """The elastic agent restarts the group after any failure while restarts are left; after a
     final one (a user error, a diverged run, a stop by signal) leave none, so the job ends with
-    that failure's exit code. Torch disables restarts the same way for a rank stuck in D-state."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    that failure's exit code. Torch disables restarts the same way for a rank stuck in D-state.
 
-    original = LocalElasticAgent._monitor_workers
+    Once a rank has failed, torch stops the others with SIGTERM and SIGKILLs them after a grace of
+    30 s. They cannot save: every checkpoint save is a collective of all ranks, and a peer is gone. A
+    rank waiting in a collective or a commit vote with the dead one (a replica group's) sat out the
+    whole grace: the restart came 30 s late. After a failure the grace is FAILED_GROUP_GRACE_S; a stop
+    by the user's signal keeps the whole of it (the ranks finish their step and save)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+
+    original, original_close = LocalElasticAgent._monitor_workers, SubprocessContext.close
 
     def monitor(agent, worker_group):
         result = original(agent, worker_group)
@@ -227,11 +235,16 @@ def _no_restart_after_final_failures():
             agent._remaining_restarts = 0
         return result
 
-    LocalElasticAgent._monitor_workers = monitor
+    def close(context, death_sig=None, timeout=30):
+        if death_sig is None and context._failures:  # torch's own stop of the others, a rank having failed
+            timeout = min(timeout, FAILED_GROUP_GRACE_S)
+        original_close(context, death_sig, timeout)
+
+    LocalElasticAgent._monitor_workers, SubprocessContext.close = monitor, close
     try:
         yield
     finally:
-        LocalElasticAgent._monitor_workers = original
+        LocalElasticAgent._monitor_workers, SubprocessContext.close = original, original_close
 
 
 def _interface_towards(host: str) -> str | None:

@@ -67,6 +67,7 @@ from torch.distributed import ReduceOp
 
 from scaletrain.errors import ConfigError, QuorumNotFormed, TrainingStopped
 from scaletrain.hooks import Named, OuterLoop
+from scaletrain.interrupt import StopWaiting
 from scaletrain.optim import init_optimizer_state
 from scaletrain.parallel.moe_balance import MoEBalance
 
@@ -221,6 +222,7 @@ class ReplicaGroups(OuterLoop):
         self.joined = False  # the first step's quorum was joined before the loop (start)
         self.committed = True
         self.participants = 0
+        self.writer = True  # whether this group writes the checkpoints (the lowest id in its last quorum)
         self.uncommitted = 0  # steps of this run not committed (a group died in them)
         self.healed = 0  # times this group took its state from a peer
         self.moe: dict[str, nn.Module] = {}  # the MoE layers whose routing biases the groups move together
@@ -351,7 +353,10 @@ class ReplicaGroups(OuterLoop):
             note.start()
         started = time.monotonic()
         try:
-            self.manager.start_quorum()
+            with self.interruptible():  # a stop signal here stops the run before this step, saved (not after it)
+                self.manager.start_quorum()
+        except StopWaiting:
+            raise
         except Exception as e:
             # the Lighthouse gone (it is the job's single point of failure) is a stop, not a restart: raised
             # outside this block so that the launcher sees no communication error behind it (no restart)
@@ -362,6 +367,7 @@ class ReplicaGroups(OuterLoop):
         else:
             if (why := self.disagreement()) is not None:  # formed: the group leaves before any collective
                 raise ConfigError(why)
+            self.writer = self.manager.participating_rank() == 0  # the lowest replica id of the quorum
             return
         finally:
             note.cancel()
@@ -417,7 +423,9 @@ class ReplicaGroups(OuterLoop):
         return f"not committed by the replica groups (a group failed in it{seen}; {self.participants} in its quorum)"
 
     def writes_checkpoint(self) -> bool:
-        return self.manager.participating_rank() == 0  # the lowest replica id of the quorum
+        # as of the last quorum formed: a stop that cut the wait for the next one (StopWaiting) leaves torchft's
+        # quorum pending, which asking torchft again would wait for
+        return self.writer
 
     def metrics(self) -> dict[str, float]:
         return {"ft_groups": float(self.participants), "ft_uncommitted": float(self.uncommitted),

@@ -18,6 +18,7 @@ window, no cache), on every rank of the group; the steps' tokens/s leave it out.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,19 +57,27 @@ def task_specs(names: list[str], include: str, what: str) -> tuple[list, object]
     """What lm-eval loads for `names` (a shipped task as its config, its data files made absolute; any
     other by name), and the TaskManager that knows them (eval.include's YAML files as well). An
     unknown name or a missing folder: a ConfigError."""
-    from lm_eval.tasks import TaskManager
-
     if include and not Path(include).is_dir():
         raise ConfigError(f"{what}: include folder {include} does not exist; give a folder of lm-eval task YAML files")
     shipped = shipped_tasks()
     others = [n for n in names if n not in shipped]
-    # lm-eval's own index of its ~15,000 tasks takes seconds to build: only when a name needs it
-    manager = TaskManager(include_path=include or None, include_defaults=bool(others))
+    # lm-eval's own index of its ~15,000 tasks takes seconds to build: only when a name needs it, and once a
+    # process (a run's evaluations and the eval command each asked for it again: seconds every time)
+    manager = _task_index(str(Path(include).resolve()) if include else "", bool(others))
     for name in others:
         if name not in manager.all_tasks:
             raise ConfigError(f"{what}: unknown task {name!r}{did_you_mean(name, [*shipped, *manager.all_tasks])}; "
                               f"scaletrain ships {', '.join(shipped)}; lm-eval's are listed by `lm-eval ls tasks`")
     return [_shipped_spec(shipped[n]) if n in shipped else n for n in names], manager
+
+
+@functools.lru_cache(maxsize=8)
+def _task_index(include: str, defaults: bool):
+    """lm-eval's TaskManager over the YAML files of `include` (an absolute folder, or "") and, with
+    `defaults`, lm-eval's own tasks: what it indexed first is kept for the rest of the process."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include or None, include_defaults=defaults)
 
 
 def _shipped_spec(path: Path) -> dict:

@@ -13,6 +13,7 @@ SIGINT and SIGTERM while a run trains: the run stops at the end of its step, wit
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import signal
@@ -26,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from scaletrain import watchdog
 from scaletrain.errors import CheckpointError, ConfigError, DataError, TrainingStopped, UserError
-from scaletrain.interrupt import EarlySignals
+from scaletrain.interrupt import EarlySignals, StopWaiting
 
 
 def _worker_line(line: str) -> str:
@@ -277,12 +278,13 @@ class StopSignals:
     """SIGINT and SIGTERM while a run trains (between `install` and `restore`): the first is
     kept in `received`, and the run stops at the end of its step, saved; another says the run is
     already stopping. `received` may be set by hand (every rank stops alike: see the trainer's
-    end of step)."""
+    end of step). Inside `interruptible()` a wait before a step is cut short instead."""
 
     def __init__(self, rank: int):
         self.rank = rank
         self.received: int | None = None
         self._old: dict = {}
+        self._waiting = False
 
     def _handler(self, signum, frame) -> None:
         if self.received is not None:
@@ -290,6 +292,23 @@ class StopSignals:
                 print(f"scaletrain: {signal.Signals(signum).name} again: already stopping; the checkpoint "
                       "save finishes first (SIGKILL would lose it)", file=sys.stderr, flush=True)
         self.received = self.received or signum
+        if self._waiting:
+            self._waiting = False
+            raise StopWaiting(signal.Signals(signum).name)
+
+    @contextlib.contextmanager
+    def interruptible(self):
+        """Around a wait of the main thread for other processes before a step begins (a quorum of
+        replica groups, which may take minutes): a stop signal, now or already received, raises
+        StopWaiting there, and the run stops before that step, saved, instead of after it. (Python
+        runs the handler inside the wait: a lock's acquire is interrupted by signals on POSIX.)"""
+        if self.received is not None:
+            raise StopWaiting(signal.Signals(self.received).name)
+        self._waiting = True
+        try:
+            yield
+        finally:
+            self._waiting = False
 
     def install(self) -> None:
         self._old = {}

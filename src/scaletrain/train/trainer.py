@@ -27,6 +27,7 @@ from scaletrain.config import JobConfig, parse_mix
 from scaletrain.data.loader import StepSampler, build_loader
 from scaletrain.data.mix import open_training_data, step_sampler
 from scaletrain.errors import ConfigError
+from scaletrain.interrupt import StopWaiting, stop_exception
 from scaletrain.legality import check_config, check_data
 from scaletrain.model.flops import flops_per_token
 from scaletrain.model.generate import sample_text
@@ -131,6 +132,7 @@ class Trainer:
                              loss_scale_free=cfg.train.objective == "rl")  # a policy loss: no yardstick
         self.hooks.enter, self.health.skip_reason = self.health.enter, self.hooks.skip_reason
         self.hooks.say_to(self.metrics.info)  # what a technique sees go wrong (a collapsed router), when it does
+        self.hooks.outer.interruptible = self.health.signals.interruptible  # a stop cuts a wait before a step
         if resume_from is not None:
             self._resume(resume_from)
         self._writer = writer_for(cfg, rt.device)  # checkpoints: at once, or in the background (async_save)
@@ -396,7 +398,10 @@ class Trainer:
         try:
             # first a hook may take the run's state from a peer (a restarted replica group heals): the folder's
             # history is then kept up to the step it goes on from, not cut back to where this process began
-            self.hooks.start()
+            try:
+                self.hooks.start()
+            except StopWaiting:  # a stop before this process took a step: nothing of its own to save
+                raise stop_exception(self.health.signals.received) from None
             st = self.state
             self.folder.take_ownership(st.run_id, st.lineage, st.step, st.resumed_from, self.metrics.info)
             announce(self)
@@ -427,7 +432,11 @@ class Trainer:
         while self.step < cfg.train.steps:
             self.health.begin_step(self.step + 1)
             set_lr(self.optimizer, self.schedule.lr(self.step))
-            if (done := guarded(self.train_step, batches)) is None:
+            try:
+                done = guarded(self.train_step, batches)
+            except StopWaiting:  # a stop signal while the step waited to begin (a quorum): _finish saves the steps done
+                break
+            if done is None:
                 break  # the data failed under the run (health.fault): _finish saves the steps done
             local_loss, grad_norm, skipped, wait = done
             self.state.step += 1
