@@ -539,9 +539,10 @@ def phase_kills(tmp_path_factory):
 
     run = tmp_path_factory.mktemp("ftphases") / "ft"
     write_plan(run, PHASE_KILLS, record=True)
+    # (a group killed while healing leaves the others in that step's all-reduce for the step timeout: 15 s)
     code, err = _ft_local_here(run, 3, "--min-replicas", "3", f"--train.steps={PHASE_STEPS}", "--checkpoint.every=4",
                                "--checkpoint.keep=10", "--fault_tolerance.quorum_timeout_s=120",
-                               "--rank-hook=ft_faults:inject", timeout=600)
+                               "--fault_tolerance.step_timeout_s=15", "--rank-hook=ft_faults:inject", timeout=600)
     assert code == 0, err[-3000:]
     return run, fired(run), err
 
