@@ -44,10 +44,13 @@ def test_nproc_launches_ranks_and_only_rank0_prints(tmp_path):
 
 @pytest.mark.multiproc
 def test_torchrun_runs_the_same_workers(tmp_path):
+    """torchrun starts the workers `scaletrain train --nproc` starts: with parallel.layout=auto rank 0
+    chooses the layout (data parallel over the 2 ranks) and every rank follows."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "scaletrain", "train", *ARGS, "--parallel.zero=3", f"--log.run_dir={tmp_path / 'run'}"]
+           "-m", "scaletrain", "train", *ARGS, "--parallel.layout=auto", f"--log.run_dir={tmp_path / 'run'}"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr
+    assert "parallel.layout=auto chose dp 2" in r.stderr and "layout: 2 rank(s)" in r.stderr, r.stderr
     assert [row["step"] for row in read_metrics(tmp_path / "run")] == [1, 2, 3]
 
 
@@ -101,12 +104,7 @@ def test_auto_layout(tmp_path):
     r = run_cli("train", "--nproc", "2", "--parallel.layout=auto", *ARGS, f"--log.run_dir={tmp_path / 'two'}")
     assert r.returncode == 0, r.stderr
     assert "parallel.layout=auto chose" in r.stderr and "layout: 2 rank(s)" in r.stderr
-    # under torchrun rank 0 chooses and every rank follows
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "scaletrain", "train", *ARGS, "--parallel.layout=auto", f"--log.run_dir={tmp_path / 'tr'}"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert r.returncode == 0, r.stderr
-    assert [row["step"] for row in read_metrics(tmp_path / "tr")] == [1, 2, 3]
+    # (under torchrun: test_torchrun_runs_the_same_workers)
     r = run_here("train", "--parallel.layout=auto", "--parallel.tp=2", "--train.steps=1")
     assert r.returncode == 2 and "leave parallel.tp at their defaults" in r.stderr
 
