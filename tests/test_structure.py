@@ -352,8 +352,9 @@ def hook_members(package: Path = PACKAGE, protocol: str = "StepHook") -> dict[st
             {t.attr for n in ast.walk(cls) if isinstance(n, ast.Assign) for t in n.targets
              if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
 
-    # (phase and key name a hook; say is where the run sends its lines: none is work a technique implements)
-    below, found = {protocol}, {m: set() for m in members(classes[protocol]) - {"phase", "key", "say"}}
+    # (phase and key name a hook; say is where the run sends its lines, interruptible what its waits run inside:
+    # none is work a technique implements)
+    below, found = {protocol}, {m: set() for m in members(classes[protocol]) - {"phase", "key", "say", "interruptible"}}
     trees = {f: ast.parse(f.read_text()) for f in sorted(package.rglob("*.py")) if f != hooks_py}
     grew, every = True, [ast.parse(hooks_py.read_text()), *trees.values()]
     while grew:  # the classes below the protocol, however deep

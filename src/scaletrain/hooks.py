@@ -90,8 +90,9 @@ class OuterLoop(StepHook):
     # (index, count): this rank's data-parallel group is group `index` of `count` that read apart as one
     # job's data-parallel ranks, in processes of their own (fault tolerance's replica groups)
     data_outer: tuple[int, int] = (0, 1)
-    # what a wait for other processes before a step (`start`, `begin_step`: a quorum) runs inside; the run
-    # sets its stop signals' (StopSignals.interruptible: a stop raises StopWaiting there, not a step later)
+    # what a wait for other processes before a step (`start`, `begin_step`: a quorum) runs inside: not a
+    # member a technique implements; the run gives its stop signals' with StepHooks.interrupt_waits_with
+    # (StopSignals.interruptible: a stop raises StopWaiting there, not a step later)
     interruptible: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def start(self) -> None:
@@ -180,6 +181,10 @@ class StepHooks:
         """Where the hooks' lines go from now on (the run's log)."""
         for h in self.hooks:
             h.say = say
+
+    def interrupt_waits_with(self, interruptible: Callable[[], contextlib.AbstractContextManager]) -> None:
+        """What the outer loop's waits before a step run inside from now on (the run's stop signals)."""
+        self.outer.interruptible = interruptible
 
     def checkpoint_tensors(self, tensors: dict) -> dict:
         for h in self.hooks:

@@ -250,7 +250,7 @@ def test_a_signal_while_a_step_waits_to_begin_stops_before_it_saved(tmp_path):
             if trainer.step == 3:  # before step 4: waits for peers that never come
                 threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
                 started = time.monotonic()
-                with trainer.hooks.outer.interruptible():
+                with trainer.hooks.outer.interruptible():  # as the run gave it (interrupt_waits_with)
                     threading.Event().wait(60)
                 waited.append(time.monotonic() - started)  # not reached: the wait is cut short
 

@@ -132,7 +132,7 @@ class Trainer:
                              loss_scale_free=cfg.train.objective == "rl")  # a policy loss: no yardstick
         self.hooks.enter, self.health.skip_reason = self.health.enter, self.hooks.skip_reason
         self.hooks.say_to(self.metrics.info)  # what a technique sees go wrong (a collapsed router), when it does
-        self.hooks.outer.interruptible = self.health.signals.interruptible  # a stop cuts a wait before a step
+        self.hooks.interrupt_waits_with(self.health.signals.interruptible)  # a stop cuts a wait before a step
         if resume_from is not None:
             self._resume(resume_from)
         self._writer = writer_for(cfg, rt.device)  # checkpoints: at once, or in the background (async_save)
