@@ -653,7 +653,7 @@ def test_with_fewer_groups_alive_than_configured_the_step_is_the_mean_of_the_liv
     run = tmp_path / "ft"
     write_plan(run, [{"group": 0, "step": 3, "phase": "forward"}], record=True)
     code, err = _ft_local_here(run, 3, "--min-replicas", "2", "--train.steps=8", "--checkpoint.every=1",
-                               "--checkpoint.keep=10", "--fault_tolerance.quorum_timeout_s=20", *SGD,
+                               "--checkpoint.keep=10", "--fault_tolerance.quorum_timeout_s=12", *SGD,
                                "--rank-hook=ft_faults:inject", timeout=600)
     assert code == 0, err[-3000:]
     rows = read_metrics(run / "group1")
