@@ -78,6 +78,7 @@ def cli_server(tmp_path_factory):
     server.close()
 
 
+@pytest.mark.slow  # fresh interpreters beside the server's forks
 def test_a_command_forked_from_the_server_is_what_a_fresh_interpreter_gives(tmp_path, cli_server):
     """The same script through the shim, its commands fresh interpreters and forks of the command server: the same
     output, errors and exit codes, the folder and the environment the shell gave (tests/cli_server.py); and the

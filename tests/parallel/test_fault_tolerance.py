@@ -497,6 +497,7 @@ def test_a_group_that_diverges_ends_the_job_with_its_code(tmp_path):
         err[-3000:]
 
 
+@pytest.mark.slow  # the command's own process
 def test_the_lighthouse_command_prints_its_address_and_stops_on_sigterm():
     lighthouse = subprocess.Popen([sys.executable, "-m", "scaletrain", "lighthouse", "--bind", "[::]:0"], cwd=REPO,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -320,6 +320,7 @@ def test_a_damaged_quantized_folder_is_named(runs, tmp_path):
 # No noise: torchao's import on a machine without CUDA says nothing
 
 
+@pytest.mark.slow  # a fresh interpreter (torchao's import noise is said once a process)
 def test_torchao_imports_without_library_loading_noise():
     """Without the fix torchao logs "Failed to load ..._C_*.so" per GPU kernel library and torch
     a deprecation notice per enum; each path that imports it (PTQ, QAT, adamw8bit) stays quiet,
