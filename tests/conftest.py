@@ -59,20 +59,21 @@ MICRO = {
 }
 
 
-# The files that take longest (15 s and more of summed test time in a clean-export run of 2026-11-29),
-# slowest first.
+# The files that take longest (10 s and more in a clean-clone run), slowest first, the fault-tolerance
+# file (mostly waiting on restarts and timeouts) first.
 # pytest-xdist hands whole files to its processes in the collection's order (`make test` passes
 # --no-loadscope-reorder), so with these first the last file to start is a short one and neither
 # process waits alone at the end.
-SLOWEST_FIRST = ("test_fault_tolerance.py", "test_reliability.py", "test_docs_blocks.py", "test_slurm.py",
-                 "test_checkpoint.py", "test_model_parallel.py", "test_expert_parallel.py",
-                 "test_planner_accuracy.py", "test_planner.py", "test_lora.py", "test_rl_layouts.py",
-                 "test_launch.py", "test_preference_layouts.py", "test_task_eval.py", "test_bench.py",
-                 "test_init_from.py", "test_signals_startup.py", "test_local_sgd.py", "test_deepseek_mtp.py",
-                 "test_data_parallel.py", "test_window_parallel.py", "test_quantize.py", "test_calibration.py",
-                 "test_cli.py", "test_verify.py", "test_run_folders.py", "test_ft_layouts.py", "test_fp8.py",
-                 "test_moe_metrics.py", "test_deepseek_parallel.py", "test_eval.py", "test_hf_families.py",
-                 "test_structure.py", "test_gpt_oss_parallel.py", "test_moe_parallel.py")
+SLOWEST_FIRST = ("test_fault_tolerance.py", "test_slurm.py", "test_docs_blocks.py", "test_expert_parallel.py",
+                 "test_reliability.py",
+                 "test_launch.py", "test_model_parallel.py", "test_quantize.py", "test_planner_accuracy.py",
+                 "test_lora.py", "test_preference_training.py", "test_training.py", "test_bench.py",
+                 "test_planner.py", "test_signals_startup.py",
+                 "test_data_parallel.py", "test_fp8.py", "test_init_from.py", "test_calibration.py",
+                 "test_checkpoint.py", "test_local_sgd.py", "test_hf_families.py", "test_window_parallel.py",
+                 "test_eval.py", "test_verify.py", "test_preference_layouts.py",
+                 "test_run_folders.py", "test_cli.py", "test_planner_moe_accuracy.py", "test_ft_layouts.py",
+                 "test_moe_parallel.py", "test_run_folder.py")
 
 
 def pytest_collection_modifyitems(config, items):
