@@ -10,7 +10,8 @@ signal that lands in an import is kept and raised as soon as the import is over;
 running IMPORT_GRACE_S later (a stalled file system) ends the program there, without unwinding,
 through `on_stuck`. `received` keeps the first signal either way, so a stop that some library
 swallowed is still seen by the next `check()`, or by the trainer, which then stops after its first
-step, saved.
+step, saved (a replica group, which waits for its first quorum before that step, stops there instead:
+`StopWaiting`, with nothing of its own to save).
 """
 
 from __future__ import annotations
