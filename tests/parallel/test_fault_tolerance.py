@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -1170,3 +1171,143 @@ def test_each_step_joins_one_quorum_and_a_heal_mid_run_restarts_the_group():
     hook.manager.start_quorum = lambda: (_ for _ in ()).throw(ValueError("another failure"))
     with pytest.raises(ValueError, match="another failure"):  # not a timeout: torchft's own error, as it is
         hook.begin_step(1.0)
+
+
+class _TorchFT:
+    """torchft as ReplicaGroups.for_run imports it: its Manager and ProcessGroupGloo record what they are given."""
+
+    def __init__(self):
+        self.managers: list = []
+        ft = self
+
+        class ProcessGroupGloo:
+            def __init__(self, timeout):
+                self.timeout = timeout
+
+        class Manager(_Manager):
+            def __init__(self, **kwargs):
+                super().__init__()
+                self.kwargs = kwargs
+                self._client = types.SimpleNamespace(_quorum=lambda *a, **k: ft.quorum, ids="the client's own")
+                ft.managers.append(self)
+
+        self.Manager, self.ProcessGroupGloo = Manager, ProcessGroupGloo
+        self.quorum = None
+
+
+def _for_run(tmp_path, monkeypatch, rank=0, world=2, hooks=(), **overrides):
+    """ReplicaGroups.for_run on rank `rank` of a group of `world`, torchft stood in for, a Lighthouse that
+    answers (a socket listening on loopback): (the hook, the Manager it made, the config)."""
+    import socket
+
+    import torch
+
+    from scaletrain.layout import Layout
+    from scaletrain.parallel.fault_tolerance import ReplicaGroups
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    torchft = _TorchFT()
+    monkeypatch.setitem(sys.modules, "torchft", torchft)
+    cfg = micro_cfg(tmp_path, **{**FT, "fault_tolerance.lighthouse": f"http://127.0.0.1:{port}", **overrides})
+    shared = []  # what this rank gave rank 0's broadcasts (the Lighthouse's problem, the store's port)
+    told = iter([None, 4242])  # what rank 0 told the others: no problem, the store's port
+
+    def broadcast(v):
+        shared.append(v)
+        return v if rank == 0 else next(told)
+
+    rt = types.SimpleNamespace(rank=rank, world_size=world, layout=Layout.from_config(cfg, world), shared=broadcast)
+    named = [("w", torch.nn.Parameter(torch.zeros(3)))]
+    optimizer = torch.optim.SGD([named[0][1]], lr=0.1)
+    state, scaler = types.SimpleNamespace(step=0, skipped_steps=0, early_loss=None), object()
+    refresh = lambda: None  # noqa: E731
+    try:
+        hook = ReplicaGroups.for_run(cfg, rt, named, optimizer, state, refresh, scaler=scaler, hooks=hooks)
+    finally:
+        listener.close()
+    if hook is not None:
+        assert (hook.named, hook.optimizer, hook.state, hook.refresh, hook.scaler) == \
+            (named, optimizer, state, refresh, scaler)
+    return hook, (torchft.managers[0] if torchft.managers else None), cfg, torchft, shared
+
+
+def test_the_run_hook_gives_torchft_every_fault_tolerance_option(tmp_path, monkeypatch):
+    """ReplicaGroups.for_run (the hook a run with fault_tolerance.enabled builds) passes every
+    [fault_tolerance] value, each set off its default here, to torchft's Manager and to the hook:
+    the timeouts, the quorum's size, this rank's place, the group's name at the Lighthouse (its
+    settings' fingerprint, then its id) and the store rank 0 serves."""
+    import logging
+    from datetime import timedelta
+
+    from scaletrain.layout import Layout
+    from scaletrain.parallel.fault_tolerance import VOTE_MARGIN_S, ReplicaGroups, replica_name, settings_fingerprint
+
+    logging.getLogger("torchft").setLevel(logging.INFO)
+    hook, manager, cfg, _, shared = _for_run(
+        tmp_path, monkeypatch, **{"fault_tolerance.groups": 5, "fault_tolerance.replica_id": 3,
+                                  "fault_tolerance.min_replicas": 2, "fault_tolerance.quorum_timeout_s": 7.5,
+                                  "fault_tolerance.step_timeout_s": 4.25})
+    fingerprint = settings_fingerprint(cfg, Layout.from_config(cfg, 2))
+    kw = manager.kwargs
+    assert type(hook) is ReplicaGroups
+    assert kw["pg"].timeout == timedelta(seconds=4.25) and kw["timeout"] == timedelta(seconds=4.25)
+    assert kw["quorum_timeout"] == timedelta(seconds=7.5) and kw["connect_timeout"] == timedelta(seconds=7.5)
+    assert (kw["min_replica_size"], kw["rank"], kw["world_size"], kw["use_async_quorum"], kw["init_sync"]) == \
+        (2, 0, 2, False, False)
+    assert (kw["load_state_dict"], kw["state_dict"]) == (None, None)  # the hook registers its own below
+    assert kw["replica_id"] == replica_name(3, fingerprint) == f"{fingerprint}-group0003"
+    assert kw["lighthouse_addr"] == cfg.fault_tolerance.lighthouse
+    assert (kw["store_addr"], kw["hostname"]) == ("127.0.0.1", "127.0.0.1")  # a Lighthouse on loopback
+    assert kw["store_port"] == hook.store.port and hook.store.port > 0 and shared == [None, hook.store.port]
+    assert (hook.replica_id, hook.groups, hook.min_replicas, hook.quorum_timeout_s, hook.rank) == (3, 5, 2, 7.5, 0)
+    assert hook.lighthouse == cfg.fault_tolerance.lighthouse and hook.data_outer == (3, 5)
+    assert hook.vote_timeout == timedelta(seconds=2 * 4.25 + VOTE_MARGIN_S)
+    assert hook.fingerprint == fingerprint and hook.moe == {}
+    assert set(manager.fns) == {"scaletrain"}  # the state a healing peer receives
+    assert logging.getLogger("torchft").level == logging.CRITICAL  # its tracebacks are ours to say in a line
+
+
+def test_the_run_hook_checks_each_quorum_for_groups_that_disagree(tmp_path, monkeypatch):
+    """The Manager's client is wrapped: each quorum it returns is checked against this group's
+    fingerprint before anything else (a group named with other settings is the disagreement said)."""
+    from scaletrain.parallel.fault_tolerance import replica_name
+
+    hook, manager, _, torchft, _ = _for_run(tmp_path, monkeypatch, **{"fault_tolerance.replica_id": 1})
+    assert hook.disagreement() is None and manager._client.ids == "the client's own"
+    mine = manager.kwargs["replica_id"]
+    torchft.quorum = types.SimpleNamespace(replica_ids=[replica_name(0, hook.fingerprint), mine])
+    assert manager._client._quorum() is torchft.quorum and hook.disagreement() is None
+    other = "0000" + hook.fingerprint[4:]  # another model (its first kind's digits)
+    assert other != hook.fingerprint
+    torchft.quorum = types.SimpleNamespace(replica_ids=[replica_name(0, other), mine])
+    manager._client._quorum()
+    said = hook.disagreement()
+    assert said is not None and said.startswith("replica group 1 runs another model (model.*) than group(s) 0 "), said
+
+
+def test_the_run_hook_of_other_ranks_and_runs(tmp_path, monkeypatch):
+    """Off: no hook, torchft not asked. Rank 1: no store of its own, rank 0's port; diloco across the
+    groups: the outer loop from [parallel.sync]; a mixture: its layers' routing biases kept together."""
+    import torch
+
+    from scaletrain.parallel.fault_tolerance import ReplicaGroupsOuter
+    from scaletrain.parallel.moe_balance import MoEBalance
+
+    hook, manager, *_ = _for_run(tmp_path, monkeypatch, **{"fault_tolerance.enabled": False})
+    assert hook is None and manager is None
+    hook, manager, *_ = _for_run(tmp_path, monkeypatch, rank=1)
+    assert hook.store is None and manager.kwargs["store_port"] == 4242 and manager.kwargs["rank"] == 1
+    hook, manager, *_ = _for_run(tmp_path, monkeypatch, world=1, **{
+        "parallel.sync.mode": "diloco", "parallel.sync.every": 3, "parallel.sync.outer_optimizer": "sgd",
+        "parallel.sync.outer_lr": 0.4, "parallel.sync.outer_momentum": 0.3, "parallel.sync.outer_on_cpu": True})
+    outer = hook.outer
+    assert type(hook) is ReplicaGroupsOuter and hook.discarded == 0
+    assert (outer.mode, outer.every, outer.lr, outer.momentum, outer.nesterov, outer.on_cpu) == \
+        ("diloco", 3, 0.4, 0.3, False, True)
+    balance = MoEBalance.__new__(MoEBalance)
+    balance.layers = {"layers.0.moe": torch.nn.Module()}
+    hook, *_ = _for_run(tmp_path, monkeypatch, hooks=(object(), balance))
+    assert hook.moe is balance.layers
