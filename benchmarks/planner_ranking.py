@@ -6,7 +6,7 @@ pipeline schedules) are predicted twice — by the catalog's time model for the 
 by the time model calibrated on this machine (`scaletrain.plan.calibrate`; measured first if
 the cache lacks it) — and then run for real, all in one group of processes per model (median of
 `--steps` timed steps after two warm-up steps, the slowest rank's, in `--rounds` rounds of every
-layout in turn, the fastest round kept). Printed per model: the
+layout in turn, the median round kept). Printed per model: the
 layouts re-ranked by measured step time with each prediction beside it, Kendall's tau between
 the predicted and the measured order, the range of predicted/measured, and whether the
 predicted best is the measured best (or how far from it); then the machine's pace (the
@@ -75,7 +75,7 @@ def rank_model(name: str, nproc: int, steps: int, rounds: int, config: str = "co
           f"{1e3 * pace_seconds():.0f} ms after the measurement; load average {os.getloadavg()[0]:.1f}")
     print(f"\n{name}: {cfg.model.dim} wide, {cfg.model.n_layers} layers, sequence {cfg.data.seq_len}, global batch "
           f"{cfg.train.global_batch}, {cfg.precision.mode}; {len(rows)} layouts on {nproc} rank(s), median of {steps} "
-          f"timed steps, fastest of {rounds} round(s) ({seconds:.0f} s; calibration {took:.0f} s); "
+          f"timed steps, median of {rounds} round(s) ({seconds:.0f} s; calibration {took:.0f} s); "
           "fastest measured first, calibrated prediction:")
     summary = print_ranking(rows)
     measured = [r["measured_s"] for r in rows]
@@ -90,8 +90,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=2, help="each layout measured once per round, in turn; the "
-                                                          "fastest round counts")
+    ap.add_argument("--rounds", type=int, default=3, help="each layout measured once per round, in turn; the "
+                                                          "median round counts")
     ap.add_argument("--models", default=",".join(MODELS))
     args = ap.parse_args()
     for model in args.models.split(","):

@@ -200,12 +200,14 @@ def measure_layouts(overrides: list[dict], nproc: int, steps: int = 1, config: s
     """Measure each set of overrides ({"section.key": value} on `config`, or on the defaults)
     on `nproc` local ranks, all in one group of processes; per set, one row per rank
     (`memory=False`: step times alone). With `rounds` > 1 every set is measured once per round,
-    the sets in turn, and each keeps its fastest round's step time: a machine that slows down
-    for a while slows every set alike rather than the one measured then."""
+    the sets in turn, and each keeps its median round (the faster of the middle two for an even
+    count): a machine that slows down for a while slows every set alike rather than the one
+    measured then, and one round that found the cores free does not decide either (the
+    calibration's probes keep their median call too)."""
     if nproc == 1:
         from scaletrain.config import load_config
 
-        return _fastest([[[measure_run(load_config(config, o), steps=steps, memory=memory)] for o in overrides]
+        return _median_round([[[measure_run(load_config(config, o), steps=steps, memory=memory)] for o in overrides]
                          for _ in range(rounds)])
     return run_on_ranks("measure", {"config": config, "jobs": overrides, "steps": steps, "memory": memory,
                                     "rounds": rounds}, nproc)
@@ -342,14 +344,17 @@ def measure_rank(spec: str, out: str) -> int:
             dist.barrier()
         rounds.append(results)
     if dist.get_rank() == 0:
-        write_result(out, _fastest(rounds))
+        write_result(out, _median_round(rounds))
     return 0
 
 
-def _fastest(rounds: list[list[list[dict]]]) -> list[list[dict]]:
-    """Per set and rank, the round whose step was fastest (the slowest rank's time decides; the
-    first round where the steps were not timed)."""
-    return [min(runs, key=lambda rows: max(r["step_time_s"] or 0.0 for r in rows)) for runs in zip(*rounds)]
+def _median_round(rounds: list[list[list[dict]]]) -> list[list[dict]]:
+    """Per set, the rows of its median round by step time (the slowest rank's decides; the faster
+    of the middle two for an even count; a round whose steps were not timed counts as 0)."""
+    def slowest(rows):
+        return max(r["step_time_s"] or 0.0 for r in rows)
+
+    return [sorted(runs, key=slowest)[(len(runs) - 1) // 2] for runs in zip(*rounds)]
 
 
 def run_layout(config: str, layout, nproc: int, overrides: dict | None = None) -> list[dict]:

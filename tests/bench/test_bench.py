@@ -359,3 +359,21 @@ def test_the_calibration_keeps_the_median_call_as_the_measurement_keeps_the_medi
     Trainer.train_step(None)  # as measure does: warm-up steps first, untimed
     measured = _timed_steps(Trainer(), None, 5)
     assert got == pytest.approx(0.030) == pytest.approx(measured)  # the median of 10, 31, 30, 12, 32 ms
+
+
+def test_measured_layouts_keep_their_median_round():
+    """With several rounds, each layout keeps the rows of its median round by its slowest rank's step
+    (the faster middle one of an even count), as the probes keep their median call: the fastest
+    round, kept before, was the one that found the cores free, and the predictions came out slow
+    against it."""
+    from scaletrain.measure import _median_round
+
+    def rows(*seconds):  # one layout's ranks in one round
+        return [{"step_time_s": s, "round": seconds} for s in seconds]
+
+    rounds = [[rows(0.30, 0.31), rows(0.50, 0.40)],  # round 1: layouts a, b
+              [rows(0.20, 0.26), rows(0.45, 0.46)],
+              [rows(0.33, 0.29), rows(0.70, 0.10)]]
+    assert _median_round(rounds) == [rows(0.30, 0.31), rows(0.50, 0.40)]  # a: 0.26 < 0.31 < 0.33; b: 0.46 < 0.5 < 0.7
+    assert _median_round(rounds[:2]) == [rows(0.20, 0.26), rows(0.45, 0.46)]
+    assert _median_round(rounds[:1]) == rounds[0]

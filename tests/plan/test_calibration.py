@@ -144,14 +144,17 @@ def test_probes_cover_each_shape_at_its_smallest_and_largest_micro_batch():
     layouts = [e.layout for e in result["layouts"]]
     everything = probes_for(result["cfg"], result["workload"], layouts)
     probes = [p for p in everything if not p.get("engine")]
+    engines = [p for p in everything if p.get("engine")]
     shapes = {(p["tp"], p["sp"], p["ac"]) for p in probes}
-    assert shapes == {(lay.tp, lay.sp, lay.activation_checkpointing) for lay in layouts}
+    references = {(p["tp"], p["sp"], "none", p["micro_batch"]) for p in engines}
+    assert shapes == {(lay.tp, lay.sp, lay.activation_checkpointing) for lay in layouts} | {r[:3] for r in references}
     for tp, sp, ac in shapes:
         sizes = [lay.micro_batch for lay in layouts if (lay.tp, lay.sp, lay.activation_checkpointing) == (tp, sp, ac)]
         got = sorted(p["micro_batch"] for p in probes if (p["tp"], p["sp"], p["ac"]) == (tp, sp, ac))
-        assert got == sorted({min(sizes), max(sizes)})
+        # each engine's reference (its shape without checkpointing at its micro-batch) is among them
+        wanted = ({min(sizes), max(sizes)} if sizes else set()) | {r[3] for r in references if r[:3] == (tp, sp, ac)}
+        assert got == sorted(wanted)
     # and each data/tensor-parallel engine once, at its smallest micro-batch, without checkpointing
-    engines = [p for p in everything if p.get("engine")]
     wanted = {(lay.zero, lay.tp, lay.sp) for lay in layouts if lay.pp == 1}
     assert sorted((p["engine"]["zero"], p["tp"], p["sp"]) for p in engines) == sorted(wanted)
     for p in engines:
@@ -185,6 +188,33 @@ def test_a_measured_engine_replaces_the_modelled_communication_and_optimizer_ste
         assert measured.time.optimizer_s == 0.0 and measured.time.dp_exposed_s == pytest.approx(engine)
 
 
+def test_a_layout_at_the_engine_probes_micro_batch_is_the_trainers_step_as_measured():
+    """With the bare steps timed beside the trainer's (`plain_block`, `plain_rest`), the step is the
+    trainer's own, extrapolated to the layout's blocks and micro-batches, not the engine added to
+    compute measured in another session; another micro-batch or checkpointing adds the compute
+    probes' difference from the probe's shape. By hand, 2 blocks, the engine probed at micro-batch 1;
+    the compute probes: 10 ms a block and 10 ms the rest at micro-batch 1 (15 ms a block with full
+    recomputation), 4x at 4; the bare steps beside the engine's: 12 and 11 ms."""
+    from scaletrain.plan.calibrate import engine_key
+
+    cal = fake_calibration({(1, "none"): 0.01, (1, "full"): 0.015})
+    r = plan_with(cal, layout={"zero": 0, "micro_batch": 1})
+    cal.engine[engine_key(r["cfg"], r["workload"], r["layouts"][0].layout)] = {
+        "block": 0.002, "rest": 0.03, "block_micro": 0.005, "rest_micro": 0.007,
+        "plain_block": 0.012, "plain_rest": 0.011, "micro_batch": 1}
+    # 2 micro-batches of 1: the trainer's step, 0.068 (as above) + 2 x (2 x 0.012 + 0.011) = 0.138
+    same = plan_with(cal, layout={"zero": 0, "micro_batch": 1})["layouts"][0]
+    assert same.layout.grad_accum == 2 and same.time.step_time_s == pytest.approx(0.138)
+    assert same.time.compute_s == pytest.approx(0.06) and same.time.dp_exposed_s == pytest.approx(0.078)
+    # full recomputation: + 2 x 2 x (0.015 - 0.010) = 0.158
+    full = plan_with(cal, layout={"zero": 0, "micro_batch": 1, "ac": "full"})["layouts"][0]
+    assert full.time.step_time_s == pytest.approx(0.158)
+    # one micro-batch of 2 (block and rest 20 ms each, interpolated): the trainer's one-micro-batch step
+    # (2 x 0.002 + 0.03) + (2 x 0.005 + 0.007) + (2 x 0.012 + 0.011) = 0.086, + (2 x 0.02 + 0.02) - (2 x 0.01 + 0.01)
+    two = plan_with(cal, layout={"zero": 0, "micro_batch": 2})["layouts"][0]
+    assert two.layout.grad_accum == 1 and two.time.step_time_s == pytest.approx(0.116)
+
+
 def test_an_engine_measured_before_the_per_micro_batch_probe_is_paid_once_per_step():
     from scaletrain.plan.calibrated_time import engine_seconds
 
@@ -204,12 +234,20 @@ def test_the_engine_parts_are_recovered_from_the_six_timings():
         return m * bare(n) + m * (n * 0.001 + 0.006) + n * 0.003 + 0.020
 
     got = engine_parts(bare(1), bare(3), trained(1, 1), trained(3, 1), trained(1, 2), trained(3, 2))
-    assert got == pytest.approx({"block": 0.003, "rest": 0.020, "block_micro": 0.001, "rest_micro": 0.006})
+    assert got == pytest.approx({"block": 0.003, "rest": 0.020, "block_micro": 0.001, "rest_micro": 0.006,
+                                 "plain_block": 0.010, "plain_rest": 0.004})
     # by hand: one block, one micro-batch adds 0.001 + 0.006 + 0.003 + 0.020 = 0.030 s to a bare 0.014 s
     assert trained(1, 1) == pytest.approx(0.044)
-    # a busy machine's reversed timings (3 blocks' extra below 1 block's) clamp a part at 0, never below
-    noisy = engine_parts(0.014, 0.034, 0.050, 0.060, 0.070, 0.080)
-    assert all(v >= 0 for v in noisy.values()) and noisy["block"] == 0.0
+    # a busy machine's reversed timings (3 blocks' extra below 1 block's): a part comes out below 0, and the
+    # parts still give back the four training steps measured (a part clamped at 0 had added its noise to
+    # every prediction, one way: ZeRO-1's engine came out 2-3x its cost)
+    from scaletrain.plan.calibrated_time import engine_seconds
+
+    timings = {(1, 1): 0.050, (3, 1): 0.060, (1, 2): 0.070, (3, 2): 0.080}
+    noisy = engine_parts(0.014, 0.034, *timings.values())
+    assert noisy["block_micro"] == pytest.approx(-0.010) and noisy["plain_block"] == pytest.approx(0.010)
+    for (n, m), t in timings.items():
+        assert engine_seconds(noisy, n, m) + m * (n * noisy["plain_block"] + noisy["plain_rest"]) == pytest.approx(t)
 
 
 def test_the_cache_is_keyed_by_machine_and_versions(tmp_path, monkeypatch):
@@ -249,7 +287,11 @@ def test_plan_calibrate_measures_this_machine_once_then_reads_the_cache(shared_c
     # timings of a micro model can come out equal or reversed, so only the whole model's must be > 0
     compute = [v for by_size in cal.compute.values() for v in by_size.values()]
     assert compute and all(v["block"] >= 0 and v["rest"] >= 0 and v["block"] + v["rest"] > 0 for v in compute)
-    assert cal.engine and all(v["block"] >= 0 and v["rest"] >= 0 for v in cal.engine.values())
+    # an engine's parts are signed differences (`engine_parts`); the training steps they add up to are not
+    from scaletrain.plan.calibrated_time import engine_seconds
+
+    assert cal.engine and all(engine_seconds(v, n, m) + m * (n * v["plain_block"] + v["plain_rest"]) > 0
+                              and v["micro_batch"] >= 1 for v in cal.engine.values() for n in (1, 3) for m in (1, 2))
     second = run_here(*args)
     assert second.returncode == 0 and "calibrated this machine" not in second.stderr  # read from the cache
     # the same ranking; the figures may differ by the machine's pace since (all alike, `Calibration.slowdown`)

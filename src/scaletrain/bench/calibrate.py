@@ -173,7 +173,7 @@ def probe_engine(model_cfg, device, *, precision: str, seq_len: int, micro_batch
     plain = [_model_step(model_cfg, device, n, precision, seq_len, micro_batch, tp, sp, ac) for n in (1, 3)]
     trained = [_trainer_step(model_cfg, n, precision, seq_len, micro_batch, tp, sp, zero, dp_replicate, dp_shard,
                              optimizer, micro_batches=m) for m in (1, 2) for n in (1, 3)]
-    return engine_parts(*_timed_together(plain + trained, device))
+    return {**engine_parts(*_timed_together(plain + trained, device)), "micro_batch": micro_batch}
 
 
 def engine_parts(p1: float, p3: float, t11: float, t31: float, t12: float, t32: float) -> dict[str, float]:
@@ -183,11 +183,24 @@ def engine_parts(p1: float, p3: float, t11: float, t31: float, t12: float, t32: 
     Per micro-batch recur a trainer's own work on each micro-batch (loading and placing it, the
     loss's bookkeeping; ZeRO-2's and FSDP's reductions and gathers); once per step the rest
     (DDP's reduction on the last micro-batch, clipping, the optimizer step, ZeRO's gathers after
-    it). Each part is clamped at 0 (on a busy machine two timings can come out reversed)."""
+    it). Also the bare step's own parts (`plain_block`, `plain_rest`), so that the training steps
+    themselves are recovered whole: t(n, m) = e(n, m) + m·(n·plain_block + plain_rest).
+
+    The parts are not clamped: each is a difference of noisy timings and may come out below 0 on a
+    busy machine, but they add up to the four measured steps exactly, and a part clamped at 0 would
+    add its noise to every prediction in one direction (ZeRO-1's engine came out 2-3x its cost)."""
     e11, e31, e12, e32 = t11 - p1, t31 - p3, t12 - 2 * p1, t32 - 2 * p3
-    block_micro, rest_micro = _split(e12 - e11, e32 - e31)
-    block, rest = _split(e11 - (block_micro + rest_micro), e31 - (3 * block_micro + rest_micro))
-    return {"block": block, "rest": rest, "block_micro": block_micro, "rest_micro": rest_micro}
+    block_micro, rest_micro = _differences(e12 - e11, e32 - e31)
+    block, rest = _differences(e11 - (block_micro + rest_micro), e31 - (3 * block_micro + rest_micro))
+    plain_block, plain_rest = _differences(p1, p3)
+    return {"block": block, "rest": rest, "block_micro": block_micro, "rest_micro": rest_micro,
+            "plain_block": plain_block, "plain_rest": plain_rest}
+
+
+def _differences(one: float, three: float) -> tuple[float, float]:
+    """(a block's, the rest's) part of a quantity measured at 1 and 3 blocks, signed."""
+    block = (three - one) / 2
+    return block, one - block
 
 
 def _trainer_step(model_cfg, layers: int, precision: str, seq_len: int, micro_batch: int, tp: int, sp: bool,

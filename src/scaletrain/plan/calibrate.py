@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-PROBE_VERSION = 5
+PROBE_VERSION = 6
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)  # bytes per collective buffer
 PROBE_REPS = 5  # timed calls per probe (the median is kept), after one warm-up
@@ -82,7 +82,8 @@ class Calibration:
     compute: dict[str, dict[str, float]] = field(default_factory=dict)  # probe key -> {"block", "rest"} seconds
     optimizer: dict[str, float] = field(default_factory=dict)  # optimizer|precision -> seconds per parameter
     engine: dict[str, dict[str, float]] = field(default_factory=dict)  # engine key -> extra seconds: block, rest
-    # (once per step), block_micro, rest_micro (per micro-batch)
+    # (once per step), block_micro, rest_micro (per micro-batch); plain_block, plain_rest (the bare steps timed
+    # beside them) and the probe's micro_batch
     pace: float = 0.0  # seconds of the pace probe when these figures were measured (0: not known)
     slowdown: float = 1.0  # the pace now over `pace`: every calibrated figure is scaled by it (not cached)
 
@@ -154,13 +155,15 @@ def layout_key(cfg, wl, layout) -> str:
 def probes_for(cfg, wl, layouts) -> list[dict]:
     """The compute probes that calibrate `layouts`: for each shape (precision, tp, sp,
     checkpointing, cp) the smallest and the largest micro-batch the layouts use (others are
-    interpolated, `Calibration.block`)."""
+    interpolated, `Calibration.block`); an engine probe for each data- and tensor-parallel
+    engine, at the smallest micro-batch of its layouts and without checkpointing, and the
+    compute probe of that shape and micro-batch beside it (the engine's reference,
+    `calibrated_time.estimate`)."""
     sizes: dict[tuple, set[int]] = {}
     for lay in layouts:
         shape = (wl.precision, wl.seq_len, lay.tp, lay.sp, lay.activation_checkpointing, lay.cp)
         sizes.setdefault(shape, set()).add(lay.micro_batch)
-    probes = [dict(precision=p, seq_len=s, tp=tp, sp=sp, ac=ac, cp=cp, micro_batch=mb)
-              for (p, s, tp, sp, ac, cp), mbs in sizes.items() for mb in sorted({min(mbs), max(mbs)})]
+    wanted = {shape: {min(mbs), max(mbs)} for shape, mbs in sizes.items()}
     engines: dict[str, dict] = {}
     for lay in layouts:
         if engine_probed(lay):
@@ -169,6 +172,10 @@ def probes_for(cfg, wl, layouts) -> list[dict]:
             engines[key] = dict(precision=wl.precision, seq_len=wl.seq_len, tp=lay.tp, sp=lay.sp, ac="none", cp=1,
                                 micro_batch=mb, engine={"zero": lay.zero, "dp_replicate": lay.dp_replicate,
                                                         "dp_shard": lay.dp_shard, "optimizer": wl.optimizer})
+    for e in engines.values():
+        wanted.setdefault((e["precision"], e["seq_len"], e["tp"], e["sp"], "none", 1), set()).add(e["micro_batch"])
+    probes = [dict(precision=p, seq_len=s, tp=tp, sp=sp, ac=ac, cp=cp, micro_batch=mb)
+              for (p, s, tp, sp, ac, cp), mbs in wanted.items() for mb in sorted(mbs)]
     return probes + list(engines.values())
 
 
@@ -247,5 +254,6 @@ def merge(cal: Calibration | None, got: dict, device_type: str, ranks: int, pace
 
 
 def at_pace(figures: dict[str, float], k: float) -> dict[str, float]:
-    """A probe's seconds × `k` (a mixture's measured load, a ratio, as it is)."""
-    return {name: v if name == "imbalance" else v * k for name, v in figures.items()}
+    """A probe's seconds × `k` (a mixture's measured load, a ratio, and an engine probe's micro-batch
+    as they are)."""
+    return {name: v if name in ("imbalance", "micro_batch") else v * k for name, v in figures.items()}
