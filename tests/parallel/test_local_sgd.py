@@ -735,3 +735,132 @@ def test_the_run_hook_takes_every_sync_option_of_the_config(tmp_path):
     assert (outer.mode, outer.every, outer.fragments, outer.delay) == ("diloco", 6, 2, 1)
     assert (outer.lr, outer.momentum, outer.nesterov, outer.on_cpu, outer.comm) == (0.3, 0.6, False, True, comm)
     assert [p.fragment for p in outer.params] == [0, 1] and hook.layout is layout and hook.mesh is None
+
+
+# The outer state a checkpoint keeps, and the run's hook, in one process (the multi-process tests above reach
+# them too; these give them known answers)
+
+
+def _fragmented_workers() -> list:
+    """Two workers of two blocks in two fragments, DiLoCo (Nesterov, momentum 0.75, lr 0.5) every 2
+    steps, each average applied one step late: after every step one fragment's sync is in flight."""
+    shared = SimulatedWorkers(2, "fp32")
+    workers = []
+    for w in range(2):
+        named = [(f"layers.{i}.w", torch.nn.Parameter(torch.full((3,), float(i)))) for i in range(2)]
+        workers.append((named, OuterSync(named, mode="diloco", sync_every=2, fragments=2, delay=1, n_blocks=2,
+                                         comm=shared.member(w), outer_lr=0.5, outer_momentum=0.75)))
+    return workers
+
+
+def _inner_steps(workers, step: int) -> list[bool]:
+    """Each worker's own inner step (block i of worker w moves by (w + 1)·[0, 1, 2] − 0.25·step·(i + 1)),
+    then every sync begins and finishes."""
+    with torch.no_grad():
+        for w, (named, _) in enumerate(workers):
+            for i, (_, p) in enumerate(named):
+                p.add_(torch.arange(3.0) * (w + 1) - 0.25 * step * (i + 1))
+    for _, s in workers:
+        s.begin()
+    return [s.finish() for _, s in workers]
+
+
+def _leaves(tree) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    items = sorted(tree.items()) if isinstance(tree, dict) else enumerate(tree)
+    return [leaf for _, sub in items for leaf in _leaves(sub)]
+
+
+def test_a_checkpoint_of_the_outer_state_restores_a_sync_in_flight_bit_for_bit():
+    """What a checkpoint keeps of the outer loop (`state`, `outer_weights`, `tensors`: the momentum,
+    the average in flight, each worker's own pseudo-gradient in flight) loaded into fresh workers
+    (`prepare_load` allocates, the tensors are copied in as DCP loads, `load_state`): both go on
+    bit for bit. The average in flight is the mean of the two workers' own pseudo-gradients."""
+    a = _fragmented_workers()
+    for step in (1, 2, 3):
+        _inner_steps(a, step)
+    states = [s.state() for _, s in a]
+    # fragment 0 syncs after odd steps, fragment 1 after even ones; each applied at the next step
+    assert states == [{"steps": 3, "in_flight": [{"fragment": 0, "apply_at": 4}]}] * 2
+    saved = []
+    for named, s in a:
+        shared, own = s.tensors()
+        assert set(shared) == {"momentum", "in_flight_0"} and set(own) == {"in_flight_0"}
+        assert set(shared["in_flight_0"]) == set(own["in_flight_0"]) == {"layers.0.w"}  # fragment 0's only
+        saved.append(({n: p.detach().clone() for n, p in named},
+                      [t.clone() for t in _leaves((s.outer_weights(), shared, own))]))
+    mine = [s.tensors()[1]["in_flight_0"]["layers.0.w"] for _, s in a]
+    for _, s in a:
+        assert torch.equal(s.tensors()[0]["in_flight_0"]["layers.0.w"], (mine[0] + mine[1]) / 2)
+    for (named, s), (local, outer_state), state in zip(b := _fragmented_workers(), saved, states):
+        with torch.no_grad():
+            for n, p in named:
+                p.copy_(local[n])
+        s.prepare_load(state)
+        targets = _leaves((s.outer_weights(), *s.tensors()))
+        assert [t.shape for t in targets] == [t.shape for t in outer_state]
+        for target, value in zip(targets, outer_state):
+            target.copy_(value)
+        s.load_state(state)
+        assert s.state() == state
+    for step in (4, 5, 6, 7):
+        assert _inner_steps(a, step) == _inner_steps(b, step) == [True, True]
+    for (na, sa), (nb, sb) in zip(a, b):
+        assert all(torch.equal(p, q) for (_, p), (_, q) in zip(na, nb))
+        assert all(torch.equal(x.outer, y.outer) and torch.equal(x.momentum, y.momentum)
+                   for x, y in zip(sa.params, sb.params))
+
+
+class _FakeMesh:
+    """A run's mesh as LocalSGD reads it: 2 workers of 2 ranks each, this rank in worker 1."""
+
+    device_type = "cpu"
+
+    def size(self) -> int:
+        return 4
+
+    def __getitem__(self, axis: str):
+        assert axis == "dp_replicate"
+        return type("Axis", (), {"get_local_rank": staticmethod(lambda: 1)})()
+
+
+def test_the_run_hook_agrees_on_skips_reports_the_workers_rms_norm_and_keeps_each_workers_state(monkeypatch):
+    """LocalSGD over a mesh (dist.all_reduce stood in for, adding what the other three ranks send):
+    a step one rank skips is skipped by all; the norm reported is the root mean square of the workers'
+    norms (each counted once, though every rank of a worker holds it); the checkpoint keeps the outer
+    weights as the model and this worker's own state under its index. Without a mesh: as given."""
+    from types import SimpleNamespace
+
+    from scaletrain.parallel.local_sgd import LocalSGD
+
+    named, sync = _fragmented_workers()[1]
+    hook = LocalSGD(sync, SimpleNamespace(dp_replicate=2, dp_sync="diloco"), _FakeMesh())
+    assert hook.worker == 1
+    others: list[float] = []
+
+    def all_reduce(t, op=dist.ReduceOp.SUM):
+        values = [t.item(), *others]
+        t.fill_(max(values) if op == dist.ReduceOp.MAX else min(values) if op == dist.ReduceOp.MIN else sum(values))
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    others[:] = [0.0, 1.0, 0.0]  # one rank of the other worker skips
+    assert hook.agree_to_skip(False) is True
+    others[:] = [0.0, 0.0, 0.0]
+    assert hook.agree_to_skip(False) is False and hook.agree_to_skip(True) is True
+    # this worker's norm 3 (on 2 ranks), the other's 4 (on 2 ranks): each rank sends norm² / 2
+    others[:] = [4.5, 8.0, 8.0]
+    assert float(hook.reported_norm(torch.tensor(3.0))) == pytest.approx((12.5) ** 0.5)  # sqrt((9 + 16) / 2)
+    inner = {"optim": torch.ones(1)}
+    shared, own = sync.tensors()
+    got = hook.checkpoint_tensors(inner)
+    assert set(got) == {"model", "outer", "workers"} and set(got["workers"]) == {"1"}
+    assert got["workers"]["1"] == {"optim": inner["optim"], "outer": own} and got["outer"].keys() == shared.keys()
+    assert all(torch.equal(got["model"][n], p.outer) for n, p in zip(got["model"], sync.params))
+    assert hook.state_dict() == {"steps": 0, "in_flight": [], "dp_sync": "diloco", "workers": 2}
+    hook.prepare_load({"steps": 5, "in_flight": []})
+    hook.load_state_dict({"steps": 5, "in_flight": []})
+    assert sync.steps == 5
+    alone = LocalSGD(sync, SimpleNamespace(dp_replicate=1, dp_sync="diloco"))
+    assert alone.worker == 0 and alone.agree_to_skip(True) is True and alone.agree_to_skip(False) is False
+    assert float(alone.reported_norm(torch.tensor(3.0))) == 3.0
