@@ -1017,7 +1017,8 @@ def _group(manager, seed=0, **kw):
     state = types.SimpleNamespace(step=0, skipped_steps=0, early_loss=None)
     refreshed = []
     hook = ReplicaGroups(manager, named, optimizer, state, lambda: refreshed.append(1),
-                         **{"replica_id": 0, "groups": 3, "min_replicas": 1, **kw})
+                         **{"replica_id": 0, "groups": 3, "min_replicas": 1, "quorum_timeout_s": 60.0, "rank": 0,
+                            "lighthouse": "", "step_timeout_s": 60.0, **kw})
     hook.refreshed = refreshed
     return hook
 
@@ -1166,7 +1167,8 @@ def test_each_step_joins_one_quorum_and_a_heal_mid_run_restarts_the_group():
     hook.state.step = 4
     hook.manager.start_quorum = too_few
     with pytest.raises(QuorumNotFormed, match=r"^replica group 0 gave up at step 5: fewer than the 1 groups it needs "
-                                              r"\(fault_tolerance.min_replicas\) joined its quorum in \d+ s"):
+                                              r"\(fault_tolerance.min_replicas\) joined its quorum in 0 s "
+                                              r"\(fault_tolerance.quorum_timeout_s=60\); it stops with exit code 3"):
         hook.begin_step(1.0)
     hook.manager.start_quorum = lambda: (_ for _ in ()).throw(ValueError("another failure"))
     with pytest.raises(ValueError, match="another failure"):  # not a timeout: torchft's own error, as it is
@@ -1188,16 +1190,17 @@ class _TorchFT:
             def __init__(self, **kwargs):
                 super().__init__()
                 self.kwargs = kwargs
-                self._client = types.SimpleNamespace(_quorum=lambda *a, **k: ft.quorum, ids="the client's own")
+                self._client = types.SimpleNamespace(_quorum=lambda *a, **k: (ft.asked.append((a, k)), ft.quorum)[1],
+                                                     ids="the client's own")
                 ft.managers.append(self)
 
         self.Manager, self.ProcessGroupGloo = Manager, ProcessGroupGloo
-        self.quorum = None
+        self.quorum, self.asked = None, []
 
 
-def _for_run(tmp_path, monkeypatch, rank=0, world=2, hooks=(), **overrides):
+def _for_run(tmp_path, monkeypatch, rank=0, world=2, hooks=(), host="127.0.0.1", **overrides):
     """ReplicaGroups.for_run on rank `rank` of a group of `world`, torchft stood in for, a Lighthouse that
-    answers (a socket listening on loopback): (the hook, the Manager it made, the config)."""
+    answers (a socket listening on loopback, named `host`): (the hook, the Manager it made, the config)."""
     import socket
 
     import torch
@@ -1211,7 +1214,7 @@ def _for_run(tmp_path, monkeypatch, rank=0, world=2, hooks=(), **overrides):
     port = listener.getsockname()[1]
     torchft = _TorchFT()
     monkeypatch.setitem(sys.modules, "torchft", torchft)
-    cfg = micro_cfg(tmp_path, **{**FT, "fault_tolerance.lighthouse": f"http://127.0.0.1:{port}", **overrides})
+    cfg = micro_cfg(tmp_path, **{**FT, "fault_tolerance.lighthouse": f"http://{host}:{port}", **overrides})
     shared = []  # what this rank gave rank 0's broadcasts (the Lighthouse's problem, the store's port)
     told = iter([None, 4242])  # what rank 0 told the others: no problem, the store's port
 
@@ -1279,7 +1282,8 @@ def test_the_run_hook_checks_each_quorum_for_groups_that_disagree(tmp_path, monk
     assert hook.disagreement() is None and manager._client.ids == "the client's own"
     mine = manager.kwargs["replica_id"]
     torchft.quorum = types.SimpleNamespace(replica_ids=[replica_name(0, hook.fingerprint), mine])
-    assert manager._client._quorum() is torchft.quorum and hook.disagreement() is None
+    assert manager._client._quorum(7, timeout=3) is torchft.quorum and hook.disagreement() is None
+    assert torchft.asked == [((7,), {"timeout": 3})]  # what torchft asks its client, passed on whole
     other = "0000" + hook.fingerprint[4:]  # another model (its first kind's digits)
     assert other != hook.fingerprint
     torchft.quorum = types.SimpleNamespace(replica_ids=[replica_name(0, other), mine])
@@ -1299,15 +1303,254 @@ def test_the_run_hook_of_other_ranks_and_runs(tmp_path, monkeypatch):
     hook, manager, *_ = _for_run(tmp_path, monkeypatch, **{"fault_tolerance.enabled": False})
     assert hook is None and manager is None
     hook, manager, *_ = _for_run(tmp_path, monkeypatch, rank=1)
-    assert hook.store is None and manager.kwargs["store_port"] == 4242 and manager.kwargs["rank"] == 1
+    assert hook.store is None and manager.kwargs["store_port"] == 4242 and manager.kwargs["rank"] == hook.rank == 1
+    # only rank 0 asks the Lighthouse (and tells the others): rank 1 does not wait on one it cannot reach
+    hook, *_ = _for_run(tmp_path, monkeypatch, rank=1, **{"fault_tolerance.lighthouse": f"http://127.0.0.1:{_closed_port()}",
+                                                         "fault_tolerance.quorum_timeout_s": 0.5})
+    assert hook is not None
     hook, manager, *_ = _for_run(tmp_path, monkeypatch, world=1, **{
-        "parallel.sync.mode": "diloco", "parallel.sync.every": 3, "parallel.sync.outer_optimizer": "sgd",
-        "parallel.sync.outer_lr": 0.4, "parallel.sync.outer_momentum": 0.3, "parallel.sync.outer_on_cpu": True})
+        "parallel.sync.mode": "diloco", "parallel.sync.every": 3, "parallel.sync.outer_lr": 0.4,
+        "parallel.sync.outer_momentum": 0.3, "parallel.sync.outer_on_cpu": True})
     outer = hook.outer
     assert type(hook) is ReplicaGroupsOuter and hook.discarded == 0
     assert (outer.mode, outer.every, outer.lr, outer.momentum, outer.nesterov, outer.on_cpu) == \
-        ("diloco", 3, 0.4, 0.3, False, True)
+        ("diloco", 3, 0.4, 0.3, True, True)  # Nesterov: the config's default outer optimizer
+    assert (outer.fragments, outer.delay) == (1, 0) and outer.comm.hook is hook  # whole, at once, through torchft
+    hook, *_ = _for_run(tmp_path, monkeypatch, world=1, **{"parallel.sync.mode": "diloco",
+                                                          "parallel.sync.outer_optimizer": "sgd"})
+    assert hook.outer.nesterov is False
     balance = MoEBalance.__new__(MoEBalance)
     balance.layers = {"layers.0.moe": torch.nn.Module()}
     hook, *_ = _for_run(tmp_path, monkeypatch, hooks=(object(), balance))
     assert hook.moe is balance.layers
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _status_page(text: str):
+    """A Lighthouse's status page on loopback (torchft's dashboard, as far as quorum_status reads it):
+    (its address, the server, to shut down)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            body = text.encode() if self.path == "/status" else b"not here"
+            self.send_response(200 if self.path == "/status" else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}", server
+
+
+def test_a_fresh_group_has_joined_nothing_skipped_nothing_and_writes_until_a_quorum_says_otherwise():
+    """Before its first quorum: no skip to explain, no groups counted, nothing healed; it would write
+    a checkpoint (a group stopped during its start-up saves); a first step without start() joins
+    its quorum. Each step not committed and each heal counts once more."""
+    hook = _group(_Manager(participants=2))
+    assert hook.skip_reason() is None and hook.writes_checkpoint() is True and hook.fingerprint == ""
+    assert hook.metrics() == {"ft_groups": 0.0, "ft_uncommitted": 0.0, "ft_healed": 0.0}
+    hook.begin_step(1.0)
+    assert hook.manager.quorums == 1 and hook.metrics()["ft_groups"] == 2.0
+    hook.manager.commit = False
+    assert hook.agree_to_skip(False) and hook.agree_to_skip(False) and hook.uncommitted == 2
+    assert hook.skip_reason() == "not committed by the replica groups (a group failed in it; 2 in its quorum)"
+    peer = _group(_Manager())
+    for _ in range(2):
+        hook.manager.fns["scaletrain"][0](peer.manager.fns["scaletrain"][1]())
+    assert hook.healed == 2 and hook.metrics()["ft_healed"] == 2.0
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_heal_is_said_once_by_rank_0(rank, capsys):
+    hook, peer = _group(_Manager(), rank=rank, replica_id=1), _group(_Manager())
+    peer.state.step = 6
+    hook.manager.fns["scaletrain"][0](peer.manager.fns["scaletrain"][1]())
+    out, err = capsys.readouterr()
+    said = ("scaletrain: replica group 1 took the run's state at step 6 from a live peer (it was behind its quorum: "
+            "a restart, or a late start)\n")
+    assert (out, err) == ("", said if rank == 0 else "")
+
+
+@pytest.mark.parametrize("min_replicas,lighthouse,why", [
+    (2, "", "fewer than fault_tolerance.min_replicas=2 groups are in its quorum yet; it goes on when enough join"),
+    (1, "", "the Lighthouse has not formed its quorum yet (groups still joining); it goes on when it does"),
+    (1, "closed", "the Lighthouse at {lighthouse} does not answer; it stops"),
+])
+def test_a_wait_for_the_quorum_is_said_by_rank_0_with_why(min_replicas, lighthouse, why, monkeypatch, capsys):
+    """A quorum that takes longer than WAIT_NOTE_S: rank 0 says once that its group waits, at which
+    step, why and for how long at most; rank 1 says nothing, nor does anyone when the quorum forms
+    in time."""
+    from scaletrain.parallel import fault_tolerance
+
+    monkeypatch.setattr(fault_tolerance, "WAIT_NOTE_S", 0.05)
+    lighthouse = f"http://127.0.0.1:{_closed_port()}" if lighthouse else ""
+    for rank in (0, 1):
+        hook = _group(_Manager(), rank=rank, min_replicas=min_replicas, lighthouse=lighthouse, quorum_timeout_s=7.5)
+        hook.state.step = 4
+        hook.manager.start_quorum = lambda: time.sleep(0.4)
+        hook.start()
+        out, err = capsys.readouterr()
+        said = (f"scaletrain: replica group 0 waits at step 5: {why.format(lighthouse=lighthouse)} (up to "
+                "fault_tolerance.quorum_timeout_s=7.5 s)\n")
+        assert (out, err) == ("", said if rank == 0 else "")
+    hook = _group(_Manager(), lighthouse=lighthouse)
+    hook.start()  # formed at once
+    time.sleep(0.2)
+    assert capsys.readouterr() == ("", "")
+
+
+def test_a_quorum_that_fails_is_said_for_what_it_is(monkeypatch):
+    """torchft's quorum request failing: on a timeout with the Lighthouse answering, the groups that
+    joined of those needed (from its status page) and how long it waited, restartable; any other
+    error as it is; with the Lighthouse gone, a stop (no restart); a quorum formed with a group that
+    disagrees, refused in the disagreement's words."""
+    from scaletrain.errors import ConfigError, QuorumNotFormed, TrainingStopped
+
+    address, server = _status_page("<p>Quorum: only have 1 participants, need min_replicas 2</p>")
+    try:
+        hook = _group(_Manager(), replica_id=1, min_replicas=2, lighthouse=address, quorum_timeout_s=9.0)
+        hook.state.step = 3
+        hook.manager.start_quorum = lambda: (_ for _ in ()).throw(RuntimeError("Timeout expired after 9s"))
+        with pytest.raises(QuorumNotFormed) as e:
+            hook.start()
+        assert str(e.value) == ("replica group 1 gave up at step 4: 1 of the 2 groups it needs "
+                                "(fault_tolerance.min_replicas) joined its quorum in 0 s "
+                                "(fault_tolerance.quorum_timeout_s=9); it stops with exit code 3, and its launcher "
+                                "restarts it while --max-restarts allows: it joins when enough groups are up")
+        hook.manager.start_quorum = lambda: (_ for _ in ()).throw(RuntimeError("connection reset"))
+        with pytest.raises(RuntimeError, match="^connection reset$"):
+            hook.start()
+    finally:
+        server.shutdown()
+        server.server_close()
+    gone = f"http://127.0.0.1:{_closed_port()}"
+    hook = _group(_Manager(), lighthouse=gone)
+    hook.state.step = 3
+    hook.manager.start_quorum = lambda: (_ for _ in ()).throw(RuntimeError("Timeout expired"))
+    with pytest.raises(TrainingStopped) as e:
+        hook.start()
+    assert str(e.value).startswith(f"replica group 0 stops at step 3: the Lighthouse at {gone} no longer answers")
+    hook = _group(_Manager(rank_in_quorum=1))
+    hook.disagreement = lambda: "replica group 0 runs another model"
+    with pytest.raises(ConfigError, match="^replica group 0 runs another model$"):
+        hook.start()
+    assert hook.writes_checkpoint() is True  # (left as it was: the refused quorum decides nothing)
+    hook.disagreement = lambda: None
+    hook.start()
+    assert hook.writes_checkpoint() is False  # another group holds the lowest id of this quorum
+
+
+def test_which_failures_are_a_quorum_timing_out():
+    from scaletrain.parallel.fault_tolerance import _timed_out
+
+    assert _timed_out(TimeoutError("no words of a timeout here"))
+    assert _timed_out(RuntimeError("Timeout expired after 60s"))  # torchft's
+    assert _timed_out(RuntimeError("the connect TIMED OUT"))
+    assert not _timed_out(RuntimeError("Connection refused"))
+
+
+def test_the_lighthouse_check_reads_the_address_and_waits_for_it():
+    """`lighthouse_problem`: an address without a port, or with a port out of range, is not HOST:PORT;
+    one without the scheme is read as http; a Lighthouse that comes up within the timeout is found;
+    one that does not is said with the system's reason."""
+    import errno
+    import socket
+    import threading
+
+    from scaletrain.parallel.fault_tolerance import lighthouse_problem
+
+    for bad in ("http://127.0.0.1", "http://127.0.0.1:99999"):
+        assert lighthouse_problem(bad, 0.1) == (f"fault_tolerance.lighthouse={bad!r} is not http://HOST:PORT; give the "
+                                               "address `scaletrain lighthouse` prints")
+    port = _closed_port()
+    listener = socket.socket()
+    threading.Timer(0.5, lambda: (listener.bind(("127.0.0.1", port)), listener.listen())).start()
+    try:
+        assert lighthouse_problem(f"127.0.0.1:{port}", 10.0) is None  # up after half a second; no scheme given
+    finally:
+        time.sleep(0.6)
+        listener.close()
+    gone = _closed_port()
+    assert lighthouse_problem(f"http://127.0.0.1:{gone}", 0.3) == (
+        f"the Lighthouse at http://127.0.0.1:{gone} is unreachable after fault_tolerance.quorum_timeout_s=0.3 s "
+        f"({os.strerror(errno.ECONNREFUSED)}); start it with `scaletrain lighthouse`, or fix "
+        "fault_tolerance.lighthouse")
+
+
+def test_the_status_page_is_read_at_an_address_with_a_trailing_slash():
+    from scaletrain.parallel.fault_tolerance import quorum_status
+
+    address, server = _status_page("only have 2 participants, need min_replicas 3")
+    try:
+        assert quorum_status(address + "/") == quorum_status(address) == (2, 3)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_groups_name_without_a_fingerprint_is_its_id_alone():
+    from scaletrain.parallel.fault_tolerance import replica_name
+
+    assert replica_name(3) == "group0003" and replica_name(12, "ab12cd34") == "ab12cd34-group0012"
+
+
+def test_a_group_that_differs_in_two_kinds_names_every_group_it_differs_from():
+    """Four groups: group 1 differs in its model from groups 0 and 2 and in its optimizer from 0 and 3."""
+    from scaletrain.parallel.fault_tolerance import FINGERPRINTED, disagreement
+
+    def name(gid, model, optim):
+        rest = "0000" * (len(FINGERPRINTED) - 2)
+        return f"{model}{optim}{rest}-group{gid:04d}:uuid"
+
+    ids = [name(0, "aaaa", "bbbb"), name(1, "xxxx", "yyyy"), name(2, "aaaa", "cccc"), name(3, "dddd", "bbbb")]
+    said = disagreement(1, ids)
+    assert said.startswith("replica group 1 runs another model (model.*) and another optimizer and learning-rate "
+                           "schedule (optim.*) than group(s) 0, 2, 3 of its quorum"), said
+
+
+def test_the_healing_transfers_quiet_only_their_access_lines_and_their_one_warning(monkeypatch, capsys):
+    import warnings
+    from http.server import BaseHTTPRequestHandler
+
+    from scaletrain.parallel.fault_tolerance import _quiet_healing_transfers
+
+    monkeypatch.setattr(BaseHTTPRequestHandler, "log_request", BaseHTTPRequestHandler.log_request)  # put back after
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _quiet_healing_transfers()
+        handler = BaseHTTPRequestHandler.__new__(BaseHTTPRequestHandler)
+        handler.log_request(200)  # an access line: nothing printed
+        warnings.warn("The given buffer is not writable, and PyTorch does not support ...", UserWarning, stacklevel=1)
+        warnings.warn("another warning", UserWarning, stacklevel=1)
+        warnings.warn("The given buffer is not writable", DeprecationWarning, stacklevel=1)
+    assert [(w.category, str(w.message)) for w in seen] == [(UserWarning, "another warning"),
+                                                             (DeprecationWarning, "The given buffer is not writable")]
+    assert capsys.readouterr() == ("", "")
+
+
+def test_a_lighthouse_on_another_host_name_serves_the_groups_store_by_this_hosts_name(tmp_path, monkeypatch):
+    """With the Lighthouse named by a host name (not loopback), the group's store and Manager are
+    reached by this host's name, so that groups on other machines can."""
+    import socket
+
+    name = socket.gethostname()
+    try:
+        address = socket.gethostbyname(name)
+    except OSError:
+        pytest.skip(f"this host's name {name!r} does not resolve")
+    if not address.startswith("127."):
+        pytest.skip(f"this host's name {name!r} leads to {address}, not to loopback where the test's Lighthouse is")
+    hook, manager, *_ = _for_run(tmp_path, monkeypatch, host=name)
+    assert manager.kwargs["store_addr"] == manager.kwargs["hostname"] == name

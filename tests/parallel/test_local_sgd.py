@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -525,30 +526,37 @@ def test_bad_input_gives_one_clear_line(case: Case, workdir: Path, capsys):
 # The average over the workers
 
 
+def _gloo_group(store, name: str, rank: int, workers: int):
+    prefixed = dist.PrefixStore(name, store)
+    gloo = dist.ProcessGroupGloo(prefixed, rank, workers, timedelta(seconds=60))
+    group = dist.ProcessGroup(prefixed, rank, workers)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    return group
+
+
 def wire_average(buffers: list[torch.Tensor], dtype: str, background: bool = False) -> list[torch.Tensor]:
-    """What each worker gets from `ReplicaAverage.average` when worker w holds buffers[w]: one
-    gloo process group per worker (a store shared in memory), each worker on its own thread. With
-    `background`, through `start` on the averager's own thread (a delayed sync), and it is checked
-    that the average ran on a thread of that name."""
+    """What each worker gets from `ReplicaAverage.start` when worker w holds buffers[w]: gloo process
+    groups of their own per worker (a store shared in memory; no default group), each worker on its
+    own thread, the default device set to meta (a tensor made on it rather than on its input's
+    device fails, as one made on the CPU beside a GPU's would). With `background`, on the averager's
+    own thread (a delayed sync), and it is checked that the average ran there, over the background
+    group and not the main one."""
     workers, store = len(buffers), dist.HashStore()
     out: list[torch.Tensor | None] = [None] * workers
     errors: list[BaseException] = []
-    ran_on: list[str] = []
+    ran_on: list[tuple[str, bool]] = []
 
     def worker(rank: int) -> None:
         try:
-            prefixed = dist.PrefixStore("average", store)
-            gloo = dist.ProcessGroupGloo(prefixed, rank, workers, timedelta(seconds=60))
-            group = dist.ProcessGroup(prefixed, rank, workers)
-            group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-            group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
-            if not background:
-                out[rank] = ReplicaAverage(group, workers, dtype).average(buffers[rank].clone(), group)
-                return
-            averager = ReplicaAverage(group, workers, dtype, background_group=group)
+            group = _gloo_group(store, "average", rank, workers)
+            extra = _gloo_group(store, "background", rank, workers) if background else None
+            averager = ReplicaAverage(group, workers, dtype, background_group=extra)
             average = averager.average
-            averager.average = lambda *a: (ran_on.append(threading.current_thread().name), average(*a))[1]
-            out[rank] = averager.start(buffers[rank].clone()).wait()
+            averager.average = lambda flat, g: (ran_on.append((threading.current_thread().name, g is extra)),
+                                                average(flat, g))[1]
+            with torch.device("meta"):
+                out[rank] = averager.start(buffers[rank].clone()).wait()
         except BaseException as e:  # re-raised in the test's thread
             errors.append(e)
 
@@ -560,7 +568,8 @@ def wire_average(buffers: list[torch.Tensor], dtype: str, background: bool = Fal
     if errors:
         raise errors[0]
     assert all(o is not None for o in out), "a worker did not finish"
-    assert len(ran_on) == (workers if background else 0) and all(n.startswith("scaletrain-sync") for n in ran_on)
+    assert len(ran_on) == workers
+    assert all(n.startswith("scaletrain-sync") == background and on_extra == background for n, on_extra in ran_on)
     return out
 
 
@@ -648,6 +657,31 @@ def test_the_average_is_the_mean_bit_for_bit_where_the_format_carries_it(dtype, 
     for w, values in enumerate([simulated, *got]):
         wrong = (values != mean).sum().item()
         assert wrong == 0, f"{'simulation' if w == 0 else f'worker {w - 1}'}: {wrong} values differ from the mean"
+
+
+def test_delayed_syncs_run_one_at_a_time_in_the_order_they_began():
+    """The background group carries one sync at a time: a second sync started while the first is
+    still on the wire waits for it (two at once would interleave their collectives on one group)."""
+    extra = object()
+    averager = ReplicaAverage(None, 2, "fp32", background_group=extra)
+    running, order, most = [], [], [0]
+    lock = threading.Lock()
+
+    def average(flat, group):
+        assert group is extra
+        with lock:
+            running.append(flat)
+            most[0] = max(most[0], len(running))
+        time.sleep(0.05)
+        with lock:
+            running.remove(flat)
+            order.append(int(flat[0]))
+        return flat
+
+    averager.average = average
+    handles = [averager.start(torch.full((2,), float(k))) for k in range(3)]
+    assert [int(h.wait()[0]) for h in handles] == [0, 1, 2]
+    assert order == [0, 1, 2] and most[0] == 1
 
 
 def test_an_unknown_sync_dtype_is_refused_with_the_known_ones():

@@ -206,8 +206,8 @@ class ReplicaGroups(OuterLoop):
     key = "fault_tolerance"
 
     def __init__(self, manager, named: Named, optimizer: torch.optim.Optimizer, state, refresh: Callable[[], None],
-                 *, replica_id: int, groups: int, min_replicas: int = 1, quorum_timeout_s: float = 60.0,
-                 rank: int = 0, lighthouse: str = "", scaler=None, step_timeout_s: float = 60.0):
+                 *, replica_id: int, groups: int, min_replicas: int, quorum_timeout_s: float, rank: int,
+                 lighthouse: str, step_timeout_s: float, scaler=None):  # every one from for_run: no defaults
         self.manager = manager
         # the commit vote waits for every rank of the group, and a rank may reach it a whole step timeout
         # late (stuck in the groups' all-reduce with a rank killed inside it, until the collective times
