@@ -382,6 +382,84 @@ EQUIVALENT.update({("fault-tolerance", function, line): why for function, line, 
 )})
 
 
+# --- local-sgd (parallel/local_sgd.py, outer.py): the after-run of this round (2026-11-29, evening) ---
+OUTER_ON_CPU = GPU_ONLY + (": the outer copy kept on the host (sync.outer_on_cpu) beside weights on a GPU; on a CPU "
+                           "both are on the CPU")
+SAME_DEVICE = "Tensor.to(device=None) keeps the tensor's device: the outer copy is made where the weights are"
+ONE_DUE = ("at most one fragment is due at a step (their offsets differ while fragments <= sync.every, which the "
+           "config requires): nothing follows an empty one")
+BLOCKING = "the same values: a blocking copy only loses the copy's overlap"
+HANDLE = "the handle is read only while the average is None, which the line before has just set"
+FALSY = "None and False alike: of_config is read only as a condition"
+FLAGS = "0/1 flags: their sum and their max are above 0 together"
+DIVIDES = "the mesh's size is a multiple of dp_replicate: / and // give the same count"
+DTENSOR_WORKERS = ("a DTensor's case, which only the multi-process tests hold "
+                   "(test_workers_match_their_simulation over ZeRO-3 and tp, a resumed run with a fragment in flight)")
+EQUIVALENT.update({("local-sgd", function, line): why for function, line, why in (
+    ("OuterSync.begin",
+     "mine = torch.cat([(p.outer.to(p.local.device, ) - p.local).reshape(-1)", BLOCKING),
+    ("OuterSync.begin",
+     "mine = torch.cat([(p.outer.to(p.local.device, non_blocking=False) -"
+     " p.local).reshape(-1)", BLOCKING),
+    ("LocalSGD.reported_norm",
+     "ranks_per_worker = self.mesh.size() / self.layout.dp_replicate", DIVIDES),
+    ("OuterSync.__init__",
+     "local = p.to_local() if (isinstance(p, DTensor)) and False else p.data", DTENSOR_WORKERS),
+    ("OuterSync._as_param",
+     "return DTensor.from_local(None, p.param.device_mesh, p.param.placements,"
+     " run_check=False,", DTENSOR_WORKERS),
+    ("OuterSync._as_param",
+     "return DTensor.from_local(p.param.device_mesh, p.param.placements,"
+     " run_check=False,", DTENSOR_WORKERS),
+    ("OuterSync._as_param",
+     "return DTensor.from_local(t, None, p.param.placements, run_check=False,", DTENSOR_WORKERS),
+    ("OuterSync._as_param",
+     "return DTensor.from_local(t, p.param.device_mesh, None, run_check=False,", DTENSOR_WORKERS),
+    ("OuterSync._as_param",
+     "return DTensor.from_local(t, p.param.device_mesh, p.param.placements,"
+     " run_check=None,", DTENSOR_WORKERS),
+    ("OuterSync._as_param",
+     "return DTensor.from_local(t, p.param.device_mesh, p.param.placements,"
+     " run_check=True,", DTENSOR_WORKERS),
+    ("OuterSync._as_param",
+     "return DTensor.from_local(t, p.param.device_mesh, p.param.placements,"
+     " shape=p.param.shape, stride=p.param.stride())", DTENSOR_WORKERS),
+    ("OuterSync._as_param",
+     "return DTensor.from_local(t, p.param.device_mesh, run_check=False,", DTENSOR_WORKERS),
+    ("OuterSync._as_param",
+     "return DTensor.from_local(t, p.param.placements, run_check=False,", DTENSOR_WORKERS),
+    ("OuterSync._as_param",
+     "shape=None, stride=p.param.stride())", DTENSOR_WORKERS),
+    ("OuterSync._as_param",
+     "shape=p.param.shape, )", DTENSOR_WORKERS),
+    ("OuterSync._as_param",
+     "shape=p.param.shape, stride=None)", DTENSOR_WORKERS),
+    ("OuterSync._as_param",
+     "stride=p.param.stride())", DTENSOR_WORKERS),
+    ("LocalSGD.for_run",
+     "if problems := layout.fragment_errors(n_blocks, of_config=None):", FALSY),
+    ("LocalSGD.agree_to_skip",
+     "dist.all_reduce(flag, )", FLAGS),
+    ("LocalSGD.agree_to_skip",
+     "dist.all_reduce(flag, op=None)", FLAGS),
+    ("_InFlight.result",
+     "self.handle = \"\"", HANDLE),
+    ("OuterSync.begin",
+     "break", ONE_DUE),
+    ("OuterSync.__init__",
+     "outer = local.detach().to(device=\"cpu\" if (on_cpu) and False else local.device,"
+     " dtype=torch.float32, copy=True)", OUTER_ON_CPU),
+    ("OuterSync.begin",
+     "mine = torch.cat([(p.outer.to(None, non_blocking=True) - p.local).reshape(-1)", OUTER_ON_CPU),
+    ("OuterSync.begin",
+     "mine = torch.cat([(p.outer.to(non_blocking=True) - p.local).reshape(-1)", OUTER_ON_CPU),
+    ("OuterSync.__init__",
+     "outer = local.detach().to(device=None, dtype=torch.float32, copy=True)", SAME_DEVICE),
+    ("OuterSync.__init__",
+     "outer = local.detach().to(dtype=torch.float32, copy=True)", SAME_DEVICE),
+)})
+
+
 # --- families (model/families/) ---
 EQUIVALENT[("families", "Phi3.fields", "return super().fields(get, refuse, None)")] = (
     "strict only decides what attention_bias makes of a non-strict read, and Phi-3 does not know attention_bias "

@@ -781,7 +781,8 @@ def _fragmented_workers() -> list:
     shared = SimulatedWorkers(2, "fp32")
     workers = []
     for w in range(2):
-        named = [(f"layers.{i}.w", torch.nn.Parameter(torch.full((3,), float(i)))) for i in range(2)]
+        named = [(f"layers.{i}.{n}", torch.nn.Parameter(torch.full((size,), float(i))))
+                 for i in range(2) for n, size in (("w", 3), ("b", 2), ("c", 1))]  # three a fragment: offsets
         workers.append((named, OuterSync(named, mode="diloco", sync_every=2, fragments=2, delay=1, n_blocks=2,
                                          comm=shared.member(w), outer_lr=0.5, outer_momentum=0.75)))
     return workers
@@ -793,7 +794,7 @@ def _inner_steps(workers, step: int) -> list[bool]:
     with torch.no_grad():
         for w, (named, _) in enumerate(workers):
             for i, (_, p) in enumerate(named):
-                p.add_(torch.arange(3.0) * (w + 1) - 0.25 * step * (i + 1))
+                p.add_(torch.arange(float(p.numel())) * (w + 1) - 0.25 * step * (i + 1))
     for _, s in workers:
         s.begin()
     return [s.finish() for _, s in workers]
@@ -821,18 +822,24 @@ def test_a_checkpoint_of_the_outer_state_restores_a_sync_in_flight_bit_for_bit()
     for named, s in a:
         shared, own = s.tensors()
         assert set(shared) == {"momentum", "in_flight_0"} and set(own) == {"in_flight_0"}
-        assert set(shared["in_flight_0"]) == set(own["in_flight_0"]) == {"layers.0.w"}  # fragment 0's only
+        assert set(shared["in_flight_0"]) == set(own["in_flight_0"]) == {"layers.0.w", "layers.0.b", "layers.0.c"}
         saved.append(({n: p.detach().clone() for n, p in named},
                       [t.clone() for t in _leaves((s.outer_weights(), shared, own))]))
-    mine = [s.tensors()[1]["in_flight_0"]["layers.0.w"] for _, s in a]
-    for _, s in a:
-        assert torch.equal(s.tensors()[0]["in_flight_0"]["layers.0.w"], (mine[0] + mine[1]) / 2)
+    for k, name in enumerate(("layers.0.w", "layers.0.b", "layers.0.c")):  # fragment 0's
+        mine = [s.tensors()[1]["in_flight_0"][name] for _, s in a]
+        # each worker's own pseudo-gradient in flight: the outer weights less its weights when the sync began
+        # (after step 3's move: nothing has moved fragment 0 since)
+        assert all(torch.equal(m, s.params[k].outer - s.params[k].local) for m, (_, s) in zip(mine, a))
+        for _, s in a:
+            assert torch.equal(s.tensors()[0]["in_flight_0"][name], (mine[0] + mine[1]) / 2)
     for (named, s), (local, outer_state), state in zip(b := _fragmented_workers(), saved, states):
         with torch.no_grad():
             for n, p in named:
                 p.copy_(local[n])
-        s.prepare_load(state)
+        with torch.device("meta"):  # what it allocates goes on the parameters' device, not the default one
+            s.prepare_load(state)
         targets = _leaves((s.outer_weights(), *s.tensors()))
+        assert all(t.device.type == "cpu" for t in targets)
         assert [t.shape for t in targets] == [t.shape for t in outer_state]
         for target, value in zip(targets, outer_state):
             target.copy_(value)
@@ -898,3 +905,100 @@ def test_the_run_hook_agrees_on_skips_reports_the_workers_rms_norm_and_keeps_eac
     alone = LocalSGD(sync, SimpleNamespace(dp_replicate=1, dp_sync="diloco"))
     assert alone.worker == 0 and alone.agree_to_skip(True) is True and alone.agree_to_skip(False) is False
     assert float(alone.reported_norm(torch.tensor(3.0))) == 3.0
+
+
+def test_the_run_hooks_collectives_go_on_the_meshs_device_whatever_the_default():
+    """The skip vote's flag and a norm given as a number are made on the mesh's device, not torch's
+    default one (meta here stands in for a GPU run's default CPU beside NCCL's device)."""
+    from types import SimpleNamespace
+
+    from scaletrain.parallel.local_sgd import LocalSGD
+
+    _, sync = _fragmented_workers()[0]
+    hook = LocalSGD(sync, SimpleNamespace(dp_replicate=2, dp_sync="diloco"), _FakeMesh())
+    seen = []
+
+    def all_reduce(t, op=dist.ReduceOp.SUM):
+        seen.append(t.device.type)
+        t.mul_(4)  # four ranks alike
+
+    with pytest.MonkeyPatch.context() as mp, torch.device("meta"):
+        mp.setattr(dist, "all_reduce", all_reduce)
+        assert hook.agree_to_skip(True) is True
+        assert float(hook.reported_norm(3.0)) == pytest.approx(3.0)  # every worker's norm 3: their RMS is 3
+    assert seen == ["cpu", "cpu"]
+
+
+def test_a_state_without_syncs_in_flight_and_a_one_parameter_worker_load(tmp_path):
+    p, sync = one_worker_outer("diloco", outer_lr=0.5, outer_momentum=0.75)
+    sync.prepare_load({"steps": 3})  # no "in_flight": nothing to allocate
+    assert sync.in_flight == []
+    sync.prepare_load({"steps": 3, "in_flight": [{"fragment": 0, "apply_at": 4}]})
+    assert [(s.fragment, s.apply_at, s.mine.shape, s.average.shape) for s in sync.in_flight] == \
+        [(0, 4, torch.Size([2]), torch.Size([2]))]
+
+
+def test_a_block_index_beyond_the_blocks_counted_goes_with_the_last_fragment():
+    assert fragments_of(["tok_emb.weight", "layers.0.w", "layers.1.w", "layers.5.w", "head.weight"],
+                        n_blocks=2, fragments=2) == [0, 0, 1, 1, 1]
+
+
+def test_an_unknown_sync_mode_is_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match=r"^unknown local sync mode 'dilco' \(did you mean diloco\?\); "
+                                         r"known: local_sgd, diloco$"):
+        OuterSync([("layers.0.w", torch.nn.Parameter(torch.zeros(1)))], mode="dilco", sync_every=2, fragments=1,
+                  delay=0, n_blocks=1, comm=SimulatedWorkers(1, "fp32").member(0))
+
+
+@pytest.mark.parametrize("delay,background", [(0, False), (1, True)])
+def test_the_run_hook_averages_over_the_meshs_workers_in_the_configured_format(delay, background, tmp_path,
+                                                                                monkeypatch):
+    """Without an averager given, LocalSGD.for_run asks ReplicaAverage for the mesh's dp_replicate
+    workers in parallel.sync.dtype, in the background when the sync is delayed, with the run's
+    collective timeout; the hook keeps the mesh. A custom module's own blocks are counted in the
+    refusal's words ("it has N")."""
+    from datetime import timedelta
+
+    from scaletrain.errors import ConfigError
+    from scaletrain.parallel.local_sgd import LocalSGD
+
+    asked = []
+    monkeypatch.setattr(ReplicaAverage, "for_mesh", classmethod(
+        lambda cls, *a, **k: asked.append((a, k)) or SimulatedWorkers(2, "fp32").member(0)))
+    cfg = micro_cfg(tmp_path, **{"parallel.dp_replicate": 2, "parallel.sync.mode": "diloco", "parallel.sync.every": 4,
+                                 "parallel.sync.delay": delay, "parallel.sync.dtype": "int8",
+                                 "parallel.timeout_s": 77})
+    layout = Layout.from_config(cfg, world_size=2)
+    mesh = _FakeMesh()
+    params = [(f"layers.{i}.w", torch.nn.Parameter(torch.zeros(2))) for i in range(2)]
+    hook = LocalSGD.for_run(params, layout, cfg.parallel, n_blocks=2, mesh=mesh)
+    assert asked == [((mesh, "int8"), {"background": background, "timeout": timedelta(seconds=77.0)})]
+    assert hook.mesh is mesh and hook.outer.nesterov is True  # the default outer optimizer
+    layout = Layout.from_config(cfg.replace(**{"parallel.sync.fragments": 3}), world_size=2)
+    with pytest.raises(ConfigError, match=r"parallel.sync.fragments=3 splits the model's blocks into fragments, "
+                                          r"but it has 2; use at most 2 fragments"):
+        LocalSGD.for_run(params, layout, cfg.parallel, n_blocks=2, mesh=mesh)
+
+
+def test_the_outer_loop_of_a_run_is_built_from_what_the_run_gives(tmp_path, monkeypatch):
+    """parallel.outer.outer_loop hands each hook the run's own objects: the replica groups' every one of
+    them (their heal takes the optimizer, state, scaler and the other hooks' state), local SGD's the
+    parameters, the config's [parallel], the blocks and the mesh."""
+    from types import SimpleNamespace
+
+    from scaletrain.parallel import outer
+    from scaletrain.parallel.fault_tolerance import ReplicaGroups
+    from scaletrain.parallel.local_sgd import LocalSGD
+
+    got = []
+    monkeypatch.setattr(ReplicaGroups, "for_run", classmethod(lambda cls, *a, **k: got.append(("ft", a, k))))
+    monkeypatch.setattr(LocalSGD, "for_run", classmethod(lambda cls, *a, **k: got.append(("local", a, k))))
+    named, optimizer, state, refresh, scaler, hooks = object(), object(), object(), object(), object(), (object(),)
+    rt = SimpleNamespace(layout=object(), mesh=object())
+    run = dict(n_blocks=3, optimizer=optimizer, state=state, refresh=refresh, scaler=scaler, hooks=hooks)
+    ft = micro_cfg(tmp_path, **{"fault_tolerance.enabled": True, "fault_tolerance.lighthouse": "http://127.0.0.1:1"})
+    outer.outer_loop(named, ft, rt, **run)
+    plain = micro_cfg(tmp_path)
+    outer.outer_loop(named, plain, rt, **run)
+    assert got == [("ft", (ft, rt, named, optimizer, state, refresh, scaler, hooks), {}),
+                   ("local", (named, rt.layout, plain.parallel), {"n_blocks": 3, "mesh": rt.mesh})]
