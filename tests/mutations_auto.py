@@ -68,7 +68,8 @@ SUBJECTS = {
     "families": Subject((SRC + "model/families/*.py",),
                         ("tests/model/test_hf_families.py", "tests/model/test_hf.py", "tests/model/test_hf_moe.py",
                          # (YaRN and gpt-oss are tested here: without them their readers were "no tests")
-                         *(f"tests/model/families/test_{f}.py" for f in ("deepseek", "gpt_oss", "llama4"))),
+                         *(f"tests/model/families/test_{f}.py" for f in ("deepseek", "gpt_oss", "llama4", "qwen3_next",
+                                                                         "readers", "fields_off_defaults"))),
                         functions=tuple(f"scaletrain.model.families.*{f}__mutmut_*" for f in (
                             "x__yarn_fields", "x_every_layer_window", "ǁQwen2ǁwindow", "ǁPhi3ǁfields",
                             "ǁGptOssǁfields")),
