@@ -462,6 +462,12 @@ EQUIVALENT.update({("local-sgd", function, line): why for function, line, why in
 
 
 # --- families (model/families/) ---
+EQUIVALENT[("families", "GptOss.fields", "out = super().fields(get, refuse, None)")] = (
+    "strict only decides what attention_bias makes of a non-strict read, and gpt-oss's biases() sets the bias to "
+    "attention_bias itself: `not strict and attention_bias and not out['bias']` is never true")
+EQUIVALENT[("families", "every_layer_window",
+            "if not isinstance(window, int) or isinstance(window, bool) or window < 0:")] = (
+    "a window of 0 then returns the window itself: 0, as the early return did")
 EQUIVALENT[("families", "Phi3.fields", "return super().fields(get, refuse, None)")] = (
     "strict only decides what attention_bias makes of a non-strict read, and Phi-3 does not know attention_bias "
     "(an unknown key: refused when strict, absent otherwise)")
