@@ -93,16 +93,21 @@ def test_sigkilled_worker_restarts_the_group_which_resumes_exactly(tmp_path):
 
 STUCK_SURVIVOR = """
 import os, signal, threading, time
+def mark(name):  # whole or not at all: the SIGKILL may come between opening the file and writing it
+    tmp = os.path.join(os.environ["MARKS"], "." + name)
+    with open(tmp, "w") as f:
+        f.write(repr(time.time()))
+    os.replace(tmp, os.path.join(os.environ["MARKS"], name))
 def hook(trainer):
     real = trainer.train_step
     def step(batches):
         if trainer.state.step + 1 == 3 and trainer.rt.rank == 1:
-            open(os.environ["MARKS"] + "/killed", "w").write(repr(time.time()))
+            mark("killed")
             os.kill(os.getpid(), signal.SIGKILL)
         if trainer.state.step + 1 == 3:  # rank 0: stuck where no signal reaches Python (a wait in C++)
             signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, signal.SIGTERM])
             for _ in range(1200):
-                open(os.environ["MARKS"] + "/alive", "w").write(repr(time.time()))
+                mark("alive")
                 time.sleep(0.1)
         return real(batches)
     trainer.train_step = step
