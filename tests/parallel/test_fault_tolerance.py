@@ -86,12 +86,38 @@ def test_diloco_across_groups_is_accepted_whole_and_refused_streamed_in_one_line
         "sync.fragments at 1, sync.delay at 0 and sync.dtype at fp32"]
 
 
-def test_an_unreachable_lighthouse_and_a_missing_torchft_are_one_line_exit_2(tmp_path, monkeypatch):
+def _closed_port() -> int:
     import socket
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def _status_page(page: list[bytes]):
+    """A Lighthouse's status page on loopback serving page[0] (torchft's dashboard, as far as quorum_status
+    reads it; change page[0] to change it): (its address, the server, to shut down)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            asked = self.requestline.split()[1]  # as sent (http.server folds a leading "//"; the Lighthouse does not)
+            body = page[0] if asked == "/status" else b"not here"
+            self.send_response(200 if asked == "/status" else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}", server
+
+
+def test_an_unreachable_lighthouse_and_a_missing_torchft_are_one_line_exit_2(tmp_path, monkeypatch):
+    port = _closed_port()
     args = ["train", *[f"--{k}={v}" for k, v in MICRO.items()], f"--log.run_dir={tmp_path / 'run'}",
             "--fault_tolerance.enabled=true", f"--fault_tolerance.lighthouse=http://127.0.0.1:{port}",
             "--fault_tolerance.quorum_timeout_s=0.5"]
@@ -193,25 +219,10 @@ def test_which_lighthouse_addresses_are_this_machine():
 def test_the_lighthouse_status_page_gives_how_many_groups_joined():
     """torchft's dashboard line "only have N participants, need min_replicas M" read as (N, M); None where the
     page says otherwise or nothing answers."""
-    import http.server
-    import threading
-
     from scaletrain.parallel.fault_tolerance import quorum_status
 
     page = [b"<p>Quorum failed: only have 1 participants, need min_replicas 3</p>"]
-
-    class Status(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200 if self.path == "/status" else 404)
-            self.end_headers()
-            self.wfile.write(page[0])
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Status)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    address = f"http://127.0.0.1:{server.server_address[1]}"
+    address, server = _status_page(page)
     try:
         assert quorum_status(address) == (1, 3) and quorum_status(address + "/") == (1, 3)
         page[0] = b"<p>quorum formed: 12 participants</p>"
@@ -1330,36 +1341,6 @@ def test_the_run_hook_of_other_ranks_and_runs(tmp_path, monkeypatch):
     assert hook.moe is balance.layers
 
 
-def _closed_port() -> int:
-    import socket
-
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _status_page(text: str):
-    """A Lighthouse's status page on loopback (torchft's dashboard, as far as quorum_status reads it):
-    (its address, the server, to shut down)."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class Page(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (http.server's name)
-            asked = self.requestline.split()[1]  # as sent (http.server folds a leading "//"; the Lighthouse does not)
-            body = text.encode() if asked == "/status" else b"not here"
-            self.send_response(200 if asked == "/status" else 404)
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{server.server_address[1]}", server
-
-
 def test_a_fresh_group_has_joined_nothing_skipped_nothing_and_writes_until_a_quorum_says_otherwise():
     """Before its first quorum: no skip to explain, no groups counted, nothing healed; it would write
     a checkpoint (a group stopped during its start-up saves); a first step without start() joins
@@ -1424,7 +1405,7 @@ def test_a_quorum_that_fails_is_said_for_what_it_is(monkeypatch):
     disagrees, refused in the disagreement's words."""
     from scaletrain.errors import ConfigError, QuorumNotFormed, TrainingStopped
 
-    address, server = _status_page("<p>Quorum: only have 1 participants, need min_replicas 2</p>")
+    address, server = _status_page([b"<p>Quorum: only have 1 participants, need min_replicas 2</p>"])
     try:
         hook = _group(_Manager(), replica_id=1, min_replicas=2, lighthouse=address, quorum_timeout_s=9.0)
         hook.state.step = 3
@@ -1493,17 +1474,6 @@ def test_the_lighthouse_check_reads_the_address_and_waits_for_it():
         f"the Lighthouse at http://127.0.0.1:{gone} is unreachable after fault_tolerance.quorum_timeout_s=0.3 s "
         f"({os.strerror(errno.ECONNREFUSED)}); start it with `scaletrain lighthouse`, or fix "
         "fault_tolerance.lighthouse")
-
-
-def test_the_status_page_is_read_at_an_address_with_a_trailing_slash():
-    from scaletrain.parallel.fault_tolerance import quorum_status
-
-    address, server = _status_page("only have 2 participants, need min_replicas 3")
-    try:
-        assert quorum_status(address + "/") == quorum_status(address) == (2, 3)
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_a_groups_name_without_a_fingerprint_is_its_id_alone():

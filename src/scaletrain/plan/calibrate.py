@@ -133,12 +133,17 @@ def compute_key(cfg, precision: str, seq_len: int, tp: int, sp: bool, ac: str, c
     return f"{precision}|{','.join(map(str, shape))}|seq={seq_len // cp}|tp={tp}|sp={sp}|ac={ac}"
 
 
+def engine_reference_key(cfg, wl, layout) -> str:
+    """The compute probe an engine probe's bare steps are the same shape as (the layout's tp and sp,
+    no checkpointing): the engine's reference (`calibrated_time.estimate`)."""
+    return compute_key(cfg, wl.precision, wl.seq_len, layout.tp, layout.sp, "none", layout.cp)
+
+
 def engine_key(cfg, wl, layout) -> str:
     """An engine probe's cache key: the model's shape, precision and optimizer, and the layout's
     data- and tensor-parallel settings."""
-    base = compute_key(cfg, wl.precision, wl.seq_len, layout.tp, layout.sp, "none", layout.cp)
-    return (f"{base}|opt={wl.optimizer}|zero={layout.zero}|dp={layout.dp_replicate}x{layout.dp_shard}"
-            f"|sync={layout.dp_sync}")
+    return (f"{engine_reference_key(cfg, wl, layout)}|opt={wl.optimizer}|zero={layout.zero}"
+            f"|dp={layout.dp_replicate}x{layout.dp_shard}|sync={layout.dp_sync}")
 
 
 def engine_probed(layout) -> bool:
@@ -172,8 +177,9 @@ def probes_for(cfg, wl, layouts) -> list[dict]:
             engines[key] = dict(precision=wl.precision, seq_len=wl.seq_len, tp=lay.tp, sp=lay.sp, ac="none", cp=1,
                                 micro_batch=mb, engine={"zero": lay.zero, "dp_replicate": lay.dp_replicate,
                                                         "dp_shard": lay.dp_shard, "optimizer": wl.optimizer})
-    for e in engines.values():
-        wanted.setdefault((e["precision"], e["seq_len"], e["tp"], e["sp"], "none", 1), set()).add(e["micro_batch"])
+    for e in engines.values():  # the engine's reference: its bare steps' shape, at its micro-batch
+        shape = tuple(e[k] for k in ("precision", "seq_len", "tp", "sp", "ac", "cp"))
+        wanted.setdefault(shape, set()).add(e["micro_batch"])
     probes = [dict(precision=p, seq_len=s, tp=tp, sp=sp, ac=ac, cp=cp, micro_batch=mb)
               for (p, s, tp, sp, ac, cp), mbs in wanted.items() for mb in sorted(mbs)]
     return probes + list(engines.values())

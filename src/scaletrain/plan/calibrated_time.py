@@ -39,7 +39,7 @@ import math
 
 from scaletrain.config import ParallelConfig
 from scaletrain.model.flops import flops_per_token
-from scaletrain.plan.calibrate import Calibration, compute_key, engine_key, engine_probed, layout_key
+from scaletrain.plan.calibrate import Calibration, engine_key, engine_probed, engine_reference_key, layout_key
 from scaletrain.plan.params import dtypes_for, moe_block_split, rank_blocks, rank_params, stage_layers
 from scaletrain.plan.spec import Cluster, Layout, Workload
 from scaletrain.plan.time_model import (
@@ -95,14 +95,15 @@ def estimate(cfg, wl: Workload, layout: Layout, cluster: Cluster,
     held = max((rank_params(cfg, layout, r) for r in range(layout.pp)), key=lambda c: c.total)
     engine = cal.engine.get(engine_key(cfg, wl, layout)) if engine_probed(layout) else None
     if engine is not None:  # measured with the trainer: reductions, hooks, optimizer step, clipping
-        exposed = engine_seconds(engine, max(counts), m)
+        n = max(counts)
+        exposed = engine_seconds(engine, n, m)
         if (ref := _engine_reference(cal, cfg, wl, layout, engine)) is not None:
             # the trainer's own steps whole (the engine plus the bare steps timed beside them), less the
             # bare compute at the probe's micro-batch as the compute probes measured it: the layout's
             # compute above comes from the same probes, so where its micro-batch and checkpointing are the
             # probe's the step is the trainer's measured step, not a sum of figures from two sessions
-            trained = exposed + m * (max(counts) * engine["plain_block"] + engine["plain_rest"])
-            exposed = trained - m * (max(counts) * ref[0] + ref[1])
+            trained = exposed + m * (n * engine["plain_block"] + engine["plain_rest"])
+            exposed = trained - m * (n * ref[0] + ref[1])
         dp_comm = dp_exposed = max(0.0, exposed)
         optimizer = clip = 0.0
     else:
@@ -138,7 +139,7 @@ def estimate(cfg, wl: Workload, layout: Layout, cluster: Cluster,
 def _engine_reference(cal: Calibration, cfg, wl: Workload, layout: Layout, engine: dict) -> tuple[float, float] | None:
     """(a block's, the rest's) bare forward and backward seconds at the engine probe's micro-batch
     without checkpointing, from the compute probes; None for a calibration that lacks them."""
-    key = compute_key(cfg, wl.precision, wl.seq_len, layout.tp, layout.sp, "none", layout.cp)
+    key = engine_reference_key(cfg, wl, layout)
     if "plain_block" not in engine or "micro_batch" not in engine or key not in cal.compute:
         return None
     return cal.block(key, int(engine["micro_batch"]))
