@@ -69,7 +69,8 @@ SUBJECTS = {
                         ("tests/model/test_hf_families.py", "tests/model/test_hf.py", "tests/model/test_hf_moe.py",
                          # (YaRN and gpt-oss are tested here: without them their readers were "no tests")
                          *(f"tests/model/families/test_{f}.py" for f in ("deepseek", "gpt_oss", "llama4", "qwen3_next",
-                                                                         "readers", "fields_off_defaults"))),
+                                                                         "readers", "fields_off_defaults",
+                                                                         "config_round_trip", "choose"))),
                         functions=tuple(f"scaletrain.model.families.*{f}__mutmut_*" for f in (
                             "x__yarn_fields", "x_every_layer_window", "ǁQwen2ǁwindow", "ǁPhi3ǁfields",
                             "ǁGptOssǁfields")),
@@ -510,10 +511,19 @@ def changed_lines(diff: str) -> tuple[str, str]:
 
 
 def only_wording(old: str, new: str) -> bool:
-    """A mutant that changes no more than the case of a string or wraps it in XX: the wording of a message.
+    """A mutant that changes no more than the case of a message or wraps it in XX: the wording of a message.
     The tests check the fragments of each message that say what, where and how to fix; a message
-    shouted or decorated is the same message (a string compared as a key would be caught: it is code)."""
-    return new.replace("XX", "").lower().replace(" ", "") == old.lower().replace(" ", "") and new != old
+    shouted or decorated is the same message. A string without a space is a key, a name or a value
+    (`get.raw("HIDDEN_ACT")`, `refuse("XXattention_biasXX", ...)`, `== "SWIGLU_CLAMPED"`): code, never wording."""
+    if new.replace("XX", "").lower().replace(" ", "") != old.lower().replace(" ", "") or new == old:
+        return False
+    changed = [(a, b) for a, b in zip(_strings(old), _strings(new)) if a != b]
+    return bool(changed) and all(any(c.isspace() for c in a) for a, _ in changed)
+
+
+def _strings(line: str) -> list[str]:
+    """The contents of a line's string literals, in order."""
+    return [m.group(2) for m in re.finditer(r"""(['"])((?:\\.|(?!\1).)*)\1""", line)]
 
 
 def survivors(root: Path) -> list[tuple[str, str, str]]:

@@ -45,14 +45,18 @@ FAMILIES = {
 }
 
 
+def hf_config(name: str, **change):
+    """The transformers config make_hf builds its model from."""
+    cls, kw = FAMILIES[name]
+    return getattr(transformers, cls)(**{**kw, **change})
+
+
 def make_hf(name: str, folder, save_kw: dict | None = None, **change):
     """A seeded tiny transformers model (FAMILIES' config, `change`d), its norms and biases moved
     off their 1/0 init (a wrong permutation of them must show), saved to `folder` (`save_kw`:
     save_pretrained's options)."""
-    cls, kw = FAMILIES[name]
     torch.manual_seed(0)
-    config = getattr(transformers, cls)(**{**kw, **change})
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(name, **change), attn_implementation="eager",
                                                           dtype=torch.float32)
     with torch.no_grad():
         for n, p in model.named_parameters():

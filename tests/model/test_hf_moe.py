@@ -39,13 +39,18 @@ FAMILIES = {
 }
 
 
+def hf_config(name: str, **change):
+    """The transformers config make_hf builds its model from."""
+    cls, kw = FAMILIES[name]
+    return getattr(transformers, cls)(**{**kw, **change})
+
+
 def make_hf(name: str, folder, **change):
     """A seeded tiny transformers model, its norms moved off their init and its router made
     decisive (a wrong permutation or a wrong expert must show), saved to `folder`."""
-    cls, kw = FAMILIES[name]
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**{**kw, **change}),
-                                                          attn_implementation="eager", dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(name, **change), attn_implementation="eager",
+                                                          dtype=torch.float32)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:
@@ -221,7 +226,7 @@ def test_export_refuses_what_no_family_computes():
                n_heads=4, moe_score="softmax")  # Mixtral's scores (the default is DeepSeek-V3's sigmoid)
     for change, words in (({"moe_shared_experts": 1}, "have no shared experts"),
                           ({"moe_score": "sigmoid"}, "have no sigmoid scores"),
-                          ({"moe_capacity_factor": 1.25}, "have no an expert capacity"[:11]),
+                          ({"moe_capacity_factor": 1.25}, "have no expert capacity (model.moe_capacity_factor)"),
                           ({"moe_renorm": False}, "Mixtral (no q/k norms) has experts in every block"),
                           ({"moe_first_dense": 1, "n_layers": 2}, "Mixtral (no q/k norms) has experts in every block"),
                           ({"qk_norm": True, "qk_norm_scope": "projection", "sliding_window": 16},

@@ -44,12 +44,17 @@ SHAPES = {
 }
 
 
+def hf_config(name: str, **change):
+    """The transformers config make_hf builds its model from."""
+    return transformers.DeepseekV3Config(**{**SHAPES[name], **change})
+
+
 def make_hf(name: str, folder, **change):
     """A seeded tiny DeepseekV3ForCausalLM, its norms off their init, its router decisive and its
     routing bias set (a wrong permutation, expert or group must show), saved to `folder`."""
     torch.manual_seed(0)
-    config = transformers.DeepseekV3Config(**{**SHAPES[name], **change})
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(name, **change), attn_implementation="eager",
+                                                          dtype=torch.float32)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:

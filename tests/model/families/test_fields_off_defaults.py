@@ -51,8 +51,14 @@ class Case(NamedTuple):
 
 
 def builder(module, name: str | None = None):
-    return (lambda folder, **change: module.make_hf(folder, **change)) if name is None else \
-        (lambda folder, **change: module.make_hf(name, folder, **change))
+    """An existing test's make_hf (folder, **change) for one of its configs; its .config(**change) is the
+    transformers config alone."""
+    named = () if name is None else (name,)
+
+    def build(folder, **change):
+        return module.make_hf(*named, folder, **change)
+    build.config = lambda **change: module.hf_config(*named, **change)
+    return build
 
 
 def rope(kind: str = "default", **params) -> dict[str, Any]:

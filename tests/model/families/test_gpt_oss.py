@@ -45,12 +45,17 @@ SHAPES = {
 }
 
 
+def hf_config(**change):
+    """The transformers config make_hf builds its model from."""
+    return transformers.GptOssConfig(**{**TINY, **change})
+
+
 def make_hf(folder, **change):
     """A seeded tiny GptOssForCausalLM, every tensor off its init (sinks, router and expert biases
     large enough to matter, norms away from one), saved to `folder`."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(**{**TINY, **change}),
-                                                          attn_implementation="eager", dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(**change), attn_implementation="eager",
+                                                          dtype=torch.float32)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:

@@ -51,12 +51,17 @@ SHAPES = {
 }
 
 
+def hf_config(name: str, **change):
+    """The transformers config make_hf builds its model from."""
+    return transformers.Qwen3NextConfig(**{**SHAPES[name], **change})
+
+
 def make_hf(name: str, folder, **change):
     """A seeded tiny transformers model, its norms off their init, its router decisive and its
     experts large enough that a wrong expert shows, saved to `folder`."""
     torch.manual_seed(0)
-    config = transformers.Qwen3NextConfig(**{**SHAPES[name], **change})
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(name, **change), attn_implementation="eager",
+                                                          dtype=torch.float32)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n or n.endswith("dt_bias"):

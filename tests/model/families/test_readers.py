@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import pytest
 
+from scaletrain.errors import ConfigError
 from scaletrain.model.families import FAMILIES, Reader
 from scaletrain.model.families._common import YARN_KEYS, _yarn_fields, every_layer_window
+from scaletrain.model.hf_config import model_config_from_hf
+from test_config_round_trip import CONFIGS
 
 
 class Refusals(list):
@@ -64,3 +67,206 @@ def test_qwen2s_window_on_some_layers_is_refused_under_the_key_that_says_so():
                                       {}, "config.json"), 4, refuse)
     assert refuse == [("max_window_layers", "slides 3 of the 4 layers; scaletrain slides every layer or none (train "
                                             "it with use_sliding_window=false, or its window on every layer)")]
+
+# --- every refusal of every family's reader, as the user reads it -------------------------------------
+# (a tiny config of the family tests, the keys changed) -> the line the import refuses it with, after
+# "config.json: ". Each line was read when it was written: the key the file used, its value, and why.
+GLOBAL = {"rope_type": "default", "rope_theta": 1000000.0}
+REFUSED = [
+    ("llama-rope-scaling", {"hidden_act": "gelu"},
+     "hidden_act='gelu' is not supported; scaletrain's gated MLP uses silu (SwiGLU)"),
+    ("llama-rope-scaling", {"attention_bias": True},
+     "attention_bias=true puts a bias on the output projection too, without mlp_bias; scaletrain has biases on "
+     "q/k/v only (qkv_bias) or on every linear layer (bias)"),
+    ("llama-rope-scaling", {"mlp_bias": True},
+     "mlp_bias=true puts biases on the MLP alone; scaletrain has them on every linear layer or none"),
+    ("qwen3-head-dim-qk-norm", {"attention_bias": True},
+     "attention_bias=true puts a bias on the output projection too; scaletrain's qwen3 has none there"),
+    ("olmo2", {"head_dim": 24},
+     "head_dim=24 differs from hidden_size / num_attention_heads, which olmo2's q/k norms assume"),
+    ("qwen2-qkv-bias", {"use_mrope": True},
+     "use_mrope=true is multimodal rotary positions; scaletrain has text positions only"),
+    ("llama-rope-scaling", {"rope_scaling": "linear", "rope_parameters": None},
+     "rope_scaling='linear' is not a JSON object of rotary parameters"),
+    ("llama-rope-scaling", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+     'rope_scaling={"rope_type": "dynamic", "factor": 2.0} has rope_type \'dynamic\'; scaletrain implements '
+     "default, linear, llama3 and yarn"),
+    ("llama-rope-scaling", {"rope_scaling": {"rope_type": "linear", "factor": 2.0, "zeta": 1, "alpha": 2}},
+     'rope_scaling={"rope_type": "linear", "factor": 2.0, "zeta": 1, "alpha"... has alpha, zeta, unknown to '
+     "rope_type linear; scaletrain may not compute it alike"),
+    ("llama-rope-scaling", {"rope_scaling": {"rope_type": "linear"}},
+     'rope_scaling={"rope_type": "linear"} needs a number factor for rope_type linear'),
+    ("llama-rope-scaling",
+     {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": True, "high_freq_factor": 4.0}},
+     'rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor":... needs a number low_freq_factor '
+     "for rope_type llama3"),
+    ("llama-rope-scaling",
+     {"rope_scaling": None,
+      "rope_parameters": {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.5}},
+     'rope_parameters={"rope_type": "default", "rope_theta": 100.0, "partial_ro... has '
+     "partial_rotary_factor=0.5, which rotates part of each head; scaletrain's import of this family rotates "
+     "all of it"),
+    ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0}},
+     'rope_parameters={"rope_type": "default", "rope_theta": 100.0, "partial_ro... has partial_rotary_factor=0, '
+     "which should be a number in (0, 1], the share of each head that turns"),
+    ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 1.5}},
+     'rope_parameters={"rope_type": "default", "rope_theta": 100.0, "partial_ro... has '
+     "partial_rotary_factor=1.5, which should be a number in (0, 1], the share of each head that turns"),
+    ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": True}},
+     'rope_parameters={"rope_type": "default", "rope_theta": 100.0, "partial_ro... has '
+     "partial_rotary_factor=true, which should be a number in (0, 1], the share of each head that turns"),
+    ("gemma2", {"hidden_activation": "relu"},
+     "hidden_activation='relu' is not supported; scaletrain's GeGLU gates by gelu_new or gelu_pytorch_tanh"),
+    ("gemma2", {"hidden_activation": None, "hidden_act": "relu"},
+     "hidden_act='relu' is not supported; scaletrain's GeGLU gates by gelu_new or gelu_pytorch_tanh"),
+    ("gemma2", {"attention_bias": True},
+     "attention_bias=true puts biases on the attention projections; scaletrain's Gemma has none"),
+    ("gemma2", {"use_bidirectional_attention": True},
+     "use_bidirectional_attention=true lets every token attend to later ones; scaletrain's attention is causal"),
+    ("gemma2", {"query_pre_attn_scalar": 0},
+     "query_pre_attn_scalar=0 should be a positive integer (the scores are divided by its square root)"),
+    ("gemma2", {"query_pre_attn_scalar": 24.0},
+     "query_pre_attn_scalar=24.0 should be a positive integer (the scores are divided by its square root)"),
+    ("gemma2", {"query_pre_attn_scalar": True},
+     "query_pre_attn_scalar=true should be a positive integer (the scores are divided by its square root)"),
+    ("gemma2", {"attn_logit_softcapping": 0},
+     "attn_logit_softcapping=0 should be a positive number or null"),
+    ("gemma2", {"final_logit_softcapping": True},
+     "final_logit_softcapping=true should be a positive number or null"),
+    ("gemma2", {"final_logit_softcapping": "30"},
+     "final_logit_softcapping='30' should be a positive number or null"),
+    ("gemma2",
+     {"num_hidden_layers": 4,
+      "layer_types": ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]},
+     'layer_types=["sliding_attention", "full_attention", "full_attention",... has its global blocks where '
+     'model.global_every (every n-th block global) cannot put them: ["sliding_attention", "full_attention", '
+     '"full_attention",...'),
+    ("gemma3",
+     {"rope_parameters": {"full_attention": GLOBAL,
+                          "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}},
+     'rope_parameters={"full_attention": {"rope_type": "default", "rope_theta":... scales the sliding-window '
+     'blocks\' rotary ({"rope_type": "linear", "factor": 2.0, "rope_theta": 1000...); scaletrain scales the '
+     "global blocks' only"),
+    ("gemma3",
+     {"rope_parameters": {"full_attention": GLOBAL,
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "factor": 1.0}}},
+     'rope_parameters={"full_attention": {"rope_type": "default", "rope_theta":... scales the sliding-window '
+     'blocks\' rotary ({"rope_type": "default", "rope_theta": 10000.0, "factor":...); scaletrain scales the '
+     "global blocks' only"),
+    ("gpt2-tied", {"activation_function": "gelu"},
+     "activation_function='gelu' is not supported; scaletrain's GELU is the tanh one (gelu_new, "
+     "gelu_pytorch_tanh)"),
+    ("gpt2-tied", {"scale_attn_weights": False},
+     "scale_attn_weights=false leaves the scores unscaled; scaletrain divides them by sqrt(head_dim)"),
+    ("gpt2-tied", {"scale_attn_by_inverse_layer_idx": True},
+     "scale_attn_by_inverse_layer_idx=true scales each layer's scores differently; scaletrain does not"),
+    ("gpt2-tied", {"add_cross_attention": True},
+     "add_cross_attention=true adds cross-attention; scaletrain imports decoder-only language models"),
+    ("neox-parallel", {"hidden_act": "relu"},
+     "hidden_act='relu' is not supported; scaletrain's GPT-NeoX MLP computes gelu or gelu_new, "
+     "gelu_pytorch_tanh"),
+    ("neox-parallel", {"attention_bias": False},
+     "attention_bias=false leaves attention without biases while GPT-NeoX's MLP keeps its own; scaletrain has "
+     "biases on every linear layer or none"),
+    ("gpt_oss:alternating", {"layer_types": ["sliding_attention", "full_attention"]},
+     'layer_types=["sliding_attention", "full_attention"] should list sliding_attention or full_attention for '
+     'each of the 3 layers, got ["sliding_attention", "full_attention"]'),
+    ("gpt_oss:alternating", {"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
+     'layer_types=["sliding_attention", "chunked_attention", "full_attention"] should list sliding_attention or '
+     'full_attention for each of the 3 layers, got ["sliding_attention", "chunked_attention", "full_attention"]'),
+    ("gpt_oss:alternating", {"layer_types": ["full_attention", "sliding_attention", "sliding_attention"]},
+     'layer_types=["full_attention", "sliding_attention", "sliding_attention"] has its full-attention layers '
+     'where model.global_every (every n-th block full) cannot put them: ["full_attention", "sliding_attention", '
+     '"sliding_attention"]'),
+    ("deepseek:plain-query-groups", {"num_key_value_heads": 2},
+     "num_key_value_heads=2 differs from num_attention_heads=4; latent attention brings up keys and values for "
+     "every head"),
+    ("deepseek:plain-query-groups", {"rope_interleave": False},
+     "rope_interleave=false pairs the rotated coordinates by halves; scaletrain imports DeepSeek's interleaved "
+     "pairs (rope_interleave=true) only"),
+    ("deepseek:plain-query-groups", {"pretraining_tp": 2},
+     "pretraining_tp=2 splits the projections' matmuls as transformers does not; set it to 1"),
+    ("deepseek:plain-query-groups", {"attention_bias": True},
+     "attention_bias=true puts biases on q_a_proj, kv_a_proj_with_mqa and o_proj; scaletrain's latent attention "
+     "has none"),
+    ("deepseek:plain-query-groups", {"n_group": 4, "topk_group": 2},
+     "n_group=4 must cut n_routed_experts=6 into groups of at least 2 experts"),
+    ("deepseek:plain-query-groups", {"n_group": 6, "topk_group": 2},
+     "n_group=6 must cut n_routed_experts=6 into groups of at least 2 experts"),
+    ("llama4:every-block-tied", {"floor_scale": 0},
+     "floor_scale=0 should be a positive number of positions"),
+    ("llama4:interleaved", {"no_rope_layers": [1, 0, 0, 1]},
+     "no_rope_layers=[1, 0, 0, 1] leaves blocks [1, 2] without rotary positions; scaletrain's are every n-th "
+     "block (model.nope_every)"),
+    ("llama4:interleaved", {"layer_types": ["full_attention", "full_attention", "full_attention", "full_attention"]},
+     'layer_types=["full_attention", "full_attention", "full_attention", "f... differs from the blocks '
+     'attention_chunk_size and the no-rope blocks make (["chunked_attention", "full_attention", '
+     '"chunked_attentio...); scaletrain chunks the rotary blocks only'),
+    ("llama4:interleaved", {"router_jitter_noise": 0.1},
+     "router_jitter_noise=0.1 scales the router's input by random noise in training; scaletrain's router has no "
+     "jitter: set it to 0"),
+    ("llama4:interleaved", {"moe_layers": [0, 1, 3]},
+     "moe_layers=[0, 1, 3] makes blocks [0, 1, 3] mixtures of experts, which model.moe_first_dense and "
+     "moe_every (every n-th block after the first dense ones) cannot express"),
+    ("mixtral", {"router_jitter_noise": 0.1},
+     "router_jitter_noise=0.1 scales the router's input by random noise in training; scaletrain's router has no "
+     "jitter: set it to 0"),
+    ("olmoe", {"clip_qkv": 8.0},
+     "clip_qkv=8.0 clamps the queries, keys and values; scaletrain does not"),
+    ("qwen3-moe-dense-first", {"mlp_only_layers": [2]},
+     "mlp_only_layers=[2] with decoder_sparse_step=1 makes blocks [0, 1] mixtures of experts, which "
+     "model.moe_first_dense and moe_every (every n-th block after the first dense ones) cannot express"),
+    ("qwen3_next:moe-grouped-values", {"linear_num_value_heads": 3},
+     "linear_num_value_heads=3 must be a multiple of linear_num_key_heads=2"),
+    ("qwen3_next:dense", {"layer_types": ["linear_attention", "sliding_attention", "full_attention"]},
+     'layer_types=["linear_attention", "sliding_attention", "full_attention"] should list linear_attention or '
+     'full_attention for each of the 3 layers, got ["linear_attention", "sliding_attention", "full_attention"]'),
+    ("qwen3_next:dense", {"layer_types": ["full_attention", "linear_attention", "linear_attention"]},
+     'layer_types=["full_attention", "linear_attention", "linear_attention"] puts its full-attention layers '
+     'where model.full_every (every n-th block full) cannot: ["full_attention", "linear_attention", '
+     '"linear_attention"]'),
+    ("llama-rope-scaling", {"is_encoder_decoder": True},
+     "is_encoder_decoder=true is not a decoder-only language model, which is what scaletrain imports"),
+    ("llama-rope-scaling", {"pruned_heads": {"0": [1]}},
+     'pruned_heads={"0": [1]} removes heads from some layers; scaletrain\'s layers all have n_heads'),
+]
+
+
+@pytest.mark.parametrize("base,change,line", REFUSED)
+def test_each_refusal_names_the_key_the_file_used_its_value_and_why(base, change, line):
+    with pytest.raises(ConfigError) as e:
+        model_config_from_hf({**CONFIGS[base]().to_dict(), **change})
+    assert str(e.value) == f"config.json: {line}"
+
+
+# the edge values each refusal leaves alone, and what they read as
+ACCEPTED = [
+    ("llama-rope-scaling", {"hidden_act": "swish"}, {"activation": "swiglu"}),  # silu's other name
+    ("llama-rope-scaling", {"rope_scaling": {"type": "linear", "factor": 2.0}},  # the older name of rope_type
+     {"rope_scaling": "linear", "rope_factor": 2.0}),
+    ("llama-rope-scaling", {"attention_bias": True, "mlp_bias": True}, {"bias": True, "qkv_bias": False}),
+    ("llama-rope-scaling", {"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": 5.0,
+                                                                      "partial_rotary_factor": 1}},
+     {"rope_theta": 5.0, "rotary_fraction": 1.0}),
+    ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 1}},
+     {"rotary_fraction": 1.0, "rope_theta": 100.0}),
+    ("neox-parallel", {"rope_parameters": {"rope_type": "default"}, "rope_theta": None, "rotary_emb_base": 500,
+                       "partial_rotary_factor": None, "rotary_pct": 0.5},  # GPT-NeoX's older names
+     {"rope_theta": 500.0, "rotary_fraction": 0.5}),
+    ("gemma2", {"hidden_activation": None, "hidden_act": "gelu_pytorch_tanh"}, {"activation": "geglu"}),
+    ("gemma2", {"query_pre_attn_scalar": 1}, {"attn_scale_dim": 1}),
+    ("gemma2", {"query_pre_attn_scalar": 16}, {"attn_scale_dim": 0}),  # = head_dim: the usual scale
+    ("gemma2", {"attn_logit_softcapping": None, "final_logit_softcapping": 0.5},
+     {"attn_softcap": 0.0, "logit_softcap": 0.5}),
+    ("llama4:every-block-tied", {"floor_scale": 1}, {"attn_temperature_floor": 1}),
+    ("deepseek:plain-query-groups", {"n_group": 3, "topk_group": 1}, {"moe_groups": 3, "moe_topk_groups": 1}),
+    ("deepseek:plain-query-groups", {"n_group": 1}, {"moe_groups": 0, "moe_topk_groups": 0}),
+    ("qwen3_next:moe-grouped-values", {"linear_num_value_heads": 6, "linear_num_key_heads": 3},
+     {"linear_value_heads": 6, "linear_heads": 3}),
+]
+
+
+@pytest.mark.parametrize("base,change,fields", ACCEPTED)
+def test_the_edge_values_are_accepted_and_read(base, change, fields):
+    out = model_config_from_hf({**CONFIGS[base]().to_dict(), **change})
+    assert {k: out[k] for k in fields} == fields

@@ -75,8 +75,8 @@ def _moe_family(cfg: ModelConfig, no) -> str:
     unlike = [why for why, differs in (
         ("shared experts (model.moe_shared_experts)", cfg.moe_shared_experts),
         ("sigmoid scores (model.moe_score)", cfg.moe_score != "softmax"),
-        ("a routed scale (model.moe_route_scale)", cfg.moe_route_scale != 1.0),
-        ("an expert capacity (model.moe_capacity_factor): they are dropless", cfg.moe_capacity_factor),
+        ("routed scale (model.moe_route_scale)", cfg.moe_route_scale != 1.0),
+        ("expert capacity (model.moe_capacity_factor): they are dropless", cfg.moe_capacity_factor),
         ("biases (model.bias, model.qkv_bias)", cfg.bias or cfg.qkv_bias)) if differs]
     if unlike:
         raise no(f"Mixtral, Qwen3-MoE and OLMoE have no {unlike[0]}")

@@ -58,7 +58,6 @@ ROPE_KEYS = {"default": {"rope_type", "type", "rope_theta"},
 # YaRN's keys -> ours, with transformers' value when left out
 YARN_KEYS = {"beta_fast": ("rope_beta_fast", 32.0), "beta_slow": ("rope_beta_slow", 1.0),
              "mscale": ("rope_mscale", 0.0), "mscale_all_dim": ("rope_mscale_all_dim", 0.0)}
-YARN_FIELDS = tuple(ours for ours, _ in YARN_KEYS.values())
 
 # Weight names, ours -> Hugging Face, inside block i of a Llama-like family, and outside the blocks
 LLAMA_BLOCK = {"attn_norm": "input_layernorm", "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
@@ -273,16 +272,18 @@ def rope_fields(get: Reader, refuse: Refuse, max_len: int, partial: bool = False
     kind = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", get.raw("rope_theta") or get.raw("rotary_emb_base") or 10000.0)
     out: dict[str, Any] = dict(rope_theta=float(theta) if isinstance(theta, (int, float)) else theta)
-    share = params.get("partial_rotary_factor", get.raw("partial_rotary_factor"))
-    share = get.raw("rotary_pct") if share is None else share
+    # the share of each head that turns: in the rotary parameters, or beside them (GPT-NeoX: rotary_pct)
+    share, given = next(((v, k) for k, v in ((key, params.get("partial_rotary_factor")),
+                                             ("partial_rotary_factor", get.raw("partial_rotary_factor")),
+                                             ("rotary_pct", get.raw("rotary_pct"))) if v is not None), (None, None))
+    said = f"has partial_rotary_factor={short(share)}, which " if given == key else ""  # (refuse shows the rest)
     if partial and share is not None:
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-            refuse("partial_rotary_factor", "should be a number in (0, 1], the share of each head that turns")
+            refuse(given, f"{said}should be a number in (0, 1], the share of each head that turns")
         else:
             out["rotary_fraction"] = float(share)
     elif share not in (None, 1, 1.0):
-        refuse("partial_rotary_factor", "rotates part of each head; scaletrain's import of this family rotates all "
-                                        "of it")
+        refuse(given, f"{said}rotates part of each head; scaletrain's import of this family rotates all of it")
     if not isinstance(kind, str) or kind not in ROPE_KEYS:
         refuse(key, f"has rope_type {kind!r}; scaletrain implements default, linear, llama3 and yarn")
         return out
@@ -320,23 +321,15 @@ def _yarn_fields(params: dict, refuse: Refuse, key: str, max_len: int) -> dict[s
     return out
 
 
+# the fields model.from_hf leaves to the user: where the shape and weights come from, what training adds
+# (multi-token prediction is asked for, never implied: deepseek_v3's docstring) and dropout and init
+LEFT_TO_THE_USER = ("preset", "from_hf", "init_from", "mtp_depth", "mtp_loss_weight", "dropout", "init_std")
+
+
 def complete(out: dict[str, Any]) -> dict[str, Any]:
-    """Every field model.from_hf may set, so nothing of a preset or the defaults leaks in."""
-    base = dict(n_kv_heads=0, head_dim=0, rope_theta=10000.0, rope_scaling="none", rope_factor=1.0,
-                rope_low_freq_factor=ModelConfig.rope_low_freq_factor,
-                rope_high_freq_factor=ModelConfig.rope_high_freq_factor,
-                rope_original_max_seq_len=ModelConfig.rope_original_max_seq_len,
-                rope_truncate=ModelConfig.rope_truncate, attn_sinks=False, swiglu_alpha=ModelConfig.swiglu_alpha,
-                swiglu_limit=ModelConfig.swiglu_limit, sliding_window=0, bias=False, qkv_bias=False, qk_norm=False,
-                qk_norm_scope="head",
-                norm_placement="pre", norm_unit_offset=False, parallel_residual=False, embed_scale=False,
-                rotary_fraction=1.0, export_as="auto", global_every=0, rope_local_theta=0.0, attn_scale_dim=0,
-                attn_softcap=0.0, logit_softcap=0.0, attn_chunk=0, nope_every=0, qk_l2_norm=False,
-                attn_temperature=0.0, attn_temperature_floor=ModelConfig.attn_temperature_floor,
-                **{f.name: f.default for f in dataclasses.fields(ModelConfig)
-                   if f.name.startswith(("moe_", "mla_", "linear_")) or f.name in YARN_FIELDS + ("attn_gate",
-                                                                                              "full_every")})
-    return {**base, **out}
+    """Every field model.from_hf sets: `out`'s, and ModelConfig's default for each field `out`
+    leaves out (so nothing of a preset leaks in), bar those LEFT_TO_THE_USER."""
+    return {**{f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name not in LEFT_TO_THE_USER}, **out}
 
 
 class Reader:

@@ -42,9 +42,9 @@ class Gemma2(RotaryFamily):
     def fields(self, get: Reader, refuse: Refuse, strict: bool) -> dict[str, Any]:
         dim, n_heads, head_dim = get.int("hidden_size"), get.int("num_attention_heads"), get.int("head_dim")
         n_layers, max_len = get.int("num_hidden_layers"), get.int("max_position_embeddings")
-        act = get.raw("hidden_activation") or get.raw("hidden_act")
-        if act not in GELU_TANH:
-            refuse("hidden_activation", f"is not supported; scaletrain's GeGLU gates by {' or '.join(GELU_TANH)}")
+        named = "hidden_activation" if get.raw("hidden_activation") else "hidden_act"  # (the older name)
+        if get.raw(named) not in GELU_TANH:
+            refuse(named, f"is not supported; scaletrain's GeGLU gates by {' or '.join(GELU_TANH)}")
         if get.raw("attention_bias"):
             refuse("attention_bias", "puts biases on the attention projections; scaletrain's Gemma has none")
         if get.raw("use_bidirectional_attention"):

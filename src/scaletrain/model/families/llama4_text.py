@@ -161,7 +161,7 @@ class Llama4Text(MoeFamily):
              cfg.qk_norm or cfg.sliding_window or cfg.attn_softcap or cfg.logit_softcap or cfg.attn_scale_dim),
             ("chunks exactly the rotary blocks (model.global_every = nope_every with attn_chunk)",
              cfg.global_every != (cfg.nope_every if cfg.attn_chunk else 0)),
-            ("has Gemma's and GPT-NeoX's options none (embed_scale, norm_unit_offset, parallel_residual, "
+            ("has none of Gemma's and GPT-NeoX's options (embed_scale, norm_unit_offset, parallel_residual, "
              "rotary_fraction, rope_local_theta)", cfg.embed_scale or cfg.norm_unit_offset or cfg.parallel_residual
              or cfg.rotary_fraction != 1.0 or cfg.rope_local_theta),
             ("routes by a sigmoid scaling the experts' input, one shared expert as wide, dropless, no rescaling",

@@ -42,19 +42,20 @@ class Phi3(RotaryFamily):
 
     def chosen(self, cfg: ModelConfig, no) -> str:
         """This family, if it computes what `cfg` computes (a Llama with its projections fused),
-        else `no`'s ConfigError."""
+        else `no`'s ConfigError. `cfg` asks for it by model.export_as=phi3 or by a partial rotary
+        (norms before the sub-blocks and none of Gemma's or GPT-NeoX's options: _choose sees to both)."""
         unlike = [why for why, differs in (
-            ("is rope, rmsnorm, swiglu with norms before the sub-blocks",
-             not (cfg.position == "rope" and cfg.norm == "rmsnorm" and cfg.activation == "swiglu"
-                  and cfg.norm_placement == "pre")),
+            ("is rope, rmsnorm, swiglu",
+             not (cfg.position == "rope" and cfg.norm == "rmsnorm" and cfg.activation == "swiglu")),
             ("has no biases, q/k norms nor experts", cfg.bias or cfg.qkv_bias or cfg.qk_norm or cfg.moe_experts),
             ("has no head_dim apart from dim / n_heads", cfg.head_size * cfg.n_heads != cfg.dim),
             ("scales rope by longrope only, which scaletrain lacks (model.rope_scaling=none)",
-             cfg.rope_scaling != "none"),
-            ("has no parallel residual, embed_scale nor norm_unit_offset",
-             cfg.parallel_residual or cfg.embed_scale or cfg.norm_unit_offset)) if differs]
-        if unlike:
+             cfg.rope_scaling != "none")) if differs]
+        if unlike and cfg.export_as == self.export_as:
             raise no(f"model.export_as=phi3, but Phi-3 {unlike[0]}")
+        if unlike:
+            raise no(f"a share of each head rotated (model.rotary_fraction={cfg.rotary_fraction}) is Phi-3's, which "
+                     f"{unlike[0]}")
         return self.model_type
 
     def recognises(self, keys) -> bool:

@@ -1,0 +1,129 @@
+"""config.json -> ModelConfig -> config.json, judged by transformers' own config classes: every
+tiny config of the family tests (and each off-default case of test_fields_off_defaults.py) is read
+by our import, written back by our export, and the export given to transformers' class of that
+model_type. Each key of transformers' view of the export must be its view of the original, or
+one of the few keys below that say the same thing another way (each with its reason). The
+logits tests show an export computes alike for the keys those tiny models exercise; this one
+sees every key the exporter writes, including those a tiny model never reads (a wrong
+max_window_layers, a wrong mlp_only_layers on a model where both are dense), with transformers'
+defaults and derived fields (moe_layers, layer_types) as the reference."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import test_deepseek  # noqa: E402
+import test_fields_off_defaults  # noqa: E402
+import test_gpt_oss  # noqa: E402
+import test_hf  # noqa: E402
+import test_hf_families  # noqa: E402
+import test_hf_moe  # noqa: E402
+import test_llama4  # noqa: E402
+import test_qwen3_next  # noqa: E402
+from scaletrain.model.config import ModelConfig  # noqa: E402
+from scaletrain.model.hf_config import hf_config_from_model, model_config_from_hf  # noqa: E402
+
+
+def _configs() -> dict[str, Callable[[], Any]]:
+    out: dict[str, Callable[[], Any]] = {}
+    for module in (test_hf, test_hf_families, test_hf_moe):
+        out.update({name: (lambda m=module, n=name: m.hf_config(n)) for name in module.FAMILIES})
+    for module in (test_deepseek, test_llama4, test_qwen3_next):
+        out.update({f"{module.__name__[5:]}:{name}": (lambda m=module, n=name: m.hf_config(n))
+                    for name in module.SHAPES})
+    out.update({f"gpt_oss:{name}": (lambda c=change: test_gpt_oss.hf_config(**c))
+                for name, change in test_gpt_oss.SHAPES.items()})
+    out.update({f"off:{name}": (lambda c=case: c.build.config(**c.shape, **c.change))
+                for name, case in test_fields_off_defaults.CASES.items()})
+    return out
+
+
+CONFIGS = _configs()
+
+
+def _sparse_layers(d: dict) -> list[int]:
+    """Which blocks hold experts, as transformers' Qwen3-MoE and Qwen3-Next decide it."""
+    if not d.get("num_experts", d.get("num_local_experts")):  # (Qwen3-Next's name; Qwen3-MoE's in transformers 5)
+        return []
+    return [i for i in range(d["num_hidden_layers"])
+            if i not in (d.get("mlp_only_layers") or []) and (i + 1) % d["decoder_sparse_step"] == 0]
+
+
+def _rope(d: dict) -> dict:
+    """rope_parameters with the keys transformers fills in when left out, and numbers as floats."""
+    params = dict(d.get("rope_parameters") or {})
+    if params.get("rope_type") == "yarn":
+        params.setdefault("truncate", True)
+    return {k: float(v) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in params.items()}
+
+
+def _slides(d: dict) -> bool:
+    return "sliding_attention" in (d.get("layer_types") or [])
+
+
+# keys whose values may differ and still say the same (original, export -> the same?), with why
+SAME_BY: dict[str, tuple[str, Callable[[dict, dict], bool]]] = {
+    "dtype": ("the weights' file says it; no field of the model", lambda a, b: True),
+    "architectures": ("the export names its class; a config made in memory has none", lambda a, b: True),
+    "bos_token_id": ("the tokenizer's, stated from the data (test_hf's special ids test)", lambda a, b: True),
+    "eos_token_id": ("as bos_token_id", lambda a, b: True),
+    "pad_token_id": ("as bos_token_id", lambda a, b: True),
+    **{k: ("dropout is a training choice (model.dropout, left to the user)", lambda a, b: True)
+       for k in ("attn_pdrop", "resid_pdrop", "embd_pdrop", "attention_dropout")},
+    "num_nextn_predict_layers": ("multi-token prediction is asked for, never implied (model.mtp_depth)",
+                                 lambda a, b: b["num_nextn_predict_layers"] == 0),
+    "head_dim": ("left out (or null) it is hidden_size / num_attention_heads",
+                 lambda a, b: (a.get("head_dim") or a["hidden_size"] // a["num_attention_heads"]) == b["head_dim"]),
+    "n_inner": ("GPT-2's null is 4 x n_embd", lambda a, b: (a["n_inner"] or 4 * a["n_embd"]) == b["n_inner"]),
+    "max_window_layers": ("read only with use_sliding_window",
+                          lambda a, b: not a.get("use_sliding_window") and not b.get("use_sliding_window")),
+    "sliding_window": ("no block slides (gpt-oss's layer_types all full)", lambda a, b: not _slides(a) and
+                       not _slides(b)),
+    "mlp_only_layers": ("the same blocks hold experts", lambda a, b: _sparse_layers(a) == _sparse_layers(b)),
+    "decoder_sparse_step": ("as mlp_only_layers", lambda a, b: _sparse_layers(a) == _sparse_layers(b)),
+    "moe_intermediate_size": ("no block holds experts", lambda a, b: _sparse_layers(a) == _sparse_layers(b) == []),
+    "shared_expert_intermediate_size": ("as moe_intermediate_size",
+                                        lambda a, b: _sparse_layers(a) == _sparse_layers(b) == []),
+    "norm_topk_prob": ("as moe_intermediate_size", lambda a, b: _sparse_layers(a) == _sparse_layers(b) == []),
+    "interleave_moe_layer_step": ("Llama 4 reads moe_layers, which the export states and which agrees",
+                                  lambda a, b: a["moe_layers"] == b["moe_layers"]),
+    "original_max_position_embeddings": ("Phi-3 reads it for longrope only, which scaletrain refuses",
+                                         lambda a, b: (a.get("rope_parameters") or {}).get("rope_type") != "longrope"),
+    "sliding_window_pattern": ("Gemma 3 reads layer_types, which agree", lambda a, b: a["layer_types"] ==
+                               b["layer_types"]),
+    "_sliding_window_pattern": ("as sliding_window_pattern", lambda a, b: a["layer_types"] == b["layer_types"]),
+    "use_bidirectional_attention": ("null is false (causal)", lambda a, b: not a.get(
+        "use_bidirectional_attention") and b["use_bidirectional_attention"] is False),
+    "rope_parameters": ("YaRN's truncate left out is true; an integer is its float",
+                        lambda a, b: _rope(a) == _rope(b)),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_an_imported_config_exports_to_what_transformers_reads_as_the_original(name):
+    original = CONFIGS[name]()
+    theirs = original.to_dict()
+    exported = hf_config_from_model(ModelConfig(**model_config_from_hf(theirs)))
+    assert exported["model_type"] == original.model_type
+    kw = {k: v for k, v in exported.items() if k != "model_type"}
+    back = transformers.AutoConfig.for_model(original.model_type, **kw).to_dict()
+    differ = {k: (theirs.get(k, "<absent>"), back.get(k, "<absent>")) for k in set(theirs) | set(back)
+              if theirs.get(k, "<absent>") != back.get(k, "<absent>")}
+    assert {k: v for k, v in differ.items() if k not in SAME_BY or not SAME_BY[k][1](theirs, back)} == {}
+
+
+def test_the_keys_said_the_same_are_told_apart_when_they_differ():
+    """The looser keys above still see a change that matters."""
+    qwen = test_hf_moe.hf_config("qwen3-moe-step").to_dict()
+    assert not SAME_BY["decoder_sparse_step"][1](qwen, {**qwen, "decoder_sparse_step": 1})
+    assert SAME_BY["mlp_only_layers"][1](qwen, {**qwen, "decoder_sparse_step": 1, "mlp_only_layers": [0, 2]})
+    assert not SAME_BY["head_dim"][1]({"hidden_size": 64, "num_attention_heads": 4}, {"head_dim": 24})
+    assert not SAME_BY["max_window_layers"][1]({"use_sliding_window": True}, {"use_sliding_window": True})
+    assert not SAME_BY["rope_parameters"][1]({"rope_parameters": {"rope_type": "yarn", "factor": 4}},
+                                             {"rope_parameters": {"rope_type": "yarn", "factor": 4,
+                                                                  "truncate": False}})
