@@ -9,7 +9,7 @@ import pytest
 
 from scaletrain.errors import ConfigError
 from scaletrain.model.families import FAMILIES, Reader
-from scaletrain.model.families._common import YARN_KEYS, _yarn_fields, every_layer_window
+from scaletrain.model.families._common import YARN_KEYS, _yarn_fields, every_layer_window, short
 from scaletrain.model.hf_config import model_config_from_hf
 from test_config_round_trip import CONFIGS
 
@@ -72,6 +72,7 @@ def test_qwen2s_window_on_some_layers_is_refused_under_the_key_that_says_so():
 # (a tiny config of the family tests, the keys changed) -> the line the import refuses it with, after
 # "config.json: ". Each line was read when it was written: the key the file used, its value, and why.
 GLOBAL = {"rope_type": "default", "rope_theta": 1000000.0}
+NO_THETA = {"rope_scaling": None, "rope_parameters": {"rope_type": "default"}}  # (the base left to the other keys)
 REFUSED = [
     ("llama-rope-scaling", {"hidden_act": "gelu"},
      "hidden_act='gelu' is not supported; scaletrain's gated MLP uses silu (SwiGLU)"),
@@ -225,6 +226,31 @@ REFUSED = [
      'layer_types=["full_attention", "linear_attention", "linear_attention"] puts its full-attention layers '
      'where model.full_every (every n-th block full) cannot: ["full_attention", "linear_attention", '
      '"linear_attention"]'),
+    # the rotary base and share wherever the file put them, and the scaling's numbers
+    ("llama-rope-scaling", {"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": "fast"}},
+     "rope_parameters={\"rope_type\": \"default\", \"rope_theta\": \"fast\"} has rope_theta='fast', which should be "
+     "a positive number, the rotary base"),
+    ("llama-rope-scaling", {**NO_THETA, "rope_theta": -1},
+     "rope_theta=-1 should be a positive number, the rotary base"),
+    ("neox-parallel", {**NO_THETA, "rope_theta": None, "rotary_emb_base": "x"},
+     "rotary_emb_base='x' should be a positive number, the rotary base"),
+    ("gemma2", {"partial_rotary_factor": 0.5},
+     "partial_rotary_factor=0.5 rotates part of each head; scaletrain's import of this family rotates all of it"),
+    ("gemma3", {"rope_parameters": {"full_attention": {**GLOBAL, "partial_rotary_factor": 0.5}}},
+     "rope_parameters={\"full_attention\": {\"rope_type\": \"default\", \"rope_theta\":... has "
+     "partial_rotary_factor=0.5, which rotates part of each head; scaletrain's import of this family rotates all "
+     "of it"),
+    ("llama-rope-scaling", {"rope_scaling": {"rope_type": "linear", "factor": "2"}},
+     "rope_scaling={\"rope_type\": \"linear\", \"factor\": \"2\"} needs a number factor for rope_type linear"),
+    ("llama-rope-scaling", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "beta_fast": -1}},
+     "rope_scaling={\"rope_type\": \"yarn\", \"factor\": 2.0, \"beta_fast\": -1} needs a non-negative number "
+     "beta_fast for rope_type yarn"),
+    ("gemma3", {"rope_parameters": {"full_attention": GLOBAL,
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": "x"}}},
+     "rope_parameters={\"full_attention\": {\"rope_type\": \"default\", \"rope_theta\":... has sliding_attention's "
+     "rope_theta='x', which should be a positive number, the sliding-window blocks' rotary base"),
+    ("gemma3", {"rope_parameters": None, "rope_local_base_freq": 0},
+     "rope_local_base_freq=0 should be a positive number, the sliding-window blocks' rotary base"),
     ("llama-rope-scaling", {"is_encoder_decoder": True},
      "is_encoder_decoder=true is not a decoder-only language model, which is what scaletrain imports"),
     ("llama-rope-scaling", {"pruned_heads": {"0": [1]}},
@@ -248,6 +274,15 @@ ACCEPTED = [
     ("llama-rope-scaling", {"rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": 5.0,
                                                                       "partial_rotary_factor": 1}},
      {"rope_theta": 5.0, "rotary_fraction": 1.0}),
+    ("llama-rope-scaling", {"partial_rotary_factor": 1.0}, {"rotary_fraction": 1.0}),
+    ("llama-rope-scaling", {**NO_THETA, "rope_theta": 3}, {"rope_theta": 3.0}),  # an integer base: its float
+    ("llama-rope-scaling", {**NO_THETA, "rope_theta": None}, {"rope_theta": 10000.0}),  # none anywhere
+    # transformers' original length when the scaling leaves it out: the model's
+    ("llama-rope-scaling", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0}},
+     {"rope_scaling": "llama3", "rope_original_max_seq_len": 64}),
+    ("llama-rope-scaling", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+     {"rope_scaling": "yarn", "rope_original_max_seq_len": 64}),
     ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 1}},
      {"rotary_fraction": 1.0, "rope_theta": 100.0}),
     ("neox-parallel", {"rope_parameters": {"rope_type": "default"}, "rope_theta": None, "rotary_emb_base": 500,
@@ -270,3 +305,83 @@ ACCEPTED = [
 def test_the_edge_values_are_accepted_and_read(base, change, fields):
     out = model_config_from_hf({**CONFIGS[base]().to_dict(), **change})
     assert {k: out[k] for k in fields} == fields
+    assert {k: type(out[k]) for k in fields} == {k: type(v) for k, v in fields.items()}  # 3.0, never 3
+
+
+def gemma3(**change) -> dict:
+    """The Gemma 3 test config (4 blocks, a global one every 2nd) as a dict, `change`d; a key changed
+    to None is left out."""
+    out = {**CONFIGS["gemma3"]().to_dict(), **change}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+ROTARY = ("rope_theta", "rope_scaling", "rope_factor", "rope_local_theta", "global_every")
+
+
+@pytest.mark.parametrize("config,expected", [
+    # transformers 4's keys, as Google's published Gemma 3 config.json files have them
+    (gemma3(rope_parameters=None, rope_theta=1000000.0, rope_local_base_freq=20000.0,
+            rope_scaling={"rope_type": "linear", "factor": 8.0}), (1000000.0, "linear", 8.0, 20000.0, 2)),
+    # ... without rope_local_base_freq: the family's 10,000; without rope_theta: its 1,000,000
+    (gemma3(rope_parameters=None, rope_local_base_freq=None), (1000000.0, "none", 1.0, 10000.0, 2)),
+    # transformers 5's: one set per kind of block; a set without rope_theta takes the family's base
+    (gemma3(rope_parameters={"full_attention": {"rope_type": "default"},
+                             "sliding_attention": {"rope_type": "default"}}), (1000000.0, "none", 1.0, 10000.0, 2)),
+    (gemma3(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 7.0}}),  # no sliding set
+     (7.0, "none", 1.0, 10000.0, 2)),
+    (gemma3(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 7.0},
+                             "sliding_attention": {"type": "default", "rope_theta": 3.0}}),  # its older "type"
+     (7.0, "none", 1.0, 3.0, 2)),
+    # every block slides: the sliding blocks' base is the model's only one, and the global scaling goes
+    (gemma3(layer_types=["sliding_attention"] * 4), (10000.0, "none", 1.0, 0.0, 0)),
+])
+def test_gemma3s_two_rotary_bases_in_either_transformers_keys(config, expected):
+    out = model_config_from_hf(config)
+    assert tuple(out[k] for k in ROTARY) == expected
+
+
+@pytest.mark.parametrize("local", [{"type": "linear", "factor": 2.0}, {"rope_type": "default", "factor": 1.0}, 5,
+                                   "default"])
+def test_gemma3s_sliding_blocks_rotary_is_refused_unless_a_plain_base(local):
+    with pytest.raises(ConfigError) as e:
+        model_config_from_hf(gemma3(rope_parameters={"full_attention": GLOBAL, "sliding_attention": local}))
+    assert str(e.value).startswith("config.json: rope_parameters={")
+    assert str(e.value).endswith(f"scales the sliding-window blocks' rotary ({short(local)}); scaletrain scales "
+                                 "the global blocks' only")
+
+
+S, F = "sliding_attention", "full_attention"
+
+
+@pytest.mark.parametrize("config,n_layers,expected", [
+    # configs without layer_types: every block slides but each sliding_window_pattern-th
+    ({"sliding_window_pattern": 3, "sliding_window": 16}, 7, ([S, S, F, S, S, F, S], 16, 3)),
+    ({"sliding_window": 16}, 3, ([S, F, S], 16, 2)),  # Gemma 2's pattern when left out: 2
+    ({"sliding_window_pattern": 1, "sliding_window": 16}, 3, ([F, F, F], 0, 0)),  # every block global
+    ({"sliding_window_pattern": 8, "sliding_window": 16}, 4, ([S, S, S, S], 16, 0)),  # longer than the model
+    *[({"sliding_window_pattern": bad, "sliding_window": 16}, 2, ([F, F], 0, 0)) for bad in (0, -2, True, "2")],
+    *[({"sliding_window_pattern": 2, "sliding_window": bad}, 2, ([S, F], 0, 0)) for bad in (0, -1, True, "16")],
+    ({"sliding_window_pattern": 2, "sliding_window": 1}, 2, ([S, F], 1, 2)),  # the smallest window
+    ({"layer_types": [S, S, F], "sliding_window": 16}, 3, ([S, S, F], 16, 3)),  # layer_types win over the pattern
+    ({"layer_types": [S, S], "sliding_window": 16, "sliding_window_pattern": 2}, 2, ([S, S], 16, 0)),
+])
+def test_gemmas_sliding_blocks_from_layer_types_or_the_older_pattern(config, n_layers, expected):
+    from scaletrain.model.families.gemma2 import _layer_kinds
+
+    refuse = Refusals()
+    assert _layer_kinds(Reader(config, FAMILIES["gemma2"].defaults, "config.json"), refuse, n_layers) == expected
+    assert refuse == []
+
+
+@pytest.mark.parametrize("config,expected", [
+    ({"sliding_window": 16}, {"sliding_window": 16, "global_every": 2}),  # transformers' default layer_types
+    ({"sliding_window": 16, "layer_types": [S, S, F]}, {"sliding_window": 16, "global_every": 3}),
+    ({"sliding_window": 16, "layer_types": [S, S, S]}, {"sliding_window": 16, "global_every": 0}),
+    ({"sliding_window": 16, "layer_types": [F, F, F]}, {"sliding_window": 0, "global_every": 0}),
+    ({"sliding_window": 63}, {"sliding_window": 63, "global_every": 2}),  # one short of the model's length
+    *[({"sliding_window": bad}, {"sliding_window": 0, "global_every": 0}) for bad in (64, 65, 0, -1, True, "16")],
+])
+def test_gpt_oss_sliding_layers_from_layer_types(config, expected):
+    refuse = Refusals()
+    assert FAMILIES["gpt_oss"]._layer_kinds(Reader(config, {}, "config.json"), refuse, 3, 64) == expected
+    assert refuse == []

@@ -270,20 +270,27 @@ def rope_fields(get: Reader, refuse: Refuse, max_len: int, partial: bool = False
         refuse(key, "is not a JSON object of rotary parameters")
         params = {}
     kind = params.get("rope_type", params.get("type", "default"))
-    theta = params.get("rope_theta", get.raw("rope_theta") or get.raw("rotary_emb_base") or 10000.0)
-    out: dict[str, Any] = dict(rope_theta=float(theta) if isinstance(theta, (int, float)) else theta)
-    # the share of each head that turns: in the rotary parameters, or beside them (GPT-NeoX: rotary_pct)
-    share, given = next(((v, k) for k, v in ((key, params.get("partial_rotary_factor")),
-                                             ("partial_rotary_factor", get.raw("partial_rotary_factor")),
-                                             ("rotary_pct", get.raw("rotary_pct"))) if v is not None), (None, None))
-    said = f"has partial_rotary_factor={short(share)}, which " if given == key else ""  # (refuse shows the rest)
+    # the base and the share of each head that turns: in the rotary parameters, or beside them (GPT-NeoX's
+    # older names: rotary_emb_base, rotary_pct); a refusal of one in the parameters says which it is
+    theta, at = _first_given((key, params.get("rope_theta")), ("rope_theta", get.raw("rope_theta")),
+                             ("rotary_emb_base", get.raw("rotary_emb_base")))
+    said = f"has rope_theta={short(theta)}, which " if at == key else ""
+    out: dict[str, Any] = dict(rope_theta=10000.0 if at is None else theta)
+    if at is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0):
+        refuse(at, f"{said}should be a positive number, the rotary base")
+    elif at is not None:
+        out["rope_theta"] = float(theta)
+    share, at = _first_given((key, params.get("partial_rotary_factor")),
+                             ("partial_rotary_factor", get.raw("partial_rotary_factor")),
+                             ("rotary_pct", get.raw("rotary_pct")))
+    said = f"has partial_rotary_factor={short(share)}, which " if at == key else ""
     if partial and share is not None:
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-            refuse(given, f"{said}should be a number in (0, 1], the share of each head that turns")
+            refuse(at, f"{said}should be a number in (0, 1], the share of each head that turns")
         else:
             out["rotary_fraction"] = float(share)
     elif share not in (None, 1, 1.0):
-        refuse(given, f"{said}rotates part of each head; scaletrain's import of this family rotates all of it")
+        refuse(at, f"{said}rotates part of each head; scaletrain's import of this family rotates all of it")
     if not isinstance(kind, str) or kind not in ROPE_KEYS:
         refuse(key, f"has rope_type {kind!r}; scaletrain implements default, linear, llama3 and yarn")
         return out
@@ -305,6 +312,11 @@ def rope_fields(get: Reader, refuse: Refuse, max_len: int, partial: bool = False
     if kind == "yarn":
         out.update(_yarn_fields(params, refuse, key, max_len))
     return out
+
+
+def _first_given(*candidates: tuple[str, Any]) -> tuple[Any, str | None]:
+    """The first (value, its key) of the (key, value) `candidates` whose value is not None, or (None, None)."""
+    return next(((value, key) for key, value in candidates if value is not None), (None, None))
 
 
 def _yarn_fields(params: dict, refuse: Refuse, key: str, max_len: int) -> dict[str, Any]:

@@ -30,16 +30,20 @@ class Gemma3Text(Gemma2):
         params = get.raw("rope_parameters")
         if not (isinstance(params, dict) and "full_attention" in params):
             out.update(rope_fields(get, refuse, max_len))
-            return get.raw("rope_local_base_freq")
+            return _base(get.raw("rope_local_base_freq"), refuse, "rope_local_base_freq", "")
         # transformers 5: one set of rotary parameters per kind of block
         glob, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
         out.update(rope_fields(Reader({"rope_parameters": glob}, {"rope_theta": 1000000.0}, get.where), refuse,
                                max_len))
         local_kind = local.get("rope_type", local.get("type", "default")) if isinstance(local, dict) else None
-        if local_kind != "default" or set(local) - {"rope_type", "type", "rope_theta"}:
+        if local_kind != "default" or set(local if isinstance(local, dict) else ()) - {"rope_type", "type",
+                                                                                        "rope_theta"}:
             refuse("rope_parameters", f"scales the sliding-window blocks' rotary ({short(local)}); scaletrain "
                                       "scales the global blocks' only")
-        return local.get("rope_theta", 10000.0) if isinstance(local, dict) else 10000.0
+            return None
+        return _base(local.get("rope_theta", 10000.0), refuse, "rope_parameters",
+                     "has sliding_attention's rope_theta=")
+
 
     def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:
         super().hf_extra(cfg, out, rope)
@@ -48,6 +52,17 @@ class Gemma3Text(Gemma2):
             local = rope  # every block alike
         out.update(rope_parameters={"full_attention": rope, "sliding_attention": local}, rope_scaling=None)
         del out["rope_theta"]
+
+
+def _base(theta: Any, refuse: Refuse, key: str, said: str) -> float | None:
+    """`theta`, the sliding-window blocks' rotary base, if a positive number (None: the global blocks' own)."""
+    if theta is None:
+        return None
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        said = f"{said}{short(theta)}, which " if said else ""
+        refuse(key, f"{said}should be a positive number, the sliding-window blocks' rotary base")
+        return None
+    return float(theta)
 
 
 FAMILY = Gemma3Text()
