@@ -70,7 +70,8 @@ SUBJECTS = {
                          # (YaRN and gpt-oss are tested here: without them their readers were "no tests")
                          *(f"tests/model/families/test_{f}.py" for f in ("deepseek", "gpt_oss", "llama4", "qwen3_next",
                                                                          "readers", "fields_off_defaults",
-                                                                         "config_round_trip", "choose"))),
+                                                                         "config_round_trip", "choose",
+                                                                         "weights_round_trip"))),
                         functions=tuple(f"scaletrain.model.families.*{f}__mutmut_*" for f in (
                             "x__yarn_fields", "x_every_layer_window", "ǁQwen2ǁwindow", "ǁPhi3ǁfields",
                             "ǁGptOssǁfields")),

@@ -18,7 +18,6 @@ transformers = pytest.importorskip("transformers")
 
 from scaletrain.config import ModelConfig, load_config  # noqa: E402
 from scaletrain.errors import ConfigError  # noqa: E402
-from scaletrain.model.hf import hf_state_dict  # noqa: E402
 from scaletrain.model.hf_config import model_config_from_hf  # noqa: E402
 from scaletrain.model.transformer import Transformer, count_params  # noqa: E402
 from scaletrain.trained.export_hf import save_hf  # noqa: E402
@@ -87,9 +86,9 @@ def tokens():
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_import_export_and_generation_match_transformers(name, tmp_path, tokens):
-    """Logits within 1e-5 (fp32), the exported state dict equal to transformers' own, and after
-    our weights change, transformers computes our logits from the export; greedy generation with
-    our KV cache picks transformers' tokens."""
+    """Logits within 1e-5 (fp32); greedy generation with our KV cache picks transformers' tokens;
+    after our weights change, transformers computes our logits from the export. (The export of the
+    untouched import is the file transformers wrote, byte for byte: families/test_weights_round_trip.py.)"""
     from scaletrain.model.generate import generate
     from scaletrain.model.kv_cache import KVCache
 
@@ -99,11 +98,6 @@ def test_import_export_and_generation_match_transformers(name, tmp_path, tokens)
         ref, mine = hf(tokens).logits, ours(tokens)
     assert ref.abs().max() > 0.1  # not a comparison of near-zeros
     assert (mine - ref).abs().max() <= TOL
-
-    theirs = {k: v for k, v in hf.state_dict().items() if not (hf.config.tie_word_embeddings and k == "lm_head.weight")}
-    back = hf_state_dict(dict(ours.named_parameters()), ours.cfg)
-    assert back.keys() == theirs.keys()
-    assert [k for k in theirs if not torch.equal(back[k], theirs[k])] == []
 
     prompt = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(2))
     greedy = hf.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)

@@ -28,9 +28,6 @@ class FamilyView(Lazy):
         """`llama_keys`: the Llama names of every tensor the model has."""
         self.source = source
         self.parts = {k: family.fused_key(k, cfg) for k in llama_keys}
-        for ours, older in family.aliases.items():  # (GPT-NeoX's embed_out)
-            if ours not in source and older in source:
-                self.parts[ours] = (older, None)
         self.parts = {k: v for k, v in self.parts.items() if v[0] in source}
         used = {v[0] for v in self.parts.values()}
         self.parts.update({k: (k, None) for k in source if k not in used})

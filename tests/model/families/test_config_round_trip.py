@@ -127,3 +127,18 @@ def test_the_keys_said_the_same_are_told_apart_when_they_differ():
     assert not SAME_BY["rope_parameters"][1]({"rope_parameters": {"rope_type": "yarn", "factor": 4}},
                                              {"rope_parameters": {"rope_type": "yarn", "factor": 4,
                                                                   "truncate": False}})
+
+
+# the dropout keys of a causal LM (the classifier's and summary's are of heads scaletrain does not export)
+DROPOUT = ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout")
+
+
+@pytest.mark.parametrize("name", [name for name in CONFIGS if not name.startswith("off:")])
+def test_the_models_dropout_is_exported_to_each_place_the_family_has_one(name):
+    """model.dropout is on the embeddings, the attention weights and the residual branches (as GPT-2's
+    three keys); an export fine-tuned by transformers drops out as the model trained."""
+    original = CONFIGS[name]()
+    exported = hf_config_from_model(ModelConfig(**{**model_config_from_hf(original.to_dict()), "dropout": 0.1}))
+    back = transformers.AutoConfig.for_model(original.model_type, **{k: v for k, v in exported.items()
+                                                                     if k != "model_type"}).to_dict()
+    assert {k: back[k] for k in DROPOUT if k in back} == {k: 0.1 for k in DROPOUT if k in back} != {}

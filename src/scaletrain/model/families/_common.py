@@ -90,7 +90,6 @@ class Family:
     top: ClassVar[Mapping[str, str]] = LLAMA_TOP  # ours -> theirs outside the blocks
     norm_placement: ClassVar[str] = "pre"  # where its norms sit (model.norm_placement), which names them
     expert_style: ClassVar[str] = "mlp"  # how its files name each expert's matrices (scaletrain.model.hf)
-    aliases: ClassVar[Mapping[str, str]] = {}  # a Llama name -> an older name some of its checkpoints use
     adapter_refusal: ClassVar[str] = ""  # why adapters on its separate linears cannot map (empty: they can)
     latent_attention: ClassVar[bool] = False  # its blocks attend by latent attention (model.mla_kv_rank)
     hybrid: ClassVar[bool] = False  # it names linear-attention blocks and gated shared experts (model.linear_heads)

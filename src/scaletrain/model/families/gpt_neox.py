@@ -2,7 +2,7 @@
 share of each head rotated (rotary_pct), attention and MLP side by side (use_parallel_residual)
 or in turn. Its checkpoints fuse q, k and v per head in `query_key_value`: the rows of head h are
 [q_h; k_h; v_h] (it views the output as (heads, 3 * head_size) and chunks each), so q is every
-head's first head_size rows. Older checkpoints (Pythia's) name the head `embed_out`."""
+head's first head_size rows. The head is `embed_out` (Pythia's name, which transformers keeps on disk)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ from scaletrain.model.families._common import (
 _BLOCK = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
           "self_attn.o_proj": "attention.dense", "mlp.gate_proj": "mlp.dense_h_to_4h",
           "mlp.down_proj": "mlp.dense_4h_to_h"}
-# (the head: transformers 5 saves lm_head, older checkpoints such as Pythia's embed_out; both are read)
-_TOP = {"model.embed_tokens.": "gpt_neox.embed_in.", "model.norm.": "gpt_neox.final_layer_norm."}
+# (the head: transformers saves it as embed_out, Pythia's name, and so does the export; a checkpoint
+# naming it lm_head, as transformers 5 does in memory, is read too: FamilyView keeps a name no part claims)
+_TOP = {"model.embed_tokens.": "gpt_neox.embed_in.", "model.norm.": "gpt_neox.final_layer_norm.",
+        "lm_head.": "embed_out."}
 
 
 class GPTNeoX(Family):
@@ -37,7 +39,6 @@ class GPTNeoX(Family):
     defaults = dict(hidden_act="gelu", max_position_embeddings=2048, layer_norm_eps=1e-5, tie_word_embeddings=False,
                     use_parallel_residual=True, attention_bias=True, rotary_pct=0.25, rotary_emb_base=10000)
     fused = True
-    aliases = {"lm_head.weight": "embed_out.weight"}
 
     def fields(self, get: Reader, refuse: Refuse, strict: bool) -> dict[str, Any]:
         dim, act = get.int("hidden_size"), get.raw("hidden_act")

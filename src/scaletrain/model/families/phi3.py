@@ -37,7 +37,8 @@ class Phi3(RotaryFamily):
         rope["partial_rotary_factor"] = cfg.rotary_fraction
         # (Phi-3's default padding id, 32000, lies outside a smaller vocabulary: transformers then fails to load)
         out.update(rope_scaling=None, sliding_window=cfg.sliding_window or None,
-                   original_max_position_embeddings=cfg.max_seq_len, pad_token_id=None)
+                   original_max_position_embeddings=cfg.max_seq_len, pad_token_id=None,
+                   resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout)  # (model.dropout's places, as GPT-2's)
         del out["head_dim"]
 
     def chosen(self, cfg: ModelConfig, no) -> str:
