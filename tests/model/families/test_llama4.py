@@ -14,6 +14,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
@@ -340,3 +342,28 @@ def test_a_rank_reads_its_slices_of_the_translated_tensors(tmp_path):
         whole = weights[name]
         index = tuple(slice(min(3, n - 1), max(min(3, n - 1) + 1, n - 2)) for n in whole.shape)
         assert torch.equal(weights.read(name, index), whole[index]), name
+
+
+def test_rotate_half_reorders_each_heads_pairs_by_hand():
+    from scaletrain.model.families.llama4_text import interleaved, rotate_half
+
+    rows = torch.arange(12.0)[:, None]  # two heads of 6 rows: pairs (0, 1) (2, 3) (4, 5) in each
+    assert rotate_half(rows, 2).flatten().tolist() == [0, 2, 4, 1, 3, 5, 6, 8, 10, 7, 9, 11]
+    assert torch.equal(interleaved(rotate_half(rows, 2), 2), rows)
+
+
+@given(start=st.integers(0, 24), length=st.integers(0, 24), cols=st.sampled_from([slice(None), slice(1, 3)]))
+def test_a_part_of_q_or_k_read_from_the_checkpoint_is_that_part_of_the_whole(start, length, cols):
+    """Tensor parallelism reads q/k rows a shard at a time, shards that need not cut at a head: the
+    view reads the whole heads around the part, reorders them and cuts the part out (an empty part
+    included)."""
+    from scaletrain.model.families.llama4_text import Llama4View, rotate_half
+
+    cfg = ModelConfig(dim=24, n_heads=4, n_kv_heads=2, position="rope", norm="rmsnorm", activation="swiglu")
+    q, k = torch.randn(24, 4), torch.randn(12, 4)  # heads of 6 rows
+    source = {"model.layers.0.self_attn.q_proj.weight": q, "model.layers.0.self_attn.k_proj.weight": k}
+    view = Llama4View(source, cfg, "model.layers")
+    for key, whole, heads in (("q_proj", q, 4), ("k_proj", k, 2)):
+        rows = slice(min(start, len(whole)), min(start + length, len(whole)))
+        part = view.read(f"model.layers.0.self_attn.{key}.weight", (rows, cols))
+        assert torch.equal(part, rotate_half(whole, heads)[rows, cols])

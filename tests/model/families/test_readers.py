@@ -385,3 +385,83 @@ def test_gpt_oss_sliding_layers_from_layer_types(config, expected):
     refuse = Refusals()
     assert FAMILIES["gpt_oss"]._layer_kinds(Reader(config, {}, "config.json"), refuse, 3, 64) == expected
     assert refuse == []
+
+
+# Llama 4's derived keys left out, as an older config.json has them (the reader derives them as transformers)
+DERIVED = {"moe_layers": None, "no_rope_layers": None, "layer_types": None}
+BLOCKS = ("n_layers", "moe_experts", "moe_first_dense", "moe_every", "moe_shared_experts", "moe_groups",
+          "moe_topk_groups", "nope_every")
+
+
+# which blocks hold experts (and have no rotary), as transformers decides it, worked by hand: Qwen3-MoE's
+# block i when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers; Llama 4's moe_layers, or
+# every interleave_moe_layer_step-th block; DeepSeek-V3's after first_k_dense_replace
+@pytest.mark.parametrize("base,change,expected", [
+    ("qwen3-moe-step", {"num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": []},
+     (6, 4, 1, 2, 0, 0, 0, 0)),
+    ("qwen3-moe-step", {"num_hidden_layers": 6, "decoder_sparse_step": 3, "mlp_only_layers": [2]},
+     (6, 4, 5, 6, 0, 0, 0, 0)),
+    ("qwen3-moe-step", {"num_hidden_layers": 6, "decoder_sparse_step": 3, "mlp_only_layers": [2, 5]},
+     (6, 0, 0, 1, 0, 0, 0, 0)),
+    ("qwen3-moe-step", {"num_hidden_layers": 6, "decoder_sparse_step": 1, "mlp_only_layers": [0, 1]},
+     (6, 4, 2, 1, 0, 0, 0, 0)),
+    ("llama4:interleaved", {**DERIVED, "num_hidden_layers": 6, "interleave_moe_layer_step": 2},
+     (6, 4, 1, 2, 1, 0, 0, 2)),
+    ("llama4:interleaved", {**DERIVED, "num_hidden_layers": 6, "interleave_moe_layer_step": 3},
+     (6, 4, 2, 3, 1, 0, 0, 2)),
+    ("llama4:interleaved", {"num_hidden_layers": 4, "moe_layers": [0, 2, 4, -1]},
+     (4, 4, 0, 2, 1, 0, 0, 2)),
+    ("llama4:interleaved", {"num_hidden_layers": 4, "moe_layers": [3]},
+     (4, 4, 3, 4, 1, 0, 0, 2)),
+    ("llama4:interleaved", {"moe_layers": []},
+     (4, 0, 0, 1, 0, 0, 0, 2)),
+    ("llama4:interleaved", {"no_rope_layers": [1, 1, 1, 1], "layer_types": None},
+     (4, 4, 1, 2, 1, 0, 0, 0)),
+    ("llama4:interleaved", {"no_rope_layers": [0, 0, 0, 0], "layer_types": None},
+     (4, 4, 1, 2, 1, 0, 0, 1)),
+    ("llama4:interleaved", {"no_rope_layers": None, "no_rope_layer_interval": 3, "layer_types": None},
+     (4, 4, 1, 2, 1, 0, 0, 3)),
+    ("llama4:interleaved", {"no_rope_layers": None, "no_rope_layer_interval": 1, "layer_types": None},
+     (4, 4, 1, 2, 1, 0, 0, 1)),
+    ("llama4:interleaved", {"no_rope_layers": None, "no_rope_layer_interval": 0, "layer_types": None},
+     (4, 4, 1, 2, 1, 0, 0, 0)),
+    ("deepseek:plain-query-groups", {"first_k_dense_replace": 3},
+     (3, 0, 0, 1, 0, 0, 0, 0)),
+    ("deepseek:plain-query-groups", {"first_k_dense_replace": 2},
+     (3, 6, 2, 1, 1, 3, 2, 0)),
+    ("deepseek:plain-query-groups", {"n_group": None, "topk_group": None, "n_shared_experts": None},
+     (3, 6, 1, 1, 0, 0, 0, 0)),
+    ("deepseek:plain-query-groups", {"n_group": 2, "topk_group": 1},
+     (3, 6, 1, 1, 1, 2, 1, 0)),
+])
+def test_the_blocks_holding_experts_or_no_rotary_are_transformers_own(base, change, expected):
+    out = model_config_from_hf({**CONFIGS[base]().to_dict(), **change})
+    assert tuple(out[k] for k in BLOCKS) == expected
+
+
+@pytest.mark.parametrize("base,change,line", [
+    ("qwen3-moe-step", {"decoder_sparse_step": 0},
+     "decoder_sparse_step should be a positive integer, got 0"),
+    ("qwen3-moe-step", {"decoder_sparse_step": True},
+     "decoder_sparse_step should be a positive integer, got true"),
+    ("qwen3-moe-step", {"mlp_only_layers": "0"},
+     "mlp_only_layers should be a list of layer indices, got '0'"),
+    ("qwen3-moe-step", {"mlp_only_layers": [True]},
+     "mlp_only_layers should be a list of layer indices, got [true]"),
+    ("llama4:interleaved", {"interleave_moe_layer_step": 0},
+     "interleave_moe_layer_step should be a positive integer, got 0"),
+    ("llama4:interleaved", {"interleave_moe_layer_step": True},
+     "interleave_moe_layer_step should be a positive integer, got true"),
+    ("llama4:interleaved", {"moe_layers": "1"},
+     "moe_layers should be a list of layer indices, got '1'"),
+    ("llama4:interleaved", {"moe_layers": [1.0]},
+     "moe_layers should be a list of layer indices, got [1.0]"),
+    ("llama4:interleaved", {"no_rope_layers": [1, 1, 1]},
+     "no_rope_layers should be a list of 4 zeros and ones, got [1, 1, 1]"),
+    ("llama4:interleaved", {"no_rope_layers": [1, 2, 1, 1]},
+     "no_rope_layers should be a list of 4 zeros and ones, got [1, 2, 1, 1]"),
+])
+def test_a_malformed_list_or_step_of_blocks_is_one_line(base, change, line):
+    with pytest.raises(ConfigError) as e:
+        model_config_from_hf({**CONFIGS[base]().to_dict(), **change})
+    assert str(e.value) == f"config.json: {line}"
