@@ -294,6 +294,8 @@ ACCEPTED = [
     ("gemma2", {"attn_logit_softcapping": None, "final_logit_softcapping": 0.5},
      {"attn_softcap": 0.0, "logit_softcap": 0.5}),
     ("llama4:every-block-tied", {"floor_scale": 1}, {"attn_temperature_floor": 1}),
+    ("qwen3-moe-step", {"use_sliding_window": False, "sliding_window": 6}, {"sliding_window": 0}),  # not used
+    ("qwen3-moe-step", {"use_sliding_window": True, "sliding_window": 6}, {"sliding_window": 6}),
     ("deepseek:plain-query-groups", {"n_group": 3, "topk_group": 1}, {"moe_groups": 3, "moe_topk_groups": 1}),
     ("deepseek:plain-query-groups", {"n_group": 1}, {"moe_groups": 0, "moe_topk_groups": 0}),
     ("qwen3_next:moe-grouped-values", {"linear_num_value_heads": 6, "linear_num_key_heads": 3},
@@ -465,3 +467,39 @@ def test_a_malformed_list_or_step_of_blocks_is_one_line(base, change, line):
     with pytest.raises(ConfigError) as e:
         model_config_from_hf({**CONFIGS[base]().to_dict(), **change})
     assert str(e.value) == f"config.json: {line}"
+
+
+@pytest.mark.parametrize("read,line", [
+    (lambda r: r.int("a"), "a should be an integer, got true"),
+    (lambda r: r.int("b"), "b should be an integer, got 2.5"),
+    (lambda r: r.float("c"), "c should be a number, got 'x'"),
+    (lambda r: r.float("a"), "a should be a number, got true"),
+    (lambda r: r.bool("d"), "d should be true or false, got 1"),
+])
+def test_the_readers_types_are_refused_in_one_line(read, line):
+    with pytest.raises(ConfigError) as e:
+        read(Reader({"a": True, "b": 2.5, "c": "x", "d": 1}, {}, "here/config.json"))
+    assert str(e.value) == f"here/config.json: {line}"
+
+
+def test_a_key_missing_from_the_file_and_the_defaults_is_a_key_error_unless_optional():
+    get = Reader({"n": 3, "eps": 1}, {"flag": False}, "config.json")
+    assert (get.int("n"), get.float("eps"), get.bool("flag")) == (3, 1.0, False)
+    assert type(get.float("eps")) is float and get.int("gone", optional=True) is None
+    for read in (get.int, get.float, get.bool):
+        with pytest.raises(KeyError):
+            read("gone")
+
+
+def test_short_keeps_60_characters_and_cuts_longer_values_to_60():
+    assert short("a" * 58) == repr("a" * 58)  # 60 with its quotes
+    assert short("a" * 59) == repr("a" * 59)[:57] + "..." and len(short("a" * 59)) == 60
+    assert short([1, 2]) == "[1, 2]" and short(None) == "null" and short(True) == "true"
+
+
+def test_a_config_of_another_model_type_is_read_by_gpt2s_or_llamas_keys():
+    from scaletrain.model.families import family_of_config
+
+    assert family_of_config({"model_type": "qwen2", "n_embd": 8}) is FAMILIES["qwen2"]
+    assert family_of_config({"model_type": "bloom", "n_embd": 8}) is FAMILIES["gpt2"]
+    assert family_of_config({"model_type": "falcon", "hidden_size": 8}) is FAMILIES["llama"]
