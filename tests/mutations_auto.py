@@ -247,8 +247,8 @@ ONE_FRAGMENT = "with one fragment every parameter is in fragment 0 whatever the 
 PATIENCE = "how long a failed quorum waits for the Lighthouse before calling it gone: one that answers does so at once"
 SCALES = ("fp32 and bf16 carry no scales (`_decode` reads them for int8 only, which sets them the line after), and "
           "torch's default dtype is the scales' float32")
-STATUS_READ = ("the status page is a few hundred bytes of ASCII that a live Lighthouse serves at once: the read's "
-               "size, the decoding's errors and the timeout never bite")
+STATUS_READ = ("the status page is a few hundred bytes that a live Lighthouse serves at once: the read's size and "
+               "the timeout never bite")
 NO_WORLD = "no world size is given to the store: it waits for nobody whatever wait_for_workers says"
 CUDA_STREAM = GPU_ONLY + ": a delayed sync's CUDA stream and event (on a CPU `ready` is None, and that path is tested)"
 EQUIVALENT.update({("fault-tolerance", function, line): why for function, line, why in (
@@ -371,8 +371,6 @@ EQUIVALENT.update({("fault-tolerance", function, line): why for function, line, 
     ("ReplicaAverage.average",
      "every_scales = torch.empty(workers * mine_scales.numel(), dtype=None,", SCALES),
     ("quorum_status",
-     "text = r.read(65536).decode(\"utf-8\", )", STATUS_READ),
-    ("quorum_status",
      "text = r.read(65537).decode(\"utf-8\", \"replace\")", STATUS_READ),
     ("quorum_status",
      "text = r.read(None).decode(\"utf-8\", \"replace\")", STATUS_READ),
@@ -460,6 +458,29 @@ EQUIVALENT.update({("local-sgd", function, line): why for function, line, why in
      "outer = local.detach().to(device=None, dtype=torch.float32, copy=True)", SAME_DEVICE),
     ("OuterSync.__init__",
      "outer = local.detach().to(dtype=torch.float32, copy=True)", SAME_DEVICE),
+)})
+
+
+# --- keys, names and values that the wording rule once passed as wording (a string without a space is code) ---
+EQUIVALENT.update({(subject, function, line): why for subject, function, line, why in (
+    ("fault-tolerance", "_loopback",
+     'host = urlsplit(address if "://" in address else f"http://{address}").hostname or "XXXX"',
+     "an address without a host: neither '' nor 'XXXX' is a loopback name"),
+    *[("fault-tolerance", "_quiet_healing_transfers", f"BaseHTTPRequestHandler.log_request = lambda self, {args}: None",
+       "the quieted log_request ignores its arguments: their defaults are never read")
+      for args in ('code="XX-XX", size="-"', 'code="-", size="XX-XX"')],
+    ("fault-tolerance", "quorum_status", "with urllib.request.urlopen(f\"{address.rstrip('XX/XX')}/status\", "
+                                         "timeout=2) as r:",
+     "rstrip's set gains an upper-case X only: it differs for an address whose last character before its slashes "
+     "is X, and a Lighthouse's address ends in its port (the launcher gives one; torchft listens at one)"),
+    ("fault-tolerance", "quorum_status", 'text = r.read(65536).decode("UTF-8", "replace")',
+     "Python's codec names are case-blind: the same codec"),
+    ("moe", "MoE.open_groups", 'return grouped.masked_fill(~open_.unsqueeze(-1), float("-INF")).view(T, E)',
+     "float() reads '-INF' as '-inf'"),
+    *[("lora", "adapter_init_rule", f"if leaf == {leaf}:",
+       "the magnitude's init is a placeholder: init_magnitudes writes the base's row norms over it before any use "
+       "(the base rule's init, which the mutant gives it, is overwritten alike)")
+      for leaf in ('"XXlora_magnitudeXX"', '"LORA_MAGNITUDE"')],
 )})
 
 

@@ -98,6 +98,8 @@ def test_targets_resolve_groups_names_and_patterns():
                                           r"its linears are layers\.\*\.attn\.wq, .*, layers\.\*\.mlp\.w2, "
                                           r"output \(\* = block 0 to 1\)"):
         resolve_targets(model, "attn")
+    with pytest.raises(ConfigError, match=r"'MLPX' matches no linear of the model \(did you mean mlp\?\)"):
+        resolve_targets(model, "MLPX")  # a misspelt group in capitals is not a pattern either
 
 
 @pytest.mark.parametrize("rslora", [False, True])

@@ -227,6 +227,8 @@ def test_the_lighthouse_status_page_gives_how_many_groups_joined():
         assert quorum_status(address) == (1, 3) and quorum_status(address + "/") == (1, 3)
         page[0] = b"<p>quorum formed: 12 participants</p>"
         assert quorum_status(address) is None
+        page[0] = b"<p>\xff\xfe only have 2 participants, need min_replicas 4</p>"  # not UTF-8 before the line
+        assert quorum_status(address) == (2, 4)
     finally:
         server.shutdown()
         server.server_close()
@@ -1530,3 +1532,28 @@ def test_a_lighthouse_on_another_host_name_serves_the_groups_store_by_this_hosts
         pytest.skip(f"this host's name {name!r} leads to {address}, not to loopback where the test's Lighthouse is")
     hook, manager, *_ = _for_run(tmp_path, monkeypatch, host=name)
     assert manager.kwargs["store_addr"] == manager.kwargs["hostname"] == name
+
+
+def test_a_parameters_local_part_is_its_shard_under_fsdp_and_itself_otherwise():
+    """The healing copy and the optimizer state travel as each rank's local part: a DTensor's
+    to_local(), a parameter's data, any other tensor as it is."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from scaletrain.parallel.fault_tolerance import _local
+    from scaletrain.plan.trace import release_fake_world
+
+    release_fake_world()  # (a fake group a planner test may have left in this process)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        whole = torch.arange(6.0).reshape(3, 2)
+        sharded = torch.nn.Parameter(distribute_tensor(whole, init_device_mesh("cpu", (1,)), [Shard(0)]))
+        local = _local(sharded)
+        assert type(local) is torch.Tensor and torch.equal(local, whole)
+        plain = torch.nn.Parameter(whole.clone())
+        assert type(_local(plain)) is torch.Tensor and _local(plain).data_ptr() == plain.data_ptr()
+        assert _local(whole) is whole
+    finally:
+        dist.destroy_process_group()
