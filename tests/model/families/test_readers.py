@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from scaletrain.errors import ConfigError
+from scaletrain.model.config import ModelConfig
 from scaletrain.model.families import FAMILIES, Reader
 from scaletrain.model.families._common import YARN_KEYS, _yarn_fields, every_layer_window, short
 from scaletrain.model.hf_config import model_config_from_hf
@@ -503,3 +504,28 @@ def test_a_config_of_another_model_type_is_read_by_gpt2s_or_llamas_keys():
     assert family_of_config({"model_type": "qwen2", "n_embd": 8}) is FAMILIES["qwen2"]
     assert family_of_config({"model_type": "bloom", "n_embd": 8}) is FAMILIES["gpt2"]
     assert family_of_config({"model_type": "falcon", "hidden_size": 8}) is FAMILIES["llama"]
+
+
+LIN = "linear_attention"
+
+
+@pytest.mark.parametrize("config,n_layers,every", [
+    ({"full_attention_interval": 3}, 6, 3),  # no layer_types: transformers' interval
+    ({"layer_types": [LIN, LIN, F, LIN, LIN, F]}, 6, 3),
+    ({"layer_types": [LIN, F, LIN], "full_attention_interval": 3}, 3, 2),  # layer_types win
+    ({"layer_types": [F, F, F]}, 3, 1),  # every block full attention
+    ({"layer_types": [LIN, LIN, LIN]}, 3, 4),  # none: past the last block
+])
+def test_qwen3_nexts_full_attention_blocks_from_layer_types_or_the_interval(config, n_layers, every):
+    refuse = Refusals()
+    assert FAMILIES["qwen3_next"]._full_every(Reader(config, {}, "config.json"), refuse, n_layers) == every
+    assert refuse == []
+
+
+def test_qwen3_next_with_every_block_full_reads_no_linear_keys():
+    keys = ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim",
+            "linear_conv_kernel_dim")
+    config = {k: v for k, v in CONFIGS["qwen3_next:dense"]().to_dict().items() if k not in keys}
+    out = model_config_from_hf({**config, "layer_types": [F, F, F]})
+    assert (out["linear_heads"], out["attn_gate"], out["norm_unit_offset"]) == (0, True, True)
+    assert not any(ModelConfig(**out).is_linear_block(i) for i in range(3))
