@@ -142,3 +142,26 @@ def test_the_models_dropout_is_exported_to_each_place_the_family_has_one(name):
     back = transformers.AutoConfig.for_model(original.model_type, **{k: v for k, v in exported.items()
                                                                      if k != "model_type"}).to_dict()
     assert {k: back[k] for k in DROPOUT if k in back} == {k: 0.1 for k in DROPOUT if k in back} != {}
+
+
+@pytest.mark.parametrize("name", [name for name in CONFIGS if not name.startswith(("off:", "gpt2"))] +
+                         ["off:llama-yarn"])
+def test_the_older_rotary_keys_say_what_rope_parameters_says(name):
+    """transformers 4 reads a Llama-like's base and scaling from rope_theta and rope_scaling, GPT-NeoX's
+    from rotary_emb_base and rotary_pct (transformers 5 reads rope_parameters, and lets the older keys
+    win where both are): the export writes both, alike. Gemma 3's two bases exist in rope_parameters only."""
+    original = CONFIGS[name]()
+    exported = hf_config_from_model(ModelConfig(**model_config_from_hf(original.to_dict())))
+    rope = exported["rope_parameters"]
+    if exported["model_type"] == "gemma3_text":
+        assert "rope_theta" not in exported and exported["rope_scaling"] is None and set(rope) == {
+            "full_attention", "sliding_attention"}
+        return
+    if exported["model_type"] == "gpt_neox":
+        assert (exported["rotary_emb_base"], exported["rotary_pct"]) == (rope["rope_theta"],
+                                                                         rope["partial_rotary_factor"])
+        return
+    assert exported["rope_theta"] == rope["rope_theta"]
+    scaled = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
+    assert exported["rope_scaling"] == scaled
+    assert scaled or name not in ("llama-rope-scaling", "deepseek:query-latent-yarn", "off:llama-yarn")
