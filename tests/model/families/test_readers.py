@@ -529,3 +529,14 @@ def test_qwen3_next_with_every_block_full_reads_no_linear_keys():
     out = model_config_from_hf({**config, "layer_types": [F, F, F]})
     assert (out["linear_heads"], out["attn_gate"], out["norm_unit_offset"]) == (0, True, True)
     assert not any(ModelConfig(**out).is_linear_block(i) for i in range(3))
+
+
+def test_the_planners_loose_read_counts_an_attention_bias_as_qkv_biases():
+    """The planner reads any decoder's shape (strict=False): a Llama's attention_bias alone, refused for
+    training, counts as q/k/v biases (close enough for memory); with mlp_bias, biases everywhere."""
+    llama = CONFIGS["llama-rope-scaling"]().to_dict()
+    loose = model_config_from_hf({**llama, "attention_bias": True}, strict=False)
+    assert (loose["bias"], loose["qkv_bias"]) == (False, True)
+    both = model_config_from_hf({**llama, "attention_bias": True, "mlp_bias": True}, strict=False)
+    assert (both["bias"], both["qkv_bias"]) == (True, False)
+    assert model_config_from_hf(llama, strict=False)["qkv_bias"] is False
