@@ -82,8 +82,8 @@ SAME_BY: dict[str, tuple[str, Callable[[dict, dict], bool]]] = {
     "n_inner": ("GPT-2's null is 4 x n_embd", lambda a, b: (a["n_inner"] or 4 * a["n_embd"]) == b["n_inner"]),
     "max_window_layers": ("read only with use_sliding_window",
                           lambda a, b: not a.get("use_sliding_window") and not b.get("use_sliding_window")),
-    "sliding_window": ("no block slides (gpt-oss's layer_types all full)", lambda a, b: not _slides(a) and
-                       not _slides(b)),
+    "sliding_window": ("layer_types name no sliding block (gpt-oss's all full)",
+                       lambda a, b: a.get("layer_types") is not None and not _slides(a) and not _slides(b)),
     "mlp_only_layers": ("the same blocks hold experts", lambda a, b: _sparse_layers(a) == _sparse_layers(b)),
     "decoder_sparse_step": ("as mlp_only_layers", lambda a, b: _sparse_layers(a) == _sparse_layers(b)),
     "moe_intermediate_size": ("no block holds experts", lambda a, b: _sparse_layers(a) == _sparse_layers(b) == []),
@@ -124,6 +124,7 @@ def test_the_keys_said_the_same_are_told_apart_when_they_differ():
     assert SAME_BY["mlp_only_layers"][1](qwen, {**qwen, "decoder_sparse_step": 1, "mlp_only_layers": [0, 2]})
     assert not SAME_BY["head_dim"][1]({"hidden_size": 64, "num_attention_heads": 4}, {"head_dim": 24})
     assert not SAME_BY["max_window_layers"][1]({"use_sliding_window": True}, {"use_sliding_window": True})
+    assert not SAME_BY["sliding_window"][1]({"sliding_window": 32}, {"sliding_window": None})  # no layer_types
     assert not SAME_BY["rope_parameters"][1]({"rope_parameters": {"rope_type": "yarn", "factor": 4}},
                                              {"rope_parameters": {"rope_type": "yarn", "factor": 4,
                                                                   "truncate": False}})

@@ -252,6 +252,19 @@ REFUSED = [
      "rope_theta='x', which should be a positive number, the sliding-window blocks' rotary base"),
     ("gemma3", {"rope_parameters": None, "rope_local_base_freq": 0},
      "rope_local_base_freq=0 should be a positive number, the sliding-window blocks' rotary base"),
+    ("deepseek:plain-query-groups", {"n_routed_experts": 5, "n_group": 2, "topk_group": 1},
+     "n_group=2 must cut n_routed_experts=5 into groups of at least 2 experts"),
+    ("qwen3_next:dense", {"layer_types": ["linear_attention", "full_attention"]},
+     "layer_types=[\"linear_attention\", \"full_attention\"] should list linear_attention or full_attention for "
+     "each of the 3 layers, got [\"linear_attention\", \"full_attention\"]"),
+    ("gemma3", {"rope_parameters": None, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+     "rope_scaling={\"rope_type\": \"dynamic\", \"factor\": 2.0} has rope_type 'dynamic'; scaletrain implements "
+     "default, linear, llama3 and yarn"),
+    # the count of experts under two names that disagree
+    ("olmoe", {"num_experts": 4, "num_local_experts": 6},
+     "num_local_experts=6 differs from num_experts=4; they name the same count of experts"),
+    ("deepseek:plain-query-groups", {"n_routed_experts": 6, "num_local_experts": 4},
+     "num_local_experts=4 differs from n_routed_experts=6; they name the same count of experts"),
     ("llama-rope-scaling", {"is_encoder_decoder": True},
      "is_encoder_decoder=true is not a decoder-only language model, which is what scaletrain imports"),
     ("llama-rope-scaling", {"pruned_heads": {"0": [1]}},
@@ -296,6 +309,18 @@ ACCEPTED = [
      {"attn_softcap": 0.0, "logit_softcap": 0.5}),
     ("llama4:every-block-tied", {"floor_scale": 1}, {"attn_temperature_floor": 1}),
     ("qwen3-moe-step", {"use_sliding_window": False, "sliding_window": 6}, {"sliding_window": 0}),  # not used
+    ("gemma2", {"num_key_value_heads": 4}, {"n_kv_heads": 0}),  # one K/V head a query head: the usual 0
+    ("gemma2", {"tie_word_embeddings": False}, {"tie_embeddings": False}),
+    ("gemma3", {"num_hidden_layers": 1, "layer_types": ["sliding_attention"]},  # one block, sliding
+     {"rope_theta": 10000.0, "global_every": 0}),
+    ("gemma3", {"rope_parameters": None, "rope_local_base_freq": 1}, {"rope_local_theta": 1.0}),  # the least base
+    ("gemma3", {"rope_parameters": None, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}},  # the old keys
+     {"rope_scaling": "yarn", "rope_original_max_seq_len": 64}),
+    ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}},
+     {"rope_scaling": "yarn", "rope_original_max_seq_len": 64, "rope_theta": 1000000.0}),
+    ("deepseek:plain-query-groups", {"n_group": 3, "topk_group": None}, {"moe_groups": 3, "moe_topk_groups": 1}),
+    ("qwen3_next:moe-grouped-values", {"linear_num_key_heads": 1, "linear_num_value_heads": 2},
+     {"linear_heads": 1, "linear_value_heads": 2}),
     ("qwen3-moe-step", {"use_sliding_window": True, "sliding_window": 6}, {"sliding_window": 6}),
     ("deepseek:plain-query-groups", {"n_group": 3, "topk_group": 1}, {"moe_groups": 3, "moe_topk_groups": 1}),
     ("deepseek:plain-query-groups", {"n_group": 1}, {"moe_groups": 0, "moe_topk_groups": 0}),
@@ -344,7 +369,7 @@ def test_gemma3s_two_rotary_bases_in_either_transformers_keys(config, expected):
 
 
 @pytest.mark.parametrize("local", [{"type": "linear", "factor": 2.0}, {"rope_type": "default", "factor": 1.0}, 5,
-                                   "default"])
+                                   "default", {"rope_type": "linear"}, {"type": "linear"}])
 def test_gemma3s_sliding_blocks_rotary_is_refused_unless_a_plain_base(local):
     with pytest.raises(ConfigError) as e:
         model_config_from_hf(gemma3(rope_parameters={"full_attention": GLOBAL, "sliding_attention": local}))
@@ -382,6 +407,7 @@ def test_gemmas_sliding_blocks_from_layer_types_or_the_older_pattern(config, n_l
     ({"sliding_window": 16, "layer_types": [S, S, S]}, {"sliding_window": 16, "global_every": 0}),
     ({"sliding_window": 16, "layer_types": [F, F, F]}, {"sliding_window": 0, "global_every": 0}),
     ({"sliding_window": 63}, {"sliding_window": 63, "global_every": 2}),  # one short of the model's length
+    ({"sliding_window": 1}, {"sliding_window": 1, "global_every": 2}),  # the least window
     *[({"sliding_window": bad}, {"sliding_window": 0, "global_every": 0}) for bad in (64, 65, 0, -1, True, "16")],
 ])
 def test_gpt_oss_sliding_layers_from_layer_types(config, expected):
@@ -540,3 +566,19 @@ def test_the_planners_loose_read_counts_an_attention_bias_as_qkv_biases():
     both = model_config_from_hf({**llama, "attention_bias": True, "mlp_bias": True}, strict=False)
     assert (both["bias"], both["qkv_bias"]) == (True, False)
     assert model_config_from_hf(llama, strict=False)["qkv_bias"] is False
+
+
+@pytest.mark.parametrize("name", [name for name in CONFIGS if not name.startswith("off:")])
+def test_the_head_count_is_read_from_the_file_not_the_default(name):
+    """The tiny configs have 4 heads, ModelConfig's default: here 8 (whole heads of 8 columns where the
+    width follows from the heads), and the shape read must say 8, and the file's own other counts."""
+    config = CONFIGS[name]().to_dict()
+    key = "n_head" if "n_head" in config else "num_attention_heads"
+    latent = {"num_key_value_heads": 8} if config["model_type"] == "deepseek_v3" else {}  # (one K/V head a head)
+    out = model_config_from_hf({**config, key: 8, **latent})
+    assert out["n_heads"] == 8
+    sizes = {"vocab_size": "vocab_size", "dim": ("n_embd", "hidden_size"),
+             "n_layers": ("n_layer", "num_hidden_layers"), "max_seq_len": ("n_positions", "max_position_embeddings")}
+    for ours, theirs in sizes.items():
+        theirs = next(k for k in ((theirs,) if isinstance(theirs, str) else theirs) if k in config)
+        assert out[ours] == config[theirs], ours

@@ -205,11 +205,12 @@ class RotaryFamily(Family):
         # transformers 5 reads rope_parameters; 4 reads rope_theta and rope_scaling (and 5 lets those win)
         legacy = {k: v for k, v in rope.items() if k != "rope_theta"} if cfg.rope_scaling != "none" else None
         out.update(rope_parameters=rope, rope_theta=cfg.rope_theta, rope_scaling=legacy)
-        self.hf_extra(cfg, out, rope)
+        self.hf_extra(cfg, out)
         return out
 
-    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:
-        """The family's own config.json keys, added to (or changed in) the Llama-like `out`."""
+    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
+        """The family's own config.json keys, added to (or changed in) the Llama-like `out` (its rotary
+        parameters: out["rope_parameters"])."""
 
 
 def fuse(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, family: Family) -> dict[str, torch.Tensor]:

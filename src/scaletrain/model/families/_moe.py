@@ -44,6 +44,6 @@ class MoeFamily(RotaryFamily):
         for a dense model."""
         return out if out["moe_experts"] else {}
 
-    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:
+    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
         # router_aux_loss_coef is left to transformers' default: its loss is not ours (see above)
         out.update(num_experts_per_tok=cfg.moe_top_k, output_router_logits=False)

@@ -120,8 +120,8 @@ class DeepseekV3(MoeFamily):
             raise no(f"latent attention (model.mla_kv_rank) is DeepSeek-V3's, which {unlike[0]}")
         return self.model_type
 
-    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:
-        super().hf_extra(cfg, out, rope)
+    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
+        super().hf_extra(cfg, out)
         moe = bool(cfg.moe_experts)
         out.update(head_dim=cfg.mla_rope_dim, qk_rope_head_dim=cfg.mla_rope_dim,
                    qk_nope_head_dim=cfg.head_size - cfg.mla_rope_dim, v_head_dim=cfg.value_dim,

@@ -85,7 +85,7 @@ class Gemma2(RotaryFamily):
         out.update(rope_fields(get, refuse, max_len))
         return None
 
-    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:
+    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
         out.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False,
                    query_pre_attn_scalar=cfg.attn_scale_dim or cfg.head_size,
                    attn_logit_softcapping=cfg.attn_softcap or None, final_logit_softcapping=cfg.logit_softcap or None,

@@ -36,8 +36,7 @@ class Gemma3Text(Gemma2):
         out.update(rope_fields(Reader({"rope_parameters": glob}, {"rope_theta": 1000000.0}, get.where), refuse,
                                max_len))
         local_kind = local.get("rope_type", local.get("type", "default")) if isinstance(local, dict) else None
-        if local_kind != "default" or set(local if isinstance(local, dict) else ()) - {"rope_type", "type",
-                                                                                        "rope_theta"}:
+        if local_kind != "default" or set(local) - {"rope_type", "type", "rope_theta"}:  # (not a dict: kind None)
             refuse("rope_parameters", f"scales the sliding-window blocks' rotary ({short(local)}); scaletrain "
                                       "scales the global blocks' only")
             return None
@@ -45,8 +44,9 @@ class Gemma3Text(Gemma2):
                      "has sliding_attention's rope_theta=")
 
 
-    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:
-        super().hf_extra(cfg, out, rope)
+    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
+        super().hf_extra(cfg, out)
+        rope = out["rope_parameters"]
         local = {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}
         if not cfg.rope_local_theta and cfg.rope_scaling != "none":
             local = rope  # every block alike

@@ -74,8 +74,8 @@ class GptOss(MoeFamily):
                                   f"cannot put them: {short(types)}")
         return dict(sliding_window=window, global_every=every)
 
-    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:
-        super().hf_extra(cfg, out, rope)
+    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
+        super().hf_extra(cfg, out)
         slides = [bool(cfg.sliding_window) and (cfg.is_local_block(i) or not cfg.global_every)
                   for i in range(cfg.n_layers)]
         out.update(intermediate_size=cfg.expert_hidden, num_local_experts=cfg.moe_experts,

@@ -26,7 +26,7 @@ class Llama(RotaryFamily):
         elif mlp_bias:
             refuse("mlp_bias", "puts biases on the MLP alone; scaletrain has them on every linear layer or none")
 
-    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:
+    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
         out.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
 
 

@@ -137,8 +137,8 @@ class Llama4Text(MoeFamily):
                                  "(every n-th block after the first dense ones) cannot express")
         return out
 
-    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:
-        super().hf_extra(cfg, out, rope)
+    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
+        super().hf_extra(cfg, out)
         moe = [i for i in range(cfg.n_layers) if cfg.is_moe_block(i)]
         out.update(intermediate_size=cfg.expert_hidden if cfg.moe_experts else cfg.hidden_dim,
                    intermediate_size_mlp=cfg.hidden_dim, num_local_experts=max(1, cfg.moe_experts),

@@ -18,7 +18,7 @@ class Mistral(RotaryFamily):
     def window(self, get: Reader, n_layers: int, refuse: Refuse) -> int:
         return every_layer_window(get)
 
-    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:
+    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
         out.update(sliding_window=cfg.sliding_window or None)
 
 

@@ -33,8 +33,8 @@ class Mixtral(MoeFamily):
     def window(self, get: Reader, n_layers: int, refuse: Refuse) -> int:
         return every_layer_window(get)
 
-    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:
-        super().hf_extra(cfg, out, rope)
+    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
+        super().hf_extra(cfg, out)
         out.update(intermediate_size=cfg.expert_hidden)  # every block a mixture: the experts' width
         out.update(sliding_window=cfg.sliding_window or None)
         out.update(num_local_experts=cfg.moe_experts, router_jitter_noise=0.0)

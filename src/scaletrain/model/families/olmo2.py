@@ -23,7 +23,7 @@ class Olmo2(RotaryFamily):
     block = {**LLAMA_BLOCK, "attn_post_norm": "post_attention_layernorm",
              "mlp_post_norm": "post_feedforward_layernorm"}
 
-    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:
+    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
         out.update(attention_bias=False)
 
 

@@ -30,8 +30,8 @@ class Olmoe(MoeFamily):
             refuse("clip_qkv", "clamps the queries, keys and values; scaletrain does not")
         return super().moe_fields(get, refuse, n_layers)
 
-    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:
-        super().hf_extra(cfg, out, rope)
+    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
+        super().hf_extra(cfg, out)
         out.update(intermediate_size=cfg.expert_hidden)  # every block a mixture: the experts' width
         out.update(num_experts=cfg.moe_experts, norm_topk_prob=cfg.moe_renorm, clip_qkv=None, attention_bias=False)
 

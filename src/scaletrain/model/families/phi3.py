@@ -33,8 +33,8 @@ class Phi3(RotaryFamily):
     def window(self, get: Reader, n_layers: int, refuse: Refuse) -> int:
         return every_layer_window(get)
 
-    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:
-        rope["partial_rotary_factor"] = cfg.rotary_fraction
+    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
+        out["rope_parameters"]["partial_rotary_factor"] = cfg.rotary_fraction
         # (Phi-3's default padding id, 32000, lies outside a smaller vocabulary: transformers then fails to load)
         out.update(rope_scaling=None, sliding_window=cfg.sliding_window or None,
                    original_max_position_embeddings=cfg.max_seq_len, pad_token_id=None,

@@ -36,7 +36,7 @@ class Qwen2(RotaryFamily):
                         "none (train it with use_sliding_window=false, or its window on every layer)")
         return window if any(slides) else 0
 
-    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:
+    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
         slide = bool(cfg.sliding_window)  # the window, if any, on every layer
         out.update(use_sliding_window=slide, sliding_window=cfg.sliding_window or None, max_window_layers=0,
                    layer_types=["sliding_attention" if slide else "full_attention"] * cfg.n_layers)

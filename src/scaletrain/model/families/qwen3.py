@@ -20,8 +20,8 @@ class Qwen3(Qwen2):
     qk_norm = True
     output_bias_refused = True
 
-    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:
-        super().hf_extra(cfg, out, rope)
+    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
+        super().hf_extra(cfg, out)
         out.update(attention_bias=False)
 
 

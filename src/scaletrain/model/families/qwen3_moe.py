@@ -50,8 +50,8 @@ class Qwen3Moe(MoeFamily):
                                       "dense ones) cannot express")
         return out
 
-    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:
-        super().hf_extra(cfg, out, rope)
+    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
+        super().hf_extra(cfg, out)
         # which blocks hold experts: every one but those listed dense
         out.update(num_experts=cfg.moe_experts, norm_topk_prob=cfg.moe_renorm, moe_intermediate_size=cfg.expert_hidden,
                    decoder_sparse_step=1, mlp_only_layers=[i for i in range(cfg.n_layers) if not cfg.is_moe_block(i)],

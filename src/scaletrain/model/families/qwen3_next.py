@@ -83,11 +83,11 @@ class Qwen3Next(Qwen3Moe):
                                   f"cannot: {short(types)}")
         return every
 
-    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any], rope: dict[str, Any]) -> None:
-        super().hf_extra(cfg, out, rope)
+    def hf_extra(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
+        super().hf_extra(cfg, out)
         for key in ("use_sliding_window", "sliding_window"):
             del out[key]
-        rope["partial_rotary_factor"] = cfg.rotary_fraction
+        out["rope_parameters"]["partial_rotary_factor"] = cfg.rotary_fraction
         out.update({theirs: getattr(cfg, ours) for theirs, ours in LINEAR.items()},
                    partial_rotary_factor=cfg.rotary_fraction, linear_num_value_heads=cfg.linear_v_heads,
                    linear_value_head_dim=cfg.linear_v_dim,
