@@ -40,6 +40,8 @@ def _configs() -> dict[str, Callable[[], Any]]:
                 for name, change in test_gpt_oss.SHAPES.items()})
     out.update({f"off:{name}": (lambda c=case: c.build.config(**c.shape, **c.change))
                 for name, case in test_fields_off_defaults.CASES.items()})
+    out.update({f"off:{name}-epsilons": (lambda n=name, c=change: test_hf_families.hf_config(n, **c))
+                for name, (change, _) in test_hf_families.OFF_DEFAULT.items()})
     return out
 
 
