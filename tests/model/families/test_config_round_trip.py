@@ -168,3 +168,12 @@ def test_the_older_rotary_keys_say_what_rope_parameters_says(name):
     scaled = {k: v for k, v in rope.items() if k != "rope_theta"} if rope["rope_type"] != "default" else None
     assert exported["rope_scaling"] == scaled
     assert scaled or name not in ("llama-rope-scaling", "deepseek:query-latent-yarn", "off:llama-yarn")
+
+
+def test_gemma3_without_a_base_of_its_own_exports_its_sliding_blocks_as_the_global_ones():
+    """A Gemma 3 with no rotary base of its own for the sliding blocks (model.rope_local_theta=0) turns
+    every block alike: both sets of rotary parameters are the model's, scaling included."""
+    cfg = ModelConfig(**{**model_config_from_hf(CONFIGS["gemma3"]().to_dict()), "rope_local_theta": 0.0})
+    rope = hf_config_from_model(cfg)["rope_parameters"]
+    assert rope["full_attention"] == rope["sliding_attention"] == {"rope_type": "linear", "rope_theta": 1000000.0,
+                                                                   "factor": 8.0}

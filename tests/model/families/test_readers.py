@@ -319,6 +319,15 @@ ACCEPTED = [
     ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}},
      {"rope_scaling": "yarn", "rope_original_max_seq_len": 64, "rope_theta": 1000000.0}),
     ("deepseek:plain-query-groups", {"n_group": 3, "topk_group": None}, {"moe_groups": 3, "moe_topk_groups": 1}),
+    # Llama 4's query temperature: on the no-rope blocks, when tuned (attn_temperature_tuning) and scaled
+    ("llama4:interleaved", {}, {"attn_temperature": 0.5, "attn_temperature_floor": 3, "nope_every": 2}),
+    ("llama4:interleaved", {"attn_temperature_tuning": False}, {"attn_temperature": 0.0}),
+    ("llama4:interleaved", {"no_rope_layers": [1, 1, 1, 1], "layer_types": None}, {"attn_temperature": 0.0,
+                                                                                    "nope_every": 0}),
+    ("llama4:interleaved", {"no_rope_layers": None, "layer_types": None, "no_rope_layer_interval": -1},
+     {"nope_every": 0}),
+    # a mixture's reader on a dense config: no mixture field (ModelConfig refuses them without experts)
+    ("mixtral", {"num_local_experts": 0, "num_experts_per_tok": 3}, {"moe_experts": 0, "moe_top_k": 2}),
     ("qwen3_next:moe-grouped-values", {"linear_num_key_heads": 1, "linear_num_value_heads": 2},
      {"linear_heads": 1, "linear_value_heads": 2}),
     ("qwen3-moe-step", {"use_sliding_window": True, "sliding_window": 6}, {"sliding_window": 6}),
@@ -566,6 +575,8 @@ def test_the_planners_loose_read_counts_an_attention_bias_as_qkv_biases():
     both = model_config_from_hf({**llama, "attention_bias": True, "mlp_bias": True}, strict=False)
     assert (both["bias"], both["qkv_bias"]) == (True, False)
     assert model_config_from_hf(llama, strict=False)["qkv_bias"] is False
+    qwen = CONFIGS["qwen3_next:dense"]().to_dict()  # 3 blocks; layer_types not a list: no block full
+    assert model_config_from_hf({**qwen, "layer_types": "x"}, strict=False)["full_every"] == 4
 
 
 @pytest.mark.parametrize("name", [name for name in CONFIGS if not name.startswith("off:")])
@@ -582,3 +593,21 @@ def test_the_head_count_is_read_from_the_file_not_the_default(name):
     for ours, theirs in sizes.items():
         theirs = next(k for k in ((theirs,) if isinstance(theirs, str) else theirs) if k in config)
         assert out[ours] == config[theirs], ours
+
+
+def test_a_mixture_without_its_count_of_experts_takes_the_familys_default():
+    config = {k: v for k, v in CONFIGS["mixtral"]().to_dict().items() if k not in ("num_local_experts", "num_experts")}
+    assert model_config_from_hf(config)["moe_experts"] == FAMILIES["mixtral"].defaults["num_local_experts"] == 8
+
+
+def test_deepseeks_prediction_modules_are_the_blocks_after_the_last():
+    cfg = ModelConfig(**model_config_from_hf(CONFIGS["deepseek:plain-query-groups"]().to_dict()))  # 3 blocks
+    beside = FAMILIES["deepseek_v3"].beside_the_model
+    assert [beside(f"model.layers.{i}.mlp.gate.weight", cfg) for i in (0, 2, 3, 4)] == [False, False, True, True]
+    assert not beside("lm_head.weight", cfg) and not beside("model.norm.weight", cfg)
+
+
+def test_qwen3_next_is_recognised_by_its_linear_attention():
+    recognises = FAMILIES["qwen3_next"].recognises
+    assert recognises(["model.embed_tokens.weight", "model.layers.0.linear_attn.in_proj_qkvz.weight"])
+    assert not recognises(["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"])

@@ -111,7 +111,7 @@ class Llama4Text(MoeFamily):
     def moe_fields(self, get: Reader, refuse: Refuse, n_layers: int) -> dict[str, Any]:
         out = super().moe_fields(get, refuse, n_layers)
         if out:  # a sigmoid of each chosen logit, scaling the expert's input; one shared expert as wide
-            out.update(moe_score="sigmoid", moe_renorm=False, moe_scale_input=True, moe_shared_experts=1,
+            out.update(moe_score="sigmoid", moe_scale_input=True, moe_shared_experts=1,
                        moe_hidden=get.int("intermediate_size"))
         return out
 
