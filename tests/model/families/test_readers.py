@@ -316,6 +316,8 @@ ACCEPTED = [
     ("gemma3", {"rope_parameters": None, "rope_local_base_freq": 1}, {"rope_local_theta": 1.0}),  # the least base
     ("gemma3", {"rope_parameters": None, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}},  # the old keys
      {"rope_scaling": "yarn", "rope_original_max_seq_len": 64}),
+    ("gemma2", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}},
+     {"rope_scaling": "yarn", "rope_original_max_seq_len": 64}),
     ("gemma3", {"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}},
      {"rope_scaling": "yarn", "rope_original_max_seq_len": 64, "rope_theta": 1000000.0}),
     ("deepseek:plain-query-groups", {"n_group": 3, "topk_group": None}, {"moe_groups": 3, "moe_topk_groups": 1}),
