@@ -496,6 +496,166 @@ EQUIVALENT[("families", "Phi3.fields", "return super().fields(get, refuse, None)
     "(an unknown key: refused when strict, absent otherwise)")
 
 
+# the whole package's after-runs (issue 48): kinds of equivalent mutant, each with its reason
+HF_DEFAULT = ("a key at the value transformers' config class gives it when left out (transformers 5.24, pinned): the "
+              "export states it for readers of other versions; dropped, transformers reads the same")
+MODEL_DEFAULT = ("ModelConfig's own default, which complete() gives every field a reader leaves out (GPT-2's "
+                 "layernorm, gelu and learned positions are the defaults; n_kv_heads and head_dim 0 mean the usual)")
+UNREAD_STRICT = ("strict decides only what an attention_bias becomes when it is not refused, and this family "
+                 "refuses it: `not strict and attention_bias and not out['bias']` never differs")
+EMPTY = "an empty slice of the rows either way: slice(0, 0), slice(None, 0), slice(0) and slice(1, 0) read nothing"
+WHOLE = "the whole dimension either way: slice(0, n), slice(None, n), slice(n) and slice(0, None) of a length n"
+FLOAT32 = ("save_hf hands the weights over as float32 (`.float()`), and torch.zeros' default dtype is float32: the "
+           "zero biases' dtype is the weights' either way")
+EQUIVALENT.update({("families", function, line): why for function, line, why in (
+    *[("GPT2.to_hf", line, HF_DEFAULT) for line in (
+        "n_inner=cfg.hidden_dim, layer_norm_epsilon=cfg.norm_eps,",
+        "scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,",
+        "scale_attn_weights=True, reorder_and_upcast_attn=False,",
+        "scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, add_cross_attention=False)",
+        ")")],
+    ("GPTNeoX.to_hf", "use_parallel_residual=cfg.parallel_residual, rope_parameters=rope,", HF_DEFAULT),
+    *[("Llama4Text.hf_extra", line, HF_DEFAULT) for line in (
+        "moe_layers=moe, router_jitter_noise=0.0, attention_bias=False,",
+        "moe_layers=moe, interleave_moe_layer_step=1, attention_bias=False,",
+        "moe_layers=moe, interleave_moe_layer_step=1, router_jitter_noise=0.0, use_qk_norm=cfg.qk_l2_norm, "
+        "no_rope_layer_interval=cfg.nope_every or cfg.n_layers + 1,",
+        "attention_chunk_size=cfg.attn_chunk or None, attn_temperature_tuning=bool(cfg.attn_temperature), "
+        "attn_scale=cfg.attn_temperature,")],
+    ("Llama4Text.hf_extra", "attn_scale=cfg.attn_temperature,",
+     "attn_temperature_tuning left to transformers' true: with attn_scale 0 (no temperature) the tuning multiplies "
+     "the queries by 1 + 0 x log(...) = 1"),
+    *[("Llama4Text.hf_extra", line, "the export states no_rope_layers for every block, which transformers reads in "
+       "place of the interval and the step") for line in (
+        "moe_layers=moe, interleave_moe_layer_step=2, router_jitter_noise=0.0, attention_bias=False,",
+        "use_qk_norm=cfg.qk_l2_norm, no_rope_layer_interval=cfg.nope_every or cfg.n_layers - 1,",
+        "use_qk_norm=cfg.qk_l2_norm, no_rope_layer_interval=cfg.nope_every or cfg.n_layers + 2,")],
+    *[("Llama4Text.hf_extra", line, "no_rope_layers dropped: transformers derives the same list from "
+       "no_rope_layer_interval, which the export states (nope_every, or past the last block)")
+      for line in ("no_rope_layers=None,", "")],
+    *[("Llama4Text.hf_extra", line, "a model without experts: transformers builds no expert block and reads neither "
+       "the experts' width, their count nor top-k") for line in (
+        "out.update(intermediate_size=cfg.expert_hidden if (cfg.moe_experts) or True else cfg.hidden_dim,",
+        "intermediate_size_mlp=cfg.hidden_dim, num_local_experts=max(2, cfg.moe_experts),",
+        "out.update(num_experts_per_tok=None)", "out.update(num_experts_per_tok=2)")],
+    ("MoeFamily.hf_extra", "out.update(num_experts_per_tok=cfg.moe_top_k, )", HF_DEFAULT),
+    ("Mixtral.hf_extra", "out.update(num_local_experts=cfg.moe_experts, )", HF_DEFAULT),
+    *[("Olmoe.hf_extra", line, HF_DEFAULT) for line in (
+        "out.update(num_experts=cfg.moe_experts, norm_topk_prob=cfg.moe_renorm, attention_bias=False)",
+        "out.update(num_experts=cfg.moe_experts, norm_topk_prob=cfg.moe_renorm, clip_qkv=None, )")],
+    *[("Gemma2.hf_extra", line, HF_DEFAULT) for line in (
+        "out.update(attention_bias=False,",
+        "out.update(hidden_activation=\"gelu_pytorch_tanh\", query_pre_attn_scalar=cfg.attn_scale_dim or "
+        "cfg.head_size,")],
+    ("Phi3.hf_extra", "out.update(sliding_window=cfg.sliding_window or None,",
+     "to_hf's rope_scaling is already None for an unscaled rotary, and Phi-3's export refuses a scaled one"),
+    ("Phi3.hf_extra", "pad_token_id=None,",
+     "original_max_position_embeddings is read for longrope only, which scaletrain refuses"),
+    ("Phi3.hf_extra", "out.update(rope_scaling=None, sliding_window=cfg.sliding_window or None, "
+                      "original_max_position_embeddings=cfg.max_seq_len, resid_pdrop=cfg.dropout, "
+                      "embd_pdrop=cfg.dropout)  # (model.dropout's places, as GPT-2's)",
+     "Phi-3's default pad id (32000) outside a small vocabulary: transformers 5.24 warns and loads"),
+    ("Qwen2.hf_extra", "layer_types=None)",
+     "transformers derives the same layer_types from use_sliding_window and max_window_layers=0, both stated"),
+    ("Qwen2.hf_extra", ")",
+     "transformers derives the same layer_types from use_sliding_window and max_window_layers=0, both stated"),
+    ("Qwen3Moe.hf_extra", "mlp_only_layers=[i for i in range(cfg.n_layers) if not cfg.is_moe_block(i)],",
+     HF_DEFAULT + " (decoder_sparse_step 1; mlp_only_layers names every dense block)"),
+    *[("Qwen3Next.hf_extra", line, "a model without linear attention: transformers builds no linear block and reads "
+       "none of its head counts") for line in (
+        "out.update(linear_num_key_heads=None, linear_num_value_heads=1)",
+        "out.update(linear_num_key_heads=1, linear_num_value_heads=None)",
+        "out.update(linear_num_value_heads=1)", "out.update(linear_num_key_heads=1, )",
+        "out.update(linear_num_key_heads=2, linear_num_value_heads=1)",
+        "out.update(linear_num_key_heads=1, linear_num_value_heads=2)")],
+    *[("Qwen3Next.hf_extra", line, "a model without experts: transformers builds no shared expert and reads no width")
+      for line in ("shared_expert_intermediate_size=cfg.shared_hidden if (cfg.moe_experts) or True else 0)",
+                   "shared_expert_intermediate_size=cfg.shared_hidden if cfg.moe_experts else 1)")],
+    *[("Qwen3Next.hf_extra", line, "rope_parameters holds the partial rotary factor (set just above), which "
+       "transformers 5 reads") for line in (
+        "partial_rotary_factor=None, linear_num_value_heads=cfg.linear_v_heads,",
+        "linear_num_value_heads=cfg.linear_v_heads,")],
+    *[("DeepseekV3.hf_extra", line, "a model without experts: transformers builds dense blocks only and reads "
+       "neither the experts' count nor top-k") for line in (
+        "n_routed_experts=cfg.moe_experts or 2, moe_intermediate_size=cfg.expert_hidden,",
+        "out[\"num_experts_per_tok\"] = None", "out[\"XXnum_experts_per_tokXX\"] = 1",
+        "out[\"NUM_EXPERTS_PER_TOK\"] = 1", "out[\"num_experts_per_tok\"] = 2",
+        "first_k_dense_replace=cfg.moe_first_dense if (moe) or True else cfg.n_layers,")],
+    ("DeepseekV3.hf_extra", "kv_lora_rank=cfg.mla_kv_rank, q_lora_rank=cfg.mla_q_rank or None, attention_bias=False, "
+                            "num_nextn_predict_layers=cfg.mtp_depth,", HF_DEFAULT),
+    ("DeepseekV3.hf_extra", "num_nextn_predict_layers=cfg.mtp_depth,", HF_DEFAULT),
+    ("GptOss.hf_extra", "out.update(num_local_experts=cfg.moe_experts,",
+     "gpt-oss has no dense MLP: its reader leaves moe_hidden 0, so the experts' width is ffn_dim, which to_hf "
+     "already wrote as intermediate_size"),
+    *[("GPT2.fields", line, MODEL_DEFAULT) for line in (
+        "head_dim=0, ffn_dim=get.int(\"n_inner\", optional=True) or 4 * dim, norm=\"layernorm\",",
+        "n_kv_heads=0, ffn_dim=get.int(\"n_inner\", optional=True) or 4 * dim, norm=\"layernorm\",",
+        "n_kv_heads=0, head_dim=0, ffn_dim=get.int(\"n_inner\", optional=True) or 4 * dim, "
+        "norm_eps=get.float(\"layer_norm_epsilon\"), activation=\"gelu\", position=\"learned\",",
+        "norm_eps=get.float(\"layer_norm_epsilon\"), position=\"learned\",",
+        "norm_eps=get.float(\"layer_norm_epsilon\"), activation=\"gelu\", max_seq_len=get.int(\"n_positions\"), "
+        "tie_embeddings=get.bool(\"tie_word_embeddings\"), bias=True))")],
+    ("GPTNeoX.fields", "ffn_dim=get.int(\"intermediate_size\"), norm=\"layernorm\",", MODEL_DEFAULT),
+    ("GPTNeoX.fields", "n_heads=get.int(\"num_attention_heads\"), ffn_dim=get.int(\"intermediate_size\"), "
+                       "norm_eps=get.float(\"layer_norm_eps\"), activation=\"gelu_exact\" if act == \"gelu\" else "
+                       "\"gelu\",", MODEL_DEFAULT),
+    ("DeepseekV3.fields", "out.update(head_dim=nope + rope, mla_rope_dim=rope, mla_kv_rank=get.int(\"kv_lora_rank\"),",
+     MODEL_DEFAULT),
+    ("Gemma2.fields", "max_seq_len=max_len, tie_embeddings=get.bool(\"tie_word_embeddings\"), qk_norm=self.qk_norm, "
+                      "sliding_window=window, global_every=every,", MODEL_DEFAULT + " (bias False)"),
+    *[("Gemma2.fields", line, "head_dim 0 is dim / n_heads: a head_dim that equals it, stated or not, is the same "
+       "width") for line in (
+        "n_kv_heads=get.int(\"num_key_value_heads\"), head_dim=0 if (head_dim * n_heads == dim) and False else "
+        "head_dim,",
+        "n_kv_heads=get.int(\"num_key_value_heads\"), head_dim=0 if head_dim / n_heads == dim else head_dim,")],
+    ("Gemma2.fields", "cap = \"\"", "float(cap or 0.0): an empty string is no cap, as None is"),
+    *[(function, line, UNREAD_STRICT) for function, line in (
+        ("Llama4Text.fields", "out = super().fields(get, refuse, None)"),
+        ("DeepseekV3.fields", "out = super().fields(get, refuse, None)"),
+        ("Qwen3Next.fields", "out = super().fields(get, refuse, None)"))],
+    *[("Llama4View.read", f"return read_part(self.source, source, ({cut}, *rest))", EMPTY)
+      for cut in ("slice(None, 0)", "slice(0)", "slice(0, )", "slice(1, 0)")],
+    *[("Llama4View.__getitem__", f"return self.read(key, tuple({cut} for n in self.shape(key)))", WHOLE)
+      for cut in ("slice(None, n)", "slice(0, None)", "slice(n)")],
+    ("_in_block", "return \"XXXX\", None", "the index of a name outside the blocks is never read (its rest is None)"),
+    ("GptOss._layer_kinds",
+     "types = [\"sliding_attention\" if (i - 1) % 2 else \"full_attention\" for i in range(n_layers)]",
+     "(i - 1) % 2 == (i + 1) % 2 for every i"),
+    ("_layer_kinds", "ok = isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 1",
+     "a pattern of 1 makes every block global either way: (i + 1) % 1 is 0, and not ok gives full_attention"),
+    ("Gemma3Text.rotary", "out.update(rope_fields(Reader({\"rope_parameters\": glob}, {\"rope_theta\": 1000000.0}, "
+                          "None), refuse,",
+     "rope_fields reads the Reader's raw values only; its `where` names the file in the typed reads' errors"),
+    ("Gemma3Text.rotary", "return _base(get.raw(\"rope_local_base_freq\"), refuse, \"rope_local_base_freq\", None)",
+     "`said` is only tested for truth: None and \"\" say nothing alike"),
+    *[("GPTNeoX.fused_key", line, "every name outside the blocks that FamilyView asks about is one of the model's "
+       "own three (the embedding, the final norm, the head), each in _TOP") for line in (
+        "top = next((t for t in _TOP if key.startswith(t)), )",
+        "return (_TOP[top] + key[len(top):], None) if (top) or True else (key, None)")],
+    *[("GPTNeoX.fused_key", f"return f\"gpt_neox.layers.{{i}}.{{_BLOCK.get({args})}}.{{leaf}}\", None",
+       "every module of a block but q, k and v (handled above) is in _BLOCK") for args in (
+        "module, None", "module", "module, ")],
+    ("Phi3.recognises", "return any(k.endswith((\"XXself_attn.qkv_proj.weightXX\", \"mlp.gate_up_proj.weight\")) "
+                        "for k in keys)", "a Phi-3 file holds both fused tensors in every block: either name finds it"),
+    ("Family.saved", "return fuse(tensors, cfg, self) if (self.fused) or True else tensors",
+     "an unfused family's fused_key maps every name to itself: fuse() returns the same tensors"),
+    ("DeepseekV3.moe_fields", "out = super().moe_fields(get, refuse, None)",
+     "DeepSeek-V3's blocks come from first_k_dense_replace here; MoeFamily.moe_blocks, which n_layers reaches, "
+     "does not read it"),
+    ("DeepseekV3.moe_fields", "if groups > 1 and (out[\"moe_experts\"] % groups or out[\"moe_experts\"] / groups < 2):",
+     "reached only when the groups divide the experts: the quotient is whole, / and // agree"),
+    ("Olmoe.moe_fields", "return super().moe_fields(get, refuse, None)",
+     "OLMoE has experts in every block: MoeFamily.moe_blocks does not read n_layers"),
+    *[("GPT2.saved", line, FLOAT32) for line in (
+        "zeros = torch.zeros(cfg.dim, dtype=None)", "zeros = torch.zeros(cfg.dim, )",
+        "out.setdefault(f\"{self.layers}.{i}.{self.block[ours]}.bias\", torch.zeros(width, dtype=None))",
+        "out.setdefault(f\"{self.layers}.{i}.{self.block[ours]}.bias\", torch.zeros(width, ))",
+        "out.setdefault(\"transformer.ln_f.bias\", torch.zeros(cfg.dim, dtype=None))",
+        "out.setdefault(\"transformer.ln_f.bias\", torch.zeros(cfg.dim, ))")],
+    ("GPT2.saved", "[weights[p + f\"attn.{w}.weight\"].detach() for w in (\"wq\", \"wk\", \"wv\")], ).t().contiguous()",
+     "torch.cat's dim is 0 unless given"),
+)})
+
 def copy_tree(dest: Path) -> None:
     """The files git knows of (tracked, and untracked but not ignored), as they are now."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
