@@ -654,6 +654,31 @@ EQUIVALENT.update({("families", function, line): why for function, line, why in 
         "out.setdefault(\"transformer.ln_f.bias\", torch.zeros(cfg.dim, ))")],
     ("GPT2.saved", "[weights[p + f\"attn.{w}.weight\"].detach() for w in (\"wq\", \"wk\", \"wv\")], ).t().contiguous()",
      "torch.cat's dim is 0 unless given"),
+    *[("hf_rope", f"if getattr(cfg, ours) or theirs.startswith({prefix})}})",
+       "YaRN's betas are never 0 (the reader takes transformers' default for a 0): the prefix never decides")
+      for prefix in ('"XXbetaXX"', '"BETA"')],
+    *[("rope_fields", f"elif share not in {whole}:", "1 == 1.0: the tuple holds a whole head either way")
+      for whole in ("(None, 2, 1.0)", "(None, 1, 2.0)")],
+    *[(f"Reader.{kind}", "v = self._get(key, None)", "optional=None is false, as the False it replaces")
+      for kind in ("bool", "float")],
+    ("RotaryFamily.fields", "if window or window < max_len:",
+     "a window of 0 sets sliding_window to 0, its value already (complete())"),
+    ("RotaryFamily.fields", "qkv_bias=self.qkv_bias, qk_norm=self.qk_norm, qk_norm_scope=self.qk_norm_scope,",
+     MODEL_DEFAULT + " (bias False)"),
+    ("Gemma2.hf_extra", "sliding_window=cfg.sliding_window or None, layer_types=[\"sliding_attention\" if "
+                        "cfg.is_local_block(i) or (cfg.sliding_window and not",
+     "use_bidirectional_attention dropped: transformers' null is causal attention, as the false stated"),
+    *[("GPT2.recognises", f"return any(k.split(\".\")[-2] in ({names}) for k in keys)",
+       "a GPT-2 file holds both the embedding wte and every block's c_attn: either name finds it")
+      for names in ('"wte", "C_ATTN"', '"XXwteXX", "c_attn"', '"WTE", "c_attn"', '"wte", "XXc_attnXX"')],
+    *[("Phi3.recognises", f"return any(k.endswith(({names})) for k in keys)",
+       "a Phi-3 file holds both fused tensors in every block: either name finds it")
+      for names in ('"SELF_ATTN.QKV_PROJ.WEIGHT", "mlp.gate_up_proj.weight"',
+                    '"self_attn.qkv_proj.weight", "XXmlp.gate_up_proj.weightXX"',
+                    '"self_attn.qkv_proj.weight", "MLP.GATE_UP_PROJ.WEIGHT"')],
+    *[("family_of_config", f"kind = hf.get(\"model_type\", {default})",
+       "a config without model_type: None and 'XXXX' are no family's, as '' is not")
+      for default in ("None", "", '"XXXX"')],
 )})
 
 def copy_tree(dest: Path) -> None:

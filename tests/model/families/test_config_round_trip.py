@@ -178,3 +178,12 @@ def test_gemma3_without_a_base_of_its_own_exports_its_sliding_blocks_as_the_glob
     rope = hf_config_from_model(cfg)["rope_parameters"]
     assert rope["full_attention"] == rope["sliding_attention"] == {"rope_type": "linear", "rope_theta": 1000000.0,
                                                                    "factor": 8.0}
+
+
+def test_qwen3_next_from_scratch_exports_its_value_heads_and_width_resolved():
+    """model.linear_value_heads and linear_value_dim 0 mean the key heads' count and width; the export
+    states the numbers (transformers has no such 0)."""
+    read = model_config_from_hf(CONFIGS["qwen3_next:moe-grouped-values"]().to_dict())
+    exported = hf_config_from_model(ModelConfig(**{**read, "linear_value_heads": 0, "linear_value_dim": 0}))
+    assert (exported["linear_num_value_heads"], exported["linear_value_head_dim"]) == (
+        read["linear_heads"], read["linear_head_dim"]) == (2, 8)

@@ -265,6 +265,10 @@ REFUSED = [
      "num_local_experts=6 differs from num_experts=4; they name the same count of experts"),
     ("deepseek:plain-query-groups", {"n_routed_experts": 6, "num_local_experts": 4},
      "num_local_experts=4 differs from n_routed_experts=6; they name the same count of experts"),
+    ("neox-parallel", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                       "partial_rotary_factor": None, "rotary_pct": 2},  # GPT-NeoX's older key, refused by its name
+     "rotary_pct=2 should be a number in (0, 1], the share of each head that turns"),
+    ("llama-rope-scaling", {**NO_THETA, "rope_theta": 0}, "rope_theta=0 should be a positive number, the rotary base"),
     ("llama-rope-scaling", {"is_encoder_decoder": True},
      "is_encoder_decoder=true is not a decoder-only language model, which is what scaletrain imports"),
     ("llama-rope-scaling", {"pruned_heads": {"0": [1]}},
@@ -289,7 +293,14 @@ ACCEPTED = [
                                                                       "partial_rotary_factor": 1}},
      {"rope_theta": 5.0, "rotary_fraction": 1.0}),
     ("llama-rope-scaling", {"partial_rotary_factor": 1.0}, {"rotary_fraction": 1.0}),
-    ("llama-rope-scaling", {**NO_THETA, "rope_theta": 3}, {"rope_theta": 3.0}),  # an integer base: its float
+    ("llama-rope-scaling", {**NO_THETA, "rope_theta": 1}, {"rope_theta": 1.0}),  # the least integer base: a float
+    ("llama-rope-scaling", {"num_key_value_heads": None}, {"n_kv_heads": 0}),  # left out: one a query head
+    ("mistral-gqa", {"sliding_window": 64}, {"sliding_window": 0}),  # as long as the model's length: no window
+    ("mistral-gqa", {"sliding_window": 63}, {"sliding_window": 63}),
+    ("neox-parallel", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "partial_rotary_factor": 0.25}},
+     {"rope_scaling": "yarn", "rope_original_max_seq_len": 64, "rotary_fraction": 0.25}),
+    ("deepseek:plain-query-groups", {"n_routed_experts": 1, "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1},
+     {"moe_experts": 1, "moe_groups": 0}),  # one group of one expert: no groups, nothing to refuse
     ("llama-rope-scaling", {**NO_THETA, "rope_theta": None}, {"rope_theta": 10000.0}),  # none anywhere
     # transformers' original length when the scaling leaves it out: the model's
     ("llama-rope-scaling", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -577,6 +588,8 @@ def test_the_planners_loose_read_counts_an_attention_bias_as_qkv_biases():
     both = model_config_from_hf({**llama, "attention_bias": True, "mlp_bias": True}, strict=False)
     assert (both["bias"], both["qkv_bias"]) == (True, False)
     assert model_config_from_hf(llama, strict=False)["qkv_bias"] is False
+    gemma = CONFIGS["gemma2"]().to_dict()  # a refused query scale: the usual one
+    assert model_config_from_hf({**gemma, "query_pre_attn_scalar": 0}, strict=False)["attn_scale_dim"] == 0
     qwen = CONFIGS["qwen3_next:dense"]().to_dict()  # 3 blocks; layer_types not a list: no block full
     assert model_config_from_hf({**qwen, "layer_types": "x"}, strict=False)["full_every"] == 4
 
@@ -613,3 +626,11 @@ def test_qwen3_next_is_recognised_by_its_linear_attention():
     recognises = FAMILIES["qwen3_next"].recognises
     assert recognises(["model.embed_tokens.weight", "model.layers.0.linear_attn.in_proj_qkvz.weight"])
     assert not recognises(["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_a_config_without_a_size_is_one_line_naming_it():
+    config = {k: v for k, v in CONFIGS["llama-rope-scaling"]().to_dict().items() if k != "hidden_size"}
+    with pytest.raises(ConfigError) as e:
+        model_config_from_hf(config)
+    assert str(e.value) == ("config.json: no 'hidden_size'; expected a decoder config with hidden_size, "
+                            "num_hidden_layers, num_attention_heads, intermediate_size, vocab_size")

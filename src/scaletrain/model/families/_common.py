@@ -275,7 +275,7 @@ def rope_fields(get: Reader, refuse: Refuse, max_len: int, partial: bool = False
     theta, at = _first_given((key, params.get("rope_theta")), ("rope_theta", get.raw("rope_theta")),
                              ("rotary_emb_base", get.raw("rotary_emb_base")))
     said = f"has rope_theta={short(theta)}, which " if at == key else ""
-    out: dict[str, Any] = dict(rope_theta=10000.0 if at is None else theta)
+    out: dict[str, Any] = dict(rope_theta=10000.0)  # (none given, or a refused one where the read is loose)
     if at is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0):
         refuse(at, f"{said}should be a positive number, the rotary base")
     elif at is not None:
