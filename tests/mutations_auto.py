@@ -676,6 +676,10 @@ EQUIVALENT.update({("families", function, line): why for function, line, why in 
       for names in ('"SELF_ATTN.QKV_PROJ.WEIGHT", "mlp.gate_up_proj.weight"',
                     '"self_attn.qkv_proj.weight", "XXmlp.gate_up_proj.weightXX"',
                     '"self_attn.qkv_proj.weight", "MLP.GATE_UP_PROJ.WEIGHT"')],
+    *[("Gemma3Text.hf_extra", f"if not cfg.rope_local_theta and cfg.rope_scaling != {none}:",
+       "unscaled, the global parameters are {rope_type: default, rope_theta}: the same dict as the sliding "
+       "blocks' built when they have no base of their own") for none in ('"XXnoneXX"', '"NONE"')],
+    ("Qwen3Moe.hf_extra", ")", HF_DEFAULT + " (attention_bias false)"),
     *[("family_of_config", f"kind = hf.get(\"model_type\", {default})",
        "a config without model_type: None and 'XXXX' are no family's, as '' is not")
       for default in ("None", "", '"XXXX"')],
