@@ -475,6 +475,26 @@ EQUIVALENT.update({(subject, function, line): why for subject, function, line, w
      "is X, and a Lighthouse's address ends in its port (the launcher gives one; torchft listens at one)"),
     ("fault-tolerance", "quorum_status", 'text = r.read(65536).decode("UTF-8", "replace")',
      "Python's codec names are case-blind: the same codec"),
+    *[("chat", function, line, "Python's codec names are case-blind: the same codec") for function, line in (
+        ("encode_text", 'raw = text.encode("UTF-8")'),
+        ("iter_records", 'with (gzip.open(f, "rt", encoding="UTF-8") if name.endswith(".gz") else '
+                         'f.open(encoding="utf-8")) as lines:'),
+        ("iter_records", 'with (gzip.open(f, "rt", encoding="utf-8") if name.endswith(".gz") else '
+                         'f.open(encoding="UTF-8")) as lines:'))],
+    ("chat", "ChatRenderer.__call__",
+     "text, spans = self._plain(messages) if (self.hf is None) and False else self._template(messages, where)",
+     "the prefix method finds the plain format's spans too: its turns before an answer, rendered with the "
+     "generation prompt, end after the 'Assistant: ' label, where _plain starts the span"),
+    *[("chat", function, line, "`where` names the record in a refusal only: a probe that renders, or a turn "
+       "rendered already, never refuses") for function, line in (
+        ("ChatRenderer._opening_header_end", "with_prompt, without = self.render(probe, None, True), "
+                                             "self.render(probe, where)"),
+        ("ChatRenderer._opening_header_end", "with_prompt, without = self.render(probe, where, True), "
+                                             "self.render(probe, None)"),
+        ("ChatRenderer._opening_header_end", "with_prompt, without = self.render(probe, where, True), "
+                                             "self.render(probe, )"),
+        ("ChatRenderer._template", "before = self.render(messages[:i], where, True) if i else "
+                                   "through[:self._opening_header_end(through, None)]"))],
     ("moe", "MoE.open_groups", 'return grouped.masked_fill(~open_.unsqueeze(-1), float("-INF")).view(T, E)',
      "float() reads '-INF' as '-inf'"),
     *[("lora", "adapter_init_rule", f"if leaf == {leaf}:",

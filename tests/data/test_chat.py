@@ -453,9 +453,11 @@ def test_the_template_format_without_transformers_is_one_line(monkeypatch):
     ([1, 2], "chat.jsonl:7: a chat record must be a JSON object with a `messages` list"),
     ({"prompt": "q"}, "chat.jsonl:7: no chat fields (found prompt); expected a `messages` list"),
     ({"response": "a"}, "chat.jsonl:7: no chat fields (found response); expected a `messages` list"),
+    ({}, "chat.jsonl:7: no chat fields (found none); expected a `messages` list"),  # an empty object
     ({"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "t"}]},
      "chat.jsonl:7: no assistant turn, so nothing to train on; every record needs one"),
-], ids=["system-prompt-response", "empty-system", "not-an-object", "prompt-alone", "response-alone", "no-assistant"])
+], ids=["system-prompt-response", "empty-system", "not-an-object", "prompt-alone", "response-alone", "empty",
+        "no-assistant"])
 def test_a_records_turns_or_its_refusal(record, expected):
     """A prompt/response record becomes [system,] user, assistant turns (an empty system turn is left out);
     a record that is not an object, lacks one of the pair or has no assistant turn is refused by its place."""
@@ -522,3 +524,36 @@ def test_a_template_that_refuses_a_prefix_names_the_record(tmp_path, refusal, me
         prepare([chat], tmp_path / "tok", tokenizer=str(hf), chat_format="template")
     assert str(refused.value).startswith(f"{chat}:1: the tokenizer's chat template refuses this conversation "
                                          f"({message})")
+
+
+HEADERED = ("[{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template,header_end", [
+    (HEADERED, len("[<s>assistant\n")),  # the header the generation prompt writes, found in the opening turn
+    ("{% for m in messages %}{{ m['content'] }}|{% endfor %}", 0),  # a template that writes no header
+    # a header that the opening turn does not hold (its own is another): nothing to skip
+    ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}|{% endfor %}"
+     "{% if add_generation_prompt %}ASSISTANT: {% endif %}", 0),
+    # a template that refuses a one-turn conversation: no header can be found
+    ("{% if messages|length == 1 %}{{ raise_exception('one turn') }}{% endif %}{% for m in messages %}"
+     "{{ m['content'] }}|{% endfor %}", 0),
+], ids=["header", "no-header", "header-elsewhere", "refuses-one-turn"])
+def test_an_opening_assistant_turns_header_is_what_the_generation_prompt_adds(tmp_path, template, header_end):
+    """In process (prepare renders in worker processes): where the content of a conversation's opening
+    assistant turn starts, by hand, and the counted tokens that follow from it."""
+    pytest.importorskip("transformers")
+    from scaletrain.data.chat import ChatRenderer
+    from scaletrain.data.tokenizer import HFTokenizer
+    from test_hf_tokenizer import make_hf_folder
+
+    chat = ChatRenderer(HFTokenizer.from_hf_folder(make_hf_folder(tmp_path / "hf", "no-special",
+                                                                  chat_template=template)), "template")
+    turns = [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}]
+    opening = "hello|" if "raise_exception" in template else chat.render(turns[:1], "chat.jsonl:1")
+    assert chat._opening_header_end(opening, "chat.jsonl:1") == header_end
+    if template == HEADERED:
+        assert opening[header_end:] == "hello</s>\n"
+        ids, mask = chat(turns, "chat.jsonl:1")
+        assert chat.tok.tok.decode(ids[mask.astype(bool)].tolist(), skip_special_tokens=False) == "hello</s>\n"

@@ -199,7 +199,8 @@ def test_activation_checkpointing_changes_nothing(packed, tmp_path):
     (("--parallel.cp=2", "--nproc=2"), ("data.document_mask with parallel.cp=2 is not supported",)),
     (("--data.mix=a=1,b=1",), ("data.document_mask with data.mix is not supported",)),
     ((), ("data.document_mask=true finds documents by the token that ends each one, but builtin",
-          "byte-level, whose documents are joined by a blank line", "--tokenizer bpe")),
+          "byte-level, whose documents are joined by a blank line", "--tokenizer bpe",
+          "or set data.document_mask=false")),
 ], ids=["pp", "cp", "mix", "byte-level"])
 def test_what_cannot_honour_document_masks_is_refused_in_one_line(tmp_path, args, fragments):
     r = run_here("train", "--data.document_mask=true", "--train.steps=1", "--train.device=cpu",
@@ -223,7 +224,8 @@ def test_a_tokenizer_without_an_end_of_document_token_is_refused_for_what_it_is(
         document_separator(type("Data", (), {"tokenizer": tok})(), "FOLDER")
     text = str(refused.value)
     assert "but FOLDER is written by a tokenizer without an end-of-document token" in text
-    assert "byte-level" not in text and "data.document_mask=false" in text
+    assert "byte-level" not in text and text.endswith("; prepare the data with --tokenizer bpe or a Hugging Face "
+                                                      "tokenizer, or set data.document_mask=false")
 
 
 def test_the_mask_and_positions_are_made_on_the_documents_device():
