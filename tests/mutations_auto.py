@@ -485,6 +485,15 @@ EQUIVALENT.update({(subject, function, line): why for subject, function, line, w
      "text, spans = self._plain(messages) if (self.hf is None) and False else self._template(messages, where)",
      "the prefix method finds the plain format's spans too: its turns before an answer, rendered with the "
      "generation prompt, end after the 'Assistant: ' label, where _plain starts the span"),
+    ("chat", "ChatRenderer._opening_header_end",
+     "header = with_prompt[len(without):] if with_prompt.startswith(without) else \"XXXX\"",
+     "'XXXX' is found in no opening turn that does not hold it, as '' is skipped: 0 either way"),
+    ("chat", "ChatRenderer._opening_header_end", "at = through.find(header) if (header) or True else -1",
+     "an empty header is found at 0 and ends at 0 + 0: 0, as -1 gives"),
+    ("chat", "ChatRenderer._opening_header_end", "at = through.find(header) if header else -2",
+     "any negative position gives 0"),
+    ("chat", "ChatRenderer._opening_header_end", 'probe = [{"role": "user", "content": "XX?XX"}]',
+     "the header the generation prompt adds does not depend on the probe turn's text"),
     *[("chat", function, line, "`where` names the record in a refusal only: a probe that renders, or a turn "
        "rendered already, never refuses") for function, line in (
         ("ChatRenderer._opening_header_end", "with_prompt, without = self.render(probe, None, True), "

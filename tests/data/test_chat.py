@@ -528,19 +528,30 @@ def test_a_template_that_refuses_a_prefix_names_the_record(tmp_path, refusal, me
 
 HEADERED = ("[{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
             "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+STRICT = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] or m['content'] is not "
+          "defined %}{{ raise_exception('a role or a turn it does not know') }}{% endif %}<{{ m['role'] }}>"
+          "{{ m['content'] }}|{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
-@pytest.mark.parametrize("template,header_end", [
-    (HEADERED, len("[<s>assistant\n")),  # the header the generation prompt writes, found in the opening turn
-    ("{% for m in messages %}{{ m['content'] }}|{% endfor %}", 0),  # a template that writes no header
-    # a header that the opening turn does not hold (its own is another): nothing to skip
+@pytest.mark.parametrize("template,content,header_end", [
+    (HEADERED, "hello", len("[<s>assistant\n")),  # the header the generation prompt writes, in the opening turn
+    (HEADERED[1:], "hello", len("<s>assistant\n")),  # ... at the turn's very start
+    (HEADERED, "hello <s>assistant\n again", len("[<s>assistant\n")),  # the first of two: the header's own
+    (STRICT, "hello", len("<assistant>")),  # a template that checks each turn's role and content
+    ("{% for m in messages %}{{ m['content'] }}|{% endfor %}", "hello", 0),  # no header written
+    # a header the opening turn does not hold (its own is another): nothing to skip
     ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}|{% endfor %}"
-     "{% if add_generation_prompt %}ASSISTANT: {% endif %}", 0),
+     "{% if add_generation_prompt %}ASSISTANT: {% endif %}", "hello", 0),
+    # a generation prompt written before the turns: what it adds is not a suffix, no header is found
+    ("{% if add_generation_prompt %}<assistant>{% endif %}{% for m in messages %}<{{ m['role'] }}>"
+     "{{ m['content'] }}|{% endfor %}", "hello", 0),
     # a template that refuses a one-turn conversation: no header can be found
     ("{% if messages|length == 1 %}{{ raise_exception('one turn') }}{% endif %}{% for m in messages %}"
-     "{{ m['content'] }}|{% endfor %}", 0),
-], ids=["header", "no-header", "header-elsewhere", "refuses-one-turn"])
-def test_an_opening_assistant_turns_header_is_what_the_generation_prompt_adds(tmp_path, template, header_end):
+     "{{ m['content'] }}|{% endfor %}", None, 0),
+], ids=["header", "header-first", "header-twice", "strict-roles", "no-header", "header-elsewhere",
+        "prompt-first", "refuses-one-turn"])
+def test_an_opening_assistant_turns_header_is_what_the_generation_prompt_adds(tmp_path, template, content,
+                                                                              header_end):
     """In process (prepare renders in worker processes): where the content of a conversation's opening
     assistant turn starts, by hand, and the counted tokens that follow from it."""
     pytest.importorskip("transformers")
@@ -550,10 +561,10 @@ def test_an_opening_assistant_turns_header_is_what_the_generation_prompt_adds(tm
 
     chat = ChatRenderer(HFTokenizer.from_hf_folder(make_hf_folder(tmp_path / "hf", "no-special",
                                                                   chat_template=template)), "template")
-    turns = [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}]
-    opening = "hello|" if "raise_exception" in template else chat.render(turns[:1], "chat.jsonl:1")
+    turns = [{"role": "assistant", "content": content}, {"role": "user", "content": "hi"}]
+    opening = "hello|" if content is None else chat.render(turns[:1], "chat.jsonl:1")
     assert chat._opening_header_end(opening, "chat.jsonl:1") == header_end
-    if template == HEADERED:
+    if template == HEADERED and content == "hello":
         assert opening[header_end:] == "hello</s>\n"
         ids, mask = chat(turns, "chat.jsonl:1")
         assert chat.tok.tok.decode(ids[mask.astype(bool)].tolist(), skip_special_tokens=False) == "hello</s>\n"
