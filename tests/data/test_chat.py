@@ -545,11 +545,13 @@ STRICT = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'ass
     # a generation prompt written before the turns: what it adds is not a suffix, no header is found
     ("{% if add_generation_prompt %}<assistant>{% endif %}{% for m in messages %}<{{ m['role'] }}>"
      "{{ m['content'] }}|{% endfor %}", "hello", 0),
+    # ... even where the tail of that render happens to occur in the turn (here "?", the probe's text)
+    ("{% if add_generation_prompt %}A{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}", "hello?", 0),
     # a template that refuses a one-turn conversation: no header can be found
     ("{% if messages|length == 1 %}{{ raise_exception('one turn') }}{% endif %}{% for m in messages %}"
      "{{ m['content'] }}|{% endfor %}", None, 0),
 ], ids=["header", "header-first", "header-twice", "strict-roles", "no-header", "header-elsewhere",
-        "prompt-first", "refuses-one-turn"])
+        "prompt-first", "prompt-first-tail-in-turn", "refuses-one-turn"])
 def test_an_opening_assistant_turns_header_is_what_the_generation_prompt_adds(tmp_path, template, content,
                                                                               header_end):
     """In process (prepare renders in worker processes): where the content of a conversation's opening
