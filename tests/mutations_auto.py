@@ -48,7 +48,10 @@ SRC = "src/scaletrain/"
 SUBJECTS = {
     "moe": Subject((SRC + "model/moe.py", SRC + "parallel/moe_balance.py"),
                    ("tests/model/test_moe.py", "tests/model/test_moe_properties.py",
-                    "tests/train/test_moe_metrics.py"),
+                    "tests/train/test_moe_metrics.py",
+                    # the softmax router (Mixtral, Qwen3-MoE, OLMoE) and the gated shared expert (Qwen3-Next)
+                    # against transformers: the families' tests of the options added to MoE after its first run
+                    "tests/model/test_hf_moe.py", "tests/model/families/test_qwen3_next.py"),
                    # (27 s a mutant: the trackers' plumbing, not a rule of the mixture)
                    deselect=("tests/train/test_moe_metrics.py::test_the_trackers_receive_every_moe_key",)),
     "chat": Subject((SRC + "data/chat.py",), ("tests/data/test_chat.py", "tests/data/test_chat_properties.py")),
@@ -504,6 +507,22 @@ EQUIVALENT.update({(subject, function, line): why for subject, function, line, w
                                              "self.render(probe, )"),
         ("ChatRenderer._template", "before = self.render(messages[:i], where, True) if i else "
                                    "through[:self._opening_header_end(through, None)]"))],
+    ("moe", "_grouped", "if counts is None and _aligned(x.shape[+1], x) and _aligned(w.shape[1], w):",
+     "shape[+1] is shape[1]"),
+    ("moe", "_grouped", "y.register_hook(lambda g: g.contiguous() if (g.numel()) and False else "
+                        "g.clone(memory_format=torch.contiguous_format))",
+     "a contiguous copy either way (clone with contiguous_format): the same gradient, one copy more"),
+    ("moe", "_grouped", "counts = counts if (counts is not None) and False else torch.diff(offsets, "
+                        "prepend=offsets.new_zeros(1)).tolist()",
+     "the counts from the offsets are the counts given: the same list, computed again"),
+    ("moe", "expert_mlp", "expert = torch.arange(len(counts), device=x.device).repeat_interleave(counts) if (any( b "
+                          "is not None for b in biases)) or True else None  # each row's expert, for its bias",
+     "each row's expert computed where no bias reads it: work, no other value"),
+    ("moe", "MoE.__init__", 'self.register_buffer("stats", torch.zeros(E + len(STAT_NAMES) - 1), persistent=None)',
+     "persistent=None is false: not saved, as persistent=False"),
+    ("moe", 'MoE.__init__',
+     'self.register_buffer("expert_bias", torch.zeros(E), )',
+     "register_buffer's persistent defaults to true: saved, as stated"),
     ("moe", "MoE.open_groups", 'return grouped.masked_fill(~open_.unsqueeze(-1), float("-INF")).view(T, E)',
      "float() reads '-INF' as '-inf'"),
     *[("lora", "adapter_init_rule", f"if leaf == {leaf}:",

@@ -632,3 +632,28 @@ def test_a_step_of_one_token_reports_its_losses_whole():
     assert hook.last["moe_imbalance"] == 4.0
     assert hook.last["moe_aux_loss"] == pytest.approx(2.0, rel=1e-6)
     assert hook.last["moe_z_loss"] == pytest.approx(math.log(8) ** 2, rel=1e-6)
+
+
+def test_a_checkpoint_holds_the_routing_bias_and_not_the_steps_counts():
+    """expert_bias is learned state (saved, restored on resume); stats are this step's counts (not saved)."""
+    keys = set(MoE(ModelConfig(dim=16, n_heads=2, moe_experts=4, moe_top_k=2)).state_dict())
+    assert "expert_bias" in keys and "stats" not in keys
+
+
+def test_a_layer_outside_the_trainer_adds_its_auxiliary_gradient_once():
+    """loss_factor (d total loss / d sum of token losses) is the step hook's to set; a layer used on its
+    own starts at 1."""
+    assert MoE(ModelConfig(dim=16, n_heads=2, moe_experts=4, moe_top_k=2, moe_aux_loss=0.01)).loss_factor == 1.0
+
+
+def test_the_balance_hook_names_every_moe_block_and_the_prediction_modules_and_keeps_the_warmup():
+    """MoEBalance.for_model: the MoE blocks (the dense first one left out) and multi-token prediction's
+    blocks after the last, numbered from n_layers; the warm-up it is given."""
+    cfg = ModelConfig(dim=16, n_layers=3, n_heads=2, moe_experts=4, moe_top_k=2, moe_first_dense=1, mtp_depth=2)
+    moe = MoE(cfg)
+    model = nn.ModuleDict({"layers": nn.ModuleList([nn.ModuleDict({"moe": moe}) if i else nn.ModuleDict()
+                                                    for i in range(3)])})
+    hook = MoEBalance.for_model([model], cfg, [], device="cpu", warmup=7)
+    assert hook.names == ["layers.1.moe", "layers.2.moe", "mtp.0.block.moe", "mtp.1.block.moe"]
+    assert hook.warmup == 7 and list(hook.layers.values()) == [moe]
+    assert MoEBalance.for_model([model], cfg, [], device="cpu").warmup == 0
