@@ -518,6 +518,8 @@ EQUIVALENT.update({(subject, function, line): why for subject, function, line, w
     ("moe", "expert_mlp", "expert = torch.arange(len(counts), device=x.device).repeat_interleave(counts) if (any( b "
                           "is not None for b in biases)) or True else None  # each row's expert, for its bias",
      "each row's expert computed where no bias reads it: work, no other value"),
+    ("moe", "MoE.__init__", "self.shared_gate = nn.Linear(d, 1, bias=None) if cfg.moe_shared_gate else None",
+     "bias=None is false: no bias, as bias=False"),
     ("moe", "MoE.__init__", 'self.register_buffer("stats", torch.zeros(E + len(STAT_NAMES) - 1), persistent=None)',
      "persistent=None is false: not saved, as persistent=False"),
     ("moe", 'MoE.__init__',
