@@ -657,3 +657,9 @@ def test_the_balance_hook_names_every_moe_block_and_the_prediction_modules_and_k
     assert hook.names == ["layers.1.moe", "layers.2.moe", "mtp.0.block.moe", "mtp.1.block.moe"]
     assert hook.warmup == 7 and list(hook.layers.values()) == [moe]
     assert MoEBalance.for_model([model], cfg, [], device="cpu").warmup == 0
+    # experts every 3rd block: the prediction modules continue the count (blocks 4, 5, 6: the third holds experts)
+    every = ModelConfig(dim=16, n_layers=4, n_heads=2, moe_experts=4, moe_top_k=2, moe_every=3, mtp_depth=3)
+    model = nn.ModuleDict({"layers": nn.ModuleList([nn.ModuleDict({"moe": MoE(every)} if i in (0, 3) else {})
+                                                    for i in range(4)])})
+    assert MoEBalance.for_model([model], every, [], device="cpu").names == ["layers.0.moe", "layers.3.moe",
+                                                                           "mtp.2.block.moe"]
