@@ -29,15 +29,24 @@ from scaletrain.model.config import ModelConfig  # noqa: E402
 from scaletrain.model.hf_config import hf_config_from_model, model_config_from_hf  # noqa: E402
 
 
-def _configs() -> dict[str, Callable[[], Any]]:
-    out: dict[str, Callable[[], Any]] = {}
+def _tiny_models() -> dict[str, tuple[Any, tuple, dict]]:
+    """Each tiny model of the family tests: (its test module, the leading arguments of its hf_config and
+    make_hf, the config changes), by name."""
+    out = {}
     for module in (test_hf, test_hf_families, test_hf_moe):
-        out.update({name: (lambda m=module, n=name: m.hf_config(n)) for name in module.FAMILIES})
+        out.update({name: (module, (name,), {}) for name in module.FAMILIES})
     for module in (test_deepseek, test_llama4, test_qwen3_next):
-        out.update({f"{module.__name__[5:]}:{name}": (lambda m=module, n=name: m.hf_config(n))
-                    for name in module.SHAPES})
-    out.update({f"gpt_oss:{name}": (lambda c=change: test_gpt_oss.hf_config(**c))
-                for name, change in test_gpt_oss.SHAPES.items()})
+        out.update({f"{module.__name__[5:]}:{name}": (module, (name,), {}) for name in module.SHAPES})
+    out.update({f"gpt_oss:{name}": (test_gpt_oss, (), change) for name, change in test_gpt_oss.SHAPES.items()})
+    return out
+
+
+TINY_MODELS = _tiny_models()
+
+
+def _configs() -> dict[str, Callable[[], Any]]:
+    out: dict[str, Callable[[], Any]] = {name: (lambda m=module, a=args, c=change: m.hf_config(*a, **c))
+                                         for name, (module, args, change) in TINY_MODELS.items()}
     out.update({f"off:{name}": (lambda c=case: c.build.config(**c.shape, **c.change))
                 for name, case in test_fields_off_defaults.CASES.items()})
     out.update({f"off:{name}-epsilons": (lambda n=name, c=change: test_hf_families.hf_config(n, **c))

@@ -11,31 +11,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-import test_deepseek  # noqa: E402
-import test_gpt_oss  # noqa: E402
-import test_hf  # noqa: E402
 import test_hf_families  # noqa: E402
-import test_hf_moe  # noqa: E402
-import test_llama4  # noqa: E402
-import test_qwen3_next  # noqa: E402
 from scaletrain.trained.export_hf import save_hf  # noqa: E402
+from test_config_round_trip import TINY_MODELS  # noqa: E402
 
 from conftest import model_from_hf  # noqa: E402
 
-
-def _makers() -> dict:
-    out = {}
-    for module in (test_hf, test_hf_families, test_hf_moe):
-        out.update({name: (lambda folder, m=module, n=name: m.make_hf(n, folder)) for name in module.FAMILIES})
-    for module in (test_deepseek, test_llama4, test_qwen3_next):
-        out.update({f"{module.__name__[5:]}:{name}": (lambda folder, m=module, n=name: m.make_hf(n, folder))
-                    for name in module.SHAPES})
-    out.update({f"gpt_oss:{name}": (lambda folder, c=change: test_gpt_oss.make_hf(folder, **c))
-                for name, change in test_gpt_oss.SHAPES.items()})
-    return out
-
-
-MAKERS = _makers()
+# each tiny model's make_hf (folder) -> the transformers model it saved there
+MAKERS = {name: (lambda folder, m=module, a=args, c=change: m.make_hf(*a, folder, **c))
+          for name, (module, args, change) in TINY_MODELS.items()}
 
 
 def tensors(folder) -> dict[str, torch.Tensor]:

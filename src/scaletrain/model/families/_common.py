@@ -276,7 +276,7 @@ def rope_fields(get: Reader, refuse: Refuse, max_len: int, partial: bool = False
                              ("rotary_emb_base", get.raw("rotary_emb_base")))
     said = f"has rope_theta={short(theta)}, which " if at == key else ""
     out: dict[str, Any] = dict(rope_theta=10000.0)  # (none given, or a refused one where the read is loose)
-    if at is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0):
+    if at is not None and not positive(theta):
         refuse(at, f"{said}should be a positive number, the rotary base")
     elif at is not None:
         out["rope_theta"] = float(theta)
@@ -312,6 +312,11 @@ def rope_fields(get: Reader, refuse: Refuse, max_len: int, partial: bool = False
     if kind == "yarn":
         out.update(_yarn_fields(params, refuse, key, max_len))
     return out
+
+
+def positive(value: Any) -> bool:
+    """Whether a config.json value is a positive number (true and false are not numbers here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def _first_given(*candidates: tuple[str, Any]) -> tuple[Any, str | None]:

@@ -17,6 +17,7 @@ from scaletrain.model.families._common import (
     Refuse,
     RotaryFamily,
     complete,
+    positive,
     rope_fields,
     short,
 )
@@ -57,7 +58,7 @@ class Gemma2(RotaryFamily):
         caps = {}
         for key, ours in self.caps:
             cap = get.raw(key)
-            if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
+            if cap is not None and not positive(cap):
                 refuse(key, "should be a positive number or null")
                 cap = None
             caps[ours] = float(cap or 0.0)

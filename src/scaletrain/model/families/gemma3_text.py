@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from scaletrain.model.config import ModelConfig
-from scaletrain.model.families._common import Reader, Refuse, rope_fields, short
+from scaletrain.model.families._common import Reader, Refuse, positive, rope_fields, short
 from scaletrain.model.families.gemma2 import Gemma2
 
 
@@ -43,7 +43,6 @@ class Gemma3Text(Gemma2):
         return _base(local.get("rope_theta", 10000.0), refuse, "rope_parameters",
                      "has sliding_attention's rope_theta=")
 
-
     def hf_extra(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
         super().hf_extra(cfg, out)
         rope = out["rope_parameters"]
@@ -58,7 +57,7 @@ def _base(theta: Any, refuse: Refuse, key: str, said: str) -> float | None:
     """`theta`, the sliding-window blocks' rotary base, if a positive number (None: the global blocks' own)."""
     if theta is None:
         return None
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+    if not positive(theta):
         said = f"{said}{short(theta)}, which " if said else ""
         refuse(key, f"{said}should be a positive number, the sliding-window blocks' rotary base")
         return None

@@ -35,7 +35,7 @@ class Phi3(RotaryFamily):
 
     def hf_extra(self, cfg: ModelConfig, out: dict[str, Any]) -> None:
         out["rope_parameters"]["partial_rotary_factor"] = cfg.rotary_fraction
-        # (Phi-3's default padding id, 32000, lies outside a smaller vocabulary: transformers then fails to load)
+        # (Phi-3's default padding id, 32000, lies outside a smaller vocabulary: transformers warns of it)
         out.update(rope_scaling=None, sliding_window=cfg.sliding_window or None,
                    original_max_position_embeddings=cfg.max_seq_len, pad_token_id=None,
                    resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout)  # (model.dropout's places, as GPT-2's)
